@@ -1,0 +1,12 @@
+"""Pure-functional Qwen2/Llama models: config, params, forward, KV cache, HF checkpoint I/O."""
+
+from tlt_jax.models.config import ModelConfig, RopeScaling, num_params
+from tlt_jax.models.transformer import (KVCache, ModelOutput, Params, abstract_params,
+                                        causal_mask, compute_logits, forward, init_cache,
+                                        init_params, param_shapes, segment_causal_mask)
+
+__all__ = [
+    "ModelConfig", "RopeScaling", "num_params", "KVCache", "ModelOutput", "Params",
+    "abstract_params", "causal_mask", "compute_logits", "forward", "init_cache", "init_params",
+    "param_shapes", "segment_causal_mask",
+]

@@ -1,0 +1,185 @@
+"""Model configuration: one frozen, hashable dataclass for Qwen2/Qwen2.5 and Llama(-3.x).
+
+The config is hashable so it can be a static argument of `jax.jit`; every field that changes
+the computation graph lives here, every array lives in the params pytree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+
+SUPPORTED_ARCHS = ("qwen2", "llama")
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Llama-3 style frequency-dependent RoPE scaling (HF `rope_type: "llama3"`)."""
+
+  factor: float
+  low_freq_factor: float
+  high_freq_factor: float
+  original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  arch: str  # "qwen2" | "llama"
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int | None = None  # None -> hidden_size // num_heads
+  rope_theta: float = 10000.0
+  rope_scaling: RopeScaling | None = None
+  rms_norm_eps: float = 1e-6
+  qkv_bias: bool = False  # Qwen2: True; Llama: `attention_bias`
+  o_bias: bool = False  # Llama `attention_bias` also biases o_proj
+  tie_word_embeddings: bool = False
+  max_position_embeddings: int = 4096
+  dtype: str = "float32"  # compute dtype of matmuls
+  param_dtype: str = "float32"  # storage dtype of params
+  remat: bool = False  # rematerialise each layer in the backward pass (training memory)
+
+  def __post_init__(self):
+    def bad(field, value, fix):
+      raise ValueError(f"ModelConfig.{field}={value!r} is invalid: {fix}")
+
+    if self.arch not in SUPPORTED_ARCHS:
+      bad("arch", self.arch, f"use one of {SUPPORTED_ARCHS}")
+    for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+              "num_kv_heads"):
+      if int(getattr(self, f)) <= 0:
+        bad(f, getattr(self, f), "must be a positive integer")
+    if self.num_heads % self.num_kv_heads:
+      bad("num_kv_heads", self.num_kv_heads,
+          f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads")
+    if self.head_dim is None and self.hidden_size % self.num_heads:
+      bad("head_dim", None, "set head_dim explicitly: hidden_size is not divisible by num_heads")
+    if self.head_dim_ % 2:
+      bad("head_dim", self.head_dim_, "RoPE needs an even head_dim")
+    for f in ("dtype", "param_dtype"):
+      if getattr(self, f) not in _DTYPES:
+        bad(f, getattr(self, f), f"use one of {sorted(_DTYPES)}")
+
+  @property
+  def head_dim_(self) -> int:
+    return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+  @property
+  def compute_dtype(self):
+    return _DTYPES[self.dtype]
+
+  @property
+  def weight_dtype(self):
+    return _DTYPES[self.param_dtype]
+
+  def replace(self, **kw) -> "ModelConfig":
+    return dataclasses.replace(self, **kw)
+
+  # ---------------------------------------------------------------- HF config.json interop
+  @classmethod
+  def from_hf_dict(cls, d: Mapping[str, Any], *, source: str = "config.json",
+                   **overrides) -> "ModelConfig":
+    """Builds a config from a Hugging Face `config.json` dict; unsupported features are errors."""
+    model_type = d.get("model_type")
+    if model_type not in SUPPORTED_ARCHS:
+      archs = d.get("architectures")
+      raise ValueError(
+          f"{source}: model_type={model_type!r} (architectures={archs}) is not supported; "
+          f"tlt_jax implements {SUPPORTED_ARCHS} (Qwen2/Qwen2.5 and Llama/Llama-3.x).")
+    if d.get("mlp_bias"):
+      raise ValueError(f"{source}: mlp_bias=true is not supported (no released Qwen2/Llama uses it)")
+    if d.get("use_sliding_window") and model_type == "qwen2":
+      raise ValueError(f"{source}: use_sliding_window=true is not supported; set it to false "
+                       "(Qwen2.5 checkpoints ship with it off)")
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+      raise ValueError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
+    rs = d.get("rope_scaling") or d.get("rope_parameters")
+    scaling = None
+    if rs:
+      rope_type = rs.get("rope_type", rs.get("type"))
+      if rope_type == "llama3":
+        scaling = RopeScaling(
+            factor=float(rs["factor"]), low_freq_factor=float(rs["low_freq_factor"]),
+            high_freq_factor=float(rs["high_freq_factor"]),
+            original_max_position_embeddings=int(rs["original_max_position_embeddings"]))
+      elif rope_type not in (None, "default"):
+        raise ValueError(f"{source}: rope_scaling type {rope_type!r} is not supported "
+                         "(supported: default, llama3)")
+    theta = d.get("rope_theta")
+    if theta is None and isinstance(rs, Mapping):
+      theta = rs.get("rope_theta")
+    n_heads = int(d["num_attention_heads"])
+    attn_bias = bool(d.get("attention_bias", False))
+    kw = dict(
+        arch=model_type,
+        vocab_size=int(d["vocab_size"]),
+        hidden_size=int(d["hidden_size"]),
+        intermediate_size=int(d["intermediate_size"]),
+        num_layers=int(d["num_hidden_layers"]),
+        num_heads=n_heads,
+        num_kv_heads=int(d.get("num_key_value_heads") or n_heads),
+        head_dim=d.get("head_dim"),
+        rope_theta=float(theta if theta is not None else 10000.0),
+        rope_scaling=scaling,
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        qkv_bias=True if model_type == "qwen2" else attn_bias,
+        o_bias=False if model_type == "qwen2" else attn_bias,
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+    )
+    kw.update(overrides)
+    return cls(**kw)
+
+  def to_hf_dict(self) -> dict[str, Any]:
+    """The `config.json` transformers needs to load params saved by `save_hf_model`."""
+    if self.arch == "qwen2" and self.o_bias:
+      raise ValueError("Qwen2 has no o_proj bias; a qwen2 config with o_bias cannot be exported")
+    if self.arch == "llama" and self.qkv_bias != self.o_bias:
+      raise ValueError("Llama's attention_bias covers q/k/v/o together; qkv_bias != o_bias "
+                       "cannot be exported as a Llama checkpoint")
+    d = {
+        "architectures": ["Qwen2ForCausalLM" if self.arch == "qwen2" else "LlamaForCausalLM"],
+        "model_type": self.arch,
+        "vocab_size": self.vocab_size,
+        "hidden_size": self.hidden_size,
+        "intermediate_size": self.intermediate_size,
+        "num_hidden_layers": self.num_layers,
+        "num_attention_heads": self.num_heads,
+        "num_key_value_heads": self.num_kv_heads,
+        "head_dim": self.head_dim_,
+        "hidden_act": "silu",
+        "rms_norm_eps": self.rms_norm_eps,
+        "rope_theta": self.rope_theta,
+        "tie_word_embeddings": self.tie_word_embeddings,
+        "max_position_embeddings": self.max_position_embeddings,
+        "torch_dtype": self.param_dtype,
+        "attention_dropout": 0.0,
+    }
+    if self.arch == "llama":
+      d["attention_bias"] = self.qkv_bias
+      d["mlp_bias"] = False
+    else:
+      d["use_sliding_window"] = False
+    if self.rope_scaling is not None:
+      d["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+    return d
+
+
+def num_params(cfg: ModelConfig) -> int:
+  d, f, h = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim_
+  attn = d * h * (cfg.num_heads * 2 + cfg.num_kv_heads * 2)
+  if cfg.qkv_bias:
+    attn += h * (cfg.num_heads + 2 * cfg.num_kv_heads)
+  if cfg.o_bias:
+    attn += d
+  per_layer = attn + 3 * d * f + 2 * d
+  emb = cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2)
+  return cfg.num_layers * per_layer + emb + d

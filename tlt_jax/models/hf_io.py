@@ -1,0 +1,313 @@
+"""Hugging Face checkpoint I/O: local `config.json` + `*.safetensors` <-> tlt_jax params.
+
+Loading never materialises a whole model on one device: each safetensors file is memory-
+mapped, every param is built with `jax.make_array_from_callback`, and the callback reads only
+the slice of the HF tensor that lands on that device (the layout transform is a numpy view,
+so slicing happens before any bytes are copied). Saving writes a directory that
+`transformers.AutoModelForCausalLM.from_pretrained` loads, so trained actors go straight to
+serving engines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from typing import Any, Callable, Iterable
+
+import jax
+import ml_dtypes
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.transformer import Params, param_shapes
+
+_ST_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+_ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
+                   "added_tokens.json")
+
+
+class CheckpointFormatError(ValueError):
+  """A checkpoint directory that cannot be read as a supported HF model."""
+
+
+# ------------------------------------------------------------------------ safetensors, by hand
+def read_safetensors_header(path: str) -> tuple[dict[str, Any], int]:
+  with open(path, "rb") as f:
+    raw = f.read(8)
+    if len(raw) != 8:
+      raise CheckpointFormatError(f"{path}: not a safetensors file (truncated header)")
+    (n,) = struct.unpack("<Q", raw)
+    try:
+      header = json.loads(f.read(n))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise CheckpointFormatError(f"{path}: corrupt safetensors header ({e})") from None
+  header.pop("__metadata__", None)
+  return header, 8 + n
+
+
+def mmap_safetensors(path: str) -> dict[str, np.ndarray]:
+  """name -> read-only memory-mapped numpy array (bf16 via ml_dtypes); reads no data."""
+  header, offset = read_safetensors_header(path)
+  out = {}
+  for name, info in header.items():
+    if info["dtype"] not in _ST_DTYPES:
+      raise CheckpointFormatError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+    start, end = info["data_offsets"]
+    dtype = np.dtype(_ST_DTYPES[info["dtype"]])
+    shape = tuple(info["shape"])
+    if end - start != int(np.prod(shape)) * dtype.itemsize:
+      raise CheckpointFormatError(f"{path}: tensor {name} size does not match its shape {shape}")
+    if end == start:
+      out[name] = np.zeros(shape, dtype)
+    else:
+      out[name] = np.memmap(path, dtype=dtype, mode="r", offset=offset + start, shape=shape)
+  return out
+
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray],
+                      metadata: dict[str, str] | None = None) -> None:
+  header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
+  pos = 0
+  arrays = []
+  for name, arr in tensors.items():
+    arr = np.ascontiguousarray(arr)
+    if arr.dtype not in _ST_NAMES:
+      raise ValueError(f"cannot write tensor {name} of dtype {arr.dtype} to safetensors")
+    header[name] = {"dtype": _ST_NAMES[arr.dtype], "shape": list(arr.shape),
+                    "data_offsets": [pos, pos + arr.nbytes]}
+    pos += arr.nbytes
+    arrays.append(arr)
+  blob = json.dumps(header, separators=(",", ":")).encode()
+  blob += b" " * (-len(blob) % 8)  # 8-byte alignment of the data section
+  tmp = path + ".tmp"
+  with open(tmp, "wb") as f:
+    f.write(struct.pack("<Q", len(blob)))
+    f.write(blob)
+    for arr in arrays:
+      f.write(arr.tobytes())
+  os.replace(tmp, path)  # a crash mid-write never leaves a truncated file under the real name
+
+
+# ------------------------------------------------------------------------------- key mapping
+# (our path, HF name template, hf->ours view, ours->hf). Views only reshape/transpose, so a
+# device's shard can be sliced out of the memory map before any copy.
+def _mapping(cfg: ModelConfig):
+  d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim_
+  ident = lambda w: w
+  t = lambda w: w.T
+  rows = [
+      ("embed", "model.embed_tokens.weight", ident, ident),
+      ("final_norm", "model.norm.weight", ident, ident),
+      ("layers/attn_norm", "model.layers.{}.input_layernorm.weight", ident, ident),
+      ("layers/mlp_norm", "model.layers.{}.post_attention_layernorm.weight", ident, ident),
+      ("layers/q", "model.layers.{}.self_attn.q_proj.weight",
+       lambda w: w.reshape(n, h, d).transpose(2, 0, 1), lambda w: w.reshape(d, n * h).T),
+      ("layers/k", "model.layers.{}.self_attn.k_proj.weight",
+       lambda w: w.reshape(k, h, d).transpose(2, 0, 1), lambda w: w.reshape(d, k * h).T),
+      ("layers/v", "model.layers.{}.self_attn.v_proj.weight",
+       lambda w: w.reshape(k, h, d).transpose(2, 0, 1), lambda w: w.reshape(d, k * h).T),
+      ("layers/o", "model.layers.{}.self_attn.o_proj.weight",
+       lambda w: w.T.reshape(n, h, d), lambda w: w.reshape(n * h, d).T),
+      ("layers/gate", "model.layers.{}.mlp.gate_proj.weight", t, t),
+      ("layers/up", "model.layers.{}.mlp.up_proj.weight", t, t),
+      ("layers/down", "model.layers.{}.mlp.down_proj.weight", t, t),
+  ]
+  if cfg.qkv_bias:
+    rows += [
+        ("layers/q_bias", "model.layers.{}.self_attn.q_proj.bias",
+         lambda w: w.reshape(n, h), lambda w: w.reshape(n * h)),
+        ("layers/k_bias", "model.layers.{}.self_attn.k_proj.bias",
+         lambda w: w.reshape(k, h), lambda w: w.reshape(k * h)),
+        ("layers/v_bias", "model.layers.{}.self_attn.v_proj.bias",
+         lambda w: w.reshape(k, h), lambda w: w.reshape(k * h)),
+    ]
+  if cfg.o_bias:
+    rows.append(("layers/o_bias", "model.layers.{}.self_attn.o_proj.bias", ident, ident))
+  if not cfg.tie_word_embeddings:
+    rows.append(("lm_head", "lm_head.weight", t, t))
+  return rows
+
+
+def _get(tree, path):
+  for part in path.split("/"):
+    tree = tree[part]
+  return tree
+
+
+def _set(tree, path, value):
+  parts = path.split("/")
+  for part in parts[:-1]:
+    tree = tree.setdefault(part, {})
+  tree[parts[-1]] = value
+
+
+# ------------------------------------------------------------------------------------ loading
+def read_hf_config(model_dir: str) -> dict[str, Any]:
+  if not os.path.isdir(model_dir):
+    raise CheckpointFormatError(f"model directory {model_dir!r} does not exist; pass a local "
+                                "Hugging Face model directory (config.json + *.safetensors)")
+  path = os.path.join(model_dir, "config.json")
+  if not os.path.exists(path):
+    raise CheckpointFormatError(f"{model_dir}: no config.json; is this a Hugging Face model "
+                                "directory? (tlt_jax never downloads from a hub)")
+  with open(path) as f:
+    return json.load(f)
+
+
+def _tensor_index(model_dir: str) -> dict[str, np.ndarray]:
+  index_path = os.path.join(model_dir, "model.safetensors.index.json")
+  if os.path.exists(index_path):
+    with open(index_path) as f:
+      files = sorted(set(json.load(f)["weight_map"].values()))
+  else:
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+  if not files:
+    bins = [f for f in os.listdir(model_dir) if f.endswith((".bin", ".pt", ".pth"))]
+    hint = (" (found PyTorch pickles " + ", ".join(bins) + ": re-save with "
+            "`model.save_pretrained(dir, safe_serialization=True)`)") if bins else ""
+    raise CheckpointFormatError(f"{model_dir}: no *.safetensors weights{hint}")
+  tensors: dict[str, np.ndarray] = {}
+  for fname in files:
+    path = os.path.join(model_dir, fname)
+    if not os.path.exists(path):
+      raise CheckpointFormatError(f"{model_dir}: the index lists {fname}, which is missing")
+    tensors.update(mmap_safetensors(path))
+  return tensors
+
+
+def load_hf_config(model_dir: str, **overrides) -> ModelConfig:
+  return ModelConfig.from_hf_dict(read_hf_config(model_dir),
+                                  source=os.path.join(model_dir, "config.json"), **overrides)
+
+
+def load_hf_model(model_dir: str, *, dtype: str | None = None, param_dtype: str | None = None,
+                  mesh: Mesh | None = None, shardings: Any = None,
+                  **cfg_overrides) -> tuple[ModelConfig, Params]:
+  """Loads (cfg, params) from a local HF directory straight onto their shardings.
+
+  shardings: a params-shaped pytree of `jax.sharding.Sharding`; default: the partition rules
+  of `tlt_jax.sharding` over `mesh`, or the first device when no mesh is given.
+  """
+  overrides = dict(cfg_overrides)
+  if dtype is not None:
+    overrides["dtype"] = dtype
+  if param_dtype is not None:
+    overrides["param_dtype"] = param_dtype
+  cfg = load_hf_config(model_dir, **overrides)
+  tensors = _tensor_index(model_dir)
+  shapes = param_shapes(cfg)
+  if shardings is None:
+    if mesh is None:
+      mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+    from tlt_jax.sharding import tree_shardings
+    shardings = tree_shardings(jax.tree.map(np.zeros, shapes,
+                                            is_leaf=lambda x: isinstance(x, tuple)), mesh)
+
+  params: Params = {}
+  for ours, hf_name, to_ours, _ in _mapping(cfg):
+    shape = _get(shapes, ours)
+    stacked = ours.startswith("layers/")
+    names = [hf_name.format(i) for i in range(cfg.num_layers)] if stacked else [hf_name]
+    views = []
+    for name in names:
+      if name not in tensors:
+        raise CheckpointFormatError(
+            f"{model_dir}: tensor {name!r} is missing (needed for {ours}); the checkpoint does "
+            f"not match its config.json ({cfg.arch}, {cfg.num_layers} layers)")
+      view = to_ours(tensors[name])
+      want = shape[1:] if stacked else shape
+      if tuple(view.shape) != tuple(want):
+        raise CheckpointFormatError(
+            f"{model_dir}: tensor {name!r} has shape {tuple(tensors[name].shape)}, which does "
+            f"not fit {ours} {tuple(want)} implied by config.json")
+      views.append(view)
+    np_dtype = np.dtype(cfg.weight_dtype)
+
+    def callback(index, views=views, stacked=stacked, np_dtype=np_dtype):
+      if stacked:
+        layer_ids = range(len(views))[index[0]]
+        return np.stack([np.asarray(views[i][index[1:]], dtype=np_dtype) for i in layer_ids])
+      return np.asarray(views[0][index], dtype=np_dtype)
+
+    arr = jax.make_array_from_callback(tuple(shape), _get(shardings, ours), callback)
+    _set(params, ours, arr)
+  return cfg, params
+
+
+# ------------------------------------------------------------------------------------ saving
+def _to_host(x: jax.Array) -> np.ndarray:
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    from jax.experimental import multihost_utils
+    x = multihost_utils.process_allgather(x, tiled=True)
+  return np.asarray(x)
+
+
+def hf_state_dict(params: Params, cfg: ModelConfig, dtype: str | None = None
+                  ) -> Iterable[tuple[str, np.ndarray]]:
+  """(HF name, numpy array) pairs in HF layout, one param at a time (bounded host memory)."""
+  np_dtype = np.dtype(jax.numpy.dtype(dtype or cfg.param_dtype))
+  for ours, hf_name, _, to_hf in _mapping(cfg):
+    arr = _to_host(_get(params, ours))
+    if ours.startswith("layers/"):
+      for i in range(cfg.num_layers):
+        yield hf_name.format(i), np.ascontiguousarray(to_hf(arr[i]).astype(np_dtype))
+    else:
+      yield hf_name, np.ascontiguousarray(to_hf(arr).astype(np_dtype))
+
+
+def save_hf_model(params: Params, cfg: ModelConfig, out_dir: str, *,
+                  dtype: str | None = None, extra_config: dict[str, Any] | None = None,
+                  generation_config: dict[str, Any] | None = None,
+                  tokenizer_dir: str | None = None,
+                  max_shard_bytes: int = 4 * 1024**3) -> None:
+  """Writes config.json + safetensors (sharded with an index above max_shard_bytes)."""
+  if jax.process_index() != 0:
+    list(hf_state_dict(params, cfg, dtype))  # every process joins the all-gathers
+    return
+  os.makedirs(out_dir, exist_ok=True)
+  config = cfg.to_hf_dict()
+  if dtype:
+    config["torch_dtype"] = dtype
+  config.update(extra_config or {})
+  shards: list[dict[str, np.ndarray]] = [{}]
+  size = 0
+  for name, arr in hf_state_dict(params, cfg, dtype):
+    if size and size + arr.nbytes > max_shard_bytes:
+      shards.append({})
+      size = 0
+    shards[-1][name] = arr
+    size += arr.nbytes
+  for stale in os.listdir(out_dir):
+    if stale.endswith(".safetensors") or stale == "model.safetensors.index.json":
+      os.remove(os.path.join(out_dir, stale))
+  if len(shards) == 1:
+    write_safetensors(os.path.join(out_dir, "model.safetensors"), shards[0])
+  else:
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+      fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+      write_safetensors(os.path.join(out_dir, fname), shard)
+      for name, arr in shard.items():
+        weight_map[name] = fname
+        total += arr.nbytes
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+  with open(os.path.join(out_dir, "config.json"), "w") as f:
+    json.dump(config, f, indent=2)
+  if generation_config is not None:
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+      json.dump(generation_config, f, indent=2)
+  if tokenizer_dir is not None and os.path.abspath(tokenizer_dir) != os.path.abspath(out_dir):
+    for fname in TOKENIZER_FILES:
+      src = os.path.join(tokenizer_dir, fname)
+      if os.path.exists(src):
+        shutil.copy(src, os.path.join(out_dir, fname))

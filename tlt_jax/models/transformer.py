@@ -1,0 +1,295 @@
+"""Pure-functional Qwen2 / Llama decoder.
+
+Params are a plain nested dict (layout below); `forward` is a pure function of
+(params, tokens, positions, cache) and is meant to be called under `jax.jit` with `cfg`
+static. Layers are stacked on a leading axis and run with `lax.scan`, so compile time does
+not grow with depth: that matters because rollout compiles one executable per batch-size
+bucket and speculative strategy.
+
+Param layout (L layers, D hidden, N query heads, K kv heads, H head dim, F mlp, V vocab):
+  embed       [V, D]
+  layers/     attn_norm [L, D]   q [L, D, N, H]   k, v [L, D, K, H]   o [L, N, H, D]
+              q_bias [L, N, H]   k_bias, v_bias [L, K, H]  (qkv_bias)   o_bias [L, D]  (o_bias)
+              mlp_norm [L, D]    gate, up [L, D, F]   down [L, F, D]
+  final_norm  [D]
+  lm_head     [D, V]   (absent when tie_word_embeddings: the head is embed.T)
+
+KV cache: k, v [L, B, S, K, H] plus `lengths` [B], the number of committed tokens of each
+sequence. A forward over T new tokens writes their keys/values at slots
+lengths[b] .. lengths[b] + T - 1 and attends to the committed prefix plus the new tokens
+allowed by `attn_mask` (causal by default; a tree mask when verifying draft trees). It does
+NOT advance `lengths`: the caller commits what it accepts (plain decode: all T; speculative
+verify: the accepted path), and slots past `lengths` are masked and later overwritten.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from tlt_jax.models.config import ModelConfig
+
+Params = dict[str, Any]
+
+
+@flax.struct.dataclass
+class KVCache:
+  k: jax.Array  # [L, B, S, K, H]
+  v: jax.Array  # [L, B, S, K, H]
+  lengths: jax.Array  # [B] int32, committed tokens per sequence
+
+  @property
+  def max_len(self) -> int:
+    return self.k.shape[2]
+
+  @property
+  def batch_size(self) -> int:
+    return self.k.shape[1]
+
+
+class ModelOutput(NamedTuple):
+  logits: jax.Array | None  # [B, T, V] float32 (None when return_logits=False)
+  hidden: jax.Array  # [B, T, D] last-layer hidden state, BEFORE the final norm (EAGLE's input)
+  cache: KVCache | None
+
+
+def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
+  shape = (cfg.num_layers, batch_size, max_len, cfg.num_kv_heads, cfg.head_dim_)
+  dtype = dtype or cfg.compute_dtype
+  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                 lengths=jnp.zeros((batch_size,), jnp.int32))
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+  """The params pytree as shapes: the single source of truth for the layout."""
+  L, D, N, K, H, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                         cfg.head_dim_, cfg.intermediate_size, cfg.vocab_size)
+  layers = {
+      "attn_norm": (L, D), "q": (L, D, N, H), "k": (L, D, K, H), "v": (L, D, K, H),
+      "o": (L, N, H, D), "mlp_norm": (L, D), "gate": (L, D, F), "up": (L, D, F),
+      "down": (L, F, D),
+  }
+  if cfg.qkv_bias:
+    layers.update(q_bias=(L, N, H), k_bias=(L, K, H), v_bias=(L, K, H))
+  if cfg.o_bias:
+    layers.update(o_bias=(L, D))
+  shapes = {"embed": (V, D), "layers": layers, "final_norm": (D,)}
+  if not cfg.tie_word_embeddings:
+    shapes["lm_head"] = (D, V)
+  return shapes
+
+
+def abstract_params(cfg: ModelConfig) -> Params:
+  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, cfg.weight_dtype), param_shapes(cfg),
+                      is_leaf=lambda x: isinstance(x, tuple))
+
+
+def init_params(cfg: ModelConfig, rng: jax.Array, std: float = 0.02) -> Params:
+  """Random init (HF's: N(0, std) weights, unit norms, zero biases)."""
+  shapes = jax.tree.leaves(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+  treedef = jax.tree.structure(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+      param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))[0]]
+  keys = jax.random.split(rng, len(shapes))
+  leaves = []
+  for path, shape, key in zip(paths, shapes, keys):
+    if "norm" in path:
+      leaf = jnp.ones(shape, cfg.weight_dtype)
+    elif "bias" in path:
+      leaf = jnp.zeros(shape, cfg.weight_dtype)
+    else:
+      leaf = (std * jax.random.normal(key, shape, jnp.float32)).astype(cfg.weight_dtype)
+    leaves.append(leaf)
+  return jax.tree.unflatten(treedef, leaves)
+
+
+# ------------------------------------------------------------------------------- building blocks
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """HF-exact RMSNorm: statistics in float32, scale applied in the input dtype."""
+  x32 = x.astype(jnp.float32)
+  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+  """[H/2] inverse frequencies, with Llama-3 frequency-dependent scaling when configured."""
+  h = cfg.head_dim_
+  inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+  rs = cfg.rope_scaling
+  if rs is None:
+    return inv_freq
+  low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+  high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+  wavelen = 2 * math.pi / inv_freq
+  # Long wavelengths (low frequencies) are interpolated by `factor`, short ones are kept, and
+  # the band between is blended smoothly.
+  scaled = jnp.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+  smooth = ((rs.original_max_position_embeddings / wavelen - rs.low_freq_factor)
+            / (rs.high_freq_factor - rs.low_freq_factor))
+  blended = (1 - smooth) * scaled / rs.factor + smooth * scaled
+  medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+  return jnp.where(medium, blended, scaled)
+
+
+def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """cos, sin [B, T, H] (halves duplicated, HF's rotate_half convention)."""
+  freqs = positions.astype(jnp.float32)[..., None] * rope_inv_freq(cfg)  # [B, T, H/2]
+  emb = jnp.concatenate([freqs, freqs], axis=-1)
+  return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """x [B, T, heads, H]."""
+  x32 = x.astype(jnp.float32)
+  x1, x2 = jnp.split(x32, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+  return out.astype(x.dtype)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+  """Grouped-query attention. q [B, T, N, H], k/v [B, S, K, H], mask [B|1, T, S] -> [B, T, N, H]."""
+  b, t, n, h = q.shape
+  kv_heads = k.shape[2]
+  qg = q.reshape(b, t, kv_heads, n // kv_heads, h)
+  scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
+  scores = scores / math.sqrt(h)
+  scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+  return out.reshape(b, t, n, h)
+
+
+def causal_mask(t: int) -> jax.Array:
+  return jnp.tril(jnp.ones((1, t, t), jnp.bool_))
+
+
+def segment_causal_mask(segment_ids: jax.Array) -> jax.Array:
+  """[B, T] segment ids (0 = padding) -> [B, T, T]: causal within each packed segment."""
+  t = segment_ids.shape[1]
+  same = segment_ids[:, :, None] == segment_ids[:, None, :]
+  return same & (segment_ids[:, :, None] != 0) & causal_mask(t)
+
+
+def _cache_mask(lengths: jax.Array, t: int, s: int, attn_mask: jax.Array | None) -> jax.Array:
+  """[B, T, S]: query t sees the committed prefix and the new slots its chunk mask allows."""
+  slots = jnp.arange(s)[None, None, :]
+  rel = slots - lengths[:, None, None]  # slot index relative to the first new token
+  committed = rel < 0
+  in_chunk = (rel >= 0) & (rel < t)
+  if attn_mask is None:
+    allowed = rel <= jnp.arange(t)[None, :, None]
+  else:
+    rel_c = jnp.clip(rel, 0, t - 1)
+    allowed = jnp.take_along_axis(
+        jnp.broadcast_to(attn_mask, (lengths.shape[0], t, t)),
+        jnp.broadcast_to(rel_c, (lengths.shape[0], t, s)), axis=2)
+  return committed | (in_chunk & allowed)
+
+
+def _dense(x, w, eq, dtype):
+  return jnp.einsum(eq, x, w.astype(dtype))
+
+
+def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv):
+  """One decoder layer. kv: None (training: attend within the chunk) or
+  (k_cache [L,B,S,K,H], v_cache, layer_index, slots [B, T]) -> writes this chunk's k/v."""
+  dt = cfg.compute_dtype
+  h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+  q = _dense(h, lp["q"], "BTD,DNH->BTNH", dt)
+  k = _dense(h, lp["k"], "BTD,DKH->BTKH", dt)
+  v = _dense(h, lp["v"], "BTD,DKH->BTKH", dt)
+  if cfg.qkv_bias:
+    q, k, v = q + lp["q_bias"].astype(dt), k + lp["k_bias"].astype(dt), v + lp["v_bias"].astype(dt)
+  q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+  if kv is None:
+    k_all, v_all, new_kv = k, v, None
+  else:
+    k_cache, v_cache, i, slots = kv
+    b_idx = jnp.arange(x.shape[0])[:, None]
+    # Scatter into the loop-carried cache (in place under donation); out-of-range slots drop.
+    k_cache = k_cache.at[i, b_idx, slots].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[i, b_idx, slots].set(v.astype(v_cache.dtype), mode="drop")
+    k_all = jax.lax.dynamic_index_in_dim(k_cache, i, 0, keepdims=False).astype(dt)
+    v_all = jax.lax.dynamic_index_in_dim(v_cache, i, 0, keepdims=False).astype(dt)
+    new_kv = (k_cache, v_cache)
+  attn = attend(q, k_all, v_all, mask)
+  out = _dense(attn, lp["o"], "BTNH,NHD->BTD", dt)
+  if cfg.o_bias:
+    out = out + lp["o_bias"].astype(dt)
+  x = x + out
+  h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+  gate = _dense(h, lp["gate"], "BTD,DF->BTF", dt)
+  up = _dense(h, lp["up"], "BTD,DF->BTF", dt)
+  x = x + _dense(jax.nn.silu(gate) * up, lp["down"], "BTF,FD->BTD", dt)
+  return x, new_kv
+
+
+def embed_tokens(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
+  return jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
+
+
+def compute_logits(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """Final norm + LM head on pre-norm hidden states [..., D] -> float32 logits [..., V]."""
+  h = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
+  if cfg.tie_word_embeddings:
+    logits = jnp.einsum("...D,VD->...V", h, params["embed"].astype(h.dtype))
+  else:
+    logits = jnp.einsum("...D,DV->...V", h, params["lm_head"].astype(h.dtype))
+  return logits.astype(jnp.float32)
+
+
+def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, cfg: ModelConfig,
+                  cache: KVCache | None = None, attn_mask: jax.Array | None = None,
+                  num_layers: int | None = None):
+  """Runs stacked decoder layers over residual stream x [B, T, D]. Shared with the drafter,
+  which is one layer of the same architecture."""
+  b, t, _ = x.shape
+  cos, sin = rope_tables(cfg, positions)
+  layer_fn = lambda x, lp, mask, kv: _layer(cfg, x, lp, cos, sin, mask, kv)
+  if cfg.remat:
+    layer_fn = jax.checkpoint(layer_fn)
+  n_layers = num_layers or jax.tree.leaves(params_layers)[0].shape[0]
+
+  if cache is None:
+    mask = causal_mask(t) if attn_mask is None else attn_mask
+
+    def body(x, lp):
+      x, _ = layer_fn(x, lp, mask, None)
+      return x, None
+
+    x, _ = jax.lax.scan(body, x, params_layers)
+    return x, None
+
+  mask = _cache_mask(cache.lengths, t, cache.max_len, attn_mask)
+  slots = cache.lengths[:, None] + jnp.arange(t)[None, :]
+
+  def body(carry, xs):
+    x, k_cache, v_cache = carry
+    lp, i = xs
+    x, (k_cache, v_cache) = layer_fn(x, lp, mask, (k_cache, v_cache, i, slots))
+    return (x, k_cache, v_cache), None
+
+  (x, k, v), _ = jax.lax.scan(body, (x, cache.k, cache.v),
+                              (params_layers, jnp.arange(n_layers)))
+  return x, cache.replace(k=k, v=v)
+
+
+def forward(params: Params, tokens: jax.Array, positions: jax.Array, *, cfg: ModelConfig,
+            cache: KVCache | None = None, attn_mask: jax.Array | None = None,
+            return_logits: bool = True) -> ModelOutput:
+  """tokens, positions [B, T] int32 -> ModelOutput.
+
+  attn_mask [B|1, T, T] bool restricts which tokens of THIS chunk a query sees (causal when
+  None): packed-segment masks in training, tree masks when verifying drafts. With a cache,
+  the committed prefix (slots < cache.lengths) is always visible.
+  """
+  x = embed_tokens(params, tokens, cfg)
+  x, cache = decoder_stack(params["layers"], x, positions, cfg=cfg, cache=cache,
+                           attn_mask=attn_mask)
+  logits = compute_logits(params, x, cfg) if return_logits else None
+  return ModelOutput(logits=logits, hidden=x, cache=cache)

@@ -1,0 +1,134 @@
+"""Jittable decode primitives: prefill, a chunk of decode steps, and batch re-layout.
+
+Everything here is a pure function over a `DecodeState` pytree; the host-side engine
+(engine.py) decides when to call what. Shapes are fixed per batch-size bucket, so each
+(bucket, function) is compiled once and reused: the JAX analogue of CUDA-graph capture.
+
+The state keeps, per row, the hidden state whose logits choose the row's NEXT token. A step
+samples from it, records (token, logprob, hidden), then feeds the token to get the next
+hidden. So `hidden[j]` returned for response token j is exactly the last-layer (pre-norm)
+hidden state that produced token j: the (h_t, token_{t+1}) pairs an EAGLE drafter trains on,
+with no extra forward pass.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from tlt_jax.models import KVCache, ModelConfig, Params, compute_logits, forward, init_cache
+from tlt_jax.rollout.sampling import SamplingParams, sample_tokens
+
+
+@flax.struct.dataclass
+class DecodeState:
+  cache: KVCache  # k/v [L, B, S, K, H]; lengths [B] = committed tokens = next position
+  hidden: jax.Array  # [B, D] hidden state whose logits choose the next token
+  keys: jax.Array  # [B, 2] uint32 raw per-row PRNG keys (folded with num_generated per step)
+  num_generated: jax.Array  # [B] int32
+  max_new: jax.Array  # [B] int32 per-row budget
+  done: jax.Array  # [B] bool (empty slots are done)
+  stopped: jax.Array  # [B] bool: finished on a stop token (vs. budget)
+
+  @property
+  def batch_size(self) -> int:
+    return self.hidden.shape[0]
+
+
+class ChunkOutput(NamedTuple):
+  tokens: jax.Array  # [B, C] int32
+  logprobs: jax.Array  # [B, C] float32
+  hidden: jax.Array | None  # [B, C, D] (capture_hidden) else None
+  valid: jax.Array  # [B, C] bool: a token was produced at this step for this row
+  steps: jax.Array  # [] int32 steps actually run (the loop exits early when all rows are done)
+
+
+def prefill(params: Params, tokens: jax.Array, prompt_lens: jax.Array, keys: jax.Array,
+            max_new: jax.Array, *, cfg: ModelConfig, cache_len: int) -> DecodeState:
+  """tokens [B, P] right-padded prompts, prompt_lens [B] (0 = empty slot) -> state."""
+  b, p = tokens.shape
+  cache = init_cache(cfg, b, cache_len)
+  positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+  out = forward(params, tokens, positions, cfg=cfg, cache=cache, return_logits=False)
+  last = jnp.clip(prompt_lens - 1, 0, p - 1)
+  hidden = jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)[:, 0]
+  empty = prompt_lens <= 0
+  return DecodeState(
+      cache=out.cache.replace(lengths=prompt_lens.astype(jnp.int32)),
+      hidden=hidden, keys=keys, num_generated=jnp.zeros((b,), jnp.int32),
+      max_new=max_new.astype(jnp.int32), done=empty | (max_new <= 0),
+      stopped=jnp.zeros((b,), jnp.bool_))
+
+
+def step_keys(keys: jax.Array, num_generated: jax.Array) -> jax.Array:
+  """Per-row key for the row's `num_generated`-th token: independent of batch layout."""
+  return jax.vmap(lambda k, n: jax.random.fold_in(jax.random.wrap_key_data(k), n))(
+      keys, num_generated)
+
+
+def decode_chunk(params: Params, state: DecodeState, *, cfg: ModelConfig, sp: SamplingParams,
+                 stop_tokens: tuple[int, ...], chunk: int, capture_hidden: bool
+                 ) -> tuple[DecodeState, ChunkOutput]:
+  """Up to `chunk` plain decode steps; exits early once every row is done."""
+  b, d = state.hidden.shape
+  stop = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)
+  bufs = ChunkOutput(
+      tokens=jnp.zeros((b, chunk), jnp.int32), logprobs=jnp.zeros((b, chunk), jnp.float32),
+      hidden=jnp.zeros((b, chunk, d), state.hidden.dtype) if capture_hidden else None,
+      valid=jnp.zeros((b, chunk), jnp.bool_), steps=jnp.int32(0))
+
+  def cond(carry):
+    state, _, i = carry
+    return (i < chunk) & ~jnp.all(state.done)
+
+  def body(carry):
+    state, bufs, i = carry
+    active = ~state.done
+    logits = compute_logits(params, state.hidden, cfg)
+    tok, logp = sample_tokens(step_keys(state.keys, state.num_generated), logits, sp)
+    bufs = bufs._replace(
+        tokens=bufs.tokens.at[:, i].set(tok), logprobs=bufs.logprobs.at[:, i].set(logp),
+        hidden=None if bufs.hidden is None else bufs.hidden.at[:, i].set(state.hidden),
+        valid=bufs.valid.at[:, i].set(active), steps=i + 1)
+    num_generated = state.num_generated + active
+    is_stop = jnp.isin(tok, stop) & active
+    done = state.done | is_stop | (num_generated >= state.max_new)
+    lengths = state.cache.lengths
+    out = forward(params, tok[:, None], lengths[:, None], cfg=cfg, cache=state.cache,
+                  return_logits=False)
+    state = state.replace(
+        cache=out.cache.replace(lengths=lengths + active),
+        hidden=jnp.where(active[:, None], out.hidden[:, 0], state.hidden),
+        num_generated=num_generated, done=done, stopped=state.stopped | is_stop)
+    return state, bufs, i + 1
+
+  state, bufs, _ = jax.lax.while_loop(cond, body, (state, bufs, jnp.int32(0)))
+  return state, bufs
+
+
+# ----------------------------------------------------------------------------- batch re-layout
+def _batch_axis(path) -> int:
+  # KV cache k/v are [L, B, ...]; everything else is batch-major.
+  names = [getattr(k, "name", getattr(k, "key", None)) for k in path]
+  return 1 if names[-1] in ("k", "v") and "cache" in names else 0
+
+
+def take_rows(state: DecodeState, idx: jax.Array, valid: jax.Array) -> DecodeState:
+  """Gathers rows idx [B'] into a new state of batch B' (compaction / growth); rows with
+  valid=False become empty (done) slots."""
+  def take(path, x):
+    return jnp.take(x, idx, axis=_batch_axis(path))
+  new = jax.tree_util.tree_map_with_path(take, state)
+  return new.replace(done=new.done | ~valid)
+
+
+def put_rows(state: DecodeState, rows: DecodeState, slots: jax.Array) -> DecodeState:
+  """Writes `rows` (batch R) into `state` at slots [R] (refilling finished slots)."""
+  def put(path, x, y):
+    if _batch_axis(path) == 1:
+      return x.at[:, slots].set(y)
+    return x.at[slots].set(y)
+  return jax.tree_util.tree_map_with_path(put, state, rows)

@@ -1,0 +1,352 @@
+"""Host-side rollout engine: continuous batching that follows the long tail.
+
+A `RolloutWorker` owns one model replica (one device, or a tensor-parallel sub-mesh) and
+decodes its share of requests in chunks of jitted steps. Between chunks (the only host sync)
+it collects finished rows, refills free slots from the queue, and, once the queue is empty,
+compacts the live rows into the smallest batch-size bucket that holds them, so 3 stragglers
+of a 128-batch decode at bucket 4. Every (function, bucket) executable is compiled once,
+ahead of time, and its compile time and memory are recorded.
+
+Hooks for the RL loop and the spot-drafter coordinator: per-chunk metrics, per-request
+completion, and the worker going idle, all delivered through `WorkerHooks` callbacks on the
+worker's thread. `run_workers` drives several workers concurrently from host threads (JAX
+releases the GIL while device code runs).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from tlt_jax.models import ModelConfig, Params
+from tlt_jax.rollout import decode
+from tlt_jax.rollout.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  max_batch: int = 64  # rows decoded at once by one worker
+  buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # batch sizes compiled for
+  chunk_size: int = 16  # decode steps between host checks (compaction / refill / metrics)
+  compaction: bool = True  # shrink to the smallest bucket that holds the live rows
+  max_prompt_len: int = 128  # cache capacity is max_prompt_len + max_new_tokens
+  max_new_tokens: int = 256
+  prompt_bucket: int = 16  # prompts are padded to a multiple of this (fewer prefill compiles)
+  capture_hidden: bool = False  # return per-token last-layer hidden states (drafter data)
+  stop_tokens: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if not self.buckets or sorted(set(self.buckets)) != list(self.buckets):
+      raise ValueError(f"EngineConfig.buckets={self.buckets} must be strictly increasing")
+    if self.buckets[-1] < self.max_batch:
+      raise ValueError(f"EngineConfig.buckets={self.buckets}: the largest bucket must be >= "
+                       f"max_batch={self.max_batch}")
+    for name in ("max_batch", "chunk_size", "max_prompt_len", "max_new_tokens", "prompt_bucket"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be positive")
+
+  @property
+  def cache_len(self) -> int:
+    return self.max_prompt_len + self.max_new_tokens
+
+  def bucket_for(self, n: int) -> int:
+    for b in self.buckets:
+      if b >= n:
+        return b
+    return self.buckets[-1]
+
+
+@dataclasses.dataclass
+class Request:
+  prompt_ids: Sequence[int]
+  request_id: int = 0  # index of the prompt
+  sample_index: int = 0  # which of the n samples of that prompt
+  max_new_tokens: int | None = None  # per-request cap (<= EngineConfig.max_new_tokens)
+
+
+@dataclasses.dataclass
+class Result:
+  request_id: int
+  sample_index: int
+  prompt_ids: np.ndarray  # [P]
+  response_ids: np.ndarray  # [R] int32, including the stop token when stopped
+  logprobs: np.ndarray  # [R] float32 under the processed sampling distribution
+  hidden: np.ndarray | None  # [R, D]: hidden[j] is the pre-norm hidden that produced token j
+  finish_reason: str  # "stop" | "length"
+  worker_id: int = 0
+  finish_time: float = 0.0  # seconds since the worker's generate() began
+
+  @property
+  def num_tokens(self) -> int:
+    return int(self.response_ids.shape[0])
+
+
+@dataclasses.dataclass
+class ChunkMetrics:
+  worker_id: int
+  bucket: int  # compiled batch size the chunk ran at
+  live: int  # rows decoding at the start of the chunk
+  tokens: int  # tokens produced in the chunk
+  steps: int  # decode steps run (target forwards)
+  wall_time: float
+  mode: str = "plain"  # "plain" | strategy name when speculative
+  accepted: int = 0  # draft tokens accepted (speculative chunks)
+  t: float = 0.0  # chunk end, seconds since generate() began
+
+
+@dataclasses.dataclass
+class WorkerHooks:
+  on_chunk: Callable[[ChunkMetrics], None] | None = None
+  on_result: Callable[[Result], None] | None = None  # a request finished (e.g. start its reward)
+  on_idle: Callable[[int, float], None] | None = None  # (worker_id, time) when all are done
+
+
+@dataclasses.dataclass
+class CompileRecord:
+  name: str
+  batch: int
+  seconds: float
+  memory_bytes: int | None  # argument + output + temp bytes from memory_analysis(), if given
+
+
+class RolloutWorker:
+  """One model replica decoding its share of requests; see the module docstring."""
+
+  def __init__(self, params: Params, cfg: ModelConfig, engine_cfg: EngineConfig, *,
+               worker_id: int = 0, mesh: Mesh | None = None):
+    self.cfg = cfg
+    self.ecfg = engine_cfg
+    self.worker_id = worker_id
+    if mesh is None:
+      mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+    self.mesh = mesh
+    from tlt_jax.sharding import tree_shardings
+    self.params = jax.device_put(params, tree_shardings(params, mesh))
+    self._compiled: dict[Any, Any] = {}
+    self.compile_log: list[CompileRecord] = []
+    self.chunk_log: list[ChunkMetrics] = []
+    self._lock = threading.Lock()
+
+  def set_params(self, params: Params) -> None:
+    """New actor weights (after an RL update); resharded onto this worker's layout."""
+    self.params = jax.device_put(params, jax.tree.map(lambda x: x.sharding, self.params))
+
+  # ------------------------------------------------------------------------ compiled functions
+  def _exec(self, name: str, fn: Callable, *args, donate: tuple[int, ...] = ()):
+    """AOT-compiles fn for these argument shapes once; returns the compiled executable."""
+    sig = (name, tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args)))
+    exe = self._compiled.get(sig)
+    if exe is None:
+      t0 = time.perf_counter()
+      with self.mesh:
+        exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+      mem = None
+      try:
+        ma = exe.memory_analysis()
+        if ma is not None:
+          mem = int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes)
+      except Exception:  # backends without memory analysis
+        mem = None
+      batch = max((x.shape[0] for x in jax.tree.leaves(args[1:]) if getattr(x, "ndim", 0)),
+                  default=0)
+      self.compile_log.append(CompileRecord(name, batch, time.perf_counter() - t0, mem))
+      self._compiled[sig] = exe
+    return exe
+
+  def _prefill(self, tokens, lens, keys, max_new):
+    fn = functools.partial(decode.prefill, cfg=self.cfg, cache_len=self.ecfg.cache_len)
+    return self._exec("prefill", fn, self.params, tokens, lens, keys, max_new)(
+        self.params, tokens, lens, keys, max_new)
+
+  def _decode(self, state, sp: SamplingParams):
+    fn = functools.partial(decode.decode_chunk, cfg=self.cfg, sp=sp,
+                           stop_tokens=self.ecfg.stop_tokens, chunk=self.ecfg.chunk_size,
+                           capture_hidden=self.ecfg.capture_hidden)
+    return self._exec(("decode", sp), fn, self.params, state, donate=(1,))(self.params, state)
+
+  def _take(self, state, idx, valid):
+    return self._exec("take_rows", decode.take_rows, state, idx, valid)(state, idx, valid)
+
+  def _put(self, state, rows, slots):
+    return self._exec("put_rows", decode.put_rows, state, rows, slots, donate=(0,))(
+        state, rows, slots)
+
+  # ---------------------------------------------------------------------------------- generate
+  def _row_key(self, base: jax.Array, req: Request) -> np.ndarray:
+    k = jax.random.fold_in(jax.random.fold_in(base, req.request_id), req.sample_index)
+    return np.asarray(jax.random.key_data(k))
+
+  def _prefill_requests(self, reqs: list[Request], batch: int, base_key) -> decode.DecodeState:
+    ecfg = self.ecfg
+    longest = max(len(r.prompt_ids) for r in reqs)
+    p = min(-(-longest // ecfg.prompt_bucket) * ecfg.prompt_bucket, ecfg.max_prompt_len)
+    tokens = np.zeros((batch, p), np.int32)
+    lens = np.zeros((batch,), np.int32)
+    keys = np.zeros((batch, 2), np.uint32)
+    max_new = np.zeros((batch,), np.int32)
+    for i, r in enumerate(reqs):
+      tokens[i, :len(r.prompt_ids)] = r.prompt_ids
+      lens[i] = len(r.prompt_ids)
+      keys[i] = self._row_key(base_key, r)
+      max_new[i] = min(r.max_new_tokens or ecfg.max_new_tokens, ecfg.max_new_tokens)
+    return self._prefill(jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(keys),
+                         jnp.asarray(max_new))
+
+  def validate(self, requests: Sequence[Request]) -> None:
+    for r in requests:
+      n = len(r.prompt_ids)
+      if n == 0:
+        raise ValueError(f"request {r.request_id}: empty prompt")
+      if n > self.ecfg.max_prompt_len:
+        raise ValueError(f"request {r.request_id}: prompt has {n} tokens, more than "
+                         f"max_prompt_len={self.ecfg.max_prompt_len}; raise max_prompt_len or "
+                         "filter long prompts")
+      bad = [t for t in r.prompt_ids if not 0 <= int(t) < self.cfg.vocab_size]
+      if bad:
+        raise ValueError(f"request {r.request_id}: token id {bad[0]} is outside the vocabulary "
+                         f"[0, {self.cfg.vocab_size})")
+
+  def generate(self, requests: Sequence[Request], sp: SamplingParams, *, seed: int = 0,
+               hooks: WorkerHooks | None = None) -> list[Result]:
+    """Decodes all requests; returns results in completion order."""
+    self.validate(requests)
+    hooks = hooks or WorkerHooks()
+    ecfg = self.ecfg
+    t_start = time.perf_counter()
+    base_key = jax.random.key(seed)
+    pending = collections.deque(requests)
+    results: list[Result] = []
+    state = None
+    slot_req: list[Request | None] = []
+    acc: list[dict[str, list]] = []
+
+    def new_acc():
+      return {"tokens": [], "logprobs": [], "hidden": []}
+
+    while pending or any(r is not None for r in slot_req):
+      live = [i for i, r in enumerate(slot_req) if r is not None]
+      # --- refill free slots / grow the batch from the queue
+      if pending and len(live) < ecfg.max_batch:
+        if state is None:
+          n = min(len(pending), ecfg.max_batch)
+          bucket = ecfg.bucket_for(n)
+          reqs = [pending.popleft() for _ in range(n)]
+          state = self._prefill_requests(reqs, bucket, base_key)
+          slot_req = reqs + [None] * (bucket - n)
+          acc = [new_acc() for _ in range(bucket)]
+        else:
+          want = min(len(live) + len(pending), ecfg.max_batch)
+          bucket = max(ecfg.bucket_for(want), state.batch_size)
+          if bucket != state.batch_size:  # grow: keep rows in place, append empty slots
+            idx = np.arange(bucket) % state.batch_size
+            valid = np.arange(bucket) < state.batch_size
+            state = self._take(state, jnp.asarray(idx), jnp.asarray(valid))
+            slot_req += [None] * (bucket - len(slot_req))
+            acc += [new_acc() for _ in range(bucket - len(acc))]
+          free = [i for i, r in enumerate(slot_req) if r is None]
+          n = min(len(free), len(pending))
+          reqs = [pending.popleft() for _ in range(n)]
+          rb = ecfg.bucket_for(n)
+          rows = self._prefill_requests(reqs, rb, base_key)
+          # Padding rows of the prefill go to an out-of-range slot and are dropped.
+          slots = np.full((rb,), state.batch_size, np.int32)
+          slots[:n] = free[:n]
+          state = self._put(state, rows, jnp.asarray(slots))
+          for s, r in zip(free[:n], reqs):
+            slot_req[s] = r
+            acc[s] = new_acc()
+      # --- compaction: the queue is empty and the live rows fit a smaller bucket
+      live = [i for i, r in enumerate(slot_req) if r is not None]
+      if ecfg.compaction and not pending and live:
+        bucket = ecfg.bucket_for(len(live))
+        if bucket < state.batch_size:
+          idx = np.asarray(live + [live[0]] * (bucket - len(live)), np.int32)
+          valid = np.arange(bucket) < len(live)
+          state = self._take(state, jnp.asarray(idx), jnp.asarray(valid))
+          slot_req = [slot_req[i] for i in live] + [None] * (bucket - len(live))
+          acc = [acc[i] for i in live] + [new_acc() for _ in range(bucket - len(live))]
+      # --- one chunk of decoding
+      t0 = time.perf_counter()
+      state, out = self._decode(state, sp)
+      out, done, stopped = jax.device_get((out, state.done, state.stopped))
+      dt = time.perf_counter() - t0
+      steps = int(out.steps)
+      produced = 0
+      for s, r in enumerate(slot_req):
+        if r is None:
+          continue
+        v = out.valid[s, :steps]
+        produced += int(v.sum())
+        a = acc[s]
+        a["tokens"].append(out.tokens[s, :steps][v])
+        a["logprobs"].append(out.logprobs[s, :steps][v])
+        if out.hidden is not None:
+          a["hidden"].append(out.hidden[s, :steps][v])
+        if done[s]:
+          res = Result(
+              request_id=r.request_id, sample_index=r.sample_index,
+              prompt_ids=np.asarray(r.prompt_ids, np.int32),
+              response_ids=np.concatenate(a["tokens"]).astype(np.int32),
+              logprobs=np.concatenate(a["logprobs"]).astype(np.float32),
+              hidden=np.concatenate(a["hidden"]) if a["hidden"] else None,
+              finish_reason="stop" if stopped[s] else "length",
+              worker_id=self.worker_id, finish_time=time.perf_counter() - t_start)
+          results.append(res)
+          slot_req[s] = None
+          acc[s] = new_acc()
+          if hooks.on_result:
+            hooks.on_result(res)
+      m = ChunkMetrics(worker_id=self.worker_id, bucket=state.batch_size, live=len(live),
+                       tokens=produced, steps=steps, wall_time=dt,
+                       t=time.perf_counter() - t_start)
+      self.chunk_log.append(m)
+      if hooks.on_chunk:
+        hooks.on_chunk(m)
+    if hooks.on_idle:
+      hooks.on_idle(self.worker_id, time.perf_counter() - t_start)
+    return results
+
+  def compile_stats(self) -> dict[str, Any]:
+    mems = [r.memory_bytes for r in self.compile_log if r.memory_bytes is not None]
+    return {"executables": len(self.compile_log),
+            "compile_seconds": sum(r.seconds for r in self.compile_log),
+            "memory_bytes": sum(mems) if mems else None}
+
+
+def run_workers(workers: Sequence[RolloutWorker], requests: Sequence[Request],
+                sp: SamplingParams, *, seed: int = 0, hooks: WorkerHooks | None = None
+                ) -> list[Result]:
+  """Splits requests over workers (whole prompt groups stay together) and decodes them
+  concurrently from host threads. Results are sorted by (request_id, sample_index)."""
+  shares: list[list[Request]] = [[] for _ in workers]
+  for r in requests:
+    shares[r.request_id % len(workers)].append(r)
+  outs: list[list[Result]] = [[] for _ in workers]
+  errors: list[BaseException] = []
+
+  def work(i):
+    try:
+      outs[i] = workers[i].generate(shares[i], sp, seed=seed, hooks=hooks)
+    except BaseException as e:  # surfaced on the caller's thread below
+      errors.append(e)
+
+  if len(workers) == 1:
+    work(0)
+  else:
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(workers))]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+  if errors:
+    raise errors[0]
+  return sorted((r for o in outs for r in o), key=lambda r: (r.request_id, r.sample_index))

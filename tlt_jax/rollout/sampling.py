@@ -1,0 +1,72 @@
+"""The one sampler: temperature / top-k / top-p processing and sampling with explicit keys.
+
+Speculative verification (tlt_jax/rollout/speculative.py) uses `processed_logprobs` too, so the
+distribution SD preserves is exactly the one plain decoding samples from.
+
+Order of processing follows Hugging Face `generate`: temperature, then top-k, then top-p.
+Ties at the top-k / top-p threshold are kept (a tied token is never arbitrarily dropped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -jnp.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  temperature: float = 1.0  # 0 -> greedy (argmax)
+  top_k: int = 0  # 0 -> off
+  top_p: float = 1.0  # 1 -> off
+
+  def __post_init__(self):
+    if self.temperature < 0:
+      raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
+    if self.top_k < 0:
+      raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables top-k)")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"top_p={self.top_p} must be in (0, 1] (1 disables top-p)")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0.0
+
+
+def processed_logprobs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
+  """logits [..., V] -> log-probs [..., V] of the distribution actually sampled from
+  (-inf outside the top-k / top-p support). Greedy: the plain softmax (temperature 1)."""
+  logits = logits.astype(jnp.float32)
+  if sp.greedy:
+    return jax.nn.log_softmax(logits, axis=-1)
+  logits = logits / sp.temperature
+  if sp.top_k and sp.top_k < logits.shape[-1]:
+    kth = jax.lax.top_k(logits, sp.top_k)[0][..., -1:]
+    logits = jnp.where(logits < kth, NEG_INF, logits)
+  if sp.top_p < 1.0:
+    probs = jax.nn.softmax(logits, axis=-1)
+    sorted_p = jnp.sort(probs, axis=-1)[..., ::-1]
+    mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
+    # The smallest kept probability: tokens are kept while the mass before them < top_p.
+    kept = jnp.where(mass_before < sp.top_p, sorted_p, jnp.inf)
+    threshold = jnp.min(kept, axis=-1, keepdims=True)
+    logits = jnp.where(probs < threshold, NEG_INF, logits)
+  return jax.nn.log_softmax(logits, axis=-1)
+
+
+def sample_tokens(keys: jax.Array, logits: jax.Array, sp: SamplingParams
+                  ) -> tuple[jax.Array, jax.Array]:
+  """keys [B] (typed or raw), logits [B, V] -> (tokens [B] int32, logprobs [B] float32).
+
+  One key per row, so a row's sample does not depend on which other rows share its batch
+  (the engine compacts batches; results must not depend on the bucket schedule).
+  """
+  logp = processed_logprobs(logits, sp)
+  if sp.greedy:
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  else:
+    tokens = jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(keys, logp).astype(jnp.int32)
+  return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]

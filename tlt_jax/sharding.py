@@ -1,0 +1,125 @@
+"""Named device mesh and partition rules.
+
+Axes: `data` (pure data parallel: replicas), `fsdp` (data parallel whose params/optimizer
+state are sharded: ZeRO-3 style), `tensor` (Megatron-style model parallel inside a layer).
+Params are sharded by regex rules on their path; an axis that does not divide a dimension is
+dropped for that dimension (e.g. 2 KV heads on a tensor axis of 4), so every config works on
+every mesh, with the fallback logged once rather than failing deep inside XLA.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+AXES = ("data", "fsdp", "tensor")
+BATCH = ("data", "fsdp")  # activations' batch dimension is split over both data axes
+
+# First match wins. Param layout: tlt_jax/models/transformer.py docstring.
+PARAM_RULES: tuple[tuple[str, P], ...] = (
+    (r"embed$", P("tensor", "fsdp")),
+    (r"lm_head$", P("fsdp", "tensor")),
+    (r"layers/(q|k|v)$", P(None, "fsdp", "tensor", None)),
+    (r"layers/(q|k|v)_bias$", P(None, "tensor", None)),
+    (r"layers/o$", P(None, "tensor", None, "fsdp")),
+    (r"layers/(gate|up)$", P(None, "fsdp", "tensor")),
+    (r"layers/down$", P(None, "tensor", "fsdp")),
+    (r"fc$", P("fsdp", "tensor")),  # drafter input projection [2D, D]
+    (r".*", P()),  # norms, o_bias, scalars: replicated
+)
+
+_log = logging.getLogger(__name__)
+
+
+def make_mesh(shape: dict[str, int] | Sequence[int] | None = None,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """Mesh over `devices` (default: all). shape maps axis -> size; -1 (one axis at most) takes
+  the remaining devices. Default: everything on `fsdp`."""
+  devices = list(devices if devices is not None else jax.devices())
+  if shape is None:
+    shape = {"data": 1, "fsdp": -1, "tensor": 1}
+  if not isinstance(shape, dict):
+    shape = dict(zip(AXES, shape))
+  unknown = set(shape) - set(AXES)
+  if unknown:
+    raise ValueError(f"mesh axes {sorted(unknown)} are unknown; use {AXES}")
+  sizes = [int(shape.get(a, 1)) for a in AXES]
+  if sizes.count(-1) > 1:
+    raise ValueError(f"mesh shape {shape}: at most one axis may be -1")
+  if -1 in sizes:
+    rest = int(np.prod([s for s in sizes if s != -1]))
+    if len(devices) % rest:
+      raise ValueError(f"mesh shape {shape} does not divide {len(devices)} devices")
+    sizes[sizes.index(-1)] = len(devices) // rest
+  if int(np.prod(sizes)) != len(devices):
+    raise ValueError(f"mesh shape {dict(zip(AXES, sizes))} needs {int(np.prod(sizes))} devices, "
+                     f"but {len(devices)} are available; fix config.mesh so the product matches "
+                     "(or use -1 on one axis)")
+  return Mesh(np.asarray(devices).reshape(sizes), AXES)
+
+
+def _path_str(path) -> str:
+  parts = []
+  for k in path:
+    parts.append(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))))
+  return "/".join(parts)
+
+
+def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh, name: str = "") -> P:
+  """Drops mesh axes that do not divide their dimension (logged), pads spec to rank."""
+  out = []
+  entries = list(spec) + [None] * (len(shape) - len(spec))
+  for dim, entry in zip(shape, entries[:len(shape)]):
+    if entry is None:
+      out.append(None)
+      continue
+    axes = entry if isinstance(entry, tuple) else (entry,)
+    size = int(np.prod([mesh.shape[a] for a in axes]))
+    if dim % size:
+      _log.info("sharding: %s dim %d not divisible by %s=%d; replicating that dim",
+                name, dim, entry, size)
+      out.append(None)
+    else:
+      out.append(entry)
+  return P(*out)
+
+
+def spec_for(name: str, shape: Sequence[int], mesh: Mesh,
+             rules: Sequence[tuple[str, P]] = PARAM_RULES) -> P:
+  for pattern, spec in rules:
+    if re.search(pattern, name):
+      return fit_spec(spec, shape, mesh, name)
+  return P()
+
+
+def tree_shardings(tree: Any, mesh: Mesh,
+                   rules: Sequence[tuple[str, P]] = PARAM_RULES) -> Any:
+  """NamedSharding per leaf of a pytree of arrays / ShapeDtypeStructs, from path regex rules."""
+  def one(path, leaf):
+    return NamedSharding(mesh, spec_for(_path_str(path), np.shape(leaf), mesh, rules))
+  return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def batch_sharding(mesh: Mesh, rank: int, batch_axis: int = 0) -> NamedSharding:
+  """Activations / token batches: split the batch dimension over (data, fsdp)."""
+  spec = [None] * rank
+  spec[batch_axis] = BATCH
+  return NamedSharding(mesh, P(*spec))
+
+
+def cache_sharding(mesh: Mesh, batch_size: int, num_kv_heads: int) -> Any:
+  """KVCache k/v [L, B, S, K, H]: batch over data axes, kv heads over tensor."""
+  from tlt_jax.models.transformer import KVCache  # local: keep this module model-agnostic
+  kv = NamedSharding(mesh, fit_spec(P(None, BATCH, None, "tensor", None),
+                                    (1, batch_size, 1, num_kv_heads, 1), mesh, "kv_cache"))
+  lengths = NamedSharding(mesh, fit_spec(P(BATCH), (batch_size,), mesh, "lengths"))
+  return KVCache(k=kv, v=kv, lengths=lengths)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
