@@ -311,3 +311,26 @@ def save_hf_model(params: Params, cfg: ModelConfig, out_dir: str, *,
       src = os.path.join(tokenizer_dir, fname)
       if os.path.exists(src):
         shutil.copy(src, os.path.join(out_dir, fname))
+
+
+# ------------------------------------------------------------------------- tokenizer, eos ids
+def load_tokenizer(model_dir: str):
+  """`transformers.AutoTokenizer` from the model directory, or None when it has none."""
+  if not any(os.path.exists(os.path.join(model_dir, f)) for f in TOKENIZER_FILES[:2]):
+    return None
+  from transformers import AutoTokenizer
+  return AutoTokenizer.from_pretrained(model_dir)
+
+
+def stop_token_ids(model_dir: str, tokenizer=None) -> tuple[int, ...]:
+  """EOS ids: generation_config.json's eos_token_id (int or list) first, then the
+  tokenizer's eos token."""
+  path = os.path.join(model_dir, "generation_config.json")
+  ids: list[int] = []
+  if os.path.exists(path):
+    with open(path) as f:
+      eos = json.load(f).get("eos_token_id")
+    ids = list(eos) if isinstance(eos, list) else ([eos] if eos is not None else [])
+  if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+    ids = [tokenizer.eos_token_id]
+  return tuple(int(i) for i in ids)

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Sets up (scripts/setup.sh) and runs the whole test suite on CPU (8 fake devices).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/python -m pytest -n 2 --dist loadfile -q "$@"

@@ -1,0 +1,90 @@
+"""Prompt datasets: local JSONL or Parquet rows -> validated (prompt, answer) records.
+
+Real datasets have broken rows. A malformed row is either skipped and counted (with a
+warning naming its row number) or stops the run naming the row, as `on_bad_row` decides;
+never a deep traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Any
+
+_log = logging.getLogger(__name__)
+
+
+class DataError(ValueError):
+  """A dataset the user pointed at that cannot be read as configured."""
+
+
+@dataclasses.dataclass
+class PromptRow:
+  index: int  # row number in the file (0-based)
+  prompt: str
+  answer: str
+  source: str | None = None
+  extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class LoadStats:
+  rows: int = 0
+  bad_rows: int = 0
+  first_bad: str | None = None
+
+
+def _raw_rows(path: str):
+  if not os.path.exists(path):
+    raise DataError(f"data file {path!r} does not exist; check config.data paths")
+  if path.endswith((".parquet", ".pq")):
+    import pyarrow.parquet as pq
+    for i, row in enumerate(pq.read_table(path).to_pylist()):
+      yield i, row, None
+    return
+  with open(path, encoding="utf-8") as f:
+    for i, line in enumerate(f):
+      if not line.strip():
+        continue
+      try:
+        yield i, json.loads(line), None
+      except json.JSONDecodeError as e:
+        yield i, None, f"invalid JSON ({e.msg} at column {e.colno})"
+
+
+def load_prompt_rows(path: str, *, prompt_key: str = "prompt", answer_key: str = "answer",
+                     source_key: str | None = None, on_bad_row: str = "skip"
+                     ) -> tuple[list[PromptRow], LoadStats]:
+  """Reads rows; each needs a non-empty string prompt and an answer (str/int/float)."""
+  if on_bad_row not in ("skip", "error"):
+    raise ValueError(f"on_bad_row={on_bad_row!r}: use 'skip' or 'error'")
+  rows: list[PromptRow] = []
+  stats = LoadStats()
+  for i, raw, problem in _raw_rows(path):
+    if problem is None:
+      if not isinstance(raw, dict):
+        problem = "row is not a JSON object"
+      elif not isinstance(raw.get(prompt_key), str) or not raw[prompt_key].strip():
+        problem = f"missing or empty '{prompt_key}' (set config.data.prompt_key?)"
+      elif not isinstance(raw.get(answer_key), (str, int, float)):
+        problem = f"missing '{answer_key}' (set config.data.answer_key?)"
+    if problem is not None:
+      msg = f"{path}: line {i + 1}: {problem}"
+      if on_bad_row == "error":
+        raise DataError(msg + " (set config.data.on_bad_row='skip' to skip such rows)")
+      stats.bad_rows += 1
+      stats.first_bad = stats.first_bad or msg
+      continue
+    extra = {k: v for k, v in raw.items() if k not in (prompt_key, answer_key)}
+    rows.append(PromptRow(index=i, prompt=raw[prompt_key], answer=str(raw[answer_key]),
+                          source=raw.get(source_key) if source_key else None, extra=extra))
+  stats.rows = len(rows)
+  if stats.bad_rows:
+    _log.warning("%s: skipped %d malformed rows (first: %s)", path, stats.bad_rows,
+                 stats.first_bad)
+  if not rows:
+    raise DataError(f"{path}: no usable rows (prompt_key={prompt_key!r}, "
+                    f"answer_key={answer_key!r})")
+  return rows, stats

@@ -1,0 +1,164 @@
+"""Batched generation from a local Hugging Face model directory.
+
+  python -m tlt_jax.generate --model DIR --prompts prompts.jsonl --output out.jsonl \
+      [--num_samples 4 --temperature 0.9 --top_p 0.95 --top_k 50 --max_new_tokens 256 \
+       --seed 0 --batch_size 64 --chat]
+
+Prompt lines: {"prompt": "text"} (tokenized with DIR's tokenizer; with --chat, through its chat
+template) or {"prompt_ids": [1, 2, 3]}. --temperature 0 is greedy. One output line per sample:
+prompt_index, sample_index, response_ids, text (when DIR has a tokenizer), num_tokens,
+finish_reason. A summary (tokens/s, batch-size profile over time) goes to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", None, "Local Hugging Face model directory.")
+flags.DEFINE_string("prompts", None, "JSONL file of prompts.")
+flags.DEFINE_string("output", None, "Output JSONL file.")
+flags.DEFINE_integer("num_samples", 1, "Samples per prompt.")
+flags.DEFINE_float("temperature", 1.0, "Sampling temperature; 0 = greedy.")
+flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 = off).")
+flags.DEFINE_integer("top_k", 0, "Top-k sampling (0 = off).")
+flags.DEFINE_integer("max_new_tokens", 256, "Response length cap.")
+flags.DEFINE_integer("seed", 0, "Sampling seed (same seed, same outputs).")
+flags.DEFINE_integer("batch_size", 64, "Rows decoded at once.")
+flags.DEFINE_integer("chunk_size", 16, "Decode steps between compaction checks.")
+flags.DEFINE_bool("compaction", True, "Shrink to the smallest batch bucket as rows finish.")
+flags.DEFINE_bool("chat", False, "Apply the tokenizer's chat template to text prompts.")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute/param dtype.")
+
+
+class InputError(ValueError):
+  pass
+
+
+def read_prompts(path: str, tokenizer, *, chat: bool) -> list[list[int]]:
+  """Token ids per prompt line; errors name the line and the fix."""
+  if not os.path.isfile(path):
+    raise InputError(f"--prompts {path}: no such file")
+  out = []
+  with open(path, encoding="utf-8") as f:
+    for n, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      where = f"{path}:{n}"
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise InputError(f"{where}: not valid JSON ({e.msg})") from None
+      if not isinstance(row, dict) or ("prompt" not in row and "prompt_ids" not in row):
+        raise InputError(f"{where}: each line needs \"prompt\" (text) or \"prompt_ids\" (ints)")
+      if "prompt_ids" in row:
+        ids = row["prompt_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+          raise InputError(f"{where}: \"prompt_ids\" must be a list of integers")
+      else:
+        text = row["prompt"]
+        if not isinstance(text, str):
+          raise InputError(f"{where}: \"prompt\" must be a string")
+        if tokenizer is None:
+          raise InputError(f"{where}: text prompt, but the model directory has no tokenizer; "
+                           "give \"prompt_ids\" instead")
+        if chat:
+          if not getattr(tokenizer, "chat_template", None):
+            raise InputError("--chat: the tokenizer has no chat template")
+          ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                              add_generation_prompt=True, tokenize=True)
+          ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        else:
+          ids = tokenizer.encode(text)
+      if not ids:
+        raise InputError(f"{where}: empty prompt")
+      out.append((where, list(ids)))
+  if not out:
+    raise InputError(f"--prompts {path}: no prompts in the file")
+  return out
+
+
+def batch_profile(chunks, start: float = 0.0, points: int = 8) -> str:
+  """'t=0.0s:64 t=1.2s:16 ...': the worker's batch bucket over time, for the summary."""
+  if not chunks:
+    return ""
+  step = max(1, len(chunks) // points)
+  picks = chunks[::step] + ([chunks[-1]] if (len(chunks) - 1) % step else [])
+  return " ".join(f"t={c.t - start:.1f}s:{c.bucket}({c.live} live)" for c in picks)
+
+
+def main(argv):
+  del argv
+  for name in ("model", "prompts", "output"):
+    if not getattr(FLAGS, name):
+      raise InputError(f"--{name} is required")
+  from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
+  from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker
+  from tlt_jax.rollout.sampling import SamplingParams
+
+  sp = SamplingParams(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p)
+  if FLAGS.num_samples < 1 or FLAGS.batch_size < 1 or FLAGS.max_new_tokens < 1:
+    raise InputError("--num_samples, --batch_size and --max_new_tokens must be >= 1")
+  cfg, params = load_hf_model(FLAGS.model, dtype=FLAGS.dtype, param_dtype=FLAGS.dtype)
+  tokenizer = load_tokenizer(FLAGS.model)
+  prompts = read_prompts(FLAGS.prompts, tokenizer, chat=FLAGS.chat)
+  for where, ids in prompts:
+    if len(ids) + FLAGS.max_new_tokens > cfg.max_position_embeddings:
+      raise InputError(
+          f"{where}: prompt has {len(ids)} tokens; with --max_new_tokens {FLAGS.max_new_tokens} "
+          f"that exceeds the model's context ({cfg.max_position_embeddings})")
+    bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+    if bad:
+      raise InputError(f"{where}: token id {bad[0]} outside the vocabulary [0, {cfg.vocab_size})")
+  longest = max(len(ids) for _, ids in prompts)
+  buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < FLAGS.batch_size)
+  ecfg = EngineConfig(max_batch=FLAGS.batch_size, buckets=buckets + (FLAGS.batch_size,),
+                      chunk_size=FLAGS.chunk_size, compaction=FLAGS.compaction,
+                      max_prompt_len=-(-longest // 16) * 16, max_new_tokens=FLAGS.max_new_tokens,
+                      stop_tokens=stop_token_ids(FLAGS.model, tokenizer))
+  worker = RolloutWorker(params, cfg, ecfg)
+  requests = [Request(ids, request_id=i, sample_index=s)
+              for i, (_, ids) in enumerate(prompts) for s in range(FLAGS.num_samples)]
+  from tqdm import tqdm
+  from tlt_jax.rollout.engine import WorkerHooks
+  bar = tqdm(total=len(requests), desc="generate", unit="sample", file=sys.stderr)
+  t0 = time.perf_counter()
+  results = worker.generate(requests, sp, seed=FLAGS.seed,
+                            hooks=WorkerHooks(on_result=lambda _: bar.update(1)))
+  wall = time.perf_counter() - t0
+  bar.close()
+  results.sort(key=lambda r: (r.request_id, r.sample_index))
+  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output)), exist_ok=True)
+  with open(FLAGS.output, "w", encoding="utf-8") as f:
+    for r in results:
+      row = {"prompt_index": r.request_id, "sample_index": r.sample_index,
+             "response_ids": r.response_ids.tolist(), "num_tokens": r.num_tokens,
+             "finish_reason": r.finish_reason}
+      if tokenizer is not None:
+        row["text"] = tokenizer.decode(r.response_ids, skip_special_tokens=True)
+      f.write(json.dumps(row) + "\n")
+  tokens = sum(r.num_tokens for r in results)
+  cs = worker.compile_stats()
+  print(f"generated {len(results)} samples, {tokens} tokens in {wall:.2f}s "
+        f"({tokens / wall:.1f} tokens/s incl. {cs['compile_seconds']:.1f}s compile of "
+        f"{cs['executables']} executables)", file=sys.stderr)
+  print(f"batch profile: {batch_profile(worker.chunk_log)}", file=sys.stderr)
+  print(f"wrote {FLAGS.output}", file=sys.stderr)
+
+
+def _run(argv):
+  from tlt_jax.models.hf_io import CheckpointFormatError
+  try:
+    main(argv)
+  except (InputError, CheckpointFormatError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+  app.run(_run)
