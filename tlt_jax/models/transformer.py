@@ -199,7 +199,8 @@ def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv):
   """One decoder layer. kv: None (training: attend within the chunk) or
   (k_cache [L,B,S,K,H], v_cache, layer_index, slots [B, T]) -> writes this chunk's k/v."""
   dt = cfg.compute_dtype
-  h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+  # An EAGLE drafter's layer has no input norm (its input is already a projection): no key.
+  h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps) if "attn_norm" in lp else x
   q = _dense(h, lp["q"], "BTD,DNH->BTNH", dt)
   k = _dense(h, lp["k"], "BTD,DKH->BTKH", dt)
   v = _dense(h, lp["v"], "BTD,DKH->BTKH", dt)
