@@ -1,0 +1,299 @@
+"""tlt_jax.checkpoint: round trip, resharding on restore, keep-last-N, SIGKILL mid-save, errors."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tlt_jax.checkpoint import Checkpointer, CheckpointError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+
+
+def _train_state():
+  k1, k2 = jax.random.split(jax.random.key(0))
+  params = {
+      "embed": jax.random.normal(k1, (16, 8), jnp.float32),
+      "layers": {
+          "q": jax.random.normal(k2, (2, 8, 4), jnp.float32).astype(jnp.bfloat16),
+          "norm": jnp.linspace(0.5, 1.5, 8, dtype=jnp.float32),
+      },
+  }
+  opt = optax.adamw(1e-3)
+  opt_state = opt.init(params)
+  # One real update so mu/nu/count are not all zeros.
+  grads = jax.tree.map(lambda p: jnp.ones_like(p) * 0.1, params)
+  _, opt_state = opt.update(grads, opt_state, params)
+  return {
+      "params": params,
+      "opt_state": opt_state,
+      "step": 7,
+      "rng": jax.random.key(42),             # new-style typed key
+      "raw_rng": jax.random.PRNGKey(3),      # legacy raw uint32[2] key
+      "data": {"epoch": 2, "index": 17},
+  }
+
+
+def _assert_tree_equal(a, b):
+  la, ta = jax.tree_util.tree_flatten(a)
+  lb, tb = jax.tree_util.tree_flatten(b)
+  assert ta == tb, f"structure differs:\n{ta}\n{tb}"
+  for x, y in zip(la, lb):
+    if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+      assert jax.dtypes.issubdtype(y.dtype, jax.dtypes.prng_key) and x.dtype == y.dtype
+      x, y = jax.random.key_data(x), jax.random.key_data(y)
+    if isinstance(x, (jax.Array, np.ndarray)):
+      assert isinstance(y, type(x)) or isinstance(y, jax.Array), (type(x), type(y))
+      assert x.dtype == y.dtype and x.shape == y.shape, (x.dtype, y.dtype, x.shape, y.shape)
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    else:
+      assert type(x) is type(y) and x == y, (x, y)
+
+
+def test_round_trip_train_state(tmp_path):
+  state = _train_state()
+  with Checkpointer(str(tmp_path / "ckpt")) as ckpt:
+    assert ckpt.latest_step() is None
+    assert ckpt.save(7, state)
+    ckpt.wait_until_finished()
+    assert ckpt.all_steps() == [7]
+
+  # A fresh Checkpointer (as after a restart) with concrete arrays as the template ...
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+  restored = ckpt.restore(state)
+  _assert_tree_equal(state, restored)
+  assert restored["params"]["layers"]["q"].dtype == jnp.bfloat16
+  assert restored["raw_rng"].dtype == jnp.uint32
+  # the restored keys are usable and give the same numbers
+  np.testing.assert_array_equal(jax.random.normal(restored["rng"], (3,)),
+                                jax.random.normal(state["rng"], (3,)))
+
+  # ... and with abstract leaves (what a trainer does to avoid allocating the state twice).
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+      if isinstance(x, jax.Array) else x, state)
+  _assert_tree_equal(state, ckpt.restore(abstract, step=7))
+  ckpt.close()
+
+
+def test_restore_onto_different_sharding(tmp_path):
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+  saved_specs = {"w": P("data", "model"), "v": P("model"), "b": P(), "keys": P("data")}
+  new_specs = {"w": P("model", None), "v": P(), "b": P(None), "keys": P("model")}
+  state = {
+      "w": jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16),
+      "v": jnp.arange(8, dtype=jnp.bfloat16),
+      "b": jnp.arange(4, dtype=jnp.int32),
+      "keys": jax.random.split(jax.random.key(1), 8),
+  }
+  state = {k: jax.device_put(v, NamedSharding(mesh, saved_specs[k])) for k, v in state.items()}
+  with Checkpointer(str(tmp_path)) as ckpt:
+    ckpt.save(1, state)
+  template = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, new_specs[k]))
+              for k, v in state.items()}
+  restored = Checkpointer(str(tmp_path)).restore(template)
+  for k in state:
+    assert restored[k].sharding == template[k].sharding, k
+    assert restored[k].dtype == state[k].dtype
+  _assert_tree_equal(state, restored)
+
+
+def test_keep_last_n(tmp_path):
+  state = {"w": jnp.ones((4,)), "step": 0}
+  with Checkpointer(str(tmp_path), max_to_keep=2) as ckpt:
+    for step in range(1, 6):
+      assert ckpt.save(step, {**state, "step": step})
+    ckpt.wait_until_finished()
+    assert ckpt.all_steps() == [4, 5]
+  assert sorted(os.listdir(tmp_path)) == ["4", "5"]
+  ckpt = Checkpointer(str(tmp_path))
+  assert ckpt.all_steps() == [4, 5] and ckpt.latest_step() == 5
+  assert ckpt.restore(state, step=4)["step"] == 4
+
+
+def test_reader_sees_new_steps_and_async_save_is_not_listed_early(tmp_path):
+  writer = Checkpointer(str(tmp_path))
+  reader = Checkpointer(str(tmp_path))  # e.g. an evaluator polling the trainer's directory
+  state = {"w": jnp.ones((8,))}
+  writer.save(1, state)
+  writer.wait_until_finished()
+  assert reader.latest_step() == 1
+  writer.save(2, state)
+  assert writer.latest_step() in (1, 2)  # 2 only once it is finalized
+  writer.close()
+  assert writer.all_steps() == [1, 2] and reader.latest_step() == 2
+
+
+def test_save_interval_and_repeated_step(tmp_path):
+  with Checkpointer(str(tmp_path), save_interval_steps=10, async_save=False) as ckpt:
+    state = {"w": jnp.zeros((2,))}
+    assert ckpt.save(3, state)  # the first checkpoint of a directory is always written
+    assert not ckpt.save(5, state)
+    assert ckpt.save(5, state, force=True)
+    assert ckpt.save(10, state)
+    assert not ckpt.save(10, state, force=True)  # already saved: no error, no rewrite
+    with pytest.raises(CheckpointError, match="newer checkpoint"):
+      ckpt.save(9, state)  # e.g. a resumed run whose step counter restarted
+    assert not ckpt.save(15, state)
+    assert ckpt.all_steps() == [3, 5, 10]
+
+
+_KILL_CHILD = textwrap.dedent("""
+    import glob, os, sys, time
+    import jax, jax.numpy as jnp, numpy as np
+    from tlt_jax.checkpoint import Checkpointer
+
+    d = sys.argv[1]
+    ckpt = Checkpointer(d, max_to_keep=1)
+    ckpt.save(1, {"w": jnp.arange(1000, dtype=jnp.float32), "step": 1})
+    ckpt.wait_until_finished()
+    print("SAVED1", flush=True)
+    # ~300 MB in 6 arrays of random (incompressible: constants compress to nothing) floats, so
+    # the background write takes ~2 s here, against ~ms from "SAVING" to the kill.
+    rng = np.random.default_rng(0)
+    big = {f"a{i}": jnp.asarray(rng.random(12_500_000, np.float32)) for i in range(6)}
+    big["step"] = 2
+    jax.block_until_ready(big)
+    ckpt.save(2, big)
+    # Wait until array bytes are landing in the tmp dir, so the kill hits a half-written step.
+    def tmp_bytes():
+      n = 0
+      for t in glob.glob(os.path.join(d, "2.*tmp*")):
+        for r, _, fs in os.walk(t):
+          for f in fs:
+            try:
+              n += os.path.getsize(os.path.join(r, f))
+            except OSError:  # renamed/removed by the writer meanwhile
+              pass
+      return n
+    t0 = time.time()
+    while tmp_bytes() < 20e6 and time.time() - t0 < 10:
+      time.sleep(0.002)
+    print("SAVING", flush=True)
+    time.sleep(120)
+""")
+
+
+def test_sigkill_mid_save_keeps_previous_checkpoint(tmp_path):
+  d = str(tmp_path / "ckpt")
+  script = tmp_path / "child.py"
+  script.write_text(_KILL_CHILD)
+  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+             XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  err = open(tmp_path / "child.stderr", "w")
+  proc = subprocess.Popen([sys.executable, str(script), d], stdout=subprocess.PIPE,
+                          stderr=err, env=env, text=True)
+  watchdog = threading.Timer(90, proc.kill)  # a hung child must not hang the suite
+  watchdog.start()
+  try:
+    lines = []
+    for line in proc.stdout:  # EOF when the child exits (or the watchdog kills it)
+      lines.append(line.strip())
+      if lines[-1] == "SAVING":
+        proc.send_signal(signal.SIGKILL)
+        break
+    if lines[-1:] != ["SAVING"]:
+      proc.wait(timeout=30)
+      err.close()
+      tail = (tmp_path / "child.stderr").read_text()[-3000:]
+      pytest.fail(f"child stdout: {lines}, rc={proc.returncode}, stderr tail:\n{tail}")
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+  finally:
+    watchdog.cancel()
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+    err.close()
+
+  names = os.listdir(d)
+  step2_finalized = "2" in names
+  ckpt = Checkpointer(d)
+  if step2_finalized:  # the write beat the kill; then it must be complete and correct
+    restored = ckpt.restore({f"a{i}": np.zeros((12_500_000,), np.float32) for i in range(6)}
+                            | {"step": 0})
+    rng = np.random.default_rng(0)
+    assert restored["step"] == 2
+    for i in range(6):
+      np.testing.assert_array_equal(restored[f"a{i}"], rng.random(12_500_000, np.float32))
+    pytest.xfail("the kill landed after step 2 was committed; mid-save case not exercised")
+  assert any(TMP_SUFFIX in n for n in names), f"expected an unfinished tmp dir, found {names}"
+  tmp_size = sum(os.path.getsize(os.path.join(r, f)) for n in names if TMP_SUFFIX in n
+                 for r, _, fs in os.walk(os.path.join(d, n)) for f in fs)
+  assert tmp_size >= 20e6, tmp_size  # killed while array bytes were being written
+  assert ckpt.latest_step() == 1 and ckpt.all_steps() == [1]
+  restored = ckpt.restore({"w": jnp.zeros((1000,), jnp.float32), "step": 0})
+  assert restored["step"] == 1
+  np.testing.assert_array_equal(restored["w"], np.arange(1000, dtype=np.float32))
+
+  # The directory is still writable: a new save of the same step (and a later one) commits,
+  # and the dead writer's tmp dir is gone.
+  assert ckpt.save(2, {"w": jnp.ones((3,)), "step": 2})
+  ckpt.wait_until_finished()
+  assert ckpt.save(3, {"w": jnp.ones((3,)), "step": 3})
+  ckpt.close()
+  assert Checkpointer(d).all_steps() == [1, 2, 3]
+  assert not [n for n in os.listdir(d) if TMP_SUFFIX in n]
+  assert Checkpointer(d).restore({"w": jnp.zeros((3,)), "step": 0}, step=2)["step"] == 2
+
+
+def test_error_empty_directory(tmp_path):
+  for d in (tmp_path / "never_written", tmp_path):
+    with pytest.raises(CheckpointError, match=re.escape(str(d))):
+      Checkpointer(str(d)).restore({"w": jnp.zeros((2,))})
+  assert not (tmp_path / "never_written").exists()  # opening to read must not create it
+
+
+def test_error_template_mismatch(tmp_path):
+  state = {"params": {"layer0": {"w": jnp.ones((4, 8))}, "b": jnp.ones((8,))}, "step": 1}
+  with Checkpointer(str(tmp_path)) as ckpt:
+    ckpt.save(1, state)
+  ckpt = Checkpointer(str(tmp_path))
+
+  bad_shape = {"params": {"layer0": {"w": jnp.ones((4, 16))}, "b": jnp.ones((8,))}, "step": 0}
+  with pytest.raises(CheckpointError) as e:
+    ckpt.restore(bad_shape)
+  msg = str(e.value)
+  assert "['params']['layer0']['w']" in msg and "(4, 16)" in msg and "(4, 8)" in msg
+  assert "different model config" in msg
+
+  missing = {**state, "drafter": {"fc": jnp.ones((2, 2))}}
+  with pytest.raises(CheckpointError, match=r"\['drafter'\]\['fc'\].*not in the checkpoint"):
+    ckpt.restore(missing)
+
+  extra = {"params": state["params"]}
+  with pytest.raises(CheckpointError, match=r"\['step'\].*not in the template"):
+    ckpt.restore(extra)
+
+  no_sharding = {**state, "params": {**state["params"], "b": jax.ShapeDtypeStruct((8,),
+                                                                              jnp.float32)}}
+  with pytest.raises(CheckpointError, match=r"\['params'\]\['b'\].*sharding"):
+    ckpt.restore(no_sharding)
+
+
+def test_error_missing_step(tmp_path):
+  state = {"w": jnp.ones((2,))}
+  with Checkpointer(str(tmp_path)) as ckpt:
+    ckpt.save(3, state)
+    ckpt.save(6, state)
+  with pytest.raises(CheckpointError, match=r"step 4.*available steps: \[3, 6\]"):
+    Checkpointer(str(tmp_path)).restore(state, step=4)
+
+
+def test_error_unsupported_leaf(tmp_path):
+  with Checkpointer(str(tmp_path)) as ckpt:
+    with pytest.raises(CheckpointError, match=r"\['opt'\]\['fn'\].*function"):
+      ckpt.save(1, {"opt": {"fn": lambda x: x}})
