@@ -111,21 +111,24 @@ def decode_chunk(params: Params, state: DecodeState, *, cfg: ModelConfig, sp: Sa
 
 # ----------------------------------------------------------------------------- batch re-layout
 def _batch_axis(path) -> int:
-  # KV cache k/v are [L, B, ...]; everything else is batch-major.
+  # KV caches' k/v (target's and drafter's) are [L, B, ...]; everything else is batch-major.
   names = [getattr(k, "name", getattr(k, "key", None)) for k in path]
-  return 1 if names[-1] in ("k", "v") and "cache" in names else 0
+  return 1 if names[-1] in ("k", "v") else 0
 
 
-def take_rows(state: DecodeState, idx: jax.Array, valid: jax.Array) -> DecodeState:
+def take_rows(state, idx: jax.Array, valid: jax.Array):
   """Gathers rows idx [B'] into a new state of batch B' (compaction / growth); rows with
-  valid=False become empty (done) slots."""
+  valid=False become empty (done) slots. Works for DecodeState and states wrapping one
+  (`.base`, e.g. the speculative state)."""
   def take(path, x):
     return jnp.take(x, idx, axis=_batch_axis(path))
   new = jax.tree_util.tree_map_with_path(take, state)
-  return new.replace(done=new.done | ~valid)
+  if isinstance(new, DecodeState):
+    return new.replace(done=new.done | ~valid)
+  return new.replace(base=new.base.replace(done=new.base.done | ~valid))
 
 
-def put_rows(state: DecodeState, rows: DecodeState, slots: jax.Array) -> DecodeState:
+def put_rows(state, rows, slots: jax.Array):
   """Writes `rows` (batch R) into `state` at slots [R] (refilling finished slots)."""
   def put(path, x, y):
     if _batch_axis(path) == 1:

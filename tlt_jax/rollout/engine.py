@@ -33,6 +33,38 @@ from tlt_jax.rollout.sampling import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
+class SpecConfig:
+  """Adaptive speculative decoding: on once the live batch stays <= bs_threshold for
+  `patience` consecutive chunk checks (then on for the rest of the generate call)."""
+
+  strategy: str = "4_1_5"  # "<steps>_<topk>_<verify_tokens>" or "off"; fixed arm by default
+  bs_threshold: int = 32
+  patience: int = 2
+  use_kernel: bool = True  # Pallas verification kernel (interpret mode off-GPU) vs jnp reference
+  max_steps: int = 0  # catch-up capacity (>= every strategy's steps); 0 -> the strategy's
+
+  def __post_init__(self):
+    from tlt_jax.rollout.speculative import Strategy
+    Strategy.parse(self.strategy)  # validates
+    if self.bs_threshold < 1 or self.patience < 1:
+      raise ValueError(f"SpecConfig: bs_threshold={self.bs_threshold} and patience="
+                       f"{self.patience} must be >= 1")
+
+
+class FixedSelector:
+  """The strategy-selection interface (BEG-MAB plugs in here): one arm, always."""
+
+  def __init__(self, arm: str):
+    self.arm = arm
+
+  def select(self, batch_size: int) -> str:
+    return self.arm
+
+  def update(self, arm: str, batch_size: int, reward: float) -> None:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
   max_batch: int = 64  # rows decoded at once by one worker
   buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # batch sizes compiled for
@@ -43,6 +75,7 @@ class EngineConfig:
   prompt_bucket: int = 16  # prompts are padded to a multiple of this (fewer prefill compiles)
   capture_hidden: bool = False  # return per-token last-layer hidden states (drafter data)
   stop_tokens: tuple[int, ...] = ()
+  spec: SpecConfig | None = None  # speculative decoding (needs drafter params on the worker)
 
   def __post_init__(self):
     if not self.buckets or sorted(set(self.buckets)) != list(self.buckets):
@@ -122,7 +155,8 @@ class RolloutWorker:
   """One model replica decoding its share of requests; see the module docstring."""
 
   def __init__(self, params: Params, cfg: ModelConfig, engine_cfg: EngineConfig, *,
-               worker_id: int = 0, mesh: Mesh | None = None):
+               worker_id: int = 0, mesh: Mesh | None = None, drafter_params: Params | None = None,
+               selector: Any = None):
     self.cfg = cfg
     self.ecfg = engine_cfg
     self.worker_id = worker_id
@@ -131,10 +165,27 @@ class RolloutWorker:
     self.mesh = mesh
     from tlt_jax.sharding import tree_shardings
     self.params = jax.device_put(params, tree_shardings(params, mesh))
+    self.drafter_params = None
+    if drafter_params is not None:
+      self.set_drafter_params(drafter_params)
+    elif engine_cfg.spec is not None:
+      raise ValueError("EngineConfig.spec is set but the worker has no drafter_params")
+    spec = engine_cfg.spec
+    self.selector = selector or (FixedSelector(spec.strategy) if spec else None)
     self._compiled: dict[Any, Any] = {}
     self.compile_log: list[CompileRecord] = []
     self.chunk_log: list[ChunkMetrics] = []
     self._lock = threading.Lock()
+
+  def set_drafter_params(self, dparams: Params) -> None:
+    """New drafter weights (after spot training); placed on this worker's mesh."""
+    from tlt_jax.sharding import tree_shardings
+    self.drafter_params = jax.device_put(dparams, tree_shardings(dparams, self.mesh))
+
+  def _max_steps(self) -> int:
+    from tlt_jax.rollout.speculative import Strategy
+    spec = self.ecfg.spec
+    return max(spec.max_steps, Strategy.parse(spec.strategy).steps, 1)
 
   def set_params(self, params: Params) -> None:
     """New actor weights (after an RL update); resharded onto this worker's layout."""
@@ -156,22 +207,51 @@ class RolloutWorker:
           mem = int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes)
       except Exception:  # backends without memory analysis
         mem = None
-      batch = max((x.shape[0] for x in jax.tree.leaves(args[1:]) if getattr(x, "ndim", 0)),
-                  default=0)
+      # KV cache k/v are [L, B, ...]: read their batch axis, not the layer count.
+      batch = max((x.shape[decode._batch_axis(p)]
+                   for p, x in jax.tree_util.tree_leaves_with_path(args[1:])
+                   if getattr(x, "ndim", 0)), default=0)
       self.compile_log.append(CompileRecord(name, batch, time.perf_counter() - t0, mem))
       self._compiled[sig] = exe
     return exe
 
   def _prefill(self, tokens, lens, keys, max_new):
+    if self.drafter_params is not None:
+      from tlt_jax.rollout import speculative
+      fn = functools.partial(speculative.prefill, cfg=self.cfg, cache_len=self.ecfg.cache_len,
+                             max_steps=self._max_steps())
+      args = (self.params, self.drafter_params, tokens, lens, keys, max_new)
+      return self._exec("prefill_spec", fn, *args)(*args)
     fn = functools.partial(decode.prefill, cfg=self.cfg, cache_len=self.ecfg.cache_len)
     return self._exec("prefill", fn, self.params, tokens, lens, keys, max_new)(
         self.params, tokens, lens, keys, max_new)
 
-  def _decode(self, state, sp: SamplingParams):
-    fn = functools.partial(decode.decode_chunk, cfg=self.cfg, sp=sp,
-                           stop_tokens=self.ecfg.stop_tokens, chunk=self.ecfg.chunk_size,
-                           capture_hidden=self.ecfg.capture_hidden)
-    return self._exec(("decode", sp), fn, self.params, state, donate=(1,))(self.params, state)
+  def _decode(self, state, sp: SamplingParams, arm: str | None = None):
+    """One chunk. arm=None: plain decode (drafter kept warm when present); else a strategy.
+    Returns (state, ChunkOutput, accepted draft tokens)."""
+    ecfg = self.ecfg
+    if self.drafter_params is None:
+      fn = functools.partial(decode.decode_chunk, cfg=self.cfg, sp=sp,
+                             stop_tokens=ecfg.stop_tokens, chunk=ecfg.chunk_size,
+                             capture_hidden=ecfg.capture_hidden)
+      state, out = self._exec(("decode", sp), fn, self.params, state, donate=(1,))(
+          self.params, state)
+      return state, out, 0
+    from tlt_jax.rollout import speculative
+    args = (self.params, self.drafter_params, state)
+    if arm is None:
+      fn = functools.partial(speculative.plain_chunk, cfg=self.cfg, sp=sp,
+                             stop_tokens=ecfg.stop_tokens, chunk=ecfg.chunk_size,
+                             capture_hidden=ecfg.capture_hidden)
+      state, out = self._exec(("plain_warm", sp), fn, *args, donate=(2,))(*args)
+      return state, out, 0
+    strategy = speculative.Strategy.parse(arm)
+    fn = functools.partial(speculative.spec_chunk, cfg=self.cfg, sp=sp,
+                           stop_tokens=ecfg.stop_tokens, chunk=ecfg.chunk_size,
+                           strategy=strategy, capture_hidden=ecfg.capture_hidden,
+                           use_kernel=ecfg.spec.use_kernel)
+    state, out, acc = self._exec(("spec", arm, sp), fn, *args, donate=(2,))(*args)
+    return state, out, acc
 
   def _take(self, state, idx, valid):
     return self._exec("take_rows", decode.take_rows, state, idx, valid)(state, idx, valid)
@@ -226,6 +306,7 @@ class RolloutWorker:
     pending = collections.deque(requests)
     results: list[Result] = []
     state = None
+    spec_on, below = False, 0  # adaptive switch-on: consecutive checks at/below threshold
     slot_req: list[Request | None] = []
     acc: list[dict[str, list]] = []
 
@@ -253,7 +334,8 @@ class RolloutWorker:
             slot_req += [None] * (bucket - len(slot_req))
             acc += [new_acc() for _ in range(bucket - len(acc))]
           free = [i for i, r in enumerate(slot_req) if r is None]
-          n = min(len(free), len(pending))
+          # The bucket may exceed max_batch (buckets need only cover it): never go past it.
+          n = min(len(free), len(pending), ecfg.max_batch - len(live))
           reqs = [pending.popleft() for _ in range(n)]
           rb = ecfg.bucket_for(n)
           rows = self._prefill_requests(reqs, rb, base_key)
@@ -274,23 +356,30 @@ class RolloutWorker:
           state = self._take(state, jnp.asarray(idx), jnp.asarray(valid))
           slot_req = [slot_req[i] for i in live] + [None] * (bucket - len(live))
           acc = [acc[i] for i in live] + [new_acc() for _ in range(bucket - len(live))]
+      # --- speculation switches on once the live batch stays small
+      spec = ecfg.spec
+      if spec is not None and not spec_on:
+        below = below + 1 if len(live) <= spec.bs_threshold else 0
+        spec_on = below >= spec.patience
+      arm = self.selector.select(len(live)) if spec_on else None
       # --- one chunk of decoding
       t0 = time.perf_counter()
-      state, out = self._decode(state, sp)
-      out, done, stopped = jax.device_get((out, state.done, state.stopped))
+      state, out, accepted = self._decode(state, sp, arm)
+      base = state if isinstance(state, decode.DecodeState) else state.base
+      out, done, stopped, accepted = jax.device_get((out, base.done, base.stopped, accepted))
       dt = time.perf_counter() - t0
       steps = int(out.steps)
       produced = 0
       for s, r in enumerate(slot_req):
         if r is None:
           continue
-        v = out.valid[s, :steps]
+        v = out.valid[s]
         produced += int(v.sum())
         a = acc[s]
-        a["tokens"].append(out.tokens[s, :steps][v])
-        a["logprobs"].append(out.logprobs[s, :steps][v])
+        a["tokens"].append(out.tokens[s][v])
+        a["logprobs"].append(out.logprobs[s][v])
         if out.hidden is not None:
-          a["hidden"].append(out.hidden[s, :steps][v])
+          a["hidden"].append(out.hidden[s][v])
         if done[s]:
           res = Result(
               request_id=r.request_id, sample_index=r.sample_index,
@@ -306,8 +395,11 @@ class RolloutWorker:
           if hooks.on_result:
             hooks.on_result(res)
       m = ChunkMetrics(worker_id=self.worker_id, bucket=state.batch_size, live=len(live),
-                       tokens=produced, steps=steps, wall_time=dt,
-                       t=time.perf_counter() - t_start)
+                       tokens=produced, steps=steps, wall_time=dt, mode=arm or "plain",
+                       accepted=int(accepted), t=time.perf_counter() - t_start)
+      if arm is not None:
+        # Reward of the arm: tokens produced per second, scaled by batch (DESIGN.md 4).
+        self.selector.update(arm, len(live), produced / max(dt, 1e-9))
       self.chunk_log.append(m)
       if hooks.on_chunk:
         hooks.on_chunk(m)
