@@ -113,9 +113,10 @@ class ModelConfig:
       elif rope_type not in (None, "default"):
         raise ValueError(f"{source}: rope_scaling type {rope_type!r} is not supported "
                          "(supported: default, llama3)")
-    theta = d.get("rope_theta")
-    if theta is None and isinstance(rs, Mapping):
-      theta = rs.get("rope_theta")
+    # transformers 5 nests rope_theta in rope_parameters and prefers it over a top-level one.
+    theta = rs.get("rope_theta") if isinstance(rs, Mapping) else None
+    if theta is None:
+      theta = d.get("rope_theta")
     n_heads = int(d["num_attention_heads"])
     attn_bias = bool(d.get("attention_bias", False))
     kw = dict(

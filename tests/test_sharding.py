@@ -1,0 +1,222 @@
+"""tlt_jax.sharding on 8 fake CPU devices (tests/conftest.py): meshes, partition rules, loading
+a HF checkpoint straight onto a mesh, and sharded forwards equal to the single-device one."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+import torch
+from jax.sharding import NamedSharding, PartitionSpec as P
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from tlt_jax.models import ModelOutput, forward, init_cache
+from tlt_jax.models.hf_io import load_hf_model
+from tlt_jax.sharding import (AXES, batch_sharding, cache_sharding, make_mesh, replicated,
+                              tree_shardings)
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake CPU) devices")
+
+TOL = 1e-5  # sharded vs single device: same math, only the reduction order differs
+BATCH = 8  # divisible by data * fsdp of every mesh below
+
+
+# -------------------------------------------------------------------------------------- mesh
+def test_make_mesh_shapes():
+  assert dict(make_mesh().shape) == {"data": 1, "fsdp": 8, "tensor": 1}  # default: all fsdp
+  m = make_mesh({"data": 2, "fsdp": -1, "tensor": 2})
+  assert m.axis_names == AXES and dict(m.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+  assert dict(make_mesh((2, 2, 2)).shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+  assert dict(make_mesh({"tensor": -1}).shape) == {"data": 1, "fsdp": 1, "tensor": 8}
+  assert dict(make_mesh([1, -1, 4]).shape) == {"data": 1, "fsdp": 2, "tensor": 4}
+  m = make_mesh({"fsdp": 2, "tensor": 2}, devices=jax.devices()[:4])
+  assert dict(m.shape) == {"data": 1, "fsdp": 2, "tensor": 2}
+  assert m.devices.flatten().tolist() == jax.devices()[:4]
+  assert sorted(d.id for d in make_mesh((2, 2, 2)).devices.flatten()) == list(range(8))
+
+
+@pytest.mark.parametrize("shape,needle", [
+    ({"data": 2}, "needs 2 devices, but 8 are available"),
+    ((2, 2, 4), "needs 16 devices, but 8 are available"),
+    ({"data": 3, "fsdp": -1}, "does not divide 8 devices"),
+    ({"data": -1, "fsdp": -1}, "at most one axis may be -1"),
+    ({"model": 8}, "mesh axes ['model'] are unknown"),
+])
+def test_make_mesh_errors(shape, needle):
+  with pytest.raises(ValueError) as e:
+    make_mesh(shape)
+  assert needle in str(e.value)
+
+
+# ------------------------------------------------------------------------------ checkpoint
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+  """Tiny Qwen2 (qkv biases) with 4 q heads / 2 kv heads; every tensor randomised."""
+  path = str(tmp_path_factory.mktemp("qwen2_shard"))
+  config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=96,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       rope_theta=1e6)
+  torch.manual_seed(0)
+  model = AutoModelForCausalLM.from_config(config)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      p.normal_(1.0, 0.2) if name.endswith("norm.weight") else p.normal_(0.0, 0.1)
+  model.save_pretrained(path)
+  return path
+
+
+LENGTHS = np.array([24, 17, 5, 12, 24, 1, 9, 20], np.int32)  # ragged committed lengths
+MAX_LEN = 32
+
+
+def _run_cache(fwd, params, cache, tokens, put=lambda x: x):
+  """Ragged prefill (commit LENGTHS[b] tokens per row), then one decode step per row."""
+  b, t = tokens.shape
+  positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+  pre = fwd(params, put(tokens), put(positions), cache)
+  cache = pre.cache.replace(lengths=put(LENGTHS))
+  nxt = tokens[::-1, :1].copy()
+  dec = fwd(params, put(nxt), put(LENGTHS[:, None]), cache)
+  return pre, dec
+
+
+@pytest.fixture(scope="module")
+def single(ckpt_dir):
+  """Single-device params and reference outputs (computed once)."""
+  cfg, params = load_hf_model(ckpt_dir)  # default: first device only
+  assert all(len(x.sharding.device_set) == 1 for x in jax.tree.leaves(params))
+  tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (BATCH, 24)).astype(np.int32)
+  positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+  ref = jax.jit(functools.partial(forward, cfg=cfg))(params, tokens, positions)
+  f1 = jax.jit(lambda p, x, pos, c: forward(p, x, pos, cfg=cfg, cache=c))
+  ref_cache = _run_cache(f1, params, init_cache(cfg, BATCH, MAX_LEN), tokens)
+  return cfg, params, tokens, ref, ref_cache
+
+
+MESHES = {
+    "d2f2t2": (2, 2, 2),
+    "f8": (1, 8, 1),
+    "f2t4": (1, 2, 4),
+}
+
+# Expected specs (param shapes: q [2,64,4,16], k/v [2,64,2,16], o [2,4,16,64], gate/up
+# [2,64,96], down [2,96,64], embed [128,64], lm_head [64,128], q_bias [2,4,16], k_bias [2,2,16]).
+# On f2t4 the 2 kv heads do not divide tensor=4: that dim falls back to replicated.
+EXPECTED_SPECS = {
+    "d2f2t2": {"q": P(None, "fsdp", "tensor", None), "k": P(None, "fsdp", "tensor", None),
+               "k_bias": P(None, "tensor", None)},
+    "f8": {"q": P(None, "fsdp", "tensor", None), "k": P(None, "fsdp", "tensor", None),
+           "k_bias": P(None, "tensor", None)},
+    "f2t4": {"q": P(None, "fsdp", "tensor", None), "k": P(None, "fsdp", None, None),
+             "k_bias": P(None, None, None)},
+}
+
+
+def _shard_shape(shape, spec, mesh):
+  out = []
+  for dim, entry in zip(shape, list(spec) + [None] * (len(shape) - len(spec))):
+    axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+    out.append(dim // int(np.prod([mesh.shape[a] for a in axes])))
+  return tuple(out)
+
+
+@pytest.fixture(scope="module", params=list(MESHES))
+def sharded(request, ckpt_dir, single):
+  mesh = make_mesh(MESHES[request.param])
+  cfg, params = load_hf_model(ckpt_dir, mesh=mesh)
+  return request.param, mesh, cfg, params
+
+
+def test_load_onto_mesh_is_really_sharded(sharded, single):
+  name, mesh, cfg, params = sharded
+  cfg1, params1 = single[:2]
+  assert cfg == cfg1
+  layers = params["layers"]
+  for key, spec in EXPECTED_SPECS[name].items():
+    assert layers[key].sharding.spec == spec, (name, key, layers[key].sharding.spec)
+  assert params["embed"].sharding.spec == P("tensor", "fsdp")
+  assert params["lm_head"].sharding.spec == P("fsdp", "tensor")
+  assert layers["o"].sharding.spec == P(None, "tensor", None, "fsdp")
+  assert layers["down"].sharding.spec == P(None, "tensor", "fsdp")
+  for norm in (params["final_norm"], layers["attn_norm"], layers["mlp_norm"]):
+    assert norm.sharding.is_fully_replicated
+
+  flat1 = dict(jax.tree_util.tree_flatten_with_path(params1)[0])
+  for path, arr in jax.tree_util.tree_flatten_with_path(params)[0]:
+    assert isinstance(arr.sharding, NamedSharding) and arr.sharding.mesh == mesh
+    shards = arr.addressable_shards
+    assert len(shards) == 8 and {s.device for s in shards} == set(jax.devices())
+    want = _shard_shape(arr.shape, arr.sharding.spec, mesh)
+    full = np.asarray(flat1[path])
+    for s in shards:
+      assert s.data.shape == want, (path, s.data.shape, want)
+      # Each device holds exactly its slice of the checkpoint.
+      np.testing.assert_array_equal(np.asarray(s.data), full[s.index])
+
+  # Sharded dims really are split: the q shard is smaller than q on every mesh ...
+  q = layers["q"]
+  assert int(np.prod(q.addressable_shards[0].data.shape)) * 8 // mesh.shape["data"] \
+      == int(np.prod(q.shape))
+  # ... and the kv-head fallback keeps the full kv dim where tensor does not divide it.
+  k_shard = layers["k"].addressable_shards[0].data.shape
+  assert k_shard[2] == (2 if name == "f2t4" else 2 // mesh.shape["tensor"])
+  assert k_shard[1] == 64 // mesh.shape["fsdp"]
+
+
+def test_explicit_shardings_argument(ckpt_dir, single):
+  mesh = make_mesh((2, 2, 2))
+  params1 = single[1]
+  shardings = jax.tree.map(lambda _: replicated(mesh), params1)
+  _, params = load_hf_model(ckpt_dir, shardings=shardings)
+  for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(params1)):
+    assert x.sharding.is_fully_replicated and len(x.addressable_shards) == 8
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# ---------------------------------------------------------------------------- sharded forward
+def test_sharded_forward_equals_single_device(sharded, single):
+  name, mesh, cfg, params = sharded
+  _, _, tokens, ref, _ = single
+  positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+
+  p_sh = tree_shardings(params, mesh)
+  for s, x in zip(jax.tree.leaves(p_sh), jax.tree.leaves(params)):
+    assert s == x.sharding  # the loader placed params with exactly the rule shardings
+  b2, b3 = batch_sharding(mesh, 2), batch_sharding(mesh, 3)
+  assert b2.spec == P(("data", "fsdp"), None)
+  fwd = jax.jit(functools.partial(forward, cfg=cfg), in_shardings=(p_sh, b2, b2),
+                out_shardings=ModelOutput(logits=b3, hidden=b3, cache=None))
+  out = fwd(params, jax.device_put(tokens, b2), jax.device_put(positions, b2))
+  assert out.logits.sharding.spec == b3.spec and len(out.logits.addressable_shards) == 8
+  assert out.logits.addressable_shards[0].data.shape[0] == \
+      BATCH // (mesh.shape["data"] * mesh.shape["fsdp"])
+  np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), rtol=0, atol=TOL)
+  np.testing.assert_allclose(np.asarray(out.hidden), np.asarray(ref.hidden), rtol=0, atol=TOL)
+
+
+def test_sharded_cache_forward_equals_single_device(sharded, single):
+  """Ragged prefill (per-row committed lengths) then a decode step, with the KV cache sharded
+  by `cache_sharding` (batch over data+fsdp, kv heads over tensor when they divide)."""
+  name, mesh, cfg, params = sharded
+  _, _, tokens, _, (ref_pre, ref_dec) = single
+  b = tokens.shape[0]
+  c_sh = cache_sharding(mesh, b, cfg.num_kv_heads)
+  kv_spec = P(None, ("data", "fsdp"), None,
+              None if cfg.num_kv_heads % mesh.shape["tensor"] else "tensor", None)
+  assert c_sh.k.spec == kv_spec and c_sh.lengths.spec == P(("data", "fsdp"))
+  p_sh, b2, b3 = tree_shardings(params, mesh), batch_sharding(mesh, 2), batch_sharding(mesh, 3)
+  fs = jax.jit(lambda p, x, pos, c: forward(p, x, pos, cfg=cfg, cache=c),
+               in_shardings=(p_sh, b2, b2, c_sh),
+               out_shardings=ModelOutput(logits=b3, hidden=b3, cache=c_sh))
+  cache = jax.device_put(init_cache(cfg, b, MAX_LEN), c_sh)
+  put = lambda x: jax.device_put(np.asarray(x), b2 if np.ndim(x) == 2 else c_sh.lengths)
+  pre, dec = _run_cache(fs, params, cache, tokens, put)
+  assert pre.cache.k.sharding.spec == kv_spec
+
+  assert dec.cache.k.sharding.spec == kv_spec and len(dec.cache.k.addressable_shards) == 8
+  for got, want in ((pre, ref_pre), (dec, ref_dec)):
+    np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), rtol=0, atol=TOL)
+    np.testing.assert_allclose(np.asarray(got.cache.k), np.asarray(want.cache.k), rtol=0,
+                               atol=TOL)
+    np.testing.assert_allclose(np.asarray(got.cache.v), np.asarray(want.cache.v), rtol=0,
+                               atol=TOL)

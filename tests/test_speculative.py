@@ -1,0 +1,229 @@
+"""Speculative decoding is lossless: greedy outputs identical to plain decoding, sampled
+outputs distributed exactly as the target's (chi-square against the exact joint distribution
+computed by enumeration), and a deliberately broken acceptance rule fails the same test."""
+
+import functools
+import itertools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from tlt_jax.drafter.model import init_drafter
+from tlt_jax.models import ModelConfig, forward, init_params
+from tlt_jax.rollout import decode, speculative
+from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker, SpecConfig
+from tlt_jax.rollout.sampling import SamplingParams, processed_logprobs
+
+CFG = ModelConfig(arch="qwen2", vocab_size=61, hidden_size=32, intermediate_size=64,
+                  num_layers=2, num_heads=4, num_kv_heads=2, qkv_bias=True,
+                  tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  params = init_params(CFG, jax.random.key(0), std=0.3)
+  dparams = init_drafter(CFG, jax.random.key(1))
+  return params, dparams
+
+
+def _requests(n, seed=0, vocab=61):
+  rng = np.random.RandomState(seed)
+  return [Request(list(rng.randint(1, vocab, rng.randint(2, 12))), i) for i in range(n)]
+
+
+def _by_id(results):
+  return {(r.request_id, r.sample_index): r for r in results}
+
+
+@pytest.mark.parametrize("arm", ["1_1_2", "3_1_4", "off"])
+def test_greedy_spec_equals_plain_random_drafter(tiny, arm):
+  params, dparams = tiny
+  reqs = _requests(9)
+  base = dict(max_batch=4, buckets=(1, 2, 4), chunk_size=4, max_prompt_len=16,
+              max_new_tokens=24)
+  sp = SamplingParams(temperature=0.0)
+  plain = RolloutWorker(params, CFG, EngineConfig(**base)).generate(reqs, sp)
+  # A stop token that really fires inside some responses.
+  stop = int(np.bincount(np.concatenate([r.response_ids[3:] for r in plain])).argmax())
+  plain = _by_id(RolloutWorker(params, CFG, EngineConfig(**base, stop_tokens=(stop,)))
+                 .generate(reqs, sp))
+  assert any(r.finish_reason == "stop" for r in plain.values())
+  w = RolloutWorker(params, CFG, EngineConfig(
+      **base, stop_tokens=(stop,),
+      spec=SpecConfig(strategy=arm, bs_threshold=3, patience=1, use_kernel=False)),
+      drafter_params=dparams)
+  spec = _by_id(w.generate(reqs, sp))
+  assert any(m.mode == arm for m in w.chunk_log)  # speculation really ran
+  for key, r in plain.items():
+    np.testing.assert_array_equal(spec[key].response_ids, r.response_ids)
+    assert spec[key].finish_reason == r.finish_reason
+
+
+def test_greedy_spec_with_kernel_equals_reference(tiny):
+  params, dparams = tiny
+  reqs = _requests(3, seed=1)
+  outs = []
+  for use_kernel in (False, True):
+    w = RolloutWorker(params, CFG, EngineConfig(
+        max_batch=4, buckets=(4,), chunk_size=8, max_prompt_len=16, max_new_tokens=12,
+        spec=SpecConfig(strategy="2_1_3", bs_threshold=4, patience=1, use_kernel=use_kernel)),
+        drafter_params=dparams)
+    outs.append(_by_id(w.generate(reqs, SamplingParams(temperature=0.0))))
+  for key in outs[0]:
+    np.testing.assert_array_equal(outs[0][key].response_ids, outs[1][key].response_ids)
+
+
+DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "..", "tlt_jax", "assets", "default")
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(DEFAULT_MODEL, "drafter")),
+                    reason="default drafter not built")
+def test_greedy_spec_equals_plain_trained_drafter():
+  """With the shipped drafter most drafts are accepted: the accept path is exercised."""
+  from tlt_jax.data.prompts import load_prompt_rows
+  from tlt_jax.drafter.model import load_drafter
+  from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
+  mdir = os.path.join(DEFAULT_MODEL, "model")
+  cfg, params = load_hf_model(mdir)
+  dparams = load_drafter(os.path.join(DEFAULT_MODEL, "drafter"), cfg)
+  tok = load_tokenizer(mdir)
+  rows, _ = load_prompt_rows(os.path.join(DEFAULT_MODEL, "data", "test.jsonl"))
+  reqs = [Request(tok.encode(r.prompt), i) for i, r in enumerate(rows[:12])]
+  base = dict(max_batch=4, buckets=(1, 2, 4), chunk_size=8, max_prompt_len=64,
+              max_new_tokens=96, stop_tokens=stop_token_ids(mdir, tok))
+  sp = SamplingParams(temperature=0.0)
+  plain = _by_id(RolloutWorker(params, cfg, EngineConfig(**base)).generate(reqs, sp))
+  w = RolloutWorker(params, cfg, EngineConfig(**base, spec=SpecConfig(
+      strategy="4_1_5", bs_threshold=4, patience=1, use_kernel=False)), drafter_params=dparams)
+  spec = _by_id(w.generate(reqs, sp))
+  accepted = sum(m.accepted for m in w.chunk_log)
+  assert accepted > 0.5 * sum(r.num_tokens for r in plain.values()) / 4
+  for key, r in plain.items():
+    np.testing.assert_array_equal(spec[key].response_ids, r.response_ids)
+
+
+# ------------------------------------------------------------------------ distribution tests
+V = 6
+PEAKED = ModelConfig(arch="llama", vocab_size=V, hidden_size=32, intermediate_size=64,
+                     num_layers=2, num_heads=4, num_kv_heads=2, tie_word_embeddings=False)
+PROMPT = [1, 4, 2]
+NEW = 3  # joint distribution of the first 3 tokens: V**3 = 216 cells
+N = 24000
+
+
+@pytest.fixture(scope="module")
+def peaked():
+  """A target whose next-token distributions are peaked but not deterministic, and a random
+  (mismatched) drafter."""
+  params = init_params(PEAKED, jax.random.key(3), std=0.25)
+  dparams = init_drafter(PEAKED, jax.random.key(4), std=0.3)
+  return params, dparams
+
+
+def exact_joint(params, sp: SamplingParams) -> np.ndarray:
+  """p(t1, t2, t3 | prompt) under the processed distribution, by enumerating every prefix."""
+  seqs = np.array(list(itertools.product(range(V), repeat=NEW - 1)), np.int32)  # [V^2, 2]
+  toks = np.concatenate([np.tile(PROMPT, (len(seqs), 1)), seqs], axis=1)
+  pos = np.broadcast_to(np.arange(toks.shape[1]), toks.shape)
+  logits = forward(params, jnp.asarray(toks), jnp.asarray(pos), cfg=PEAKED).logits
+  lp = np.asarray(processed_logprobs(logits, sp), np.float64)  # [V^2, T, V]
+  p0 = len(PROMPT) - 1
+  joint = np.zeros((V,) * NEW)
+  for i, (a, b) in enumerate(seqs):
+    joint[a, b, :] = np.exp(lp[i, p0, a] + lp[i, p0 + 1, b] + lp[i, p0 + 2])
+  return joint / joint.sum()
+
+
+def sample_joint(params, dparams, sp, strategy, seed=0, verify=None):
+  """N samples of the first NEW tokens: one batch of N rows with distinct per-row keys."""
+  b = N
+  toks = jnp.tile(jnp.asarray(PROMPT, jnp.int32), (b, 1))
+  lens = jnp.full((b,), len(PROMPT), jnp.int32)
+  keys = jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(b) + seed * b)
+  max_new = jnp.full((b,), NEW, jnp.int32)
+  run = functools.partial(speculative.prefill, cfg=PEAKED, cache_len=16,
+                          max_steps=max(strategy.steps, 1))
+  state = jax.jit(run)(params, dparams, toks, lens, keys, max_new)
+  fn = functools.partial(speculative.spec_chunk, cfg=PEAKED, sp=sp, stop_tokens=(), chunk=NEW,
+                         strategy=strategy, capture_hidden=False, use_kernel=False)
+  if verify is not None:
+    fn = _with_verify(fn, verify)
+  _, out, acc = jax.jit(fn)(params, dparams, state)
+  valid = np.asarray(out.valid)
+  tokens = np.asarray(out.tokens)
+  seqs = np.stack([tokens[i][valid[i]][:NEW] for i in range(b)])
+  return seqs, int(acc)
+
+
+def _with_verify(fn, verify):
+  def wrapped(*a):
+    orig = speculative.verify_chain
+    speculative.verify_chain = verify
+    try:
+      return fn(*a)
+    finally:
+      speculative.verify_chain = orig
+  return wrapped
+
+
+def chi_square_p(seqs, joint):
+  counts = np.zeros(joint.size)
+  np.add.at(counts, np.ravel_multi_index(seqs.T, joint.shape), 1)
+  expected = joint.ravel() * len(seqs)
+  assert counts[expected == 0].sum() == 0, "sampled a token outside the target's support"
+  keep = expected > 5  # pool sparse cells (chi-square validity)
+  obs = np.append(counts[keep], counts[~keep].sum())
+  exp = np.append(expected[keep], expected[~keep].sum())
+  if exp[-1] == 0:
+    obs, exp = obs[:-1], exp[:-1]
+  return stats.chisquare(obs, exp).pvalue
+
+
+SAMPLING = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=4)]
+
+
+@pytest.mark.parametrize("sp", SAMPLING, ids=["t1", "t0.8_topk4"])
+@pytest.mark.parametrize("steps", [2, 3])
+def test_sampled_spec_matches_target_distribution(peaked, sp, steps):
+  params, dparams = peaked
+  joint = exact_joint(params, sp)
+  seqs, acc = sample_joint(params, dparams, sp, speculative.Strategy(steps))
+  assert acc > 0.02 * N  # the random drafter's tokens are accepted sometimes...
+  assert acc < 0.9 * N * (NEW - 1)  # ...and rejected sometimes: both paths run
+  assert chi_square_p(seqs, joint) > 1e-3
+
+
+def test_plain_sampling_matches_target_distribution(peaked):
+  """The same test on plain decoding (the 'off' arm): the reference the SD test mirrors."""
+  params, dparams = peaked
+  sp = SAMPLING[0]
+  seqs, _ = sample_joint(params, dparams, sp, speculative.Strategy(0))
+  assert chi_square_p(seqs, exact_joint(params, sp)) > 1e-3
+
+
+def test_broken_acceptance_rule_is_detected(peaked):
+  """Accepting every draft (ignoring p/q) is not lossless, and the test above sees it."""
+  from tlt_jax.kernels import verify as V_
+
+  def always_accept(target_logp, draft_tokens, draft_logp, uniforms, noise, *, greedy,
+                    use_kernel=True):
+    k = draft_tokens.shape[1]
+    n = jnp.full((draft_tokens.shape[0],), k, jnp.int32)
+    bonus = jnp.argmax(target_logp[:, k] + noise[:, k], axis=-1).astype(jnp.int32)
+    return n, bonus
+
+  params, dparams = peaked
+  sp = SAMPLING[0]
+  seqs, _ = sample_joint(params, dparams, sp, speculative.Strategy(2), verify=always_accept)
+  joint = exact_joint(params, sp)
+  counts = np.zeros(joint.size)
+  np.add.at(counts, np.ravel_multi_index(seqs.T, joint.shape), 1)
+  keep = joint.ravel() * N > 5
+  assert stats.chisquare(np.append(counts[keep], counts[~keep].sum()),
+                         np.append(joint.ravel()[keep], joint.ravel()[~keep].sum()) * N
+                         ).pvalue < 1e-6
+  del V_

@@ -1,0 +1,668 @@
+"""Speculative verification (tlt_jax/kernels/verify.py): kernel == reference, greedy == a plain
+Python loop, and losslessness (chi-square against the exact target distribution), including a
+check that deliberately broken rules are rejected by the same statistic.
+
+Pallas runs in interpret mode here (CPU), so the kernel tests use small B / V; the statistical
+tests use the vectorised jnp reference (the kernel is shown equal to it bit-for-bit).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from tlt_jax.kernels import verify as vf
+from tlt_jax.kernels.verify import (
+    draw_tree_randomness,
+    draw_verify_randomness,
+    verify_chain,
+    verify_chain_reference,
+    verify_tree,
+    verify_tree_reference,
+)
+from tlt_jax.rollout.sampling import SamplingParams, processed_logprobs
+
+NEG_INF = -np.inf
+
+# ------------------------------------------------------------------------------------------------
+# Random inputs with edge cases mixed in per row
+# ------------------------------------------------------------------------------------------------
+
+def _np_processed(logits, temperature, top_k, top_p):
+  """numpy twin of `processed_logprobs` (temperature, top-k, top-p; threshold ties kept), for
+  cheap random test inputs (eager/jitted jax calls per shape would dominate the test time)."""
+  x = logits / temperature
+  if top_k and top_k < x.shape[-1]:
+    kth = np.sort(x, axis=-1)[..., -top_k][..., None]
+    x = np.where(x < kth, NEG_INF, x)
+  if top_p < 1.0:
+    pr = np.exp(x - x.max(-1, keepdims=True))
+    pr /= pr.sum(-1, keepdims=True)
+    sp = -np.sort(-pr, axis=-1)
+    kept = np.where(np.cumsum(sp, -1) - sp < top_p, sp, np.inf)
+    x = np.where(pr < kept.min(-1, keepdims=True), NEG_INF, x)
+  m = x.max(-1, keepdims=True)
+  return (x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))).astype(np.float32)
+
+
+_SETTINGS = [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.8), (0.9, 5, 0.9)]
+
+
+def _processed_rows(rng, shape, ties_rows=()):
+  """Random processed target log-probs [B, ..., V]: each row b gets its own logit scale and
+  a random temperature/top-k/top-p setting; rows in ties_rows get integer logits (ties)."""
+  B = shape[0]
+  logits = rng.normal(size=shape) * rng.uniform(0.5, 3.0, size=(B,) + (1,) * (len(shape) - 1))
+  for b in ties_rows:
+    logits[b] = np.round(logits[b])  # few distinct values -> argmax / race ties
+  return np.stack([_np_processed(logits[b], *_SETTINGS[rng.integers(len(_SETTINGS))])
+                   for b in range(B)])
+
+
+def _top2(rng, shape, scale):
+  return _np_processed(rng.normal(size=shape) * scale, 1.0, 2, 1.0)
+
+
+def test_np_processed_matches_sampler():
+  rng = np.random.default_rng(0)
+  for t, k, p in _SETTINGS:
+    logits = rng.normal(size=(6, 23)) * 2
+    if p == 1.0:  # ties at the top-k threshold (top-p sums are float-order sensitive there)
+      logits = np.round(logits, 1)
+    want = np.asarray(processed_logprobs(jnp.asarray(logits, jnp.float32),
+                                         SamplingParams(t, top_k=k, top_p=p)))
+    got = _np_processed(logits.astype(np.float32), t, k, p)
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    np.testing.assert_allclose(got[np.isfinite(got)], want[np.isfinite(want)], atol=1e-5)
+
+
+def _log(x):
+  with np.errstate(divide="ignore"):
+    return np.log(np.asarray(x, np.float32))
+
+
+def _argmax(x):
+  return int(np.argmax(x))  # lowest index on ties, like jnp.argmax
+
+
+def make_chain_inputs(seed, B, K, V):
+  """Rows cycle through edge cases: random, all-accept (draft = argmax p, q = p), top-k targets
+  with random drafts (p(d) = 0), q == p with out-of-support drafts (empty residual), integer
+  logits + zero noise (ties), q(d) = 0 < p(d)."""
+  rng = np.random.default_rng(seed)
+  tlp = np.zeros((B, K + 1, V), np.float32)
+  qlp = np.zeros((B, K, V), np.float32)
+  d = np.zeros((B, K), np.int32)
+  u = rng.uniform(size=(B, K)).astype(np.float32)
+  g = rng.gumbel(size=(B, K + 1, V)).astype(np.float32)
+  ties = [b for b in range(B) if b % 7 == 4]
+  tlp[:] = _processed_rows(rng, (B, K + 1, V), ties)
+  qlp[:] = _processed_rows(rng, (B, K, V), ties)
+  top2_a, top2_b = _top2(rng, (B, K + 1, V), 2.0), _top2(rng, (B, K + 1, V), 1.0)
+  for b in range(B):
+    kind = b % 7
+    for i in range(K):
+      qp = np.exp(qlp[b, i].astype(np.float64))
+      d[b, i] = rng.choice(V, p=qp / qp.sum())
+    if kind == 1:  # all accepted in greedy and sampling: d = argmax p, q = p
+      d[b] = [_argmax(tlp[b, i]) for i in range(K)]
+      qlp[b] = tlp[b, :K]
+    elif kind == 2:  # top-k target, random drafts: often p(d) = 0
+      tlp[b] = top2_a[b]
+      d[b] = rng.integers(V, size=K)
+    elif kind == 3:  # q == p, drafts outside the support -> residual has no mass
+      tlp[b] = top2_b[b]
+      qlp[b] = tlp[b, :K]
+      for i in range(K):
+        out = np.flatnonzero(tlp[b, i] == NEG_INF)
+        d[b, i] = rng.choice(out) if len(out) and rng.uniform() < 0.7 else _argmax(tlp[b, i])
+    elif kind == 4:  # ties: zero noise so the race is an argmax with ties
+      g[b] = 0.0
+      d[b, : K // 2] = [_argmax(tlp[b, i]) for i in range(K // 2)]
+    elif kind == 5:  # q(d) = 0 < p(d): always accepted
+      for i in range(K):
+        d[b, i] = _argmax(tlp[b, i]) if rng.uniform() < 0.5 else d[b, i]
+        qlp[b, i, d[b, i]] = NEG_INF
+    elif kind == 6:  # first draft rejected for sure
+      sup0 = np.flatnonzero(tlp[b, 0] == NEG_INF)
+      if len(sup0):
+        d[b, 0] = sup0[0]
+      else:
+        tlp[b, 0, d[b, 0]] = NEG_INF
+  return tuple(map(jnp.asarray, (tlp, d, qlp, u, g)))
+
+
+def make_tree(seed, kind, T, C, D):
+  """children [T, C] and depth of each node for a tree of the given kind."""
+  rng = np.random.default_rng(seed)
+  kids = -np.ones((T, C), np.int32)
+  depth = np.zeros(T, np.int32)
+  if kind == "chain":
+    for n in range(1, T):
+      kids[n - 1, 0] = n
+      depth[n] = n
+  elif kind == "wide":
+    assert T - 1 <= C
+    kids[0, : T - 1] = np.arange(1, T)
+    depth[1:] = 1
+  else:  # "deep_wide" / "gaps": random tree, depth <= D, <= C children per node
+    count = np.zeros(T, np.int32)
+    for n in range(1, T):
+      ok = [m for m in range(n) if depth[m] < D and count[m] < C]
+      m = ok[-1] if rng.uniform() < 0.4 else rng.choice(ok)  # bias towards depth
+      kids[m, count[m]] = n
+      count[m] += 1
+      depth[n] = depth[m] + 1
+    if kind == "gaps":  # -1 holes between children: must be skipped, not end the list
+      for m in range(T):
+        row = [c for c in kids[m] if c >= 0]
+        if row and len(row) < C:
+          slots = np.sort(rng.choice(C, size=len(row), replace=False))
+          kids[m] = -1
+          kids[m, slots] = row
+  return kids, depth
+
+
+def make_tree_inputs(seed, B, kind, T, C, D, V):
+  """Per row: processed targets at every node, tokens mostly sampled from the parent's target
+  (so paths get accepted), some argmax children, duplicate siblings, out-of-support tokens."""
+  rng = np.random.default_rng(seed)
+  kids, depth = make_tree(seed, kind, T, C, D)
+  parent = -np.ones(T, np.int32)
+  for m in range(T):
+    for c in kids[m]:
+      if c >= 0:
+        parent[c] = m
+  tlp = _processed_rows(rng, (B, T, V), [b for b in range(B) if b % 5 == 4])
+  toks = np.zeros((B, T), np.int32)
+  for b in range(B):
+    for n in range(T):
+      if n == 0:
+        toks[b, 0] = rng.integers(V)
+        continue
+      p = np.exp(tlp[b, parent[n]].astype(np.float64))
+      r = rng.uniform()
+      if r < 0.35:
+        toks[b, n] = _argmax(tlp[b, parent[n]])
+      elif r < 0.5:
+        toks[b, n] = rng.integers(V)  # possibly outside the support
+      else:
+        toks[b, n] = rng.choice(V, p=p / p.sum())
+    if b % 3 == 2:  # duplicate siblings
+      for m in range(T):
+        row = [c for c in kids[m] if c >= 0]
+        if len(row) >= 2:
+          toks[b, row[1]] = toks[b, row[0]]
+  u = rng.uniform(size=(B, T)).astype(np.float32)
+  g = rng.gumbel(size=(B, T, V)).astype(np.float32)
+  g[B - 1] = 0.0  # one row with ties in the race
+  children = np.broadcast_to(kids, (B, T, C)).copy()
+  return tuple(map(jnp.asarray, (tlp, toks, children, u, g)))
+
+
+# ------------------------------------------------------------------------------------------------
+# Plain Python loop references (greedy)
+# ------------------------------------------------------------------------------------------------
+
+
+def py_greedy_chain(tlp, d):
+  tlp, d = np.asarray(tlp), np.asarray(d)
+  B, K = d.shape
+  n_out, nxt_out = [], []
+  for b in range(B):
+    n = 0
+    while n < K and d[b, n] == _argmax(tlp[b, n]):
+      n += 1
+    n_out.append(n)
+    nxt_out.append(_argmax(tlp[b, n]))
+  return np.array(n_out), np.array(nxt_out)
+
+
+def py_greedy_tree(tlp, toks, kids, D):
+  tlp, toks, kids = map(np.asarray, (tlp, toks, kids))
+  paths, ns, nxts = [], [], []
+  for b in range(tlp.shape[0]):
+    c, path = 0, [0]
+    while len(path) - 1 < D:
+      a = _argmax(tlp[b, c])
+      nxt_node = next((ch for ch in kids[b, c] if ch >= 0 and toks[b, ch] == a), None)
+      if nxt_node is None:
+        break
+      c = int(nxt_node)
+      path.append(c)
+    ns.append(len(path) - 1)
+    nxts.append(_argmax(tlp[b, c]))
+    paths.append(path + [-1] * (D + 1 - len(path)))
+  return np.array(paths), np.array(ns), np.array(nxts)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel == reference (exact)
+# ------------------------------------------------------------------------------------------------
+
+# (K, V, block_v): V not a multiple of the block (masked last tile), multiple tiles, one tile.
+CHAIN_CONFIGS = [(1, 7, None), (2, 37, 16), (3, 64, 16), (4, 130, 32), (5, 20, 8), (6, 33, 8),
+                 (7, 9, 8), (8, 45, 16)]
+
+
+def _assert_equal(got, want):
+  for g_, w_ in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g_), np.asarray(w_))
+
+
+@pytest.mark.parametrize("K,V,block_v", CHAIN_CONFIGS)
+def test_chain_kernel_matches_reference(K, V, block_v):
+  B = 14
+  tlp, d, qlp, u, g = make_chain_inputs(1000 + K, B, K, V)
+  for mode in ("greedy", "q", "onehot"):
+    greedy = mode == "greedy"
+    q = qlp if mode == "q" else None
+    want = verify_chain(tlp, d, q, u, g, greedy=greedy, use_kernel=False)
+    got = verify_chain(tlp, d, q, u, g, greedy=greedy, block_v=block_v)  # interpret: auto
+    _assert_equal(got, want)
+    n, nxt = map(np.asarray, got)
+    assert ((0 <= n) & (n <= K)).all()
+    # never a token outside the support of the distribution it was drawn from
+    assert np.isfinite(np.asarray(tlp)[np.arange(B), n, nxt]).all()
+    if greedy:
+      _assert_equal(got, py_greedy_chain(tlp, d))
+  # the edge-case rows really occur: all accepted / first rejected in sampling mode
+  n_q = np.asarray(verify_chain_reference(tlp, d, qlp, u, g, greedy=False)[0])
+  assert (n_q == K).any() and (n_q == 0).any()
+
+
+TREE_CONFIGS = [  # (kind, T, C, D, V, block_v)
+    ("chain", 6, 1, 5, 19, 8),
+    ("wide", 6, 5, 1, 37, 16),
+    ("deep_wide", 15, 3, 4, 45, 16),
+    ("deep_wide", 20, 4, 3, 8, None),
+    ("gaps", 12, 4, 4, 33, 32),
+]
+
+
+@pytest.mark.parametrize("kind,T,C,D,V,block_v", TREE_CONFIGS)
+def test_tree_kernel_matches_reference(kind, T, C, D, V, block_v):
+  B = 12
+  tlp, toks, kids, u, g = make_tree_inputs(2000 + T, B, kind, T, C, D, V)
+  for greedy in (True, False):
+    want = verify_tree(tlp, toks, kids, u, g, greedy=greedy, max_depth=D, use_kernel=False)
+    got = verify_tree(tlp, toks, kids, u, g, greedy=greedy, max_depth=D, block_v=block_v)
+    _assert_equal(got, want)
+    path, n, nxt = map(np.asarray, got)
+    assert path.shape == (B, D + 1) and (path[:, 0] == 0).all()
+    assert (n == (path[:, 1:] >= 0).sum(1)).all()
+    last = path[np.arange(B), n]
+    assert np.isfinite(np.asarray(tlp)[np.arange(B), last, nxt]).all()
+    for b in range(B):  # the path follows parent -> child edges
+      for j in range(n[b]):
+        assert path[b, j + 1] in np.asarray(kids)[b, path[b, j]]
+    if greedy:
+      _assert_equal(got, py_greedy_tree(tlp, toks, kids, D))
+  if kind == "deep_wide":  # truncating the walk below the tree's depth: still equal
+    got = verify_tree(tlp, toks, kids, u, g, greedy=False, max_depth=1)
+    want = verify_tree(tlp, toks, kids, u, g, greedy=False, max_depth=1, use_kernel=False)
+    _assert_equal(got, want)
+
+
+def test_chain_edge_cases_exact():
+  """Hand-built rows: p(d) = 0 rejects, q(d) = 0 < p(d) accepts, p == q accepts everything,
+  residual with no mass falls back to p (and stays inside p's support), ties -> lowest id."""
+  V, K = 5, 2
+  lp = _log([0.5, 0.3, 0.2, 0.0, 0.0])  # -inf outside the support
+  tlp = np.broadcast_to(lp, (4, K + 1, V)).copy()
+  qlp = np.broadcast_to(np.log(np.full(V, 0.2, np.float32)), (4, K, V)).copy()
+  d = np.array([[3, 0], [1, 1], [0, 0], [4, 4]], np.int32)
+  qlp[1, 0, 1] = NEG_INF  # row 1: q(d) = 0 < p(d): accepted
+  qlp[1, 1, 1] = NEG_INF
+  qlp[2] = tlp[2, :K]  # row 2: p == q: always accepted -> bonus from p_K
+  qlp[3] = tlp[3, :K]  # row 3: p == q, p(d) = 0: rejected, residual empty -> sample from p
+  u = np.full((4, K), 0.999, np.float32)
+  g = np.zeros((4, K + 1, V), np.float32)
+  g[:, :, 3] = 50.0  # the race would pick token 3 if it were not outside the support
+  args = tuple(map(jnp.asarray, (tlp, d, qlp, u, g)))
+  for use_kernel in (False, True):
+    n, nxt = map(np.asarray, verify_chain(*args, greedy=False, use_kernel=use_kernel))
+    np.testing.assert_array_equal(n, [0, 2, 2, 0])
+    np.testing.assert_array_equal(nxt, [0, 0, 0, 0])  # all-zero noise elsewhere: argmax p = 0
+    # one-hot drafts: accept prob p(d) (u = 0.999 rejects everything but p(d) = 1)
+    n1, nxt1 = map(np.asarray, verify_chain(*args[:2], None, *args[3:], greedy=False,
+                                            use_kernel=use_kernel))
+    np.testing.assert_array_equal(n1, [0, 0, 0, 0])
+    np.testing.assert_array_equal(nxt1, [0, 0, 1, 0])  # row 2: d=0 removed -> next best 1
+  assert not np.isnan(np.asarray(vf._residual_logp(jnp.asarray(tlp), jnp.asarray(tlp)))).any()
+  # greedy ties: lowest index wins
+  tie = _log([0.1, 0.4, 0.4, 0.1, 0.0])
+  tl = jnp.asarray(np.broadcast_to(tie, (2, K + 1, V)).copy())
+  dd = jnp.asarray(np.array([[1, 1], [2, 1]], np.int32))
+  for use_kernel in (False, True):
+    n, nxt = map(np.asarray, verify_chain(tl, dd, None, None, None, greedy=True,
+                                          use_kernel=use_kernel))
+    np.testing.assert_array_equal(n, [2, 0])
+    np.testing.assert_array_equal(nxt, [1, 1])
+
+
+def test_tree_edge_cases_exact():
+  """Duplicate siblings (the second copy is always rejected), leaves, p(tok) = 0 children."""
+  V = 4
+  p = _log([0.6, 0.4, 0.0, 0.0])
+  tlp = jnp.asarray(np.broadcast_to(p, (3, 4, V)).copy())
+  # root children: 1 (tok 0), 2 (tok 0, duplicate), 3 (tok 2, p = 0); nodes 1..3 are leaves
+  kids = jnp.asarray(np.broadcast_to(np.array([[1, 2, 3], [-1] * 3, [-1] * 3, [-1] * 3]),
+                                     (3, 4, 3)).copy())
+  toks = jnp.asarray(np.array([[9 % V, 0, 0, 2]] * 3, np.int32))
+  u = np.zeros((3, 4), np.float32)
+  u[0, 1] = 0.0  # row 0: accept node 1 (u < 0.6)
+  u[1, 1], u[1, 2] = 0.99, 0.0  # row 1: reject node 1; node 2 (dup) must be rejected even at u=0
+  u[2, 1], u[2, 3] = 0.99, 0.0  # row 2: same; node 3 has p = 0
+  g = np.zeros((3, 4, V), np.float32)
+  g[:, :, 2] = 50.0  # would pick the out-of-support token 2 if the mask were wrong
+  for use_kernel in (False, True):
+    path, n, nxt = map(np.asarray, verify_tree(tlp, toks, kids, jnp.asarray(u), jnp.asarray(g),
+                                               greedy=False, max_depth=1,
+                                               use_kernel=use_kernel))
+    np.testing.assert_array_equal(path, [[0, 1], [0, -1], [0, -1]])
+    np.testing.assert_array_equal(n, [1, 0, 0])
+    # row 0: leaf -> sample from p (noise 0 off-token-2 -> argmax 0); rows 1-2: token 0 rejected
+    # -> residual is token 1 only
+    np.testing.assert_array_equal(nxt, [0, 1, 1])
+
+
+def test_verify_is_jittable_and_randomness_shapes():
+  key = jax.random.PRNGKey(0)
+  u, g = draw_verify_randomness(key, 3, 4, 11)
+  assert u.shape == (3, 4) and g.shape == (3, 5, 11)
+  assert float(u.min()) >= 0.0 and float(u.max()) < 1.0 and bool(jnp.isfinite(g).all())
+  ut, gt = draw_tree_randomness(key, 3, 6, 11)
+  assert ut.shape == (3, 6) and gt.shape == (3, 6, 11)
+  tlp, d, qlp, _, _ = make_chain_inputs(5, 3, 4, 11)
+
+  @jax.jit
+  def f(key, tlp, d, qlp):  # arrays as arguments: closed-over constants get constant-folded
+    uu, gg = draw_verify_randomness(key, 3, 4, 11)
+    return verify_chain(tlp, d, qlp, uu, gg, greedy=False)
+
+  n, nxt = f(key, tlp, d, qlp)
+  _assert_equal((n, nxt), verify_chain_reference(tlp, d, qlp, u, g, greedy=False))
+
+
+def test_kernels_lower_to_triton():
+  """The kernels lower to Triton IR for CUDA (cross-platform lowering; no GPU needed). This
+  checks the Pallas -> TTIR step (supported primitives, power-of-two tensors); the Triton
+  compiler itself only runs on a GPU."""
+  try:
+    from jax._src.lib import triton  # noqa: F401  (the TTIR dialect bindings)
+  except ImportError as e:
+    pytest.skip(f"jaxlib without Triton bindings: {e}")
+  S, f32, i32 = jax.ShapeDtypeStruct, jnp.float32, jnp.int32
+  B, K, V, T, C, D = 4, 3, 1000, 7, 3, 3
+  cases = [
+      (vf.verify_chain_pallas, (S((B, K + 1, V), f32), S((B, K), i32), S((B, K, V), f32),
+                                S((B, K), f32), S((B, K + 1, V), f32)), {}),
+      (vf.verify_chain_pallas, (S((B, K + 1, V), f32), S((B, K), i32), None,
+                                S((B, K), f32), S((B, K + 1, V), f32)), {}),
+      (vf.verify_tree_pallas, (S((B, T, V), f32), S((B, T), i32), S((B, T, C), i32),
+                               S((B, T), f32), S((B, T, V), f32)), {"max_depth": D}),
+  ]
+  for fn, args, kw in cases:
+    for greedy in (True, False):
+      f = functools.partial(fn, greedy=greedy, interpret=False, block_v=256, **kw)
+      lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+      assert "xla.gpu.triton" in lowered.as_text()
+
+
+# ------------------------------------------------------------------------------------------------
+# Losslessness (chi-square on the emitted tokens vs the exact target distribution)
+# ------------------------------------------------------------------------------------------------
+
+VS = 7  # vocabulary of the statistical tests
+N = 40_000  # rows per vectorised verification call
+
+
+def _softmax_logp(x):
+  return np.asarray(jax.nn.log_softmax(jnp.asarray(x, jnp.float32), axis=-1))
+
+
+def markov_model(seed, top_k=False):
+  """Target: t1 ~ p0, t_{n+1} ~ P[t_n]. Drafter (deliberately mismatched): q0, Q[t]."""
+  rng = np.random.default_rng(seed)
+  tl0, tl = rng.normal(size=VS) * 2.0, rng.normal(size=(VS, VS)) * 2.0
+  if top_k:
+    sp = SamplingParams(0.8, top_k=4)
+    p0 = np.asarray(processed_logprobs(jnp.asarray(tl0, jnp.float32), sp))
+    P = np.asarray(processed_logprobs(jnp.asarray(tl, jnp.float32), sp))
+  else:
+    p0, P = _softmax_logp(tl0), _softmax_logp(tl)
+  q0, Q = _softmax_logp(rng.normal(size=VS) * 1.5), _softmax_logp(rng.normal(size=(VS, VS)) * 1.5)
+  return p0, P, q0, Q
+
+
+def chi2_p(counts, probs):
+  """Chi-square p-value of observed counts vs exact probs (cells with expected < 5 pooled);
+  asserts that zero-probability cells were never hit."""
+  counts, probs = np.asarray(counts, np.float64).ravel(), np.asarray(probs, np.float64).ravel()
+  assert counts[probs == 0].sum() == 0, "emitted a token outside the target support"
+  exp = probs / probs.sum() * counts.sum()
+  keep = exp >= 5
+  obs_k, exp_k = list(counts[keep]), list(exp[keep])
+  if (~keep & (probs > 0)).any():
+    obs_k.append(counts[~keep].sum())
+    exp_k.append(exp[~keep].sum())
+  return stats.chisquare(obs_k, exp_k).pvalue
+
+
+def _joint_pvalues(t1, t2, p0, P):
+  p0p, Pp = np.exp(p0.astype(np.float64)), np.exp(P.astype(np.float64))
+  c1 = np.bincount(t1, minlength=VS)
+  c12 = np.bincount(t1 * VS + t2, minlength=VS * VS)
+  return chi2_p(c1, p0p), chi2_p(c12, p0p[:, None] * Pp)
+
+
+def chain_round(key, start_p, start_q, P, Q, K, mode, rule):
+  """One verification round for N rows starting from per-row target/drafter rows [N, V].
+  mode: "q" (drafts ~ q, with draft_logp) | "onehot" (drafts = drafter argmax, no draft_logp).
+  Returns the emitted tokens [N, K+1] (-1 past the end)."""
+  kd, kr = jax.random.split(key)
+  Pj, Qj = jnp.asarray(P), jnp.asarray(Q)
+  tl, ql, ds = [start_p], [start_q], []
+  for i in range(K):
+    if mode == "q":
+      tok = jax.random.categorical(jax.random.fold_in(kd, i), ql[-1]).astype(jnp.int32)
+    else:
+      tok = jnp.argmax(ql[-1], axis=-1).astype(jnp.int32)
+    ds.append(tok)
+    tl.append(Pj[tok])
+    if i < K - 1:
+      ql.append(Qj[tok])
+  tlp, qlp, d = jnp.stack(tl, 1), jnp.stack(ql, 1), jnp.stack(ds, 1)
+  u, g = draw_verify_randomness(kr, tlp.shape[0], K, VS)
+  n, nxt = rule(tlp, d, qlp if mode == "q" else None, u, g, greedy=False)
+  pos = jnp.arange(K + 1)[None, :]
+  emitted = jnp.where(pos < n[:, None], jnp.pad(d, ((0, 0), (0, 1))), -1)
+  return jnp.where(pos == n[:, None], nxt[:, None], emitted)
+
+
+def chain_first_two(seed, model, K, mode, rule):
+  p0, P, q0, Q = map(jnp.asarray, model)
+  k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+  e1 = chain_round(k1, jnp.broadcast_to(p0, (N, VS)), jnp.broadcast_to(q0, (N, VS)), P, Q, K,
+                   mode, rule)
+  t1 = e1[:, 0]
+  e2 = chain_round(k2, P[t1], Q[t1], P, Q, K, mode, rule)  # next round, for 1-token rounds
+  t2 = jnp.where(e1[:, 1] >= 0, e1[:, 1], e2[:, 0])
+  return np.asarray(t1), np.asarray(t2)
+
+
+def build_q_tree(root_q, Q, widths, dup=False):
+  """Deterministic draft tree from the drafter's top tokens: the root gets widths[0] children
+  (top tokens of root_q, in score order), their children the top widths[1] of Q[tok], ...
+  root_q [N, V] (per-row root). dup=True repeats the root's first child token as its second
+  child. Returns tokens [N, T], children [N, T, C], parent-token index per node (-1 = root)."""
+  Nr = root_q.shape[0]
+  C = max(widths)
+  toks, kids, parent = [np.zeros(Nr, np.int32)], [], [-1]
+  frontier = [(0, np.asarray(root_q))]
+  kids_of = {}
+  for depth, w in enumerate(widths):
+    nxt = []
+    for node, qrow in frontier:
+      order = np.argsort(-qrow, axis=-1, kind="stable")[:, :w]
+      if dup and depth == 0 and w >= 2:
+        order = order.copy()
+        order[:, 1] = order[:, 0]
+      kids_of[node] = []
+      for j in range(w):
+        tok = order[:, j].astype(np.int32)
+        toks.append(tok)
+        parent.append(node)
+        new = len(toks) - 1
+        kids_of[node].append(new)
+        nxt.append((new, Q[tok]))
+    frontier = nxt
+  T = len(toks)
+  children = -np.ones((T, C), np.int32)
+  for node, ch in kids_of.items():
+    children[node, : len(ch)] = ch
+  return np.stack(toks, 1), np.broadcast_to(children, (Nr, T, C)).copy(), parent
+
+
+def tree_round(key, root_p, root_q, P, Q, widths, dup, rule):
+  toks, kids, parent = build_q_tree(root_q, Q, widths, dup)
+  T = toks.shape[1]
+  tl = [root_p] + [P[toks[:, n]] for n in range(1, T)]  # p at node n: after its token
+  tlp = jnp.asarray(np.stack(tl, 1))
+  u, g = draw_tree_randomness(key, tlp.shape[0], T, VS)
+  D = len(widths)
+  path, n, nxt = rule(tlp, jnp.asarray(toks), jnp.asarray(kids), u, g, greedy=False,
+                      max_depth=D)
+  path, n, nxt = map(np.asarray, (path, n, nxt))
+  rows = np.arange(toks.shape[0])
+  emitted = -np.ones((toks.shape[0], D + 1), np.int64)
+  for j in range(D):
+    emitted[:, j] = np.where(j < n, toks[rows, np.maximum(path[:, j + 1], 0)], -1)
+  emitted[rows, n] = nxt
+  return emitted
+
+
+def tree_first_two(seed, model, widths, dup, rule):
+  p0, P, q0, Q = model
+  k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+  e1 = tree_round(k1, np.broadcast_to(p0, (N, VS)), np.broadcast_to(q0, (N, VS)), P, Q, widths,
+                  dup, rule)
+  t1 = e1[:, 0]
+  e2 = tree_round(k2, P[t1], Q[t1], P, Q, widths, dup, rule)
+  t2 = np.where(e1[:, 1] >= 0, e1[:, 1], e2[:, 0])
+  return t1, t2
+
+
+# --- deliberately broken rules (modified copies of the reference) ------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("greedy",))
+def chain_broken_resample_from_p(target_logp, draft_tokens, draft_logp, uniforms, noise, *,
+                                 greedy):
+  """BROKEN: on rejection resample from p_j instead of norm(max(p_j - q_j, 0))."""
+  del greedy
+  B, K1, V = target_logp.shape
+  K = K1 - 1
+  rows = jnp.arange(B)
+  lp_d = jnp.take_along_axis(target_logp[:, :K], draft_tokens[..., None], -1)[..., 0]
+  lq_d = (jnp.zeros_like(lp_d) if draft_logp is None else
+          jnp.take_along_axis(draft_logp, draft_tokens[..., None], -1)[..., 0])
+  acc = (uniforms < vf._accept_ratio(lp_d, lq_d)).astype(jnp.int32)
+  n = jnp.sum(jnp.cumprod(acc, axis=1), axis=1).astype(jnp.int32)
+  lp_n = target_logp[rows, n]
+  return n, jnp.argmax(lp_n + noise[rows, n], axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("greedy",))
+def chain_broken_always_accept(target_logp, draft_tokens, draft_logp, uniforms, noise, *,
+                               greedy):
+  """BROKEN: accept every proposed draft (p/q acceptance without the coin), bonus from p_K."""
+  del draft_logp, uniforms, greedy
+  B, K1, _ = target_logp.shape
+  n = jnp.full((B,), K1 - 1, jnp.int32)
+  return n, jnp.argmax(target_logp[:, -1] + noise[:, -1], axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("greedy", "max_depth"))
+def tree_broken_no_renormalise(target_logp, tree_tokens, children, uniforms, noise, *, greedy,
+                               max_depth):
+  """BROKEN: accept a child with prob p(tok) instead of r(tok) / sum(r) (no renormalisation
+  after rejected siblings); otherwise the reference rule."""
+  del greedy
+  B, T, V = target_logp.shape
+  C = children.shape[2]
+  rows = jnp.arange(B)
+  node = jnp.zeros((B,), jnp.int32)
+  done = jnp.zeros((B,), bool)
+  depth = jnp.zeros((B,), jnp.int32)
+  path = [node]
+  for _ in range(max_depth):
+    ch = children[rows, node]
+    valid, chc = ch >= 0, jnp.maximum(ch, 0)
+    tok = jnp.take_along_axis(tree_tokens, chc, 1)
+    p_tok = jnp.exp(jnp.take_along_axis(target_logp[rows, node], tok, 1))
+    u = jnp.take_along_axis(uniforms, chc, 1)
+    found, target = jnp.zeros((B,), bool), node
+    for k in range(C):
+      acc = valid[:, k] & ~found & (u[:, k] < p_tok[:, k])
+      target = jnp.where(acc, chc[:, k], target)
+      found = found | acc
+    move = ~done & found
+    node, depth = jnp.where(move, target, node), depth + move
+    path.append(jnp.where(move, target, -1))
+    done = done | ~found
+  ch = children[rows, node]
+  tok = jnp.take_along_axis(tree_tokens, jnp.maximum(ch, 0), 1)
+  hit = jnp.any((ch >= 0)[:, :, None] & (tok[:, :, None] == jnp.arange(V)), 1)
+  hit = hit & (depth < max_depth)[:, None]
+  lp_c = target_logp[rows, node]
+  nxt = vf._gumbel_pick(jnp.where(hit, -jnp.inf, lp_c), lp_c, noise[rows, node])
+  return jnp.stack(path, 1), depth, nxt
+
+
+# --- the tests ----------------------------------------------------------------------------------
+
+STAT_SEEDS = {"q": 11, "onehot": 12}
+
+
+@pytest.mark.parametrize("top_k", [False, True])
+@pytest.mark.parametrize("mode", ["q", "onehot"])
+def test_chain_lossless(mode, top_k):
+  model = markov_model(3 + top_k, top_k=top_k)
+  t1, t2 = chain_first_two(STAT_SEEDS[mode] + top_k, model, 3, mode, verify_chain_reference)
+  p1, p12 = _joint_pvalues(t1, t2, model[0], model[1])
+  assert p1 > 1e-3 and p12 > 1e-3, (p1, p12)
+
+
+@pytest.mark.parametrize("widths,dup,top_k", [((3, 2, 1), False, False),
+                                             ((3, 2, 1), True, True),
+                                             ((4, 1), False, True)])
+def test_tree_lossless(widths, dup, top_k):
+  model = markov_model(5 + top_k, top_k=top_k)
+  t1, t2 = tree_first_two(21 + len(widths), model, widths, dup, verify_tree_reference)
+  p1, p12 = _joint_pvalues(t1, t2, model[0], model[1])
+  assert p1 > 1e-3 and p12 > 1e-3, (p1, p12)
+
+
+@pytest.mark.parametrize("rule,mode", [(chain_broken_resample_from_p, "q"),
+                                       (chain_broken_resample_from_p, "onehot"),
+                                       (chain_broken_always_accept, "q")])
+def test_chain_broken_rules_are_rejected(rule, mode):
+  """The same statistic has power: a broken rule fails it decisively."""
+  model = markov_model(3)
+  t1, t2 = chain_first_two(STAT_SEEDS[mode], model, 3, mode, rule)
+  p1, p12 = _joint_pvalues(t1, t2, model[0], model[1])
+  assert min(p1, p12) < 1e-6, (p1, p12)
+
+
+def test_tree_broken_rule_is_rejected():
+  model = markov_model(5)
+  t1, t2 = tree_first_two(24, model, (3, 2, 1), False, tree_broken_no_renormalise)
+  p1, p12 = _joint_pvalues(t1, t2, model[0], model[1])
+  assert min(p1, p12) < 1e-6, (p1, p12)
