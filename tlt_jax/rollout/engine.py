@@ -198,8 +198,8 @@ class RolloutWorker:
     exe = self._compiled.get(sig)
     if exe is None:
       t0 = time.perf_counter()
-      with self.mesh:
-        exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+      # Input shardings are committed (params on this worker's mesh), so no mesh context.
+      exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
       mem = None
       try:
         ma = exe.memory_analysis()
@@ -207,9 +207,11 @@ class RolloutWorker:
           mem = int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes)
       except Exception:  # backends without memory analysis
         mem = None
-      # KV cache k/v are [L, B, ...]: read their batch axis, not the layer count.
+      # Params (plain dicts, e.g. the drafter's) carry no batch; KV cache k/v are [L, B, ...]:
+      # read their batch axis, not the layer count.
+      batched = [a for a in args[1:] if not isinstance(a, dict)]
       batch = max((x.shape[decode._batch_axis(p)]
-                   for p, x in jax.tree_util.tree_leaves_with_path(args[1:])
+                   for p, x in jax.tree_util.tree_leaves_with_path(batched)
                    if getattr(x, "ndim", 0)), default=0)
       self.compile_log.append(CompileRecord(name, batch, time.perf_counter() - t0, mem))
       self._compiled[sig] = exe
