@@ -1,0 +1,584 @@
+"""Rollout engine and sampler, checked against independent references.
+
+* greedy decoding == transformers `generate(do_sample=False)` token for token (Qwen2, Llama),
+  with ragged prompts, a stop token that fires, per-request caps, refill and compaction;
+* batch-layout invariance: compaction on/off, chunk sizes, max_batch, multiple workers give
+  identical greedy AND sampled outputs (per-row keys);
+* the sampler's distribution == a float64 numpy re-implementation of HF's logits warpers
+  (chi-square), both for `sample_tokens` directly and end to end through the engine;
+* captured hidden states == the pre-final-norm hidden state of a full no-cache forward and of
+  transformers (hook on `model.model.norm`).
+
+Models are tiny (vocab 96, 2 layers, width 32) with every tensor drawn from N(0, 0.3) so their
+outputs are far from uniform/degenerate. Workers are module-scoped and shared between tests:
+on CPU the cost is compiling one executable per (function, bucket).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from jax.sharding import Mesh
+from scipy import stats
+from transformers.generation import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                     TopPLogitsWarper)
+
+from tlt_jax.models import compute_logits, forward
+from tlt_jax.models.hf_io import load_hf_model
+from tlt_jax.rollout.engine import (EngineConfig, Request, RolloutWorker, WorkerHooks,
+                                    run_workers)
+from tlt_jax.rollout.sampling import SamplingParams, processed_logprobs, sample_tokens
+
+VOCAB = 96
+MAX_NEW = 12
+MAX_PROMPT = 16
+PROMPT_LENS = (1, 3, 16, 7, 9, 11, 13, 2, 4, 6)  # ragged; one at exactly max_prompt_len
+CAPS = (None, 5, None, 8, None)  # per-request max_new_tokens, cycled (None -> MAX_NEW)
+GREEDY = SamplingParams(temperature=0.0)
+T1 = SamplingParams(temperature=1.0)
+
+
+# ------------------------------------------------------------------------------------ models
+@dataclasses.dataclass
+class TinyModel:
+  arch: str
+  path: str
+  hf: torch.nn.Module
+  cfg: object
+  params: dict
+
+
+def _build(arch: str, path: str, seed: int) -> TinyModel:
+  common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                rms_norm_eps=1e-6)
+  if arch == "qwen2":  # q/k/v biases, untied head
+    hf_cfg = transformers.Qwen2Config(**common, tie_word_embeddings=False,
+                                      use_sliding_window=False)
+    cls = transformers.Qwen2ForCausalLM
+  else:  # attention_bias (q/k/v/o biases), tied head, a different rope theta
+    hf_cfg = transformers.LlamaConfig(**common, tie_word_embeddings=True, attention_bias=True,
+                                      rope_theta=500.0)
+    cls = transformers.LlamaForCausalLM
+  torch.manual_seed(seed)
+  model = cls._from_config(hf_cfg, attn_implementation="eager", dtype=torch.float32)
+  with torch.no_grad():
+    for p in model.parameters():  # every tensor, norms and biases included
+      p.normal_(0.0, 0.3)
+  model.eval()
+  model.save_pretrained(path)
+  cfg, params = load_hf_model(path, dtype="float32", param_dtype="float32")
+  assert cfg.arch == arch and cfg.tie_word_embeddings == (arch == "llama")
+  return TinyModel(arch, path, model, cfg, params)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+  return {arch: _build(arch, str(tmp_path_factory.mktemp(arch)), seed)
+          for arch, seed in (("qwen2", 0), ("llama", 1))}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+  rng = np.random.default_rng(123)
+  return [rng.integers(0, VOCAB, size=n).tolist() for n in PROMPT_LENS]
+
+
+def hf_greedy(model, prompt, max_new, eos=None) -> list[int]:
+  ids = torch.tensor([prompt])
+  with torch.no_grad():
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         max_new_tokens=max_new, min_new_tokens=0, eos_token_id=eos,
+                         pad_token_id=eos if eos is not None else 0, num_beams=1)
+  return out[0, len(prompt):].tolist()
+
+
+def truncate(tokens: list[int], stop: int) -> list[int]:
+  return tokens[:tokens.index(stop) + 1] if stop in tokens else tokens
+
+
+def pick_stop(outputs: list[list[int]]) -> int:
+  """A token in some greedy outputs (not as their first token) and absent from others, so
+  both finish reasons occur."""
+  n = len(outputs)
+  best, best_score = None, -1
+  for t in sorted({t for o in outputs for t in o[1:]}):
+    hits = sum(t in o for o in outputs)
+    score = min(hits, n - hits)
+    if score > best_score:
+      best, best_score = t, score
+  assert best_score >= 2, f"degenerate greedy outputs: {outputs}"
+  return best
+
+
+def engine_cfg(**kw) -> EngineConfig:
+  base = dict(max_batch=4, buckets=(1, 2, 4), chunk_size=4, compaction=True,
+              max_prompt_len=MAX_PROMPT, max_new_tokens=MAX_NEW, prompt_bucket=MAX_PROMPT)
+  base.update(kw)
+  return EngineConfig(**base)
+
+
+def greedy_requests(prompts):
+  return [Request(p, request_id=i, max_new_tokens=CAPS[i % len(CAPS)])
+          for i, p in enumerate(prompts)]
+
+
+def sampled_requests(prompts):
+  # 5 prompts x 2 samples: samples of one prompt must differ through their sample_index.
+  return [Request(prompts[i], request_id=i, sample_index=s, max_new_tokens=CAPS[i % len(CAPS)])
+          for i in range(5) for s in range(2)]
+
+
+def by_id(results):
+  return {(r.request_id, r.sample_index): r for r in results}
+
+
+def run(worker, requests, sp, seed=0, hooks=None):
+  """generate() plus the chunk_log entries of this call."""
+  start = len(worker.chunk_log)
+  res = worker.generate(requests, sp, seed=seed, hooks=hooks)
+  return by_id(res), worker.chunk_log[start:]
+
+
+@pytest.fixture(scope="module")
+def greedy(models, prompts):
+  """Per arch: HF reference outputs, the stop token, the worker and the engine results."""
+  out = {}
+  for arch, m in models.items():
+    free = [hf_greedy(m.hf, p, MAX_NEW) for p in prompts]
+    stop = pick_stop(free)
+    caps = [c or MAX_NEW for c in (CAPS[i % len(CAPS)] for i in range(len(prompts)))]
+    # HF with eos=stop and the cap: its eos-free output cut after the first stop / at the cap
+    # (checked against generate(eos_token_id=stop) itself for a few prompts below).
+    ref = [truncate(o[:c], stop) for o, c in zip(free, caps)]
+    for i in range(3):
+      assert hf_greedy(m.hf, prompts[i], caps[i], eos=stop) == ref[i]
+    # Qwen's worker also captures hidden states (test_hidden_capture); Llama's does not.
+    worker = RolloutWorker(m.params, m.cfg,
+                           engine_cfg(stop_tokens=(stop,), capture_hidden=arch == "qwen2"))
+    results, chunks = run(worker, greedy_requests(prompts), GREEDY)
+    out[arch] = dict(ref=ref, stop=stop, caps=caps, worker=worker, results=results,
+                     chunks=chunks)
+  return out
+
+
+# ------------------------------------------------------------------------- 1. greedy vs HF
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_greedy_matches_transformers(greedy, prompts, arch):
+  g = greedy[arch]
+  results = g["results"]
+  assert sorted(results) == [(i, 0) for i in range(len(prompts))]
+  reasons = []
+  for i, (prompt, ref, cap) in enumerate(zip(prompts, g["ref"], g["caps"])):
+    r = results[(i, 0)]
+    assert r.response_ids.dtype == np.int32
+    np.testing.assert_array_equal(r.prompt_ids, prompt)
+    assert r.response_ids.tolist() == ref, f"{arch} request {i}"
+    assert 1 <= r.num_tokens <= cap
+    if r.response_ids[-1] == g["stop"]:
+      assert r.finish_reason == "stop"
+      assert g["stop"] not in r.response_ids[:-1].tolist()  # stopped at the first one
+    else:
+      assert r.finish_reason == "length" and r.num_tokens == cap
+      assert g["stop"] not in r.response_ids.tolist()
+    # greedy logprobs are the plain log-softmax of the chosen (max) token
+    assert np.all(r.logprobs <= 0) and np.all(np.isfinite(r.logprobs))
+    assert r.hidden is None or r.hidden.shape == (r.num_tokens, g["worker"].cfg.hidden_size)
+    reasons.append(r.finish_reason)
+  assert "stop" in reasons and "length" in reasons, reasons
+  # more requests than max_batch: the worker refilled freed slots
+  assert len(prompts) > g["worker"].ecfg.max_batch
+  assert max(c.live for c in g["chunks"]) <= g["worker"].ecfg.max_batch
+  assert sum(c.tokens for c in g["chunks"]) == sum(r.num_tokens for r in results.values())
+
+
+def test_greedy_logprobs_match_transformers(models, greedy, prompts):
+  """The returned logprob of each greedy token is log_softmax of HF's logits at its step."""
+  m, g = models["qwen2"], greedy["qwen2"]
+  for i in (0, 2, 5):
+    r = g["results"][(i, 0)]
+    seq = torch.tensor([prompts[i] + r.response_ids.tolist()])
+    with torch.no_grad():
+      logits = m.hf(seq).logits[0].double()
+    logp = torch.log_softmax(logits, -1).numpy()
+    p = len(prompts[i])
+    want = logp[np.arange(p - 1, p - 1 + r.num_tokens), r.response_ids]
+    np.testing.assert_allclose(r.logprobs, want, atol=1e-4, rtol=0)
+
+
+# ----------------------------------------------------- 2. batch-layout invariance, compaction
+@pytest.fixture(scope="module")
+def layouts(models, greedy, prompts):
+  """The same requests through differently laid-out Qwen workers."""
+  m, g = models["qwen2"], greedy["qwen2"]
+  stop = (g["stop"],)
+  main = g["worker"]
+  no_compact = RolloutWorker(m.params, m.cfg, engine_cfg(stop_tokens=stop, compaction=False,
+                                                         capture_hidden=True))
+  # a different chunk size AND a max_batch that is not itself a bucket
+  other_chunk = RolloutWorker(m.params, m.cfg, engine_cfg(stop_tokens=stop, chunk_size=3,
+                                                          max_batch=3, capture_hidden=True))
+  out = {"main": {}, "no_compact": {}, "other_chunk": {}}
+  out["main"]["sampled"] = run(main, sampled_requests(prompts), T1, seed=0)
+  out["no_compact"]["greedy"] = run(no_compact, greedy_requests(prompts), GREEDY)
+  out["no_compact"]["sampled"] = run(no_compact, sampled_requests(prompts), T1, seed=0)
+  out["other_chunk"]["sampled"] = run(other_chunk, sampled_requests(prompts), T1, seed=0)
+  out["workers"] = {"main": main, "no_compact": no_compact, "other_chunk": other_chunk}
+  return out
+
+
+def assert_same_results(a, b, what):
+  assert sorted(a) == sorted(b), what
+  for k in a:
+    ra, rb = a[k], b[k]
+    assert ra.response_ids.tolist() == rb.response_ids.tolist(), (what, k)
+    assert ra.finish_reason == rb.finish_reason, (what, k)
+    np.testing.assert_allclose(ra.logprobs, rb.logprobs, atol=1e-5, rtol=0, err_msg=str(k))
+    if ra.hidden is not None and rb.hidden is not None:
+      np.testing.assert_allclose(ra.hidden, rb.hidden, atol=1e-5, rtol=1e-5, err_msg=str(k))
+
+
+def test_compaction_does_not_change_outputs(greedy, layouts):
+  g = greedy["qwen2"]
+  assert_same_results(g["results"], layouts["no_compact"]["greedy"][0], "greedy, no compaction")
+  assert_same_results(layouts["main"]["sampled"][0], layouts["no_compact"]["sampled"][0],
+                      "sampled, no compaction")
+
+
+def test_chunk_size_and_max_batch_do_not_change_outputs(layouts):
+  res, chunks = layouts["other_chunk"]["sampled"]
+  assert_same_results(layouts["main"]["sampled"][0], res, "sampled, chunk_size=3, max_batch=3")
+  # max_batch=3 with buckets (1, 2, 4): never more than 3 live rows, even in the 4-bucket
+  assert max(c.live for c in chunks) <= 3
+  assert max(c.bucket for c in chunks) == 4
+  assert all(c.steps <= 3 for c in chunks)
+
+
+def test_compaction_shrinks_buckets(greedy, layouts):
+  for chunks in (greedy["qwen2"]["chunks"], layouts["main"]["sampled"][1]):
+    buckets = [c.bucket for c in chunks]
+    assert buckets[0] == 4 and buckets[-1] < 4, buckets
+    # every chunk runs at the smallest bucket holding its live rows once the queue is empty
+    assert chunks[-1].bucket == min(b for b in (1, 2, 4) if b >= chunks[-1].live)
+  no_compact = layouts["no_compact"]["greedy"][1]
+  assert {c.bucket for c in no_compact} == {4}
+  # compaction bought fewer row-steps for the same tokens
+  def row_steps(chunks):
+    return sum(c.bucket * c.steps for c in chunks)
+  assert row_steps(greedy["qwen2"]["chunks"]) < row_steps(no_compact)
+  for w in layouts["workers"].values():
+    cs = w.compile_stats()
+    assert cs["executables"] > 0 and cs["executables"] == len(w.compile_log)
+    assert cs["compile_seconds"] > 0
+  main = layouts["workers"]["main"]
+  names = {r.name for r in main.compile_log}
+  assert "take_rows" in names  # compaction really ran
+  # one decode executable per (sampling params, bucket), recorded with that bucket
+  decode_batches = sorted(r.batch for r in main.compile_log if r.name == ("decode", GREEDY))
+  assert decode_batches == sorted({c.bucket for c in greedy["qwen2"]["chunks"]})
+
+
+# ------------------------------------------------------------------------------- 3. seeds
+def test_seed_determinism(greedy, layouts, prompts):
+  worker = greedy["qwen2"]["worker"]
+  first = layouts["main"]["sampled"][0]
+  again, _ = run(worker, sampled_requests(prompts), T1, seed=0)
+  other, _ = run(worker, sampled_requests(prompts), T1, seed=1)
+  assert_same_results(first, again, "same seed")
+  toks = lambda res: {k: r.response_ids.tolist() for k, r in res.items()}
+  a, b = toks(first), toks(other)
+  assert sum(a[k] != b[k] for k in a) >= 5, (a, b)
+  # the two samples of a prompt differ (keys are folded with sample_index)
+  assert sum(a[(i, 0)] != a[(i, 1)] for i in range(5)) >= 3, a
+  # sampled outputs are not simply the greedy ones
+  greedy_toks = {i: r.response_ids.tolist() for (i, _), r in greedy["qwen2"]["results"].items()}
+  assert sum(a[(i, 0)] != greedy_toks[i] for i in range(5)) >= 3
+
+
+# --------------------------------------------------------------- 4. sampler vs numpy reference
+def _softmax(x):
+  x = np.asarray(x, np.float64)
+  e = np.exp(x - np.max(x))
+  return e / e.sum()
+
+
+def ref_probs(logits, sp: SamplingParams) -> np.ndarray:
+  """HF's temperature -> top-k -> top-p, in float64 numpy; ties at a threshold are kept."""
+  x = np.asarray(logits, np.float64) / sp.temperature
+  if sp.top_k and sp.top_k < x.size:
+    kth = np.sort(x)[-sp.top_k]
+    x = np.where(x < kth, -np.inf, x)
+  if sp.top_p < 1.0:
+    p = _softmax(x)
+    order = np.argsort(p, kind="stable")  # ascending
+    remove_sorted = np.cumsum(p[order]) <= 1.0 - sp.top_p
+    remove_sorted[-1] = False  # keep at least one token
+    keep = np.ones(x.size, bool)
+    keep[order[remove_sorted]] = False
+    keep |= p >= p[keep].min()  # a token tied with a kept one is kept
+    x = np.where(keep, x, -np.inf)
+  return _softmax(x)
+
+
+def hf_probs(logits, sp: SamplingParams) -> np.ndarray:
+  """The same processing through transformers' own logits warpers (float64)."""
+  scores = torch.tensor(np.asarray(logits, np.float64))[None]
+  if sp.temperature != 1.0:
+    scores = TemperatureLogitsWarper(sp.temperature)(None, scores)
+  if sp.top_k:
+    scores = TopKLogitsWarper(sp.top_k)(None, scores)
+  if sp.top_p < 1.0:
+    scores = TopPLogitsWarper(sp.top_p)(None, scores)
+  return torch.softmax(scores, -1)[0].numpy()
+
+
+def assert_well_conditioned(logits, sp):
+  """The top-p cut is not within float32 noise of a cumulative-mass boundary, so float32 vs
+  float64 cannot disagree on the support (keeps the comparison deterministic)."""
+  if sp.top_p >= 1.0:
+    return
+  x = np.asarray(logits, np.float64) / sp.temperature
+  if sp.top_k:
+    x = np.where(x < np.sort(x)[-sp.top_k], -np.inf, x)
+  p = np.sort(_softmax(x))
+  gaps = np.abs(np.cumsum(p) - (1.0 - sp.top_p))
+  assert gaps.min() > 1e-4, gaps.min()
+
+
+def chi_square(samples: np.ndarray, probs: np.ndarray) -> float:
+  """p-value of the counts of `samples` under `probs`, pooling bins expected < 5 times."""
+  n = samples.size
+  counts = np.bincount(samples, minlength=probs.size).astype(np.float64)
+  expected = n * probs
+  big = expected >= 5
+  obs = np.append(counts[big], counts[~big].sum())
+  exp = np.append(expected[big], expected[~big].sum())
+  if exp[-1] == 0:
+    obs, exp = obs[:-1], exp[:-1]
+  assert obs.size >= 2
+  return float(stats.chisquare(obs, exp).pvalue)
+
+
+SAMPLER_CASES = [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.0, top_k=5),
+    SamplingParams(temperature=1.0, top_p=0.8),
+    SamplingParams(temperature=1.6, top_k=12, top_p=0.7),
+]
+
+
+@pytest.fixture(scope="module")
+def fixed_logits():
+  return np.random.default_rng(7).normal(0.0, 1.5, size=20).astype(np.float32)
+
+
+def _draw(logits, sp, n, seed=0):
+  keys = jax.random.split(jax.random.key(seed), n)
+  batch = jnp.broadcast_to(jnp.asarray(logits), (n, logits.size))
+  toks, logp = jax.jit(sample_tokens, static_argnums=2)(keys, batch, sp)
+  return np.asarray(toks), np.asarray(logp)
+
+
+@pytest.mark.parametrize("sp", SAMPLER_CASES, ids=lambda sp: repr(sp))
+def test_sampler_distribution(fixed_logits, sp):
+  assert_well_conditioned(fixed_logits, sp)
+  ref = ref_probs(fixed_logits, sp)
+  np.testing.assert_allclose(ref, hf_probs(fixed_logits, sp), atol=1e-12)  # reference == HF
+  support = ref > 0
+  if sp.top_k or sp.top_p < 1:
+    assert 1 < support.sum() < fixed_logits.size  # the filters really cut something
+    if sp.temperature != 1.0:  # ... and temperature-before-filtering matters for this case
+      t1 = dataclasses.replace(sp, temperature=1.0)
+      assert support.sum() != (ref_probs(fixed_logits, t1) > 0).sum()
+  # processed log-probs
+  lp = np.asarray(processed_logprobs(jnp.asarray(fixed_logits), sp))
+  assert np.array_equal(np.isfinite(lp), support)
+  np.testing.assert_allclose(lp[support], np.log(ref[support]), atol=1e-5, rtol=0)
+  # samples
+  toks, logp = _draw(fixed_logits, sp, 20_000)
+  assert toks.dtype == np.int32
+  assert support[toks].all(), "sampled a token outside the processed support"
+  np.testing.assert_allclose(logp, np.log(ref[toks]), atol=1e-5, rtol=0)
+  p = chi_square(toks, ref)
+  assert p > 1e-3, f"{sp}: chi-square p={p}"
+
+
+def test_sampler_chi_square_has_power(fixed_logits):
+  toks, _ = _draw(fixed_logits, SamplingParams(temperature=0.7), 20_000)
+  wrong = ref_probs(fixed_logits, SamplingParams(temperature=1.0))
+  assert chi_square(toks, wrong) < 1e-6
+  # and a subtler mistake: top-p 0.8 sampled, checked against top-p 0.9
+  toks, _ = _draw(fixed_logits, SamplingParams(top_p=0.8), 20_000)
+  assert chi_square(toks, ref_probs(fixed_logits, SamplingParams(top_p=0.9))) < 1e-6
+
+
+def test_sampler_keeps_ties_and_greedy(fixed_logits):
+  logits = np.array([3.0, 2.0, 2.0, 2.0, 1.0, 0.5, 0.0, -1.0], np.float32)
+  for sp in (SamplingParams(top_k=2), SamplingParams(top_k=3, top_p=0.5)):
+    ref = ref_probs(logits, sp)
+    lp = np.asarray(processed_logprobs(jnp.asarray(logits), sp))
+    np.testing.assert_array_equal(np.isfinite(lp), ref > 0)
+    np.testing.assert_allclose(np.exp(lp), ref, atol=1e-6)
+    assert (ref > 0).sum() == 4  # 3.0 and all three tied 2.0s
+  # HF's top-k keeps ties too; its top-p cuts a tie wherever its sort puts it (top_k=3,
+  # top_p=0.5 keeps 3.0 and ONE of the 2.0s), a documented deviation: ours keeps the tie.
+  hf_k = hf_probs(logits, SamplingParams(top_k=2)) > 0
+  np.testing.assert_array_equal(hf_k, ref_probs(logits, SamplingParams(top_k=2)) > 0)
+  hf_p = hf_probs(logits, SamplingParams(top_k=3, top_p=0.5)) > 0
+  assert hf_p.sum() == 2 and hf_p[0]
+  # greedy: argmax token, plain log-softmax logprob, independent of the keys
+  toks, logp = _draw(fixed_logits, GREEDY, 64)
+  assert (toks == np.argmax(fixed_logits)).all()
+  np.testing.assert_allclose(logp, np.log(_softmax(fixed_logits)[np.argmax(fixed_logits)]),
+                             atol=1e-6)
+
+
+def test_sampling_params_validation():
+  for kw in (dict(temperature=-0.1), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5)):
+    with pytest.raises(ValueError):
+      SamplingParams(**kw)
+
+
+# --------------------------------------------------- 5. end-to-end engine sampling distribution
+def test_engine_sampling_distribution(models, greedy, prompts):
+  m = models["qwen2"]
+  worker = greedy["qwen2"]["worker"]  # already compiled for this layout
+  sp = SamplingParams(temperature=1.5, top_k=30, top_p=0.9)
+  prompt = prompts[4]
+  with torch.no_grad():
+    logits = m.hf(torch.tensor([prompt])).logits[0, -1].double().numpy()
+  assert_well_conditioned(logits, sp)
+  ref = hf_probs(logits, sp)
+  np.testing.assert_allclose(ref, ref_probs(logits, sp), atol=1e-12)
+  support = ref > 0
+  assert 5 <= support.sum() < VOCAB and ref.max() < 0.5, ref  # a non-trivial distribution
+  n = 2000
+  reqs = [Request(prompt, request_id=7, sample_index=s, max_new_tokens=1) for s in range(n)]
+  results = worker.generate(reqs, sp, seed=3)
+  assert len(results) == n and all(r.num_tokens == 1 for r in results)
+  assert sorted(r.sample_index for r in results) == list(range(n))
+  toks = np.array([r.response_ids[0] for r in results])
+  logp = np.array([r.logprobs[0] for r in results])
+  assert support[toks].all()
+  np.testing.assert_allclose(logp, np.log(ref[toks]), atol=1e-4, rtol=0)
+  p = chi_square(toks, ref)
+  assert p > 1e-3, p
+  # the same draws are NOT from the unprocessed softmax (the check can fail)
+  assert chi_square(toks, _softmax(logits)) < 1e-6
+
+
+# ----------------------------------------------------------------------- 6. hidden capture
+def test_hidden_capture(models, greedy, layouts, prompts):
+  m = models["qwen2"]
+  cases = [(greedy["qwen2"]["results"][(i, 0)], prompts[i]) for i in (0, 2, 3, 6)]
+  sampled = layouts["main"]["sampled"][0]
+  cases += [(sampled[(i, 1)], prompts[i]) for i in (1, 4)]
+  seqs = [prompt + r.response_ids.tolist() for r, prompt in cases]
+  # One no-cache forward over all sequences, right-padded (causal: padding never leaks back).
+  width = MAX_PROMPT + MAX_NEW
+  toks = np.zeros((len(seqs), width), np.int32)
+  for i, seq in enumerate(seqs):
+    toks[i, :len(seq)] = seq
+  pos = np.broadcast_to(np.arange(width, dtype=np.int32), toks.shape)
+  full = np.asarray(jax.jit(lambda t, p: forward(m.params, t, p, cfg=m.cfg).hidden)(toks, pos))
+  captured = []
+  handle = m.hf.model.norm.register_forward_hook(
+      lambda mod, inp, out: captured.append(inp[0].detach()))
+  try:
+    for i, ((r, prompt), seq) in enumerate(zip(cases, seqs)):
+      assert r.hidden is not None and r.hidden.shape == (r.num_tokens, m.cfg.hidden_size)
+      p = len(prompt)
+      rows = np.arange(p - 1, p - 1 + r.num_tokens)
+      np.testing.assert_allclose(r.hidden, full[i, rows], atol=1e-4, rtol=1e-4)
+      captured.clear()
+      with torch.no_grad():
+        m.hf(torch.tensor([seq]))
+      assert len(captured) == 1
+      np.testing.assert_allclose(r.hidden, captured[0][0].numpy()[rows], atol=1e-4, rtol=1e-4)
+  finally:
+    handle.remove()
+  # and the hidden really is what chose the token: greedy tokens are the argmax of its logits
+  greedy_cases = cases[:4]
+  hidden = np.concatenate([r.hidden for r, _ in greedy_cases])
+  lg = np.asarray(compute_logits(m.params, jnp.asarray(hidden), m.cfg))
+  np.testing.assert_array_equal(lg.argmax(-1),
+                                np.concatenate([r.response_ids for r, _ in greedy_cases]))
+  assert greedy["llama"]["results"][(0, 0)].hidden is None  # capture off -> None
+
+
+# --------------------------------------------------------------------------- 7. run_workers
+def test_run_workers_two_devices(models, greedy, prompts):
+  m, g = models["qwen2"], greedy["qwen2"]
+  assert len(jax.devices()) >= 2
+  main = g["worker"]
+  assert main.mesh.devices.flat[0] == jax.devices()[0]
+  second = RolloutWorker(m.params, m.cfg, main.ecfg, worker_id=1,
+                         mesh=Mesh(np.array([jax.devices()[1]]).reshape(1, 1, 1),
+                                   ("data", "fsdp", "tensor")))
+  assert {d for x in jax.tree.leaves(second.params) for d in x.devices()} == {jax.devices()[1]}
+  lock = threading.Lock()
+  seen = {"results": [], "idle": [], "chunks": []}
+
+  def rec(name):
+    def f(*args):
+      with lock:
+        seen[name].append(args[0] if len(args) == 1 else args)
+    return f
+
+  hooks = WorkerHooks(on_chunk=rec("chunks"), on_result=rec("results"), on_idle=rec("idle"))
+  reqs = greedy_requests(prompts)
+  out = run_workers([main, second], reqs, GREEDY, seed=0, hooks=hooks)
+  assert [(r.request_id, r.sample_index) for r in out] == [(i, 0) for i in range(len(reqs))]
+  assert_same_results(g["results"], by_id(out), "two workers vs one")
+  # whole prompt groups go to worker request_id % 2
+  assert all(r.worker_id == r.request_id % 2 for r in out)
+  # hooks
+  assert sorted((r.request_id, r.sample_index) for r in seen["results"]) == \
+      [(i, 0) for i in range(len(reqs))]
+  assert sorted(w for w, _ in seen["idle"]) == [0, 1]
+  assert sum(c.tokens for c in seen["chunks"]) == sum(r.num_tokens for r in out)
+  assert {c.worker_id for c in seen["chunks"]} == {0, 1}
+  for wid in (0, 1):
+    mine = [r for r in out if r.worker_id == wid]
+    assert sum(c.tokens for c in seen["chunks"] if c.worker_id == wid) == \
+        sum(r.num_tokens for r in mine)
+
+
+# ------------------------------------------------------------------------------- 8. errors
+def test_validation_errors(greedy):
+  worker = greedy["llama"]["worker"]
+  cases = [
+      (Request([], request_id=3), r"request 3: empty prompt"),
+      (Request(list(range(MAX_PROMPT + 1)), request_id=4),
+       rf"request 4: prompt has {MAX_PROMPT + 1} tokens, more than max_prompt_len={MAX_PROMPT}"),
+      (Request([1, 2, VOCAB], request_id=5),
+       rf"request 5: token id {VOCAB} is outside the vocabulary \[0, {VOCAB}\)"),
+      (Request([1, -1], request_id=6), r"request 6: token id -1 is outside the vocabulary"),
+  ]
+  n_exec = len(worker.compile_log)
+  for req, msg in cases:
+    # a bad request among good ones is rejected before any work is done
+    with pytest.raises(ValueError, match=msg):
+      worker.generate([Request([1, 2, 3], request_id=0), req], GREEDY)
+  assert len(worker.compile_log) == n_exec
+  assert worker.generate([], GREEDY) == []
+
+
+def test_engine_config_errors():
+  with pytest.raises(ValueError, match=r"largest bucket must be >= max_batch=8"):
+    EngineConfig(max_batch=8, buckets=(1, 2, 4))
+  with pytest.raises(ValueError, match=r"strictly increasing"):
+    EngineConfig(max_batch=4, buckets=(4, 2, 1))
+  with pytest.raises(ValueError, match=r"strictly increasing"):
+    EngineConfig(max_batch=4, buckets=())
+  for name in ("max_batch", "chunk_size", "max_prompt_len", "max_new_tokens", "prompt_bucket"):
+    with pytest.raises(ValueError, match=rf"EngineConfig.{name}=0 must be positive"):
+      EngineConfig(**{name: 0})
+  EngineConfig(max_batch=3, buckets=(1, 2, 4))  # buckets may overshoot max_batch
