@@ -28,7 +28,7 @@ def get_config():
   c.data.prompt_key = "prompt"
   c.data.answer_key = "answer"
   c.data.on_bad_row = "skip"
-  c.data.max_prompt_len = 64
+  c.data.max_prompt_len = 80
 
   c.reward = ml_collections.ConfigDict()
   c.reward.name = "arith"

@@ -112,7 +112,7 @@ PEAKED = ModelConfig(arch="llama", vocab_size=V, hidden_size=32, intermediate_si
                      num_layers=2, num_heads=4, num_kv_heads=2, tie_word_embeddings=False)
 PROMPT = [1, 4, 2]
 NEW = 3  # joint distribution of the first 3 tokens: V**3 = 216 cells
-N = 24000
+N = 12000
 
 
 @pytest.fixture(scope="module")
