@@ -119,6 +119,9 @@ class ModelConfig:
       theta = d.get("rope_theta")
     n_heads = int(d["num_attention_heads"])
     attn_bias = bool(d.get("attention_bias", False))
+    head_dim = d.get("head_dim")
+    if head_dim is not None and int(head_dim) * n_heads == int(d["hidden_size"]):
+      head_dim = None  # the implied default: keep configs equal (and jit caches warm)
     kw = dict(
         arch=model_type,
         vocab_size=int(d["vocab_size"]),
@@ -127,7 +130,7 @@ class ModelConfig:
         num_layers=int(d["num_hidden_layers"]),
         num_heads=n_heads,
         num_kv_heads=int(d.get("num_key_value_heads") or n_heads),
-        head_dim=d.get("head_dim"),
+        head_dim=None if head_dim is None else int(head_dim),
         rope_theta=float(theta if theta is not None else 10000.0),
         rope_scaling=scaling,
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),

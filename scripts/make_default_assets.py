@@ -1,0 +1,440 @@
+#!/usr/bin/env python
+"""Reproduces the default task assets in tlt_jax/assets/default/ (CPU, no downloads).
+
+    python scripts/make_default_assets.py            # ~5-10 min on a 2-core laptop CPU
+
+Writes
+  data/train.jsonl   RL prompts (+ `response`, the reference trace, for SFT / analysis)
+  data/test.jsonl    held-out evaluation prompts
+  model/             tokenizer + cold-start Qwen2 model, loadable as-is by
+                     transformers.AutoModelForCausalLM / AutoTokenizer and tlt_jax.models.hf_io
+  manifest.json      task parameters, seeds, length quantiles, model size, accuracy
+
+Steps
+  1. generate train/test splits of the multi-step arithmetic task (tlt_jax.data.arith);
+  2. train a tiny BPE tokenizer (digits split individually, ~25 tokens) and check its round trip;
+  3. cold-start SFT of a ~1M-parameter Qwen2 model (tlt_jax.models) on prompt + reference trace
+     + EOS, loss on response tokens only, with sequences packed into fixed-size rows; every
+     `--eval_every` steps greedy accuracy is measured on a validation set (its own seed, not
+     the test split) and training stops once it reaches `--target_acc`, so the checkpoint is
+     deliberately MIDDLING (short chains mostly right, long chains mostly wrong): room for RL;
+  4. save via tlt_jax.models.hf_io, reload with transformers, compare logits against ours, and
+     print the report (test accuracy overall and by chain length, length quantiles, sizes).
+
+Everything is seeded; on the same software stack the run reproduces the same assets (the
+stopping rule is step-based; `--time_budget` is only a safety net that would make the result
+machine-dependent if it ever triggers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shutil
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from tlt_jax.data import arith  # noqa: E402
+from tlt_jax.models import (ModelConfig, forward, init_cache, init_params,  # noqa: E402
+                            num_params, segment_causal_mask)
+from tlt_jax.models.hf_io import load_hf_model, save_hf_model  # noqa: E402
+
+# Fixed seeds of every random stream (distinct so splits never share a generator).
+TRAIN_SEED, TEST_SEED, SFT_SEED, VAL_SEED, INIT_SEED = 1, 2, 3, 4, 0
+BUCKETS = ((2, 3), (4, 6), (7, 11), (12, 18), (19, arith.K_MAX))
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--out", default=arith.default_assets_dir())
+  p.add_argument("--n_train", type=int, default=4000)
+  p.add_argument("--n_test", type=int, default=400)
+  p.add_argument("--n_val", type=int, default=256)
+  # model
+  p.add_argument("--hidden", type=int, default=128)
+  p.add_argument("--layers", type=int, default=4)
+  p.add_argument("--heads", type=int, default=4)
+  p.add_argument("--kv_heads", type=int, default=2)
+  p.add_argument("--vocab_size", type=int, default=32, help="model vocab (>= tokenizer's)")
+  # SFT
+  p.add_argument("--rows", type=int, default=8, help="packed rows per batch")
+  p.add_argument("--seq_len", type=int, default=512, help="tokens per packed row")
+  p.add_argument("--lr", type=float, default=3e-3)
+  p.add_argument("--warmup", type=int, default=50)
+  p.add_argument("--max_steps", type=int, default=800, help="cosine schedule length and cap")
+  p.add_argument("--time_budget", type=float, default=3600.0, help="seconds; safety net")
+  p.add_argument("--eval_every", type=int, default=25)
+  p.add_argument("--min_steps", type=int, default=150)
+  p.add_argument("--target_acc", type=float, default=0.40,
+                 help="stop SFT once greedy validation accuracy reaches this")
+  p.add_argument("--log_every", type=int, default=10)
+  p.add_argument("--max_new_tokens", type=int, default=256)
+  return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------- data
+def write_jsonl(path, rows, fields):
+  with open(path, "w") as f:
+    for r in rows:
+      f.write(json.dumps({k: r[k] for k in fields}) + "\n")
+
+
+def quantiles(lengths):
+  a = np.asarray(lengths)
+  return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+          "p99": float(np.percentile(a, 99)), "max": int(a.max()), "mean": float(a.mean())}
+
+
+class PackedStream:
+  """Infinite stream of SFT examples packed into [rows, seq_len] batches.
+
+  Each example is prompt + response + EOS; positions restart at 0 per example, segment ids
+  separate examples (attention never crosses them), and the loss mask selects the positions
+  whose NEXT token is a response token (incl. EOS).
+  """
+
+  def __init__(self, tok, eos_id, pad_id, rows, seq_len, seed):
+    self.tok, self.eos, self.pad = tok, eos_id, pad_id
+    self.rows, self.seq_len = rows, seq_len
+    self.rng = np.random.default_rng(seed)
+    self.pending = None
+
+  def _example(self):
+    prob = arith.make_problem(self.rng)
+    p = self.tok.encode(prob["prompt"]).ids
+    r = self.tok.encode(prob["response"]).ids + [self.eos]
+    return p, r
+
+  def next_batch(self):
+    R, T = self.rows, self.seq_len
+    tokens = np.full((R, T), self.pad, np.int32)
+    positions = np.zeros((R, T), np.int32)
+    segs = np.zeros((R, T), np.int32)
+    loss_mask = np.zeros((R, T), np.float32)
+    for row in range(R):
+      pos, seg = 0, 0
+      while True:
+        ex = self.pending or self._example()
+        p, r = ex
+        n = len(p) + len(r)
+        if n > T:
+          raise ValueError(f"example of {n} tokens does not fit --seq_len {T}")
+        if pos + n > T:
+          self.pending = ex
+          break
+        self.pending = None
+        seg += 1
+        tokens[row, pos:pos + n] = p + r
+        positions[row, pos:pos + n] = np.arange(n)
+        segs[row, pos:pos + n] = seg
+        # logits at position t predict token t+1: response tokens are p..n-1 of the example
+        loss_mask[row, pos + len(p) - 1:pos + n - 1] = 1.0
+        pos += n
+    return tokens, positions, segs, loss_mask
+
+
+# ------------------------------------------------------------------------------------- SFT
+def make_train_step(cfg, optimizer):
+  def loss_fn(params, tokens, positions, segs, loss_mask):
+    mask = segment_causal_mask(segs)
+    logits = forward(params, tokens, positions, cfg=cfg, attn_mask=mask).logits
+    targets = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum(nll * loss_mask) / jnp.maximum(jnp.sum(loss_mask), 1.0)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, opt_state, tokens, positions, segs, loss_mask):
+    loss, grads = jax.value_and_grad(loss_fn)(params, tokens, positions, segs, loss_mask)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss, optax.global_norm(grads)
+
+  return step
+
+
+# --------------------------------------------------------------- the script's own eval helper
+def make_greedy_decode(cfg, eos_id, pad_id, max_new):
+  """Script-local evaluation helper (not the project's rollout engine): batched greedy decoding
+  with the model's KV cache. Prompts are right-padded; per-row `lengths` in the cache make the
+  padding invisible (the padded slots are past `lengths` and get overwritten)."""
+
+  @jax.jit
+  def decode(params, prompts, prompt_lens):
+    b, tp = prompts.shape
+    cache = init_cache(cfg, b, tp + max_new)
+    positions = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (b, tp))
+    out = forward(params, prompts, positions, cfg=cfg, cache=cache)
+    cache = out.cache.replace(lengths=prompt_lens)
+    last = jnp.take_along_axis(out.logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+    tok = jnp.argmax(last, axis=-1).astype(jnp.int32)
+    buf = jnp.full((b, max_new), pad_id, jnp.int32)
+    done = jnp.zeros((b,), jnp.bool_)
+
+    def cond(state):
+      i, _, _, done, _ = state
+      return (i < max_new) & ~jnp.all(done)
+
+    def body(state):
+      i, tok, cache, done, buf = state
+      buf = buf.at[:, i].set(jnp.where(done, pad_id, tok))
+      done = done | (tok == eos_id)
+      o = forward(params, tok[:, None], cache.lengths[:, None], cfg=cfg, cache=cache)
+      cache = o.cache.replace(lengths=cache.lengths + 1)
+      nxt = jnp.argmax(o.logits[:, 0], axis=-1).astype(jnp.int32)
+      return i + 1, nxt, cache, done, buf
+
+    _, _, _, _, buf = jax.lax.while_loop(cond, body, (0, tok, cache, done, buf))
+    return buf
+
+  return decode
+
+
+def greedy_responses(decode, params, tok, problems, eos_id, pad_id, batch=256):
+  """Greedy response text (cut at EOS, EOS excluded) for each problem."""
+  enc = [tok.encode(p["prompt"]).ids for p in problems]
+  tp = 2 * arith.K_MAX + 8  # a fixed prompt buffer: one compile for every batch
+  out = []
+  for s in range(0, len(enc), batch):
+    chunk = enc[s:s + batch]
+    n = len(chunk)
+    chunk = chunk + [chunk[-1]] * (batch - n)  # fixed batch size: pad with repeats
+    prompts = np.full((batch, tp), pad_id, np.int32)
+    for i, ids in enumerate(chunk):
+      prompts[i, :len(ids)] = ids
+    lens = np.array([len(c) for c in chunk], np.int32)
+    gen = np.asarray(decode(params, jnp.asarray(prompts), jnp.asarray(lens)))[:n]
+    for row in gen:
+      ids = row.tolist()
+      ids = ids[:ids.index(eos_id)] if eos_id in ids else [t for t in ids if t != pad_id]
+      out.append(tok.decode(ids))
+  return out
+
+
+def accuracy_report(problems, responses):
+  scores = np.array([arith.score(r, p["answer"]) for p, r in zip(problems, responses)])
+  ks = np.array([p["num_terms"] for p in problems])
+  by_bucket = {}
+  for lo, hi in BUCKETS:
+    sel = (ks >= lo) & (ks <= hi)
+    if sel.any():
+      by_bucket[f"{lo}-{hi}"] = {"n": int(sel.sum()), "acc": float(scores[sel].mean())}
+  return float(scores.mean()), by_bucket
+
+
+# ------------------------------------------------------------------------------------- main
+def dir_size(path):
+  return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  t_start = time.time()
+  out_dir = os.path.abspath(args.out)
+  data_dir, model_dir = os.path.join(out_dir, "data"), os.path.join(out_dir, "model")
+  os.makedirs(data_dir, exist_ok=True)
+
+  # 1. data ---------------------------------------------------------------------------------
+  train = arith.generate_dataset(args.n_train, TRAIN_SEED)
+  test = arith.generate_dataset(args.n_test, TEST_SEED)
+  val = arith.generate_dataset(args.n_val, VAL_SEED)
+  for p in train + test:
+    assert arith.check_trace(p["prompt"], p["response"]), p
+  write_jsonl(os.path.join(data_dir, "train.jsonl"), train,
+              ("prompt", "answer", "num_terms", "response"))
+  write_jsonl(os.path.join(data_dir, "test.jsonl"), test, ("prompt", "answer", "num_terms"))
+
+  # 2. tokenizer ----------------------------------------------------------------------------
+  tok = arith.train_tokenizer(p["prompt"] + p["response"] for p in train)
+  hf_tok = arith.wrap_tokenizer(tok)
+  eos_id, pad_id = hf_tok.eos_token_id, hf_tok.pad_token_id
+  if tok.get_vocab_size() > args.vocab_size:
+    raise SystemExit(f"tokenizer has {tok.get_vocab_size()} tokens > --vocab_size")
+  for p in train + test:
+    text = p["prompt"] + p["response"]
+    ids = tok.encode(text).ids
+    assert tok.decode(ids) == text, text
+    assert tok.encode(p["prompt"]).ids + tok.encode(p["response"]).ids == ids, text
+  resp_len = [len(tok.encode(p["response"]).ids) + 1 for p in train]  # + EOS
+  prompt_len = [len(tok.encode(p["prompt"]).ids) for p in train]
+  len_q = quantiles(resp_len)
+  print(f"tokenizer: {tok.get_vocab_size()} tokens {sorted(tok.get_vocab(), key=tok.token_to_id)}")
+  print(f"example: {train[0]['prompt']!r} -> {train[0]['response']!r}")
+  print("train response length (tokens incl. EOS): "
+        + " ".join(f"{k}={v:.0f}" for k, v in len_q.items())
+        + f"; prompt p50={np.median(prompt_len):.0f} max={max(prompt_len)}")
+
+  # 3. SFT ----------------------------------------------------------------------------------
+  cfg = ModelConfig(arch="qwen2", vocab_size=args.vocab_size, hidden_size=args.hidden,
+                    intermediate_size=4 * args.hidden, num_layers=args.layers,
+                    num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=None,
+                    rope_theta=10000.0, rms_norm_eps=1e-6, qkv_bias=True,
+                    tie_word_embeddings=True, max_position_embeddings=512,
+                    dtype="float32", param_dtype="float32")
+  n_params = num_params(cfg)
+  print(f"model: qwen2 {args.layers}L d={args.hidden} heads={args.heads}/{args.kv_heads} "
+        f"vocab={args.vocab_size}: {n_params / 1e6:.2f}M params")
+  params = init_params(cfg, jax.random.key(INIT_SEED))
+  sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, args.max_steps,
+                                             end_value=0.1 * args.lr)
+  optimizer = optax.chain(optax.clip_by_global_norm(1.0),
+                          optax.adamw(sched, b1=0.9, b2=0.98, weight_decay=0.01))
+  opt_state = optimizer.init(params)
+  step_fn = make_train_step(cfg, optimizer)
+  decode = make_greedy_decode(cfg, eos_id, pad_id, args.max_new_tokens)
+  stream = PackedStream(tok, eos_id, pad_id, args.rows, args.seq_len, SFT_SEED)
+
+  history = []
+  t0 = time.time()
+  val_acc, step = 0.0, 0
+  bar = tqdm(range(1, args.max_steps + 1), desc="SFT", dynamic_ncols=True)
+  losses = []
+  for step in bar:
+    batch = stream.next_batch()
+    params, opt_state, loss, gnorm = step_fn(params, opt_state, *map(jnp.asarray, batch))
+    losses.append(float(loss))
+    bar.set_postfix(loss=f"{losses[-1]:.3f}", val_acc=f"{val_acc:.2f}")
+    if step % args.log_every == 0:
+      tqdm.write(f"step {step:5d} loss {np.mean(losses[-args.log_every:]):.4f} "
+                 f"gnorm {float(gnorm):.3f} lr {float(sched(step)):.2e} "
+                 f"{time.time() - t0:.0f}s")
+    if step >= args.min_steps and step % args.eval_every == 0:
+      val_acc, by_bucket = accuracy_report(val, greedy_responses(decode, params, tok, val,
+                                                                 eos_id, pad_id))
+      history.append({"step": step, "loss": float(np.mean(losses[-args.eval_every:])),
+                      "val_acc": val_acc})
+      tqdm.write(f"step {step:5d} val greedy acc {val_acc:.3f} "
+                 + " ".join(f"k{b}:{v['acc']:.2f}" for b, v in by_bucket.items()))
+      if val_acc >= args.target_acc:
+        tqdm.write(f"reached target accuracy {args.target_acc} at step {step}: stopping")
+        break
+    if time.time() - t0 > args.time_budget:
+      tqdm.write(f"time budget {args.time_budget}s exhausted at step {step}: stopping")
+      break
+  bar.close()
+  sft_seconds = time.time() - t0
+
+  # 4. save + verify ------------------------------------------------------------------------
+  if os.path.exists(model_dir):
+    shutil.rmtree(model_dir)
+  gen_cfg = {"eos_token_id": eos_id, "pad_token_id": pad_id, "do_sample": False,
+             "max_new_tokens": args.max_new_tokens}
+  save_hf_model(params, cfg, model_dir,
+                extra_config={"eos_token_id": eos_id, "pad_token_id": pad_id,
+                              "bos_token_id": None},
+                generation_config=gen_cfg)
+  hf_tok.save_pretrained(model_dir)
+  logits_diff, hf_text = verify_checkpoint(model_dir, cfg, params, tok, test + train, eos_id,
+                                          pad_id)
+
+  responses = greedy_responses(decode, params, tok, test, eos_id, pad_id)
+  hf_agree = sum(a == b for a, b in zip(hf_text, responses))
+  test_acc, test_buckets = accuracy_report(test, responses)
+  correct_traces = float(np.mean([arith.check_trace(p["prompt"], r)
+                                  for p, r in zip(test, responses)]))
+  gen_len = quantiles([len(tok.encode(r).ids) + 1 for r in responses])
+
+  manifest = {
+      "task": {"name": "arith", "module": "tlt_jax.data.arith", "k_min": arith.K_MIN,
+               "k_max": arith.K_MAX, "lognormal_mu": arith.LOGNORMAL_MU,
+               "lognormal_sigma": arith.LOGNORMAL_SIGMA,
+               "example": {"prompt": train[0]["prompt"], "response": train[0]["response"],
+                           "answer": train[0]["answer"]}},
+      "seeds": {"train": TRAIN_SEED, "test": TEST_SEED, "sft": SFT_SEED, "val": VAL_SEED,
+                "init": INIT_SEED},
+      "data": {"n_train": len(train), "n_test": len(test),
+               "train_response_tokens": len_q,
+               "train_prompt_tokens": quantiles(prompt_len)},
+      "tokenizer": {"vocab_size": tok.get_vocab_size(), "eos_token_id": eos_id,
+                    "pad_token_id": pad_id},
+      "model": {"num_params": n_params, **cfg.to_hf_dict()},
+      "sft": {"steps": step, "rows": args.rows, "seq_len": args.seq_len, "lr": args.lr,
+              "warmup": args.warmup, "max_steps": args.max_steps,
+              "target_acc": args.target_acc, "history": history},
+      "eval": {"split": "test", "decoding": "greedy", "accuracy": test_acc,
+               "by_num_terms": test_buckets, "fully_correct_traces": correct_traces,
+               "generated_tokens": gen_len},
+  }
+  with open(os.path.join(out_dir, "manifest.json"), "w") as f:
+    json.dump(manifest, f, indent=2)
+
+  # 5. report -------------------------------------------------------------------------------
+  sizes = {name: dir_size(os.path.join(out_dir, name)) if os.path.isdir(
+      os.path.join(out_dir, name)) else os.path.getsize(os.path.join(out_dir, name))
+      for name in sorted(os.listdir(out_dir))}
+  print("\n" + "=" * 72)
+  print(f"task      : {train[0]['prompt']!r} -> {train[0]['response']!r}")
+  print("resp len  : " + " ".join(f"{k}={v:.0f}" for k, v in len_q.items())
+        + " tokens (train, incl. EOS)")
+  print(f"model     : {n_params / 1e6:.2f}M params, SFT {step} steps in {sft_seconds:.0f}s "
+        f"(total script {time.time() - t_start:.0f}s)")
+  print(f"test acc  : {test_acc:.3f} greedy on {len(test)} prompts "
+        f"(fully correct traces {correct_traces:.3f})")
+  for b, v in test_buckets.items():
+    print(f"  k={b:>6}: acc {v['acc']:.3f}  (n={v['n']})")
+  print("gen len   : " + " ".join(f"{k}={v:.0f}" for k, v in gen_len.items()))
+  print(f"verify    : transformers loads model/ as is; max |logits diff| vs tlt_jax "
+        f"{logits_diff:.2e}; HF greedy generate == ours on {hf_agree}/{len(hf_text)} prompts")
+  for name, size in sizes.items():
+    print(f"size      : {name:<14} {size / 1e6:7.3f} MB")
+  print(f"size      : total          {dir_size(out_dir) / 1e6:7.3f} MB")
+  return manifest
+
+
+def verify_checkpoint(model_dir, cfg, params, tok, problems, eos_id, pad_id):
+  """Reloads the saved model with tlt_jax and transformers; compares params and logits."""
+  import torch
+  from transformers import AutoModelForCausalLM, AutoTokenizer
+
+  cfg2, params2 = load_hf_model(model_dir)
+  assert cfg2.to_hf_dict() == cfg.to_hf_dict(), (cfg2, cfg)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+  hf_tok = AutoTokenizer.from_pretrained(model_dir)
+  for p in problems:  # transformers' tokenizer == ours, and round-trips
+    t = p["prompt"] + p["response"]
+    ids = hf_tok(t)["input_ids"]
+    assert ids == tok.encode(t).ids and hf_tok.decode(ids) == t, t
+  texts = [p["prompt"] + p["response"] for p in problems[:16]]
+  assert hf_tok.eos_token_id == eos_id and hf_tok.pad_token_id == pad_id
+  enc = hf_tok(texts, padding=True, return_tensors="np")
+  ids, am = enc["input_ids"].astype(np.int32), enc["attention_mask"].astype(bool)
+
+  model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+  with torch.no_grad():
+    ref = model(input_ids=torch.tensor(ids, dtype=torch.long),
+                attention_mask=torch.tensor(am, dtype=torch.long)).logits.numpy()
+  positions = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
+  ours = np.asarray(forward(params, jnp.asarray(ids), jnp.asarray(positions), cfg=cfg).logits)
+  diff = float(np.abs(ref - ours)[am].max())
+  assert diff < 1e-3, f"transformers vs tlt_jax logits differ by {diff}"
+
+  # transformers' own greedy generate, one prompt at a time (no padding), for comparison
+  # with the script's decoder.
+  hf_text = []
+  for p in problems[:8]:
+    penc = hf_tok(p["prompt"], return_tensors="pt")
+    with torch.no_grad():
+      gen = model.generate(**penc, do_sample=False, max_new_tokens=256,
+                           eos_token_id=eos_id, pad_token_id=pad_id)
+    hf_text.append(hf_tok.decode(gen[0, penc["input_ids"].shape[1]:], skip_special_tokens=True))
+  return diff, hf_text
+
+
+if __name__ == "__main__":
+  main()
