@@ -80,7 +80,7 @@ def test_greedy_spec_with_kernel_equals_reference(tiny):
 DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "..", "tlt_jax", "assets", "default")
 
 
-@pytest.mark.skipif(not os.path.isdir(os.path.join(DEFAULT_MODEL, "drafter")),
+@pytest.mark.skipif(not os.path.exists(os.path.join(DEFAULT_MODEL, "drafter", "drafter_config.json")),
                     reason="default drafter not built")
 def test_greedy_spec_equals_plain_trained_drafter():
   """With the shipped drafter most drafts are accepted: the accept path is exercised."""
