@@ -69,6 +69,11 @@ def main():
   ap.add_argument("--tail_max_new", type=int, default=288)
   ap.add_argument("--chunk_size", type=int, default=16)
   ap.add_argument("--skip_hf", action="store_true")
+  ap.add_argument("--drafter", default=None, help="drafter dir (default: the shipped one)")
+  ap.add_argument("--spec_arm", default="4_1_5", help="chain strategy for the SD rows")
+  ap.add_argument("--spec_threshold", type=int, default=16,
+                  help="long-tail row: speculate once the live batch is <= this")
+  ap.add_argument("--skip_spec", action="store_true")
   args = ap.parse_args()
 
   import jax
@@ -95,12 +100,31 @@ def main():
         f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} "
         f"with {torch.get_num_threads()} threads", file=sys.stderr)
 
-  def engine(batch, new_tokens, stop_tokens, compaction=True):
+  from tlt_jax.drafter.model import load_drafter
+  from tlt_jax.rollout.engine import SpecConfig
+  dparams = None if args.skip_spec else load_drafter(
+      args.drafter or asset_path("default", "drafter"), cfg)
+
+  def engine(batch, new_tokens, stop_tokens, compaction=True, spec_threshold=0):
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < batch) + (batch,)
+    # On CPU the verification runs as the jnp reference (Pallas interpret mode is a
+    # debugging interpreter, not a fast path); on a GPU use_kernel=True lowers the kernel.
+    spec = SpecConfig(strategy=args.spec_arm, bs_threshold=spec_threshold, patience=2,
+                      use_kernel=jax.default_backend() == "gpu") if spec_threshold else None
     ecfg = EngineConfig(max_batch=batch, buckets=buckets, chunk_size=args.chunk_size,
                         compaction=compaction, max_prompt_len=max_prompt,
-                        max_new_tokens=new_tokens, stop_tokens=stop_tokens)
-    return RolloutWorker(params, cfg, ecfg)
+                        max_new_tokens=new_tokens, stop_tokens=stop_tokens, spec=spec)
+    return RolloutWorker(params, cfg, ecfg, drafter_params=dparams if spec else None)
+
+  def timed_engine(w, reqs, sp):
+    run_engine(w, reqs, sp)  # warm-up: compiles every shape this run needs
+    w.chunk_log.clear()
+    ntok, dt = timed(lambda: run_engine(w, reqs, sp), repeats=2)
+    sd = [c for c in w.chunk_log if c.mode != "plain"]
+    toks, acc = sum(c.tokens for c in sd), sum(c.accepted for c in sd)
+    return ntok / dt, (toks / max(toks - acc, 1) if sd else None)
+
+  spec_rows = []
 
   def run_engine(worker, reqs, sp):
     res = worker.generate(reqs, sp, seed=0)
@@ -125,6 +149,14 @@ def main():
         row["hf"] = hf_tok / hf_dt
       table.append(row)
       print(row, file=sys.stderr)
+      if dparams is not None:
+        # SD on from the start (threshold = batch) with the default task's real EOS.
+        real = [Request(p, request_id=i) for i, p in enumerate(batch_prompts)]
+        plain_tps, _ = timed_engine(engine(b, args.tail_max_new, stop), real, sp)
+        sd_tps, acc_len = timed_engine(engine(b, args.tail_max_new, stop, spec_threshold=b),
+                                       real, sp)
+        spec_rows.append((f"batch {b}, {mode}, default task (EOS)", plain_tps, sd_tps, acc_len))
+        print(spec_rows[-1], file=sys.stderr)
 
   # Long tail: the task's real length distribution, EOS on, sampling.
   tail_prompts = prompts[:args.tail_batch]
@@ -155,6 +187,21 @@ def main():
     ratio = f"{r['tlt'] / r['hf']:.2f}x" if "hf" in r else "-"
     print(f"| {r['workload']} | {r['tlt']:.0f} | {hf_s} | {ratio} |")
   r = table[-1]
+  if dparams is not None:
+    for mode, sp in (("greedy", SamplingParams(temperature=0.0)),
+                     ("sample", SamplingParams(temperature=1.0))):
+      plain_tps, _ = timed_engine(engine(args.tail_batch, args.tail_max_new, stop), reqs, sp)
+      sd_tps, acc_len = timed_engine(engine(args.tail_batch, args.tail_max_new, stop,
+                                            spec_threshold=args.spec_threshold), reqs, sp)
+      spec_rows.append((f"long tail: batch {args.tail_batch}, {mode}, SD when live <= "
+                        f"{args.spec_threshold}", plain_tps, sd_tps, acc_len))
+      print(spec_rows[-1], file=sys.stderr)
+    print(f"\n| workload (SD arm {args.spec_arm}) | plain tokens/s | SD tokens/s | SD / plain "
+          "| tokens per verification |")
+    print("|---|---:|---:|---:|---:|")
+    for name, plain_tps, sd_tps, acc_len in spec_rows:
+      acc_s = f"{acc_len:.2f}" if acc_len else "-"
+      print(f"| {name} | {plain_tps:.0f} | {sd_tps:.0f} | {sd_tps / plain_tps:.2f}x | {acc_s} |")
   print(f"\nlong tail, compaction on vs off: {r['tlt']:.0f} vs {r['tlt_nocompact']:.0f} tokens/s "
         f"= {r['tlt'] / r['tlt_nocompact']:.2f}x")
 

@@ -120,12 +120,15 @@ def runs(ckpt, tmp_path_factory):
   # compile); the greedy run goes through refill and compaction at batch 4
   sampled = ["--num_samples", "3", "--temperature", "1.0", "--top_p", "0.95", "--seed", "11",
              "--batch_size", "16", "--nocompaction"]
-  outs = {k: str(tmp / f"{k}.jsonl") for k in ("sampled_a", "sampled_b", "greedy")}
+  outs = {k: str(tmp / f"{k}.jsonl") for k in ("sampled_a", "sampled_b", "greedy", "spec")}
   procs = {
       "sampled_a": _start(*common, *sampled, "--output", outs["sampled_a"]),
       "sampled_b": _start(*common, *sampled, "--output", outs["sampled_b"]),
       "greedy": _start(*common, "--temperature", "0", "--batch_size", "4",
                        "--output", outs["greedy"]),
+      # speculative chain decoding with a fresh (random) drafter: greedy output unchanged
+      "spec": _start(*common, "--temperature", "0", "--batch_size", "4", "--drafter",
+                     "init:0", "--spec", "chain", "--spec_steps", "2", "--output", outs["spec"]),
   }
   done = {k: _finish(p) for k, p in procs.items()}
   for k, cp in done.items():
@@ -231,3 +234,8 @@ def test_user_errors(errors, case, pattern):
   assert "Traceback" not in cp.stderr, cp.stderr[-3000:]
   assert re.search(pattern, cp.stderr), cp.stderr[-3000:]
   assert cp.stdout == ""
+
+
+def test_speculative_flags_keep_greedy_output(runs):
+  assert _read(runs["outs"]["spec"]) == _read(runs["outs"]["greedy"])
+  assert "mean acceptance length" in runs["procs"]["spec"].stderr

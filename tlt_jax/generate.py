@@ -34,6 +34,14 @@ flags.DEFINE_integer("chunk_size", 16, "Decode steps between compaction checks."
 flags.DEFINE_bool("compaction", True, "Shrink to the smallest batch bucket as rows finish.")
 flags.DEFINE_bool("chat", False, "Apply the tokenizer's chat template to text prompts.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute/param dtype.")
+flags.DEFINE_string("drafter", None, "Drafter directory (scripts/train_drafter.py output) or "
+                    "init:SEED for a freshly initialised drafter.")
+flags.DEFINE_enum("spec", "off", ["off", "chain", "tree"], "Speculative decoding strategy.")
+flags.DEFINE_integer("spec_steps", 4, "Draft depth.")
+flags.DEFINE_integer("spec_topk", 1, "Branching per draft step (tree).")
+flags.DEFINE_integer("spec_verify_tokens", 0, "Tokens verified per step (tree; chain: steps+1).")
+flags.DEFINE_integer("spec_threshold", 0, "Speculate once the live batch is <= this "
+                     "(0 = always).")
 
 
 class InputError(ValueError):
@@ -116,12 +124,31 @@ def main(argv):
     if bad:
       raise InputError(f"{where}: token id {bad[0]} outside the vocabulary [0, {cfg.vocab_size})")
   longest = max(len(ids) for _, ids in prompts)
+  spec, dparams = None, None
+  if FLAGS.spec != "off":
+    from tlt_jax.rollout.engine import SpecConfig
+    if not FLAGS.drafter:
+      raise InputError("--spec needs --drafter DIR (or --drafter init:SEED)")
+    if FLAGS.spec == "tree" or FLAGS.spec_topk > 1:
+      raise InputError("--spec tree: tree drafting is not wired into the engine yet; use "
+                       "--spec chain")
+    if FLAGS.spec_steps < 1:
+      raise InputError("--spec_steps must be >= 1")
+    import jax
+    from tlt_jax.drafter.model import init_drafter, load_drafter
+    if FLAGS.drafter.startswith("init:"):
+      dparams = init_drafter(cfg, jax.random.key(int(FLAGS.drafter.split(":", 1)[1])))
+    else:
+      dparams = load_drafter(FLAGS.drafter, cfg)
+    arm = f"{FLAGS.spec_steps}_1_{FLAGS.spec_steps + 1}"
+    spec = SpecConfig(strategy=arm, bs_threshold=FLAGS.spec_threshold or FLAGS.batch_size,
+                      patience=1)
   buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < FLAGS.batch_size)
   ecfg = EngineConfig(max_batch=FLAGS.batch_size, buckets=buckets + (FLAGS.batch_size,),
                       chunk_size=FLAGS.chunk_size, compaction=FLAGS.compaction,
                       max_prompt_len=-(-longest // 16) * 16, max_new_tokens=FLAGS.max_new_tokens,
-                      stop_tokens=stop_token_ids(FLAGS.model, tokenizer))
-  worker = RolloutWorker(params, cfg, ecfg)
+                      stop_tokens=stop_token_ids(FLAGS.model, tokenizer), spec=spec)
+  worker = RolloutWorker(params, cfg, ecfg, drafter_params=dparams)
   requests = [Request(ids, request_id=i, sample_index=s)
               for i, (_, ids) in enumerate(prompts) for s in range(FLAGS.num_samples)]
   from tqdm import tqdm
@@ -148,6 +175,12 @@ def main(argv):
         f"({tokens / wall:.1f} tokens/s incl. {cs['compile_seconds']:.1f}s compile of "
         f"{cs['executables']} executables)", file=sys.stderr)
   print(f"batch profile: {batch_profile(worker.chunk_log)}", file=sys.stderr)
+  sd = [c for c in worker.chunk_log if c.mode != "plain"]
+  if sd:
+    # Each verification emits its accepted drafts + 1 target token.
+    toks, acc = sum(c.tokens for c in sd), sum(c.accepted for c in sd)
+    print(f"speculative ({sd[0].mode}): mean acceptance length "
+          f"{toks / max(toks - acc, 1):.2f} tokens per verification", file=sys.stderr)
   print(f"wrote {FLAGS.output}", file=sys.stderr)
 
 
@@ -155,7 +188,7 @@ def _run(argv):
   from tlt_jax.models.hf_io import CheckpointFormatError
   try:
     main(argv)
-  except (InputError, CheckpointFormatError, ValueError) as e:
+  except (InputError, CheckpointFormatError, ValueError) as e:  # DrafterLoadError included
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
 
