@@ -49,6 +49,15 @@ class ChunkOutput(NamedTuple):
 def prefill(params: Params, tokens: jax.Array, prompt_lens: jax.Array, keys: jax.Array,
             max_new: jax.Array, *, cfg: ModelConfig, cache_len: int) -> DecodeState:
   """tokens [B, P] right-padded prompts, prompt_lens [B] (0 = empty slot) -> state."""
+  return prefill_with_hidden(params, tokens, prompt_lens, keys, max_new, cfg=cfg,
+                             cache_len=cache_len)[0]
+
+
+def prefill_with_hidden(params: Params, tokens: jax.Array, prompt_lens: jax.Array,
+                        keys: jax.Array, max_new: jax.Array, *, cfg: ModelConfig,
+                        cache_len: int) -> tuple[DecodeState, jax.Array]:
+  """`prefill`, also returning every prompt position's hidden state [B, P, D] (the drafter's
+  prefill consumes them; under jit an unused output costs nothing)."""
   b, p = tokens.shape
   cache = init_cache(cfg, b, cache_len)
   positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
@@ -56,11 +65,12 @@ def prefill(params: Params, tokens: jax.Array, prompt_lens: jax.Array, keys: jax
   last = jnp.clip(prompt_lens - 1, 0, p - 1)
   hidden = jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)[:, 0]
   empty = prompt_lens <= 0
-  return DecodeState(
+  state = DecodeState(
       cache=out.cache.replace(lengths=prompt_lens.astype(jnp.int32)),
       hidden=hidden, keys=keys, num_generated=jnp.zeros((b,), jnp.int32),
       max_new=max_new.astype(jnp.int32), done=empty | (max_new <= 0),
       stopped=jnp.zeros((b,), jnp.bool_))
+  return state, out.hidden
 
 
 def step_keys(keys: jax.Array, num_generated: jax.Array) -> jax.Array:

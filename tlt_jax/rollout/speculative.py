@@ -132,14 +132,8 @@ def prefill(params: Params, dparams: Params, tokens: jax.Array, prompt_lens: jax
             keys: jax.Array, max_new: jax.Array, *, cfg: ModelConfig, cache_len: int,
             max_steps: int) -> SpecState:
   """Target prefill + drafter prefill over the prompt (one forward each)."""
-  b, p = tokens.shape
-  base = decode.prefill(params, tokens, prompt_lens, keys, max_new, cfg=cfg,
-                        cache_len=cache_len)
-  # The prefill's per-position hidden states: recomputed here rather than threaded out of
-  # decode.prefill to keep that function's signature shared with the plain engine; XLA CSEs
-  # nothing across calls, so this costs one more prompt forward only when a drafter is used.
-  positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-  hidden = forward(params, tokens, positions, cfg=cfg, return_logits=False).hidden
+  base, hidden = decode.prefill_with_hidden(params, tokens, prompt_lens, keys, max_new, cfg=cfg,
+                                           cache_len=cache_len)
   return init_spec_state(params, dparams, base, tokens, hidden, prompt_lens, cfg=cfg,
                          max_steps=max_steps)
 
