@@ -50,9 +50,11 @@ import optax  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from tlt_jax.data import arith  # noqa: E402
-from tlt_jax.models import (ModelConfig, forward, init_cache, init_params,  # noqa: E402
+from tlt_jax.models import (ModelConfig, forward, init_params,  # noqa: E402
                             num_params, segment_causal_mask)
 from tlt_jax.models.hf_io import load_hf_model, save_hf_model  # noqa: E402
+from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker  # noqa: E402
+from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
 
 # Fixed seeds of every random stream (distinct so splits never share a generator).
 TRAIN_SEED, TEST_SEED, SFT_SEED, VAL_SEED, INIT_SEED = 1, 2, 3, 4, 0
@@ -169,59 +171,32 @@ def make_train_step(cfg, optimizer):
 
 # --------------------------------------------------------------- the script's own eval helper
 def make_greedy_decode(cfg, eos_id, pad_id, max_new):
-  """Script-local evaluation helper (not the project's rollout engine): batched greedy decoding
-  with the model's KV cache. Prompts are right-padded; per-row `lengths` in the cache make the
-  padding invisible (the padded slots are past `lengths` and get overwritten)."""
+  """Greedy decoding through the project's rollout engine. One worker is reused across the
+  periodic evaluations (new params each time), so each batch bucket compiles once."""
+  del pad_id
+  ecfg = EngineConfig(max_batch=256, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), chunk_size=32,
+                      max_prompt_len=2 * arith.K_MAX + 8, max_new_tokens=max_new,
+                      stop_tokens=(eos_id,))
+  holder = {}
 
-  @jax.jit
-  def decode(params, prompts, prompt_lens):
-    b, tp = prompts.shape
-    cache = init_cache(cfg, b, tp + max_new)
-    positions = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (b, tp))
-    out = forward(params, prompts, positions, cfg=cfg, cache=cache)
-    cache = out.cache.replace(lengths=prompt_lens)
-    last = jnp.take_along_axis(out.logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
-    tok = jnp.argmax(last, axis=-1).astype(jnp.int32)
-    buf = jnp.full((b, max_new), pad_id, jnp.int32)
-    done = jnp.zeros((b,), jnp.bool_)
-
-    def cond(state):
-      i, _, _, done, _ = state
-      return (i < max_new) & ~jnp.all(done)
-
-    def body(state):
-      i, tok, cache, done, buf = state
-      buf = buf.at[:, i].set(jnp.where(done, pad_id, tok))
-      done = done | (tok == eos_id)
-      o = forward(params, tok[:, None], cache.lengths[:, None], cfg=cfg, cache=cache)
-      cache = o.cache.replace(lengths=cache.lengths + 1)
-      nxt = jnp.argmax(o.logits[:, 0], axis=-1).astype(jnp.int32)
-      return i + 1, nxt, cache, done, buf
-
-    _, _, _, _, buf = jax.lax.while_loop(cond, body, (0, tok, cache, done, buf))
-    return buf
+  def decode(params, requests):
+    if "worker" not in holder:
+      holder["worker"] = RolloutWorker(params, cfg, ecfg)
+    else:
+      holder["worker"].set_params(params)
+    return holder["worker"].generate(requests, SamplingParams(temperature=0.0))
 
   return decode
 
 
 def greedy_responses(decode, params, tok, problems, eos_id, pad_id, batch=256):
   """Greedy response text (cut at EOS, EOS excluded) for each problem."""
-  enc = [tok.encode(p["prompt"]).ids for p in problems]
-  tp = 2 * arith.K_MAX + 8  # a fixed prompt buffer: one compile for every batch
-  out = []
-  for s in range(0, len(enc), batch):
-    chunk = enc[s:s + batch]
-    n = len(chunk)
-    chunk = chunk + [chunk[-1]] * (batch - n)  # fixed batch size: pad with repeats
-    prompts = np.full((batch, tp), pad_id, np.int32)
-    for i, ids in enumerate(chunk):
-      prompts[i, :len(ids)] = ids
-    lens = np.array([len(c) for c in chunk], np.int32)
-    gen = np.asarray(decode(params, jnp.asarray(prompts), jnp.asarray(lens)))[:n]
-    for row in gen:
-      ids = row.tolist()
-      ids = ids[:ids.index(eos_id)] if eos_id in ids else [t for t in ids if t != pad_id]
-      out.append(tok.decode(ids))
+  del eos_id, pad_id, batch
+  reqs = [Request(tok.encode(p["prompt"]).ids, request_id=i) for i, p in enumerate(problems)]
+  out = [""] * len(problems)
+  for r in decode(params, reqs):
+    ids = r.response_ids.tolist()
+    out[r.request_id] = tok.decode(ids[:-1] if r.finish_reason == "stop" else ids)
   return out
 
 
