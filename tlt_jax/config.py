@@ -120,3 +120,50 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     d = cfg.data
     require(d.on_bad_row in ("skip", "error"), "data.on_bad_row", d.on_bad_row,
             "use 'skip' (count and warn) or 'error' (stop with the row number)")
+  if "grpo" in cfg:
+    g = cfg.grpo
+    require(g.num_prompts >= 1, "grpo.num_prompts", g.num_prompts, "must be >= 1")
+    require(g.n >= 2, "grpo.n", g.n, "GRPO needs >= 2 responses per prompt to compare")
+    require(0 <= g.eps_low < 1, "grpo.eps_low", g.eps_low, "must be in [0, 1)")
+    require(g.eps_high >= 0, "grpo.eps_high", g.eps_high, "must be >= 0")
+    require(g.kl_coef >= 0, "grpo.kl_coef", g.kl_coef, "must be >= 0 (0 = no KL term)")
+    require(g.micro_batch >= 1, "grpo.micro_batch", g.micro_batch, "must be >= 1")
+    require(g.micro_batch_tokens >= 0, "grpo.micro_batch_tokens", g.micro_batch_tokens,
+            "must be >= 0 (0 = fixed micro_batch rows)")
+    rows = g.num_prompts * g.n
+    most = -(-rows // g.micro_batch) if not g.micro_batch_tokens else rows
+    require(1 <= g.minibatches <= most, "grpo.minibatches", g.minibatches,
+            f"must be between 1 and the number of micro-batches per step ({most})")
+    require(g.pad_multiple >= 1, "grpo.pad_multiple", g.pad_multiple, "must be >= 1")
+    if "rollout" in cfg:
+      require(cfg.rollout.temperature > 0, "rollout.temperature", cfg.rollout.temperature,
+              "GRPO samples its groups: use a temperature > 0 (e.g. 1.0)")
+  if "optim" in cfg:
+    o = cfg.optim
+    require(o.lr > 0, "optim.lr", o.lr, "must be > 0")
+    require(o.schedule in ("constant", "cosine"), "optim.schedule", o.schedule,
+            "use 'constant' (after warm-up) or 'cosine'")
+    require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
+  if "train" in cfg:
+    t = cfg.train
+    require(t.steps >= 1, "train.steps", t.steps, "must be >= 1")
+    require(t.eval_every >= 0, "train.eval_every", t.eval_every, "must be >= 0 (0 = never)")
+    require(t.checkpoint_every >= 1, "train.checkpoint_every", t.checkpoint_every,
+            "must be >= 1")
+    require(t.keep_checkpoints >= 1, "train.keep_checkpoints", t.keep_checkpoints,
+            "must be >= 1")
+  if "reward" in cfg and "num_workers" in cfg.reward:
+    require(cfg.reward.num_workers >= 1, "reward.num_workers", cfg.reward.num_workers,
+            "must be >= 1")
+    require(cfg.reward.timeout > 0, "reward.timeout", cfg.reward.timeout, "must be > 0 seconds")
+  if "tlt" in cfg:
+    s = cfg.tlt.spec
+    from tlt_jax.rollout.speculative import Strategy
+    try:
+      Strategy.parse(s.strategy)
+    except (ValueError, NotImplementedError) as e:
+      raise ConfigError(f"config.tlt.spec.strategy={s.strategy!r} is invalid: {e}") from None
+    require(s.bs_threshold >= 1, "tlt.spec.bs_threshold", s.bs_threshold, "must be >= 1")
+    require(s.patience >= 1, "tlt.spec.patience", s.patience, "must be >= 1")
+    require(cfg.tlt.drafter_steps >= 0, "tlt.drafter_steps", cfg.tlt.drafter_steps,
+            "must be >= 0 (0 = keep the drafter fixed)")

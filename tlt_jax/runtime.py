@@ -19,6 +19,17 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
   if not os.path.isdir(cfg.model.path):
     raise ConfigError(f"config.model.path={cfg.model.path!r} is not a directory; point it at a "
                       "local Hugging Face model directory (config.json + *.safetensors)")
+  for key in ("train_path", "test_path"):
+    path = cfg.data.get(key) if "data" in cfg else None
+    if path and not os.path.exists(path):
+      raise ConfigError(f"config.data.{key}={path!r} does not exist; point it at a local "
+                        "JSONL or Parquet file")
+  if "reward" in cfg:
+    from tlt_jax.rl.rewards import get_reward_fn
+    try:
+      get_reward_fn(cfg.reward.name)
+    except ValueError as e:
+      raise ConfigError(f"config.reward.name: {e}") from None
 
 
 def load_model(cfg: ml_collections.ConfigDict, mesh=None):
@@ -30,6 +41,9 @@ def load_model(cfg: ml_collections.ConfigDict, mesh=None):
                                       param_dtype=cfg.model.param_dtype, mesh=mesh)
   except CheckpointFormatError as e:
     raise ConfigError(f"config.model.path: {e}") from None
+  if cfg.model.get("remat", False):
+    import dataclasses
+    model_cfg = dataclasses.replace(model_cfg, remat=True)
   tokenizer = load_tokenizer(cfg.model.path)
   if tokenizer is None:
     raise ConfigError(f"config.model.path={cfg.model.path!r} has no tokenizer files "
@@ -38,21 +52,80 @@ def load_model(cfg: ml_collections.ConfigDict, mesh=None):
 
 
 def engine_config(cfg: ml_collections.ConfigDict, stop: tuple[int, ...], *,
-                  max_batch: int | None = None, capture_hidden: bool = False):
-  from tlt_jax.rollout.engine import EngineConfig
+                  max_batch: int | None = None, capture_hidden: bool = False,
+                  speculative: bool = False):
+  from tlt_jax.rollout.engine import EngineConfig, SpecConfig
   r = cfg.rollout
   max_batch = max_batch or r.max_batch
   buckets = tuple(b for b in r.buckets if b < max_batch) + (max_batch,)
+  spec = None
+  if speculative:
+    s = cfg.tlt.spec
+    spec = SpecConfig(strategy=s.strategy, bs_threshold=s.bs_threshold, patience=s.patience,
+                      max_steps=s.max_steps)
   return EngineConfig(max_batch=max_batch, buckets=buckets, chunk_size=r.chunk_size,
                       compaction=r.compaction, max_prompt_len=cfg.data.max_prompt_len,
                       max_new_tokens=r.max_new_tokens, capture_hidden=capture_hidden,
-                      stop_tokens=tuple(stop))
+                      stop_tokens=tuple(stop), spec=spec)
 
 
 def make_worker(cfg, model_cfg, params, stop, *, max_batch=None, worker_id=0, mesh=None):
   from tlt_jax.rollout.engine import RolloutWorker
   return RolloutWorker(params, model_cfg, engine_config(cfg, stop, max_batch=max_batch),
                        worker_id=worker_id, mesh=mesh)
+
+
+def worker_meshes(cfg: ml_collections.ConfigDict):
+  """One mesh per rollout worker: consecutive groups of rollout.tensor_parallel devices."""
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh
+  r = cfg.rollout
+  devices = jax.devices()
+  need = r.num_workers * r.tensor_parallel
+  if need > len(devices):
+    raise ConfigError(f"config.rollout.num_workers={r.num_workers} x tensor_parallel="
+                      f"{r.tensor_parallel} needs {need} devices; {len(devices)} are visible")
+  return [Mesh(np.asarray(devices[i * r.tensor_parallel:(i + 1) * r.tensor_parallel])
+               .reshape(1, 1, r.tensor_parallel), ("data", "fsdp", "tensor"))
+          for i in range(r.num_workers)]
+
+
+def make_workers(cfg, model_cfg, params, stop, *, drafter_params=None, selector=None):
+  """The RL loop's rollout workers; speculative (with `drafter_params`) when TLT is on."""
+  from tlt_jax.rollout.engine import RolloutWorker
+  ecfg = engine_config(cfg, stop, speculative=drafter_params is not None)
+  return [RolloutWorker(params, model_cfg, ecfg, worker_id=i, mesh=mesh,
+                        drafter_params=drafter_params, selector=selector)
+          for i, mesh in enumerate(worker_meshes(cfg))]
+
+
+def load_drafter(cfg: ml_collections.ConfigDict, model_cfg):
+  """The drafter named by config.tlt.drafter: a directory, or 'init:SEED' for a fresh one."""
+  import jax
+
+  from tlt_jax.drafter.model import DrafterLoadError, init_drafter
+  from tlt_jax.drafter.model import load_drafter as _load
+  path = cfg.tlt.drafter
+  if path.startswith("init:"):
+    try:
+      seed = int(path[5:])
+    except ValueError:
+      raise ConfigError(f"config.tlt.drafter={path!r}: use 'init:<integer seed>'") from None
+    return init_drafter(model_cfg, jax.random.key(seed))
+  if not os.path.isdir(path):
+    raise ConfigError(f"config.tlt.drafter={path!r} is not a directory; point it at a drafter "
+                      "saved by scripts/train_drafter.py, or use 'init:0' for a fresh drafter")
+  try:
+    return _load(path, model_cfg)
+  except DrafterLoadError as e:
+    raise ConfigError(f"config.tlt.drafter: {e}") from None
+
+
+def make_selector(cfg: ml_collections.ConfigDict):
+  """The speculative-strategy selector (one per run, shared by the workers)."""
+  from tlt_jax.rollout.engine import FixedSelector
+  return FixedSelector(cfg.tlt.spec.strategy)
 
 
 def load_rows(cfg: ml_collections.ConfigDict, path: str):

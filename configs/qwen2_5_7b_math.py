@@ -1,0 +1,82 @@
+"""GRPO on Qwen2.5-7B for verifiable math, in the spirit of the TLT recipes (VeRL GSM8K/DAPO
+style): n=8, temperature 1.0, lr 1e-6, low-variance KL 0.001, long responses, speculative
+rollout in the long tail with an online-trained drafter.
+
+Nothing is downloaded: give local paths on the command line, e.g. on one 8-GPU host
+
+  python -m tlt_jax.train --config configs/qwen2_5_7b_math.py --workdir /runs/q7b \\
+      --config.model.path=/ckpt/Qwen2.5-7B-Instruct \\
+      --config.data.train_path=/data/dapo_math_17k.parquet \\
+      --config.data.test_path=/data/aime24.jsonl \\
+      --config.data.prompt_key=prompt --config.data.answer_key=answer \\
+      --config.tlt.drafter=/ckpt/q7b_drafter   # from scripts/train_drafter.py; or init:0
+
+Mesh: the learner is FSDP over every device; each GPU is one rollout replica
+(rollout.num_workers x rollout.tensor_parallel = devices). Multi-host: launch one process per
+host (jax.distributed picks up Slurm/MPI).
+"""
+
+import os
+
+import ml_collections
+
+from tlt_jax.config import load_config_file
+
+
+def get_config():
+  c = load_config_file(os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py"))
+  c.workdir = "workdirs/qwen2_5_7b_math"
+  c.model.path = "/path/to/Qwen2.5-7B-Instruct"  # --config.model.path=...
+  c.model.dtype = "bfloat16"
+  c.model.param_dtype = "float32"  # master weights and Adam moments in f32, compute in bf16
+  c.model.remat = True
+
+  c.data.train_path = "/path/to/train.parquet"  # --config.data.train_path=...
+  c.data.test_path = "/path/to/test.jsonl"
+  c.data.max_prompt_len = 1024
+  c.data.chat_template = True
+  c.data.system_prompt = ("Please reason step by step, and put your final answer within "
+                          "\\boxed{}.")
+
+  c.reward.name = "math"
+  c.reward.num_workers = 16
+  c.reward.timeout = 20.0
+
+  c.rollout.max_batch = 128
+  c.rollout.buckets = (1, 2, 4, 8, 16, 32, 64, 128)
+  c.rollout.chunk_size = 32
+  c.rollout.max_new_tokens = 8192
+  c.rollout.temperature = 1.0
+  c.rollout.num_workers = 8
+  c.rollout.tensor_parallel = 1
+
+  c.grpo.num_prompts = 128
+  c.grpo.n = 8
+  c.grpo.kl_coef = 0.001
+  c.grpo.micro_batch = 8
+  c.grpo.micro_batch_tokens = 65536  # ~8k tokens per GPU per micro-batch
+  c.grpo.minibatches = 4
+  c.grpo.pad_multiple = 512
+
+  c.optim.lr = 1e-6
+  c.optim.warmup_steps = 10
+  c.optim.weight_decay = 0.01
+  c.optim.b2 = 0.999
+
+  c.train.steps = 500
+  c.train.eval_every = 25
+  c.train.checkpoint_every = 10
+  c.train.keep_checkpoints = 3
+
+  c.eval.num_prompts = 0
+  c.eval.batch_size = 128
+
+  c.tlt.drafter = "init:0"  # --config.tlt.drafter=DIR for a warm-started one
+  c.tlt.drafter_steps = 16
+  c.tlt.drafter_lr = 1e-4
+  c.tlt.spec.strategy = "6_1_7"
+  c.tlt.spec.bs_threshold = 32  # the 7B recipe's threshold (DESIGN.md 4)
+  c.tlt.spec.patience = 10
+  c.tlt.spec.max_steps = 8
+  assert isinstance(c, ml_collections.ConfigDict)
+  return c

@@ -1,0 +1,339 @@
+"""GRPO: group-normalised advantages, a clipped importance-ratio loss, and the learner.
+
+The learner never trusts rollout log-probs: the rollout may have decoded speculatively, in a
+different precision, on another mesh, or with top-k/top-p applied. `Learner.logprobs`
+recomputes the old (and reference) log-probs with the same function the loss differentiates,
+so the importance ratio is exactly 1 on the first mini-batch and speculative decoding cannot
+bias training (DESIGN.md 3).
+
+Batch layout (one row per response): tokens [B, T] = prompt + response + padding, and
+`loss_mask` [B, T] = 1 on response tokens (the stop token included). Log-probs are aligned to
+tokens: logp[:, t] = log p(tokens[:, t] | tokens[:, :t]) and logp[:, 0] = 0. The logits are
+divided by the rollout temperature first (as VeRL does), so the ratio is between the two
+sampling distributions the update actually changes.
+
+Loss aggregation is token-mean over the whole mini-batch: sum over every response token of
+every micro-batch, divided by the mini-batch's response-token count. Micro-batches are sorted
+by length and padded each to its own length bucket, so a long-tailed batch does not pay
+max-length padding on every row; the division by the global count makes the result the same
+as one unpadded pass (tested against a float64 numpy reference).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from tlt_jax.models import ModelConfig, Params, compute_logits, forward
+from tlt_jax.sharding import BATCH, batch_sharding, tree_shardings
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+  eps_low: float = 0.2  # ratio clipped to [1 - eps_low, 1 + eps_high] ("clip-higher")
+  eps_high: float = 0.28
+  kl_coef: float = 0.0  # > 0: low-variance KL (k3) to the frozen reference policy
+  temperature: float = 1.0  # the rollout temperature; logits / T before log-softmax
+  adv_eps: float = 1e-6
+  norm_adv_by_std: bool = True  # False: Dr.GRPO-style (r - mean) only
+  logit_chunk: int = 1024  # tokens per LM-head chunk (bounds [rows, chunk, V] logits memory)
+
+  def __post_init__(self):
+    if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
+      raise ValueError(f"GRPOConfig: eps_low={self.eps_low} must be in [0, 1) and "
+                       f"eps_high={self.eps_high} >= 0")
+    if self.kl_coef < 0:
+      raise ValueError(f"GRPOConfig.kl_coef={self.kl_coef} must be >= 0")
+    if self.temperature <= 0:
+      raise ValueError(f"GRPOConfig.temperature={self.temperature}: the learner needs a "
+                       "positive temperature (greedy rollouts have no policy gradient)")
+
+
+def group_advantages(rewards: np.ndarray, *, eps: float = 1e-6, norm_by_std: bool = True
+                     ) -> np.ndarray:
+  """rewards [P, n] (n responses per prompt) -> advantages [P, n].
+
+  A = (r - mean_group) / (std_group + eps), std with Bessel's correction (torch.std, as in
+  VeRL). A group whose rewards are all equal carries no signal and gets A = 0.
+  """
+  r = np.asarray(rewards, np.float64)
+  if r.ndim != 2:
+    raise ValueError(f"rewards must be [prompts, n], got shape {r.shape}")
+  centered = r - r.mean(axis=1, keepdims=True)
+  if not norm_by_std:
+    return centered.astype(np.float32)
+  n = r.shape[1]
+  std = r.std(axis=1, ddof=1, keepdims=True) if n > 1 else np.zeros_like(r[:, :1])
+  return (centered / (std + eps)).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------- per-token math
+def _lm_head_logprobs(params: Params, hidden: jax.Array, targets: jax.Array, *,
+                      cfg: ModelConfig, temperature: float, chunk: int
+                      ) -> tuple[jax.Array, jax.Array]:
+  """hidden [B, T, D] (pre-norm), targets [B, T] -> (log p(target), entropy), both [B, T].
+
+  The LM head runs over chunks of `chunk` positions under `jax.checkpoint`, so neither the
+  forward nor the backward pass ever holds [B, T, V] float32 logits (152k-vocab models at 8k
+  tokens would need GBs per row)."""
+  b, t, d = hidden.shape
+  c = min(chunk, t)
+  pad = -t % c
+  if pad:
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+  n = (t + pad) // c
+  h = hidden.reshape(b, n, c, d).swapaxes(0, 1)  # [n, B, c, D]
+  y = targets.reshape(b, n, c).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def one(args):
+    hc, yc = args
+    logits = compute_logits(params, hc, cfg) / temperature  # [B, c, V] float32
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    lp = jnp.take_along_axis(logits, yc[..., None], axis=-1)[..., 0] - logz
+    probs = jax.nn.softmax(logits, axis=-1)
+    ent = logz - jnp.sum(probs * logits, axis=-1)
+    return lp, ent
+
+  lp, ent = jax.lax.map(one, (h, y))
+  lp = lp.swapaxes(0, 1).reshape(b, n * c)[:, :t]
+  ent = ent.swapaxes(0, 1).reshape(b, n * c)[:, :t]
+  return lp, ent
+
+
+def token_logprobs(params: Params, tokens: jax.Array, *, cfg: ModelConfig, temperature: float,
+                   chunk: int = 1024, return_hidden: bool = False):
+  """tokens [B, T] -> (logp [B, T], entropy [B, T][, hidden [B, T, D]]), aligned to tokens
+  (position 0 gets 0). Right padding is harmless under the causal mask."""
+  b, t = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  out = forward(params, tokens, positions, cfg=cfg, return_logits=False)
+  lp, ent = _lm_head_logprobs(params, out.hidden[:, :-1], tokens[:, 1:], cfg=cfg,
+                              temperature=temperature, chunk=chunk)
+  zero = jnp.zeros((b, 1), jnp.float32)
+  lp = jnp.concatenate([zero, lp], axis=1)
+  ent = jnp.concatenate([zero, ent], axis=1)
+  return (lp, ent, out.hidden) if return_hidden else (lp, ent)
+
+
+def grpo_loss(params: Params, mb: dict[str, jax.Array], *, cfg: ModelConfig, gcfg: GRPOConfig,
+              num_tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Clipped-ratio loss of one micro-batch, already divided by the mini-batch's response-token
+  count `num_tokens` (so summing micro-batch losses gives the token-mean).
+
+  mb: tokens [b, T] int32, loss_mask [b, T], advantages [b], old_logp [b, T],
+      ref_logp [b, T] (read only when kl_coef > 0).
+  Metrics are sums over the micro-batch's tokens divided by num_tokens too (they add up).
+  """
+  logp, ent = token_logprobs(params, mb["tokens"], cfg=cfg, temperature=gcfg.temperature,
+                             chunk=gcfg.logit_chunk)
+  mask = mb["loss_mask"].astype(jnp.float32)
+  adv = mb["advantages"][:, None]
+  log_ratio = logp - mb["old_logp"]
+  ratio = jnp.exp(log_ratio)
+  pg_unclipped = -adv * ratio
+  pg_clipped = -adv * jnp.clip(ratio, 1.0 - gcfg.eps_low, 1.0 + gcfg.eps_high)
+  pg = jnp.maximum(pg_unclipped, pg_clipped)
+  per_token = pg
+  denom = jnp.maximum(num_tokens.astype(jnp.float32), 1.0)
+  metrics = {
+      "pg_loss": jnp.sum(pg * mask) / denom,
+      "entropy": jnp.sum(ent * mask) / denom,
+      "clip_frac": jnp.sum((pg_clipped > pg_unclipped) * mask) / denom,
+      # k1 estimate of KL(old || new) on the sampled tokens: how far this update has moved
+      "approx_kl_old": jnp.sum(-log_ratio * mask) / denom,
+  }
+  if gcfg.kl_coef > 0:
+    d = mb["ref_logp"] - logp
+    kl = jnp.exp(d) - d - 1.0  # k3: unbiased, >= 0, low variance (Schulman)
+    per_token = per_token + gcfg.kl_coef * kl
+    metrics["kl_ref"] = jnp.sum(kl * mask) / denom
+  loss = jnp.sum(per_token * mask) / denom
+  metrics["loss"] = loss
+  return loss, metrics
+
+
+# ------------------------------------------------------------------------------ batch layout
+@dataclasses.dataclass
+class Sample:
+  prompt_ids: np.ndarray
+  response_ids: np.ndarray
+  advantage: float
+
+  @property
+  def length(self) -> int:
+    return len(self.prompt_ids) + len(self.response_ids)
+
+
+def micro_batches(samples: list[Sample], rows: int, pad_multiple: int, max_len: int,
+                  max_tokens: int = 0, row_multiple: int = 1) -> Iterator[dict[str, np.ndarray]]:
+  """Length-sorted micro-batches, each padded to its own multiple of `pad_multiple` tokens
+  (<= max_len). Missing rows are all-padding with an empty mask.
+
+  rows: rows per micro-batch; or, with max_tokens > 0, a token budget: a micro-batch padded to
+  T tokens holds max(row_multiple, max_tokens // T rounded down to row_multiple) rows, so the
+  long tail goes in a few narrow micro-batches instead of padding every row of a wide one.
+  Shapes depend only on T, so compiles stay one per length bucket.
+  """
+  order = sorted(range(len(samples)), key=lambda i: samples[i].length, reverse=True)
+  out = []
+  s = 0
+  while s < len(order):
+    t = min(-(-samples[order[s]].length // pad_multiple) * pad_multiple, max_len)
+    n = rows
+    if max_tokens > 0:
+      n = max(row_multiple, (max_tokens // t) // row_multiple * row_multiple)
+    idx = order[s:s + n]
+    s += n
+    tokens = np.zeros((n, t), np.int32)
+    mask = np.zeros((n, t), np.float32)
+    adv = np.zeros((n,), np.float32)
+    for r, i in enumerate(idx):
+      smp = samples[i]
+      p, k = len(smp.prompt_ids), len(smp.response_ids)
+      tokens[r, :p] = smp.prompt_ids
+      tokens[r, p:p + k] = smp.response_ids
+      mask[r, p:p + k] = 1.0
+      adv[r] = smp.advantage
+    out.append({"tokens": tokens, "loss_mask": mask, "advantages": adv,
+                "index": np.asarray(idx + [-1] * (n - len(idx)), np.int64)})
+  return iter(out[::-1])  # shortest first
+
+
+# ----------------------------------------------------------------------------------- learner
+def make_optimizer(lr: float, *, warmup_steps: int, total_steps: int, weight_decay: float,
+                   b1: float, b2: float, grad_clip: float, schedule: str = "constant"
+                   ) -> optax.GradientTransformation:
+  if schedule == "cosine":
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup_steps, 1),
+                                               max(total_steps, warmup_steps + 1),
+                                               end_value=lr * 0.1)
+  elif schedule == "constant":
+    sched = optax.join_schedules([optax.linear_schedule(0.0, lr, max(warmup_steps, 1)),
+                                  optax.constant_schedule(lr)], [max(warmup_steps, 1)])
+  else:
+    raise ValueError(f"schedule={schedule!r}: use 'constant' or 'cosine'")
+  parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip > 0 else []
+  parts.append(optax.adamw(sched, b1=b1, b2=b2, weight_decay=weight_decay))
+  return optax.chain(*parts)
+
+
+class Learner:
+  """Actor params + optimizer state, FSDP-sharded over `mesh`; recomputes log-probs and runs
+  the GRPO update (gradient accumulation over micro-batches, one optimizer step per
+  mini-batch, state donated)."""
+
+  def __init__(self, params: Params, cfg: ModelConfig, gcfg: GRPOConfig,
+               tx: optax.GradientTransformation, mesh: Mesh, *, micro_batch: int,
+               pad_multiple: int = 64, max_len: int = 1 << 30, micro_batch_tokens: int = 0):
+    self.cfg, self.gcfg, self.tx, self.mesh = cfg, gcfg, tx, mesh
+    n_batch = int(np.prod([mesh.shape[a] for a in BATCH]))
+    if micro_batch % n_batch:
+      raise ValueError(f"micro_batch={micro_batch} must be a multiple of the mesh's data x "
+                       f"fsdp size ({n_batch})")
+    self.micro_batch, self.pad_multiple, self.max_len = micro_batch, pad_multiple, max_len
+    self.micro_batch_tokens, self.row_multiple = micro_batch_tokens, n_batch
+    self.param_shardings = tree_shardings(params, mesh)
+    self.params = jax.device_put(params, self.param_shardings)
+    self.opt_state = jax.jit(tx.init)(self.params)
+    self.ref_params = None
+    if gcfg.kl_coef > 0:  # a frozen copy with the same layout
+      self.ref_params = jax.tree.map(jnp.copy, self.params)
+
+    lp = functools.partial(token_logprobs, cfg=cfg, temperature=gcfg.temperature,
+                           chunk=gcfg.logit_chunk)
+    self._logprobs = jax.jit(lambda p, t: lp(p, t)[0])
+    self._logprobs_hidden = jax.jit(lambda p, t: (lambda o: (o[0], o[2]))(
+        lp(p, t, return_hidden=True)))
+
+    def grad_step(params, acc, mb, num_tokens):
+      (_, m), g = jax.value_and_grad(
+          functools.partial(grpo_loss, cfg=cfg, gcfg=gcfg), has_aux=True)(
+              params, mb, num_tokens=num_tokens)
+      acc_g, acc_m = acc
+      return (jax.tree.map(jnp.add, acc_g, g), jax.tree.map(jnp.add, acc_m, m))
+
+    self._grad_step = jax.jit(grad_step, donate_argnums=(1,))
+    self._zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p),
+                          out_shardings=self.param_shardings)
+
+    def apply(params, opt_state, grads):
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+
+    self._apply = jax.jit(apply, donate_argnums=(0, 1, 2))
+
+  def _put(self, x: np.ndarray) -> jax.Array:
+    return jax.device_put(x, batch_sharding(self.mesh, x.ndim))
+
+  def batches(self, samples: list[Sample], num_minibatches: int = 1, seed: int = 0
+              ) -> list[list[dict[str, np.ndarray]]]:
+    """Samples -> mini-batches (one optimizer step each) of micro-batches.
+
+    Mini-batches are a random partition of the samples, as in VeRL/PPO: were they cut from
+    the length-sorted order instead, one step would see only short (mostly right) responses
+    and the next only long (mostly wrong) ones, two full-size Adam steps in opposite
+    directions. Within a mini-batch, micro-batches are length-sorted (padding only)."""
+    order = np.random.default_rng([seed, 23]).permutation(len(samples))
+    parts = np.array_split(order, max(1, min(num_minibatches, len(samples))))
+    return [list(micro_batches([samples[i] for i in part], self.micro_batch, self.pad_multiple,
+                               self.max_len, self.micro_batch_tokens, self.row_multiple))
+            for part in parts]
+
+  def logprobs(self, mbs: list[dict[str, np.ndarray]], *, with_hidden: bool = False) -> None:
+    """Adds old_logp (and ref_logp) device arrays to each micro-batch in place; with_hidden
+    also keeps the old policy's hidden states (the drafter's training data, for free)."""
+    for mb in mbs:
+      tokens = self._put(mb["tokens"])
+      mb["tokens_dev"] = tokens
+      if with_hidden:
+        mb["old_logp"], mb["hidden"] = self._logprobs_hidden(self.params, tokens)
+      else:
+        mb["old_logp"] = self._logprobs(self.params, tokens)
+      if self.ref_params is not None:
+        mb["ref_logp"] = self._logprobs(self.ref_params, tokens)
+
+  def update(self, minibatches: list[list[dict[str, Any]]]) -> dict[str, float]:
+    """One optimizer step per mini-batch (from `batches`, with old_logp from `logprobs`);
+    returns metrics averaged over the mini-batches."""
+    totals: dict[str, float] = {}
+    for group in minibatches:
+      num_tokens = jnp.float32(sum(float(mb["loss_mask"].sum()) for mb in group))
+      acc = None
+      for mb in group:
+        dev = {"tokens": mb["tokens_dev"], "loss_mask": self._put(mb["loss_mask"]),
+               "advantages": self._put(mb["advantages"]), "old_logp": mb["old_logp"]}
+        if "ref_logp" in mb:
+          dev["ref_logp"] = mb["ref_logp"]
+        if acc is None:
+          zeros_m = jax.eval_shape(functools.partial(grpo_loss, cfg=self.cfg, gcfg=self.gcfg),
+                                   self.params, dev, num_tokens=num_tokens)[1]
+          acc = (self._zeros(self.params),
+                 jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros_m))
+        acc = self._grad_step(self.params, acc, dev, num_tokens)
+      grads, metrics = acc
+      self.params, self.opt_state, gnorm = self._apply(self.params, self.opt_state, grads)
+      metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+      metrics["grad_norm"] = float(gnorm)
+      for k, v in metrics.items():
+        totals[k] = totals.get(k, 0.0) + v / len(minibatches)
+    return totals
+
+  def sync_to(self, workers) -> float:
+    """Pushes the new params into each rollout worker's layout (device to device); returns
+    seconds until every copy is done."""
+    t0 = time.perf_counter()
+    for w in workers:
+      w.set_params(self.params)
+    for w in workers:
+      jax.block_until_ready(w.params)
+    return time.perf_counter() - t0
