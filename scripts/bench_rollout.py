@@ -1,13 +1,33 @@
 """Rollout throughput: tlt_jax's engine vs Hugging Face transformers `generate`, one run.
 
   python scripts/bench_rollout.py [--model DIR] [--batch_sizes 1,8,64] [--new_tokens 128]
+      [--spec_arms 4_1_5,4_4_16] [--skip_hf] [--skip_spec] [--repeats 3]
 
-Rows 1-2 (fixed length): every row decodes exactly --new_tokens tokens (no stop token), so
-both engines do identical work; greedy and sampling (temperature 1) at each batch size.
-Row 3 (long tail): the default task's real length distribution, --tail_batch prompts sampled
-at temperature 1 with EOS, compaction on vs off (and HF as a peer).
-Compile time is excluded (one warm-up run of each shape first) and reported separately.
-Prints a markdown table of tokens/s and the ratios, measured in this one run.
+Table 1 (plain decoding vs HF generate). Fixed length: every row decodes exactly --new_tokens
+tokens (no stop token), so both engines do identical work; greedy and sampling (temperature 1)
+at each batch size. Long tail: the default task's real length distribution, --tail_batch
+prompts sampled at temperature 1 with EOS, compaction on vs off (and HF as a peer).
+
+Table 2 (speculative decoding vs plain, same engine; the shipped drafter). For each batch size
+and mode: the fixed-length workload, and the default task with EOS (--task_requests prompts
+streamed through a batch of that size: rows are refilled as they finish); SD is on from the
+first chunk. Long tail: SD switches on once the live batch is <= --spec_threshold. One column
+pair per --spec_arms strategy (chains "<steps>_1_<steps+1>", EAGLE-2 trees "<steps>_<topk>_<n>"),
+with tokens per verification (accepted drafts + 1).
+
+Table 3 (--skip_hf off): HF assisted generation as the speculative peer, batch 1 (all HF
+supports): `generate(..., assistant_model=A)`. HF's assistant must be a standalone causal LM
+and our drafter is EAGLE-style (it reads the target's hidden states), so A is the target cut to
+its first layer (its embedding, final norm and LM head, layer 0; written with save_hf_model):
+the strongest assistant derivable from the target without training. Workloads run one prompt
+at a time for HF; ours runs as in table 2.
+
+Bounds: per-forward costs measured in compiled loops (scripts/profile_spec.py) at batch 1 and 8
+give r = drafter step / plain step and the speedup bounds for each arm at its measured tokens
+per verification.
+
+Compile time is excluded (one warm-up run of each shape first) and reported separately. Every
+timing is the best of --repeats runs (the machine may be shared: best-of filters other load).
 """
 
 from __future__ import annotations
@@ -50,6 +70,48 @@ def hf_generate(model, prompts, new_tokens, *, sample, eos, pad_id, seed=0):
   return tokens
 
 
+def hf_assisted(model, assistant, prompts, new_tokens, *, sample, eos, pad_id, seed=0):
+  """HF assisted generation (speculative, batch 1): one prompt at a time. Returns useful tokens
+  (up to and incl. EOS) and HF's acceptance length (tokens per target forward)."""
+  import torch
+  tokens, target_calls = 0, 0
+  for i, p in enumerate(prompts):
+    torch.manual_seed(seed + i)
+    ids = torch.tensor([p])
+    kw = dict(max_new_tokens=new_tokens, do_sample=sample, pad_token_id=pad_id,
+              eos_token_id=eos, attention_mask=torch.ones_like(ids), assistant_model=assistant)
+    if sample:
+      kw.update(temperature=1.0, top_k=0, top_p=1.0)
+    else:
+      kw.update(min_new_tokens=new_tokens if eos is None else 0)
+    calls = [0]
+    hook = model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    try:
+      with torch.no_grad():
+        row = model.generate(ids, **kw)[0, len(p):].numpy()
+    finally:
+      hook.remove()
+    n = len(row)
+    if eos is not None:
+      hits = np.nonzero(np.isin(row, eos))[0]
+      n = hits[0] + 1 if len(hits) else n
+    tokens += n
+    target_calls += calls[0]
+  return tokens, tokens / max(target_calls, 1)
+
+
+def first_layer_assistant(params, cfg, model_dir, out_dir):
+  """The target cut to its first decoder layer, as an HF checkpoint (see the docstring)."""
+  import jax
+  import torch
+  import transformers
+  from tlt_jax.models.hf_io import save_hf_model
+  one = cfg.replace(num_layers=1)
+  p1 = dict(params, layers=jax.tree.map(lambda a: a[:1], params["layers"]))
+  save_hf_model(p1, one, out_dir, tokenizer_dir=model_dir)
+  return transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+
+
 def timed(fn, repeats=1):
   best = None
   for _ in range(repeats):
@@ -67,13 +129,18 @@ def main():
   ap.add_argument("--new_tokens", type=int, default=128)
   ap.add_argument("--tail_batch", type=int, default=64)
   ap.add_argument("--tail_max_new", type=int, default=288)
+  ap.add_argument("--task_requests", type=int, default=32,
+                  help="default-task SD rows: prompts streamed through each batch size")
   ap.add_argument("--chunk_size", type=int, default=16)
+  ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--skip_hf", action="store_true")
   ap.add_argument("--drafter", default=None, help="drafter dir (default: the shipped one)")
-  ap.add_argument("--spec_arm", default="4_1_5", help="chain strategy for the SD rows")
+  ap.add_argument("--spec_arms", default="4_1_5,6_4_24",
+                  help="strategies for the SD rows (chains and/or trees)")
   ap.add_argument("--spec_threshold", type=int, default=16,
                   help="long-tail row: speculate once the live batch is <= this")
   ap.add_argument("--skip_spec", action="store_true")
+  ap.add_argument("--skip_plain", action="store_true", help="skip table 1")
   args = ap.parse_args()
 
   import jax
@@ -104,106 +171,181 @@ def main():
   from tlt_jax.rollout.engine import SpecConfig
   dparams = None if args.skip_spec else load_drafter(
       args.drafter or asset_path("default", "drafter"), cfg)
+  arms = args.spec_arms.split(",")
+  modes = (("greedy", SamplingParams(temperature=0.0)), ("sample", SamplingParams(temperature=1.0)))
 
-  def engine(batch, new_tokens, stop_tokens, compaction=True, spec_threshold=0):
+  def engine(batch, new_tokens, stop_tokens, compaction=True, arm=None, spec_threshold=0):
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < batch) + (batch,)
     # On CPU the verification runs as the jnp reference (Pallas interpret mode is a
     # debugging interpreter, not a fast path); on a GPU use_kernel=True lowers the kernel.
-    spec = SpecConfig(strategy=args.spec_arm, bs_threshold=spec_threshold, patience=2,
-                      use_kernel=jax.default_backend() == "gpu") if spec_threshold else None
+    spec = SpecConfig(strategy=arm, bs_threshold=spec_threshold, patience=1,
+                      use_kernel=jax.default_backend() == "gpu") if arm else None
     ecfg = EngineConfig(max_batch=batch, buckets=buckets, chunk_size=args.chunk_size,
                         compaction=compaction, max_prompt_len=max_prompt,
                         max_new_tokens=new_tokens, stop_tokens=stop_tokens, spec=spec)
     return RolloutWorker(params, cfg, ecfg, drafter_params=dparams if spec else None)
 
-  def timed_engine(w, reqs, sp):
-    run_engine(w, reqs, sp)  # warm-up: compiles every shape this run needs
-    w.chunk_log.clear()
-    ntok, dt = timed(lambda: run_engine(w, reqs, sp), repeats=2)
-    sd = [c for c in w.chunk_log if c.mode != "plain"]
-    toks, acc = sum(c.tokens for c in sd), sum(c.accepted for c in sd)
-    return ntok / dt, (toks / max(toks - acc, 1) if sd else None)
-
-  spec_rows = []
-
   def run_engine(worker, reqs, sp):
     res = worker.generate(reqs, sp, seed=0)
     return sum(r.num_tokens for r in res)
 
-  table = []
+  def timed_engine(w, reqs, sp):
+    """(tokens/s best of --repeats, tokens per verification | None, the worker)."""
+    run_engine(w, reqs, sp)  # warm-up: compiles every shape this run needs
+    w.chunk_log.clear()
+    ntok, dt = timed(lambda: run_engine(w, reqs, sp), repeats=args.repeats)
+    sd = [c for c in w.chunk_log if c.mode != "plain"]
+    toks, acc = sum(c.tokens for c in sd), sum(c.accepted for c in sd)
+    return ntok / dt, (toks / max(toks - acc, 1) if sd else None), w
+
+  def sd_row(name, batch, new_tokens, stop_tokens, reqs, sp, threshold):
+    """Plain vs every arm on one workload -> (name, plain tok/s, {arm: (tok/s, accept)})."""
+    plain, _, _ = timed_engine(engine(batch, new_tokens, stop_tokens), reqs, sp)
+    res = {}
+    for arm in arms:
+      tps, acc, _ = timed_engine(engine(batch, new_tokens, stop_tokens, arm=arm,
+                                        spec_threshold=threshold), reqs, sp)
+      res[arm] = (tps, acc)
+    row = (name, plain, res)
+    print(row, file=sys.stderr)
+    return row
+
+  table, spec_rows = [], []
   for b in [int(x) for x in args.batch_sizes.split(",")]:
     batch_prompts = [prompts[i % len(prompts)] for i in range(b)]
     reqs = [Request(p, request_id=i) for i, p in enumerate(batch_prompts)]
-    for mode, sp in (("greedy", SamplingParams(temperature=0.0)),
-                     ("sample", SamplingParams(temperature=1.0))):
-      w = engine(b, args.new_tokens, ())
-      run_engine(w, reqs, sp)  # warm-up: compiles every shape this run needs
-      ntok, dt = timed(lambda: run_engine(w, reqs, sp), repeats=2)
-      row = {"workload": f"batch {b}, {mode}, {args.new_tokens} tokens/row",
-             "tlt": ntok / dt, "compile_s": w.compile_stats()["compile_seconds"]}
-      if not args.skip_hf:
-        hf_generate(hf, batch_prompts[:1], 4, sample=mode == "sample", eos=None, pad_id=pad_id)
-        hf_tok, hf_dt = timed(lambda: hf_generate(hf, batch_prompts, args.new_tokens,
-                                                  sample=mode == "sample", eos=None,
-                                                  pad_id=pad_id), repeats=2)
-        row["hf"] = hf_tok / hf_dt
-      table.append(row)
-      print(row, file=sys.stderr)
+    for mode, sp in modes:
+      if not args.skip_plain:
+        w = engine(b, args.new_tokens, ())
+        run_engine(w, reqs, sp)  # warm-up: compiles every shape this run needs
+        ntok, dt = timed(lambda: run_engine(w, reqs, sp), repeats=args.repeats)
+        row = {"workload": f"batch {b}, {mode}, {args.new_tokens} tokens/row",
+               "tlt": ntok / dt, "compile_s": w.compile_stats()["compile_seconds"]}
+        if not args.skip_hf:
+          hf_generate(hf, batch_prompts[:1], 4, sample=mode == "sample", eos=None,
+                      pad_id=pad_id)
+          hf_tok, hf_dt = timed(lambda: hf_generate(hf, batch_prompts, args.new_tokens,
+                                                    sample=mode == "sample", eos=None,
+                                                    pad_id=pad_id), repeats=args.repeats)
+          row["hf"] = hf_tok / hf_dt
+        table.append(row)
+        print(row, file=sys.stderr)
       if dparams is not None:
-        # SD on from the start (threshold = batch) with the default task's real EOS.
-        real = [Request(p, request_id=i) for i, p in enumerate(batch_prompts)]
-        plain_tps, _ = timed_engine(engine(b, args.tail_max_new, stop), real, sp)
-        sd_tps, acc_len = timed_engine(engine(b, args.tail_max_new, stop, spec_threshold=b),
-                                       real, sp)
-        spec_rows.append((f"batch {b}, {mode}, default task (EOS)", plain_tps, sd_tps, acc_len))
-        print(spec_rows[-1], file=sys.stderr)
+        spec_rows.append(sd_row(f"batch {b}, {mode}, {args.new_tokens} tokens/row (no EOS)", b,
+                                args.new_tokens, (), reqs, sp, b))
+        task = [Request(prompts[i % len(prompts)], request_id=i)
+                for i in range(max(args.task_requests, b))]
+        spec_rows.append(sd_row(f"batch {b}, {mode}, default task (EOS), {len(task)} prompts",
+                                b, args.tail_max_new, stop, task, sp, b))
 
   # Long tail: the task's real length distribution, EOS on, sampling.
   tail_prompts = prompts[:args.tail_batch]
-  reqs = [Request(p, request_id=i) for i, p in enumerate(tail_prompts)]
-  sp = SamplingParams(temperature=1.0)
-  tail = {}
-  for compaction in (True, False):
-    w = engine(args.tail_batch, args.tail_max_new, stop, compaction=compaction)
-    run_engine(w, reqs, sp)
-    ntok, dt = timed(lambda: run_engine(w, reqs, sp), repeats=2)
-    tail[compaction] = (ntok, dt, w)
-  lengths = [r.num_tokens for r in w.generate(reqs, sp, seed=0)]
-  row = {"workload": f"long tail: {args.tail_batch} default-task prompts, sample, EOS "
-                     f"(len p50 {np.percentile(lengths, 50):.0f}, max {max(lengths)})",
-         "tlt": tail[True][0] / tail[True][1], "tlt_nocompact": tail[False][0] / tail[False][1],
-         "compile_s": tail[True][2].compile_stats()["compile_seconds"]}
-  if not args.skip_hf:
-    hf_tok, hf_dt = timed(lambda: hf_generate(hf, tail_prompts, args.tail_max_new, sample=True,
-                                              eos=list(stop), pad_id=pad_id), repeats=2)
-    row["hf"] = hf_tok / hf_dt
-  table.append(row)
-  print(row, file=sys.stderr)
+  tail_reqs = [Request(p, request_id=i) for i, p in enumerate(tail_prompts)]
+  if not args.skip_plain:
+    sp = SamplingParams(temperature=1.0)
+    tail = {}
+    for compaction in (True, False):
+      w = engine(args.tail_batch, args.tail_max_new, stop, compaction=compaction)
+      run_engine(w, tail_reqs, sp)
+      ntok, dt = timed(lambda: run_engine(w, tail_reqs, sp), repeats=args.repeats)
+      tail[compaction] = (ntok, dt, w)
+    lengths = [r.num_tokens for r in w.generate(tail_reqs, sp, seed=0)]
+    row = {"workload": f"long tail: {args.tail_batch} default-task prompts, sample, EOS "
+                       f"(len p50 {np.percentile(lengths, 50):.0f}, max {max(lengths)})",
+           "tlt": tail[True][0] / tail[True][1],
+           "tlt_nocompact": tail[False][0] / tail[False][1],
+           "compile_s": tail[True][2].compile_stats()["compile_seconds"]}
+    if not args.skip_hf:
+      hf_tok, hf_dt = timed(lambda: hf_generate(hf, tail_prompts, args.tail_max_new,
+                                                sample=True, eos=list(stop), pad_id=pad_id),
+                            repeats=args.repeats)
+      row["hf"] = hf_tok / hf_dt
+    table.append(row)
+    print(row, file=sys.stderr)
 
-  print("\n| workload | tlt_jax tokens/s | HF generate tokens/s | tlt_jax / HF |")
-  print("|---|---:|---:|---:|")
-  for r in table:
-    hf_s = f"{r['hf']:.0f}" if "hf" in r else "-"
-    ratio = f"{r['tlt'] / r['hf']:.2f}x" if "hf" in r else "-"
-    print(f"| {r['workload']} | {r['tlt']:.0f} | {hf_s} | {ratio} |")
-  r = table[-1]
-  if dparams is not None:
-    for mode, sp in (("greedy", SamplingParams(temperature=0.0)),
-                     ("sample", SamplingParams(temperature=1.0))):
-      plain_tps, _ = timed_engine(engine(args.tail_batch, args.tail_max_new, stop), reqs, sp)
-      sd_tps, acc_len = timed_engine(engine(args.tail_batch, args.tail_max_new, stop,
-                                            spec_threshold=args.spec_threshold), reqs, sp)
-      spec_rows.append((f"long tail: batch {args.tail_batch}, {mode}, SD when live <= "
-                        f"{args.spec_threshold}", plain_tps, sd_tps, acc_len))
-      print(spec_rows[-1], file=sys.stderr)
-    print(f"\n| workload (SD arm {args.spec_arm}) | plain tokens/s | SD tokens/s | SD / plain "
-          "| tokens per verification |")
-    print("|---|---:|---:|---:|---:|")
-    for name, plain_tps, sd_tps, acc_len in spec_rows:
-      acc_s = f"{acc_len:.2f}" if acc_len else "-"
-      print(f"| {name} | {plain_tps:.0f} | {sd_tps:.0f} | {sd_tps / plain_tps:.2f}x | {acc_s} |")
-  print(f"\nlong tail, compaction on vs off: {r['tlt']:.0f} vs {r['tlt_nocompact']:.0f} tokens/s "
-        f"= {r['tlt'] / r['tlt_nocompact']:.2f}x")
+    print("\n| workload | tlt_jax tokens/s | HF generate tokens/s | tlt_jax / HF |")
+    print("|---|---:|---:|---:|")
+    for r in table:
+      hf_s = f"{r['hf']:.0f}" if "hf" in r else "-"
+      ratio = f"{r['tlt'] / r['hf']:.2f}x" if "hf" in r else "-"
+      print(f"| {r['workload']} | {r['tlt']:.0f} | {hf_s} | {ratio} |")
+    r = table[-1]
+    print(f"\nlong tail, compaction on vs off: {r['tlt']:.0f} vs {r['tlt_nocompact']:.0f} "
+          f"tokens/s = {r['tlt'] / r['tlt_nocompact']:.2f}x")
+  if dparams is None:
+    return
+
+  for mode, sp in modes:
+    spec_rows.append(sd_row(f"long tail: batch {args.tail_batch}, {mode}, SD when live <= "
+                            f"{args.spec_threshold}", args.tail_batch, args.tail_max_new, stop,
+                            tail_reqs, sp, args.spec_threshold))
+  head = " | ".join(f"{a} tokens/s | {a} / plain | {a} tokens per verification" for a in arms)
+  print(f"\n| workload | plain tokens/s | {head} |")
+  print("|---|---:|" + "---:|---:|---:|" * len(arms))
+  for name, plain, res in spec_rows:
+    cells = " | ".join(f"{res[a][0]:.0f} | {res[a][0] / plain:.2f}x | "
+                       + (f"{res[a][1]:.2f}" if res[a][1] else "-") for a in arms)
+    print(f"| {name} | {plain:.0f} | {cells} |")
+
+  # Bounds: per-forward costs (in compiled loops) and the measured acceptance.
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  from profile_spec import bounds, measure_costs
+  print("\nSpeedup bounds from per-forward costs (scripts/profile_spec.py; plain step = 1), at "
+        "the tokens per verification measured above (default task, same batch and mode):")
+  print("\n| batch, mode | arm | plain step us | r = drafter/plain | forwards cost | step cost "
+        "| tokens/verif | lead's bound | forwards bound | step bound |")
+  print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+  for b in (1, 8):
+    for mode, sp in modes:
+      costs = measure_costs(params, dparams, cfg, b, arms, sp, iters=100,
+                            cache_len=max_prompt + args.tail_max_new)
+      measured = {n: res for n, _, res in spec_rows}
+      res = measured.get(f"batch {b}, {mode}, default task (EOS), "
+                         f"{max(args.task_requests, b)} prompts")
+      for arm in arms:
+        acc = res[arm][1] if res and res[arm][1] else None
+        if acc is None:
+          continue
+        bd = bounds(costs, arm, acc)
+        print(f"| {b}, {mode} | {arm} | {costs['plain step'] * 1e6:.0f} | {bd['r']:.3f} | "
+              f"{bd['ideal_cost']:.2f} | {bd['step_cost']:.2f} | {acc:.2f} | {bd['lead']:.2f}x | "
+              f"{bd['ideal']:.2f}x | {bd['measured']:.2f}x |")
+
+  if args.skip_hf:
+    return
+  # HF assisted generation (batch 1) vs ours.
+  import tempfile
+  with tempfile.TemporaryDirectory() as tmp:
+    assistant = first_layer_assistant(params, cfg, model_dir, tmp)
+    print("\nHF assisted generation peer: assistant = the target's first layer (+ its embedding,"
+          " final norm, LM head), HF defaults for the draft length schedule; batch 1, one "
+          "prompt at a time.")
+    print(f"\n| workload | ours plain | ours best SD (arm) | HF generate | HF assisted "
+          f"(tokens/target fwd) | ours SD / HF assisted |")
+    print("|---|---:|---:|---:|---:|---:|")
+    task1 = [prompts[i % len(prompts)] for i in range(args.task_requests)]
+    work = [(f"batch 1, {m}, {args.new_tokens} tokens/row (no EOS)", prompts[:1], args.new_tokens,
+             None, m) for m, _ in modes]
+    work += [(f"batch 1, {m}, default task (EOS), {len(task1)} prompts", task1,
+              args.tail_max_new, list(stop), m) for m, _ in modes]
+    work += [(f"long tail: batch {args.tail_batch}, {m}, SD when live <= {args.spec_threshold}",
+              tail_prompts, args.tail_max_new, list(stop), m) for m, _ in modes]
+    ours = {n: (plain, res) for n, plain, res in spec_rows}
+    for name, ps, new, eos, m in work:
+      if name not in ours:  # --batch_sizes without 1
+        continue
+      sample = m == "sample"
+      hf_assisted(hf, assistant, ps[:1], 4, sample=sample, eos=eos, pad_id=pad_id)  # warm-up
+      (hf_tok, hf_acc), hf_dt = timed(lambda: hf_assisted(hf, assistant, ps, new, sample=sample,
+                                                          eos=eos, pad_id=pad_id), repeats=2)
+      plain_hf_tok, plain_hf_dt = timed(lambda: sum(
+          hf_generate(hf, [p], new, sample=sample, eos=eos, pad_id=pad_id) for p in ps),
+          repeats=2)
+      plain, res = ours[name]
+      best = max(arms, key=lambda a: res[a][0])
+      print(f"| {name} | {plain:.0f} | {res[best][0]:.0f} ({best}) | "
+            f"{plain_hf_tok / plain_hf_dt:.0f} | {hf_tok / hf_dt:.0f} ({hf_acc:.2f}) | "
+            f"{res[best][0] / (hf_tok / hf_dt):.2f}x |")
 
 
 if __name__ == "__main__":

@@ -120,7 +120,8 @@ def runs(ckpt, tmp_path_factory):
   # compile); the greedy run goes through refill and compaction at batch 4
   sampled = ["--num_samples", "3", "--temperature", "1.0", "--top_p", "0.95", "--seed", "11",
              "--batch_size", "16", "--nocompaction"]
-  outs = {k: str(tmp / f"{k}.jsonl") for k in ("sampled_a", "sampled_b", "greedy", "spec")}
+  outs = {k: str(tmp / f"{k}.jsonl")
+          for k in ("sampled_a", "sampled_b", "greedy", "spec", "spec_tree")}
   procs = {
       "sampled_a": _start(*common, *sampled, "--output", outs["sampled_a"]),
       "sampled_b": _start(*common, *sampled, "--output", outs["sampled_b"]),
@@ -129,6 +130,10 @@ def runs(ckpt, tmp_path_factory):
       # speculative chain decoding with a fresh (random) drafter: greedy output unchanged
       "spec": _start(*common, "--temperature", "0", "--batch_size", "4", "--drafter",
                      "init:0", "--spec", "chain", "--spec_steps", "2", "--output", outs["spec"]),
+      # an EAGLE-2 tree (depth 3, branching 2, 6 nodes verified): greedy output unchanged too
+      "spec_tree": _start(*common, "--temperature", "0", "--batch_size", "4", "--drafter",
+                          "init:0", "--spec", "tree", "--spec_steps", "3", "--spec_topk", "2",
+                          "--spec_verify_tokens", "6", "--output", outs["spec_tree"]),
   }
   done = {k: _finish(p) for k, p in procs.items()}
   for k, cp in done.items():
@@ -213,6 +218,11 @@ def errors(ckpt, tmp_path_factory):
       "empty": ["--model", ckpt["dir"], "--prompts", files["empty"]],
       "too_long": ["--model", ckpt["dir"], "--prompts", files["too_long"]],
       "missing_model": ["--model", str(tmp / "no_model"), "--prompts", files["good"]],
+      "chain_topk": ["--model", ckpt["dir"], "--prompts", files["good"], "--drafter", "init:0",
+                     "--spec", "chain", "--spec_topk", "2"],
+      "tree_too_big": ["--model", ckpt["dir"], "--prompts", files["good"], "--drafter",
+                       "init:0", "--spec", "tree", "--spec_steps", "2", "--spec_topk", "2",
+                       "--spec_verify_tokens", "9"],
   }
   procs = {k: _start(*v, *base) for k, v in cases.items()}
   done = {k: _finish(p) for k, p in procs.items()}
@@ -227,6 +237,10 @@ def errors(ckpt, tmp_path_factory):
     ("too_long", rf"error: \S*long\.jsonl:3: prompt has {CONTEXT - MAX_NEW + 1} tokens; with "
                  rf"--max_new_tokens {MAX_NEW} that exceeds the model's context \({CONTEXT}\)"),
     ("missing_model", r"error: model directory '\S*no_model' does not exist"),
+    ("chain_topk", r"error: --spec chain drafts one token per depth; for --spec_topk > 1 use "
+                   r"--spec tree"),
+    ("tree_too_big", r"error: --spec_steps/--spec_topk/--spec_verify_tokens: strategy 2_2_9: "
+                     r"a tree of depth 2 and branching 2 has 7 candidate nodes"),
 ])
 def test_user_errors(errors, case, pattern):
   cp = errors[0][case]
@@ -236,6 +250,7 @@ def test_user_errors(errors, case, pattern):
   assert cp.stdout == ""
 
 
-def test_speculative_flags_keep_greedy_output(runs):
-  assert _read(runs["outs"]["spec"]) == _read(runs["outs"]["greedy"])
-  assert "mean acceptance length" in runs["procs"]["spec"].stderr
+@pytest.mark.parametrize("run", ["spec", "spec_tree"])
+def test_speculative_flags_keep_greedy_output(runs, run):
+  assert _read(runs["outs"][run]) == _read(runs["outs"]["greedy"])
+  assert "mean acceptance length" in runs["procs"][run].stderr

@@ -39,7 +39,7 @@ def _by_id(results):
   return {(r.request_id, r.sample_index): r for r in results}
 
 
-@pytest.mark.parametrize("arm", ["1_1_2", "3_1_4", "off"])
+@pytest.mark.parametrize("arm", ["1_1_2", "3_1_4", "off", "2_2_4", "3_3_8", "1_4_5"])
 def test_greedy_spec_equals_plain_random_drafter(tiny, arm):
   params, dparams = tiny
   reqs = _requests(9)
@@ -63,14 +63,15 @@ def test_greedy_spec_equals_plain_random_drafter(tiny, arm):
     assert spec[key].finish_reason == r.finish_reason
 
 
-def test_greedy_spec_with_kernel_equals_reference(tiny):
+@pytest.mark.parametrize("arm", ["2_1_3", "2_2_5"])
+def test_greedy_spec_with_kernel_equals_reference(tiny, arm):
   params, dparams = tiny
   reqs = _requests(3, seed=1)
   outs = []
   for use_kernel in (False, True):
     w = RolloutWorker(params, CFG, EngineConfig(
         max_batch=4, buckets=(4,), chunk_size=8, max_prompt_len=16, max_new_tokens=12,
-        spec=SpecConfig(strategy="2_1_3", bs_threshold=4, patience=1, use_kernel=use_kernel)),
+        spec=SpecConfig(strategy=arm, bs_threshold=4, patience=1, use_kernel=use_kernel)),
         drafter_params=dparams)
     outs.append(_by_id(w.generate(reqs, SamplingParams(temperature=0.0))))
   for key in outs[0]:
@@ -82,8 +83,10 @@ DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "..", "tlt_jax", "assets
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(DEFAULT_MODEL, "drafter", "drafter_config.json")),
                     reason="default drafter not built")
-def test_greedy_spec_equals_plain_trained_drafter():
-  """With the shipped drafter most drafts are accepted: the accept path is exercised."""
+@pytest.mark.parametrize("arm", ["4_1_5", "4_4_16"])
+def test_greedy_spec_equals_plain_trained_drafter(arm):
+  """With the shipped drafter most drafts are accepted: the accept path is exercised (for
+  trees: accepted nodes' k/v gathered from scattered chunk slots)."""
   from tlt_jax.data.prompts import load_prompt_rows
   from tlt_jax.drafter.model import load_drafter
   from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
@@ -98,7 +101,7 @@ def test_greedy_spec_equals_plain_trained_drafter():
   sp = SamplingParams(temperature=0.0)
   plain = _by_id(RolloutWorker(params, cfg, EngineConfig(**base)).generate(reqs, sp))
   w = RolloutWorker(params, cfg, EngineConfig(**base, spec=SpecConfig(
-      strategy="4_1_5", bs_threshold=4, patience=1, use_kernel=False)), drafter_params=dparams)
+      strategy=arm, bs_threshold=4, patience=1, use_kernel=False)), drafter_params=dparams)
   spec = _by_id(w.generate(reqs, sp))
   accepted = sum(m.accepted for m in w.chunk_log)
   assert accepted > 0.5 * sum(r.num_tokens for r in plain.values()) / 4
@@ -138,20 +141,21 @@ def exact_joint(params, sp: SamplingParams) -> np.ndarray:
   return joint / joint.sum()
 
 
-def sample_joint(params, dparams, sp, strategy, seed=0, verify=None):
-  """N samples of the first NEW tokens: one batch of N rows with distinct per-row keys."""
+def sample_joint(params, dparams, sp, strategy, seed=0, verify=None, cache_len=16):
+  """N samples of the first NEW tokens: one batch of N rows with distinct per-row keys.
+  verify: a replacement for `speculative.verify_chain` (chain) / `verify_tree` (tree)."""
   b = N
   toks = jnp.tile(jnp.asarray(PROMPT, jnp.int32), (b, 1))
   lens = jnp.full((b,), len(PROMPT), jnp.int32)
   keys = jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(b) + seed * b)
   max_new = jnp.full((b,), NEW, jnp.int32)
-  run = functools.partial(speculative.prefill, cfg=PEAKED, cache_len=16,
+  run = functools.partial(speculative.prefill, cfg=PEAKED, cache_len=cache_len,
                           max_steps=max(strategy.steps, 1))
   state = jax.jit(run)(params, dparams, toks, lens, keys, max_new)
   fn = functools.partial(speculative.spec_chunk, cfg=PEAKED, sp=sp, stop_tokens=(), chunk=NEW,
                          strategy=strategy, capture_hidden=False, use_kernel=False)
   if verify is not None:
-    fn = _with_verify(fn, verify)
+    fn = _with_verify(fn, "verify_chain" if strategy.topk == 1 else "verify_tree", verify)
   _, out, acc = jax.jit(fn)(params, dparams, state)
   valid = np.asarray(out.valid)
   tokens = np.asarray(out.tokens)
@@ -159,14 +163,14 @@ def sample_joint(params, dparams, sp, strategy, seed=0, verify=None):
   return seqs, int(acc)
 
 
-def _with_verify(fn, verify):
+def _with_verify(fn, name, verify):
   def wrapped(*a):
-    orig = speculative.verify_chain
-    speculative.verify_chain = verify
+    orig = getattr(speculative, name)
+    setattr(speculative, name, verify)
     try:
       return fn(*a)
     finally:
-      speculative.verify_chain = orig
+      setattr(speculative, name, orig)
   return wrapped
 
 
@@ -197,6 +201,21 @@ def test_sampled_spec_matches_target_distribution(peaked, sp, steps):
   assert chi_square_p(seqs, joint) > 1e-3
 
 
+@pytest.mark.parametrize("sp", SAMPLING, ids=["t1", "t0.8_topk4"])
+@pytest.mark.parametrize("arm,cache_len", [("2_2_5", 16), ("3_2_6", 16), ("2_3_8", 6)],
+                         ids=["2_2_5", "3_2_6", "2_3_8_tight_cache"])
+def test_sampled_tree_spec_matches_target_distribution(peaked, sp, arm, cache_len):
+  """Tree drafts verified by the target-only rule. With cache_len = prompt + NEW, late tree
+  nodes' chunk slots fall off the cache and accepted paths are cut there: still exact."""
+  params, dparams = peaked
+  joint = exact_joint(params, sp)
+  seqs, acc = sample_joint(params, dparams, sp, speculative.Strategy.parse(arm),
+                           cache_len=cache_len)
+  assert acc > 0.02 * N
+  assert acc < 0.9 * N * (NEW - 1)
+  assert chi_square_p(seqs, joint) > 1e-3
+
+
 def test_plain_sampling_matches_target_distribution(peaked):
   """The same test on plain decoding (the 'off' arm): the reference the SD test mirrors."""
   params, dparams = peaked
@@ -219,11 +238,46 @@ def test_broken_acceptance_rule_is_detected(peaked):
   params, dparams = peaked
   sp = SAMPLING[0]
   seqs, _ = sample_joint(params, dparams, sp, speculative.Strategy(2), verify=always_accept)
-  joint = exact_joint(params, sp)
+  assert _broken_p(seqs, exact_joint(params, sp)) < 1e-6
+  del V_
+
+
+def _broken_p(seqs, joint):
   counts = np.zeros(joint.size)
   np.add.at(counts, np.ravel_multi_index(seqs.T, joint.shape), 1)
   keep = joint.ravel() * N > 5
-  assert stats.chisquare(np.append(counts[keep], counts[~keep].sum()),
-                         np.append(joint.ravel()[keep], joint.ravel()[~keep].sum()) * N
-                         ).pvalue < 1e-6
-  del V_
+  return stats.chisquare(np.append(counts[keep], counts[~keep].sum()),
+                         np.append(joint.ravel()[keep], joint.ravel()[~keep].sum()) * N).pvalue
+
+
+def test_broken_tree_rule_is_detected(peaked):
+  """Tree verification that always walks to the first child (the drafter's favourite),
+  ignoring p, is not lossless either."""
+  def first_child(target_logp, tree_tokens, children, uniforms, noise, *, greedy, max_depth,
+                  use_kernel=True):
+    b = tree_tokens.shape[0]
+    rows = jnp.arange(b)
+    node, path = jnp.zeros((b,), jnp.int32), [jnp.zeros((b,), jnp.int32)]
+    for _ in range(max_depth):
+      ch = children[rows, node, 0]
+      node = jnp.where(ch >= 0, ch, node)
+      path.append(jnp.where(ch >= 0, ch, -1))
+    path = jnp.stack(path, axis=1)
+    n = jnp.sum(path[:, 1:] >= 0, axis=1).astype(jnp.int32)
+    nxt = jnp.argmax(target_logp[rows, node] + noise[rows, node], axis=-1).astype(jnp.int32)
+    return path, n, nxt
+
+  params, dparams = peaked
+  sp = SAMPLING[0]
+  seqs, _ = sample_joint(params, dparams, sp, speculative.Strategy(2, 2, 5), verify=first_child)
+  assert _broken_p(seqs, exact_joint(params, sp)) < 1e-6
+
+
+def test_strategy_validation():
+  assert speculative.Strategy.parse("4_4_16").verify_tokens == 16
+  assert speculative.Strategy(3, 2).verify_tokens == 7  # default: steps * topk + 1
+  assert speculative.Strategy(1, 4).verify_tokens == 5  # capped at the 1 + 4 candidates
+  with pytest.raises(ValueError, match="write '4_1_5'"):
+    speculative.Strategy.parse("4_1_3")
+  with pytest.raises(ValueError, match="7 candidate nodes"):
+    speculative.Strategy.parse("2_2_8")

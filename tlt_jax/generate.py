@@ -39,7 +39,8 @@ flags.DEFINE_string("drafter", None, "Drafter directory (scripts/train_drafter.p
 flags.DEFINE_enum("spec", "off", ["off", "chain", "tree"], "Speculative decoding strategy.")
 flags.DEFINE_integer("spec_steps", 4, "Draft depth.")
 flags.DEFINE_integer("spec_topk", 1, "Branching per draft step (tree).")
-flags.DEFINE_integer("spec_verify_tokens", 0, "Tokens verified per step (tree; chain: steps+1).")
+flags.DEFINE_integer("spec_verify_tokens", 0, "Tree nodes verified per step, root included "
+                     "(tree; 0 = steps * topk + 1; a chain verifies steps + 1).")
 flags.DEFINE_integer("spec_threshold", 0, "Speculate once the live batch is <= this "
                      "(0 = always).")
 
@@ -129,20 +130,31 @@ def main(argv):
     from tlt_jax.rollout.engine import SpecConfig
     if not FLAGS.drafter:
       raise InputError("--spec needs --drafter DIR (or --drafter init:SEED)")
-    if FLAGS.spec == "tree" or FLAGS.spec_topk > 1:
-      raise InputError("--spec tree: tree drafting is not wired into the engine yet; use "
-                       "--spec chain")
     if FLAGS.spec_steps < 1:
       raise InputError("--spec_steps must be >= 1")
+    if FLAGS.spec == "chain" and FLAGS.spec_topk != 1:
+      raise InputError("--spec chain drafts one token per depth; for --spec_topk > 1 use "
+                       "--spec tree")
+    if FLAGS.spec == "tree" and FLAGS.spec_topk < 2:
+      raise InputError("--spec tree needs --spec_topk >= 2 (a tree with one child per node is "
+                       "--spec chain)")
     import jax
     from tlt_jax.drafter.model import init_drafter, load_drafter
+    from tlt_jax.rollout.speculative import Strategy
+    try:
+      strategy = Strategy(FLAGS.spec_steps, FLAGS.spec_topk,
+                          FLAGS.spec_verify_tokens if FLAGS.spec == "tree" else 0)
+    except ValueError as e:
+      raise InputError(f"--spec_steps/--spec_topk/--spec_verify_tokens: {e}") from None
     if FLAGS.drafter.startswith("init:"):
       dparams = init_drafter(cfg, jax.random.key(int(FLAGS.drafter.split(":", 1)[1])))
     else:
       dparams = load_drafter(FLAGS.drafter, cfg)
-    arm = f"{FLAGS.spec_steps}_1_{FLAGS.spec_steps + 1}"
-    spec = SpecConfig(strategy=arm, bs_threshold=FLAGS.spec_threshold or FLAGS.batch_size,
-                      patience=1)
+    # The Pallas verification kernel where it compiles (GPU); elsewhere its jnp reference
+    # (same decisions; Pallas interpret mode is a debugging interpreter, not a fast path).
+    spec = SpecConfig(strategy=strategy.name,
+                      bs_threshold=FLAGS.spec_threshold or FLAGS.batch_size, patience=1,
+                      use_kernel=jax.default_backend() == "gpu")
   buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < FLAGS.batch_size)
   ecfg = EngineConfig(max_batch=FLAGS.batch_size, buckets=buckets + (FLAGS.batch_size,),
                       chunk_size=FLAGS.chunk_size, compaction=FLAGS.compaction,

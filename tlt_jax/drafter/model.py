@@ -76,8 +76,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.transformer import (KVCache, Params, compute_logits, decoder_stack,
-                                        embed_tokens, init_cache, param_shapes)
+from tlt_jax.models.transformer import (KVCache, Params, _layer, compute_logits, decoder_stack,
+                                        embed_tokens, init_cache, param_shapes, rope_tables)
 
 FORMAT = "tlt_jax.drafter"
 FORMAT_VERSION = 1
@@ -183,14 +183,39 @@ def drafter_forward(dparams: Params, target_params: Params, tokens: jax.Array,
   if hidden.shape[-1] != cfg.hidden_size:
     raise ValueError(f"drafter_forward: hidden size {hidden.shape[-1]} != the target config's "
                      f"hidden_size {cfg.hidden_size}")
-  dt = cfg.compute_dtype
-  emb = embed_tokens(target_params, tokens, cfg)
-  x = jnp.concatenate([emb, hidden.astype(dt)], axis=-1)
-  x = jnp.einsum("BTE,ED->BTD", x, dparams["fc"].astype(dt))
+  x = _drafter_input(dparams, target_params, tokens, hidden, cfg)
   g, cache = decoder_stack(dparams["layers"], x, positions, cfg=cfg, cache=cache,
                            attn_mask=attn_mask, num_layers=1)
   logits = compute_logits(target_params, g, cfg) if return_logits else None
   return g, logits, cache
+
+
+def _drafter_input(dparams, target_params, tokens, hidden, cfg):
+  """z = fc(concat(embed(x_{t+1}), f_t)) [B, T, D]."""
+  dt = cfg.compute_dtype
+  emb = embed_tokens(target_params, tokens, cfg)
+  x = jnp.concatenate([emb, hidden.astype(dt)], axis=-1)
+  return jnp.einsum("BTE,ED->BTD", x, dparams["fc"].astype(dt))
+
+
+def drafter_tree_forward(dparams: Params, target_params: Params, tokens: jax.Array,
+                         hidden: jax.Array, positions: jax.Array, slots: jax.Array,
+                         visible: jax.Array, *, cfg: ModelConfig, cache: KVCache
+                         ) -> tuple[jax.Array, jax.Array, KVCache]:
+  """One level of a draft tree: tokens [B, T], hidden [B, T, D], positions [B, T] ->
+  (g [B, T, D], logits [B, T, V], cache).
+
+  Unlike `drafter_forward`, whose new tokens are one contiguous chunk at `lengths` with a
+  within-chunk mask, a tree level's nodes attend to ancestors that earlier levels wrote at
+  scattered slots: so the k/v are written at explicit `slots` [B, T] (out of range: dropped)
+  and query t sees exactly the cache slots `visible` [B, T, S] allows (the committed prefix,
+  its ancestors and itself). Nothing is committed (`lengths` is unchanged).
+  """
+  x = _drafter_input(dparams, target_params, tokens, hidden, cfg)
+  cos, sin = rope_tables(cfg, positions)
+  layer = jax.tree.map(lambda a: a[0], dparams["layers"])
+  g, (k, v) = _layer(cfg, x, layer, cos, sin, visible, (cache.k, cache.v, 0, slots))
+  return g, compute_logits(target_params, g, cfg), cache.replace(k=k, v=v)
 
 
 # --------------------------------------------------------------------------- save / load

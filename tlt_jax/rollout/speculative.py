@@ -1,4 +1,4 @@
-"""Speculative decoding steps (EAGLE-style drafter, chain strategy) over a `SpecState`.
+"""Speculative decoding steps (EAGLE-style drafter; chains and EAGLE-2 trees) over a `SpecState`.
 
 State machine, per row (n = target tokens committed, f_t = target hidden after token t):
 
@@ -13,31 +13,42 @@ buffer (`catch_*`, at most steps+1 of them: the accepted drafts plus the pending
 speculative step:
 
   1. rows without a pending token sample it from base.hidden (the plain rule) and emit it;
-  2. drafter consumes its catch-up pairs (1 forward over [B, steps+1], committed);
-  3. drafter proposes `steps` tokens, one drafter forward each (speculative slots, not
-     committed: they are overwritten by the true pairs next step);
-  4. ONE target forward verifies [pending, d_1..d_K]; `verify_chain` (the Pallas kernel)
-     accepts a prefix of a drafts and samples the next token from the residual (or the bonus);
-  5. the pending token and the a accepted drafts are committed to the target cache; the new
-     pending token is the verifier's next token; the true pairs become the catch-up buffer.
+  2. drafter consumes its catch-up pairs (1 forward over [B, steps+1], committed); its last
+     output is the distribution of the first draft;
+  3. drafts, at speculative drafter slots (not committed: overwritten by the true pairs next
+     step). Chain (topk=1): `steps` tokens, one drafter forward each after the first (sampled
+     from q when sampling: the chain rule needs q; the argmax when greedy). Tree (topk>1,
+     `_draft_tree`): an EAGLE-2 expansion, one drafter forward per depth over the topk
+     frontier nodes, pruned to the best `verify_tokens` nodes (deterministic drafts);
+  4. ONE target forward verifies [pending, drafts] (a tree mask for trees): `verify_chain` /
+     `verify_tree` (Pallas kernel or its jnp reference) accepts a path of a drafts and samples
+     the next token from the residual (or the bonus);
+  5. the pending token and the a accepted drafts are committed to the target cache (a tree's
+     accepted nodes sit at scattered chunk slots: their k/v move to n+1..n+a); the new pending
+     token is the verifier's next token; the path's true pairs become the catch-up buffer.
 
 So a step commits a + 1 target tokens and emits up to a + 2 (the new pending one included);
 the target is never re-prefilled when speculation switches on, and the drafter is kept warm
 during plain decoding by `plain_chunk` (one drafter forward per chunk over its captured pairs).
 A strategy with steps=0 is plain decoding inside this state ("SD off" as a bandit arm).
+
+Costs (scripts/profile_spec.py): per step, 1 target forward over the verified tokens + 1
+drafter catch-up + (steps - 1) drafter forwards. Greedy steps draw no randomness at all.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from typing import NamedTuple
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from tlt_jax.drafter.model import drafter_cache, drafter_forward
-from tlt_jax.kernels.verify import draw_verify_randomness, verify_chain
+from tlt_jax.drafter.model import drafter_cache, drafter_forward, drafter_tree_forward
+from tlt_jax.kernels.verify import (draw_tree_randomness, draw_verify_randomness, verify_chain,
+                                    verify_tree)
 from tlt_jax.models import KVCache, ModelConfig, Params, compute_logits, forward
 from tlt_jax.rollout import decode
 from tlt_jax.rollout.decode import ChunkOutput, DecodeState
@@ -48,18 +59,32 @@ _ARM = re.compile(r"^(\d+)_(\d+)_(\d+)$")
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-  """(draft depth, branching, verify tokens); topk=1 is a chain of `steps` drafts."""
+  """(draft depth, branching, verify tokens). topk=1: a chain of `steps` drafts, steps+1
+  tokens verified. topk>1: an EAGLE-2 tree of depth `steps` pruned to `num_verify_tokens`
+  nodes, the root (pending token) included (default: steps * topk + 1, capped at the number
+  of candidates the expansion produces)."""
 
   steps: int
   topk: int = 1
-  num_verify_tokens: int = 0  # chain: steps + 1
+  num_verify_tokens: int = 0
 
   def __post_init__(self):
     if self.steps < 0 or self.topk < 1:
-      raise ValueError(f"strategy {self.name}: steps must be >= 0 and topk >= 1")
-    if self.topk > 1:
-      raise NotImplementedError(f"strategy {self.name}: tree drafting (topk > 1) is not "
-                                "wired into the engine yet; use a chain (topk = 1)")
+      raise ValueError(f"strategy {self.steps}_{self.topk}_{self.num_verify_tokens}: steps "
+                       "must be >= 0 and topk >= 1")
+    if self.num_verify_tokens and self.steps:
+      if self.topk == 1 and self.num_verify_tokens != self.steps + 1:
+        raise ValueError(f"strategy {self.steps}_1_{self.num_verify_tokens}: a chain verifies "
+                         f"steps + 1 tokens; write '{self.steps}_1_{self.steps + 1}'")
+      if not 2 <= self.num_verify_tokens <= self.max_nodes:
+        raise ValueError(f"strategy {self.steps}_{self.topk}_{self.num_verify_tokens}: a tree "
+                         f"of depth {self.steps} and branching {self.topk} has {self.max_nodes} "
+                         f"candidate nodes; verify between 2 and {self.max_nodes}")
+
+  @property
+  def max_nodes(self) -> int:
+    """Candidates of the expansion, root included: 1 + k + (steps - 1) k^2."""
+    return 1 + self.topk + max(self.steps - 1, 0) * self.topk ** 2 if self.steps else 1
 
   @property
   def name(self) -> str:
@@ -67,7 +92,9 @@ class Strategy:
 
   @property
   def verify_tokens(self) -> int:
-    return self.num_verify_tokens or self.steps + 1
+    if self.num_verify_tokens:
+      return self.num_verify_tokens
+    return self.steps + 1 if self.topk == 1 else min(self.steps * self.topk + 1, self.max_nodes)
 
   @classmethod
   def parse(cls, arm: str) -> "Strategy":
@@ -163,6 +190,111 @@ def _truncate(tokens, n_cand, stop, room):
   return n, (first_stop < n)
 
 
+def _draft_chain(dparams, params, dc: KVCache, g, dlogits, keys, *, cfg, sp, steps):
+  """`steps` drafts, one drafter forward each after the first (the catch-up produced it).
+  Greedy drafts are the argmax (no keys, no softmax); sampled drafts are drawn from the
+  processed drafter distribution q with keys [B, steps], and q is returned for the
+  acceptance test. Returns (drafts [B, steps], q [B, steps, V] | None, drafter cache)."""
+  drafts, qs = [], []
+  base_len = dc.lengths
+  for i in range(steps):
+    if sp.greedy:
+      d_i = jnp.argmax(dlogits, axis=-1).astype(jnp.int32)
+    else:
+      q = processed_logprobs(dlogits, sp)
+      d_i = jax.vmap(jax.random.categorical)(keys[:, i], q).astype(jnp.int32)
+      qs.append(q)
+    drafts.append(d_i)
+    if i + 1 < steps:
+      pos = (base_len + i)[:, None]
+      g3, dl3, dc = drafter_forward(dparams, params, d_i[:, None], g[:, None], pos, cfg=cfg,
+                                    cache=dc.replace(lengths=base_len + i))
+      g, dlogits = g3[:, 0], dl3[:, 0]
+  q_all = jnp.stack(qs, axis=1) if qs else None
+  return jnp.stack(drafts, axis=1), q_all, dc.replace(lengths=base_len)
+
+
+class Tree(NamedTuple):
+  """A draft tree of N nodes in verification order (node 0 = the root = the pending token;
+  every node after its parent)."""
+
+  tokens: jax.Array  # [B, N] int32 (root entry: 0, filled in by the caller)
+  depth: jax.Array  # [B, N] int32 (root 0)
+  children: jax.Array  # [B, N, topk] int32 node ids, -1 = none, in drafter-score order
+  visible: jax.Array  # [B, N, N] bool: node j is an ancestor of node i or i itself
+
+
+def _draft_tree(dparams, params, dc: KVCache, g, dlogits, *, cfg, strategy: "Strategy"):
+  """EAGLE-2 dynamic tree. Depth 1: the top-k tokens of the drafter's distribution after the
+  root. Each further depth expands the `topk` frontier nodes (the best by cumulative draft
+  log-prob) with their top-k children, one drafter forward over the frontier per depth (the
+  nodes attend to their own ancestors' drafter k/v: `drafter_tree_forward`). Every expanded
+  node is a candidate; the `verify_tokens` best by cumulative score are verified. A child's
+  score is its parent's plus a log-prob <= 0 and candidates are laid out after their parents,
+  so a stable sort by score puts every node after its ancestors: the pruned tree is closed
+  under ancestors, ties included. Drafts are deterministic (top-k, no randomness), as the
+  target-only tree rule requires. Returns (Tree, drafter cache with speculative k/v)."""
+  k, depth, n_verify = strategy.topk, strategy.steps, strategy.verify_tokens
+  b = g.shape[0]
+  rows = jnp.arange(b)[:, None]
+  base_len = dc.lengths
+  r = max(depth - 1, 1) * k  # drafter slots of the expanded (frontier) nodes
+  slot_ids = jnp.arange(k)
+  lq, tok = jax.lax.top_k(jax.nn.log_softmax(dlogits, axis=-1), k)  # [B, k]
+  # Candidate lists (root first): token, cumulative score, parent candidate, sibling rank.
+  c_tok, c_score = [jnp.zeros((b, 1), jnp.int32), tok], [jnp.zeros((b, 1)), lq]
+  c_parent = [jnp.zeros((b, 1), jnp.int32), jnp.zeros((b, k), jnp.int32)]
+  c_rank = [jnp.zeros((b, 1), jnp.int32), jnp.broadcast_to(slot_ids, (b, k))]
+  c_depth = [0] + [1] * k
+  f_tok, f_score, f_id = tok, lq, jnp.broadcast_to(1 + slot_ids, (b, k))
+  f_hid = jnp.broadcast_to(g[:, None], (b, k, g.shape[-1]))
+  f_anc = jnp.broadcast_to(jnp.eye(k, r, dtype=jnp.bool_), (b, k, r))  # drafter-slot ancestors
+  rel = jnp.arange(dc.max_len)[None, None, :] - base_len[:, None, None]  # [B, 1, S]
+  for j in range(1, depth):
+    slots = base_len[:, None] + (j - 1) * k + slot_ids[None, :]
+    pos = jnp.broadcast_to(base_len[:, None] + (j - 1), (b, k))
+    anc = jnp.take_along_axis(f_anc, jnp.broadcast_to(jnp.clip(rel, 0, r - 1), (b, k, dc.max_len)),
+                              axis=2)
+    visible = (rel < 0) | ((rel < r) & anc)
+    gj, lgj, dc = drafter_tree_forward(dparams, params, f_tok, f_hid, pos, slots, visible,
+                                       cfg=cfg, cache=dc)
+    clq, ctok = jax.lax.top_k(jax.nn.log_softmax(lgj, axis=-1), k)  # [B, k, k]
+    cs = (f_score[:, :, None] + clq).reshape(b, k * k)
+    offset = sum(x.shape[1] for x in c_tok)
+    c_tok.append(ctok.reshape(b, k * k))
+    c_score.append(cs)
+    c_parent.append(jnp.repeat(f_id, k, axis=1))
+    c_rank.append(jnp.tile(slot_ids, (b, k)))
+    c_depth += [j + 1] * (k * k)
+    if j + 1 < depth:  # the next frontier: the best k children
+      f_score, idx = jax.lax.top_k(cs, k)
+      par = idx // k
+      f_tok = jnp.take_along_axis(ctok.reshape(b, k * k), idx, axis=1)
+      f_id = offset + idx
+      f_hid = jnp.take_along_axis(gj, par[:, :, None], axis=1)
+      f_anc = (jnp.take_along_axis(f_anc, par[:, :, None], axis=1)
+               | jax.nn.one_hot(j * k + slot_ids, r, dtype=jnp.bool_)[None])
+  c_tok, c_score, c_parent, c_rank = (jnp.concatenate(x, axis=1)
+                                      for x in (c_tok, c_score, c_parent, c_rank))
+  sel = jnp.argsort(-c_score, axis=1, stable=True)[:, :n_verify]  # [B, N] candidate ids
+  inv = jnp.zeros_like(c_tok).at[rows, sel].set(jnp.arange(n_verify, dtype=jnp.int32))
+  node = jnp.arange(n_verify)[None, :]
+  parent = jnp.where(node > 0, jnp.take_along_axis(
+      inv, jnp.take_along_axis(c_parent, sel, axis=1), axis=1), -1)  # [B, N] node ids
+  rank = jnp.take_along_axis(c_rank, sel, axis=1)
+  children = jnp.full((b, n_verify, k), -1, jnp.int32).at[
+      rows, jnp.where(node > 0, parent, n_verify), rank].set(
+          jnp.broadcast_to(node, (b, n_verify)).astype(jnp.int32), mode="drop")
+  visible = jnp.broadcast_to(jnp.eye(n_verify, dtype=jnp.bool_), (b, n_verify, n_verify))
+  cur = parent
+  for _ in range(depth):
+    visible = visible | jax.nn.one_hot(cur, n_verify, dtype=jnp.bool_)
+    cur = jnp.where(cur >= 0, jnp.take_along_axis(parent, jnp.maximum(cur, 0), axis=1), -1)
+  tree = Tree(tokens=jnp.take_along_axis(c_tok, sel, axis=1),
+              depth=jnp.asarray(c_depth, jnp.int32)[sel], children=children, visible=visible)
+  return tree, dc.replace(lengths=base_len)
+
+
 def spec_step(params, dparams, state: SpecState, bufs: ChunkOutput, count, *, cfg: ModelConfig,
               sp: SamplingParams, stop, strategy: Strategy, use_kernel: bool):
   """One draft -> verify -> accept step (see the module docstring). count [B]: tokens emitted
@@ -191,64 +323,87 @@ def spec_step(params, dparams, state: SpecState, bufs: ChunkOutput, count, *, cf
       catch_hidden=jnp.where(need[:, None, None], first_hid, state.catch_hidden),
       catch_count=jnp.where(need, 1, state.catch_count))
   live = active & ~done  # rows that still decode this step
-  # 2. drafter catch-up (commits the true pairs).
-  state, g, dlogits = _catch_up(dparams, params, state, cfg)
-  # 3. draft k tokens.
-  step_key = jax.vmap(jax.random.key_data)(keys)
-  drafts, draft_lps = [], []
-  dc = state.dcache
-  for i in range(k):
-    dlp = processed_logprobs(dlogits, sp)
-    dkeys = jax.vmap(lambda kk: jax.random.fold_in(jax.random.wrap_key_data(kk), 1000 + i))(
-        step_key)
-    d_i, _ = sample_tokens(dkeys, dlogits, sp)
-    drafts.append(d_i)
-    draft_lps.append(dlp)
-    if i + 1 < k:
-      pos = (dc.lengths + i)[:, None]
-      g3, dl3, dc = drafter_forward(dparams, params, d_i[:, None], g[:, None], pos, cfg=cfg,
-                                    cache=dc.replace(lengths=dc.lengths + i))
-      dc = dc.replace(lengths=state.dcache.lengths)  # speculative slots stay uncommitted
-      g, dlogits = g3[:, 0], dl3[:, 0]
-  state = state.replace(dcache=state.dcache.replace(k=dc.k, v=dc.v))
-  # 4. one target forward verifies [pending, d_1..d_k].
+  # Keys: one split per row (drafts 0..k-1, verification k); greedy needs none.
+  sub = None if sp.greedy else jax.vmap(lambda kk: jax.random.split(kk, k + 1))(keys)
   n = base.cache.lengths
-  vtoks = jnp.concatenate([state.pending[:, None]] + [d[:, None] for d in drafts], axis=1)
-  vpos = n[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-  out = forward(params, vtoks, vpos, cfg=cfg, cache=base.cache, return_logits=False)
-  f = out.hidden  # [B, k+1, D]
-  tlp = processed_logprobs(compute_logits(params, f, cfg), sp)  # [B, k+1, V]
-  if k:
-    dtoks = vtoks[:, 1:]
-    ukey = jax.vmap(lambda kk: jax.random.fold_in(jax.random.wrap_key_data(kk), 7))(step_key)
-    u, noise = jax.vmap(lambda kk: jax.tree.map(
-        lambda x: x[0], draw_verify_randomness(kk, 1, k, tlp.shape[-1])))(ukey)
-    dlp_all = None if sp.greedy else jnp.stack(draft_lps, axis=1)
-    n_acc, nxt = verify_chain(tlp, dtoks, dlp_all, u, noise, greedy=sp.greedy,
+  rows = jnp.arange(b)
+  # 2.-4. drafter catch-up, drafts, one target forward over [pending, drafts] and verification.
+  # path [B, k+1]: node ids of the verified sequence (0 = pending; None = 0..k, a chain).
+  # The catch-up runs for "off" (k = 0) too: it keeps the drafter warm for the other arms.
+  path, tree_mask = None, None
+  state, g, dlogits = _catch_up(dparams, params, state, cfg)
+  if k == 0:
+    vtoks, vpos = state.pending[:, None], n[:, None]
+  else:
+    if strategy.topk == 1:
+      drafts, q, dc = _draft_chain(dparams, params, state.dcache, g, dlogits, sub, cfg=cfg,
+                                   sp=sp, steps=k)
+      vtoks = jnp.concatenate([state.pending[:, None], drafts], axis=1)
+      vpos = n[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    else:
+      tree, dc = _draft_tree(dparams, params, state.dcache, g, dlogits, cfg=cfg,
+                             strategy=strategy)
+      vtoks = tree.tokens.at[:, 0].set(state.pending)
+      vpos = n[:, None] + tree.depth
+      tree_mask = tree.visible
+    state = state.replace(dcache=dc)
+  out = forward(params, vtoks, vpos, cfg=cfg, cache=base.cache, attn_mask=tree_mask,
+                return_logits=False)
+  f = out.hidden  # [B, N, D]
+  tlp = processed_logprobs(compute_logits(params, f, cfg), sp)  # [B, N, V]
+  vkey = None if sp.greedy else sub[:, k]
+  if k == 0:
+    n_acc = jnp.zeros((b,), jnp.int32)
+    nxt = jnp.argmax(tlp[:, 0], axis=-1).astype(jnp.int32) if sp.greedy else (
+        jax.vmap(jax.random.categorical)(vkey, tlp[:, 0]).astype(jnp.int32))
+  elif strategy.topk == 1:
+    u, noise = (None, None) if sp.greedy else jax.vmap(lambda kk: jax.tree.map(
+        lambda x: x[0], draw_verify_randomness(kk, 1, k, tlp.shape[-1])))(vkey)
+    n_acc, nxt = verify_chain(tlp, vtoks[:, 1:], q, u, noise, greedy=sp.greedy,
                               use_kernel=use_kernel)
   else:
-    ukey = jax.vmap(lambda kk: jax.random.fold_in(jax.random.wrap_key_data(kk), 7))(step_key)
-    n_acc = jnp.zeros((b,), jnp.int32)
-    nxt, _ = sample_tokens(ukey, compute_logits(params, f[:, 0], cfg), sp)
+    u, noise = (None, None) if sp.greedy else jax.vmap(lambda kk: jax.tree.map(
+        lambda x: x[0], draw_tree_randomness(kk, 1, vtoks.shape[1], tlp.shape[-1])))(vkey)
+    path, n_acc, nxt = verify_tree(tlp, vtoks, tree.children, u, noise, greedy=sp.greedy,
+                                   max_depth=k, use_kernel=use_kernel)
+    # An accepted node whose chunk slot fell off the end of the cache has no k/v to commit:
+    # stop the path before it and make its (accepted, so exactly distributed) token the next
+    # one. A prefix of an exact sample, continued from the exact conditional, stays exact.
+    j = jnp.arange(k + 1)[None, :]
+    fits = (n[:, None] + path < base.cache.max_len) | (j > n_acc[:, None])
+    n_fit = jnp.argmin(jnp.concatenate([fits, jnp.zeros((b, 1), bool)], axis=1), axis=1) - 1
+    nxt = jnp.where(n_fit < n_acc, vtoks[rows, path[rows, jnp.minimum(n_fit + 1, k)]], nxt)
+    n_acc = jnp.minimum(n_acc, n_fit).astype(jnp.int32)
+    path = jnp.where(j <= n_acc[:, None], path, 0)
   # 5. emit accepted drafts + next token (cut at stop tokens / budget), commit.
-  cand = jnp.concatenate([vtoks[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)  # [B, k+1]
-  cand = cand.at[jnp.arange(b), n_acc].set(nxt)
-  cand_lp = jnp.take_along_axis(tlp, cand[..., None], axis=-1)[..., 0]
+  on_path = (lambda x: x[:, :k + 1]) if path is None else (
+      lambda x: jnp.take_along_axis(x, path.reshape(path.shape + (1,) * (x.ndim - 2)), axis=1))
+  cand = jnp.concatenate([on_path(vtoks)[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
+  cand = cand.at[rows, n_acc].set(nxt)  # [B, k+1]
+  f_path, tlp_path = on_path(f), on_path(tlp)  # [B, k+1, D], [B, k+1, V]
+  cand_lp = jnp.take_along_axis(tlp_path, cand[..., None], axis=-1)[..., 0]
   room = jnp.where(live, base.max_new - num_gen, 0)
   n_emit, hit_stop = _truncate(cand, jnp.where(live, n_acc + 1, 0), stop, room)
-  bufs = _emit(bufs, count, cand, cand_lp, f, n_emit)
+  bufs = _emit(bufs, count, cand, cand_lp, f_path, n_emit)
   count = count + n_emit
   num_gen = num_gen + n_emit
   done = done | hit_stop | (num_gen >= base.max_new)
   commit = jnp.where(live, n_acc + 1, 0)
-  new_hidden = jnp.take_along_axis(f, n_acc[:, None, None], axis=1)[:, 0]
+  cache = out.cache
+  if path is not None:  # move the accepted nodes' k/v to slots n+1..n+a (src >= dst)
+    src, dst = n[:, None] + path[:, 1:], n[:, None] + 1 + jnp.arange(k)[None, :]
+    src = jnp.where(jnp.arange(k)[None, :] < n_acc[:, None], src, dst)
+    r2 = rows[:, None]
+    cache = cache.replace(k=cache.k.at[:, r2, dst].set(cache.k[:, r2, src], mode="drop"),
+                          v=cache.v.at[:, r2, dst].set(cache.v[:, r2, src], mode="drop"))
+  new_hidden = f_path[rows, n_acc]
   base = base.replace(
-      cache=out.cache.replace(lengths=n + commit),
+      cache=cache.replace(lengths=n + commit),
       hidden=jnp.where(live[:, None], new_hidden, base.hidden),
       num_generated=num_gen, done=done,
       stopped=base.stopped | (stop0 & need) | hit_stop)
   j = jnp.arange(k + 1)[None, :]
-  catch_tok = jnp.where(j < n_acc[:, None], cand, jnp.where(j == n_acc[:, None], nxt[:, None], 0))
+  catch_tok = jnp.where(j <= n_acc[:, None], cand, 0)
   pad = m - (k + 1)
   state = state.replace(
       base=base,
@@ -256,7 +411,7 @@ def spec_step(params, dparams, state: SpecState, bufs: ChunkOutput, count, *, cf
       has_pending=jnp.where(live, True, state.has_pending),
       catch_tokens=jnp.where(live[:, None], jnp.pad(catch_tok, ((0, 0), (0, pad))),
                              state.catch_tokens),
-      catch_hidden=jnp.where(live[:, None, None], jnp.pad(f, ((0, 0), (0, pad), (0, 0))),
+      catch_hidden=jnp.where(live[:, None, None], jnp.pad(f_path, ((0, 0), (0, pad), (0, 0))),
                              state.catch_hidden),
       catch_count=jnp.where(live, n_acc + 1, 0))
   return state, bufs, count, jnp.sum(jnp.where(live, n_acc, 0))

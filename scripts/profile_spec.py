@@ -1,0 +1,204 @@
+"""Where a speculative step's time goes: per-forward costs inside compiled loops.
+
+  python scripts/profile_spec.py [--batch_sizes 1,8] [--arms 4_1_5,4_4_16] [--iters 200]
+
+Every component is timed the way the engine runs it: N repetitions inside ONE jitted
+`lax.fori_loop` / `while_loop` (the KV cache is loop-carried, so nothing is hoisted), divided
+by N: the in-loop cost, without the per-call dispatch a single jitted call would add.
+
+  plain step        one plain decode step (decode_chunk with chunk=N): logits, sample, 1-token
+                    target forward. The unit everything else is divided by.
+  verify fwd T=n    target forward over the n verified tokens with the cache, + logits.
+  drafter fwd T=t   drafter forward with its cache, + logits: t=1 one chain draft step,
+                    t=topk one tree level, t=steps+1 the catch-up (it also yields draft 1).
+  verify rule       verify_chain / verify_tree (jnp reference and Pallas kernel; off-GPU the
+                    kernel runs in interpret mode), on [B, n, V] log-probs.
+  spec step         one whole speculative step (spec_chunk with chunk=N).
+
+Bounds on the speedup over plain decoding for a = tokens per verification (accepted + 1):
+  lead's    a / (1 + steps * r), r = drafter step / plain step (verify priced as 1 plain step)
+  ideal     a / (verify + catch-up + (steps - 1) * drafter step)  (the forwards alone)
+  measured  a / (spec step)  (everything in the step; still excludes host work per chunk)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def per_iter(fn, args, iters: int, repeats: int = 5) -> float:
+  """Seconds per loop iteration of fn(args, iters) (compiled once; best of `repeats`)."""
+  exe = jax.jit(fn, static_argnums=1).lower(args, iters).compile()
+  jax.block_until_ready(exe(args))
+  best = float("inf")
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(exe(args))
+    best = min(best, time.perf_counter() - t0)
+  return best / iters
+
+
+def measure_costs(params, dparams, cfg, batch: int, arms, sp, *, iters: int = 200,
+                  prompt_len: int = 64, cache_len: int = 384, rules: bool = False
+                  ) -> dict[str, float]:
+  """Seconds per call of each component (module docstring) at this batch size, for the
+  plain step and for each strategy name in `arms`."""
+  from tlt_jax.drafter.model import drafter_forward
+  from tlt_jax.kernels.verify import (draw_tree_randomness, draw_verify_randomness,
+                                      verify_chain, verify_tree)
+  from tlt_jax.models import compute_logits, forward
+  from tlt_jax.rollout import decode, speculative
+  from tlt_jax.rollout.sampling import processed_logprobs
+
+  b, v = batch, cfg.vocab_size
+  rng = np.random.RandomState(0)
+  toks = jnp.asarray(rng.randint(2, v, (b, prompt_len)), jnp.int32)
+  lens = jnp.full((b,), prompt_len, jnp.int32)
+  keys = jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(b))
+  max_new = jnp.full((b,), 1 << 30, jnp.int32)  # nobody finishes inside the loops
+  strategies = [speculative.Strategy.parse(a) for a in arms]
+  state = jax.jit(functools.partial(
+      speculative.prefill, cfg=cfg, cache_len=cache_len,
+      max_steps=max([s.steps for s in strategies] + [1])))(params, dparams, toks, lens, keys,
+                                                           max_new)
+
+  def fwd_loop(a, iters, t, drafter):
+    cache, x = a
+    tok = jnp.ones((b, t), jnp.int32)
+
+    def body(i, carry):
+      cache, x = carry
+      pos = cache.lengths[:, None] + jnp.arange(t)[None, :]
+      if drafter:
+        g, lg, cache = drafter_forward(dparams, params, tok, x, pos, cfg=cfg, cache=cache)
+      else:
+        o = forward(params, tok, pos, cfg=cfg, cache=cache, return_logits=False)
+        g, lg, cache = o.hidden, processed_logprobs(compute_logits(params, o.hidden, cfg), sp), o.cache
+      return cache, x + 1e-6 * g + 1e-9 * jnp.sum(lg)  # keeps the loop's dependency chain
+    return jax.lax.fori_loop(0, iters, body, (cache, x))
+
+  def fwd(t, drafter):
+    name = f"{'drafter' if drafter else 'verify'} fwd T={t}"
+    if name not in out:
+      cache = state.dcache if drafter else state.base.cache
+      x = jnp.zeros((b, t, cfg.hidden_size))
+      out[name] = per_iter(functools.partial(fwd_loop, t=t, drafter=drafter), (cache, x), iters)
+    return out[name]
+
+  out: dict[str, float] = {}
+  out["plain step"] = per_iter(
+      lambda st, n: decode.decode_chunk(params, st.base, cfg=cfg, sp=sp, stop_tokens=(), chunk=n,
+                                        capture_hidden=False), state, iters)
+  fwd(1, False)
+  fwd(1, True)
+  for st in strategies:
+    n = st.verify_tokens
+    fwd(n, False)
+    fwd(st.steps + 1, True)
+    fwd(st.topk, True)
+    out[f"spec step {st.name}"] = per_iter(
+        lambda s_, it, st=st: speculative.spec_chunk(
+            params, dparams, s_, cfg=cfg, sp=sp, stop_tokens=(), chunk=it, strategy=st,
+            capture_hidden=False, use_kernel=False), state, max(iters // 4, 10))
+    if not rules:
+      continue
+    tlp = jax.nn.log_softmax(jnp.asarray(rng.randn(b, n, v), jnp.float32))
+    for kern in (False, True):
+      tag = f"verify rule {st.name} {'kernel' if kern else 'ref'}"
+      if st.topk == 1:
+        dlp = None if sp.greedy else jax.nn.log_softmax(jnp.asarray(rng.randn(b, n - 1, v)))
+        dtok = jnp.asarray(rng.randint(0, v, (b, n - 1)), jnp.int32)
+
+        def rule(a, it, kern=kern, dlp=dlp, dtok=dtok):
+          def body(i, acc):
+            u, g = draw_verify_randomness(jax.random.key(i), b, n - 1, v)
+            na, nxt = verify_chain(tlp, (dtok + acc[:, None]) % v, dlp, u, g, greedy=sp.greedy,
+                                   use_kernel=kern)
+            return (acc + na + nxt) % 2
+          return jax.lax.fori_loop(0, it, body, a)
+      else:
+        kids = jnp.full((b, n, st.topk), -1, jnp.int32).at[:, 0, 0].set(1)
+
+        def rule(a, it, kern=kern, kids=kids):
+          def body(i, acc):
+            u, g = draw_tree_randomness(jax.random.key(i), b, n, v)
+            _, na, nxt = verify_tree(tlp, jnp.broadcast_to(acc[:, None], (b, n)), kids, u, g,
+                                     greedy=sp.greedy, max_depth=st.steps, use_kernel=kern)
+            return (acc + na + nxt) % 2
+          return jax.lax.fori_loop(0, it, body, a)
+      out[tag] = per_iter(rule, jnp.zeros((b,), jnp.int32), max(iters // 4, 10))
+  return out
+
+
+def bounds(costs: dict[str, float], arm: str, accept: float) -> dict[str, float]:
+  """The three speedup bounds of the module docstring for `arm` at `accept` tokens per
+  verification (costs from `measure_costs`)."""
+  from tlt_jax.rollout.speculative import Strategy
+  st = Strategy.parse(arm)
+  unit = costs["plain step"]
+  r = costs["drafter fwd T=1"] / unit
+  ideal = (costs[f"verify fwd T={st.verify_tokens}"] + costs[f"drafter fwd T={st.steps + 1}"]
+           + (st.steps - 1) * costs[f"drafter fwd T={st.topk}"]) / unit
+  step = costs[f"spec step {st.name}"] / unit
+  return {"r": r, "ideal_cost": ideal, "step_cost": step, "lead": accept / (1 + st.steps * r),
+          "ideal": accept / ideal, "measured": accept / step}
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--batch_sizes", default="1,8")
+  ap.add_argument("--arms", default="4_1_5,6_1_7,4_4_16,6_4_24")
+  ap.add_argument("--iters", type=int, default=200)
+  ap.add_argument("--prompt_len", type=int, default=64)
+  ap.add_argument("--cache_len", type=int, default=384)  # 96 prompt + 288 new (the bench's)
+  ap.add_argument("--temperature", type=float, default=0.0)
+  ap.add_argument("--accept", default=None,
+                  help="arm=tokens per verification,... for the bounds (default: the chain "
+                       "arms get 1 + the drafter eval's accept_len at depth 4, others none)")
+  args = ap.parse_args()
+
+  from tlt_jax.config import asset_path
+  from tlt_jax.drafter.model import load_drafter
+  from tlt_jax.models.hf_io import load_hf_model
+  from tlt_jax.rollout.sampling import SamplingParams
+
+  cfg, params = load_hf_model(asset_path("default", "model"))
+  dparams = load_drafter(asset_path("default", "drafter"), cfg)
+  arms = args.arms.split(",")
+  if args.accept:
+    accept = {a: float(x) for a, x in (kv.split("=") for kv in args.accept.split(","))}
+  else:
+    with open(asset_path("default", "drafter", "eval.json")) as f:
+      accept = {"4_1_5": 1.0 + json.load(f)["eval"]["accept_len"]}
+  sp = SamplingParams(temperature=args.temperature)
+  print(f"jax {jax.__version__} on {jax.devices()[0].platform}; target {cfg.num_layers} layers "
+        f"D={cfg.hidden_size} V={cfg.vocab_size}; cache {args.cache_len}, prompt "
+        f"{args.prompt_len}, temperature {args.temperature}; in-loop microseconds per call")
+  for b in [int(x) for x in args.batch_sizes.split(",")]:
+    costs = measure_costs(params, dparams, cfg, b, arms, sp, iters=args.iters,
+                          prompt_len=args.prompt_len, cache_len=args.cache_len, rules=True)
+    unit = costs["plain step"]
+    print(f"\n## batch {b}\n\n| component | us / call | / plain step |\n|---|---:|---:|")
+    for name, t in costs.items():
+      print(f"| {name} | {t * 1e6:.0f} | {t / unit:.2f} |")
+    for arm in arms:
+      if arm in accept:
+        bd = bounds(costs, arm, accept[arm])
+        print(f"\n{arm}: r = {bd['r']:.3f}; forwards cost {bd['ideal_cost']:.2f}, whole step "
+              f"{bd['step_cost']:.2f} plain steps; at {accept[arm]:.2f} tokens per verification "
+              f"the speedup is <= {bd['lead']:.2f}x (lead's formula), <= {bd['ideal']:.2f}x "
+              f"(forwards only), <= {bd['measured']:.2f}x (whole step)")
+
+
+if __name__ == "__main__":
+  main()
