@@ -5,7 +5,10 @@ decodes its share of requests in chunks of jitted steps. Between chunks (the onl
 it collects finished rows, refills free slots from the queue, and, once the queue is empty,
 compacts the live rows into the smallest batch-size bucket that holds them, so 3 stragglers
 of a 128-batch decode at bucket 4. Every (function, bucket) executable is compiled once,
-ahead of time, and its compile time and memory are recorded.
+ahead of time, and its compile time and memory are recorded. Once speculation is on, a
+selector (tlt_jax/rollout/mab.py, e.g. BEG-MAB) picks each chunk's strategy and is rewarded
+with the chunk's tokens/s; only the (bucket, strategy) pairs it can choose are compiled, on
+first use or all at once by `precompile`.
 
 Hooks for the RL loop and the spot-drafter coordinator: per-chunk metrics, per-request
 completion, and the worker going idle, all delivered through `WorkerHooks` callbacks on the
@@ -29,6 +32,7 @@ from jax.sharding import Mesh
 
 from tlt_jax.models import ModelConfig, Params
 from tlt_jax.rollout import decode
+from tlt_jax.rollout.mab import FixedSelector, parse_arm  # noqa: F401 (FixedSelector re-exported)
 from tlt_jax.rollout.sampling import SamplingParams
 
 
@@ -49,19 +53,6 @@ class SpecConfig:
     if self.bs_threshold < 1 or self.patience < 1:
       raise ValueError(f"SpecConfig: bs_threshold={self.bs_threshold} and patience="
                        f"{self.patience} must be >= 1")
-
-
-class FixedSelector:
-  """The strategy-selection interface (BEG-MAB plugs in here): one arm, always."""
-
-  def __init__(self, arm: str):
-    self.arm = arm
-
-  def select(self, batch_size: int) -> str:
-    return self.arm
-
-  def update(self, arm: str, batch_size: int, reward: float) -> None:
-    pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +176,9 @@ class RolloutWorker:
   def _max_steps(self) -> int:
     from tlt_jax.rollout.speculative import Strategy
     spec = self.ecfg.spec
-    return max(spec.max_steps, Strategy.parse(spec.strategy).steps, 1)
+    arms = getattr(self.selector, "arms", None) or []  # catch-up room for every arm's drafts
+    return max([spec.max_steps, Strategy.parse(spec.strategy).steps, 1]
+               + [parse_arm(a)[0] for a in arms])
 
   def set_params(self, params: Params) -> None:
     """New actor weights (after an RL update); resharded onto this worker's layout."""
@@ -247,13 +240,19 @@ class RolloutWorker:
                              capture_hidden=ecfg.capture_hidden)
       state, out = self._exec(("plain_warm", sp), fn, *args, donate=(2,))(*args)
       return state, out, 0
-    strategy = speculative.Strategy.parse(arm)
+    state, out, acc = self._spec_exec(sp, arm, state)(*args)
+    return state, out, acc
+
+  def _spec_exec(self, sp: SamplingParams, arm: str, state):
+    """The (bucket, arm) executable; state may be abstract (ShapeDtypeStructs, `precompile`)."""
+    from tlt_jax.rollout import speculative
+    ecfg = self.ecfg
     fn = functools.partial(speculative.spec_chunk, cfg=self.cfg, sp=sp,
                            stop_tokens=ecfg.stop_tokens, chunk=ecfg.chunk_size,
-                           strategy=strategy, capture_hidden=ecfg.capture_hidden,
-                           use_kernel=ecfg.spec.use_kernel)
-    state, out, acc = self._exec(("spec", arm, sp), fn, *args, donate=(2,))(*args)
-    return state, out, acc
+                           strategy=speculative.Strategy.parse(arm),
+                           capture_hidden=ecfg.capture_hidden, use_kernel=ecfg.spec.use_kernel)
+    return self._exec(("spec", arm, sp), fn, self.params, self.drafter_params, state,
+                      donate=(2,))
 
   def _take(self, state, idx, valid):
     return self._exec("take_rows", decode.take_rows, state, idx, valid)(state, idx, valid)
@@ -365,6 +364,7 @@ class RolloutWorker:
         spec_on = below >= spec.patience
       arm = self.selector.select(len(live)) if spec_on else None
       # --- one chunk of decoding
+      compiles = len(self.compile_log)
       t0 = time.perf_counter()
       state, out, accepted = self._decode(state, sp, arm)
       base = state if isinstance(state, decode.DecodeState) else state.base
@@ -399,8 +399,12 @@ class RolloutWorker:
       m = ChunkMetrics(worker_id=self.worker_id, bucket=state.batch_size, live=len(live),
                        tokens=produced, steps=steps, wall_time=dt, mode=arm or "plain",
                        accepted=int(accepted), t=time.perf_counter() - t_start)
-      if arm is not None:
-        # Reward of the arm: tokens produced per second, scaled by batch (DESIGN.md 4).
+      if arm is not None and len(self.compile_log) == compiles:
+        # Reward (DESIGN.md 4) = accepted tokens x batch size / wall time of draft + verify:
+        # `produced` sums every live row's emitted tokens (accepted drafts + 1 per step), so
+        # this is the batch's tokens/s. "off" (steps=0, plain decoding in the spec state) is
+        # measured the same way. A chunk that compiled its executable reports nothing: compile
+        # time is not the arm's speed (the arm stays untried and is chosen again).
         self.selector.update(arm, len(live), produced / max(dt, 1e-9))
       self.chunk_log.append(m)
       if hooks.on_chunk:
@@ -414,6 +418,95 @@ class RolloutWorker:
     return {"executables": len(self.compile_log),
             "compile_seconds": sum(r.seconds for r in self.compile_log),
             "memory_bytes": sum(mems) if mems else None}
+
+  # ------------------------------------------------------- speculative (bucket, arm) executables
+  def choosable_pairs(self) -> dict[int, list[str]]:
+    """Engine bucket -> the arms the selector can return for a chunk decoded at that bucket.
+
+    Speculation runs only at live sizes <= top = min(bs_threshold, max_batch): it switches on
+    at a live size <= bs_threshold, which (when max_batch > bs_threshold) needs the queue to be
+    empty, and the live batch never grows after that. With compaction, a chunk at bucket b has
+    live size in (previous bucket, b]; without, anything in [1, b]. Engine buckets (compiled
+    batch sizes) and the selector's bucket bounds are different grids: this intersects them."""
+    spec = self.ecfg.spec
+    if spec is None:
+      return {}
+    top = min(spec.bs_threshold, self.ecfg.max_batch)
+    pairs, prev = {}, 0
+    for b in self.ecfg.buckets:
+      lo = prev + 1 if self.ecfg.compaction else 1
+      prev = b
+      if lo > top:
+        break
+      arms = self.selector.choosable(lo, min(b, top))
+      if arms:
+        pairs[b] = arms
+    return pairs
+
+  def precompile(self, sp: SamplingParams, *, all_pairs: bool = False) -> int:
+    """AOT-compiles the speculative executable of every choosable (bucket, arm) pair now, instead
+    of on first use (the default, lazy; it compiles the same pairs, and only those chosen).
+    all_pairs=True compiles every selector arm at every engine bucket (what choosable-only
+    saves, measured). Returns the number of new executables.
+
+    States are abstract: shapes and shardings come from one real prefill of dummy rows at the
+    largest bucket (shardings are the ones generate() will pass), resized on the batch axis."""
+    pairs = self.choosable_pairs()
+    if all_pairs and pairs:
+      pairs = {b: self.selector.arms for b in self.ecfg.buckets}
+    if not pairs:
+      return 0
+    top = max(pairs)
+    dummy = [Request([0], i) for i in range(top)]
+    state = self._prefill_requests(dummy, top, jax.random.key(0))
+
+    def resized(b):
+      def one(path, x):
+        shape = list(x.shape)
+        shape[decode._batch_axis(path)] = b
+        return jax.ShapeDtypeStruct(tuple(shape), x.dtype, sharding=x.sharding)
+      return jax.tree_util.tree_map_with_path(one, state)
+
+    before = len(self._compiled)
+    for b, arms in pairs.items():
+      abstract = resized(b)
+      for arm in arms:
+        self._spec_exec(sp, arm, abstract)
+    return len(self._compiled) - before
+
+  def compile_report(self) -> dict[str, Any]:
+    """Speculative executables compiled so far (count, seconds, memory_analysis bytes) against
+    compiling every selector arm at every engine bucket. Uncompiled pairs are estimated as
+    params + per-row bytes x batch, the per-row bytes read off that arm's compiled records (any
+    arm's when it has none): the batch-independent part of an executable's memory is its params
+    arguments, the rest scales with the batch."""
+    recs = [r for r in self.compile_log if isinstance(r.name, tuple) and r.name[0] == "spec"]
+    fixed = sum(x.nbytes for x in jax.tree.leaves((self.params, self.drafter_params)))
+    per_row: dict[str, list[float]] = collections.defaultdict(list)
+    have: dict[tuple[str, int], int] = {}
+    for r in recs:
+      if r.memory_bytes is not None and r.batch:
+        per_row[r.name[1]].append((r.memory_bytes - fixed) / r.batch)
+        have[(r.name[1], r.batch)] = r.memory_bytes
+    anyrow = [v for vs in per_row.values() for v in vs]
+    arms = self.selector.arms if self.selector is not None else []
+    estimate = None
+    if anyrow:
+      estimate = 0
+      for arm in arms:
+        rows = per_row.get(arm) or anyrow
+        for b in self.ecfg.buckets:
+          estimate += have.get((arm, b), fixed + sum(rows) / len(rows) * b)
+    mems = [r.memory_bytes for r in recs if r.memory_bytes is not None]
+    secs = [r.seconds for r in recs]
+    n_all = len(arms) * len(self.ecfg.buckets)
+    return {"compiled": len(recs),
+            "compiled_bytes": sum(mems) if mems else None,
+            "compile_seconds": sum(secs),
+            "choosable_pairs": sum(len(a) for a in self.choosable_pairs().values()),
+            "all_pairs": n_all,
+            "all_pairs_bytes_estimate": int(estimate) if estimate is not None else None,
+            "all_pairs_seconds_estimate": sum(secs) / len(secs) * n_all if secs else None}
 
 
 def run_workers(workers: Sequence[RolloutWorker], requests: Sequence[Request],

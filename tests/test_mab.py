@@ -1,0 +1,215 @@
+"""Strategy selectors: BEG-MAB finds the best arm of every bucket and follows it when it moves,
+its state round-trips exactly, bad input is one clear ValueError; EG and UCB1 solve a simple
+problem; in the engine, a bandit switching arms between chunks stays lossless and only the
+choosable (bucket, arm) executables are compiled."""
+
+import json
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from tlt_jax.models import ModelConfig, init_params
+from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker, SpecConfig
+from tlt_jax.rollout.mab import (BucketedEpsilonGreedy, EpsilonGreedy, FixedSelector, UCB1,
+                                 default_mab_buckets, make_selector, parse_arm)
+from tlt_jax.rollout.sampling import SamplingParams
+
+TLT = {1: ["8_4_48", "8_4_32", "off"], 2: ["8_4_32", "4_1_5", "off"],
+       5: ["4_1_5", "2_1_3", "off"], 21: ["2_1_3", "off"]}
+# Mean reward (tokens/s) per bucket and arm; the best arm differs per bucket.
+MEANS = {1: {"8_4_48": 900.0, "8_4_32": 700.0, "off": 300.0},
+         2: {"8_4_32": 1200.0, "4_1_5": 1500.0, "off": 800.0},
+         5: {"4_1_5": 2000.0, "2_1_3": 2600.0, "off": 2300.0},
+         21: {"2_1_3": 4000.0, "off": 5000.0}}
+SIZES = {1: (1, 1), 2: (2, 4), 5: (5, 20), 21: (21, 64)}
+
+
+def play(sel, means, steps, rng, sizes=SIZES, noise=0.15):
+  """Runs `steps` rounds over random buckets; returns [(bucket, arm)] chosen."""
+  chosen = []
+  for _ in range(steps):
+    lo = list(sizes)[rng.randint(len(sizes))]
+    bs = rng.randint(sizes[lo][0], sizes[lo][1] + 1)
+    arm = sel.select(bs)
+    assert arm in sel.arms_for(bs)
+    sel.update(arm, bs, means[lo][arm] * max(0.05, 1 + noise * rng.randn()))
+    chosen.append((lo, arm))
+  return chosen
+
+
+def best_share(chosen, lo, arm, last):
+  picks = [a for b, a in chosen if b == lo][-last:]
+  return sum(a == arm for a in picks) / len(picks)
+
+
+def test_beg_converges_to_best_arm_per_bucket():
+  sel = BucketedEpsilonGreedy(TLT, epsilon=0.1, window=100, seed=0)
+  chosen = play(sel, MEANS, 3000, np.random.RandomState(0))
+  for lo, means in MEANS.items():
+    best = max(means, key=means.get)
+    values = sel.values(lo)
+    assert max(values, key=values.get) == best
+    # epsilon-greedy: best arm at least (1 - eps) + eps / n_arms minus noise of the estimate.
+    assert best_share(chosen, lo, best, 300) > 0.85, (lo, best)
+
+
+def test_beg_follows_a_changed_best_arm_within_a_window():
+  """A stale drafter: the deep arm stops being accepted, plain decoding becomes best."""
+  window = 60
+  sel = BucketedEpsilonGreedy({1: ["4_1_5", "2_1_3", "off"]}, epsilon=0.1, window=window,
+                              seed=1)
+  sizes = {1: (1, 8)}
+  rng = np.random.RandomState(1)
+  before = {1: {"4_1_5": 3000.0, "2_1_3": 2200.0, "off": 1500.0}}
+  after = {1: {"4_1_5": 900.0, "2_1_3": 1100.0, "off": 1500.0}}
+  assert best_share(play(sel, before, 800, rng, sizes), 1, "4_1_5", 200) > 0.85
+  chosen = play(sel, after, 800, rng, sizes)
+  # The old best needs about half a window of bad rewards before its median drops; then
+  # 2_1_3 (also stale: its window holds old exploration samples) needs a few more; "off" has
+  # been measured all along, so it is greedy-best from then on.
+  picks = [a for _, a in chosen]
+  dropped = next(i for i in range(len(picks)) if picks[i:i + 20].count("4_1_5") <= 3)
+  switch = next(i for i in range(len(picks)) if picks[i:i + 10] == ["off"] * 10)
+  assert dropped <= window, dropped
+  assert switch <= 1.5 * window, switch
+  assert best_share(chosen, 1, "off", 300) > 0.85
+
+
+def test_state_dict_round_trip_continues_identically():
+  sel = BucketedEpsilonGreedy(TLT, epsilon=0.3, window=50, seed=7)
+  play(sel, MEANS, 400, np.random.RandomState(2))
+  state = json.loads(json.dumps(sel.state_dict()))  # checkpointed as JSON
+  twin = BucketedEpsilonGreedy(TLT, epsilon=0.3, window=50, seed=12345)
+  twin.load_state_dict(state)
+  assert twin.state_dict() == state
+  a = play(sel, MEANS, 400, np.random.RandomState(3))
+  b = play(twin, MEANS, 400, np.random.RandomState(3))
+  assert a == b
+  assert twin.state_dict() == sel.state_dict()
+  for other in (UCB1(["4_1_5", "off"], window=20), FixedSelector("off")):
+    other_state = json.loads(json.dumps(other.state_dict()))
+    other.load_state_dict(other_state)
+    assert other.state_dict() == other_state
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({1: ["4-1-5"]}, "use '<steps>_<topk>_<verify_tokens>'"),
+    ({1: ["4_1_9"]}, "chain"),
+    ({1: ["0_1_1"]}, "steps and topk must be >= 1"),
+    ({1: ["8_4_1"]}, "verify_tokens must be >= 2"),
+    ({1: [""]}, "use '<steps>"),
+    ({1: [5]}, "use '<steps>"),
+    ({}, "no buckets"),
+    ({1: []}, "bucket 1 has no arms"),
+    ({1: ["off", "off"]}, "twice"),
+    ({0: ["off"]}, "positive integer lower bound"),
+    ({"x": ["off"]}, "positive integer lower bound"),
+])
+def test_invalid_config_raises(bad, match):
+  with pytest.raises(ValueError, match=match):
+    BucketedEpsilonGreedy(bad)
+
+
+def test_invalid_calls_raise():
+  sel = BucketedEpsilonGreedy({2: ["4_1_5", "off"], 8: ["2_1_3", "off"]})
+  with pytest.raises(ValueError, match=r"batch_size=1 is below every bucket bound \[2, 8\]"):
+    sel.select(1)
+  with pytest.raises(ValueError, match="positive integer"):
+    sel.select(0)
+  with pytest.raises(ValueError, match=r"'2_1_3' is not an arm of bucket 2"):
+    sel.update("2_1_3", 3, 1.0)
+  with pytest.raises(ValueError, match="not finite"):
+    sel.update("off", 3, float("nan"))
+  with pytest.raises(ValueError, match="epsilon"):
+    BucketedEpsilonGreedy({1: ["off"]}, epsilon=1.5)
+  with pytest.raises(ValueError, match="window"):
+    EpsilonGreedy(["off"], window=0)
+  with pytest.raises(ValueError, match="same type, window and buckets"):
+    sel.load_state_dict(BucketedEpsilonGreedy({2: ["4_1_5", "off"]}).state_dict())
+  with pytest.raises(ValueError, match="one of fixed, beg"):
+    make_selector("thompson")
+  with pytest.raises(ValueError, match="needs arm="):
+    make_selector("fixed")
+
+
+def test_bucket_lookup_and_choosable():
+  sel = BucketedEpsilonGreedy({"1": ["6_1_7", "off"], "2": ["4_1_5", "off"],
+                               "5": ["2_1_3", "off"]})  # string keys, as in configs / JSON
+  assert [sel.bucket_of(n) for n in (1, 2, 4, 5, 100)] == [1, 2, 2, 5, 5]
+  assert sel.choosable(1, 1) == ["6_1_7", "off"]
+  assert sel.choosable(3, 4) == ["4_1_5", "off"]
+  assert sel.choosable(3, 8) == ["4_1_5", "off", "2_1_3"]
+  assert sel.choosable(1, 64) == sel.arms == ["6_1_7", "off", "4_1_5", "2_1_3"]
+  assert BucketedEpsilonGreedy({4: ["off"]}).choosable(1, 3) == []
+  assert parse_arm("8_4_48") == (8, 4, 48) and parse_arm("off") == (0, 1, 1)
+
+
+def test_default_buckets_explore():
+  buckets = default_mab_buckets()
+  assert all(len(a) >= 2 and "off" in a for a in buckets.values())
+  assert all(parse_arm(a)[1] == 1 for arms in buckets.values() for a in arms)  # chains
+  for kind in ("beg", "eg", "ucb1", "bucb1"):
+    sel = make_selector(kind, epsilon=0.1, window=300, seed=0)
+    assert set(sel.arms) == set(BucketedEpsilonGreedy(buckets).arms)
+  assert make_selector("fixed", arm="4_1_5").select(3) == "4_1_5"
+  # As the lead's config holds them: a ConfigDict with string bounds.
+  cfg = ml_collections.ConfigDict({str(lo): arms for lo, arms in buckets.items()})
+  assert make_selector("beg", cfg).buckets == buckets
+
+
+@pytest.mark.parametrize("sel", [EpsilonGreedy(["1_1_2", "2_1_3", "3_1_4", "off"], 0.1, 100, 0),
+                                 UCB1(["1_1_2", "2_1_3", "3_1_4", "off"], window=100)],
+                         ids=["eg", "ucb1"])
+def test_eg_and_ucb1_find_best_arm(sel):
+  means = {1: {"1_1_2": 1000.0, "2_1_3": 2000.0, "3_1_4": 2600.0, "off": 1500.0}}
+  chosen = play(sel, means, 1500, np.random.RandomState(4), sizes={1: (1, 16)})
+  assert best_share(chosen, 1, "3_1_4", 300) > 0.8
+
+
+# ----------------------------------------------------------------------------------- engine
+CFG = ModelConfig(arch="qwen2", vocab_size=61, hidden_size=32, intermediate_size=64,
+                  num_layers=2, num_heads=4, num_kv_heads=2, qkv_bias=True,
+                  tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  from tlt_jax.drafter.model import init_drafter
+  return init_params(CFG, jax.random.key(0), std=0.3), init_drafter(CFG, jax.random.key(1))
+
+
+def test_engine_beg_lossless_and_compiles_only_choosable(tiny):
+  params, dparams = tiny
+  rng = np.random.RandomState(3)
+  # Staggered lengths: the live batch shrinks through every bucket.
+  reqs = [Request(list(rng.randint(1, 61, rng.randint(2, 12))), i, max_new_tokens=4 + 4 * i)
+          for i in range(10)]
+  base = dict(max_batch=8, buckets=(1, 2, 4, 8), chunk_size=2, max_prompt_len=16,
+              max_new_tokens=40)
+  sp = SamplingParams(temperature=0.0)
+  plain = RolloutWorker(params, CFG, EngineConfig(**base)).generate(reqs, sp)
+  sel = BucketedEpsilonGreedy({1: ["3_1_4", "off"], 3: ["2_1_3", "off"], 5: ["1_1_2", "off"]},
+                              epsilon=0.5, window=20, seed=0)
+  w = RolloutWorker(params, CFG, EngineConfig(**base, spec=SpecConfig(
+      strategy="1_1_2", bs_threshold=4, patience=1, use_kernel=False)),
+      drafter_params=dparams, selector=sel)
+  # live <= 4: engine bucket 1 holds live 1 and bucket 2 live 2 (selector bucket 1), bucket
+  # 4 live 3-4 (selector bucket 3); bucket 8 never speculates, selector bucket 5 is unreached.
+  assert w.choosable_pairs() == {1: ["3_1_4", "off"], 2: ["3_1_4", "off"],
+                                 4: ["2_1_3", "off"]}
+  assert w.precompile(sp) == 6
+  report = w.compile_report()
+  assert report["compiled"] == 6 == report["choosable_pairs"]
+  assert report["all_pairs"] == 4 * 4 and report["all_pairs_bytes_estimate"] > 0
+  assert report["compiled_bytes"] < report["all_pairs_bytes_estimate"]
+  spec = {r.request_id: r for r in w.generate(reqs, sp)}
+  assert w.compile_report()["compiled"] == 6  # generate reused the precompiled executables
+  modes = {m.mode for m in w.chunk_log}
+  assert {"3_1_4", "2_1_3", "off"} <= modes  # the bandit switched arms
+  pulls = sel.state_dict()["pulls"]
+  assert pulls["3"]["2_1_3"] > 0 and pulls["3"]["off"] > 0 and pulls["1"]["3_1_4"] > 0
+  assert sum(pulls["5"].values()) == 0
+  for r in plain:
+    np.testing.assert_array_equal(spec[r.request_id].response_ids, r.response_ids)

@@ -1,0 +1,312 @@
+"""Strategy selection for speculative rollout: which arm decodes the next chunk.
+
+Why a bandit: a strategy's speed-up depends on the live batch size (verifying B x V tokens is
+nearly free at B=1 and compute-bound at large B) and on the drafter's acceptance rate, which
+drifts as the policy trains and the drafter is retrained. No fixed arm is best over a whole
+rollout, and the best arm of a batch size changes over training. BEG-MAB (TLT; DESIGN.md 4)
+keeps one epsilon-greedy bandit per bucket of live batch sizes. An arm's value is the median of
+its last `window` rewards: a few slow chunks (a GC pause, a co-tenant) do not move it, and an
+arm whose reward drops (a stale drafter) loses its lead within about one window.
+
+Arms are strategy names "<steps>_<topk>_<verify_tokens>" (a chain has topk=1 and verifies
+steps+1 tokens) or "off" (plain decoding inside the speculative state, so turning speculation
+off competes as an arm). Bucket keys are lower bounds on the live batch size: {1: [...],
+2: [...], 5: [...], 21: [...]} means sizes 1, 2-4, 5-20 and >= 21.
+
+Reward (reported by the engine per chunk): tokens emitted by all live rows / wall time of the
+chunk's draft + verify, i.e. accepted tokens x batch size / time, in tokens/s.
+
+Every selector here has the engine's interface: select(batch_size) -> arm, update(arm,
+batch_size, reward); arms_for(batch_size) and choosable(lo, hi) tell the engine which arms can
+be chosen at which live sizes (it compiles only those); state_dict() is JSON-serialisable
+(RNG included) and load_state_dict() continues the selection sequence exactly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import math
+import random
+import re
+import statistics
+from typing import Any, Mapping, Sequence
+
+_ARM = re.compile(r"^(\d+)_(\d+)_(\d+)$")
+
+
+def parse_arm(arm: str) -> tuple[int, int, int]:
+  """(steps, topk, verify_tokens) of an arm name; "off" is (0, 1, 1)."""
+  if arm == "off":
+    return 0, 1, 1
+  m = _ARM.match(arm) if isinstance(arm, str) else None
+  if not m:
+    raise ValueError(f"arm {arm!r}: use '<steps>_<topk>_<verify_tokens>' (e.g. '4_1_5') or "
+                     "'off'")
+  steps, topk, verify = map(int, m.groups())
+  if steps < 1 or topk < 1:
+    raise ValueError(f"arm {arm!r}: steps and topk must be >= 1 (plain decoding is 'off')")
+  if topk == 1 and verify != steps + 1:
+    raise ValueError(f"arm {arm!r}: a chain (topk=1) verifies steps+1 = {steps + 1} tokens; "
+                     f"write '{steps}_1_{steps + 1}'")
+  if verify < 2:
+    raise ValueError(f"arm {arm!r}: verify_tokens must be >= 2")
+  return steps, topk, verify
+
+
+def default_mab_buckets() -> dict[int, list[str]]:
+  """BEG buckets for the default tiny model and its chain drafter. Every bucket has three arms,
+  "off" among them, so the bandit explores and can turn speculation off (DESIGN.md 4). Arms
+  from notebooks/mab_bucket_ablation.ipynb (CPU): 6_1_7 was rarely the best anywhere, 3_1_4 and
+  4_1_5 usually were, and shallower chains only pay off at large live batches."""
+  return {1: ["4_1_5", "3_1_4", "off"], 2: ["4_1_5", "3_1_4", "off"],
+          5: ["4_1_5", "3_1_4", "off"], 21: ["3_1_4", "2_1_3", "off"]}
+
+
+def _check_size(batch_size: int) -> int:
+  if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
+    raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
+  return int(batch_size)
+
+
+class FixedSelector:
+  """One arm, always (speculation without a bandit, and the ablation baseline)."""
+
+  def __init__(self, arm: str):
+    parse_arm(arm)
+    self.arm = arm
+
+  @property
+  def arms(self) -> list[str]:
+    return [self.arm]
+
+  def select(self, batch_size: int) -> str:
+    return self.arm
+
+  def update(self, arm: str, batch_size: int, reward: float) -> None:
+    pass
+
+  def arms_for(self, batch_size: int) -> list[str]:
+    return [self.arm]
+
+  def choosable(self, lo: int, hi: int) -> list[str]:
+    return [self.arm]
+
+  def state_dict(self) -> dict[str, Any]:
+    return {"type": "FixedSelector", "arm": self.arm}
+
+  def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    if state.get("type") != "FixedSelector" or state.get("arm") != self.arm:
+      raise ValueError(f"selector state {dict(state)} does not belong to FixedSelector"
+                       f"({self.arm!r})")
+
+
+class BucketedSelector:
+  """Per-bucket reward windows, bucket lookup, state (de)serialisation; subclasses pick the arm
+  once every arm of the bucket has a reward (`_choose`)."""
+
+  def __init__(self, buckets: Mapping[int, Sequence[str]] | Sequence[str], *, window: int = 300,
+               seed: int = 0):
+    if not hasattr(buckets, "items"):  # Mappings and ConfigDicts are buckets; lists are arms
+      buckets = {1: buckets}  # one bucket: every live size
+    if not buckets:
+      raise ValueError("selector: no buckets given; e.g. {1: ['4_1_5', 'off']}")
+    self.buckets: dict[int, list[str]] = {}
+    for lo, arms in sorted(((self._bound(k), v) for k, v in buckets.items()), key=lambda x: x[0]):
+      arms = [arms] if isinstance(arms, str) else list(arms)
+      if not arms:
+        raise ValueError(f"selector: bucket {lo} has no arms; give it at least one (e.g. 'off')")
+      for a in arms:
+        parse_arm(a)
+      if len(set(arms)) != len(arms):
+        raise ValueError(f"selector: bucket {lo} lists an arm twice: {arms}")
+      if lo in self.buckets:
+        raise ValueError(f"selector: bucket bound {lo} is given twice")
+      self.buckets[lo] = arms
+    if isinstance(window, bool) or int(window) != window or window < 1:
+      raise ValueError(f"selector: window={window!r} must be a positive integer")
+    self.window = int(window)
+    self._bounds = list(self.buckets)
+    self._rewards = {lo: {a: collections.deque(maxlen=self.window) for a in arms}
+                     for lo, arms in self.buckets.items()}
+    self._pulls = {lo: {a: 0 for a in arms} for lo, arms in self.buckets.items()}
+    self._rng = random.Random(seed)
+
+  @staticmethod
+  def _bound(key) -> int:
+    # Config dicts and JSON have string keys: accept "21" as 21.
+    try:
+      lo = int(key)
+    except (TypeError, ValueError):
+      lo = None
+    if lo is None or lo < 1 or str(lo) != str(key).strip():
+      raise ValueError(f"selector: bucket key {key!r} must be a positive integer lower bound "
+                       "on the live batch size")
+    return lo
+
+  @property
+  def arms(self) -> list[str]:
+    """Every arm of every bucket, first-listed order."""
+    return list(dict.fromkeys(a for arms in self.buckets.values() for a in arms))
+
+  def bucket_of(self, batch_size: int) -> int:
+    """The largest bucket bound <= batch_size."""
+    n = _check_size(batch_size)
+    i = bisect.bisect_right(self._bounds, n) - 1
+    if i < 0:
+      raise ValueError(f"batch_size={n} is below every bucket bound {self._bounds}; add a "
+                       f"bucket with bound 1")
+    return self._bounds[i]
+
+  def arms_for(self, batch_size: int) -> list[str]:
+    return list(self.buckets[self.bucket_of(batch_size)])
+
+  def choosable(self, lo: int, hi: int) -> list[str]:
+    """Arms select() can return for some live size in [lo, hi] (sizes below every bound have
+    no arm)."""
+    lo, hi = _check_size(lo), _check_size(hi)
+    if lo > hi:
+      raise ValueError(f"choosable({lo}, {hi}): lo must be <= hi")
+    bounds = self._bounds + [math.inf]
+    return list(dict.fromkeys(a for i, b in enumerate(self._bounds)
+                              if b <= hi and bounds[i + 1] > lo for a in self.buckets[b]))
+
+  def select(self, batch_size: int) -> str:
+    lo = self.bucket_of(batch_size)
+    rewards = self._rewards[lo]
+    for a in self.buckets[lo]:
+      if not rewards[a]:
+        return a  # untried arms first, in listed order
+    return self._choose(lo)
+
+  def _choose(self, lo: int) -> str:
+    raise NotImplementedError
+
+  def update(self, arm: str, batch_size: int, reward: float) -> None:
+    lo = self.bucket_of(batch_size)
+    if arm not in self._rewards[lo]:
+      raise ValueError(f"arm {arm!r} is not an arm of bucket {lo} {self.buckets[lo]} (batch "
+                       f"size {batch_size})")
+    reward = float(reward)
+    if not math.isfinite(reward):
+      raise ValueError(f"reward {reward} for arm {arm!r} is not finite")
+    self._rewards[lo][arm].append(reward)
+    self._pulls[lo][arm] += 1
+
+  def values(self, batch_size: int) -> dict[str, float | None]:
+    """The arm values _choose compares (None: untried), for logs and plots."""
+    lo = self.bucket_of(batch_size)
+    return {a: self._value(lo, a) if r else None for a, r in self._rewards[lo].items()}
+
+  def _value(self, lo: int, arm: str) -> float:
+    return statistics.median(self._rewards[lo][arm])
+
+  def _config(self) -> dict[str, Any]:
+    return {"type": type(self).__name__, "window": self.window,
+            "buckets": {str(lo): list(a) for lo, a in self.buckets.items()}}
+
+  def state_dict(self) -> dict[str, Any]:
+    version, internal, gauss = self._rng.getstate()
+    return {**self._config(),
+            "rewards": {str(lo): {a: list(r) for a, r in d.items()}
+                        for lo, d in self._rewards.items()},
+            "pulls": {str(lo): dict(d) for lo, d in self._pulls.items()},
+            "rng": [version, list(internal), gauss]}
+
+  def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    mine = self._config()
+    theirs = {k: state.get(k) for k in mine}
+    if theirs != mine:
+      raise ValueError(f"selector state was saved by {theirs}, this selector is {mine}: use "
+                       "the same type, window and buckets, or start the selector fresh")
+    for lo in self.buckets:
+      for a in self.buckets[lo]:
+        self._rewards[lo][a] = collections.deque(map(float, state["rewards"][str(lo)][a]),
+                                                 maxlen=self.window)
+        self._pulls[lo][a] = int(state["pulls"][str(lo)][a])
+    version, internal, gauss = state["rng"]
+    self._rng.setstate((version, tuple(internal), gauss))
+
+
+class BucketedEpsilonGreedy(BucketedSelector):
+  """BEG-MAB: per bucket, with probability epsilon a uniformly random arm, else the arm with
+  the best median over its last `window` rewards (ties: first listed)."""
+
+  def __init__(self, buckets: Mapping[int, Sequence[str]] | Sequence[str], epsilon: float = 0.1,
+               window: int = 300, seed: int = 0):
+    super().__init__(buckets, window=window, seed=seed)
+    if not 0.0 <= epsilon <= 1.0:
+      raise ValueError(f"epsilon={epsilon} must be in [0, 1]")
+    self.epsilon = float(epsilon)
+
+  def _choose(self, lo: int) -> str:
+    arms = self.buckets[lo]
+    if self._rng.random() < self.epsilon:
+      return arms[self._rng.randrange(len(arms))]
+    return max(arms, key=lambda a: self._value(lo, a))
+
+  def _config(self) -> dict[str, Any]:
+    return {**super()._config(), "epsilon": self.epsilon}
+
+
+class EpsilonGreedy(BucketedEpsilonGreedy):
+  """Plain (unbucketed) epsilon-greedy over `arms`: one bandit for every live size."""
+
+  def __init__(self, arms: Sequence[str], epsilon: float = 0.1, window: int = 300,
+               seed: int = 0):
+    super().__init__({1: list(arms)}, epsilon=epsilon, window=window, seed=seed)
+
+
+class UCB1(BucketedSelector):
+  """UCB1 on windowed means, per bucket (a plain list of arms: one bucket). Rewards are
+  tokens/s, not in [0, 1], so means are divided by the bucket's best mean before the bonus
+  c * sqrt(2 ln n / n_arm) is added; counts are window counts (sliding-window UCB), which keeps
+  some exploration going so that a changed arm is noticed."""
+
+  def __init__(self, arms: Mapping[int, Sequence[str]] | Sequence[str], window: int = 300,
+               c: float = 1.0, seed: int = 0):
+    super().__init__(arms, window=window, seed=seed)
+    if not c >= 0:
+      raise ValueError(f"UCB1: c={c} must be >= 0")
+    self.c = float(c)
+
+  def _value(self, lo: int, arm: str) -> float:
+    return statistics.fmean(self._rewards[lo][arm])
+
+  def _choose(self, lo: int) -> str:
+    arms = self.buckets[lo]
+    means = {a: self._value(lo, a) for a in arms}
+    scale = max(abs(m) for m in means.values()) or 1.0
+    n = {a: len(self._rewards[lo][a]) for a in arms}
+    total = sum(n.values())
+    return max(arms, key=lambda a: means[a] / scale
+               + self.c * math.sqrt(2.0 * math.log(total) / n[a]))
+
+  def _config(self) -> dict[str, Any]:
+    return {**super()._config(), "c": self.c}
+
+
+SELECTORS = ("fixed", "beg", "eg", "ucb1", "bucb1")
+
+
+def make_selector(kind: str, buckets: Mapping[int, Sequence[str]] | None = None, *,
+                  arm: str | None = None, epsilon: float = 0.1, window: int = 300,
+                  seed: int = 0, c: float = 1.0):
+  """A selector from config values. kind: "beg" (bucketed epsilon-greedy), "eg" (epsilon-greedy,
+  one bandit over every arm of `buckets`), "ucb1" (likewise, UCB1), "bucb1" (UCB1 per bucket),
+  "fixed" (always `arm`). buckets default to `default_mab_buckets()`."""
+  if kind == "fixed":
+    if arm is None:
+      raise ValueError("selector 'fixed' needs arm=, e.g. '4_1_5'")
+    return FixedSelector(arm)
+  buckets = default_mab_buckets() if buckets is None else buckets
+  flat = BucketedSelector(buckets).arms  # validates
+  if kind == "beg":
+    return BucketedEpsilonGreedy(buckets, epsilon=epsilon, window=window, seed=seed)
+  if kind == "eg":
+    return EpsilonGreedy(flat, epsilon=epsilon, window=window, seed=seed)
+  if kind == "ucb1":
+    return UCB1(flat, window=window, c=c, seed=seed)
+  if kind == "bucb1":
+    return UCB1(buckets, window=window, c=c, seed=seed)
+  raise ValueError(f"selector kind {kind!r}: use one of {', '.join(SELECTORS)}")
