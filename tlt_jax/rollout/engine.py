@@ -44,7 +44,7 @@ class SpecConfig:
   strategy: str = "4_1_5"  # "<steps>_<topk>_<verify_tokens>" or "off"; fixed arm by default
   bs_threshold: int = 32
   patience: int = 2
-  use_kernel: bool = True  # Pallas verification kernel (interpret mode off-GPU) vs jnp reference
+  use_kernel: bool | None = None  # Pallas verification kernel vs jnp reference; None: GPU only
   max_steps: int = 0  # catch-up capacity (>= every strategy's steps); 0 -> the strategy's
 
   def __post_init__(self):

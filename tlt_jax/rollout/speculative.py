@@ -419,10 +419,14 @@ def spec_step(params, dparams, state: SpecState, bufs: ChunkOutput, count, *, cf
 
 def spec_chunk(params: Params, dparams: Params, state: SpecState, *, cfg: ModelConfig,
                sp: SamplingParams, stop_tokens: tuple[int, ...], chunk: int, strategy: Strategy,
-               capture_hidden: bool, use_kernel: bool = True
+               capture_hidden: bool, use_kernel: bool | None = None
                ) -> tuple[SpecState, ChunkOutput, jax.Array]:
   """Up to `chunk` speculative steps (target forwards). Returns (state, outputs [B, W] with
-  W = chunk * (steps + 2), accepted draft tokens in the chunk)."""
+  W = chunk * (steps + 2), accepted draft tokens in the chunk). use_kernel: the Pallas
+  verification kernel, or its jnp reference (same decisions); None: the kernel on GPU only
+  (elsewhere Pallas runs in interpret mode, a debugging interpreter slower than the reference)."""
+  if use_kernel is None:
+    use_kernel = jax.default_backend() == "gpu"
   b, d = state.base.hidden.shape
   width = chunk * (strategy.steps + 2)
   stop = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)
