@@ -30,6 +30,7 @@ def get_config():
   c.data.test_path = asset_path("default", "data", "test.jsonl")
   c.data.prompt_key = "prompt"
   c.data.answer_key = "answer"
+  c.data.source_key = ""  # optional per-row source field (accuracy is logged per source)
   c.data.on_bad_row = "skip"
   c.data.max_prompt_len = 80
   c.data.chat_template = False  # True: wrap prompts with the tokenizer's chat template
@@ -87,7 +88,13 @@ def get_config():
   c.tlt.drafter_steps = 4  # drafter updates per RL step on the policy's hidden states
   c.tlt.drafter_lr = 3e-4
   c.tlt.spec = ml_collections.ConfigDict()
-  c.tlt.spec.strategy = "4_1_5"
+  c.tlt.spec.selector = "beg"  # BEG-MAB; or "fixed" (always `strategy`), "eg", "ucb1", "bucb1"
+  # Bandit arms per live-batch bucket, "LOWER_BOUND:ARM,..."; "" = rollout.mab.default_mab_buckets
+  c.tlt.spec.buckets = ""
+  c.tlt.spec.epsilon = 0.1
+  c.tlt.spec.window = 300
+  c.tlt.spec.strategy = "4_1_5"  # the fixed selector's arm
+  c.tlt.spec.precompile = False  # True: compile every choosable (bucket, arm) pair up front
   c.tlt.spec.bs_threshold = 16  # speculate once the live batch is <= this
   c.tlt.spec.patience = 2
   c.tlt.spec.max_steps = 0

@@ -12,8 +12,7 @@ Nothing is downloaded: give local paths on the command line, e.g. on one 8-GPU h
       --config.tlt.drafter=/ckpt/q7b_drafter   # from scripts/train_drafter.py; or init:0
 
 Mesh: the learner is FSDP over every device; each GPU is one rollout replica
-(rollout.num_workers x rollout.tensor_parallel = devices). Multi-host: launch one process per
-host (jax.distributed picks up Slurm/MPI).
+(rollout.num_workers x rollout.tensor_parallel = devices). Single-process (one host) today.
 """
 
 import os

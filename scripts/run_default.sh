@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m tlt_jax.eval --config configs/default.py "$@"
+exec .venv/bin/python -m tlt_jax.train --config configs/default.py "$@"

@@ -83,6 +83,7 @@ def test_tlt_run_in_process_writes_metrics_tb_and_checkpoints(tmp_path):
   cfg.train.steps = 2
   cfg.tlt.spec.bs_threshold = 16  # speculate from the start of this small batch
   cfg.tlt.drafter_steps = 2
+  cfg.rollout.num_workers = 2  # two replicas on devices 0 and 1, driven from host threads
   runtime.validate(cfg)
   from tlt_jax.train import Trainer
   trainer = Trainer(cfg, progress=False)
@@ -95,6 +96,8 @@ def test_tlt_run_in_process_writes_metrics_tb_and_checkpoints(tmp_path):
     assert key in last["time"], key
   assert last["spec"]["chunks"] > 0 and last["spec"]["tokens_per_verify"] >= 1.0
   assert last["drafter"]["steps"] == 2
+  assert len(trainer.workers) == 2
+  assert {w.params["embed"].sharding.device_set.pop().id for w in trainer.workers} == {0, 1}
   assert not np.array_equal(np.asarray(trainer.drafter.params["fc"]), before)  # the drafter trained
   assert os.listdir(tmp_path / "tb")
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2"]

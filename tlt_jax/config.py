@@ -164,6 +164,10 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     except (ValueError, NotImplementedError) as e:
       raise ConfigError(f"config.tlt.spec.strategy={s.strategy!r} is invalid: {e}") from None
     require(s.bs_threshold >= 1, "tlt.spec.bs_threshold", s.bs_threshold, "must be >= 1")
+    require(s.selector in ("fixed", "beg", "eg", "ucb1", "bucb1"), "tlt.spec.selector",
+            s.selector, "use 'beg' (BEG-MAB), 'fixed', 'eg', 'ucb1' or 'bucb1'")
+    require(0 <= s.epsilon <= 1, "tlt.spec.epsilon", s.epsilon, "must be in [0, 1]")
+    require(s.window >= 1, "tlt.spec.window", s.window, "must be >= 1")
     require(s.patience >= 1, "tlt.spec.patience", s.patience, "must be >= 1")
     require(cfg.tlt.drafter_steps >= 0, "tlt.drafter_steps", cfg.tlt.drafter_steps,
             "must be >= 0 (0 = keep the drafter fixed)")

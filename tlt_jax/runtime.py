@@ -122,17 +122,56 @@ def load_drafter(cfg: ml_collections.ConfigDict, model_cfg):
     raise ConfigError(f"config.tlt.drafter: {e}") from None
 
 
+def parse_mab_buckets(text: str) -> dict[int, list[str]] | None:
+  """'1:4_1_5,3_1_4,off 2:...' -> {1: ["4_1_5", "3_1_4", "off"], 2: ...}; '' -> None."""
+  if not text.strip():
+    return None
+  out = {}
+  for part in text.split():
+    bound, sep, arms = part.partition(":")
+    if not sep or not bound.isdigit() or not arms:
+      raise ConfigError(f"config.tlt.spec.buckets: {part!r} is not 'LOWER_BOUND:ARM,ARM,...' "
+                        "(e.g. '1:4_1_5,3_1_4,off 5:3_1_4,off')")
+    out[int(bound)] = arms.split(",")
+  return out
+
+
+class _LockedSelector:
+  """One selector shared by the workers' host threads: select/update/state under a lock."""
+
+  def __init__(self, inner):
+    import threading
+    self._inner, self._lock = inner, threading.Lock()
+
+  def __getattr__(self, name):
+    attr = getattr(self._inner, name)
+    if name in ("select", "update", "state_dict", "load_state_dict"):
+      def locked(*a, **kw):
+        with self._lock:
+          return attr(*a, **kw)
+      return locked
+    return attr
+
+
 def make_selector(cfg: ml_collections.ConfigDict):
-  """The speculative-strategy selector (one per run, shared by the workers)."""
-  from tlt_jax.rollout.engine import FixedSelector
-  return FixedSelector(cfg.tlt.spec.strategy)
+  """The speculative-strategy selector named by config.tlt.spec (BEG-MAB by default)."""
+  from tlt_jax.rollout.mab import make_selector as _make
+  s = cfg.tlt.spec
+  try:
+    sel = _make(s.selector, parse_mab_buckets(s.buckets), arm=s.strategy, epsilon=s.epsilon,
+                window=s.window, seed=cfg.seed)
+  except ValueError as e:
+    raise ConfigError(f"config.tlt.spec: {e}") from None
+  return _LockedSelector(sel)
 
 
 def load_rows(cfg: ml_collections.ConfigDict, path: str):
   from tlt_jax.data.prompts import DataError, load_prompt_rows
   try:
     rows, _ = load_prompt_rows(path, prompt_key=cfg.data.prompt_key,
-                               answer_key=cfg.data.answer_key, on_bad_row=cfg.data.on_bad_row)
+                               answer_key=cfg.data.answer_key,
+                               source_key=cfg.data.get("source_key") or None,
+                               on_bad_row=cfg.data.on_bad_row)
   except DataError as e:
     raise ConfigError(str(e)) from None
   return rows

@@ -158,6 +158,11 @@ class Trainer:
       self.selector = runtime.make_selector(cfg)
     self.workers = runtime.make_workers(cfg, self.model_cfg, self.learner.params, self.stop,
                                         drafter_params=dparams, selector=self.selector)
+    if self.tlt and cfg.tlt.spec.precompile:
+      t = time.perf_counter()
+      n = sum(w.precompile(self._sampling()) for w in self.workers)
+      print(f"precompiled {n} speculative executables in {time.perf_counter() - t:.0f}s",
+            file=sys.stderr)
     self.step = 0
     from tlt_jax.checkpoint import Checkpointer
     self.ckpt = Checkpointer(os.path.join(self.workdir, "checkpoints"),
@@ -202,12 +207,15 @@ class Trainer:
     return self.step
 
   # ------------------------------------------------------------------------------- pieces
-  def rollout(self, prompts, pool, timer: StepTimer):
-    from tlt_jax.rollout.engine import Request, WorkerHooks, run_workers
+  def _sampling(self):
     from tlt_jax.rollout.sampling import SamplingParams
     r = self.cfg.rollout
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+
+  def rollout(self, prompts, pool, timer: StepTimer):
+    from tlt_jax.rollout.engine import Request, WorkerHooks, run_workers
     n = self.cfg.grpo.n
-    sp = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+    sp = self._sampling()
     requests = [Request(p.ids, request_id=i, sample_index=s)
                 for i, p in enumerate(prompts) for s in range(n)]
     idle_at: dict[int, float] = {}
@@ -285,9 +293,17 @@ class Trainer:
         "reward_stats": dataclasses.asdict(pool.stats),
         "epoch": self.stream.epoch,
     }
+    sources = {p.row.source for p in prompts if p.row.source is not None}
+    if sources:
+      m["accuracy_by_source"] = {
+          str(src): float(np.mean([r[i] >= 1.0 for i, p in enumerate(prompts)
+                                   if p.row.source == src])) for src in sorted(sources, key=str)}
     if spec_chunks:
       steps = sum(c.steps * c.live for c in spec_chunks)
-      m["spec"] = {"chunks": len(spec_chunks),
+      arms: dict[str, int] = {}
+      for c in spec_chunks:
+        arms[c.mode] = arms.get(c.mode, 0) + 1
+      m["spec"] = {"chunks": len(spec_chunks), "arm_chunks": arms,
                    "tokens_per_verify": sum(c.tokens for c in spec_chunks) / max(steps, 1),
                    "share_of_tokens": sum(c.tokens for c in spec_chunks) / max(tokens, 1)}
     if drafter_metrics:
@@ -330,6 +346,10 @@ class Trainer:
     from tlt_jax.rl.reward_pool import RewardError, RewardPool
     cfg = self.cfg
     start = self.maybe_resume()
+    if start >= cfg.train.steps:
+      print(f"{self.workdir} already holds a finished run ({start} of {cfg.train.steps} steps); "
+            "raise --config.train.steps to continue it or pass a new --workdir",
+            file=sys.stderr)
     writer = MetricsWriter(self.workdir, start if start > 0 else -1)
     try:
       pool = RewardPool(cfg.reward.name, num_workers=cfg.reward.num_workers,
@@ -380,7 +400,10 @@ class Trainer:
 
 def main(argv):
   del argv
+  from absl import logging as absl_logging
+
   from tlt_jax import runtime
+  absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save at INFO
   cfg = _CONFIG.value
   if _WORKDIR.value:
     with cfg.unlocked():
