@@ -33,12 +33,17 @@ def test_group_advantages_match_numpy_float64():
                              r - r.mean(1, keepdims=True), rtol=1e-6, atol=1e-7)
 
 
+_FWD = jax.jit(functools.partial(forward, cfg=CFG))
+
+
 def _np_logprobs(params, seq, temperature):
   """float64 log-softmax of our forward's logits (forward itself is checked against HF in
   test_models): logp[t] = log p(seq[t] | seq[:t])."""
   t = len(seq)
-  out = forward(params, jnp.asarray([seq]), jnp.arange(t)[None], cfg=CFG)
-  logits = np.asarray(out.logits[0], np.float64) / temperature
+  padded = np.zeros((1, 64), np.int32)  # one compiled shape; causal, so the padding is unseen
+  padded[0, :t] = seq
+  out = _FWD(params, jnp.asarray(padded), jnp.arange(64)[None])
+  logits = np.asarray(out.logits[0, :t], np.float64) / temperature
   logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
   lp = logits - logz[:, None]
   ent = -(np.exp(lp) * lp).sum(-1)
