@@ -217,8 +217,8 @@ def test_prefill_then_decode_equals_full_forward(ckpts, name):
 
   cache = init_cache(cfg, b, max_len)
   # Garbage in never-written slots must be masked out, not merely be zero.
-  noise = jax.random.normal(jax.random.key(0), cache.k.shape, cache.k.dtype)
-  cache = cache.replace(k=noise, v=-noise)
+  noise = [jax.random.normal(jax.random.key(i), k.shape, k.dtype) for i, k in enumerate(cache.k)]
+  cache = cache.replace(k=tuple(noise), v=tuple(-n for n in noise))
   pieces = []
 
   def step(cache, start, n):
@@ -388,7 +388,7 @@ def test_bfloat16_close_to_float32(ckpts, param_dtype):
     return
   # The bf16 KV-cache path (cache in bf16) too: prefill 16, then decode 8 one at a time.
   cache = init_cache(cfg, 2, 24)
-  assert cache.k.dtype == jnp.bfloat16
+  assert all(k.dtype == jnp.bfloat16 for k in cache.k + cache.v)
   res = _fwd(params, jnp.asarray(tokens[:, :16]), arange_positions(2, 16), cfg=cfg, cache=cache)
   pieces, cache = [np.asarray(res.logits)], res.cache.replace(lengths=jnp.full((2,), 16))
   for p in range(16, 24):

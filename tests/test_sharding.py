@@ -200,10 +200,11 @@ def test_sharded_cache_forward_equals_single_device(sharded, single):
   name, mesh, cfg, params = sharded
   _, _, tokens, _, (ref_pre, ref_dec) = single
   b = tokens.shape[0]
-  c_sh = cache_sharding(mesh, b, cfg.num_kv_heads)
-  kv_spec = P(None, ("data", "fsdp"), None,
+  c_sh = cache_sharding(mesh, b, cfg.num_kv_heads, cfg.num_layers)
+  kv_spec = P(("data", "fsdp"), None,
               None if cfg.num_kv_heads % mesh.shape["tensor"] else "tensor", None)
-  assert c_sh.k.spec == kv_spec and c_sh.lengths.spec == P(("data", "fsdp"))
+  assert len(c_sh.k) == cfg.num_layers
+  assert c_sh.k[0].spec == kv_spec and c_sh.lengths.spec == P(("data", "fsdp"))
   p_sh, b2, b3 = tree_shardings(params, mesh), batch_sharding(mesh, 2), batch_sharding(mesh, 3)
   fs = jax.jit(lambda p, x, pos, c: forward(p, x, pos, cfg=cfg, cache=c),
                in_shardings=(p_sh, b2, b2, c_sh),
@@ -211,9 +212,10 @@ def test_sharded_cache_forward_equals_single_device(sharded, single):
   cache = jax.device_put(init_cache(cfg, b, MAX_LEN), c_sh)
   put = lambda x: jax.device_put(np.asarray(x), b2 if np.ndim(x) == 2 else c_sh.lengths)
   pre, dec = _run_cache(fs, params, cache, tokens, put)
-  assert pre.cache.k.sharding.spec == kv_spec
+  assert all(k.sharding.spec == kv_spec for k in pre.cache.k + pre.cache.v)
 
-  assert dec.cache.k.sharding.spec == kv_spec and len(dec.cache.k.addressable_shards) == 8
+  assert all(k.sharding.spec == kv_spec and len(k.addressable_shards) == 8
+             for k in dec.cache.k + dec.cache.v)
   for got, want in ((pre, ref_pre), (dec, ref_dec)):
     np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), rtol=0, atol=TOL)
     np.testing.assert_allclose(np.asarray(got.cache.k), np.asarray(want.cache.k), rtol=0,

@@ -112,13 +112,13 @@ def batch_sharding(mesh: Mesh, rank: int, batch_axis: int = 0) -> NamedSharding:
   return NamedSharding(mesh, P(*spec))
 
 
-def cache_sharding(mesh: Mesh, batch_size: int, num_kv_heads: int) -> Any:
-  """KVCache k/v [L, B, S, K, H]: batch over data axes, kv heads over tensor."""
+def cache_sharding(mesh: Mesh, batch_size: int, num_kv_heads: int, num_layers: int) -> Any:
+  """KVCache k/v (num_layers x [B, S, K, H]): batch over data axes, kv heads over tensor."""
   from tlt_jax.models.transformer import KVCache  # local: keep this module model-agnostic
-  kv = NamedSharding(mesh, fit_spec(P(None, BATCH, None, "tensor", None),
-                                    (1, batch_size, 1, num_kv_heads, 1), mesh, "kv_cache"))
+  kv = NamedSharding(mesh, fit_spec(P(BATCH, None, "tensor", None),
+                                    (batch_size, 1, num_kv_heads, 1), mesh, "kv_cache"))
   lengths = NamedSharding(mesh, fit_spec(P(BATCH), (batch_size,), mesh, "lengths"))
-  return KVCache(k=kv, v=kv, lengths=lengths)
+  return KVCache(k=(kv,) * num_layers, v=(kv,) * num_layers, lengths=lengths)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

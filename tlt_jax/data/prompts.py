@@ -37,6 +37,7 @@ class LoadStats:
 
 
 def _raw_rows(path: str):
+  """Yields (row index, parsed row | None, problem | None); JSONL indices are line indices."""
   if not os.path.exists(path):
     raise DataError(f"data file {path!r} does not exist; check config.data paths")
   if path.endswith((".parquet", ".pq")):
@@ -62,6 +63,7 @@ def load_prompt_rows(path: str, *, prompt_key: str = "prompt", answer_key: str =
     raise ValueError(f"on_bad_row={on_bad_row!r}: use 'skip' or 'error'")
   rows: list[PromptRow] = []
   stats = LoadStats()
+  unit = "row" if path.endswith((".parquet", ".pq")) else "line"
   for i, raw, problem in _raw_rows(path):
     if problem is None:
       if not isinstance(raw, dict):
@@ -71,7 +73,7 @@ def load_prompt_rows(path: str, *, prompt_key: str = "prompt", answer_key: str =
       elif not isinstance(raw.get(answer_key), (str, int, float)):
         problem = f"missing '{answer_key}' (set config.data.answer_key?)"
     if problem is not None:
-      msg = f"{path}: line {i + 1}: {problem}"
+      msg = f"{path}: {unit} {i + 1}: {problem}"
       if on_bad_row == "error":
         raise DataError(msg + " (set config.data.on_bad_row='skip' to skip such rows)")
       stats.bad_rows += 1

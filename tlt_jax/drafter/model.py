@@ -138,7 +138,7 @@ def init_drafter(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> Params:
 
 
 def drafter_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-  """A 1-layer KV cache for the drafter (k/v [1, B, S, K, H], lengths [B])."""
+  """A 1-layer KV cache for the drafter (k/v: one [B, S, K, H] each, lengths [B])."""
   return init_cache(cfg.replace(num_layers=1), batch, max_len, dtype)
 
 
@@ -214,8 +214,8 @@ def drafter_tree_forward(dparams: Params, target_params: Params, tokens: jax.Arr
   x = _drafter_input(dparams, target_params, tokens, hidden, cfg)
   cos, sin = rope_tables(cfg, positions)
   layer = jax.tree.map(lambda a: a[0], dparams["layers"])
-  g, (k, v) = _layer(cfg, x, layer, cos, sin, visible, (cache.k, cache.v, 0, slots))
-  return g, compute_logits(target_params, g, cfg), cache.replace(k=k, v=v)
+  g, (k, v) = _layer(cfg, x, layer, cos, sin, visible, (cache.k[0], cache.v[0], slots))
+  return g, compute_logits(target_params, g, cfg), cache.replace(k=(k,), v=(v,))
 
 
 # --------------------------------------------------------------------------- save / load

@@ -2,9 +2,12 @@
 
 Params are a plain nested dict (layout below); `forward` is a pure function of
 (params, tokens, positions, cache) and is meant to be called under `jax.jit` with `cfg`
-static. Layers are stacked on a leading axis and run with `lax.scan`, so compile time does
-not grow with depth: that matters because rollout compiles one executable per batch-size
-bucket and speculative strategy.
+static. Layers are stacked on a leading axis. Without a cache (training, log-probs) they run
+under `lax.scan`, so compile time does not grow with depth. With a cache (rollout) the layers
+are unrolled over a per-layer cache: a scan would carry the whole [L, ...] cache through the
+loop and copy a layer's slice in and out every step, which measured 2.4x slower per decode
+token at batch 1 on CPU (scripts/profile_spec.py); unrolled, each layer's k/v buffer is
+updated in place.
 
 Param layout (L layers, D hidden, N query heads, K kv heads, H head dim, F mlp, V vocab):
   embed       [V, D]
@@ -14,8 +17,8 @@ Param layout (L layers, D hidden, N query heads, K kv heads, H head dim, F mlp, 
   final_norm  [D]
   lm_head     [D, V]   (absent when tie_word_embeddings: the head is embed.T)
 
-KV cache: k, v [L, B, S, K, H] plus `lengths` [B], the number of committed tokens of each
-sequence. A forward over T new tokens writes their keys/values at slots
+KV cache: k, v, each a tuple of L per-layer arrays [B, S, K, H], plus `lengths` [B], the
+number of committed tokens of each sequence (every cache array is batch-major). A forward over T new tokens writes their keys/values at slots
 lengths[b] .. lengths[b] + T - 1 and attends to the committed prefix plus the new tokens
 allowed by `attn_mask` (causal by default; a tree mask when verifying draft trees). It does
 NOT advance `lengths`: the caller commits what it accepts (plain decode: all T; speculative
@@ -38,17 +41,21 @@ Params = dict[str, Any]
 
 @flax.struct.dataclass
 class KVCache:
-  k: jax.Array  # [L, B, S, K, H]
-  v: jax.Array  # [L, B, S, K, H]
+  k: tuple[jax.Array, ...]  # L x [B, S, K, H]
+  v: tuple[jax.Array, ...]  # L x [B, S, K, H]
   lengths: jax.Array  # [B] int32, committed tokens per sequence
 
   @property
   def max_len(self) -> int:
-    return self.k.shape[2]
+    return self.k[0].shape[1]
 
   @property
   def batch_size(self) -> int:
-    return self.k.shape[1]
+    return self.k[0].shape[0]
+
+  @property
+  def num_layers(self) -> int:
+    return len(self.k)
 
 
 class ModelOutput(NamedTuple):
@@ -58,10 +65,10 @@ class ModelOutput(NamedTuple):
 
 
 def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
-  shape = (cfg.num_layers, batch_size, max_len, cfg.num_kv_heads, cfg.head_dim_)
+  shape = (batch_size, max_len, cfg.num_kv_heads, cfg.head_dim_)
   dtype = dtype or cfg.compute_dtype
-  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                 lengths=jnp.zeros((batch_size,), jnp.int32))
+  zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+  return KVCache(k=zeros(), v=zeros(), lengths=jnp.zeros((batch_size,), jnp.int32))
 
 
 def param_shapes(cfg: ModelConfig) -> Params:
@@ -197,7 +204,8 @@ def _dense(x, w, eq, dtype):
 
 def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv):
   """One decoder layer. kv: None (training: attend within the chunk) or
-  (k_cache [L,B,S,K,H], v_cache, layer_index, slots [B, T]) -> writes this chunk's k/v."""
+  (k_cache [B, S, K, H], v_cache, slots [B, T]) of this layer -> writes this chunk's k/v at
+  `slots` and returns the updated (k_cache, v_cache)."""
   dt = cfg.compute_dtype
   # An EAGLE drafter's layer has no input norm (its input is already a projection): no key.
   h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps) if "attn_norm" in lp else x
@@ -210,13 +218,12 @@ def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv):
   if kv is None:
     k_all, v_all, new_kv = k, v, None
   else:
-    k_cache, v_cache, i, slots = kv
+    k_cache, v_cache, slots = kv
     b_idx = jnp.arange(x.shape[0])[:, None]
-    # Scatter into the loop-carried cache (in place under donation); out-of-range slots drop.
-    k_cache = k_cache.at[i, b_idx, slots].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[i, b_idx, slots].set(v.astype(v_cache.dtype), mode="drop")
-    k_all = jax.lax.dynamic_index_in_dim(k_cache, i, 0, keepdims=False).astype(dt)
-    v_all = jax.lax.dynamic_index_in_dim(v_cache, i, 0, keepdims=False).astype(dt)
+    # Scatter into this layer's buffer (in place under donation); out-of-range slots drop.
+    k_cache = k_cache.at[b_idx, slots].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[b_idx, slots].set(v.astype(v_cache.dtype), mode="drop")
+    k_all, v_all = k_cache.astype(dt), v_cache.astype(dt)
     new_kv = (k_cache, v_cache)
   attn = attend(q, k_all, v_all, mask)
   out = _dense(attn, lp["o"], "BTNH,NHD->BTD", dt)
@@ -266,18 +273,17 @@ def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, 
     x, _ = jax.lax.scan(body, x, params_layers)
     return x, None
 
+  if cache.num_layers != n_layers:
+    raise ValueError(f"KV cache has {cache.num_layers} layers, the params {n_layers}")
   mask = _cache_mask(cache.lengths, t, cache.max_len, attn_mask)
   slots = cache.lengths[:, None] + jnp.arange(t)[None, :]
-
-  def body(carry, xs):
-    x, k_cache, v_cache = carry
-    lp, i = xs
-    x, (k_cache, v_cache) = layer_fn(x, lp, mask, (k_cache, v_cache, i, slots))
-    return (x, k_cache, v_cache), None
-
-  (x, k, v), _ = jax.lax.scan(body, (x, cache.k, cache.v),
-                              (params_layers, jnp.arange(n_layers)))
-  return x, cache.replace(k=k, v=v)
+  ks, vs = [], []
+  for i in range(n_layers):  # unrolled: see the module docstring
+    lp = jax.tree.map(lambda a, i=i: a[i], params_layers)
+    x, (k_i, v_i) = _layer(cfg, x, lp, cos, sin, mask, (cache.k[i], cache.v[i], slots))
+    ks.append(k_i)
+    vs.append(v_i)
+  return x, cache.replace(k=tuple(ks), v=tuple(vs))
 
 
 def forward(params: Params, tokens: jax.Array, positions: jax.Array, *, cfg: ModelConfig,

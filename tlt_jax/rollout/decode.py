@@ -25,7 +25,7 @@ from tlt_jax.rollout.sampling import SamplingParams, sample_tokens
 
 @flax.struct.dataclass
 class DecodeState:
-  cache: KVCache  # k/v [L, B, S, K, H]; lengths [B] = committed tokens = next position
+  cache: KVCache  # k/v L x [B, S, K, H]; lengths [B] = committed tokens = next position
   hidden: jax.Array  # [B, D] hidden state whose logits choose the next token
   keys: jax.Array  # [B, 2] uint32 raw per-row PRNG keys (folded with num_generated per step)
   num_generated: jax.Array  # [B] int32
@@ -120,19 +120,12 @@ def decode_chunk(params: Params, state: DecodeState, *, cfg: ModelConfig, sp: Sa
 
 
 # ----------------------------------------------------------------------------- batch re-layout
-def _batch_axis(path) -> int:
-  # KV caches' k/v (target's and drafter's) are [L, B, ...]; everything else is batch-major.
-  names = [getattr(k, "name", getattr(k, "key", None)) for k in path]
-  return 1 if names[-1] in ("k", "v") else 0
-
-
+# Every leaf of a decode state (KV caches included: per-layer [B, S, K, H]) is batch-major.
 def take_rows(state, idx: jax.Array, valid: jax.Array):
   """Gathers rows idx [B'] into a new state of batch B' (compaction / growth); rows with
   valid=False become empty (done) slots. Works for DecodeState and states wrapping one
   (`.base`, e.g. the speculative state)."""
-  def take(path, x):
-    return jnp.take(x, idx, axis=_batch_axis(path))
-  new = jax.tree_util.tree_map_with_path(take, state)
+  new = jax.tree.map(lambda x: jnp.take(x, idx, axis=0), state)
   if isinstance(new, DecodeState):
     return new.replace(done=new.done | ~valid)
   return new.replace(base=new.base.replace(done=new.base.done | ~valid))
@@ -140,8 +133,4 @@ def take_rows(state, idx: jax.Array, valid: jax.Array):
 
 def put_rows(state, rows, slots: jax.Array):
   """Writes `rows` (batch R) into `state` at slots [R] (refilling finished slots)."""
-  def put(path, x, y):
-    if _batch_axis(path) == 1:
-      return x.at[:, slots].set(y)
-    return x.at[slots].set(y)
-  return jax.tree_util.tree_map_with_path(put, state, rows)
+  return jax.tree.map(lambda x, y: x.at[slots].set(y), state, rows)

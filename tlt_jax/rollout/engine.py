@@ -200,12 +200,10 @@ class RolloutWorker:
           mem = int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes)
       except Exception:  # backends without memory analysis
         mem = None
-      # Params (plain dicts, e.g. the drafter's) carry no batch; KV cache k/v are [L, B, ...]:
-      # read their batch axis, not the layer count.
+      # Params (plain dicts, e.g. the drafter's) carry no batch; state leaves are batch-major.
       batched = [a for a in args[1:] if not isinstance(a, dict)]
-      batch = max((x.shape[decode._batch_axis(p)]
-                   for p, x in jax.tree_util.tree_leaves_with_path(batched)
-                   if getattr(x, "ndim", 0)), default=0)
+      batch = max((x.shape[0] for x in jax.tree.leaves(batched) if getattr(x, "ndim", 0)),
+                  default=0)
       self.compile_log.append(CompileRecord(name, batch, time.perf_counter() - t0, mem))
       self._compiled[sig] = exe
     return exe
@@ -460,12 +458,9 @@ class RolloutWorker:
     dummy = [Request([0], i) for i in range(top)]
     state = self._prefill_requests(dummy, top, jax.random.key(0))
 
-    def resized(b):
-      def one(path, x):
-        shape = list(x.shape)
-        shape[decode._batch_axis(path)] = b
-        return jax.ShapeDtypeStruct(tuple(shape), x.dtype, sharding=x.sharding)
-      return jax.tree_util.tree_map_with_path(one, state)
+    def resized(b):  # state leaves are batch-major
+      return jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype, sharding=x.sharding), state)
 
     before = len(self._compiled)
     for b, arms in pairs.items():

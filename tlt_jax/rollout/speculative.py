@@ -109,7 +109,7 @@ class Strategy:
 @flax.struct.dataclass
 class SpecState:
   base: DecodeState
-  dcache: KVCache  # drafter k/v [1, B, S, K, H]; lengths = drafter pairs committed
+  dcache: KVCache  # drafter k/v (1 layer) [B, S, K, H]; lengths = drafter pairs committed
   pending: jax.Array  # [B] int32 emitted token not yet fed to the target
   has_pending: jax.Array  # [B] bool
   catch_tokens: jax.Array  # [B, M] int32 (M = max_steps + 1)
@@ -323,8 +323,10 @@ def spec_step(params, dparams, state: SpecState, bufs: ChunkOutput, count, *, cf
       catch_hidden=jnp.where(need[:, None, None], first_hid, state.catch_hidden),
       catch_count=jnp.where(need, 1, state.catch_count))
   live = active & ~done  # rows that still decode this step
-  # Keys: one split per row (drafts 0..k-1, verification k); greedy needs none.
-  sub = None if sp.greedy else jax.vmap(lambda kk: jax.random.split(kk, k + 1))(keys)
+  # Keys: one split per row (drafts 0..k-1, verification k) of a stream apart from tok0's;
+  # greedy needs none.
+  sub = None if sp.greedy else jax.vmap(
+      lambda kk: jax.random.split(jax.random.fold_in(kk, 1), k + 1))(keys)
   n = base.cache.lengths
   rows = jnp.arange(b)
   # 2.-4. drafter catch-up, drafts, one target forward over [pending, drafts] and verification.
@@ -371,7 +373,8 @@ def spec_step(params, dparams, state: SpecState, bufs: ChunkOutput, count, *, cf
     # one. A prefix of an exact sample, continued from the exact conditional, stays exact.
     j = jnp.arange(k + 1)[None, :]
     fits = (n[:, None] + path < base.cache.max_len) | (j > n_acc[:, None])
-    n_fit = jnp.argmin(jnp.concatenate([fits, jnp.zeros((b, 1), bool)], axis=1), axis=1) - 1
+    n_fit = jnp.maximum(jnp.argmin(jnp.concatenate([fits, jnp.zeros((b, 1), bool)], axis=1),
+                                   axis=1) - 1, 0)  # (the root always fits a live row)
     nxt = jnp.where(n_fit < n_acc, vtoks[rows, path[rows, jnp.minimum(n_fit + 1, k)]], nxt)
     n_acc = jnp.minimum(n_acc, n_fit).astype(jnp.int32)
     path = jnp.where(j <= n_acc[:, None], path, 0)
@@ -394,8 +397,8 @@ def spec_step(params, dparams, state: SpecState, bufs: ChunkOutput, count, *, cf
     src, dst = n[:, None] + path[:, 1:], n[:, None] + 1 + jnp.arange(k)[None, :]
     src = jnp.where(jnp.arange(k)[None, :] < n_acc[:, None], src, dst)
     r2 = rows[:, None]
-    cache = cache.replace(k=cache.k.at[:, r2, dst].set(cache.k[:, r2, src], mode="drop"),
-                          v=cache.v.at[:, r2, dst].set(cache.v[:, r2, src], mode="drop"))
+    move = lambda c: c.at[r2, dst].set(c[r2, src], mode="drop")
+    cache = cache.replace(k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
   new_hidden = f_path[rows, n_acc]
   base = base.replace(
       cache=cache.replace(lengths=n + commit),
