@@ -77,7 +77,7 @@ def get_config():
   c.optim.grad_clip = 1.0
 
   c.train = ml_collections.ConfigDict()
-  c.train.steps = 60
+  c.train.steps = 40
   c.train.eval_every = 10  # held-out greedy accuracy every N steps (0: never)
   c.train.checkpoint_every = 5
   c.train.keep_checkpoints = 2

@@ -105,6 +105,15 @@ def test_greedy_spec_equals_plain_trained_drafter(arm):
   spec = _by_id(w.generate(reqs, sp))
   accepted = sum(m.accepted for m in w.chunk_log)
   assert accepted > 0.5 * sum(r.num_tokens for r in plain.values()) / 4
+  # Acceptance length: every verification commits its accepted drafts + 1 token, and emits
+  # them except where a stop token or the budget cuts a row's last one (at most `steps`
+  # drafts lost per row); a row's first speculative step also emits its pending token.
+  steps = int(arm.split("_")[0])
+  sd = [m for m in w.chunk_log if m.mode == arm]
+  assert all(1.0 <= m.accept_len <= steps + 1 for m in sd)
+  emitted = sum(m.tokens for m in sd)
+  committed = sum(m.accepted + m.verifications for m in sd)
+  assert emitted - len(reqs) <= committed <= emitted + steps * len(reqs)
   for key, r in plain.items():
     np.testing.assert_array_equal(spec[key].response_ids, r.response_ids)
 
@@ -160,7 +169,7 @@ def sample_joint(params, dparams, sp, strategy, seed=0, verify=None, cache_len=1
   valid = np.asarray(out.valid)
   tokens = np.asarray(out.tokens)
   seqs = np.stack([tokens[i][valid[i]][:NEW] for i in range(b)])
-  return seqs, int(acc)
+  return seqs, int(acc[0])  # acc: [accepted drafts, verifications]
 
 
 def _with_verify(fn, name, verify):

@@ -189,10 +189,9 @@ def main(argv):
   print(f"batch profile: {batch_profile(worker.chunk_log)}", file=sys.stderr)
   sd = [c for c in worker.chunk_log if c.mode != "plain"]
   if sd:
-    # Each verification emits its accepted drafts + 1 target token.
-    toks, acc = sum(c.tokens for c in sd), sum(c.accepted for c in sd)
+    acc, ver = sum(c.accepted for c in sd), sum(c.verifications for c in sd)
     print(f"speculative ({sd[0].mode}): mean acceptance length "
-          f"{toks / max(toks - acc, 1):.2f} tokens per verification", file=sys.stderr)
+          f"{(acc + ver) / max(ver, 1):.2f} tokens per verification", file=sys.stderr)
   print(f"wrote {FLAGS.output}", file=sys.stderr)
 
 

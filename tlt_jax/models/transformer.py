@@ -18,11 +18,12 @@ Param layout (L layers, D hidden, N query heads, K kv heads, H head dim, F mlp, 
   lm_head     [D, V]   (absent when tie_word_embeddings: the head is embed.T)
 
 KV cache: k, v, each a tuple of L per-layer arrays [B, S, K, H], plus `lengths` [B], the
-number of committed tokens of each sequence (every cache array is batch-major). A forward over T new tokens writes their keys/values at slots
-lengths[b] .. lengths[b] + T - 1 and attends to the committed prefix plus the new tokens
-allowed by `attn_mask` (causal by default; a tree mask when verifying draft trees). It does
-NOT advance `lengths`: the caller commits what it accepts (plain decode: all T; speculative
-verify: the accepted path), and slots past `lengths` are masked and later overwritten.
+number of committed tokens of each sequence (every cache array is batch-major). A forward
+over T new tokens writes their keys/values at slots lengths[b] .. lengths[b] + T - 1 and
+attends to the committed prefix plus the new tokens allowed by `attn_mask` (causal by
+default; a tree mask when verifying draft trees). It does NOT advance `lengths`: the caller
+commits what it accepts (plain decode: all T; speculative verify: the accepted path), and
+slots past `lengths` are masked and later overwritten.
 """
 
 from __future__ import annotations

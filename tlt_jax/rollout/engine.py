@@ -124,6 +124,12 @@ class ChunkMetrics:
   wall_time: float
   mode: str = "plain"  # "plain" | strategy name when speculative
   accepted: int = 0  # draft tokens accepted (speculative chunks)
+  verifications: int = 0  # row-steps verified (speculative chunks): live rows x their steps
+
+  @property
+  def accept_len(self) -> float | None:
+    """Tokens per verification (accepted drafts + 1), None for plain chunks."""
+    return (self.accepted + self.verifications) / self.verifications if self.verifications else None
   t: float = 0.0  # chunk end, seconds since generate() began
 
 
@@ -221,7 +227,7 @@ class RolloutWorker:
 
   def _decode(self, state, sp: SamplingParams, arm: str | None = None):
     """One chunk. arm=None: plain decode (drafter kept warm when present); else a strategy.
-    Returns (state, ChunkOutput, accepted draft tokens)."""
+    Returns (state, ChunkOutput, [accepted draft tokens, verifications])."""
     ecfg = self.ecfg
     if self.drafter_params is None:
       fn = functools.partial(decode.decode_chunk, cfg=self.cfg, sp=sp,
@@ -229,7 +235,7 @@ class RolloutWorker:
                              capture_hidden=ecfg.capture_hidden)
       state, out = self._exec(("decode", sp), fn, self.params, state, donate=(1,))(
           self.params, state)
-      return state, out, 0
+      return state, out, (0, 0)
     from tlt_jax.rollout import speculative
     args = (self.params, self.drafter_params, state)
     if arm is None:
@@ -237,7 +243,7 @@ class RolloutWorker:
                              stop_tokens=ecfg.stop_tokens, chunk=ecfg.chunk_size,
                              capture_hidden=ecfg.capture_hidden)
       state, out = self._exec(("plain_warm", sp), fn, *args, donate=(2,))(*args)
-      return state, out, 0
+      return state, out, (0, 0)
     state, out, acc = self._spec_exec(sp, arm, state)(*args)
     return state, out, acc
 
@@ -396,7 +402,8 @@ class RolloutWorker:
             hooks.on_result(res)
       m = ChunkMetrics(worker_id=self.worker_id, bucket=state.batch_size, live=len(live),
                        tokens=produced, steps=steps, wall_time=dt, mode=arm or "plain",
-                       accepted=int(accepted), t=time.perf_counter() - t_start)
+                       accepted=int(accepted[0]), verifications=int(accepted[1]),
+                       t=time.perf_counter() - t_start)
       if arm is not None and len(self.compile_log) == compiles:
         # Reward (DESIGN.md 4) = accepted tokens x batch size / wall time of draft + verify:
         # `produced` sums every live row's emitted tokens (accepted drafts + 1 per step), so

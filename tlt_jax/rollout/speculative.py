@@ -417,7 +417,9 @@ def spec_step(params, dparams, state: SpecState, bufs: ChunkOutput, count, *, cf
       catch_hidden=jnp.where(live[:, None, None], jnp.pad(f_path, ((0, 0), (0, pad), (0, 0))),
                              state.catch_hidden),
       catch_count=jnp.where(live, n_acc + 1, 0))
-  return state, bufs, count, jnp.sum(jnp.where(live, n_acc, 0))
+  # (accepted drafts, verifications) of the rows that decoded: the acceptance length is
+  # (accepted + verifications) / verifications, whatever a stop token cut from the emission.
+  return state, bufs, count, jnp.stack([jnp.sum(jnp.where(live, n_acc, 0)), jnp.sum(live)])
 
 
 def spec_chunk(params: Params, dparams: Params, state: SpecState, *, cfg: ModelConfig,
@@ -425,7 +427,8 @@ def spec_chunk(params: Params, dparams: Params, state: SpecState, *, cfg: ModelC
                capture_hidden: bool, use_kernel: bool | None = None
                ) -> tuple[SpecState, ChunkOutput, jax.Array]:
   """Up to `chunk` speculative steps (target forwards). Returns (state, outputs [B, W] with
-  W = chunk * (steps + 2), accepted draft tokens in the chunk). use_kernel: the Pallas
+  W = chunk * (steps + 2), [accepted draft tokens, verifications] of the chunk's live rows
+  as int32 [2]). use_kernel: the Pallas
   verification kernel, or its jnp reference (same decisions); None: the kernel on GPU only
   (elsewhere Pallas runs in interpret mode, a debugging interpreter slower than the reference)."""
   if use_kernel is None:
@@ -449,7 +452,8 @@ def spec_chunk(params: Params, dparams: Params, state: SpecState, *, cfg: ModelC
     return state, bufs._replace(steps=i + 1), count, i + 1, acc + a
 
   state, bufs, _, _, acc = jax.lax.while_loop(
-      cond, body, (state, bufs, jnp.zeros((b,), jnp.int32), jnp.int32(0), jnp.int32(0)))
+      cond, body, (state, bufs, jnp.zeros((b,), jnp.int32), jnp.int32(0),
+                   jnp.zeros((2,), jnp.int32)))
   return state, bufs, acc
 
 
