@@ -1,6 +1,6 @@
 """The embedded default: GRPO on the shipped tiny Qwen2 model and the synthetic long-tail
 arithmetic task, with TLT's speculative rollout (shipped warm-started drafter) and online
-drafter training. Runs on a laptop CPU in about 10 minutes with no downloads:
+drafter training. Runs on a 2-core CPU in about 11 minutes with no downloads:
 
   python -m tlt_jax.train --config configs/default.py
   python -m tlt_jax.train --config configs/default.py --config.tlt.enabled=False   # baseline
