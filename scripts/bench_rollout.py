@@ -153,7 +153,7 @@ def main():
   from tlt_jax.config import asset_path
   from tlt_jax.data.prompts import load_prompt_rows
   from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
-  from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker
+  from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker, tokens_per_verification
   from tlt_jax.rollout.sampling import SamplingParams
 
   model_dir = args.model or asset_path("default", "model")
@@ -200,9 +200,8 @@ def main():
     w.chunk_log.clear()
     ntok, dt = timed(lambda: run_engine(w, reqs, sp), repeats=args.repeats)
     sd = [c for c in w.chunk_log if c.mode != "plain"]
-    acc, ver = sum(c.accepted for c in sd), sum(c.verifications for c in sd)
     decode = sum(c.tokens for c in w.chunk_log) / sum(c.wall_time for c in w.chunk_log)
-    return ntok / dt, ((acc + ver) / max(ver, 1) if sd else None), decode
+    return ntok / dt, tokens_per_verification(sd), decode
 
   def sd_row(name, batch, new_tokens, stop_tokens, reqs, sp, threshold):
     """Plain vs every arm on one workload ->

@@ -107,7 +107,7 @@ def main(argv):
     if not getattr(FLAGS, name):
       raise InputError(f"--{name} is required")
   from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
-  from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker
+  from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker, tokens_per_verification
   from tlt_jax.rollout.sampling import SamplingParams
 
   sp = SamplingParams(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p)
@@ -189,9 +189,8 @@ def main(argv):
   print(f"batch profile: {batch_profile(worker.chunk_log)}", file=sys.stderr)
   sd = [c for c in worker.chunk_log if c.mode != "plain"]
   if sd:
-    acc, ver = sum(c.accepted for c in sd), sum(c.verifications for c in sd)
     print(f"speculative ({sd[0].mode}): mean acceptance length "
-          f"{(acc + ver) / max(ver, 1):.2f} tokens per verification", file=sys.stderr)
+          f"{tokens_per_verification(sd) or 0:.2f} tokens per verification", file=sys.stderr)
   print(f"wrote {FLAGS.output}", file=sys.stderr)
 
 

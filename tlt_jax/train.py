@@ -243,6 +243,7 @@ class Trainer:
   def train_step(self, pool) -> dict[str, Any]:
     from tlt_jax.eval import length_stats
     from tlt_jax.rl import grpo
+    from tlt_jax.rollout.engine import tokens_per_verification
     cfg = self.cfg
     timer = StepTimer()
     t_step = time.perf_counter()
@@ -299,13 +300,11 @@ class Trainer:
           str(src): float(np.mean([r[i] >= 1.0 for i, p in enumerate(prompts)
                                    if p.row.source == src])) for src in sorted(sources, key=str)}
     if spec_chunks:
-      acc = sum(c.accepted for c in spec_chunks)
-      ver = sum(c.verifications for c in spec_chunks)
       arms: dict[str, int] = {}
       for c in spec_chunks:
         arms[c.mode] = arms.get(c.mode, 0) + 1
       m["spec"] = {"chunks": len(spec_chunks), "arm_chunks": arms,
-                   "tokens_per_verify": (acc + ver) / max(ver, 1),
+                   "tokens_per_verify": tokens_per_verification(spec_chunks) or 0.0,
                    "share_of_tokens": sum(c.tokens for c in spec_chunks) / max(tokens, 1)}
     if drafter_metrics:
       m["drafter"] = drafter_metrics

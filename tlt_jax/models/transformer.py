@@ -259,16 +259,16 @@ def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, 
   which is one layer of the same architecture."""
   b, t, _ = x.shape
   cos, sin = rope_tables(cfg, positions)
-  layer_fn = lambda x, lp, mask, kv: _layer(cfg, x, lp, cos, sin, mask, kv)
-  if cfg.remat:
-    layer_fn = jax.checkpoint(layer_fn)
   n_layers = num_layers or jax.tree.leaves(params_layers)[0].shape[0]
 
-  if cache is None:
+  if cache is None:  # training / log-probs: scanned layers, optionally rematerialised
     mask = causal_mask(t) if attn_mask is None else attn_mask
+    layer_fn = lambda x, lp: _layer(cfg, x, lp, cos, sin, mask, None)
+    if cfg.remat:
+      layer_fn = jax.checkpoint(layer_fn)
 
     def body(x, lp):
-      x, _ = layer_fn(x, lp, mask, None)
+      x, _ = layer_fn(x, lp)
       return x, None
 
     x, _ = jax.lax.scan(body, x, params_layers)

@@ -125,12 +125,19 @@ class ChunkMetrics:
   mode: str = "plain"  # "plain" | strategy name when speculative
   accepted: int = 0  # draft tokens accepted (speculative chunks)
   verifications: int = 0  # row-steps verified (speculative chunks): live rows x their steps
+  t: float = 0.0  # chunk end, seconds since generate() began
 
   @property
   def accept_len(self) -> float | None:
     """Tokens per verification (accepted drafts + 1), None for plain chunks."""
-    return (self.accepted + self.verifications) / self.verifications if self.verifications else None
-  t: float = 0.0  # chunk end, seconds since generate() began
+    return tokens_per_verification([self])
+
+
+def tokens_per_verification(chunks) -> float | None:
+  """Mean acceptance length over chunks: (accepted drafts + verifications) / verifications
+  (each verification commits its accepted drafts + 1 target token); None without any."""
+  ver = sum(c.verifications for c in chunks)
+  return (sum(c.accepted for c in chunks) + ver) / ver if ver else None
 
 
 @dataclasses.dataclass
@@ -244,8 +251,7 @@ class RolloutWorker:
                              capture_hidden=ecfg.capture_hidden)
       state, out = self._exec(("plain_warm", sp), fn, *args, donate=(2,))(*args)
       return state, out, (0, 0)
-    state, out, acc = self._spec_exec(sp, arm, state)(*args)
-    return state, out, acc
+    return self._spec_exec(sp, arm, state)(*args)
 
   def _spec_exec(self, sp: SamplingParams, arm: str, state):
     """The (bucket, arm) executable; state may be abstract (ShapeDtypeStructs, `precompile`)."""
@@ -370,9 +376,10 @@ class RolloutWorker:
       # --- one chunk of decoding
       compiles = len(self.compile_log)
       t0 = time.perf_counter()
-      state, out, accepted = self._decode(state, sp, arm)
+      state, out, spec_counts = self._decode(state, sp, arm)
       base = state if isinstance(state, decode.DecodeState) else state.base
-      out, done, stopped, accepted = jax.device_get((out, base.done, base.stopped, accepted))
+      out, done, stopped, spec_counts = jax.device_get((out, base.done, base.stopped,
+                                                          spec_counts))
       dt = time.perf_counter() - t0
       steps = int(out.steps)
       produced = 0
@@ -402,7 +409,7 @@ class RolloutWorker:
             hooks.on_result(res)
       m = ChunkMetrics(worker_id=self.worker_id, bucket=state.batch_size, live=len(live),
                        tokens=produced, steps=steps, wall_time=dt, mode=arm or "plain",
-                       accepted=int(accepted[0]), verifications=int(accepted[1]),
+                       accepted=int(spec_counts[0]), verifications=int(spec_counts[1]),
                        t=time.perf_counter() - t_start)
       if arm is not None and len(self.compile_log) == compiles:
         # Reward (DESIGN.md 4) = accepted tokens x batch size / wall time of draft + verify:
