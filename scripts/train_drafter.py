@@ -175,7 +175,16 @@ def generate_sequences(worker, params, prompt_hidden, prompts, *, num_samples, s
   bar.close()
   wall = time.perf_counter() - t0
   results.sort(key=lambda r: (r.request_id, r.sample_index))
-  ph = prompt_hidden(params, prompts)
+  seqs = rollout_sequences(results, prompt_hidden(params, prompts))
+  tokens = sum(len(r.response_ids) for r in results)
+  print(f"{desc}: {len(results)} samples, {tokens} response tokens in {wall:.1f}s "
+        f"({tokens / max(wall, 1e-9):.0f} tokens/s)", file=sys.stderr)
+  return seqs
+
+
+def rollout_sequences(results, ph):
+  """Rollout results (hidden captured) + per-prompt hidden states ph[request_id] [P, D] ->
+  sequences {tokens [T], hidden [T, D], loss_mask [T], prompt_len}."""
   seqs = []
   for r in results:
     p, resp = len(r.prompt_ids), r.response_ids
@@ -190,9 +199,6 @@ def generate_sequences(worker, params, prompt_hidden, prompts, *, num_samples, s
     mask[p - 1:t - 1] = 1.0
     seqs.append({"tokens": np.concatenate([r.prompt_ids, resp]).astype(np.int32),
                  "hidden": hid, "loss_mask": mask, "prompt_len": p})
-  tokens = sum(len(r.response_ids) for r in results)
-  print(f"{desc}: {len(results)} samples, {tokens} response tokens in {wall:.1f}s "
-        f"({tokens / max(wall, 1e-9):.0f} tokens/s)", file=sys.stderr)
   return seqs
 
 

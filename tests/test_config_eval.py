@@ -42,6 +42,9 @@ def test_typo_key_suggests_the_right_one():
     ("model.dtype", "float8", "model.dtype"),
     ("data.on_bad_row", "ignore", "data.on_bad_row"),
     ("mesh.fsdp", 0, "mesh"),
+    ("rollout.max_batch", 0, "rollout.max_batch=0 is invalid"),
+    ("grpo.logit_chunk", 0, "grpo.logit_chunk=0 is invalid"),
+    ("tlt.drafter_lr", -1e-4, "tlt.drafter_lr=-0.0001 is invalid"),
 ])
 def test_invalid_values_name_the_key(key, value, needle):
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
@@ -51,13 +54,51 @@ def test_invalid_values_name_the_key(key, value, needle):
     config_lib.validate(cfg)
 
 
-def test_cli_errors_are_one_line():
+@pytest.mark.parametrize("mesh,micro_batch,needle", [
+    ({"data": 3, "fsdp": 1, "tensor": 1}, 6, r"config.mesh=.* does not fit the 8 visible"),
+    ({"data": 1, "fsdp": 16, "tensor": 1}, 16, r"config.mesh=.* does not fit the 8 visible"),
+    ({"data": 2, "fsdp": -1, "tensor": 1}, 12,
+     r"config.grpo.micro_batch=12 must be a multiple of the mesh's data x fsdp size \(8"),
+])
+def test_mesh_against_visible_devices(mesh, micro_batch, needle):
+  from tlt_jax import runtime
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+  cfg.mesh.update(mesh)
+  cfg.grpo.micro_batch = micro_batch
+  with pytest.raises(ConfigError, match=needle):
+    runtime.validate(cfg)  # 8 fake CPU devices in the test process
+
+
+def test_model_without_any_stop_token_is_a_config_error(tmp_path):
+  import shutil
+
+  from tlt_jax import runtime
+  model = tmp_path / "model"
+  shutil.copytree(config_lib.asset_path("default", "model"), model)
+  os.remove(model / "generation_config.json")
+  tok_cfg = json.loads((model / "tokenizer_config.json").read_text())
+  tok_cfg.update(eos_token=None, unk_token=None)  # transformers would default both to <|endoftext|>
+  (model / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+  cfg.model.path = str(model)
+  with pytest.raises(ConfigError, match="defines no stop token.*eos_token_id"):
+    runtime.load_model(cfg)
+
+
+def test_cli_errors_are_one_line(tmp_path):
+  unsupported = tmp_path / "gpt2"
+  unsupported.mkdir()
+  (unsupported / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+  (unsupported / "model.safetensors").write_bytes(b"")
   for args, needle in [
       (["--config", "configs/missing.py"], "no such file"),
       (["--config", "configs/default.py", "--config.rollout.chunksize=4"], "did you mean"),
       (["--config", "configs/default.py", "--config.model.path=/nonexistent"],
        "is not a directory"),
       (["--config", "configs/default.py", "--config.rollout.top_p=abc"], "could not convert"),
+      (["--config", "configs/default.py", f"--config.model.path={unsupported}"],
+       "model_type='gpt2'"),
+      (["--config", "configs/default.py", "--config.mesh.data=3"], "config.mesh="),
   ]:
     p = _run(["tlt_jax.eval", *args])
     assert p.returncode == 2, p.stderr

@@ -2,6 +2,7 @@
 row), length filtering, and the resumable per-epoch order."""
 
 import json
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -126,3 +127,106 @@ def test_resume_with_different_data_is_one_clear_error(tmp_path):
   b = _stream(tmp_path, n=10, max_len=3)  # fewer usable prompts
   with pytest.raises(DataError, match="same data and max_prompt_len"):
     b.load_state_dict(state)
+
+
+# ------------------------------------------------------- chat prompts, stop tokens, sources
+QWEN25_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+    "assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (message.role == 'system' and loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + "
+    "message['content'] | trim + '<|eot_id|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+
+
+def make_chat_model_dir(path, style):
+  """A local tokenizer + generation_config laid out like a base Qwen2.5 (EOS <|endoftext|>,
+  turns closed by <|im_end|>) or a base Llama-3 (EOS <|end_of_text|>, turns by <|eot_id|>)."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  from transformers import PreTrainedTokenizerFast
+  if style == "qwen2.5":
+    specials, eos, template, bos = (["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                    "<|endoftext|>", QWEN25_TEMPLATE, None)
+  else:
+    specials, eos, template, bos = (["<|begin_of_text|>", "<|end_of_text|>",
+                                     "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+                                    "<|end_of_text|>", LLAMA3_TEMPLATE, "<|begin_of_text|>")
+  # A byte-level BPE (as Qwen's and Llama-3's) so decode(encode(text)) == text exactly.
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tok.train_from_iterator(["system user assistant You are Qwen, created by Alibaba Cloud.",
+                           "What is 2+2? Be brief. hi tltmarker"] * 4, trainer=trainer)
+  fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, bos_token=bos,
+                                 additional_special_tokens=specials)
+  fast.chat_template = template
+  os.makedirs(path, exist_ok=True)
+  fast.save_pretrained(path)
+  with open(os.path.join(path, "generation_config.json"), "w") as f:
+    json.dump({"eos_token_id": fast.convert_tokens_to_ids(eos)}, f)
+  return fast
+
+
+@pytest.mark.parametrize("style,end_of_turn", [("qwen2.5", "<|im_end|>"),
+                                                ("llama3", "<|eot_id|>")])
+def test_chat_template_end_of_turn_joins_the_stop_tokens(tmp_path, style, end_of_turn):
+  from transformers import AutoTokenizer
+
+  from tlt_jax.models.hf_io import stop_token_ids
+  make_chat_model_dir(str(tmp_path), style)
+  tok = AutoTokenizer.from_pretrained(str(tmp_path))  # as the run loads it
+  eos = tok.eos_token_id
+  eot = tok.convert_tokens_to_ids(end_of_turn)
+  assert eot != eos
+  assert stop_token_ids(str(tmp_path), tok) == (eos,)  # plain prompts: EOS only
+  assert stop_token_ids(str(tmp_path), tok, chat_template=True) == (eos, eot)
+
+
+def test_chat_message_prompts_are_rendered_with_the_template(tmp_path):
+  """Parquet rows whose prompt is a list of chat messages (the layout of common RL math sets)
+  load as chats, not as malformed rows, and encode through the tokenizer's template."""
+  from transformers import AutoTokenizer
+  make_chat_model_dir(str(tmp_path / "model"), "qwen2.5")
+  tok = AutoTokenizer.from_pretrained(str(tmp_path / "model"))
+  path = str(tmp_path / "d.parquet")
+  chats = [[{"role": "user", "content": "What is 2+2?"}],
+           [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+           [{"role": "user"}],  # malformed: no content
+           []]  # malformed: empty
+  pq.write_table(pa.table({"prompt": chats, "answer": ["4", "x", "y", "z"]}), path)
+  rows, stats = load_prompt_rows(path)
+  assert stats.bad_rows == 2 and "row 3" in stats.first_bad
+  assert rows[0].prompt == chats[0] and rows[1].prompt == chats[1]
+  stream = PromptStream(rows, tok, max_prompt_len=64, system_prompt="Be brief.")
+  texts = [tok.decode(p.ids) for p in stream.prompts]
+  assert texts[0] == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?"
+                      "<|im_end|>\n<|im_start|>assistant\n")  # system_prompt prepended
+  assert texts[1] == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi"
+                      "<|im_end|>\n<|im_start|>assistant\n")  # the row's own system message
+  with pytest.raises(DataError, match="chat messages.*no chat template"):
+    PromptStream(rows, CharTokenizer(), max_prompt_len=64)
+
+
+def test_source_values_of_any_json_type_become_strings(tmp_path):
+  lines = [json.dumps({"q": "a", "a": 1, "src": ["gsm8k", "train"]}),
+           json.dumps({"q": "b", "a": 2, "src": {"name": "math", "level": 3}}),
+           json.dumps({"q": "c", "a": 3, "src": 7}), json.dumps({"q": "d", "a": 4})]
+  rows, _ = load_prompt_rows(write_jsonl(tmp_path / "d.jsonl", lines), prompt_key="q",
+                             answer_key="a", source_key="src")
+  assert [r.source for r in rows] == ['["gsm8k","train"]', '{"level":3,"name":"math"}', "7",
+                                      None]
+  assert len({r.source for r in rows}) == 4  # hashable: they group accuracy metrics

@@ -530,3 +530,104 @@ def test_train_drafter_script_end_to_end_and_resume(tmp_path):
                                   str(tmp_path / "missing.jsonl")],
                        env=env, capture_output=True, text=True, timeout=300)
   assert bad.returncode == 2 and "missing.jsonl: no such file" in bad.stderr
+
+
+# --------------------------------------------------------- online (RL-loop) drafter training
+@pytest.fixture(scope="module")
+def policy_rollouts():
+  """The shipped default policy's sampled answers to 24 held-out prompts, hidden captured."""
+  from tlt_jax.config import asset_path
+  from tlt_jax.data.prompts import load_prompt_rows
+  from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
+  from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker
+  from tlt_jax.rollout.sampling import SamplingParams
+  mdir = asset_path("default", "model")
+  cfg, params = load_hf_model(mdir)
+  tok = load_tokenizer(mdir)
+  rows, _ = load_prompt_rows(asset_path("default", "data", "test.jsonl"))
+  prompts = [tok.encode(r.prompt) for r in rows[:24]]
+  worker = RolloutWorker(params, cfg, EngineConfig(
+      max_batch=24, buckets=(8, 16, 24), max_prompt_len=80, max_new_tokens=96,
+      capture_hidden=True, stop_tokens=stop_token_ids(mdir, tok)))
+  results = worker.generate([Request(p, i) for i, p in enumerate(prompts)],
+                            SamplingParams(temperature=1.0), seed=0)
+  return cfg, params, prompts, sorted(results, key=lambda r: r.request_id)
+
+
+def _learner_rows(results, t=192):
+  """Rows as the GRPO learner lays them out: prompt + response, response mask."""
+  tokens = np.zeros((len(results), t), np.int32)
+  mask = np.zeros((len(results), t), np.float32)
+  for i, r in enumerate(results):
+    p, n = len(r.prompt_ids), len(r.response_ids)
+    tokens[i, :p], tokens[i, p:p + n], mask[i, p:p + n] = r.prompt_ids, r.response_ids, 1.0
+  return jnp.asarray(tokens), jnp.asarray(mask)
+
+
+def _online_batch(cfg, params, results):
+  """The online path's batch: hidden states from the learner's old-log-prob forward."""
+  from tlt_jax.drafter.online import drafter_mask
+  from tlt_jax.rl.grpo import token_logprobs
+  tokens, mask = _learner_rows(results)
+  _, _, hidden = token_logprobs(params, tokens, cfg=cfg, temperature=1.0, return_hidden=True)
+  b, t = tokens.shape
+  return {"tokens": tokens, "hidden": hidden, "loss_mask": drafter_mask(mask),
+          "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))}
+
+
+def test_online_drafter_learns_the_moving_policy(policy_rollouts):
+  """A fresh drafter trained by the RL loop's online trainer on one fixed batch of policy
+  rollouts: its loss falls and its top-1 agreement with the policy on OTHER prompts' answers
+  rises well above where it started (a trainer that updated nothing, the wrong pairs or the
+  target's frozen parts would not)."""
+  from tlt_jax.drafter.online import OnlineDrafterTrainer
+  cfg, params, _, results = policy_rollouts
+  train, held_out = results[:16], results[16:]
+  batch, held = _online_batch(cfg, params, train), _online_batch(cfg, params, held_out)
+  trainer = OnlineDrafterTrainer(init_drafter(cfg, jax.random.key(0)), cfg, lr=1e-3)
+  frozen = jax.tree.map(np.asarray, params)
+  metrics = jax.jit(lambda dp: drafter_loss(dp, params, held, cfg=cfg)[1])
+  before = metrics(trainer.params)
+  tokens, hidden, mask = (batch["tokens"], batch["hidden"],
+                          _learner_rows(train)[1])
+  losses = [float(trainer.step(params, tokens, hidden, mask)["loss"]) for _ in range(30)]
+  after = metrics(trainer.params)
+  assert losses[-1] < 0.7 * losses[0], losses
+  assert float(after["loss"]) < float(before["loss"])
+  assert float(after["acc"]) > float(before["acc"]) + 0.2, (before["acc"], after["acc"])
+  assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(a, np.asarray(b)), frozen,
+                                   params))  # the target is never updated
+
+
+def test_online_alignment_equals_the_offline_trainers(policy_rollouts):
+  """The same rollouts as training data two ways: the online path (hidden states from the
+  learner's full forward, mask from the response mask) and the offline trainer (the
+  rollout's captured per-token hidden states + a prompt forward). Same tokens, same loss
+  positions, same hidden states where they are read, same loss."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+      "train_drafter", os.path.join(REPO, "scripts", "train_drafter.py"))
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  cfg, params, prompts, results = policy_rollouts
+  results = results[:8]
+  online = _online_batch(cfg, params, results)
+  offline = script.rollout_sequences(results, script.make_prompt_hidden_fn(cfg)(
+      params, prompts[:8]))
+  t = online["tokens"].shape[1]
+  rows = {k: np.zeros((len(offline), t) + offline[0][k].shape[1:], offline[0][k].dtype)
+          for k in ("tokens", "hidden", "loss_mask")}
+  for i, s in enumerate(offline):
+    n = len(s["tokens"])
+    np.testing.assert_array_equal(s["tokens"], np.asarray(online["tokens"][i, :n]))
+    np.testing.assert_array_equal(s["loss_mask"], np.asarray(online["loss_mask"][i, :n]))
+    # every hidden state the loss reads (positions 0..T-2; f_{T-1} follows the last token)
+    close(s["hidden"][:n - 1], online["hidden"][i, :n - 1], tol=1e-4)
+    for k in rows:
+      rows[k][i, :n] = s[k]
+  rows["positions"] = online["positions"]
+  want = drafter_loss(init_drafter(cfg, jax.random.key(1)), params, rows, cfg=cfg)[1]
+  got = drafter_loss(init_drafter(cfg, jax.random.key(1)), params, online, cfg=cfg)[1]
+  assert float(want["tokens"]) == float(got["tokens"]) > 100
+  close(got["loss"], want["loss"], tol=1e-5)
+  close(got["acc"], want["acc"], tol=1e-6)

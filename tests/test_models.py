@@ -521,10 +521,36 @@ def test_error_unsupported_model_type(tmp_path):
   with open(tmp_path / "config.json", "w") as f:
     json.dump({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64,
                "n_layer": 2, "n_head": 4, "vocab_size": VOCAB}, f)
-  with pytest.raises(ValueError) as e:
+  with pytest.raises(CheckpointFormatError) as e:  # caught as a user error by the CLIs
     load_hf_model(str(tmp_path))
   msg = str(e.value)
   assert "'gpt2'" in msg and "not supported" in msg and "GPT2LMHeadModel" in msg
+
+
+def test_error_missing_config_key(ckpts, tmp_path):
+  path = _copy_ckpt(ckpts("qwen2_gqa"), tmp_path)
+  with open(os.path.join(path, "config.json")) as f:
+    d = json.load(f)
+  del d["num_hidden_layers"]
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(d, f)
+  with pytest.raises(CheckpointFormatError, match="required key 'num_hidden_layers' is missing"):
+    load_hf_model(path)
+
+
+@pytest.mark.parametrize("victim", ["config.json", "model.safetensors.index.json"])
+def test_error_corrupt_json(ckpts, tmp_path, victim):
+  ck = ckpts("qwen2_gqa")
+  path = str(tmp_path / "sharded")
+  save_hf_model(ck.params, ck.cfg, path, max_shard_bytes=40_000)
+  with open(os.path.join(path, victim), "r+") as f:
+    text = f.read()
+    f.seek(0)
+    f.write(text[:len(text) // 2])  # a download or copy cut in the middle
+    f.truncate()
+  with pytest.raises(CheckpointFormatError, match=re.escape(victim)) as e:
+    load_hf_model(path)
+  assert str(e.value).count("\n") == 0
 
 
 @pytest.mark.parametrize("changes,needle", [
@@ -536,7 +562,7 @@ def test_error_unsupported_model_type(tmp_path):
 def test_error_unsupported_features(ckpts, tmp_path, changes, needle):
   path = _copy_ckpt(ckpts("qwen2_gqa"), tmp_path)
   _edit_config(path, **changes)
-  with pytest.raises(ValueError, match="config.json") as e:
+  with pytest.raises(CheckpointFormatError, match="config.json") as e:
     load_hf_model(path)
   assert needle in str(e.value)
 

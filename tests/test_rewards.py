@@ -1,18 +1,35 @@
-"""Reward functions and the reward worker pool (crash / hang / death of user code)."""
+"""Reward functions and the reward worker pool (crash / hang / death of user code).
 
+Every wait on the pool goes through `within`, a watchdog: a regression that makes the pool
+hang fails its test instead of hanging the suite.
+"""
+
+import os
+import queue
+import subprocess
+import sys
 import textwrap
+import threading
 import time
 
 import pytest
 
+from tlt_jax.rl import reward_pool
 from tlt_jax.rl.reward_pool import RewardError, RewardPool
 from tlt_jax.rl.rewards import get_reward_fn
 
 USER_MODULE = textwrap.dedent("""
-    import os, time
+    import ctypes, os, subprocess, sys, time
 
     def good(response, answer):
         return float(response.strip() == answer)
+
+    def echo(response, answer):
+        return float(response)
+
+    def slow(response, answer):
+        time.sleep(0.4)
+        return 1.0
 
     def crash(response, answer):
         if response == "boom":
@@ -33,7 +50,73 @@ USER_MODULE = textwrap.dedent("""
     def chatty(response, answer):
         print("debug output that must not break the protocol")
         return float("nan") if response == "nan" else 0.5
+
+    # Output that bypasses sys.stdout: it reaches fd 1 directly.
+    def fd1_line(response, answer):
+        os.write(1, b"marker-fd1-line\\n")
+        return good(response, answer)
+
+    def fd1_partial(response, answer):
+        os.write(1, b"marker-fd1-partial")   # no newline: glued onto the next protocol line
+        return good(response, answer)
+
+    def child_print(response, answer):
+        subprocess.run([sys.executable, "-c", "print('marker-child' + 'x' * 100)"], check=True)
+        return good(response, answer)
+
+    def c_puts(response, answer):
+        libc = ctypes.CDLL(None)
+        libc.puts(b"marker-c-puts")
+        libc.fflush(None)
+        return good(response, answer)
 """)
+
+# Imports fine until its reward function has run once: then the function leaves a marker and
+# kills its worker, and every replacement worker fails at import (a dependency that broke
+# mid-run), so the pool cannot be refilled.
+FRAGILE_MODULE = textwrap.dedent("""
+    import os
+    _MARKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fragile.broken")
+    if os.path.exists(_MARKER):
+        raise RuntimeError("simulated: a dependency broke mid-run")
+
+    def fn(response, answer):
+        if response == "die":
+            open(_MARKER, "w").close()
+            os._exit(3)
+        return 1.0
+""")
+
+# Hangs at import (e.g. a module-level network call), after leaving its pid for the test.
+SLOW_IMPORT_MODULE = textwrap.dedent("""
+    import os, time
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+
+    def fn(response, answer):
+        return 1.0
+""")
+
+
+def within(seconds, fn, *args, **kwargs):
+  """fn(*args, **kwargs) in a thread; fails the test if it has not returned in `seconds`."""
+  box = {}
+
+  def run():
+    try:
+      box["value"] = fn(*args, **kwargs)
+    except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+      box["error"] = e
+
+  t = threading.Thread(target=run, daemon=True)
+  t.start()
+  t.join(seconds)
+  if t.is_alive():
+    pytest.fail(f"{getattr(fn, '__name__', fn)} still waiting after {seconds} s")
+  if "error" in box:
+    raise box["error"]
+  return box["value"]
 
 
 @pytest.fixture
@@ -52,6 +135,28 @@ def test_math_reward_equivalence():
   assert fn("no answer at all", "7") == 0.0
 
 
+def test_math_reward_fails_at_startup_without_math_verify(monkeypatch):
+  monkeypatch.setitem(sys.modules, "math_verify", None)  # `import math_verify` now fails
+  with pytest.raises(ValueError, match=r"config\.reward\.name='math'.*import of math_verify "
+                     r"halted.*pip install 'math-verify>=0\.9,<0\.10'"):
+    get_reward_fn("math")
+  assert get_reward_fn("arith")(" 1+1=2 #### 2", "2") == 1.0  # other rewards do not need it
+
+
+def test_rewards_module_does_not_import_math_verify():
+  code = "import sys, tlt_jax.rl.rewards; assert 'math_verify' not in sys.modules"
+  subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_pool_with_broken_math_verify_fails_at_construction(tmp_path, monkeypatch):
+  # A math_verify on the workers' path (the launch directory comes first) that cannot import.
+  (tmp_path / "math_verify.py").write_text("raise ImportError('simulated broken install')\n")
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(RewardError, match=r"^config\.reward\.name='math' needs math-verify.*"
+                     r"simulated broken install.*pip install"):
+    within(30, RewardPool, "math", num_workers=1, timeout=2.0)
+
+
 def test_arith_reward_and_bad_names():
   assert get_reward_fn("arith")(" 2+3=5 #### 5", "5") == 1.0
   assert get_reward_fn("arith")(" 2+3=5 #### 6", "5") == 0.0
@@ -68,13 +173,13 @@ def test_pool_survives_crash_hang_and_death(user_module):
       t0 = time.perf_counter()
       for i in range(6):
         pool.submit(i, bad if i in (1, 4) else "ok", "ok")
-      out = pool.gather(list(range(6)))
+      out = within(30, pool.gather, list(range(6)))
       assert out == {0: 1.0, 1: 0.0, 2: 1.0, 3: 1.0, 4: 0.0, 5: 1.0}, fn
       assert getattr(pool.stats, counter) == 2, (fn, pool.stats)
       assert pool.stats.calls == 6
       # the pool goes on after the failures: later calls are served by fresh workers
       pool.submit("after", "ok", "ok")
-      assert pool.gather(["after"]) == {"after": 1.0}
+      assert within(30, pool.gather, ["after"]) == {"after": 1.0}
       assert time.perf_counter() - t0 < 20
 
 
@@ -82,10 +187,157 @@ def test_pool_scores_user_function_and_rejects_nonfinite(user_module):
   with RewardPool(f"{user_module}:chatty", num_workers=1, timeout=5.0) as pool:
     pool.submit("a", "x", "")
     pool.submit("b", "nan", "")
-    assert pool.gather(["a", "b"]) == {"a": 0.5, "b": 0.0}
+    pool.submit("c", "y" * 300_000, "")  # larger than a pipe's buffer: written in pieces
+    assert within(30, pool.gather, ["a", "b", "c"]) == {"a": 0.5, "b": 0.0, "c": 0.5}
     assert pool.stats.errors == 1
 
 
-def test_pool_bad_name_fails_fast(user_module):
+@pytest.mark.parametrize("fn,marker", [
+    ("fd1_line", "marker-fd1-line"),
+    ("fd1_partial", "marker-fd1-partial"),
+    ("child_print", "marker-child" + "x" * 100),
+    pytest.param("c_puts", "marker-c-puts",
+                 marks=pytest.mark.skipif(sys.platform != "linux", reason="libc via CDLL(None)")),
+])
+def test_output_on_fd1_goes_to_stderr_not_the_protocol(user_module, capfd, fn, marker):
+  # The reported bug: a reward writing to fd 1 (os.write, a child process, C code) put a
+  # non-JSON line on the protocol pipe and `gather` waited forever. Now fd 1 is stderr in the
+  # worker, so these calls score as normal.
+  with RewardPool(f"{user_module}:{fn}", num_workers=2, timeout=5.0) as pool:
+    for i in range(4):
+      pool.submit(i, "ok" if i != 2 else "wrong", "ok")
+    assert within(30, pool.gather, list(range(4))) == {0: 1.0, 1: 1.0, 2: 0.0, 3: 1.0}
+    pool.submit("after", "ok", "ok")
+    assert within(30, pool.gather, ["after"]) == {"after": 1.0}
+    s = pool.stats
+    assert (s.calls, s.errors, s.timeouts, s.crashes, s.respawn_failures) == (5, 0, 0, 0, 0), s
+  assert marker in capfd.readouterr().err  # the output is not lost: it is in the log
+
+
+def test_pool_thread_survives_unreadable_replies(user_module, monkeypatch):
+  # Whatever goes wrong inside a serving thread is one crashed call: a non-JSON line (what fd 1
+  # writes used to cause) or any other exception, e.g. a broken pipe while reading.
+  read_line = reward_pool._Worker._read_line
+
+  def faulty_read_line(self, deadline):
+    line = read_line(self, deadline)
+    if line == b'{"reward": 7.0}\n':
+      return b"hello\n"
+    if line == b'{"reward": 8.0}\n':
+      raise OSError("simulated broken pipe")
+    return line
+
+  monkeypatch.setattr(reward_pool._Worker, "_read_line", faulty_read_line)
+  with RewardPool(f"{user_module}:echo", num_workers=2, timeout=5.0) as pool:
+    for k in (1, 7, 2, 8, 3):
+      pool.submit(k, str(k), "")
+    assert within(30, pool.gather, [1, 7, 2, 8, 3]) == {1: 1.0, 7: 0.0, 2: 2.0, 8: 0.0, 3: 3.0}
+    assert (pool.stats.calls, pool.stats.crashes) == (5, 2), pool.stats
+    pool.submit("after", "4", "")  # both threads still serve, on fresh workers
+    pool.submit("after2", "5", "")
+    assert within(30, pool.gather, ["after", "after2"]) == {"after": 4.0, "after2": 5.0}
+
+
+def test_pool_stops_when_workers_cannot_be_restarted(tmp_path, monkeypatch):
+  (tmp_path / "fragile_rewards.py").write_text(FRAGILE_MODULE)
+  monkeypatch.chdir(tmp_path)
+  with RewardPool("fragile_rewards:fn", num_workers=1, timeout=2.0, startup_timeout=5.0,
+                  max_start_failures=3) as pool:
+    pool.submit(0, "ok", "")
+    pool.submit(1, "die", "")  # kills its worker; no replacement can import the module now
+    assert within(30, pool.gather, [0, 1]) == {0: 1.0, 1: 0.0}
+    assert pool.stats.crashes == 1
+    for i in (1, 2):  # the calls that needed a replacement score 0 and are counted
+      pool.submit(("later", i), "ok", "")
+      assert within(30, pool.gather, [("later", i)]) == {("later", i): 0.0}
+      assert pool.stats.respawn_failures == i
+    t0 = time.monotonic()
+    pool.submit("last", "ok", "")
+    with pytest.raises(RewardError) as e:  # third failed start in a row: the pool stops
+      within(30, pool.gather, ["last"])
+    assert time.monotonic() - t0 < 15
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith("config.reward.name='fragile_rewards:fn': ")
+    assert "RuntimeError: simulated: a dependency broke mid-run" in msg
+    assert "3 worker starts failed in a row" in msg
+    assert pool.stats.respawn_failures == 3
+    pool.submit("more", "ok", "")  # stays stopped: no waiting on start-ups that will fail
+    with pytest.raises(RewardError, match="failed in a row"):
+      within(30, pool.gather, ["more"])
+
+
+def test_pool_counts_start_failures_of_any_kind(user_module, monkeypatch):
+  with RewardPool(f"{user_module}:die", num_workers=1, timeout=2.0,
+                  max_start_failures=2) as pool:
+    def no_fork(*args, **kwargs):
+      raise OSError(24, "Too many open files (simulated)")
+
+    monkeypatch.setattr(reward_pool.subprocess, "Popen", no_fork)
+    pool.submit("a", "die", "")
+    pool.submit("b", "ok", "")
+    assert within(30, pool.gather, ["a", "b"]) == {"a": 0.0, "b": 0.0}
+    assert (pool.stats.crashes, pool.stats.respawn_failures) == (1, 1), pool.stats
+    pool.submit("c", "ok", "")
+    with pytest.raises(RewardError, match=r"cannot start a reward worker \(OSError: .*simulated"):
+      within(30, pool.gather, ["c"])
+
+
+def test_pool_start_up_has_a_deadline(tmp_path, monkeypatch):
+  (tmp_path / "slow_import.py").write_text(SLOW_IMPORT_MODULE)
+  monkeypatch.chdir(tmp_path)
+  t0 = time.monotonic()
+  with pytest.raises(RewardError, match=r"config\.reward\.name='slow_import:fn': .*did not "
+                     r"start within 1\.5 s"):
+    within(30, RewardPool, "slow_import:fn", num_workers=1, timeout=1.0, startup_timeout=1.5)
+  assert time.monotonic() - t0 < 10
+  pid = int((tmp_path / "slow.pid").read_text())
+  with pytest.raises(ProcessLookupError):  # the hung worker was killed and reaped
+    os.kill(pid, 0)
+
+
+def test_gather_raises_when_the_pool_makes_no_progress(user_module, monkeypatch):
+  monkeypatch.setattr(reward_pool, "_STALL_MARGIN_S", 0.5)
+  with RewardPool(f"{user_module}:good", num_workers=1, timeout=1.0,
+                  startup_timeout=1.0) as pool:
+    assert pool.stall_limit == 2.5
+    served = pool._tasks
+    pool._tasks = queue.Queue()  # a queue no thread serves: a pool that cannot progress
+    pool.submit("k", "ok", "ok")
+    t0 = time.monotonic()
+    with pytest.raises(RewardError, match=r"no reward call finished in \d+ s .*1 of 1 rewards "
+                       "missing"):
+      within(30, pool.gather, ["k"])
+    assert 2.0 < time.monotonic() - t0 < 8
+    pool._tasks = served  # so that close() reaches the serving thread
+
+
+def test_gather_deadline_is_progress_not_total_time(user_module, monkeypatch):
+  monkeypatch.setattr(reward_pool, "_STALL_MARGIN_S", 0.5)
+  with RewardPool(f"{user_module}:slow", num_workers=1, timeout=1.0,
+                  startup_timeout=1.0) as pool:
+    # A long idle spell before the batch (generation) does not count against it either.
+    pool._last_progress -= 100
+    t0 = time.monotonic()
+    for i in range(8):  # 8 x 0.4 s behind one worker: longer than stall_limit in total
+      pool.submit(i, "x", "")
+    assert within(30, pool.gather, list(range(8))) == {i: 1.0 for i in range(8)}
+    assert time.monotonic() - t0 > pool.stall_limit
+
+
+def test_closed_pool_refuses_work(user_module):
+  with RewardPool(f"{user_module}:good", num_workers=1, timeout=1.0) as pool:
+    pass
+  with pytest.raises(RewardError, match="closed; 1 of 1 rewards missing"):
+    within(30, pool.gather, ["never-submitted"])
+  with pytest.raises(RewardError, match="closed"):
+    pool.submit("late", "ok", "ok")
+
+
+def test_pool_bad_name_fails_fast(user_module, tmp_path):
   with pytest.raises(RewardError, match="config.reward.name"):
-    RewardPool(f"{user_module}:missing", num_workers=1)
+    within(30, RewardPool, f"{user_module}:missing", num_workers=1)
+  (tmp_path / "exits_at_import.py").write_text("import os\nos._exit(5)\n")
+  with pytest.raises(RewardError, match=r"^config\.reward\.name='exits_at_import:fn': the reward "
+                     r"worker exited at start-up \(exit code 5"):
+    within(30, RewardPool, "exits_at_import:fn", num_workers=1)

@@ -290,3 +290,38 @@ def test_strategy_validation():
     speculative.Strategy.parse("4_1_3")
   with pytest.raises(ValueError, match="7 candidate nodes"):
     speculative.Strategy.parse("2_2_8")
+
+
+def test_kernel_that_fails_to_compile_falls_back_to_the_reference(tiny, monkeypatch, caplog):
+  """A verification kernel that does not lower (as on a GPU/Triton version it was never
+  compiled for) costs the run its speed, not its life: one warning, the jnp reference from
+  then on, outputs unchanged, and `verify_path` says which ran."""
+  params, dparams = tiny
+  arm = "3_1_4"
+  real = {"chain": speculative.verify_chain, "tree": speculative.verify_tree}
+
+  def failing(kind):
+    def verify(*args, use_kernel=True, **kw):
+      if use_kernel:
+        raise RuntimeError("Triton lowering failed: simulated")
+      return real[kind](*args, use_kernel=False, **kw)
+    return verify
+
+  monkeypatch.setattr(speculative, "verify_chain", failing("chain"))
+  monkeypatch.setattr(speculative, "verify_tree", failing("tree"))
+  reqs = _requests(6)
+  base = dict(max_batch=4, buckets=(1, 2, 4), chunk_size=4, max_prompt_len=16,
+              max_new_tokens=20)
+  sp = SamplingParams(temperature=0.0)
+  plain = _by_id(RolloutWorker(params, CFG, EngineConfig(**base)).generate(reqs, sp))
+  w = RolloutWorker(params, CFG, EngineConfig(
+      **base, spec=SpecConfig(strategy=arm, bs_threshold=4, patience=1, use_kernel=True)),
+      drafter_params=dparams)
+  assert w.verify_path == "pallas"
+  with caplog.at_level("WARNING"):
+    spec = _by_id(w.generate(reqs, sp))
+  assert any(m.mode == arm for m in w.chunk_log)
+  assert w.verify_path == "jnp" and "simulated" in w.kernel_error
+  assert sum("failed to compile" in r.message for r in caplog.records) == 1
+  for k in plain:
+    np.testing.assert_array_equal(spec[k].response_ids, plain[k].response_ids)

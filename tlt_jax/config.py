@@ -106,6 +106,8 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             "axis sizes are positive integers, or -1 on one axis for 'all remaining devices'")
   if "rollout" in cfg:
     r = cfg.rollout
+    require(r.max_batch >= 1, "rollout.max_batch", r.max_batch,
+            "must be >= 1 (concurrent sequences per rollout worker)")
     require(r.max_new_tokens > 0, "rollout.max_new_tokens", r.max_new_tokens, "must be > 0")
     require(r.chunk_size > 0, "rollout.chunk_size", r.chunk_size, "must be > 0")
     require(r.temperature >= 0, "rollout.temperature", r.temperature, "must be >= 0 (0 = greedy)")
@@ -135,6 +137,8 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     require(1 <= g.minibatches <= most, "grpo.minibatches", g.minibatches,
             f"must be between 1 and the number of micro-batches per step ({most})")
     require(g.pad_multiple >= 1, "grpo.pad_multiple", g.pad_multiple, "must be >= 1")
+    require(g.logit_chunk >= 1, "grpo.logit_chunk", g.logit_chunk,
+            "must be >= 1 (tokens per LM-head chunk, e.g. 1024)")
     if "rollout" in cfg:
       require(cfg.rollout.temperature > 0, "rollout.temperature", cfg.rollout.temperature,
               "GRPO samples its groups: use a temperature > 0 (e.g. 1.0)")
@@ -171,3 +175,5 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     require(s.patience >= 1, "tlt.spec.patience", s.patience, "must be >= 1")
     require(cfg.tlt.drafter_steps >= 0, "tlt.drafter_steps", cfg.tlt.drafter_steps,
             "must be >= 0 (0 = keep the drafter fixed)")
+    require(cfg.tlt.drafter_lr > 0, "tlt.drafter_lr", cfg.tlt.drafter_lr,
+            "must be > 0 (to keep the drafter fixed set tlt.drafter_steps=0)")

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tlt_jax.data.dataset import encode_prompt
 from tlt_jax.data.prompts import PromptRow
 from tlt_jax.rollout.engine import Request, RolloutWorker, WorkerHooks
 from tlt_jax.rollout.sampling import SamplingParams
@@ -32,16 +33,22 @@ def length_stats(lengths: Sequence[int]) -> dict[str, float]:
 
 
 def evaluate(worker: RolloutWorker, tokenizer, rows: Sequence[PromptRow], reward_fn, *,
-             seed: int = 0, progress: bool = True) -> dict[str, Any]:
-  """Greedy-decodes every row and scores it; returns a metrics dict."""
-  requests = [Request(tokenizer.encode(r.prompt), request_id=i) for i, r in enumerate(rows)]
+             seed: int = 0, progress: bool = True, chat_template: bool = False,
+             system_prompt: str = "", selector=None) -> dict[str, Any]:
+  """Greedy-decodes every row (prompts encoded as training encodes them) and scores it;
+  returns a metrics dict. `selector`: the speculative strategy selector for these chunks
+  (the RL loop passes its own evaluation selector, so evaluation never trains its bandit)."""
+  requests = [Request(encode_prompt(tokenizer, r.prompt, chat_template=chat_template,
+                                    system_prompt=system_prompt), request_id=i)
+              for i, r in enumerate(rows)]
   bar = None
   if progress:
     from tqdm import tqdm
     bar = tqdm(total=len(requests), desc="eval", unit="prompt", file=sys.stderr)
   hooks = WorkerHooks(on_result=(lambda _: bar.update(1)) if bar else None)
   t0 = time.perf_counter()
-  results = worker.generate(requests, SamplingParams(temperature=0.0), seed=seed, hooks=hooks)
+  results = worker.generate(requests, SamplingParams(temperature=0.0), seed=seed, hooks=hooks,
+                            selector=selector)
   wall = time.perf_counter() - t0
   if bar:
     bar.close()
@@ -86,7 +93,8 @@ def main(argv):
   if cfg.eval.num_prompts:
     rows = rows[:cfg.eval.num_prompts]
   from tlt_jax.rl.rewards import get_reward_fn
-  metrics = evaluate(worker, tokenizer, rows, get_reward_fn(cfg.reward.name), seed=cfg.seed)
+  metrics = evaluate(worker, tokenizer, rows, get_reward_fn(cfg.reward.name), seed=cfg.seed,
+                     chat_template=cfg.data.chat_template, system_prompt=cfg.data.system_prompt)
   metrics["compile"] = worker.compile_stats()
   metrics["model"] = cfg.model.path
   os.makedirs(cfg.workdir, exist_ok=True)

@@ -16,6 +16,8 @@ from tlt_jax.config import ConfigError
 
 def validate(cfg: ml_collections.ConfigDict) -> None:
   config_lib.validate(cfg)
+  if "mesh" in cfg:
+    make_mesh(cfg)
   if not os.path.isdir(cfg.model.path):
     raise ConfigError(f"config.model.path={cfg.model.path!r} is not a directory; point it at a "
                       "local Hugging Face model directory (config.json + *.safetensors)")
@@ -29,7 +31,29 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     try:
       get_reward_fn(cfg.reward.name)
     except ValueError as e:
-      raise ConfigError(f"config.reward.name: {e}") from None
+      msg = str(e)
+      raise ConfigError(msg if msg.startswith("config.reward.name")
+                        else f"config.reward.name: {msg}") from None
+
+
+def make_mesh(cfg: ml_collections.ConfigDict):
+  """The learner's mesh over the visible devices, checked against the values that must
+  divide it (a mismatch is a ConfigError naming config.mesh, not an XLA error later)."""
+  import jax
+
+  from tlt_jax.sharding import make_mesh as _make
+  try:
+    mesh = _make(dict(cfg.mesh))
+  except ValueError as e:
+    raise ConfigError(f"config.mesh={dict(cfg.mesh)} does not fit the {jax.device_count()} "
+                      f"visible {jax.default_backend()} devices: {e}") from None
+  n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
+  if "grpo" in cfg and cfg.grpo.micro_batch % n_batch:
+    raise ConfigError(f"config.grpo.micro_batch={cfg.grpo.micro_batch} must be a multiple of "
+                      f"the mesh's data x fsdp size ({n_batch}, from config.mesh="
+                      f"{dict(cfg.mesh)} on {jax.device_count()} devices): rows are split over "
+                      "those devices")
+  return mesh
 
 
 def load_model(cfg: ml_collections.ConfigDict, mesh=None):
@@ -48,7 +72,17 @@ def load_model(cfg: ml_collections.ConfigDict, mesh=None):
   if tokenizer is None:
     raise ConfigError(f"config.model.path={cfg.model.path!r} has no tokenizer files "
                       "(tokenizer.json / tokenizer_config.json)")
-  return model_cfg, params, tokenizer, stop_token_ids(cfg.model.path, tokenizer)
+  chat = bool(cfg.data.get("chat_template", False)) if "data" in cfg else False
+  try:
+    stop = stop_token_ids(cfg.model.path, tokenizer, chat_template=chat)
+  except CheckpointFormatError as e:
+    raise ConfigError(f"config.model.path: {e}") from None
+  if not stop:
+    raise ConfigError(
+        f"config.model.path={cfg.model.path!r} defines no stop token (no eos_token_id in "
+        "generation_config.json, no eos_token in the tokenizer): every response would run to "
+        "rollout.max_new_tokens. Set eos_token_id in generation_config.json")
+  return model_cfg, params, tokenizer, stop
 
 
 def engine_config(cfg: ml_collections.ConfigDict, stop: tuple[int, ...], *,
@@ -178,8 +212,9 @@ def load_rows(cfg: ml_collections.ConfigDict, path: str):
 
 
 def exit_on_user_error(main):
-  """Wraps an absl main: a ConfigError/DataError/CheckpointFormatError becomes one line on
-  stderr and exit status 2 (a user's mistake is not a crash)."""
+  """Wraps an absl main: a ConfigError/DataError/CheckpointFormatError (or a reward function
+  that can no longer be loaded, RewardError) becomes one line on stderr and exit status 2 (a
+  user's mistake is not a crash; checkpoints already written stay)."""
   import functools
   import sys
 
@@ -187,9 +222,10 @@ def exit_on_user_error(main):
   def wrapped(argv):
     from tlt_jax.data.prompts import DataError
     from tlt_jax.models.hf_io import CheckpointFormatError
+    from tlt_jax.rl.reward_pool import RewardError
     try:
       return main(argv)
-    except (ConfigError, DataError, CheckpointFormatError) as e:
+    except (ConfigError, DataError, CheckpointFormatError, RewardError) as e:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(2)
   return wrapped

@@ -110,13 +110,12 @@ class Trainer:
     from tlt_jax import runtime
     from tlt_jax.data.dataset import PromptStream
     from tlt_jax.rl import grpo
-    from tlt_jax.sharding import make_mesh
 
     self.cfg = cfg
     self.progress = progress
     self.workdir = cfg.workdir
     os.makedirs(self.workdir, exist_ok=True)
-    self.mesh = make_mesh(dict(cfg.mesh))
+    self.mesh = runtime.make_mesh(cfg)
     self.model_cfg, params, self.tokenizer, self.stop = runtime.load_model(cfg, mesh=self.mesh)
     self.stream = PromptStream(runtime.load_rows(cfg, cfg.data.train_path), self.tokenizer,
                                max_prompt_len=cfg.data.max_prompt_len, seed=cfg.seed,
@@ -148,14 +147,18 @@ class Trainer:
     # Drafter + selector (TLT on), else the plain engine: the baseline differs in nothing else.
     self.tlt = bool(cfg.tlt.enabled)
     self.drafter = None
-    self.selector = None
+    self.selector = self.eval_selector = None
     dparams = None
     if self.tlt:
       dparams = runtime.load_drafter(cfg, self.model_cfg)
       from tlt_jax.drafter.online import OnlineDrafterTrainer
       if cfg.tlt.drafter_steps > 0:
-        self.drafter = OnlineDrafterTrainer(dparams, self.model_cfg, lr=cfg.tlt.drafter_lr)
+        self.drafter = OnlineDrafterTrainer(dparams, self.model_cfg, lr=cfg.tlt.drafter_lr,
+                                            mesh=self.mesh)
       self.selector = runtime.make_selector(cfg)
+      # Evaluation decodes through the same workers with its OWN selector (same arms): eval
+      # chunks must not move the training bandit's reward windows (or its checkpoint).
+      self.eval_selector = runtime.make_selector(cfg)
     self.workers = runtime.make_workers(cfg, self.model_cfg, self.learner.params, self.stop,
                                         drafter_params=dparams, selector=self.selector)
     if self.tlt and cfg.tlt.spec.precompile:
@@ -305,7 +308,11 @@ class Trainer:
         arms[c.mode] = arms.get(c.mode, 0) + 1
       m["spec"] = {"chunks": len(spec_chunks), "arm_chunks": arms,
                    "tokens_per_verify": tokens_per_verification(spec_chunks) or 0.0,
-                   "share_of_tokens": sum(c.tokens for c in spec_chunks) / max(tokens, 1)}
+                   "share_of_tokens": sum(c.tokens for c in spec_chunks) / max(tokens, 1),
+                   # Which verification ran ("pallas" kernel or "jnp" reference; a kernel
+                   # that failed to compile fell back, see the run's log).
+                   "verify_path": sorted({w.verify_path for w in self.workers}),
+                   "kernel_fallbacks": sum(w.kernel_error is not None for w in self.workers)}
     if drafter_metrics:
       m["drafter"] = drafter_metrics
     timer.add("total", time.perf_counter() - t_step)
@@ -336,8 +343,10 @@ class Trainer:
       pool.submit(key, text, answer)
       return pool.gather([key])[key]
 
+    d = self.cfg.data
     m = evaluate(self.workers[0], self.tokenizer, self.test_rows, score, seed=self.cfg.seed,
-                 progress=False)
+                 progress=False, chat_template=d.chat_template, system_prompt=d.system_prompt,
+                 selector=self.eval_selector)
     return {k: v for k, v in m.items() if k in ("accuracy", "accuracy_by_terms",
                                                  "response_length", "tokens_per_second")}
 

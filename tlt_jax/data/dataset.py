@@ -25,13 +25,23 @@ class Prompt:
   ids: list[int]
 
 
-def encode_prompt(tokenizer, text: str, *, chat_template: bool, system_prompt: str = ""
+def encode_prompt(tokenizer, prompt, *, chat_template: bool, system_prompt: str = ""
                   ) -> list[int]:
-  """Plain `encode`, or the tokenizer's chat template with a generation prompt."""
-  if not chat_template:
-    return list(tokenizer.encode(text))
-  messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
-  messages.append({"role": "user", "content": text})
+  """Token ids of a prompt: plain `encode` of text, or the tokenizer's chat template with a
+  generation prompt (for text when `chat_template`, and always for a list of chat messages,
+  which has no other faithful rendering). `system_prompt` is prepended unless the chat
+  already starts with a system message."""
+  if isinstance(prompt, str) and not chat_template:
+    return list(tokenizer.encode(prompt))
+  if not getattr(tokenizer, "chat_template", None):
+    what = ("config.data.chat_template=True" if isinstance(prompt, str)
+            else "the prompts are chat messages, which")
+    raise DataError(f"{what} but the tokenizer has no chat template; use a model directory "
+                    "whose tokenizer has one" + (" or set config.data.chat_template=False"
+                                                 if isinstance(prompt, str) else ""))
+  messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+  if system_prompt and messages[0]["role"] != "system":
+    messages.insert(0, {"role": "system", "content": system_prompt})
   ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
   return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
@@ -42,9 +52,6 @@ class PromptStream:
   def __init__(self, rows: Sequence[PromptRow], tokenizer, *, max_prompt_len: int,
                seed: int = 0, chat_template: bool = False, system_prompt: str = "",
                name: str = "train"):
-    if chat_template and not getattr(tokenizer, "chat_template", None):
-      raise DataError("config.data.chat_template=True but the tokenizer has no chat template; "
-                      "set it to False or use a model directory with one")
     self.prompts: list[Prompt] = []
     self.dropped_long = 0
     for r in rows:

@@ -20,10 +20,13 @@ class DataError(ValueError):
   """A dataset the user pointed at that cannot be read as configured."""
 
 
+Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": str}
+
+
 @dataclasses.dataclass
 class PromptRow:
   index: int  # row number in the file (0-based)
-  prompt: str
+  prompt: str | list[Message]  # text, or a chat (rendered with the tokenizer's chat template)
   answer: str
   source: str | None = None
   extra: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -55,10 +58,35 @@ def _raw_rows(path: str):
         yield i, None, f"invalid JSON ({e.msg} at column {e.colno})"
 
 
+def _check_messages(messages: list, key: str) -> str | None:
+  """A chat prompt (the layout of common RL math sets): a non-empty list of
+  {"role", "content"} string pairs. Returns the problem, or None."""
+  if not messages:
+    return f"'{key}' is an empty list of chat messages"
+  for j, m in enumerate(messages):
+    if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)):
+      return (f"'{key}'[{j}] is not a chat message {{\"role\": str, \"content\": str}}")
+  if not any(m["content"].strip() for m in messages):
+    return f"'{key}' chat messages are all empty"
+  return None
+
+
+def _source(value: Any) -> str | None:
+  """Sources group accuracy metrics, so they must be hashable and printable: any JSON value
+  becomes its string form (lists and dicts as compact JSON); missing stays None."""
+  if value is None or isinstance(value, str):
+    return value
+  if isinstance(value, (list, dict)):
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+  return str(value)
+
+
 def load_prompt_rows(path: str, *, prompt_key: str = "prompt", answer_key: str = "answer",
                      source_key: str | None = None, on_bad_row: str = "skip"
                      ) -> tuple[list[PromptRow], LoadStats]:
-  """Reads rows; each needs a non-empty string prompt and an answer (str/int/float)."""
+  """Reads rows; each needs a prompt (non-empty text, or a list of chat messages) and an
+  answer (str/int/float)."""
   if on_bad_row not in ("skip", "error"):
     raise ValueError(f"on_bad_row={on_bad_row!r}: use 'skip' or 'error'")
   rows: list[PromptRow] = []
@@ -68,6 +96,8 @@ def load_prompt_rows(path: str, *, prompt_key: str = "prompt", answer_key: str =
     if problem is None:
       if not isinstance(raw, dict):
         problem = "row is not a JSON object"
+      elif isinstance(raw.get(prompt_key), list):
+        problem = _check_messages(raw[prompt_key], prompt_key)
       elif not isinstance(raw.get(prompt_key), str) or not raw[prompt_key].strip():
         problem = f"missing or empty '{prompt_key}' (set config.data.prompt_key?)"
       elif not isinstance(raw.get(answer_key), (str, int, float)):
@@ -80,8 +110,12 @@ def load_prompt_rows(path: str, *, prompt_key: str = "prompt", answer_key: str =
       stats.first_bad = stats.first_bad or msg
       continue
     extra = {k: v for k, v in raw.items() if k not in (prompt_key, answer_key)}
-    rows.append(PromptRow(index=i, prompt=raw[prompt_key], answer=str(raw[answer_key]),
-                          source=raw.get(source_key) if source_key else None, extra=extra))
+    prompt = raw[prompt_key]
+    if isinstance(prompt, list):
+      prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
+    rows.append(PromptRow(index=i, prompt=prompt, answer=str(raw[answer_key]),
+                          source=_source(raw.get(source_key)) if source_key else None,
+                          extra=extra))
   stats.rows = len(rows)
   if stats.bad_rows:
     _log.warning("%s: skipped %d malformed rows (first: %s)", path, stats.bad_rows,

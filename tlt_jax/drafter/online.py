@@ -29,13 +29,20 @@ def drafter_mask(response_mask: jax.Array) -> jax.Array:
 class OnlineDrafterTrainer:
   """AdamW on the drafter's trainable params; `step` takes one micro-batch of the learner."""
 
-  def __init__(self, dparams: Params, cfg: ModelConfig, *, lr: float, weight_decay: float = 0.01,
-               grad_clip: float = 1.0, loss_cfg: LossConfig = LossConfig()):
+  def __init__(self, dparams: Params, cfg: ModelConfig, *, lr: float, mesh=None,
+               weight_decay: float = 0.01, grad_clip: float = 1.0,
+               loss_cfg: LossConfig = LossConfig()):
+    from tlt_jax.sharding import tree_shardings
     self.cfg = cfg
     self.tx = optax.chain(optax.clip_by_global_norm(grad_clip),
                           optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=weight_decay))
-    self.params = dparams
-    self.opt_state = jax.jit(self.tx.init)(dparams)
+    # On the learner's mesh (the target params it reads live there), state included, so a
+    # checkpoint restored onto these templates lands on the same devices.
+    self.params = dparams if mesh is None else jax.device_put(dparams,
+                                                               tree_shardings(dparams, mesh))
+    opt_shardings = None if mesh is None else tree_shardings(
+        jax.eval_shape(self.tx.init, self.params), mesh)
+    self.opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(self.params)
     loss = functools.partial(drafter_loss, cfg=cfg, loss_cfg=loss_cfg)
 
     def step(dparams, opt_state, target_params, batch):

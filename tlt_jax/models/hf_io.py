@@ -159,15 +159,28 @@ def read_hf_config(model_dir: str) -> dict[str, Any]:
   if not os.path.exists(path):
     raise CheckpointFormatError(f"{model_dir}: no config.json; is this a Hugging Face model "
                                 "directory? (tlt_jax never downloads from a hub)")
-  with open(path) as f:
-    return json.load(f)
+  try:
+    with open(path) as f:
+      d = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise CheckpointFormatError(f"{path} is not valid JSON ({e}); restore it from the original "
+                                "checkpoint (e.g. re-save with save_pretrained)") from None
+  if not isinstance(d, dict):
+    raise CheckpointFormatError(f"{path} holds a JSON {type(d).__name__}, not an object")
+  return d
 
 
 def _tensor_index(model_dir: str) -> dict[str, np.ndarray]:
   index_path = os.path.join(model_dir, "model.safetensors.index.json")
   if os.path.exists(index_path):
-    with open(index_path) as f:
-      files = sorted(set(json.load(f)["weight_map"].values()))
+    try:
+      with open(index_path) as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+      raise CheckpointFormatError(
+          f"{index_path} is not a safetensors index (a JSON object with a 'weight_map' of "
+          f"tensor -> file; {type(e).__name__}: {e}); restore it, or delete it when the weights "
+          "are a single model.safetensors") from None
   else:
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
   if not files:
@@ -185,8 +198,20 @@ def _tensor_index(model_dir: str) -> dict[str, np.ndarray]:
 
 
 def load_hf_config(model_dir: str, **overrides) -> ModelConfig:
-  return ModelConfig.from_hf_dict(read_hf_config(model_dir),
-                                  source=os.path.join(model_dir, "config.json"), **overrides)
+  """ModelConfig of a local HF directory; any problem with its config.json (unsupported
+  model_type or feature, a missing or mistyped key) is one CheckpointFormatError."""
+  source = os.path.join(model_dir, "config.json")
+  d = read_hf_config(model_dir)
+  try:
+    return ModelConfig.from_hf_dict(d, source=source, **overrides)
+  except KeyError as e:
+    raise CheckpointFormatError(
+        f"{source}: required key {e.args[0]!r} is missing (model_type={d.get('model_type')!r}); "
+        "the file is incomplete: restore it from the original checkpoint") from None
+  except (TypeError, ValueError) as e:
+    if isinstance(e, CheckpointFormatError) or str(e).startswith(source):
+      raise CheckpointFormatError(str(e)) from None
+    raise CheckpointFormatError(f"{source}: {e}") from None
 
 
 def load_hf_model(model_dir: str, *, dtype: str | None = None, param_dtype: str | None = None,
@@ -325,15 +350,45 @@ def load_tokenizer(model_dir: str):
   return AutoTokenizer.from_pretrained(model_dir)
 
 
-def stop_token_ids(model_dir: str, tokenizer=None) -> tuple[int, ...]:
+def stop_token_ids(model_dir: str, tokenizer=None, *, chat_template: bool = False
+                   ) -> tuple[int, ...]:
   """EOS ids: generation_config.json's eos_token_id (int or list) first, then the
-  tokenizer's eos token."""
+  tokenizer's eos token; with `chat_template`, also the template's end-of-turn token (a base
+  Qwen2.5's EOS is <|endoftext|> but its chat template ends a turn with <|im_end|>: without
+  it every chat response would run to max_new_tokens)."""
   path = os.path.join(model_dir, "generation_config.json")
   ids: list[int] = []
   if os.path.exists(path):
-    with open(path) as f:
-      eos = json.load(f).get("eos_token_id")
+    try:
+      with open(path) as f:
+        eos = json.load(f).get("eos_token_id")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+      raise CheckpointFormatError(f"{path} is not a JSON object ({e}); fix or delete it") from None
     ids = list(eos) if isinstance(eos, list) else ([eos] if eos is not None else [])
   if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
     ids = [tokenizer.eos_token_id]
+  if chat_template and tokenizer is not None:
+    ids += [i for i in chat_end_of_turn_ids(tokenizer) if i not in ids]
   return tuple(int(i) for i in ids)
+
+
+def chat_end_of_turn_ids(tokenizer) -> tuple[int, ...]:
+  """The special token the tokenizer's chat template closes an assistant turn with
+  (<|im_end|> for Qwen, <|eot_id|> for Llama-3), read off a rendered turn; () when the
+  template closes turns with ordinary text or there is no template."""
+  if not getattr(tokenizer, "chat_template", None):
+    return ()
+  mark = "tltmarker"
+  try:
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": mark}],
+        tokenize=False)
+  except Exception:  # noqa: BLE001 - a template that cannot render a turn has no answer here
+    return ()
+  if not isinstance(text, str) or mark not in text:
+    return ()
+  tail = text[text.rindex(mark) + len(mark):]
+  ids = tokenizer.encode(tail, add_special_tokens=False) if tail else []
+  special = set(getattr(tokenizer, "all_special_ids", []) or [])
+  special |= set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+  return (int(ids[0]),) if ids and ids[0] in special else ()

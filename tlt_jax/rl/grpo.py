@@ -244,7 +244,12 @@ class Learner:
     self.micro_batch_tokens, self.row_multiple = micro_batch_tokens, n_batch
     self.param_shardings = tree_shardings(params, mesh)
     self.params = jax.device_put(params, self.param_shardings)
-    self.opt_state = jax.jit(tx.init)(self.params)
+    # Adam moments sharded like their params (the path rules match "mu/layers/q" as they
+    # match "layers/q"), counts replicated. Left to itself, init (zeros, independent of the
+    # params' values) lands on one device; the state restored from a checkpoint onto such a
+    # template would then meet params on the whole mesh and fail.
+    self.opt_shardings = tree_shardings(jax.eval_shape(tx.init, self.params), mesh)
+    self.opt_state = jax.jit(tx.init, out_shardings=self.opt_shardings)(self.params)
     self.ref_params = None
     if gcfg.kl_coef > 0:  # a frozen copy with the same layout
       self.ref_params = jax.tree.map(jnp.copy, self.params)
@@ -270,7 +275,8 @@ class Learner:
       updates, opt_state = tx.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 
-    self._apply = jax.jit(apply, donate_argnums=(0, 1, 2))
+    self._apply = jax.jit(apply, donate_argnums=(0, 1, 2),
+                          out_shardings=(self.param_shardings, self.opt_shardings, None))
 
   def _put(self, x: np.ndarray) -> jax.Array:
     return jax.device_put(x, batch_sharding(self.mesh, x.ndim))

@@ -1,39 +1,72 @@
 """Reward worker process: `python -m tlt_jax.rl.reward_worker NAME`.
 
-Reads one JSON task per stdin line ({"response", "answer"}) and writes one JSON line per task
+Writes {"ready": true} (or {"fatal": str} and exits) once the reward function is loaded, then
+reads one JSON task per line ({"response", "answer"}) and writes one JSON line per task
 ({"reward": float} or {"error": str}). Runs the function in its main thread, so libraries that
 time themselves out with SIGALRM (math-verify does) work. The parent kills and replaces this
 process when a call exceeds its timeout; see reward_pool.py.
+
+Why the protocol runs on private file descriptors: the reward is user code, and whatever it, a C
+extension or a child process writes to fd 1 would land on the protocol pipe as a line the
+parent cannot parse, and whatever reads fd 0 would swallow tasks. Swapping `sys.stdout` covers
+none of those. So before any user code is imported, the worker keeps private, non-inheritable
+duplicates of the two pipes and points fd 1 at stderr and fd 0 at /dev/null: a reward's output
+goes to the log, never onto the protocol.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+from typing import BinaryIO
+
+
+def _take_protocol_pipes() -> tuple[BinaryIO, BinaryIO]:
+  """-> (tasks, results): private files on the parent's pipes; fd 0/1 no longer reach them."""
+  sys.stdout.flush()
+  # os.dup gives a non-inheritable fd (PEP 446): a child process of the reward never holds the
+  # protocol pipe, so it can neither write to it nor keep it open after this worker is killed.
+  results_fd, tasks_fd = os.dup(1), os.dup(0)
+  os.set_inheritable(results_fd, False)
+  os.set_inheritable(tasks_fd, False)
+  os.dup2(2, 1)  # fd 1 stays inheritable: children of the reward print to the log too
+  devnull = os.open(os.devnull, os.O_RDONLY)
+  os.dup2(devnull, 0)
+  os.close(devnull)
+  # sys.stdout still wraps fd 1, which is now stderr; line-buffered so that a print shows up
+  # even when the worker is killed right after it (timeout).
+  sys.stdout.reconfigure(line_buffering=True)
+  return os.fdopen(tasks_fd, "rb"), os.fdopen(results_fd, "wb")
 
 
 def main() -> None:
-  out = sys.stdout
-  sys.stdout = sys.stderr  # a reward fn that prints must not corrupt the protocol
-  from tlt_jax.rl.rewards import get_reward_fn
+  tasks, results = _take_protocol_pipes()  # before anything imports user code
+
+  def send(msg: dict) -> None:
+    results.write(json.dumps(msg).encode() + b"\n")
+    results.flush()
+
+  name = sys.argv[1]
   try:
-    fn = get_reward_fn(sys.argv[1])
+    from tlt_jax.rl.rewards import get_reward_fn
+    fn = get_reward_fn(name)
   except ValueError as e:
-    out.write(json.dumps({"fatal": str(e)}) + "\n")
-    out.flush()
+    send({"fatal": str(e)[:1000]})
     return
-  out.write(json.dumps({"ready": True}) + "\n")
-  out.flush()
-  for line in sys.stdin:
+  except Exception as e:  # noqa: BLE001 - a user module that raises at import: say why, in one line
+    send({"fatal": f"reward {name!r}: cannot load ({type(e).__name__}: {e})"[:1000]})
+    return
+  send({"ready": True})
+  for line in tasks:
     task = json.loads(line)
     try:
       r = float(fn(task["response"], task["answer"]))
       msg = {"reward": r} if math.isfinite(r) else {"error": f"non-finite reward {r}"}
     except Exception as e:  # noqa: BLE001 - any failure of user code is one zero reward
       msg = {"error": f"{type(e).__name__}: {e}"[:500]}
-    out.write(json.dumps(msg) + "\n")
-    out.flush()
+    send(msg)
 
 
 if __name__ == "__main__":

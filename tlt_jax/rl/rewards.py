@@ -34,11 +34,25 @@ def _math(response: str, answer: str) -> float:
   return float(bool(pred) and verify(gold, pred))
 
 
+def _import_math_verify() -> None:
+  # At start-up, not on the first call: a missing or broken math-verify must stop the run with
+  # its import error, not make every call raise inside a worker and score 0. Not at module
+  # import either: other rewards must not pay for (or depend on) math-verify and sympy.
+  try:
+    from math_verify import parse, verify  # noqa: F401
+  except Exception as e:  # noqa: BLE001 - a broken install fails in more ways than ImportError
+    raise ValueError(f"config.reward.name='math' needs math-verify, which does not import "
+                     f"({type(e).__name__}: {e}); install it: "
+                     "pip install 'math-verify>=0.9,<0.10'") from None
+
+
 REGISTRY: dict[str, RewardFn] = {"arith": _arith, "math": _math}
 
 
 def get_reward_fn(name: str) -> RewardFn:
   if name in REGISTRY:
+    if name == "math":
+      _import_math_verify()
     return REGISTRY[name]
   if ":" in name:
     module, _, attr = name.partition(":")

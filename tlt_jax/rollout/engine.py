@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import logging
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -34,6 +35,8 @@ from tlt_jax.models import ModelConfig, Params
 from tlt_jax.rollout import decode
 from tlt_jax.rollout.mab import FixedSelector, parse_arm  # noqa: F401 (FixedSelector re-exported)
 from tlt_jax.rollout.sampling import SamplingParams
+
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +179,11 @@ class RolloutWorker:
       raise ValueError("EngineConfig.spec is set but the worker has no drafter_params")
     spec = engine_cfg.spec
     self.selector = selector or (FixedSelector(spec.strategy) if spec else None)
+    # Pallas verification kernel (GPU by default) or its jnp reference; a kernel that fails to
+    # compile falls back to the reference once, with a warning (`verify_path` says which ran).
+    self.use_kernel = bool(spec and (spec.use_kernel if spec.use_kernel is not None
+                                     else jax.default_backend() == "gpu"))
+    self.kernel_error: str | None = None
     self._compiled: dict[Any, Any] = {}
     self.compile_log: list[CompileRecord] = []
     self.chunk_log: list[ChunkMetrics] = []
@@ -253,16 +261,37 @@ class RolloutWorker:
       return state, out, (0, 0)
     return self._spec_exec(sp, arm, state)(*args)
 
+  @property
+  def verify_path(self) -> str:
+    """Which verification ran: "pallas" (the kernel) or "jnp" (its reference)."""
+    return "pallas" if self.use_kernel else "jnp"
+
   def _spec_exec(self, sp: SamplingParams, arm: str, state):
     """The (bucket, arm) executable; state may be abstract (ShapeDtypeStructs, `precompile`)."""
     from tlt_jax.rollout import speculative
     ecfg = self.ecfg
-    fn = functools.partial(speculative.spec_chunk, cfg=self.cfg, sp=sp,
-                           stop_tokens=ecfg.stop_tokens, chunk=ecfg.chunk_size,
-                           strategy=speculative.Strategy.parse(arm),
-                           capture_hidden=ecfg.capture_hidden, use_kernel=ecfg.spec.use_kernel)
-    return self._exec(("spec", arm, sp), fn, self.params, self.drafter_params, state,
-                      donate=(2,))
+
+    def compiled(use_kernel):
+      fn = functools.partial(speculative.spec_chunk, cfg=self.cfg, sp=sp,
+                             stop_tokens=ecfg.stop_tokens, chunk=ecfg.chunk_size,
+                             strategy=speculative.Strategy.parse(arm),
+                             capture_hidden=ecfg.capture_hidden, use_kernel=use_kernel)
+      return self._exec(("spec", arm, sp, use_kernel), fn, self.params, self.drafter_params,
+                        state, donate=(2,))
+
+    if not self.use_kernel:
+      return compiled(False)
+    try:
+      return compiled(True)
+    except Exception as e:  # noqa: BLE001 - any lowering/compile failure of the kernel
+      # The kernel is an optimisation with a bit-identical reference: a GPU/Triton version
+      # it does not compile on must cost speed, not the run.
+      self.use_kernel = False
+      self.kernel_error = f"{type(e).__name__}: {e}"[:2000]
+      _log.warning("worker %d: the Pallas verification kernel failed to compile for arm %s "
+                   "(%s); verifying with the jnp reference from now on (same decisions)",
+                   self.worker_id, arm, self.kernel_error.splitlines()[0][:300])
+      return compiled(False)
 
   def _take(self, state, idx, valid):
     return self._exec("take_rows", decode.take_rows, state, idx, valid)(state, idx, valid)
@@ -307,9 +336,12 @@ class RolloutWorker:
                          f"[0, {self.cfg.vocab_size})")
 
   def generate(self, requests: Sequence[Request], sp: SamplingParams, *, seed: int = 0,
-               hooks: WorkerHooks | None = None) -> list[Result]:
-    """Decodes all requests; returns results in completion order."""
+               hooks: WorkerHooks | None = None, selector: Any = None) -> list[Result]:
+    """Decodes all requests; returns results in completion order. `selector` overrides the
+    worker's strategy selector for this call (same arms), e.g. so that evaluation chunks
+    never feed the training bandit's reward windows."""
     self.validate(requests)
+    selector = selector or self.selector
     hooks = hooks or WorkerHooks()
     ecfg = self.ecfg
     t_start = time.perf_counter()
@@ -372,7 +404,7 @@ class RolloutWorker:
       if spec is not None and not spec_on:
         below = below + 1 if len(live) <= spec.bs_threshold else 0
         spec_on = below >= spec.patience
-      arm = self.selector.select(len(live)) if spec_on else None
+      arm = selector.select(len(live)) if spec_on else None
       # --- one chunk of decoding
       compiles = len(self.compile_log)
       t0 = time.perf_counter()
@@ -417,7 +449,7 @@ class RolloutWorker:
         # this is the batch's tokens/s. "off" (steps=0, plain decoding in the spec state) is
         # measured the same way. A chunk that compiled its executable reports nothing: compile
         # time is not the arm's speed (the arm stays untried and is chosen again).
-        self.selector.update(arm, len(live), produced / max(dt, 1e-9))
+        selector.update(arm, len(live), produced / max(dt, 1e-9))
       self.chunk_log.append(m)
       if hooks.on_chunk:
         hooks.on_chunk(m)
