@@ -1,6 +1,6 @@
 """The embedded default: GRPO on the shipped tiny Qwen2 model and the synthetic long-tail
-arithmetic task, with TLT's speculative rollout (shipped warm-started drafter) and online
-drafter training. Runs on a 2-core CPU in about 11 minutes with no downloads:
+arithmetic task, with TLT's speculative rollout (shipped warm-started drafter) and spot
+drafter training on the idle one of two rollout workers. Runs on a 2-core CPU in about 11 minutes with no downloads:
 
   python -m tlt_jax.train --config configs/default.py
   python -m tlt_jax.train --config configs/default.py --config.tlt.enabled=False   # baseline
@@ -16,6 +16,9 @@ def get_config():
   c = ml_collections.ConfigDict()
   c.seed = 0
   c.workdir = "workdirs/default"
+  # On a CPU-only host, expose this many CPU devices (XLA's host device count) so each
+  # rollout worker has its own; 0 leaves JAX's default. Ignored where accelerators exist.
+  c.cpu_devices = 2
 
   c.model = ml_collections.ConfigDict()
   c.model.path = asset_path("default", "model")
@@ -50,7 +53,7 @@ def get_config():
   c.rollout.temperature = 1.0
   c.rollout.top_p = 1.0
   c.rollout.top_k = 0
-  c.rollout.num_workers = 1  # rollout replicas (each on its own devices)
+  c.rollout.num_workers = 2  # rollout replicas (each on its own devices)
   c.rollout.tensor_parallel = 1  # devices per replica
 
   c.grpo = ml_collections.ConfigDict()
@@ -83,10 +86,24 @@ def get_config():
   c.train.keep_checkpoints = 2
 
   c.tlt = ml_collections.ConfigDict()
-  c.tlt.enabled = True  # False: the baseline (plain rollout, no drafter work)
-  c.tlt.drafter = asset_path("default", "drafter")  # or "init:SEED"
-  c.tlt.drafter_steps = 4  # drafter updates per RL step on the policy's hidden states
-  c.tlt.drafter_lr = 3e-4
+  c.tlt.enabled = True  # False: the baseline (plain rollout, no drafter, no drafter training)
+  c.tlt.drafter = ml_collections.ConfigDict()
+  c.tlt.drafter.init = asset_path("default", "drafter")  # a saved drafter dir, or "init:SEED"
+  # spot: trained on idle rollout workers until the rollout barrier; serial: `serial_steps`
+  # steps after the policy update (on the critical path, the ablation); off: frozen
+  c.tlt.drafter.mode = "spot"
+  c.tlt.drafter.on_barrier = "finish"  # the in-flight step at the barrier: finish or drop
+  c.tlt.drafter.serial_steps = 4
+  c.tlt.drafter.lr = 3e-4
+  c.tlt.drafter.warmup_steps = 0
+  c.tlt.drafter.unroll = 1  # > 1: EAGLE-3 style training-time-test unroll
+  c.tlt.drafter.rows = 8  # packed rows per drafter step
+  c.tlt.drafter.row_len = 256  # tokens per packed row
+  c.tlt.drafter.window = 128  # tokens per buffered window of a response
+  c.tlt.drafter.windows_per_response = 4
+  c.tlt.drafter.buffer_tokens = 65536  # token budget of the drafter data buffer
+  c.tlt.drafter.keep_steps = 2  # train on the windows of the last N RL steps
+  c.tlt.drafter.tail_weight = 4.0  # weight of tokens decoded with speculation on
   c.tlt.spec = ml_collections.ConfigDict()
   c.tlt.spec.selector = "beg"  # BEG-MAB; or "fixed" (always `strategy`), "eg", "ucb1", "bucb1"
   # Bandit arms per live-batch bucket, "LOWER_BOUND:ARM,..."; "" = rollout.mab.default_mab_buckets

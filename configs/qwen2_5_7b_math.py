@@ -9,7 +9,7 @@ Nothing is downloaded: give local paths on the command line, e.g. on one 8-GPU h
       --config.data.train_path=/data/dapo_math_17k.parquet \\
       --config.data.test_path=/data/aime24.jsonl \\
       --config.data.prompt_key=prompt --config.data.answer_key=answer \\
-      --config.tlt.drafter=/ckpt/q7b_drafter   # from scripts/train_drafter.py; or init:0
+      --config.tlt.drafter.init=/ckpt/q7b_drafter   # from scripts/train_drafter.py; or init:0
 
 Mesh: the learner is FSDP over every device; each GPU is one rollout replica
 (rollout.num_workers x rollout.tensor_parallel = devices). Single-process (one host) today.
@@ -29,6 +29,7 @@ def get_config():
   c.model.dtype = "bfloat16"
   c.model.param_dtype = "float32"  # master weights and Adam moments in f32, compute in bf16
   c.model.remat = True
+  c.cpu_devices = 0
 
   c.data.train_path = "/path/to/train.parquet"  # --config.data.train_path=...
   c.data.test_path = "/path/to/test.jsonl"
@@ -70,9 +71,15 @@ def get_config():
   c.eval.num_prompts = 0
   c.eval.batch_size = 128
 
-  c.tlt.drafter = "init:0"  # --config.tlt.drafter=DIR for a warm-started one
-  c.tlt.drafter_steps = 16
-  c.tlt.drafter_lr = 1e-4
+  c.tlt.drafter.init = "init:0"  # --config.tlt.drafter.init=DIR for a warm-started one
+  c.tlt.drafter.lr = 1e-4
+  c.tlt.drafter.warmup_steps = 50
+  c.tlt.drafter.rows = 8
+  c.tlt.drafter.row_len = 2048
+  c.tlt.drafter.window = 512
+  c.tlt.drafter.windows_per_response = 2
+  c.tlt.drafter.buffer_tokens = 1 << 18  # ~1.9 GB of bf16 hidden states (d = 3584)
+  c.tlt.drafter.serial_steps = 16
   c.tlt.spec.strategy = "6_1_7"
   c.tlt.spec.bs_threshold = 32  # the 7B recipe's threshold (DESIGN.md 4)
   c.tlt.spec.patience = 10

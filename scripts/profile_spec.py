@@ -64,6 +64,7 @@ def measure_costs(params, dparams, cfg, batch: int, arms, sp, *, iters: int = 20
   from tlt_jax.models import compute_logits, forward
   from tlt_jax.rollout import decode, speculative
   from tlt_jax.rollout.sampling import processed_logprobs
+  from tlt_jax.rollout.strategy import Strategy
 
   b, v = batch, cfg.vocab_size
   rng = np.random.RandomState(0)
@@ -71,7 +72,7 @@ def measure_costs(params, dparams, cfg, batch: int, arms, sp, *, iters: int = 20
   lens = jnp.full((b,), prompt_len, jnp.int32)
   keys = jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(b))
   max_new = jnp.full((b,), 1 << 30, jnp.int32)  # nobody finishes inside the loops
-  strategies = [speculative.Strategy.parse(a) for a in arms]
+  strategies = [Strategy.parse(a) for a in arms]
   state = jax.jit(functools.partial(
       speculative.prefill, cfg=cfg, cache_len=cache_len,
       max_steps=max([s.steps for s in strategies] + [1])))(params, dparams, toks, lens, keys,
@@ -150,7 +151,7 @@ def measure_costs(params, dparams, cfg, batch: int, arms, sp, *, iters: int = 20
 def bounds(costs: dict[str, float], arm: str, accept: float) -> dict[str, float]:
   """The three speedup bounds of the module docstring for `arm` at `accept` tokens per
   verification (costs from `measure_costs`)."""
-  from tlt_jax.rollout.speculative import Strategy
+  from tlt_jax.rollout.strategy import Strategy
   st = Strategy.parse(arm)
   unit = costs["plain step"]
   r = costs["drafter fwd T=1"] / unit

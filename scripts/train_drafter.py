@@ -17,8 +17,9 @@ Steps
      [--seq_len] rows (segment ids keep sequences apart). The generations are cached in
      --ckpt_dir, so a re-run (resume) does not regenerate them.
   2. Train `drafter_loss` (EAGLE loss, `--unroll` steps of training-time test) with AdamW
-     (b1 0.9, b2 0.95, wd 0.01), global-norm clip 1.0, linear warm-up + cosine decay; one jitted
-     update with the train state donated; tqdm progress; metrics to <out>/metrics.jsonl; Orbax
+     (b1 0.9, b2 0.95, wd 0.01), global-norm clip 1.0, linear warm-up + cosine decay, by the
+     one jitted drafter train step (tlt_jax/drafter/train_step.py, the RL loop's too), state
+     donated; tqdm progress; metrics to <out>/metrics.jsonl; Orbax
      checkpoints of {params, opt_state, step} (the drafter's trainable params only; the
      target's embedding / head are never copied) in --ckpt_dir through
      tlt_jax.checkpoint.Checkpointer. Re-running the same command resumes from the newest
@@ -36,7 +37,6 @@ Steps
 from __future__ import annotations
 
 import argparse
-import functools
 import hashlib
 import json
 import os
@@ -52,11 +52,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from tlt_jax.drafter import (LossConfig, accept_lengths, chain_drafts, drafter_loss,  # noqa: E402
+from tlt_jax.drafter import (LossConfig, accept_lengths, chain_drafts,  # noqa: E402
                              export_eagle, init_drafter, save_drafter)
+from tlt_jax.drafter import train_step as dts  # noqa: E402
+from tlt_jax.drafter.buffer import Window, align  # noqa: E402
+from tlt_jax.drafter.packing import pack  # noqa: E402
 from tlt_jax.drafter.model import target_signature  # noqa: E402
 from tlt_jax.models import compute_logits, forward  # noqa: E402
 
@@ -184,21 +186,17 @@ def generate_sequences(worker, params, prompt_hidden, prompts, *, num_samples, s
 
 def rollout_sequences(results, ph):
   """Rollout results (hidden captured) + per-prompt hidden states ph[request_id] [P, D] ->
-  sequences {tokens [T], hidden [T, D], loss_mask [T], prompt_len}."""
+  sequences {tokens [T], hidden [T, D], loss_mask [T], prompt_len}: prompt + response
+  aligned by the one alignment of tlt_jax/drafter/buffer.py (f_{T-1} after the last token
+  was never computed: 0, and never a target)."""
   seqs = []
   for r in results:
-    p, resp = len(r.prompt_ids), r.response_ids
-    if r.hidden is None or len(r.hidden) != len(resp):
+    if r.hidden is None or len(r.hidden) != len(r.response_ids):
       raise RuntimeError("the rollout engine returned no hidden states (capture_hidden)")
-    t = p + len(resp)
-    # f_t for t < P-1 from the prompt forward; f_{P-1+j} = hidden[j] produced response token j;
-    # f_{T-1} (after the last token) is never computed: 0, and never a target (mask below).
-    hid = np.concatenate([ph[r.request_id][:p - 1], np.asarray(r.hidden, np.float32),
-                          np.zeros((1, ph[0].shape[-1]), np.float32)])
-    mask = np.zeros((t,), np.float32)
-    mask[p - 1:t - 1] = 1.0
-    seqs.append({"tokens": np.concatenate([r.prompt_ids, resp]).astype(np.int32),
-                 "hidden": hid, "loss_mask": mask, "prompt_len": p})
+    tokens, hidden, mask = align(r.response_ids, np.asarray(r.hidden, np.float32),
+                                 r.prompt_ids, ph[r.request_id])
+    seqs.append({"tokens": tokens, "hidden": hidden, "loss_mask": mask,
+                 "prompt_len": len(r.prompt_ids)})
   return seqs
 
 
@@ -226,41 +224,14 @@ def _load_seqs(path, meta):
              "prompt_len": int(p)} for a, b, p in zip(starts, ends, z["prompt_lens"])]
 
 
-def pack(seqs, seq_len, seed):
-  """First-fit packing of (shuffled) sequences into [N, seq_len] rows; longer sequences are
-  truncated to seq_len. Positions restart per sequence; segment ids 1, 2, ... (0 = pad)."""
+def pack_sequences(seqs, seq_len, seed):
+  """Shuffled sequences packed first-fit into [N, seq_len] rows by tlt_jax/drafter/packing.py
+  (segment ids, positions restarting per sequence; longer sequences keep their last seq_len
+  tokens)."""
   order = np.random.default_rng([seed, 7]).permutation(len(seqs))
-  rows: list[list[int]] = []
-  free: list[int] = []
-  for i in order:
-    n = min(len(seqs[i]["tokens"]), seq_len)
-    for r, room in enumerate(free):
-      if room >= n:
-        rows[r].append(i)
-        free[r] -= n
-        break
-    else:
-      rows.append([i])
-      free.append(seq_len - n)
-  d = seqs[0]["hidden"].shape[-1]
-  out = {"tokens": np.zeros((len(rows), seq_len), np.int32),
-         "hidden": np.zeros((len(rows), seq_len, d), np.float32),
-         "positions": np.zeros((len(rows), seq_len), np.int32),
-         "segment_ids": np.zeros((len(rows), seq_len), np.int32),
-         "loss_mask": np.zeros((len(rows), seq_len), np.float32)}
-  for r, members in enumerate(rows):
-    pos = 0
-    for seg, i in enumerate(members, 1):
-      s = seqs[i]
-      n = min(len(s["tokens"]), seq_len)
-      sl = slice(pos, pos + n)
-      out["tokens"][r, sl] = s["tokens"][:n]
-      out["hidden"][r, sl] = s["hidden"][:n]
-      out["positions"][r, sl] = np.arange(n)
-      out["segment_ids"][r, sl] = seg
-      out["loss_mask"][r, sl] = s["loss_mask"][:n]
-      pos += n
-  return out
+  windows = [Window(0, seqs[i]["tokens"], seqs[i]["hidden"], seqs[i]["loss_mask"], 1.0)
+             for i in order]
+  return pack(windows, None, seq_len)[0]
 
 
 def batch_indices(num_rows, batch, step, seed):
@@ -275,27 +246,9 @@ def batch_indices(num_rows, batch, step, seed):
 
 
 # ------------------------------------------------------------------------------- training
-def make_optimizer(args):
+def warmup_steps(args):
   warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
-  warmup = min(warmup, max(args.steps - 1, 1))
-  sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, max(args.steps, warmup + 1),
-                                             end_value=args.lr * 0.1)
-  tx = optax.chain(optax.clip_by_global_norm(1.0),
-                   optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=args.weight_decay))
-  return tx, sched
-
-
-def make_train_step(cfg, loss_cfg, tx):
-  def step(state, target_params, batch):
-    grad_fn = jax.value_and_grad(functools.partial(drafter_loss, cfg=cfg, loss_cfg=loss_cfg),
-                                 has_aux=True)
-    (_, metrics), grads = grad_fn(state["params"], target_params, batch)
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    metrics["grad_norm"] = optax.global_norm(grads)
-    return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
-
-  return jax.jit(step, donate_argnums=(0,))
+  return min(warmup, max(args.steps - 1, 1))
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -420,7 +373,7 @@ def main(argv=None):
       _save_seqs(eval_cache, eval_seqs, eval_meta)
     del worker
   t_gen = time.perf_counter() - t_start
-  data = pack(train_seqs, args.seq_len, args.seed)
+  data = pack_sequences(train_seqs, args.seq_len, args.seed)
   n_rows = data["tokens"].shape[0]
   resp_tokens = int(sum(s["loss_mask"].sum() for s in train_seqs))
   print(f"data: {len(train_seqs)} sequences ({resp_tokens} response tokens) packed into "
@@ -430,17 +383,18 @@ def main(argv=None):
   # ---- 2. training
   loss_cfg = LossConfig(w_v=args.w_v, w_p=args.w_p, unroll_steps=args.unroll,
                         step_decay=args.step_decay)
-  tx, sched = make_optimizer(args)
-  params = init_drafter(cfg, jax.random.key(args.seed))
-  state = {"params": params, "opt_state": tx.init(params), "step": jnp.int32(0)}
+  schedule = dict(warmup_steps=warmup_steps(args), total_steps=args.steps, schedule="cosine")
+  tx = dts.make_optimizer(args.lr, weight_decay=args.weight_decay, **schedule)
+  sched = dts.lr_schedule(args.lr, **schedule)
+  state = dts.init_state(init_drafter(cfg, jax.random.key(args.seed)), tx)
   ckpt = Checkpointer(os.path.join(ckpt_dir, "train_state"), max_to_keep=2,
                       save_interval_steps=args.save_every)
   start = 0
   if ckpt.latest_step() is not None:
-    state = ckpt.restore(state)
-    start = int(state["step"])
+    state = dts.DrafterState(**ckpt.restore(state._asdict()))
+    start = int(state.step)
     print(f"resumed from {ckpt.directory} step {start}", file=sys.stderr)
-  step_fn = make_train_step(cfg, loss_cfg, tx)
+  step_fn = dts.make_train_step(cfg, tx, loss_cfg)
   metrics_path = os.path.join(args.out, "metrics.jsonl")
   if os.path.exists(metrics_path):  # drop rows logged after the checkpoint we resume from
     with open(metrics_path) as f:
@@ -466,13 +420,13 @@ def main(argv=None):
         bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['acc']:.3f}",
                         **({"acc2": f"{m['acc_2']:.3f}"} if "acc_2" in m else {}))
       if done % args.save_every == 0:
-        ckpt.save(done, state)
+        ckpt.save(done, state._asdict())
     bar.close()
   if args.steps > start:
-    ckpt.save(args.steps, state, force=True)
+    ckpt.save(args.steps, state._asdict(), force=True)
   ckpt.close()
   t_train = time.perf_counter() - t_train
-  params = state["params"]
+  params = state.params
 
   # ---- 3. evaluation
   result = {"args": vars(args), "target": args.model,

@@ -554,80 +554,80 @@ def policy_rollouts():
   return cfg, params, prompts, sorted(results, key=lambda r: r.request_id)
 
 
-def _learner_rows(results, t=192):
-  """Rows as the GRPO learner lays them out: prompt + response, response mask."""
+def _forward_rows(cfg, params, results, t=192):
+  """prompt + response rows and the target's own full forward over them: f_t at every t."""
   tokens = np.zeros((len(results), t), np.int32)
-  mask = np.zeros((len(results), t), np.float32)
   for i, r in enumerate(results):
     p, n = len(r.prompt_ids), len(r.response_ids)
-    tokens[i, :p], tokens[i, p:p + n], mask[i, p:p + n] = r.prompt_ids, r.response_ids, 1.0
-  return jnp.asarray(tokens), jnp.asarray(mask)
+    tokens[i, :p], tokens[i, p:p + n] = r.prompt_ids, r.response_ids
+  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens.shape)
+  return tokens, np.asarray(_full_forward(params, jnp.asarray(tokens), pos, cfg=cfg))
 
 
-def _online_batch(cfg, params, results):
-  """The online path's batch: hidden states from the learner's old-log-prob forward."""
-  from tlt_jax.drafter.online import drafter_mask
-  from tlt_jax.rl.grpo import token_logprobs
-  tokens, mask = _learner_rows(results)
-  _, _, hidden = token_logprobs(params, tokens, cfg=cfg, temperature=1.0, return_hidden=True)
-  b, t = tokens.shape
-  return {"tokens": tokens, "hidden": hidden, "loss_mask": drafter_mask(mask),
-          "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))}
+_full_forward = jax.jit(lambda p, t, pos, cfg: forward(p, t, pos, cfg=cfg,
+                                                        return_logits=False).hidden,
+                        static_argnames=("cfg",))
 
 
-def test_online_drafter_learns_the_moving_policy(policy_rollouts):
-  """A fresh drafter trained by the RL loop's online trainer on one fixed batch of policy
-  rollouts: its loss falls and its top-1 agreement with the policy on OTHER prompts' answers
-  rises well above where it started (a trainer that updated nothing, the wrong pairs or the
-  target's frozen parts would not)."""
-  from tlt_jax.drafter.online import OnlineDrafterTrainer
+def _buffer_batch(results, *, rows, row_len, window, seed=0):
+  """Rollout results -> the spot trainer's packed batch: the drafter buffer's windows of the
+  captured hidden states, packed (tlt_jax/drafter/buffer.py, packing.py)."""
+  from tlt_jax.drafter.buffer import BufferConfig, DrafterBuffer
+  from tlt_jax.drafter.packing import fill_batch
+  buf = DrafterBuffer(BufferConfig(max_tokens=1 << 20, window=window,
+                                   max_windows_per_response=64))
+  for r in results:
+    buf.add(0, r.response_ids, r.hidden, key=(r.request_id, r.sample_index))
+  rng = np.random.default_rng(seed)
+  batch, _ = fill_batch(lambda n: buf.sample(n, rng), rows, row_len)
+  return {k: jnp.asarray(v) for k, v in batch.items()}
+
+
+def test_spot_trained_drafter_learns_the_policy(policy_rollouts):
+  """A fresh drafter trained by the RL loop's train step on one fixed batch of the spot
+  trainer's data (buffer windows of the rollout's captured hidden states, packed): its loss
+  falls and its top-1 agreement with the policy on OTHER prompts' answers rises well above
+  where it started (a step that updated nothing, fed the wrong pairs or trained the target's
+  frozen parts would not)."""
+  from tlt_jax.drafter import train_step as dts
   cfg, params, _, results = policy_rollouts
-  train, held_out = results[:16], results[16:]
-  batch, held = _online_batch(cfg, params, train), _online_batch(cfg, params, held_out)
-  trainer = OnlineDrafterTrainer(init_drafter(cfg, jax.random.key(0)), cfg, lr=1e-3)
-  frozen = jax.tree.map(np.asarray, params)
+  batch = _buffer_batch(results[:16], rows=4, row_len=192, window=96)
+  held = _buffer_batch(results[16:], rows=4, row_len=192, window=96, seed=1)
+  tx = dts.make_optimizer(1e-3)
+  state = dts.init_state(init_drafter(cfg, jax.random.key(0)), tx)
+  step = dts.make_train_step(cfg, tx)
+  frozen = jax.tree.map(np.array, params)
   metrics = jax.jit(lambda dp: drafter_loss(dp, params, held, cfg=cfg)[1])
-  before = metrics(trainer.params)
-  tokens, hidden, mask = (batch["tokens"], batch["hidden"],
-                          _learner_rows(train)[1])
-  losses = [float(trainer.step(params, tokens, hidden, mask)["loss"]) for _ in range(30)]
-  after = metrics(trainer.params)
+  before = metrics(state.params)
+  losses = []
+  for _ in range(30):
+    state, m = step(state, params, batch)
+    losses.append(float(m["loss"]))
+  after = metrics(state.params)
+  assert int(state.step) == 30
   assert losses[-1] < 0.7 * losses[0], losses
   assert float(after["loss"]) < float(before["loss"])
   assert float(after["acc"]) > float(before["acc"]) + 0.2, (before["acc"], after["acc"])
-  assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(a, np.asarray(b)), frozen,
-                                   params))  # the target is never updated
+  assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(frozen),
+                                                              jax.tree.leaves(params)))
 
 
-def test_online_alignment_equals_the_offline_trainers(policy_rollouts):
-  """The same rollouts as training data two ways: the online path (hidden states from the
-  learner's full forward, mask from the response mask) and the offline trainer (the
-  rollout's captured per-token hidden states + a prompt forward). Same tokens, same loss
-  positions, same hidden states where they are read, same loss."""
-  import importlib.util
-  spec = importlib.util.spec_from_file_location(
-      "train_drafter", os.path.join(REPO, "scripts", "train_drafter.py"))
-  script = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(script)
+def test_rollout_capture_aligns_as_the_targets_full_forward(policy_rollouts):
+  """Drafter data without a target forward: `align` over the rollout engine's captured
+  hidden states gives, at every position the loss reads, the hidden state the target's own
+  full forward over prompt + response computes (an independent path: no cache, no chunks),
+  with the loss on exactly the positions whose hidden state produced a response token. The
+  offline trainer's sequences (scripts/train_drafter.py) and the spot trainer's windows are
+  both cut from this alignment (tests/test_buffer.py)."""
+  from tlt_jax.drafter.buffer import align
   cfg, params, prompts, results = policy_rollouts
-  results = results[:8]
-  online = _online_batch(cfg, params, results)
-  offline = script.rollout_sequences(results, script.make_prompt_hidden_fn(cfg)(
-      params, prompts[:8]))
-  t = online["tokens"].shape[1]
-  rows = {k: np.zeros((len(offline), t) + offline[0][k].shape[1:], offline[0][k].dtype)
-          for k in ("tokens", "hidden", "loss_mask")}
-  for i, s in enumerate(offline):
-    n = len(s["tokens"])
-    np.testing.assert_array_equal(s["tokens"], np.asarray(online["tokens"][i, :n]))
-    np.testing.assert_array_equal(s["loss_mask"], np.asarray(online["loss_mask"][i, :n]))
-    # every hidden state the loss reads (positions 0..T-2; f_{T-1} follows the last token)
-    close(s["hidden"][:n - 1], online["hidden"][i, :n - 1], tol=1e-4)
-    for k in rows:
-      rows[k][i, :n] = s[k]
-  rows["positions"] = online["positions"]
-  want = drafter_loss(init_drafter(cfg, jax.random.key(1)), params, rows, cfg=cfg)[1]
-  got = drafter_loss(init_drafter(cfg, jax.random.key(1)), params, online, cfg=cfg)[1]
-  assert float(want["tokens"]) == float(got["tokens"]) > 100
-  close(got["loss"], want["loss"], tol=1e-5)
-  close(got["acc"], want["acc"], tol=1e-6)
+  tokens, full = _forward_rows(cfg, params, results[:8])
+  for i, r in enumerate(results[:8]):
+    p, n = len(r.prompt_ids), len(r.response_ids)
+    t = p + n
+    tok, hid, mask = align(r.response_ids, r.hidden, r.prompt_ids, full[i, :p])
+    np.testing.assert_array_equal(tok, tokens[i, :t])
+    want_mask = np.zeros(t)
+    want_mask[p - 1:t - 1] = 1
+    np.testing.assert_array_equal(mask, want_mask)
+    close(hid[:t - 1], full[i, :t - 1], tol=1e-4)  # f_{T-1} follows the last token: unread

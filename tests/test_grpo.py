@@ -96,15 +96,15 @@ def test_microbatched_loss_matches_float64_reference(setup, kl_coef, temperature
                          logit_chunk=8)  # chunked LM head with a ragged last chunk
   want, want_ent, want_kl = _np_grpo_loss(new, old, ref, samples, gcfg)
   mbs = list(grpo.micro_batches(samples, rows=4, pad_multiple=16, max_len=64))
-  assert len({mb["tokens"].shape[1] for mb in mbs}) > 1  # differently padded micro-batches
-  num_tokens = jnp.float32(sum(mb["loss_mask"].sum() for mb in mbs))
+  assert len({mb.tokens.shape[1] for mb in mbs}) > 1  # differently padded micro-batches
+  num_tokens = jnp.float32(sum(mb.loss_mask.sum() for mb in mbs))
   total = ent = kl = clip = 0.0
   lp_fn = jax.jit(functools.partial(grpo.token_logprobs, cfg=CFG, temperature=temperature,
                                     chunk=8))
   for mb in mbs:
-    dev = {k: jnp.asarray(v) for k, v in mb.items() if k != "index"}
-    dev["old_logp"] = lp_fn(old, dev["tokens"])[0]
-    dev["ref_logp"] = lp_fn(ref, dev["tokens"])[0]
+    tokens = jnp.asarray(mb.tokens)
+    dev = grpo.Batch(tokens, jnp.asarray(mb.loss_mask), jnp.asarray(mb.advantages),
+                     lp_fn(old, tokens)[0], lp_fn(ref, tokens)[0])
     loss, m = grpo.grpo_loss(new, dev, cfg=CFG, gcfg=gcfg, num_tokens=num_tokens)
     total += float(loss)
     ent += float(m["entropy"])
@@ -123,15 +123,15 @@ def test_ratio_is_one_on_policy_and_gradient_is_policy_gradient(setup):
   old, _, _, samples = setup
   gcfg = grpo.GRPOConfig()
   mb = next(grpo.micro_batches(samples, rows=len(samples), pad_multiple=8, max_len=64))
-  dev = {k: jnp.asarray(v) for k, v in mb.items() if k != "index"}
-  lp = grpo.token_logprobs(old, dev["tokens"], cfg=CFG, temperature=1.0)[0]
-  dev["old_logp"] = lp
-  n = dev["loss_mask"].sum()
+  tokens = jnp.asarray(mb.tokens)
+  dev = grpo.Batch(tokens, jnp.asarray(mb.loss_mask), jnp.asarray(mb.advantages),
+                   grpo.token_logprobs(old, tokens, cfg=CFG, temperature=1.0)[0])
+  n = dev.loss_mask.sum()
   g_loss = jax.grad(lambda p: grpo.grpo_loss(p, dev, cfg=CFG, gcfg=gcfg, num_tokens=n)[0])(old)
 
   def reinforce(p):
-    lp = grpo.token_logprobs(p, dev["tokens"], cfg=CFG, temperature=1.0)[0]
-    return -jnp.sum(dev["advantages"][:, None] * lp * dev["loss_mask"]) / n
+    lp = grpo.token_logprobs(p, dev.tokens, cfg=CFG, temperature=1.0)[0]
+    return -jnp.sum(dev.advantages[:, None] * lp * dev.loss_mask) / n
 
   g_ref = jax.grad(reinforce)(old)
   for a, b in zip(jax.tree.leaves(g_loss), jax.tree.leaves(g_ref)):
@@ -142,17 +142,17 @@ def test_micro_batches_layout():
   samples = [grpo.Sample(np.array([5, 6]), np.array([7] * k), float(k)) for k in (9, 1, 4)]
   mbs = list(grpo.micro_batches(samples, rows=2, pad_multiple=4, max_len=64))
   # longest rows grouped together; shortest micro-batch first; padding rows have index -1
-  assert [list(mb["index"]) for mb in mbs] == [[1, -1], [0, 2]]
-  assert mbs[0]["tokens"].shape == (2, 4) and mbs[1]["tokens"].shape == (2, 12)
-  np.testing.assert_array_equal(mbs[1]["tokens"][0, :11], [5, 6] + [7] * 9)
-  np.testing.assert_array_equal(mbs[1]["loss_mask"][0], [0, 0] + [1] * 9 + [0])
-  assert mbs[0]["loss_mask"][1].sum() == 0 and mbs[1]["advantages"][0] == 9.0
+  assert [list(mb.index) for mb in mbs] == [[1, -1], [0, 2]]
+  assert mbs[0].tokens.shape == (2, 4) and mbs[1].tokens.shape == (2, 12)
+  np.testing.assert_array_equal(mbs[1].tokens[0, :11], [5, 6] + [7] * 9)
+  np.testing.assert_array_equal(mbs[1].loss_mask[0], [0, 0] + [1] * 9 + [0])
+  assert mbs[0].loss_mask[1].sum() == 0 and mbs[1].advantages[0] == 9.0
   # token budget 24: 2 rows at T=12 (lengths 11, 6), 6 rows at T=4 (multiples of 2)
   many = samples + [grpo.Sample(np.array([5]), np.array([7]), 0.0) for _ in range(5)]
   mbs = list(grpo.micro_batches(many, rows=0, pad_multiple=4, max_len=64, max_tokens=24,
                                 row_multiple=2))
-  assert [mb["tokens"].shape for mb in mbs] == [(6, 4), (2, 12)]
-  assert sorted(i for mb in mbs for i in mb["index"] if i >= 0) == list(range(8))
+  assert [mb.tokens.shape for mb in mbs] == [(6, 4), (2, 12)]
+  assert sorted(i for mb in mbs for i in mb.index if i >= 0) == list(range(8))
 
 
 def test_grpo_raises_a_toy_reward_on_a_sharded_learner():
@@ -184,9 +184,8 @@ def test_grpo_raises_a_toy_reward_on_a_sharded_learner():
                for x in res]
     minibatches = learner.batches(samples, num_minibatches=2, seed=step)
     assert len(minibatches) == 2
-    learner.logprobs([mb for group in minibatches for mb in group])
-    m = learner.update(minibatches)
+    m = learner.update(learner.prepare(minibatches))
     assert np.isfinite(m["loss"]) and m["grad_norm"] > 0
-    learner.sync_to([worker])
+    worker.set_params(learner.params)
   assert means[0] < 0.15, means
   assert np.mean(means[-2:]) > 2.5 * means[0] and np.mean(means[-2:]) > 0.25, means

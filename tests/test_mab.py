@@ -13,8 +13,9 @@ import pytest
 from tlt_jax.models import ModelConfig, init_params
 from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker, SpecConfig
 from tlt_jax.rollout.mab import (BucketedEpsilonGreedy, EpsilonGreedy, FixedSelector, UCB1,
-                                 default_mab_buckets, make_selector, parse_arm)
+                                 default_mab_buckets, make_selector)
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.strategy import Strategy
 
 TLT = {1: ["8_4_48", "8_4_32", "off"], 2: ["8_4_32", "4_1_5", "off"],
        5: ["4_1_5", "2_1_3", "off"], 21: ["2_1_3", "off"]}
@@ -97,7 +98,7 @@ def test_state_dict_round_trip_continues_identically():
 @pytest.mark.parametrize("bad, match", [
     ({1: ["4-1-5"]}, "use '<steps>_<topk>_<verify_tokens>'"),
     ({1: ["4_1_9"]}, "chain"),
-    ({1: ["0_1_1"]}, "steps and topk must be >= 1"),
+    ({1: ["0_1_1"]}, "plain decoding; write .off."),
     ({1: ["8_4_1"]}, "verify_tokens must be >= 2"),
     ({1: [""]}, "use '<steps>"),
     ({1: [5]}, "use '<steps>"),
@@ -130,7 +131,7 @@ def test_invalid_calls_raise():
     sel.load_state_dict(BucketedEpsilonGreedy({2: ["4_1_5", "off"]}).state_dict())
   with pytest.raises(ValueError, match="one of fixed, beg"):
     make_selector("thompson")
-  with pytest.raises(ValueError, match="needs arm="):
+  with pytest.raises(ValueError, match="needs an arm"):
     make_selector("fixed")
 
 
@@ -143,13 +144,18 @@ def test_bucket_lookup_and_choosable():
   assert sel.choosable(3, 8) == ["4_1_5", "off", "2_1_3"]
   assert sel.choosable(1, 64) == sel.arms == ["6_1_7", "off", "4_1_5", "2_1_3"]
   assert BucketedEpsilonGreedy({4: ["off"]}).choosable(1, 3) == []
-  assert parse_arm("8_4_48") == (8, 4, 48) and parse_arm("off") == (0, 1, 1)
+  s = Strategy.parse("8_4_48")
+  assert (s.steps, s.topk, s.verify_tokens, s.name) == (8, 4, 48, "8_4_48")
+  assert Strategy.parse("off").steps == 0 and Strategy.parse("off").name == "off"
+  for bad in ("0_1_1", "4_1_3", "3_2_0", "four", "", "4-1-5"):
+    with pytest.raises(ValueError):
+      Strategy.parse(bad)
 
 
 def test_default_buckets_explore():
   buckets = default_mab_buckets()
   assert all(len(a) >= 2 and "off" in a for a in buckets.values())
-  assert all(parse_arm(a)[1] == 1 for arms in buckets.values() for a in arms)  # chains
+  assert all(Strategy.parse(a).topk == 1 for arms in buckets.values() for a in arms)  # chains
   for kind in ("beg", "eg", "ucb1", "bucb1"):
     sel = make_selector(kind, epsilon=0.1, window=300, seed=0)
     assert set(sel.arms) == set(BucketedEpsilonGreedy(buckets).arms)

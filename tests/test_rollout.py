@@ -32,8 +32,7 @@ from transformers.generation import (TemperatureLogitsWarper, TopKLogitsWarper,
 
 from tlt_jax.models import compute_logits, forward
 from tlt_jax.models.hf_io import load_hf_model
-from tlt_jax.rollout.engine import (EngineConfig, Request, RolloutWorker, WorkerHooks,
-                                    run_workers)
+from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker
 from tlt_jax.rollout.sampling import SamplingParams, processed_logprobs, sample_tokens
 
 VOCAB = 96
@@ -281,7 +280,8 @@ def test_compaction_shrinks_buckets(greedy, layouts):
   names = {r.name for r in main.compile_log}
   assert "take_rows" in names  # compaction really ran
   # one decode executable per (sampling params, bucket), recorded with that bucket
-  decode_batches = sorted(r.batch for r in main.compile_log if r.name == ("decode", GREEDY))
+  decode_batches = sorted(r.batch for r in main.compile_log
+                          if r.name == "decode" and r.key.variant == GREEDY)
   assert decode_batches == sorted({c.bucket for c in greedy["qwen2"]["chunks"]})
 
 
@@ -513,8 +513,9 @@ def test_hidden_capture(models, greedy, layouts, prompts):
   assert greedy["llama"]["results"][(0, 0)].hidden is None  # capture off -> None
 
 
-# --------------------------------------------------------------------------- 7. run_workers
-def test_run_workers_two_devices(models, greedy, prompts):
+# ------------------------------------------------------------------- 7. workers on two devices
+def test_two_workers_on_two_devices_under_the_coordinator(models, greedy, prompts):
+  from tlt_jax.coordinator import Coordinator, ParamStore, Worker
   m, g = models["qwen2"], greedy["qwen2"]
   assert len(jax.devices()) >= 2
   main = g["worker"]
@@ -524,31 +525,37 @@ def test_run_workers_two_devices(models, greedy, prompts):
                                    ("data", "fsdp", "tensor")))
   assert {d for x in jax.tree.leaves(second.params) for d in x.devices()} == {jax.devices()[1]}
   lock = threading.Lock()
-  seen = {"results": [], "idle": [], "chunks": []}
+  seen = {"results": [], "chunks": []}
 
-  def rec(name):
-    def f(*args):
-      with lock:
-        seen[name].append(args[0] if len(args) == 1 else args)
-    return f
+  def on_response(worker, res):
+    with lock:
+      seen["results"].append((worker.id, res))
 
-  hooks = WorkerHooks(on_chunk=rec("chunks"), on_result=rec("results"), on_idle=rec("idle"))
+  def on_chunk(c):
+    with lock:
+      seen["chunks"].append(c)
+
+  coord = Coordinator([Worker(main), Worker(second)], ParamStore(m.params))
   reqs = greedy_requests(prompts)
-  out = run_workers([main, second], reqs, GREEDY, seed=0, hooks=hooks)
-  assert [(r.request_id, r.sample_index) for r in out] == [(i, 0) for i in range(len(reqs))]
-  assert_same_results(g["results"], by_id(out), "two workers vs one")
-  # whole prompt groups go to worker request_id % 2
-  assert all(r.worker_id == r.request_id % 2 for r in out)
-  # hooks
-  assert sorted((r.request_id, r.sample_index) for r in seen["results"]) == \
+  out = coord.rollout(reqs, GREEDY, seed=0, on_response=on_response, on_chunk=on_chunk)
+  coord.close()
+  res = out.results
+  assert [(r.request_id, r.sample_index) for r in res] == [(i, 0) for i in range(len(reqs))]
+  assert_same_results(g["results"], by_id(res), "two workers vs one")
+  # whole prompt groups go to worker request_id % 2, and are reported on that worker
+  assert all(r.worker_id == r.request_id % 2 for r in res)
+  assert sorted((r.request_id, r.sample_index) for _, r in seen["results"]) == \
       [(i, 0) for i in range(len(reqs))]
-  assert sorted(w for w, _ in seen["idle"]) == [0, 1]
-  assert sum(c.tokens for c in seen["chunks"]) == sum(r.num_tokens for r in out)
+  assert all(w == r.worker_id for w, r in seen["results"])
+  assert sum(c.tokens for c in seen["chunks"]) == sum(r.num_tokens for r in res)
   assert {c.worker_id for c in seen["chunks"]} == {0, 1}
   for wid in (0, 1):
-    mine = [r for r in out if r.worker_id == wid]
+    mine = [r for r in res if r.worker_id == wid]
     assert sum(c.tokens for c in seen["chunks"] if c.worker_id == wid) == \
         sum(r.num_tokens for r in mine)
+  summary = out.timeline.summary()
+  assert summary["barrier_s"] == pytest.approx(out.wall)
+  assert {p["worker"] for p in summary["per_worker"]} == {0, 1}
 
 
 # ------------------------------------------------------------------------------- 8. errors
@@ -572,13 +579,15 @@ def test_validation_errors(greedy):
 
 
 def test_engine_config_errors():
-  with pytest.raises(ValueError, match=r"largest bucket must be >= max_batch=8"):
+  with pytest.raises(ValueError, match=r"largest bucket must be >= max_batch \(8\)"):
     EngineConfig(max_batch=8, buckets=(1, 2, 4))
   with pytest.raises(ValueError, match=r"strictly increasing"):
     EngineConfig(max_batch=4, buckets=(4, 2, 1))
   with pytest.raises(ValueError, match=r"strictly increasing"):
     EngineConfig(max_batch=4, buckets=())
-  for name in ("max_batch", "chunk_size", "max_prompt_len", "max_new_tokens", "prompt_bucket"):
-    with pytest.raises(ValueError, match=rf"EngineConfig.{name}=0 must be positive"):
+  with pytest.raises(ValueError, match=r"^max_batch=0: must be >= 1"):
+    EngineConfig(max_batch=0)
+  for name in ("chunk_size", "max_prompt_len", "max_new_tokens", "prompt_bucket"):
+    with pytest.raises(ValueError, match=rf"^{name}=0: must be > 0"):
       EngineConfig(**{name: 0})
   EngineConfig(max_batch=3, buckets=(1, 2, 4))  # buckets may overshoot max_batch

@@ -83,7 +83,9 @@ def _small_cfg(workdir, steps, **overrides):
   cfg.train.steps = steps
   cfg.train.eval_every = 0
   cfg.tlt.spec.bs_threshold = 16  # speculate from the start of this small batch
-  cfg.tlt.drafter_steps = 2
+  cfg.tlt.drafter.row_len = 128
+  cfg.tlt.drafter.rows = 4
+  cfg.tlt.drafter.serial_steps = 2
   for key, value in overrides.items():
     node = cfg
     *path, field = key.split(".")
@@ -95,10 +97,10 @@ def _small_cfg(workdir, steps, **overrides):
 
 
 def _run(cfg):
-  from tlt_jax.train import Trainer
-  trainer = Trainer(cfg, progress=False)
-  trainer.run()
-  return trainer
+  from tlt_jax.train import build, train
+  run = build(cfg)
+  train(run, progress=False)
+  return run
 
 
 def _same_tree(a, b):
@@ -109,43 +111,51 @@ def _same_tree(a, b):
 
 
 def _assert_same_weights(a, b):
-  """Actor, its optimizer, drafter, its optimizer, and the drafter the workers decode with."""
+  """Actor, its optimizer, the drafter with its optimizer, and the drafter every worker
+  decodes with."""
   assert _same_tree(a.learner.params, b.learner.params)
   assert _same_tree(a.learner.opt_state, b.learner.opt_state)
-  assert _same_tree(a.drafter.params, b.drafter.params)
-  assert _same_tree(a.drafter.opt_state, b.drafter.opt_state)
-  assert _same_tree(a.workers[0].drafter_params, b.drafter.params)
+  da, db = a.store.drafter()[1], b.store.drafter()[1]
+  assert _same_tree(da, db)
+  for e in a.coordinator.engines:
+    assert _same_tree(e.drafter_params, db.params)
 
 
 def test_resume_with_tlt_and_fixed_selector_is_bit_exact(tmp_path):
-  """TLT on with the fixed selector: stop after step 2, resume to step 4, and steps 3-4 (the
-  speculative rollouts, rewards, GRPO update, drafter steps) and the final actor, drafter and
-  drafter optimizer equal an uninterrupted run's bit for bit."""
-  fixed = {"tlt.spec.selector": "fixed", "tlt.spec.strategy": "3_1_4"}
-  ref = _run(_small_cfg(tmp_path / "ref", 4, **fixed))
+  """TLT on with the fixed selector and the drafter trained a fixed number of steps per RL
+  step (serial mode) on that step's rollouts: stop after step 2, resume to step 3, and step 3
+  (speculative rollout, rewards, GRPO update, drafter steps) and the final actor, drafter and
+  both optimizers equal an uninterrupted run's bit for bit."""
+  fixed = {"tlt.spec.selector": "fixed", "tlt.spec.strategy": "3_1_4",
+           "tlt.drafter.mode": "serial", "tlt.drafter.keep_steps": 1}
+  ref = _run(_small_cfg(tmp_path / "ref", 3, **fixed))
   _run(_small_cfg(tmp_path / "run", 2, **fixed))
-  resumed = _run(_small_cfg(tmp_path / "run", 4, **fixed))
+  resumed = _run(_small_cfg(tmp_path / "run", 3, **fixed))
   recs, want = _records(tmp_path / "run"), _records(tmp_path / "ref")
-  assert [r["step"] for r in recs] == [1, 2, 3, 4]
+  assert [r["step"] for r in recs] == [1, 2, 3]
   for a, b in zip(recs, want):
     assert a["spec"]["chunks"] > 0 and a["spec"]["arm_chunks"] == b["spec"]["arm_chunks"]
+    assert a["drafter"]["steps"] == 2
     for key in ("reward", "tokens", "response_length", "loss", "drafter"):
       assert a[key] == b[key], (a["step"], key, a[key], b[key])
     assert a["spec"]["tokens_per_verify"] == b["spec"]["tokens_per_verify"]
   _assert_same_weights(resumed, ref)
 
 
-def test_resume_with_the_bandit_restores_every_state(tmp_path):
-  """With BEG-MAB the arms are chosen from wall-clock rewards, so resumed samples are other
-  draws from the same distribution; what must hold is that every state comes back: the
-  bandit's windows and RNG, the drafter and its optimizer, the actor, the data position."""
+def test_resume_with_spot_training_and_the_bandit_restores_every_state(tmp_path):
+  """With BEG-MAB the arms are chosen from wall-clock rewards, and spot training runs as
+  many drafter steps as the idle windows hold, so resumed samples are other draws from the
+  same distribution; what must hold is that every state comes back: the bandit's windows and
+  RNG, the drafter and its optimizer, the actor, the data position, the buffer's policy."""
+  from tlt_jax.train import build, restore
   first = _run(_small_cfg(tmp_path, 3))  # chunks that compile reward no arm: 3 steps
   assert _pulls(first.selector) > 0  # the bandit has windows to restore
-  from tlt_jax.train import Trainer
-  second = Trainer(_small_cfg(tmp_path, 5), progress=False)
-  assert second.maybe_resume() == 3
+  assert int(first.store.drafter()[1].step) > 0  # spot training ran
+  second = build(_small_cfg(tmp_path, 5))
+  assert restore(second) == 3
   assert second.selector.state_dict() == first.selector.state_dict()
   assert second.stream.state_dict() == first.stream.state_dict()
+  assert second.buffer.state_dict() == first.buffer.state_dict()
   _assert_same_weights(second, first)
 
 
@@ -157,34 +167,47 @@ def test_evaluation_leaves_the_training_bandit_untouched(tmp_path):
   """Held-out evaluation decodes through the training workers but with its own selector:
   the training bandit's windows, pulls and RNG are exactly as before."""
   from tlt_jax.rl.reward_pool import RewardPool
-  from tlt_jax.train import Trainer
-  cfg = _small_cfg(tmp_path, 1, **{"train.eval_every": 1})
-  trainer = Trainer(cfg, progress=False)
-  before = trainer.selector.state_dict()
+  from tlt_jax.train import build, evaluate
+  run = build(_small_cfg(tmp_path, 1, **{"train.eval_every": 1}))
+  before = run.selector.state_dict()
   with RewardPool("arith", num_workers=1) as pool:
-    first = trainer.evaluate(pool)  # compiles (compiling chunks reward no arm)
-    again = trainer.evaluate(pool)
+    first = evaluate(run, pool)  # compiles (compiling chunks reward no arm)
+    again = evaluate(run, pool)
+  run.coordinator.close()
   assert again["accuracy"] == first["accuracy"]  # greedy: lossless whatever the arms
-  assert trainer.selector.state_dict() == before
-  assert _pulls(trainer.eval_selector) > 0  # evaluation did speculate
+  assert run.selector.state_dict() == before
+  assert _pulls(run.eval_selector) > 0  # evaluation did speculate
 
 
-def test_tlt_run_in_process_writes_metrics_tb_and_checkpoints(tmp_path):
-  """TLT on (speculative rollout + online drafter steps) on the 8-device test mesh."""
-  # two replicas on devices 0 and 1, driven from host threads
-  cfg = _small_cfg(tmp_path, 2, **{"train.eval_every": 2, "rollout.num_workers": 2})
-  from tlt_jax.train import Trainer
-  trainer = Trainer(cfg, progress=False)
-  last = trainer.run()
+def test_tlt_run_on_two_workers_trains_the_drafter_in_idle_windows(tmp_path):
+  """TLT on, spot mode, two rollout workers on devices 0 and 1 of the 8-device test mesh:
+  metrics, the per-worker timeline, TensorBoard and checkpoints are written; idle worker
+  time is spent training the drafter, and every worker decodes with the merged drafter."""
+  cfg = _small_cfg(tmp_path, 2, **{"train.eval_every": 2})
+  from tlt_jax.train import build, train
+  run = build(cfg)
+  last = train(run, progress=False)
   recs = _records(tmp_path)
   assert [r["step"] for r in recs] == [0, 1, 2]
   assert "eval" in recs[0] and "eval" in recs[2]
   for key in ("rollout", "reward_wait", "logprobs", "update", "weight_sync", "drafter", "idle"):
     assert key in last["time"], key
   assert last["spec"]["chunks"] > 0 and last["spec"]["verify_path"] == ["jnp"]
-  assert last["drafter"]["steps"] == 2
-  assert len(trainer.workers) == 2
-  assert {w.params["embed"].sharding.device_set.pop().id for w in trainer.workers} == {0, 1}
+  spot = last["spot"]
+  assert set(spot["per_worker"]) == {"0", "1"}
+  assert spot["idle_s"] > 0 and spot["idle_share_trained"] > 0.5, spot
+  assert last["drafter"]["steps"] >= 1 and last["drafter"]["tokens"] > 0
+  assert spot["critical_path_s"] < last["time"]["total"]
+  timeline = [json.loads(line) for line in open(tmp_path / "timeline.jsonl")]
+  assert [t["step"] for t in timeline] == [1, 2]
+  states = {(w, s) for w, s, _, _ in timeline[-1]["intervals"]}
+  assert {(0, "generating"), (1, "generating")} <= states and any(s == "training"
+                                                                  for _, s in states)
+  assert {e.params["embed"].sharding.device_set.pop().id for e in run.coordinator.engines} \
+      == {0, 1}
+  merged = run.store.drafter()[1].params
+  for e in run.coordinator.engines:
+    assert _same_tree(e.drafter_params, merged)
   assert os.listdir(tmp_path / "tb")
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2"]
 

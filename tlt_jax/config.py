@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import os
+import re
 import sys
 from typing import Any, Iterable
 
@@ -92,43 +93,146 @@ def require(cond: bool, key: str, value: Any, fix: str) -> None:
     raise ConfigError(f"config.{key}={value!r} is invalid: {fix}")
 
 
+def typed(fn, keys: dict[str, str], default_key: str, **kw):
+  """`fn(**kw)` (a typed config: dataclass, selector), its ValueError turned into one
+  ConfigError naming the config key. Typed configs validate themselves (once, there) with
+  messages that start "field=value: fix"; `keys` maps field -> config key."""
+  try:
+    return fn(**kw)
+  except ValueError as e:
+    msg = str(e)
+    m = re.match(r"(\w+)=", msg)
+    if m and m.group(1) in keys:
+      raise ConfigError(f"config.{keys[m.group(1)]}{msg[len(m.group(1)):]}") from None
+    raise ConfigError(f"config.{default_key}: {msg}") from None
+
+
+# -------------------------------------------------------- typed configs built from a ConfigDict
+def sampling_params(cfg: ml_collections.ConfigDict):
+  from tlt_jax.rollout.sampling import SamplingParams
+  r = cfg.rollout
+  return typed(SamplingParams, {k: f"rollout.{k}" for k in ("temperature", "top_k", "top_p")},
+               "rollout", temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
+
+
+def spec_config(cfg: ml_collections.ConfigDict):
+  from tlt_jax.rollout.engine import SpecConfig
+  s = cfg.tlt.spec
+  fields = ("strategy", "bs_threshold", "patience", "max_steps")
+  return typed(SpecConfig, {k: f"tlt.spec.{k}" for k in fields}, "tlt.spec",
+               **{k: s[k] for k in fields})
+
+
+def engine_config(cfg: ml_collections.ConfigDict, stop: tuple[int, ...] = (), *,
+                  max_batch: int | None = None, speculative: bool = False,
+                  capture_hidden: bool = False, hidden_keep: int = 0):
+  """The rollout engine's config (tlt_jax/rollout/engine.py) from config.rollout."""
+  from tlt_jax.rollout.engine import EngineConfig
+  r = cfg.rollout
+  b = tuple(r.buckets)
+  require(len(b) > 0 and list(b) == sorted(set(b)) and b[0] >= 1, "rollout.buckets", b,
+          "a strictly increasing tuple of batch sizes, e.g. (1, 2, 4, 8)")
+  max_batch = max_batch or r.max_batch
+  # Buckets above the worker's batch are never used: cut them, keep max_batch itself.
+  buckets = tuple(x for x in b if x < max_batch) + (max_batch,) if max_batch >= 1 else b
+  keys = {k: f"rollout.{k}" for k in ("max_batch", "chunk_size", "compaction",
+                                      "max_new_tokens")}
+  keys.update(buckets="rollout.buckets", max_prompt_len="data.max_prompt_len")
+  return typed(EngineConfig, keys, "rollout", max_batch=max_batch, buckets=buckets,
+               chunk_size=r.chunk_size, compaction=r.compaction,
+               max_prompt_len=cfg.data.max_prompt_len, max_new_tokens=r.max_new_tokens,
+               capture_hidden=capture_hidden, hidden_keep=hidden_keep, stop_tokens=tuple(stop),
+               spec=spec_config(cfg) if speculative else None)
+
+
+def grpo_config(cfg: ml_collections.ConfigDict):
+  from tlt_jax.rl.grpo import GRPOConfig
+  g = cfg.grpo
+  fields = ("eps_low", "eps_high", "kl_coef", "adv_eps", "norm_adv_by_std", "logit_chunk")
+  keys = {k: f"grpo.{k}" for k in fields}
+  keys["temperature"] = "rollout.temperature"
+  return typed(GRPOConfig, keys, "grpo", temperature=cfg.rollout.temperature,
+               **{k: g[k] for k in fields})
+
+
+def selector(cfg: ml_collections.ConfigDict, seed: int | None = None):
+  """The speculative-strategy selector named by config.tlt.spec (BEG-MAB by default)."""
+  from tlt_jax.rollout.mab import make_selector
+  s = cfg.tlt.spec
+  return typed(make_selector, {"kind": "tlt.spec.selector", "arm": "tlt.spec.strategy",
+                               "epsilon": "tlt.spec.epsilon", "window": "tlt.spec.window"},
+               "tlt.spec.buckets", kind=s.selector, buckets=parse_mab_buckets(s.buckets),
+               arm=s.strategy, epsilon=s.epsilon, window=s.window,
+               seed=cfg.seed if seed is None else seed)
+
+
+def parse_mab_buckets(text: str) -> dict[int, list[str]] | None:
+  """'1:4_1_5,3_1_4,off 2:...' -> {1: ["4_1_5", "3_1_4", "off"], 2: ...}; '' -> None."""
+  if not text.strip():
+    return None
+  out = {}
+  for part in text.split():
+    bound, sep, arms = part.partition(":")
+    if not sep or not bound.isdigit() or not arms:
+      raise ConfigError(f"config.tlt.spec.buckets: {part!r} is not 'LOWER_BOUND:ARM,ARM,...' "
+                        "(e.g. '1:4_1_5,3_1_4,off 5:3_1_4,off')")
+    out[int(bound)] = arms.split(",")
+  return out
+
+
+def spot_config(cfg: ml_collections.ConfigDict):
+  from tlt_jax.coordinator.spot import SpotConfig
+  d = cfg.tlt.drafter
+  return typed(SpotConfig, {k: f"tlt.drafter.{k}" for k in ("mode", "on_barrier",
+                                                            "serial_steps")},
+               "tlt.drafter", mode=d.mode, on_barrier=d.on_barrier,
+               serial_steps=d.serial_steps)
+
+
+def buffer_config(cfg: ml_collections.ConfigDict):
+  from tlt_jax.drafter.buffer import BufferConfig
+  d = cfg.tlt.drafter
+  keys = {"max_tokens": "tlt.drafter.buffer_tokens", "window": "tlt.drafter.window",
+          "max_windows_per_response": "tlt.drafter.windows_per_response",
+          "keep_steps": "tlt.drafter.keep_steps", "tail_weight": "tlt.drafter.tail_weight"}
+  return typed(BufferConfig, keys, "tlt.drafter", max_tokens=d.buffer_tokens, window=d.window,
+               max_windows_per_response=d.windows_per_response, keep_steps=d.keep_steps,
+               tail_weight=d.tail_weight)
+
+
 def validate(cfg: ml_collections.ConfigDict) -> None:
-  """Value checks for the sections every entry point shares (model, mesh, rollout)."""
+  """Value checks of a run's config: the typed configs are built (each validates itself,
+  errors name the config key); the remaining plain values are checked here."""
   if "model" in cfg:
     m = cfg.model
     require(bool(m.path), "model.path", m.path, "set the local Hugging Face model directory")
     for k in ("dtype", "param_dtype"):
       require(m[k] in ("float32", "bfloat16", "float16"), f"model.{k}", m[k],
               "use float32, bfloat16 or float16")
+  if "cpu_devices" in cfg:
+    require(isinstance(cfg.cpu_devices, int) and cfg.cpu_devices >= 0, "cpu_devices",
+            cfg.cpu_devices, "a number of CPU devices to expose, or 0 for JAX's default")
   if "mesh" in cfg:
     sizes = [cfg.mesh[a] for a in ("data", "fsdp", "tensor")]
     require(all(isinstance(s, int) and (s > 0 or s == -1) for s in sizes), "mesh", dict(cfg.mesh),
             "axis sizes are positive integers, or -1 on one axis for 'all remaining devices'")
   if "rollout" in cfg:
     r = cfg.rollout
-    require(r.max_batch >= 1, "rollout.max_batch", r.max_batch,
-            "must be >= 1 (concurrent sequences per rollout worker)")
-    require(r.max_new_tokens > 0, "rollout.max_new_tokens", r.max_new_tokens, "must be > 0")
-    require(r.chunk_size > 0, "rollout.chunk_size", r.chunk_size, "must be > 0")
-    require(r.temperature >= 0, "rollout.temperature", r.temperature, "must be >= 0 (0 = greedy)")
-    require(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
-    require(r.top_k >= 0, "rollout.top_k", r.top_k, "must be >= 0 (0 = off)")
-    b = tuple(r.buckets)
-    require(len(b) > 0 and list(b) == sorted(set(b)) and b[0] >= 1, "rollout.buckets", b,
-            "a strictly increasing tuple of batch sizes, e.g. (1, 2, 4, 8)")
-    require(b[-1] >= r.max_batch, "rollout.buckets", b,
-            f"the largest bucket must be >= rollout.max_batch ({r.max_batch})")
+    sampling_params(cfg)
+    engine_config(cfg, speculative="tlt" in cfg and cfg.tlt.enabled)
+    require(r.get("num_workers", 1) >= 1, "rollout.num_workers", r.get("num_workers"),
+            "must be >= 1")
+    require(r.get("tensor_parallel", 1) >= 1, "rollout.tensor_parallel",
+            r.get("tensor_parallel"), "must be >= 1")
   if "data" in cfg:
     d = cfg.data
     require(d.on_bad_row in ("skip", "error"), "data.on_bad_row", d.on_bad_row,
             "use 'skip' (count and warn) or 'error' (stop with the row number)")
   if "grpo" in cfg:
     g = cfg.grpo
+    grpo_config(cfg)
     require(g.num_prompts >= 1, "grpo.num_prompts", g.num_prompts, "must be >= 1")
     require(g.n >= 2, "grpo.n", g.n, "GRPO needs >= 2 responses per prompt to compare")
-    require(0 <= g.eps_low < 1, "grpo.eps_low", g.eps_low, "must be in [0, 1)")
-    require(g.eps_high >= 0, "grpo.eps_high", g.eps_high, "must be >= 0")
-    require(g.kl_coef >= 0, "grpo.kl_coef", g.kl_coef, "must be >= 0 (0 = no KL term)")
     require(g.micro_batch >= 1, "grpo.micro_batch", g.micro_batch, "must be >= 1")
     require(g.micro_batch_tokens >= 0, "grpo.micro_batch_tokens", g.micro_batch_tokens,
             "must be >= 0 (0 = fixed micro_batch rows)")
@@ -137,11 +241,6 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     require(1 <= g.minibatches <= most, "grpo.minibatches", g.minibatches,
             f"must be between 1 and the number of micro-batches per step ({most})")
     require(g.pad_multiple >= 1, "grpo.pad_multiple", g.pad_multiple, "must be >= 1")
-    require(g.logit_chunk >= 1, "grpo.logit_chunk", g.logit_chunk,
-            "must be >= 1 (tokens per LM-head chunk, e.g. 1024)")
-    if "rollout" in cfg:
-      require(cfg.rollout.temperature > 0, "rollout.temperature", cfg.rollout.temperature,
-              "GRPO samples its groups: use a temperature > 0 (e.g. 1.0)")
   if "optim" in cfg:
     o = cfg.optim
     require(o.lr > 0, "optim.lr", o.lr, "must be > 0")
@@ -161,19 +260,15 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             "must be >= 1")
     require(cfg.reward.timeout > 0, "reward.timeout", cfg.reward.timeout, "must be > 0 seconds")
   if "tlt" in cfg:
-    s = cfg.tlt.spec
-    from tlt_jax.rollout.speculative import Strategy
-    try:
-      Strategy.parse(s.strategy)
-    except (ValueError, NotImplementedError) as e:
-      raise ConfigError(f"config.tlt.spec.strategy={s.strategy!r} is invalid: {e}") from None
-    require(s.bs_threshold >= 1, "tlt.spec.bs_threshold", s.bs_threshold, "must be >= 1")
-    require(s.selector in ("fixed", "beg", "eg", "ucb1", "bucb1"), "tlt.spec.selector",
-            s.selector, "use 'beg' (BEG-MAB), 'fixed', 'eg', 'ucb1' or 'bucb1'")
-    require(0 <= s.epsilon <= 1, "tlt.spec.epsilon", s.epsilon, "must be in [0, 1]")
-    require(s.window >= 1, "tlt.spec.window", s.window, "must be >= 1")
-    require(s.patience >= 1, "tlt.spec.patience", s.patience, "must be >= 1")
-    require(cfg.tlt.drafter_steps >= 0, "tlt.drafter_steps", cfg.tlt.drafter_steps,
-            "must be >= 0 (0 = keep the drafter fixed)")
-    require(cfg.tlt.drafter_lr > 0, "tlt.drafter_lr", cfg.tlt.drafter_lr,
-            "must be > 0 (to keep the drafter fixed set tlt.drafter_steps=0)")
+    spec_config(cfg)
+    selector(cfg)
+    d = cfg.tlt.drafter
+    spot_config(cfg)
+    buffer_config(cfg)
+    require(d.lr > 0, "tlt.drafter.lr", d.lr,
+            "must be > 0 (to keep the drafter fixed set tlt.drafter.mode=off)")
+    require(d.warmup_steps >= 0, "tlt.drafter.warmup_steps", d.warmup_steps, "must be >= 0")
+    require(d.unroll >= 1, "tlt.drafter.unroll", d.unroll, "must be >= 1 (1 = plain EAGLE)")
+    require(d.rows >= 1, "tlt.drafter.rows", d.rows, "must be >= 1")
+    require(d.row_len >= d.window, "tlt.drafter.row_len", d.row_len,
+            f"must be >= tlt.drafter.window ({d.window}): a packed row holds whole windows")

@@ -86,9 +86,10 @@ def main(argv):
   del argv
   from tlt_jax import runtime
   cfg = _CONFIG.value
-  runtime.validate(cfg)
+  runtime.validate(cfg, training=False)
   model_cfg, params, tokenizer, stop = runtime.load_model(cfg)
-  worker = runtime.make_worker(cfg, model_cfg, params, stop, max_batch=cfg.eval.batch_size)
+  from tlt_jax.config import engine_config
+  worker = RolloutWorker(params, model_cfg, engine_config(cfg, stop, max_batch=cfg.eval.batch_size))
   rows = runtime.load_rows(cfg, cfg.data.test_path)
   if cfg.eval.num_prompts:
     rows = rows[:cfg.eval.num_prompts]

@@ -14,10 +14,25 @@ from tlt_jax import config as config_lib
 from tlt_jax.config import ConfigError
 
 
-def validate(cfg: ml_collections.ConfigDict) -> None:
+def use_cpu_devices(cfg: ml_collections.ConfigDict) -> None:
+  """Exposes config.cpu_devices CPU devices (XLA's host device count) so each rollout worker
+  of a CPU-only run has its own. Must run before JAX initialises its backends; it changes only
+  the CPU platform, so on an accelerator host it is harmless. An explicit device count in
+  XLA_FLAGS wins."""
+  n = int(cfg.get("cpu_devices", 0) or 0)
+  flags = os.environ.get("XLA_FLAGS", "")
+  if n > 0 and "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def validate(cfg: ml_collections.ConfigDict, *, training: bool = True) -> None:
+  """Config values, paths and the reward; with `training`, also the learner mesh and the
+  rollout workers' devices (evaluation uses one device and neither)."""
   config_lib.validate(cfg)
-  if "mesh" in cfg:
+  if training and "mesh" in cfg:
     make_mesh(cfg)
+  if training and "rollout" in cfg and "num_workers" in cfg.rollout:
+    worker_meshes(cfg)
   if not os.path.isdir(cfg.model.path):
     raise ConfigError(f"config.model.path={cfg.model.path!r} is not a directory; point it at a "
                       "local Hugging Face model directory (config.json + *.safetensors)")
@@ -85,30 +100,6 @@ def load_model(cfg: ml_collections.ConfigDict, mesh=None):
   return model_cfg, params, tokenizer, stop
 
 
-def engine_config(cfg: ml_collections.ConfigDict, stop: tuple[int, ...], *,
-                  max_batch: int | None = None, capture_hidden: bool = False,
-                  speculative: bool = False):
-  from tlt_jax.rollout.engine import EngineConfig, SpecConfig
-  r = cfg.rollout
-  max_batch = max_batch or r.max_batch
-  buckets = tuple(b for b in r.buckets if b < max_batch) + (max_batch,)
-  spec = None
-  if speculative:
-    s = cfg.tlt.spec
-    spec = SpecConfig(strategy=s.strategy, bs_threshold=s.bs_threshold, patience=s.patience,
-                      max_steps=s.max_steps)
-  return EngineConfig(max_batch=max_batch, buckets=buckets, chunk_size=r.chunk_size,
-                      compaction=r.compaction, max_prompt_len=cfg.data.max_prompt_len,
-                      max_new_tokens=r.max_new_tokens, capture_hidden=capture_hidden,
-                      stop_tokens=tuple(stop), spec=spec)
-
-
-def make_worker(cfg, model_cfg, params, stop, *, max_batch=None, worker_id=0, mesh=None):
-  from tlt_jax.rollout.engine import RolloutWorker
-  return RolloutWorker(params, model_cfg, engine_config(cfg, stop, max_batch=max_batch),
-                       worker_id=worker_id, mesh=mesh)
-
-
 def worker_meshes(cfg: ml_collections.ConfigDict):
   """One mesh per rollout worker: consecutive groups of rollout.tensor_parallel devices."""
   import jax
@@ -125,78 +116,28 @@ def worker_meshes(cfg: ml_collections.ConfigDict):
           for i in range(r.num_workers)]
 
 
-def make_workers(cfg, model_cfg, params, stop, *, drafter_params=None, selector=None):
-  """The RL loop's rollout workers; speculative (with `drafter_params`) when TLT is on."""
-  from tlt_jax.rollout.engine import RolloutWorker
-  ecfg = engine_config(cfg, stop, speculative=drafter_params is not None)
-  return [RolloutWorker(params, model_cfg, ecfg, worker_id=i, mesh=mesh,
-                        drafter_params=drafter_params, selector=selector)
-          for i, mesh in enumerate(worker_meshes(cfg))]
-
-
 def load_drafter(cfg: ml_collections.ConfigDict, model_cfg):
-  """The drafter named by config.tlt.drafter: a directory, or 'init:SEED' for a fresh one."""
+  """The drafter named by config.tlt.drafter.init: a directory, or 'init:SEED' for a fresh
+  one."""
   import jax
 
   from tlt_jax.drafter.model import DrafterLoadError, init_drafter
   from tlt_jax.drafter.model import load_drafter as _load
-  path = cfg.tlt.drafter
+  path = cfg.tlt.drafter.init
   if path.startswith("init:"):
     try:
       seed = int(path[5:])
     except ValueError:
-      raise ConfigError(f"config.tlt.drafter={path!r}: use 'init:<integer seed>'") from None
+      raise ConfigError(f"config.tlt.drafter.init={path!r}: use 'init:<integer seed>'") from None
     return init_drafter(model_cfg, jax.random.key(seed))
   if not os.path.isdir(path):
-    raise ConfigError(f"config.tlt.drafter={path!r} is not a directory; point it at a drafter "
-                      "saved by scripts/train_drafter.py, or use 'init:0' for a fresh drafter")
+    raise ConfigError(f"config.tlt.drafter.init={path!r} is not a directory; point it at a "
+                      "drafter saved by scripts/train_drafter.py, or use 'init:0' for a fresh "
+                      "drafter")
   try:
     return _load(path, model_cfg)
   except DrafterLoadError as e:
-    raise ConfigError(f"config.tlt.drafter: {e}") from None
-
-
-def parse_mab_buckets(text: str) -> dict[int, list[str]] | None:
-  """'1:4_1_5,3_1_4,off 2:...' -> {1: ["4_1_5", "3_1_4", "off"], 2: ...}; '' -> None."""
-  if not text.strip():
-    return None
-  out = {}
-  for part in text.split():
-    bound, sep, arms = part.partition(":")
-    if not sep or not bound.isdigit() or not arms:
-      raise ConfigError(f"config.tlt.spec.buckets: {part!r} is not 'LOWER_BOUND:ARM,ARM,...' "
-                        "(e.g. '1:4_1_5,3_1_4,off 5:3_1_4,off')")
-    out[int(bound)] = arms.split(",")
-  return out
-
-
-class _LockedSelector:
-  """One selector shared by the workers' host threads: select/update/state under a lock."""
-
-  def __init__(self, inner):
-    import threading
-    self._inner, self._lock = inner, threading.Lock()
-
-  def __getattr__(self, name):
-    attr = getattr(self._inner, name)
-    if name in ("select", "update", "state_dict", "load_state_dict"):
-      def locked(*a, **kw):
-        with self._lock:
-          return attr(*a, **kw)
-      return locked
-    return attr
-
-
-def make_selector(cfg: ml_collections.ConfigDict):
-  """The speculative-strategy selector named by config.tlt.spec (BEG-MAB by default)."""
-  from tlt_jax.rollout.mab import make_selector as _make
-  s = cfg.tlt.spec
-  try:
-    sel = _make(s.selector, parse_mab_buckets(s.buckets), arm=s.strategy, epsilon=s.epsilon,
-                window=s.window, seed=cfg.seed)
-  except ValueError as e:
-    raise ConfigError(f"config.tlt.spec: {e}") from None
-  return _LockedSelector(sel)
+    raise ConfigError(f"config.tlt.drafter.init: {e}") from None
 
 
 def load_rows(cfg: ml_collections.ConfigDict, path: str):

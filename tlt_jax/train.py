@@ -2,20 +2,27 @@
 
   python -m tlt_jax.train --config configs/default.py [--workdir DIR] [--config.key=value ...]
   python -m tlt_jax.train --config configs/default.py --config.tlt.enabled=False   # baseline
+  python -m tlt_jax.train --config configs/default.py --config.tlt.drafter.mode=serial
 
-One RL step (DESIGN.md 7):
-  prompts (PromptStream, resumable position) -> rollout workers (continuous batching; plain
-  decode while the batch is large, speculative decoding with the drafter in the long tail)
-  -> rewards (process pool, fed as each response finishes) -> group advantages
+One RL step (`rl_step`; DESIGN.md 7):
+  prompts (PromptStream, resumable position)
+  -> coordinator.rollout: each rollout worker decodes its share (continuous batching; plain
+     decoding while the batch is large, speculative decoding with the drafter in the long
+     tail); each finished response goes to the reward pool and, windowed, with the hidden
+     states the rollout already computed, to the drafter buffer; a worker whose share is done
+     trains its drafter copy from the buffer ("spot" training) until the last worker
+     finishes; there the copies are merged and pushed to every worker
+  -> rewards (process pool, scored while the tail still decodes) -> group advantages
   -> learner: old/ref log-probs recomputed in micro-batches, clipped-ratio update with
-  gradient accumulation (FSDP over the mesh, donated state) -> new params resharded into the
-  rollout layout on device -> drafter steps on the policy's hidden states (tlt.enabled).
+     gradient accumulation (FSDP over the mesh, donated state)
+  -> coordinator.sync_actor: the new params into every worker's layout, on device.
 
 Output in the workdir: metrics.jsonl (one JSON object per step: time breakdown, reward,
-accuracy, lengths, tokens/s, eval results), tb/ (TensorBoard, same scalars), checkpoints/
-(async Orbax: actor, optimizer, drafter and its optimizer, step, data position and bandit
-state). Re-running the same command resumes from the latest checkpoint; a run killed at any
-moment loses at most the steps since that checkpoint.
+accuracy, lengths, tokens/s, speculation, spot training, eval), timeline.jsonl (per step,
+every worker's GENERATING / IDLE / TRAINING intervals: scripts/plot_timeline.py draws them),
+tb/ (TensorBoard, the same scalars), checkpoints/ (async Orbax: actor, optimizer, drafter and
+its optimizer, step, data position, bandit and buffer policy). Re-running the same command
+resumes from the latest checkpoint.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from tlt_jax import config as config_lib
 from tlt_jax.config import ConfigError
 
 _log = logging.getLogger("tlt_jax.train")
@@ -40,26 +48,41 @@ def _seed_for(seed: int, step: int) -> int:
   return int(np.random.default_rng([seed, step, 17]).integers(0, 2**31 - 1))
 
 
+# =============================================================================== metrics
+def read_records(path: str) -> list[dict[str, Any]]:
+  """The JSON records of a metrics/timeline JSONL file; a line cut by a kill is skipped."""
+  out = []
+  with open(path) as f:
+    for line in f:
+      try:
+        out.append(json.loads(line))
+      except json.JSONDecodeError:
+        continue
+  return out
+
+
+def _keep_steps_upto(path: str, step: int) -> None:
+  """Drops JSONL records of steps after `step` (recomputed after a resume) and lines cut by
+  a kill, so curves have no duplicates."""
+  if not os.path.exists(path):
+    return
+  kept = [rec for rec in read_records(path) if rec.get("step", 0) <= step]
+  with open(path + ".tmp", "w") as f:
+    f.writelines(json.dumps(rec) + "\n" for rec in kept)
+  os.replace(path + ".tmp", path)
+
+
 class MetricsWriter:
-  """metrics.jsonl + TensorBoard. On resume, drops JSONL lines and TB events of steps after the
-  restored checkpoint (they are recomputed), so the curves have no duplicates."""
+  """metrics.jsonl + timeline.jsonl + TensorBoard; on resume, records of steps after the
+  restored checkpoint are dropped (TensorBoard: purged)."""
 
   def __init__(self, workdir: str, resume_step: int):
     self.path = os.path.join(workdir, "metrics.jsonl")
-    kept = []
-    if os.path.exists(self.path):
-      with open(self.path) as f:
-        for line in f:
-          try:
-            rec = json.loads(line)
-          except json.JSONDecodeError:  # a line cut by a kill
-            continue
-          if rec.get("step", 0) <= resume_step:
-            kept.append(line if line.endswith("\n") else line + "\n")
-      with open(self.path + ".tmp", "w") as f:
-        f.writelines(kept)
-      os.replace(self.path + ".tmp", self.path)
+    self.timeline_path = os.path.join(workdir, "timeline.jsonl")
+    for p in (self.path, self.timeline_path):
+      _keep_steps_upto(p, resume_step)
     self._f = open(self.path, "a")
+    self._timeline = open(self.timeline_path, "a")
     self._tb = None
     try:
       from tensorboardX import SummaryWriter
@@ -67,10 +90,12 @@ class MetricsWriter:
     except ImportError:  # pragma: no cover - tensorboardX is in requirements
       _log.warning("tensorboardX is not installed: TensorBoard logging is off")
 
-  def write(self, step: int, metrics: dict[str, Any]) -> None:
-    rec = {"step": step, **metrics}
-    self._f.write(json.dumps(rec) + "\n")
+  def write(self, step: int, metrics: dict[str, Any], timeline: dict | None = None) -> None:
+    self._f.write(json.dumps({"step": step, **metrics}) + "\n")
     self._f.flush()
+    if timeline is not None:
+      self._timeline.write(json.dumps({"step": step, **timeline}) + "\n")
+      self._timeline.flush()
     if self._tb is not None:
       for k, v in _flatten(metrics).items():
         if isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -79,6 +104,7 @@ class MetricsWriter:
 
   def close(self) -> None:
     self._f.close()
+    self._timeline.close()
     if self._tb is not None:
       self._tb.close()
 
@@ -93,318 +119,377 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
   return out
 
 
+# =================================================================================== build
 @dataclasses.dataclass
-class StepTimer:
-  times: dict[str, float] = dataclasses.field(default_factory=dict)
+class Run:
+  """Everything one training run holds, built once by `build` from a validated config.
+  `step` is the only field the loop changes; the rest is state each part owns (the learner
+  its params, the store the weights the workers read, the coordinator the workers)."""
 
-  def add(self, name: str, seconds: float) -> None:
-    self.times[name] = self.times.get(name, 0.0) + seconds
+  cfg: Any
+  mesh: Any
+  model_cfg: Any
+  tokenizer: Any
+  stream: Any  # the training prompts (PromptStream)
+  test_rows: list | None  # held-out prompts (None: no evaluation)
+  sampling: Any  # SamplingParams of the rollout
+  learner: Any  # rl.grpo.Learner
+  store: Any  # coordinator.ParamStore: actor + drafter versions
+  coordinator: Any  # coordinator.Coordinator: the rollout workers
+  selector: Any  # the training bandit (None: TLT off)
+  eval_selector: Any  # evaluation's own selector (never trains the training bandit)
+  buffer: Any  # drafter.DrafterBuffer (None: the drafter is not trained)
+  ckpt: Any  # checkpoint.Checkpointer
+  step: int = 0
+
+  @property
+  def tlt(self) -> bool:
+    return self.selector is not None
 
 
-class Trainer:
-  """Holds everything one run needs; `run()` is the loop. Built from a validated config."""
+def build(cfg) -> Run:
+  import jax
 
-  def __init__(self, cfg, *, progress: bool = True):
-    import jax
+  from tlt_jax import runtime
+  from tlt_jax.checkpoint import Checkpointer
+  from tlt_jax.coordinator import Coordinator, ParamStore, SpotConfig, Worker
+  from tlt_jax.data.dataset import PromptStream
+  from tlt_jax.rl import grpo
+  from tlt_jax.rollout.engine import RolloutWorker
 
-    from tlt_jax import runtime
-    from tlt_jax.data.dataset import PromptStream
-    from tlt_jax.rl import grpo
+  os.makedirs(cfg.workdir, exist_ok=True)
+  # ------------------------------------------------------------------- mesh and model
+  mesh = runtime.make_mesh(cfg)
+  model_cfg, params, tokenizer, stop = runtime.load_model(cfg, mesh=mesh)
 
-    self.cfg = cfg
-    self.progress = progress
-    self.workdir = cfg.workdir
-    os.makedirs(self.workdir, exist_ok=True)
-    self.mesh = runtime.make_mesh(cfg)
-    self.model_cfg, params, self.tokenizer, self.stop = runtime.load_model(cfg, mesh=self.mesh)
-    self.stream = PromptStream(runtime.load_rows(cfg, cfg.data.train_path), self.tokenizer,
-                               max_prompt_len=cfg.data.max_prompt_len, seed=cfg.seed,
-                               chat_template=cfg.data.chat_template,
-                               system_prompt=cfg.data.system_prompt, name="config.data.train_path")
-    print(f"data: {len(self.stream)} training prompts from {cfg.data.train_path} "
-          f"({self.stream.dropped_long} dropped as longer than max_prompt_len="
-          f"{cfg.data.max_prompt_len} tokens)", file=sys.stderr)
-    self.test_rows = None
-    if cfg.data.test_path and cfg.train.eval_every > 0:
-      rows = runtime.load_rows(cfg, cfg.data.test_path)
-      self.test_rows = rows[:cfg.eval.num_prompts] if cfg.eval.num_prompts else rows
+  # ----------------------------------------------------------------------------- data
+  stream = PromptStream(runtime.load_rows(cfg, cfg.data.train_path), tokenizer,
+                        max_prompt_len=cfg.data.max_prompt_len, seed=cfg.seed,
+                        chat_template=cfg.data.chat_template,
+                        system_prompt=cfg.data.system_prompt, name="config.data.train_path")
+  print(f"data: {len(stream)} training prompts from {cfg.data.train_path} "
+        f"({stream.dropped_long} dropped as longer than max_prompt_len="
+        f"{cfg.data.max_prompt_len} tokens)", file=sys.stderr)
+  test_rows = None
+  if cfg.data.test_path and cfg.train.eval_every > 0:
+    rows = runtime.load_rows(cfg, cfg.data.test_path)
+    test_rows = rows[:cfg.eval.num_prompts] if cfg.eval.num_prompts else rows
 
-    g = cfg.grpo
-    gcfg = grpo.GRPOConfig(eps_low=g.eps_low, eps_high=g.eps_high, kl_coef=g.kl_coef,
-                           temperature=cfg.rollout.temperature, norm_adv_by_std=g.norm_adv_by_std,
-                           logit_chunk=g.logit_chunk)
-    o = cfg.optim
-    tx = grpo.make_optimizer(o.lr, warmup_steps=o.warmup_steps,
-                             total_steps=cfg.train.steps * g.minibatches,
-                             weight_decay=o.weight_decay, b1=o.b1, b2=o.b2,
-                             grad_clip=o.grad_clip, schedule=o.schedule)
-    self.learner = grpo.Learner(params, self.model_cfg, gcfg, tx, self.mesh,
-                                micro_batch=g.micro_batch, pad_multiple=g.pad_multiple,
-                                micro_batch_tokens=g.micro_batch_tokens,
-                                max_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
-    del params
+  # -------------------------------------------------------------------------- learner
+  g, o = cfg.grpo, cfg.optim
+  tx = grpo.make_optimizer(o.lr, warmup_steps=o.warmup_steps,
+                           total_steps=cfg.train.steps * g.minibatches,
+                           weight_decay=o.weight_decay, b1=o.b1, b2=o.b2,
+                           grad_clip=o.grad_clip, schedule=o.schedule)
+  learner = grpo.Learner(params, model_cfg, config_lib.grpo_config(cfg), tx, mesh,
+                         micro_batch=g.micro_batch, pad_multiple=g.pad_multiple,
+                         micro_batch_tokens=g.micro_batch_tokens,
+                         max_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+  del params
 
-    # Drafter + selector (TLT on), else the plain engine: the baseline differs in nothing else.
-    self.tlt = bool(cfg.tlt.enabled)
-    self.drafter = None
-    self.selector = self.eval_selector = None
-    dparams = None
-    if self.tlt:
-      dparams = runtime.load_drafter(cfg, self.model_cfg)
-      from tlt_jax.drafter.online import OnlineDrafterTrainer
-      if cfg.tlt.drafter_steps > 0:
-        self.drafter = OnlineDrafterTrainer(dparams, self.model_cfg, lr=cfg.tlt.drafter_lr,
-                                            mesh=self.mesh)
-      self.selector = runtime.make_selector(cfg)
-      # Evaluation decodes through the same workers with its OWN selector (same arms): eval
-      # chunks must not move the training bandit's reward windows (or its checkpoint).
-      self.eval_selector = runtime.make_selector(cfg)
-    self.workers = runtime.make_workers(cfg, self.model_cfg, self.learner.params, self.stop,
-                                        drafter_params=dparams, selector=self.selector)
-    if self.tlt and cfg.tlt.spec.precompile:
-      t = time.perf_counter()
-      n = sum(w.precompile(self._sampling()) for w in self.workers)
-      print(f"precompiled {n} speculative executables in {time.perf_counter() - t:.0f}s",
-            file=sys.stderr)
-    self.step = 0
-    from tlt_jax.checkpoint import Checkpointer
-    self.ckpt = Checkpointer(os.path.join(self.workdir, "checkpoints"),
-                             max_to_keep=cfg.train.keep_checkpoints,
-                             save_interval_steps=cfg.train.checkpoint_every)
-    self._jax = jax
+  # ---------------------------------------------- TLT: drafter, its data, the bandit
+  tlt = bool(cfg.tlt.enabled)
+  spot = config_lib.spot_config(cfg) if tlt else None
+  trained = tlt and spot.mode != "off"
+  selector = config_lib.selector(cfg) if tlt else None
+  # Evaluation decodes through the same workers with its OWN selector (same arms): eval
+  # chunks must not move the training bandit's reward windows (or its checkpoint).
+  eval_selector = config_lib.selector(cfg) if tlt else None
+  drafter = store_sh = step_fn = buffer = None
+  if tlt:
+    from tlt_jax.drafter import train_step as dts
+    from tlt_jax.drafter.buffer import DrafterBuffer
+    from tlt_jax.drafter.loss import LossConfig
+    d = cfg.tlt.drafter
+    dtx = dts.make_optimizer(d.lr, warmup_steps=d.warmup_steps)
+    dparams = runtime.load_drafter(cfg, model_cfg)
+    store_sh = dts.state_shardings(dparams, dtx, mesh)
+    drafter = dts.init_state(dparams, dtx, store_sh)
+    if trained:
+      buffer = DrafterBuffer(config_lib.buffer_config(cfg), seed=cfg.seed)
+      step_fn = dts.make_train_step(model_cfg, dtx, LossConfig(unroll_steps=d.unroll),
+                                    donate=spot.on_barrier == "finish")
 
-  # ------------------------------------------------------------------------------ state
-  def _state(self) -> dict[str, Any]:
-    meta = {"data": self.stream.state_dict(),
-            "selector": self.selector.state_dict() if hasattr(self.selector, "state_dict")
-            else None}
-    state = {"actor": self.learner.params, "opt": self.learner.opt_state, "step": self.step,
-             "meta": json.dumps(meta)}
-    if self.drafter is not None:
-      state["drafter"] = self.drafter.params
-      state["drafter_opt"] = self.drafter.opt_state
-    return state
+  # ------------------------------------------------------- rollout workers, coordinator
+  d = cfg.tlt.drafter
+  ecfg = config_lib.engine_config(cfg, stop, speculative=tlt, capture_hidden=trained,
+                                  hidden_keep=d.window * d.windows_per_response if trained
+                                  else 0)
+  workers = []
+  for i, wmesh in enumerate(runtime.worker_meshes(cfg)):
+    engine = RolloutWorker(learner.params, model_cfg, ecfg, worker_id=i, mesh=wmesh,
+                           drafter_params=drafter.params if tlt else None, selector=selector)
+    trainer = None
+    if trained:
+      from tlt_jax.coordinator.spot import DrafterTrainer
+      from tlt_jax.drafter import train_step as dts
+      trainer = DrafterTrainer(
+          step_fn=step_fn, shardings=dts.state_shardings(drafter.params, dtx, wmesh),
+          buffer=buffer, rows=d.rows, row_len=d.row_len,
+          target_params=lambda e=engine: e.params, seed=cfg.seed * 1000 + i,
+          hidden_dtype=model_cfg.compute_dtype)
+    workers.append(Worker(engine, trainer))
 
-  def maybe_resume(self) -> int:
-    from tlt_jax.checkpoint import CheckpointError
-    latest = self.ckpt.latest_step()
-    if latest is None:
-      return 0
-    try:
-      st = self.ckpt.restore(self._state())
-    except CheckpointError as e:
-      raise ConfigError(f"cannot resume from {self.ckpt.directory}: {e} (use a new "
-                        "--workdir for a different model or config)") from None
-    self.learner.params, self.learner.opt_state = st["actor"], st["opt"]
-    self.step = int(st["step"])
-    meta = json.loads(st["meta"])
-    self.stream.load_state_dict(meta["data"])
-    if meta.get("selector") and hasattr(self.selector, "load_state_dict"):
-      self.selector.load_state_dict(meta["selector"])
-    if self.drafter is not None:
-      self.drafter.params, self.drafter.opt_state = st["drafter"], st["drafter_opt"]
-      for w in self.workers:
-        w.set_drafter_params(self.drafter.params)
-    self.learner.sync_to(self.workers)
-    print(f"resumed from {self.ckpt.directory} at step {self.step}", file=sys.stderr)
-    return self.step
+  def merge(states, weights):  # onto the store's layout (the learner mesh), then average
+    from tlt_jax.drafter.train_step import average_states
+    return average_states([jax.device_put(s, store_sh) for s in states], weights)
 
-  # ------------------------------------------------------------------------------- pieces
-  def _sampling(self):
-    from tlt_jax.rollout.sampling import SamplingParams
-    r = self.cfg.rollout
-    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
-
-  def rollout(self, prompts, pool, timer: StepTimer):
-    from tlt_jax.rollout.engine import Request, WorkerHooks, run_workers
-    n = self.cfg.grpo.n
-    sp = self._sampling()
-    requests = [Request(p.ids, request_id=i, sample_index=s)
-                for i, p in enumerate(prompts) for s in range(n)]
-    idle_at: dict[int, float] = {}
-    chunks = []
-
-    def on_result(res):  # score while the long tail is still decoding
-      text = self.tokenizer.decode(res.response_ids, skip_special_tokens=True)
-      pool.submit((res.request_id, res.sample_index), text, prompts[res.request_id].row.answer)
-
-    hooks = WorkerHooks(on_result=on_result, on_chunk=chunks.append,
-                        on_idle=lambda wid, t: idle_at.__setitem__(wid, t))
-    t0 = time.perf_counter()
-    results = run_workers(self.workers, requests, sp, seed=_seed_for(self.cfg.seed, self.step),
-                          hooks=hooks)
-    wall = time.perf_counter() - t0
-    timer.add("rollout", wall)
-    # Worker idle time: a worker whose share finished early waits for the slowest one.
-    idle = sum(max(wall - t, 0.0) for t in idle_at.values()) / max(len(self.workers), 1)
-    timer.add("idle", idle)
-    t1 = time.perf_counter()
-    rewards = pool.gather([(res.request_id, res.sample_index) for res in results])
-    timer.add("reward_wait", time.perf_counter() - t1)
-    return results, rewards, chunks, wall
-
-  def train_step(self, pool) -> dict[str, Any]:
-    from tlt_jax.eval import length_stats
-    from tlt_jax.rl import grpo
-    from tlt_jax.rollout.engine import tokens_per_verification
-    cfg = self.cfg
-    timer = StepTimer()
-    t_step = time.perf_counter()
-    prompts = self.stream.next_batch(cfg.grpo.num_prompts)
-    results, rewards, chunks, wall = self.rollout(prompts, pool, timer)
-
-    n = cfg.grpo.n
-    r = np.zeros((len(prompts), n), np.float32)
-    for res in results:
-      r[res.request_id, res.sample_index] = rewards[(res.request_id, res.sample_index)]
-    adv = grpo.group_advantages(r, eps=cfg.grpo.adv_eps, norm_by_std=cfg.grpo.norm_adv_by_std)
-    samples = [grpo.Sample(res.prompt_ids, res.response_ids,
-                           float(adv[res.request_id, res.sample_index])) for res in results]
-
+  store = ParamStore(learner.params, drafter)
+  coordinator = Coordinator(workers, store, spot=spot if tlt else SpotConfig(mode="off"),
+                            merge=merge)
+  coordinator.push()  # every worker takes the store's weights (and its trainer the drafter)
+  if trained:  # the drafter step, compiled now rather than in the first idle window
     t = time.perf_counter()
-    minibatches = self.learner.batches(samples, cfg.grpo.minibatches,
-                                       seed=_seed_for(cfg.seed, self.step))
-    mbs = [mb for group in minibatches for mb in group]
-    self.learner.logprobs(mbs, with_hidden=self.drafter is not None)
-    self._jax.block_until_ready([mb["old_logp"] for mb in mbs])
-    timer.add("logprobs", time.perf_counter() - t)
-
+    for f in [w.submit(w.trainer.compile, model_cfg.hidden_size) for w in workers]:
+      f.result()
+    print(f"compiled the drafter train step in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+  if tlt and cfg.tlt.spec.precompile:
     t = time.perf_counter()
-    upd = self.learner.update(minibatches)
-    timer.add("update", time.perf_counter() - t)
+    n = sum(e.precompile(config_lib.sampling_params(cfg)) for e in coordinator.engines)
+    print(f"precompiled {n} speculative executables in {time.perf_counter() - t:.0f}s",
+          file=sys.stderr)
 
-    timer.add("weight_sync", self.learner.sync_to(self.workers))
+  # ----------------------------------------------------------------------- checkpoints
+  ckpt = Checkpointer(os.path.join(cfg.workdir, "checkpoints"),
+                      max_to_keep=cfg.train.keep_checkpoints,
+                      save_interval_steps=cfg.train.checkpoint_every)
+  return Run(cfg=cfg, mesh=mesh, model_cfg=model_cfg, tokenizer=tokenizer, stream=stream,
+             test_rows=test_rows, sampling=config_lib.sampling_params(cfg), learner=learner,
+             store=store, coordinator=coordinator, selector=selector,
+             eval_selector=eval_selector, buffer=buffer, ckpt=ckpt)
 
-    drafter_metrics = {}
-    if self.drafter is not None:
-      t = time.perf_counter()
-      drafter_metrics = self.drafter_work(mbs)
-      timer.add("drafter", time.perf_counter() - t)
 
-    lengths = [res.num_tokens for res in results]
-    tokens = int(sum(lengths))
-    spec_chunks = [c for c in chunks if c.mode != "plain"]
-    m: dict[str, Any] = {
-        "reward": float(r.mean()),
-        "accuracy": float((r >= 1.0).mean()),
-        "solved_groups": float((r.max(axis=1) >= 1.0).mean()),
-        "zero_adv_groups": float((r.std(axis=1) == 0).mean()),
-        "response_length": length_stats(lengths),
-        "truncated": float(np.mean([res.finish_reason == "length" for res in results])),
-        "rollout_tokens_per_s": tokens / max(wall, 1e-9),
-        "tokens": tokens,
-        "loss": upd,
-        "reward_stats": dataclasses.asdict(pool.stats),
-        "epoch": self.stream.epoch,
-    }
-    sources = {p.row.source for p in prompts if p.row.source is not None}
-    if sources:
-      m["accuracy_by_source"] = {
-          str(src): float(np.mean([r[i] >= 1.0 for i, p in enumerate(prompts)
-                                   if p.row.source == src])) for src in sorted(sources, key=str)}
-    if spec_chunks:
-      arms: dict[str, int] = {}
-      for c in spec_chunks:
-        arms[c.mode] = arms.get(c.mode, 0) + 1
-      m["spec"] = {"chunks": len(spec_chunks), "arm_chunks": arms,
-                   "tokens_per_verify": tokens_per_verification(spec_chunks) or 0.0,
-                   "share_of_tokens": sum(c.tokens for c in spec_chunks) / max(tokens, 1),
-                   # Which verification ran ("pallas" kernel or "jnp" reference; a kernel
-                   # that failed to compile fell back, see the run's log).
-                   "verify_path": sorted({w.verify_path for w in self.workers}),
-                   "kernel_fallbacks": sum(w.kernel_error is not None for w in self.workers)}
-    if drafter_metrics:
-      m["drafter"] = drafter_metrics
-    timer.add("total", time.perf_counter() - t_step)
-    m["time"] = timer.times
-    return m
+# ====================================================================== checkpoint state
+def train_state(run: Run) -> dict[str, Any]:
+  """What a checkpoint holds: the actor and its optimizer, the drafter and its optimizer,
+  the step, and (as JSON) the data position, the bandit and the drafter buffer's policy."""
+  meta = {"data": run.stream.state_dict(),
+          "selector": run.selector.state_dict() if run.selector is not None else None,
+          "buffer": run.buffer.state_dict() if run.buffer is not None else None}
+  state = {"actor": run.learner.params, "opt": run.learner.opt_state, "step": run.step,
+           "meta": json.dumps(meta)}
+  if run.tlt:
+    _, d = run.store.drafter()
+    state["drafter"] = {"params": d.params, "opt_state": d.opt_state, "step": d.step}
+  return state
 
-  def drafter_work(self, mbs) -> dict[str, float]:
-    """tlt.drafter_steps drafter updates cycling over this step's micro-batches."""
-    steps = self.cfg.tlt.drafter_steps
-    out = []
-    for i in range(steps):
-      mb = mbs[i % len(mbs)]
-      out.append(self.drafter.step(self.learner.params, mb["tokens_dev"], mb["hidden"],
-                                   mb["loss_mask"]))
-    for w in self.workers:
-      w.set_drafter_params(self.drafter.params)
-    out = self._jax.device_get(out)
-    tok = sum(float(o["tokens"]) for o in out)
-    return {"loss": float(np.mean([o["loss"] for o in out])),
-            "acc": sum(float(o["acc"]) * float(o["tokens"]) for o in out) / max(tok, 1.0),
-            "steps": steps}
 
-  def evaluate(self, pool) -> dict[str, Any]:
-    from tlt_jax.eval import evaluate
+def restore(run: Run) -> int:
+  """Restores the latest checkpoint in the workdir (if any); returns the step reached."""
+  from tlt_jax.checkpoint import CheckpointError
+  from tlt_jax.drafter.train_step import DrafterState
+  latest = run.ckpt.latest_step()
+  if latest is None:
+    return 0
+  try:
+    st = run.ckpt.restore(train_state(run))
+  except CheckpointError as e:
+    raise ConfigError(f"cannot resume from {run.ckpt.directory}: {e} (use a new "
+                      "--workdir for a different model or config)") from None
+  run.learner.params, run.learner.opt_state = st["actor"], st["opt"]
+  run.step = int(st["step"])
+  meta = json.loads(st["meta"])
+  run.stream.load_state_dict(meta["data"])
+  if meta.get("selector") and run.selector is not None:
+    run.selector.load_state_dict(meta["selector"])
+  if meta.get("buffer") and run.buffer is not None:
+    run.buffer.load_state_dict(meta["buffer"])
+  run.store.publish_actor(run.learner.params)
+  if run.tlt:
+    run.store.publish_drafter(DrafterState(**st["drafter"]))
+  run.coordinator.push()
+  print(f"resumed from {run.ckpt.directory} at step {run.step}", file=sys.stderr)
+  return run.step
 
-    def score(text, answer):
-      key = ("eval", id(text))
-      pool.submit(key, text, answer)
-      return pool.gather([key])[key]
 
-    d = self.cfg.data
-    m = evaluate(self.workers[0], self.tokenizer, self.test_rows, score, seed=self.cfg.seed,
-                 progress=False, chat_template=d.chat_template, system_prompt=d.system_prompt,
-                 selector=self.eval_selector)
-    return {k: v for k, v in m.items() if k in ("accuracy", "accuracy_by_terms",
-                                                 "response_length", "tokens_per_second")}
+# ================================================================================ RL step
+def rl_step(run: Run, pool) -> dict[str, Any]:
+  """One RL step (the module docstring); returns its metrics."""
+  import jax
 
-  # --------------------------------------------------------------------------------- loop
-  def run(self) -> dict[str, Any]:
-    from tlt_jax.rl.reward_pool import RewardError, RewardPool
-    cfg = self.cfg
-    start = self.maybe_resume()
-    if start >= cfg.train.steps:
-      print(f"{self.workdir} already holds a finished run ({start} of {cfg.train.steps} steps); "
-            "raise --config.train.steps to continue it or pass a new --workdir",
-            file=sys.stderr)
-    writer = MetricsWriter(self.workdir, start if start > 0 else -1)
-    try:
-      pool = RewardPool(cfg.reward.name, num_workers=cfg.reward.num_workers,
-                        timeout=cfg.reward.timeout)
-    except RewardError as e:
-      raise ConfigError(str(e)) from None
-    bar = None
-    if self.progress:
-      from tqdm import tqdm
-      bar = tqdm(total=cfg.train.steps, initial=start, desc="train", unit="step",
-                 file=sys.stderr, dynamic_ncols=True)
-    last: dict[str, Any] = {}
-    try:
-      with pool:
-        if start == 0 and self.test_rows is not None:
+  from tlt_jax.eval import length_stats
+  from tlt_jax.rl import grpo
+  from tlt_jax.rollout.engine import Request, tokens_per_verification
+  cfg, step = run.cfg, run.step
+  times: dict[str, float] = {}
+  t_step = time.perf_counter()
+  prompts = run.stream.next_batch(cfg.grpo.num_prompts)
+  requests = [Request(p.ids, request_id=i, sample_index=s)
+              for i, p in enumerate(prompts) for s in range(cfg.grpo.n)]
+
+  # ---- rollout, rewards and drafter data as responses finish; spot training when idle
+  def on_response(worker, res):
+    text = run.tokenizer.decode(res.response_ids, skip_special_tokens=True)
+    pool.submit((res.request_id, res.sample_index), text, prompts[res.request_id].row.answer)
+    if run.buffer is not None and res.hidden is not None:
+      off = res.hidden_offset
+      spec = None if res.spec_start is None else res.spec_start - off
+      run.buffer.add(step, res.response_ids[off:], res.hidden, spec,
+                     key=(res.request_id, res.sample_index))
+      res.hidden = None  # the buffer keeps its windows; the rest is garbage now
+
+  out = run.coordinator.rollout(requests, run.sampling, seed=_seed_for(cfg.seed, step),
+                                on_response=on_response)
+  times["rollout"] = out.wall
+  spot = out.timeline.summary()
+  times["idle"] = spot["idle_s"] / max(len(run.coordinator.workers), 1)
+  times["drafter"] = spot["critical_path_s"]
+  t = time.perf_counter()
+  rewards = pool.gather([(res.request_id, res.sample_index) for res in out.results])
+  times["reward_wait"] = time.perf_counter() - t
+
+  # ---- advantages
+  n = cfg.grpo.n
+  r = np.zeros((len(prompts), n), np.float32)
+  for res in out.results:
+    r[res.request_id, res.sample_index] = rewards[(res.request_id, res.sample_index)]
+  adv = grpo.group_advantages(r, eps=cfg.grpo.adv_eps, norm_by_std=cfg.grpo.norm_adv_by_std)
+  samples = [grpo.Sample(res.prompt_ids, res.response_ids,
+                         float(adv[res.request_id, res.sample_index])) for res in out.results]
+
+  # ---- learner: old log-probs, then the update
+  t = time.perf_counter()
+  prepared = run.learner.prepare(run.learner.batches(samples, cfg.grpo.minibatches,
+                                                     seed=_seed_for(cfg.seed, step)))
+  jax.block_until_ready([b.old_logp for group in prepared for b in group])
+  times["logprobs"] = time.perf_counter() - t
+  t = time.perf_counter()
+  upd = run.learner.update(prepared)
+  times["update"] = time.perf_counter() - t
+
+  # ---- weights to the workers; the serial drafter ablation
+  times["weight_sync"] = run.coordinator.sync_actor(run.learner.params)
+  drafter = out.drafter
+  if run.tlt and run.coordinator.spot.mode == "serial":
+    t = time.perf_counter()
+    drafter = run.coordinator.train_serial(run.coordinator.spot.serial_steps,
+                                           seed=_seed_for(cfg.seed, step))
+    times["drafter"] = time.perf_counter() - t
+
+  # ---- metrics
+  lengths = [res.num_tokens for res in out.results]
+  tokens = int(sum(lengths))
+  spec_chunks = [c for c in out.chunks if c.mode != "plain"]
+  m: dict[str, Any] = {
+      "reward": float(r.mean()),
+      "accuracy": float((r >= 1.0).mean()),
+      "solved_groups": float((r.max(axis=1) >= 1.0).mean()),
+      "zero_adv_groups": float((r.std(axis=1) == 0).mean()),
+      "response_length": length_stats(lengths),
+      "truncated": float(np.mean([res.finish_reason == "length" for res in out.results])),
+      "rollout_tokens_per_s": tokens / max(out.wall, 1e-9),
+      "tokens": tokens,
+      "loss": upd,
+      "reward_stats": dataclasses.asdict(pool.stats),
+      "epoch": run.stream.epoch,
+  }
+  sources = {p.row.source for p in prompts if p.row.source is not None}
+  if sources:
+    m["accuracy_by_source"] = {
+        src: float(np.mean([r[i] >= 1.0 for i, p in enumerate(prompts) if p.row.source == src]))
+        for src in sorted(sources)}
+  if spec_chunks:
+    arms: dict[str, int] = {}
+    for c in spec_chunks:
+      arms[c.mode] = arms.get(c.mode, 0) + 1
+    engines = run.coordinator.engines
+    m["spec"] = {"chunks": len(spec_chunks), "arm_chunks": arms,
+                 "tokens_per_verify": tokens_per_verification(spec_chunks) or 0.0,
+                 "share_of_tokens": sum(c.tokens for c in spec_chunks) / max(tokens, 1),
+                 # Which verification ran ("pallas" kernel or "jnp" reference; a kernel
+                 # that failed to compile fell back, see the run's log).
+                 "verify_path": sorted({e.verify_path for e in engines}),
+                 "kernel_fallbacks": sum(e.kernel_error is not None for e in engines)}
+  if run.tlt and run.coordinator.spot.mode != "off":
+    m["spot"] = {k: v for k, v in spot.items() if k != "per_worker"}
+    m["spot"]["per_worker"] = {str(p["worker"]): {k: v for k, v in p.items() if k != "worker"}
+                               for p in spot["per_worker"]}
+    m["spot"]["buffer_tokens"] = run.buffer.tokens
+    if drafter:
+      m["drafter"] = drafter
+  times["total"] = time.perf_counter() - t_step
+  m["time"] = times
+  m["_timeline"] = out.timeline.to_json()
+  return m
+
+
+def evaluate(run: Run, pool) -> dict[str, Any]:
+  """Held-out greedy accuracy, decoded by worker 0 with the evaluation selector."""
+  from tlt_jax.eval import evaluate as _evaluate
+
+  def score(text, answer):
+    key = ("eval", id(text))
+    pool.submit(key, text, answer)
+    return pool.gather([key])[key]
+
+  d, w = run.cfg.data, run.coordinator.workers[0]
+  m = w.submit(_evaluate, w.engine, run.tokenizer, run.test_rows, score, seed=run.cfg.seed,
+               progress=False, chat_template=d.chat_template, system_prompt=d.system_prompt,
+               selector=run.eval_selector).result()
+  return {k: v for k, v in m.items() if k in ("accuracy", "accuracy_by_terms",
+                                               "response_length", "tokens_per_second")}
+
+
+# =================================================================================== loop
+def train(run: Run, *, progress: bool = True) -> dict[str, Any]:
+  """Resumes if the workdir holds a checkpoint, then runs to config.train.steps. Returns the
+  last step's metrics."""
+  from tlt_jax.rl.reward_pool import RewardError, RewardPool
+  cfg = run.cfg
+  start = restore(run)
+  if start >= cfg.train.steps:
+    print(f"{cfg.workdir} already holds a finished run ({start} of {cfg.train.steps} steps); "
+          "raise --config.train.steps to continue it or pass a new --workdir", file=sys.stderr)
+  writer = MetricsWriter(cfg.workdir, start if start > 0 else -1)
+  try:
+    pool = RewardPool(cfg.reward.name, num_workers=cfg.reward.num_workers,
+                      timeout=cfg.reward.timeout)
+  except RewardError as e:
+    raise ConfigError(str(e)) from None
+  bar = None
+  if progress:
+    from tqdm import tqdm
+    bar = tqdm(total=cfg.train.steps, initial=start, desc="train", unit="step", file=sys.stderr,
+               dynamic_ncols=True)
+  last: dict[str, Any] = {}
+  try:
+    with pool:
+      if start == 0 and run.test_rows is not None:
+        t = time.perf_counter()
+        ev = evaluate(run, pool)
+        writer.write(0, {"eval": ev, "time": {"eval": time.perf_counter() - t}})
+        print(f"step 0: held-out accuracy {ev['accuracy']:.3f}", file=sys.stderr)
+      while run.step < cfg.train.steps:
+        m = rl_step(run, pool)
+        timeline = m.pop("_timeline")
+        run.step += 1
+        if run.test_rows is not None and (run.step % cfg.train.eval_every == 0
+                                          or run.step == cfg.train.steps):
           t = time.perf_counter()
-          ev = self.evaluate(pool)
-          writer.write(0, {"eval": ev, "time": {"eval": time.perf_counter() - t}})
-          print(f"step 0: held-out accuracy {ev['accuracy']:.3f}", file=sys.stderr)
-        while self.step < cfg.train.steps:
-          m = self.train_step(pool)
-          self.step += 1
-          if self.test_rows is not None and (self.step % cfg.train.eval_every == 0
-                                             or self.step == cfg.train.steps):
-            t = time.perf_counter()
-            m["eval"] = self.evaluate(pool)
-            m["time"]["eval"] = time.perf_counter() - t
-          t = time.perf_counter()
-          self.ckpt.save(self.step, self._state(), force=self.step == cfg.train.steps)
-          m["time"]["checkpoint"] = time.perf_counter() - t
-          writer.write(self.step, m)
-          last = m
-          if bar is not None:
-            post = {"reward": f"{m['reward']:.3f}", "len": f"{m['response_length']['mean']:.0f}",
-                    "s/step": f"{m['time']['total']:.1f}"}
-            if "eval" in m:
-              post["eval_acc"] = f"{m['eval']['accuracy']:.3f}"
-            bar.set_postfix(post)
-            bar.update(1)
-      self.ckpt.wait_until_finished()
-    finally:
-      if bar is not None:
-        bar.close()
-      writer.close()
-      self.ckpt.close()
-    return last
+          m["eval"] = evaluate(run, pool)
+          m["time"]["eval"] = time.perf_counter() - t
+        t = time.perf_counter()
+        run.ckpt.save(run.step, train_state(run), force=run.step == cfg.train.steps)
+        m["time"]["checkpoint"] = time.perf_counter() - t
+        writer.write(run.step, m, timeline)
+        last = m
+        if bar is not None:
+          post = {"reward": f"{m['reward']:.3f}", "len": f"{m['response_length']['mean']:.0f}",
+                  "s/step": f"{m['time']['total']:.1f}"}
+          if "spot" in m and m["spot"]["idle_share_trained"] is not None:
+            post["idle_trained"] = f"{m['spot']['idle_share_trained']:.0%}"
+          if "eval" in m:
+            post["eval_acc"] = f"{m['eval']['accuracy']:.3f}"
+          bar.set_postfix(post)
+          bar.update(1)
+    run.ckpt.wait_until_finished()
+  finally:
+    if bar is not None:
+      bar.close()
+    writer.close()
+    run.ckpt.close()
+    run.coordinator.close()
+  return last
 
 
 def main(argv):
@@ -417,12 +502,12 @@ def main(argv):
   if _WORKDIR.value:
     with cfg.unlocked():
       cfg.workdir = _WORKDIR.value
+  runtime.use_cpu_devices(cfg)  # before anything initialises JAX
   runtime.validate(cfg)
-  trainer = Trainer(cfg)
-  os.makedirs(cfg.workdir, exist_ok=True)
+  run = build(cfg)
   with open(os.path.join(cfg.workdir, "config.json"), "w") as f:
     f.write(cfg.to_json_best_effort(indent=2))
-  last = trainer.run()
+  last = train(run)
   path = os.path.join(cfg.workdir, "metrics.jsonl")
   first_eval = last_eval = None
   with open(path) as f:
@@ -431,7 +516,7 @@ def main(argv):
       if "eval" in rec:
         first_eval = first_eval if first_eval is not None else rec["eval"]["accuracy"]
         last_eval = rec["eval"]["accuracy"]
-  msg = f"done: {trainer.step} steps"
+  msg = f"done: {run.step} steps"
   if first_eval is not None:
     msg += f"; held-out accuracy {first_eval:.3f} -> {last_eval:.3f}"
   if last:

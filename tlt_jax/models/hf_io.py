@@ -14,12 +14,12 @@ import json
 import os
 import shutil
 import struct
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import jax
 import ml_dtypes
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.transformer import Params, param_shapes

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
-from typing import Any, Iterator
+from typing import Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,14 +46,20 @@ class GRPOConfig:
   logit_chunk: int = 1024  # tokens per LM-head chunk (bounds [rows, chunk, V] logits memory)
 
   def __post_init__(self):
-    if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
-      raise ValueError(f"GRPOConfig: eps_low={self.eps_low} must be in [0, 1) and "
-                       f"eps_high={self.eps_high} >= 0")
+    if not 0 <= self.eps_low < 1:
+      raise ValueError(f"eps_low={self.eps_low}: must be in [0, 1)")
+    if self.eps_high < 0:
+      raise ValueError(f"eps_high={self.eps_high}: must be >= 0")
     if self.kl_coef < 0:
-      raise ValueError(f"GRPOConfig.kl_coef={self.kl_coef} must be >= 0")
+      raise ValueError(f"kl_coef={self.kl_coef}: must be >= 0 (0 = no KL term)")
     if self.temperature <= 0:
-      raise ValueError(f"GRPOConfig.temperature={self.temperature}: the learner needs a "
-                       "positive temperature (greedy rollouts have no policy gradient)")
+      raise ValueError(f"temperature={self.temperature}: GRPO samples its groups, the learner "
+                       "needs a temperature > 0 (e.g. 1.0)")
+    if self.adv_eps <= 0:
+      raise ValueError(f"adv_eps={self.adv_eps}: must be > 0")
+    if self.logit_chunk < 1:
+      raise ValueError(f"logit_chunk={self.logit_chunk}: must be >= 1 (tokens per LM-head "
+                       "chunk, e.g. 1024)")
 
 
 def group_advantages(rewards: np.ndarray, *, eps: float = 1e-6, norm_by_std: bool = True
@@ -111,7 +116,7 @@ def _lm_head_logprobs(params: Params, hidden: jax.Array, targets: jax.Array, *,
 
 
 def token_logprobs(params: Params, tokens: jax.Array, *, cfg: ModelConfig, temperature: float,
-                   chunk: int = 1024, return_hidden: bool = False):
+                   chunk: int = 1024) -> tuple[jax.Array, jax.Array]:
   """tokens [B, T] -> (logp [B, T], entropy [B, T][, hidden [B, T, D]]), aligned to tokens
   (position 0 gets 0). Right padding is harmless under the causal mask."""
   b, t = tokens.shape
@@ -122,23 +127,31 @@ def token_logprobs(params: Params, tokens: jax.Array, *, cfg: ModelConfig, tempe
   zero = jnp.zeros((b, 1), jnp.float32)
   lp = jnp.concatenate([zero, lp], axis=1)
   ent = jnp.concatenate([zero, ent], axis=1)
-  return (lp, ent, out.hidden) if return_hidden else (lp, ent)
+  return lp, ent
 
 
-def grpo_loss(params: Params, mb: dict[str, jax.Array], *, cfg: ModelConfig, gcfg: GRPOConfig,
+class Batch(NamedTuple):
+  """One micro-batch on device, as the loss reads it."""
+
+  tokens: jax.Array  # [b, T] int32 prompt + response + padding
+  loss_mask: jax.Array  # [b, T] 1 on response tokens
+  advantages: jax.Array  # [b]
+  old_logp: jax.Array  # [b, T] recomputed by the learner (never the rollout's)
+  ref_logp: jax.Array | None = None  # [b, T] the frozen reference (kl_coef > 0)
+
+
+def grpo_loss(params: Params, mb: Batch, *, cfg: ModelConfig, gcfg: GRPOConfig,
               num_tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Clipped-ratio loss of one micro-batch, already divided by the mini-batch's response-token
-  count `num_tokens` (so summing micro-batch losses gives the token-mean).
-
-  mb: tokens [b, T] int32, loss_mask [b, T], advantages [b], old_logp [b, T],
-      ref_logp [b, T] (read only when kl_coef > 0).
-  Metrics are sums over the micro-batch's tokens divided by num_tokens too (they add up).
+  count `num_tokens` (so summing micro-batch losses gives the token-mean). ref_logp is read
+  only when kl_coef > 0. Metrics are sums over the micro-batch's tokens divided by num_tokens
+  too (they add up).
   """
-  logp, ent = token_logprobs(params, mb["tokens"], cfg=cfg, temperature=gcfg.temperature,
+  logp, ent = token_logprobs(params, mb.tokens, cfg=cfg, temperature=gcfg.temperature,
                              chunk=gcfg.logit_chunk)
-  mask = mb["loss_mask"].astype(jnp.float32)
-  adv = mb["advantages"][:, None]
-  log_ratio = logp - mb["old_logp"]
+  mask = mb.loss_mask.astype(jnp.float32)
+  adv = mb.advantages[:, None]
+  log_ratio = logp - mb.old_logp
   ratio = jnp.exp(log_ratio)
   pg_unclipped = -adv * ratio
   pg_clipped = -adv * jnp.clip(ratio, 1.0 - gcfg.eps_low, 1.0 + gcfg.eps_high)
@@ -153,7 +166,7 @@ def grpo_loss(params: Params, mb: dict[str, jax.Array], *, cfg: ModelConfig, gcf
       "approx_kl_old": jnp.sum(-log_ratio * mask) / denom,
   }
   if gcfg.kl_coef > 0:
-    d = mb["ref_logp"] - logp
+    d = mb.ref_logp - logp
     kl = jnp.exp(d) - d - 1.0  # k3: unbiased, >= 0, low variance (Schulman)
     per_token = per_token + gcfg.kl_coef * kl
     metrics["kl_ref"] = jnp.sum(kl * mask) / denom
@@ -174,8 +187,17 @@ class Sample:
     return len(self.prompt_ids) + len(self.response_ids)
 
 
+class MicroBatch(NamedTuple):
+  """One micro-batch on the host, before the old-log-prob pass."""
+
+  tokens: np.ndarray  # [b, T] int32
+  loss_mask: np.ndarray  # [b, T] float32
+  advantages: np.ndarray  # [b] float32
+  index: np.ndarray  # [b] int64 sample index per row, -1 for padding rows
+
+
 def micro_batches(samples: list[Sample], rows: int, pad_multiple: int, max_len: int,
-                  max_tokens: int = 0, row_multiple: int = 1) -> Iterator[dict[str, np.ndarray]]:
+                  max_tokens: int = 0, row_multiple: int = 1) -> Iterator[MicroBatch]:
   """Length-sorted micro-batches, each padded to its own multiple of `pad_multiple` tokens
   (<= max_len). Missing rows are all-padding with an empty mask.
 
@@ -204,8 +226,7 @@ def micro_batches(samples: list[Sample], rows: int, pad_multiple: int, max_len: 
       tokens[r, p:p + k] = smp.response_ids
       mask[r, p:p + k] = 1.0
       adv[r] = smp.advantage
-    out.append({"tokens": tokens, "loss_mask": mask, "advantages": adv,
-                "index": np.asarray(idx + [-1] * (n - len(idx)), np.int64)})
+    out.append(MicroBatch(tokens, mask, adv, np.asarray(idx + [-1] * (n - len(idx)), np.int64)))
   return iter(out[::-1])  # shortest first
 
 
@@ -230,7 +251,8 @@ def make_optimizer(lr: float, *, warmup_steps: int, total_steps: int, weight_dec
 class Learner:
   """Actor params + optimizer state, FSDP-sharded over `mesh`; recomputes log-probs and runs
   the GRPO update (gradient accumulation over micro-batches, one optimizer step per
-  mini-batch, state donated)."""
+  mini-batch, state donated). It knows nothing of rollout workers: the coordinator takes
+  `params` from here (tlt_jax/coordinator/)."""
 
   def __init__(self, params: Params, cfg: ModelConfig, gcfg: GRPOConfig,
                tx: optax.GradientTransformation, mesh: Mesh, *, micro_batch: int,
@@ -257,8 +279,6 @@ class Learner:
     lp = functools.partial(token_logprobs, cfg=cfg, temperature=gcfg.temperature,
                            chunk=gcfg.logit_chunk)
     self._logprobs = jax.jit(lambda p, t: lp(p, t)[0])
-    self._logprobs_hidden = jax.jit(lambda p, t: (lambda o: (o[0], o[2]))(
-        lp(p, t, return_hidden=True)))
 
     def grad_step(params, acc, mb, num_tokens):
       (_, m), g = jax.value_and_grad(
@@ -282,7 +302,7 @@ class Learner:
     return jax.device_put(x, batch_sharding(self.mesh, x.ndim))
 
   def batches(self, samples: list[Sample], num_minibatches: int = 1, seed: int = 0
-              ) -> list[list[dict[str, np.ndarray]]]:
+              ) -> list[list[MicroBatch]]:
     """Samples -> mini-batches (one optimizer step each) of micro-batches.
 
     Mini-batches are a random partition of the samples, as in VeRL/PPO: were they cut from
@@ -295,51 +315,38 @@ class Learner:
                                self.max_len, self.micro_batch_tokens, self.row_multiple))
             for part in parts]
 
-  def logprobs(self, mbs: list[dict[str, np.ndarray]], *, with_hidden: bool = False) -> None:
-    """Adds old_logp (and ref_logp) device arrays to each micro-batch in place; with_hidden
-    also keeps the old policy's hidden states (the drafter's training data, for free)."""
-    for mb in mbs:
-      tokens = self._put(mb["tokens"])
-      mb["tokens_dev"] = tokens
-      if with_hidden:
-        mb["old_logp"], mb["hidden"] = self._logprobs_hidden(self.params, tokens)
-      else:
-        mb["old_logp"] = self._logprobs(self.params, tokens)
-      if self.ref_params is not None:
-        mb["ref_logp"] = self._logprobs(self.ref_params, tokens)
-
-  def update(self, minibatches: list[list[dict[str, Any]]]) -> dict[str, float]:
-    """One optimizer step per mini-batch (from `batches`, with old_logp from `logprobs`);
-    returns metrics averaged over the mini-batches."""
-    totals: dict[str, float] = {}
+  def prepare(self, minibatches: list[list[MicroBatch]]) -> list[list[Batch]]:
+    """The old-log-prob pass: every micro-batch on device with old (and reference) log-probs
+    under the current params, ready for `update` (same nesting)."""
+    out = []
     for group in minibatches:
-      num_tokens = jnp.float32(sum(float(mb["loss_mask"].sum()) for mb in group))
+      prepared = []
+      for mb in group:
+        tokens = self._put(mb.tokens)
+        ref = self._logprobs(self.ref_params, tokens) if self.ref_params is not None else None
+        prepared.append(Batch(tokens, self._put(mb.loss_mask), self._put(mb.advantages),
+                              self._logprobs(self.params, tokens), ref))
+      out.append(prepared)
+    return out
+
+  def update(self, prepared: list[list[Batch]]) -> dict[str, float]:
+    """One optimizer step per mini-batch (from `prepare`); returns metrics averaged over the
+    mini-batches."""
+    totals: dict[str, float] = {}
+    for group in prepared:
+      num_tokens = jnp.float32(sum(float(jnp.sum(mb.loss_mask)) for mb in group))
       acc = None
       for mb in group:
-        dev = {"tokens": mb["tokens_dev"], "loss_mask": self._put(mb["loss_mask"]),
-               "advantages": self._put(mb["advantages"]), "old_logp": mb["old_logp"]}
-        if "ref_logp" in mb:
-          dev["ref_logp"] = mb["ref_logp"]
         if acc is None:
           zeros_m = jax.eval_shape(functools.partial(grpo_loss, cfg=self.cfg, gcfg=self.gcfg),
-                                   self.params, dev, num_tokens=num_tokens)[1]
+                                   self.params, mb, num_tokens=num_tokens)[1]
           acc = (self._zeros(self.params),
                  jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros_m))
-        acc = self._grad_step(self.params, acc, dev, num_tokens)
+        acc = self._grad_step(self.params, acc, mb, num_tokens)
       grads, metrics = acc
       self.params, self.opt_state, gnorm = self._apply(self.params, self.opt_state, grads)
       metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
       metrics["grad_norm"] = float(gnorm)
       for k, v in metrics.items():
-        totals[k] = totals.get(k, 0.0) + v / len(minibatches)
+        totals[k] = totals.get(k, 0.0) + v / len(prepared)
     return totals
-
-  def sync_to(self, workers) -> float:
-    """Pushes the new params into each rollout worker's layout (device to device); returns
-    seconds until every copy is done."""
-    t0 = time.perf_counter()
-    for w in workers:
-      w.set_params(self.params)
-    for w in workers:
-      jax.block_until_ready(w.params)
-    return time.perf_counter() - t0

@@ -1,19 +1,21 @@
-"""Host-side rollout engine: continuous batching that follows the long tail.
+"""Host-side rollout engine: one model replica decoding its share of requests in chunks.
 
-A `RolloutWorker` owns one model replica (one device, or a tensor-parallel sub-mesh) and
-decodes its share of requests in chunks of jitted steps. Between chunks (the only host sync)
-it collects finished rows, refills free slots from the queue, and, once the queue is empty,
-compacts the live rows into the smallest batch-size bucket that holds them, so 3 stragglers
-of a 128-batch decode at bucket 4. Every (function, bucket) executable is compiled once,
-ahead of time, and its compile time and memory are recorded. Once speculation is on, a
-selector (tlt_jax/rollout/mab.py, e.g. BEG-MAB) picks each chunk's strategy and is rewarded
-with the chunk's tokens/s; only the (bucket, strategy) pairs it can choose are compiled, on
-first use or all at once by `precompile`.
+A `RolloutWorker` owns one model replica (one device, or a tensor-parallel sub-mesh). Its
+`generate` is a thin loop: the pure host `Scheduler` (scheduler.py) says which rows to
+prefill, refill or compact before each chunk and when speculation switches on; the worker
+turns that into device calls through its `ExecutableCache` (executables.py: each
+(function, bucket) compiled once, ahead of time, with its compile time and memory recorded),
+decodes one chunk of jitted steps (the only host sync), and assembles finished responses.
 
-Hooks for the RL loop and the spot-drafter coordinator: per-chunk metrics, per-request
-completion, and the worker going idle, all delivered through `WorkerHooks` callbacks on the
-worker's thread. `run_workers` drives several workers concurrently from host threads (JAX
-releases the GIL while device code runs).
+Once speculation is on, a selector (mab.py, e.g. BEG-MAB) picks each chunk's strategy and is
+rewarded with the chunk's tokens/s; only the (bucket, strategy) pairs it can choose are
+compiled, on first use or all at once by `precompile`. A verification kernel that fails to
+compile falls back to its jnp reference (same decisions) once, with a warning.
+
+Hooks (`WorkerHooks`, called on the worker's thread): each chunk's metrics, each finished
+response (rewards start at once; the drafter buffer takes its hidden states), and a call
+before every chunk (the coordinator pulls newer weights there). Several workers run
+concurrently under the coordinator (tlt_jax/coordinator/).
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import collections
 import dataclasses
 import functools
 import logging
-import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -33,8 +34,11 @@ from jax.sharding import Mesh
 
 from tlt_jax.models import ModelConfig, Params
 from tlt_jax.rollout import decode
-from tlt_jax.rollout.mab import FixedSelector, parse_arm  # noqa: F401 (FixedSelector re-exported)
+from tlt_jax.rollout.executables import CompileRecord, ExecutableCache  # noqa: F401 (re-export)
+from tlt_jax.rollout.mab import FixedSelector
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.scheduler import Prefill, Refill, Resize, Scheduler, bucket_for
+from tlt_jax.rollout.strategy import Strategy
 
 _log = logging.getLogger(__name__)
 
@@ -48,14 +52,19 @@ class SpecConfig:
   bs_threshold: int = 32
   patience: int = 2
   use_kernel: bool | None = None  # Pallas verification kernel vs jnp reference; None: GPU only
-  max_steps: int = 0  # catch-up capacity (>= every strategy's steps); 0 -> the strategy's
+  max_steps: int = 0  # catch-up capacity (>= every strategy's steps); 0 -> the strategies'
 
   def __post_init__(self):
-    from tlt_jax.rollout.speculative import Strategy
-    Strategy.parse(self.strategy)  # validates
-    if self.bs_threshold < 1 or self.patience < 1:
-      raise ValueError(f"SpecConfig: bs_threshold={self.bs_threshold} and patience="
-                       f"{self.patience} must be >= 1")
+    try:
+      Strategy.parse(self.strategy)
+    except ValueError as e:
+      raise ValueError(f"strategy={self.strategy!r}: {e}") from None
+    if self.bs_threshold < 1:
+      raise ValueError(f"bs_threshold={self.bs_threshold}: must be >= 1")
+    if self.patience < 1:
+      raise ValueError(f"patience={self.patience}: must be >= 1")
+    if self.max_steps < 0:
+      raise ValueError(f"max_steps={self.max_steps}: must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,28 +77,32 @@ class EngineConfig:
   max_new_tokens: int = 256
   prompt_bucket: int = 16  # prompts are padded to a multiple of this (fewer prefill compiles)
   capture_hidden: bool = False  # return per-token last-layer hidden states (drafter data)
+  hidden_keep: int = 0  # > 0: keep only each response's last hidden_keep states (host memory)
   stop_tokens: tuple[int, ...] = ()
   spec: SpecConfig | None = None  # speculative decoding (needs drafter params on the worker)
 
   def __post_init__(self):
-    if not self.buckets or sorted(set(self.buckets)) != list(self.buckets):
-      raise ValueError(f"EngineConfig.buckets={self.buckets} must be strictly increasing")
+    if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) \
+        or self.buckets[0] < 1:
+      raise ValueError(f"buckets={self.buckets}: a strictly increasing tuple of batch sizes, "
+                       "e.g. (1, 2, 4, 8)")
+    if self.max_batch < 1:
+      raise ValueError(f"max_batch={self.max_batch}: must be >= 1")
     if self.buckets[-1] < self.max_batch:
-      raise ValueError(f"EngineConfig.buckets={self.buckets}: the largest bucket must be >= "
-                       f"max_batch={self.max_batch}")
-    for name in ("max_batch", "chunk_size", "max_prompt_len", "max_new_tokens", "prompt_bucket"):
+      raise ValueError(f"buckets={self.buckets}: the largest bucket must be >= max_batch "
+                       f"({self.max_batch})")
+    for name in ("chunk_size", "max_prompt_len", "max_new_tokens", "prompt_bucket"):
       if getattr(self, name) <= 0:
-        raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be positive")
+        raise ValueError(f"{name}={getattr(self, name)}: must be > 0")
+    if self.hidden_keep < 0:
+      raise ValueError(f"hidden_keep={self.hidden_keep}: must be >= 0 (0 = all)")
 
   @property
   def cache_len(self) -> int:
     return self.max_prompt_len + self.max_new_tokens
 
   def bucket_for(self, n: int) -> int:
-    for b in self.buckets:
-      if b >= n:
-        return b
-    return self.buckets[-1]
+    return bucket_for(self.buckets, n)
 
 
 @dataclasses.dataclass
@@ -99,6 +112,10 @@ class Request:
   sample_index: int = 0  # which of the n samples of that prompt
   max_new_tokens: int | None = None  # per-request cap (<= EngineConfig.max_new_tokens)
 
+  @property
+  def key(self) -> tuple[int, int]:
+    return self.request_id, self.sample_index
+
 
 @dataclasses.dataclass
 class Result:
@@ -107,10 +124,14 @@ class Result:
   prompt_ids: np.ndarray  # [P]
   response_ids: np.ndarray  # [R] int32, including the stop token when stopped
   logprobs: np.ndarray  # [R] float32 under the processed sampling distribution
-  hidden: np.ndarray | None  # [R, D]: hidden[j] is the pre-norm hidden that produced token j
+  # [R - hidden_offset, D]: hidden[j - hidden_offset] is the pre-norm hidden that produced
+  # response token j (capture_hidden; the first hidden_offset were not kept: hidden_keep)
+  hidden: np.ndarray | None
   finish_reason: str  # "stop" | "length"
   worker_id: int = 0
   finish_time: float = 0.0  # seconds since the worker's generate() began
+  hidden_offset: int = 0
+  spec_start: int | None = None  # first response token decoded with speculation on
 
   @property
   def num_tokens(self) -> int:
@@ -129,6 +150,7 @@ class ChunkMetrics:
   accepted: int = 0  # draft tokens accepted (speculative chunks)
   verifications: int = 0  # row-steps verified (speculative chunks): live rows x their steps
   t: float = 0.0  # chunk end, seconds since generate() began
+  compiled: bool = False  # the chunk compiled its executable (its time is not the arm's)
 
   @property
   def accept_len(self) -> float | None:
@@ -147,15 +169,30 @@ def tokens_per_verification(chunks) -> float | None:
 class WorkerHooks:
   on_chunk: Callable[[ChunkMetrics], None] | None = None
   on_result: Callable[[Result], None] | None = None  # a request finished (e.g. start its reward)
-  on_idle: Callable[[int, float], None] | None = None  # (worker_id, time) when all are done
+  before_chunk: Callable[[], Any] | None = None  # e.g. pull newer weights from the store
 
 
-@dataclasses.dataclass
-class CompileRecord:
-  name: str
-  batch: int
-  seconds: float
-  memory_bytes: int | None  # argument + output + temp bytes from memory_analysis(), if given
+class _Output:
+  """One request's response so far (host side), hidden states trimmed to `keep`."""
+
+  def __init__(self, keep: int):
+    self.tokens: list[np.ndarray] = []
+    self.logprobs: list[np.ndarray] = []
+    self.hidden: collections.deque = collections.deque()
+    self.kept = 0  # hidden states held
+    self.length = 0
+    self.spec_start: int | None = None
+    self._keep = keep
+
+  def append(self, tokens, logprobs, hidden) -> None:
+    self.tokens.append(tokens)
+    self.logprobs.append(logprobs)
+    self.length += len(tokens)
+    if hidden is not None:
+      self.hidden.append(hidden)
+      self.kept += len(hidden)
+      while self._keep and self.kept - len(self.hidden[0]) >= self._keep:
+        self.kept -= len(self.hidden.popleft())
 
 
 class RolloutWorker:
@@ -184,61 +221,59 @@ class RolloutWorker:
     self.use_kernel = bool(spec and (spec.use_kernel if spec.use_kernel is not None
                                      else jax.default_backend() == "gpu"))
     self.kernel_error: str | None = None
-    self._compiled: dict[Any, Any] = {}
-    self.compile_log: list[CompileRecord] = []
+    self.exes = ExecutableCache()
     self.chunk_log: list[ChunkMetrics] = []
-    self._lock = threading.Lock()
+
+  # ---------------------------------------------------------------------------------- weights
+  def set_params(self, params: Params) -> None:
+    """New actor weights (after an RL update); resharded onto this worker's layout."""
+    self.params = jax.device_put(params, jax.tree.map(lambda x: x.sharding, self.params))
 
   def set_drafter_params(self, dparams: Params) -> None:
     """New drafter weights (after spot training); placed on this worker's mesh."""
     from tlt_jax.sharding import tree_shardings
     self.drafter_params = jax.device_put(dparams, tree_shardings(dparams, self.mesh))
 
-  def _max_steps(self) -> int:
-    from tlt_jax.rollout.speculative import Strategy
-    spec = self.ecfg.spec
-    arms = getattr(self.selector, "arms", None) or []  # catch-up room for every arm's drafts
-    return max([spec.max_steps, Strategy.parse(spec.strategy).steps, 1]
-               + [parse_arm(a)[0] for a in arms])
+  @property
+  def compile_log(self) -> list[CompileRecord]:
+    return self.exes.records
 
-  def set_params(self, params: Params) -> None:
-    """New actor weights (after an RL update); resharded onto this worker's layout."""
-    self.params = jax.device_put(params, jax.tree.map(lambda x: x.sharding, self.params))
+  def compile_stats(self) -> dict[str, Any]:
+    return self.exes.stats()
+
+  @property
+  def verify_path(self) -> str:
+    """Which verification ran: "pallas" (the kernel) or "jnp" (its reference)."""
+    return "pallas" if self.use_kernel else "jnp"
+
+  def _max_steps(self) -> int:
+    """Catch-up capacity of the speculative state: room for every arm's drafts."""
+    spec = self.ecfg.spec
+    arms = getattr(self.selector, "arms", None) or []
+    return max([spec.max_steps, Strategy.parse(spec.strategy).steps, 1]
+               + [Strategy.parse(a).steps for a in arms])
 
   # ------------------------------------------------------------------------ compiled functions
-  def _exec(self, name: str, fn: Callable, *args, donate: tuple[int, ...] = ()):
-    """AOT-compiles fn for these argument shapes once; returns the compiled executable."""
-    sig = (name, tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args)))
-    exe = self._compiled.get(sig)
-    if exe is None:
-      t0 = time.perf_counter()
-      # Input shardings are committed (params on this worker's mesh), so no mesh context.
-      exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
-      mem = None
-      try:
-        ma = exe.memory_analysis()
-        if ma is not None:
-          mem = int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes)
-      except Exception:  # backends without memory analysis
-        mem = None
-      # Params (plain dicts, e.g. the drafter's) carry no batch; state leaves are batch-major.
-      batched = [a for a in args[1:] if not isinstance(a, dict)]
-      batch = max((x.shape[0] for x in jax.tree.leaves(batched) if getattr(x, "ndim", 0)),
-                  default=0)
-      self.compile_log.append(CompileRecord(name, batch, time.perf_counter() - t0, mem))
-      self._compiled[sig] = exe
-    return exe
+  @staticmethod
+  def _batch(args) -> int:
+    # Params (plain dicts) carry no batch; state leaves and token arrays are batch-major.
+    batched = [a for a in args if not isinstance(a, dict)]
+    return max((x.shape[0] for x in jax.tree.leaves(batched) if getattr(x, "ndim", 0)),
+               default=0)
+
+  def _call(self, name: str, variant, fn: Callable, args: tuple, donate=()):
+    exe = self.exes.get(name, variant, fn, args, donate=donate, batch=self._batch(args))
+    return exe(*args)
 
   def _prefill(self, tokens, lens, keys, max_new):
     if self.drafter_params is not None:
       from tlt_jax.rollout import speculative
       fn = functools.partial(speculative.prefill, cfg=self.cfg, cache_len=self.ecfg.cache_len,
                              max_steps=self._max_steps())
-      args = (self.params, self.drafter_params, tokens, lens, keys, max_new)
-      return self._exec("prefill_spec", fn, *args)(*args)
+      return self._call("prefill_spec", None, fn,
+                        (self.params, self.drafter_params, tokens, lens, keys, max_new))
     fn = functools.partial(decode.prefill, cfg=self.cfg, cache_len=self.ecfg.cache_len)
-    return self._exec("prefill", fn, self.params, tokens, lens, keys, max_new)(
-        self.params, tokens, lens, keys, max_new)
+    return self._call("prefill", None, fn, (self.params, tokens, lens, keys, max_new))
 
   def _decode(self, state, sp: SamplingParams, arm: str | None = None):
     """One chunk. arm=None: plain decode (drafter kept warm when present); else a strategy.
@@ -248,8 +283,7 @@ class RolloutWorker:
       fn = functools.partial(decode.decode_chunk, cfg=self.cfg, sp=sp,
                              stop_tokens=ecfg.stop_tokens, chunk=ecfg.chunk_size,
                              capture_hidden=ecfg.capture_hidden)
-      state, out = self._exec(("decode", sp), fn, self.params, state, donate=(1,))(
-          self.params, state)
+      state, out = self._call("decode", sp, fn, (self.params, state), donate=(1,))
       return state, out, (0, 0)
     from tlt_jax.rollout import speculative
     args = (self.params, self.drafter_params, state)
@@ -257,27 +291,23 @@ class RolloutWorker:
       fn = functools.partial(speculative.plain_chunk, cfg=self.cfg, sp=sp,
                              stop_tokens=ecfg.stop_tokens, chunk=ecfg.chunk_size,
                              capture_hidden=ecfg.capture_hidden)
-      state, out = self._exec(("plain_warm", sp), fn, *args, donate=(2,))(*args)
+      state, out = self._call("plain_warm", sp, fn, args, donate=(2,))
       return state, out, (0, 0)
     return self._spec_exec(sp, arm, state)(*args)
-
-  @property
-  def verify_path(self) -> str:
-    """Which verification ran: "pallas" (the kernel) or "jnp" (its reference)."""
-    return "pallas" if self.use_kernel else "jnp"
 
   def _spec_exec(self, sp: SamplingParams, arm: str, state):
     """The (bucket, arm) executable; state may be abstract (ShapeDtypeStructs, `precompile`)."""
     from tlt_jax.rollout import speculative
     ecfg = self.ecfg
+    args = (self.params, self.drafter_params, state)
 
-    def compiled(use_kernel):
+    def compiled(use_kernel: bool):
       fn = functools.partial(speculative.spec_chunk, cfg=self.cfg, sp=sp,
                              stop_tokens=ecfg.stop_tokens, chunk=ecfg.chunk_size,
-                             strategy=speculative.Strategy.parse(arm),
-                             capture_hidden=ecfg.capture_hidden, use_kernel=use_kernel)
-      return self._exec(("spec", arm, sp, use_kernel), fn, self.params, self.drafter_params,
-                        state, donate=(2,))
+                             strategy=Strategy.parse(arm), capture_hidden=ecfg.capture_hidden,
+                             use_kernel=use_kernel)
+      return self.exes.get("spec", (arm, sp, use_kernel), fn, args, donate=(2,),
+                           batch=self._batch(args))
 
     if not self.use_kernel:
       return compiled(False)
@@ -293,19 +323,12 @@ class RolloutWorker:
                    self.worker_id, arm, self.kernel_error.splitlines()[0][:300])
       return compiled(False)
 
-  def _take(self, state, idx, valid):
-    return self._exec("take_rows", decode.take_rows, state, idx, valid)(state, idx, valid)
-
-  def _put(self, state, rows, slots):
-    return self._exec("put_rows", decode.put_rows, state, rows, slots, donate=(0,))(
-        state, rows, slots)
-
-  # ---------------------------------------------------------------------------------- generate
+  # -------------------------------------------------------------------------------- layout
   def _row_key(self, base: jax.Array, req: Request) -> np.ndarray:
     k = jax.random.fold_in(jax.random.fold_in(base, req.request_id), req.sample_index)
     return np.asarray(jax.random.key_data(k))
 
-  def _prefill_requests(self, reqs: list[Request], batch: int, base_key) -> decode.DecodeState:
+  def _prefill_requests(self, reqs: Sequence[Request], batch: int, base_key):
     ecfg = self.ecfg
     longest = max(len(r.prompt_ids) for r in reqs)
     p = min(-(-longest // ecfg.prompt_bucket) * ecfg.prompt_bucket, ecfg.max_prompt_len)
@@ -321,6 +344,23 @@ class RolloutWorker:
     return self._prefill(jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(keys),
                          jnp.asarray(max_new))
 
+  def _apply(self, op, state, base_key):
+    """A scheduler layout operation on the device state."""
+    if isinstance(op, Prefill):
+      return self._prefill_requests(op.requests, op.bucket, base_key)
+    if isinstance(op, Resize):
+      idx, valid = jnp.asarray(op.idx, jnp.int32), jnp.asarray(op.valid)
+      return self._call("take_rows", None, decode.take_rows, (state, idx, valid))
+    if isinstance(op, Refill):
+      rows = self._prefill_requests(op.requests, op.bucket, base_key)
+      # Padding rows of the prefill go to an out-of-range slot and are dropped.
+      slots = np.full((op.bucket,), state.batch_size, np.int32)
+      slots[:len(op.slots)] = op.slots
+      return self._call("put_rows", None, decode.put_rows, (state, rows, jnp.asarray(slots)),
+                        donate=(0,))
+    raise TypeError(f"unknown layout operation {op!r}")
+
+  # ---------------------------------------------------------------------------------- generate
   def validate(self, requests: Sequence[Request]) -> None:
     for r in requests:
       n = len(r.prompt_ids)
@@ -341,109 +381,61 @@ class RolloutWorker:
     worker's strategy selector for this call (same arms), e.g. so that evaluation chunks
     never feed the training bandit's reward windows."""
     self.validate(requests)
-    selector = selector or self.selector
     hooks = hooks or WorkerHooks()
-    ecfg = self.ecfg
+    selector = selector or self.selector
+    ecfg, spec = self.ecfg, self.ecfg.spec
     t_start = time.perf_counter()
     base_key = jax.random.key(seed)
-    pending = collections.deque(requests)
+    sched = Scheduler(requests, max_batch=ecfg.max_batch, buckets=ecfg.buckets,
+                      compaction=ecfg.compaction,
+                      bs_threshold=spec.bs_threshold if spec else None,
+                      patience=spec.patience if spec else 1)
+    outputs: dict[tuple[int, int], _Output] = {}
     results: list[Result] = []
     state = None
-    spec_on, below = False, 0  # adaptive switch-on: consecutive checks at/below threshold
-    slot_req: list[Request | None] = []
-    acc: list[dict[str, list]] = []
-
-    def new_acc():
-      return {"tokens": [], "logprobs": [], "hidden": []}
-
-    while pending or any(r is not None for r in slot_req):
-      live = [i for i, r in enumerate(slot_req) if r is not None]
-      # --- refill free slots / grow the batch from the queue
-      if pending and len(live) < ecfg.max_batch:
-        if state is None:
-          n = min(len(pending), ecfg.max_batch)
-          bucket = ecfg.bucket_for(n)
-          reqs = [pending.popleft() for _ in range(n)]
-          state = self._prefill_requests(reqs, bucket, base_key)
-          slot_req = reqs + [None] * (bucket - n)
-          acc = [new_acc() for _ in range(bucket)]
-        else:
-          want = min(len(live) + len(pending), ecfg.max_batch)
-          bucket = max(ecfg.bucket_for(want), state.batch_size)
-          if bucket != state.batch_size:  # grow: keep rows in place, append empty slots
-            idx = np.arange(bucket) % state.batch_size
-            valid = np.arange(bucket) < state.batch_size
-            state = self._take(state, jnp.asarray(idx), jnp.asarray(valid))
-            slot_req += [None] * (bucket - len(slot_req))
-            acc += [new_acc() for _ in range(bucket - len(acc))]
-          free = [i for i, r in enumerate(slot_req) if r is None]
-          # The bucket may exceed max_batch (buckets need only cover it): never go past it.
-          n = min(len(free), len(pending), ecfg.max_batch - len(live))
-          reqs = [pending.popleft() for _ in range(n)]
-          rb = ecfg.bucket_for(n)
-          rows = self._prefill_requests(reqs, rb, base_key)
-          # Padding rows of the prefill go to an out-of-range slot and are dropped.
-          slots = np.full((rb,), state.batch_size, np.int32)
-          slots[:n] = free[:n]
-          state = self._put(state, rows, jnp.asarray(slots))
-          for s, r in zip(free[:n], reqs):
-            slot_req[s] = r
-            acc[s] = new_acc()
-      # --- compaction: the queue is empty and the live rows fit a smaller bucket
-      live = [i for i, r in enumerate(slot_req) if r is not None]
-      if ecfg.compaction and not pending and live:
-        bucket = ecfg.bucket_for(len(live))
-        if bucket < state.batch_size:
-          idx = np.asarray(live + [live[0]] * (bucket - len(live)), np.int32)
-          valid = np.arange(bucket) < len(live)
-          state = self._take(state, jnp.asarray(idx), jnp.asarray(valid))
-          slot_req = [slot_req[i] for i in live] + [None] * (bucket - len(live))
-          acc = [acc[i] for i in live] + [new_acc() for _ in range(bucket - len(live))]
-      # --- speculation switches on once the live batch stays small
-      spec = ecfg.spec
-      if spec is not None and not spec_on:
-        below = below + 1 if len(live) <= spec.bs_threshold else 0
-        spec_on = below >= spec.patience
-      arm = selector.select(len(live)) if spec_on else None
-      # --- one chunk of decoding
-      compiles = len(self.compile_log)
+    while not sched.done:
+      if hooks.before_chunk:
+        hooks.before_chunk()
+      for op in sched.plan():
+        state = self._apply(op, state, base_key)
+        for r in getattr(op, "requests", ()):
+          outputs[r.key] = _Output(ecfg.hidden_keep)
+      live = sched.live
+      speculating = sched.check_speculation()
+      arm = selector.select(len(live)) if speculating else None
+      if speculating:
+        for s in live:
+          o = outputs[sched.slots[s].key]
+          if o.spec_start is None:
+            o.spec_start = o.length
+      # --- one chunk of decoding (the only host sync)
+      compiles = len(self.exes.records)
       t0 = time.perf_counter()
       state, out, spec_counts = self._decode(state, sp, arm)
       base = state if isinstance(state, decode.DecodeState) else state.base
       out, done, stopped, spec_counts = jax.device_get((out, base.done, base.stopped,
                                                           spec_counts))
       dt = time.perf_counter() - t0
-      steps = int(out.steps)
       produced = 0
-      for s, r in enumerate(slot_req):
-        if r is None:
-          continue
+      for s in live:
+        req = sched.slots[s]
+        o = outputs[req.key]
         v = out.valid[s]
         produced += int(v.sum())
-        a = acc[s]
-        a["tokens"].append(out.tokens[s][v])
-        a["logprobs"].append(out.logprobs[s][v])
-        if out.hidden is not None:
-          a["hidden"].append(out.hidden[s][v])
+        o.append(out.tokens[s][v], out.logprobs[s][v],
+                 None if out.hidden is None else out.hidden[s][v])
         if done[s]:
-          res = Result(
-              request_id=r.request_id, sample_index=r.sample_index,
-              prompt_ids=np.asarray(r.prompt_ids, np.int32),
-              response_ids=np.concatenate(a["tokens"]).astype(np.int32),
-              logprobs=np.concatenate(a["logprobs"]).astype(np.float32),
-              hidden=np.concatenate(a["hidden"]) if a["hidden"] else None,
-              finish_reason="stop" if stopped[s] else "length",
-              worker_id=self.worker_id, finish_time=time.perf_counter() - t_start)
+          sched.finish(s)
+          res = self._result(req, outputs.pop(req.key), bool(stopped[s]), t_start)
           results.append(res)
-          slot_req[s] = None
-          acc[s] = new_acc()
           if hooks.on_result:
             hooks.on_result(res)
+      compiled = len(self.exes.records) != compiles
       m = ChunkMetrics(worker_id=self.worker_id, bucket=state.batch_size, live=len(live),
-                       tokens=produced, steps=steps, wall_time=dt, mode=arm or "plain",
+                       tokens=produced, steps=int(out.steps), wall_time=dt, mode=arm or "plain",
                        accepted=int(spec_counts[0]), verifications=int(spec_counts[1]),
-                       t=time.perf_counter() - t_start)
-      if arm is not None and len(self.compile_log) == compiles:
+                       t=time.perf_counter() - t_start, compiled=compiled)
+      if arm is not None and not compiled:
         # Reward (DESIGN.md 4) = accepted tokens x batch size / wall time of draft + verify:
         # `produced` sums every live row's emitted tokens (accepted drafts + 1 per step), so
         # this is the batch's tokens/s. "off" (steps=0, plain decoding in the spec state) is
@@ -453,16 +445,20 @@ class RolloutWorker:
       self.chunk_log.append(m)
       if hooks.on_chunk:
         hooks.on_chunk(m)
-    if hooks.on_idle:
-      hooks.on_idle(self.worker_id, time.perf_counter() - t_start)
     return results
 
-  def compile_stats(self) -> dict[str, Any]:
-    mems = [r.memory_bytes for r in self.compile_log if r.memory_bytes is not None]
-    return {"executables": len(self.compile_log),
-            "compile_seconds": sum(r.seconds for r in self.compile_log),
-            "memory_bytes": sum(mems) if mems else None}
-
+  def _result(self, req: Request, o: _Output, stopped: bool, t_start: float) -> Result:
+    response = np.concatenate(o.tokens).astype(np.int32)
+    hidden = np.concatenate(list(o.hidden)) if o.hidden else None
+    if hidden is not None and self.ecfg.hidden_keep:
+      hidden = hidden[-self.ecfg.hidden_keep:]
+    return Result(request_id=req.request_id, sample_index=req.sample_index,
+                  prompt_ids=np.asarray(req.prompt_ids, np.int32), response_ids=response,
+                  logprobs=np.concatenate(o.logprobs).astype(np.float32), hidden=hidden,
+                  finish_reason="stop" if stopped else "length", worker_id=self.worker_id,
+                  finish_time=time.perf_counter() - t_start,
+                  hidden_offset=0 if hidden is None else len(response) - len(hidden),
+                  spec_start=o.spec_start)
   # ------------------------------------------------------- speculative (bucket, arm) executables
   def choosable_pairs(self) -> dict[int, list[str]]:
     """Engine bucket -> the arms the selector can return for a chunk decoded at that bucket.
@@ -508,12 +504,12 @@ class RolloutWorker:
       return jax.tree.map(
           lambda x: jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype, sharding=x.sharding), state)
 
-    before = len(self._compiled)
+    before = len(self.exes)
     for b, arms in pairs.items():
       abstract = resized(b)
       for arm in arms:
         self._spec_exec(sp, arm, abstract)
-    return len(self._compiled) - before
+    return len(self.exes) - before
 
   def compile_report(self) -> dict[str, Any]:
     """Speculative executables compiled so far (count, seconds, memory_analysis bytes) against
@@ -521,14 +517,14 @@ class RolloutWorker:
     params + per-row bytes x batch, the per-row bytes read off that arm's compiled records (any
     arm's when it has none): the batch-independent part of an executable's memory is its params
     arguments, the rest scales with the batch."""
-    recs = [r for r in self.compile_log if isinstance(r.name, tuple) and r.name[0] == "spec"]
+    recs = [r for r in self.compile_log if r.name == "spec"]
     fixed = sum(x.nbytes for x in jax.tree.leaves((self.params, self.drafter_params)))
     per_row: dict[str, list[float]] = collections.defaultdict(list)
     have: dict[tuple[str, int], int] = {}
     for r in recs:
       if r.memory_bytes is not None and r.batch:
-        per_row[r.name[1]].append((r.memory_bytes - fixed) / r.batch)
-        have[(r.name[1], r.batch)] = r.memory_bytes
+        per_row[r.key.variant[0]].append((r.memory_bytes - fixed) / r.batch)
+        have[(r.key.variant[0], r.batch)] = r.memory_bytes
     anyrow = [v for vs in per_row.values() for v in vs]
     arms = self.selector.arms if self.selector is not None else []
     estimate = None
@@ -550,31 +546,3 @@ class RolloutWorker:
             "all_pairs_seconds_estimate": sum(secs) / len(secs) * n_all if secs else None}
 
 
-def run_workers(workers: Sequence[RolloutWorker], requests: Sequence[Request],
-                sp: SamplingParams, *, seed: int = 0, hooks: WorkerHooks | None = None
-                ) -> list[Result]:
-  """Splits requests over workers (whole prompt groups stay together) and decodes them
-  concurrently from host threads. Results are sorted by (request_id, sample_index)."""
-  shares: list[list[Request]] = [[] for _ in workers]
-  for r in requests:
-    shares[r.request_id % len(workers)].append(r)
-  outs: list[list[Result]] = [[] for _ in workers]
-  errors: list[BaseException] = []
-
-  def work(i):
-    try:
-      outs[i] = workers[i].generate(shares[i], sp, seed=seed, hooks=hooks)
-    except BaseException as e:  # surfaced on the caller's thread below
-      errors.append(e)
-
-  if len(workers) == 1:
-    work(0)
-  else:
-    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(workers))]
-    for t in threads:
-      t.start()
-    for t in threads:
-      t.join()
-  if errors:
-    raise errors[0]
-  return sorted((r for o in outs for r in o), key=lambda r: (r.request_id, r.sample_index))

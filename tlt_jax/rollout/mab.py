@@ -16,7 +16,8 @@ off competes as an arm). Bucket keys are lower bounds on the live batch size: {1
 Reward (reported by the engine per chunk): tokens emitted by all live rows / wall time of the
 chunk's draft + verify, i.e. accepted tokens x batch size / time, in tokens/s.
 
-Every selector here has the engine's interface: select(batch_size) -> arm, update(arm,
+Every selector here is thread-safe (the workers of a rollout share one) and has the engine's
+interface: select(batch_size) -> arm, update(arm,
 batch_size, reward); arms_for(batch_size) and choosable(lo, hi) tell the engine which arms can
 be chosen at which live sizes (it compiles only those); state_dict() is JSON-serialisable
 (RNG included) and load_state_dict() continues the selection sequence exactly.
@@ -28,30 +29,16 @@ import bisect
 import collections
 import math
 import random
-import re
 import statistics
+import threading
 from typing import Any, Mapping, Sequence
 
-_ARM = re.compile(r"^(\d+)_(\d+)_(\d+)$")
+from tlt_jax.rollout.strategy import Strategy
 
-
-def parse_arm(arm: str) -> tuple[int, int, int]:
-  """(steps, topk, verify_tokens) of an arm name; "off" is (0, 1, 1)."""
-  if arm == "off":
-    return 0, 1, 1
-  m = _ARM.match(arm) if isinstance(arm, str) else None
-  if not m:
-    raise ValueError(f"arm {arm!r}: use '<steps>_<topk>_<verify_tokens>' (e.g. '4_1_5') or "
-                     "'off'")
-  steps, topk, verify = map(int, m.groups())
-  if steps < 1 or topk < 1:
-    raise ValueError(f"arm {arm!r}: steps and topk must be >= 1 (plain decoding is 'off')")
-  if topk == 1 and verify != steps + 1:
-    raise ValueError(f"arm {arm!r}: a chain (topk=1) verifies steps+1 = {steps + 1} tokens; "
-                     f"write '{steps}_1_{steps + 1}'")
-  if verify < 2:
-    raise ValueError(f"arm {arm!r}: verify_tokens must be >= 2")
-  return steps, topk, verify
+def check_arm(arm: str) -> str:
+  """Validates an arm name (tlt_jax/rollout/strategy.py is the one grammar); returns it."""
+  Strategy.parse(arm)
+  return arm
 
 
 def default_mab_buckets() -> dict[int, list[str]]:
@@ -73,8 +60,7 @@ class FixedSelector:
   """One arm, always (speculation without a bandit, and the ablation baseline)."""
 
   def __init__(self, arm: str):
-    parse_arm(arm)
-    self.arm = arm
+    self.arm = check_arm(arm)
 
   @property
   def arms(self) -> list[str]:
@@ -117,20 +103,22 @@ class BucketedSelector:
       if not arms:
         raise ValueError(f"selector: bucket {lo} has no arms; give it at least one (e.g. 'off')")
       for a in arms:
-        parse_arm(a)
+        check_arm(a)
       if len(set(arms)) != len(arms):
         raise ValueError(f"selector: bucket {lo} lists an arm twice: {arms}")
       if lo in self.buckets:
         raise ValueError(f"selector: bucket bound {lo} is given twice")
       self.buckets[lo] = arms
     if isinstance(window, bool) or int(window) != window or window < 1:
-      raise ValueError(f"selector: window={window!r} must be a positive integer")
+      raise ValueError(f"window={window!r}: must be a positive integer")
     self.window = int(window)
     self._bounds = list(self.buckets)
     self._rewards = {lo: {a: collections.deque(maxlen=self.window) for a in arms}
                      for lo, arms in self.buckets.items()}
     self._pulls = {lo: {a: 0 for a in arms} for lo, arms in self.buckets.items()}
     self._rng = random.Random(seed)
+    # One selector serves every worker thread of a rollout: select/update/state are atomic.
+    self._lock = threading.RLock()
 
   @staticmethod
   def _bound(key) -> int:
@@ -172,26 +160,28 @@ class BucketedSelector:
                               if b <= hi and bounds[i + 1] > lo for a in self.buckets[b]))
 
   def select(self, batch_size: int) -> str:
-    lo = self.bucket_of(batch_size)
-    rewards = self._rewards[lo]
-    for a in self.buckets[lo]:
-      if not rewards[a]:
-        return a  # untried arms first, in listed order
-    return self._choose(lo)
+    with self._lock:
+      lo = self.bucket_of(batch_size)
+      rewards = self._rewards[lo]
+      for a in self.buckets[lo]:
+        if not rewards[a]:
+          return a  # untried arms first, in listed order
+      return self._choose(lo)
 
   def _choose(self, lo: int) -> str:
     raise NotImplementedError
 
   def update(self, arm: str, batch_size: int, reward: float) -> None:
-    lo = self.bucket_of(batch_size)
-    if arm not in self._rewards[lo]:
-      raise ValueError(f"arm {arm!r} is not an arm of bucket {lo} {self.buckets[lo]} (batch "
-                       f"size {batch_size})")
-    reward = float(reward)
-    if not math.isfinite(reward):
-      raise ValueError(f"reward {reward} for arm {arm!r} is not finite")
-    self._rewards[lo][arm].append(reward)
-    self._pulls[lo][arm] += 1
+    with self._lock:
+      lo = self.bucket_of(batch_size)
+      if arm not in self._rewards[lo]:
+        raise ValueError(f"arm {arm!r} is not an arm of bucket {lo} {self.buckets[lo]} (batch "
+                         f"size {batch_size})")
+      reward = float(reward)
+      if not math.isfinite(reward):
+        raise ValueError(f"reward {reward} for arm {arm!r} is not finite")
+      self._rewards[lo][arm].append(reward)
+      self._pulls[lo][arm] += 1
 
   def values(self, batch_size: int) -> dict[str, float | None]:
     """The arm values _choose compares (None: untried), for logs and plots."""
@@ -206,26 +196,28 @@ class BucketedSelector:
             "buckets": {str(lo): list(a) for lo, a in self.buckets.items()}}
 
   def state_dict(self) -> dict[str, Any]:
-    version, internal, gauss = self._rng.getstate()
-    return {**self._config(),
-            "rewards": {str(lo): {a: list(r) for a, r in d.items()}
-                        for lo, d in self._rewards.items()},
-            "pulls": {str(lo): dict(d) for lo, d in self._pulls.items()},
-            "rng": [version, list(internal), gauss]}
+    with self._lock:
+      version, internal, gauss = self._rng.getstate()
+      return {**self._config(),
+              "rewards": {str(lo): {a: list(r) for a, r in d.items()}
+                          for lo, d in self._rewards.items()},
+              "pulls": {str(lo): dict(d) for lo, d in self._pulls.items()},
+              "rng": [version, list(internal), gauss]}
 
   def load_state_dict(self, state: Mapping[str, Any]) -> None:
-    mine = self._config()
-    theirs = {k: state.get(k) for k in mine}
-    if theirs != mine:
-      raise ValueError(f"selector state was saved by {theirs}, this selector is {mine}: use "
-                       "the same type, window and buckets, or start the selector fresh")
-    for lo in self.buckets:
-      for a in self.buckets[lo]:
-        self._rewards[lo][a] = collections.deque(map(float, state["rewards"][str(lo)][a]),
-                                                 maxlen=self.window)
-        self._pulls[lo][a] = int(state["pulls"][str(lo)][a])
-    version, internal, gauss = state["rng"]
-    self._rng.setstate((version, tuple(internal), gauss))
+    with self._lock:
+      mine = self._config()
+      theirs = {k: state.get(k) for k in mine}
+      if theirs != mine:
+        raise ValueError(f"selector state was saved by {theirs}, this selector is {mine}: use "
+                         "the same type, window and buckets, or start the selector fresh")
+      for lo in self.buckets:
+        for a in self.buckets[lo]:
+          self._rewards[lo][a] = collections.deque(map(float, state["rewards"][str(lo)][a]),
+                                                   maxlen=self.window)
+          self._pulls[lo][a] = int(state["pulls"][str(lo)][a])
+      version, internal, gauss = state["rng"]
+      self._rng.setstate((version, tuple(internal), gauss))
 
 
 class BucketedEpsilonGreedy(BucketedSelector):
@@ -236,7 +228,7 @@ class BucketedEpsilonGreedy(BucketedSelector):
                window: int = 300, seed: int = 0):
     super().__init__(buckets, window=window, seed=seed)
     if not 0.0 <= epsilon <= 1.0:
-      raise ValueError(f"epsilon={epsilon} must be in [0, 1]")
+      raise ValueError(f"epsilon={epsilon}: must be in [0, 1]")
     self.epsilon = float(epsilon)
 
   def _choose(self, lo: int) -> str:
@@ -297,7 +289,7 @@ def make_selector(kind: str, buckets: Mapping[int, Sequence[str]] | None = None,
   "fixed" (always `arm`). buckets default to `default_mab_buckets()`."""
   if kind == "fixed":
     if arm is None:
-      raise ValueError("selector 'fixed' needs arm=, e.g. '4_1_5'")
+      raise ValueError("arm=None: the 'fixed' selector needs an arm, e.g. '4_1_5'")
     return FixedSelector(arm)
   buckets = default_mab_buckets() if buckets is None else buckets
   flat = BucketedSelector(buckets).arms  # validates
@@ -309,4 +301,4 @@ def make_selector(kind: str, buckets: Mapping[int, Sequence[str]] | None = None,
     return UCB1(flat, window=window, c=c, seed=seed)
   if kind == "bucb1":
     return UCB1(buckets, window=window, c=c, seed=seed)
-  raise ValueError(f"selector kind {kind!r}: use one of {', '.join(SELECTORS)}")
+  raise ValueError(f"kind={kind!r}: use one of {', '.join(SELECTORS)}")

@@ -24,7 +24,8 @@ import jax
 import numpy as np
 
 from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker, SpecConfig
-from tlt_jax.rollout.mab import EpsilonGreedy, parse_arm
+from tlt_jax.rollout.mab import EpsilonGreedy
+from tlt_jax.rollout.strategy import Strategy
 from tlt_jax.rollout.sampling import SamplingParams
 
 
@@ -67,7 +68,7 @@ class LongTailBench:
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch)
     spec = SpecConfig(strategy=self.arms[0], bs_threshold=bs_threshold or max_batch, patience=1,
                       use_kernel=jax.default_backend() == "gpu",  # CPU: the jnp reference
-                      max_steps=max(parse_arm(a)[0] for a in self.arms))
+                      max_steps=max(Strategy.parse(a).steps for a in self.arms))
     ecfg = EngineConfig(max_batch=max_batch, buckets=buckets + (max_batch,),
                         chunk_size=chunk_size, max_prompt_len=w.max_prompt_len,
                         max_new_tokens=max_new_tokens, stop_tokens=w.stop_tokens, spec=spec)
@@ -107,8 +108,8 @@ class LongTailBench:
 
   def pair_memory(self) -> dict[tuple[str, int], tuple[int | None, float]]:
     """(arm, bucket) -> (memory_analysis bytes, compile seconds) of compiled spec executables."""
-    return {(r.name[1], r.batch): (r.memory_bytes, r.seconds) for r in self.worker.compile_log
-            if isinstance(r.name, tuple) and r.name[0] == "spec"}
+    return {(r.key.variant[0], r.batch): (r.memory_bytes, r.seconds)
+            for r in self.worker.compile_log if r.name == "spec"}
 
 
 @dataclasses.dataclass

@@ -38,8 +38,6 @@ drafter catch-up + (steps - 1) drafter forwards. Greedy steps draw no randomness
 
 from __future__ import annotations
 
-import dataclasses
-import re
 from typing import NamedTuple
 
 import flax.struct
@@ -53,58 +51,7 @@ from tlt_jax.models import KVCache, ModelConfig, Params, compute_logits, forward
 from tlt_jax.rollout import decode
 from tlt_jax.rollout.decode import ChunkOutput, DecodeState
 from tlt_jax.rollout.sampling import SamplingParams, processed_logprobs, sample_tokens
-
-_ARM = re.compile(r"^(\d+)_(\d+)_(\d+)$")
-
-
-@dataclasses.dataclass(frozen=True)
-class Strategy:
-  """(draft depth, branching, verify tokens). topk=1: a chain of `steps` drafts, steps+1
-  tokens verified. topk>1: an EAGLE-2 tree of depth `steps` pruned to `num_verify_tokens`
-  nodes, the root (pending token) included (default: steps * topk + 1, capped at the number
-  of candidates the expansion produces)."""
-
-  steps: int
-  topk: int = 1
-  num_verify_tokens: int = 0
-
-  def __post_init__(self):
-    if self.steps < 0 or self.topk < 1:
-      raise ValueError(f"strategy {self.steps}_{self.topk}_{self.num_verify_tokens}: steps "
-                       "must be >= 0 and topk >= 1")
-    if self.num_verify_tokens and self.steps:
-      if self.topk == 1 and self.num_verify_tokens != self.steps + 1:
-        raise ValueError(f"strategy {self.steps}_1_{self.num_verify_tokens}: a chain verifies "
-                         f"steps + 1 tokens; write '{self.steps}_1_{self.steps + 1}'")
-      if not 2 <= self.num_verify_tokens <= self.max_nodes:
-        raise ValueError(f"strategy {self.steps}_{self.topk}_{self.num_verify_tokens}: a tree "
-                         f"of depth {self.steps} and branching {self.topk} has {self.max_nodes} "
-                         f"candidate nodes; verify between 2 and {self.max_nodes}")
-
-  @property
-  def max_nodes(self) -> int:
-    """Candidates of the expansion, root included: 1 + k + (steps - 1) k^2."""
-    return 1 + self.topk + max(self.steps - 1, 0) * self.topk ** 2 if self.steps else 1
-
-  @property
-  def name(self) -> str:
-    return "off" if self.steps == 0 else f"{self.steps}_{self.topk}_{self.verify_tokens}"
-
-  @property
-  def verify_tokens(self) -> int:
-    if self.num_verify_tokens:
-      return self.num_verify_tokens
-    return self.steps + 1 if self.topk == 1 else min(self.steps * self.topk + 1, self.max_nodes)
-
-  @classmethod
-  def parse(cls, arm: str) -> "Strategy":
-    if arm == "off":
-      return cls(steps=0)
-    m = _ARM.match(arm)
-    if not m:
-      raise ValueError(f"strategy {arm!r}: use '<steps>_<topk>_<verify_tokens>' or 'off'")
-    return cls(int(m.group(1)), int(m.group(2)), int(m.group(3)))
-
+from tlt_jax.rollout.strategy import Strategy
 
 @flax.struct.dataclass
 class SpecState:

@@ -1,0 +1,350 @@
+"""The coordinator's state machine (idle -> training -> stopped at the rollout barrier, finish
+vs drop, merge, push) driven by fake workers without JAX, with timings asserted against the
+fakes' own schedule; then real rollout workers on two devices: the same results as one
+worker, and the merged drafter on every worker."""
+
+import dataclasses
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tlt_jax.coordinator import (Coordinator, ParamStore, SpotConfig, Timeline, Worker,
+                                 WorkerState, train_until)
+
+
+# ------------------------------------------------------------------------------------ fakes
+@dataclasses.dataclass
+class FakeRequest:
+  request_id: int
+  seconds: float  # how long the fake engine "decodes" it
+  sample_index: int = 0
+
+
+@dataclasses.dataclass
+class FakeResult:
+  request_id: int
+  sample_index: int
+
+
+@dataclasses.dataclass
+class FakeState:
+  params: float  # the fake drafter's one weight (ParamStore-compatible: `.params`)
+  steps: int = 0
+
+
+class FakeEngine:
+  def __init__(self, worker_id, fail=False):
+    self.worker_id, self.fail = worker_id, fail
+    self.params = None
+    self.drafter_params = None
+
+  def generate(self, share, sp, *, seed, hooks, selector=None):
+    out = []
+    for r in share:
+      if hooks.before_chunk:
+        hooks.before_chunk()
+      time.sleep(r.seconds)
+      if self.fail:
+        raise RuntimeError(f"worker {self.worker_id} broke")
+      res = FakeResult(r.request_id, r.sample_index)
+      out.append(res)
+      if hooks.on_result:
+        hooks.on_result(res)
+    return out
+
+  def set_params(self, params):
+    self.params = params
+
+  def set_drafter_params(self, params):
+    self.drafter_params = params
+
+
+class FakeTrainer:
+  """A drafter step takes `step_s` and adds `lr` to the weight; `tokens` per step."""
+
+  def __init__(self, step_s=0.02, tokens=100, lr=1.0, has_data=True):
+    self.step_s, self.tokens, self.lr = step_s, tokens, lr
+    self.has_data = has_data
+    self.state = None
+    self.metrics = []
+    self.discarded = 0
+
+  def reseed(self, seed):
+    self.seed = seed
+
+  def next_batch(self):
+    return object() if self.has_data else None
+
+  def dispatch(self, batch):
+    return (time.perf_counter() + self.step_s,
+            FakeState(self.state.params + self.lr, self.state.steps + 1))
+
+  def ready(self, inflight):
+    return time.perf_counter() >= inflight[0]
+
+  def commit(self, inflight):
+    self.state = inflight[1]
+    self.metrics.append({"loss": 1.0, "acc": 0.5, "tokens": float(self.tokens)})
+
+  def discard(self, inflight):
+    self.discarded += 1
+
+  def take_metrics(self):
+    out, self.metrics = self.metrics, []
+    return out
+
+  def load(self, state):
+    self.state = state
+
+
+def average(states, weights):
+  total = sum(weights)
+  return FakeState(sum(s.params * w for s, w in zip(states, weights)) / total,
+                   max(s.steps for s in states))
+
+
+def make(n, *, spot="spot", on_barrier="finish", trainers=None, fail=()):
+  trainers = trainers or [FakeTrainer() for _ in range(n)]
+  workers = [Worker(FakeEngine(i, fail=i in fail), trainers[i]) for i in range(n)]
+  store = ParamStore(actor="actor-v0", drafter=FakeState(0.0))
+  c = Coordinator(workers, store, spot=SpotConfig(mode=spot, on_barrier=on_barrier,
+                                                  poll_s=0.001), merge=average)
+  c.push()
+  return c, store, trainers
+
+
+def shares(*seconds):
+  """One request per worker (request_id i goes to worker i of len(seconds))."""
+  return [FakeRequest(i, s) for i, s in enumerate(seconds)]
+
+
+# ------------------------------------------------------------------------------------ tests
+def test_idle_worker_trains_until_the_barrier_and_the_last_one_never_idles():
+  c, store, trainers = make(2)
+  out = c.rollout(shares(0.05, 0.5), sp=None, seed=0)
+  s = out.timeline.summary()
+  per = {p["worker"]: p for p in s["per_worker"]}
+  assert out.wall == pytest.approx(0.5, abs=0.15)  # the barrier: the slower worker's share
+  assert per[0]["idle_s"] == pytest.approx(0.45, abs=0.15)
+  assert per[0]["training_s"] > 0.9 * per[0]["idle_s"]
+  assert per[1]["idle_s"] < 0.02 and per[1]["training_s"] == 0
+  assert s["idle_share_trained"] > 0.9
+  states = [iv.state for iv in out.timeline.intervals if iv.worker == 0]
+  assert states[:3] == [WorkerState.GENERATING, WorkerState.IDLE, WorkerState.TRAINING]
+  # ~0.45 s of 20 ms steps on worker 0, none on worker 1; the merge is worker 0's copy
+  assert 10 <= out.drafter["steps"] <= 25 and out.drafter["workers_trained"] == 1
+  version, merged = store.drafter()
+  assert version == 1 and merged.params == out.drafter["steps"] * 1.0  # +1 per step
+  assert [w.engine.drafter_params for w in c.workers] == [merged.params] * 2
+  assert [t.state.params for t in trainers] == [merged.params] * 2  # pushed to both
+
+
+@pytest.mark.parametrize("on_barrier", ["finish", "drop"])
+def test_in_flight_step_at_the_barrier_is_finished_or_dropped(on_barrier):
+  """Steps of 0.3 s, barrier at ~0.4 s: worker 0 starts its 2nd step at ~0.35 s. finish: the
+  rollout waits for it (released ~0.65 s, 2 steps); drop: it is thrown away (released right
+  after the barrier, 1 step, weight of 1 step)."""
+  trainers = [FakeTrainer(step_s=0.3), FakeTrainer(step_s=0.3)]
+  c, store, _ = make(2, on_barrier=on_barrier, trainers=trainers)
+  out = c.rollout(shares(0.05, 0.4), sp=None, seed=0)
+  crit = out.timeline.summary()["critical_path_s"]
+  _, merged = store.drafter()
+  if on_barrier == "finish":
+    assert out.drafter["steps"] == 2 and merged.params == 2.0
+    assert 0.15 < crit < 0.45  # at most one drafter step after the barrier
+  else:
+    assert out.drafter["steps"] == 1 and out.drafter["dropped"] == 1 and merged.params == 1.0
+    assert crit < 0.1 and trainers[0].discarded == 1
+
+
+def test_copies_trained_on_several_workers_are_merged_by_tokens_and_reach_every_worker():
+  trainers = [FakeTrainer(step_s=0.02, tokens=100, lr=1.0),
+              FakeTrainer(step_s=0.02, tokens=300, lr=3.0), FakeTrainer()]
+  c, store, _ = make(3, trainers=trainers)
+  out = c.rollout(shares(0.05, 0.2, 0.5), sp=None, seed=0)
+  per_worker_steps = [sum(1 for iv in out.timeline.intervals
+                          if iv.worker == i and iv.state is WorkerState.TRAINING)
+                      for i in range(3)]
+  assert per_worker_steps[:2] == [1, 1] and per_worker_steps[2] == 0
+  assert out.drafter["workers_trained"] == 2
+  _, merged = store.drafter()
+  # worker 0: n0 steps of +1 (100 tokens each); worker 1: n1 steps of +3 (300 tokens each)
+  n = out.drafter["steps"]
+  tok = out.drafter["tokens"]
+  n1 = (tok - 100 * n) // 200
+  n0 = n - n1
+  assert n0 > n1 > 0
+  want = (n0 * 1.0 * 100 * n0 + n1 * 3.0 * 300 * n1) / (100 * n0 + 300 * n1)
+  assert merged.params == pytest.approx(want)
+  for w in c.workers:  # the worker that never trained gets the merged drafter too
+    assert w.engine.drafter_params == pytest.approx(want)
+    assert w.trainer.state.params == pytest.approx(want)
+
+
+def test_a_worker_without_data_waits_idle_and_spot_off_never_trains():
+  starved = [FakeTrainer(has_data=False), FakeTrainer()]
+  c, store, _ = make(2, trainers=starved)
+  out = c.rollout(shares(0.05, 0.3), sp=None, seed=0)
+  s = out.timeline.summary()
+  assert s["training_s"] == 0 and s["idle_s"] > 0.2 and s["idle_share_trained"] == 0
+  assert out.drafter["steps"] == 0 and store.drafter_version == 0  # nothing published
+
+  c, store, _ = make(2, spot="off")
+  out = c.rollout(shares(0.05, 0.3), sp=None, seed=0)
+  assert out.drafter is None and out.timeline.summary()["training_s"] == 0
+
+
+def test_serial_mode_trains_after_the_rollout_on_worker_0_and_pushes():
+  c, store, trainers = make(2, spot="serial")
+  out = c.rollout(shares(0.05, 0.2), sp=None, seed=0)
+  assert out.drafter is None and all(t.state.params == 0.0 for t in trainers)
+  m = c.train_serial(5)
+  assert m["steps"] == 5 and store.drafter()[1].params == 5.0
+  assert [w.engine.drafter_params for w in c.workers] == [5.0, 5.0]
+
+
+def test_new_weights_reach_workers_and_a_worker_error_surfaces():
+  c, store, _ = make(2, spot="off")
+  c.sync_actor = c.sync_actor  # (the JAX wait inside is a no-op for strings)
+  store.publish_actor("actor-v1")
+  c.push()
+  assert [w.engine.params for w in c.workers] == ["actor-v1"] * 2
+  c, _, _ = make(2, fail=(1,))
+  with pytest.raises(RuntimeError, match="worker 1 broke"):
+    c.rollout(shares(0.05, 0.1), sp=None, seed=0)  # the other worker stops at the barrier
+
+
+def test_results_are_sorted_and_responses_reported_on_the_workers():
+  c, _, _ = make(3, spot="off")
+  seen = []
+  lock = threading.Lock()
+
+  def on_response(worker, res):
+    with lock:
+      seen.append((worker.id, res.request_id))
+
+  reqs = [FakeRequest(i, 0.01) for i in (5, 0, 4, 1, 3, 2)]
+  out = c.rollout(reqs, sp=None, seed=0, on_response=on_response)
+  assert [r.request_id for r in out.results] == list(range(6))
+  assert sorted(seen) == sorted((i % 3, i) for i in range(6))  # whole prompts per worker
+
+
+def test_train_until_stops_at_max_steps_and_without_data():
+  t = FakeTrainer()
+  t.load(FakeState(0.0))
+  rep = train_until(t, threading.Event(), max_steps=3, poll_s=0.001)
+  assert rep.steps == 3 and t.state.params == 3.0
+  t.has_data = False
+  assert train_until(t, threading.Event(), max_steps=3, poll_s=0.001).steps == 0
+
+
+def test_timeline_summary_against_hand_computed_intervals():
+  clock = [0.0]
+  tl = Timeline(2, clock=lambda: clock[0])
+
+  def at(t, w, state):
+    clock[0] = t
+    tl.enter(w, state)
+
+  at(0.0, 0, WorkerState.GENERATING)
+  at(0.0, 1, WorkerState.GENERATING)
+  at(2.0, 0, WorkerState.IDLE)
+  at(2.5, 0, WorkerState.TRAINING)
+  at(10.0, 1, WorkerState.IDLE)
+  clock[0] = 10.0
+  tl.mark_barrier()
+  at(10.0, 1, WorkerState.DONE)
+  at(10.4, 0, WorkerState.DONE)  # an in-flight step finished after the barrier
+  clock[0] = 10.5
+  tl.mark_released()
+  s = tl.summary()
+  assert s["generating_s"] == pytest.approx(12.0)
+  assert s["idle_s"] == pytest.approx(8.0)  # worker 0 from 2.0 to the barrier at 10.0
+  assert s["training_s"] == pytest.approx(7.5)  # 2.5 .. 10.0; the part after is not idle
+  assert s["idle_share_trained"] == pytest.approx(7.5 / 8.0)
+  assert s["critical_path_s"] == pytest.approx(0.5)
+
+
+# ------------------------------------------------------------------- real rollout workers
+@pytest.fixture(scope="module")
+def default_model():
+  from tlt_jax.config import asset_path
+  from tlt_jax.drafter.model import load_drafter
+  from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
+  mdir = asset_path("default", "model")
+  cfg, params = load_hf_model(mdir)
+  tok = load_tokenizer(mdir)
+  return cfg, params, load_drafter(asset_path("default", "drafter"), cfg), tok, \
+      stop_token_ids(mdir, tok)
+
+
+def _prompts(tok, n):
+  from tlt_jax.config import asset_path
+  from tlt_jax.data.prompts import load_prompt_rows
+  rows, _ = load_prompt_rows(asset_path("default", "data", "test.jsonl"))
+  return [tok.encode(r.prompt) for r in rows[:n]]
+
+
+def test_two_workers_on_two_devices_decode_what_one_does_and_share_one_drafter(default_model):
+  """Real engines on devices 0 and 1 under the coordinator, spot training on: greedy results
+  equal one worker's (speculation is exact whichever rows share a batch), both devices were
+  used, and after the barrier both workers decode with the same merged drafter, the one the
+  store holds."""
+  import jax
+  from jax.sharding import Mesh
+
+  from tlt_jax.coordinator.spot import DrafterTrainer
+  from tlt_jax.drafter import train_step as dts
+  from tlt_jax.drafter.buffer import BufferConfig, DrafterBuffer
+  from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker, SpecConfig
+  from tlt_jax.rollout.sampling import SamplingParams
+  cfg, params, dparams, tok, stop = default_model
+  ecfg = EngineConfig(max_batch=8, buckets=(1, 2, 4, 8), chunk_size=8, max_prompt_len=80,
+                      max_new_tokens=64, capture_hidden=True, hidden_keep=64, stop_tokens=stop,
+                      spec=SpecConfig(strategy="3_1_4", bs_threshold=4, patience=1,
+                                      use_kernel=False))
+  reqs = [Request(p, i, s) for i, p in enumerate(_prompts(tok, 6)) for s in range(2)]
+  sp = SamplingParams(temperature=0.0)
+  single = RolloutWorker(params, cfg, ecfg, drafter_params=dparams).generate(reqs, sp, seed=3)
+
+  tx = dts.make_optimizer(3e-4)
+  buffer = DrafterBuffer(BufferConfig(max_tokens=4096, window=32, max_windows_per_response=2))
+  step_fn = dts.make_train_step(cfg, tx)
+  meshes = [Mesh(np.asarray(jax.devices()[i:i + 1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+            for i in (0, 1)]
+  store_sh = dts.state_shardings(dparams, tx, meshes[0])
+  workers = []
+  for i, m in enumerate(meshes):
+    engine = RolloutWorker(params, cfg, ecfg, worker_id=i, mesh=m, drafter_params=dparams)
+    trainer = DrafterTrainer(step_fn=step_fn, shardings=dts.state_shardings(dparams, tx, m),
+                             buffer=buffer, rows=2, row_len=64,
+                             target_params=lambda e=engine: e.params, seed=i)
+    workers.append(Worker(engine, trainer))
+  store = ParamStore(params, dts.init_state(dparams, tx, store_sh))
+  c = Coordinator(workers, store, spot=SpotConfig(mode="spot"),
+                  merge=lambda s, w: dts.average_states([jax.device_put(x, store_sh)
+                                                         for x in s], w))
+  c.push()
+
+  def on_response(worker, res):
+    buffer.add(0, res.response_ids[res.hidden_offset:], res.hidden)
+
+  out = c.rollout(reqs, sp, seed=3, on_response=on_response)
+  c.close()
+  want = {(r.request_id, r.sample_index): r for r in single}
+  assert len(out.results) == len(want)
+  for r in out.results:
+    np.testing.assert_array_equal(r.response_ids, want[(r.request_id, r.sample_index)]
+                                  .response_ids)
+  assert {r.worker_id for r in out.results} == {0, 1}
+  assert out.drafter["steps"] > 0  # the worker that finished first trained
+  merged = store.drafter()[1].params
+  for w in workers:
+    dev = {d.id for x in jax.tree.leaves(w.engine.drafter_params) for d in x.devices()}
+    assert dev == {w.id}
+    for a, b in zip(jax.tree.leaves(w.engine.drafter_params), jax.tree.leaves(merged)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert any(not np.array_equal(np.asarray(a), np.asarray(b))
+             for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(dparams)))

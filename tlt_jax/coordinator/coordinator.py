@@ -1,0 +1,210 @@
+"""The coordinator: long-lived rollout workers, their states, weight sync and spot training.
+
+Each `Worker` is one model replica (a `RolloutWorker` engine on one device or a tensor-
+parallel sub-mesh) with its own long-lived thread that runs commands: generate a share of a
+rollout, train its drafter copy, take new weights from the `ParamStore`. The `Coordinator`
+drives one rollout per RL step:
+
+  1. every worker pulls the newest actor/drafter from the store, then GENERATES its share
+     (whole prompt groups stay on one worker); finished responses go to the reward hook and,
+     windowed, to the drafter buffer (no extra forward: the engine captured their hidden
+     states);
+  2. a worker whose share is done is IDLE; with spot training it turns to TRAINING at once:
+     drafter steps on its own devices from the buffer (tlt_jax/coordinator/spot.py);
+  3. when the last worker finishes (the barrier) every worker stops: an in-flight drafter step
+     finishes or is dropped; the copies trained on different workers are merged (weighted by
+     the tokens each trained on), published to the store and pushed to every worker before
+     the next rollout.
+
+The learner never sees a worker: it publishes its params to the store, and `sync_actor`
+pushes them. The timeline of states (tlt_jax/coordinator/timeline.py) gives the step's idle
+time, the share of it spent training, and the drafter's time on the critical path.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from tlt_jax.coordinator.param_store import ParamStore
+from tlt_jax.coordinator.spot import SpotConfig, SpotReport, train_until
+from tlt_jax.coordinator.timeline import Timeline, WorkerState
+
+
+class Worker:
+  """A rollout replica and its drafter trainer, driven by commands on one long-lived thread.
+  engine: a `RolloutWorker` (or anything with `worker_id`, `generate`, `set_params`,
+  `set_drafter_params`, `params`); trainer: a `DrafterTrainer` or None (drafter frozen)."""
+
+  def __init__(self, engine: Any, trainer: Any = None):
+    self.engine, self.trainer = engine, trainer
+    self.id = engine.worker_id
+    self._thread = cf.ThreadPoolExecutor(1, thread_name_prefix=f"rollout-worker-{self.id}")
+    # The store's versions this worker holds; -1: none yet (the first pull takes everything).
+    self.actor_version = -1
+    self.drafter_version = -1
+
+  def submit(self, fn: Callable, *args, **kw) -> cf.Future:
+    return self._thread.submit(fn, *args, **kw)
+
+  def pull(self, store: ParamStore) -> bool:
+    """Takes what is newer in the store onto this worker's devices; True if anything was."""
+    changed = False
+    if store.actor_version != self.actor_version:
+      self.actor_version, params = store.actor()
+      self.engine.set_params(params)
+      changed = True
+    if store.drafter_version != self.drafter_version:
+      self.drafter_version, state = store.drafter()
+      if state is not None:
+        self.engine.set_drafter_params(state.params)
+        if self.trainer is not None:
+          self.trainer.load(state)
+      changed = True
+    return changed
+
+  def close(self) -> None:
+    self._thread.shutdown(wait=True)
+
+
+@dataclasses.dataclass
+class RolloutOutcome:
+  results: list  # engine Results, sorted by (request_id, sample_index)
+  chunks: list  # ChunkMetrics of every worker, in completion order
+  wall: float  # seconds until the barrier (the last worker's share done)
+  timeline: Timeline
+  drafter: dict[str, Any] | None  # spot training of this step (None: not on)
+
+
+class Coordinator:
+  """See the module docstring. `merge(states, weights) -> state` combines trained drafter
+  copies onto the store's layout (train.py passes `average_states` after a device move);
+  `on_response(worker, result)` is called on the worker's thread for every finished response
+  (rewards and the drafter buffer)."""
+
+  def __init__(self, workers: Sequence[Worker], store: ParamStore, *,
+               spot: SpotConfig = SpotConfig(mode="off"),
+               merge: Callable[[list, list], Any] | None = None):
+    if not workers:
+      raise ValueError("Coordinator: no workers")
+    self.workers, self.store, self.spot, self.merge = list(workers), store, spot, merge
+    if spot.mode != "off" and any(w.trainer is None for w in self.workers):
+      raise ValueError(f"spot mode {spot.mode!r} needs a drafter trainer on every worker")
+
+  @property
+  def engines(self) -> list:
+    return [w.engine for w in self.workers]
+
+  # ---------------------------------------------------------------------------- rollout
+  def rollout(self, requests: Sequence[Any], sp: Any, *, seed: int,
+              on_response: Callable[[Worker, Any], None] | None = None,
+              on_chunk: Callable[[Any], None] | None = None,
+              selector: Any = None) -> RolloutOutcome:
+    from tlt_jax.rollout.engine import WorkerHooks
+    n = len(self.workers)
+    shares: list[list[Any]] = [[] for _ in range(n)]
+    for r in requests:
+      shares[r.request_id % n].append(r)
+    timeline = Timeline(n)
+    barrier = threading.Event()
+    lock = threading.Lock()
+    remaining = [n]
+    spot = self.spot.mode == "spot"
+    chunks: list[Any] = []
+
+    def work(i: int):
+      w = self.workers[i]
+      timeline.enter(i, WorkerState.GENERATING)
+      try:
+        hooks = WorkerHooks(
+            on_result=None if on_response is None else (lambda res: on_response(w, res)),
+            on_chunk=lambda c: (chunks.append(c), on_chunk and on_chunk(c)),
+            before_chunk=lambda: w.pull(self.store))
+        w.pull(self.store)
+        results = w.engine.generate(shares[i], sp, seed=seed, hooks=hooks, selector=selector)
+      finally:
+        timeline.enter(i, WorkerState.IDLE)
+        with lock:
+          remaining[0] -= 1
+          if remaining[0] == 0:
+            timeline.mark_barrier()
+            barrier.set()
+      report = None
+      if spot:
+        w.trainer.reseed([seed, i])
+      if spot and not barrier.is_set():
+        report = train_until(w.trainer, barrier, on_barrier=self.spot.on_barrier,
+                             timeline=timeline, worker=i, poll_s=self.spot.poll_s)
+      timeline.enter(i, WorkerState.DONE)
+      return results, report
+
+    futures = [w.submit(work, i) for i, w in enumerate(self.workers)]
+    outs = [f.result() for f in futures]  # re-raises a worker's error on this thread
+    drafter = None
+    if spot:
+      drafter = self._merge_and_push([rep for _, rep in outs])
+    timeline.mark_released()
+    timeline.close()
+    results = sorted((r for res, _ in outs for r in res),
+                     key=lambda r: (r.request_id, r.sample_index))
+    return RolloutOutcome(results, chunks, timeline.barrier or 0.0, timeline, drafter)
+
+  # --------------------------------------------------------------------------- drafter
+  def _merge_and_push(self, reports: Sequence[SpotReport | None]) -> dict[str, Any]:
+    """Merges the drafter copies that trained this step, publishes, pushes to all."""
+    per_worker = [w.trainer.take_metrics() for w in self.workers]
+    tokens = [sum(m["tokens"] for m in ms) for ms in per_worker]
+    flat = [m for ms in per_worker for m in ms]
+    out: dict[str, Any] = {
+        "steps": len(flat), "tokens": int(sum(tokens)),
+        "dropped": sum(r.dropped for r in reports if r is not None),
+        "workers_trained": sum(t > 0 for t in tokens)}
+    if flat:
+      total = max(sum(tokens), 1.0)
+      out["loss"] = sum(m["loss"] * m["tokens"] for m in flat) / total
+      out["acc"] = sum(m["acc"] * m["tokens"] for m in flat) / total
+    trained = [i for i, t in enumerate(tokens) if t > 0]
+    if not trained:
+      return out
+    states = [self.workers[i].trainer.state for i in trained]
+    merged = self.merge(states, [tokens[i] for i in trained]) if self.merge else states[0]
+    self.store.publish_drafter(merged)
+    self.push()
+    return out
+
+  def train_serial(self, steps: int, seed: int = 0) -> dict[str, Any]:
+    """`steps` drafter steps on worker 0 from the buffer, after the policy update (the
+    'serial' ablation: on the critical path), then publish and push."""
+    w = self.workers[0]
+
+    def run() -> SpotReport:
+      w.pull(self.store)
+      w.trainer.reseed([seed, 1 << 20])  # apart from every rollout worker's stream
+      return train_until(w.trainer, threading.Event(), max_steps=steps, poll_s=self.spot.poll_s)
+
+    rep = w.submit(run).result()
+    return self._merge_and_push([rep])
+
+  def push(self) -> None:
+    """Every worker takes what is newer in the store (in parallel, on its own thread)."""
+    for f in [w.submit(w.pull, self.store) for w in self.workers]:
+      f.result()
+
+  # ----------------------------------------------------------------------------- actor
+  def sync_actor(self, params: Any) -> float:
+    """Publishes new actor params and pushes them into every worker's layout (device to
+    device); returns the seconds until every copy is in place."""
+    import jax
+    t0 = time.perf_counter()
+    self.store.publish_actor(params)
+    self.push()
+    for w in self.workers:
+      jax.block_until_ready(w.engine.params)
+    return time.perf_counter() - t0
+
+  def close(self) -> None:
+    for w in self.workers:
+      w.close()

@@ -1,0 +1,119 @@
+"""Per-worker state over one RL step, and the spot-training figures read off it.
+
+A worker is GENERATING its share of the rollout, then IDLE (its share is done, others still
+decode), TRAINING the drafter during that idle window, and at the global rollout barrier (the
+last worker finished) it stops: an in-flight drafter step finishes or is dropped. Intervals
+are wall-clock seconds since the step began. Pure host code: the coordinator records, the
+metrics and the Gantt plot (scripts/plot_timeline.py) read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+import time
+from typing import Any
+
+
+class WorkerState(str, enum.Enum):
+  GENERATING = "generating"
+  IDLE = "idle"
+  TRAINING = "training"
+  DONE = "done"  # released at the barrier (an in-flight step may still be finishing)
+
+
+@dataclasses.dataclass
+class Interval:
+  worker: int
+  state: WorkerState
+  start: float
+  end: float
+
+
+class Timeline:
+  """Thread-safe state log of every worker for one step (`enter` from worker threads)."""
+
+  def __init__(self, num_workers: int, clock=time.perf_counter):
+    self.num_workers = num_workers
+    self._clock = clock
+    self.t0 = clock()
+    self._open: dict[int, tuple[WorkerState, float]] = {}
+    self.intervals: list[Interval] = []
+    self.barrier: float | None = None  # the last worker finished generating
+    self.released: float | None = None  # merged drafter on every worker
+    self._lock = threading.Lock()
+
+  def now(self) -> float:
+    return self._clock() - self.t0
+
+  def enter(self, worker: int, state: WorkerState) -> float:
+    t = self.now()
+    with self._lock:
+      prev = self._open.get(worker)
+      if prev is not None:
+        self.intervals.append(Interval(worker, prev[0], prev[1], t))
+      if state is WorkerState.DONE:
+        self._open.pop(worker, None)
+      else:
+        self._open[worker] = (state, t)
+    return t
+
+  def state(self, worker: int) -> WorkerState:
+    with self._lock:
+      s = self._open.get(worker)
+      return s[0] if s else WorkerState.DONE
+
+  def mark_barrier(self) -> float:
+    self.barrier = self.now()
+    return self.barrier
+
+  def mark_released(self) -> float:
+    self.released = self.now()
+    return self.released
+
+  def close(self) -> None:
+    """Ends every open interval now (DONE)."""
+    for w in list(self._open):
+      self.enter(w, WorkerState.DONE)
+
+  # ------------------------------------------------------------------------------- figures
+  def seconds(self, worker: int, state: WorkerState, until: float | None = None) -> float:
+    """Time `worker` spent in `state`, counting only up to `until` (e.g. the barrier)."""
+    total = 0.0
+    for iv in self.intervals:
+      if iv.worker == worker and iv.state is state:
+        end = iv.end if until is None else min(iv.end, until)
+        total += max(end - iv.start, 0.0)
+    return total
+
+  def summary(self) -> dict[str, Any]:
+    """The `spot` metrics of a step (sums over workers):
+      generating_s  time decoding
+      idle_s        time between a worker's share finishing and the barrier (the straggler
+                    wait: capacity that would be wasted)
+      training_s    the part of idle_s spent training the drafter
+      idle_share_trained  training_s / idle_s (the figure of merit)
+      critical_path_s  drafter time after the barrier until the merged drafter is on every
+                    worker (in-flight steps finishing, merge, push): what training costs the
+                    step
+    """
+    barrier = self.barrier if self.barrier is not None else self.now()
+    per = []
+    for w in range(self.num_workers):
+      gen = self.seconds(w, WorkerState.GENERATING)
+      train = self.seconds(w, WorkerState.TRAINING, until=barrier)
+      idle = train + self.seconds(w, WorkerState.IDLE, until=barrier)
+      per.append({"worker": w, "generating_s": gen, "idle_s": idle, "training_s": train})
+    idle = sum(p["idle_s"] for p in per)
+    train = sum(p["training_s"] for p in per)
+    released = self.released if self.released is not None else barrier
+    return {"generating_s": sum(p["generating_s"] for p in per), "idle_s": idle,
+            "training_s": train, "idle_share_trained": train / idle if idle > 0 else None,
+            "critical_path_s": max(released - barrier, 0.0), "barrier_s": barrier,
+            "per_worker": per}
+
+  def to_json(self) -> dict[str, Any]:
+    return {"barrier": self.barrier, "released": self.released,
+            "intervals": [[iv.worker, iv.state.value, iv.start, iv.end]
+                          for iv in self.intervals]}

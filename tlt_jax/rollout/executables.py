@@ -1,0 +1,87 @@
+"""Ahead-of-time compiled executables, one per (function variant, argument shapes).
+
+The analogue of CUDA-graph capture: each batch-size bucket of each decode function is lowered
+and compiled once and reused for the whole run, and its compile time and memory
+(`memory_analysis()`) are recorded, so the cost of every executable the engine holds is known.
+Keys are frozen and hashable: the function's name, its static variant (sampling params,
+strategy, kernel choice) and the shapes/dtypes of its arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any, Callable, Hashable
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecKey:
+  name: str  # "prefill", "decode", "spec", ...
+  variant: Hashable  # static config baked into the executable
+  shapes: tuple  # ((shape, dtype), ...) of every argument leaf
+
+  @classmethod
+  def of(cls, name: str, variant: Hashable, args: tuple) -> "ExecKey":
+    return cls(name, variant, tuple((tuple(x.shape), str(x.dtype))
+                                    for x in jax.tree.leaves(args)))
+
+
+@dataclasses.dataclass
+class CompileRecord:
+  key: ExecKey
+  batch: int  # the batch (bucket) it was compiled for, 0 when it has none
+  seconds: float
+  memory_bytes: int | None  # argument + output + temp bytes from memory_analysis(), if given
+
+  @property
+  def name(self) -> str:
+    return self.key.name
+
+
+class ExecutableCache:
+  """`get(name, variant, fn, args, donate, batch)` -> the compiled executable for these
+  argument shapes, compiling it on first use. Thread-safe (a background thread may
+  precompile while the engine decodes)."""
+
+  def __init__(self):
+    self._compiled: dict[ExecKey, Any] = {}
+    self.records: list[CompileRecord] = []
+    self._lock = threading.Lock()
+
+  def __contains__(self, key: ExecKey) -> bool:
+    return key in self._compiled
+
+  def __len__(self) -> int:
+    return len(self._compiled)
+
+  def get(self, name: str, variant: Hashable, fn: Callable, args: tuple, *,
+          donate: tuple[int, ...] = (), batch: int = 0):
+    key = ExecKey.of(name, variant, args)
+    exe = self._compiled.get(key)
+    if exe is not None:
+      return exe
+    t0 = time.perf_counter()
+    # Input shardings are committed (params on the worker's mesh), so no mesh context.
+    exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+    seconds = time.perf_counter() - t0
+    mem = None
+    try:
+      ma = exe.memory_analysis()
+      if ma is not None:
+        mem = int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 - backends without memory analysis
+      mem = None
+    with self._lock:
+      if key not in self._compiled:
+        self._compiled[key] = exe
+        self.records.append(CompileRecord(key, batch, seconds, mem))
+      return self._compiled[key]
+
+  def stats(self) -> dict[str, Any]:
+    mems = [r.memory_bytes for r in self.records if r.memory_bytes is not None]
+    return {"executables": len(self.records),
+            "compile_seconds": sum(r.seconds for r in self.records),
+            "memory_bytes": sum(mems) if mems else None}

@@ -1,0 +1,131 @@
+"""Slot bookkeeping of one generate call: which request decodes in which row, when the batch
+grows, refills or shrinks, and when speculation switches on. Pure host code (no JAX): the
+engine (engine.py) turns the plan into device calls, and tests drive it with fake "done"
+flags.
+
+Per chunk the engine asks `plan()` for the layout operations to apply before decoding:
+
+  Prefill(requests, bucket)     first batch: prefill `requests` into a new state of `bucket`
+                                rows (rows past the requests are empty)
+  Resize(idx, valid)            new state = rows `idx` of the old one (rows with valid=False
+                                become empty slots): growing for a refill, or compaction
+  Refill(requests, slots, bucket)  prefill `requests` at batch `bucket` and write them into
+                                free `slots` (continuous batching)
+
+Compaction: once the queue is empty, the live rows move into the smallest bucket that holds
+them, so 3 stragglers of a 128-batch decode at bucket 4. Speculation switches on once the
+live batch has been <= bs_threshold for `patience` consecutive checks, and stays on for the
+rest of the call (the strategy selector can still choose "off").
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefill:
+  requests: tuple[Any, ...]
+  bucket: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Resize:
+  idx: tuple[int, ...]  # [new batch] rows of the old state
+  valid: tuple[bool, ...]  # [new batch] False: an empty slot
+
+
+@dataclasses.dataclass(frozen=True)
+class Refill:
+  requests: tuple[Any, ...]
+  slots: tuple[int, ...]  # free rows they go to (len(requests))
+  bucket: int  # batch size of their prefill (>= len(requests))
+
+
+def bucket_for(buckets: Sequence[int], n: int) -> int:
+  """The smallest bucket >= n (the largest when none is)."""
+  for b in buckets:
+    if b >= n:
+      return b
+  return buckets[-1]
+
+
+class Scheduler:
+  """See the module docstring. `requests` are any objects (the engine's Request)."""
+
+  def __init__(self, requests: Sequence[Any], *, max_batch: int, buckets: Sequence[int],
+               compaction: bool = True, bs_threshold: int | None = None, patience: int = 1):
+    if max_batch < 1 or not buckets or buckets[-1] < max_batch:
+      raise ValueError(f"Scheduler: buckets {tuple(buckets)} must reach max_batch={max_batch}")
+    if list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
+      raise ValueError(f"Scheduler: buckets {tuple(buckets)} must be strictly increasing")
+    self.max_batch, self.buckets, self.compaction = max_batch, tuple(buckets), compaction
+    self.bs_threshold, self.patience = bs_threshold, patience
+    self.pending = collections.deque(requests)
+    self.slots: list[Any | None] = []  # row -> request (None: empty)
+    self.speculating = False
+    self._below = 0
+
+  @property
+  def batch(self) -> int:
+    return len(self.slots)
+
+  @property
+  def live(self) -> list[int]:
+    return [i for i, r in enumerate(self.slots) if r is not None]
+
+  @property
+  def done(self) -> bool:
+    return not self.pending and not any(r is not None for r in self.slots)
+
+  def plan(self) -> list[Prefill | Resize | Refill]:
+    """Layout operations before the next chunk; the slot table reflects them on return."""
+    ops: list[Prefill | Resize | Refill] = []
+    live = self.live
+    if self.pending and len(live) < self.max_batch:
+      if not self.slots:
+        n = min(len(self.pending), self.max_batch)
+        reqs = tuple(self.pending.popleft() for _ in range(n))
+        bucket = bucket_for(self.buckets, n)
+        ops.append(Prefill(reqs, bucket))
+        self.slots = list(reqs) + [None] * (bucket - n)
+      else:
+        want = min(len(live) + len(self.pending), self.max_batch)
+        bucket = max(bucket_for(self.buckets, want), self.batch)
+        if bucket != self.batch:  # grow: rows stay in place, empty slots appended
+          ops.append(Resize(tuple(i % self.batch for i in range(bucket)),
+                            tuple(i < self.batch for i in range(bucket))))
+          self.slots += [None] * (bucket - self.batch)
+        free = [i for i, r in enumerate(self.slots) if r is None]
+        # The bucket may exceed max_batch (buckets need only cover it): never go past it.
+        n = min(len(free), len(self.pending), self.max_batch - len(live))
+        reqs = tuple(self.pending.popleft() for _ in range(n))
+        ops.append(Refill(reqs, tuple(free[:n]), bucket_for(self.buckets, n)))
+        for s, r in zip(free, reqs):
+          self.slots[s] = r
+    live = self.live
+    if self.compaction and not self.pending and live:
+      bucket = bucket_for(self.buckets, len(live))
+      if bucket < self.batch:
+        pad = bucket - len(live)
+        ops.append(Resize(tuple(live + [live[0]] * pad),
+                          tuple([True] * len(live) + [False] * pad)))
+        self.slots = [self.slots[i] for i in live] + [None] * pad
+    return ops
+
+  def check_speculation(self) -> bool:
+    """Once per chunk, after `plan`: whether this chunk speculates (see the docstring)."""
+    if self.bs_threshold is not None and not self.speculating:
+      self._below = self._below + 1 if len(self.live) <= self.bs_threshold else 0
+      self.speculating = self._below >= self.patience
+    return self.speculating
+
+  def finish(self, slot: int) -> Any:
+    """The request in `slot` is done; its row becomes free. Returns the request."""
+    req = self.slots[slot]
+    if req is None:
+      raise ValueError(f"slot {slot} holds no request")
+    self.slots[slot] = None
+    return req
