@@ -19,6 +19,8 @@ def get_config():
   # On a CPU-only host, expose this many CPU devices (XLA's host device count) so each
   # rollout worker has its own; 0 leaves JAX's default. Ignored where accelerators exist.
   c.cpu_devices = 2
+  # JAX's persistent compilation cache: a second run of a config compiles nothing ("": off)
+  c.compilation_cache = "~/.cache/tlt_jax/jax"
 
   c.model = ml_collections.ConfigDict()
   c.model.path = asset_path("default", "model")
@@ -26,7 +28,10 @@ def get_config():
   c.model.param_dtype = "float32"
   c.model.remat = False  # rematerialise each layer in the backward pass (long sequences)
 
-  c.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})
+  # The learner's mesh over the first `devices` devices (0: all). On the 2-core CPU one device
+  # (XLA's multi-threaded kernels) runs the update 2x faster than FSDP over the two host
+  # devices the rollout workers use (measured: 4.7 s vs 9.6 s per RL step's update).
+  c.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1, "devices": 1})
 
   c.data = ml_collections.ConfigDict()
   c.data.train_path = asset_path("default", "data", "train.jsonl")
@@ -48,6 +53,9 @@ def get_config():
   c.rollout.max_batch = 64
   c.rollout.buckets = (1, 2, 4, 8, 16, 32, 64)
   c.rollout.chunk_size = 16
+  # prompts are padded to a multiple of this: one prefill shape per batch bucket here (the
+  # prompts are short; every extra shape is an executable to compile)
+  c.rollout.prompt_bucket = 80
   c.rollout.compaction = True
   c.rollout.max_new_tokens = 288
   c.rollout.temperature = 1.0
@@ -65,9 +73,9 @@ def get_config():
   c.grpo.norm_adv_by_std = True
   c.grpo.adv_eps = 1e-6
   c.grpo.micro_batch = 64  # rows per learner forward/backward (gradient accumulation)
-  c.grpo.micro_batch_tokens = 8192  # > 0: rows per micro-batch = this // its padded length
+  c.grpo.micro_batch_tokens = 2048  # > 0: rows per micro-batch = this // its padded length
   c.grpo.minibatches = 2  # optimizer steps per RL step
-  c.grpo.pad_multiple = 64  # micro-batches are padded to a multiple of this many tokens
+  c.grpo.pad_multiple = 32  # micro-batches are padded to this x 2^k tokens
   c.grpo.logit_chunk = 1024
 
   c.optim = ml_collections.ConfigDict()
@@ -112,11 +120,19 @@ def get_config():
   c.tlt.spec.window = 300
   c.tlt.spec.strategy = "4_1_5"  # the fixed selector's arm
   c.tlt.spec.precompile = False  # True: compile every choosable (bucket, arm) pair up front
-  c.tlt.spec.bs_threshold = 16  # speculate once the live batch is <= this
+  # Compile them in the background instead, speculating at a bucket once its arms are ready
+  c.tlt.spec.background_compile = True
+  # speculate once the live batch is <= this. 4 on this CPU: a chunk of more rows is compute-
+  # bound here (no draft can pay), and each bucket's arms are executables to compile (the
+  # 7B/32B configs use the recipe's 32)
+  c.tlt.spec.bs_threshold = 4
   c.tlt.spec.patience = 2
   c.tlt.spec.max_steps = 0
 
   c.eval = ml_collections.ConfigDict()
+  # speculate during held-out greedy evaluation (lossless either way; off here: on this CPU it
+  # would compile a second set of executables for greedy sampling and not be faster)
+  c.eval.speculate = False
   c.eval.num_prompts = 0  # 0 = the whole test split
   c.eval.batch_size = 64
   return c

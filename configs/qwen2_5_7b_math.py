@@ -30,6 +30,7 @@ def get_config():
   c.model.param_dtype = "float32"  # master weights and Adam moments in f32, compute in bf16
   c.model.remat = True
   c.cpu_devices = 0
+  c.mesh.devices = 0  # the learner spans every GPU
 
   c.data.train_path = "/path/to/train.parquet"  # --config.data.train_path=...
   c.data.test_path = "/path/to/test.jsonl"
@@ -45,6 +46,7 @@ def get_config():
   c.rollout.max_batch = 128
   c.rollout.buckets = (1, 2, 4, 8, 16, 32, 64, 128)
   c.rollout.chunk_size = 32
+  c.rollout.prompt_bucket = 256
   c.rollout.max_new_tokens = 8192
   c.rollout.temperature = 1.0
   c.rollout.num_workers = 8
@@ -68,6 +70,7 @@ def get_config():
   c.train.checkpoint_every = 10
   c.train.keep_checkpoints = 3
 
+  c.eval.speculate = True
   c.eval.num_prompts = 0
   c.eval.batch_size = 128
 

@@ -67,9 +67,15 @@ def test_invalid_values_name_the_key(key, value, needle):
 
 
 @pytest.mark.parametrize("mesh,micro_batch,needle", [
-    ({"data": 3, "fsdp": 1, "tensor": 1}, 6, r"config.mesh=.* does not fit the 8 visible"),
-    ({"data": 1, "fsdp": 16, "tensor": 1}, 16, r"config.mesh=.* does not fit the 8 visible"),
-    ({"data": 2, "fsdp": -1, "tensor": 1}, 12,
+    ({"data": 3, "fsdp": 1, "tensor": 1, "devices": 0}, 6,
+     r"config.mesh=.* does not fit the 8 cpu devices it spans"),
+    ({"data": 1, "fsdp": 16, "tensor": 1, "devices": 0}, 16,
+     r"config.mesh=.* does not fit the 8 cpu devices it spans"),
+    ({"data": 1, "fsdp": 2, "tensor": 1, "devices": 1}, 16,
+     r"config.mesh=.* does not fit the 1 cpu devices it spans"),
+    ({"data": 1, "fsdp": -1, "tensor": 1, "devices": 16}, 16,
+     r"config.mesh.devices=16: only 8 cpu devices are visible"),
+    ({"data": 2, "fsdp": -1, "tensor": 1, "devices": 0}, 12,
      r"config.grpo.micro_batch=12 must be a multiple of the mesh's data x fsdp size \(8"),
 ])
 def test_mesh_against_visible_devices(mesh, micro_batch, needle):

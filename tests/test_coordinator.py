@@ -193,7 +193,9 @@ def test_a_worker_without_data_waits_idle_and_spot_off_never_trains():
 
   c, store, _ = make(2, spot="off")
   out = c.rollout(shares(0.05, 0.3), sp=None, seed=0)
-  assert out.drafter is None and out.timeline.summary()["training_s"] == 0
+  s = out.timeline.summary()
+  assert out.drafter is None and s["training_s"] == 0
+  assert s["idle_s"] == pytest.approx(0.25, abs=0.1)  # idle until the barrier, untrained
 
 
 def test_serial_mode_trains_after_the_rollout_on_worker_0_and_pushes():

@@ -143,15 +143,19 @@ def test_micro_batches_layout():
   mbs = list(grpo.micro_batches(samples, rows=2, pad_multiple=4, max_len=64))
   # longest rows grouped together; shortest micro-batch first; padding rows have index -1
   assert [list(mb.index) for mb in mbs] == [[1, -1], [0, 2]]
-  assert mbs[0].tokens.shape == (2, 4) and mbs[1].tokens.shape == (2, 12)
+  # length buckets 4 x 2^k: the 11-token row pads to 16, the 3-token one to 4
+  assert mbs[0].tokens.shape == (2, 4) and mbs[1].tokens.shape == (2, 16)
   np.testing.assert_array_equal(mbs[1].tokens[0, :11], [5, 6] + [7] * 9)
-  np.testing.assert_array_equal(mbs[1].loss_mask[0], [0, 0] + [1] * 9 + [0])
+  np.testing.assert_array_equal(mbs[1].loss_mask[0], [0, 0] + [1] * 9 + [0] * 5)
   assert mbs[0].loss_mask[1].sum() == 0 and mbs[1].advantages[0] == 9.0
-  # token budget 24: 2 rows at T=12 (lengths 11, 6), 6 rows at T=4 (multiples of 2)
+  # capped at max_len (rounded up to the multiple): with max_len 12 the 11-token row pads to 12
+  capped = list(grpo.micro_batches(samples, rows=2, pad_multiple=4, max_len=12))
+  assert capped[1].tokens.shape == (2, 12)
+  # token budget 32: 2 rows at T=16 (lengths 11, 6), 8 rows at T=4 (multiples of 2)
   many = samples + [grpo.Sample(np.array([5]), np.array([7]), 0.0) for _ in range(5)]
-  mbs = list(grpo.micro_batches(many, rows=0, pad_multiple=4, max_len=64, max_tokens=24,
+  mbs = list(grpo.micro_batches(many, rows=0, pad_multiple=4, max_len=64, max_tokens=32,
                                 row_multiple=2))
-  assert [mb.tokens.shape for mb in mbs] == [(6, 4), (2, 12)]
+  assert [mb.tokens.shape for mb in mbs] == [(8, 4), (2, 16)]
   assert sorted(i for mb in mbs for i in mb.index if i >= 0) == list(range(8))
 
 

@@ -325,3 +325,29 @@ def test_kernel_that_fails_to_compile_falls_back_to_the_reference(tiny, monkeypa
   assert sum("failed to compile" in r.message for r in caplog.records) == 1
   for k in plain:
     np.testing.assert_array_equal(spec[k].response_ids, plain[k].response_ids)
+
+
+def test_background_compile_then_speculation_without_foreground_compiles(tiny):
+  """With background compilation the worker decodes plainly until a bucket's arms are ready;
+  once compiled, a generate call speculates and compiles nothing in the foreground, and
+  outputs stay exactly plain greedy decoding's."""
+  params, dparams = tiny
+  reqs = _requests(9)
+  base = dict(max_batch=4, buckets=(1, 2, 4), chunk_size=4, max_prompt_len=16,
+              max_new_tokens=24)
+  sp = SamplingParams(temperature=0.0)
+  plain = _by_id(RolloutWorker(params, CFG, EngineConfig(**base)).generate(reqs, sp))
+  w = RolloutWorker(params, CFG, EngineConfig(
+      **base, spec=SpecConfig(strategy="3_1_4", bs_threshold=4, patience=1, use_kernel=False,
+                              background_compile=True)), drafter_params=dparams)
+  first = _by_id(w.generate(reqs, sp))
+  w.wait_compiled(timeout=600)
+  compiled = {(r.batch, r.key.variant[0]) for r in w.compile_log if r.name == "spec"}
+  assert compiled == {(b, a) for b, arms in w.choosable_pairs().items() for a in arms}
+  n = len(w.chunk_log)
+  second = _by_id(w.generate(reqs, sp))
+  chunks = w.chunk_log[n:]
+  assert any(c.mode == "3_1_4" for c in chunks) and not any(c.compiled for c in chunks)
+  for k in plain:
+    np.testing.assert_array_equal(first[k].response_ids, plain[k].response_ids)
+    np.testing.assert_array_equal(second[k].response_ids, plain[k].response_ids)

@@ -82,7 +82,9 @@ def _small_cfg(workdir, steps, **overrides):
   cfg.workdir = str(workdir)
   cfg.train.steps = steps
   cfg.train.eval_every = 0
-  cfg.tlt.spec.bs_threshold = 16  # speculate from the start of this small batch
+  cfg.tlt.spec.bs_threshold = 16  # speculate from the start of this small batch ...
+  cfg.tlt.spec.background_compile = False  # ... with executables compiled on first use
+  cfg.mesh.devices = 0  # the learner FSDP over all 8 test devices (sharded state, restored)
   cfg.tlt.drafter.row_len = 128
   cfg.tlt.drafter.rows = 4
   cfg.tlt.drafter.serial_steps = 2
@@ -168,7 +170,7 @@ def test_evaluation_leaves_the_training_bandit_untouched(tmp_path):
   the training bandit's windows, pulls and RNG are exactly as before."""
   from tlt_jax.rl.reward_pool import RewardPool
   from tlt_jax.train import build, evaluate
-  run = build(_small_cfg(tmp_path, 1, **{"train.eval_every": 1}))
+  run = build(_small_cfg(tmp_path, 1, **{"train.eval_every": 1, "eval.speculate": True}))
   before = run.selector.state_dict()
   with RewardPool("arith", num_workers=1) as pool:
     first = evaluate(run, pool)  # compiles (compiling chunks reward no arm)

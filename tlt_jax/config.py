@@ -118,7 +118,7 @@ def sampling_params(cfg: ml_collections.ConfigDict):
 def spec_config(cfg: ml_collections.ConfigDict):
   from tlt_jax.rollout.engine import SpecConfig
   s = cfg.tlt.spec
-  fields = ("strategy", "bs_threshold", "patience", "max_steps")
+  fields = ("strategy", "bs_threshold", "patience", "max_steps", "background_compile")
   return typed(SpecConfig, {k: f"tlt.spec.{k}" for k in fields}, "tlt.spec",
                **{k: s[k] for k in fields})
 
@@ -138,8 +138,10 @@ def engine_config(cfg: ml_collections.ConfigDict, stop: tuple[int, ...] = (), *,
   keys = {k: f"rollout.{k}" for k in ("max_batch", "chunk_size", "compaction",
                                       "max_new_tokens")}
   keys.update(buckets="rollout.buckets", max_prompt_len="data.max_prompt_len")
+  keys["prompt_bucket"] = "rollout.prompt_bucket"
   return typed(EngineConfig, keys, "rollout", max_batch=max_batch, buckets=buckets,
                chunk_size=r.chunk_size, compaction=r.compaction,
+               prompt_bucket=r.get("prompt_bucket", 16),
                max_prompt_len=cfg.data.max_prompt_len, max_new_tokens=r.max_new_tokens,
                capture_hidden=capture_hidden, hidden_keep=hidden_keep, stop_tokens=tuple(stop),
                spec=spec_config(cfg) if speculative else None)
@@ -216,6 +218,9 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     sizes = [cfg.mesh[a] for a in ("data", "fsdp", "tensor")]
     require(all(isinstance(s, int) and (s > 0 or s == -1) for s in sizes), "mesh", dict(cfg.mesh),
             "axis sizes are positive integers, or -1 on one axis for 'all remaining devices'")
+    devices = cfg.mesh.get("devices", 0)
+    require(isinstance(devices, int) and devices >= 0, "mesh.devices", devices,
+            "the number of devices the learner spans (the first ones), or 0 for all")
   if "rollout" in cfg:
     r = cfg.rollout
     sampling_params(cfg)

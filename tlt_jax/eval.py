@@ -34,7 +34,8 @@ def length_stats(lengths: Sequence[int]) -> dict[str, float]:
 
 def evaluate(worker: RolloutWorker, tokenizer, rows: Sequence[PromptRow], reward_fn, *,
              seed: int = 0, progress: bool = True, chat_template: bool = False,
-             system_prompt: str = "", selector=None) -> dict[str, Any]:
+             system_prompt: str = "", selector=None, speculate: bool = True
+             ) -> dict[str, Any]:
   """Greedy-decodes every row (prompts encoded as training encodes them) and scores it;
   returns a metrics dict. `selector`: the speculative strategy selector for these chunks
   (the RL loop passes its own evaluation selector, so evaluation never trains its bandit)."""
@@ -48,7 +49,7 @@ def evaluate(worker: RolloutWorker, tokenizer, rows: Sequence[PromptRow], reward
   hooks = WorkerHooks(on_result=(lambda _: bar.update(1)) if bar else None)
   t0 = time.perf_counter()
   results = worker.generate(requests, SamplingParams(temperature=0.0), seed=seed, hooks=hooks,
-                            selector=selector)
+                            selector=selector, speculate=speculate)
   wall = time.perf_counter() - t0
   if bar:
     bar.close()

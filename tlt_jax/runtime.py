@@ -14,15 +14,25 @@ from tlt_jax import config as config_lib
 from tlt_jax.config import ConfigError
 
 
-def use_cpu_devices(cfg: ml_collections.ConfigDict) -> None:
-  """Exposes config.cpu_devices CPU devices (XLA's host device count) so each rollout worker
-  of a CPU-only run has its own. Must run before JAX initialises its backends; it changes only
-  the CPU platform, so on an accelerator host it is harmless. An explicit device count in
-  XLA_FLAGS wins."""
+def setup_jax(cfg: ml_collections.ConfigDict) -> None:
+  """Process-wide JAX settings from the config; must run before JAX initialises its backends.
+
+  cpu_devices: exposes that many CPU devices (XLA's host device count) so each rollout worker
+    of a CPU-only run has its own; it changes only the CPU platform, so on an accelerator host
+    it is harmless. An explicit device count in XLA_FLAGS wins.
+  compilation_cache: a directory for JAX's persistent compilation cache: a second run of the
+    same config (or a resumed one) loads its executables instead of compiling them.
+  """
   n = int(cfg.get("cpu_devices", 0) or 0)
   flags = os.environ.get("XLA_FLAGS", "")
   if n > 0 and "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+  cache = cfg.get("compilation_cache", "")
+  if cache:
+    import jax
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache))
+    # Every executable, not only the slow ones: the engine holds dozens of sub-second ones.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def validate(cfg: ml_collections.ConfigDict, *, training: bool = True) -> None:
@@ -57,11 +67,17 @@ def make_mesh(cfg: ml_collections.ConfigDict):
   import jax
 
   from tlt_jax.sharding import make_mesh as _make
+  shape = {k: v for k, v in cfg.mesh.items() if k != "devices"}
+  n = int(cfg.mesh.get("devices", 0) or 0)
+  if n > jax.device_count():
+    raise ConfigError(f"config.mesh.devices={n}: only {jax.device_count()} "
+                      f"{jax.default_backend()} devices are visible")
   try:
-    mesh = _make(dict(cfg.mesh))
+    mesh = _make(shape, devices=jax.devices()[:n] if n else None)
   except ValueError as e:
-    raise ConfigError(f"config.mesh={dict(cfg.mesh)} does not fit the {jax.device_count()} "
-                      f"visible {jax.default_backend()} devices: {e}") from None
+    raise ConfigError(f"config.mesh={dict(cfg.mesh)} does not fit the "
+                      f"{n or jax.device_count()} {jax.default_backend()} devices it spans: "
+                      f"{e}") from None
   n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
   if "grpo" in cfg and cfg.grpo.micro_batch % n_batch:
     raise ConfigError(f"config.grpo.micro_batch={cfg.grpo.micro_batch} must be a multiple of "

@@ -119,6 +119,40 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
   return out
 
 
+class CompileClock:
+  """Seconds XLA spent compiling (every thread, every executable: learner, engine, drafter),
+  read per step: `time.compile` in the metrics (already inside the phase it happened in; the
+  first step's includes start-up). A persistent compilation cache hit costs no compile."""
+
+  _total = 0.0
+  _registered = False
+  _lock = None
+
+  @classmethod
+  def start(cls) -> "CompileClock":
+    import threading
+
+    import jax
+    if not cls._registered:
+      cls._lock = threading.Lock()
+
+      def listen(event: str, seconds: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+          with cls._lock:
+            cls._total += seconds
+
+      jax.monitoring.register_event_duration_secs_listener(listen)
+      cls._registered = True
+    clock = cls()
+    clock._last = cls._total
+    return clock
+
+  def lap(self) -> float:
+    total = type(self)._total
+    out, self._last = total - self._last, total
+    return out
+
+
 # =================================================================================== build
 @dataclasses.dataclass
 class Run:
@@ -140,6 +174,7 @@ class Run:
   eval_selector: Any  # evaluation's own selector (never trains the training bandit)
   buffer: Any  # drafter.DrafterBuffer (None: the drafter is not trained)
   ckpt: Any  # checkpoint.Checkpointer
+  compile_clock: Any = None  # CompileClock (seconds compiling, per step)
   step: int = 0
 
   @property
@@ -158,6 +193,7 @@ def build(cfg) -> Run:
   from tlt_jax.rollout.engine import RolloutWorker
 
   os.makedirs(cfg.workdir, exist_ok=True)
+  compile_clock = CompileClock.start()
   # ------------------------------------------------------------------- mesh and model
   mesh = runtime.make_mesh(cfg)
   model_cfg, params, tokenizer, stop = runtime.load_model(cfg, mesh=mesh)
@@ -238,11 +274,15 @@ def build(cfg) -> Run:
   coordinator = Coordinator(workers, store, spot=spot if tlt else SpotConfig(mode="off"),
                             merge=merge)
   coordinator.push()  # every worker takes the store's weights (and its trainer the drafter)
-  if trained:  # the drafter step, compiled now rather than in the first idle window
-    t = time.perf_counter()
+  if trained and spot.mode == "spot":  # compiled at low priority while the run starts
+    from tlt_jax.rollout.executables import background_compiler
+    compiler = background_compiler("compile-drafter")
+    for w in workers:
+      w.trainer.compile_in_background(model_cfg.hidden_size, compiler)
+    compiler.shutdown(wait=False)
+  elif trained:  # serial: compiled now, so the first serial steps do not
     for f in [w.submit(w.trainer.compile, model_cfg.hidden_size) for w in workers]:
       f.result()
-    print(f"compiled the drafter train step in {time.perf_counter() - t:.1f}s", file=sys.stderr)
   if tlt and cfg.tlt.spec.precompile:
     t = time.perf_counter()
     n = sum(e.precompile(config_lib.sampling_params(cfg)) for e in coordinator.engines)
@@ -256,7 +296,7 @@ def build(cfg) -> Run:
   return Run(cfg=cfg, mesh=mesh, model_cfg=model_cfg, tokenizer=tokenizer, stream=stream,
              test_rows=test_rows, sampling=config_lib.sampling_params(cfg), learner=learner,
              store=store, coordinator=coordinator, selector=selector,
-             eval_selector=eval_selector, buffer=buffer, ckpt=ckpt)
+             eval_selector=eval_selector, buffer=buffer, ckpt=ckpt, compile_clock=compile_clock)
 
 
 # ====================================================================== checkpoint state
@@ -370,6 +410,7 @@ def rl_step(run: Run, pool) -> dict[str, Any]:
   lengths = [res.num_tokens for res in out.results]
   tokens = int(sum(lengths))
   spec_chunks = [c for c in out.chunks if c.mode != "plain"]
+  drafted = [c for c in spec_chunks if c.mode != "off"]  # "off" verifies no drafts
   m: dict[str, Any] = {
       "reward": float(r.mean()),
       "accuracy": float((r >= 1.0).mean()),
@@ -394,7 +435,8 @@ def rl_step(run: Run, pool) -> dict[str, Any]:
       arms[c.mode] = arms.get(c.mode, 0) + 1
     engines = run.coordinator.engines
     m["spec"] = {"chunks": len(spec_chunks), "arm_chunks": arms,
-                 "tokens_per_verify": tokens_per_verification(spec_chunks) or 0.0,
+                 # mean accepted drafts + 1 over the chunks that drafted (not "off")
+                 "tokens_per_verify": tokens_per_verification(drafted) or 0.0,
                  "share_of_tokens": sum(c.tokens for c in spec_chunks) / max(tokens, 1),
                  # Which verification ran ("pallas" kernel or "jnp" reference; a kernel
                  # that failed to compile fell back, see the run's log).
@@ -408,6 +450,7 @@ def rl_step(run: Run, pool) -> dict[str, Any]:
     if drafter:
       m["drafter"] = drafter
   times["total"] = time.perf_counter() - t_step
+  times["compile"] = run.compile_clock.lap()
   m["time"] = times
   m["_timeline"] = out.timeline.to_json()
   return m
@@ -425,7 +468,7 @@ def evaluate(run: Run, pool) -> dict[str, Any]:
   d, w = run.cfg.data, run.coordinator.workers[0]
   m = w.submit(_evaluate, w.engine, run.tokenizer, run.test_rows, score, seed=run.cfg.seed,
                progress=False, chat_template=d.chat_template, system_prompt=d.system_prompt,
-               selector=run.eval_selector).result()
+               selector=run.eval_selector, speculate=run.cfg.eval.speculate).result()
   return {k: v for k, v in m.items() if k in ("accuracy", "accuracy_by_terms",
                                                "response_length", "tokens_per_second")}
 
@@ -502,7 +545,7 @@ def main(argv):
   if _WORKDIR.value:
     with cfg.unlocked():
       cfg.workdir = _WORKDIR.value
-  runtime.use_cpu_devices(cfg)  # before anything initialises JAX
+  runtime.setup_jax(cfg)  # before anything initialises JAX
   runtime.validate(cfg)
   run = build(cfg)
   with open(os.path.join(cfg.workdir, "config.json"), "w") as f:

@@ -135,9 +135,11 @@ class Coordinator:
       report = None
       if spot:
         w.trainer.reseed([seed, i])
-      if spot and not barrier.is_set():
-        report = train_until(w.trainer, barrier, on_barrier=self.spot.on_barrier,
-                             timeline=timeline, worker=i, poll_s=self.spot.poll_s)
+        if not barrier.is_set():
+          report = train_until(w.trainer, barrier, on_barrier=self.spot.on_barrier,
+                               timeline=timeline, worker=i, poll_s=self.spot.poll_s)
+      else:
+        barrier.wait()  # idle until the last worker is done (the straggler wait, measured)
       timeline.enter(i, WorkerState.DONE)
       return results, report
 

@@ -111,20 +111,30 @@ class DrafterTrainer:
     self.reseed(0)
     self._hidden_dtype = np.dtype(hidden_dtype or np.float32)
     self._exe = None  # the AOT-compiled step (`compile`), else the jitted function
+    self._compiling = None  # Future of a background `compile`
     self.state = None
     self._pending_metrics: list[Any] = []
 
   def load(self, state) -> None:
     import jax
-    self.state = jax.device_put(state, self._shardings)
+    # A copy even where the layout matches (the store's drafter on the same device): the
+    # train step donates this state, which must not delete the store's.
+    self.state = jax.device_put(state, self._shardings, may_alias=False)
 
   def reseed(self, seed) -> None:
     """The batches this trainer draws next are a function of `seed` (the coordinator passes
     (rollout seed, worker)), not of how many it drew before: resume stays reproducible."""
     self._rng = np.random.default_rng([self._seed, *np.atleast_1d(seed).tolist(), 83])
 
+  def compile_in_background(self, hidden_size: int, executor) -> None:
+    """`compile` on `executor` (a low-priority compile thread); until it is done this trainer
+    has no batch to train on, so an idle worker waits instead of compiling in its window."""
+    self._compiling = executor.submit(self.compile, hidden_size)
+
   def next_batch(self):
     from tlt_jax.drafter.packing import fill_batch
+    if self._compiling is not None and not self._compiling.done():
+      return None
     out = fill_batch(lambda n: self.buffer.sample(n, self._rng), self.rows, self.row_len,
                      hidden_dtype=self._hidden_dtype)
     return None if out is None else out[0]

@@ -198,19 +198,26 @@ class MicroBatch(NamedTuple):
 
 def micro_batches(samples: list[Sample], rows: int, pad_multiple: int, max_len: int,
                   max_tokens: int = 0, row_multiple: int = 1) -> Iterator[MicroBatch]:
-  """Length-sorted micro-batches, each padded to its own multiple of `pad_multiple` tokens
-  (<= max_len). Missing rows are all-padding with an empty mask.
+  """Length-sorted micro-batches, each padded to its own length bucket T: the smallest
+  pad_multiple x 2^k (or max_len rounded up to pad_multiple) that holds its longest row.
+  Missing rows are all-padding with an empty mask.
 
   rows: rows per micro-batch; or, with max_tokens > 0, a token budget: a micro-batch padded to
   T tokens holds max(row_multiple, max_tokens // T rounded down to row_multiple) rows, so the
   long tail goes in a few narrow micro-batches instead of padding every row of a wide one.
-  Shapes depend only on T, so compiles stay one per length bucket.
+  Shapes depend only on T, so there is one compile per length bucket, and geometric buckets
+  keep them few (32, 64, 128, 256, 384 for max_len 368: 5 compiles of the update instead of
+  12 with multiples of 32; on the CPU each costs ~3 s, more than the padding they add).
   """
+  cap = -(-max_len // pad_multiple) * pad_multiple
   order = sorted(range(len(samples)), key=lambda i: samples[i].length, reverse=True)
   out = []
   s = 0
   while s < len(order):
-    t = min(-(-samples[order[s]].length // pad_multiple) * pad_multiple, max_len)
+    t = pad_multiple
+    while t < min(samples[order[s]].length, cap):
+      t *= 2
+    t = min(t, cap)
     n = rows
     if max_tokens > 0:
       n = max(row_multiple, (max_tokens // t) // row_multiple * row_multiple)
@@ -295,7 +302,7 @@ class Learner:
       updates, opt_state = tx.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 
-    self._apply = jax.jit(apply, donate_argnums=(0, 1, 2),
+    self._apply = jax.jit(apply, donate_argnums=(0, 1),
                           out_shardings=(self.param_shardings, self.opt_shardings, None))
 
   def _put(self, x: np.ndarray) -> jax.Array:

@@ -24,6 +24,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -34,7 +35,8 @@ from jax.sharding import Mesh
 
 from tlt_jax.models import ModelConfig, Params
 from tlt_jax.rollout import decode
-from tlt_jax.rollout.executables import CompileRecord, ExecutableCache  # noqa: F401 (re-export)
+from tlt_jax.rollout.executables import (CompileRecord, ExecutableCache,  # noqa: F401
+                                         background_compiler)
 from tlt_jax.rollout.mab import FixedSelector
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.scheduler import Prefill, Refill, Resize, Scheduler, bucket_for
@@ -52,6 +54,12 @@ class SpecConfig:
   bs_threshold: int = 32
   patience: int = 2
   use_kernel: bool | None = None  # Pallas verification kernel vs jnp reference; None: GPU only
+  # Compile the speculative executables in a background thread from the first generate on;
+  # speculation starts at a bucket only once every arm choosable there is compiled (until
+  # then the rows decode plainly): no chunk waits for a compile, the bandit sees no compile
+  # time, and on an accelerator host the compiles overlap decoding for free. Off: each
+  # executable compiles on first use (speculation from the first generate call).
+  background_compile: bool = False
   max_steps: int = 0  # catch-up capacity (>= every strategy's steps); 0 -> the strategies'
 
   def __post_init__(self):
@@ -223,11 +231,19 @@ class RolloutWorker:
     self.kernel_error: str | None = None
     self.exes = ExecutableCache()
     self.chunk_log: list[ChunkMetrics] = []
+    # background compilation (SpecConfig.background_compile): sampling params -> the
+    # (bucket, arm) pairs compiled so far; one compile thread per worker
+    self._ready: dict[SamplingParams, set[tuple[int, str]]] = {}
+    self._compiler = None
+    self._ready_lock = threading.Lock()
 
   # ---------------------------------------------------------------------------------- weights
   def set_params(self, params: Params) -> None:
-    """New actor weights (after an RL update); resharded onto this worker's layout."""
-    self.params = jax.device_put(params, jax.tree.map(lambda x: x.sharding, self.params))
+    """New actor weights (after an RL update); resharded onto this worker's layout, always a
+    copy: the learner donates its params to its next update, which must not delete these
+    (on a learner device the two layouts can coincide)."""
+    self.params = jax.device_put(params, jax.tree.map(lambda x: x.sharding, self.params),
+                                 may_alias=False)
 
   def set_drafter_params(self, dparams: Params) -> None:
     """New drafter weights (after spot training); placed on this worker's mesh."""
@@ -376,14 +392,17 @@ class RolloutWorker:
                          f"[0, {self.cfg.vocab_size})")
 
   def generate(self, requests: Sequence[Request], sp: SamplingParams, *, seed: int = 0,
-               hooks: WorkerHooks | None = None, selector: Any = None) -> list[Result]:
+               hooks: WorkerHooks | None = None, selector: Any = None,
+               speculate: bool = True) -> list[Result]:
     """Decodes all requests; returns results in completion order. `selector` overrides the
     worker's strategy selector for this call (same arms), e.g. so that evaluation chunks
-    never feed the training bandit's reward windows."""
+    never feed the training bandit's reward windows; speculate=False decodes plainly (a
+    worker with a drafter keeps it warm)."""
     self.validate(requests)
     hooks = hooks or WorkerHooks()
     selector = selector or self.selector
-    ecfg, spec = self.ecfg, self.ecfg.spec
+    ecfg = self.ecfg
+    spec = ecfg.spec if speculate else None
     t_start = time.perf_counter()
     base_key = jax.random.key(seed)
     sched = Scheduler(requests, max_batch=ecfg.max_batch, buckets=ecfg.buckets,
@@ -393,6 +412,9 @@ class RolloutWorker:
     outputs: dict[tuple[int, int], _Output] = {}
     results: list[Result] = []
     state = None
+    started = False  # a speculative chunk ran: from here on every chunk is one
+    if spec is not None and spec.background_compile:
+      self._compile_in_background(sp)
     while not sched.done:
       if hooks.before_chunk:
         hooks.before_chunk()
@@ -402,6 +424,10 @@ class RolloutWorker:
           outputs[r.key] = _Output(ecfg.hidden_keep)
       live = sched.live
       speculating = sched.check_speculation()
+      if speculating and not isinstance(state, decode.DecodeState) and not started \
+          and not self._spec_ready(sp, state.batch_size):
+        speculating = False  # this bucket's arms are still compiling: decode plainly
+      started = started or speculating
       arm = selector.select(len(live)) if speculating else None
       if speculating:
         for s in live:
@@ -483,19 +509,70 @@ class RolloutWorker:
         pairs[b] = arms
     return pairs
 
+  def _spec_ready(self, sp: SamplingParams, bucket: int) -> bool:
+    """Whether every arm choosable at `bucket` is compiled (always, without background
+    compilation: then a chunk compiles what it needs)."""
+    spec = self.ecfg.spec
+    if not spec.background_compile:
+      return True
+    want = {(bucket, a) for a in self.choosable_pairs().get(bucket, ())}
+    with self._ready_lock:
+      return want <= self._ready.get(sp, set())
+
+  def _compile_in_background(self, sp: SamplingParams) -> None:
+    """Starts compiling every choosable (bucket, arm) pair for `sp` on this worker's compile
+    thread, largest bucket first (speculation switches on at the largest and shrinks)."""
+    with self._ready_lock:
+      if sp in self._ready:
+        return
+      self._ready[sp] = set()
+      if self._compiler is None:
+        self._compiler = background_compiler(f"compile-worker-{self.worker_id}")
+
+    def mark(pair):
+      with self._ready_lock:
+        self._ready[sp].add(pair)
+
+    def job():
+      try:
+        self._compile_pairs(sp, self.choosable_pairs(), on_compiled=mark)
+      except Exception:  # noqa: BLE001 - the foreground compiles what it needs instead
+        _log.exception("worker %d: background compilation failed; speculation compiles its "
+                       "executables on first use", self.worker_id)
+        with self._ready_lock:
+          self._ready[sp] = {(b, a) for b, arms in self.choosable_pairs().items()
+                             for a in arms}
+
+    self._compiler.submit(job)
+
+  def wait_compiled(self, timeout: float | None = None) -> None:
+    """Blocks until background compilation started so far is done (tests, benchmarks)."""
+    if self._compiler is not None:
+      self._compiler.submit(lambda: None).result(timeout)
+
   def precompile(self, sp: SamplingParams, *, all_pairs: bool = False) -> int:
     """AOT-compiles the speculative executable of every choosable (bucket, arm) pair now, instead
     of on first use (the default, lazy; it compiles the same pairs, and only those chosen).
     all_pairs=True compiles every selector arm at every engine bucket (what choosable-only
-    saves, measured). Returns the number of new executables.
+    saves, measured). Returns the number of new speculative executables.
 
     States are abstract: shapes and shardings come from one real prefill of dummy rows at the
     largest bucket (shardings are the ones generate() will pass), resized on the batch axis."""
     pairs = self.choosable_pairs()
     if all_pairs and pairs:
       pairs = {b: self.selector.arms for b in self.ecfg.buckets}
+    before = sum(r.name == "spec" for r in self.exes.records)
+    self._compile_pairs(sp, pairs)
+    if self.ecfg.spec.background_compile:
+      with self._ready_lock:
+        self._ready.setdefault(sp, set()).update((b, a) for b, arms in pairs.items()
+                                                 for a in arms)
+    return sum(r.name == "spec" for r in self.exes.records) - before
+
+  def _compile_pairs(self, sp: SamplingParams, pairs: dict[int, list[str]],
+                     on_compiled: Callable | None = None) -> None:
     if not pairs:
-      return 0
+      return
     top = max(pairs)
     dummy = [Request([0], i) for i in range(top)]
     state = self._prefill_requests(dummy, top, jax.random.key(0))
@@ -504,12 +581,12 @@ class RolloutWorker:
       return jax.tree.map(
           lambda x: jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype, sharding=x.sharding), state)
 
-    before = len(self.exes)
-    for b, arms in pairs.items():
+    for b in sorted(pairs, reverse=True):
       abstract = resized(b)
-      for arm in arms:
+      for arm in pairs[b]:
         self._spec_exec(sp, arm, abstract)
-    return len(self.exes) - before
+        if on_compiled is not None:
+          on_compiled((b, arm))
 
   def compile_report(self) -> dict[str, Any]:
     """Speculative executables compiled so far (count, seconds, memory_analysis bytes) against

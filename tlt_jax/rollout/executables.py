@@ -9,7 +9,9 @@ strategy, kernel choice) and the shapes/dtypes of its arguments.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
+import os
 import threading
 import time
 from typing import Any, Callable, Hashable
@@ -85,3 +87,18 @@ class ExecutableCache:
     return {"executables": len(self.records),
             "compile_seconds": sum(r.seconds for r in self.records),
             "memory_bytes": sum(mems) if mems else None}
+
+
+def background_compiler(name: str) -> cf.ThreadPoolExecutor:
+  """One thread for compiling ahead of need, at the lowest CPU priority (Linux: per-thread
+  nice 19, inherited by threads XLA starts from it): compiles fill idle cores (a decode tail
+  at batch 1, host work) instead of slowing the rollout and the learner. On an accelerator
+  host they overlap device work anyway."""
+
+  def lower_priority():
+    try:
+      os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not permitted: normal priority
+      pass
+
+  return cf.ThreadPoolExecutor(1, thread_name_prefix=name, initializer=lower_priority)
