@@ -292,6 +292,15 @@ def test_strategy_validation():
     speculative.Strategy.parse("2_2_8")
 
 
+SMALL = dict(max_batch=4, buckets=(1, 2, 4), chunk_size=4, max_prompt_len=16, max_new_tokens=24)
+
+
+def _greedy_plain(params, n):
+  """n requests, greedy sampling, and plain decoding's results (the reference)."""
+  reqs, sp = _requests(n), SamplingParams(temperature=0.0)
+  return reqs, sp, _by_id(RolloutWorker(params, CFG, EngineConfig(**SMALL)).generate(reqs, sp))
+
+
 def test_kernel_that_fails_to_compile_falls_back_to_the_reference(tiny, monkeypatch, caplog):
   """A verification kernel that does not lower (as on a GPU/Triton version it was never
   compiled for) costs the run its speed, not its life: one warning, the jnp reference from
@@ -309,13 +318,9 @@ def test_kernel_that_fails_to_compile_falls_back_to_the_reference(tiny, monkeypa
 
   monkeypatch.setattr(speculative, "verify_chain", failing("chain"))
   monkeypatch.setattr(speculative, "verify_tree", failing("tree"))
-  reqs = _requests(6)
-  base = dict(max_batch=4, buckets=(1, 2, 4), chunk_size=4, max_prompt_len=16,
-              max_new_tokens=20)
-  sp = SamplingParams(temperature=0.0)
-  plain = _by_id(RolloutWorker(params, CFG, EngineConfig(**base)).generate(reqs, sp))
+  reqs, sp, plain = _greedy_plain(params, 6)
   w = RolloutWorker(params, CFG, EngineConfig(
-      **base, spec=SpecConfig(strategy=arm, bs_threshold=4, patience=1, use_kernel=True)),
+      **SMALL, spec=SpecConfig(strategy=arm, bs_threshold=4, patience=1, use_kernel=True)),
       drafter_params=dparams)
   assert w.verify_path == "pallas"
   with caplog.at_level("WARNING"):
@@ -332,13 +337,9 @@ def test_background_compile_then_speculation_without_foreground_compiles(tiny):
   once compiled, a generate call speculates and compiles nothing in the foreground, and
   outputs stay exactly plain greedy decoding's."""
   params, dparams = tiny
-  reqs = _requests(9)
-  base = dict(max_batch=4, buckets=(1, 2, 4), chunk_size=4, max_prompt_len=16,
-              max_new_tokens=24)
-  sp = SamplingParams(temperature=0.0)
-  plain = _by_id(RolloutWorker(params, CFG, EngineConfig(**base)).generate(reqs, sp))
+  reqs, sp, plain = _greedy_plain(params, 9)
   w = RolloutWorker(params, CFG, EngineConfig(
-      **base, spec=SpecConfig(strategy="3_1_4", bs_threshold=4, patience=1, use_kernel=False,
+      **SMALL, spec=SpecConfig(strategy="3_1_4", bs_threshold=4, patience=1, use_kernel=False,
                               background_compile=True)), drafter_params=dparams)
   first = _by_id(w.generate(reqs, sp))
   w.wait_compiled(timeout=600)
