@@ -352,3 +352,22 @@ def test_background_compile_then_speculation_without_foreground_compiles(tiny):
   for k in plain:
     np.testing.assert_array_equal(first[k].response_ids, plain[k].response_ids)
     np.testing.assert_array_equal(second[k].response_ids, plain[k].response_ids)
+
+
+def test_plain_call_of_a_worker_with_a_drafter_runs_without_it(tiny):
+  """speculate=False (held-out evaluation) decodes with the executables of a worker that has
+  no drafter: no drafter prefill or warm plain chunks are compiled or run, and the outputs
+  are plain greedy decoding's; a later speculating call still speculates, losslessly."""
+  params, dparams = tiny
+  reqs, sp, plain = _greedy_plain(params, 6)
+  w = RolloutWorker(params, CFG, EngineConfig(
+      **SMALL, spec=SpecConfig(strategy="3_1_4", bs_threshold=4, patience=1, use_kernel=False)),
+      drafter_params=dparams)
+  off = _by_id(w.generate(reqs, sp, speculate=False))
+  assert {r.name for r in w.compile_log} <= {"prefill", "decode", "take_rows", "put_rows"}
+  assert all(c.mode == "plain" for c in w.chunk_log)
+  on = _by_id(w.generate(reqs, sp))
+  assert any(c.mode == "3_1_4" for c in w.chunk_log)
+  for k in plain:
+    np.testing.assert_array_equal(off[k].response_ids, plain[k].response_ids)
+    np.testing.assert_array_equal(on[k].response_ids, plain[k].response_ids)

@@ -281,8 +281,8 @@ class RolloutWorker:
     exe = self.exes.get(name, variant, fn, args, donate=donate, batch=self._batch(args))
     return exe(*args)
 
-  def _prefill(self, tokens, lens, keys, max_new):
-    if self.drafter_params is not None:
+  def _prefill(self, tokens, lens, keys, max_new, warm: bool):
+    if warm:
       from tlt_jax.rollout import speculative
       fn = functools.partial(speculative.prefill, cfg=self.cfg, cache_len=self.ecfg.cache_len,
                              max_steps=self._max_steps())
@@ -292,10 +292,10 @@ class RolloutWorker:
     return self._call("prefill", None, fn, (self.params, tokens, lens, keys, max_new))
 
   def _decode(self, state, sp: SamplingParams, arm: str | None = None):
-    """One chunk. arm=None: plain decode (drafter kept warm when present); else a strategy.
-    Returns (state, ChunkOutput, [accepted draft tokens, verifications])."""
+    """One chunk. arm=None: plain decode (the drafter kept warm when the state carries it);
+    else a strategy. Returns (state, ChunkOutput, [accepted draft tokens, verifications])."""
     ecfg = self.ecfg
-    if self.drafter_params is None:
+    if isinstance(state, decode.DecodeState):
       fn = functools.partial(decode.decode_chunk, cfg=self.cfg, sp=sp,
                              stop_tokens=ecfg.stop_tokens, chunk=ecfg.chunk_size,
                              capture_hidden=ecfg.capture_hidden)
@@ -344,7 +344,7 @@ class RolloutWorker:
     k = jax.random.fold_in(jax.random.fold_in(base, req.request_id), req.sample_index)
     return np.asarray(jax.random.key_data(k))
 
-  def _prefill_requests(self, reqs: Sequence[Request], batch: int, base_key):
+  def _prefill_requests(self, reqs: Sequence[Request], batch: int, base_key, warm: bool):
     ecfg = self.ecfg
     longest = max(len(r.prompt_ids) for r in reqs)
     p = min(-(-longest // ecfg.prompt_bucket) * ecfg.prompt_bucket, ecfg.max_prompt_len)
@@ -358,17 +358,18 @@ class RolloutWorker:
       keys[i] = self._row_key(base_key, r)
       max_new[i] = min(r.max_new_tokens or ecfg.max_new_tokens, ecfg.max_new_tokens)
     return self._prefill(jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(keys),
-                         jnp.asarray(max_new))
+                         jnp.asarray(max_new), warm)
 
-  def _apply(self, op, state, base_key):
-    """A scheduler layout operation on the device state."""
+  def _apply(self, op, state, base_key, warm: bool):
+    """A scheduler layout operation on the device state; warm: the state carries the
+    drafter's (a SpecState)."""
     if isinstance(op, Prefill):
-      return self._prefill_requests(op.requests, op.bucket, base_key)
+      return self._prefill_requests(op.requests, op.bucket, base_key, warm)
     if isinstance(op, Resize):
       idx, valid = jnp.asarray(op.idx, jnp.int32), jnp.asarray(op.valid)
       return self._call("take_rows", None, decode.take_rows, (state, idx, valid))
     if isinstance(op, Refill):
-      rows = self._prefill_requests(op.requests, op.bucket, base_key)
+      rows = self._prefill_requests(op.requests, op.bucket, base_key, warm)
       # Padding rows of the prefill go to an out-of-range slot and are dropped.
       slots = np.full((op.bucket,), state.batch_size, np.int32)
       slots[:len(op.slots)] = op.slots
@@ -396,13 +397,16 @@ class RolloutWorker:
                speculate: bool = True) -> list[Result]:
     """Decodes all requests; returns results in completion order. `selector` overrides the
     worker's strategy selector for this call (same arms), e.g. so that evaluation chunks
-    never feed the training bandit's reward windows; speculate=False decodes plainly (a
-    worker with a drafter keeps it warm)."""
+    never feed the training bandit's reward windows; speculate=False decodes plainly, without
+    the drafter."""
     self.validate(requests)
     hooks = hooks or WorkerHooks()
     selector = selector or self.selector
     ecfg = self.ecfg
     spec = ecfg.spec if speculate else None
+    # The drafter rides along (warm prefill and plain chunks) only where this call can
+    # speculate: a plain call compiles and runs the same executables as a worker without one.
+    warm = spec is not None and self.drafter_params is not None
     t_start = time.perf_counter()
     base_key = jax.random.key(seed)
     sched = Scheduler(requests, max_batch=ecfg.max_batch, buckets=ecfg.buckets,
@@ -419,7 +423,7 @@ class RolloutWorker:
       if hooks.before_chunk:
         hooks.before_chunk()
       for op in sched.plan():
-        state = self._apply(op, state, base_key)
+        state = self._apply(op, state, base_key, warm)
         for r in getattr(op, "requests", ()):
           outputs[r.key] = _Output(ecfg.hidden_keep)
       live = sched.live
@@ -575,7 +579,7 @@ class RolloutWorker:
       return
     top = max(pairs)
     dummy = [Request([0], i) for i in range(top)]
-    state = self._prefill_requests(dummy, top, jax.random.key(0))
+    state = self._prefill_requests(dummy, top, jax.random.key(0), warm=True)
 
     def resized(b):  # state leaves are batch-major
       return jax.tree.map(
