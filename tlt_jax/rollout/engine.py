@@ -7,7 +7,9 @@ turns that into device calls through its `ExecutableCache` (executables.py: each
 (function, bucket) compiled once, ahead of time, with its compile time and memory recorded),
 decodes one chunk of jitted steps (the only host sync), and assembles finished responses.
 
-Once speculation is on, a selector (mab.py, e.g. BEG-MAB) picks each chunk's strategy and is
+Until speculation switches on, a worker decodes with the executables of a worker without a
+drafter; at switch-on `speculative.switch_on` builds the drafter's state from the live rows'
+sequences (one target forward over them). Once speculation is on, a selector (mab.py, e.g. BEG-MAB) picks each chunk's strategy and is
 rewarded with the chunk's tokens/s; only the (bucket, strategy) pairs it can choose are
 compiled, on first use or all at once by `precompile`. A verification kernel that fails to
 compile falls back to its jnp reference (same decisions) once, with a warning.
@@ -31,7 +33,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tlt_jax.models import ModelConfig, Params
 from tlt_jax.rollout import decode
@@ -230,6 +232,7 @@ class RolloutWorker:
                                      else jax.default_backend() == "gpu"))
     self.kernel_error: str | None = None
     self.exes = ExecutableCache()
+    self._replicated = NamedSharding(mesh, PartitionSpec())
     self.chunk_log: list[ChunkMetrics] = []
     # background compilation (SpecConfig.background_compile): sampling params -> the
     # (bucket, arm) pairs compiled so far; one compile thread per worker
@@ -292,24 +295,39 @@ class RolloutWorker:
     return self._call("prefill", None, fn, (self.params, tokens, lens, keys, max_new))
 
   def _decode(self, state, sp: SamplingParams, arm: str | None = None):
-    """One chunk. arm=None: plain decode (the drafter kept warm when the state carries it);
-    else a strategy. Returns (state, ChunkOutput, [accepted draft tokens, verifications])."""
+    """One chunk. arm=None: plain decoding (before speculation starts: a DecodeState, the
+    executables of a worker without a drafter); else a strategy on the SpecState. Returns
+    (state, ChunkOutput, [accepted draft tokens, verifications])."""
     ecfg = self.ecfg
-    if isinstance(state, decode.DecodeState):
+    if arm is None:
       fn = functools.partial(decode.decode_chunk, cfg=self.cfg, sp=sp,
                              stop_tokens=ecfg.stop_tokens, chunk=ecfg.chunk_size,
                              capture_hidden=ecfg.capture_hidden)
       state, out = self._call("decode", sp, fn, (self.params, state), donate=(1,))
       return state, out, (0, 0)
+    return self._spec_exec(sp, arm, state)(self.params, self.drafter_params, state)
+
+  def _switch_on_exec(self, base):
+    """The executable that turns a plainly decoded batch into a speculative one (base may be
+    abstract, for compiling ahead)."""
     from tlt_jax.rollout import speculative
-    args = (self.params, self.drafter_params, state)
-    if arm is None:
-      fn = functools.partial(speculative.plain_chunk, cfg=self.cfg, sp=sp,
-                             stop_tokens=ecfg.stop_tokens, chunk=ecfg.chunk_size,
-                             capture_hidden=ecfg.capture_hidden)
-      state, out = self._call("plain_warm", sp, fn, args, donate=(2,))
-      return state, out, (0, 0)
-    return self._spec_exec(sp, arm, state)(*args)
+    fn = functools.partial(speculative.switch_on, cfg=self.cfg, max_steps=self._max_steps())
+    tokens = jax.ShapeDtypeStruct((base.hidden.shape[0], self.ecfg.cache_len), jnp.int32,
+                                  sharding=self._replicated)
+    return self.exes.get("switch_on", None, fn,
+                         (self.params, self.drafter_params, base, tokens),
+                         batch=base.hidden.shape[0])
+
+  def _switch_on(self, state, sched: Scheduler, outputs: dict) -> Any:
+    """Speculation starts: each row's prompt and response so far -> the SpecState."""
+    tokens = np.zeros((state.batch_size, self.ecfg.cache_len), np.int32)
+    for row, req in enumerate(sched.slots[:state.batch_size]):
+      if req is not None:
+        seq = np.concatenate([np.asarray(req.prompt_ids, np.int32)]
+                             + outputs[req.key].tokens)[:self.ecfg.cache_len]
+        tokens[row, :len(seq)] = seq
+    tokens = jax.device_put(tokens, self._replicated)
+    return self._switch_on_exec(state)(self.params, self.drafter_params, state, tokens)
 
   def _spec_exec(self, sp: SamplingParams, arm: str, state):
     """The (bucket, arm) executable; state may be abstract (ShapeDtypeStructs, `precompile`)."""
@@ -404,9 +422,6 @@ class RolloutWorker:
     selector = selector or self.selector
     ecfg = self.ecfg
     spec = ecfg.spec if speculate else None
-    # The drafter rides along (warm prefill and plain chunks) only where this call can
-    # speculate: a plain call compiles and runs the same executables as a worker without one.
-    warm = spec is not None and self.drafter_params is not None
     t_start = time.perf_counter()
     base_key = jax.random.key(seed)
     sched = Scheduler(requests, max_batch=ecfg.max_batch, buckets=ecfg.buckets,
@@ -423,14 +438,17 @@ class RolloutWorker:
       if hooks.before_chunk:
         hooks.before_chunk()
       for op in sched.plan():
-        state = self._apply(op, state, base_key, warm)
+        # refills once speculation runs carry the drafter's prefill
+        state = self._apply(op, state, base_key, warm=started)
         for r in getattr(op, "requests", ()):
           outputs[r.key] = _Output(ecfg.hidden_keep)
       live = sched.live
       speculating = sched.check_speculation()
-      if speculating and not isinstance(state, decode.DecodeState) and not started \
-          and not self._spec_ready(sp, state.batch_size):
-        speculating = False  # this bucket's arms are still compiling: decode plainly
+      if speculating and not started:
+        if self._spec_ready(sp, state.batch_size):
+          state = self._switch_on(state, sched, outputs)
+        else:
+          speculating = False  # this bucket's arms are still compiling: decode plainly
       started = started or speculating
       arm = selector.select(len(live)) if speculating else None
       if speculating:
@@ -579,14 +597,17 @@ class RolloutWorker:
       return
     top = max(pairs)
     dummy = [Request([0], i) for i in range(top)]
-    state = self._prefill_requests(dummy, top, jax.random.key(0), warm=True)
+    base = self._prefill_requests(dummy, top, jax.random.key(0), warm=False)
+    tokens = jax.device_put(np.zeros((top, self.ecfg.cache_len), np.int32), self._replicated)
+    state = self._switch_on_exec(base)(self.params, self.drafter_params, base, tokens)
 
-    def resized(b):  # state leaves are batch-major
+    def resized(tree, b):  # state leaves are batch-major
       return jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype, sharding=x.sharding), state)
+          lambda x: jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype, sharding=x.sharding), tree)
 
     for b in sorted(pairs, reverse=True):
-      abstract = resized(b)
+      self._switch_on_exec(resized(base, b))
+      abstract = resized(state, b)
       for arm in pairs[b]:
         self._spec_exec(sp, arm, abstract)
         if on_compiled is not None:

@@ -28,8 +28,10 @@ speculative step:
      token is the verifier's next token; the path's true pairs become the catch-up buffer.
 
 So a step commits a + 1 target tokens and emits up to a + 2 (the new pending one included);
-the target is never re-prefilled when speculation switches on, and the drafter is kept warm
-during plain decoding by `plain_chunk` (one drafter forward per chunk over its captured pairs).
+plain decoding before speculation runs the executables of a worker without a drafter, and
+`switch_on` turns its DecodeState into a SpecState when speculation starts: one target forward
+over each row's sequence so far recomputes the hidden states the drafter consumes (the
+target's cache, hidden state and sampling stream are untouched: the drafter only proposes).
 A strategy with steps=0 is plain decoding inside this state ("SD off" as a bandit arm).
 
 Costs (scripts/profile_spec.py): per step, 1 target forward over the verified tokens + 1
@@ -404,20 +406,15 @@ def spec_chunk(params: Params, dparams: Params, state: SpecState, *, cfg: ModelC
   return state, bufs, acc
 
 
-def plain_chunk(params: Params, dparams: Params, state: SpecState, *, cfg: ModelConfig,
-                sp: SamplingParams, stop_tokens: tuple[int, ...], chunk: int,
-                capture_hidden: bool) -> tuple[SpecState, ChunkOutput]:
-  """Plain decoding with the drafter kept warm: after the chunk, the drafter consumes the
-  chunk's (token, hidden) pairs in one forward. Requires no pending tokens (speculation, once
-  on, stays on; its own 'off' arm is `Strategy(steps=0)`)."""
-  base, bufs = decode.decode_chunk(params, state.base, cfg=cfg, sp=sp, stop_tokens=stop_tokens,
-                                   chunk=chunk, capture_hidden=True)
-  dc = state.dcache
-  count = jnp.sum(bufs.valid, axis=1).astype(jnp.int32)
-  pos = dc.lengths[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]
-  _, _, dc = drafter_forward(dparams, params, bufs.tokens, bufs.hidden, pos, cfg=cfg, cache=dc,
-                             return_logits=False)
-  state = state.replace(base=base, dcache=dc.replace(lengths=dc.lengths + count))
-  if not capture_hidden:
-    bufs = bufs._replace(hidden=None)
-  return state, bufs
+def switch_on(params: Params, dparams: Params, base: DecodeState, tokens: jax.Array, *,
+              cfg: ModelConfig, max_steps: int) -> SpecState:
+  """Speculation starts on a batch decoded plainly so far. tokens [B, S]: each row's prompt and
+  response so far, right-padded (S >= every row's committed length `base.cache.lengths`). One
+  causal target forward over them recomputes f_t, then the drafter prefills over the pairs
+  (x_{t+1}, f_t), t < n - 1, exactly as after a prompt prefill; the target's own state (cache,
+  base.hidden = f_{n-1}, keys) is kept, so what the target samples is unchanged."""
+  b, s = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+  hidden = forward(params, tokens, positions, cfg=cfg, return_logits=False).hidden
+  return init_spec_state(params, dparams, base, tokens, hidden, base.cache.lengths, cfg=cfg,
+                         max_steps=max_steps)
