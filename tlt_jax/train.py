@@ -122,7 +122,8 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 class CompileClock:
   """Seconds XLA spent compiling (every thread, every executable: learner, engine, drafter),
   read per step: `time.compile` in the metrics (already inside the phase it happened in; the
-  first step's includes start-up). A persistent compilation cache hit costs no compile."""
+  first step's includes start-up). JAX reports a persistent-cache hit under the same event:
+  there it is the time to load the executable (a warm run's first step: ~10 s here)."""
 
   _total = 0.0
   _registered = False
