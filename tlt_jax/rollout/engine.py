@@ -10,8 +10,9 @@ decodes one chunk of jitted steps (the only host sync), and assembles finished r
 Until speculation switches on, a worker decodes with the executables of a worker without a
 drafter; at switch-on `speculative.switch_on` builds the drafter's state from the live rows'
 sequences (one target forward over them). Once speculation is on, a selector (mab.py, e.g.
-BEG-MAB) picks each chunk's strategy and is rewarded with the chunk's tokens/s; only the (bucket, strategy) pairs it can choose are
-compiled, on first use or all at once by `precompile`. A verification kernel that fails to
+BEG-MAB) picks each chunk's strategy and is rewarded with the chunk's tokens/s; only the
+(bucket, strategy) pairs it can choose are compiled, on first use or all at once by
+`precompile`. A verification kernel that fails to
 compile falls back to its jnp reference (same decisions) once, with a warning.
 
 Hooks (`WorkerHooks`, called on the worker's thread): each chunk's metrics, each finished
