@@ -28,6 +28,18 @@ def get_config():
   c.model.dtype = "float32"
   c.model.param_dtype = "float32"
   c.model.remat = False  # rematerialise each layer in the backward pass (long sequences)
+  # a shipped architecture (tlt_jax/assets/architectures/) for scripts/plan_memory.py when
+  # model.path is not on this machine: "qwen2.5-7b", "qwen2.5-32b", "llama-3.3-70b"
+  c.model.architecture = ""
+
+  # The per-device memory plan (tlt_jax/memory.py, scripts/plan_memory.py): the run refuses to
+  # start when a phase does not fit. device: "" = this machine's (a GPU's allocator limit; no
+  # limit on CPU), or a kind ("h100", "a100-40gb", "80gb") to plan for; fraction: the share of
+  # it the run may use (match XLA_PYTHON_CLIENT_MEM_FRACTION); num_devices: 0 = visible ones.
+  # release_rollout_weights: workers free their actor copy after the rollout (the weight sync
+  # after the update brings the new one), so the log-prob and update phases do not hold it.
+  c.memory = ml_collections.ConfigDict({"device": "", "fraction": 0.9, "num_devices": 0,
+                                        "check": True, "release_rollout_weights": True})
 
   # The learner's mesh over the first `devices` devices (0: all). On the 2-core CPU one device
   # (XLA's multi-threaded kernels) runs the update 2x faster than FSDP over the two host
@@ -51,7 +63,7 @@ def get_config():
   c.reward.timeout = 10.0  # seconds per call
 
   c.rollout = ml_collections.ConfigDict()
-  c.rollout.max_batch = 64
+  c.rollout.max_batch = 64  # sequences one worker decodes at once; 0: size it from memory
   c.rollout.buckets = (1, 2, 4, 8, 16, 32, 64)
   c.rollout.chunk_size = 16
   # prompts are padded to a multiple of this: one prefill shape per batch bucket here (the

@@ -29,6 +29,7 @@ def get_config():
   c.model.dtype = "bfloat16"
   c.model.param_dtype = "float32"  # master weights and Adam moments in f32, compute in bf16
   c.model.remat = True
+  c.model.architecture = "qwen2.5-7b"  # the plan's shape where model.path is not local
   c.cpu_devices = 0
   c.mesh.devices = 0  # the learner spans every GPU
 
@@ -43,7 +44,7 @@ def get_config():
   c.reward.num_workers = 16
   c.reward.timeout = 20.0
 
-  c.rollout.max_batch = 128
+  c.rollout.max_batch = 0  # sized from the memory the rollout phase leaves (tlt_jax/memory.py)
   c.rollout.buckets = (1, 2, 4, 8, 16, 32, 64, 128)
   c.rollout.chunk_size = 32
   c.rollout.prompt_bucket = 256
@@ -87,5 +88,8 @@ def get_config():
   c.tlt.spec.bs_threshold = 32  # the 7B recipe's threshold (DESIGN.md 4)
   c.tlt.spec.patience = 10
   c.tlt.spec.max_steps = 8
+
+  c.memory.device = "h100"  # plan and check for 80 GB GPUs ("" = whatever this machine has)
+  c.memory.num_devices = 8
   assert isinstance(c, ml_collections.ConfigDict)
   return c

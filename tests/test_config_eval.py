@@ -39,7 +39,10 @@ def test_typo_key_suggests_the_right_one():
     ("rollout.temperature", -1.0, "config.rollout.temperature=-1.0"),
     ("rollout.buckets", (4, 2), "strictly increasing"),
     ("rollout.chunk_size", 0, "config.rollout.chunk_size=0: must be > 0"),
-    ("rollout.max_batch", 0, "config.rollout.max_batch=0: must be >= 1"),
+    ("rollout.max_batch", -1, "config.rollout.max_batch=-1 is invalid: sequences per worker, "
+     "or 0"),
+    ("memory.device", "tpu9", "config.memory.device='tpu9': use a known kind"),
+    ("memory.fraction", 1.5, "config.memory.fraction=1.5 is invalid"),
     ("model.dtype", "float8", "model.dtype"),
     ("data.on_bad_row", "ignore", "data.on_bad_row"),
     ("data.max_prompt_len", 0, "config.data.max_prompt_len=0"),

@@ -222,14 +222,16 @@ def packed_batch(cfg, tp, seed=0):
   return {k: jnp.asarray(v) for k, v in batch.items()}, seqs
 
 
-def test_drafter_loss_on_packed_rows_matches_per_sequence_numpy_reference():
+@pytest.mark.parametrize("chunk", [1024, 5])
+def test_drafter_loss_on_packed_rows_matches_per_sequence_numpy_reference(chunk):
   """Packed rows (segments, padding) give the loss of the sequences run one by one, with
   the EAGLE alignment: pair (x_{t+1}, f_t) scored against f_{t+1} where f_{t+1} produced a
-  response token."""
+  response token. chunk 5: the LM-head terms in many chunks, the last one padded."""
   cfg = QWEN
   tp, dp, *_ = setup(cfg)
   batch, seqs = packed_batch(cfg, tp)
-  loss, m = drafter_loss(dp, tp, batch, cfg=cfg, loss_cfg=LossConfig(w_v=1.0, w_p=0.1))
+  loss, m = drafter_loss(dp, tp, batch, cfg=cfg,
+                         loss_cfg=LossConfig(w_v=1.0, w_p=0.1, logit_chunk=chunk))
   gs, dls, fs, tls, ms = [], [], [], [], []
   for tok, h, p in seqs:
     n = len(tok)
@@ -251,6 +253,17 @@ def test_drafter_loss_on_packed_rows_matches_per_sequence_numpy_reference():
   # one pair per response token, except the first response token of a 1-token prompt
   # (produced by f_0, which no pair predicts): 4 + 4 + (8 - 1) + 3
   assert float(m["tokens"]) == 18
+
+
+def test_chunked_lm_head_gives_the_same_gradients():
+  cfg = QWEN
+  tp, dp, *_ = setup(cfg)
+  batch, _ = packed_batch(cfg, tp)
+  grad = lambda chunk: jax.grad(lambda d: drafter_loss(
+      d, tp, batch, cfg=cfg, loss_cfg=LossConfig(unroll_steps=2, logit_chunk=chunk))[0])(dp)
+  whole, chunked = grad(4096), grad(7)
+  for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(chunked)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
 
 
 def test_unroll_n1_is_the_single_step_loss_and_n2_composes():

@@ -58,7 +58,7 @@ CONFIGS = {
                                   rope_theta=1e4, rope_scaling=dict(LLAMA3_ROPE))),
 }
 
-_fwd = jax.jit(forward, static_argnames=("cfg", "return_logits"))
+_fwd = jax.jit(forward, static_argnames=("cfg", "return_logits", "prefill"))
 OBSERVED: dict[str, float] = {}  # check name -> max relative diff (printed with -s)
 
 
@@ -236,6 +236,34 @@ def test_prefill_then_decode_equals_full_forward(ckpts, name):
   got = np.concatenate(pieces, axis=1)
   assert_close(got, full, tol=1e-5, what=f"cache vs full forward (ours) [{name}]")
   assert_close(got, ref, what=f"cache decode vs transformers [{name}]")
+
+
+@pytest.mark.parametrize("name", ["qwen2_gqa", "llama3_rope"])
+def test_prefill_within_the_prompt_then_decode_matches_transformers(ckpts, name):
+  """forward(prefill=True) attends within the prompt only (never over the cache's other
+  slots, here filled with noise): its logits, the k/v it writes, and a decode step after it
+  equal the cache-wide path and transformers."""
+  ck = ckpts(name)
+  cfg, params = ck.cfg, ck.params
+  b, t, p, max_len = 2, 24, 16, 40
+  tokens = rand_tokens(5, b, t)
+  ref = hf_logits(ck.hf, tokens)
+  cache = init_cache(cfg, b, max_len)
+  noise = [jax.random.normal(jax.random.key(i), k.shape, k.dtype) for i, k in enumerate(cache.k)]
+  cache = cache.replace(k=tuple(noise), v=tuple(-n for n in noise))
+  args = (params, jnp.asarray(tokens[:, :p]), arange_positions(b, p))
+  fresh = _fwd(*args, cfg=cfg, cache=cache, prefill=True)
+  wide = _fwd(*args, cfg=cfg, cache=cache)
+  assert_close(fresh.logits, wide.logits, tol=1e-6, what=f"prefill vs cache-wide [{name}]")
+  assert_close(fresh.logits, ref[:, :p], what=f"prefill vs transformers [{name}]")
+  for a, w in zip(fresh.cache.k + fresh.cache.v, wide.cache.k + wide.cache.v):
+    np.testing.assert_allclose(np.asarray(a)[:, :p], np.asarray(w)[:, :p], rtol=1e-5, atol=1e-5)
+  cache = fresh.cache.replace(lengths=jnp.full((b,), p, jnp.int32))
+  for pos in range(p, t):
+    out = _fwd(params, jnp.asarray(tokens[:, pos:pos + 1]), arange_positions(b, 1, pos),
+               cfg=cfg, cache=cache)
+    assert_close(out.logits, ref[:, pos:pos + 1], what=f"decode after prefill [{name}]")
+    cache = out.cache.replace(lengths=cache.lengths + 1)
 
 
 def test_ragged_batch_matches_each_sequence_alone(ckpts):

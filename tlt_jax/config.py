@@ -132,7 +132,8 @@ def engine_config(cfg: ml_collections.ConfigDict, stop: tuple[int, ...] = (), *,
   b = tuple(r.buckets)
   require(len(b) > 0 and list(b) == sorted(set(b)) and b[0] >= 1, "rollout.buckets", b,
           "a strictly increasing tuple of batch sizes, e.g. (1, 2, 4, 8)")
-  max_batch = max_batch or r.max_batch
+  # max_batch 0 is sized from memory at start-up (memory.resolve); validate the largest bucket
+  max_batch = max_batch or r.max_batch or b[-1]
   # Buckets above the worker's batch are never used: cut them, keep max_batch itself.
   buckets = tuple(x for x in b if x < max_batch) + (max_batch,) if max_batch >= 1 else b
   keys = {k: f"rollout.{k}" for k in ("max_batch", "chunk_size", "compaction",
@@ -221,8 +222,18 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     devices = cfg.mesh.get("devices", 0)
     require(isinstance(devices, int) and devices >= 0, "mesh.devices", devices,
             "the number of devices the learner spans (the first ones), or 0 for all")
+  if "memory" in cfg:
+    mem = cfg.memory
+    require(0 < mem.fraction <= 1, "memory.fraction", mem.fraction,
+            "the share of device memory the run may use, in (0, 1]")
+    require(isinstance(mem.num_devices, int) and mem.num_devices >= 0, "memory.num_devices",
+            mem.num_devices, "the devices to plan for, or 0 for the visible ones")
+    from tlt_jax.memory import device_bytes
+    device_bytes(mem.device)
   if "rollout" in cfg:
     r = cfg.rollout
+    require(isinstance(r.max_batch, int) and r.max_batch >= 0, "rollout.max_batch",
+            r.max_batch, "sequences per worker, or 0 to size it from memory")
     sampling_params(cfg)
     engine_config(cfg, speculative="tlt" in cfg and cfg.tlt.enabled)
     require(r.get("num_workers", 1) >= 1, "rollout.num_workers", r.get("num_workers"),

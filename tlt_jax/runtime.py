@@ -51,6 +51,9 @@ def validate(cfg: ml_collections.ConfigDict, *, training: bool = True) -> None:
     if path and not os.path.exists(path):
       raise ConfigError(f"config.data.{key}={path!r} does not exist; point it at a local "
                         "JSONL or Parquet file")
+  if training and "memory" in cfg and "rollout" in cfg:
+    from tlt_jax import memory
+    memory.resolve(cfg, memory.model_config(cfg))
   if "reward" in cfg:
     from tlt_jax.rl.rewards import get_reward_fn
     try:

@@ -375,6 +375,8 @@ def rl_step(run: Run, pool) -> dict[str, Any]:
   spot = out.timeline.summary()
   times["idle"] = spot["idle_s"] / max(len(run.coordinator.workers), 1)
   times["drafter"] = spot["critical_path_s"]
+  if cfg.memory.release_rollout_weights:  # the learner's phases get that memory back
+    run.coordinator.release_actor()
   t = time.perf_counter()
   rewards = pool.gather([(res.request_id, res.sample_index) for res in out.results])
   times["reward_wait"] = time.perf_counter() - t

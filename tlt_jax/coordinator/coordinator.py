@@ -66,6 +66,11 @@ class Worker:
       changed = True
     return changed
 
+  def release_actor(self) -> None:
+    """Frees this worker's actor copy; the next `pull` takes the store's again."""
+    self.engine.release_params()
+    self.actor_version = -1
+
   def close(self) -> None:
     self._thread.shutdown(wait=True)
 
@@ -206,6 +211,12 @@ class Coordinator:
     for w in self.workers:
       jax.block_until_ready(w.engine.params)
     return time.perf_counter() - t0
+
+  def release_actor(self) -> None:
+    """Every worker frees its actor copy (between the rollout and the weight sync, the
+    learner's phases do not need it: memory.release_rollout_weights)."""
+    for f in [w.submit(w.release_actor) for w in self.workers]:
+      f.result()
 
   def close(self) -> None:
     for w in self.workers:

@@ -46,10 +46,15 @@ class LossConfig:
   unroll_steps: int = 1  # 1 = plain EAGLE; n > 1: EAGLE-3 style unroll over own outputs
   step_decay: float = 0.8  # weight of step k is step_decay ** (k - 1)
   smooth_l1_beta: float = 1.0  # torch.nn.SmoothL1Loss default
+  # tokens per LM-head chunk: target and draft logits are [chunk, V] at a time, never
+  # [rows, row_len, V] (at a 152k vocabulary 8 x 2048 tokens of them would be ~60 GB)
+  logit_chunk: int = 1024
 
   def __post_init__(self):
     if self.unroll_steps < 1:
       raise ValueError(f"LossConfig.unroll_steps={self.unroll_steps} must be >= 1")
+    if self.logit_chunk < 1:
+      raise ValueError(f"LossConfig.logit_chunk={self.logit_chunk} must be >= 1")
     if self.smooth_l1_beta <= 0:
       raise ValueError(f"LossConfig.smooth_l1_beta={self.smooth_l1_beta} must be > 0")
     if self.w_v < 0 or self.w_p < 0 or self.step_decay < 0:
@@ -65,13 +70,44 @@ def loss_terms(g: jax.Array, draft_logits: jax.Array, f_next: jax.Array,
                target_logits: jax.Array, mask: jax.Array, *, w_v: float = 1.0,
                w_p: float = 0.1, beta: float = 1.0) -> dict[str, jax.Array]:
   """One step's loss. g, f_next [B, T, D]; logits [B, T, V]; mask [B, T] (bool or 0/1)."""
-  m = mask.astype(jnp.float32)
-  n = jnp.maximum(m.sum(), 1.0)
-  vtok = smooth_l1(g.astype(jnp.float32) - f_next.astype(jnp.float32), beta).mean(-1)
+  ptok, hit = _token_terms(draft_logits, target_logits)
+  return _reduce(g, f_next, ptok, hit, mask, w_v=w_v, w_p=w_p, beta=beta)
+
+
+def _token_terms(draft_logits: jax.Array, target_logits: jax.Array):
+  """Per token: soft cross-entropy -sum p log q, and whether the top-1 tokens agree."""
   p = jax.nn.softmax(target_logits.astype(jnp.float32), axis=-1)
   logq = jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1)
   ptok = -(p * logq).sum(-1)
   hit = (jnp.argmax(draft_logits, -1) == jnp.argmax(target_logits, -1)).astype(jnp.float32)
+  return ptok, hit
+
+
+def chunked_token_terms(target_params: Params, g: jax.Array, f_next: jax.Array, *,
+                        cfg: ModelConfig, chunk: int) -> tuple[jax.Array, jax.Array]:
+  """`_token_terms` of the draft (g) and target (f_next) logits, [B, T] each, computed
+  `chunk` tokens at a time under jax.checkpoint: the [.., V] logits of one chunk are live at
+  a time, in the backward pass too."""
+  b, t, d = g.shape
+  n = -(-(b * t) // chunk)
+  pad = n * chunk - b * t
+  flat = lambda x: jnp.pad(x.reshape(b * t, d), ((0, pad), (0, 0))).reshape(n, chunk, d)
+
+  @jax.checkpoint
+  def one(args):
+    gc, fc = args
+    tl = jax.lax.stop_gradient(compute_logits(target_params, fc, cfg))
+    return _token_terms(compute_logits(target_params, gc, cfg), tl)
+
+  ptok, hit = jax.lax.map(one, (flat(g), flat(jax.lax.stop_gradient(f_next))))
+  unflat = lambda x: x.reshape(n * chunk)[:b * t].reshape(b, t)
+  return unflat(ptok), unflat(hit)
+
+
+def _reduce(g, f_next, ptok, hit, mask, *, w_v: float, w_p: float, beta: float):
+  m = mask.astype(jnp.float32)
+  n = jnp.maximum(m.sum(), 1.0)
+  vtok = smooth_l1(g.astype(jnp.float32) - f_next.astype(jnp.float32), beta).mean(-1)
   vloss = (vtok * m).sum() / n
   ploss = (ptok * m).sum() / n
   return {"loss": w_v * vloss + w_p * ploss, "vloss": vloss, "ploss": ploss,
@@ -113,17 +149,18 @@ def drafter_loss(dparams: Params, target_params: Params, batch: dict[str, jax.Ar
   target_params = jax.lax.stop_gradient(target_params)
   pr = prepare_pairs(batch)
   f_next = jax.lax.stop_gradient(pr["f_next"])
-  target_logits = jax.lax.stop_gradient(compute_logits(target_params, f_next, cfg))
   attn_mask = segment_causal_mask(pr["segment_ids"])
   real_hidden = pr["hidden"]
   hid, valid = real_hidden, pr["valid"]
   total = jnp.float32(0.0)
   metrics: dict[str, Any] = {"vloss": jnp.float32(0.0), "ploss": jnp.float32(0.0)}
   for k in range(1, loss_cfg.unroll_steps + 1):
-    g, logits, _ = drafter_forward(dparams, target_params, pr["tokens"], hid, pr["positions"],
-                                   cfg=cfg, attn_mask=attn_mask)
-    t = loss_terms(g, logits, f_next, target_logits, valid, w_v=loss_cfg.w_v,
-                   w_p=loss_cfg.w_p, beta=loss_cfg.smooth_l1_beta)
+    g, _, _ = drafter_forward(dparams, target_params, pr["tokens"], hid, pr["positions"],
+                              cfg=cfg, attn_mask=attn_mask, return_logits=False)
+    ptok, hit = chunked_token_terms(target_params, g, f_next, cfg=cfg,
+                                    chunk=loss_cfg.logit_chunk)
+    t = _reduce(g, f_next, ptok, hit, valid, w_v=loss_cfg.w_v, w_p=loss_cfg.w_p,
+                beta=loss_cfg.smooth_l1_beta)
     w = loss_cfg.step_decay ** (k - 1)
     total = total + w * t["loss"]
     metrics["vloss"] = metrics["vloss"] + w * t["vloss"]

@@ -172,6 +172,22 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
   return out.reshape(b, t, n, h)
 
 
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """Causal self-attention of a chunk (training, log-probs, prefill of an empty cache) through
+  `jax.nn.dot_product_attention`: cuDNN's fused flash attention on a GPU in bf16/fp16 (no
+  [T, T] score matrix in memory), XLA's reference elsewhere (float32 scores, as `attend`).
+  jax's implementation=None means XLA today, so the backend is chosen here."""
+  impl = "xla"
+  if jax.default_backend() == "gpu" and cfg.compute_dtype in (jnp.bfloat16, jnp.float16):
+    impl = "cudnn"
+  try:
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+  except (NotImplementedError, ValueError, RuntimeError):  # shape/GPU cuDNN cannot run
+    if impl == "xla":
+      raise
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+
 def causal_mask(t: int) -> jax.Array:
   return jnp.tril(jnp.ones((1, t, t), jnp.bool_))
 
@@ -203,10 +219,12 @@ def _dense(x, w, eq, dtype):
   return jnp.einsum(eq, x, w.astype(dtype))
 
 
-def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv):
+def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv, within_chunk: bool = False):
   """One decoder layer. kv: None (training: attend within the chunk) or
   (k_cache [B, S, K, H], v_cache, slots [B, T]) of this layer -> writes this chunk's k/v at
-  `slots` and returns the updated (k_cache, v_cache)."""
+  `slots` and returns the updated (k_cache, v_cache). mask None: causal within the chunk.
+  within_chunk: attend to the chunk's own k/v even with a cache (a prefill of an empty cache:
+  nothing else is visible, so the [T, S] scores over the whole cache are never formed)."""
   dt = cfg.compute_dtype
   # An EAGLE drafter's layer has no input norm (its input is already a projection): no key.
   h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps) if "attn_norm" in lp else x
@@ -224,9 +242,12 @@ def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv):
     # Scatter into this layer's buffer (in place under donation); out-of-range slots drop.
     k_cache = k_cache.at[b_idx, slots].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[b_idx, slots].set(v.astype(v_cache.dtype), mode="drop")
-    k_all, v_all = k_cache.astype(dt), v_cache.astype(dt)
+    k_all, v_all = (k, v) if within_chunk else (k_cache.astype(dt), v_cache.astype(dt))
     new_kv = (k_cache, v_cache)
-  attn = attend(q, k_all, v_all, mask)
+  if mask is None:
+    attn = causal_attention(q, k_all, v_all, cfg)
+  else:
+    attn = attend(q, k_all, v_all, mask)
   out = _dense(attn, lp["o"], "BTNH,NHD->BTD", dt)
   if cfg.o_bias:
     out = out + lp["o_bias"].astype(dt)
@@ -254,15 +275,16 @@ def compute_logits(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.A
 
 def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, cfg: ModelConfig,
                   cache: KVCache | None = None, attn_mask: jax.Array | None = None,
-                  num_layers: int | None = None):
+                  num_layers: int | None = None, prefill: bool = False):
   """Runs stacked decoder layers over residual stream x [B, T, D]. Shared with the drafter,
-  which is one layer of the same architecture."""
+  which is one layer of the same architecture. prefill: the cache is empty (lengths 0), so
+  the chunk attends within itself (causal, or attn_mask) and is written to slots 0..T-1."""
   b, t, _ = x.shape
   cos, sin = rope_tables(cfg, positions)
   n_layers = num_layers or jax.tree.leaves(params_layers)[0].shape[0]
 
   if cache is None:  # training / log-probs: scanned layers, optionally rematerialised
-    mask = causal_mask(t) if attn_mask is None else attn_mask
+    mask = attn_mask  # None: causal (causal_attention)
     layer_fn = lambda x, lp: _layer(cfg, x, lp, cos, sin, mask, None)
     if cfg.remat:
       layer_fn = jax.checkpoint(layer_fn)
@@ -276,12 +298,17 @@ def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, 
 
   if cache.num_layers != n_layers:
     raise ValueError(f"KV cache has {cache.num_layers} layers, the params {n_layers}")
-  mask = _cache_mask(cache.lengths, t, cache.max_len, attn_mask)
-  slots = cache.lengths[:, None] + jnp.arange(t)[None, :]
+  if prefill:
+    mask = attn_mask
+    slots = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
+  else:
+    mask = _cache_mask(cache.lengths, t, cache.max_len, attn_mask)
+    slots = cache.lengths[:, None] + jnp.arange(t)[None, :]
   ks, vs = [], []
   for i in range(n_layers):  # unrolled: see the module docstring
     lp = jax.tree.map(lambda a, i=i: a[i], params_layers)
-    x, (k_i, v_i) = _layer(cfg, x, lp, cos, sin, mask, (cache.k[i], cache.v[i], slots))
+    x, (k_i, v_i) = _layer(cfg, x, lp, cos, sin, mask, (cache.k[i], cache.v[i], slots),
+                           within_chunk=prefill)
     ks.append(k_i)
     vs.append(v_i)
   return x, cache.replace(k=tuple(ks), v=tuple(vs))
@@ -289,15 +316,16 @@ def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, 
 
 def forward(params: Params, tokens: jax.Array, positions: jax.Array, *, cfg: ModelConfig,
             cache: KVCache | None = None, attn_mask: jax.Array | None = None,
-            return_logits: bool = True) -> ModelOutput:
+            return_logits: bool = True, prefill: bool = False) -> ModelOutput:
   """tokens, positions [B, T] int32 -> ModelOutput.
 
   attn_mask [B|1, T, T] bool restricts which tokens of THIS chunk a query sees (causal when
   None): packed-segment masks in training, tree masks when verifying drafts. With a cache,
-  the committed prefix (slots < cache.lengths) is always visible.
+  the committed prefix (slots < cache.lengths) is always visible. prefill=True: the cache is
+  empty (a fresh `init_cache`): attention stays within the chunk.
   """
   x = embed_tokens(params, tokens, cfg)
   x, cache = decoder_stack(params["layers"], x, positions, cfg=cfg, cache=cache,
-                           attn_mask=attn_mask)
+                           attn_mask=attn_mask, prefill=prefill)
   logits = compute_logits(params, x, cfg) if return_logits else None
   return ModelOutput(logits=logits, hidden=x, cache=cache)

@@ -61,7 +61,8 @@ def prefill_with_hidden(params: Params, tokens: jax.Array, prompt_lens: jax.Arra
   b, p = tokens.shape
   cache = init_cache(cfg, b, cache_len)
   positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-  out = forward(params, tokens, positions, cfg=cfg, cache=cache, return_logits=False)
+  out = forward(params, tokens, positions, cfg=cfg, cache=cache, return_logits=False,
+                prefill=True)
   last = jnp.clip(prompt_lens - 1, 0, p - 1)
   hidden = jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)[:, 0]
   empty = prompt_lens <= 0

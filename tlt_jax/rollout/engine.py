@@ -206,6 +206,12 @@ class _Output:
         self.kept -= len(self.hidden.popleft())
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _cast(params: Params, dtype) -> Params:
+  """Casts every leaf where it lives (the output keeps each input's sharding)."""
+  return jax.tree.map(lambda x: x.astype(dtype), params)
+
+
 class RolloutWorker:
   """One model replica decoding its share of requests; see the module docstring."""
 
@@ -219,7 +225,9 @@ class RolloutWorker:
       mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
     self.mesh = mesh
     from tlt_jax.sharding import tree_shardings
-    self.params = jax.device_put(params, tree_shardings(params, mesh))
+    self._param_shardings = tree_shardings(params, mesh)
+    self.params = None
+    self.set_params(params)
     self.drafter_params = None
     if drafter_params is not None:
       self.set_drafter_params(drafter_params)
@@ -243,11 +251,19 @@ class RolloutWorker:
 
   # ---------------------------------------------------------------------------------- weights
   def set_params(self, params: Params) -> None:
-    """New actor weights (after an RL update); resharded onto this worker's layout, always a
-    copy: the learner donates its params to its next update, which must not delete these
-    (on a learner device the two layouts can coincide)."""
-    self.params = jax.device_put(params, jax.tree.map(lambda x: x.sharding, self.params),
-                                 may_alias=False)
+    """New actor weights (after an RL update); cast to the compute dtype where they are (a
+    bf16 replica of f32 master weights moves and keeps half the bytes), then resharded onto
+    this worker's layout, always a copy: the learner donates its params to its next update,
+    which must not delete these (on a learner device the two layouts can coincide)."""
+    dt = self.cfg.compute_dtype
+    if any(x.dtype != dt for x in jax.tree.leaves(params)):
+      params = _cast(params, dt)
+    self.params = jax.device_put(params, self._param_shardings, may_alias=False)
+
+  def release_params(self) -> None:
+    """Drops this worker's copy of the actor (after its rollout: the learner's phases get the
+    memory back; the next `set_params` brings the updated weights)."""
+    self.params = None
 
   def set_drafter_params(self, dparams: Params) -> None:
     """New drafter weights (after spot training); placed on this worker's mesh."""

@@ -1,0 +1,214 @@
+"""The memory plan (tlt_jax/memory.py) against what JAX really allocates, and its use.
+
+Resident arrays (learner shards, a rollout replica's weights, the KV cache) are checked
+byte-exactly against arrays placed by the run's own sharding rules on 8 CPU devices and against
+the argument sizes XLA reports for the compiled decode step; activation estimates against the
+temp sizes of the compiled learner executables (`memory_analysis()`, float32 on this CPU).
+Then: the shipped cluster configs fit their GPUs, an impossible one is refused at start-up with
+one line, and max_batch=0 is sized so that the rollout phase just fits.
+"""
+
+import functools
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from tlt_jax import config as config_lib
+from tlt_jax import memory
+from tlt_jax.config import ConfigError
+from tlt_jax.models import transformer as tf
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.sharding import AXES, cache_sharding, tree_shardings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLUSTER_CONFIGS = {"qwen2_5_7b_math.py": 8, "qwen2_5_32b_math.py": 32,
+                   "llama3_3_70b_math.py": 64}
+
+
+def _model(**kw) -> ModelConfig:
+  base = dict(arch="qwen2", vocab_size=4096, hidden_size=256, intermediate_size=704,
+              num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32, qkv_bias=True)
+  base.update(kw)
+  return ModelConfig(**base)
+
+
+def _cfg(**over):
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+  for key, value in over.items():
+    node = cfg
+    *path, field = key.split(".")
+    for p in path:
+      node = node[p]
+    node[field] = value
+  return cfg
+
+
+def _per_device_bytes(tree) -> int:
+  """The largest per-device total over the devices the arrays live on."""
+  per = {}
+  for leaf in jax.tree.leaves(tree):
+    for shard in leaf.addressable_shards:
+      per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
+  return max(per.values())
+
+
+@pytest.mark.parametrize("fsdp,tensor", [(8, 1), (4, 2), (2, 4)])
+def test_sharded_param_bytes_equal_placed_arrays(fsdp, tensor):
+  m = _model(num_kv_heads=2, vocab_size=1000)  # 1000: not divisible by 8 -> replicated dims
+  mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(1, fsdp, tensor), AXES)
+  params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tf.abstract_params(m))
+  placed = jax.device_put(params, tree_shardings(params, mesh))
+  fake = memory._mesh(fsdp=fsdp, tensor=tensor)
+  assert memory.sharded_bytes(tf.param_shapes(m), fake, 4) == _per_device_bytes(placed)
+
+
+def test_kv_cache_and_replica_weights_match_the_compiled_decode_step():
+  """A tensor-parallel replica (2 devices): weights + cache bytes per device as XLA counts the
+  decode step's arguments on one of them."""
+  from tlt_jax.rollout import decode
+  from tlt_jax.rollout.sampling import SamplingParams
+  m = _model(dtype="float32")
+  cfg = _cfg(**{"tlt.enabled": False, "rollout.tensor_parallel": 2, "rollout.max_batch": 8,
+                "data.max_prompt_len": 64, "rollout.max_new_tokens": 192,
+                "memory.release_rollout_weights": False})
+  plan = memory.plan(cfg, model_cfg=m, device="cpu", num_devices=2)
+  items = {i.name: i.bytes for i in plan.items}
+  mesh = Mesh(np.asarray(jax.devices()[:2]).reshape(1, 1, 2), AXES)
+  params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tf.abstract_params(m))
+  params = jax.device_put(params, tree_shardings(params, mesh))
+  cache = tf.init_cache(m, 8, 256)
+  cache = jax.device_put(cache, cache_sharding(mesh, 8, m.num_kv_heads, m.num_layers))
+  assert _per_device_bytes(params) == items["rollout weights"]
+  assert _per_device_bytes((cache.k, cache.v)) == items["KV cache"]
+  state = decode.DecodeState(cache=cache, hidden=jnp.zeros((8, m.hidden_size)),
+                             keys=jnp.zeros((8, 2), jnp.uint32),
+                             num_generated=jnp.zeros((8,), jnp.int32),
+                             max_new=jnp.zeros((8,), jnp.int32), done=jnp.ones((8,), bool),
+                             stopped=jnp.zeros((8,), bool))
+  fn = functools.partial(decode.decode_chunk, cfg=m, sp=SamplingParams(), stop_tokens=(1,),
+                         chunk=4, capture_hidden=False)
+  ma = jax.jit(fn).lower(params, state).compile().memory_analysis()
+  resident = items["rollout weights"] + items["KV cache"]
+  # the rest of the arguments: hidden, keys, counters ([8, 256] floats and [8] ints)
+  assert resident <= ma.argument_size_in_bytes <= resident * 1.01 + 16384
+
+
+def _learner_temps(m: ModelConfig, rows: int, T: int, chunk: int):
+  from tlt_jax.rl import grpo
+  ap = tf.abstract_params(m)
+  gcfg = grpo.GRPOConfig(temperature=1.0, logit_chunk=chunk)
+  tok = jax.ShapeDtypeStruct((rows, T), jnp.int32)
+  f32 = lambda s: jax.ShapeDtypeStruct(s, jnp.float32)
+  mb = grpo.Batch(tok, f32((rows, T)), f32((rows,)), f32((rows, T)), None)
+
+  def grad_step(params, acc, mb, num_tokens):
+    (_, _), g = jax.value_and_grad(functools.partial(grpo.grpo_loss, cfg=m, gcfg=gcfg),
+                                   has_aux=True)(params, mb, num_tokens=num_tokens)
+    return jax.tree.map(jnp.add, acc, g)
+
+  upd = jax.jit(grad_step, donate_argnums=(1,)).lower(ap, ap, mb, f32(())).compile()
+  lp = functools.partial(grpo.token_logprobs, cfg=m, temperature=1.0, chunk=chunk)
+  logp = jax.jit(lambda p, t: lp(p, t)[0]).lower(ap, tok).compile()
+  return upd.memory_analysis().temp_size_in_bytes, logp.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("shape", [
+    dict(rows=4, T=256, chunk=256, remat=True),
+    dict(rows=2, T=512, chunk=256, remat=True, hidden_size=512, intermediate_size=1408,
+         num_layers=8, vocab_size=8192, head_dim=64),
+    dict(rows=1, T=1024, chunk=512, remat=True, hidden_size=384, intermediate_size=1024,
+         num_layers=6, num_heads=6, vocab_size=16384, head_dim=64),
+    dict(rows=4, T=256, chunk=256, remat=False),
+    dict(rows=2, T=512, chunk=256, remat=False, num_heads=16, vocab_size=2048),
+])
+def test_learner_activation_estimates_against_memory_analysis(shape):
+  """Per-phase totals (the arguments XLA sees + the estimated activations) within 15% of
+  argument + temp bytes of the compiled executables (float32, one device)."""
+  rows, T, chunk, remat = (shape.pop(k) for k in ("rows", "T", "chunk", "remat"))
+  m = _model(remat=remat, **shape)
+  cfg = _cfg(**{"tlt.enabled": False, "data.max_prompt_len": 32,
+                "rollout.max_new_tokens": T - 32, "grpo.micro_batch": rows,
+                "grpo.micro_batch_tokens": 0, "grpo.pad_multiple": 32,
+                "grpo.logit_chunk": chunk, "mesh.devices": 1, "rollout.max_batch": 1,
+                "rollout.buckets": (1,)})
+  plan = memory.plan(cfg, model_cfg=m, device="cpu", num_devices=1)
+  items = {i.name: i.bytes for i in plan.items}
+  upd_temp, logp_temp = _learner_temps(m, rows, T, chunk)
+  params = items["learner params"]
+  ours = params * 2 + items["update activations"]
+  theirs = params * 2 + upd_temp
+  assert abs(ours / theirs - 1) < 0.15, (ours, theirs, items["update activations"], upd_temp)
+  ours = params + items["log-prob activations"]
+  theirs = params + logp_temp
+  assert abs(ours / theirs - 1) < 0.15, (ours, theirs, items["log-prob activations"], logp_temp)
+
+
+@pytest.mark.parametrize("name", sorted(CLUSTER_CONFIGS))
+def test_cluster_configs_fit_their_gpus(name):
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", name))
+  assert cfg.memory.num_devices == CLUSTER_CONFIGS[name]
+  m = memory.model_config(cfg)  # the shipped architecture: the model path is not here
+  mb = memory.derive_max_batch(cfg, model_cfg=m)
+  assert mb >= 16  # a useful rollout batch per replica, sized from memory
+  cfg.rollout.max_batch = mb
+  plan = memory.plan(cfg, model_cfg=m)
+  assert plan.over() == [], plan.table()
+  # and the next size up would not fit the rollout phase (unless capped by the buckets)
+  if mb < max(cfg.rollout.buckets):
+    bigger = memory.plan(cfg, model_cfg=m, max_batch=mb + 8)
+    assert "rollout" in bigger.over()
+
+
+def test_max_batch_zero_is_sized_to_fill_the_rollout_phase():
+  cfg = _cfg(**{"memory.device": "0.6gb", "rollout.max_batch": 0,
+                "rollout.buckets": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)})
+  m = memory.model_config(cfg)
+  mb = memory.derive_max_batch(cfg, model_cfg=m)
+  assert 8 < mb < 1024 and mb % 8 == 0
+  assert memory.plan(cfg, model_cfg=m, max_batch=mb).over() == []
+  assert "rollout" in memory.plan(cfg, model_cfg=m, max_batch=mb + 8).over()
+
+
+def test_impossible_config_is_refused_in_one_line():
+  cfg = _cfg(**{"memory.device": "0.05gb"})
+  with pytest.raises(ConfigError, match=r"^memory: the rollout phase needs .* GiB per device, "
+                     r".* usable on 0.05gb .*: lower rollout.max_batch"):
+    memory.resolve(cfg, memory.model_config(cfg))
+
+
+def test_train_refuses_to_start_when_a_phase_does_not_fit(tmp_path):
+  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  p = subprocess.run([sys.executable, "-m", "tlt_jax.train", "--config", "configs/default.py",
+                      "--workdir", str(tmp_path / "w"), "--config.memory.device=0.05gb"],
+                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert p.returncode == 2
+  lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+  assert len(lines) == 1 and "the rollout phase needs" in lines[0], p.stderr[-2000:]
+  assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+def test_plan_memory_script_prints_the_table_and_exit_status():
+  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  ok = subprocess.run([sys.executable, "scripts/plan_memory.py", "--config",
+                       "configs/llama3_3_70b_math.py"], cwd=ROOT, env=env,
+                      capture_output=True, text=True, timeout=300)
+  assert ok.returncode == 0, ok.stderr[-2000:]
+  assert "64 x h100" in ok.stdout and "headroom" in ok.stdout and "KV cache" in ok.stdout
+  bad = subprocess.run([sys.executable, "scripts/plan_memory.py", "--config",
+                        "configs/llama3_3_70b_math.py", "--config.rollout.max_batch=256"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert bad.returncode == 1 and "the rollout phase needs" in bad.stderr
+
+
+def test_device_sizes():
+  assert memory.device_bytes("h100") == 80 * 10**9
+  assert memory.device_bytes("24GiB") == 24 << 30
+  assert memory.device_bytes("cpu") is None
+  with pytest.raises(ConfigError, match="config.memory.device='tpu9'"):
+    memory.device_bytes("tpu9")

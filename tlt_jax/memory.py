@@ -1,0 +1,404 @@
+"""Per-device memory plan of a training run: what is resident in each phase, from the config.
+
+A run has four phases on every device (DESIGN.md 7), and their peaks decide whether a config
+fits its GPUs:
+  rollout   learner state + rollout weights + KV cache + decode/prefill activations
+  spot      the same device once its share is decoded (the KV cache is freed): the drafter
+            trained on the idle worker
+  logprobs  learner state + rollout weights + the forward of the largest micro-batch
+  update    learner state + gradient accumulator + rollout weights + the backward of the
+            largest micro-batch
+
+Everything is counted per device from the same layout rules the run uses
+(`sharding.PARAM_RULES` over the learner's FSDP mesh and each rollout replica's tensor-parallel
+mesh), so an axis that does not divide a dimension is replicated here as it is there.
+Resident arrays are exact; activations are estimates of what XLA keeps live at the peak
+(validated against `compiled.memory_analysis()` on this CPU in tests/test_memory.py). On a GPU
+the attention of prefill and training is `jax.nn.dot_product_attention`, which picks cuDNN
+flash attention for bf16/fp16 (no [T, S] score matrix); elsewhere the scores are materialised
+in float32 and counted.
+
+`plan(cfg, device=...)` -> Plan; `Plan.check()` raises ConfigError naming the knob to turn
+when a phase does not fit; `derive_max_batch` sizes the KV cache from what the rollout phase
+leaves free (`rollout.max_batch = 0`). `scripts/plan_memory.py` prints the table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from tlt_jax.config import ConfigError
+
+GiB = 1 << 30
+# Memory of one device, GB as vendors state them (1e9 bytes); "cpu" has no fixed limit.
+DEVICE_MEMORY_GB = {"h100": 80, "h100-80gb": 80, "h100-94gb": 94, "h200": 141, "h200-141gb": 141,
+                    "a100": 80, "a100-80gb": 80, "a100-40gb": 40, "l40s": 48, "b200": 180,
+                    "gh200": 96, "a10g": 24, "l4": 24}
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+PHASES = ("rollout", "spot", "logprobs", "update")
+
+
+def device_bytes(device: str) -> int | None:
+  """'h100' / 'a100-40gb' / '80gb' / '24GiB' -> bytes per device; 'cpu' / '' -> None (no
+  fixed limit)."""
+  d = device.strip().lower()
+  if d in ("", "cpu"):
+    return None
+  if d in DEVICE_MEMORY_GB:
+    return int(DEVICE_MEMORY_GB[d] * 1e9)
+  m = re.fullmatch(r"([0-9.]+)\s*(gb|gib)", d)
+  if m:
+    return int(float(m.group(1)) * (GiB if m.group(2) == "gib" else 1e9))
+  raise ConfigError(f"config.memory.device={device!r}: use a known kind "
+                    f"({', '.join(sorted(DEVICE_MEMORY_GB))}), a size like '80gb', or 'cpu'")
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+  name: str
+  bytes: int  # per device
+  phases: tuple[str, ...]
+  note: str = ""
+
+
+@dataclasses.dataclass
+class Plan:
+  items: list[Item]
+  capacity: int | None  # usable bytes per device (None: no fixed limit)
+  device: str
+  num_devices: int
+  knobs: dict[str, str]  # phase -> what to change when it does not fit
+
+  def total(self, phase: str) -> int:
+    return sum(i.bytes for i in self.items if phase in i.phases)
+
+  def peak(self) -> tuple[str, int]:
+    phase = max(PHASES, key=self.total)
+    return phase, self.total(phase)
+
+  def over(self) -> list[str]:
+    if self.capacity is None:
+      return []
+    return [p for p in PHASES if self.total(p) > self.capacity]
+
+  def table(self) -> str:
+    unit, scale = ("GiB", GiB) if max(self.capacity or 0, self.peak()[1]) >= GiB else \
+        ("MiB", 1 << 20)
+    w = max(len(i.name) for i in self.items)
+    head = f"{'per device (' + unit + ')':<{w}}  " + "  ".join(f"{p:>9}" for p in PHASES) \
+        + "  note"
+    lines = [head, "-" * len(head)]
+    for i in self.items:
+      cells = "  ".join(f"{i.bytes / scale:9.2f}" if p in i.phases else f"{'':9}"
+                        for p in PHASES)
+      lines.append(f"{i.name:<{w}}  {cells}  {i.note}")
+    lines.append("-" * len(head))
+    row = lambda name, f: f"{name:<{w}}  " + "  ".join(f"{f(p) / scale:9.2f}" for p in PHASES)
+    lines.append(row("total", self.total))
+    if self.capacity is not None:
+      lines.append(row("usable", lambda p: self.capacity))
+      lines.append(row("headroom", lambda p: self.capacity - self.total(p)))
+    return "\n".join(lines)
+
+  def check(self) -> None:
+    """ConfigError (one line) for the first phase that does not fit."""
+    for p in self.over():
+      raise ConfigError(
+          f"memory: the {p} phase needs {self.total(p) / GiB:.1f} GiB per device, "
+          f"{self.capacity / GiB:.1f} GiB are usable on {self.device} "
+          f"(config.memory.fraction of it): {self.knobs[p]} "
+          "(scripts/plan_memory.py prints the plan)")
+
+
+# ------------------------------------------------------------------------------- layout
+def _mesh(**sizes) -> Any:
+  """A stand-in for a Mesh where only axis sizes matter (sharding.fit_spec reads .shape)."""
+  return SimpleNamespace(shape={"data": 1, "fsdp": 1, "tensor": 1, **sizes})
+
+
+def sharded_bytes(shapes: Any, mesh: Any, dtype_bytes: int) -> int:
+  """Per-device bytes of a params pytree of shape tuples under PARAM_RULES on `mesh` (the
+  largest shard: rules only split evenly or replicate)."""
+  import jax
+
+  from tlt_jax.sharding import spec_for
+  total = 0
+  leaves = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+  for path, shape in leaves[0]:
+    name = "/".join(str(getattr(k, "key", k)) for k in path)
+    spec = spec_for(name, shape, mesh)
+    n = 1
+    for dim, entry in zip(shape, list(spec) + [None] * len(shape)):
+      axes = entry if isinstance(entry, tuple) else ((entry,) if entry else ())
+      n *= dim // int(np.prod([mesh.shape[a] for a in axes])) if axes else dim
+    total += n * dtype_bytes
+  return total
+
+
+def _count(shapes: Any) -> int:
+  import jax
+  return sum(int(np.prod(s)) for s in jax.tree.leaves(shapes,
+                                                      is_leaf=lambda x: isinstance(x, tuple)))
+
+
+def learner_axes(cfg, num_devices: int) -> dict[str, int]:
+  n = int(cfg.mesh.get("devices", 0) or 0) or num_devices
+  sizes = {a: int(cfg.mesh[a]) for a in ("data", "fsdp", "tensor")}
+  if -1 in sizes.values():
+    rest = int(np.prod([s for s in sizes.values() if s != -1]))
+    sizes = {a: (n // rest if s == -1 else s) for a, s in sizes.items()}
+  return sizes
+
+
+def _verify_width(cfg) -> int:
+  """Tokens per verification forward: the widest arm the bandit can choose."""
+  from tlt_jax import config as config_lib
+  from tlt_jax.rollout.mab import default_mab_buckets
+  from tlt_jax.rollout.strategy import Strategy
+  arms = {cfg.tlt.spec.strategy}
+  for group in (config_lib.parse_mab_buckets(cfg.tlt.spec.buckets)
+                or default_mab_buckets()).values():
+    arms.update(group)
+  return max(Strategy.parse(a).verify_tokens for a in arms if a != "off")
+
+
+# --------------------------------------------------------------------------------- plan
+def plan(cfg, *, model_cfg=None, device: str | None = None, num_devices: int | None = None,
+         max_batch: int | None = None) -> Plan:
+  """The per-device plan of `cfg`. model_cfg: the ModelConfig (default: read from
+  config.model.path's config.json); device / num_devices: default config.memory.*;
+  max_batch: overrides config.rollout.max_batch (derive_max_batch passes candidates)."""
+  from tlt_jax.drafter.model import drafter_param_shapes
+  from tlt_jax.models.transformer import param_shapes
+  if model_cfg is None:
+    model_cfg = model_config(cfg)
+  mem = cfg.memory
+  device = device if device is not None else mem.device
+  num_devices = num_devices or int(mem.num_devices or 0) or _visible_devices()
+  cap = device_bytes(device)
+  capacity = None if cap is None else int(cap * mem.fraction)
+  gpu = cap is not None
+  m, r, g = model_cfg, cfg.rollout, cfg.grpo
+  pbytes, cbytes = _BYTES[m.param_dtype], _BYTES[m.dtype]
+  L, D, N, K, H, F, V = (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim_,
+                         m.intermediate_size, m.vocab_size)
+  shapes = param_shapes(m)
+  n_params = _count(shapes)
+
+  # learner: FSDP (+ data, tensor) over the learner mesh
+  axes = learner_axes(cfg, num_devices)
+  lmesh = _mesh(**axes)
+  n_batch = axes["data"] * axes["fsdp"]
+  learner = sharded_bytes(shapes, lmesh, pbytes)
+  items = [Item("learner params", learner, PHASES, f"{n_params / 1e9:.2f}B x {m.param_dtype}, "
+                f"FSDP {axes['fsdp']} x tensor {axes['tensor']}"),
+           Item("optimizer state", 2 * learner, PHASES, "AdamW mu + nu, sharded like params")]
+  if g.kl_coef > 0:
+    items.append(Item("reference params", learner, PHASES, "kl_coef > 0: a frozen copy"))
+  items.append(Item("gradient accumulator", learner, ("update",), "micro-batch grads summed"))
+
+  # rollout replicas: tensor parallel, weights in the compute dtype
+  tp = int(r.tensor_parallel)
+  rmesh = _mesh(tensor=tp)
+  release = bool(cfg.memory.get("release_rollout_weights", False))
+  items.append(Item("rollout weights", sharded_bytes(shapes, rmesh, cbytes),
+                    ("rollout", "spot") if release else PHASES,
+                    f"one replica per {tp} device(s), {m.dtype}"
+                    + (", freed after the rollout" if release else "")))
+  mb = int(max_batch if max_batch is not None else r.max_batch)
+  S = int(cfg.data.max_prompt_len) + int(r.max_new_tokens)
+  k_dev = K // tp if K % tp == 0 else K
+  n_dev = N // tp if N % tp == 0 else N
+  kv_token = L * 2 * k_dev * H * cbytes
+  items.append(Item("KV cache", mb * S * kv_token, ("rollout",),
+                    f"max_batch {mb} x {S} slots x {kv_token / 1024:.0f} KiB/token"))
+
+  # rollout activations: the larger of a prefill of max_batch prompts and a decode step
+  P = int(cfg.data.max_prompt_len)
+  f_dev = F // tp if F % tp == 0 else F
+  tlt = bool(cfg.tlt.enabled)
+  w = _verify_width(cfg) if tlt else 1
+  v_dev = V // tp if V % tp == 0 else V
+  prefill = mb * P * (4 * D + 3 * f_dev) * cbytes
+  if not (gpu and cbytes == 2):  # materialised scores and probabilities (float32)
+    prefill += 2 * mb * n_dev * P * P * 4
+  decode = mb * w * v_dev * 4 * 2 + 2 * mb * n_dev * w * S * 4 + mb * w * (4 * D + 3 * f_dev) * 4
+  items.append(Item("rollout activations", max(prefill, decode), ("rollout",),
+                    f"prefill of {mb} x {P} / decode x {w} tokens"))
+
+  # the drafter: the store's copy on the learner mesh, each worker's trainer copy
+  if tlt:
+    dshapes = drafter_param_shapes(m)
+    items.append(Item("drafter (store)", 3 * sharded_bytes(dshapes, lmesh, 4), PHASES,
+                      f"{_count(dshapes) / 1e9:.2f}B params + AdamW, float32"))
+    d = cfg.tlt.drafter
+    trained = d.mode != "off"
+    worker = sharded_bytes(dshapes, rmesh, 4) * (3 if trained else 1)
+    items.append(Item("drafter (worker)", worker, PHASES, "params" + (" + AdamW" if trained
+                                                                       else "")))
+    items.append(Item("drafter KV cache", mb * S * 2 * k_dev * H * cbytes, ("rollout",),
+                      "one layer"))
+    if trained:
+      t = int(d.rows) * int(d.row_len)
+      from tlt_jax.drafter.loss import LossConfig
+      chunk = min(LossConfig().logit_chunk, t)
+      act = t * (8 * D + 3 * f_dev) * 4 * int(d.unroll) + 6 * chunk * v_dev * 4
+      if not gpu:
+        act += 2 * int(d.rows) * n_dev * int(d.row_len) ** 2 * 4
+      items.append(Item("drafter training", act, ("spot",),
+                        f"{d.rows} x {d.row_len} tokens, logits {chunk} at a time"))
+
+  # learner activations: the largest micro-batch (padded to max_len), per device
+  max_len = P + int(r.max_new_tokens)
+  T = -(-max_len // g.pad_multiple) * g.pad_multiple
+  rows = g.micro_batch
+  if g.micro_batch_tokens > 0:
+    rows = max(n_batch, (g.micro_batch_tokens // T) // n_batch * n_batch)
+  b = max(1, rows // n_batch)  # rows per device
+  tp_l = axes["tensor"]
+  n_l, f_l, v_l = (x // tp_l if x % tp_l == 0 else x for x in (N, F, V))
+  t = b * T
+  chunk = min(int(g.logit_chunk), T)
+  fsdp = axes["fsdp"] * axes["data"]
+  # one layer's weights gathered for its matmuls, and its full gradient before the
+  # reduce-scatter (FSDP only; on one device the arrays are used in place)
+  gathered = sharded_bytes(layer_shapes(shapes), _mesh(tensor=tp_l), pbytes) if fsdp > 1 else 0
+  layers_dev = sharded_bytes({"layers": shapes["layers"]}, lmesh, pbytes)  # all layers, sharded
+  embed_dev = learner - layers_dev
+  act = lambda n: n * cbytes  # activation elements (compute dtype)
+  scores = 0 if (gpu and cbytes == 2) else b * n_l * T * T * 4  # f32 [T, T] per head
+  head = b * chunk * v_l * 4  # one LM-head chunk of f32 logits
+  # The coefficients are calibrated against XLA's temp sizes on this CPU (float32; 27 random
+  # shapes; tests/test_memory.py checks them): a forward keeps the hidden states and, at its
+  # peak, either one layer's attention or one LM-head chunk.
+  lp_layer = 3.0 * scores + 1.3 * act(t * D) + 0.8 * layers_dev / L
+  items.append(Item("log-prob activations",
+                    int(0.85 * act(t * D) + max(lp_layer, head) + 2 * gathered),
+                    ("logprobs",), f"{b} row(s) x {T} tokens per device"))
+  # The backward keeps what the forward saved (remat: each layer's input; otherwise every
+  # layer's internals) and the stacked per-layer gradients, then peaks in one layer's
+  # recomputed backward or in an LM-head chunk's.
+  if m.remat:
+    stored = 1.05 * L * act(t * D) + 1.25 * layers_dev
+    peak = max(6.0 * act(t * f_l) + 3.8 * scores + 12.0 * act(t * D),
+               2.1 * head + 1.0 * embed_dev)
+  else:
+    stored = L * (0.3 * act(t * D) + 8.1 * act(t * f_l) + 2.9 * scores) + 1.5 * layers_dev
+    peak = max(20.0 * act(t * D), 2.8 * head)
+  items.append(Item("update activations", int(stored + peak + 2 * gathered), ("update",),
+                    f"{b} x {T} tokens per device, remat={'on' if m.remat else 'off'}"))
+  knobs = {
+      "rollout": "lower rollout.max_batch (or 0 to size it from memory), raise "
+                 "rollout.tensor_parallel, or use more devices",
+      "spot": "lower tlt.drafter.rows or tlt.drafter.row_len",
+      "logprobs": "lower grpo.micro_batch_tokens (or grpo.micro_batch) or grpo.logit_chunk",
+      "update": "lower grpo.micro_batch_tokens (or grpo.micro_batch), set model.remat=True, "
+                "or shard the learner over more devices (mesh.fsdp)"}
+  return Plan(items, capacity, device or "cpu", num_devices, knobs)
+
+
+def layer_shapes(shapes: dict) -> dict:
+  """One decoder layer's param shapes (the stacked [L, ...] arrays without L)."""
+  return {k: v[1:] for k, v in shapes["layers"].items()}
+
+
+def derive_max_batch(cfg, *, model_cfg=None, device: str | None = None,
+                     num_devices: int | None = None) -> int:
+  """The largest rollout.max_batch whose rollout phase fits (a multiple of 8 above 8, capped
+  at the largest bucket). ConfigError when not even one sequence fits."""
+  kw = dict(model_cfg=model_cfg or model_config(cfg), device=device, num_devices=num_devices)
+  base = plan(cfg, max_batch=0, **kw)
+  if base.capacity is None:
+    raise ConfigError("config.rollout.max_batch=0 (size it from memory) needs a device with a "
+                      "fixed memory size: set config.memory.device (e.g. h100) or max_batch")
+  one = plan(cfg, max_batch=1, **kw).total("rollout") - base.total("rollout")
+  free = base.capacity - base.total("rollout")
+  n = free // max(one, 1)
+  top = max(cfg.rollout.buckets)
+  n = min(int(n), top)
+  if n > 8:
+    n = n // 8 * 8
+  if n < 1:
+    raise ConfigError(
+        f"memory: not one sequence fits the rollout phase on {base.device} (the rest needs "
+        f"{base.total('rollout') / GiB:.1f} of {base.capacity / GiB:.1f} GiB): raise "
+        "rollout.tensor_parallel, shorten rollout.max_new_tokens, or use more devices")
+  return n
+
+
+def model_config(cfg):
+  """The ModelConfig of config.model.path's config.json (no weights are read); where that
+  directory is not on this machine (planning a cluster run from a laptop), the architecture
+  shipped under assets/architectures/ that config.model.architecture names."""
+  import json
+  import os
+
+  from tlt_jax.config import asset_path
+  from tlt_jax.models.config import ModelConfig
+  path = os.path.join(cfg.model.path, "config.json")
+  arch = cfg.model.get("architecture", "")
+  if not os.path.isfile(path) and arch:
+    path = asset_path("architectures", f"{arch}.json")
+    if not os.path.isfile(path):
+      known = sorted(f[:-5] for f in os.listdir(asset_path("architectures")))
+      raise ConfigError(f"config.model.architecture={arch!r} is not shipped; use one of "
+                        f"{known} or point config.model.path at a model directory")
+  if not os.path.isfile(path):
+    raise ConfigError(f"config.model.path={cfg.model.path!r} has no config.json; point it at a "
+                      "local Hugging Face model directory (or set config.model.architecture)")
+  with open(path) as f:
+    d = json.load(f)
+  return ModelConfig.from_hf_dict(d, source=path, dtype=cfg.model.dtype,
+                                  param_dtype=cfg.model.param_dtype,
+                                  remat=bool(cfg.model.get("remat", False)))
+
+
+def _visible_devices() -> int:
+  import jax
+  return jax.device_count()
+
+
+def local_device() -> str:
+  """The memory of this process's first device as a config.memory.device value: the
+  allocator's limit on a GPU (XLA_PYTHON_CLIENT_MEM_FRACTION already applied, so the run's
+  fraction is 1 of it), or 'cpu' (no fixed limit)."""
+  import jax
+  dev = jax.local_devices()[0]
+  stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+  if dev.platform == "cpu" or not stats or "bytes_limit" not in stats:
+    return "cpu"
+  return f"{stats['bytes_limit'] / GiB:.3f}gib"
+
+
+def resolve(cfg, model_cfg) -> Plan:
+  """At start-up: sizes rollout.max_batch from memory when it is 0, then refuses a config
+  whose plan does not fit (ConfigError naming the knob). config.memory.device '' = this
+  machine's device."""
+  import sys
+  device = cfg.memory.device
+  fraction = cfg.memory.fraction
+  if not device:
+    device = local_device()
+    if device != "cpu":
+      fraction = 1.0  # bytes_limit is already the allocator's share
+  with cfg.unlocked():
+    cfg.memory.fraction = fraction
+    if int(cfg.rollout.max_batch) == 0:
+      cfg.rollout.max_batch = derive_max_batch(cfg, model_cfg=model_cfg, device=device)
+      print(f"memory: rollout.max_batch={cfg.rollout.max_batch} (sized from {device})",
+            file=sys.stderr)
+  p = plan(cfg, model_cfg=model_cfg, device=device)
+  if cfg.memory.check:
+    p.check()
+  return p
+
+
+def human(n: float) -> str:
+  return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB"
+
+
