@@ -23,6 +23,25 @@ def get_config():
   # JAX's persistent compilation cache: a second run of a config compiles nothing ("": off)
   c.compilation_cache = "~/.cache/tlt_jax/jax"
 
+  # Multi-process (multi-host) start-up, tlt_jax/distributed.py. The defaults detect a launch
+  # by srun (one task per GPU or per node) or mpirun; a launch by hand gives the coordinator,
+  # the process count and this process's id here (or in TLT_COORDINATOR_ADDRESS,
+  # TLT_NUM_PROCESSES, TLT_PROCESS_ID).
+  c.distributed = ml_collections.ConfigDict({
+      "enabled": "auto",  # auto: when srun/mpirun started > 1 process or a coordinator is set
+      "coordinator_address": "",  # HOST:PORT of process 0 ("": detected; Slurm: first node)
+      "num_processes": 0,  # 0: from the launcher
+      "process_id": -1,  # -1: from the launcher
+      # GPUs this process uses: "" = its share of the node's GPUs when several processes share
+      # a node (one per GPU), else all; "all"; or ordinals like "0,1"
+      "local_device_ids": "",
+      "initialization_timeout": 300,  # s to wait for every process to connect
+      # s without a heartbeat after which a process counts as dead and the whole job aborts
+      # (the bound on how long the others can hang on a killed process)
+      "heartbeat_timeout": 60,
+      "shutdown_timeout": 300,  # s a finished process waits at exit for the others
+  })
+
   c.model = ml_collections.ConfigDict()
   c.model.path = asset_path("default", "model")
   c.model.dtype = "float32"

@@ -263,6 +263,9 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     require(o.schedule in ("constant", "cosine"), "optim.schedule", o.schedule,
             "use 'constant' (after warm-up) or 'cosine'")
     require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
+  if "distributed" in cfg:
+    from tlt_jax.distributed import from_config
+    from_config(cfg)
   if "train" in cfg:
     t = cfg.train
     require(t.steps >= 1, "train.steps", t.steps, "must be >= 1")
