@@ -272,6 +272,23 @@ class Checkpointer:
     return jax.tree_util.tree_unflatten(
         treedef, [_match_template(t, r) for (_, t), r in zip(t_leaves, r_leaves)])
 
+  def read(self, step: int | None = None) -> dict[str, Any]:
+    """Every leaf of step `step` (default: latest) on the host, keyed by path
+    ("actor/layers/q"), read without a template onto this process's first device: for
+    inspecting and comparing checkpoints, whatever process count or mesh wrote them."""
+    self.wait_until_finished()
+    step = self.latest_step() if step is None else int(step)
+    if step is None or step not in self.all_steps():
+      raise CheckpointError(f"no checkpoint for step {step} in {self.directory!r}")
+    md = self._mngr.metadata(step).item_metadata[_ITEM]
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    args = jax.tree.map(lambda m: ocp.ArrayRestoreArgs(sharding=one)
+                        if getattr(m, "shape", None) is not None else ocp.RestoreArgs(), md)
+    out = self._mngr.restore(step, args=ocp.args.Composite(**{_ITEM: ocp.args.PyTreeRestore(
+        item=md, restore_args=args)}))[_ITEM]
+    return {"/".join(_norm_path(p)): (np.asarray(x) if hasattr(x, "shape") else x)
+            for p, x in jax.tree_util.tree_flatten_with_path(out)[0]}
+
   def _saved_leaves(self, step: int) -> dict[tuple[str, ...], Any]:
     """{normalized key path: Orbax leaf metadata} of the checkpoint, read from its metadata
     file only (no array data)."""

@@ -555,3 +555,67 @@ def process_shard(items: Sequence, process_index: int | None = None,
                      f"{process_count}")
   k = len(items) // process_count
   return list(items[process_index * k:(process_index + 1) * k])
+
+
+def all_gather_objects(obj: Any) -> list:
+  """Every process's `obj` (any picklable host value), in process order; [obj] in a single
+  process. A collective: every process must call it at the same point."""
+  import jax
+  if jax.process_count() == 1:
+    return [obj]
+  import pickle
+
+  import numpy as np
+  from jax.experimental import multihost_utils
+  data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+  sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64)))
+  sizes = sizes.reshape(-1)
+  buf = np.zeros(int(sizes.max()), np.uint8)
+  buf[:data.size] = data
+  every = np.asarray(multihost_utils.process_allgather(buf)).reshape(len(sizes), -1)
+  return [pickle.loads(every[i, :int(n)].tobytes()) for i, n in enumerate(sizes)]
+
+
+class GlobalBarrier:
+  """A barrier every process arrives at without blocking: `arrive()` records this process,
+  `event` (a threading.Event) is set once all have, as seen by a poller thread reading the
+  coordination service's key-value store. The rollout uses it so that a process whose
+  replicas are done trains its drafter until the LAST replica of ANY process is done (the
+  straggler wait of a multi-host run), not merely its own. `name` must be unique per use and
+  the same in every process (e.g. a counter advanced in lockstep)."""
+
+  def __init__(self, name: str, *, poll_s: float = 0.02,
+               on_all: Callable[[], None] | None = None):
+    import jax
+    from jax._src import distributed as _dist  # the coordination service's client
+    self._client = _dist.global_state.client
+    if self._client is None:
+      raise RuntimeError("GlobalBarrier needs jax.distributed to be initialised")
+    self._dir = f"tlt_jax/barrier/{name}/"
+    self._n = jax.process_count()
+    self._me = jax.process_index()
+    self.event = threading.Event()
+    self._on_all = on_all
+    self._poll_s = poll_s
+    self._thread = threading.Thread(target=self._poll, name=f"barrier-{name}", daemon=True)
+    self._thread.start()
+
+  def arrive(self) -> None:
+    self._client.key_value_set(f"{self._dir}{self._me}", "1")
+
+  def _poll(self) -> None:
+    while not self.event.is_set():
+      if len(self._client.key_value_dir_get(self._dir)) >= self._n:
+        if self._on_all is not None:
+          self._on_all()
+        self.event.set()
+        return
+      time.sleep(self._poll_s)
+
+  def close(self) -> None:
+    """After the event: this process's key is no longer needed."""
+    self._thread.join()
+    try:
+      self._client.key_value_delete(f"{self._dir}{self._me}")
+    except Exception:  # noqa: BLE001 - a peer may have read it after; deletion is hygiene
+      pass

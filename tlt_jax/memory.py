@@ -377,22 +377,24 @@ def local_device() -> str:
 
 def resolve(cfg, model_cfg) -> Plan:
   """At start-up: sizes rollout.max_batch from memory when it is 0, then refuses a config
-  whose plan does not fit (ConfigError naming the knob). config.memory.device '' = this
-  machine's device."""
+  whose plan does not fit (ConfigError naming the knob). The plan is for what this run has:
+  every visible device, and on a GPU its allocator's limit (config.memory.device and
+  num_devices are what scripts/plan_memory.py plans for elsewhere; on a CPU host
+  config.memory.device still applies, '' = no limit)."""
   import sys
-  device = cfg.memory.device
-  fraction = cfg.memory.fraction
-  if not device:
-    device = local_device()
-    if device != "cpu":
-      fraction = 1.0  # bytes_limit is already the allocator's share
+  device, fraction = local_device(), 1.0  # bytes_limit is already the allocator's share
+  if device == "cpu":
+    device, fraction = cfg.memory.device or "cpu", cfg.memory.fraction
+  n = _visible_devices()
   with cfg.unlocked():
     cfg.memory.fraction = fraction
+    cfg.memory.num_devices = n
     if int(cfg.rollout.max_batch) == 0:
-      cfg.rollout.max_batch = derive_max_batch(cfg, model_cfg=model_cfg, device=device)
+      cfg.rollout.max_batch = derive_max_batch(cfg, model_cfg=model_cfg, device=device,
+                                               num_devices=n)
       print(f"memory: rollout.max_batch={cfg.rollout.max_batch} (sized from {device})",
             file=sys.stderr)
-  p = plan(cfg, model_cfg=model_cfg, device=device)
+  p = plan(cfg, model_cfg=model_cfg, device=device, num_devices=n)
   if cfg.memory.check:
     p.check()
   return p

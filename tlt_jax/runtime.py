@@ -120,7 +120,14 @@ def load_model(cfg: ml_collections.ConfigDict, mesh=None):
 
 
 def worker_meshes(cfg: ml_collections.ConfigDict):
-  """One mesh per rollout worker: consecutive groups of rollout.tensor_parallel devices."""
+  """-> (rollout_mesh, [(global worker index, mesh) of this process's workers]).
+
+  The rollout replicas are consecutive groups of rollout.tensor_parallel devices of the global
+  device list; `rollout_mesh` (data=replicas, fsdp=1, tensor=tensor_parallel) holds them all,
+  so the weight sync is one resharding onto it (params replicated over `data`) and each
+  worker's arrays are its rows' shards. A replica must lie within one process (no collective
+  crosses processes during rollout): with several processes, each owns the replicas on its
+  devices."""
   import jax
   import numpy as np
   from jax.sharding import Mesh
@@ -130,9 +137,22 @@ def worker_meshes(cfg: ml_collections.ConfigDict):
   if need > len(devices):
     raise ConfigError(f"config.rollout.num_workers={r.num_workers} x tensor_parallel="
                       f"{r.tensor_parallel} needs {need} devices; {len(devices)} are visible")
-  return [Mesh(np.asarray(devices[i * r.tensor_parallel:(i + 1) * r.tensor_parallel])
-               .reshape(1, 1, r.tensor_parallel), ("data", "fsdp", "tensor"))
-          for i in range(r.num_workers)]
+  grid = np.asarray(devices[:need]).reshape(r.num_workers, 1, r.tensor_parallel)
+  rollout_mesh = Mesh(grid, ("data", "fsdp", "tensor"))
+  me = jax.process_index()
+  local = []
+  for i in range(r.num_workers):
+    owners = {d.process_index for d in grid[i].flat}
+    if len(owners) > 1:
+      raise ConfigError(f"config.rollout.tensor_parallel={r.tensor_parallel}: rollout replica {i} "
+                        "would span processes; make tensor_parallel divide the devices of one "
+                        f"process ({jax.local_device_count()})")
+    if owners == {me}:
+      local.append((i, Mesh(grid[i].reshape(1, 1, r.tensor_parallel), ("data", "fsdp", "tensor"))))
+  if jax.process_count() > 1 and not local:
+    raise ConfigError(f"config.rollout.num_workers={r.num_workers}: process {me} owns no rollout "
+                      f"replica; use num_workers x tensor_parallel = all {len(devices)} devices")
+  return rollout_mesh, local
 
 
 def load_drafter(cfg: ml_collections.ConfigDict, model_cfg):

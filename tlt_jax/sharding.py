@@ -121,5 +121,23 @@ def cache_sharding(mesh: Mesh, batch_size: int, num_kv_heads: int, num_layers: i
   return KVCache(k=(kv,) * num_layers, v=(kv,) * num_layers, lengths=lengths)
 
 
+def local_view(tree: Any, shardings: Any) -> Any:
+  """The arrays of `tree` as arrays of `shardings` without a copy, where every device of a
+  target sharding already holds exactly the slice that sharding gives it (e.g. one replica's
+  rows of the global rollout layout); None if any leaf does not."""
+  leaves, treedef = jax.tree.flatten(tree)
+  out = []
+  for x, sh in zip(leaves, jax.tree.leaves(shardings)):
+    if not isinstance(x, jax.Array):
+      return None
+    have = {s.device: s for s in x.addressable_shards}
+    want = sh.addressable_devices_indices_map(x.shape)
+    if any(d not in have or have[d].index != idx for d, idx in want.items()):
+      return None
+    out.append(jax.make_array_from_single_device_arrays(x.shape, sh,
+                                                        [have[d].data for d in want]))
+  return jax.tree.unflatten(treedef, out)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())

@@ -28,6 +28,7 @@ resumes from the latest checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -224,6 +225,8 @@ def build(cfg) -> Run:
                          max_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
   del params
 
+  rollout_mesh, local = runtime.worker_meshes(cfg)  # replicas: all, and this process's
+
   # ---------------------------------------------- TLT: drafter, its data, the bandit
   tlt = bool(cfg.tlt.enabled)
   spot = config_lib.spot_config(cfg) if tlt else None
@@ -239,29 +242,35 @@ def build(cfg) -> Run:
     from tlt_jax.drafter.loss import LossConfig
     d = cfg.tlt.drafter
     dtx = dts.make_optimizer(d.lr, warmup_steps=d.warmup_steps)
-    dparams = runtime.load_drafter(cfg, model_cfg)
-    store_sh = dts.state_shardings(dparams, dtx, mesh)
+    # the store's drafter lives in the rollout layout (replicated over replicas, tensor-
+    # parallel within one): every worker takes its slices as a view, in every process
+    dparams = jax.tree.map(np.asarray, runtime.load_drafter(cfg, model_cfg))
+    store_sh = dts.state_shardings(dparams, dtx, rollout_mesh)
     drafter = dts.init_state(dparams, dtx, store_sh)
     if trained:
       buffer = DrafterBuffer(config_lib.buffer_config(cfg), seed=cfg.seed)
-      step_fn = dts.make_train_step(model_cfg, dtx, LossConfig(unroll_steps=d.unroll),
-                                    donate=spot.on_barrier == "finish")
+      step_fn = functools.partial(dts.make_train_step, model_cfg, dtx,
+                                  LossConfig(unroll_steps=d.unroll),
+                                  donate=spot.on_barrier == "finish")
 
   # ------------------------------------------------------- rollout workers, coordinator
   d = cfg.tlt.drafter
   ecfg = config_lib.engine_config(cfg, stop, speculative=tlt, capture_hidden=trained,
                                   hidden_keep=d.window * d.windows_per_response if trained
                                   else 0)
+  to_rollout = _rollout_layout(learner, model_cfg, rollout_mesh)
+  first = to_rollout(learner.params)
   workers = []
-  for i, wmesh in enumerate(runtime.worker_meshes(cfg)):
-    engine = RolloutWorker(learner.params, model_cfg, ecfg, worker_id=i, mesh=wmesh,
+  for i, wmesh in local:  # this process's replicas (i: the global index)
+    engine = RolloutWorker(first, model_cfg, ecfg, worker_id=i, mesh=wmesh,
                            drafter_params=drafter.params if tlt else None, selector=selector)
     trainer = None
     if trained:
       from tlt_jax.coordinator.spot import DrafterTrainer
       from tlt_jax.drafter import train_step as dts
+      wsh = dts.state_shardings(drafter.params, dtx, wmesh)
       trainer = DrafterTrainer(
-          step_fn=step_fn, shardings=dts.state_shardings(drafter.params, dtx, wmesh),
+          step_fn=step_fn(state_shardings=wsh), shardings=wsh,
           buffer=buffer, rows=d.rows, row_len=d.row_len,
           target_params=lambda e=engine: e.params, seed=cfg.seed * 1000 + i,
           hidden_dtype=model_cfg.compute_dtype)
@@ -269,11 +278,18 @@ def build(cfg) -> Run:
 
   def merge(states, weights):  # onto the store's layout (the learner mesh), then average
     from tlt_jax.drafter.train_step import average_states
+    if jax.process_count() > 1:
+      return _merge_across_processes(states, weights, store.drafter()[1], store_sh)
     return average_states([jax.device_put(s, store_sh) for s in states], weights)
 
-  store = ParamStore(learner.params, drafter)
+  from tlt_jax.distributed import GlobalBarrier, all_gather_objects
+  store = ParamStore(first, drafter)
+  del first
   coordinator = Coordinator(workers, store, spot=spot if tlt else SpotConfig(mode="off"),
-                            merge=merge)
+                            merge=merge, worker_ids=[i for i, _ in local],
+                            num_workers=cfg.rollout.num_workers, to_rollout=to_rollout,
+                            gather=all_gather_objects,
+                            global_barrier=GlobalBarrier if jax.process_count() > 1 else None)
   coordinator.push()  # every worker takes the store's weights (and its trainer the drafter)
   if trained and spot.mode == "spot":  # compiled at low priority while the run starts
     from tlt_jax.rollout.executables import background_compiler
@@ -298,6 +314,57 @@ def build(cfg) -> Run:
              test_rows=test_rows, sampling=config_lib.sampling_params(cfg), learner=learner,
              store=store, coordinator=coordinator, selector=selector,
              eval_selector=eval_selector, buffer=buffer, ckpt=ckpt, compile_clock=compile_clock)
+
+
+def _rollout_layout(learner, model_cfg, rollout_mesh):
+  """learner params -> the rollout layout: every replica's devices hold its tensor-parallel
+  slices (replicated over replicas), in the compute dtype. Where the learner and the
+  replicas span the same devices (always with several processes) it is one jitted
+  resharding, a collective every process runs; otherwise (a single process whose learner
+  uses fewer devices) a cast where the params live, then a copy. Always new buffers: the
+  learner donates its params to its next update."""
+  import jax
+  import jax.numpy as jnp
+
+  from tlt_jax.sharding import tree_shardings
+  dt = model_cfg.compute_dtype
+  shardings = tree_shardings(learner.params, rollout_mesh)
+  cast = lambda p: jax.tree.map(lambda x: x.astype(dt) if x.dtype != dt else jnp.copy(x), p)
+  if set(learner.mesh.devices.flat) == set(rollout_mesh.devices.flat):
+    return jax.jit(cast, out_shardings=shardings)
+  if jax.process_count() > 1:
+    raise ConfigError("config.mesh.devices: with several processes the learner must span every "
+                      "device (mesh.devices=0), as the rollout replicas do")
+  local_cast = jax.jit(cast)
+  return lambda p: jax.device_put(local_cast(p), shardings, may_alias=False)
+
+
+def _merge_across_processes(states, weights, current, shardings):
+  """The token-weighted mean of every process's trained drafter copies (this process's:
+  `states`, possibly none), onto the store's layout; None if no process trained. Through the
+  host: a drafter is one layer, small next to the actor."""
+  import jax
+
+  from tlt_jax.distributed import all_gather_objects
+  mine = None
+  if states:
+    host = [jax.device_get(s) for s in states]
+    mine = (jax.tree.map(lambda *xs: _weighted(xs, weights), *host), float(sum(weights)))
+  every = [x for x in all_gather_objects(mine) if x is not None]
+  if not every:
+    return None
+  total = sum(w for _, w in every)
+  mean = jax.tree.map(lambda *xs: _weighted(xs, [1.0 / total] * len(xs)),
+                      *[t for t, _ in every])
+  return jax.tree.map(lambda x, ref, sh: jax.make_array_from_callback(
+      ref.shape, sh, lambda idx: np.asarray(x, ref.dtype)[idx]), mean, current, shardings)
+
+
+def _weighted(xs, ws):
+  """sum w_i x_i in float64 (integer leaves, step counts: the max)."""
+  if np.issubdtype(np.asarray(xs[0]).dtype, np.integer):
+    return np.max(np.stack([np.asarray(x) for x in xs]), axis=0)
+  return sum(float(w) * np.asarray(x, np.float64) for w, x in zip(ws, xs))
 
 
 # ====================================================================== checkpoint state
@@ -335,7 +402,7 @@ def restore(run: Run) -> int:
     run.selector.load_state_dict(meta["selector"])
   if meta.get("buffer") and run.buffer is not None:
     run.buffer.load_state_dict(meta["buffer"])
-  run.store.publish_actor(run.learner.params)
+  run.store.publish_actor(run.coordinator.to_rollout(run.learner.params))
   if run.tlt:
     run.store.publish_drafter(DrafterState(**st["drafter"]))
   run.coordinator.push()
@@ -380,15 +447,17 @@ def rl_step(run: Run, pool) -> dict[str, Any]:
   t = time.perf_counter()
   rewards = pool.gather([(res.request_id, res.sample_index) for res in out.results])
   times["reward_wait"] = time.perf_counter() - t
+  # every process's responses and rewards (each scored its own): the learner's batch is global
+  results = _gather_results(out.results, rewards)
 
   # ---- advantages
   n = cfg.grpo.n
   r = np.zeros((len(prompts), n), np.float32)
-  for res in out.results:
-    r[res.request_id, res.sample_index] = rewards[(res.request_id, res.sample_index)]
+  for res in results:
+    r[res.request_id, res.sample_index] = res.reward
   adv = grpo.group_advantages(r, eps=cfg.grpo.adv_eps, norm_by_std=cfg.grpo.norm_adv_by_std)
   samples = [grpo.Sample(res.prompt_ids, res.response_ids,
-                         float(adv[res.request_id, res.sample_index])) for res in out.results]
+                         float(adv[res.request_id, res.sample_index])) for res in results]
 
   # ---- learner: old log-probs, then the update
   t = time.perf_counter()
@@ -410,7 +479,7 @@ def rl_step(run: Run, pool) -> dict[str, Any]:
     times["drafter"] = time.perf_counter() - t
 
   # ---- metrics
-  lengths = [res.num_tokens for res in out.results]
+  lengths = [res.num_tokens for res in results]
   tokens = int(sum(lengths))
   spec_chunks = [c for c in out.chunks if c.mode != "plain"]
   drafted = [c for c in spec_chunks if c.mode != "off"]  # "off" verifies no drafts
@@ -420,7 +489,7 @@ def rl_step(run: Run, pool) -> dict[str, Any]:
       "solved_groups": float((r.max(axis=1) >= 1.0).mean()),
       "zero_adv_groups": float((r.std(axis=1) == 0).mean()),
       "response_length": length_stats(lengths),
-      "truncated": float(np.mean([res.finish_reason == "length" for res in out.results])),
+      "truncated": float(np.mean([res.finish_reason == "length" for res in results])),
       "rollout_tokens_per_s": tokens / max(out.wall, 1e-9),
       "tokens": tokens,
       "loss": upd,
@@ -459,6 +528,20 @@ def rl_step(run: Run, pool) -> dict[str, Any]:
   return m
 
 
+def _gather_results(local: list, rewards: dict) -> list:
+  """This process's engine Results and rewards -> every process's, as light records sorted by
+  (request_id, sample_index): what the advantages, the learner and the metrics read."""
+  from types import SimpleNamespace
+
+  from tlt_jax.distributed import all_gather_objects
+  mine = [dict(request_id=r.request_id, sample_index=r.sample_index, prompt_ids=r.prompt_ids,
+               response_ids=r.response_ids, num_tokens=r.num_tokens,
+               finish_reason=r.finish_reason, reward=rewards[(r.request_id, r.sample_index)])
+          for r in local]
+  every = [SimpleNamespace(**rec) for part in all_gather_objects(mine) for rec in part]
+  return sorted(every, key=lambda r: (r.request_id, r.sample_index))
+
+
 def evaluate(run: Run, pool) -> dict[str, Any]:
   """Held-out greedy accuracy, decoded by worker 0 with the evaluation selector."""
   from tlt_jax.eval import evaluate as _evaluate
@@ -481,12 +564,16 @@ def train(run: Run, *, progress: bool = True) -> dict[str, Any]:
   """Resumes if the workdir holds a checkpoint, then runs to config.train.steps. Returns the
   last step's metrics."""
   from tlt_jax.rl.reward_pool import RewardError, RewardPool
+  from tlt_jax.distributed import is_primary
   cfg = run.cfg
   start = restore(run)
-  if start >= cfg.train.steps:
+  primary = is_primary()  # process 0 writes metrics and shows progress; all save checkpoints
+  if start >= cfg.train.steps and primary:
     print(f"{cfg.workdir} already holds a finished run ({start} of {cfg.train.steps} steps); "
           "raise --config.train.steps to continue it or pass a new --workdir", file=sys.stderr)
-  writer = MetricsWriter(cfg.workdir, start if start > 0 else -1)
+  writer = MetricsWriter(cfg.workdir, start if start > 0 else -1) if primary else None
+  progress = progress and primary
+  evaluating = run.test_rows is not None and primary  # worker 0 is process 0's
   try:
     pool = RewardPool(cfg.reward.name, num_workers=cfg.reward.num_workers,
                       timeout=cfg.reward.timeout)
@@ -500,7 +587,7 @@ def train(run: Run, *, progress: bool = True) -> dict[str, Any]:
   last: dict[str, Any] = {}
   try:
     with pool:
-      if start == 0 and run.test_rows is not None:
+      if start == 0 and evaluating:
         t = time.perf_counter()
         ev = evaluate(run, pool)
         writer.write(0, {"eval": ev, "time": {"eval": time.perf_counter() - t}})
@@ -509,15 +596,16 @@ def train(run: Run, *, progress: bool = True) -> dict[str, Any]:
         m = rl_step(run, pool)
         timeline = m.pop("_timeline")
         run.step += 1
-        if run.test_rows is not None and (run.step % cfg.train.eval_every == 0
-                                          or run.step == cfg.train.steps):
+        if evaluating and (run.step % cfg.train.eval_every == 0
+                           or run.step == cfg.train.steps):
           t = time.perf_counter()
           m["eval"] = evaluate(run, pool)
           m["time"]["eval"] = time.perf_counter() - t
         t = time.perf_counter()
         run.ckpt.save(run.step, train_state(run), force=run.step == cfg.train.steps)
         m["time"]["checkpoint"] = time.perf_counter() - t
-        writer.write(run.step, m, timeline)
+        if writer is not None:
+          writer.write(run.step, m, timeline)
         last = m
         if bar is not None:
           post = {"reward": f"{m['reward']:.3f}", "len": f"{m['response_length']['mean']:.0f}",
@@ -532,7 +620,8 @@ def train(run: Run, *, progress: bool = True) -> dict[str, Any]:
   finally:
     if bar is not None:
       bar.close()
-    writer.close()
+    if writer is not None:
+      writer.close()
     run.ckpt.close()
     run.coordinator.close()
   return last
@@ -548,12 +637,18 @@ def main(argv):
   if _WORKDIR.value:
     with cfg.unlocked():
       cfg.workdir = _WORKDIR.value
+  from tlt_jax import distributed
   runtime.setup_jax(cfg)  # before anything initialises JAX
+  distributed.initialize(distributed.from_config(cfg))  # several processes: join them first
   runtime.validate(cfg)
   run = build(cfg)
-  with open(os.path.join(cfg.workdir, "config.json"), "w") as f:
-    f.write(cfg.to_json_best_effort(indent=2))
+  if distributed.is_primary():
+    with open(os.path.join(cfg.workdir, "config.json"), "w") as f:
+      f.write(cfg.to_json_best_effort(indent=2))
   last = train(run)
+  distributed.barrier("tlt_jax.train.done")  # no process exits while another still saves
+  if not distributed.is_primary():
+    return
   path = os.path.join(cfg.workdir, "metrics.jsonl")
   first_eval = last_eval = None
   with open(path) as f:

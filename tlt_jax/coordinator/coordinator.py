@@ -54,9 +54,11 @@ class Worker:
     """Takes what is newer in the store onto this worker's devices; True if anything was."""
     changed = False
     if store.actor_version != self.actor_version:
-      self.actor_version, params = store.actor()
-      self.engine.set_params(params)
-      changed = True
+      version, params = store.actor()
+      if params is not None:  # None: released until the next sync
+        self.actor_version = version
+        self.engine.set_params(params)
+        changed = True
     if store.drafter_version != self.drafter_version:
       self.drafter_version, state = store.drafter()
       if state is not None:
@@ -67,9 +69,10 @@ class Worker:
     return changed
 
   def release_actor(self) -> None:
-    """Frees this worker's actor copy; the next `pull` takes the store's again."""
-    self.engine.release_params()
-    self.actor_version = -1
+    """Frees this worker's actor copy (unless its background compilation still uses it);
+    the next `pull` takes the store's again."""
+    if self.engine.release_params():
+      self.actor_version = -1
 
   def close(self) -> None:
     self._thread.shutdown(wait=True)
@@ -92,10 +95,29 @@ class Coordinator:
 
   def __init__(self, workers: Sequence[Worker], store: ParamStore, *,
                spot: SpotConfig = SpotConfig(mode="off"),
-               merge: Callable[[list, list], Any] | None = None):
+               merge: Callable[[list, list], Any] | None = None,
+               worker_ids: Sequence[int] | None = None, num_workers: int | None = None,
+               to_rollout: Callable[[Any], Any] | None = None,
+               gather: Callable[[Any], list] | None = None,
+               global_barrier: Callable[..., Any] | None = None):
+    """worker_ids / num_workers: the global indices of these (this process's) workers among
+    all replicas (default: 0..n-1 of n); a worker decodes the requests whose request_id %
+    num_workers is its index. to_rollout: learner params -> the rollout layout the store
+    keeps (default: as given). gather: obj -> [obj of every process] (multi-process metrics
+    and drafter merge; default: this process only). With several processes `merge(states,
+    weights)` is called in every process, with this process's trained copies (possibly none),
+    and returns the global merge or None when nothing was trained anywhere; and
+    `global_barrier(name, on_all=...)` (distributed.GlobalBarrier) makes idle workers train
+    until every process's replicas are done."""
     if not workers:
       raise ValueError("Coordinator: no workers")
     self.workers, self.store, self.spot, self.merge = list(workers), store, spot, merge
+    self.worker_ids = list(worker_ids) if worker_ids is not None else list(range(len(workers)))
+    self.num_workers = num_workers or len(self.workers)
+    self.to_rollout = to_rollout
+    self.gather = gather or (lambda obj: [obj])
+    self.global_barrier = global_barrier
+    self._rollouts = 0  # advances in lockstep in every process: names the global barriers
     if spot.mode != "off" and any(w.trainer is None for w in self.workers):
       raise ValueError(f"spot mode {spot.mode!r} needs a drafter trainer on every worker")
 
@@ -110,15 +132,23 @@ class Coordinator:
               selector: Any = None) -> RolloutOutcome:
     from tlt_jax.rollout.engine import WorkerHooks
     n = len(self.workers)
+    slot = {g: i for i, g in enumerate(self.worker_ids)}
     shares: list[list[Any]] = [[] for _ in range(n)]
-    for r in requests:
-      shares[r.request_id % n].append(r)
+    for r in requests:  # another process's requests are its workers'
+      i = slot.get(r.request_id % self.num_workers)
+      if i is not None:
+        shares[i].append(r)
     timeline = Timeline(n)
-    barrier = threading.Event()
+    barrier = threading.Event()  # this process's workers are done
     lock = threading.Lock()
     remaining = [n]
     spot = self.spot.mode == "spot"
     chunks: list[Any] = []
+    self._rollouts += 1
+    everywhere = None  # every process's workers are done (several processes)
+    if self.global_barrier is not None:
+      everywhere = self.global_barrier(f"rollout-{self._rollouts}", on_all=timeline.mark_barrier)
+    stop = barrier if everywhere is None else everywhere.event  # spot training until then
 
     def work(i: int):
       w = self.workers[i]
@@ -135,21 +165,26 @@ class Coordinator:
         with lock:
           remaining[0] -= 1
           if remaining[0] == 0:
-            timeline.mark_barrier()
+            if everywhere is None:
+              timeline.mark_barrier()
+            else:
+              everywhere.arrive()
             barrier.set()
       report = None
       if spot:
-        w.trainer.reseed([seed, i])
-        if not barrier.is_set():
-          report = train_until(w.trainer, barrier, on_barrier=self.spot.on_barrier,
+        w.trainer.reseed([seed, self.worker_ids[i]])
+        if not stop.is_set():
+          report = train_until(w.trainer, stop, on_barrier=self.spot.on_barrier,
                                timeline=timeline, worker=i, poll_s=self.spot.poll_s)
       else:
-        barrier.wait()  # idle until the last worker is done (the straggler wait, measured)
+        stop.wait()  # idle until the last worker is done (the straggler wait, measured)
       timeline.enter(i, WorkerState.DONE)
       return results, report
 
     futures = [w.submit(work, i) for i, w in enumerate(self.workers)]
     outs = [f.result() for f in futures]  # re-raises a worker's error on this thread
+    if everywhere is not None:
+      everywhere.close()
     drafter = None
     if spot:
       drafter = self._merge_and_push([rep for _, rep in outs])
@@ -165,21 +200,29 @@ class Coordinator:
     per_worker = [w.trainer.take_metrics() for w in self.workers]
     tokens = [sum(m["tokens"] for m in ms) for ms in per_worker]
     flat = [m for ms in per_worker for m in ms]
-    out: dict[str, Any] = {
-        "steps": len(flat), "tokens": int(sum(tokens)),
-        "dropped": sum(r.dropped for r in reports if r is not None),
-        "workers_trained": sum(t > 0 for t in tokens)}
-    if flat:
-      total = max(sum(tokens), 1.0)
-      out["loss"] = sum(m["loss"] * m["tokens"] for m in flat) / total
-      out["acc"] = sum(m["acc"] * m["tokens"] for m in flat) / total
+    mine = {"steps": len(flat), "tokens": int(sum(tokens)),
+            "dropped": sum(r.dropped for r in reports if r is not None),
+            "workers_trained": sum(t > 0 for t in tokens),
+            "loss": sum(m["loss"] * m["tokens"] for m in flat),
+            "acc": sum(m["acc"] * m["tokens"] for m in flat)}
+    every = self.gather(mine)  # one dict per process
+    out: dict[str, Any] = {k: sum(p[k] for p in every)
+                           for k in ("steps", "tokens", "dropped", "workers_trained")}
+    if out["steps"]:
+      total = max(out["tokens"], 1.0)
+      out["loss"] = sum(p["loss"] for p in every) / total
+      out["acc"] = sum(p["acc"] for p in every) / total
     trained = [i for i, t in enumerate(tokens) if t > 0]
-    if not trained:
-      return out
     states = [self.workers[i].trainer.state for i in trained]
-    merged = self.merge(states, [tokens[i] for i in trained]) if self.merge else states[0]
-    self.store.publish_drafter(merged)
-    self.push()
+    if len(every) > 1:  # every process takes part in the merge, trained or not
+      merged = self.merge(states, [tokens[i] for i in trained])
+    elif not trained:
+      return out
+    else:
+      merged = self.merge(states, [tokens[i] for i in trained]) if self.merge else states[0]
+    if merged is not None:
+      self.store.publish_drafter(merged)
+      self.push()
     return out
 
   def train_serial(self, steps: int, seed: int = 0) -> dict[str, Any]:
@@ -206,7 +249,7 @@ class Coordinator:
     device); returns the seconds until every copy is in place."""
     import jax
     t0 = time.perf_counter()
-    self.store.publish_actor(params)
+    self.store.publish_actor(self.to_rollout(params) if self.to_rollout else params)
     self.push()
     for w in self.workers:
       jax.block_until_ready(w.engine.params)
@@ -217,6 +260,7 @@ class Coordinator:
     learner's phases do not need it: memory.release_rollout_weights)."""
     for f in [w.submit(w.release_actor) for w in self.workers]:
       f.result()
+    self.store.release_actor()
 
   def close(self) -> None:
     for w in self.workers:

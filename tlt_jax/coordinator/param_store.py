@@ -25,6 +25,12 @@ class ParamStore:
       self.actor_version += 1
       return self.actor_version
 
+  def release_actor(self) -> None:
+    """Drops the actor (the workers have released theirs: its memory goes back to the
+    learner's phases); the next `publish_actor` brings the updated one."""
+    with self._lock:
+      self._actor = None
+
   def publish_drafter(self, state: Any) -> int:
     """state: a DrafterState (params + optimizer state + step)."""
     with self._lock:

@@ -117,9 +117,14 @@ class DrafterTrainer:
 
   def load(self, state) -> None:
     import jax
-    # A copy even where the layout matches (the store's drafter on the same device): the
-    # train step donates this state, which must not delete the store's.
-    self.state = jax.device_put(state, self._shardings, may_alias=False)
+
+    from tlt_jax.sharding import local_view
+    # The store's drafter on this worker's devices (its slices of the rollout layout; with
+    # several processes the only way to reach them), then a copy even where the layout
+    # matches: the train step donates this state, which must not delete the store's.
+    view = local_view(state, self._shardings)
+    self.state = jax.device_put(state if view is None else view, self._shardings,
+                                may_alias=False)
 
   def reseed(self, seed) -> None:
     """The batches this trainer draws next are a function of `seed` (the coordinator passes

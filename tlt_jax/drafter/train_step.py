@@ -76,10 +76,14 @@ def state_shardings(params: Params, tx: optax.GradientTransformation, mesh) -> D
 
 
 def make_train_step(cfg: ModelConfig, tx: optax.GradientTransformation,
-                    loss_cfg: LossConfig = LossConfig(), *, donate: bool = True):
+                    loss_cfg: LossConfig = LossConfig(), *, donate: bool = True,
+                    state_shardings: DrafterState | None = None):
   """-> jitted step(state, target_params, batch) -> (state, metrics). batch: the packed
   layout of tlt_jax/drafter/packing.py (tokens, hidden, positions, segment_ids, loss_mask).
-  donate=False keeps the input state alive (a caller that may drop an in-flight step)."""
+  donate=False keeps the input state alive (a caller that may drop an in-flight step).
+  state_shardings (`state_shardings(...)` on one mesh): the new state keeps exactly that
+  layout (left to XLA, a tensor-parallel step may return another, and the next call of an
+  executable compiled for the first would be refused)."""
   loss = functools.partial(drafter_loss, cfg=cfg, loss_cfg=loss_cfg)
 
   def step(state: DrafterState, target_params: Params, batch: dict[str, jax.Array]):
@@ -90,7 +94,12 @@ def make_train_step(cfg: ModelConfig, tx: optax.GradientTransformation,
     metrics = dict(m, grad_norm=optax.tree.norm(grads))
     return DrafterState(params, opt_state, state.step + 1), metrics
 
-  return jax.jit(step, donate_argnums=(0,) if donate else ())
+  out = None
+  if state_shardings is not None:
+    from jax.sharding import NamedSharding, PartitionSpec
+    mesh = jax.tree.leaves(state_shardings)[0].mesh
+    out = (state_shardings, NamedSharding(mesh, PartitionSpec()))
+  return jax.jit(step, donate_argnums=(0,) if donate else (), out_shardings=out)
 
 
 def average_states(states: Sequence[DrafterState], weights: Sequence[float]) -> DrafterState:

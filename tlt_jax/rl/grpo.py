@@ -306,7 +306,12 @@ class Learner:
                           out_shardings=(self.param_shardings, self.opt_shardings, None))
 
   def _put(self, x: np.ndarray) -> jax.Array:
-    return jax.device_put(x, batch_sharding(self.mesh, x.ndim))
+    """A host batch (the same in every process) onto the mesh: each process supplies the
+    rows of its own devices."""
+    sharding = batch_sharding(self.mesh, x.ndim)
+    if jax.process_count() == 1:
+      return jax.device_put(x, sharding)
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
   def batches(self, samples: list[Sample], num_minibatches: int = 1, seed: int = 0
               ) -> list[list[MicroBatch]]:

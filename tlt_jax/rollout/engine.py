@@ -248,27 +248,43 @@ class RolloutWorker:
     self._ready: dict[SamplingParams, set[tuple[int, str]]] = {}
     self._compiler = None
     self._ready_lock = threading.Lock()
+    self._compiling = 0  # background compile jobs pending or running (they use self.params)
 
   # ---------------------------------------------------------------------------------- weights
   def set_params(self, params: Params) -> None:
-    """New actor weights (after an RL update); cast to the compute dtype where they are (a
-    bf16 replica of f32 master weights moves and keeps half the bytes), then resharded onto
-    this worker's layout, always a copy: the learner donates its params to its next update,
-    which must not delete these (on a learner device the two layouts can coincide)."""
+    """New actor weights (after an RL update). Params already in the rollout layout (the
+    coordinator's `to_rollout`: this worker's devices hold its slices) are taken as they are,
+    without a copy; others are cast to the compute dtype where they are (a bf16 replica of
+    f32 master weights moves and keeps half the bytes), then copied onto this worker's layout
+    (a copy: the learner donates its params to its next update, which must not delete these;
+    on a learner device the two layouts can coincide)."""
+    from tlt_jax.sharding import local_view
     dt = self.cfg.compute_dtype
+    view = local_view(params, self._param_shardings)
+    if view is not None and all(x.dtype == dt for x in jax.tree.leaves(view)):
+      self.params = view
+      return
     if any(x.dtype != dt for x in jax.tree.leaves(params)):
       params = _cast(params, dt)
     self.params = jax.device_put(params, self._param_shardings, may_alias=False)
 
-  def release_params(self) -> None:
+  def release_params(self) -> bool:
     """Drops this worker's copy of the actor (after its rollout: the learner's phases get the
-    memory back; the next `set_params` brings the updated weights)."""
-    self.params = None
+    memory back; the next `set_params` brings the updated weights). Not while background
+    compilation still runs real prefills with them (the first steps): False then."""
+    with self._ready_lock:
+      if self._compiling:
+        return False
+      self.params = None
+      return True
 
   def set_drafter_params(self, dparams: Params) -> None:
-    """New drafter weights (after spot training); placed on this worker's mesh."""
-    from tlt_jax.sharding import tree_shardings
-    self.drafter_params = jax.device_put(dparams, tree_shardings(dparams, self.mesh))
+    """New drafter weights (after spot training) on this worker's mesh: a view of the
+    store's rollout layout where this worker's devices hold its slices, else a copy."""
+    from tlt_jax.sharding import local_view, tree_shardings
+    shardings = tree_shardings(dparams, self.mesh)
+    view = local_view(dparams, shardings)
+    self.drafter_params = view if view is not None else jax.device_put(dparams, shardings)
 
   @property
   def compile_log(self) -> list[CompileRecord]:
@@ -581,7 +597,12 @@ class RolloutWorker:
         with self._ready_lock:
           self._ready[sp] = {(b, a) for b, arms in self.choosable_pairs().items()
                              for a in arms}
+      finally:
+        with self._ready_lock:
+          self._compiling -= 1
 
+    with self._ready_lock:
+      self._compiling += 1
     self._compiler.submit(job)
 
   def wait_compiled(self, timeout: float | None = None) -> None:

@@ -1,0 +1,73 @@
+"""The training loop across processes: 2 processes x 4 CPU devices (gloo collectives) against
+1 process x 8 devices, same config, same seeds.
+
+Both runs have the same learner mesh (FSDP over 8 devices) and the same two rollout replicas
+(4-way tensor parallel: devices 0-3 and 4-7), so with two processes each process owns one
+replica and decodes its prompts, scores its own responses, and the learner's batch is
+assembled from both. The per-step losses, rewards, response lengths and the checkpointed
+params after the steps must equal the single-process run's: tokens exactly (sampling is per
+request and does not depend on which process decodes it), floats to 1e-5 (the FSDP gradient
+reductions run over gloo instead of in one process, a different summation order).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.mp_launch import ROOT, describe, launch
+
+ARGS = ["--config", "configs/default.py", "--config.train.steps=2", "--config.train.eval_every=0",
+        "--config.tlt.enabled=False", "--config.mesh.devices=0", "--config.cpu_devices=0",
+        "--config.rollout.num_workers=2", "--config.rollout.tensor_parallel=4",
+        "--config.grpo.num_prompts=8", "--config.grpo.n=4", "--config.grpo.micro_batch=8",
+        "--config.rollout.max_new_tokens=96", "--config.train.checkpoint_every=2",
+        "--config.reward.num_workers=1", "--config.compilation_cache="]
+
+
+def _single(workdir):
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("SLURM_", "OMPI_", "TLT_", "JAX_COORDINATOR"))}
+  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "tlt_jax.train", *ARGS, "--workdir", workdir],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def _metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def _params(workdir):
+  """The checkpointed actor of the last step, as numpy, read without a template."""
+  from tlt_jax.checkpoint import Checkpointer
+  with Checkpointer(os.path.join(workdir, "checkpoints")) as ck:
+    return {k: v for k, v in ck.read().items() if k.startswith("actor/")}
+
+
+def test_two_processes_train_like_one(tmp_path):
+  one = str(tmp_path / "one")
+  ref = _single(one)
+  assert ref.returncode == 0, ref.stderr[-3000:]
+  two = str(tmp_path / "two")
+  results = launch("tlt_jax.train", 2, devices_per_process=4, args=[*ARGS, "--workdir", two],
+                   timeout=900)
+  assert all(r.returncode == 0 for r in results), describe(results)
+  assert "process 1/2" in results[1].stderr
+  # process 0 alone writes the metrics; both wrote the checkpoint
+  a, b = _metrics(one), _metrics(two)
+  assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2]
+  for ma, mb in zip(a, b):
+    assert ma["tokens"] == mb["tokens"]
+    assert ma["response_length"] == mb["response_length"]
+    assert ma["reward"] == mb["reward"]
+    for k in ("loss", "pg_loss", "entropy", "grad_norm"):
+      np.testing.assert_allclose(mb["loss"][k], ma["loss"][k], rtol=1e-5, atol=1e-7,
+                                 err_msg=f"step {ma['step']} {k}")
+  pa, pb = _params(one), _params(two)
+  assert pa.keys() == pb.keys()
+  for k in pa:
+    np.testing.assert_allclose(pb[k], pa[k], rtol=1e-5, atol=1e-6, err_msg=k)
