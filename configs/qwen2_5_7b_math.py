@@ -12,7 +12,9 @@ Nothing is downloaded: give local paths on the command line, e.g. on one 8-GPU h
       --config.tlt.drafter.init=/ckpt/q7b_drafter   # from scripts/train_drafter.py; or init:0
 
 Mesh: the learner is FSDP over every device; each GPU is one rollout replica
-(rollout.num_workers x rollout.tensor_parallel = devices). Single-process (one host) today.
+(rollout.num_workers x rollout.tensor_parallel = devices). On several hosts see
+scripts/slurm/train_2x8.sbatch; `scripts/plan_memory.py --config configs/qwen2_5_7b_math.py`
+prints the per-GPU memory plan (rollout.max_batch=0: sized from it).
 """
 
 import os

@@ -7,7 +7,8 @@ replica and decodes its prompts, scores its own responses, and the learner's bat
 assembled from both. The per-step losses, rewards, response lengths and the checkpointed
 params after the steps must equal the single-process run's: tokens exactly (sampling is per
 request and does not depend on which process decodes it), floats to 1e-5 (the FSDP gradient
-reductions run over gloo instead of in one process, a different summation order).
+reductions run over gloo instead of in one process, a different summation order). Then the
+2-process run's checkpoint resumes in one process.
 """
 
 import json
@@ -28,11 +29,12 @@ ARGS = ["--config", "configs/default.py", "--config.train.steps=2", "--config.tr
         "--config.reward.num_workers=1", "--config.compilation_cache="]
 
 
-def _single(workdir):
+def _single(workdir, *extra):
   env = {k: v for k, v in os.environ.items()
          if not k.startswith(("SLURM_", "OMPI_", "TLT_", "JAX_COORDINATOR"))}
   env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, "-m", "tlt_jax.train", *ARGS, "--workdir", workdir],
+  return subprocess.run([sys.executable, "-m", "tlt_jax.train", *ARGS, "--workdir", workdir,
+                         *extra],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
@@ -71,3 +73,8 @@ def test_two_processes_train_like_one(tmp_path):
   assert pa.keys() == pb.keys()
   for k in pa:
     np.testing.assert_allclose(pb[k], pa[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  # the 2-process checkpoint resumes in 1 process (each array read onto the current mesh)
+  more = _single(two, "--config.train.steps=3")
+  assert more.returncode == 0, more.stderr[-3000:]
+  assert "resumed from" in more.stderr and "at step 2" in more.stderr
+  assert [m["step"] for m in _metrics(two)] == [1, 2, 3]

@@ -613,9 +613,14 @@ class GlobalBarrier:
       time.sleep(self._poll_s)
 
   def close(self) -> None:
-    """After the event: this process's key is no longer needed."""
+    """After the event (this process saw every key: the poller has ended)."""
     self._thread.join()
+
+  def forget(self) -> None:
+    """Deletes this process's key. Only once every process has seen the event (e.g. after a
+    later collective): a key deleted earlier could hide this arrival from a peer still
+    polling, which would then wait forever."""
     try:
       self._client.key_value_delete(f"{self._dir}{self._me}")
-    except Exception:  # noqa: BLE001 - a peer may have read it after; deletion is hygiene
+    except Exception:  # noqa: BLE001 - hygiene only
       pass

@@ -39,11 +39,7 @@ def validate(cfg: ml_collections.ConfigDict, *, training: bool = True) -> None:
   """Config values, paths and the reward; with `training`, also the learner mesh and the
   rollout workers' devices (evaluation uses one device and neither)."""
   config_lib.validate(cfg)
-  if training and "mesh" in cfg:
-    make_mesh(cfg)
-  if training and "rollout" in cfg and "num_workers" in cfg.rollout:
-    worker_meshes(cfg)
-  if not os.path.isdir(cfg.model.path):
+  if not os.path.isdir(cfg.model.path):  # inputs first, then whether this machine fits them
     raise ConfigError(f"config.model.path={cfg.model.path!r} is not a directory; point it at a "
                       "local Hugging Face model directory (config.json + *.safetensors)")
   for key in ("train_path", "test_path"):
@@ -51,6 +47,10 @@ def validate(cfg: ml_collections.ConfigDict, *, training: bool = True) -> None:
     if path and not os.path.exists(path):
       raise ConfigError(f"config.data.{key}={path!r} does not exist; point it at a local "
                         "JSONL or Parquet file")
+  if training and "mesh" in cfg:
+    make_mesh(cfg)
+  if training and "rollout" in cfg and "num_workers" in cfg.rollout:
+    worker_meshes(cfg)
   if training and "memory" in cfg and "rollout" in cfg:
     from tlt_jax import memory
     memory.resolve(cfg, memory.model_config(cfg))

@@ -118,6 +118,7 @@ class Coordinator:
     self.gather = gather or (lambda obj: [obj])
     self.global_barrier = global_barrier
     self._rollouts = 0  # advances in lockstep in every process: names the global barriers
+    self._last_barrier = None
     if spot.mode != "off" and any(w.trainer is None for w in self.workers):
       raise ValueError(f"spot mode {spot.mode!r} needs a drafter trainer on every worker")
 
@@ -145,9 +146,13 @@ class Coordinator:
     spot = self.spot.mode == "spot"
     chunks: list[Any] = []
     self._rollouts += 1
-    everywhere = None  # every process's workers are done (several processes)
-    if self.global_barrier is not None:
+    if self._last_barrier is not None:  # every process passed it (collectives since): drop it
+      self._last_barrier.forget()
+      self._last_barrier = None
+    everywhere = None  # every process's workers are done (several processes, spot training)
+    if self.global_barrier is not None and spot:
       everywhere = self.global_barrier(f"rollout-{self._rollouts}", on_all=timeline.mark_barrier)
+      self._last_barrier = everywhere
     stop = barrier if everywhere is None else everywhere.event  # spot training until then
 
     def work(i: int):
