@@ -56,6 +56,12 @@ greedy reads rows until the first mismatch (`while_loop`). The tree walk is a `w
 depth; children are a static unrolled loop over C. No scratch memory (unsupported by the Triton
 backend): all state lives in loop carries. The kernel is lowered with Triton
 (`pallas.triton.CompilerParams`) explicitly, since jax's default GPU backend is Mosaic GPU.
+JAX >= 0.11 deprecates the Pallas Triton backend (a DeprecationWarning when a kernel is lowered
+for a GPU; interpret mode does not warn). The migration path is Mosaic GPU
+(`jax.experimental.pallas.mosaic_gpu`): a rewrite, not a drop-in change (its loads take no mask
+like `pltriton.load`'s; tiles go through shared memory), and one that needs a GPU to check.
+Lowering for a GPU on a machine without one needs an abstract GPU device on JAX >= 0.11 (see
+tests/test_verify_kernel.py::test_kernels_lower_to_triton).
 """
 
 from __future__ import annotations
