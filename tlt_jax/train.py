@@ -279,7 +279,7 @@ def build(cfg) -> Run:
   def merge(states, weights):  # onto the store's layout (the learner mesh), then average
     from tlt_jax.drafter.train_step import average_states
     if jax.process_count() > 1:
-      return _merge_across_processes(states, weights, store.drafter()[1], store_sh)
+      return _merge_replicas(states, weights, [i for i, _ in local], rollout_mesh, store_sh)
     return average_states([jax.device_put(s, store_sh) for s in states], weights)
 
   from tlt_jax.distributed import GlobalBarrier, all_gather_objects
@@ -339,32 +339,43 @@ def _rollout_layout(learner, model_cfg, rollout_mesh):
   return lambda p: jax.device_put(local_cast(p), shardings, may_alias=False)
 
 
-def _merge_across_processes(states, weights, current, shardings):
-  """The token-weighted mean of every process's trained drafter copies (this process's:
-  `states`, possibly none), onto the store's layout; None if no process trained. Through the
-  host: a drafter is one layer, small next to the actor."""
+def _merge_replicas(states, weights, ids, rollout_mesh, shardings):
+  """The token-weighted mean of every replica's drafter copy, with several processes: this
+  process's workers (global indices `ids`) pass their states and tokens trained (0: not
+  trained). The copies become one array per leaf stacked over the rollout mesh's replica
+  axis (each replica's slice is its own shards, no copy), and one jitted weighted sum onto
+  the store's layout reduces them on the devices. None if no replica trained."""
   import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec
 
   from tlt_jax.distributed import all_gather_objects
-  mine = None
-  if states:
-    host = [jax.device_get(s) for s in states]
-    mine = (jax.tree.map(lambda *xs: _weighted(xs, weights), *host), float(sum(weights)))
-  every = [x for x in all_gather_objects(mine) if x is not None]
-  if not every:
+  pairs = [p for part in all_gather_objects(list(zip(ids, map(float, weights)))) for p in part]
+  total = sum(w for _, w in pairs)
+  if total <= 0:
     return None
-  total = sum(w for _, w in every)
-  mean = jax.tree.map(lambda *xs: _weighted(xs, [1.0 / total] * len(xs)),
-                      *[t for t, _ in every])
-  return jax.tree.map(lambda x, ref, sh: jax.make_array_from_callback(
-      ref.shape, sh, lambda idx: np.asarray(x, ref.dtype)[idx]), mean, current, shardings)
+  n = rollout_mesh.shape["data"]
+  share = np.zeros((n,), np.float32)
+  for i, w in pairs:
+    share[i] = w / total
+  share = jax.make_array_from_callback((n,), NamedSharding(rollout_mesh, PartitionSpec()),
+                                       lambda idx: share[idx])
 
+  def stacked(*copies):  # one leaf of every local copy -> [replicas, ...] over the mesh
+    x = copies[0]
+    spec = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+    sharding = NamedSharding(rollout_mesh, PartitionSpec("data", *spec))
+    parts = [s.data[None] for c in copies for s in c.addressable_shards]
+    return jax.make_array_from_single_device_arrays((n,) + x.shape, sharding, parts)
 
-def _weighted(xs, ws):
-  """sum w_i x_i in float64 (integer leaves, step counts: the max)."""
-  if np.issubdtype(np.asarray(xs[0]).dtype, np.integer):
-    return np.max(np.stack([np.asarray(x) for x in xs]), axis=0)
-  return sum(float(w) * np.asarray(x, np.float64) for w, x in zip(ws, xs))
+  def mean(tree, w):
+    def one(x):
+      if jnp.issubdtype(x.dtype, jnp.integer):  # step counts
+        return x.max(axis=0)
+      return jnp.tensordot(w, x.astype(jnp.float32), axes=1).astype(x.dtype)
+    return jax.tree.map(one, tree)
+
+  return jax.jit(mean, out_shardings=shardings)(jax.tree.map(stacked, *states), share)
 
 
 # ====================================================================== checkpoint state

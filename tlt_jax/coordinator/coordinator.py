@@ -105,8 +105,8 @@ class Coordinator:
     num_workers is its index. to_rollout: learner params -> the rollout layout the store
     keeps (default: as given). gather: obj -> [obj of every process] (multi-process metrics
     and drafter merge; default: this process only). With several processes `merge(states,
-    weights)` is called in every process, with this process's trained copies (possibly none),
-    and returns the global merge or None when nothing was trained anywhere; and
+    weights)` is called in every process with all of this process's copies and their tokens
+    (0: not trained) and returns the global merge, or None when nothing was trained; and
     `global_barrier(name, on_all=...)` (distributed.GlobalBarrier) makes idle workers train
     until every process's replicas are done."""
     if not workers:
@@ -218,12 +218,12 @@ class Coordinator:
       out["loss"] = sum(p["loss"] for p in every) / total
       out["acc"] = sum(p["acc"] for p in every) / total
     trained = [i for i, t in enumerate(tokens) if t > 0]
-    states = [self.workers[i].trainer.state for i in trained]
-    if len(every) > 1:  # every process takes part in the merge, trained or not
-      merged = self.merge(states, [tokens[i] for i in trained])
+    if len(every) > 1:  # every process takes part, with every copy (untrained: 0 tokens)
+      merged = self.merge([w.trainer.state for w in self.workers], tokens)
     elif not trained:
       return out
     else:
+      states = [self.workers[i].trainer.state for i in trained]
       merged = self.merge(states, [tokens[i] for i in trained]) if self.merge else states[0]
     if merged is not None:
       self.store.publish_drafter(merged)
