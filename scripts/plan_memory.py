@@ -30,7 +30,7 @@ def main(argv):
   runtime.setup_jax(cfg)  # the CPU device count a CPU config asks for
   model_cfg = memory.model_config(cfg)
   device = cfg.memory.device or memory.local_device()
-  n = int(cfg.memory.num_devices or 0) or memory._visible_devices()
+  n = int(cfg.memory.num_devices or 0) or memory.visible_devices()
   with cfg.unlocked():
     cfg.memory.num_devices = n
   sized = ""

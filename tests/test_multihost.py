@@ -17,7 +17,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 from tests.mp_launch import ROOT, describe, launch
 

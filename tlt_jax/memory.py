@@ -179,7 +179,7 @@ def plan(cfg, *, model_cfg=None, device: str | None = None, num_devices: int | N
     model_cfg = model_config(cfg)
   mem = cfg.memory
   device = device if device is not None else mem.device
-  num_devices = num_devices or int(mem.num_devices or 0) or _visible_devices()
+  num_devices = num_devices or int(mem.num_devices or 0) or visible_devices()
   cap = device_bytes(device)
   capacity = None if cap is None else int(cap * mem.fraction)
   gpu = cap is not None
@@ -358,7 +358,7 @@ def model_config(cfg):
                                   remat=bool(cfg.model.get("remat", False)))
 
 
-def _visible_devices() -> int:
+def visible_devices() -> int:
   import jax
   return jax.device_count()
 
@@ -385,7 +385,7 @@ def resolve(cfg, model_cfg) -> Plan:
   device, fraction = local_device(), 1.0  # bytes_limit is already the allocator's share
   if device == "cpu":
     device, fraction = cfg.memory.device or "cpu", cfg.memory.fraction
-  n = _visible_devices()
+  n = visible_devices()
   with cfg.unlocked():
     cfg.memory.fraction = fraction
     cfg.memory.num_devices = n
