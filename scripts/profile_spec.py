@@ -1,6 +1,7 @@
 """Where a speculative step's time goes: per-forward costs inside compiled loops.
 
   python scripts/profile_spec.py [--batch_sizes 1,8] [--arms 4_1_5,4_4_16] [--iters 200]
+      [--model DIR --drafter DIR]   (default: the shipped model; e.g. scripts/make_bench_model.py's)
 
 Every component is timed the way the engine runs it: N repetitions inside ONE jitted
 `lax.fori_loop` / `while_loop` (the KV cache is loop-carried, so nothing is hoisted), divided
@@ -61,9 +62,10 @@ def measure_costs(params, dparams, cfg, batch: int, arms, sp, *, iters: int = 20
   from tlt_jax.drafter.model import drafter_forward
   from tlt_jax.kernels.verify import (draw_tree_randomness, draw_verify_randomness,
                                       verify_chain, verify_tree)
-  from tlt_jax.models import compute_logits, forward
+  from tlt_jax.models import compute_logits, forward, unstack_layers
   from tlt_jax.rollout import decode, speculative
   from tlt_jax.rollout.sampling import processed_logprobs
+  params = jax.jit(unstack_layers)(params)  # the rollout replicas' layout
   from tlt_jax.rollout.strategy import Strategy
 
   b, v = batch, cfg.vocab_size
@@ -164,6 +166,8 @@ def bounds(costs: dict[str, float], arm: str, accept: float) -> dict[str, float]
 
 def main():
   ap = argparse.ArgumentParser()
+  ap.add_argument("--model", default=None, help="HF model dir (default: the shipped one)")
+  ap.add_argument("--drafter", default=None, help="drafter dir (default: the shipped one)")
   ap.add_argument("--batch_sizes", default="1,8")
   ap.add_argument("--arms", default="4_1_5,6_1_7,4_4_16,6_4_24")
   ap.add_argument("--iters", type=int, default=200)
@@ -180,8 +184,8 @@ def main():
   from tlt_jax.models.hf_io import load_hf_model
   from tlt_jax.rollout.sampling import SamplingParams
 
-  cfg, params = load_hf_model(asset_path("default", "model"))
-  dparams = load_drafter(asset_path("default", "drafter"), cfg)
+  cfg, params = load_hf_model(args.model or asset_path("default", "model"))
+  dparams = load_drafter(args.drafter or asset_path("default", "drafter"), cfg)
   arms = args.arms.split(",")
   if args.accept:
     accept = {a: float(x) for a, x in (kv.split("=") for kv in args.accept.split(","))}

@@ -84,6 +84,7 @@ def _small_cfg(workdir, steps, **overrides):
   cfg.train.eval_every = 0
   cfg.tlt.spec.bs_threshold = 16  # speculate from the start of this small batch ...
   cfg.tlt.spec.background_compile = False  # ... with executables compiled on first use
+  cfg.tlt.spec.gate.enabled = False  # ... at every bucket (test_gate.py tests the gate)
   cfg.mesh.devices = 0  # the learner FSDP over all 8 test devices (sharded state, restored)
   cfg.tlt.drafter.row_len = 128
   cfg.tlt.drafter.rows = 4
@@ -159,6 +160,22 @@ def test_resume_with_spot_training_and_the_bandit_restores_every_state(tmp_path)
   assert second.stream.state_dict() == first.stream.state_dict()
   assert second.buffer.state_dict() == first.buffer.state_dict()
   _assert_same_weights(second, first)
+
+
+def test_speculation_gate_reports_and_resumes(tmp_path):
+  """With the gate on, every step's metrics carry its per-bucket status and the rates it
+  measured, and a resumed run continues from the saved verdicts."""
+  from tlt_jax.train import build, restore
+  gate = {"tlt.spec.gate.enabled": True, "tlt.spec.gate.min_chunks": 1}
+  first = _run(_small_cfg(tmp_path, 2, **gate))
+  recs = _records(tmp_path)
+  status = recs[-1]["spec_gate"]["status"]
+  assert set(status) == {str(b) for b in first.gate.buckets} and status["1"] != "closed"
+  assert recs[-1]["spec_gate"]["plain_rate"]  # plain chunks measured at some bucket
+  second = build(_small_cfg(tmp_path, 3, **gate))
+  assert restore(second) == 2
+  assert second.gate.state_dict() == first.gate.state_dict()
+  second.coordinator.close()
 
 
 def _pulls(selector):

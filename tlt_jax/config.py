@@ -123,6 +123,20 @@ def spec_config(cfg: ml_collections.ConfigDict):
                **{k: s[k] for k in fields})
 
 
+def spec_gate(cfg: ml_collections.ConfigDict):
+  """The gate that opens speculation bucket by bucket as it is measured to pay
+  (tlt_jax/rollout/gate.py), from config.tlt.spec.gate; None when disabled, and with the
+  fixed selector (a pinned strategy runs wherever speculation switches on, deterministically:
+  the gate's verdicts depend on measured speed)."""
+  from tlt_jax.rollout.gate import GateConfig, SpecGate
+  g = cfg.tlt.spec.get("gate")
+  if g is None or not g.enabled or cfg.tlt.spec.selector == "fixed":
+    return None
+  fields = ("min_chunks", "margin", "reprobe_every")
+  return SpecGate(typed(GateConfig, {k: f"tlt.spec.gate.{k}" for k in fields},
+                        "tlt.spec.gate", **{k: g[k] for k in fields}))
+
+
 def engine_config(cfg: ml_collections.ConfigDict, stop: tuple[int, ...] = (), *,
                   max_batch: int | None = None, speculative: bool = False,
                   capture_hidden: bool = False, hidden_keep: int = 0):
@@ -281,6 +295,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
   if "tlt" in cfg:
     spec_config(cfg)
     selector(cfg)
+    spec_gate(cfg)
     d = cfg.tlt.drafter
     spot_config(cfg)
     buffer_config(cfg)

@@ -89,10 +89,19 @@ def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh, name: str = "") -> P:
   return P(*out)
 
 
+_LAYER_INDEX = re.compile(r"layers/\d+/")
+
+
 def spec_for(name: str, shape: Sequence[int], mesh: Mesh,
              rules: Sequence[tuple[str, P]] = PARAM_RULES) -> P:
+  """The first matching rule's spec. Unstacked layers (`layers/3/q`, the rollout layout of
+  models.unstack_layers) take the stacked rule without its layer axis."""
+  unstacked = _LAYER_INDEX.search(name) is not None
+  key = _LAYER_INDEX.sub("layers/", name) if unstacked else name
   for pattern, spec in rules:
-    if re.search(pattern, name):
+    if re.search(pattern, key):
+      if unstacked and key != name and pattern.startswith("layers/"):
+        spec = P(*tuple(spec)[1:])
       return fit_spec(spec, shape, mesh, name)
   return P()
 

@@ -177,6 +177,7 @@ class Run:
   buffer: Any  # drafter.DrafterBuffer (None: the drafter is not trained)
   ckpt: Any  # checkpoint.Checkpointer
   compile_clock: Any = None  # CompileClock (seconds compiling, per step)
+  gate: Any = None  # rollout.gate.SpecGate: the buckets speculation pays at (None: all)
   step: int = 0
 
   @property
@@ -235,6 +236,8 @@ def build(cfg) -> Run:
   # Evaluation decodes through the same workers with its OWN selector (same arms): eval
   # chunks must not move the training bandit's reward windows (or its checkpoint).
   eval_selector = config_lib.selector(cfg) if tlt else None
+  # one gate for this process's workers: one of them probes whether speculation pays
+  gate = config_lib.spec_gate(cfg) if tlt else None
   drafter = store_sh = step_fn = buffer = None
   if tlt:
     from tlt_jax.drafter import train_step as dts
@@ -263,7 +266,8 @@ def build(cfg) -> Run:
   workers = []
   for i, wmesh in local:  # this process's replicas (i: the global index)
     engine = RolloutWorker(first, model_cfg, ecfg, worker_id=i, mesh=wmesh,
-                           drafter_params=drafter.params if tlt else None, selector=selector)
+                           drafter_params=drafter.params if tlt else None, selector=selector,
+                           gate=gate)
     trainer = None
     if trained:
       from tlt_jax.coordinator.spot import DrafterTrainer
@@ -313,7 +317,8 @@ def build(cfg) -> Run:
   return Run(cfg=cfg, mesh=mesh, model_cfg=model_cfg, tokenizer=tokenizer, stream=stream,
              test_rows=test_rows, sampling=config_lib.sampling_params(cfg), learner=learner,
              store=store, coordinator=coordinator, selector=selector,
-             eval_selector=eval_selector, buffer=buffer, ckpt=ckpt, compile_clock=compile_clock)
+             eval_selector=eval_selector, buffer=buffer, ckpt=ckpt, compile_clock=compile_clock,
+             gate=gate)
 
 
 def _rollout_layout(learner, model_cfg, rollout_mesh):
@@ -322,14 +327,18 @@ def _rollout_layout(learner, model_cfg, rollout_mesh):
   replicas span the same devices (always with several processes) it is one jitted
   resharding, a collective every process runs; otherwise (a single process whose learner
   uses fewer devices) a cast where the params live, then a copy. Always new buffers: the
-  learner donates its params to its next update."""
+  learner donates its params to its next update. Layers come out unstacked
+  (models.unstack_layers), the replicas' layout."""
   import jax
   import jax.numpy as jnp
 
+  from tlt_jax.models import unstack_layers
   from tlt_jax.sharding import tree_shardings
   dt = model_cfg.compute_dtype
-  shardings = tree_shardings(learner.params, rollout_mesh)
-  cast = lambda p: jax.tree.map(lambda x: x.astype(dt) if x.dtype != dt else jnp.copy(x), p)
+  # layers unstacked: XLA on CPU copies a stacked layer's slice before each use (transformer.py)
+  cast = lambda p: unstack_layers(
+      jax.tree.map(lambda x: x.astype(dt) if x.dtype != dt else jnp.copy(x), p))
+  shardings = tree_shardings(jax.eval_shape(cast, learner.params), rollout_mesh)
   if set(learner.mesh.devices.flat) == set(rollout_mesh.devices.flat):
     return jax.jit(cast, out_shardings=shardings)
   if jax.process_count() > 1:
@@ -384,6 +393,7 @@ def train_state(run: Run) -> dict[str, Any]:
   the step, and (as JSON) the data position, the bandit and the drafter buffer's policy."""
   meta = {"data": run.stream.state_dict(),
           "selector": run.selector.state_dict() if run.selector is not None else None,
+          "gate": run.gate.state_dict() if run.gate is not None else None,
           "buffer": run.buffer.state_dict() if run.buffer is not None else None}
   state = {"actor": run.learner.params, "opt": run.learner.opt_state, "step": run.step,
            "meta": json.dumps(meta)}
@@ -411,6 +421,8 @@ def restore(run: Run) -> int:
   run.stream.load_state_dict(meta["data"])
   if meta.get("selector") and run.selector is not None:
     run.selector.load_state_dict(meta["selector"])
+  if meta.get("gate") and run.gate is not None:
+    run.gate.load_state_dict(meta["gate"])
   if meta.get("buffer") and run.buffer is not None:
     run.buffer.load_state_dict(meta["buffer"])
   run.store.publish_actor(run.coordinator.to_rollout(run.learner.params))
@@ -525,6 +537,8 @@ def rl_step(run: Run, pool) -> dict[str, Any]:
                  # that failed to compile fell back, see the run's log).
                  "verify_path": sorted({e.verify_path for e in engines}),
                  "kernel_fallbacks": sum(e.kernel_error is not None for e in engines)}
+  if run.gate is not None:
+    m["spec_gate"] = run.gate.summary()
   if run.tlt and run.coordinator.spot.mode != "off":
     m["spot"] = {k: v for k, v in spot.items() if k != "per_worker"}
     m["spot"]["per_worker"] = {str(p["worker"]): {k: v for k, v in p.items() if k != "worker"}

@@ -9,6 +9,12 @@ loop and copy a layer's slice in and out every step, which measured 2.4x slower 
 token at batch 1 on CPU (scripts/profile_spec.py); unrolled, each layer's k/v buffer is
 updated in place.
 
+Rollout replicas hold their layers unstacked (`unstack_layers`: `layers` a tuple of per-layer
+dicts, each leaf without the L axis): XLA on CPU copies a layer's slice out of a stacked
+[L, ...] weight before every use, which costs a decode step about as much as the step itself
+in the weight-bandwidth-bound regime (1.9x per token for a 189M model at batch 1, measured;
+scripts/make_bench_model.py). Both layouts run through the same functions.
+
 Param layout (L layers, D hidden, N query heads, K kv heads, H head dim, F mlp, V vocab):
   embed       [V, D]
   layers/     attn_norm [L, D]   q [L, D, N, H]   k, v [L, D, K, H]   o [L, N, H, D]
@@ -273,21 +279,39 @@ def compute_logits(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.A
   return logits.astype(jnp.float32)
 
 
+def unstack_layers(params: Params) -> Params:
+  """The rollout layout: `layers` as a tuple of per-layer dicts (see the module docstring).
+  Under jit every layer's leaves are buffers of their own."""
+  layers = params["layers"]
+  if isinstance(layers, (tuple, list)):
+    return params
+  n = jax.tree.leaves(layers)[0].shape[0]
+  return {**params, "layers": tuple(jax.tree.map(lambda a, i=i: a[i], layers)
+                                    for i in range(n))}
+
+
 def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, cfg: ModelConfig,
                   cache: KVCache | None = None, attn_mask: jax.Array | None = None,
                   num_layers: int | None = None, prefill: bool = False):
-  """Runs stacked decoder layers over residual stream x [B, T, D]. Shared with the drafter,
-  which is one layer of the same architecture. prefill: the cache is empty (lengths 0), so
-  the chunk attends within itself (causal, or attn_mask) and is written to slots 0..T-1."""
+  """Runs the decoder layers over residual stream x [B, T, D]: stacked ([L, ...] leaves) or
+  unstacked (a tuple of per-layer dicts, `unstack_layers`). Shared with the drafter, which is
+  one layer of the same architecture. prefill: the cache is empty (lengths 0), so the chunk
+  attends within itself (causal, or attn_mask) and is written to slots 0..T-1."""
   b, t, _ = x.shape
   cos, sin = rope_tables(cfg, positions)
-  n_layers = num_layers or jax.tree.leaves(params_layers)[0].shape[0]
+  unstacked = isinstance(params_layers, (tuple, list))
+  n_layers = num_layers or (len(params_layers) if unstacked
+                            else jax.tree.leaves(params_layers)[0].shape[0])
 
   if cache is None:  # training / log-probs: scanned layers, optionally rematerialised
     mask = attn_mask  # None: causal (causal_attention)
     layer_fn = lambda x, lp: _layer(cfg, x, lp, cos, sin, mask, None)
     if cfg.remat:
       layer_fn = jax.checkpoint(layer_fn)
+    if unstacked:  # a replica's full forward (switch-on): its layers one after the other
+      for lp in params_layers[:n_layers]:
+        x, _ = layer_fn(x, lp)
+      return x, None
 
     def body(x, lp):
       x, _ = layer_fn(x, lp)
@@ -306,7 +330,7 @@ def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, 
     slots = cache.lengths[:, None] + jnp.arange(t)[None, :]
   ks, vs = [], []
   for i in range(n_layers):  # unrolled: see the module docstring
-    lp = jax.tree.map(lambda a, i=i: a[i], params_layers)
+    lp = params_layers[i] if unstacked else jax.tree.map(lambda a, i=i: a[i], params_layers)
     x, (k_i, v_i) = _layer(cfg, x, lp, cos, sin, mask, (cache.k[i], cache.v[i], slots),
                            within_chunk=prefill)
     ks.append(k_i)

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from tlt_jax.models import ModelConfig, Params
+from tlt_jax.models import ModelConfig, Params, unstack_layers
 from tlt_jax.rollout import decode
 from tlt_jax.rollout.executables import (CompileRecord, ExecutableCache,  # noqa: F401
                                          background_compiler)
@@ -207,9 +207,10 @@ class _Output:
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _cast(params: Params, dtype) -> Params:
-  """Casts every leaf where it lives (the output keeps each input's sharding)."""
-  return jax.tree.map(lambda x: x.astype(dtype), params)
+def _to_replica(params: Params, dtype) -> Params:
+  """The replica layout where the params live: the compute dtype, layers unstacked
+  (models.unstack_layers); new buffers (each output keeps its input's sharding)."""
+  return unstack_layers(jax.tree.map(lambda x: x.astype(dtype), params))
 
 
 class RolloutWorker:
@@ -217,7 +218,7 @@ class RolloutWorker:
 
   def __init__(self, params: Params, cfg: ModelConfig, engine_cfg: EngineConfig, *,
                worker_id: int = 0, mesh: Mesh | None = None, drafter_params: Params | None = None,
-               selector: Any = None):
+               selector: Any = None, gate: Any = None):
     self.cfg = cfg
     self.ecfg = engine_cfg
     self.worker_id = worker_id
@@ -225,7 +226,7 @@ class RolloutWorker:
       mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
     self.mesh = mesh
     from tlt_jax.sharding import tree_shardings
-    self._param_shardings = tree_shardings(params, mesh)
+    self._param_shardings = tree_shardings(jax.eval_shape(unstack_layers, params), mesh)
     self.params = None
     self.set_params(params)
     self.drafter_params = None
@@ -235,6 +236,8 @@ class RolloutWorker:
       raise ValueError("EngineConfig.spec is set but the worker has no drafter_params")
     spec = engine_cfg.spec
     self.selector = selector or (FixedSelector(spec.strategy) if spec else None)
+    # gate.py: which buckets speculation is measured to pay at (None: every choosable one)
+    self.gate = gate
     # Pallas verification kernel (GPU by default) or its jnp reference; a kernel that fails to
     # compile falls back to the reference once, with a warning (`verify_path` says which ran).
     self.use_kernel = bool(spec and (spec.use_kernel if spec.use_kernel is not None
@@ -246,6 +249,7 @@ class RolloutWorker:
     # background compilation (SpecConfig.background_compile): sampling params -> the
     # (bucket, arm) pairs compiled so far; one compile thread per worker
     self._ready: dict[SamplingParams, set[tuple[int, str]]] = {}
+    self._submitted: dict[SamplingParams, set[int]] = {}  # buckets handed to the compile thread
     self._compiler = None
     self._ready_lock = threading.Lock()
     self._compiling = 0  # background compile jobs pending or running (they use self.params)
@@ -253,19 +257,20 @@ class RolloutWorker:
   # ---------------------------------------------------------------------------------- weights
   def set_params(self, params: Params) -> None:
     """New actor weights (after an RL update). Params already in the rollout layout (the
-    coordinator's `to_rollout`: this worker's devices hold its slices) are taken as they are,
-    without a copy; others are cast to the compute dtype where they are (a bf16 replica of
-    f32 master weights moves and keeps half the bytes), then copied onto this worker's layout
-    (a copy: the learner donates its params to its next update, which must not delete these;
-    on a learner device the two layouts can coincide)."""
+    coordinator's `to_rollout`: compute dtype, layers unstacked, this worker's devices hold
+    its slices) are taken as they are, without a copy; others are cast to the compute dtype
+    and unstacked where they are (a bf16 replica of f32 master weights moves and keeps half
+    the bytes), then copied onto this worker's layout (a copy: the learner donates its params
+    to its next update, which must not delete these; on a learner device the two layouts can
+    coincide)."""
     from tlt_jax.sharding import local_view
     dt = self.cfg.compute_dtype
-    view = local_view(params, self._param_shardings)
-    if view is not None and all(x.dtype == dt for x in jax.tree.leaves(view)):
-      self.params = view
-      return
-    if any(x.dtype != dt for x in jax.tree.leaves(params)):
-      params = _cast(params, dt)
+    if isinstance(params["layers"], (tuple, list)):
+      view = local_view(params, self._param_shardings)
+      if view is not None and all(x.dtype == dt for x in jax.tree.leaves(view)):
+        self.params = view
+        return
+    params = _to_replica(params, dt)
     self.params = jax.device_put(params, self._param_shardings, may_alias=False)
 
   def release_params(self) -> bool:
@@ -340,12 +345,23 @@ class RolloutWorker:
       return state, out, (0, 0)
     return self._spec_exec(sp, arm, state)(self.params, self.drafter_params, state)
 
-  def _switch_on_exec(self, base):
-    """The executable that turns a plainly decoded batch into a speculative one (base may be
-    abstract, for compiling ahead)."""
+  def _switch_lengths(self) -> list[int]:
+    """Sequence lengths switch-on is compiled for: prompt_bucket x 2^k, capped at the cache.
+    Its target forward runs over the shortest that holds every row, not the whole cache (a
+    forward over the cache's 368 slots cost a 189M model on CPU more than the speculative
+    decoding after it)."""
+    ecfg, out, n = self.ecfg, [], self.ecfg.prompt_bucket
+    while n < ecfg.cache_len:
+      out.append(n)
+      n *= 2
+    return out + [ecfg.cache_len]
+
+  def _switch_on_exec(self, base, length: int):
+    """The executable that turns a plainly decoded batch into a speculative one, over rows
+    of up to `length` tokens (base may be abstract, for compiling ahead)."""
     from tlt_jax.rollout import speculative
     fn = functools.partial(speculative.switch_on, cfg=self.cfg, max_steps=self._max_steps())
-    tokens = jax.ShapeDtypeStruct((base.hidden.shape[0], self.ecfg.cache_len), jnp.int32,
+    tokens = jax.ShapeDtypeStruct((base.hidden.shape[0], length), jnp.int32,
                                   sharding=self._replicated)
     return self.exes.get("switch_on", None, fn,
                          (self.params, self.drafter_params, base, tokens),
@@ -353,14 +369,18 @@ class RolloutWorker:
 
   def _switch_on(self, state, sched: Scheduler, outputs: dict) -> Any:
     """Speculation starts: each row's prompt and response so far -> the SpecState."""
-    tokens = np.zeros((state.batch_size, self.ecfg.cache_len), np.int32)
+    seqs = {}
     for row, req in enumerate(sched.slots[:state.batch_size]):
       if req is not None:
-        seq = np.concatenate([np.asarray(req.prompt_ids, np.int32)]
-                             + outputs[req.key].tokens)[:self.ecfg.cache_len]
-        tokens[row, :len(seq)] = seq
+        seqs[row] = np.concatenate([np.asarray(req.prompt_ids, np.int32)]
+                                   + outputs[req.key].tokens)[:self.ecfg.cache_len]
+    need = max((len(x) for x in seqs.values()), default=1)
+    length = next(n for n in self._switch_lengths() if n >= need)
+    tokens = np.zeros((state.batch_size, length), np.int32)
+    for row, seq in seqs.items():
+      tokens[row, :len(seq)] = seq
     tokens = jax.device_put(tokens, self._replicated)
-    return self._switch_on_exec(state)(self.params, self.drafter_params, state, tokens)
+    return self._switch_on_exec(state, length)(self.params, self.drafter_params, state, tokens)
 
   def _spec_exec(self, sp: SamplingParams, arm: str, state):
     """The (bucket, arm) executable; state may be abstract (ShapeDtypeStructs, `precompile`)."""
@@ -465,8 +485,19 @@ class RolloutWorker:
     results: list[Result] = []
     state = None
     started = False  # a speculative chunk ran: from here on every chunk is one
+    # only the training bandit's chunks measure the gate (evaluation samples greedily)
+    gate = self.gate if spec is not None and selector is self.selector else None
+    if gate is not None:
+      gate.begin_rollout(self.worker_id, sorted(self.choosable_pairs()))
     if spec is not None and spec.background_compile:
       self._compile_in_background(sp)
+    if (spec is not None and spec.patience == 1
+        and len(requests) <= min(spec.bs_threshold, ecfg.max_batch)
+        and self._spec_ready(sp, ecfg.bucket_for(len(requests)))):
+      # One batch at or under the threshold from the start (speculation would switch on at
+      # the first check): speculate from the first chunk, the drafter prefilled with the
+      # prompts (no switch-on forward after a plain prefill)
+      sched.speculating = started = True
     while not sched.done:
       if hooks.before_chunk:
         hooks.before_chunk()
@@ -516,6 +547,8 @@ class RolloutWorker:
                        tokens=produced, steps=int(out.steps), wall_time=dt, mode=arm or "plain",
                        accepted=int(spec_counts[0]), verifications=int(spec_counts[1]),
                        t=time.perf_counter() - t_start, compiled=compiled)
+      if gate is not None and not compiled:
+        gate.record(state.batch_size, arm, produced, dt, len(live))
       if arm is not None and not compiled:
         # Reward (DESIGN.md 4) = accepted tokens x batch size / wall time of draft + verify:
         # `produced` sums every live row's emitted tokens (accepted drafts + 1 per step), so
@@ -568,6 +601,8 @@ class RolloutWorker:
     """Whether every arm choosable at `bucket` is compiled (always, without background
     compilation: then a chunk compiles what it needs)."""
     spec = self.ecfg.spec
+    if self.gate is not None and not self.gate.allows(self.worker_id, bucket):
+      return False
     if not spec.background_compile:
       return True
     want = {(bucket, a) for a in self.choosable_pairs().get(bucket, ())}
@@ -575,14 +610,24 @@ class RolloutWorker:
       return want <= self._ready.get(sp, set())
 
   def _compile_in_background(self, sp: SamplingParams) -> None:
-    """Starts compiling every choosable (bucket, arm) pair for `sp` on this worker's compile
-    thread, largest bucket first (speculation switches on at the largest and shrinks)."""
+    """Starts compiling the choosable (bucket, arm) pairs for `sp` that are not compiled or
+    queued yet on this worker's compile thread, largest bucket first (speculation switches on
+    at the largest and shrinks). With a gate, only the buckets it opens to this worker (called
+    again at every generate: buckets it opens later are compiled then)."""
+    pairs = self.choosable_pairs()
+    if self.gate is not None:
+      opened = self.gate.opened(self.worker_id)
+      pairs = {b: arms for b, arms in pairs.items() if b in opened}
     with self._ready_lock:
-      if sp in self._ready:
+      self._ready.setdefault(sp, set())
+      submitted = self._submitted.setdefault(sp, set())
+      pairs = {b: arms for b, arms in pairs.items() if b not in submitted}
+      if not pairs:
         return
-      self._ready[sp] = set()
+      submitted.update(pairs)
       if self._compiler is None:
         self._compiler = background_compiler(f"compile-worker-{self.worker_id}")
+      self._compiling += 1
 
     def mark(pair):
       with self._ready_lock:
@@ -590,19 +635,16 @@ class RolloutWorker:
 
     def job():
       try:
-        self._compile_pairs(sp, self.choosable_pairs(), on_compiled=mark)
+        self._compile_pairs(sp, pairs, on_compiled=mark)
       except Exception:  # noqa: BLE001 - the foreground compiles what it needs instead
         _log.exception("worker %d: background compilation failed; speculation compiles its "
                        "executables on first use", self.worker_id)
         with self._ready_lock:
-          self._ready[sp] = {(b, a) for b, arms in self.choosable_pairs().items()
-                             for a in arms}
+          self._ready[sp].update((b, a) for b, arms in pairs.items() for a in arms)
       finally:
         with self._ready_lock:
           self._compiling -= 1
 
-    with self._ready_lock:
-      self._compiling += 1
     self._compiler.submit(job)
 
   def wait_compiled(self, timeout: float | None = None) -> None:
@@ -627,6 +669,7 @@ class RolloutWorker:
       with self._ready_lock:
         self._ready.setdefault(sp, set()).update((b, a) for b, arms in pairs.items()
                                                  for a in arms)
+        self._submitted.setdefault(sp, set()).update(pairs)
     return sum(r.name == "spec" for r in self.exes.records) - before
 
   def _compile_pairs(self, sp: SamplingParams, pairs: dict[int, list[str]],
@@ -636,15 +679,18 @@ class RolloutWorker:
     top = max(pairs)
     dummy = [Request([0], i) for i in range(top)]
     base = self._prefill_requests(dummy, top, jax.random.key(0), warm=False)
-    tokens = jax.device_put(np.zeros((top, self.ecfg.cache_len), np.int32), self._replicated)
-    state = self._switch_on_exec(base)(self.params, self.drafter_params, base, tokens)
+    lengths = self._switch_lengths()
+    tokens = jax.device_put(np.zeros((top, lengths[0]), np.int32), self._replicated)
+    state = self._switch_on_exec(base, lengths[0])(self.params, self.drafter_params, base,
+                                                   tokens)
 
     def resized(tree, b):  # state leaves are batch-major
       return jax.tree.map(
           lambda x: jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype, sharding=x.sharding), tree)
 
     for b in sorted(pairs, reverse=True):
-      self._switch_on_exec(resized(base, b))
+      for n in lengths:
+        self._switch_on_exec(resized(base, b), n)
       abstract = resized(state, b)
       for arm in pairs[b]:
         self._spec_exec(sp, arm, abstract)
