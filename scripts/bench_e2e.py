@@ -41,9 +41,9 @@ PHASES = ("rollout", "reward_wait", "logprobs", "update", "weight_sync", "drafte
           "checkpoint")
 
 
-def tlt_cmd(workdir: str, steps: int, extra: list[str], cache: str) -> list[str]:
+def tlt_cmd(workdir: str, steps: int, extra: list[str], cache: str, config: str) -> list[str]:
   return [os.path.join(ROOT, ".venv", "bin", "python"), "-m", "tlt_jax.train", "--config",
-          os.path.join(ROOT, "configs", "default.py"), "--workdir", workdir,
+          config, "--workdir", workdir,
           f"--config.train.steps={steps}", f"--config.compilation_cache={cache}", *extra]
 
 
@@ -155,6 +155,8 @@ def plot(res: dict, path: str) -> None:
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--config", default=os.path.join(ROOT, "configs", "default.py"),
+                 help="the tlt_jax runs' config (the trl run exists for the default only)")
   p.add_argument("--steps", type=int, default=40)
   p.add_argument("--runs", default="on,off,off_seed1,trl")
   p.add_argument("--out", default=os.path.join(ROOT, "out", "bench_e2e"))
@@ -166,6 +168,10 @@ def main(argv=None):
                                             "every tlt_jax run (ablations)")
   a = p.parse_args(argv)
   runs = a.runs.split(",")
+  default = os.path.abspath(a.config) == os.path.join(ROOT, "configs", "default.py")
+  if "trl" in runs and not default:
+    raise SystemExit(f"error: --runs trl: the TRL peer runs the default config only; drop it "
+                     f"for --config {a.config}")
   os.makedirs(a.out, exist_ok=True)
   res: dict[str, dict] = {}
   for name in runs:
@@ -187,11 +193,11 @@ def main(argv=None):
              "off_seed1": ["--config.tlt.enabled=False", "--config.seed=1"]}.get(name)
     if extra is None:
       raise SystemExit(f"error: --runs: unknown run {name!r}; use on, off, off_seed1, trl")
-    wall = run(name, tlt_cmd(workdir, a.steps, extra + a.extra.split(), cache), log)
+    wall = run(name, tlt_cmd(workdir, a.steps, extra + a.extra.split(), cache, a.config), log)
     res[name] = summarize_tlt(workdir, wall, a.steps)
 
   # ---- report
-  print(f"\n{a.steps} RL steps of configs/default.py (32 prompts x 8), each run whole, one "
+  print(f"\n{a.steps} RL steps of {os.path.relpath(a.config, ROOT)}, each run whole, one "
         "after the other; seconds")
   cols = [n for n in runs if n in res]
   print("| phase | " + " | ".join(cols) + " |")

@@ -197,6 +197,18 @@ def test_a_worker_without_data_waits_idle_and_spot_off_never_trains():
   assert out.drafter is None and s["training_s"] == 0
   assert s["idle_s"] == pytest.approx(0.25, abs=0.1)  # idle until the barrier, untrained
 
+  # spot training paused (the speculation gate declined every bucket), then resumed
+  wanted = [False]
+  c, store, trainers = make(2)
+  c.spot_wanted = lambda: wanted[0]
+  out = c.rollout(shares(0.05, 0.3), sp=None, seed=0)
+  s = out.timeline.summary()
+  assert out.drafter["steps"] == 0 and s["training_s"] == 0 and store.drafter_version == 0
+  assert s["idle_s"] == pytest.approx(0.25, abs=0.1)
+  wanted[0] = True
+  out = c.rollout(shares(0.05, 0.3), sp=None, seed=1)
+  assert out.drafter["steps"] > 0 and store.drafter_version == 1
+
 
 def test_serial_mode_trains_after_the_rollout_on_worker_0_and_pushes():
   c, store, trainers = make(2, spot="serial")

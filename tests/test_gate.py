@@ -13,7 +13,10 @@ from tlt_jax.rollout.sampling import SamplingParams
 
 
 def _feed(gate, bucket, arm, rate, n, live=1):
-  """n chunks of `rate` tokens/s per live row (16 tokens per row each)."""
+  """n chunks of `rate` tokens/s per live row (16 tokens per row each), after a first chunk
+  50x slower where (bucket, arm) has not run yet: a warm-up the gate must not count."""
+  if (bucket, arm) not in gate._warm:
+    gate.record(bucket, arm, 16 * live, 50 * 16 / rate, live)
   for _ in range(n):
     gate.record(bucket, arm, 16 * live, 16 / rate, live)
 
@@ -45,15 +48,32 @@ def test_declines_when_only_off_was_measured_and_reprobes_later():
   g.begin_rollout(0, [1, 2])
   _feed(g, 1, None, 100.0, 2)
   _feed(g, 1, "off", 100.0, 2)  # no drafting arm measured: nothing shows drafts pay
-  assert g.status == {1: "declined", 2: "declined"}
+  assert g.status == {1: "declined", 2: "declined"} and not g.drafter_wanted()
   g.begin_rollout(1, [1, 2])  # another worker's rollouts do not advance the clock
   g.begin_rollout(0, [1, 2])
   g.begin_rollout(0, [1, 2])
   assert g.status[1] == "declined"
   g.begin_rollout(0, [1, 2])  # 3 rollouts of the prober since the decline
+  assert g.status == {1: "probing", 2: "declined"} and g.drafter_wanted()
+  for _ in range(4):  # one bucket probed at a time: 2 waits for 1's verdict
+    g.begin_rollout(0, [1, 2])
   assert g.status == {1: "probing", 2: "declined"}
   _feed(g, 1, "4_1_5", 130.0, 2)  # the drafter got better: pays now, bucket 2 reopens
   assert g.status == {1: "pays", 2: "probing"}
+
+
+def test_a_probe_tries_each_drafting_arm_in_turn():
+  g = SpecGate(GateConfig(min_chunks=4, margin=0.0))
+  g.begin_rollout(0, [1, 2])
+  arms = ["4_1_5", "3_1_4", "off"]
+  assert g.probe_arm(1, arms, "off") == "4_1_5"  # the bandit's "off" is overridden
+  _feed(g, 1, "4_1_5", 100.0, 1)
+  assert g.probe_arm(1, arms, "off") == "3_1_4"
+  assert g.probe_arm(2, arms, "off") == "off"  # bucket 2 is not on probation
+  _feed(g, 1, None, 50.0, 4)
+  _feed(g, 1, "3_1_4", 100.0, 2)
+  _feed(g, 1, "4_1_5", 100.0, 1)
+  assert g.status[1] == "pays" and g.probe_arm(1, arms, "off") == "off"
 
 
 def test_state_survives_a_resume():

@@ -293,7 +293,8 @@ def build(cfg) -> Run:
                             merge=merge, worker_ids=[i for i, _ in local],
                             num_workers=cfg.rollout.num_workers, to_rollout=to_rollout,
                             gather=all_gather_objects,
-                            global_barrier=GlobalBarrier if jax.process_count() > 1 else None)
+                            global_barrier=GlobalBarrier if jax.process_count() > 1 else None,
+                            spot_wanted=gate.drafter_wanted if gate is not None else None)
   coordinator.push()  # every worker takes the store's weights (and its trainer the drafter)
   if trained and spot.mode == "spot":  # compiled at low priority while the run starts
     from tlt_jax.rollout.executables import background_compiler

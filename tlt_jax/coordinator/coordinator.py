@@ -99,7 +99,8 @@ class Coordinator:
                worker_ids: Sequence[int] | None = None, num_workers: int | None = None,
                to_rollout: Callable[[Any], Any] | None = None,
                gather: Callable[[Any], list] | None = None,
-               global_barrier: Callable[..., Any] | None = None):
+               global_barrier: Callable[..., Any] | None = None,
+               spot_wanted: Callable[[], bool] | None = None):
     """worker_ids / num_workers: the global indices of these (this process's) workers among
     all replicas (default: 0..n-1 of n); a worker decodes the requests whose request_id %
     num_workers is its index. to_rollout: learner params -> the rollout layout the store
@@ -108,7 +109,8 @@ class Coordinator:
     weights)` is called in every process with all of this process's copies and their tokens
     (0: not trained) and returns the global merge, or None when nothing was trained; and
     `global_barrier(name, on_all=...)` (distributed.GlobalBarrier) makes idle workers train
-    until every process's replicas are done."""
+    until every process's replicas are done. spot_wanted() -> False pauses spot training for
+    a rollout (the speculation gate declined every bucket: no drafter is decoding with)."""
     if not workers:
       raise ValueError("Coordinator: no workers")
     self.workers, self.store, self.spot, self.merge = list(workers), store, spot, merge
@@ -117,6 +119,7 @@ class Coordinator:
     self.to_rollout = to_rollout
     self.gather = gather or (lambda obj: [obj])
     self.global_barrier = global_barrier
+    self.spot_wanted = spot_wanted
     self._rollouts = 0  # advances in lockstep in every process: names the global barriers
     self._last_barrier = None
     if spot.mode != "off" and any(w.trainer is None for w in self.workers):
@@ -144,6 +147,8 @@ class Coordinator:
     lock = threading.Lock()
     remaining = [n]
     spot = self.spot.mode == "spot"
+    # paused: idle workers wait; every process still joins the merge (its copies: 0 tokens)
+    train = spot and (self.spot_wanted is None or self.spot_wanted())
     chunks: list[Any] = []
     self._rollouts += 1
     if self._last_barrier is not None:  # every process passed it (collectives since): drop it
@@ -176,7 +181,7 @@ class Coordinator:
               everywhere.arrive()
             barrier.set()
       report = None
-      if spot:
+      if train:
         w.trainer.reseed([seed, self.worker_ids[i]])
         if not stop.is_set():
           report = train_until(w.trainer, stop, on_barrier=self.spot.on_barrier,

@@ -487,8 +487,9 @@ class RolloutWorker:
     started = False  # a speculative chunk ran: from here on every chunk is one
     # only the training bandit's chunks measure the gate (evaluation samples greedily)
     gate = self.gate if spec is not None and selector is self.selector else None
+    choosable = self.choosable_pairs() if gate is not None else {}
     if gate is not None:
-      gate.begin_rollout(self.worker_id, sorted(self.choosable_pairs()))
+      gate.begin_rollout(self.worker_id, sorted(choosable))
     if spec is not None and spec.background_compile:
       self._compile_in_background(sp)
     if (spec is not None and spec.patience == 1
@@ -515,6 +516,8 @@ class RolloutWorker:
           speculating = False  # this bucket's arms are still compiling: decode plainly
       started = started or speculating
       arm = selector.select(len(live)) if speculating else None
+      if arm is not None and gate is not None:  # a bucket on probation tries each arm in turn
+        arm = gate.probe_arm(state.batch_size, choosable.get(state.batch_size, ()), arm)
       if speculating:
         for s in live:
           o = outputs[sched.slots[s].key]

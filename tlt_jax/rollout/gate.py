@@ -7,16 +7,18 @@ executable it needs is a compile the run pays. The bandit (mab.py) picks the bes
 compiled ones; this gate decides which batch buckets are worth compiling arms for at all:
 
 - It opens the smallest speculative bucket first (where drafts pay most) on one worker, the
-  prober: only that worker compiles and runs its arms, while every worker's plain chunks
-  measure plain decoding at the same bucket.
+  prober: only that worker compiles and runs its arms (each drafting arm in turn, whatever
+  the bandit would pick: a probe is a measurement), while every worker's plain chunks measure
+  plain decoding at the same bucket. The first chunk of each (bucket, arm) is a warm-up and
+  not counted (a fresh executable's first run was 10-50x slower on CPU).
 - Once that bucket has `min_chunks` plain and speculative chunks, it compares per-row
   throughput (tokens / (wall x live rows)): if the best drafting arm beats plain decoding by
   `margin`, the bucket "pays": every worker compiles it and the next bucket up is probed. Else
   it is "declined", and so is every larger bucket (a larger batch is more compute-bound; the
   drafts pay less there), and no worker compiles them.
 - A declined bucket is probed again after `reprobe_every` rollouts (the prober's executables
-  are compiled already, so it costs a few chunks): the drafter trains on, and its acceptance
-  may come to pay where it did not.
+  are compiled already, so it costs a few chunks): its acceptance may come to pay where it
+  did not. While every bucket is declined, spot drafter training pauses (`drafter_wanted`).
 
 One gate per process, shared by its workers (thread-safe); rates are per chunk from the
 workers' `ChunkMetrics`. Chunks that compiled are not measured.
@@ -82,6 +84,7 @@ class SpecGate:
     self._spec: dict[tuple[int, str], _Rate] = {}
     self.rollouts = 0  # generate calls of the prober (the re-probe clock)
     self._declined_at: dict[int, int] = {}
+    self._warm: set[tuple[int, str | None]] = set()  # (bucket, arm) whose first chunk ran
     self.decisions: list[dict[str, Any]] = []  # every verdict, for the metrics and the notes
 
   # ------------------------------------------------------------------------- worker interface
@@ -101,11 +104,20 @@ class SpecGate:
       self.rollouts += 1
       every = self.cfg.reprobe_every
       declined = [b for b in self.buckets if self.status[b] == DECLINED]
-      if every and declined and self.rollouts - self._declined_at[declined[0]] >= every:
+      probing = any(s == PROBING for s in self.status.values())
+      if (every and declined and not probing
+          and self.rollouts - self._declined_at[declined[0]] >= every):
         b = declined[0]  # the smallest: larger ones follow if it pays
         self.status[b] = PROBING
         for key in [k for k in self._spec if k[0] == b]:
           del self._spec[key]
+
+  def drafter_wanted(self) -> bool:
+    """False while every bucket is declined: no chunk decodes with the drafter until a
+    re-probe, so spot training pauses (on shared hardware, e.g. a CPU's cores, an "idle"
+    worker's training slows the stragglers)."""
+    with self._lock:
+      return not self.status or any(s != DECLINED for s in self.status.values())
 
   def opened(self, worker_id: int) -> set[int]:
     """The buckets this worker may speculate at, so compile arms for."""
@@ -121,10 +133,23 @@ class SpecGate:
     s = self.status.get(bucket)
     return s == PAYS or (s == PROBING and worker_id == self.prober)
 
+  def probe_arm(self, bucket: int, arms, default: str) -> str:
+    """The arm a chunk at `bucket` runs: while the bucket is probed, the drafting arm (of
+    `arms`, those choosable there) measured least so far; else `default` (the bandit's)."""
+    with self._lock:
+      drafting = [a for a in arms if a != "off"]
+      if self.status.get(bucket) != PROBING or not drafting:
+        return default
+      return min(drafting, key=lambda a: len(self._spec.get((bucket, a), ()))
+                 + ((bucket, a) in self._warm))
+
   def record(self, bucket: int, arm: str | None, tokens: int, wall: float, live: int) -> None:
     """One measured chunk: arm None = plain decoding."""
     with self._lock:
       if bucket not in self.status or live < 1 or wall <= 0:
+        return
+      if (bucket, arm) not in self._warm:
+        self._warm.add((bucket, arm))
         return
       if arm is None:
         self._plain.setdefault(bucket, _Rate(self.cfg.window)).add(tokens, wall, live)

@@ -1,0 +1,230 @@
+#!/usr/bin/env python
+"""Speculative rollout where it can pay on this CPU: the memory-bound benchmark target.
+
+    python scripts/make_bench_model.py --out workdirs/bench_model     # once: seconds
+    python scripts/bench_regime.py --bench workdirs/bench_model [--prompts 6] [--tail_prompts 8]
+        [--tail_n 4] [--arms 3_1_4,4_1_5,6_1_7,4_2_8] [--skip_hf] [--out out/bench_regime]
+
+The shipped model (1M params) sits in cache: a k-token forward costs ~k single ones, so drafts
+cannot pay here (DESIGN.md 8). The bench target (scripts/make_bench_model.py: the shipped model
+widened and deepened to 189M params, the same function, so the same outputs and acceptance)
+streams ~750 MB of weights per step, as decoding on an accelerator is bound by weight reads.
+One invocation, every ratio measured in it (this machine drifts between runs):
+
+ 1. Regime check: k-token target forward / 1-token forward (k = 5, 9, 17) and drafter step /
+    target step, bench target vs shipped model.
+ 2. Batch 1, greedy, default-task prompts with EOS (one prompt at a time): plain decoding vs
+    every arm (chains and an EAGLE-2 tree), end to end (prefill included); tokens per
+    verification; outputs checked identical to plain decoding. HF transformers `generate` and
+    assisted generation (assistant: the target cut to its first layer, bench_rollout.py) on
+    the same checkpoint.
+ 3. Batch 8, greedy and sampled (temperature 1), the same prompts x 8.
+ 4. Long tail: one RL step's worth (--tail_prompts x --tail_n responses, temperature 1, EOS,
+    the task's real length distribution) through one worker: continuous batching, compaction,
+    speculation switched on once the live batch is <= --threshold, per arm and with BEG-MAB.
+ 5. Cost model: per-forward costs in compiled loops (scripts/profile_spec.py) at batch 1 and
+    the acceptance measured in 2 give the speedup the engine should reach; printed beside the
+    one it reached, with the gap.
+
+Compile time is excluded (a warm-up run of each workload first) and reported separately.
+Writes OUT/summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import numpy as np  # noqa: E402
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--bench", required=True, help="scripts/make_bench_model.py's --out directory")
+  ap.add_argument("--prompts", type=int, default=6, help="default-task prompts, workloads 2-3")
+  ap.add_argument("--tail_prompts", type=int, default=8)
+  ap.add_argument("--tail_n", type=int, default=4, help="responses per prompt (the group)")
+  ap.add_argument("--threshold", type=int, default=4, help="long tail: speculate at live <= this")
+  ap.add_argument("--arms", default="3_1_4,4_1_5,6_1_7,4_2_8")
+  ap.add_argument("--max_new_tokens", type=int, default=288)
+  ap.add_argument("--skip_hf", action="store_true")
+  ap.add_argument("--skip_regime", action="store_true")
+  ap.add_argument("--out", default=os.path.join(ROOT, "out", "bench_regime"))
+  args = ap.parse_args(argv)
+  model_dir, drafter_dir = (os.path.join(args.bench, x) for x in ("model", "drafter"))
+  if not os.path.isfile(os.path.join(model_dir, "config.json")):
+    print(f"error: --bench {args.bench}: no model/config.json; build it first with "
+          f"python scripts/make_bench_model.py --out {args.bench}", file=sys.stderr)
+    return 2
+
+  import jax
+
+  from tlt_jax.config import asset_path
+  from tlt_jax.data.prompts import load_prompt_rows
+  from tlt_jax.drafter.model import load_drafter
+  from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
+  from tlt_jax.rollout.engine import (EngineConfig, Request, RolloutWorker, SpecConfig,
+                                      tokens_per_verification)
+  from tlt_jax.rollout.mab import make_selector
+  from tlt_jax.rollout.sampling import SamplingParams
+
+  arms = args.arms.split(",")
+  summary: dict = {"machine": f"{os.cpu_count()} CPU cores, jax {jax.__version__}",
+                   "args": vars(args)}
+  if not args.skip_regime:
+    from make_bench_model import regime_report
+    report = regime_report(args.bench, os.path.dirname(asset_path("default", "model")))
+    print(report, flush=True)
+    summary["regime"] = report
+
+  cfg, params = load_hf_model(model_dir)
+  dparams = load_drafter(drafter_dir, cfg)
+  tok = load_tokenizer(model_dir)
+  stop = tuple(stop_token_ids(model_dir, tok))
+  rows, _ = load_prompt_rows(asset_path("default", "data", "test.jsonl"))
+  prompts = [tok.encode(r.prompt) for r in rows]
+  max_prompt = -(-max(len(p) for p in prompts) // 16) * 16
+  greedy, sample = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)
+
+  def worker(batch, arm=None, threshold=None, selector=None):
+    buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < batch) + (batch,)
+    spec = None
+    if arm or selector:
+      spec = SpecConfig(strategy=arm or "4_1_5", bs_threshold=threshold or batch,
+                        patience=1 if threshold is None else 2, use_kernel=False)
+    ecfg = EngineConfig(max_batch=batch, buckets=buckets, chunk_size=16,
+                        max_prompt_len=max_prompt, prompt_bucket=16,
+                        max_new_tokens=args.max_new_tokens, stop_tokens=stop, spec=spec)
+    return RolloutWorker(params, cfg, ecfg, drafter_params=dparams if spec else None,
+                         selector=selector)
+
+  def run(w, batches, sp):
+    """Decodes each request batch (one generate call each) -> (tokens, seconds, outputs,
+    tokens per verification, decode-only seconds)."""
+    w.chunk_log.clear()
+    out, ntok = {}, 0
+    t = time.perf_counter()
+    for i, reqs in enumerate(batches):
+      for r in w.generate(reqs, sp, seed=i):
+        out[(r.request_id, r.sample_index)] = list(r.response_ids)
+        ntok += r.num_tokens
+    dt = time.perf_counter() - t
+    spec = [c for c in w.chunk_log if c.mode not in ("plain", "off")]
+    return ntok, dt, out, tokens_per_verification(spec), sum(c.wall_time for c in w.chunk_log)
+
+  def compare(name, batch, batches, sp, variants):
+    """variants: [(label, worker kwargs)]; the first is plain. Warm-up run each (compiles),
+    then the timed runs in turn. Prints one table."""
+    ws = {label: worker(batch, **kw) for label, kw in variants}
+    compile_s = {}
+    for label, w in ws.items():
+      run(w, batches, sp)
+      compile_s[label] = w.compile_stats()["compile_seconds"]
+    res = {label: run(w, batches, sp) for label, w in ws.items()}
+    base = res[variants[0][0]]
+    print(f"\n### {name}\n\n| engine | tokens | tokens/s | speedup vs plain | decode-only "
+          "speedup | tokens per verification | outputs = plain | compile s |\n"
+          "|---|---:|---:|---:|---:|---:|---|---:|")
+    rows_ = {}
+    for label, (ntok, dt, out, acc, dec) in res.items():
+      same = out == base[2] if sp.greedy else "(sampled)"
+      rows_[label] = {"tokens": ntok, "tokens_per_s": ntok / dt, "speedup": base[1] / dt,
+                      "decode_speedup": (base[4] / base[0]) / (dec / ntok), "accept": acc,
+                      "same": same, "compile_s": compile_s[label]}
+      print(f"| {label} | {ntok} | {ntok / dt:.1f} | {base[1] / dt:.2f}x | "
+            f"{(base[4] / base[0]) / (dec / ntok):.2f}x | "
+            f"{acc if acc is None else round(acc, 2)} | {same} | {compile_s[label]:.0f} |",
+            flush=True)
+    summary[name] = rows_
+    return rows_
+
+  spec_variants = [("plain", {})] + [(f"SD {a}", {"arm": a}) for a in arms]
+  b1 = [[Request(prompts[i], request_id=i)] for i in range(args.prompts)]
+  r1 = compare("batch 1, greedy, default task (EOS)", 1, b1, greedy, spec_variants)
+  b8 = [[Request(prompts[i], request_id=i, sample_index=j) for i in range(args.prompts)
+         for j in range(8)][k:k + 8] for k in range(0, 8 * args.prompts, 8)]
+  for sp, mode in ((greedy, "greedy"), (sample, "sampled")):
+    compare(f"batch 8, {mode}, default task (EOS)", 8, b8, sp,
+            [("plain", {}), ("SD 4_1_5", {"arm": "4_1_5"})])
+
+  tail = [[Request(prompts[i], request_id=i, sample_index=j)
+           for i in range(args.tail_prompts) for j in range(args.tail_n)]]
+  big = args.tail_prompts * args.tail_n
+  beg = lambda: make_selector("beg", buckets={1: arms[:3] + ["off"], 3: arms[:2] + ["off"]},
+                              seed=0)
+  compare(f"long tail: {big} responses (one RL step), sampled, SD at live <= {args.threshold}",
+          big, tail, sample,
+          [("plain", {})] + [(f"SD {a}", {"arm": a, "threshold": args.threshold})
+                             for a in arms]
+          + [("SD BEG-MAB", {"selector": beg(), "threshold": args.threshold})])
+
+  # Cost model: what the engine should reach at batch 1 from per-forward costs.
+  from profile_spec import bounds, measure_costs
+  costs = measure_costs(params, dparams, cfg, 1, arms, greedy, iters=10,
+                        cache_len=max_prompt + args.max_new_tokens)
+  print("\n### cost model, batch 1 greedy (per-forward costs in compiled loops, plain step = 1)"
+        f"\n\nplain step {costs['plain step'] * 1e3:.1f} ms\n\n| arm | verify fwd | drafter "
+        "step | whole spec step | tokens per verification | should reach (decode) | reached "
+        "(decode-only) | gap |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+  model = {}
+  for a in arms:
+    row = r1[f"SD {a}"]
+    if not row["accept"]:
+      continue
+    bd = bounds(costs, a, row["accept"])
+    from tlt_jax.rollout.strategy import Strategy
+    st = Strategy.parse(a)
+    gap = 1 - row["decode_speedup"] / bd["measured"]
+    model[a] = {**bd, "reached": row["decode_speedup"], "gap": gap}
+    print(f"| {a} | {costs[f'verify fwd T={st.verify_tokens}'] / costs['plain step']:.2f} | "
+          f"{bd['r']:.3f} | {bd['step_cost']:.2f} | {row['accept']:.2f} | "
+          f"{bd['measured']:.2f}x | {row['decode_speedup']:.2f}x | {gap:+.0%} |")
+  summary["cost_model"] = model
+
+  if not args.skip_hf:
+    import tempfile
+
+    import torch
+    import transformers
+    from bench_rollout import first_layer_assistant, hf_assisted, hf_generate, timed
+    torch.set_num_threads(os.cpu_count() or 1)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    ps = [b[0].prompt_ids for b in b1]
+    with tempfile.TemporaryDirectory() as tmp:
+      assistant = first_layer_assistant(params, cfg, model_dir, tmp)
+      hf_assisted(hf, assistant, ps[:1], 4, sample=False, eos=list(stop), pad_id=pad)  # warm-up
+      gen_tok, gen_dt = timed(lambda: sum(hf_generate(hf, [p], args.max_new_tokens,
+                                                      sample=False, eos=list(stop), pad_id=pad)
+                                          for p in ps))
+      (as_tok, as_acc), as_dt = timed(lambda: hf_assisted(hf, assistant, ps,
+                                                          args.max_new_tokens, sample=False,
+                                                          eos=list(stop), pad_id=pad))
+    best = max(arms, key=lambda a: r1[f"SD {a}"]["tokens_per_s"])
+    ours = r1[f"SD {best}"]["tokens_per_s"]
+    print(f"\n### peer: HF transformers on the same checkpoint, batch 1 greedy, the same "
+          f"{len(ps)} prompts\n\n| engine | tokens/s | tokens per target forward |\n|---|---:|---:|\n"
+          f"| tlt_jax plain | {r1['plain']['tokens_per_s']:.1f} | 1 |\n"
+          f"| tlt_jax SD {best} | {ours:.1f} | {r1[f'SD {best}']['accept']:.2f} |\n"
+          f"| HF generate | {gen_tok / gen_dt:.1f} | 1 |\n"
+          f"| HF assisted (first-layer assistant) | {as_tok / as_dt:.1f} | {as_acc:.2f} |\n\n"
+          f"tlt_jax SD / HF assisted: {ours / (as_tok / as_dt):.2f}x")
+    summary["hf"] = {"generate": gen_tok / gen_dt, "assisted": as_tok / as_dt,
+                     "assisted_accept": as_acc, "ours_best": ours, "best_arm": best}
+
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=1, default=str)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
