@@ -50,10 +50,11 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--bench", required=True, help="scripts/make_bench_model.py's --out directory")
   ap.add_argument("--prompts", type=int, default=6, help="default-task prompts, workloads 2-3")
-  ap.add_argument("--tail_prompts", type=int, default=8)
+  ap.add_argument("--tail_prompts", type=int, default=16)
   ap.add_argument("--tail_n", type=int, default=4, help="responses per prompt (the group)")
-  ap.add_argument("--threshold", type=int, default=4, help="long tail: speculate at live <= this")
+  ap.add_argument("--threshold", type=int, default=8, help="long tail: speculate at live <= this")
   ap.add_argument("--arms", default="3_1_4,4_1_5,6_1_7,4_2_8")
+  ap.add_argument("--tail_arms", default="4_1_5,6_1_7")
   ap.add_argument("--max_new_tokens", type=int, default=288)
   ap.add_argument("--skip_hf", action="store_true")
   ap.add_argument("--skip_regime", action="store_true")
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
     spec = None
     if arm or selector:
       spec = SpecConfig(strategy=arm or "4_1_5", bs_threshold=threshold or batch,
-                        patience=1 if threshold is None else 2, use_kernel=False)
+                        patience=1, use_kernel=False)
     ecfg = EngineConfig(max_batch=batch, buckets=buckets, chunk_size=16,
                         max_prompt_len=max_prompt, prompt_bucket=16,
                         max_new_tokens=args.max_new_tokens, stop_tokens=stop, spec=spec)
@@ -108,7 +109,8 @@ def main(argv=None) -> int:
 
   def run(w, batches, sp):
     """Decodes each request batch (one generate call each) -> (tokens, seconds, outputs,
-    tokens per verification, decode-only seconds)."""
+    tokens per verification, decode-only seconds, tokens delivered per verification: what a
+    stop token cut from a verification's accepted drafts is not delivered)."""
     w.chunk_log.clear()
     out, ntok = {}, 0
     t = time.perf_counter()
@@ -118,7 +120,9 @@ def main(argv=None) -> int:
         ntok += r.num_tokens
     dt = time.perf_counter() - t
     spec = [c for c in w.chunk_log if c.mode not in ("plain", "off")]
-    return ntok, dt, out, tokens_per_verification(spec), sum(c.wall_time for c in w.chunk_log)
+    ver = sum(c.verifications for c in spec)
+    return (ntok, dt, out, tokens_per_verification(spec), sum(c.wall_time for c in w.chunk_log),
+            sum(c.tokens for c in spec) / ver if ver else None)
 
   def compare(name, batch, batches, sp, variants):
     """variants: [(label, worker kwargs)]; the first is plain. Warm-up run each (compiles),
@@ -134,10 +138,11 @@ def main(argv=None) -> int:
           "speedup | tokens per verification | outputs = plain | compile s |\n"
           "|---|---:|---:|---:|---:|---:|---|---:|")
     rows_ = {}
-    for label, (ntok, dt, out, acc, dec) in res.items():
+    for label, (ntok, dt, out, acc, dec, delivered) in res.items():
       same = out == base[2] if sp.greedy else "(sampled)"
       rows_[label] = {"tokens": ntok, "tokens_per_s": ntok / dt, "speedup": base[1] / dt,
                       "decode_speedup": (base[4] / base[0]) / (dec / ntok), "accept": acc,
+                      "delivered": delivered,
                       "same": same, "compile_s": compile_s[label]}
       print(f"| {label} | {ntok} | {ntok / dt:.1f} | {base[1] / dt:.2f}x | "
             f"{(base[4] / base[0]) / (dec / ntok):.2f}x | "
@@ -158,12 +163,13 @@ def main(argv=None) -> int:
   tail = [[Request(prompts[i], request_id=i, sample_index=j)
            for i in range(args.tail_prompts) for j in range(args.tail_n)]]
   big = args.tail_prompts * args.tail_n
-  beg = lambda: make_selector("beg", buckets={1: arms[:3] + ["off"], 3: arms[:2] + ["off"]},
+  tail_arms = args.tail_arms.split(",")
+  beg = lambda: make_selector("beg", buckets={1: tail_arms + ["off"], 3: tail_arms + ["off"]},
                               seed=0)
   compare(f"long tail: {big} responses (one RL step), sampled, SD at live <= {args.threshold}",
           big, tail, sample,
           [("plain", {})] + [(f"SD {a}", {"arm": a, "threshold": args.threshold})
-                             for a in arms]
+                             for a in tail_arms]
           + [("SD BEG-MAB", {"selector": beg(), "threshold": args.threshold})])
 
   # Cost model: what the engine should reach at batch 1 from per-forward costs.
@@ -172,20 +178,21 @@ def main(argv=None) -> int:
                         cache_len=max_prompt + args.max_new_tokens)
   print("\n### cost model, batch 1 greedy (per-forward costs in compiled loops, plain step = 1)"
         f"\n\nplain step {costs['plain step'] * 1e3:.1f} ms\n\n| arm | verify fwd | drafter "
-        "step | whole spec step | tokens per verification | should reach (decode) | reached "
-        "(decode-only) | gap |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+        "step | whole spec step | tokens per verification (delivered) | should reach (decode) | "
+        "reached (decode-only) | gap |\n|---|---:|---:|---:|---:|---:|---:|---:|")
   model = {}
   for a in arms:
     row = r1[f"SD {a}"]
     if not row["accept"]:
       continue
-    bd = bounds(costs, a, row["accept"])
+    bd = bounds(costs, a, row["delivered"])  # tokens a verification actually delivers
     from tlt_jax.rollout.strategy import Strategy
     st = Strategy.parse(a)
     gap = 1 - row["decode_speedup"] / bd["measured"]
     model[a] = {**bd, "reached": row["decode_speedup"], "gap": gap}
     print(f"| {a} | {costs[f'verify fwd T={st.verify_tokens}'] / costs['plain step']:.2f} | "
-          f"{bd['r']:.3f} | {bd['step_cost']:.2f} | {row['accept']:.2f} | "
+          f"{bd['r']:.3f} | {bd['step_cost']:.2f} | {row['accept']:.2f} "
+          f"({row['delivered']:.2f}) | "
           f"{bd['measured']:.2f}x | {row['decode_speedup']:.2f}x | {gap:+.0%} |")
   summary["cost_model"] = model
 

@@ -167,3 +167,26 @@ def test_user_errors(bench, tmp_path, capsys):
   assert script.main(["--out", str(tmp_path / "b"), "--heads", "6", "--kv_heads", "4",
                       "--no_regime"]) == 2
   assert "multiple of kv_heads" in capsys.readouterr().err
+
+
+def test_bench_regime_smoke(bench, tmp_path, capsys):
+  """scripts/bench_regime.py end to end on the small build (a smoke run, not a timing):
+  every table prints, greedy speculative outputs equal plain decoding's, and the summary is
+  written."""
+  spec = importlib.util.spec_from_file_location(
+      "bench_regime", os.path.join(REPO, "scripts", "bench_regime.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  out, _ = bench
+  rc = mod.main(["--bench", out, "--prompts", "1", "--tail_prompts", "2", "--tail_n", "2",
+                 "--threshold", "2", "--arms", "3_1_4", "--tail_arms", "3_1_4",
+                 "--max_new_tokens", "24", "--skip_hf", "--skip_regime",
+                 "--out", str(tmp_path)])
+  text = capsys.readouterr().out
+  assert rc == 0, text
+  for head in ("batch 1, greedy", "batch 8, sampled", "long tail", "cost model"):
+    assert head in text, head
+  summary = json.load(open(tmp_path / "summary.json"))
+  assert summary["batch 1, greedy, default task (EOS)"]["SD 3_1_4"]["same"] is True
+  assert summary["batch 8, greedy, default task (EOS)"]["SD 4_1_5"]["same"] is True
+  assert mod.main(["--bench", str(tmp_path / "missing")]) == 2

@@ -120,14 +120,19 @@ class SpecGate:
       return not self.status or any(s != DECLINED for s in self.status.values())
 
   def opened(self, worker_id: int) -> set[int]:
-    """The buckets this worker may speculate at, so compile arms for."""
+    """The buckets this worker may come to speculate at, so compile arms for."""
     with self._lock:
       return {b for b in self.buckets if self._allows(worker_id, b)}
 
   def allows(self, worker_id: int, bucket: int) -> bool:
-    """Whether this worker may speculate at this bucket."""
+    """Whether this worker may speculate at this bucket now. The prober speculates at a
+    bucket on probation once plain decoding there is measured (`min_chunks` chunks): until
+    then it decodes plainly there itself (a lone worker has no one else to measure it)."""
     with self._lock:
-      return self._allows(worker_id, bucket)
+      if not self._allows(worker_id, bucket):
+        return False
+      return (self.status[bucket] == PAYS
+              or len(self._plain.get(bucket, ())) >= self.cfg.min_chunks)
 
   def _allows(self, worker_id: int, bucket: int) -> bool:
     s = self.status.get(bucket)
