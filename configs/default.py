@@ -1,7 +1,7 @@
 """The embedded default: GRPO on the shipped tiny Qwen2 model and the synthetic long-tail
 arithmetic task, with TLT's speculative rollout (shipped warm-started drafter) and spot
-drafter training on the idle one of two rollout workers. Runs on a 2-core CPU in about 4 minutes
-(JAX 0.12, cold compilation cache) with no downloads:
+drafter training on the idle one of two rollout workers. Runs on a 2-core CPU in about 3.5
+minutes (JAX 0.12, cold compilation cache) with no downloads:
 
   python -m tlt_jax.train --config configs/default.py
   python -m tlt_jax.train --config configs/default.py --config.tlt.enabled=False   # baseline

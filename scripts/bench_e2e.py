@@ -142,7 +142,8 @@ def plot(res: dict, path: str) -> None:
   for name, r in res.items():
     w = windows(r["reward_curve"], 5)
     a.plot([k + 2 for k in w], list(w.values()), marker="o", label=name)
-    b.plot(*zip(*r["eval_curve"]), marker="o", label=name)
+    if r["eval_curve"]:
+      b.plot(*zip(*r["eval_curve"]), marker="o", label=name)
   a.set(title="training reward (mean per 5 steps)", xlabel="RL step")
   b.set(title="held-out greedy accuracy (400 test prompts)", xlabel="RL step")
   for ax in (a, b):
@@ -207,9 +208,15 @@ def main(argv=None):
   print("| command wall | " + " | ".join(f"{res[n]['wall']:.0f}" for n in cols) + " |")
   print("| **s per RL step** (eval excluded, start-up + compile included) | "
         + " | ".join(f"**{res[n]['s_per_step']:.2f}**" for n in cols) + " |")
-  print("| held-out accuracy first -> last | " + " | ".join(
-      f"{res[n]['eval_curve'][0][1]:.3f} -> {res[n]['eval_curve'][-1][1]:.3f}" for n in cols)
-        + " |")
+  if all(res[n]["eval_curve"] for n in cols):  # (configs without evaluation have none)
+    print("| held-out accuracy first -> last | " + " | ".join(
+        f"{res[n]['eval_curve'][0][1]:.3f} -> {res[n]['eval_curve'][-1][1]:.3f}" for n in cols)
+          + " |")
+  for n in cols:
+    ph = res[n]["phases"]
+    print(f"{n}: rollout {ph['rollout'] / max(ph['total'], 1e-9):.0%} of the steps' time "
+          f"(rollout {ph['rollout']:.1f} s, update + log-probs "
+          f"{ph['update'] + ph['logprobs']:.1f} s)")
   for x, y in (("on", "off"), ("on", "trl"), ("off", "trl")):
     if x in res and y in res:
       print(f"speed {x} vs {y}: {res[y]['s_per_step'] / res[x]['s_per_step']:.2f}x "
