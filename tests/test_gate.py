@@ -156,34 +156,3 @@ def test_workers_compile_and_speculate_only_where_the_gate_opens():
   run(b)
   assert any(c.mode == "3_1_4" and c.bucket == 1 for c in b.chunk_log[n_b:])
   assert all(c.mode == "plain" for c in b.chunk_log[n_b:] if c.bucket > 1)
-
-
-def test_probation_moves_to_where_the_traffic_is():
-  """Short responses finish before the batch compacts to bucket 1: with no plain chunk there
-  for 3 of the prober's rollouts, bucket 2 (measured) is probed instead; when it pays, the
-  unmeasured bucket 1 opens with it and bucket 4 is next."""
-  g = SpecGate(GateConfig(min_chunks=2, margin=0.0))
-  g.begin_rollout(0, [1, 2, 4])
-  _feed(g, 2, None, 100.0, 2, live=2)
-  _feed(g, 4, None, 80.0, 2, live=3)
-  g.begin_rollout(0, [1, 2, 4])
-  g.begin_rollout(0, [1, 2, 4])
-  assert g.status == {1: "probing", 2: "closed", 4: "closed"}
-  g.begin_rollout(0, [1, 2, 4])
-  assert g.status == {1: "closed", 2: "probing", 4: "closed"} and g.allows(0, 2)
-  _feed(g, 2, "4_1_5", 150.0, 2, live=2)
-  assert g.status == {1: "pays", 2: "pays", 4: "probing"}
-
-
-def test_after_a_larger_bucket_declines_a_smaller_one_with_traffic_is_probed():
-  g = SpecGate(GateConfig(min_chunks=1, margin=0.0))
-  g.begin_rollout(0, [1, 2, 4])
-  _feed(g, 4, None, 100.0, 1, live=3)
-  for _ in range(3):
-    g.begin_rollout(0, [1, 2, 4])
-  assert g.status == {1: "closed", 2: "closed", 4: "probing"}
-  _feed(g, 4, "4_1_5", 90.0, 1, live=3)
-  assert g.status == {1: "closed", 2: "closed", 4: "declined"}
-  _feed(g, 2, None, 100.0, 1, live=2)
-  g.begin_rollout(0, [1, 2, 4])
-  assert g.status == {1: "closed", 2: "probing", 4: "declined"}

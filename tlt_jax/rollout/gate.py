@@ -16,11 +16,6 @@ compiled ones; this gate decides which batch buckets are worth compiling arms fo
   `margin`, the bucket "pays": every worker compiles it and the next bucket up is probed. Else
   it is "declined", and so is every larger bucket (a larger batch is more compute-bound; the
   drafts pay less there), and no worker compiles them.
-- A bucket on probation that sees no traffic (no plain chunk there in `MOVE_AFTER` of the
-  prober's rollouts: short responses finish before the batch compacts that far) hands its
-  probation to the next larger bucket that has seen plain chunks; a larger bucket that
-  pays opens the smaller unmeasured ones with it (a smaller batch is more memory-bound); once
-  a larger one is declined, the smallest closed bucket with traffic is probed next.
 - A declined bucket is probed again after `reprobe_every` rollouts (the prober's executables
   are compiled already, so it costs a few chunks): its acceptance may come to pay where it
   did not. While every bucket is declined, spot drafter training pauses (`drafter_wanted`).
@@ -37,7 +32,6 @@ import threading
 from typing import Any, Sequence
 
 PROBING, PAYS, DECLINED, CLOSED = "probing", "pays", "declined", "closed"
-MOVE_AFTER = 3  # prober rollouts without traffic at a bucket on probation before it moves up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +85,6 @@ class SpecGate:
     self.rollouts = 0  # generate calls of the prober (the re-probe clock)
     self._declined_at: dict[int, int] = {}
     self._warm: set[tuple[int, str | None]] = set()  # (bucket, arm) whose first chunk ran
-    self._since: dict[int, int] = {}  # bucket -> the prober rollout its probation began
     self.decisions: list[dict[str, Any]] = []  # every verdict, for the metrics and the notes
 
   # ------------------------------------------------------------------------- worker interface
@@ -109,7 +102,6 @@ class SpecGate:
       if worker_id != self.prober:
         return
       self.rollouts += 1
-      self._move_idle_probation()
       every = self.cfg.reprobe_every
       declined = [b for b in self.buckets if self.status[b] == DECLINED]
       probing = any(s == PROBING for s in self.status.values())
@@ -117,7 +109,6 @@ class SpecGate:
           and self.rollouts - self._declined_at[declined[0]] >= every):
         b = declined[0]  # the smallest: larger ones follow if it pays
         self.status[b] = PROBING
-        self._since[b] = self.rollouts
         for key in [k for k in self._spec if k[0] == b]:
           del self._spec[key]
 
@@ -127,26 +118,6 @@ class SpecGate:
     worker's training slows the stragglers)."""
     with self._lock:
       return not self.status or any(s != DECLINED for s in self.status.values())
-
-  def _move_idle_probation(self) -> None:
-    n = self.cfg.min_chunks
-    traffic = lambda u: self.status[u] == CLOSED and len(self._plain.get(u, ())) >= 1
-    probing = [b for b in self.buckets if self.status[b] == PROBING]
-    if not probing:  # e.g. a larger bucket declined: the smallest closed one with traffic
-      cand = [u for u in self.buckets if traffic(u)]
-      if cand:
-        self.status[cand[0]] = PROBING
-        self._since[cand[0]] = self.rollouts
-      return
-    b = probing[0]
-    self._since.setdefault(b, self.rollouts)
-    idle = (len(self._plain.get(b, ())) < n and self.rollouts - self._since[b] >= MOVE_AFTER
-            and not any(k[0] == b and k[1] is not None for k in self._warm))
-    up = [u for u in self.buckets if u > b and traffic(u)]  # the smallest with traffic
-    if idle and up:
-      self.status[b] = CLOSED
-      self.status[up[0]] = PROBING
-      self._since[up[0]] = self.rollouts
 
   def opened(self, worker_id: int) -> set[int]:
     """The buckets this worker may come to speculate at, so compile arms for."""
@@ -210,14 +181,10 @@ class SpecGate:
                            "best_arm": best, "ratio": round(ratio, 3),
                            "plain_chunks": len(plain), "rollout": self.rollouts})
     if pays:
-      for bb in self.buckets[:i + 1]:  # smaller ones never measured: more memory-bound, open
-        if self.status[bb] == CLOSED:
-          self.status[bb] = PAYS
       self.status[b] = PAYS
       if i + 1 < len(self.buckets) and self.status[self.buckets[i + 1]] != PAYS:
         nxt = self.buckets[i + 1]  # closed, or declined before (a re-probe that paid)
         self.status[nxt] = PROBING
-        self._since[nxt] = self.rollouts
         for key in [k for k in self._spec if k[0] == nxt]:
           del self._spec[key]
     else:
