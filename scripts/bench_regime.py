@@ -76,6 +76,7 @@ def main(argv=None) -> int:
                                       tokens_per_verification)
   from tlt_jax.rollout.mab import make_selector
   from tlt_jax.rollout.sampling import SamplingParams
+  from tlt_jax.rollout.strategy import Strategy
 
   arms = args.arms.split(",")
   summary: dict = {"machine": f"{os.cpu_count()} CPU cores, jax {jax.__version__}",
@@ -186,7 +187,6 @@ def main(argv=None) -> int:
     if not row["accept"]:
       continue
     bd = bounds(costs, a, row["delivered"])  # tokens a verification actually delivers
-    from tlt_jax.rollout.strategy import Strategy
     st = Strategy.parse(a)
     gap = 1 - row["decode_speedup"] / bd["measured"]
     model[a] = {**bd, "reached": row["decode_speedup"], "gap": gap}

@@ -712,3 +712,27 @@ def test_parity_script(ckpts, tmp_path, capsys):
   rc, out, err = res["tied_bad_head"]
   assert rc == 1, f"rc={rc}\n{out}\n{err[-3000:]}"
   assert "FAIL" in out and "PARITY FAILED: full batch" in out
+
+
+@pytest.mark.parametrize("name", ["qwen2_gqa", "llama_hd24_bias_tied"])
+def test_unstacked_layers_match_transformers(ckpts, name):
+  """The rollout replicas' layout (models.unstack_layers: one dict per layer) through the
+  full forward (switch-on) and the cached forward (prefill, decode) gives transformers'
+  logits."""
+  from tlt_jax.models import unstack_layers
+  ck = ckpts(name)
+  cfg = ck.cfg
+  params = jax.jit(unstack_layers)(ck.params)
+  assert isinstance(params["layers"], tuple) and len(params["layers"]) == cfg.num_layers
+  tokens = rand_tokens(3, 2, 12)
+  want = hf_logits(ck.hf, tokens)
+  full = forward(params, jnp.asarray(tokens), arange_positions(2, 12), cfg=cfg).logits
+  assert_close(full, want, what=f"unstacked full forward [{name}]")
+  cache = init_cache(cfg, 2, 16)
+  out = forward(params, jnp.asarray(tokens[:, :8]), arange_positions(2, 8), cfg=cfg,
+                cache=cache, prefill=True)
+  cache = out.cache.replace(lengths=jnp.full((2,), 8, jnp.int32))
+  pos = jnp.asarray(np.broadcast_to(np.arange(8, 12), (2, 4)), jnp.int32)
+  step = forward(params, jnp.asarray(tokens[:, 8:]), pos, cfg=cfg, cache=cache).logits
+  assert_close(jnp.concatenate([out.logits, step], axis=1), want,
+               what=f"unstacked cached forward [{name}]")

@@ -35,6 +35,22 @@ def test_make_mesh_shapes():
   assert sorted(d.id for d in make_mesh((2, 2, 2)).devices.flatten()) == list(range(8))
 
 
+def test_unstacked_layers_take_the_stacked_rule_without_the_layer_axis():
+  """The rollout layout (`layers/3/q`, no L axis) shards each layer as the stacked rule
+  shards every layer: the same spec with the leading layer entry dropped."""
+  from tlt_jax.models import ModelConfig, abstract_params, unstack_layers
+  cfg = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
+                    num_layers=3, num_heads=4, num_kv_heads=2, qkv_bias=True,
+                    tie_word_embeddings=True)
+  mesh = make_mesh({"fsdp": 4, "tensor": 2})
+  stacked = tree_shardings(abstract_params(cfg), mesh)
+  unstacked = tree_shardings(jax.eval_shape(unstack_layers, abstract_params(cfg)), mesh)
+  assert unstacked["embed"].spec == stacked["embed"].spec
+  for i in range(3):
+    for k, sh in stacked["layers"].items():
+      assert unstacked["layers"][i][k].spec == P(*tuple(sh.spec)[1:]), k
+
+
 @pytest.mark.parametrize("shape,needle", [
     ({"data": 2}, "needs 2 devices, but 8 are available"),
     ((2, 2, 4), "needs 16 devices, but 8 are available"),
