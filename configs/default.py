@@ -161,12 +161,17 @@ def get_config():
   c.tlt.spec.patience = 2
   c.tlt.spec.max_steps = 0
   # Open speculation bucket by bucket, smallest first, only where it is measured to beat plain
-  # decoding by `margin` (per-row tokens/s over `min_chunks` chunks each); one worker probes,
-  # the others compile a bucket's arms only once it pays. A declined bucket is probed again
-  # every `reprobe_every` rollouts. Not with selector="fixed" (the pinned strategy always). On this CPU the shipped model is compute-bound and
-  # speculation is declined at bucket 1 after a few chunks (tlt_jax/rollout/gate.py).
-  c.tlt.spec.gate = ml_collections.ConfigDict({"enabled": True, "min_chunks": 4, "margin": 0.05,
-                                               "reprobe_every": 10})
+  # decoding by `margin` (per-row tokens/s over `min_chunks` chunks); one worker probes, with
+  # `strategy` first, the others compile a bucket's arms only once it pays. A bucket declined
+  # because the drafts' acceptance fell short is probed again every `reprobe_every` rollouts
+  # (the drafter keeps training); one declined because no draft could pay on this hardware
+  # every `hardware_reprobe_every` (spot training pauses meanwhile). Probation widens to a
+  # larger bucket after `follow_traffic` rollouts without a chunk where it is. Not with
+  # selector="fixed" (the pinned strategy always). On this CPU the shipped model is compute-
+  # bound: bucket 1 is declined for hardware after a few chunks (tlt_jax/rollout/gate.py).
+  c.tlt.spec.gate = ml_collections.ConfigDict({
+      "enabled": True, "min_chunks": 4, "margin": 0.05, "reprobe_every": 10,
+      "hardware_reprobe_every": 40, "follow_traffic": 3})
 
   c.eval = ml_collections.ConfigDict()
   # speculate during held-out greedy evaluation (lossless either way; off here: on this CPU it

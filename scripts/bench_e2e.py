@@ -4,7 +4,7 @@
 the other, on this machine.
 
     bash scripts/bench_trl_setup.sh            # once: TRL's own venv (.venv-trl), benchmark-only
-    .venv/bin/python scripts/bench_e2e.py [--steps 40] [--runs on,off,off_seed1,trl] \\
+    .venv/bin/python scripts/bench_e2e.py [--steps 40] [--runs on,off,off_seed1,on_seed1,trl] \\
         [--out out/bench_e2e] [--warm_cache] [--extra "--config.key=value ..."]
 
 Runs (each a fresh process with a cold JAX compilation cache: a user's first run pays every
@@ -14,7 +14,12 @@ left, what every later run of the same config costs):
   off        ... --config.tlt.enabled=False                               (the baseline)
   off_seed1  ... --config.tlt.enabled=False --config.seed=1     (a second baseline: the spread
                                                                  learning curves have anyway)
+  on_seed1   ... --config.seed=1                                (TLT on, the second seed)
   trl        .venv-trl/bin/python scripts/bench_trl_grpo.py     (same model, task, settings)
+
+The default order on, off, off_seed1, on_seed1 is ABBA: this machine's speed drifts by up to
+1.7x over minutes, and a drift linear in time cancels from the mean of the two on runs vs the
+mean of the two off runs (printed with each seed's pair, whose spread is the noise).
 
 Prints per-phase seconds and ratios, seconds per RL step (the whole command's wall time minus
 held-out evaluation, divided by the steps: start-up and compiles included), the compile time
@@ -131,6 +136,15 @@ def learning_check(res: dict, size: int) -> list[str]:
                  f"{e['off_seed1'].get(step, float('nan')):.3f}")
   lines.append(f"{within}/{len(w_off)} windows: TLT on is as close to the baseline as a second "
                "baseline seed is (|diff| <= 1.5 x the seed spread, at least 0.03)")
+  if "on_seed1" in res:  # the same check on the second seed's pair
+    w_on1 = windows(res["on_seed1"]["reward_curve"], size)
+    ok1 = sum(abs(w_on1.get(k, float("nan")) - w_s1[k])
+              <= max(abs(w_s1[k] - w_off[k]), 0.02) * 1.5 for k in w_s1)
+    e1 = dict(res["on_seed1"]["eval_curve"])
+    lines.append(f"seed 1: {ok1}/{len(w_s1)} windows within; held-out accuracy at the last "
+                 f"eval on_seed1 / off_seed1: "
+                 + (f"{e1[max(e1)]:.3f} / {e['off_seed1'].get(max(e1), float('nan')):.3f}"
+                    if e1 else "-"))
   return lines
 
 
@@ -159,7 +173,7 @@ def main(argv=None):
   p.add_argument("--config", default=os.path.join(ROOT, "configs", "default.py"),
                  help="the tlt_jax runs' config (the trl run exists for the default only)")
   p.add_argument("--steps", type=int, default=40)
-  p.add_argument("--runs", default="on,off,off_seed1,trl")
+  p.add_argument("--runs", default="on,off,off_seed1,on_seed1,trl")
   p.add_argument("--out", default=os.path.join(ROOT, "out", "bench_e2e"))
   p.add_argument("--warm_cache", action="store_true",
                  help="keep each run's JAX compilation cache from the previous invocation with "
@@ -191,9 +205,11 @@ def main(argv=None):
       res[name] = summarize_trl(workdir, wall, a.steps)
       continue
     extra = {"on": [], "off": ["--config.tlt.enabled=False"],
-             "off_seed1": ["--config.tlt.enabled=False", "--config.seed=1"]}.get(name)
+             "off_seed1": ["--config.tlt.enabled=False", "--config.seed=1"],
+             "on_seed1": ["--config.seed=1"]}.get(name)
     if extra is None:
-      raise SystemExit(f"error: --runs: unknown run {name!r}; use on, off, off_seed1, trl")
+      raise SystemExit(f"error: --runs: unknown run {name!r}; use on, off, off_seed1, on_seed1, "
+                       "trl")
     wall = run(name, tlt_cmd(workdir, a.steps, extra + a.extra.split(), cache, a.config), log)
     res[name] = summarize_tlt(workdir, wall, a.steps)
 
@@ -217,16 +233,25 @@ def main(argv=None):
     print(f"{n}: rollout {ph['rollout'] / max(ph['total'], 1e-9):.0%} of the steps' time "
           f"(rollout {ph['rollout']:.1f} s, update + log-probs "
           f"{ph['update'] + ph['logprobs']:.1f} s)")
-  for x, y in (("on", "off"), ("on", "trl"), ("off", "trl")):
+  abba = None
+  for x, y in (("on", "off"), ("on_seed1", "off_seed1"), ("on", "trl"), ("off", "trl")):
     if x in res and y in res:
       print(f"speed {x} vs {y}: {res[y]['s_per_step'] / res[x]['s_per_step']:.2f}x "
             f"(s per step {res[x]['s_per_step']:.2f} vs {res[y]['s_per_step']:.2f}; > 1: "
             f"{x} faster)")
+  if {"on", "off", "off_seed1", "on_seed1"} <= set(res):
+    on = (res["on"]["s_per_step"] + res["on_seed1"]["s_per_step"]) / 2
+    off = (res["off"]["s_per_step"] + res["off_seed1"]["s_per_step"]) / 2
+    spread = max(abs(res[a]["s_per_step"] / res[b]["s_per_step"] - 1)
+                 for a, b in (("off", "off_seed1"), ("on", "on_seed1")))
+    print(f"speed on vs off, mean of both seeds (ABBA order): {off / on:.2f}x (s per step "
+          f"{on:.2f} vs {off:.2f}); noise: runs of one mode differ by up to {spread:.0%}")
+    abba = {"ratio": off / on, "on": on, "off": off, "noise": spread}
   for line in learning_check(res, a.window):
     print(line)
   plot(res, os.path.join(a.out, "curves.png"))
   with open(os.path.join(a.out, "summary.json"), "w") as f:
-    json.dump(res, f, indent=2)
+    json.dump({**res, "on_vs_off_abba": abba}, f, indent=2)
   print(f"wrote {a.out}/curves.png and {a.out}/summary.json")
 
 

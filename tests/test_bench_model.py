@@ -181,12 +181,18 @@ def test_bench_regime_smoke(bench, tmp_path, capsys):
   rc = mod.main(["--bench", out, "--prompts", "1", "--tail_prompts", "2", "--tail_n", "2",
                  "--threshold", "2", "--arms", "3_1_4", "--tail_arms", "3_1_4",
                  "--max_new_tokens", "24", "--skip_hf", "--skip_regime",
-                 "--out", str(tmp_path)])
+                 "--gate_rollouts", "2", "--gate_prompts", "1", "--out", str(tmp_path)])
   text = capsys.readouterr().out
   assert rc == 0, text
-  for head in ("batch 1, greedy", "batch 8, sampled", "long tail", "cost model"):
+  for head in ("batch 1, greedy", "batch 8, sampled", "long tail", "where the time goes",
+               "cost model", "speculation gate"):
     assert head in text, head
   summary = json.load(open(tmp_path / "summary.json"))
+  split = summary["long tail split"]  # chunk walls fit inside the run's
+  plain = split["parts"]["plain"]
+  assert plain["small"] + plain["big"] > 0 and plain["other"] >= -1e-6
+  assert 0 < split["prefill_s"] < plain["total"] and split["amdahl_bound"] >= 1.0
+  assert len(summary["gate"]["times"]["gated BEG"]) == 2
   assert summary["batch 1, greedy, default task (EOS)"]["SD 3_1_4"]["same"] is True
   assert summary["batch 8, greedy, default task (EOS)"]["SD 4_1_5"]["same"] is True
   assert mod.main(["--bench", str(tmp_path / "missing")]) == 2

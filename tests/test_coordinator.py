@@ -71,6 +71,9 @@ class FakeTrainer:
     self.metrics = []
     self.discarded = 0
 
+  def prepare(self):
+    self.prepared = True
+
   def reseed(self, seed):
     self.seed = seed
 
@@ -205,9 +208,11 @@ def test_a_worker_without_data_waits_idle_and_spot_off_never_trains():
   s = out.timeline.summary()
   assert out.drafter["steps"] == 0 and s["training_s"] == 0 and store.drafter_version == 0
   assert s["idle_s"] == pytest.approx(0.25, abs=0.1)
+  assert not any(hasattr(t, "prepared") for t in trainers)  # (nothing to compile for)
   wanted[0] = True
   out = c.rollout(shares(0.05, 0.3), sp=None, seed=1)
   assert out.drafter["steps"] > 0 and store.drafter_version == 1
+  assert all(t.prepared for t in trainers)
 
 
 def test_serial_mode_trains_after_the_rollout_on_worker_0_and_pushes():
@@ -362,3 +367,34 @@ def test_two_workers_on_two_devices_decode_what_one_does_and_share_one_drafter(d
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert any(not np.array_equal(np.asarray(a), np.asarray(b))
              for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(dparams)))
+
+
+def test_the_drafter_step_compiles_when_spot_training_is_first_wanted():
+  """compile_on_first_use: nothing compiles until the first prepare (a run whose spot
+  training never starts, e.g. the gate found drafts cannot pay, never compiles it), then
+  once, on the given executor."""
+  import concurrent.futures as cf
+
+  from tlt_jax.coordinator.spot import DrafterTrainer
+  from tlt_jax.drafter.buffer import BufferConfig, DrafterBuffer
+  trainer = DrafterTrainer(step_fn=None, shardings=None, rows=2, row_len=64,
+                           buffer=DrafterBuffer(BufferConfig(max_tokens=4096, window=32,
+                                                             max_windows_per_response=2)),
+                           target_params=lambda: None)
+  calls = []
+  trainer.compile = lambda hidden: calls.append(("compile", hidden)) or 0.0
+
+  class Executor:
+    def submit(self, fn, *args):
+      calls.append("submit")
+      f = cf.Future()
+      f.set_result(fn(*args))
+      return f
+
+  trainer.compile_on_first_use(128, Executor())
+  assert calls == []
+  trainer.prepare()  # the coordinator's, at the start of a rollout that will train
+  assert calls == ["submit", ("compile", 128)]
+  assert trainer.next_batch() is None  # (an empty buffer: nothing to train on yet)
+  trainer.prepare()
+  assert calls == ["submit", ("compile", 128)]  # once

@@ -12,88 +12,157 @@ from tlt_jax.rollout.gate import GateConfig, SpecGate
 from tlt_jax.rollout.sampling import SamplingParams
 
 
-def _feed(gate, bucket, arm, rate, n, live=1):
-  """n chunks of `rate` tokens/s per live row (16 tokens per row each), after a first chunk
-  50x slower where (bucket, arm) has not run yet: a warm-up the gate must not count."""
+ARMS = ["4_1_5", "3_1_4", "off"]
+
+
+def _feed(gate, bucket, arm, rate, n, live=1, accept_len=2.0):
+  """n chunks of 16 steps decoding `rate` tokens/s per row (a speculative chunk: `accept_len`
+  tokens per verification, so its steps take accept_len x longer at the same rate), after a
+  first chunk 50x slower where (bucket, arm) has not run yet: a warm-up the gate must not
+  count."""
+  a = 1.0 if arm is None else accept_len
+  ver = 0 if arm is None else 16 * live
+  acc = round((a - 1.0) * ver)
   if (bucket, arm) not in gate._warm:
-    gate.record(bucket, arm, 16 * live, 50 * 16 / rate, live)
+    gate.record(bucket, arm, 50 * 16 * a / rate, 16, acc, ver)
   for _ in range(n):
-    gate.record(bucket, arm, 16 * live, 16 / rate, live)
+    gate.record(bucket, arm, 16 * a / rate, 16, acc, ver)
+
+
+def _gate(buckets=(1, 2, 4, 8), worker=0, **kw):
+  g = SpecGate(GateConfig(lead="4_1_5", **kw))
+  g.begin_rollout(worker, {b: ARMS for b in buckets})
+  return g
 
 
 def test_opens_bucket_by_bucket_while_it_pays_then_declines_the_rest():
-  g = SpecGate(GateConfig(min_chunks=3, margin=0.1, reprobe_every=0))
-  g.begin_rollout(7, [1, 2, 4, 8])  # the first to start a rollout probes
-  g.begin_rollout(8, [1, 2, 4, 8])
-  assert g.opened(7) == {1} and g.opened(8) == set()
-  assert not g.allows(7, 1)  # plain decoding at bucket 1 not measured yet
-  _feed(g, 1, None, 100.0, 3)
+  g = _gate(worker=7, min_chunks=4, margin=0.1, reprobe_every=0)  # the first caller probes
+  g.begin_rollout(8, {b: ARMS for b in (1, 2, 4, 8)})
+  assert g.arms(7, 1) == [] and not g.allows(7, 1)  # plain decoding not measured yet there
+  assert not g.drafter_wanted()  # nothing shows yet that drafts can pay on this hardware
+  _feed(g, 1, None, 100.0, 2)  # half measured: the prober compiles the lead arm
+  assert g.arms(7, 1) == ["4_1_5"] and g.arms(8, 1) == [] and g.arms(7, 2) == []
+  assert not g.allows(7, 1)
+  _feed(g, 1, None, 100.0, 2)
   assert g.allows(7, 1) and not g.allows(8, 1) and not g.allows(7, 2)
-  _feed(g, 1, "4_1_5", 150.0, 2)
-  assert g.status[1] == "probing"  # 2 speculative chunks < min_chunks
-  _feed(g, 1, "off", 90.0, 1)
-  assert g.status == {1: "pays", 2: "probing", 4: "closed", 8: "closed"}
-  assert g.opened(8) == {1} and g.opened(7) == {1, 2}  # a paying bucket: every worker
-  # at bucket 2 the best drafting arm is 5% faster, under the 10% margin: declined with 4, 8
-  _feed(g, 2, None, 200.0, 3, live=2)
-  _feed(g, 2, "3_1_4", 210.0, 2, live=2)
-  _feed(g, 2, "4_1_5", 120.0, 2, live=2)
+  _feed(g, 1, "4_1_5", 150.0, 3)
+  assert g.status[1] == "probing"  # 3 speculative chunks < min_chunks
+  _feed(g, 1, "4_1_5", 150.0, 1)
+  assert g.status == {1: "pays", 2: "probing", 4: "closed", 8: "closed"} and g.drafter_wanted()
+  assert g.arms(8, 1) == ARMS and g.arms(7, 2) == []  # a paying bucket: every arm
+  # bucket 2: the lead is slower than plain, but its ceiling (every draft accepted) is not:
+  # the drafts fall short, so the other drafting arm is probed too, and is 5% faster: under
+  # the 10% margin, declined for acceptance with 4 and 8
+  _feed(g, 2, None, 200.0, 4, live=2)
+  assert g.arms(7, 2) == ["4_1_5"]
+  _feed(g, 2, "4_1_5", 120.0, 4, live=2, accept_len=2.0)
+  assert g.status[2] == "probing" and g.arms(7, 2) == ["4_1_5", "3_1_4"]
+  _feed(g, 2, "3_1_4", 210.0, 4, live=2, accept_len=2.0)
   assert g.status == {1: "pays", 2: "declined", 4: "declined", 8: "declined"}
+  assert g.reason == {2: "acceptance", 4: "acceptance", 8: "acceptance"}
   d = g.decisions[-1]
   assert d["bucket"] == 2 and d["best_arm"] == "3_1_4" and d["ratio"] == pytest.approx(1.05)
-  assert g.opened(7) == {1}
+  assert d["ceiling"] == pytest.approx(1.05 * 4 / 2.0, rel=1e-3)
+  assert g.arms(7, 2) == [] and g.drafter_wanted()
 
 
-def test_declines_when_only_off_was_measured_and_reprobes_later():
-  g = SpecGate(GateConfig(min_chunks=2, margin=0.0, reprobe_every=3))
-  g.begin_rollout(0, [1, 2])
+def test_declines_for_hardware_with_the_lead_alone_and_pauses_the_drafter():
+  """A k-token forward costing ~k single ones: even all drafts accepted would not pay."""
+  g = _gate(min_chunks=2, margin=0.05, reprobe_every=2, hardware_reprobe_every=5)
   _feed(g, 1, None, 100.0, 2)
-  _feed(g, 1, "off", 100.0, 2)  # no drafting arm measured: nothing shows drafts pay
-  assert g.status == {1: "declined", 2: "declined"} and not g.drafter_wanted()
-  g.begin_rollout(1, [1, 2])  # another worker's rollouts do not advance the clock
-  g.begin_rollout(0, [1, 2])
-  g.begin_rollout(0, [1, 2])
+  _feed(g, 1, "4_1_5", 58.0, 2, accept_len=3.5)  # ceiling 0.58 x 5 / 3.5 = 0.83
+  assert g.status == {1: "declined", 2: "declined", 4: "declined", 8: "declined"}
+  assert set(g.reason.values()) == {"hardware"} and not g.drafter_wanted()
+  assert ("1", "3_1_4") not in {tuple(k.split(":")) for k in g.summary()["spec_rate"]}
+  for _ in range(4):
+    g.begin_rollout(0, {b: ARMS for b in (1, 2, 4, 8)})
+  assert g.status[1] == "declined"  # not after reprobe_every: the machine does not train
+  g.begin_rollout(0, {b: ARMS for b in (1, 2, 4, 8)})
+  assert g.status[1] == "probing" and not g.drafter_wanted()  # still not shown to pay
+
+
+def test_an_untrained_drafter_is_declined_for_acceptance_keeps_training_and_is_reprobed():
+  g = _gate(buckets=(1, 2), min_chunks=2, margin=0.0, reprobe_every=3)
+  _feed(g, 1, None, 100.0, 2)
+  _feed(g, 1, "4_1_5", 50.0, 2, accept_len=1.1)  # cheap steps, rejected drafts
+  assert g.status[1] == "probing" and g.arms(0, 1) == ["4_1_5", "3_1_4"]
+  _feed(g, 1, "3_1_4", 60.0, 2, accept_len=1.1)
+  assert g.status == {1: "declined", 2: "declined"} and g.reason[1] == "acceptance"
+  assert g.drafter_wanted()  # training can fix this
+  g.begin_rollout(1, {1: ARMS, 2: ARMS})  # another worker's rollouts do not advance the clock
+  g.begin_rollout(0, {1: ARMS, 2: ARMS})
+  g.begin_rollout(0, {1: ARMS, 2: ARMS})
   assert g.status[1] == "declined"
-  g.begin_rollout(0, [1, 2])  # 3 rollouts of the prober since the decline
-  assert g.status == {1: "probing", 2: "declined"} and g.drafter_wanted()
-  for _ in range(4):  # one bucket probed at a time: 2 waits for 1's verdict
-    g.begin_rollout(0, [1, 2])
-  assert g.status == {1: "probing", 2: "declined"}
-  _feed(g, 1, "4_1_5", 130.0, 2)  # the drafter got better: pays now, bucket 2 reopens
+  g.begin_rollout(0, {1: ARMS, 2: ARMS})  # 3 rollouts of the prober since the decline
+  assert g.status == {1: "probing", 2: "declined"} and g.arms(0, 1) == ["4_1_5"]  # measured
+  assert not g.allows(1, 1)
+  _feed(g, 1, "4_1_5", 130.0, 2, accept_len=3.0)  # the drafter got better: pays now
   assert g.status == {1: "pays", 2: "probing"}
 
 
-def test_a_probe_tries_each_drafting_arm_in_turn():
-  g = SpecGate(GateConfig(min_chunks=4, margin=0.0))
-  g.begin_rollout(0, [1, 2])
-  arms = ["4_1_5", "3_1_4", "off"]
-  assert g.probe_arm(1, arms, "off") == "4_1_5"  # the bandit's "off" is overridden
-  _feed(g, 1, "4_1_5", 100.0, 1)
-  assert g.probe_arm(1, arms, "off") == "3_1_4"
-  assert g.probe_arm(2, arms, "off") == "off"  # bucket 2 is not on probation
-  _feed(g, 1, None, 50.0, 4)
-  _feed(g, 1, "3_1_4", 100.0, 2)
-  _feed(g, 1, "4_1_5", 100.0, 1)
-  assert g.status[1] == "pays" and g.probe_arm(1, arms, "off") == "off"
+def test_probes_the_lead_whatever_the_bandit_picks_then_every_drafting_arm_in_turn():
+  g = _gate(buckets=(1, 2), min_chunks=4, margin=0.0)
+  assert g.probe_arm(1, "off") == "4_1_5"  # the bandit's "off" is overridden
+  assert g.probe_arm(2, "off") == "off"  # bucket 2 is not on probation
+  _feed(g, 1, None, 100.0, 4)
+  _feed(g, 1, "4_1_5", 90.0, 4, accept_len=2.0)  # under plain, ceiling 2.25: widen
+  assert g.probe_arm(1, "off") == "3_1_4"
+  _feed(g, 1, "3_1_4", 100.0, 3)
+  assert g.probe_arm(1, "off") == "3_1_4" and g.status[1] == "probing"
+  _feed(g, 1, "3_1_4", 100.0, 1)
+  assert g.status[1] == "pays" and g.probe_arm(1, "off") == "off"
+  h = SpecGate(GateConfig(lead="6_1_7"))  # a lead not choosable there: the first drafting arm
+  h.begin_rollout(0, {1: ARMS})
+  assert h.probe_arm(1, "off") == "4_1_5"
+
+
+def test_probation_widens_to_the_buckets_with_traffic():
+  """Short responses end before the batch shrinks to bucket 1: bucket 8 has the traffic."""
+  g = _gate(min_chunks=2, margin=0.05, follow_traffic=3)
+  for r in range(5):
+    g.begin_rollout(0, {b: ARMS for b in (1, 2, 4, 8)})
+    assert g.status[8] == ("closed" if r < 2 else "probing"), r
+    _feed(g, 8, None, 100.0, 1, live=8)
+  assert g.status == {1: "probing", 2: "probing", 4: "probing", 8: "probing"}
+  assert g.decisions[-1]["verdict"] == "widened"
+  assert g.arms(0, 8) == g.arms(0, 4) == ["4_1_5"]  # a batch speculating at 8 compacts to 4
+  _feed(g, 8, "4_1_5", 90.0, 2, live=8, accept_len=4.5)  # ceiling 1.0: hardware
+  assert g.status == {1: "probing", 2: "probing", 4: "probing", 8: "declined"}
+  _feed(g, 4, None, 100.0, 2, live=4)
+  _feed(g, 4, "4_1_5", 150.0, 2, live=4, accept_len=3.0)  # 4 pays: so do 1 and 2
+  assert g.status == {1: "pays", 2: "pays", 4: "pays", 8: "probing"}  # 8 re-opened above 4
+  # traffic where probation is resets the count: nothing widens while bucket 1 is busy
+  g = _gate(min_chunks=4, follow_traffic=2)
+  for _ in range(5):
+    g.begin_rollout(0, {b: ARMS for b in (1, 2, 4, 8)})
+    _feed(g, 1, None, 100.0, 1)
+    _feed(g, 4, None, 100.0, 1, live=4)
+  assert g.status == {1: "probing", 2: "closed", 4: "closed", 8: "closed"}
 
 
 def test_state_survives_a_resume():
-  g = SpecGate(GateConfig(min_chunks=1, margin=0.0))
-  g.begin_rollout(0, [1, 2])
+  g = _gate(buckets=(1, 2), min_chunks=1, margin=0.0)
   _feed(g, 1, None, 100.0, 1)
-  _feed(g, 1, "3_1_4", 150.0, 2)
-  h = SpecGate(GateConfig(min_chunks=1, margin=0.0))
+  _feed(g, 1, "4_1_5", 150.0, 2)
+  g.begin_rollout(0, {1: ARMS, 2: ARMS})
+  _feed(g, 2, None, 100.0, 1, live=2)
+  _feed(g, 2, "4_1_5", 50.0, 1, live=2, accept_len=4.0)  # ceiling 0.625: hardware
+  h = SpecGate(GateConfig(min_chunks=1, margin=0.0, lead="4_1_5"))
   h.load_state_dict(g.state_dict())
-  assert h.status == g.status == {1: "pays", 2: "probing"}
-  h.begin_rollout(5, [1, 2])
-  assert h.opened(5) == {1, 2}  # the first to start a rollout after a resume probes
+  assert h.status == g.status == {1: "pays", 2: "declined"} and h.reason == {2: "hardware"}
+  h.begin_rollout(5, {1: ARMS, 2: ARMS})
+  assert h.arms(5, 1) == ARMS and h.arms(5, 2) == []  # the first caller after a resume probes
+  assert h.drafter_wanted()
 
 
 def test_config_validation():
   for kw in ({"min_chunks": 0}, {"margin": -0.1}, {"reprobe_every": -1},
+             {"hardware_reprobe_every": -2}, {"follow_traffic": -1},
              {"min_chunks": 8, "window": 4}):
     with pytest.raises(ValueError, match=next(iter(kw))):
       GateConfig(**kw)
+  with pytest.raises(ValueError, match="4_x"):
+    GateConfig(lead="4_x")
 
 
 # ------------------------------------------------------------------------ through the engine
@@ -135,7 +204,7 @@ def test_workers_compile_and_speculate_only_where_the_gate_opens():
 
   run(a)
   run(b)
-  assert gate.prober == 0 and spec_buckets(a) == {1} and spec_buckets(b) == set()
+  assert gate.prober == 0 and spec_buckets(a) <= {1} and spec_buckets(b) == set()
   for _ in range(10):  # a's tail reaches bucket 1 and speculates there until decided
     if gate.status[1] != "probing":
       break

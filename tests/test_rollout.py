@@ -302,6 +302,20 @@ def test_seed_determinism(greedy, layouts, prompts):
   assert sum(a[(i, 0)] != greedy_toks[i] for i in range(5)) >= 3
 
 
+def test_a_group_prefills_its_prompt_once_with_the_same_results(models, layouts, prompts):
+  """The samples of a prompt side by side prefill it once (decode.prefill_shared) and decode
+  exactly what a layout where no prefill holds a prompt twice decodes: same tokens, log-probs
+  and hidden states per (prompt, sample)."""
+  main = layouts["workers"]["main"]
+  shared, _ = layouts["main"]["sampled"]  # (prompt, sample) pairs adjacent: shared prefills
+  assert any(r.name == "prefill" and r.key.variant == "shared" for r in main.compile_log)
+  interleaved = sorted(sampled_requests(prompts), key=lambda r: (r.sample_index, r.request_id))
+  w = RolloutWorker(models["qwen2"].params, models["qwen2"].cfg, main.ecfg)
+  alone, _ = run(w, interleaved, T1, seed=0)
+  assert not any(r.key.variant == "shared" for r in w.compile_log)  # no prefill shared
+  assert_same_results(shared, alone, "sampled, shared prefill vs none")
+
+
 # --------------------------------------------------------------- 4. sampler vs numpy reference
 def _softmax(x):
   x = np.asarray(x, np.float64)

@@ -416,3 +416,32 @@ def test_plain_call_of_a_worker_with_a_drafter_runs_without_it(tiny):
   for k in plain:
     np.testing.assert_array_equal(off[k].response_ids, plain[k].response_ids)
     np.testing.assert_array_equal(on[k].response_ids, plain[k].response_ids)
+
+
+def test_a_group_starting_under_the_threshold_prefills_its_prompt_once(tiny):
+  """Two prompts x 2 samples, under the threshold from the start: speculation starts from a
+  drafter-carrying prefill of the 2 distinct prompts expanded to the 4 rows
+  (speculative.prefill_shared). Greedy: every row equals plain decoding of its prompt alone;
+  the drafter's cache of each row is its prompt's (the drafts keep being accepted)."""
+  params, dparams = tiny
+  prompts = [r.prompt_ids for r in _requests(2, seed=3)]
+  reqs = [Request(prompts[i], request_id=i, sample_index=s) for i in range(2) for s in range(2)]
+  sp = SamplingParams(temperature=0.0)
+  alone = {i: RolloutWorker(params, CFG, EngineConfig(**SMALL)).generate(
+      [Request(prompts[i], request_id=i)], sp)[0].response_ids for i in range(2)}
+  w = RolloutWorker(params, CFG, EngineConfig(
+      **SMALL, spec=SpecConfig(strategy="3_1_4", bs_threshold=4, patience=1, use_kernel=False)),
+      drafter_params=dparams)
+  out = _by_id(w.generate(reqs, sp))
+  assert any(r.name == "prefill_spec" and r.key.variant == "shared" for r in w.compile_log)
+  assert all(c.mode == "3_1_4" for c in w.chunk_log)  # speculated from the first chunk
+  for (i, s), r in out.items():
+    np.testing.assert_array_equal(r.response_ids, alone[i], err_msg=str((i, s)))
+  # the same drafts are accepted as when each row is prefilled alone
+  w1 = RolloutWorker(params, CFG, EngineConfig(
+      **SMALL, spec=SpecConfig(strategy="3_1_4", bs_threshold=4, patience=1, use_kernel=False)),
+      drafter_params=dparams)
+  for i in range(2):
+    w1.generate([Request(prompts[i], request_id=i)], sp)
+  assert (sum(c.accepted for c in w.chunk_log)
+          == 2 * sum(c.accepted for c in w1.chunk_log))

@@ -132,9 +132,12 @@ def spec_gate(cfg: ml_collections.ConfigDict):
   g = cfg.tlt.spec.get("gate")
   if g is None or not g.enabled or cfg.tlt.spec.selector == "fixed":
     return None
-  fields = ("min_chunks", "margin", "reprobe_every")
-  return SpecGate(typed(GateConfig, {k: f"tlt.spec.gate.{k}" for k in fields},
-                        "tlt.spec.gate", **{k: g[k] for k in fields}))
+  fields = ("min_chunks", "margin", "reprobe_every", "hardware_reprobe_every",
+            "follow_traffic")
+  names = {k: f"tlt.spec.gate.{k}" for k in fields}
+  names["lead"] = "tlt.spec.strategy"  # the probe's first arm: the fixed selector's
+  return SpecGate(typed(GateConfig, names, "tlt.spec.gate",
+                        lead=cfg.tlt.spec.strategy, **{k: g[k] for k in fields}))
 
 
 def engine_config(cfg: ml_collections.ConfigDict, stop: tuple[int, ...] = (), *,

@@ -296,12 +296,13 @@ def build(cfg) -> Run:
                             global_barrier=GlobalBarrier if jax.process_count() > 1 else None,
                             spot_wanted=gate.drafter_wanted if gate is not None else None)
   coordinator.push()  # every worker takes the store's weights (and its trainer the drafter)
-  if trained and spot.mode == "spot":  # compiled at low priority while the run starts
+  if trained and spot.mode == "spot":  # compiled at low priority once spot training is wanted
     from tlt_jax.rollout.executables import background_compiler
     compiler = background_compiler("compile-drafter")
     for w in workers:
-      w.trainer.compile_in_background(model_cfg.hidden_size, compiler)
-    compiler.shutdown(wait=False)
+      w.trainer.compile_on_first_use(model_cfg.hidden_size, compiler)
+      if gate is None:  # wanted from the first rollout: compile while the run starts
+        w.trainer.prepare()
   elif trained:  # serial: compiled now, so the first serial steps do not
     for f in [w.submit(w.trainer.compile, model_cfg.hidden_size) for w in workers]:
       f.result()

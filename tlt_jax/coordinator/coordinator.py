@@ -149,6 +149,9 @@ class Coordinator:
     spot = self.spot.mode == "spot"
     # paused: idle workers wait; every process still joins the merge (its copies: 0 tokens)
     train = spot and (self.spot_wanted is None or self.spot_wanted())
+    if train:  # (a deferred compile of the drafter step overlaps the generation)
+      for w in self.workers:
+        w.trainer.prepare()
     chunks: list[Any] = []
     self._rollouts += 1
     if self._last_barrier is not None:  # every process passed it (collectives since): drop it

@@ -46,6 +46,7 @@ class SpotConfig:
 class Trainer(Protocol):
   """What the spot loop needs of a worker's drafter trainer."""
 
+  def prepare(self) -> None: ...  # this rollout's idle windows will train: get ready (compile)
   def reseed(self, seed: Any) -> None: ...  # batch draws of a rollout: a function of its seed
   def next_batch(self) -> Any | None: ...  # host batch, None when there is no data yet
   def dispatch(self, batch: Any) -> Any: ...  # starts one step (async); -> in-flight handle
@@ -112,6 +113,7 @@ class DrafterTrainer:
     self._hidden_dtype = np.dtype(hidden_dtype or np.float32)
     self._exe = None  # the AOT-compiled step (`compile`), else the jitted function
     self._compiling = None  # Future of a background `compile`
+    self._deferred = None  # (hidden_size, executor): compile at the first next_batch
     self.state = None
     self._pending_metrics: list[Any] = []
 
@@ -131,13 +133,22 @@ class DrafterTrainer:
     (rollout seed, worker)), not of how many it drew before: resume stays reproducible."""
     self._rng = np.random.default_rng([self._seed, *np.atleast_1d(seed).tolist(), 83])
 
-  def compile_in_background(self, hidden_size: int, executor) -> None:
-    """`compile` on `executor` (a low-priority compile thread); until it is done this trainer
-    has no batch to train on, so an idle worker waits instead of compiling in its window."""
-    self._compiling = executor.submit(self.compile, hidden_size)
+  def compile_on_first_use(self, hidden_size: int, executor) -> None:
+    """`compile` on `executor` (a low-priority compile thread) at the first `prepare` (the
+    coordinator's, when a rollout starts whose idle windows will train) or batch asked for:
+    a run whose spot training never starts (the speculation gate found that drafts cannot pay
+    on this hardware) never compiles it. Until it is done this trainer has no batch to train
+    on, so an idle worker waits instead of compiling in its window."""
+    self._deferred = (hidden_size, executor)
+
+  def prepare(self) -> None:
+    if self._deferred is not None and self._exe is None and self._compiling is None:
+      hidden_size, executor = self._deferred
+      self._compiling = executor.submit(self.compile, hidden_size)
 
   def next_batch(self):
     from tlt_jax.drafter.packing import fill_batch
+    self.prepare()
     if self._compiling is not None and not self._compiling.done():
       return None
     out = fill_batch(lambda n: self.buffer.sample(n, self._rng), self.rows, self.row_len,

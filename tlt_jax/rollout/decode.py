@@ -74,6 +74,37 @@ def prefill_with_hidden(params: Params, tokens: jax.Array, prompt_lens: jax.Arra
   return state, out.hidden
 
 
+def prefill_shared(params: Params, tokens: jax.Array, prompt_lens: jax.Array, src: jax.Array,
+                   keys: jax.Array, max_new: jax.Array, *, cfg: ModelConfig,
+                   cache_len: int) -> DecodeState:
+  """`prefill` of U distinct prompts (tokens [U, P], prompt_lens [U]) expanded to B rows
+  (`expand_rows`): a GRPO group's n responses share one prompt, whose forward runs once."""
+  u = tokens.shape[0]
+  state = prefill(params, tokens, prompt_lens, jnp.zeros((u, 2), jnp.uint32),
+                  jnp.zeros((u,), jnp.int32), cfg=cfg, cache_len=cache_len)
+  return expand_rows(state, src, keys, max_new)
+
+
+def expand_rows(state, src: jax.Array, keys: jax.Array, max_new: jax.Array):
+  """A freshly prefilled state of U distinct prompts -> B rows: row i takes prompt src[i]'s
+  rows (src[i] < 0: an empty slot) with its own key and budget (keys [B, 2], max_new [B]).
+  Nothing is sampled at prefill (each row draws its first token from its own key), so the
+  rows are what prefilling the B prompts gives. DecodeState, or a state wrapping one
+  (`.base`) whose drafter cache (`.dcache`) is emptied for empty slots."""
+  valid = src >= 0
+  rows = jax.tree.map(lambda x: jnp.take(x, jnp.maximum(src, 0), axis=0), state)
+  base = rows if isinstance(rows, DecodeState) else rows.base
+  max_new = max_new.astype(jnp.int32)
+  base = base.replace(
+      cache=base.cache.replace(lengths=jnp.where(valid, base.cache.lengths, 0)),
+      keys=keys, max_new=max_new, num_generated=jnp.zeros_like(max_new),
+      done=~valid | (max_new <= 0), stopped=jnp.zeros_like(valid))
+  if isinstance(rows, DecodeState):
+    return base
+  return rows.replace(base=base, dcache=rows.dcache.replace(
+      lengths=jnp.where(valid, rows.dcache.lengths, 0)))
+
+
 def step_keys(keys: jax.Array, num_generated: jax.Array) -> jax.Array:
   """Per-row key for the row's `num_generated`-th token: independent of batch layout."""
   return jax.vmap(lambda k, n: jax.random.fold_in(jax.random.wrap_key_data(k), n))(

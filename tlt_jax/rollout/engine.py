@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tlt_jax.models import ModelConfig, Params, unstack_layers
 from tlt_jax.rollout import decode
-from tlt_jax.rollout.executables import (CompileRecord, ExecutableCache,  # noqa: F401
+from tlt_jax.rollout.executables import (CompileRecord, ExecKey, ExecutableCache,  # noqa: F401
                                          background_compiler)
 from tlt_jax.rollout.mab import FixedSelector
 from tlt_jax.rollout.sampling import SamplingParams
@@ -249,10 +249,12 @@ class RolloutWorker:
     # background compilation (SpecConfig.background_compile): sampling params -> the
     # (bucket, arm) pairs compiled so far; one compile thread per worker
     self._ready: dict[SamplingParams, set[tuple[int, str]]] = {}
-    self._submitted: dict[SamplingParams, set[int]] = {}  # buckets handed to the compile thread
+    # (bucket, arm) pairs handed to the compile thread
+    self._submitted: dict[SamplingParams, set[tuple[int, str]]] = {}
     self._compiler = None
     self._ready_lock = threading.Lock()
     self._compiling = 0  # background compile jobs pending or running (they use self.params)
+    self._switch_submitted: set[tuple[int, int]] = set()  # (bucket, length) queued switch-ons
 
   # ---------------------------------------------------------------------------------- weights
   def set_params(self, params: Params) -> None:
@@ -356,26 +358,54 @@ class RolloutWorker:
       n *= 2
     return out + [ecfg.cache_len]
 
-  def _switch_on_exec(self, base, length: int):
-    """The executable that turns a plainly decoded batch into a speculative one, over rows
-    of up to `length` tokens (base may be abstract, for compiling ahead)."""
-    from tlt_jax.rollout import speculative
-    fn = functools.partial(speculative.switch_on, cfg=self.cfg, max_steps=self._max_steps())
+  def _switch_on_args(self, base, length: int, params=None, dparams=None) -> tuple:
     tokens = jax.ShapeDtypeStruct((base.hidden.shape[0], length), jnp.int32,
                                   sharding=self._replicated)
-    return self.exes.get("switch_on", None, fn,
-                         (self.params, self.drafter_params, base, tokens),
+    return (self.params if params is None else params,
+            self.drafter_params if dparams is None else dparams, base, tokens)
+
+  def _switch_on_exec(self, base, length: int, params=None, dparams=None):
+    """The executable that turns a plainly decoded batch into a speculative one, over rows
+    of up to `length` tokens (base, params may be abstract, for compiling ahead)."""
+    from tlt_jax.rollout import speculative
+    fn = functools.partial(speculative.switch_on, cfg=self.cfg, max_steps=self._max_steps())
+    return self.exes.get("switch_on", None, fn, self._switch_on_args(base, length, params,
+                                                                     dparams),
                          batch=base.hidden.shape[0])
 
-  def _switch_on(self, state, sched: Scheduler, outputs: dict) -> Any:
-    """Speculation starts: each row's prompt and response so far -> the SpecState."""
+  def _switch_length(self, state, sched: Scheduler, outputs: dict) -> int | None:
+    """The length switch-on runs at now: the shortest of `_switch_lengths` holding every
+    row. With background compilation, if that one is not compiled yet it is queued on the
+    compile thread and the shortest compiled one that holds the rows runs instead (the
+    cache's length is compiled with each bucket's arms); None if there is none yet."""
+    need = max((min(len(req.prompt_ids) + sum(len(t) for t in outputs[req.key].tokens),
+                    self.ecfg.cache_len)
+                for req in sched.slots[:state.batch_size] if req is not None), default=1)
+    fits = [n for n in self._switch_lengths() if n >= need]
+    if not self.ecfg.spec.background_compile:
+      return fits[0]
+    compiled = [n for n in fits
+                if ExecKey.of("switch_on", None, self._switch_on_args(state, n)) in self.exes]
+    if compiled and compiled[0] == fits[0]:
+      return fits[0]
+    with self._ready_lock:
+      queue = (state.batch_size, fits[0]) not in self._switch_submitted
+      self._switch_submitted.add((state.batch_size, fits[0]))
+    if queue and self._compiler is not None:
+      abstract = functools.partial(jax.tree.map, lambda x: jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=x.sharding))
+      args = (abstract(state), fits[0], abstract(self.params), abstract(self.drafter_params))
+      self._compiler.submit(lambda: self._switch_on_exec(*args))
+    return compiled[0] if compiled else None
+
+  def _switch_on(self, state, sched: Scheduler, outputs: dict, length: int) -> Any:
+    """Speculation starts: each row's prompt and response so far -> the SpecState, over
+    rows of `length` tokens (`_switch_length`)."""
     seqs = {}
     for row, req in enumerate(sched.slots[:state.batch_size]):
       if req is not None:
         seqs[row] = np.concatenate([np.asarray(req.prompt_ids, np.int32)]
                                    + outputs[req.key].tokens)[:self.ecfg.cache_len]
-    need = max((len(x) for x in seqs.values()), default=1)
-    length = next(n for n in self._switch_lengths() if n >= need)
     tokens = np.zeros((state.batch_size, length), np.int32)
     for row, seq in seqs.items():
       tokens[row, :len(seq)] = seq
@@ -419,17 +449,38 @@ class RolloutWorker:
     ecfg = self.ecfg
     longest = max(len(r.prompt_ids) for r in reqs)
     p = min(-(-longest // ecfg.prompt_bucket) * ecfg.prompt_bucket, ecfg.max_prompt_len)
-    tokens = np.zeros((batch, p), np.int32)
-    lens = np.zeros((batch,), np.int32)
     keys = np.zeros((batch, 2), np.uint32)
     max_new = np.zeros((batch,), np.int32)
+    src = np.full((batch,), -1, np.int32)  # row -> its distinct prompt
+    distinct: dict[tuple[int, ...], int] = {}
     for i, r in enumerate(reqs):
-      tokens[i, :len(r.prompt_ids)] = r.prompt_ids
-      lens[i] = len(r.prompt_ids)
+      src[i] = distinct.setdefault(tuple(int(t) for t in r.prompt_ids), len(distinct))
       keys[i] = self._row_key(base_key, r)
       max_new[i] = min(r.max_new_tokens or ecfg.max_new_tokens, ecfg.max_new_tokens)
-    return self._prefill(jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(keys),
-                         jnp.asarray(max_new), warm)
+    # a group's responses share their prompt: prefill each distinct prompt once when that
+    # makes a smaller batch
+    u = ecfg.bucket_for(len(distinct))
+    shared = u < batch
+    rows = u if shared else batch
+    tokens = np.zeros((rows, p), np.int32)
+    lens = np.zeros((rows,), np.int32)
+    for ids, j in distinct.items() if shared else ((r.prompt_ids, i) for i, r in
+                                                   enumerate(reqs)):
+      tokens[j, :len(ids)] = ids
+      lens[j] = len(ids)
+    if not shared:
+      return self._prefill(jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(keys),
+                           jnp.asarray(max_new), warm)
+    args = (jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(src), jnp.asarray(keys),
+            jnp.asarray(max_new))
+    if warm:
+      from tlt_jax.rollout import speculative
+      fn = functools.partial(speculative.prefill_shared, cfg=self.cfg,
+                             cache_len=ecfg.cache_len, max_steps=self._max_steps())
+      return self._call("prefill_spec", "shared", fn,
+                        (self.params, self.drafter_params) + args)
+    fn = functools.partial(decode.prefill_shared, cfg=self.cfg, cache_len=ecfg.cache_len)
+    return self._call("prefill", "shared", fn, (self.params,) + args)
 
   def _apply(self, op, state, base_key, warm: bool):
     """A scheduler layout operation on the device state; warm: the state carries the
@@ -489,7 +540,7 @@ class RolloutWorker:
     gate = self.gate if spec is not None and selector is self.selector else None
     choosable = self.choosable_pairs() if gate is not None else {}
     if gate is not None:
-      gate.begin_rollout(self.worker_id, sorted(choosable))
+      gate.begin_rollout(self.worker_id, choosable)
     if spec is not None and spec.background_compile:
       self._compile_in_background(sp)
     if (spec is not None and spec.patience == 1
@@ -510,14 +561,16 @@ class RolloutWorker:
       live = sched.live
       speculating = sched.check_speculation()
       if speculating and not started:
-        if self._spec_ready(sp, state.batch_size):
-          state = self._switch_on(state, sched, outputs)
+        length = (self._switch_length(state, sched, outputs)
+                  if self._spec_ready(sp, state.batch_size) else None)
+        if length is not None:
+          state = self._switch_on(state, sched, outputs, length)
         else:
-          speculating = False  # this bucket's arms are still compiling: decode plainly
+          speculating = False  # this bucket's executables are still compiling: decode plainly
       started = started or speculating
       arm = selector.select(len(live)) if speculating else None
-      if arm is not None and gate is not None:  # a bucket on probation tries each arm in turn
-        arm = gate.probe_arm(state.batch_size, choosable.get(state.batch_size, ()), arm)
+      if arm is not None and gate is not None:  # a bucket on probation runs the probed arms
+        arm = gate.probe_arm(state.batch_size, arm)
       if speculating:
         for s in live:
           o = outputs[sched.slots[s].key]
@@ -551,7 +604,7 @@ class RolloutWorker:
                        accepted=int(spec_counts[0]), verifications=int(spec_counts[1]),
                        t=time.perf_counter() - t_start, compiled=compiled)
       if gate is not None and not compiled:
-        gate.record(state.batch_size, arm, produced, dt, len(live))
+        gate.record(state.batch_size, arm, dt, m.steps, m.accepted, m.verifications)
       if arm is not None and not compiled:
         # Reward (DESIGN.md 4) = accepted tokens x batch size / wall time of draft + verify:
         # `produced` sums every live row's emitted tokens (accepted drafts + 1 per step), so
@@ -600,34 +653,40 @@ class RolloutWorker:
         pairs[b] = arms
     return pairs
 
+  def _wanted_pairs(self) -> dict[int, list[str]]:
+    """Bucket -> the arms to compile there: the choosable ones, or with a gate those it
+    opens to this worker now (all where speculation pays, the probed ones on probation)."""
+    pairs = self.choosable_pairs()
+    if self.gate is None:
+      return pairs
+    return {b: arms for b in pairs if (arms := self.gate.arms(self.worker_id, b))}
+
   def _spec_ready(self, sp: SamplingParams, bucket: int) -> bool:
-    """Whether every arm choosable at `bucket` is compiled (always, without background
+    """Whether every arm wanted at `bucket` is compiled (always, without background
     compilation: then a chunk compiles what it needs)."""
     spec = self.ecfg.spec
     if self.gate is not None and not self.gate.allows(self.worker_id, bucket):
       return False
     if not spec.background_compile:
       return True
-    want = {(bucket, a) for a in self.choosable_pairs().get(bucket, ())}
+    want = {(bucket, a) for a in self._wanted_pairs().get(bucket, ())}
     with self._ready_lock:
       return want <= self._ready.get(sp, set())
 
   def _compile_in_background(self, sp: SamplingParams) -> None:
     """Starts compiling the choosable (bucket, arm) pairs for `sp` that are not compiled or
     queued yet on this worker's compile thread, largest bucket first (speculation switches on
-    at the largest and shrinks). With a gate, only the buckets it opens to this worker (called
-    again at every generate: buckets it opens later are compiled then)."""
-    pairs = self.choosable_pairs()
-    if self.gate is not None:
-      opened = self.gate.opened(self.worker_id)
-      pairs = {b: arms for b, arms in pairs.items() if b in opened}
+    at the largest and shrinks). With a gate, only the arms it opens to this worker (called
+    again at every generate: what it opens later is compiled then)."""
+    pairs = self._wanted_pairs()
     with self._ready_lock:
       self._ready.setdefault(sp, set())
       submitted = self._submitted.setdefault(sp, set())
-      pairs = {b: arms for b, arms in pairs.items() if b not in submitted}
+      pairs = {b: new for b, arms in pairs.items()
+               if (new := [a for a in arms if (b, a) not in submitted])}
       if not pairs:
         return
-      submitted.update(pairs)
+      submitted.update((b, a) for b, arms in pairs.items() for a in arms)
       if self._compiler is None:
         self._compiler = background_compiler(f"compile-worker-{self.worker_id}")
       self._compiling += 1
@@ -667,32 +726,35 @@ class RolloutWorker:
     if all_pairs and pairs:
       pairs = {b: self.selector.arms for b in self.ecfg.buckets}
     before = sum(r.name == "spec" for r in self.exes.records)
-    self._compile_pairs(sp, pairs)
+    self._compile_pairs(sp, pairs, all_lengths=True)
     if self.ecfg.spec.background_compile:
       with self._ready_lock:
         self._ready.setdefault(sp, set()).update((b, a) for b, arms in pairs.items()
                                                  for a in arms)
-        self._submitted.setdefault(sp, set()).update(pairs)
+        self._submitted.setdefault(sp, set()).update((b, a) for b, arms in pairs.items()
+                                                     for a in arms)
     return sum(r.name == "spec" for r in self.exes.records) - before
 
   def _compile_pairs(self, sp: SamplingParams, pairs: dict[int, list[str]],
-                     on_compiled: Callable | None = None) -> None:
+                     on_compiled: Callable | None = None, all_lengths: bool = False) -> None:
+    """The spec executables of `pairs` and, per bucket, switch-on over the whole cache
+    (every other length: all_lengths=True, else compiled when first needed)."""
     if not pairs:
       return
     top = max(pairs)
-    dummy = [Request([0], i) for i in range(top)]
+    dummy = [Request([i % self.cfg.vocab_size], i) for i in range(top)]  # distinct: no sharing
     base = self._prefill_requests(dummy, top, jax.random.key(0), warm=False)
     lengths = self._switch_lengths()
-    tokens = jax.device_put(np.zeros((top, lengths[0]), np.int32), self._replicated)
-    state = self._switch_on_exec(base, lengths[0])(self.params, self.drafter_params, base,
-                                                   tokens)
+    tokens = jax.device_put(np.zeros((top, lengths[-1]), np.int32), self._replicated)
+    state = self._switch_on_exec(base, lengths[-1])(self.params, self.drafter_params, base,
+                                                    tokens)
 
     def resized(tree, b):  # state leaves are batch-major
       return jax.tree.map(
           lambda x: jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype, sharding=x.sharding), tree)
 
     for b in sorted(pairs, reverse=True):
-      for n in lengths:
+      for n in lengths if all_lengths else lengths[-1:]:
         self._switch_on_exec(resized(base, b), n)
       abstract = resized(state, b)
       for arm in pairs[b]:

@@ -114,6 +114,17 @@ def prefill(params: Params, dparams: Params, tokens: jax.Array, prompt_lens: jax
                          max_steps=max_steps)
 
 
+def prefill_shared(params: Params, dparams: Params, tokens: jax.Array, prompt_lens: jax.Array,
+                   src: jax.Array, keys: jax.Array, max_new: jax.Array, *, cfg: ModelConfig,
+                   cache_len: int, max_steps: int) -> SpecState:
+  """`prefill` of U distinct prompts expanded to B rows (decode.expand_rows)."""
+  u = tokens.shape[0]
+  state = prefill(params, dparams, tokens, prompt_lens, jnp.zeros((u, 2), jnp.uint32),
+                  jnp.zeros((u,), jnp.int32), cfg=cfg, cache_len=cache_len,
+                  max_steps=max_steps)
+  return decode.expand_rows(state, src, keys, max_new)
+
+
 def _emit(bufs: ChunkOutput, count: jax.Array, tokens, logprobs, hidden, n_emit):
   """Appends per-row tokens [B, E] (first n_emit[b] valid) at per-row offsets count [B]."""
   b, e = tokens.shape
