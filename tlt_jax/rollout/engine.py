@@ -324,15 +324,21 @@ class RolloutWorker:
     exe = self.exes.get(name, variant, fn, args, donate=donate, batch=self._batch(args))
     return exe(*args)
 
-  def _prefill(self, tokens, lens, keys, max_new, warm: bool):
+  def _prefill(self, tokens, lens, src, keys, max_new, warm: bool):
+    """Prefill of `tokens` [U, P]; src [B] (row -> its prompt, `decode.expand_rows`) when
+    rows share prompts, None when row i is prompt i. warm: with the drafter's prefill."""
+    from tlt_jax.rollout import speculative
+    mod = speculative if warm else decode
+    kw = dict(cfg=self.cfg, cache_len=self.ecfg.cache_len)
     if warm:
-      from tlt_jax.rollout import speculative
-      fn = functools.partial(speculative.prefill, cfg=self.cfg, cache_len=self.ecfg.cache_len,
-                             max_steps=self._max_steps())
-      return self._call("prefill_spec", None, fn,
-                        (self.params, self.drafter_params, tokens, lens, keys, max_new))
-    fn = functools.partial(decode.prefill, cfg=self.cfg, cache_len=self.ecfg.cache_len)
-    return self._call("prefill", None, fn, (self.params, tokens, lens, keys, max_new))
+      kw["max_steps"] = self._max_steps()
+    params = (self.params, self.drafter_params) if warm else (self.params,)
+    name = "prefill_spec" if warm else "prefill"
+    if src is None:
+      return self._call(name, None, functools.partial(mod.prefill, **kw),
+                        params + (tokens, lens, keys, max_new))
+    return self._call(name, "shared", functools.partial(mod.prefill_shared, **kw),
+                      params + (tokens, lens, src, keys, max_new))
 
   def _decode(self, state, sp: SamplingParams, arm: str | None = None):
     """One chunk. arm=None: plain decoding (before speculation starts: a DecodeState, the
@@ -468,19 +474,9 @@ class RolloutWorker:
                                                    enumerate(reqs)):
       tokens[j, :len(ids)] = ids
       lens[j] = len(ids)
-    if not shared:
-      return self._prefill(jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(keys),
-                           jnp.asarray(max_new), warm)
-    args = (jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(src), jnp.asarray(keys),
-            jnp.asarray(max_new))
-    if warm:
-      from tlt_jax.rollout import speculative
-      fn = functools.partial(speculative.prefill_shared, cfg=self.cfg,
-                             cache_len=ecfg.cache_len, max_steps=self._max_steps())
-      return self._call("prefill_spec", "shared", fn,
-                        (self.params, self.drafter_params) + args)
-    fn = functools.partial(decode.prefill_shared, cfg=self.cfg, cache_len=ecfg.cache_len)
-    return self._call("prefill", "shared", fn, (self.params,) + args)
+    return self._prefill(jnp.asarray(tokens), jnp.asarray(lens),
+                         jnp.asarray(src) if shared else None, jnp.asarray(keys),
+                         jnp.asarray(max_new), warm)
 
   def _apply(self, op, state, base_key, warm: bool):
     """A scheduler layout operation on the device state; warm: the state carries the
