@@ -155,6 +155,54 @@ def test_state_survives_a_resume():
   assert h.drafter_wanted()
 
 
+def test_hardware_verdicts_outlive_the_run_where_nothing_they_depend_on_changed(tmp_path):
+  """A hardware decline is written to the verdict cache; the next run with the same
+  fingerprint starts declined (no probe: nothing compiles, the drafter is not wanted), one
+  with another fingerprint probes; acceptance verdicts are not kept (they depend on the
+  drafter); a re-probe that pays removes the verdict; a damaged file is a cache miss."""
+  from tlt_jax.rollout.gate import VerdictCache
+  path = tmp_path / "gate" / "verdicts.json"
+  fp = {"device_kind": "cpu", "model": "hidden=128"}
+  buckets = {b: ARMS for b in (1, 2, 4)}
+
+  def gate(fingerprint=fp, **kw):
+    g = SpecGate(GateConfig(lead="4_1_5", min_chunks=2, margin=0.05, **kw),
+                 verdicts=VerdictCache(str(path), fingerprint))
+    g.begin_rollout(0, buckets)
+    return g
+
+  g = gate()
+  assert g.status[1] == "probing" and not path.exists()
+  _feed(g, 1, None, 100.0, 2)
+  _feed(g, 1, "4_1_5", 58.0, 2, accept_len=3.5)  # ceiling 0.83: hardware
+  assert g.reason[1] == "hardware" and path.exists()
+
+  again = gate()
+  assert again.status == {1: "declined", 2: "declined", 4: "declined"}
+  assert set(again.reason.values()) == {"hardware"} and again.decisions[0]["cached"]
+  assert again.arms(0, 1) == [] and not again.allows(0, 1) and not again.drafter_wanted()
+  assert gate({**fp, "model": "hidden=1024"}).status[1] == "probing"  # another shape
+
+  # a re-probe (hardware_reprobe_every rollouts later) that pays forgets the verdict
+  h = gate(hardware_reprobe_every=2)
+  h.begin_rollout(0, buckets)
+  h.begin_rollout(0, buckets)
+  assert h.status[1] == "probing"
+  _feed(h, 1, None, 100.0, 2)
+  _feed(h, 1, "4_1_5", 150.0, 2, accept_len=3.5)
+  assert h.status[1] == "pays" and gate().status[1] == "probing"
+
+  # acceptance verdicts stay with their run
+  a = gate()
+  _feed(a, 1, None, 100.0, 2)
+  _feed(a, 1, "4_1_5", 50.0, 2, accept_len=1.1)  # ceiling 2.3: the drafts fall short
+  _feed(a, 1, "3_1_4", 60.0, 2, accept_len=1.1)
+  assert a.reason[1] == "acceptance" and gate().status[1] == "probing"
+
+  path.write_text("{not json")
+  assert gate().status[1] == "probing"  # a damaged cache: measured again, nothing raised
+
+
 def test_config_validation():
   for kw in ({"min_chunks": 0}, {"margin": -0.1}, {"reprobe_every": -1},
              {"hardware_reprobe_every": -2}, {"follow_traffic": -1},
@@ -225,3 +273,23 @@ def test_workers_compile_and_speculate_only_where_the_gate_opens():
   run(b)
   assert any(c.mode == "3_1_4" and c.bucket == 1 for c in b.chunk_log[n_b:])
   assert all(c.mode == "plain" for c in b.chunk_log[n_b:] if c.bucket > 1)
+
+
+def test_drafter_data_is_captured_only_while_the_gate_wants_the_drafter():
+  """Hidden states (the drafter's training data) leave the device only once a probe has shown
+  drafts can pay here; then they are exactly what a worker without a gate captures."""
+  params = init_params(CFG, jax.random.key(0), std=0.3)
+  dparams = init_drafter(CFG, jax.random.key(1))
+  reqs, sp = _requests(5), SamplingParams(temperature=0.0)
+  spec = SpecConfig(strategy="3_1_4", bs_threshold=1, patience=1, use_kernel=False)
+  ecfg = EngineConfig(**SMALL, spec=spec, capture_hidden=True)
+  ref = {r.request_id: r.hidden for r in RolloutWorker(
+      params, CFG, ecfg, drafter_params=dparams).generate(reqs, sp, speculate=False)}
+  gate = SpecGate(GateConfig(min_chunks=1, reprobe_every=0))
+  w = RolloutWorker(params, CFG, ecfg, drafter_params=dparams, gate=gate)
+  assert all(r.hidden is None for r in w.generate(reqs, sp))  # nothing shows drafts pay yet
+  gate.hardware_ok = True  # as if a probe measured a ceiling over the bar
+  got = w.generate(reqs, sp)
+  assert gate.drafter_wanted() and all(r.hidden is not None for r in got)
+  for r in got:
+    np.testing.assert_allclose(r.hidden, ref[r.request_id][-len(r.hidden):], atol=1e-5)

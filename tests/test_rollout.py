@@ -279,9 +279,9 @@ def test_compaction_shrinks_buckets(greedy, layouts):
   main = layouts["workers"]["main"]
   names = {r.name for r in main.compile_log}
   assert "take_rows" in names  # compaction really ran
-  # one decode executable per (sampling params, bucket), recorded with that bucket
+  # one decode executable per (sampling params, capture, bucket), recorded with that bucket
   decode_batches = sorted(r.batch for r in main.compile_log
-                          if r.name == "decode" and r.key.variant == GREEDY)
+                          if r.name == "decode" and r.key.variant == (GREEDY, True))
   assert decode_batches == sorted({c.bucket for c in greedy["qwen2"]["chunks"]})
 
 

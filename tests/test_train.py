@@ -202,7 +202,8 @@ def test_tlt_run_on_two_workers_trains_the_drafter_in_idle_windows(tmp_path):
   """TLT on, spot mode, two rollout workers on devices 0 and 1 of the 8-device test mesh:
   metrics, the per-worker timeline, TensorBoard and checkpoints are written; idle worker
   time is spent training the drafter, and every worker decodes with the merged drafter."""
-  cfg = _small_cfg(tmp_path, 2, **{"train.eval_every": 2})
+  # 3 prompts: worker 0 decodes two, worker 1 one (request_id % workers), so one of them idles
+  cfg = _small_cfg(tmp_path, 2, **{"train.eval_every": 2, "grpo.num_prompts": 3})
   from tlt_jax.train import build, train
   run = build(cfg)
   last = train(run, progress=False)
@@ -214,7 +215,13 @@ def test_tlt_run_on_two_workers_trains_the_drafter_in_idle_windows(tmp_path):
   assert last["spec"]["chunks"] > 0 and last["spec"]["verify_path"] == ["jnp"]
   spot = last["spot"]
   assert set(spot["per_worker"]) == {"0", "1"}
-  assert spot["idle_s"] > 0 and spot["idle_share_trained"] > 0.5, spot
+  # Idle time is spent training: what a worker leaves untrained is its wake-up latency (a
+  # thread switch under the GIL beside the decoding worker, a few ms; tens on a loaded CI
+  # machine), not a share of the window: the windows here are as short as the two shares'
+  # difference in decode time (30 ms in one CI run), so a share threshold is timing luck.
+  assert spot["idle_s"] > 0 and spot["training_s"] > 0, spot
+  for w in spot["per_worker"].values():
+    assert w["idle_s"] - w["training_s"] <= max(0.5 * w["idle_s"], 0.1), spot
   assert last["drafter"]["steps"] >= 1 and last["drafter"]["tokens"] > 0
   assert spot["critical_path_s"] < last["time"]["total"]
   timeline = [json.loads(line) for line in open(tmp_path / "timeline.jsonl")]

@@ -123,11 +123,12 @@ def spec_config(cfg: ml_collections.ConfigDict):
                **{k: s[k] for k in fields})
 
 
-def spec_gate(cfg: ml_collections.ConfigDict):
+def spec_gate(cfg: ml_collections.ConfigDict, verdicts=None):
   """The gate that opens speculation bucket by bucket as it is measured to pay
   (tlt_jax/rollout/gate.py), from config.tlt.spec.gate; None when disabled, and with the
   fixed selector (a pinned strategy runs wherever speculation switches on, deterministically:
-  the gate's verdicts depend on measured speed)."""
+  the gate's verdicts depend on measured speed). `verdicts`: a gate.VerdictCache of earlier
+  runs' hardware verdicts."""
   from tlt_jax.rollout.gate import GateConfig, SpecGate
   g = cfg.tlt.spec.get("gate")
   if g is None or not g.enabled or cfg.tlt.spec.selector == "fixed":
@@ -137,7 +138,8 @@ def spec_gate(cfg: ml_collections.ConfigDict):
   names = {k: f"tlt.spec.gate.{k}" for k in fields}
   names["lead"] = "tlt.spec.strategy"  # the probe's first arm: the fixed selector's
   return SpecGate(typed(GateConfig, names, "tlt.spec.gate",
-                        lead=cfg.tlt.spec.strategy, **{k: g[k] for k in fields}))
+                        lead=cfg.tlt.spec.strategy, **{k: g[k] for k in fields}),
+                  verdicts=verdicts)
 
 
 def engine_config(cfg: ml_collections.ConfigDict, stop: tuple[int, ...] = (), *,

@@ -236,8 +236,6 @@ def build(cfg) -> Run:
   # Evaluation decodes through the same workers with its OWN selector (same arms): eval
   # chunks must not move the training bandit's reward windows (or its checkpoint).
   eval_selector = config_lib.selector(cfg) if tlt else None
-  # one gate for this process's workers: one of them probes whether speculation pays
-  gate = config_lib.spec_gate(cfg) if tlt else None
   drafter = store_sh = step_fn = buffer = None
   if tlt:
     from tlt_jax.drafter import train_step as dts
@@ -261,6 +259,9 @@ def build(cfg) -> Run:
   ecfg = config_lib.engine_config(cfg, stop, speculative=tlt, capture_hidden=trained,
                                   hidden_keep=d.window * d.windows_per_response if trained
                                   else 0)
+  # one gate for this process's workers: one of them probes whether speculation pays
+  gate = config_lib.spec_gate(cfg, verdicts=_gate_verdicts(
+      model_cfg, ecfg, cfg, dparams, local[0][1].devices.flat)) if tlt else None
   to_rollout = _rollout_layout(learner, model_cfg, rollout_mesh)
   first = to_rollout(learner.params)
   workers = []
@@ -321,6 +322,27 @@ def build(cfg) -> Run:
              store=store, coordinator=coordinator, selector=selector,
              eval_selector=eval_selector, buffer=buffer, ckpt=ckpt, compile_clock=compile_clock,
              gate=gate)
+
+
+def _gate_verdicts(model_cfg, ecfg, cfg, dparams, devices):
+  """Where the speculation gate keeps its hardware verdicts across runs: beside JAX's
+  persistent compilation cache, keyed by what a verdict depends on (None when this process
+  has no persistent cache, e.g. in tests: a cold compilation cache is a cold gate)."""
+  import platform
+
+  import jax
+  cache = jax.config.jax_compilation_cache_dir
+  if not cache:
+    return None
+  from tlt_jax.rollout.gate import VerdictCache
+  devices = list(devices)
+  fingerprint = {
+      "jax": jax.__version__, "platform": devices[0].platform,
+      "device_kind": devices[0].device_kind, "replica_devices": len(devices),
+      "host": [platform.machine(), os.cpu_count()],  # (a CPU's "device kind" is just cpu)
+      "model": repr(model_cfg), "drafter": repr(jax.tree.map(np.shape, dparams)),
+      "engine": repr(ecfg), "sampling": repr(config_lib.sampling_params(cfg))}
+  return VerdictCache(os.path.join(cache, "tlt_gate", "verdicts.json"), fingerprint)
 
 
 def _rollout_layout(learner, model_cfg, rollout_mesh):

@@ -87,7 +87,9 @@ class EngineConfig:
   max_prompt_len: int = 128  # cache capacity is max_prompt_len + max_new_tokens
   max_new_tokens: int = 256
   prompt_bucket: int = 16  # prompts are padded to a multiple of this (fewer prefill compiles)
-  capture_hidden: bool = False  # return per-token last-layer hidden states (drafter data)
+  # return per-token last-layer hidden states (drafter data); with a speculation gate, only
+  # while it wants the drafter trained (none on hardware where drafts cannot pay)
+  capture_hidden: bool = False
   hidden_keep: int = 0  # > 0: keep only each response's last hidden_keep states (host memory)
   stop_tokens: tuple[int, ...] = ()
   spec: SpecConfig | None = None  # speculative decoding (needs drafter params on the worker)
@@ -340,16 +342,18 @@ class RolloutWorker:
     return self._call(name, "shared", functools.partial(mod.prefill_shared, **kw),
                       params + (tokens, lens, src, keys, max_new))
 
-  def _decode(self, state, sp: SamplingParams, arm: str | None = None):
+  def _decode(self, state, sp: SamplingParams, arm: str | None = None, capture: bool = False):
     """One chunk. arm=None: plain decoding (before speculation starts: a DecodeState, the
-    executables of a worker without a drafter); else a strategy on the SpecState. Returns
-    (state, ChunkOutput, [accepted draft tokens, verifications])."""
+    executables of a worker without a drafter), returning hidden states if `capture`; else a
+    strategy on the SpecState (whose executables return them if the engine captures at all:
+    speculative chunks run only where the gate opens). Returns (state, ChunkOutput,
+    [accepted draft tokens, verifications])."""
     ecfg = self.ecfg
     if arm is None:
       fn = functools.partial(decode.decode_chunk, cfg=self.cfg, sp=sp,
                              stop_tokens=ecfg.stop_tokens, chunk=ecfg.chunk_size,
-                             capture_hidden=ecfg.capture_hidden)
-      state, out = self._call("decode", sp, fn, (self.params, state), donate=(1,))
+                             capture_hidden=capture)
+      state, out = self._call("decode", (sp, capture), fn, (self.params, state), donate=(1,))
       return state, out, (0, 0)
     return self._spec_exec(sp, arm, state)(self.params, self.drafter_params, state)
 
@@ -537,6 +541,10 @@ class RolloutWorker:
     choosable = self.choosable_pairs() if gate is not None else {}
     if gate is not None:
       gate.begin_rollout(self.worker_id, choosable)
+    # drafter data only while the drafter is to be trained: with a gate, once a probe has
+    # shown that drafts can pay on this hardware (where they cannot, the hidden states'
+    # transfer and host bookkeeping are pure overhead on every chunk)
+    capture = ecfg.capture_hidden and (self.gate is None or self.gate.drafter_wanted())
     if spec is not None and spec.background_compile:
       self._compile_in_background(sp)
     if (spec is not None and spec.patience == 1
@@ -575,7 +583,7 @@ class RolloutWorker:
       # --- one chunk of decoding (the only host sync)
       compiles = len(self.exes.records)
       t0 = time.perf_counter()
-      state, out, spec_counts = self._decode(state, sp, arm)
+      state, out, spec_counts = self._decode(state, sp, arm, capture)
       base = state if isinstance(state, decode.DecodeState) else state.base
       out, done, stopped, spec_counts = jax.device_get((out, base.done, base.stopped,
                                                           spec_counts))
@@ -587,7 +595,7 @@ class RolloutWorker:
         v = out.valid[s]
         produced += int(v.sum())
         o.append(out.tokens[s][v], out.logprobs[s][v],
-                 None if out.hidden is None else out.hidden[s][v])
+                 out.hidden[s][v] if capture and out.hidden is not None else None)
         if done[s]:
           sched.finish(s)
           res = self._result(req, outputs.pop(req.key), bool(stopped[s]), t_start)

@@ -46,6 +46,14 @@ compiled ones; this gate decides which batch buckets are worth compiling arms fo
   prober's batch compacts through them). A bucket that pays makes every smaller one pay (a
   smaller batch is the more memory-bound); one declined declines every larger one.
 
+- Hardware verdicts outlive the run (`VerdictCache`): they depend on the machine and the
+  shapes, not on the drafter or the policy, so like compiled executables they are kept on disk
+  (beside the persistent compilation cache), keyed by everything the measurement depends on.
+  A later run of the same config on the same kind of machine starts with those buckets
+  declined and probes, compiles and trains nothing for them; it re-probes them every
+  `hardware_reprobe_every` rollouts as a run that measured them itself would, and a re-probe
+  that pays removes the verdict.
+
 One gate per process, shared by its workers (thread-safe); rates are per chunk from the
 workers' `ChunkMetrics`. Chunks that compiled are not measured.
 """
@@ -54,6 +62,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
+import json
+import logging
+import os
+import tempfile
 import threading
 from typing import Any, Mapping, Sequence
 
@@ -116,12 +129,70 @@ def _depth(arm: str) -> int:
   return Strategy.parse(arm).steps
 
 
+_log = logging.getLogger(__name__)
+
+
+class VerdictCache:
+  """Hardware verdicts kept across runs: one JSON file, one entry per `fingerprint` (a dict
+  of everything a verdict depends on: device kind, JAX version, model and drafter shapes,
+  dtype, cache length, chunk, sampling; the caller builds it), each entry bucket -> the
+  decision that declined it for hardware. Only hardware verdicts are kept: whether the drafts
+  are accepted depends on the drafter and the policy, which move during a run.
+
+  Reads and writes never fail a run: an unreadable file is a cache miss (logged), a write
+  goes to a temporary file renamed over the old one (processes that write at once leave one
+  of their files whole)."""
+
+  def __init__(self, path: str, fingerprint: Mapping[str, Any]):
+    self.path = os.path.expanduser(path)
+    self.fingerprint = dict(fingerprint)
+    blob = json.dumps(self.fingerprint, sort_keys=True, default=str)
+    self.key = hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+  def _read(self) -> dict[str, Any]:
+    try:
+      with open(self.path) as f:
+        data = json.load(f)
+      return data if isinstance(data, dict) else {}
+    except FileNotFoundError:
+      return {}
+    except (OSError, ValueError) as e:
+      _log.warning("speculation gate: ignoring the verdict cache %s (%s)", self.path, e)
+      return {}
+
+  def load(self) -> dict[int, dict[str, Any]]:
+    """bucket -> the cached hardware decision, for this fingerprint."""
+    entry = self._read().get(self.key, {})
+    try:
+      return {int(b): dict(d) for b, d in entry.get("declined", {}).items()}
+    except (AttributeError, TypeError, ValueError):
+      return {}
+
+  def update(self, declined: Mapping[int, Mapping[str, Any]]) -> None:
+    """Replaces this fingerprint's verdicts with `declined` (bucket -> decision)."""
+    data = self._read()
+    if declined:
+      data[self.key] = {"fingerprint": self.fingerprint,
+                        "declined": {str(b): dict(d) for b, d in declined.items()}}
+    elif data.pop(self.key, None) is None:
+      return
+    try:
+      os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+      fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path) or ".", suffix=".tmp")
+      with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True, default=str)
+      os.replace(tmp, self.path)
+    except OSError as e:
+      _log.warning("speculation gate: could not write the verdict cache %s (%s)", self.path, e)
+
+
 class SpecGate:
   """See the module docstring. The first worker that starts a rollout gives the engine
   buckets with speculative arms (and those arms) and probes."""
 
-  def __init__(self, cfg: GateConfig | None = None):
+  def __init__(self, cfg: GateConfig | None = None, verdicts: VerdictCache | None = None):
     self.cfg = cfg or GateConfig()
+    self.verdicts = verdicts  # hardware verdicts of earlier runs (None: measure every run)
     self._lock = threading.Lock()
     self.buckets: list[int] = []
     self.arms_at: dict[int, list[str]] = {}  # bucket -> arms choosable there
@@ -154,7 +225,9 @@ class SpecGate:
         if not self.buckets:  # (a resume restores buckets and verdicts)
           self.buckets = sorted(self.arms_at)
           self.status = {b: CLOSED for b in self.buckets}
-          self._start_probe(self.buckets[0])
+          self._apply_cached()
+          if self.status[self.buckets[0]] == CLOSED:
+            self._start_probe(self.buckets[0])
           return
       if worker_id != self.prober or not self.status:
         return
@@ -227,6 +300,31 @@ class SpecGate:
         self._decide(bucket)
 
   # ------------------------------------------------------------------------------ decisions
+  def _apply_cached(self) -> None:
+    """Declines for hardware, as of now, the smallest bucket an earlier run declined so on
+    this machine with these shapes, and every larger one (as that run's verdict did)."""
+    if self.verdicts is None:
+      return
+    cached = {b: d for b, d in self.verdicts.load().items() if b in self.status}
+    if not cached:
+      return
+    b0 = min(cached)
+    self.decisions.append({**cached[b0], "bucket": b0, "verdict": DECLINED,
+                           "reason": HARDWARE, "cached": True, "rollout": self.rollouts})
+    for b in self.buckets[self.buckets.index(b0):]:
+      self.status[b] = DECLINED
+      self.reason[b] = HARDWARE
+      self._declined_at[b] = self.rollouts
+
+  def _save_verdicts(self) -> None:
+    if self.verdicts is None:
+      return
+    declined = {d["bucket"]: {k: v for k, v in d.items() if k in ("best_arm", "ratio",
+                                                                  "ceiling", "accept_len")}
+                for d in self.decisions if d.get("reason") == HARDWARE}
+    self.verdicts.update({b: d for b, d in declined.items()
+                          if self.status.get(b) == DECLINED and self.reason.get(b) == HARDWARE})
+
   def _probe_arms(self, b: int) -> list[str]:
     drafting = [a for a in self.arms_at.get(b, ()) if a != "off"]
     if b in self._wide or not drafting:
@@ -298,12 +396,14 @@ class SpecGate:
       nxt = next((bb for bb in self.buckets[i + 1:] if self.status[bb] != PAYS), None)
       if nxt is not None and self.status[nxt] != PROBING:
         self._start_probe(nxt)  # closed, or declined before (a re-probe that paid)
+      self._save_verdicts()  # (a re-probe that paid: its old verdict goes)
       return
     for bb in self.buckets[i:]:
       if self.status[bb] != DECLINED or bb == b:
         self.status[bb] = DECLINED
         self.reason[bb] = reason
         self._declined_at[bb] = self.rollouts
+    self._save_verdicts()
 
   # -------------------------------------------------------------------------- introspection
   def summary(self) -> dict[str, Any]:
