@@ -1,7 +1,8 @@
 """The embedded default: GRPO on the shipped tiny Qwen2 model and the synthetic long-tail
 arithmetic task, with TLT's speculative rollout (shipped warm-started drafter) and spot
-drafter training on the idle one of two rollout workers. Runs on a 2-core CPU in about 3.5
-minutes (JAX 0.12, cold compilation cache) with no downloads:
+drafter training on the idle one of two rollout workers. Runs on a 2-core CPU in 3 to 7
+minutes, as fast or slow as the machine is that day (JAX 0.12, cold compilation cache), with
+no downloads:
 
   python -m tlt_jax.train --config configs/default.py
   python -m tlt_jax.train --config configs/default.py --config.tlt.enabled=False   # baseline
@@ -169,6 +170,8 @@ def get_config():
   # larger bucket after `follow_traffic` rollouts without a chunk where it is. Not with
   # selector="fixed" (the pinned strategy always). On this CPU the shipped model is compute-
   # bound: bucket 1 is declined for hardware after a few chunks (tlt_jax/rollout/gate.py).
+  # Hardware verdicts are kept beside `compilation_cache` (tlt_gate/verdicts.json): a later
+  # run of this config on this kind of machine starts with them and probes nothing.
   c.tlt.spec.gate = ml_collections.ConfigDict({
       "enabled": True, "min_chunks": 4, "margin": 0.05, "reprobe_every": 10,
       "hardware_reprobe_every": 40, "follow_traffic": 3})

@@ -659,7 +659,9 @@ def train(run: Run, *, progress: bool = True) -> dict[str, Any]:
         if bar is not None:
           post = {"reward": f"{m['reward']:.3f}", "len": f"{m['response_length']['mean']:.0f}",
                   "s/step": f"{m['time']['total']:.1f}"}
-          if "spot" in m and m["spot"]["idle_share_trained"] is not None:
+          if run.gate is not None and not run.gate.drafter_wanted():
+            post["drafter"] = "paused"  # (the gate found no draft pays here, or not yet)
+          elif "spot" in m and m["spot"]["idle_share_trained"] is not None:
             post["idle_trained"] = f"{m['spot']['idle_share_trained']:.0%}"
           if "eval" in m:
             post["eval_acc"] = f"{m['eval']['accuracy']:.3f}"
