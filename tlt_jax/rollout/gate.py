@@ -311,10 +311,7 @@ class SpecGate:
     b0 = min(cached)
     self.decisions.append({**cached[b0], "bucket": b0, "verdict": DECLINED,
                            "reason": HARDWARE, "cached": True, "rollout": self.rollouts})
-    for b in self.buckets[self.buckets.index(b0):]:
-      self.status[b] = DECLINED
-      self.reason[b] = HARDWARE
-      self._declined_at[b] = self.rollouts
+    self._decline_from(b0, HARDWARE)
 
   def _save_verdicts(self) -> None:
     if self.verdicts is None:
@@ -398,12 +395,17 @@ class SpecGate:
         self._start_probe(nxt)  # closed, or declined before (a re-probe that paid)
       self._save_verdicts()  # (a re-probe that paid: its old verdict goes)
       return
-    for bb in self.buckets[i:]:
+    self._decline_from(b, reason)
+    self._save_verdicts()
+
+  def _decline_from(self, b: int, reason: str) -> None:
+    """Declines `b` and every larger bucket not already declined (a larger batch is more
+    compute-bound: drafts pay less there), as of this rollout."""
+    for bb in self.buckets[self.buckets.index(b):]:
       if self.status[bb] != DECLINED or bb == b:
         self.status[bb] = DECLINED
         self.reason[bb] = reason
         self._declined_at[bb] = self.rollouts
-    self._save_verdicts()
 
   # -------------------------------------------------------------------------- introspection
   def summary(self) -> dict[str, Any]:
