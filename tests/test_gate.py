@@ -285,7 +285,8 @@ def test_drafter_data_is_captured_only_while_the_gate_wants_the_drafter():
   ecfg = EngineConfig(**SMALL, spec=spec, capture_hidden=True)
   ref = {r.request_id: r.hidden for r in RolloutWorker(
       params, CFG, ecfg, drafter_params=dparams).generate(reqs, sp, speculate=False)}
-  gate = SpecGate(GateConfig(min_chunks=1, reprobe_every=0))
+  # a probe that never decides (its verdict is timing's): whether drafts pay is set by hand
+  gate = SpecGate(GateConfig(min_chunks=10_000, window=10_000, reprobe_every=0))
   w = RolloutWorker(params, CFG, ecfg, drafter_params=dparams, gate=gate)
   assert all(r.hidden is None for r in w.generate(reqs, sp))  # nothing shows drafts pay yet
   gate.hardware_ok = True  # as if a probe measured a ceiling over the bar

@@ -150,8 +150,11 @@ def test_resume_with_spot_training_and_the_bandit_restores_every_state(tmp_path)
   many drafter steps as the idle windows hold, so resumed samples are other draws from the
   same distribution; what must hold is that every state comes back: the bandit's windows and
   RNG, the drafter and its optimizer, the actor, the data position, the buffer's policy."""
-  from tlt_jax.train import build, restore
-  first = _run(_small_cfg(tmp_path, 3))  # chunks that compile reward no arm: 3 steps
+  from tlt_jax.train import build, restore, train
+  first = build(_small_cfg(tmp_path, 3))  # chunks that compile reward no arm: 3 steps
+  for w in first.coordinator.workers:  # the drafter step compiles at low priority beside the
+    w.trainer.prepare().result()  # run: on a loaded machine it can outlast 3 short rollouts
+  train(first, progress=False)
   assert _pulls(first.selector) > 0  # the bandit has windows to restore
   assert int(first.store.drafter()[1].step) > 0  # spot training ran
   second = build(_small_cfg(tmp_path, 5))

@@ -46,7 +46,7 @@ class SpotConfig:
 class Trainer(Protocol):
   """What the spot loop needs of a worker's drafter trainer."""
 
-  def prepare(self) -> None: ...  # this rollout's idle windows will train: get ready (compile)
+  def prepare(self) -> Any: ...  # this rollout's idle windows will train: get ready (compile)
   def reseed(self, seed: Any) -> None: ...  # batch draws of a rollout: a function of its seed
   def next_batch(self) -> Any | None: ...  # host batch, None when there is no data yet
   def dispatch(self, batch: Any) -> Any: ...  # starts one step (async); -> in-flight handle
@@ -141,10 +141,13 @@ class DrafterTrainer:
     on, so an idle worker waits instead of compiling in its window."""
     self._deferred = (hidden_size, executor)
 
-  def prepare(self) -> None:
+  def prepare(self):
+    """Starts a deferred compile (`compile_on_first_use`) if none ran yet. Returns its Future
+    (done once the step is compiled), None where nothing was deferred."""
     if self._deferred is not None and self._exe is None and self._compiling is None:
       hidden_size, executor = self._deferred
       self._compiling = executor.submit(self.compile, hidden_size)
+    return self._compiling
 
   def next_batch(self):
     from tlt_jax.drafter.packing import fill_batch
