@@ -106,6 +106,17 @@ def _run(cfg):
   return run
 
 
+def _build_drafter_compiled(cfg):
+  """build(cfg), then waits for the spot drafter step, which compiles at low priority beside
+  the run (on a loaded machine it can outlast a few short rollouts, whose idle windows then
+  wait instead of training: timing, not what a test checks)."""
+  from tlt_jax.train import build
+  run = build(cfg)
+  for w in run.coordinator.workers:
+    w.trainer.prepare().result()
+  return run
+
+
 def _same_tree(a, b):
   import jax
   la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
@@ -151,10 +162,8 @@ def test_resume_with_spot_training_and_the_bandit_restores_every_state(tmp_path)
   same distribution; what must hold is that every state comes back: the bandit's windows and
   RNG, the drafter and its optimizer, the actor, the data position, the buffer's policy."""
   from tlt_jax.train import build, restore, train
-  first = build(_small_cfg(tmp_path, 3))  # chunks that compile reward no arm: 3 steps
-  for w in first.coordinator.workers:  # the drafter step compiles at low priority beside the
-    w.trainer.prepare().result()  # run: on a loaded machine it can outlast 3 short rollouts
-  train(first, progress=False)
+  first = _build_drafter_compiled(_small_cfg(tmp_path, 3))  # chunks that compile reward no
+  train(first, progress=False)  # arm: 3 steps
   assert _pulls(first.selector) > 0  # the bandit has windows to restore
   assert int(first.store.drafter()[1].step) > 0  # spot training ran
   second = build(_small_cfg(tmp_path, 5))
@@ -207,8 +216,8 @@ def test_tlt_run_on_two_workers_trains_the_drafter_in_idle_windows(tmp_path):
   time is spent training the drafter, and every worker decodes with the merged drafter."""
   # 3 prompts: worker 0 decodes two, worker 1 one (request_id % workers), so one of them idles
   cfg = _small_cfg(tmp_path, 2, **{"train.eval_every": 2, "grpo.num_prompts": 3})
-  from tlt_jax.train import build, train
-  run = build(cfg)
+  from tlt_jax.train import train
+  run = _build_drafter_compiled(cfg)
   last = train(run, progress=False)
   recs = _records(tmp_path)
   assert [r["step"] for r in recs] == [0, 1, 2]
