@@ -46,7 +46,7 @@ class SpotConfig:
 class Trainer(Protocol):
   """What the spot loop needs of a worker's drafter trainer."""
 
-  def prepare(self) -> Any: ...  # this rollout's idle windows will train: get ready (compile)
+  def prepare(self) -> Any: ...  # idle windows will train: get ready (-> a compile's Future)
   def reseed(self, seed: Any) -> None: ...  # batch draws of a rollout: a function of its seed
   def next_batch(self) -> Any | None: ...  # host batch, None when there is no data yet
   def dispatch(self, batch: Any) -> Any: ...  # starts one step (async); -> in-flight handle
