@@ -149,6 +149,9 @@ def main(argv=None) -> int:
   ap.add_argument("--only_gate", action="store_true", help="run section 6 alone")
   ap.add_argument("--skip_hf", action="store_true")
   ap.add_argument("--skip_regime", action="store_true")
+  ap.add_argument("--dtype", default=None,
+                  help="compute and param dtype of the target (default: its config's; "
+                       "bfloat16 on a GPU)")
   ap.add_argument("--out", default=os.path.join(ROOT, "out", "bench_regime"))
   args = ap.parse_args(argv)
   model_dir, drafter_dir = (os.path.join(args.bench, x) for x in ("model", "drafter"))
@@ -170,7 +173,8 @@ def main(argv=None) -> int:
   from tlt_jax.rollout.strategy import Strategy
 
   arms = args.arms.split(",")
-  summary: dict = {"machine": f"{os.cpu_count()} CPU cores, jax {jax.__version__}",
+  summary: dict = {"machine": f"{jax.devices()[0].device_kind} ({jax.default_backend()}), "
+                              f"{os.cpu_count()} CPU cores, jax {jax.__version__}",
                    "args": vars(args)}
   if not args.skip_regime:
     from make_bench_model import regime_report
@@ -178,7 +182,7 @@ def main(argv=None) -> int:
     print(report, flush=True)
     summary["regime"] = report
 
-  cfg, params = load_hf_model(model_dir)
+  cfg, params = load_hf_model(model_dir, dtype=args.dtype, param_dtype=args.dtype)
   dparams = load_drafter(drafter_dir, cfg)
   tok = load_tokenizer(model_dir)
   stop = tuple(stop_token_ids(model_dir, tok))

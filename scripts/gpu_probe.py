@@ -1,0 +1,186 @@
+#!/usr/bin/env python
+"""GPU checklist items that need a model on the device (../shared/GPU.md 3-5), in one process.
+
+    python scripts/gpu_probe.py --bench DIR [--dtype bfloat16] [--prompts 8] [--out OUT]
+
+DIR is scripts/make_bench_model.py's --out (a widened target with the shipped model's function,
+so acceptance is the real one). Prints markdown sections and writes OUT/gpu_probe.json:
+
+  bandwidth   the device's copy bandwidth, measured here: a jitted `x + 1` over 1 GiB
+              (bytes read + written) / time, median of 20.
+  roofline    plain decode at batch 1 and 8 (the in-loop step of a compiled loop, as
+              scripts/profile_spec.py times it): bytes a step moves (replica weights + the KV
+              cache it reads) / step time, against that bandwidth. Two counts of the KV term:
+              the slots the engine reads (every allocated slot) and the live tokens only.
+  bf16        greedy SD (Pallas verification kernel on) == greedy plain decoding in the
+              compute dtype, batch 8, default-task prompts: identical responses, and where
+              they differ the first differing position (bf16 ties/near-ties flip argmaxes).
+  memory      each compiled executable's memory_analysis() (argument + output + temp) and the
+              device's peak bytes in use, against weights + KV cache computed from shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+  """Bytes per second of a jitted elementwise pass (read + write) over `nbytes`."""
+  x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+  f = jax.jit(lambda x: x + 1)
+  f(x).block_until_ready()
+  ts = []
+  for _ in range(20):
+    t = time.perf_counter()
+    f(x).block_until_ready()
+    ts.append(time.perf_counter() - t)
+  return 2 * x.nbytes / statistics.median(ts)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--bench", required=True)
+  ap.add_argument("--dtype", default="bfloat16")
+  ap.add_argument("--prompts", type=int, default=8)
+  ap.add_argument("--max_new_tokens", type=int, default=256)
+  ap.add_argument("--iters", type=int, default=50)
+  ap.add_argument("--out", default=os.path.join(ROOT, "out", "gpu_probe"))
+  args = ap.parse_args(argv)
+
+  from profile_spec import measure_costs
+
+  from tlt_jax.config import asset_path
+  from tlt_jax.data.prompts import load_prompt_rows
+  from tlt_jax.drafter.model import load_drafter
+  from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
+  from tlt_jax.rollout.engine import (EngineConfig, Request, RolloutWorker, SpecConfig,
+                                      tokens_per_verification)
+  from tlt_jax.rollout.sampling import SamplingParams
+
+  out: dict = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
+               "jax": jax.__version__, "dtype": args.dtype}
+  print(f"## gpu_probe: {out['device']} ({out['backend']}), jax {jax.__version__}, "
+        f"{args.dtype}\n", flush=True)
+
+  bw = copy_bandwidth()
+  out["copy_bandwidth"] = bw
+  print(f"### bandwidth\n\ncopy bandwidth (x + 1 over 1 GiB, read + write): "
+        f"**{bw / 1e9:.0f} GB/s**\n", flush=True)
+
+  model_dir, drafter_dir = (os.path.join(args.bench, x) for x in ("model", "drafter"))
+  cfg, params = load_hf_model(model_dir, dtype=args.dtype, param_dtype=args.dtype)
+  dparams = load_drafter(drafter_dir, cfg)
+  tok = load_tokenizer(model_dir)
+  stop = tuple(stop_token_ids(model_dir, tok))
+  rows, _ = load_prompt_rows(asset_path("default", "data", "test.jsonl"))
+  prompts = [tok.encode(r.prompt) for r in rows[:args.prompts]]
+  max_prompt = -(-max(len(p) for p in prompts) // 16) * 16
+  greedy = SamplingParams(temperature=0.0)
+  wbytes = sum(x.nbytes for x in jax.tree.leaves(params))
+  nparams = sum(x.size for x in jax.tree.leaves(params))
+  itemsize = jnp.dtype(args.dtype).itemsize
+  kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim_ * itemsize
+  out["params"] = int(nparams)
+  print(f"target: {nparams / 1e9:.2f}B params, {wbytes / 2**30:.2f} GiB weights, "
+        f"KV {kv_per_token / 1024:.0f} KiB/token\n", flush=True)
+
+  # ---- roofline: plain decode step in a compiled loop
+  prompt_len, cache_len = 64, max_prompt + args.max_new_tokens
+  print("### roofline: plain decode at batch 1 and 8 (in-loop step time)\n\n"
+        "| batch | step ms | weights GB | KV read GB (all slots) | % of copy bw (bytes read) | "
+        "% of copy bw (live tokens only) |\n|---:|---:|---:|---:|---:|---:|", flush=True)
+  out["roofline"] = {}
+  for b in (1, 8):
+    costs = measure_costs(params, dparams, cfg, b, [], greedy, iters=args.iters,
+                          prompt_len=prompt_len, cache_len=cache_len)
+    step = costs["plain step"]
+    kv_all = b * cache_len * kv_per_token
+    kv_live = b * (prompt_len + args.iters) * kv_per_token
+    pct_read = (wbytes + kv_all) / step / bw
+    pct_live = (wbytes + kv_live) / step / bw
+    out["roofline"][b] = {"step_s": step, "kv_all": kv_all, "kv_live": kv_live,
+                          "pct_read": pct_read, "pct_live": pct_live}
+    print(f"| {b} | {step * 1e3:.3f} | {wbytes / 1e9:.2f} | {kv_all / 1e9:.3f} | "
+          f"{pct_read:.0%} | {pct_live:.0%} |", flush=True)
+
+  # ---- bf16 greedy SD == plain, batch 8, kernel on
+  def worker(spec):
+    ecfg = EngineConfig(max_batch=8, buckets=(1, 2, 4, 8), chunk_size=16,
+                        max_prompt_len=max_prompt, prompt_bucket=16,
+                        max_new_tokens=args.max_new_tokens, stop_tokens=stop, spec=spec)
+    return RolloutWorker(params, cfg, ecfg, drafter_params=dparams if spec else None)
+
+  reqs = [Request(p, request_id=i) for i, p in enumerate(prompts)]
+  res = {}
+  for label, spec in (("plain", None),
+                      ("SD 4_1_5", SpecConfig(strategy="4_1_5", bs_threshold=8, patience=1,
+                                              use_kernel=True)),
+                      ("SD 4_2_8", SpecConfig(strategy="4_2_8", bs_threshold=8, patience=1,
+                                              use_kernel=True))):
+    w = worker(spec)
+    w.generate(reqs, greedy, seed=0)  # compiles
+    w.chunk_log.clear()
+    t = time.perf_counter()
+    got = {r.request_id: list(r.response_ids) for r in w.generate(reqs, greedy, seed=0)}
+    dt = time.perf_counter() - t
+    sp = [c for c in w.chunk_log if c.mode not in ("plain", "off")]
+    res[label] = (got, dt, tokens_per_verification(sp) if sp else None, w)
+  base = res["plain"][0]
+  print(f"\n### {args.dtype}: greedy SD (Pallas kernel) vs greedy plain, batch 8, "
+        f"{len(prompts)} default-task prompts\n\n| engine | identical responses | first "
+        "divergence (token index) | tokens | seconds | tokens per verification | verify |\n"
+        "|---|---:|---|---:|---:|---:|---|", flush=True)
+  out["bf16_equality"] = {}
+  for label, (got, dt, tpv, w) in res.items():
+    same = sum(got[i] == base[i] for i in base)
+    div = []
+    for i in base:
+      a, c = base[i], got[i]
+      if a != c:
+        div.append(next((k for k in range(min(len(a), len(c))) if a[k] != c[k]),
+                        min(len(a), len(c))))
+    ntok = sum(len(v) for v in got.values())
+    out["bf16_equality"][label] = {"identical": same, "of": len(base), "divergence_at": div,
+                                   "tokens": ntok, "seconds": dt, "tpv": tpv}
+    print(f"| {label} | {same}/{len(base)} | {div or '-'} | {ntok} | {dt:.2f} | "
+          f"{tpv if tpv is None else round(tpv, 2)} | {getattr(w, 'verify_path', '-')} |",
+          flush=True)
+
+  # ---- memory: compiled executables vs shapes
+  kv_cache = 8 * cache_len * kv_per_token
+  print(f"\n### memory (batch 8, cache {cache_len} slots)\n\nweights {wbytes / 2**20:.0f} MiB "
+        f"+ KV cache {kv_cache / 2**20:.0f} MiB = {(wbytes + kv_cache) / 2**20:.0f} MiB from "
+        "shapes\n\n| executable | batch | memory_analysis MiB |\n|---|---:|---:|", flush=True)
+  out["memory"] = {"weights": wbytes, "kv_cache": kv_cache, "executables": []}
+  for label, (_, _, _, w) in res.items():
+    for r in w.compile_log:
+      if r.memory_bytes is not None:
+        out["memory"]["executables"].append((label, r.name, r.batch, r.memory_bytes))
+        print(f"| {label}: {r.name} | {r.batch} | {r.memory_bytes / 2**20:.0f} |")
+  stats = jax.devices()[0].memory_stats() or {}
+  if "peak_bytes_in_use" in stats:
+    out["memory"]["peak"] = stats["peak_bytes_in_use"]
+    print(f"\ndevice peak bytes in use (whole probe): {stats['peak_bytes_in_use'] / 2**30:.2f} GiB"
+          f" of {stats.get('bytes_limit', 0) / 2**30:.1f} GiB")
+
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "gpu_probe.json"), "w") as f:
+    json.dump(out, f, indent=1, default=str)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
