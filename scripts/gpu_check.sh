@@ -63,7 +63,7 @@ else
     --arms 3_1_4,4_1_5,6_1_7,4_2_8 --tail_arms 4_1_5,6_1_7"
   E2E_STEPS=12
   E2E_EXTRA="--config.train.eval_every=0 --config.eval.num_prompts=64"
-  LIMIT=(20 75 60 50 100 120 100)
+  LIMIT=(20 60 50 50 100 120 130)
   KERNEL_TESTS=""
   SPEC_TESTS="-k kernel_equals_reference or sampled_spec_matches or broken_acceptance"
 fi
