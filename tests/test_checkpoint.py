@@ -1,4 +1,5 @@
-"""tlt_jax.checkpoint: round trip, resharding on restore, keep-last-N, SIGKILL mid-save, errors."""
+"""tlt_jax.checkpoint: round trip, resharding on restore, keep-last-N, SIGKILL mid-save, errors,
+falling back past a damaged newest checkpoint (also through the train entry point)."""
 
 import os
 import re
@@ -297,3 +298,194 @@ def test_error_unsupported_leaf(tmp_path):
   with Checkpointer(str(tmp_path)) as ckpt:
     with pytest.raises(CheckpointError, match=r"\['opt'\]\['fn'\].*function"):
       ckpt.save(1, {"opt": {"fn": lambda x: x}})
+
+
+# ------------------------------------------------------------- damaged newest checkpoint
+
+def _files(step_dir):
+  return {os.path.relpath(os.path.join(r, f), step_dir): open(os.path.join(r, f), "rb").read()
+          for r, _, fs in os.walk(step_dir) for f in fs}
+
+
+def _truncate_all(step_dir):  # a copy cut short: every file half its size
+  for r, _, fs in os.walk(step_dir):
+    for f in fs:
+      p = os.path.join(r, f)
+      os.truncate(p, os.path.getsize(p) // 2)
+
+
+def _empty_array_data(step_dir):  # a disk fault in the array store only, metadata intact
+  for r, _, fs in os.walk(os.path.join(step_dir, "state", "d")):
+    for f in fs:
+      os.truncate(os.path.join(r, f), 0)
+
+
+def _damage_metadata(step_dir):  # the item's tree metadata cut short
+  p = os.path.join(step_dir, "state", "_METADATA")
+  os.truncate(p, os.path.getsize(p) // 2)
+
+
+def _drop_manifest(step_dir):  # a file of the array store missing
+  os.remove(os.path.join(step_dir, "state", "manifest.ocdbt"))
+
+
+def _drop_item(step_dir):  # the whole item directory missing
+  import shutil
+  shutil.rmtree(os.path.join(step_dir, "state"))
+
+
+def _saved_5_and_10(d):
+  """Steps 5 and 10 with different values; returns {step: state}."""
+  states = {s: {"w": jnp.arange(64, dtype=jnp.float32) * s, "step": s, "note": f"at {s}"}
+            for s in (5, 10)}
+  with Checkpointer(d, async_save=False) as ckpt:
+    for s, st in states.items():
+      ckpt.save(s, st)
+  return states
+
+
+def _warnings(caplog):
+  return [r.getMessage() for r in caplog.records
+          if r.name == "tlt_jax.checkpoint" and r.levelname == "WARNING"]
+
+
+@pytest.mark.parametrize("damage", [_truncate_all, _empty_array_data, _damage_metadata,
+                                    _drop_manifest, _drop_item])
+def test_damaged_newest_step_falls_back_and_is_kept(tmp_path, caplog, damage):
+  d = str(tmp_path / "ckpt")
+  states = _saved_5_and_10(d)
+  step10 = os.path.join(d, "10")
+  damage(step10)
+  damaged_bytes = _files(step10)
+  template = {"w": jnp.zeros((64,), jnp.float32), "step": 0, "note": ""}
+
+  ckpt = Checkpointer(d, async_save=False)
+  with caplog.at_level("WARNING", logger="tlt_jax.checkpoint"):
+    restored = ckpt.restore(template)
+  _assert_tree_equal(states[5], restored)
+  [line] = _warnings(caplog)
+  assert "\n" not in line
+  assert f"checkpoint step 10 in {d} is damaged (" in line
+  assert "resuming from step 5" in line and os.path.join(d, "damaged") in line
+  assert _files(step10) == damaged_bytes  # restoring changed nothing on disk
+
+  # The resumed run saves again up to and past the damaged step number; its first save sets
+  # the damaged step aside instead of skipping step 10 (taken) or refusing step 6 (older).
+  caplog.clear()
+  with caplog.at_level("WARNING", logger="tlt_jax.checkpoint"):
+    for s in (6, 10, 11):
+      assert ckpt.save(s, {**states[5], "step": s, "w": states[5]["w"] + s})
+  ckpt.close()
+  [aside] = os.listdir(os.path.join(d, "damaged"))
+  assert aside.startswith("10-")
+  assert _files(os.path.join(d, "damaged", aside)) == damaged_bytes
+  assert any(aside in m for m in _warnings(caplog))
+
+  again = Checkpointer(d)
+  assert again.all_steps() == [6, 10, 11]  # keep-last-3 counts live steps only
+  assert again.restore(template, step=10)["step"] == 10
+  np.testing.assert_array_equal(again.restore(template, step=10)["w"],
+                                np.arange(64, dtype=np.float32) * 5 + 10)
+
+
+def test_keep_last_n_after_fallback_leaves_the_damaged_copy(tmp_path):
+  d = str(tmp_path)
+  _saved_5_and_10(d)
+  _truncate_all(os.path.join(d, "10"))
+  ckpt = Checkpointer(d, max_to_keep=1, async_save=False)
+  ckpt.restore({"w": jnp.zeros((64,), jnp.float32), "step": 0, "note": ""})
+  for s in (6, 7, 10, 12):
+    ckpt.save(s, {"w": jnp.ones((64,)), "step": s, "note": ""})
+  ckpt.close()
+  assert sorted(os.listdir(d)) == ["12", "damaged"]
+  assert len(os.listdir(os.path.join(d, "damaged"))) == 1
+
+
+def test_every_step_damaged_is_one_error_and_changes_nothing(tmp_path, caplog):
+  d = str(tmp_path)
+  _saved_5_and_10(d)
+  _damage_metadata(os.path.join(d, "10"))
+  _empty_array_data(os.path.join(d, "5"))
+  before = {s: _files(os.path.join(d, s)) for s in ("5", "10")}
+  template = {"w": jnp.zeros((64,), jnp.float32), "step": 0, "note": ""}
+  ckpt = Checkpointer(d)
+  with caplog.at_level("WARNING", logger="tlt_jax.checkpoint"):
+    with pytest.raises(CheckpointError) as e:
+      ckpt.restore(template)
+  msg = str(e.value)
+  assert "\n" not in msg and len(msg) < 1500, msg
+  assert msg.startswith(f"no checkpoint in {d!r} restores (step 10: JSONDecodeError"), msg
+  assert "; step 5: " in msg and "move it aside" in msg
+  assert not _warnings(caplog)  # nothing was skipped in favour of another step
+  with pytest.raises(CheckpointError, match=r"step 10 in .* is damaged \(JSONDecodeError"):
+    ckpt.restore(template, step=10)  # an explicit step never falls back
+  assert sorted(os.listdir(d)) == ["10", "5"]
+  assert {s: _files(os.path.join(d, s)) for s in ("5", "10")} == before
+
+
+def test_template_mismatch_is_not_damage(tmp_path, caplog):
+  """A healthy newest step that does not fit the template is the user's error: it raises at
+  once instead of skipping good checkpoints as damaged."""
+  d = str(tmp_path)
+  _saved_5_and_10(d)
+  ckpt = Checkpointer(d)
+  with caplog.at_level("WARNING", logger="tlt_jax.checkpoint"):
+    with pytest.raises(CheckpointError, match=r"shape mismatch.*checkpoint step 10"):
+      ckpt.restore({"w": jnp.zeros((32,), jnp.float32), "step": 0, "note": ""})
+  assert not _warnings(caplog)
+  assert ckpt.save(11, {"w": jnp.zeros((64,)), "step": 11, "note": ""})
+  ckpt.close()
+  assert sorted(os.listdir(d)) == ["10", "11", "5"]
+
+
+# A few-second RL step on the shipped default model, TLT off (as in test_train.py).
+_TRAIN_FLAGS = ["--config", "configs/default.py", "--config.tlt.enabled=False",
+                "--config.grpo.num_prompts=4", "--config.grpo.n=4",
+                "--config.grpo.micro_batch=16", "--config.grpo.minibatches=1",
+                "--config.rollout.max_batch=16", "--config.rollout.max_new_tokens=96",
+                "--config.train.eval_every=0", "--config.train.checkpoint_every=1",
+                "--config.reward.num_workers=1", "--config.train.steps=2"]
+
+
+def test_train_resumes_past_a_damaged_checkpoint(tmp_path):
+  """The real entry point: a run's newest checkpoint cut short resumes from the one before
+  and redoes the lost step exactly; with every checkpoint damaged it exits 2 with one line."""
+  import json
+
+  def train(workdir):
+    return subprocess.run([sys.executable, "-m", "tlt_jax.train", *_TRAIN_FLAGS, "--workdir",
+                           str(workdir)], cwd=REPO, capture_output=True, text=True,
+                          timeout=900, env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"))
+
+  def records():
+    with open(tmp_path / "metrics.jsonl") as f:
+      return {r["step"]: r for r in map(json.loads, f)}
+
+  first = train(tmp_path)
+  assert first.returncode == 0, first.stderr[-3000:]
+  want = records()[2]
+  ckpts = tmp_path / "checkpoints"
+  _truncate_all(ckpts / "2")
+
+  again = train(tmp_path)
+  assert again.returncode == 0, again.stderr[-3000:]
+  [line] = [l for l in again.stderr.splitlines() if "damaged (" in l]
+  assert f"checkpoint step 2 in {ckpts} is damaged" in line and "resuming from step 1" in line
+  assert f"resumed from {ckpts} at step 1" in again.stderr
+  # Orbax's own reports of the unreadable files (kilobytes of tracebacks) stay out of it.
+  assert "Traceback" not in again.stderr and "_METADATA" not in again.stderr
+  got = records()[2]
+  assert got["reward"] == want["reward"] and got["tokens"] == want["tokens"]
+  assert got["loss"]["loss"] == pytest.approx(want["loss"]["loss"], rel=1e-4, abs=1e-6)
+  assert sorted(os.listdir(ckpts)) == ["1", "2", "damaged"]
+  assert Checkpointer(str(ckpts)).read(2)["step"] == 2
+
+  for step in ("1", "2"):
+    _truncate_all(ckpts / step)
+  last = train(tmp_path)
+  assert last.returncode == 2, last.stderr[-3000:]
+  error = [l for l in last.stderr.splitlines() if l.startswith("error:")]
+  assert error == [l for l in last.stderr.splitlines() if "restores (" in l], last.stderr
+  assert error[0].startswith(f"error: --workdir {tmp_path}: no checkpoint in '{ckpts}' "
+                             "restores (step 2: "), error
+  assert "Traceback" not in last.stderr

@@ -15,8 +15,14 @@ killed save therefore leaves only a tmp dir, which listing ignores and the next 
 the previous finalized step is never touched until a newer one is committed (keep-last-N deletes
 old steps only after the new step is finalized).
 
+Why damage is still possible: the rename (or marker) only says the write finished. A disk fault,
+a copy cut short or a hand-edited directory can still leave a finalized step whose files are
+truncated or missing, and Orbax finds that out only when it reads them. So `restore()` of the
+latest step falls back to the newest step that actually restores, and sets the damaged newer
+ones aside (never deletes them) at this writer's first save, see `restore`.
+
 On-disk layout: `<dir>/<step>/state/...` (one Orbax PyTree item named "state", OCDBT format),
-`<dir>/<step>/_CHECKPOINT_METADATA`.
+`<dir>/<step>/_CHECKPOINT_METADATA`; damaged steps set aside in `<dir>/damaged/<step>-<time>`.
 
 Single writer: like Orbax's CheckpointManager, only one process (one job) may *write* to a
 directory; any number may read it.
@@ -24,9 +30,13 @@ directory; any number may read it.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
-from typing import Any
+import sys
+import time
+from typing import Any, Iterator
 
 import jax
 import numpy as np
@@ -38,6 +48,7 @@ PyTree = Any
 __all__ = ["Checkpointer", "CheckpointError"]
 
 _ITEM = "state"  # name of the single Orbax item inside every step directory
+_DAMAGED = "damaged"  # <dir>/damaged/<step>-<time>: steps that failed to restore, set aside
 _SCALAR_TYPES = (bool, int, float, str, np.generic)
 _log = logging.getLogger(__name__)
 
@@ -48,6 +59,60 @@ class CheckpointError(ValueError):
   Raised *instead of* the Orbax error, whose traceback is deep and rarely names the input at
   fault; the message names the directory / key path and says what to change.
   """
+
+
+class _Damaged(Exception):
+  """A step whose files fail to read (restore falls back past it); str() is one short line."""
+
+  def __init__(self, doing: str, error: BaseException):
+    msg = str(error).splitlines()[0] if str(error) else ""
+    # TensorStore appends its whole spec (kilobytes) to every message: the path and the
+    # reason come before it.
+    for cut in (" [tensorstore_spec=", ". See full TensorStore details"):
+      msg = msg.split(cut)[0]
+    if len(msg) > 300:
+      msg = msg[:300] + "..."
+    super().__init__(f"{type(error).__name__} {doing}: {msg}")
+
+
+@contextlib.contextmanager
+def _quiet_about(path: epath.Path) -> Iterator[None]:
+  """Drops third-party reports that mention `path` while it is read: a damaged step makes
+  Orbax log its unparsable files and its abandoned read tasks print dozens of traceback lines
+  (absl, asyncio, unraisable coroutine errors), which `restore`'s one line replaces."""
+  needle = str(path)
+
+  def mentions(e: BaseException | None) -> bool:
+    seen = 0
+    while e is not None and seen < 8:
+      if needle in str(e):
+        return True
+      e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
+
+  class Filter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+      return needle not in record.getMessage() and not (
+          record.exc_info and mentions(record.exc_info[1]))
+
+  def hook(unraisable: Any) -> None:
+    if not mentions(unraisable.exc_value):
+      previous(unraisable)
+
+  loggers, f, previous = [logging.getLogger(n) for n in ("asyncio", "absl")], Filter(), \
+      sys.unraisablehook
+  for logger in loggers:
+    logger.addFilter(f)
+  sys.unraisablehook = hook
+  try:
+    yield
+  except BaseException:
+    gc.collect()  # the failed read's abandoned tasks report when collected: now, filtered
+    raise
+  finally:
+    sys.unraisablehook = previous
+    for logger in loggers:
+      logger.removeFilter(f)
 
 
 def _is_key(x: Any) -> bool:
@@ -128,9 +193,11 @@ class Checkpointer:
     )
     registry = ocp.handlers.create_default_handler_registry(
         **{_ITEM: ocp.PyTreeCheckpointHandler()})
-    self._mngr = ocp.CheckpointManager(directory, options=options, handler_registry=registry)
+    with _quiet_about(self._path):  # it lists the steps, see all_steps
+      self._mngr = ocp.CheckpointManager(directory, options=options, handler_registry=registry)
     self._inflight: int | None = None  # step of a started, not yet finalized, async save
     self._prepared = False
+    self._damaged: set[int] = set()  # steps restore() skipped; set aside at the first save
 
   # ------------------------------------------------------------------ queries
 
@@ -143,7 +210,8 @@ class Checkpointer:
     Orbax's in-memory list, which it keeps up to date.
     """
     if not self._prepared:
-      self._mngr.reload()
+      with _quiet_about(self._path):  # a damaged step's _CHECKPOINT_METADATA: see restore
+        self._mngr.reload()
     steps = sorted(int(s) for s in self._mngr.all_steps())
     if self._inflight is not None:
       if self._mngr.is_saving_in_progress():
@@ -174,6 +242,8 @@ class Checkpointer:
       registered dataclasses; None and empty containers are kept as structure.
     """
     step = int(step)
+    if self._damaged:
+      self._set_aside_damaged()
     existing = self._mngr.all_steps()  # includes an in-flight save
     if step in existing:
       _log.info("checkpoint step %d already exists in %s; not saving it again", step,
@@ -224,10 +294,30 @@ class Checkpointer:
         tmp.get().rmtree()
     self._prepared = True
 
+  def _set_aside_damaged(self) -> None:
+    """Moves the steps `restore` skipped to `<dir>/damaged/<step>-<time>` (see `restore`).
+
+    Every process of a multi-process job calls this (each restored, and found the same
+    damage, from the same files); process 0 moves, the others wait for it and re-list.
+    """
+    if jax.process_index() == 0:
+      stamp = time.strftime("%Y%m%d-%H%M%S")
+      for step in sorted(self._damaged):
+        src, dst = self._path / str(step), self._path / _DAMAGED / f"{step}-{stamp}"
+        if src.exists():
+          dst.parent.mkdir(parents=True, exist_ok=True)
+          src.rename(dst)
+          _log.warning("moved damaged checkpoint step %d to %s", step, dst)
+    if jax.process_count() > 1:
+      ocp.multihost.sync_global_processes("tlt_jax_checkpoint_set_aside_damaged")
+    self._damaged.clear()
+    self._mngr.reload()
+
   # ------------------------------------------------------------------ restore
 
   def restore(self, state_template: PyTree, step: int | None = None) -> PyTree:
-    """Read step `step` (default: latest) into a pytree shaped like `state_template`.
+    """Read step `step` (default: the newest that restores) into a pytree shaped like
+    `state_template`.
 
     Why a template: a checkpoint stores values and shapes but not where they should live.
     Each array leaf is read directly onto its template leaf's `.sharding` (any mesh, any
@@ -238,10 +328,20 @@ class Checkpointer:
     np.ndarray) come back as the template's type. Typed and raw (uint32) PRNG keys come back
     as whatever the template has.
 
+    Damaged steps (files truncated, empty or missing: anything that fails while Orbax reads
+    them): with `step=None`, newer damaged steps are skipped for the newest step that restores,
+    with one warning line naming them and why. They are kept on disk, and this Checkpointer's
+    first save moves them to `<dir>/damaged/<step>-<time>`: left in place, the resumed run would
+    find its own step number taken when it gets there again (Orbax skips such a save, and the
+    check against older steps raises), and keep-last-N could delete the damaged copy. Why at
+    the first save and not here: like the tmp-dir cleanup, only the single writer changes the
+    directory, and a reader must not move what it merely failed to read.
+
     Waits for in-flight saves first, so `save(n); restore(t)` reads step n.
 
-    Raises CheckpointError if the directory has no checkpoint, `step` does not exist, or the
-    template's key paths/shapes differ from the checkpoint's.
+    Raises CheckpointError if the directory has no checkpoint, `step` does not exist or is
+    damaged, no step restores, or the template's key paths/shapes differ from the
+    checkpoint's (a user error, not damage: it raises at once instead of falling back).
     """
     self.wait_until_finished()
     steps = self.all_steps()
@@ -250,22 +350,66 @@ class Checkpointer:
       raise CheckpointError(
           f"cannot restore: {self.directory!r} {state}. Check the path, or start from scratch "
           "(e.g. `if ckpt.latest_step() is None: init...`) instead of restoring.")
-    if step is None:
-      step = steps[-1]
-    step = int(step)
-    if step not in steps:
-      raise CheckpointError(
-          f"no checkpoint for step {step} in {self.directory!r}; available steps: {steps}")
+    if step is not None:
+      step = int(step)
+      if step not in steps:
+        raise CheckpointError(
+            f"no checkpoint for step {step} in {self.directory!r}; available steps: {steps}")
+      try:
+        return self._restore_step(step, state_template)
+      except _Damaged as e:
+        raise CheckpointError(
+            f"checkpoint step {step} in {self.directory!r} is damaged ({e}); restore another "
+            f"step (available: {steps})") from None
 
-    saved = self._saved_leaves(step)
+    # Any read failure counts as damage: Orbax and TensorStore report a truncated, empty or
+    # missing file as JSONDecodeError, ValueError, FileNotFoundError or a bare Exception. A
+    # failure that is not damage (e.g. out of memory) fails every step alike, and then nothing
+    # is skipped or set aside: the error below lists each step's reason.
+    damaged: list[tuple[int, _Damaged]] = []
+    for s in reversed(steps):
+      try:
+        state = self._restore_step(s, state_template)
+      except _Damaged as e:
+        damaged.append((s, e))
+        continue
+      if damaged:
+        self._damaged.update(d for d, _ in damaged)
+        which = ", ".join(str(d) for d, _ in damaged)
+        why = ("; ".join(f"step {d}: {e}" for d, e in damaged) if len(damaged) > 1
+               else str(damaged[0][1]))
+        _log.warning(
+            "checkpoint step%s %s in %s %s damaged (%s): skipped; resuming from step %d (the "
+            "damaged data stays on disk; the first save moves it to %s)",
+            "s" if len(damaged) > 1 else "", which, self.directory,
+            "are" if len(damaged) > 1 else "is", why, s, self._path / _DAMAGED)
+      return state
+    raise CheckpointError(
+        f"no checkpoint in {self.directory!r} restores ("
+        + "; ".join(f"step {d}: {e}" for d, e in damaged)
+        + "); nothing in it was changed: move it aside, or use another directory")
+
+  def _restore_step(self, step: int, state_template: PyTree) -> PyTree:
+    """Restores one step; raises _Damaged for anything that fails while reading its files and
+    CheckpointError for a template that does not match what it holds."""
+    try:
+      saved = self._saved_leaves(step)
+    except Exception as e:  # pylint: disable=broad-except - see restore
+      raise _Damaged("reading its metadata", e) from e
     t_leaves, treedef = jax.tree_util.tree_flatten_with_path(state_template)
     self._check_template(step, saved, t_leaves)
 
     restore_args = [self._restore_arg(path, x) for path, x in t_leaves]
     # Orbax takes the structure from `item` and everything else from `restore_args`.
     item = jax.tree_util.tree_unflatten(treedef, [x for _, x in t_leaves])
-    result = self._mngr.restore(step, args=ocp.args.Composite(**{_ITEM: ocp.args.PyTreeRestore(
-        item=item, restore_args=jax.tree_util.tree_unflatten(treedef, restore_args))}))[_ITEM]
+    try:
+      with _quiet_about(self._path):
+        result = self._mngr.restore(step, args=ocp.args.Composite(**{
+            _ITEM: ocp.args.PyTreeRestore(
+                item=item, restore_args=jax.tree_util.tree_unflatten(treedef, restore_args))
+        }))[_ITEM]
+    except Exception as e:  # pylint: disable=broad-except - see restore
+      raise _Damaged("reading its arrays", e) from e
     r_leaves = jax.tree_util.tree_leaves(result)
     if len(r_leaves) != len(t_leaves):  # pragma: no cover - guarded by _check_template
       raise CheckpointError(f"restored {len(r_leaves)} leaves, template has {len(t_leaves)}")
@@ -292,17 +436,16 @@ class Checkpointer:
   def _saved_leaves(self, step: int) -> dict[tuple[str, ...], Any]:
     """{normalized key path: Orbax leaf metadata} of the checkpoint, read from its metadata
     file only (no array data)."""
-    md = self._mngr.metadata(step).item_metadata
+    with _quiet_about(self._path):
+      md = self._mngr.metadata(step).item_metadata
     md = md[_ITEM] if md is not None and _ITEM in md else None
-    if md is None:
-      raise CheckpointError(
-          f"step {step} in {self.directory!r} has no '{_ITEM}' item: it was not written by "
-          "tlt_jax.checkpoint.Checkpointer (or is damaged).")
+    if md is None:  # its item directory or the item's _METADATA is gone
+      raise FileNotFoundError(f"no '{_ITEM}' item metadata in {self._path / str(step)}")
     return {_norm_path(p): m for p, m in jax.tree_util.tree_flatten_with_path(md)[0]}
 
   def _check_template(self, step: int, saved: dict, t_leaves: list) -> None:
     hint = ("Checkpoint from a different model config (or from code with a different "
-            "train-state layout)?")
+            "train-state layout)? Restore it with that config, or use a new directory.")
     where = f"checkpoint step {step} in {self.directory!r}"
     t_paths = [_norm_path(p) for p, _ in t_leaves]
     t_set = set(t_paths)

@@ -437,8 +437,7 @@ def restore(run: Run) -> int:
   try:
     st = run.ckpt.restore(train_state(run))
   except CheckpointError as e:
-    raise ConfigError(f"cannot resume from {run.ckpt.directory}: {e} (use a new "
-                      "--workdir for a different model or config)") from None
+    raise ConfigError(f"--workdir {run.cfg.workdir}: {e}") from None  # e says the fix
   run.learner.params, run.learner.opt_state = st["actor"], st["opt"]
   run.step = int(st["step"])
   meta = json.loads(st["meta"])
