@@ -193,7 +193,7 @@ def test_config_section_defaults_and_overrides():
   cfg.distributed.enabled = "True"  # what --config.distributed.enabled=True gives a str field
   cfg.distributed.heartbeat_timeout = 30
   got = dist.from_config(cfg)
-  assert (got.enabled, got.heartbeat_timeout_s) == (True, 30)
+  assert (got.enabled, got.heartbeat_timeout) == (True, 30)
   assert dist.from_config(ml_collections.ConfigDict()) == DistributedConfig()
 
 
@@ -284,7 +284,7 @@ def test_two_processes_collectives():
 
 
 HEARTBEAT_S = 10
-# From the victim's exit to the survivor's: about heartbeat_timeout_s, plus slack for a loaded
+# From the victim's exit to the survivor's: about heartbeat_timeout, plus slack for a loaded
 # 2-core machine (measured 9-10 s on JAX 0.10.2 and 0.12 where the heartbeat decides; under
 # 1 s where the victim is process 0 or gloo sees the closed connection).
 BOUND_S = HEARTBEAT_S + 20
