@@ -15,7 +15,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from tlt_jax import config as config_lib

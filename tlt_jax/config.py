@@ -37,6 +37,7 @@ from tlt_jax.rollout.engine import EngineConfig, SpecConfig
 from tlt_jax.rollout.gate import GateConfig
 from tlt_jax.rollout.mab import make_selector
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.sharding import AXES
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -218,7 +219,7 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
           "use float32, bfloat16 or float16")
   check(isinstance(cfg.cpu_devices, int) and cfg.cpu_devices >= 0, "cpu_devices",
         cfg.cpu_devices, "a number of CPU devices to expose, or 0 for JAX's default")
-  sizes = [cfg.mesh[a] for a in ("data", "fsdp", "tensor")]
+  sizes = [cfg.mesh[a] for a in AXES]
   check(all(isinstance(s, int) and (s > 0 or s == -1) for s in sizes), "mesh", dict(cfg.mesh),
         "axis sizes are positive integers, or -1 on one axis for 'all remaining devices'")
   devices = cfg.mesh.get("devices", 0)

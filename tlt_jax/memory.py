@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from tlt_jax.errors import ConfigError
-from tlt_jax.sharding import mesh_sizes, spec_for
+from tlt_jax.sharding import AXES, mesh_sizes, spec_for
 
 GiB = 1 << 30
 # Memory of one device, GB as vendors state them (1e9 bytes); "cpu" has no fixed limit.
@@ -151,7 +151,7 @@ def _count(shapes: Any) -> int:
 def learner_axes(cfg, num_devices: int) -> dict[str, int]:
   """config.mesh's axis sizes over the devices the learner spans (-1 resolved)."""
   n = int(cfg.mesh.get("devices", 0) or 0) or num_devices
-  return mesh_sizes({a: int(cfg.mesh[a]) for a in ("data", "fsdp", "tensor")}, n)
+  return mesh_sizes({a: int(cfg.mesh[a]) for a in AXES}, n)
 
 
 def _verify_width(spec) -> int:

@@ -47,8 +47,9 @@ def prepare(spec: RunSpec, *, training: bool = True) -> RunSpec:
   it. After distributed.initialize: the meshes count every process's devices."""
   cfg = spec.cfg
   if not os.path.isdir(cfg.model.path):  # inputs first, then whether this machine fits them
-    raise ConfigError(f"config.model.path={cfg.model.path!r} is not a directory; point it at a "
-                      "local Hugging Face model directory (config.json + *.safetensors)")
+    raise ConfigError("is not a directory; point it at a local Hugging Face model directory "
+                      "(config.json + *.safetensors)", "model.path", cfg.model.path,
+                      in_config=True)
   for key in ("train_path", "test_path"):
     path = cfg.data.get(key)
     if path and not os.path.exists(path):
@@ -168,9 +169,9 @@ def load_drafter(cfg: ml_collections.ConfigDict, model_cfg):
                         in_config=True) from None
     return drafter_model.init_drafter(model_cfg, jax.random.key(seed))
   if not os.path.isdir(path):
-    raise ConfigError(f"config.tlt.drafter.init={path!r} is not a directory; point it at a "
-                      "drafter saved by scripts/train_drafter.py, or use 'init:0' for a fresh "
-                      "drafter")
+    raise ConfigError("is not a directory; point it at a drafter saved by "
+                      "scripts/train_drafter.py, or use 'init:0' for a fresh drafter",
+                      "tlt.drafter.init", path, in_config=True)
   try:
     return drafter_model.load_drafter(path, model_cfg)
   except drafter_model.DrafterLoadError as e:
