@@ -42,8 +42,6 @@ def main(argv=None):
   os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={a.workers}")
 
   import jax
-  import numpy as np
-  from jax.sharding import Mesh
 
   from tlt_jax.config import asset_path
   from tlt_jax.coordinator import Coordinator, ParamStore, SpotConfig, Worker
@@ -55,6 +53,7 @@ def main(argv=None):
   from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
   from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker, SpecConfig
   from tlt_jax.rollout.sampling import SamplingParams
+  from tlt_jax.sharding import make_mesh
 
   if len(jax.devices()) < a.workers:
     raise SystemExit(f"error: {a.workers} workers need {a.workers} devices, "
@@ -73,10 +72,9 @@ def main(argv=None):
                                       patience=2))
   tx = dts.make_optimizer(3e-4)
   step_fn = dts.make_train_step(cfg, tx)
-  buffer = DrafterBuffer(BufferConfig(max_tokens=1 << 16, window=128,
-                                      max_windows_per_response=4), seed=a.seed)
-  meshes = [Mesh(np.asarray(jax.devices()[i:i + 1]).reshape(1, 1, 1),
-                 ("data", "fsdp", "tensor")) for i in range(a.workers)]
+  buffer = DrafterBuffer(BufferConfig(buffer_tokens=1 << 16, window=128,
+                                      windows_per_response=4), seed=a.seed)
+  meshes = [make_mesh((1, 1, 1), jax.devices()[i:i + 1]) for i in range(a.workers)]
   store_sh = dts.state_shardings(dparams, tx, meshes[0])
   fresh = dts.init_state(dparams, tx, store_sh)
   workers = []

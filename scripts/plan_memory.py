@@ -26,22 +26,24 @@ import sys
 def main(argv):
   del argv
   from tlt_jax import memory, runtime
+  from tlt_jax.config import model_config, run_spec
+  from tlt_jax.errors import ConfigError
   cfg = _CONFIG.value
   runtime.setup_jax(cfg)  # the CPU device count a CPU config asks for
-  model_cfg = memory.model_config(cfg)
+  spec = run_spec(cfg)
+  model_cfg = model_config(cfg)
   device = cfg.memory.device or memory.local_device()
   n = int(cfg.memory.num_devices or 0) or memory.visible_devices()
-  with cfg.unlocked():
-    cfg.memory.num_devices = n
   sized = ""
-  if int(cfg.rollout.max_batch) == 0:
-    with cfg.unlocked():
-      cfg.rollout.max_batch = memory.derive_max_batch(cfg, model_cfg=model_cfg, device=device)
+  if spec.max_batch == 0:
+    spec = spec.with_max_batch(memory.derive_max_batch(spec, model_cfg, device=device,
+                                                       num_devices=n))
     sized = " (sized from memory)"
-  p = memory.plan(cfg, model_cfg=model_cfg, device=device)
-  print(f"{cfg.model.get('architecture') or cfg.model.path}: {p.num_devices} x {p.device}, learner mesh {memory.learner_axes(cfg, n)}, "
+  p = memory.plan(spec, model_cfg, device=device, num_devices=n)
+  print(f"{cfg.model.get('architecture') or cfg.model.path}: {p.num_devices} x {p.device}, "
+        f"learner mesh {memory.learner_axes(cfg, n)}, "
         f"{cfg.rollout.num_workers} rollout replicas x {cfg.rollout.tensor_parallel} device(s), "
-        f"rollout.max_batch={cfg.rollout.max_batch}{sized}")
+        f"rollout.max_batch={p.max_batch}{sized}")
   print(p.table())
   phase, peak = p.peak()
   if p.capacity is not None:
@@ -49,7 +51,7 @@ def main(argv):
           f"({peak / p.capacity:.0%})")
   try:
     p.check()
-  except memory.ConfigError as e:
+  except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(1)
 

@@ -145,22 +145,22 @@ def test_tiles_by_hand():
 
 # ------------------------------------------------------------------------------ BufferConfig
 @pytest.mark.parametrize("kw", [dict(window=0), dict(tail_weight=0.5), dict(tail_weight=-1.0),
-                                dict(tail_weight=float("nan")), dict(max_tokens=10, window=11),
-                                dict(max_tokens=0), dict(keep_steps=0),
-                                dict(max_windows_per_response=0)])
+                                dict(tail_weight=float("nan")), dict(buffer_tokens=10, window=11),
+                                dict(buffer_tokens=0), dict(keep_steps=0),
+                                dict(windows_per_response=0)])
 def test_buffer_config_rejects_bad_values(kw):
   with pytest.raises(ValueError):
     BufferConfig(**kw)
 
 
 def test_buffer_config_accepts_boundary_values():
-  BufferConfig(max_tokens=8, window=8, tail_weight=1.0, keep_steps=1, max_windows_per_response=1)
+  BufferConfig(buffer_tokens=8, window=8, tail_weight=1.0, keep_steps=1, windows_per_response=1)
 
 
 # ------------------------------------------------------------------------------------ add
 def test_windows_equal_align_slices_with_weights_from_positions():
   rng = np.random.default_rng(0)
-  cfg = BufferConfig(max_tokens=10_000, window=4, max_windows_per_response=100, tail_weight=3.0)
+  cfg = BufferConfig(buffer_tokens=10_000, window=4, windows_per_response=100, tail_weight=3.0)
   buf = DrafterBuffer(cfg)
   cases = [(11, None), (8, 5), (9, 0), (2, None), (6, 100), (13, -2)]
   refs = {}
@@ -190,7 +190,7 @@ def test_windows_equal_align_slices_with_weights_from_positions():
 
 def test_responses_shorter_than_two_tokens_add_nothing():
   rng = np.random.default_rng(0)
-  buf = DrafterBuffer(BufferConfig(max_tokens=100, window=4, keep_steps=1))
+  buf = DrafterBuffer(BufferConfig(buffer_tokens=100, window=4, keep_steps=1))
   assert buf.add(5, np.zeros((0,), np.int32), np.zeros((0, D), np.float32)) == 0
   assert buf.add(5, *response(rng, 1)) == 0
   assert buf.tokens == 0 and len(buf) == 0 and buf.sample(3) == []
@@ -201,14 +201,14 @@ def test_responses_shorter_than_two_tokens_add_nothing():
 
 def test_window_of_one_drops_the_targetless_last_tile():
   rng = np.random.default_rng(0)
-  buf = DrafterBuffer(BufferConfig(max_tokens=100, window=1, max_windows_per_response=100))
+  buf = DrafterBuffer(BufferConfig(buffer_tokens=100, window=1, windows_per_response=100))
   assert buf.add(0, *response(rng, 5)) == 4  # position 4 has mask 0: zero weight
   assert buf.tokens == 4 and len(buf) == 4
 
 
-def test_at_most_max_windows_per_response_are_kept():
+def test_at_most_windows_per_response_are_kept():
   rng = np.random.default_rng(0)
-  cfg = BufferConfig(max_tokens=10_000, window=4, max_windows_per_response=3)
+  cfg = BufferConfig(buffer_tokens=10_000, window=4, windows_per_response=3)
   buf = DrafterBuffer(cfg, seed=3)
   total = 0
   for k in range(20):
@@ -228,9 +228,9 @@ def test_at_most_max_windows_per_response_are_kept():
   assert len(buf) == sum(counts.values())
 
 
-def test_max_tokens_evicts_oldest_first():
+def test_buffer_tokens_evicts_oldest_first():
   rng = np.random.default_rng(0)
-  cfg = BufferConfig(max_tokens=50, window=10, max_windows_per_response=4)
+  cfg = BufferConfig(buffer_tokens=50, window=10, windows_per_response=4)
   buf = DrafterBuffer(cfg)
   for k in range(3):  # 3 responses x 2 full windows of 10 tokens
     assert buf.add(0, *response(rng, 20, base=1000 * k), key=(k,)) == 20
@@ -251,7 +251,7 @@ def test_budget_evicts_lowest_step_then_key_not_arrival_order():
   """The docstring's order is (step, key): a late-arriving response with a low key of the
   newest step goes before higher keys, and any older step goes before the newest."""
   rng = np.random.default_rng(0)
-  buf = DrafterBuffer(BufferConfig(max_tokens=40, window=10, keep_steps=5))
+  buf = DrafterBuffer(BufferConfig(buffer_tokens=40, window=10, keep_steps=5))
   for step, key in [(1, (3,)), (1, (1,)), (0, (9,)), (1, (2,))]:
     buf.add(step, *response(rng, 10, base=1000 * (10 * step + key[0])), key=key)
   assert buf.tokens == 40
@@ -266,7 +266,7 @@ def test_budget_evicts_lowest_step_then_key_not_arrival_order():
 def test_contents_and_draws_do_not_depend_on_add_order():
   """Kept windows are a function of (seed, step, key); order is (step, key, position)."""
   rng = np.random.default_rng(3)
-  cfg = BufferConfig(max_tokens=10_000, window=4, max_windows_per_response=2, tail_weight=3.0)
+  cfg = BufferConfig(buffer_tokens=10_000, window=4, windows_per_response=2, tail_weight=3.0)
   data = [(int(rng.integers(0, 2)), (k, int(rng.integers(0, 3))),
            response(rng, int(rng.integers(2, 40)), base=1000 * k), int(rng.integers(0, 40)))
           for k in range(30)]
@@ -290,7 +290,7 @@ def test_contents_and_draws_do_not_depend_on_add_order():
 
 def test_old_steps_are_dropped_after_keep_steps():
   rng = np.random.default_rng(0)
-  buf = DrafterBuffer(BufferConfig(max_tokens=10_000, window=8, keep_steps=2))
+  buf = DrafterBuffer(BufferConfig(buffer_tokens=10_000, window=8, keep_steps=2))
   lengths = {0: [10, 7], 1: [12], 2: [5, 9], 3: [3]}
   for step in range(4):
     for r in lengths[step]:
@@ -307,7 +307,7 @@ def test_old_steps_are_dropped_after_keep_steps():
 # --------------------------------------------------------------------------------- sample
 def test_sampling_frequencies_are_proportional_to_weights():
   rng = np.random.default_rng(1)
-  cfg = BufferConfig(max_tokens=10_000, window=6, max_windows_per_response=100, tail_weight=5.0)
+  cfg = BufferConfig(buffer_tokens=10_000, window=6, windows_per_response=100, tail_weight=5.0)
   buf = DrafterBuffer(cfg)
   spec = {0: 9, 1: None, 2: 0, 3: 14}
   lens = {0: 17, 1: 13, 2: 7, 3: 20}
@@ -352,8 +352,8 @@ def test_tail_weighting_keeps_windows_after_spec_start_more_often():
 
   def inclusion(tail_weight, seed):
     rng = np.random.default_rng(seed)
-    buf = DrafterBuffer(BufferConfig(max_tokens=1 << 20, window=window, keep_steps=1,
-                                     max_windows_per_response=2, tail_weight=tail_weight),
+    buf = DrafterBuffer(BufferConfig(buffer_tokens=1 << 20, window=window, keep_steps=1,
+                                     windows_per_response=2, tail_weight=tail_weight),
                         seed=seed)
     per_start = np.zeros(r // window)
     for k in range(n):
@@ -377,7 +377,7 @@ def test_tail_weighting_keeps_windows_after_spec_start_more_often():
 def test_sample_with_caller_rng_is_reproducible_and_leaves_buffer_rng_alone():
   rng = np.random.default_rng(0)
   data = [response(rng, int(rng.integers(2, 30)), base=1000 * k) for k in range(10)]
-  cfg = BufferConfig(max_tokens=10_000, window=4, max_windows_per_response=100)
+  cfg = BufferConfig(buffer_tokens=10_000, window=4, windows_per_response=100)
   a, b = DrafterBuffer(cfg, seed=5), DrafterBuffer(cfg, seed=5)
   for ids, h in data:
     a.add(0, ids, h)
@@ -394,7 +394,7 @@ def test_sample_with_caller_rng_is_reproducible_and_leaves_buffer_rng_alone():
 def test_state_dict_round_trips_through_json_and_continues_the_random_sequence():
   rng = np.random.default_rng(0)
   data = [response(rng, int(rng.integers(2, 30)), base=1000 * k) for k in range(10)]
-  cfg = BufferConfig(max_tokens=10_000, window=4, max_windows_per_response=100)
+  cfg = BufferConfig(buffer_tokens=10_000, window=4, windows_per_response=100)
   a = DrafterBuffer(cfg, seed=11)
   for ids, h in data:
     a.add(0, ids, h)
@@ -416,7 +416,7 @@ def test_state_dict_resume_keeps_the_same_windows_as_the_saved_buffer():
   """The add docstring promises exact resume; state_dict saves the seed, so a resumed buffer
   must either use it or refuse a buffer built with another one."""
   rng = np.random.default_rng(0)
-  cfg = BufferConfig(max_tokens=10_000, window=4, max_windows_per_response=2)
+  cfg = BufferConfig(buffer_tokens=10_000, window=4, windows_per_response=2)
   a = DrafterBuffer(cfg, seed=11)
   state = json.loads(json.dumps(a.state_dict()))
   b = DrafterBuffer(cfg, seed=999)
@@ -433,17 +433,17 @@ def test_state_dict_resume_keeps_the_same_windows_as_the_saved_buffer():
 
 
 def test_load_state_dict_with_a_different_config_raises():
-  a = DrafterBuffer(BufferConfig(window=8, max_tokens=64))
+  a = DrafterBuffer(BufferConfig(window=8, buffer_tokens=64))
   state = json.loads(json.dumps(a.state_dict()))
-  for kw in (dict(window=16, max_tokens=64), dict(window=8, max_tokens=64, tail_weight=2.0)):
+  for kw in (dict(window=16, buffer_tokens=64), dict(window=8, buffer_tokens=64, tail_weight=2.0)):
     with pytest.raises(ValueError):
       DrafterBuffer(BufferConfig(**kw)).load_state_dict(state)
-  DrafterBuffer(BufferConfig(window=8, max_tokens=64)).load_state_dict(state)  # same: fine
+  DrafterBuffer(BufferConfig(window=8, buffer_tokens=64)).load_state_dict(state)  # same: fine
 
 
 def test_clear_empties_the_buffer():
   rng = np.random.default_rng(0)
-  buf = DrafterBuffer(BufferConfig(max_tokens=100, window=4))
+  buf = DrafterBuffer(BufferConfig(buffer_tokens=100, window=4))
   buf.add(0, *response(rng, 9))
   buf.clear()
   assert buf.tokens == 0 and len(buf) == 0 and buf.sample(4) == []
@@ -451,7 +451,7 @@ def test_clear_empties_the_buffer():
 
 # ---------------------------------------------------------------------------- concurrency
 def test_concurrent_add_and_sample_keep_the_token_count_consistent():
-  cfg = BufferConfig(max_tokens=3000, window=16, max_windows_per_response=3, keep_steps=3)
+  cfg = BufferConfig(buffer_tokens=3000, window=16, windows_per_response=3, keep_steps=3)
   buf = DrafterBuffer(cfg, seed=0)
   kept_total, added = [0] * 4, [0] * 4
   errors = []
@@ -475,7 +475,7 @@ def test_concurrent_add_and_sample_keep_the_token_count_consistent():
         for w in buf.sample(8, rng=rng):
           assert w.length == w.tokens.shape[0] == w.hidden.shape[0] == w.loss_mask.shape[0]
           assert 0 < w.length <= cfg.window
-        assert 0 <= buf.tokens <= cfg.max_tokens
+        assert 0 <= buf.tokens <= cfg.buffer_tokens
     except Exception as e:  # noqa: BLE001
       errors.append(e)
 
@@ -491,7 +491,7 @@ def test_concurrent_add_and_sample_keep_the_token_count_consistent():
   assert not errors, errors
   # Public-API bookkeeping: every kept token is either still held or was evicted.
   assert sum(kept_total) == buf.tokens + buf.evicted_tokens
-  assert buf.tokens <= cfg.max_tokens
+  assert buf.tokens <= cfg.buffer_tokens
   # And the count is the sum of the held windows' lengths.
   assert buf.tokens == sum(w.length for w in buf._windows)  # white-box: no public listing
   assert buf.added_responses == sum(added)

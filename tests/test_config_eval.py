@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tlt_jax import config as config_lib
-from tlt_jax.config import ConfigError
+from tlt_jax.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".py"))
@@ -25,7 +25,10 @@ def _run(args, **kw):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_config_loads_and_validates(name):
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", name))
-  config_lib.validate(cfg)
+  spec = config_lib.run_spec(cfg)
+  assert spec.sampling.temperature == cfg.rollout.temperature  # typed = the keys' values
+  assert spec.engine.chunk_size == cfg.rollout.chunk_size
+  assert spec.engine.max_prompt_len == cfg.data.max_prompt_len
 
 
 def test_typo_key_suggests_the_right_one():
@@ -35,27 +38,35 @@ def test_typo_key_suggests_the_right_one():
 
 
 @pytest.mark.parametrize("key,value,needle", [
-    ("rollout.top_p", 1.5, "config.rollout.top_p=1.5 must be in (0, 1]"),
+    ("rollout.top_p", 1.5, "config.rollout.top_p=1.5: must be in (0, 1]"),
     ("rollout.temperature", -1.0, "config.rollout.temperature=-1.0"),
-    ("rollout.buckets", (4, 2), "strictly increasing"),
+    ("rollout.buckets", (4, 2), "config.rollout.buckets=(4, 2): a strictly increasing"),
     ("rollout.chunk_size", 0, "config.rollout.chunk_size=0: must be > 0"),
-    ("rollout.max_batch", -1, "config.rollout.max_batch=-1 is invalid: sequences per worker, "
-     "or 0"),
+    ("rollout.max_batch", -1, "config.rollout.max_batch=-1: sequences per worker, or 0"),
     ("memory.device", "tpu9", "config.memory.device='tpu9': use a known kind"),
-    ("memory.fraction", 1.5, "config.memory.fraction=1.5 is invalid"),
+    ("memory.fraction", 1.5, "config.memory.fraction=1.5: the share"),
     ("model.dtype", "float8", "model.dtype"),
     ("data.on_bad_row", "ignore", "data.on_bad_row"),
     ("data.max_prompt_len", 0, "config.data.max_prompt_len=0"),
     ("mesh.fsdp", 0, "mesh"),
     ("grpo.logit_chunk", 0, "config.grpo.logit_chunk=0: must be >= 1"),
     ("grpo.eps_low", 1.5, "config.grpo.eps_low=1.5: must be in [0, 1)"),
-    ("tlt.drafter.lr", -1e-4, "config.tlt.drafter.lr=-0.0001 is invalid"),
+    ("tlt.drafter.lr", -1e-4, "config.tlt.drafter.lr=-0.0001: must be > 0"),
     ("tlt.drafter.mode", "async", "config.tlt.drafter.mode='async': use one of off, spot"),
     ("tlt.drafter.window", 0, "config.tlt.drafter.window=0: must be >= 1"),
-    ("tlt.drafter.row_len", 64, "config.tlt.drafter.row_len=64 is invalid"),
+    ("tlt.drafter.row_len", 64, "config.tlt.drafter.row_len=64: must be >= tlt.drafter.window"),
     ("tlt.spec.strategy", "4_1_3", "config.tlt.spec.strategy='4_1_3': strategy 4_1_3: a chain"),
     ("tlt.spec.epsilon", 2.0, "config.tlt.spec.epsilon=2.0: must be in [0, 1]"),
     ("tlt.spec.buckets", "1:4_1_5 x", "config.tlt.spec.buckets: 'x' is not"),
+    ("tlt.spec.buckets", "1:4_1_5,4_1_5", "config.tlt.spec.buckets: bucket 1 lists an arm twice"),
+    ("tlt.spec.selector", "thompson", "config.tlt.spec.selector='thompson': use one of"),
+    ("tlt.spec.window", 0, "config.tlt.spec.window=0: must be a positive integer"),
+    ("tlt.spec.gate.margin", -1.0, "config.tlt.spec.gate.margin=-1.0: must be >= 0"),
+    ("tlt.drafter.buffer_tokens", 64, "config.tlt.drafter.buffer_tokens=64: must hold"),
+    ("tlt.drafter.windows_per_response", 0, "config.tlt.drafter.windows_per_response=0"),
+    ("rollout.temperature", 0.0, "config.rollout.temperature=0.0: GRPO samples its groups"),
+    ("distributed.heartbeat_timeout", 0, "config.distributed.heartbeat_timeout=0: use a number"),
+    ("eval.batch_size", 0, "config.eval.batch_size=0: must be >= 1"),
 ])
 def test_invalid_values_name_the_key(key, value, needle):
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
@@ -65,8 +76,9 @@ def test_invalid_values_name_the_key(key, value, needle):
     node = node[p]
   node[field] = value
   with pytest.raises(ConfigError) as e:
-    config_lib.validate(cfg)
+    config_lib.run_spec(cfg)
   assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+  assert e.value.key == key or key.startswith(e.value.key + "."), e.value.key  # an attribute
 
 
 @pytest.mark.parametrize("mesh,micro_batch,needle", [
@@ -79,7 +91,7 @@ def test_invalid_values_name_the_key(key, value, needle):
     ({"data": 1, "fsdp": -1, "tensor": 1, "devices": 16}, 16,
      r"config.mesh.devices=16: only 8 cpu devices are visible"),
     ({"data": 2, "fsdp": -1, "tensor": 1, "devices": 0}, 12,
-     r"config.grpo.micro_batch=12 must be a multiple of the mesh's data x fsdp size \(8"),
+     r"config.grpo.micro_batch=12: must be a multiple of the mesh's data x fsdp size \(8"),
 ])
 def test_mesh_against_visible_devices(mesh, micro_batch, needle):
   from tlt_jax import runtime
@@ -87,7 +99,7 @@ def test_mesh_against_visible_devices(mesh, micro_batch, needle):
   cfg.mesh.update(mesh)
   cfg.grpo.micro_batch = micro_batch
   with pytest.raises(ConfigError, match=needle):
-    runtime.validate(cfg)  # 8 fake CPU devices in the test process
+    runtime.prepare(config_lib.run_spec(cfg))  # 8 fake CPU devices in the test process
 
 
 def test_model_without_any_stop_token_is_a_config_error(tmp_path):

@@ -329,7 +329,7 @@ def test_two_workers_on_two_devices_decode_what_one_does_and_share_one_drafter(d
   single = RolloutWorker(params, cfg, ecfg, drafter_params=dparams).generate(reqs, sp, seed=3)
 
   tx = dts.make_optimizer(3e-4)
-  buffer = DrafterBuffer(BufferConfig(max_tokens=4096, window=32, max_windows_per_response=2))
+  buffer = DrafterBuffer(BufferConfig(buffer_tokens=4096, window=32, windows_per_response=2))
   step_fn = dts.make_train_step(cfg, tx)
   meshes = [Mesh(np.asarray(jax.devices()[i:i + 1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
             for i in (0, 1)]
@@ -378,8 +378,8 @@ def test_the_drafter_step_compiles_when_spot_training_is_first_wanted():
   from tlt_jax.coordinator.spot import DrafterTrainer
   from tlt_jax.drafter.buffer import BufferConfig, DrafterBuffer
   trainer = DrafterTrainer(step_fn=None, shardings=None, rows=2, row_len=64,
-                           buffer=DrafterBuffer(BufferConfig(max_tokens=4096, window=32,
-                                                             max_windows_per_response=2)),
+                           buffer=DrafterBuffer(BufferConfig(buffer_tokens=4096, window=32,
+                                                             windows_per_response=2)),
                            target_params=lambda: None)
   calls = []
   trainer.compile = lambda hidden: calls.append(("compile", hidden)) or 0.0

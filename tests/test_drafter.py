@@ -587,8 +587,8 @@ def _buffer_batch(results, *, rows, row_len, window, seed=0):
   captured hidden states, packed (tlt_jax/drafter/buffer.py, packing.py)."""
   from tlt_jax.drafter.buffer import BufferConfig, DrafterBuffer
   from tlt_jax.drafter.packing import fill_batch
-  buf = DrafterBuffer(BufferConfig(max_tokens=1 << 20, window=window,
-                                   max_windows_per_response=64))
+  buf = DrafterBuffer(BufferConfig(buffer_tokens=1 << 20, window=window,
+                                   windows_per_response=64))
   for r in results:
     buf.add(0, r.response_ids, r.hidden, key=(r.request_id, r.sample_index))
   rng = np.random.default_rng(seed)

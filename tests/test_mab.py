@@ -159,7 +159,7 @@ def test_default_buckets_explore():
   for kind in ("beg", "eg", "ucb1", "bucb1"):
     sel = make_selector(kind, epsilon=0.1, window=300, seed=0)
     assert set(sel.arms) == set(BucketedEpsilonGreedy(buckets).arms)
-  assert make_selector("fixed", arm="4_1_5").select(3) == "4_1_5"
+  assert make_selector("fixed", strategy="4_1_5").select(3) == "4_1_5"
   # As the lead's config holds them: a ConfigDict with string bounds.
   cfg = ml_collections.ConfigDict({str(lo): arms for lo, arms in buckets.items()})
   assert make_selector("beg", cfg).buckets == buckets

@@ -15,16 +15,14 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.sharding import Mesh
 
 from tlt_jax import config as config_lib
 from tlt_jax import memory
-from tlt_jax.config import ConfigError
+from tlt_jax.errors import ConfigError
 from tlt_jax.models import transformer as tf
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.sharding import AXES, cache_sharding, tree_shardings
+from tlt_jax.sharding import cache_sharding, make_mesh, tree_shardings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER_CONFIGS = {"qwen2_5_7b_math.py": 8, "qwen2_5_32b_math.py": 32,
@@ -61,7 +59,7 @@ def _per_device_bytes(tree) -> int:
 @pytest.mark.parametrize("fsdp,tensor", [(8, 1), (4, 2), (2, 4)])
 def test_sharded_param_bytes_equal_placed_arrays(fsdp, tensor):
   m = _model(num_kv_heads=2, vocab_size=1000)  # 1000: not divisible by 8 -> replicated dims
-  mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(1, fsdp, tensor), AXES)
+  mesh = make_mesh((1, fsdp, tensor), jax.devices()[:8])
   params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tf.abstract_params(m))
   placed = jax.device_put(params, tree_shardings(params, mesh))
   fake = memory._mesh(fsdp=fsdp, tensor=tensor)
@@ -77,9 +75,9 @@ def test_kv_cache_and_replica_weights_match_the_compiled_decode_step():
   cfg = _cfg(**{"tlt.enabled": False, "rollout.tensor_parallel": 2, "rollout.max_batch": 8,
                 "data.max_prompt_len": 64, "rollout.max_new_tokens": 192,
                 "memory.release_rollout_weights": False})
-  plan = memory.plan(cfg, model_cfg=m, device="cpu", num_devices=2)
+  plan = memory.plan(config_lib.run_spec(cfg), m, device="cpu", num_devices=2)
   items = {i.name: i.bytes for i in plan.items}
-  mesh = Mesh(np.asarray(jax.devices()[:2]).reshape(1, 1, 2), AXES)
+  mesh = make_mesh((1, 1, 2), jax.devices()[:2])
   params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tf.abstract_params(m))
   params = jax.device_put(params, tree_shardings(params, mesh))
   cache = tf.init_cache(m, 8, 256)
@@ -137,7 +135,7 @@ def test_learner_activation_estimates_against_memory_analysis(shape):
                 "grpo.micro_batch_tokens": 0, "grpo.pad_multiple": 32,
                 "grpo.logit_chunk": chunk, "mesh.devices": 1, "rollout.max_batch": 1,
                 "rollout.buckets": (1,)})
-  plan = memory.plan(cfg, model_cfg=m, device="cpu", num_devices=1)
+  plan = memory.plan(config_lib.run_spec(cfg), m, device="cpu", num_devices=1)
   items = {i.name: i.bytes for i in plan.items}
   upd_temp, logp_temp = _learner_temps(m, rows, T, chunk)
   params = items["learner params"]
@@ -153,33 +151,38 @@ def test_learner_activation_estimates_against_memory_analysis(shape):
 def test_cluster_configs_fit_their_gpus(name):
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", name))
   assert cfg.memory.num_devices == CLUSTER_CONFIGS[name]
-  m = memory.model_config(cfg)  # the shipped architecture: the model path is not here
-  mb = memory.derive_max_batch(cfg, model_cfg=m)
+  m = config_lib.model_config(cfg)  # the shipped architecture: the model path is not here
+  spec = config_lib.run_spec(cfg)
+  mb = memory.derive_max_batch(spec, m)
   assert mb >= 16  # a useful rollout batch per replica, sized from memory
-  cfg.rollout.max_batch = mb
-  plan = memory.plan(cfg, model_cfg=m)
-  assert plan.over() == [], plan.table()
+  plan = memory.plan(spec.with_max_batch(mb), m)
+  assert plan.over() == [] and plan.max_batch == mb, plan.table()
   # and the next size up would not fit the rollout phase (unless capped by the buckets)
   if mb < max(cfg.rollout.buckets):
-    bigger = memory.plan(cfg, model_cfg=m, max_batch=mb + 8)
+    bigger = memory.plan(spec, m, max_batch=mb + 8)
     assert "rollout" in bigger.over()
 
 
 def test_max_batch_zero_is_sized_to_fill_the_rollout_phase():
   cfg = _cfg(**{"memory.device": "0.6gb", "rollout.max_batch": 0,
                 "rollout.buckets": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)})
-  m = memory.model_config(cfg)
-  mb = memory.derive_max_batch(cfg, model_cfg=m)
+  m = config_lib.model_config(cfg)
+  spec = config_lib.run_spec(cfg)
+  mb = memory.derive_max_batch(spec, m)
   assert 8 < mb < 1024 and mb % 8 == 0
-  assert memory.plan(cfg, model_cfg=m, max_batch=mb).over() == []
-  assert "rollout" in memory.plan(cfg, model_cfg=m, max_batch=mb + 8).over()
+  assert memory.plan(spec, m, max_batch=mb).over() == []
+  assert "rollout" in memory.plan(spec, m, max_batch=mb + 8).over()
+  # resolve hands the size back (the caller runs with it); the locked config keeps its 0
+  cfg.memory.check = False
+  cfg.lock()
+  assert memory.resolve(spec, m).max_batch == mb and cfg.rollout.max_batch == 0
 
 
 def test_impossible_config_is_refused_in_one_line():
   cfg = _cfg(**{"memory.device": "0.05gb"})
   with pytest.raises(ConfigError, match=r"^memory: the rollout phase needs .* GiB per device, "
                      r".* usable on 0.05gb .*: lower rollout.max_batch"):
-    memory.resolve(cfg, memory.model_config(cfg))
+    memory.resolve(config_lib.run_spec(cfg), config_lib.model_config(cfg))
 
 
 def test_train_refuses_to_start_when_a_phase_does_not_fit(tmp_path):

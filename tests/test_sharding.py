@@ -2,6 +2,8 @@
 a HF checkpoint straight onto a mesh, and sharded forwards equal to the single-device one."""
 
 import functools
+import os
+import re
 
 import jax
 import numpy as np
@@ -12,8 +14,8 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from tlt_jax.models import ModelOutput, forward, init_cache
 from tlt_jax.models.hf_io import load_hf_model
-from tlt_jax.sharding import (AXES, batch_sharding, cache_sharding, make_mesh, replicated,
-                              tree_shardings)
+from tlt_jax.sharding import (AXES, batch_sharding, cache_sharding, make_mesh, mesh_sizes,
+                              replicated, tree_shardings)
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake CPU) devices")
 
@@ -238,3 +240,28 @@ def test_sharded_cache_forward_equals_single_device(sharded, single):
                                atol=TOL)
     np.testing.assert_allclose(np.asarray(got.cache.v), np.asarray(want.cache.v), rtol=0,
                                atol=TOL)
+
+
+def test_mesh_sizes_resolve_minus_one_without_devices():
+  # memory plans a 64-GPU learner mesh on this 8-device machine: sizes only, no devices
+  assert mesh_sizes({"data": 2, "fsdp": -1, "tensor": 4}, 64) == {"data": 2, "fsdp": 8,
+                                                                  "tensor": 4}
+  assert mesh_sizes((1, 1, 2), 2) == {"data": 1, "fsdp": 1, "tensor": 2}
+  with pytest.raises(ValueError, match="does not divide 6 devices"):
+    mesh_sizes({"fsdp": -1, "tensor": 4}, 6)
+
+
+def test_make_mesh_is_the_only_mesh_builder():
+  """Every Mesh of the package and its scripts comes from make_mesh (axis names in one place)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  found = []
+  for folder in ("tlt_jax", "scripts"):
+    for dirpath, _, files in os.walk(os.path.join(root, folder)):
+      for f in files:
+        path = os.path.join(dirpath, f)
+        if f.endswith(".py") and not path.endswith(os.path.join("tlt_jax", "sharding.py")):
+          with open(path) as fh:
+            text = fh.read()
+          if re.search(r"\bMesh\(", text) or '"data", "fsdp", "tensor"' in text:
+            found.append(os.path.relpath(path, root))
+  assert found == []

@@ -13,7 +13,7 @@ import pytest
 
 from tlt_jax import config as config_lib
 from tlt_jax import runtime
-from tlt_jax.config import ConfigError
+from tlt_jax.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,7 +73,8 @@ def test_sigkill_during_training_resumes_exactly(tmp_path):
 
 
 def _small_cfg(workdir, steps, **overrides):
-  """configs/default.py with SMALL applied, TLT on; overrides: {"section.field": value}."""
+  """The run spec of configs/default.py with SMALL applied, TLT on; overrides:
+  {"section.field": value}."""
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
   for arg in SMALL:
     key, value = arg[len("--config."):].split("=")
@@ -95,8 +96,7 @@ def _small_cfg(workdir, steps, **overrides):
     for p in path:
       node = node[p]
     node[field] = value
-  runtime.validate(cfg)
-  return cfg
+  return runtime.prepare(config_lib.run_spec(cfg))
 
 
 def _run(cfg):
@@ -253,9 +253,9 @@ def test_tlt_run_on_two_workers_trains_the_drafter_in_idle_windows(tmp_path):
 @pytest.mark.parametrize("name", ["qwen2_5_7b_math.py", "qwen2_5_32b_math.py"])
 def test_real_work_configs_need_paths_and_say_so(name):
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", name))
-  config_lib.validate(cfg)  # shapes and values are consistent as shipped
+  spec = config_lib.run_spec(cfg)  # shapes and values are consistent as shipped
   with pytest.raises(ConfigError, match="config.model.path"):
-    runtime.validate(cfg)  # ... but the checkpoint path must be given on the command line
+    runtime.prepare(spec)  # ... but the checkpoint path must be given on the command line
 
 
 def test_bad_reward_name_is_one_line(tmp_path):

@@ -1,27 +1,45 @@
-"""Config plumbing: `--config configs/x.py --config.some.key=value` through absl flags.
+"""Config plumbing: `--config configs/x.py --config.some.key=value` through absl flags, and
+the run spec: every typed config of a run, built (so validated) once.
 
 absl + ml_collections report a typo'd override key as a deep AttributeError traceback and a
 missing config file as an opaque object; `flags_parser` checks both first and exits with one
-line naming the input and the fix. `validate` checks values shared by every entry point.
+line naming the input and the fix.
+
+`run_spec(cfg)` builds each typed config from the section of the same name: a dataclass
+field IS the config key (`errors.section_values`), and each dataclass checks its own values
+in __post_init__, so a mistake is found in one place and reported under its config key
+(errors.build). The entry points (train, eval, scripts) read typed configs from the
+RunSpec only; the plain values (paths, learning rates) from `spec.cfg`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import functools
 import importlib.util
+import json
 import os
-import re
 import sys
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import ml_collections
 from absl import flags
 
+from tlt_jax.coordinator.spot import SpotConfig
+from tlt_jax.distributed import DistributedConfig
+from tlt_jax.drafter.buffer import BufferConfig
+from tlt_jax.errors import ConfigError, build, check, section_values
+from tlt_jax.memory import device_bytes
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.rl.grpo import GRPOConfig
+from tlt_jax.rollout.engine import EngineConfig, SpecConfig
+from tlt_jax.rollout.gate import GateConfig
+from tlt_jax.rollout.mab import make_selector
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.sharding import AXES
+
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-class ConfigError(ValueError):
-  """A user-facing configuration mistake."""
 
 
 def asset_path(*parts: str) -> str:
@@ -88,104 +106,69 @@ def flags_parser(argv: list[str]) -> list[str]:
     sys.exit(2)
 
 
-def require(cond: bool, key: str, value: Any, fix: str) -> None:
-  if not cond:
-    raise ConfigError(f"config.{key}={value!r} is invalid: {fix}")
+
+# ---------------------------------------------------------------------------------- run spec
+@dataclasses.dataclass(frozen=True, eq=False)
+class RunSpec:
+  """Every typed config of a run, built once from the locked config (`run_spec`).
+
+  engine: the rollout engine's config for training, without the model's stop tokens (the
+    tokenizer's: `engine_config` adds them). Its max_batch is config.rollout.max_batch, or
+    while that is 0 (sized from memory at start-up, runtime.prepare) the largest bucket.
+  max_batch: config.rollout.max_batch as resolved: 0 until sized from memory.
+  speculation, gate, spot, buffer, mab_buckets: None where TLT (or that part of it) is off.
+  """
+  cfg: ml_collections.ConfigDict  # plain values: paths, learning rates, step counts
+  sampling: SamplingParams
+  engine: EngineConfig
+  grpo: GRPOConfig
+  distributed: DistributedConfig
+  speculation: SpecConfig | None
+  gate: GateConfig | None  # None: disabled, or the fixed selector (pinned, deterministic)
+  spot: SpotConfig | None
+  buffer: BufferConfig | None  # None: the drafter is not trained
+  mab_buckets: dict[int, list[str]] | None  # config.tlt.spec.buckets ({}: the default arms)
+  max_batch: int
+  _selector: Callable[..., Any] | None = None
+
+  @property
+  def tlt(self) -> bool:
+    return self.speculation is not None
+
+  def selector(self, seed: int | None = None):
+    """A fresh speculative-strategy selector (BEG-MAB by default); None with TLT off. Each
+    call is a new one: training and evaluation each keep their own reward windows."""
+    if self._selector is None:
+      return None
+    return self._selector(seed=self.cfg.seed if seed is None else seed)
+
+  def engine_config(self, stop: tuple[int, ...], *, max_batch: int | None = None,
+                    speculative: bool = True) -> EngineConfig:
+    """`engine` with the model's stop tokens; `max_batch` (e.g. evaluation's batch) cuts the
+    buckets again; speculative=False: plain decoding, no hidden states captured."""
+    e = self.engine
+    if max_batch is not None:
+      e = dataclasses.replace(e, max_batch=max_batch,
+                              buckets=buckets_upto(self.cfg.rollout.buckets, max_batch))
+    if not speculative:
+      e = dataclasses.replace(e, spec=None, capture_hidden=False, hidden_keep=0)
+    return dataclasses.replace(e, stop_tokens=tuple(stop))
+
+  def with_max_batch(self, max_batch: int) -> RunSpec:
+    """This spec with rollout.max_batch resolved (memory.size_max_batch's answer)."""
+    engine = dataclasses.replace(self.engine, max_batch=max_batch,
+                                 buckets=buckets_upto(self.cfg.rollout.buckets, max_batch))
+    return dataclasses.replace(self, engine=engine, max_batch=max_batch)
 
 
-def typed(fn, keys: dict[str, str], default_key: str, **kw):
-  """`fn(**kw)` (a typed config: dataclass, selector), its ValueError turned into one
-  ConfigError naming the config key. Typed configs validate themselves (once, there) with
-  messages that start "field=value: fix"; `keys` maps field -> config key."""
-  try:
-    return fn(**kw)
-  except ValueError as e:
-    msg = str(e)
-    m = re.match(r"(\w+)=", msg)
-    if m and m.group(1) in keys:
-      raise ConfigError(f"config.{keys[m.group(1)]}{msg[len(m.group(1)):]}") from None
-    raise ConfigError(f"config.{default_key}: {msg}") from None
-
-
-# -------------------------------------------------------- typed configs built from a ConfigDict
-def sampling_params(cfg: ml_collections.ConfigDict):
-  from tlt_jax.rollout.sampling import SamplingParams
-  r = cfg.rollout
-  return typed(SamplingParams, {k: f"rollout.{k}" for k in ("temperature", "top_k", "top_p")},
-               "rollout", temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
-
-
-def spec_config(cfg: ml_collections.ConfigDict):
-  from tlt_jax.rollout.engine import SpecConfig
-  s = cfg.tlt.spec
-  fields = ("strategy", "bs_threshold", "patience", "max_steps", "background_compile")
-  return typed(SpecConfig, {k: f"tlt.spec.{k}" for k in fields}, "tlt.spec",
-               **{k: s[k] for k in fields})
-
-
-def spec_gate(cfg: ml_collections.ConfigDict, verdicts=None):
-  """The gate that opens speculation bucket by bucket as it is measured to pay
-  (tlt_jax/rollout/gate.py), from config.tlt.spec.gate; None when disabled, and with the
-  fixed selector (a pinned strategy runs wherever speculation switches on, deterministically:
-  the gate's verdicts depend on measured speed). `verdicts`: a gate.VerdictCache of earlier
-  runs' hardware verdicts."""
-  from tlt_jax.rollout.gate import GateConfig, SpecGate
-  g = cfg.tlt.spec.get("gate")
-  if g is None or not g.enabled or cfg.tlt.spec.selector == "fixed":
-    return None
-  fields = ("min_chunks", "margin", "reprobe_every", "hardware_reprobe_every",
-            "follow_traffic")
-  names = {k: f"tlt.spec.gate.{k}" for k in fields}
-  names["lead"] = "tlt.spec.strategy"  # the probe's first arm: the fixed selector's
-  return SpecGate(typed(GateConfig, names, "tlt.spec.gate",
-                        lead=cfg.tlt.spec.strategy, **{k: g[k] for k in fields}),
-                  verdicts=verdicts)
-
-
-def engine_config(cfg: ml_collections.ConfigDict, stop: tuple[int, ...] = (), *,
-                  max_batch: int | None = None, speculative: bool = False,
-                  capture_hidden: bool = False, hidden_keep: int = 0):
-  """The rollout engine's config (tlt_jax/rollout/engine.py) from config.rollout."""
-  from tlt_jax.rollout.engine import EngineConfig
-  r = cfg.rollout
-  b = tuple(r.buckets)
-  require(len(b) > 0 and list(b) == sorted(set(b)) and b[0] >= 1, "rollout.buckets", b,
-          "a strictly increasing tuple of batch sizes, e.g. (1, 2, 4, 8)")
-  # max_batch 0 is sized from memory at start-up (memory.resolve); validate the largest bucket
-  max_batch = max_batch or r.max_batch or b[-1]
-  # Buckets above the worker's batch are never used: cut them, keep max_batch itself.
-  buckets = tuple(x for x in b if x < max_batch) + (max_batch,) if max_batch >= 1 else b
-  keys = {k: f"rollout.{k}" for k in ("max_batch", "chunk_size", "compaction",
-                                      "max_new_tokens")}
-  keys.update(buckets="rollout.buckets", max_prompt_len="data.max_prompt_len")
-  keys["prompt_bucket"] = "rollout.prompt_bucket"
-  return typed(EngineConfig, keys, "rollout", max_batch=max_batch, buckets=buckets,
-               chunk_size=r.chunk_size, compaction=r.compaction,
-               prompt_bucket=r.get("prompt_bucket", 16),
-               max_prompt_len=cfg.data.max_prompt_len, max_new_tokens=r.max_new_tokens,
-               capture_hidden=capture_hidden, hidden_keep=hidden_keep, stop_tokens=tuple(stop),
-               spec=spec_config(cfg) if speculative else None)
-
-
-def grpo_config(cfg: ml_collections.ConfigDict):
-  from tlt_jax.rl.grpo import GRPOConfig
-  g = cfg.grpo
-  fields = ("eps_low", "eps_high", "kl_coef", "adv_eps", "norm_adv_by_std", "logit_chunk")
-  keys = {k: f"grpo.{k}" for k in fields}
-  keys["temperature"] = "rollout.temperature"
-  return typed(GRPOConfig, keys, "grpo", temperature=cfg.rollout.temperature,
-               **{k: g[k] for k in fields})
-
-
-def selector(cfg: ml_collections.ConfigDict, seed: int | None = None):
-  """The speculative-strategy selector named by config.tlt.spec (BEG-MAB by default)."""
-  from tlt_jax.rollout.mab import make_selector
-  s = cfg.tlt.spec
-  return typed(make_selector, {"kind": "tlt.spec.selector", "arm": "tlt.spec.strategy",
-                               "epsilon": "tlt.spec.epsilon", "window": "tlt.spec.window"},
-               "tlt.spec.buckets", kind=s.selector, buckets=parse_mab_buckets(s.buckets),
-               arm=s.strategy, epsilon=s.epsilon, window=s.window,
-               seed=cfg.seed if seed is None else seed)
+def buckets_upto(buckets: Iterable[int], max_batch: int) -> tuple[int, ...]:
+  """The compiled batch sizes of a worker of `max_batch` rows: the buckets below it, then
+  max_batch itself (a bucket above it would never be used). A tuple that is not strictly
+  increasing comes back as given, for EngineConfig to refuse with the user's own value."""
+  b = tuple(buckets)
+  if not b or list(b) != sorted(set(b)):
+    return b
+  return tuple(x for x in b if x < max_batch) + (max_batch,)
 
 
 def parse_mab_buckets(text: str) -> dict[int, list[str]] | None:
@@ -196,118 +179,146 @@ def parse_mab_buckets(text: str) -> dict[int, list[str]] | None:
   for part in text.split():
     bound, sep, arms = part.partition(":")
     if not sep or not bound.isdigit() or not arms:
-      raise ConfigError(f"config.tlt.spec.buckets: {part!r} is not 'LOWER_BOUND:ARM,ARM,...' "
-                        "(e.g. '1:4_1_5,3_1_4,off 5:3_1_4,off')")
+      raise ConfigError(f"{part!r} is not 'LOWER_BOUND:ARM,ARM,...' (e.g. '1:4_1_5,3_1_4,off "
+                        "5:3_1_4,off')", "tlt.spec.buckets", in_config=True)
     out[int(bound)] = arms.split(",")
   return out
 
 
-def spot_config(cfg: ml_collections.ConfigDict):
-  from tlt_jax.coordinator.spot import SpotConfig
-  d = cfg.tlt.drafter
-  return typed(SpotConfig, {k: f"tlt.drafter.{k}" for k in ("mode", "on_barrier",
-                                                            "serial_steps")},
-               "tlt.drafter", mode=d.mode, on_barrier=d.on_barrier,
-               serial_steps=d.serial_steps)
+def distributed_config(cfg: ml_collections.ConfigDict) -> DistributedConfig:
+  """config.distributed (absent: the defaults, "from the environment")."""
+  return build(DistributedConfig, "distributed",
+               section_values(DistributedConfig, cfg.get("distributed", None) or {}))
 
 
-def buffer_config(cfg: ml_collections.ConfigDict):
-  from tlt_jax.drafter.buffer import BufferConfig
-  d = cfg.tlt.drafter
-  keys = {"max_tokens": "tlt.drafter.buffer_tokens", "window": "tlt.drafter.window",
-          "max_windows_per_response": "tlt.drafter.windows_per_response",
-          "keep_steps": "tlt.drafter.keep_steps", "tail_weight": "tlt.drafter.tail_weight"}
-  return typed(BufferConfig, keys, "tlt.drafter", max_tokens=d.buffer_tokens, window=d.window,
-               max_windows_per_response=d.windows_per_response, keep_steps=d.keep_steps,
-               tail_weight=d.tail_weight)
+def _speculation(cfg: ml_collections.ConfigDict):
+  """-> (SpecConfig, GateConfig | None, selector factory, mab buckets) of config.tlt.spec."""
+  s = cfg.tlt.spec
+  spec = build(SpecConfig, "tlt.spec", section_values(SpecConfig, s))
+  buckets = parse_mab_buckets(s.buckets)
+  selector = functools.partial(make_selector, s.selector, buckets, strategy=s.strategy,
+                               epsilon=s.epsilon, window=s.window)
+  build(selector, "tlt.spec", {"seed": cfg.seed})  # validates its arguments, once
+  gate = None
+  g = s.get("gate")
+  if g is not None and g.enabled and s.selector != "fixed":
+    # the probe's first arm is the fixed selector's: its key is tlt.spec.strategy
+    gate = build(GateConfig, "tlt.spec.gate", section_values(GateConfig, g),
+                 lead=("tlt.spec.strategy", s.strategy))
+  return spec, gate, selector, buckets
 
 
-def validate(cfg: ml_collections.ConfigDict) -> None:
-  """Value checks of a run's config: the typed configs are built (each validates itself,
-  errors name the config key); the remaining plain values are checked here."""
-  if "model" in cfg:
-    m = cfg.model
-    require(bool(m.path), "model.path", m.path, "set the local Hugging Face model directory")
-    for k in ("dtype", "param_dtype"):
-      require(m[k] in ("float32", "bfloat16", "float16"), f"model.{k}", m[k],
-              "use float32, bfloat16 or float16")
-  if "cpu_devices" in cfg:
-    require(isinstance(cfg.cpu_devices, int) and cfg.cpu_devices >= 0, "cpu_devices",
-            cfg.cpu_devices, "a number of CPU devices to expose, or 0 for JAX's default")
-  if "mesh" in cfg:
-    sizes = [cfg.mesh[a] for a in ("data", "fsdp", "tensor")]
-    require(all(isinstance(s, int) and (s > 0 or s == -1) for s in sizes), "mesh", dict(cfg.mesh),
-            "axis sizes are positive integers, or -1 on one axis for 'all remaining devices'")
-    devices = cfg.mesh.get("devices", 0)
-    require(isinstance(devices, int) and devices >= 0, "mesh.devices", devices,
-            "the number of devices the learner spans (the first ones), or 0 for all")
-  if "memory" in cfg:
-    mem = cfg.memory
-    require(0 < mem.fraction <= 1, "memory.fraction", mem.fraction,
-            "the share of device memory the run may use, in (0, 1]")
-    require(isinstance(mem.num_devices, int) and mem.num_devices >= 0, "memory.num_devices",
-            mem.num_devices, "the devices to plan for, or 0 for the visible ones")
-    from tlt_jax.memory import device_bytes
-    device_bytes(mem.device)
-  if "rollout" in cfg:
-    r = cfg.rollout
-    require(isinstance(r.max_batch, int) and r.max_batch >= 0, "rollout.max_batch",
-            r.max_batch, "sequences per worker, or 0 to size it from memory")
-    sampling_params(cfg)
-    engine_config(cfg, speculative="tlt" in cfg and cfg.tlt.enabled)
-    require(r.get("num_workers", 1) >= 1, "rollout.num_workers", r.get("num_workers"),
-            "must be >= 1")
-    require(r.get("tensor_parallel", 1) >= 1, "rollout.tensor_parallel",
-            r.get("tensor_parallel"), "must be >= 1")
-  if "data" in cfg:
-    d = cfg.data
-    require(d.on_bad_row in ("skip", "error"), "data.on_bad_row", d.on_bad_row,
-            "use 'skip' (count and warn) or 'error' (stop with the row number)")
-  if "grpo" in cfg:
-    g = cfg.grpo
-    grpo_config(cfg)
-    require(g.num_prompts >= 1, "grpo.num_prompts", g.num_prompts, "must be >= 1")
-    require(g.n >= 2, "grpo.n", g.n, "GRPO needs >= 2 responses per prompt to compare")
-    require(g.micro_batch >= 1, "grpo.micro_batch", g.micro_batch, "must be >= 1")
-    require(g.micro_batch_tokens >= 0, "grpo.micro_batch_tokens", g.micro_batch_tokens,
-            "must be >= 0 (0 = fixed micro_batch rows)")
-    rows = g.num_prompts * g.n
-    most = -(-rows // g.micro_batch) if not g.micro_batch_tokens else rows
-    require(1 <= g.minibatches <= most, "grpo.minibatches", g.minibatches,
-            f"must be between 1 and the number of micro-batches per step ({most})")
-    require(g.pad_multiple >= 1, "grpo.pad_multiple", g.pad_multiple, "must be >= 1")
-  if "optim" in cfg:
-    o = cfg.optim
-    require(o.lr > 0, "optim.lr", o.lr, "must be > 0")
-    require(o.schedule in ("constant", "cosine"), "optim.schedule", o.schedule,
-            "use 'constant' (after warm-up) or 'cosine'")
-    require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
-  if "distributed" in cfg:
-    from tlt_jax.distributed import from_config
-    from_config(cfg)
-  if "train" in cfg:
-    t = cfg.train
-    require(t.steps >= 1, "train.steps", t.steps, "must be >= 1")
-    require(t.eval_every >= 0, "train.eval_every", t.eval_every, "must be >= 0 (0 = never)")
-    require(t.checkpoint_every >= 1, "train.checkpoint_every", t.checkpoint_every,
-            "must be >= 1")
-    require(t.keep_checkpoints >= 1, "train.keep_checkpoints", t.keep_checkpoints,
-            "must be >= 1")
-  if "reward" in cfg and "num_workers" in cfg.reward:
-    require(cfg.reward.num_workers >= 1, "reward.num_workers", cfg.reward.num_workers,
-            "must be >= 1")
-    require(cfg.reward.timeout > 0, "reward.timeout", cfg.reward.timeout, "must be > 0 seconds")
-  if "tlt" in cfg:
-    spec_config(cfg)
-    selector(cfg)
-    spec_gate(cfg)
-    d = cfg.tlt.drafter
-    spot_config(cfg)
-    buffer_config(cfg)
-    require(d.lr > 0, "tlt.drafter.lr", d.lr,
-            "must be > 0 (to keep the drafter fixed set tlt.drafter.mode=off)")
-    require(d.warmup_steps >= 0, "tlt.drafter.warmup_steps", d.warmup_steps, "must be >= 0")
-    require(d.unroll >= 1, "tlt.drafter.unroll", d.unroll, "must be >= 1 (1 = plain EAGLE)")
-    require(d.rows >= 1, "tlt.drafter.rows", d.rows, "must be >= 1")
-    require(d.row_len >= d.window, "tlt.drafter.row_len", d.row_len,
-            f"must be >= tlt.drafter.window ({d.window}): a packed row holds whole windows")
+def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
+  """Every typed config of `cfg`, and the plain values checked, in one pass: the first
+  mistake is a ConfigError naming its key. Needs no devices and reads no files (beyond the
+  memory.device name); runtime.prepare checks those against this machine."""
+  m = cfg.model
+  check(bool(m.path), "model.path", m.path, "set the local Hugging Face model directory")
+  for k in ("dtype", "param_dtype"):
+    check(m[k] in ("float32", "bfloat16", "float16"), f"model.{k}", m[k],
+          "use float32, bfloat16 or float16")
+  check(isinstance(cfg.cpu_devices, int) and cfg.cpu_devices >= 0, "cpu_devices",
+        cfg.cpu_devices, "a number of CPU devices to expose, or 0 for JAX's default")
+  sizes = [cfg.mesh[a] for a in AXES]
+  check(all(isinstance(s, int) and (s > 0 or s == -1) for s in sizes), "mesh", dict(cfg.mesh),
+        "axis sizes are positive integers, or -1 on one axis for 'all remaining devices'")
+  devices = cfg.mesh.get("devices", 0)
+  check(isinstance(devices, int) and devices >= 0, "mesh.devices", devices,
+        "the number of devices the learner spans (the first ones), or 0 for all")
+  mem = cfg.memory
+  check(0 < mem.fraction <= 1, "memory.fraction", mem.fraction,
+        "the share of device memory the run may use, in (0, 1]")
+  check(isinstance(mem.num_devices, int) and mem.num_devices >= 0, "memory.num_devices",
+        mem.num_devices, "the devices to plan for, or 0 for the visible ones")
+  device_bytes(mem.device)
+  d = cfg.data
+  check(d.on_bad_row in ("skip", "error"), "data.on_bad_row", d.on_bad_row,
+        "use 'skip' (count and warn) or 'error' (stop with the row number)")
+
+  r = cfg.rollout
+  check(isinstance(r.max_batch, int) and r.max_batch >= 0, "rollout.max_batch", r.max_batch,
+        "sequences per worker, or 0 to size it from memory")
+  check(r.num_workers >= 1, "rollout.num_workers", r.num_workers, "must be >= 1")
+  check(r.tensor_parallel >= 1, "rollout.tensor_parallel", r.tensor_parallel, "must be >= 1")
+  sampling = build(SamplingParams, "rollout", section_values(SamplingParams, r))
+  # config.tlt is checked with TLT off too (as the baseline of a TLT run is run): switching it
+  # on later must not bring up a mistake made earlier.
+  speculation, gate, selector, mab_buckets = _speculation(cfg)
+  dr = cfg.tlt.drafter
+  spot = build(SpotConfig, "tlt.drafter", section_values(SpotConfig, dr))
+  buffer = build(BufferConfig, "tlt.drafter", section_values(BufferConfig, dr))
+  check(dr.lr > 0, "tlt.drafter.lr", dr.lr,
+        "must be > 0 (to keep the drafter fixed set tlt.drafter.mode=off)")
+  check(dr.warmup_steps >= 0, "tlt.drafter.warmup_steps", dr.warmup_steps, "must be >= 0")
+  check(dr.unroll >= 1, "tlt.drafter.unroll", dr.unroll, "must be >= 1 (1 = plain EAGLE)")
+  check(dr.rows >= 1, "tlt.drafter.rows", dr.rows, "must be >= 1")
+  check(dr.row_len >= dr.window, "tlt.drafter.row_len", dr.row_len,
+        f"must be >= tlt.drafter.window ({dr.window}): a packed row holds whole windows")
+  if not cfg.tlt.enabled:
+    speculation = gate = selector = mab_buckets = spot = None
+  if spot is None or spot.mode == "off":
+    buffer = None
+  trained = buffer is not None
+  # max_batch 0 is sized from memory at start-up; until then the largest bucket stands in
+  max_batch = r.max_batch or max(r.buckets, default=1)
+  values = section_values(EngineConfig, r)
+  values.update(max_batch=max_batch, spec=speculation, capture_hidden=trained,
+                hidden_keep=dr.window * dr.windows_per_response if trained else 0)
+  engine = build(EngineConfig, "rollout", values,
+                 buckets=("rollout.buckets", buckets_upto(r.buckets, max_batch)),
+                 max_prompt_len=("data.max_prompt_len", d.max_prompt_len))
+
+  g = cfg.grpo
+  grpo = build(GRPOConfig, "grpo", section_values(GRPOConfig, g),
+               temperature=("rollout.temperature", r.temperature))
+  check(g.num_prompts >= 1, "grpo.num_prompts", g.num_prompts, "must be >= 1")
+  check(g.n >= 2, "grpo.n", g.n, "GRPO needs >= 2 responses per prompt to compare")
+  check(g.micro_batch >= 1, "grpo.micro_batch", g.micro_batch, "must be >= 1")
+  check(g.micro_batch_tokens >= 0, "grpo.micro_batch_tokens", g.micro_batch_tokens,
+        "must be >= 0 (0 = fixed micro_batch rows)")
+  rows = g.num_prompts * g.n
+  most = -(-rows // g.micro_batch) if not g.micro_batch_tokens else rows
+  check(1 <= g.minibatches <= most, "grpo.minibatches", g.minibatches,
+        f"must be between 1 and the number of micro-batches per step ({most})")
+  check(g.pad_multiple >= 1, "grpo.pad_multiple", g.pad_multiple, "must be >= 1")
+  o = cfg.optim
+  check(o.lr > 0, "optim.lr", o.lr, "must be > 0")
+  check(o.schedule in ("constant", "cosine"), "optim.schedule", o.schedule,
+        "use 'constant' (after warm-up) or 'cosine'")
+  check(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
+  distributed = distributed_config(cfg)
+  t = cfg.train
+  check(t.steps >= 1, "train.steps", t.steps, "must be >= 1")
+  check(t.eval_every >= 0, "train.eval_every", t.eval_every, "must be >= 0 (0 = never)")
+  check(t.checkpoint_every >= 1, "train.checkpoint_every", t.checkpoint_every, "must be >= 1")
+  check(t.keep_checkpoints >= 1, "train.keep_checkpoints", t.keep_checkpoints, "must be >= 1")
+  check(cfg.eval.batch_size >= 1, "eval.batch_size", cfg.eval.batch_size, "must be >= 1")
+  check(cfg.reward.num_workers >= 1, "reward.num_workers", cfg.reward.num_workers,
+        "must be >= 1")
+  check(cfg.reward.timeout > 0, "reward.timeout", cfg.reward.timeout, "must be > 0 seconds")
+  return RunSpec(cfg=cfg, sampling=sampling, engine=engine, grpo=grpo, distributed=distributed,
+                 speculation=speculation, gate=gate, spot=spot, buffer=buffer,
+                 mab_buckets=mab_buckets, max_batch=r.max_batch, _selector=selector)
+
+
+def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:
+  """The ModelConfig of config.model.path's config.json (no weights are read); where that
+  directory is not on this machine (planning a cluster run from a laptop), the architecture
+  shipped under assets/architectures/ that config.model.architecture names."""
+  path = os.path.join(cfg.model.path, "config.json")
+  arch = cfg.model.get("architecture", "")
+  if not os.path.isfile(path) and arch:
+    path = asset_path("architectures", f"{arch}.json")
+    if not os.path.isfile(path):
+      known = sorted(f[:-5] for f in os.listdir(asset_path("architectures")))
+      raise ConfigError(f"is not shipped; use one of {known} or point config.model.path at a "
+                        "model directory", "model.architecture", arch, in_config=True)
+  if not os.path.isfile(path):
+    raise ConfigError("has no config.json; point it at a local Hugging Face model directory "
+                      "(or set config.model.architecture)", "model.path", cfg.model.path,
+                      in_config=True)
+  with open(path) as f:
+    d = json.load(f)
+  return ModelConfig.from_hf_dict(d, source=path, dtype=cfg.model.dtype,
+                                  param_dtype=cfg.model.param_dtype,
+                                  remat=bool(cfg.model.get("remat", False)))

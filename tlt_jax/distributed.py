@@ -33,20 +33,20 @@ visible GPUs (CUDA_VISIBLE_DEVICES, else SLURM_GPUS_ON_NODE), e.g. [SLURM_LOCALI
 (JAX's own Slurm detection would give it only GPU 0; it is switched off here).
 
 Failure detection. The coordination service (in process 0) declares a process dead when it
-sends no heartbeat for `heartbeat_timeout_s` and then aborts every other process with
+sends no heartbeat for `heartbeat_timeout` and then aborts every other process with
 "Terminating process because the JAX distributed service detected fatal errors ... tasks
 are unhealthy (stopped sending heartbeats)"; this holds whatever the survivors are blocked
 in (a collective on a dead peer can otherwise wait forever). When process 0 itself dies the
 others abort at once (their error-poll RPC to the service fails). So a killed process
-brings the job down within about heartbeat_timeout_s (measured on CPU, JAX 0.10.2 and 0.12,
+brings the job down within about heartbeat_timeout (measured on CPU, JAX 0.10.2 and 0.12,
 10 s timeout: 9-10 s after the death; under 1 s when process 0 died, or when a CPU (gloo)
 collective sees the peer's connection close and raises). A process that dies of an uncaught
-Python exception would instead wait in JAX's shutdown barrier (up to `shutdown_timeout_s`)
+Python exception would instead wait in JAX's shutdown barrier (up to `shutdown_timeout`)
 while its peers block on it; `initialize` installs an excepthook that prints the traceback
 and exits at once, so that case is bounded the same way. A process that hangs but stays
 alive keeps heartbeating and is not detected.
 
-Start-up. A process other than 0 first waits (initialization_timeout_s) for the coordinator's
+Start-up. A process other than 0 first waits (initialization_timeout) for the coordinator's
 port to accept connections and otherwise fails with an error naming the address; if not all
 processes join in time, JAX aborts them, after a line from here saying what to check.
 """
@@ -63,7 +63,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from tlt_jax.config import ConfigError, typed
+from tlt_jax.errors import ConfigError
 
 # Environment variables of an explicit (by hand) launch.
 ENV_COORDINATOR = "TLT_COORDINATOR_ADDRESS"
@@ -77,7 +77,8 @@ _FALSE = ("false", "0", "no", "off")
 # ------------------------------------------------------------------------------------ config
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
-  """What the user asked for; the defaults mean "from the environment".
+  """What the user asked for (config.distributed; the fields are its keys); the defaults mean
+  "from the environment".
 
   enabled: "auto" (initialise when the environment shows a multi-process launch or a
     coordinator address is given), True (always; an error if nothing says how), False (never).
@@ -85,18 +86,18 @@ class DistributedConfig:
   num_processes: 0 = detected. process_id: -1 = detected.
   local_device_ids: "" / "auto" (see the module docstring), "all" (never restrict), or a
     comma list of this process's local GPU ordinals, e.g. "0,1".
-  initialization_timeout_s: how long a process waits for all the others to connect.
-  heartbeat_timeout_s: a process silent this long is declared dead and the job aborted.
-  shutdown_timeout_s: how long a finishing process waits at exit for the others to finish.
+  initialization_timeout: seconds a process waits for all the others to connect.
+  heartbeat_timeout: seconds after which a silent process is declared dead and the job aborted.
+  shutdown_timeout: seconds a finishing process waits at exit for the others to finish.
   """
   enabled: Any = "auto"
   coordinator_address: str = ""
   num_processes: int = 0
   process_id: int = -1
   local_device_ids: str = ""
-  initialization_timeout_s: int = 300
-  heartbeat_timeout_s: int = 60
-  shutdown_timeout_s: int = 300
+  initialization_timeout: int = 300
+  heartbeat_timeout: int = 60
+  shutdown_timeout: int = 300
 
   def __post_init__(self):
     set_ = functools.partial(object.__setattr__, self)
@@ -105,55 +106,33 @@ class DistributedConfig:
       low = e.strip().lower()
       e = "auto" if low == "auto" else True if low in _TRUE else False if low in _FALSE else e
     if not (e == "auto" or isinstance(e, bool)):
-      raise ValueError(f"enabled={self.enabled!r}: use auto, True or False")
+      raise ConfigError("use auto, True or False", "enabled", self.enabled)
     set_("enabled", e)
     addr = str(self.coordinator_address or "").strip()
     if addr and parse_address(addr) is None:
-      raise ValueError(f"coordinator_address={addr!r}: use HOST:PORT with a port in 1..65535, "
-                       "e.g. node001:29500 (or \"\" to detect it)")
+      raise ConfigError("use HOST:PORT with a port in 1..65535, e.g. node001:29500 (or \"\" to "
+                        "detect it)", "coordinator_address", addr)
     set_("coordinator_address", addr)
     for name, low in (("num_processes", 0), ("process_id", -1)):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < low:
-        raise ValueError(f"{name}={v!r}: use an integer >= {low} ({low} = from the "
-                         "environment)")
+        raise ConfigError(f"use an integer >= {low} ({low} = from the environment)", name, v)
     if self.num_processes and self.process_id >= self.num_processes:
-      raise ValueError(f"process_id={self.process_id}: must be below num_processes="
-                       f"{self.num_processes} (ids run 0..{self.num_processes - 1})")
+      raise ConfigError(f"must be below num_processes={self.num_processes} (ids run "
+                        f"0..{self.num_processes - 1})", "process_id", self.process_id)
     ids = str(self.local_device_ids or "").strip().lower()
     if ids not in ("", "auto", "all"):
       parts = [p.strip() for p in ids.split(",")]
       if not all(p.isdigit() for p in parts) or len(set(parts)) != len(parts):
-        raise ValueError(f"local_device_ids={self.local_device_ids!r}: use \"\" (auto), "
-                         "\"all\", or distinct GPU ordinals like \"0,1\"")
+        raise ConfigError("use \"\" (auto), \"all\", or distinct GPU ordinals like \"0,1\"",
+                          "local_device_ids", self.local_device_ids)
       ids = ",".join(str(int(p)) for p in parts)
     set_("local_device_ids", "" if ids == "auto" else ids)
-    for name in ("initialization_timeout_s", "heartbeat_timeout_s", "shutdown_timeout_s"):
+    for name in ("initialization_timeout", "heartbeat_timeout", "shutdown_timeout"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 1:
-        raise ValueError(f"{name}={v!r}: use a number of seconds >= 1")
+        raise ConfigError("use a number of seconds >= 1", name, v)
       set_(name, int(v))
-
-
-_CONFIG_KEYS = {"enabled": "enabled", "coordinator_address": "coordinator_address",
-                "num_processes": "num_processes", "process_id": "process_id",
-                "local_device_ids": "local_device_ids",
-                "initialization_timeout_s": "initialization_timeout",
-                "heartbeat_timeout_s": "heartbeat_timeout",
-                "shutdown_timeout_s": "shutdown_timeout"}
-
-
-def from_config(cfg) -> DistributedConfig:
-  """`cfg.distributed` (absent: the defaults) as a DistributedConfig; a bad value is a
-  ConfigError naming config.distributed.<key>."""
-  section = cfg.get("distributed", None) if hasattr(cfg, "get") else None
-  kw = {}
-  if section is not None:
-    for field, key in _CONFIG_KEYS.items():
-      if key in section:
-        kw[field] = section[key]
-  return typed(DistributedConfig, {f: f"distributed.{k}" for f, k in _CONFIG_KEYS.items()},
-               "distributed", **kw)
 
 
 # ------------------------------------------------------------------------------- detection
@@ -399,8 +378,8 @@ def _warn(msg: str) -> None:
 
 def _fail_fast_excepthook(previous):
   """An uncaught exception: print it and leave now. Exiting normally would run JAX's
-  shutdown barrier, where this process would wait (shutdown_timeout_s) while the others wait
-  for it in a collective; gone at once, it is seen dead within heartbeat_timeout_s."""
+  shutdown barrier, where this process would wait (shutdown_timeout) while the others wait
+  for it in a collective; gone at once, it is seen dead within heartbeat_timeout."""
   def hook(etype, value, tb):
     try:
       previous(etype, value, tb)
@@ -476,14 +455,14 @@ def initialize(config: DistributedConfig | None = None) -> Launch | None:
   if launch.platform == "cpu" and jax.config.jax_cpu_collectives_implementation is None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   who = f"process {launch.process_id}/{launch.num_processes} ({launch.kind})"
-  timeout = config.initialization_timeout_s
+  timeout = config.initialization_timeout
   if launch.process_id != 0:
     timeout = _wait_for_coordinator(launch.coordinator_address, timeout, who)
   # JAX aborts the process (a C++ fatal error) when not every process joins in time; say why
   # first. A timer, since the wait happens inside one native call.
   timer = threading.Timer(timeout, _warn, [
       f"{who}: not all {launch.num_processes} processes joined the coordinator "
-      f"{launch.coordinator_address} within {config.initialization_timeout_s} s; JAX is about "
+      f"{launch.coordinator_address} within {config.initialization_timeout} s; JAX is about "
       "to stop this process. Check that every process was started (and did not fail early) "
       "and that all use the same coordinator address and process count"])
   timer.daemon = True
@@ -494,8 +473,8 @@ def initialize(config: DistributedConfig | None = None) -> Launch | None:
         process_id=launch.process_id,
         local_device_ids=list(launch.local_device_ids) if launch.local_device_ids else None,
         cluster_detection_method="deactivate", initialization_timeout=max(1, int(timeout)),
-        heartbeat_timeout_seconds=config.heartbeat_timeout_s,
-        shutdown_timeout_seconds=config.shutdown_timeout_s)
+        heartbeat_timeout_seconds=config.heartbeat_timeout,
+        shutdown_timeout_seconds=config.shutdown_timeout)
   except Exception as e:  # noqa: BLE001 - rewrapped with what to check
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise RuntimeError(f"distributed: {who} could not join the coordinator "

@@ -86,11 +86,12 @@ def evaluate(worker: RolloutWorker, tokenizer, rows: Sequence[PromptRow], reward
 def main(argv):
   del argv
   from tlt_jax import runtime
+  from tlt_jax.config import run_spec
   cfg = _CONFIG.value
-  runtime.validate(cfg, training=False)
+  spec = runtime.prepare(run_spec(cfg), training=False)
   model_cfg, params, tokenizer, stop = runtime.load_model(cfg)
-  from tlt_jax.config import engine_config
-  worker = RolloutWorker(params, model_cfg, engine_config(cfg, stop, max_batch=cfg.eval.batch_size))
+  worker = RolloutWorker(params, model_cfg, spec.engine_config(
+      stop, max_batch=cfg.eval.batch_size, speculative=False))
   rows = runtime.load_rows(cfg, cfg.data.test_path)
   if cfg.eval.num_prompts:
     rows = rows[:cfg.eval.num_prompts]

@@ -18,9 +18,11 @@ the attention of prefill and training is `jax.nn.dot_product_attention`, which p
 flash attention for bf16/fp16 (no [T, S] score matrix); elsewhere the scores are materialised
 in float32 and counted.
 
-`plan(cfg, device=...)` -> Plan; `Plan.check()` raises ConfigError naming the knob to turn
-when a phase does not fit; `derive_max_batch` sizes the KV cache from what the rollout phase
-leaves free (`rollout.max_batch = 0`). `scripts/plan_memory.py` prints the table.
+`plan(spec, model_cfg, device=...)` -> Plan (spec: a config.RunSpec); `Plan.check()` raises
+ConfigError naming the knob to turn when a phase does not fit; `derive_max_batch` sizes the
+KV cache from what the rollout phase leaves free (`rollout.max_batch = 0`), and `resolve`
+returns the plan of the size it chose (Plan.max_batch) for the caller to use: nothing here
+writes into the config. `scripts/plan_memory.py` prints the table.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from tlt_jax.config import ConfigError
+from tlt_jax.errors import ConfigError
+from tlt_jax.sharding import AXES, mesh_sizes, spec_for
 
 GiB = 1 << 30
 # Memory of one device, GB as vendors state them (1e9 bytes); "cpu" has no fixed limit.
@@ -54,8 +57,8 @@ def device_bytes(device: str) -> int | None:
   m = re.fullmatch(r"([0-9.]+)\s*(gb|gib)", d)
   if m:
     return int(float(m.group(1)) * (GiB if m.group(2) == "gib" else 1e9))
-  raise ConfigError(f"config.memory.device={device!r}: use a known kind "
-                    f"({', '.join(sorted(DEVICE_MEMORY_GB))}), a size like '80gb', or 'cpu'")
+  raise ConfigError(f"use a known kind ({', '.join(sorted(DEVICE_MEMORY_GB))}), a size like "
+                    "'80gb', or 'cpu'", "memory.device", device, in_config=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +76,7 @@ class Plan:
   device: str
   num_devices: int
   knobs: dict[str, str]  # phase -> what to change when it does not fit
+  max_batch: int  # rollout sequences per worker the plan holds (sized when asked for 0)
 
   def total(self, phase: str) -> int:
     return sum(i.bytes for i in self.items if phase in i.phases)
@@ -125,8 +129,6 @@ def sharded_bytes(shapes: Any, mesh: Any, dtype_bytes: int) -> int:
   """Per-device bytes of a params pytree of shape tuples under PARAM_RULES on `mesh` (the
   largest shard: rules only split evenly or replicate)."""
   import jax
-
-  from tlt_jax.sharding import spec_for
   total = 0
   leaves = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
   for path, shape in leaves[0]:
@@ -147,41 +149,36 @@ def _count(shapes: Any) -> int:
 
 
 def learner_axes(cfg, num_devices: int) -> dict[str, int]:
+  """config.mesh's axis sizes over the devices the learner spans (-1 resolved)."""
   n = int(cfg.mesh.get("devices", 0) or 0) or num_devices
-  sizes = {a: int(cfg.mesh[a]) for a in ("data", "fsdp", "tensor")}
-  if -1 in sizes.values():
-    rest = int(np.prod([s for s in sizes.values() if s != -1]))
-    sizes = {a: (n // rest if s == -1 else s) for a, s in sizes.items()}
-  return sizes
+  return mesh_sizes({a: int(cfg.mesh[a]) for a in AXES}, n)
 
 
-def _verify_width(cfg) -> int:
+def _verify_width(spec) -> int:
   """Tokens per verification forward: the widest arm the bandit can choose."""
-  from tlt_jax import config as config_lib
   from tlt_jax.rollout.mab import default_mab_buckets
   from tlt_jax.rollout.strategy import Strategy
-  arms = {cfg.tlt.spec.strategy}
-  for group in (config_lib.parse_mab_buckets(cfg.tlt.spec.buckets)
-                or default_mab_buckets()).values():
+  arms = {spec.speculation.strategy}
+  for group in (spec.mab_buckets or default_mab_buckets()).values():
     arms.update(group)
   return max(Strategy.parse(a).verify_tokens for a in arms if a != "off")
 
 
 # --------------------------------------------------------------------------------- plan
-def plan(cfg, *, model_cfg=None, device: str | None = None, num_devices: int | None = None,
-         max_batch: int | None = None) -> Plan:
-  """The per-device plan of `cfg`. model_cfg: the ModelConfig (default: read from
-  config.model.path's config.json); device / num_devices: default config.memory.*;
-  max_batch: overrides config.rollout.max_batch (derive_max_batch passes candidates)."""
+def plan(spec, model_cfg, *, device: str | None = None, num_devices: int | None = None,
+         fraction: float | None = None, max_batch: int | None = None) -> Plan:
+  """The per-device plan of a run (spec: its config.RunSpec; model_cfg: config.model_config).
+  device / num_devices / fraction: default config.memory.*; max_batch: default the spec's
+  (derive_max_batch passes candidates)."""
   from tlt_jax.drafter.model import drafter_param_shapes
   from tlt_jax.models.transformer import param_shapes
-  if model_cfg is None:
-    model_cfg = model_config(cfg)
+  cfg = spec.cfg
   mem = cfg.memory
   device = device if device is not None else mem.device
   num_devices = num_devices or int(mem.num_devices or 0) or visible_devices()
+  fraction = mem.fraction if fraction is None else fraction
   cap = device_bytes(device)
-  capacity = None if cap is None else int(cap * mem.fraction)
+  capacity = None if cap is None else int(cap * fraction)
   gpu = cap is not None
   m, r, g = model_cfg, cfg.rollout, cfg.grpo
   pbytes, cbytes = _BYTES[m.param_dtype], _BYTES[m.dtype]
@@ -210,7 +207,7 @@ def plan(cfg, *, model_cfg=None, device: str | None = None, num_devices: int | N
                     ("rollout", "spot") if release else PHASES,
                     f"one replica per {tp} device(s), {m.dtype}"
                     + (", freed after the rollout" if release else "")))
-  mb = int(max_batch if max_batch is not None else r.max_batch)
+  mb = int(max_batch if max_batch is not None else spec.max_batch)
   S = int(cfg.data.max_prompt_len) + int(r.max_new_tokens)
   k_dev = K // tp if K % tp == 0 else K
   n_dev = N // tp if N % tp == 0 else N
@@ -221,8 +218,8 @@ def plan(cfg, *, model_cfg=None, device: str | None = None, num_devices: int | N
   # rollout activations: the larger of a prefill of max_batch prompts and a decode step
   P = int(cfg.data.max_prompt_len)
   f_dev = F // tp if F % tp == 0 else F
-  tlt = bool(cfg.tlt.enabled)
-  w = _verify_width(cfg) if tlt else 1
+  tlt = spec.tlt
+  w = _verify_width(spec) if tlt else 1
   v_dev = V // tp if V % tp == 0 else V
   prefill = mb * P * (4 * D + 3 * f_dev) * cbytes
   if not (gpu and cbytes == 2):  # materialised scores and probabilities (float32)
@@ -299,7 +296,7 @@ def plan(cfg, *, model_cfg=None, device: str | None = None, num_devices: int | N
       "logprobs": "lower grpo.micro_batch_tokens (or grpo.micro_batch) or grpo.logit_chunk",
       "update": "lower grpo.micro_batch_tokens (or grpo.micro_batch), set model.remat=True, "
                 "or shard the learner over more devices (mesh.fsdp)"}
-  return Plan(items, capacity, device or "cpu", num_devices, knobs)
+  return Plan(items, capacity, device or "cpu", num_devices, knobs, mb)
 
 
 def layer_shapes(shapes: dict) -> dict:
@@ -307,19 +304,20 @@ def layer_shapes(shapes: dict) -> dict:
   return {k: v[1:] for k, v in shapes["layers"].items()}
 
 
-def derive_max_batch(cfg, *, model_cfg=None, device: str | None = None,
-                     num_devices: int | None = None) -> int:
+def derive_max_batch(spec, model_cfg, *, device: str | None = None,
+                     num_devices: int | None = None, fraction: float | None = None) -> int:
   """The largest rollout.max_batch whose rollout phase fits (a multiple of 8 above 8, capped
   at the largest bucket). ConfigError when not even one sequence fits."""
-  kw = dict(model_cfg=model_cfg or model_config(cfg), device=device, num_devices=num_devices)
-  base = plan(cfg, max_batch=0, **kw)
+  kw = dict(device=device, num_devices=num_devices, fraction=fraction)
+  base = plan(spec, model_cfg, max_batch=0, **kw)
   if base.capacity is None:
-    raise ConfigError("config.rollout.max_batch=0 (size it from memory) needs a device with a "
-                      "fixed memory size: set config.memory.device (e.g. h100) or max_batch")
-  one = plan(cfg, max_batch=1, **kw).total("rollout") - base.total("rollout")
+    raise ConfigError("(size it from memory) needs a device with a fixed memory size: set "
+                      "config.memory.device (e.g. h100) or max_batch", "rollout.max_batch", 0,
+                      in_config=True)
+  one = plan(spec, model_cfg, max_batch=1, **kw).total("rollout") - base.total("rollout")
   free = base.capacity - base.total("rollout")
   n = free // max(one, 1)
-  top = max(cfg.rollout.buckets)
+  top = max(spec.cfg.rollout.buckets)
   n = min(int(n), top)
   if n > 8:
     n = n // 8 * 8
@@ -329,33 +327,6 @@ def derive_max_batch(cfg, *, model_cfg=None, device: str | None = None,
         f"{base.total('rollout') / GiB:.1f} of {base.capacity / GiB:.1f} GiB): raise "
         "rollout.tensor_parallel, shorten rollout.max_new_tokens, or use more devices")
   return n
-
-
-def model_config(cfg):
-  """The ModelConfig of config.model.path's config.json (no weights are read); where that
-  directory is not on this machine (planning a cluster run from a laptop), the architecture
-  shipped under assets/architectures/ that config.model.architecture names."""
-  import json
-  import os
-
-  from tlt_jax.config import asset_path
-  from tlt_jax.models.config import ModelConfig
-  path = os.path.join(cfg.model.path, "config.json")
-  arch = cfg.model.get("architecture", "")
-  if not os.path.isfile(path) and arch:
-    path = asset_path("architectures", f"{arch}.json")
-    if not os.path.isfile(path):
-      known = sorted(f[:-5] for f in os.listdir(asset_path("architectures")))
-      raise ConfigError(f"config.model.architecture={arch!r} is not shipped; use one of "
-                        f"{known} or point config.model.path at a model directory")
-  if not os.path.isfile(path):
-    raise ConfigError(f"config.model.path={cfg.model.path!r} has no config.json; point it at a "
-                      "local Hugging Face model directory (or set config.model.architecture)")
-  with open(path) as f:
-    d = json.load(f)
-  return ModelConfig.from_hf_dict(d, source=path, dtype=cfg.model.dtype,
-                                  param_dtype=cfg.model.param_dtype,
-                                  remat=bool(cfg.model.get("remat", False)))
 
 
 def visible_devices() -> int:
@@ -375,27 +346,23 @@ def local_device() -> str:
   return f"{stats['bytes_limit'] / GiB:.3f}gib"
 
 
-def resolve(cfg, model_cfg) -> Plan:
-  """At start-up: sizes rollout.max_batch from memory when it is 0, then refuses a config
-  whose plan does not fit (ConfigError naming the knob). The plan is for what this run has:
-  every visible device, and on a GPU its allocator's limit (config.memory.device and
-  num_devices are what scripts/plan_memory.py plans for elsewhere; on a CPU host
-  config.memory.device still applies, '' = no limit)."""
+def resolve(spec, model_cfg) -> Plan:
+  """At start-up: the plan of this run, with rollout.max_batch sized from memory when it is 0
+  (Plan.max_batch: the caller runs with it); refuses a plan that does not fit (ConfigError
+  naming the knob). The plan is for what this run has: every visible device, and on a GPU its
+  allocator's limit (config.memory.device and num_devices are what scripts/plan_memory.py
+  plans for elsewhere; on a CPU host config.memory.device still applies, '' = no limit)."""
   import sys
   device, fraction = local_device(), 1.0  # bytes_limit is already the allocator's share
   if device == "cpu":
-    device, fraction = cfg.memory.device or "cpu", cfg.memory.fraction
-  n = visible_devices()
-  with cfg.unlocked():
-    cfg.memory.fraction = fraction
-    cfg.memory.num_devices = n
-    if int(cfg.rollout.max_batch) == 0:
-      cfg.rollout.max_batch = derive_max_batch(cfg, model_cfg=model_cfg, device=device,
-                                               num_devices=n)
-      print(f"memory: rollout.max_batch={cfg.rollout.max_batch} (sized from {device})",
-            file=sys.stderr)
-  p = plan(cfg, model_cfg=model_cfg, device=device, num_devices=n)
-  if cfg.memory.check:
+    device, fraction = spec.cfg.memory.device or "cpu", spec.cfg.memory.fraction
+  kw = dict(device=device, num_devices=visible_devices(), fraction=fraction)
+  max_batch = spec.max_batch
+  if max_batch == 0:
+    max_batch = derive_max_batch(spec, model_cfg, **kw)
+    print(f"memory: rollout.max_batch={max_batch} (sized from {device})", file=sys.stderr)
+  p = plan(spec, model_cfg, max_batch=max_batch, **kw)
+  if spec.cfg.memory.check:
     p.check()
   return p
 

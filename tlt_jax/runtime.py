@@ -1,4 +1,4 @@
-"""Shared start-up for the entry points (eval, train): config -> model, data, workers.
+"""Shared start-up for the entry points (eval, train): run spec -> meshes, model, data.
 
 Each helper turns a user mistake (missing model dir, unsupported checkpoint, bad data file,
 bad value) into one ConfigError line instead of a traceback from deep inside a library.
@@ -6,12 +6,17 @@ bad value) into one ConfigError line instead of a traceback from deep inside a l
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
+import sys
 
 import ml_collections
 
-from tlt_jax import config as config_lib
-from tlt_jax.config import ConfigError
+from tlt_jax import memory
+from tlt_jax.config import RunSpec, model_config
+from tlt_jax.errors import ConfigError
+from tlt_jax.sharding import make_mesh
 
 
 def setup_jax(cfg: ml_collections.ConfigDict) -> None:
@@ -35,58 +40,54 @@ def setup_jax(cfg: ml_collections.ConfigDict) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-def validate(cfg: ml_collections.ConfigDict, *, training: bool = True) -> None:
-  """Config values, paths and the reward; with `training`, also the learner mesh and the
-  rollout workers' devices (evaluation uses one device and neither)."""
-  config_lib.validate(cfg)
+def prepare(spec: RunSpec, *, training: bool = True) -> RunSpec:
+  """The run spec checked against this machine: paths and the reward; with `training`, also
+  the learner mesh, the rollout workers' devices and the memory plan (evaluation uses one
+  device and none of them). Returns the spec with rollout.max_batch as the memory plan sized
+  it. After distributed.initialize: the meshes count every process's devices."""
+  cfg = spec.cfg
   if not os.path.isdir(cfg.model.path):  # inputs first, then whether this machine fits them
-    raise ConfigError(f"config.model.path={cfg.model.path!r} is not a directory; point it at a "
-                      "local Hugging Face model directory (config.json + *.safetensors)")
+    raise ConfigError("is not a directory; point it at a local Hugging Face model directory "
+                      "(config.json + *.safetensors)", "model.path", cfg.model.path,
+                      in_config=True)
   for key in ("train_path", "test_path"):
-    path = cfg.data.get(key) if "data" in cfg else None
+    path = cfg.data.get(key)
     if path and not os.path.exists(path):
-      raise ConfigError(f"config.data.{key}={path!r} does not exist; point it at a local "
-                        "JSONL or Parquet file")
-  if training and "mesh" in cfg:
-    make_mesh(cfg)
-  if training and "rollout" in cfg and "num_workers" in cfg.rollout:
-    worker_meshes(cfg)
-  if training and "memory" in cfg and "rollout" in cfg:
-    from tlt_jax import memory
-    memory.resolve(cfg, memory.model_config(cfg))
-  if "reward" in cfg:
-    from tlt_jax.rl.rewards import get_reward_fn
-    try:
-      get_reward_fn(cfg.reward.name)
-    except ValueError as e:
-      msg = str(e)
-      raise ConfigError(msg if msg.startswith("config.reward.name")
-                        else f"config.reward.name: {msg}") from None
+      raise ConfigError("does not exist; point it at a local JSONL or Parquet file",
+                        f"data.{key}", path, in_config=True)
+  from tlt_jax.rl.rewards import get_reward_fn
+  try:
+    get_reward_fn(cfg.reward.name)
+  except ValueError as e:
+    raise ConfigError(str(e), "reward.name", in_config=True) from None
+  if not training:
+    return spec
+  learner_mesh(cfg)
+  worker_meshes(cfg)
+  plan = memory.resolve(spec, model_config(cfg))
+  return spec.with_max_batch(plan.max_batch)
 
 
-def make_mesh(cfg: ml_collections.ConfigDict):
+def learner_mesh(cfg: ml_collections.ConfigDict):
   """The learner's mesh over the visible devices, checked against the values that must
   divide it (a mismatch is a ConfigError naming config.mesh, not an XLA error later)."""
   import jax
-
-  from tlt_jax.sharding import make_mesh as _make
   shape = {k: v for k, v in cfg.mesh.items() if k != "devices"}
   n = int(cfg.mesh.get("devices", 0) or 0)
   if n > jax.device_count():
-    raise ConfigError(f"config.mesh.devices={n}: only {jax.device_count()} "
-                      f"{jax.default_backend()} devices are visible")
+    raise ConfigError(f"only {jax.device_count()} {jax.default_backend()} devices are visible",
+                      "mesh.devices", n, in_config=True)
   try:
-    mesh = _make(shape, devices=jax.devices()[:n] if n else None)
+    mesh = make_mesh(shape, devices=jax.devices()[:n] if n else None)
   except ValueError as e:
-    raise ConfigError(f"config.mesh={dict(cfg.mesh)} does not fit the "
-                      f"{n or jax.device_count()} {jax.default_backend()} devices it spans: "
-                      f"{e}") from None
+    raise ConfigError(f"does not fit the {n or jax.device_count()} {jax.default_backend()} "
+                      f"devices it spans: {e}", "mesh", dict(cfg.mesh), in_config=True) from None
   n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
-  if "grpo" in cfg and cfg.grpo.micro_batch % n_batch:
-    raise ConfigError(f"config.grpo.micro_batch={cfg.grpo.micro_batch} must be a multiple of "
-                      f"the mesh's data x fsdp size ({n_batch}, from config.mesh="
-                      f"{dict(cfg.mesh)} on {jax.device_count()} devices): rows are split over "
-                      "those devices")
+  if cfg.grpo.micro_batch % n_batch:
+    raise ConfigError(f"must be a multiple of the mesh's data x fsdp size ({n_batch}, from "
+                      f"config.mesh={dict(cfg.mesh)} on {jax.device_count()} devices): rows are "
+                      "split over those devices", "grpo.micro_batch", cfg.grpo.micro_batch,
+                      in_config=True)
   return mesh
 
 
@@ -98,19 +99,18 @@ def load_model(cfg: ml_collections.ConfigDict, mesh=None):
     model_cfg, params = load_hf_model(cfg.model.path, dtype=cfg.model.dtype,
                                       param_dtype=cfg.model.param_dtype, mesh=mesh)
   except CheckpointFormatError as e:
-    raise ConfigError(f"config.model.path: {e}") from None
+    raise ConfigError(str(e), "model.path", in_config=True) from None
   if cfg.model.get("remat", False):
-    import dataclasses
     model_cfg = dataclasses.replace(model_cfg, remat=True)
   tokenizer = load_tokenizer(cfg.model.path)
   if tokenizer is None:
-    raise ConfigError(f"config.model.path={cfg.model.path!r} has no tokenizer files "
-                      "(tokenizer.json / tokenizer_config.json)")
+    raise ConfigError("has no tokenizer files (tokenizer.json / tokenizer_config.json)",
+                      "model.path", cfg.model.path, in_config=True)
   chat = bool(cfg.data.get("chat_template", False)) if "data" in cfg else False
   try:
     stop = stop_token_ids(cfg.model.path, tokenizer, chat_template=chat)
   except CheckpointFormatError as e:
-    raise ConfigError(f"config.model.path: {e}") from None
+    raise ConfigError(str(e), "model.path", in_config=True) from None
   if not stop:
     raise ConfigError(
         f"config.model.path={cfg.model.path!r} defines no stop token (no eos_token_id in "
@@ -129,29 +129,28 @@ def worker_meshes(cfg: ml_collections.ConfigDict):
   crosses processes during rollout): with several processes, each owns the replicas on its
   devices."""
   import jax
-  import numpy as np
-  from jax.sharding import Mesh
   r = cfg.rollout
   devices = jax.devices()
-  need = r.num_workers * r.tensor_parallel
+  need, tp = r.num_workers * r.tensor_parallel, r.tensor_parallel
   if need > len(devices):
-    raise ConfigError(f"config.rollout.num_workers={r.num_workers} x tensor_parallel="
-                      f"{r.tensor_parallel} needs {need} devices; {len(devices)} are visible")
-  grid = np.asarray(devices[:need]).reshape(r.num_workers, 1, r.tensor_parallel)
-  rollout_mesh = Mesh(grid, ("data", "fsdp", "tensor"))
+    raise ConfigError(f"x tensor_parallel={tp} needs {need} devices; {len(devices)} are "
+                      "visible", "rollout.num_workers", r.num_workers, in_config=True)
+  rollout_mesh = make_mesh({"data": r.num_workers, "tensor": tp}, devices[:need])
   me = jax.process_index()
   local = []
   for i in range(r.num_workers):
-    owners = {d.process_index for d in grid[i].flat}
+    replica = devices[i * tp:(i + 1) * tp]  # row i of rollout_mesh
+    owners = {d.process_index for d in replica}
     if len(owners) > 1:
-      raise ConfigError(f"config.rollout.tensor_parallel={r.tensor_parallel}: rollout replica {i} "
-                        "would span processes; make tensor_parallel divide the devices of one "
-                        f"process ({jax.local_device_count()})")
+      raise ConfigError(f"rollout replica {i} would span processes; make tensor_parallel "
+                        f"divide the devices of one process ({jax.local_device_count()})",
+                        "rollout.tensor_parallel", tp, in_config=True)
     if owners == {me}:
-      local.append((i, Mesh(grid[i].reshape(1, 1, r.tensor_parallel), ("data", "fsdp", "tensor"))))
+      local.append((i, make_mesh({"tensor": tp}, replica)))
   if jax.process_count() > 1 and not local:
-    raise ConfigError(f"config.rollout.num_workers={r.num_workers}: process {me} owns no rollout "
-                      f"replica; use num_workers x tensor_parallel = all {len(devices)} devices")
+    raise ConfigError(f"process {me} owns no rollout replica; use num_workers x "
+                      f"tensor_parallel = all {len(devices)} devices", "rollout.num_workers",
+                      r.num_workers, in_config=True)
   return rollout_mesh, local
 
 
@@ -160,23 +159,23 @@ def load_drafter(cfg: ml_collections.ConfigDict, model_cfg):
   one."""
   import jax
 
-  from tlt_jax.drafter.model import DrafterLoadError, init_drafter
-  from tlt_jax.drafter.model import load_drafter as _load
+  from tlt_jax.drafter import model as drafter_model
   path = cfg.tlt.drafter.init
   if path.startswith("init:"):
     try:
       seed = int(path[5:])
     except ValueError:
-      raise ConfigError(f"config.tlt.drafter.init={path!r}: use 'init:<integer seed>'") from None
-    return init_drafter(model_cfg, jax.random.key(seed))
+      raise ConfigError("use 'init:<integer seed>'", "tlt.drafter.init", path,
+                        in_config=True) from None
+    return drafter_model.init_drafter(model_cfg, jax.random.key(seed))
   if not os.path.isdir(path):
-    raise ConfigError(f"config.tlt.drafter.init={path!r} is not a directory; point it at a "
-                      "drafter saved by scripts/train_drafter.py, or use 'init:0' for a fresh "
-                      "drafter")
+    raise ConfigError("is not a directory; point it at a drafter saved by "
+                      "scripts/train_drafter.py, or use 'init:0' for a fresh drafter",
+                      "tlt.drafter.init", path, in_config=True)
   try:
-    return _load(path, model_cfg)
-  except DrafterLoadError as e:
-    raise ConfigError(f"config.tlt.drafter.init: {e}") from None
+    return drafter_model.load_drafter(path, model_cfg)
+  except drafter_model.DrafterLoadError as e:
+    raise ConfigError(str(e), "tlt.drafter.init", in_config=True) from None
 
 
 def load_rows(cfg: ml_collections.ConfigDict, path: str):
@@ -195,9 +194,6 @@ def exit_on_user_error(main):
   """Wraps an absl main: a ConfigError/DataError/CheckpointFormatError (or a reward function
   that can no longer be loaded, RewardError) becomes one line on stderr and exit status 2 (a
   user's mistake is not a crash; checkpoints already written stay)."""
-  import functools
-  import sys
-
   @functools.wraps(main)
   def wrapped(argv):
     from tlt_jax.data.prompts import DataError

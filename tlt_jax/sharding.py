@@ -1,4 +1,4 @@
-"""Named device mesh and partition rules.
+"""Named device mesh and partition rules: the one place a Mesh is built (`make_mesh`).
 
 Axes: `data` (pure data parallel: replicas), `fsdp` (data parallel whose params/optimizer
 state are sharded: ZeRO-3 style), `tensor` (Megatron-style model parallel inside a layer).
@@ -36,13 +36,10 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
 _log = logging.getLogger(__name__)
 
 
-def make_mesh(shape: dict[str, int] | Sequence[int] | None = None,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Mesh over `devices` (default: all). shape maps axis -> size; -1 (one axis at most) takes
-  the remaining devices. Default: everything on `fsdp`."""
-  devices = list(devices if devices is not None else jax.devices())
-  if shape is None:
-    shape = {"data": 1, "fsdp": -1, "tensor": 1}
+def mesh_sizes(shape: dict[str, int] | Sequence[int], num_devices: int) -> dict[str, int]:
+  """Every axis's size for a mesh of `num_devices`: shape maps axis -> size (a sequence is
+  in AXES order; a missing axis is 1); -1 (one axis at most) takes the remaining devices.
+  The product is not checked: memory plans a mesh for devices this machine lacks."""
   if not isinstance(shape, dict):
     shape = dict(zip(AXES, shape))
   unknown = set(shape) - set(AXES)
@@ -53,9 +50,20 @@ def make_mesh(shape: dict[str, int] | Sequence[int] | None = None,
     raise ValueError(f"mesh shape {shape}: at most one axis may be -1")
   if -1 in sizes:
     rest = int(np.prod([s for s in sizes if s != -1]))
-    if len(devices) % rest:
-      raise ValueError(f"mesh shape {shape} does not divide {len(devices)} devices")
-    sizes[sizes.index(-1)] = len(devices) // rest
+    if num_devices % rest:
+      raise ValueError(f"mesh shape {shape} does not divide {num_devices} devices")
+    sizes[sizes.index(-1)] = num_devices // rest
+  return dict(zip(AXES, sizes))
+
+
+def make_mesh(shape: dict[str, int] | Sequence[int] | None = None,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """Mesh over `devices` (default: all), in their order. shape: see mesh_sizes. Default:
+  everything on `fsdp`."""
+  devices = list(devices if devices is not None else jax.devices())
+  if shape is None:
+    shape = {"data": 1, "fsdp": -1, "tensor": 1}
+  sizes = list(mesh_sizes(shape, len(devices)).values())
   if int(np.prod(sizes)) != len(devices):
     raise ValueError(f"mesh shape {dict(zip(AXES, sizes))} needs {int(np.prod(sizes))} devices, "
                      f"but {len(devices)} are available; fix config.mesh so the product matches "

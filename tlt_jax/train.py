@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from tlt_jax import config as config_lib
-from tlt_jax.config import ConfigError
+from tlt_jax.errors import ConfigError
 
 _log = logging.getLogger("tlt_jax.train")
 
@@ -185,7 +185,8 @@ class Run:
     return self.selector is not None
 
 
-def build(cfg) -> Run:
+def build(spec: config_lib.RunSpec) -> Run:
+  """The run of `spec` (runtime.prepare's: max_batch resolved)."""
   import jax
 
   from tlt_jax import runtime
@@ -195,10 +196,11 @@ def build(cfg) -> Run:
   from tlt_jax.rl import grpo
   from tlt_jax.rollout.engine import RolloutWorker
 
+  cfg = spec.cfg
   os.makedirs(cfg.workdir, exist_ok=True)
   compile_clock = CompileClock.start()
   # ------------------------------------------------------------------- mesh and model
-  mesh = runtime.make_mesh(cfg)
+  mesh = runtime.learner_mesh(cfg)
   model_cfg, params, tokenizer, stop = runtime.load_model(cfg, mesh=mesh)
 
   # ----------------------------------------------------------------------------- data
@@ -220,7 +222,7 @@ def build(cfg) -> Run:
                            total_steps=cfg.train.steps * g.minibatches,
                            weight_decay=o.weight_decay, b1=o.b1, b2=o.b2,
                            grad_clip=o.grad_clip, schedule=o.schedule)
-  learner = grpo.Learner(params, model_cfg, config_lib.grpo_config(cfg), tx, mesh,
+  learner = grpo.Learner(params, model_cfg, spec.grpo, tx, mesh,
                          micro_batch=g.micro_batch, pad_multiple=g.pad_multiple,
                          micro_batch_tokens=g.micro_batch_tokens,
                          max_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
@@ -229,13 +231,12 @@ def build(cfg) -> Run:
   rollout_mesh, local = runtime.worker_meshes(cfg)  # replicas: all, and this process's
 
   # ---------------------------------------------- TLT: drafter, its data, the bandit
-  tlt = bool(cfg.tlt.enabled)
-  spot = config_lib.spot_config(cfg) if tlt else None
-  trained = tlt and spot.mode != "off"
-  selector = config_lib.selector(cfg) if tlt else None
+  tlt, spot = spec.tlt, spec.spot
+  trained = spec.buffer is not None
+  selector = spec.selector()
   # Evaluation decodes through the same workers with its OWN selector (same arms): eval
   # chunks must not move the training bandit's reward windows (or its checkpoint).
-  eval_selector = config_lib.selector(cfg) if tlt else None
+  eval_selector = spec.selector()
   drafter = store_sh = step_fn = buffer = None
   if tlt:
     from tlt_jax.drafter import train_step as dts
@@ -249,19 +250,20 @@ def build(cfg) -> Run:
     store_sh = dts.state_shardings(dparams, dtx, rollout_mesh)
     drafter = dts.init_state(dparams, dtx, store_sh)
     if trained:
-      buffer = DrafterBuffer(config_lib.buffer_config(cfg), seed=cfg.seed)
+      buffer = DrafterBuffer(spec.buffer, seed=cfg.seed)
       step_fn = functools.partial(dts.make_train_step, model_cfg, dtx,
                                   LossConfig(unroll_steps=d.unroll),
                                   donate=spot.on_barrier == "finish")
 
   # ------------------------------------------------------- rollout workers, coordinator
   d = cfg.tlt.drafter
-  ecfg = config_lib.engine_config(cfg, stop, speculative=tlt, capture_hidden=trained,
-                                  hidden_keep=d.window * d.windows_per_response if trained
-                                  else 0)
+  ecfg = spec.engine_config(stop)
   # one gate for this process's workers: one of them probes whether speculation pays
-  gate = config_lib.spec_gate(cfg, verdicts=_gate_verdicts(
-      model_cfg, ecfg, cfg, dparams, local[0][1].devices.flat)) if tlt else None
+  gate = None
+  if spec.gate is not None:
+    from tlt_jax.rollout.gate import SpecGate
+    gate = SpecGate(spec.gate, verdicts=_gate_verdicts(model_cfg, ecfg, spec.sampling, dparams,
+                                                       local[0][1].devices.flat))
   to_rollout = _rollout_layout(learner, model_cfg, rollout_mesh)
   first = to_rollout(learner.params)
   workers = []
@@ -309,7 +311,7 @@ def build(cfg) -> Run:
       f.result()
   if tlt and cfg.tlt.spec.precompile:
     t = time.perf_counter()
-    n = sum(e.precompile(config_lib.sampling_params(cfg)) for e in coordinator.engines)
+    n = sum(e.precompile(spec.sampling) for e in coordinator.engines)
     print(f"precompiled {n} speculative executables in {time.perf_counter() - t:.0f}s",
           file=sys.stderr)
 
@@ -318,13 +320,13 @@ def build(cfg) -> Run:
                       max_to_keep=cfg.train.keep_checkpoints,
                       save_interval_steps=cfg.train.checkpoint_every)
   return Run(cfg=cfg, mesh=mesh, model_cfg=model_cfg, tokenizer=tokenizer, stream=stream,
-             test_rows=test_rows, sampling=config_lib.sampling_params(cfg), learner=learner,
+             test_rows=test_rows, sampling=spec.sampling, learner=learner,
              store=store, coordinator=coordinator, selector=selector,
              eval_selector=eval_selector, buffer=buffer, ckpt=ckpt, compile_clock=compile_clock,
              gate=gate)
 
 
-def _gate_verdicts(model_cfg, ecfg, cfg, dparams, devices):
+def _gate_verdicts(model_cfg, ecfg, sampling, dparams, devices):
   """Where the speculation gate keeps its hardware verdicts across runs: beside JAX's
   persistent compilation cache, keyed by what a verdict depends on (None when this process
   has no persistent cache, e.g. in tests: a cold compilation cache is a cold gate)."""
@@ -341,7 +343,7 @@ def _gate_verdicts(model_cfg, ecfg, cfg, dparams, devices):
       "device_kind": devices[0].device_kind, "replica_devices": len(devices),
       "host": [platform.machine(), os.cpu_count()],  # (a CPU's "device kind" is just cpu)
       "model": repr(model_cfg), "drafter": repr(jax.tree.map(np.shape, dparams)),
-      "engine": repr(ecfg), "sampling": repr(config_lib.sampling_params(cfg))}
+      "engine": repr(ecfg), "sampling": repr(sampling)}
   return VerdictCache(os.path.join(cache, "tlt_gate", "verdicts.json"), fingerprint)
 
 
@@ -689,9 +691,9 @@ def main(argv):
       cfg.workdir = _WORKDIR.value
   from tlt_jax import distributed
   runtime.setup_jax(cfg)  # before anything initialises JAX
-  distributed.initialize(distributed.from_config(cfg))  # several processes: join them first
-  runtime.validate(cfg)
-  run = build(cfg)
+  spec = config_lib.run_spec(cfg)
+  distributed.initialize(spec.distributed)  # several processes: join them first
+  run = build(runtime.prepare(spec))
   if distributed.is_primary():
     with open(os.path.join(cfg.workdir, "config.json"), "w") as f:
       f.write(cfg.to_json_best_effort(indent=2))

@@ -8,14 +8,15 @@ import ml_collections
 import numpy as np
 
 from tlt_jax import distributed as dist
+from tlt_jax.config import distributed_config
 
 ROWS, COLS = 16, 3
 
 
 def main():
   cfg = ml_collections.ConfigDict({"distributed": {"heartbeat_timeout": 30}})
-  launch = dist.initialize(dist.from_config(cfg))
-  assert dist.initialize(dist.from_config(cfg)) is launch  # idempotent
+  launch = dist.initialize(distributed_config(cfg))
+  assert dist.initialize(distributed_config(cfg)) is launch  # idempotent
 
   import jax
   import jax.numpy as jnp

@@ -15,8 +15,8 @@ from tlt_jax import distributed as dist
 
 def main():
   mode, victim, wait, heartbeat = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-  dist.initialize(dist.DistributedConfig(heartbeat_timeout_s=heartbeat,
-                                         initialization_timeout_s=60))
+  dist.initialize(dist.DistributedConfig(heartbeat_timeout=heartbeat,
+                                         initialization_timeout=60))
   import jax
   dist.barrier("ready")
   if jax.process_index() == victim:

@@ -6,5 +6,5 @@ import sys
 from tlt_jax import distributed as dist
 
 if __name__ == "__main__":
-  dist.initialize(dist.DistributedConfig(initialization_timeout_s=int(sys.argv[1])))
+  dist.initialize(dist.DistributedConfig(initialization_timeout=int(sys.argv[1])))
   print("JOINED", flush=True)

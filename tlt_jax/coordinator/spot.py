@@ -22,6 +22,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from tlt_jax.coordinator.timeline import Timeline, WorkerState
+from tlt_jax.errors import ConfigError
 
 MODES = ("off", "spot", "serial")
 ON_BARRIER = ("finish", "drop")
@@ -36,11 +37,11 @@ class SpotConfig:
 
   def __post_init__(self):
     if self.mode not in MODES:
-      raise ValueError(f"mode={self.mode!r}: use one of {', '.join(MODES)}")
+      raise ConfigError(f"use one of {', '.join(MODES)}", "mode", self.mode)
     if self.on_barrier not in ON_BARRIER:
-      raise ValueError(f"on_barrier={self.on_barrier!r}: use 'finish' or 'drop'")
+      raise ConfigError("use 'finish' or 'drop'", "on_barrier", self.on_barrier)
     if self.serial_steps < 0:
-      raise ValueError(f"serial_steps={self.serial_steps}: must be >= 0")
+      raise ConfigError("must be >= 0", "serial_steps", self.serial_steps)
 
 
 class Trainer(Protocol):

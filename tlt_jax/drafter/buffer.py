@@ -14,10 +14,10 @@ whole prompt + response sequence, as the offline trainer uses); it is the one pl
 hidden/target alignment is written.
 
 Why windows and a token budget: at 7B a 32k-token response's hidden states are ~230 MB in
-bf16. The buffer keeps at most `max_windows_per_response` windows of `window` tokens per
-response and `max_tokens` tokens in all (oldest first out), from the last `keep_steps` RL steps
-("one-step-off": the drafter trains during step k on data of steps k and k-1, and is used in
-step k+1).
+bf16. The buffer keeps at most `windows_per_response` windows of `window` tokens per
+response and `buffer_tokens` tokens in all (oldest first out), from the last `keep_steps` RL
+steps ("one-step-off": the drafter trains during step k on data of steps k and k-1, and is
+used in step k+1).
 
 Why weighted toward the tail: speculation runs only when the live batch is small, i.e. in the
 late positions of the long responses (the rollout's long tail). The reference implementation
@@ -39,24 +39,26 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tlt_jax.errors import ConfigError
+
 
 @dataclasses.dataclass(frozen=True)
 class BufferConfig:
-  max_tokens: int = 1 << 20  # tokens of all windows kept
+  buffer_tokens: int = 1 << 20  # tokens of all windows kept
   window: int = 256  # tokens per window (the packed row length is >= this)
-  max_windows_per_response: int = 4
+  windows_per_response: int = 4
   keep_steps: int = 2  # sample from the windows of the last N RL steps
   tail_weight: float = 4.0  # weight of a token decoded while speculation was on (others: 1)
 
   def __post_init__(self):
-    for name in ("max_tokens", "window", "max_windows_per_response", "keep_steps"):
+    for name in ("buffer_tokens", "window", "windows_per_response", "keep_steps"):
       if int(getattr(self, name)) < 1:
-        raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 1")
+        raise ConfigError("must be >= 1", name, getattr(self, name))
     if not self.tail_weight >= 1.0:
-      raise ValueError(f"tail_weight={self.tail_weight!r}: must be >= 1 (1 = no tail bias)")
-    if self.max_tokens < self.window:
-      raise ValueError(f"max_tokens={self.max_tokens} must hold at least one window "
-                       f"({self.window} tokens)")
+      raise ConfigError("must be >= 1 (1 = no tail bias)", "tail_weight", self.tail_weight)
+    if self.buffer_tokens < self.window:
+      raise ConfigError(f"must hold at least one window ({self.window} tokens)",
+                        "buffer_tokens", self.buffer_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +128,7 @@ class DrafterBuffer:
   # ------------------------------------------------------------------------------ writing
   def add(self, step: int, response_ids: np.ndarray, response_hidden: np.ndarray,
           spec_start: int | None = None, key: tuple[int, ...] = (0,)) -> int:
-    """Keeps up to `max_windows_per_response` windows of one finished response; returns the
+    """Keeps up to `windows_per_response` windows of one finished response; returns the
     tokens kept. spec_start: the first response position decoded with speculation on (None:
     never), whose tokens weigh `tail_weight`. key: the response's identity (request id,
     sample index): which windows are kept is a function of (seed, step, key) and the buffer
@@ -142,10 +144,10 @@ class DrafterBuffer:
     w *= mask  # positions that are never a target carry no weight
     cands = [(s, e, float(w[s:e].sum())) for s, e in tiles(r, self.cfg.window)]
     cands = [c for c in cands if c[2] > 0]
-    if len(cands) > self.cfg.max_windows_per_response:
+    if len(cands) > self.cfg.windows_per_response:
       p = np.asarray([c[2] for c in cands])
       rng = np.random.default_rng([self._seed, 73, step, *map(int, key)])
-      pick = rng.choice(len(cands), self.cfg.max_windows_per_response, replace=False,
+      pick = rng.choice(len(cands), self.cfg.windows_per_response, replace=False,
                         p=p / p.sum())
       cands = [cands[i] for i in sorted(pick)]
     with self._lock:
@@ -168,7 +170,7 @@ class DrafterBuffer:
     oldest_kept = self._latest_step - self.cfg.keep_steps + 1
     first = bisect.bisect_left(self._order, (oldest_kept,))
     dropped = sum(w.length for w in self._windows[:first])
-    while first < len(self._windows) and self._tokens - dropped > self.cfg.max_tokens:
+    while first < len(self._windows) and self._tokens - dropped > self.cfg.buffer_tokens:
       dropped += self._windows[first].length
       first += 1
     del self._windows[:first], self._order[:first]

@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.transformer import Params, param_shapes
+from tlt_jax.sharding import make_mesh, tree_shardings
 
 _ST_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -232,8 +233,7 @@ def load_hf_model(model_dir: str, *, dtype: str | None = None, param_dtype: str 
   shapes = param_shapes(cfg)
   if shardings is None:
     if mesh is None:
-      mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
-    from tlt_jax.sharding import tree_shardings
+      mesh = make_mesh((1, 1, 1), jax.devices()[:1])
     shardings = tree_shardings(jax.tree.map(np.zeros, shapes,
                                             is_leaf=lambda x: isinstance(x, tuple)), mesh)
 

@@ -31,6 +31,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from tlt_jax.errors import ConfigError
 from tlt_jax.models import ModelConfig, Params, compute_logits, forward
 from tlt_jax.sharding import BATCH, batch_sharding, tree_shardings
 
@@ -47,19 +48,19 @@ class GRPOConfig:
 
   def __post_init__(self):
     if not 0 <= self.eps_low < 1:
-      raise ValueError(f"eps_low={self.eps_low}: must be in [0, 1)")
+      raise ConfigError("must be in [0, 1)", "eps_low", self.eps_low)
     if self.eps_high < 0:
-      raise ValueError(f"eps_high={self.eps_high}: must be >= 0")
+      raise ConfigError("must be >= 0", "eps_high", self.eps_high)
     if self.kl_coef < 0:
-      raise ValueError(f"kl_coef={self.kl_coef}: must be >= 0 (0 = no KL term)")
+      raise ConfigError("must be >= 0 (0 = no KL term)", "kl_coef", self.kl_coef)
     if self.temperature <= 0:
-      raise ValueError(f"temperature={self.temperature}: GRPO samples its groups, the learner "
-                       "needs a temperature > 0 (e.g. 1.0)")
+      raise ConfigError("GRPO samples its groups, the learner needs a temperature > 0 "
+                        "(e.g. 1.0)", "temperature", self.temperature)
     if self.adv_eps <= 0:
-      raise ValueError(f"adv_eps={self.adv_eps}: must be > 0")
+      raise ConfigError("must be > 0", "adv_eps", self.adv_eps)
     if self.logit_chunk < 1:
-      raise ValueError(f"logit_chunk={self.logit_chunk}: must be >= 1 (tokens per LM-head "
-                       "chunk, e.g. 1024)")
+      raise ConfigError("must be >= 1 (tokens per LM-head chunk, e.g. 1024)", "logit_chunk",
+                        self.logit_chunk)
 
 
 def group_advantages(rewards: np.ndarray, *, eps: float = 1e-6, norm_by_std: bool = True
@@ -265,10 +266,8 @@ class Learner:
                tx: optax.GradientTransformation, mesh: Mesh, *, micro_batch: int,
                pad_multiple: int = 64, max_len: int = 1 << 30, micro_batch_tokens: int = 0):
     self.cfg, self.gcfg, self.tx, self.mesh = cfg, gcfg, tx, mesh
+    # micro_batch is a multiple of this (runtime.learner_mesh checks it at start-up)
     n_batch = int(np.prod([mesh.shape[a] for a in BATCH]))
-    if micro_batch % n_batch:
-      raise ValueError(f"micro_batch={micro_batch} must be a multiple of the mesh's data x "
-                       f"fsdp size ({n_batch})")
     self.micro_batch, self.pad_multiple, self.max_len = micro_batch, pad_multiple, max_len
     self.micro_batch_tokens, self.row_multiple = micro_batch_tokens, n_batch
     self.param_shardings = tree_shardings(params, mesh)

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from tlt_jax.errors import ConfigError
 from tlt_jax.models import ModelConfig, Params, unstack_layers
 from tlt_jax.rollout import decode
 from tlt_jax.rollout.executables import (CompileRecord, ExecKey, ExecutableCache,  # noqa: F401
@@ -44,6 +45,7 @@ from tlt_jax.rollout.mab import FixedSelector
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.scheduler import Prefill, Refill, Resize, Scheduler, bucket_for
 from tlt_jax.rollout.strategy import Strategy
+from tlt_jax.sharding import make_mesh, tree_shardings
 
 _log = logging.getLogger(__name__)
 
@@ -69,13 +71,13 @@ class SpecConfig:
     try:
       Strategy.parse(self.strategy)
     except ValueError as e:
-      raise ValueError(f"strategy={self.strategy!r}: {e}") from None
+      raise ConfigError(str(e), "strategy", self.strategy) from None
     if self.bs_threshold < 1:
-      raise ValueError(f"bs_threshold={self.bs_threshold}: must be >= 1")
+      raise ConfigError("must be >= 1", "bs_threshold", self.bs_threshold)
     if self.patience < 1:
-      raise ValueError(f"patience={self.patience}: must be >= 1")
+      raise ConfigError("must be >= 1", "patience", self.patience)
     if self.max_steps < 0:
-      raise ValueError(f"max_steps={self.max_steps}: must be >= 0")
+      raise ConfigError("must be >= 0", "max_steps", self.max_steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,18 +99,18 @@ class EngineConfig:
   def __post_init__(self):
     if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) \
         or self.buckets[0] < 1:
-      raise ValueError(f"buckets={self.buckets}: a strictly increasing tuple of batch sizes, "
-                       "e.g. (1, 2, 4, 8)")
+      raise ConfigError("a strictly increasing tuple of batch sizes, e.g. (1, 2, 4, 8)",
+                        "buckets", self.buckets)
     if self.max_batch < 1:
-      raise ValueError(f"max_batch={self.max_batch}: must be >= 1")
+      raise ConfigError("must be >= 1", "max_batch", self.max_batch)
     if self.buckets[-1] < self.max_batch:
-      raise ValueError(f"buckets={self.buckets}: the largest bucket must be >= max_batch "
-                       f"({self.max_batch})")
+      raise ConfigError(f"the largest bucket must be >= max_batch ({self.max_batch})",
+                        "buckets", self.buckets)
     for name in ("chunk_size", "max_prompt_len", "max_new_tokens", "prompt_bucket"):
       if getattr(self, name) <= 0:
-        raise ValueError(f"{name}={getattr(self, name)}: must be > 0")
+        raise ConfigError("must be > 0", name, getattr(self, name))
     if self.hidden_keep < 0:
-      raise ValueError(f"hidden_keep={self.hidden_keep}: must be >= 0 (0 = all)")
+      raise ConfigError("must be >= 0 (0 = all)", "hidden_keep", self.hidden_keep)
 
   @property
   def cache_len(self) -> int:
@@ -225,9 +227,8 @@ class RolloutWorker:
     self.ecfg = engine_cfg
     self.worker_id = worker_id
     if mesh is None:
-      mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+      mesh = make_mesh((1, 1, 1), jax.devices()[:1])
     self.mesh = mesh
-    from tlt_jax.sharding import tree_shardings
     self._param_shardings = tree_shardings(jax.eval_shape(unstack_layers, params), mesh)
     self.params = None
     self.set_params(params)

@@ -70,6 +70,7 @@ import tempfile
 import threading
 from typing import Any, Mapping, Sequence
 
+from tlt_jax.errors import ConfigError
 from tlt_jax.rollout.strategy import Strategy
 
 PROBING, PAYS, DECLINED, CLOSED = "probing", "pays", "declined", "closed"
@@ -88,16 +89,19 @@ class GateConfig:
 
   def __post_init__(self):
     if self.min_chunks < 1:
-      raise ValueError(f"min_chunks={self.min_chunks}: must be >= 1")
+      raise ConfigError("must be >= 1", "min_chunks", self.min_chunks)
     if self.margin < 0:
-      raise ValueError(f"margin={self.margin}: must be >= 0")
+      raise ConfigError("must be >= 0", "margin", self.margin)
     if self.window < self.min_chunks:
-      raise ValueError(f"window={self.window}: must be >= min_chunks ({self.min_chunks})")
+      raise ConfigError(f"must be >= min_chunks ({self.min_chunks})", "window", self.window)
     for k in ("reprobe_every", "hardware_reprobe_every", "follow_traffic"):
       if getattr(self, k) < 0:
-        raise ValueError(f"{k}={getattr(self, k)}: must be >= 0 (0: never)")
+        raise ConfigError("must be >= 0 (0: never)", k, getattr(self, k))
     if self.lead:
-      Strategy.parse(self.lead)  # raises on a malformed name
+      try:
+        Strategy.parse(self.lead)
+      except ValueError as e:
+        raise ConfigError(str(e), "lead", self.lead) from None
 
 
 class _Rate:

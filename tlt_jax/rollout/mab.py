@@ -33,6 +33,7 @@ import statistics
 import threading
 from typing import Any, Mapping, Sequence
 
+from tlt_jax.errors import ConfigError
 from tlt_jax.rollout.strategy import Strategy
 
 def check_arm(arm: str) -> str:
@@ -96,21 +97,25 @@ class BucketedSelector:
     if not hasattr(buckets, "items"):  # Mappings and ConfigDicts are buckets; lists are arms
       buckets = {1: buckets}  # one bucket: every live size
     if not buckets:
-      raise ValueError("selector: no buckets given; e.g. {1: ['4_1_5', 'off']}")
+      raise ConfigError("no buckets given; e.g. {1: ['4_1_5', 'off']}", "buckets")
     self.buckets: dict[int, list[str]] = {}
     for lo, arms in sorted(((self._bound(k), v) for k, v in buckets.items()), key=lambda x: x[0]):
       arms = [arms] if isinstance(arms, str) else list(arms)
       if not arms:
-        raise ValueError(f"selector: bucket {lo} has no arms; give it at least one (e.g. 'off')")
+        raise ConfigError(f"bucket {lo} has no arms; give it at least one (e.g. 'off')",
+                          "buckets")
       for a in arms:
-        check_arm(a)
+        try:
+          check_arm(a)
+        except ValueError as e:
+          raise ConfigError(f"bucket {lo}: {e}", "buckets") from None
       if len(set(arms)) != len(arms):
-        raise ValueError(f"selector: bucket {lo} lists an arm twice: {arms}")
+        raise ConfigError(f"bucket {lo} lists an arm twice: {arms}", "buckets")
       if lo in self.buckets:
-        raise ValueError(f"selector: bucket bound {lo} is given twice")
+        raise ConfigError(f"bucket bound {lo} is given twice", "buckets")
       self.buckets[lo] = arms
     if isinstance(window, bool) or int(window) != window or window < 1:
-      raise ValueError(f"window={window!r}: must be a positive integer")
+      raise ConfigError("must be a positive integer", "window", window)
     self.window = int(window)
     self._bounds = list(self.buckets)
     self._rewards = {lo: {a: collections.deque(maxlen=self.window) for a in arms}
@@ -128,8 +133,8 @@ class BucketedSelector:
     except (TypeError, ValueError):
       lo = None
     if lo is None or lo < 1 or str(lo) != str(key).strip():
-      raise ValueError(f"selector: bucket key {key!r} must be a positive integer lower bound "
-                       "on the live batch size")
+      raise ConfigError(f"bucket key {key!r} must be a positive integer lower bound on the "
+                        "live batch size", "buckets")
     return lo
 
   @property
@@ -228,7 +233,7 @@ class BucketedEpsilonGreedy(BucketedSelector):
                window: int = 300, seed: int = 0):
     super().__init__(buckets, window=window, seed=seed)
     if not 0.0 <= epsilon <= 1.0:
-      raise ValueError(f"epsilon={epsilon}: must be in [0, 1]")
+      raise ConfigError("must be in [0, 1]", "epsilon", epsilon)
     self.epsilon = float(epsilon)
 
   def _choose(self, lo: int) -> str:
@@ -281,24 +286,25 @@ class UCB1(BucketedSelector):
 SELECTORS = ("fixed", "beg", "eg", "ucb1", "bucb1")
 
 
-def make_selector(kind: str, buckets: Mapping[int, Sequence[str]] | None = None, *,
-                  arm: str | None = None, epsilon: float = 0.1, window: int = 300,
+def make_selector(selector: str, buckets: Mapping[int, Sequence[str]] | None = None, *,
+                  strategy: str | None = None, epsilon: float = 0.1, window: int = 300,
                   seed: int = 0, c: float = 1.0):
-  """A selector from config values. kind: "beg" (bucketed epsilon-greedy), "eg" (epsilon-greedy,
-  one bandit over every arm of `buckets`), "ucb1" (likewise, UCB1), "bucb1" (UCB1 per bucket),
-  "fixed" (always `arm`). buckets default to `default_mab_buckets()`."""
-  if kind == "fixed":
-    if arm is None:
-      raise ValueError("arm=None: the 'fixed' selector needs an arm, e.g. '4_1_5'")
-    return FixedSelector(arm)
+  """A selector from config values (arguments named as config.tlt.spec's keys). selector:
+  "beg" (bucketed epsilon-greedy), "eg" (epsilon-greedy, one bandit over every arm of
+  `buckets`), "ucb1" (likewise, UCB1), "bucb1" (UCB1 per bucket), "fixed" (always the arm
+  `strategy`). buckets default to `default_mab_buckets()`."""
+  if selector == "fixed":
+    if strategy is None:
+      raise ConfigError("the 'fixed' selector needs an arm, e.g. '4_1_5'", "strategy", None)
+    return FixedSelector(strategy)
   buckets = default_mab_buckets() if buckets is None else buckets
   flat = BucketedSelector(buckets).arms  # validates
-  if kind == "beg":
+  if selector == "beg":
     return BucketedEpsilonGreedy(buckets, epsilon=epsilon, window=window, seed=seed)
-  if kind == "eg":
+  if selector == "eg":
     return EpsilonGreedy(flat, epsilon=epsilon, window=window, seed=seed)
-  if kind == "ucb1":
+  if selector == "ucb1":
     return UCB1(flat, window=window, c=c, seed=seed)
-  if kind == "bucb1":
+  if selector == "bucb1":
     return UCB1(buckets, window=window, c=c, seed=seed)
-  raise ValueError(f"kind={kind!r}: use one of {', '.join(SELECTORS)}")
+  raise ConfigError(f"use one of {', '.join(SELECTORS)}", "selector", selector)

@@ -14,6 +14,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from tlt_jax.errors import ConfigError
+
 NEG_INF = -jnp.inf
 
 
@@ -25,11 +27,11 @@ class SamplingParams:
 
   def __post_init__(self):
     if self.temperature < 0:
-      raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
+      raise ConfigError("must be >= 0 (0 means greedy)", "temperature", self.temperature)
     if self.top_k < 0:
-      raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables top-k)")
+      raise ConfigError("must be >= 0 (0 disables top-k)", "top_k", self.top_k)
     if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"top_p={self.top_p} must be in (0, 1] (1 disables top-p)")
+      raise ConfigError("must be in (0, 1] (1 disables top-p)", "top_p", self.top_p)
 
   @property
   def greedy(self) -> bool:
