@@ -45,12 +45,14 @@ def main(argv=None):
 
   from tlt_jax.config import asset_path
   from tlt_jax.coordinator import Coordinator, ParamStore, SpotConfig, Worker
-  from tlt_jax.coordinator.spot import DrafterTrainer
   from tlt_jax.data.prompts import load_prompt_rows
   from tlt_jax.drafter import train_step as dts
   from tlt_jax.drafter.buffer import BufferConfig, DrafterBuffer
+  from tlt_jax.drafter.merge import make_merge
   from tlt_jax.drafter.model import load_drafter
+  from tlt_jax.drafter.trainer import DrafterTrainer
   from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
+  from tlt_jax.optim import make_optimizer
   from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker, SpecConfig
   from tlt_jax.rollout.sampling import SamplingParams
   from tlt_jax.sharding import make_mesh
@@ -70,7 +72,7 @@ def main(argv=None):
                       hidden_keep=512, stop_tokens=stop_token_ids(mdir, tok),
                       spec=SpecConfig(strategy=a.arm, bs_threshold=a.bs_threshold,
                                       patience=2))
-  tx = dts.make_optimizer(3e-4)
+  tx = make_optimizer(3e-4)
   step_fn = dts.make_train_step(cfg, tx)
   buffer = DrafterBuffer(BufferConfig(buffer_tokens=1 << 16, window=128,
                                       windows_per_response=4), seed=a.seed)
@@ -85,7 +87,7 @@ def main(argv=None):
                              target_params=lambda e=engine: e.params, seed=i)
     workers.append(Worker(engine, trainer))
   store = ParamStore(params, fresh)
-  merge = lambda s, w: dts.average_states([jax.device_put(x, store_sh) for x in s], w)  # noqa
+  merge = make_merge(store_sh, meshes[0], range(a.workers))
   coords = {"on": Coordinator(workers, store, spot=SpotConfig(mode="spot"), merge=merge),
             "off": Coordinator(workers, store, spot=SpotConfig(mode="off"))}
   coords["on"].push()

@@ -61,6 +61,7 @@ from tlt_jax.drafter.buffer import Window, align  # noqa: E402
 from tlt_jax.drafter.packing import pack  # noqa: E402
 from tlt_jax.drafter.model import target_signature  # noqa: E402
 from tlt_jax.models import compute_logits, forward  # noqa: E402
+from tlt_jax.optim import lr_schedule, make_optimizer  # noqa: E402
 
 CACHE_VERSION = 1
 
@@ -384,8 +385,8 @@ def main(argv=None):
   loss_cfg = LossConfig(w_v=args.w_v, w_p=args.w_p, unroll_steps=args.unroll,
                         step_decay=args.step_decay)
   schedule = dict(warmup_steps=warmup_steps(args), total_steps=args.steps, schedule="cosine")
-  tx = dts.make_optimizer(args.lr, weight_decay=args.weight_decay, **schedule)
-  sched = dts.lr_schedule(args.lr, **schedule)
+  tx = make_optimizer(args.lr, weight_decay=args.weight_decay, **schedule)
+  sched = lr_schedule(args.lr, **schedule)
   state = dts.init_state(init_drafter(cfg, jax.random.key(args.seed)), tx)
   ckpt = Checkpointer(os.path.join(ckpt_dir, "train_state"), max_to_keep=2,
                       save_interval_steps=args.save_every)

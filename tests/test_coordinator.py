@@ -314,9 +314,11 @@ def test_two_workers_on_two_devices_decode_what_one_does_and_share_one_drafter(d
   import jax
   from jax.sharding import Mesh
 
-  from tlt_jax.coordinator.spot import DrafterTrainer
   from tlt_jax.drafter import train_step as dts
   from tlt_jax.drafter.buffer import BufferConfig, DrafterBuffer
+  from tlt_jax.drafter.merge import average_states
+  from tlt_jax.drafter.trainer import DrafterTrainer
+  from tlt_jax.optim import make_optimizer
   from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker, SpecConfig
   from tlt_jax.rollout.sampling import SamplingParams
   cfg, params, dparams, tok, stop = default_model
@@ -328,7 +330,7 @@ def test_two_workers_on_two_devices_decode_what_one_does_and_share_one_drafter(d
   sp = SamplingParams(temperature=0.0)
   single = RolloutWorker(params, cfg, ecfg, drafter_params=dparams).generate(reqs, sp, seed=3)
 
-  tx = dts.make_optimizer(3e-4)
+  tx = make_optimizer(3e-4)
   buffer = DrafterBuffer(BufferConfig(buffer_tokens=4096, window=32, windows_per_response=2))
   step_fn = dts.make_train_step(cfg, tx)
   meshes = [Mesh(np.asarray(jax.devices()[i:i + 1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
@@ -343,8 +345,8 @@ def test_two_workers_on_two_devices_decode_what_one_does_and_share_one_drafter(d
     workers.append(Worker(engine, trainer))
   store = ParamStore(params, dts.init_state(dparams, tx, store_sh))
   c = Coordinator(workers, store, spot=SpotConfig(mode="spot"),
-                  merge=lambda s, w: dts.average_states([jax.device_put(x, store_sh)
-                                                         for x in s], w))
+                  merge=lambda s, w: average_states([jax.device_put(x, store_sh) for x in s],
+                                                    w))
   c.push()
 
   def on_response(worker, res):
@@ -375,8 +377,8 @@ def test_the_drafter_step_compiles_when_spot_training_is_first_wanted():
   once, on the given executor."""
   import concurrent.futures as cf
 
-  from tlt_jax.coordinator.spot import DrafterTrainer
   from tlt_jax.drafter.buffer import BufferConfig, DrafterBuffer
+  from tlt_jax.drafter.trainer import DrafterTrainer
   trainer = DrafterTrainer(step_fn=None, shardings=None, rows=2, row_len=64,
                            buffer=DrafterBuffer(BufferConfig(buffer_tokens=4096, window=32,
                                                              windows_per_response=2)),

@@ -24,6 +24,7 @@ from tlt_jax.drafter import (DrafterLoadError, LossConfig, accept_lengths, chain
 from tlt_jax.drafter.loss import chain_mask
 from tlt_jax.models import ModelConfig, compute_logits, forward, init_params, param_shapes
 from tlt_jax.models.transformer import segment_causal_mask
+from tlt_jax.optim import make_optimizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-4
@@ -606,7 +607,7 @@ def test_spot_trained_drafter_learns_the_policy(policy_rollouts):
   cfg, params, _, results = policy_rollouts
   batch = _buffer_batch(results[:16], rows=4, row_len=192, window=96)
   held = _buffer_batch(results[16:], rows=4, row_len=192, window=96, seed=1)
-  tx = dts.make_optimizer(1e-3)
+  tx = make_optimizer(1e-3)
   state = dts.init_state(init_drafter(cfg, jax.random.key(0)), tx)
   step = dts.make_train_step(cfg, tx)
   frozen = jax.tree.map(np.array, params)

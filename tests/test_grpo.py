@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tlt_jax.models import ModelConfig, forward, init_params
+from tlt_jax.optim import make_optimizer
 from tlt_jax.rl import grpo
 from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker
 from tlt_jax.rollout.sampling import SamplingParams
@@ -165,10 +166,11 @@ def test_grpo_raises_a_toy_reward_on_a_sharded_learner():
   params = init_params(CFG, jax.random.key(3), std=0.05)
   mesh = make_mesh({"data": 1, "fsdp": 8, "tensor": 1})
   gcfg = grpo.GRPOConfig()
-  tx = grpo.make_optimizer(3e-2, warmup_steps=1, total_steps=10, weight_decay=0.0, b1=0.9,
-                           b2=0.99, grad_clip=1.0)
-  learner = grpo.Learner(params, CFG, gcfg, tx, mesh, micro_batch=16, pad_multiple=8)
-  leaf = learner.params["layers"]["up"]
+  tx = make_optimizer(3e-2, warmup_steps=1, total_steps=10, weight_decay=0.0, b1=0.9, b2=0.99,
+                      grad_clip=1.0)
+  spec = grpo.LearnerSpec(CFG, gcfg, tx, mesh, micro_batch=16, pad_multiple=8)
+  state = grpo.init_learner(params, spec)
+  leaf = state.params["layers"]["up"]
   assert leaf.sharding.spec[1] == "fsdp" and len(leaf.addressable_shards) == 8
   worker = RolloutWorker(params, CFG, EngineConfig(max_batch=32, buckets=(8, 32),
                                                    max_prompt_len=8, max_new_tokens=8))
@@ -186,10 +188,40 @@ def test_grpo_raises_a_toy_reward_on_a_sharded_learner():
     adv = grpo.group_advantages(r)
     samples = [grpo.Sample(x.prompt_ids, x.response_ids, adv[x.request_id, x.sample_index])
                for x in res]
-    minibatches = learner.batches(samples, num_minibatches=2, seed=step)
+    minibatches = grpo.minibatches(samples, spec, num_minibatches=2, seed=step)
     assert len(minibatches) == 2
-    m = learner.update(learner.prepare(minibatches))
+    state, m = grpo.update(state, grpo.prepare(state, minibatches, spec), spec)
     assert np.isfinite(m["loss"]) and m["grad_norm"] > 0
-    worker.set_params(learner.params)
+    worker.set_params(state.params)
   assert means[0] < 0.15, means
   assert np.mean(means[-2:]) > 2.5 * means[0] and np.mean(means[-2:]) > 0.25, means
+
+
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_learner_first_step_runs_at_the_scheduled_lr(warmup):
+  """update(state, batches) -> (state, metrics) with the state donated. Adam's first step moves
+  a param by lr_0 * |g| / (|g| + eps): by the full lr wherever the gradient is not ~0 when
+  there is no warm-up (the learner once ran it at lr 0), by nothing with one."""
+  lr = 1e-2
+  mesh = make_mesh({"data": 1, "fsdp": 8, "tensor": 1})
+  tx = make_optimizer(lr, warmup_steps=warmup, weight_decay=0.0, b1=0.9, b2=0.99,
+                      grad_clip=0.0)
+  spec = grpo.LearnerSpec(CFG, grpo.GRPOConfig(), tx, mesh, micro_batch=8, pad_multiple=8)
+  state = grpo.init_learner(init_params(CFG, jax.random.key(3), std=0.05), spec)
+  # copies: a numpy view of a CPU buffer would keep it alive past the donation
+  before = [np.array(x, copy=True) for x in jax.tree.leaves(state.params)]
+  rng = np.random.RandomState(0)
+  samples = [grpo.Sample(rng.randint(1, 23, 4), rng.randint(1, 23, 6), float(a))
+             for a in rng.randn(12)]
+  old = state
+  batches = grpo.minibatches(samples, spec)
+  state, m = grpo.update(state, grpo.prepare(state, batches, spec), spec)
+  assert all(x.is_deleted() for x in jax.tree.leaves(old))  # donated
+  assert m["grad_norm"] > 0 and int(state.opt_state[0][0].count) == 1
+  moved = np.concatenate([np.abs(np.asarray(a, np.float64) - b).ravel()
+                          for a, b in zip(jax.tree.leaves(state.params), before)])
+  if warmup:
+    assert moved.max() == 0
+  else:
+    assert moved.max() <= lr * (1 + 1e-4)
+    assert np.mean(np.abs(moved - lr) < 1e-2 * lr) > 0.5, np.percentile(moved, [10, 50, 90])

@@ -80,19 +80,20 @@ def test_two_processes_train_like_one(tmp_path):
 
 
 def test_replica_merge_on_devices_equals_the_weighted_average():
-  """train._merge_replicas (the multi-process drafter merge: copies stacked over the rollout
-  mesh's replica axis, reduced on the devices) against drafter.train_step.average_states, on
+  """drafter.merge.average_replicas (the multi-process drafter merge: copies stacked over the
+  rollout mesh's replica axis, reduced on the devices) against average_states, on
   2 tensor-parallel replicas of 4 devices in this process."""
   import jax
   from jax.sharding import Mesh
 
   from tlt_jax.config import asset_path
   from tlt_jax.drafter import train_step as dts
+  from tlt_jax.drafter.merge import average_replicas, average_states
   from tlt_jax.drafter.model import init_drafter
   from tlt_jax.models.hf_io import load_hf_model
-  from tlt_jax.train import _merge_replicas
+  from tlt_jax.optim import make_optimizer
   cfg, _ = load_hf_model(asset_path("default", "model"))
-  tx = dts.make_optimizer(1e-3, warmup_steps=0)
+  tx = make_optimizer(1e-3, warmup_steps=0)
   grid = np.asarray(jax.devices()[:8]).reshape(2, 1, 4)
   rollout = Mesh(grid, ("data", "fsdp", "tensor"))
   store_sh = dts.state_shardings(jax.tree.map(np.asarray, init_drafter(cfg, jax.random.key(0))),
@@ -103,9 +104,9 @@ def test_replica_merge_on_devices_equals_the_weighted_average():
     wmesh = Mesh(grid[r].reshape(1, 1, 4), ("data", "fsdp", "tensor"))
     st = dts.init_state(params, tx, dts.state_shardings(params, tx, wmesh))
     states.append(dts.DrafterState(st.params, st.opt_state, st.step + 3 * r))
-  got = _merge_replicas(states, [3.0, 1.0], [0, 1], rollout, store_sh)
-  want = dts.average_states([jax.device_put(s, store_sh) for s in states], [3.0, 1.0])
+  got = average_replicas(states, [3.0, 1.0], [0, 1], rollout, store_sh)
+  want = average_states([jax.device_put(s, store_sh) for s in states], [3.0, 1.0])
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
   assert all(x.sharding == s for x, s in zip(jax.tree.leaves(got), jax.tree.leaves(store_sh)))
-  assert _merge_replicas(states, [0.0, 0.0], [0, 1], rollout, store_sh) is None
+  assert average_replicas(states, [0.0, 0.0], [0, 1], rollout, store_sh) is None

@@ -100,10 +100,11 @@ def _small_cfg(workdir, steps, **overrides):
 
 
 def _run(cfg):
+  """build + train -> (run, final state)."""
   from tlt_jax.train import build, train
-  run = build(cfg)
-  train(run, progress=False)
-  return run
+  run, state = build(cfg)
+  state, _ = train(run, state, progress=False)
+  return run, state
 
 
 def _build_drafter_compiled(cfg):
@@ -111,10 +112,10 @@ def _build_drafter_compiled(cfg):
   the run (on a loaded machine it can outlast a few short rollouts, whose idle windows then
   wait instead of training: timing, not what a test checks)."""
   from tlt_jax.train import build
-  run = build(cfg)
+  run, state = build(cfg)
   for w in run.coordinator.workers:
     w.trainer.prepare().result()
-  return run
+  return run, state
 
 
 def _same_tree(a, b):
@@ -125,10 +126,11 @@ def _same_tree(a, b):
 
 
 def _assert_same_weights(a, b):
-  """Actor, its optimizer, the drafter with its optimizer, and the drafter every worker
-  decodes with."""
-  assert _same_tree(a.learner.params, b.learner.params)
-  assert _same_tree(a.learner.opt_state, b.learner.opt_state)
+  """(run, state) pairs: actor, its optimizer, the drafter with its optimizer, and the
+  drafter every worker decodes with."""
+  (a, sa), (b, sb) = a, b
+  assert _same_tree(sa.learner.params, sb.learner.params)
+  assert _same_tree(sa.learner.opt_state, sb.learner.opt_state)
   da, db = a.store.drafter()[1], b.store.drafter()[1]
   assert _same_tree(da, db)
   for e in a.coordinator.engines:
@@ -162,16 +164,17 @@ def test_resume_with_spot_training_and_the_bandit_restores_every_state(tmp_path)
   same distribution; what must hold is that every state comes back: the bandit's windows and
   RNG, the drafter and its optimizer, the actor, the data position, the buffer's policy."""
   from tlt_jax.train import build, restore, train
-  first = _build_drafter_compiled(_small_cfg(tmp_path, 3))  # chunks that compile reward no
-  train(first, progress=False)  # arm: 3 steps
+  first, state = _build_drafter_compiled(_small_cfg(tmp_path, 3))  # chunks that compile reward
+  state, _ = train(first, state, progress=False)  # no arm: 3 steps
   assert _pulls(first.selector) > 0  # the bandit has windows to restore
   assert int(first.store.drafter()[1].step) > 0  # spot training ran
-  second = build(_small_cfg(tmp_path, 5))
-  assert restore(second) == 3
+  second, fresh = build(_small_cfg(tmp_path, 5))
+  resumed = restore(second, fresh)
+  assert resumed.step == 3
   assert second.selector.state_dict() == first.selector.state_dict()
   assert second.stream.state_dict() == first.stream.state_dict()
   assert second.buffer.state_dict() == first.buffer.state_dict()
-  _assert_same_weights(second, first)
+  _assert_same_weights((second, resumed), (first, state))
 
 
 def test_speculation_gate_reports_and_resumes(tmp_path):
@@ -179,13 +182,13 @@ def test_speculation_gate_reports_and_resumes(tmp_path):
   measured, and a resumed run continues from the saved verdicts."""
   from tlt_jax.train import build, restore
   gate = {"tlt.spec.gate.enabled": True, "tlt.spec.gate.min_chunks": 1}
-  first = _run(_small_cfg(tmp_path, 2, **gate))
+  first, _ = _run(_small_cfg(tmp_path, 2, **gate))
   recs = _records(tmp_path)
   status = recs[-1]["spec_gate"]["status"]
   assert set(status) == {str(b) for b in first.gate.buckets} and status["1"] != "closed"
   assert recs[-1]["spec_gate"]["plain_rate"]  # plain chunks measured at some bucket
-  second = build(_small_cfg(tmp_path, 3, **gate))
-  assert restore(second) == 2
+  second, fresh = build(_small_cfg(tmp_path, 3, **gate))
+  assert restore(second, fresh).step == 2
   assert second.gate.state_dict() == first.gate.state_dict()
   second.coordinator.close()
 
@@ -199,7 +202,7 @@ def test_evaluation_leaves_the_training_bandit_untouched(tmp_path):
   the training bandit's windows, pulls and RNG are exactly as before."""
   from tlt_jax.rl.reward_pool import RewardPool
   from tlt_jax.train import build, evaluate
-  run = build(_small_cfg(tmp_path, 1, **{"train.eval_every": 1, "eval.speculate": True}))
+  run, _ = build(_small_cfg(tmp_path, 1, **{"train.eval_every": 1, "eval.speculate": True}))
   before = run.selector.state_dict()
   with RewardPool("arith", num_workers=1) as pool:
     first = evaluate(run, pool)  # compiles (compiling chunks reward no arm)
@@ -217,8 +220,8 @@ def test_tlt_run_on_two_workers_trains_the_drafter_in_idle_windows(tmp_path):
   # 3 prompts: worker 0 decodes two, worker 1 one (request_id % workers), so one of them idles
   cfg = _small_cfg(tmp_path, 2, **{"train.eval_every": 2, "grpo.num_prompts": 3})
   from tlt_jax.train import train
-  run = _build_drafter_compiled(cfg)
-  last = train(run, progress=False)
+  run, state = _build_drafter_compiled(cfg)
+  _, last = train(run, state, progress=False)
   recs = _records(tmp_path)
   assert [r["step"] for r in recs] == [0, 1, 2]
   assert "eval" in recs[0] and "eval" in recs[2]

@@ -4,6 +4,10 @@
   python -m tlt_jax.train --config configs/default.py --config.tlt.enabled=False   # baseline
   python -m tlt_jax.train --config configs/default.py --config.tlt.drafter.mode=serial
 
+The script, top to bottom: `build` (mesh, model, data, learner, drafter, rollout workers,
+checkpoints) -> `restore` the TrainState if the workdir holds a checkpoint -> `rl_step(state)
+-> (state, metrics)` until config.train.steps -> `save(state)` after every step.
+
 One RL step (`rl_step`; DESIGN.md 7):
   prompts (PromptStream, resumable position)
   -> coordinator.rollout: each rollout worker decodes its share (continuous batching; plain
@@ -28,18 +32,47 @@ resumes from the latest checkpoint.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import os
+import platform
 import sys
 import time
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
+import jax
+import ml_collections
 import numpy as np
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
+from tqdm import tqdm
 
 from tlt_jax import config as config_lib
+from tlt_jax import distributed, runtime
+from tlt_jax.checkpoint import CheckpointError, Checkpointer
+from tlt_jax.coordinator import Coordinator, ParamStore, SpotConfig, Worker
+from tlt_jax.data.dataset import PromptStream
+from tlt_jax.data.prompts import PromptRow
+from tlt_jax.drafter import train_step as dts
+from tlt_jax.drafter.buffer import DrafterBuffer
+from tlt_jax.drafter.loss import LossConfig
+from tlt_jax.drafter.merge import make_merge
+from tlt_jax.drafter.trainer import DrafterTrainer
+from tlt_jax.eval import evaluate as evaluate_rows
+from tlt_jax.eval import length_stats
 from tlt_jax.errors import ConfigError
+from tlt_jax.models import ModelConfig, Params, unstack_layers
+from tlt_jax.optim import make_optimizer
+from tlt_jax.rl import grpo
+from tlt_jax.rl.reward_pool import RewardError, RewardPool
+from tlt_jax.rollout.engine import (Request, Result, RolloutWorker, to_replica_layout,
+                                    tokens_per_verification)
+from tlt_jax.rollout.executables import background_compiler
+from tlt_jax.rollout.gate import SpecGate, VerdictCache
+from tlt_jax.rollout.mab import BucketedSelector, FixedSelector
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.sharding import tree_shardings
 
 _log = logging.getLogger("tlt_jax.train")
 
@@ -156,46 +189,49 @@ class CompileClock:
 
 
 # =================================================================================== build
-@dataclasses.dataclass
-class Run:
-  """Everything one training run holds, built once by `build` from a validated config.
-  `step` is the only field the loop changes; the rest is state each part owns (the learner
-  its params, the store the weights the workers read, the coordinator the workers)."""
+Selector = FixedSelector | BucketedSelector
 
-  cfg: Any
-  mesh: Any
-  model_cfg: Any
-  tokenizer: Any
-  stream: Any  # the training prompts (PromptStream)
-  test_rows: list | None  # held-out prompts (None: no evaluation)
-  sampling: Any  # SamplingParams of the rollout
-  learner: Any  # rl.grpo.Learner
-  store: Any  # coordinator.ParamStore: actor + drafter versions
-  coordinator: Any  # coordinator.Coordinator: the rollout workers
-  selector: Any  # the training bandit (None: TLT off)
-  eval_selector: Any  # evaluation's own selector (never trains the training bandit)
-  buffer: Any  # drafter.DrafterBuffer (None: the drafter is not trained)
-  ckpt: Any  # checkpoint.Checkpointer
-  compile_clock: Any = None  # CompileClock (seconds compiling, per step)
-  gate: Any = None  # rollout.gate.SpecGate: the buckets speculation pays at (None: all)
-  step: int = 0
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """What one training run is built from, once, by `build` from a validated config; the
+  parts that change step to step are the TrainState (and each host object's own state:
+  the stream's position, the bandits, the gate, the buffer, which the checkpoint saves
+  through their state_dict)."""
+
+  cfg: ml_collections.ConfigDict
+  learner: grpo.LearnerSpec  # what the learner's jitted functions are specialised on
+  model_cfg: ModelConfig
+  tokenizer: Any  # transformers tokenizer of config.model.path
+  stream: PromptStream  # the training prompts
+  test_rows: list[PromptRow] | None  # held-out prompts (None: no evaluation)
+  sampling: SamplingParams  # of the rollout
+  store: ParamStore  # the actor and drafter versions the workers read
+  coordinator: Coordinator  # the rollout workers
+  selector: Selector | None  # the training bandit (None: TLT off)
+  eval_selector: Selector | None  # evaluation's own (never trains the training bandit)
+  gate: SpecGate | None  # the buckets speculation pays at (None: every one)
+  buffer: DrafterBuffer | None  # the drafter's training data (None: drafter not trained)
+  ckpt: Checkpointer
+  compile_clock: CompileClock  # seconds compiling, per step
 
   @property
   def tlt(self) -> bool:
     return self.selector is not None
 
 
-def build(spec: config_lib.RunSpec) -> Run:
-  """The run of `spec` (runtime.prepare's: max_batch resolved)."""
-  import jax
+class TrainState(NamedTuple):
+  """What an RL step takes and returns: the steps done and the learner. (The drafter's state
+  is the store's: spot training merges into it during the rollout.)"""
 
-  from tlt_jax import runtime
-  from tlt_jax.checkpoint import Checkpointer
-  from tlt_jax.coordinator import Coordinator, ParamStore, SpotConfig, Worker
-  from tlt_jax.data.dataset import PromptStream
-  from tlt_jax.rl import grpo
-  from tlt_jax.rollout.engine import RolloutWorker
+  step: int
+  learner: grpo.LearnerState
 
+
+
+def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
+  """Everything the run of `spec` needs (runtime.prepare's: max_batch resolved), and its
+  state at step 0."""
   cfg = spec.cfg
   os.makedirs(cfg.workdir, exist_ok=True)
   compile_clock = CompileClock.start()
@@ -218,53 +254,46 @@ def build(spec: config_lib.RunSpec) -> Run:
 
   # -------------------------------------------------------------------------- learner
   g, o = cfg.grpo, cfg.optim
-  tx = grpo.make_optimizer(o.lr, warmup_steps=o.warmup_steps,
-                           total_steps=cfg.train.steps * g.minibatches,
-                           weight_decay=o.weight_decay, b1=o.b1, b2=o.b2,
-                           grad_clip=o.grad_clip, schedule=o.schedule)
-  learner = grpo.Learner(params, model_cfg, spec.grpo, tx, mesh,
-                         micro_batch=g.micro_batch, pad_multiple=g.pad_multiple,
-                         micro_batch_tokens=g.micro_batch_tokens,
-                         max_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+  tx = make_optimizer(o.lr, warmup_steps=o.warmup_steps,
+                      total_steps=cfg.train.steps * g.minibatches, schedule=o.schedule,
+                      weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, grad_clip=o.grad_clip)
+  lspec = grpo.LearnerSpec(model_cfg, spec.grpo, tx, mesh,
+                           micro_batch=g.micro_batch, pad_multiple=g.pad_multiple,
+                           micro_batch_tokens=g.micro_batch_tokens,
+                           max_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+  learner = grpo.init_learner(params, lspec)
   del params
 
-  rollout_mesh, local = runtime.worker_meshes(cfg)  # replicas: all, and this process's
-
   # ---------------------------------------------- TLT: drafter, its data, the bandit
-  tlt, spot = spec.tlt, spec.spot
+  rollout_mesh, local = runtime.worker_meshes(cfg)  # replicas: all, and this process's
+  ids = [i for i, _ in local]
+  tlt = spec.tlt
+  spot = spec.spot if tlt and spec.spot is not None else SpotConfig(mode="off")
   trained = spec.buffer is not None
+  d = cfg.tlt.drafter
   selector = spec.selector()
   # Evaluation decodes through the same workers with its OWN selector (same arms): eval
   # chunks must not move the training bandit's reward windows (or its checkpoint).
   eval_selector = spec.selector()
-  drafter = store_sh = step_fn = buffer = None
+  drafter = dtx = store_sh = buffer = None
   if tlt:
-    from tlt_jax.drafter import train_step as dts
-    from tlt_jax.drafter.buffer import DrafterBuffer
-    from tlt_jax.drafter.loss import LossConfig
-    d = cfg.tlt.drafter
-    dtx = dts.make_optimizer(d.lr, warmup_steps=d.warmup_steps)
+    dtx = make_optimizer(d.lr, warmup_steps=d.warmup_steps)
     # the store's drafter lives in the rollout layout (replicated over replicas, tensor-
     # parallel within one): every worker takes its slices as a view, in every process
     dparams = jax.tree.map(np.asarray, runtime.load_drafter(cfg, model_cfg))
     store_sh = dts.state_shardings(dparams, dtx, rollout_mesh)
     drafter = dts.init_state(dparams, dtx, store_sh)
-    if trained:
-      buffer = DrafterBuffer(spec.buffer, seed=cfg.seed)
-      step_fn = functools.partial(dts.make_train_step, model_cfg, dtx,
-                                  LossConfig(unroll_steps=d.unroll),
-                                  donate=spot.on_barrier == "finish")
+  if trained:
+    buffer = DrafterBuffer(spec.buffer, seed=cfg.seed)
 
   # ------------------------------------------------------- rollout workers, coordinator
-  d = cfg.tlt.drafter
   ecfg = spec.engine_config(stop)
   # one gate for this process's workers: one of them probes whether speculation pays
   gate = None
   if spec.gate is not None:
-    from tlt_jax.rollout.gate import SpecGate
     gate = SpecGate(spec.gate, verdicts=_gate_verdicts(model_cfg, ecfg, spec.sampling, dparams,
                                                        local[0][1].devices.flat))
-  to_rollout = _rollout_layout(learner, model_cfg, rollout_mesh)
+  to_rollout = _to_rollout(lspec, rollout_mesh, learner.params)
   first = to_rollout(learner.params)
   workers = []
   for i, wmesh in local:  # this process's replicas (i: the global index)
@@ -273,34 +302,24 @@ def build(spec: config_lib.RunSpec) -> Run:
                            gate=gate)
     trainer = None
     if trained:
-      from tlt_jax.coordinator.spot import DrafterTrainer
-      from tlt_jax.drafter import train_step as dts
       wsh = dts.state_shardings(drafter.params, dtx, wmesh)
-      trainer = DrafterTrainer(
-          step_fn=step_fn(state_shardings=wsh), shardings=wsh,
-          buffer=buffer, rows=d.rows, row_len=d.row_len,
-          target_params=lambda e=engine: e.params, seed=cfg.seed * 1000 + i,
-          hidden_dtype=model_cfg.compute_dtype)
+      step_fn = dts.make_train_step(model_cfg, dtx, LossConfig(unroll_steps=d.unroll),
+                                    donate=spot.on_barrier == "finish", state_shardings=wsh)
+      trainer = DrafterTrainer(step_fn=step_fn, shardings=wsh, buffer=buffer, rows=d.rows,
+                               row_len=d.row_len, target_params=lambda e=engine: e.params,
+                               seed=cfg.seed * 1000 + i, hidden_dtype=model_cfg.compute_dtype)
     workers.append(Worker(engine, trainer))
-
-  def merge(states, weights):  # onto the store's layout (the learner mesh), then average
-    from tlt_jax.drafter.train_step import average_states
-    if jax.process_count() > 1:
-      return _merge_replicas(states, weights, [i for i, _ in local], rollout_mesh, store_sh)
-    return average_states([jax.device_put(s, store_sh) for s in states], weights)
-
-  from tlt_jax.distributed import GlobalBarrier, all_gather_objects
   store = ParamStore(first, drafter)
   del first
-  coordinator = Coordinator(workers, store, spot=spot if tlt else SpotConfig(mode="off"),
-                            merge=merge, worker_ids=[i for i, _ in local],
-                            num_workers=cfg.rollout.num_workers, to_rollout=to_rollout,
-                            gather=all_gather_objects,
-                            global_barrier=GlobalBarrier if jax.process_count() > 1 else None,
-                            spot_wanted=gate.drafter_wanted if gate is not None else None)
+  coordinator = Coordinator(
+      workers, store, spot=spot,
+      merge=make_merge(store_sh, rollout_mesh, ids) if trained else None, worker_ids=ids,
+      num_workers=cfg.rollout.num_workers, to_rollout=to_rollout,
+      gather=distributed.all_gather_objects,
+      global_barrier=distributed.GlobalBarrier if jax.process_count() > 1 else None,
+      spot_wanted=gate.drafter_wanted if gate is not None else None)
   coordinator.push()  # every worker takes the store's weights (and its trainer the drafter)
-  if trained and spot.mode == "spot":  # compiled at low priority once spot training is wanted
-    from tlt_jax.rollout.executables import background_compiler
+  if spot.mode == "spot":  # compiled at low priority once spot training is wanted
     compiler = background_compiler("compile-drafter")
     for w in workers:
       w.trainer.compile_on_first_use(model_cfg.hidden_size, compiler)
@@ -319,24 +338,20 @@ def build(spec: config_lib.RunSpec) -> Run:
   ckpt = Checkpointer(os.path.join(cfg.workdir, "checkpoints"),
                       max_to_keep=cfg.train.keep_checkpoints,
                       save_interval_steps=cfg.train.checkpoint_every)
-  return Run(cfg=cfg, mesh=mesh, model_cfg=model_cfg, tokenizer=tokenizer, stream=stream,
-             test_rows=test_rows, sampling=spec.sampling, learner=learner,
-             store=store, coordinator=coordinator, selector=selector,
-             eval_selector=eval_selector, buffer=buffer, ckpt=ckpt, compile_clock=compile_clock,
-             gate=gate)
+  run = Run(cfg=cfg, learner=lspec, model_cfg=model_cfg, tokenizer=tokenizer, stream=stream,
+            test_rows=test_rows, sampling=spec.sampling, store=store,
+            coordinator=coordinator, selector=selector, eval_selector=eval_selector,
+            gate=gate, buffer=buffer, ckpt=ckpt, compile_clock=compile_clock)
+  return run, TrainState(step=0, learner=learner)
 
 
-def _gate_verdicts(model_cfg, ecfg, sampling, dparams, devices):
+def _gate_verdicts(model_cfg, ecfg, sampling, dparams, devices) -> VerdictCache | None:
   """Where the speculation gate keeps its hardware verdicts across runs: beside JAX's
   persistent compilation cache, keyed by what a verdict depends on (None when this process
   has no persistent cache, e.g. in tests: a cold compilation cache is a cold gate)."""
-  import platform
-
-  import jax
   cache = jax.config.jax_compilation_cache_dir
   if not cache:
     return None
-  from tlt_jax.rollout.gate import VerdictCache
   devices = list(devices)
   fingerprint = {
       "jax": jax.__version__, "platform": devices[0].platform,
@@ -347,102 +362,54 @@ def _gate_verdicts(model_cfg, ecfg, sampling, dparams, devices):
   return VerdictCache(os.path.join(cache, "tlt_gate", "verdicts.json"), fingerprint)
 
 
-def _rollout_layout(learner, model_cfg, rollout_mesh):
-  """learner params -> the rollout layout: every replica's devices hold its tensor-parallel
-  slices (replicated over replicas), in the compute dtype. Where the learner and the
-  replicas span the same devices (always with several processes) it is one jitted
-  resharding, a collective every process runs; otherwise (a single process whose learner
-  uses fewer devices) a cast where the params live, then a copy. Always new buffers: the
-  learner donates its params to its next update. Layers come out unstacked
-  (models.unstack_layers), the replicas' layout."""
-  import jax
-  import jax.numpy as jnp
-
-  from tlt_jax.models import unstack_layers
-  from tlt_jax.sharding import tree_shardings
-  dt = model_cfg.compute_dtype
-  # layers unstacked: XLA on CPU copies a stacked layer's slice before each use (transformer.py)
-  cast = lambda p: unstack_layers(
-      jax.tree.map(lambda x: x.astype(dt) if x.dtype != dt else jnp.copy(x), p))
-  shardings = tree_shardings(jax.eval_shape(cast, learner.params), rollout_mesh)
-  if set(learner.mesh.devices.flat) == set(rollout_mesh.devices.flat):
-    return jax.jit(cast, out_shardings=shardings)
-  if jax.process_count() > 1:
+def _to_rollout(spec: grpo.LearnerSpec, rollout_mesh, params: Params
+                ) -> Callable[[Params], Params]:
+  """learner params -> the store's rollout layout (the engine's replica layout on the whole
+  rollout mesh: every replica's devices hold its tensor-parallel slices)."""
+  if (jax.process_count() > 1
+      and set(spec.mesh.devices.flat) != set(rollout_mesh.devices.flat)):
+    # the resharding would need a transfer between processes outside a collective
     raise ConfigError("config.mesh.devices: with several processes the learner must span every "
                       "device (mesh.devices=0), as the rollout replicas do")
-  local_cast = jax.jit(cast)
-  return lambda p: jax.device_put(local_cast(p), shardings, may_alias=False)
+  shardings = tree_shardings(jax.eval_shape(unstack_layers, params), rollout_mesh)
+  dtype = spec.cfg.compute_dtype
+  return lambda p: to_replica_layout(p, dtype, shardings)
 
 
-def _merge_replicas(states, weights, ids, rollout_mesh, shardings):
-  """The token-weighted mean of every replica's drafter copy, with several processes: this
-  process's workers (global indices `ids`) pass their states and tokens trained (0: not
-  trained). The copies become one array per leaf stacked over the rollout mesh's replica
-  axis (each replica's slice is its own shards, no copy), and one jitted weighted sum onto
-  the store's layout reduces them on the devices. None if no replica trained."""
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec
-
-  from tlt_jax.distributed import all_gather_objects
-  pairs = [p for part in all_gather_objects(list(zip(ids, map(float, weights)))) for p in part]
-  total = sum(w for _, w in pairs)
-  if total <= 0:
-    return None
-  n = rollout_mesh.shape["data"]
-  share = np.zeros((n,), np.float32)
-  for i, w in pairs:
-    share[i] = w / total
-  share = jax.make_array_from_callback((n,), NamedSharding(rollout_mesh, PartitionSpec()),
-                                       lambda idx: share[idx])
-
-  def stacked(*copies):  # one leaf of every local copy -> [replicas, ...] over the mesh
-    x = copies[0]
-    spec = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
-    sharding = NamedSharding(rollout_mesh, PartitionSpec("data", *spec))
-    parts = [s.data[None] for c in copies for s in c.addressable_shards]
-    return jax.make_array_from_single_device_arrays((n,) + x.shape, sharding, parts)
-
-  def mean(tree, w):
-    def one(x):
-      if jnp.issubdtype(x.dtype, jnp.integer):  # step counts
-        return x.max(axis=0)
-      return jnp.tensordot(w, x.astype(jnp.float32), axes=1).astype(x.dtype)
-    return jax.tree.map(one, tree)
-
-  return jax.jit(mean, out_shardings=shardings)(jax.tree.map(stacked, *states), share)
-
-
-# ====================================================================== checkpoint state
-def train_state(run: Run) -> dict[str, Any]:
+# ============================================================================= checkpoint
+def _checkpoint_tree(run: Run, state: TrainState) -> dict[str, Any]:
   """What a checkpoint holds: the actor and its optimizer, the drafter and its optimizer,
   the step, and (as JSON) the data position, the bandit and the drafter buffer's policy."""
   meta = {"data": run.stream.state_dict(),
           "selector": run.selector.state_dict() if run.selector is not None else None,
           "gate": run.gate.state_dict() if run.gate is not None else None,
           "buffer": run.buffer.state_dict() if run.buffer is not None else None}
-  state = {"actor": run.learner.params, "opt": run.learner.opt_state, "step": run.step,
-           "meta": json.dumps(meta)}
+  tree = {"actor": state.learner.params, "opt": state.learner.opt_state, "step": state.step,
+          "meta": json.dumps(meta)}
   if run.tlt:
     _, d = run.store.drafter()
-    state["drafter"] = {"params": d.params, "opt_state": d.opt_state, "step": d.step}
-  return state
+    tree["drafter"] = {"params": d.params, "opt_state": d.opt_state, "step": d.step}
+  return tree
 
 
-def restore(run: Run) -> int:
-  """Restores the latest checkpoint in the workdir (if any); returns the step reached."""
-  from tlt_jax.checkpoint import CheckpointError
-  from tlt_jax.drafter.train_step import DrafterState
-  latest = run.ckpt.latest_step()
-  if latest is None:
-    return 0
+def save(run: Run, state: TrainState, *, force: bool = False) -> None:
+  """An async checkpoint of `state` (every config.train.checkpoint_every steps, or `force`)."""
+  run.ckpt.save(state.step, _checkpoint_tree(run, state), force=force)
+
+
+def restore(run: Run, state: TrainState) -> TrainState:
+  """The latest checkpoint in the workdir as the state (the given one if there is none); the
+  host parts (data position, bandit, gate, buffer) and the workers' weights follow it."""
+  if run.ckpt.latest_step() is None:
+    return state
   try:
-    st = run.ckpt.restore(train_state(run))
+    saved = run.ckpt.restore(_checkpoint_tree(run, state))
   except CheckpointError as e:
     raise ConfigError(f"--workdir {run.cfg.workdir}: {e}") from None  # e says the fix
-  run.learner.params, run.learner.opt_state = st["actor"], st["opt"]
-  run.step = int(st["step"])
-  meta = json.loads(st["meta"])
+  state = TrainState(step=int(saved["step"]),
+                     learner=state.learner.replace(params=saved["actor"],
+                                                   opt_state=saved["opt"]))
+  meta = json.loads(saved["meta"])
   run.stream.load_state_dict(meta["data"])
   if meta.get("selector") and run.selector is not None:
     run.selector.load_state_dict(meta["selector"])
@@ -450,23 +417,38 @@ def restore(run: Run) -> int:
     run.gate.load_state_dict(meta["gate"])
   if meta.get("buffer") and run.buffer is not None:
     run.buffer.load_state_dict(meta["buffer"])
-  run.store.publish_actor(run.coordinator.to_rollout(run.learner.params))
+  run.store.publish_actor(run.coordinator.to_rollout(state.learner.params))
   if run.tlt:
-    run.store.publish_drafter(DrafterState(**st["drafter"]))
+    run.store.publish_drafter(dts.DrafterState(**saved["drafter"]))
   run.coordinator.push()
-  print(f"resumed from {run.ckpt.directory} at step {run.step}", file=sys.stderr)
-  return run.step
+  print(f"resumed from {run.ckpt.directory} at step {state.step}", file=sys.stderr)
+  return state
 
 
 # ================================================================================ RL step
-def rl_step(run: Run, pool) -> dict[str, Any]:
-  """One RL step (the module docstring); returns its metrics."""
-  import jax
+class Response(NamedTuple):
+  """One scored response, as the advantages, the learner and the metrics read it (every
+  process's, after the gather)."""
 
-  from tlt_jax.eval import length_stats
-  from tlt_jax.rl import grpo
-  from tlt_jax.rollout.engine import Request, tokens_per_verification
-  cfg, step = run.cfg, run.step
+  request_id: int
+  sample_index: int
+  prompt_ids: np.ndarray
+  response_ids: np.ndarray
+  num_tokens: int
+  finish_reason: str
+  reward: float = 0.0  # (until scored)
+
+  @classmethod
+  def of(cls, res: Result) -> "Response":
+    return cls(res.request_id, res.sample_index, res.prompt_ids, res.response_ids,
+               res.num_tokens, res.finish_reason)
+
+
+def rl_step(run: Run, state: TrainState, pool: RewardPool
+            ) -> tuple[TrainState, dict[str, Any], dict[str, Any]]:
+  """One RL step (the module docstring) -> (state, metrics, timeline of the workers)."""
+  cfg, step = run.cfg, state.step
+  seed = _seed_for(cfg.seed, step)
   times: dict[str, float] = {}
   t_step = time.perf_counter()
   prompts = run.stream.next_batch(cfg.grpo.num_prompts)
@@ -474,7 +456,7 @@ def rl_step(run: Run, pool) -> dict[str, Any]:
               for i, p in enumerate(prompts) for s in range(cfg.grpo.n)]
 
   # ---- rollout, rewards and drafter data as responses finish; spot training when idle
-  def on_response(worker, res):
+  def on_response(worker: Worker, res: Result) -> None:
     text = run.tokenizer.decode(res.response_ids, skip_special_tokens=True)
     pool.submit((res.request_id, res.sample_index), text, prompts[res.request_id].row.answer)
     if run.buffer is not None and res.hidden is not None:
@@ -482,54 +464,53 @@ def rl_step(run: Run, pool) -> dict[str, Any]:
       spec = None if res.spec_start is None else res.spec_start - off
       run.buffer.add(step, res.response_ids[off:], res.hidden, spec,
                      key=(res.request_id, res.sample_index))
-      res.hidden = None  # the buffer keeps its windows; the rest is garbage now
 
-  out = run.coordinator.rollout(requests, run.sampling, seed=_seed_for(cfg.seed, step),
-                                on_response=on_response)
-  times["rollout"] = out.wall
-  spot = out.timeline.summary()
+  out = run.coordinator.rollout(requests, run.sampling, seed=seed, on_response=on_response)
+  mine = [Response.of(res) for res in out.results]
+  chunks, timeline, wall, drafter = out.chunks, out.timeline, out.wall, out.drafter
+  del out  # the Results' hidden states go now (the buffer copied the windows it keeps)
+  times["rollout"] = wall
+  spot = timeline.summary()
   times["idle"] = spot["idle_s"] / max(len(run.coordinator.workers), 1)
   times["drafter"] = spot["critical_path_s"]
   if cfg.memory.release_rollout_weights:  # the learner's phases get that memory back
     run.coordinator.release_actor()
   t = time.perf_counter()
-  rewards = pool.gather([(res.request_id, res.sample_index) for res in out.results])
+  rewards = pool.gather([(res.request_id, res.sample_index) for res in mine])
   times["reward_wait"] = time.perf_counter() - t
   # every process's responses and rewards (each scored its own): the learner's batch is global
-  results = _gather_results(out.results, rewards)
+  responses = _gather_responses([res._replace(reward=rewards[(res.request_id, res.sample_index)])
+                                 for res in mine])
 
   # ---- advantages
-  n = cfg.grpo.n
-  r = np.zeros((len(prompts), n), np.float32)
-  for res in results:
+  r = np.zeros((len(prompts), cfg.grpo.n), np.float32)
+  for res in responses:
     r[res.request_id, res.sample_index] = res.reward
   adv = grpo.group_advantages(r, eps=cfg.grpo.adv_eps, norm_by_std=cfg.grpo.norm_adv_by_std)
   samples = [grpo.Sample(res.prompt_ids, res.response_ids,
-                         float(adv[res.request_id, res.sample_index])) for res in results]
+                         float(adv[res.request_id, res.sample_index])) for res in responses]
 
   # ---- learner: old log-probs, then the update
   t = time.perf_counter()
-  prepared = run.learner.prepare(run.learner.batches(samples, cfg.grpo.minibatches,
-                                                     seed=_seed_for(cfg.seed, step)))
+  batches = grpo.minibatches(samples, run.learner, cfg.grpo.minibatches, seed=seed)
+  prepared = grpo.prepare(state.learner, batches, run.learner)
   jax.block_until_ready([b.old_logp for group in prepared for b in group])
   times["logprobs"] = time.perf_counter() - t
   t = time.perf_counter()
-  upd = run.learner.update(prepared)
+  learner, upd = grpo.update(state.learner, prepared, run.learner)
   times["update"] = time.perf_counter() - t
 
   # ---- weights to the workers; the serial drafter ablation
-  times["weight_sync"] = run.coordinator.sync_actor(run.learner.params)
-  drafter = out.drafter
-  if run.tlt and run.coordinator.spot.mode == "serial":
+  times["weight_sync"] = run.coordinator.sync_actor(learner.params)
+  if run.coordinator.spot.mode == "serial":
     t = time.perf_counter()
-    drafter = run.coordinator.train_serial(run.coordinator.spot.serial_steps,
-                                           seed=_seed_for(cfg.seed, step))
+    drafter = run.coordinator.train_serial(run.coordinator.spot.serial_steps, seed=seed)
     times["drafter"] = time.perf_counter() - t
 
   # ---- metrics
-  lengths = [res.num_tokens for res in results]
+  lengths = [res.num_tokens for res in responses]
   tokens = int(sum(lengths))
-  spec_chunks = [c for c in out.chunks if c.mode != "plain"]
+  spec_chunks = [c for c in chunks if c.mode != "plain"]
   drafted = [c for c in spec_chunks if c.mode != "off"]  # "off" verifies no drafts
   m: dict[str, Any] = {
       "reward": float(r.mean()),
@@ -537,8 +518,8 @@ def rl_step(run: Run, pool) -> dict[str, Any]:
       "solved_groups": float((r.max(axis=1) >= 1.0).mean()),
       "zero_adv_groups": float((r.std(axis=1) == 0).mean()),
       "response_length": length_stats(lengths),
-      "truncated": float(np.mean([res.finish_reason == "length" for res in results])),
-      "rollout_tokens_per_s": tokens / max(out.wall, 1e-9),
+      "truncated": float(np.mean([res.finish_reason == "length" for res in responses])),
+      "rollout_tokens_per_s": tokens / max(wall, 1e-9),
       "tokens": tokens,
       "loss": upd,
       "reward_stats": dataclasses.asdict(pool.stats),
@@ -564,7 +545,7 @@ def rl_step(run: Run, pool) -> dict[str, Any]:
                  "kernel_fallbacks": sum(e.kernel_error is not None for e in engines)}
   if run.gate is not None:
     m["spec_gate"] = run.gate.summary()
-  if run.tlt and run.coordinator.spot.mode != "off":
+  if run.coordinator.spot.mode != "off":
     m["spot"] = {k: v for k, v in spot.items() if k != "per_worker"}
     m["spot"]["per_worker"] = {str(p["worker"]): {k: v for k, v in p.items() if k != "worker"}
                                for p in spot["per_worker"]}
@@ -574,35 +555,25 @@ def rl_step(run: Run, pool) -> dict[str, Any]:
   times["total"] = time.perf_counter() - t_step
   times["compile"] = run.compile_clock.lap()
   m["time"] = times
-  m["_timeline"] = out.timeline.to_json()
-  return m
+  return TrainState(step=step + 1, learner=learner), m, timeline.to_json()
 
 
-def _gather_results(local: list, rewards: dict) -> list:
-  """This process's engine Results and rewards -> every process's, as light records sorted by
-  (request_id, sample_index): what the advantages, the learner and the metrics read."""
-  from types import SimpleNamespace
-
-  from tlt_jax.distributed import all_gather_objects
-  mine = [dict(request_id=r.request_id, sample_index=r.sample_index, prompt_ids=r.prompt_ids,
-               response_ids=r.response_ids, num_tokens=r.num_tokens,
-               finish_reason=r.finish_reason, reward=rewards[(r.request_id, r.sample_index)])
-          for r in local]
-  every = [SimpleNamespace(**rec) for part in all_gather_objects(mine) for rec in part]
+def _gather_responses(mine: list[Response]) -> list[Response]:
+  """This process's scored responses -> every process's, sorted by (request_id,
+  sample_index)."""
+  every = [rec for part in distributed.all_gather_objects(mine) for rec in part]
   return sorted(every, key=lambda r: (r.request_id, r.sample_index))
 
 
-def evaluate(run: Run, pool) -> dict[str, Any]:
+def evaluate(run: Run, pool: RewardPool) -> dict[str, Any]:
   """Held-out greedy accuracy, decoded by worker 0 with the evaluation selector."""
-  from tlt_jax.eval import evaluate as _evaluate
-
   def score(text, answer):
     key = ("eval", id(text))
     pool.submit(key, text, answer)
     return pool.gather([key])[key]
 
   d, w = run.cfg.data, run.coordinator.workers[0]
-  m = w.submit(_evaluate, w.engine, run.tokenizer, run.test_rows, score, seed=run.cfg.seed,
+  m = w.submit(evaluate_rows, w.engine, run.tokenizer, run.test_rows, score, seed=run.cfg.seed,
                progress=False, chat_template=d.chat_template, system_prompt=d.system_prompt,
                selector=run.eval_selector, speculate=run.cfg.eval.speculate).result()
   return {k: v for k, v in m.items() if k in ("accuracy", "accuracy_by_terms",
@@ -610,19 +581,18 @@ def evaluate(run: Run, pool) -> dict[str, Any]:
 
 
 # =================================================================================== loop
-def train(run: Run, *, progress: bool = True) -> dict[str, Any]:
+def train(run: Run, state: TrainState, *, progress: bool = True
+          ) -> tuple[TrainState, dict[str, Any]]:
   """Resumes if the workdir holds a checkpoint, then runs to config.train.steps. Returns the
-  last step's metrics."""
-  from tlt_jax.rl.reward_pool import RewardError, RewardPool
-  from tlt_jax.distributed import is_primary
+  last state and the last step's metrics."""
   cfg = run.cfg
-  start = restore(run)
-  primary = is_primary()  # process 0 writes metrics and shows progress; all save checkpoints
+  state = restore(run, state)
+  start = state.step
+  primary = distributed.is_primary()  # process 0 writes metrics and shows progress
   if start >= cfg.train.steps and primary:
     print(f"{cfg.workdir} already holds a finished run ({start} of {cfg.train.steps} steps); "
           "raise --config.train.steps to continue it or pass a new --workdir", file=sys.stderr)
   writer = MetricsWriter(cfg.workdir, start if start > 0 else -1) if primary else None
-  progress = progress and primary
   evaluating = run.test_rows is not None and primary  # worker 0 is process 0's
   try:
     pool = RewardPool(cfg.reward.name, num_workers=cfg.reward.num_workers,
@@ -630,8 +600,7 @@ def train(run: Run, *, progress: bool = True) -> dict[str, Any]:
   except RewardError as e:
     raise ConfigError(str(e)) from None
   bar = None
-  if progress:
-    from tqdm import tqdm
+  if progress and primary:
     bar = tqdm(total=cfg.train.steps, initial=start, desc="train", unit="step", file=sys.stderr,
                dynamic_ncols=True)
   last: dict[str, Any] = {}
@@ -642,31 +611,21 @@ def train(run: Run, *, progress: bool = True) -> dict[str, Any]:
         ev = evaluate(run, pool)
         writer.write(0, {"eval": ev, "time": {"eval": time.perf_counter() - t}})
         print(f"step 0: held-out accuracy {ev['accuracy']:.3f}", file=sys.stderr)
-      while run.step < cfg.train.steps:
-        m = rl_step(run, pool)
-        timeline = m.pop("_timeline")
-        run.step += 1
-        if evaluating and (run.step % cfg.train.eval_every == 0
-                           or run.step == cfg.train.steps):
+      while state.step < cfg.train.steps:
+        state, m, timeline = rl_step(run, state, pool)
+        if evaluating and (state.step % cfg.train.eval_every == 0
+                           or state.step == cfg.train.steps):
           t = time.perf_counter()
           m["eval"] = evaluate(run, pool)
           m["time"]["eval"] = time.perf_counter() - t
         t = time.perf_counter()
-        run.ckpt.save(run.step, train_state(run), force=run.step == cfg.train.steps)
+        save(run, state, force=state.step == cfg.train.steps)
         m["time"]["checkpoint"] = time.perf_counter() - t
         if writer is not None:
-          writer.write(run.step, m, timeline)
+          writer.write(state.step, m, timeline)
         last = m
         if bar is not None:
-          post = {"reward": f"{m['reward']:.3f}", "len": f"{m['response_length']['mean']:.0f}",
-                  "s/step": f"{m['time']['total']:.1f}"}
-          if run.gate is not None and not run.gate.drafter_wanted():
-            post["drafter"] = "paused"  # (the gate found no draft pays here, or not yet)
-          elif "spot" in m and m["spot"]["idle_share_trained"] is not None:
-            post["idle_trained"] = f"{m['spot']['idle_share_trained']:.0%}"
-          if "eval" in m:
-            post["eval_acc"] = f"{m['eval']['accuracy']:.3f}"
-          bar.set_postfix(post)
+          bar.set_postfix(_progress(run, m))
           bar.update(1)
     run.ckpt.wait_until_finished()
   finally:
@@ -676,53 +635,50 @@ def train(run: Run, *, progress: bool = True) -> dict[str, Any]:
       writer.close()
     run.ckpt.close()
     run.coordinator.close()
-  return last
+  return state, last
+
+
+def _progress(run: Run, m: dict[str, Any]) -> dict[str, str]:
+  post = {"reward": f"{m['reward']:.3f}", "len": f"{m['response_length']['mean']:.0f}",
+          "s/step": f"{m['time']['total']:.1f}"}
+  if run.gate is not None and not run.gate.drafter_wanted():
+    post["drafter"] = "paused"  # (the gate found no draft pays here, or not yet)
+  elif "spot" in m and m["spot"]["idle_share_trained"] is not None:
+    post["idle_trained"] = f"{m['spot']['idle_share_trained']:.0%}"
+  if "eval" in m:
+    post["eval_acc"] = f"{m['eval']['accuracy']:.3f}"
+  return post
 
 
 def main(argv):
   del argv
-  from absl import logging as absl_logging
-
-  from tlt_jax import runtime
   absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save at INFO
   cfg = _CONFIG.value
   if _WORKDIR.value:
     with cfg.unlocked():
       cfg.workdir = _WORKDIR.value
-  from tlt_jax import distributed
   runtime.setup_jax(cfg)  # before anything initialises JAX
   spec = config_lib.run_spec(cfg)
   distributed.initialize(spec.distributed)  # several processes: join them first
-  run = build(runtime.prepare(spec))
+  run, state = build(runtime.prepare(spec))
   if distributed.is_primary():
     with open(os.path.join(cfg.workdir, "config.json"), "w") as f:
       f.write(cfg.to_json_best_effort(indent=2))
-  last = train(run)
+  state, last = train(run, state)
   distributed.barrier("tlt_jax.train.done")  # no process exits while another still saves
   if not distributed.is_primary():
     return
   path = os.path.join(cfg.workdir, "metrics.jsonl")
-  first_eval = last_eval = None
-  with open(path) as f:
-    for line in f:
-      rec = json.loads(line)
-      if "eval" in rec:
-        first_eval = first_eval if first_eval is not None else rec["eval"]["accuracy"]
-        last_eval = rec["eval"]["accuracy"]
-  msg = f"done: {run.step} steps"
-  if first_eval is not None:
-    msg += f"; held-out accuracy {first_eval:.3f} -> {last_eval:.3f}"
+  evals = [rec["eval"]["accuracy"] for rec in read_records(path) if "eval" in rec]
+  msg = f"done: {state.step} steps"
+  if evals:
+    msg += f"; held-out accuracy {evals[0]:.3f} -> {evals[-1]:.3f}"
   if last:
     msg += f"; last step reward {last['reward']:.3f}"
   print(f"{msg}; metrics in {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":
-  from absl import app, flags
-  from ml_collections import config_flags
-
-  from tlt_jax.config import flags_parser
-  from tlt_jax.runtime import exit_on_user_error
   _CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
   _WORKDIR = flags.DEFINE_string("workdir", None, "overrides config.workdir")
-  app.run(exit_on_user_error(main), flags_parser=flags_parser)
+  app.run(runtime.exit_on_user_error(main), flags_parser=config_lib.flags_parser)

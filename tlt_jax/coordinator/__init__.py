@@ -6,8 +6,8 @@ the versioned `ParamStore` (param_store.py)."""
 
 from tlt_jax.coordinator.coordinator import Coordinator, RolloutOutcome, Worker
 from tlt_jax.coordinator.param_store import ParamStore
-from tlt_jax.coordinator.spot import DrafterTrainer, SpotConfig, SpotReport, train_until
+from tlt_jax.coordinator.spot import SpotConfig, SpotReport, train_until
 from tlt_jax.coordinator.timeline import Timeline, WorkerState
 
-__all__ = ["Coordinator", "DrafterTrainer", "ParamStore", "RolloutOutcome", "SpotConfig",
-           "SpotReport", "Timeline", "Worker", "WorkerState", "train_until"]
+__all__ = ["Coordinator", "ParamStore", "RolloutOutcome", "SpotConfig", "SpotReport",
+           "Timeline", "Worker", "WorkerState", "train_until"]

@@ -37,7 +37,8 @@ from tlt_jax.coordinator.timeline import Timeline, WorkerState
 class Worker:
   """A rollout replica and its drafter trainer, driven by commands on one long-lived thread.
   engine: a `RolloutWorker` (or anything with `worker_id`, `generate`, `set_params`,
-  `set_drafter_params`, `params`); trainer: a `DrafterTrainer` or None (drafter frozen)."""
+  `set_drafter_params`, `params`); trainer: a drafter.trainer.DrafterTrainer or None
+  (drafter frozen)."""
 
   def __init__(self, engine: Any, trainer: Any = None):
     self.engine, self.trainer = engine, trainer
@@ -89,7 +90,7 @@ class RolloutOutcome:
 
 class Coordinator:
   """See the module docstring. `merge(states, weights) -> state` combines trained drafter
-  copies onto the store's layout (train.py passes `average_states` after a device move);
+  copies onto the store's layout (tlt_jax/drafter/merge.py `make_merge`);
   `on_response(worker, result)` is called on the worker's thread for every finished response
   (rewards and the drafter buffer)."""
 

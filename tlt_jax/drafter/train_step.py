@@ -1,4 +1,4 @@
-"""The drafter's one train step, its optimizer and state, and the merge of trained copies.
+"""The drafter's one train step and its state.
 
 One pure jitted function `(state, target_params, batch) -> (state, metrics)` serves every
 caller: the offline warm-up (scripts/train_drafter.py), spot training on idle rollout workers
@@ -7,15 +7,15 @@ drafter's own params are trained and kept in `DrafterState`; the target's embedd
 norm and LM head are read from `target_params` (the rollout worker's copy of the policy),
 frozen.
 
-Optimizer (DESIGN.md 2, as the reference implementation): AdamW(b1 0.9, b2 0.95, wd 0.01),
-global-norm clip 1.0, linear warm-up then constant (RL: the policy keeps moving) or cosine
-(offline: a fixed data set).
+Optimizer: tlt_jax/optim.py `make_optimizer` (its defaults are the reference recipe, DESIGN.md
+2: AdamW(b1 0.9, b2 0.95, wd 0.01), global-norm clip 1.0). Trained copies are merged in
+tlt_jax/drafter/merge.py.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,34 +27,8 @@ from tlt_jax.models import ModelConfig, Params
 
 class DrafterState(NamedTuple):
   params: Params  # the drafter's trainable params (tlt_jax/drafter/model.py)
-  opt_state: Any  # optax state of `make_optimizer`
+  opt_state: Any  # optax state of tlt_jax.optim.make_optimizer
   step: jax.Array  # [] int32 optimizer steps taken
-
-
-def lr_schedule(lr: float, *, warmup_steps: int = 0, total_steps: int = 0,
-                schedule: str = "constant"):
-  """Linear warm-up, then constant (RL: the policy keeps moving) or cosine to lr/10."""
-  if lr <= 0:
-    raise ValueError(f"lr={lr}: must be > 0")
-  w = max(int(warmup_steps), 1)
-  if schedule == "cosine":
-    return optax.warmup_cosine_decay_schedule(0.0, lr, w, max(int(total_steps), w + 1),
-                                              end_value=lr * 0.1)
-  if schedule == "constant":
-    if warmup_steps <= 0:
-      return optax.constant_schedule(lr)
-    return optax.join_schedules([optax.linear_schedule(0.0, lr, w),
-                                 optax.constant_schedule(lr)], [w])
-  raise ValueError(f"schedule={schedule!r}: use 'constant' or 'cosine'")
-
-
-def make_optimizer(lr: float, *, warmup_steps: int = 0, total_steps: int = 0,
-                   schedule: str = "constant", weight_decay: float = 0.01,
-                   grad_clip: float = 1.0) -> optax.GradientTransformation:
-  sched = lr_schedule(lr, warmup_steps=warmup_steps, total_steps=total_steps, schedule=schedule)
-  parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip > 0 else []
-  parts.append(optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=weight_decay))
-  return optax.chain(*parts)
 
 
 def init_state(params: Params, tx: optax.GradientTransformation, shardings=None
@@ -100,25 +74,3 @@ def make_train_step(cfg: ModelConfig, tx: optax.GradientTransformation,
     mesh = jax.tree.leaves(state_shardings)[0].mesh
     out = (state_shardings, NamedSharding(mesh, PartitionSpec()))
   return jax.jit(step, donate_argnums=(0,) if donate else (), out_shardings=out)
-
-
-def average_states(states: Sequence[DrafterState], weights: Sequence[float]) -> DrafterState:
-  """Merge of drafters trained apart (one per idle worker) from the same start: the
-  weighted mean of params and of Adam's moments (weights: tokens each trained on), the
-  largest step count. This is local SGD / federated averaging: with equal data per copy it
-  is the mean of the updates, and a copy that trained on nothing (weight 0) changes nothing.
-  States must be on the same devices (the caller moves them)."""
-  if not states or len(states) != len(weights):
-    raise ValueError("average_states: give one weight per state")
-  total = float(sum(weights))
-  if total <= 0:
-    raise ValueError("average_states: the weights sum to 0 (nothing was trained)")
-  w = [float(x) / total for x in weights]
-
-  def mean(*leaves):
-    if jnp.issubdtype(leaves[0].dtype, jnp.integer):  # step counts
-      return functools.reduce(jnp.maximum, leaves)
-    acc = sum(wi * x.astype(jnp.float32) for wi, x in zip(w, leaves) if wi)
-    return acc.astype(leaves[0].dtype)
-
-  return jax.tree.map(mean, *states)

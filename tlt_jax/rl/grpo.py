@@ -1,7 +1,7 @@
 """GRPO: group-normalised advantages, a clipped importance-ratio loss, and the learner.
 
 The learner never trusts rollout log-probs: the rollout may have decoded speculatively, in a
-different precision, on another mesh, or with top-k/top-p applied. `Learner.logprobs`
+different precision, on another mesh, or with top-k/top-p applied. `logprobs`
 recomputes the old (and reference) log-probs with the same function the loss differentiates,
 so the importance ratio is exactly 1 on the first mini-batch and speculative decoding cannot
 bias training (DESIGN.md 3).
@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import struct
 from jax.sharding import Mesh
 
 from tlt_jax.errors import ConfigError
@@ -239,125 +240,153 @@ def micro_batches(samples: list[Sample], rows: int, pad_multiple: int, max_len: 
 
 
 # ----------------------------------------------------------------------------------- learner
-def make_optimizer(lr: float, *, warmup_steps: int, total_steps: int, weight_decay: float,
-                   b1: float, b2: float, grad_clip: float, schedule: str = "constant"
-                   ) -> optax.GradientTransformation:
-  if schedule == "cosine":
-    sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup_steps, 1),
-                                               max(total_steps, warmup_steps + 1),
-                                               end_value=lr * 0.1)
-  elif schedule == "constant":
-    sched = optax.join_schedules([optax.linear_schedule(0.0, lr, max(warmup_steps, 1)),
-                                  optax.constant_schedule(lr)], [max(warmup_steps, 1)])
-  else:
-    raise ValueError(f"schedule={schedule!r}: use 'constant' or 'cosine'")
-  parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip > 0 else []
-  parts.append(optax.adamw(sched, b1=b1, b2=b2, weight_decay=weight_decay))
-  return optax.chain(*parts)
+@dataclasses.dataclass(frozen=True)
+class LearnerSpec:
+  """What the learner's jitted functions are specialised on: hashable, passed as a static
+  argument (one run has one, so each function compiles once per micro-batch shape). tx: from
+  tlt_jax/optim.py; mesh: the learner's (FSDP over data x fsdp); micro_batch, pad_multiple,
+  max_len, micro_batch_tokens: the batch layout of `micro_batches`."""
+
+  cfg: ModelConfig
+  gcfg: GRPOConfig
+  tx: optax.GradientTransformation
+  mesh: Mesh
+  micro_batch: int
+  pad_multiple: int = 64
+  max_len: int = 1 << 30
+  micro_batch_tokens: int = 0
+
+  @property
+  def row_multiple(self) -> int:
+    """Rows of a micro-batch come in multiples of this: they are split over these devices."""
+    return int(np.prod([self.mesh.shape[a] for a in BATCH]))
 
 
-class Learner:
-  """Actor params + optimizer state, FSDP-sharded over `mesh`; recomputes log-probs and runs
-  the GRPO update (gradient accumulation over micro-batches, one optimizer step per
-  mini-batch, state donated). It knows nothing of rollout workers: the coordinator takes
-  `params` from here (tlt_jax/coordinator/)."""
+@struct.dataclass
+class LearnerState:
+  """Everything the learner changes, one pytree: what `update` takes and returns (donated)
+  and what a checkpoint saves and restores."""
 
-  def __init__(self, params: Params, cfg: ModelConfig, gcfg: GRPOConfig,
-               tx: optax.GradientTransformation, mesh: Mesh, *, micro_batch: int,
-               pad_multiple: int = 64, max_len: int = 1 << 30, micro_batch_tokens: int = 0):
-    self.cfg, self.gcfg, self.tx, self.mesh = cfg, gcfg, tx, mesh
-    # micro_batch is a multiple of this (runtime.learner_mesh checks it at start-up)
-    n_batch = int(np.prod([mesh.shape[a] for a in BATCH]))
-    self.micro_batch, self.pad_multiple, self.max_len = micro_batch, pad_multiple, max_len
-    self.micro_batch_tokens, self.row_multiple = micro_batch_tokens, n_batch
-    self.param_shardings = tree_shardings(params, mesh)
-    self.params = jax.device_put(params, self.param_shardings)
-    # Adam moments sharded like their params (the path rules match "mu/layers/q" as they
-    # match "layers/q"), counts replicated. Left to itself, init (zeros, independent of the
-    # params' values) lands on one device; the state restored from a checkpoint onto such a
-    # template would then meet params on the whole mesh and fail.
-    self.opt_shardings = tree_shardings(jax.eval_shape(tx.init, self.params), mesh)
-    self.opt_state = jax.jit(tx.init, out_shardings=self.opt_shardings)(self.params)
-    self.ref_params = None
-    if gcfg.kl_coef > 0:  # a frozen copy with the same layout
-      self.ref_params = jax.tree.map(jnp.copy, self.params)
+  params: Params  # the actor, FSDP-sharded over the learner mesh (tree_shardings)
+  opt_state: optax.OptState  # Adam moments sharded like their params, counts replicated
+  ref_params: Params | None = None  # the frozen reference policy (kl_coef > 0), else None
 
-    lp = functools.partial(token_logprobs, cfg=cfg, temperature=gcfg.temperature,
-                           chunk=gcfg.logit_chunk)
-    self._logprobs = jax.jit(lambda p, t: lp(p, t)[0])
 
-    def grad_step(params, acc, mb, num_tokens):
-      (_, m), g = jax.value_and_grad(
-          functools.partial(grpo_loss, cfg=cfg, gcfg=gcfg), has_aux=True)(
-              params, mb, num_tokens=num_tokens)
-      acc_g, acc_m = acc
-      return (jax.tree.map(jnp.add, acc_g, g), jax.tree.map(jnp.add, acc_m, m))
+def _state_constraint(tree, mesh: Mesh):
+  """Pins a learner tree to the partition rules: left to XLA, a step could return another
+  layout than it took, and the next call would then compile again (or the donation fail)."""
+  return jax.lax.with_sharding_constraint(tree, tree_shardings(tree, mesh))
 
-    self._grad_step = jax.jit(grad_step, donate_argnums=(1,))
-    self._zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p),
-                          out_shardings=self.param_shardings)
 
-    def apply(params, opt_state, grads):
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+def init_learner(params: Params, spec: LearnerSpec) -> LearnerState:
+  """Params (anywhere) -> a fresh state on the learner mesh."""
+  params = jax.device_put(params, tree_shardings(params, spec.mesh))
+  # Adam moments sharded like their params (the path rules match "mu/layers/q" as they
+  # match "layers/q"), counts replicated. Left to itself, init (zeros, independent of the
+  # params' values) lands on one device; the state restored from a checkpoint onto such a
+  # template would then meet params on the whole mesh and fail.
+  opt_state = jax.jit(lambda p: _state_constraint(spec.tx.init(p), spec.mesh))(params)
+  ref = jax.tree.map(jnp.copy, params) if spec.gcfg.kl_coef > 0 else None
+  return LearnerState(params, opt_state, ref)
 
-    self._apply = jax.jit(apply, donate_argnums=(0, 1),
-                          out_shardings=(self.param_shardings, self.opt_shardings, None))
 
-  def _put(self, x: np.ndarray) -> jax.Array:
-    """A host batch (the same in every process) onto the mesh: each process supplies the
-    rows of its own devices."""
-    sharding = batch_sharding(self.mesh, x.ndim)
-    if jax.process_count() == 1:
-      return jax.device_put(x, sharding)
-    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+def put_batch(x: np.ndarray, mesh: Mesh) -> jax.Array:
+  """A host batch (the same in every process) onto the mesh: each process supplies the rows
+  of its own devices."""
+  sharding = batch_sharding(mesh, x.ndim)
+  if jax.process_count() == 1:
+    return jax.device_put(x, sharding)
+  return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
-  def batches(self, samples: list[Sample], num_minibatches: int = 1, seed: int = 0
-              ) -> list[list[MicroBatch]]:
-    """Samples -> mini-batches (one optimizer step each) of micro-batches.
 
-    Mini-batches are a random partition of the samples, as in VeRL/PPO: were they cut from
-    the length-sorted order instead, one step would see only short (mostly right) responses
-    and the next only long (mostly wrong) ones, two full-size Adam steps in opposite
-    directions. Within a mini-batch, micro-batches are length-sorted (padding only)."""
-    order = np.random.default_rng([seed, 23]).permutation(len(samples))
-    parts = np.array_split(order, max(1, min(num_minibatches, len(samples))))
-    return [list(micro_batches([samples[i] for i in part], self.micro_batch, self.pad_multiple,
-                               self.max_len, self.micro_batch_tokens, self.row_multiple))
-            for part in parts]
+@functools.partial(jax.jit, static_argnames=("spec",))
+def logprobs(params: Params, tokens: jax.Array, *, spec: LearnerSpec) -> jax.Array:
+  """tokens [b, T] -> log-probs [b, T] under `params`: the old (and reference) log-probs,
+  with the function the loss differentiates (the module docstring)."""
+  return token_logprobs(params, tokens, cfg=spec.cfg, temperature=spec.gcfg.temperature,
+                        chunk=spec.gcfg.logit_chunk)[0]
 
-  def prepare(self, minibatches: list[list[MicroBatch]]) -> list[list[Batch]]:
-    """The old-log-prob pass: every micro-batch on device with old (and reference) log-probs
-    under the current params, ready for `update` (same nesting)."""
-    out = []
-    for group in minibatches:
-      prepared = []
-      for mb in group:
-        tokens = self._put(mb.tokens)
-        ref = self._logprobs(self.ref_params, tokens) if self.ref_params is not None else None
-        prepared.append(Batch(tokens, self._put(mb.loss_mask), self._put(mb.advantages),
-                              self._logprobs(self.params, tokens), ref))
-      out.append(prepared)
-    return out
 
-  def update(self, prepared: list[list[Batch]]) -> dict[str, float]:
-    """One optimizer step per mini-batch (from `prepare`); returns metrics averaged over the
-    mini-batches."""
-    totals: dict[str, float] = {}
-    for group in prepared:
-      num_tokens = jnp.float32(sum(float(jnp.sum(mb.loss_mask)) for mb in group))
-      acc = None
-      for mb in group:
-        if acc is None:
-          zeros_m = jax.eval_shape(functools.partial(grpo_loss, cfg=self.cfg, gcfg=self.gcfg),
-                                   self.params, mb, num_tokens=num_tokens)[1]
-          acc = (self._zeros(self.params),
-                 jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros_m))
-        acc = self._grad_step(self.params, acc, mb, num_tokens)
-      grads, metrics = acc
-      self.params, self.opt_state, gnorm = self._apply(self.params, self.opt_state, grads)
-      metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-      metrics["grad_norm"] = float(gnorm)
-      for k, v in metrics.items():
-        totals[k] = totals.get(k, 0.0) + v / len(prepared)
-    return totals
+def minibatches(samples: list[Sample], spec: LearnerSpec, num_minibatches: int = 1,
+                seed: int = 0) -> list[list[MicroBatch]]:
+  """Samples -> mini-batches (one optimizer step each) of micro-batches.
+
+  Mini-batches are a random partition of the samples, as in VeRL/PPO: were they cut from
+  the length-sorted order instead, one step would see only short (mostly right) responses
+  and the next only long (mostly wrong) ones, two full-size Adam steps in opposite
+  directions. Within a mini-batch, micro-batches are length-sorted (padding only)."""
+  order = np.random.default_rng([seed, 23]).permutation(len(samples))
+  parts = np.array_split(order, max(1, min(num_minibatches, len(samples))))
+  return [list(micro_batches([samples[i] for i in part], spec.micro_batch, spec.pad_multiple,
+                             spec.max_len, spec.micro_batch_tokens, spec.row_multiple))
+          for part in parts]
+
+
+def prepare(state: LearnerState, batches: list[list[MicroBatch]], spec: LearnerSpec
+            ) -> list[list[Batch]]:
+  """The old-log-prob pass: every micro-batch on device with old (and reference) log-probs
+  under the state's params, ready for `update` (same nesting)."""
+  out = []
+  for group in batches:
+    prepared = []
+    for mb in group:
+      tokens = put_batch(mb.tokens, spec.mesh)
+      ref = None
+      if state.ref_params is not None:
+        ref = logprobs(state.ref_params, tokens, spec=spec)
+      prepared.append(Batch(tokens, put_batch(mb.loss_mask, spec.mesh),
+                            put_batch(mb.advantages, spec.mesh),
+                            logprobs(state.params, tokens, spec=spec), ref))
+    out.append(prepared)
+  return out
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _zero_grads(params: Params, *, spec: LearnerSpec) -> Params:
+  return _state_constraint(jax.tree.map(jnp.zeros_like, params), spec.mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnums=(1,))
+def _accumulate(params: Params, acc, mb: Batch, num_tokens: jax.Array, *, spec: LearnerSpec):
+  """acc (gradient sums, metric sums) + this micro-batch's; acc donated."""
+  (_, m), g = jax.value_and_grad(
+      functools.partial(grpo_loss, cfg=spec.cfg, gcfg=spec.gcfg), has_aux=True)(
+          params, mb, num_tokens=num_tokens)
+  acc_g, acc_m = acc
+  return jax.tree.map(jnp.add, acc_g, g), jax.tree.map(jnp.add, acc_m, m)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnums=(0,))
+def apply_gradients(state: LearnerState, grads: Params, *, spec: LearnerSpec
+                    ) -> tuple[LearnerState, jax.Array]:
+  """One optimizer step; -> (state, global gradient norm). The state is donated."""
+  updates, opt_state = spec.tx.update(grads, state.opt_state, state.params)
+  new = state.replace(params=optax.apply_updates(state.params, updates), opt_state=opt_state)
+  return _state_constraint(new, spec.mesh), optax.tree.norm(grads)
+
+
+def update(state: LearnerState, prepared: list[list[Batch]], spec: LearnerSpec
+           ) -> tuple[LearnerState, dict[str, float]]:
+  """One optimizer step per mini-batch (from `prepare`); -> (state, metrics averaged over the
+  mini-batches). The input state is donated.
+
+  The gradients of a mini-batch are accumulated micro-batch by micro-batch, each its own call
+  of one jitted step: micro-batches come in several length buckets, and one jit over the
+  whole mini-batch would compile once per combination of buckets (instead of once per
+  bucket) and let XLA hold every micro-batch's activations at once."""
+  totals: dict[str, float] = {}
+  for group in prepared:
+    num_tokens = jnp.float32(sum(float(jnp.sum(mb.loss_mask)) for mb in group))
+    metric_shapes = jax.eval_shape(functools.partial(grpo_loss, cfg=spec.cfg, gcfg=spec.gcfg),
+                                   state.params, group[0], num_tokens=num_tokens)[1]
+    acc = (_zero_grads(state.params, spec=spec),
+           jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes))
+    for mb in group:
+      acc = _accumulate(state.params, acc, mb, num_tokens, spec=spec)
+    grads, metrics = acc
+    state, gnorm = apply_gradients(state, grads, spec=spec)
+    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    metrics["grad_norm"] = float(gnorm)
+    for k, v in metrics.items():
+      totals[k] = totals.get(k, 0.0) + v / len(prepared)
+  return state, totals

@@ -217,6 +217,13 @@ def _to_replica(params: Params, dtype) -> Params:
   return unstack_layers(jax.tree.map(lambda x: x.astype(dtype), params))
 
 
+def to_replica_layout(params: Params, dtype, shardings: Any) -> Params:
+  """Params in any layout (the learner's) -> the replica layout on `shardings`: cast and
+  unstacked where they live (a bf16 replica of f32 master weights moves half the bytes), then
+  resharded. Always a copy: the learner donates its params to its next update."""
+  return jax.device_put(_to_replica(params, dtype), shardings, may_alias=False)
+
+
 class RolloutWorker:
   """One model replica decoding its share of requests; see the module docstring."""
 
@@ -275,8 +282,7 @@ class RolloutWorker:
       if view is not None and all(x.dtype == dt for x in jax.tree.leaves(view)):
         self.params = view
         return
-    params = _to_replica(params, dt)
-    self.params = jax.device_put(params, self._param_shardings, may_alias=False)
+    self.params = to_replica_layout(params, dt, self._param_shardings)
 
   def release_params(self) -> bool:
     """Drops this worker's copy of the actor (after its rollout: the learner's phases get the

@@ -1,0 +1,47 @@
+"""The one optimizer factory: the GRPO learner (tlt_jax/rl/grpo.py) and the drafter
+(tlt_jax/drafter/train_step.py, online and offline) both build theirs here.
+
+AdamW behind a global-norm clip, with a linear warm-up from 0 to `lr` over `warmup_steps`
+optimizer steps, then constant (RL: the policy keeps moving) or a cosine decay to lr/10 by
+`total_steps` (a fixed data set). optax counts steps from 0, so with a warm-up the first step
+runs at lr 0 (warm-up is meant to start there); with warmup_steps=0 the first step runs at the
+full lr: a warm-up of 0 steps is no warm-up, not one step at lr 0.
+"""
+
+from __future__ import annotations
+
+import optax
+
+SCHEDULES = ("constant", "cosine")
+
+
+def lr_schedule(lr: float, *, warmup_steps: int = 0, total_steps: int = 0,
+                schedule: str = "constant") -> optax.Schedule:
+  """step -> learning rate (see the module docstring)."""
+  if lr <= 0:
+    raise ValueError(f"lr={lr}: must be > 0")
+  if warmup_steps < 0:
+    raise ValueError(f"warmup_steps={warmup_steps}: must be >= 0")
+  if schedule not in SCHEDULES:
+    raise ValueError(f"schedule={schedule!r}: use 'constant' or 'cosine'")
+  w = int(warmup_steps)
+  if schedule == "cosine":
+    if w == 0:
+      return optax.cosine_decay_schedule(lr, max(int(total_steps), 1), alpha=0.1)
+    return optax.warmup_cosine_decay_schedule(0.0, lr, w, max(int(total_steps), w + 1),
+                                              end_value=lr * 0.1)
+  if w == 0:
+    return optax.constant_schedule(lr)
+  return optax.join_schedules([optax.linear_schedule(0.0, lr, w), optax.constant_schedule(lr)],
+                              [w])
+
+
+def make_optimizer(lr: float, *, warmup_steps: int = 0, total_steps: int = 0,
+                   schedule: str = "constant", weight_decay: float = 0.01, b1: float = 0.9,
+                   b2: float = 0.95, grad_clip: float = 1.0) -> optax.GradientTransformation:
+  """AdamW on `lr_schedule`, after a global-norm clip (grad_clip > 0). The defaults are the
+  reference drafter recipe (DESIGN.md 2); the learner passes config.optim's values."""
+  sched = lr_schedule(lr, warmup_steps=warmup_steps, total_steps=total_steps, schedule=schedule)
+  parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip > 0 else []
+  parts.append(optax.adamw(sched, b1=b1, b2=b2, weight_decay=weight_decay))
+  return optax.chain(*parts)
