@@ -9,7 +9,7 @@ streams ~750 MB of weights per step, as a 7B+ model's does on a GPU. The step is
 rollout dominates it as in long-response RL at scale (DESIGN.md 8): few prompts per step, the
 task's long-tailed lengths, one rollout worker decoding the tail. What the learner costs per
 token here (a 2-core CPU computes ~100x less per byte of bandwidth than a GPU) bounds how
-large a step can stay rollout-dominated: see README "Performance".
+large a step can stay rollout-dominated: see docs/engine.md "Where speculation can pay".
 """
 
 import os

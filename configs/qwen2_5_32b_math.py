@@ -9,7 +9,7 @@ AdamW: ~12 GB per GPU) and eight 4-way tensor-parallel rollout replicas, each in
       --config.data.train_path=/data/dapo_math_17k.parquet \\
       --config.data.test_path=/data/aime24.jsonl
 
-(README "Multi-host"; scripts/slurm/ has an sbatch example.)
+(docs/scale.md "Multi-host"; scripts/slurm/ has an sbatch example.)
 """
 
 import os
