@@ -192,12 +192,11 @@ def main(argv=None) -> int:
   greedy, sample = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)
 
   def worker(batch, arm=None, threshold=None, selector=None, gate=None, background=False):
-    buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < batch) + (batch,)
     spec = None
     if arm or selector:
       spec = SpecConfig(strategy=arm or "4_1_5", bs_threshold=threshold or batch,
                         patience=1, use_kernel=False, background_compile=background)
-    ecfg = EngineConfig(max_batch=batch, buckets=buckets, chunk_size=16,
+    ecfg = EngineConfig(max_batch=batch, buckets=buckets_upto(batch), chunk_size=16,
                         max_prompt_len=max_prompt, prompt_bucket=16,
                         max_new_tokens=args.max_new_tokens, stop_tokens=stop, spec=spec)
     return RolloutWorker(params, cfg, ecfg, drafter_params=dparams if spec else None,

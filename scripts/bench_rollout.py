@@ -178,12 +178,11 @@ def main():
   modes = (("greedy", SamplingParams(temperature=0.0)), ("sample", SamplingParams(temperature=1.0)))
 
   def engine(batch, new_tokens, stop_tokens, compaction=True, arm=None, spec_threshold=0):
-    buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < batch) + (batch,)
     # On CPU the verification runs as the jnp reference (Pallas interpret mode is a
     # debugging interpreter, not a fast path); on a GPU use_kernel=True lowers the kernel.
     spec = SpecConfig(strategy=arm, bs_threshold=spec_threshold, patience=1,
                       use_kernel=jax.default_backend() == "gpu") if arm else None
-    ecfg = EngineConfig(max_batch=batch, buckets=buckets, chunk_size=args.chunk_size,
+    ecfg = EngineConfig(max_batch=batch, buckets=buckets_upto(batch), chunk_size=args.chunk_size,
                         compaction=compaction, max_prompt_len=max_prompt,
                         max_new_tokens=new_tokens, stop_tokens=stop_tokens, spec=spec)
     return RolloutWorker(params, cfg, ecfg, drafter_params=dparams if spec else None)

@@ -62,6 +62,7 @@ from tlt_jax.drafter.packing import pack  # noqa: E402
 from tlt_jax.drafter.model import target_signature  # noqa: E402
 from tlt_jax.models import compute_logits, forward  # noqa: E402
 from tlt_jax.optim import lr_schedule, make_optimizer  # noqa: E402
+from tlt_jax.rollout.scheduler import buckets_upto  # noqa: E402
 
 CACHE_VERSION = 1
 
@@ -354,8 +355,7 @@ def main(argv=None):
   eval_seqs = _load_seqs(eval_cache, eval_meta) if eval_prompts else []
   if train_seqs is None or eval_seqs is None:
     plen = -(-longest // 16) * 16
-    buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < args.gen_batch)
-    ecfg = EngineConfig(max_batch=args.gen_batch, buckets=buckets + (args.gen_batch,),
+    ecfg = EngineConfig(max_batch=args.gen_batch, buckets=buckets_upto(args.gen_batch),
                         max_prompt_len=plen, max_new_tokens=args.max_new_tokens,
                         capture_hidden=True, stop_tokens=tuple(stop))
     worker = RolloutWorker(target, cfg, ecfg)

@@ -15,7 +15,8 @@ import random
 
 import pytest
 
-from tlt_jax.rollout.scheduler import Prefill, Refill, Resize, Scheduler, bucket_for
+from tlt_jax.rollout.scheduler import (POWERS_OF_TWO, Prefill, Refill, Resize, Scheduler,
+                                      bucket_for, buckets_upto)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +160,26 @@ def test_bucket_for_is_the_smallest_fitting_bucket_else_the_largest():
     buckets = random_buckets(rng)
     n = rng.randint(0, 20)
     assert bucket_for(buckets, n) == brute_bucket(buckets, n)
+
+
+# -------------------------------------------------------------------------- buckets_upto
+def test_buckets_upto_is_the_buckets_below_max_batch_then_max_batch():
+  assert buckets_upto(1) == (1,)
+  assert buckets_upto(8) == (1, 2, 4, 8)
+  assert buckets_upto(48) == (1, 2, 4, 8, 16, 32, 48)
+  assert buckets_upto(1000)[-2:] == (512, 1000)
+  assert buckets_upto(6, (2, 8)) == (2, 6)
+  assert buckets_upto(2, (2, 8)) == (2,)
+  assert buckets_upto(4, (8, 2)) == (8, 2)  # not increasing: as given, for EngineConfig to refuse
+  assert buckets_upto(4, ()) == ()
+  assert POWERS_OF_TWO == tuple(2 ** i for i in range(10))
+  rng = random.Random(2)
+  for _ in range(200):
+    buckets, m = random_buckets(rng), rng.randint(1, 20)
+    out = buckets_upto(m, buckets)
+    # every bucket a worker of m rows can use, plus m itself, and nothing above it
+    assert out == tuple(sorted({b for b in buckets if b < m} | {m}))
+    assert all(bucket_for(out, n) >= n for n in range(1, m + 1))
 
 
 # ----------------------------------------------------------------------- hand-checked cases

@@ -37,6 +37,7 @@ from tlt_jax.rollout.engine import EngineConfig, SpecConfig
 from tlt_jax.rollout.gate import GateConfig
 from tlt_jax.rollout.mab import make_selector
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.scheduler import buckets_upto
 from tlt_jax.sharding import AXES
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -149,7 +150,7 @@ class RunSpec:
     e = self.engine
     if max_batch is not None:
       e = dataclasses.replace(e, max_batch=max_batch,
-                              buckets=buckets_upto(self.cfg.rollout.buckets, max_batch))
+                              buckets=buckets_upto(max_batch, self.cfg.rollout.buckets))
     if not speculative:
       e = dataclasses.replace(e, spec=None, capture_hidden=False, hidden_keep=0)
     return dataclasses.replace(e, stop_tokens=tuple(stop))
@@ -157,18 +158,8 @@ class RunSpec:
   def with_max_batch(self, max_batch: int) -> RunSpec:
     """This spec with rollout.max_batch resolved (memory.size_max_batch's answer)."""
     engine = dataclasses.replace(self.engine, max_batch=max_batch,
-                                 buckets=buckets_upto(self.cfg.rollout.buckets, max_batch))
+                                 buckets=buckets_upto(max_batch, self.cfg.rollout.buckets))
     return dataclasses.replace(self, engine=engine, max_batch=max_batch)
-
-
-def buckets_upto(buckets: Iterable[int], max_batch: int) -> tuple[int, ...]:
-  """The compiled batch sizes of a worker of `max_batch` rows: the buckets below it, then
-  max_batch itself (a bucket above it would never be used). A tuple that is not strictly
-  increasing comes back as given, for EngineConfig to refuse with the user's own value."""
-  b = tuple(buckets)
-  if not b or list(b) != sorted(set(b)):
-    return b
-  return tuple(x for x in b if x < max_batch) + (max_batch,)
 
 
 def parse_mab_buckets(text: str) -> dict[int, list[str]] | None:
@@ -265,7 +256,7 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   values.update(max_batch=max_batch, spec=speculation, capture_hidden=trained,
                 hidden_keep=dr.window * dr.windows_per_response if trained else 0)
   engine = build(EngineConfig, "rollout", values,
-                 buckets=("rollout.buckets", buckets_upto(r.buckets, max_batch)),
+                 buckets=("rollout.buckets", buckets_upto(max_batch, r.buckets)),
                  max_prompt_len=("data.max_prompt_len", d.max_prompt_len))
 
   g = cfg.grpo

@@ -109,6 +109,7 @@ def main(argv):
   from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
   from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker, tokens_per_verification
   from tlt_jax.rollout.sampling import SamplingParams
+  from tlt_jax.rollout.scheduler import buckets_upto
 
   sp = SamplingParams(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p)
   if FLAGS.num_samples < 1 or FLAGS.batch_size < 1 or FLAGS.max_new_tokens < 1:
@@ -155,8 +156,7 @@ def main(argv):
     spec = SpecConfig(strategy=strategy.name,
                       bs_threshold=FLAGS.spec_threshold or FLAGS.batch_size, patience=1,
                       use_kernel=jax.default_backend() == "gpu")
-  buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < FLAGS.batch_size)
-  ecfg = EngineConfig(max_batch=FLAGS.batch_size, buckets=buckets + (FLAGS.batch_size,),
+  ecfg = EngineConfig(max_batch=FLAGS.batch_size, buckets=buckets_upto(FLAGS.batch_size),
                       chunk_size=FLAGS.chunk_size, compaction=FLAGS.compaction,
                       max_prompt_len=-(-longest // 16) * 16, max_new_tokens=FLAGS.max_new_tokens,
                       stop_tokens=stop_token_ids(FLAGS.model, tokenizer), spec=spec)

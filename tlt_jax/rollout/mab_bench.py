@@ -27,6 +27,7 @@ from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker, SpecCon
 from tlt_jax.rollout.mab import EpsilonGreedy
 from tlt_jax.rollout.strategy import Strategy
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.scheduler import buckets_upto
 
 
 @dataclasses.dataclass
@@ -65,11 +66,10 @@ class LongTailBench:
     self.arms = list(arms)
     self.requests = w.requests
     self.sp = SamplingParams(temperature=temperature)
-    buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch)
     spec = SpecConfig(strategy=self.arms[0], bs_threshold=bs_threshold or max_batch, patience=1,
                       use_kernel=jax.default_backend() == "gpu",  # CPU: the jnp reference
                       max_steps=max(Strategy.parse(a).steps for a in self.arms))
-    ecfg = EngineConfig(max_batch=max_batch, buckets=buckets + (max_batch,),
+    ecfg = EngineConfig(max_batch=max_batch, buckets=buckets_upto(max_batch),
                         chunk_size=chunk_size, max_prompt_len=w.max_prompt_len,
                         max_new_tokens=max_new_tokens, stop_tokens=w.stop_tokens, spec=spec)
     self.worker = RolloutWorker(w.params, w.cfg, ecfg, drafter_params=w.drafter_params,

@@ -44,6 +44,21 @@ class Refill:
   bucket: int  # batch size of their prefill (>= len(requests))
 
 
+# The compiled batch sizes a worker picks from when the user names none: each bucket is an
+# executable (a compile), and doubling keeps a compacted batch at most half empty.
+POWERS_OF_TWO = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def buckets_upto(max_batch: int, buckets: Sequence[int] = POWERS_OF_TWO) -> tuple[int, ...]:
+  """The compiled batch sizes of a worker of `max_batch` rows: the buckets below it, then
+  max_batch itself (a bucket above it would never be used). A tuple that is not strictly
+  increasing comes back as given, for EngineConfig to refuse with the user's own value."""
+  b = tuple(buckets)
+  if not b or list(b) != sorted(set(b)):
+    return b
+  return tuple(x for x in b if x < max_batch) + (max_batch,)
+
+
 def bucket_for(buckets: Sequence[int], n: int) -> int:
   """The smallest bucket >= n (the largest when none is)."""
   for b in buckets:
