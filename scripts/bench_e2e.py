@@ -66,7 +66,7 @@ def run(name: str, cmd: list[str], log: str, env: dict | None = None) -> float:
 
 
 def summarize_tlt(workdir: str, wall: float, steps: int) -> dict:
-  from tlt_jax.train import read_records
+  from tlt_jax.metrics import read_records
   recs = read_records(os.path.join(workdir, "metrics.jsonl"))
   phases = {k: 0.0 for k in PHASES + ("eval", "compile", "total")}
   for r in recs:
@@ -89,7 +89,7 @@ def summarize_tlt(workdir: str, wall: float, steps: int) -> dict:
 
 
 def summarize_trl(out_dir: str, wall: float, steps: int) -> dict:
-  from tlt_jax.train import read_records
+  from tlt_jax.metrics import read_records
   summary = json.load(open(os.path.join(out_dir, "trl_summary.json")))
   recs = read_records(os.path.join(out_dir, "trl_metrics.jsonl"))
   t = summary["phase_totals"]

@@ -22,7 +22,7 @@ COLORS = {"generating": "#4C72B0", "idle": "#DD8452", "training": "#55A868"}
 
 
 def load(workdir: str) -> tuple[dict[int, dict], dict[int, dict]]:
-  from tlt_jax.train import read_records
+  from tlt_jax.metrics import read_records
 
   def read(name):
     path = os.path.join(workdir, name)

@@ -60,6 +60,7 @@ from tlt_jax.drafter import train_step as dts  # noqa: E402
 from tlt_jax.drafter.buffer import Window, align  # noqa: E402
 from tlt_jax.drafter.packing import pack  # noqa: E402
 from tlt_jax.drafter.model import target_signature  # noqa: E402
+from tlt_jax.metrics import keep_steps_upto  # noqa: E402
 from tlt_jax.models import compute_logits, forward  # noqa: E402
 from tlt_jax.optim import lr_schedule, make_optimizer  # noqa: E402
 from tlt_jax.rollout.scheduler import buckets_upto  # noqa: E402
@@ -397,11 +398,8 @@ def main(argv=None):
     print(f"resumed from {ckpt.directory} step {start}", file=sys.stderr)
   step_fn = dts.make_train_step(cfg, tx, loss_cfg)
   metrics_path = os.path.join(args.out, "metrics.jsonl")
-  if os.path.exists(metrics_path):  # drop rows logged after the checkpoint we resume from
-    with open(metrics_path) as f:
-      keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= start]
-    with open(metrics_path, "w") as f:
-      f.writelines(keep)
+  # rows logged after the checkpoint we resume from go, and a last line cut short by a kill
+  keep_steps_upto(metrics_path, start)
   t_train = time.perf_counter()
   with open(metrics_path, "a") as mf:
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="train",

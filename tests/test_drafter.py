@@ -532,9 +532,12 @@ def test_train_drafter_script_end_to_end_and_resume(tmp_path):
   assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == [2, 4, 6]
   first = load_drafter(str(out), cfg)
   assert json.load(open(out / "eagle" / "config.json"))["num_hidden_layers"] == 1
+  with open(out / "metrics.jsonl", "a") as f:
+    f.write('{"step": 7, "lo')  # a kill mid-write
   r = run(8)  # resumes from step 6 (no regeneration: the generations are cached)
   assert r.returncode == 0, r.stderr[-3000:]
   assert "resumed from" in r.stderr and "step 6" in r.stderr
+  assert "cut short by a kill" in r.stderr
   assert "generate (train)" not in r.stderr
   assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == [2, 4, 6, 8]
   second = load_drafter(str(out), cfg)

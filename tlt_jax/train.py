@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import platform
 import sys
@@ -61,6 +60,7 @@ from tlt_jax.drafter.merge import make_merge
 from tlt_jax.drafter.trainer import DrafterTrainer
 from tlt_jax.eval import evaluate as evaluate_rows
 from tlt_jax.eval import length_stats
+from tlt_jax.metrics import CompileClock, MetricsWriter, read_records
 from tlt_jax.errors import ConfigError
 from tlt_jax.models import ModelConfig, Params, unstack_layers
 from tlt_jax.optim import make_optimizer
@@ -74,118 +74,10 @@ from tlt_jax.rollout.mab import BucketedSelector, FixedSelector
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.sharding import tree_shardings
 
-_log = logging.getLogger("tlt_jax.train")
-
 
 def _seed_for(seed: int, step: int) -> int:
   """Rollout seed of a step: a pure function of (seed, step), so resume needs no RNG state."""
   return int(np.random.default_rng([seed, step, 17]).integers(0, 2**31 - 1))
-
-
-# =============================================================================== metrics
-def read_records(path: str) -> list[dict[str, Any]]:
-  """The JSON records of a metrics/timeline JSONL file; a line cut by a kill is skipped."""
-  out = []
-  with open(path) as f:
-    for line in f:
-      try:
-        out.append(json.loads(line))
-      except json.JSONDecodeError:
-        continue
-  return out
-
-
-def _keep_steps_upto(path: str, step: int) -> None:
-  """Drops JSONL records of steps after `step` (recomputed after a resume) and lines cut by
-  a kill, so curves have no duplicates."""
-  if not os.path.exists(path):
-    return
-  kept = [rec for rec in read_records(path) if rec.get("step", 0) <= step]
-  with open(path + ".tmp", "w") as f:
-    f.writelines(json.dumps(rec) + "\n" for rec in kept)
-  os.replace(path + ".tmp", path)
-
-
-class MetricsWriter:
-  """metrics.jsonl + timeline.jsonl + TensorBoard; on resume, records of steps after the
-  restored checkpoint are dropped (TensorBoard: purged)."""
-
-  def __init__(self, workdir: str, resume_step: int):
-    self.path = os.path.join(workdir, "metrics.jsonl")
-    self.timeline_path = os.path.join(workdir, "timeline.jsonl")
-    for p in (self.path, self.timeline_path):
-      _keep_steps_upto(p, resume_step)
-    self._f = open(self.path, "a")
-    self._timeline = open(self.timeline_path, "a")
-    self._tb = None
-    try:
-      from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=resume_step + 1)
-    except ImportError:  # pragma: no cover - tensorboardX is in requirements
-      _log.warning("tensorboardX is not installed: TensorBoard logging is off")
-
-  def write(self, step: int, metrics: dict[str, Any], timeline: dict | None = None) -> None:
-    self._f.write(json.dumps({"step": step, **metrics}) + "\n")
-    self._f.flush()
-    if timeline is not None:
-      self._timeline.write(json.dumps({"step": step, **timeline}) + "\n")
-      self._timeline.flush()
-    if self._tb is not None:
-      for k, v in _flatten(metrics).items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-          self._tb.add_scalar(k, v, step)
-      self._tb.flush()
-
-  def close(self) -> None:
-    self._f.close()
-    self._timeline.close()
-    if self._tb is not None:
-      self._tb.close()
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-  out = {}
-  for k, v in d.items():
-    if isinstance(v, dict):
-      out.update(_flatten(v, f"{prefix}{k}/"))
-    else:
-      out[f"{prefix}{k}"] = v
-  return out
-
-
-class CompileClock:
-  """Seconds XLA spent compiling (every thread, every executable: learner, engine, drafter),
-  read per step: `time.compile` in the metrics (already inside the phase it happened in; the
-  first step's includes start-up). JAX reports a persistent-cache hit under the same event:
-  there it is the time to load the executable (a warm run's first step: ~10 s here)."""
-
-  _total = 0.0
-  _registered = False
-  _lock = None
-
-  @classmethod
-  def start(cls) -> "CompileClock":
-    import threading
-
-    import jax
-    if not cls._registered:
-      cls._lock = threading.Lock()
-
-      def listen(event: str, seconds: float, **kwargs) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-          with cls._lock:
-            cls._total += seconds
-
-      jax.monitoring.register_event_duration_secs_listener(listen)
-      cls._registered = True
-    clock = cls()
-    clock._last = cls._total
-    return clock
-
-  def lap(self) -> float:
-    total = type(self)._total
-    out, self._last = total - self._last, total
-    return out
 
 
 # =================================================================================== build
@@ -234,7 +126,7 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
   state at step 0."""
   cfg = spec.cfg
   os.makedirs(cfg.workdir, exist_ok=True)
-  compile_clock = CompileClock.start()
+  compile_clock = CompileClock()
   # ------------------------------------------------------------------- mesh and model
   mesh = runtime.learner_mesh(cfg)
   model_cfg, params, tokenizer, stop = runtime.load_model(cfg, mesh=mesh)
@@ -635,6 +527,7 @@ def train(run: Run, state: TrainState, *, progress: bool = True
       writer.close()
     run.ckpt.close()
     run.coordinator.close()
+    run.compile_clock.close()
   return state, last
 
 

@@ -1,0 +1,62 @@
+"""tlt_jax.metrics: JSONL records survive a kill mid-write; the compile clock counts XLA's
+compiles per run."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tlt_jax.metrics import CompileClock, MetricsWriter, keep_steps_upto, read_records
+
+
+def _write(path, recs, tail=""):
+  with open(path, "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in recs)
+    f.write(tail)
+
+
+def test_a_line_cut_short_by_a_kill_is_dropped_and_said(tmp_path, capsys):
+  path = tmp_path / "m.jsonl"
+  recs = [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.25}]
+  _write(path, recs, '{"step": 3, "lo')
+  assert read_records(str(path)) == recs
+  err = capsys.readouterr().err
+  assert "cut short by a kill" in err and len(err.strip().splitlines()) == 1
+  with pytest.raises(ValueError, match="cut short"):
+    read_records(str(path), tolerate_partial=False)
+  _write(path, recs, json.dumps({"step": 3}))  # whole record, newline missing: kept
+  assert read_records(str(path)) == recs + [{"step": 3}]
+
+
+def test_a_bad_line_before_the_last_is_damage_not_a_kill(tmp_path):
+  path = tmp_path / "m.jsonl"
+  path.write_text('{"step": 1}\n{"step": 2\n{"step": 3}\n')
+  with pytest.raises(ValueError, match="line 2"):
+    read_records(str(path))
+
+
+def test_resume_drops_later_steps_and_the_cut_line_then_appends_cleanly(tmp_path):
+  """The writer of a resumed run: records after the restored step and a cut-short last line
+  go, and the next record starts on its own line."""
+  _write(tmp_path / "metrics.jsonl", [{"step": s} for s in (1, 2, 3)], '{"step": 4, "r')
+  w = MetricsWriter(str(tmp_path), resume_step=2)
+  w.write(3, {"reward": 1.0})
+  w.close()
+  assert read_records(str(tmp_path / "metrics.jsonl")) == [
+      {"step": 1}, {"step": 2}, {"step": 3, "reward": 1.0}]
+  keep_steps_upto(str(tmp_path / "missing.jsonl"), 5)  # nothing to trim: no file made
+  assert not (tmp_path / "missing.jsonl").exists()
+
+
+def test_compile_clock_counts_its_own_compiles():
+  first = CompileClock()
+  jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.0)(jnp.ones((7, 5))).block_until_ready()
+  assert first.lap() > 0
+  assert first.lap() == 0.0  # nothing compiled since the last lap
+  second = CompileClock()  # a second run in the same process starts from zero
+  assert second.lap() == 0.0
+  first.close()
+  jax.jit(lambda x: jnp.cos(x) - 2.0)(jnp.ones((3, 11))).block_until_ready()
+  assert first.lap() == 0.0 and second.lap() > 0  # closed: no longer listening
+  second.close()

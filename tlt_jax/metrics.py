@@ -1,0 +1,142 @@
+"""What a run writes about itself: metrics.jsonl, timeline.jsonl, TensorBoard, compile time.
+
+Host-side I/O only (no jitted code). The trainer writes with `MetricsWriter`; scripts that
+plot or compare runs (scripts/bench_e2e.py, scripts/plot_timeline.py) read with
+`read_records`, without importing the trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+from typing import Any
+
+import jax
+
+_log = logging.getLogger("tlt_jax.metrics")
+
+
+def read_records(path: str, *, tolerate_partial: bool = True) -> list[dict[str, Any]]:
+  """The JSON records of a JSONL file, one per line.
+
+  A process killed mid-write leaves its last line cut short; with tolerate_partial that line
+  is dropped with one line on stderr (the records before it are whole: every writer here
+  flushes whole lines). A bad line anywhere else is not a kill's doing: ValueError naming the
+  file and the line."""
+  with open(path) as f:
+    lines = f.read().split("\n")
+  # the text after the last "\n": "" for a file of whole lines, the cut-short one otherwise
+  lines, tail = lines[:-1], lines[-1]
+  out = []
+  for n, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      out.append(json.loads(line))
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path}: line {n} is not JSON ({e.msg}); the file is damaged, not "
+                       "cut short by a kill: fix or remove that line") from None
+  if tail.strip():
+    try:
+      out.append(json.loads(tail))  # a whole record written without its newline
+    except json.JSONDecodeError:
+      if not tolerate_partial:
+        raise ValueError(f"{path}: its last line ({len(tail)} characters) is cut short") from None
+      print(f"{path}: dropped its last line ({len(tail)} characters), cut short by a kill",
+            file=sys.stderr)
+  return out
+
+
+def keep_steps_upto(path: str, step: int) -> None:
+  """Rewrites a JSONL file without records of steps after `step` (recomputed after a resume)
+  and without a last line cut by a kill, so curves have no duplicates and appends start on a
+  fresh line."""
+  if not os.path.exists(path):
+    return
+  kept = [rec for rec in read_records(path) if rec.get("step", 0) <= step]
+  with open(path + ".tmp", "w") as f:
+    f.writelines(json.dumps(rec) + "\n" for rec in kept)
+  os.replace(path + ".tmp", path)
+
+
+class MetricsWriter:
+  """metrics.jsonl + timeline.jsonl + TensorBoard; on resume, records of steps after the
+  restored checkpoint are dropped (TensorBoard: purged)."""
+
+  def __init__(self, workdir: str, resume_step: int):
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    self.timeline_path = os.path.join(workdir, "timeline.jsonl")
+    for p in (self.path, self.timeline_path):
+      keep_steps_upto(p, resume_step)
+    self._f = open(self.path, "a")
+    self._timeline = open(self.timeline_path, "a")
+    self._tb = None
+    try:
+      from tensorboardX import SummaryWriter
+      self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=resume_step + 1)
+    except ImportError:  # pragma: no cover - tensorboardX is in requirements
+      _log.warning("tensorboardX is not installed: TensorBoard logging is off")
+
+  def write(self, step: int, metrics: dict[str, Any], timeline: dict | None = None) -> None:
+    self._f.write(json.dumps({"step": step, **metrics}) + "\n")
+    self._f.flush()
+    if timeline is not None:
+      self._timeline.write(json.dumps({"step": step, **timeline}) + "\n")
+      self._timeline.flush()
+    if self._tb is not None:
+      for k, v in _flatten(metrics).items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+          self._tb.add_scalar(k, v, step)
+      self._tb.flush()
+
+  def close(self) -> None:
+    self._f.close()
+    self._timeline.close()
+    if self._tb is not None:
+      self._tb.close()
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flatten(v, f"{prefix}{k}/"))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+class CompileClock:
+  """Seconds XLA spent compiling (every thread, every executable: learner, engine, drafter)
+  since this clock was made, read per step with `lap`: `time.compile` in the metrics (already
+  inside the phase it happened in; the first step's includes start-up). JAX reports a
+  persistent-cache hit under the same event: there it is the time to load the executable (a
+  warm run's first step: ~10 s here).
+
+  One per run (train.build makes it, Run owns it): its own listener and total, so two runs in
+  one process (tests) each count their own compiles; `close` unregisters the listener."""
+
+  EVENT = "/jax/core/compile/backend_compile_duration"
+
+  def __init__(self):
+    self._lock = threading.Lock()  # compiles finish on background threads too
+    self._total = 0.0
+    self._last = 0.0
+    jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+  def _listen(self, event: str, seconds: float, **kwargs) -> None:
+    if event == self.EVENT:
+      with self._lock:
+        self._total += seconds
+
+  def lap(self) -> float:
+    """Compile seconds since the last lap (or since the clock was made)."""
+    with self._lock:
+      out, self._last = self._total - self._last, self._total
+    return out
+
+  def close(self) -> None:
+    jax.monitoring.unregister_event_duration_listener(self._listen)
