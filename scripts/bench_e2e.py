@@ -40,7 +40,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 PHASES = ("rollout", "reward_wait", "logprobs", "update", "weight_sync", "drafter",
           "checkpoint")

@@ -22,7 +22,7 @@ its first layer (its embedding, final norm and LM head, layer 0; written with sa
 the strongest assistant derivable from the target without training. Workloads run one prompt
 at a time for HF; ours runs as in table 2.
 
-Bounds: per-forward costs measured in compiled loops (scripts/profile_spec.py) at batch 1 and 8
+Bounds: per-forward costs measured in compiled loops (tlt_jax/bench/spec_costs.py) at batch 1 and 8
 give r = drafter step / plain step and the speedup bounds for each arm at its measured tokens
 per verification.
 
@@ -35,91 +35,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np
 
-
-def hf_generate(model, prompts, new_tokens, *, sample, eos, pad_id, seed=0):
-  """Left-padded batched HF generate; returns useful tokens (up to and incl. EOS)."""
-  import torch
-  torch.manual_seed(seed)
-  width = max(len(p) for p in prompts)
-  ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-  mask = torch.zeros_like(ids)
-  for i, p in enumerate(prompts):
-    ids[i, width - len(p):] = torch.tensor(p)
-    mask[i, width - len(p):] = 1
-  kw = dict(max_new_tokens=new_tokens, do_sample=sample, pad_token_id=pad_id,
-            eos_token_id=eos, attention_mask=mask)
-  if sample:
-    kw.update(temperature=1.0, top_k=0, top_p=1.0)
-  else:
-    kw.update(min_new_tokens=new_tokens if eos is None else 0)
-  with torch.no_grad():
-    out = model.generate(ids, **kw)[:, width:].numpy()
-  tokens = 0
-  for row in out:
-    n = len(row)
-    if eos is not None:
-      hits = np.nonzero(np.isin(row, eos))[0]
-      n = hits[0] + 1 if len(hits) else n
-    tokens += n
-  return tokens
-
-
-def hf_assisted(model, assistant, prompts, new_tokens, *, sample, eos, pad_id, seed=0):
-  """HF assisted generation (speculative, batch 1): one prompt at a time. Returns useful tokens
-  (up to and incl. EOS) and HF's acceptance length (tokens per target forward)."""
-  import torch
-  tokens, target_calls = 0, 0
-  for i, p in enumerate(prompts):
-    torch.manual_seed(seed + i)
-    ids = torch.tensor([p])
-    kw = dict(max_new_tokens=new_tokens, do_sample=sample, pad_token_id=pad_id,
-              eos_token_id=eos, attention_mask=torch.ones_like(ids), assistant_model=assistant)
-    if sample:
-      kw.update(temperature=1.0, top_k=0, top_p=1.0)
-    else:
-      kw.update(min_new_tokens=new_tokens if eos is None else 0)
-    calls = [0]
-    hook = model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    try:
-      with torch.no_grad():
-        row = model.generate(ids, **kw)[0, len(p):].numpy()
-    finally:
-      hook.remove()
-    n = len(row)
-    if eos is not None:
-      hits = np.nonzero(np.isin(row, eos))[0]
-      n = hits[0] + 1 if len(hits) else n
-    tokens += n
-    target_calls += calls[0]
-  return tokens, tokens / max(target_calls, 1)
-
-
-def first_layer_assistant(params, cfg, model_dir, out_dir):
-  """The target cut to its first decoder layer, as an HF checkpoint (see the docstring)."""
-  import jax
-  import torch
-  import transformers
-  from tlt_jax.models.hf_io import save_hf_model
-  one = cfg.replace(num_layers=1)
-  p1 = dict(params, layers=jax.tree.map(lambda a: a[:1], params["layers"]))
-  save_hf_model(p1, one, out_dir, tokenizer_dir=model_dir)
-  return transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
-
-
-def timed(fn, repeats=1):
-  best = None
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    out = fn()
-    dt = time.perf_counter() - t0
-    best = (out, dt) if best is None or dt < best[1] else best
-  return best
+from tlt_jax.bench.rollout import first_layer_assistant, hf_assisted, hf_generate, timed
+from tlt_jax.bench.spec_costs import bounds, measure_costs
+from tlt_jax.rollout.scheduler import buckets_upto
 
 
 def main():
@@ -182,9 +105,10 @@ def main():
     # debugging interpreter, not a fast path); on a GPU use_kernel=True lowers the kernel.
     spec = SpecConfig(strategy=arm, bs_threshold=spec_threshold, patience=1,
                       use_kernel=jax.default_backend() == "gpu") if arm else None
-    ecfg = EngineConfig(max_batch=batch, buckets=buckets_upto(batch), chunk_size=args.chunk_size,
-                        compaction=compaction, max_prompt_len=max_prompt,
-                        max_new_tokens=new_tokens, stop_tokens=stop_tokens, spec=spec)
+    ecfg = EngineConfig(max_batch=batch, buckets=buckets_upto(batch),
+                        chunk_size=args.chunk_size, compaction=compaction,
+                        max_prompt_len=max_prompt, max_new_tokens=new_tokens,
+                        stop_tokens=stop_tokens, spec=spec)
     return RolloutWorker(params, cfg, ecfg, drafter_params=dparams if spec else None)
 
   def run_engine(worker, reqs, sp):
@@ -296,8 +220,6 @@ def main():
     print(f"| {name} | {plain:.0f} | {cells} |")
 
   # Bounds: per-forward costs (in compiled loops) and the measured acceptance.
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  from profile_spec import bounds, measure_costs
   print("\nSpeedup bounds from per-forward costs (scripts/profile_spec.py; plain step = 1), at "
         "the tokens per verification measured above (default task, same batch and mode):")
   print("\n| batch, mode | arm | plain step us | r = drafter/plain | forwards cost | step cost "

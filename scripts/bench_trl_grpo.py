@@ -73,22 +73,6 @@ OURS = {
 }
 
 
-def _load_arith():
-  """tlt_jax.data.arith (numpy only). Imported from the repo; loaded by file path if importing the
-  tlt_jax package fails (e.g. it starts importing jax, which this venv does not have)."""
-  sys.path.insert(0, REPO)
-  try:
-    from tlt_jax.data import arith
-    return arith
-  except ImportError:
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(
-        "_tlt_arith", os.path.join(REPO, "tlt_jax", "data", "arith.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--model", default=os.path.join(DEFAULT_ASSETS, "model"))
@@ -141,7 +125,9 @@ def main(argv=None):
   from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
                             PrinterCallback, TrainerCallback)
   from trl import GRPOConfig, GRPOTrainer
-  arith = _load_arith()
+
+  # numpy only: the TRL venv has tlt_jax installed without its dependencies (no jax)
+  from tlt_jax.data import arith
   t_imported = time.perf_counter()
 
   versions = {"python": platform.python_version(), "torch": torch.__version__,

@@ -36,6 +36,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # Keep torch where it is: a resolver that wanted another torch would fail here rather than
   # silently download a CUDA build.
   "$VENV/bin/python" -m pip install -q "${PINS[@]}" "$TORCH_PIN"
+  # tlt_jax itself (the task: tlt_jax.data.arith, numpy only), editable and without its
+  # dependencies: this venv stays jax-free.
+  "$VENV/bin/python" -m pip install -q --no-deps -e .
   "$VENV/bin/python" - <<'EOF'
 import importlib.metadata as md
 for p in ("torch", "trl", "transformers", "accelerate", "datasets", "tokenizers", "numpy"):

@@ -28,13 +28,14 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+from tlt_jax.bench.spec_costs import measure_costs
+from tlt_jax.rollout.scheduler import buckets_upto
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
@@ -59,8 +60,6 @@ def main(argv=None) -> int:
   ap.add_argument("--iters", type=int, default=50)
   ap.add_argument("--out", default=os.path.join(ROOT, "out", "gpu_probe"))
   args = ap.parse_args(argv)
-
-  from profile_spec import measure_costs
 
   from tlt_jax.config import asset_path
   from tlt_jax.data.prompts import load_prompt_rows
@@ -118,7 +117,7 @@ def main(argv=None) -> int:
 
   # ---- bf16 greedy SD == plain, batch 8, kernel on
   def worker(spec):
-    ecfg = EngineConfig(max_batch=8, buckets=(1, 2, 4, 8), chunk_size=16,
+    ecfg = EngineConfig(max_batch=8, buckets=buckets_upto(8), chunk_size=16,
                         max_prompt_len=max_prompt, prompt_bucket=16,
                         max_new_tokens=args.max_new_tokens, stop_tokens=stop, spec=spec)
     return RolloutWorker(params, cfg, ecfg, drafter_params=dparams if spec else None)

@@ -16,7 +16,6 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 COLORS = {"generating": "#4C72B0", "idle": "#DD8452", "training": "#55A868"}
 

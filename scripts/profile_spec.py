@@ -30,138 +30,14 @@ Bounds on the speedup over plain decoding for a = tokens per verification (accep
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-
-def per_iter(fn, args, iters: int, repeats: int = 5) -> float:
-  """Seconds per loop iteration of fn(args, iters) (compiled once; best of `repeats`)."""
-  exe = jax.jit(fn, static_argnums=1).lower(args, iters).compile()
-  jax.block_until_ready(exe(args))
-  best = float("inf")
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(exe(args))
-    best = min(best, time.perf_counter() - t0)
-  return best / iters
-
-
-def measure_costs(params, dparams, cfg, batch: int, arms, sp, *, iters: int = 200,
-                  prompt_len: int = 64, cache_len: int = 384, rules: bool = False
-                  ) -> dict[str, float]:
-  """Seconds per call of each component (module docstring) at this batch size, for the
-  plain step and for each strategy name in `arms`."""
-  from tlt_jax.drafter.model import drafter_forward
-  from tlt_jax.kernels.verify import (draw_tree_randomness, draw_verify_randomness,
-                                      verify_chain, verify_tree)
-  from tlt_jax.models import compute_logits, forward, unstack_layers
-  from tlt_jax.rollout import decode, speculative
-  from tlt_jax.rollout.sampling import processed_logprobs
-  params = jax.jit(unstack_layers)(params)  # the rollout replicas' layout
-  from tlt_jax.rollout.strategy import Strategy
-
-  b, v = batch, cfg.vocab_size
-  rng = np.random.RandomState(0)
-  toks = jnp.asarray(rng.randint(2, v, (b, prompt_len)), jnp.int32)
-  lens = jnp.full((b,), prompt_len, jnp.int32)
-  keys = jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(b))
-  max_new = jnp.full((b,), 1 << 30, jnp.int32)  # nobody finishes inside the loops
-  strategies = [Strategy.parse(a) for a in arms]
-  state = jax.jit(functools.partial(
-      speculative.prefill, cfg=cfg, cache_len=cache_len,
-      max_steps=max([s.steps for s in strategies] + [1])))(params, dparams, toks, lens, keys,
-                                                           max_new)
-
-  def fwd_loop(a, iters, t, drafter):
-    params, dparams, cache, x = a
-    tok = jnp.ones((b, t), jnp.int32)
-
-    def body(i, carry):
-      cache, x = carry
-      pos = cache.lengths[:, None] + jnp.arange(t)[None, :]
-      if drafter:
-        g, lg, cache = drafter_forward(dparams, params, tok, x, pos, cfg=cfg, cache=cache)
-      else:
-        o = forward(params, tok, pos, cfg=cfg, cache=cache, return_logits=False)
-        lg = processed_logprobs(compute_logits(params, o.hidden, cfg), sp)
-        g, cache = o.hidden, o.cache
-      return cache, x + 1e-6 * g + 1e-9 * jnp.sum(lg)  # keeps the loop's dependency chain
-    return jax.lax.fori_loop(0, iters, body, (cache, x))
-
-  def fwd(t, drafter):
-    name = f"{'drafter' if drafter else 'verify'} fwd T={t}"
-    if name not in out:
-      cache = state.dcache if drafter else state.base.cache
-      x = jnp.zeros((b, t, cfg.hidden_size))
-      out[name] = per_iter(functools.partial(fwd_loop, t=t, drafter=drafter),
-                           (params, dparams, cache, x), iters)
-    return out[name]
-
-  out: dict[str, float] = {}
-  out["plain step"] = per_iter(
-      lambda a, n: decode.decode_chunk(a[0], a[1].base, cfg=cfg, sp=sp, stop_tokens=(), chunk=n,
-                                       capture_hidden=False), (params, state), iters)
-  fwd(1, False)
-  fwd(1, True)
-  for st in strategies:
-    n = st.verify_tokens
-    fwd(n, False)
-    fwd(st.steps + 1, True)
-    fwd(st.topk, True)
-    out[f"spec step {st.name}"] = per_iter(
-        lambda a, it, st=st: speculative.spec_chunk(
-            *a, cfg=cfg, sp=sp, stop_tokens=(), chunk=it, strategy=st,
-            capture_hidden=False, use_kernel=False), (params, dparams, state), max(iters // 4, 10))
-    if not rules:
-      continue
-    tlp = jax.nn.log_softmax(jnp.asarray(rng.randn(b, n, v), jnp.float32))
-    for kern in (False, True):
-      tag = f"verify rule {st.name} {'kernel' if kern else 'ref'}"
-      if st.topk == 1:
-        dlp = None if sp.greedy else jax.nn.log_softmax(jnp.asarray(rng.randn(b, n - 1, v)))
-        dtok = jnp.asarray(rng.randint(0, v, (b, n - 1)), jnp.int32)
-
-        def rule(a, it, kern=kern, dlp=dlp, dtok=dtok):
-          def body(i, acc):
-            u, g = draw_verify_randomness(jax.random.key(i), b, n - 1, v)
-            na, nxt = verify_chain(tlp, (dtok + acc[:, None]) % v, dlp, u, g, greedy=sp.greedy,
-                                   use_kernel=kern)
-            return (acc + na + nxt) % 2
-          return jax.lax.fori_loop(0, it, body, a)
-      else:
-        kids = jnp.full((b, n, st.topk), -1, jnp.int32).at[:, 0, 0].set(1)
-
-        def rule(a, it, kern=kern, kids=kids):
-          def body(i, acc):
-            u, g = draw_tree_randomness(jax.random.key(i), b, n, v)
-            _, na, nxt = verify_tree(tlp, jnp.broadcast_to(acc[:, None], (b, n)), kids, u, g,
-                                     greedy=sp.greedy, max_depth=st.steps, use_kernel=kern)
-            return (acc + na + nxt) % 2
-          return jax.lax.fori_loop(0, it, body, a)
-      out[tag] = per_iter(rule, jnp.zeros((b,), jnp.int32), max(iters // 4, 10))
-  return out
-
-
-def bounds(costs: dict[str, float], arm: str, accept: float) -> dict[str, float]:
-  """The three speedup bounds of the module docstring for `arm` at `accept` tokens per
-  verification (costs from `measure_costs`)."""
-  from tlt_jax.rollout.strategy import Strategy
-  st = Strategy.parse(arm)
-  unit = costs["plain step"]
-  r = costs["drafter fwd T=1"] / unit
-  ideal = (costs[f"verify fwd T={st.verify_tokens}"] + costs[f"drafter fwd T={st.steps + 1}"]
-           + (st.steps - 1) * costs[f"drafter fwd T={st.topk}"]) / unit
-  step = costs[f"spec step {st.name}"] / unit
-  return {"r": r, "ideal_cost": ideal, "step_cost": step, "lead": accept / (1 + st.steps * r),
-          "ideal": accept / ideal, "measured": accept / step, "perfect": (st.steps + 1) / ideal}
+from tlt_jax.bench.spec_costs import bounds, measure_costs
 
 
 def main():

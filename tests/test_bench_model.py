@@ -1,12 +1,12 @@
-"""scripts/make_bench_model.py: the widened, deepened target and its drafter compute the
-shipped model's function. References: transformers on the shipped checkpoint (logits, greedy
-generation), the shipped model and drafter through the project's rollout engine (greedy
-tokens and accepted drafts), and the shipped drafter's logits on the same inputs."""
+"""tlt_jax/bench/bench_model.py (scripts/make_bench_model.py's build): the widened, deepened
+target and its drafter compute the shipped model's function. References: transformers on the
+shipped checkpoint (logits, greedy generation), the shipped model and drafter through the
+project's rollout engine (greedy tokens and accepted drafts), and the shipped drafter's
+logits on the same inputs."""
 
 from __future__ import annotations
 
 import filecmp
-import importlib.util
 import json
 import os
 
@@ -17,6 +17,8 @@ import pytest
 import torch
 import transformers
 
+from tlt_jax.bench import bench_model
+from tlt_jax.bench import regime
 from tlt_jax.drafter.model import drafter_forward, load_drafter
 from tlt_jax.models import forward
 from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
@@ -29,21 +31,10 @@ SMALL = dict(hidden=256, heads=8, kv_heads=4, intermediate=1024, layers=6)
 NUM_PROMPTS = 6
 
 
-def _load_script():
-  spec = importlib.util.spec_from_file_location(
-      "make_bench_model", os.path.join(REPO, "scripts", "make_bench_model.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
-
-
-script = _load_script()
-
-
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
   out = str(tmp_path_factory.mktemp("bench"))
-  return out, script.build(out, **SMALL)
+  return out, bench_model.build(out, **SMALL)
 
 
 @pytest.fixture(scope="module")
@@ -142,9 +133,10 @@ def test_head_grouping_preserved(prompts, heads, kv_heads):
   """Any grouping with at least the shipped 2 query heads per kv head keeps the function
   (in memory: widen heads only, then the project's forward vs the shipped model)."""
   cfg0, p0 = load_hf_model(os.path.join(SHIPPED, "model"))
-  cfg = script.bench_config(cfg0, hidden=128, heads=heads, kv_heads=kv_heads,
+  cfg = bench_model.bench_config(cfg0, hidden=128, heads=heads, kv_heads=kv_heads,
                             intermediate=512, layers=4)
-  p = jax.tree.map(jnp.asarray, script.widen_target(jax.tree.map(np.asarray, p0), cfg0, cfg, 0))
+  p0_np = jax.tree.map(np.asarray, p0)
+  p = jax.tree.map(jnp.asarray, bench_model.widen_target(p0_np, cfg0, cfg, 0))
   ids = jnp.asarray([prompts[1]], jnp.int32)
   pos = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
   np.testing.assert_allclose(np.asarray(forward(p, ids, pos, cfg=cfg).logits),
@@ -153,37 +145,33 @@ def test_head_grouping_preserved(prompts, heads, kv_heads):
 
 def test_deterministic(bench, tmp_path):
   out, _ = bench
-  script.build(str(tmp_path), **SMALL)
+  bench_model.build(str(tmp_path), **SMALL)
   for f in ("model/model.safetensors", "drafter/drafter.safetensors", "model/config.json"):
     assert filecmp.cmp(os.path.join(out, f), str(tmp_path / f), shallow=False), f
 
 
-def test_user_errors(bench, tmp_path, capsys):
+def test_user_errors(bench, tmp_path):
   out, _ = bench
-  with pytest.raises(script.BuildError, match="--overwrite"):
-    script.build(out, **SMALL)
-  assert script.main(["--out", str(tmp_path / "a"), "--heads", "2", "--no_regime"]) == 2
-  assert "--heads 2" in capsys.readouterr().err
-  assert script.main(["--out", str(tmp_path / "b"), "--heads", "6", "--kv_heads", "4",
-                      "--no_regime"]) == 2
-  assert "multiple of kv_heads" in capsys.readouterr().err
+  with pytest.raises(bench_model.BuildError, match="--overwrite"):
+    bench_model.build(out, **SMALL)
+  with pytest.raises(bench_model.BuildError, match="--heads 2 is smaller"):
+    bench_model.build(str(tmp_path / "a"), heads=2)
+  with pytest.raises(bench_model.BuildError, match="multiple of kv_heads"):
+    bench_model.build(str(tmp_path / "b"), heads=6, kv_heads=4)
+  with pytest.raises(bench_model.BuildError, match="no model/ directory"):
+    bench_model.build(str(tmp_path / "c"), source=os.path.join(out, "model"))
 
 
 def test_bench_regime_smoke(bench, tmp_path, capsys):
-  """scripts/bench_regime.py end to end on the small build (a smoke run, not a timing):
-  every table prints, greedy speculative outputs equal plain decoding's, and the summary is
-  written."""
-  spec = importlib.util.spec_from_file_location(
-      "bench_regime", os.path.join(REPO, "scripts", "bench_regime.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
+  """tlt_jax/bench/regime.py (scripts/bench_regime.py) end to end on the small build (a smoke
+  run, not a timing): every table prints, greedy speculative outputs equal plain decoding's,
+  and the summary is written."""
   out, _ = bench
-  rc = mod.main(["--bench", out, "--prompts", "1", "--tail_prompts", "2", "--tail_n", "2",
-                 "--threshold", "2", "--arms", "3_1_4", "--tail_arms", "3_1_4",
-                 "--max_new_tokens", "24", "--skip_hf", "--skip_regime",
-                 "--gate_rollouts", "2", "--gate_prompts", "1", "--out", str(tmp_path)])
+  regime.run(regime.RegimeArgs(
+      bench=out, prompts=1, tail_prompts=2, tail_n=2, threshold=2, arms="3_1_4",
+      tail_arms="3_1_4", max_new_tokens=24, skip_hf=True, skip_regime=True, gate_rollouts=2,
+      gate_prompts=1, out=str(tmp_path)))
   text = capsys.readouterr().out
-  assert rc == 0, text
   for head in ("batch 1, greedy", "batch 8, sampled", "long tail", "where the time goes",
                "cost model", "speculation gate"):
     assert head in text, head
@@ -195,4 +183,5 @@ def test_bench_regime_smoke(bench, tmp_path, capsys):
   assert len(summary["gate"]["times"]["gated BEG"]) == 2
   assert summary["batch 1, greedy, default task (EOS)"]["SD 3_1_4"]["same"] is True
   assert summary["batch 8, greedy, default task (EOS)"]["SD 4_1_5"]["same"] is True
-  assert mod.main(["--bench", str(tmp_path / "missing")]) == 2
+  with pytest.raises(regime.BenchMissing, match="make_bench_model.py --out"):
+    regime.run(regime.RegimeArgs(bench=str(tmp_path / "missing")))

@@ -23,6 +23,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+from tlt_jax.bench.hf_parity import UnloadableCheckpoint, check_parity
 from tlt_jax.models import forward, init_cache, segment_causal_mask
 from tlt_jax.models.hf_io import (CheckpointFormatError, load_hf_model, mmap_safetensors,
                                   read_safetensors_header, save_hf_model, write_safetensors)
@@ -643,19 +644,12 @@ def test_error_missing_tensor(ckpts, tmp_path, name, tensor):
 
 
 # ------------------------------------------------------------------- scripts/check_hf_parity.py
-def _load_script():
-  import importlib.util
-  spec = importlib.util.spec_from_file_location("check_hf_parity", SCRIPT)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
-
-
-def test_parity_script(ckpts, tmp_path, capsys):
+def test_parity_script(ckpts, tmp_path):
   """Passes on good Qwen2/Llama checkpoints; fails (non-zero) on corrupted ones.
 
-  The three subprocess runs go concurrently; two more failure modes run in-process (main())
-  meanwhile, which saves the seconds of importing torch + transformers + jax per process.
+  The three subprocess runs (the CLI: output and exit status) go concurrently; more failure
+  modes run in-process through tlt_jax.bench.hf_parity meanwhile, which saves the seconds of
+  importing torch + transformers + jax per process.
   """
   good_q, good_l = ckpts("qwen2_gqa"), ckpts("llama3_rope")
   # Corrupted: tied config, but the file also carries a perturbed lm_head.weight (written with
@@ -675,7 +669,6 @@ def test_parity_script(ckpts, tmp_path, capsys):
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
            for k, args in runs.items()}
   try:
-    script = _load_script()
     # Corrupted: a NaN in one weight. Both sides agree on NaN logits, which must still fail
     # (a plain `diff > tol` test would pass NaN).
     nan = _copy_ckpt(good_l, tmp_path, "nan")
@@ -685,18 +678,17 @@ def test_parity_script(ckpts, tmp_path, capsys):
       w[3, 5] = np.nan
       return {**t, "model.layers.1.mlp.down_proj.weight": w}
     _rewrite_tensors(nan, poison)
-    capsys.readouterr()
-    assert script.main(["--model", nan, "--no-ragged"]) == 1
-    out = capsys.readouterr().out
-    assert "NON-FINITE" in out and "PARITY FAILED" in out
-    # Unloadable checkpoints: exit status 2 with the reason on stderr.
-    assert script.main(["--model", str(tmp_path / "does_not_exist")]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    report = check_parity(nan, ragged=False)
+    assert report.failures == ["full batch"] and report.checks[0].finite == (False, False)
+    assert report.greedy is None
+    # Unloadable checkpoints: UnloadableCheckpoint (the CLI's exit status 2) with the reason.
+    with pytest.raises(UnloadableCheckpoint, match="does not exist"):
+      check_parity(str(tmp_path / "does_not_exist"))
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    assert script.main(["--model", str(gpt2)]) == 2
-    assert "'gpt2'" in capsys.readouterr().err
+    with pytest.raises(UnloadableCheckpoint, match="'gpt2'"):
+      check_parity(str(gpt2))
   finally:
     res = {k: (p.wait(timeout=300), p.stdout.read(), p.stderr.read()) for k, p in procs.items()}
 

@@ -1,0 +1,4 @@
+"""Benchmark harnesses the scripts and the tests share: the widened bench target
+(bench_model), per-forward speculative costs and speedup bounds (spec_costs), the Hugging Face
+peers (rollout), the regime benchmark (regime) and the transformers parity check (hf_parity).
+The scripts in scripts/ are their command lines."""
