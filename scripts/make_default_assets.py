@@ -48,9 +48,12 @@ import optax  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from tlt_jax.data import arith  # noqa: E402
+from tlt_jax.drafter.buffer import Window  # noqa: E402
+from tlt_jax.drafter.packing import fill_batch  # noqa: E402
 from tlt_jax.models import (ModelConfig, forward, init_params,  # noqa: E402
                             num_params, segment_causal_mask)
 from tlt_jax.models.hf_io import load_hf_model, save_hf_model  # noqa: E402
+from tlt_jax.optim import lr_schedule, make_optimizer  # noqa: E402
 from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker  # noqa: E402
 from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
 
@@ -100,52 +103,28 @@ def quantiles(lengths):
           "p99": float(np.percentile(a, 99)), "max": int(a.max()), "mean": float(a.mean())}
 
 
-class PackedStream:
-  """Infinite stream of SFT examples packed into [rows, seq_len] batches.
+def sft_examples(tok, eos_id, rng, n, seq_len):
+  """n fresh SFT examples as packable sequences (tlt_jax/drafter/packing.py packs them, the
+  same segment-id layout the drafter trains on): prompt + response + EOS, the loss mask on
+  the positions whose NEXT token is a response token (incl. EOS)."""
+  out = []
+  for _ in range(n):
+    prob = arith.make_problem(rng)
+    p = tok.encode(prob["prompt"]).ids
+    ids = np.asarray(p + tok.encode(prob["response"]).ids + [eos_id], np.int32)
+    if len(ids) > seq_len:
+      raise ValueError(f"example of {len(ids)} tokens does not fit --seq_len {seq_len}")
+    mask = np.zeros(len(ids), np.float32)
+    mask[len(p) - 1:len(ids) - 1] = 1.0  # logits at t predict token t+1
+    out.append(Window(step=0, tokens=ids, hidden=None, loss_mask=mask, weight=1.0))
+  return out
 
-  Each example is prompt + response + EOS; positions restart at 0 per example, segment ids
-  separate examples (attention never crosses them), and the loss mask selects the positions
-  whose NEXT token is a response token (incl. EOS).
-  """
 
-  def __init__(self, tok, eos_id, pad_id, rows, seq_len, seed):
-    self.tok, self.eos, self.pad = tok, eos_id, pad_id
-    self.rows, self.seq_len = rows, seq_len
-    self.rng = np.random.default_rng(seed)
-    self.pending = None
-
-  def _example(self):
-    prob = arith.make_problem(self.rng)
-    p = self.tok.encode(prob["prompt"]).ids
-    r = self.tok.encode(prob["response"]).ids + [self.eos]
-    return p, r
-
-  def next_batch(self):
-    R, T = self.rows, self.seq_len
-    tokens = np.full((R, T), self.pad, np.int32)
-    positions = np.zeros((R, T), np.int32)
-    segs = np.zeros((R, T), np.int32)
-    loss_mask = np.zeros((R, T), np.float32)
-    for row in range(R):
-      pos, seg = 0, 0
-      while True:
-        ex = self.pending or self._example()
-        p, r = ex
-        n = len(p) + len(r)
-        if n > T:
-          raise ValueError(f"example of {n} tokens does not fit --seq_len {T}")
-        if pos + n > T:
-          self.pending = ex
-          break
-        self.pending = None
-        seg += 1
-        tokens[row, pos:pos + n] = p + r
-        positions[row, pos:pos + n] = np.arange(n)
-        segs[row, pos:pos + n] = seg
-        # logits at position t predict token t+1: response tokens are p..n-1 of the example
-        loss_mask[row, pos + len(p) - 1:pos + n - 1] = 1.0
-        pos += n
-    return tokens, positions, segs, loss_mask
+def sft_batch(tok, eos_id, rng, rows, seq_len):
+  """[rows, seq_len] tokens, positions, segment ids, loss mask of freshly drawn examples
+  (the data is an endless synthetic stream: an example that does not fit is simply not used)."""
+  b, _ = fill_batch(lambda n: sft_examples(tok, eos_id, rng, n, seq_len), rows, seq_len)
+  return b["tokens"], b["positions"], b["segment_ids"], b["loss_mask"]
 
 
 # ------------------------------------------------------------------------------------- SFT
@@ -262,14 +241,13 @@ def main(argv=None):
   print(f"model: qwen2 {args.layers}L d={args.hidden} heads={args.heads}/{args.kv_heads} "
         f"vocab={args.vocab_size}: {n_params / 1e6:.2f}M params")
   params = init_params(cfg, jax.random.key(INIT_SEED))
-  sched = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, args.max_steps,
-                                             end_value=0.1 * args.lr)
-  optimizer = optax.chain(optax.clip_by_global_norm(1.0),
-                          optax.adamw(sched, b1=0.9, b2=0.98, weight_decay=0.01))
+  opt = dict(warmup_steps=args.warmup, total_steps=args.max_steps, schedule="cosine")
+  sched = lr_schedule(args.lr, **opt)
+  optimizer = make_optimizer(args.lr, b2=0.98, **opt)
   opt_state = optimizer.init(params)
   step_fn = make_train_step(cfg, optimizer)
   decode = make_greedy_decode(cfg, eos_id, pad_id, args.max_new_tokens)
-  stream = PackedStream(tok, eos_id, pad_id, args.rows, args.seq_len, SFT_SEED)
+  sft_rng = np.random.default_rng(SFT_SEED)
 
   history = []
   t0 = time.time()
@@ -277,7 +255,7 @@ def main(argv=None):
   bar = tqdm(range(1, args.max_steps + 1), desc="SFT", dynamic_ncols=True)
   losses = []
   for step in bar:
-    batch = stream.next_batch()
+    batch = sft_batch(tok, eos_id, sft_rng, args.rows, args.seq_len)
     params, opt_state, loss, gnorm = step_fn(params, opt_state, *map(jnp.asarray, batch))
     losses.append(float(loss))
     bar.set_postfix(loss=f"{losses[-1]:.3f}", val_acc=f"{val_acc:.2f}")

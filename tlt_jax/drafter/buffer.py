@@ -65,7 +65,7 @@ class BufferConfig:
 class Window:
   step: int  # RL step whose rollout produced it
   tokens: np.ndarray  # [L] int32
-  hidden: np.ndarray  # [L, D]
+  hidden: np.ndarray | None  # [L, D] (None: a plain token sequence, packed without states)
   loss_mask: np.ndarray  # [L] float32
   weight: float  # summed token weights: its share of the sampling
 

@@ -26,7 +26,8 @@ def pack(windows: Sequence[Window], rows: int | None, row_len: int, *, hidden_dt
   a window longer than row_len keeps its last row_len tokens (the tail, where drafts are
   used). Windows that fit nowhere are left out. Returns (batch, number of windows packed);
   batch = tokens, positions, segment_ids [rows, row_len] int32, loss_mask float32,
-  hidden [rows, row_len, D]."""
+  hidden [rows, row_len, D] (no "hidden" when the windows carry none: plain token sequences,
+  e.g. the SFT examples scripts/make_default_assets.py trains the default model on)."""
   if not windows:
     raise ValueError("pack: no windows")
   placed: list[list[Window]] = [] if rows is None else [[] for _ in range(rows)]
@@ -44,20 +45,22 @@ def pack(windows: Sequence[Window], rows: int | None, row_len: int, *, hidden_dt
     placed[r].append(w)
     used[r] += n
     packed += 1
-  d = windows[0].hidden.shape[-1]
   nrows = len(placed)
   out = {"tokens": np.zeros((nrows, row_len), np.int32),
          "positions": np.zeros((nrows, row_len), np.int32),
          "segment_ids": np.zeros((nrows, row_len), np.int32),
-         "loss_mask": np.zeros((nrows, row_len), np.float32),
-         "hidden": np.zeros((nrows, row_len, d), hidden_dtype or windows[0].hidden.dtype)}
+         "loss_mask": np.zeros((nrows, row_len), np.float32)}
+  h0 = windows[0].hidden
+  if h0 is not None:
+    out["hidden"] = np.zeros((nrows, row_len, h0.shape[-1]), hidden_dtype or h0.dtype)
   for r, members in enumerate(placed):
     pos = 0
     for seg, w in enumerate(members, 1):
       n = min(w.length, row_len)
       sl = slice(pos, pos + n)
       out["tokens"][r, sl] = w.tokens[-n:]
-      out["hidden"][r, sl] = w.hidden[-n:]
+      if h0 is not None:
+        out["hidden"][r, sl] = w.hidden[-n:]
       out["loss_mask"][r, sl] = w.loss_mask[-n:]
       out["positions"][r, sl] = np.arange(n, dtype=np.int32)
       out["segment_ids"][r, sl] = seg
