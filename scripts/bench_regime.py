@@ -166,8 +166,8 @@ def main(argv=None) -> int:
   from tlt_jax.data.prompts import load_prompt_rows
   from tlt_jax.drafter.model import load_drafter
   from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
-  from tlt_jax.rollout.engine import (EngineConfig, Request, RolloutWorker, SpecConfig,
-                                      tokens_per_verification)
+  from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
+  from tlt_jax.rollout.records import Request, tokens_per_verification
   from tlt_jax.rollout.mab import make_selector
   from tlt_jax.rollout.sampling import SamplingParams
   from tlt_jax.rollout.strategy import Strategy
@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     ecfg = EngineConfig(max_batch=batch, buckets=buckets, chunk_size=16,
                         max_prompt_len=max_prompt, prompt_bucket=16,
                         max_new_tokens=args.max_new_tokens, stop_tokens=stop, spec=spec)
-    return RolloutWorker(params, cfg, ecfg, drafter_params=dparams if spec else None,
+    return Engine(params, cfg, ecfg, drafter_params=dparams if spec else None,
                          selector=selector, gate=gate)
 
   def run(w, batches, sp):

@@ -13,6 +13,7 @@ import dataclasses
 import re
 
 _ARM = re.compile(r"^(\d+)_(\d+)_(\d+)$")
+DEFAULT_ARM = "4_1_5"  # the fixed arm (SpecConfig.strategy, the gate's default lead)
 
 
 @dataclasses.dataclass(frozen=True)
