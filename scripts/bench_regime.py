@@ -167,8 +167,8 @@ def main(argv=None) -> int:
   from tlt_jax.drafter.model import load_drafter
   from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
   from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
-  from tlt_jax.rollout.records import Request, tokens_per_verification
   from tlt_jax.rollout.mab import make_selector
+  from tlt_jax.rollout.records import Request, tokens_per_verification
   from tlt_jax.rollout.sampling import SamplingParams
   from tlt_jax.rollout.strategy import Strategy
 

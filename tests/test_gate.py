@@ -8,8 +8,8 @@ import pytest
 from tlt_jax.drafter.model import init_drafter
 from tlt_jax.models import ModelConfig, init_params
 from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
-from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.gate import GateConfig, SpecGate
+from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
 
 

@@ -12,9 +12,9 @@ import pytest
 
 from tlt_jax.models import ModelConfig, init_params
 from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
-from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.mab import (BucketedEpsilonGreedy, EpsilonGreedy, FixedSelector, UCB1,
                                  default_mab_buckets, make_selector)
+from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.strategy import Strategy
 

@@ -67,10 +67,10 @@ from tlt_jax.optim import make_optimizer
 from tlt_jax.rl import grpo
 from tlt_jax.rl.reward_pool import RewardError, RewardPool
 from tlt_jax.rollout.engine import Engine, to_replica_layout
-from tlt_jax.rollout.records import Request, Result, tokens_per_verification
 from tlt_jax.rollout.executables import background_compiler
 from tlt_jax.rollout.gate import SpecGate, VerdictCache
 from tlt_jax.rollout.mab import BucketedSelector, FixedSelector
+from tlt_jax.rollout.records import Request, Result, tokens_per_verification
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.sharding import tree_shardings
 

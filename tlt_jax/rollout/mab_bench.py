@@ -24,8 +24,8 @@ import jax
 import numpy as np
 
 from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
-from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.mab import EpsilonGreedy
+from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.strategy import Strategy
 from tlt_jax.rollout.sampling import SamplingParams
 
