@@ -302,18 +302,24 @@ class Engine:
     return exe(self.params, self.drafter_params, state, tokens), True
 
   def _decode(self, state, sp: SamplingParams, arm: str | None, capture: bool):
-    """One chunk. arm=None: plain decoding (before speculation starts: a DecodeState, the
-    executables of an engine without a drafter), returning hidden states if `capture`; else a
-    strategy on the SpecState (whose executables return them if the engine captures at all:
-    speculative chunks run only where the gate opens). Returns (state, ChunkOutput,
-    [accepted draft tokens, verifications])."""
+    """One chunk, and its one host sync. arm=None: plain decoding (before speculation starts:
+    a DecodeState, the executables of an engine without a drafter), returning hidden states
+    if `capture`; else a strategy on the SpecState (whose executables return them if the
+    engine captures at all: speculative chunks run only where the gate opens). Returns
+    (state, host copies of (ChunkOutput, done [B], stopped [B], [accepted drafts,
+    verifications]))."""
     if arm is not None:
-      return self.compiles.spec(sp, arm, state)(self.params, self.drafter_params, state)
-    ecfg = self.ecfg
-    fn = functools.partial(decode.decode_chunk, cfg=self.cfg, sp=sp, stop_tokens=ecfg.stop_tokens,
-                           chunk=ecfg.chunk_size, capture_hidden=capture)
-    state, out = self._call("decode", (sp, capture), fn, (self.params, state), donate=(1,))
-    return state, out, (0, 0)
+      exe = self.compiles.spec(sp, arm, state)
+      state, out, counts = exe(self.params, self.drafter_params, state)
+    else:
+      ecfg = self.ecfg
+      fn = functools.partial(decode.decode_chunk, cfg=self.cfg, sp=sp,
+                             stop_tokens=ecfg.stop_tokens, chunk=ecfg.chunk_size,
+                             capture_hidden=capture)
+      state, out = self._call("decode", (sp, capture), fn, (self.params, state), donate=(1,))
+      counts = (0, 0)
+    base = state if isinstance(state, decode.DecodeState) else state.base
+    return state, jax.device_get((out, base.done, base.stopped, counts))
 
   # ---------------------------------------------------------------------------------- generate
   def validate(self, requests: Sequence[Request]) -> None:
@@ -373,33 +379,36 @@ class Engine:
         arm = gate.probe_arm(state.batch_size, arm)
       for s in live if speculating else ():
         outputs[sched.slots[s].key].speculating()
-      # --- one chunk of decoding (the only host sync)
-      compiles = len(self.exes.records)
-      t0 = time.perf_counter()
-      state, out, counts = self._decode(state, sp, arm, capture)
-      base = state if isinstance(state, decode.DecodeState) else state.base
-      out, done, stopped, counts = jax.device_get((out, base.done, base.stopped, counts))
+      compiles, t0 = len(self.exes.records), time.perf_counter()
+      state, host = self._decode(state, sp, arm, capture)  # the only host sync
       dt = time.perf_counter() - t0
-      produced = 0
-      for s in live:
-        req, v = sched.slots[s], out.valid[s]
-        produced += int(v.sum())
-        outputs[req.key].append(out.tokens[s][v], out.logprobs[s][v],
-                                out.hidden[s][v] if capture and out.hidden is not None else None)
-        if done[s]:
-          sched.finish(s)
-          res = outputs.pop(req.key).result(req, stopped=bool(stopped[s]),
-                                            worker_id=self.worker_id,
-                                            t=time.perf_counter() - t_start)
-          results.append(res)
-          if hooks.on_result:
-            hooks.on_result(res)
+      produced = self._collect(sched, live, outputs, host, capture, results, hooks, t_start)
       self._report(ChunkMetrics(
           worker_id=self.worker_id, bucket=state.batch_size, live=len(live), tokens=produced,
-          steps=int(out.steps), wall_time=dt, mode=arm or "plain", accepted=int(counts[0]),
-          verifications=int(counts[1]), t=time.perf_counter() - t_start,
+          steps=int(host[0].steps), wall_time=dt, mode=arm or "plain", accepted=int(host[3][0]),
+          verifications=int(host[3][1]), t=time.perf_counter() - t_start,
           compiled=len(self.exes.records) != compiles), selector, gate, hooks)
     return results
+
+  def _collect(self, sched: Scheduler, live: list[int], outputs: dict[Any, Output], host,
+               capture: bool, results: list[Result], hooks: EngineHooks, t_start: float) -> int:
+    """A chunk's tokens into the live rows' outputs; finished rows leave the scheduler and
+    become Results (appended, and handed to the hook at once). Returns the tokens produced."""
+    out, done, stopped, _ = host
+    produced = 0
+    for s in live:
+      req, v = sched.slots[s], out.valid[s]
+      produced += int(v.sum())
+      outputs[req.key].append(out.tokens[s][v], out.logprobs[s][v],
+                              out.hidden[s][v] if capture and out.hidden is not None else None)
+      if done[s]:
+        sched.finish(s)
+        res = outputs.pop(req.key).result(req, stopped=bool(stopped[s]), worker_id=self.worker_id,
+                                          t=time.perf_counter() - t_start)
+        results.append(res)
+        if hooks.on_result:
+          hooks.on_result(res)
+    return produced
 
   def _report(self, m: ChunkMetrics, selector, gate, hooks: EngineHooks) -> None:
     """A chunk's measurements to the gate and the selector, then to the log and the hook. A
