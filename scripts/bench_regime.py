@@ -201,7 +201,7 @@ def main(argv=None) -> int:
                         max_prompt_len=max_prompt, prompt_bucket=16,
                         max_new_tokens=args.max_new_tokens, stop_tokens=stop, spec=spec)
     return Engine(params, cfg, ecfg, drafter_params=dparams if spec else None,
-                         selector=selector, gate=gate)
+                  selector=selector, gate=gate)
 
   def run(w, batches, sp):
     """Decodes each request batch (one generate call each) -> (tokens, seconds, outputs,

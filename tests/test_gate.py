@@ -240,7 +240,7 @@ def test_workers_compile_and_speculate_only_where_the_gate_opens():
                     background_compile=True)
   gate = SpecGate(GateConfig(min_chunks=1, margin=1e6, reprobe_every=0))  # never pays
   a, b = (Engine(params, CFG, EngineConfig(**SMALL, spec=spec), drafter_params=dparams,
-                        worker_id=i, gate=gate) for i in (0, 1))
+                 worker_id=i, gate=gate) for i in (0, 1))
 
   def run(w):
     out = {r.request_id: r.response_ids for r in w.generate(reqs, sp)}

@@ -162,7 +162,7 @@ def greedy(models, prompts):
       assert hf_greedy(m.hf, prompts[i], caps[i], eos=stop) == ref[i]
     # Qwen's worker also captures hidden states (test_hidden_capture); Llama's does not.
     worker = Engine(m.params, m.cfg,
-                           engine_cfg(stop_tokens=(stop,), capture_hidden=arch == "qwen2"))
+                    engine_cfg(stop_tokens=(stop,), capture_hidden=arch == "qwen2"))
     results, chunks = run(worker, greedy_requests(prompts), GREEDY)
     out[arch] = dict(ref=ref, stop=stop, caps=caps, worker=worker, results=results,
                      chunks=chunks)
@@ -536,8 +536,8 @@ def test_two_workers_on_two_devices_under_the_coordinator(models, greedy, prompt
   main = g["worker"]
   assert main.mesh.devices.flat[0] == jax.devices()[0]
   second = Engine(m.params, m.cfg, main.ecfg, worker_id=1,
-                         mesh=Mesh(np.array([jax.devices()[1]]).reshape(1, 1, 1),
-                                   ("data", "fsdp", "tensor")))
+                  mesh=Mesh(np.array([jax.devices()[1]]).reshape(1, 1, 1),
+                            ("data", "fsdp", "tensor")))
   assert {d for x in jax.tree.leaves(second.params) for d in x.devices()} == {jax.devices()[1]}
   lock = threading.Lock()
   seen = {"results": [], "chunks": []}

@@ -298,8 +298,8 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
   workers = []
   for i, wmesh in local:  # this process's replicas (i: the global index)
     engine = Engine(first, model_cfg, ecfg, worker_id=i, mesh=wmesh,
-                           drafter_params=drafter.params if tlt else None, selector=selector,
-                           gate=gate)
+                    drafter_params=drafter.params if tlt else None, selector=selector,
+                    gate=gate)
     trainer = None
     if trained:
       wsh = dts.state_shardings(drafter.params, dtx, wmesh)

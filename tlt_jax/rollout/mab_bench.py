@@ -74,7 +74,7 @@ class LongTailBench:
                         chunk_size=chunk_size, max_prompt_len=w.max_prompt_len,
                         max_new_tokens=max_new_tokens, stop_tokens=w.stop_tokens, spec=spec)
     self.worker = Engine(w.params, w.cfg, ecfg, drafter_params=w.drafter_params,
-                                selector=EpsilonGreedy(self.arms))
+                         selector=EpsilonGreedy(self.arms))
 
   def precompile(self) -> float:
     """Compiles every arm at every bucket speculation can run at, then one untimed pass
