@@ -39,7 +39,7 @@ def main():
   import jax
   import numpy as np
 
-  from tlt_jax.rollout.engine import RolloutWorker
+  from tlt_jax.rollout.engine import Engine
   from tlt_jax.rollout.mab import BucketedEpsilonGreedy, FixedSelector, default_mab_buckets
   from tlt_jax.rollout.mab_bench import LongTailBench, load_default_workload, throughput
 
@@ -98,10 +98,11 @@ def main():
   print("\n| executables | speculation at live <= | count | compile s | memory MB |")
   print("|---|---:|---:|---:|---:|")
   for thr in sorted({ecfg.spec.bs_threshold, 16}):
-    w = RolloutWorker(work.params, work.cfg, dataclasses.replace(
+    w = Engine(work.params, work.cfg, dataclasses.replace(
         ecfg, spec=dataclasses.replace(ecfg.spec, bs_threshold=thr)),
         drafter_params=work.drafter_params, selector=beg())
-    rows = {"BEG choosable pairs": [(a, b) for b, arms_b in w.choosable_pairs().items()
+    rows = {"BEG choosable pairs": [(a, b)
+                                    for b, arms_b in w.compiles.choosable_pairs().items()
                                     for a in arms_b],
             "every arm x every bucket": [(a, b) for b in ecfg.buckets for a in arms]}
     for name, pairs in rows.items():

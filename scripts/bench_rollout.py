@@ -76,7 +76,8 @@ def main():
   from tlt_jax.config import asset_path
   from tlt_jax.data.prompts import load_prompt_rows
   from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
-  from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker, tokens_per_verification
+  from tlt_jax.rollout.engine import Engine, EngineConfig
+  from tlt_jax.rollout.records import Request, tokens_per_verification
   from tlt_jax.rollout.sampling import SamplingParams
 
   model_dir = args.model or asset_path("default", "model")
@@ -109,7 +110,7 @@ def main():
                         chunk_size=args.chunk_size, compaction=compaction,
                         max_prompt_len=max_prompt, max_new_tokens=new_tokens,
                         stop_tokens=stop_tokens, spec=spec)
-    return RolloutWorker(params, cfg, ecfg, drafter_params=dparams if spec else None)
+    return Engine(params, cfg, ecfg, drafter_params=dparams if spec else None)
 
   def run_engine(worker, reqs, sp):
     res = worker.generate(reqs, sp, seed=0)

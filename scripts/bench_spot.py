@@ -52,7 +52,8 @@ def main(argv=None):
   from tlt_jax.drafter.trainer import DrafterTrainer
   from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
   from tlt_jax.optim import make_optimizer
-  from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker, SpecConfig
+  from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
+  from tlt_jax.rollout.records import Request
   from tlt_jax.rollout.sampling import SamplingParams
   from tlt_jax.sharding import make_mesh
 
@@ -80,7 +81,7 @@ def main(argv=None):
   fresh = dts.init_state(dparams, tx, store_sh)
   workers = []
   for i, m in enumerate(meshes):
-    engine = RolloutWorker(params, cfg, ecfg, worker_id=i, mesh=m, drafter_params=dparams)
+    engine = Engine(params, cfg, ecfg, worker_id=i, mesh=m, drafter_params=dparams)
     trainer = DrafterTrainer(step_fn=step_fn, shardings=dts.state_shardings(dparams, tx, m),
                              buffer=buffer, rows=a.rows, row_len=a.row_len,
                              target_params=lambda e=engine: e.params, seed=i)

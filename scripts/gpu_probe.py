@@ -30,7 +30,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from tlt_jax.bench.spec_costs import measure_costs
 from tlt_jax.rollout.scheduler import buckets_upto
@@ -65,8 +64,8 @@ def main(argv=None) -> int:
   from tlt_jax.data.prompts import load_prompt_rows
   from tlt_jax.drafter.model import load_drafter
   from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
-  from tlt_jax.rollout.engine import (EngineConfig, Request, RolloutWorker, SpecConfig,
-                                      tokens_per_verification)
+  from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
+  from tlt_jax.rollout.records import Request, tokens_per_verification
   from tlt_jax.rollout.sampling import SamplingParams
 
   out: dict = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
@@ -120,7 +119,7 @@ def main(argv=None) -> int:
     ecfg = EngineConfig(max_batch=8, buckets=buckets_upto(8), chunk_size=16,
                         max_prompt_len=max_prompt, prompt_bucket=16,
                         max_new_tokens=args.max_new_tokens, stop_tokens=stop, spec=spec)
-    return RolloutWorker(params, cfg, ecfg, drafter_params=dparams if spec else None)
+    return Engine(params, cfg, ecfg, drafter_params=dparams if spec else None)
 
   reqs = [Request(p, request_id=i) for i, p in enumerate(prompts)]
   res = {}
@@ -155,7 +154,7 @@ def main(argv=None) -> int:
     out["bf16_equality"][label] = {"identical": same, "of": len(base), "divergence_at": div,
                                    "tokens": ntok, "seconds": dt, "tpv": tpv}
     print(f"| {label} | {same}/{len(base)} | {div or '-'} | {ntok} | {dt:.2f} | "
-          f"{tpv if tpv is None else round(tpv, 2)} | {getattr(w, 'verify_path', '-')} |",
+          f"{tpv if tpv is None else round(tpv, 2)} | {w.compiles.verify_path} |",
           flush=True)
 
   # ---- memory: compiled executables vs shapes

@@ -54,7 +54,8 @@ from tlt_jax.models import (ModelConfig, forward, init_params,  # noqa: E402
                             num_params, segment_causal_mask)
 from tlt_jax.models.hf_io import load_hf_model, save_hf_model  # noqa: E402
 from tlt_jax.optim import lr_schedule, make_optimizer  # noqa: E402
-from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker  # noqa: E402
+from tlt_jax.rollout.engine import Engine, EngineConfig  # noqa: E402
+from tlt_jax.rollout.records import Request  # noqa: E402
 from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
 
 # Fixed seeds of every random stream (distinct so splits never share a generator).
@@ -158,7 +159,7 @@ def make_greedy_decode(cfg, eos_id, pad_id, max_new):
 
   def decode(params, requests):
     if "worker" not in holder:
-      holder["worker"] = RolloutWorker(params, cfg, ecfg)
+      holder["worker"] = Engine(params, cfg, ecfg)
     else:
       holder["worker"].set_params(params)
     return holder["worker"].generate(requests, SamplingParams(temperature=0.0))

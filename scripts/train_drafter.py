@@ -8,7 +8,7 @@
 
 Steps
   1. Generate: the target samples `--num_samples` responses per prompt at the RL temperature
-     through the project's rollout engine (`RolloutWorker`, `capture_hidden=True`), which
+     through the project's rollout engine (`Engine`, `capture_hidden=True`), which
      returns for every response token the pre-norm hidden state that produced it. The prompt
      part's hidden states come from one batched target `forward` over the (short) prompts.
      Training sequences = prompt + response with a hidden state per position and the loss
@@ -169,13 +169,13 @@ def make_prompt_hidden_fn(cfg):
 
 def generate_sequences(worker, params, prompt_hidden, prompts, *, num_samples, sp, seed, desc):
   """Target generations -> sequences {tokens [T], hidden [T, D], loss_mask [T]}."""
-  from tlt_jax.rollout.engine import Request, WorkerHooks
+  from tlt_jax.rollout.records import EngineHooks, Request
   requests = [Request(p, request_id=i, sample_index=s)
               for i, p in enumerate(prompts) for s in range(num_samples)]
   bar = tqdm(total=len(requests), desc=desc, unit="sample", file=sys.stderr)
   t0 = time.perf_counter()
   results = worker.generate(requests, sp, seed=seed,
-                            hooks=WorkerHooks(on_result=lambda _: bar.update(1)))
+                            hooks=EngineHooks(on_result=lambda _: bar.update(1)))
   bar.close()
   wall = time.perf_counter() - t0
   results.sort(key=lambda r: (r.request_id, r.sample_index))
@@ -307,7 +307,7 @@ def main(argv=None):
   from tlt_jax.checkpoint import Checkpointer
   from tlt_jax.models.hf_io import (load_hf_model, load_tokenizer, read_hf_config,
                                     stop_token_ids)
-  from tlt_jax.rollout.engine import EngineConfig, RolloutWorker
+  from tlt_jax.rollout.engine import Engine, EngineConfig
   from tlt_jax.rollout.sampling import SamplingParams
 
   t_start = time.perf_counter()
@@ -358,7 +358,7 @@ def main(argv=None):
     ecfg = EngineConfig(max_batch=args.gen_batch, buckets=buckets_upto(args.gen_batch),
                         max_prompt_len=plen, max_new_tokens=args.max_new_tokens,
                         capture_hidden=True, stop_tokens=tuple(stop))
-    worker = RolloutWorker(target, cfg, ecfg)
+    worker = Engine(target, cfg, ecfg)
     prompt_hidden = make_prompt_hidden_fn(cfg)
     if train_seqs is None:
       sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)

@@ -22,7 +22,8 @@ from tlt_jax.bench import regime
 from tlt_jax.drafter.model import drafter_forward, load_drafter
 from tlt_jax.models import forward
 from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
-from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker, SpecConfig
+from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
+from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,7 +91,7 @@ def _generate(model_dir, drafter_dir, prompts):
                       max_new_tokens=64, stop_tokens=stop_token_ids(model_dir),
                       spec=SpecConfig(strategy="3_1_4", bs_threshold=4, patience=1,
                                       use_kernel=False))
-  w = RolloutWorker(params, cfg, ecfg, drafter_params=dparams)
+  w = Engine(params, cfg, ecfg, drafter_params=dparams)
   results = w.generate([Request(ids, i) for i, ids in enumerate(prompts)],
                        SamplingParams(temperature=0.0))
   by_id = {r.request_id: r.response_ids.tolist() for r in results}

@@ -319,7 +319,8 @@ def test_two_workers_on_two_devices_decode_what_one_does_and_share_one_drafter(d
   from tlt_jax.drafter.merge import average_states
   from tlt_jax.drafter.trainer import DrafterTrainer
   from tlt_jax.optim import make_optimizer
-  from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker, SpecConfig
+  from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
+  from tlt_jax.rollout.records import Request
   from tlt_jax.rollout.sampling import SamplingParams
   cfg, params, dparams, tok, stop = default_model
   ecfg = EngineConfig(max_batch=8, buckets=(1, 2, 4, 8), chunk_size=8, max_prompt_len=80,
@@ -328,7 +329,7 @@ def test_two_workers_on_two_devices_decode_what_one_does_and_share_one_drafter(d
                                       use_kernel=False))
   reqs = [Request(p, i, s) for i, p in enumerate(_prompts(tok, 6)) for s in range(2)]
   sp = SamplingParams(temperature=0.0)
-  single = RolloutWorker(params, cfg, ecfg, drafter_params=dparams).generate(reqs, sp, seed=3)
+  single = Engine(params, cfg, ecfg, drafter_params=dparams).generate(reqs, sp, seed=3)
 
   tx = make_optimizer(3e-4)
   buffer = DrafterBuffer(BufferConfig(buffer_tokens=4096, window=32, windows_per_response=2))
@@ -338,7 +339,7 @@ def test_two_workers_on_two_devices_decode_what_one_does_and_share_one_drafter(d
   store_sh = dts.state_shardings(dparams, tx, meshes[0])
   workers = []
   for i, m in enumerate(meshes):
-    engine = RolloutWorker(params, cfg, ecfg, worker_id=i, mesh=m, drafter_params=dparams)
+    engine = Engine(params, cfg, ecfg, worker_id=i, mesh=m, drafter_params=dparams)
     trainer = DrafterTrainer(step_fn=step_fn, shardings=dts.state_shardings(dparams, tx, m),
                              buffer=buffer, rows=2, row_len=64,
                              target_params=lambda e=engine: e.params, seed=i)

@@ -556,14 +556,15 @@ def policy_rollouts():
   from tlt_jax.config import asset_path
   from tlt_jax.data.prompts import load_prompt_rows
   from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
-  from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker
+  from tlt_jax.rollout.engine import Engine, EngineConfig
+  from tlt_jax.rollout.records import Request
   from tlt_jax.rollout.sampling import SamplingParams
   mdir = asset_path("default", "model")
   cfg, params = load_hf_model(mdir)
   tok = load_tokenizer(mdir)
   rows, _ = load_prompt_rows(asset_path("default", "data", "test.jsonl"))
   prompts = [tok.encode(r.prompt) for r in rows[:24]]
-  worker = RolloutWorker(params, cfg, EngineConfig(
+  worker = Engine(params, cfg, EngineConfig(
       max_batch=24, buckets=(8, 16, 24), max_prompt_len=80, max_new_tokens=96,
       capture_hidden=True, stop_tokens=stop_token_ids(mdir, tok)))
   results = worker.generate([Request(p, i) for i, p in enumerate(prompts)],

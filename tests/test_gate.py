@@ -7,8 +7,9 @@ import pytest
 
 from tlt_jax.drafter.model import init_drafter
 from tlt_jax.models import ModelConfig, init_params
-from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker, SpecConfig
+from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
 from tlt_jax.rollout.gate import GateConfig, SpecGate
+from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
 
 
@@ -234,16 +235,16 @@ def test_workers_compile_and_speculate_only_where_the_gate_opens():
   dparams = init_drafter(CFG, jax.random.key(1))
   reqs, sp = _requests(9), SamplingParams(temperature=0.0)
   plain = {r.request_id: r.response_ids
-           for r in RolloutWorker(params, CFG, EngineConfig(**SMALL)).generate(reqs, sp)}
+           for r in Engine(params, CFG, EngineConfig(**SMALL)).generate(reqs, sp)}
   spec = SpecConfig(strategy="3_1_4", bs_threshold=4, patience=1, use_kernel=False,
                     background_compile=True)
   gate = SpecGate(GateConfig(min_chunks=1, margin=1e6, reprobe_every=0))  # never pays
-  a, b = (RolloutWorker(params, CFG, EngineConfig(**SMALL, spec=spec), drafter_params=dparams,
-                        worker_id=i, gate=gate) for i in (0, 1))
+  a, b = (Engine(params, CFG, EngineConfig(**SMALL, spec=spec), drafter_params=dparams,
+                 worker_id=i, gate=gate) for i in (0, 1))
 
   def run(w):
     out = {r.request_id: r.response_ids for r in w.generate(reqs, sp)}
-    w.wait_compiled(timeout=600)
+    w.compiles.wait(timeout=600)
     for k, v in plain.items():
       np.testing.assert_array_equal(out[k], v)
 
@@ -283,11 +284,11 @@ def test_drafter_data_is_captured_only_while_the_gate_wants_the_drafter():
   reqs, sp = _requests(5), SamplingParams(temperature=0.0)
   spec = SpecConfig(strategy="3_1_4", bs_threshold=1, patience=1, use_kernel=False)
   ecfg = EngineConfig(**SMALL, spec=spec, capture_hidden=True)
-  ref = {r.request_id: r.hidden for r in RolloutWorker(
+  ref = {r.request_id: r.hidden for r in Engine(
       params, CFG, ecfg, drafter_params=dparams).generate(reqs, sp, speculate=False)}
   # a probe that never decides (its verdict is timing's): whether drafts pay is set by hand
   gate = SpecGate(GateConfig(min_chunks=10_000, window=10_000, reprobe_every=0))
-  w = RolloutWorker(params, CFG, ecfg, drafter_params=dparams, gate=gate)
+  w = Engine(params, CFG, ecfg, drafter_params=dparams, gate=gate)
   assert all(r.hidden is None for r in w.generate(reqs, sp))  # nothing shows drafts pay yet
   gate.hardware_ok = True  # as if a probe measured a ceiling over the bar
   got = w.generate(reqs, sp)

@@ -129,11 +129,10 @@ def runs(ckpt, tmp_path_factory):
                        "--output", outs["greedy"]),
       # speculative chain decoding with a fresh (random) drafter: greedy output unchanged
       "spec": _start(*common, "--temperature", "0", "--batch_size", "4", "--drafter",
-                     "init:0", "--spec", "chain", "--spec_steps", "2", "--output", outs["spec"]),
+                     "init:0", "--spec", "2_1_3", "--output", outs["spec"]),
       # an EAGLE-2 tree (depth 3, branching 2, 6 nodes verified): greedy output unchanged too
       "spec_tree": _start(*common, "--temperature", "0", "--batch_size", "4", "--drafter",
-                          "init:0", "--spec", "tree", "--spec_steps", "3", "--spec_topk", "2",
-                          "--spec_verify_tokens", "6", "--output", outs["spec_tree"]),
+                          "init:0", "--spec", "3_2_6", "--output", outs["spec_tree"]),
   }
   done = {k: _finish(p) for k, p in procs.items()}
   for k, cp in done.items():
@@ -209,6 +208,7 @@ def errors(ckpt, tmp_path_factory):
       "too_long": _write(tmp / "long.jsonl", [{"prompt": "the cat"}, "",
                                               {"prompt_ids": long_ids}]),
       "good": _write(tmp / "good.jsonl", [{"prompt": "the cat"}]),
+      "vocab": _write(tmp / "vocab.jsonl", [{"prompt_ids": [3, VOCAB]}]),
   }
   out = str(tmp / "out.jsonl")
   base = ["--max_new_tokens", str(MAX_NEW), "--output", out]
@@ -218,11 +218,11 @@ def errors(ckpt, tmp_path_factory):
       "empty": ["--model", ckpt["dir"], "--prompts", files["empty"]],
       "too_long": ["--model", ckpt["dir"], "--prompts", files["too_long"]],
       "missing_model": ["--model", str(tmp / "no_model"), "--prompts", files["good"]],
-      "chain_topk": ["--model", ckpt["dir"], "--prompts", files["good"], "--drafter", "init:0",
-                     "--spec", "chain", "--spec_topk", "2"],
+      "vocab": ["--model", ckpt["dir"], "--prompts", files["vocab"]],
+      "not_an_arm": ["--model", ckpt["dir"], "--prompts", files["good"], "--drafter", "init:0",
+                     "--spec", "chain"],
       "tree_too_big": ["--model", ckpt["dir"], "--prompts", files["good"], "--drafter",
-                       "init:0", "--spec", "tree", "--spec_steps", "2", "--spec_topk", "2",
-                       "--spec_verify_tokens", "9"],
+                       "init:0", "--spec", "2_2_9"],
   }
   procs = {k: _start(*v, *base) for k, v in cases.items()}
   done = {k: _finish(p) for k, p in procs.items()}
@@ -237,10 +237,13 @@ def errors(ckpt, tmp_path_factory):
     ("too_long", rf"error: \S*long\.jsonl:3: prompt has {CONTEXT - MAX_NEW + 1} tokens; with "
                  rf"--max_new_tokens {MAX_NEW} that exceeds the model's context \({CONTEXT}\)"),
     ("missing_model", r"error: model directory '\S*no_model' does not exist"),
-    ("chain_topk", r"error: --spec chain drafts one token per depth; for --spec_topk > 1 use "
-                   r"--spec tree"),
-    ("tree_too_big", r"error: --spec_steps/--spec_topk/--spec_verify_tokens: strategy 2_2_9: "
-                     r"a tree of depth 2 and branching 2 has 7 candidate nodes"),
+    # the engine's rule (engine.prompt_problem), named by the file's line
+    ("vocab", rf"error: \S*vocab\.jsonl:1: token id {VOCAB} is outside the vocabulary "
+              rf"\[0, {VOCAB}\)"),
+    ("not_an_arm", r"error: --spec: strategy 'chain': use '<steps>_<topk>_<verify_tokens>' "
+                   r"\(e\.g\. '4_1_5'\) or 'off'"),
+    ("tree_too_big", r"error: --spec: strategy 2_2_9: a tree of depth 2 and branching 2 has 7 "
+                     r"candidate nodes"),
 ])
 def test_user_errors(errors, case, pattern):
   cp = errors[0][case]

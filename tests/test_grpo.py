@@ -10,7 +10,8 @@ import pytest
 from tlt_jax.models import ModelConfig, forward, init_params
 from tlt_jax.optim import make_optimizer
 from tlt_jax.rl import grpo
-from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker
+from tlt_jax.rollout.engine import Engine, EngineConfig
+from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.sharding import make_mesh
 
@@ -172,7 +173,7 @@ def test_grpo_raises_a_toy_reward_on_a_sharded_learner():
   state = grpo.init_learner(params, spec)
   leaf = state.params["layers"]["up"]
   assert leaf.sharding.spec[1] == "fsdp" and len(leaf.addressable_shards) == 8
-  worker = RolloutWorker(params, CFG, EngineConfig(max_batch=32, buckets=(8, 32),
+  worker = Engine(params, CFG, EngineConfig(max_batch=32, buckets=(8, 32),
                                                    max_prompt_len=8, max_new_tokens=8))
   sp = SamplingParams(temperature=1.0)
   rng = np.random.RandomState(0)

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from tlt_jax.models import ModelConfig, init_params
-from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker, SpecConfig
+from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
 from tlt_jax.rollout.mab import (BucketedEpsilonGreedy, EpsilonGreedy, FixedSelector, UCB1,
                                  default_mab_buckets, make_selector)
+from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.strategy import Strategy
 
@@ -195,23 +196,24 @@ def test_engine_beg_lossless_and_compiles_only_choosable(tiny):
   base = dict(max_batch=8, buckets=(1, 2, 4, 8), chunk_size=2, max_prompt_len=16,
               max_new_tokens=40)
   sp = SamplingParams(temperature=0.0)
-  plain = RolloutWorker(params, CFG, EngineConfig(**base)).generate(reqs, sp)
+  plain = Engine(params, CFG, EngineConfig(**base)).generate(reqs, sp)
   sel = BucketedEpsilonGreedy({1: ["3_1_4", "off"], 3: ["2_1_3", "off"], 5: ["1_1_2", "off"]},
                               epsilon=0.5, window=20, seed=0)
-  w = RolloutWorker(params, CFG, EngineConfig(**base, spec=SpecConfig(
+  w = Engine(params, CFG, EngineConfig(**base, spec=SpecConfig(
       strategy="1_1_2", bs_threshold=4, patience=1, use_kernel=False)),
       drafter_params=dparams, selector=sel)
   # live <= 4: engine bucket 1 holds live 1 and bucket 2 live 2 (selector bucket 1), bucket
   # 4 live 3-4 (selector bucket 3); bucket 8 never speculates, selector bucket 5 is unreached.
-  assert w.choosable_pairs() == {1: ["3_1_4", "off"], 2: ["3_1_4", "off"],
+  assert w.compiles.choosable_pairs() == {1: ["3_1_4", "off"], 2: ["3_1_4", "off"],
                                  4: ["2_1_3", "off"]}
-  assert w.precompile(sp) == 6
-  report = w.compile_report()
-  assert report["compiled"] == 6 == report["choosable_pairs"]
-  assert report["all_pairs"] == 4 * 4 and report["all_pairs_bytes_estimate"] > 0
-  assert report["compiled_bytes"] < report["all_pairs_bytes_estimate"]
+  def spec_pairs():
+    return sorted((r.batch, r.key.variant[0]) for r in w.compile_log if r.name == "spec")
+
+  assert w.compiles.precompile(sp) == 6
+  assert spec_pairs() == [(1, "3_1_4"), (1, "off"), (2, "3_1_4"), (2, "off"), (4, "2_1_3"),
+                          (4, "off")]
   spec = {r.request_id: r for r in w.generate(reqs, sp)}
-  assert w.compile_report()["compiled"] == 6  # generate reused the precompiled executables
+  assert len(spec_pairs()) == 6  # generate reused the precompiled executables
   modes = {m.mode for m in w.chunk_log}
   assert {"3_1_4", "2_1_3", "off"} <= modes  # the bandit switched arms
   pulls = sel.state_dict()["pulls"]

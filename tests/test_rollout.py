@@ -32,7 +32,8 @@ from transformers.generation import (TemperatureLogitsWarper, TopKLogitsWarper,
 
 from tlt_jax.models import compute_logits, forward
 from tlt_jax.models.hf_io import load_hf_model
-from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker
+from tlt_jax.rollout.engine import Engine, EngineConfig
+from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams, processed_logprobs, sample_tokens
 
 VOCAB = 96
@@ -160,8 +161,8 @@ def greedy(models, prompts):
     for i in range(3):
       assert hf_greedy(m.hf, prompts[i], caps[i], eos=stop) == ref[i]
     # Qwen's worker also captures hidden states (test_hidden_capture); Llama's does not.
-    worker = RolloutWorker(m.params, m.cfg,
-                           engine_cfg(stop_tokens=(stop,), capture_hidden=arch == "qwen2"))
+    worker = Engine(m.params, m.cfg,
+                    engine_cfg(stop_tokens=(stop,), capture_hidden=arch == "qwen2"))
     results, chunks = run(worker, greedy_requests(prompts), GREEDY)
     out[arch] = dict(ref=ref, stop=stop, caps=caps, worker=worker, results=results,
                      chunks=chunks)
@@ -219,10 +220,10 @@ def layouts(models, greedy, prompts):
   m, g = models["qwen2"], greedy["qwen2"]
   stop = (g["stop"],)
   main = g["worker"]
-  no_compact = RolloutWorker(m.params, m.cfg, engine_cfg(stop_tokens=stop, compaction=False,
+  no_compact = Engine(m.params, m.cfg, engine_cfg(stop_tokens=stop, compaction=False,
                                                          capture_hidden=True))
   # a different chunk size AND a max_batch that is not itself a bucket
-  other_chunk = RolloutWorker(m.params, m.cfg, engine_cfg(stop_tokens=stop, chunk_size=3,
+  other_chunk = Engine(m.params, m.cfg, engine_cfg(stop_tokens=stop, chunk_size=3,
                                                           max_batch=3, capture_hidden=True))
   out = {"main": {}, "no_compact": {}, "other_chunk": {}}
   out["main"]["sampled"] = run(main, sampled_requests(prompts), T1, seed=0)
@@ -310,7 +311,7 @@ def test_a_group_prefills_its_prompt_once_with_the_same_results(models, layouts,
   shared, _ = layouts["main"]["sampled"]  # (prompt, sample) pairs adjacent: shared prefills
   assert any(r.name == "prefill" and r.key.variant == "shared" for r in main.compile_log)
   interleaved = sorted(sampled_requests(prompts), key=lambda r: (r.sample_index, r.request_id))
-  w = RolloutWorker(models["qwen2"].params, models["qwen2"].cfg, main.ecfg)
+  w = Engine(models["qwen2"].params, models["qwen2"].cfg, main.ecfg)
   alone, _ = run(w, interleaved, T1, seed=0)
   assert not any(r.key.variant == "shared" for r in w.compile_log)  # no prefill shared
   assert_same_results(shared, alone, "sampled, shared prefill vs none")
@@ -534,9 +535,9 @@ def test_two_workers_on_two_devices_under_the_coordinator(models, greedy, prompt
   assert len(jax.devices()) >= 2
   main = g["worker"]
   assert main.mesh.devices.flat[0] == jax.devices()[0]
-  second = RolloutWorker(m.params, m.cfg, main.ecfg, worker_id=1,
-                         mesh=Mesh(np.array([jax.devices()[1]]).reshape(1, 1, 1),
-                                   ("data", "fsdp", "tensor")))
+  second = Engine(m.params, m.cfg, main.ecfg, worker_id=1,
+                  mesh=Mesh(np.array([jax.devices()[1]]).reshape(1, 1, 1),
+                            ("data", "fsdp", "tensor")))
   assert {d for x in jax.tree.leaves(second.params) for d in x.devices()} == {jax.devices()[1]}
   lock = threading.Lock()
   seen = {"results": [], "chunks": []}

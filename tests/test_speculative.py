@@ -16,7 +16,8 @@ from scipy import stats
 from tlt_jax.drafter.model import init_drafter
 from tlt_jax.models import ModelConfig, forward, init_params
 from tlt_jax.rollout import decode, speculative
-from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker, SpecConfig
+from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
+from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams, processed_logprobs
 
 CFG = ModelConfig(arch="qwen2", vocab_size=61, hidden_size=32, intermediate_size=64,
@@ -47,13 +48,13 @@ def test_greedy_spec_equals_plain_random_drafter(tiny, arm):
   base = dict(max_batch=4, buckets=(1, 2, 4), chunk_size=4, max_prompt_len=16,
               max_new_tokens=24)
   sp = SamplingParams(temperature=0.0)
-  plain = RolloutWorker(params, CFG, EngineConfig(**base)).generate(reqs, sp)
+  plain = Engine(params, CFG, EngineConfig(**base)).generate(reqs, sp)
   # A stop token that really fires inside some responses.
   stop = int(np.bincount(np.concatenate([r.response_ids[3:] for r in plain])).argmax())
-  plain = _by_id(RolloutWorker(params, CFG, EngineConfig(**base, stop_tokens=(stop,)))
+  plain = _by_id(Engine(params, CFG, EngineConfig(**base, stop_tokens=(stop,)))
                  .generate(reqs, sp))
   assert any(r.finish_reason == "stop" for r in plain.values())
-  w = RolloutWorker(params, CFG, EngineConfig(
+  w = Engine(params, CFG, EngineConfig(
       **base, stop_tokens=(stop,),
       spec=SpecConfig(strategy=arm, bs_threshold=3, patience=1, use_kernel=False)),
       drafter_params=dparams)
@@ -70,7 +71,7 @@ def test_greedy_spec_with_kernel_equals_reference(tiny, arm):
   reqs = _requests(3, seed=1)
   outs = []
   for use_kernel in (False, True):
-    w = RolloutWorker(params, CFG, EngineConfig(
+    w = Engine(params, CFG, EngineConfig(
         max_batch=4, buckets=(4,), chunk_size=8, max_prompt_len=16, max_new_tokens=12,
         spec=SpecConfig(strategy=arm, bs_threshold=4, patience=1, use_kernel=use_kernel)),
         drafter_params=dparams)
@@ -100,8 +101,8 @@ def test_greedy_spec_equals_plain_trained_drafter(arm):
   base = dict(max_batch=4, buckets=(1, 2, 4), chunk_size=8, max_prompt_len=64,
               max_new_tokens=96, stop_tokens=stop_token_ids(mdir, tok))
   sp = SamplingParams(temperature=0.0)
-  plain = _by_id(RolloutWorker(params, cfg, EngineConfig(**base)).generate(reqs, sp))
-  w = RolloutWorker(params, cfg, EngineConfig(**base, spec=SpecConfig(
+  plain = _by_id(Engine(params, cfg, EngineConfig(**base)).generate(reqs, sp))
+  w = Engine(params, cfg, EngineConfig(**base, spec=SpecConfig(
       strategy=arm, bs_threshold=4, patience=1, use_kernel=False)), drafter_params=dparams)
   spec = _by_id(w.generate(reqs, sp))
   accepted = sum(m.accepted for m in w.chunk_log)
@@ -142,10 +143,10 @@ def test_switch_on_after_plain_decoding_gives_the_drafter_its_context():
   base = dict(max_batch=8, buckets=(1, 2, 4, 8), chunk_size=8, max_prompt_len=64,
               max_new_tokens=160, stop_tokens=stop_token_ids(mdir, tok))
   sp = SamplingParams(temperature=0.0)
-  plain = _by_id(RolloutWorker(params, cfg, EngineConfig(**base)).generate(reqs, sp))
+  plain = _by_id(Engine(params, cfg, EngineConfig(**base)).generate(reqs, sp))
   runs = {}
   for name, patience in (("from_prompt", 1), ("switched_on", 5)):
-    w = RolloutWorker(params, cfg, EngineConfig(**base, spec=SpecConfig(
+    w = Engine(params, cfg, EngineConfig(**base, spec=SpecConfig(
         strategy="4_1_5", bs_threshold=8, patience=patience, use_kernel=False)),
         drafter_params=dparams)
     runs[name] = (_by_id(w.generate(reqs, sp)), w.chunk_log)
@@ -343,7 +344,7 @@ SMALL = dict(max_batch=4, buckets=(1, 2, 4), chunk_size=4, max_prompt_len=16, ma
 def _greedy_plain(params, n):
   """n requests, greedy sampling, and plain decoding's results (the reference)."""
   reqs, sp = _requests(n), SamplingParams(temperature=0.0)
-  return reqs, sp, _by_id(RolloutWorker(params, CFG, EngineConfig(**SMALL)).generate(reqs, sp))
+  return reqs, sp, _by_id(Engine(params, CFG, EngineConfig(**SMALL)).generate(reqs, sp))
 
 
 def test_kernel_that_fails_to_compile_falls_back_to_the_reference(tiny, monkeypatch, caplog):
@@ -364,14 +365,14 @@ def test_kernel_that_fails_to_compile_falls_back_to_the_reference(tiny, monkeypa
   monkeypatch.setattr(speculative, "verify_chain", failing("chain"))
   monkeypatch.setattr(speculative, "verify_tree", failing("tree"))
   reqs, sp, plain = _greedy_plain(params, 6)
-  w = RolloutWorker(params, CFG, EngineConfig(
+  w = Engine(params, CFG, EngineConfig(
       **SMALL, spec=SpecConfig(strategy=arm, bs_threshold=4, patience=1, use_kernel=True)),
       drafter_params=dparams)
-  assert w.verify_path == "pallas"
+  assert w.compiles.verify_path == "pallas"
   with caplog.at_level("WARNING"):
     spec = _by_id(w.generate(reqs, sp))
   assert any(m.mode == arm for m in w.chunk_log)
-  assert w.verify_path == "jnp" and "simulated" in w.kernel_error
+  assert w.compiles.verify_path == "jnp" and "simulated" in w.compiles.kernel_error
   assert sum("failed to compile" in r.message for r in caplog.records) == 1
   for k in plain:
     np.testing.assert_array_equal(spec[k].response_ids, plain[k].response_ids)
@@ -383,13 +384,14 @@ def test_background_compile_then_speculation_without_foreground_compiles(tiny):
   outputs stay exactly plain greedy decoding's."""
   params, dparams = tiny
   reqs, sp, plain = _greedy_plain(params, 9)
-  w = RolloutWorker(params, CFG, EngineConfig(
+  w = Engine(params, CFG, EngineConfig(
       **SMALL, spec=SpecConfig(strategy="3_1_4", bs_threshold=4, patience=1, use_kernel=False,
                               background_compile=True)), drafter_params=dparams)
   first = _by_id(w.generate(reqs, sp))
-  w.wait_compiled(timeout=600)
+  w.compiles.wait(timeout=600)
   compiled = {(r.batch, r.key.variant[0]) for r in w.compile_log if r.name == "spec"}
-  assert compiled == {(b, a) for b, arms in w.choosable_pairs().items() for a in arms}
+  assert compiled == {(b, a) for b, arms in w.compiles.choosable_pairs().items()
+                      for a in arms}
   n = len(w.chunk_log)
   second = _by_id(w.generate(reqs, sp))
   chunks = w.chunk_log[n:]
@@ -405,7 +407,7 @@ def test_plain_call_of_a_worker_with_a_drafter_runs_without_it(tiny):
   are plain greedy decoding's; a later speculating call still speculates, losslessly."""
   params, dparams = tiny
   reqs, sp, plain = _greedy_plain(params, 6)
-  w = RolloutWorker(params, CFG, EngineConfig(
+  w = Engine(params, CFG, EngineConfig(
       **SMALL, spec=SpecConfig(strategy="3_1_4", bs_threshold=4, patience=1, use_kernel=False)),
       drafter_params=dparams)
   off = _by_id(w.generate(reqs, sp, speculate=False))
@@ -427,9 +429,9 @@ def test_a_group_starting_under_the_threshold_prefills_its_prompt_once(tiny):
   prompts = [r.prompt_ids for r in _requests(2, seed=3)]
   reqs = [Request(prompts[i], request_id=i, sample_index=s) for i in range(2) for s in range(2)]
   sp = SamplingParams(temperature=0.0)
-  alone = {i: RolloutWorker(params, CFG, EngineConfig(**SMALL)).generate(
+  alone = {i: Engine(params, CFG, EngineConfig(**SMALL)).generate(
       [Request(prompts[i], request_id=i)], sp)[0].response_ids for i in range(2)}
-  w = RolloutWorker(params, CFG, EngineConfig(
+  w = Engine(params, CFG, EngineConfig(
       **SMALL, spec=SpecConfig(strategy="3_1_4", bs_threshold=4, patience=1, use_kernel=False)),
       drafter_params=dparams)
   out = _by_id(w.generate(reqs, sp))
@@ -438,7 +440,7 @@ def test_a_group_starting_under_the_threshold_prefills_its_prompt_once(tiny):
   for (i, s), r in out.items():
     np.testing.assert_array_equal(r.response_ids, alone[i], err_msg=str((i, s)))
   # the same drafts are accepted as when each row is prefilled alone
-  w1 = RolloutWorker(params, CFG, EngineConfig(
+  w1 = Engine(params, CFG, EngineConfig(
       **SMALL, spec=SpecConfig(strategy="3_1_4", bs_threshold=4, patience=1, use_kernel=False)),
       drafter_params=dparams)
   for i in range(2):

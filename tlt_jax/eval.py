@@ -20,7 +20,8 @@ import numpy as np
 
 from tlt_jax.data.dataset import encode_prompt
 from tlt_jax.data.prompts import PromptRow
-from tlt_jax.rollout.engine import Request, RolloutWorker, WorkerHooks
+from tlt_jax.rollout.engine import Engine
+from tlt_jax.rollout.records import EngineHooks, Request
 from tlt_jax.rollout.sampling import SamplingParams
 
 
@@ -32,7 +33,7 @@ def length_stats(lengths: Sequence[int]) -> dict[str, float]:
           "p90": float(np.percentile(a, 90)), "max": float(a.max())}
 
 
-def evaluate(worker: RolloutWorker, tokenizer, rows: Sequence[PromptRow], reward_fn, *,
+def evaluate(engine: Engine, tokenizer, rows: Sequence[PromptRow], reward_fn, *,
              seed: int = 0, progress: bool = True, chat_template: bool = False,
              system_prompt: str = "", selector=None, speculate: bool = True
              ) -> dict[str, Any]:
@@ -46,9 +47,9 @@ def evaluate(worker: RolloutWorker, tokenizer, rows: Sequence[PromptRow], reward
   if progress:
     from tqdm import tqdm
     bar = tqdm(total=len(requests), desc="eval", unit="prompt", file=sys.stderr)
-  hooks = WorkerHooks(on_result=(lambda _: bar.update(1)) if bar else None)
+  hooks = EngineHooks(on_result=(lambda _: bar.update(1)) if bar else None)
   t0 = time.perf_counter()
-  results = worker.generate(requests, SamplingParams(temperature=0.0), seed=seed, hooks=hooks,
+  results = engine.generate(requests, SamplingParams(temperature=0.0), seed=seed, hooks=hooks,
                             selector=selector, speculate=speculate)
   wall = time.perf_counter() - t0
   if bar:
@@ -90,15 +91,15 @@ def main(argv):
   cfg = _CONFIG.value
   spec = runtime.prepare(run_spec(cfg), training=False)
   model_cfg, params, tokenizer, stop = runtime.load_model(cfg)
-  worker = RolloutWorker(params, model_cfg, spec.engine_config(
+  engine = Engine(params, model_cfg, spec.engine_config(
       stop, max_batch=cfg.eval.batch_size, speculative=False))
   rows = runtime.load_rows(cfg, cfg.data.test_path)
   if cfg.eval.num_prompts:
     rows = rows[:cfg.eval.num_prompts]
   from tlt_jax.rl.rewards import get_reward_fn
-  metrics = evaluate(worker, tokenizer, rows, get_reward_fn(cfg.reward.name), seed=cfg.seed,
+  metrics = evaluate(engine, tokenizer, rows, get_reward_fn(cfg.reward.name), seed=cfg.seed,
                      chat_template=cfg.data.chat_template, system_prompt=cfg.data.system_prompt)
-  metrics["compile"] = worker.compile_stats()
+  metrics["compile"] = engine.compile_stats()
   metrics["model"] = cfg.model.path
   os.makedirs(cfg.workdir, exist_ok=True)
   with open(os.path.join(cfg.workdir, "eval.json"), "w") as f:

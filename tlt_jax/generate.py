@@ -2,12 +2,16 @@
 
   python -m tlt_jax.generate --model DIR --prompts prompts.jsonl --output out.jsonl \
       [--num_samples 4 --temperature 0.9 --top_p 0.95 --top_k 50 --max_new_tokens 256 \
-       --seed 0 --batch_size 64 --chat]
+       --seed 0 --batch_size 64 --chat --drafter DIR --spec 4_1_5]
 
 Prompt lines: {"prompt": "text"} (tokenized with DIR's tokenizer; with --chat, through its chat
 template) or {"prompt_ids": [1, 2, 3]}. --temperature 0 is greedy. One output line per sample:
 prompt_index, sample_index, response_ids, text (when DIR has a tokenizer), num_tokens,
 finish_reason. A summary (tokens/s, batch-size profile over time) goes to stderr.
+
+--spec takes one arm of the engine's grammar (rollout/strategy.py): "<steps>_<topk>_<verify>",
+e.g. 4_1_5 (a chain of 4 drafts, 5 tokens verified) or 3_2_6 (a tree of depth 3, branching 2,
+6 nodes verified); "off" decodes plainly.
 """
 
 from __future__ import annotations
@@ -36,11 +40,8 @@ flags.DEFINE_bool("chat", False, "Apply the tokenizer's chat template to text pr
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute/param dtype.")
 flags.DEFINE_string("drafter", None, "Drafter directory (scripts/train_drafter.py output) or "
                     "init:SEED for a freshly initialised drafter.")
-flags.DEFINE_enum("spec", "off", ["off", "chain", "tree"], "Speculative decoding strategy.")
-flags.DEFINE_integer("spec_steps", 4, "Draft depth.")
-flags.DEFINE_integer("spec_topk", 1, "Branching per draft step (tree).")
-flags.DEFINE_integer("spec_verify_tokens", 0, "Tree nodes verified per step, root included "
-                     "(tree; 0 = steps * topk + 1; a chain verifies steps + 1).")
+flags.DEFINE_string("spec", "off", "Speculative decoding arm '<steps>_<topk>_<verify_tokens>' "
+                    "(e.g. 4_1_5: a chain of 4 drafts; 3_2_6: a tree) or 'off'.")
 flags.DEFINE_integer("spec_threshold", 0, "Speculate once the live batch is <= this "
                      "(0 = always).")
 
@@ -93,7 +94,7 @@ def read_prompts(path: str, tokenizer, *, chat: bool) -> list[list[int]]:
 
 
 def batch_profile(chunks, start: float = 0.0, points: int = 8) -> str:
-  """'t=0.0s:64 t=1.2s:16 ...': the worker's batch bucket over time, for the summary."""
+  """'t=0.0s:64 t=1.2s:16 ...': the engine's batch bucket over time, for the summary."""
   if not chunks:
     return ""
   step = max(1, len(chunks) // points)
@@ -107,46 +108,39 @@ def main(argv):
     if not getattr(FLAGS, name):
       raise InputError(f"--{name} is required")
   from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
-  from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker, tokens_per_verification
+  from tlt_jax.rollout.engine import Engine, EngineConfig, prompt_problem
+  from tlt_jax.rollout.records import EngineHooks, Request, tokens_per_verification
   from tlt_jax.rollout.sampling import SamplingParams
   from tlt_jax.rollout.scheduler import buckets_upto
+  from tlt_jax.rollout.strategy import Strategy
 
   sp = SamplingParams(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p)
   if FLAGS.num_samples < 1 or FLAGS.batch_size < 1 or FLAGS.max_new_tokens < 1:
     raise InputError("--num_samples, --batch_size and --max_new_tokens must be >= 1")
+  try:
+    strategy = Strategy.parse(FLAGS.spec)
+  except ValueError as e:
+    raise InputError(f"--spec: {e}") from None
   cfg, params = load_hf_model(FLAGS.model, dtype=FLAGS.dtype, param_dtype=FLAGS.dtype)
   tokenizer = load_tokenizer(FLAGS.model)
   prompts = read_prompts(FLAGS.prompts, tokenizer, chat=FLAGS.chat)
+  longest = max(len(ids) for _, ids in prompts)
+  max_prompt_len = -(-longest // 16) * 16
   for where, ids in prompts:
     if len(ids) + FLAGS.max_new_tokens > cfg.max_position_embeddings:
       raise InputError(
           f"{where}: prompt has {len(ids)} tokens; with --max_new_tokens {FLAGS.max_new_tokens} "
           f"that exceeds the model's context ({cfg.max_position_embeddings})")
-    bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
-    if bad:
-      raise InputError(f"{where}: token id {bad[0]} outside the vocabulary [0, {cfg.vocab_size})")
-  longest = max(len(ids) for _, ids in prompts)
+    problem = prompt_problem(ids, vocab_size=cfg.vocab_size, max_prompt_len=max_prompt_len)
+    if problem:
+      raise InputError(f"{where}: {problem}")
   spec, dparams = None, None
-  if FLAGS.spec != "off":
+  if strategy.steps:
     from tlt_jax.rollout.engine import SpecConfig
     if not FLAGS.drafter:
       raise InputError("--spec needs --drafter DIR (or --drafter init:SEED)")
-    if FLAGS.spec_steps < 1:
-      raise InputError("--spec_steps must be >= 1")
-    if FLAGS.spec == "chain" and FLAGS.spec_topk != 1:
-      raise InputError("--spec chain drafts one token per depth; for --spec_topk > 1 use "
-                       "--spec tree")
-    if FLAGS.spec == "tree" and FLAGS.spec_topk < 2:
-      raise InputError("--spec tree needs --spec_topk >= 2 (a tree with one child per node is "
-                       "--spec chain)")
     import jax
     from tlt_jax.drafter.model import init_drafter, load_drafter
-    from tlt_jax.rollout.speculative import Strategy
-    try:
-      strategy = Strategy(FLAGS.spec_steps, FLAGS.spec_topk,
-                          FLAGS.spec_verify_tokens if FLAGS.spec == "tree" else 0)
-    except ValueError as e:
-      raise InputError(f"--spec_steps/--spec_topk/--spec_verify_tokens: {e}") from None
     if FLAGS.drafter.startswith("init:"):
       dparams = init_drafter(cfg, jax.random.key(int(FLAGS.drafter.split(":", 1)[1])))
     else:
@@ -158,17 +152,16 @@ def main(argv):
                       use_kernel=jax.default_backend() == "gpu")
   ecfg = EngineConfig(max_batch=FLAGS.batch_size, buckets=buckets_upto(FLAGS.batch_size),
                       chunk_size=FLAGS.chunk_size, compaction=FLAGS.compaction,
-                      max_prompt_len=-(-longest // 16) * 16, max_new_tokens=FLAGS.max_new_tokens,
+                      max_prompt_len=max_prompt_len, max_new_tokens=FLAGS.max_new_tokens,
                       stop_tokens=stop_token_ids(FLAGS.model, tokenizer), spec=spec)
-  worker = RolloutWorker(params, cfg, ecfg, drafter_params=dparams)
+  engine = Engine(params, cfg, ecfg, drafter_params=dparams)
   requests = [Request(ids, request_id=i, sample_index=s)
               for i, (_, ids) in enumerate(prompts) for s in range(FLAGS.num_samples)]
   from tqdm import tqdm
-  from tlt_jax.rollout.engine import WorkerHooks
   bar = tqdm(total=len(requests), desc="generate", unit="sample", file=sys.stderr)
   t0 = time.perf_counter()
-  results = worker.generate(requests, sp, seed=FLAGS.seed,
-                            hooks=WorkerHooks(on_result=lambda _: bar.update(1)))
+  results = engine.generate(requests, sp, seed=FLAGS.seed,
+                            hooks=EngineHooks(on_result=lambda _: bar.update(1)))
   wall = time.perf_counter() - t0
   bar.close()
   results.sort(key=lambda r: (r.request_id, r.sample_index))
@@ -182,12 +175,12 @@ def main(argv):
         row["text"] = tokenizer.decode(r.response_ids, skip_special_tokens=True)
       f.write(json.dumps(row) + "\n")
   tokens = sum(r.num_tokens for r in results)
-  cs = worker.compile_stats()
+  cs = engine.compile_stats()
   print(f"generated {len(results)} samples, {tokens} tokens in {wall:.2f}s "
         f"({tokens / wall:.1f} tokens/s incl. {cs['compile_seconds']:.1f}s compile of "
         f"{cs['executables']} executables)", file=sys.stderr)
-  print(f"batch profile: {batch_profile(worker.chunk_log)}", file=sys.stderr)
-  sd = [c for c in worker.chunk_log if c.mode != "plain"]
+  print(f"batch profile: {batch_profile(engine.chunk_log)}", file=sys.stderr)
+  sd = [c for c in engine.chunk_log if c.mode != "plain"]
   if sd:
     print(f"speculative ({sd[0].mode}): mean acceptance length "
           f"{tokens_per_verification(sd) or 0:.2f} tokens per verification", file=sys.stderr)

@@ -66,11 +66,11 @@ from tlt_jax.models import ModelConfig, Params, unstack_layers
 from tlt_jax.optim import make_optimizer
 from tlt_jax.rl import grpo
 from tlt_jax.rl.reward_pool import RewardError, RewardPool
-from tlt_jax.rollout.engine import (Request, Result, RolloutWorker, to_replica_layout,
-                                    tokens_per_verification)
+from tlt_jax.rollout.engine import Engine, to_replica_layout
 from tlt_jax.rollout.executables import background_compiler
 from tlt_jax.rollout.gate import SpecGate, VerdictCache
 from tlt_jax.rollout.mab import BucketedSelector, FixedSelector
+from tlt_jax.rollout.records import Request, Result, tokens_per_verification
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.sharding import tree_shardings
 
@@ -189,9 +189,9 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
   first = to_rollout(learner.params)
   workers = []
   for i, wmesh in local:  # this process's replicas (i: the global index)
-    engine = RolloutWorker(first, model_cfg, ecfg, worker_id=i, mesh=wmesh,
-                           drafter_params=drafter.params if tlt else None, selector=selector,
-                           gate=gate)
+    engine = Engine(first, model_cfg, ecfg, worker_id=i, mesh=wmesh,
+                    drafter_params=drafter.params if tlt else None, selector=selector,
+                    gate=gate)
     trainer = None
     if trained:
       wsh = dts.state_shardings(drafter.params, dtx, wmesh)
@@ -222,7 +222,7 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
       f.result()
   if tlt and cfg.tlt.spec.precompile:
     t = time.perf_counter()
-    n = sum(e.precompile(spec.sampling) for e in coordinator.engines)
+    n = sum(e.compiles.precompile(spec.sampling) for e in coordinator.engines)
     print(f"precompiled {n} speculative executables in {time.perf_counter() - t:.0f}s",
           file=sys.stderr)
 
@@ -433,8 +433,9 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
                  "share_of_tokens": sum(c.tokens for c in spec_chunks) / max(tokens, 1),
                  # Which verification ran ("pallas" kernel or "jnp" reference; a kernel
                  # that failed to compile fell back, see the run's log).
-                 "verify_path": sorted({e.verify_path for e in engines}),
-                 "kernel_fallbacks": sum(e.kernel_error is not None for e in engines)}
+                 "verify_path": sorted({e.compiles.verify_path for e in engines}),
+                 "kernel_fallbacks": sum(e.compiles.kernel_error is not None
+                                         for e in engines)}
   if run.gate is not None:
     m["spec_gate"] = run.gate.summary()
   if run.coordinator.spot.mode != "off":

@@ -11,7 +11,6 @@ import json
 import os
 import time
 
-import numpy as np
 
 from tlt_jax.bench.bench_model import regime_report
 from tlt_jax.bench.rollout import first_layer_assistant, hf_assisted, hf_generate, timed
@@ -149,8 +148,8 @@ def run(args: RegimeArgs) -> dict:
   from tlt_jax.data.prompts import load_prompt_rows
   from tlt_jax.drafter.model import load_drafter
   from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
-  from tlt_jax.rollout.engine import (EngineConfig, Request, RolloutWorker, SpecConfig,
-                                      tokens_per_verification)
+  from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
+  from tlt_jax.rollout.records import Request, tokens_per_verification
   from tlt_jax.rollout.mab import make_selector
   from tlt_jax.rollout.sampling import SamplingParams
   from tlt_jax.rollout.strategy import Strategy
@@ -181,8 +180,8 @@ def run(args: RegimeArgs) -> dict:
     ecfg = EngineConfig(max_batch=batch, buckets=buckets_upto(batch), chunk_size=16,
                         max_prompt_len=max_prompt, prompt_bucket=16,
                         max_new_tokens=args.max_new_tokens, stop_tokens=stop, spec=spec)
-    return RolloutWorker(params, cfg, ecfg, drafter_params=dparams if spec else None,
-                         selector=selector, gate=gate)
+    return Engine(params, cfg, ecfg, drafter_params=dparams if spec else None,
+                  selector=selector, gate=gate)
 
   def run(w, batches, sp):
     """Decodes each request batch (one generate call each) -> (tokens, seconds, outputs,

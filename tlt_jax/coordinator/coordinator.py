@@ -1,7 +1,7 @@
 """The coordinator: long-lived rollout workers, their states, weight sync and spot training.
 
-Each `Worker` is one model replica (a `RolloutWorker` engine on one device or a tensor-
-parallel sub-mesh) with its own long-lived thread that runs commands: generate a share of a
+Each `Worker` is one model replica (a rollout `Engine`, rollout/engine.py, on one device or
+a tensor-parallel sub-mesh) with its own long-lived thread that runs commands: generate a share of a
 rollout, train its drafter copy, take new weights from the `ParamStore`. The `Coordinator`
 drives one rollout per RL step:
 
@@ -36,7 +36,7 @@ from tlt_jax.coordinator.timeline import Timeline, WorkerState
 
 class Worker:
   """A rollout replica and its drafter trainer, driven by commands on one long-lived thread.
-  engine: a `RolloutWorker` (or anything with `worker_id`, `generate`, `set_params`,
+  engine: a rollout `Engine` (or anything with `worker_id`, `generate`, `set_params`,
   `set_drafter_params`, `params`); trainer: a drafter.trainer.DrafterTrainer or None
   (drafter frozen)."""
 
@@ -135,7 +135,7 @@ class Coordinator:
               on_response: Callable[[Worker, Any], None] | None = None,
               on_chunk: Callable[[Any], None] | None = None,
               selector: Any = None) -> RolloutOutcome:
-    from tlt_jax.rollout.engine import WorkerHooks
+    from tlt_jax.rollout.records import EngineHooks
     n = len(self.workers)
     slot = {g: i for i, g in enumerate(self.worker_ids)}
     shares: list[list[Any]] = [[] for _ in range(n)]
@@ -168,7 +168,7 @@ class Coordinator:
       w = self.workers[i]
       timeline.enter(i, WorkerState.GENERATING)
       try:
-        hooks = WorkerHooks(
+        hooks = EngineHooks(
             on_result=None if on_response is None else (lambda res: on_response(w, res)),
             on_chunk=lambda c: (chunks.append(c), on_chunk and on_chunk(c)),
             before_chunk=lambda: w.pull(self.store))

@@ -43,8 +43,16 @@ class CompileRecord:
     return self.key.name
 
 
+def batch_of(args: tuple) -> int:
+  """The batch (bucket) of an executable's arguments, 0 when it has none: params (plain
+  dicts) carry no batch; state leaves and token arrays (concrete or abstract) are batch-major."""
+  batched = [a for a in args if not isinstance(a, dict)]
+  return max((x.shape[0] for x in jax.tree.leaves(batched) if getattr(x, "ndim", 0)),
+             default=0)
+
+
 class ExecutableCache:
-  """`get(name, variant, fn, args, donate, batch)` -> the compiled executable for these
+  """`get(name, variant, fn, args, donate)` -> the compiled executable for these
   argument shapes, compiling it on first use. Thread-safe (a background thread may
   precompile while the engine decodes)."""
 
@@ -60,11 +68,12 @@ class ExecutableCache:
     return len(self._compiled)
 
   def get(self, name: str, variant: Hashable, fn: Callable, args: tuple, *,
-          donate: tuple[int, ...] = (), batch: int = 0):
+          donate: tuple[int, ...] = ()):
     key = ExecKey.of(name, variant, args)
     exe = self._compiled.get(key)
     if exe is not None:
       return exe
+    batch = batch_of(args)
     t0 = time.perf_counter()
     # Input shardings are committed (params on the worker's mesh), so no mesh context.
     exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()

@@ -192,7 +192,17 @@ class VerdictCache:
 
 class SpecGate:
   """See the module docstring. The first worker that starts a rollout gives the engine
-  buckets with speculative arms (and those arms) and probes."""
+  buckets with speculative arms (and those arms) and probes.
+
+  The whole interface an engine uses (engine.py sequences it; compile_plan.py asks the two
+  questions about compiling), each call under the gate's lock:
+    begin_rollout(worker, choosable)  once per generate call (the prober's calls are the clock)
+    drafter_wanted()                  whether hidden states are captured / the drafter trained
+    arms(worker, bucket)              the arms to compile there now
+    allows(worker, bucket)            whether a chunk may speculate there now
+    probe_arm(bucket, default)        the arm a chunk runs (the probed one on probation)
+    record(bucket, arm, ...)          one measured chunk (arm None: plain); may decide
+  Everything else (summary, state_dict) is for the metrics and the checkpoint."""
 
   def __init__(self, cfg: GateConfig | None = None, verdicts: VerdictCache | None = None):
     self.cfg = cfg or GateConfig()

@@ -23,8 +23,9 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from tlt_jax.rollout.engine import EngineConfig, Request, RolloutWorker, SpecConfig
+from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
 from tlt_jax.rollout.mab import EpsilonGreedy
+from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.strategy import Strategy
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.scheduler import buckets_upto
@@ -72,15 +73,15 @@ class LongTailBench:
     ecfg = EngineConfig(max_batch=max_batch, buckets=buckets_upto(max_batch),
                         chunk_size=chunk_size, max_prompt_len=w.max_prompt_len,
                         max_new_tokens=max_new_tokens, stop_tokens=w.stop_tokens, spec=spec)
-    self.worker = RolloutWorker(w.params, w.cfg, ecfg, drafter_params=w.drafter_params,
-                                selector=EpsilonGreedy(self.arms))
+    self.worker = Engine(w.params, w.cfg, ecfg, drafter_params=w.drafter_params,
+                         selector=EpsilonGreedy(self.arms))
 
   def precompile(self) -> float:
     """Compiles every arm at every bucket speculation can run at, then one untimed pass
     compiles the prefill / compaction shapes. Returns the seconds spent."""
     t0 = time.perf_counter()
     self.worker.selector = EpsilonGreedy(self.arms)
-    self.worker.precompile(self.sp)
+    self.worker.compiles.precompile(self.sp)
     self.worker.generate(self.requests, self.sp, seed=10_000)
     return time.perf_counter() - t0
 

@@ -15,7 +15,9 @@ Per chunk the engine asks `plan()` for the layout operations to apply before dec
 Compaction: once the queue is empty, the live rows move into the smallest bucket that holds
 them, so 3 stragglers of a 128-batch decode at bucket 4. Speculation switches on once the
 live batch has been <= bs_threshold for `patience` consecutive checks, and stays on for the
-rest of the call (the strategy selector can still choose "off").
+rest of the call (the strategy selector can still choose "off"); speculating=True: on from the
+first chunk (the engine's call whose whole batch starts under the threshold, its executables
+ready).
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ class Scheduler:
   """See the module docstring. `requests` are any objects (the engine's Request)."""
 
   def __init__(self, requests: Sequence[Any], *, max_batch: int, buckets: Sequence[int],
-               compaction: bool = True, bs_threshold: int | None = None, patience: int = 1):
+               compaction: bool = True, bs_threshold: int | None = None, patience: int = 1,
+               speculating: bool = False):
     if max_batch < 1 or not buckets or buckets[-1] < max_batch:
       raise ValueError(f"Scheduler: buckets {tuple(buckets)} must reach max_batch={max_batch}")
     if list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
@@ -80,7 +83,7 @@ class Scheduler:
     self.bs_threshold, self.patience = bs_threshold, patience
     self.pending = collections.deque(requests)
     self.slots: list[Any | None] = []  # row -> request (None: empty)
-    self.speculating = False
+    self.speculating = speculating
     self._below = 0
 
   @property

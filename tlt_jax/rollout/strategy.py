@@ -13,6 +13,9 @@ import dataclasses
 import re
 
 _ARM = re.compile(r"^(\d+)_(\d+)_(\d+)$")
+# The arm a fixed selector runs (SpecConfig.strategy); the default bandit's arm set per
+# live-batch bucket is mab.default_mab_buckets
+DEFAULT_ARM = "4_1_5"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,298 @@
+"""Which speculative executables one engine has, and when they get compiled.
+
+Speculation needs one executable per (engine bucket, arm) pair and a switch-on executable per
+(bucket, sequence length). Only the pairs the selector can choose are wanted (`choosable_pairs`:
+the engine's batch grid intersected with the selector's live-size grid, under the speculation
+threshold), and with a gate only those it opens to this engine now. They compile either on
+first use (a chunk then pays the compile and reports nothing to the bandit), all at once
+(`precompile`), or in a background thread (SpecConfig.background_compile: `submit` at each
+generate; a bucket speculates only once it is `ready`, so no chunk waits for a compile).
+
+A Pallas verification kernel that fails to compile falls back to its jnp reference (same
+decisions) once, with a warning; `verify_path` says which ran.
+
+The plan reads its engine's current weights and selector (both change under it: new weights
+after each update, a benchmark swaps selectors) through the `owner` it is given; it never
+writes them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from typing import Any, Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tlt_jax.models import ModelConfig, Params
+from tlt_jax.rollout.executables import ExecKey, ExecutableCache, background_compiler
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.strategy import Strategy
+
+_log = logging.getLogger(__name__)
+
+Pairs = dict[int, list[str]]  # engine bucket -> arms
+
+
+class Owner(Protocol):
+  """What the plan reads of its engine."""
+  worker_id: int
+  params: Params
+  drafter_params: Params
+  selector: Any
+  gate: Any
+
+  def prefill_dummy(self, batch: int) -> Any:
+    """A real plain prefill of `batch` rows (shapes and shardings as generate's)."""
+
+
+class CompilePlan:
+  """See the module docstring. Thread-safe where the compile thread meets the engine's."""
+
+  def __init__(self, cfg: ModelConfig, ecfg, exes: ExecutableCache, owner: Owner,
+               replicated: jax.sharding.Sharding):
+    self.cfg, self.ecfg, self.exes, self._owner = cfg, ecfg, exes, owner
+    self._replicated = replicated
+    spec = ecfg.spec
+    self.use_kernel = bool(spec and (spec.use_kernel if spec.use_kernel is not None
+                                     else jax.default_backend() == "gpu"))
+    self.kernel_error: str | None = None
+    self._lock = threading.Lock()
+    self._ready: dict[SamplingParams, set[tuple[int, str]]] = {}  # compiled (bucket, arm)
+    self._submitted: dict[SamplingParams, set[tuple[int, str]]] = {}  # handed to the thread
+    self._switch_submitted: set[tuple[int, int]] = set()  # (bucket, length) queued switch-ons
+    self._compiler = None  # one compile thread per engine, started on first use
+    self._compiling = 0  # background jobs pending or running (they use the owner's params)
+
+  @property
+  def verify_path(self) -> str:
+    """Which verification ran: "pallas" (the kernel) or "jnp" (its reference)."""
+    return "pallas" if self.use_kernel else "jnp"
+
+  def max_steps(self) -> int:
+    """Catch-up capacity of the speculative state: room for every arm's drafts."""
+    spec = self.ecfg.spec
+    arms = getattr(self._owner.selector, "arms", None) or []
+    return max([spec.max_steps, Strategy.parse(spec.strategy).steps, 1]
+               + [Strategy.parse(a).steps for a in arms])
+
+  # ------------------------------------------------------------------------ which pairs
+  def choosable_pairs(self) -> Pairs:
+    """Engine bucket -> the arms the selector can return for a chunk decoded at that bucket.
+
+    Speculation runs only at live sizes <= top = min(bs_threshold, max_batch): it switches on
+    at a live size <= bs_threshold, which (when max_batch > bs_threshold) needs the queue to be
+    empty, and the live batch never grows after that. With compaction, a chunk at bucket b has
+    live size in (previous bucket, b]; without, anything in [1, b]. Engine buckets (compiled
+    batch sizes) and the selector's bucket bounds are different grids: this intersects them."""
+    spec, ecfg = self.ecfg.spec, self.ecfg
+    if spec is None:
+      return {}
+    top = min(spec.bs_threshold, ecfg.max_batch)
+    pairs, prev = {}, 0
+    for b in ecfg.buckets:
+      lo = prev + 1 if ecfg.compaction else 1
+      prev = b
+      if lo > top:
+        break
+      arms = self._owner.selector.choosable(lo, min(b, top))
+      if arms:
+        pairs[b] = arms
+    return pairs
+
+  def _wanted_pairs(self) -> Pairs:
+    """Bucket -> the arms to compile there: the choosable ones, or with a gate those it
+    opens to this engine now (all where speculation pays, the probed ones on probation)."""
+    pairs, gate = self.choosable_pairs(), self._owner.gate
+    if gate is None:
+      return pairs
+    return {b: arms for b in pairs if (arms := gate.arms(self._owner.worker_id, b))}
+
+  def ready(self, sp: SamplingParams, bucket: int) -> bool:
+    """Whether speculation may run at `bucket` now: the gate allows it and every arm wanted
+    there is compiled (always, without background compilation: a chunk compiles what it
+    needs)."""
+    gate = self._owner.gate
+    if gate is not None and not gate.allows(self._owner.worker_id, bucket):
+      return False
+    if not self.ecfg.spec.background_compile:
+      return True
+    want = {(bucket, a) for a in self._wanted_pairs().get(bucket, ())}
+    with self._lock:
+      return want <= self._ready.get(sp, set())
+
+  # ----------------------------------------------------------------------- when
+  def submit(self, sp: SamplingParams) -> None:
+    """Starts compiling the wanted (bucket, arm) pairs for `sp` that are not compiled or
+    queued yet on the compile thread, largest bucket first (speculation switches on at the
+    largest and shrinks). Called at every generate: what a gate opens later compiles then."""
+    owner = self._owner
+    pairs = self._wanted_pairs()
+    with self._lock:
+      self._ready.setdefault(sp, set())
+      submitted = self._submitted.setdefault(sp, set())
+      pairs = {b: new for b, arms in pairs.items()
+               if (new := [a for a in arms if (b, a) not in submitted])}
+      if not pairs:
+        return
+      submitted.update((b, a) for b, arms in pairs.items() for a in arms)
+      if self._compiler is None:
+        self._compiler = background_compiler(f"compile-worker-{owner.worker_id}")
+      self._compiling += 1
+
+    def mark(pair):
+      with self._lock:
+        self._ready[sp].add(pair)
+
+    def job():
+      try:
+        self._compile_pairs(sp, pairs, on_compiled=mark)
+      except Exception:  # noqa: BLE001 - the foreground compiles what it needs instead
+        _log.exception("worker %d: background compilation failed; speculation compiles its "
+                       "executables on first use", owner.worker_id)
+        with self._lock:
+          self._ready[sp].update((b, a) for b, arms in pairs.items() for a in arms)
+      finally:
+        with self._lock:
+          self._compiling -= 1
+
+    self._compiler.submit(job)
+
+  def wait(self, timeout: float | None = None) -> None:
+    """Blocks until background compilation started so far is done (tests, benchmarks)."""
+    if self._compiler is not None:
+      self._compiler.submit(lambda: None).result(timeout)
+
+  def when_idle(self, fn: Callable[[], None]) -> bool:
+    """Runs `fn` (dropping the weights) unless background compiles still use them: False then."""
+    with self._lock:
+      if self._compiling:
+        return False
+      fn()
+      return True
+
+  def precompile(self, sp: SamplingParams, *, all_pairs: bool = False) -> int:
+    """AOT-compiles the speculative executable of every choosable (bucket, arm) pair now, instead
+    of on first use (the default, lazy; it compiles the same pairs, and only those chosen).
+    all_pairs=True compiles every selector arm at every engine bucket (what choosable-only
+    saves, measured). Returns the number of new speculative executables."""
+    pairs = self.choosable_pairs()
+    if all_pairs and pairs:
+      pairs = {b: self._owner.selector.arms for b in self.ecfg.buckets}
+    before = sum(r.name == "spec" for r in self.exes.records)
+    self._compile_pairs(sp, pairs, all_lengths=True)
+    if self.ecfg.spec.background_compile:
+      done = {(b, a) for b, arms in pairs.items() for a in arms}
+      with self._lock:
+        self._ready.setdefault(sp, set()).update(done)
+        self._submitted.setdefault(sp, set()).update(done)
+    return sum(r.name == "spec" for r in self.exes.records) - before
+
+  def _compile_pairs(self, sp: SamplingParams, pairs: Pairs,
+                     on_compiled: Callable | None = None, all_lengths: bool = False) -> None:
+    """The spec executables of `pairs` and, per bucket, switch-on over the whole cache
+    (every other length: all_lengths=True, else compiled when first needed).
+
+    States are abstract: shapes and shardings come from one real prefill of dummy rows at the
+    largest bucket (shardings are the ones generate() will pass), resized on the batch axis."""
+    if not pairs:
+      return
+    top = max(pairs)
+    owner = self._owner
+    base = owner.prefill_dummy(top)
+    lengths = self.switch_lengths()
+    tokens = jax.device_put(np.zeros((top, lengths[-1]), np.int32), self._replicated)
+    state = self.switch_on(base, lengths[-1])(owner.params, owner.drafter_params, base, tokens)
+
+    def resized(tree, b):  # state leaves are batch-major
+      return jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype, sharding=x.sharding), tree)
+
+    for b in sorted(pairs, reverse=True):
+      for n in lengths if all_lengths else lengths[-1:]:
+        self.switch_on(resized(base, b), n)
+      abstract = resized(state, b)
+      for arm in pairs[b]:
+        self.spec(sp, arm, abstract)
+        if on_compiled is not None:
+          on_compiled((b, arm))
+
+  # ----------------------------------------------------------------- the executables
+  def switch_lengths(self) -> list[int]:
+    """Sequence lengths switch-on is compiled for: prompt_bucket x 2^k, capped at the cache.
+    Its target forward runs over the shortest that holds every row, not the whole cache (a
+    forward over the cache's 368 slots cost a 189M model on CPU more than the speculative
+    decoding after it)."""
+    ecfg, out, n = self.ecfg, [], self.ecfg.prompt_bucket
+    while n < ecfg.cache_len:
+      out.append(n)
+      n *= 2
+    return out + [ecfg.cache_len]
+
+  def _switch_on_args(self, base, length: int, params=None, dparams=None) -> tuple:
+    tokens = jax.ShapeDtypeStruct((base.hidden.shape[0], length), jnp.int32,
+                                  sharding=self._replicated)
+    return (self._owner.params if params is None else params,
+            self._owner.drafter_params if dparams is None else dparams, base, tokens)
+
+  def switch_on(self, base, length: int, params=None, dparams=None):
+    """The executable that turns a plainly decoded batch into a speculative one, over rows
+    of up to `length` tokens (base, params may be abstract, for compiling ahead)."""
+    from tlt_jax.rollout import speculative
+    fn = functools.partial(speculative.switch_on, cfg=self.cfg, max_steps=self.max_steps())
+    return self.exes.get("switch_on", None, fn,
+                         self._switch_on_args(base, length, params, dparams))
+
+  def switch_length(self, state, need: int) -> int | None:
+    """The length switch-on runs at now, for rows of up to `need` tokens: the shortest of
+    `switch_lengths` holding them. With background compilation, if that one is not compiled
+    yet it is queued on the compile thread and the shortest compiled one that holds the rows
+    runs instead (the cache's length is compiled with each bucket's arms); None if there is
+    none yet."""
+    fits = [n for n in self.switch_lengths() if n >= need]
+    if not self.ecfg.spec.background_compile:
+      return fits[0]
+    compiled = [n for n in fits
+                if ExecKey.of("switch_on", None, self._switch_on_args(state, n)) in self.exes]
+    if compiled and compiled[0] == fits[0]:
+      return fits[0]
+    with self._lock:
+      queue = (state.batch_size, fits[0]) not in self._switch_submitted
+      self._switch_submitted.add((state.batch_size, fits[0]))
+    if queue and self._compiler is not None:
+      abstract = functools.partial(jax.tree.map, lambda x: jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=x.sharding))
+      args = (abstract(state), fits[0], abstract(self._owner.params),
+              abstract(self._owner.drafter_params))
+      self._compiler.submit(lambda: self.switch_on(*args))
+    return compiled[0] if compiled else None
+
+  def spec(self, sp: SamplingParams, arm: str, state):
+    """The (bucket, arm) executable; state may be abstract (ShapeDtypeStructs, `precompile`)."""
+    from tlt_jax.rollout import speculative
+    ecfg = self.ecfg
+    args = (self._owner.params, self._owner.drafter_params, state)
+
+    def compiled(use_kernel: bool):
+      fn = functools.partial(speculative.spec_chunk, cfg=self.cfg, sp=sp,
+                             stop_tokens=ecfg.stop_tokens, chunk=ecfg.chunk_size,
+                             strategy=Strategy.parse(arm), capture_hidden=ecfg.capture_hidden,
+                             use_kernel=use_kernel)
+      return self.exes.get("spec", (arm, sp, use_kernel), fn, args, donate=(2,))
+
+    if not self.use_kernel:
+      return compiled(False)
+    try:
+      return compiled(True)
+    except Exception as e:  # noqa: BLE001 - any lowering/compile failure of the kernel
+      # The kernel is an optimisation with a bit-identical reference: a GPU/Triton version
+      # it does not compile on must cost speed, not the run.
+      self.use_kernel = False
+      self.kernel_error = f"{type(e).__name__}: {e}"[:2000]
+      _log.warning("worker %d: the Pallas verification kernel failed to compile for arm %s "
+                   "(%s); verifying with the jnp reference from now on (same decisions)",
+                   self._owner.worker_id, arm, self.kernel_error.splitlines()[0][:300])
+      return compiled(False)
