@@ -11,7 +11,6 @@ import json
 import os
 import time
 
-
 from tlt_jax.bench.bench_model import regime_report
 from tlt_jax.bench.rollout import first_layer_assistant, hf_assisted, hf_generate, timed
 from tlt_jax.bench.spec_costs import bounds, measure_costs
