@@ -1,6 +1,8 @@
 """The speculation gate (tlt_jax/rollout/gate.py): decisions from known per-row rates, and
 the engine compiling and speculating only where the gate opens, losslessly."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -8,7 +10,7 @@ import pytest
 from tlt_jax.drafter.model import init_drafter
 from tlt_jax.models import ModelConfig, init_params
 from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
-from tlt_jax.rollout.gate import GateConfig, SpecGate
+from tlt_jax.rollout.gate import Chunk, GateConfig, GateState, SpecGate
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
 
@@ -24,7 +26,7 @@ def _feed(gate, bucket, arm, rate, n, live=1, accept_len=2.0):
   a = 1.0 if arm is None else accept_len
   ver = 0 if arm is None else 16 * live
   acc = round((a - 1.0) * ver)
-  if (bucket, arm) not in gate._warm:
+  if arm not in gate.state.at[bucket].warm:
     gate.record(bucket, arm, 50 * 16 * a / rate, 16, acc, ver)
   for _ in range(n):
     gate.record(bucket, arm, 16 * a / rate, 16, acc, ver)
@@ -47,9 +49,10 @@ def test_opens_bucket_by_bucket_while_it_pays_then_declines_the_rest():
   _feed(g, 1, None, 100.0, 2)
   assert g.allows(7, 1) and not g.allows(8, 1) and not g.allows(7, 2)
   _feed(g, 1, "4_1_5", 150.0, 3)
-  assert g.status[1] == "probing"  # 3 speculative chunks < min_chunks
+  assert g.state.status[1] == "probing"  # 3 speculative chunks < min_chunks
   _feed(g, 1, "4_1_5", 150.0, 1)
-  assert g.status == {1: "pays", 2: "probing", 4: "closed", 8: "closed"} and g.drafter_wanted()
+  assert g.state.status == {1: "pays", 2: "probing", 4: "closed", 8: "closed"}
+  assert g.drafter_wanted()
   assert g.arms(8, 1) == ARMS and g.arms(7, 2) == []  # a paying bucket: every arm
   # bucket 2: the lead is slower than plain, but its ceiling (every draft accepted) is not:
   # the drafts fall short, so the other drafting arm is probed too, and is 5% faster: under
@@ -57,11 +60,11 @@ def test_opens_bucket_by_bucket_while_it_pays_then_declines_the_rest():
   _feed(g, 2, None, 200.0, 4, live=2)
   assert g.arms(7, 2) == ["4_1_5"]
   _feed(g, 2, "4_1_5", 120.0, 4, live=2, accept_len=2.0)
-  assert g.status[2] == "probing" and g.arms(7, 2) == ["4_1_5", "3_1_4"]
+  assert g.state.status[2] == "probing" and g.arms(7, 2) == ["4_1_5", "3_1_4"]
   _feed(g, 2, "3_1_4", 210.0, 4, live=2, accept_len=2.0)
-  assert g.status == {1: "pays", 2: "declined", 4: "declined", 8: "declined"}
-  assert g.reason == {2: "acceptance", 4: "acceptance", 8: "acceptance"}
-  d = g.decisions[-1]
+  assert g.state.status == {1: "pays", 2: "declined", 4: "declined", 8: "declined"}
+  assert g.state.reason == {2: "acceptance", 4: "acceptance", 8: "acceptance"}
+  d = g.state.decisions[-1]
   assert d["bucket"] == 2 and d["best_arm"] == "3_1_4" and d["ratio"] == pytest.approx(1.05)
   assert d["ceiling"] == pytest.approx(1.05 * 4 / 2.0, rel=1e-3)
   assert g.arms(7, 2) == [] and g.drafter_wanted()
@@ -72,33 +75,34 @@ def test_declines_for_hardware_with_the_lead_alone_and_pauses_the_drafter():
   g = _gate(min_chunks=2, margin=0.05, reprobe_every=2, hardware_reprobe_every=5)
   _feed(g, 1, None, 100.0, 2)
   _feed(g, 1, "4_1_5", 58.0, 2, accept_len=3.5)  # ceiling 0.58 x 5 / 3.5 = 0.83
-  assert g.status == {1: "declined", 2: "declined", 4: "declined", 8: "declined"}
-  assert set(g.reason.values()) == {"hardware"} and not g.drafter_wanted()
+  assert g.state.status == {1: "declined", 2: "declined", 4: "declined", 8: "declined"}
+  assert set(g.state.reason.values()) == {"hardware"} and not g.drafter_wanted()
   assert ("1", "3_1_4") not in {tuple(k.split(":")) for k in g.summary()["spec_rate"]}
   for _ in range(4):
     g.begin_rollout(0, {b: ARMS for b in (1, 2, 4, 8)})
-  assert g.status[1] == "declined"  # not after reprobe_every: the machine does not train
+  assert g.state.status[1] == "declined"  # not after reprobe_every: the machine does not train
   g.begin_rollout(0, {b: ARMS for b in (1, 2, 4, 8)})
-  assert g.status[1] == "probing" and not g.drafter_wanted()  # still not shown to pay
+  assert g.state.status[1] == "probing" and not g.drafter_wanted()  # still not shown to pay
 
 
 def test_an_untrained_drafter_is_declined_for_acceptance_keeps_training_and_is_reprobed():
   g = _gate(buckets=(1, 2), min_chunks=2, margin=0.0, reprobe_every=3)
   _feed(g, 1, None, 100.0, 2)
   _feed(g, 1, "4_1_5", 50.0, 2, accept_len=1.1)  # cheap steps, rejected drafts
-  assert g.status[1] == "probing" and g.arms(0, 1) == ["4_1_5", "3_1_4"]
+  assert g.state.status[1] == "probing" and g.arms(0, 1) == ["4_1_5", "3_1_4"]
   _feed(g, 1, "3_1_4", 60.0, 2, accept_len=1.1)
-  assert g.status == {1: "declined", 2: "declined"} and g.reason[1] == "acceptance"
+  assert g.state.status == {1: "declined", 2: "declined"} and g.state.reason[1] == "acceptance"
   assert g.drafter_wanted()  # training can fix this
   g.begin_rollout(1, {1: ARMS, 2: ARMS})  # another worker's rollouts do not advance the clock
   g.begin_rollout(0, {1: ARMS, 2: ARMS})
   g.begin_rollout(0, {1: ARMS, 2: ARMS})
-  assert g.status[1] == "declined"
+  assert g.state.status[1] == "declined"
   g.begin_rollout(0, {1: ARMS, 2: ARMS})  # 3 rollouts of the prober since the decline
-  assert g.status == {1: "probing", 2: "declined"} and g.arms(0, 1) == ["4_1_5"]  # measured
+  assert g.state.status == {1: "probing", 2: "declined"}
+  assert g.arms(0, 1) == ["4_1_5"]  # measured
   assert not g.allows(1, 1)
   _feed(g, 1, "4_1_5", 130.0, 2, accept_len=3.0)  # the drafter got better: pays now
-  assert g.status == {1: "pays", 2: "probing"}
+  assert g.state.status == {1: "pays", 2: "probing"}
 
 
 def test_probes_the_lead_whatever_the_bandit_picks_then_every_drafting_arm_in_turn():
@@ -109,9 +113,9 @@ def test_probes_the_lead_whatever_the_bandit_picks_then_every_drafting_arm_in_tu
   _feed(g, 1, "4_1_5", 90.0, 4, accept_len=2.0)  # under plain, ceiling 2.25: widen
   assert g.probe_arm(1, "off") == "3_1_4"
   _feed(g, 1, "3_1_4", 100.0, 3)
-  assert g.probe_arm(1, "off") == "3_1_4" and g.status[1] == "probing"
+  assert g.probe_arm(1, "off") == "3_1_4" and g.state.status[1] == "probing"
   _feed(g, 1, "3_1_4", 100.0, 1)
-  assert g.status[1] == "pays" and g.probe_arm(1, "off") == "off"
+  assert g.state.status[1] == "pays" and g.probe_arm(1, "off") == "off"
   h = SpecGate(GateConfig(lead="6_1_7"))  # a lead not choosable there: the first drafting arm
   h.begin_rollout(0, {1: ARMS})
   assert h.probe_arm(1, "off") == "4_1_5"
@@ -122,23 +126,23 @@ def test_probation_widens_to_the_buckets_with_traffic():
   g = _gate(min_chunks=2, margin=0.05, follow_traffic=3)
   for r in range(5):
     g.begin_rollout(0, {b: ARMS for b in (1, 2, 4, 8)})
-    assert g.status[8] == ("closed" if r < 2 else "probing"), r
+    assert g.state.status[8] == ("closed" if r < 2 else "probing"), r
     _feed(g, 8, None, 100.0, 1, live=8)
-  assert g.status == {1: "probing", 2: "probing", 4: "probing", 8: "probing"}
-  assert g.decisions[-1]["verdict"] == "widened"
+  assert g.state.status == {1: "probing", 2: "probing", 4: "probing", 8: "probing"}
+  assert g.state.decisions[-1]["verdict"] == "widened"
   assert g.arms(0, 8) == g.arms(0, 4) == ["4_1_5"]  # a batch speculating at 8 compacts to 4
   _feed(g, 8, "4_1_5", 90.0, 2, live=8, accept_len=4.5)  # ceiling 1.0: hardware
-  assert g.status == {1: "probing", 2: "probing", 4: "probing", 8: "declined"}
+  assert g.state.status == {1: "probing", 2: "probing", 4: "probing", 8: "declined"}
   _feed(g, 4, None, 100.0, 2, live=4)
   _feed(g, 4, "4_1_5", 150.0, 2, live=4, accept_len=3.0)  # 4 pays: so do 1 and 2
-  assert g.status == {1: "pays", 2: "pays", 4: "pays", 8: "probing"}  # 8 re-opened above 4
+  assert g.state.status == {1: "pays", 2: "pays", 4: "pays", 8: "probing"}  # 8 re-opened
   # traffic where probation is resets the count: nothing widens while bucket 1 is busy
   g = _gate(min_chunks=4, follow_traffic=2)
   for _ in range(5):
     g.begin_rollout(0, {b: ARMS for b in (1, 2, 4, 8)})
     _feed(g, 1, None, 100.0, 1)
     _feed(g, 4, None, 100.0, 1, live=4)
-  assert g.status == {1: "probing", 2: "closed", 4: "closed", 8: "closed"}
+  assert g.state.status == {1: "probing", 2: "closed", 4: "closed", 8: "closed"}
 
 
 def test_state_survives_a_resume():
@@ -150,7 +154,8 @@ def test_state_survives_a_resume():
   _feed(g, 2, "4_1_5", 50.0, 1, live=2, accept_len=4.0)  # ceiling 0.625: hardware
   h = SpecGate(GateConfig(min_chunks=1, margin=0.0, lead="4_1_5"))
   h.load_state_dict(g.state_dict())
-  assert h.status == g.status == {1: "pays", 2: "declined"} and h.reason == {2: "hardware"}
+  assert h.state.status == g.state.status == {1: "pays", 2: "declined"}
+  assert h.state.reason == {2: "hardware"}
   h.begin_rollout(5, {1: ARMS, 2: ARMS})
   assert h.arms(5, 1) == ARMS and h.arms(5, 2) == []  # the first caller after a resume probes
   assert h.drafter_wanted()
@@ -173,35 +178,35 @@ def test_hardware_verdicts_outlive_the_run_where_nothing_they_depend_on_changed(
     return g
 
   g = gate()
-  assert g.status[1] == "probing" and not path.exists()
+  assert g.state.status[1] == "probing" and not path.exists()
   _feed(g, 1, None, 100.0, 2)
   _feed(g, 1, "4_1_5", 58.0, 2, accept_len=3.5)  # ceiling 0.83: hardware
-  assert g.reason[1] == "hardware" and path.exists()
+  assert g.state.reason[1] == "hardware" and path.exists()
 
   again = gate()
-  assert again.status == {1: "declined", 2: "declined", 4: "declined"}
-  assert set(again.reason.values()) == {"hardware"} and again.decisions[0]["cached"]
+  assert again.state.status == {1: "declined", 2: "declined", 4: "declined"}
+  assert set(again.state.reason.values()) == {"hardware"} and again.state.decisions[0]["cached"]
   assert again.arms(0, 1) == [] and not again.allows(0, 1) and not again.drafter_wanted()
-  assert gate({**fp, "model": "hidden=1024"}).status[1] == "probing"  # another shape
+  assert gate({**fp, "model": "hidden=1024"}).state.status[1] == "probing"  # another shape
 
   # a re-probe (hardware_reprobe_every rollouts later) that pays forgets the verdict
   h = gate(hardware_reprobe_every=2)
   h.begin_rollout(0, buckets)
   h.begin_rollout(0, buckets)
-  assert h.status[1] == "probing"
+  assert h.state.status[1] == "probing"
   _feed(h, 1, None, 100.0, 2)
   _feed(h, 1, "4_1_5", 150.0, 2, accept_len=3.5)
-  assert h.status[1] == "pays" and gate().status[1] == "probing"
+  assert h.state.status[1] == "pays" and gate().state.status[1] == "probing"
 
   # acceptance verdicts stay with their run
   a = gate()
   _feed(a, 1, None, 100.0, 2)
   _feed(a, 1, "4_1_5", 50.0, 2, accept_len=1.1)  # ceiling 2.3: the drafts fall short
   _feed(a, 1, "3_1_4", 60.0, 2, accept_len=1.1)
-  assert a.reason[1] == "acceptance" and gate().status[1] == "probing"
+  assert a.state.reason[1] == "acceptance" and gate().state.status[1] == "probing"
 
   path.write_text("{not json")
-  assert gate().status[1] == "probing"  # a damaged cache: measured again, nothing raised
+  assert gate().state.status[1] == "probing"  # a damaged cache: measured again, nothing raised
 
 
 def test_config_validation():
@@ -212,6 +217,71 @@ def test_config_validation():
       GateConfig(**kw)
   with pytest.raises(ValueError, match="4_x"):
     GateConfig(lead="4_x")
+
+
+def _run(state, *chunks):
+  for c in chunks:
+    state = state.record(c)
+  return state
+
+
+def test_pure_transitions_from_recorded_chunks_to_the_verdicts():
+  """GateState driven directly, every rate derived by hand: a plain chunk of 16 steps in 0.16 s
+  is 100 tokens/s per row; a speculative one of 16 steps in 0.2 s with 32 drafts accepted in
+  16 verifications is 3 tokens per verification x 80 steps/s = 240. Each (bucket, arm)'s first
+  chunk is a warm-up (10 s here: counted, every ratio below would be far off), and window=2
+  drops a slow plain chunk before the two fast ones. Earlier states never change."""
+  cfg = GateConfig(min_chunks=2, margin=0.1, window=2, lead="4_1_5", reprobe_every=3,
+                   hardware_reprobe_every=2, follow_traffic=0)
+  s0 = GateState(cfg)
+  s1 = s0.begin_rollout(0, {b: ARMS for b in (1, 2, 4)})
+  assert s0.buckets == () and s0.prober is None and s0.rollouts == 0
+  assert s1.status == {1: "probing", 2: "closed", 4: "closed"} and s1.prober == 0
+  assert s1.record(Chunk(3, None, 1.0, 16)) is s1 and s1.record(Chunk(1, None, 0.0, 16)) is s1
+
+  plain = [Chunk(1, None, 10.0, 16), Chunk(1, None, 1.6, 16)] + [Chunk(1, None, 0.16, 16)] * 2
+  s = _run(s1, *plain)
+  assert s.allows(0, 1) and not s.allows(1, 1) and s.arms(0, 1) == ["4_1_5"]
+  lead = [Chunk(1, "4_1_5", 10.0, 16, 32, 16)] + [Chunk(1, "4_1_5", 0.2, 16, 32, 16)] * 2
+  paid = _run(s, *lead)  # ratio 240 / 100 = 2.4 >= 1.1; ceiling 2.4 x (4 + 1) / 3 = 4
+  assert paid.decisions == ({"bucket": 1, "verdict": "pays", "reason": None, "best_arm": "4_1_5",
+                             "ratio": 2.4, "ceiling": 4.0, "accept_len": 3.0,
+                             "plain_chunks": 2, "rollout": 1},)
+  assert paid.status == {1: "pays", 2: "probing", 4: "closed"} and paid.drafter_wanted()
+  assert s.status[1] == "probing" and s.decisions == () and not s.hardware_ok
+
+  # bucket 2: the lead delivers 2 tokens x 40 steps/s = 80 (ratio 0.8, ceiling 0.8 x 5 / 2 =
+  # 2 >= 1.1: the drafts fall short, not the hardware), so 3_1_4 is probed too: 2 x 50 = 100,
+  # ratio 1.0 < 1.1 (ceiling 1.0 x 4 / 2 = 2): declined for acceptance with bucket 4
+  s = _run(paid, Chunk(2, None, 10.0, 16), *[Chunk(2, None, 0.16, 16)] * 2,
+           Chunk(2, "4_1_5", 10.0, 16, 16, 16), *[Chunk(2, "4_1_5", 0.4, 16, 16, 16)] * 2)
+  assert s.status[2] == "probing" and s.decisions == paid.decisions
+  assert s.arms(0, 2) == ["4_1_5", "3_1_4"] and s.probe_arm(2, "off") == "3_1_4"
+  s = _run(s, Chunk(2, "3_1_4", 10.0, 16, 16, 16), *[Chunk(2, "3_1_4", 0.32, 16, 16, 16)] * 2)
+  assert s.decisions[-1] == {"bucket": 2, "verdict": "declined", "reason": "acceptance",
+                             "best_arm": "3_1_4", "ratio": 1.0, "ceiling": 2.0,
+                             "accept_len": 2.0, "plain_chunks": 2, "rollout": 1}
+  assert s.status == {1: "pays", 2: "declined", 4: "declined"}
+  assert s.reason == {2: "acceptance", 4: "acceptance"}
+  assert s.drafter_wanted() and s.hardware_verdicts() == {}
+
+  # re-probed reprobe_every=3 prober rollouts after the decline (another worker's don't
+  # count), the lead alone again, with plain decoding's measurement kept: 3 x 16 steps/s = 48,
+  # ratio 0.48, ceiling 0.48 x 5 / 3 = 0.8 < 1.1: declined for hardware (4 keeps its verdict)
+  for worker, status in ((1, "declined"), (0, "declined"), (0, "declined"), (0, "probing")):
+    s = s.begin_rollout(worker, {b: ARMS for b in (1, 2, 4)})
+    assert s.status[2] == status
+  assert s.rollouts == 4 and s.probe_arm(2, "off") == "4_1_5"
+  s = _run(s, *[Chunk(2, "4_1_5", 1.0, 16, 32, 16)] * 2)
+  assert s.decisions[-1] == {"bucket": 2, "verdict": "declined", "reason": "hardware",
+                             "best_arm": "4_1_5", "ratio": 0.48, "ceiling": 0.8,
+                             "accept_len": 3.0, "plain_chunks": 2, "rollout": 4}
+  assert s.reason == {2: "hardware", 4: "acceptance"}
+  assert s.hardware_verdicts() == {2: {"best_arm": "4_1_5", "ratio": 0.48, "ceiling": 0.8,
+                                       "accept_len": 3.0}}
+  s = s.begin_rollout(0, {})
+  assert s.status[2] == "declined"
+  assert s.begin_rollout(0, {}).status[2] == "probing"  # hardware_reprobe_every=2
 
 
 # ------------------------------------------------------------------------ through the engine
@@ -253,13 +323,13 @@ def test_workers_compile_and_speculate_only_where_the_gate_opens():
 
   run(a)
   run(b)
-  assert gate.prober == 0 and spec_buckets(a) <= {1} and spec_buckets(b) == set()
+  assert gate.state.prober == 0 and spec_buckets(a) <= {1} and spec_buckets(b) == set()
   for _ in range(10):  # a's tail reaches bucket 1 and speculates there until decided
-    if gate.status[1] != "probing":
+    if gate.state.status[1] != "probing":
       break
     run(a)
     run(b)
-  assert gate.status == {1: "declined", 2: "declined", 4: "declined"}
+  assert gate.state.status == {1: "declined", 2: "declined", 4: "declined"}
   assert any(c.mode != "plain" and c.bucket == 1 for c in a.chunk_log)
   n_a, n_b = len(a.chunk_log), len(b.chunk_log)
   run(a)
@@ -267,7 +337,9 @@ def test_workers_compile_and_speculate_only_where_the_gate_opens():
   assert all(c.mode == "plain" for c in a.chunk_log[n_a:] + b.chunk_log[n_b:])
   assert spec_buckets(a) == {1} and spec_buckets(b) == set()
 
-  gate.status[1] = "pays"  # as if measured: the other worker compiles bucket 1 now
+  paid = dataclasses.replace(gate.state.at[1], status="pays")
+  gate.state = dataclasses.replace(gate.state, at={**gate.state.at, 1: paid})
+  # (as if measured: the other worker compiles bucket 1 now)
   run(b)
   assert spec_buckets(b) == {1}
   n_b = len(b.chunk_log)
@@ -290,7 +362,8 @@ def test_drafter_data_is_captured_only_while_the_gate_wants_the_drafter():
   gate = SpecGate(GateConfig(min_chunks=10_000, window=10_000, reprobe_every=0))
   w = Engine(params, CFG, ecfg, drafter_params=dparams, gate=gate)
   assert all(r.hidden is None for r in w.generate(reqs, sp))  # nothing shows drafts pay yet
-  gate.hardware_ok = True  # as if a probe measured a ceiling over the bar
+  gate.state = dataclasses.replace(gate.state, hardware_ok=True)  # as if a probe measured
+  # a ceiling over the bar
   got = w.generate(reqs, sp)
   assert gate.drafter_wanted() and all(r.hidden is not None for r in got)
   for r in got:

@@ -185,7 +185,7 @@ def test_speculation_gate_reports_and_resumes(tmp_path):
   first, _ = _run(_small_cfg(tmp_path, 2, **gate))
   recs = _records(tmp_path)
   status = recs[-1]["spec_gate"]["status"]
-  assert set(status) == {str(b) for b in first.gate.buckets} and status["1"] != "closed"
+  assert set(status) == {str(b) for b in first.gate.state.buckets} and status["1"] != "closed"
   assert recs[-1]["spec_gate"]["plain_rate"]  # plain chunks measured at some bucket
   second, fresh = build(_small_cfg(tmp_path, 3, **gate))
   assert restore(second, fresh).step == 2

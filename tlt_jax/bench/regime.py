@@ -126,9 +126,9 @@ def gate_rollouts(args, prompts, worker, make_selector, Request, sp) -> dict:
         f"{late.get('gated BEG', 0):.2f}x, ungated {late.get('ungated BEG', 0):.2f}x"
         "\ncompile s: "
         + ", ".join(f"{k} {w.compile_stats()['compile_seconds']:.0f}" for k, w in ws.items())
-        + "\ngate decisions: " + json.dumps(gate.decisions))
+        + "\ngate decisions: " + json.dumps(gate.state.decisions))
   return {"times": times, "speedup": ratio, "speedup_late": late, "status": status,
-          "decisions": gate.decisions,
+          "decisions": list(gate.state.decisions),
           "compile_s": {k: w.compile_stats()["compile_seconds"] for k, w in ws.items()}}
 
 
