@@ -1,12 +1,11 @@
-"""Configs load and validate; user mistakes are one clear line; the eval command's accuracy
-equals an independent greedy decode with transformers scored by the task's verifier."""
+"""Configs load and validate; user mistakes are one clear line (tlt_jax/config.py, the CLIs'
+error path)."""
 
 import json
 import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from tlt_jax import config as config_lib
@@ -142,32 +141,3 @@ def test_cli_errors_are_one_line(tmp_path):
     assert p.returncode == 2, p.stderr
     assert needle in p.stderr
     assert "Traceback" not in p.stderr
-
-
-def test_eval_accuracy_matches_transformers_greedy(tmp_path):
-  """tlt_jax.eval on 24 test prompts vs transformers greedy generate + arith.score."""
-  import torch
-  import transformers
-
-  from tlt_jax.data import arith
-  n = 24
-  p = _run(["tlt_jax.eval", "--config", "configs/default.py", f"--config.eval.num_prompts={n}",
-            f"--config.workdir={tmp_path}"])
-  assert p.returncode == 0, p.stderr
-  metrics = json.load(open(tmp_path / "eval.json"))
-  mdir = os.path.join(ROOT, "tlt_jax", "assets", "default", "model")
-  tok = transformers.AutoTokenizer.from_pretrained(mdir)
-  model = transformers.AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32).eval()
-  rows = [json.loads(l) for l in open(os.path.join(ROOT, "tlt_jax", "assets", "default", "data",
-                                                   "test.jsonl"))][:n]
-  scores = []
-  for row in rows:
-    ids = torch.tensor([tok.encode(row["prompt"])])
-    with torch.no_grad():
-      out = model.generate(ids, max_new_tokens=288, do_sample=False,
-                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-    scores.append(arith.score(text, row["answer"]))
-  assert metrics["num_prompts"] == n
-  assert metrics["accuracy"] == pytest.approx(float(np.mean(scores)))
-  assert 0.0 < metrics["accuracy"] < 1.0
