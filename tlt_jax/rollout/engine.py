@@ -43,7 +43,8 @@ from tlt_jax.rollout.executables import (CompileRecord, ExecKey, ExecutableCache
                                          background_compiler)
 from tlt_jax.rollout.mab import FixedSelector
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.scheduler import Prefill, Refill, Resize, Scheduler, bucket_for
+from tlt_jax.rollout.scheduler import (Prefill, Refill, Resize, Scheduler, bucket_for,
+                                       kv_bucket, length_grid)
 from tlt_jax.rollout.strategy import Strategy
 from tlt_jax.sharding import make_mesh, tree_shardings
 
@@ -224,6 +225,30 @@ def to_replica_layout(params: Params, dtype, shardings: Any) -> Params:
   return jax.device_put(_to_replica(params, dtype), shardings, may_alias=False)
 
 
+def longest_row(sched: Scheduler, outputs: dict) -> int:
+  """The longest row in the batch: prompt + response so far, host-side (>= its committed
+  cache length: a speculative row's pending token is emitted but not yet committed)."""
+  return max((len(req.prompt_ids) + outputs[req.key].length
+              for req in sched.slots if req is not None), default=1)
+
+
+def chunk_reach(arm: str | None, chunk: int) -> int:
+  """Cache slots past the longest row's length that a chunk of plain decoding (arm None) or
+  of a speculative arm can read."""
+  from tlt_jax.rollout import speculative
+  return (decode.chunk_reach(chunk) if arm is None
+          else speculative.chunk_reach(Strategy.parse(arm), chunk))
+
+
+def _abstract(tree, length: int | None = None):
+  """ShapeDtypeStructs of a pytree of arrays (compiling for it later, on another thread);
+  length: of a decode state grown to caches of that many slots (`decode.grow_cache`)."""
+  shapes = tree if length is None else jax.eval_shape(
+      functools.partial(decode.grow_cache, length=length), tree)
+  return jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x.sharding),
+                      shapes, tree)
+
+
 class RolloutWorker:
   """One model replica decoding its share of requests; see the module docstring."""
 
@@ -265,6 +290,7 @@ class RolloutWorker:
     self._ready_lock = threading.Lock()
     self._compiling = 0  # background compile jobs pending or running (they use self.params)
     self._switch_submitted: set[tuple[int, int]] = set()  # (bucket, length) queued switch-ons
+    self._window_submitted: set[tuple[int, str, int]] = set()  # (bucket, arm, kv_len) queued
 
   # ---------------------------------------------------------------------------------- weights
   def set_params(self, params: Params) -> None:
@@ -333,47 +359,73 @@ class RolloutWorker:
     exe = self.exes.get(name, variant, fn, args, donate=donate, batch=self._batch(args))
     return exe(*args)
 
-  def _prefill(self, tokens, lens, src, keys, max_new, warm: bool):
-    """Prefill of `tokens` [U, P]; src [B] (row -> its prompt, `decode.expand_rows`) when
-    rows share prompts, None when row i is prompt i. warm: with the drafter's prefill."""
+  def _prefill(self, tokens, lens, src, keys, max_new, warm: bool, length: int):
+    """Prefill of `tokens` [U, P] into caches of `length` slots; src [B] (row -> its prompt,
+    `decode.expand_rows`) when rows share prompts, None when row i is prompt i. warm: with the
+    drafter's prefill."""
     from tlt_jax.rollout import speculative
     mod = speculative if warm else decode
-    kw = dict(cfg=self.cfg, cache_len=self.ecfg.cache_len)
+    kw = dict(cfg=self.cfg, cache_len=length)
     if warm:
       kw["max_steps"] = self._max_steps()
     params = (self.params, self.drafter_params) if warm else (self.params,)
     name = "prefill_spec" if warm else "prefill"
     if src is None:
-      return self._call(name, None, functools.partial(mod.prefill, **kw),
+      return self._call(name, (None, length), functools.partial(mod.prefill, **kw),
                         params + (tokens, lens, keys, max_new))
-    return self._call(name, "shared", functools.partial(mod.prefill_shared, **kw),
+    return self._call(name, ("shared", length), functools.partial(mod.prefill_shared, **kw),
                       params + (tokens, lens, src, keys, max_new))
 
-  def _decode(self, state, sp: SamplingParams, arm: str | None = None, capture: bool = False):
+  def _decode(self, state, sp: SamplingParams, arm: str | None = None, capture: bool = False,
+              kv_len: int | None = None):
     """One chunk. arm=None: plain decoding (before speculation starts: a DecodeState, the
     executables of a worker without a drafter), returning hidden states if `capture`; else a
     strategy on the SpecState (whose executables return them if the engine captures at all:
-    speculative chunks run only where the gate opens). Returns (state, ChunkOutput,
-    [accepted draft tokens, verifications])."""
+    speculative chunks run only where the gate opens). kv_len: the attention window
+    (`_kv_window`; None: the state's whole cache). Returns (state, ChunkOutput, [accepted
+    draft tokens, verifications])."""
     ecfg = self.ecfg
+    kv_len = kv_len or decode.cache_length(state)
     if arm is None:
       fn = functools.partial(decode.decode_chunk, cfg=self.cfg, sp=sp,
                              stop_tokens=ecfg.stop_tokens, chunk=ecfg.chunk_size,
-                             capture_hidden=capture)
-      state, out = self._call("decode", (sp, capture), fn, (self.params, state), donate=(1,))
+                             capture_hidden=capture, kv_len=kv_len)
+      state, out = self._call("decode", (sp, capture, kv_len), fn, (self.params, state),
+                              donate=(1,))
       return state, out, (0, 0)
-    return self._spec_exec(sp, arm, state)(self.params, self.drafter_params, state)
+    return self._spec_exec(sp, arm, state, kv_len)(self.params, self.drafter_params, state)
+
+  def _kv_window(self, sp: SamplingParams, arm: str | None, longest: int, state) -> int:
+    """The attention window of a chunk (plain: arm None) whose longest live row has `longest`
+    tokens: the `kv_bucket` holding every slot the chunk can read (`chunk_reach`); the state's
+    cache is grown to it first (`_grow`). With background compilation a speculative window
+    not compiled yet is queued on the compile thread and the smallest compiled one that holds
+    the rows runs instead (the whole cache's is compiled with each bucket's arms): no chunk
+    waits for a compile."""
+    ecfg = self.ecfg
+    kv_len = kv_bucket(longest + chunk_reach(arm, ecfg.chunk_size), ecfg.prompt_bucket,
+                       ecfg.cache_len)
+    if arm is None or not ecfg.spec.background_compile or self._compiler is None:
+      return kv_len
+    grown = lambda n: _abstract(state, max(n, decode.cache_length(state)))
+    compiled = lambda n: self._spec_key(sp, arm, grown(n), n) in self.exes
+    if compiled(kv_len):
+      return kv_len
+    with self._ready_lock:
+      queue = (state.batch_size, arm, kv_len) not in self._window_submitted
+      self._window_submitted.add((state.batch_size, arm, kv_len))
+    if queue:
+      args = (sp, arm, grown(kv_len), kv_len)
+      self._compiler.submit(lambda: self._spec_exec(*args))
+    return next(n for n in length_grid(ecfg.prompt_bucket, ecfg.cache_len)
+                if n >= kv_len and (n == ecfg.cache_len or compiled(n)))
 
   def _switch_lengths(self) -> list[int]:
     """Sequence lengths switch-on is compiled for: prompt_bucket x 2^k, capped at the cache.
     Its target forward runs over the shortest that holds every row, not the whole cache (a
     forward over the cache's 368 slots cost a 189M model on CPU more than the speculative
     decoding after it)."""
-    ecfg, out, n = self.ecfg, [], self.ecfg.prompt_bucket
-    while n < ecfg.cache_len:
-      out.append(n)
-      n *= 2
-    return out + [ecfg.cache_len]
+    return list(length_grid(self.ecfg.prompt_bucket, self.ecfg.cache_len))
 
   def _switch_on_args(self, base, length: int, params=None, dparams=None) -> tuple:
     tokens = jax.ShapeDtypeStruct((base.hidden.shape[0], length), jnp.int32,
@@ -395,9 +447,7 @@ class RolloutWorker:
     row. With background compilation, if that one is not compiled yet it is queued on the
     compile thread and the shortest compiled one that holds the rows runs instead (the
     cache's length is compiled with each bucket's arms); None if there is none yet."""
-    need = max((min(len(req.prompt_ids) + sum(len(t) for t in outputs[req.key].tokens),
-                    self.ecfg.cache_len)
-                for req in sched.slots[:state.batch_size] if req is not None), default=1)
+    need = min(longest_row(sched, outputs), self.ecfg.cache_len)
     fits = [n for n in self._switch_lengths() if n >= need]
     if not self.ecfg.spec.background_compile:
       return fits[0]
@@ -409,9 +459,7 @@ class RolloutWorker:
       queue = (state.batch_size, fits[0]) not in self._switch_submitted
       self._switch_submitted.add((state.batch_size, fits[0]))
     if queue and self._compiler is not None:
-      abstract = functools.partial(jax.tree.map, lambda x: jax.ShapeDtypeStruct(
-          x.shape, x.dtype, sharding=x.sharding))
-      args = (abstract(state), fits[0], abstract(self.params), abstract(self.drafter_params))
+      args = (_abstract(state), fits[0], _abstract(self.params), _abstract(self.drafter_params))
       self._compiler.submit(lambda: self._switch_on_exec(*args))
     return compiled[0] if compiled else None
 
@@ -429,18 +477,24 @@ class RolloutWorker:
     tokens = jax.device_put(tokens, self._replicated)
     return self._switch_on_exec(state, length)(self.params, self.drafter_params, state, tokens)
 
-  def _spec_exec(self, sp: SamplingParams, arm: str, state):
-    """The (bucket, arm) executable; state may be abstract (ShapeDtypeStructs, `precompile`)."""
+  def _spec_key(self, sp: SamplingParams, arm: str, state, kv_len: int) -> ExecKey:
+    return ExecKey.of("spec", (arm, sp, self.use_kernel, kv_len),
+                      (self.params, self.drafter_params, state))
+
+  def _spec_exec(self, sp: SamplingParams, arm: str, state, kv_len: int | None = None):
+    """The (bucket, arm, attention window) executable (kv_len None: the whole cache); state
+    may be abstract (ShapeDtypeStructs, `precompile`)."""
     from tlt_jax.rollout import speculative
     ecfg = self.ecfg
+    kv_len = kv_len or ecfg.cache_len
     args = (self.params, self.drafter_params, state)
 
     def compiled(use_kernel: bool):
       fn = functools.partial(speculative.spec_chunk, cfg=self.cfg, sp=sp,
                              stop_tokens=ecfg.stop_tokens, chunk=ecfg.chunk_size,
                              strategy=Strategy.parse(arm), capture_hidden=ecfg.capture_hidden,
-                             use_kernel=use_kernel)
-      return self.exes.get("spec", (arm, sp, use_kernel), fn, args, donate=(2,),
+                             use_kernel=use_kernel, kv_len=kv_len)
+      return self.exes.get("spec", (arm, sp, use_kernel, kv_len), fn, args, donate=(2,),
                            batch=self._batch(args))
 
     if not self.use_kernel:
@@ -462,10 +516,26 @@ class RolloutWorker:
     k = jax.random.fold_in(jax.random.fold_in(base, req.request_id), req.sample_index)
     return np.asarray(jax.random.key_data(k))
 
-  def _prefill_requests(self, reqs: Sequence[Request], batch: int, base_key, warm: bool):
+  def _prompt_len(self, reqs: Sequence[Request]) -> int:
+    """The padded length of these prompts' prefill."""
     ecfg = self.ecfg
     longest = max(len(r.prompt_ids) for r in reqs)
-    p = min(-(-longest // ecfg.prompt_bucket) * ecfg.prompt_bucket, ecfg.max_prompt_len)
+    return min(-(-longest // ecfg.prompt_bucket) * ecfg.prompt_bucket, ecfg.max_prompt_len)
+
+  def _grow(self, state, length: int):
+    """The state with caches of at least `length` slots (`decode.grow_cache`)."""
+    if decode.cache_length(state) >= length:
+      return state
+    return self._call("grow", length, functools.partial(decode.grow_cache, length=length),
+                      (state,))
+
+  def _prefill_requests(self, reqs: Sequence[Request], batch: int, base_key, warm: bool,
+                        length: int | None = None):
+    """Prefill into caches of `length` slots (None: the shortest grid length holding the
+    padded prompts; `decode.grow_cache` extends them as the rows grow)."""
+    ecfg = self.ecfg
+    p = self._prompt_len(reqs)
+    length = length or kv_bucket(p, ecfg.prompt_bucket, ecfg.cache_len)
     keys = np.zeros((batch, 2), np.uint32)
     max_new = np.zeros((batch,), np.int32)
     src = np.full((batch,), -1, np.int32)  # row -> its distinct prompt
@@ -487,7 +557,7 @@ class RolloutWorker:
       lens[j] = len(ids)
     return self._prefill(jnp.asarray(tokens), jnp.asarray(lens),
                          jnp.asarray(src) if shared else None, jnp.asarray(keys),
-                         jnp.asarray(max_new), warm)
+                         jnp.asarray(max_new), warm, length)
 
   def _apply(self, op, state, base_key, warm: bool):
     """A scheduler layout operation on the device state; warm: the state carries the
@@ -498,7 +568,11 @@ class RolloutWorker:
       idx, valid = jnp.asarray(op.idx, jnp.int32), jnp.asarray(op.valid)
       return self._call("take_rows", None, decode.take_rows, (state, idx, valid))
     if isinstance(op, Refill):
-      rows = self._prefill_requests(op.requests, op.bucket, base_key, warm)
+      ecfg = self.ecfg
+      length = max(decode.cache_length(state),
+                   kv_bucket(self._prompt_len(op.requests), ecfg.prompt_bucket, ecfg.cache_len))
+      state = self._grow(state, length)
+      rows = self._prefill_requests(op.requests, op.bucket, base_key, warm, length)
       # Padding rows of the prefill go to an out-of-range slot and are dropped.
       slots = np.full((op.bucket,), state.batch_size, np.int32)
       slots[:len(op.slots)] = op.slots
@@ -587,10 +661,13 @@ class RolloutWorker:
           o = outputs[sched.slots[s].key]
           if o.spec_start is None:
             o.spec_start = o.length
+      # the attention window the rows reach this chunk; the cache grows to hold it
+      kv_len = self._kv_window(sp, arm, longest_row(sched, outputs), state)
+      state = self._grow(state, kv_len)
       # --- one chunk of decoding (the only host sync)
       compiles = len(self.exes.records)
       t0 = time.perf_counter()
-      state, out, spec_counts = self._decode(state, sp, arm, capture)
+      state, out, spec_counts = self._decode(state, sp, arm, capture, kv_len)
       base = state if isinstance(state, decode.DecodeState) else state.base
       out, done, stopped, spec_counts = jax.device_get((out, base.done, base.stopped,
                                                           spec_counts))
@@ -754,7 +831,8 @@ class RolloutWorker:
       return
     top = max(pairs)
     dummy = [Request([i % self.cfg.vocab_size], i) for i in range(top)]  # distinct: no sharing
-    base = self._prefill_requests(dummy, top, jax.random.key(0), warm=False)
+    base = self._prefill_requests(dummy, top, jax.random.key(0), warm=False,
+                                  length=self.ecfg.cache_len)
     lengths = self._switch_lengths()
     tokens = jax.device_put(np.zeros((top, lengths[-1]), np.int32), self._replicated)
     state = self._switch_on_exec(base, lengths[-1])(self.params, self.drafter_params, base,
