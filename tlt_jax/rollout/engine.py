@@ -7,6 +7,13 @@ turns that into device calls through its `ExecutableCache` (executables.py: each
 (function, bucket) compiled once, ahead of time, with its compile time and memory recorded),
 decodes one chunk of jitted steps (the only host sync), and assembles finished responses.
 
+Reads and memory follow the rows' live lengths, not the cache's capacity
+(max_prompt_len + max_new_tokens): each chunk attends over a window of the cache (`kv_len`,
+models/transformer.py) picked from the longest live row the host knows of plus what the
+chunk can add (`chunk_reach`), on the `length_grid` (prompt_bucket x 2^k); a prefill
+allocates its prompts' length and the caches grow as the rows reach further. Executables are
+keyed by window and cache length, compiled lazily like batch buckets.
+
 Until speculation switches on, a worker decodes with the executables of a worker without a
 drafter; at switch-on `speculative.switch_on` builds the drafter's state from the live rows'
 sequences (one target forward over them). Once speculation is on, a selector (mab.py, e.g.
