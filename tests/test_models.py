@@ -59,7 +59,7 @@ CONFIGS = {
                                   rope_theta=1e4, rope_scaling=dict(LLAMA3_ROPE))),
 }
 
-_fwd = jax.jit(forward, static_argnames=("cfg", "return_logits", "prefill"))
+_fwd = jax.jit(forward, static_argnames=("cfg", "return_logits", "prefill", "kv_len"))
 OBSERVED: dict[str, float] = {}  # check name -> max relative diff (printed with -s)
 
 
@@ -267,9 +267,12 @@ def test_prefill_within_the_prompt_then_decode_matches_transformers(ckpts, name)
     cache = out.cache.replace(lengths=cache.lengths + 1)
 
 
-def test_ragged_batch_matches_each_sequence_alone(ckpts):
+@pytest.mark.parametrize("window", [False, True])
+def test_ragged_batch_matches_each_sequence_alone(ckpts, window):
   """Right-padded prompts of different lengths in one batch, so every row has its own
-  cache.lengths, give each sequence's logits from transformers run alone."""
+  cache.lengths, give each sequence's logits from transformers run alone. window: the decode
+  chunks attend over the tightest window (the longest row's length + the chunk: kv_len),
+  not the cache's 24 slots."""
   ck = ckpts("llama_hd24_bias_tied")
   cfg, params = ck.cfg, ck.params
   lens = np.array([7, 3, 10], np.int32)
@@ -293,7 +296,9 @@ def test_ragged_batch_matches_each_sequence_alone(ckpts):
   for n in (2, 1, 1):
     chunk = np.stack([seqs[r][length[r]:length[r] + n] for r in range(b)]).astype(np.int32)
     pos = length[:, None] + np.arange(n)[None, :]
-    out = _fwd(params, jnp.asarray(chunk), jnp.asarray(pos, jnp.int32), cfg=cfg, cache=cache)
+    kv_len = int(length.max()) + n if window else None
+    out = _fwd(params, jnp.asarray(chunk), jnp.asarray(pos, jnp.int32), cfg=cfg, cache=cache,
+               kv_len=kv_len)
     for r in range(b):
       assert_close(np.asarray(out.logits)[r], refs[r][length[r]:length[r] + n],
                    what="ragged decode vs transformers per sequence")
@@ -325,10 +330,12 @@ def _tree_mask(parents):
   return mask
 
 
-@pytest.mark.parametrize("name", ["qwen2_gqa", "llama3_rope"])
-def test_tree_attention_with_cache(ckpts, name):
+@pytest.mark.parametrize("name,kv_len", [("qwen2_gqa", None), ("llama3_rope", None),
+                                         ("qwen2_gqa", 38)])
+def test_tree_attention_with_cache(ckpts, name, kv_len):
   """Each tree node's logits equal transformers' on the linear path prefix -> root -> node.
-  Rows have different committed prefix lengths; positions are prefix length + depth."""
+  Rows have different committed prefix lengths; positions are prefix length + depth. kv_len
+  38: attention over the tightest window (longest prefix 33 + 5 nodes) of the 48 slots."""
   ck = ckpts(name)
   cfg, params = ck.cfg, ck.params
   prefix_lens = np.array([5, 33], np.int32)  # 33 + depth: past 32 for the llama3 rope
@@ -348,7 +355,8 @@ def test_tree_attention_with_cache(ckpts, name):
 
   mask = jnp.asarray(np.broadcast_to(_tree_mask(TREE_PARENTS), (b, n, n)))
   positions = jnp.asarray(prefix_lens[:, None] + depth[None, :])
-  out = _fwd(params, jnp.asarray(tree_tokens), positions, cfg=cfg, cache=cache, attn_mask=mask)
+  out = _fwd(params, jnp.asarray(tree_tokens), positions, cfg=cfg, cache=cache, attn_mask=mask,
+             kv_len=kv_len)
   logits = np.asarray(out.logits)
   for r in range(b):
     for i, path in enumerate(paths):
@@ -356,6 +364,12 @@ def test_tree_attention_with_cache(ckpts, name):
       assert_close(logits[r, i], hf_logits(ck.hf, seq)[0, -1],
                    what=f"tree node (cache) vs transformers path [{name}]")
 
+  if kv_len is not None:
+    # Power: a window one slot short hides the last node's own k/v from the longest row.
+    short = _fwd(params, jnp.asarray(tree_tokens), positions, cfg=cfg, cache=cache,
+                 attn_mask=mask, kv_len=kv_len - 1)
+    assert np.abs(np.asarray(short.logits)[1, -1] - logits[1, -1]).max() > 1e-3
+    return
   # The same tree without a cache: one chunk [prefix | tree] with a causal-prefix + tree mask
   # and explicit positions (row 0 only).
   p = int(prefix_lens[0])

@@ -280,10 +280,41 @@ def test_compaction_shrinks_buckets(greedy, layouts):
   main = layouts["workers"]["main"]
   names = {r.name for r in main.compile_log}
   assert "take_rows" in names  # compaction really ran
-  # one decode executable per (sampling params, capture, bucket), recorded with that bucket
-  decode_batches = sorted(r.batch for r in main.compile_log
-                          if r.name == "decode" and r.key.variant == (GREEDY, True))
-  assert decode_batches == sorted({c.bucket for c in greedy["qwen2"]["chunks"]})
+  # one decode executable per (sampling params, capture, attention window, bucket), recorded
+  # with that bucket
+  decode = [(r.batch, r.key.variant[2]) for r in main.compile_log
+            if r.name == "decode" and r.key.variant[:2] == (GREEDY, True)]
+  assert len(decode) == len(set(decode))
+  assert sorted({b for b, _ in decode}) == sorted({c.bucket for c in greedy["qwen2"]["chunks"]})
+
+
+def test_attention_windows_do_not_change_outputs(models, greedy, prompts, monkeypatch):
+  """Chunks attend over the window of the cache their rows reach (kv_len from the longest
+  live row), not all of it: greedy outputs equal transformers' and sampled outputs (same
+  keys) the whole-cache engine's, through ragged prompts, refills, compaction and rows
+  that cross window boundaries mid-rollout (prompt_bucket 4: windows 4, 8, 16, 28)."""
+  from tlt_jax.rollout import compile_plan, engine
+  m, g = models["qwen2"], greedy["qwen2"]
+  cfg = engine_cfg(stop_tokens=(g["stop"],), prompt_bucket=4, capture_hidden=True)
+  windowed = Engine(m.params, m.cfg, cfg)
+  res_g, _ = run(windowed, greedy_requests(prompts), GREEDY)
+  for i, ref in enumerate(g["ref"]):
+    assert res_g[(i, 0)].response_ids.tolist() == ref, i
+  res_s, _ = run(windowed, sampled_requests(prompts), T1, seed=0)
+  windows = {}
+  for r in windowed.compile_log:
+    if r.name == "decode":
+      windows.setdefault(r.batch, set()).add(r.key.variant[2])
+  assert len(windows[4]) >= 2 and min(windows[4]) < cfg.cache_len, windows  # crossed
+  assert any(r.name == "grow" for r in windowed.compile_log)  # the caches grew with the rows
+  with monkeypatch.context() as mp:  # the reference: every chunk over the whole cache
+    for module in (engine, compile_plan):  # prefill/refill lengths and chunk windows
+      mp.setattr(module, "kv_bucket", lambda need, base, cap: cap)
+    whole = Engine(m.params, m.cfg, cfg)
+    assert_same_results(res_g, run(whole, greedy_requests(prompts), GREEDY)[0], "greedy")
+    assert_same_results(res_s, run(whole, sampled_requests(prompts), T1, seed=0)[0], "sampled")
+    assert {r.key.variant[2] for r in whole.compile_log if r.name == "decode"} == {
+        cfg.cache_len}
 
 
 # ------------------------------------------------------------------------------- 3. seeds
@@ -309,11 +340,12 @@ def test_a_group_prefills_its_prompt_once_with_the_same_results(models, layouts,
   and hidden states per (prompt, sample)."""
   main = layouts["workers"]["main"]
   shared, _ = layouts["main"]["sampled"]  # (prompt, sample) pairs adjacent: shared prefills
-  assert any(r.name == "prefill" and r.key.variant == "shared" for r in main.compile_log)
+  assert any(r.name == "prefill" and r.key.variant[0] == "shared" for r in main.compile_log)
   interleaved = sorted(sampled_requests(prompts), key=lambda r: (r.sample_index, r.request_id))
   w = Engine(models["qwen2"].params, models["qwen2"].cfg, main.ecfg)
   alone, _ = run(w, interleaved, T1, seed=0)
-  assert not any(r.key.variant == "shared" for r in w.compile_log)  # no prefill shared
+  assert not any(r.name == "prefill" and r.key.variant[0] == "shared"
+                 for r in w.compile_log)  # no prefill shared
   assert_same_results(shared, alone, "sampled, shared prefill vs none")
 
 

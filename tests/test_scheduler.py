@@ -16,7 +16,7 @@ import random
 import pytest
 
 from tlt_jax.rollout.scheduler import (POWERS_OF_TWO, Prefill, Refill, Resize, Scheduler,
-                                      bucket_for, buckets_upto)
+                                       bucket_for, buckets_upto, kv_bucket, length_grid)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +183,17 @@ def test_buckets_upto_is_the_buckets_below_max_batch_then_max_batch():
 
 
 # ----------------------------------------------------------------------- hand-checked cases
+def test_kv_bucket_is_the_smallest_doubling_of_base_that_holds_need_capped_at_the_cache():
+  assert length_grid(16, 100) == (16, 32, 64, 100)
+  assert length_grid(16, 64) == (16, 32, 64)
+  assert length_grid(128, 100) == (100,)
+  for base in (1, 3, 16):
+    for cap in (1, 5, 64, 100):
+      for need in range(0, cap + 3):
+        fits = [base * 2 ** k for k in range(12) if need <= base * 2 ** k < cap]
+        assert kv_bucket(need, base, cap) == (fits[0] if fits else cap), (need, base, cap)
+
+
 def test_hand_checked_refill_into_lowest_free_slot_then_compaction():
   """5 requests, max_batch 4, buckets (1, 2, 4), worked out from the docstring."""
   r = [Req(i, 1) for i in range(5)]

@@ -122,6 +122,84 @@ def test_greedy_spec_equals_plain_trained_drafter(arm):
 
 @pytest.mark.skipif(not os.path.isdir(os.path.join(DEFAULT_MODEL, "drafter")),
                     reason="default drafter not built")
+@pytest.mark.parametrize("arm,temperature", [("4_1_5", 0.0), ("4_1_5", 1.0), ("4_4_16", 0.0),
+                                             ("3_2_6", 1.0)])
+def test_tightest_attention_window_equals_the_whole_cache(arm, temperature):
+  """spec_chunk over the window of exactly the longest row + `chunk_reach` slots (unbucketed:
+  the tightest the engine may choose) gives the tokens and logprobs of the whole cache, chunk
+  after chunk. The shipped drafter is accepted most of the time, so rows grow by up to
+  steps + 1 tokens a step: the reach bound is exercised where it is tight."""
+  from tlt_jax.data.prompts import load_prompt_rows
+  from tlt_jax.drafter.model import load_drafter
+  from tlt_jax.models.hf_io import load_hf_model, load_tokenizer
+  mdir = os.path.join(DEFAULT_MODEL, "model")
+  cfg, params = load_hf_model(mdir)
+  dparams = load_drafter(os.path.join(DEFAULT_MODEL, "drafter"), cfg)
+  tok = load_tokenizer(mdir)
+  rows, _ = load_prompt_rows(os.path.join(DEFAULT_MODEL, "data", "test.jsonl"))
+  ids = [tok.encode(r.prompt) for r in rows[:4]]
+  p = max(map(len, ids))
+  toks = np.zeros((4, p), np.int32)
+  for i, x in enumerate(ids):
+    toks[i, :len(x)] = x
+  strategy, chunk = speculative.Strategy.parse(arm), 3
+  keys = jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(4))
+  state = jax.jit(functools.partial(speculative.prefill, cfg=cfg, cache_len=p + 80,
+                                    max_steps=strategy.steps))(
+      params, dparams, jnp.asarray(toks), jnp.asarray([len(x) for x in ids], jnp.int32), keys,
+      jnp.full((4,), 64, jnp.int32))
+  sp = SamplingParams(temperature=temperature)
+  fn = functools.partial(speculative.spec_chunk, cfg=cfg, sp=sp, stop_tokens=(), chunk=chunk,
+                         strategy=strategy, capture_hidden=False, use_kernel=False)
+  whole = jax.jit(fn)
+  tight = jax.jit(fn, static_argnames="kv_len")
+  accepted, windows = 0, []
+  for _ in range(4):
+    kv_len = int(state.base.cache.lengths.max()) + speculative.chunk_reach(strategy, chunk)
+    windows.append(kv_len)
+    s_w, o_w, a_w = whole(params, dparams, state)
+    s_t, o_t, a_t = tight(params, dparams, state, kv_len=kv_len)
+    np.testing.assert_array_equal(o_t.tokens, o_w.tokens)
+    np.testing.assert_array_equal(o_t.valid, o_w.valid)
+    np.testing.assert_allclose(o_t.logprobs, o_w.logprobs, atol=1e-5)
+    np.testing.assert_array_equal(s_t.base.cache.lengths, s_w.base.cache.lengths)
+    np.testing.assert_array_equal(a_t, a_w)
+    accepted += int(a_w[0])
+    state = s_w
+  assert windows[-1] < p + 80  # a window, not the whole cache
+  assert accepted > 4 * 4 * chunk  # more than one accepted draft per row-step on average
+
+
+@pytest.mark.parametrize("arm", ["3_1_4", "2_2_4"])
+def test_attention_windows_in_the_engine_do_not_change_outputs(tiny, arm, monkeypatch):
+  """Speculative and plain chunks over windows of the cache (prompt_bucket 2: many windows,
+  crossed mid-rollout) give the whole-cache engine's tokens and logprobs, greedy and sampled
+  (same keys), through refills, compaction and switch-on."""
+  from tlt_jax.rollout import compile_plan, engine
+  params, dparams = tiny
+  reqs = _requests(9)
+  cfg = EngineConfig(**SMALL, prompt_bucket=2, spec=SpecConfig(strategy=arm, bs_threshold=3,
+                                                               patience=1, use_kernel=False))
+  sps = (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0))
+  w = Engine(params, CFG, cfg, drafter_params=dparams)
+  windowed = [_by_id(w.generate(reqs, sp, seed=3)) for sp in sps]
+  assert any(m.mode == arm for m in w.chunk_log)
+  spec_windows = {r.key.variant[3] for r in w.compile_log if r.name == "spec"}
+  assert len(spec_windows) >= 2 and min(spec_windows) < cfg.cache_len, spec_windows
+  for module in (engine, compile_plan):  # prefill/refill lengths and chunk windows
+    monkeypatch.setattr(module, "kv_bucket", lambda need, base, cap: cap)
+  w = Engine(params, CFG, cfg, drafter_params=dparams)
+  for sp, res in zip(sps, windowed):
+    ref = _by_id(w.generate(reqs, sp, seed=3))
+    assert sorted(ref) == sorted(res)
+    for k, r in ref.items():
+      np.testing.assert_array_equal(res[k].response_ids, r.response_ids)
+      np.testing.assert_allclose(res[k].logprobs, r.logprobs, atol=1e-5)
+  assert {r.key.variant[3] for r in w.compile_log if r.name == "spec"} == {cfg.cache_len}
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(DEFAULT_MODEL, "drafter")),
+                    reason="default drafter not built")
 def test_switch_on_after_plain_decoding_gives_the_drafter_its_context():
   """Speculation that switches on after a plain phase (`switch_on`: one target forward over
   the live rows' sequences, then the drafter's prefill) gives the drafter its whole context:
@@ -411,7 +489,8 @@ def test_plain_call_of_a_worker_with_a_drafter_runs_without_it(tiny):
       **SMALL, spec=SpecConfig(strategy="3_1_4", bs_threshold=4, patience=1, use_kernel=False)),
       drafter_params=dparams)
   off = _by_id(w.generate(reqs, sp, speculate=False))
-  assert {r.name for r in w.compile_log} <= {"prefill", "decode", "take_rows", "put_rows"}
+  assert {r.name for r in w.compile_log} <= {"prefill", "decode", "take_rows", "put_rows",
+                                            "grow"}
   assert all(c.mode == "plain" for c in w.chunk_log)
   on = _by_id(w.generate(reqs, sp))
   assert any(c.mode == "3_1_4" for c in w.chunk_log)
@@ -435,7 +514,7 @@ def test_a_group_starting_under_the_threshold_prefills_its_prompt_once(tiny):
       **SMALL, spec=SpecConfig(strategy="3_1_4", bs_threshold=4, patience=1, use_kernel=False)),
       drafter_params=dparams)
   out = _by_id(w.generate(reqs, sp))
-  assert any(r.name == "prefill_spec" and r.key.variant == "shared" for r in w.compile_log)
+  assert any(r.name == "prefill_spec" and r.key.variant[0] == "shared" for r in w.compile_log)
   assert all(c.mode == "3_1_4" for c in w.chunk_log)  # speculated from the first chunk
   for (i, s), r in out.items():
     np.testing.assert_array_equal(r.response_ids, alone[i], err_msg=str((i, s)))

@@ -167,7 +167,7 @@ def check_drafter_params(dparams: Params, cfg: ModelConfig) -> None:
 def drafter_forward(dparams: Params, target_params: Params, tokens: jax.Array,
                     hidden: jax.Array, positions: jax.Array, *, cfg: ModelConfig,
                     cache: KVCache | None = None, attn_mask: jax.Array | None = None,
-                    return_logits: bool = True
+                    return_logits: bool = True, kv_len: int | None = None
                     ) -> tuple[jax.Array, jax.Array | None, KVCache | None]:
   """tokens [B, T] (x_{t+1}), hidden [B, T, D] (f_t), positions [B, T] ->
   (g [B, T, D] pre-norm drafter output, logits [B, T, V] float32 | None, cache).
@@ -175,7 +175,8 @@ def drafter_forward(dparams: Params, target_params: Params, tokens: jax.Array,
   cache: a `drafter_cache` (1 layer). Like the target's `forward`, the new k/v are written at
   slots lengths .. lengths + T - 1 and `lengths` is NOT advanced: the caller commits.
   attn_mask [B|1, T, T]: within-chunk visibility (causal when None): segment masks in
-  training, tree masks when drafting trees.
+  training, tree masks when drafting trees. kv_len: the attention window over the cache
+  (`tlt_jax.models.transformer`'s docstring).
   """
   if tokens.ndim != 2 or hidden.ndim != 3 or hidden.shape[:2] != tokens.shape:
     raise ValueError(f"drafter_forward: tokens {tuple(tokens.shape)} must be [B, T] and hidden "
@@ -185,7 +186,7 @@ def drafter_forward(dparams: Params, target_params: Params, tokens: jax.Array,
                      f"hidden_size {cfg.hidden_size}")
   x = _drafter_input(dparams, target_params, tokens, hidden, cfg)
   g, cache = decoder_stack(dparams["layers"], x, positions, cfg=cfg, cache=cache,
-                           attn_mask=attn_mask, num_layers=1)
+                           attn_mask=attn_mask, num_layers=1, kv_len=kv_len)
   logits = compute_logits(target_params, g, cfg) if return_logits else None
   return g, logits, cache
 
@@ -208,8 +209,9 @@ def drafter_tree_forward(dparams: Params, target_params: Params, tokens: jax.Arr
   Unlike `drafter_forward`, whose new tokens are one contiguous chunk at `lengths` with a
   within-chunk mask, a tree level's nodes attend to ancestors that earlier levels wrote at
   scattered slots: so the k/v are written at explicit `slots` [B, T] (out of range: dropped)
-  and query t sees exactly the cache slots `visible` [B, T, S] allows (the committed prefix,
-  its ancestors and itself). Nothing is committed (`lengths` is unchanged).
+  and query t sees exactly the cache slots `visible` [B, T, W] allows (the committed prefix,
+  its ancestors and itself) among the first W <= S (the attention window). Nothing is
+  committed (`lengths` is unchanged).
   """
   x = _drafter_input(dparams, target_params, tokens, hidden, cfg)
   cos, sin = rope_tables(cfg, positions)

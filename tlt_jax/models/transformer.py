@@ -30,6 +30,14 @@ attends to the committed prefix plus the new tokens allowed by `attn_mask` (caus
 default; a tree mask when verifying draft trees). It does NOT advance `lengths`: the caller
 commits what it accepts (plain decode: all T; speculative verify: the accepted path), and
 slots past `lengths` are masked and later overwritten.
+
+Attention window `kv_len` (static): attention reads only slots [0, kv_len) of the cache, a
+static slice, while writes still go to the whole cache. The rollout engine picks it per chunk
+from the longest live row (`kv_bucket`), so the bytes a step reads follow the rows' live
+lengths, not the cache's capacity: at 4096 allocated new tokens, reading all S slots made a
+189M model's decode of 20-40 token responses 6.1x slower per token than at 256 on CPU
+(scripts/bench_kv_len.py). Slots past a row's length are masked either way, so the window
+changes no result as long as it holds every slot a query may see (lengths + T).
 """
 
 from __future__ import annotations
@@ -206,7 +214,8 @@ def segment_causal_mask(segment_ids: jax.Array) -> jax.Array:
 
 
 def _cache_mask(lengths: jax.Array, t: int, s: int, attn_mask: jax.Array | None) -> jax.Array:
-  """[B, T, S]: query t sees the committed prefix and the new slots its chunk mask allows."""
+  """[B, T, s]: query t sees the committed prefix and the new slots its chunk mask allows,
+  over the attention window of the first s cache slots."""
   slots = jnp.arange(s)[None, None, :]
   rel = slots - lengths[:, None, None]  # slot index relative to the first new token
   committed = rel < 0
@@ -229,6 +238,8 @@ def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv, within_chunk: bool = Fal
   """One decoder layer. kv: None (training: attend within the chunk) or
   (k_cache [B, S, K, H], v_cache, slots [B, T]) of this layer -> writes this chunk's k/v at
   `slots` and returns the updated (k_cache, v_cache). mask None: causal within the chunk.
+  With a cache, mask [B|1, T, W] spans the attention window: the first W <= S slots are
+  read (a static slice; the module docstring's `kv_len`).
   within_chunk: attend to the chunk's own k/v even with a cache (a prefill of an empty cache:
   nothing else is visible, so the [T, S] scores over the whole cache are never formed)."""
   dt = cfg.compute_dtype
@@ -248,7 +259,11 @@ def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv, within_chunk: bool = Fal
     # Scatter into this layer's buffer (in place under donation); out-of-range slots drop.
     k_cache = k_cache.at[b_idx, slots].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[b_idx, slots].set(v.astype(v_cache.dtype), mode="drop")
-    k_all, v_all = (k, v) if within_chunk else (k_cache.astype(dt), v_cache.astype(dt))
+    if within_chunk:
+      k_all, v_all = k, v
+    else:
+      w = mask.shape[-1]
+      k_all, v_all = k_cache[:, :w].astype(dt), v_cache[:, :w].astype(dt)
     new_kv = (k_cache, v_cache)
   if mask is None:
     attn = causal_attention(q, k_all, v_all, cfg)
@@ -292,11 +307,13 @@ def unstack_layers(params: Params) -> Params:
 
 def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, cfg: ModelConfig,
                   cache: KVCache | None = None, attn_mask: jax.Array | None = None,
-                  num_layers: int | None = None, prefill: bool = False):
+                  num_layers: int | None = None, prefill: bool = False,
+                  kv_len: int | None = None):
   """Runs the decoder layers over residual stream x [B, T, D]: stacked ([L, ...] leaves) or
   unstacked (a tuple of per-layer dicts, `unstack_layers`). Shared with the drafter, which is
   one layer of the same architecture. prefill: the cache is empty (lengths 0), so the chunk
-  attends within itself (causal, or attn_mask) and is written to slots 0..T-1."""
+  attends within itself (causal, or attn_mask) and is written to slots 0..T-1. kv_len: the
+  attention window over the cache (None: all of it; see the module docstring)."""
   b, t, _ = x.shape
   cos, sin = rope_tables(cfg, positions)
   unstacked = isinstance(params_layers, (tuple, list))
@@ -326,7 +343,7 @@ def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, 
     mask = attn_mask
     slots = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
   else:
-    mask = _cache_mask(cache.lengths, t, cache.max_len, attn_mask)
+    mask = _cache_mask(cache.lengths, t, min(kv_len or cache.max_len, cache.max_len), attn_mask)
     slots = cache.lengths[:, None] + jnp.arange(t)[None, :]
   ks, vs = [], []
   for i in range(n_layers):  # unrolled: see the module docstring
@@ -340,16 +357,19 @@ def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, 
 
 def forward(params: Params, tokens: jax.Array, positions: jax.Array, *, cfg: ModelConfig,
             cache: KVCache | None = None, attn_mask: jax.Array | None = None,
-            return_logits: bool = True, prefill: bool = False) -> ModelOutput:
+            return_logits: bool = True, prefill: bool = False,
+            kv_len: int | None = None) -> ModelOutput:
   """tokens, positions [B, T] int32 -> ModelOutput.
 
   attn_mask [B|1, T, T] bool restricts which tokens of THIS chunk a query sees (causal when
   None): packed-segment masks in training, tree masks when verifying drafts. With a cache,
   the committed prefix (slots < cache.lengths) is always visible. prefill=True: the cache is
-  empty (a fresh `init_cache`): attention stays within the chunk.
+  empty (a fresh `init_cache`): attention stays within the chunk. kv_len (static): attention
+  reads cache slots [0, kv_len) only; the caller guarantees that every row whose output it
+  uses has lengths + T <= kv_len (None: the whole cache).
   """
   x = embed_tokens(params, tokens, cfg)
   x, cache = decoder_stack(params["layers"], x, positions, cfg=cfg, cache=cache,
-                           attn_mask=attn_mask, prefill=prefill)
+                           attn_mask=attn_mask, prefill=prefill, kv_len=kv_len)
   logits = compute_logits(params, x, cfg) if return_logits else None
   return ModelOutput(logits=logits, hidden=x, cache=cache)

@@ -8,6 +8,11 @@ first use (a chunk then pays the compile and reports nothing to the bandit), all
 (`precompile`), or in a background thread (SpecConfig.background_compile: `submit` at each
 generate; a bucket speculates only once it is `ready`, so no chunk waits for a compile).
 
+Attention windows (`kv_len`: decoding reads cache slots [0, kv_len) only) are a third grid: a
+speculative executable per (bucket, arm, window). The whole cache's window compiles with each
+pair; a narrower one on first use or, with background compilation, on the compile thread
+while the narrowest compiled window that holds the rows runs (`window`).
+
 A Pallas verification kernel that fails to compile falls back to its jnp reference (same
 decisions) once, with a warning; `verify_path` says which ran.
 
@@ -28,13 +33,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from tlt_jax.models import ModelConfig, Params
+from tlt_jax.rollout import decode
 from tlt_jax.rollout.executables import ExecKey, ExecutableCache, background_compiler
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.scheduler import kv_bucket, length_grid
 from tlt_jax.rollout.strategy import Strategy
 
 _log = logging.getLogger(__name__)
 
 Pairs = dict[int, list[str]]  # engine bucket -> arms
+
+
+def _abstract(tree, length: int | None = None):
+  """ShapeDtypeStructs of a pytree of arrays (compiling for it later, on another thread);
+  length: of a decode state grown to caches of that many slots (`decode.grow_cache`)."""
+  shapes = tree if length is None else jax.eval_shape(
+      functools.partial(decode.grow_cache, length=length), tree)
+  return jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x.sharding),
+                      shapes, tree)
 
 
 class Owner(Protocol):
@@ -64,6 +80,7 @@ class CompilePlan:
     self._ready: dict[SamplingParams, set[tuple[int, str]]] = {}  # compiled (bucket, arm)
     self._submitted: dict[SamplingParams, set[tuple[int, str]]] = {}  # handed to the thread
     self._switch_submitted: set[tuple[int, int]] = set()  # (bucket, length) queued switch-ons
+    self._window_submitted: set[tuple[int, str, int]] = set()  # (bucket, arm, kv_len) queued
     self._compiler = None  # one compile thread per engine, started on first use
     self._compiling = 0  # background jobs pending or running (they use the owner's params)
 
@@ -226,11 +243,7 @@ class CompilePlan:
     Its target forward runs over the shortest that holds every row, not the whole cache (a
     forward over the cache's 368 slots cost a 189M model on CPU more than the speculative
     decoding after it)."""
-    ecfg, out, n = self.ecfg, [], self.ecfg.prompt_bucket
-    while n < ecfg.cache_len:
-      out.append(n)
-      n *= 2
-    return out + [ecfg.cache_len]
+    return list(length_grid(self.ecfg.prompt_bucket, self.ecfg.cache_len))
 
   def _switch_on_args(self, base, length: int, params=None, dparams=None) -> tuple:
     tokens = jax.ShapeDtypeStruct((base.hidden.shape[0], length), jnp.int32,
@@ -263,25 +276,52 @@ class CompilePlan:
       queue = (state.batch_size, fits[0]) not in self._switch_submitted
       self._switch_submitted.add((state.batch_size, fits[0]))
     if queue and self._compiler is not None:
-      abstract = functools.partial(jax.tree.map, lambda x: jax.ShapeDtypeStruct(
-          x.shape, x.dtype, sharding=x.sharding))
-      args = (abstract(state), fits[0], abstract(self._owner.params),
-              abstract(self._owner.drafter_params))
+      args = (_abstract(state), fits[0], _abstract(self._owner.params),
+              _abstract(self._owner.drafter_params))
       self._compiler.submit(lambda: self.switch_on(*args))
     return compiled[0] if compiled else None
 
-  def spec(self, sp: SamplingParams, arm: str, state):
-    """The (bucket, arm) executable; state may be abstract (ShapeDtypeStructs, `precompile`)."""
+  def window(self, sp: SamplingParams, arm: str | None, state, need: int) -> int:
+    """The attention window of a chunk (plain: arm None) whose rows reach `need` cache slots
+    (the longest row + `chunk_reach`): the `kv_bucket` holding them. With background
+    compilation a speculative window not compiled yet is queued on the compile thread and the
+    narrowest compiled one that holds the rows runs instead (the whole cache's is compiled
+    with each bucket's arms): no chunk waits for a compile."""
+    ecfg = self.ecfg
+    kv_len = kv_bucket(need, ecfg.prompt_bucket, ecfg.cache_len)
+    if arm is None or not ecfg.spec.background_compile or self._compiler is None:
+      return kv_len
+    grown = lambda n: _abstract(state, max(n, decode.cache_length(state)))
+    compiled = lambda n: self._spec_key(sp, arm, grown(n), n) in self.exes
+    if compiled(kv_len):
+      return kv_len
+    with self._lock:
+      queue = (state.batch_size, arm, kv_len) not in self._window_submitted
+      self._window_submitted.add((state.batch_size, arm, kv_len))
+    if queue:
+      args = (sp, arm, grown(kv_len), kv_len)
+      self._compiler.submit(lambda: self.spec(*args))
+    return next(n for n in length_grid(ecfg.prompt_bucket, ecfg.cache_len)
+                if n >= kv_len and (n == ecfg.cache_len or compiled(n)))
+
+  def _spec_key(self, sp: SamplingParams, arm: str, state, kv_len: int) -> ExecKey:
+    return ExecKey.of("spec", (arm, sp, self.use_kernel, kv_len),
+                      (self._owner.params, self._owner.drafter_params, state))
+
+  def spec(self, sp: SamplingParams, arm: str, state, kv_len: int | None = None):
+    """The (bucket, arm, attention window) executable (kv_len None: the whole cache); state
+    may be abstract (ShapeDtypeStructs, `precompile`)."""
     from tlt_jax.rollout import speculative
     ecfg = self.ecfg
+    kv_len = kv_len or ecfg.cache_len
     args = (self._owner.params, self._owner.drafter_params, state)
 
     def compiled(use_kernel: bool):
       fn = functools.partial(speculative.spec_chunk, cfg=self.cfg, sp=sp,
                              stop_tokens=ecfg.stop_tokens, chunk=ecfg.chunk_size,
                              strategy=Strategy.parse(arm), capture_hidden=ecfg.capture_hidden,
-                             use_kernel=use_kernel)
-      return self.exes.get("spec", (arm, sp, use_kernel), fn, args, donate=(2,))
+                             use_kernel=use_kernel, kv_len=kv_len)
+      return self.exes.get("spec", (arm, sp, use_kernel, kv_len), fn, args, donate=(2,))
 
     if not self.use_kernel:
       return compiled(False)

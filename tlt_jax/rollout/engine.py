@@ -17,6 +17,14 @@ sequences (one target forward over them). Which speculative (bucket, arm) execut
 and when they compile (first use, `precompile`, or a background thread), is the engine's
 `CompilePlan` (compile_plan.py).
 
+Reads and memory follow the rows' live lengths, not the cache's capacity
+(max_prompt_len + max_new_tokens): each chunk attends over a window of the cache (`kv_len`,
+models/transformer.py) picked from the longest live row the host knows of plus what the
+chunk can add (`chunk_reach`), on the `length_grid` (prompt_bucket x 2^k); a prefill
+allocates its prompts' length and the caches grow as the rows reach further
+(`decode.grow_cache`). Executables are keyed by window and cache length, compiled lazily like
+batch buckets.
+
 Hooks (`EngineHooks`, called on the engine's thread): each chunk's metrics, each finished
 response (rewards start at once; the drafter buffer takes its hidden states), and a call
 before every chunk (the coordinator pulls newer weights there). Several engines run
@@ -43,7 +51,8 @@ from tlt_jax.rollout.executables import CompileRecord, ExecutableCache
 from tlt_jax.rollout.mab import FixedSelector
 from tlt_jax.rollout.records import ChunkMetrics, EngineHooks, Output, Request, Result
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.scheduler import Prefill, Refill, Resize, Scheduler, bucket_for
+from tlt_jax.rollout.scheduler import (Prefill, Refill, Resize, Scheduler, bucket_for,
+                                       kv_bucket)
 from tlt_jax.rollout.strategy import DEFAULT_ARM, Strategy
 from tlt_jax.sharding import make_mesh, tree_shardings
 
@@ -132,6 +141,25 @@ def to_replica_layout(params: Params, dtype, shardings: Any) -> Params:
   return jax.device_put(_to_replica(params, dtype), shardings, may_alias=False)
 
 
+def longest_row(sched: Scheduler, outputs: dict[Any, Output]) -> int:
+  """The longest row in the batch: prompt + response so far, host-side (>= its committed
+  cache length: a speculative row's pending token is emitted but not yet committed)."""
+  return max((len(req.prompt_ids) + outputs[req.key].length
+              for req in sched.slots if req is not None), default=1)
+
+
+def chunk_reach(arm: str | None, chunk: int) -> int:
+  """Cache slots past the longest row's length that a chunk of plain decoding (arm None) or
+  of a speculative arm can read."""
+  from tlt_jax.rollout import speculative
+  return (decode.chunk_reach(chunk) if arm is None
+          else speculative.chunk_reach(Strategy.parse(arm), chunk))
+
+
+def prompt_len(reqs: Sequence[Request], ecfg: EngineConfig) -> int:
+  """The padded length of these prompts' prefill: a multiple of prompt_bucket."""
+  longest = max(len(r.prompt_ids) for r in reqs)
+  return min(-(-longest // ecfg.prompt_bucket) * ecfg.prompt_bucket, ecfg.max_prompt_len)
 
 
 def prefill_arrays(reqs: Sequence[Request], batch: int, base_key, ecfg: EngineConfig):
@@ -140,8 +168,7 @@ def prefill_arrays(reqs: Sequence[Request], batch: int, base_key, ecfg: EngineCo
   row i is prompt i), keys [batch, 2] (each row's own stream: (request_id, sample_index)
   folded into the call's key), max_new [batch]. A group's responses share their prompt: each
   distinct prompt is prefilled once (U rows) when that makes a smaller batch."""
-  longest = max(len(r.prompt_ids) for r in reqs)
-  p = min(-(-longest // ecfg.prompt_bucket) * ecfg.prompt_bucket, ecfg.max_prompt_len)
+  p = prompt_len(reqs, ecfg)
   keys = np.zeros((batch, 2), np.uint32)
   max_new = np.zeros((batch,), np.int32)
   src = np.full((batch,), -1, np.int32)  # row -> its distinct prompt
@@ -244,27 +271,39 @@ class Engine:
   def _call(self, name: str, variant, fn: Callable, args: tuple, donate=()):
     return self.exes.get(name, variant, fn, args, donate=donate)(*args)
 
-  def _prefill(self, reqs: Sequence[Request], batch: int, base_key, warm: bool):
-    """Prefill of `reqs` into a new state of `batch` rows. warm: with the drafter's prefill
-    (a SpecState)."""
+  def _prefill(self, reqs: Sequence[Request], batch: int, base_key, warm: bool,
+               length: int | None = None):
+    """Prefill of `reqs` into a new state of `batch` rows with caches of `length` slots
+    (None: the shortest grid length holding the padded prompts; `_grow` extends them as the
+    rows reach further). warm: with the drafter's prefill (a SpecState)."""
     from tlt_jax.rollout import speculative
-    tokens, lens, src, keys, max_new = prefill_arrays(reqs, batch, base_key, self.ecfg)
+    ecfg = self.ecfg
+    tokens, lens, src, keys, max_new = prefill_arrays(reqs, batch, base_key, ecfg)
+    length = length or kv_bucket(tokens.shape[1], ecfg.prompt_bucket, ecfg.cache_len)
     mod = speculative if warm else decode
-    kw = dict(cfg=self.cfg, cache_len=self.ecfg.cache_len)
+    kw = dict(cfg=self.cfg, cache_len=length)
     if warm:
       kw["max_steps"] = self.compiles.max_steps()
     params = (self.params, self.drafter_params) if warm else (self.params,)
     name = "prefill_spec" if warm else "prefill"
     if src is None:
-      return self._call(name, None, functools.partial(mod.prefill, **kw),
+      return self._call(name, (None, length), functools.partial(mod.prefill, **kw),
                         params + (tokens, lens, keys, max_new))
-    return self._call(name, "shared", functools.partial(mod.prefill_shared, **kw),
+    return self._call(name, ("shared", length), functools.partial(mod.prefill_shared, **kw),
                       params + (tokens, lens, src, keys, max_new))
 
   def prefill_dummy(self, batch: int):
-    """A plain prefill of `batch` distinct one-token rows (the compile plan's shapes)."""
+    """A plain prefill of `batch` distinct one-token rows with the whole cache (the compile
+    plan's shapes)."""
     dummy = [Request([i % self.cfg.vocab_size], i) for i in range(batch)]
-    return self._prefill(dummy, batch, jax.random.key(0), warm=False)
+    return self._prefill(dummy, batch, jax.random.key(0), warm=False, length=self.ecfg.cache_len)
+
+  def _grow(self, state, length: int):
+    """The state with caches of at least `length` slots (`decode.grow_cache`)."""
+    if decode.cache_length(state) >= length:
+      return state
+    return self._call("grow", length, functools.partial(decode.grow_cache, length=length),
+                      (state,))
 
   def _apply(self, op, state, base_key, warm: bool):
     """A scheduler layout operation on the device state; warm: the state carries the
@@ -275,7 +314,11 @@ class Engine:
       idx, valid = jnp.asarray(op.idx, jnp.int32), jnp.asarray(op.valid)
       return self._call("take_rows", None, decode.take_rows, (state, idx, valid))
     if isinstance(op, Refill):
-      rows = self._prefill(op.requests, op.bucket, base_key, warm)
+      ecfg = self.ecfg
+      length = max(decode.cache_length(state), kv_bucket(prompt_len(op.requests, ecfg),
+                                                         ecfg.prompt_bucket, ecfg.cache_len))
+      state = self._grow(state, length)
+      rows = self._prefill(op.requests, op.bucket, base_key, warm, length)
       # Padding rows of the prefill go to an out-of-range slot and are dropped.
       slots = np.full((op.bucket,), state.batch_size, np.int32)
       slots[:len(op.slots)] = op.slots
@@ -301,22 +344,24 @@ class Engine:
     exe = self.compiles.switch_on(state, length)
     return exe(self.params, self.drafter_params, state, tokens), True
 
-  def _decode(self, state, sp: SamplingParams, arm: str | None, capture: bool):
+  def _decode(self, state, sp: SamplingParams, arm: str | None, capture: bool, kv_len: int):
     """One chunk, and its one host sync. arm=None: plain decoding (before speculation starts:
     a DecodeState, the executables of an engine without a drafter), returning hidden states
     if `capture`; else a strategy on the SpecState (whose executables return them if the
-    engine captures at all: speculative chunks run only where the gate opens). Returns
+    engine captures at all: speculative chunks run only where the gate opens). kv_len: the
+    attention window (CompilePlan.window; the state's caches hold at least that). Returns
     (state, host copies of (ChunkOutput, done [B], stopped [B], [accepted drafts,
     verifications]))."""
     if arm is not None:
-      exe = self.compiles.spec(sp, arm, state)
+      exe = self.compiles.spec(sp, arm, state, kv_len)
       state, out, counts = exe(self.params, self.drafter_params, state)
     else:
       ecfg = self.ecfg
       fn = functools.partial(decode.decode_chunk, cfg=self.cfg, sp=sp,
                              stop_tokens=ecfg.stop_tokens, chunk=ecfg.chunk_size,
-                             capture_hidden=capture)
-      state, out = self._call("decode", (sp, capture), fn, (self.params, state), donate=(1,))
+                             capture_hidden=capture, kv_len=kv_len)
+      state, out = self._call("decode", (sp, capture, kv_len), fn, (self.params, state),
+                              donate=(1,))
       counts = (0, 0)
     base = state if isinstance(state, decode.DecodeState) else state.base
     return state, jax.device_get((out, base.done, base.stopped, counts))
@@ -379,8 +424,12 @@ class Engine:
         arm = gate.probe_arm(state.batch_size, arm)
       for s in live if speculating else ():
         outputs[sched.slots[s].key].speculating()
+      # the attention window the rows reach this chunk; the caches grow to hold it
+      kv_len = self.compiles.window(sp, arm, state, longest_row(sched, outputs)
+                                    + chunk_reach(arm, ecfg.chunk_size))
+      state = self._grow(state, kv_len)
       compiles, t0 = len(self.exes.records), time.perf_counter()
-      state, host = self._decode(state, sp, arm, capture)  # the only host sync
+      state, host = self._decode(state, sp, arm, capture, kv_len)  # the only host sync
       dt = time.perf_counter() - t0
       produced = self._collect(sched, live, outputs, host, capture, results, hooks, t_start)
       self._report(ChunkMetrics(

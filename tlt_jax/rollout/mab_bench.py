@@ -108,9 +108,11 @@ class LongTailBench:
     return out, selectors
 
   def pair_memory(self) -> dict[tuple[str, int], tuple[int | None, float]]:
-    """(arm, bucket) -> (memory_analysis bytes, compile seconds) of compiled spec executables."""
-    return {(r.key.variant[0], r.batch): (r.memory_bytes, r.seconds)
-            for r in self.worker.compile_log if r.name == "spec"}
+    """(arm, bucket) -> (memory_analysis bytes, compile seconds) of compiled spec executables
+    (of a pair's widest attention window, the largest)."""
+    recs = sorted((r for r in self.worker.compile_log if r.name == "spec"),
+                  key=lambda r: r.key.variant[3])
+    return {(r.key.variant[0], r.batch): (r.memory_bytes, r.seconds) for r in recs}
 
 
 @dataclasses.dataclass

@@ -69,6 +69,23 @@ def bucket_for(buckets: Sequence[int], n: int) -> int:
   return buckets[-1]
 
 
+def length_grid(base: int, cap: int) -> tuple[int, ...]:
+  """Sequence lengths compiled for: base x 2^k below `cap`, then `cap` (a cache's length).
+  The one grid of switch-on forwards and attention windows (`kv_bucket`): an executable per
+  doubling keeps the compiles logarithmic while a window wastes at most half its reads."""
+  out, n = [], base
+  while n < cap:
+    out.append(n)
+    n *= 2
+  return tuple(out) + (cap,)
+
+
+def kv_bucket(need: int, base: int, cap: int) -> int:
+  """The attention window (`kv_len`) of a chunk whose rows reach `need` cache slots: the
+  smallest `length_grid` length holding them (`cap`, the whole cache, at most)."""
+  return bucket_for(length_grid(base, cap), need)
+
+
 class Scheduler:
   """See the module docstring. `requests` are any objects (the engine's Request)."""
 

@@ -70,13 +70,13 @@ class SpecState:
     return self.base.batch_size
 
 
-def _catch_up(dparams, params, state: SpecState, cfg: ModelConfig):
+def _catch_up(dparams, params, state: SpecState, cfg: ModelConfig, kv_len: int | None):
   """Drafter consumes its catch-up pairs; returns (state, g_last [B, D], logits_last [B, V])."""
   dc = state.dcache
   m = state.catch_tokens.shape[1]
   pos = dc.lengths[:, None] + jnp.arange(m, dtype=jnp.int32)[None, :]
   g, logits, dc = drafter_forward(dparams, params, state.catch_tokens, state.catch_hidden, pos,
-                                  cfg=cfg, cache=dc)
+                                  cfg=cfg, cache=dc, kv_len=kv_len)
   last = jnp.clip(state.catch_count - 1, 0, m - 1)
   g_last = jnp.take_along_axis(g, last[:, None, None], axis=1)[:, 0]
   lg_last = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
@@ -93,8 +93,9 @@ def init_spec_state(params: Params, dparams: Params, base: DecodeState, prompt_t
   dc = drafter_cache(cfg, b, base.cache.max_len)
   pos = jnp.broadcast_to(jnp.arange(p - 1, dtype=jnp.int32), (b, p - 1))
   if p > 1:
+    # The cache is empty: attention reads only the window of the P - 1 new pairs.
     _, _, dc = drafter_forward(dparams, params, prompt_tokens[:, 1:], prompt_hidden[:, :-1], pos,
-                               cfg=cfg, cache=dc, return_logits=False)
+                               cfg=cfg, cache=dc, return_logits=False, kv_len=p - 1)
   dc = dc.replace(lengths=jnp.maximum(prompt_lens - 1, 0).astype(jnp.int32))
   m = max_steps + 1
   return SpecState(base=base, dcache=dc, pending=jnp.zeros((b,), jnp.int32),
@@ -150,7 +151,7 @@ def _truncate(tokens, n_cand, stop, room):
   return n, (first_stop < n)
 
 
-def _draft_chain(dparams, params, dc: KVCache, g, dlogits, keys, *, cfg, sp, steps):
+def _draft_chain(dparams, params, dc: KVCache, g, dlogits, keys, *, cfg, sp, steps, kv_len):
   """`steps` drafts, one drafter forward each after the first (the catch-up produced it).
   Greedy drafts are the argmax (no keys, no softmax); sampled drafts are drawn from the
   processed drafter distribution q with keys [B, steps], and q is returned for the
@@ -168,7 +169,7 @@ def _draft_chain(dparams, params, dc: KVCache, g, dlogits, keys, *, cfg, sp, ste
     if i + 1 < steps:
       pos = (base_len + i)[:, None]
       g3, dl3, dc = drafter_forward(dparams, params, d_i[:, None], g[:, None], pos, cfg=cfg,
-                                    cache=dc.replace(lengths=base_len + i))
+                                    cache=dc.replace(lengths=base_len + i), kv_len=kv_len)
       g, dlogits = g3[:, 0], dl3[:, 0]
   q_all = jnp.stack(qs, axis=1) if qs else None
   return jnp.stack(drafts, axis=1), q_all, dc.replace(lengths=base_len)
@@ -184,7 +185,8 @@ class Tree(NamedTuple):
   visible: jax.Array  # [B, N, N] bool: node j is an ancestor of node i or i itself
 
 
-def _draft_tree(dparams, params, dc: KVCache, g, dlogits, *, cfg, strategy: "Strategy"):
+def _draft_tree(dparams, params, dc: KVCache, g, dlogits, *, cfg, strategy: "Strategy",
+                kv_len: int | None):
   """EAGLE-2 dynamic tree. Depth 1: the top-k tokens of the drafter's distribution after the
   root. Each further depth expands the `topk` frontier nodes (the best by cumulative draft
   log-prob) with their top-k children, one drafter forward over the frontier per depth (the
@@ -209,11 +211,12 @@ def _draft_tree(dparams, params, dc: KVCache, g, dlogits, *, cfg, strategy: "Str
   f_tok, f_score, f_id = tok, lq, jnp.broadcast_to(1 + slot_ids, (b, k))
   f_hid = jnp.broadcast_to(g[:, None], (b, k, g.shape[-1]))
   f_anc = jnp.broadcast_to(jnp.eye(k, r, dtype=jnp.bool_), (b, k, r))  # drafter-slot ancestors
-  rel = jnp.arange(dc.max_len)[None, None, :] - base_len[:, None, None]  # [B, 1, S]
+  w = min(kv_len or dc.max_len, dc.max_len)  # the attention window
+  rel = jnp.arange(w)[None, None, :] - base_len[:, None, None]  # [B, 1, W]
   for j in range(1, depth):
     slots = base_len[:, None] + (j - 1) * k + slot_ids[None, :]
     pos = jnp.broadcast_to(base_len[:, None] + (j - 1), (b, k))
-    anc = jnp.take_along_axis(f_anc, jnp.broadcast_to(jnp.clip(rel, 0, r - 1), (b, k, dc.max_len)),
+    anc = jnp.take_along_axis(f_anc, jnp.broadcast_to(jnp.clip(rel, 0, r - 1), (b, k, w)),
                               axis=2)
     visible = (rel < 0) | ((rel < r) & anc)
     gj, lgj, dc = drafter_tree_forward(dparams, params, f_tok, f_hid, pos, slots, visible,
@@ -256,9 +259,10 @@ def _draft_tree(dparams, params, dc: KVCache, g, dlogits, *, cfg, strategy: "Str
 
 
 def spec_step(params, dparams, state: SpecState, bufs: ChunkOutput, count, *, cfg: ModelConfig,
-              sp: SamplingParams, stop, strategy: Strategy, use_kernel: bool):
+              sp: SamplingParams, stop, strategy: Strategy, use_kernel: bool,
+              kv_len: int | None = None):
   """One draft -> verify -> accept step (see the module docstring). count [B]: tokens emitted
-  into bufs so far this chunk."""
+  into bufs so far this chunk. kv_len: the attention window of both caches (`spec_chunk`)."""
   base = state.base
   b = base.batch_size
   k = strategy.steps
@@ -293,24 +297,24 @@ def spec_step(params, dparams, state: SpecState, bufs: ChunkOutput, count, *, cf
   # path [B, k+1]: node ids of the verified sequence (0 = pending; None = 0..k, a chain).
   # The catch-up runs for "off" (k = 0) too: it keeps the drafter warm for the other arms.
   path, tree_mask = None, None
-  state, g, dlogits = _catch_up(dparams, params, state, cfg)
+  state, g, dlogits = _catch_up(dparams, params, state, cfg, kv_len)
   if k == 0:
     vtoks, vpos = state.pending[:, None], n[:, None]
   else:
     if strategy.topk == 1:
       drafts, q, dc = _draft_chain(dparams, params, state.dcache, g, dlogits, sub, cfg=cfg,
-                                   sp=sp, steps=k)
+                                   sp=sp, steps=k, kv_len=kv_len)
       vtoks = jnp.concatenate([state.pending[:, None], drafts], axis=1)
       vpos = n[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
     else:
       tree, dc = _draft_tree(dparams, params, state.dcache, g, dlogits, cfg=cfg,
-                             strategy=strategy)
+                             strategy=strategy, kv_len=kv_len)
       vtoks = tree.tokens.at[:, 0].set(state.pending)
       vpos = n[:, None] + tree.depth
       tree_mask = tree.visible
     state = state.replace(dcache=dc)
   out = forward(params, vtoks, vpos, cfg=cfg, cache=base.cache, attn_mask=tree_mask,
-                return_logits=False)
+                return_logits=False, kv_len=kv_len)
   f = out.hidden  # [B, N, D]
   tlp = processed_logprobs(compute_logits(params, f, cfg), sp)  # [B, N, V]
   vkey = None if sp.greedy else sub[:, k]
@@ -384,13 +388,15 @@ def spec_step(params, dparams, state: SpecState, bufs: ChunkOutput, count, *, cf
 
 def spec_chunk(params: Params, dparams: Params, state: SpecState, *, cfg: ModelConfig,
                sp: SamplingParams, stop_tokens: tuple[int, ...], chunk: int, strategy: Strategy,
-               capture_hidden: bool, use_kernel: bool | None = None
+               capture_hidden: bool, use_kernel: bool | None = None, kv_len: int | None = None
                ) -> tuple[SpecState, ChunkOutput, jax.Array]:
   """Up to `chunk` speculative steps (target forwards). Returns (state, outputs [B, W] with
   W = chunk * (steps + 2), [accepted draft tokens, verifications] of the chunk's live rows
   as int32 [2]). use_kernel: the Pallas
   verification kernel, or its jnp reference (same decisions); None: the kernel on GPU only
-  (elsewhere Pallas runs in interpret mode, a debugging interpreter slower than the reference)."""
+  (elsewhere Pallas runs in interpret mode, a debugging interpreter slower than the reference).
+  kv_len: the attention window of the target's and the drafter's caches (static, None: the
+  whole cache); it must hold every live row's committed length + `chunk_reach`."""
   if use_kernel is None:
     use_kernel = jax.default_backend() == "gpu"
   b, d = state.base.hidden.shape
@@ -408,13 +414,26 @@ def spec_chunk(params: Params, dparams: Params, state: SpecState, *, cfg: ModelC
   def body(carry):
     state, bufs, count, i, acc = carry
     state, bufs, count, a = spec_step(params, dparams, state, bufs, count, cfg=cfg, sp=sp,
-                                      stop=stop, strategy=strategy, use_kernel=use_kernel)
+                                      stop=stop, strategy=strategy, use_kernel=use_kernel,
+                                      kv_len=kv_len)
     return state, bufs._replace(steps=i + 1), count, i + 1, acc + a
 
   state, bufs, _, _, acc = jax.lax.while_loop(
       cond, body, (state, bufs, jnp.zeros((b,), jnp.int32), jnp.int32(0),
                    jnp.zeros((2,), jnp.int32)))
   return state, bufs, acc
+
+
+def chunk_reach(strategy: Strategy, chunk: int) -> int:
+  """Cache slots past a row's committed length n0 (target and drafter: the drafter's pairs
+  never outnumber the target's tokens) that a `spec_chunk` of `chunk` steps can attend to.
+  Step i starts at n_i <= n0 + i (steps + 1) committed tokens (a step commits at most its
+  drafts + 1); its target forward reads up to slot n_i + N - 1 (N = verify_tokens), the
+  drafter's catch-up up to n_i - 1, its chain drafts up to n_i + steps - 2 and its tree levels
+  up to n_i + max(steps - 1, 1) topk - 1."""
+  k = strategy.steps
+  width = max(strategy.verify_tokens, k, max(k - 1, 1) * strategy.topk if k else 0, 1)
+  return (chunk - 1) * (k + 1) + width
 
 
 def switch_on(params: Params, dparams: Params, base: DecodeState, tokens: jax.Array, *,
