@@ -3,7 +3,7 @@
 
     python scripts/make_bench_model.py --out /tmp/bench      # ~190M target, ~14M drafter, seconds
     python -m tlt_jax.generate --model /tmp/bench/model --drafter /tmp/bench/drafter \
-        --spec chain --prompts tlt_jax/assets/default/data/test.jsonl --output /tmp/out.jsonl
+        --spec 4_1_5 --prompts tlt_jax/assets/default/data/test.jsonl --output /tmp/out.jsonl
 
 Why and how (weight surgery in numpy, no training): tlt_jax/bench/bench_model.py.
 
