@@ -35,10 +35,10 @@ from tlt_jax.rollout.scheduler import kv_bucket
 def copy_bandwidth(nbytes: int = 1 << 30, dtype=jnp.float32, repeats: int = 20) -> float:
   """Bytes per second of a jitted elementwise pass (read + write) over `nbytes`, in place (the
   input donated). In place because a fresh 1 GiB output costs its first touch on a CPU: page
-  faults made the undonated pass 4.5x slower (5.3 vs 24 GB/s on this 2-core Xeon), a figure of
-  the allocator, not of memory. float32 by default: on a CPU a bfloat16 add converts through
-  float32 and runs at half the float32 rate (2.4 GB/s undonated); on a GPU both dtypes reach
-  the same bandwidth."""
+  faults made the undonated pass 4.5-5x slower (5.3 vs 24 and 7.9 vs 42 GB/s in two runs on
+  this 2-core Xeon), a figure of the allocator, not of memory. float32 by default: on a CPU
+  a bfloat16 add converts through float32 and runs at half the float32 rate (2.4 GB/s
+  undonated); on a GPU both dtypes reach the same bandwidth."""
   f = jax.jit(lambda x: x + 1, donate_argnums=0)
   x = f(jnp.ones((nbytes // jnp.dtype(dtype).itemsize,), dtype))
   x.block_until_ready()
