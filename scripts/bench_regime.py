@@ -3,7 +3,8 @@
 
     python scripts/make_bench_model.py --out workdirs/bench_model     # once: seconds
     python scripts/bench_regime.py --bench workdirs/bench_model [--prompts 6] [--tail_prompts 8]
-        [--tail_n 4] [--arms 3_1_4,4_1_5,6_1_7,4_2_8] [--skip_hf] [--out out/bench_regime]
+        [--tail_n 4] [--arms 3_1_4,4_1_5,6_1_7,4_2_8] [--skip_hf] [--only_roofline]
+        [--out out/bench_regime]
 
 The shipped model (1M params) sits in cache: a k-token forward costs ~k single ones, so drafts
 cannot pay here (DESIGN.md 8). The bench target (scripts/make_bench_model.py: the shipped model
@@ -11,6 +12,9 @@ widened and deepened to 189M params, the same function, so the same outputs and 
 streams ~750 MB of weights per step, as decoding on an accelerator is bound by weight reads.
 One invocation, every ratio measured in it (this machine drifts between runs):
 
+ 0. Roofline: copy bandwidth, then per workload of 2-4 the bytes a plain decode step moves
+    (weights + the KV window the engine reads) / step time, as a fraction of that bandwidth,
+    at batch 1 and 8 (tlt_jax/bench/roofline.py). --only_roofline runs it alone (a minute).
  1. Regime check: k-token target forward / 1-token forward (k = 5, 9, 17) and drafter step /
     target step, bench target vs shipped model.
  2. Batch 1, greedy, default-task prompts with EOS (one prompt at a time): plain decoding vs
@@ -65,6 +69,7 @@ def main(argv=None) -> int:
   ap.add_argument("--gate_prompts", type=int, default=D.gate_prompts,
                   help="prompts per gate rollout")
   ap.add_argument("--only_gate", action="store_true", help="run section 6 alone")
+  ap.add_argument("--only_roofline", action="store_true", help="run section 0 alone")
   ap.add_argument("--skip_hf", action="store_true")
   ap.add_argument("--skip_regime", action="store_true")
   ap.add_argument("--dtype", default=D.dtype,

@@ -6,12 +6,11 @@
 DIR is scripts/make_bench_model.py's --out (a widened target with the shipped model's function,
 so acceptance is the real one). Prints markdown sections and writes OUT/gpu_probe.json:
 
-  bandwidth   the device's copy bandwidth, measured here: a jitted `x + 1` over 1 GiB
-              (bytes read + written) / time, median of 20.
-  roofline    plain decode at batch 1 and 8 (the in-loop step of a compiled loop, as
-              scripts/profile_spec.py times it): bytes a step moves (replica weights + the KV
-              cache it reads) / step time, against that bandwidth. Two counts of the KV term:
-              the slots the engine reads (every allocated slot) and the live tokens only.
+  bandwidth   the device's copy bandwidth, measured here (tlt_jax/bench/roofline.py: an
+              in-place `x + 1` over 1 GiB, bytes read + written / median time of 20).
+  roofline    plain decode at batch 1 and 8 (the in-loop step of a compiled loop, with the
+              attention window the engine picks): bytes a step moves (replica weights + the KV
+              window it reads) / step time, against that bandwidth.
   bf16        greedy SD (Pallas verification kernel on) == greedy plain decoding in the
               compute dtype, batch 8, default-task prompts: identical responses, and where
               they differ the first differing position (bf16 ties/near-ties flip argmaxes).
@@ -24,30 +23,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
 import jax
-import jax.numpy as jnp
 
-from tlt_jax.bench.spec_costs import measure_costs
+from tlt_jax.bench.roofline import (TABLE_HEAD, copy_bandwidth, decode_roofline,
+                                    kv_bytes_per_token, table_row)
 from tlt_jax.rollout.scheduler import buckets_upto
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-  """Bytes per second of a jitted elementwise pass (read + write) over `nbytes`."""
-  x = jnp.ones((nbytes // 2,), jnp.bfloat16)
-  f = jax.jit(lambda x: x + 1)
-  f(x).block_until_ready()
-  ts = []
-  for _ in range(20):
-    t = time.perf_counter()
-    f(x).block_until_ready()
-    ts.append(time.perf_counter() - t)
-  return 2 * x.nbytes / statistics.median(ts)
 
 
 def main(argv=None) -> int:
@@ -75,7 +60,7 @@ def main(argv=None) -> int:
 
   bw = copy_bandwidth()
   out["copy_bandwidth"] = bw
-  print(f"### bandwidth\n\ncopy bandwidth (x + 1 over 1 GiB, read + write): "
+  print(f"### bandwidth\n\ncopy bandwidth (in-place x + 1 over 1 GiB, read + write): "
         f"**{bw / 1e9:.0f} GB/s**\n", flush=True)
 
   model_dir, drafter_dir = (os.path.join(args.bench, x) for x in ("model", "drafter"))
@@ -89,30 +74,21 @@ def main(argv=None) -> int:
   greedy = SamplingParams(temperature=0.0)
   wbytes = sum(x.nbytes for x in jax.tree.leaves(params))
   nparams = sum(x.size for x in jax.tree.leaves(params))
-  itemsize = jnp.dtype(args.dtype).itemsize
-  kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim_ * itemsize
+  kv_per_token = kv_bytes_per_token(cfg, cfg.compute_dtype)
   out["params"] = int(nparams)
   print(f"target: {nparams / 1e9:.2f}B params, {wbytes / 2**30:.2f} GiB weights, "
         f"KV {kv_per_token / 1024:.0f} KiB/token\n", flush=True)
 
   # ---- roofline: plain decode step in a compiled loop
-  prompt_len, cache_len = 64, max_prompt + args.max_new_tokens
-  print("### roofline: plain decode at batch 1 and 8 (in-loop step time)\n\n"
-        "| batch | step ms | weights GB | KV read GB (all slots) | % of copy bw (bytes read) | "
-        "% of copy bw (live tokens only) |\n|---:|---:|---:|---:|---:|---:|", flush=True)
+  cache_len = max_prompt + args.max_new_tokens
+  print(f"### roofline: plain decode at batch 1 and 8 (in-loop step time)\n\n{TABLE_HEAD}",
+        flush=True)
   out["roofline"] = {}
   for b in (1, 8):
-    costs = measure_costs(params, dparams, cfg, b, [], greedy, iters=args.iters,
-                          prompt_len=prompt_len, cache_len=cache_len)
-    step = costs["plain step"]
-    kv_all = b * cache_len * kv_per_token
-    kv_live = b * (prompt_len + args.iters) * kv_per_token
-    pct_read = (wbytes + kv_all) / step / bw
-    pct_live = (wbytes + kv_live) / step / bw
-    out["roofline"][b] = {"step_s": step, "kv_all": kv_all, "kv_live": kv_live,
-                          "pct_read": pct_read, "pct_live": pct_live}
-    print(f"| {b} | {step * 1e3:.3f} | {wbytes / 1e9:.2f} | {kv_all / 1e9:.3f} | "
-          f"{pct_read:.0%} | {pct_live:.0%} |", flush=True)
+    r = decode_roofline(params, cfg, b, greedy, bw, prompt_len=64, cache_len=cache_len,
+                        iters=args.iters)
+    out["roofline"][b] = r
+    print(table_row("plain decode", r), flush=True)
 
   # ---- bf16 greedy SD == plain, batch 8, kernel on
   def worker(spec):

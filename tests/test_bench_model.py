@@ -6,6 +6,7 @@ logits on the same inputs."""
 
 from __future__ import annotations
 
+import dataclasses
 import filecmp
 import json
 import os
@@ -18,7 +19,7 @@ import torch
 import transformers
 
 from tlt_jax.bench import bench_model
-from tlt_jax.bench import regime
+from tlt_jax.bench import regime, roofline
 from tlt_jax.drafter.model import drafter_forward, load_drafter
 from tlt_jax.models import forward
 from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
@@ -186,3 +187,41 @@ def test_bench_regime_smoke(bench, tmp_path, capsys):
   assert summary["batch 8, greedy, default task (EOS)"]["SD 4_1_5"]["same"] is True
   with pytest.raises(regime.BenchMissing, match="make_bench_model.py --out"):
     regime.run(regime.RegimeArgs(bench=str(tmp_path / "missing")))
+
+
+def test_roofline_byte_accounting(bench, prompts, tmp_path, capsys):
+  """tlt_jax/bench/regime.py's roofline section (--only_roofline) on the small build: bytes a
+  step moves counted independently (weights from the loaded param tree, KV from the config and
+  the window the engine's doubling grid gives for the longest prompt + 32 decoded tokens)."""
+  out, _ = bench
+  n_prompts, tail_prompts, max_new = 3, 6, 40
+  summary = regime.run(regime.RegimeArgs(bench=out, prompts=n_prompts, tail_prompts=tail_prompts,
+                                         max_new_tokens=max_new, only_roofline=True,
+                                         out=str(tmp_path)))
+  assert "### roofline" in capsys.readouterr().out
+  assert json.load(open(tmp_path / "summary.json"))["roofline"]["workloads"].keys() == {
+      "batch 1, greedy", "batch 8, greedy", "batch 8, sampled", "long tail, sampled"}
+  cfg, params = load_hf_model(os.path.join(out, "model"))
+  assert cfg.tie_word_embeddings  # the LM head is the embedding table: read whole each step
+  weights = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(params))  # float32
+  kv_token = 2 * 6 * SMALL["kv_heads"] * (SMALL["hidden"] // SMALL["heads"]) * 4
+  tok = load_tokenizer(os.path.join(SHIPPED, "model"))
+  with open(os.path.join(SHIPPED, "data", "test.jsonl")) as f:
+    lens = [len(tok.encode(json.loads(line)["prompt"])) for line in f]
+  cache_len = -(-max(lens) // 16) * 16 + max_new
+  bw = summary["roofline"]["copy_bandwidth"]
+  assert bw > 1e8  # bytes/s: any memory system moves more than 100 MB/s
+  for name, r in summary["roofline"]["workloads"].items():
+    batch = 1 if name.startswith(("batch 1", "long tail")) else 8
+    reach = max(lens[:tail_prompts if name.startswith("long") else n_prompts]) + 32
+    window = next((16 * 2 ** k for k in range(20) if 16 * 2 ** k >= reach), None)
+    window = cache_len if window >= cache_len else window
+    assert (r["batch"], r["kv_len"]) == (batch, window), name
+    assert r["weight_bytes"] == weights, name
+    assert r["kv_bytes"] == batch * window * kv_token, name
+    assert r["step_s"] > 0
+    assert r["fraction"] == pytest.approx((weights + r["kv_bytes"]) / r["step_s"] / bw)
+  # An untied model's embedding table is a gather of B rows, not a read of the table.
+  untied = dict(params, lm_head=params["embed"].T)
+  cfg_untied = dataclasses.replace(cfg, tie_word_embeddings=False)
+  assert roofline.weight_bytes(untied, cfg_untied) == weights

@@ -1,6 +1,6 @@
 """Speculative rollout where it can pay on this CPU: the memory-bound benchmark target.
 
-The measurement of scripts/bench_regime.py (its docstring lists the six sections): `run`
+The measurement of scripts/bench_regime.py (its docstring lists the sections, 0-6): `run`
 prints each table as it is measured and returns (and writes to OUT/summary.json) the summary.
 """
 
@@ -12,6 +12,7 @@ import os
 import time
 
 from tlt_jax.bench.bench_model import regime_report
+from tlt_jax.bench.roofline import TABLE_HEAD, copy_bandwidth, decode_roofline, table_row
 from tlt_jax.bench.rollout import first_layer_assistant, hf_assisted, hf_generate, timed
 from tlt_jax.bench.spec_costs import bounds, measure_costs
 from tlt_jax.rollout.scheduler import buckets_upto
@@ -37,6 +38,7 @@ class RegimeArgs:
   gate_rollouts: int = 10
   gate_prompts: int = 4
   only_gate: bool = False
+  only_roofline: bool = False
   skip_hf: bool = False
   skip_regime: bool = False
   dtype: str | None = None
@@ -81,6 +83,28 @@ def tail_split(res, threshold: int, r1, prefill_s: float) -> dict:
         f"{bound:.2f}x (Amdahl)")
   return {"parts": parts, "small_share": p["small"] / p["total"], "phase_speedup": best1,
           "amdahl_bound": bound, "prefill_s": prefill_s}
+
+
+def roofline(args, params, cfg, prompts, max_prompt: int, greedy, sample) -> dict:
+  """Section 0: how close each workload's plain decode step runs to the memory limit
+  (tlt_jax/bench/roofline.py): copy bandwidth, then per workload the bytes a step moves
+  (weights + the KV window the engine picks for its longest prompt + 32 decoded tokens) /
+  step time at its batch: batch 1, batch 8 (greedy and sampled), the long tail at batch 1
+  (where it speculates; at its full batch it is the batch-8 regime)."""
+  bw = copy_bandwidth()
+  print(f"\n### roofline: plain decode step vs copy bandwidth ({bw / 1e9:.1f} GB/s, in-place "
+        f"x + 1 over 1 GiB, read + write)\n\n{TABLE_HEAD}", flush=True)
+  cache_len = max_prompt + args.max_new_tokens
+  longest = lambda n: max(len(p) for p in prompts[:n])
+  rows = {}
+  for name, batch, sp, n in (("batch 1, greedy", 1, greedy, args.prompts),
+                             ("batch 8, greedy", 8, greedy, args.prompts),
+                             ("batch 8, sampled", 8, sample, args.prompts),
+                             ("long tail, sampled", 1, sample, args.tail_prompts)):
+    rows[name] = decode_roofline(params, cfg, batch, sp, bw, prompt_len=longest(n),
+                                 cache_len=cache_len)
+    print(table_row(name, rows[name]), flush=True)
+  return {"copy_bandwidth": bw, "workloads": rows}
 
 
 def gate_rollouts(args, prompts, worker, make_selector, Request, sp) -> dict:
@@ -157,7 +181,7 @@ def run(args: RegimeArgs) -> dict:
   summary: dict = {"machine": f"{jax.devices()[0].device_kind} ({jax.default_backend()}), "
                               f"{os.cpu_count()} CPU cores, jax {jax.__version__}",
                    "args": dataclasses.asdict(args)}
-  if not args.skip_regime:
+  if not (args.skip_regime or args.only_roofline):
     report = regime_report(args.bench, os.path.dirname(asset_path("default", "model")))
     print(report, flush=True)
     summary["regime"] = report
@@ -225,6 +249,12 @@ def run(args: RegimeArgs) -> dict:
             flush=True)
     summary[name] = rows_
     return rows_, res
+
+  if not args.only_gate:
+    summary["roofline"] = roofline(args, params, cfg, prompts, max_prompt, greedy, sample)
+  if args.only_roofline:  # section 0 alone
+    _write(args.out, summary)
+    return summary
 
   if args.only_gate:  # section 6 alone
     summary["gate"] = gate_rollouts(args, prompts, worker, make_selector, Request, sample)

@@ -1,7 +1,8 @@
 """Where a speculative step's time goes: per-forward costs inside compiled loops.
 
 Shared by scripts/profile_spec.py (the table), scripts/bench_rollout.py and
-scripts/bench_regime.py (the bounds beside their measured speedups) and scripts/gpu_probe.py.
+scripts/bench_regime.py (the bounds beside their measured speedups) and
+tlt_jax/bench/roofline.py (the plain step against copy bandwidth).
 Every component is timed the way the engine runs it: N repetitions inside ONE jitted
 `lax.fori_loop` / `while_loop` (the KV cache is loop-carried, so nothing is hoisted), divided
 by N: the in-loop cost, without the per-call dispatch a single jitted call would add. Weights
@@ -49,10 +50,12 @@ def per_iter(fn, args, iters: int, repeats: int = 5) -> float:
 
 
 def measure_costs(params, dparams, cfg, batch: int, arms, sp, *, iters: int = 200,
-                  prompt_len: int = 64, cache_len: int = 384, rules: bool = False
-                  ) -> dict[str, float]:
+                  prompt_len: int = 64, cache_len: int = 384, rules: bool = False,
+                  kv_len: int | None = None) -> dict[str, float]:
   """Seconds per call of each component (module docstring) at this batch size, for the
-  plain step and for each strategy name in `arms`."""
+  plain step and for each strategy name in `arms`. dparams None: the plain step alone (no
+  drafter). kv_len: the plain step's attention window (None: the whole cache); it must hold
+  prompt_len + iters, the slots the loop's rows reach."""
   from tlt_jax.drafter.model import drafter_forward
   from tlt_jax.kernels.verify import (draw_tree_randomness, draw_verify_randomness,
                                       verify_chain, verify_tree)
@@ -69,10 +72,15 @@ def measure_costs(params, dparams, cfg, batch: int, arms, sp, *, iters: int = 20
   keys = jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(b))
   max_new = jnp.full((b,), 1 << 30, jnp.int32)  # nobody finishes inside the loops
   strategies = [Strategy.parse(a) for a in arms]
-  state = jax.jit(functools.partial(
-      speculative.prefill, cfg=cfg, cache_len=cache_len,
-      max_steps=max([s.steps for s in strategies] + [1])))(params, dparams, toks, lens, keys,
-                                                           max_new)
+  if dparams is None:
+    base = jax.jit(functools.partial(decode.prefill, cfg=cfg, cache_len=cache_len))(
+        params, toks, lens, keys, max_new)
+  else:
+    state = jax.jit(functools.partial(
+        speculative.prefill, cfg=cfg, cache_len=cache_len,
+        max_steps=max([s.steps for s in strategies] + [1])))(params, dparams, toks, lens, keys,
+                                                             max_new)
+    base = state.base
 
   def fwd_loop(a, iters, t, drafter):
     params, dparams, cache, x = a
@@ -101,8 +109,10 @@ def measure_costs(params, dparams, cfg, batch: int, arms, sp, *, iters: int = 20
 
   out: dict[str, float] = {}
   out["plain step"] = per_iter(
-      lambda a, n: decode.decode_chunk(a[0], a[1].base, cfg=cfg, sp=sp, stop_tokens=(), chunk=n,
-                                       capture_hidden=False), (params, state), iters)
+      lambda a, n: decode.decode_chunk(a[0], a[1], cfg=cfg, sp=sp, stop_tokens=(), chunk=n,
+                                       capture_hidden=False, kv_len=kv_len), (params, base), iters)
+  if dparams is None:
+    return out
   fwd(1, False)
   fwd(1, True)
   for st in strategies:
