@@ -37,10 +37,19 @@ def child(args) -> dict:
   from tlt_jax.data.prompts import load_prompt_rows
   from tlt_jax.drafter.model import load_drafter
   from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
-  from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
-  from tlt_jax.rollout.records import Request
+  from tlt_jax.rollout.engine import EngineConfig, SpecConfig
   from tlt_jax.rollout.sampling import SamplingParams
   import tlt_jax
+  # The child runs in whichever checkout --trees names, older ones included (their engine is
+  # `RolloutWorker` with the records beside it, and they have no `buckets_upto`).
+  try:
+    from tlt_jax.rollout.engine import Engine
+    from tlt_jax.rollout.records import Request
+    from tlt_jax.rollout.scheduler import buckets_upto
+  except ImportError:
+    from tlt_jax.rollout.engine import Request
+    from tlt_jax.rollout.engine import RolloutWorker as Engine
+    buckets_upto = lambda n: tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < n) + (n,)
 
   model_dir, drafter_dir = (os.path.join(args.bench, x) for x in ("model", "drafter"))
   cfg, params = load_hf_model(model_dir)
@@ -66,12 +75,10 @@ def child(args) -> dict:
       for length in lengths:
         spec = None if mode == "plain" else SpecConfig(
             strategy=args.arm, bs_threshold=threshold, patience=1, use_kernel=False)
-        buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < batch) + (batch,)
-        ecfg = EngineConfig(max_batch=batch, buckets=buckets, chunk_size=args.chunk,
+        ecfg = EngineConfig(max_batch=batch, buckets=buckets_upto(batch), chunk_size=args.chunk,
                             max_prompt_len=max_prompt, max_new_tokens=length,
                             stop_tokens=stop, spec=spec)
-        workers[length] = Engine(params, cfg, ecfg,
-                                        drafter_params=dparams if spec else None)
+        workers[length] = Engine(params, cfg, ecfg, drafter_params=dparams if spec else None)
         workers[length].generate(reqs, sp, seed=0)  # compiles
       for length in lengths:  # timed, after every length compiled
         w = workers[length]
