@@ -3,6 +3,10 @@
   python scripts/bench_rollout.py [--model DIR] [--batch_sizes 1,8,64] [--new_tokens 128]
       [--spec_arms 4_1_5,4_4_16] [--skip_hf] [--skip_spec] [--repeats 3]
 
+Table 0 (roofline, printed first; --only_roofline stops there): the plain decode step at each
+batch size, bytes moved (weights + the KV window read) / step time against the copy bandwidth
+measured in the same run (tlt_jax/bench/roofline.py).
+
 Table 1 (plain decoding vs HF generate). Fixed length: every row decodes exactly --new_tokens
 tokens (no stop token), so both engines do identical work; greedy and sampling (temperature 1)
 at each batch size. Long tail: the default task's real length distribution, --tail_batch
@@ -40,6 +44,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np
 
+from tlt_jax.bench.roofline import roofline_section
 from tlt_jax.bench.rollout import first_layer_assistant, hf_assisted, hf_generate, timed
 from tlt_jax.bench.spec_costs import bounds, measure_costs
 from tlt_jax.rollout.scheduler import buckets_upto
@@ -64,6 +69,8 @@ def main():
                   help="long-tail row: speculate once the live batch is <= this")
   ap.add_argument("--skip_spec", action="store_true")
   ap.add_argument("--skip_plain", action="store_true", help="skip table 1")
+  ap.add_argument("--only_roofline", action="store_true",
+                  help="only the roofline table (printed first in every run)")
   ap.add_argument("--hf_prompts", type=int, default=16,
                   help="table 3: HF decodes at most this many of a workload's prompts (one at a "
                        "time, slowly); tokens/s is a rate, so a subset measures the same thing")
@@ -93,6 +100,15 @@ def main():
   print(f"model {model_dir}: {sum(x.size for x in jax.tree.leaves(params)) / 1e6:.2f}M params; "
         f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} "
         f"with {torch.get_num_threads()} threads", file=sys.stderr)
+
+  # How close plain decoding runs to the memory limit, per --batch_sizes (greedy, the task's
+  # longest prompt; tlt_jax/bench/roofline.py)
+  batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+  roofline_section(params, cfg, [(f"batch {b}, greedy", b, SamplingParams(temperature=0.0),
+                                  max(len(p) for p in prompts)) for b in batch_sizes],
+                   cache_len=max_prompt + args.new_tokens)
+  if args.only_roofline:
+    return
 
   from tlt_jax.drafter.model import load_drafter
   from tlt_jax.rollout.engine import SpecConfig
@@ -140,7 +156,7 @@ def main():
     return row
 
   table, spec_rows = [], []
-  for b in [int(x) for x in args.batch_sizes.split(",")]:
+  for b in batch_sizes:
     batch_prompts = [prompts[i % len(prompts)] for i in range(b)]
     reqs = [Request(p, request_id=i) for i, p in enumerate(batch_prompts)]
     for mode, sp in modes:

@@ -12,7 +12,7 @@ import os
 import time
 
 from tlt_jax.bench.bench_model import regime_report
-from tlt_jax.bench.roofline import TABLE_HEAD, copy_bandwidth, decode_roofline, table_row
+from tlt_jax.bench.roofline import roofline_section
 from tlt_jax.bench.rollout import first_layer_assistant, hf_assisted, hf_generate, timed
 from tlt_jax.bench.spec_costs import bounds, measure_costs
 from tlt_jax.rollout.scheduler import buckets_upto
@@ -91,20 +91,13 @@ def roofline(args, params, cfg, prompts, max_prompt: int, greedy, sample) -> dic
   (weights + the KV window the engine picks for its longest prompt + 32 decoded tokens) /
   step time at its batch: batch 1, batch 8 (greedy and sampled), the long tail at batch 1
   (where it speculates; at its full batch it is the batch-8 regime)."""
-  bw = copy_bandwidth()
-  print(f"\n### roofline: plain decode step vs copy bandwidth ({bw / 1e9:.1f} GB/s, in-place "
-        f"x + 1 over 1 GiB, read + write)\n\n{TABLE_HEAD}", flush=True)
-  cache_len = max_prompt + args.max_new_tokens
   longest = lambda n: max(len(p) for p in prompts[:n])
-  rows = {}
-  for name, batch, sp, n in (("batch 1, greedy", 1, greedy, args.prompts),
-                             ("batch 8, greedy", 8, greedy, args.prompts),
-                             ("batch 8, sampled", 8, sample, args.prompts),
-                             ("long tail, sampled", 1, sample, args.tail_prompts)):
-    rows[name] = decode_roofline(params, cfg, batch, sp, bw, prompt_len=longest(n),
-                                 cache_len=cache_len)
-    print(table_row(name, rows[name]), flush=True)
-  return {"copy_bandwidth": bw, "workloads": rows}
+  return roofline_section(params, cfg, (
+      ("batch 1, greedy", 1, greedy, longest(args.prompts)),
+      ("batch 8, greedy", 8, greedy, longest(args.prompts)),
+      ("batch 8, sampled", 8, sample, longest(args.prompts)),
+      ("long tail, sampled", 1, sample, longest(args.tail_prompts))),
+      cache_len=max_prompt + args.max_new_tokens)
 
 
 def gate_rollouts(args, prompts, worker, make_selector, Request, sp) -> dict:

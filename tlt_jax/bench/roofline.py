@@ -87,3 +87,18 @@ def table_row(name: str, r: dict) -> str:
   return (f"| {name} | {r['batch']} | {r['kv_len']} | {r['step_s'] * 1e3:.2f} | "
           f"{r['weight_bytes'] / 1e6:.0f} | {r['kv_bytes'] / 1e6:.1f} | "
           f"{r['bytes_per_s'] / 1e9:.1f} | {r['fraction']:.0%} |")
+
+
+def roofline_section(params, cfg, workloads, cache_len: int) -> dict:
+  """Copy bandwidth measured now, then one `decode_roofline` row per workload (name, batch,
+  sampling params, prompt length), printed as a markdown table; the benchmarks' section on how
+  close decoding runs to the memory limit. Returns {copy_bandwidth, workloads: name -> row}."""
+  bw = copy_bandwidth()
+  print(f"\n### roofline: plain decode step vs copy bandwidth ({bw / 1e9:.1f} GB/s, in-place "
+        f"x + 1 over 1 GiB, read + write)\n\n{TABLE_HEAD}", flush=True)
+  rows = {}
+  for name, batch, sp, prompt_len in workloads:
+    rows[name] = decode_roofline(params, cfg, batch, sp, bw, prompt_len=prompt_len,
+                                 cache_len=cache_len)
+    print(table_row(name, rows[name]), flush=True)
+  return {"copy_bandwidth": bw, "workloads": rows}
