@@ -45,10 +45,7 @@ def main(argv=None) -> int:
   ap.add_argument("--out", default=os.path.join(ROOT, "out", "gpu_probe"))
   args = ap.parse_args(argv)
 
-  from tlt_jax.config import asset_path
-  from tlt_jax.data.prompts import load_prompt_rows
-  from tlt_jax.drafter.model import load_drafter
-  from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
+  from tlt_jax.bench.bench_model import load_bench_target
   from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
   from tlt_jax.rollout.records import Request, tokens_per_verification
   from tlt_jax.rollout.sampling import SamplingParams
@@ -63,13 +60,8 @@ def main(argv=None) -> int:
   print(f"### bandwidth\n\ncopy bandwidth (in-place x + 1 over 1 GiB, read + write): "
         f"**{bw / 1e9:.0f} GB/s**\n", flush=True)
 
-  model_dir, drafter_dir = (os.path.join(args.bench, x) for x in ("model", "drafter"))
-  cfg, params = load_hf_model(model_dir, dtype=args.dtype, param_dtype=args.dtype)
-  dparams = load_drafter(drafter_dir, cfg)
-  tok = load_tokenizer(model_dir)
-  stop = tuple(stop_token_ids(model_dir, tok))
-  rows, _ = load_prompt_rows(asset_path("default", "data", "test.jsonl"))
-  prompts = [tok.encode(r.prompt) for r in rows[:args.prompts]]
+  cfg, params, dparams, _, stop, prompts = load_bench_target(args.bench, args.dtype)
+  prompts = prompts[:args.prompts]
   max_prompt = -(-max(len(p) for p in prompts) // 16) * 16
   greedy = SamplingParams(temperature=0.0)
   wbytes = sum(x.nbytes for x in jax.tree.leaves(params))

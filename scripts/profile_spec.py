@@ -3,28 +3,7 @@
   python scripts/profile_spec.py [--batch_sizes 1,8] [--arms 4_1_5,4_4_16] [--iters 200]
       [--model DIR --drafter DIR]   (default: the shipped model; e.g. scripts/make_bench_model.py's)
 
-Every component is timed the way the engine runs it: N repetitions inside ONE jitted
-`lax.fori_loop` / `while_loop` (the KV cache is loop-carried, so nothing is hoisted), divided
-by N: the in-loop cost, without the per-call dispatch a single jitted call would add. Weights
-are arguments, as in the engine: closed-over weights become constants that XLA:CPU pre-packs,
-which made a plain step 1.7x faster than any engine call sees.
-
-  plain step        one plain decode step (decode_chunk with chunk=N): logits, sample, 1-token
-                    target forward. The unit everything else is divided by.
-  verify fwd T=n    target forward over the n verified tokens with the cache, + logits.
-  drafter fwd T=t   drafter forward with its cache, + logits: t=1 one chain draft step,
-                    t=topk one tree level, t=steps+1 the catch-up (it also yields draft 1).
-  verify rule       verify_chain / verify_tree (jnp reference and Pallas kernel; off-GPU the
-                    kernel runs in interpret mode), on [B, n, V] log-probs.
-  spec step         one whole speculative step (spec_chunk with chunk=N).
-
-Bounds on the speedup over plain decoding for a = tokens per verification (accepted + 1):
-  lead's    a / (1 + steps * r), r = drafter step / plain step (verify priced as 1 plain step)
-  ideal     a / (verify + catch-up + (steps - 1) * drafter step)  (the forwards alone)
-  measured  a / (spec step)  (everything in the step; still excludes host work per chunk)
-  perfect   the ideal bound at a = steps + 1 (every draft accepted): what no drafter can beat
-            with this arm on this machine. On a GPU the verify forward of a few tokens costs
-            about one plain step; on a CPU it grows with the tokens verified (compute-bound).
+What each row measures, and the bounds on the speedup it prints: tlt_jax/bench/spec_costs.py.
 """
 
 from __future__ import annotations

@@ -295,3 +295,20 @@ def regime_report(out_dir: str, source: str = SHIPPED, ks=(5, 9, 17)) -> str:
   head = (f"regime check ({jax.default_backend()}, batch 1, 128 cached tokens, median of 7; "
           "k-token target forward and drafter step as multiples of a 1-token target forward):")
   return "\n".join([head] + rows)
+
+
+def load_bench_target(bench_dir: str, dtype: str | None = None):
+  """A built target (`build`'s out dir) ready to benchmark: (cfg, params, dparams, tokenizer,
+  stop tokens, the default task's test prompts as token ids). dtype: the compute and param
+  dtype (None: the checkpoint's)."""
+  from tlt_jax.config import asset_path
+  from tlt_jax.data.prompts import load_prompt_rows
+  from tlt_jax.models.hf_io import stop_token_ids
+  model_dir, drafter_dir = (os.path.join(bench_dir, x) for x in ("model", "drafter"))
+  kw = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
+  cfg, params = load_hf_model(model_dir, **kw)
+  dparams = load_drafter(drafter_dir, cfg)
+  tok = load_tokenizer(model_dir)
+  stop = tuple(stop_token_ids(model_dir, tok))
+  rows, _ = load_prompt_rows(asset_path("default", "data", "test.jsonl"))
+  return cfg, params, dparams, tok, stop, [tok.encode(r.prompt) for r in rows]

@@ -11,7 +11,7 @@ import json
 import os
 import time
 
-from tlt_jax.bench.bench_model import regime_report
+from tlt_jax.bench.bench_model import load_bench_target, regime_report
 from tlt_jax.bench.roofline import roofline_section
 from tlt_jax.bench.rollout import first_layer_assistant, hf_assisted, hf_generate, timed
 from tlt_jax.bench.spec_costs import bounds, measure_costs
@@ -161,9 +161,6 @@ def run(args: RegimeArgs) -> dict:
   import jax
 
   from tlt_jax.config import asset_path
-  from tlt_jax.data.prompts import load_prompt_rows
-  from tlt_jax.drafter.model import load_drafter
-  from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
   from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
   from tlt_jax.rollout.records import Request, tokens_per_verification
   from tlt_jax.rollout.mab import make_selector
@@ -179,12 +176,7 @@ def run(args: RegimeArgs) -> dict:
     print(report, flush=True)
     summary["regime"] = report
 
-  cfg, params = load_hf_model(model_dir, dtype=args.dtype, param_dtype=args.dtype)
-  dparams = load_drafter(drafter_dir, cfg)
-  tok = load_tokenizer(model_dir)
-  stop = tuple(stop_token_ids(model_dir, tok))
-  rows, _ = load_prompt_rows(asset_path("default", "data", "test.jsonl"))
-  prompts = [tok.encode(r.prompt) for r in rows]
+  cfg, params, dparams, tok, stop, prompts = load_bench_target(args.bench, args.dtype)
   max_prompt = -(-max(len(p) for p in prompts) // 16) * 16
   greedy, sample = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)
 
