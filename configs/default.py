@@ -90,6 +90,12 @@ def get_config():
   # prompts are short; every extra shape is an executable to compile)
   c.rollout.prompt_bucket = 80
   c.rollout.compaction = True
+  # The paged KV cache (tlt_jax/rollout/pages.py): slots per page, pages in a replica's pool
+  # (0: max_batch rows of max length, never waiting for pages), and the mean row length
+  # (prompt + response so far) the memory plan sizes max_batch = 0 by (0: the max length).
+  c.rollout.page_size = 16
+  c.rollout.kv_pages = 0
+  c.rollout.mean_live_tokens = 0
   c.rollout.max_new_tokens = 288
   c.rollout.temperature = 1.0
   c.rollout.top_p = 1.0

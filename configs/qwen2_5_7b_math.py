@@ -47,7 +47,10 @@ def get_config():
   c.reward.timeout = 20.0
 
   c.rollout.max_batch = 0  # sized from the memory the rollout phase leaves (tlt_jax/memory.py)
-  c.rollout.buckets = (1, 2, 4, 8, 16, 32, 64, 128)
+  c.rollout.buckets = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+  # rows are admitted by the KV pages they hold (most responses are far shorter than 8k):
+  # max_batch = 0 is sized for rows of 2k tokens on average; longer ones make the youngest wait
+  c.rollout.mean_live_tokens = 2048
   c.rollout.chunk_size = 32
   c.rollout.prompt_bucket = 256
   c.rollout.max_new_tokens = 8192

@@ -36,14 +36,14 @@ def main(argv):
   n = int(cfg.memory.num_devices or 0) or memory.visible_devices()
   sized = ""
   if spec.max_batch == 0:
-    spec = spec.with_max_batch(memory.derive_max_batch(spec, model_cfg, device=device,
-                                                       num_devices=n))
+    spec = spec.with_max_batch(*memory.derive_max_batch(spec, model_cfg, device=device,
+                                                        num_devices=n))
     sized = " (sized from memory)"
   p = memory.plan(spec, model_cfg, device=device, num_devices=n)
   print(f"{cfg.model.get('architecture') or cfg.model.path}: {p.num_devices} x {p.device}, "
         f"learner mesh {memory.learner_axes(cfg, n)}, "
         f"{cfg.rollout.num_workers} rollout replicas x {cfg.rollout.tensor_parallel} device(s), "
-        f"rollout.max_batch={p.max_batch}{sized}")
+        f"rollout.max_batch={p.max_batch}, rollout.kv_pages={p.kv_pages}{sized}")
   print(p.table())
   phase, peak = p.peak()
   if p.capacity is not None:

@@ -132,7 +132,7 @@ def test_cache_token_by_token_equals_no_cache():
   tp, dp, tokens, hidden, positions = setup(cfg, b=2, t=10)
   g_full, l_full, _ = _fwd(dp, tp, tokens, hidden, positions, cfg=cfg)
   cache = drafter_cache(cfg, 2, 16)
-  assert len(cache.k) == 1 and cache.k[0].shape == (2, 16, cfg.num_kv_heads, cfg.head_dim_)
+  assert len(cache.k) == 1 and cache.rows(0).shape == (2, 16, cfg.num_kv_heads, cfg.head_dim_)
   gs, ls = [], []
   for i in range(tokens.shape[1]):
     g, lg, cache = _fwd(dp, tp, tokens[:, i:i + 1], hidden[:, i:i + 1], positions[:, i:i + 1],

@@ -153,13 +153,13 @@ def test_cluster_configs_fit_their_gpus(name):
   assert cfg.memory.num_devices == CLUSTER_CONFIGS[name]
   m = config_lib.model_config(cfg)  # the shipped architecture: the model path is not here
   spec = config_lib.run_spec(cfg)
-  mb = memory.derive_max_batch(spec, m)
+  mb, pages = memory.derive_max_batch(spec, m)
   assert mb >= 16  # a useful rollout batch per replica, sized from memory
-  plan = memory.plan(spec.with_max_batch(mb), m)
-  assert plan.over() == [] and plan.max_batch == mb, plan.table()
+  plan = memory.plan(spec.with_max_batch(mb, pages), m)
+  assert plan.over() == [] and plan.max_batch == mb and plan.kv_pages == pages, plan.table()
   # and the next size up would not fit the rollout phase (unless capped by the buckets)
   if mb < max(cfg.rollout.buckets):
-    bigger = memory.plan(spec, m, max_batch=mb + 8)
+    bigger = memory.plan(spec, m, max_batch=mb + 8, kv_pages=pages)
     assert "rollout" in bigger.over()
 
 
@@ -168,10 +168,15 @@ def test_max_batch_zero_is_sized_to_fill_the_rollout_phase():
                 "rollout.buckets": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)})
   m = config_lib.model_config(cfg)
   spec = config_lib.run_spec(cfg)
-  mb = memory.derive_max_batch(spec, m)
+  mb, pages = memory.derive_max_batch(spec, m)
   assert 8 < mb < 1024 and mb % 8 == 0
-  assert memory.plan(spec, m, max_batch=mb).over() == []
-  assert "rollout" in memory.plan(spec, m, max_batch=mb + 8).over()
+  assert memory.plan(spec, m, max_batch=mb, kv_pages=pages).over() == []
+  # the pool takes what is left: one more row's activations, or one page more, do not fit
+  assert "rollout" in memory.plan(spec, m, max_batch=mb + 8, kv_pages=pages).over()
+  assert "rollout" in memory.plan(spec, m, max_batch=mb, kv_pages=pages + 1).over()
+  # at rows of max length (mean_live_tokens 0) the pool holds every row at its longest
+  assert pages * spec.engine.page_size >= mb * (cfg.data.max_prompt_len
+                                                + cfg.rollout.max_new_tokens)
   # resolve hands the size back (the caller runs with it); the locked config keeps its 0
   cfg.memory.check = False
   cfg.lock()
@@ -215,3 +220,24 @@ def test_device_sizes():
   assert memory.device_bytes("cpu") is None
   with pytest.raises(ConfigError, match="config.memory.device='tpu9'"):
     memory.device_bytes("tpu9")
+
+
+def test_paged_kv_sizes_the_7b_plan_by_live_tokens():
+  """Qwen2.5-7B on 8 x H100 (1k prompts, 8k responses): reserving max_batch rows of max length
+  (9.2k slots, 56 KiB a token) held 48 rows per replica before the cache was paged. Sized for a
+  mean live length of 2k tokens (configs/qwen2_5_7b_math.py), the same memory holds at least
+  4x as many, their pages counted in the plan; at rows of max length the pool holds every row
+  at its longest."""
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "qwen2_5_7b_math.py"))
+  m = config_lib.model_config(cfg)
+  assert cfg.rollout.mean_live_tokens == 2048
+  mb, pages = memory.derive_max_batch(config_lib.run_spec(cfg), m)
+  assert mb >= 4 * 48, mb
+  assert pages * 16 >= mb * 2048
+  plan = memory.plan(config_lib.run_spec(cfg).with_max_batch(mb, pages), m)
+  assert plan.over() == [] and plan.kv_pages == pages
+  kv = {i.name: i.bytes for i in plan.items}["KV cache"]
+  assert kv == pages * 16 * 28 * 2 * 4 * 128 * 2  # pages x slots x layers x k,v x heads x dim
+  cfg.rollout.mean_live_tokens = 0
+  mb0, pages0 = memory.derive_max_batch(config_lib.run_spec(cfg), m)
+  assert mb0 < mb and pages0 * 16 >= mb0 * (1024 + 8192)

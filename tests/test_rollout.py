@@ -293,7 +293,7 @@ def test_attention_windows_do_not_change_outputs(models, greedy, prompts, monkey
   live row), not all of it: greedy outputs equal transformers' and sampled outputs (same
   keys) the whole-cache engine's, through ragged prompts, refills, compaction and rows
   that cross window boundaries mid-rollout (prompt_bucket 4: windows 4, 8, 16, 28)."""
-  from tlt_jax.rollout import compile_plan, engine
+  from tlt_jax.rollout import compile_plan
   m, g = models["qwen2"], greedy["qwen2"]
   cfg = engine_cfg(stop_tokens=(g["stop"],), prompt_bucket=4, capture_hidden=True)
   windowed = Engine(m.params, m.cfg, cfg)
@@ -306,15 +306,38 @@ def test_attention_windows_do_not_change_outputs(models, greedy, prompts, monkey
     if r.name == "decode":
       windows.setdefault(r.batch, set()).add(r.key.variant[2])
   assert len(windows[4]) >= 2 and min(windows[4]) < cfg.cache_len, windows  # crossed
-  assert any(r.name == "grow" for r in windowed.compile_log)  # the caches grew with the rows
   with monkeypatch.context() as mp:  # the reference: every chunk over the whole cache
-    for module in (engine, compile_plan):  # prefill/refill lengths and chunk windows
-      mp.setattr(module, "kv_bucket", lambda need, base, cap: cap)
+    mp.setattr(compile_plan, "kv_bucket", lambda need, base, cap: cap)  # chunk windows
     whole = Engine(m.params, m.cfg, cfg)
     assert_same_results(res_g, run(whole, greedy_requests(prompts), GREEDY)[0], "greedy")
     assert_same_results(res_s, run(whole, sampled_requests(prompts), T1, seed=0)[0], "sampled")
     assert {r.key.variant[2] for r in whole.compile_log if r.name == "decode"} == {
         cfg.cache_len}
+
+
+def test_kv_pages_admit_exhaust_and_preempt_without_changing_a_response(models, greedy,
+                                                                         prompts):
+  """A KV pool far smaller than max_batch rows of max length (9 pages of 4 slots; a row
+  reaches up to 7): requests wait for pages to be admitted, live rows run out of pages
+  mid-rollout and the youngest are preempted and recomputed (pages.py). Every response is
+  still transformers' greedy one, and sampled responses equal those of an engine whose pool
+  never runs out (per-row keys: a recomputed row draws the same tokens)."""
+  m, g = models["qwen2"], greedy["qwen2"]
+  roomy = engine_cfg(stop_tokens=(g["stop"],), page_size=4)
+  tight = dataclasses.replace(roomy, kv_pages=9)
+  w = Engine(m.params, m.cfg, tight)
+  res_g, log_g = run(w, greedy_requests(prompts), GREEDY)
+  for i, ref in enumerate(g["ref"]):
+    assert res_g[(i, 0)].response_ids.tolist() == ref, i
+  greedy_preempted = w.preemptions
+  res_s, log_s = run(w, sampled_requests(prompts), T1, seed=0)
+  assert greedy_preempted > 0 and w.preemptions > greedy_preempted  # pages ran out in both
+  # admission by pages: never the 4 rows max_batch allows while requests waited
+  assert max(c.live for c in log_g + log_s) < 4
+  assert_same_results(res_s, run(Engine(m.params, m.cfg, roomy), sampled_requests(prompts),
+                                 T1, seed=0)[0], "sampled, tight pool vs roomy")
+  with pytest.raises(Exception, match="kv_pages"):  # a pool must hold one longest row
+    dataclasses.replace(roomy, kv_pages=6)
 
 
 # ------------------------------------------------------------------------------- 3. seeds
@@ -340,11 +363,11 @@ def test_a_group_prefills_its_prompt_once_with_the_same_results(models, layouts,
   and hidden states per (prompt, sample)."""
   main = layouts["workers"]["main"]
   shared, _ = layouts["main"]["sampled"]  # (prompt, sample) pairs adjacent: shared prefills
-  assert any(r.name == "prefill" and r.key.variant[0] == "shared" for r in main.compile_log)
+  assert any(r.name == "prefill" and r.key.variant == "shared" for r in main.compile_log)
   interleaved = sorted(sampled_requests(prompts), key=lambda r: (r.sample_index, r.request_id))
   w = Engine(models["qwen2"].params, models["qwen2"].cfg, main.ecfg)
   alone, _ = run(w, interleaved, T1, seed=0)
-  assert not any(r.name == "prefill" and r.key.variant[0] == "shared"
+  assert not any(r.name == "prefill" and r.key.variant == "shared"
                  for r in w.compile_log)  # no prefill shared
   assert_same_results(shared, alone, "sampled, shared prefill vs none")
 

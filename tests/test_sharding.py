@@ -213,16 +213,17 @@ def test_sharded_forward_equals_single_device(sharded, single):
 
 
 def test_sharded_cache_forward_equals_single_device(sharded, single):
-  """Ragged prefill (per-row committed lengths) then a decode step, with the KV cache sharded
-  by `cache_sharding` (batch over data+fsdp, kv heads over tensor when they divide)."""
+  """Ragged prefill (per-row committed lengths) then a decode step, with the paged KV cache
+  sharded by `cache_sharding` (page pools: kv heads over tensor when they divide; tables and
+  lengths: batch over data+fsdp)."""
   name, mesh, cfg, params = sharded
   _, _, tokens, _, (ref_pre, ref_dec) = single
   b = tokens.shape[0]
   c_sh = cache_sharding(mesh, b, cfg.num_kv_heads, cfg.num_layers)
-  kv_spec = P(("data", "fsdp"), None,
-              None if cfg.num_kv_heads % mesh.shape["tensor"] else "tensor", None)
+  kv_spec = P(None, None, None if cfg.num_kv_heads % mesh.shape["tensor"] else "tensor", None)
   assert len(c_sh.k) == cfg.num_layers
   assert c_sh.k[0].spec == kv_spec and c_sh.lengths.spec == P(("data", "fsdp"))
+  assert c_sh.table.spec == P(("data", "fsdp"), None)
   p_sh, b2, b3 = tree_shardings(params, mesh), batch_sharding(mesh, 2), batch_sharding(mesh, 3)
   fs = jax.jit(lambda p, x, pos, c: forward(p, x, pos, cfg=cfg, cache=c),
                in_shardings=(p_sh, b2, b2, c_sh),

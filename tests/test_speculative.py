@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from tlt_jax.drafter.model import init_drafter
-from tlt_jax.models import ModelConfig, forward, init_params
-from tlt_jax.rollout import decode, speculative
+from tlt_jax.drafter.model import drafter_cache, init_drafter
+from tlt_jax.models import ModelConfig, forward, init_cache, init_params
+from tlt_jax.rollout import speculative
 from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams, processed_logprobs
@@ -144,9 +144,9 @@ def test_tightest_attention_window_equals_the_whole_cache(arm, temperature):
     toks[i, :len(x)] = x
   strategy, chunk = speculative.Strategy.parse(arm), 3
   keys = jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(4))
-  state = jax.jit(functools.partial(speculative.prefill, cfg=cfg, cache_len=p + 80,
-                                    max_steps=strategy.steps))(
-      params, dparams, jnp.asarray(toks), jnp.asarray([len(x) for x in ids], jnp.int32), keys,
+  state = jax.jit(functools.partial(speculative.prefill, cfg=cfg, max_steps=strategy.steps))(
+      params, dparams, init_cache(cfg, 4, p + 80), drafter_cache(cfg, 4, p + 80),
+      jnp.asarray(toks), jnp.asarray([len(x) for x in ids], jnp.int32), keys,
       jnp.full((4,), 64, jnp.int32))
   sp = SamplingParams(temperature=temperature)
   fn = functools.partial(speculative.spec_chunk, cfg=cfg, sp=sp, stop_tokens=(), chunk=chunk,
@@ -175,7 +175,7 @@ def test_attention_windows_in_the_engine_do_not_change_outputs(tiny, arm, monkey
   """Speculative and plain chunks over windows of the cache (prompt_bucket 2: many windows,
   crossed mid-rollout) give the whole-cache engine's tokens and logprobs, greedy and sampled
   (same keys), through refills, compaction and switch-on."""
-  from tlt_jax.rollout import compile_plan, engine
+  from tlt_jax.rollout import compile_plan
   params, dparams = tiny
   reqs = _requests(9)
   cfg = EngineConfig(**SMALL, prompt_bucket=2, spec=SpecConfig(strategy=arm, bs_threshold=3,
@@ -186,8 +186,7 @@ def test_attention_windows_in_the_engine_do_not_change_outputs(tiny, arm, monkey
   assert any(m.mode == arm for m in w.chunk_log)
   spec_windows = {r.key.variant[3] for r in w.compile_log if r.name == "spec"}
   assert len(spec_windows) >= 2 and min(spec_windows) < cfg.cache_len, spec_windows
-  for module in (engine, compile_plan):  # prefill/refill lengths and chunk windows
-    monkeypatch.setattr(module, "kv_bucket", lambda need, base, cap: cap)
+  monkeypatch.setattr(compile_plan, "kv_bucket", lambda need, base, cap: cap)  # chunk windows
   w = Engine(params, CFG, cfg, drafter_params=dparams)
   for sp, res in zip(sps, windowed):
     ref = _by_id(w.generate(reqs, sp, seed=3))
@@ -282,9 +281,11 @@ def sample_joint(params, dparams, sp, strategy, seed=0, verify=None, cache_len=1
   lens = jnp.full((b,), len(PROMPT), jnp.int32)
   keys = jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(b) + seed * b)
   max_new = jnp.full((b,), NEW, jnp.int32)
-  run = functools.partial(speculative.prefill, cfg=PEAKED, cache_len=cache_len,
-                          max_steps=max(strategy.steps, 1))
-  state = jax.jit(run)(params, dparams, toks, lens, keys, max_new)
+  run = functools.partial(speculative.prefill, cfg=PEAKED, max_steps=max(strategy.steps, 1))
+  # pages of 2 slots: a row holds exactly cache_len slots (a tight cache stays tight)
+  state = jax.jit(run)(params, dparams, init_cache(PEAKED, b, cache_len, page_size=2),
+                       drafter_cache(PEAKED, b, cache_len, page_size=2), toks, lens, keys,
+                       max_new)
   fn = functools.partial(speculative.spec_chunk, cfg=PEAKED, sp=sp, stop_tokens=(), chunk=NEW,
                          strategy=strategy, capture_hidden=False, use_kernel=False)
   if verify is not None:
@@ -490,7 +491,7 @@ def test_plain_call_of_a_worker_with_a_drafter_runs_without_it(tiny):
       drafter_params=dparams)
   off = _by_id(w.generate(reqs, sp, speculate=False))
   assert {r.name for r in w.compile_log} <= {"prefill", "decode", "take_rows", "put_rows",
-                                            "grow"}
+                                            "set_tables"}
   assert all(c.mode == "plain" for c in w.chunk_log)
   on = _by_id(w.generate(reqs, sp))
   assert any(c.mode == "3_1_4" for c in w.chunk_log)
@@ -514,7 +515,7 @@ def test_a_group_starting_under_the_threshold_prefills_its_prompt_once(tiny):
       **SMALL, spec=SpecConfig(strategy="3_1_4", bs_threshold=4, patience=1, use_kernel=False)),
       drafter_params=dparams)
   out = _by_id(w.generate(reqs, sp))
-  assert any(r.name == "prefill_spec" and r.key.variant[0] == "shared" for r in w.compile_log)
+  assert any(r.name == "prefill_spec" and r.key.variant == "shared" for r in w.compile_log)
   assert all(c.mode == "3_1_4" for c in w.chunk_log)  # speculated from the first chunk
   for (i, s), r in out.items():
     np.testing.assert_array_equal(r.response_ids, alone[i], err_msg=str((i, s)))

@@ -155,10 +155,12 @@ class RunSpec:
       e = dataclasses.replace(e, spec=None, capture_hidden=False, hidden_keep=0)
     return dataclasses.replace(e, stop_tokens=tuple(stop))
 
-  def with_max_batch(self, max_batch: int) -> RunSpec:
-    """This spec with rollout.max_batch resolved (memory.size_max_batch's answer)."""
+  def with_max_batch(self, max_batch: int, kv_pages: int | None = None) -> RunSpec:
+    """This spec with rollout.max_batch (and the KV pool's pages) resolved
+    (memory.derive_max_batch's answer)."""
     engine = dataclasses.replace(self.engine, max_batch=max_batch,
-                                 buckets=buckets_upto(max_batch, self.cfg.rollout.buckets))
+                                 buckets=buckets_upto(max_batch, self.cfg.rollout.buckets),
+                                 kv_pages=self.engine.kv_pages if kv_pages is None else kv_pages)
     return dataclasses.replace(self, engine=engine, max_batch=max_batch)
 
 
@@ -230,6 +232,9 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   check(isinstance(r.max_batch, int) and r.max_batch >= 0, "rollout.max_batch", r.max_batch,
         "sequences per worker, or 0 to size it from memory")
   check(r.num_workers >= 1, "rollout.num_workers", r.num_workers, "must be >= 1")
+  check(isinstance(r.get("mean_live_tokens", 0), int) and r.get("mean_live_tokens", 0) >= 0,
+        "rollout.mean_live_tokens", r.get("mean_live_tokens"),
+        "the mean row length (prompt + response) to size max_batch = 0 by; 0: the max length")
   check(r.tensor_parallel >= 1, "rollout.tensor_parallel", r.tensor_parallel, "must be >= 1")
   sampling = build(SamplingParams, "rollout", section_values(SamplingParams, r))
   # config.tlt is checked with TLT off too (as the baseline of a TLT run is run): switching it

@@ -19,10 +19,12 @@ flash attention for bf16/fp16 (no [T, S] score matrix); elsewhere the scores are
 in float32 and counted.
 
 `plan(spec, model_cfg, device=...)` -> Plan (spec: a config.RunSpec); `Plan.check()` raises
-ConfigError naming the knob to turn when a phase does not fit; `derive_max_batch` sizes the
-KV cache from what the rollout phase leaves free (`rollout.max_batch = 0`), and `resolve`
-returns the plan of the size it chose (Plan.max_batch) for the caller to use: nothing here
-writes into the config. `scripts/plan_memory.py` prints the table.
+ConfigError naming the knob to turn when a phase does not fit. The KV cache is paged
+(rollout/pages.py): the plan counts the pool's pages (rollout.kv_pages; 0: max_batch rows of
+max length). `derive_max_batch` sizes both from what the rollout phase leaves free
+(`rollout.max_batch = 0`): the pool takes it all, and max_batch is the most rows it holds at
+rollout.mean_live_tokens each; `resolve` returns the plan of the sizes it chose
+(Plan.max_batch, Plan.kv_pages) for the caller to use: nothing here writes into the config. `scripts/plan_memory.py` prints the table.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class Plan:
   num_devices: int
   knobs: dict[str, str]  # phase -> what to change when it does not fit
   max_batch: int  # rollout sequences per worker the plan holds (sized when asked for 0)
+  kv_pages: int  # pages of a replica's KV pool (sized with max_batch when asked for 0)
 
   def total(self, phase: str) -> int:
     return sum(i.bytes for i in self.items if phase in i.phases)
@@ -166,10 +169,12 @@ def _verify_width(spec) -> int:
 
 # --------------------------------------------------------------------------------- plan
 def plan(spec, model_cfg, *, device: str | None = None, num_devices: int | None = None,
-         fraction: float | None = None, max_batch: int | None = None) -> Plan:
+         fraction: float | None = None, max_batch: int | None = None,
+         kv_pages: int | None = None) -> Plan:
   """The per-device plan of a run (spec: its config.RunSpec; model_cfg: config.model_config).
-  device / num_devices / fraction: default config.memory.*; max_batch: default the spec's
-  (derive_max_batch passes candidates)."""
+  device / num_devices / fraction: default config.memory.*; max_batch, kv_pages: default the
+  spec's (rollout.kv_pages 0: max_batch rows of max length; `derive_max_batch` passes
+  candidates)."""
   from tlt_jax.drafter.model import drafter_param_shapes
   from tlt_jax.models.transformer import param_shapes
   cfg = spec.cfg
@@ -209,24 +214,32 @@ def plan(spec, model_cfg, *, device: str | None = None, num_devices: int | None 
                     + (", freed after the rollout" if release else "")))
   mb = int(max_batch if max_batch is not None else spec.max_batch)
   S = int(cfg.data.max_prompt_len) + int(r.max_new_tokens)
+  page = int(spec.engine.page_size)
+  pages = int(kv_pages if kv_pages is not None
+              else spec.engine.kv_pages or mb * -(-S // page))
   k_dev = K // tp if K % tp == 0 else K
   n_dev = N // tp if N % tp == 0 else N
   kv_token = L * 2 * k_dev * H * cbytes
-  items.append(Item("KV cache", mb * S * kv_token, ("rollout",),
-                    f"max_batch {mb} x {S} slots x {kv_token / 1024:.0f} KiB/token"))
+  items.append(Item("KV cache", pages * page * kv_token, ("rollout",),
+                    f"{pages} pages x {page} slots x {kv_token / 1024:.0f} KiB/token "
+                    f"(= {pages * page / max(mb, 1):.0f} slots per row of max_batch {mb})"))
 
-  # rollout activations: the larger of a prefill of max_batch prompts and a decode step
+  # rollout activations: the larger of a prefill of max_batch rows (a group's n responses
+  # prefill their prompt once: decode.prefill_shared) and a decode step (logits, attention
+  # scores and one layer's k/v window gathered from the pages, at the longest row's window)
   P = int(cfg.data.max_prompt_len)
   f_dev = F // tp if F % tp == 0 else F
   tlt = spec.tlt
   w = _verify_width(spec) if tlt else 1
   v_dev = V // tp if V % tp == 0 else V
-  prefill = mb * P * (4 * D + 3 * f_dev) * cbytes
+  u = -(-mb // max(int(g.n), 1))  # distinct prompts
+  prefill = u * P * (4 * D + 3 * f_dev) * cbytes
   if not (gpu and cbytes == 2):  # materialised scores and probabilities (float32)
-    prefill += 2 * mb * n_dev * P * P * 4
-  decode = mb * w * v_dev * 4 * 2 + 2 * mb * n_dev * w * S * 4 + mb * w * (4 * D + 3 * f_dev) * 4
+    prefill += 2 * u * n_dev * P * P * 4
+  decode = (mb * w * v_dev * 4 * 2 + 2 * mb * n_dev * w * S * 4 + mb * w * (4 * D + 3 * f_dev) * 4
+            + 2 * mb * S * k_dev * H * cbytes)
   items.append(Item("rollout activations", max(prefill, decode), ("rollout",),
-                    f"prefill of {mb} x {P} / decode x {w} tokens"))
+                    f"prefill of {u} prompts x {P} / decode x {w} tokens"))
 
   # the drafter: the store's copy on the learner mesh, each worker's trainer copy
   if tlt:
@@ -238,8 +251,8 @@ def plan(spec, model_cfg, *, device: str | None = None, num_devices: int | None 
     worker = sharded_bytes(dshapes, rmesh, 4) * (3 if trained else 1)
     items.append(Item("drafter (worker)", worker, PHASES, "params" + (" + AdamW" if trained
                                                                        else "")))
-    items.append(Item("drafter KV cache", mb * S * 2 * k_dev * H * cbytes, ("rollout",),
-                      "one layer"))
+    items.append(Item("drafter KV cache", pages * page * 2 * k_dev * H * cbytes, ("rollout",),
+                      "one layer, the same pages"))
     if trained:
       t = int(d.rows) * int(d.row_len)
       from tlt_jax.drafter.loss import LossConfig
@@ -296,7 +309,7 @@ def plan(spec, model_cfg, *, device: str | None = None, num_devices: int | None 
       "logprobs": "lower grpo.micro_batch_tokens (or grpo.micro_batch) or grpo.logit_chunk",
       "update": "lower grpo.micro_batch_tokens (or grpo.micro_batch), set model.remat=True, "
                 "or shard the learner over more devices (mesh.fsdp)"}
-  return Plan(items, capacity, device or "cpu", num_devices, knobs, mb)
+  return Plan(items, capacity, device or "cpu", num_devices, knobs, mb, pages)
 
 
 def layer_shapes(shapes: dict) -> dict:
@@ -305,28 +318,54 @@ def layer_shapes(shapes: dict) -> dict:
 
 
 def derive_max_batch(spec, model_cfg, *, device: str | None = None,
-                     num_devices: int | None = None, fraction: float | None = None) -> int:
-  """The largest rollout.max_batch whose rollout phase fits (a multiple of 8 above 8, capped
-  at the largest bucket). ConfigError when not even one sequence fits."""
+                     num_devices: int | None = None, fraction: float | None = None
+                     ) -> tuple[int, int]:
+  """(max_batch, kv_pages): the most rows (a multiple of 8 above 8, capped at the largest
+  bucket) whose rollout phase fits with a KV pool that holds them at
+  rollout.mean_live_tokens each (0: at their longest; never less than one longest row), and
+  the pool's pages: what the phase leaves free (rollout.kv_pages when it is set). Admission
+  by pages (rollout/pages.py) keeps the run correct when rows outgrow the mean: the youngest
+  wait. ConfigError when not even one sequence fits."""
   kw = dict(device=device, num_devices=num_devices, fraction=fraction)
-  base = plan(spec, model_cfg, max_batch=0, **kw)
+  base = plan(spec, model_cfg, max_batch=0, kv_pages=0, **kw)
   if base.capacity is None:
     raise ConfigError("(size it from memory) needs a device with a fixed memory size: set "
                       "config.memory.device (e.g. h100) or max_batch", "rollout.max_batch", 0,
                       in_config=True)
-  one = plan(spec, model_cfg, max_batch=1, **kw).total("rollout") - base.total("rollout")
-  free = base.capacity - base.total("rollout")
-  n = free // max(one, 1)
-  top = max(spec.cfg.rollout.buckets)
-  n = min(int(n), top)
+  r = spec.cfg.rollout
+  S = int(spec.cfg.data.max_prompt_len) + int(r.max_new_tokens)
+  page = int(spec.engine.page_size)
+  row_pages = -(-S // page)
+  live = int(r.get("mean_live_tokens", 0)) or S
+  page_bytes = plan(spec, model_cfg, max_batch=0, kv_pages=1, **kw).total("rollout") - \
+      base.total("rollout")
+  fixed = int(spec.engine.kv_pages)
+
+  def pool(n: int) -> int:  # the pages left beside n rows' activations (or the fixed pool)
+    rest = base.capacity - plan(spec, model_cfg, max_batch=n, kv_pages=0, **kw).total("rollout")
+    free = rest // max(page_bytes, 1)
+    if fixed:
+      return fixed if free >= fixed else 0
+    return free
+
+  def fits(n: int) -> bool:
+    pages = pool(n)
+    return pages >= row_pages and pages * page >= n * live
+
+  lo, hi = 0, max(r.buckets)  # fits(lo); the largest n that fits, by bisection (monotone)
+  while lo < hi:
+    mid = (lo + hi + 1) // 2
+    lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+  n = lo
   if n > 8:
     n = n // 8 * 8
-  if n < 1:
+  pages = pool(n)
+  if n < 1 or pages < row_pages:
     raise ConfigError(
         f"memory: not one sequence fits the rollout phase on {base.device} (the rest needs "
         f"{base.total('rollout') / GiB:.1f} of {base.capacity / GiB:.1f} GiB): raise "
         "rollout.tensor_parallel, shorten rollout.max_new_tokens, or use more devices")
-  return n
+  return n, pages
 
 
 def visible_devices() -> int:
@@ -357,11 +396,12 @@ def resolve(spec, model_cfg) -> Plan:
   if device == "cpu":
     device, fraction = spec.cfg.memory.device or "cpu", spec.cfg.memory.fraction
   kw = dict(device=device, num_devices=visible_devices(), fraction=fraction)
-  max_batch = spec.max_batch
+  max_batch, kv_pages = spec.max_batch, None
   if max_batch == 0:
-    max_batch = derive_max_batch(spec, model_cfg, **kw)
-    print(f"memory: rollout.max_batch={max_batch} (sized from {device})", file=sys.stderr)
-  p = plan(spec, model_cfg, max_batch=max_batch, **kw)
+    max_batch, kv_pages = derive_max_batch(spec, model_cfg, **kw)
+    print(f"memory: rollout.max_batch={max_batch}, rollout.kv_pages={kv_pages} (sized from "
+          f"{device})", file=sys.stderr)
+  p = plan(spec, model_cfg, max_batch=max_batch, kv_pages=kv_pages, **kw)
   if spec.cfg.memory.check:
     p.check()
   return p

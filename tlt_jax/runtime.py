@@ -43,8 +43,8 @@ def setup_jax(cfg: ml_collections.ConfigDict) -> None:
 def prepare(spec: RunSpec, *, training: bool = True) -> RunSpec:
   """The run spec checked against this machine: paths and the reward; with `training`, also
   the learner mesh, the rollout workers' devices and the memory plan (evaluation uses one
-  device and none of them). Returns the spec with rollout.max_batch as the memory plan sized
-  it. After distributed.initialize: the meshes count every process's devices."""
+  device and none of them). Returns the spec with rollout.max_batch and kv_pages as the memory
+  plan sized them. After distributed.initialize: the meshes count every process's devices."""
   cfg = spec.cfg
   if not os.path.isdir(cfg.model.path):  # inputs first, then whether this machine fits them
     raise ConfigError("is not a directory; point it at a local Hugging Face model directory "
@@ -65,7 +65,7 @@ def prepare(spec: RunSpec, *, training: bool = True) -> RunSpec:
   learner_mesh(cfg)
   worker_meshes(cfg)
   plan = memory.resolve(spec, model_config(cfg))
-  return spec.with_max_batch(plan.max_batch)
+  return spec.with_max_batch(plan.max_batch, plan.kv_pages)
 
 
 def learner_mesh(cfg: ml_collections.ConfigDict):

@@ -130,12 +130,15 @@ def batch_sharding(mesh: Mesh, rank: int, batch_axis: int = 0) -> NamedSharding:
 
 
 def cache_sharding(mesh: Mesh, batch_size: int, num_kv_heads: int, num_layers: int) -> Any:
-  """KVCache k/v (num_layers x [B, S, K, H]): batch over data axes, kv heads over tensor."""
+  """A paged KVCache: page pools (num_layers x [P, page, K, H]) with kv heads over tensor (every
+  device of a replica holds every page, a slice of its heads); page tables [B, R] and
+  lengths [B] with the batch over data axes."""
   from tlt_jax.models.transformer import KVCache  # local: keep this module model-agnostic
-  kv = NamedSharding(mesh, fit_spec(P(BATCH, None, "tensor", None),
-                                    (batch_size, 1, num_kv_heads, 1), mesh, "kv_cache"))
+  kv = NamedSharding(mesh, fit_spec(P(None, None, "tensor", None), (1, 1, num_kv_heads, 1),
+                                    mesh, "kv_cache"))
+  table = NamedSharding(mesh, fit_spec(P(BATCH, None), (batch_size, 1), mesh, "table"))
   lengths = NamedSharding(mesh, fit_spec(P(BATCH), (batch_size,), mesh, "lengths"))
-  return KVCache(k=(kv,) * num_layers, v=(kv,) * num_layers, lengths=lengths)
+  return KVCache(k=(kv,) * num_layers, v=(kv,) * num_layers, table=table, lengths=lengths)
 
 
 def local_view(tree: Any, shardings: Any) -> Any:

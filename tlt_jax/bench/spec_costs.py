@@ -56,10 +56,10 @@ def measure_costs(params, dparams, cfg, batch: int, arms, sp, *, iters: int = 20
   plain step and for each strategy name in `arms`. dparams None: the plain step alone (no
   drafter). kv_len: the plain step's attention window (None: the whole cache); it must hold
   prompt_len + iters, the slots the loop's rows reach."""
-  from tlt_jax.drafter.model import drafter_forward
+  from tlt_jax.drafter.model import drafter_cache, drafter_forward
   from tlt_jax.kernels.verify import (draw_tree_randomness, draw_verify_randomness,
                                       verify_chain, verify_tree)
-  from tlt_jax.models import compute_logits, forward, unstack_layers
+  from tlt_jax.models import compute_logits, forward, init_cache, unstack_layers
   from tlt_jax.rollout import decode, speculative
   from tlt_jax.rollout.sampling import processed_logprobs
   params = jax.jit(unstack_layers)(params)  # the rollout replicas' layout
@@ -72,14 +72,14 @@ def measure_costs(params, dparams, cfg, batch: int, arms, sp, *, iters: int = 20
   keys = jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(b))
   max_new = jnp.full((b,), 1 << 30, jnp.int32)  # nobody finishes inside the loops
   strategies = [Strategy.parse(a) for a in arms]
+  cache = init_cache(cfg, b, cache_len)
   if dparams is None:
-    base = jax.jit(functools.partial(decode.prefill, cfg=cfg, cache_len=cache_len))(
-        params, toks, lens, keys, max_new)
+    base = jax.jit(functools.partial(decode.prefill, cfg=cfg))(
+        params, cache, toks, lens, keys, max_new)
   else:
     state = jax.jit(functools.partial(
-        speculative.prefill, cfg=cfg, cache_len=cache_len,
-        max_steps=max([s.steps for s in strategies] + [1])))(params, dparams, toks, lens, keys,
-                                                             max_new)
+        speculative.prefill, cfg=cfg, max_steps=max([s.steps for s in strategies] + [1])))(
+            params, dparams, cache, drafter_cache(cfg, b, cache_len), toks, lens, keys, max_new)
     base = state.base
 
   def fwd_loop(a, iters, t, drafter):

@@ -76,8 +76,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.transformer import (KVCache, Params, _layer, compute_logits, decoder_stack,
-                                        embed_tokens, init_cache, param_shapes, rope_tables)
+from tlt_jax.models.transformer import (DEFAULT_PAGE, KVCache, Params, _layer, cache_addr,
+                                        compute_logits, decoder_stack, embed_tokens, init_cache,
+                                        param_shapes, rope_tables)
 
 FORMAT = "tlt_jax.drafter"
 FORMAT_VERSION = 1
@@ -137,9 +138,11 @@ def init_drafter(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> Params:
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def drafter_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-  """A 1-layer KV cache for the drafter (k/v: one [B, S, K, H] each, lengths [B])."""
-  return init_cache(cfg.replace(num_layers=1), batch, max_len, dtype)
+def drafter_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None,
+                  page_size: int = DEFAULT_PAGE) -> KVCache:
+  """A 1-layer KV cache for the drafter (one page pool each for k and v, rows with their own
+  contiguous pages: `init_cache`, whose page ids it shares for the same arguments)."""
+  return init_cache(cfg.replace(num_layers=1), batch, max_len, dtype, page_size)
 
 
 def check_drafter_params(dparams: Params, cfg: ModelConfig) -> None:
@@ -216,7 +219,8 @@ def drafter_tree_forward(dparams: Params, target_params: Params, tokens: jax.Arr
   x = _drafter_input(dparams, target_params, tokens, hidden, cfg)
   cos, sin = rope_tables(cfg, positions)
   layer = jax.tree.map(lambda a: a[0], dparams["layers"])
-  g, (k, v) = _layer(cfg, x, layer, cos, sin, visible, (cache.k[0], cache.v[0], slots))
+  addr = cache_addr(cache, slots, visible.shape[-1])
+  g, (k, v) = _layer(cfg, x, layer, cos, sin, visible, (cache.k[0], cache.v[0], addr))
   return g, compute_logits(target_params, g, cfg), cache.replace(k=(k,), v=(v,))
 
 

@@ -23,21 +23,28 @@ Param layout (L layers, D hidden, N query heads, K kv heads, H head dim, F mlp, 
   final_norm  [D]
   lm_head     [D, V]   (absent when tie_word_embeddings: the head is embed.T)
 
-KV cache: k, v, each a tuple of L per-layer arrays [B, S, K, H], plus `lengths` [B], the
-number of committed tokens of each sequence (every cache array is batch-major). A forward
-over T new tokens writes their keys/values at slots lengths[b] .. lengths[b] + T - 1 and
-attends to the committed prefix plus the new tokens allowed by `attn_mask` (causal by
-default; a tree mask when verifying draft trees). It does NOT advance `lengths`: the caller
-commits what it accepts (plain decode: all T; speculative verify: the accepted path), and
-slots past `lengths` are masked and later overwritten.
+KV cache (paged): k, v, each a tuple of L per-layer page pools [P, page, K, H]; `table` [B, R],
+row b's page ids (slot s of row b lives at page table[b, s // page], offset s % page; an
+unallocated entry is NO_PAGE: a write there is dropped, a read clipped and masked); `lengths`
+[B], the committed tokens of each row. A row holds R * page slots (`max_len`). Pages are
+owned by rows only through the table, which the host-side allocator (rollout/pages.py) fills:
+a replica's KV memory follows the tokens its rows hold, not max_batch x max_len, and a
+compaction or refill moves table rows, never k/v. A forward over T new tokens writes their
+keys/values at slots lengths[b] .. lengths[b] + T - 1 and attends to the committed prefix
+plus the new tokens allowed by `attn_mask` (causal by default; a tree mask when verifying
+draft trees). It does NOT advance `lengths`: the caller commits what it accepts (plain
+decode: all T; speculative verify: the accepted path), and slots past `lengths` are masked
+and later overwritten. `init_cache` gives every row its own contiguous pages (a dense cache's
+equivalent).
 
-Attention window `kv_len` (static): attention reads only slots [0, kv_len) of the cache, a
-static slice, while writes still go to the whole cache. The rollout engine picks it per chunk
-from the longest live row (`kv_bucket`), so the bytes a step reads follow the rows' live
-lengths, not the cache's capacity: at 4096 allocated new tokens, reading all S slots made a
-189M model's decode of 20-40 token responses 6.1x slower per token than at 256 on CPU
-(scripts/bench_kv_len.py). Slots past a row's length are masked either way, so the window
-changes no result as long as it holds every slot a query may see (lengths + T).
+Attention window `kv_len` (static): attention reads only slots [0, kv_len) of each row (the
+pages of the table's first ceil(kv_len / page) columns, gathered), while writes go wherever
+the table says. The rollout engine picks it per chunk from the longest live row
+(`kv_bucket`), so the bytes a step reads follow the rows' live lengths, not the cache's
+capacity: at 4096 allocated new tokens, reading all S slots made a 189M model's decode of
+20-40 token responses 6.1x slower per token than at 256 on CPU (scripts/bench_kv_len.py).
+Slots past a row's length are masked either way, so the window changes no result as long as
+it holds every slot a query may see (lengths + T).
 """
 
 from __future__ import annotations
@@ -54,23 +61,86 @@ from tlt_jax.models.config import ModelConfig
 Params = dict[str, Any]
 
 
+# A table entry without a page: scatters drop it (out of range), gathers clip it (the slots
+# it stands for are past the row's length: masked).
+NO_PAGE = 1 << 30
+
+
 @flax.struct.dataclass
 class KVCache:
-  k: tuple[jax.Array, ...]  # L x [B, S, K, H]
-  v: tuple[jax.Array, ...]  # L x [B, S, K, H]
+  k: tuple[jax.Array, ...]  # L x [P, page, K, H] page pools
+  v: tuple[jax.Array, ...]  # L x [P, page, K, H]
+  table: jax.Array  # [B, R] int32 page ids (NO_PAGE: none)
   lengths: jax.Array  # [B] int32, committed tokens per sequence
 
   @property
-  def max_len(self) -> int:
+  def page_size(self) -> int:
     return self.k[0].shape[1]
 
   @property
-  def batch_size(self) -> int:
+  def num_pages(self) -> int:
     return self.k[0].shape[0]
+
+  @property
+  def max_len(self) -> int:
+    """Slots a row can hold."""
+    return self.table.shape[1] * self.page_size
+
+  @property
+  def batch_size(self) -> int:
+    return self.table.shape[0]
 
   @property
   def num_layers(self) -> int:
     return len(self.k)
+
+  def rows(self, i: int, which: str = "k") -> jax.Array:
+    """Layer i's k (or v) as the dense [B, max_len, K, H] it stands for (tests, debugging)."""
+    return gather_window(getattr(self, which)[i], self.table, self.max_len)
+
+
+class CacheAddr(NamedTuple):
+  """Where a forward writes and reads, computed once for all layers (`cache_addr`)."""
+  page: jax.Array  # [B, T] page of each new token's slot (NO_PAGE: dropped)
+  offset: jax.Array  # [B, T] its offset in the page
+  window: jax.Array  # [B, ceil(W / page)] pages of the attention window
+  width: int  # W, the window's slots
+
+
+def slot_addr(cache: KVCache, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """slots [B, T] -> (page, offset) [B, T]; slots outside [0, max_len) -> NO_PAGE."""
+  ps = cache.page_size
+  col = jnp.clip(slots // ps, 0, cache.table.shape[1] - 1)
+  page = jnp.take_along_axis(cache.table, col, axis=1)
+  page = jnp.where((slots >= 0) & (slots < cache.max_len), page, NO_PAGE)
+  return page, slots % ps
+
+
+def cache_addr(cache: KVCache, slots: jax.Array, width: int) -> CacheAddr:
+  page, offset = slot_addr(cache, slots)
+  return CacheAddr(page, offset, cache.table[:, :-(-width // cache.page_size)], width)
+
+
+def gather_window(pool: jax.Array, window: jax.Array, width: int) -> jax.Array:
+  """pool [P, page, K, H], window [B, n] page ids -> [B, width, K, H] (width <= n * page)."""
+  b, n = window.shape
+  x = jnp.take(pool, window, axis=0, mode="clip")  # [B, n, page, K, H]
+  return x.reshape((b, n * pool.shape[1]) + pool.shape[2:])[:, :width]
+
+
+def write_kv(pool: jax.Array, addr: CacheAddr, x: jax.Array) -> jax.Array:
+  """x [B, T, K, H] into `pool` at the new tokens' slots (in place under donation)."""
+  return pool.at[addr.page, addr.offset].set(x.astype(pool.dtype), mode="drop")
+
+
+def move_slots(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+  """Every layer's k/v at slots src [B, T] copied to slots dst [B, T] of the same rows (a
+  tree verification commits its accepted path so)."""
+  sp, so = slot_addr(cache, src)
+  dp, do = slot_addr(cache, dst)
+  sp = jnp.minimum(sp, cache.num_pages - 1)
+  move = lambda p: p.at[dp, do].set(p[sp, so], mode="drop")
+  return cache.replace(k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
 
 
 class ModelOutput(NamedTuple):
@@ -79,11 +149,28 @@ class ModelOutput(NamedTuple):
   cache: KVCache | None
 
 
-def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
-  shape = (batch_size, max_len, cfg.num_kv_heads, cfg.head_dim_)
+DEFAULT_PAGE = 16
+
+
+def init_pools(cfg: ModelConfig, num_pages: int, page_size: int = DEFAULT_PAGE, dtype=None,
+               row_pages: int = 1) -> KVCache:
+  """Zeroed page pools and no rows (table [0, row_pages]): the rollout engine's KV memory,
+  whose pages its allocator hands to rows (`with_rows`)."""
+  shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim_)
   dtype = dtype or cfg.compute_dtype
   zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
-  return KVCache(k=zeros(), v=zeros(), lengths=jnp.zeros((batch_size,), jnp.int32))
+  return KVCache(k=zeros(), v=zeros(), table=jnp.zeros((0, row_pages), jnp.int32),
+                 lengths=jnp.zeros((0,), jnp.int32))
+
+
+def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None,
+               page_size: int = DEFAULT_PAGE) -> KVCache:
+  """A cache of `batch_size` empty rows of at least `max_len` slots, each with its own
+  contiguous pages (what a dense [B, S] cache would hold)."""
+  r = -(-max_len // page_size)
+  pools = init_pools(cfg, batch_size * r, page_size, dtype, r)
+  table = jnp.arange(batch_size * r, dtype=jnp.int32).reshape(batch_size, r)
+  return pools.replace(table=table, lengths=jnp.zeros((batch_size,), jnp.int32))
 
 
 def param_shapes(cfg: ModelConfig) -> Params:
@@ -236,10 +323,10 @@ def _dense(x, w, eq, dtype):
 
 def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv, within_chunk: bool = False):
   """One decoder layer. kv: None (training: attend within the chunk) or
-  (k_cache [B, S, K, H], v_cache, slots [B, T]) of this layer -> writes this chunk's k/v at
-  `slots` and returns the updated (k_cache, v_cache). mask None: causal within the chunk.
-  With a cache, mask [B|1, T, W] spans the attention window: the first W <= S slots are
-  read (a static slice; the module docstring's `kv_len`).
+  (k_pool [P, page, K, H], v_pool, addr: CacheAddr) of this layer -> writes this chunk's k/v
+  at `addr` and returns the updated (k_pool, v_pool). mask None: causal within the chunk.
+  With a cache, mask [B|1, T, W] spans the attention window: the first W slots of each row
+  are read (its window pages gathered; the module docstring's `kv_len`).
   within_chunk: attend to the chunk's own k/v even with a cache (a prefill of an empty cache:
   nothing else is visible, so the [T, S] scores over the whole cache are never formed)."""
   dt = cfg.compute_dtype
@@ -254,17 +341,16 @@ def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv, within_chunk: bool = Fal
   if kv is None:
     k_all, v_all, new_kv = k, v, None
   else:
-    k_cache, v_cache, slots = kv
-    b_idx = jnp.arange(x.shape[0])[:, None]
-    # Scatter into this layer's buffer (in place under donation); out-of-range slots drop.
-    k_cache = k_cache.at[b_idx, slots].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[b_idx, slots].set(v.astype(v_cache.dtype), mode="drop")
+    k_pool, v_pool, addr = kv
+    # Scatter into this layer's pool (in place under donation); NO_PAGE slots drop.
+    k_pool, v_pool = write_kv(k_pool, addr, k), write_kv(v_pool, addr, v)
     if within_chunk:
       k_all, v_all = k, v
     else:
       w = mask.shape[-1]
-      k_all, v_all = k_cache[:, :w].astype(dt), v_cache[:, :w].astype(dt)
-    new_kv = (k_cache, v_cache)
+      k_all = gather_window(k_pool, addr.window, w).astype(dt)
+      v_all = gather_window(v_pool, addr.window, w).astype(dt)
+    new_kv = (k_pool, v_pool)
   if mask is None:
     attn = causal_attention(q, k_all, v_all, cfg)
   else:
@@ -339,16 +425,18 @@ def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, 
 
   if cache.num_layers != n_layers:
     raise ValueError(f"KV cache has {cache.num_layers} layers, the params {n_layers}")
+  w = min(kv_len or cache.max_len, cache.max_len)
   if prefill:
     mask = attn_mask
     slots = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
   else:
-    mask = _cache_mask(cache.lengths, t, min(kv_len or cache.max_len, cache.max_len), attn_mask)
+    mask = _cache_mask(cache.lengths, t, w, attn_mask)
     slots = cache.lengths[:, None] + jnp.arange(t)[None, :]
+  addr = cache_addr(cache, slots, w)
   ks, vs = [], []
   for i in range(n_layers):  # unrolled: see the module docstring
     lp = params_layers[i] if unstacked else jax.tree.map(lambda a, i=i: a[i], params_layers)
-    x, (k_i, v_i) = _layer(cfg, x, lp, cos, sin, mask, (cache.k[i], cache.v[i], slots),
+    x, (k_i, v_i) = _layer(cfg, x, lp, cos, sin, mask, (cache.k[i], cache.v[i], addr),
                            within_chunk=prefill)
     ks.append(k_i)
     vs.append(v_i)

@@ -30,7 +30,6 @@ from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from tlt_jax.models import ModelConfig, Params
 from tlt_jax.rollout import decode
@@ -44,13 +43,10 @@ _log = logging.getLogger(__name__)
 Pairs = dict[int, list[str]]  # engine bucket -> arms
 
 
-def _abstract(tree, length: int | None = None):
-  """ShapeDtypeStructs of a pytree of arrays (compiling for it later, on another thread);
-  length: of a decode state grown to caches of that many slots (`decode.grow_cache`)."""
-  shapes = tree if length is None else jax.eval_shape(
-      functools.partial(decode.grow_cache, length=length), tree)
-  return jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x.sharding),
-                      shapes, tree)
+def _abstract(tree):
+  """ShapeDtypeStructs of a pytree of arrays (compiling for it later, on another thread)."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                      tree)
 
 
 class Owner(Protocol):
@@ -62,7 +58,11 @@ class Owner(Protocol):
   gate: Any
 
   def prefill_dummy(self, batch: int) -> Any:
-    """A real plain prefill of `batch` rows (shapes and shardings as generate's)."""
+    """A plain prefill's output for `batch` rows, abstract (shapes and shardings as
+    generate's)."""
+
+  def pool_abstract(self, drafter: bool) -> Any:
+    """The page pools (the drafter's: drafter=True), abstract."""
 
 
 class CompilePlan:
@@ -213,19 +213,19 @@ class CompilePlan:
     """The spec executables of `pairs` and, per bucket, switch-on over the whole cache
     (every other length: all_lengths=True, else compiled when first needed).
 
-    States are abstract: shapes and shardings come from one real prefill of dummy rows at the
-    largest bucket (shardings are the ones generate() will pass), resized on the batch axis."""
+    States are abstract: shapes and shardings come from the executables of a prefill of dummy
+    rows at the largest bucket and its switch-on (the ones generate() will run), resized on
+    the batch axis; no KV pool is touched (generate may be using it)."""
     if not pairs:
       return
     top = max(pairs)
-    owner = self._owner
-    base = owner.prefill_dummy(top)
+    base = self._owner.prefill_dummy(top)
     lengths = self.switch_lengths()
-    tokens = jax.device_put(np.zeros((top, lengths[-1]), np.int32), self._replicated)
-    state = self.switch_on(base, lengths[-1])(owner.params, owner.drafter_params, base, tokens)
+    state = self.exes.abstract_out("switch_on", None, self._switch_on_fn(),
+                                   self._switch_on_args(base, lengths[-1]), donate=(2, 3))
 
-    def resized(tree, b):  # state leaves are batch-major
-      return jax.tree.map(
+    def resized(tree, b):  # the batch-major leaves (the page pools are not)
+      return decode.map_rows(
           lambda x: jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype, sharding=x.sharding), tree)
 
     for b in sorted(pairs, reverse=True):
@@ -245,19 +245,24 @@ class CompilePlan:
     decoding after it)."""
     return list(length_grid(self.ecfg.prompt_bucket, self.ecfg.cache_len))
 
-  def _switch_on_args(self, base, length: int, params=None, dparams=None) -> tuple:
+  def _switch_on_args(self, base, length: int, params=None, dparams=None, dpool=None) -> tuple:
     tokens = jax.ShapeDtypeStruct((base.hidden.shape[0], length), jnp.int32,
                                   sharding=self._replicated)
     return (self._owner.params if params is None else params,
-            self._owner.drafter_params if dparams is None else dparams, base, tokens)
+            self._owner.drafter_params if dparams is None else dparams, base,
+            self._owner.pool_abstract(True) if dpool is None else dpool, tokens)
 
-  def switch_on(self, base, length: int, params=None, dparams=None):
-    """The executable that turns a plainly decoded batch into a speculative one, over rows
-    of up to `length` tokens (base, params may be abstract, for compiling ahead)."""
+  def _switch_on_fn(self):
     from tlt_jax.rollout import speculative
-    fn = functools.partial(speculative.switch_on, cfg=self.cfg, max_steps=self.max_steps())
-    return self.exes.get("switch_on", None, fn,
-                         self._switch_on_args(base, length, params, dparams))
+    return functools.partial(speculative.switch_on, cfg=self.cfg, max_steps=self.max_steps())
+
+  def switch_on(self, base, length: int, params=None, dparams=None, dpool=None):
+    """The executable that turns a plainly decoded batch into a speculative one, over rows
+    of up to `length` tokens (base, params, the drafter's page pools may be abstract, for
+    compiling ahead). It donates the state and the drafter's pools."""
+    return self.exes.get("switch_on", None, self._switch_on_fn(),
+                         self._switch_on_args(base, length, params, dparams, dpool),
+                         donate=(2, 3))
 
   def switch_length(self, state, need: int) -> int | None:
     """The length switch-on runs at now, for rows of up to `need` tokens: the shortest of
@@ -291,15 +296,15 @@ class CompilePlan:
     kv_len = kv_bucket(need, ecfg.prompt_bucket, ecfg.cache_len)
     if arm is None or not ecfg.spec.background_compile or self._compiler is None:
       return kv_len
-    grown = lambda n: _abstract(state, max(n, decode.cache_length(state)))
-    compiled = lambda n: self._spec_key(sp, arm, grown(n), n) in self.exes
+    abstract = _abstract(state)
+    compiled = lambda n: self._spec_key(sp, arm, abstract, n) in self.exes
     if compiled(kv_len):
       return kv_len
     with self._lock:
       queue = (state.batch_size, arm, kv_len) not in self._window_submitted
       self._window_submitted.add((state.batch_size, arm, kv_len))
     if queue:
-      args = (sp, arm, grown(kv_len), kv_len)
+      args = (sp, arm, abstract, kv_len)
       self._compiler.submit(lambda: self.spec(*args))
     return next(n for n in length_grid(ecfg.prompt_bucket, ecfg.cache_len)
                 if n >= kv_len and (n == ecfg.cache_len or compiled(n)))

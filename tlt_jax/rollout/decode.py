@@ -9,23 +9,29 @@ samples from it, records (token, logprob, hidden), then feeds the token to get t
 hidden. So `hidden[j]` returned for response token j is exactly the last-layer (pre-norm)
 hidden state that produced token j: the (h_t, token_{t+1}) pairs an EAGLE drafter trains on,
 with no extra forward pass.
+
+KV memory is paged (models/transformer.py's KVCache): a state's caches hold the replica's
+page pools and each row's page table. The per-row leaves are batch-major; the pools are not:
+re-layout ops (`map_rows`, `take_rows`, `put_rows`) move table rows, never k/v, and a prefill
+writes its prompts into the pages its rows were given (by the host allocator, pages.py).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from tlt_jax.models import KVCache, ModelConfig, Params, compute_logits, forward, init_cache
+from tlt_jax.models import KVCache, ModelConfig, Params, compute_logits, forward
+from tlt_jax.models.transformer import NO_PAGE
 from tlt_jax.rollout.sampling import SamplingParams, sample_tokens
 
 
 @flax.struct.dataclass
 class DecodeState:
-  cache: KVCache  # k/v L x [B, S, K, H]; lengths [B] = committed tokens = next position
+  cache: KVCache  # page pools, table [B, R]; lengths [B] = committed tokens = next position
   hidden: jax.Array  # [B, D] hidden state whose logits choose the next token
   keys: jax.Array  # [B, 2] uint32 raw per-row PRNG keys (folded with num_generated per step)
   num_generated: jax.Array  # [B] int32
@@ -46,20 +52,19 @@ class ChunkOutput(NamedTuple):
   steps: jax.Array  # [] int32 steps actually run (the loop exits early when all rows are done)
 
 
-def prefill(params: Params, tokens: jax.Array, prompt_lens: jax.Array, keys: jax.Array,
-            max_new: jax.Array, *, cfg: ModelConfig, cache_len: int) -> DecodeState:
-  """tokens [B, P] right-padded prompts, prompt_lens [B] (0 = empty slot) -> state."""
-  return prefill_with_hidden(params, tokens, prompt_lens, keys, max_new, cfg=cfg,
-                             cache_len=cache_len)[0]
+def prefill(params: Params, cache: KVCache, tokens: jax.Array, prompt_lens: jax.Array,
+            keys: jax.Array, max_new: jax.Array, *, cfg: ModelConfig) -> DecodeState:
+  """tokens [B, P] right-padded prompts, prompt_lens [B] (0 = empty slot) -> state. cache: the
+  pools and these rows' page tables [B, R] (rows without pages write nothing)."""
+  return prefill_with_hidden(params, cache, tokens, prompt_lens, keys, max_new, cfg=cfg)[0]
 
 
-def prefill_with_hidden(params: Params, tokens: jax.Array, prompt_lens: jax.Array,
-                        keys: jax.Array, max_new: jax.Array, *, cfg: ModelConfig,
-                        cache_len: int) -> tuple[DecodeState, jax.Array]:
+def prefill_with_hidden(params: Params, cache: KVCache, tokens: jax.Array,
+                        prompt_lens: jax.Array, keys: jax.Array, max_new: jax.Array, *,
+                        cfg: ModelConfig) -> tuple[DecodeState, jax.Array]:
   """`prefill`, also returning every prompt position's hidden state [B, P, D] (the drafter's
   prefill consumes them; under jit an unused output costs nothing)."""
   b, p = tokens.shape
-  cache = init_cache(cfg, b, cache_len)
   positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
   out = forward(params, tokens, positions, cfg=cfg, cache=cache, return_logits=False,
                 prefill=True)
@@ -74,35 +79,65 @@ def prefill_with_hidden(params: Params, tokens: jax.Array, prompt_lens: jax.Arra
   return state, out.hidden
 
 
-def prefill_shared(params: Params, tokens: jax.Array, prompt_lens: jax.Array, src: jax.Array,
-                   keys: jax.Array, max_new: jax.Array, *, cfg: ModelConfig,
-                   cache_len: int) -> DecodeState:
+def shared_tables(table: jax.Array, src: jax.Array, u: int) -> tuple[jax.Array, jax.Array]:
+  """For a prefill of U distinct prompts expanded to B rows (row i answers prompt src[i]):
+  the page tables [U, R] the U prompts are prefilled into (those of each prompt's first row)
+  and the tables [B, R] the other rows copy their prompt's pages into (NO_PAGE where a row is
+  its prompt's first, or empty)."""
+  b = table.shape[0]
+  rows = jnp.arange(b)
+  first = jnp.min(jnp.where(src[None, :] == jnp.arange(u)[:, None], rows[None, :], b), axis=1)
+  src_tables = jnp.take(table, jnp.minimum(first, b - 1), axis=0)
+  copy = (src >= 0) & (rows != jnp.take(first, jnp.maximum(src, 0)))
+  return src_tables, jnp.where(copy[:, None], table, NO_PAGE)
+
+
+def copy_pages(cache: KVCache, dst: jax.Array, src: jax.Array, n: int) -> KVCache:
+  """Pages src[:, :n] copied onto dst[:, :n] (both [B, R] page ids; NO_PAGE dst: skipped)."""
+  d, s_ = dst[:, :n].reshape(-1), jnp.minimum(src[:, :n].reshape(-1), cache.num_pages - 1)
+  cp = lambda p: p.at[d].set(p[s_], mode="drop")
+  return cache.replace(k=tuple(map(cp, cache.k)), v=tuple(map(cp, cache.v)))
+
+
+def prefill_shared(params: Params, cache: KVCache, tokens: jax.Array, prompt_lens: jax.Array,
+                   src: jax.Array, keys: jax.Array, max_new: jax.Array, *,
+                   cfg: ModelConfig) -> DecodeState:
   """`prefill` of U distinct prompts (tokens [U, P], prompt_lens [U]) expanded to B rows
-  (`expand_rows`): a GRPO group's n responses share one prompt, whose forward runs once."""
+  (`expand_rows`; cache: the B rows' tables): a GRPO group's n responses share one prompt,
+  whose forward runs once into its first row's pages; the others copy those pages."""
   u = tokens.shape[0]
-  state = prefill(params, tokens, prompt_lens, jnp.zeros((u, 2), jnp.uint32),
-                  jnp.zeros((u,), jnp.int32), cfg=cfg, cache_len=cache_len)
-  return expand_rows(state, src, keys, max_new)
+  src_tables, _ = shared_tables(cache.table, src, u)
+  state = prefill(params, cache.replace(table=src_tables), tokens, prompt_lens,
+                  jnp.zeros((u, 2), jnp.uint32), jnp.zeros((u,), jnp.int32), cfg=cfg)
+  return expand_rows(state, src, keys, max_new, cache.table, tokens.shape[1])
 
 
-def expand_rows(state, src: jax.Array, keys: jax.Array, max_new: jax.Array):
+def expand_rows(state, src: jax.Array, keys: jax.Array, max_new: jax.Array, table: jax.Array,
+                prompt_slots: int):
   """A freshly prefilled state of U distinct prompts -> B rows: row i takes prompt src[i]'s
-  rows (src[i] < 0: an empty slot) with its own key and budget (keys [B, 2], max_new [B]).
-  Nothing is sampled at prefill (each row draws its first token from its own key), so the
-  rows are what prefilling the B prompts gives. DecodeState, or a state wrapping one
-  (`.base`) whose drafter cache (`.dcache`) is emptied for empty slots."""
+  rows (src[i] < 0: an empty slot) with its own key and budget (keys [B, 2], max_new [B]) and
+  page table (table [B, R]; its prompt's pages, the first `prompt_slots` slots, are copied
+  from the prompt's first row). Nothing is sampled at prefill (each row draws its first token
+  from its own key), so the rows are what prefilling the B prompts gives. DecodeState, or a
+  state wrapping one (`.base`) whose drafter cache (`.dcache`, same tables) is expanded too."""
   valid = src >= 0
-  rows = jax.tree.map(lambda x: jnp.take(x, jnp.maximum(src, 0), axis=0), state)
+  u = state.batch_size
+  src_tables, copy_to = shared_tables(table, src, u)
+  n = -(-prompt_slots // table_page_size(state))
+  copy_from = jnp.take(src_tables, jnp.maximum(src, 0), axis=0)
+  expand = lambda c: copy_pages(c, copy_to, copy_from, n).replace(
+      table=table, lengths=jnp.where(valid, jnp.take(c.lengths, jnp.maximum(src, 0)), 0))
+  rows = map_rows(lambda x: jnp.take(x, jnp.maximum(src, 0), axis=0), state)
   base = rows if isinstance(rows, DecodeState) else rows.base
+  old = state if isinstance(state, DecodeState) else state.base
   max_new = max_new.astype(jnp.int32)
   base = base.replace(
-      cache=base.cache.replace(lengths=jnp.where(valid, base.cache.lengths, 0)),
-      keys=keys, max_new=max_new, num_generated=jnp.zeros_like(max_new),
-      done=~valid | (max_new <= 0), stopped=jnp.zeros_like(valid))
+      cache=expand(old.cache), keys=keys, max_new=max_new,
+      num_generated=jnp.zeros_like(max_new), done=~valid | (max_new <= 0),
+      stopped=jnp.zeros_like(valid))
   if isinstance(rows, DecodeState):
     return base
-  return rows.replace(base=base, dcache=rows.dcache.replace(
-      lengths=jnp.where(valid, rows.dcache.lengths, 0)))
+  return rows.replace(base=base, dcache=expand(state.dcache))
 
 
 def step_keys(keys: jax.Array, num_generated: jax.Array) -> jax.Array:
@@ -160,36 +195,84 @@ def chunk_reach(chunk: int) -> int:
 
 
 # ----------------------------------------------------------------------------- batch re-layout
-# Every leaf of a decode state (KV caches included: per-layer [B, S, K, H]) is batch-major.
+def table_page_size(state) -> int:
+  return (state if isinstance(state, DecodeState) else state.base).cache.page_size
+
+
+def map_rows(fn: Callable[[Any], Any], state):
+  """fn over every batch-major leaf of a decode state (DecodeState, or a state wrapping one
+  as `.base` with a drafter cache `.dcache`): everything but the page pools, which are the
+  replica's, not a row's."""
+  if isinstance(state, KVCache):
+    return state.replace(table=fn(state.table), lengths=fn(state.lengths))
+  if isinstance(state, DecodeState):
+    return jax.tree.map(fn, state.replace(cache=None)).replace(cache=map_rows(fn, state.cache))
+  rest = jax.tree.map(fn, state.replace(base=None, dcache=None))
+  return rest.replace(base=map_rows(fn, state.base), dcache=map_rows(fn, state.dcache))
+
+
+def pools(state) -> tuple[KVCache, KVCache | None]:
+  """The state's page pools (as KVCaches without rows): the target's, and the drafter's of a
+  speculative state (None for a DecodeState)."""
+  strip = lambda c: c.replace(table=c.table[:0], lengths=c.lengths[:0])
+  if isinstance(state, DecodeState):
+    return strip(state.cache), None
+  return strip(state.base.cache), strip(state.dcache)
+
+
+def with_pools(state, target: KVCache, drafter: KVCache | None = None):
+  """The state with these page pools (its rows' tables and lengths kept)."""
+  put = lambda c, p: c.replace(k=p.k, v=p.v)
+  if isinstance(state, DecodeState):
+    return state.replace(cache=put(state.cache, target))
+  return state.replace(base=state.base.replace(cache=put(state.base.cache, target)),
+                       dcache=put(state.dcache, drafter))
+
+
+def without_pools(state):
+  """The state without its page pools (k/v empty): what a call that receives the pools
+  separately (donated) takes, e.g. `put_rows` after a refill's prefill wrote into them."""
+  drop = lambda c: c.replace(k=(), v=())
+  if isinstance(state, DecodeState):
+    return state.replace(cache=drop(state.cache))
+  return state.replace(base=state.base.replace(cache=drop(state.base.cache)),
+                       dcache=drop(state.dcache))
+
+
+def set_tables(state, table: jax.Array):
+  """The state with page tables `table` [B, R] (the host allocator's, before every chunk:
+  a row without pages, empty or finished, writes nothing)."""
+  if isinstance(state, DecodeState):
+    return state.replace(cache=state.cache.replace(table=table))
+  return state.replace(base=state.base.replace(cache=state.base.cache.replace(table=table)),
+                       dcache=state.dcache.replace(table=table))
+
+
 def take_rows(state, idx: jax.Array, valid: jax.Array):
   """Gathers rows idx [B'] into a new state of batch B' (compaction / growth); rows with
-  valid=False become empty (done) slots. Works for DecodeState and states wrapping one
-  (`.base`, e.g. the speculative state)."""
-  new = jax.tree.map(lambda x: jnp.take(x, idx, axis=0), state)
+  valid=False become empty (done) slots. Page tables move with their rows; k/v stay where
+  they are. Works for DecodeState and states wrapping one (`.base`, e.g. the speculative
+  state)."""
+  new = map_rows(lambda x: jnp.take(x, idx, axis=0), state)
   if isinstance(new, DecodeState):
     return new.replace(done=new.done | ~valid)
   return new.replace(base=new.base.replace(done=new.base.done | ~valid))
 
 
-def cache_length(state) -> int:
-  """Slots of a decode state's KV caches (DecodeState, or a state wrapping one)."""
-  return (state if isinstance(state, DecodeState) else state.base).cache.max_len
-
-
-def grow_cache(state, length: int):
-  """The state with its KV caches (a speculative state's drafter cache too) extended to
-  `length` slots. The engine allocates a cache as long as its rows reach (`kv_bucket`) and
-  grows it when they reach further: a cache allocated at its full capacity costs its first
-  touch (1.6 s for 2.3 GB at 8 x 4128 slots of a 189M model on CPU, 0.05 s at 288), more than
-  decoding a batch of short responses. The new slots are past every row's length: masked."""
-  pad = lambda x: jnp.pad(x, ((0, 0), (0, length - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
-  grow = lambda c: c.replace(k=tuple(map(pad, c.k)), v=tuple(map(pad, c.v)))
-  if isinstance(state, DecodeState):
-    return state.replace(cache=grow(state.cache))
-  return state.replace(base=state.base.replace(cache=grow(state.base.cache)),
-                       dcache=grow(state.dcache))
-
-
 def put_rows(state, rows, slots: jax.Array):
-  """Writes `rows` (batch R) into `state` at slots [R] (refilling finished slots)."""
-  return jax.tree.map(lambda x, y: x.at[slots].set(y), state, rows)
+  """Writes `rows` (batch R, prefilled into `state`'s pools: its pools are the newer) into
+  `state` at slots [R] (refilling finished slots)."""
+  new = _zip_rows(lambda x, y: x.at[slots].set(y, mode="drop"), state, rows)
+  return with_pools(new, *pools(rows))
+
+
+def _zip_rows(fn, state, rows):
+  """fn(x, y) over the batch-major leaves of two states of the same structure."""
+  a, b = state, rows
+  if isinstance(a, DecodeState):
+    out = jax.tree.map(fn, a.replace(cache=None), b.replace(cache=None))
+    return out.replace(cache=a.cache.replace(table=fn(a.cache.table, b.cache.table),
+                                             lengths=fn(a.cache.lengths, b.cache.lengths)))
+  out = jax.tree.map(fn, a.replace(base=None, dcache=None), b.replace(base=None, dcache=None))
+  cache = lambda x, y: x.replace(table=fn(x.table, y.table), lengths=fn(x.lengths, y.lengths))
+  return out.replace(base=_zip_rows(fn, a.base, b.base), dcache=cache(a.dcache, b.dcache))

@@ -18,12 +18,14 @@ and when they compile (first use, `precompile`, or a background thread), is the 
 `CompilePlan` (compile_plan.py).
 
 Reads and memory follow the rows' live lengths, not the cache's capacity
-(max_prompt_len + max_new_tokens): each chunk attends over a window of the cache (`kv_len`,
-models/transformer.py) picked from the longest live row the host knows of plus what the
-chunk can add (`chunk_reach`), on the `length_grid` (prompt_bucket x 2^k); a prefill
-allocates its prompts' length and the caches grow as the rows reach further
-(`decode.grow_cache`). Executables are keyed by window and cache length, compiled lazily like
-batch buckets.
+(max_prompt_len + max_new_tokens). KV memory is one paged pool per replica (`kv_pages` pages
+of `page_size` slots, allocated at the first generate and kept until `release_params`): a
+request holds the pages its row has reached plus one chunk's reach (pages.py), is admitted
+only while pages are free, and when a live row's next chunk finds none the youngest rows are
+preempted and recomputed later (pages.py's policy). Each chunk attends over a window of the
+rows' slots (`kv_len`, models/transformer.py) picked from the longest live row the host
+knows of plus what the chunk can add (`chunk_reach`), on the `length_grid` (prompt_bucket x
+2^k). Executables are keyed by window, compiled lazily like batch buckets.
 
 Hooks (`EngineHooks`, called on the engine's thread): each chunk's metrics, each finished
 response (rewards start at once; the drafter buffer takes its hidden states), and a call
@@ -44,17 +46,17 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tlt_jax.errors import ConfigError
-from tlt_jax.models import ModelConfig, Params, unstack_layers
+from tlt_jax.models import KVCache, ModelConfig, Params, init_pools, unstack_layers
 from tlt_jax.rollout import decode
 from tlt_jax.rollout.compile_plan import CompilePlan
 from tlt_jax.rollout.executables import CompileRecord, ExecutableCache
 from tlt_jax.rollout.mab import FixedSelector
+from tlt_jax.rollout.pages import PageAllocator, pages_for
 from tlt_jax.rollout.records import ChunkMetrics, EngineHooks, Output, Request, Result
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.scheduler import (Prefill, Refill, Resize, Scheduler, bucket_for,
-                                       kv_bucket)
+from tlt_jax.rollout.scheduler import Prefill, Refill, Resize, Scheduler, bucket_for
 from tlt_jax.rollout.strategy import DEFAULT_ARM, Strategy
-from tlt_jax.sharding import make_mesh, tree_shardings
+from tlt_jax.sharding import cache_sharding, make_mesh, tree_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +104,9 @@ class EngineConfig:
   hidden_keep: int = 0  # > 0: keep only each response's last hidden_keep states (host memory)
   stop_tokens: tuple[int, ...] = ()
   spec: SpecConfig | None = None  # speculative decoding (needs drafter params on the worker)
+  page_size: int = 16  # KV slots per page of the paged cache
+  # pages in the replica's KV pool; 0: max_batch rows of max length (admission never waits)
+  kv_pages: int = 0
 
   def __post_init__(self):
     if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) \
@@ -113,15 +118,28 @@ class EngineConfig:
     if self.buckets[-1] < self.max_batch:
       raise ConfigError(f"the largest bucket must be >= max_batch ({self.max_batch})",
                         "buckets", self.buckets)
-    for name in ("chunk_size", "max_prompt_len", "max_new_tokens", "prompt_bucket"):
+    for name in ("chunk_size", "max_prompt_len", "max_new_tokens", "prompt_bucket", "page_size"):
       if getattr(self, name) <= 0:
         raise ConfigError("must be > 0", name, getattr(self, name))
     if self.hidden_keep < 0:
       raise ConfigError("must be >= 0 (0 = all)", "hidden_keep", self.hidden_keep)
+    if self.kv_pages and self.kv_pages < self.row_pages:
+      raise ConfigError(f"a KV pool must hold one row of max_prompt_len + max_new_tokens = "
+                        f"{self.cache_len} slots: >= {self.row_pages} pages of {self.page_size}"
+                        " (0: max_batch such rows)", "kv_pages", self.kv_pages)
 
   @property
   def cache_len(self) -> int:
     return self.max_prompt_len + self.max_new_tokens
+
+  @property
+  def row_pages(self) -> int:
+    """Pages of a row at its longest (a page table's width)."""
+    return -(-self.cache_len // self.page_size)
+
+  @property
+  def pool_pages(self) -> int:
+    return self.kv_pages or self.max_batch * self.row_pages
 
   def bucket_for(self, n: int) -> int:
     return bucket_for(self.buckets, n)
@@ -227,6 +245,8 @@ class Engine:
     self.exes = ExecutableCache()
     self.compiles = CompilePlan(cfg, engine_cfg, self.exes, self, self._replicated)
     self.chunk_log: list[ChunkMetrics] = []
+    self._kv: dict[bool, KVCache] = {}  # the idle page pools (target: False, drafter: True)
+    self.preemptions = 0  # rows preempted for pages, over the engine's life
 
   # ---------------------------------------------------------------------------------- weights
   def set_params(self, params: Params) -> None:
@@ -250,7 +270,10 @@ class Engine:
     """Drops this engine's copy of the actor (after its rollout: the learner's phases get the
     memory back; the next `set_params` brings the updated weights). Not while background
     compilation still runs real prefills with them (the first steps): False then."""
-    return self.compiles.when_idle(lambda: setattr(self, "params", None))
+    def drop():
+      self.params = None
+      self._kv.clear()
+    return self.compiles.when_idle(drop)
 
   def set_drafter_params(self, dparams: Params) -> None:
     """New drafter weights (after spot training) on this engine's mesh: a view of the
@@ -271,59 +294,139 @@ class Engine:
   def _call(self, name: str, variant, fn: Callable, args: tuple, donate=()):
     return self.exes.get(name, variant, fn, args, donate=donate)(*args)
 
-  def _prefill(self, reqs: Sequence[Request], batch: int, base_key, warm: bool,
-               length: int | None = None):
-    """Prefill of `reqs` into a new state of `batch` rows with caches of `length` slots
-    (None: the shortest grid length holding the padded prompts; `_grow` extends them as the
-    rows reach further). warm: with the drafter's prefill (a SpecState)."""
-    from tlt_jax.rollout import speculative
+  # ---------------------------------------------------------------------------- KV pages
+  def _pool_cfg(self, drafter: bool) -> ModelConfig:
+    return self.cfg.replace(num_layers=1) if drafter else self.cfg
+
+  def _pool_fn(self, drafter: bool) -> Callable[[], KVCache]:
     ecfg = self.ecfg
-    tokens, lens, src, keys, max_new = prefill_arrays(reqs, batch, base_key, ecfg)
-    length = length or kv_bucket(tokens.shape[1], ecfg.prompt_bucket, ecfg.cache_len)
+    return functools.partial(init_pools, self._pool_cfg(drafter), ecfg.pool_pages,
+                             ecfg.page_size, None, ecfg.row_pages)
+
+  def pool_abstract(self, drafter: bool) -> KVCache:
+    """The page pools' shapes and shardings (compiling ahead; no memory touched)."""
+    cfg = self._pool_cfg(drafter)
+    sh = cache_sharding(self.mesh, 0, cfg.num_kv_heads, cfg.num_layers)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        jax.eval_shape(self._pool_fn(drafter)), sh)
+
+  def _take_pool(self, drafter: bool) -> KVCache:
+    """The engine's page pools, handed to a generate call (which donates them through its
+    state and gives the final state's back, `_keep_pools`); allocated on first use."""
+    kv = self._kv.pop(drafter, None)
+    if kv is not None:
+      return kv
+    shardings = jax.tree.map(lambda x: x.sharding, self.pool_abstract(drafter))
+    return jax.jit(self._pool_fn(drafter), out_shardings=shardings)()
+
+  def _keep_pools(self, state) -> None:
+    if state is not None:
+      kv, dkv = decode.pools(state)
+      self._kv[False] = kv
+      if dkv is not None:
+        self._kv[True] = dkv
+
+  def _rows_table(self, pages: PageAllocator, keys: Sequence[Any]) -> jax.Array:
+    return jax.device_put(pages.table(keys), self._replicated)
+
+  def _prefill(self, reqs: Sequence[Request], batch: int, base_key, warm: bool,
+               kv: KVCache, dkv: KVCache | None, pages: PageAllocator):
+    """Prefill of `reqs` into a new state of `batch` rows whose k/v go to the pages `pages`
+    holds for them in the pools kv (and the drafter's, dkv: warm, with the drafter's prefill,
+    a SpecState); both pools are donated and come back in the state."""
+    tokens, lens, src, keys, max_new = prefill_arrays(reqs, batch, base_key, self.ecfg)
+    table = self._rows_table(pages, [r.key for r in reqs] + [None] * (batch - len(reqs)))
+    cache = kv.replace(table=table, lengths=jnp.zeros((batch,), jnp.int32))
+    name, variant, fn, args, donate = self._prefill_call(warm, cache, dkv, tokens, lens, src,
+                                                         keys, max_new)
+    return self._call(name, variant, fn, args, donate=donate)
+
+  def _prefill_call(self, warm, cache, dkv, tokens, lens, src, keys, max_new):
+    """(name, variant, fn, args, donate) of a prefill (concrete or abstract args)."""
+    from tlt_jax.rollout import speculative
     mod = speculative if warm else decode
-    kw = dict(cfg=self.cfg, cache_len=length)
+    kw = dict(cfg=self.cfg)
     if warm:
       kw["max_steps"] = self.compiles.max_steps()
-    params = (self.params, self.drafter_params) if warm else (self.params,)
+    head = (self.params, self.drafter_params, cache, dkv) if warm else (self.params, cache)
+    donate = (2, 3) if warm else (1,)
     name = "prefill_spec" if warm else "prefill"
     if src is None:
-      return self._call(name, (None, length), functools.partial(mod.prefill, **kw),
-                        params + (tokens, lens, keys, max_new))
-    return self._call(name, ("shared", length), functools.partial(mod.prefill_shared, **kw),
-                      params + (tokens, lens, src, keys, max_new))
+      return (name, None, functools.partial(mod.prefill, **kw),
+              head + (tokens, lens, keys, max_new), donate)
+    return (name, "shared", functools.partial(mod.prefill_shared, **kw),
+            head + (tokens, lens, src, keys, max_new), donate)
 
   def prefill_dummy(self, batch: int):
-    """A plain prefill of `batch` distinct one-token rows with the whole cache (the compile
-    plan's shapes)."""
+    """What a plain prefill of `batch` distinct one-token rows outputs, abstract (shapes and
+    shardings as generate's; the compile plan's shapes): no pool is touched."""
     dummy = [Request([i % self.cfg.vocab_size], i) for i in range(batch)]
-    return self._prefill(dummy, batch, jax.random.key(0), warm=False, length=self.ecfg.cache_len)
+    tokens, lens, _, keys, max_new = prefill_arrays(dummy, batch, jax.random.key(0), self.ecfg)
+    rows = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._replicated)
+    cache = self.pool_abstract(False).replace(table=rows(batch, self.ecfg.row_pages),
+                                              lengths=rows(batch))
+    name, variant, fn, args, donate = self._prefill_call(False, cache, None, tokens, lens, None,
+                                                         keys, max_new)
+    return self.exes.abstract_out(name, variant, fn, args, donate=donate)
 
-  def _grow(self, state, length: int):
-    """The state with caches of at least `length` slots (`decode.grow_cache`)."""
-    if decode.cache_length(state) >= length:
-      return state
-    return self._call("grow", length, functools.partial(decode.grow_cache, length=length),
-                      (state,))
+  def _reach(self, speculating: bool) -> int:
+    """Slots past a row's length the next chunk can reach: plain decoding's, or the largest
+    of the arms speculation can run."""
+    ecfg = self.ecfg
+    arms = ([ecfg.spec.strategy] + list(getattr(self.selector, "arms", None) or [])
+            if speculating else [None])
+    return max(chunk_reach(a, ecfg.chunk_size) for a in arms)
 
-  def _apply(self, op, state, base_key, warm: bool):
-    """A scheduler layout operation on the device state; warm: the state carries the
-    drafter's (a SpecState)."""
+  def _admit(self, pages: PageAllocator, reach: int) -> Callable[[Request], bool]:
+    """The admission rule (pages.py): a request starts if the free pages cover its prompt and
+    one chunk's reach and leave every row already holding pages one chunk's growth; its
+    pages are taken at once."""
+    def admit(req: Request) -> bool:
+      need = pages.need(req.key, len(req.prompt_ids) + reach)
+      if need + len(pages.holders) * pages_for(reach, pages.page_size) > pages.free:
+        return False
+      return pages.grow(req.key, len(req.prompt_ids) + reach)
+    return admit
+
+  def _page(self, state, sched: Scheduler, outputs: dict[Any, Output], pages: PageAllocator,
+            reach: int):
+    """Before a chunk: every live row gets the pages its next chunk can reach (oldest rows
+    first); where the pool has too few, the youngest rows are preempted (pages.py's policy).
+    Then the state's page tables are set from the allocator (rows without a request: none)."""
+    live = {sched.slots[s].key: s for s in sched.live}
+    for key in [k for k in pages.holders if k in live]:
+      if key not in live:  # preempted below for an older row
+        continue
+      req = sched.slots[live[key]]
+      while not pages.grow(key, len(req.prompt_ids) + outputs[key].length + reach):
+        victim = next(k for k in reversed(pages.holders) if k in live)
+        state = self._apply(sched.preempt(live.pop(victim)), state, None, False, pages)
+        outputs.pop(victim)
+        pages.release(victim)
+        self.preemptions += 1
+        if victim == key:
+          break
+    table = self._rows_table(pages, [r.key if r is not None else None for r in sched.slots])
+    return self._call("set_tables", None, decode.set_tables, (state, table), donate=(0,))
+
+  def _apply(self, op, state, base_key, warm: bool, pages: PageAllocator):
+    """A scheduler layout operation on the device state (None before the first prefill);
+    warm: the state carries the drafter's (a SpecState). Every op donates the state: its
+    page pools pass through in place."""
     if isinstance(op, Prefill):
-      return self._prefill(op.requests, op.bucket, base_key, warm)
+      return self._prefill(op.requests, op.bucket, base_key, warm, self._take_pool(False),
+                           self._take_pool(True) if warm else None, pages)
     if isinstance(op, Resize):
       idx, valid = jnp.asarray(op.idx, jnp.int32), jnp.asarray(op.valid)
-      return self._call("take_rows", None, decode.take_rows, (state, idx, valid))
+      return self._call("take_rows", None, decode.take_rows, (state, idx, valid), donate=(0,))
     if isinstance(op, Refill):
-      ecfg = self.ecfg
-      length = max(decode.cache_length(state), kv_bucket(prompt_len(op.requests, ecfg),
-                                                         ecfg.prompt_bucket, ecfg.cache_len))
-      state = self._grow(state, length)
-      rows = self._prefill(op.requests, op.bucket, base_key, warm, length)
+      kv, dkv = decode.pools(state)
+      rows = self._prefill(op.requests, op.bucket, base_key, warm, kv, dkv, pages)
       # Padding rows of the prefill go to an out-of-range slot and are dropped.
       slots = np.full((op.bucket,), state.batch_size, np.int32)
       slots[:len(op.slots)] = op.slots
-      return self._call("put_rows", None, decode.put_rows, (state, rows, jnp.asarray(slots)),
-                        donate=(0,))
+      return self._call("put_rows", None, decode.put_rows,
+                        (decode.without_pools(state), rows, jnp.asarray(slots)), donate=(0, 1))
     raise TypeError(f"unknown layout operation {op!r}")
 
   def _switch_on(self, state, sched: Scheduler, outputs: dict[Any, Output], sp: SamplingParams):
@@ -341,8 +444,9 @@ class Engine:
     for row, seq in seqs.items():
       tokens[row, :len(seq)] = seq
     tokens = jax.device_put(tokens, self._replicated)
-    exe = self.compiles.switch_on(state, length)
-    return exe(self.params, self.drafter_params, state, tokens), True
+    dkv = self._take_pool(True)
+    exe = self.compiles.switch_on(state, length, dpool=dkv)
+    return exe(self.params, self.drafter_params, state, dkv, tokens), True
 
   def _decode(self, state, sp: SamplingParams, arm: str | None, capture: bool, kv_len: int):
     """One chunk, and its one host sync. arm=None: plain decoding (before speculation starts:
@@ -407,40 +511,58 @@ class Engine:
     t_start, base_key = time.perf_counter(), jax.random.key(seed)
     outputs: dict[tuple[int, int], Output] = {}
     results: list[Result] = []
+    pages = PageAllocator(ecfg.pool_pages, ecfg.page_size, ecfg.row_pages)
     state, started = None, at_once  # started: every chunk from here on speculates
-    while not sched.done:
-      if hooks.before_chunk:
-        hooks.before_chunk()
-      for op in sched.plan():  # refills once speculation runs carry the drafter's prefill
-        state = self._apply(op, state, base_key, warm=started)
-        outputs.update((r.key, Output(ecfg.hidden_keep)) for r in getattr(op, "requests", ()))
-      live = sched.live
-      speculating = sched.check_speculation()
-      if speculating and not started:
-        state, speculating = self._switch_on(state, sched, outputs, sp)
-      started = started or speculating
-      arm = selector.select(len(live)) if speculating else None
-      if arm is not None and gate is not None:  # a bucket on probation runs the probed arms
-        arm = gate.probe_arm(state.batch_size, arm)
-      for s in live if speculating else ():
-        outputs[sched.slots[s].key].speculating()
-      # the attention window the rows reach this chunk; the caches grow to hold it
-      kv_len = self.compiles.window(sp, arm, state, longest_row(sched, outputs)
-                                    + chunk_reach(arm, ecfg.chunk_size))
-      state = self._grow(state, kv_len)
-      compiles, t0 = len(self.exes.records), time.perf_counter()
-      state, host = self._decode(state, sp, arm, capture, kv_len)  # the only host sync
-      dt = time.perf_counter() - t0
-      produced = self._collect(sched, live, outputs, host, capture, results, hooks, t_start)
-      self._report(ChunkMetrics(
-          worker_id=self.worker_id, bucket=state.batch_size, live=len(live), tokens=produced,
-          steps=int(host[0].steps), wall_time=dt, mode=arm or "plain", accepted=int(host[3][0]),
-          verifications=int(host[3][1]), t=time.perf_counter() - t_start,
-          compiled=len(self.exes.records) != compiles), selector, gate, hooks)
+    try:
+      while not sched.done:
+        state, started = self._chunk(state, started, sched, outputs, results, pages, sp,
+                                     base_key, selector, gate, capture, hooks, t_start)
+    finally:  # the pools go back to the engine (lost if a device call failed midway)
+      self._keep_pools(state)
     return results
 
+  def _chunk(self, state, started: bool, sched: Scheduler, outputs: dict[Any, Output],
+             results: list[Result], pages: PageAllocator, sp: SamplingParams, base_key,
+             selector, gate, capture: bool, hooks: EngineHooks, t_start: float):
+    """One chunk of `generate`: plan -> layout ops -> pages -> switch-on -> arm -> decode ->
+    collect -> report. Returns (state, started)."""
+    ecfg = self.ecfg
+    if hooks.before_chunk:
+      hooks.before_chunk()
+    reach = self._reach(started or sched.speculating)
+    for op in sched.plan(self._admit(pages, reach)):
+      # refills once speculation runs carry the drafter's prefill
+      state = self._apply(op, state, base_key, started, pages)
+      outputs.update((r.key, Output(ecfg.hidden_keep)) for r in getattr(op, "requests", ()))
+    speculating = sched.check_speculation()
+    state = self._page(state, sched, outputs, pages, self._reach(started or speculating))
+    live = sched.live
+    if speculating and not started:
+      state, speculating = self._switch_on(state, sched, outputs, sp)
+    started = started or speculating
+    arm = selector.select(len(live)) if speculating else None
+    if arm is not None and gate is not None:  # a bucket on probation runs the probed arms
+      arm = gate.probe_arm(state.batch_size, arm)
+    for s in live if speculating else ():
+      outputs[sched.slots[s].key].speculating()
+    # the attention window the rows reach this chunk (their pages hold it: `_page`)
+    kv_len = self.compiles.window(sp, arm, state, longest_row(sched, outputs)
+                                  + chunk_reach(arm, ecfg.chunk_size))
+    compiles, t0 = len(self.exes.records), time.perf_counter()
+    state, host = self._decode(state, sp, arm, capture, kv_len)  # the only host sync
+    dt = time.perf_counter() - t0
+    produced = self._collect(sched, live, outputs, host, capture, results, hooks, t_start,
+                              pages)
+    self._report(ChunkMetrics(
+        worker_id=self.worker_id, bucket=state.batch_size, live=len(live), tokens=produced,
+        steps=int(host[0].steps), wall_time=dt, mode=arm or "plain", accepted=int(host[3][0]),
+        verifications=int(host[3][1]), t=time.perf_counter() - t_start,
+        compiled=len(self.exes.records) != compiles), selector, gate, hooks)
+    return state, started
+
   def _collect(self, sched: Scheduler, live: list[int], outputs: dict[Any, Output], host,
-               capture: bool, results: list[Result], hooks: EngineHooks, t_start: float) -> int:
+               capture: bool, results: list[Result], hooks: EngineHooks, t_start: float,
+               pages: PageAllocator) -> int:
     """A chunk's tokens into the live rows' outputs; finished rows leave the scheduler and
     become Results (appended, and handed to the hook at once). Returns the tokens produced."""
     out, done, stopped, _ = host
@@ -452,6 +574,7 @@ class Engine:
                               out.hidden[s][v] if capture and out.hidden is not None else None)
       if done[s]:
         sched.finish(s)
+        pages.release(req.key)
         res = outputs.pop(req.key).result(req, stopped=bool(stopped[s]), worker_id=self.worker_id,
                                           t=time.perf_counter() - t_start)
         results.append(res)

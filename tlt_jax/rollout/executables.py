@@ -14,9 +14,12 @@ import dataclasses
 import os
 import threading
 import time
+import warnings
 from typing import Any, Callable, Hashable
 
 import jax
+
+from tlt_jax.models import KVCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +50,10 @@ def batch_of(args: tuple) -> int:
   """The batch (bucket) of an executable's arguments, 0 when it has none: params (plain
   dicts) carry no batch; state leaves and token arrays (concrete or abstract) are batch-major."""
   batched = [a for a in args if not isinstance(a, dict)]
-  return max((x.shape[0] for x in jax.tree.leaves(batched) if getattr(x, "ndim", 0)),
-             default=0)
+  # a KV cache's page pools are the replica's, not batch-major: its rows are its tables
+  rows = jax.tree.map(lambda x: x.table if isinstance(x, KVCache) else x, batched,
+                      is_leaf=lambda x: isinstance(x, KVCache))
+  return max((x.shape[0] for x in jax.tree.leaves(rows) if getattr(x, "ndim", 0)), default=0)
 
 
 class ExecutableCache:
@@ -76,7 +81,11 @@ class ExecutableCache:
     batch = batch_of(args)
     t0 = time.perf_counter()
     # Input shardings are committed (params on the worker's mesh), so no mesh context.
-    exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+    with warnings.catch_warnings():
+      # A donated state's page pools pass through in place; its per-row leaves often cannot
+      # be reused (another batch size, fewer outputs) and are just freed: not worth a warning.
+      warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+      exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
     seconds = time.perf_counter() - t0
     mem = None
     try:
@@ -90,6 +99,16 @@ class ExecutableCache:
         self._compiled[key] = exe
         self.records.append(CompileRecord(key, batch, seconds, mem))
       return self._compiled[key]
+
+  def abstract_out(self, name: str, variant: Hashable, fn: Callable, args: tuple, *,
+                   donate: tuple[int, ...] = ()):
+    """What the executable `get` returns would output, as ShapeDtypeStructs with their
+    shardings (compiling ahead for states that are never materialised: no KV pool is
+    touched)."""
+    exe = self.get(name, variant, fn, args, donate=donate)
+    shapes = jax.eval_shape(fn, *args)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        shapes, exe.output_shardings)
 
   def stats(self) -> dict[str, Any]:
     mems = [r.memory_bytes for r in self.records if r.memory_bytes is not None]

@@ -12,6 +12,10 @@ Per chunk the engine asks `plan()` for the layout operations to apply before dec
   Refill(requests, slots, bucket)  prefill `requests` at batch `bucket` and write them into
                                 free `slots` (continuous batching)
 
+Admission: `plan(admit)` starts queued requests (in order) only while the engine's KV pages
+admit them; `preempt(slot)` puts a running request back at the head of the queue (pages.py
+has the policy).
+
 Compaction: once the queue is empty, the live rows move into the smallest bucket that holds
 them, so 3 stragglers of a 128-batch decode at bucket 4. Speculation switches on once the
 live batch has been <= bs_threshold for `patience` consecutive checks, and stays on for the
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,31 +119,28 @@ class Scheduler:
   def done(self) -> bool:
     return not self.pending and not any(r is not None for r in self.slots)
 
-  def plan(self) -> list[Prefill | Resize | Refill]:
-    """Layout operations before the next chunk; the slot table reflects them on return."""
+  def plan(self, admit: Callable[[Any], bool] | None = None
+           ) -> list[Prefill | Resize | Refill]:
+    """Layout operations before the next chunk; the slot table reflects them on return.
+    admit(request): whether the next queued request may start now (the engine's KV pages;
+    None: always); the queue is served in order, so admission stops at the first refusal."""
     ops: list[Prefill | Resize | Refill] = []
     live = self.live
-    if self.pending and len(live) < self.max_batch:
-      if not self.slots:
-        n = min(len(self.pending), self.max_batch)
-        reqs = tuple(self.pending.popleft() for _ in range(n))
-        bucket = bucket_for(self.buckets, n)
-        ops.append(Prefill(reqs, bucket))
-        self.slots = list(reqs) + [None] * (bucket - n)
-      else:
-        want = min(len(live) + len(self.pending), self.max_batch)
-        bucket = max(bucket_for(self.buckets, want), self.batch)
-        if bucket != self.batch:  # grow: rows stay in place, empty slots appended
-          ops.append(Resize(tuple(i % self.batch for i in range(bucket)),
-                            tuple(i < self.batch for i in range(bucket))))
-          self.slots += [None] * (bucket - self.batch)
-        free = [i for i, r in enumerate(self.slots) if r is None]
-        # The bucket may exceed max_batch (buckets need only cover it): never go past it.
-        n = min(len(free), len(self.pending), self.max_batch - len(live))
-        reqs = tuple(self.pending.popleft() for _ in range(n))
-        ops.append(Refill(reqs, tuple(free[:n]), bucket_for(self.buckets, n)))
-        for s, r in zip(free, reqs):
-          self.slots[s] = r
+    reqs = self._admit(self.max_batch - len(live), admit)
+    if reqs and not self.slots:
+      bucket = bucket_for(self.buckets, len(reqs))
+      ops.append(Prefill(reqs, bucket))
+      self.slots = list(reqs) + [None] * (bucket - len(reqs))
+    elif reqs:
+      bucket = max(bucket_for(self.buckets, len(live) + len(reqs)), self.batch)
+      if bucket != self.batch:  # grow: rows stay in place, empty slots appended
+        ops.append(Resize(tuple(i % self.batch for i in range(bucket)),
+                          tuple(i < self.batch for i in range(bucket))))
+        self.slots += [None] * (bucket - self.batch)
+      free = [i for i, r in enumerate(self.slots) if r is None]
+      ops.append(Refill(reqs, tuple(free[:len(reqs)]), bucket_for(self.buckets, len(reqs))))
+      for s, r in zip(free, reqs):
+        self.slots[s] = r
     live = self.live
     if self.compaction and not self.pending and live:
       bucket = bucket_for(self.buckets, len(live))
@@ -149,6 +150,20 @@ class Scheduler:
                           tuple([True] * len(live) + [False] * pad)))
         self.slots = [self.slots[i] for i in live] + [None] * pad
     return ops
+
+  def _admit(self, room: int, admit: Callable[[Any], bool] | None) -> tuple[Any, ...]:
+    """Up to `room` requests from the head of the queue, while `admit` lets them in."""
+    out = []
+    while self.pending and len(out) < room and (admit is None or admit(self.pending[0])):
+      out.append(self.pending.popleft())
+    return tuple(out)
+
+  def preempt(self, slot: int) -> Resize:
+    """The request in `slot` goes back to the head of the queue (recomputed when it is
+    admitted again); returns the layout op that empties its row."""
+    req = self.finish(slot)
+    self.pending.appendleft(req)
+    return Resize(tuple(range(self.batch)), tuple(r is not None for r in self.slots))
 
   def check_speculation(self) -> bool:
     """Once per chunk, after `plan`: whether this chunk speculates (see the docstring)."""

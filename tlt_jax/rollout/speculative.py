@@ -46,10 +46,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from tlt_jax.drafter.model import drafter_cache, drafter_forward, drafter_tree_forward
+from tlt_jax.drafter.model import drafter_forward, drafter_tree_forward
 from tlt_jax.kernels.verify import (draw_tree_randomness, draw_verify_randomness, verify_chain,
                                     verify_tree)
 from tlt_jax.models import KVCache, ModelConfig, Params, compute_logits, forward
+from tlt_jax.models.transformer import move_slots
 from tlt_jax.rollout import decode
 from tlt_jax.rollout.decode import ChunkOutput, DecodeState
 from tlt_jax.rollout.sampling import SamplingParams, processed_logprobs, sample_tokens
@@ -58,7 +59,7 @@ from tlt_jax.rollout.strategy import Strategy
 @flax.struct.dataclass
 class SpecState:
   base: DecodeState
-  dcache: KVCache  # drafter k/v (1 layer) [B, S, K, H]; lengths = drafter pairs committed
+  dcache: KVCache  # drafter k/v (1 layer page pools, the target's tables); lengths = pairs committed
   pending: jax.Array  # [B] int32 emitted token not yet fed to the target
   has_pending: jax.Array  # [B] bool
   catch_tokens: jax.Array  # [B, M] int32 (M = max_steps + 1)
@@ -84,13 +85,14 @@ def _catch_up(dparams, params, state: SpecState, cfg: ModelConfig, kv_len: int |
   return state.replace(dcache=dc, catch_count=jnp.zeros_like(state.catch_count)), g_last, lg_last
 
 
-def init_spec_state(params: Params, dparams: Params, base: DecodeState, prompt_tokens: jax.Array,
-                    prompt_hidden: jax.Array, prompt_lens: jax.Array, *, cfg: ModelConfig,
-                    max_steps: int) -> SpecState:
-  """After a target prefill: the drafter consumes the prompt's pairs (x_{t+1}, f_t), t < P-1."""
+def init_spec_state(params: Params, dparams: Params, base: DecodeState, dpool: KVCache,
+                    prompt_tokens: jax.Array, prompt_hidden: jax.Array, prompt_lens: jax.Array, *,
+                    cfg: ModelConfig, max_steps: int) -> SpecState:
+  """After a target prefill: the drafter consumes the prompt's pairs (x_{t+1}, f_t), t < P-1,
+  into its page pool `dpool` (`decode.pools`) through the target's page tables."""
   b, p = prompt_tokens.shape
   d = base.hidden.shape[-1]
-  dc = drafter_cache(cfg, b, base.cache.max_len)
+  dc = dpool.replace(table=base.cache.table, lengths=jnp.zeros((b,), jnp.int32))
   pos = jnp.broadcast_to(jnp.arange(p - 1, dtype=jnp.int32), (b, p - 1))
   if p > 1:
     # The cache is empty: attention reads only the window of the P - 1 new pairs.
@@ -105,25 +107,27 @@ def init_spec_state(params: Params, dparams: Params, base: DecodeState, prompt_t
                    catch_count=jnp.zeros((b,), jnp.int32))
 
 
-def prefill(params: Params, dparams: Params, tokens: jax.Array, prompt_lens: jax.Array,
-            keys: jax.Array, max_new: jax.Array, *, cfg: ModelConfig, cache_len: int,
+def prefill(params: Params, dparams: Params, cache: KVCache, dpool: KVCache, tokens: jax.Array,
+            prompt_lens: jax.Array, keys: jax.Array, max_new: jax.Array, *, cfg: ModelConfig,
             max_steps: int) -> SpecState:
-  """Target prefill + drafter prefill over the prompt (one forward each)."""
-  base, hidden = decode.prefill_with_hidden(params, tokens, prompt_lens, keys, max_new, cfg=cfg,
-                                           cache_len=cache_len)
-  return init_spec_state(params, dparams, base, tokens, hidden, prompt_lens, cfg=cfg,
+  """Target prefill + drafter prefill over the prompt (one forward each); cache: the target's
+  pools with these rows' page tables (`decode.prefill`), dpool: the drafter's pools."""
+  base, hidden = decode.prefill_with_hidden(params, cache, tokens, prompt_lens, keys, max_new,
+                                           cfg=cfg)
+  return init_spec_state(params, dparams, base, dpool, tokens, hidden, prompt_lens, cfg=cfg,
                          max_steps=max_steps)
 
 
-def prefill_shared(params: Params, dparams: Params, tokens: jax.Array, prompt_lens: jax.Array,
-                   src: jax.Array, keys: jax.Array, max_new: jax.Array, *, cfg: ModelConfig,
-                   cache_len: int, max_steps: int) -> SpecState:
+def prefill_shared(params: Params, dparams: Params, cache: KVCache, dpool: KVCache,
+                   tokens: jax.Array, prompt_lens: jax.Array, src: jax.Array, keys: jax.Array,
+                   max_new: jax.Array, *, cfg: ModelConfig, max_steps: int) -> SpecState:
   """`prefill` of U distinct prompts expanded to B rows (decode.expand_rows)."""
   u = tokens.shape[0]
-  state = prefill(params, dparams, tokens, prompt_lens, jnp.zeros((u, 2), jnp.uint32),
-                  jnp.zeros((u,), jnp.int32), cfg=cfg, cache_len=cache_len,
+  src_tables, _ = decode.shared_tables(cache.table, src, u)
+  state = prefill(params, dparams, cache.replace(table=src_tables), dpool, tokens, prompt_lens,
+                  jnp.zeros((u, 2), jnp.uint32), jnp.zeros((u,), jnp.int32), cfg=cfg,
                   max_steps=max_steps)
-  return decode.expand_rows(state, src, keys, max_new)
+  return decode.expand_rows(state, src, keys, max_new, cache.table, tokens.shape[1])
 
 
 def _emit(bufs: ChunkOutput, count: jax.Array, tokens, logprobs, hidden, n_emit):
@@ -360,9 +364,7 @@ def spec_step(params, dparams, state: SpecState, bufs: ChunkOutput, count, *, cf
   if path is not None:  # move the accepted nodes' k/v to slots n+1..n+a (src >= dst)
     src, dst = n[:, None] + path[:, 1:], n[:, None] + 1 + jnp.arange(k)[None, :]
     src = jnp.where(jnp.arange(k)[None, :] < n_acc[:, None], src, dst)
-    r2 = rows[:, None]
-    move = lambda c: c.at[r2, dst].set(c[r2, src], mode="drop")
-    cache = cache.replace(k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)))
+    cache = move_slots(cache, src, dst)
   new_hidden = f_path[rows, n_acc]
   base = base.replace(
       cache=cache.replace(lengths=n + commit),
@@ -436,9 +438,10 @@ def chunk_reach(strategy: Strategy, chunk: int) -> int:
   return (chunk - 1) * (k + 1) + width
 
 
-def switch_on(params: Params, dparams: Params, base: DecodeState, tokens: jax.Array, *,
-              cfg: ModelConfig, max_steps: int) -> SpecState:
-  """Speculation starts on a batch decoded plainly so far. tokens [B, S]: each row's prompt and
+def switch_on(params: Params, dparams: Params, base: DecodeState, dpool: KVCache,
+              tokens: jax.Array, *, cfg: ModelConfig, max_steps: int) -> SpecState:
+  """Speculation starts on a batch decoded plainly so far (dpool: the drafter's page pools,
+  read through the target's tables). tokens [B, S]: each row's prompt and
   response so far, right-padded (S >= every row's committed length `base.cache.lengths`). One
   causal target forward over them recomputes f_t, then the drafter prefills over the pairs
   (x_{t+1}, f_t), t < n - 1, exactly as after a prompt prefill; the target's own state (cache,
@@ -446,5 +449,5 @@ def switch_on(params: Params, dparams: Params, base: DecodeState, tokens: jax.Ar
   b, s = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
   hidden = forward(params, tokens, positions, cfg=cfg, return_logits=False).hidden
-  return init_spec_state(params, dparams, base, tokens, hidden, base.cache.lengths, cfg=cfg,
-                         max_steps=max_steps)
+  return init_spec_state(params, dparams, base, dpool, tokens, hidden, base.cache.lengths,
+                         cfg=cfg, max_steps=max_steps)

@@ -1,0 +1,55 @@
+"""The paged KV cache's host side (rollout/pages.py) and the scheduler's admission and
+preemption, against hand-worked expectations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tlt_jax.models.transformer import NO_PAGE
+from tlt_jax.rollout.pages import PageAllocator, pages_for
+from tlt_jax.rollout.scheduler import Prefill, Refill, Resize, Scheduler
+
+
+def test_allocator_hands_out_frees_and_tables_pages():
+  a = PageAllocator(num_pages=6, page_size=4, row_pages=3)
+  assert pages_for(0, 4) == 0 and pages_for(1, 4) == 1 and pages_for(8, 4) == 2
+  assert a.grow("x", 5) and a.held("x") == 2 and a.free == 4  # 5 slots: 2 pages
+  assert a.grow("y", 4) and a.grow("x", 8) and a.held("x") == 2  # already enough
+  assert a.need("x", 100) == 1  # capped at a row's 3 pages
+  assert a.grow("z", 12) and a.free == 0  # the last 3 pages
+  assert not a.grow("w", 1) and a.held("w") == 0 and "w" not in a.holders  # none left
+  assert a.holders == ["x", "y", "z"]  # admission order
+  t = a.table(["y", None, "x"])
+  assert t.shape == (3, 3) and t.dtype == np.int32
+  assert (t[1] == NO_PAGE).all() and (t[0, 1:] == NO_PAGE).all()
+  assert len({*t[0, :1], *t[2, :2]}) == 3  # no page held twice
+  before = a.free
+  a.release("x")
+  assert a.free == before + 2 and a.held("x") == 0 and "x" not in a.holders
+  full = PageAllocator(3, 4, 3)
+  assert full.grow("a", 8) and not full.grow("b", 8) and full.held("b") == 0  # refused: intact
+  with pytest.raises(ValueError, match="kv_pages"):
+    PageAllocator(2, 4, 3)
+
+
+def test_scheduler_admits_in_order_while_allowed_and_requeues_preempted_rows():
+  sched = Scheduler(list("abcde"), max_batch=4, buckets=(1, 2, 4))
+  budget = {"n": 2}
+
+  def admit(req):
+    if budget["n"] == 0:
+      return False
+    budget["n"] -= 1
+    return True
+
+  ops = sched.plan(admit)
+  assert ops == [Prefill(("a", "b"), 2)] and list(sched.pending) == list("cde")
+  assert sched.plan(admit) == []  # no pages: nothing admitted, nothing skipped
+  op = sched.preempt(1)  # "b" goes back to the head of the queue; its row empties
+  assert op == Resize((0, 1), (True, False)) and list(sched.pending) == list("bcde")
+  budget["n"] = 3
+  ops = sched.plan(admit)
+  assert ops[0] == Resize((0, 1, 0, 1), (True, True, False, False))
+  assert ops[1] == Refill(("b", "c", "d"), (1, 2, 3), 4)
+  assert sched.slots == ["a", "b", "c", "d"] and list(sched.pending) == ["e"]
