@@ -4,10 +4,10 @@ from tlt_jax.kernels.verify import (
     draw_tree_randomness,
     draw_verify_randomness,
     verify_chain,
-    verify_chain_pallas,
+    verify_chain_triton,
     verify_chain_reference,
     verify_tree,
-    verify_tree_pallas,
+    verify_tree_triton,
     verify_tree_reference,
 )
 
@@ -15,9 +15,9 @@ __all__ = [
     "draw_tree_randomness",
     "draw_verify_randomness",
     "verify_chain",
-    "verify_chain_pallas",
+    "verify_chain_triton",
     "verify_chain_reference",
     "verify_tree",
-    "verify_tree_pallas",
+    "verify_tree_triton",
     "verify_tree_reference",
 ]
