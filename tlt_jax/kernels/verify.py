@@ -1,10 +1,11 @@
 """Lossless speculative verification: a chain rule and a (target-only) tree rule.
 
-Each rule comes as a pure-jnp reference (`*_reference`, vectorised over the batch) and a Pallas
-kernel (`*_pallas`, one program per batch row, the vocabulary walked in power-of-two tiles). The
-public entry points `verify_chain` / `verify_tree` pick one. Both implementations take the same
-arrays and compute the same float expressions in the same order (the small helpers below are
-shared), so their integer outputs agree exactly; the tests check this.
+Each rule comes as a pure-jnp reference (`*_reference`, vectorised over the batch) and Pallas
+kernels (one program per batch row, the vocabulary walked in tiles) on two backends: Mosaic GPU
+(`*_mosaic`) and Triton (`*_triton`). The public entry points `verify_chain` / `verify_tree`
+pick the reference or the kernel of `kernel_backend()`. All of them take the same arrays and
+compute the same float expressions in the same order (the small helpers below, and the kernel
+bodies, are shared), so their integer outputs agree exactly; the tests check this.
 
 Conventions
 -----------
@@ -44,24 +45,54 @@ Greedy variants ignore `uniforms` / `noise` / `draft_logp` (pass None): chain ->
 with d_i == argmax p_i, next = argmax at the first mismatch (or p_K); tree -> move to the first
 child whose token is argmax p_c, next = argmax p_c at the node where none matches.
 
-Kernel design (see `_DEFAULT_BLOCK_V`)
---------------------------------------
-grid = (B,): one program per batch row. Each row's operand is one full block (BlockSpec with the
-batch dim squeezed, the other dims whole), so only *power-of-two* loads/stores are ever issued:
-scalar loads (`ref[i, tok]`) for the accept tests and [block_v] tiles (`pl.ds(t * block_v,
-block_v)`) in a `fori_loop` over ceil(V / block_v) tiles. The last tile is a masked load (`other`
-= -inf for log-probs, 0 for noise) so V needs no padding copy of the [B, K+1, V] arrays. The
-sampling chain reads one or two vocab rows per batch row (the accept tests are scalar loads);
-greedy reads rows until the first mismatch (`while_loop`). The tree walk is a `while_loop` over
-depth; children are a static unrolled loop over C. No scratch memory (unsupported by the Triton
-backend): all state lives in loop carries. The kernel is lowered with Triton
-(`pallas.triton.CompilerParams`) explicitly, since jax's default GPU backend is Mosaic GPU.
-JAX >= 0.11 deprecates the Pallas Triton backend (a DeprecationWarning when a kernel is lowered
-for a GPU; interpret mode does not warn). The migration path is Mosaic GPU
-(`jax.experimental.pallas.mosaic_gpu`): a rewrite, not a drop-in change (its loads take no mask
-like `pltriton.load`'s; tiles go through shared memory), and one that needs a GPU to check.
+Backends (`kernel_backend`, the one place that picks)
+----------------------------------------------------
+* Mosaic GPU (`jax.experimental.pallas.mosaic_gpu`) on NVIDIA GPUs of compute capability >= 9.0
+  (Hopper, Blackwell), and off-GPU in Mosaic GPU's CPU interpret mode (`InterpretGPUParams`:
+  it simulates GMEM and the warpgroup), which is what CPU tests and `use_kernel=True` on a CPU
+  run. Exception: sampling chain verification WITH draft log-probs uses the jnp reference on
+  Mosaic GPU (`_MOSAIC_NO_Q`): its residual needs log1p / expm1, which jax 0.12's Mosaic GPU
+  lowering does not have, and a rewrite in exp / log would change the reference's (= the
+  default CPU run's) sampled tokens.
+* Triton (`jax.experimental.pallas.triton`) only on pre-Hopper GPUs (and GPUs without a CUDA
+  compute capability). JAX >= 0.11 deprecates this backend (a DeprecationWarning when a kernel
+  is lowered for a GPU); it stays as their fallback while JAX ships it and is never lowered on
+  Hopper or off-GPU, so those paths are warning-free. Nothing outside this module imports it.
+`use_kernel=False` is the jnp reference everywhere (the CPU default of the engine).
+scripts/bench_verify.py times both kernels against the reference (XLA-fused) per shape: where
+XLA is as fast on a GPU, the kernel should go.
+
+Kernel design (shared)
+----------------------
+grid = (B,): one program per batch row. The chain greedy kernel walks positions in a
+`while_loop` (an argmax row per position until the first mismatch); the sampling chain does the
+K accept tests as scalar loads (`ref[i, tok]`) in a `fori_loop` and reads one or two vocab rows
+(the race); the tree walk is a `while_loop` over depth whose children are a static unrolled loop
+over C (scalar loads only). Only the tile loops differ per backend (`row_argmax` / `row_race`):
+
+Triton (see `_DEFAULT_BLOCK_V`): each row's operand is one full block (BlockSpec with the batch
+dim squeezed), so only *power-of-two* loads/stores are ever issued: scalar loads and [block_v]
+tiles in a `fori_loop` over ceil(V / block_v) tiles. The last tile is a masked load (`other` =
+-inf for log-probs, 0 for noise) so V needs no padding copy. No scratch memory (unsupported by
+the Triton backend): all state lives in loop carries; the tree path is a [Dp] vector carry.
+Lowered with `pallas.triton.CompilerParams` explicitly (jax's default GPU backend is Mosaic GPU).
+
+Mosaic GPU: one warpgroup (128 lanes) per program; operands stay in GMEM (a [K+1, V] row block
+is MBs, far beyond shared memory) and tiles are loaded from GMEM straight into registers
+(`plgpu.load` with a WG_STRIDED layout, 16-byte vectors): each element is read once, so a
+TMA/shared-memory pipeline would add a copy without reuse. Mosaic arrays span whole warpgroups
+and its loads take no mask, so V is padded once outside the kernel to a multiple of 128 (-inf /
+0; a no-op for real vocabularies: Qwen2.5's 151936 = 1187 * 128), the tile (`block_v`) is a
+multiple of 128, and a last partial tile (V % block_v) is a static-size remainder tile. There is
+no argmax primitive: full tiles fold elementwise into per-lane running (max, index) carries
+(strict > keeps each lane's lowest index), reduced across lanes once per row as max, then min
+index among the lanes attaining it (= jnp.argmax's lowest index on ties). The tree path is D+1
+scalar carries written one by one (a [D+1] array is not a warpgroup layout).
+
 Lowering for a GPU on a machine without one needs an abstract GPU device on JAX >= 0.11 (see
-tests/test_verify_kernel.py::test_kernels_lower_to_triton).
+tests/test_verify_kernel.py::test_kernels_lower_to_triton / test_kernels_lower_to_mosaic_gpu);
+jax 0.12 lowers Mosaic GPU kernels to their custom call without any CUDA plugin (its bindings
+are only needed to compile the module to a cubin, on the GPU).
 """
 
 from __future__ import annotations
