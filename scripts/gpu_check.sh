@@ -3,8 +3,9 @@
 #
 #   bash scripts/gpu_check.sh [--smoke] [--out DIR]      # DIR/report.md (default out/gpu_check)
 #
-# On a GPU machine (every stage time-boxed; the whole run stays under 9 minutes): the Pallas
-# verification kernels compiled for the GPU against their references, a speculative-test
+# On a GPU machine (every stage time-boxed; the whole run stays under 10 minutes): the Pallas
+# verification kernels compiled for the GPU against their references and timed against XLA
+# (Mosaic GPU vs Triton vs the jnp reference, scripts/bench_verify.py), a speculative-test
 # subset (greedy SD == plain through the kernel, the lossless distribution tests), a >= 1B
 # widened bench target built on the spot (scripts/make_bench_model.py: the shipped model's
 # function, so the real acceptance) and probed in bf16 (copy bandwidth, roofline of plain
@@ -46,8 +47,9 @@ if [ $SMOKE = 1 ]; then
     --max_new_tokens 64 --threshold 2"
   E2E_STEPS=2
   E2E_EXTRA="--config.train.eval_every=0 --config.eval.num_prompts=16"
-  LIMIT=(30 240 240 120 240 300 400)
-  KERNEL_TESTS="-k lower_to_triton or chain_kernel_matches_reference"
+  LIMIT=(30 240 240 120 240 300 400 120)
+  KERNEL_TESTS="-k lower_to or chain_kernel_matches_reference"
+  KBENCH_ARGS="--batches 1 --ks 4 --vocab 256 --iters 2"
   SPEC_TESTS="-k strategy_validation"
 else
   export JAX_PLATFORMS=cuda XLA_FLAGS=""
@@ -63,8 +65,9 @@ else
     --arms 3_1_4,4_1_5,6_1_7,4_2_8 --tail_arms 4_1_5,6_1_7"
   E2E_STEPS=12
   E2E_EXTRA="--config.train.eval_every=0 --config.eval.num_prompts=64"
-  LIMIT=(20 60 50 50 100 120 130)
+  LIMIT=(20 60 50 50 100 120 130 60)
   KERNEL_TESTS=""
+  KBENCH_ARGS="--batches 1,8,64 --ks 4,8 --iters 20"
   SPEC_TESTS="-k kernel_equals_reference or sampled_spec_matches or broken_acceptance"
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
@@ -108,6 +111,8 @@ stage env "${LIMIT[0]}" all bash -c "nvidia-smi -L 2>/dev/null || echo 'no nvidi
     \"optax\", optax.__version__); print(jax.devices())'"
 stage kernels "${LIMIT[1]}" tail "$PY" -m pytest -p no:cacheprovider -v --tb=line \
   tests/test_verify_kernel.py ${KERNEL_TESTS:+"${KERNEL_TESTS%% *}" "${KERNEL_TESTS#* }"}
+# shellcheck disable=SC2086
+stage kernel_bench "${LIMIT[7]}" md "$PY" scripts/bench_verify.py $KBENCH_ARGS
 stage speculative "${LIMIT[2]}" tail "$PY" -m pytest -p no:cacheprovider -v --tb=line \
   tests/test_speculative.py ${SPEC_TESTS:+"${SPEC_TESTS%% *}" "${SPEC_TESTS#* }"}
 # shellcheck disable=SC2086

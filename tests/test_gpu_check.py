@@ -19,13 +19,19 @@ def test_gpu_check_smoke_writes_a_complete_report(tmp_path):
                   str(tmp_path)], check=True, env=env, timeout=1500, capture_output=True)
   report = (tmp_path / "report.md").read_text()
   stages = re.findall(r"^## (\w+)$", report, re.M)
-  assert stages == ["env", "kernels", "speculative", "bench_model", "probe", "bench_regime",
-                    "rl_steps"], report
+  assert stages == ["env", "kernels", "kernel_bench", "speculative", "bench_model", "probe",
+                    "bench_regime", "rl_steps"], report
   assert re.findall(r"^exit (\d+) after", report, re.M) == ["0"] * len(stages), report
   # the kernels and speculative stages ran tests, all passed
   for n_passed in re.findall(r"=+ (\d+) passed", report):
     assert int(n_passed) > 0
   assert "failed" not in report.split("## bench_model")[0]
+  # the kernel timing table: every case, a number from the reference and both kernels
+  bench = report.split("## kernel_bench")[1].split("## speculative")[0]
+  for case in ("chain greedy", "chain sample one-hot", "chain sample q", "tree greedy",
+               "tree sample"):
+    assert re.search(rf"^\| {case} \| 1 \| 4 \| [\d.n/a]+ \| [\d.]+ \| [\d.]+ \|", bench,
+                     re.M), bench
   # greedy SD through the Pallas kernel (interpret mode here) == greedy plain, every response
   rows = re.findall(r"^\| (plain|SD \S+) \| (\d+)/(\d+) \|", report, re.M)
   assert [r[0] for r in rows] == ["plain", "SD 4_1_5", "SD 4_2_8"], report

@@ -9,6 +9,7 @@ tests use the vectorised jnp reference (the kernel is shown equal to it bit-for-
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -245,9 +246,18 @@ def py_greedy_tree(tlp, toks, kids, D):
 # Kernel == reference (exact)
 # ------------------------------------------------------------------------------------------------
 
-# (K, V, block_v): V not a multiple of the block (masked last tile), multiple tiles, one tile.
+# Off-GPU the kernels run interpreted (Triton: Pallas' HLO interpreter; Mosaic GPU: its GPU
+# interpreter, which simulates GMEM and the warpgroup); on a GPU (scripts/gpu_check.sh) compiled.
+INTERPRET = jax.default_backend() != "gpu"
+
+# Triton (K, V, block_v): V not a multiple of the block (masked last tile), multiple tiles,
+# one tile.
 CHAIN_CONFIGS = [(1, 7, None), (2, 37, 16), (3, 64, 16), (4, 130, 32), (5, 20, 8), (6, 33, 8),
                  (7, 9, 8), (8, 45, 16)]
+# Mosaic GPU (K, V, block_v): tiles are multiples of the 128 lanes; V not a multiple of 128
+# (padded outside the kernel), several full tiles, full tiles + a remainder tile, one tile.
+MOSAIC_CHAIN_CONFIGS = [(1, 7, None), (2, 37, 128), (4, 300, 128), (3, 640, 256),
+                        (8, 130, 128), (5, 1000, 512)]
 
 
 def _assert_equal(got, want):
@@ -255,15 +265,14 @@ def _assert_equal(got, want):
     np.testing.assert_array_equal(np.asarray(g_), np.asarray(w_))
 
 
-@pytest.mark.parametrize("K,V,block_v", CHAIN_CONFIGS)
-def test_chain_kernel_matches_reference(K, V, block_v):
+def _check_chain_kernel(kernel, modes, K, V, block_v):
   B = 14
   tlp, d, qlp, u, g = make_chain_inputs(1000 + K, B, K, V)
-  for mode in ("greedy", "q", "onehot"):
+  for mode in modes:
     greedy = mode == "greedy"
     q = qlp if mode == "q" else None
     want = verify_chain(tlp, d, q, u, g, greedy=greedy, use_kernel=False)
-    got = verify_chain(tlp, d, q, u, g, greedy=greedy, block_v=block_v)  # interpret: auto
+    got = kernel(tlp, d, q, u, g, greedy=greedy, interpret=INTERPRET, block_v=block_v)
     _assert_equal(got, want)
     n, nxt = map(np.asarray, got)
     assert ((0 <= n) & (n <= K)).all()
@@ -271,9 +280,52 @@ def test_chain_kernel_matches_reference(K, V, block_v):
     assert np.isfinite(np.asarray(tlp)[np.arange(B), n, nxt]).all()
     if greedy:
       _assert_equal(got, py_greedy_chain(tlp, d))
-  # the edge-case rows really occur: all accepted / first rejected in sampling mode
-  n_q = np.asarray(verify_chain_reference(tlp, d, qlp, u, g, greedy=False)[0])
-  assert (n_q == K).any() and (n_q == 0).any()
+  # the edge-case rows really occur: all accepted (greedy; sampling with q), first rejected
+  n_g = np.asarray(verify_chain_reference(tlp, d, None, u, g, greedy=True)[0])
+  n_s = np.asarray(verify_chain_reference(tlp, d, qlp if "q" in modes else None, u, g,
+                                          greedy=False)[0])
+  assert (n_g == K).any() and (n_s == 0).any()
+  assert "q" not in modes or (n_s == K).any()
+
+
+@pytest.mark.parametrize("K,V,block_v", CHAIN_CONFIGS)
+def test_chain_kernel_matches_reference(K, V, block_v):
+  """Triton kernel (the pre-Hopper fallback) == reference, exactly."""
+  _check_chain_kernel(vf.verify_chain_triton, ("greedy", "q", "onehot"), K, V, block_v)
+
+
+@pytest.mark.parametrize("K,V,block_v", MOSAIC_CHAIN_CONFIGS)
+def test_mosaic_chain_kernel_matches_reference(K, V, block_v):
+  """Mosaic GPU kernel == reference, exactly (greedy and one-hot sampling; with draft q the
+  dispatcher keeps the reference on Mosaic GPU, see verify._MOSAIC_NO_Q)."""
+  _check_chain_kernel(vf.verify_chain_mosaic, ("greedy", "onehot"), K, V, block_v)
+
+
+def test_mosaic_chain_with_draft_q_uses_the_reference():
+  tlp, d, qlp, u, g = make_chain_inputs(7, 3, 2, 40)
+  with pytest.raises(NotImplementedError, match="log1p"):
+    vf.verify_chain_mosaic(tlp, d, qlp, u, g, greedy=False, interpret=True)
+  assert vf.kernel_backend() == "mosaic_gpu"  # this CPU: Mosaic GPU in interpret mode
+  _assert_equal(verify_chain(tlp, d, qlp, u, g, greedy=False),
+                verify_chain_reference(tlp, d, qlp, u, g, greedy=False))
+
+
+class _FakeDevice:
+  def __init__(self, platform, cc=None):
+    self.platform = platform
+    if cc is not None:
+      self.compute_capability = cc
+
+
+@pytest.mark.parametrize("platform,cc,want", [
+    ("cpu", None, "mosaic_gpu"), ("tpu", None, "mosaic_gpu"), ("gpu", "8.0", "triton"),
+    ("gpu", "8.9", "triton"), ("gpu", "9.0", "mosaic_gpu"), ("gpu", "10.0", "mosaic_gpu"),
+    ("gpu", "12.1", "mosaic_gpu"), ("gpu", None, "triton")])
+def test_kernel_backend_by_device(monkeypatch, platform, cc, want):
+  """Mosaic GPU on Hopper or newer (cc 10.0 > 9.0 numerically, not as strings), Triton before
+  (and on GPUs without a CUDA compute capability), Mosaic GPU's interpreter off-GPU."""
+  monkeypatch.setattr(jax, "devices", lambda *a: [_FakeDevice(platform, cc)])
+  assert vf.kernel_backend() == want
 
 
 TREE_CONFIGS = [  # (kind, T, C, D, V, block_v)
@@ -285,13 +337,22 @@ TREE_CONFIGS = [  # (kind, T, C, D, V, block_v)
 ]
 
 
-@pytest.mark.parametrize("kind,T,C,D,V,block_v", TREE_CONFIGS)
-def test_tree_kernel_matches_reference(kind, T, C, D, V, block_v):
+MOSAIC_TREE_CONFIGS = [  # (kind, T, C, D, V, block_v)
+    ("chain", 6, 1, 5, 19, 128),
+    ("wide", 6, 5, 1, 37, None),
+    ("deep_wide", 15, 3, 4, 300, 128),
+    ("deep_wide", 20, 4, 3, 8, None),
+    ("gaps", 12, 4, 4, 640, 256),
+]
+
+
+def _check_tree_kernel(kernel, kind, T, C, D, V, block_v):
   B = 12
   tlp, toks, kids, u, g = make_tree_inputs(2000 + T, B, kind, T, C, D, V)
+  run = functools.partial(kernel, interpret=INTERPRET, block_v=block_v)
   for greedy in (True, False):
     want = verify_tree(tlp, toks, kids, u, g, greedy=greedy, max_depth=D, use_kernel=False)
-    got = verify_tree(tlp, toks, kids, u, g, greedy=greedy, max_depth=D, block_v=block_v)
+    got = run(tlp, toks, kids, u, g, greedy=greedy, max_depth=D)
     _assert_equal(got, want)
     path, n, nxt = map(np.asarray, got)
     assert path.shape == (B, D + 1) and (path[:, 0] == 0).all()
@@ -304,9 +365,28 @@ def test_tree_kernel_matches_reference(kind, T, C, D, V, block_v):
     if greedy:
       _assert_equal(got, py_greedy_tree(tlp, toks, kids, D))
   if kind == "deep_wide":  # truncating the walk below the tree's depth: still equal
-    got = verify_tree(tlp, toks, kids, u, g, greedy=False, max_depth=1)
+    got = run(tlp, toks, kids, u, g, greedy=False, max_depth=1)
     want = verify_tree(tlp, toks, kids, u, g, greedy=False, max_depth=1, use_kernel=False)
     _assert_equal(got, want)
+
+
+@pytest.mark.parametrize("kind,T,C,D,V,block_v", TREE_CONFIGS)
+def test_tree_kernel_matches_reference(kind, T, C, D, V, block_v):
+  """Triton kernel (the pre-Hopper fallback) == reference, exactly."""
+  _check_tree_kernel(vf.verify_tree_triton, kind, T, C, D, V, block_v)
+
+
+@pytest.mark.parametrize("kind,T,C,D,V,block_v", MOSAIC_TREE_CONFIGS)
+def test_mosaic_tree_kernel_matches_reference(kind, T, C, D, V, block_v):
+  _check_tree_kernel(vf.verify_tree_mosaic, kind, T, C, D, V, block_v)
+
+
+def _impls(rule):
+  """(name, fn) for the reference and both kernels of a rule, same keyword contract."""
+  ref = verify_chain_reference if rule == "chain" else verify_tree_reference
+  return [("reference", ref)] + [
+      (name, functools.partial(getattr(vf, f"verify_{rule}_{suffix}"), interpret=INTERPRET))
+      for name, suffix in (("triton", "triton"), ("mosaic_gpu", "mosaic"))]
 
 
 def test_chain_edge_cases_exact():
@@ -325,13 +405,13 @@ def test_chain_edge_cases_exact():
   g = np.zeros((4, K + 1, V), np.float32)
   g[:, :, 3] = 50.0  # the race would pick token 3 if it were not outside the support
   args = tuple(map(jnp.asarray, (tlp, d, qlp, u, g)))
-  for use_kernel in (False, True):
-    n, nxt = map(np.asarray, verify_chain(*args, greedy=False, use_kernel=use_kernel))
-    np.testing.assert_array_equal(n, [0, 2, 2, 0])
-    np.testing.assert_array_equal(nxt, [0, 0, 0, 0])  # all-zero noise elsewhere: argmax p = 0
+  for name, run in _impls("chain"):
+    if name != "mosaic_gpu":  # draft q: no Mosaic GPU kernel (verify._MOSAIC_NO_Q)
+      n, nxt = map(np.asarray, run(*args, greedy=False))
+      np.testing.assert_array_equal(n, [0, 2, 2, 0])
+      np.testing.assert_array_equal(nxt, [0, 0, 0, 0])  # zero noise elsewhere: argmax p = 0
     # one-hot drafts: accept prob p(d) (u = 0.999 rejects everything but p(d) = 1)
-    n1, nxt1 = map(np.asarray, verify_chain(*args[:2], None, *args[3:], greedy=False,
-                                            use_kernel=use_kernel))
+    n1, nxt1 = map(np.asarray, run(*args[:2], None, *args[3:], greedy=False))
     np.testing.assert_array_equal(n1, [0, 0, 0, 0])
     np.testing.assert_array_equal(nxt1, [0, 0, 1, 0])  # row 2: d=0 removed -> next best 1
   assert not np.isnan(np.asarray(vf._residual_logp(jnp.asarray(tlp), jnp.asarray(tlp)))).any()
@@ -339,9 +419,8 @@ def test_chain_edge_cases_exact():
   tie = _log([0.1, 0.4, 0.4, 0.1, 0.0])
   tl = jnp.asarray(np.broadcast_to(tie, (2, K + 1, V)).copy())
   dd = jnp.asarray(np.array([[1, 1], [2, 1]], np.int32))
-  for use_kernel in (False, True):
-    n, nxt = map(np.asarray, verify_chain(tl, dd, None, None, None, greedy=True,
-                                          use_kernel=use_kernel))
+  for _, run in _impls("chain"):
+    n, nxt = map(np.asarray, run(tl, dd, None, None, None, greedy=True))
     np.testing.assert_array_equal(n, [2, 0])
     np.testing.assert_array_equal(nxt, [1, 1])
 
@@ -361,10 +440,9 @@ def test_tree_edge_cases_exact():
   u[2, 1], u[2, 3] = 0.99, 0.0  # row 2: same; node 3 has p = 0
   g = np.zeros((3, 4, V), np.float32)
   g[:, :, 2] = 50.0  # would pick the out-of-support token 2 if the mask were wrong
-  for use_kernel in (False, True):
-    path, n, nxt = map(np.asarray, verify_tree(tlp, toks, kids, jnp.asarray(u), jnp.asarray(g),
-                                               greedy=False, max_depth=1,
-                                               use_kernel=use_kernel))
+  for _, run in _impls("tree"):
+    path, n, nxt = map(np.asarray, run(tlp, toks, kids, jnp.asarray(u), jnp.asarray(g),
+                                       greedy=False, max_depth=1))
     np.testing.assert_array_equal(path, [[0, 1], [0, -1], [0, -1]])
     np.testing.assert_array_equal(n, [1, 0, 0])
     # row 0: leaf -> sample from p (noise 0 off-token-2 -> argmax 0); rows 1-2: token 0 rejected
@@ -384,10 +462,13 @@ def test_verify_is_jittable_and_randomness_shapes():
   @jax.jit
   def f(key, tlp, d, qlp):  # arrays as arguments: closed-over constants get constant-folded
     uu, gg = draw_verify_randomness(key, 3, 4, 11)
-    return verify_chain(tlp, d, qlp, uu, gg, greedy=False)
+    # with draft q and one-hot (the latter through the Mosaic GPU kernel on every backend)
+    return verify_chain(tlp, d, qlp, uu, gg, greedy=False), verify_chain(tlp, d, None, uu, gg,
+                                                                        greedy=False)
 
-  n, nxt = f(key, tlp, d, qlp)
-  _assert_equal((n, nxt), verify_chain_reference(tlp, d, qlp, u, g, greedy=False))
+  with_q, onehot = f(key, tlp, d, qlp)
+  _assert_equal(with_q, verify_chain_reference(tlp, d, qlp, u, g, greedy=False))
+  _assert_equal(onehot, verify_chain_reference(tlp, d, None, u, g, greedy=False))
 
 
 def _abstract_gpu_mesh():
@@ -400,33 +481,61 @@ def _abstract_gpu_mesh():
   return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device))
 
 
+_S, _F32, _I32 = jax.ShapeDtypeStruct, jnp.float32, jnp.int32
+_LB, _LK, _LV, _LT, _LC, _LD = 4, 3, 1000, 7, 3, 3  # lowering shapes: V not a tile multiple
+
+
+def _lower_for_h100(fn, args, **kw):
+  f = functools.partial(fn, interpret=False, block_v=256, **kw)
+  with _abstract_gpu_mesh():
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 # JAX >= 0.11 deprecates the Pallas Triton backend (the module docstring of tlt_jax.kernels.verify
-# names the migration path); this test lowers with it on purpose.
+# says where it is still used); this test lowers with it on purpose.
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 def test_kernels_lower_to_triton():
-  """The kernels lower to Triton IR for CUDA (cross-platform lowering for an abstract H100; no
-  GPU needed). This checks the Pallas -> TTIR step (supported primitives, power-of-two
-  tensors); the Triton compiler itself only runs on a GPU."""
+  """The Triton kernels lower to Triton IR for CUDA (cross-platform lowering for an abstract
+  H100; no GPU needed). This checks the Pallas -> TTIR step (supported primitives,
+  power-of-two tensors); the Triton compiler itself only runs on a GPU."""
   try:
     from jax._src.lib import triton  # noqa: F401  (the TTIR dialect bindings)
   except ImportError as e:
     pytest.skip(f"jaxlib without Triton bindings: {e}")
-  S, f32, i32 = jax.ShapeDtypeStruct, jnp.float32, jnp.int32
-  B, K, V, T, C, D = 4, 3, 1000, 7, 3, 3
+  B, K, V, T, C, D = _LB, _LK, _LV, _LT, _LC, _LD
   cases = [
-      (vf.verify_chain_pallas, (S((B, K + 1, V), f32), S((B, K), i32), S((B, K, V), f32),
-                                S((B, K), f32), S((B, K + 1, V), f32)), {}),
-      (vf.verify_chain_pallas, (S((B, K + 1, V), f32), S((B, K), i32), None,
-                                S((B, K), f32), S((B, K + 1, V), f32)), {}),
-      (vf.verify_tree_pallas, (S((B, T, V), f32), S((B, T), i32), S((B, T, C), i32),
-                               S((B, T), f32), S((B, T, V), f32)), {"max_depth": D}),
+      (vf.verify_chain_triton, (_S((B, K + 1, V), _F32), _S((B, K), _I32), _S((B, K, V), _F32),
+                                _S((B, K), _F32), _S((B, K + 1, V), _F32)), {}),
+      (vf.verify_chain_triton, (_S((B, K + 1, V), _F32), _S((B, K), _I32), None,
+                                _S((B, K), _F32), _S((B, K + 1, V), _F32)), {}),
+      (vf.verify_tree_triton, (_S((B, T, V), _F32), _S((B, T), _I32), _S((B, T, C), _I32),
+                               _S((B, T), _F32), _S((B, T, V), _F32)), {"max_depth": D}),
   ]
   for fn, args, kw in cases:
     for greedy in (True, False):
-      f = functools.partial(fn, greedy=greedy, interpret=False, block_v=256, **kw)
-      with _abstract_gpu_mesh():
-        lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-      assert "xla.gpu.triton" in lowered.as_text()
+      assert "xla.gpu.triton" in _lower_for_h100(fn, args, greedy=greedy, **kw)
+
+
+@pytest.mark.parametrize("V", [_LV, 151936])  # Qwen2.5's vocabulary: full tiles + remainder
+def test_kernels_lower_to_mosaic_gpu(V):
+  """The Mosaic GPU kernels lower for an abstract H100 without a GPU (jax 0.12 lowers Pallas
+  to the Mosaic GPU dialect with jaxlib's own MLIR; the bindings of jax-cudaNN-plugin are only
+  needed to compile it to a cubin): layouts, loads and reductions are checked here, the
+  Mosaic GPU custom call is emitted, and nothing lowers through the deprecated Triton backend
+  (no DeprecationWarning)."""
+  B, K, T, C, D = _LB, _LK, _LT, _LC, _LD
+  cases = [
+      (vf.verify_chain_mosaic, (_S((B, K + 1, V), _F32), _S((B, K), _I32), None,
+                                _S((B, K), _F32), _S((B, K + 1, V), _F32)), {}),
+      (vf.verify_tree_mosaic, (_S((B, T, V), _F32), _S((B, T), _I32), _S((B, T, C), _I32),
+                               _S((B, T), _F32), _S((B, T, V), _F32)), {"max_depth": D}),
+  ]
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", DeprecationWarning)
+    for fn, args, kw in cases:
+      for greedy in (True, False):
+        text = _lower_for_h100(fn, args, greedy=greedy, **kw)
+        assert "mosaic_gpu" in text and "triton" not in text
 
 
 # ------------------------------------------------------------------------------------------------

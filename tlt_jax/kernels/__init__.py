@@ -1,23 +1,30 @@
-"""Pallas kernels (GPU: Triton lowering; CPU: interpret mode) with pure-jnp references."""
+"""Pallas kernels (Hopper+: Mosaic GPU; older GPUs: Triton; CPU: Mosaic GPU interpret mode) with
+pure-jnp references."""
 
 from tlt_jax.kernels.verify import (
     draw_tree_randomness,
     draw_verify_randomness,
+    kernel_backend,
     verify_chain,
-    verify_chain_pallas,
+    verify_chain_mosaic,
     verify_chain_reference,
+    verify_chain_triton,
     verify_tree,
-    verify_tree_pallas,
+    verify_tree_mosaic,
     verify_tree_reference,
+    verify_tree_triton,
 )
 
 __all__ = [
     "draw_tree_randomness",
     "draw_verify_randomness",
+    "kernel_backend",
     "verify_chain",
-    "verify_chain_pallas",
+    "verify_chain_mosaic",
     "verify_chain_reference",
+    "verify_chain_triton",
     "verify_tree",
-    "verify_tree_pallas",
+    "verify_tree_mosaic",
     "verify_tree_reference",
+    "verify_tree_triton",
 ]

@@ -1,10 +1,11 @@
 """Lossless speculative verification: a chain rule and a (target-only) tree rule.
 
-Each rule comes as a pure-jnp reference (`*_reference`, vectorised over the batch) and a Pallas
-kernel (`*_pallas`, one program per batch row, the vocabulary walked in power-of-two tiles). The
-public entry points `verify_chain` / `verify_tree` pick one. Both implementations take the same
-arrays and compute the same float expressions in the same order (the small helpers below are
-shared), so their integer outputs agree exactly; the tests check this.
+Each rule comes as a pure-jnp reference (`*_reference`, vectorised over the batch) and Pallas
+kernels (one program per batch row, the vocabulary walked in tiles) on two backends: Mosaic GPU
+(`*_mosaic`) and Triton (`*_triton`). The public entry points `verify_chain` / `verify_tree`
+pick the reference or the kernel of `kernel_backend()`. All of them take the same arrays and
+compute the same float expressions in the same order (the small helpers below, and the kernel
+bodies, are shared), so their integer outputs agree exactly; the tests check this.
 
 Conventions
 -----------
@@ -44,24 +45,54 @@ Greedy variants ignore `uniforms` / `noise` / `draft_logp` (pass None): chain ->
 with d_i == argmax p_i, next = argmax at the first mismatch (or p_K); tree -> move to the first
 child whose token is argmax p_c, next = argmax p_c at the node where none matches.
 
-Kernel design (see `_DEFAULT_BLOCK_V`)
---------------------------------------
-grid = (B,): one program per batch row. Each row's operand is one full block (BlockSpec with the
-batch dim squeezed, the other dims whole), so only *power-of-two* loads/stores are ever issued:
-scalar loads (`ref[i, tok]`) for the accept tests and [block_v] tiles (`pl.ds(t * block_v,
-block_v)`) in a `fori_loop` over ceil(V / block_v) tiles. The last tile is a masked load (`other`
-= -inf for log-probs, 0 for noise) so V needs no padding copy of the [B, K+1, V] arrays. The
-sampling chain reads one or two vocab rows per batch row (the accept tests are scalar loads);
-greedy reads rows until the first mismatch (`while_loop`). The tree walk is a `while_loop` over
-depth; children are a static unrolled loop over C. No scratch memory (unsupported by the Triton
-backend): all state lives in loop carries. The kernel is lowered with Triton
-(`pallas.triton.CompilerParams`) explicitly, since jax's default GPU backend is Mosaic GPU.
-JAX >= 0.11 deprecates the Pallas Triton backend (a DeprecationWarning when a kernel is lowered
-for a GPU; interpret mode does not warn). The migration path is Mosaic GPU
-(`jax.experimental.pallas.mosaic_gpu`): a rewrite, not a drop-in change (its loads take no mask
-like `pltriton.load`'s; tiles go through shared memory), and one that needs a GPU to check.
+Backends (`kernel_backend`, the one place that picks)
+----------------------------------------------------
+* Mosaic GPU (`jax.experimental.pallas.mosaic_gpu`) on NVIDIA GPUs of compute capability >= 9.0
+  (Hopper, Blackwell), and off-GPU in Mosaic GPU's CPU interpret mode (`InterpretGPUParams`:
+  it simulates GMEM and the warpgroup), which is what CPU tests and `use_kernel=True` on a CPU
+  run. Exception: sampling chain verification WITH draft log-probs uses the jnp reference on
+  Mosaic GPU (`_MOSAIC_NO_Q`): its residual needs log1p / expm1, which jax 0.12's Mosaic GPU
+  lowering does not have, and a rewrite in exp / log would change the reference's (= the
+  default CPU run's) sampled tokens.
+* Triton (`jax.experimental.pallas.triton`) only on pre-Hopper GPUs (and GPUs without a CUDA
+  compute capability). JAX >= 0.11 deprecates this backend (a DeprecationWarning when a kernel
+  is lowered for a GPU); it stays as their fallback while JAX ships it and is never lowered on
+  Hopper or off-GPU, so those paths are warning-free. Nothing outside this module imports it.
+`use_kernel=False` is the jnp reference everywhere (the CPU default of the engine).
+scripts/bench_verify.py times both kernels against the reference (XLA-fused) per shape: where
+XLA is as fast on a GPU, the kernel should go.
+
+Kernel design (shared)
+----------------------
+grid = (B,): one program per batch row. The chain greedy kernel walks positions in a
+`while_loop` (an argmax row per position until the first mismatch); the sampling chain does the
+K accept tests as scalar loads (`ref[i, tok]`) in a `fori_loop` and reads one or two vocab rows
+(the race); the tree walk is a `while_loop` over depth whose children are a static unrolled loop
+over C (scalar loads only). Only the tile loops differ per backend (`row_argmax` / `row_race`):
+
+Triton (see `_DEFAULT_BLOCK_V`): each row's operand is one full block (BlockSpec with the batch
+dim squeezed), so only *power-of-two* loads/stores are ever issued: scalar loads and [block_v]
+tiles in a `fori_loop` over ceil(V / block_v) tiles. The last tile is a masked load (`other` =
+-inf for log-probs, 0 for noise) so V needs no padding copy. No scratch memory (unsupported by
+the Triton backend): all state lives in loop carries; the tree path is a [Dp] vector carry.
+Lowered with `pallas.triton.CompilerParams` explicitly (jax's default GPU backend is Mosaic GPU).
+
+Mosaic GPU: one warpgroup (128 lanes) per program; operands stay in GMEM (a [K+1, V] row block
+is MBs, far beyond shared memory) and tiles are loaded from GMEM straight into registers
+(`plgpu.load` with a WG_STRIDED layout, 16-byte vectors): each element is read once, so a
+TMA/shared-memory pipeline would add a copy without reuse. Mosaic arrays span whole warpgroups
+and its loads take no mask, so V is padded once outside the kernel to a multiple of 128 (-inf /
+0; a no-op for real vocabularies: Qwen2.5's 151936 = 1187 * 128), the tile (`block_v`) is a
+multiple of 128, and a last partial tile (V % block_v) is a static-size remainder tile. There is
+no argmax primitive: full tiles fold elementwise into per-lane running (max, index) carries
+(strict > keeps each lane's lowest index), reduced across lanes once per row as max, then min
+index among the lanes attaining it (= jnp.argmax's lowest index on ties). The tree path is D+1
+scalar carries written one by one (a [D+1] array is not a warpgroup layout).
+
 Lowering for a GPU on a machine without one needs an abstract GPU device on JAX >= 0.11 (see
-tests/test_verify_kernel.py::test_kernels_lower_to_triton).
+tests/test_verify_kernel.py::test_kernels_lower_to_triton / test_kernels_lower_to_mosaic_gpu);
+jax 0.12 lowers Mosaic GPU kernels to their custom call without any CUDA plugin (its bindings
+are only needed to compile the module to a cubin, on the GPU).
 """
 
 from __future__ import annotations
@@ -72,15 +103,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as pltriton
 
 NEG_INF = float("-inf")
 _LN2 = 0.6931471805599453
 
-# Vocabulary tile. 1024 f32 = 4 KiB per operand per tile: with num_warps=4 that is 8 elements
-# per thread per operand, small enough to keep 3 operands + 2 running argmaxes in registers.
+# Vocabulary tile. 1024 f32 = 4 KiB per operand per tile: with num_warps=4 (Triton) or one
+# warpgroup (Mosaic GPU, 128 lanes) that is 8 elements per thread per operand, small enough to
+# keep 3 operands + 2 running argmaxes in registers.
 _DEFAULT_BLOCK_V = 1024
 _NUM_WARPS = 4
+_LANES = 128  # CUDA lanes of one Mosaic GPU (Pallas) thread = one warpgroup
 
 
 # ----------------------------------------------------------------------------------------------
@@ -142,18 +176,42 @@ def _gumbel_pick(logr, lp, g):
   return _pick(jnp.max(sr, axis=-1), jnp.argmax(sr, axis=-1).astype(jnp.int32),
                jnp.argmax(sp, axis=-1).astype(jnp.int32))
 
+# ----------------------------------------------------------------------------------------------
+# Backend choice (the one place that decides)
+# ----------------------------------------------------------------------------------------------
+
+# Why the chain rule with draft log-probs stays on the reference on Mosaic GPU: its residual
+# needs log1mexp (`_residual_logp`: log1p / expm1) bit-for-bit like the reference, and jax
+# 0.12's Mosaic GPU lowering has no rule for lax.log1p_p / lax.expm1_p (a rewrite in exp / log
+# would change the reference's, i.e. the default run's, sampled tokens).
+_MOSAIC_NO_Q = ("Mosaic GPU (jax 0.12) lowers no log1p/expm1, which the draft-q residual needs "
+                "bit-for-bit: chain verification with draft_logp uses the jnp reference there")
+
+
+def kernel_backend() -> str:
+  """Which Pallas backend the verification kernels use on the default device.
+
+  "mosaic_gpu": NVIDIA GPUs of compute capability >= 9.0 (Hopper, Blackwell), and every
+  non-GPU device (the Mosaic GPU kernels in Mosaic GPU's CPU interpret mode).
+  "triton": older GPUs (and GPUs without a CUDA compute capability): the Pallas Triton backend,
+  deprecated since JAX 0.11, kept only as their fallback while JAX ships it.
+  """
+  dev = jax.devices()[0]
+  if dev.platform != "gpu":
+    return "mosaic_gpu"
+  cc = getattr(dev, "compute_capability", None)
+  try:
+    hopper = tuple(int(x) for x in str(cc).split(".")[:2]) >= (9, 0)
+  except ValueError:
+    hopper = False
+  return "mosaic_gpu" if hopper else "triton"
+
 
 def _auto_interpret(interpret):
   if interpret is None:
     return jax.default_backend() != "gpu"
   return bool(interpret)
 
-
-def _block_v(vocab: int, block_v: int | None) -> int:
-  bv = _DEFAULT_BLOCK_V if block_v is None else int(block_v)
-  if bv <= 0 or bv & (bv - 1):
-    raise ValueError(f"block_v={bv} must be a positive power of two")
-  return min(bv, pl.next_power_of_2(vocab))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,8 +271,15 @@ def verify_chain_reference(target_logp, draft_tokens, draft_logp, uniforms, nois
 
 
 # ----------------------------------------------------------------------------------------------
-# Kernel building blocks
+# Kernel building blocks: Triton (pre-Hopper fallback)
 # ----------------------------------------------------------------------------------------------
+
+
+def _block_v(vocab: int, block_v: int | None) -> int:
+  bv = _DEFAULT_BLOCK_V if block_v is None else int(block_v)
+  if bv <= 0 or bv & (bv - 1):
+    raise ValueError(f"block_v={bv} must be a positive power of two")
+  return min(bv, pl.next_power_of_2(vocab))
 
 
 def _load_tile(ref, row, t, bv: int, vocab: int, other: float):
@@ -249,7 +314,7 @@ def _row_argmax(ref, row, bv, vocab):
   return idx
 
 
-def _row_race(tlp_ref, g_ref, row, bv, vocab, residual_fn):
+def _row_race(tlp_ref, g_ref, row, residual_fn, bv, vocab):
   """Gumbel race at `row`: residual_fn(offs, lp, t) -> log r for the tile; returns the token."""
   n_tiles = pl.cdiv(vocab, bv)
 
@@ -283,18 +348,146 @@ def _check_offsets(interpret: bool, *arrays):
                        "uses int32 offsets: verify the batch in chunks")
 
 
+def _triton_ops(vocab: int, block_v: int | None):
+  bv = _block_v(vocab, block_v)
+  return dict(row_argmax=functools.partial(_row_argmax, bv=bv, vocab=vocab),
+              row_race=functools.partial(_row_race, bv=bv, vocab=vocab)), bv
+
+
 # ----------------------------------------------------------------------------------------------
-# Chain: kernel
+# Kernel building blocks: Mosaic GPU (Hopper and newer; CPU interpret mode)
 # ----------------------------------------------------------------------------------------------
 
 
-def _chain_greedy_kernel(tlp_ref, d_ref, n_ref, nxt_ref, *, K, V, bv):
+def _mgpu_vocab(vocab: int, block_v: int | None) -> tuple[int, int]:
+  """(Vp, bv): V rounded up to a multiple of 128 (the padded operands), and the tile."""
+  bv = _DEFAULT_BLOCK_V if block_v is None else int(block_v)
+  if bv <= 0 or bv % _LANES:
+    raise ValueError(f"block_v={bv} must be a positive multiple of {_LANES} for Mosaic GPU")
+  vp = pl.cdiv(vocab, _LANES) * _LANES
+  return vp, min(bv, vp)
+
+
+def _mgpu_pad(x, vp: int, fill: float):
+  """Pad the vocab axis to vp with `fill` (-inf: no mass, never an argmax unless the whole row
+  is -inf, where index 0 wins either way; 0 for noise). A no-op for real vocabularies, which
+  are multiples of 128 (Qwen2.5: 151936 = 1187 * 128); only toy vocabularies pay a copy."""
+  v = x.shape[-1]
+  if v == vp:
+    return x
+  return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, vp - v)], constant_values=fill)
+
+
+def _mgpu_layout(size: int):
+  """Strided over the warpgroup's 128 lanes, 16-byte vectors where the size allows."""
+  vec = next(v for v in (4, 2, 1) if size % (_LANES * v) == 0)
+  return plgpu.Layout.WG_STRIDED((size,), vec_size=vec)
+
+
+def _mgpu_tile(ref, row, start, size: int):
+  """ref[row, start:start+size] -> f32 [size], loaded from GMEM straight into registers."""
+  return plgpu.load(ref.at[row, pl.ds(start, size)], layout=_mgpu_layout(size)
+                    ).astype(jnp.float32)
+
+
+def _mgpu_iota(start, size: int):
+  return plgpu.broadcasted_iota(jnp.int32, (size,), 0, layout=_mgpu_layout(size)) + start
+
+
+def _mgpu_lane_argmax(val, idx, vp: int):
+  """(max, lowest index attaining it) of per-lane candidates (two cross-lane reductions)."""
+  m = jnp.max(val)
+  return m, jnp.min(jnp.where(val == m, idx, vp))
+
+
+def _mgpu_argmaxes(load, n: int, vp: int, bv: int):
+  """(max, argmax) of each of the n candidate rows `load(start, size)` returns, over [0, vp).
+
+  Full tiles fold elementwise into per-lane running (max, argmax) pairs ([bv] loop carries;
+  strict > on ascending tiles keeps each lane's lowest index), reduced across lanes once at the
+  end; the remainder tile (vp % bv, a multiple of 128) is reduced on its own and folded in with
+  strict >. Both give jnp.argmax's lowest index on ties (also for an all -inf row: index 0).
+  """
+  n_full, rem = divmod(vp, bv)
+  best = None
+  if n_full:
+    iota = _mgpu_iota(0, bv)
+
+    def body(t, carry):
+      start = t * bv
+      out = []
+      for (val, idx), x in zip(carry, load(start, bv)):
+        upd = x > val
+        out.append((jnp.where(upd, x, val), jnp.where(upd, iota + start, idx)))
+      return tuple(out)
+
+    carry = lax.fori_loop(1, n_full, body, tuple((x, iota) for x in load(0, bv)))
+    best = [_mgpu_lane_argmax(val, idx, vp) for val, idx in carry]
+  if rem:
+    iota = _mgpu_iota(n_full * bv, rem)
+    tail = [_mgpu_lane_argmax(x, iota, vp) for x in load(n_full * bv, rem)]
+    if best is None:
+      best = tail
+    else:
+      best = [(jnp.where(tv > v, tv, v), jnp.where(tv > v, ti, i))
+              for (v, i), (tv, ti) in zip(best, tail)]
+  assert best is not None and len(best) == n
+  return best
+
+
+def _mgpu_row_argmax(ref, row, vp, bv):
+  """argmax over the vocabulary of ref[row] (tiled)."""
+  [(_, idx)] = _mgpu_argmaxes(lambda s, size: (_mgpu_tile(ref, row, s, size),), 1, vp, bv)
+  return idx
+
+
+def _mgpu_row_race(tlp_ref, g_ref, row, residual_fn, vp, bv):
+  """Gumbel race at `row` (as `_row_race`; residual_fn gets t=None: its tiles are not t-indexed)."""
+  def load(start, size):
+    lp = _mgpu_tile(tlp_ref, row, start, size)
+    g = _mgpu_tile(g_ref, row, start, size)
+    logr = residual_fn(_mgpu_iota(start, size), lp, None)
+    return logr + g, lp + g
+
+  (rv, ri), (_, pi) = _mgpu_argmaxes(load, 2, vp, bv)
+  return _pick(rv, ri, pi)
+
+
+def _mosaic_ops(vocab: int, block_v: int | None):
+  vp, bv = _mgpu_vocab(vocab, block_v)
+  return dict(row_argmax=functools.partial(_mgpu_row_argmax, vp=vp, bv=bv),
+              row_race=functools.partial(_mgpu_row_race, vp=vp, bv=bv)), vp
+
+
+def _mosaic_call(body, args, out_type, *, interpret: bool, name: str):
+  """One Mosaic GPU program (one warpgroup) per batch row; every operand stays in GMEM (a
+  [K+1, V] row block is MBs: far beyond shared memory) and the body sees the row's views
+  (`ref.at[b]`; [B] outputs as [1] views), like the Triton kernels' squeezed blocks."""
+  B = args[0].shape[0]
+
+  def kernel(*refs):
+    b = lax.axis_index("b")
+    ins, outs = refs[:len(args)], refs[len(args):]
+    body(*(r.at[b] for r in ins),
+         *(o.at[b] if o.ndim > 1 else o.at[pl.ds(b, 1)] for o in outs))
+
+  return plgpu.kernel(kernel, out_type=out_type, grid=(B,), grid_names=("b",),
+                      interpret=plgpu.InterpretGPUParams() if interpret else None,
+                      kernel_name=name)(*args)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chain: kernels (one body, two backends: row_argmax / row_race are the backend's tile loops)
+# ----------------------------------------------------------------------------------------------
+
+
+def _chain_greedy_kernel(tlp_ref, d_ref, n_ref, nxt_ref, *, K, row_argmax):
   def cond(carry):
     return carry[2] == 0
 
   def body(carry):
     i, _, _ = carry
-    am = _row_argmax(tlp_ref, i, bv, V)
+    am = row_argmax(tlp_ref, i)
     cont = (i < K) & (d_ref[jnp.minimum(i, K - 1)] == am)
     return i + cont.astype(jnp.int32), am, 1 - cont.astype(jnp.int32)
 
@@ -303,7 +496,7 @@ def _chain_greedy_kernel(tlp_ref, d_ref, n_ref, nxt_ref, *, K, V, bv):
   nxt_ref[0] = am
 
 
-def _chain_sample_kernel(*refs, K, V, bv, has_q):
+def _chain_sample_kernel(*refs, K, has_q, row_race, q_tile=None):
   if has_q:
     tlp_ref, d_ref, q_ref, u_ref, g_ref, n_ref, nxt_ref = refs
   else:
@@ -325,7 +518,7 @@ def _chain_sample_kernel(*refs, K, V, bv, has_q):
 
   if has_q:
     def residual_fn(offs, lp, t):
-      lq = _load_tile(q_ref, jq, t, bv, V, NEG_INF)
+      lq = q_tile(q_ref, jq, t)
       return _residual_logp(lp, jnp.where(has_d, lq, NEG_INF))
   else:
     d_n = d_ref[jq]
@@ -334,26 +527,29 @@ def _chain_sample_kernel(*refs, K, V, bv, has_q):
       return jnp.where((offs == d_n) & has_d, NEG_INF, lp)
 
   n_ref[0] = n
-  nxt_ref[0] = _row_race(tlp_ref, g_ref, n, bv, V, residual_fn)
+  nxt_ref[0] = row_race(tlp_ref, g_ref, n, residual_fn)
 
 
 @functools.partial(jax.jit, static_argnames=("greedy", "interpret", "block_v"))
-def verify_chain_pallas(target_logp, draft_tokens, draft_logp, uniforms, noise, *,
+def verify_chain_triton(target_logp, draft_tokens, draft_logp, uniforms, noise, *,
                         greedy: bool, interpret: bool = False, block_v: int | None = None):
-  """Pallas chain verification (same contract as `verify_chain_reference`)."""
+  """Chain verification on the Pallas Triton backend (same contract as
+  `verify_chain_reference`; pre-Hopper fallback, see `kernel_backend`)."""
   B, K, V = _check_chain(target_logp, draft_tokens, draft_logp, uniforms, noise, greedy)
   _check_offsets(interpret, target_logp, draft_logp, noise)
-  bv = _block_v(V, block_v)
+  ops, bv = _triton_ops(V, block_v)
   row3 = lambda s: pl.BlockSpec((None, s, V), lambda b: (b, 0, 0))
   row2 = lambda s: pl.BlockSpec((None, s), lambda b: (b, 0))
   scalar_out = pl.BlockSpec((1,), lambda b: (b,))
   d = draft_tokens.astype(jnp.int32)
   if greedy:
-    kernel = functools.partial(_chain_greedy_kernel, K=K, V=V, bv=bv)
+    kernel = functools.partial(_chain_greedy_kernel, K=K, row_argmax=ops["row_argmax"])
     args, in_specs = (target_logp, d), [row3(K + 1), row2(K)]
   else:
     has_q = draft_logp is not None
-    kernel = functools.partial(_chain_sample_kernel, K=K, V=V, bv=bv, has_q=has_q)
+    kernel = functools.partial(
+        _chain_sample_kernel, K=K, has_q=has_q, row_race=ops["row_race"],
+        q_tile=lambda ref, row, t: _load_tile(ref, row, t, bv, V, NEG_INF))
     args = (target_logp, d) + ((draft_logp,) if has_q else ()) + (
         uniforms.astype(jnp.float32), noise)
     in_specs = [row3(K + 1), row2(K)] + ([row3(K)] if has_q else []) + [row2(K), row3(K + 1)]
@@ -370,6 +566,29 @@ def verify_chain_pallas(target_logp, draft_tokens, draft_logp, uniforms, noise, 
   return n, nxt
 
 
+@functools.partial(jax.jit, static_argnames=("greedy", "interpret", "block_v"))
+def verify_chain_mosaic(target_logp, draft_tokens, draft_logp, uniforms, noise, *,
+                        greedy: bool, interpret: bool = False, block_v: int | None = None):
+  """Chain verification on Mosaic GPU (same contract as `verify_chain_reference`), greedy and
+  one-hot-draft sampling; draft_logp must be None when sampling (see `_MOSAIC_NO_Q`)."""
+  B, K, V = _check_chain(target_logp, draft_tokens, draft_logp, uniforms, noise, greedy)
+  if not greedy and draft_logp is not None:
+    raise NotImplementedError(_MOSAIC_NO_Q)
+  ops, vp = _mosaic_ops(V, block_v)
+  tlp = _mgpu_pad(target_logp, vp, NEG_INF)
+  d = draft_tokens.astype(jnp.int32)
+  if greedy:
+    body = functools.partial(_chain_greedy_kernel, K=K, row_argmax=ops["row_argmax"])
+    args = (tlp, d)
+  else:
+    body = functools.partial(_chain_sample_kernel, K=K, has_q=False, row_race=ops["row_race"])
+    args = (tlp, d, uniforms.astype(jnp.float32), _mgpu_pad(noise, vp, 0.0))
+  n, nxt = _mosaic_call(body, args, [jax.ShapeDtypeStruct((B,), jnp.int32)] * 2,
+                        interpret=interpret,
+                        name="verify_chain_greedy" if greedy else "verify_chain_sample")
+  return n, nxt
+
+
 def verify_chain(target_logp: jax.Array, draft_tokens: jax.Array, draft_logp: jax.Array | None,
                  uniforms: jax.Array | None, noise: jax.Array | None, *, greedy: bool,
                  use_kernel: bool = True, interpret: bool | None = None,
@@ -380,13 +599,17 @@ def verify_chain(target_logp: jax.Array, draft_tokens: jax.Array, draft_logp: ja
   draft_tokens [B, K] int32; draft_logp [B, K, V] draft log-probs or None (one-hot drafts).
   uniforms [B, K], noise [B, K+1, V] (`draw_verify_randomness`); unused (may be None) if greedy.
   Returns (num_accepted [B] int32 in [0, K], next_token [B] int32).
-  use_kernel: Pallas kernel (interpret=None -> interpret mode unless the backend is GPU) or the
-  jnp reference.
+  use_kernel: the Pallas kernel of `kernel_backend()` (interpret=None -> interpret mode unless
+  the backend is GPU) or the jnp reference.
   """
   if use_kernel:
-    return verify_chain_pallas(target_logp, draft_tokens, draft_logp, uniforms, noise,
-                               greedy=greedy, interpret=_auto_interpret(interpret),
-                               block_v=block_v)
+    interpret = _auto_interpret(interpret)
+    if kernel_backend() == "triton":
+      return verify_chain_triton(target_logp, draft_tokens, draft_logp, uniforms, noise,
+                                 greedy=greedy, interpret=interpret, block_v=block_v)
+    if greedy or draft_logp is None:
+      return verify_chain_mosaic(target_logp, draft_tokens, draft_logp, uniforms, noise,
+                                 greedy=greedy, interpret=interpret, block_v=block_v)
   return verify_chain_reference(target_logp, draft_tokens, draft_logp, uniforms, noise,
                                 greedy=greedy)
 
@@ -480,26 +703,74 @@ def verify_tree_reference(target_logp, tree_tokens, children, uniforms, noise, *
   return path, n, nxt
 
 
+
 # ----------------------------------------------------------------------------------------------
-# Tree: kernel
+# Tree: kernels (shared node step; the backends differ only in how the path is carried)
 # ----------------------------------------------------------------------------------------------
 
 
-def _tree_kernel(*refs, T, C, V, D, Dp, bv, greedy):
+def _tree_children(ch_ref, tok_ref, c, C):
+  """Static unroll over C: [(valid, child id clamped >= 0, child token)] by scalar loads."""
+  out = []
+  for k in range(C):
+    ch = ch_ref[c, k]
+    chc = jnp.maximum(ch, 0)
+    out.append((ch >= 0, chc, tok_ref[chc]))
+  return out
+
+
+def _tree_choose(info, c, am, tlp_ref, u_ref, greedy):
+  """The sibling loop at node c: (found, accepted child or c). Flags start as Python None
+  (= False): the Triton lowering cannot negate a literal."""
+  found = None
+  target = c
+  removed = jnp.float32(0.0)
+  for k, (valid, chc, tok) in enumerate(info):
+    live = valid if found is None else valid & jnp.logical_not(found)
+    if greedy:
+      acc = live & (tok == am)
+    else:
+      dup = None
+      for j in range(k):
+        hit = info[j][0] & (info[j][2] == tok)
+        dup = hit if dup is None else dup | hit
+      p_tok = jnp.exp(tlp_ref[c, tok].astype(jnp.float32))
+      if dup is not None:
+        p_tok = jnp.where(dup, 0.0, p_tok)
+      acc = live & _tree_accept(u_ref[chc], p_tok, removed)
+      removed = jnp.where(live & jnp.logical_not(acc), removed + p_tok, removed)
+    target = jnp.where(acc, chc, target)
+    found = acc if found is None else found | acc
+  return found, target
+
+
+def _tree_residual(info, removing):
+  """Residual at the final node: its children's tokens removed (when the walk stopped there)."""
+  def residual_fn(offs, lp, t):
+    hit = (offs == info[0][2]) & info[0][0]
+    for valid, _, tok in info[1:]:
+      hit = hit | ((offs == tok) & valid)
+    return jnp.where(hit & removing, NEG_INF, lp)
+  return residual_fn
+
+
+def _tree_kernel(*refs, C, D, greedy, row_argmax, row_race, path_len):
+  """Tree walk. path_len = Dp (power of two, Triton): the path is a [Dp] vector carry stored
+  at once; path_len = None (Mosaic GPU, whose arrays span >= 128 lanes): D+1 scalar carries
+  stored one by one."""
   if greedy:
     tlp_ref, tok_ref, ch_ref, path_ref, n_ref, nxt_ref = refs
     u_ref = g_ref = None
   else:
     tlp_ref, tok_ref, ch_ref, u_ref, g_ref, path_ref, n_ref, nxt_ref = refs
-  lane = lax.broadcasted_iota(jnp.int32, (Dp,), 0)
-
-  def child_info(c):  # static unroll over C: scalar loads only
-    out = []
-    for k in range(C):
-      ch = ch_ref[c, k]
-      chc = jnp.maximum(ch, 0)
-      out.append((ch >= 0, chc, tok_ref[chc]))
-    return out
+  if path_len is not None:
+    lane = lax.broadcasted_iota(jnp.int32, (path_len,), 0)
+    path0 = jnp.where(lane == 0, 0, -1).astype(jnp.int32)
+    record = lambda path, move, dep1, target: jnp.where(move & (lane == dep1), target, path)
+  else:
+    path0 = (jnp.int32(0),) + (jnp.int32(-1),) * D
+    record = lambda path, move, dep1, target: tuple(
+        jnp.where(move & (dep1 == j), target, p) for j, p in enumerate(path))
 
   def cond(carry):
     return carry[2] == 0
@@ -507,64 +778,41 @@ def _tree_kernel(*refs, T, C, V, D, Dp, bv, greedy):
   def body(carry):
     c, dep, _, path, am = carry
     if greedy:
-      am = _row_argmax(tlp_ref, c, bv, V)
-    info = child_info(c)
-    # Flags start as Python None (= False): the Triton lowering cannot negate a literal.
-    found = None
-    target = c
-    removed = jnp.float32(0.0)
-    for k, (valid, chc, tok) in enumerate(info):
-      live = valid if found is None else valid & jnp.logical_not(found)
-      if greedy:
-        acc = live & (tok == am)
-      else:
-        dup = None
-        for j in range(k):
-          hit = info[j][0] & (info[j][2] == tok)
-          dup = hit if dup is None else dup | hit
-        p_tok = jnp.exp(tlp_ref[c, tok].astype(jnp.float32))
-        if dup is not None:
-          p_tok = jnp.where(dup, 0.0, p_tok)
-        acc = live & _tree_accept(u_ref[chc], p_tok, removed)
-        removed = jnp.where(live & jnp.logical_not(acc), removed + p_tok, removed)
-      target = jnp.where(acc, chc, target)
-      found = acc if found is None else found | acc
+      am = row_argmax(tlp_ref, c)
+    found, target = _tree_choose(_tree_children(ch_ref, tok_ref, c, C), c, am, tlp_ref, u_ref,
+                                 greedy)
     move = found & (dep < D)
     dep1 = dep + move.astype(jnp.int32)
-    path = jnp.where(move & (lane == dep1), target, path)
+    path = record(path, move, dep1, target)
     return jnp.where(move, target, c), dep1, 1 - move.astype(jnp.int32), path, am
 
-  path0 = jnp.where(lane == 0, 0, -1).astype(jnp.int32)
   init = (jnp.int32(0), jnp.int32(0), jnp.int32(0), path0, jnp.int32(0))
   c, dep, _, path, am = lax.while_loop(cond, body, init)
   if greedy:
     nxt = am
   else:
-    removing = dep < D
-    info = child_info(c)
-
-    def residual_fn(offs, lp, t):
-      hit = (offs == info[0][2]) & info[0][0]
-      for valid, _, tok in info[1:]:
-        hit = hit | ((offs == tok) & valid)
-      return jnp.where(hit & removing, NEG_INF, lp)
-
-    nxt = _row_race(tlp_ref, g_ref, c, bv, V, residual_fn)
-  path_ref[...] = path
+    residual_fn = _tree_residual(_tree_children(ch_ref, tok_ref, c, C), dep < D)
+    nxt = row_race(tlp_ref, g_ref, c, residual_fn)
+  if path_len is not None:
+    path_ref[...] = path
+  else:
+    for j, p in enumerate(path):
+      path_ref[j] = p
   n_ref[0] = dep
   nxt_ref[0] = nxt
 
 
 @functools.partial(jax.jit, static_argnames=("greedy", "max_depth", "interpret", "block_v"))
-def verify_tree_pallas(target_logp, tree_tokens, children, uniforms, noise, *, greedy: bool,
+def verify_tree_triton(target_logp, tree_tokens, children, uniforms, noise, *, greedy: bool,
                        max_depth: int, interpret: bool = False, block_v: int | None = None):
-  """Pallas tree verification (same contract as `verify_tree_reference`)."""
+  """Tree verification on the Pallas Triton backend (same contract as
+  `verify_tree_reference`; pre-Hopper fallback, see `kernel_backend`)."""
   B, T, V, C = _check_tree(target_logp, tree_tokens, children, uniforms, noise, greedy,
                            max_depth)
   _check_offsets(interpret, target_logp, noise)
   D = max_depth
   Dp = pl.next_power_of_2(D + 1)
-  bv = _block_v(V, block_v)
+  ops, _ = _triton_ops(V, block_v)
   row3 = pl.BlockSpec((None, T, V), lambda b: (b, 0, 0))
   row2 = pl.BlockSpec((None, T), lambda b: (b, 0))
   kids = pl.BlockSpec((None, T, C), lambda b: (b, 0, 0))
@@ -574,7 +822,7 @@ def verify_tree_pallas(target_logp, tree_tokens, children, uniforms, noise, *, g
   if not greedy:
     args += (uniforms.astype(jnp.float32), noise)
     in_specs += [row2, row3]
-  kernel = functools.partial(_tree_kernel, T=T, C=C, V=V, D=D, Dp=Dp, bv=bv, greedy=greedy)
+  kernel = functools.partial(_tree_kernel, C=C, D=D, greedy=greedy, path_len=Dp, **ops)
   path, n, nxt = pl.pallas_call(
       kernel,
       grid=(B,),
@@ -588,6 +836,26 @@ def verify_tree_pallas(target_logp, tree_tokens, children, uniforms, noise, *, g
       name="verify_tree_greedy" if greedy else "verify_tree_sample",
   )(*args)
   return path[:, :D + 1], n, nxt
+
+
+@functools.partial(jax.jit, static_argnames=("greedy", "max_depth", "interpret", "block_v"))
+def verify_tree_mosaic(target_logp, tree_tokens, children, uniforms, noise, *, greedy: bool,
+                       max_depth: int, interpret: bool = False, block_v: int | None = None):
+  """Tree verification on Mosaic GPU (same contract as `verify_tree_reference`)."""
+  B, T, V, C = _check_tree(target_logp, tree_tokens, children, uniforms, noise, greedy,
+                           max_depth)
+  D = max_depth
+  ops, vp = _mosaic_ops(V, block_v)
+  args = (_mgpu_pad(target_logp, vp, NEG_INF), tree_tokens.astype(jnp.int32),
+          children.astype(jnp.int32))
+  if not greedy:
+    args += (uniforms.astype(jnp.float32), _mgpu_pad(noise, vp, 0.0))
+  body = functools.partial(_tree_kernel, C=C, D=D, greedy=greedy, path_len=None, **ops)
+  return tuple(_mosaic_call(
+      body, args, [jax.ShapeDtypeStruct((B, D + 1), jnp.int32),
+                   jax.ShapeDtypeStruct((B,), jnp.int32),
+                   jax.ShapeDtypeStruct((B,), jnp.int32)],
+      interpret=interpret, name="verify_tree_greedy" if greedy else "verify_tree_sample"))
 
 
 def verify_tree(target_logp: jax.Array, tree_tokens: jax.Array, children: jax.Array,
@@ -604,8 +872,8 @@ def verify_tree(target_logp: jax.Array, tree_tokens: jax.Array, children: jax.Ar
   Returns (accepted_path [B, D+1] int32, num_accepted [B] int32, next_token [B] int32).
   """
   if use_kernel:
-    return verify_tree_pallas(target_logp, tree_tokens, children, uniforms, noise,
-                              greedy=greedy, max_depth=max_depth,
-                              interpret=_auto_interpret(interpret), block_v=block_v)
+    kernel = verify_tree_triton if kernel_backend() == "triton" else verify_tree_mosaic
+    return kernel(target_logp, tree_tokens, children, uniforms, noise, greedy=greedy,
+                  max_depth=max_depth, interpret=_auto_interpret(interpret), block_v=block_v)
   return verify_tree_reference(target_logp, tree_tokens, children, uniforms, noise,
                                greedy=greedy, max_depth=max_depth)
