@@ -28,6 +28,8 @@ def get_config():
   c.rollout.max_batch = 0  # sized from memory
   c.rollout.buckets = (1, 2, 4, 8, 16, 32, 64, 128, 256)
   c.rollout.max_new_tokens = 16384
+  # 16k responses run longer on average than the 7B's 8k: rows sized for 4k tokens each
+  c.rollout.mean_live_tokens = 4096
   c.grpo.micro_batch = 32  # a multiple of the 32-device FSDP mesh
   c.grpo.micro_batch_tokens = 65536
   c.grpo.minibatches = 4
