@@ -113,7 +113,9 @@ def np_rope(x, pos, theta):
 
 
 def np_logits(tp, g):
-  return np_rms(g, tp["final_norm"], CFG.rms_norm_eps) @ tp["lm_head"]
+  """The LM head alone: the drafter's output and the target's (post-norm) hidden states are
+  read by the head as they are, as in vLLM's / SGLang's EAGLE-1 (no final norm)."""
+  return g @ tp["lm_head"]
 
 
 def np_drafter(dp, tp, tok, hid, pos):
