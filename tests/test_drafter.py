@@ -165,7 +165,7 @@ def test_uses_target_embedding_and_head_passed_in():
   tp2 = dict(tp, embed=tp["embed"] * 2.0)
   g2, lg2, _ = _fwd(dp, tp2, tokens, hidden, positions, cfg=cfg)
   assert float(jnp.max(jnp.abs(g2 - g))) > 1e-3
-  # the logits are exactly the target's final norm + head on g
+  # the logits are exactly the target's head on g (no norm)
   close(lg, compute_logits(tp, g, cfg), 1e-6)
 
 

@@ -318,7 +318,7 @@ def save(run: Run, state: TrainState, *, force: bool = False) -> None:
     drafter_export.export_step(run.cfg.workdir, state.step, params, run.model_cfg,
                                engine=run.export_engine,
                                target_hf_config=run.target_hf_config,
-                               keep_steps=run.ckpt.all_steps())
+                               keep=run.cfg.train.keep_checkpoints)
 
 
 def restore(run: Run, state: TrainState) -> TrainState:

@@ -45,17 +45,17 @@ def check_engine(cfg: ModelConfig, engine: str) -> None:
 
 
 def export_step(workdir: str, step: int, dparams, cfg: ModelConfig, *, engine: str,
-                target_hf_config: dict[str, Any], keep_steps: list[int] | None = None) -> str:
-  """Writes step `step`'s export; with keep_steps (the checkpointer's steps), deletes the
-  exports of steps not among them (nor `step`). Returns the export's directory."""
+                target_hf_config: dict[str, Any], keep: int | None = None) -> str:
+  """Writes step `step`'s export; with `keep` (config.train.keep_checkpoints), deletes all
+  but the newest `keep` exports, as the checkpointer does with its steps. Returns the
+  export's directory."""
   out = export_path(workdir, step)
   export_eagle(out, dparams, cfg, target_hf_config=target_hf_config, engine=engine)
-  if keep_steps is not None:
-    keep = {int(s) for s in keep_steps} | {int(step)}
+  if keep is not None:
     root = os.path.join(workdir, EXPORT_DIR)
-    for name in os.listdir(root):
-      if name.isdigit() and int(name) not in keep:
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    steps = sorted(int(n) for n in os.listdir(root) if n.isdigit())
+    for s in steps[:-keep]:
+      shutil.rmtree(os.path.join(root, str(s)), ignore_errors=True)
   return out
 
 
