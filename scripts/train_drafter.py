@@ -31,7 +31,7 @@ Steps
      position). Printed and written to <out>/eval.json.
   4. Save the drafter with `save_drafter` (<out>/drafter.safetensors + drafter_config.json,
      reloaded by `tlt_jax.drafter.load_drafter(out, cfg)`) and `export_eagle` (<out>/eagle/:
-     EAGLE-1/2 layout for SGLang/vLLM; see tlt_jax/drafter/model.py for its caveat).
+     EAGLE-1/2 layout for SGLang/vLLM, in their convention: tlt_jax/drafter/model.py).
 """
 
 from __future__ import annotations

@@ -367,6 +367,11 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, *, cfg: Mod
   empty (a fresh `init_cache`): attention stays within the chunk. kv_len (static): attention
   reads cache slots [0, kv_len) only; the caller guarantees that every row whose output it
   uses has lengths + T <= kv_len (None: the whole cache).
+
+  `hidden` is the last hidden state AFTER the final norm, as vLLM's and HF's model forwards
+  return it: the state the serving engines' EAGLE drafters read (tlt_jax/drafter/model.py),
+  which the LM head alone (`compute_logits`) turns into logits. The norm runs here rather
+  than in `compute_logits`: the same ops in the same order, so logits are unchanged.
   """
   x = embed_tokens(params, tokens, cfg)
   x, cache = decoder_stack(params["layers"], x, positions, cfg=cfg, cache=cache,
