@@ -131,6 +131,11 @@ def get_config():
   c.train.eval_every = 10  # held-out greedy accuracy every N steps (0: never)
   c.train.checkpoint_every = 5
   c.train.keep_checkpoints = 2
+  # with every checkpoint of a TLT run, the drafter's EAGLE export for this serving engine in
+  # <workdir>/drafter_eagle/<step>/ (tlt_jax/drafter/export.py): "sglang" (Llama and Qwen2
+  # targets) or "vllm" (Llama targets only)
+  c.train.export_drafter = True
+  c.train.export_engine = "sglang"
 
   c.tlt = ml_collections.ConfigDict()
   c.tlt.enabled = True  # False: the baseline (plain rollout, no drafter, no drafter training)

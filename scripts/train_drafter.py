@@ -9,7 +9,7 @@
 Steps
   1. Generate: the target samples `--num_samples` responses per prompt at the RL temperature
      through the project's rollout engine (`Engine`, `capture_hidden=True`), which
-     returns for every response token the pre-norm hidden state that produced it. The prompt
+     returns for every response token the post-norm hidden state that produced it. The prompt
      part's hidden states come from one batched target `forward` over the (short) prompts.
      Training sequences = prompt + response with a hidden state per position and the loss
      mask on the positions whose hidden state produced a response token
@@ -31,7 +31,7 @@ Steps
      position). Printed and written to <out>/eval.json.
   4. Save the drafter with `save_drafter` (<out>/drafter.safetensors + drafter_config.json,
      reloaded by `tlt_jax.drafter.load_drafter(out, cfg)`) and `export_eagle` (<out>/eagle/:
-     EAGLE-1/2 layout for SGLang/vLLM; see tlt_jax/drafter/model.py for its caveat).
+     EAGLE-1/2 layout for SGLang/vLLM, in their convention: tlt_jax/drafter/model.py).
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def make_prompt_hidden_fn(cfg):
   fwd = jax.jit(lambda p, t, pos: forward(p, t, pos, cfg=cfg, return_logits=False).hidden)
 
   def prompt_hidden(params, prompts, batch=64, bucket=16):
-    """[P_i, D] pre-norm hidden states of each prompt (one causal forward per batch)."""
+    """[P_i, D] post-norm hidden states of each prompt (one causal forward per batch)."""
     out = []
     for i in range(0, len(prompts), batch):
       group = prompts[i:i + batch]

@@ -124,7 +124,10 @@ def test_layer_matches_transformers_decoder_layer_from_eagle_export(cfg, tmp_pat
     out = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=(cos, sin))
   ref = (out[0] if isinstance(out, tuple) else out).numpy()
   close(g, ref)
-  close(logits, compute_logits(tp, jnp.asarray(ref, jnp.float32), cfg))
+  # the target's LM head on hidden + residual with no norm (the engines' convention)
+  head = (np.asarray(tp["embed"], np.float64).T if cfg.tie_word_embeddings
+          else np.asarray(tp["lm_head"], np.float64))
+  close(logits, ref @ head)
 
 
 def test_cache_token_by_token_equals_no_cache():
@@ -162,7 +165,7 @@ def test_uses_target_embedding_and_head_passed_in():
   tp2 = dict(tp, embed=tp["embed"] * 2.0)
   g2, lg2, _ = _fwd(dp, tp2, tokens, hidden, positions, cfg=cfg)
   assert float(jnp.max(jnp.abs(g2 - g))) > 1e-3
-  # the logits are exactly the target's final norm + head on g
+  # the logits are exactly the target's head on g (no norm)
   close(lg, compute_logits(tp, g, cfg), 1e-6)
 
 

@@ -6,7 +6,7 @@ is a mean over all valid pairs of the batch):
   (a) against jax `drafter_loss` on each window alone (a one-row batch, positions 0..L-1,
       segment ids all 1): the loss and the gradients w.r.t. the drafter params;
   (b) against a float64 numpy reference of the drafter forward (fc, one decoder layer without
-      input norm, RoPE, GQA, the target's final norm + head) and the EAGLE loss, written here.
+      input norm, RoPE, GQA, the target's head with no norm) and the EAGLE loss, written here.
 The reference implementation's packing (one causal mask, running positions) is shown to give
 a different loss. Layout (positions, segment ids, padding, first-fit placement, truncation,
 rows=None, skipped windows, fill_batch) is checked against hand-worked expectations and a
@@ -113,7 +113,9 @@ def np_rope(x, pos, theta):
 
 
 def np_logits(tp, g):
-  return np_rms(g, tp["final_norm"], CFG.rms_norm_eps) @ tp["lm_head"]
+  """The LM head alone: the drafter's output and the target's (post-norm) hidden states are
+  read by the head as they are, as in vLLM's / SGLang's EAGLE-1 (no final norm)."""
+  return g @ tp["lm_head"]
 
 
 def np_drafter(dp, tp, tok, hid, pos):

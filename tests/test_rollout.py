@@ -558,9 +558,9 @@ def test_hidden_capture(models, greedy, layouts, prompts):
     toks[i, :len(seq)] = seq
   pos = np.broadcast_to(np.arange(width, dtype=np.int32), toks.shape)
   full = np.asarray(jax.jit(lambda t, p: forward(m.params, t, p, cfg=m.cfg).hidden)(toks, pos))
-  captured = []
+  captured = []  # the output of HF's final norm: the post-norm state EAGLE drafters read
   handle = m.hf.model.norm.register_forward_hook(
-      lambda mod, inp, out: captured.append(inp[0].detach()))
+      lambda mod, inp, out: captured.append(out.detach()))
   try:
     for i, ((r, prompt), seq) in enumerate(zip(cases, seqs)):
       assert r.hidden is not None and r.hidden.shape == (r.num_tokens, m.cfg.hidden_size)

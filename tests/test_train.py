@@ -158,6 +158,53 @@ def test_resume_with_tlt_and_fixed_selector_is_bit_exact(tmp_path):
   _assert_same_weights(resumed, ref)
 
 
+def test_drafter_export_beside_every_checkpoint(tmp_path):
+  """A TLT run writes the drafter's EAGLE export with each checkpoint (the newest
+  keep_checkpoints of them), holding the drafter the checkpoint holds; export_run
+  (scripts/export_drafter.py) writes the same files from a finished run's checkpoint, and its
+  user errors are one line each."""
+  from safetensors.numpy import load_file
+
+  from tlt_jax.drafter.export import ExportError, export_path, export_run
+  from tlt_jax.drafter.model import eagle_state_dict
+  spec = _small_cfg(tmp_path, 3, **{"tlt.spec.selector": "fixed", "tlt.spec.strategy": "3_1_4",
+                                    "tlt.drafter.mode": "serial"})
+  with open(tmp_path / "config.json", "w") as f:  # as tlt_jax.train's main writes it
+    f.write(spec.cfg.to_json_best_effort(indent=2))
+  run, _ = _run(spec)
+  assert sorted(os.listdir(tmp_path / "drafter_eagle")) == ["2", "3"]  # keep_checkpoints=2
+  final = run.store.drafter()[1].params
+  assert int(run.store.drafter()[1].step) > 0  # trained: the export is not the initial one
+  want = eagle_state_dict(final, run.model_cfg)
+  got = load_file(os.path.join(export_path(str(tmp_path), 3), "model.safetensors"))
+  assert sorted(got) == sorted(want)
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+  conf = json.load(open(os.path.join(export_path(str(tmp_path), 3), "config.json")))
+  target = json.load(open(os.path.join(spec.cfg.model.path, "config.json")))
+  assert conf["architectures"] == ["Qwen2ForCausalLMEagle"] and conf["num_hidden_layers"] == 1
+  assert conf["torch_dtype"] == "float32" and "dtype" not in conf
+  for k in ("rope_theta", "vocab_size", "rms_norm_eps", "tie_word_embeddings", "hidden_size"):
+    assert conf[k] == target[k], k
+
+  out = export_run(str(tmp_path), engine="sglang", out=str(tmp_path / "again"))
+  again = load_file(os.path.join(out, "model.safetensors"))
+  for k in want:
+    np.testing.assert_array_equal(again[k], want[k], err_msg=k)
+  assert json.load(open(os.path.join(out, "config.json"))) == conf
+  for kwargs, needle in [({"step": 1}, "holds steps [2, 3]"),
+                         ({"engine": "vllm"}, "no EAGLE-1 drafter class for qwen2"),
+                         ({"engine": "trt"}, "is not one of")]:
+    with pytest.raises(ExportError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+      export_run(str(tmp_path), **{"engine": "sglang", **kwargs})
+  cli = subprocess.run([sys.executable, "scripts/export_drafter.py", "--workdir",
+                        str(tmp_path / "nope"), "--engine", "sglang"], cwd=ROOT,
+                       env=dict(_env(), PYTHONPATH=ROOT), capture_output=True, text=True, timeout=300)
+  assert cli.returncode == 2 and cli.stderr.strip().splitlines() == [
+      f"error: --workdir {str(tmp_path / 'nope')!r} does not exist; pass the workdir of a "
+      "tlt_jax.train run"]
+
+
 def test_resume_with_spot_training_and_the_bandit_restores_every_state(tmp_path):
   """With BEG-MAB the arms are chosen from wall-clock rewards, and spot training runs as
   many drafter steps as the idle windows hold, so resumed samples are other draws from the

@@ -29,6 +29,7 @@ from absl import flags
 from tlt_jax.coordinator.spot import SpotConfig
 from tlt_jax.distributed import DistributedConfig
 from tlt_jax.drafter.buffer import BufferConfig
+from tlt_jax.drafter.model import ENGINES
 from tlt_jax.errors import ConfigError, build, check, section_values
 from tlt_jax.memory import device_bytes
 from tlt_jax.models.config import ModelConfig
@@ -288,6 +289,10 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   check(t.eval_every >= 0, "train.eval_every", t.eval_every, "must be >= 0 (0 = never)")
   check(t.checkpoint_every >= 1, "train.checkpoint_every", t.checkpoint_every, "must be >= 1")
   check(t.keep_checkpoints >= 1, "train.keep_checkpoints", t.keep_checkpoints, "must be >= 1")
+  check(isinstance(t.export_drafter, bool), "train.export_drafter", t.export_drafter,
+        "True or False")
+  check(t.export_engine in ENGINES, "train.export_engine", t.export_engine,
+        f"use one of {list(ENGINES)}")
   check(cfg.eval.batch_size >= 1, "eval.batch_size", cfg.eval.batch_size, "must be >= 1")
   check(cfg.reward.num_workers >= 1, "reward.num_workers", cfg.reward.num_workers,
         "must be >= 1")

@@ -25,8 +25,10 @@ Output in the workdir: metrics.jsonl (one JSON object per step: time breakdown, 
 accuracy, lengths, tokens/s, speculation, spot training, eval), timeline.jsonl (per step,
 every worker's GENERATING / IDLE / TRAINING intervals: scripts/plot_timeline.py draws them),
 tb/ (TensorBoard, the same scalars), checkpoints/ (async Orbax: actor, optimizer, drafter and
-its optimizer, step, data position, bandit and buffer policy). Re-running the same command
-resumes from the latest checkpoint.
+its optimizer, step, data position, bandit and buffer policy), drafter_eagle/<step>/ beside
+each checkpoint of a TLT run (the drafter's EAGLE export for vLLM / SGLang,
+tlt_jax/drafter/export.py; config.train.export_drafter). Re-running the same command resumes
+from the latest checkpoint.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from tlt_jax.checkpoint import CheckpointError, Checkpointer
 from tlt_jax.coordinator import Coordinator, ParamStore, SpotConfig, Worker
 from tlt_jax.data.dataset import PromptStream
 from tlt_jax.data.prompts import PromptRow
+from tlt_jax.drafter import export as drafter_export
 from tlt_jax.drafter import train_step as dts
 from tlt_jax.drafter.buffer import DrafterBuffer
 from tlt_jax.drafter.loss import LossConfig
@@ -63,6 +66,7 @@ from tlt_jax.eval import length_stats
 from tlt_jax.metrics import CompileClock, MetricsWriter, read_records
 from tlt_jax.errors import ConfigError
 from tlt_jax.models import ModelConfig, Params, unstack_layers
+from tlt_jax.models.hf_io import read_hf_config
 from tlt_jax.optim import make_optimizer
 from tlt_jax.rl import grpo
 from tlt_jax.rl.reward_pool import RewardError, RewardPool
@@ -106,6 +110,10 @@ class Run:
   buffer: DrafterBuffer | None  # the drafter's training data (None: drafter not trained)
   ckpt: Checkpointer
   compile_clock: CompileClock  # seconds compiling, per step
+  # the serving engine of the drafter's EAGLE export written with every checkpoint, and the
+  # target's config.json it carries (None: no export; config.train.export_drafter)
+  export_engine: str | None = None
+  target_hf_config: dict[str, Any] | None = None
 
   @property
   def tlt(self) -> bool:
@@ -227,13 +235,22 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
           file=sys.stderr)
 
   # ----------------------------------------------------------------------- checkpoints
+  export_engine = hf_config = None
+  if tlt and cfg.train.export_drafter:
+    export_engine = cfg.train.export_engine
+    try:
+      drafter_export.check_engine(model_cfg, export_engine)
+    except drafter_export.ExportError as e:
+      raise ConfigError(str(e), "train.export_engine", export_engine, in_config=True) from None
+    hf_config = read_hf_config(cfg.model.path)
   ckpt = Checkpointer(os.path.join(cfg.workdir, "checkpoints"),
                       max_to_keep=cfg.train.keep_checkpoints,
                       save_interval_steps=cfg.train.checkpoint_every)
   run = Run(cfg=cfg, learner=lspec, model_cfg=model_cfg, tokenizer=tokenizer, stream=stream,
             test_rows=test_rows, sampling=spec.sampling, store=store,
             coordinator=coordinator, selector=selector, eval_selector=eval_selector,
-            gate=gate, buffer=buffer, ckpt=ckpt, compile_clock=compile_clock)
+            gate=gate, buffer=buffer, ckpt=ckpt, compile_clock=compile_clock,
+            export_engine=export_engine, target_hf_config=hf_config)
   return run, TrainState(step=0, learner=learner)
 
 
@@ -285,8 +302,23 @@ def _checkpoint_tree(run: Run, state: TrainState) -> dict[str, Any]:
 
 
 def save(run: Run, state: TrainState, *, force: bool = False) -> None:
-  """An async checkpoint of `state` (every config.train.checkpoint_every steps, or `force`)."""
-  run.ckpt.save(state.step, _checkpoint_tree(run, state), force=force)
+  """An async checkpoint of `state` (every config.train.checkpoint_every steps, or `force`),
+  and with it the drafter's EAGLE export (config.train.export_drafter), written at once: a
+  drafter is a few MB, and the export must not wait for the checkpoint's bytes."""
+  if not run.ckpt.save(state.step, _checkpoint_tree(run, state), force=force):
+    return
+  if run.export_engine is None:
+    return
+  _, d = run.store.drafter()
+  params = d.params
+  if jax.process_count() > 1:  # slices on other processes: every process takes part
+    from jax.experimental import multihost_utils
+    params = multihost_utils.process_allgather(params, tiled=True)
+  if distributed.is_primary():
+    drafter_export.export_step(run.cfg.workdir, state.step, params, run.model_cfg,
+                               engine=run.export_engine,
+                               target_hf_config=run.target_hf_config,
+                               keep=run.cfg.train.keep_checkpoints)
 
 
 def restore(run: Run, state: TrainState) -> TrainState:

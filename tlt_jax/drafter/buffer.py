@@ -2,7 +2,7 @@
 
 What a window holds (the drafter's pair convention, tlt_jax/drafter/loss.py): for response
 tokens y_0..y_{R-1} and the rollout's captured hidden states h_0..h_{R-1} (h_j is the target's
-pre-norm last-layer state that PRODUCED y_j; tlt_jax/rollout/decode.py), a window [s, e) is
+post-norm last-layer state that PRODUCED y_j; tlt_jax/rollout/decode.py), a window [s, e) is
 
     tokens    x_t = y_{s+t}                            [L] int32
     hidden    f_t = h_{s+t+1}  (0 after the last token) [L, D]

@@ -3,7 +3,7 @@ acceptance estimate used to evaluate drafters.
 
 Batch convention (one packed row holds whole sequences = prompt + response):
   tokens      [B, T] int32    x_t
-  hidden      [B, T, D]       f_t, the target's pre-norm last hidden state after x_t
+  hidden      [B, T, D]       f_t, the target's last hidden state after x_t, after the final norm
                               (anything, e.g. 0, where unknown: the last token of a sequence)
   positions   [B, T] int32    restart at 0 for each packed sequence
   loss_mask   [B, T]          1 where f_t PRODUCED a response token, i.e. t in [P-1, T_seq-2]

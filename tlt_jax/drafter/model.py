@@ -1,27 +1,46 @@
 """EAGLE-style drafter: params, forward, KV cache, save/load and EAGLE export.
 
-Alignment (EAGLE's). Let f_t be the target's last-layer hidden state BEFORE the final norm after
-processing token x_t (f_t produces the distribution of x_{t+1}). The drafter's input at step t
-is the pair (x_{t+1}, f_t):
+Alignment and normalisation: the serving engines' EAGLE-1/2 convention, so an export drafts in
+vLLM / SGLang exactly as it does here. Let f_t be the target's last-layer hidden state AFTER
+the final norm after processing token x_t (`forward`'s `hidden`, HF's `last_hidden_state`;
+f_t produces the distribution of x_{t+1} through the LM head alone). The drafter's input at
+step t is the pair (x_{t+1}, f_t):
 
     z_t = fc(concat(embed(x_{t+1}), f_t))            fc: Linear(2D -> D, no bias)
     g_t = DecoderLayer_without_input_norm(z_t)        one layer of the target's architecture
-    q_t = softmax(target_final_norm + target_lm_head (g_t))
+    q_t = softmax(target_lm_head(g_t))                NO norm between the layer and the head
 
-g_t is trained to match f_{t+1} (so q_t predicts x_{t+2}). In the rollout engine's convention
-(`Result.hidden[j]` is the hidden state that PRODUCED response token j) the pair for response
-token j is (token_j, hidden[j]). Drafting step k > 1 feeds the drafter's own g back as the
-hidden and the drafted token as the token. Positions: the pair (x_{t+1}, f_t) sits at the
-position of x_t (the token f_t was computed at), as in SGLang's EAGLE extend; only relative
-positions matter to RoPE, so any convention that is consistent between training and drafting
-gives the same outputs.
+g_t is trained to match f_{t+1} (so q_t predicts x_{t+2}). This is what the engines run:
+  - vLLM `vllm/model_executor/models/llama_eagle.py`: `LlamaModel.forward` computes
+    `fc(cat(embed_tokens(ids), hidden_states))`, the layers (layer 0's `input_layernorm` an
+    `nn.Identity`), and returns `hidden_states + residual` with no norm; `EagleLlamaForCausalLM`
+    applies the target's LM head to it (`compute_logits`). The `hidden_states` it is fed are
+    the target model's output, which vLLM's `LlamaModel.forward` returns after `self.norm`.
+  - SGLang `python/sglang/srt/models/{llama,qwen2}_eagle.py`: the same `fc(cat(embeds,
+    spec_info.hidden_states))`, `input_layernorm = lambda x: x` for layer 0, `return
+    hidden_states + residual`; the head is the target's `lm_head` (`Qwen2ForCausalLMEagle`).
+  - The EAGLE reference `eagle/model/ea_model.py` (`EaModel.forward`: `hidden_states =
+    outputs[0]` of `base_model.model`, i.e. HF's post-norm `last_hidden_state`, and
+    `base_model.lm_head(outputs[0])` for the target's logits) and `eagle/model/cnets1.py`
+    (`Model.forward`: fc over `cat((inputs_embeds, hidden_states))`, no final norm;
+    `topK_genrate` applies `head` = the target's `lm_head` to the drafter output).
+The drafter's output feeds back as the next step's hidden without a norm too (EAGLE's
+`topK_genrate` passes `out_hidden` back): g_t lives in the space of post-norm features.
+
+In the rollout engine's convention (`Result.hidden[j]` is the hidden state that PRODUCED
+response token j) the pair for response token j is (token_j, hidden[j]). Drafting step k > 1
+feeds the drafter's own g back as the hidden and the drafted token as the token. Positions:
+the pair (x_{t+1}, f_t) sits at the position of x_t (the token f_t was computed at), as in
+SGLang's EAGLE extend; only relative positions matter to RoPE, so any convention that is
+consistent between training and drafting gives the same outputs.
 
 Params (trainable, nothing else):
     fc      [2D, D]   (input = concat(embedding, hidden) in THAT order, as in EAGLE)
     layers  the target layer layout of `tlt_jax.models.transformer` with L = 1 and no
             `attn_norm` (q, k, v, o, biases per the target cfg, mlp_norm, gate, up, down):
             `decoder_stack` skips the input norm of a layer without that key.
-The embedding, final norm and LM head are the TARGET's arrays, passed in as `target_params`
+The embedding and LM head are the TARGET's arrays (the drafter never reads its final norm),
+passed in as `target_params`
 at every call; they are never copied into drafter params, the drafter optimizer or its
 checkpoints (an RL update of the target is seen by the drafter at once).
 
@@ -54,14 +73,8 @@ Files
     is exactly our bias-free fc. vLLM's fc has no bias and skips checkpoint names its model
     lacks.
 
-    CAVEAT (semantics, not layout): both engines' EAGLE-1/2 path hands the drafter the target's
-    hidden state AFTER the final norm and applies the LM head to the drafter output WITHOUT a
-    norm (EAGLE-1/2's original convention). This project's convention (the rollout engine
-    captures pre-norm states; the drafter's logits go through the target's final norm) differs,
-    so an exported drafter loads and runs there but drafts from differently-scaled features:
-    expect a much lower acceptance rate than in tlt_jax's own speculative rollout until it is
-    trained in the post-norm convention. The export is a weight-layout interop, not a
-    guarantee of serving-engine acceptance.
+    tests/test_eagle_serving.py checks an export against a PyTorch forward written from the
+    engines' code (not this file), with the target from transformers.
 """
 
 from __future__ import annotations
@@ -172,8 +185,9 @@ def drafter_forward(dparams: Params, target_params: Params, tokens: jax.Array,
                     cache: KVCache | None = None, attn_mask: jax.Array | None = None,
                     return_logits: bool = True, kv_len: int | None = None
                     ) -> tuple[jax.Array, jax.Array | None, KVCache | None]:
-  """tokens [B, T] (x_{t+1}), hidden [B, T, D] (f_t), positions [B, T] ->
-  (g [B, T, D] pre-norm drafter output, logits [B, T, V] float32 | None, cache).
+  """tokens [B, T] (x_{t+1}), hidden [B, T, D] (f_t, post-norm), positions [B, T] ->
+  (g [B, T, D] drafter output, logits [B, T, V] float32 | None, cache): logits = the
+  target's LM head on g, no norm (the module docstring).
 
   cache: a `drafter_cache` (1 layer). Like the target's `forward`, the new k/v are written at
   slots lengths .. lengths + T - 1 and `lengths` is NOT advanced: the caller commits.
@@ -361,22 +375,34 @@ def export_eagle(directory: str, dparams: Params, cfg: ModelConfig, *,
                  target_hf_config: dict[str, Any] | None = None, engine: str = "sglang",
                  dtype: str | None = None, fc_bias: bool = True) -> dict[str, Any]:
   """Writes dir/model.safetensors + dir/config.json (EAGLE-1/2 drafter layout; see the module
-  docstring, including its caveat on feature normalisation). target_hf_config: the target's
-  config.json dict (default: rebuilt from cfg); returns the config written."""
+  docstring). target_hf_config: the target's config.json dict (default: rebuilt from cfg), so
+  the engines read the target's own rope settings, vocab, norm eps and head tying; returns the
+  config written.
+
+  config.json: the target's with num_hidden_layers 1, `architectures` for the engine and
+  `torch_dtype` the dtype of the tensors written (transformers 5's `dtype` key is dropped: an
+  engine on transformers 4 would keep the target's stale value beside it). Dropped too, as
+  what the drafter is not: `layer_types` (per-layer lists of L entries),
+  `quantization_config` (the drafter is written unquantised), `auto_map` (remote code of the
+  target's repository) and `_name_or_path`."""
   arch = eagle_architecture(cfg, engine)
   base = dict(target_hf_config) if target_hf_config is not None else cfg.to_hf_dict()
   if int(base.get("hidden_size", -1)) != cfg.hidden_size:
     raise ValueError(f"export_eagle: target_hf_config hidden_size {base.get('hidden_size')} "
                      f"!= the drafter config's hidden_size {cfg.hidden_size}")
   tensors = eagle_state_dict(dparams, cfg, dtype, fc_bias)
-  config = dict(base)
-  config.update(num_hidden_layers=1, architectures=[arch])
-  if dtype:
-    config["torch_dtype"] = dtype
-  config.pop("layer_types", None)  # per-layer lists (transformers 5) would still list L layers
+  config = {k: v for k, v in base.items()
+            if k not in ("layer_types", "quantization_config", "auto_map", "_name_or_path",
+                         "dtype")}
+  config.update(num_hidden_layers=1, architectures=[arch],
+                torch_dtype=str(next(iter(tensors.values())).dtype))
   from tlt_jax.models.hf_io import write_safetensors
   os.makedirs(directory, exist_ok=True)
+  # both files renamed into place (write_safetensors does too): a run killed mid-export leaves
+  # whole files, never a torn one an engine would load
   write_safetensors(os.path.join(directory, EAGLE_WEIGHTS_FILE), tensors)
-  with open(os.path.join(directory, "config.json"), "w") as f:
+  cpath = os.path.join(directory, "config.json")
+  with open(cpath + ".tmp", "w") as f:
     json.dump(config, f, indent=2)
+  os.replace(cpath + ".tmp", cpath)
   return config

@@ -19,7 +19,7 @@ from tlt_jax.sharding import local_view, replicated
 
 class DrafterTrainer:
   """One worker's drafter copy on its mesh. `target_params()` returns the worker's current
-  actor params (the frozen embedding / final norm / LM head the loss reads)."""
+  actor params (the frozen embedding / LM head the loss reads)."""
 
   def __init__(self, *, step_fn: Callable, shardings: Any, buffer, rows: int, row_len: int,
                target_params: Callable[[], Any], seed: int = 0, hidden_dtype=None):

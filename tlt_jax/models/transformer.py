@@ -145,7 +145,7 @@ def move_slots(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
 
 class ModelOutput(NamedTuple):
   logits: jax.Array | None  # [B, T, V] float32 (None when return_logits=False)
-  hidden: jax.Array  # [B, T, D] last-layer hidden state, BEFORE the final norm (EAGLE's input)
+  hidden: jax.Array  # [B, T, D] last-layer hidden state AFTER the final norm (EAGLE's input)
   cache: KVCache | None
 
 
@@ -370,9 +370,9 @@ def embed_tokens(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Arr
   return jnp.take(params["embed"], tokens, axis=0).astype(cfg.compute_dtype)
 
 
-def compute_logits(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
-  """Final norm + LM head on pre-norm hidden states [..., D] -> float32 logits [..., V]."""
-  h = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
+def compute_logits(params: Params, h: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """LM head on hidden states [..., D] that are already normed (`forward`'s `hidden`, or the
+  drafter's output, which the head reads as is) -> float32 logits [..., V]."""
   if cfg.tie_word_embeddings:
     logits = jnp.einsum("...D,VD->...V", h, params["embed"].astype(h.dtype))
   else:
@@ -455,9 +455,15 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, *, cfg: Mod
   empty (a fresh `init_cache`): attention stays within the chunk. kv_len (static): attention
   reads cache slots [0, kv_len) only; the caller guarantees that every row whose output it
   uses has lengths + T <= kv_len (None: the whole cache).
+
+  `hidden` is the last hidden state AFTER the final norm, as vLLM's and HF's model forwards
+  return it: the state the serving engines' EAGLE drafters read (tlt_jax/drafter/model.py),
+  which the LM head alone (`compute_logits`) turns into logits. The norm runs here rather
+  than in `compute_logits`: the same ops in the same order, so logits are unchanged.
   """
   x = embed_tokens(params, tokens, cfg)
   x, cache = decoder_stack(params["layers"], x, positions, cfg=cfg, cache=cache,
                            attn_mask=attn_mask, prefill=prefill, kv_len=kv_len)
-  logits = compute_logits(params, x, cfg) if return_logits else None
-  return ModelOutput(logits=logits, hidden=x, cache=cache)
+  h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+  logits = compute_logits(params, h, cfg) if return_logits else None
+  return ModelOutput(logits=logits, hidden=h, cache=cache)

@@ -6,7 +6,7 @@ Everything here is a pure function over a `DecodeState` pytree; the host-side en
 
 The state keeps, per row, the hidden state whose logits choose the row's NEXT token. A step
 samples from it, records (token, logprob, hidden), then feeds the token to get the next
-hidden. So `hidden[j]` returned for response token j is exactly the last-layer (pre-norm)
+hidden. So `hidden[j]` returned for response token j is exactly the last-layer (post-norm)
 hidden state that produced token j: the (h_t, token_{t+1}) pairs an EAGLE drafter trains on,
 with no extra forward pass.
 

@@ -35,7 +35,7 @@ class Result:
   prompt_ids: np.ndarray  # [P]
   response_ids: np.ndarray  # [R] int32, including the stop token when stopped
   logprobs: np.ndarray  # [R] float32 under the processed sampling distribution
-  # [R - hidden_offset, D]: hidden[j - hidden_offset] is the pre-norm hidden that produced
+  # [R - hidden_offset, D]: hidden[j - hidden_offset] is the post-norm hidden that produced
   # response token j (capture_hidden; the first hidden_offset were not kept: hidden_keep)
   hidden: np.ndarray | None
   finish_reason: str  # "stop" | "length"
