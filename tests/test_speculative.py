@@ -204,8 +204,8 @@ def test_switch_on_after_plain_decoding_gives_the_drafter_its_context():
   the live rows' sequences, then the drafter's prefill) gives the drafter its whole context:
   the shipped drafter accepts, per verification of a depth-4 chain, at least 80% of what its
   own teacher-forced evaluation measured (eval.json beside it, computed by
-  scripts/train_drafter.py, not by the engine: 2.61), switching on after 4 plain chunks as
-  right after the prompt (measured here 2.21 and 2.31; a drafter whose context is dropped at
+  scripts/train_drafter.py, not by the engine: 2.76), switching on after 4 plain chunks as
+  right after the prompt (measured here 2.39 and 2.34; a drafter whose context is dropped at
   switch-on: 1.57), and outputs stay plain greedy decoding's."""
   from tlt_jax.data.prompts import load_prompt_rows
   from tlt_jax.drafter.model import load_drafter
