@@ -1,0 +1,413 @@
+"""A history index on the host: model-free drafts from what the same prompt already wrote.
+
+In GRPO a prompt is answered n times per step and again in later epochs, and the answers share
+long stretches. For a row, `HistoryIndex.draft` finds the longest suffix of the row's own text
+(prompt + response so far; min_match..max_match tokens) that occurs in the prompt's history,
+then follows the most frequent continuation: a chain (topk=1) or a tree (top-k children per
+node, expanded best-first by cumulative log frequency). The history of a prompt is its finished
+sequences (this step's siblings and earlier steps; oldest dropped first past
+max_tokens_per_prompt; prompts past max_prompts evicted least-recently-used), the live
+siblings' tokens so far, and the row's own text. Every sequence is stored as prompt + output.
+
+Definitions (tests/test_history.py holds a brute-force reference of exactly these):
+- An occurrence of a context c (length L) is a position p in a sequence s with
+  s[p-L+1 : p+1] == c AND a next token s[p+1]. So the row's own end (no next token yet) is
+  never a match, nor is a live sibling's end.
+- Match length L: the largest L in [min_match, max_match] with an occurrence of the row's last
+  L tokens; no such L -> empty draft.
+- Counts: after the matched context, the drafted path extends the context (a suffix-tree walk),
+  so node v's children are the next tokens over all occurrences of (matched context + path to
+  v), counted; ties go to the smaller token id.
+- Support rule: a child with count 1 is kept only when its context (L + its depth - 1) is at
+  least `long_match` (default 8) tokens; otherwise a child needs count >= 2. Why: a lone
+  occurrence after a long match is a copied stretch (siblings copy whole paragraphs), which
+  continues; after a 2-3 token match it is a coincidence, and a verifier rejects it while
+  paying for the longer verification. Draft length thus adapts to match length and frequency.
+- Scores: cumulative log of the relative frequency (count / total of the parent's counts)
+  along the path; the tree is expanded best-first by it up to max_nodes (default max_tokens),
+  depth <= max_tokens.
+
+Data structure (and why not a suffix automaton). Per prompt, one flat arena of token ids
+(uint32 big-endian, sequences separated by a sentinel) and a suffix array `sa` of the arena
+positions that have a next token, sorted by the BACKWARD window of max_match tokens ending
+there (the reversed context). A context's occurrences are then one contiguous range of `sa`:
+one bisect (CPython `bisect` over 4-byte big-endian windows, memcmp order) finds the longest
+match from the two neighbours' common prefix; two more bound its range; continuations are
+numpy gathers at `arena[p + 1]` that narrow as the path grows. Backward keys never change
+once a position exists, so tokens a row emits after the last sort sit in a small "pending"
+tail per sequence that lookups scan with numpy (first-token filter, then narrowing); the arena
+is re-sorted lazily when pending exceeds max(pending_min, indexed * pending_frac), so sorting
+is amortised O(n log n) over a geometric series. Sorting packs 3 tokens (21 bits each) per
+uint64 and refines only the tied groups, 3 tokens a round. Dropping a sequence (eviction,
+end(keep=False)) filters `sa` with a mask (a filtered sorted array stays sorted); its arena
+bytes are reclaimed at the next re-sort. Memory: 8 bytes per indexed token (4 arena + 4 sa)
+plus the live rows' own buffers. A suffix automaton in CPython costs a dict per state (~2
+states per token, several hundred bytes each: ~100 GB for 512 prompts x 256k tokens), cannot
+delete (eviction would rebuild it anyway) and needs occurrence counts propagated along suffix
+links after each insert; the arena + sorted array is numpy-sized and exact.
+Measured numbers: scripts/bench_history.py (tlt_jax/bench/history.py).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import heapq
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+SENTINEL = (1 << 21) - 1  # sorts after every token; token ids must be < SENTINEL
+_BITS = 21
+
+
+class Draft(NamedTuple):
+  tokens: np.ndarray   # [N] int32 draft tokens, nodes in topological order
+  parents: np.ndarray  # [N] int32 parent index in this array, -1 = child of the row's last token
+  scores: np.ndarray   # [N] float32 cumulative log relative frequency of the path to the node
+
+
+_EMPTY = Draft(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.float32))
+
+
+class _Seq:
+  """One sequence (prompt + output): a growable buffer; `snap` tokens of it are in the arena."""
+  __slots__ = ("ids", "n", "snap", "start", "live")
+
+  def __init__(self, ids):
+    ids = np.asarray(ids, np.int64).reshape(-1)
+    _check_ids(ids)
+    self.ids = np.empty(max(64, 2 * len(ids)), np.uint32)
+    self.ids[:len(ids)] = ids
+    self.n = len(ids)
+    self.snap = 0       # tokens of this sequence copied into the arena at the last sort
+    self.start = -1     # arena offset of its first token (-1: not in the arena)
+    self.live = True
+
+  def append(self, toks):
+    k = len(toks)
+    if self.n + k > len(self.ids):
+      buf = np.empty(max(2 * len(self.ids), self.n + k), np.uint32)
+      buf[:self.n] = self.ids[:self.n]
+      self.ids = buf
+    self.ids[self.n:self.n + k] = toks
+    self.n += k
+
+
+def _check_ids(ids):
+  if len(ids) and (ids.min() < 0 or ids.max() >= SENTINEL):
+    raise ValueError(f"HistoryIndex: token ids must lie in [0, {SENTINEL}); got "
+                     f"[{ids.min()}, {ids.max()}]")
+
+
+class _Prompt:
+  """The history of one prompt: sequences, the sorted arena, counters."""
+
+  def __init__(self):
+    self.live: dict = {}                       # seq_key -> _Seq
+    self.done: collections.deque = collections.deque()  # finished _Seq, oldest first
+    self.done_tokens = 0
+    self.arena = np.full(0, SENTINEL, ">u4")   # [A] tokens, sentinel-separated, W-padded front
+    self.sa = np.zeros(0, np.int64)            # [M] arena positions, sorted by backward window
+    self.starts = np.zeros(0, np.int64)        # arena offset per arena sequence (sorted)
+    self.seqs: list = []                       # _Seq per entry of starts
+    self.pending = 0                           # tokens emitted since the sort, not in sa
+
+  def all_seqs(self):
+    return list(self.done) + list(self.live.values())
+
+
+class HistoryIndex:
+  """Per-prompt history of token sequences; `draft` proposes continuations (module docstring)."""
+
+  def __init__(self, *, max_tokens_per_prompt: int = 1 << 20, max_prompts: int = 4096,
+               min_match: int = 2, max_match: int = 32, long_match: int = 8,
+               pending_min: int = 4096, pending_frac: float = 0.5):
+    if not 1 <= min_match <= max_match:
+      raise ValueError(f"HistoryIndex: need 1 <= min_match <= max_match, got {min_match}, "
+                       f"{max_match}")
+    self.max_tokens_per_prompt = max_tokens_per_prompt
+    self.max_prompts = max_prompts
+    self.min_match, self.max_match, self.long_match = min_match, max_match, long_match
+    self.pending_min, self.pending_frac = pending_min, pending_frac
+    self._prompts: collections.OrderedDict = collections.OrderedDict()  # LRU order
+    self._where: dict = {}  # live seq_key -> prompt_key
+    self._lookups = self._hits = self._match_sum = 0
+
+  # ---- updates -----------------------------------------------------------------------------
+
+  def begin(self, prompt_key, seq_key, prompt_ids) -> None:
+    if seq_key in self._where:
+      raise ValueError(f"HistoryIndex.begin: sequence {seq_key!r} is already live")
+    p = self._prompts.get(prompt_key)
+    if p is None:
+      p = self._prompts[prompt_key] = _Prompt()
+    self._prompts.move_to_end(prompt_key)
+    s = _Seq(prompt_ids)
+    p.live[seq_key] = s
+    p.pending += s.n
+    self._where[seq_key] = prompt_key
+    self._evict_prompts()
+
+  def extend(self, seq_key, tokens) -> None:
+    toks = np.asarray(tokens, np.int64).reshape(-1)
+    if not len(toks):
+      return
+    _check_ids(toks)
+    p = self._prompts[self._where[seq_key]]
+    p.live[seq_key].append(toks)
+    p.pending += len(toks)
+
+  def end(self, seq_key, keep: bool = True) -> None:
+    pk = self._where.pop(seq_key)
+    p = self._prompts[pk]
+    s = p.live.pop(seq_key)
+    s.live = False
+    if not keep:
+      self._drop(p, [s])
+      return
+    p.done.append(s)
+    p.done_tokens += s.n
+    old = []
+    while p.done_tokens > self.max_tokens_per_prompt and p.done:
+      o = p.done.popleft()
+      p.done_tokens -= o.n
+      old.append(o)
+    self._drop(p, old)
+
+  def _drop(self, p: _Prompt, seqs):
+    """Removes sequences: their sa entries are filtered out (order kept), their pending untold."""
+    inarena = [s for s in seqs if s.start >= 0]
+    for s in seqs:
+      p.pending -= s.n - s.snap
+    if inarena:
+      p.sa = p.sa[~_in_ranges(p.sa, [(s.start, s.start + s.snap) for s in inarena])]
+      for s in inarena:
+        s.start = -1  # arena bytes stay until the next sort; nothing points at them
+
+  def _evict_prompts(self):
+    while len(self._prompts) > self.max_prompts:
+      victim = next((k for k, p in self._prompts.items() if not p.live), None)
+      if victim is None:
+        return  # every prompt has live rows: keep them all (the engine bounds live rows)
+      del self._prompts[victim]
+
+  # ---- the sorted arena --------------------------------------------------------------------
+
+  def _sort(self, p: _Prompt):
+    """Rebuilds the arena from every sequence and sorts its positions by backward window."""
+    w = self.max_match
+    seqs = p.all_seqs()
+    parts, starts, pos = [np.full(w, SENTINEL, np.uint32)], [], []
+    at = w
+    for s in seqs:
+      parts += [s.ids[:s.n], np.full(1, SENTINEL, np.uint32)]
+      starts.append(at)
+      if s.n >= 2:
+        pos.append(np.arange(at, at + s.n - 1))
+      s.start, s.snap = at, s.n
+      at += s.n + 1
+    arena = np.concatenate(parts)
+    pos = np.concatenate(pos) if pos else np.zeros(0, np.int64)
+    p.arena = arena.astype(">u4")
+    p.starts = np.asarray(starts, np.int64)
+    p.seqs = seqs
+    p.sa = pos[_backward_order(arena.astype(np.uint64), pos, w)]
+    p.pending = 0
+
+  # ---- lookup ------------------------------------------------------------------------------
+
+  def draft(self, seq_key, max_tokens: int, *, topk: int = 1,
+            max_nodes: int | None = None) -> Draft:
+    pk = self._where[seq_key]
+    p = self._prompts[pk]
+    self._prompts.move_to_end(pk)
+    self._lookups += 1
+    if max_tokens <= 0:
+      return _EMPTY
+    indexed = len(p.sa)
+    if p.pending > max(self.pending_min, self.pending_frac * indexed):
+      self._sort(p)
+    row = p.live[seq_key]
+    q = row.ids[max(0, row.n - self.max_match):row.n][::-1].astype(np.int64)  # [<=W] reversed
+    if len(q) < self.min_match:
+      return _EMPTY
+    la, lo, hi = self._match_arena(p, q)
+    lp, pend = self._match_pending(p, q)
+    length = max(la, lp)
+    if length < self.min_match:
+      return _EMPTY
+    occ_a = p.sa[lo:hi] if la == length else np.zeros(0, np.int64)
+    occ_p = [(s, o[m >= length]) for s, o, m in pend]
+    occ_p = [(s, o) for s, o in occ_p if len(o)]
+    d = self._expand(p, occ_a, occ_p, length, max_tokens, topk,
+                     max_tokens if max_nodes is None else max_nodes)
+    if len(d.tokens):
+      self._hits += 1
+      self._match_sum += length
+    return d
+
+  def _match_arena(self, p: _Prompt, q):
+    """(L, lo, hi): the longest common prefix of q with a sorted backward window, its range."""
+    if not len(p.sa):
+      return 0, 0, 0
+    arena, w = p.arena, len(q)
+    qkey = q.astype(">u4").tobytes()
+
+    def key(pos, n=w):
+      return arena[pos - n + 1:pos + 1][::-1].tobytes()
+
+    i = bisect.bisect_left(p.sa, qkey, key=key)
+    best = 0
+    for j in (i - 1, i):
+      if 0 <= j < len(p.sa):
+        win = arena[p.sa[j] - w + 1:p.sa[j] + 1][::-1].astype(np.int64)
+        neq = np.flatnonzero(win != q)
+        best = max(best, int(neq[0]) if len(neq) else w)
+    if best == 0:
+      return 0, 0, 0
+    qk = qkey[:4 * best]
+    lo = bisect.bisect_left(p.sa, qk, hi=i, key=lambda pos: key(pos, best))
+    hi = bisect.bisect_right(p.sa, qk, lo=i, key=lambda pos: key(pos, best))
+    return best, lo, hi
+
+  def _match_pending(self, p: _Prompt, q):
+    """Scans positions not yet sorted: (max match length, [(seq, offsets, match lengths)])."""
+    out, best = [], 0
+    for s in p.all_seqs():
+      first = max(s.snap - 1, 0) if s.start >= 0 else 0
+      if s.n - 1 <= first:
+        continue
+      ids = s.ids
+      o = first + np.flatnonzero(ids[first:s.n - 1] == q[0])  # [C] offsets with a next token
+      if not len(o):
+        continue
+      m = np.ones(len(o), np.int64)
+      alive = np.arange(len(o))
+      for k in range(1, len(q)):
+        alive = alive[o[alive] >= k]
+        alive = alive[ids[o[alive] - k] == q[k]]
+        if not len(alive):
+          break
+        m[alive] += 1
+      best = max(best, int(m.max()))
+      out.append((s, o, m))
+    return best, out
+
+  def _next(self, p: _Prompt, occ_a, occ_p):
+    """Next tokens after each occurrence: (tok_a, occ_a kept, [(seq, offsets, toks)])."""
+    tok = p.arena[occ_a + 1].astype(np.int64) if len(occ_a) else np.zeros(0, np.int64)
+    cut = tok == SENTINEL
+    moved = []
+    if cut.any():  # the arena copy of a sequence ends here: live rows continue in their buffer
+      for a in occ_a[cut]:
+        j = int(np.searchsorted(p.starts, a, "right")) - 1
+        s = p.seqs[j]
+        if s.start == p.starts[j]:  # still this sequence (not dropped)
+          moved.append((s, np.array([a - s.start])))
+      occ_a, tok = occ_a[~cut], tok[~cut]
+    pend = []
+    for s, o in occ_p + moved:
+      o = o[o + 1 < s.n]
+      if len(o):
+        pend.append((s, o, s.ids[o + 1].astype(np.int64)))
+    return tok, occ_a, pend
+
+  def _expand(self, p, occ_a, occ_p, length, max_tokens, topk, max_nodes):
+    """Best-first expansion by cumulative log frequency (topk=1: the chain)."""
+    toks, parents, scores = [], [], []
+    heap = []  # (-score, tie, token, parent, depth, occ_a, occ_p)
+    tie = 0
+
+    def push_children(parent, depth, score, occ_a, occ_p):
+      nonlocal tie
+      if depth >= max_tokens:
+        return
+      tok_a, occ_a, pend = self._next(p, occ_a, occ_p)
+      allt = np.concatenate([tok_a] + [t for _, _, t in pend])
+      if not len(allt):
+        return
+      vals, counts = np.unique(allt, return_counts=True)
+      order = np.lexsort((vals, -counts))[:topk]
+      total = len(allt)
+      need1 = length + depth >= self.long_match  # context of a child = length + depth tokens
+      for j in order:
+        c, x = int(counts[j]), int(vals[j])
+        if c < (1 if need1 else 2):
+          continue
+        child_a = occ_a[tok_a == x] + 1
+        child_p = [(s, o[t == x] + 1) for s, o, t in pend]
+        child_p = [(s, o) for s, o in child_p if len(o)]
+        heapq.heappush(heap, (-(score + math.log(c / total)), tie, x, parent, depth + 1,
+                              child_a, child_p))
+        tie += 1
+
+    push_children(-1, 0, 0.0, occ_a, occ_p)
+    while heap and len(toks) < max_nodes:
+      negs, _, x, parent, depth, ca, cp = heapq.heappop(heap)
+      toks.append(x)
+      parents.append(parent)
+      scores.append(-negs)
+      push_children(len(toks) - 1, depth, -negs, ca, cp)
+    if not toks:
+      return _EMPTY
+    return Draft(np.asarray(toks, np.int32), np.asarray(parents, np.int32),
+                 np.asarray(scores, np.float32))
+
+  # ---- accounting --------------------------------------------------------------------------
+
+  def stats(self) -> dict:
+    seqs = tokens = mem = 0
+    for p in self._prompts.values():
+      for s in p.all_seqs():
+        seqs += 1
+        tokens += s.n
+        mem += s.ids.nbytes if s.live else 0
+      mem += p.arena.nbytes + p.sa.nbytes + p.starts.nbytes
+      # finished sequences keep their buffer too (they re-enter the arena at the next sort)
+      mem += sum(s.ids.nbytes for s in p.done)
+    return {"prompts": len(self._prompts), "sequences": seqs, "tokens": tokens,
+            "memory_bytes": mem, "lookups": self._lookups, "hits": self._hits,
+            "mean_match_len": self._match_sum / max(self._hits, 1)}
+
+
+def _in_ranges(x, ranges):
+  """[len(x)] bool: x inside any [a, b) of ranges."""
+  r = np.asarray(sorted(ranges), np.int64).reshape(-1, 2)
+  j = np.searchsorted(r[:, 0], x, "right") - 1
+  ok = j >= 0
+  jj = np.where(ok, j, 0)
+  return ok & (x < r[jj, 1])
+
+
+def _backward_order(arena, pos, w):
+  """Order of `pos` by the window arena[p], arena[p-1], ..., arena[p-w+1] (lexicographic).
+
+  3 tokens per uint64 a round; after the first round only the groups still tied are re-sorted,
+  so text without long repeats costs about one argsort."""
+  def packed(pp, r):
+    key = np.zeros(len(pp), np.uint64)
+    for i in range(3):
+      j = 3 * r + i
+      t = arena[pp - j] if j < w else np.zeros(len(pp), np.uint64)
+      key = (key << np.uint64(_BITS)) | t
+    return key
+
+  order = np.argsort(packed(pos, 0), kind="stable")
+  k0 = packed(pos[order], 0)
+  brk = np.ones(len(pos), bool)  # [M] a new group starts here (sorted order)
+  brk[1:] = k0[1:] != k0[:-1]
+  for r in range(1, (w + 2) // 3):
+    gid = np.cumsum(brk) - 1
+    tied = np.flatnonzero(np.bincount(gid)[gid] > 1)
+    if not len(tied):
+      break
+    kr = packed(pos[order[tied]], r)
+    sub = np.lexsort((kr, gid[tied]))  # gid[tied] is ascending: groups stay in place
+    order[tied] = order[tied][sub]
+    kr = kr[sub]
+    nb = np.zeros(len(tied), bool)
+    nb[1:] = kr[1:] != kr[:-1]
+    brk[tied] |= nb
+  return order
