@@ -250,3 +250,18 @@ def test_bad_token_ids():
   idx = HistoryIndex()
   with pytest.raises(ValueError, match="token ids"):
     idx.begin("p", 0, [-1])
+
+
+def test_finished_tails_after_sort():
+  """A row that finishes with unsorted tokens stays searchable whatever ends after it."""
+  idx = HistoryIndex(pending_min=4, pending_frac=1.0, long_match=0)
+  idx.begin("p", "a", [1, 2])
+  idx.begin("p", "b", [3, 4, 3, 4, 3, 4])
+  idx.begin("p", "row", [9, 9, 9])
+  idx.draft("row", 1)  # sorts a, b, row
+  idx.extend("a", [5, 6, 7])  # a's new tail is pending
+  idx.end("a")
+  idx.end("b")  # b ends after a, with nothing pending
+  idx.extend("row", [5, 6])
+  assert idx.draft("row", 1).tokens.tolist() == [7]
+  assert idx.stats()["sorts"] == 1  # the last draft read a's tail from the pending scan

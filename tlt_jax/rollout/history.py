@@ -40,8 +40,8 @@ is re-sorted lazily when pending exceeds max(pending_min, indexed * pending_frac
 is amortised O(n log n) over a geometric series. Sorting packs 3 tokens (21 bits each) per
 uint64 and refines only the tied groups, 3 tokens a round. Dropping a sequence (eviction,
 end(keep=False)) filters `sa` with a mask (a filtered sorted array stays sorted); its arena
-bytes are reclaimed at the next re-sort. Memory: 8 bytes per indexed token (4 arena + 4 sa)
-plus the live rows' own buffers. A suffix automaton in CPython costs a dict per state (~2
+bytes are reclaimed at the next re-sort. Memory: 8 bytes per indexed token (4 arena + 4 sa;
+finished sequences are views into the arena) plus the live rows' own buffers. A suffix automaton in CPython costs a dict per state (~2
 states per token, several hundred bytes each: ~100 GB for 512 prompts x 256k tokens), cannot
 delete (eviction would rebuild it anyway) and needs occurrence counts propagated along suffix
 links after each insert; the arena + sorted array is numpy-sized and exact.
@@ -54,6 +54,7 @@ import bisect
 import collections
 import heapq
 import math
+import time
 from typing import NamedTuple
 
 import numpy as np
@@ -109,13 +110,18 @@ class _Prompt:
     self.done: collections.deque = collections.deque()  # finished _Seq, oldest first
     self.done_tokens = 0
     self.arena = np.full(0, SENTINEL, ">u4")   # [A] tokens, sentinel-separated, W-padded front
-    self.sa = np.zeros(0, np.int64)            # [M] arena positions, sorted by backward window
+    self.sa = np.zeros(0, np.int32)            # [M] arena positions, sorted by backward window
     self.starts = np.zeros(0, np.int64)        # arena offset per arena sequence (sorted)
     self.seqs: list = []                       # _Seq per entry of starts
     self.pending = 0                           # tokens emitted since the sort, not in sa
+    self.tails: list = []                      # finished _Seq with tokens not in the arena
 
   def all_seqs(self):
     return list(self.done) + list(self.live.values())
+
+  def unsorted(self):
+    """Sequences with tokens past their arena copy: the live rows and `tails`."""
+    return [s for s in self.live.values() if s.n > s.snap] + self.tails
 
 
 class HistoryIndex:
@@ -134,6 +140,7 @@ class HistoryIndex:
     self._prompts: collections.OrderedDict = collections.OrderedDict()  # LRU order
     self._where: dict = {}  # live seq_key -> prompt_key
     self._lookups = self._hits = self._match_sum = 0
+    self._sorts, self._sort_s = 0, 0.0
 
   # ---- updates -----------------------------------------------------------------------------
 
@@ -167,6 +174,12 @@ class HistoryIndex:
     if not keep:
       self._drop(p, [s])
       return
+    if s.start < 0 or s.n > s.snap:  # not (all) in the arena yet: trim its buffer
+      s.ids = s.ids[:s.n].copy()
+    else:
+      s.ids = p.arena[s.start:s.start + s.n]
+    if s.n > s.snap:
+      p.tails.append(s)
     p.done.append(s)
     p.done_tokens += s.n
     old = []
@@ -181,6 +194,7 @@ class HistoryIndex:
     inarena = [s for s in seqs if s.start >= 0]
     for s in seqs:
       p.pending -= s.n - s.snap
+    p.tails = [t for t in p.tails if all(t is not s for s in seqs)]
     if inarena:
       p.sa = p.sa[~_in_ranges(p.sa, [(s.start, s.start + s.snap) for s in inarena])]
       for s in inarena:
@@ -197,6 +211,7 @@ class HistoryIndex:
 
   def _sort(self, p: _Prompt):
     """Rebuilds the arena from every sequence and sorts its positions by backward window."""
+    t0 = time.perf_counter()
     w = self.max_match
     seqs = p.all_seqs()
     parts, starts, pos = [np.full(w, SENTINEL, np.uint32)], [], []
@@ -213,8 +228,14 @@ class HistoryIndex:
     p.arena = arena.astype(">u4")
     p.starts = np.asarray(starts, np.int64)
     p.seqs = seqs
-    p.sa = pos[_backward_order(arena.astype(np.uint64), pos, w)]
+    p.sa = pos[_backward_order(arena.astype(np.uint64), pos, w)].astype(np.int32)
+    for s in seqs:  # finished sequences live in the arena only: 4 bytes a token, not 8
+      if not s.live:
+        s.ids = p.arena[s.start:s.start + s.n]
     p.pending = 0
+    p.tails = []
+    self._sorts += 1
+    self._sort_s += time.perf_counter() - t0
 
   # ---- lookup ------------------------------------------------------------------------------
 
@@ -238,7 +259,7 @@ class HistoryIndex:
     length = max(la, lp)
     if length < self.min_match:
       return _EMPTY
-    occ_a = p.sa[lo:hi] if la == length else np.zeros(0, np.int64)
+    occ_a = p.sa[lo:hi] if la == length else np.zeros(0, np.int32)
     occ_p = [(s, o[m >= length]) for s, o, m in pend]
     occ_p = [(s, o) for s, o in occ_p if len(o)]
     d = self._expand(p, occ_a, occ_p, length, max_tokens, topk,
@@ -267,30 +288,38 @@ class HistoryIndex:
         best = max(best, int(neq[0]) if len(neq) else w)
     if best == 0:
       return 0, 0, 0
-    qk = qkey[:4 * best]
-    lo = bisect.bisect_left(p.sa, qk, hi=i, key=lambda pos: key(pos, best))
-    hi = bisect.bisect_right(p.sa, qk, lo=i, key=lambda pos: key(pos, best))
+    # the range of entries sharing the first `best` tokens holds i-1 or i: gallop out from i
+    # (long matches have few occurrences: a handful of key builds instead of 2 log2(M))
+    qk, sa, n = qkey[:4 * best], p.sa, len(p.sa)
+    kb = lambda pos: key(pos, best)  # noqa: E731
+    s = 1
+    while i - s >= 0 and kb(sa[i - s]) == qk:
+      s *= 2
+    lo = bisect.bisect_left(sa, qk, lo=max(0, i - s), hi=i, key=kb)
+    s = 1
+    while i + s - 1 < n and kb(sa[i + s - 1]) == qk:
+      s *= 2
+    hi = bisect.bisect_right(sa, qk, lo=i, hi=min(n, i + s), key=kb)
     return best, lo, hi
 
   def _match_pending(self, p: _Prompt, q):
     """Scans positions not yet sorted: (max match length, [(seq, offsets, match lengths)])."""
     out, best = [], 0
-    for s in p.all_seqs():
+    for s in p.unsorted():
       first = max(s.snap - 1, 0) if s.start >= 0 else 0
       if s.n - 1 <= first:
         continue
       ids = s.ids
       o = first + np.flatnonzero(ids[first:s.n - 1] == q[0])  # [C] offsets with a next token
+      if len(q) > 1 and len(o) and self.min_match >= 2:
+        o = o[o >= 1]
+        o = o[ids[o - 1] == q[1]]  # two tokens in two vectorised passes, then windows
       if not len(o):
         continue
-      m = np.ones(len(o), np.int64)
-      alive = np.arange(len(o))
-      for k in range(1, len(q)):
-        alive = alive[o[alive] >= k]
-        alive = alive[ids[o[alive] - k] == q[k]]
-        if not len(alive):
-          break
-        m[alive] += 1
+      k = np.arange(len(q))
+      idx = o[:, None] - k[None, :]  # [C, len(q)] backward windows
+      eq = (ids[np.maximum(idx, 0)] == q[None, :]) & (idx >= 0)
+      m = np.cumprod(eq, axis=1).sum(axis=1)
       best = max(best, int(m.max()))
       out.append((s, o, m))
     return best, out
@@ -328,12 +357,15 @@ class HistoryIndex:
       allt = np.concatenate([tok_a] + [t for _, _, t in pend])
       if not len(allt):
         return
-      vals, counts = np.unique(allt, return_counts=True)
-      order = np.lexsort((vals, -counts))[:topk]
       total = len(allt)
+      if total <= 64:  # small sets: a Counter beats np.unique's fixed cost
+        kids = sorted((-c, x) for x, c in collections.Counter(allt.tolist()).items())[:topk]
+      else:
+        vals, counts = np.unique(allt, return_counts=True)
+        kids = [(-int(counts[j]), int(vals[j])) for j in np.lexsort((vals, -counts))[:topk]]
       need1 = length + depth >= self.long_match  # context of a child = length + depth tokens
-      for j in order:
-        c, x = int(counts[j]), int(vals[j])
+      for negc, x in kids:
+        c = -negc
         if c < (1 if need1 else 2):
           continue
         child_a = occ_a[tok_a == x] + 1
@@ -363,13 +395,13 @@ class HistoryIndex:
       for s in p.all_seqs():
         seqs += 1
         tokens += s.n
-        mem += s.ids.nbytes if s.live else 0
+        if s.ids.base is None:  # own buffer (live rows, finished ones not sorted yet)
+          mem += s.ids.nbytes
       mem += p.arena.nbytes + p.sa.nbytes + p.starts.nbytes
-      # finished sequences keep their buffer too (they re-enter the arena at the next sort)
-      mem += sum(s.ids.nbytes for s in p.done)
     return {"prompts": len(self._prompts), "sequences": seqs, "tokens": tokens,
             "memory_bytes": mem, "lookups": self._lookups, "hits": self._hits,
-            "mean_match_len": self._match_sum / max(self._hits, 1)}
+            "mean_match_len": self._match_sum / max(self._hits, 1), "sorts": self._sorts,
+            "sort_s": self._sort_s}
 
 
 def _in_ranges(x, ranges):

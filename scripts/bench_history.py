@@ -1,0 +1,31 @@
+"""HistoryIndex at scale: memory, insert/lookup time, perfect-verifier acceptance by epoch.
+
+  python scripts/bench_history.py [--prompts 8] [--samples 16] [--length 16384] [--epochs 2]
+
+What it measures and how the samples are made: tlt_jax/bench/history.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tlt_jax.bench.history import history_table
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--prompts", type=int, default=8)
+  ap.add_argument("--samples", type=int, default=16)
+  ap.add_argument("--length", type=int, default=16384)
+  ap.add_argument("--epochs", type=int, default=2)
+  ap.add_argument("--span", type=int, default=200)
+  ap.add_argument("--mut", type=float, default=0.02)
+  ap.add_argument("--seed", type=int, default=0)
+  args = ap.parse_args()
+  for line in history_table(args.prompts, args.samples, args.length, epochs=args.epochs,
+                            span=args.span, mut=args.mut, seed=args.seed):
+    print(line, flush=True)
+
+
+if __name__ == "__main__":
+  main()
