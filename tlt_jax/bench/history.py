@@ -20,6 +20,7 @@ which run inside draft() and are subtracted from the lookup time.
 from __future__ import annotations
 
 import time
+import tracemalloc
 
 import numpy as np
 
@@ -134,3 +135,39 @@ def history_table(prompts=8, samples=16, length=16384, prompt_len=256, epochs=2,
     f"epochs of history; lookups: (live rows per decode step) x "
     f"{1e6 * c['chain_s'] / c['lookups']:.0f} us"]
   return lines
+
+
+def automaton_cost(n=100_000, vocab=32000, seed=0):
+  """(bytes per token, us per token) of a plain CPython suffix automaton (dict transitions,
+  no occurrence counts): the alternative rollout/history.py's docstring rejects."""
+  toks = np.random.default_rng(seed).integers(0, vocab, n).tolist()
+  tracemalloc.start()
+  t0 = time.perf_counter()
+  nxt, link, length, last = [{}], [-1], [0], 0
+  for c in toks:
+    cur = len(nxt)
+    nxt.append({})
+    link.append(0)
+    length.append(length[last] + 1)
+    p = last
+    while p != -1 and c not in nxt[p]:
+      nxt[p][c] = cur
+      p = link[p]
+    if p != -1:
+      q = nxt[p][c]
+      if length[p] + 1 == length[q]:
+        link[cur] = q
+      else:
+        clone = len(nxt)
+        nxt.append(dict(nxt[q]))
+        link.append(link[q])
+        length.append(length[p] + 1)
+        while p != -1 and nxt[p].get(c) == q:
+          nxt[p][c] = clone
+          p = link[p]
+        link[q] = link[cur] = clone
+    last = cur
+  dt = time.perf_counter() - t0
+  mem = tracemalloc.get_traced_memory()[0]
+  tracemalloc.stop()
+  return mem / n, 1e6 * dt / n

@@ -32,19 +32,21 @@ Data structure (and why not a suffix automaton). Per prompt, one flat arena of t
 positions that have a next token, sorted by the BACKWARD window of max_match tokens ending
 there (the reversed context). A context's occurrences are then one contiguous range of `sa`:
 one bisect (CPython `bisect` over 4-byte big-endian windows, memcmp order) finds the longest
-match from the two neighbours' common prefix; two more bound its range; continuations are
-numpy gathers at `arena[p + 1]` that narrow as the path grows. Backward keys never change
-once a position exists, so tokens a row emits after the last sort sit in a small "pending"
-tail per sequence that lookups scan with numpy (first-token filter, then narrowing); the arena
-is re-sorted lazily when pending exceeds max(pending_min, indexed * pending_frac), so sorting
-is amortised O(n log n) over a geometric series. Sorting packs 3 tokens (21 bits each) per
-uint64 and refines only the tied groups, 3 tokens a round. Dropping a sequence (eviction,
-end(keep=False)) filters `sa` with a mask (a filtered sorted array stays sorted); its arena
-bytes are reclaimed at the next re-sort. Memory: 8 bytes per indexed token (4 arena + 4 sa;
-finished sequences are views into the arena) plus the live rows' own buffers. A suffix automaton in CPython costs a dict per state (~2
-states per token, several hundred bytes each: ~100 GB for 512 prompts x 256k tokens), cannot
-delete (eviction would rebuild it anyway) and needs occurrence counts propagated along suffix
-links after each insert; the arena + sorted array is numpy-sized and exact.
+match from the two neighbours' common prefix; galloping out from there bounds its range (long
+matches have few occurrences); continuations are numpy gathers at `arena[p + 1]` that narrow
+as the path grows. Backward keys never change once a position exists, so tokens emitted after
+the last sort sit in a "pending" tail per sequence that lookups scan with numpy (a two-token
+filter, then [C, max_match] windows); the arena is re-sorted lazily when pending exceeds
+max(pending_min, indexed * pending_frac), so sorting is amortised O(n log n) over a geometric
+series. Sorting packs 3 tokens (21 bits each) per uint64 and refines only the tied groups, 3
+tokens a round. Dropping a sequence (eviction, end(keep=False)) filters `sa` with a mask (a
+filtered sorted array stays sorted); its arena bytes are reclaimed at the next re-sort.
+Memory: 8 bytes per indexed token (4 arena + 4 sa; finished sequences are views into the
+arena) plus the live rows' own buffers. A suffix automaton (incremental, O(1) amortised
+extend) was measured in CPython with dict transitions (tlt_jax/bench/history.py
+`automaton_cost`): hundreds of bytes per token, i.e. tens of GB at 512 prompts x 256k
+tokens; it also cannot delete (eviction and dropped rows would rebuild it) and its occurrence
+counts need propagating along suffix links. The arena + sorted array is numpy-sized and exact.
 Measured numbers: scripts/bench_history.py (tlt_jax/bench/history.py).
 """
 
@@ -162,13 +164,13 @@ class HistoryIndex:
     if not len(toks):
       return
     _check_ids(toks)
-    p = self._prompts[self._where[seq_key]]
+    p = self._prompts[self._prompt_of(seq_key)]
     p.live[seq_key].append(toks)
     p.pending += len(toks)
 
   def end(self, seq_key, keep: bool = True) -> None:
-    pk = self._where.pop(seq_key)
-    p = self._prompts[pk]
+    p = self._prompts[self._prompt_of(seq_key)]
+    del self._where[seq_key]
     s = p.live.pop(seq_key)
     s.live = False
     if not keep:
@@ -188,6 +190,11 @@ class HistoryIndex:
       p.done_tokens -= o.n
       old.append(o)
     self._drop(p, old)
+
+  def _prompt_of(self, seq_key):
+    if seq_key not in self._where:
+      raise KeyError(f"HistoryIndex: sequence {seq_key!r} is not live (begin() it first)")
+    return self._where[seq_key]
 
   def _drop(self, p: _Prompt, seqs):
     """Removes sequences: their sa entries are filtered out (order kept), their pending untold."""
@@ -241,7 +248,7 @@ class HistoryIndex:
 
   def draft(self, seq_key, max_tokens: int, *, topk: int = 1,
             max_nodes: int | None = None) -> Draft:
-    pk = self._where[seq_key]
+    pk = self._prompt_of(seq_key)
     p = self._prompts[pk]
     self._prompts.move_to_end(pk)
     self._lookups += 1
