@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 
+from tlt_jax.rollout import history
 from tlt_jax.rollout.history import HistoryIndex
 
 
@@ -116,9 +117,11 @@ def _check(idx, ref, sk, max_tokens, topk=1, max_nodes=None):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_against_reference(seed):
+@pytest.mark.parametrize("small", [0, 4, 1 << 30])  # occurrences as arrays / lists / both
+def test_random_against_reference(seed, small, monkeypatch):
   """Interleaved begin/extend/end/draft on a 4-token vocabulary (many repeats, many ties),
   eviction on, frequent re-sorts: every chain and tree equals the reference's."""
+  monkeypatch.setattr(history, "_SMALL", small)
   rng = np.random.default_rng(seed)
   kw = dict(max_tokens_per_prompt=300, max_prompts=3, min_match=2, max_match=6, long_match=4,
             pending_min=8, pending_frac=0.3)

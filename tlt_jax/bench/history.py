@@ -102,11 +102,11 @@ def run_epoch(idx, rng, bases, epoch, samples, length, prompt_len, span, mut, vo
 
 def history_table(prompts=8, samples=16, length=16384, prompt_len=256, epochs=2, span=200,
                   mut=0.02, vocab=32000, chain=8, topk=4, nodes=32, tree_every=8, seed=0,
-                  full_prompts=512):
+                  full_prompts=512, **index_kw):
   """Lines of the benchmark (see the module docstring), one block per epoch."""
   rng = np.random.default_rng(seed)
   bases = [rng.integers(0, vocab, 2 * length) for _ in range(prompts)]
-  idx = HistoryIndex()
+  idx = HistoryIndex(**index_kw)
   lines = [f"HistoryIndex: {prompts} prompts x {samples} samples x {length} tokens "
            f"(+{prompt_len} prompt), span {span}, mutation {mut}, vocab {vocab}"]
   for ep in range(epochs):

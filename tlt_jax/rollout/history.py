@@ -35,8 +35,9 @@ one bisect (CPython `bisect` over 4-byte big-endian windows, memcmp order) finds
 match from the two neighbours' common prefix; galloping out from there bounds its range (long
 matches have few occurrences); continuations are numpy gathers at `arena[p + 1]` that narrow
 as the path grows. Backward keys never change once a position exists, so tokens emitted after
-the last sort sit in a "pending" tail per sequence that lookups scan with numpy (a two-token
-filter, then [C, max_match] windows); the arena is re-sorted lazily when pending exceeds
+the last sort are "pending": each position gets one uint64 (its token and the one before it)
+in a per-prompt array that a lookup filters with one numpy compare, then checks the few
+candidates' [C, max_match] windows in their rows' buffers; the arena is re-sorted lazily when pending exceeds
 max(pending_min, indexed * pending_frac), so sorting is amortised O(n log n) over a geometric
 series. Sorting packs 3 tokens (21 bits each) per uint64 and refines only the tied groups, 3
 tokens a round. Dropping a sequence (eviction, end(keep=False)) filters `sa` with a mask (a
@@ -63,6 +64,8 @@ import numpy as np
 
 SENTINEL = (1 << 21) - 1  # sorts after every token; token ids must be < SENTINEL
 _BITS = 21
+_SMALL = 32  # occurrence sets up to this size are walked as Python lists
+_NEVER = np.uint64((1 << 64) - 1)  # a pending key no (token, previous token) pair equals
 
 
 class Draft(NamedTuple):
@@ -76,7 +79,7 @@ _EMPTY = Draft(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.floa
 
 class _Seq:
   """One sequence (prompt + output): a growable buffer; `snap` tokens of it are in the arena."""
-  __slots__ = ("ids", "n", "snap", "start", "live")
+  __slots__ = ("ids", "n", "snap", "start", "live", "slot")
 
   def __init__(self, ids):
     ids = np.asarray(ids, np.int64).reshape(-1)
@@ -87,6 +90,7 @@ class _Seq:
     self.snap = 0       # tokens of this sequence copied into the arena at the last sort
     self.start = -1     # arena offset of its first token (-1: not in the arena)
     self.live = True
+    self.slot = -1      # index in _Prompt.pseqs while it has pending positions
 
   def append(self, toks):
     k = len(toks)
@@ -115,15 +119,33 @@ class _Prompt:
     self.sa = np.zeros(0, np.int32)            # [M] arena positions, sorted by backward window
     self.starts = np.zeros(0, np.int64)        # arena offset per arena sequence (sorted)
     self.seqs: list = []                       # _Seq per entry of starts
-    self.pending = 0                           # tokens emitted since the sort, not in sa
-    self.tails: list = []                      # finished _Seq with tokens not in the arena
+    # positions (with a next token) registered since the sort, not in sa:
+    self.pkey = np.zeros(256, np.uint64)       # [P] token << 21 | previous token
+    self.pslot = np.zeros(256, np.int32)       # [P] index into pseqs
+    self.poff = np.zeros(256, np.int32)        # [P] offset in that sequence
+    self.pending = 0                           # P
+    self.pseqs: list = []                      # _Seq per slot
 
   def all_seqs(self):
     return list(self.done) + list(self.live.values())
 
-  def unsorted(self):
-    """Sequences with tokens past their arena copy: the live rows and `tails`."""
-    return [s for s in self.live.values() if s.n > s.snap] + self.tails
+  def register(self, s: _Seq, old_n: int):
+    """Positions old_n-1 .. n-2 of s just got their next token: they become pending."""
+    o = np.arange(max(old_n - 1, 0), s.n - 1)
+    if not len(o):
+      return
+    if s.slot < 0:
+      s.slot = len(self.pseqs)
+      self.pseqs.append(s)
+    prev = np.where(o > 0, s.ids[np.maximum(o - 1, 0)], SENTINEL).astype(np.uint64)
+    key = (s.ids[o].astype(np.uint64) << np.uint64(_BITS)) | prev
+    k, m = self.pending, len(o)
+    if k + m > len(self.pkey):
+      cap = max(2 * len(self.pkey), k + m)
+      self.pkey, self.pslot, self.poff = (np.resize(a, cap) for a in
+                                          (self.pkey, self.pslot, self.poff))
+    self.pkey[k:k + m], self.pslot[k:k + m], self.poff[k:k + m] = key, s.slot, o
+    self.pending += m
 
 
 class HistoryIndex:
@@ -155,7 +177,7 @@ class HistoryIndex:
     self._prompts.move_to_end(prompt_key)
     s = _Seq(prompt_ids)
     p.live[seq_key] = s
-    p.pending += s.n
+    p.register(s, 0)
     self._where[seq_key] = prompt_key
     self._evict_prompts()
 
@@ -165,8 +187,9 @@ class HistoryIndex:
       return
     _check_ids(toks)
     p = self._prompts[self._prompt_of(seq_key)]
-    p.live[seq_key].append(toks)
-    p.pending += len(toks)
+    s = p.live[seq_key]
+    s.append(toks)
+    p.register(s, s.n - len(toks))
 
   def end(self, seq_key, keep: bool = True) -> None:
     p = self._prompts[self._prompt_of(seq_key)]
@@ -180,8 +203,6 @@ class HistoryIndex:
       s.ids = s.ids[:s.n].copy()
     else:
       s.ids = p.arena[s.start:s.start + s.n]
-    if s.n > s.snap:
-      p.tails.append(s)
     p.done.append(s)
     p.done_tokens += s.n
     old = []
@@ -197,11 +218,12 @@ class HistoryIndex:
     return self._where[seq_key]
 
   def _drop(self, p: _Prompt, seqs):
-    """Removes sequences: their sa entries are filtered out (order kept), their pending untold."""
+    """Removes sequences: sa entries filtered out (order kept), pending ones made unmatchable."""
     inarena = [s for s in seqs if s.start >= 0]
     for s in seqs:
-      p.pending -= s.n - s.snap
-    p.tails = [t for t in p.tails if all(t is not s for s in seqs)]
+      if s.slot >= 0:
+        p.pkey[:p.pending][p.pslot[:p.pending] == s.slot] = _NEVER
+        s.slot = -1
     if inarena:
       p.sa = p.sa[~_in_ranges(p.sa, [(s.start, s.start + s.snap) for s in inarena])]
       for s in inarena:
@@ -240,7 +262,9 @@ class HistoryIndex:
       if not s.live:
         s.ids = p.arena[s.start:s.start + s.n]
     p.pending = 0
-    p.tails = []
+    p.pseqs = []
+    for s in seqs:
+      s.slot = -1
     self._sorts += 1
     self._sort_s += time.perf_counter() - t0
 
@@ -310,22 +334,22 @@ class HistoryIndex:
     return best, lo, hi
 
   def _match_pending(self, p: _Prompt, q):
-    """Scans positions not yet sorted: (max match length, [(seq, offsets, match lengths)])."""
+    """Pending positions: (max match length, [(seq, offsets, match lengths)])."""
+    keys = p.pkey[:p.pending]
+    if len(q) > 1 and self.min_match >= 2:
+      cand = np.flatnonzero(keys == np.uint64((int(q[0]) << _BITS) | int(q[1])))
+    else:
+      cand = np.flatnonzero((keys >> np.uint64(_BITS)) == np.uint64(q[0]))
+    if not len(cand):
+      return 0, []
+    slots, offs = p.pslot[cand], p.poff[cand].astype(np.int64)
     out, best = [], 0
-    for s in p.unsorted():
-      first = max(s.snap - 1, 0) if s.start >= 0 else 0
-      if s.n - 1 <= first:
-        continue
-      ids = s.ids
-      o = first + np.flatnonzero(ids[first:s.n - 1] == q[0])  # [C] offsets with a next token
-      if len(q) > 1 and len(o) and self.min_match >= 2:
-        o = o[o >= 1]
-        o = o[ids[o - 1] == q[1]]  # two tokens in two vectorised passes, then windows
-      if not len(o):
-        continue
-      k = np.arange(len(q))
+    k = np.arange(len(q))
+    for slot in np.unique(slots):
+      s = p.pseqs[slot]
+      o = offs[slots == slot]
       idx = o[:, None] - k[None, :]  # [C, len(q)] backward windows
-      eq = (ids[np.maximum(idx, 0)] == q[None, :]) & (idx >= 0)
+      eq = (s.ids[np.maximum(idx, 0)] == q[None, :]) & (idx >= 0)
       m = np.cumprod(eq, axis=1).sum(axis=1)
       best = max(best, int(m.max()))
       out.append((s, o, m))
@@ -350,45 +374,74 @@ class HistoryIndex:
         pend.append((s, o, s.ids[o + 1].astype(np.int64)))
     return tok, occ_a, pend
 
+  def _to_list(self, p: _Prompt, occ_a, occ_p):
+    """Occurrences as [(seq, offset)]: small sets walk faster in plain Python than in numpy."""
+    out = []
+    if len(occ_a):
+      j = np.searchsorted(p.starts, occ_a, "right") - 1
+      for a, jj in zip(occ_a.tolist(), j.tolist()):
+        s = p.seqs[jj]
+        if s.start == p.starts[jj]:  # not dropped since the sort
+          out.append((s, a - s.start))
+    for s, o in occ_p:
+      out += [(s, x) for x in o.tolist()]
+    return out
+
   def _expand(self, p, occ_a, occ_p, length, max_tokens, topk, max_nodes):
-    """Best-first expansion by cumulative log frequency (topk=1: the chain)."""
+    """Best-first expansion by cumulative log frequency (topk=1: the chain).
+
+    A node's occurrences are (occ_a, occ_p) arrays while many, a [(seq, offset)] list once at
+    most `_SMALL` (both give the same counts and the same order: count desc, token asc)."""
     toks, parents, scores = [], [], []
-    heap = []  # (-score, tie, token, parent, depth, occ_a, occ_p)
+    heap = []  # (-score, tie, token, parent, depth, occurrences)
     tie = 0
 
-    def push_children(parent, depth, score, occ_a, occ_p):
+    def children(occ):
+      """[(-count, token, child occurrences)] best first, and the total count."""
+      if isinstance(occ, list):
+        groups: dict = {}
+        for s, o in occ:
+          if o + 1 < s.n:
+            groups.setdefault(int(s.ids[o + 1]), []).append((s, o + 1))
+        kids = sorted((-len(g), x) for x, g in groups.items())[:topk]
+        return [(nc, x, groups[x]) for nc, x in kids], sum(map(len, groups.values()))
+      tok_a, occ_a, pend = self._next(p, *occ)
+      allt = np.concatenate([tok_a] + [t for _, _, t in pend])
+      if not len(allt):
+        return [], 0
+      vals, counts = np.unique(allt, return_counts=True)
+      out = []
+      for j in np.lexsort((vals, -counts))[:topk]:
+        x = int(vals[j])
+        ca = occ_a[tok_a == x] + 1
+        cp = [(s, o[t == x] + 1) for s, o, t in pend]
+        cp = [(s, o) for s, o in cp if len(o)]
+        child = self._to_list(p, ca, cp) if counts[j] <= _SMALL else (ca, cp)
+        out.append((-int(counts[j]), x, child))
+      return out, len(allt)
+
+    def push_children(parent, depth, score, occ):
       nonlocal tie
       if depth >= max_tokens:
         return
-      tok_a, occ_a, pend = self._next(p, occ_a, occ_p)
-      allt = np.concatenate([tok_a] + [t for _, _, t in pend])
-      if not len(allt):
-        return
-      total = len(allt)
-      if total <= 64:  # small sets: a Counter beats np.unique's fixed cost
-        kids = sorted((-c, x) for x, c in collections.Counter(allt.tolist()).items())[:topk]
-      else:
-        vals, counts = np.unique(allt, return_counts=True)
-        kids = [(-int(counts[j]), int(vals[j])) for j in np.lexsort((vals, -counts))[:topk]]
+      kids, total = children(occ)
       need1 = length + depth >= self.long_match  # context of a child = length + depth tokens
-      for negc, x in kids:
+      for negc, x, child in kids:
         c = -negc
         if c < (1 if need1 else 2):
           continue
-        child_a = occ_a[tok_a == x] + 1
-        child_p = [(s, o[t == x] + 1) for s, o, t in pend]
-        child_p = [(s, o) for s, o in child_p if len(o)]
-        heapq.heappush(heap, (-(score + math.log(c / total)), tie, x, parent, depth + 1,
-                              child_a, child_p))
+        heapq.heappush(heap, (-(score + math.log(c / total)), tie, x, parent, depth + 1, child))
         tie += 1
 
-    push_children(-1, 0, 0.0, occ_a, occ_p)
+    n_occ = len(occ_a) + sum(len(o) for _, o in occ_p)
+    root = self._to_list(p, occ_a, occ_p) if n_occ <= _SMALL else (occ_a, occ_p)
+    push_children(-1, 0, 0.0, root)
     while heap and len(toks) < max_nodes:
-      negs, _, x, parent, depth, ca, cp = heapq.heappop(heap)
+      negs, _, x, parent, depth, occ = heapq.heappop(heap)
       toks.append(x)
       parents.append(parent)
       scores.append(-negs)
-      push_children(len(toks) - 1, depth, -negs, ca, cp)
+      push_children(len(toks) - 1, depth, -negs, occ)
     if not toks:
       return _EMPTY
     return Draft(np.asarray(toks, np.int32), np.asarray(parents, np.int32),
