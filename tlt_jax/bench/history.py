@@ -127,13 +127,18 @@ def history_table(prompts=8, samples=16, length=16384, prompt_len=256, epochs=2,
       f"({st['tokens']} tokens, {st['memory_bytes'] / 2**20:.1f} MiB)",
     ]
   per_step = full_prompts * samples * (length + prompt_len)
+  bpt = st["memory_bytes"] / st["tokens"]
+  look = 1e6 * c["chain_s"] / c["lookups"]
   lines += [
-    f"extrapolated to {full_prompts} prompts x {samples} x {length} (one step, "
-    f"{per_step / 1e6:.1f}M tokens): insert = {per_step / 1e6:.1f}M x {1e6 * ins:.2f} us = "
-    f"{per_step * ins:.0f} s CPU per step; memory = bytes/token x tokens kept = "
-    f"{st['memory_bytes'] / st['tokens'] * per_step * epochs / 2**30:.2f} GiB for {epochs} "
-    f"epochs of history; lookups: (live rows per decode step) x "
-    f"{1e6 * c['chain_s'] / c['lookups']:.0f} us"]
+    f"extrapolation to {full_prompts} prompts x {samples} samples (per-prompt costs are "
+    f"independent, so totals scale linearly in prompts):",
+    f"  insert CPU per step = tokens/step x {1e6 * ins:.2f} us: {per_step / 1e6:.0f}M tokens "
+    f"(all {length}+{prompt_len} long) -> {per_step * ins:.0f} s; 8M tokens -> {8e6 * ins:.0f} s",
+    f"  memory = {bpt:.1f} B x history tokens kept: {epochs} epochs at full length -> "
+    f"{bpt * per_step * epochs / 2**30:.1f} GiB; cap {full_prompts} x max_tokens_per_prompt "
+    f"(2^20) -> {bpt * full_prompts * 2**20 / 2**30:.1f} GiB",
+    f"  lookups per decode step = live rows x {look:.0f} us (e.g. 224 rows: "
+    f"{224 * look / 1e3:.0f} ms)"]
   return lines
 
 

@@ -262,6 +262,7 @@ class HistoryIndex:
       if not s.live:
         s.ids = p.arena[s.start:s.start + s.n]
     p.pending = 0
+    p.pkey, p.pslot, p.poff = (np.zeros(256, t) for t in (np.uint64, np.int32, np.int32))
     p.pseqs = []
     for s in seqs:
       s.slot = -1
@@ -458,6 +459,7 @@ class HistoryIndex:
         if s.ids.base is None:  # own buffer (live rows, finished ones not sorted yet)
           mem += s.ids.nbytes
       mem += p.arena.nbytes + p.sa.nbytes + p.starts.nbytes
+      mem += p.pkey.nbytes + p.pslot.nbytes + p.poff.nbytes
     return {"prompts": len(self._prompts), "sequences": seqs, "tokens": tokens,
             "memory_bytes": mem, "lookups": self._lookups, "hits": self._hits,
             "mean_match_len": self._match_sum / max(self._hits, 1), "sorts": self._sorts,
