@@ -37,11 +37,11 @@ matches have few occurrences); continuations are numpy gathers at `arena[p + 1]`
 as the path grows. Backward keys never change once a position exists, so tokens emitted after
 the last sort are "pending": each position gets one uint64 (its token and the one before it)
 in a per-prompt array that a lookup filters with one numpy compare, then checks the few
-candidates' [C, max_match] windows in their rows' buffers; the arena is re-sorted lazily when pending exceeds
-max(pending_min, indexed * pending_frac), so sorting is amortised O(n log n) over a geometric
-series. Sorting packs 3 tokens (21 bits each) per uint64 and refines only the tied groups, 3
-tokens a round. Dropping a sequence (eviction, end(keep=False)) filters `sa` with a mask (a
-filtered sorted array stays sorted); its arena bytes are reclaimed at the next re-sort.
+candidates' [C, max_match] windows in their rows' buffers; the arena is re-sorted lazily when
+pending exceeds max(pending_min, indexed * pending_frac), so sorting is amortised O(n log n)
+over a geometric series. Sorting is prefix doubling on uint64 keys (`_backward_sorted`).
+Dropping a sequence (eviction, end(keep=False)) filters `sa` with a mask (a filtered sorted
+array stays sorted); its arena bytes are reclaimed at the next re-sort.
 Memory: 8 bytes per indexed token (4 arena + 4 sa; finished sequences are views into the
 arena) plus the live rows' own buffers. A suffix automaton (incremental, O(1) amortised
 extend) was measured in CPython with dict transitions (tlt_jax/bench/history.py
@@ -257,7 +257,7 @@ class HistoryIndex:
     p.arena = arena.astype(">u4")
     p.starts = np.asarray(starts, np.int64)
     p.seqs = seqs
-    p.sa = pos[_backward_order(arena.astype(np.uint64), pos, w)].astype(np.int32)
+    p.sa = _backward_sorted(arena.astype(np.uint64), pos, w).astype(np.int32)
     for s in seqs:  # finished sequences live in the arena only: 4 bytes a token, not 8
       if not s.live:
         s.ids = p.arena[s.start:s.start + s.n]
@@ -475,33 +475,34 @@ def _in_ranges(x, ranges):
   return ok & (x < r[jj, 1])
 
 
-def _backward_order(arena, pos, w):
-  """Order of `pos` by the window arena[p], arena[p-1], ..., arena[p-w+1] (lexicographic).
+def _backward_sorted(arena, pos, w):
+  """`pos` sorted by the window arena[p], arena[p-1], ..., arena[p-w+1] (lexicographic).
 
-  3 tokens per uint64 a round; after the first round only the groups still tied are re-sorted,
-  so text without long repeats costs about one argsort."""
-  def packed(pp, r):
-    key = np.zeros(len(pp), np.uint64)
-    for i in range(3):
-      j = 3 * r + i
-      t = arena[pp - j] if j < w else np.zeros(len(pp), np.uint64)
-      key = (key << np.uint64(_BITS)) | t
-    return key
-
-  order = np.argsort(packed(pos, 0), kind="stable")
-  k0 = packed(pos[order], 0)
-  brk = np.ones(len(pos), bool)  # [M] a new group starts here (sorted order)
-  brk[1:] = k0[1:] != k0[:-1]
-  for r in range(1, (w + 2) // 3):
-    gid = np.cumsum(brk) - 1
-    tied = np.flatnonzero(np.bincount(gid)[gid] > 1)
-    if not len(tied):
+  Prefix doubling over every arena position: rank by 3 packed tokens, then rank pairs
+  (rank[p], rank[p-h]) packed in one uint64 (ranks < 2^32), h = 3, 6, 12, 24, ... until h >= w
+  or all ranks differ; an order by longer windows is also one by their first w tokens.
+  Measured on 524k reasoning-like positions: 0.44 s vs 1.5-2.2 s for 3-token rounds over the
+  tied groups (long copied stretches keep most groups tied for all 11 rounds)."""
+  a = len(arena)
+  back = np.arange(a)
+  key = np.zeros(a, np.uint64)
+  for i in range(3):  # the front pad is sentinels, so clipping at 0 reads a sentinel
+    key = (key << np.uint64(_BITS)) | arena[np.maximum(back - i, 0)]
+  order = np.argsort(key)
+  ks = key[order]
+  brk = np.ones(a, bool)  # [A] sorted order: a new rank starts here
+  brk[1:] = ks[1:] != ks[:-1]
+  rank = np.empty(a, np.uint64)
+  h = 3
+  while True:
+    rank[order] = np.cumsum(brk) - 1
+    if h >= w or brk.all():
       break
-    kr = packed(pos[order[tied]], r)
-    sub = np.lexsort((kr, gid[tied]))  # gid[tied] is ascending: groups stay in place
-    order[tied] = order[tied][sub]
-    kr = kr[sub]
-    nb = np.zeros(len(tied), bool)
-    nb[1:] = kr[1:] != kr[:-1]
-    brk[tied] |= nb
-  return order
+    key = (rank << np.uint64(32)) | rank[np.maximum(back - h, 0)]
+    order = np.argsort(key)
+    ks = key[order]
+    brk[1:] = ks[1:] != ks[:-1]
+    h *= 2
+  keep = np.zeros(a, bool)
+  keep[pos] = True
+  return order[keep[order]]
