@@ -268,3 +268,20 @@ def test_finished_tails_after_sort():
   idx.extend("row", [5, 6])
   assert idx.draft("row", 1).tokens.tolist() == [7]
   assert idx.stats()["sorts"] == 1  # the last draft read a's tail from the pending scan
+
+
+def test_bench_later_epoch_drafts_more():
+  """tlt_jax/bench/history.py at toy scale: with the earlier epoch's responses in the history a
+  perfect verifier accepts more per lookup than with siblings alone; the tree (top-4, 32 nodes,
+  mostly holding the chain's path) accepts at least 90% of what the chain does."""
+  from tlt_jax.bench.history import run_epoch
+  rng = np.random.default_rng(0)
+  bases = [rng.integers(0, 500, 1024) for _ in range(2)]
+  idx = HistoryIndex()
+  acc = []
+  for ep in range(2):
+    c = run_epoch(idx, rng, bases, ep, samples=4, length=512, prompt_len=16, span=50, mut=0.02,
+                  vocab=500, chain=8, topk=4, nodes=32, tree_every=1)
+    acc.append(c["accepted"] / c["lookups"])
+    assert c["tree_accepted"] >= 0.9 * c["accepted"] * c["trees"] / c["lookups"]
+  assert acc[1] > acc[0] + 0.5, acc
