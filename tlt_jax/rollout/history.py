@@ -131,20 +131,27 @@ class _Prompt:
 
   def register(self, s: _Seq, old_n: int):
     """Positions old_n-1 .. n-2 of s just got their next token: they become pending."""
-    o = np.arange(max(old_n - 1, 0), s.n - 1)
-    if not len(o):
+    lo, hi = max(old_n - 1, 0), s.n - 1
+    m, k = hi - lo, self.pending
+    if m <= 0:
       return
     if s.slot < 0:
       s.slot = len(self.pseqs)
       self.pseqs.append(s)
-    prev = np.where(o > 0, s.ids[np.maximum(o - 1, 0)], SENTINEL).astype(np.uint64)
-    key = (s.ids[o].astype(np.uint64) << np.uint64(_BITS)) | prev
-    k, m = self.pending, len(o)
     if k + m > len(self.pkey):
       cap = max(2 * len(self.pkey), k + m)
       self.pkey, self.pslot, self.poff = (np.resize(a, cap) for a in
                                           (self.pkey, self.pslot, self.poff))
-    self.pkey[k:k + m], self.pslot[k:k + m], self.poff[k:k + m] = key, s.slot, o
+    key = self.pkey[k:k + m]  # view: filled in place
+    key[:] = s.ids[lo:hi]
+    key <<= np.uint64(_BITS)
+    if lo:
+      key |= s.ids[lo - 1:hi - 1]
+    else:
+      key[0] |= np.uint64(SENTINEL)
+      key[1:] |= s.ids[:hi - 1]
+    self.pslot[k:k + m] = s.slot
+    self.poff[k:k + m] = np.arange(lo, hi)
     self.pending += m
 
 
