@@ -48,7 +48,14 @@ extend) was measured in CPython with dict transitions (tlt_jax/bench/history.py
 `automaton_cost`): hundreds of bytes per token, i.e. tens of GB at 512 prompts x 256k
 tokens; it also cannot delete (eviction and dropped rows would rebuild it) and its occurrence
 counts need propagating along suffix links. The arena + sorted array is numpy-sized and exact.
-Measured numbers: scripts/bench_history.py (tlt_jax/bench/history.py).
+Measured (scripts/bench_history.py, CPython 3.12 on 2 shared cores at load ~10, so times
+are upper bounds; 8 prompts x 16 samples x 16k tokens of reasoning-like text): memory 11-14
+bytes per history token (arena + sa + live buffers + pending); insert 5-6 us per token, of
+which the lazy sorts are 0.6-1.3; a chain-8 lookup 95 us (first epoch) to 180-250 us (later
+epoch: longer drafts walk more nodes), a top-4 32-node tree about the same. A perfect
+verifier accepts 2.2 drafted tokens per lookup from live siblings alone, 4.9 once the
+previous epoch's answers are history. The dict suffix automaton: ~400 bytes and ~10 us per
+token, before any occurrence counts.
 """
 
 from __future__ import annotations
