@@ -1,0 +1,178 @@
+"""HistoryIndex at scale: memory per history token, time per inserted token and per lookup,
+and tokens accepted per lookup by a perfect verifier, first epoch vs a later one.
+
+Synthetic "reasoning-like" groups: per prompt a base text (random tokens); each sample copies
+random spans of it (mean `span` tokens) with mutations (a token replaced with probability
+`mut`, a short random run inserted between spans), so siblings share long stretches in
+different orders, like n answers to one problem. Every epoch draws fresh samples from the
+same base, so in a later epoch the earlier epoch's responses are history.
+
+Decoding is simulated as speculative decoding with a perfect verifier: the rows of all
+prompts advance round-robin; each round a row drafts (chain of `chain` tokens), the accepted
+count is the longest prefix equal to the row's own next tokens (its future is known here), and
+the row emits accepted + 1 tokens (the bonus token), exactly what a lossless verifier commits
+under greedy decoding. Every `tree_every`-th round the row also drafts a tree (topk, nodes)
+and scores the longest root path matching its future (a tree verifier's acceptance), timed
+separately. Insert time covers begin/extend/end plus the lazy re-sorts (stats()["sort_s"]),
+which run inside draft() and are subtracted from the lookup time.
+"""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+
+import numpy as np
+
+from tlt_jax.rollout.history import HistoryIndex
+
+
+def make_sample(rng, base, length, span, mut, vocab):
+  """[length] tokens: random spans of `base` with mutations and short random insertions."""
+  out, n = [], 0
+  while n < length:
+    k = int(min(rng.geometric(1 / span), len(base)))
+    a = int(rng.integers(0, len(base) - k + 1))
+    piece = base[a:a + k].copy()
+    flip = rng.random(k) < mut
+    piece[flip] = rng.integers(0, vocab, int(flip.sum()))
+    out += [piece, rng.integers(0, vocab, int(rng.integers(0, 4)))]
+    n += len(out[-2]) + len(out[-1])
+  return np.concatenate(out)[:length].astype(np.int64)
+
+
+def _tree_accept(d, future):
+  """Longest root path of the tree whose tokens equal future[:depth]."""
+  depth = np.zeros(len(d.tokens), np.int64)
+  best = 0
+  for i, (t, par) in enumerate(zip(d.tokens, d.parents)):
+    pd = 0 if par < 0 else depth[par]
+    if (par < 0 or depth[par] > 0) and pd < len(future) and t == future[pd]:
+      depth[i] = pd + 1
+      best = max(best, depth[i])
+  return best
+
+
+def run_epoch(idx, rng, bases, epoch, samples, length, prompt_len, span, mut, vocab, chain,
+              topk, nodes, tree_every):
+  """Decodes one epoch of all prompts; returns the epoch's counters."""
+  rows = []
+  for pk, base in enumerate(bases):
+    prompt = base[:prompt_len]
+    for j in range(samples):
+      out = make_sample(rng, base, length, span, mut, vocab)
+      key = (epoch, pk, j)
+      rows.append([key, out, 0])
+      idx.begin(pk, key, prompt)
+  c = dict(insert_s=0.0, chain_s=0.0, tree_s=0.0, lookups=0, accepted=0, trees=0,
+           tree_accepted=0, tokens=len(bases) * samples * (length + prompt_len))
+  rnd = 0
+  live = rows
+  while live:
+    for r in live:
+      key, out, at = r
+      future = out[at:at + chain + 1]
+      s0 = idx._sort_s
+      t0 = time.perf_counter()
+      d = idx.draft(key, chain)
+      c["chain_s"] += time.perf_counter() - t0 - (idx._sort_s - s0)
+      c["lookups"] += 1
+      acc = 0
+      while acc < len(d.tokens) and acc < len(future) and d.tokens[acc] == future[acc]:
+        acc += 1
+      c["accepted"] += acc
+      if rnd % tree_every == 0:
+        s0 = idx._sort_s
+        t0 = time.perf_counter()
+        dt = idx.draft(key, chain, topk=topk, max_nodes=nodes)
+        c["tree_s"] += time.perf_counter() - t0 - (idx._sort_s - s0)
+        c["trees"] += 1
+        c["tree_accepted"] += _tree_accept(dt, future)
+      step = min(acc + 1, len(out) - at)
+      t0 = time.perf_counter()
+      idx.extend(key, out[at:at + step])
+      r[2] = at + step
+      if r[2] >= len(out):
+        idx.end(key)
+      c["insert_s"] += time.perf_counter() - t0
+    live = [r for r in live if r[2] < len(r[1])]
+    rnd += 1
+  return c
+
+
+def history_table(prompts=8, samples=16, length=16384, prompt_len=256, epochs=2, span=200,
+                  mut=0.02, vocab=32000, chain=8, topk=4, nodes=32, tree_every=8, seed=0,
+                  full_prompts=512, **index_kw):
+  """Lines of the benchmark (see the module docstring), one block per epoch."""
+  rng = np.random.default_rng(seed)
+  bases = [rng.integers(0, vocab, 2 * length) for _ in range(prompts)]
+  idx = HistoryIndex(**index_kw)
+  lines = [f"HistoryIndex: {prompts} prompts x {samples} samples x {length} tokens "
+           f"(+{prompt_len} prompt), span {span}, mutation {mut}, vocab {vocab}"]
+  for ep in range(epochs):
+    sort0 = idx._sort_s
+    c = run_epoch(idx, rng, bases, ep, samples, length, prompt_len, span, mut, vocab, chain,
+                  topk, nodes, tree_every)
+    st = idx.stats()
+    ins = (c["insert_s"] + idx._sort_s - sort0) / c["tokens"]
+    lines += [
+      f"epoch {ep} ({'siblings only' if ep == 0 else 'earlier responses in history'}):",
+      f"  accepted/lookup chain{chain}: {c['accepted'] / c['lookups']:.2f} "
+      f"(tokens/verification {1 + c['accepted'] / c['lookups']:.2f}); "
+      f"tree top{topk}x{nodes}: {c['tree_accepted'] / max(c['trees'], 1):.2f}",
+      f"  insert {1e6 * ins:.2f} us/token (sorts {1e6 * (idx._sort_s - sort0) / c['tokens']:.2f}"
+      f" us/token of it), lookup chain{chain} {1e6 * c['chain_s'] / c['lookups']:.0f} us, "
+      f"tree {1e6 * c['tree_s'] / max(c['trees'], 1):.0f} us ({c['lookups']} lookups)",
+      f"  memory {st['memory_bytes'] / st['tokens']:.2f} bytes/history token "
+      f"({st['tokens']} tokens, {st['memory_bytes'] / 2**20:.1f} MiB)",
+    ]
+  per_step = full_prompts * samples * (length + prompt_len)
+  bpt = st["memory_bytes"] / st["tokens"]
+  look = 1e6 * c["chain_s"] / c["lookups"]
+  lines += [
+    f"extrapolation to {full_prompts} prompts x {samples} samples (per-prompt costs are "
+    f"independent, so totals scale linearly in prompts):",
+    f"  insert CPU per step = tokens/step x {1e6 * ins:.2f} us: {per_step / 1e6:.0f}M tokens "
+    f"(all {length}+{prompt_len} long) -> {per_step * ins:.0f} s; 8M tokens -> {8e6 * ins:.0f} s",
+    f"  memory = {bpt:.1f} B x history tokens kept: {epochs} epochs at full length -> "
+    f"{bpt * per_step * epochs / 2**30:.1f} GiB; cap {full_prompts} x max_tokens_per_prompt "
+    f"(2^20) -> {bpt * full_prompts * 2**20 / 2**30:.1f} GiB",
+    f"  lookups per decode step = live rows x {look:.0f} us (e.g. 224 rows: "
+    f"{224 * look / 1e3:.0f} ms)"]
+  return lines
+
+
+def automaton_cost(n=100_000, vocab=32000, seed=0):
+  """(bytes per token, us per token) of a plain CPython suffix automaton (dict transitions,
+  no occurrence counts): the alternative rollout/history.py's docstring rejects."""
+  toks = np.random.default_rng(seed).integers(0, vocab, n).tolist()
+  tracemalloc.start()
+  t0 = time.perf_counter()
+  nxt, link, length, last = [{}], [-1], [0], 0
+  for c in toks:
+    cur = len(nxt)
+    nxt.append({})
+    link.append(0)
+    length.append(length[last] + 1)
+    p = last
+    while p != -1 and c not in nxt[p]:
+      nxt[p][c] = cur
+      p = link[p]
+    if p != -1:
+      q = nxt[p][c]
+      if length[p] + 1 == length[q]:
+        link[cur] = q
+      else:
+        clone = len(nxt)
+        nxt.append(dict(nxt[q]))
+        link.append(link[q])
+        length.append(length[p] + 1)
+        while p != -1 and nxt[p].get(c) == q:
+          nxt[p][c] = clone
+          p = link[p]
+        link[q] = link[cur] = clone
+    last = cur
+  dt = time.perf_counter() - t0
+  mem = tracemalloc.get_traced_memory()[0]
+  tracemalloc.stop()
+  return mem / n, 1e6 * dt / n
