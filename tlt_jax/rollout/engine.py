@@ -72,7 +72,7 @@ class SpecConfig:
   """Adaptive speculative decoding: on once the live batch stays <= bs_threshold for
   `patience` consecutive chunk checks (then on for the rest of the generate call)."""
 
-  strategy: str = DEFAULT_ARM  # "<steps>_<topk>_<verify_tokens>" or "off": the fixed arm
+  strategy: str = DEFAULT_ARM  # an arm name (strategy.py), e.g. "4_1_5", "hist_4", "off"
   bs_threshold: int = 32
   patience: int = 2
   use_kernel: bool | None = None  # Pallas verification kernel vs jnp reference; None: GPU only

@@ -34,6 +34,14 @@ over each row's sequence so far recomputes the hidden states the drafter consume
 target's cache, hidden state and sampling stream are untouched: the drafter only proposes).
 A strategy with steps=0 is plain decoding inside this state ("SD off" as a bandit arm).
 
+External drafts (history arms, `history_step`): steps 2-3 shrink to the drafter's catch-up
+(kept, so a later drafter arm drafts from a coherent cache) and the drafts come in as arrays,
+a padded tree per row with parent indices (`external_tree`; a chain has one child per node).
+Steps 1, 4 and 5 are the shared `_start` and `_verify_commit`: one target forward with a tree
+mask, `verify_tree`'s target-only rule (exact for deterministic drafts: greedy = the longest
+matching path; sampling = accept c with probability p(c), else remove c and renormalise), and
+the accepted path committed as a drafter tree's is.
+
 Costs (scripts/profile_spec.py): per step, 1 target forward over the verified tokens + 1
 drafter catch-up + (steps - 1) drafter forwards. Greedy steps draw no randomness at all.
 """
