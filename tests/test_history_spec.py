@@ -276,3 +276,26 @@ def test_broken_history_acceptance_is_detected(peaked, arm, monkeypatch):
   seqs, _ = sample_history(params, dparams, sp, Strategy.parse(arm), monkeypatch,
                            verify=_accept_first_child)
   assert broken_p(seqs, exact_joint(params, sp)) < 1e-6
+
+
+def test_background_compile_of_history_arms(tiny):
+  """History arms compile ahead like drafter arms (their step takes the draft arrays): a
+  second generate call runs them with nothing compiled in the foreground, outputs unchanged."""
+  params, dparams = tiny
+  reqs, sp = _requests(6), SamplingParams(temperature=0.0)
+  plain = _by_key(Engine(params, CFG, EngineConfig(**SMALL)).generate(reqs, sp))
+  oracle = {k: np.concatenate([r.prompt_ids, r.response_ids]) for k, r in plain.items()}
+  arms = ["hist_2", "2_1_3", "histtree_2_2_5"]
+  w = Engine(params, CFG, EngineConfig(
+      **SMALL, spec=SpecConfig(strategy=arms[0], bs_threshold=4, patience=1, use_kernel=False,
+                              background_compile=True)), drafter_params=dparams,
+             history=FakeIndex(oracle, CFG.vocab_size), selector=CycleSelector(arms))
+  first = _by_key(w.generate(reqs, sp))
+  w.compiles.wait(timeout=600)
+  n = len(w.chunk_log)
+  second = _by_key(w.generate(reqs, sp))
+  chunks = w.chunk_log[n:]
+  assert {c.mode for c in chunks} >= set(arms) and not any(c.compiled for c in chunks)
+  for k in plain:
+    np.testing.assert_array_equal(first[k].response_ids, plain[k].response_ids)
+    np.testing.assert_array_equal(second[k].response_ids, plain[k].response_ids)

@@ -499,13 +499,13 @@ class Engine:
     b, n = state.batch_size, strategy.verify_tokens - 1
     rows = {s: sched.slots[s].key for s in sched.live}
     outs, counts = [], np.zeros((2,), np.int64)
+    put = lambda x: jax.device_put(x, self._replicated)
     for _ in range(self.ecfg.chunk_size):
       tokens, parents = np.zeros((b, n), np.int32), np.full((b, n), -2, np.int32)
       for s, key in rows.items():
         d = self.history.draft(key, strategy.steps, topk=strategy.topk, max_nodes=n)
         m = min(len(d.tokens), n)  # a prefix of a topological order keeps every parent
         tokens[s, :m], parents[s, :m] = d.tokens[:m], d.parents[:m]
-      put = lambda x: jax.device_put(x, self._replicated)
       state, out, acc = exe(self.params, self.drafter_params, state, put(tokens), put(parents))
       base = state.base
       out, done, stopped, acc = jax.device_get((out, base.done, base.stopped, acc))
