@@ -241,7 +241,8 @@ def errors(ckpt, tmp_path_factory):
     ("vocab", rf"error: \S*vocab\.jsonl:1: token id {VOCAB} is outside the vocabulary "
               rf"\[0, {VOCAB}\)"),
     ("not_an_arm", r"error: --spec: strategy 'chain': use '<steps>_<topk>_<verify_tokens>' "
-                   r"\(e\.g\. '4_1_5'\) or 'off'"),
+                   r"\(e\.g\. '4_1_5'\), 'hist_<steps>', "
+                   r"'histtree_<steps>_<topk>_<verify_tokens>' or 'off'"),
     ("tree_too_big", r"error: --spec: strategy 2_2_9: a tree of depth 2 and branching 2 has 7 "
                      r"candidate nodes"),
 ])

@@ -3,7 +3,6 @@ outputs distributed exactly as the target's (chi-square against the exact joint 
 computed by enumeration), and a deliberately broken acceptance rule fails the same test."""
 
 import functools
-import itertools
 import json
 import os
 
@@ -11,14 +10,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
 
 from tlt_jax.drafter.model import drafter_cache, init_drafter
-from tlt_jax.models import ModelConfig, forward, init_cache, init_params
+from tlt_jax.models import ModelConfig, init_cache, init_params
 from tlt_jax.rollout import speculative
 from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
 from tlt_jax.rollout.records import Request
-from tlt_jax.rollout.sampling import SamplingParams, processed_logprobs
+from tlt_jax.rollout.sampling import SamplingParams
+from spec_helpers import (N, NEW, PEAKED, PROMPT, SAMPLING, broken_p, chi_square_p, exact_joint,
+                          make_peaked)
 
 CFG = ModelConfig(arch="qwen2", vocab_size=61, hidden_size=32, intermediate_size=64,
                   num_layers=2, num_heads=4, num_kv_heads=2, qkv_bias=True,
@@ -242,35 +242,9 @@ def test_switch_on_after_plain_decoding_gives_the_drafter_its_context():
 
 
 # ------------------------------------------------------------------------ distribution tests
-V = 6
-PEAKED = ModelConfig(arch="llama", vocab_size=V, hidden_size=32, intermediate_size=64,
-                     num_layers=2, num_heads=4, num_kv_heads=2, tie_word_embeddings=False)
-PROMPT = [1, 4, 2]
-NEW = 3  # joint distribution of the first 3 tokens: V**3 = 216 cells
-N = 12000
-
-
 @pytest.fixture(scope="module")
 def peaked():
-  """A target whose next-token distributions are peaked but not deterministic, and a random
-  (mismatched) drafter."""
-  params = init_params(PEAKED, jax.random.key(3), std=0.25)
-  dparams = init_drafter(PEAKED, jax.random.key(4), std=0.3)
-  return params, dparams
-
-
-def exact_joint(params, sp: SamplingParams) -> np.ndarray:
-  """p(t1, t2, t3 | prompt) under the processed distribution, by enumerating every prefix."""
-  seqs = np.array(list(itertools.product(range(V), repeat=NEW - 1)), np.int32)  # [V^2, 2]
-  toks = np.concatenate([np.tile(PROMPT, (len(seqs), 1)), seqs], axis=1)
-  pos = np.broadcast_to(np.arange(toks.shape[1]), toks.shape)
-  logits = forward(params, jnp.asarray(toks), jnp.asarray(pos), cfg=PEAKED).logits
-  lp = np.asarray(processed_logprobs(logits, sp), np.float64)  # [V^2, T, V]
-  p0 = len(PROMPT) - 1
-  joint = np.zeros((V,) * NEW)
-  for i, (a, b) in enumerate(seqs):
-    joint[a, b, :] = np.exp(lp[i, p0, a] + lp[i, p0 + 1, b] + lp[i, p0 + 2])
-  return joint / joint.sum()
+  return make_peaked()
 
 
 def sample_joint(params, dparams, sp, strategy, seed=0, verify=None, cache_len=16):
@@ -306,22 +280,6 @@ def _with_verify(fn, name, verify):
     finally:
       setattr(speculative, name, orig)
   return wrapped
-
-
-def chi_square_p(seqs, joint):
-  counts = np.zeros(joint.size)
-  np.add.at(counts, np.ravel_multi_index(seqs.T, joint.shape), 1)
-  expected = joint.ravel() * len(seqs)
-  assert counts[expected == 0].sum() == 0, "sampled a token outside the target's support"
-  keep = expected > 5  # pool sparse cells (chi-square validity)
-  obs = np.append(counts[keep], counts[~keep].sum())
-  exp = np.append(expected[keep], expected[~keep].sum())
-  if exp[-1] == 0:
-    obs, exp = obs[:-1], exp[:-1]
-  return stats.chisquare(obs, exp).pvalue
-
-
-SAMPLING = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=4)]
 
 
 @pytest.mark.parametrize("sp", SAMPLING, ids=["t1", "t0.8_topk4"])
@@ -372,16 +330,8 @@ def test_broken_acceptance_rule_is_detected(peaked):
   params, dparams = peaked
   sp = SAMPLING[0]
   seqs, _ = sample_joint(params, dparams, sp, speculative.Strategy(2), verify=always_accept)
-  assert _broken_p(seqs, exact_joint(params, sp)) < 1e-6
+  assert broken_p(seqs, exact_joint(params, sp)) < 1e-6
   del V_
-
-
-def _broken_p(seqs, joint):
-  counts = np.zeros(joint.size)
-  np.add.at(counts, np.ravel_multi_index(seqs.T, joint.shape), 1)
-  keep = joint.ravel() * N > 5
-  return stats.chisquare(np.append(counts[keep], counts[~keep].sum()),
-                         np.append(joint.ravel()[keep], joint.ravel()[~keep].sum()) * N).pvalue
 
 
 def test_broken_tree_rule_is_detected(peaked):
@@ -404,7 +354,7 @@ def test_broken_tree_rule_is_detected(peaked):
   params, dparams = peaked
   sp = SAMPLING[0]
   seqs, _ = sample_joint(params, dparams, sp, speculative.Strategy(2, 2, 5), verify=first_child)
-  assert _broken_p(seqs, exact_joint(params, sp)) < 1e-6
+  assert broken_p(seqs, exact_joint(params, sp)) < 1e-6
 
 
 def test_strategy_validation():

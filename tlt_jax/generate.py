@@ -11,7 +11,10 @@ finish_reason. A summary (tokens/s, batch-size profile over time) goes to stderr
 
 --spec takes one arm of the engine's grammar (rollout/strategy.py): "<steps>_<topk>_<verify>",
 e.g. 4_1_5 (a chain of 4 drafts, 5 tokens verified) or 3_2_6 (a tree of depth 3, branching 2,
-6 nodes verified); "off" decodes plainly.
+6 nodes verified); "off" decodes plainly. History arms, "hist_<K>" (a chain of up to K tokens)
+and "histtree_<K>_<topk>_<N>", draft from what the other samples of the same prompt
+(--num_samples) and the row itself have written (rollout/history.py's index); without
+--drafter they run with a freshly initialised drafter, whose catch-up alone runs.
 """
 
 from __future__ import annotations
@@ -41,13 +44,23 @@ flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute/param dt
 flags.DEFINE_string("drafter", None, "Drafter directory (scripts/train_drafter.py output) or "
                     "init:SEED for a freshly initialised drafter.")
 flags.DEFINE_string("spec", "off", "Speculative decoding arm '<steps>_<topk>_<verify_tokens>' "
-                    "(e.g. 4_1_5: a chain of 4 drafts; 3_2_6: a tree) or 'off'.")
+                    "(e.g. 4_1_5: a chain of 4 drafts; 3_2_6: a tree), 'hist_<steps>', "
+                    "'histtree_<steps>_<topk>_<verify_tokens>' (history drafts) or 'off'.")
 flags.DEFINE_integer("spec_threshold", 0, "Speculate once the live batch is <= this "
                      "(0 = always).")
 
 
 class InputError(ValueError):
   pass
+
+
+def history_index():
+  """The host history index for history arms (imported here: only history arms need it)."""
+  try:
+    from tlt_jax.rollout.history import HistoryIndex
+  except ImportError as e:
+    raise InputError(f"--spec hist*: the history index is unavailable ({e})") from None
+  return HistoryIndex()
 
 
 def read_prompts(path: str, tokenizer, *, chat: bool) -> list[list[int]]:
@@ -134,17 +147,20 @@ def main(argv):
     problem = prompt_problem(ids, vocab_size=cfg.vocab_size, max_prompt_len=max_prompt_len)
     if problem:
       raise InputError(f"{where}: {problem}")
-  spec, dparams = None, None
+  spec, dparams, history = None, None, None
   if strategy.steps:
     from tlt_jax.rollout.engine import SpecConfig
-    if not FLAGS.drafter:
+    if not FLAGS.drafter and not strategy.history:
       raise InputError("--spec needs --drafter DIR (or --drafter init:SEED)")
     import jax
     from tlt_jax.drafter.model import init_drafter, load_drafter
-    if FLAGS.drafter.startswith("init:"):
-      dparams = init_drafter(cfg, jax.random.key(int(FLAGS.drafter.split(":", 1)[1])))
+    if strategy.history:
+      history = history_index()
+    drafter = FLAGS.drafter or "init:0"  # a history arm runs only the drafter's catch-up
+    if drafter.startswith("init:"):
+      dparams = init_drafter(cfg, jax.random.key(int(drafter.split(":", 1)[1])))
     else:
-      dparams = load_drafter(FLAGS.drafter, cfg)
+      dparams = load_drafter(drafter, cfg)
     # The Pallas verification kernel where it compiles (GPU); elsewhere its jnp reference
     # (same decisions; Pallas interpret mode is a debugging interpreter, not a fast path).
     spec = SpecConfig(strategy=strategy.name,
@@ -154,7 +170,7 @@ def main(argv):
                       chunk_size=FLAGS.chunk_size, compaction=FLAGS.compaction,
                       max_prompt_len=max_prompt_len, max_new_tokens=FLAGS.max_new_tokens,
                       stop_tokens=stop_token_ids(FLAGS.model, tokenizer), spec=spec)
-  engine = Engine(params, cfg, ecfg, drafter_params=dparams)
+  engine = Engine(params, cfg, ecfg, drafter_params=dparams, history=history)
   requests = [Request(ids, request_id=i, sample_index=s)
               for i, (_, ids) in enumerate(prompts) for s in range(FLAGS.num_samples)]
   from tqdm import tqdm

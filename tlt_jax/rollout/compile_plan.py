@@ -310,8 +310,19 @@ class CompilePlan:
                 if n >= kv_len and (n == ecfg.cache_len or compiled(n)))
 
   def _spec_key(self, sp: SamplingParams, arm: str, state, kv_len: int) -> ExecKey:
-    return ExecKey.of("spec", (arm, sp, self.use_kernel, kv_len),
-                      (self._owner.params, self._owner.drafter_params, state))
+    return ExecKey.of("spec", (arm, sp, self.use_kernel, kv_len), self._spec_args(arm, state))
+
+  def _spec_args(self, arm: str, state) -> tuple:
+    """The arguments of an arm's executable: a drafter arm's chunk takes the state; a history
+    arm's step (`speculative.history_step`) also the drafts, tokens and parents [B, N - 1]
+    (abstract here: the engine passes the index's, same shapes)."""
+    args = (self._owner.params, self._owner.drafter_params, state)
+    strategy = Strategy.parse(arm)
+    if not strategy.history:
+      return args
+    drafts = jax.ShapeDtypeStruct((state.batch_size, strategy.verify_tokens - 1), jnp.int32,
+                                  sharding=self._replicated)
+    return args + (drafts, drafts)
 
   def spec(self, sp: SamplingParams, arm: str, state, kv_len: int | None = None):
     """The (bucket, arm, attention window) executable (kv_len None: the whole cache); state
@@ -319,14 +330,17 @@ class CompilePlan:
     from tlt_jax.rollout import speculative
     ecfg = self.ecfg
     kv_len = kv_len or ecfg.cache_len
-    args = (self._owner.params, self._owner.drafter_params, state)
+    args = self._spec_args(arm, state)
+    strategy = Strategy.parse(arm)
+    # a history arm's chunk is a host loop of single steps (the index drafts between them)
+    fn, chunk = ((speculative.history_step, {}) if strategy.history else
+                 (speculative.spec_chunk, dict(chunk=ecfg.chunk_size)))
 
     def compiled(use_kernel: bool):
-      fn = functools.partial(speculative.spec_chunk, cfg=self.cfg, sp=sp,
-                             stop_tokens=ecfg.stop_tokens, chunk=ecfg.chunk_size,
-                             strategy=Strategy.parse(arm), capture_hidden=ecfg.capture_hidden,
-                             use_kernel=use_kernel, kv_len=kv_len)
-      return self.exes.get("spec", (arm, sp, use_kernel, kv_len), fn, args, donate=(2,))
+      fn_ = functools.partial(fn, cfg=self.cfg, sp=sp, stop_tokens=ecfg.stop_tokens,
+                              strategy=strategy, capture_hidden=ecfg.capture_hidden,
+                              use_kernel=use_kernel, kv_len=kv_len, **chunk)
+      return self.exes.get("spec", (arm, sp, use_kernel, kv_len), fn_, args, donate=(2,))
 
     if not self.use_kernel:
       return compiled(False)

@@ -27,6 +27,14 @@ rows' slots (`kv_len`, models/transformer.py) picked from the longest live row t
 knows of plus what the chunk can add (`chunk_reach`), on the `length_grid` (prompt_bucket x
 2^k). Executables are keyed by window, compiled lazily like batch buckets.
 
+History arms (strategy.py: "hist_<K>", "histtree_<K>_<topk>_<N>") draft from a host index of
+earlier text (`history=`: duck-typed, begin/extend/end/draft, rollout/history.py) instead of
+the drafter. The engine keeps the index current on every chunk, whatever the arm: a row's
+prompt when it starts (`begin`), its tokens as they are emitted (`extend`), and `end` when it
+finishes (kept: a sibling or a later epoch drafts from it) or is preempted (dropped: it will
+be decoded again). A history arm needs a lookup per verification, so its chunk is a host loop
+of single jitted steps (`speculative.history_step`): draft every live row, verify, extend.
+
 Hooks (`EngineHooks`, called on the engine's thread): each chunk's metrics, each finished
 response (rewards start at once; the drafter buffer takes its hidden states), and a call
 before every chunk (the coordinator pulls newer weights there). Several engines run
@@ -64,7 +72,7 @@ class SpecConfig:
   """Adaptive speculative decoding: on once the live batch stays <= bs_threshold for
   `patience` consecutive chunk checks (then on for the rest of the generate call)."""
 
-  strategy: str = DEFAULT_ARM  # "<steps>_<topk>_<verify_tokens>" or "off": the fixed arm
+  strategy: str = DEFAULT_ARM  # an arm name (strategy.py), e.g. "4_1_5", "hist_4", "off"
   bs_threshold: int = 32
   patience: int = 2
   use_kernel: bool | None = None  # Pallas verification kernel vs jnp reference; None: GPU only
@@ -228,7 +236,7 @@ class Engine:
 
   def __init__(self, params: Params, cfg: ModelConfig, engine_cfg: EngineConfig, *,
                worker_id: int = 0, mesh: Mesh | None = None, drafter_params: Params | None = None,
-               selector: Any = None, gate: Any = None):
+               selector: Any = None, gate: Any = None, history: Any = None):
     self.cfg, self.ecfg, self.worker_id = cfg, engine_cfg, worker_id
     self.mesh = mesh if mesh is not None else make_mesh((1, 1, 1), jax.devices()[:1])
     self._param_shardings = tree_shardings(jax.eval_shape(unstack_layers, params), self.mesh)
@@ -242,6 +250,11 @@ class Engine:
     spec = engine_cfg.spec
     self.selector = selector or (FixedSelector(spec.strategy) if spec else None)
     self.gate = gate  # gate.py: the buckets speculation is measured to pay at (None: all)
+    self.history = history  # the host's history index (module docstring), or None
+    arms = ([spec.strategy] + list(getattr(self.selector, "arms", None) or [])) if spec else []
+    if history is None and any(Strategy.parse(a).history for a in arms):
+      raise ValueError(f"history arms {[a for a in arms if Strategy.parse(a).history]} need a "
+                       "history index: Engine(..., history=HistoryIndex(...))")
     self.exes = ExecutableCache()
     self.compiles = CompilePlan(cfg, engine_cfg, self.exes, self, self._replicated)
     self.chunk_log: list[ChunkMetrics] = []
@@ -403,6 +416,8 @@ class Engine:
         state = self._apply(sched.preempt(live.pop(victim)), state, None, False, pages)
         outputs.pop(victim)
         pages.release(victim)
+        if self.history is not None:  # decoded again from its prompt later
+          self.history.end(victim, keep=False)
         self.preemptions += 1
         if victim == key:
           break
@@ -448,7 +463,8 @@ class Engine:
     exe = self.compiles.switch_on(state, length, dpool=dkv)
     return exe(self.params, self.drafter_params, state, dkv, tokens), True
 
-  def _decode(self, state, sp: SamplingParams, arm: str | None, capture: bool, kv_len: int):
+  def _decode(self, state, sp: SamplingParams, arm: str | None, capture: bool, kv_len: int,
+              sched: Scheduler):
     """One chunk, and its one host sync. arm=None: plain decoding (before speculation starts:
     a DecodeState, the executables of an engine without a drafter), returning hidden states
     if `capture`; else a strategy on the SpecState (whose executables return them if the
@@ -456,6 +472,8 @@ class Engine:
     attention window (CompilePlan.window; the state's caches hold at least that). Returns
     (state, host copies of (ChunkOutput, done [B], stopped [B], [accepted drafts,
     verifications]))."""
+    if arm is not None and Strategy.parse(arm).history:
+      return self._decode_history(state, sp, arm, kv_len, sched)
     if arm is not None:
       exe = self.compiles.spec(sp, arm, state, kv_len)
       state, out, counts = exe(self.params, self.drafter_params, state)
@@ -469,6 +487,42 @@ class Engine:
       counts = (0, 0)
     base = state if isinstance(state, decode.DecodeState) else state.base
     return state, jax.device_get((out, base.done, base.stopped, counts))
+
+  def _decode_history(self, state, sp: SamplingParams, arm: str, kv_len: int,
+                      sched: Scheduler):
+    """A history arm's chunk: up to chunk_size single steps, each with a host sync: the index
+    drafts every live row from everything emitted so far (the last step's tokens included),
+    one jitted step verifies, its tokens extend the index. Returns what `_decode` does, the
+    steps' outputs side by side."""
+    strategy = Strategy.parse(arm)
+    exe = self.compiles.spec(sp, arm, state, kv_len)
+    b, n = state.batch_size, strategy.verify_tokens - 1
+    rows = {s: sched.slots[s].key for s in sched.live}
+    outs, counts = [], np.zeros((2,), np.int64)
+    put = lambda x: jax.device_put(x, self._replicated)
+    for _ in range(self.ecfg.chunk_size):
+      tokens, parents = np.zeros((b, n), np.int32), np.full((b, n), -2, np.int32)
+      for s, key in rows.items():
+        d = self.history.draft(key, strategy.steps, topk=strategy.topk, max_nodes=n)
+        m = min(len(d.tokens), n)  # a prefix of a topological order keeps every parent
+        tokens[s, :m], parents[s, :m] = d.tokens[:m], d.parents[:m]
+      state, out, acc = exe(self.params, self.drafter_params, state, put(tokens), put(parents))
+      base = state.base
+      out, done, stopped, acc = jax.device_get((out, base.done, base.stopped, acc))
+      outs.append(out)
+      counts += acc
+      for s, key in list(rows.items()):
+        self.history.extend(key, out.tokens[s][out.valid[s]])
+        if done[s]:
+          del rows[s]
+      if not rows:
+        break
+    cat = lambda *xs: None if xs[0] is None else np.concatenate(xs, axis=1)
+    out = decode.ChunkOutput(tokens=cat(*(o.tokens for o in outs)),
+                             logprobs=cat(*(o.logprobs for o in outs)),
+                             hidden=cat(*(o.hidden for o in outs)),
+                             valid=cat(*(o.valid for o in outs)), steps=len(outs))
+    return state, (out, done, stopped, counts)
 
   # ---------------------------------------------------------------------------------- generate
   def validate(self, requests: Sequence[Request]) -> None:
@@ -533,7 +587,11 @@ class Engine:
     for op in sched.plan(self._admit(pages, reach)):
       # refills once speculation runs carry the drafter's prefill
       state = self._apply(op, state, base_key, started, pages)
-      outputs.update((r.key, Output(ecfg.hidden_keep)) for r in getattr(op, "requests", ()))
+      for r in getattr(op, "requests", ()):
+        outputs[r.key] = Output(ecfg.hidden_keep)
+        if self.history is not None:
+          # siblings and later epochs of a prompt share its history: keyed by the prompt's text
+          self.history.begin(tuple(int(t) for t in r.prompt_ids), r.key, r.prompt_ids)
     speculating = sched.check_speculation()
     state = self._page(state, sched, outputs, pages, self._reach(started or speculating))
     live = sched.live
@@ -549,10 +607,12 @@ class Engine:
     kv_len = self.compiles.window(sp, arm, state, longest_row(sched, outputs)
                                   + chunk_reach(arm, ecfg.chunk_size))
     compiles, t0 = len(self.exes.records), time.perf_counter()
-    state, host = self._decode(state, sp, arm, capture, kv_len)  # the only host sync
+    state, host = self._decode(state, sp, arm, capture, kv_len, sched)  # the only host sync
     dt = time.perf_counter() - t0
+    # a history chunk extended the index step by step
+    extend = self.history is not None and not (arm and Strategy.parse(arm).history)
     produced = self._collect(sched, live, outputs, host, capture, results, hooks, t_start,
-                              pages)
+                              pages, extend)
     self._report(ChunkMetrics(
         worker_id=self.worker_id, bucket=state.batch_size, live=len(live), tokens=produced,
         steps=int(host[0].steps), wall_time=dt, mode=arm or "plain", accepted=int(host[3][0]),
@@ -562,9 +622,10 @@ class Engine:
 
   def _collect(self, sched: Scheduler, live: list[int], outputs: dict[Any, Output], host,
                capture: bool, results: list[Result], hooks: EngineHooks, t_start: float,
-               pages: PageAllocator) -> int:
-    """A chunk's tokens into the live rows' outputs; finished rows leave the scheduler and
-    become Results (appended, and handed to the hook at once). Returns the tokens produced."""
+               pages: PageAllocator, extend: bool) -> int:
+    """A chunk's tokens into the live rows' outputs (and the history index's, if `extend`);
+    finished rows leave the scheduler (and end in the index, kept) and become Results
+    (appended, and handed to the hook at once). Returns the tokens produced."""
     out, done, stopped, _ = host
     produced = 0
     for s in live:
@@ -572,9 +633,13 @@ class Engine:
       produced += int(v.sum())
       outputs[req.key].append(out.tokens[s][v], out.logprobs[s][v],
                               out.hidden[s][v] if capture and out.hidden is not None else None)
+      if extend:
+        self.history.extend(req.key, out.tokens[s][v])
       if done[s]:
         sched.finish(s)
         pages.release(req.key)
+        if self.history is not None:
+          self.history.end(req.key, keep=True)
         res = outputs.pop(req.key).result(req, stopped=bool(stopped[s]), worker_id=self.worker_id,
                                           t=time.perf_counter() - t_start)
         results.append(res)

@@ -9,9 +9,11 @@ its last `window` rewards: a few slow chunks (a GC pause, a co-tenant) do not mo
 arm whose reward drops (a stale drafter) loses its lead within about one window.
 
 Arms are strategy names "<steps>_<topk>_<verify_tokens>" (a chain has topk=1 and verifies
-steps+1 tokens) or "off" (plain decoding inside the speculative state, so turning speculation
-off competes as an arm). Bucket keys are lower bounds on the live batch size: {1: [...],
-2: [...], 5: [...], 21: [...]} means sizes 1, 2-4, 5-20 and >= 21.
+steps+1 tokens), history arms "hist_<steps>" / "histtree_<steps>_<topk>_<verify_tokens>"
+(drafts from the engine's history index, strategy.py) or "off" (plain decoding inside the
+speculative state, so turning speculation off competes as an arm). Bucket keys are lower
+bounds on the live batch size: {1: [...], 2: [...], 5: [...], 21: [...]} means sizes 1, 2-4,
+5-20 and >= 21.
 
 Reward (reported by the engine per chunk): tokens emitted by all live rows / wall time of the
 chunk's draft + verify, i.e. accepted tokens x batch size / time, in tokens/s.

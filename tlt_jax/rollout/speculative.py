@@ -34,6 +34,14 @@ over each row's sequence so far recomputes the hidden states the drafter consume
 target's cache, hidden state and sampling stream are untouched: the drafter only proposes).
 A strategy with steps=0 is plain decoding inside this state ("SD off" as a bandit arm).
 
+External drafts (history arms, `history_step`): steps 2-3 shrink to the drafter's catch-up
+(kept, so a later drafter arm drafts from a coherent cache) and the drafts come in as arrays,
+a padded tree per row with parent indices (`external_tree`; a chain has one child per node).
+Steps 1, 4 and 5 are the shared `_start` and `_verify_commit`: one target forward with a tree
+mask, `verify_tree`'s target-only rule (exact for deterministic drafts: greedy = the longest
+matching path; sampling = accept c with probability p(c), else remove c and renormalise), and
+the accepted path committed as a drafter tree's is.
+
 Costs (scripts/profile_spec.py): per step, 1 target forward over the verified tokens + 1
 drafter catch-up + (steps - 1) drafter forwards. Greedy steps draw no randomness at all.
 """
@@ -262,16 +270,23 @@ def _draft_tree(dparams, params, dc: KVCache, g, dlogits, *, cfg, strategy: "Str
   return tree, dc.replace(lengths=base_len)
 
 
-def spec_step(params, dparams, state: SpecState, bufs: ChunkOutput, count, *, cfg: ModelConfig,
-              sp: SamplingParams, stop, strategy: Strategy, use_kernel: bool,
-              kv_len: int | None = None):
-  """One draft -> verify -> accept step (see the module docstring). count [B]: tokens emitted
-  into bufs so far this chunk. kv_len: the attention window of both caches (`spec_chunk`)."""
+class _Start(NamedTuple):
+  """What step 1 leaves for the rest of a step."""
+
+  keys: jax.Array  # [B] the rows' keys for this step (verification randomness folds from them)
+  need: jax.Array  # [B] bool: the row had no pending token (sampled and emitted in step 1)
+  stop0: jax.Array  # [B] bool: that token was a stop token
+  num_gen: jax.Array  # [B] int32 tokens generated after step 1
+  done: jax.Array  # [B] bool done after step 1
+  live: jax.Array  # [B] bool: rows that still decode this step
+
+
+def _start(params, state: SpecState, bufs: ChunkOutput, count, *, cfg: ModelConfig,
+           sp: SamplingParams, stop):
+  """Step 1: rows without a pending token sample it from the target's current distribution
+  (the plain rule), emit it, and put its pair first in the catch-up buffer."""
   base = state.base
-  b = base.batch_size
-  k = strategy.steps
   active = ~base.done
-  # 1. rows without a pending token sample it from the target's current distribution.
   keys = decode.step_keys(base.keys, base.num_generated)
   tok0, logp0 = sample_tokens(keys, compute_logits(params, base.hidden, cfg), sp)
   need = active & ~state.has_pending
@@ -281,7 +296,6 @@ def spec_step(params, dparams, state: SpecState, bufs: ChunkOutput, count, *, cf
   count = count + n0
   num_gen = base.num_generated + n0
   done = base.done | stop0 | (num_gen >= base.max_new)
-  m = state.catch_tokens.shape[1]
   first_pair = jnp.zeros_like(state.catch_tokens).at[:, 0].set(tok0)
   first_hid = jnp.zeros_like(state.catch_hidden).at[:, 0].set(base.hidden)
   state = state.replace(
@@ -290,43 +304,42 @@ def spec_step(params, dparams, state: SpecState, bufs: ChunkOutput, count, *, cf
       catch_tokens=jnp.where(need[:, None], first_pair, state.catch_tokens),
       catch_hidden=jnp.where(need[:, None, None], first_hid, state.catch_hidden),
       catch_count=jnp.where(need, 1, state.catch_count))
-  live = active & ~done  # rows that still decode this step
-  # Keys: one split per row (drafts 0..k-1, verification k) of a stream apart from tok0's;
-  # greedy needs none.
-  sub = None if sp.greedy else jax.vmap(
-      lambda kk: jax.random.split(jax.random.fold_in(kk, 1), k + 1))(keys)
+  return state, bufs, count, _Start(keys, need, stop0, num_gen, done, active & ~done)
+
+
+def _verify_keys(st: _Start, sp: SamplingParams, k: int):
+  """One split per row (drafts 0..k-1, verification k) of a stream apart from step 1's;
+  greedy needs none."""
+  return None if sp.greedy else jax.vmap(
+      lambda kk: jax.random.split(jax.random.fold_in(kk, 1), k + 1))(st.keys)
+
+
+def _verify_commit(params, state: SpecState, bufs: ChunkOutput, count, st: _Start, vtoks, vpos,
+                   *, tree: Tree | None, q, vkey, depth: int, cfg: ModelConfig,
+                   sp: SamplingParams, stop, use_kernel: bool, kv_len: int | None):
+  """Steps 4-5: ONE target forward over the verified tokens vtoks [B, N] (pending first) at
+  positions vpos [B, N], verification, emission and commit. tree None: a chain of `depth`
+  drafts (N = depth + 1; q [B, depth, V] their drafter distribution when sampling; depth 0 is
+  plain decoding); else a tree of depth <= `depth` (deterministic drafts, the target-only
+  rule). vkey [B]: the verification's key (None: greedy)."""
+  base = state.base
+  b = base.batch_size
+  k = depth
   n = base.cache.lengths
   rows = jnp.arange(b)
-  # 2.-4. drafter catch-up, drafts, one target forward over [pending, drafts] and verification.
-  # path [B, k+1]: node ids of the verified sequence (0 = pending; None = 0..k, a chain).
-  # The catch-up runs for "off" (k = 0) too: it keeps the drafter warm for the other arms.
-  path, tree_mask = None, None
-  state, g, dlogits = _catch_up(dparams, params, state, cfg, kv_len)
-  if k == 0:
-    vtoks, vpos = state.pending[:, None], n[:, None]
-  else:
-    if strategy.topk == 1:
-      drafts, q, dc = _draft_chain(dparams, params, state.dcache, g, dlogits, sub, cfg=cfg,
-                                   sp=sp, steps=k, kv_len=kv_len)
-      vtoks = jnp.concatenate([state.pending[:, None], drafts], axis=1)
-      vpos = n[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-    else:
-      tree, dc = _draft_tree(dparams, params, state.dcache, g, dlogits, cfg=cfg,
-                             strategy=strategy, kv_len=kv_len)
-      vtoks = tree.tokens.at[:, 0].set(state.pending)
-      vpos = n[:, None] + tree.depth
-      tree_mask = tree.visible
-    state = state.replace(dcache=dc)
-  out = forward(params, vtoks, vpos, cfg=cfg, cache=base.cache, attn_mask=tree_mask,
-                return_logits=False, kv_len=kv_len)
+  live, num_gen, done = st.live, st.num_gen, st.done
+  m = state.catch_tokens.shape[1]
+  path = None  # [B, k+1]: node ids of the verified sequence (0 = pending; None: a chain)
+  out = forward(params, vtoks, vpos, cfg=cfg, cache=base.cache,
+                attn_mask=None if tree is None else tree.visible, return_logits=False,
+                kv_len=kv_len)
   f = out.hidden  # [B, N, D]
   tlp = processed_logprobs(compute_logits(params, f, cfg), sp)  # [B, N, V]
-  vkey = None if sp.greedy else sub[:, k]
   if k == 0:
     n_acc = jnp.zeros((b,), jnp.int32)
     nxt = jnp.argmax(tlp[:, 0], axis=-1).astype(jnp.int32) if sp.greedy else (
         jax.vmap(jax.random.categorical)(vkey, tlp[:, 0]).astype(jnp.int32))
-  elif strategy.topk == 1:
+  elif tree is None:
     u, noise = (None, None) if sp.greedy else jax.vmap(lambda kk: jax.tree.map(
         lambda x: x[0], draw_verify_randomness(kk, 1, k, tlp.shape[-1])))(vkey)
     n_acc, nxt = verify_chain(tlp, vtoks[:, 1:], q, u, noise, greedy=sp.greedy,
@@ -370,7 +383,7 @@ def spec_step(params, dparams, state: SpecState, bufs: ChunkOutput, count, *, cf
       cache=cache.replace(lengths=n + commit),
       hidden=jnp.where(live[:, None], new_hidden, base.hidden),
       num_generated=num_gen, done=done,
-      stopped=base.stopped | (stop0 & need) | hit_stop)
+      stopped=base.stopped | (st.stop0 & st.need) | hit_stop)
   j = jnp.arange(k + 1)[None, :]
   catch_tok = jnp.where(j <= n_acc[:, None], cand, 0)
   pad = m - (k + 1)
@@ -386,6 +399,110 @@ def spec_step(params, dparams, state: SpecState, bufs: ChunkOutput, count, *, cf
   # (accepted drafts, verifications) of the rows that decoded: the acceptance length is
   # (accepted + verifications) / verifications, whatever a stop token cut from the emission.
   return state, bufs, count, jnp.stack([jnp.sum(jnp.where(live, n_acc, 0)), jnp.sum(live)])
+
+
+def spec_step(params, dparams, state: SpecState, bufs: ChunkOutput, count, *, cfg: ModelConfig,
+              sp: SamplingParams, stop, strategy: Strategy, use_kernel: bool,
+              kv_len: int | None = None):
+  """One draft -> verify -> accept step (see the module docstring). count [B]: tokens emitted
+  into bufs so far this chunk. kv_len: the attention window of both caches (`spec_chunk`)."""
+  k = strategy.steps
+  state, bufs, count, st = _start(params, state, bufs, count, cfg=cfg, sp=sp, stop=stop)
+  sub = _verify_keys(st, sp, k)
+  n = state.base.cache.lengths
+  # 2.-3. drafter catch-up and drafts. The catch-up runs for "off" (k = 0) too: it keeps the
+  # drafter warm for the other arms.
+  state, g, dlogits = _catch_up(dparams, params, state, cfg, kv_len)
+  tree, q = None, None
+  if k == 0:
+    vtoks, vpos = state.pending[:, None], n[:, None]
+  elif strategy.topk == 1:
+    drafts, q, dc = _draft_chain(dparams, params, state.dcache, g, dlogits, sub, cfg=cfg,
+                                 sp=sp, steps=k, kv_len=kv_len)
+    vtoks = jnp.concatenate([state.pending[:, None], drafts], axis=1)
+    vpos = n[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+  else:
+    tree, dc = _draft_tree(dparams, params, state.dcache, g, dlogits, cfg=cfg,
+                           strategy=strategy, kv_len=kv_len)
+    vtoks = tree.tokens.at[:, 0].set(state.pending)
+    vpos = n[:, None] + tree.depth
+  if k:
+    state = state.replace(dcache=dc)
+  # 4.-5. one target forward over [pending, drafts], verification, commit.
+  return _verify_commit(params, state, bufs, count, st, vtoks, vpos, tree=tree, q=q,
+                        vkey=None if sp.greedy else sub[:, k], depth=k, cfg=cfg, sp=sp,
+                        stop=stop, use_kernel=use_kernel, kv_len=kv_len)
+
+
+def external_tree(pending, tokens, parents, use, *, depth: int, topk: int) -> Tree:
+  """A padded external draft (the host's history index: tokens [B, N], parents [B, N], -1 =
+  child of the root, < -1 = padding, topological order; a chain is parents [-1, 0, 1, ...])
+  as a `Tree` of N + 1 nodes with the pending token [B] as root. Rows with use [B] False
+  draft nothing. A node is kept only if its parent is, it lies within `depth` and it is one of
+  its parent's first `topk` children (so the verified tree is closed under ancestors and has
+  the arm's static shape); dropped nodes are unreachable padding (token 0, seen by nothing
+  but themselves). Drafts are deterministic: the target-only tree rule is exact for them."""
+  b, n = tokens.shape
+  rows = jnp.arange(b)
+  par = parents.astype(jnp.int32) + 1  # node ids: 0 = root, draft i = node i + 1
+  ok = jnp.zeros((b, n + 1), bool).at[:, 0].set(True)
+  dep = jnp.zeros((b, n + 1), jnp.int32)
+  rank = jnp.zeros((b, n + 1), jnp.int32)
+  for i in range(n):  # topological order: a node's parent is settled before it
+    p = jnp.clip(par[:, i], 0, n)
+    r = jnp.sum(ok[:, 1:i + 1] & (par[:, :i] == par[:, i:i + 1]), axis=1)  # earlier siblings
+    d = dep[rows, p] + 1
+    keep = (use & (par[:, i] >= 0) & (par[:, i] <= i) & ok[rows, p] & (d <= depth)
+            & (r < topk))
+    ok, dep, rank = ok.at[:, i + 1].set(keep), dep.at[:, i + 1].set(d), rank.at[:, i + 1].set(r)
+  node = jnp.arange(n + 1)[None, :]
+  par = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), par], axis=1)
+  par = jnp.where(ok & (node > 0), par, -1)  # [B, N+1]
+  children = jnp.full((b, n + 1, topk), -1, jnp.int32).at[
+      rows[:, None], jnp.where(par >= 0, par, n + 1), jnp.minimum(rank, topk - 1)].set(
+          jnp.broadcast_to(node, (b, n + 1)).astype(jnp.int32), mode="drop")
+  visible = jnp.broadcast_to(jnp.eye(n + 1, dtype=jnp.bool_), (b, n + 1, n + 1))
+  cur = par
+  for _ in range(depth):
+    visible = visible | jax.nn.one_hot(cur, n + 1, dtype=jnp.bool_)
+    cur = jnp.where(cur >= 0, jnp.take_along_axis(par, jnp.maximum(cur, 0), axis=1), -1)
+  tok = jnp.concatenate([pending[:, None], jnp.where(ok[:, 1:], tokens, 0)], axis=1)
+  return Tree(tokens=tok.astype(jnp.int32), depth=jnp.where(ok, dep, 0), children=children,
+              visible=visible)
+
+
+def history_step(params, dparams, state: SpecState, tokens, parents, *, cfg: ModelConfig,
+                 sp: SamplingParams, stop_tokens: tuple[int, ...], strategy: Strategy,
+                 capture_hidden: bool, use_kernel: bool | None = None,
+                 kv_len: int | None = None) -> tuple[SpecState, ChunkOutput, jax.Array]:
+  """One speculative step over EXTERNAL drafts (a history arm: the engine's host loop asks
+  its index for every row's draft before each step): tokens, parents [B, verify_tokens - 1]
+  (`external_tree`; a row without a match sends only padding and takes a one-token step).
+  As `spec_step`, with the drafter's part reduced to its catch-up, which keeps the drafter's
+  cache coherent for a later drafter arm. A row that had no pending token drafted from the
+  text before the token step 1 samples: its draft is dropped (it takes a one-token step).
+  Returns (state, outputs [B, steps + 2], [accepted drafts, verifications])."""
+  if use_kernel is None:
+    use_kernel = jax.default_backend() == "gpu"
+  k = strategy.steps
+  b, d = state.base.hidden.shape
+  stop = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)
+  width = k + 2
+  bufs = ChunkOutput(
+      tokens=jnp.zeros((b, width), jnp.int32), logprobs=jnp.zeros((b, width), jnp.float32),
+      hidden=jnp.zeros((b, width, d), state.base.hidden.dtype) if capture_hidden else None,
+      valid=jnp.zeros((b, width), jnp.bool_), steps=jnp.int32(1))
+  count = jnp.zeros((b,), jnp.int32)
+  state, bufs, count, st = _start(params, state, bufs, count, cfg=cfg, sp=sp, stop=stop)
+  state, _, _ = _catch_up(dparams, params, state, cfg, kv_len)
+  tree = external_tree(state.pending, tokens, parents, st.live & ~st.need, depth=k,
+                       topk=strategy.topk)
+  vkey = None if sp.greedy else _verify_keys(st, sp, k)[:, k]
+  state, bufs, _, acc = _verify_commit(
+      params, state, bufs, count, st, tree.tokens, state.base.cache.lengths[:, None] + tree.depth,
+      tree=tree, q=None, vkey=vkey, depth=k, cfg=cfg, sp=sp, stop=stop, use_kernel=use_kernel,
+      kv_len=kv_len)
+  return state, bufs, acc
 
 
 def spec_chunk(params: Params, dparams: Params, state: SpecState, *, cfg: ModelConfig,
@@ -432,9 +549,12 @@ def chunk_reach(strategy: Strategy, chunk: int) -> int:
   Step i starts at n_i <= n0 + i (steps + 1) committed tokens (a step commits at most its
   drafts + 1); its target forward reads up to slot n_i + N - 1 (N = verify_tokens), the
   drafter's catch-up up to n_i - 1, its chain drafts up to n_i + steps - 2 and its tree levels
-  up to n_i + max(steps - 1, 1) topk - 1."""
+  up to n_i + max(steps - 1, 1) topk - 1. A history arm's chunk (the engine's host loop of
+  `chunk` `history_step`s) drafts nothing on the drafter: only the target forward reaches
+  past n_i."""
   k = strategy.steps
-  width = max(strategy.verify_tokens, k, max(k - 1, 1) * strategy.topk if k else 0, 1)
+  width = (strategy.verify_tokens if strategy.history else
+           max(strategy.verify_tokens, k, max(k - 1, 1) * strategy.topk if k else 0, 1))
   return (chunk - 1) * (k + 1) + width
 
 

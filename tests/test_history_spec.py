@@ -1,0 +1,301 @@
+"""Speculative decoding over external (history) drafts is lossless: greedy outputs identical
+to plain decoding with a fake history index (good, misleading and empty drafts, stop tokens
+inside drafts, ragged prompts, refill, compaction, preemption, history arms mixed with drafter
+arms), sampled outputs distributed exactly as the target's with deliberately misleading
+drafts (chi-square against the exact joint), and an acceptance rule without the p(c) test
+failing the same test."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tlt_jax.drafter.model import drafter_cache, init_drafter
+from tlt_jax.models import ModelConfig, init_cache, init_params
+from tlt_jax.rollout import speculative
+from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig, chunk_reach
+from tlt_jax.rollout.records import Request
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.strategy import Strategy
+from spec_helpers import N, NEW, PEAKED, PROMPT, SAMPLING, broken_p, chi_square_p, exact_joint, \
+    make_peaked
+
+CFG = ModelConfig(arch="qwen2", vocab_size=61, hidden_size=32, intermediate_size=64,
+                  num_layers=2, num_heads=4, num_kv_heads=2, qkv_bias=True,
+                  tie_word_embeddings=True)
+SMALL = dict(max_batch=4, buckets=(1, 2, 4), chunk_size=4, max_prompt_len=16, max_new_tokens=24)
+
+
+@dataclasses.dataclass
+class Draft:
+  tokens: np.ndarray  # [n] int32
+  parents: np.ndarray  # [n] int32, -1 = child of the root
+  scores: np.ndarray  # [n] float32
+
+
+class FakeIndex:
+  """The history index's interface over an oracle: each sequence's true continuation (plain
+  greedy decoding), drafted correctly, corrupted, or not at all, by a fixed rule per call, so
+  drafts are accepted in full, in part and not at it all. Trees put a misleading sibling before
+  every true node. Also records what the engine told it (begin/extend/end)."""
+
+  def __init__(self, oracle, vocab):
+    self.oracle, self.vocab = oracle, vocab  # key -> prompt + full greedy response
+    self.seqs, self.ended, self.calls = {}, {}, 0
+
+  def begin(self, prompt_key, seq_key, prompt_ids):
+    assert tuple(prompt_key) == tuple(int(t) for t in prompt_ids)
+    self.seqs[seq_key] = [int(t) for t in prompt_ids]
+
+  def extend(self, seq_key, tokens):
+    self.seqs[seq_key].extend(int(t) for t in tokens)
+
+  def end(self, seq_key, keep):
+    self.ended.setdefault(seq_key, []).append((keep, self.seqs.pop(seq_key)))
+
+  def stats(self):
+    return {"calls": self.calls}
+
+  def draft(self, seq_key, max_tokens, topk=1, max_nodes=None):
+    self.calls += 1
+    seq, true = self.seqs[seq_key], self.oracle[seq_key]
+    cont = list(true[len(seq):len(seq) + max_tokens])
+    cont += [(7 * len(seq) + i) % self.vocab for i in range(max_tokens - len(cont))]
+    mode = (self.calls + seq_key[0]) % 4
+    if mode == 0:  # no match
+      return Draft(*(np.zeros((0,), t) for t in (np.int32, np.int32, np.float32)))
+    if mode == 1:  # wrong from the second token on
+      cont = cont[:1] + [(t + 1) % self.vocab for t in cont[1:]]
+    if topk == 1:
+      toks, pars = cont, list(range(-1, len(cont) - 1))
+    else:  # a wrong sibling first at every depth, then the true node
+      toks, pars, parent = [], [], -1
+      for t in cont:
+        toks += [(t + 3) % self.vocab, t]
+        pars += [parent, parent]
+        parent = len(toks) - 1
+    n = len(toks) if max_nodes is None else min(len(toks), max_nodes)
+    return Draft(np.asarray(toks[:n], np.int32), np.asarray(pars[:n], np.int32),
+                 np.ones((n,), np.float32))
+
+
+class CycleSelector:
+  """Runs its arms in turn, whatever the rewards: history and drafter arms follow each other
+  (the drafter's cache must stay coherent across history chunks)."""
+
+  def __init__(self, arms):
+    self.arms, self.i = list(arms), 0
+
+  def select(self, batch_size):
+    self.i += 1
+    return self.arms[self.i % len(self.arms)]
+
+  def update(self, arm, batch_size, reward):
+    pass
+
+  def choosable(self, lo, hi):
+    return self.arms
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  return init_params(CFG, jax.random.key(0), std=0.3), init_drafter(CFG, jax.random.key(1))
+
+
+def _requests(n, seed=0):
+  rng = np.random.RandomState(seed)
+  return [Request(list(rng.randint(1, CFG.vocab_size, rng.randint(2, 12))), i // 2, i % 2)
+          for i in range(n)]
+
+
+def _by_key(results):
+  return {(r.request_id, r.sample_index): r for r in results}
+
+
+@pytest.mark.parametrize("arms,pool", [
+    (["hist_3"], {}), (["histtree_3_2_7"], {}),
+    (["hist_2", "2_1_3", "histtree_2_2_5", "off"], {}),
+    (["hist_3"], dict(page_size=4, kv_pages=13))],  # a row reaches up to 10 pages
+    ids=["chain", "tree", "mixed_with_drafter", "chain_preempting"])
+def test_greedy_history_spec_equals_plain(tiny, arms, pool):
+  params, dparams = tiny
+  reqs = _requests(9)
+  sp = SamplingParams(temperature=0.0)
+  oracle = {k: np.concatenate([r.prompt_ids, r.response_ids]) for k, r in _by_key(
+      Engine(params, CFG, EngineConfig(**SMALL)).generate(reqs, sp)).items()}
+  # A stop token that really fires inside some responses (and sits inside drafts).
+  stop = int(np.bincount(np.concatenate([o[-20:] for o in oracle.values()])).argmax())
+  plain = _by_key(Engine(params, CFG, EngineConfig(**SMALL, stop_tokens=(stop,)))
+                  .generate(reqs, sp))
+  assert any(r.finish_reason == "stop" for r in plain.values())
+  index = FakeIndex(oracle, CFG.vocab_size)
+  ecfg = EngineConfig(**SMALL, stop_tokens=(stop,), **pool,
+                      spec=SpecConfig(strategy=arms[0], bs_threshold=4, patience=1,
+                                      use_kernel=False))
+  w = Engine(params, CFG, ecfg, drafter_params=dparams, history=index,
+             selector=CycleSelector(arms) if len(arms) > 1 else None)
+  spec = _by_key(w.generate(reqs, sp))
+  hist = [m for m in w.chunk_log if m.mode.startswith("hist")]
+  assert hist and sum(m.accepted for m in hist) > 0  # history drafts ran and were accepted
+  assert {m.mode for m in w.chunk_log} >= set(arms)
+  if pool:
+    assert w.preemptions > 0
+    assert any(not keep for ends in index.ended.values() for keep, _ in ends)
+  for key, r in plain.items():
+    np.testing.assert_array_equal(spec[key].response_ids, r.response_ids)
+    assert spec[key].finish_reason == r.finish_reason
+    # the index was told every row's text exactly once: its last end (kept) is the output
+    keep, seq = index.ended[key][-1]
+    assert keep and seq == list(r.prompt_ids) + list(r.response_ids)
+  assert not index.seqs  # every row ended
+
+
+def test_history_arms_need_an_index(tiny):
+  params, dparams = tiny
+  with pytest.raises(ValueError, match="need a history index"):
+    Engine(params, CFG, EngineConfig(**SMALL, spec=SpecConfig(strategy="hist_4")),
+           drafter_params=dparams)
+
+
+def test_history_strategy_grammar_and_reach():
+  for arm in ["hist_1", "hist_4", "histtree_3_2_7", "histtree_2_4_21"]:
+    assert Strategy.parse(arm).name == arm and Strategy.parse(arm).history
+  assert Strategy.parse("hist_4").verify_tokens == 5
+  for bad in ["hist_0", "histtree_3_1_4", "histtree_2_2_8", "hist_", "hist_2_1_3"]:
+    with pytest.raises(ValueError):
+      Strategy.parse(bad)
+  # a chunk of 4 single steps: each commits <= steps + 1 and verifies verify_tokens slots
+  assert chunk_reach("hist_4", 4) == 3 * 5 + 5
+  assert chunk_reach("histtree_2_4_6", 4) == 3 * 3 + 6  # no drafter tree levels to reach
+
+
+def test_external_tree_layout():
+  """Padding, a parent that was dropped, a depth and a branching cap, a row not drafting."""
+  tokens = jnp.asarray([[5, 6, 7, 8, 9, 4], [5, 6, 7, 0, 0, 0]], jnp.int32)
+  parents = jnp.asarray([[-1, 0, -1, -1, 1, 4], [-1, 0, 1, -2, -2, -2]], jnp.int32)
+  use = jnp.asarray([True, False])
+  t = speculative.external_tree(jnp.asarray([3, 3]), tokens, parents, use, depth=2, topk=2)
+  # row 0: node 1 (5, root), 2 (6, under 1), 3 (7, root), 4 (8: third root child, dropped),
+  # 5 (9, under 2: depth 3, dropped), 6 (4, under a dropped node: dropped)
+  np.testing.assert_array_equal(t.tokens[0], [3, 5, 6, 7, 0, 0, 0])
+  np.testing.assert_array_equal(t.depth[0], [0, 1, 2, 1, 0, 0, 0])
+  np.testing.assert_array_equal(t.children[0, :4], [[1, 3], [2, -1], [-1, -1], [-1, -1]])
+  assert (np.asarray(t.children[0, 4:]) == -1).all()
+  vis = np.asarray(t.visible[0])
+  np.testing.assert_array_equal(vis[2], [1, 1, 1, 0, 0, 0, 0])
+  np.testing.assert_array_equal(vis[5], [0, 0, 0, 0, 0, 1, 0])
+  np.testing.assert_array_equal(t.tokens[1], [3, 0, 0, 0, 0, 0, 0])  # not drafting
+  assert (np.asarray(t.children[1]) == -1).all()
+
+
+# ------------------------------------------------------------------------ distribution tests
+@pytest.fixture(scope="module")
+def peaked():
+  return make_peaked()
+
+
+def _misleading(strategy, last, rows):
+  """Deterministic drafts from a random table of (row class, last token): mostly wrong, right
+  by chance; every fifth row drafts nothing. tokens, parents [B, verify_tokens - 1]."""
+  n = strategy.verify_tokens - 1
+  table = np.random.RandomState(7).randint(0, PEAKED.vocab_size, (11, PEAKED.vocab_size, n))
+  tokens = table[rows % 11, last].astype(np.int32)
+  if strategy.topk == 1:
+    parents = np.broadcast_to(np.arange(-1, n - 1, dtype=np.int32), (len(rows), n)).copy()
+  else:  # two root children, then each node's child under the previous ones
+    parents = np.broadcast_to(np.asarray([-1, -1] + list(range(n - 2)), np.int32)[:n],
+                              (len(rows), n)).copy()
+  parents[rows % 5 == 0] = -2
+  return tokens, parents
+
+
+def _accept_first_child(target_logp, tree_tokens, children, uniforms, noise, *, greedy,
+                        max_depth, use_kernel=True):
+  """A broken rule: every draft accepted without the p(c) test (first child at every node),
+  the next token from the target's distribution after the path."""
+  b = tree_tokens.shape[0]
+  rows = jnp.arange(b)
+  node, path = jnp.zeros((b,), jnp.int32), [jnp.zeros((b,), jnp.int32)]
+  for _ in range(max_depth):
+    ch = children[rows, node, 0]
+    path.append(jnp.where(ch >= 0, ch, -1))
+    node = jnp.where(ch >= 0, ch, node)
+  path = jnp.stack(path, axis=1)
+  n = jnp.sum(path[:, 1:] >= 0, axis=1).astype(jnp.int32)
+  nxt = jnp.argmax(target_logp[rows, node] + noise[rows, node], axis=-1).astype(jnp.int32)
+  return path, n, nxt
+
+
+def sample_history(params, dparams, sp, strategy, monkeypatch=None, verify=None):
+  """N samples of the first NEW tokens of one batch of N rows (distinct keys), drafted step by
+  step from the tokens emitted so far, as the engine's history loop does."""
+  b = N
+  toks = jnp.tile(jnp.asarray(PROMPT, jnp.int32), (b, 1))
+  lens = jnp.full((b,), len(PROMPT), jnp.int32)
+  keys = jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(b))
+  run = functools.partial(speculative.prefill, cfg=PEAKED, max_steps=strategy.steps)
+  state = jax.jit(run)(params, dparams, init_cache(PEAKED, b, 16, page_size=2),
+                       drafter_cache(PEAKED, b, 16, page_size=2), toks, lens, keys,
+                       jnp.full((b,), NEW, jnp.int32))
+  if verify is not None:
+    monkeypatch.setattr(speculative, "verify_tree", verify)
+  step = jax.jit(functools.partial(speculative.history_step, cfg=PEAKED, sp=sp, stop_tokens=(),
+                                   strategy=strategy, capture_hidden=False, use_kernel=False))
+  rows = np.arange(b)
+  last = np.full((b,), PROMPT[-1])
+  seqs, acc = [[] for _ in range(b)], 0
+  for _ in range(NEW):
+    tokens, parents = _misleading(strategy, last, rows)
+    state, out, a = step(params, dparams, state, jnp.asarray(tokens), jnp.asarray(parents))
+    valid, emitted = np.asarray(out.valid), np.asarray(out.tokens)
+    for i in range(b):
+      seqs[i].extend(emitted[i][valid[i]])
+    last = np.asarray([s[-1] for s in seqs])
+    acc += int(a[0])
+  assert all(len(s) == NEW for s in seqs)
+  return np.asarray(seqs), acc
+
+
+@pytest.mark.parametrize("sp", SAMPLING, ids=["t1", "t0.8_topk4"])
+@pytest.mark.parametrize("arm", ["hist_2", "histtree_2_2_5"])
+def test_sampled_history_spec_matches_target_distribution(peaked, sp, arm):
+  params, dparams = peaked
+  seqs, acc = sample_history(params, dparams, sp, Strategy.parse(arm))
+  assert acc > 0.02 * N  # misleading drafts are accepted sometimes...
+  assert acc < 0.9 * N * (NEW - 1)  # ...and rejected sometimes: both paths run
+  assert chi_square_p(seqs, exact_joint(params, sp)) > 1e-3
+
+
+@pytest.mark.parametrize("arm", ["hist_2", "histtree_2_2_5"])
+def test_broken_history_acceptance_is_detected(peaked, arm, monkeypatch):
+  params, dparams = peaked
+  sp = SAMPLING[0]
+  seqs, _ = sample_history(params, dparams, sp, Strategy.parse(arm), monkeypatch,
+                           verify=_accept_first_child)
+  assert broken_p(seqs, exact_joint(params, sp)) < 1e-6
+
+
+def test_background_compile_of_history_arms(tiny):
+  """History arms compile ahead like drafter arms (their step takes the draft arrays): a
+  second generate call runs them with nothing compiled in the foreground, outputs unchanged."""
+  params, dparams = tiny
+  reqs, sp = _requests(6), SamplingParams(temperature=0.0)
+  plain = _by_key(Engine(params, CFG, EngineConfig(**SMALL)).generate(reqs, sp))
+  oracle = {k: np.concatenate([r.prompt_ids, r.response_ids]) for k, r in plain.items()}
+  arms = ["hist_2", "2_1_3", "histtree_2_2_5"]
+  w = Engine(params, CFG, EngineConfig(
+      **SMALL, spec=SpecConfig(strategy=arms[0], bs_threshold=4, patience=1, use_kernel=False,
+                              background_compile=True)), drafter_params=dparams,
+             history=FakeIndex(oracle, CFG.vocab_size), selector=CycleSelector(arms))
+  first = _by_key(w.generate(reqs, sp))
+  w.compiles.wait(timeout=600)
+  n = len(w.chunk_log)
+  second = _by_key(w.generate(reqs, sp))
+  chunks = w.chunk_log[n:]
+  assert {c.mode for c in chunks} >= set(arms) and not any(c.compiled for c in chunks)
+  for k in plain:
+    np.testing.assert_array_equal(first[k].response_ids, plain[k].response_ids)
+    np.testing.assert_array_equal(second[k].response_ids, plain[k].response_ids)
