@@ -163,6 +163,10 @@ def get_config():
   c.tlt.spec.epsilon = 0.1
   c.tlt.spec.window = 300
   c.tlt.spec.strategy = "4_1_5"  # the fixed selector's arm
+  # Each rollout worker keeps an index of this run's responses per prompt (siblings, earlier
+  # steps: tlt_jax/rollout/history.py), so history arms (hist_<K>, histtree_<K>_<topk>_<N>) in
+  # tlt.spec.buckets can draft from it; host-side work only.
+  c.tlt.spec.history = True
   c.tlt.spec.precompile = False  # True: compile every choosable (bucket, arm) pair up front
   # Compile them in the background instead, speculating at a bucket once its arms are ready
   c.tlt.spec.background_compile = True

@@ -75,9 +75,15 @@ def child(args) -> dict:
       for length in lengths:
         spec = None if mode == "plain" else SpecConfig(
             strategy=args.arm, bs_threshold=threshold, patience=1, use_kernel=False)
+        kw = {}
+        if "kv_pages" in EngineConfig.__dataclass_fields__:  # the paged cache's pool: rows of
+          # up to --kv_row_slots each at every length (one longest row at least), not
+          # max_batch rows of max length (which at 4096 outgrow this machine's memory)
+          row_pages = -(-(max_prompt + length) // 16)
+          kw = dict(kv_pages=max(row_pages, batch * -(-args.kv_row_slots // 16)))
         ecfg = EngineConfig(max_batch=batch, buckets=buckets_upto(batch), chunk_size=args.chunk,
                             max_prompt_len=max_prompt, max_new_tokens=length,
-                            stop_tokens=stop, spec=spec)
+                            stop_tokens=stop, spec=spec, **kw)
         workers[length] = Engine(params, cfg, ecfg, drafter_params=dparams if spec else None)
         workers[length].generate(reqs, sp, seed=0)  # compiles
       for length in lengths:  # timed, after every length compiled
@@ -111,6 +117,8 @@ def main(argv=None) -> int:
   ap.add_argument("--tail_prompts", type=int, default=16)
   ap.add_argument("--tail_n", type=int, default=4)
   ap.add_argument("--threshold", type=int, default=8)
+  ap.add_argument("--kv_row_slots", type=int, default=1024,
+                  help="KV pool of a paged engine: this many slots per row of the batch")
   ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   args.lengths = [int(x) for x in args.lengths.split(",")]

@@ -36,6 +36,15 @@ def test_typo_key_suggests_the_right_one():
                                 "--config.rollout.max_batchh=3"])
 
 
+def test_history_arms_need_the_history_index():
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+  cfg.tlt.spec.buckets = "1:hist_4,4_1_5,off 3:4_1_5,off"
+  assert config_lib.run_spec(cfg).history
+  cfg.tlt.spec.history = False
+  with pytest.raises(ConfigError, match=r"history arms \['hist_4'\] draft from a history index"):
+    config_lib.run_spec(cfg)
+
+
 @pytest.mark.parametrize("key,value,needle", [
     ("rollout.top_p", 1.5, "config.rollout.top_p=1.5: must be in (0, 1]"),
     ("rollout.temperature", -1.0, "config.rollout.temperature=-1.0"),
@@ -66,6 +75,9 @@ def test_typo_key_suggests_the_right_one():
     ("rollout.temperature", 0.0, "config.rollout.temperature=0.0: GRPO samples its groups"),
     ("distributed.heartbeat_timeout", 0, "config.distributed.heartbeat_timeout=0: use a number"),
     ("eval.batch_size", 0, "config.eval.batch_size=0: must be >= 1"),
+    ("rollout.page_size", 0, "config.rollout.page_size=0: must be > 0"),
+    ("rollout.kv_pages", 3, "config.rollout.kv_pages=3: a KV pool must hold one row"),
+    ("rollout.mean_live_tokens", -1, "config.rollout.mean_live_tokens=-1"),
 ])
 def test_invalid_values_name_the_key(key, value, needle):
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))

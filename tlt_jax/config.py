@@ -39,6 +39,7 @@ from tlt_jax.rollout.gate import GateConfig
 from tlt_jax.rollout.mab import make_selector
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.scheduler import buckets_upto
+from tlt_jax.rollout.strategy import Strategy
 from tlt_jax.sharding import AXES
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -132,6 +133,7 @@ class RunSpec:
   mab_buckets: dict[int, list[str]] | None  # config.tlt.spec.buckets ({}: the default arms)
   max_batch: int
   _selector: Callable[..., Any] | None = None
+  history: bool = False  # each rollout worker keeps a history index (history arms can draft)
 
   @property
   def tlt(self) -> bool:
@@ -193,6 +195,12 @@ def _speculation(cfg: ml_collections.ConfigDict):
   selector = functools.partial(make_selector, s.selector, buckets, strategy=s.strategy,
                                epsilon=s.epsilon, window=s.window)
   build(selector, "tlt.spec", {"seed": cfg.seed})  # validates its arguments, once
+  check(isinstance(s.get("history", False), bool), "tlt.spec.history", s.get("history"),
+        "True or False")
+  arms = {a for group in (buckets or {}).values() for a in group} | {s.strategy}
+  hist = sorted(a for a in arms if a != "off" and Strategy.parse(a).history)
+  check(not hist or s.get("history", False), "tlt.spec.history", s.get("history"),
+        f"history arms {hist} draft from a history index: set tlt.spec.history=True")
   gate = None
   g = s.get("gate")
   if g is not None and g.enabled and s.selector != "fixed":
@@ -299,7 +307,8 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   check(cfg.reward.timeout > 0, "reward.timeout", cfg.reward.timeout, "must be > 0 seconds")
   return RunSpec(cfg=cfg, sampling=sampling, engine=engine, grpo=grpo, distributed=distributed,
                  speculation=speculation, gate=gate, spot=spot, buffer=buffer,
-                 mab_buckets=mab_buckets, max_batch=r.max_batch, _selector=selector)
+                 mab_buckets=mab_buckets, max_batch=r.max_batch, _selector=selector,
+                 history=speculation is not None and bool(cfg.tlt.spec.get("history", False)))
 
 
 def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:

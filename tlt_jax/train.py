@@ -73,9 +73,11 @@ from tlt_jax.rl.reward_pool import RewardError, RewardPool
 from tlt_jax.rollout.engine import Engine, to_replica_layout
 from tlt_jax.rollout.executables import background_compiler
 from tlt_jax.rollout.gate import SpecGate, VerdictCache
+from tlt_jax.rollout.history import HistoryIndex
 from tlt_jax.rollout.mab import BucketedSelector, FixedSelector
 from tlt_jax.rollout.records import Request, Result, tokens_per_verification
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.strategy import Strategy
 from tlt_jax.sharding import tree_shardings
 
 
@@ -197,9 +199,11 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
   first = to_rollout(learner.params)
   workers = []
   for i, wmesh in local:  # this process's replicas (i: the global index)
+    # the history index lives with its worker across steps (not checkpointed: a resumed
+    # run rebuilds it from the responses it decodes from then on)
     engine = Engine(first, model_cfg, ecfg, worker_id=i, mesh=wmesh,
                     drafter_params=drafter.params if tlt else None, selector=selector,
-                    gate=gate)
+                    gate=gate, history=HistoryIndex() if spec.history else None)
     trainer = None
     if trained:
       wsh = dts.state_shardings(drafter.params, dtx, wmesh)
@@ -368,6 +372,25 @@ class Response(NamedTuple):
                res.num_tokens, res.finish_reason)
 
 
+def _arm_kinds(chunks, tokens: int) -> dict[str, dict[str, float]]:
+  """Speculative chunks by arm kind (history drafts, drafter drafts, off): tokens per
+  verification, share of the step's tokens, tokens/s while that kind ran."""
+  out: dict[str, dict[str, float]] = {}
+  for c in chunks:
+    kind = "off" if c.mode == "off" else (
+        "history" if Strategy.parse(c.mode).history else "drafter")
+    k = out.setdefault(kind, {"tokens": 0, "wall": 0.0, "accepted": 0, "verifications": 0})
+    k["tokens"] += c.tokens
+    k["wall"] += c.wall_time
+    k["accepted"] += c.accepted
+    k["verifications"] += c.verifications
+  return {kind: {"tokens_per_verify": (k["accepted"] + k["verifications"])
+                 / max(k["verifications"], 1) if k["verifications"] else 0.0,
+                 "share_of_tokens": k["tokens"] / max(tokens, 1),
+                 "tokens_per_s": k["tokens"] / max(k["wall"], 1e-9)}
+          for kind, k in out.items()}
+
+
 def rl_step(run: Run, state: TrainState, pool: RewardPool
             ) -> tuple[TrainState, dict[str, Any], dict[str, Any]]:
   """One RL step (the module docstring) -> (state, metrics, timeline of the workers)."""
@@ -467,7 +490,12 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
                  # that failed to compile fell back, see the run's log).
                  "verify_path": sorted({e.compiles.verify_path for e in engines}),
                  "kernel_fallbacks": sum(e.compiles.kernel_error is not None
-                                         for e in engines)}
+                                         for e in engines),
+                 "by_kind": _arm_kinds(spec_chunks, tokens)}
+  histories = [e.history.stats() for e in run.coordinator.engines if e.history is not None]
+  if histories:
+    m["history"] = {k: sum(h[k] for h in histories)
+                    for k in ("memory_bytes", "sequences", "tokens", "lookups", "hits")}
   if run.gate is not None:
     m["spec_gate"] = run.gate.summary()
   if run.coordinator.spot.mode != "off":
