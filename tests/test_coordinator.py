@@ -156,7 +156,14 @@ def test_in_flight_step_at_the_barrier_is_finished_or_dropped(on_barrier):
   _, merged = store.drafter()
   if on_barrier == "finish":
     assert out.drafter["steps"] == 2 and merged.params == 2.0
-    assert 0.15 < crit < 0.45  # at most one drafter step after the barrier
+    assert crit < 0.45  # at most one drafter step after the barrier
+    # the release waited for the step in flight at the barrier (on a loaded machine the
+    # barrier can come after both steps: then none was in flight and nothing is waited for)
+    barrier = out.timeline.barrier
+    in_flight = [iv.end for iv in out.timeline.intervals
+                 if iv.state is WorkerState.TRAINING and iv.start < barrier < iv.end]
+    if in_flight:
+      assert crit >= max(in_flight) - barrier - 0.01, (crit, in_flight, barrier)
   else:
     assert out.drafter["steps"] == 1 and out.drafter["dropped"] == 1 and merged.params == 1.0
     assert crit < 0.1 and trainers[0].discarded == 1
