@@ -121,7 +121,7 @@ def runs(ckpt, tmp_path_factory):
   sampled = ["--num_samples", "3", "--temperature", "1.0", "--top_p", "0.95", "--seed", "11",
              "--batch_size", "16", "--nocompaction"]
   outs = {k: str(tmp / f"{k}.jsonl")
-          for k in ("sampled_a", "sampled_b", "greedy", "spec", "spec_tree")}
+          for k in ("sampled_a", "sampled_b", "greedy", "spec", "spec_tree", "spec_hybrid")}
   procs = {
       "sampled_a": _start(*common, *sampled, "--output", outs["sampled_a"]),
       "sampled_b": _start(*common, *sampled, "--output", outs["sampled_b"]),
@@ -133,6 +133,9 @@ def runs(ckpt, tmp_path_factory):
       # an EAGLE-2 tree (depth 3, branching 2, 6 nodes verified): greedy output unchanged too
       "spec_tree": _start(*common, "--temperature", "0", "--batch_size", "4", "--drafter",
                           "init:0", "--spec", "3_2_6", "--output", outs["spec_tree"]),
+      # the hybrid by its source name: the history index's and the drafter's chains
+      "spec_hybrid": _start(*common, "--temperature", "0", "--batch_size", "4", "--drafter",
+                            "init:0", "--spec", "hybrid", "--output", outs["spec_hybrid"]),
   }
   done = {k: _finish(p) for k, p in procs.items()}
   for k, cp in done.items():
@@ -241,8 +244,9 @@ def errors(ckpt, tmp_path_factory):
     ("vocab", rf"error: \S*vocab\.jsonl:1: token id {VOCAB} is outside the vocabulary "
               rf"\[0, {VOCAB}\)"),
     ("not_an_arm", r"error: --spec: strategy 'chain': use '<steps>_<topk>_<verify_tokens>' "
-                   r"\(e\.g\. '4_1_5'\), 'hist_<steps>', "
-                   r"'histtree_<steps>_<topk>_<verify_tokens>' or 'off'"),
+                   r"\(e\.g\. '4_1_5'\), 'hist_<steps>', 'hyb_<steps>', "
+                   r"'histtree_<steps>_<topk>_<verify_tokens>' or 'off'; or a source: "
+                   r"drafter, history, hybrid"),
     ("tree_too_big", r"error: --spec: strategy 2_2_9: a tree of depth 2 and branching 2 has 7 "
                      r"candidate nodes"),
 ])
@@ -254,7 +258,7 @@ def test_user_errors(errors, case, pattern):
   assert cp.stdout == ""
 
 
-@pytest.mark.parametrize("run", ["spec", "spec_tree"])
+@pytest.mark.parametrize("run", ["spec", "spec_tree", "spec_hybrid"])
 def test_speculative_flags_keep_greedy_output(runs, run):
   assert _read(runs["outs"][run]) == _read(runs["outs"]["greedy"])
   assert "mean acceptance length" in runs["procs"][run].stderr

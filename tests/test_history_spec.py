@@ -118,8 +118,9 @@ def _by_key(results):
 @pytest.mark.parametrize("arms,pool", [
     (["hist_3"], {}), (["histtree_3_2_7"], {}),
     (["hist_2", "2_1_3", "histtree_2_2_5", "off"], {}),
+    (["hyb_3"], {}), (["hyb_2", "hist_3", "2_1_3"], {}),
     (["hist_3"], dict(page_size=4, kv_pages=13))],  # a row reaches up to 10 pages
-    ids=["chain", "tree", "mixed_with_drafter", "chain_preempting"])
+    ids=["chain", "tree", "mixed_with_drafter", "hybrid", "hybrid_mixed", "chain_preempting"])
 def test_greedy_history_spec_equals_plain(tiny, arms, pool):
   params, dparams = tiny
   reqs = _requests(9)
@@ -138,7 +139,7 @@ def test_greedy_history_spec_equals_plain(tiny, arms, pool):
   w = Engine(params, CFG, ecfg, drafter_params=dparams, history=index,
              selector=CycleSelector(arms) if len(arms) > 1 else None)
   spec = _by_key(w.generate(reqs, sp))
-  hist = [m for m in w.chunk_log if m.mode.startswith("hist")]
+  hist = [m for m in w.chunk_log if m.mode != "off" and Strategy.parse(m.mode).history]
   assert hist and sum(m.accepted for m in hist) > 0  # history drafts ran and were accepted
   assert {m.mode for m in w.chunk_log} >= set(arms)
   if pool:
@@ -161,15 +162,20 @@ def test_history_arms_need_an_index(tiny):
 
 
 def test_history_strategy_grammar_and_reach():
-  for arm in ["hist_1", "hist_4", "histtree_3_2_7", "histtree_2_4_21"]:
+  for arm in ["hist_1", "hist_4", "histtree_3_2_7", "histtree_2_4_21", "hyb_1", "hyb_4"]:
     assert Strategy.parse(arm).name == arm and Strategy.parse(arm).history
+  assert [Strategy.parse(a).kind for a in ["off", "4_1_5", "hist_4", "histtree_3_2_7", "hyb_4"]] \
+      == ["off", "drafter", "history", "history", "hybrid"]
   assert Strategy.parse("hist_4").verify_tokens == 5
-  for bad in ["hist_0", "histtree_3_1_4", "histtree_2_2_8", "hist_", "hist_2_1_3"]:
+  assert (Strategy.parse("hyb_4").verify_tokens, Strategy.parse("hyb_4").topk) == (9, 2)
+  for bad in ["hist_0", "histtree_3_1_4", "histtree_2_2_8", "hist_", "hist_2_1_3", "hyb_0",
+              "hyb_2_1_3"]:
     with pytest.raises(ValueError):
       Strategy.parse(bad)
   # a chunk of 4 single steps: each commits <= steps + 1 and verifies verify_tokens slots
   assert chunk_reach("hist_4", 4) == 3 * 5 + 5
   assert chunk_reach("histtree_2_4_6", 4) == 3 * 3 + 6  # no drafter tree levels to reach
+  assert chunk_reach("hyb_4", 4) == 3 * 5 + 9  # its drafter chain stays below the verified slots
 
 
 def test_external_tree_layout():
@@ -191,6 +197,25 @@ def test_external_tree_layout():
   assert (np.asarray(t.children[1]) == -1).all()
 
 
+def test_hybrid_draft_merges_the_two_chains():
+  """Rows: the drafter departs from a full history chain at its second token; the history
+  chain runs out after two tokens the drafter repeats; the history draft is not used."""
+  hist = jnp.asarray([[5, 6, 7]] * 3, jnp.int32)
+  hist_parents = jnp.asarray([[-1, 0, 1], [-1, 0, -2], [-1, 0, 1]], jnp.int32)
+  drafts = jnp.asarray([[5, 9, 7], [5, 6, 7], [8, 6, 7]], jnp.int32)
+  tokens, parents = speculative.hybrid_draft(hist, hist_parents, drafts,
+                                             jnp.asarray([True, True, False]))
+  np.testing.assert_array_equal(tokens, [[5, 6, 7, 5, 9, 7], [5, 6, 7, 5, 6, 7],
+                                         [5, 6, 7, 8, 6, 7]])
+  np.testing.assert_array_equal(parents, [[-1, 0, 1, -2, 0, 4], [-1, 0, -2, -2, -2, 1],
+                                          [-2, -2, -2, -1, 3, 4]])
+  t = speculative.external_tree(jnp.asarray([3, 3, 3]), tokens, parents,
+                                jnp.asarray([True] * 3), depth=3, topk=2)
+  # row 0: root -> 5 -> {6 -> 7, 9 -> 7}: node 1 has the history child first
+  np.testing.assert_array_equal(t.children[0, 1], [2, 5])
+  np.testing.assert_array_equal(t.depth[0], [0, 1, 2, 3, 0, 2, 3])
+
+
 # ------------------------------------------------------------------------ distribution tests
 @pytest.fixture(scope="module")
 def peaked():
@@ -203,11 +228,13 @@ def _misleading(strategy, last, rows):
   n = strategy.verify_tokens - 1
   table = np.random.RandomState(7).randint(0, PEAKED.vocab_size, (11, PEAKED.vocab_size, n))
   tokens = table[rows % 11, last].astype(np.int32)
-  if strategy.topk == 1:
-    parents = np.broadcast_to(np.arange(-1, n - 1, dtype=np.int32), (len(rows), n)).copy()
+  if strategy.hybrid:  # the index's chain runs out after K - 1 tokens (columns K.. unused)
+    parents = np.where(np.arange(n) < strategy.steps - 1, np.arange(n) - 1, -2)
+  elif strategy.topk == 1:
+    parents = np.arange(-1, n - 1)
   else:  # two root children, then each node's child under the previous ones
-    parents = np.broadcast_to(np.asarray([-1, -1] + list(range(n - 2)), np.int32)[:n],
-                              (len(rows), n)).copy()
+    parents = np.asarray([-1, -1] + list(range(n - 2)))[:n]
+  parents = np.broadcast_to(parents.astype(np.int32), (len(rows), n)).copy()
   parents[rows % 5 == 0] = -2
   return tokens, parents
 
@@ -240,8 +267,8 @@ def sample_history(params, dparams, sp, strategy, monkeypatch=None, verify=None)
   state = jax.jit(run)(params, dparams, init_cache(PEAKED, b, 16, page_size=2),
                        drafter_cache(PEAKED, b, 16, page_size=2), toks, lens, keys,
                        jnp.full((b,), NEW, jnp.int32))
-  if verify is not None:
-    monkeypatch.setattr(speculative, "verify_tree", verify)
+  if verify is not None:  # (name, a broken rule in its place)
+    monkeypatch.setattr(speculative, *verify)
   step = jax.jit(functools.partial(speculative.history_step, cfg=PEAKED, sp=sp, stop_tokens=(),
                                    strategy=strategy, capture_hidden=False, use_kernel=False))
   rows = np.arange(b)
@@ -260,8 +287,10 @@ def sample_history(params, dparams, sp, strategy, monkeypatch=None, verify=None)
 
 
 @pytest.mark.parametrize("sp", SAMPLING, ids=["t1", "t0.8_topk4"])
-@pytest.mark.parametrize("arm", ["hist_2", "histtree_2_2_5"])
+@pytest.mark.parametrize("arm", ["hist_2", "histtree_2_2_5", "hyb_3"])
 def test_sampled_history_spec_matches_target_distribution(peaked, sp, arm):
+  """hyb_3: misleading index chains of 2 tokens (none on every fifth row) and the drafter's
+  argmax chain of 3, verified as one tree."""
   params, dparams = peaked
   seqs, acc = sample_history(params, dparams, sp, Strategy.parse(arm))
   assert acc > 0.02 * N  # misleading drafts are accepted sometimes...
@@ -269,12 +298,13 @@ def test_sampled_history_spec_matches_target_distribution(peaked, sp, arm):
   assert chi_square_p(seqs, exact_joint(params, sp)) > 1e-3
 
 
-@pytest.mark.parametrize("arm", ["hist_2", "histtree_2_2_5"])
+@pytest.mark.parametrize("arm", ["hist_2", "histtree_2_2_5", "hyb_3"])
 def test_broken_history_acceptance_is_detected(peaked, arm, monkeypatch):
   params, dparams = peaked
   sp = SAMPLING[0]
-  seqs, _ = sample_history(params, dparams, sp, Strategy.parse(arm), monkeypatch,
-                           verify=_accept_first_child)
+  strategy = Strategy.parse(arm)
+  seqs, _ = sample_history(params, dparams, sp, strategy, monkeypatch,
+                           verify=("verify_tree", _accept_first_child))
   assert broken_p(seqs, exact_joint(params, sp)) < 1e-6
 
 

@@ -14,7 +14,9 @@ e.g. 4_1_5 (a chain of 4 drafts, 5 tokens verified) or 3_2_6 (a tree of depth 3,
 6 nodes verified); "off" decodes plainly. History arms, "hist_<K>" (a chain of up to K tokens)
 and "histtree_<K>_<topk>_<N>", draft from what the other samples of the same prompt
 (--num_samples) and the row itself have written (rollout/history.py's index); without
---drafter they run with a freshly initialised drafter, whose catch-up alone runs.
+--drafter they run with a freshly initialised drafter, whose catch-up alone runs. The hybrid
+"hyb_<K>" verifies the index's chain and the drafter's together. By source: --spec drafter
+(4_1_5), --spec history (hist_8), --spec hybrid (hyb_4).
 """
 
 from __future__ import annotations
@@ -45,13 +47,18 @@ flags.DEFINE_string("drafter", None, "Drafter directory (scripts/train_drafter.p
                     "init:SEED for a freshly initialised drafter.")
 flags.DEFINE_string("spec", "off", "Speculative decoding arm '<steps>_<topk>_<verify_tokens>' "
                     "(e.g. 4_1_5: a chain of 4 drafts; 3_2_6: a tree), 'hist_<steps>', "
-                    "'histtree_<steps>_<topk>_<verify_tokens>' (history drafts) or 'off'.")
+                    "'histtree_<steps>_<topk>_<verify_tokens>' (history drafts), 'hyb_<steps>' "
+                    "(history + drafter), 'off', or a source: drafter, history, hybrid.")
 flags.DEFINE_integer("spec_threshold", 0, "Speculate once the live batch is <= this "
                      "(0 = always).")
 
 
 class InputError(ValueError):
   pass
+
+
+# --spec's names for a draft source: the arm each stands for
+SPEC_NAMES = {"drafter": "4_1_5", "history": "hist_8", "hybrid": "hyb_4"}
 
 
 def history_index():
@@ -131,9 +138,9 @@ def main(argv):
   if FLAGS.num_samples < 1 or FLAGS.batch_size < 1 or FLAGS.max_new_tokens < 1:
     raise InputError("--num_samples, --batch_size and --max_new_tokens must be >= 1")
   try:
-    strategy = Strategy.parse(FLAGS.spec)
+    strategy = Strategy.parse(SPEC_NAMES.get(FLAGS.spec, FLAGS.spec))
   except ValueError as e:
-    raise InputError(f"--spec: {e}") from None
+    raise InputError(f"--spec: {e}; or a source: {', '.join(SPEC_NAMES)}") from None
   cfg, params = load_hf_model(FLAGS.model, dtype=FLAGS.dtype, param_dtype=FLAGS.dtype)
   tokenizer = load_tokenizer(FLAGS.model)
   prompts = read_prompts(FLAGS.prompts, tokenizer, chat=FLAGS.chat)

@@ -373,12 +373,11 @@ class Response(NamedTuple):
 
 
 def _arm_kinds(chunks, tokens: int) -> dict[str, dict[str, float]]:
-  """Speculative chunks by arm kind (history drafts, drafter drafts, off): tokens per
+  """Speculative chunks by arm kind (history, drafter, hybrid, off): tokens per
   verification, share of the step's tokens, tokens/s while that kind ran."""
   out: dict[str, dict[str, float]] = {}
   for c in chunks:
-    kind = "off" if c.mode == "off" else (
-        "history" if Strategy.parse(c.mode).history else "drafter")
+    kind = Strategy.parse(c.mode).kind
     k = out.setdefault(kind, {"tokens": 0, "wall": 0.0, "accepted": 0, "verifications": 0})
     k["tokens"] += c.tokens
     k["wall"] += c.wall_time

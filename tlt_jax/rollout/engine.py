@@ -503,7 +503,9 @@ class Engine:
     for _ in range(self.ecfg.chunk_size):
       tokens, parents = np.zeros((b, n), np.int32), np.full((b, n), -2, np.int32)
       for s, key in rows.items():
-        d = self.history.draft(key, strategy.steps, topk=strategy.topk, max_nodes=n)
+        # a hybrid asks for the index's chain (the step adds the drafter's)
+        d = (self.history.draft(key, strategy.steps) if strategy.hybrid else
+             self.history.draft(key, strategy.steps, topk=strategy.topk, max_nodes=n))
         m = min(len(d.tokens), n)  # a prefix of a topological order keeps every parent
         tokens[s, :m], parents[s, :m] = d.tokens[:m], d.parents[:m]
       state, out, acc = exe(self.params, self.drafter_params, state, put(tokens), put(parents))
@@ -606,7 +608,7 @@ class Engine:
     # the attention window the rows reach this chunk (their pages hold it: `_page`)
     kv_len = self.compiles.window(sp, arm, state, longest_row(sched, outputs)
                                   + chunk_reach(arm, ecfg.chunk_size))
-    compiles, t0 = len(self.exes.records), time.perf_counter()
+    compiles, t0 = self.exes.compiled_here(), time.perf_counter()
     state, host = self._decode(state, sp, arm, capture, kv_len, sched)  # the only host sync
     dt = time.perf_counter() - t0
     # a history chunk extended the index step by step
@@ -617,7 +619,7 @@ class Engine:
         worker_id=self.worker_id, bucket=state.batch_size, live=len(live), tokens=produced,
         steps=int(host[0].steps), wall_time=dt, mode=arm or "plain", accepted=int(host[3][0]),
         verifications=int(host[3][1]), t=time.perf_counter() - t_start,
-        compiled=len(self.exes.records) != compiles), selector, gate, hooks)
+        compiled=self.exes.compiled_here() != compiles), selector, gate, hooks)
     return state, started
 
   def _collect(self, sched: Scheduler, live: list[int], outputs: dict[Any, Output], host,

@@ -64,6 +64,7 @@ class ExecutableCache:
   def __init__(self):
     self._compiled: dict[ExecKey, Any] = {}
     self.records: list[CompileRecord] = []
+    self._by_thread: dict[int, int] = {}  # compiles per compiling thread
     self._lock = threading.Lock()
 
   def __contains__(self, key: ExecKey) -> bool:
@@ -98,7 +99,15 @@ class ExecutableCache:
       if key not in self._compiled:
         self._compiled[key] = exe
         self.records.append(CompileRecord(key, batch, seconds, mem))
+        me = threading.get_ident()
+        self._by_thread[me] = self._by_thread.get(me, 0) + 1
       return self._compiled[key]
+
+  def compiled_here(self) -> int:
+    """How many executables the calling thread has compiled (a background compile thread's
+    do not count: they did not stall this thread's device calls)."""
+    with self._lock:
+      return self._by_thread.get(threading.get_ident(), 0)
 
   def abstract_out(self, name: str, variant: Hashable, fn: Callable, args: tuple, *,
                    donate: tuple[int, ...] = ()):

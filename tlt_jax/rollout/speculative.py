@@ -471,6 +471,31 @@ def external_tree(pending, tokens, parents, use, *, depth: int, topk: int) -> Tr
               visible=visible)
 
 
+_GREEDY = SamplingParams(temperature=0.0)
+
+
+def hybrid_draft(hist, hist_parents, drafts, use):
+  """A hybrid arm's tree: the index's chain hist [B, K] (its parents hist_parents: -1, 0, 1,
+  ... while it lasts, padding after) and the drafter's argmax chain drafts [B, K] from the
+  same root, merged where they agree: drafter node i is dropped while the drafter repeats the
+  history chain's first i + 1 tokens, hangs under history node i - 1 where it first departs,
+  and under drafter node i - 1 after that. use [B] False: the history chain is ignored (only
+  the drafter's). Returns (tokens, parents) [B, 2K] for `external_tree` (topk 2: a node has
+  at most the history child and the drafter's; history first). Both chains are
+  deterministic, so the target-only tree rule verifies them exactly."""
+  b, k = hist.shape
+  idx = jnp.arange(k, dtype=jnp.int32)[None, :]
+  h_len = jnp.where(use, jnp.sum(jnp.cumprod(hist_parents == idx - 1, axis=1), axis=1), 0)
+  h_ok = idx < h_len[:, None]  # [B, K]
+  agree = jnp.cumprod(h_ok & (drafts == hist), axis=1).astype(bool)  # d[:i+1] == h[:i+1]
+  prev_agree = jnp.concatenate([jnp.ones((b, 1), bool), agree[:, :-1]], axis=1)
+  d_par = jnp.where(idx == 0, -1, jnp.where(prev_agree, idx - 1, k + idx - 1))
+  d_par = jnp.where(agree, -2, d_par)
+  tokens = jnp.concatenate([hist, drafts], axis=1).astype(jnp.int32)
+  parents = jnp.concatenate([jnp.where(h_ok, idx - 1, -2), d_par], axis=1).astype(jnp.int32)
+  return tokens, parents
+
+
 def history_step(params, dparams, state: SpecState, tokens, parents, *, cfg: ModelConfig,
                  sp: SamplingParams, stop_tokens: tuple[int, ...], strategy: Strategy,
                  capture_hidden: bool, use_kernel: bool | None = None,
@@ -481,7 +506,10 @@ def history_step(params, dparams, state: SpecState, tokens, parents, *, cfg: Mod
   As `spec_step`, with the drafter's part reduced to its catch-up, which keeps the drafter's
   cache coherent for a later drafter arm. A row that had no pending token drafted from the
   text before the token step 1 samples: its draft is dropped (it takes a one-token step).
-  Returns (state, outputs [B, steps + 2], [accepted drafts, verifications])."""
+  A hybrid arm (`Strategy.hybrid`) also drafts the drafter's argmax chain and verifies both
+  chains as one tree (`hybrid_draft`): the drafter extends a history draft that runs out
+  and replaces one that is missing or wrong, at the cost of its forwards and a wider
+  verification. Returns (state, outputs [B, steps + 2], [accepted drafts, verifications])."""
   if use_kernel is None:
     use_kernel = jax.default_backend() == "gpu"
   k = strategy.steps
@@ -494,9 +522,15 @@ def history_step(params, dparams, state: SpecState, tokens, parents, *, cfg: Mod
       valid=jnp.zeros((b, width), jnp.bool_), steps=jnp.int32(1))
   count = jnp.zeros((b,), jnp.int32)
   state, bufs, count, st = _start(params, state, bufs, count, cfg=cfg, sp=sp, stop=stop)
-  state, _, _ = _catch_up(dparams, params, state, cfg, kv_len)
-  tree = external_tree(state.pending, tokens, parents, st.live & ~st.need, depth=k,
-                       topk=strategy.topk)
+  state, g, dlogits = _catch_up(dparams, params, state, cfg, kv_len)
+  use = st.live & ~st.need
+  if strategy.hybrid:
+    drafts, _, dc = _draft_chain(dparams, params, state.dcache, g, dlogits, None, cfg=cfg,
+                                 sp=_GREEDY, steps=k, kv_len=kv_len)
+    state = state.replace(dcache=dc)
+    tokens, parents = hybrid_draft(tokens[:, :k], parents[:, :k], drafts, use)
+    use = st.live  # a row whose history draft is stale still has the drafter's
+  tree = external_tree(state.pending, tokens, parents, use, depth=k, topk=strategy.topk)
   vkey = None if sp.greedy else _verify_keys(st, sp, k)[:, k]
   state, bufs, _, acc = _verify_commit(
       params, state, bufs, count, st, tree.tokens, state.base.cache.lengths[:, None] + tree.depth,
@@ -550,8 +584,8 @@ def chunk_reach(strategy: Strategy, chunk: int) -> int:
   drafts + 1); its target forward reads up to slot n_i + N - 1 (N = verify_tokens), the
   drafter's catch-up up to n_i - 1, its chain drafts up to n_i + steps - 2 and its tree levels
   up to n_i + max(steps - 1, 1) topk - 1. A history arm's chunk (the engine's host loop of
-  `chunk` `history_step`s) drafts nothing on the drafter: only the target forward reaches
-  past n_i."""
+  `chunk` `history_step`s) drafts nothing on the drafter (a hybrid's drafter chain stays
+  below its verified window): only the target forward reaches past n_i."""
   k = strategy.steps
   width = (strategy.verify_tokens if strategy.history else
            max(strategy.verify_tokens, k, max(k - 1, 1) * strategy.topk if k else 0, 1))

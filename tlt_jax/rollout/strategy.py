@@ -11,8 +11,12 @@ to `steps` tokens, steps + 1 verified) and "histtree_<steps>_<topk>_<verify_toke
 depth <= steps, <= topk children per node, <= verify_tokens nodes with the root, as for drafter
 trees). The same three numbers as a drafter arm, so every consumer of `steps` / `verify_tokens`
 (catch-up capacity, chunk reach, the gate's depth) reads a history arm unchanged; the prefix
-names the draft source. Pure Python: the selectors (mab.py) and config validation use it
-without JAX.
+names the draft source. "hyb_<steps>" (hybrid) verifies two chains of up to `steps` tokens
+as one tree: the index's, and the drafter's (argmax) from the same root, merged where they
+agree (speculative.hybrid_draft), so the drafter extends a history draft that runs out and
+replaces one that is missing or wrong; topk 2, 2 steps + 1 tokens verified; it costs the
+drafter's forwards, a lookup and the wider verification. Pure Python: the selectors (mab.py)
+and config validation use it without JAX.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import re
 
 _ARM = re.compile(r"^(\d+)_(\d+)_(\d+)$")
 _HIST = re.compile(r"^hist_(\d+)$")
+_HYB = re.compile(r"^hyb_(\d+)$")
 _HIST_TREE = re.compile(r"^histtree_(\d+)_(\d+)_(\d+)$")
 # The arm a fixed selector runs (SpecConfig.strategy); the default bandit's arm set per
 # live-batch bucket is mab.default_mab_buckets
@@ -34,12 +39,13 @@ class Strategy:
   depth `steps` pruned to `num_verify_tokens` nodes, the root (pending token) included
   (default: steps * topk + 1, capped at the number of candidates the expansion produces).
   steps=0 is "off". history: the drafts come from the host's history index (module
-  docstring), not the drafter."""
+  docstring), not the drafter; hybrid: the index's chain and the drafter's as one tree."""
 
   steps: int
   topk: int = 1
   num_verify_tokens: int = 0
   history: bool = False
+  hybrid: bool = False
 
   def __post_init__(self):
     label = ("histtree_" if self.history else "") + (
@@ -48,6 +54,9 @@ class Strategy:
       raise ValueError(f"strategy {label}: steps must be >= 0 and topk >= 1")
     if self.history and self.steps == 0:
       raise ValueError("a history strategy drafts at least one token: steps must be >= 1")
+    if self.hybrid and not (self.history and self.topk == 2
+                            and self.verify_tokens == 2 * self.steps + 1):
+      raise ValueError(f"strategy {label}: a hybrid arm is 'hyb_<steps>' (two chains)")
     if self.num_verify_tokens and self.steps:
       if self.topk == 1 and self.num_verify_tokens != self.steps + 1:
         raise ValueError(f"strategy {label}: a chain verifies "
@@ -71,10 +80,19 @@ class Strategy:
   def name(self) -> str:
     if self.steps == 0:
       return "off"
+    if self.hybrid:
+      return f"hyb_{self.steps}"
     if self.history:
       return (f"hist_{self.steps}" if self.topk == 1
               else f"histtree_{self.steps}_{self.topk}_{self.verify_tokens}")
     return f"{self.steps}_{self.topk}_{self.verify_tokens}"
+
+  @property
+  def kind(self) -> str:
+    """Where the drafts come from: "off", "drafter", "history" or "hybrid" (metrics, gate)."""
+    if not self.steps:
+      return "off"
+    return "hybrid" if self.hybrid else "history" if self.history else "drafter"
 
   @property
   def verify_tokens(self) -> int:
@@ -90,11 +108,15 @@ class Strategy:
     arm = arm if isinstance(arm, str) else ""
     if (m := _HIST.match(arm)):
       return cls(int(m.group(1)), history=True)
+    if (m := _HYB.match(arm)):
+      steps = int(m.group(1))
+      return cls(steps, 2, 2 * steps + 1, history=True, hybrid=True)
     history = arm.startswith("histtree_")
     m = (_HIST_TREE if history else _ARM).match(arm)
     if not m:
       raise ValueError(f"strategy {arm!r}: use '<steps>_<topk>_<verify_tokens>' (e.g. '4_1_5'), "
-                       "'hist_<steps>', 'histtree_<steps>_<topk>_<verify_tokens>' or 'off'")
+                       "'hist_<steps>', 'hyb_<steps>', 'histtree_<steps>_<topk>_<verify_tokens>' or "
+                     "'off'")
     steps, topk, verify = map(int, m.groups())
     if history and topk == 1:
       raise ValueError(f"strategy {arm!r}: a history chain is 'hist_{steps}'")

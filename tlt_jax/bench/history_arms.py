@@ -1,0 +1,219 @@
+"""History drafts, drafter drafts and both under one bandit, in the RL regime
+(scripts/bench_history_arms.py prints what `run` measures).
+
+Workloads: GRPO groups sampled at temperature 1 with EOS, on the default model and its
+shipped drafter or on the memory-bound bench target (scripts/make_bench_model.py):
+- "batch 1": each group's samples decoded one at a time (max_batch 1), so each sees its
+  finished siblings: the long tail's last row of a group.
+- "batch 8": groups of 8 samples decoded 8 rows at a time (finished rows refilled from the
+  next group), siblings in lockstep.
+- "long tail": every prompt's samples admitted at once; speculation at <= `threshold` live
+  rows, as in training.
+Each workload runs `epochs` epochs over the same prompts (seed = epoch): epoch 1 starts from an
+empty index, later ones find the earlier epochs' answers in it, as later RL steps do (the index
+lives with the rollout worker). Configurations run interleaved per epoch, each with its own
+index (and the bandit its own state, kept across epochs): plain decoding, drafter arms, history
+arms, the hybrid, and a bucketed epsilon-greedy bandit over all kinds and "off". One untimed
+epoch per configuration with a throwaway index compiles the executables first; a compile inside
+a timed epoch is subtracted from its time (a new attention window, a new prefill shape).
+Reported per workload and epoch: tokens/s, speedup vs plain, tokens per verification of the
+speculative chunks, and for the bandit the share of tokens per arm kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import jax
+
+from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
+from tlt_jax.rollout.history import HistoryIndex
+from tlt_jax.rollout.mab import BucketedEpsilonGreedy, FixedSelector
+from tlt_jax.rollout.records import Request
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.scheduler import buckets_upto
+from tlt_jax.rollout.strategy import Strategy
+
+
+@dataclasses.dataclass(frozen=True)
+class Args:
+  """scripts/bench_history_arms.py's flags (help text there) of the same names."""
+  bench: str | None = None
+  drafter_arms: str = "4_1_5"
+  history_arms: str = "hist_4,hist_8"
+  hybrid_arms: str = "hyb_4"
+  bandit: bool = True
+  workloads: str = "batch1,batch8,tail"
+  prompts: int = 4
+  samples: int = 8
+  tail_prompts: int = 8
+  tail_samples: int = 4
+  threshold: int = 8
+  epochs: int = 2
+  max_new_tokens: int = 256
+  temperature: float = 1.0
+
+
+def load_target(bench: str | None):
+  """(cfg, params, drafter params, stop tokens, the default task's test prompts as ids) of the
+  default model and its shipped drafter, or of a make_bench_model.py output dir."""
+  if bench:
+    from tlt_jax.bench.bench_model import load_bench_target
+    cfg, params, dparams, _, stop, prompts = load_bench_target(bench)
+    return cfg, params, dparams, stop, prompts
+  from tlt_jax.config import asset_path
+  from tlt_jax.data.prompts import load_prompt_rows
+  from tlt_jax.drafter.model import load_drafter
+  from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
+  model_dir = asset_path("default", "model")
+  cfg, params = load_hf_model(model_dir)
+  tok = load_tokenizer(model_dir)
+  rows, _ = load_prompt_rows(asset_path("default", "data", "test.jsonl"))
+  return (cfg, params, load_drafter(asset_path("default", "drafter"), cfg),
+          tuple(stop_token_ids(model_dir, tok)), [tok.encode(r.prompt) for r in rows])
+
+
+def workloads(args: Args, prompts) -> dict[str, tuple[list[Request], int, int]]:
+  """name -> (requests, max_batch, speculation threshold)."""
+  group = lambda n, s: [Request(prompts[i], request_id=i, sample_index=j)
+                        for i in range(n) for j in range(s)]
+  tail = args.tail_prompts * args.tail_samples
+  every = {"batch1": (group(args.prompts, args.samples), 1, 1),
+           "batch8": (group(args.prompts, 8), 8, 8),
+           "tail": (group(args.tail_prompts, args.tail_samples), tail, args.threshold)}
+  names = [w for w in args.workloads.split(",") if w]
+  unknown = sorted(set(names) - set(every))
+  if unknown:
+    raise ValueError(f"--workloads {args.workloads}: unknown {unknown}; use "
+                     f"{', '.join(every)}")
+  return {w: every[w] for w in names}
+
+
+def configurations(args: Args) -> dict[str, tuple[Any, bool]]:
+  """label -> (selector factory or None for plain decoding, needs a history index)."""
+  split = lambda s: [a for a in s.split(",") if a]
+  drafter, history, hybrid = split(args.drafter_arms), split(args.history_arms), split(
+      args.hybrid_arms)
+  for a in drafter + history + hybrid:
+    Strategy.parse(a)  # a bad arm name fails before anything loads
+  out: dict[str, tuple[Any, bool]] = {"plain": (None, False)}
+  for a in drafter + history + hybrid:
+    out[a] = (lambda a=a: FixedSelector(a), Strategy.parse(a).history)
+  every = drafter + history + hybrid
+  if args.bandit and len(every) > 1:
+    out["bandit"] = (lambda: BucketedEpsilonGreedy({1: every + ["off"]}, seed=0),
+                     bool(history or hybrid))
+  return out
+
+
+def _kinds(chunks) -> dict[str, dict[str, float]]:
+  """Speculative chunks by arm kind: tokens, accepted drafts, verifications."""
+  out: dict[str, dict[str, float]] = {}
+  for c in chunks:
+    if c.mode == "plain":
+      continue
+    k = out.setdefault(Strategy.parse(c.mode).kind,
+                       {"tokens": 0, "accepted": 0, "verifications": 0})
+    k["tokens"] += c.tokens
+    k["accepted"] += c.accepted
+    k["verifications"] += c.verifications
+  return out
+
+
+def measure(args: Args, cfg, params, dparams, stop, reqs, max_batch: int, threshold: int,
+            log=print) -> dict[str, list[dict]]:
+  """One workload: every configuration, epoch by epoch, interleaved. -> label -> [per epoch:
+  tokens, seconds, tokens/s, tokens per verification, by kind]."""
+  confs = configurations(args)
+  arms = sorted({a for a in (args.drafter_arms + "," + args.history_arms + ","
+                             + args.hybrid_arms).split(",") if a})
+  sp = SamplingParams(temperature=args.temperature)
+  max_prompt = -(-max(len(r.prompt_ids) for r in reqs) // 16) * 16
+
+  def engine(spec: SpecConfig | None) -> Engine:
+    ecfg = EngineConfig(max_batch=max_batch, buckets=buckets_upto(max_batch), chunk_size=16,
+                        max_prompt_len=max_prompt, max_new_tokens=args.max_new_tokens,
+                        stop_tokens=stop, spec=spec)
+    return Engine(params, cfg, ecfg, drafter_params=dparams if spec else None,
+                  history=HistoryIndex() if spec else None)
+
+  plain = engine(None)
+  spec = engine(SpecConfig(strategy=arms[0], bs_threshold=threshold, patience=1,
+                           use_kernel=jax.default_backend() == "gpu",
+                           max_steps=max(Strategy.parse(a).steps for a in arms)))
+  selectors = {label: make() for label, (make, _) in confs.items() if make}
+  indexes = {label: HistoryIndex() if hist else None for label, (_, hist) in confs.items()}
+
+  def one(label: str, seed: int, index) -> dict:
+    w = plain if confs[label][0] is None else spec
+    if w is spec:
+      w.selector, w.history = selectors[label], index
+    w.chunk_log.clear()
+    compiled = sum(r.seconds for r in w.compile_log)
+    t0 = time.perf_counter()
+    res = w.generate(reqs, sp, seed=seed)
+    dt = time.perf_counter() - t0 - (sum(r.seconds for r in w.compile_log) - compiled)
+    tokens = sum(r.num_tokens for r in res)
+    kinds = _kinds(w.chunk_log)
+    acc = sum(k["accepted"] for k in kinds.values())
+    ver = sum(k["verifications"] for k in kinds.values())
+    return {"tokens": tokens, "seconds": dt, "tokens_per_s": tokens / max(dt, 1e-9),
+            "tokens_per_verify": (acc + ver) / ver if ver else None, "by_kind": kinds}
+
+  t0 = time.perf_counter()
+  for label, (make, hist) in confs.items():  # compiles; the bandit tries every arm
+    one(label, 10_000, HistoryIndex() if hist else None)
+  selectors = {label: make() for label, (make, _) in confs.items() if make}  # fresh state
+  log(f"  (compiled in {time.perf_counter() - t0:.0f} s)")
+  out: dict[str, list[dict]] = {label: [] for label in confs}
+  for epoch in range(args.epochs):
+    for label in confs:
+      r = one(label, epoch, indexes[label])
+      out[label].append(r)
+      log(f"  epoch {epoch + 1} {label}: {r['tokens']} tokens, {r['tokens_per_s']:.1f} tokens/s"
+          + (f", {r['tokens_per_verify']:.2f} tokens/verification"
+             if r["tokens_per_verify"] else ""))
+  return out
+
+
+def table(name: str, res: dict[str, list[dict]]) -> str:
+  """A markdown table: a row per configuration, per epoch tokens/s, speedup vs plain, tokens
+  per verification; the bandit's share of tokens by kind."""
+  epochs = len(res["plain"])
+  head = "| engine | " + " | ".join(
+      f"epoch {e + 1} tokens/s | speedup | tokens/verif." for e in range(epochs)) + " |"
+  lines = [f"### {name}", "", head, "|---|" + "---:|" * (3 * epochs)]
+  for label, rs in res.items():
+    cells = []
+    for e, r in enumerate(rs):
+      base = res["plain"][e]["tokens_per_s"]
+      tpv = r["tokens_per_verify"]
+      cells += [f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s'] / base:.2f}x",
+                "-" if tpv is None else f"{tpv:.2f}"]
+    lines.append(f"| {label} | " + " | ".join(cells) + " |")
+  if "bandit" in res:
+    shares = []
+    for e, r in enumerate(res["bandit"]):
+      total = sum(k["tokens"] for k in r["by_kind"].values()) or 1
+      shares.append(f"epoch {e + 1}: " + ", ".join(
+          f"{kind} {k['tokens'] / total:.0%}" for kind, k in sorted(r["by_kind"].items())))
+    lines += ["", "bandit's speculative tokens by kind: " + "; ".join(shares)]
+  return "\n".join(lines)
+
+
+def run(args: Args, log=print) -> dict[str, Any]:
+  """Every workload of `args`; logs progress and each table; returns the summary."""
+  cfg, params, dparams, stop, prompts = load_target(args.bench)
+  summary: dict[str, Any] = {
+      "machine": f"{jax.devices()[0].device_kind} ({jax.default_backend()}), "
+                 f"{os.cpu_count()} CPU cores, jax {jax.__version__}",
+      "target": args.bench or "default model + shipped drafter", "args": dataclasses.asdict(args)}
+  for name, (reqs, max_batch, threshold) in workloads(args, prompts).items():
+    log(f"{name}: {len(reqs)} requests, max_batch {max_batch}, speculation at <= {threshold}")
+    res = measure(args, cfg, params, dparams, stop, reqs, max_batch, threshold, log)
+    summary[name] = res
+    log("\n" + table(name, res) + "\n")
+  return summary
