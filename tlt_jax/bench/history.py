@@ -13,8 +13,11 @@ count is the longest prefix equal to the row's own next tokens (its future is kn
 the row emits accepted + 1 tokens (the bonus token), exactly what a lossless verifier commits
 under greedy decoding. Every `tree_every`-th round the row also drafts a tree (topk, nodes)
 and scores the longest root path matching its future (a tree verifier's acceptance), timed
-separately. Insert time covers begin/extend/end plus the lazy re-sorts (stats()["sort_s"]),
-which run inside draft() and are subtracted from the lookup time.
+separately. These timings run the synchronous index (history._SyncIndex, the engine that
+HistoryIndex's worker thread drives) so that they split its work: insert time covers
+begin/extend/end plus settling the new positions (registering them as pending, the lazy
+re-sorts: stats()["update_s"]), which a synchronous draft does first and which is subtracted
+from the lookup time.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import tracemalloc
 
 import numpy as np
 
-from tlt_jax.rollout.history import HistoryIndex
+from tlt_jax.rollout import history
 
 
 def make_sample(rng, base, length, span, mut, vocab):
@@ -55,7 +58,9 @@ def _tree_accept(d, future):
 
 def run_epoch(idx, rng, bases, epoch, samples, length, prompt_len, span, mut, vocab, chain,
               topk, nodes, tree_every):
-  """Decodes one epoch of all prompts; returns the epoch's counters."""
+  """Decodes one epoch of all prompts on `idx` (a history._SyncIndex); returns the epoch's
+  counters."""
+  u0 = idx._update_s
   rows = []
   for pk, base in enumerate(bases):
     prompt = base[:prompt_len]
@@ -72,31 +77,30 @@ def run_epoch(idx, rng, bases, epoch, samples, length, prompt_len, span, mut, vo
     for r in live:
       key, out, at = r
       future = out[at:at + chain + 1]
-      s0 = idx._sort_s
+      s0 = idx._update_s
       t0 = time.perf_counter()
       d = idx.draft(key, chain)
-      c["chain_s"] += time.perf_counter() - t0 - (idx._sort_s - s0)
+      c["chain_s"] += time.perf_counter() - t0 - (idx._update_s - s0)
       c["lookups"] += 1
       acc = 0
       while acc < len(d.tokens) and acc < len(future) and d.tokens[acc] == future[acc]:
         acc += 1
       c["accepted"] += acc
       if rnd % tree_every == 0:
-        s0 = idx._sort_s
+        s0 = idx._update_s
         t0 = time.perf_counter()
         dt = idx.draft(key, chain, topk=topk, max_nodes=nodes)
-        c["tree_s"] += time.perf_counter() - t0 - (idx._sort_s - s0)
+        c["tree_s"] += time.perf_counter() - t0 - (idx._update_s - s0)
         c["trees"] += 1
         c["tree_accepted"] += _tree_accept(dt, future)
       step = min(acc + 1, len(out) - at)
-      t0 = time.perf_counter()
       idx.extend(key, out[at:at + step])
       r[2] = at + step
       if r[2] >= len(out):
         idx.end(key)
-      c["insert_s"] += time.perf_counter() - t0
     live = [r for r in live if r[2] < len(r[1])]
     rnd += 1
+  c["insert_s"] = idx._update_s - u0
   return c
 
 
@@ -106,7 +110,7 @@ def history_table(prompts=8, samples=16, length=16384, prompt_len=256, epochs=2,
   """Lines of the benchmark (see the module docstring), one block per epoch."""
   rng = np.random.default_rng(seed)
   bases = [rng.integers(0, vocab, 2 * length) for _ in range(prompts)]
-  idx = HistoryIndex(**index_kw)
+  idx = history._SyncIndex(**index_kw)
   lines = [f"HistoryIndex: {prompts} prompts x {samples} samples x {length} tokens "
            f"(+{prompt_len} prompt), span {span}, mutation {mut}, vocab {vocab}"]
   for ep in range(epochs):
@@ -114,7 +118,7 @@ def history_table(prompts=8, samples=16, length=16384, prompt_len=256, epochs=2,
     c = run_epoch(idx, rng, bases, ep, samples, length, prompt_len, span, mut, vocab, chain,
                   topk, nodes, tree_every)
     st = idx.stats()
-    ins = (c["insert_s"] + idx._sort_s - sort0) / c["tokens"]
+    ins = c["insert_s"] / c["tokens"]
     lines += [
       f"epoch {ep} ({'siblings only' if ep == 0 else 'earlier responses in history'}):",
       f"  accepted/lookup chain{chain}: {c['accepted'] / c['lookups']:.2f} "
