@@ -76,6 +76,8 @@ SENTINEL = (1 << 21) - 1  # sorts after every token; token ids must be < SENTINE
 _BITS = 21
 _SMALL = 32  # occurrence sets up to this size are walked as Python lists
 _NEVER = np.uint64((1 << 64) - 1)  # a pending key no (token, previous token) pair equals
+_SENT = np.full(1, SENTINEL, np.uint32)  # the "previous token" of a sequence's first one
+_umax = np.maximum.reduce  # without ndarray.max's Python wrapper (an extend's fixed cost)
 
 
 class Draft(NamedTuple):
@@ -114,8 +116,10 @@ class _Seq:
 
 def _checked(tokens):
   """[N] int64 token ids, or ValueError. One reduction: a negative id viewed as uint64 is huge."""
-  ids = np.asarray(tokens, np.int64).reshape(-1)
-  if len(ids) and ids.view(np.uint64).max() >= SENTINEL:
+  ids = np.asarray(tokens, np.int64)
+  if ids.ndim != 1:
+    ids = ids.reshape(-1)
+  if len(ids) and _umax(ids.view(np.uint64)) >= SENTINEL:
     raise ValueError(f"HistoryIndex: token ids must lie in [0, {SENTINEL}); got "
                      f"[{ids.min()}, {ids.max()}]")
   return ids
@@ -145,32 +149,42 @@ class _Prompt:
   def all_seqs(self):
     return list(self.done) + list(self.live.values())
 
-  def register(self, s: _Seq):
-    """Positions reg-1 .. n-2 of s got their next token since: they become pending."""
-    lo, hi = max(s.reg - 1, 0), s.n - 1
-    m, k = hi - lo, self.pending
-    s.reg = s.n
-    if m <= 0:
+  def register(self, seqs):
+    """Positions reg-1 .. n-2 of each sequence got their next token since: they become
+    pending. One vectorised pass for all of them (the engine extends every live row, then
+    drafts): each sequence contributes its window from the token before the first new
+    position (a sentinel at a sequence's start), concatenated; a key pairs a token with the
+    one before it."""
+    parts, meta = [], []  # meta: (slot, first position, positions)
+    for s in seqs:
+      lo, hi = max(s.reg - 1, 0), s.n - 1
+      s.reg = s.n
+      if hi <= lo:
+        continue
+      if s.slot < 0:
+        s.slot = len(self.pseqs)
+        self.pseqs.append(s)
+      parts += [s.ids[lo - 1:hi]] if lo else [_SENT, s.ids[:hi]]
+      meta.append((s.slot, lo, hi - lo))
+    if not meta:
       return
-    if s.slot < 0:
-      s.slot = len(self.pseqs)
-      self.pseqs.append(s)
-    if k + m > len(self.pkey):
-      cap = max(2 * len(self.pkey), k + m)
+    slot, lo, m = np.asarray(meta, np.int64).T  # [S] each
+    k, total = self.pending, int(m.sum())
+    if k + total > len(self.pkey):
+      cap = max(2 * len(self.pkey), k + total)
       self.pkey, self.pslot, self.poff = (np.resize(a, cap) for a in
                                           (self.pkey, self.pslot, self.poff))
-    key = self.pkey[k:k + m]  # view: filled in place
-    key[:] = s.ids[lo:hi]
-    key <<= np.uint64(_BITS)
-    if lo:
-      key |= s.ids[lo - 1:hi - 1]
-    else:
-      key[0] |= np.uint64(SENTINEL)
-      key[1:] |= s.ids[:hi - 1]
-    self.pslot[k:k + m] = s.slot
-    self.poff[k:k + m] = np.arange(lo, hi)
-    self.pending += m
-    self.fresh -= m
+    cat = np.concatenate(parts)                  # [total + S] uint32
+    g = np.arange(total)                         # [total] key index
+    first = np.cumsum(m) - m                     # [S] each sequence's first key
+    j = g + np.repeat(np.arange(len(m)), m)      # [total] its previous token in cat
+    key = self.pkey[k:k + total]                 # view: filled in place
+    np.left_shift(cat[j + 1], np.uint64(_BITS), out=key)
+    key |= cat[j]
+    self.pslot[k:k + total] = np.repeat(slot, m)
+    self.poff[k:k + total] = g + np.repeat(lo - first, m)
+    self.pending += total
+    self.fresh -= total
 
   def forget(self, s: _Seq):
     """s leaves: its fresh positions are never registered."""
@@ -269,8 +283,7 @@ class _SyncIndex:
     if p.pending + p.fresh > max(self.pending_min, self.pending_frac * len(p.sa)):
       self._sort(p)
     else:
-      for s in p.dirty.values():
-        p.register(s)
+      p.register(p.dirty.values())
       p.dirty.clear()
 
   def _live(self, seq_key):
@@ -540,16 +553,16 @@ class HistoryIndex:
   engine's device chunk runs while the previous chunk's tokens are ingested (XLA and numpy's
   sorts release the GIL). draft/stats first wait until everything queued before them is
   applied, then run on the caller's thread: a draft sees exactly the text a synchronous index
-  would, so results are identical. An update that raises in the worker raises on the caller's
-  next call (updates queued after it are skipped, as a synchronous caller would never have
-  made them); close() stops the worker and raises a pending error too. Token ids are checked
-  on the caller's thread (a bad id raises at once). One caller thread:
-  draft reads the index while the worker is idle only because nobody else queues meanwhile.
-  Arguments are copied before queueing (the caller may reuse its buffers)."""
+  would, so results are identical. An update that raises in the worker (an unknown seq_key, a
+  token id out of range) raises on the caller's next call; the updates queued after it are
+  skipped, as a synchronous caller would never have made them. close() stops the worker and
+  raises a pending error too. One caller thread: draft reads the index while the worker idles
+  only because nobody else queues meanwhile. Updates copy their arguments (the caller may
+  reuse its buffers); begin checks the prompt's ids at once."""
 
   def __init__(self, **index_kw):
     self._index = _SyncIndex(**index_kw)
-    self._q: queue.Queue = queue.Queue()
+    self._q: queue.SimpleQueue = queue.SimpleQueue()  # (fn, args) | Event (barrier) | None
     self._error: list = []  # the worker's exception, until raised on the caller's thread
     self._wait_s = 0.0      # caller time spent waiting for the worker (draft, stats)
     self._closed = False
@@ -563,7 +576,7 @@ class HistoryIndex:
     self._put(self._index.begin, prompt_key, seq_key, _checked(np.array(prompt_ids, np.int64)))
 
   def extend(self, seq_key, tokens) -> None:
-    self._put(self._index.extend, seq_key, _checked(np.array(tokens, np.int64)))
+    self._put(self._index.extend, seq_key, np.array(tokens))
 
   def end(self, seq_key, keep: bool = True) -> None:
     self._put(self._index.end, seq_key, keep)
@@ -586,42 +599,52 @@ class HistoryIndex:
     self._raise()
 
   def _put(self, fn, *args):
-    self._raise()
+    if self._error:
+      self._raise()
     if self._closed:
       raise RuntimeError("HistoryIndex: closed")
     self._q.put((fn, args))
 
   def _sync(self):
-    self._raise()
+    """Waits until the worker has applied everything queued so far."""
     if self._closed:
+      self._raise()
       raise RuntimeError("HistoryIndex: closed")
     t0 = time.perf_counter()
-    self._q.join()
+    done = threading.Event()
+    self._q.put(done)
+    done.wait()
     self._wait_s += time.perf_counter() - t0
     self._raise()
 
   def _raise(self):
     if self._error:
-      self._q.join()  # the updates queued after the failed one are skipped first
+      if not self._closed:  # the updates queued after the failed one are skipped first
+        done = threading.Event()
+        self._q.put(done)
+        done.wait()
       raise self._error.pop()
 
 
-def _work(q: queue.Queue, index: _SyncIndex, error: list):
-  """The worker thread: applies queued updates in order; settles the index when idle."""
+def _work(q: queue.SimpleQueue, index: _SyncIndex, error: list):
+  """The worker thread: applies queued updates in order (none after a failed one until the
+  caller has raised it), releases barriers, settles the index whenever the queue is empty."""
   while True:
     item = q.get()
+    if item is None:
+      return
+    if isinstance(item, threading.Event):
+      item.set()
+      continue
+    if error:
+      continue
     try:
-      if item is None:
-        return
-      if not error:
-        fn, args = item
-        fn(*args)
-        if q.empty():
-          index.settle()
+      fn, args = item
+      fn(*args)
+      if q.empty():
+        index.settle()
     except Exception as e:  # noqa: BLE001 (raised again on the caller's thread)
       error.append(e)
-    finally:
-      q.task_done()
 
 
 def _in_ranges(x, ranges):
