@@ -363,3 +363,37 @@ def test_worker_errors_surface_on_the_next_call():
   with pytest.raises(ValueError, match="token ids"):
     idx.draft("a", 1)
   idx.close()
+
+
+def test_engine_with_background_index_equals_synchronous():
+  """The engine's history arm over HistoryIndex (updates on the worker thread, overlapping
+  the device chunks) drafts exactly what the synchronous index drafts: same outputs and the
+  same accepted drafts per chunk (greedy; the second epoch's drafts are accepted)."""
+  import jax
+
+  from tlt_jax.drafter.model import init_drafter
+  from tlt_jax.models import ModelConfig, init_params
+  from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
+  from tlt_jax.rollout.records import Request
+  from tlt_jax.rollout.sampling import SamplingParams
+  cfg = ModelConfig(arch="qwen2", vocab_size=61, hidden_size=32, intermediate_size=64,
+                    num_layers=2, num_heads=4, num_kv_heads=2, qkv_bias=True,
+                    tie_word_embeddings=True)
+  params, dparams = init_params(cfg, jax.random.key(0), std=0.3), init_drafter(cfg,
+                                                                               jax.random.key(1))
+  rng = np.random.RandomState(0)
+  reqs = [Request(list(rng.randint(1, 61, rng.randint(2, 12))), i // 2, i % 2)
+          for i in range(6)]
+  ecfg = EngineConfig(max_batch=4, buckets=(1, 2, 4), chunk_size=4, max_prompt_len=16,
+                      max_new_tokens=24, spec=SpecConfig(strategy="hist_3", bs_threshold=4,
+                                                         patience=1, use_kernel=False))
+  runs = []
+  for index in (history._SyncIndex(), HistoryIndex()):
+    w = Engine(params, cfg, ecfg, drafter_params=dparams, history=index)
+    out = [{(r.request_id, r.sample_index): r.response_ids.tolist()
+            for r in w.generate(reqs, SamplingParams(temperature=0.0))}
+           for _ in range(2)]  # the second epoch drafts from the first one's answers
+    runs.append((out, [(m.mode, m.accepted, m.verifications) for m in w.chunk_log],
+                 index.stats()["tokens"]))
+  assert runs[0] == runs[1]
+  assert sum(a for _, a, _ in runs[0][1]) > 0  # history drafts were accepted
