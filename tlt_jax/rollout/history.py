@@ -42,20 +42,35 @@ pending exceeds max(pending_min, indexed * pending_frac), so sorting is amortise
 over a geometric series. Sorting is prefix doubling on uint64 keys (`_backward_sorted`).
 Dropping a sequence (eviction, end(keep=False)) filters `sa` with a mask (a filtered sorted
 array stays sorted); its arena bytes are reclaimed at the next re-sort.
+Updates are cheap and deferred: extend only appends to the row's buffer (its per-call Python
+cost is most of an insert: the engine extends every live row by a few tokens per step);
+`settle` registers all new positions of a prompt as pending in one vectorised pass (or
+re-sorts), run by the worker thread when idle, else by the next draft of that prompt.
 Memory: 8 bytes per indexed token (4 arena + 4 sa; finished sequences are views into the
 arena) plus the live rows' own buffers. A suffix automaton (incremental, O(1) amortised
 extend) was measured in CPython with dict transitions (tlt_jax/bench/history.py
 `automaton_cost`): hundreds of bytes per token, i.e. tens of GB at 512 prompts x 256k
 tokens; it also cannot delete (eviction and dropped rows would rebuild it) and its occurrence
 counts need propagating along suffix links. The arena + sorted array is numpy-sized and exact.
-Measured (scripts/bench_history.py, CPython 3.12 on 2 shared cores at load ~10, so times
-are upper bounds; 8 prompts x 16 samples x 16k tokens of reasoning-like text): memory 11-14
-bytes per history token (arena + sa + live buffers + pending); insert 5-6 us per token, of
-which the lazy sorts are 0.6-1.3; a chain-8 lookup 95 us (first epoch) to 180-250 us (later
-epoch: longer drafts walk more nodes), a top-4 32-node tree about the same. A perfect
-verifier accepts 2.2 drafted tokens per lookup from live siblings alone, 4.9 once the
-previous epoch's answers are history. The dict suffix automaton: ~400 bytes and ~10 us per
-token, before any occurrence counts.
+
+Off the engine's critical path: `HistoryIndex` queues begin/extend/end for one worker thread
+and returns; drafts and stats wait for what was queued before them (identical results). The
+engine's chunk loop thus ingests chunk k's tokens while chunk k+1 runs on the device; a
+history arm's draft after each step still waits for that step's extend (inherent).
+
+Measured (scripts/bench_history.py, CPython 3.12 on 2 shared cores at load 3-10, so times
+are upper bounds; reasoning-like text, rounds in the engine's order: every row drafts, then
+extends by 1-9 tokens). Memory 11-14 bytes per history token; a chain-8 lookup 95 us (first
+epoch) to 180-250 us (later epoch), a top-4 32-node tree about the same. A perfect verifier
+accepts 2.2 drafted tokens per lookup from live siblings alone, 4.9 once the previous
+epoch's answers are history. Insert (begin/extend/end + registering + sorts), one op trace
+replayed on the previous index and this one in one run: 2 prompts x 8 x 4k tokens x 2
+epochs: 3.1-3.2 -> 2.6-2.8 us/token (extend calls 2.6 -> 0.7, registering 1.4, sorts 0.5);
+3 prompts x 16 x 16k x 2 epochs: 7.3 -> 5.7 us/token (extend calls 5.2 -> 1.9, sorts 2.1 ->
+1.7, registering 2.2). Overlap (bench_history --overlap, default model, CPU backend, 8
+prompts x 8 samples at temperature 1, arm 4_1_5, 256 tokens a row, synthetic load: each
+row's tokens fed to 63 shadow rows too, 3 interleaved rounds): OVERLAP_FIGURES
+The dict suffix automaton: ~400 bytes and ~10 us per token, before any occurrence counts.
 """
 
 from __future__ import annotations
@@ -556,9 +571,10 @@ class HistoryIndex:
   would, so results are identical. An update that raises in the worker (an unknown seq_key, a
   token id out of range) raises on the caller's next call; the updates queued after it are
   skipped, as a synchronous caller would never have made them. close() stops the worker and
-  raises a pending error too. One caller thread: draft reads the index while the worker idles
-  only because nobody else queues meanwhile. Updates copy their arguments (the caller may
-  reuse its buffers); begin checks the prompt's ids at once."""
+  raises a pending error too. Updates come from one thread (the engine's: their order is
+  the text); draft/stats may come from any (the train loop's stats: a lock keeps the worker
+  out while they read). Updates copy their arguments (the caller may reuse its buffers);
+  begin checks the prompt's ids at once."""
 
   def __init__(self, **index_kw):
     self._index = _SyncIndex(**index_kw)
@@ -566,7 +582,9 @@ class HistoryIndex:
     self._error: list = []  # the worker's exception, until raised on the caller's thread
     self._wait_s = 0.0      # caller time spent waiting for the worker (draft, stats)
     self._closed = False
-    self._thread = threading.Thread(target=_work, args=(self._q, self._index, self._error),
+    self._lock = threading.Lock()  # held by the worker while it applies, by readers
+    self._thread = threading.Thread(target=_work,
+                                    args=(self._q, self._index, self._error, self._lock),
                                     name="history-index", daemon=True)
     self._thread.start()
     # an index dropped without close() stops its worker (which holds no reference to it)
@@ -584,11 +602,13 @@ class HistoryIndex:
   def draft(self, seq_key, max_tokens: int, *, topk: int = 1,
             max_nodes: int | None = None) -> Draft:
     self._sync()
-    return self._index.draft(seq_key, max_tokens, topk=topk, max_nodes=max_nodes)
+    with self._lock:
+      return self._index.draft(seq_key, max_tokens, topk=topk, max_nodes=max_nodes)
 
   def stats(self) -> dict:
     self._sync()
-    return {**self._index.stats(), "wait_s": self._wait_s}
+    with self._lock:
+      return {**self._index.stats(), "wait_s": self._wait_s}
 
   def close(self) -> None:
     """Stops the worker once the queue is applied; raises the worker's pending exception."""
@@ -626,7 +646,7 @@ class HistoryIndex:
       raise self._error.pop()
 
 
-def _work(q: queue.SimpleQueue, index: _SyncIndex, error: list):
+def _work(q: queue.SimpleQueue, index: _SyncIndex, error: list, lock: threading.Lock):
   """The worker thread: applies queued updates in order (none after a failed one until the
   caller has raised it), releases barriers, settles the index whenever the queue is empty."""
   while True:
@@ -640,9 +660,10 @@ def _work(q: queue.SimpleQueue, index: _SyncIndex, error: list):
       continue
     try:
       fn, args = item
-      fn(*args)
-      if q.empty():
-        index.settle()
+      with lock:
+        fn(*args)
+        if q.empty():
+          index.settle()
     except Exception as e:  # noqa: BLE001 (raised again on the caller's thread)
       error.append(e)
 
