@@ -58,18 +58,24 @@ and returns; drafts and stats wait for what was queued before them (identical re
 engine's chunk loop thus ingests chunk k's tokens while chunk k+1 runs on the device; a
 history arm's draft after each step still waits for that step's extend (inherent).
 
-Measured (scripts/bench_history.py, CPython 3.12 on 2 shared cores at load 3-10, so times
-are upper bounds; reasoning-like text, rounds in the engine's order: every row drafts, then
-extends by 1-9 tokens). Memory 11-14 bytes per history token; a chain-8 lookup 95 us (first
-epoch) to 180-250 us (later epoch), a top-4 32-node tree about the same. A perfect verifier
-accepts 2.2 drafted tokens per lookup from live siblings alone, 4.9 once the previous
-epoch's answers are history. Insert (begin/extend/end + registering + sorts), one op trace
-replayed on the previous index and this one in one run: 2 prompts x 8 x 4k tokens x 2
-epochs: 3.1-3.2 -> 2.6-2.8 us/token (extend calls 2.6 -> 0.7, registering 1.4, sorts 0.5);
-3 prompts x 16 x 16k x 2 epochs: 7.3 -> 5.7 us/token (extend calls 5.2 -> 1.9, sorts 2.1 ->
-1.7, registering 2.2). Overlap (bench_history --overlap, default model, CPU backend, 8
-prompts x 8 samples at temperature 1, arm 4_1_5, 256 tokens a row, synthetic load: each
-row's tokens fed to 63 shadow rows too, 3 interleaved rounds): OVERLAP_FIGURES
+Measured (scripts/bench_history.py, CPython 3.12 on 2 shared cores at load 4-7, so times
+are upper bounds; 2 prompts x 16 samples x 16k tokens of reasoning-like text, 2 epochs,
+rounds in the engine's order: every row drafts, then extends by 1-9 tokens): memory 11-14
+bytes per history token; a chain-8 lookup 68 us (first epoch) to 156 us (later epoch: longer
+drafts walk more nodes), a top-4 32-node tree about the same. A perfect verifier accepts 2.1
+drafted tokens per lookup from live siblings alone, 4.9 once the previous epoch's answers
+are history. Insert (begin/extend/end + registering + sorts), one recorded op trace replayed
+on the previous index (registering inside every extend) and on this one, in one run: 3.05 ->
+1.86 us/token (extend calls 2.33 -> 0.59, registering in settle 0.68, sorts 0.72 -> 0.59);
+under load ~10 at 3 prompts: 7.3 -> 5.7. The engine with the index (bench_history
+--overlap: default model, 8 prompts x 8 samples at temperature 1, arm 4_1_5, 256 tokens a
+row, SYNTHETIC load: each row's tokens also fed to 63 shadow rows; 3 interleaved rounds):
+replaying one run's 11 chunks with their decode times (10.8 s) as sleeps, i.e. a device
+that needs no host core as on a GPU host, per token over no index: synchronous 1.062x,
+background 1.006x. On the CPU backend itself the "device" is the same 2 loaded cores, and
+the worker loses: none 522, sync 472, background 609 us/token (the worker's updates took
+6.1 s of wall time there vs 0.7 s inline: it waits for the GIL and a core). Untested on a
+GPU host.
 The dict suffix automaton: ~400 bytes and ~10 us per token, before any occurrence counts.
 """
 
