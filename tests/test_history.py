@@ -277,7 +277,7 @@ def test_bench_later_epoch_drafts_more():
   from tlt_jax.bench.history import run_epoch
   rng = np.random.default_rng(0)
   bases = [rng.integers(0, 500, 1024) for _ in range(2)]
-  idx = HistoryIndex()
+  idx = history._SyncIndex()  # the bench times the synchronous engine
   acc = []
   for ep in range(2):
     c = run_epoch(idx, rng, bases, ep, samples=4, length=512, prompt_len=16, span=50, mut=0.02,
@@ -285,3 +285,115 @@ def test_bench_later_epoch_drafts_more():
     acc.append(c["accepted"] / c["lookups"])
     assert c["tree_accepted"] >= 0.9 * c["accepted"] * c["trees"] / c["lookups"]
   assert acc[1] > acc[0] + 0.5, acc
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_background_updates_equal_the_reference(seed):
+  """HistoryIndex applies begin/extend/end on its worker thread: on a random sequence of calls
+  (bursts of updates between drafts, as the engine makes them) every draft equals the
+  brute-force reference's and the synchronous index's."""
+  rng = np.random.default_rng(10 + seed)
+  kw = dict(max_tokens_per_prompt=400, max_prompts=3, min_match=2, max_match=6, long_match=4,
+            pending_min=8, pending_frac=0.3)
+  idx, ref = _both(**kw)
+  sync = history._SyncIndex(**kw)
+  live, next_key, n_checked = [], 0, 0
+  for _ in range(150):
+    for _ in range(int(rng.integers(1, 12))):  # a burst of updates, no draft in between
+      op = rng.random()
+      if op < 0.15 or not live:
+        pk = int(rng.integers(5))
+        prompt = rng.integers(0, 4, int(rng.integers(1, 5))).tolist()
+        for x in (idx, ref, sync):
+          x.begin(pk, next_key, prompt)
+        live.append(next_key)
+        next_key += 1
+      elif op < 0.25:
+        sk = live.pop(int(rng.integers(len(live))))
+        keep = bool(rng.random() < 0.8)
+        for x in (idx, ref, sync):
+          x.end(sk, keep=keep)
+      else:
+        sk = live[int(rng.integers(len(live)))]
+        toks = np.asarray(rng.integers(0, 4, int(rng.integers(1, 6))))
+        for x in (idx, ref, sync):
+          x.extend(sk, toks)
+        toks[:] = 0  # the caller reuses its buffer: the queued update holds a copy
+    if live:
+      sk = live[int(rng.integers(len(live)))]
+      mt, topk, nodes = int(rng.integers(1, 7)), int(rng.integers(1, 4)), int(rng.integers(1, 12))
+      d = _check(idx, ref, sk, mt, topk=topk, max_nodes=nodes)
+      ds = sync.draft(sk, mt, topk=topk, max_nodes=nodes)
+      assert d.tokens.tolist() == ds.tokens.tolist() and d.parents.tolist() == ds.parents.tolist()
+      n_checked += 1
+  st = idx.stats()
+  assert st["tokens"] == sync.stats()["tokens"] and st["update_s"] > 0
+  idx.close()
+  assert n_checked > 100
+
+
+def test_worker_errors_surface_on_the_next_call():
+  """An update that fails on the worker thread raises that exception on the caller's next call
+  (not swallowed); the updates queued after it are skipped (a synchronous caller would have
+  stopped at the error); the index keeps working afterwards; close() raises a pending one."""
+  idx = HistoryIndex(long_match=0)
+  idx.begin("p", "a", [1, 2, 3, 1, 2])
+  idx.extend("ghost", [1])  # never begun: fails in the worker
+  idx.extend("a", [3])      # queued after the failure: skipped
+  with pytest.raises(KeyError, match="ghost"):
+    idx.draft("a", 2)
+  assert idx.draft("a", 2).tokens.tolist() == [3, 1]  # "1 2" -> 3 1: the skipped [3] is absent
+  idx.end("a")
+  idx.end("a")  # no longer live
+  with pytest.raises(KeyError, match="not live"):
+    idx.stats()
+  idx.begin("p", "b", [1])
+  idx.extend("b", [2])
+  assert idx.draft("b", 3).tokens.tolist() == [3, 1, 2]
+  idx.end("nobody")
+  with pytest.raises(KeyError, match="nobody"):
+    idx.close()
+  with pytest.raises(RuntimeError, match="closed"):
+    idx.begin("p", "c", [1])
+  idx = HistoryIndex()
+  with pytest.raises(ValueError, match="token ids"):  # a prompt is checked at once
+    idx.begin("p", "a", [1, 1 << 30])
+  idx.begin("p", "a", [1])
+  idx.extend("a", [2, 1 << 30])  # a response token in the worker
+  with pytest.raises(ValueError, match="token ids"):
+    idx.draft("a", 1)
+  idx.close()
+
+
+def test_engine_with_background_index_equals_synchronous():
+  """The engine's history arm over HistoryIndex (updates on the worker thread, overlapping
+  the device chunks) drafts exactly what the synchronous index drafts: same outputs and the
+  same accepted drafts per chunk (greedy; the second epoch's drafts are accepted)."""
+  import jax
+
+  from tlt_jax.drafter.model import init_drafter
+  from tlt_jax.models import ModelConfig, init_params
+  from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
+  from tlt_jax.rollout.records import Request
+  from tlt_jax.rollout.sampling import SamplingParams
+  cfg = ModelConfig(arch="qwen2", vocab_size=61, hidden_size=32, intermediate_size=64,
+                    num_layers=2, num_heads=4, num_kv_heads=2, qkv_bias=True,
+                    tie_word_embeddings=True)
+  params, dparams = init_params(cfg, jax.random.key(0), std=0.3), init_drafter(cfg,
+                                                                               jax.random.key(1))
+  rng = np.random.RandomState(0)
+  reqs = [Request(list(rng.randint(1, 61, rng.randint(2, 12))), i // 2, i % 2)
+          for i in range(6)]
+  ecfg = EngineConfig(max_batch=4, buckets=(1, 2, 4), chunk_size=4, max_prompt_len=16,
+                      max_new_tokens=24, spec=SpecConfig(strategy="hist_3", bs_threshold=4,
+                                                         patience=1, use_kernel=False))
+  runs = []
+  for index in (history._SyncIndex(), HistoryIndex()):
+    w = Engine(params, cfg, ecfg, drafter_params=dparams, history=index)
+    out = [{(r.request_id, r.sample_index): r.response_ids.tolist()
+            for r in w.generate(reqs, SamplingParams(temperature=0.0))}
+           for _ in range(2)]  # the second epoch drafts from the first one's answers
+    runs.append((out, [(m.mode, m.accepted, m.verifications) for m in w.chunk_log],
+                 index.stats()["tokens"]))
+  assert runs[0] == runs[1]
+  assert sum(a for _, a, _ in runs[0][1]) > 0  # history drafts were accepted

@@ -186,6 +186,8 @@ def main(argv):
   results = engine.generate(requests, sp, seed=FLAGS.seed,
                             hooks=EngineHooks(on_result=lambda _: bar.update(1)))
   wall = time.perf_counter() - t0
+  if history is not None:
+    history.close()
   bar.close()
   results.sort(key=lambda r: (r.request_id, r.sample_index))
   os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output)), exist_ok=True)

@@ -588,6 +588,9 @@ def train(run: Run, state: TrainState, *, progress: bool = True
     run.ckpt.close()
     run.coordinator.close()
     run.compile_clock.close()
+    for e in run.coordinator.engines:  # the history indices' worker threads
+      if e.history is not None:
+        e.history.close()
   return state, last
 
 

@@ -42,20 +42,41 @@ pending exceeds max(pending_min, indexed * pending_frac), so sorting is amortise
 over a geometric series. Sorting is prefix doubling on uint64 keys (`_backward_sorted`).
 Dropping a sequence (eviction, end(keep=False)) filters `sa` with a mask (a filtered sorted
 array stays sorted); its arena bytes are reclaimed at the next re-sort.
+Updates are cheap and deferred: extend only appends to the row's buffer (its per-call Python
+cost is most of an insert: the engine extends every live row by a few tokens per step);
+`settle` registers all new positions of a prompt as pending in one vectorised pass (or
+re-sorts), run by the worker thread when idle, else by the next draft of that prompt.
 Memory: 8 bytes per indexed token (4 arena + 4 sa; finished sequences are views into the
 arena) plus the live rows' own buffers. A suffix automaton (incremental, O(1) amortised
 extend) was measured in CPython with dict transitions (tlt_jax/bench/history.py
 `automaton_cost`): hundreds of bytes per token, i.e. tens of GB at 512 prompts x 256k
 tokens; it also cannot delete (eviction and dropped rows would rebuild it) and its occurrence
 counts need propagating along suffix links. The arena + sorted array is numpy-sized and exact.
-Measured (scripts/bench_history.py, CPython 3.12 on 2 shared cores at load ~10, so times
-are upper bounds; 8 prompts x 16 samples x 16k tokens of reasoning-like text): memory 11-14
-bytes per history token (arena + sa + live buffers + pending); insert 5-6 us per token, of
-which the lazy sorts are 0.6-1.3; a chain-8 lookup 95 us (first epoch) to 180-250 us (later
-epoch: longer drafts walk more nodes), a top-4 32-node tree about the same. A perfect
-verifier accepts 2.2 drafted tokens per lookup from live siblings alone, 4.9 once the
-previous epoch's answers are history. The dict suffix automaton: ~400 bytes and ~10 us per
-token, before any occurrence counts.
+
+Off the engine's critical path: `HistoryIndex` queues begin/extend/end for one worker thread
+and returns; drafts and stats wait for what was queued before them (identical results). The
+engine's chunk loop thus ingests chunk k's tokens while chunk k+1 runs on the device; a
+history arm's draft after each step still waits for that step's extend (inherent).
+
+Measured (scripts/bench_history.py, CPython 3.12 on 2 shared cores at load 4-7, so times
+are upper bounds; 2 prompts x 16 samples x 16k tokens of reasoning-like text, 2 epochs,
+rounds in the engine's order: every row drafts, then extends by 1-9 tokens): memory 11-14
+bytes per history token; a chain-8 lookup 68 us (first epoch) to 156 us (later epoch: longer
+drafts walk more nodes), a top-4 32-node tree about the same. A perfect verifier accepts 2.1
+drafted tokens per lookup from live siblings alone, 4.9 once the previous epoch's answers
+are history. Insert (begin/extend/end + registering + sorts), one recorded op trace replayed
+on the previous index (registering inside every extend) and on this one, in one run: 3.05 ->
+1.86 us/token (extend calls 2.33 -> 0.59, registering in settle 0.68, sorts 0.72 -> 0.59);
+under load ~10 at 3 prompts: 7.3 -> 5.7. The engine with the index (bench_history
+--overlap: default model, 8 prompts x 8 samples at temperature 1, arm 4_1_5, 256 tokens a
+row, SYNTHETIC load: each row's tokens also fed to 63 shadow rows; 3 interleaved rounds):
+replaying one run's 11 chunks with their decode times (10.8 s) as sleeps, i.e. a device
+that needs no host core as on a GPU host, per token over no index: synchronous 1.062x,
+background 1.006x. On the CPU backend itself the "device" is the same 2 loaded cores, and
+the worker loses: none 522, sync 472, background 609 us/token (the worker's updates took
+6.1 s of wall time there vs 0.7 s inline: it waits for the GIL and a core). Untested on a
+GPU host.
+The dict suffix automaton: ~400 bytes and ~10 us per token, before any occurrence counts.
 """
 
 from __future__ import annotations
@@ -64,7 +85,10 @@ import bisect
 import collections
 import heapq
 import math
+import queue
+import threading
 import time
+import weakref
 from typing import NamedTuple
 
 import numpy as np
@@ -73,6 +97,8 @@ SENTINEL = (1 << 21) - 1  # sorts after every token; token ids must be < SENTINE
 _BITS = 21
 _SMALL = 32  # occurrence sets up to this size are walked as Python lists
 _NEVER = np.uint64((1 << 64) - 1)  # a pending key no (token, previous token) pair equals
+_SENT = np.full(1, SENTINEL, np.uint32)  # the "previous token" of a sequence's first one
+_umax = np.maximum.reduce  # without ndarray.max's Python wrapper (an extend's fixed cost)
 
 
 class Draft(NamedTuple):
@@ -86,11 +112,10 @@ _EMPTY = Draft(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.floa
 
 class _Seq:
   """One sequence (prompt + output): a growable buffer; `snap` tokens of it are in the arena."""
-  __slots__ = ("ids", "n", "snap", "start", "live", "slot")
+  __slots__ = ("ids", "n", "snap", "start", "live", "slot", "reg")
 
   def __init__(self, ids):
-    ids = np.asarray(ids, np.int64).reshape(-1)
-    _check_ids(ids)
+    ids = _checked(ids)
     self.ids = np.empty(max(64, 2 * len(ids)), np.uint32)
     self.ids[:len(ids)] = ids
     self.n = len(ids)
@@ -98,6 +123,7 @@ class _Seq:
     self.start = -1     # arena offset of its first token (-1: not in the arena)
     self.live = True
     self.slot = -1      # index in _Prompt.pseqs while it has pending positions
+    self.reg = 0        # tokens whose positions are in the arena or pending (the rest: fresh)
 
   def append(self, toks):
     k = len(toks)
@@ -109,10 +135,15 @@ class _Seq:
     self.n += k
 
 
-def _check_ids(ids):
-  if len(ids) and (ids.min() < 0 or ids.max() >= SENTINEL):
+def _checked(tokens):
+  """[N] int64 token ids, or ValueError. One reduction: a negative id viewed as uint64 is huge."""
+  ids = np.asarray(tokens, np.int64)
+  if ids.ndim != 1:
+    ids = ids.reshape(-1)
+  if len(ids) and _umax(ids.view(np.uint64)) >= SENTINEL:
     raise ValueError(f"HistoryIndex: token ids must lie in [0, {SENTINEL}); got "
                      f"[{ids.min()}, {ids.max()}]")
+  return ids
 
 
 class _Prompt:
@@ -132,38 +163,61 @@ class _Prompt:
     self.poff = np.zeros(256, np.int32)        # [P] offset in that sequence
     self.pending = 0                           # P
     self.pseqs: list = []                      # _Seq per slot
+    # positions with a next token that are neither sorted nor pending yet (appended since):
+    self.fresh = 0                             # how many
+    self.dirty: dict = {}                      # id(seq) -> _Seq holding them
 
   def all_seqs(self):
     return list(self.done) + list(self.live.values())
 
-  def register(self, s: _Seq, old_n: int):
-    """Positions old_n-1 .. n-2 of s just got their next token: they become pending."""
-    lo, hi = max(old_n - 1, 0), s.n - 1
-    m, k = hi - lo, self.pending
-    if m <= 0:
+  def register(self, seqs):
+    """Positions reg-1 .. n-2 of each sequence got their next token since: they become
+    pending. One vectorised pass for all of them (the engine extends every live row, then
+    drafts): each sequence contributes its window from the token before the first new
+    position (a sentinel at a sequence's start), concatenated; a key pairs a token with the
+    one before it."""
+    parts, meta = [], []  # meta: (slot, first position, positions)
+    for s in seqs:
+      lo, hi = max(s.reg - 1, 0), s.n - 1
+      s.reg = s.n
+      if hi <= lo:
+        continue
+      if s.slot < 0:
+        s.slot = len(self.pseqs)
+        self.pseqs.append(s)
+      parts += [s.ids[lo - 1:hi]] if lo else [_SENT, s.ids[:hi]]
+      meta.append((s.slot, lo, hi - lo))
+    if not meta:
       return
-    if s.slot < 0:
-      s.slot = len(self.pseqs)
-      self.pseqs.append(s)
-    if k + m > len(self.pkey):
-      cap = max(2 * len(self.pkey), k + m)
+    slot, lo, m = np.asarray(meta, np.int64).T  # [S] each
+    k, total = self.pending, int(m.sum())
+    if k + total > len(self.pkey):
+      cap = max(2 * len(self.pkey), k + total)
       self.pkey, self.pslot, self.poff = (np.resize(a, cap) for a in
                                           (self.pkey, self.pslot, self.poff))
-    key = self.pkey[k:k + m]  # view: filled in place
-    key[:] = s.ids[lo:hi]
-    key <<= np.uint64(_BITS)
-    if lo:
-      key |= s.ids[lo - 1:hi - 1]
-    else:
-      key[0] |= np.uint64(SENTINEL)
-      key[1:] |= s.ids[:hi - 1]
-    self.pslot[k:k + m] = s.slot
-    self.poff[k:k + m] = np.arange(lo, hi)
-    self.pending += m
+    cat = np.concatenate(parts)                  # [total + S] uint32
+    g = np.arange(total)                         # [total] key index
+    first = np.cumsum(m) - m                     # [S] each sequence's first key
+    j = g + np.repeat(np.arange(len(m)), m)      # [total] its previous token in cat
+    key = self.pkey[k:k + total]                 # view: filled in place
+    np.left_shift(cat[j + 1], np.uint64(_BITS), out=key)
+    key |= cat[j]
+    self.pslot[k:k + total] = np.repeat(slot, m)
+    self.poff[k:k + total] = g + np.repeat(lo - first, m)
+    self.pending += total
+    self.fresh -= total
+
+  def forget(self, s: _Seq):
+    """s leaves: its fresh positions are never registered."""
+    if self.dirty.pop(id(s), None) is not None:
+      self.fresh -= max(s.n - 1 - max(s.reg - 1, 0), 0)
 
 
-class HistoryIndex:
-  """Per-prompt history of token sequences; `draft` proposes continuations (module docstring)."""
+class _SyncIndex:
+  """The index itself, synchronous (module docstring); `HistoryIndex` runs its updates on a
+  worker thread. Updates only append tokens (a slice copy per call); the positions they add
+  are registered as pending, or sorted, by `settle` (the worker calls it whenever it is idle;
+  a draft settles its own prompt first)."""
 
   def __init__(self, *, max_tokens_per_prompt: int = 1 << 20, max_prompts: int = 4096,
                min_match: int = 2, max_match: int = 32, long_match: int = 8,
@@ -176,65 +230,96 @@ class HistoryIndex:
     self.min_match, self.max_match, self.long_match = min_match, max_match, long_match
     self.pending_min, self.pending_frac = pending_min, pending_frac
     self._prompts: collections.OrderedDict = collections.OrderedDict()  # LRU order
-    self._where: dict = {}  # live seq_key -> prompt_key
+    self._where: dict = {}  # live seq_key -> (prompt_key, _Prompt, _Seq)
+    self._unsettled: set = set()  # prompt keys with fresh positions
     self._lookups = self._hits = self._match_sum = 0
-    self._sorts, self._sort_s = 0, 0.0
+    self._sorts, self._sort_s, self._update_s = 0, 0.0, 0.0
 
   # ---- updates -----------------------------------------------------------------------------
 
   def begin(self, prompt_key, seq_key, prompt_ids) -> None:
+    t0 = time.perf_counter()
     if seq_key in self._where:
       raise ValueError(f"HistoryIndex.begin: sequence {seq_key!r} is already live")
+    s = _Seq(prompt_ids)
     p = self._prompts.get(prompt_key)
     if p is None:
       p = self._prompts[prompt_key] = _Prompt()
     self._prompts.move_to_end(prompt_key)
-    s = _Seq(prompt_ids)
     p.live[seq_key] = s
-    p.register(s, 0)
-    self._where[seq_key] = prompt_key
+    if s.n > 1:
+      p.fresh += s.n - 1
+      p.dirty[id(s)] = s
+      self._unsettled.add(prompt_key)
+    self._where[seq_key] = (prompt_key, p, s)
     self._evict_prompts()
+    self._update_s += time.perf_counter() - t0
 
   def extend(self, seq_key, tokens) -> None:
-    toks = np.asarray(tokens, np.int64).reshape(-1)
-    if not len(toks):
-      return
-    _check_ids(toks)
-    p = self._prompts[self._prompt_of(seq_key)]
-    s = p.live[seq_key]
-    s.append(toks)
-    p.register(s, s.n - len(toks))
+    t0 = time.perf_counter()
+    toks = _checked(tokens)
+    k = len(toks)
+    if k:
+      pk, p, s = self._live(seq_key)
+      p.fresh += k if s.n else k - 1  # the old last position gets its next token
+      s.append(toks)
+      p.dirty[id(s)] = s
+      self._unsettled.add(pk)
+    self._update_s += time.perf_counter() - t0
 
   def end(self, seq_key, keep: bool = True) -> None:
-    p = self._prompts[self._prompt_of(seq_key)]
+    t0 = time.perf_counter()
+    _, p, s = self._live(seq_key)
     del self._where[seq_key]
-    s = p.live.pop(seq_key)
+    del p.live[seq_key]
     s.live = False
     if not keep:
       self._drop(p, [s])
-      return
-    if s.start < 0 or s.n > s.snap:  # not (all) in the arena yet: trim its buffer
-      s.ids = s.ids[:s.n].copy()
     else:
-      s.ids = p.arena[s.start:s.start + s.n]
-    p.done.append(s)
-    p.done_tokens += s.n
-    old = []
-    while p.done_tokens > self.max_tokens_per_prompt and p.done:
-      o = p.done.popleft()
-      p.done_tokens -= o.n
-      old.append(o)
-    self._drop(p, old)
+      if s.start < 0 or s.n > s.snap:  # not (all) in the arena yet: trim its buffer
+        s.ids = s.ids[:s.n].copy()
+      else:
+        s.ids = p.arena[s.start:s.start + s.n]
+      p.done.append(s)
+      p.done_tokens += s.n
+      old = []
+      while p.done_tokens > self.max_tokens_per_prompt and p.done:
+        o = p.done.popleft()
+        p.done_tokens -= o.n
+        old.append(o)
+      self._drop(p, old)
+    self._update_s += time.perf_counter() - t0
 
-  def _prompt_of(self, seq_key):
-    if seq_key not in self._where:
-      raise KeyError(f"HistoryIndex: sequence {seq_key!r} is not live (begin() it first)")
-    return self._where[seq_key]
+  def settle(self) -> None:
+    """Registers every prompt's fresh positions (or re-sorts a prompt whose unsorted positions
+    passed the threshold): the work a draft would do first, done ahead."""
+    t0 = time.perf_counter()
+    while self._unsettled:
+      p = self._prompts.get(self._unsettled.pop())
+      if p is not None:
+        self._settle(p)
+    self._update_s += time.perf_counter() - t0
+
+  def _settle(self, p: _Prompt):
+    if p.pending + p.fresh > max(self.pending_min, self.pending_frac * len(p.sa)):
+      self._sort(p)
+    else:
+      p.register(p.dirty.values())
+      p.dirty.clear()
+
+  def _live(self, seq_key):
+    """(prompt_key, _Prompt, _Seq) of a live sequence."""
+    try:
+      return self._where[seq_key]
+    except KeyError:
+      raise KeyError(f"HistoryIndex: sequence {seq_key!r} is not live (begin() it first)") \
+          from None
 
   def _drop(self, p: _Prompt, seqs):
     """Removes sequences: sa entries filtered out (order kept), pending ones made unmatchable."""
     inarena = [s for s in seqs if s.start >= 0]
     for s in seqs:
+      p.forget(s)
       if s.slot >= 0:
         p.pkey[:p.pending][p.pslot[:p.pending] == s.slot] = _NEVER
         s.slot = -1
@@ -264,7 +349,7 @@ class HistoryIndex:
       starts.append(at)
       if s.n >= 2:
         pos.append(np.arange(at, at + s.n - 1))
-      s.start, s.snap = at, s.n
+      s.start, s.snap, s.reg = at, s.n, s.n
       at += s.n + 1
     arena = np.concatenate(parts)
     pos = np.concatenate(pos) if pos else np.zeros(0, np.int64)
@@ -278,6 +363,8 @@ class HistoryIndex:
     p.pending = 0
     p.pkey, p.pslot, p.poff = (np.zeros(256, t) for t in (np.uint64, np.int32, np.int32))
     p.pseqs = []
+    p.fresh = 0
+    p.dirty.clear()
     for s in seqs:
       s.slot = -1
     self._sorts += 1
@@ -287,16 +374,15 @@ class HistoryIndex:
 
   def draft(self, seq_key, max_tokens: int, *, topk: int = 1,
             max_nodes: int | None = None) -> Draft:
-    pk = self._prompt_of(seq_key)
-    p = self._prompts[pk]
+    pk, p, row = self._live(seq_key)
     self._prompts.move_to_end(pk)
     self._lookups += 1
     if max_tokens <= 0:
       return _EMPTY
-    indexed = len(p.sa)
-    if p.pending > max(self.pending_min, self.pending_frac * indexed):
-      self._sort(p)
-    row = p.live[seq_key]
+    if p.dirty:
+      t0 = time.perf_counter()
+      self._settle(p)
+      self._update_s += time.perf_counter() - t0
     q = row.ids[max(0, row.n - self.max_match):row.n][::-1].astype(np.int64)  # [<=W] reversed
     if len(q) < self.min_match:
       return _EMPTY
@@ -477,7 +563,115 @@ class HistoryIndex:
     return {"prompts": len(self._prompts), "sequences": seqs, "tokens": tokens,
             "memory_bytes": mem, "lookups": self._lookups, "hits": self._hits,
             "mean_match_len": self._match_sum / max(self._hits, 1), "sorts": self._sorts,
-            "sort_s": self._sort_s}
+            "sort_s": self._sort_s, "update_s": self._update_s}
+
+
+class HistoryIndex:
+  """The history index (module docstring) with its updates off the caller's thread.
+
+  begin/extend/end queue the update and return; one worker thread applies them in order and,
+  whenever its queue runs dry, settles the new positions (registers or sorts them), so the
+  engine's device chunk runs while the previous chunk's tokens are ingested (XLA and numpy's
+  sorts release the GIL). draft/stats first wait until everything queued before them is
+  applied, then run on the caller's thread: a draft sees exactly the text a synchronous index
+  would, so results are identical. An update that raises in the worker (an unknown seq_key, a
+  token id out of range) raises on the caller's next call; the updates queued after it are
+  skipped, as a synchronous caller would never have made them. close() stops the worker and
+  raises a pending error too. Updates come from one thread (the engine's: their order is
+  the text); draft/stats may come from any (the train loop's stats: a lock keeps the worker
+  out while they read). Updates copy their arguments (the caller may reuse its buffers);
+  begin checks the prompt's ids at once."""
+
+  def __init__(self, **index_kw):
+    self._index = _SyncIndex(**index_kw)
+    self._q: queue.SimpleQueue = queue.SimpleQueue()  # (fn, args) | Event (barrier) | None
+    self._error: list = []  # the worker's exception, until raised on the caller's thread
+    self._wait_s = 0.0      # caller time spent waiting for the worker (draft, stats)
+    self._closed = False
+    self._lock = threading.Lock()  # held by the worker while it applies, by readers
+    self._thread = threading.Thread(target=_work,
+                                    args=(self._q, self._index, self._error, self._lock),
+                                    name="history-index", daemon=True)
+    self._thread.start()
+    # an index dropped without close() stops its worker (which holds no reference to it)
+    self._stop = weakref.finalize(self, self._q.put, None)
+
+  def begin(self, prompt_key, seq_key, prompt_ids) -> None:
+    self._put(self._index.begin, prompt_key, seq_key, _checked(np.array(prompt_ids, np.int64)))
+
+  def extend(self, seq_key, tokens) -> None:
+    self._put(self._index.extend, seq_key, np.array(tokens))
+
+  def end(self, seq_key, keep: bool = True) -> None:
+    self._put(self._index.end, seq_key, keep)
+
+  def draft(self, seq_key, max_tokens: int, *, topk: int = 1,
+            max_nodes: int | None = None) -> Draft:
+    self._sync()
+    with self._lock:
+      return self._index.draft(seq_key, max_tokens, topk=topk, max_nodes=max_nodes)
+
+  def stats(self) -> dict:
+    self._sync()
+    with self._lock:
+      return {**self._index.stats(), "wait_s": self._wait_s}
+
+  def close(self) -> None:
+    """Stops the worker once the queue is applied; raises the worker's pending exception."""
+    if not self._closed:
+      self._closed = True
+      self._stop()
+      self._thread.join()
+    self._raise()
+
+  def _put(self, fn, *args):
+    if self._error:
+      self._raise()
+    if self._closed:
+      raise RuntimeError("HistoryIndex: closed")
+    self._q.put((fn, args))
+
+  def _sync(self):
+    """Waits until the worker has applied everything queued so far."""
+    if self._closed:
+      self._raise()
+      raise RuntimeError("HistoryIndex: closed")
+    t0 = time.perf_counter()
+    done = threading.Event()
+    self._q.put(done)
+    done.wait()
+    self._wait_s += time.perf_counter() - t0
+    self._raise()
+
+  def _raise(self):
+    if self._error:
+      if not self._closed:  # the updates queued after the failed one are skipped first
+        done = threading.Event()
+        self._q.put(done)
+        done.wait()
+      raise self._error.pop()
+
+
+def _work(q: queue.SimpleQueue, index: _SyncIndex, error: list, lock: threading.Lock):
+  """The worker thread: applies queued updates in order (none after a failed one until the
+  caller has raised it), releases barriers, settles the index whenever the queue is empty."""
+  while True:
+    item = q.get()
+    if item is None:
+      return
+    if isinstance(item, threading.Event):
+      item.set()
+      continue
+    if error:
+      continue
+    try:
+      fn, args = item
+      with lock:
+        fn(*args)
+        if q.empty():
+          index.settle()
+    except Exception as e:  # noqa: BLE001 (raised again on the caller's thread)
+      error.append(e)
 
 
 def _in_ranges(x, ranges):
