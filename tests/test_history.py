@@ -99,10 +99,10 @@ class RefIndex:
     return out_t, out_p, out_s
 
 
-def _both(**kw):
+def _both(background=None, **kw):
   ref = RefIndex(kw.get("max_tokens_per_prompt", 1 << 20), kw.get("max_prompts", 4096),
                  kw.get("min_match", 2), kw.get("max_match", 32), kw.get("long_match", 8))
-  return HistoryIndex(**kw), ref
+  return HistoryIndex(background=background, **kw), ref
 
 
 def _check(idx, ref, sk, max_tokens, topk=1, max_nodes=None):
@@ -295,7 +295,8 @@ def test_background_updates_equal_the_reference(seed):
   rng = np.random.default_rng(10 + seed)
   kw = dict(max_tokens_per_prompt=400, max_prompts=3, min_match=2, max_match=6, long_match=4,
             pending_min=8, pending_frac=0.3)
-  idx, ref = _both(**kw)
+  idx, ref = _both(background=True, **kw)
+  assert idx.background
   sync = history._SyncIndex(**kw)
   live, next_key, n_checked = [], 0, 0
   for _ in range(150):
@@ -336,7 +337,12 @@ def test_worker_errors_surface_on_the_next_call():
   """An update that fails on the worker thread raises that exception on the caller's next call
   (not swallowed); the updates queued after it are skipped (a synchronous caller would have
   stopped at the error); the index keeps working afterwards; close() raises a pending one."""
-  idx = HistoryIndex(long_match=0)
+  inline = HistoryIndex()  # the CPU backend: updates on the caller's thread, errors at once
+  assert not inline.background
+  inline.begin("p", "a", [1, 2])
+  with pytest.raises(KeyError, match="ghost"):
+    inline.extend("ghost", [1])
+  idx = HistoryIndex(background=True, long_match=0)
   idx.begin("p", "a", [1, 2, 3, 1, 2])
   idx.extend("ghost", [1])  # never begun: fails in the worker
   idx.extend("a", [3])      # queued after the failure: skipped
@@ -355,7 +361,7 @@ def test_worker_errors_surface_on_the_next_call():
     idx.close()
   with pytest.raises(RuntimeError, match="closed"):
     idx.begin("p", "c", [1])
-  idx = HistoryIndex()
+  idx = HistoryIndex(background=True)
   with pytest.raises(ValueError, match="token ids"):  # a prompt is checked at once
     idx.begin("p", "a", [1, 1 << 30])
   idx.begin("p", "a", [1])
@@ -388,7 +394,7 @@ def test_engine_with_background_index_equals_synchronous():
                       max_new_tokens=24, spec=SpecConfig(strategy="hist_3", bs_threshold=4,
                                                          patience=1, use_kernel=False))
   runs = []
-  for index in (history._SyncIndex(), HistoryIndex()):
+  for index in (history._SyncIndex(), HistoryIndex(background=True)):
     w = Engine(params, cfg, ecfg, drafter_params=dparams, history=index)
     out = [{(r.request_id, r.sample_index): r.response_ids.tolist()
             for r in w.generate(reqs, SamplingParams(temperature=0.0))}

@@ -156,7 +156,12 @@ def test_bucket_lookup_and_choosable():
 def test_default_buckets_explore():
   buckets = default_mab_buckets()
   assert all(len(a) >= 2 and "off" in a for a in buckets.values())
-  assert all(Strategy.parse(a).topk == 1 for arms in buckets.values() for a in arms)  # chains
+  # every bucket offers the drafter's chains and the history index's drafts; trees only as
+  # the hybrid's two chains
+  for arms in buckets.values():
+    kinds = {Strategy.parse(a).kind for a in arms}
+    assert {"drafter", "off"} <= kinds and kinds & {"history", "hybrid"}, arms
+    assert all(Strategy.parse(a).topk == 1 or Strategy.parse(a).hybrid for a in arms)
   for kind in ("beg", "eg", "ucb1", "bucb1"):
     sel = make_selector(kind, epsilon=0.1, window=300, seed=0)
     assert set(sel.arms) == set(BucketedEpsilonGreedy(buckets).arms)

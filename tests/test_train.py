@@ -86,6 +86,9 @@ def _small_cfg(workdir, steps, **overrides):
   cfg.tlt.spec.bs_threshold = 16  # speculate from the start of this small batch ...
   cfg.tlt.spec.background_compile = False  # ... with executables compiled on first use
   cfg.tlt.spec.gate.enabled = False  # ... at every bucket (test_gate.py tests the gate)
+  # one arm of each kind at every live size (the default buckets' 3-4 arms per bucket would
+  # compile twice the executables): drafter, hybrid and history drafts in the RL loop
+  cfg.tlt.spec.buckets = "1:4_1_5,hyb_4,hist_4,off"
   cfg.mesh.devices = 0  # the learner FSDP over all 8 test devices (sharded state, restored)
   cfg.tlt.drafter.row_len = 128
   cfg.tlt.drafter.rows = 4

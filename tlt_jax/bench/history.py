@@ -295,7 +295,7 @@ def overlap_table(rounds=3, prompts=8, samples=8, arm="4_1_5", max_new_tokens=25
               for j in range(samples)]
   sp = SamplingParams(temperature=1.0)
   make = {"none": lambda: None, "sync": lambda: history._SyncIndex(),
-          "background": lambda: history.HistoryIndex()}
+          "background": lambda: history.HistoryIndex(background=True)}
   acc = {k: [0.0, 0, 0.0, 0.0] for k in make}  # seconds, tokens, update_s, wait_s
   order = list(make)
   for rnd in range(rounds + 1):

@@ -13,7 +13,10 @@ Each workload runs `epochs` epochs over the same prompts (seed = epoch): epoch 1
 empty index, later ones find the earlier epochs' answers in it, as later RL steps do (the index
 lives with the rollout worker). Configurations run interleaved per epoch, each with its own
 index (and the bandit its own state, kept across epochs): plain decoding, drafter arms, history
-arms, the hybrid, and a bucketed epsilon-greedy bandit over all kinds and "off". One untimed
+arms, the hybrid, and a bucketed epsilon-greedy bandit over all kinds and "off". The bandit
+first decodes the workload `bandit_warmup` times untimed with a scratch index (its arms'
+estimates after some RL steps: a workload of this size gives it a few chunks per epoch, all
+exploration otherwise). One untimed
 epoch per configuration with a throwaway index compiles the executables first; a compile inside
 a timed epoch is subtracted from its time (a new attention window, a new prefill shape).
 Reported per workload and epoch: tokens/s, speedup vs plain, tokens per verification of the
@@ -46,6 +49,7 @@ class Args:
   history_arms: str = "hist_4,hist_8"
   hybrid_arms: str = "hyb_4"
   bandit: bool = True
+  bandit_warmup: int = 3
   workloads: str = "batch1,batch8,tail"
   prompts: int = 4
   samples: int = 8
@@ -167,6 +171,10 @@ def measure(args: Args, cfg, params, dparams, stop, reqs, max_batch: int, thresh
   for label, (make, hist) in confs.items():  # compiles; the bandit tries every arm
     one(label, 10_000, HistoryIndex() if hist else None)
   selectors = {label: make() for label, (make, _) in confs.items() if make}  # fresh state
+  if "bandit" in confs:  # experience, as after some RL steps; its own index starts empty
+    scratch = HistoryIndex()
+    for i in range(args.bandit_warmup):
+      one("bandit", 20_000 + i, scratch)
   log(f"  (compiled in {time.perf_counter() - t0:.0f} s)")
   out: dict[str, list[dict]] = {label: [] for label in confs}
   for epoch in range(args.epochs):

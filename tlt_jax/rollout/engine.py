@@ -251,6 +251,7 @@ class Engine:
     self.selector = selector or (FixedSelector(spec.strategy) if spec else None)
     self.gate = gate  # gate.py: the buckets speculation is measured to pay at (None: all)
     self.history = history  # the host's history index (module docstring), or None
+    self._ran: set[int] = set()  # ids of the arm executables run so far (first runs: `_report`)
     arms = ([spec.strategy] + list(getattr(self.selector, "arms", None) or [])) if spec else []
     if history is None and any(Strategy.parse(a).history for a in arms):
       raise ValueError(f"history arms {[a for a in arms if Strategy.parse(a).history]} need a "
@@ -471,11 +472,12 @@ class Engine:
     engine captures at all: speculative chunks run only where the gate opens). kv_len: the
     attention window (CompilePlan.window; the state's caches hold at least that). Returns
     (state, host copies of (ChunkOutput, done [B], stopped [B], [accepted drafts,
-    verifications]))."""
+    verifications]), whether the arm's executable ran for the first time)."""
     if arm is not None and Strategy.parse(arm).history:
       return self._decode_history(state, sp, arm, kv_len, sched)
     if arm is not None:
       exe = self.compiles.spec(sp, arm, state, kv_len)
+      first = self._first_run(exe)
       state, out, counts = exe(self.params, self.drafter_params, state)
     else:
       ecfg = self.ecfg
@@ -484,9 +486,15 @@ class Engine:
                              capture_hidden=capture, kv_len=kv_len)
       state, out = self._call("decode", (sp, capture, kv_len), fn, (self.params, state),
                               donate=(1,))
-      counts = (0, 0)
+      counts, first = (0, 0), False
     base = state if isinstance(state, decode.DecodeState) else state.base
-    return state, jax.device_get((out, base.done, base.stopped, counts))
+    return state, jax.device_get((out, base.done, base.stopped, counts)), first
+
+  def _first_run(self, exe) -> bool:
+    """Whether `exe` (an arm's executable) runs for the first time on this engine."""
+    first = id(exe) not in self._ran
+    self._ran.add(id(exe))
+    return first
 
   def _decode_history(self, state, sp: SamplingParams, arm: str, kv_len: int,
                       sched: Scheduler):
@@ -496,6 +504,7 @@ class Engine:
     steps' outputs side by side."""
     strategy = Strategy.parse(arm)
     exe = self.compiles.spec(sp, arm, state, kv_len)
+    first = self._first_run(exe)
     b, n = state.batch_size, strategy.verify_tokens - 1
     rows = {s: sched.slots[s].key for s in sched.live}
     outs, counts = [], np.zeros((2,), np.int64)
@@ -524,7 +533,7 @@ class Engine:
                              logprobs=cat(*(o.logprobs for o in outs)),
                              hidden=cat(*(o.hidden for o in outs)),
                              valid=cat(*(o.valid for o in outs)), steps=len(outs))
-    return state, (out, done, stopped, counts)
+    return state, (out, done, stopped, counts), first
 
   # ---------------------------------------------------------------------------------- generate
   def validate(self, requests: Sequence[Request]) -> None:
@@ -609,7 +618,7 @@ class Engine:
     kv_len = self.compiles.window(sp, arm, state, longest_row(sched, outputs)
                                   + chunk_reach(arm, ecfg.chunk_size))
     compiles, t0 = self.exes.compiled_here(), time.perf_counter()
-    state, host = self._decode(state, sp, arm, capture, kv_len, sched)  # the only host sync
+    state, host, first = self._decode(state, sp, arm, capture, kv_len, sched)  # the host sync
     dt = time.perf_counter() - t0
     # a history chunk extended the index step by step
     extend = self.history is not None and not (arm and Strategy.parse(arm).history)
@@ -619,7 +628,8 @@ class Engine:
         worker_id=self.worker_id, bucket=state.batch_size, live=len(live), tokens=produced,
         steps=int(host[0].steps), wall_time=dt, mode=arm or "plain", accepted=int(host[3][0]),
         verifications=int(host[3][1]), t=time.perf_counter() - t_start,
-        compiled=self.exes.compiled_here() != compiles), selector, gate, hooks)
+        compiled=self.exes.compiled_here() != compiles, first_run=first), selector,
+        gate, hooks)
     return state, started
 
   def _collect(self, sched: Scheduler, live: list[int], outputs: dict[Any, Output], host,
@@ -652,10 +662,11 @@ class Engine:
   def _report(self, m: ChunkMetrics, selector, gate, hooks: EngineHooks) -> None:
     """A chunk's measurements to the gate and the selector, then to the log and the hook. A
     chunk that compiled its executable reports nothing to either: compile time is not the
-    arm's speed (the arm stays untried and is chosen again)."""
+    arm's speed (the arm stays untried and is chosen again); nor does an executable's first run
+    to the selector (the gate discounts its own warm-up chunks)."""
     if gate is not None and not m.compiled:
       gate.record(m.bucket, m.arm, m.wall_time, m.steps, m.accepted, m.verifications)
-    if m.arm is not None and not m.compiled:
+    if m.arm is not None and not (m.compiled or m.first_run):
       # Reward (DESIGN.md 4) = accepted tokens x batch size / wall time of draft + verify: the
       # chunk's tokens sum every live row's emitted tokens (accepted drafts + 1 per step), so
       # this is the batch's tokens/s. "off" (steps=0, plain decoding in the spec state) is

@@ -53,8 +53,8 @@ extend) was measured in CPython with dict transitions (tlt_jax/bench/history.py
 tokens; it also cannot delete (eviction and dropped rows would rebuild it) and its occurrence
 counts need propagating along suffix links. The arena + sorted array is numpy-sized and exact.
 
-Off the engine's critical path: `HistoryIndex` queues begin/extend/end for one worker thread
-and returns; drafts and stats wait for what was queued before them (identical results). The
+Off the engine's critical path (on an accelerator's host): `HistoryIndex` queues
+begin/extend/end for one worker thread and returns; drafts and stats wait for what was queued before them (identical results). The
 engine's chunk loop thus ingests chunk k's tokens while chunk k+1 runs on the device; a
 history arm's draft after each step still waits for that step's extend (inherent).
 
@@ -74,8 +74,9 @@ replaying one run's 11 chunks with their decode times (10.8 s) as sleeps, i.e. a
 that needs no host core as on a GPU host, per token over no index: synchronous 1.062x,
 background 1.006x. On the CPU backend itself the "device" is the same 2 loaded cores, and
 the worker loses: none 522, sync 472, background 609 us/token (the worker's updates took
-6.1 s of wall time there vs 0.7 s inline: it waits for the GIL and a core). Untested on a
-GPU host.
+6.1 s of wall time there vs 0.7 s inline: it waits for the GIL and a core). So the worker
+runs only where the model runs on an accelerator (`HistoryIndex(background=None)`, the
+default); on the CPU backend updates apply inline, same results. Untested on a GPU host.
 The dict suffix automaton: ~400 bytes and ~10 us per token, before any occurrence counts.
 """
 
@@ -582,19 +583,29 @@ class HistoryIndex:
   out while they read). Updates copy their arguments (the caller may reuse its buffers);
   begin checks the prompt's ids at once."""
 
-  def __init__(self, **index_kw):
+  def __init__(self, *, background: bool | None = None, **index_kw):
+    """background: apply updates on the worker thread (None: where the model runs on an
+    accelerator, so host cores are free while it decodes; on the CPU backend XLA's compute
+    needs the cores and the worker only competes with it: measured slower there, module
+    docstring). Without it updates apply on the caller's thread, same results."""
+    if background is None:
+      import jax  # only to ask where the model runs
+      background = jax.default_backend() != "cpu"
+    self.background = bool(background)
     self._index = _SyncIndex(**index_kw)
     self._q: queue.SimpleQueue = queue.SimpleQueue()  # (fn, args) | Event (barrier) | None
     self._error: list = []  # the worker's exception, until raised on the caller's thread
     self._wait_s = 0.0      # caller time spent waiting for the worker (draft, stats)
     self._closed = False
     self._lock = threading.Lock()  # held by the worker while it applies, by readers
-    self._thread = threading.Thread(target=_work,
-                                    args=(self._q, self._index, self._error, self._lock),
-                                    name="history-index", daemon=True)
-    self._thread.start()
-    # an index dropped without close() stops its worker (which holds no reference to it)
-    self._stop = weakref.finalize(self, self._q.put, None)
+    self._thread = None
+    if self.background:
+      self._thread = threading.Thread(target=_work,
+                                      args=(self._q, self._index, self._error, self._lock),
+                                      name="history-index", daemon=True)
+      self._thread.start()
+      # an index dropped without close() stops its worker (which holds no reference to it)
+      self._stop = weakref.finalize(self, self._q.put, None)
 
   def begin(self, prompt_key, seq_key, prompt_ids) -> None:
     self._put(self._index.begin, prompt_key, seq_key, _checked(np.array(prompt_ids, np.int64)))
@@ -620,8 +631,9 @@ class HistoryIndex:
     """Stops the worker once the queue is applied; raises the worker's pending exception."""
     if not self._closed:
       self._closed = True
-      self._stop()
-      self._thread.join()
+      if self._thread is not None:
+        self._stop()
+        self._thread.join()
     self._raise()
 
   def _put(self, fn, *args):
@@ -629,6 +641,10 @@ class HistoryIndex:
       self._raise()
     if self._closed:
       raise RuntimeError("HistoryIndex: closed")
+    if self._thread is None:
+      with self._lock:
+        fn(*args)
+      return
     self._q.put((fn, args))
 
   def _sync(self):
@@ -636,6 +652,8 @@ class HistoryIndex:
     if self._closed:
       self._raise()
       raise RuntimeError("HistoryIndex: closed")
+    if self._thread is None:
+      return
     t0 = time.perf_counter()
     done = threading.Event()
     self._q.put(done)
@@ -645,7 +663,7 @@ class HistoryIndex:
 
   def _raise(self):
     if self._error:
-      if not self._closed:  # the updates queued after the failed one are skipped first
+      if not self._closed and self._thread is not None:  # queued updates after it: skipped
         done = threading.Event()
         self._q.put(done)
         done.wait()

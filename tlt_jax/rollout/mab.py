@@ -45,12 +45,15 @@ def check_arm(arm: str) -> str:
 
 
 def default_mab_buckets() -> dict[int, list[str]]:
-  """BEG buckets for the default tiny model and its chain drafter. Every bucket has three arms,
-  "off" among them, so the bandit explores and can turn speculation off (DESIGN.md 4). Arms
-  from notebooks/mab_bucket_ablation.ipynb (CPU): 6_1_7 was rarely the best anywhere, 3_1_4 and
-  4_1_5 usually were, and shallower chains only pay off at large live batches."""
-  return {1: ["4_1_5", "3_1_4", "off"], 2: ["4_1_5", "3_1_4", "off"],
-          5: ["4_1_5", "3_1_4", "off"], 21: ["3_1_4", "2_1_3", "off"]}
+  """BEG buckets for the default tiny model and its chain drafter. Every bucket has "off", so
+  the bandit explores and can turn speculation off (DESIGN.md 4), drafter chains and a history
+  arm. Drafter arms from notebooks/mab_bucket_ablation.ipynb (CPU): 6_1_7 was rarely the best
+  anywhere, 3_1_4 and 4_1_5 usually were, and shallower chains only pay off at large live
+  batches. History arms (scripts/bench_history_arms.py): hist_4 is the cheapest history draft
+  (no drafter forward); the hybrid hyb_4 (the index's and the drafter's chains as one tree of
+  9 verified tokens) only where the batch is small enough for the wider verification."""
+  small = ["4_1_5", "3_1_4", "hyb_4", "hist_4", "off"]
+  return {1: small, 2: list(small), 5: list(small), 21: ["3_1_4", "2_1_3", "hist_4", "off"]}
 
 
 def _check_size(batch_size: int) -> int:

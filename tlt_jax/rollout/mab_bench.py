@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
+from tlt_jax.rollout.history import HistoryIndex
 from tlt_jax.rollout.mab import EpsilonGreedy
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.strategy import Strategy
@@ -73,8 +74,10 @@ class LongTailBench:
     ecfg = EngineConfig(max_batch=max_batch, buckets=buckets_upto(max_batch),
                         chunk_size=chunk_size, max_prompt_len=w.max_prompt_len,
                         max_new_tokens=max_new_tokens, stop_tokens=w.stop_tokens, spec=spec)
+    history = any(Strategy.parse(a).history for a in self.arms)
     self.worker = Engine(w.params, w.cfg, ecfg, drafter_params=w.drafter_params,
-                         selector=EpsilonGreedy(self.arms))
+                         selector=EpsilonGreedy(self.arms),
+                         history=HistoryIndex() if history else None)
 
   def precompile(self) -> float:
     """Compiles every arm at every bucket speculation can run at, then one untimed pass

@@ -62,6 +62,7 @@ class ChunkMetrics:
   verifications: int = 0  # row-steps verified (speculative chunks): live rows x their steps
   t: float = 0.0  # chunk end, seconds since generate() began
   compiled: bool = False  # the chunk compiled its executable (its time is not the arm's)
+  first_run: bool = False  # its executable's first run (on CPU 10-50x a later one's time)
 
   @property
   def arm(self) -> str | None:
