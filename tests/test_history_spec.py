@@ -286,9 +286,11 @@ def sample_history(params, dparams, sp, strategy, monkeypatch=None, verify=None)
   return np.asarray(seqs), acc
 
 
-@pytest.mark.parametrize("sp", SAMPLING, ids=["t1", "t0.8_topk4"])
-@pytest.mark.parametrize("arm", ["hist_2", "histtree_2_2_5", "hyb_3"])
-def test_sampled_history_spec_matches_target_distribution(peaked, sp, arm):
+@pytest.mark.parametrize("arm,sp", [
+    (arm, sp) for arm in ["hist_2", "histtree_2_2_5"] for sp in SAMPLING] + [
+    ("hyb_3", SAMPLING[0])],  # the hybrid's tree goes through histtree's rule
+    ids=["hist_2-t1", "hist_2-t0.8_topk4", "histtree-t1", "histtree-t0.8_topk4", "hyb_3-t1"])
+def test_sampled_history_spec_matches_target_distribution(peaked, arm, sp):
   """hyb_3: misleading index chains of 2 tokens (none on every fifth row) and the drafter's
   argmax chain of 3, verified as one tree."""
   params, dparams = peaked
