@@ -13,7 +13,9 @@ Each workload runs `epochs` epochs over the same prompts (seed = epoch): epoch 1
 empty index, later ones find the earlier epochs' answers in it, as later RL steps do (the index
 lives with the rollout worker). Configurations run interleaved per epoch, each with its own
 index (and the bandit its own state, kept across epochs): plain decoding, drafter arms, history
-arms, the hybrid, and a bucketed epsilon-greedy bandit over all kinds and "off". The bandit
+arms, the hybrid, and a bucketed epsilon-greedy bandit over all kinds and "off" (a bandit per
+live-batch bucket, the default buckets' bounds: a chunk's reward is the batch's tokens/s,
+comparable only between chunks of about the same live batch). The bandit
 first decodes the workload `bandit_warmup` times untimed with a scratch index (its arms'
 estimates after some RL steps: a workload of this size gives it a few chunks per epoch, all
 exploration otherwise). One untimed
@@ -34,7 +36,7 @@ import jax
 
 from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
 from tlt_jax.rollout.history import HistoryIndex
-from tlt_jax.rollout.mab import BucketedEpsilonGreedy, FixedSelector
+from tlt_jax.rollout.mab import BucketedEpsilonGreedy, FixedSelector, default_mab_buckets
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.scheduler import buckets_upto
@@ -108,8 +110,11 @@ def configurations(args: Args) -> dict[str, tuple[Any, bool]]:
     out[a] = (lambda a=a: FixedSelector(a), Strategy.parse(a).history)
   every = drafter + history + hybrid
   if args.bandit and len(every) > 1:
-    out["bandit"] = (lambda: BucketedEpsilonGreedy({1: every + ["off"]}, seed=0),
-                     bool(history or hybrid))
+    # one bandit per live-batch bucket, the default's bounds: a chunk's reward is the batch's
+    # tokens/s, comparable only between chunks of about the same live batch
+    bounds = sorted(default_mab_buckets())
+    out["bandit"] = (lambda: BucketedEpsilonGreedy({lo: every + ["off"] for lo in bounds},
+                                                   seed=0), bool(history or hybrid))
   return out
 
 
