@@ -118,9 +118,9 @@ def _by_key(results):
 @pytest.mark.parametrize("arms,pool", [
     (["hist_3"], {}), (["histtree_3_2_7"], {}),
     (["hist_2", "2_1_3", "histtree_2_2_5", "off"], {}),
-    (["hyb_3"], {}), (["hyb_2", "hist_3", "2_1_3"], {}),
+    (["hyb_3", "hist_3", "2_1_3"], {}),
     (["hist_3"], dict(page_size=4, kv_pages=13))],  # a row reaches up to 10 pages
-    ids=["chain", "tree", "mixed_with_drafter", "hybrid", "hybrid_mixed", "chain_preempting"])
+    ids=["chain", "tree", "mixed_with_drafter", "hybrid_mixed", "chain_preempting"])
 def test_greedy_history_spec_equals_plain(tiny, arms, pool):
   params, dparams = tiny
   reqs = _requests(9)
