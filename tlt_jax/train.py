@@ -75,9 +75,8 @@ from tlt_jax.rollout.executables import background_compiler
 from tlt_jax.rollout.gate import SpecGate, VerdictCache
 from tlt_jax.rollout.history import HistoryIndex
 from tlt_jax.rollout.mab import BucketedSelector, FixedSelector
-from tlt_jax.rollout.records import Request, Result, tokens_per_verification
+from tlt_jax.rollout.records import Request, Result, by_kind, tokens_per_verification
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.strategy import Strategy
 from tlt_jax.sharding import tree_shardings
 
 
@@ -372,24 +371,6 @@ class Response(NamedTuple):
                res.num_tokens, res.finish_reason)
 
 
-def _arm_kinds(chunks, tokens: int) -> dict[str, dict[str, float]]:
-  """Speculative chunks by arm kind (history, drafter, hybrid, off): tokens per
-  verification, share of the step's tokens, tokens/s while that kind ran."""
-  out: dict[str, dict[str, float]] = {}
-  for c in chunks:
-    kind = Strategy.parse(c.mode).kind
-    k = out.setdefault(kind, {"tokens": 0, "wall": 0.0, "accepted": 0, "verifications": 0})
-    k["tokens"] += c.tokens
-    k["wall"] += c.wall_time
-    k["accepted"] += c.accepted
-    k["verifications"] += c.verifications
-  return {kind: {"tokens_per_verify": (k["accepted"] + k["verifications"])
-                 / max(k["verifications"], 1) if k["verifications"] else 0.0,
-                 "share_of_tokens": k["tokens"] / max(tokens, 1),
-                 "tokens_per_s": k["tokens"] / max(k["wall"], 1e-9)}
-          for kind, k in out.items()}
-
-
 def rl_step(run: Run, state: TrainState, pool: RewardPool
             ) -> tuple[TrainState, dict[str, Any], dict[str, Any]]:
   """One RL step (the module docstring) -> (state, metrics, timeline of the workers)."""
@@ -490,7 +471,7 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
                  "verify_path": sorted({e.compiles.verify_path for e in engines}),
                  "kernel_fallbacks": sum(e.compiles.kernel_error is not None
                                          for e in engines),
-                 "by_kind": _arm_kinds(spec_chunks, tokens)}
+                 "by_kind": by_kind(spec_chunks, tokens)}
   histories = [e.history.stats() for e in run.coordinator.engines if e.history is not None]
   if histories:
     m["history"] = {k: sum(h[k] for h in histories)

@@ -37,7 +37,7 @@ import jax
 from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
 from tlt_jax.rollout.history import HistoryIndex
 from tlt_jax.rollout.mab import BucketedEpsilonGreedy, FixedSelector, default_mab_buckets
-from tlt_jax.rollout.records import Request
+from tlt_jax.rollout.records import Request, by_kind, tokens_per_verification
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.scheduler import buckets_upto
 from tlt_jax.rollout.strategy import Strategy
@@ -118,20 +118,6 @@ def configurations(args: Args) -> dict[str, tuple[Any, bool]]:
   return out
 
 
-def _kinds(chunks) -> dict[str, dict[str, float]]:
-  """Speculative chunks by arm kind: tokens, accepted drafts, verifications."""
-  out: dict[str, dict[str, float]] = {}
-  for c in chunks:
-    if c.mode == "plain":
-      continue
-    k = out.setdefault(Strategy.parse(c.mode).kind,
-                       {"tokens": 0, "accepted": 0, "verifications": 0})
-    k["tokens"] += c.tokens
-    k["accepted"] += c.accepted
-    k["verifications"] += c.verifications
-  return out
-
-
 def measure(args: Args, cfg, params, dparams, stop, reqs, max_batch: int, threshold: int,
             log=print) -> dict[str, list[dict]]:
   """One workload: every configuration, epoch by epoch, interleaved. -> label -> [per epoch:
@@ -166,11 +152,10 @@ def measure(args: Args, cfg, params, dparams, stop, reqs, max_batch: int, thresh
     res = w.generate(reqs, sp, seed=seed)
     dt = time.perf_counter() - t0 - (sum(r.seconds for r in w.compile_log) - compiled)
     tokens = sum(r.num_tokens for r in res)
-    kinds = _kinds(w.chunk_log)
-    acc = sum(k["accepted"] for k in kinds.values())
-    ver = sum(k["verifications"] for k in kinds.values())
+    chunks = [c for c in w.chunk_log if c.mode != "plain"]
     return {"tokens": tokens, "seconds": dt, "tokens_per_s": tokens / max(dt, 1e-9),
-            "tokens_per_verify": (acc + ver) / ver if ver else None, "by_kind": kinds}
+            "tokens_per_verify": tokens_per_verification(chunks),
+            "by_kind": by_kind(chunks, sum(c.tokens for c in chunks))}
 
   t0 = time.perf_counter()
   for label, (make, hist) in confs.items():  # compiles; the bandit tries every arm
@@ -210,9 +195,8 @@ def table(name: str, res: dict[str, list[dict]]) -> str:
   if "bandit" in res:
     shares = []
     for e, r in enumerate(res["bandit"]):
-      total = sum(k["tokens"] for k in r["by_kind"].values()) or 1
       shares.append(f"epoch {e + 1}: " + ", ".join(
-          f"{kind} {k['tokens'] / total:.0%}" for kind, k in sorted(r["by_kind"].items())))
+          f"{kind} {k['share_of_tokens']:.0%}" for kind, k in sorted(r["by_kind"].items())))
     lines += ["", "bandit's speculative tokens by kind: " + "; ".join(shares)]
   return "\n".join(lines)
 

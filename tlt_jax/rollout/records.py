@@ -15,6 +15,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from tlt_jax.rollout.strategy import Strategy
+
 
 @dataclasses.dataclass(frozen=True)
 class Request:
@@ -80,6 +82,19 @@ def tokens_per_verification(chunks) -> float | None:
   (each verification commits its accepted drafts + 1 target token); None without any."""
   ver = sum(c.verifications for c in chunks)
   return (sum(c.accepted for c in chunks) + ver) / ver if ver else None
+
+
+def by_kind(chunks, tokens: int) -> dict[str, dict[str, float]]:
+  """Speculative chunks by arm kind (history, drafter, hybrid, off): tokens per
+  verification, share of `tokens` (e.g. the step's), tokens/s while that kind ran."""
+  out: dict[str, list] = {}
+  for c in chunks:
+    out.setdefault(Strategy.parse(c.mode).kind, []).append(c)
+  return {kind: {"tokens_per_verify": tokens_per_verification(cs) or 0.0,
+                 "share_of_tokens": sum(c.tokens for c in cs) / max(tokens, 1),
+                 "tokens_per_s": sum(c.tokens for c in cs)
+                 / max(sum(c.wall_time for c in cs), 1e-9)}
+          for kind, cs in out.items()}
 
 
 @dataclasses.dataclass
