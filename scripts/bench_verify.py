@@ -20,7 +20,7 @@ def main():
   ap.add_argument("--vocab", type=int, default=151936)  # Qwen2.5
   ap.add_argument("--iters", type=int, default=50)
   args = ap.parse_args()
-  # the Triton column lowers the deprecated backend on purpose (kernels/verify.py says why)
+  # the Triton column lowers the deprecated backend on purpose (kernels/verify says why)
   warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
   for line in kernel_table([int(b) for b in args.batches.split(",")],
                            [int(k) for k in args.ks.split(",")], args.vocab, iters=args.iters):

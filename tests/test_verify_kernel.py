@@ -1,4 +1,4 @@
-"""Speculative verification (tlt_jax/kernels/verify.py): kernel == reference, greedy == a plain
+"""Speculative verification (tlt_jax/kernels/verify/): kernel == reference, greedy == a plain
 Python loop, and losslessness (chi-square against the exact target distribution), including a
 check that deliberately broken rules are rejected by the same statistic.
 
@@ -17,15 +17,16 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from tlt_jax.kernels import verify as vf
-from tlt_jax.kernels.verify import (
+from tlt_jax.kernels.verify import kernel_backend, verify_chain, verify_tree
+from tlt_jax.kernels.verify import reference as vref
+from tlt_jax.kernels.verify.mosaic import verify_chain_mosaic, verify_tree_mosaic
+from tlt_jax.kernels.verify.reference import (
     draw_tree_randomness,
     draw_verify_randomness,
-    verify_chain,
     verify_chain_reference,
-    verify_tree,
     verify_tree_reference,
 )
+from tlt_jax.kernels.verify.triton import verify_chain_triton, verify_tree_triton
 from tlt_jax.rollout.sampling import SamplingParams, processed_logprobs
 
 NEG_INF = -np.inf
@@ -291,21 +292,21 @@ def _check_chain_kernel(kernel, modes, K, V, block_v):
 @pytest.mark.parametrize("K,V,block_v", CHAIN_CONFIGS)
 def test_chain_kernel_matches_reference(K, V, block_v):
   """Triton kernel (the pre-Hopper fallback) == reference, exactly."""
-  _check_chain_kernel(vf.verify_chain_triton, ("greedy", "q", "onehot"), K, V, block_v)
+  _check_chain_kernel(verify_chain_triton, ("greedy", "q", "onehot"), K, V, block_v)
 
 
 @pytest.mark.parametrize("K,V,block_v", MOSAIC_CHAIN_CONFIGS)
 def test_mosaic_chain_kernel_matches_reference(K, V, block_v):
   """Mosaic GPU kernel == reference, exactly (greedy and one-hot sampling; with draft q the
-  dispatcher keeps the reference on Mosaic GPU, see verify._MOSAIC_NO_Q)."""
-  _check_chain_kernel(vf.verify_chain_mosaic, ("greedy", "onehot"), K, V, block_v)
+  dispatcher keeps the reference on Mosaic GPU, see mosaic._MOSAIC_NO_Q)."""
+  _check_chain_kernel(verify_chain_mosaic, ("greedy", "onehot"), K, V, block_v)
 
 
 def test_mosaic_chain_with_draft_q_uses_the_reference():
   tlp, d, qlp, u, g = make_chain_inputs(7, 3, 2, 40)
   with pytest.raises(NotImplementedError, match="log1p"):
-    vf.verify_chain_mosaic(tlp, d, qlp, u, g, greedy=False, interpret=True)
-  assert vf.kernel_backend() == "mosaic_gpu"  # this CPU: Mosaic GPU in interpret mode
+    verify_chain_mosaic(tlp, d, qlp, u, g, greedy=False, interpret=True)
+  assert kernel_backend() == "mosaic_gpu"  # this CPU: Mosaic GPU in interpret mode
   _assert_equal(verify_chain(tlp, d, qlp, u, g, greedy=False),
                 verify_chain_reference(tlp, d, qlp, u, g, greedy=False))
 
@@ -325,7 +326,7 @@ def test_kernel_backend_by_device(monkeypatch, platform, cc, want):
   """Mosaic GPU on Hopper or newer (cc 10.0 > 9.0 numerically, not as strings), Triton before
   (and on GPUs without a CUDA compute capability), Mosaic GPU's interpreter off-GPU."""
   monkeypatch.setattr(jax, "devices", lambda *a: [_FakeDevice(platform, cc)])
-  assert vf.kernel_backend() == want
+  assert kernel_backend() == want
 
 
 TREE_CONFIGS = [  # (kind, T, C, D, V, block_v)
@@ -373,20 +374,22 @@ def _check_tree_kernel(kernel, kind, T, C, D, V, block_v):
 @pytest.mark.parametrize("kind,T,C,D,V,block_v", TREE_CONFIGS)
 def test_tree_kernel_matches_reference(kind, T, C, D, V, block_v):
   """Triton kernel (the pre-Hopper fallback) == reference, exactly."""
-  _check_tree_kernel(vf.verify_tree_triton, kind, T, C, D, V, block_v)
+  _check_tree_kernel(verify_tree_triton, kind, T, C, D, V, block_v)
 
 
 @pytest.mark.parametrize("kind,T,C,D,V,block_v", MOSAIC_TREE_CONFIGS)
 def test_mosaic_tree_kernel_matches_reference(kind, T, C, D, V, block_v):
-  _check_tree_kernel(vf.verify_tree_mosaic, kind, T, C, D, V, block_v)
+  _check_tree_kernel(verify_tree_mosaic, kind, T, C, D, V, block_v)
 
 
 def _impls(rule):
   """(name, fn) for the reference and both kernels of a rule, same keyword contract."""
-  ref = verify_chain_reference if rule == "chain" else verify_tree_reference
+  ref, triton, mosaic = ((verify_chain_reference, verify_chain_triton, verify_chain_mosaic)
+                         if rule == "chain" else
+                         (verify_tree_reference, verify_tree_triton, verify_tree_mosaic))
   return [("reference", ref)] + [
-      (name, functools.partial(getattr(vf, f"verify_{rule}_{suffix}"), interpret=INTERPRET))
-      for name, suffix in (("triton", "triton"), ("mosaic_gpu", "mosaic"))]
+      (name, functools.partial(fn, interpret=INTERPRET))
+      for name, fn in (("triton", triton), ("mosaic_gpu", mosaic))]
 
 
 def test_chain_edge_cases_exact():
@@ -406,7 +409,7 @@ def test_chain_edge_cases_exact():
   g[:, :, 3] = 50.0  # the race would pick token 3 if it were not outside the support
   args = tuple(map(jnp.asarray, (tlp, d, qlp, u, g)))
   for name, run in _impls("chain"):
-    if name != "mosaic_gpu":  # draft q: no Mosaic GPU kernel (verify._MOSAIC_NO_Q)
+    if name != "mosaic_gpu":  # draft q: no Mosaic GPU kernel (mosaic._MOSAIC_NO_Q)
       n, nxt = map(np.asarray, run(*args, greedy=False))
       np.testing.assert_array_equal(n, [0, 2, 2, 0])
       np.testing.assert_array_equal(nxt, [0, 0, 0, 0])  # zero noise elsewhere: argmax p = 0
@@ -414,7 +417,7 @@ def test_chain_edge_cases_exact():
     n1, nxt1 = map(np.asarray, run(*args[:2], None, *args[3:], greedy=False))
     np.testing.assert_array_equal(n1, [0, 0, 0, 0])
     np.testing.assert_array_equal(nxt1, [0, 0, 1, 0])  # row 2: d=0 removed -> next best 1
-  assert not np.isnan(np.asarray(vf._residual_logp(jnp.asarray(tlp), jnp.asarray(tlp)))).any()
+  assert not np.isnan(np.asarray(vref._residual_logp(jnp.asarray(tlp), jnp.asarray(tlp)))).any()
   # greedy ties: lowest index wins
   tie = _log([0.1, 0.4, 0.4, 0.1, 0.0])
   tl = jnp.asarray(np.broadcast_to(tie, (2, K + 1, V)).copy())
@@ -504,12 +507,12 @@ def test_kernels_lower_to_triton():
     pytest.skip(f"jaxlib without Triton bindings: {e}")
   B, K, V, T, C, D = _LB, _LK, _LV, _LT, _LC, _LD
   cases = [
-      (vf.verify_chain_triton, (_S((B, K + 1, V), _F32), _S((B, K), _I32), _S((B, K, V), _F32),
-                                _S((B, K), _F32), _S((B, K + 1, V), _F32)), {}),
-      (vf.verify_chain_triton, (_S((B, K + 1, V), _F32), _S((B, K), _I32), None,
-                                _S((B, K), _F32), _S((B, K + 1, V), _F32)), {}),
-      (vf.verify_tree_triton, (_S((B, T, V), _F32), _S((B, T), _I32), _S((B, T, C), _I32),
-                               _S((B, T), _F32), _S((B, T, V), _F32)), {"max_depth": D}),
+      (verify_chain_triton, (_S((B, K + 1, V), _F32), _S((B, K), _I32), _S((B, K, V), _F32),
+                             _S((B, K), _F32), _S((B, K + 1, V), _F32)), {}),
+      (verify_chain_triton, (_S((B, K + 1, V), _F32), _S((B, K), _I32), None,
+                             _S((B, K), _F32), _S((B, K + 1, V), _F32)), {}),
+      (verify_tree_triton, (_S((B, T, V), _F32), _S((B, T), _I32), _S((B, T, C), _I32),
+                            _S((B, T), _F32), _S((B, T, V), _F32)), {"max_depth": D}),
   ]
   for fn, args, kw in cases:
     for greedy in (True, False):
@@ -525,10 +528,10 @@ def test_kernels_lower_to_mosaic_gpu(V):
   (no DeprecationWarning)."""
   B, K, T, C, D = _LB, _LK, _LT, _LC, _LD
   cases = [
-      (vf.verify_chain_mosaic, (_S((B, K + 1, V), _F32), _S((B, K), _I32), None,
-                                _S((B, K), _F32), _S((B, K + 1, V), _F32)), {}),
-      (vf.verify_tree_mosaic, (_S((B, T, V), _F32), _S((B, T), _I32), _S((B, T, C), _I32),
-                               _S((B, T), _F32), _S((B, T, V), _F32)), {"max_depth": D}),
+      (verify_chain_mosaic, (_S((B, K + 1, V), _F32), _S((B, K), _I32), None,
+                             _S((B, K), _F32), _S((B, K + 1, V), _F32)), {}),
+      (verify_tree_mosaic, (_S((B, T, V), _F32), _S((B, T), _I32), _S((B, T, C), _I32),
+                            _S((B, T), _F32), _S((B, T, V), _F32)), {"max_depth": D}),
   ]
   with warnings.catch_warnings():
     warnings.simplefilter("error", DeprecationWarning)
@@ -696,7 +699,7 @@ def chain_broken_resample_from_p(target_logp, draft_tokens, draft_logp, uniforms
   lp_d = jnp.take_along_axis(target_logp[:, :K], draft_tokens[..., None], -1)[..., 0]
   lq_d = (jnp.zeros_like(lp_d) if draft_logp is None else
           jnp.take_along_axis(draft_logp, draft_tokens[..., None], -1)[..., 0])
-  acc = (uniforms < vf._accept_ratio(lp_d, lq_d)).astype(jnp.int32)
+  acc = (uniforms < vref._accept_ratio(lp_d, lq_d)).astype(jnp.int32)
   n = jnp.sum(jnp.cumprod(acc, axis=1), axis=1).astype(jnp.int32)
   lp_n = target_logp[rows, n]
   return n, jnp.argmax(lp_n + noise[rows, n], axis=-1).astype(jnp.int32)
@@ -745,7 +748,7 @@ def tree_broken_no_renormalise(target_logp, tree_tokens, children, uniforms, noi
   hit = jnp.any((ch >= 0)[:, :, None] & (tok[:, :, None] == jnp.arange(V)), 1)
   hit = hit & (depth < max_depth)[:, None]
   lp_c = target_logp[rows, node]
-  nxt = vf._gumbel_pick(jnp.where(hit, -jnp.inf, lp_c), lp_c, noise[rows, node])
+  nxt = vref._gumbel_pick(jnp.where(hit, -jnp.inf, lp_c), lp_c, noise[rows, node])
   return jnp.stack(path, 1), depth, nxt
 
 

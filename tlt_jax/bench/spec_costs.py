@@ -57,8 +57,8 @@ def measure_costs(params, dparams, cfg, batch: int, arms, sp, *, iters: int = 20
   drafter). kv_len: the plain step's attention window (None: the whole cache); it must hold
   prompt_len + iters, the slots the loop's rows reach."""
   from tlt_jax.drafter.model import drafter_cache, drafter_forward
-  from tlt_jax.kernels.verify import (draw_tree_randomness, draw_verify_randomness,
-                                      verify_chain, verify_tree)
+  from tlt_jax.kernels.verify import verify_chain, verify_tree
+  from tlt_jax.kernels.verify.reference import draw_tree_randomness, draw_verify_randomness
   from tlt_jax.models import compute_logits, forward, init_cache, unstack_layers
   from tlt_jax.rollout import decode, speculative
   from tlt_jax.rollout.sampling import processed_logprobs

@@ -5,7 +5,7 @@ kernel. Each cell is the in-loop time of one verification (`spec_costs.per_iter`
 jitted fori_loop, the drafts shifted by the carry so nothing is hoisted), f32 log-probs
 [B, K+1, V] (V = 151936: Qwen2.5), randomness drawn inside the loop as the engine does.
 "reference" is the jnp rule as XLA fuses it; a backend that cannot run a case (Triton where
-Pallas has no Triton lowering, Mosaic GPU's chain with draft q, see kernels/verify.py) or fails
+Pallas has no Triton lowering, Mosaic GPU's chain with draft q, see kernels/verify) or fails
 to compile says so in its cell. Off-GPU the kernels run interpreted: the smoke run proves the
 table is produced, not its numbers.
 """
@@ -19,7 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from tlt_jax.bench.spec_costs import per_iter
-from tlt_jax.kernels import verify as vf
+from tlt_jax.kernels.verify.mosaic import verify_chain_mosaic, verify_tree_mosaic
+from tlt_jax.kernels.verify.reference import (draw_tree_randomness, verify_chain_reference,
+                                              verify_tree_reference)
+from tlt_jax.kernels.verify.triton import verify_chain_triton, verify_tree_triton
 
 CASES = ("chain greedy", "chain sample one-hot", "chain sample q", "tree greedy",
          "tree sample")
@@ -29,13 +32,13 @@ def _rule(case: str, backend: str, interpret: bool):
   """fn(tlp, d, q, kids, u, g) for this case on this backend, or None where it has no kernel."""
   tree = case.startswith("tree")
   if backend == "reference":
-    fn = vf.verify_tree_reference if tree else vf.verify_chain_reference
+    fn = verify_tree_reference if tree else verify_chain_reference
   else:
     if backend == "mosaic_gpu" and case == "chain sample q":
-      return None  # vf._MOSAIC_NO_Q: the dispatcher runs the reference there
-    suffix = "mosaic" if backend == "mosaic_gpu" else "triton"
-    fn = functools.partial(getattr(vf, f"verify_{'tree' if tree else 'chain'}_{suffix}"),
-                           interpret=interpret)
+      return None  # mosaic._MOSAIC_NO_Q: the dispatcher runs the reference there
+    mosaic, triton = ((verify_tree_mosaic, verify_tree_triton) if tree else
+                      (verify_chain_mosaic, verify_chain_triton))
+    fn = functools.partial(mosaic if backend == "mosaic_gpu" else triton, interpret=interpret)
   greedy = case.endswith("greedy")
   if tree:
     return lambda tlp, d, q, kids, u, g: fn(tlp, d, kids, None if greedy else u,
@@ -63,7 +66,7 @@ def time_case(case: str, backend: str, batch: int, k: int, vocab: int, *, iters:
 
   def loop(acc, it):
     def body(i, acc):
-      u, g = vf.draw_tree_randomness(jax.random.key(i), batch, n, vocab)
+      u, g = draw_tree_randomness(jax.random.key(i), batch, n, vocab)
       out = rule(tlp, (d0 + acc[:, None]) % vocab, q, kids, u, g)
       return (acc + out[-2] + out[-1]) % 2
     return jax.lax.fori_loop(0, it, body, acc)

@@ -55,8 +55,8 @@ import jax
 import jax.numpy as jnp
 
 from tlt_jax.drafter.model import drafter_forward, drafter_tree_forward
-from tlt_jax.kernels.verify import (draw_tree_randomness, draw_verify_randomness, verify_chain,
-                                    verify_tree)
+from tlt_jax.kernels.verify import verify_chain, verify_tree
+from tlt_jax.kernels.verify.reference import draw_tree_randomness, draw_verify_randomness
 from tlt_jax.models import KVCache, ModelConfig, Params, compute_logits, forward
 from tlt_jax.models.transformer import move_slots
 from tlt_jax.rollout import decode
