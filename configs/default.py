@@ -162,6 +162,9 @@ def get_config():
   c.tlt.spec.buckets = ""
   c.tlt.spec.epsilon = 0.1
   c.tlt.spec.window = 300
+  # every arm of a bucket is measured this many times before the bandit exploits (one chunk's
+  # reward is noisy: at batch 1 it is one answer)
+  c.tlt.spec.min_pulls = 5
   c.tlt.spec.strategy = "4_1_5"  # the fixed selector's arm
   # Each rollout worker keeps an index of this run's responses per prompt (siblings, earlier
   # steps: tlt_jax/rollout/history.py), so history arms (hist_<K>, histtree_<K>_<topk>_<N>) in

@@ -27,6 +27,9 @@ def main():
   ap.add_argument("--no_bandit", action="store_true", help="skip the bandit over all arms")
   ap.add_argument("--bandit_warmup", type=int, default=d.bandit_warmup,
                   help="untimed passes the bandit learns from first (a scratch index)")
+  ap.add_argument("--min_pulls", type=int, default=d.min_pulls,
+                  help="the bandit measures each arm this often before exploiting "
+                  "(configs/default.py's tlt.spec.min_pulls)")
   ap.add_argument("--workloads", default=d.workloads, help="batch1,batch8,tail (a subset)")
   ap.add_argument("--prompts", type=int, default=d.prompts, help="groups at batch 1 and 8")
   ap.add_argument("--samples", type=int, default=d.samples, help="samples per group at batch 1")

@@ -69,6 +69,8 @@ def test_history_arms_need_the_history_index():
     ("tlt.spec.buckets", "1:4_1_5,4_1_5", "config.tlt.spec.buckets: bucket 1 lists an arm twice"),
     ("tlt.spec.selector", "thompson", "config.tlt.spec.selector='thompson': use one of"),
     ("tlt.spec.window", 0, "config.tlt.spec.window=0: must be a positive integer"),
+    ("tlt.spec.min_pulls", 0, "config.tlt.spec.min_pulls=0: must be an integer in [1, "
+     "window=300]"),
     ("tlt.spec.gate.margin", -1.0, "config.tlt.spec.gate.margin=-1.0: must be >= 0"),
     ("tlt.drafter.buffer_tokens", 64, "config.tlt.drafter.buffer_tokens=64: must hold"),
     ("tlt.drafter.windows_per_response", 0, "config.tlt.drafter.windows_per_response=0"),

@@ -96,6 +96,25 @@ def test_state_dict_round_trip_continues_identically():
     assert other.state_dict() == other_state
 
 
+@pytest.mark.parametrize("min_pulls", [1, 3])
+def test_min_pulls_measures_every_arm_before_exploiting(min_pulls):
+  """The drafter's first chunk came out slow (an answer it drafts badly); its later chunks are
+  twice the hybrid's speed. Measured once, the greedy choice locks onto the hybrid (epsilon 0:
+  nothing re-pulls the drafter); measured min_pulls=3 times (round robin), its median wins."""
+  sel = BucketedEpsilonGreedy({1: ["4_1_5", "hyb_4", "off"]}, epsilon=0.0, min_pulls=min_pulls)
+  drafter = iter([5.0] + [40.0] * 100)
+  picks = []
+  for _ in range(30):
+    arm = sel.select(1)
+    picks.append(arm)
+    sel.update(arm, 1, {"4_1_5": lambda: next(drafter), "hyb_4": lambda: 20.0,
+                        "off": lambda: 10.0}[arm]())
+  # round robin, least measured first
+  assert picks[:3 * min_pulls] == ["4_1_5", "hyb_4", "off"] * min_pulls
+  tail = set(picks[3 * min_pulls:])
+  assert tail == ({"hyb_4"} if min_pulls == 1 else {"4_1_5"}), picks
+
+
 @pytest.mark.parametrize("bad, match", [
     ({1: ["4-1-5"]}, "use '<steps>_<topk>_<verify_tokens>'"),
     ({1: ["4_1_9"]}, "chain"),

@@ -282,8 +282,10 @@ def _with_verify(fn, name, verify):
   return wrapped
 
 
-@pytest.mark.parametrize("sp", SAMPLING, ids=["t1", "t0.8_topk4"])
-@pytest.mark.parametrize("steps", [2, 3])
+# every sampling setting and every depth, each once (not their product: the rule does not
+# depend on the depth, the draws do)
+@pytest.mark.parametrize("sp,steps", [(SAMPLING[0], 3), (SAMPLING[1], 2)],
+                         ids=["t1_3", "t0.8_topk4_2"])
 def test_sampled_spec_matches_target_distribution(peaked, sp, steps):
   params, dparams = peaked
   joint = exact_joint(params, sp)
@@ -293,9 +295,10 @@ def test_sampled_spec_matches_target_distribution(peaked, sp, steps):
   assert chi_square_p(seqs, joint) > 1e-3
 
 
-@pytest.mark.parametrize("sp", SAMPLING, ids=["t1", "t0.8_topk4"])
-@pytest.mark.parametrize("arm,cache_len", [("2_2_5", 16), ("3_2_6", 16), ("2_3_8", 6)],
-                         ids=["2_2_5", "3_2_6", "2_3_8_tight_cache"])
+@pytest.mark.parametrize("arm,cache_len,sp", [
+    ("2_2_5", 16, SAMPLING[0]), ("3_2_6", 16, SAMPLING[1]), ("2_3_8", 6, SAMPLING[0]),
+    ("2_3_8", 6, SAMPLING[1])],
+    ids=["2_2_5_t1", "3_2_6_t0.8_topk4", "2_3_8_tight_cache_t1", "2_3_8_tight_cache_t0.8_topk4"])
 def test_sampled_tree_spec_matches_target_distribution(peaked, sp, arm, cache_len):
   """Tree drafts verified by the target-only rule. With cache_len = prompt + NEW, late tree
   nodes' chunk slots fall off the cache and accepted paths are cut there: still exact."""

@@ -193,7 +193,7 @@ def _speculation(cfg: ml_collections.ConfigDict):
   spec = build(SpecConfig, "tlt.spec", section_values(SpecConfig, s))
   buckets = parse_mab_buckets(s.buckets)
   selector = functools.partial(make_selector, s.selector, buckets, strategy=s.strategy,
-                               epsilon=s.epsilon, window=s.window)
+                               epsilon=s.epsilon, window=s.window, min_pulls=s.min_pulls)
   build(selector, "tlt.spec", {"seed": cfg.seed})  # validates its arguments, once
   check(isinstance(s.get("history", False), bool), "tlt.spec.history", s.get("history"),
         "True or False")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 import time
 from typing import Any
 
@@ -52,6 +53,7 @@ class Args:
   hybrid_arms: str = "hyb_4"
   bandit: bool = True
   bandit_warmup: int = 3
+  min_pulls: int = 5
   workloads: str = "batch1,batch8,tail"
   prompts: int = 4
   samples: int = 8
@@ -114,7 +116,8 @@ def configurations(args: Args) -> dict[str, tuple[Any, bool]]:
     # tokens/s, comparable only between chunks of about the same live batch
     bounds = sorted(default_mab_buckets())
     out["bandit"] = (lambda: BucketedEpsilonGreedy({lo: every + ["off"] for lo in bounds},
-                                                   seed=0), bool(history or hybrid))
+                                                   seed=0, min_pulls=args.min_pulls),
+                     bool(history or hybrid))
   return out
 
 
@@ -153,9 +156,19 @@ def measure(args: Args, cfg, params, dparams, stop, reqs, max_batch: int, thresh
     dt = time.perf_counter() - t0 - (sum(r.seconds for r in w.compile_log) - compiled)
     tokens = sum(r.num_tokens for r in res)
     chunks = [c for c in w.chunk_log if c.mode != "plain"]
+    rewards: dict[str, list[float]] = {}  # what the selector was told, per arm
+    for c in chunks:
+      if not (c.compiled or c.first_run):
+        rewards.setdefault(c.arm, []).append(c.tokens / max(c.wall_time, 1e-9))
+    sel = selectors.get(label)
     return {"tokens": tokens, "seconds": dt, "tokens_per_s": tokens / max(dt, 1e-9),
             "tokens_per_verify": tokens_per_verification(chunks),
-            "by_kind": by_kind(chunks, sum(c.tokens for c in chunks))}
+            "by_kind": by_kind(chunks, sum(c.tokens for c in chunks)),
+            "chunk_rewards": {a: {"median": statistics.median(r), "n": len(r)}
+                              for a, r in sorted(rewards.items())},
+            # the bandit's arm values per bucket after this pass (None: not measured)
+            "values": {lo: sel.values(lo) for lo in sel.buckets}
+            if isinstance(sel, BucketedEpsilonGreedy) else None}
 
   t0 = time.perf_counter()
   for label, (make, hist) in confs.items():  # compiles; the bandit tries every arm
@@ -198,6 +211,16 @@ def table(name: str, res: dict[str, list[dict]]) -> str:
       shares.append(f"epoch {e + 1}: " + ", ".join(
           f"{kind} {k['share_of_tokens']:.0%}" for kind, k in sorted(r["by_kind"].items())))
     lines += ["", "bandit's speculative tokens by kind: " + "; ".join(shares)]
+    fixed = {label: rs[-1]["chunk_rewards"].get(label) for label, rs in res.items()
+             if label not in ("plain", "bandit")}
+    lines += ["", "each fixed arm's median chunk reward (tokens/s, last epoch): " + ", ".join(
+        f"{a} {r['median']:.1f}" for a, r in fixed.items() if r)]
+    last = res["bandit"][-1]["values"] or {}
+    lines += ["", "bandit's arm values (median chunk reward, tokens/s) at the end, per bucket: "
+              + "; ".join(f"{lo}: " + ", ".join(f"{a} {v:.1f}" for a, v in vals.items()
+                                                  if v is not None)
+                          for lo, vals in last.items() if any(v is not None
+                                                              for v in vals.values()))]
   return "\n".join(lines)
 
 

@@ -6,7 +6,11 @@ drifts as the policy trains and the drafter is retrained. No fixed arm is best o
 rollout, and the best arm of a batch size changes over training. BEG-MAB (TLT; DESIGN.md 4)
 keeps one epsilon-greedy bandit per bucket of live batch sizes. An arm's value is the median of
 its last `window` rewards: a few slow chunks (a GC pause, a co-tenant) do not move it, and an
-arm whose reward drops (a stale drafter) loses its lead within about one window.
+arm whose reward drops (a stale drafter) loses its lead within about one window. Every arm of a
+bucket is pulled `min_pulls` times (round robin) before the greedy choice starts: one chunk's
+reward is noisy (at batch 1 it is one answer, whose drafts are accepted more or less than the
+average), and an arm whose one reward came out low would otherwise wait for epsilon's rare
+re-pulls while an arm of lower mean took every chunk (scripts/bench_history_arms.py saw it).
 
 Arms are strategy names "<steps>_<topk>_<verify_tokens>" (a chain has topk=1 and verifies
 steps+1 tokens), history arms "hist_<steps>" / "histtree_<steps>_<topk>_<verify_tokens>"
@@ -98,7 +102,7 @@ class BucketedSelector:
   once every arm of the bucket has a reward (`_choose`)."""
 
   def __init__(self, buckets: Mapping[int, Sequence[str]] | Sequence[str], *, window: int = 300,
-               seed: int = 0):
+               min_pulls: int = 1, seed: int = 0):
     if not hasattr(buckets, "items"):  # Mappings and ConfigDicts are buckets; lists are arms
       buckets = {1: buckets}  # one bucket: every live size
     if not buckets:
@@ -122,6 +126,10 @@ class BucketedSelector:
     if isinstance(window, bool) or int(window) != window or window < 1:
       raise ConfigError("must be a positive integer", "window", window)
     self.window = int(window)
+    if isinstance(min_pulls, bool) or int(min_pulls) != min_pulls or not 1 <= min_pulls <= window:
+      raise ConfigError(f"must be an integer in [1, window={self.window}]", "min_pulls",
+                        min_pulls)
+    self.min_pulls = int(min_pulls)
     self._bounds = list(self.buckets)
     self._rewards = {lo: {a: collections.deque(maxlen=self.window) for a in arms}
                      for lo, arms in self.buckets.items()}
@@ -173,9 +181,10 @@ class BucketedSelector:
     with self._lock:
       lo = self.bucket_of(batch_size)
       rewards = self._rewards[lo]
-      for a in self.buckets[lo]:
-        if not rewards[a]:
-          return a  # untried arms first, in listed order
+      # arms with fewer than min_pulls rewards first: the least measured, first listed
+      least = min(self.buckets[lo], key=lambda a: len(rewards[a]))
+      if len(rewards[least]) < self.min_pulls:
+        return least
       return self._choose(lo)
 
   def _choose(self, lo: int) -> str:
@@ -202,7 +211,7 @@ class BucketedSelector:
     return statistics.median(self._rewards[lo][arm])
 
   def _config(self) -> dict[str, Any]:
-    return {"type": type(self).__name__, "window": self.window,
+    return {"type": type(self).__name__, "window": self.window, "min_pulls": self.min_pulls,
             "buckets": {str(lo): list(a) for lo, a in self.buckets.items()}}
 
   def state_dict(self) -> dict[str, Any]:
@@ -235,8 +244,8 @@ class BucketedEpsilonGreedy(BucketedSelector):
   the best median over its last `window` rewards (ties: first listed)."""
 
   def __init__(self, buckets: Mapping[int, Sequence[str]] | Sequence[str], epsilon: float = 0.1,
-               window: int = 300, seed: int = 0):
-    super().__init__(buckets, window=window, seed=seed)
+               window: int = 300, seed: int = 0, *, min_pulls: int = 1):
+    super().__init__(buckets, window=window, min_pulls=min_pulls, seed=seed)
     if not 0.0 <= epsilon <= 1.0:
       raise ConfigError("must be in [0, 1]", "epsilon", epsilon)
     self.epsilon = float(epsilon)
@@ -255,8 +264,9 @@ class EpsilonGreedy(BucketedEpsilonGreedy):
   """Plain (unbucketed) epsilon-greedy over `arms`: one bandit for every live size."""
 
   def __init__(self, arms: Sequence[str], epsilon: float = 0.1, window: int = 300,
-               seed: int = 0):
-    super().__init__({1: list(arms)}, epsilon=epsilon, window=window, seed=seed)
+               seed: int = 0, *, min_pulls: int = 1):
+    super().__init__({1: list(arms)}, epsilon=epsilon, window=window, min_pulls=min_pulls,
+                     seed=seed)
 
 
 class UCB1(BucketedSelector):
@@ -266,8 +276,8 @@ class UCB1(BucketedSelector):
   some exploration going so that a changed arm is noticed."""
 
   def __init__(self, arms: Mapping[int, Sequence[str]] | Sequence[str], window: int = 300,
-               c: float = 1.0, seed: int = 0):
-    super().__init__(arms, window=window, seed=seed)
+               c: float = 1.0, seed: int = 0, *, min_pulls: int = 1):
+    super().__init__(arms, window=window, min_pulls=min_pulls, seed=seed)
     if not c >= 0:
       raise ValueError(f"UCB1: c={c} must be >= 0")
     self.c = float(c)
@@ -293,7 +303,7 @@ SELECTORS = ("fixed", "beg", "eg", "ucb1", "bucb1")
 
 def make_selector(selector: str, buckets: Mapping[int, Sequence[str]] | None = None, *,
                   strategy: str | None = None, epsilon: float = 0.1, window: int = 300,
-                  seed: int = 0, c: float = 1.0):
+                  min_pulls: int = 1, seed: int = 0, c: float = 1.0):
   """A selector from config values (arguments named as config.tlt.spec's keys). selector:
   "beg" (bucketed epsilon-greedy), "eg" (epsilon-greedy, one bandit over every arm of
   `buckets`), "ucb1" (likewise, UCB1), "bucb1" (UCB1 per bucket), "fixed" (always the arm
@@ -305,11 +315,12 @@ def make_selector(selector: str, buckets: Mapping[int, Sequence[str]] | None = N
   buckets = default_mab_buckets() if buckets is None else buckets
   flat = BucketedSelector(buckets).arms  # validates
   if selector == "beg":
-    return BucketedEpsilonGreedy(buckets, epsilon=epsilon, window=window, seed=seed)
+    return BucketedEpsilonGreedy(buckets, epsilon=epsilon, window=window,
+                                 min_pulls=min_pulls, seed=seed)
   if selector == "eg":
-    return EpsilonGreedy(flat, epsilon=epsilon, window=window, seed=seed)
+    return EpsilonGreedy(flat, epsilon=epsilon, window=window, min_pulls=min_pulls, seed=seed)
   if selector == "ucb1":
-    return UCB1(flat, window=window, c=c, seed=seed)
+    return UCB1(flat, window=window, c=c, min_pulls=min_pulls, seed=seed)
   if selector == "bucb1":
-    return UCB1(buckets, window=window, c=c, seed=seed)
+    return UCB1(buckets, window=window, c=c, min_pulls=min_pulls, seed=seed)
   raise ConfigError(f"use one of {', '.join(SELECTORS)}", "selector", selector)
