@@ -1,4 +1,5 @@
-"""HistoryIndex (tlt_jax/rollout/history.py) against a brute-force reference.
+"""The history index (tlt_jax/rollout/suffix_index.py, and HistoryIndex around it: history.py)
+against a brute-force reference.
 
 The reference scans every sequence of the prompt for every occurrence of the context (a
 position with a next token) and counts next tokens; it expands the same best-first rule.
@@ -10,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from tlt_jax.rollout import history
+from tlt_jax.rollout import suffix_index
 from tlt_jax.rollout.history import HistoryIndex
 
 
@@ -121,7 +122,7 @@ def _check(idx, ref, sk, max_tokens, topk=1, max_nodes=None):
 def test_random_against_reference(seed, small, monkeypatch):
   """Interleaved begin/extend/end/draft on a 4-token vocabulary (many repeats, many ties),
   eviction on, frequent re-sorts: every chain and tree equals the reference's."""
-  monkeypatch.setattr(history, "_SMALL", small)
+  monkeypatch.setattr(suffix_index, "_SMALL", small)
   rng = np.random.default_rng(seed)
   kw = dict(max_tokens_per_prompt=300, max_prompts=3, min_match=2, max_match=6, long_match=4,
             pending_min=8, pending_frac=0.3)
@@ -277,7 +278,7 @@ def test_bench_later_epoch_drafts_more():
   from tlt_jax.bench.history import run_epoch
   rng = np.random.default_rng(0)
   bases = [rng.integers(0, 500, 1024) for _ in range(2)]
-  idx = history._SyncIndex()  # the bench times the synchronous engine
+  idx = suffix_index.SuffixIndex()  # the bench times the synchronous engine
   acc = []
   for ep in range(2):
     c = run_epoch(idx, rng, bases, ep, samples=4, length=512, prompt_len=16, span=50, mut=0.02,
@@ -297,7 +298,7 @@ def test_background_updates_equal_the_reference(seed):
             pending_min=8, pending_frac=0.3)
   idx, ref = _both(background=True, **kw)
   assert idx.background
-  sync = history._SyncIndex(**kw)
+  sync = suffix_index.SuffixIndex(**kw)
   live, next_key, n_checked = [], 0, 0
   for _ in range(150):
     for _ in range(int(rng.integers(1, 12))):  # a burst of updates, no draft in between
@@ -394,7 +395,7 @@ def test_engine_with_background_index_equals_synchronous():
                       max_new_tokens=24, spec=SpecConfig(strategy="hist_3", bs_threshold=4,
                                                          patience=1, use_kernel=False))
   runs = []
-  for index in (history._SyncIndex(), HistoryIndex(background=True)):
+  for index in (suffix_index.SuffixIndex(), HistoryIndex(background=True)):
     w = Engine(params, cfg, ecfg, drafter_params=dparams, history=index)
     out = [{(r.request_id, r.sample_index): r.response_ids.tolist()
             for r in w.generate(reqs, SamplingParams(temperature=0.0))}

@@ -1,13 +1,16 @@
-"""The paged KV cache's host side (rollout/pages.py) and the scheduler's admission and
-preemption, against hand-worked expectations."""
+"""The paged KV cache's host side (rollout/pages.py: the allocator, the admission and
+preemption policy) and the scheduler's admission and preemption, against hand-worked
+expectations."""
 
 from __future__ import annotations
+
+import types
 
 import numpy as np
 import pytest
 
 from tlt_jax.models.transformer import NO_PAGE
-from tlt_jax.rollout.pages import PageAllocator, pages_for
+from tlt_jax.rollout.pages import PageAllocator, admission, grow_rows, pages_for
 from tlt_jax.rollout.scheduler import Prefill, Refill, Resize, Scheduler
 
 
@@ -31,6 +34,21 @@ def test_allocator_hands_out_frees_and_tables_pages():
   assert full.grow("a", 8) and not full.grow("b", 8) and full.held("b") == 0  # refused: intact
   with pytest.raises(ValueError, match="kv_pages"):
     PageAllocator(2, 4, 3)
+
+
+def test_admission_leaves_live_rows_a_chunk_and_growth_preempts_the_youngest():
+  req = lambda key, n: types.SimpleNamespace(key=key, prompt_ids=[1] * n)
+  a = PageAllocator(num_pages=6, page_size=4, row_pages=3)
+  admit = admission(a, reach=4)  # one page of growth per row
+  assert admit(req("a", 4)) and a.held("a") == 2  # prompt + reach: 8 slots
+  assert admit(req("b", 4)) and a.free == 2  # 2 pages + 1 for a's growth <= 4 free
+  assert not admit(req("c", 1)) and "c" not in a.holders  # 2 + 2 rows' growth > 2 free
+  b = PageAllocator(num_pages=5, page_size=4, row_pages=3)
+  assert b.grow("x", 8) and b.grow("y", 8) and b.grow("z", 4) and b.free == 0
+  assert grow_rows(b, {"x": 8, "y": 8, "z": 4}) == []  # all covered already
+  # x (oldest) gets z's page; then y finds none and is the youngest left: preempted itself
+  assert grow_rows(b, {"x": 12, "y": 12, "z": 8}) == ["z", "y"]
+  assert b.holders == ["x"] and b.held("x") == 3 and b.free == 2
 
 
 def test_scheduler_admits_in_order_while_allowed_and_requeues_preempted_rows():

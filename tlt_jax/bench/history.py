@@ -14,7 +14,7 @@ count is the longest prefix equal to the row's own next tokens (its future is kn
 the row emits accepted + 1 tokens (the bonus token), exactly what a lossless verifier commits
 under greedy decoding. Every `tree_every`-th round the row also drafts a tree (topk, nodes)
 and scores the longest root path matching its future (a tree verifier's acceptance), timed
-separately. These timings run the synchronous index (history._SyncIndex, the engine that
+separately. These timings run the synchronous index (SuffixIndex, the engine that
 HistoryIndex's worker thread drives) so that they split its work: insert time covers
 begin/extend/end plus settling the new positions (registering them as pending, the lazy
 re-sorts: stats()["update_s"]), which a synchronous draft does first and which is subtracted
@@ -28,7 +28,8 @@ import tracemalloc
 
 import numpy as np
 
-from tlt_jax.rollout import history
+from tlt_jax.rollout.history import HistoryIndex
+from tlt_jax.rollout.suffix_index import SuffixIndex
 
 
 def make_sample(rng, base, length, span, mut, vocab):
@@ -59,7 +60,7 @@ def _tree_accept(d, future):
 
 def run_epoch(idx, rng, bases, epoch, samples, length, prompt_len, span, mut, vocab, chain,
               topk, nodes, tree_every):
-  """Decodes one epoch of all prompts on `idx` (a history._SyncIndex); returns the epoch's
+  """Decodes one epoch of all prompts on `idx` (a SuffixIndex); returns the epoch's
   counters."""
   u0 = idx._update_s
   rows = []
@@ -114,7 +115,7 @@ def history_table(prompts=8, samples=16, length=16384, prompt_len=256, epochs=2,
   """Lines of the benchmark (see the module docstring), one block per epoch."""
   rng = np.random.default_rng(seed)
   bases = [rng.integers(0, vocab, 2 * length) for _ in range(prompts)]
-  idx = history._SyncIndex(**index_kw)
+  idx = SuffixIndex(**index_kw)
   lines = [f"HistoryIndex: {prompts} prompts x {samples} samples x {length} tokens "
            f"(+{prompt_len} prompt), span {span}, mutation {mut}, vocab {vocab}"]
   for ep in range(epochs):
@@ -152,7 +153,7 @@ def history_table(prompts=8, samples=16, length=16384, prompt_len=256, epochs=2,
 
 def automaton_cost(n=100_000, vocab=32000, seed=0):
   """(bytes per token, us per token) of a plain CPython suffix automaton (dict transitions,
-  no occurrence counts): the alternative rollout/history.py's docstring rejects."""
+  no occurrence counts): the alternative rollout/suffix_index.py's docstring rejects."""
   toks = np.random.default_rng(seed).integers(0, vocab, n).tolist()
   tracemalloc.start()
   t0 = time.perf_counter()
@@ -187,7 +188,7 @@ def automaton_cost(n=100_000, vocab=32000, seed=0):
 
 
 class _Shadowed:
-  """A _SyncIndex proxy that also feeds `n` shadow rows per row the same tokens: n + 1 times
+  """A SuffixIndex proxy that also feeds `n` shadow rows per row the same tokens: n + 1 times
   the index's ingest work at this toy scale (a synthetic load, stated as such in the output),
   done where the index works (the caller's thread, or HistoryIndex's worker)."""
 
@@ -219,7 +220,7 @@ class _Shadowed:
 def _loaded(index, shadows):
   """The index with `shadows` shadow rows per row (_Shadowed) inside: HistoryIndex's queued
   updates then call the proxy on the worker thread."""
-  if isinstance(index, history.HistoryIndex):
+  if isinstance(index, HistoryIndex):
     index._index = _Shadowed(index._index, shadows)
     return index
   return _Shadowed(index, shadows)
@@ -254,7 +255,7 @@ def _replay(chunks, index):
 def overlap_table(rounds=3, prompts=8, samples=8, arm="4_1_5", max_new_tokens=256,
                   chunk_size=16, shadows=0, seed=0):
   """Engine wall time per token on the embedded default model with the history index (a)
-  absent, (b) updated synchronously (history._SyncIndex) and (c) updated on HistoryIndex's
+  absent, (b) updated synchronously (SuffixIndex) and (c) updated on HistoryIndex's
   worker thread, in interleaved rounds (rotated order; one warm-up round each first:
   compiles), each timed until the index has caught up (its stats()); plus the host seconds
   the index spent updating (update_s: begin/extend/end, registering, sorting; on the worker
@@ -294,8 +295,8 @@ def overlap_table(rounds=3, prompts=8, samples=8, arm="4_1_5", max_new_tokens=25
   requests = [Request(p, request_id=i, sample_index=j) for i, p in enumerate(ids)
               for j in range(samples)]
   sp = SamplingParams(temperature=1.0)
-  make = {"none": lambda: None, "sync": lambda: history._SyncIndex(),
-          "background": lambda: history.HistoryIndex(background=True)}
+  make = {"none": lambda: None, "sync": lambda: SuffixIndex(),
+          "background": lambda: HistoryIndex(background=True)}
   acc = {k: [0.0, 0, 0.0, 0.0] for k in make}  # seconds, tokens, update_s, wait_s
   order = list(make)
   for rnd in range(rounds + 1):
@@ -306,7 +307,7 @@ def overlap_table(rounds=3, prompts=8, samples=8, arm="4_1_5", max_new_tokens=25
       res = engine.generate(requests, sp, seed=seed + rnd)
       st = index.stats() if index is not None else {}
       dt = time.perf_counter() - t0
-      if isinstance(index, history.HistoryIndex):
+      if isinstance(index, HistoryIndex):
         index.close()
       if rnd:  # round 0 compiles
         a = acc[name]
@@ -336,7 +337,7 @@ def overlap_table(rounds=3, prompts=8, samples=8, arm="4_1_5", max_new_tokens=25
     for name in order[rnd % 3:] + order[:rnd % 3]:
       index = make[name]()
       secs[name] += _replay(rec.chunks, _Null() if index is None else _loaded(index, shadows))
-      if isinstance(index, history.HistoryIndex):
+      if isinstance(index, HistoryIndex):
         index.close()
   lines.append(f"replay of one run ({len(rec.chunks)} chunks, {ntok} tokens, decode "
                f"{dev:.2f} s as sleeps), {rounds} interleaved rounds:")

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from tlt_jax.models import ModelConfig, Params
 from tlt_jax.rollout import decode
 from tlt_jax.rollout.executables import ExecKey, ExecutableCache, background_compiler
+from tlt_jax.rollout.pages import KVPages
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.scheduler import kv_bucket, length_grid
 from tlt_jax.rollout.strategy import Strategy
@@ -56,13 +57,11 @@ class Owner(Protocol):
   drafter_params: Params
   selector: Any
   gate: Any
+  kv: KVPages  # its page pools (compiling ahead reads their abstract shapes)
 
   def prefill_dummy(self, batch: int) -> Any:
     """A plain prefill's output for `batch` rows, abstract (shapes and shardings as
     generate's)."""
-
-  def pool_abstract(self, drafter: bool) -> Any:
-    """The page pools (the drafter's: drafter=True), abstract."""
 
 
 class CompilePlan:
@@ -250,7 +249,7 @@ class CompilePlan:
                                   sharding=self._replicated)
     return (self._owner.params if params is None else params,
             self._owner.drafter_params if dparams is None else dparams, base,
-            self._owner.pool_abstract(True) if dpool is None else dpool, tokens)
+            self._owner.kv.abstract(True) if dpool is None else dpool, tokens)
 
   def _switch_on_fn(self):
     from tlt_jax.rollout import speculative

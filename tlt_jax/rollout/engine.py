@@ -19,13 +19,13 @@ and when they compile (first use, `precompile`, or a background thread), is the 
 
 Reads and memory follow the rows' live lengths, not the cache's capacity
 (max_prompt_len + max_new_tokens). KV memory is one paged pool per replica (`kv_pages` pages
-of `page_size` slots, allocated at the first generate and kept until `release_params`): a
-request holds the pages its row has reached plus one chunk's reach (pages.py), is admitted
-only while pages are free, and when a live row's next chunk finds none the youngest rows are
-preempted and recomputed later (pages.py's policy). Each chunk attends over a window of the
-rows' slots (`kv_len`, models/transformer.py) picked from the longest live row the host
-knows of plus what the chunk can add (`chunk_reach`), on the `length_grid` (prompt_bucket x
-2^k). Executables are keyed by window, compiled lazily like batch buckets.
+of `page_size` slots, allocated at the first generate and kept until `release_params`: the
+engine's `KVPages`, pages.py): a request holds the pages its row has reached plus one chunk's
+reach, is admitted only while pages are free, and when a live row's next chunk finds none the
+youngest rows are preempted and recomputed later (pages.py's policy). Each chunk attends over
+a window of the rows' slots (`kv_len`, models/transformer.py) picked from the longest live
+row the host knows of plus what the chunk can add (`chunk_reach`), on the `length_grid`
+(prompt_bucket x 2^k). Executables are keyed by window, compiled lazily like batch buckets.
 
 History arms (strategy.py: "hist_<K>", "histtree_<K>_<topk>_<N>") draft from a host index of
 earlier text (`history=`: duck-typed, begin/extend/end/draft, rollout/history.py) instead of
@@ -33,7 +33,7 @@ the drafter. The engine keeps the index current on every chunk, whatever the arm
 prompt when it starts (`begin`), its tokens as they are emitted (`extend`), and `end` when it
 finishes (kept: a sibling or a later epoch drafts from it) or is preempted (dropped: it will
 be decoded again). A history arm needs a lookup per verification, so its chunk is a host loop
-of single jitted steps (`speculative.history_step`): draft every live row, verify, extend.
+of single jitted steps (history_chunk.py): draft every live row, verify, extend.
 
 Hooks (`EngineHooks`, called on the engine's thread): each chunk's metrics, each finished
 response (rewards start at once; the drafter buffer takes its hidden states), and a call
@@ -54,17 +54,18 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tlt_jax.errors import ConfigError
-from tlt_jax.models import KVCache, ModelConfig, Params, init_pools, unstack_layers
+from tlt_jax.models import KVCache, ModelConfig, Params, unstack_layers
 from tlt_jax.rollout import decode
 from tlt_jax.rollout.compile_plan import CompilePlan
 from tlt_jax.rollout.executables import CompileRecord, ExecutableCache
 from tlt_jax.rollout.mab import FixedSelector
-from tlt_jax.rollout.pages import PageAllocator, pages_for
+from tlt_jax.rollout.history_chunk import history_chunk
+from tlt_jax.rollout.pages import KVPages, PageAllocator, admission, grow_rows
 from tlt_jax.rollout.records import ChunkMetrics, EngineHooks, Output, Request, Result
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.scheduler import Prefill, Refill, Resize, Scheduler, bucket_for
 from tlt_jax.rollout.strategy import DEFAULT_ARM, Strategy
-from tlt_jax.sharding import cache_sharding, make_mesh, tree_shardings
+from tlt_jax.sharding import make_mesh, tree_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,10 +257,11 @@ class Engine:
     if history is None and any(Strategy.parse(a).history for a in arms):
       raise ValueError(f"history arms {[a for a in arms if Strategy.parse(a).history]} need a "
                        "history index: Engine(..., history=HistoryIndex(...))")
+    self.kv = KVPages(cfg, self.mesh, self._replicated, num_pages=engine_cfg.pool_pages,
+                      page_size=engine_cfg.page_size, row_pages=engine_cfg.row_pages)
     self.exes = ExecutableCache()
     self.compiles = CompilePlan(cfg, engine_cfg, self.exes, self, self._replicated)
     self.chunk_log: list[ChunkMetrics] = []
-    self._kv: dict[bool, KVCache] = {}  # the idle page pools (target: False, drafter: True)
     self.preemptions = 0  # rows preempted for pages, over the engine's life
 
   # ---------------------------------------------------------------------------------- weights
@@ -286,7 +288,7 @@ class Engine:
     compilation still runs real prefills with them (the first steps): False then."""
     def drop():
       self.params = None
-      self._kv.clear()
+      self.kv.drop()
     return self.compiles.when_idle(drop)
 
   def set_drafter_params(self, dparams: Params) -> None:
@@ -308,48 +310,13 @@ class Engine:
   def _call(self, name: str, variant, fn: Callable, args: tuple, donate=()):
     return self.exes.get(name, variant, fn, args, donate=donate)(*args)
 
-  # ---------------------------------------------------------------------------- KV pages
-  def _pool_cfg(self, drafter: bool) -> ModelConfig:
-    return self.cfg.replace(num_layers=1) if drafter else self.cfg
-
-  def _pool_fn(self, drafter: bool) -> Callable[[], KVCache]:
-    ecfg = self.ecfg
-    return functools.partial(init_pools, self._pool_cfg(drafter), ecfg.pool_pages,
-                             ecfg.page_size, None, ecfg.row_pages)
-
-  def pool_abstract(self, drafter: bool) -> KVCache:
-    """The page pools' shapes and shardings (compiling ahead; no memory touched)."""
-    cfg = self._pool_cfg(drafter)
-    sh = cache_sharding(self.mesh, 0, cfg.num_kv_heads, cfg.num_layers)
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        jax.eval_shape(self._pool_fn(drafter)), sh)
-
-  def _take_pool(self, drafter: bool) -> KVCache:
-    """The engine's page pools, handed to a generate call (which donates them through its
-    state and gives the final state's back, `_keep_pools`); allocated on first use."""
-    kv = self._kv.pop(drafter, None)
-    if kv is not None:
-      return kv
-    shardings = jax.tree.map(lambda x: x.sharding, self.pool_abstract(drafter))
-    return jax.jit(self._pool_fn(drafter), out_shardings=shardings)()
-
-  def _keep_pools(self, state) -> None:
-    if state is not None:
-      kv, dkv = decode.pools(state)
-      self._kv[False] = kv
-      if dkv is not None:
-        self._kv[True] = dkv
-
-  def _rows_table(self, pages: PageAllocator, keys: Sequence[Any]) -> jax.Array:
-    return jax.device_put(pages.table(keys), self._replicated)
-
   def _prefill(self, reqs: Sequence[Request], batch: int, base_key, warm: bool,
                kv: KVCache, dkv: KVCache | None, pages: PageAllocator):
     """Prefill of `reqs` into a new state of `batch` rows whose k/v go to the pages `pages`
     holds for them in the pools kv (and the drafter's, dkv: warm, with the drafter's prefill,
     a SpecState); both pools are donated and come back in the state."""
     tokens, lens, src, keys, max_new = prefill_arrays(reqs, batch, base_key, self.ecfg)
-    table = self._rows_table(pages, [r.key for r in reqs] + [None] * (batch - len(reqs)))
+    table = self.kv.table(pages, [r.key for r in reqs] + [None] * (batch - len(reqs)))
     cache = kv.replace(table=table, lengths=jnp.zeros((batch,), jnp.int32))
     name, variant, fn, args, donate = self._prefill_call(warm, cache, dkv, tokens, lens, src,
                                                          keys, max_new)
@@ -377,8 +344,8 @@ class Engine:
     dummy = [Request([i % self.cfg.vocab_size], i) for i in range(batch)]
     tokens, lens, _, keys, max_new = prefill_arrays(dummy, batch, jax.random.key(0), self.ecfg)
     rows = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._replicated)
-    cache = self.pool_abstract(False).replace(table=rows(batch, self.ecfg.row_pages),
-                                              lengths=rows(batch))
+    cache = self.kv.abstract(False).replace(table=rows(batch, self.ecfg.row_pages),
+                                            lengths=rows(batch))
     name, variant, fn, args, donate = self._prefill_call(False, cache, None, tokens, lens, None,
                                                          keys, max_new)
     return self.exes.abstract_out(name, variant, fn, args, donate=donate)
@@ -391,38 +358,22 @@ class Engine:
             if speculating else [None])
     return max(chunk_reach(a, ecfg.chunk_size) for a in arms)
 
-  def _admit(self, pages: PageAllocator, reach: int) -> Callable[[Request], bool]:
-    """The admission rule (pages.py): a request starts if the free pages cover its prompt and
-    one chunk's reach and leave every row already holding pages one chunk's growth; its
-    pages are taken at once."""
-    def admit(req: Request) -> bool:
-      need = pages.need(req.key, len(req.prompt_ids) + reach)
-      if need + len(pages.holders) * pages_for(reach, pages.page_size) > pages.free:
-        return False
-      return pages.grow(req.key, len(req.prompt_ids) + reach)
-    return admit
-
   def _page(self, state, sched: Scheduler, outputs: dict[Any, Output], pages: PageAllocator,
             reach: int):
-    """Before a chunk: every live row gets the pages its next chunk can reach (oldest rows
-    first); where the pool has too few, the youngest rows are preempted (pages.py's policy).
-    Then the state's page tables are set from the allocator (rows without a request: none)."""
+    """Before a chunk: every live row gets the pages its next chunk can reach; the rows the
+    page policy preempts for them (pages.py's `grow_rows`) leave the scheduler, the state and
+    the history index. Then the state's page tables are set from the allocator (rows without
+    a request: none)."""
     live = {sched.slots[s].key: s for s in sched.live}
-    for key in [k for k in pages.holders if k in live]:
-      if key not in live:  # preempted below for an older row
-        continue
-      req = sched.slots[live[key]]
-      while not pages.grow(key, len(req.prompt_ids) + outputs[key].length + reach):
-        victim = next(k for k in reversed(pages.holders) if k in live)
-        state = self._apply(sched.preempt(live.pop(victim)), state, None, False, pages)
-        outputs.pop(victim)
-        pages.release(victim)
-        if self.history is not None:  # decoded again from its prompt later
-          self.history.end(victim, keep=False)
-        self.preemptions += 1
-        if victim == key:
-          break
-    table = self._rows_table(pages, [r.key if r is not None else None for r in sched.slots])
+    slots = {key: len(sched.slots[s].prompt_ids) + outputs[key].length + reach
+             for key, s in live.items()}
+    for victim in grow_rows(pages, slots):
+      state = self._apply(sched.preempt(live[victim]), state, None, False, pages)
+      outputs.pop(victim)
+      if self.history is not None:  # decoded again from its prompt later
+        self.history.end(victim, keep=False)
+      self.preemptions += 1
+    table = self.kv.table(pages, [r.key if r is not None else None for r in sched.slots])
     return self._call("set_tables", None, decode.set_tables, (state, table), donate=(0,))
 
   def _apply(self, op, state, base_key, warm: bool, pages: PageAllocator):
@@ -430,8 +381,8 @@ class Engine:
     warm: the state carries the drafter's (a SpecState). Every op donates the state: its
     page pools pass through in place."""
     if isinstance(op, Prefill):
-      return self._prefill(op.requests, op.bucket, base_key, warm, self._take_pool(False),
-                           self._take_pool(True) if warm else None, pages)
+      return self._prefill(op.requests, op.bucket, base_key, warm, self.kv.take(False),
+                           self.kv.take(True) if warm else None, pages)
     if isinstance(op, Resize):
       idx, valid = jnp.asarray(op.idx, jnp.int32), jnp.asarray(op.valid)
       return self._call("take_rows", None, decode.take_rows, (state, idx, valid), donate=(0,))
@@ -460,7 +411,7 @@ class Engine:
     for row, seq in seqs.items():
       tokens[row, :len(seq)] = seq
     tokens = jax.device_put(tokens, self._replicated)
-    dkv = self._take_pool(True)
+    dkv = self.kv.take(True)
     exe = self.compiles.switch_on(state, length, dpool=dkv)
     return exe(self.params, self.drafter_params, state, dkv, tokens), True
 
@@ -473,11 +424,15 @@ class Engine:
     attention window (CompilePlan.window; the state's caches hold at least that). Returns
     (state, host copies of (ChunkOutput, done [B], stopped [B], [accepted drafts,
     verifications]), whether the arm's executable ran for the first time)."""
-    if arm is not None and Strategy.parse(arm).history:
-      return self._decode_history(state, sp, arm, kv_len, sched)
     if arm is not None:
+      strategy = Strategy.parse(arm)
       exe = self.compiles.spec(sp, arm, state, kv_len)
       first = self._first_run(exe)
+      if strategy.history:  # a host loop of steps, the index drafting before each
+        rows = {s: sched.slots[s].key for s in sched.live}
+        state, host = history_chunk(exe, self.params, self.drafter_params, state, strategy,
+                                    self.history, rows, self.ecfg.chunk_size, self._replicated)
+        return state, host, first
       state, out, counts = exe(self.params, self.drafter_params, state)
     else:
       ecfg = self.ecfg
@@ -495,45 +450,6 @@ class Engine:
     first = id(exe) not in self._ran
     self._ran.add(id(exe))
     return first
-
-  def _decode_history(self, state, sp: SamplingParams, arm: str, kv_len: int,
-                      sched: Scheduler):
-    """A history arm's chunk: up to chunk_size single steps, each with a host sync: the index
-    drafts every live row from everything emitted so far (the last step's tokens included),
-    one jitted step verifies, its tokens extend the index. Returns what `_decode` does, the
-    steps' outputs side by side."""
-    strategy = Strategy.parse(arm)
-    exe = self.compiles.spec(sp, arm, state, kv_len)
-    first = self._first_run(exe)
-    b, n = state.batch_size, strategy.verify_tokens - 1
-    rows = {s: sched.slots[s].key for s in sched.live}
-    outs, counts = [], np.zeros((2,), np.int64)
-    put = lambda x: jax.device_put(x, self._replicated)
-    for _ in range(self.ecfg.chunk_size):
-      tokens, parents = np.zeros((b, n), np.int32), np.full((b, n), -2, np.int32)
-      for s, key in rows.items():
-        # a hybrid asks for the index's chain (the step adds the drafter's)
-        d = (self.history.draft(key, strategy.steps) if strategy.hybrid else
-             self.history.draft(key, strategy.steps, topk=strategy.topk, max_nodes=n))
-        m = min(len(d.tokens), n)  # a prefix of a topological order keeps every parent
-        tokens[s, :m], parents[s, :m] = d.tokens[:m], d.parents[:m]
-      state, out, acc = exe(self.params, self.drafter_params, state, put(tokens), put(parents))
-      base = state.base
-      out, done, stopped, acc = jax.device_get((out, base.done, base.stopped, acc))
-      outs.append(out)
-      counts += acc
-      for s, key in list(rows.items()):
-        self.history.extend(key, out.tokens[s][out.valid[s]])
-        if done[s]:
-          del rows[s]
-      if not rows:
-        break
-    cat = lambda *xs: None if xs[0] is None else np.concatenate(xs, axis=1)
-    out = decode.ChunkOutput(tokens=cat(*(o.tokens for o in outs)),
-                             logprobs=cat(*(o.logprobs for o in outs)),
-                             hidden=cat(*(o.hidden for o in outs)),
-                             valid=cat(*(o.valid for o in outs)), steps=len(outs))
-    return state, (out, done, stopped, counts), first
 
   # ---------------------------------------------------------------------------------- generate
   def validate(self, requests: Sequence[Request]) -> None:
@@ -576,14 +492,14 @@ class Engine:
     t_start, base_key = time.perf_counter(), jax.random.key(seed)
     outputs: dict[tuple[int, int], Output] = {}
     results: list[Result] = []
-    pages = PageAllocator(ecfg.pool_pages, ecfg.page_size, ecfg.row_pages)
+    pages = self.kv.allocator()
     state, started = None, at_once  # started: every chunk from here on speculates
     try:
       while not sched.done:
         state, started = self._chunk(state, started, sched, outputs, results, pages, sp,
                                      base_key, selector, gate, capture, hooks, t_start)
     finally:  # the pools go back to the engine (lost if a device call failed midway)
-      self._keep_pools(state)
+      self.kv.keep(state)
     return results
 
   def _chunk(self, state, started: bool, sched: Scheduler, outputs: dict[Any, Output],
@@ -595,7 +511,7 @@ class Engine:
     if hooks.before_chunk:
       hooks.before_chunk()
     reach = self._reach(started or sched.speculating)
-    for op in sched.plan(self._admit(pages, reach)):
+    for op in sched.plan(admission(pages, reach)):
       # refills once speculation runs carry the drafter's prefill
       state = self._apply(op, state, base_key, started, pages)
       for r in getattr(op, "requests", ()):

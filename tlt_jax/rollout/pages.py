@@ -10,22 +10,29 @@ sharing: a GRPO group's rows each copy their prompt's pages).
 
 Policy when pages run out (`Engine.generate`): a new request is admitted only while the free
 pages cover its prompt and one chunk's reach and leave every live row one chunk's growth
-(`admit`); a live row that cannot get the pages its next chunk needs takes them from the
-youngest rows (the last admitted: the least work lost), which are preempted: their pages
-freed, their requests put back at the head of the queue, recomputed from their prompts
-later. A row's randomness is keyed by (request, sample, token index), so a recomputed row
-repeats its tokens exactly in plain decoding (greedy or sampled), and greedily under
+(`admission`); a live row that cannot get the pages its next chunk needs takes them from the
+youngest rows (the last admitted: the least work lost), which are preempted (`grow_rows`):
+their pages freed, their requests put back at the head of the queue, recomputed from their
+prompts later. A row's randomness is keyed by (request, sample, token index), so a recomputed
+row repeats its tokens exactly in plain decoding (greedy or sampled), and greedily under
 speculation; sampled under speculation it is a fresh exact sample. Nothing is lost or
-changed but time. Pure host code (numpy), tested with fake requests.
+changed but time. The allocator and the policy are pure host code (numpy), tested with fake
+requests; `KVPages` holds the pools themselves on the replica's devices.
 """
 
 from __future__ import annotations
 
-from typing import Hashable, Iterable
+import functools
+from typing import Any, Callable, Hashable, Iterable, Sequence
 
+import jax
 import numpy as np
+from jax.sharding import Mesh, Sharding
 
+from tlt_jax.models import KVCache, ModelConfig, init_pools
 from tlt_jax.models.transformer import NO_PAGE
+from tlt_jax.rollout import decode
+from tlt_jax.sharding import cache_sharding
 
 
 def pages_for(slots: int, page_size: int) -> int:
@@ -86,3 +93,89 @@ class PageAllocator:
       pages = self._held.get(key, ()) if key is not None else ()
       out[i, :len(pages)] = pages
     return out
+
+
+def admission(pages: PageAllocator, reach: int) -> Callable[[Any], bool]:
+  """The admission rule (module docstring) for the scheduler's `plan`: a request starts if the
+  free pages cover its prompt and one chunk's reach and leave every row already holding pages
+  one chunk's growth; its pages are taken at once."""
+  def admit(req) -> bool:
+    need = pages.need(req.key, len(req.prompt_ids) + reach)
+    if need + len(pages.holders) * pages_for(reach, pages.page_size) > pages.free:
+      return False
+    return pages.grow(req.key, len(req.prompt_ids) + reach)
+  return admit
+
+
+def grow_rows(pages: PageAllocator, slots: dict[Hashable, int]) -> list[Hashable]:
+  """Before a chunk: every live row (`slots`: its key -> the slots its next chunk can reach)
+  gets the pages for them, oldest first; where the pool has too few, the youngest live rows
+  are preempted (module docstring) and their pages freed. Returns the preempted keys in the
+  order they were chosen: the caller takes their rows out."""
+  live, preempted = dict(slots), []
+  for key in [k for k in pages.holders if k in live]:
+    if key not in live:  # preempted below for an older row
+      continue
+    while not pages.grow(key, live[key]):
+      victim = next(k for k in reversed(pages.holders) if k in live)
+      del live[victim]
+      pages.release(victim)
+      preempted.append(victim)
+      if victim == key:
+        break
+  return preempted
+
+
+class KVPages:
+  """One replica's page pools on its devices (the target's, and the drafter's one layer over
+  the same page ids), allocated on first use and kept between generate calls: a generate takes
+  them, donates them through its state, and gives the final state's back (`keep`). Page ids
+  come from a `PageAllocator` per generate call (`allocator`)."""
+
+  def __init__(self, cfg: ModelConfig, mesh: Mesh, replicated: Sharding, *, num_pages: int,
+               page_size: int, row_pages: int):
+    self.cfg, self.mesh, self._replicated = cfg, mesh, replicated
+    self.num_pages, self.page_size, self.row_pages = num_pages, page_size, row_pages
+    self._kept: dict[bool, KVCache] = {}  # the idle pools (target: False, drafter: True)
+
+  def allocator(self) -> PageAllocator:
+    return PageAllocator(self.num_pages, self.page_size, self.row_pages)
+
+  def _cfg(self, drafter: bool) -> ModelConfig:
+    return self.cfg.replace(num_layers=1) if drafter else self.cfg
+
+  def _init(self, drafter: bool) -> Callable[[], KVCache]:
+    return functools.partial(init_pools, self._cfg(drafter), self.num_pages, self.page_size,
+                             None, self.row_pages)
+
+  def abstract(self, drafter: bool) -> KVCache:
+    """The pools' shapes and shardings (compiling ahead; no memory touched)."""
+    cfg = self._cfg(drafter)
+    sh = cache_sharding(self.mesh, 0, cfg.num_kv_heads, cfg.num_layers)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        jax.eval_shape(self._init(drafter)), sh)
+
+  def take(self, drafter: bool) -> KVCache:
+    """The pools, handed to a generate call (which donates them through its state and gives
+    the final state's back, `keep`); allocated on first use."""
+    kv = self._kept.pop(drafter, None)
+    if kv is not None:
+      return kv
+    shardings = jax.tree.map(lambda x: x.sharding, self.abstract(drafter))
+    return jax.jit(self._init(drafter), out_shardings=shardings)()
+
+  def keep(self, state) -> None:
+    """The pools of a generate call's final state (None: nothing to keep) back for the next."""
+    if state is not None:
+      kv, dkv = decode.pools(state)
+      self._kept[False] = kv
+      if dkv is not None:
+        self._kept[True] = dkv
+
+  def drop(self) -> None:
+    """Frees the kept pools (the weights are released; the next generate allocates anew)."""
+    self._kept.clear()
+
+  def table(self, pages: PageAllocator, keys: Sequence[Any]) -> jax.Array:
+    """The rows' page tables (`PageAllocator.table`) on the replica's devices."""
+    return jax.device_put(pages.table(keys), self._replicated)
