@@ -26,7 +26,8 @@ def main():
   ap.add_argument("--hybrid_arms", default=d.hybrid_arms, help="hybrid arms")
   ap.add_argument("--no_bandit", action="store_true", help="skip the bandit over all arms")
   ap.add_argument("--bandit_warmup", type=int, default=d.bandit_warmup,
-                  help="untimed passes the bandit learns from first (a scratch index)")
+                  help="at most this many untimed passes the bandit learns from first (a "
+                  "scratch index), until it is past its min_pulls exploration")
   ap.add_argument("--min_pulls", type=int, default=d.min_pulls,
                   help="the bandit measures each arm this often before exploiting "
                   "(configs/default.py's tlt.spec.min_pulls)")

@@ -140,14 +140,19 @@ def _assert_same_weights(a, b):
     assert _same_tree(e.drafter_params, db.params)
 
 
-def test_resume_with_tlt_and_fixed_selector_is_bit_exact(tmp_path):
+def test_resume_with_tlt_and_fixed_selector_is_bit_exact_and_exports_the_drafter(tmp_path):
   """TLT on with the fixed selector and the drafter trained a fixed number of steps per RL
   step (serial mode) on that step's rollouts: stop after step 2, resume to step 3, and step 3
   (speculative rollout, rewards, GRPO update, drafter steps) and the final actor, drafter and
-  both optimizers equal an uninterrupted run's bit for bit."""
+  both optimizers equal an uninterrupted run's bit for bit. The uninterrupted run also wrote
+  the drafter's EAGLE export with each checkpoint (`_check_drafter_export`)."""
   fixed = {"tlt.spec.selector": "fixed", "tlt.spec.strategy": "3_1_4",
            "tlt.drafter.mode": "serial", "tlt.drafter.keep_steps": 1}
-  ref = _run(_small_cfg(tmp_path / "ref", 3, **fixed))
+  spec = _small_cfg(tmp_path / "ref", 3, **fixed)
+  os.makedirs(tmp_path / "ref")
+  with open(tmp_path / "ref" / "config.json", "w") as f:  # as tlt_jax.train's main writes it
+    f.write(spec.cfg.to_json_best_effort(indent=2))
+  ref = _run(spec)
   _run(_small_cfg(tmp_path / "run", 2, **fixed))
   resumed = _run(_small_cfg(tmp_path / "run", 3, **fixed))
   recs, want = _records(tmp_path / "run"), _records(tmp_path / "ref")
@@ -159,38 +164,34 @@ def test_resume_with_tlt_and_fixed_selector_is_bit_exact(tmp_path):
       assert a[key] == b[key], (a["step"], key, a[key], b[key])
     assert a["spec"]["tokens_per_verify"] == b["spec"]["tokens_per_verify"]
   _assert_same_weights(resumed, ref)
+  _check_drafter_export(tmp_path / "ref", ref[0], spec)
 
 
-def test_drafter_export_beside_every_checkpoint(tmp_path):
-  """A TLT run writes the drafter's EAGLE export with each checkpoint (the newest
-  keep_checkpoints of them), holding the drafter the checkpoint holds; export_run
-  (scripts/export_drafter.py) writes the same files from a finished run's checkpoint, and its
-  user errors are one line each."""
+def _check_drafter_export(workdir, run, spec):
+  """A 3-step TLT run (`run` of `spec`, in `workdir`) wrote the drafter's EAGLE export
+  with each checkpoint (the newest keep_checkpoints of them), holding the drafter the
+  checkpoint holds; export_run (scripts/export_drafter.py) writes the same files from a
+  finished run's checkpoint, and its user errors are one line each."""
   from safetensors.numpy import load_file
 
   from tlt_jax.drafter.export import ExportError, export_path, export_run
   from tlt_jax.drafter.model import eagle_state_dict
-  spec = _small_cfg(tmp_path, 3, **{"tlt.spec.selector": "fixed", "tlt.spec.strategy": "3_1_4",
-                                    "tlt.drafter.mode": "serial"})
-  with open(tmp_path / "config.json", "w") as f:  # as tlt_jax.train's main writes it
-    f.write(spec.cfg.to_json_best_effort(indent=2))
-  run, _ = _run(spec)
-  assert sorted(os.listdir(tmp_path / "drafter_eagle")) == ["2", "3"]  # keep_checkpoints=2
+  assert sorted(os.listdir(workdir / "drafter_eagle")) == ["2", "3"]  # keep_checkpoints=2
   final = run.store.drafter()[1].params
   assert int(run.store.drafter()[1].step) > 0  # trained: the export is not the initial one
   want = eagle_state_dict(final, run.model_cfg)
-  got = load_file(os.path.join(export_path(str(tmp_path), 3), "model.safetensors"))
+  got = load_file(os.path.join(export_path(str(workdir), 3), "model.safetensors"))
   assert sorted(got) == sorted(want)
   for k in want:
     np.testing.assert_array_equal(got[k], want[k], err_msg=k)
-  conf = json.load(open(os.path.join(export_path(str(tmp_path), 3), "config.json")))
+  conf = json.load(open(os.path.join(export_path(str(workdir), 3), "config.json")))
   target = json.load(open(os.path.join(spec.cfg.model.path, "config.json")))
   assert conf["architectures"] == ["Qwen2ForCausalLMEagle"] and conf["num_hidden_layers"] == 1
   assert conf["torch_dtype"] == "float32" and "dtype" not in conf
   for k in ("rope_theta", "vocab_size", "rms_norm_eps", "tie_word_embeddings", "hidden_size"):
     assert conf[k] == target[k], k
 
-  out = export_run(str(tmp_path), engine="sglang", out=str(tmp_path / "again"))
+  out = export_run(str(workdir), engine="sglang", out=str(workdir / "again"))
   again = load_file(os.path.join(out, "model.safetensors"))
   for k in want:
     np.testing.assert_array_equal(again[k], want[k], err_msg=k)
@@ -199,12 +200,13 @@ def test_drafter_export_beside_every_checkpoint(tmp_path):
                          ({"engine": "vllm"}, "no EAGLE-1 drafter class for qwen2"),
                          ({"engine": "trt"}, "is not one of")]:
     with pytest.raises(ExportError, match=needle.replace("[", r"\[").replace("]", r"\]")):
-      export_run(str(tmp_path), **{"engine": "sglang", **kwargs})
+      export_run(str(workdir), **{"engine": "sglang", **kwargs})
   cli = subprocess.run([sys.executable, "scripts/export_drafter.py", "--workdir",
-                        str(tmp_path / "nope"), "--engine", "sglang"], cwd=ROOT,
-                       env=dict(_env(), PYTHONPATH=ROOT), capture_output=True, text=True, timeout=300)
+                        str(workdir / "nope"), "--engine", "sglang"], cwd=ROOT,
+                       env=dict(_env(), PYTHONPATH=ROOT), capture_output=True, text=True,
+                       timeout=300)
   assert cli.returncode == 2 and cli.stderr.strip().splitlines() == [
-      f"error: --workdir {str(tmp_path / 'nope')!r} does not exist; pass the workdir of a "
+      f"error: --workdir {str(workdir / 'nope')!r} does not exist; pass the workdir of a "
       "tlt_jax.train run"]
 
 

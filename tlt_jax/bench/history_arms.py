@@ -16,9 +16,10 @@ index (and the bandit its own state, kept across epochs): plain decoding, drafte
 arms, the hybrid, and a bucketed epsilon-greedy bandit over all kinds and "off" (a bandit per
 live-batch bucket, the default buckets' bounds: a chunk's reward is the batch's tokens/s,
 comparable only between chunks of about the same live batch). The bandit
-first decodes the workload `bandit_warmup` times untimed with a scratch index (its arms'
-estimates after some RL steps: a workload of this size gives it a few chunks per epoch, all
-exploration otherwise). One untimed
+first decodes the workload untimed with a scratch index until it is past its exploration
+phase (every arm measured `min_pulls` times in the buckets holding 90% of its chunks), at
+most `bandit_warmup` times: its state after some RL steps (a workload of this size gives it a
+few chunks per epoch, all exploration otherwise). One untimed
 epoch per configuration with a throwaway index compiles the executables first; a compile inside
 a timed epoch is subtracted from its time (a new attention window, a new prefill shape).
 Reported per workload and epoch: tokens/s, speedup vs plain, tokens per verification of the
@@ -52,7 +53,7 @@ class Args:
   history_arms: str = "hist_4,hist_8"
   hybrid_arms: str = "hyb_4"
   bandit: bool = True
-  bandit_warmup: int = 3
+  bandit_warmup: int = 12
   min_pulls: int = 5
   workloads: str = "batch1,batch8,tail"
   prompts: int = 4
@@ -121,6 +122,15 @@ def configurations(args: Args) -> dict[str, tuple[Any, bool]]:
   return out
 
 
+def explored(sel: BucketedEpsilonGreedy, share: float = 0.9) -> bool:
+  """Whether the buckets holding `share` of the bandit's chunks have measured every arm
+  `min_pulls` times (past the round robin: choosing greedily, and by epsilon)."""
+  pulls = sel.state_dict()["pulls"].values()
+  total = sum(sum(d.values()) for d in pulls)
+  done = sum(sum(d.values()) for d in pulls if min(d.values()) >= sel.min_pulls)
+  return total > 0 and done >= share * total
+
+
 def measure(args: Args, cfg, params, dparams, stop, reqs, max_batch: int, threshold: int,
             log=print) -> dict[str, list[dict]]:
   """One workload: every configuration, epoch by epoch, interleaved. -> label -> [per epoch:
@@ -175,9 +185,11 @@ def measure(args: Args, cfg, params, dparams, stop, reqs, max_batch: int, thresh
     one(label, 10_000, HistoryIndex() if hist else None)
   selectors = {label: make() for label, (make, _) in confs.items() if make}  # fresh state
   if "bandit" in confs:  # experience, as after some RL steps; its own index starts empty
-    scratch = HistoryIndex()
-    for i in range(args.bandit_warmup):
-      one("bandit", 20_000 + i, scratch)
+    scratch, passes = HistoryIndex(), 0
+    while passes < args.bandit_warmup and not explored(selectors["bandit"]):
+      one("bandit", 20_000 + passes, scratch)
+      passes += 1
+    log(f"  (bandit: {passes} warm-up passes)")
   log(f"  (compiled in {time.perf_counter() - t0:.0f} s)")
   out: dict[str, list[dict]] = {label: [] for label in confs}
   for epoch in range(args.epochs):

@@ -533,6 +533,11 @@ class Engine:
     # the attention window the rows reach this chunk (their pages hold it: `_page`)
     kv_len = self.compiles.window(sp, arm, state, longest_row(sched, outputs)
                                   + chunk_reach(arm, ecfg.chunk_size))
+    if arm is not None or gate is not None:
+      # the chunk's time is the arm's own (the selector's reward, the gate's rates): what was
+      # dispatched before it (a refill's prefill, the page tables) finishes first. Otherwise
+      # at batch 1, where every chunk starts a new answer, each reward carried a prefill.
+      state = jax.block_until_ready(state)
     compiles, t0 = self.exes.compiled_here(), time.perf_counter()
     state, host, first = self._decode(state, sp, arm, capture, kv_len, sched)  # the host sync
     dt = time.perf_counter() - t0
