@@ -89,6 +89,8 @@ def _small_cfg(workdir, steps, **overrides):
   # one arm of each kind at every live size (the default buckets' 3-4 arms per bucket would
   # compile twice the executables): drafter, hybrid and history drafts in the RL loop
   cfg.tlt.spec.buckets = "1:4_1_5,hyb_4,hist_4,off"
+  cfg.tlt.spec.min_pulls = 1  # then greedy: fewer of the slow history chunks (test_mab.py
+  # tests the round robin)
   cfg.mesh.devices = 0  # the learner FSDP over all 8 test devices (sharded state, restored)
   cfg.tlt.drafter.row_len = 128
   cfg.tlt.drafter.rows = 4
