@@ -15,7 +15,8 @@
 # Missing Python packages travel as wheels in .whl/ (GPU.md says which) and are installed to
 # /tmp/site. A stage that fails or runs out of time is reported as such; the rest still runs.
 #
-# --smoke: the same stages with tiny settings on the CPU (CI runs it: tests/test_gpu_check.py).
+# --smoke: the same stages with tiny settings on the CPU (CI runs it: tests/test_gpu_check.py),
+# the regime stage with the speculation gate's rollouts too (the GPU run skips them for time).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SMOKE=0
@@ -44,9 +45,11 @@ if [ $SMOKE = 1 ]; then
   MODEL_ARGS="--hidden 256 --heads 8 --kv_heads 4 --intermediate 512 --layers 4"
   PROBE_ARGS="--dtype float32 --prompts 2 --max_new_tokens 64 --iters 5"
   REGIME_ARGS="--prompts 1 --tail_prompts 2 --tail_n 2 --arms 3_1_4 --tail_arms 3_1_4
-    --max_new_tokens 64 --threshold 2"
+    --max_new_tokens 24 --threshold 2 --gate_rollouts 2 --gate_prompts 1"
   E2E_STEPS=2
-  E2E_EXTRA="--config.train.eval_every=0 --config.eval.num_prompts=16"
+  E2E_EXTRA="--config.train.eval_every=0 --config.eval.num_prompts=16
+    --config.grpo.num_prompts=4 --config.grpo.n=4 --config.grpo.micro_batch=16
+    --config.rollout.max_new_tokens=96"
   LIMIT=(30 240 240 120 240 300 400 120)
   KERNEL_TESTS="-k lower_to or chain_kernel_matches_reference"
   KBENCH_ARGS="--batches 1 --ks 4 --vocab 256 --iters 2"
@@ -62,7 +65,7 @@ else
   MODEL_ARGS="--hidden 2048 --heads 64 --kv_heads 32 --intermediate 5632 --layers 24"
   PROBE_ARGS="--dtype bfloat16 --prompts 8"
   REGIME_ARGS="--dtype bfloat16 --prompts 4 --tail_prompts 8 --tail_n 4
-    --arms 3_1_4,4_1_5,6_1_7,4_2_8 --tail_arms 4_1_5,6_1_7"
+    --arms 3_1_4,4_1_5,6_1_7,4_2_8 --tail_arms 4_1_5,6_1_7 --gate_rollouts 0"
   E2E_STEPS=12
   E2E_EXTRA="--config.train.eval_every=0 --config.eval.num_prompts=64"
   LIMIT=(20 60 50 50 100 110 120 30)  # 540 s: the checklist stays under 9 minutes
@@ -122,7 +125,7 @@ stage bench_model "${LIMIT[3]}" tail "$PY" scripts/make_bench_model.py --out "$B
 stage probe "${LIMIT[4]}" md "$PY" scripts/gpu_probe.py --bench "$BENCH" --out "$OUT" $PROBE_ARGS
 # shellcheck disable=SC2086
 stage bench_regime "${LIMIT[5]}" md "$PY" scripts/bench_regime.py --bench "$BENCH" --skip_regime \
-  --skip_hf --gate_rollouts 0 --out "$OUT/bench_regime" $REGIME_ARGS
+  --skip_hf --out "$OUT/bench_regime" $REGIME_ARGS
 stage rl_steps "${LIMIT[6]}" md "$PY" scripts/bench_e2e.py --steps "$E2E_STEPS" --runs on,off \
   --out "$OUT/e2e" --extra "$E2E_EXTRA"
 echo -e "\ntotal $(( $(date +%s) - T0 )) s" >> "$REPORT"

@@ -3,9 +3,11 @@
 The checklist is only worth something if it runs the day a GPU is lent, so CI runs it with tiny
 settings: every stage must finish with exit 0, and what the report says must hold up against
 independent facts (greedy SD equals greedy plain decoding, the bench target computes the shipped
-model's function).
+model's function). Its regime stage is also the smoke run of tlt_jax/bench/regime.py (every
+table, the long-tail time split, the speculation gate's rollouts).
 """
 
+import json
 import os
 import re
 import subprocess
@@ -38,3 +40,17 @@ def test_gpu_check_smoke_writes_a_complete_report(tmp_path):
   assert all(same == total for _, same, total in rows), rows
   assert "greedy argmax identical" in report  # widened target == the shipped model's function
   assert re.search(r"\*\*s per RL step\*\*.*\| \*\*[\d.]+\*\* \| \*\*[\d.]+\*\* \|", report)
+  # the regime stage (scripts/bench_regime.py on the smoke target): every table printed, greedy
+  # speculative outputs equal plain decoding's, the summary's time split adds up
+  regime = (tmp_path / "bench_regime.log").read_text()
+  for head in ("batch 1, greedy", "batch 8, sampled", "long tail", "where the time goes",
+               "cost model", "speculation gate"):
+    assert head in regime, head
+  summary = json.load(open(tmp_path / "bench_regime" / "summary.json"))
+  split = summary["long tail split"]  # chunk walls fit inside the run's
+  plain = split["parts"]["plain"]
+  assert plain["small"] + plain["big"] > 0 and plain["other"] >= -1e-6
+  assert 0 < split["prefill_s"] < plain["total"] and split["amdahl_bound"] >= 1.0
+  assert len(summary["gate"]["times"]["gated BEG"]) == 2
+  assert summary["batch 1, greedy, default task (EOS)"]["SD 3_1_4"]["same"] is True
+  assert summary["batch 8, greedy, default task (EOS)"]["SD 4_1_5"]["same"] is True

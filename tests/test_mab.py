@@ -3,6 +3,7 @@ its state round-trips exactly, bad input is one clear ValueError; EG and UCB1 so
 problem; in the engine, a bandit switching arms between chunks stays lossless and only the
 choosable (bucket, arm) executables are compiled."""
 
+import dataclasses
 import json
 
 import jax
@@ -14,7 +15,7 @@ from tlt_jax.models import ModelConfig, init_params
 from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
 from tlt_jax.rollout.mab import (BucketedEpsilonGreedy, EpsilonGreedy, FixedSelector, UCB1,
                                  default_mab_buckets, make_selector)
-from tlt_jax.rollout.records import Request
+from tlt_jax.rollout.records import ChunkMetrics, Request
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.strategy import Strategy
 
@@ -245,3 +246,32 @@ def test_engine_beg_lossless_and_compiles_only_choosable(tiny):
   assert sum(pulls["5"].values()) == 0
   for r in plain:
     np.testing.assert_array_equal(spec[r.request_id].response_ids, r.response_ids)
+  # each reward: tokens per verification x live rows x steps / wall time of its chunk, in
+  # chunk order (chunks that compiled or first ran an executable report none)
+  want: dict = {}
+  for m in w.chunk_log:
+    if m.mode != "plain" and not (m.compiled or m.first_run):
+      tpv = (m.accepted + m.verifications) / m.verifications
+      want.setdefault((str(sel.bucket_of(m.live)), m.mode), []).append(
+          tpv * m.live * m.steps / m.wall_time)
+  got = {(lo, a): r for lo, d in sel.state_dict()["rewards"].items() for a, r in d.items() if r}
+  assert got.keys() == want.keys()
+  for k in got:
+    np.testing.assert_allclose(got[k], want[k][-20:], rtol=1e-12, err_msg=str(k))
+
+
+def test_reward_is_the_arms_speed_not_the_rows_that_ended():
+  """The reward (ChunkMetrics.speed; DESIGN.md 4: accepted tokens x batch size / wall time) of
+  two chunks of one arm with the same acceptance and step time is the same when rows ended
+  mid-chunk in one of them: their unused steps emitted nothing, whichever arm ran. 8 rows x
+  4 steps, 2 of 2 drafts accepted per verification (3 tokens), 2 s."""
+  full = ChunkMetrics(worker_id=0, bucket=8, live=8, tokens=96, steps=4, wall_time=2.0,
+                      mode="2_1_3", accepted=64, verifications=32)
+  # 3 rows stop after their first verification: 5 x 4 + 3 x 1 = 23 verifications
+  ended = dataclasses.replace(full, tokens=69, accepted=46, verifications=23)
+  assert full.speed == pytest.approx(48.0) and ended.speed == pytest.approx(48.0)
+  assert ended.tokens / ended.wall_time == pytest.approx(34.5)  # what emitted tokens/s says
+  off = dataclasses.replace(full, mode="off", tokens=20, accepted=0, verifications=20)
+  assert off.speed == pytest.approx(1 * 8 * 4 / 2.0)
+  plain = ChunkMetrics(worker_id=0, bucket=8, live=8, tokens=32, steps=4, wall_time=2.0)
+  assert plain.speed == pytest.approx(16.0)  # no verifications: emitted tokens / wall time

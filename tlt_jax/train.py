@@ -192,7 +192,8 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
   # one gate for this process's workers: one of them probes whether speculation pays
   gate = None
   if spec.gate is not None:
-    gate = SpecGate(spec.gate, verdicts=_gate_verdicts(model_cfg, ecfg, spec.sampling, dparams,
+    gate = SpecGate(spec.gate, verdicts=_gate_verdicts(cfg.get("compilation_cache", ""), model_cfg,
+                                                       ecfg, spec.sampling, dparams,
                                                        local[0][1].devices.flat))
   to_rollout = _to_rollout(lspec, rollout_mesh, learner.params)
   first = to_rollout(learner.params)
@@ -257,13 +258,15 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
   return run, TrainState(step=0, learner=learner)
 
 
-def _gate_verdicts(model_cfg, ecfg, sampling, dparams, devices) -> VerdictCache | None:
-  """Where the speculation gate keeps its hardware verdicts across runs: beside JAX's
-  persistent compilation cache, keyed by what a verdict depends on (None when this process
-  has no persistent cache, e.g. in tests: a cold compilation cache is a cold gate)."""
-  cache = jax.config.jax_compilation_cache_dir
+def _gate_verdicts(cache: str, model_cfg, ecfg, sampling, dparams, devices
+                   ) -> VerdictCache | None:
+  """Where the speculation gate keeps its hardware verdicts across runs: beside the run's
+  persistent compilation cache (config `compilation_cache`), keyed by what a verdict depends
+  on. None when the config names no cache: a cold compilation cache is a cold gate (whatever
+  cache this process was given another way, e.g. the test suite's, keeps no verdicts)."""
   if not cache:
     return None
+  cache = os.path.expanduser(cache)
   devices = list(devices)
   fingerprint = {
       "jax": jax.__version__, "platform": devices[0].platform,

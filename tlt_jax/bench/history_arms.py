@@ -169,7 +169,7 @@ def measure(args: Args, cfg, params, dparams, stop, reqs, max_batch: int, thresh
     rewards: dict[str, list[float]] = {}  # what the selector was told, per arm
     for c in chunks:
       if not (c.compiled or c.first_run):
-        rewards.setdefault(c.arm, []).append(c.tokens / max(c.wall_time, 1e-9))
+        rewards.setdefault(c.arm, []).append(c.speed)
     sel = selectors.get(label)
     return {"tokens": tokens, "seconds": dt, "tokens_per_s": tokens / max(dt, 1e-9),
             "tokens_per_verify": tokens_per_verification(chunks),

@@ -588,11 +588,10 @@ class Engine:
     if gate is not None and not m.compiled:
       gate.record(m.bucket, m.arm, m.wall_time, m.steps, m.accepted, m.verifications)
     if m.arm is not None and not (m.compiled or m.first_run):
-      # Reward (DESIGN.md 4) = accepted tokens x batch size / wall time of draft + verify: the
-      # chunk's tokens sum every live row's emitted tokens (accepted drafts + 1 per step), so
-      # this is the batch's tokens/s. "off" (steps=0, plain decoding in the spec state) is
-      # measured the same way.
-      selector.update(m.arm, m.live, m.tokens / max(m.wall_time, 1e-9))
+      # Reward (DESIGN.md 4) = accepted tokens x batch size / wall time of draft + verify
+      # (ChunkMetrics.speed). "off" (plain decoding in the spec state: one token per
+      # verification) is measured the same way.
+      selector.update(m.arm, m.live, m.speed)
     self.chunk_log.append(m)
     if hooks.on_chunk:
       hooks.on_chunk(m)

@@ -19,8 +19,9 @@ speculative state, so turning speculation off competes as an arm). Bucket keys a
 bounds on the live batch size: {1: [...], 2: [...], 5: [...], 21: [...]} means sizes 1, 2-4,
 5-20 and >= 21.
 
-Reward (reported by the engine per chunk): tokens emitted by all live rows / wall time of the
-chunk's draft + verify, i.e. accepted tokens x batch size / time, in tokens/s.
+Reward (reported by the engine per chunk, records.ChunkMetrics.speed): accepted tokens per
+verification x live rows x steps / wall time of the chunk's draft + verify, in tokens/s (the
+batch's tokens/s had no row ended mid-chunk).
 
 Every selector here is thread-safe (the workers of a rollout share one) and has the engine's
 interface: select(batch_size) -> arm, update(arm,

@@ -76,6 +76,20 @@ class ChunkMetrics:
     """Tokens per verification (accepted drafts + 1), None for plain chunks."""
     return tokens_per_verification([self])
 
+  @property
+  def speed(self) -> float:
+    """The chunk's arm's speed in tokens/s, the bandit's reward (DESIGN.md 4: accepted tokens
+    x batch size / wall time): tokens per verification x live rows x steps / wall time, i.e.
+    the batch's tokens/s had every row decoded the whole chunk. Emitted tokens / wall time
+    would also charge the arm for rows that ended mid-chunk (their remaining steps emit
+    nothing, whichever arm runs): with answers a few chunks long that was most of a reward's
+    spread, and it ranked arms by where their chunks fell in the answers (bench_history_arms
+    at batch 8). Chunks without verifications (plain decoding) fall back to tokens / wall."""
+    tpv = self.accept_len
+    if tpv is None or self.steps <= 0:
+      return self.tokens / max(self.wall_time, 1e-9)
+    return tpv * self.live * self.steps / max(self.wall_time, 1e-9)
+
 
 def tokens_per_verification(chunks) -> float | None:
   """Mean acceptance length over chunks: (accepted drafts + verifications) / verifications
