@@ -23,8 +23,8 @@ from tests.mp_launch import ROOT, describe, launch
 ARGS = ["--config", "configs/default.py", "--config.train.steps=2", "--config.train.eval_every=0",
         "--config.tlt.enabled=False", "--config.mesh.devices=0", "--config.cpu_devices=0",
         "--config.rollout.num_workers=2", "--config.rollout.tensor_parallel=4",
-        "--config.grpo.num_prompts=8", "--config.grpo.n=4", "--config.grpo.micro_batch=8",
-        "--config.rollout.max_new_tokens=96", "--config.train.checkpoint_every=2",
+        "--config.grpo.num_prompts=4", "--config.grpo.n=4", "--config.grpo.micro_batch=8",
+        "--config.rollout.max_new_tokens=64", "--config.train.checkpoint_every=2",
         "--config.reward.num_workers=1", "--config.compilation_cache="]
 
 
