@@ -22,7 +22,8 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # kept one is never stale. Only compiles over 0.2 s are kept: eager ops compile thousands of
 # tiny programs, cheaper to compile again than to store. No size limit: JAX's LRU eviction
 # rescans the whole directory on every write (quadratic: with it, a test_grpo case of eager
-# ops took 138 s, without it 10 s). A CLI run's config may name its own cache (configs/default.py does).
+# ops took 138 s, without it 10 s). A CLI run's config may name its own cache
+# (configs/default.py does).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), "tlt_jax_test_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")

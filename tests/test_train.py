@@ -81,8 +81,7 @@ def _small_cfg(workdir, steps, **overrides):
     section, field = key.split(".")
     cfg[section][field] = type(cfg[section][field])(value)
   cfg.workdir = str(workdir)
-  cfg.compilation_cache = ""  # no gate verdicts kept across tests (the suite's JAX cache is
-  # conftest's)
+  cfg.compilation_cache = ""  # no gate verdicts kept between tests (the JAX cache: conftest)
   cfg.train.steps = steps
   cfg.train.eval_every = 0
   cfg.tlt.spec.bs_threshold = 16  # speculate from the start of this small batch ...

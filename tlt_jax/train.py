@@ -192,9 +192,9 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
   # one gate for this process's workers: one of them probes whether speculation pays
   gate = None
   if spec.gate is not None:
-    gate = SpecGate(spec.gate, verdicts=_gate_verdicts(cfg.get("compilation_cache", ""), model_cfg,
-                                                       ecfg, spec.sampling, dparams,
-                                                       local[0][1].devices.flat))
+    verdicts = _gate_verdicts(cfg.get("compilation_cache", ""), model_cfg, ecfg, spec.sampling,
+                              dparams, local[0][1].devices.flat)
+    gate = SpecGate(spec.gate, verdicts=verdicts)
   to_rollout = _to_rollout(lspec, rollout_mesh, learner.params)
   first = to_rollout(learner.params)
   workers = []
