@@ -22,7 +22,9 @@ most `bandit_warmup` times: its state after some RL steps (a workload of this si
 few chunks per epoch, all exploration otherwise). One untimed
 epoch per configuration with a throwaway index compiles the executables first; a compile inside
 a timed epoch is subtracted from its time (a new attention window, a new prefill shape).
-Reported per workload and epoch: tokens/s, speedup vs plain, tokens per verification of the
+Configurations run in the listed order in odd epochs and reversed in even ones (this
+machine's speed drifts over minutes: in a fixed order the last one paid for it, 10% in one
+drift-heavy run). Reported per workload and epoch: tokens/s, speedup vs plain, tokens per verification of the
 speculative chunks, and for the bandit the share of tokens per arm kind.
 """
 
@@ -124,7 +126,7 @@ def configurations(args: Args) -> dict[str, tuple[Any, bool]]:
 
 def explored(sel: BucketedEpsilonGreedy, share: float = 0.9) -> bool:
   """Whether the buckets holding `share` of the bandit's chunks have measured every arm
-  `min_pulls` times (past the round robin: choosing greedily, and by epsilon)."""
+  `min_pulls` times (past the exploration rounds: choosing greedily, and by epsilon)."""
   pulls = sel.state_dict()["pulls"].values()
   total = sum(sum(d.values()) for d in pulls)
   done = sum(sum(d.values()) for d in pulls if min(d.values()) >= sel.min_pulls)
@@ -193,13 +195,27 @@ def measure(args: Args, cfg, params, dparams, stop, reqs, max_batch: int, thresh
   log(f"  (compiled in {time.perf_counter() - t0:.0f} s)")
   out: dict[str, list[dict]] = {label: [] for label in confs}
   for epoch in range(args.epochs):
-    for label in confs:
+    # this machine's speed drifts by minutes: a configuration's position in the epoch
+    # alternates (forward, then reversed), so a steady drift cancels over each pair of epochs
+    for label in list(confs)[::1 if epoch % 2 == 0 else -1]:
       r = one(label, epoch, indexes[label])
       out[label].append(r)
       log(f"  epoch {epoch + 1} {label}: {r['tokens']} tokens, {r['tokens_per_s']:.1f} tokens/s"
           + (f", {r['tokens_per_verify']:.2f} tokens/verification"
              if r["tokens_per_verify"] else ""))
   return out
+
+
+def bandit_vs_best(res: dict[str, list[dict]]) -> tuple[str, list[float], float]:
+  """The bandit against the fastest fixed arm over the whole run (the highest geometric mean
+  of tokens/s over epochs; plain decoding is not an arm, the bandit's "off" is): (that arm,
+  the bandit's tokens/s over its per epoch, the ratio of their geometric means). Against each
+  epoch's fastest arm instead, the noise's maximum would count against the bandit."""
+  gmean = lambda rs: statistics.geometric_mean(r["tokens_per_s"] for r in rs)
+  best = max((label for label in res if label not in ("plain", "bandit")),
+             key=lambda label: gmean(res[label]))
+  per_epoch = [b["tokens_per_s"] / f["tokens_per_s"] for b, f in zip(res["bandit"], res[best])]
+  return best, per_epoch, gmean(res["bandit"]) / gmean(res[best])
 
 
 def table(name: str, res: dict[str, list[dict]]) -> str:
@@ -218,6 +234,10 @@ def table(name: str, res: dict[str, list[dict]]) -> str:
                 "-" if tpv is None else f"{tpv:.2f}"]
     lines.append(f"| {label} | " + " | ".join(cells) + " |")
   if "bandit" in res:
+    best, per_epoch, overall = bandit_vs_best(res)
+    lines += ["", f"bandit / the fastest fixed arm ({best}): " + ", ".join(
+        f"epoch {e + 1} {r:.2f}x" for e, r in enumerate(per_epoch))
+        + f"; over the run (geometric means) {overall:.2f}x"]
     shares = []
     for e, r in enumerate(res["bandit"]):
       shares.append(f"epoch {e + 1}: " + ", ".join(

@@ -7,10 +7,14 @@ rollout, and the best arm of a batch size changes over training. BEG-MAB (TLT; D
 keeps one epsilon-greedy bandit per bucket of live batch sizes. An arm's value is the median of
 its last `window` rewards: a few slow chunks (a GC pause, a co-tenant) do not move it, and an
 arm whose reward drops (a stale drafter) loses its lead within about one window. Every arm of a
-bucket is pulled `min_pulls` times (round robin) before the greedy choice starts: one chunk's
-reward is noisy (at batch 1 it is one answer, whose drafts are accepted more or less than the
-average), and an arm whose one reward came out low would otherwise wait for epsilon's rare
-re-pulls while an arm of lower mean took every chunk (scripts/bench_history_arms.py saw it).
+bucket is pulled `min_pulls` times (rounds over the least measured arms) before the greedy
+choice starts: one chunk's reward is noisy (at batch 1 it is one answer, whose drafts are
+accepted more or less than the average), and an arm whose one reward came out low would
+otherwise wait for epsilon's rare re-pulls while an arm of lower mean took every chunk
+(scripts/bench_history_arms.py saw it). Within a round the order is random: rollouts are
+periodic (a GRPO group per chunk at batch 8, prompts in a fixed order), and a fixed order
+measured each arm on the same prompts only (bench_history_arms at batch 8: four groups, four
+arms, the drafter always on the first group, its slowest, and the bandit chose the hybrid).
 
 Arms are strategy names "<steps>_<topk>_<verify_tokens>" (a chain has topk=1 and verifies
 steps+1 tokens), history arms "hist_<steps>" / "histtree_<steps>_<topk>_<verify_tokens>"
@@ -135,6 +139,7 @@ class BucketedSelector:
     self._rewards = {lo: {a: collections.deque(maxlen=self.window) for a in arms}
                      for lo, arms in self.buckets.items()}
     self._pulls = {lo: {a: 0 for a in arms} for lo, arms in self.buckets.items()}
+    self._seed = seed
     self._rng = random.Random(seed)
     # One selector serves every worker thread of a rollout: select/update/state are atomic.
     self._lock = threading.RLock()
@@ -182,10 +187,15 @@ class BucketedSelector:
     with self._lock:
       lo = self.bucket_of(batch_size)
       rewards = self._rewards[lo]
-      # arms with fewer than min_pulls rewards first: the least measured, first listed
-      least = min(self.buckets[lo], key=lambda a: len(rewards[a]))
-      if len(rewards[least]) < self.min_pulls:
-        return least
+      # arms with fewer than min_pulls rewards first: rounds of the least measured, in random
+      # order within a round (module docstring: a fixed order aliases with periodic workloads)
+      fewest = min(len(rewards[a]) for a in self.buckets[lo])
+      if fewest < self.min_pulls:
+        # the round's order is a function of (seed, bucket, round): an arm whose chunk
+        # reported nothing (it compiled) is asked again, not swapped for another untried one
+        order = list(self.buckets[lo])
+        random.Random(f"{self._seed}:{lo}:{fewest}").shuffle(order)
+        return next(a for a in order if len(rewards[a]) == fewest)
       return self._choose(lo)
 
   def _choose(self, lo: int) -> str:
@@ -222,6 +232,7 @@ class BucketedSelector:
               "rewards": {str(lo): {a: list(r) for a, r in d.items()}
                           for lo, d in self._rewards.items()},
               "pulls": {str(lo): dict(d) for lo, d in self._pulls.items()},
+              "seed": self._seed,  # the exploration rounds' orders
               "rng": [version, list(internal), gauss]}
 
   def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -236,6 +247,7 @@ class BucketedSelector:
           self._rewards[lo][a] = collections.deque(map(float, state["rewards"][str(lo)][a]),
                                                    maxlen=self.window)
           self._pulls[lo][a] = int(state["pulls"][str(lo)][a])
+      self._seed = state["seed"]
       version, internal, gauss = state["rng"]
       self._rng.setstate((version, tuple(internal), gauss))
 

@@ -117,6 +117,15 @@ def _gumbel_pick(logr, lp, g):
 # ----------------------------------------------------------------------------------------------
 
 
+def _check_randomness(uniforms, noise, u_shape: tuple, noise_shape: tuple) -> None:
+  """Sampling verification's uniforms (one per draft or node) and Gumbel noise (per position)."""
+  if uniforms is None or noise is None:
+    raise ValueError("sampling verification needs uniforms and noise")
+  if uniforms.shape != u_shape or noise.shape != noise_shape:
+    raise ValueError(f"uniforms {uniforms.shape} / noise {noise.shape} do not match "
+                     f"{u_shape} / {noise_shape}")
+
+
 def _check_chain(target_logp, draft_tokens, draft_logp, uniforms, noise, greedy):
   B, K1, V = target_logp.shape
   K = K1 - 1
@@ -125,11 +134,7 @@ def _check_chain(target_logp, draft_tokens, draft_logp, uniforms, noise, greedy)
   if draft_tokens.shape != (B, K):
     raise ValueError(f"draft_tokens {draft_tokens.shape} != {(B, K)}")
   if not greedy:
-    if uniforms is None or noise is None:
-      raise ValueError("sampling verification needs uniforms and noise")
-    if uniforms.shape != (B, K) or noise.shape != (B, K1, V):
-      raise ValueError(f"uniforms {uniforms.shape} / noise {noise.shape} do not match "
-                       f"{(B, K)} / {(B, K1, V)}")
+    _check_randomness(uniforms, noise, (B, K), (B, K1, V))
     if draft_logp is not None and draft_logp.shape != (B, K, V):
       raise ValueError(f"draft_logp {draft_logp.shape} != {(B, K, V)}")
   return B, K, V
@@ -182,11 +187,7 @@ def _check_tree(target_logp, tree_tokens, children, uniforms, noise, greedy, max
   if max_depth < 0:
     raise ValueError(f"max_depth={max_depth} must be >= 0")
   if not greedy:
-    if uniforms is None or noise is None:
-      raise ValueError("sampling verification needs uniforms and noise")
-    if uniforms.shape != (B, T) or noise.shape != (B, T, V):
-      raise ValueError(f"uniforms {uniforms.shape} / noise {noise.shape} do not match "
-                       f"{(B, T)} / {(B, T, V)}")
+    _check_randomness(uniforms, noise, (B, T), (B, T, V))
   return B, T, V, children.shape[2]
 
 
