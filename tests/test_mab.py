@@ -102,7 +102,8 @@ def test_state_dict_round_trip_continues_identically(before):
 def test_min_pulls_measures_every_arm_before_exploiting(min_pulls):
   """The drafter's first chunk came out slow (an answer it drafts badly); its later chunks are
   twice the hybrid's speed. Measured once, the greedy choice locks onto the hybrid (epsilon 0:
-  nothing re-pulls the drafter); measured min_pulls=3 times (rounds over the arms), its median wins."""
+  nothing re-pulls the drafter); measured min_pulls=3 times (rounds over the arms), its median
+  wins."""
   sel = BucketedEpsilonGreedy({1: ["4_1_5", "hyb_4", "off"]}, epsilon=0.0, min_pulls=min_pulls)
   drafter = iter([5.0] + [40.0] * 100)
   picks = []

@@ -24,8 +24,9 @@ epoch per configuration with a throwaway index compiles the executables first; a
 a timed epoch is subtracted from its time (a new attention window, a new prefill shape).
 Configurations run in the listed order in odd epochs and reversed in even ones (this
 machine's speed drifts over minutes: in a fixed order the last one paid for it, 10% in one
-drift-heavy run). Reported per workload and epoch: tokens/s, speedup vs plain, tokens per verification of the
-speculative chunks, and for the bandit the share of tokens per arm kind.
+drift-heavy run). Reported per workload and epoch: tokens/s, speedup vs plain, tokens per
+verification of the speculative chunks, and for the bandit the share of tokens per arm kind
+and its speed against the fastest fixed arm.
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ def measure(args: Args, cfg, params, dparams, stop, reqs, max_batch: int, thresh
 def bandit_vs_best(res: dict[str, list[dict]]) -> tuple[str, list[float], float]:
   """The bandit against the fastest fixed arm over the whole run (the highest geometric mean
   of tokens/s over epochs; plain decoding is not an arm, the bandit's "off" is): (that arm,
-  the bandit's tokens/s over its per epoch, the ratio of their geometric means). Against each
+  the bandit's tokens/s / that arm's per epoch, the ratio of their geometric means). Against each
   epoch's fastest arm instead, the noise's maximum would count against the bandit."""
   gmean = lambda rs: statistics.geometric_mean(r["tokens_per_s"] for r in rs)
   best = max((label for label in res if label not in ("plain", "bandit")),

@@ -188,11 +188,11 @@ class BucketedSelector:
       lo = self.bucket_of(batch_size)
       rewards = self._rewards[lo]
       # arms with fewer than min_pulls rewards first: rounds of the least measured, in random
-      # order within a round (module docstring: a fixed order aliases with periodic workloads)
+      # order (module docstring: a fixed one aliases with periodic workloads). The order is a
+      # function of (seed, bucket, round): an arm whose chunk reported nothing (it compiled)
+      # is asked again, not swapped for another untried one.
       fewest = min(len(rewards[a]) for a in self.buckets[lo])
       if fewest < self.min_pulls:
-        # the round's order is a function of (seed, bucket, round): an arm whose chunk
-        # reported nothing (it compiled) is asked again, not swapped for another untried one
         order = list(self.buckets[lo])
         random.Random(f"{self._seed}:{lo}:{fewest}").shuffle(order)
         return next(a for a in order if len(rewards[a]) == fewest)
