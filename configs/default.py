@@ -186,13 +186,20 @@ def get_config():
   # (the drafter keeps training); one declined because no draft could pay on this hardware
   # every `hardware_reprobe_every` (spot training pauses meanwhile). Probation widens to a
   # larger bucket after `follow_traffic` rollouts without a chunk where it is. Not with
-  # selector="fixed" (the pinned strategy always). On this CPU the shipped model is compute-
-  # bound: bucket 1 is declined for hardware after a few chunks (tlt_jax/rollout/gate.py).
-  # Hardware verdicts are kept beside `compilation_cache` (tlt_gate/verdicts.json): a later
-  # run of this config on this kind of machine starts with them and probes nothing.
+  # selector="fixed" (the pinned strategy always). Hardware verdicts are kept beside
+  # `compilation_cache` (tlt_gate/verdicts.json): a later run of this config on this kind of
+  # machine starts with them and probes nothing (tlt_jax/rollout/gate.py).
+  # Nothing speculative is compiled unless its best case repays the compile within `payback`
+  # of the run's steps left (tlt_jax/rollout/payoff.py): the seconds the run spends at the
+  # bucket per step x the steps left x payback x (1 - 1/ceiling) >= the compile, priced in
+  # plain decode chunk compiles (`compile_factor` until one is measured). On this CPU the
+  # long tail spends ~5 ms per step at bucket 1, so no arm is ever compiled here.
+  # enabled=False: no probing, every bucket speculates with every arm and the drafter trains
+  # from the first step; compiles are still priced (narrower attention windows).
   c.tlt.spec.gate = ml_collections.ConfigDict({
       "enabled": True, "min_chunks": 4, "margin": 0.05, "reprobe_every": 10,
-      "hardware_reprobe_every": 40, "follow_traffic": 3})
+      "hardware_reprobe_every": 40, "follow_traffic": 3, "payback": 0.5,
+      "compile_factor": 3.0})
 
   c.eval = ml_collections.ConfigDict()
   # speculate during held-out greedy evaluation (lossless either way; off here: on this CPU it

@@ -1,21 +1,33 @@
 #!/usr/bin/env python
 """End to end, side by side: tlt_jax with TLT on, tlt_jax with TLT off, and TRL's GRPOTrainer
 (the trainer users would otherwise pick) on the default config, each run whole, one after
-the other, on this machine.
+the other, on this machine, on every supported Python/JAX stack it finds.
 
+    bash scripts/setup.sh                                    # stack 1: Python 3.12, JAX 0.12
+    PYTHON=python3.11 VENV=.venv-py311 bash scripts/setup.sh # stack 2: Python 3.11, JAX 0.10
     bash scripts/bench_trl_setup.sh            # once: TRL's own venv (.venv-trl), benchmark-only
     .venv/bin/python scripts/bench_e2e.py [--steps 40] [--runs on,off,off_seed1,on_seed1,trl] \\
-        [--out out/bench_e2e] [--warm_cache] [--extra "--config.key=value ..."]
+        [--stacks .venv,.venv-py311] [--out out/bench_e2e] [--warm_cache] \\
+        [--extra "--config.key=value ..."]
 
-Runs (each a fresh process with a cold JAX compilation cache: a user's first run pays every
-compile, so it is in the total; --warm_cache re-runs with the caches the previous invocation
-left, what every later run of the same config costs):
+Every run starts with its own empty JAX compilation cache, and so an empty speculation-gate
+verdict cache (it lives beside the compilation cache): what a user's first run pays, compiles
+and probes included. --warm_cache re-runs with the caches the previous invocation with the
+same --out left: what every later run of the same config costs. Runs, per stack:
   on         python -m tlt_jax.train --config configs/default.py          (TLT on: the main job)
   off        ... --config.tlt.enabled=False                               (the baseline)
   off_seed1  ... --config.tlt.enabled=False --config.seed=1     (a second baseline: the spread
                                                                  learning curves have anyway)
   on_seed1   ... --config.seed=1                                (TLT on, the second seed)
-  trl        .venv-trl/bin/python scripts/bench_trl_grpo.py     (same model, task, settings)
+  on_nogate  ... --config.tlt.spec.gate.enabled=False   (speculation at every bucket under the
+                                                         threshold, the drafter spot-trained:
+                                                         what the spot trainer's bars use)
+  trl        .venv-trl/bin/python scripts/bench_trl_grpo.py     (same model, task, settings;
+                                                                 once per stack, in its order)
+
+Stacks: --stacks names virtual environments made by scripts/setup.sh (default: .venv and
+.venv-py311, those that exist); each stack's runs go to OUT/<venv>/ and are reported with
+its Python and JAX versions, its ratios measured within its own sequence of runs.
 
 The default order on, off, off_seed1, on_seed1 is ABBA: this machine's speed drifts by up to
 1.7x over minutes, and a drift linear in time cancels from the mean of the two on runs vs the
@@ -23,10 +35,11 @@ mean of the two off runs (printed with each seed's pair, whose spread is the noi
 
 Prints per-phase seconds and ratios, seconds per RL step (the whole command's wall time minus
 held-out evaluation, divided by the steps: start-up and compiles included), the compile time
-separately, held-out accuracy before and after (the same 400 test prompts and verifier), and
-whether TLT on learns like the baseline: the per-window difference of the training reward and
-the held-out accuracy against the difference between the two baseline seeds. Writes
-OUT/curves.png (reward and held-out accuracy over steps, every run) and OUT/summary.json.
+separately, the speculative executables compiled, held-out accuracy before and after (the
+same 400 test prompts and verifier), and whether TLT on learns like the baseline: the
+per-window difference of the training reward and the held-out accuracy against the
+difference between the two baseline seeds. Writes OUT/<venv>/curves.png (reward and held-out
+accuracy over steps, every run) and OUT/summary.json.
 """
 
 from __future__ import annotations
@@ -45,10 +58,27 @@ PHASES = ("rollout", "reward_wait", "logprobs", "update", "weight_sync", "drafte
           "checkpoint")
 
 
-def tlt_cmd(workdir: str, steps: int, extra: list[str], cache: str, config: str) -> list[str]:
-  return [os.path.join(ROOT, ".venv", "bin", "python"), "-m", "tlt_jax.train", "--config",
+STACKS = (".venv", ".venv-py311")  # scripts/setup.sh's default and second environment
+RUNS = {"on": [], "off": ["--config.tlt.enabled=False"],
+        "off_seed1": ["--config.tlt.enabled=False", "--config.seed=1"],
+        "on_seed1": ["--config.seed=1"], "on_nogate": ["--config.tlt.spec.gate.enabled=False"],
+        "trl": None}
+
+
+def tlt_cmd(venv: str, workdir: str, steps: int, extra: list[str], cache: str,
+            config: str) -> list[str]:
+  return [os.path.join(ROOT, venv, "bin", "python"), "-m", "tlt_jax.train", "--config",
           config, "--workdir", workdir,
           f"--config.train.steps={steps}", f"--config.compilation_cache={cache}", *extra]
+
+
+def stack_label(venv: str) -> str:
+  """'Python 3.12.1, JAX 0.12.0.1' of a virtual environment."""
+  code = ("import sys; from importlib.metadata import version as v; "
+          "print('Python %s, JAX %s' % (sys.version.split()[0], v('jax')))")
+  out = subprocess.run([os.path.join(ROOT, venv, "bin", "python"), "-c", code],
+                       capture_output=True, text=True)
+  return out.stdout.strip() or venv
 
 
 def run(name: str, cmd: list[str], log: str, env: dict | None = None) -> float:
@@ -78,12 +108,18 @@ def summarize_tlt(workdir: str, wall: float, steps: int) -> dict:
          "reward_curve": [(r["step"], r["reward"]) for r in steps_recs],
          "s_per_step": (wall - phases["eval"]) / steps}
   spec = [r["spec"] for r in steps_recs if "spec" in r]
-  if spec:
-    out["spec_chunks"] = sum(s["chunks"] for s in spec)
+  out["spec_chunks"] = sum(s["chunks"] for s in spec)
+  execs = [r["executables"] for r in steps_recs if "executables" in r]
+  if execs:
+    out["executables"] = execs[-1]
+  gate = [r["spec_gate"] for r in steps_recs if "spec_gate" in r]
+  if gate:
+    out["gate_status"] = gate[-1]["status"]
   spot = [r["spot"] for r in steps_recs if "spot" in r]
   if spot:
     idle = sum(s["idle_s"] for s in spot)
     out["idle_share_trained"] = sum(s["training_s"] for s in spot) / idle if idle else None
+    out["drafter_critical_share"] = phases["drafter"] / max(phases["total"], 1e-9)
   return out
 
 
@@ -167,34 +203,17 @@ def plot(res: dict, path: str) -> None:
   plt.close(fig)
 
 
-def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--config", default=os.path.join(ROOT, "configs", "default.py"),
-                 help="the tlt_jax runs' config (the trl run exists for the default only)")
-  p.add_argument("--steps", type=int, default=40)
-  p.add_argument("--runs", default="on,off,off_seed1,on_seed1,trl")
-  p.add_argument("--out", default=os.path.join(ROOT, "out", "bench_e2e"))
-  p.add_argument("--warm_cache", action="store_true",
-                 help="keep each run's JAX compilation cache from the previous invocation with "
-                      "the same --out (a second run of a config); default: every run cold")
-  p.add_argument("--window", type=int, default=10, help="steps per learning-check window")
-  p.add_argument("--extra", default="", help="space-separated --config.key=value overrides for "
-                                            "every tlt_jax run (ablations)")
-  a = p.parse_args(argv)
-  runs = a.runs.split(",")
-  default = os.path.abspath(a.config) == os.path.join(ROOT, "configs", "default.py")
-  if "trl" in runs and not default:
-    raise SystemExit(f"error: --runs trl: the TRL peer runs the default config only; drop it "
-                     f"for --config {a.config}")
-  os.makedirs(a.out, exist_ok=True)
+def run_stack(a, venv: str, runs: list[str], out: str) -> dict[str, dict]:
+  """Every run of --runs with this stack's Python, one after the other; -> name -> summary."""
+  os.makedirs(out, exist_ok=True)
   res: dict[str, dict] = {}
   for name in runs:
-    workdir = os.path.join(a.out, name)
+    workdir = os.path.join(out, name)
     shutil.rmtree(workdir, ignore_errors=True)
-    cache = os.path.join(a.out, f"jax_cache_{name}")
+    cache = os.path.join(out, f"jax_cache_{name}")
     if not a.warm_cache:
       shutil.rmtree(cache, ignore_errors=True)
-    log = os.path.join(a.out, f"{name}.log")
+    log = os.path.join(out, f"{name}.log")
     if name == "trl":
       py = os.path.join(ROOT, ".venv-trl", "bin", "python")
       if not os.path.exists(py):
@@ -203,18 +222,17 @@ def main(argv=None):
                         "--steps", str(a.steps), "--eval_every", "10"], log)
       res[name] = summarize_trl(workdir, wall, a.steps)
       continue
-    extra = {"on": [], "off": ["--config.tlt.enabled=False"],
-             "off_seed1": ["--config.tlt.enabled=False", "--config.seed=1"],
-             "on_seed1": ["--config.seed=1"]}.get(name)
-    if extra is None:
-      raise SystemExit(f"error: --runs: unknown run {name!r}; use on, off, off_seed1, on_seed1, "
-                       "trl")
-    wall = run(name, tlt_cmd(workdir, a.steps, extra + a.extra.split(), cache, a.config), log)
+    extra = RUNS[name]
+    wall = run(name, tlt_cmd(venv, workdir, a.steps, extra + a.extra.split(), cache, a.config),
+               log)
     res[name] = summarize_tlt(workdir, wall, a.steps)
+  return res
 
-  # ---- report
-  print(f"\n{a.steps} RL steps of {os.path.relpath(a.config, ROOT)}, each run whole, one "
-        "after the other; seconds")
+
+def report(a, label: str, runs: list[str], res: dict[str, dict], out: str) -> dict | None:
+  """Prints one stack's tables and ratios; -> the ABBA summary (None without both seeds)."""
+  print(f"\n## {label}: {a.steps} RL steps of {os.path.relpath(a.config, ROOT)}, each run "
+        f"whole, one after the other, {'warm' if a.warm_cache else 'cold'} caches; seconds")
   cols = [n for n in runs if n in res]
   print("| phase | " + " | ".join(cols) + " |")
   print("|---|" + "---:|" * len(cols))
@@ -228,12 +246,23 @@ def main(argv=None):
         f"{res[n]['eval_curve'][0][1]:.3f} -> {res[n]['eval_curve'][-1][1]:.3f}" for n in cols)
           + " |")
   for n in cols:
-    ph = res[n]["phases"]
-    print(f"{n}: rollout {ph['rollout'] / max(ph['total'], 1e-9):.0%} of the steps' time "
-          f"(rollout {ph['rollout']:.1f} s, update + log-probs "
-          f"{ph['update'] + ph['logprobs']:.1f} s)")
+    ph, r = res[n]["phases"], res[n]
+    line = (f"{n}: rollout {ph['rollout'] / max(ph['total'], 1e-9):.0%} of the steps' time "
+            f"(rollout {ph['rollout']:.1f} s, update + log-probs "
+            f"{ph['update'] + ph['logprobs']:.1f} s)")
+    if "executables" in r:
+      e = r["executables"]
+      line += (f"; executables {e['count']} ({e['speculative']} speculative), "
+               f"{e['compile_s']:.0f} s compiling them")
+    if "gate_status" in r:
+      line += f"; gate {r['gate_status']}, {r['spec_chunks']} speculative chunks"
+    if r.get("drafter_critical_share") is not None:
+      line += (f"; drafter on the critical path {r['drafter_critical_share']:.1%} of the "
+               f"steps' time, idle trained {r['idle_share_trained'] or 0:.0%}")
+    print(line)
   abba = None
-  for x, y in (("on", "off"), ("on_seed1", "off_seed1"), ("on", "trl"), ("off", "trl")):
+  for x, y in (("on", "off"), ("on_seed1", "off_seed1"), ("on", "trl"), ("off", "trl"),
+               ("on_nogate", "off")):
     if x in res and y in res:
       print(f"speed {x} vs {y}: {res[y]['s_per_step'] / res[x]['s_per_step']:.2f}x "
             f"(s per step {res[x]['s_per_step']:.2f} vs {res[y]['s_per_step']:.2f}; > 1: "
@@ -246,12 +275,58 @@ def main(argv=None):
     print(f"speed on vs off, mean of both seeds (ABBA order): {off / on:.2f}x (s per step "
           f"{on:.2f} vs {off:.2f}); noise: runs of one mode differ by up to {spread:.0%}")
     abba = {"ratio": off / on, "on": on, "off": off, "noise": spread}
+    if "trl" in res:
+      print(f"speed on vs trl, mean of both TLT-on seeds: "
+            f"{res['trl']['s_per_step'] / on:.2f}x")
   for line in learning_check(res, a.window):
     print(line)
-  plot(res, os.path.join(a.out, "curves.png"))
+  plot(res, os.path.join(out, "curves.png"))
+  return abba
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--config", default=os.path.join(ROOT, "configs", "default.py"),
+                 help="the tlt_jax runs' config (the trl run exists for the default only)")
+  p.add_argument("--steps", type=int, default=40)
+  p.add_argument("--runs", default="on,off,off_seed1,on_seed1,trl")
+  p.add_argument("--stacks", default="",
+                 help=f"comma-separated virtual environments to run tlt_jax with (default: "
+                      f"those of {', '.join(STACKS)} that exist)")
+  p.add_argument("--out", default=os.path.join(ROOT, "out", "bench_e2e"))
+  p.add_argument("--warm_cache", action="store_true",
+                 help="keep each run's JAX compilation cache (and gate verdicts) from the "
+                      "previous invocation with the same --out (a second run of a config); "
+                      "default: every run cold")
+  p.add_argument("--window", type=int, default=10, help="steps per learning-check window")
+  p.add_argument("--extra", default="", help="space-separated --config.key=value overrides for "
+                                            "every tlt_jax run (ablations)")
+  a = p.parse_args(argv)
+  runs = a.runs.split(",")
+  unknown = sorted(set(runs) - set(RUNS))
+  if unknown:
+    raise SystemExit(f"error: --runs: unknown {unknown}; use {', '.join(RUNS)}")
+  default = os.path.abspath(a.config) == os.path.join(ROOT, "configs", "default.py")
+  if "trl" in runs and not default:
+    raise SystemExit(f"error: --runs trl: the TRL peer runs the default config only; drop it "
+                     f"for --config {a.config}")
+  stacks = [v for v in a.stacks.split(",") if v] or [
+      v for v in STACKS if os.path.exists(os.path.join(ROOT, v, "bin", "python"))]
+  missing = [v for v in stacks if not os.path.exists(os.path.join(ROOT, v, "bin", "python"))]
+  if missing or not stacks:
+    raise SystemExit(f"error: --stacks: no Python in {missing or list(STACKS)}; make one with "
+                     "scripts/setup.sh (VENV=<dir> PYTHON=<python> for a second one)")
+  summary = {}
+  for venv in stacks:
+    label = stack_label(venv)
+    out = os.path.join(a.out, venv.strip("./") or "venv")
+    print(f"[{time.strftime('%H:%M:%S')}] stack {venv}: {label}", file=sys.stderr, flush=True)
+    res = run_stack(a, venv, runs, out)
+    abba = report(a, label, runs, res, out)
+    summary[venv] = {"stack": label, "runs": res, "on_vs_off_abba": abba}
   with open(os.path.join(a.out, "summary.json"), "w") as f:
-    json.dump({**res, "on_vs_off_abba": abba}, f, indent=2)
-  print(f"wrote {a.out}/curves.png and {a.out}/summary.json")
+    json.dump(summary, f, indent=2)
+  print(f"wrote {a.out}/<stack>/curves.png and {a.out}/summary.json")
 
 
 if __name__ == "__main__":

@@ -126,7 +126,7 @@ stage probe "${LIMIT[4]}" md "$PY" scripts/gpu_probe.py --bench "$BENCH" --out "
 # shellcheck disable=SC2086
 stage bench_regime "${LIMIT[5]}" md "$PY" scripts/bench_regime.py --bench "$BENCH" --skip_regime \
   --skip_hf --out "$OUT/bench_regime" $REGIME_ARGS
-stage rl_steps "${LIMIT[6]}" md "$PY" scripts/bench_e2e.py --steps "$E2E_STEPS" --runs on,off \
+stage rl_steps "${LIMIT[6]}" md "$PY" scripts/bench_e2e.py --steps "$E2E_STEPS" --runs on,off --stacks .venv \
   --out "$OUT/e2e" --extra "$E2E_EXTRA"
 echo -e "\ntotal $(( $(date +%s) - T0 )) s" >> "$REPORT"
 echo "[gpu_check] report: $REPORT" >&2

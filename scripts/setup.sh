@@ -3,8 +3,11 @@
 # Re-running is cheap: it reinstalls only when a requirements file or the interpreter changed.
 # Interpreter: $PYTHON if set, else python3.12 if found (JAX >= 0.11 needs Python >= 3.12, so
 # the newest JAX is tested where 3.12 exists), else python3 (on 3.11 pip picks jax 0.10.x).
+# $VENV names the environment (default .venv): the second supported stack for benchmarks is
+#   PYTHON=python3.11 VENV=.venv-py311 bash scripts/setup.sh     (Python 3.11, JAX 0.10.x)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
 pyver() { "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || true; }
 PY=${PYTHON:-}
 if [ -z "$PY" ]; then
@@ -20,22 +23,22 @@ if [ -z "$want_ver" ]; then
   echo "setup.sh: cannot run the Python interpreter '$PY'" >&2
   exit 1
 fi
-if [ -e .venv ] && [ "$(pyver .venv/bin/python)" != "$want_ver" ]; then
-  rm -rf .venv  # made with another Python (major.minor): rebuild it with $PY
+if [ -e "$VENV" ] && [ "$(pyver "$VENV"/bin/python)" != "$want_ver" ]; then
+  rm -rf "$VENV"  # made with another Python (major.minor): rebuild it with $PY
 fi
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+if [ ! -x "$VENV"/bin/python ]; then
+  "$PY" -m venv "$VENV"
 fi
-stamp=.venv/.tlt_requirements.sha
-want=$( (cat requirements.txt requirements-dev.txt pyproject.toml; .venv/bin/python -V) \
+stamp=$VENV/.tlt_requirements.sha
+want=$( (cat requirements.txt requirements-dev.txt pyproject.toml; "$VENV"/bin/python -V) \
         | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # torch first, pinned, so nothing later pulls another build (it is only the test reference):
   # the CPU wheel on 3.11 test machines, the PyPI (CUDA) build on 3.12.
-  .venv/bin/python -m pip install -q torch==2.13.0
-  .venv/bin/python -m pip install -q -r requirements-dev.txt
-  .venv/bin/python -m pip install -q --no-deps -e .
+  "$VENV"/bin/python -m pip install -q torch==2.13.0
+  "$VENV"/bin/python -m pip install -q -r requirements-dev.txt
+  "$VENV"/bin/python -m pip install -q --no-deps -e .
   echo "$want" > "$stamp"
 fi
-.venv/bin/python -c "import sys; from importlib.metadata import version as v
-print('setup.sh: .venv has Python %s, jax %s' % (sys.version.split()[0], v('jax')))"
+"$VENV"/bin/python -c "import sys; from importlib.metadata import version as v
+print('setup.sh: $VENV has Python %s, jax %s' % (sys.version.split()[0], v('jax')))"

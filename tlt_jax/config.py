@@ -203,10 +203,15 @@ def _speculation(cfg: ml_collections.ConfigDict):
         f"history arms {hist} draft from a history index: set tlt.spec.history=True")
   gate = None
   g = s.get("gate")
-  if g is not None and g.enabled and s.selector != "fixed":
-    # the probe's first arm is the fixed selector's: its key is tlt.spec.strategy
-    gate = build(GateConfig, "tlt.spec.gate", section_values(GateConfig, g),
-                 lead=("tlt.spec.strategy", s.strategy))
+  if g is not None and s.selector != "fixed":
+    # the probe's first arm is the fixed selector's: its key is tlt.spec.strategy; what a
+    # compile must repay is counted in the run's rollouts, one per step and worker; disabled,
+    # the gate still prices compiles (narrower attention windows) but opens every bucket
+    gate = build(GateConfig, "tlt.spec.gate",
+                 {k: v for k, v in section_values(GateConfig, g).items() if k != "gating"},
+                 lead=("tlt.spec.strategy", s.strategy),
+                 horizon=("train.steps", cfg.train.steps),
+                 gating=("tlt.spec.gate.enabled", bool(g.get("enabled", True))))
   return spec, gate, selector, buckets
 
 

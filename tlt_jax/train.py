@@ -107,7 +107,7 @@ class Run:
   coordinator: Coordinator  # the rollout workers
   selector: Selector | None  # the training bandit (None: TLT off)
   eval_selector: Selector | None  # evaluation's own (never trains the training bandit)
-  gate: SpecGate | None  # the buckets speculation pays at (None: every one)
+  gate: SpecGate | None  # the buckets speculation pays at, compiles priced (None: fixed arm)
   buffer: DrafterBuffer | None  # the drafter's training data (None: drafter not trained)
   ckpt: Checkpointer
   compile_clock: CompileClock  # seconds compiling, per step
@@ -227,7 +227,8 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
     compiler = background_compiler("compile-drafter")
     for w in workers:
       w.trainer.compile_on_first_use(model_cfg.hidden_size, compiler)
-      if gate is None:  # wanted from the first rollout: compile while the run starts
+      if gate is None or not spec.gate.gating:  # wanted from the first rollout: compile
+        # while the run starts
         w.trainer.prepare()
   elif trained:  # serial: compiled now, so the first serial steps do not
     for f in [w.submit(w.trainer.compile, model_cfg.hidden_size) for w in workers]:
@@ -481,6 +482,7 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
                     for k in ("memory_bytes", "sequences", "tokens", "lookups", "hits")}
   if run.gate is not None:
     m["spec_gate"] = run.gate.summary()
+  m["executables"] = _executables(run.coordinator.engines)
   if run.coordinator.spot.mode != "off":
     m["spot"] = {k: v for k, v in spot.items() if k != "per_worker"}
     m["spot"]["per_worker"] = {str(p["worker"]): {k: v for k, v in p.items() if k != "worker"}
@@ -492,6 +494,19 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   times["compile"] = run.compile_clock.lap()
   m["time"] = times
   return TrainState(step=step + 1, learner=learner), m, timeline.to_json()
+
+
+SPECULATIVE = ("spec", "switch_on", "prefill_spec")  # executables only speculation compiles
+
+
+def _executables(engines) -> dict[str, Any]:
+  """The rollout engines' executables so far (this process's): how many, how many of them
+  speculative, and the seconds compiling them took (cache hits: the time to load)."""
+  recs = [r for e in engines for r in e.compile_log]
+  return {"count": len(recs), "speculative": sum(r.name in SPECULATIVE for r in recs),
+          "compile_s": round(sum(r.seconds for r in recs), 2),
+          "speculative_compile_s": round(sum(r.seconds for r in recs
+                                             if r.name in SPECULATIVE), 2)}
 
 
 def _gather_responses(mine: list[Response]) -> list[Response]:

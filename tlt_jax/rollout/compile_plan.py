@@ -10,8 +10,11 @@ generate; a bucket speculates only once it is `ready`, so no chunk waits for a c
 
 Attention windows (`kv_len`: decoding reads cache slots [0, kv_len) only) are a third grid: a
 speculative executable per (bucket, arm, window). The whole cache's window compiles with each
-pair; a narrower one on first use or, with background compilation, on the compile thread
-while the narrowest compiled window that holds the rows runs (`window`).
+pair in the background; another on first use or, with background compilation, on the compile
+thread while the narrowest compiled window that holds the rows runs (`window`). With a gate, a
+window narrower than one compiled is compiled only when what it saves repays its compile
+(`_window_pays`: the gate's payoff rule, payoff.py), so a run's speculative executables do not
+multiply by the windows its tail visits unless reading fewer slots pays for them.
 
 A Pallas verification kernel that fails to compile falls back to its jnp reference (same
 decisions) once, with a warning; `verify_path` says which ran.
@@ -64,6 +67,30 @@ class Owner(Protocol):
     generate's)."""
 
 
+def choosable_pairs(ecfg, selector) -> Pairs:
+  """Engine bucket -> the arms `selector` can return for a chunk decoded at that bucket.
+
+  Speculation runs only at live sizes <= top = min(bs_threshold, max_batch): it switches on
+  at a live size <= bs_threshold, which (when max_batch > bs_threshold) needs the queue to be
+  empty, and the live batch never grows after that. With compaction, a chunk at bucket b has
+  live size in (previous bucket, b]; without, anything in [1, b]. Engine buckets (compiled
+  batch sizes) and the selector's bucket bounds are different grids: this intersects them."""
+  spec = ecfg.spec
+  if spec is None:
+    return {}
+  top = min(spec.bs_threshold, ecfg.max_batch)
+  pairs, prev = {}, 0
+  for b in ecfg.buckets:
+    lo = prev + 1 if ecfg.compaction else 1
+    prev = b
+    if lo > top:
+      break
+    arms = selector.choosable(lo, min(b, top))
+    if arms:
+      pairs[b] = arms
+  return pairs
+
+
 class CompilePlan:
   """See the module docstring. Thread-safe where the compile thread meets the engine's."""
 
@@ -80,6 +107,9 @@ class CompilePlan:
     self._submitted: dict[SamplingParams, set[tuple[int, str]]] = {}  # handed to the thread
     self._switch_submitted: set[tuple[int, int]] = set()  # (bucket, length) queued switch-ons
     self._window_submitted: set[tuple[int, str, int]] = set()  # (bucket, arm, kv_len) queued
+    self._needs: dict[tuple[int, str, int], int] = {}  # (bucket, arm, kv_len) -> chunks needing it
+    self.rollouts = 0  # generate calls of the engine (`_window_pays`'s time base)
+    self._bytes: tuple[int, int] | None = None  # (weight bytes, KV bytes per slot)
     self._compiler = None  # one compile thread per engine, started on first use
     self._compiling = 0  # background jobs pending or running (they use the owner's params)
 
@@ -97,27 +127,8 @@ class CompilePlan:
 
   # ------------------------------------------------------------------------ which pairs
   def choosable_pairs(self) -> Pairs:
-    """Engine bucket -> the arms the selector can return for a chunk decoded at that bucket.
-
-    Speculation runs only at live sizes <= top = min(bs_threshold, max_batch): it switches on
-    at a live size <= bs_threshold, which (when max_batch > bs_threshold) needs the queue to be
-    empty, and the live batch never grows after that. With compaction, a chunk at bucket b has
-    live size in (previous bucket, b]; without, anything in [1, b]. Engine buckets (compiled
-    batch sizes) and the selector's bucket bounds are different grids: this intersects them."""
-    spec, ecfg = self.ecfg.spec, self.ecfg
-    if spec is None:
-      return {}
-    top = min(spec.bs_threshold, ecfg.max_batch)
-    pairs, prev = {}, 0
-    for b in ecfg.buckets:
-      lo = prev + 1 if ecfg.compaction else 1
-      prev = b
-      if lo > top:
-        break
-      arms = self._owner.selector.choosable(lo, min(b, top))
-      if arms:
-        pairs[b] = arms
-    return pairs
+    """Engine bucket -> the arms the selector can return there (`choosable_pairs`)."""
+    return choosable_pairs(self.ecfg, self._owner.selector)
 
   def _wanted_pairs(self) -> Pairs:
     """Bucket -> the arms to compile there: the choosable ones, or with a gate those it
@@ -287,26 +298,57 @@ class CompilePlan:
 
   def window(self, sp: SamplingParams, arm: str | None, state, need: int) -> int:
     """The attention window of a chunk (plain: arm None) whose rows reach `need` cache slots
-    (the longest row + `chunk_reach`): the `kv_bucket` holding them. With background
-    compilation a speculative window not compiled yet is queued on the compile thread and the
-    narrowest compiled one that holds the rows runs instead (the whole cache's is compiled
-    with each bucket's arms): no chunk waits for a compile."""
+    (the longest row + `chunk_reach`): the `kv_bucket` holding them. A speculative window not
+    compiled yet is one more executable of the arm: with a gate, where a wider one that holds
+    the rows is compiled, the narrower one is compiled only when what it saves repays it
+    (`_window_pays`), else the wider one runs. With background compilation a window to compile
+    is queued on the compile thread and the narrowest compiled one that holds the rows runs
+    meanwhile (the whole cache's is compiled with each bucket's arms): no chunk waits."""
     ecfg = self.ecfg
     kv_len = kv_bucket(need, ecfg.prompt_bucket, ecfg.cache_len)
-    if arm is None or not ecfg.spec.background_compile or self._compiler is None:
+    if arm is None:
       return kv_len
     abstract = _abstract(state)
     compiled = lambda n: self._spec_key(sp, arm, abstract, n) in self.exes
+    with self._lock:
+      key = (state.batch_size, arm, kv_len)
+      self._needs[key] = self._needs.get(key, 0) + 1
     if compiled(kv_len):
       return kv_len
+    wider = next((n for n in length_grid(ecfg.prompt_bucket, ecfg.cache_len)
+                  if n > kv_len and compiled(n)), None)
+    if wider is not None and not self._window_pays(state.batch_size, arm, kv_len, wider):
+      return wider
+    if not ecfg.spec.background_compile or self._compiler is None:
+      return kv_len
     with self._lock:
-      queue = (state.batch_size, arm, kv_len) not in self._window_submitted
-      self._window_submitted.add((state.batch_size, arm, kv_len))
+      queue = key not in self._window_submitted
+      self._window_submitted.add(key)
     if queue:
       args = (sp, arm, abstract, kv_len)
       self._compiler.submit(lambda: self.spec(*args))
-    return next(n for n in length_grid(ecfg.prompt_bucket, ecfg.cache_len)
-                if n >= kv_len and (n == ecfg.cache_len or compiled(n)))
+    return wider if wider is not None else ecfg.cache_len
+
+  def _window_pays(self, batch: int, arm: str, want: int, have: int) -> bool:
+    """The gate's payoff rule for compiling window `want` of (batch, arm) while `have` runs
+    (no gate: always): chunks needing it per generate call so far, and the share of a step's
+    bytes it would not read (the KV slots between the two windows, of the weights and KV a
+    step at `have` reads: decoding at small batch is bound by those bytes)."""
+    gate = self._owner.gate
+    if gate is None:
+      return True
+    if self._bytes is None:
+      params = [self._owner.params, self._owner.drafter_params]
+      weights = sum(x.nbytes for x in jax.tree.leaves(params) if hasattr(x, "nbytes"))
+      itemsize = jnp.dtype(self.cfg.compute_dtype).itemsize
+      # the target's layers and the drafter's one
+      slot = (self.cfg.num_layers + 1) * 2 * self.cfg.num_kv_heads * self.cfg.head_dim_ * itemsize
+      self._bytes = (weights, slot)
+    weights, slot = self._bytes
+    share = batch * (have - want) * slot / (weights + batch * have * slot)
+    with self._lock:
+      per_rollout = self._needs.get((batch, arm, want), 0) / max(self.rollouts, 1)
+    return gate.repays_window(batch, arm, per_rollout, share)
 
   def _spec_key(self, sp: SamplingParams, arm: str, state, kv_len: int) -> ExecKey:
     return ExecKey.of("spec", (arm, sp, self.use_kernel, kv_len), self._spec_args(arm, state))

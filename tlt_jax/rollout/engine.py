@@ -55,7 +55,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tlt_jax.errors import ConfigError
 from tlt_jax.models import KVCache, ModelConfig, Params, unstack_layers
-from tlt_jax.rollout import decode
+from tlt_jax.rollout import decode, payoff
 from tlt_jax.rollout.compile_plan import CompilePlan
 from tlt_jax.rollout.executables import CompileRecord, ExecutableCache
 from tlt_jax.rollout.mab import FixedSelector
@@ -260,6 +260,7 @@ class Engine:
     self.kv = KVPages(cfg, self.mesh, self._replicated, num_pages=engine_cfg.pool_pages,
                       page_size=engine_cfg.page_size, row_pages=engine_cfg.row_pages)
     self.exes = ExecutableCache()
+    self._compiles_reported = 0  # exes.records told to the gate (`_report_compiles`)
     self.compiles = CompilePlan(cfg, engine_cfg, self.exes, self, self._replicated)
     self.chunk_log: list[ChunkMetrics] = []
     self.preemptions = 0  # rows preempted for pages, over the engine's life
@@ -478,8 +479,10 @@ class Engine:
     # shown that drafts can pay on this hardware (where they cannot, the hidden states'
     # transfer and host bookkeeping are pure overhead on every chunk)
     capture = ecfg.capture_hidden and (self.gate is None or self.gate.drafter_wanted())
-    if spec is not None and spec.background_compile:
-      self.compiles.submit(sp)
+    if spec is not None:
+      self.compiles.rollouts += 1
+      if spec.background_compile:
+        self.compiles.submit(sp)
     # One batch at or under the threshold from the start (speculation would switch on at the
     # first check): speculate from the first chunk, the drafter prefilled with the prompts
     # (no switch-on forward after a plain prefill)
@@ -525,9 +528,14 @@ class Engine:
     if speculating and not started:
       state, speculating = self._switch_on(state, sched, outputs, sp)
     started = started or speculating
-    arm = selector.select(len(live)) if speculating else None
-    if arm is not None and gate is not None:  # a bucket on probation runs the probed arms
-      arm = gate.probe_arm(state.batch_size, arm)
+    arm = None
+    if speculating:
+      # with a gate, among the arms it paid to compile here; a bucket on probation runs the
+      # probed arms
+      paid = gate.arms(self.worker_id, state.batch_size) if gate is not None else None
+      arm = selector.select(len(live), arms=paid) if paid else selector.select(len(live))
+      if gate is not None:
+        arm = gate.probe_arm(state.batch_size, arm)
     for s in live if speculating else ():
       outputs[sched.slots[s].key].speculating()
     # the attention window the rows reach this chunk (their pages hold it: `_page`)
@@ -552,6 +560,21 @@ class Engine:
         compiled=self.exes.compiled_here() != compiles, first_run=first), selector,
         gate, hooks)
     return state, started
+
+  def _report_compiles(self, gate) -> None:
+    """This engine's compiles since the last report (background ones too) to the gate, which
+    prices what speculation would compile by them (payoff.py): plain decode chunks, an arm's
+    speculative chunk, a bucket's one-off speculative compiles (switch-on, the speculative
+    prefill)."""
+    records = self.exes.records[self._compiles_reported:]
+    self._compiles_reported += len(records)
+    for r in records:
+      if r.name == "decode":
+        gate.compiled(payoff.PLAIN, r.batch, None, r.seconds)
+      elif r.name == "spec":
+        gate.compiled(payoff.SPEC, r.batch, r.key.variant[0], r.seconds)
+      elif r.name in ("switch_on", "prefill_spec"):
+        gate.compiled(payoff.OPEN, r.batch, None, r.seconds)
 
   def _collect(self, sched: Scheduler, live: list[int], outputs: dict[Any, Output], host,
                capture: bool, results: list[Result], hooks: EngineHooks, t_start: float,
@@ -585,8 +608,10 @@ class Engine:
     chunk that compiled its executable reports nothing to either: compile time is not the
     arm's speed (the arm stays untried and is chosen again); nor does an executable's first run
     to the selector (the gate discounts its own warm-up chunks)."""
-    if gate is not None and not m.compiled:
-      gate.record(m.bucket, m.arm, m.wall_time, m.steps, m.accepted, m.verifications)
+    if gate is not None:
+      self._report_compiles(gate)
+      if not m.compiled:
+        gate.record(m.bucket, m.arm, m.wall_time, m.steps, m.accepted, m.verifications)
     if m.arm is not None and not (m.compiled or m.first_run):
       # Reward (DESIGN.md 4) = accepted tokens x batch size / wall time of draft + verify
       # (ChunkMetrics.speed). "off" (plain decoding in the spec state: one token per

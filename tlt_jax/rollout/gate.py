@@ -54,11 +54,21 @@ compiled ones; this gate decides which batch buckets are worth compiling arms fo
   `hardware_reprobe_every` rollouts as a run that measured them itself would, and a re-probe
   that pays removes the verdict.
 
+- Nothing is compiled that cannot repay its compile (payoff.py): an arm's probe, the other
+  arms probed when acceptance falls short, the arms a paying bucket compiles on every worker,
+  and each narrower attention window are "funded" only when their best case (the time the
+  run spends at the bucket per rollout x the rollouts left x `payback` x the share an arm
+  could save at best) repays what they compile, priced from the compiles measured. The
+  answer is asked again every prober rollout; a bucket on probation whose probe is not funded
+  is "unfunded" in the metrics (on this CPU's default run: bucket 1 for the whole run, so
+  nothing speculative compiles and the drafter is never trained).
+
 The policy is pure transitions over one frozen record, like the Scheduler: `GateState` (a
-`Bucket` record per batch bucket, and the clock, the prober, the verdicts so far) goes to a new
-state on each event (`begin_rollout`, `record` of a measured `Chunk`), and every question
-(`arms`, `allows`, `probe_arm`, `drafter_wanted`) is a function of a state, so a test drives
-a sequence of chunks and reads the verdicts. `SpecGate` is the one gate per process, shared by
+`Bucket` record per batch bucket, and the clock, the prober, the verdicts so far, the payoff
+ledger) goes to a new state on each event (`begin_rollout`, `record` of a measured `Chunk`,
+`compiled`), and every question (`arms`, `allows`, `probe_arm`, `drafter_wanted`,
+`repays_window`) is a function of a state, so a test drives a sequence of chunks and reads the
+verdicts. `SpecGate` is the one gate per process, shared by
 its workers' threads: it swaps the state under a lock and does the verdict cache's I/O. Rates
 are per chunk from the workers' `ChunkMetrics`; chunks that compiled are not measured.
 """
@@ -75,6 +85,7 @@ import threading
 from typing import Any, Mapping, NamedTuple, Sequence
 
 from tlt_jax.errors import ConfigError
+from tlt_jax.rollout import payoff
 from tlt_jax.rollout.strategy import Strategy
 
 PROBING, PAYS, DECLINED, CLOSED = "probing", "pays", "declined", "closed"
@@ -90,6 +101,16 @@ class GateConfig:
   hardware_reprobe_every: int = 40  # ... one declined for hardware (0: never, for both)
   follow_traffic: int = 3  # rollouts without traffic after which probation moves up (0: never)
   lead: str = ""  # the arm a probe runs first ("": the first drafting arm choosable there)
+  # What a compile must repay (payoff.py): the run's rollouts per worker (0: open-ended, every
+  # compile repays), the share of the rollouts left within which the best case must repay it,
+  # and a speculative arm's compile in plain decode chunk compiles until one is measured.
+  horizon: int = 0
+  payback: float = 0.5
+  compile_factor: float = 3.0
+  # False: no probing, speculation at every bucket with every arm from the first rollout (the
+  # drafter wanted throughout); compiles are still priced: narrower attention windows only
+  # where they repay (config tlt.spec.gate.enabled=False)
+  gating: bool = True
 
   def __post_init__(self):
     if self.min_chunks < 1:
@@ -101,6 +122,12 @@ class GateConfig:
     for k in ("reprobe_every", "hardware_reprobe_every", "follow_traffic"):
       if getattr(self, k) < 0:
         raise ConfigError("must be >= 0 (0: never)", k, getattr(self, k))
+    if self.horizon < 0:
+      raise ConfigError("must be >= 0 (0: open-ended)", "horizon", self.horizon)
+    if not 0 < self.payback <= 1:
+      raise ConfigError("must be in (0, 1]", "payback", self.payback)
+    if not self.compile_factor > 0:
+      raise ConfigError("must be > 0", "compile_factor", self.compile_factor)
     if self.lead:
       try:
         Strategy.parse(self.lead)
@@ -138,11 +165,13 @@ _log = logging.getLogger(__name__)
 
 
 class VerdictCache:
-  """Hardware verdicts kept across runs: one JSON file, one entry per `fingerprint` (a dict
-  of everything a verdict depends on: device kind, JAX version, model and drafter shapes,
-  dtype, cache length, chunk, sampling; the caller builds it), each entry bucket -> the
-  decision that declined it for hardware. Only hardware verdicts are kept: whether the drafts
-  are accepted depends on the drafter and the policy, which move during a run.
+  """What the gate keeps across runs: one JSON file, one entry per `fingerprint` (a dict of
+  everything it depends on: device kind, JAX version, model and drafter shapes, dtype, cache
+  length, chunk, sampling; the caller builds it), with each bucket -> the decision that
+  declined it for hardware, and the compile costs measured (`payoff.Ledger.costs`: a later run
+  loads its executables from JAX's persistent cache in milliseconds, and must still price a
+  compile at what it costs cold). Acceptance verdicts are not kept: whether drafts are
+  accepted depends on the drafter and the policy, which move during a run.
 
   Reads and writes never fail a run: an unreadable file is a cache miss (logged), a write
   goes to a temporary file renamed over the old one (processes that write at once leave one
@@ -165,21 +194,42 @@ class VerdictCache:
       _log.warning("speculation gate: ignoring the verdict cache %s (%s)", self.path, e)
       return {}
 
+  def _entry(self) -> dict[str, Any]:
+    entry = self._read().get(self.key, {})
+    return entry if isinstance(entry, dict) else {}
+
   def load(self) -> dict[int, dict[str, Any]]:
     """bucket -> the cached hardware decision, for this fingerprint."""
-    entry = self._read().get(self.key, {})
     try:
-      return {int(b): dict(d) for b, d in entry.get("declined", {}).items()}
+      return {int(b): dict(d) for b, d in self._entry().get("declined", {}).items()}
     except (AttributeError, TypeError, ValueError):
       return {}
 
-  def update(self, declined: Mapping[int, Mapping[str, Any]]) -> None:
-    """Replaces this fingerprint's verdicts with `declined` (bucket -> decision)."""
+  def load_costs(self) -> dict[str, Any]:
+    """The compile costs kept for this fingerprint ({} if none)."""
+    costs = self._entry().get("costs", {})
+    return costs if isinstance(costs, dict) else {}
+
+  def update(self, declined: Mapping[int, Mapping[str, Any]] | None = None,
+             costs: Mapping[str, Any] | None = None) -> None:
+    """Replaces this fingerprint's verdicts with `declined` (bucket -> decision) and/or its
+    compile costs with `costs` (None: kept as they are)."""
     data = self._read()
-    if declined:
-      data[self.key] = {"fingerprint": self.fingerprint,
-                        "declined": {str(b): dict(d) for b, d in declined.items()}}
+    old = data.get(self.key, {}) if isinstance(data.get(self.key), dict) else {}
+    entry = dict(old)
+    if declined is not None:
+      entry["declined"] = {str(b): dict(d) for b, d in declined.items()}
+    if costs is not None:
+      entry["costs"] = dict(costs)
+    if not entry.get("declined"):
+      entry.pop("declined", None)
+    if not entry.get("costs"):
+      entry.pop("costs", None)
+    if entry:
+      data[self.key] = {**entry, "fingerprint": self.fingerprint}
     elif data.pop(self.key, None) is None:
+      return
+    if data.get(self.key) == old:
       return
     try:
       os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
@@ -194,7 +244,10 @@ class VerdictCache:
 @dataclasses.dataclass(frozen=True)
 class Bucket:
   """What the gate knows about one batch bucket. Rates keep the last `window` counted chunks;
-  `warm` the arms (None: plain) whose first, uncounted chunk ran here."""
+  `warm` the arms (None: plain) whose first, uncounted chunk ran here; `funded` the arms whose
+  compile the payoff rule has paid for in the bucket's current status (probed arms on
+  probation, the arms to compile where it pays): once funded an arm stays so until the status
+  changes (its compile is sunk)."""
   status: str = CLOSED
   reason: str | None = None  # DECLINED: HARDWARE | ACCEPTANCE
   declined_at: int | None = None  # rollout of the last decline (None: never declined)
@@ -204,6 +257,7 @@ class Bucket:
   plain: tuple[Chunk, ...] = ()  # counted plain chunks
   spec: Mapping[str, tuple[Chunk, ...]] = dataclasses.field(default_factory=dict)  # by arm
   warm: frozenset = frozenset()
+  funded: frozenset = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,9 +265,10 @@ class GateState:
   """The gate's whole decision state; every transition returns a new one (the caller's stays
   as it was), and every question is a function of it. Host-side Python: no JAX.
 
-  Transitions: `begin_rollout` (a worker's generate call: the prober's calls are the clock)
-  and `record` (one measured chunk: may decide). Questions: `arms`, `allows`, `probe_arm`,
-  `drafter_wanted`. `hardware_verdicts` is what the verdict cache keeps."""
+  Transitions: `begin_rollout` (a worker's generate call: the prober's calls are the clock),
+  `record` (one measured chunk: may decide) and `compiled` (an executable's compile time, for
+  the payoff rule's prices). Questions: `arms`, `allows`, `probe_arm`, `drafter_wanted`.
+  `hardware_verdicts` and `ledger.costs()` are what the verdict cache keeps."""
   cfg: GateConfig
   buckets: tuple[int, ...] = ()
   at: Mapping[int, Bucket] = dataclasses.field(default_factory=dict)  # bucket -> its record
@@ -222,6 +277,7 @@ class GateState:
   rollouts: int = 0  # generate calls of the prober (the gate's clock)
   hardware_ok: bool = False  # a probe showed drafts can pay here (some arm's ceiling)
   decisions: tuple[dict[str, Any], ...] = ()  # every verdict and move, for the metrics
+  ledger: payoff.Ledger = payoff.Ledger()  # time per bucket and compile costs measured
 
   @property
   def status(self) -> dict[int, str]:
@@ -233,28 +289,40 @@ class GateState:
 
   # ---------------------------------------------------------------------------- transitions
   def begin_rollout(self, worker_id: int, choosable: Mapping[int, Sequence[str]],
-                    cached: Mapping[int, Mapping[str, Any]] | None = None) -> GateState:
+                    cached: Mapping[int, Mapping[str, Any]] | None = None,
+                    costs: Mapping[str, Any] | None = None) -> GateState:
     """A worker's generate call starts (`choosable`: its engine buckets with speculative arms
     -> those arms). The first caller becomes the prober; on the first call with buckets,
     `cached` (bucket -> a hardware decision of an earlier run, `VerdictCache.load`) declines
-    them as of now, and the smallest bucket left closed is probed."""
-    s = self
+    them as of now, `costs` (`VerdictCache.load_costs`) price compiles as that run measured
+    them, and the smallest bucket left closed is probed. Then the payoff rule is asked again
+    for every bucket (the clock moved)."""
+    s = dataclasses.replace(self, ledger=self.ledger.called())
     if s.prober is None:
       s = dataclasses.replace(s, prober=worker_id)
     if worker_id == s.prober:
       s = dataclasses.replace(s, rollouts=s.rollouts + 1)
     if not s.arms_at and choosable:
-      s = dataclasses.replace(s, arms_at={int(b): tuple(a) for b, a in choosable.items()})
+      s = dataclasses.replace(s, arms_at={int(b): tuple(a) for b, a in choosable.items()},
+                              ledger=s.ledger.remembered(costs or {}))
+      if not s.cfg.gating:  # open everywhere, every arm (a resume's statuses too)
+        buckets = tuple(sorted(s.arms_at))
+        return dataclasses.replace(s, buckets=buckets, hardware_ok=True, at={
+            b: Bucket(status=PAYS, funded=frozenset(s.arms_at[b])) for b in buckets})
       if not s.buckets:  # (a resume restores buckets and verdicts)
         buckets = tuple(sorted(s.arms_at))
         s = dataclasses.replace(s, buckets=buckets, at={b: Bucket() for b in buckets})
         s = s._apply_cached(cached or {})
-        return s._start_probe(buckets[0]) if s.at[buckets[0]].status == CLOSED else s
-    if worker_id != s.prober or not s.buckets:
+        if s.at[buckets[0]].status == CLOSED:
+          s = s._start_probe(buckets[0])
+        return s._fund()
+    if not s.cfg.gating:
       return s
+    if worker_id != s.prober or not s.buckets:
+      return s._fund()
     if not any(r.status == PROBING for r in s.at.values()):
-      return s._reprobe_due()
-    return s._follow_traffic() if s.cfg.follow_traffic else s
+      return s._reprobe_due()._fund()
+    return (s._follow_traffic() if s.cfg.follow_traffic else s)._fund()
 
   def record(self, c: Chunk) -> GateState:
     """One measured chunk. The first of each (bucket, arm) is a warm-up, not counted."""
@@ -269,28 +337,36 @@ class GateState:
       r = dataclasses.replace(r, plain=(r.plain + (c,))[-w:])
     else:
       r = dataclasses.replace(r, spec={**r.spec, c.arm: (r.spec.get(c.arm, ()) + (c,))[-w:]})
-    s = self._put(c.bucket, r)
-    return s._decide(c.bucket) if r.status == PROBING else s
+    s = dataclasses.replace(self._put(c.bucket, r), ledger=self.ledger.decoded(c.bucket, c.wall))
+    return s._decide(c.bucket)._fund() if r.status == PROBING else s
+
+  def compiled(self, kind: str, bucket: int, arm: str | None, seconds: float) -> GateState:
+    """An executable compiled (payoff.Ledger.compiled's kinds)."""
+    return dataclasses.replace(self, ledger=self.ledger.compiled(kind, bucket, arm, seconds))
 
   # ------------------------------------------------------------------------------ questions
   def drafter_wanted(self) -> bool:
     """Whether spot training should run: once a probe has shown drafts can pay on this
     hardware, and not while every bucket is declined for hardware (no chunk will decode with
     the drafter, and training it cannot change that; on shared hardware, e.g. a CPU's cores,
-    an "idle" worker's training slows the stragglers)."""
+    an "idle" worker's training slows the stragglers). Without gating: always."""
+    if not self.cfg.gating:
+      return True
     return self.hardware_ok and any(r.status != DECLINED or r.reason != HARDWARE
                                     for r in self.at.values())
 
   def arms(self, worker_id: int, bucket: int) -> list[str]:
-    """The arms this worker compiles at this bucket now: all choosable ones where it pays, the
-    probed ones on the prober where it is on probation once half of plain decoding's
+    """The arms this worker compiles at this bucket now: the funded ones where it pays, the
+    funded probed ones on the prober where it is on probation once half of plain decoding's
     measurement there is in (so not in a run's first rollouts, while everything else compiles
     too, and not at a bucket that sees no traffic), else none."""
+    if not self.cfg.gating:
+      return list(self.arms_at.get(bucket, ()))
     r = self.at.get(bucket)
     if r is None:
       return []
     if r.status == PAYS:
-      return list(self.arms_at.get(bucket, ()))
+      return [a for a in self.arms_at.get(bucket, ()) if a in r.funded]
     half = (self.cfg.min_chunks + 1) // 2
     if r.status == PROBING and worker_id == self.prober and any(  # (or a larger one's, whose
         len(self.at[q].plain) >= half for q in self.buckets  # batch compacts to it)
@@ -299,18 +375,23 @@ class GateState:
     return []
 
   def allows(self, worker_id: int, bucket: int) -> bool:
-    """Whether this worker may speculate at this bucket now. The prober speculates at a
-    bucket on probation once plain decoding there is measured (`min_chunks` chunks): until
-    then it decodes plainly there itself (a lone worker has no one else to measure it)."""
+    """Whether this worker may speculate at this bucket now: where it pays and some arm is
+    funded; on the prober at a bucket on probation once plain decoding there is measured
+    (`min_chunks` chunks: until then it decodes plainly there itself, a lone worker has no one
+    else to measure it) and its probe is funded."""
+    if not self.cfg.gating:  # (evaluation may come before any training rollout)
+      return True
     r = self.at.get(bucket)
     if r is None:
       return False
-    return r.status == PAYS or (r.status == PROBING and worker_id == self.prober
-                                and len(r.plain) >= self.cfg.min_chunks)
+    if r.status == PAYS:
+      return bool(r.funded)
+    return (r.status == PROBING and worker_id == self.prober
+            and len(r.plain) >= self.cfg.min_chunks and bool(self._probe_arms(bucket)))
 
   def probe_arm(self, bucket: int, default: str) -> str:
-    """The arm a chunk at `bucket` runs: while the bucket is probed, the probed arm measured
-    least so far; else `default` (the bandit's)."""
+    """The arm a chunk at `bucket` runs: while the bucket is probed, the funded probed arm
+    measured least so far; else `default` (the bandit's)."""
     r = self.at.get(bucket)
     probed = self._probe_arms(bucket) if r is not None and r.status == PROBING else []
     if not probed:
@@ -325,6 +406,37 @@ class GateState:
     return {b: d for b, d in last.items()
             if b in self.at and self.at[b].status == DECLINED and self.at[b].reason == HARDWARE}
 
+  def repays_window(self, bucket: int, arm: str, chunks_per_rollout: float,
+                    share: float) -> bool:
+    """Whether a narrower attention window of `arm` at `bucket` is worth compiling (one more
+    executable, as costly as the arm's: payoff.py) for chunks that would read `share` fewer of
+    their step's bytes (the compile plan's estimate) than at the wider window they run at now,
+    `chunks_per_rollout` times per rollout. Their time is the arm's measured chunks' there;
+    before it has one, only an open-ended run compiles."""
+    c = self.cfg
+    r = self.at.get(bucket)
+    chunks = r.spec.get(arm, ()) if r is not None else ()
+    if not chunks:
+      return c.horizon <= 0
+    wall = sum(x.wall for x in chunks) / len(chunks)
+    return payoff.repays_saving(chunks_per_rollout * wall * share, horizon=c.horizon,
+                                rollouts=self.rollouts, payback=c.payback,
+                                cost=self.ledger.arm_cost(bucket, arm, c.compile_factor))
+
+  def payoff(self, bucket: int, arm: str) -> dict[str, float | None]:
+    """The payoff rule's terms for compiling `arm` at `bucket` on a worker that has nothing
+    speculative there yet (the metrics' view; `_fund` decides with what each worker has)."""
+    led, cfg = self.ledger, self.cfg
+    ceiling = self._ceiling(bucket, arm)
+    cost = led.arm_cost(bucket, arm, cfg.compile_factor)
+    opening = led.open_cost(bucket)
+    left = payoff.rollouts_left(cfg.horizon, self.rollouts)
+    return {"s_per_rollout": led.per_rollout(bucket), "ceiling": ceiling,
+            "best_saving": (payoff.best_saving(led.per_rollout(bucket), left, cfg.payback,
+                                               1 - 1 / ceiling)
+                            if left != float("inf") else None),
+            "compile": None if cost is None or opening is None else cost + opening}
+
   # -------------------------------------------------------------------------------- helpers
   def _put(self, b: int, r: Bucket) -> GateState:
     return dataclasses.replace(self, at={**self.at, b: r})
@@ -332,11 +444,121 @@ class GateState:
   def _log(self, decision: dict[str, Any]) -> GateState:
     return dataclasses.replace(self, decisions=self.decisions + (decision,))
 
-  def _probe_arms(self, b: int) -> list[str]:
+  def _candidates(self, b: int) -> list[str]:
+    """The arms a probation at `b` measures: the lead, or with `wide` every drafting arm."""
     drafting = [a for a in self.arms_at.get(b, ()) if a != "off"]
     if self.at[b].wide or not drafting:
       return drafting
     return [self.cfg.lead if self.cfg.lead in drafting else drafting[0]]
+
+  def _probe_arms(self, b: int) -> list[str]:
+    """The probation's arms whose probe is funded."""
+    return [a for a in self._candidates(b) if a in self.at[b].funded]
+
+  def _measured(self, b: int) -> dict[str, tuple[float, float]]:
+    """arm -> (ratio to plain decoding, hardware ceiling) of the arms measured at `b` (counted
+    chunks in its window and a plain rate to compare with)."""
+    r = self.at[b]
+    plain = rate(r.plain) if r.plain else 0.0
+    if plain <= 0:
+      return {}
+    out = {}
+    for a, chunks in r.spec.items():
+      if chunks:
+        ratio = rate(chunks) / plain
+        out[a] = (ratio, ratio * (_depth(a) + 1) / accept_len(chunks))
+    return out
+
+  def _ceiling(self, b: int, arm: str) -> float:
+    """The best case of `arm` at `b`, as speed-up over plain decoding: its measured ceiling
+    there; else the hardware ceiling measured at `b` or at any smaller bucket (every draft
+    accepted: a larger batch is no less compute-bound), at most depth + 1 (each verification
+    as cheap as a plain step, every draft accepted); "off" decodes plainly: 1."""
+    prior = float(_depth(arm) + 1)
+    here = self._measured(b)
+    if arm in here:
+      return here[arm][1]
+    bounds = [max(c for _, c in m.values()) for q in self.buckets if q <= b
+              if (m := self._measured(q))]
+    return min([prior] + bounds)
+
+  def _fund(self) -> GateState:
+    """Asks the payoff rule (payoff.py) again for every bucket on probation or paying,
+    smallest first."""
+    s = self
+    for b in self.buckets:
+      s = s._fund_bucket(b)
+    return s
+
+  def _scope(self, b: int, arm: str) -> list[int]:
+    """Where funding `arm` at `b` compiles it: `b` and every smaller bucket on probation or
+    paying that does not have it yet (a batch that speculates at `b` compacts through them,
+    and needs the arm's executable at each)."""
+    return [q for q in self.buckets if q <= b and self.at[q].status in (PROBING, PAYS)
+            and arm not in self.at[q].funded
+            and (q == b or arm in self.arms_at.get(q, ()))]
+
+  def _price(self, scope: Sequence[int], arm: str, every_worker: bool) -> float | None:
+    """Seconds to compile `arm` over `scope`, with each bucket's one-off speculative compiles
+    where nothing is funded there yet: on every worker (what a paying bucket costs each), or
+    on the prober (a probe: what it compiled in this run already is paid for)."""
+    led, total = self.ledger, 0.0
+    for q in scope:
+      arm_s = (0.0 if not every_worker and (q, arm) in led.made
+               else led.arm_cost(q, arm, self.cfg.compile_factor))
+      open_s = (0.0 if self.at[q].funded or (not every_worker and led.opened(q))
+                else led.open_cost(q))
+      if arm_s is None or open_s is None:
+        return None
+      total += arm_s + open_s
+    return total
+
+  def _worth(self, scope: Sequence[int], gain: float, cost: float | None) -> bool:
+    c = self.cfg
+    return payoff.repays(sum(self.ledger.per_rollout(q) for q in scope), horizon=c.horizon,
+                         rollouts=self.rollouts, payback=c.payback, gain=gain, cost=cost)
+
+  def _fund_bucket(self, b: int) -> GateState:
+    """On probation: funds each probed arm whose best case (1 - 1/ceiling of the time spent
+    at `b` and the smaller buckets it compacts through) repays what the prober has left to
+    compile for it there, each on its own. Where it pays: funds arms, the measured ones by
+    speed first, whose best case beats the fastest funded one (plain decoding before any) by
+    enough to repay what every worker compiles for them. A funded arm is funded at the
+    smaller buckets of its scope too, and stays funded. An open-ended run (horizon 0) funds
+    every arm."""
+    r, c = self.at[b], self.cfg
+    if r.status not in (PROBING, PAYS) or not c.gating:
+      return self
+    if c.horizon <= 0:  # open-ended: every compile repays
+      every = frozenset(self._candidates(b) if r.status == PROBING else self.arms_at.get(b, ()))
+      return self if every <= r.funded else self._put(b, dataclasses.replace(
+          r, funded=r.funded | every))
+    s = self
+    if r.status == PROBING:
+      for a in self._candidates(b):
+        if a in s.at[b].funded:
+          continue
+        scope = s._scope(b, a)
+        if s._worth(scope, 1.0 - 1.0 / s._ceiling(b, a), s._price(scope, a, False)):
+          s = s._with_funded(scope, a)
+      return s
+    measured = self._measured(b)
+    base = max((measured[a][0] for a in r.funded if a in measured), default=1.0)
+    for a in sorted(self.arms_at.get(b, ()), key=lambda a: -measured.get(a, (0.0,))[0]):
+      if a in s.at[b].funded:
+        continue
+      scope = s._scope(b, a)
+      if s._worth(scope, 1.0 - base / s._ceiling(b, a), s._price(scope, a, True)):
+        s = s._with_funded(scope, a)
+        if a in measured:
+          base = max(base, measured[a][0])
+    return s
+
+  def _with_funded(self, scope: Sequence[int], arm: str) -> GateState:
+    at = dict(self.at)
+    for q in scope:
+      at[q] = dataclasses.replace(at[q], funded=at[q].funded | {arm})
+    return dataclasses.replace(self, at=at)
 
   def _apply_cached(self, cached: Mapping[int, Mapping[str, Any]]) -> GateState:
     """Declines for hardware, as of now, the smallest bucket an earlier run declined so on
@@ -350,7 +572,8 @@ class GateState:
 
   def _start_probe(self, b: int) -> GateState:
     return self._put(b, dataclasses.replace(self.at[b], status=PROBING, reason=None,
-                                            since=self.rollouts, wide=False, spec={}))
+                                            since=self.rollouts, wide=False, spec={},
+                                            funded=frozenset()))
 
   def _reprobe_due(self) -> GateState:
     declined = [b for b in self.buckets if self.at[b].status == DECLINED]
@@ -397,8 +620,12 @@ class GateState:
     s = dataclasses.replace(self, hardware_ok=self.hardware_ok or ceiling >= bar)
     drafting = [a for a in self.arms_at.get(b, ()) if a != "off"]
     if not pays and not r.wide and len(drafting) > 1 and ceiling >= bar:
-      # the drafts' acceptance, not the hardware, falls short: try them all
-      return s._put(b, dataclasses.replace(r, wide=True))
+      # the drafts' acceptance, not the hardware, falls short: try the others, those whose
+      # best case repays their compile (none: declined for acceptance now)
+      s = s._put(b, dataclasses.replace(r, wide=True))._fund_bucket(b)
+      if set(s._probe_arms(b)) != set(probed):
+        return s
+      r = s.at[b]
     reason = None if pays else (HARDWARE if ceiling < bar else ACCEPTANCE)
     s = s._log({"bucket": b, "verdict": PAYS if pays else DECLINED, "reason": reason,
                 "best_arm": best, "ratio": round(ratio[best], 3), "ceiling": round(ceiling, 3),
@@ -409,7 +636,7 @@ class GateState:
     i = self.buckets.index(b)
     at = dict(s.at)
     for bb in self.buckets[:i + 1]:  # a smaller batch pays the more
-      at[bb] = dataclasses.replace(at[bb], status=PAYS, reason=None)
+      at[bb] = dataclasses.replace(at[bb], status=PAYS, reason=None, funded=frozenset())
     s = dataclasses.replace(s, at=at)
     nxt = next((bb for bb in self.buckets[i + 1:] if at[bb].status != PAYS), None)
     if nxt is not None and at[nxt].status != PROBING:
@@ -423,19 +650,33 @@ class GateState:
     for bb in self.buckets[self.buckets.index(b):]:
       if at[bb].status != DECLINED or bb == b:
         at[bb] = dataclasses.replace(at[bb], status=DECLINED, reason=reason,
-                                     declined_at=self.rollouts)
+                                     declined_at=self.rollouts, funded=frozenset())
     return dataclasses.replace(self, at=at)
 
   # ------------------------------------------------------------------ metrics and checkpoint
   def summary(self) -> dict[str, Any]:
-    """Status per bucket, why declined ones were, and the measured per-row rates (tokens/s
-    per live row)."""
-    return {"status": {str(b): s for b, s in self.status.items()},
+    """Status per bucket (a bucket on probation whose probe is not funded: "unfunded"), why
+    declined ones were, the measured per-row rates (tokens/s per live row), the funded arms,
+    and the payoff rule's terms for each bucket's lead arm."""
+    status = {}
+    for b, r in self.at.items():
+      unfunded = r.status == PROBING and not self._probe_arms(b)
+      status[str(b)] = "unfunded" if unfunded else r.status
+    payoffs = {}
+    for b in self.buckets:
+      lead = self._candidates(b)
+      if lead and self.at[b].status in (PROBING, PAYS):
+        p = self.payoff(b, lead[0])
+        payoffs[str(b)] = {"arm": lead[0], **{k: (round(v, 4) if isinstance(v, float) else v)
+                                               for k, v in p.items()}}
+    return {"status": status,
             "reason": {str(b): s for b, s in self.reason.items()},
             "plain_rate": {str(b): round(rate(r.plain), 1) for b, r in self.at.items()
                            if r.plain},
             "spec_rate": {f"{b}:{a}": round(rate(c), 1) for b, r in self.at.items()
                           for a, c in r.spec.items() if c},
+            "funded": {str(b): sorted(r.funded) for b, r in self.at.items() if r.funded},
+            "payoff": payoffs,
             "decisions": list(self.decisions)}
 
   def state_dict(self) -> dict[str, Any]:
@@ -445,12 +686,13 @@ class GateState:
             "rollouts": self.rollouts, "hardware_ok": self.hardware_ok,
             "declined_at": {str(b): r.declined_at for b, r in self.at.items()
                             if r.declined_at is not None},
-            "decisions": list(self.decisions)}
+            "decisions": list(self.decisions), "ledger": self.ledger.state_dict()}
 
   @classmethod
   def restore(cls, cfg: GateConfig, state: Mapping[str, Any]) -> GateState:
-    """Verdicts survive a resume (rates are re-measured: the machine may differ; the first
-    caller after it probes). A bucket that was being probed is probed again from scratch."""
+    """Verdicts and the ledger survive a resume (rates are re-measured: the machine may
+    differ; the first caller after it probes; funding is asked again, with nothing compiled in
+    the new process). A bucket that was being probed is probed again from scratch."""
     rollouts = int(state.get("rollouts", 0))
     reason = {int(b): r for b, r in state.get("reason", {}).items()}
     declined_at = {int(b): int(r) for b, r in state.get("declined_at", {}).items()}
@@ -459,23 +701,25 @@ class GateState:
                     since=rollouts if s == PROBING else 0) for b, s in status.items()}
     return cls(cfg, buckets=tuple(int(b) for b in state.get("buckets", [])), at=at,
                rollouts=rollouts, hardware_ok=bool(state.get("hardware_ok", False)),
-               decisions=tuple(state.get("decisions", [])))
+               decisions=tuple(state.get("decisions", [])),
+               ledger=payoff.Ledger.restore(state.get("ledger", {})))
 
 
 class SpecGate:
   """The one gate of a process, shared by its workers' threads: holds a `GateState` and
   swaps it for the next under a lock; the policy is all in GateState. The whole interface an
-  engine uses (engine.py sequences it; compile_plan.py asks the two questions about
-  compiling):
+  engine uses (engine.py sequences it; compile_plan.py asks the questions about compiling):
     begin_rollout(worker, choosable)  once per generate call (the prober's calls are the clock)
     drafter_wanted()                  whether hidden states are captured / the drafter trained
     arms(worker, bucket)              the arms to compile there now
     allows(worker, bucket)            whether a chunk may speculate there now
     probe_arm(bucket, default)        the arm a chunk runs (the probed one on probation)
     record(bucket, arm, ...)          one measured chunk (arm None: plain); may decide
+    compiled(kind, bucket, arm, s)    an executable's compile seconds (payoff.py's kinds)
+    repays_window(bucket, arm, n, f)  whether a narrower attention window is worth compiling
   Questions read one state (a reference read: no lock; a state never changes). The holder
-  owns the I/O the pure state cannot do: loading cached hardware verdicts on the first
-  rollout with buckets, and writing them after every verdict."""
+  owns the I/O the pure state cannot do: loading cached hardware verdicts and compile costs on
+  the first rollout with buckets, and writing them after every verdict and new cost."""
 
   def __init__(self, cfg: GateConfig | None = None, verdicts: VerdictCache | None = None):
     self.state = GateState(cfg or GateConfig())
@@ -484,9 +728,10 @@ class SpecGate:
 
   def begin_rollout(self, worker_id: int, choosable: Mapping[int, Sequence[str]]) -> None:
     with self._lock:
-      cached = (self.verdicts.load() if self.verdicts is not None and choosable
-                and not self.state.buckets else None)
-      self.state = self.state.begin_rollout(worker_id, choosable, cached)
+      first = self.verdicts is not None and choosable and not self.state.arms_at
+      cached = self.verdicts.load() if first and not self.state.buckets else None
+      costs = self.verdicts.load_costs() if first else None
+      self.state = self.state.begin_rollout(worker_id, choosable, cached, costs)
 
   def record(self, bucket: int, arm: str | None, wall: float, steps: int, accepted: int = 0,
              verifications: int = 0) -> None:
@@ -496,6 +741,14 @@ class SpecGate:
       self.state = old.record(Chunk(bucket, arm, wall, steps, accepted, verifications))
       if self.verdicts is not None and len(self.state.decisions) > len(old.decisions):
         self.verdicts.update(self.state.hardware_verdicts())  # (a re-probe that paid: gone)
+
+  def compiled(self, kind: str, bucket: int, arm: str | None, seconds: float) -> None:
+    with self._lock:
+      old = self.state.ledger.costs()
+      self.state = self.state.compiled(kind, bucket, arm, seconds)
+      costs = self.state.ledger.costs()
+      if self.verdicts is not None and costs != old:
+        self.verdicts.update(costs=costs)
 
   def drafter_wanted(self) -> bool:
     return self.state.drafter_wanted()
@@ -508,6 +761,10 @@ class SpecGate:
 
   def probe_arm(self, bucket: int, default: str) -> str:
     return self.state.probe_arm(bucket, default)
+
+  def repays_window(self, bucket: int, arm: str, chunks_per_rollout: float,
+                    share: float) -> bool:
+    return self.state.repays_window(bucket, arm, chunks_per_rollout, share)
 
   def summary(self) -> dict[str, Any]:
     return self.state.summary()

@@ -81,7 +81,7 @@ class FixedSelector:
   def arms(self) -> list[str]:
     return [self.arm]
 
-  def select(self, batch_size: int) -> str:
+  def select(self, batch_size: int, arms: Sequence[str] | None = None) -> str:
     return self.arm
 
   def update(self, arm: str, batch_size: int, reward: float) -> None:
@@ -183,22 +183,25 @@ class BucketedSelector:
     return list(dict.fromkeys(a for i, b in enumerate(self._bounds)
                               if b <= hi and bounds[i + 1] > lo for a in self.buckets[b]))
 
-  def select(self, batch_size: int) -> str:
+  def select(self, batch_size: int, arms: Sequence[str] | None = None) -> str:
+    """The arm for a chunk of `batch_size` live rows, among `arms` where given (the ones the
+    speculation gate has paid to compile there; none of the bucket's: every arm)."""
     with self._lock:
       lo = self.bucket_of(batch_size)
       rewards = self._rewards[lo]
+      pool = [a for a in self.buckets[lo] if arms is None or a in arms] or self.buckets[lo]
       # arms with fewer than min_pulls rewards first: rounds of the least measured, in random
       # order (module docstring: a fixed one aliases with periodic workloads). The order is a
       # function of (seed, bucket, round): an arm whose chunk reported nothing (it compiled)
       # is asked again, not swapped for another untried one.
-      fewest = min(len(rewards[a]) for a in self.buckets[lo])
+      fewest = min(len(rewards[a]) for a in pool)
       if fewest < self.min_pulls:
         order = list(self.buckets[lo])
         random.Random(f"{self._seed}:{lo}:{fewest}").shuffle(order)
-        return next(a for a in order if len(rewards[a]) == fewest)
-      return self._choose(lo)
+        return next(a for a in order if a in pool and len(rewards[a]) == fewest)
+      return self._choose(lo, pool)
 
-  def _choose(self, lo: int) -> str:
+  def _choose(self, lo: int, pool: Sequence[str]) -> str:
     raise NotImplementedError
 
   def update(self, arm: str, batch_size: int, reward: float) -> None:
@@ -263,11 +266,10 @@ class BucketedEpsilonGreedy(BucketedSelector):
       raise ConfigError("must be in [0, 1]", "epsilon", epsilon)
     self.epsilon = float(epsilon)
 
-  def _choose(self, lo: int) -> str:
-    arms = self.buckets[lo]
+  def _choose(self, lo: int, pool: Sequence[str]) -> str:
     if self._rng.random() < self.epsilon:
-      return arms[self._rng.randrange(len(arms))]
-    return max(arms, key=lambda a: self._value(lo, a))
+      return pool[self._rng.randrange(len(pool))]
+    return max(pool, key=lambda a: self._value(lo, a))
 
   def _config(self) -> dict[str, Any]:
     return {**super()._config(), "epsilon": self.epsilon}
@@ -298,8 +300,8 @@ class UCB1(BucketedSelector):
   def _value(self, lo: int, arm: str) -> float:
     return statistics.fmean(self._rewards[lo][arm])
 
-  def _choose(self, lo: int) -> str:
-    arms = self.buckets[lo]
+  def _choose(self, lo: int, pool: Sequence[str]) -> str:
+    arms = list(pool)
     means = {a: self._value(lo, a) for a in arms}
     scale = max(abs(m) for m in means.values()) or 1.0
     n = {a: len(self._rewards[lo][a]) for a in arms}

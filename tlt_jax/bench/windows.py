@@ -1,0 +1,144 @@
+"""Attention windows against executables (scripts/bench_windows.py prints what this measures).
+
+Decoding reads only the live tokens' window of the KV cache (`kv_len`, models/transformer.py),
+and a window is a static shape: every (batch bucket, arm) executable exists once per window,
+so speculation's executables multiply by the windows the tail visits. The choices, measured:
+
+  grid x2      windows prompt_bucket x 2^k up to the cache (the engine's `length_grid`): a
+               step reads at most 2x the live tokens; log2(cache / prompt_bucket) + 1 windows
+  grid x4      prompt_bucket x 4^k: half as many windows, at most 4x the live tokens read
+  whole cache  one window, the cache's capacity: reads follow the allocation, not the tokens
+  block loop   one executable: attention loops over blocks of `block` slots of the row's pages
+               with a dynamic trip count (online softmax), reading the live tokens rounded up
+               to a block; the price is a loop per layer per forward (on a GPU, XLA's dynamic
+               loops synchronise with the host at every iteration; a fused paged-attention
+               kernel would be the GPU form of this choice)
+
+`count` gives each scheme's speculative executables for a config by count (its choosable
+(bucket, arm) pairs x its windows); `attention_step` times one decode step's attention, every
+layer's pool gathered as the model does (`gather_window`, `attend`), for a row of `live`
+tokens in a cache of `allocated` slots. What the engine does with them (compile a narrower
+window only when what it saves repays its compile): rollout/compile_plan.py, gate.py.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.transformer import attend, gather_window
+from tlt_jax.rollout.scheduler import bucket_for, length_grid
+
+SCHEMES = ("grid x2", "grid x4", "whole cache", "block loop")
+
+
+def windows(scheme: str, base: int, cap: int) -> tuple[int, ...]:
+  """The attention windows a scheme compiles executables for (the block loop: one, dynamic)."""
+  if scheme == "grid x2":
+    return length_grid(base, cap)
+  if scheme == "grid x4":
+    out, n = [], base
+    while n < cap:
+      out.append(n)
+      n *= 4
+    return tuple(out) + (cap,)
+  if scheme in ("whole cache", "block loop"):
+    return (cap,)
+  raise ValueError(f"unknown scheme {scheme!r}; use one of {SCHEMES}")
+
+
+def count(spec) -> dict[str, Any]:
+  """A run spec's (config.run_spec) speculative (bucket, arm) pairs and, per scheme, the
+  speculative chunk executables a tail that visits every window compiles (pairs x windows)."""
+  from tlt_jax.rollout.compile_plan import choosable_pairs
+  ecfg = spec.engine
+  pairs = choosable_pairs(ecfg, spec.selector()) if ecfg.spec is not None else {}
+  n = sum(len(a) for a in pairs.values())
+  out = {"pairs": n, "buckets": sorted(pairs), "cache_len": ecfg.cache_len}
+  for s in SCHEMES:
+    w = windows(s, ecfg.prompt_bucket, ecfg.cache_len)
+    out[s] = {"windows": len(w), "executables": n * len(w)}
+  return out
+
+
+def _block_loop(q, k_pool, v_pool, table, lengths, t: int, block: int):
+  """Attention of q [B, T, N, H] over each row's first ceil((max length + T) / block)
+  blocks of its pages (online softmax), a dynamic trip count; the mask as the model's."""
+  b, _, n, h = q.shape
+  page, kv_heads = k_pool.shape[1], k_pool.shape[2]
+  per = block // page
+  table = jnp.pad(table, ((0, 0), (0, (-table.shape[1]) % per)))
+  trips = (jnp.max(lengths) + t + block - 1) // block
+  qg = q.reshape(b, t, kv_heads, n // kv_heads, h)
+
+  def body(i, carry):
+    m, s_sum, acc = carry
+    pages = jax.lax.dynamic_slice_in_dim(table, i * per, per, axis=1)
+    k = jnp.take(k_pool, pages, axis=0, mode="clip").reshape(b, block, kv_heads, h)
+    v = jnp.take(v_pool, pages, axis=0, mode="clip").reshape(b, block, kv_heads, h)
+    s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
+    s = s / math.sqrt(h)
+    slots = i * block + jnp.arange(block)
+    visible = slots[None, None, :] <= lengths[:, None, None] + jnp.arange(t)[None, :, None]
+    s = jnp.where(visible[:, None, None], s, jnp.finfo(jnp.float32).min)
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.exp(s - m_new[..., None])
+    scale = jnp.exp(m - m_new)
+    return (m_new, s_sum * scale + p.sum(-1),
+            acc * scale[..., None] + jnp.einsum("BKGTS,BSKH->BKGTH", p, v))
+
+  shape = (b, kv_heads, n // kv_heads, t)
+  init = (jnp.full(shape, jnp.finfo(jnp.float32).min), jnp.zeros(shape),
+          jnp.zeros(shape + (h,)))
+  _, s_sum, acc = jax.lax.fori_loop(0, trips, body, init)
+  return (acc / s_sum[..., None]).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
+def attention_step(cfg: ModelConfig, *, batch: int, t: int, live: int, allocated: int,
+                   scheme: str, base: int = 16, block: int = 128, page: int = 16,
+                   layers: int | None = None, iters: int = 50, repeats: int = 5) -> float:
+  """Seconds of one decode forward's attention (`layers` of the model's layers, all by
+  default; T = t query tokens per row: 1 plain, K + 1 a verification) for rows of `live`
+  tokens in caches of `allocated` slots, under `scheme` (windows on `base`'s grid): the best
+  of `repeats` means over `iters` calls, compiled first."""
+  layers = layers or cfg.num_layers
+  kvh, h, n = cfg.num_kv_heads, cfg.head_dim_, cfg.num_heads
+  rows = -(-allocated // page)
+  keys = jax.random.split(jax.random.key(0), 2 * layers + 1)
+  pools = [jax.random.normal(k, (batch * rows, page, kvh, h), jnp.float32) for k in keys[1:]]
+  table = jnp.arange(batch * rows, dtype=jnp.int32).reshape(batch, rows)
+  lengths = jnp.full((batch,), live, jnp.int32)
+  q = jax.random.normal(keys[0], (batch, t, n, h), jnp.float32)
+  w = (bucket_for(windows(scheme, base, rows * page), live + t)
+       if scheme != "block loop" else None)
+
+  def step(q, pools, table, lengths):
+    out = q
+    for i in range(layers):
+      kp, vp = pools[2 * i], pools[2 * i + 1]
+      if w is None:
+        o = _block_loop(out, kp, vp, table, lengths, t, block)
+      else:
+        k = gather_window(kp, table[:, :-(-w // page)], w)
+        v = gather_window(vp, table[:, :-(-w // page)], w)
+        slots = jnp.arange(w)[None, None, :]
+        mask = slots <= lengths[:, None, None] + jnp.arange(t)[None, :, None]
+        o = attend(out, k, v, mask)
+      out = out + 0.01 * o  # each layer's query depends on the last (no dead code)
+    return out
+
+  fn = jax.jit(step)
+  fn(q, pools, table, lengths).block_until_ready()
+  best = math.inf
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    for _ in range(iters):
+      fn(q, pools, table, lengths).block_until_ready()
+    best = min(best, (time.perf_counter() - t0) / iters)
+  return best
+
