@@ -166,7 +166,7 @@ def test_hardware_verdicts_outlive_the_run_where_nothing_they_depend_on_changed(
   fingerprint starts declined (no probe: nothing compiles, the drafter is not wanted), one
   with another fingerprint probes; acceptance verdicts are not kept (they depend on the
   drafter); a re-probe that pays removes the verdict; a damaged file is a cache miss."""
-  from tlt_jax.rollout.gate import VerdictCache
+  from tlt_jax.rollout.verdicts import VerdictCache
   path = tmp_path / "gate" / "verdicts.json"
   fp = {"device_kind": "cpu", "model": "hidden=128"}
   buckets = {b: ARMS for b in (1, 2, 4)}

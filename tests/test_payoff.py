@@ -4,7 +4,8 @@ computed cases: nothing speculative is compiled unless its best case repays the 
 import pytest
 
 from tlt_jax.rollout import payoff
-from tlt_jax.rollout.gate import GateConfig, GateState, SpecGate, VerdictCache
+from tlt_jax.rollout.gate import GateConfig, GateState, SpecGate
+from tlt_jax.rollout.verdicts import VerdictCache
 from tlt_jax.rollout.payoff import OPEN, PLAIN, SPEC, Ledger
 
 ARMS = ["4_1_5", "3_1_4", "off"]

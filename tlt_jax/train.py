@@ -72,11 +72,13 @@ from tlt_jax.rl import grpo
 from tlt_jax.rl.reward_pool import RewardError, RewardPool
 from tlt_jax.rollout.engine import Engine, to_replica_layout
 from tlt_jax.rollout.executables import background_compiler
-from tlt_jax.rollout.gate import SpecGate, VerdictCache
+from tlt_jax.rollout.executables import summary as executables_summary
+from tlt_jax.rollout.gate import SpecGate
 from tlt_jax.rollout.history import HistoryIndex
 from tlt_jax.rollout.mab import BucketedSelector, FixedSelector
 from tlt_jax.rollout.records import Request, Result, by_kind, tokens_per_verification
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.verdicts import VerdictCache
 from tlt_jax.sharding import tree_shardings
 
 
@@ -482,7 +484,8 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
                     for k in ("memory_bytes", "sequences", "tokens", "lookups", "hits")}
   if run.gate is not None:
     m["spec_gate"] = run.gate.summary()
-  m["executables"] = _executables(run.coordinator.engines)
+  m["executables"] = executables_summary([r for e in run.coordinator.engines
+                                           for r in e.compile_log])
   if run.coordinator.spot.mode != "off":
     m["spot"] = {k: v for k, v in spot.items() if k != "per_worker"}
     m["spot"]["per_worker"] = {str(p["worker"]): {k: v for k, v in p.items() if k != "worker"}
@@ -494,19 +497,6 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   times["compile"] = run.compile_clock.lap()
   m["time"] = times
   return TrainState(step=step + 1, learner=learner), m, timeline.to_json()
-
-
-SPECULATIVE = ("spec", "switch_on", "prefill_spec")  # executables only speculation compiles
-
-
-def _executables(engines) -> dict[str, Any]:
-  """The rollout engines' executables so far (this process's): how many, how many of them
-  speculative, and the seconds compiling them took (cache hits: the time to load)."""
-  recs = [r for e in engines for r in e.compile_log]
-  return {"count": len(recs), "speculative": sum(r.name in SPECULATIVE for r in recs),
-          "compile_s": round(sum(r.seconds for r in recs), 2),
-          "speculative_compile_s": round(sum(r.seconds for r in recs
-                                             if r.name in SPECULATIVE), 2)}
 
 
 def _gather_responses(mine: list[Response]) -> list[Response]:

@@ -569,12 +569,10 @@ class Engine:
     records = self.exes.records[self._compiles_reported:]
     self._compiles_reported += len(records)
     for r in records:
-      if r.name == "decode":
-        gate.compiled(payoff.PLAIN, r.batch, None, r.seconds)
-      elif r.name == "spec":
-        gate.compiled(payoff.SPEC, r.batch, r.key.variant[0], r.seconds)
-      elif r.name in ("switch_on", "prefill_spec"):
-        gate.compiled(payoff.OPEN, r.batch, None, r.seconds)
+      kind = payoff.KIND.get(r.name)
+      if kind is not None:
+        gate.compiled(kind, r.batch, r.key.variant[0] if kind == payoff.SPEC else None,
+                      r.seconds)
 
   def _collect(self, sched: Scheduler, live: list[int], outputs: dict[Any, Output], host,
                capture: bool, results: list[Result], hooks: EngineHooks, t_start: float,

@@ -126,6 +126,20 @@ class ExecutableCache:
             "memory_bytes": sum(mems) if mems else None}
 
 
+# executables only speculation compiles: an arm's chunk (or a history arm's step), the
+# switch-on forward, the drafter-carrying prefill
+SPECULATIVE = ("spec", "switch_on", "prefill_spec")
+
+
+def summary(records: list[CompileRecord]) -> dict[str, Any]:
+  """Compile records (one or several engines') as a run's metrics show them: how many, how
+  many speculative, the seconds compiling them took (persistent-cache hits: loading)."""
+  spec = [r for r in records if r.name in SPECULATIVE]
+  return {"count": len(records), "speculative": len(spec),
+          "compile_s": round(sum(r.seconds for r in records), 2),
+          "speculative_compile_s": round(sum(r.seconds for r in spec), 2)}
+
+
 def background_compiler(name: str) -> cf.ThreadPoolExecutor:
   """One thread for compiling ahead of need, at the lowest CPU priority (Linux: per-thread
   nice 19, inherited by threads XLA starts from it): compiles fill idle cores (a decode tail

@@ -31,7 +31,7 @@ batch, and every probe repays.
 
 `Ledger` is what the run has measured, a frozen record updated by pure transitions (a chunk's
 time, a rollout, a compile); `repays` is the rule. Compile costs are remembered across runs
-with the gate's hardware verdicts (gate.VerdictCache): a second run loads its executables from
+with the gate's hardware verdicts (verdicts.VerdictCache): a second run loads its executables from
 JAX's persistent cache in milliseconds, which would otherwise price a compile it has never
 paid as nearly free.
 """
@@ -46,6 +46,8 @@ from typing import Any, Mapping
 # prefill), in plain decode chunk compiles at the bucket, until measured (1.4 measured here).
 OPEN_PRIOR = 1.5
 PLAIN, SPEC, OPEN = "plain", "spec", "open"  # the kinds of compile a ledger prices
+# an engine executable's name (executables.py, compile_plan.py) -> its kind (None: not priced)
+KIND = {"decode": PLAIN, "spec": SPEC, "switch_on": OPEN, "prefill_spec": OPEN}
 
 
 @dataclasses.dataclass(frozen=True)
