@@ -37,7 +37,7 @@ def child(args) -> dict:
   from tlt_jax.data.prompts import load_prompt_rows
   from tlt_jax.drafter.model import load_drafter
   from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
-  from tlt_jax.rollout.engine import EngineConfig, SpecConfig
+  from tlt_jax.rollout.config import EngineConfig, SpecConfig
   from tlt_jax.rollout.sampling import SamplingParams
   import tlt_jax
   # The child runs in whichever checkout --trees names, older ones included (their engine is

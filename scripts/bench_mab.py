@@ -5,7 +5,7 @@
 Arms: every arm of the default BEG buckets (`tlt_jax.rollout.mab.default_mab_buckets()`).
 Each arm as a fixed strategy, and BEG over the default buckets, decode the long-tail workload
 (default model + shipped drafter, default-task test prompts, temperature 1, EOS) pass by pass,
-interleaved (tlt_jax/rollout/mab_bench.py). BEG keeps learning across passes and is reported
+interleaved (tlt_jax/bench/mab.py). BEG keeps learning across passes and is reported
 after its first --warmup passes; fixed arms over the same passes (same sampling seeds).
 Prints tokens/s per configuration, BEG / best fixed and BEG / worst fixed (best and worst in
 hindsight), and the compiled (bucket, arm) executables BEG needs (choosable pairs) against
@@ -40,11 +40,11 @@ def main():
   import numpy as np
 
   from tlt_jax.rollout.engine import Engine
-  from tlt_jax.rollout.mab import BucketedEpsilonGreedy, FixedSelector, default_mab_buckets
-  from tlt_jax.rollout.mab_bench import LongTailBench, load_default_workload, throughput
+  from tlt_jax.rollout.mab import default_mab_buckets, make_selector
+  from tlt_jax.bench.mab import LongTailBench, load_default_workload, throughput
 
   buckets = default_mab_buckets()
-  arms = BucketedEpsilonGreedy(buckets).arms
+  arms = make_selector("beg", buckets).arms
   work = load_default_workload(args.num_prompts)
   bench = LongTailBench(work, arms, max_batch=args.max_batch, chunk_size=args.chunk_size,
                         max_new_tokens=args.max_new_tokens, bs_threshold=args.bs_threshold)
@@ -53,9 +53,9 @@ def main():
   print(f"precompile + warm-up pass: {bench.precompile():.0f}s", file=sys.stderr)
 
   def beg():
-    return BucketedEpsilonGreedy(buckets, epsilon=args.epsilon, window=args.window, seed=0)
+    return make_selector("beg", buckets, epsilon=args.epsilon, window=args.window, seed=0)
 
-  configs = {f"fixed {a}": (lambda a=a: FixedSelector(a)) for a in arms}
+  configs = {f"fixed {a}": (lambda a=a: make_selector("fixed", strategy=a)) for a in arms}
   configs["BEG (default buckets)"] = beg
   passes, selectors = bench.run(configs, args.passes,
                                 log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -102,7 +102,7 @@ def main():
         ecfg, spec=dataclasses.replace(ecfg.spec, bs_threshold=thr)),
         drafter_params=work.drafter_params, selector=beg())
     rows = {"BEG choosable pairs": [(a, b)
-                                    for b, arms_b in w.compiles.choosable_pairs().items()
+                                    for b, arms_b in w.choosable_pairs().items()
                                     for a in arms_b],
             "every arm x every bucket": [(a, b) for b in ecfg.buckets for a in arms]}
     for name, pairs in rows.items():

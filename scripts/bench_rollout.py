@@ -83,7 +83,8 @@ def main():
   from tlt_jax.config import asset_path
   from tlt_jax.data.prompts import load_prompt_rows
   from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
-  from tlt_jax.rollout.engine import Engine, EngineConfig
+  from tlt_jax.rollout.config import EngineConfig
+  from tlt_jax.rollout.engine import Engine
   from tlt_jax.rollout.records import Request, tokens_per_verification
   from tlt_jax.rollout.sampling import SamplingParams
 
@@ -111,7 +112,7 @@ def main():
     return
 
   from tlt_jax.drafter.model import load_drafter
-  from tlt_jax.rollout.engine import SpecConfig
+  from tlt_jax.rollout.config import SpecConfig
   dparams = None if args.skip_spec else load_drafter(
       args.drafter or asset_path("default", "drafter"), cfg)
   arms = args.spec_arms.split(",")

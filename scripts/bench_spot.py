@@ -52,7 +52,8 @@ def main(argv=None):
   from tlt_jax.drafter.trainer import DrafterTrainer
   from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
   from tlt_jax.optim import make_optimizer
-  from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
+  from tlt_jax.rollout.config import EngineConfig, SpecConfig
+  from tlt_jax.rollout.engine import Engine
   from tlt_jax.rollout.records import Request
   from tlt_jax.rollout.sampling import SamplingParams
   from tlt_jax.sharding import make_mesh

@@ -45,8 +45,9 @@ def main(argv=None) -> int:
   ap.add_argument("--out", default=os.path.join(ROOT, "out", "gpu_probe"))
   args = ap.parse_args(argv)
 
-  from tlt_jax.bench.bench_model import load_bench_target
-  from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
+  from tlt_jax.bench.bench_model import load_target
+  from tlt_jax.rollout.config import EngineConfig, SpecConfig
+  from tlt_jax.rollout.engine import Engine
   from tlt_jax.rollout.records import Request, tokens_per_verification
   from tlt_jax.rollout.sampling import SamplingParams
 
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
   print(f"### bandwidth\n\ncopy bandwidth (in-place x + 1 over 1 GiB, read + write): "
         f"**{bw / 1e9:.0f} GB/s**\n", flush=True)
 
-  cfg, params, dparams, _, stop, prompts = load_bench_target(args.bench, args.dtype)
+  cfg, params, dparams, _, stop, prompts = load_target(args.bench, args.dtype)
   prompts = prompts[:args.prompts]
   max_prompt = -(-max(len(p) for p in prompts) // 16) * 16
   greedy = SamplingParams(temperature=0.0)

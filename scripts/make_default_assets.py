@@ -54,7 +54,8 @@ from tlt_jax.models import (ModelConfig, forward, init_params,  # noqa: E402
                             num_params, segment_causal_mask)
 from tlt_jax.models.hf_io import load_hf_model, save_hf_model  # noqa: E402
 from tlt_jax.optim import lr_schedule, make_optimizer  # noqa: E402
-from tlt_jax.rollout.engine import Engine, EngineConfig  # noqa: E402
+from tlt_jax.rollout.config import EngineConfig  # noqa: E402
+from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.records import Request  # noqa: E402
 from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
 

@@ -307,7 +307,8 @@ def main(argv=None):
   from tlt_jax.checkpoint import Checkpointer
   from tlt_jax.models.hf_io import (load_hf_model, load_tokenizer, read_hf_config,
                                     stop_token_ids)
-  from tlt_jax.rollout.engine import Engine, EngineConfig
+  from tlt_jax.rollout.config import EngineConfig
+  from tlt_jax.rollout.engine import Engine
   from tlt_jax.rollout.sampling import SamplingParams
 
   t_start = time.perf_counter()

@@ -32,3 +32,13 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny():
+  """(params, drafter params) of spec_helpers.TINY, the engine tests' tiny target."""
+  from spec_helpers import make_tiny
+  return make_tiny()

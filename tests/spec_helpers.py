@@ -1,6 +1,7 @@
-"""Helpers shared by the speculative decoding tests: a peaked target whose exact joint
-distribution over a few tokens is enumerable, and chi-square tests against it (lossless
-sampling must pass, a broken acceptance rule must fail)."""
+"""Helpers shared by the speculative decoding tests: the tiny target the engine tests share
+(`TINY`, its weights the `tiny` fixture of conftest.py, `SMALL` an engine layout for it), a
+peaked target whose exact joint distribution over a few tokens is enumerable, and chi-square
+tests against it (lossless sampling must pass, a broken acceptance rule must fail)."""
 
 import itertools
 
@@ -12,6 +13,19 @@ from scipy import stats
 from tlt_jax.drafter.model import init_drafter
 from tlt_jax.models import ModelConfig, forward, init_params
 from tlt_jax.rollout.sampling import SamplingParams, processed_logprobs
+
+# the engine tests' tiny target: its weights are conftest.py's `tiny` fixture
+TINY = ModelConfig(arch="qwen2", vocab_size=61, hidden_size=32, intermediate_size=64,
+                   num_layers=2, num_heads=4, num_kv_heads=2, qkv_bias=True,
+                   tie_word_embeddings=True)
+SMALL = dict(max_batch=4, buckets=(1, 2, 4), chunk_size=4, max_prompt_len=16, max_new_tokens=24)
+
+
+def make_tiny():
+  """(params, drafter params) of `TINY`: a random target with logits sharp enough to decode
+  distinct answers, and a random drafter."""
+  return init_params(TINY, jax.random.key(0), std=0.3), init_drafter(TINY, jax.random.key(1))
+
 
 V = 6
 PEAKED = ModelConfig(arch="llama", vocab_size=V, hidden_size=32, intermediate_size=64,

@@ -326,7 +326,8 @@ def test_two_workers_on_two_devices_decode_what_one_does_and_share_one_drafter(d
   from tlt_jax.drafter.merge import average_states
   from tlt_jax.drafter.trainer import DrafterTrainer
   from tlt_jax.optim import make_optimizer
-  from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
+  from tlt_jax.rollout.config import EngineConfig, SpecConfig
+  from tlt_jax.rollout.engine import Engine
   from tlt_jax.rollout.records import Request
   from tlt_jax.rollout.sampling import SamplingParams
   cfg, params, dparams, tok, stop = default_model

@@ -1,4 +1,4 @@
-"""tlt_jax.distributed: launch detection on fake Slurm / Open MPI / by-hand environments, the
+"""tlt_jax.launch and tlt_jax.distributed: launch detection on fake Slurm / Open MPI / by-hand environments, the
 config section and its errors, then real 2-process x 4-CPU-device runs (tests/mp_launch.py):
 global collectives give the numpy answer in both processes, and a process that dies (killed,
 or an uncaught exception; process 0 or not) brings the other down in bounded time instead of
@@ -15,8 +15,9 @@ import pytest
 
 from tlt_jax import config as config_lib
 from tlt_jax import distributed as dist
+from tlt_jax import launch as launch_lib
 from tlt_jax.errors import ConfigError
-from tlt_jax.distributed import DistributedConfig, detect
+from tlt_jax.launch import DistributedConfig, detect
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mp_launch import ROOT, describe, launch  # noqa: E402
@@ -54,25 +55,25 @@ def ompi_env(rank, size=16, local_rank=1, local_size=8, **extra):
     ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
 ])
 def test_expand_hostlist(text, hosts):
-  assert dist.expand_hostlist(text) == hosts
+  assert launch_lib.expand_hostlist(text) == hosts
 
 
 @pytest.mark.parametrize("text", ["node[001-003", "node001]", "node[a-b]"])
 def test_expand_hostlist_rejects(text):
   with pytest.raises(ValueError, match="host list"):
-    dist.expand_hostlist(text)
+    launch_lib.expand_hostlist(text)
 
 
 def test_expand_tasks_per_node():
-  assert dist.expand_tasks_per_node("8(x2),4") == [8, 8, 4]
-  assert dist.expand_tasks_per_node("1") == [1]
+  assert launch_lib.expand_tasks_per_node("8(x2),4") == [8, 8, 4]
+  assert launch_lib.expand_tasks_per_node("1") == [1]
 
 
 # -------------------------------------------------------------------------------- Slurm
 def test_slurm_two_nodes_eight_tasks_each():
   env = slurm_env(procid=11, localid=3, nodeid=1, CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7")
   got = detect(env, platform="gpu")
-  assert got == dist.Launch("slurm", f"gpu007:{PORT}", 16, 11, 3, 8, (3,), "gpu")
+  assert got == launch_lib.Launch("slurm", f"gpu007:{PORT}", 16, 11, 3, 8, (3,), "gpu")
   # on CPU every process keeps its own (fake) devices
   assert detect(env, platform="cpu").local_device_ids is None
   # no CUDA_VISIBLE_DEVICES: one GPU per task, as JAX assumes
@@ -94,7 +95,7 @@ def test_slurm_gpu_binding():
   assert detect(env, platform="gpu").local_device_ids is None
   # one task per node keeps all the node's GPUs (JAX's own detection would give it GPU 0)
   env = slurm_env(procid=1, localid=0, nodeid=1, ntasks=2, per_node="1(x2)")
-  assert detect(env, platform="gpu") == dist.Launch("slurm", f"gpu007:{PORT}", 2, 1, 0, 1,
+  assert detect(env, platform="gpu") == launch_lib.Launch("slurm", f"gpu007:{PORT}", 2, 1, 0, 1,
                                                     None, "gpu")
   # 3 tasks cannot share 8 GPUs evenly
   env = slurm_env(procid=0, localid=0, nodeid=0, ntasks=3, per_node="3", nodes=1,
@@ -139,7 +140,7 @@ def test_slurm_single_task_and_batch_script():
 # ----------------------------------------------------------------------------- Open MPI
 def test_openmpi():
   env = ompi_env(rank=9, TLT_COORDINATOR_ADDRESS="node001:29500")
-  assert detect(env, platform="gpu") == dist.Launch("openmpi", "node001:29500", 16, 9, 1, 8,
+  assert detect(env, platform="gpu") == launch_lib.Launch("openmpi", "node001:29500", 16, 9, 1, 8,
                                                     (1,), "gpu")
   assert detect(ompi_env(rank=9, JAX_COORDINATOR_ADDRESS="h:1")).coordinator_address == "h:1"
   cfg = DistributedConfig(coordinator_address="head:1234")
@@ -156,7 +157,7 @@ def test_openmpi():
 def test_explicit():
   env = {"TLT_COORDINATOR_ADDRESS": "127.0.0.1:5000", "TLT_NUM_PROCESSES": "2",
          "TLT_PROCESS_ID": "1"}
-  assert detect(env, platform="cpu") == dist.Launch("explicit", "127.0.0.1:5000", 2, 1, None,
+  assert detect(env, platform="cpu") == launch_lib.Launch("explicit", "127.0.0.1:5000", 2, 1, None,
                                                     None, None, "cpu")
   assert detect(env, DistributedConfig(process_id=0)).process_id == 0
   cfg = DistributedConfig(coordinator_address="[::1]:5000", num_processes=4, process_id=3)

@@ -559,7 +559,8 @@ def policy_rollouts():
   from tlt_jax.config import asset_path
   from tlt_jax.data.prompts import load_prompt_rows
   from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
-  from tlt_jax.rollout.engine import Engine, EngineConfig
+  from tlt_jax.rollout.config import EngineConfig
+  from tlt_jax.rollout.engine import Engine
   from tlt_jax.rollout.records import Request
   from tlt_jax.rollout.sampling import SamplingParams
   mdir = asset_path("default", "model")

@@ -228,7 +228,8 @@ def project_tokens_per_verification(prompts, eos) -> float:
   --spec 4_1_5 --temperature 0 --batch_size 1` reports)."""
   from tlt_jax.drafter.model import load_drafter
   from tlt_jax.models.hf_io import load_hf_model
-  from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
+  from tlt_jax.rollout.config import EngineConfig, SpecConfig
+  from tlt_jax.rollout.engine import Engine
   from tlt_jax.rollout.records import Request, tokens_per_verification
   from tlt_jax.rollout.sampling import SamplingParams
   cfg, params = load_hf_model(MODEL)

@@ -3,16 +3,16 @@ the engine compiling and speculating only where the gate opens, losslessly."""
 
 import dataclasses
 
-import jax
 import numpy as np
 import pytest
 
-from tlt_jax.drafter.model import init_drafter
-from tlt_jax.models import ModelConfig, init_params
-from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
-from tlt_jax.rollout.gate import Chunk, GateConfig, GateState, SpecGate
+from tlt_jax.rollout.config import EngineConfig, SpecConfig
+from tlt_jax.rollout.engine import Engine
+from tlt_jax.rollout.gate import GateConfig, GateState, SpecGate
+from tlt_jax.rollout.probe import Chunk
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
+from spec_helpers import SMALL, TINY
 
 
 ARMS = ["4_1_5", "3_1_4", "off"]
@@ -285,10 +285,7 @@ def test_pure_transitions_from_recorded_chunks_to_the_verdicts():
 
 
 # ------------------------------------------------------------------------ through the engine
-CFG = ModelConfig(arch="qwen2", vocab_size=61, hidden_size=32, intermediate_size=64,
-                  num_layers=2, num_heads=4, num_kv_heads=2, qkv_bias=True,
-                  tie_word_embeddings=True)
-SMALL = dict(max_batch=4, buckets=(1, 2, 4), chunk_size=4, max_prompt_len=16, max_new_tokens=24)
+CFG = TINY
 
 
 def _requests(n):
@@ -296,13 +293,12 @@ def _requests(n):
   return [Request(list(rng.randint(1, 61, rng.randint(2, 12))), i) for i in range(n)]
 
 
-def test_workers_compile_and_speculate_only_where_the_gate_opens():
+def test_workers_compile_and_speculate_only_where_the_gate_opens(tiny):
   """Two workers share a gate. While bucket 1 is probed only the prober compiles speculative
   executables (bucket 1's only); a bucket declined stops speculation on both; a bucket that
   pays is compiled by the other worker at its next rollout and speculated at. Greedy outputs
   stay plain decoding's throughout."""
-  params = init_params(CFG, jax.random.key(0), std=0.3)
-  dparams = init_drafter(CFG, jax.random.key(1))
+  params, dparams = tiny
   reqs, sp = _requests(9), SamplingParams(temperature=0.0)
   plain = {r.request_id: r.response_ids
            for r in Engine(params, CFG, EngineConfig(**SMALL)).generate(reqs, sp)}
@@ -348,11 +344,10 @@ def test_workers_compile_and_speculate_only_where_the_gate_opens():
   assert all(c.mode == "plain" for c in b.chunk_log[n_b:] if c.bucket > 1)
 
 
-def test_drafter_data_is_captured_only_while_the_gate_wants_the_drafter():
+def test_drafter_data_is_captured_only_while_the_gate_wants_the_drafter(tiny):
   """Hidden states (the drafter's training data) leave the device only once a probe has shown
   drafts can pay here; then they are exactly what a worker without a gate captures."""
-  params = init_params(CFG, jax.random.key(0), std=0.3)
-  dparams = init_drafter(CFG, jax.random.key(1))
+  params, dparams = tiny
   reqs, sp = _requests(5), SamplingParams(temperature=0.0)
   spec = SpecConfig(strategy="3_1_4", bs_threshold=1, patience=1, use_kernel=False)
   ecfg = EngineConfig(**SMALL, spec=spec, capture_hidden=True)

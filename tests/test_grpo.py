@@ -10,7 +10,8 @@ import pytest
 from tlt_jax.models import ModelConfig, forward, init_params
 from tlt_jax.optim import make_optimizer
 from tlt_jax.rl import grpo
-from tlt_jax.rollout.engine import Engine, EngineConfig
+from tlt_jax.rollout.config import EngineConfig
+from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.sharding import make_mesh

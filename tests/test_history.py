@@ -380,7 +380,8 @@ def test_engine_with_background_index_equals_synchronous():
 
   from tlt_jax.drafter.model import init_drafter
   from tlt_jax.models import ModelConfig, init_params
-  from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
+  from tlt_jax.rollout.config import EngineConfig, SpecConfig
+  from tlt_jax.rollout.engine import Engine
   from tlt_jax.rollout.records import Request
   from tlt_jax.rollout.sampling import SamplingParams
   cfg = ModelConfig(arch="qwen2", vocab_size=61, hidden_size=32, intermediate_size=64,

@@ -13,20 +13,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tlt_jax.drafter.model import drafter_cache, init_drafter
-from tlt_jax.models import ModelConfig, init_cache, init_params
-from tlt_jax.rollout import speculative
-from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig, chunk_reach
+from tlt_jax.drafter.model import drafter_cache
+from tlt_jax.models import init_cache
+from tlt_jax.rollout import drafts, speculative
+from tlt_jax.rollout.config import EngineConfig, SpecConfig
+from tlt_jax.rollout.engine import Engine, chunk_reach
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.strategy import Strategy
-from spec_helpers import N, NEW, PEAKED, PROMPT, SAMPLING, broken_p, chi_square_p, exact_joint, \
-    make_peaked
+from spec_helpers import (N, NEW, PEAKED, PROMPT, SAMPLING, SMALL, TINY, broken_p, chi_square_p,
+                          exact_joint, make_peaked)
 
-CFG = ModelConfig(arch="qwen2", vocab_size=61, hidden_size=32, intermediate_size=64,
-                  num_layers=2, num_heads=4, num_kv_heads=2, qkv_bias=True,
-                  tie_word_embeddings=True)
-SMALL = dict(max_batch=4, buckets=(1, 2, 4), chunk_size=4, max_prompt_len=16, max_new_tokens=24)
+CFG = TINY
 
 
 @dataclasses.dataclass
@@ -100,9 +98,6 @@ class CycleSelector:
     return self.arms
 
 
-@pytest.fixture(scope="module")
-def tiny():
-  return init_params(CFG, jax.random.key(0), std=0.3), init_drafter(CFG, jax.random.key(1))
 
 
 def _requests(n, seed=0):
@@ -183,7 +178,7 @@ def test_external_tree_layout():
   tokens = jnp.asarray([[5, 6, 7, 8, 9, 4], [5, 6, 7, 0, 0, 0]], jnp.int32)
   parents = jnp.asarray([[-1, 0, -1, -1, 1, 4], [-1, 0, 1, -2, -2, -2]], jnp.int32)
   use = jnp.asarray([True, False])
-  t = speculative.external_tree(jnp.asarray([3, 3]), tokens, parents, use, depth=2, topk=2)
+  t = drafts.external_tree(jnp.asarray([3, 3]), tokens, parents, use, depth=2, topk=2)
   # row 0: node 1 (5, root), 2 (6, under 1), 3 (7, root), 4 (8: third root child, dropped),
   # 5 (9, under 2: depth 3, dropped), 6 (4, under a dropped node: dropped)
   np.testing.assert_array_equal(t.tokens[0], [3, 5, 6, 7, 0, 0, 0])
@@ -202,15 +197,15 @@ def test_hybrid_draft_merges_the_two_chains():
   chain runs out after two tokens the drafter repeats; the history draft is not used."""
   hist = jnp.asarray([[5, 6, 7]] * 3, jnp.int32)
   hist_parents = jnp.asarray([[-1, 0, 1], [-1, 0, -2], [-1, 0, 1]], jnp.int32)
-  drafts = jnp.asarray([[5, 9, 7], [5, 6, 7], [8, 6, 7]], jnp.int32)
-  tokens, parents = speculative.hybrid_draft(hist, hist_parents, drafts,
-                                             jnp.asarray([True, True, False]))
+  chain = jnp.asarray([[5, 9, 7], [5, 6, 7], [8, 6, 7]], jnp.int32)  # the drafter's
+  tokens, parents = drafts.hybrid_draft(hist, hist_parents, chain,
+                                        jnp.asarray([True, True, False]))
   np.testing.assert_array_equal(tokens, [[5, 6, 7, 5, 9, 7], [5, 6, 7, 5, 6, 7],
                                          [5, 6, 7, 8, 6, 7]])
   np.testing.assert_array_equal(parents, [[-1, 0, 1, -2, 0, 4], [-1, 0, -2, -2, -2, 1],
                                           [-2, -2, -2, -1, 3, 4]])
-  t = speculative.external_tree(jnp.asarray([3, 3, 3]), tokens, parents,
-                                jnp.asarray([True] * 3), depth=3, topk=2)
+  t = drafts.external_tree(jnp.asarray([3, 3, 3]), tokens, parents,
+                           jnp.asarray([True] * 3), depth=3, topk=2)
   # row 0: root -> 5 -> {6 -> 7, 9 -> 7}: node 1 has the history child first
   np.testing.assert_array_equal(t.children[0, 1], [2, 5])
   np.testing.assert_array_equal(t.depth[0], [0, 1, 2, 3, 0, 2, 3])

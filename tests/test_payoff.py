@@ -230,16 +230,16 @@ def test_the_bandit_chooses_among_the_arms_the_gate_paid_for():
   """A paying bucket whose gate funded two of its four arms: the bandit's exploration rounds
   and its greedy choice stay among those two; given every arm (or none), it is the bandit it
   was (the same choices from the same seed)."""
-  from tlt_jax.rollout.mab import BucketedEpsilonGreedy
+  from tlt_jax.rollout.mab import make_selector
   arms = ["4_1_5", "3_1_4", "hist_4", "off"]
-  sel = BucketedEpsilonGreedy({1: arms}, epsilon=0.5, seed=3, min_pulls=2)
+  sel = make_selector("beg", {1: arms}, epsilon=0.5, seed=3, min_pulls=2)
   seen = set()
   for i in range(40):
     a = sel.select(1, arms=["3_1_4", "off"])
     seen.add(a)
     sel.update(a, 1, 10.0 if a == "3_1_4" else 5.0)
   assert seen == {"3_1_4", "off"}
-  a, b = (BucketedEpsilonGreedy({1: arms}, epsilon=0.5, seed=3, min_pulls=2) for _ in range(2))
+  a, b = (make_selector("beg", {1: arms}, epsilon=0.5, seed=3, min_pulls=2) for _ in range(2))
   for i in range(30):
     x, y = a.select(1), b.select(1, arms=arms)
     assert x == y

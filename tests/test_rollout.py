@@ -32,9 +32,11 @@ from transformers.generation import (TemperatureLogitsWarper, TopKLogitsWarper,
 
 from tlt_jax.models import compute_logits, forward
 from tlt_jax.models.hf_io import load_hf_model
-from tlt_jax.rollout.engine import Engine, EngineConfig
+from tlt_jax.rollout.config import EngineConfig
+from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.records import Request
-from tlt_jax.rollout.sampling import SamplingParams, processed_logprobs, sample_tokens
+from tlt_jax.rollout.sampling import (SamplingParams, plain_variant, processed_logprobs,
+                                      sample_tokens)
 
 VOCAB = 96
 MAX_NEW = 12
@@ -280,12 +282,13 @@ def test_compaction_shrinks_buckets(greedy, layouts):
   main = layouts["workers"]["main"]
   names = {r.name for r in main.compile_log}
   assert "take_rows" in names  # compaction really ran
-  # one decode executable per (sampling params, capture, attention window, bucket), recorded
-  # with that bucket
+  # one decode executable per (truncation, capture, attention window, bucket), recorded with
+  # that bucket: the greedy and the sampled rollouts of this worker share them
   decode = [(r.batch, r.key.variant[2]) for r in main.compile_log
-            if r.name == "decode" and r.key.variant[:2] == (GREEDY, True)]
+            if r.name == "decode" and r.key.variant[:2] == (plain_variant(GREEDY), True)]
   assert len(decode) == len(set(decode))
-  assert sorted({b for b, _ in decode}) == sorted({c.bucket for c in greedy["qwen2"]["chunks"]})
+  ran = greedy["qwen2"]["chunks"] + layouts["main"]["sampled"][1]
+  assert sorted({b for b, _ in decode}) == sorted({c.bucket for c in ran})
 
 
 def test_attention_windows_do_not_change_outputs(models, greedy, prompts, monkeypatch):
@@ -306,6 +309,10 @@ def test_attention_windows_do_not_change_outputs(models, greedy, prompts, monkey
     if r.name == "decode":
       windows.setdefault(r.batch, set()).add(r.key.variant[2])
   assert len(windows[4]) >= 2 and min(windows[4]) < cfg.cache_len, windows  # crossed
+  # the greedy and the sampled rollouts ran the same plain executables (the temperature is
+  # an argument): no (bucket, window) compiled twice
+  pairs = [(r.batch, r.key.variant[1:]) for r in windowed.compile_log if r.name == "decode"]
+  assert len(pairs) == len(set(pairs)), pairs
   with monkeypatch.context() as mp:  # the reference: every chunk over the whole cache
     mp.setattr(compile_plan, "kv_bucket", lambda need, base, cap: cap)  # chunk windows
     whole = Engine(m.params, m.cfg, cfg)
@@ -449,15 +456,29 @@ def fixed_logits():
   return np.random.default_rng(7).normal(0.0, 1.5, size=20).astype(np.float32)
 
 
-def _draw(logits, sp, n, seed=0):
+def _draw(logits, sp, n, seed=0, traced=False):
+  """n draws of `sample_tokens`; traced: as plain decoding runs it, the temperature an
+  argument of the executable and only the truncation static (`plain_variant`)."""
   keys = jax.random.split(jax.random.key(seed), n)
   batch = jnp.broadcast_to(jnp.asarray(logits), (n, logits.size))
-  toks, logp = jax.jit(sample_tokens, static_argnums=2)(keys, batch, sp)
+  if traced:
+    fn = jax.jit(lambda k, b, t: sample_tokens(k, b, plain_variant(sp), t))
+    toks, logp = fn(keys, batch, np.float32(sp.temperature))
+  else:
+    toks, logp = jax.jit(sample_tokens, static_argnums=2)(keys, batch, sp)
   return np.asarray(toks), np.asarray(logp)
 
 
+def _processed(logits, sp, traced=False):
+  if traced:
+    fn = jax.jit(lambda x, t: processed_logprobs(x, plain_variant(sp), t))
+    return np.asarray(fn(jnp.asarray(logits), np.float32(sp.temperature)))
+  return np.asarray(processed_logprobs(jnp.asarray(logits), sp))
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["static", "traced_temperature"])
 @pytest.mark.parametrize("sp", SAMPLER_CASES, ids=lambda sp: repr(sp))
-def test_sampler_distribution(fixed_logits, sp):
+def test_sampler_distribution(fixed_logits, sp, traced):
   assert_well_conditioned(fixed_logits, sp)
   ref = ref_probs(fixed_logits, sp)
   np.testing.assert_allclose(ref, hf_probs(fixed_logits, sp), atol=1e-12)  # reference == HF
@@ -468,11 +489,11 @@ def test_sampler_distribution(fixed_logits, sp):
       t1 = dataclasses.replace(sp, temperature=1.0)
       assert support.sum() != (ref_probs(fixed_logits, t1) > 0).sum()
   # processed log-probs
-  lp = np.asarray(processed_logprobs(jnp.asarray(fixed_logits), sp))
+  lp = _processed(fixed_logits, sp, traced)
   assert np.array_equal(np.isfinite(lp), support)
   np.testing.assert_allclose(lp[support], np.log(ref[support]), atol=1e-5, rtol=0)
   # samples
-  toks, logp = _draw(fixed_logits, sp, 20_000)
+  toks, logp = _draw(fixed_logits, sp, 20_000, traced=traced)
   assert toks.dtype == np.int32
   assert support[toks].all(), "sampled a token outside the processed support"
   np.testing.assert_allclose(logp, np.log(ref[toks]), atol=1e-5, rtol=0)
@@ -503,11 +524,13 @@ def test_sampler_keeps_ties_and_greedy(fixed_logits):
   np.testing.assert_array_equal(hf_k, ref_probs(logits, SamplingParams(top_k=2)) > 0)
   hf_p = hf_probs(logits, SamplingParams(top_k=3, top_p=0.5)) > 0
   assert hf_p.sum() == 2 and hf_p[0]
-  # greedy: argmax token, plain log-softmax logprob, independent of the keys
-  toks, logp = _draw(fixed_logits, GREEDY, 64)
-  assert (toks == np.argmax(fixed_logits)).all()
-  np.testing.assert_allclose(logp, np.log(_softmax(fixed_logits)[np.argmax(fixed_logits)]),
-                             atol=1e-6)
+  # greedy: argmax token, plain log-softmax logprob, independent of the keys; the same from
+  # plain decoding's executable, whose temperature 0 is an argument
+  for traced in (False, True):
+    toks, logp = _draw(fixed_logits, GREEDY, 64, traced=traced)
+    assert (toks == np.argmax(fixed_logits)).all()
+    np.testing.assert_allclose(logp, np.log(_softmax(fixed_logits)[np.argmax(fixed_logits)]),
+                               atol=1e-6)
 
 
 def test_sampling_params_validation():

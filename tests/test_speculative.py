@@ -11,25 +11,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tlt_jax.drafter.model import drafter_cache, init_drafter
-from tlt_jax.models import ModelConfig, init_cache, init_params
+from tlt_jax.drafter.model import drafter_cache
+from tlt_jax.models import init_cache
 from tlt_jax.rollout import speculative
-from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
+from tlt_jax.rollout.config import EngineConfig, SpecConfig
+from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
-from spec_helpers import (N, NEW, PEAKED, PROMPT, SAMPLING, broken_p, chi_square_p, exact_joint,
-                          make_peaked)
+from spec_helpers import (N, NEW, PEAKED, PROMPT, SAMPLING, TINY, broken_p, chi_square_p,
+                          exact_joint, make_peaked)
 
-CFG = ModelConfig(arch="qwen2", vocab_size=61, hidden_size=32, intermediate_size=64,
-                  num_layers=2, num_heads=4, num_kv_heads=2, qkv_bias=True,
-                  tie_word_embeddings=True)
+CFG = TINY
 
 
-@pytest.fixture(scope="module")
-def tiny():
-  params = init_params(CFG, jax.random.key(0), std=0.3)
-  dparams = init_drafter(CFG, jax.random.key(1))
-  return params, dparams
 
 
 def _requests(n, seed=0, vocab=61):
@@ -419,7 +413,7 @@ def test_background_compile_then_speculation_without_foreground_compiles(tiny):
   first = _by_id(w.generate(reqs, sp))
   w.compiles.wait(timeout=600)
   compiled = {(r.batch, r.key.variant[0]) for r in w.compile_log if r.name == "spec"}
-  assert compiled == {(b, a) for b, arms in w.compiles.choosable_pairs().items()
+  assert compiled == {(b, a) for b, arms in w.choosable_pairs().items()
                       for a in arms}
   n = len(w.chunk_log)
   second = _by_id(w.generate(reqs, sp))

@@ -107,7 +107,8 @@ def _small_cfg(workdir, steps, **overrides):
 
 def _run(cfg):
   """build + train -> (run, final state)."""
-  from tlt_jax.train import build, train
+  from tlt_jax.run import build
+  from tlt_jax.train import train
   run, state = build(cfg)
   state, _ = train(run, state, progress=False)
   return run, state
@@ -117,7 +118,7 @@ def _build_drafter_compiled(cfg):
   """build(cfg), then waits for the spot drafter step, which compiles at low priority beside
   the run (on a loaded machine it can outlast a few short rollouts, whose idle windows then
   wait instead of training: timing, not what a test checks)."""
-  from tlt_jax.train import build
+  from tlt_jax.run import build
   run, state = build(cfg)
   for w in run.coordinator.workers:
     w.trainer.prepare().result()
@@ -218,7 +219,8 @@ def test_resume_with_spot_training_and_the_bandit_restores_every_state(tmp_path)
   many drafter steps as the idle windows hold, so resumed samples are other draws from the
   same distribution; what must hold is that every state comes back: the bandit's windows and
   RNG, the drafter and its optimizer, the actor, the data position, the buffer's policy."""
-  from tlt_jax.train import build, restore, train
+  from tlt_jax.run import build
+  from tlt_jax.train import restore, train
   first, state = _build_drafter_compiled(_small_cfg(tmp_path, 3))  # chunks that compile reward
   state, _ = train(first, state, progress=False)  # no arm: 3 steps
   assert _pulls(first.selector) > 0  # the bandit has windows to restore
@@ -238,7 +240,8 @@ def test_speculation_gate_reports_and_resumes(tmp_path):
   compiled (the suite's persistent cache can make compiles look cheap enough to fund one: the
   rule itself is test_payoff.py's); a resumed run continues from the saved verdicts and
   ledger."""
-  from tlt_jax.train import build, restore
+  from tlt_jax.run import build
+  from tlt_jax.train import restore
   gate = {"tlt.spec.gate.enabled": True, "tlt.spec.gate.min_chunks": 1}
   first, _ = _run(_small_cfg(tmp_path, 2, **gate))
   recs = _records(tmp_path)
@@ -265,7 +268,8 @@ def test_evaluation_leaves_the_training_bandit_untouched(tmp_path):
   """Held-out evaluation decodes through the training workers but with its own selector:
   the training bandit's windows, pulls and RNG are exactly as before."""
   from tlt_jax.rl.reward_pool import RewardPool
-  from tlt_jax.train import build, evaluate
+  from tlt_jax.run import build
+  from tlt_jax.train import evaluate
   run, _ = build(_small_cfg(tmp_path, 1, **{"train.eval_every": 1, "eval.speculate": True}))
   before = run.selector.state_dict()
   with RewardPool("arith", num_workers=1) as pool:

@@ -27,14 +27,14 @@ import ml_collections
 from absl import flags
 
 from tlt_jax.coordinator.spot import SpotConfig
-from tlt_jax.distributed import DistributedConfig
+from tlt_jax.launch import DistributedConfig
 from tlt_jax.drafter.buffer import BufferConfig
 from tlt_jax.drafter.model import ENGINES
 from tlt_jax.errors import ConfigError, build, check, section_values
 from tlt_jax.memory import device_bytes
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.rl.grpo import GRPOConfig
-from tlt_jax.rollout.engine import EngineConfig, SpecConfig
+from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.gate import GateConfig
 from tlt_jax.rollout.mab import make_selector
 from tlt_jax.rollout.sampling import SamplingParams

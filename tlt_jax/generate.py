@@ -128,7 +128,8 @@ def main(argv):
     if not getattr(FLAGS, name):
       raise InputError(f"--{name} is required")
   from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
-  from tlt_jax.rollout.engine import Engine, EngineConfig, prompt_problem
+  from tlt_jax.rollout.config import EngineConfig
+  from tlt_jax.rollout.engine import Engine, prompt_problem
   from tlt_jax.rollout.records import EngineHooks, Request, tokens_per_verification
   from tlt_jax.rollout.sampling import SamplingParams
   from tlt_jax.rollout.scheduler import buckets_upto
@@ -156,7 +157,7 @@ def main(argv):
       raise InputError(f"{where}: {problem}")
   spec, dparams, history = None, None, None
   if strategy.steps:
-    from tlt_jax.rollout.engine import SpecConfig
+    from tlt_jax.rollout.config import SpecConfig
     if not FLAGS.drafter and not strategy.history:
       raise InputError("--spec needs --drafter DIR (or --drafter init:SEED)")
     import jax

@@ -168,14 +168,38 @@ def _verify_width(spec) -> int:
 
 
 # --------------------------------------------------------------------------------- plan
+@dataclasses.dataclass(frozen=True)
+class _Sizes:
+  """What every phase of the plan reads: the run's spec and config, the model's dimensions,
+  the device and its meshes, the rollout's batch and KV pages."""
+  spec: Any
+  cfg: Any
+  m: Any  # the model config
+  gpu: bool  # a device with a fixed memory size (its attention kernels keep no scores)
+  pbytes: int
+  cbytes: int
+  shapes: Any  # the model's parameter shapes
+  axes: dict[str, int]  # the learner mesh's
+  lmesh: Any
+  learner: int  # learner params' bytes per device
+  tp: int  # rollout tensor parallelism
+  rmesh: Any
+  mb: int  # rows one rollout worker decodes at once
+  pages: int  # KV pages of a replica's pool
+
+  def split(self, x: int) -> int:
+    """A dimension split over the rollout's tensor parallelism (when it divides)."""
+    return x // self.tp if x % self.tp == 0 else x
+
+
 def plan(spec, model_cfg, *, device: str | None = None, num_devices: int | None = None,
          fraction: float | None = None, max_batch: int | None = None,
          kv_pages: int | None = None) -> Plan:
   """The per-device plan of a run (spec: its config.RunSpec; model_cfg: config.model_config).
   device / num_devices / fraction: default config.memory.*; max_batch, kv_pages: default the
   spec's (rollout.kv_pages 0: max_batch rows of max length; `derive_max_batch` passes
-  candidates)."""
-  from tlt_jax.drafter.model import drafter_param_shapes
+  candidates). One function per phase's items: the learner's state, the rollout's, the
+  drafter's, the learner's activations."""
   from tlt_jax.models.transformer import param_shapes
   cfg = spec.cfg
   mem = cfg.memory
@@ -184,87 +208,115 @@ def plan(spec, model_cfg, *, device: str | None = None, num_devices: int | None 
   fraction = mem.fraction if fraction is None else fraction
   cap = device_bytes(device)
   capacity = None if cap is None else int(cap * fraction)
-  gpu = cap is not None
-  m, r, g = model_cfg, cfg.rollout, cfg.grpo
-  pbytes, cbytes = _BYTES[m.param_dtype], _BYTES[m.dtype]
-  L, D, N, K, H, F, V = (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim_,
-                         m.intermediate_size, m.vocab_size)
+  m = model_cfg
   shapes = param_shapes(m)
-  n_params = _count(shapes)
-
-  # learner: FSDP (+ data, tensor) over the learner mesh
   axes = learner_axes(cfg, num_devices)
   lmesh = _mesh(**axes)
-  n_batch = axes["data"] * axes["fsdp"]
-  learner = sharded_bytes(shapes, lmesh, pbytes)
-  items = [Item("learner params", learner, PHASES, f"{n_params / 1e9:.2f}B x {m.param_dtype}, "
-                f"FSDP {axes['fsdp']} x tensor {axes['tensor']}"),
+  pbytes = _BYTES[m.param_dtype]
+  tp = int(cfg.rollout.tensor_parallel)
+  mb = int(max_batch if max_batch is not None else spec.max_batch)
+  e = spec.engine  # the cache geometry's owner (rollout/config.py)
+  pages = int(kv_pages if kv_pages is not None else e.kv_pages or mb * e.row_pages)
+  z = _Sizes(spec=spec, cfg=cfg, m=m, gpu=cap is not None, pbytes=pbytes,
+             cbytes=_BYTES[m.dtype], shapes=shapes, axes=axes, lmesh=lmesh,
+             learner=sharded_bytes(shapes, lmesh, pbytes), tp=tp, rmesh=_mesh(tensor=tp),
+             mb=mb, pages=pages)
+  items = (_learner_state(z) + _rollout(z) + (_drafter(z) if spec.tlt else [])
+           + _learner_activations(z))
+  return Plan(items, capacity, device or "cpu", num_devices, KNOBS, mb, pages)
+
+
+KNOBS = {  # what to turn when a phase does not fit
+    "rollout": "lower rollout.max_batch (or 0 to size it from memory), raise "
+               "rollout.tensor_parallel, or use more devices",
+    "spot": "lower tlt.drafter.rows or tlt.drafter.row_len",
+    "logprobs": "lower grpo.micro_batch_tokens (or grpo.micro_batch) or grpo.logit_chunk",
+    "update": "lower grpo.micro_batch_tokens (or grpo.micro_batch), set model.remat=True, "
+              "or shard the learner over more devices (mesh.fsdp)"}
+
+
+def _learner_state(z: _Sizes) -> list[Item]:
+  """The learner's params (FSDP (+ data, tensor) over the learner mesh), its optimizer, a
+  reference copy (KL), the gradient accumulator."""
+  m, axes, learner = z.m, z.axes, z.learner
+  items = [Item("learner params", learner, PHASES, f"{_count(z.shapes) / 1e9:.2f}B x "
+                f"{m.param_dtype}, FSDP {axes['fsdp']} x tensor {axes['tensor']}"),
            Item("optimizer state", 2 * learner, PHASES, "AdamW mu + nu, sharded like params")]
-  if g.kl_coef > 0:
+  if z.cfg.grpo.kl_coef > 0:
     items.append(Item("reference params", learner, PHASES, "kl_coef > 0: a frozen copy"))
   items.append(Item("gradient accumulator", learner, ("update",), "micro-batch grads summed"))
+  return items
 
-  # rollout replicas: tensor parallel, weights in the compute dtype
-  tp = int(r.tensor_parallel)
-  rmesh = _mesh(tensor=tp)
+
+def _rollout(z: _Sizes) -> list[Item]:
+  """A rollout replica: its weights (tensor parallel, the compute dtype), the KV pages, and
+  the larger of a prefill of max_batch rows (a group's n responses prefill their prompt once:
+  decode.prefill_shared) and a decode step (logits, attention scores and one layer's k/v
+  window gathered from the pages, at the longest row's window)."""
+  m, cfg, cbytes, mb, pages = z.m, z.cfg, z.cbytes, z.mb, z.pages
+  L, D, N, K, H, F, V = (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim_,
+                         m.intermediate_size, m.vocab_size)
   release = bool(cfg.memory.get("release_rollout_weights", False))
-  items.append(Item("rollout weights", sharded_bytes(shapes, rmesh, cbytes),
-                    ("rollout", "spot") if release else PHASES,
-                    f"one replica per {tp} device(s), {m.dtype}"
-                    + (", freed after the rollout" if release else "")))
-  mb = int(max_batch if max_batch is not None else spec.max_batch)
-  S = int(cfg.data.max_prompt_len) + int(r.max_new_tokens)
-  page = int(spec.engine.page_size)
-  pages = int(kv_pages if kv_pages is not None
-              else spec.engine.kv_pages or mb * -(-S // page))
-  k_dev = K // tp if K % tp == 0 else K
-  n_dev = N // tp if N % tp == 0 else N
-  kv_token = L * 2 * k_dev * H * cbytes
+  items = [Item("rollout weights", sharded_bytes(z.shapes, z.rmesh, cbytes),
+                ("rollout", "spot") if release else PHASES,
+                f"one replica per {z.tp} device(s), {m.dtype}"
+                + (", freed after the rollout" if release else ""))]
+  S, page = z.spec.engine.cache_len, z.spec.engine.page_size
+  kv_token = L * 2 * z.split(K) * H * cbytes
   items.append(Item("KV cache", pages * page * kv_token, ("rollout",),
                     f"{pages} pages x {page} slots x {kv_token / 1024:.0f} KiB/token "
                     f"(= {pages * page / max(mb, 1):.0f} slots per row of max_batch {mb})"))
-
-  # rollout activations: the larger of a prefill of max_batch rows (a group's n responses
-  # prefill their prompt once: decode.prefill_shared) and a decode step (logits, attention
-  # scores and one layer's k/v window gathered from the pages, at the longest row's window)
   P = int(cfg.data.max_prompt_len)
-  f_dev = F // tp if F % tp == 0 else F
-  tlt = spec.tlt
-  w = _verify_width(spec) if tlt else 1
-  v_dev = V // tp if V % tp == 0 else V
-  u = -(-mb // max(int(g.n), 1))  # distinct prompts
+  f_dev, n_dev = z.split(F), z.split(N)
+  w = _verify_width(z.spec) if z.spec.tlt else 1
+  u = -(-mb // max(int(cfg.grpo.n), 1))  # distinct prompts
   prefill = u * P * (4 * D + 3 * f_dev) * cbytes
-  if not (gpu and cbytes == 2):  # materialised scores and probabilities (float32)
+  if not (z.gpu and cbytes == 2):  # materialised scores and probabilities (float32)
     prefill += 2 * u * n_dev * P * P * 4
-  decode = (mb * w * v_dev * 4 * 2 + 2 * mb * n_dev * w * S * 4 + mb * w * (4 * D + 3 * f_dev) * 4
-            + 2 * mb * S * k_dev * H * cbytes)
+  decode = (mb * w * z.split(V) * 4 * 2 + 2 * mb * n_dev * w * S * 4
+            + mb * w * (4 * D + 3 * f_dev) * 4 + 2 * mb * S * z.split(K) * H * cbytes)
   items.append(Item("rollout activations", max(prefill, decode), ("rollout",),
                     f"prefill of {u} prompts x {P} / decode x {w} tokens"))
+  return items
 
-  # the drafter: the store's copy on the learner mesh, each worker's trainer copy
-  if tlt:
-    dshapes = drafter_param_shapes(m)
-    items.append(Item("drafter (store)", 3 * sharded_bytes(dshapes, lmesh, 4), PHASES,
-                      f"{_count(dshapes) / 1e9:.2f}B params + AdamW, float32"))
-    d = cfg.tlt.drafter
-    trained = d.mode != "off"
-    worker = sharded_bytes(dshapes, rmesh, 4) * (3 if trained else 1)
-    items.append(Item("drafter (worker)", worker, PHASES, "params" + (" + AdamW" if trained
-                                                                       else "")))
-    items.append(Item("drafter KV cache", pages * page * 2 * k_dev * H * cbytes, ("rollout",),
-                      "one layer, the same pages"))
-    if trained:
-      t = int(d.rows) * int(d.row_len)
-      from tlt_jax.drafter.loss import LossConfig
-      chunk = min(LossConfig().logit_chunk, t)
-      act = t * (8 * D + 3 * f_dev) * 4 * int(d.unroll) + 6 * chunk * v_dev * 4
-      if not gpu:
-        act += 2 * int(d.rows) * n_dev * int(d.row_len) ** 2 * 4
-      items.append(Item("drafter training", act, ("spot",),
-                        f"{d.rows} x {d.row_len} tokens, logits {chunk} at a time"))
 
-  # learner activations: the largest micro-batch (padded to max_len), per device
-  max_len = P + int(r.max_new_tokens)
+def _drafter(z: _Sizes) -> list[Item]:
+  """The drafter: the store's copy on the learner mesh, each worker's (and its trainer's
+  state), its KV pages, and a spot-training step's activations."""
+  from tlt_jax.drafter.loss import LossConfig
+  from tlt_jax.drafter.model import drafter_param_shapes
+  m, cbytes = z.m, z.cbytes
+  D, F, V = m.hidden_size, m.intermediate_size, m.vocab_size
+  dshapes = drafter_param_shapes(m)
+  items = [Item("drafter (store)", 3 * sharded_bytes(dshapes, z.lmesh, 4), PHASES,
+                f"{_count(dshapes) / 1e9:.2f}B params + AdamW, float32")]
+  d = z.cfg.tlt.drafter
+  trained = d.mode != "off"
+  worker = sharded_bytes(dshapes, z.rmesh, 4) * (3 if trained else 1)
+  items.append(Item("drafter (worker)", worker, PHASES, "params" + (" + AdamW" if trained
+                                                                     else "")))
+  page = z.spec.engine.page_size
+  items.append(Item("drafter KV cache",
+                    z.pages * page * 2 * z.split(m.num_kv_heads) * m.head_dim_ * cbytes,
+                    ("rollout",), "one layer, the same pages"))
+  if trained:
+    t = int(d.rows) * int(d.row_len)
+    chunk = min(LossConfig().logit_chunk, t)
+    act = t * (8 * D + 3 * z.split(F)) * 4 * int(d.unroll) + 6 * chunk * z.split(V) * 4
+    if not z.gpu:
+      act += 2 * int(d.rows) * z.split(m.num_heads) * int(d.row_len) ** 2 * 4
+    items.append(Item("drafter training", act, ("spot",),
+                      f"{d.rows} x {d.row_len} tokens, logits {chunk} at a time"))
+  return items
+
+
+def _learner_activations(z: _Sizes) -> list[Item]:
+  """The log-prob pass's and the update's activations: the largest micro-batch (padded to
+  max_len), per device."""
+  m, cfg, g, axes, cbytes = z.m, z.cfg, z.cfg.grpo, z.axes, z.cbytes
+  L, D, N, F, V = m.num_layers, m.hidden_size, m.num_heads, m.intermediate_size, m.vocab_size
+  n_batch = axes["data"] * axes["fsdp"]
+  max_len = int(cfg.data.max_prompt_len) + int(cfg.rollout.max_new_tokens)
   T = -(-max_len // g.pad_multiple) * g.pad_multiple
   rows = g.micro_batch
   if g.micro_batch_tokens > 0:
@@ -277,19 +329,20 @@ def plan(spec, model_cfg, *, device: str | None = None, num_devices: int | None 
   fsdp = axes["fsdp"] * axes["data"]
   # one layer's weights gathered for its matmuls, and its full gradient before the
   # reduce-scatter (FSDP only; on one device the arrays are used in place)
-  gathered = sharded_bytes(layer_shapes(shapes), _mesh(tensor=tp_l), pbytes) if fsdp > 1 else 0
-  layers_dev = sharded_bytes({"layers": shapes["layers"]}, lmesh, pbytes)  # all layers, sharded
-  embed_dev = learner - layers_dev
+  gathered = (sharded_bytes(layer_shapes(z.shapes), _mesh(tensor=tp_l), z.pbytes)
+              if fsdp > 1 else 0)
+  layers_dev = sharded_bytes({"layers": z.shapes["layers"]}, z.lmesh, z.pbytes)  # sharded
+  embed_dev = z.learner - layers_dev
   act = lambda n: n * cbytes  # activation elements (compute dtype)
-  scores = 0 if (gpu and cbytes == 2) else b * n_l * T * T * 4  # f32 [T, T] per head
+  scores = 0 if (z.gpu and cbytes == 2) else b * n_l * T * T * 4  # f32 [T, T] per head
   head = b * chunk * v_l * 4  # one LM-head chunk of f32 logits
   # The coefficients are calibrated against XLA's temp sizes on this CPU (float32; 27 random
   # shapes; tests/test_memory.py checks them): a forward keeps the hidden states and, at its
   # peak, either one layer's attention or one LM-head chunk.
   lp_layer = 3.0 * scores + 1.3 * act(t * D) + 0.8 * layers_dev / L
-  items.append(Item("log-prob activations",
-                    int(0.85 * act(t * D) + max(lp_layer, head) + 2 * gathered),
-                    ("logprobs",), f"{b} row(s) x {T} tokens per device"))
+  items = [Item("log-prob activations", int(0.85 * act(t * D) + max(lp_layer, head)
+                                             + 2 * gathered),
+                ("logprobs",), f"{b} row(s) x {T} tokens per device")]
   # The backward keeps what the forward saved (remat: each layer's input; otherwise every
   # layer's internals) and the stacked per-layer gradients, then peaks in one layer's
   # recomputed backward or in an LM-head chunk's.
@@ -302,14 +355,7 @@ def plan(spec, model_cfg, *, device: str | None = None, num_devices: int | None 
     peak = max(20.0 * act(t * D), 2.8 * head)
   items.append(Item("update activations", int(stored + peak + 2 * gathered), ("update",),
                     f"{b} x {T} tokens per device, remat={'on' if m.remat else 'off'}"))
-  knobs = {
-      "rollout": "lower rollout.max_batch (or 0 to size it from memory), raise "
-                 "rollout.tensor_parallel, or use more devices",
-      "spot": "lower tlt.drafter.rows or tlt.drafter.row_len",
-      "logprobs": "lower grpo.micro_batch_tokens (or grpo.micro_batch) or grpo.logit_chunk",
-      "update": "lower grpo.micro_batch_tokens (or grpo.micro_batch), set model.remat=True, "
-                "or shard the learner over more devices (mesh.fsdp)"}
-  return Plan(items, capacity, device or "cpu", num_devices, knobs, mb, pages)
+  return items
 
 
 def layer_shapes(shapes: dict) -> dict:
@@ -333,9 +379,7 @@ def derive_max_batch(spec, model_cfg, *, device: str | None = None,
                       "config.memory.device (e.g. h100) or max_batch", "rollout.max_batch", 0,
                       in_config=True)
   r = spec.cfg.rollout
-  S = int(spec.cfg.data.max_prompt_len) + int(r.max_new_tokens)
-  page = int(spec.engine.page_size)
-  row_pages = -(-S // page)
+  S, page, row_pages = spec.engine.cache_len, spec.engine.page_size, spec.engine.row_pages
   live = int(r.get("mean_live_tokens", 0)) or S
   page_bytes = plan(spec, model_cfg, max_batch=0, kv_pages=1, **kw).total("rollout") - \
       base.total("rollout")

@@ -4,9 +4,10 @@
   python -m tlt_jax.train --config configs/default.py --config.tlt.enabled=False   # baseline
   python -m tlt_jax.train --config configs/default.py --config.tlt.drafter.mode=serial
 
-The script, top to bottom: `build` (mesh, model, data, learner, drafter, rollout workers,
-checkpoints) -> `restore` the TrainState if the workdir holds a checkpoint -> `rl_step(state)
--> (state, metrics)` until config.train.steps -> `save(state)` after every step.
+The script, top to bottom: `build` (tlt_jax/run.py: mesh, model, data, learner, drafter,
+rollout workers, checkpoints) -> `restore` the TrainState if the workdir holds a checkpoint ->
+`rl_step(state) -> (state, metrics)` until config.train.steps -> `save(state)` after every
+step. The step's metrics record is tlt_jax/step_metrics.py's.
 
 One RL step (`rl_step`; DESIGN.md 7):
   prompts (PromptStream, resumable position)
@@ -33,16 +34,13 @@ from the latest checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import platform
 import sys
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
-import ml_collections
 import numpy as np
 from absl import app, flags
 from absl import logging as absl_logging
@@ -51,247 +49,23 @@ from tqdm import tqdm
 
 from tlt_jax import config as config_lib
 from tlt_jax import distributed, runtime
-from tlt_jax.checkpoint import CheckpointError, Checkpointer
-from tlt_jax.coordinator import Coordinator, ParamStore, SpotConfig, Worker
-from tlt_jax.data.dataset import PromptStream
-from tlt_jax.data.prompts import PromptRow
+from tlt_jax.checkpoint import CheckpointError
+from tlt_jax.coordinator import Worker
 from tlt_jax.drafter import export as drafter_export
 from tlt_jax.drafter import train_step as dts
-from tlt_jax.drafter.buffer import DrafterBuffer
-from tlt_jax.drafter.loss import LossConfig
-from tlt_jax.drafter.merge import make_merge
-from tlt_jax.drafter.trainer import DrafterTrainer
 from tlt_jax.eval import evaluate as evaluate_rows
-from tlt_jax.eval import length_stats
-from tlt_jax.metrics import CompileClock, MetricsWriter, read_records
 from tlt_jax.errors import ConfigError
-from tlt_jax.models import ModelConfig, Params, unstack_layers
-from tlt_jax.models.hf_io import read_hf_config
-from tlt_jax.optim import make_optimizer
+from tlt_jax.metrics import MetricsWriter, read_records
 from tlt_jax.rl import grpo
 from tlt_jax.rl.reward_pool import RewardError, RewardPool
-from tlt_jax.rollout.engine import Engine, to_replica_layout
-from tlt_jax.rollout.executables import background_compiler
-from tlt_jax.rollout.executables import summary as executables_summary
-from tlt_jax.rollout.gate import SpecGate
-from tlt_jax.rollout.history import HistoryIndex
-from tlt_jax.rollout.mab import BucketedSelector, FixedSelector
-from tlt_jax.rollout.records import Request, Result, by_kind, tokens_per_verification
-from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.verdicts import VerdictCache
-from tlt_jax.sharding import tree_shardings
+from tlt_jax.rollout.records import Request, Result
+from tlt_jax.run import Run, TrainState, build
+from tlt_jax.step_metrics import step_metrics
 
 
 def _seed_for(seed: int, step: int) -> int:
   """Rollout seed of a step: a pure function of (seed, step), so resume needs no RNG state."""
   return int(np.random.default_rng([seed, step, 17]).integers(0, 2**31 - 1))
-
-
-# =================================================================================== build
-Selector = FixedSelector | BucketedSelector
-
-
-@dataclasses.dataclass(frozen=True)
-class Run:
-  """What one training run is built from, once, by `build` from a validated config; the
-  parts that change step to step are the TrainState (and each host object's own state:
-  the stream's position, the bandits, the gate, the buffer, which the checkpoint saves
-  through their state_dict)."""
-
-  cfg: ml_collections.ConfigDict
-  learner: grpo.LearnerSpec  # what the learner's jitted functions are specialised on
-  model_cfg: ModelConfig
-  tokenizer: Any  # transformers tokenizer of config.model.path
-  stream: PromptStream  # the training prompts
-  test_rows: list[PromptRow] | None  # held-out prompts (None: no evaluation)
-  sampling: SamplingParams  # of the rollout
-  store: ParamStore  # the actor and drafter versions the workers read
-  coordinator: Coordinator  # the rollout workers
-  selector: Selector | None  # the training bandit (None: TLT off)
-  eval_selector: Selector | None  # evaluation's own (never trains the training bandit)
-  gate: SpecGate | None  # the buckets speculation pays at, compiles priced (None: fixed arm)
-  buffer: DrafterBuffer | None  # the drafter's training data (None: drafter not trained)
-  ckpt: Checkpointer
-  compile_clock: CompileClock  # seconds compiling, per step
-  # the serving engine of the drafter's EAGLE export written with every checkpoint, and the
-  # target's config.json it carries (None: no export; config.train.export_drafter)
-  export_engine: str | None = None
-  target_hf_config: dict[str, Any] | None = None
-
-  @property
-  def tlt(self) -> bool:
-    return self.selector is not None
-
-
-class TrainState(NamedTuple):
-  """What an RL step takes and returns: the steps done and the learner. (The drafter's state
-  is the store's: spot training merges into it during the rollout.)"""
-
-  step: int
-  learner: grpo.LearnerState
-
-
-
-def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
-  """Everything the run of `spec` needs (runtime.prepare's: max_batch resolved), and its
-  state at step 0."""
-  cfg = spec.cfg
-  os.makedirs(cfg.workdir, exist_ok=True)
-  compile_clock = CompileClock()
-  # ------------------------------------------------------------------- mesh and model
-  mesh = runtime.learner_mesh(cfg)
-  model_cfg, params, tokenizer, stop = runtime.load_model(cfg, mesh=mesh)
-
-  # ----------------------------------------------------------------------------- data
-  stream = PromptStream(runtime.load_rows(cfg, cfg.data.train_path), tokenizer,
-                        max_prompt_len=cfg.data.max_prompt_len, seed=cfg.seed,
-                        chat_template=cfg.data.chat_template,
-                        system_prompt=cfg.data.system_prompt, name="config.data.train_path")
-  print(f"data: {len(stream)} training prompts from {cfg.data.train_path} "
-        f"({stream.dropped_long} dropped as longer than max_prompt_len="
-        f"{cfg.data.max_prompt_len} tokens)", file=sys.stderr)
-  test_rows = None
-  if cfg.data.test_path and cfg.train.eval_every > 0:
-    rows = runtime.load_rows(cfg, cfg.data.test_path)
-    test_rows = rows[:cfg.eval.num_prompts] if cfg.eval.num_prompts else rows
-
-  # -------------------------------------------------------------------------- learner
-  g, o = cfg.grpo, cfg.optim
-  tx = make_optimizer(o.lr, warmup_steps=o.warmup_steps,
-                      total_steps=cfg.train.steps * g.minibatches, schedule=o.schedule,
-                      weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, grad_clip=o.grad_clip)
-  lspec = grpo.LearnerSpec(model_cfg, spec.grpo, tx, mesh,
-                           micro_batch=g.micro_batch, pad_multiple=g.pad_multiple,
-                           micro_batch_tokens=g.micro_batch_tokens,
-                           max_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
-  learner = grpo.init_learner(params, lspec)
-  del params
-
-  # ---------------------------------------------- TLT: drafter, its data, the bandit
-  rollout_mesh, local = runtime.worker_meshes(cfg)  # replicas: all, and this process's
-  ids = [i for i, _ in local]
-  tlt = spec.tlt
-  spot = spec.spot if tlt and spec.spot is not None else SpotConfig(mode="off")
-  trained = spec.buffer is not None
-  d = cfg.tlt.drafter
-  selector = spec.selector()
-  # Evaluation decodes through the same workers with its OWN selector (same arms): eval
-  # chunks must not move the training bandit's reward windows (or its checkpoint).
-  eval_selector = spec.selector()
-  drafter = dtx = store_sh = buffer = None
-  if tlt:
-    dtx = make_optimizer(d.lr, warmup_steps=d.warmup_steps)
-    # the store's drafter lives in the rollout layout (replicated over replicas, tensor-
-    # parallel within one): every worker takes its slices as a view, in every process
-    dparams = jax.tree.map(np.asarray, runtime.load_drafter(cfg, model_cfg))
-    store_sh = dts.state_shardings(dparams, dtx, rollout_mesh)
-    drafter = dts.init_state(dparams, dtx, store_sh)
-  if trained:
-    buffer = DrafterBuffer(spec.buffer, seed=cfg.seed)
-
-  # ------------------------------------------------------- rollout workers, coordinator
-  ecfg = spec.engine_config(stop)
-  # one gate for this process's workers: one of them probes whether speculation pays
-  gate = None
-  if spec.gate is not None:
-    verdicts = _gate_verdicts(cfg.get("compilation_cache", ""), model_cfg, ecfg, spec.sampling,
-                              dparams, local[0][1].devices.flat)
-    gate = SpecGate(spec.gate, verdicts=verdicts)
-  to_rollout = _to_rollout(lspec, rollout_mesh, learner.params)
-  first = to_rollout(learner.params)
-  workers = []
-  for i, wmesh in local:  # this process's replicas (i: the global index)
-    # the history index lives with its worker across steps (not checkpointed: a resumed
-    # run rebuilds it from the responses it decodes from then on)
-    engine = Engine(first, model_cfg, ecfg, worker_id=i, mesh=wmesh,
-                    drafter_params=drafter.params if tlt else None, selector=selector,
-                    gate=gate, history=HistoryIndex() if spec.history else None)
-    trainer = None
-    if trained:
-      wsh = dts.state_shardings(drafter.params, dtx, wmesh)
-      step_fn = dts.make_train_step(model_cfg, dtx, LossConfig(unroll_steps=d.unroll),
-                                    donate=spot.on_barrier == "finish", state_shardings=wsh)
-      trainer = DrafterTrainer(step_fn=step_fn, shardings=wsh, buffer=buffer, rows=d.rows,
-                               row_len=d.row_len, target_params=lambda e=engine: e.params,
-                               seed=cfg.seed * 1000 + i, hidden_dtype=model_cfg.compute_dtype)
-    workers.append(Worker(engine, trainer))
-  store = ParamStore(first, drafter)
-  del first
-  coordinator = Coordinator(
-      workers, store, spot=spot,
-      merge=make_merge(store_sh, rollout_mesh, ids) if trained else None, worker_ids=ids,
-      num_workers=cfg.rollout.num_workers, to_rollout=to_rollout,
-      gather=distributed.all_gather_objects,
-      global_barrier=distributed.GlobalBarrier if jax.process_count() > 1 else None,
-      spot_wanted=gate.drafter_wanted if gate is not None else None)
-  coordinator.push()  # every worker takes the store's weights (and its trainer the drafter)
-  if spot.mode == "spot":  # compiled at low priority once spot training is wanted
-    compiler = background_compiler("compile-drafter")
-    for w in workers:
-      w.trainer.compile_on_first_use(model_cfg.hidden_size, compiler)
-      if gate is None or not spec.gate.gating:  # wanted from the first rollout: compile
-        # while the run starts
-        w.trainer.prepare()
-  elif trained:  # serial: compiled now, so the first serial steps do not
-    for f in [w.submit(w.trainer.compile, model_cfg.hidden_size) for w in workers]:
-      f.result()
-  if tlt and cfg.tlt.spec.precompile:
-    t = time.perf_counter()
-    n = sum(e.compiles.precompile(spec.sampling) for e in coordinator.engines)
-    print(f"precompiled {n} speculative executables in {time.perf_counter() - t:.0f}s",
-          file=sys.stderr)
-
-  # ----------------------------------------------------------------------- checkpoints
-  export_engine = hf_config = None
-  if tlt and cfg.train.export_drafter:
-    export_engine = cfg.train.export_engine
-    try:
-      drafter_export.check_engine(model_cfg, export_engine)
-    except drafter_export.ExportError as e:
-      raise ConfigError(str(e), "train.export_engine", export_engine, in_config=True) from None
-    hf_config = read_hf_config(cfg.model.path)
-  ckpt = Checkpointer(os.path.join(cfg.workdir, "checkpoints"),
-                      max_to_keep=cfg.train.keep_checkpoints,
-                      save_interval_steps=cfg.train.checkpoint_every)
-  run = Run(cfg=cfg, learner=lspec, model_cfg=model_cfg, tokenizer=tokenizer, stream=stream,
-            test_rows=test_rows, sampling=spec.sampling, store=store,
-            coordinator=coordinator, selector=selector, eval_selector=eval_selector,
-            gate=gate, buffer=buffer, ckpt=ckpt, compile_clock=compile_clock,
-            export_engine=export_engine, target_hf_config=hf_config)
-  return run, TrainState(step=0, learner=learner)
-
-
-def _gate_verdicts(cache: str, model_cfg, ecfg, sampling, dparams, devices
-                   ) -> VerdictCache | None:
-  """Where the speculation gate keeps its hardware verdicts across runs: beside the run's
-  persistent compilation cache (config `compilation_cache`), keyed by what a verdict depends
-  on. None when the config names no cache: a cold compilation cache is a cold gate (whatever
-  cache this process was given another way, e.g. the test suite's, keeps no verdicts)."""
-  if not cache:
-    return None
-  cache = os.path.expanduser(cache)
-  devices = list(devices)
-  fingerprint = {
-      "jax": jax.__version__, "platform": devices[0].platform,
-      "device_kind": devices[0].device_kind, "replica_devices": len(devices),
-      "host": [platform.machine(), os.cpu_count()],  # (a CPU's "device kind" is just cpu)
-      "model": repr(model_cfg), "drafter": repr(jax.tree.map(np.shape, dparams)),
-      "engine": repr(ecfg), "sampling": repr(sampling)}
-  return VerdictCache(os.path.join(cache, "tlt_gate", "verdicts.json"), fingerprint)
-
-
-def _to_rollout(spec: grpo.LearnerSpec, rollout_mesh, params: Params
-                ) -> Callable[[Params], Params]:
-  """learner params -> the store's rollout layout (the engine's replica layout on the whole
-  rollout mesh: every replica's devices hold its tensor-parallel slices)."""
-  if (jax.process_count() > 1
-      and set(spec.mesh.devices.flat) != set(rollout_mesh.devices.flat)):
-    # the resharding would need a transfer between processes outside a collective
-    raise ConfigError("config.mesh.devices: with several processes the learner must span every "
-                      "device (mesh.devices=0), as the rollout replicas do")
-  shardings = tree_shardings(jax.eval_shape(unstack_layers, params), rollout_mesh)
-  dtype = spec.cfg.compute_dtype
-  return lambda p: to_replica_layout(p, dtype, shardings)
 
 
 # ============================================================================= checkpoint
@@ -345,7 +119,11 @@ def restore(run: Run, state: TrainState) -> TrainState:
   meta = json.loads(saved["meta"])
   run.stream.load_state_dict(meta["data"])
   if meta.get("selector") and run.selector is not None:
-    run.selector.load_state_dict(meta["selector"])
+    try:
+      run.selector.load_state_dict(meta["selector"])
+    except ValueError as e:  # another bandit (or an older layout): it measures afresh
+      print(f"the checkpoint's bandit state is not this run's ({e}); the bandit starts fresh",
+            file=sys.stderr)
   if meta.get("gate") and run.gate is not None:
     run.gate.load_state_dict(meta["gate"])
   if meta.get("buffer") and run.buffer is not None:
@@ -441,58 +219,7 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
     times["drafter"] = time.perf_counter() - t
 
   # ---- metrics
-  lengths = [res.num_tokens for res in responses]
-  tokens = int(sum(lengths))
-  spec_chunks = [c for c in chunks if c.mode != "plain"]
-  drafted = [c for c in spec_chunks if c.mode != "off"]  # "off" verifies no drafts
-  m: dict[str, Any] = {
-      "reward": float(r.mean()),
-      "accuracy": float((r >= 1.0).mean()),
-      "solved_groups": float((r.max(axis=1) >= 1.0).mean()),
-      "zero_adv_groups": float((r.std(axis=1) == 0).mean()),
-      "response_length": length_stats(lengths),
-      "truncated": float(np.mean([res.finish_reason == "length" for res in responses])),
-      "rollout_tokens_per_s": tokens / max(wall, 1e-9),
-      "tokens": tokens,
-      "loss": upd,
-      "reward_stats": dataclasses.asdict(pool.stats),
-      "epoch": run.stream.epoch,
-  }
-  sources = {p.row.source for p in prompts if p.row.source is not None}
-  if sources:
-    m["accuracy_by_source"] = {
-        src: float(np.mean([r[i] >= 1.0 for i, p in enumerate(prompts) if p.row.source == src]))
-        for src in sorted(sources)}
-  if spec_chunks:
-    arms: dict[str, int] = {}
-    for c in spec_chunks:
-      arms[c.mode] = arms.get(c.mode, 0) + 1
-    engines = run.coordinator.engines
-    m["spec"] = {"chunks": len(spec_chunks), "arm_chunks": arms,
-                 # mean accepted drafts + 1 over the chunks that drafted (not "off")
-                 "tokens_per_verify": tokens_per_verification(drafted) or 0.0,
-                 "share_of_tokens": sum(c.tokens for c in spec_chunks) / max(tokens, 1),
-                 # Which verification ran ("pallas" kernel or "jnp" reference; a kernel
-                 # that failed to compile fell back, see the run's log).
-                 "verify_path": sorted({e.compiles.verify_path for e in engines}),
-                 "kernel_fallbacks": sum(e.compiles.kernel_error is not None
-                                         for e in engines),
-                 "by_kind": by_kind(spec_chunks, tokens)}
-  histories = [e.history.stats() for e in run.coordinator.engines if e.history is not None]
-  if histories:
-    m["history"] = {k: sum(h[k] for h in histories)
-                    for k in ("memory_bytes", "sequences", "tokens", "lookups", "hits")}
-  if run.gate is not None:
-    m["spec_gate"] = run.gate.summary()
-  m["executables"] = executables_summary([r for e in run.coordinator.engines
-                                           for r in e.compile_log])
-  if run.coordinator.spot.mode != "off":
-    m["spot"] = {k: v for k, v in spot.items() if k != "per_worker"}
-    m["spot"]["per_worker"] = {str(p["worker"]): {k: v for k, v in p.items() if k != "worker"}
-                               for p in spot["per_worker"]}
-    m["spot"]["buffer_tokens"] = run.buffer.tokens
-    if drafter:
-      m["drafter"] = drafter
+  m = step_metrics(run, prompts, responses, r, chunks, wall, upd, pool.stats, spot, drafter)
   times["total"] = time.perf_counter() - t_step
   times["compile"] = run.compile_clock.lap()
   m["time"] = times

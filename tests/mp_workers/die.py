@@ -11,11 +11,12 @@ import sys
 import time
 
 from tlt_jax import distributed as dist
+from tlt_jax import launch
 
 
 def main():
   mode, victim, wait, heartbeat = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-  dist.initialize(dist.DistributedConfig(heartbeat_timeout=heartbeat,
+  dist.initialize(launch.DistributedConfig(heartbeat_timeout=heartbeat,
                                          initialization_timeout=60))
   import jax
   dist.barrier("ready")

@@ -4,7 +4,8 @@ for the tests where some processes never start."""
 import sys
 
 from tlt_jax import distributed as dist
+from tlt_jax import launch
 
 if __name__ == "__main__":
-  dist.initialize(dist.DistributedConfig(initialization_timeout=int(sys.argv[1])))
+  dist.initialize(launch.DistributedConfig(initialization_timeout=int(sys.argv[1])))
   print("JOINED", flush=True)

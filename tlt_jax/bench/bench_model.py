@@ -297,14 +297,16 @@ def regime_report(out_dir: str, source: str = SHIPPED, ks=(5, 9, 17)) -> str:
   return "\n".join([head] + rows)
 
 
-def load_bench_target(bench_dir: str, dtype: str | None = None):
-  """A built target (`build`'s out dir) ready to benchmark: (cfg, params, dparams, tokenizer,
-  stop tokens, the default task's test prompts as token ids). dtype: the compute and param
-  dtype (None: the checkpoint's)."""
+def load_target(target_dir: str | None = None, dtype: str | None = None):
+  """A target ready to benchmark, the one loader of a model dir with its drafter: a built
+  target (`build`'s out dir) or, None, the shipped default (tlt_jax/assets/default, the same
+  layout): (cfg, params, dparams, tokenizer, stop tokens, the default task's test prompts as
+  token ids). dtype: the compute and param dtype (None: the checkpoint's)."""
   from tlt_jax.config import asset_path
   from tlt_jax.data.prompts import load_prompt_rows
   from tlt_jax.models.hf_io import stop_token_ids
-  model_dir, drafter_dir = (os.path.join(bench_dir, x) for x in ("model", "drafter"))
+  root = target_dir or asset_path("default")
+  model_dir, drafter_dir = (os.path.join(root, x) for x in ("model", "drafter"))
   kw = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
   cfg, params = load_hf_model(model_dir, **kw)
   dparams = load_drafter(drafter_dir, cfg)

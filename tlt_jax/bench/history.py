@@ -268,20 +268,15 @@ def overlap_table(rounds=3, prompts=8, samples=8, arm="4_1_5", max_new_tokens=25
   tokens also fed to that many shadow rows."""
   import jax
 
-  from tlt_jax.config import asset_path
-  from tlt_jax.data.prompts import load_prompt_rows
-  from tlt_jax.drafter.model import load_drafter
-  from tlt_jax.models.hf_io import load_hf_model, load_tokenizer
-  from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
+  from tlt_jax.bench.bench_model import load_target
+  from tlt_jax.rollout.config import EngineConfig, SpecConfig
+  from tlt_jax.rollout.engine import Engine
   from tlt_jax.rollout.records import EngineHooks, Request
   from tlt_jax.rollout.sampling import SamplingParams
   from tlt_jax.rollout.scheduler import buckets_upto
 
-  model_dir = asset_path("default", "model")
-  cfg, params = load_hf_model(model_dir)
-  tok = load_tokenizer(model_dir)
-  rows, _ = load_prompt_rows(asset_path("default", "data", "test.jsonl"))
-  ids = [tok.encode(r.prompt) for r in rows[:prompts]]
+  cfg, params, shipped_drafter, _, _, ids = load_target()
+  ids = ids[:prompts]
   batch = prompts * samples
   spec = None if arm == "plain" else SpecConfig(strategy=arm, bs_threshold=batch, patience=1,
                                                 use_kernel=jax.default_backend() == "gpu")
@@ -290,7 +285,7 @@ def overlap_table(rounds=3, prompts=8, samples=8, arm="4_1_5", max_new_tokens=25
   ecfg = EngineConfig(max_batch=batch, buckets=buckets_upto(batch), chunk_size=chunk_size,
                       max_prompt_len=-(-max(map(len, ids)) // 16) * 16,
                       max_new_tokens=max_new_tokens, stop_tokens=(), spec=spec)
-  dparams = load_drafter(asset_path("default", "drafter"), cfg) if spec else None
+  dparams = shipped_drafter if spec else None
   engine = Engine(params, cfg, ecfg, drafter_params=dparams)
   requests = [Request(p, request_id=i, sample_index=j) for i, p in enumerate(ids)
               for j in range(samples)]

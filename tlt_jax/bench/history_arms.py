@@ -39,9 +39,11 @@ from typing import Any
 
 import jax
 
-from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
+from tlt_jax.bench.bench_model import load_target
+from tlt_jax.rollout.config import EngineConfig, SpecConfig
+from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.history import HistoryIndex
-from tlt_jax.rollout.mab import BucketedEpsilonGreedy, FixedSelector, default_mab_buckets
+from tlt_jax.rollout.mab import Selector, default_mab_buckets, make_selector
 from tlt_jax.rollout.records import Request, by_kind, tokens_per_verification
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.scheduler import buckets_upto
@@ -69,25 +71,6 @@ class Args:
   temperature: float = 1.0
 
 
-def load_target(bench: str | None):
-  """(cfg, params, drafter params, stop tokens, the default task's test prompts as ids) of the
-  default model and its shipped drafter, or of a make_bench_model.py output dir."""
-  if bench:
-    from tlt_jax.bench.bench_model import load_bench_target
-    cfg, params, dparams, _, stop, prompts = load_bench_target(bench)
-    return cfg, params, dparams, stop, prompts
-  from tlt_jax.config import asset_path
-  from tlt_jax.data.prompts import load_prompt_rows
-  from tlt_jax.drafter.model import load_drafter
-  from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
-  model_dir = asset_path("default", "model")
-  cfg, params = load_hf_model(model_dir)
-  tok = load_tokenizer(model_dir)
-  rows, _ = load_prompt_rows(asset_path("default", "data", "test.jsonl"))
-  return (cfg, params, load_drafter(asset_path("default", "drafter"), cfg),
-          tuple(stop_token_ids(model_dir, tok)), [tok.encode(r.prompt) for r in rows])
-
-
 def workloads(args: Args, prompts) -> dict[str, tuple[list[Request], int, int]]:
   """name -> (requests, max_batch, speculation threshold)."""
   group = lambda n, s: [Request(prompts[i], request_id=i, sample_index=j)
@@ -113,24 +96,24 @@ def configurations(args: Args) -> dict[str, tuple[Any, bool]]:
     Strategy.parse(a)  # a bad arm name fails before anything loads
   out: dict[str, tuple[Any, bool]] = {"plain": (None, False)}
   for a in drafter + history + hybrid:
-    out[a] = (lambda a=a: FixedSelector(a), Strategy.parse(a).history)
+    out[a] = (lambda a=a: make_selector("fixed", strategy=a), Strategy.parse(a).history)
   every = drafter + history + hybrid
   if args.bandit and len(every) > 1:
     # one bandit per live-batch bucket, the default's bounds: a chunk's reward is the batch's
     # tokens/s, comparable only between chunks of about the same live batch
     bounds = sorted(default_mab_buckets())
-    out["bandit"] = (lambda: BucketedEpsilonGreedy({lo: every + ["off"] for lo in bounds},
-                                                   seed=0, min_pulls=args.min_pulls),
+    out["bandit"] = (lambda: make_selector("beg", {lo: every + ["off"] for lo in bounds},
+                                           seed=0, min_pulls=args.min_pulls),
                      bool(history or hybrid))
   return out
 
 
-def explored(sel: BucketedEpsilonGreedy, share: float = 0.9) -> bool:
+def explored(sel: Selector, share: float = 0.9) -> bool:
   """Whether the buckets holding `share` of the bandit's chunks have measured every arm
   `min_pulls` times (past the exploration rounds: choosing greedily, and by epsilon)."""
   pulls = sel.state_dict()["pulls"].values()
   total = sum(sum(d.values()) for d in pulls)
-  done = sum(sum(d.values()) for d in pulls if min(d.values()) >= sel.min_pulls)
+  done = sum(sum(d.values()) for d in pulls if min(d.values()) >= sel.cfg.min_pulls)
   return total > 0 and done >= share * total
 
 
@@ -181,7 +164,7 @@ def measure(args: Args, cfg, params, dparams, stop, reqs, max_batch: int, thresh
                               for a, r in sorted(rewards.items())},
             # the bandit's arm values per bucket after this pass (None: not measured)
             "values": {lo: sel.values(lo) for lo in sel.buckets}
-            if isinstance(sel, BucketedEpsilonGreedy) else None}
+            if sel is not None and sel.cfg.rule != "fixed" else None}
 
   t0 = time.perf_counter()
   for label, (make, hist) in confs.items():  # compiles; the bandit tries every arm
@@ -259,7 +242,7 @@ def table(name: str, res: dict[str, list[dict]]) -> str:
 
 def run(args: Args, log=print) -> dict[str, Any]:
   """Every workload of `args`; logs progress and each table; returns the summary."""
-  cfg, params, dparams, stop, prompts = load_target(args.bench)
+  cfg, params, dparams, _, stop, prompts = load_target(args.bench or None)
   summary: dict[str, Any] = {
       "machine": f"{jax.devices()[0].device_kind} ({jax.default_backend()}), "
                  f"{os.cpu_count()} CPU cores, jax {jax.__version__}",

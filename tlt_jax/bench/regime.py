@@ -11,7 +11,7 @@ import json
 import os
 import time
 
-from tlt_jax.bench.bench_model import load_bench_target, regime_report
+from tlt_jax.bench.bench_model import load_target, regime_report
 from tlt_jax.bench.roofline import roofline_section
 from tlt_jax.bench.rollout import first_layer_assistant, hf_assisted, hf_generate, timed
 from tlt_jax.bench.spec_costs import bounds, measure_costs
@@ -161,7 +161,8 @@ def run(args: RegimeArgs) -> dict:
   import jax
 
   from tlt_jax.config import asset_path
-  from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
+  from tlt_jax.rollout.config import EngineConfig, SpecConfig
+  from tlt_jax.rollout.engine import Engine
   from tlt_jax.rollout.records import Request, tokens_per_verification
   from tlt_jax.rollout.mab import make_selector
   from tlt_jax.rollout.sampling import SamplingParams
@@ -176,7 +177,7 @@ def run(args: RegimeArgs) -> dict:
     print(report, flush=True)
     summary["regime"] = report
 
-  cfg, params, dparams, tok, stop, prompts = load_bench_target(args.bench, args.dtype)
+  cfg, params, dparams, tok, stop, prompts = load_target(args.bench, args.dtype)
   max_prompt = -(-max(len(p) for p in prompts) // 16) * 16
   greedy, sample = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)
 

@@ -66,6 +66,12 @@ Params = dict[str, Any]
 NO_PAGE = 1 << 30
 
 
+def pages_for(slots: int, page_size: int) -> int:
+  """Pages that hold `slots` cache slots: the one slots-to-pages rule (page tables, the
+  engine's row and pool sizes, admission, the memory plan)."""
+  return -(-max(slots, 0) // page_size)
+
+
 @flax.struct.dataclass
 class KVCache:
   k: tuple[jax.Array, ...]  # L x [P, page, K, H] page pools
@@ -118,7 +124,7 @@ def slot_addr(cache: KVCache, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def cache_addr(cache: KVCache, slots: jax.Array, width: int) -> CacheAddr:
   page, offset = slot_addr(cache, slots)
-  return CacheAddr(page, offset, cache.table[:, :-(-width // cache.page_size)], width)
+  return CacheAddr(page, offset, cache.table[:, :pages_for(width, cache.page_size)], width)
 
 
 def gather_window(pool: jax.Array, window: jax.Array, width: int) -> jax.Array:
@@ -167,7 +173,7 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None,
                page_size: int = DEFAULT_PAGE) -> KVCache:
   """A cache of `batch_size` empty rows of at least `max_len` slots, each with its own
   contiguous pages (what a dense [B, S] cache would hold)."""
-  r = -(-max_len // page_size)
+  r = pages_for(max_len, page_size)
   pools = init_pools(cfg, batch_size * r, page_size, dtype, r)
   table = jnp.arange(batch_size * r, dtype=jnp.int32).reshape(batch_size, r)
   return pools.replace(table=table, lengths=jnp.zeros((batch_size,), jnp.int32))

@@ -19,17 +19,20 @@ multiply by the windows its tail visits unless reading fewer slots pays for them
 A Pallas verification kernel that fails to compile falls back to its jnp reference (same
 decisions) once, with a warning; `verify_path` says which ran.
 
-The plan reads its engine's current weights and selector (both change under it: new weights
-after each update, a benchmark swaps selectors) through the `owner` it is given; it never
-writes them.
+The plan holds no reference to its engine: every call is given a `PlanCall`, the engine's
+view at that moment (its worker id, its weights' shapes and shardings, its selector and gate,
+its page pools). Background compile jobs keep the view they were queued with (abstract
+weights: no device memory is held by a queued job).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import math
 import threading
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +41,8 @@ from tlt_jax.models import ModelConfig, Params
 from tlt_jax.rollout import decode
 from tlt_jax.rollout.executables import ExecKey, ExecutableCache, background_compiler
 from tlt_jax.rollout.pages import KVPages
+from tlt_jax.rollout.prefill import prefill_arrays, prefill_call
+from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.scheduler import kv_bucket, length_grid
 from tlt_jax.rollout.strategy import Strategy
@@ -53,18 +58,22 @@ def _abstract(tree):
                       tree)
 
 
-class Owner(Protocol):
-  """What the plan reads of its engine."""
+@dataclasses.dataclass(frozen=True)
+class PlanCall:
+  """What the plan reads of its engine, given with each call: the worker, its weights (only
+  their shapes and shardings are read: `view` makes them abstract), the engine's selector and
+  gate (None: every bucket open), and its page pools (`KVPages`: their abstract shapes)."""
   worker_id: int
   params: Params
-  drafter_params: Params
+  drafter_params: Params | None
   selector: Any
   gate: Any
-  kv: KVPages  # its page pools (compiling ahead reads their abstract shapes)
+  kv: KVPages
 
-  def prefill_dummy(self, batch: int) -> Any:
-    """A plain prefill's output for `batch` rows, abstract (shapes and shardings as
-    generate's)."""
+  @classmethod
+  def view(cls, worker_id: int, params: Params, drafter_params: Params | None, selector: Any,
+           gate: Any, kv: KVPages) -> PlanCall:
+    return cls(worker_id, _abstract(params), _abstract(drafter_params), selector, gate, kv)
 
 
 def choosable_pairs(ecfg, selector) -> Pairs:
@@ -94,9 +103,9 @@ def choosable_pairs(ecfg, selector) -> Pairs:
 class CompilePlan:
   """See the module docstring. Thread-safe where the compile thread meets the engine's."""
 
-  def __init__(self, cfg: ModelConfig, ecfg, exes: ExecutableCache, owner: Owner,
+  def __init__(self, cfg: ModelConfig, ecfg, exes: ExecutableCache,
                replicated: jax.sharding.Sharding):
-    self.cfg, self.ecfg, self.exes, self._owner = cfg, ecfg, exes, owner
+    self.cfg, self.ecfg, self.exes = cfg, ecfg, exes
     self._replicated = replicated
     spec = ecfg.spec
     self.use_kernel = bool(spec and (spec.use_kernel if spec.use_kernel is not None
@@ -111,53 +120,52 @@ class CompilePlan:
     self.rollouts = 0  # generate calls of the engine (`_window_pays`'s time base)
     self._bytes: tuple[int, int] | None = None  # (weight bytes, KV bytes per slot)
     self._compiler = None  # one compile thread per engine, started on first use
-    self._compiling = 0  # background jobs pending or running (they use the owner's params)
+    self._compiling = 0  # background jobs pending or running (they run real prefills)
 
   @property
   def verify_path(self) -> str:
     """Which verification ran: "pallas" (the kernel) or "jnp" (its reference)."""
     return "pallas" if self.use_kernel else "jnp"
 
-  def max_steps(self) -> int:
+  def max_steps(self, call: PlanCall) -> int:
     """Catch-up capacity of the speculative state: room for every arm's drafts."""
     spec = self.ecfg.spec
-    arms = getattr(self._owner.selector, "arms", None) or []
+    arms = getattr(call.selector, "arms", None) or []
     return max([spec.max_steps, Strategy.parse(spec.strategy).steps, 1]
                + [Strategy.parse(a).steps for a in arms])
 
   # ------------------------------------------------------------------------ which pairs
-  def choosable_pairs(self) -> Pairs:
+  def choosable_pairs(self, call: PlanCall) -> Pairs:
     """Engine bucket -> the arms the selector can return there (`choosable_pairs`)."""
-    return choosable_pairs(self.ecfg, self._owner.selector)
+    return choosable_pairs(self.ecfg, call.selector)
 
-  def _wanted_pairs(self) -> Pairs:
+  def _wanted_pairs(self, call: PlanCall) -> Pairs:
     """Bucket -> the arms to compile there: the choosable ones, or with a gate those it
     opens to this engine now (all where speculation pays, the probed ones on probation)."""
-    pairs, gate = self.choosable_pairs(), self._owner.gate
+    pairs, gate = self.choosable_pairs(call), call.gate
     if gate is None:
       return pairs
-    return {b: arms for b in pairs if (arms := gate.arms(self._owner.worker_id, b))}
+    return {b: arms for b in pairs if (arms := gate.arms(call.worker_id, b))}
 
-  def ready(self, sp: SamplingParams, bucket: int) -> bool:
+  def ready(self, call: PlanCall, sp: SamplingParams, bucket: int) -> bool:
     """Whether speculation may run at `bucket` now: the gate allows it and every arm wanted
     there is compiled (always, without background compilation: a chunk compiles what it
     needs)."""
-    gate = self._owner.gate
-    if gate is not None and not gate.allows(self._owner.worker_id, bucket):
+    gate = call.gate
+    if gate is not None and not gate.allows(call.worker_id, bucket):
       return False
     if not self.ecfg.spec.background_compile:
       return True
-    want = {(bucket, a) for a in self._wanted_pairs().get(bucket, ())}
+    want = {(bucket, a) for a in self._wanted_pairs(call).get(bucket, ())}
     with self._lock:
       return want <= self._ready.get(sp, set())
 
   # ----------------------------------------------------------------------- when
-  def submit(self, sp: SamplingParams) -> None:
+  def submit(self, call: PlanCall, sp: SamplingParams) -> None:
     """Starts compiling the wanted (bucket, arm) pairs for `sp` that are not compiled or
     queued yet on the compile thread, largest bucket first (speculation switches on at the
     largest and shrinks). Called at every generate: what a gate opens later compiles then."""
-    owner = self._owner
-    pairs = self._wanted_pairs()
+    pairs = self._wanted_pairs(call)
     with self._lock:
       self._ready.setdefault(sp, set())
       submitted = self._submitted.setdefault(sp, set())
@@ -167,7 +175,7 @@ class CompilePlan:
         return
       submitted.update((b, a) for b, arms in pairs.items() for a in arms)
       if self._compiler is None:
-        self._compiler = background_compiler(f"compile-worker-{owner.worker_id}")
+        self._compiler = background_compiler(f"compile-worker-{call.worker_id}")
       self._compiling += 1
 
     def mark(pair):
@@ -176,10 +184,10 @@ class CompilePlan:
 
     def job():
       try:
-        self._compile_pairs(sp, pairs, on_compiled=mark)
+        self._compile_pairs(call, sp, pairs, on_compiled=mark)
       except Exception:  # noqa: BLE001 - the foreground compiles what it needs instead
         _log.exception("worker %d: background compilation failed; speculation compiles its "
-                       "executables on first use", owner.worker_id)
+                       "executables on first use", call.worker_id)
         with self._lock:
           self._ready[sp].update((b, a) for b, arms in pairs.items() for a in arms)
       finally:
@@ -201,16 +209,16 @@ class CompilePlan:
       fn()
       return True
 
-  def precompile(self, sp: SamplingParams, *, all_pairs: bool = False) -> int:
+  def precompile(self, call: PlanCall, sp: SamplingParams, *, all_pairs: bool = False) -> int:
     """AOT-compiles the speculative executable of every choosable (bucket, arm) pair now, instead
     of on first use (the default, lazy; it compiles the same pairs, and only those chosen).
     all_pairs=True compiles every selector arm at every engine bucket (what choosable-only
     saves, measured). Returns the number of new speculative executables."""
-    pairs = self.choosable_pairs()
+    pairs = self.choosable_pairs(call)
     if all_pairs and pairs:
-      pairs = {b: self._owner.selector.arms for b in self.ecfg.buckets}
+      pairs = {b: call.selector.arms for b in self.ecfg.buckets}
     before = sum(r.name == "spec" for r in self.exes.records)
-    self._compile_pairs(sp, pairs, all_lengths=True)
+    self._compile_pairs(call, sp, pairs, all_lengths=True)
     if self.ecfg.spec.background_compile:
       done = {(b, a) for b, arms in pairs.items() for a in arms}
       with self._lock:
@@ -218,7 +226,7 @@ class CompilePlan:
         self._submitted.setdefault(sp, set()).update(done)
     return sum(r.name == "spec" for r in self.exes.records) - before
 
-  def _compile_pairs(self, sp: SamplingParams, pairs: Pairs,
+  def _compile_pairs(self, call: PlanCall, sp: SamplingParams, pairs: Pairs,
                      on_compiled: Callable | None = None, all_lengths: bool = False) -> None:
     """The spec executables of `pairs` and, per bucket, switch-on over the whole cache
     (every other length: all_lengths=True, else compiled when first needed).
@@ -229,10 +237,10 @@ class CompilePlan:
     if not pairs:
       return
     top = max(pairs)
-    base = self._owner.prefill_dummy(top)
+    base = self.prefill_dummy(call, top)
     lengths = self.switch_lengths()
-    state = self.exes.abstract_out("switch_on", None, self._switch_on_fn(),
-                                   self._switch_on_args(base, lengths[-1]), donate=(2, 3))
+    state = self.exes.abstract_out("switch_on", None, self._switch_on_fn(call),
+                                   self._switch_on_args(call, base, lengths[-1]), donate=(2, 3))
 
     def resized(tree, b):  # the batch-major leaves (the page pools are not)
       return decode.map_rows(
@@ -240,14 +248,27 @@ class CompilePlan:
 
     for b in sorted(pairs, reverse=True):
       for n in lengths if all_lengths else lengths[-1:]:
-        self.switch_on(resized(base, b), n)
+        self.switch_on(call, resized(base, b), n)
       abstract = resized(state, b)
       for arm in pairs[b]:
-        self.spec(sp, arm, abstract)
+        self.spec(call, sp, arm, abstract)
         if on_compiled is not None:
           on_compiled((b, arm))
 
   # ----------------------------------------------------------------- the executables
+  def prefill_dummy(self, call: PlanCall, batch: int):
+    """What a plain prefill of `batch` distinct one-token rows outputs, abstract (shapes and
+    shardings as generate's; the shapes ahead-of-time compiles start from): no pool is
+    touched."""
+    dummy = [Request([i % self.cfg.vocab_size], i) for i in range(batch)]
+    tokens, lens, _, keys, max_new = prefill_arrays(dummy, batch, jax.random.key(0), self.ecfg)
+    rows = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._replicated)
+    cache = call.kv.abstract(False).replace(table=rows(batch, self.ecfg.row_pages),
+                                            lengths=rows(batch))
+    name, variant, fn, args, donate = prefill_call(
+        self.cfg, False, 0, call.params, None, cache, None, tokens, lens, None, keys, max_new)
+    return self.exes.abstract_out(name, variant, fn, args, donate=donate)
+
   def switch_lengths(self) -> list[int]:
     """Sequence lengths switch-on is compiled for: prompt_bucket x 2^k, capped at the cache.
     Its target forward runs over the shortest that holds every row, not the whole cache (a
@@ -255,26 +276,24 @@ class CompilePlan:
     decoding after it)."""
     return list(length_grid(self.ecfg.prompt_bucket, self.ecfg.cache_len))
 
-  def _switch_on_args(self, base, length: int, params=None, dparams=None, dpool=None) -> tuple:
+  def _switch_on_args(self, call: PlanCall, base, length: int, dpool=None) -> tuple:
     tokens = jax.ShapeDtypeStruct((base.hidden.shape[0], length), jnp.int32,
                                   sharding=self._replicated)
-    return (self._owner.params if params is None else params,
-            self._owner.drafter_params if dparams is None else dparams, base,
-            self._owner.kv.abstract(True) if dpool is None else dpool, tokens)
+    return (call.params, call.drafter_params, base,
+            call.kv.abstract(True) if dpool is None else dpool, tokens)
 
-  def _switch_on_fn(self):
+  def _switch_on_fn(self, call: PlanCall):
     from tlt_jax.rollout import speculative
-    return functools.partial(speculative.switch_on, cfg=self.cfg, max_steps=self.max_steps())
+    return functools.partial(speculative.switch_on, cfg=self.cfg, max_steps=self.max_steps(call))
 
-  def switch_on(self, base, length: int, params=None, dparams=None, dpool=None):
+  def switch_on(self, call: PlanCall, base, length: int, dpool=None):
     """The executable that turns a plainly decoded batch into a speculative one, over rows
     of up to `length` tokens (base, params, the drafter's page pools may be abstract, for
     compiling ahead). It donates the state and the drafter's pools."""
-    return self.exes.get("switch_on", None, self._switch_on_fn(),
-                         self._switch_on_args(base, length, params, dparams, dpool),
-                         donate=(2, 3))
+    return self.exes.get("switch_on", None, self._switch_on_fn(call),
+                         self._switch_on_args(call, base, length, dpool), donate=(2, 3))
 
-  def switch_length(self, state, need: int) -> int | None:
+  def switch_length(self, call: PlanCall, state, need: int) -> int | None:
     """The length switch-on runs at now, for rows of up to `need` tokens: the shortest of
     `switch_lengths` holding them. With background compilation, if that one is not compiled
     yet it is queued on the compile thread and the shortest compiled one that holds the rows
@@ -284,19 +303,18 @@ class CompilePlan:
     if not self.ecfg.spec.background_compile:
       return fits[0]
     compiled = [n for n in fits
-                if ExecKey.of("switch_on", None, self._switch_on_args(state, n)) in self.exes]
+                if ExecKey.of("switch_on", None, self._switch_on_args(call, state, n)) in self.exes]
     if compiled and compiled[0] == fits[0]:
       return fits[0]
     with self._lock:
       queue = (state.batch_size, fits[0]) not in self._switch_submitted
       self._switch_submitted.add((state.batch_size, fits[0]))
     if queue and self._compiler is not None:
-      args = (_abstract(state), fits[0], _abstract(self._owner.params),
-              _abstract(self._owner.drafter_params))
+      args = (call, _abstract(state), fits[0])
       self._compiler.submit(lambda: self.switch_on(*args))
     return compiled[0] if compiled else None
 
-  def window(self, sp: SamplingParams, arm: str | None, state, need: int) -> int:
+  def window(self, call: PlanCall, sp: SamplingParams, arm: str | None, state, need: int) -> int:
     """The attention window of a chunk (plain: arm None) whose rows reach `need` cache slots
     (the longest row + `chunk_reach`): the `kv_bucket` holding them. A speculative window not
     compiled yet is one more executable of the arm: with a gate, where a wider one that holds
@@ -309,7 +327,7 @@ class CompilePlan:
     if arm is None:
       return kv_len
     abstract = _abstract(state)
-    compiled = lambda n: self._spec_key(sp, arm, abstract, n) in self.exes
+    compiled = lambda n: self._spec_key(call, sp, arm, abstract, n) in self.exes
     with self._lock:
       key = (state.batch_size, arm, kv_len)
       self._needs[key] = self._needs.get(key, 0) + 1
@@ -317,7 +335,7 @@ class CompilePlan:
       return kv_len
     wider = next((n for n in length_grid(ecfg.prompt_bucket, ecfg.cache_len)
                   if n > kv_len and compiled(n)), None)
-    if wider is not None and not self._window_pays(state.batch_size, arm, kv_len, wider):
+    if wider is not None and not self._window_pays(call, state.batch_size, arm, kv_len, wider):
       return wider
     if not ecfg.spec.background_compile or self._compiler is None:
       return kv_len
@@ -325,21 +343,21 @@ class CompilePlan:
       queue = key not in self._window_submitted
       self._window_submitted.add(key)
     if queue:
-      args = (sp, arm, abstract, kv_len)
+      args = (call, sp, arm, abstract, kv_len)
       self._compiler.submit(lambda: self.spec(*args))
     return wider if wider is not None else ecfg.cache_len
 
-  def _window_pays(self, batch: int, arm: str, want: int, have: int) -> bool:
+  def _window_pays(self, call: PlanCall, batch: int, arm: str, want: int, have: int) -> bool:
     """The gate's payoff rule for compiling window `want` of (batch, arm) while `have` runs
     (no gate: always): chunks needing it per generate call so far, and the share of a step's
     bytes it would not read (the KV slots between the two windows, of the weights and KV a
     step at `have` reads: decoding at small batch is bound by those bytes)."""
-    gate = self._owner.gate
+    gate = call.gate
     if gate is None:
       return True
     if self._bytes is None:
-      params = [self._owner.params, self._owner.drafter_params]
-      weights = sum(x.nbytes for x in jax.tree.leaves(params) if hasattr(x, "nbytes"))
+      leaves = jax.tree.leaves([call.params, call.drafter_params])
+      weights = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves)
       itemsize = jnp.dtype(self.cfg.compute_dtype).itemsize
       # the target's layers and the drafter's one
       slot = (self.cfg.num_layers + 1) * 2 * self.cfg.num_kv_heads * self.cfg.head_dim_ * itemsize
@@ -350,14 +368,14 @@ class CompilePlan:
       per_rollout = self._needs.get((batch, arm, want), 0) / max(self.rollouts, 1)
     return gate.repays_window(batch, arm, per_rollout, share)
 
-  def _spec_key(self, sp: SamplingParams, arm: str, state, kv_len: int) -> ExecKey:
-    return ExecKey.of("spec", (arm, sp, self.use_kernel, kv_len), self._spec_args(arm, state))
+  def _spec_key(self, call: PlanCall, sp: SamplingParams, arm: str, state, kv_len: int) -> ExecKey:
+    return ExecKey.of("spec", (arm, sp, self.use_kernel, kv_len), self._spec_args(call, arm, state))
 
-  def _spec_args(self, arm: str, state) -> tuple:
+  def _spec_args(self, call: PlanCall, arm: str, state) -> tuple:
     """The arguments of an arm's executable: a drafter arm's chunk takes the state; a history
     arm's step (`speculative.history_step`) also the drafts, tokens and parents [B, N - 1]
     (abstract here: the engine passes the index's, same shapes)."""
-    args = (self._owner.params, self._owner.drafter_params, state)
+    args = (call.params, call.drafter_params, state)
     strategy = Strategy.parse(arm)
     if not strategy.history:
       return args
@@ -365,13 +383,13 @@ class CompilePlan:
                                   sharding=self._replicated)
     return args + (drafts, drafts)
 
-  def spec(self, sp: SamplingParams, arm: str, state, kv_len: int | None = None):
+  def spec(self, call: PlanCall, sp: SamplingParams, arm: str, state, kv_len: int | None = None):
     """The (bucket, arm, attention window) executable (kv_len None: the whole cache); state
     may be abstract (ShapeDtypeStructs, `precompile`)."""
     from tlt_jax.rollout import speculative
     ecfg = self.ecfg
     kv_len = kv_len or ecfg.cache_len
-    args = self._spec_args(arm, state)
+    args = self._spec_args(call, arm, state)
     strategy = Strategy.parse(arm)
     # a history arm's chunk is a host loop of single steps (the index drafts between them)
     fn, chunk = ((speculative.history_step, {}) if strategy.history else
@@ -394,5 +412,5 @@ class CompilePlan:
       self.kernel_error = f"{type(e).__name__}: {e}"[:2000]
       _log.warning("worker %d: the Pallas verification kernel failed to compile for arm %s "
                    "(%s); verifying with the jnp reference from now on (same decisions)",
-                   self._owner.worker_id, arm, self.kernel_error.splitlines()[0][:300])
+                   call.worker_id, arm, self.kernel_error.splitlines()[0][:300])
       return compiled(False)

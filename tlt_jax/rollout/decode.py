@@ -24,7 +24,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from tlt_jax.models import KVCache, ModelConfig, Params, compute_logits, forward
+from tlt_jax.models import KVCache, ModelConfig, Params, compute_logits, forward, pages_for
 from tlt_jax.models.transformer import NO_PAGE
 from tlt_jax.rollout.sampling import SamplingParams, sample_tokens
 
@@ -123,7 +123,7 @@ def expand_rows(state, src: jax.Array, keys: jax.Array, max_new: jax.Array, tabl
   valid = src >= 0
   u = state.batch_size
   src_tables, copy_to = shared_tables(table, src, u)
-  n = -(-prompt_slots // table_page_size(state))
+  n = pages_for(prompt_slots, table_page_size(state))
   copy_from = jnp.take(src_tables, jnp.maximum(src, 0), axis=0)
   expand = lambda c: copy_pages(c, copy_to, copy_from, n).replace(
       table=table, lengths=jnp.where(valid, jnp.take(c.lengths, jnp.maximum(src, 0)), 0))
@@ -146,12 +146,15 @@ def step_keys(keys: jax.Array, num_generated: jax.Array) -> jax.Array:
       keys, num_generated)
 
 
-def decode_chunk(params: Params, state: DecodeState, *, cfg: ModelConfig, sp: SamplingParams,
-                 stop_tokens: tuple[int, ...], chunk: int, capture_hidden: bool,
-                 kv_len: int | None = None) -> tuple[DecodeState, ChunkOutput]:
+def decode_chunk(params: Params, state: DecodeState, temperature: jax.Array | None = None, *,
+                 cfg: ModelConfig, sp: SamplingParams, stop_tokens: tuple[int, ...], chunk: int,
+                 capture_hidden: bool, kv_len: int | None = None
+                 ) -> tuple[DecodeState, ChunkOutput]:
   """Up to `chunk` plain decode steps; exits early once every row is done. kv_len: the
   attention window (static, None: the whole cache); it must hold every live row's committed
-  length + `chunk` (`chunk_reach`), or those rows' tokens change."""
+  length + `chunk` (`chunk_reach`), or those rows' tokens change. temperature: a scalar
+  argument replacing sp's (the engine passes `sampling.plain_variant(sp)` as `sp`: greedy and
+  sampled requests share the executable)."""
   b, d = state.hidden.shape
   stop = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)
   bufs = ChunkOutput(
@@ -167,7 +170,8 @@ def decode_chunk(params: Params, state: DecodeState, *, cfg: ModelConfig, sp: Sa
     state, bufs, i = carry
     active = ~state.done
     logits = compute_logits(params, state.hidden, cfg)
-    tok, logp = sample_tokens(step_keys(state.keys, state.num_generated), logits, sp)
+    tok, logp = sample_tokens(step_keys(state.keys, state.num_generated), logits, sp,
+                               temperature)
     bufs = bufs._replace(
         tokens=bufs.tokens.at[:, i].set(tok), logprobs=bufs.logprobs.at[:, i].set(logp),
         hidden=None if bufs.hidden is None else bufs.hidden.at[:, i].set(state.hidden),

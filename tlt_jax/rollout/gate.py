@@ -66,26 +66,28 @@ compiled ones; this gate decides which batch buckets are worth compiling arms fo
 The policy is pure transitions over one frozen record, like the Scheduler: `GateState` (a
 `Bucket` record per batch bucket, and the clock, the prober, the verdicts so far, the payoff
 ledger) goes to a new state on each event (`begin_rollout`, `record` of a measured `Chunk`,
-`compiled`), and every question (`arms`, `allows`, `probe_arm`, `drafter_wanted`,
-`repays_window`) is a function of a state, so a test drives a sequence of chunks and reads the
-verdicts. `SpecGate` is the one gate per process, shared by
-its workers' threads: it swaps the state under a lock and does the verdict cache's I/O. Rates
-are per chunk from the workers' `ChunkMetrics`; chunks that compiled are not measured.
+`compiled`), and every question (`arms`, `allows`, `probe_arm`, `drafter_wanted`, and
+funding.py's `repays_window`) is a function of a state, so a test drives a sequence of chunks
+and reads the verdicts. What is measured (chunks, rates, a bucket's record, ratios and
+ceilings) is probe.py's; what is funded, funding.py's. `SpecGate` is the one gate per process,
+shared by its workers' threads: it swaps the state under a lock and does the verdict cache's
+I/O. Rates are per chunk from the workers' `ChunkMetrics`; chunks that compiled are not
+measured.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, Sequence
 
 from tlt_jax.errors import ConfigError
-from tlt_jax.rollout import payoff
+from tlt_jax.rollout import funding, payoff
+from tlt_jax.rollout.probe import (ACCEPTANCE, CLOSED, DECLINED, HARDWARE, PAYS, PROBING, Bucket,
+                                   Chunk, accept_len, depth, rate)
 from tlt_jax.rollout.strategy import Strategy
 from tlt_jax.rollout.verdicts import VerdictCache
 
-PROBING, PAYS, DECLINED, CLOSED = "probing", "pays", "declined", "closed"
-HARDWARE, ACCEPTANCE = "hardware", "acceptance"  # why a bucket was declined
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,53 +131,6 @@ class GateConfig:
         Strategy.parse(self.lead)
       except ValueError as e:
         raise ConfigError(str(e), "lead", self.lead) from None
-
-
-class Chunk(NamedTuple):
-  """One measured chunk, the event the gate learns from (the fields of `ChunkMetrics`)."""
-  bucket: int
-  arm: str | None  # None: plain decoding
-  wall: float  # seconds, the queued work included
-  steps: int  # target forwards
-  accepted: int = 0  # drafts accepted over the chunk's rows
-  verifications: int = 0  # (row, step) verifications
-
-
-def accept_len(chunks: Sequence[Chunk]) -> float:
-  """Tokens per row per step: 1 for plain chunks, tokens per verification for speculative."""
-  ver = sum(c.verifications for c in chunks)
-  return (sum(c.accepted for c in chunks) + ver) / ver if ver else 1.0
-
-
-def rate(chunks: Sequence[Chunk]) -> float:
-  """Per-row throughput: (tokens per row per step) x (steps per second)."""
-  wall = sum(c.wall for c in chunks)
-  return accept_len(chunks) * sum(c.steps for c in chunks) / wall if wall > 0 else 0.0
-
-
-def _depth(arm: str) -> int:
-  return Strategy.parse(arm).steps
-
-
-
-
-@dataclasses.dataclass(frozen=True)
-class Bucket:
-  """What the gate knows about one batch bucket. Rates keep the last `window` counted chunks;
-  `warm` the arms (None: plain) whose first, uncounted chunk ran here; `funded` the arms whose
-  compile the payoff rule has paid for in the bucket's current status (probed arms on
-  probation, the arms to compile where it pays): once funded an arm stays so until the status
-  changes (its compile is sunk)."""
-  status: str = CLOSED
-  reason: str | None = None  # DECLINED: HARDWARE | ACCEPTANCE
-  declined_at: int | None = None  # rollout of the last decline (None: never declined)
-  since: int = 0  # rollout its last probation began
-  seen: int = -1  # last rollout a chunk ran here
-  wide: bool = False  # on probation, every drafting arm is probed (not the lead alone)
-  plain: tuple[Chunk, ...] = ()  # counted plain chunks
-  spec: Mapping[str, tuple[Chunk, ...]] = dataclasses.field(default_factory=dict)  # by arm
-  warm: frozenset = frozenset()
-  funded: frozenset = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,7 +244,7 @@ class GateState:
     if r.status == PROBING and worker_id == self.prober and any(  # (or a larger one's, whose
         len(self.at[q].plain) >= half for q in self.buckets  # batch compacts to it)
         if q >= bucket and self.at[q].status == PROBING):
-      return self._probe_arms(bucket)
+      return self.probe_arms(bucket)
     return []
 
   def allows(self, worker_id: int, bucket: int) -> bool:
@@ -305,13 +260,13 @@ class GateState:
     if r.status == PAYS:
       return bool(r.funded)
     return (r.status == PROBING and worker_id == self.prober
-            and len(r.plain) >= self.cfg.min_chunks and bool(self._probe_arms(bucket)))
+            and len(r.plain) >= self.cfg.min_chunks and bool(self.probe_arms(bucket)))
 
   def probe_arm(self, bucket: int, default: str) -> str:
     """The arm a chunk at `bucket` runs: while the bucket is probed, the funded probed arm
     measured least so far; else `default` (the bandit's)."""
     r = self.at.get(bucket)
-    probed = self._probe_arms(bucket) if r is not None and r.status == PROBING else []
+    probed = self.probe_arms(bucket) if r is not None and r.status == PROBING else []
     if not probed:
       return default
     return min(probed, key=lambda a: len(r.spec.get(a, ())) + (a in r.warm))
@@ -324,159 +279,29 @@ class GateState:
     return {b: d for b, d in last.items()
             if b in self.at and self.at[b].status == DECLINED and self.at[b].reason == HARDWARE}
 
-  def repays_window(self, bucket: int, arm: str, chunks_per_rollout: float,
-                    share: float) -> bool:
-    """Whether a narrower attention window of `arm` at `bucket` is worth compiling (one more
-    executable, as costly as the arm's: payoff.py) for chunks that would read `share` fewer of
-    their step's bytes (the compile plan's estimate) than at the wider window they run at now,
-    `chunks_per_rollout` times per rollout. Their time is the arm's measured chunks' there;
-    before it has one, only an open-ended run compiles."""
-    c = self.cfg
-    r = self.at.get(bucket)
-    chunks = r.spec.get(arm, ()) if r is not None else ()
-    if not chunks:
-      return c.horizon <= 0
-    wall = sum(x.wall for x in chunks) / len(chunks)
-    return payoff.repays_saving(chunks_per_rollout * wall * share, horizon=c.horizon,
-                                rollouts=self.rollouts, payback=c.payback,
-                                cost=self.ledger.arm_cost(bucket, arm, c.compile_factor))
-
-  def payoff(self, bucket: int, arm: str) -> dict[str, float | None]:
-    """The payoff rule's terms for compiling `arm` at `bucket` on a worker that has nothing
-    speculative there yet (the metrics' view; `_fund` decides with what each worker has)."""
-    led, cfg = self.ledger, self.cfg
-    ceiling = self._ceiling(bucket, arm)
-    cost = led.arm_cost(bucket, arm, cfg.compile_factor)
-    opening = led.open_cost(bucket)
-    left = payoff.rollouts_left(cfg.horizon, self.rollouts)
-    return {"s_per_rollout": led.per_rollout(bucket), "ceiling": ceiling,
-            "best_saving": (payoff.best_saving(led.per_rollout(bucket), left, cfg.payback,
-                                               1 - 1 / ceiling)
-                            if left != float("inf") else None),
-            "compile": None if cost is None or opening is None else cost + opening}
-
   # -------------------------------------------------------------------------------- helpers
+  def _fund(self) -> GateState:
+    return funding.fund(self)
+
+  def _fund_bucket(self, b: int) -> GateState:
+    return funding.fund_bucket(self, b)
+
   def _put(self, b: int, r: Bucket) -> GateState:
     return dataclasses.replace(self, at={**self.at, b: r})
 
   def _log(self, decision: dict[str, Any]) -> GateState:
     return dataclasses.replace(self, decisions=self.decisions + (decision,))
 
-  def _candidates(self, b: int) -> list[str]:
+  def candidates(self, b: int) -> list[str]:
     """The arms a probation at `b` measures: the lead, or with `wide` every drafting arm."""
     drafting = [a for a in self.arms_at.get(b, ()) if a != "off"]
     if self.at[b].wide or not drafting:
       return drafting
     return [self.cfg.lead if self.cfg.lead in drafting else drafting[0]]
 
-  def _probe_arms(self, b: int) -> list[str]:
+  def probe_arms(self, b: int) -> list[str]:
     """The probation's arms whose probe is funded."""
-    return [a for a in self._candidates(b) if a in self.at[b].funded]
-
-  def _measured(self, b: int) -> dict[str, tuple[float, float]]:
-    """arm -> (ratio to plain decoding, hardware ceiling) of the arms measured at `b` (counted
-    chunks in its window and a plain rate to compare with)."""
-    r = self.at[b]
-    plain = rate(r.plain) if r.plain else 0.0
-    if plain <= 0:
-      return {}
-    out = {}
-    for a, chunks in r.spec.items():
-      if chunks:
-        ratio = rate(chunks) / plain
-        out[a] = (ratio, ratio * (_depth(a) + 1) / accept_len(chunks))
-    return out
-
-  def _ceiling(self, b: int, arm: str) -> float:
-    """The best case of `arm` at `b`, as speed-up over plain decoding: its measured ceiling
-    there; else the hardware ceiling measured at `b` or at any smaller bucket (every draft
-    accepted: a larger batch is no less compute-bound), at most depth + 1 (each verification
-    as cheap as a plain step, every draft accepted); "off" decodes plainly: 1."""
-    prior = float(_depth(arm) + 1)
-    here = self._measured(b)
-    if arm in here:
-      return here[arm][1]
-    bounds = [max(c for _, c in m.values()) for q in self.buckets if q <= b
-              if (m := self._measured(q))]
-    return min([prior] + bounds)
-
-  def _fund(self) -> GateState:
-    """Asks the payoff rule (payoff.py) again for every bucket on probation or paying,
-    smallest first."""
-    s = self
-    for b in self.buckets:
-      s = s._fund_bucket(b)
-    return s
-
-  def _scope(self, b: int, arm: str) -> list[int]:
-    """Where funding `arm` at `b` compiles it: `b` and every smaller bucket on probation or
-    paying that does not have it yet (a batch that speculates at `b` compacts through them,
-    and needs the arm's executable at each)."""
-    return [q for q in self.buckets if q <= b and self.at[q].status in (PROBING, PAYS)
-            and arm not in self.at[q].funded
-            and (q == b or arm in self.arms_at.get(q, ()))]
-
-  def _price(self, scope: Sequence[int], arm: str, every_worker: bool) -> float | None:
-    """Seconds to compile `arm` over `scope`, with each bucket's one-off speculative compiles
-    where nothing is funded there yet: on every worker (what a paying bucket costs each), or
-    on the prober (a probe: what it compiled in this run already is paid for)."""
-    led, total = self.ledger, 0.0
-    for q in scope:
-      arm_s = (0.0 if not every_worker and (q, arm) in led.made
-               else led.arm_cost(q, arm, self.cfg.compile_factor))
-      open_s = (0.0 if self.at[q].funded or (not every_worker and led.opened(q))
-                else led.open_cost(q))
-      if arm_s is None or open_s is None:
-        return None
-      total += arm_s + open_s
-    return total
-
-  def _worth(self, scope: Sequence[int], gain: float, cost: float | None) -> bool:
-    c = self.cfg
-    return payoff.repays(sum(self.ledger.per_rollout(q) for q in scope), horizon=c.horizon,
-                         rollouts=self.rollouts, payback=c.payback, gain=gain, cost=cost)
-
-  def _fund_bucket(self, b: int) -> GateState:
-    """On probation: funds each probed arm whose best case (1 - 1/ceiling of the time spent
-    at `b` and the smaller buckets it compacts through) repays what the prober has left to
-    compile for it there, each on its own. Where it pays: funds arms, the measured ones by
-    speed first, whose best case beats the fastest funded one (plain decoding before any) by
-    enough to repay what every worker compiles for them. A funded arm is funded at the
-    smaller buckets of its scope too, and stays funded. An open-ended run (horizon 0) funds
-    every arm."""
-    r, c = self.at[b], self.cfg
-    if r.status not in (PROBING, PAYS) or not c.gating:
-      return self
-    if c.horizon <= 0:  # open-ended: every compile repays
-      every = frozenset(self._candidates(b) if r.status == PROBING else self.arms_at.get(b, ()))
-      return self if every <= r.funded else self._put(b, dataclasses.replace(
-          r, funded=r.funded | every))
-    s = self
-    if r.status == PROBING:
-      for a in self._candidates(b):
-        if a in s.at[b].funded:
-          continue
-        scope = s._scope(b, a)
-        if s._worth(scope, 1.0 - 1.0 / s._ceiling(b, a), s._price(scope, a, False)):
-          s = s._with_funded(scope, a)
-      return s
-    measured = self._measured(b)
-    base = max((measured[a][0] for a in r.funded if a in measured), default=1.0)
-    for a in sorted(self.arms_at.get(b, ()), key=lambda a: -measured.get(a, (0.0,))[0]):
-      if a in s.at[b].funded:
-        continue
-      scope = s._scope(b, a)
-      if s._worth(scope, 1.0 - base / s._ceiling(b, a), s._price(scope, a, True)):
-        s = s._with_funded(scope, a)
-        if a in measured:
-          base = max(base, measured[a][0])
-    return s
-
-  def _with_funded(self, scope: Sequence[int], arm: str) -> GateState:
-    at = dict(self.at)
-    for q in scope:
-      at[q] = dataclasses.replace(at[q], funded=at[q].funded | {arm})
-    return dataclasses.replace(self, at=at)
+    return [a for a in self.candidates(b) if a in self.at[b].funded]
 
   def _apply_cached(self, cached: Mapping[int, Mapping[str, Any]]) -> GateState:
     """Declines for hardware, as of now, the smallest bucket an earlier run declined so on
@@ -522,7 +347,7 @@ class GateState:
 
   def _decide(self, b: int) -> GateState:
     n, r = self.cfg.min_chunks, self.at[b]
-    probed = self._probe_arms(b)
+    probed = self.probe_arms(b)
     spec = {a: r.spec.get(a, ()) for a in probed}
     if len(r.plain) < n or not probed or any(len(c) < n for c in spec.values()):
       return self
@@ -531,7 +356,7 @@ class GateState:
       return self
     ratio = {a: rate(c) / plain for a, c in spec.items()}
     # with every draft accepted an arm delivers depth + 1 tokens per verification
-    ceiling = max(ratio[a] * (_depth(a) + 1) / accept_len(spec[a]) for a in probed)
+    ceiling = max(ratio[a] * (depth(a) + 1) / accept_len(spec[a]) for a in probed)
     best = max(ratio, key=ratio.get)
     bar = 1.0 + self.cfg.margin
     pays = ratio[best] >= bar
@@ -541,7 +366,7 @@ class GateState:
       # the drafts' acceptance, not the hardware, falls short: try the others, those whose
       # best case repays their compile (none: declined for acceptance now)
       s = s._put(b, dataclasses.replace(r, wide=True))._fund_bucket(b)
-      if set(s._probe_arms(b)) != set(probed):
+      if set(s.probe_arms(b)) != set(probed):
         return s
       r = s.at[b]
     reason = None if pays else (HARDWARE if ceiling < bar else ACCEPTANCE)
@@ -578,13 +403,13 @@ class GateState:
     and the payoff rule's terms for each bucket's lead arm."""
     status = {}
     for b, r in self.at.items():
-      unfunded = r.status == PROBING and not self._probe_arms(b)
+      unfunded = r.status == PROBING and not self.probe_arms(b)
       status[str(b)] = "unfunded" if unfunded else r.status
     payoffs = {}
     for b in self.buckets:
-      lead = self._candidates(b)
+      lead = self.candidates(b)
       if lead and self.at[b].status in (PROBING, PAYS):
-        p = self.payoff(b, lead[0])
+        p = funding.terms(self, b, lead[0])
         payoffs[str(b)] = {"arm": lead[0], **{k: (round(v, 4) if isinstance(v, float) else v)
                                                for k, v in p.items()}}
     return {"status": status,
@@ -682,7 +507,7 @@ class SpecGate:
 
   def repays_window(self, bucket: int, arm: str, chunks_per_rollout: float,
                     share: float) -> bool:
-    return self.state.repays_window(bucket, arm, chunks_per_rollout, share)
+    return funding.repays_window(self.state, bucket, arm, chunks_per_rollout, share)
 
   def summary(self) -> dict[str, Any]:
     return self.state.summary()

@@ -27,17 +27,20 @@ Reward (reported by the engine per chunk, records.ChunkMetrics.speed): accepted 
 verification x live rows x steps / wall time of the chunk's draft + verify, in tokens/s (the
 batch's tokens/s had no row ended mid-chunk).
 
-Every selector here is thread-safe (the workers of a rollout share one) and has the engine's
-interface: select(batch_size) -> arm, update(arm,
-batch_size, reward); arms_for(batch_size) and choosable(lo, hi) tell the engine which arms can
-be chosen at which live sizes (it compiles only those); state_dict() is JSON-serialisable
-(RNG included) and load_state_dict() continues the selection sequence exactly.
+The policy is a value, as the speculation gate's is (gate.py): `BanditConfig` (the rule, its
+buckets and parameters, validated once) and `BanditState` (the reward windows and pull counts).
+`BanditState.select` is a pure function of the state (its random draws are seeded by (seed,
+bucket, pulls so far), so asking again before an update gives the same arm) and `update`
+returns the next state; both run without devices or threads (a simulator drives them on its own
+clock). `Selector` is the one mutable holder the engine's workers share: a lock around the
+state, and the engine's interface (select, update, arms_for, choosable, state_dict,
+load_state_dict; the state dict is JSON and restores the sequence exactly).
 """
 
 from __future__ import annotations
 
 import bisect
-import collections
+import dataclasses
 import math
 import random
 import statistics
@@ -46,6 +49,10 @@ from typing import Any, Mapping, Sequence
 
 from tlt_jax.errors import ConfigError
 from tlt_jax.rollout.strategy import Strategy
+
+RULES = ("fixed", "egreedy", "ucb1")  # always one arm; epsilon-greedy on medians; UCB1 on means
+SELECTORS = ("fixed", "beg", "eg", "ucb1", "bucb1")  # config names (make_selector)
+
 
 def check_arm(arm: str) -> str:
   """Validates an arm name (tlt_jax/rollout/strategy.py is the one grammar); returns it."""
@@ -71,107 +78,102 @@ def _check_size(batch_size: int) -> int:
   return int(batch_size)
 
 
-class FixedSelector:
-  """One arm, always (speculation without a bandit, and the ablation baseline)."""
+def _bound(key) -> int:
+  # Config dicts and JSON have string keys: accept "21" as 21.
+  try:
+    lo = int(key)
+  except (TypeError, ValueError):
+    lo = None
+  if lo is None or lo < 1 or str(lo) != str(key).strip():
+    raise ConfigError(f"bucket key {key!r} must be a positive integer lower bound on the "
+                      "live batch size", "buckets")
+  return lo
 
-  def __init__(self, arm: str):
-    self.arm = check_arm(arm)
+
+def _buckets(buckets) -> tuple[tuple[int, tuple[str, ...]], ...]:
+  """Mappings (ConfigDicts, JSON: string keys) of lower bound -> arms, or one list of arms
+  (one bucket: every live size), validated, sorted by bound."""
+  if not hasattr(buckets, "items"):
+    buckets = {1: buckets}
+  if not buckets:
+    raise ConfigError("no buckets given; e.g. {1: ['4_1_5', 'off']}", "buckets")
+  out: dict[int, tuple[str, ...]] = {}
+  for lo, arms in sorted(((_bound(k), v) for k, v in buckets.items()), key=lambda x: x[0]):
+    arms = (arms,) if isinstance(arms, str) else tuple(arms)
+    if not arms:
+      raise ConfigError(f"bucket {lo} has no arms; give it at least one (e.g. 'off')",
+                        "buckets")
+    for a in arms:
+      try:
+        check_arm(a)
+      except ValueError as e:
+        raise ConfigError(f"bucket {lo}: {e}", "buckets") from None
+    if len(set(arms)) != len(arms):
+      raise ConfigError(f"bucket {lo} lists an arm twice: {list(arms)}", "buckets")
+    if lo in out:
+      raise ConfigError(f"bucket bound {lo} is given twice", "buckets")
+    out[lo] = arms
+  return tuple(out.items())
+
+
+@dataclasses.dataclass(frozen=True)
+class BanditConfig:
+  """What a bandit fixes: its rule, buckets (lower bound on the live batch size -> arms) and
+  parameters. Built by `make_selector` from config values; validated here."""
+
+  rule: str
+  buckets: tuple[tuple[int, tuple[str, ...]], ...]
+  window: int = 300  # rewards an arm's value is computed over (the last ones)
+  min_pulls: int = 1  # rewards of every arm of a bucket before the rule chooses
+  epsilon: float = 0.1  # egreedy: the share of random choices
+  c: float = 1.0  # ucb1: the exploration bonus's weight
+  seed: int = 0  # the random draws (exploration rounds' orders, epsilon's coin)
+
+  def __post_init__(self):
+    if self.rule not in RULES:
+      raise ConfigError(f"use one of {', '.join(RULES)}", "rule", self.rule)
+    b = self.buckets  # a mapping, a list of arms, or this class's own (bound, arms) pairs
+    if b and not hasattr(b, "items") and not isinstance(b[0], str):
+      b = dict(b)
+    object.__setattr__(self, "buckets", _buckets(b))
+    w = self.window
+    if isinstance(w, bool) or int(w) != w or w < 1:
+      raise ConfigError("must be a positive integer", "window", w)
+    m = self.min_pulls
+    if isinstance(m, bool) or int(m) != m or not 1 <= m <= w:
+      raise ConfigError(f"must be an integer in [1, window={w}]", "min_pulls", m)
+    if not 0.0 <= self.epsilon <= 1.0:
+      raise ConfigError("must be in [0, 1]", "epsilon", self.epsilon)
+    if not self.c >= 0:
+      raise ConfigError("must be >= 0", "c", self.c)
+    if self.rule == "fixed" and len(self.arms) != 1:
+      raise ConfigError("a fixed selector has one arm", "buckets", dict(self.buckets))
 
   @property
-  def arms(self) -> list[str]:
-    return [self.arm]
+  def bounds(self) -> list[int]:
+    return [lo for lo, _ in self.buckets]
 
-  def select(self, batch_size: int, arms: Sequence[str] | None = None) -> str:
-    return self.arm
-
-  def update(self, arm: str, batch_size: int, reward: float) -> None:
-    pass
-
-  def arms_for(self, batch_size: int) -> list[str]:
-    return [self.arm]
-
-  def choosable(self, lo: int, hi: int) -> list[str]:
-    return [self.arm]
-
-  def state_dict(self) -> dict[str, Any]:
-    return {"type": "FixedSelector", "arm": self.arm}
-
-  def load_state_dict(self, state: Mapping[str, Any]) -> None:
-    if state.get("type") != "FixedSelector" or state.get("arm") != self.arm:
-      raise ValueError(f"selector state {dict(state)} does not belong to FixedSelector"
-                       f"({self.arm!r})")
-
-
-class BucketedSelector:
-  """Per-bucket reward windows, bucket lookup, state (de)serialisation; subclasses pick the arm
-  once every arm of the bucket has a reward (`_choose`)."""
-
-  def __init__(self, buckets: Mapping[int, Sequence[str]] | Sequence[str], *, window: int = 300,
-               min_pulls: int = 1, seed: int = 0):
-    if not hasattr(buckets, "items"):  # Mappings and ConfigDicts are buckets; lists are arms
-      buckets = {1: buckets}  # one bucket: every live size
-    if not buckets:
-      raise ConfigError("no buckets given; e.g. {1: ['4_1_5', 'off']}", "buckets")
-    self.buckets: dict[int, list[str]] = {}
-    for lo, arms in sorted(((self._bound(k), v) for k, v in buckets.items()), key=lambda x: x[0]):
-      arms = [arms] if isinstance(arms, str) else list(arms)
-      if not arms:
-        raise ConfigError(f"bucket {lo} has no arms; give it at least one (e.g. 'off')",
-                          "buckets")
-      for a in arms:
-        try:
-          check_arm(a)
-        except ValueError as e:
-          raise ConfigError(f"bucket {lo}: {e}", "buckets") from None
-      if len(set(arms)) != len(arms):
-        raise ConfigError(f"bucket {lo} lists an arm twice: {arms}", "buckets")
-      if lo in self.buckets:
-        raise ConfigError(f"bucket bound {lo} is given twice", "buckets")
-      self.buckets[lo] = arms
-    if isinstance(window, bool) or int(window) != window or window < 1:
-      raise ConfigError("must be a positive integer", "window", window)
-    self.window = int(window)
-    if isinstance(min_pulls, bool) or int(min_pulls) != min_pulls or not 1 <= min_pulls <= window:
-      raise ConfigError(f"must be an integer in [1, window={self.window}]", "min_pulls",
-                        min_pulls)
-    self.min_pulls = int(min_pulls)
-    self._bounds = list(self.buckets)
-    self._rewards = {lo: {a: collections.deque(maxlen=self.window) for a in arms}
-                     for lo, arms in self.buckets.items()}
-    self._pulls = {lo: {a: 0 for a in arms} for lo, arms in self.buckets.items()}
-    self._seed = seed
-    self._rng = random.Random(seed)
-    # One selector serves every worker thread of a rollout: select/update/state are atomic.
-    self._lock = threading.RLock()
-
-  @staticmethod
-  def _bound(key) -> int:
-    # Config dicts and JSON have string keys: accept "21" as 21.
-    try:
-      lo = int(key)
-    except (TypeError, ValueError):
-      lo = None
-    if lo is None or lo < 1 or str(lo) != str(key).strip():
-      raise ConfigError(f"bucket key {key!r} must be a positive integer lower bound on the "
-                        "live batch size", "buckets")
-    return lo
+  @property
+  def by_bound(self) -> dict[int, tuple[str, ...]]:
+    return dict(self.buckets)
 
   @property
   def arms(self) -> list[str]:
     """Every arm of every bucket, first-listed order."""
-    return list(dict.fromkeys(a for arms in self.buckets.values() for a in arms))
+    return list(dict.fromkeys(a for _, arms in self.buckets for a in arms))
 
   def bucket_of(self, batch_size: int) -> int:
     """The largest bucket bound <= batch_size."""
     n = _check_size(batch_size)
-    i = bisect.bisect_right(self._bounds, n) - 1
+    bounds = self.bounds
+    i = bisect.bisect_right(bounds, n) - 1
     if i < 0:
-      raise ValueError(f"batch_size={n} is below every bucket bound {self._bounds}; add a "
-                       f"bucket with bound 1")
-    return self._bounds[i]
+      raise ValueError(f"batch_size={n} is below every bucket bound {bounds}; add a bucket "
+                       "with bound 1")
+    return bounds[i]
 
   def arms_for(self, batch_size: int) -> list[str]:
-    return list(self.buckets[self.bucket_of(batch_size)])
+    return list(self.by_bound[self.bucket_of(batch_size)])
 
   def choosable(self, lo: int, hi: int) -> list[str]:
     """Arms select() can return for some live size in [lo, hi] (sizes below every bound have
@@ -179,146 +181,160 @@ class BucketedSelector:
     lo, hi = _check_size(lo), _check_size(hi)
     if lo > hi:
       raise ValueError(f"choosable({lo}, {hi}): lo must be <= hi")
-    bounds = self._bounds + [math.inf]
-    return list(dict.fromkeys(a for i, b in enumerate(self._bounds)
-                              if b <= hi and bounds[i + 1] > lo for a in self.buckets[b]))
+    bounds = self.bounds + [math.inf]
+    return list(dict.fromkeys(a for i, (b, arms) in enumerate(self.buckets)
+                              if b <= hi and bounds[i + 1] > lo for a in arms))
+
+  def to_json(self) -> dict[str, Any]:
+    return {"rule": self.rule, "window": self.window, "min_pulls": self.min_pulls,
+            "epsilon": self.epsilon, "c": self.c,
+            "buckets": {str(lo): list(a) for lo, a in self.buckets}}
+
+
+@dataclasses.dataclass(frozen=True)
+class BanditState:
+  """The bandit's state: per (bucket, arm) its last `window` rewards and its pull count.
+  Transitions are pure: `select` reads, `update` returns the next state."""
+
+  cfg: BanditConfig
+  rewards: Mapping[int, Mapping[str, tuple[float, ...]]]
+  pulls: Mapping[int, Mapping[str, int]]
+
+  @classmethod
+  def fresh(cls, cfg: BanditConfig) -> BanditState:
+    return cls(cfg, {lo: {a: () for a in arms} for lo, arms in cfg.buckets},
+               {lo: {a: 0 for a in arms} for lo, arms in cfg.buckets})
 
   def select(self, batch_size: int, arms: Sequence[str] | None = None) -> str:
     """The arm for a chunk of `batch_size` live rows, among `arms` where given (the ones the
     speculation gate has paid to compile there; none of the bucket's: every arm)."""
-    with self._lock:
-      lo = self.bucket_of(batch_size)
-      rewards = self._rewards[lo]
-      pool = [a for a in self.buckets[lo] if arms is None or a in arms] or self.buckets[lo]
-      # arms with fewer than min_pulls rewards first: rounds of the least measured, in random
-      # order (module docstring: a fixed one aliases with periodic workloads). The order is a
-      # function of (seed, bucket, round): an arm whose chunk reported nothing (it compiled)
-      # is asked again, not swapped for another untried one.
-      fewest = min(len(rewards[a]) for a in pool)
-      if fewest < self.min_pulls:
-        order = list(self.buckets[lo])
-        random.Random(f"{self._seed}:{lo}:{fewest}").shuffle(order)
-        return next(a for a in order if a in pool and len(rewards[a]) == fewest)
-      return self._choose(lo, pool)
+    cfg = self.cfg
+    lo = cfg.bucket_of(batch_size)
+    if cfg.rule == "fixed":
+      return cfg.arms[0]
+    listed = cfg.by_bound[lo]
+    rewards = self.rewards[lo]
+    pool = [a for a in listed if arms is None or a in arms] or list(listed)
+    # arms with fewer than min_pulls rewards first: rounds of the least measured, in random
+    # order (module docstring: a fixed one aliases with periodic workloads). The order is a
+    # function of (seed, bucket, round): an arm whose chunk reported nothing (it compiled)
+    # is asked again, not swapped for another untried one.
+    fewest = min(len(rewards[a]) for a in pool)
+    if fewest < cfg.min_pulls:
+      order = list(listed)
+      random.Random(f"{cfg.seed}:{lo}:{fewest}").shuffle(order)
+      return next(a for a in order if a in pool and len(rewards[a]) == fewest)
+    # the bucket's draws: a function of (seed, bucket, pulls so far), so `select` is pure
+    rng = random.Random(f"{cfg.seed}:{lo}:draw:{sum(self.pulls[lo].values())}")
+    if cfg.rule == "egreedy":
+      if rng.random() < cfg.epsilon:
+        return pool[rng.randrange(len(pool))]
+      return max(pool, key=lambda a: self._value(lo, a))
+    means = {a: self._value(lo, a) for a in pool}  # ucb1
+    scale = max(abs(m) for m in means.values()) or 1.0
+    n = {a: len(rewards[a]) for a in pool}
+    total = sum(n.values())
+    return max(pool, key=lambda a: means[a] / scale
+               + cfg.c * math.sqrt(2.0 * math.log(total) / n[a]))
 
-  def _choose(self, lo: int, pool: Sequence[str]) -> str:
-    raise NotImplementedError
+  def update(self, arm: str, batch_size: int, reward: float) -> BanditState:
+    """The state after `arm`'s chunk at `batch_size` earned `reward` (tokens/s)."""
+    cfg = self.cfg
+    lo = cfg.bucket_of(batch_size)
+    if arm not in self.rewards[lo]:
+      raise ValueError(f"arm {arm!r} is not an arm of bucket {lo} {list(cfg.by_bound[lo])} "
+                       f"(batch size {batch_size})")
+    reward = float(reward)
+    if not math.isfinite(reward):
+      raise ValueError(f"reward {reward} for arm {arm!r} is not finite")
+    window = (self.rewards[lo][arm] + (reward,))[-cfg.window:]
+    return dataclasses.replace(
+        self, rewards={**self.rewards, lo: {**self.rewards[lo], arm: window}},
+        pulls={**self.pulls, lo: {**self.pulls[lo], arm: self.pulls[lo][arm] + 1}})
+
+  def values(self, batch_size: int) -> dict[str, float | None]:
+    """The arm values the rule compares (None: untried), for logs and plots."""
+    lo = self.cfg.bucket_of(batch_size)
+    return {a: self._value(lo, a) if r else None for a, r in self.rewards[lo].items()}
+
+  def _value(self, lo: int, arm: str) -> float:
+    r = self.rewards[lo][arm]
+    return statistics.fmean(r) if self.cfg.rule == "ucb1" else statistics.median(r)
+
+  def state_dict(self) -> dict[str, Any]:
+    return {**self.cfg.to_json(), "seed": self.cfg.seed,
+            "rewards": {str(lo): {a: list(r) for a, r in d.items()}
+                        for lo, d in self.rewards.items()},
+            "pulls": {str(lo): dict(d) for lo, d in self.pulls.items()}}
+
+  @classmethod
+  def restore(cls, cfg: BanditConfig, state: Mapping[str, Any]) -> BanditState:
+    """The state `state_dict` saved, for a bandit configured as `cfg` (its seed is the saved
+    one: the sequence continues). A state of another rule, window or buckets is refused."""
+    mine = cfg.to_json()
+    if "rule" not in state:
+      raise ValueError(f"selector state in an older layout ({state.get('type', 'untyped')}, "
+                       "before BanditState): start the selector fresh")
+    theirs = {k: state.get(k) for k in mine}
+    if theirs != mine:
+      raise ValueError(f"selector state was saved by {theirs}, this selector is {mine}: use "
+                       "the same rule, window and buckets, or start the selector fresh")
+    cfg = dataclasses.replace(cfg, seed=state["seed"])
+    window = lambda r: tuple(map(float, r))[-cfg.window:]
+    return cls(cfg, {lo: {a: window(state["rewards"][str(lo)][a]) for a in arms}
+                     for lo, arms in cfg.buckets},
+               {lo: {a: int(state["pulls"][str(lo)][a]) for a in arms}
+                for lo, arms in cfg.buckets})
+
+
+class Selector:
+  """The bandit the engine's workers share: a `BanditState` behind a lock, with the engine's
+  interface. `state` is the current value (read it, or give it to a simulator)."""
+
+  def __init__(self, cfg: BanditConfig):
+    self.cfg = cfg
+    self.state = BanditState.fresh(cfg)
+    self._lock = threading.Lock()
+
+  @property
+  def arms(self) -> list[str]:
+    return self.cfg.arms
+
+  @property
+  def buckets(self) -> dict[int, list[str]]:
+    return {lo: list(a) for lo, a in self.cfg.buckets}
+
+  def bucket_of(self, batch_size: int) -> int:
+    return self.cfg.bucket_of(batch_size)
+
+  def arms_for(self, batch_size: int) -> list[str]:
+    return self.cfg.arms_for(batch_size)
+
+  def choosable(self, lo: int, hi: int) -> list[str]:
+    return self.cfg.choosable(lo, hi)
+
+  def select(self, batch_size: int, arms: Sequence[str] | None = None) -> str:
+    return self.state.select(batch_size, arms)
 
   def update(self, arm: str, batch_size: int, reward: float) -> None:
     with self._lock:
-      lo = self.bucket_of(batch_size)
-      if arm not in self._rewards[lo]:
-        raise ValueError(f"arm {arm!r} is not an arm of bucket {lo} {self.buckets[lo]} (batch "
-                         f"size {batch_size})")
-      reward = float(reward)
-      if not math.isfinite(reward):
-        raise ValueError(f"reward {reward} for arm {arm!r} is not finite")
-      self._rewards[lo][arm].append(reward)
-      self._pulls[lo][arm] += 1
+      self.state = self.state.update(arm, batch_size, reward)
 
   def values(self, batch_size: int) -> dict[str, float | None]:
-    """The arm values _choose compares (None: untried), for logs and plots."""
-    lo = self.bucket_of(batch_size)
-    return {a: self._value(lo, a) if r else None for a, r in self._rewards[lo].items()}
-
-  def _value(self, lo: int, arm: str) -> float:
-    return statistics.median(self._rewards[lo][arm])
-
-  def _config(self) -> dict[str, Any]:
-    return {"type": type(self).__name__, "window": self.window, "min_pulls": self.min_pulls,
-            "buckets": {str(lo): list(a) for lo, a in self.buckets.items()}}
+    return self.state.values(batch_size)
 
   def state_dict(self) -> dict[str, Any]:
-    with self._lock:
-      version, internal, gauss = self._rng.getstate()
-      return {**self._config(),
-              "rewards": {str(lo): {a: list(r) for a, r in d.items()}
-                          for lo, d in self._rewards.items()},
-              "pulls": {str(lo): dict(d) for lo, d in self._pulls.items()},
-              "seed": self._seed,  # the exploration rounds' orders
-              "rng": [version, list(internal), gauss]}
+    return self.state.state_dict()
 
   def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    restored = BanditState.restore(self.cfg, state)
     with self._lock:
-      mine = self._config()
-      theirs = {k: state.get(k) for k in mine}
-      if theirs != mine:
-        raise ValueError(f"selector state was saved by {theirs}, this selector is {mine}: use "
-                         "the same type, window and buckets, or start the selector fresh")
-      for lo in self.buckets:
-        for a in self.buckets[lo]:
-          self._rewards[lo][a] = collections.deque(map(float, state["rewards"][str(lo)][a]),
-                                                   maxlen=self.window)
-          self._pulls[lo][a] = int(state["pulls"][str(lo)][a])
-      self._seed = state["seed"]
-      version, internal, gauss = state["rng"]
-      self._rng.setstate((version, tuple(internal), gauss))
-
-
-class BucketedEpsilonGreedy(BucketedSelector):
-  """BEG-MAB: per bucket, with probability epsilon a uniformly random arm, else the arm with
-  the best median over its last `window` rewards (ties: first listed)."""
-
-  def __init__(self, buckets: Mapping[int, Sequence[str]] | Sequence[str], epsilon: float = 0.1,
-               window: int = 300, seed: int = 0, *, min_pulls: int = 1):
-    super().__init__(buckets, window=window, min_pulls=min_pulls, seed=seed)
-    if not 0.0 <= epsilon <= 1.0:
-      raise ConfigError("must be in [0, 1]", "epsilon", epsilon)
-    self.epsilon = float(epsilon)
-
-  def _choose(self, lo: int, pool: Sequence[str]) -> str:
-    if self._rng.random() < self.epsilon:
-      return pool[self._rng.randrange(len(pool))]
-    return max(pool, key=lambda a: self._value(lo, a))
-
-  def _config(self) -> dict[str, Any]:
-    return {**super()._config(), "epsilon": self.epsilon}
-
-
-class EpsilonGreedy(BucketedEpsilonGreedy):
-  """Plain (unbucketed) epsilon-greedy over `arms`: one bandit for every live size."""
-
-  def __init__(self, arms: Sequence[str], epsilon: float = 0.1, window: int = 300,
-               seed: int = 0, *, min_pulls: int = 1):
-    super().__init__({1: list(arms)}, epsilon=epsilon, window=window, min_pulls=min_pulls,
-                     seed=seed)
-
-
-class UCB1(BucketedSelector):
-  """UCB1 on windowed means, per bucket (a plain list of arms: one bucket). Rewards are
-  tokens/s, not in [0, 1], so means are divided by the bucket's best mean before the bonus
-  c * sqrt(2 ln n / n_arm) is added; counts are window counts (sliding-window UCB), which keeps
-  some exploration going so that a changed arm is noticed."""
-
-  def __init__(self, arms: Mapping[int, Sequence[str]] | Sequence[str], window: int = 300,
-               c: float = 1.0, seed: int = 0, *, min_pulls: int = 1):
-    super().__init__(arms, window=window, min_pulls=min_pulls, seed=seed)
-    if not c >= 0:
-      raise ValueError(f"UCB1: c={c} must be >= 0")
-    self.c = float(c)
-
-  def _value(self, lo: int, arm: str) -> float:
-    return statistics.fmean(self._rewards[lo][arm])
-
-  def _choose(self, lo: int, pool: Sequence[str]) -> str:
-    arms = list(pool)
-    means = {a: self._value(lo, a) for a in arms}
-    scale = max(abs(m) for m in means.values()) or 1.0
-    n = {a: len(self._rewards[lo][a]) for a in arms}
-    total = sum(n.values())
-    return max(arms, key=lambda a: means[a] / scale
-               + self.c * math.sqrt(2.0 * math.log(total) / n[a]))
-
-  def _config(self) -> dict[str, Any]:
-    return {**super()._config(), "c": self.c}
-
-
-SELECTORS = ("fixed", "beg", "eg", "ucb1", "bucb1")
+      self.state = restored
 
 
 def make_selector(selector: str, buckets: Mapping[int, Sequence[str]] | None = None, *,
                   strategy: str | None = None, epsilon: float = 0.1, window: int = 300,
-                  min_pulls: int = 1, seed: int = 0, c: float = 1.0):
+                  min_pulls: int = 1, seed: int = 0, c: float = 1.0) -> Selector:
   """A selector from config values (arguments named as config.tlt.spec's keys). selector:
   "beg" (bucketed epsilon-greedy), "eg" (epsilon-greedy, one bandit over every arm of
   `buckets`), "ucb1" (likewise, UCB1), "bucb1" (UCB1 per bucket), "fixed" (always the arm
@@ -326,16 +342,12 @@ def make_selector(selector: str, buckets: Mapping[int, Sequence[str]] | None = N
   if selector == "fixed":
     if strategy is None:
       raise ConfigError("the 'fixed' selector needs an arm, e.g. '4_1_5'", "strategy", None)
-    return FixedSelector(strategy)
-  buckets = default_mab_buckets() if buckets is None else buckets
-  flat = BucketedSelector(buckets).arms  # validates
-  if selector == "beg":
-    return BucketedEpsilonGreedy(buckets, epsilon=epsilon, window=window,
-                                 min_pulls=min_pulls, seed=seed)
-  if selector == "eg":
-    return EpsilonGreedy(flat, epsilon=epsilon, window=window, min_pulls=min_pulls, seed=seed)
-  if selector == "ucb1":
-    return UCB1(flat, window=window, c=c, min_pulls=min_pulls, seed=seed)
-  if selector == "bucb1":
-    return UCB1(buckets, window=window, c=c, min_pulls=min_pulls, seed=seed)
-  raise ConfigError(f"use one of {', '.join(SELECTORS)}", "selector", selector)
+    return Selector(BanditConfig("fixed", {1: [check_arm(strategy)]}))
+  if selector not in SELECTORS:
+    raise ConfigError(f"use one of {', '.join(SELECTORS)}", "selector", selector)
+  buckets = _buckets(default_mab_buckets() if buckets is None else buckets)
+  if selector in ("eg", "ucb1"):  # one bandit over every arm
+    buckets = ((1, tuple(dict.fromkeys(a for _, arms in buckets for a in arms))),)
+  rule = "egreedy" if selector in ("beg", "eg") else "ucb1"
+  return Selector(BanditConfig(rule, buckets, window=window, min_pulls=min_pulls,
+                               epsilon=epsilon, c=c, seed=seed))

@@ -29,14 +29,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, Sharding
 
-from tlt_jax.models import KVCache, ModelConfig, init_pools
+from tlt_jax.models import KVCache, ModelConfig, init_pools, pages_for
 from tlt_jax.models.transformer import NO_PAGE
 from tlt_jax.rollout import decode
 from tlt_jax.sharding import cache_sharding
-
-
-def pages_for(slots: int, page_size: int) -> int:
-  return -(-max(slots, 0) // page_size)
 
 
 class PageAllocator:

@@ -38,13 +38,28 @@ class SamplingParams:
     return self.temperature == 0.0
 
 
-def processed_logprobs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
-  """logits [..., V] -> log-probs [..., V] of the distribution actually sampled from
-  (-inf outside the top-k / top-p support). Greedy: the plain softmax (temperature 1)."""
-  logits = logits.astype(jnp.float32)
+def plain_variant(sp: SamplingParams) -> SamplingParams:
+  """What a plain decode executable fixes of `sp`: the truncation (top-k / top-p; none for a
+  greedy request). Its temperature is an argument (`sample_tokens(temperature=)`), so the
+  greedy held-out evaluation and the sampled rollouts run the same plain executables (one
+  compile per (batch, window), not one per sampling setting)."""
   if sp.greedy:
+    return SamplingParams()
+  return SamplingParams(top_k=sp.top_k, top_p=sp.top_p)
+
+
+def processed_logprobs(logits: jax.Array, sp: SamplingParams,
+                       temperature: jax.Array | None = None) -> jax.Array:
+  """logits [..., V] -> log-probs [..., V] of the distribution actually sampled from
+  (-inf outside the top-k / top-p support). Greedy: the plain softmax (temperature 1).
+  temperature: a traced scalar that replaces sp's (0: greedy, read at temperature 1)."""
+  logits = logits.astype(jnp.float32)
+  if temperature is not None:
+    logits = logits / jnp.where(temperature == 0, 1.0, temperature).astype(jnp.float32)
+  elif sp.greedy:
     return jax.nn.log_softmax(logits, axis=-1)
-  logits = logits / sp.temperature
+  else:
+    logits = logits / sp.temperature
   if sp.top_k and sp.top_k < logits.shape[-1]:
     kth = jax.lax.top_k(logits, sp.top_k)[0][..., -1:]
     logits = jnp.where(logits < kth, NEG_INF, logits)
@@ -59,16 +74,21 @@ def processed_logprobs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
   return jax.nn.log_softmax(logits, axis=-1)
 
 
-def sample_tokens(keys: jax.Array, logits: jax.Array, sp: SamplingParams
-                  ) -> tuple[jax.Array, jax.Array]:
+def sample_tokens(keys: jax.Array, logits: jax.Array, sp: SamplingParams,
+                  temperature: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """keys [B] (typed or raw), logits [B, V] -> (tokens [B] int32, logprobs [B] float32).
 
   One key per row, so a row's sample does not depend on which other rows share its batch
   (the engine compacts batches; results must not depend on the bucket schedule).
+  temperature: a traced scalar replacing sp's (`plain_variant`); 0 takes the argmax, as a
+  greedy `sp` does, and draws no sample.
   """
-  logp = processed_logprobs(logits, sp)
-  if sp.greedy:
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  logp = processed_logprobs(logits, sp, temperature)
+  argmax = lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  draw = lambda: jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(keys, logp).astype(
+      jnp.int32)
+  if temperature is not None:
+    tokens = jax.lax.cond(temperature == 0, argmax, draw)
   else:
-    tokens = jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(keys, logp).astype(jnp.int32)
+    tokens = argmax() if sp.greedy else draw()
   return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]

@@ -13,7 +13,7 @@ trees). The same three numbers as a drafter arm, so every consumer of `steps` / 
 (catch-up capacity, chunk reach, the gate's depth) reads a history arm unchanged; the prefix
 names the draft source. "hyb_<steps>" (hybrid) verifies two chains of up to `steps` tokens
 as one tree: the index's, and the drafter's (argmax) from the same root, merged where they
-agree (speculative.hybrid_draft), so the drafter extends a history draft that runs out and
+agree (drafts.hybrid_draft), so the drafter extends a history draft that runs out and
 replaces one that is missing or wrong; topk 2, 2 steps + 1 tokens verified; it costs the
 drafter's forwards, a lookup and the wider verification. Pure Python: the selectors (mab.py)
 and config validation use it without JAX.

@@ -39,7 +39,7 @@ the last sort are "pending": each position gets one uint64 (its token and the on
 in a per-prompt array that a lookup filters with one numpy compare, then checks the few
 candidates' [C, max_match] windows in their rows' buffers; the arena is re-sorted lazily when
 pending exceeds max(pending_min, indexed * pending_frac), so sorting is amortised O(n log n)
-over a geometric series. Sorting is prefix doubling on uint64 keys (`_backward_sorted`).
+over a geometric series. Sorting is prefix doubling on uint64 keys (`backward_sorted`).
 Dropping a sequence (eviction, end(keep=False)) filters `sa` with a mask (a filtered sorted
 array stays sorted); its arena bytes are reclaimed at the next re-sort.
 Updates are cheap and deferred: extend only appends to the row's buffer (its per-call Python
@@ -81,12 +81,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-SENTINEL = (1 << 21) - 1  # sorts after every token; token ids must be < SENTINEL
-_BITS = 21
+from tlt_jax.rollout.suffix_arena import (BITS, SENTINEL, PromptHistory, Seq, backward_sorted,
+                                          checked_ids, in_ranges)
+
 _SMALL = 32  # occurrence sets up to this size are walked as Python lists
 _NEVER = np.uint64((1 << 64) - 1)  # a pending key no (token, previous token) pair equals
-_SENT = np.full(1, SENTINEL, np.uint32)  # the "previous token" of a sequence's first one
-_umax = np.maximum.reduce  # without ndarray.max's Python wrapper (an extend's fixed cost)
 
 
 class Draft(NamedTuple):
@@ -96,109 +95,6 @@ class Draft(NamedTuple):
 
 
 _EMPTY = Draft(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.float32))
-
-
-class _Seq:
-  """One sequence (prompt + output): a growable buffer; `snap` tokens of it are in the arena."""
-  __slots__ = ("ids", "n", "snap", "start", "live", "slot", "reg")
-
-  def __init__(self, ids):
-    ids = checked_ids(ids)
-    self.ids = np.empty(max(64, 2 * len(ids)), np.uint32)
-    self.ids[:len(ids)] = ids
-    self.n = len(ids)
-    self.snap = 0       # tokens of this sequence copied into the arena at the last sort
-    self.start = -1     # arena offset of its first token (-1: not in the arena)
-    self.live = True
-    self.slot = -1      # index in _Prompt.pseqs while it has pending positions
-    self.reg = 0        # tokens whose positions are in the arena or pending (the rest: fresh)
-
-  def append(self, toks):
-    k = len(toks)
-    if self.n + k > len(self.ids):
-      buf = np.empty(max(2 * len(self.ids), self.n + k), np.uint32)
-      buf[:self.n] = self.ids[:self.n]
-      self.ids = buf
-    self.ids[self.n:self.n + k] = toks
-    self.n += k
-
-
-def checked_ids(tokens):
-  """[N] int64 token ids, or ValueError. One reduction: a negative id viewed as uint64 is huge."""
-  ids = np.asarray(tokens, np.int64)
-  if ids.ndim != 1:
-    ids = ids.reshape(-1)
-  if len(ids) and _umax(ids.view(np.uint64)) >= SENTINEL:
-    raise ValueError(f"HistoryIndex: token ids must lie in [0, {SENTINEL}); got "
-                     f"[{ids.min()}, {ids.max()}]")
-  return ids
-
-
-class _Prompt:
-  """The history of one prompt: sequences, the sorted arena, counters."""
-
-  def __init__(self):
-    self.live: dict = {}                       # seq_key -> _Seq
-    self.done: collections.deque = collections.deque()  # finished _Seq, oldest first
-    self.done_tokens = 0
-    self.arena = np.full(0, SENTINEL, ">u4")   # [A] tokens, sentinel-separated, W-padded front
-    self.sa = np.zeros(0, np.int32)            # [M] arena positions, sorted by backward window
-    self.starts = np.zeros(0, np.int64)        # arena offset per arena sequence (sorted)
-    self.seqs: list = []                       # _Seq per entry of starts
-    # positions (with a next token) registered since the sort, not in sa:
-    self.pkey = np.zeros(256, np.uint64)       # [P] token << 21 | previous token
-    self.pslot = np.zeros(256, np.int32)       # [P] index into pseqs
-    self.poff = np.zeros(256, np.int32)        # [P] offset in that sequence
-    self.pending = 0                           # P
-    self.pseqs: list = []                      # _Seq per slot
-    # positions with a next token that are neither sorted nor pending yet (appended since):
-    self.fresh = 0                             # how many
-    self.dirty: dict = {}                      # id(seq) -> _Seq holding them
-
-  def all_seqs(self):
-    return list(self.done) + list(self.live.values())
-
-  def register(self, seqs):
-    """Positions reg-1 .. n-2 of each sequence got their next token since: they become
-    pending. One vectorised pass for all of them (the engine extends every live row, then
-    drafts): each sequence contributes its window from the token before the first new
-    position (a sentinel at a sequence's start), concatenated; a key pairs a token with the
-    one before it."""
-    parts, meta = [], []  # meta: (slot, first position, positions)
-    for s in seqs:
-      lo, hi = max(s.reg - 1, 0), s.n - 1
-      s.reg = s.n
-      if hi <= lo:
-        continue
-      if s.slot < 0:
-        s.slot = len(self.pseqs)
-        self.pseqs.append(s)
-      parts += [s.ids[lo - 1:hi]] if lo else [_SENT, s.ids[:hi]]
-      meta.append((s.slot, lo, hi - lo))
-    if not meta:
-      return
-    slot, lo, m = np.asarray(meta, np.int64).T  # [S] each
-    k, total = self.pending, int(m.sum())
-    if k + total > len(self.pkey):
-      cap = max(2 * len(self.pkey), k + total)
-      self.pkey, self.pslot, self.poff = (np.resize(a, cap) for a in
-                                          (self.pkey, self.pslot, self.poff))
-    cat = np.concatenate(parts)                  # [total + S] uint32
-    g = np.arange(total)                         # [total] key index
-    first = np.cumsum(m) - m                     # [S] each sequence's first key
-    j = g + np.repeat(np.arange(len(m)), m)      # [total] its previous token in cat
-    key = self.pkey[k:k + total]                 # view: filled in place
-    np.left_shift(cat[j + 1], np.uint64(_BITS), out=key)
-    key |= cat[j]
-    self.pslot[k:k + total] = np.repeat(slot, m)
-    self.poff[k:k + total] = g + np.repeat(lo - first, m)
-    self.pending += total
-    self.fresh -= total
-
-  def forget(self, s: _Seq):
-    """s leaves: its fresh positions are never registered."""
-    if self.dirty.pop(id(s), None) is not None:
-      self.fresh -= max(s.n - 1 - max(s.reg - 1, 0), 0)
 
 
 class SuffixIndex:
@@ -218,7 +114,7 @@ class SuffixIndex:
     self.min_match, self.max_match, self.long_match = min_match, max_match, long_match
     self.pending_min, self.pending_frac = pending_min, pending_frac
     self._prompts: collections.OrderedDict = collections.OrderedDict()  # LRU order
-    self._where: dict = {}  # live seq_key -> (prompt_key, _Prompt, _Seq)
+    self._where: dict = {}  # live seq_key -> (prompt_key, PromptHistory, Seq)
     self._unsettled: set = set()  # prompt keys with fresh positions
     self._lookups = self._hits = self._match_sum = 0
     self._sorts, self._sort_s, self._update_s = 0, 0.0, 0.0
@@ -229,10 +125,10 @@ class SuffixIndex:
     t0 = time.perf_counter()
     if seq_key in self._where:
       raise ValueError(f"HistoryIndex.begin: sequence {seq_key!r} is already live")
-    s = _Seq(prompt_ids)
+    s = Seq(prompt_ids)
     p = self._prompts.get(prompt_key)
     if p is None:
-      p = self._prompts[prompt_key] = _Prompt()
+      p = self._prompts[prompt_key] = PromptHistory()
     self._prompts.move_to_end(prompt_key)
     p.live[seq_key] = s
     if s.n > 1:
@@ -288,7 +184,7 @@ class SuffixIndex:
         self._settle(p)
     self._update_s += time.perf_counter() - t0
 
-  def _settle(self, p: _Prompt):
+  def _settle(self, p: PromptHistory):
     if p.pending + p.fresh > max(self.pending_min, self.pending_frac * len(p.sa)):
       self._sort(p)
     else:
@@ -296,14 +192,14 @@ class SuffixIndex:
       p.dirty.clear()
 
   def _live(self, seq_key):
-    """(prompt_key, _Prompt, _Seq) of a live sequence."""
+    """(prompt_key, PromptHistory, Seq) of a live sequence."""
     try:
       return self._where[seq_key]
     except KeyError:
       raise KeyError(f"HistoryIndex: sequence {seq_key!r} is not live (begin() it first)") \
           from None
 
-  def _drop(self, p: _Prompt, seqs):
+  def _drop(self, p: PromptHistory, seqs):
     """Removes sequences: sa entries filtered out (order kept), pending ones made unmatchable."""
     inarena = [s for s in seqs if s.start >= 0]
     for s in seqs:
@@ -312,7 +208,7 @@ class SuffixIndex:
         p.pkey[:p.pending][p.pslot[:p.pending] == s.slot] = _NEVER
         s.slot = -1
     if inarena:
-      p.sa = p.sa[~_in_ranges(p.sa, [(s.start, s.start + s.snap) for s in inarena])]
+      p.sa = p.sa[~in_ranges(p.sa, [(s.start, s.start + s.snap) for s in inarena])]
       for s in inarena:
         s.start = -1  # arena bytes stay until the next sort; nothing points at them
 
@@ -325,7 +221,7 @@ class SuffixIndex:
 
   # ---- the sorted arena --------------------------------------------------------------------
 
-  def _sort(self, p: _Prompt):
+  def _sort(self, p: PromptHistory):
     """Rebuilds the arena from every sequence and sorts its positions by backward window."""
     t0 = time.perf_counter()
     w = self.max_match
@@ -344,7 +240,7 @@ class SuffixIndex:
     p.arena = arena.astype(">u4")
     p.starts = np.asarray(starts, np.int64)
     p.seqs = seqs
-    p.sa = _backward_sorted(arena.astype(np.uint64), pos, w).astype(np.int32)
+    p.sa = backward_sorted(arena.astype(np.uint64), pos, w).astype(np.int32)
     for s in seqs:  # finished sequences live in the arena only: 4 bytes a token, not 8
       if not s.live:
         s.ids = p.arena[s.start:s.start + s.n]
@@ -389,7 +285,7 @@ class SuffixIndex:
       self._match_sum += length
     return d
 
-  def _match_arena(self, p: _Prompt, q):
+  def _match_arena(self, p: PromptHistory, q):
     """(L, lo, hi): the longest common prefix of q with a sorted backward window, its range."""
     if not len(p.sa):
       return 0, 0, 0
@@ -422,13 +318,13 @@ class SuffixIndex:
     hi = bisect.bisect_right(sa, qk, lo=i, hi=min(n, i + s), key=kb)
     return best, lo, hi
 
-  def _match_pending(self, p: _Prompt, q):
+  def _match_pending(self, p: PromptHistory, q):
     """Pending positions: (max match length, [(seq, offsets, match lengths)])."""
     keys = p.pkey[:p.pending]
     if len(q) > 1 and self.min_match >= 2:
-      cand = np.flatnonzero(keys == np.uint64((int(q[0]) << _BITS) | int(q[1])))
+      cand = np.flatnonzero(keys == np.uint64((int(q[0]) << BITS) | int(q[1])))
     else:
-      cand = np.flatnonzero((keys >> np.uint64(_BITS)) == np.uint64(q[0]))
+      cand = np.flatnonzero((keys >> np.uint64(BITS)) == np.uint64(q[0]))
     if not len(cand):
       return 0, []
     slots, offs = p.pslot[cand], p.poff[cand].astype(np.int64)
@@ -444,7 +340,7 @@ class SuffixIndex:
       out.append((s, o, m))
     return best, out
 
-  def _next(self, p: _Prompt, occ_a, occ_p):
+  def _next(self, p: PromptHistory, occ_a, occ_p):
     """Next tokens after each occurrence: (tok_a, occ_a kept, [(seq, offsets, toks)])."""
     tok = p.arena[occ_a + 1].astype(np.int64) if len(occ_a) else np.zeros(0, np.int64)
     cut = tok == SENTINEL
@@ -463,7 +359,7 @@ class SuffixIndex:
         pend.append((s, o, s.ids[o + 1].astype(np.int64)))
     return tok, occ_a, pend
 
-  def _to_list(self, p: _Prompt, occ_a, occ_p):
+  def _to_list(self, p: PromptHistory, occ_a, occ_p):
     """Occurrences as [(seq, offset)]: small sets walk faster in plain Python than in numpy."""
     out = []
     if len(occ_a):
@@ -554,43 +450,3 @@ class SuffixIndex:
             "sort_s": self._sort_s, "update_s": self._update_s}
 
 
-def _in_ranges(x, ranges):
-  """[len(x)] bool: x inside any [a, b) of ranges."""
-  r = np.asarray(sorted(ranges), np.int64).reshape(-1, 2)
-  j = np.searchsorted(r[:, 0], x, "right") - 1
-  ok = j >= 0
-  jj = np.where(ok, j, 0)
-  return ok & (x < r[jj, 1])
-
-
-def _backward_sorted(arena, pos, w):
-  """`pos` sorted by the window arena[p], arena[p-1], ..., arena[p-w+1] (lexicographic).
-
-  Prefix doubling over every arena position: rank by 3 packed tokens, then rank pairs
-  (rank[p], rank[p-h]) packed in one uint64 (ranks < 2^32), h = 3, 6, 12, 24, ... until h >= w
-  or all ranks differ; an order by longer windows is also one by their first w tokens.
-  Measured on 524k reasoning-like positions: 0.44 s vs 1.5-2.2 s for 3-token rounds over the
-  tied groups (long copied stretches keep most groups tied for all 11 rounds)."""
-  a = len(arena)
-  back = np.arange(a)
-  key = np.zeros(a, np.uint64)
-  for i in range(3):  # the front pad is sentinels, so clipping at 0 reads a sentinel
-    key = (key << np.uint64(_BITS)) | arena[np.maximum(back - i, 0)]
-  order = np.argsort(key)
-  ks = key[order]
-  brk = np.ones(a, bool)  # [A] sorted order: a new rank starts here
-  brk[1:] = ks[1:] != ks[:-1]
-  rank = np.empty(a, np.uint64)
-  h = 3
-  while True:
-    rank[order] = np.cumsum(brk) - 1
-    if h >= w or brk.all():
-      break
-    key = (rank << np.uint64(32)) | rank[np.maximum(back - h, 0)]
-    order = np.argsort(key)
-    ks = key[order]
-    brk[1:] = ks[1:] != ks[:-1]
-    h *= 2
-  keep = np.zeros(a, bool)
-  keep[pos] = True
-  return order[keep[order]]

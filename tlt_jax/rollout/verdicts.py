@@ -7,8 +7,12 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import tempfile
 from typing import Any, Mapping
+
+import jax
+import numpy as np
 
 _log = logging.getLogger(__name__)
 
@@ -88,3 +92,21 @@ class VerdictCache:
       os.replace(tmp, self.path)
     except OSError as e:
       _log.warning("speculation gate: could not write the verdict cache %s (%s)", self.path, e)
+
+
+def for_run(cache: str, model_cfg, ecfg, sampling, dparams, devices) -> VerdictCache | None:
+  """Where the speculation gate keeps its hardware verdicts across runs: beside the run's
+  persistent compilation cache (config `compilation_cache`), keyed by what a verdict depends
+  on. None when the config names no cache: a cold compilation cache is a cold gate (whatever
+  cache this process was given another way, e.g. the test suite's, keeps no verdicts)."""
+  if not cache:
+    return None
+  cache = os.path.expanduser(cache)
+  devices = list(devices)
+  fingerprint = {
+      "jax": jax.__version__, "platform": devices[0].platform,
+      "device_kind": devices[0].device_kind, "replica_devices": len(devices),
+      "host": [platform.machine(), os.cpu_count()],  # (a CPU's "device kind" is just cpu)
+      "model": repr(model_cfg), "drafter": repr(jax.tree.map(np.shape, dparams)),
+      "engine": repr(ecfg), "sampling": repr(sampling)}
+  return VerdictCache(os.path.join(cache, "tlt_gate", "verdicts.json"), fingerprint)

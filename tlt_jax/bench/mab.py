@@ -23,9 +23,10 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from tlt_jax.rollout.engine import Engine, EngineConfig, SpecConfig
+from tlt_jax.rollout.config import EngineConfig, SpecConfig
+from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.history import HistoryIndex
-from tlt_jax.rollout.mab import EpsilonGreedy
+from tlt_jax.rollout.mab import make_selector
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.strategy import Strategy
 from tlt_jax.rollout.sampling import SamplingParams
@@ -44,18 +45,10 @@ class Workload:
 
 def load_default_workload(num_prompts: int) -> Workload:
   """The default model, its drafter, and the first `num_prompts` test prompts."""
-  from tlt_jax.config import asset_path
-  from tlt_jax.data.prompts import load_prompt_rows
-  from tlt_jax.drafter.model import load_drafter
-  from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
-  model_dir = asset_path("default", "model")
-  cfg, params = load_hf_model(model_dir)
-  tok = load_tokenizer(model_dir)
-  dparams = load_drafter(asset_path("default", "drafter"), cfg)
-  rows, _ = load_prompt_rows(asset_path("default", "data", "test.jsonl"))
-  prompts = [tok.encode(r.prompt) for r in rows[:num_prompts]]
-  return Workload(cfg, params, dparams, [Request(p, i) for i, p in enumerate(prompts)],
-                  tuple(stop_token_ids(model_dir, tok)),
+  from tlt_jax.bench.bench_model import load_target
+  cfg, params, dparams, _, stop, prompts = load_target()
+  prompts = prompts[:num_prompts]
+  return Workload(cfg, params, dparams, [Request(p, i) for i, p in enumerate(prompts)], stop,
                   -(-max(len(p) for p in prompts) // 16) * 16)
 
 
@@ -76,15 +69,15 @@ class LongTailBench:
                         max_new_tokens=max_new_tokens, stop_tokens=w.stop_tokens, spec=spec)
     history = any(Strategy.parse(a).history for a in self.arms)
     self.worker = Engine(w.params, w.cfg, ecfg, drafter_params=w.drafter_params,
-                         selector=EpsilonGreedy(self.arms),
+                         selector=make_selector("eg", self.arms),
                          history=HistoryIndex() if history else None)
 
   def precompile(self) -> float:
     """Compiles every arm at every bucket speculation can run at, then one untimed pass
     compiles the prefill / compaction shapes. Returns the seconds spent."""
     t0 = time.perf_counter()
-    self.worker.selector = EpsilonGreedy(self.arms)
-    self.worker.compiles.precompile(self.sp)
+    self.worker.selector = make_selector("eg", self.arms)
+    self.worker.precompile(self.sp)
     self.worker.generate(self.requests, self.sp, seed=10_000)
     return time.perf_counter() - t0
 

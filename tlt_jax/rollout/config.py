@@ -1,0 +1,101 @@
+"""The rollout engine's configuration: `EngineConfig` (batching, prompts, the paged KV cache's
+geometry) and `SpecConfig` (adaptive speculative decoding). The cache geometry has one owner:
+`cache_len` (a row's slots at its longest), `row_pages` (a page table's width) and `pool_pages`
+(a replica's pool) are read from here by the engine, the page allocator and the memory plan,
+and slots become pages by `models.pages_for` only."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tlt_jax.errors import ConfigError
+from tlt_jax.models import pages_for
+from tlt_jax.rollout.scheduler import bucket_for
+from tlt_jax.rollout.strategy import DEFAULT_ARM, Strategy
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+  """Adaptive speculative decoding: on once the live batch stays <= bs_threshold for
+  `patience` consecutive chunk checks (then on for the rest of the generate call)."""
+
+  strategy: str = DEFAULT_ARM  # an arm name (strategy.py), e.g. "4_1_5", "hist_4", "off"
+  bs_threshold: int = 32
+  patience: int = 2
+  use_kernel: bool | None = None  # Pallas verification kernel vs jnp reference; None: GPU only
+  # Compile the speculative executables in a background thread from the first generate on;
+  # speculation starts at a bucket only once every arm choosable there is compiled (until
+  # then the rows decode plainly): no chunk waits for a compile, the bandit sees no compile
+  # time, and on an accelerator host the compiles overlap decoding for free. Off: each
+  # executable compiles on first use (speculation from the first generate call).
+  background_compile: bool = False
+  max_steps: int = 0  # catch-up capacity (>= every strategy's steps); 0 -> the strategies'
+
+  def __post_init__(self):
+    try:
+      Strategy.parse(self.strategy)
+    except ValueError as e:
+      raise ConfigError(str(e), "strategy", self.strategy) from None
+    if self.bs_threshold < 1:
+      raise ConfigError("must be >= 1", "bs_threshold", self.bs_threshold)
+    if self.patience < 1:
+      raise ConfigError("must be >= 1", "patience", self.patience)
+    if self.max_steps < 0:
+      raise ConfigError("must be >= 0", "max_steps", self.max_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  max_batch: int = 64  # rows decoded at once by one worker
+  buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # batch sizes compiled for
+  chunk_size: int = 16  # decode steps between host checks (compaction / refill / metrics)
+  compaction: bool = True  # shrink to the smallest bucket that holds the live rows
+  max_prompt_len: int = 128  # cache capacity is max_prompt_len + max_new_tokens
+  max_new_tokens: int = 256
+  prompt_bucket: int = 16  # prompts are padded to a multiple of this (fewer prefill compiles)
+  # return per-token last-layer hidden states (drafter data); with a speculation gate, only
+  # while it wants the drafter trained (none on hardware where drafts cannot pay)
+  capture_hidden: bool = False
+  hidden_keep: int = 0  # > 0: keep only each response's last hidden_keep states (host memory)
+  stop_tokens: tuple[int, ...] = ()
+  spec: SpecConfig | None = None  # speculative decoding (needs drafter params on the worker)
+  page_size: int = 16  # KV slots per page of the paged cache
+  # pages in the replica's KV pool; 0: max_batch rows of max length (admission never waits)
+  kv_pages: int = 0
+
+  def __post_init__(self):
+    if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) \
+        or self.buckets[0] < 1:
+      raise ConfigError("a strictly increasing tuple of batch sizes, e.g. (1, 2, 4, 8)",
+                        "buckets", self.buckets)
+    if self.max_batch < 1:
+      raise ConfigError("must be >= 1", "max_batch", self.max_batch)
+    if self.buckets[-1] < self.max_batch:
+      raise ConfigError(f"the largest bucket must be >= max_batch ({self.max_batch})",
+                        "buckets", self.buckets)
+    for name in ("chunk_size", "max_prompt_len", "max_new_tokens", "prompt_bucket", "page_size"):
+      if getattr(self, name) <= 0:
+        raise ConfigError("must be > 0", name, getattr(self, name))
+    if self.hidden_keep < 0:
+      raise ConfigError("must be >= 0 (0 = all)", "hidden_keep", self.hidden_keep)
+    if self.kv_pages and self.kv_pages < self.row_pages:
+      raise ConfigError(f"a KV pool must hold one row of max_prompt_len + max_new_tokens = "
+                        f"{self.cache_len} slots: >= {self.row_pages} pages of {self.page_size}"
+                        " (0: max_batch such rows)", "kv_pages", self.kv_pages)
+
+  @property
+  def cache_len(self) -> int:
+    return self.max_prompt_len + self.max_new_tokens
+
+  @property
+  def row_pages(self) -> int:
+    """Pages of a row at its longest (a page table's width)."""
+    return pages_for(self.cache_len, self.page_size)
+
+  @property
+  def pool_pages(self) -> int:
+    """Pages of a replica's KV pool: kv_pages, or max_batch rows at their longest."""
+    return self.kv_pages or self.max_batch * self.row_pages
+
+  def bucket_for(self, n: int) -> int:
+    return bucket_for(self.buckets, n)

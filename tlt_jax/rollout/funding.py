@@ -1,0 +1,141 @@
+"""What the speculation gate funds: the payoff rule (payoff.py) asked of a gate's state.
+
+Nothing speculative is compiled unless its best case repays it: a probe's arm, the other arms
+probed when acceptance falls short, the arms a paying bucket compiles on every worker, and each
+narrower attention window. Each function here reads a `GateState` (gate.py) and returns a
+value or the next state; the gate asks `fund` again on every prober rollout and decision."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from tlt_jax.rollout import payoff
+from tlt_jax.rollout.probe import PAYS, PROBING, depth, measured
+
+
+def fund(s):
+  """Asks the payoff rule again for every bucket on probation or paying, smallest first."""
+  for b in s.buckets:
+    s = fund_bucket(s, b)
+  return s
+
+
+def ceiling(s, b: int, arm: str) -> float:
+  """The best case of `arm` at `b`, as speed-up over plain decoding: its measured ceiling
+  there; else the hardware ceiling measured at `b` or at any smaller bucket (every draft
+  accepted: a larger batch is no less compute-bound), at most depth + 1 (each verification
+  as cheap as a plain step, every draft accepted); "off" decodes plainly: 1."""
+  prior = float(depth(arm) + 1)
+  here = measured(s.at[b])
+  if arm in here:
+    return here[arm][1]
+  bounds = [max(c for _, c in m.values()) for q in s.buckets if q <= b
+            if (m := measured(s.at[q]))]
+  return min([prior] + bounds)
+
+
+def scope(s, b: int, arm: str) -> list[int]:
+  """Where funding `arm` at `b` compiles it: `b` and every smaller bucket on probation or
+  paying that does not have it yet (a batch that speculates at `b` compacts through them,
+  and needs the arm's executable at each)."""
+  return [q for q in s.buckets if q <= b and s.at[q].status in (PROBING, PAYS)
+          and arm not in s.at[q].funded and (q == b or arm in s.arms_at.get(q, ()))]
+
+
+def price(s, where: Sequence[int], arm: str, every_worker: bool) -> float | None:
+  """Seconds to compile `arm` over `where`, with each bucket's one-off speculative compiles
+  where nothing is funded there yet: on every worker (what a paying bucket costs each), or
+  on the prober (a probe: what it compiled in this run already is paid for)."""
+  led, total = s.ledger, 0.0
+  for q in where:
+    arm_s = (0.0 if not every_worker and (q, arm) in led.made
+             else led.arm_cost(q, arm, s.cfg.compile_factor))
+    open_s = (0.0 if s.at[q].funded or (not every_worker and led.opened(q))
+              else led.open_cost(q))
+    if arm_s is None or open_s is None:
+      return None
+    total += arm_s + open_s
+  return total
+
+
+def worth(s, where: Sequence[int], gain: float, cost: float | None) -> bool:
+  c = s.cfg
+  return payoff.repays(sum(s.ledger.per_rollout(q) for q in where), horizon=c.horizon,
+                       rollouts=s.rollouts, payback=c.payback, gain=gain, cost=cost)
+
+
+def with_funded(s, where: Sequence[int], arm: str):
+  at = dict(s.at)
+  for q in where:
+    at[q] = dataclasses.replace(at[q], funded=at[q].funded | {arm})
+  return dataclasses.replace(s, at=at)
+
+
+def fund_bucket(s, b: int):
+  """On probation: funds each probed arm whose best case (1 - 1/ceiling of the time spent
+  at `b` and the smaller buckets it compacts through) repays what the prober has left to
+  compile for it there, each on its own. Where it pays: funds arms, the measured ones by
+  speed first, whose best case beats the fastest funded one (plain decoding before any) by
+  enough to repay what every worker compiles for them. A funded arm is funded at the
+  smaller buckets of its scope too, and stays funded. An open-ended run (horizon 0) funds
+  every arm."""
+  r, c = s.at[b], s.cfg
+  if r.status not in (PROBING, PAYS) or not c.gating:
+    return s
+  if c.horizon <= 0:  # open-ended: every compile repays
+    every = frozenset(s.candidates(b) if r.status == PROBING else s.arms_at.get(b, ()))
+    return s if every <= r.funded else dataclasses.replace(
+        s, at={**s.at, b: dataclasses.replace(r, funded=r.funded | every)})
+  if r.status == PROBING:
+    for a in s.candidates(b):
+      if a in s.at[b].funded:
+        continue
+      where = scope(s, b, a)
+      if worth(s, where, 1.0 - 1.0 / ceiling(s, b, a), price(s, where, a, False)):
+        s = with_funded(s, where, a)
+    return s
+  here = measured(r)
+  base = max((here[a][0] for a in r.funded if a in here), default=1.0)
+  for a in sorted(s.arms_at.get(b, ()), key=lambda a: -here.get(a, (0.0,))[0]):
+    if a in s.at[b].funded:
+      continue
+    where = scope(s, b, a)
+    if worth(s, where, 1.0 - base / ceiling(s, b, a), price(s, where, a, True)):
+      s = with_funded(s, where, a)
+      if a in here:
+        base = max(base, here[a][0])
+  return s
+
+
+def repays_window(s, bucket: int, arm: str, chunks_per_rollout: float, share: float) -> bool:
+  """Whether a narrower attention window of `arm` at `bucket` is worth compiling (one more
+  executable, as costly as the arm's: payoff.py) for chunks that would read `share` fewer of
+  their step's bytes (the compile plan's estimate) than at the wider window they run at now,
+  `chunks_per_rollout` times per rollout. Their time is the arm's measured chunks' there;
+  before it has one, only an open-ended run compiles."""
+  c = s.cfg
+  r = s.at.get(bucket)
+  chunks = r.spec.get(arm, ()) if r is not None else ()
+  if not chunks:
+    return c.horizon <= 0
+  wall = sum(x.wall for x in chunks) / len(chunks)
+  return payoff.repays_saving(chunks_per_rollout * wall * share, horizon=c.horizon,
+                              rollouts=s.rollouts, payback=c.payback,
+                              cost=s.ledger.arm_cost(bucket, arm, c.compile_factor))
+
+
+def terms(s, bucket: int, arm: str) -> dict[str, float | None]:
+  """The payoff rule's terms for compiling `arm` at `bucket` on a worker that has nothing
+  speculative there yet (the metrics' view; `fund_bucket` decides with what each worker
+  has)."""
+  led, cfg = s.ledger, s.cfg
+  best = ceiling(s, bucket, arm)
+  cost = led.arm_cost(bucket, arm, cfg.compile_factor)
+  opening = led.open_cost(bucket)
+  left = payoff.rollouts_left(cfg.horizon, s.rollouts)
+  return {"s_per_rollout": led.per_rollout(bucket), "ceiling": best,
+          "best_saving": (payoff.best_saving(led.per_rollout(bucket), left, cfg.payback,
+                                             1 - 1 / best)
+                          if left != float("inf") else None),
+          "compile": None if cost is None or opening is None else cost + opening}

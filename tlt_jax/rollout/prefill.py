@@ -1,0 +1,85 @@
+"""A prefill's host side: its prompts' padded arrays (`prefill_arrays`: a GRPO group's
+responses share their prompt's prefill), the rule a prompt must meet (`prompt_problem`), and the
+call of its executable (`prefill_call`: plain, or warm with the drafter's prefill) that the
+engine runs and the compile plan compiles ahead from."""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tlt_jax.models import ModelConfig
+from tlt_jax.rollout import decode
+from tlt_jax.rollout.config import EngineConfig
+from tlt_jax.rollout.records import Request
+
+
+def prompt_len(reqs: Sequence[Request], ecfg: EngineConfig) -> int:
+  """The padded length of these prompts' prefill: a multiple of prompt_bucket."""
+  longest = max(len(r.prompt_ids) for r in reqs)
+  return min(-(-longest // ecfg.prompt_bucket) * ecfg.prompt_bucket, ecfg.max_prompt_len)
+
+
+def prefill_arrays(reqs: Sequence[Request], batch: int, base_key, ecfg: EngineConfig):
+  """A prefill's inputs for `reqs` at `batch` rows: tokens [U, P] right-padded to a multiple
+  of prompt_bucket, lens [U], src [batch] (row -> its prompt, `decode.expand_rows`; None when
+  row i is prompt i), keys [batch, 2] (each row's own stream: (request_id, sample_index)
+  folded into the call's key), max_new [batch]. A group's responses share their prompt: each
+  distinct prompt is prefilled once (U rows) when that makes a smaller batch."""
+  p = prompt_len(reqs, ecfg)
+  keys = np.zeros((batch, 2), np.uint32)
+  max_new = np.zeros((batch,), np.int32)
+  src = np.full((batch,), -1, np.int32)  # row -> its distinct prompt
+  distinct: dict[tuple[int, ...], int] = {}
+  for i, r in enumerate(reqs):
+    src[i] = distinct.setdefault(tuple(int(t) for t in r.prompt_ids), len(distinct))
+    k = jax.random.fold_in(jax.random.fold_in(base_key, r.request_id), r.sample_index)
+    keys[i] = np.asarray(jax.random.key_data(k))
+    max_new[i] = min(r.max_new_tokens or ecfg.max_new_tokens, ecfg.max_new_tokens)
+  u = ecfg.bucket_for(len(distinct))
+  shared = u < batch
+  rows = u if shared else batch
+  tokens = np.zeros((rows, p), np.int32)
+  lens = np.zeros((rows,), np.int32)
+  for ids, j in distinct.items() if shared else ((r.prompt_ids, i) for i, r in
+                                                 enumerate(reqs)):
+    tokens[j, :len(ids)] = ids
+    lens[j] = len(ids)
+  return (jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(src) if shared else None,
+          jnp.asarray(keys), jnp.asarray(max_new))
+
+
+def prompt_problem(ids: Sequence[int], *, vocab_size: int, max_prompt_len: int) -> str | None:
+  """What is wrong with a prompt for an engine (None: nothing). The one owner of the rule:
+  the engine names the request, the generate CLI the prompt file's line."""
+  if len(ids) == 0:
+    return "empty prompt"
+  if len(ids) > max_prompt_len:
+    return (f"prompt has {len(ids)} tokens, more than max_prompt_len={max_prompt_len}; raise "
+            "max_prompt_len or filter long prompts")
+  bad = [t for t in ids if not 0 <= int(t) < vocab_size]
+  if bad:
+    return f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+  return None
+
+
+def prefill_call(cfg: ModelConfig, warm: bool, max_steps: int, params, dparams, cache, dkv,
+                 tokens, lens, src, keys, max_new) -> tuple:
+  """(name, variant, fn, args, donate) of a prefill (concrete or abstract args): plain, or
+  warm (a SpecState: the drafter prefilled too, its catch-up room `max_steps`); one row per
+  prompt, or "shared" (src: row -> its prompt, each distinct prompt prefilled once)."""
+  from tlt_jax.rollout import speculative
+  mod = speculative if warm else decode
+  kw = dict(cfg=cfg, max_steps=max_steps) if warm else dict(cfg=cfg)
+  head = (params, dparams, cache, dkv) if warm else (params, cache)
+  donate = (2, 3) if warm else (1,)
+  name = "prefill_spec" if warm else "prefill"
+  if src is None:
+    return (name, None, functools.partial(mod.prefill, **kw),
+            head + (tokens, lens, keys, max_new), donate)
+  return (name, "shared", functools.partial(mod.prefill_shared, **kw),
+          head + (tokens, lens, src, keys, max_new), donate)

@@ -1,0 +1,228 @@
+"""A training run's parts, built once from a validated config (`build`): the mesh and the
+model, the prompts, the learner, the drafter and its data, the speculation gate and the
+bandits, the rollout workers and their coordinator, the checkpointer; and the state an RL
+step takes and returns (`TrainState`). tlt_jax/train.py runs the loop over them."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from typing import Any, Callable, NamedTuple
+
+import jax
+import ml_collections
+import numpy as np
+
+from tlt_jax import config as config_lib
+from tlt_jax import runtime
+from tlt_jax.checkpoint import Checkpointer
+from tlt_jax.coordinator import Coordinator, ParamStore, SpotConfig, Worker
+from tlt_jax.data.dataset import PromptStream
+from tlt_jax.data.prompts import PromptRow
+from tlt_jax.drafter import export as drafter_export
+from tlt_jax.drafter import train_step as dts
+from tlt_jax.drafter.buffer import DrafterBuffer
+from tlt_jax.drafter.loss import LossConfig
+from tlt_jax.drafter.merge import make_merge
+from tlt_jax.drafter.trainer import DrafterTrainer
+from tlt_jax import distributed
+from tlt_jax.errors import ConfigError
+from tlt_jax.metrics import CompileClock
+from tlt_jax.models import ModelConfig, Params, unstack_layers
+from tlt_jax.models.hf_io import read_hf_config
+from tlt_jax.optim import make_optimizer
+from tlt_jax.rl import grpo
+from tlt_jax.rollout.verdicts import for_run as gate_verdicts
+from tlt_jax.rollout.engine import Engine, to_replica_layout
+from tlt_jax.rollout.executables import background_compiler
+from tlt_jax.rollout.gate import SpecGate
+from tlt_jax.rollout.history import HistoryIndex
+from tlt_jax.rollout.mab import Selector
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.sharding import tree_shardings
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """What one training run is built from, once, by `build` from a validated config; the
+  parts that change step to step are the TrainState (and each host object's own state:
+  the stream's position, the bandits, the gate, the buffer, which the checkpoint saves
+  through their state_dict)."""
+
+  cfg: ml_collections.ConfigDict
+  learner: grpo.LearnerSpec  # what the learner's jitted functions are specialised on
+  model_cfg: ModelConfig
+  tokenizer: Any  # transformers tokenizer of config.model.path
+  stream: PromptStream  # the training prompts
+  test_rows: list[PromptRow] | None  # held-out prompts (None: no evaluation)
+  sampling: SamplingParams  # of the rollout
+  store: ParamStore  # the actor and drafter versions the workers read
+  coordinator: Coordinator  # the rollout workers
+  selector: Selector | None  # the training bandit (None: TLT off)
+  eval_selector: Selector | None  # evaluation's own (never trains the training bandit)
+  gate: SpecGate | None  # the buckets speculation pays at, compiles priced (None: fixed arm)
+  buffer: DrafterBuffer | None  # the drafter's training data (None: drafter not trained)
+  ckpt: Checkpointer
+  compile_clock: CompileClock  # seconds compiling, per step
+  # the serving engine of the drafter's EAGLE export written with every checkpoint, and the
+  # target's config.json it carries (None: no export; config.train.export_drafter)
+  export_engine: str | None = None
+  target_hf_config: dict[str, Any] | None = None
+
+  @property
+  def tlt(self) -> bool:
+    return self.selector is not None
+
+
+class TrainState(NamedTuple):
+  """What an RL step takes and returns: the steps done and the learner. (The drafter's state
+  is the store's: spot training merges into it during the rollout.)"""
+
+  step: int
+  learner: grpo.LearnerState
+
+
+
+def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
+  """Everything the run of `spec` needs (runtime.prepare's: max_batch resolved), and its
+  state at step 0."""
+  cfg = spec.cfg
+  os.makedirs(cfg.workdir, exist_ok=True)
+  compile_clock = CompileClock()
+  # ------------------------------------------------------------------- mesh and model
+  mesh = runtime.learner_mesh(cfg)
+  model_cfg, params, tokenizer, stop = runtime.load_model(cfg, mesh=mesh)
+
+  # ----------------------------------------------------------------------------- data
+  stream = PromptStream(runtime.load_rows(cfg, cfg.data.train_path), tokenizer,
+                        max_prompt_len=cfg.data.max_prompt_len, seed=cfg.seed,
+                        chat_template=cfg.data.chat_template,
+                        system_prompt=cfg.data.system_prompt, name="config.data.train_path")
+  print(f"data: {len(stream)} training prompts from {cfg.data.train_path} "
+        f"({stream.dropped_long} dropped as longer than max_prompt_len="
+        f"{cfg.data.max_prompt_len} tokens)", file=sys.stderr)
+  test_rows = None
+  if cfg.data.test_path and cfg.train.eval_every > 0:
+    rows = runtime.load_rows(cfg, cfg.data.test_path)
+    test_rows = rows[:cfg.eval.num_prompts] if cfg.eval.num_prompts else rows
+
+  # -------------------------------------------------------------------------- learner
+  g, o = cfg.grpo, cfg.optim
+  tx = make_optimizer(o.lr, warmup_steps=o.warmup_steps,
+                      total_steps=cfg.train.steps * g.minibatches, schedule=o.schedule,
+                      weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, grad_clip=o.grad_clip)
+  lspec = grpo.LearnerSpec(model_cfg, spec.grpo, tx, mesh,
+                           micro_batch=g.micro_batch, pad_multiple=g.pad_multiple,
+                           micro_batch_tokens=g.micro_batch_tokens,
+                           max_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+  learner = grpo.init_learner(params, lspec)
+  del params
+
+  # ---------------------------------------------- TLT: drafter, its data, the bandit
+  rollout_mesh, local = runtime.worker_meshes(cfg)  # replicas: all, and this process's
+  ids = [i for i, _ in local]
+  tlt = spec.tlt
+  spot = spec.spot if tlt and spec.spot is not None else SpotConfig(mode="off")
+  trained = spec.buffer is not None
+  d = cfg.tlt.drafter
+  selector = spec.selector()
+  # Evaluation decodes through the same workers with its OWN selector (same arms): eval
+  # chunks must not move the training bandit's reward windows (or its checkpoint).
+  eval_selector = spec.selector()
+  drafter = dtx = store_sh = buffer = None
+  if tlt:
+    dtx = make_optimizer(d.lr, warmup_steps=d.warmup_steps)
+    # the store's drafter lives in the rollout layout (replicated over replicas, tensor-
+    # parallel within one): every worker takes its slices as a view, in every process
+    dparams = jax.tree.map(np.asarray, runtime.load_drafter(cfg, model_cfg))
+    store_sh = dts.state_shardings(dparams, dtx, rollout_mesh)
+    drafter = dts.init_state(dparams, dtx, store_sh)
+  if trained:
+    buffer = DrafterBuffer(spec.buffer, seed=cfg.seed)
+
+  # ------------------------------------------------------- rollout workers, coordinator
+  ecfg = spec.engine_config(stop)
+  # one gate for this process's workers: one of them probes whether speculation pays
+  gate = None
+  if spec.gate is not None:
+    verdicts = gate_verdicts(cfg.get("compilation_cache", ""), model_cfg, ecfg, spec.sampling,
+                              dparams, local[0][1].devices.flat)
+    gate = SpecGate(spec.gate, verdicts=verdicts)
+  to_rollout = _to_rollout(lspec, rollout_mesh, learner.params)
+  first = to_rollout(learner.params)
+  workers = []
+  for i, wmesh in local:  # this process's replicas (i: the global index)
+    # the history index lives with its worker across steps (not checkpointed: a resumed
+    # run rebuilds it from the responses it decodes from then on)
+    engine = Engine(first, model_cfg, ecfg, worker_id=i, mesh=wmesh,
+                    drafter_params=drafter.params if tlt else None, selector=selector,
+                    gate=gate, history=HistoryIndex() if spec.history else None)
+    trainer = None
+    if trained:
+      wsh = dts.state_shardings(drafter.params, dtx, wmesh)
+      step_fn = dts.make_train_step(model_cfg, dtx, LossConfig(unroll_steps=d.unroll),
+                                    donate=spot.on_barrier == "finish", state_shardings=wsh)
+      trainer = DrafterTrainer(step_fn=step_fn, shardings=wsh, buffer=buffer, rows=d.rows,
+                               row_len=d.row_len, target_params=lambda e=engine: e.params,
+                               seed=cfg.seed * 1000 + i, hidden_dtype=model_cfg.compute_dtype)
+    workers.append(Worker(engine, trainer))
+  store = ParamStore(first, drafter)
+  del first
+  coordinator = Coordinator(
+      workers, store, spot=spot,
+      merge=make_merge(store_sh, rollout_mesh, ids) if trained else None, worker_ids=ids,
+      num_workers=cfg.rollout.num_workers, to_rollout=to_rollout,
+      gather=distributed.all_gather_objects,
+      global_barrier=distributed.GlobalBarrier if jax.process_count() > 1 else None,
+      spot_wanted=gate.drafter_wanted if gate is not None else None)
+  coordinator.push()  # every worker takes the store's weights (and its trainer the drafter)
+  if spot.mode == "spot":  # compiled at low priority once spot training is wanted
+    compiler = background_compiler("compile-drafter")
+    for w in workers:
+      w.trainer.compile_on_first_use(model_cfg.hidden_size, compiler)
+      if gate is None or not spec.gate.gating:  # wanted from the first rollout: compile
+        # while the run starts
+        w.trainer.prepare()
+  elif trained:  # serial: compiled now, so the first serial steps do not
+    for f in [w.submit(w.trainer.compile, model_cfg.hidden_size) for w in workers]:
+      f.result()
+  if tlt and cfg.tlt.spec.precompile:
+    t = time.perf_counter()
+    n = sum(e.precompile(spec.sampling) for e in coordinator.engines)
+    print(f"precompiled {n} speculative executables in {time.perf_counter() - t:.0f}s",
+          file=sys.stderr)
+
+  # ----------------------------------------------------------------------- checkpoints
+  export_engine = hf_config = None
+  if tlt and cfg.train.export_drafter:
+    export_engine = cfg.train.export_engine
+    try:
+      drafter_export.check_engine(model_cfg, export_engine)
+    except drafter_export.ExportError as e:
+      raise ConfigError(str(e), "train.export_engine", export_engine, in_config=True) from None
+    hf_config = read_hf_config(cfg.model.path)
+  ckpt = Checkpointer(os.path.join(cfg.workdir, "checkpoints"),
+                      max_to_keep=cfg.train.keep_checkpoints,
+                      save_interval_steps=cfg.train.checkpoint_every)
+  run = Run(cfg=cfg, learner=lspec, model_cfg=model_cfg, tokenizer=tokenizer, stream=stream,
+            test_rows=test_rows, sampling=spec.sampling, store=store,
+            coordinator=coordinator, selector=selector, eval_selector=eval_selector,
+            gate=gate, buffer=buffer, ckpt=ckpt, compile_clock=compile_clock,
+            export_engine=export_engine, target_hf_config=hf_config)
+  return run, TrainState(step=0, learner=learner)
+
+
+def _to_rollout(spec: grpo.LearnerSpec, rollout_mesh, params: Params
+                ) -> Callable[[Params], Params]:
+  """learner params -> the store's rollout layout (the engine's replica layout on the whole
+  rollout mesh: every replica's devices hold its tensor-parallel slices)."""
+  if (jax.process_count() > 1
+      and set(spec.mesh.devices.flat) != set(rollout_mesh.devices.flat)):
+    # the resharding would need a transfer between processes outside a collective
+    raise ConfigError("config.mesh.devices: with several processes the learner must span every "
+                      "device (mesh.devices=0), as the rollout replicas do")
+  shardings = tree_shardings(jax.eval_shape(unstack_layers, params), rollout_mesh)
+  dtype = spec.cfg.compute_dtype
+  return lambda p: to_replica_layout(p, dtype, shardings)

@@ -1,0 +1,74 @@
+"""What one RL step reports (a record of metrics.jsonl, TensorBoard's scalars), assembled from
+the step's parts: its prompts and scored responses, the rollout's chunks and timeline summary,
+the learner's update metrics, and the run's engines, gate, buffer and drafter."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from tlt_jax.eval import length_stats
+from tlt_jax.rollout.executables import summary as executables_summary
+from tlt_jax.rollout.records import by_kind, tokens_per_verification
+
+
+def step_metrics(run, prompts: Sequence[Any], responses: Sequence[Any], r: np.ndarray,
+                 chunks: Sequence[Any], wall: float, upd: dict[str, Any], reward_stats: Any,
+                 spot: dict[str, Any], drafter: dict[str, Any] | None) -> dict[str, Any]:
+  """The step's metrics, without its times. run: tlt_jax.run.Run; r: [prompts, n] rewards;
+  wall: the rollout's seconds; spot: the timeline's summary; drafter: the merge's metrics."""
+  lengths = [res.num_tokens for res in responses]
+  tokens = int(sum(lengths))
+  spec_chunks = [c for c in chunks if c.mode != "plain"]
+  drafted = [c for c in spec_chunks if c.mode != "off"]  # "off" verifies no drafts
+  m: dict[str, Any] = {
+      "reward": float(r.mean()),
+      "accuracy": float((r >= 1.0).mean()),
+      "solved_groups": float((r.max(axis=1) >= 1.0).mean()),
+      "zero_adv_groups": float((r.std(axis=1) == 0).mean()),
+      "response_length": length_stats(lengths),
+      "truncated": float(np.mean([res.finish_reason == "length" for res in responses])),
+      "rollout_tokens_per_s": tokens / max(wall, 1e-9),
+      "tokens": tokens,
+      "loss": upd,
+      "reward_stats": dataclasses.asdict(reward_stats),
+      "epoch": run.stream.epoch,
+  }
+  sources = {p.row.source for p in prompts if p.row.source is not None}
+  if sources:
+    m["accuracy_by_source"] = {
+        src: float(np.mean([r[i] >= 1.0 for i, p in enumerate(prompts) if p.row.source == src]))
+        for src in sorted(sources)}
+  if spec_chunks:
+    arms: dict[str, int] = {}
+    for c in spec_chunks:
+      arms[c.mode] = arms.get(c.mode, 0) + 1
+    engines = run.coordinator.engines
+    m["spec"] = {"chunks": len(spec_chunks), "arm_chunks": arms,
+                 # mean accepted drafts + 1 over the chunks that drafted (not "off")
+                 "tokens_per_verify": tokens_per_verification(drafted) or 0.0,
+                 "share_of_tokens": sum(c.tokens for c in spec_chunks) / max(tokens, 1),
+                 # Which verification ran ("pallas" kernel or "jnp" reference; a kernel
+                 # that failed to compile fell back, see the run's log).
+                 "verify_path": sorted({e.compiles.verify_path for e in engines}),
+                 "kernel_fallbacks": sum(e.compiles.kernel_error is not None
+                                         for e in engines),
+                 "by_kind": by_kind(spec_chunks, tokens)}
+  histories = [e.history.stats() for e in run.coordinator.engines if e.history is not None]
+  if histories:
+    m["history"] = {k: sum(h[k] for h in histories)
+                    for k in ("memory_bytes", "sequences", "tokens", "lookups", "hits")}
+  if run.gate is not None:
+    m["spec_gate"] = run.gate.summary()
+  m["executables"] = executables_summary([r for e in run.coordinator.engines
+                                           for r in e.compile_log])
+  if run.coordinator.spot.mode != "off":
+    m["spot"] = {k: v for k, v in spot.items() if k != "per_worker"}
+    m["spot"]["per_worker"] = {str(p["worker"]): {k: v for k, v in p.items() if k != "worker"}
+                               for p in spot["per_worker"]}
+    m["spot"]["buffer_tokens"] = run.buffer.tokens
+    if drafter:
+      m["drafter"] = drafter
+  return m
