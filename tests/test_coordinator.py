@@ -57,6 +57,10 @@ class FakeEngine:
   def set_params(self, params):
     self.params = params
 
+  def release_params(self):
+    self.params = None
+    return True
+
   def set_drafter_params(self, params):
     self.drafter_params = params
 
@@ -108,12 +112,13 @@ def average(states, weights):
                    max(s.steps for s in states))
 
 
-def make(n, *, spot="spot", on_barrier="finish", trainers=None, fail=()):
+def make(n, *, spot="spot", on_barrier="finish", trainers=None, fail=(), overlap=False):
   trainers = trainers or [FakeTrainer() for _ in range(n)]
   workers = [Worker(FakeEngine(i, fail=i in fail), trainers[i]) for i in range(n)]
   store = ParamStore(actor="actor-v0", drafter=FakeState(0.0))
   c = Coordinator(workers, store, spot=SpotConfig(mode=spot, on_barrier=on_barrier,
-                                                  poll_s=0.001), merge=average)
+                                                  poll_s=0.001), merge=average,
+                  overlap_settle=overlap)
   c.push()
   return c, store, trainers
 
@@ -167,6 +172,64 @@ def test_in_flight_step_at_the_barrier_is_finished_or_dropped(on_barrier):
   else:
     assert out.drafter["steps"] == 1 and out.drafter["dropped"] == 1 and merged.params == 1.0
     assert crit < 0.1 and trainers[0].discarded == 1
+
+
+def test_an_overlapped_settle_hands_results_back_at_the_barrier_and_counts_only_its_wait():
+  """overlap_settle: the rollout returns at the barrier while worker 0's drafter step (0.3 s,
+  started at ~0.35 s) is still in flight; the step finishes and the merge lands beside the
+  caller's work (here 0.5 s of sleep, the learner's phases), so settle() waits for nothing
+  and the critical path is ~0; the merged drafter is the one the synchronous settle gives. A
+  caller that settles at once waits for the step, and that wait is its critical path."""
+  for learner_s in (0.5, 0.0):
+    trainers = [FakeTrainer(step_s=0.3), FakeTrainer(step_s=0.3)]
+    c, store, _ = make(2, trainers=trainers, overlap=True)
+    t0 = time.perf_counter()
+    out = c.rollout(shares(0.05, 0.4), sp=None, seed=0)
+    returned = time.perf_counter() - t0
+    barrier = out.timeline.barrier
+    assert returned < barrier + 0.1, (returned, barrier)  # did not wait for the step
+    time.sleep(learner_s)
+    drafter = out.settle()
+    crit = out.timeline.summary()["critical_path_s"]
+    _, merged = store.drafter()
+    assert drafter["steps"] == 2 and merged.params == 2.0  # as the synchronous settle
+    assert all(w.drafter_version == store.drafter_version for w in c.workers)
+    if learner_s:
+      assert crit < 0.1, crit
+    else:  # the step in flight at the barrier (if the machine was not too slow to have one),
+      # waited for by the caller
+      in_flight = [iv.end for iv in out.timeline.intervals
+                   if iv.state is WorkerState.TRAINING and iv.start < barrier < iv.end]
+      if in_flight:
+        assert max(in_flight) - barrier - 0.05 <= crit < 0.45, (crit, in_flight, barrier)
+    assert out.settle() is drafter and out.timeline.summary()["critical_path_s"] == crit
+    c.close()
+  with pytest.raises(ValueError, match="one process"):
+    Coordinator([Worker(FakeEngine(0), FakeTrainer())], ParamStore(actor=None),
+                spot=SpotConfig(), merge=average, global_barrier=lambda *a, **k: None,
+                overlap_settle=True)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_release_frees_the_actor_after_the_in_flight_step_and_the_drafter_push_keeps_it_out(
+    overlap):
+  """release_actor (memory.release_rollout_weights): each worker drops its actor copy once
+  its share and its in-flight drafter step are done, before the results come back (with an
+  overlapped settle too: the learner needs that memory); the merged drafter's push after it
+  does not take the actor back; the next weight sync does."""
+  trainers = [FakeTrainer(step_s=0.3), FakeTrainer(step_s=0.3)]
+  c, store, _ = make(2, trainers=trainers, overlap=overlap)
+  out = c.rollout(shares(0.05, 0.4), sp=None, seed=0, release_actor=True)
+  assert [w.engine.params for w in c.workers] == [None, None]
+  assert store.actor()[1] is None
+  assert out.timeline.returned >= max(iv.end for iv in out.timeline.intervals
+                                      if iv.state is WorkerState.TRAINING) - 0.01
+  assert out.settle()["steps"] == 2 and store.drafter()[1].params == 2.0
+  assert [w.engine.params for w in c.workers] == [None, None]  # the push took the drafter only
+  assert all(w.drafter_version == store.drafter_version for w in c.workers)
+  c.sync_actor("actor-v1")
+  assert [w.engine.params for w in c.workers] == ["actor-v1", "actor-v1"]
+  c.close()
 
 
 def test_copies_trained_on_several_workers_are_merged_by_tokens_and_reach_every_worker():

@@ -176,7 +176,10 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
       num_workers=cfg.rollout.num_workers, to_rollout=to_rollout,
       gather=distributed.all_gather_objects,
       global_barrier=distributed.GlobalBarrier if jax.process_count() > 1 else None,
-      spot_wanted=gate.drafter_wanted if gate is not None else None)
+      spot_wanted=gate.drafter_wanted if gate is not None else None,
+      # one process: the drafter settles beside the learner (across processes its merge is a
+      # collective and keeps its place)
+      overlap_settle=spot.mode == "spot" and jax.process_count() == 1)
   coordinator.push()  # every worker takes the store's weights (and its trainer the drafter)
   if spot.mode == "spot":  # compiled at low priority once spot training is wanted
     compiler = background_compiler("compile-drafter")

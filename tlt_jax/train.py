@@ -176,16 +176,13 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
       run.buffer.add(step, res.response_ids[off:], res.hidden, spec,
                      key=(res.request_id, res.sample_index))
 
-  out = run.coordinator.rollout(requests, run.sampling, seed=seed, on_response=on_response)
+  # (release: the workers free their actor copy for the learner's phases)
+  out = run.coordinator.rollout(requests, run.sampling, seed=seed, on_response=on_response,
+                                release_actor=cfg.memory.release_rollout_weights)
   mine = [Response.of(res) for res in out.results]
-  chunks, timeline, wall, drafter = out.chunks, out.timeline, out.wall, out.drafter
+  chunks, timeline, wall, settle = out.chunks, out.timeline, out.wall, out.settle
   del out  # the Results' hidden states go now (the buffer copied the windows it keeps)
   times["rollout"] = wall
-  spot = timeline.summary()
-  times["idle"] = spot["idle_s"] / max(len(run.coordinator.workers), 1)
-  times["drafter"] = spot["critical_path_s"]
-  if cfg.memory.release_rollout_weights:  # the learner's phases get that memory back
-    run.coordinator.release_actor()
   t = time.perf_counter()
   rewards = pool.gather([(res.request_id, res.sample_index) for res in mine])
   times["reward_wait"] = time.perf_counter() - t
@@ -211,7 +208,12 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   learner, upd = grpo.update(state.learner, prepared, run.learner)
   times["update"] = time.perf_counter() - t
 
-  # ---- weights to the workers; the serial drafter ablation
+  # ---- the drafter settled (merged, on every worker: with one process it settles while the
+  # learner runs), then the new weights to the workers; the serial drafter ablation
+  drafter = settle()
+  spot = timeline.summary()
+  times["idle"] = spot["idle_s"] / max(len(run.coordinator.workers), 1)
+  times["drafter"] = spot["critical_path_s"]
   times["weight_sync"] = run.coordinator.sync_actor(learner.params)
   if run.coordinator.spot.mode == "serial":
     t = time.perf_counter()

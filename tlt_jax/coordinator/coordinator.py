@@ -14,7 +14,10 @@ drives one rollout per RL step:
   3. when the last worker finishes (the barrier) every worker stops: an in-flight drafter step
      finishes or is dropped; the copies trained on different workers are merged (weighted by
      the tokens each trained on), published to the store and pushed to every worker before
-     the next rollout.
+     the next rollout. With `overlap_settle` (one process) the rollout hands its results back
+     at the barrier and this settling runs on a thread of its own while the learner's phases
+     run (the learner never reads the drafter); the caller's `settle()` waits for it before
+     the next weights go out, and only that wait counts on the critical path.
 
 The learner never sees a worker: it publishes its params to the store, and `sync_actor`
 pushes them. The timeline of states (tlt_jax/coordinator/timeline.py) gives the step's idle
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import functools
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -85,7 +89,13 @@ class RolloutOutcome:
   chunks: list  # ChunkMetrics of every worker, in completion order
   wall: float  # seconds until the barrier (the last worker's share done)
   timeline: Timeline
-  drafter: dict[str, Any] | None  # spot training of this step (None: not on)
+  # -> the step's spot training metrics (None: not on) once the drafter is settled: merged
+  # and on every worker (waits for it; the wait is the drafter's on the critical path)
+  settle: Callable[[], dict[str, Any] | None]
+
+  @property
+  def drafter(self) -> dict[str, Any] | None:
+    return self.settle()
 
 
 class Coordinator:
@@ -101,7 +111,7 @@ class Coordinator:
                to_rollout: Callable[[Any], Any] | None = None,
                gather: Callable[[Any], list] | None = None,
                global_barrier: Callable[..., Any] | None = None,
-               spot_wanted: Callable[[], bool] | None = None):
+               spot_wanted: Callable[[], bool] | None = None, overlap_settle: bool = False):
     """worker_ids / num_workers: the global indices of these (this process's) workers among
     all replicas (default: 0..n-1 of n); a worker decodes the requests whose request_id %
     num_workers is its index. to_rollout: learner params -> the rollout layout the store
@@ -111,7 +121,11 @@ class Coordinator:
     (0: not trained) and returns the global merge, or None when nothing was trained; and
     `global_barrier(name, on_all=...)` (distributed.GlobalBarrier) makes idle workers train
     until every process's replicas are done. spot_wanted() -> False pauses spot training for
-    a rollout (the speculation gate declined every bucket: no drafter is decoding with)."""
+    a rollout (the speculation gate declined every bucket: no drafter is decoding with).
+    overlap_settle: hand the results back at the barrier and settle the drafter (in-flight
+    steps, merge, push) on a thread of its own (module docstring); one process only (across
+    processes the merge is a collective, which must keep its place in every process's
+    order)."""
     if not workers:
       raise ValueError("Coordinator: no workers")
     self.workers, self.store, self.spot, self.merge = list(workers), store, spot, merge
@@ -123,6 +137,11 @@ class Coordinator:
     self.spot_wanted = spot_wanted
     self._rollouts = 0  # advances in lockstep in every process: names the global barriers
     self._last_barrier = None
+    if overlap_settle and global_barrier is not None:
+      raise ValueError("overlap_settle: one process only (the merge is a collective)")
+    self._settler = (cf.ThreadPoolExecutor(1, thread_name_prefix="drafter-settle")
+                     if overlap_settle else None)
+    self._settling: cf.Future | None = None  # the last rollout's, while it runs
     if spot.mode != "off" and any(w.trainer is None for w in self.workers):
       raise ValueError(f"spot mode {spot.mode!r} needs a drafter trainer on every worker")
 
@@ -134,7 +153,11 @@ class Coordinator:
   def rollout(self, requests: Sequence[Any], sp: Any, *, seed: int,
               on_response: Callable[[Worker, Any], None] | None = None,
               on_chunk: Callable[[Any], None] | None = None,
-              selector: Any = None) -> RolloutOutcome:
+              selector: Any = None, release_actor: bool = False) -> RolloutOutcome:
+    """Decodes `requests` over the workers (module docstring). release_actor: every worker
+    frees its actor copy once its share and its in-flight drafter step are done (the
+    learner's phases get that memory back; memory.release_rollout_weights), before the
+    results are handed back."""
     from tlt_jax.rollout.records import EngineHooks
     n = len(self.workers)
     slot = {g: i for i, g in enumerate(self.worker_ids)}
@@ -143,8 +166,12 @@ class Coordinator:
       i = slot.get(r.request_id % self.num_workers)
       if i is not None:
         shares[i].append(r)
+    if self._settling is not None:  # the last rollout's drafter first (its caller settles it)
+      self._settling.result()
+      self._settling = None
     timeline = Timeline(n)
     barrier = threading.Event()  # this process's workers are done
+    generated = [cf.Future() for _ in range(n)]  # each worker's results, at its share's end
     lock = threading.Lock()
     remaining = [n]
     spot = self.spot.mode == "spot"
@@ -174,6 +201,10 @@ class Coordinator:
             before_chunk=lambda: w.pull(self.store))
         w.pull(self.store)
         results = w.engine.generate(shares[i], sp, seed=seed, hooks=hooks, selector=selector)
+        generated[i].set_result(results)
+      except BaseException as e:
+        generated[i].set_exception(e)
+        raise
       finally:
         timeline.enter(i, WorkerState.IDLE)
         with lock:
@@ -193,20 +224,45 @@ class Coordinator:
       else:
         stop.wait()  # idle until the last worker is done (the straggler wait, measured)
       timeline.enter(i, WorkerState.DONE)
+      if release_actor:  # on its own thread, nothing of the actor in flight any more
+        w.release_actor()
       return results, report
 
     futures = [w.submit(work, i) for i, w in enumerate(self.workers)]
-    outs = [f.result() for f in futures]  # re-raises a worker's error on this thread
-    if everywhere is not None:
-      everywhere.close()
-    drafter = None
-    if spot:
-      drafter = self._merge_and_push([rep for _, rep in outs])
-    timeline.mark_released()
-    timeline.close()
+
+    def finish() -> list:  # every worker's share and in-flight drafter step done
+      outs = [f.result() for f in futures]  # re-raises a worker's error on this thread
+      if everywhere is not None:
+        everywhere.close()
+      if release_actor:  # (before any push: a pull must not take the actor back)
+        self.store.release_actor()
+      return outs
+
+    def settle(outs: list) -> dict[str, Any] | None:  # merged, published, on every worker
+      drafter = self._merge_and_push([rep for _, rep in outs]) if spot else None
+      timeline.mark_released()
+      timeline.close()
+      return drafter
+
+    if self._settler is None:
+      outs = finish()
+      drafter = settle(outs)
+      timeline.mark_returned()
+      waiter = lambda: drafter
+    else:  # the drafter settles beside the learner
+      if release_actor:  # the learner needs the actor's memory: the workers finish first
+        outs = finish()
+        job = functools.partial(settle, outs)
+      else:  # results at the barrier
+        cf.wait(generated)  # (a worker's error is raised once every share is done)
+        outs = [(g.result(), None) for g in generated]
+        job = lambda: settle(finish())
+      timeline.mark_returned()
+      self._settling = self._settler.submit(job)
+      waiter = _waiter(self._settling, timeline)
     results = sorted((r for res, _ in outs for r in res),
                      key=lambda r: (r.request_id, r.sample_index))
-    return RolloutOutcome(results, chunks, timeline.barrier or 0.0, timeline, drafter)
+    return RolloutOutcome(results, chunks, timeline.barrier or 0.0, timeline, waiter)
 
   # --------------------------------------------------------------------------- drafter
   def _merge_and_push(self, reports: Sequence[SpotReport | None]) -> dict[str, Any]:
@@ -269,13 +325,25 @@ class Coordinator:
       jax.block_until_ready(w.engine.params)
     return time.perf_counter() - t0
 
-  def release_actor(self) -> None:
-    """Every worker frees its actor copy (between the rollout and the weight sync, the
-    learner's phases do not need it: memory.release_rollout_weights)."""
-    for f in [w.submit(w.release_actor) for w in self.workers]:
-      f.result()
-    self.store.release_actor()
-
   def close(self) -> None:
+    if self._settler is not None:
+      self._settler.shutdown(wait=True)
     for w in self.workers:
       w.close()
+
+
+def _waiter(future: cf.Future, timeline: Timeline) -> Callable[[], Any]:
+  """settle() of an overlapped rollout: waits for the drafter (once; the seconds waited go to
+  the timeline's critical path) and returns its metrics."""
+  waited = []
+
+  def wait():
+    if not waited:
+      t = time.perf_counter()
+      try:
+        return future.result()
+      finally:
+        timeline.add_wait(time.perf_counter() - t)
+        waited.append(True)
+    return future.result()
+  return wait

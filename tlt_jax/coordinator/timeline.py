@@ -41,7 +41,9 @@ class Timeline:
     self._open: dict[int, tuple[WorkerState, float]] = {}
     self.intervals: list[Interval] = []
     self.barrier: float | None = None  # the last worker finished generating
+    self.returned: float | None = None  # the rollout handed its results back
     self.released: float | None = None  # merged drafter on every worker
+    self.waited = 0.0  # seconds the step waited for a drafter settling beside it
     self._lock = threading.Lock()
 
   def now(self) -> float:
@@ -68,9 +70,17 @@ class Timeline:
     self.barrier = self.now()
     return self.barrier
 
+  def mark_returned(self) -> float:
+    self.returned = self.now()
+    return self.returned
+
   def mark_released(self) -> float:
     self.released = self.now()
     return self.released
+
+  def add_wait(self, seconds: float) -> None:
+    with self._lock:
+      self.waited += seconds
 
   def close(self) -> None:
     """Ends every open interval now (DONE)."""
@@ -94,9 +104,10 @@ class Timeline:
                     wait: capacity that would be wasted)
       training_s    the part of idle_s spent training the drafter
       idle_share_trained  training_s / idle_s (the figure of merit)
-      critical_path_s  drafter time after the barrier until the merged drafter is on every
-                    worker (in-flight steps finishing, merge, push): what training costs the
-                    step
+      critical_path_s  drafter time after the barrier that the step waited for: until the
+                    rollout handed its results back (in-flight steps finishing, merge, push,
+                    when it settles the drafter first), plus the wait for a drafter settling
+                    beside the learner (`overlap_settle`): what training costs the step
     """
     barrier = self.barrier if self.barrier is not None else self.now()
     per = []
@@ -107,13 +118,14 @@ class Timeline:
       per.append({"worker": w, "generating_s": gen, "idle_s": idle, "training_s": train})
     idle = sum(p["idle_s"] for p in per)
     train = sum(p["training_s"] for p in per)
-    released = self.released if self.released is not None else barrier
+    handed = next((t for t in (self.returned, self.released) if t is not None), barrier)
     return {"generating_s": sum(p["generating_s"] for p in per), "idle_s": idle,
             "training_s": train, "idle_share_trained": train / idle if idle > 0 else None,
-            "critical_path_s": max(released - barrier, 0.0), "barrier_s": barrier,
-            "per_worker": per}
+            "critical_path_s": max(handed - barrier, 0.0) + self.waited,
+            "barrier_s": barrier, "per_worker": per}
 
   def to_json(self) -> dict[str, Any]:
-    return {"barrier": self.barrier, "released": self.released,
+    return {"barrier": self.barrier, "returned": self.returned, "released": self.released,
+            "waited": self.waited,
             "intervals": [[iv.worker, iv.state.value, iv.start, iv.end]
                           for iv in self.intervals]}
