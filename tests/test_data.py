@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tlt_jax.data.dataset import PromptStream
+from tlt_jax.data.dataset import Position, PromptStream
 from tlt_jax.data.prompts import DataError, load_prompt_rows
 
 
@@ -94,39 +94,48 @@ def test_length_filter_counts_dropped(tmp_path):
     _stream(tmp_path, n=3, max_len=0)
 
 
+def _draw(stream, pos, sizes):
+  """The prompt indices of successive batches of `sizes` from `pos`, and the position after."""
+  out = []
+  for n in sizes:
+    got, pos = stream.batch(pos, n)
+    out.append([p.row.index for p in got])
+  return out, pos
+
+
 def test_epochs_are_permutations_and_resume_is_exact(tmp_path):
   s = _stream(tmp_path, n=10, max_len=5, seed=3)
   n = len(s)
-  seen = [p.row.index for p in s.next_batch(n)]
+  (seen, second), _ = _draw(s, Position(), [n, n])
   assert sorted(seen) == list(range(n))  # one epoch visits every prompt once
-  second = [p.row.index for p in s.next_batch(n)]
   assert sorted(second) == list(range(n)) and second != seen  # a fresh shuffle per epoch
 
-  # Batches straddle epoch boundaries; a stream restored from a state continues identically.
+  # Batches straddle epoch boundaries; a position restored from its saved form continues
+  # identically, in another stream over the same data.
   a = _stream(tmp_path, n=10, max_len=5, seed=3)
-  a.next_batch(7)
-  state = json.loads(json.dumps(a.state_dict()))  # checkpointed as JSON
-  want = [[p.row.index for p in a.next_batch(4)] for _ in range(5)]
+  _, pos = _draw(a, Position(), [7])
+  saved = json.loads(json.dumps(a.saved(pos)))  # checkpointed as JSON
+  want, _ = _draw(a, pos, [4] * 5)
   b = _stream(tmp_path, n=10, max_len=5, seed=3)
-  b.load_state_dict(state)
-  got = [[p.row.index for p in b.next_batch(4)] for _ in range(5)]
+  got, _ = _draw(b, b.resume(saved), [4] * 5)
   assert got == want
   # The order is a function of (seed, epoch): independent of how batches were drawn.
   c = _stream(tmp_path, n=10, max_len=5, seed=3)
-  flat = [p.row.index for p in c.next_batch(27)]
+  (flat,), _ = _draw(c, Position(), [27])
   assert flat[:2 * n] == seen + second
   d = _stream(tmp_path, n=10, max_len=5, seed=3)
-  assert [p.row.index for _ in range(9) for p in d.next_batch(3)] == flat
-  assert not np.array_equal(flat[:10], [p.row.index for p in _stream(
-      tmp_path, n=10, max_len=5, seed=4).next_batch(10)])
+  parts, _ = _draw(d, Position(), [3] * 9)
+  assert [i for part in parts for i in part] == flat
+  (other,), _ = _draw(_stream(tmp_path, n=10, max_len=5, seed=4), Position(), [10])
+  assert not np.array_equal(flat[:10], other)
 
 
 def test_resume_with_different_data_is_one_clear_error(tmp_path):
   a = _stream(tmp_path, n=10, max_len=5)
-  state = a.state_dict()
+  saved = a.saved(Position(1, 3))
   b = _stream(tmp_path, n=10, max_len=3)  # fewer usable prompts
   with pytest.raises(DataError, match="same data and max_prompt_len"):
-    b.load_state_dict(state)
+    b.resume(saved)
 
 
 # ------------------------------------------------------- chat prompts, stop tokens, sources

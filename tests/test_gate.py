@@ -153,7 +153,7 @@ def test_state_survives_a_resume():
   _feed(g, 2, None, 100.0, 1, live=2)
   _feed(g, 2, "4_1_5", 50.0, 1, live=2, accept_len=4.0)  # ceiling 0.625: hardware
   h = SpecGate(GateConfig(min_chunks=1, margin=0.0, lead="4_1_5"))
-  h.load_state_dict(g.state_dict())
+  h.hold(GateState.restore(h.state.cfg, g.state.state_dict()))
   assert h.state.status == g.state.status == {1: "pays", 2: "declined"}
   assert h.state.reason == {2: "hardware"}
   h.begin_rollout(5, {1: ARMS, 2: ARMS})

@@ -85,7 +85,7 @@ class CycleSelector:
   (the drafter's cache must stay coherent across history chunks)."""
 
   def __init__(self, arms):
-    self.arms, self.i = list(arms), 0
+    self.arms, self.i = [Strategy(a) for a in arms], 0  # a selector hands out strategies
 
   def select(self, batch_size):
     self.i += 1
@@ -134,7 +134,7 @@ def test_greedy_history_spec_equals_plain(tiny, arms, pool):
   w = Engine(params, CFG, ecfg, drafter_params=dparams, history=index,
              selector=CycleSelector(arms) if len(arms) > 1 else None)
   spec = _by_key(w.generate(reqs, sp))
-  hist = [m for m in w.chunk_log if m.mode != "off" and Strategy.parse(m.mode).history]
+  hist = [m for m in w.chunk_log if m.mode != "off" and Strategy(m.mode).history]
   assert hist and sum(m.accepted for m in hist) > 0  # history drafts ran and were accepted
   assert {m.mode for m in w.chunk_log} >= set(arms)
   if pool:
@@ -158,19 +158,19 @@ def test_history_arms_need_an_index(tiny):
 
 def test_history_strategy_grammar_and_reach():
   for arm in ["hist_1", "hist_4", "histtree_3_2_7", "histtree_2_4_21", "hyb_1", "hyb_4"]:
-    assert Strategy.parse(arm).name == arm and Strategy.parse(arm).history
-  assert [Strategy.parse(a).kind for a in ["off", "4_1_5", "hist_4", "histtree_3_2_7", "hyb_4"]] \
+    assert Strategy(arm).name == arm and Strategy(arm).history
+  assert [Strategy(a).kind for a in ["off", "4_1_5", "hist_4", "histtree_3_2_7", "hyb_4"]] \
       == ["off", "drafter", "history", "history", "hybrid"]
-  assert Strategy.parse("hist_4").verify_tokens == 5
-  assert (Strategy.parse("hyb_4").verify_tokens, Strategy.parse("hyb_4").topk) == (9, 2)
+  assert Strategy("hist_4").verify_tokens == 5
+  assert (Strategy("hyb_4").verify_tokens, Strategy("hyb_4").topk) == (9, 2)
   for bad in ["hist_0", "histtree_3_1_4", "histtree_2_2_8", "hist_", "hist_2_1_3", "hyb_0",
               "hyb_2_1_3"]:
     with pytest.raises(ValueError):
-      Strategy.parse(bad)
+      Strategy(bad)
   # a chunk of 4 single steps: each commits <= steps + 1 and verifies verify_tokens slots
-  assert chunk_reach("hist_4", 4) == 3 * 5 + 5
-  assert chunk_reach("histtree_2_4_6", 4) == 3 * 3 + 6  # no drafter tree levels to reach
-  assert chunk_reach("hyb_4", 4) == 3 * 5 + 9  # its drafter chain stays below the verified slots
+  assert chunk_reach(Strategy("hist_4"), 4) == 3 * 5 + 5
+  assert chunk_reach(Strategy("histtree_2_4_6"), 4) == 3 * 3 + 6  # no drafter tree levels to reach
+  assert chunk_reach(Strategy("hyb_4"), 4) == 3 * 5 + 9  # its drafter chain stays below the verified slots
 
 
 def test_external_tree_layout():
@@ -289,7 +289,7 @@ def test_sampled_history_spec_matches_target_distribution(peaked, arm, sp):
   """hyb_3: misleading index chains of 2 tokens (none on every fifth row) and the drafter's
   argmax chain of 3, verified as one tree."""
   params, dparams = peaked
-  seqs, acc = sample_history(params, dparams, sp, Strategy.parse(arm))
+  seqs, acc = sample_history(params, dparams, sp, Strategy(arm))
   assert acc > 0.02 * N  # misleading drafts are accepted sometimes...
   assert acc < 0.9 * N * (NEW - 1)  # ...and rejected sometimes: both paths run
   assert chi_square_p(seqs, exact_joint(params, sp)) > 1e-3
@@ -299,7 +299,7 @@ def test_sampled_history_spec_matches_target_distribution(peaked, arm, sp):
 def test_broken_history_acceptance_is_detected(peaked, arm, monkeypatch):
   params, dparams = peaked
   sp = SAMPLING[0]
-  strategy = Strategy.parse(arm)
+  strategy = Strategy(arm)
   seqs, _ = sample_history(params, dparams, sp, strategy, monkeypatch,
                            verify=("verify_tree", _accept_first_child))
   assert broken_p(seqs, exact_joint(params, sp)) < 1e-6

@@ -195,7 +195,7 @@ def test_the_ledger_survives_a_resume_and_funding_is_asked_again():
   for _ in _cpu_run(g, 1.6, 1, 4):
     pass
   assert g.arms(0, 1) == ["4_1_5"]
-  s = GateState.restore(g.state.cfg, g.state_dict())
+  s = GateState.restore(g.state.cfg, g.state.state_dict())
   assert s.ledger.costs() == g.state.ledger.costs() and s.ledger.calls == 8
   assert s.ledger.made == frozenset()
   assert s.at[1].funded == frozenset()  # asked again, by the first caller after the resume:
@@ -221,7 +221,7 @@ def test_without_gating_every_bucket_is_open_and_compiles_are_still_priced():
   assert g.state.decisions == () and g.state.status == {1: "pays", 2: "pays", 4: "pays"}
   assert not g.repays_window(1, "4_1_5", 0.05, 0.1)  # 0.2 x 0.05 x 0.1 x 38 x 0.5 < 4.6 s
   h = SpecGate(GateConfig(gating=False, horizon=40))
-  h.load_state_dict(GateState(GateConfig(horizon=40)).state_dict())
+  h.hold(GateState.restore(h.state.cfg, GateState(GateConfig(horizon=40)).state_dict()))
   h.begin_rollout(0, {1: ARMS})
   assert h.arms(0, 1) == ARMS
 

@@ -136,7 +136,7 @@ def test_tightest_attention_window_equals_the_whole_cache(arm, temperature):
   toks = np.zeros((4, p), np.int32)
   for i, x in enumerate(ids):
     toks[i, :len(x)] = x
-  strategy, chunk = speculative.Strategy.parse(arm), 3
+  strategy, chunk = speculative.Strategy(arm), 3
   keys = jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(4))
   state = jax.jit(functools.partial(speculative.prefill, cfg=cfg, max_steps=strategy.steps))(
       params, dparams, init_cache(cfg, 4, p + 80), drafter_cache(cfg, 4, p + 80),
@@ -283,7 +283,7 @@ def _with_verify(fn, name, verify):
 def test_sampled_spec_matches_target_distribution(peaked, sp, steps):
   params, dparams = peaked
   joint = exact_joint(params, sp)
-  seqs, acc = sample_joint(params, dparams, sp, speculative.Strategy(steps))
+  seqs, acc = sample_joint(params, dparams, sp, speculative.Strategy.of(steps))
   assert acc > 0.02 * N  # the random drafter's tokens are accepted sometimes...
   assert acc < 0.9 * N * (NEW - 1)  # ...and rejected sometimes: both paths run
   assert chi_square_p(seqs, joint) > 1e-3
@@ -298,7 +298,7 @@ def test_sampled_tree_spec_matches_target_distribution(peaked, sp, arm, cache_le
   nodes' chunk slots fall off the cache and accepted paths are cut there: still exact."""
   params, dparams = peaked
   joint = exact_joint(params, sp)
-  seqs, acc = sample_joint(params, dparams, sp, speculative.Strategy.parse(arm),
+  seqs, acc = sample_joint(params, dparams, sp, speculative.Strategy(arm),
                            cache_len=cache_len)
   assert acc > 0.02 * N
   assert acc < 0.9 * N * (NEW - 1)
@@ -309,7 +309,7 @@ def test_plain_sampling_matches_target_distribution(peaked):
   """The same test on plain decoding (the 'off' arm): the reference the SD test mirrors."""
   params, dparams = peaked
   sp = SAMPLING[0]
-  seqs, _ = sample_joint(params, dparams, sp, speculative.Strategy(0))
+  seqs, _ = sample_joint(params, dparams, sp, speculative.Strategy.of(0))
   assert chi_square_p(seqs, exact_joint(params, sp)) > 1e-3
 
 
@@ -324,7 +324,7 @@ def test_broken_acceptance_rule_is_detected(peaked):
 
   params, dparams = peaked
   sp = SAMPLING[0]
-  seqs, _ = sample_joint(params, dparams, sp, speculative.Strategy(2), verify=always_accept)
+  seqs, _ = sample_joint(params, dparams, sp, speculative.Strategy.of(2), verify=always_accept)
   assert broken_p(seqs, exact_joint(params, sp)) < 1e-6
 
 
@@ -347,18 +347,18 @@ def test_broken_tree_rule_is_detected(peaked):
 
   params, dparams = peaked
   sp = SAMPLING[0]
-  seqs, _ = sample_joint(params, dparams, sp, speculative.Strategy(2, 2, 5), verify=first_child)
+  seqs, _ = sample_joint(params, dparams, sp, speculative.Strategy.of(2, 2, 5), verify=first_child)
   assert broken_p(seqs, exact_joint(params, sp)) < 1e-6
 
 
 def test_strategy_validation():
-  assert speculative.Strategy.parse("4_4_16").verify_tokens == 16
-  assert speculative.Strategy(3, 2).verify_tokens == 7  # default: steps * topk + 1
-  assert speculative.Strategy(1, 4).verify_tokens == 5  # capped at the 1 + 4 candidates
+  assert speculative.Strategy("4_4_16").verify_tokens == 16
+  assert speculative.Strategy.of(3, 2).verify_tokens == 7  # default: steps * topk + 1
+  assert speculative.Strategy.of(1, 4).verify_tokens == 5  # capped at the 1 + 4 candidates
   with pytest.raises(ValueError, match="write '4_1_5'"):
-    speculative.Strategy.parse("4_1_3")
+    speculative.Strategy("4_1_3")
   with pytest.raises(ValueError, match="7 candidate nodes"):
-    speculative.Strategy.parse("2_2_8")
+    speculative.Strategy("2_2_8")
 
 
 SMALL = dict(max_batch=4, buckets=(1, 2, 4), chunk_size=4, max_prompt_len=16, max_new_tokens=24)

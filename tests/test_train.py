@@ -218,19 +218,18 @@ def test_resume_with_spot_training_and_the_bandit_restores_every_state(tmp_path)
   """With BEG-MAB the arms are chosen from wall-clock rewards, and spot training runs as
   many drafter steps as the idle windows hold, so resumed samples are other draws from the
   same distribution; what must hold is that every state comes back: the bandit's windows and
-  RNG, the drafter and its optimizer, the actor, the data position, the buffer's policy."""
+  RNG, the drafter and its optimizer, the actor, the data position."""
   from tlt_jax.run import build
   from tlt_jax.train import restore, train
   first, state = _build_drafter_compiled(_small_cfg(tmp_path, 3))  # chunks that compile reward
   state, _ = train(first, state, progress=False)  # no arm: 3 steps
-  assert _pulls(first.selector) > 0  # the bandit has windows to restore
+  assert _pulls(state.bandit) > 0  # the bandit has windows to restore
   assert int(first.store.drafter()[1].step) > 0  # spot training ran
   second, fresh = build(_small_cfg(tmp_path, 5))
   resumed = restore(second, fresh)
   assert resumed.step == 3
-  assert second.selector.state_dict() == first.selector.state_dict()
-  assert second.stream.state_dict() == first.stream.state_dict()
-  assert second.buffer.state_dict() == first.buffer.state_dict()
+  assert resumed.bandit.state_dict() == state.bandit.state_dict()
+  assert resumed.data == state.data and resumed.data != fresh.data
   _assert_same_weights((second, resumed), (first, state))
 
 
@@ -243,10 +242,10 @@ def test_speculation_gate_reports_and_resumes(tmp_path):
   from tlt_jax.run import build
   from tlt_jax.train import restore
   gate = {"tlt.spec.gate.enabled": True, "tlt.spec.gate.min_chunks": 1}
-  first, _ = _run(_small_cfg(tmp_path, 2, **gate))
+  first, last = _run(_small_cfg(tmp_path, 2, **gate))
   recs = _records(tmp_path)
   status = recs[-1]["spec_gate"]["status"]
-  assert set(status) == {str(b) for b in first.gate.state.buckets} and status["1"] != "closed"
+  assert set(status) == {str(b) for b in last.gate.buckets} and status["1"] != "closed"
   assert recs[-1]["spec_gate"]["plain_rate"]  # plain chunks measured at some bucket
   p = recs[-1]["spec_gate"]["payoff"]["1"]
   assert p["arm"] == "4_1_5" and p["s_per_rollout"] >= 0 and p["compile"] > 0
@@ -255,13 +254,13 @@ def test_speculation_gate_reports_and_resumes(tmp_path):
       assert r["executables"]["speculative"] == 0 and "spec" not in r
   assert recs[-1]["executables"]["count"] > 0
   second, fresh = build(_small_cfg(tmp_path, 3, **gate))
-  assert restore(second, fresh).step == 2
-  assert second.gate.state_dict() == first.gate.state_dict()
+  resumed = restore(second, fresh)
+  assert resumed.step == 2 and resumed.gate.state_dict() == last.gate.state_dict()
   second.coordinator.close()
 
 
-def _pulls(selector):
-  return sum(n for d in selector.state_dict()["pulls"].values() for n in d.values())
+def _pulls(bandit):
+  return sum(n for d in bandit.pulls.values() for n in d.values())
 
 
 def test_evaluation_leaves_the_training_bandit_untouched(tmp_path):
@@ -271,14 +270,14 @@ def test_evaluation_leaves_the_training_bandit_untouched(tmp_path):
   from tlt_jax.run import build
   from tlt_jax.train import evaluate
   run, _ = build(_small_cfg(tmp_path, 1, **{"train.eval_every": 1, "eval.speculate": True}))
-  before = run.selector.state_dict()
+  before = run.selector.state
   with RewardPool("arith", num_workers=1) as pool:
     first = evaluate(run, pool)  # compiles (compiling chunks reward no arm)
     again = evaluate(run, pool)
   run.coordinator.close()
   assert again["accuracy"] == first["accuracy"]  # greedy: lossless whatever the arms
-  assert run.selector.state_dict() == before
-  assert _pulls(run.eval_selector) > 0  # evaluation did speculate
+  assert run.selector.state == before
+  assert _pulls(run.eval_selector.state) > 0  # evaluation did speculate
 
 
 def test_tlt_run_on_two_workers_trains_the_drafter_in_idle_windows(tmp_path):

@@ -130,7 +130,7 @@ class RunSpec:
   gate: GateConfig | None  # None: disabled, or the fixed selector (pinned, deterministic)
   spot: SpotConfig | None
   buffer: BufferConfig | None  # None: the drafter is not trained
-  mab_buckets: dict[int, list[str]] | None  # config.tlt.spec.buckets ({}: the default arms)
+  mab_buckets: dict[int, list[Strategy]] | None  # config.tlt.spec.buckets ({}: the defaults)
   max_batch: int
   _selector: Callable[..., Any] | None = None
   history: bool = False  # each rollout worker keeps a history index (history arms can draft)
@@ -167,8 +167,8 @@ class RunSpec:
     return dataclasses.replace(self, engine=engine, max_batch=max_batch)
 
 
-def parse_mab_buckets(text: str) -> dict[int, list[str]] | None:
-  """'1:4_1_5,3_1_4,off 2:...' -> {1: ["4_1_5", "3_1_4", "off"], 2: ...}; '' -> None."""
+def parse_mab_buckets(text: str) -> dict[int, list[Strategy]] | None:
+  """'1:4_1_5,3_1_4,off 2:...' -> {1: [Strategy("4_1_5"), ...], 2: ...}; '' -> None."""
   if not text.strip():
     return None
   out = {}
@@ -177,7 +177,10 @@ def parse_mab_buckets(text: str) -> dict[int, list[str]] | None:
     if not sep or not bound.isdigit() or not arms:
       raise ConfigError(f"{part!r} is not 'LOWER_BOUND:ARM,ARM,...' (e.g. '1:4_1_5,3_1_4,off "
                         "5:3_1_4,off')", "tlt.spec.buckets", in_config=True)
-    out[int(bound)] = arms.split(",")
+    try:
+      out[int(bound)] = [Strategy(a) for a in arms.split(",")]
+    except ValueError as e:
+      raise ConfigError(f"bucket {bound}: {e}", "tlt.spec.buckets", in_config=True) from None
   return out
 
 
@@ -197,8 +200,8 @@ def _speculation(cfg: ml_collections.ConfigDict):
   build(selector, "tlt.spec", {"seed": cfg.seed})  # validates its arguments, once
   check(isinstance(s.get("history", False), bool), "tlt.spec.history", s.get("history"),
         "True or False")
-  arms = {a for group in (buckets or {}).values() for a in group} | {s.strategy}
-  hist = sorted(a for a in arms if a != "off" and Strategy.parse(a).history)
+  arms = {a for group in (buckets or {}).values() for a in group} | {spec.strategy}
+  hist = sorted(a for a in arms if a.history)
   check(not hist or s.get("history", False), "tlt.spec.history", s.get("history"),
         f"history arms {hist} draft from a history index: set tlt.spec.history=True")
   gate = None

@@ -139,7 +139,7 @@ def main(argv):
   if FLAGS.num_samples < 1 or FLAGS.batch_size < 1 or FLAGS.max_new_tokens < 1:
     raise InputError("--num_samples, --batch_size and --max_new_tokens must be >= 1")
   try:
-    strategy = Strategy.parse(SPEC_NAMES.get(FLAGS.spec, FLAGS.spec))
+    strategy = Strategy(SPEC_NAMES.get(FLAGS.spec, FLAGS.spec))
   except ValueError as e:
     raise InputError(f"--spec: {e}; or a source: {', '.join(SPEC_NAMES)}") from None
   cfg, params = load_hf_model(FLAGS.model, dtype=FLAGS.dtype, param_dtype=FLAGS.dtype)

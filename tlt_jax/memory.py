@@ -160,11 +160,10 @@ def learner_axes(cfg, num_devices: int) -> dict[str, int]:
 def _verify_width(spec) -> int:
   """Tokens per verification forward: the widest arm the bandit can choose."""
   from tlt_jax.rollout.mab import default_mab_buckets
-  from tlt_jax.rollout.strategy import Strategy
   arms = {spec.speculation.strategy}
   for group in (spec.mab_buckets or default_mab_buckets()).values():
     arms.update(group)
-  return max(Strategy.parse(a).verify_tokens for a in arms if a != "off")
+  return max(a.verify_tokens for a in arms)
 
 
 # --------------------------------------------------------------------------------- plan

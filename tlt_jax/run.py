@@ -19,7 +19,7 @@ from tlt_jax import config as config_lib
 from tlt_jax import runtime
 from tlt_jax.checkpoint import Checkpointer
 from tlt_jax.coordinator import Coordinator, ParamStore, SpotConfig, Worker
-from tlt_jax.data.dataset import PromptStream
+from tlt_jax.data.dataset import Position, PromptStream
 from tlt_jax.data.prompts import PromptRow
 from tlt_jax.drafter import export as drafter_export
 from tlt_jax.drafter import train_step as dts
@@ -37,19 +37,20 @@ from tlt_jax.rl import grpo
 from tlt_jax.rollout.verdicts import for_run as gate_verdicts
 from tlt_jax.rollout.engine import Engine, to_replica_layout
 from tlt_jax.rollout.executables import background_compiler
-from tlt_jax.rollout.gate import SpecGate
+from tlt_jax.rollout.gate import GateState, SpecGate
 from tlt_jax.rollout.history import HistoryIndex
-from tlt_jax.rollout.mab import Selector
+from tlt_jax.rollout.mab import BanditState, Selector
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.sharding import tree_shardings
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-  """What one training run is built from, once, by `build` from a validated config; the
-  parts that change step to step are the TrainState (and each host object's own state:
-  the stream's position, the bandits, the gate, the buffer, which the checkpoint saves
-  through their state_dict)."""
+  """What one training run is built from, once, by `build` from a validated config; what
+  changes step to step is the TrainState. The cells the workers share during a rollout (the
+  training bandit's `Selector`, the `SpecGate`) take the train state's policies with `hold`
+  and give them back with `held`; the buffer is the coordinator's store of drafter data
+  (its contents are not checkpointed: a resumed run refills it)."""
 
   cfg: ml_collections.ConfigDict
   learner: grpo.LearnerSpec  # what the learner's jitted functions are specialised on
@@ -76,13 +77,30 @@ class Run:
     return self.selector is not None
 
 
+  def hold(self, state: TrainState) -> None:
+    """`state`'s policies into the cells this run's workers share (before a rollout)."""
+    if self.selector is not None:
+      self.selector.hold(state.bandit)
+    if self.gate is not None:
+      self.gate.hold(state.gate)
+
+  def held(self, state: TrainState) -> TrainState:
+    """`state` with the policies the cells hold now (after a rollout)."""
+    return state._replace(bandit=None if self.selector is None else self.selector.state,
+                          gate=None if self.gate is None else self.gate.state)
+
+
 class TrainState(NamedTuple):
-  """What an RL step takes and returns: the steps done and the learner. (The drafter's state
-  is the store's: spot training merges into it during the rollout.)"""
+  """What an RL step takes and returns: the steps done, the learner, where the prompts are
+  and the host policies' states (pure values: rollout/mab.py, rollout/gate.py), which a
+  checkpoint saves and a resume rebuilds. (The drafter's state is the store's: spot training
+  merges into it during the rollout.)"""
 
   step: int
   learner: grpo.LearnerState
-
+  data: Position = Position()
+  bandit: BanditState | None = None  # the training bandit's (None: TLT off)
+  gate: GateState | None = None  # the speculation gate's (None: no gate)
 
 
 def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
@@ -179,7 +197,7 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
       spot_wanted=gate.drafter_wanted if gate is not None else None,
       # one process: the drafter settles beside the learner (across processes its merge is a
       # collective and keeps its place)
-      overlap_settle=spot.mode == "spot" and jax.process_count() == 1)
+      overlap_settle=spot.mode == "spot" and jax.process_count() == 1, buffer=buffer)
   coordinator.push()  # every worker takes the store's weights (and its trainer the drafter)
   if spot.mode == "spot":  # compiled at low priority once spot training is wanted
     compiler = background_compiler("compile-drafter")
@@ -214,7 +232,9 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
             coordinator=coordinator, selector=selector, eval_selector=eval_selector,
             gate=gate, buffer=buffer, ckpt=ckpt, compile_clock=compile_clock,
             export_engine=export_engine, target_hf_config=hf_config)
-  return run, TrainState(step=0, learner=learner)
+  return run, TrainState(step=0, learner=learner,
+                         bandit=None if selector is None else selector.state,
+                         gate=None if gate is None else gate.state)
 
 
 def _to_rollout(spec: grpo.LearnerSpec, rollout_mesh, params: Params

@@ -16,9 +16,11 @@ from tlt_jax.rollout.records import by_kind, tokens_per_verification
 
 def step_metrics(run, prompts: Sequence[Any], responses: Sequence[Any], r: np.ndarray,
                  chunks: Sequence[Any], wall: float, upd: dict[str, Any], reward_stats: Any,
-                 spot: dict[str, Any], drafter: dict[str, Any] | None) -> dict[str, Any]:
+                 spot: dict[str, Any], drafter: dict[str, Any] | None, *, epoch: int
+                 ) -> dict[str, Any]:
   """The step's metrics, without its times. run: tlt_jax.run.Run; r: [prompts, n] rewards;
-  wall: the rollout's seconds; spot: the timeline's summary; drafter: the merge's metrics."""
+  wall: the rollout's seconds; spot: the timeline's summary; drafter: the merge's metrics;
+  epoch: the data's after this step's prompts."""
   lengths = [res.num_tokens for res in responses]
   tokens = int(sum(lengths))
   spec_chunks = [c for c in chunks if c.mode != "plain"]
@@ -34,7 +36,7 @@ def step_metrics(run, prompts: Sequence[Any], responses: Sequence[Any], r: np.nd
       "tokens": tokens,
       "loss": upd,
       "reward_stats": dataclasses.asdict(reward_stats),
-      "epoch": run.stream.epoch,
+      "epoch": epoch,
   }
   sources = {p.row.source for p in prompts if p.row.source is not None}
   if sources:

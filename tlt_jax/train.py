@@ -58,6 +58,8 @@ from tlt_jax.errors import ConfigError
 from tlt_jax.metrics import MetricsWriter, read_records
 from tlt_jax.rl import grpo
 from tlt_jax.rl.reward_pool import RewardError, RewardPool
+from tlt_jax.rollout.gate import GateState
+from tlt_jax.rollout.mab import BanditState
 from tlt_jax.rollout.records import Request, Result
 from tlt_jax.run import Run, TrainState, build
 from tlt_jax.step_metrics import step_metrics
@@ -71,11 +73,10 @@ def _seed_for(seed: int, step: int) -> int:
 # ============================================================================= checkpoint
 def _checkpoint_tree(run: Run, state: TrainState) -> dict[str, Any]:
   """What a checkpoint holds: the actor and its optimizer, the drafter and its optimizer,
-  the step, and (as JSON) the data position, the bandit and the drafter buffer's policy."""
-  meta = {"data": run.stream.state_dict(),
-          "selector": run.selector.state_dict() if run.selector is not None else None,
-          "gate": run.gate.state_dict() if run.gate is not None else None,
-          "buffer": run.buffer.state_dict() if run.buffer is not None else None}
+  the step, and (as JSON) the data position, the bandit's and the gate's states."""
+  meta = {"data": run.stream.saved(state.data),
+          "selector": state.bandit.state_dict() if state.bandit is not None else None,
+          "gate": state.gate.state_dict() if state.gate is not None else None}
   tree = {"actor": state.learner.params, "opt": state.learner.opt_state, "step": state.step,
           "meta": json.dumps(meta)}
   if run.tlt:
@@ -105,29 +106,29 @@ def save(run: Run, state: TrainState, *, force: bool = False) -> None:
 
 
 def restore(run: Run, state: TrainState) -> TrainState:
-  """The latest checkpoint in the workdir as the state (the given one if there is none); the
-  host parts (data position, bandit, gate, buffer) and the workers' weights follow it."""
+  """The latest checkpoint in the workdir as the state (the given one, fresh, if there is
+  none): the learner, the data position and the policies rebuilt from what it saved; the
+  workers' weights follow it."""
   if run.ckpt.latest_step() is None:
     return state
   try:
     saved = run.ckpt.restore(_checkpoint_tree(run, state))
   except CheckpointError as e:
     raise ConfigError(f"--workdir {run.cfg.workdir}: {e}") from None  # e says the fix
-  state = TrainState(step=int(saved["step"]),
-                     learner=state.learner.replace(params=saved["actor"],
-                                                   opt_state=saved["opt"]))
-  meta = json.loads(saved["meta"])
-  run.stream.load_state_dict(meta["data"])
-  if meta.get("selector") and run.selector is not None:
+  meta = json.loads(saved["meta"])  # (an older run's "buffer" entry: nothing to restore)
+  bandit, gate = state.bandit, state.gate
+  if meta.get("selector") and bandit is not None:
     try:
-      run.selector.load_state_dict(meta["selector"])
+      bandit = BanditState.restore(bandit.cfg, meta["selector"])
     except ValueError as e:  # another bandit (or an older layout): it measures afresh
       print(f"the checkpoint's bandit state is not this run's ({e}); the bandit starts fresh",
             file=sys.stderr)
-  if meta.get("gate") and run.gate is not None:
-    run.gate.load_state_dict(meta["gate"])
-  if meta.get("buffer") and run.buffer is not None:
-    run.buffer.load_state_dict(meta["buffer"])
+  if meta.get("gate") and gate is not None:
+    gate = GateState.restore(gate.cfg, meta["gate"])
+  state = TrainState(step=int(saved["step"]),
+                     learner=state.learner.replace(params=saved["actor"],
+                                                   opt_state=saved["opt"]),
+                     data=run.stream.resume(meta["data"]), bandit=bandit, gate=gate)
   run.store.publish_actor(run.coordinator.to_rollout(state.learner.params))
   if run.tlt:
     run.store.publish_drafter(dts.DrafterState(**saved["drafter"]))
@@ -162,23 +163,22 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   seed = _seed_for(cfg.seed, step)
   times: dict[str, float] = {}
   t_step = time.perf_counter()
-  prompts = run.stream.next_batch(cfg.grpo.num_prompts)
+  prompts, data = run.stream.batch(state.data, cfg.grpo.num_prompts)
   requests = [Request(p.ids, request_id=i, sample_index=s)
               for i, p in enumerate(prompts) for s in range(cfg.grpo.n)]
 
-  # ---- rollout, rewards and drafter data as responses finish; spot training when idle
+  # ---- rollout (the train state's policies held by the workers' cells), rewards as responses
+  # finish (the coordinator keeps their drafter data); spot training when idle
   def on_response(worker: Worker, res: Result) -> None:
     text = run.tokenizer.decode(res.response_ids, skip_special_tokens=True)
     pool.submit((res.request_id, res.sample_index), text, prompts[res.request_id].row.answer)
-    if run.buffer is not None and res.hidden is not None:
-      off = res.hidden_offset
-      spec = None if res.spec_start is None else res.spec_start - off
-      run.buffer.add(step, res.response_ids[off:], res.hidden, spec,
-                     key=(res.request_id, res.sample_index))
 
+  run.hold(state)
   # (release: the workers free their actor copy for the learner's phases)
-  out = run.coordinator.rollout(requests, run.sampling, seed=seed, on_response=on_response,
+  out = run.coordinator.rollout(requests, run.sampling, seed=seed, step=step,
+                                on_response=on_response,
                                 release_actor=cfg.memory.release_rollout_weights)
+  policies = run.held(state)
   mine = [Response.of(res) for res in out.results]
   chunks, timeline, wall, settle = out.chunks, out.timeline, out.wall, out.settle
   del out  # the Results' hidden states go now (the buffer copied the windows it keeps)
@@ -221,11 +221,13 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
     times["drafter"] = time.perf_counter() - t
 
   # ---- metrics
-  m = step_metrics(run, prompts, responses, r, chunks, wall, upd, pool.stats, spot, drafter)
+  m = step_metrics(run, prompts, responses, r, chunks, wall, upd, pool.stats, spot, drafter,
+                   epoch=data.epoch)
   times["total"] = time.perf_counter() - t_step
   times["compile"] = run.compile_clock.lap()
   m["time"] = times
-  return TrainState(step=step + 1, learner=learner), m, timeline.to_json()
+  return (TrainState(step + 1, learner, data, policies.bandit, policies.gate), m,
+          timeline.to_json())
 
 
 def _gather_responses(mine: list[Response]) -> list[Response]:

@@ -93,10 +93,10 @@ def configurations(args: Args) -> dict[str, tuple[Any, bool]]:
   drafter, history, hybrid = split(args.drafter_arms), split(args.history_arms), split(
       args.hybrid_arms)
   for a in drafter + history + hybrid:
-    Strategy.parse(a)  # a bad arm name fails before anything loads
+    Strategy(a)  # a bad arm name fails before anything loads
   out: dict[str, tuple[Any, bool]] = {"plain": (None, False)}
   for a in drafter + history + hybrid:
-    out[a] = (lambda a=a: make_selector("fixed", strategy=a), Strategy.parse(a).history)
+    out[a] = (lambda a=a: make_selector("fixed", strategy=a), Strategy(a).history)
   every = drafter + history + hybrid
   if args.bandit and len(every) > 1:
     # one bandit per live-batch bucket, the default's bounds: a chunk's reward is the batch's
@@ -111,7 +111,7 @@ def configurations(args: Args) -> dict[str, tuple[Any, bool]]:
 def explored(sel: Selector, share: float = 0.9) -> bool:
   """Whether the buckets holding `share` of the bandit's chunks have measured every arm
   `min_pulls` times (past the exploration rounds: choosing greedily, and by epsilon)."""
-  pulls = sel.state_dict()["pulls"].values()
+  pulls = sel.state.state_dict()["pulls"].values()
   total = sum(sum(d.values()) for d in pulls)
   done = sum(sum(d.values()) for d in pulls if min(d.values()) >= sel.cfg.min_pulls)
   return total > 0 and done >= share * total
@@ -137,7 +137,7 @@ def measure(args: Args, cfg, params, dparams, stop, reqs, max_batch: int, thresh
   plain = engine(None)
   spec = engine(SpecConfig(strategy=arms[0], bs_threshold=threshold, patience=1,
                            use_kernel=jax.default_backend() == "gpu",
-                           max_steps=max(Strategy.parse(a).steps for a in arms)))
+                           max_steps=max(Strategy(a).steps for a in arms)))
   selectors = {label: make() for label, (make, _) in confs.items() if make}
   indexes = {label: HistoryIndex() if hist else None for label, (_, hist) in confs.items()}
 

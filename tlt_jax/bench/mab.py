@@ -63,11 +63,11 @@ class LongTailBench:
     self.sp = SamplingParams(temperature=temperature)
     spec = SpecConfig(strategy=self.arms[0], bs_threshold=bs_threshold or max_batch, patience=1,
                       use_kernel=jax.default_backend() == "gpu",  # CPU: the jnp reference
-                      max_steps=max(Strategy.parse(a).steps for a in self.arms))
+                      max_steps=max(Strategy(a).steps for a in self.arms))
     ecfg = EngineConfig(max_batch=max_batch, buckets=buckets_upto(max_batch),
                         chunk_size=chunk_size, max_prompt_len=w.max_prompt_len,
                         max_new_tokens=max_new_tokens, stop_tokens=w.stop_tokens, spec=spec)
-    history = any(Strategy.parse(a).history for a in self.arms)
+    history = any(Strategy(a).history for a in self.arms)
     self.worker = Engine(w.params, w.cfg, ecfg, drafter_params=w.drafter_params,
                          selector=make_selector("eg", self.arms),
                          history=HistoryIndex() if history else None)

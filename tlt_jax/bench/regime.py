@@ -287,7 +287,7 @@ def run(args: RegimeArgs) -> dict:
     if not row["accept"]:
       continue
     bd = bounds(costs, a, row["delivered"])  # tokens a verification actually delivers
-    st = Strategy.parse(a)
+    st = Strategy(a)
     gap = 1 - row["decode_speedup"] / bd["measured"]
     model[a] = {**bd, "reached": row["decode_speedup"], "gap": gap}
     print(f"| {a} | {costs[f'verify fwd T={st.verify_tokens}'] / costs['plain step']:.2f} | "

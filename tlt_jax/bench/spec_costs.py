@@ -71,7 +71,7 @@ def measure_costs(params, dparams, cfg, batch: int, arms, sp, *, iters: int = 20
   lens = jnp.full((b,), prompt_len, jnp.int32)
   keys = jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(b))
   max_new = jnp.full((b,), 1 << 30, jnp.int32)  # nobody finishes inside the loops
-  strategies = [Strategy.parse(a) for a in arms]
+  strategies = [Strategy(a) for a in arms]
   cache = init_cache(cfg, b, cache_len)
   if dparams is None:
     base = jax.jit(functools.partial(decode.prefill, cfg=cfg))(
@@ -158,7 +158,7 @@ def bounds(costs: dict[str, float], arm: str, accept: float) -> dict[str, float]
   """The three speedup bounds of the module docstring for `arm` at `accept` tokens per
   verification (costs from `measure_costs`)."""
   from tlt_jax.rollout.strategy import Strategy
-  st = Strategy.parse(arm)
+  st = Strategy(arm)
   unit = costs["plain step"]
   r = costs["drafter fwd T=1"] / unit
   ideal = (costs[f"verify fwd T={st.verify_tokens}"] + costs[f"drafter fwd T={st.steps + 1}"]

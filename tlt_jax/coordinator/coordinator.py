@@ -100,9 +100,10 @@ class RolloutOutcome:
 
 class Coordinator:
   """See the module docstring. `merge(states, weights) -> state` combines trained drafter
-  copies onto the store's layout (tlt_jax/drafter/merge.py `make_merge`);
+  copies onto the store's layout (tlt_jax/drafter/merge.py `make_merge`); `buffer` (a
+  DrafterBuffer, the trainers' data) takes every finished response's captured hidden states;
   `on_response(worker, result)` is called on the worker's thread for every finished response
-  (rewards and the drafter buffer)."""
+  after that (rewards)."""
 
   def __init__(self, workers: Sequence[Worker], store: ParamStore, *,
                spot: SpotConfig = SpotConfig(mode="off"),
@@ -111,7 +112,8 @@ class Coordinator:
                to_rollout: Callable[[Any], Any] | None = None,
                gather: Callable[[Any], list] | None = None,
                global_barrier: Callable[..., Any] | None = None,
-               spot_wanted: Callable[[], bool] | None = None, overlap_settle: bool = False):
+               spot_wanted: Callable[[], bool] | None = None, overlap_settle: bool = False,
+               buffer: Any = None):
     """worker_ids / num_workers: the global indices of these (this process's) workers among
     all replicas (default: 0..n-1 of n); a worker decodes the requests whose request_id %
     num_workers is its index. to_rollout: learner params -> the rollout layout the store
@@ -135,6 +137,7 @@ class Coordinator:
     self.gather = gather or (lambda obj: [obj])
     self.global_barrier = global_barrier
     self.spot_wanted = spot_wanted
+    self.buffer = buffer
     self._rollouts = 0  # advances in lockstep in every process: names the global barriers
     self._last_barrier = None
     if overlap_settle and global_barrier is not None:
@@ -150,11 +153,12 @@ class Coordinator:
     return [w.engine for w in self.workers]
 
   # ---------------------------------------------------------------------------- rollout
-  def rollout(self, requests: Sequence[Any], sp: Any, *, seed: int,
+  def rollout(self, requests: Sequence[Any], sp: Any, *, seed: int, step: int = 0,
               on_response: Callable[[Worker, Any], None] | None = None,
               on_chunk: Callable[[Any], None] | None = None,
               selector: Any = None, release_actor: bool = False) -> RolloutOutcome:
-    """Decodes `requests` over the workers (module docstring). release_actor: every worker
+    """Decodes `requests` over the workers (module docstring); `step` (the RL step) labels
+    the drafter data the responses leave in the buffer. release_actor: every worker
     frees its actor copy once its share and its in-flight drafter step are done (the
     learner's phases get that memory back; memory.release_rollout_weights), before the
     results are handed back."""
@@ -191,12 +195,21 @@ class Coordinator:
       self._last_barrier = everywhere
     stop = barrier if everywhere is None else everywhere.event  # spot training until then
 
+    def on_result(w: Worker, res: Any) -> None:
+      if self.buffer is not None and res.hidden is not None:
+        off = res.hidden_offset  # (the response's positions whose hidden states were kept)
+        tail = None if res.spec_start is None else res.spec_start - off
+        self.buffer.add(step, res.response_ids[off:], res.hidden, tail,
+                        key=(res.request_id, res.sample_index))
+      if on_response is not None:
+        on_response(w, res)
+
     def work(i: int):
       w = self.workers[i]
       timeline.enter(i, WorkerState.GENERATING)
       try:
         hooks = EngineHooks(
-            on_result=None if on_response is None else (lambda res: on_response(w, res)),
+            on_result=lambda res: on_result(w, res),
             on_chunk=lambda c: (chunks.append(c), on_chunk and on_chunk(c)),
             before_chunk=lambda: w.pull(self.store))
         w.pull(self.store)

@@ -1,22 +1,30 @@
 """The RL prompt stream: tokenised, length-filtered prompts in a deterministic per-epoch order
 with a position that is checkpointed, so a resumed run sees exactly the prompts it would have.
 
-Order: epoch e is `default_rng([seed, e]).permutation(N)`; the state is (epoch, position in
-that permutation). A batch may straddle an epoch boundary. Nothing depends on how many
-batches were drawn before, only on the state, which is what makes resume exact.
+Order: epoch e is `default_rng([seed, e]).permutation(N)`; the state is a `Position` (epoch,
+index in that permutation), a value the caller holds (the train state): `batch(position, n)`
+returns the prompts and the next position. A batch may straddle an epoch boundary. Nothing
+depends on how many batches were drawn before, only on the position, which is what makes
+resume exact.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
 from tlt_jax.data.prompts import DataError, PromptRow
 
 _log = logging.getLogger(__name__)
+
+
+class Position(NamedTuple):
+  """Where the stream is: the epoch and the index in its permutation."""
+  epoch: int = 0
+  index: int = 0
 
 
 @dataclasses.dataclass
@@ -68,9 +76,7 @@ class PromptStream:
       raise DataError(f"{name}: every prompt is longer than config.data.max_prompt_len="
                       f"{max_prompt_len} tokens; raise it")
     self.seed = seed
-    self.epoch = 0
-    self.position = 0
-    self._perm_epoch = -1
+    self._perm_epoch = -1  # (a memo of the last epoch's permutation)
     self._perm = None
 
   def __len__(self) -> int:
@@ -82,23 +88,27 @@ class PromptStream:
       self._perm_epoch = epoch
     return self._perm
 
-  def next_batch(self, n: int) -> list[Prompt]:
+  def batch(self, position: Position, n: int) -> tuple[list[Prompt], Position]:
+    """The n prompts from `position` on, and the position after them."""
+    epoch, index = position
     out = []
     while len(out) < n:
-      order = self._order(self.epoch)
-      take = order[self.position:self.position + n - len(out)]
+      order = self._order(epoch)
+      take = order[index:index + n - len(out)]
       out += [self.prompts[i] for i in take]
-      self.position += len(take)
-      if self.position >= len(order):
-        self.epoch, self.position = self.epoch + 1, 0
-    return out
+      index += len(take)
+      if index >= len(order):
+        epoch, index = epoch + 1, 0
+    return out, Position(epoch, index)
 
-  def state_dict(self) -> dict[str, int]:
-    return {"epoch": self.epoch, "position": self.position, "size": len(self.prompts)}
+  def saved(self, position: Position) -> dict[str, int]:
+    """`position` as the checkpoint keeps it (JSON)."""
+    return {"epoch": position.epoch, "position": position.index, "size": len(self.prompts)}
 
-  def load_state_dict(self, state: dict[str, int]) -> None:
-    if int(state["size"]) != len(self.prompts):
-      raise DataError(f"the checkpoint's data position is for {state['size']} prompts but the "
+  def resume(self, saved: dict[str, Any]) -> Position:
+    """The position `saved` holds; DataError if it was saved over other data."""
+    if int(saved["size"]) != len(self.prompts):
+      raise DataError(f"the checkpoint's data position is for {saved['size']} prompts but the "
                       f"configured data has {len(self.prompts)} usable prompts; resume with the "
                       "same data and max_prompt_len, or start a new workdir")
-    self.epoch, self.position = int(state["epoch"]), int(state["position"])
+    return Position(int(saved["epoch"]), int(saved["position"]))

@@ -35,7 +35,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import threading
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -115,8 +115,7 @@ class DrafterBuffer:
 
   def __init__(self, cfg: BufferConfig = BufferConfig(), *, seed: int = 0):
     self.cfg = cfg
-    self._seed = seed
-    self._rng = np.random.default_rng([seed, 71])
+    self._seed = seed  # which windows `add` keeps: a function of (seed, step, key), no state
     self._windows: list[Window] = []  # sorted by `_order`
     self._order: list[tuple] = []  # (step, response key, start) of each window
     self._tokens = 0
@@ -187,35 +186,16 @@ class DrafterBuffer:
     with self._lock:
       return len(self._windows)
 
-  def sample(self, n: int, rng: np.random.Generator | None = None) -> list[Window]:
+  def sample(self, n: int, rng: np.random.Generator) -> list[Window]:
     """n windows drawn with replacement, with probability proportional to their weights
-    ([] when empty). rng: the caller's generator (each training worker has its own), else
-    the buffer's."""
+    ([] when empty), by the caller's generator (each training worker has its own)."""
     with self._lock:
       if not self._windows:
         return []
       p = np.asarray([w.weight for w in self._windows])
-      idx = (rng or self._rng).choice(len(self._windows), n, p=p / p.sum())
+      idx = rng.choice(len(self._windows), n, p=p / p.sum())
       return [self._windows[i] for i in idx]
 
   def clear(self) -> None:
     with self._lock:
       self._windows, self._order, self._tokens = [], [], 0
-
-  # ------------------------------------------------------------------------- checkpointing
-  def state_dict(self) -> dict[str, Any]:
-    """The buffer's policy (config and RNG), not its contents: a resumed run refills it from
-    its next rollout (at 7B the contents would be GBs per checkpoint)."""
-    with self._lock:
-      return {"config": dataclasses.asdict(self.cfg), "seed": self._seed,
-              "rng": self._rng.bit_generator.state}
-
-  def load_state_dict(self, state: dict[str, Any]) -> None:
-    if state.get("config") != dataclasses.asdict(self.cfg):
-      raise ValueError(f"drafter buffer state was saved with {state.get('config')}, this "
-                       f"buffer is {dataclasses.asdict(self.cfg)}")
-    with self._lock:
-      # The seed decides which windows `add` keeps: the resumed buffer keeps the ones the
-      # saved run would have.
-      self._seed = int(state["seed"])
-      self._rng.bit_generator.state = state["rng"]

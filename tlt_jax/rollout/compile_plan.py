@@ -49,7 +49,7 @@ from tlt_jax.rollout.strategy import Strategy
 
 _log = logging.getLogger(__name__)
 
-Pairs = dict[int, list[str]]  # engine bucket -> arms
+Pairs = dict[int, list[Strategy]]  # engine bucket -> arms
 
 
 def _abstract(tree):
@@ -131,8 +131,7 @@ class CompilePlan:
     """Catch-up capacity of the speculative state: room for every arm's drafts."""
     spec = self.ecfg.spec
     arms = getattr(call.selector, "arms", None) or []
-    return max([spec.max_steps, Strategy.parse(spec.strategy).steps, 1]
-               + [Strategy.parse(a).steps for a in arms])
+    return max([spec.max_steps, spec.strategy.steps, 1] + [a.steps for a in arms])
 
   # ------------------------------------------------------------------------ which pairs
   def choosable_pairs(self, call: PlanCall) -> Pairs:
@@ -314,7 +313,7 @@ class CompilePlan:
       self._compiler.submit(lambda: self.switch_on(*args))
     return compiled[0] if compiled else None
 
-  def window(self, call: PlanCall, sp: SamplingParams, arm: str | None, state, need: int) -> int:
+  def window(self, call: PlanCall, sp: SamplingParams, arm: Strategy | None, state, need: int) -> int:
     """The attention window of a chunk (plain: arm None) whose rows reach `need` cache slots
     (the longest row + `chunk_reach`): the `kv_bucket` holding them. A speculative window not
     compiled yet is one more executable of the arm: with a gate, where a wider one that holds
@@ -347,7 +346,7 @@ class CompilePlan:
       self._compiler.submit(lambda: self.spec(*args))
     return wider if wider is not None else ecfg.cache_len
 
-  def _window_pays(self, call: PlanCall, batch: int, arm: str, want: int, have: int) -> bool:
+  def _window_pays(self, call: PlanCall, batch: int, arm: Strategy, want: int, have: int) -> bool:
     """The gate's payoff rule for compiling window `want` of (batch, arm) while `have` runs
     (no gate: always): chunks needing it per generate call so far, and the share of a step's
     bytes it would not read (the KV slots between the two windows, of the weights and KV a
@@ -368,36 +367,36 @@ class CompilePlan:
       per_rollout = self._needs.get((batch, arm, want), 0) / max(self.rollouts, 1)
     return gate.repays_window(batch, arm, per_rollout, share)
 
-  def _spec_key(self, call: PlanCall, sp: SamplingParams, arm: str, state, kv_len: int) -> ExecKey:
+  def _spec_key(self, call: PlanCall, sp: SamplingParams, arm: Strategy, state,
+                kv_len: int) -> ExecKey:
     return ExecKey.of("spec", (arm, sp, self.use_kernel, kv_len), self._spec_args(call, arm, state))
 
-  def _spec_args(self, call: PlanCall, arm: str, state) -> tuple:
+  def _spec_args(self, call: PlanCall, arm: Strategy, state) -> tuple:
     """The arguments of an arm's executable: a drafter arm's chunk takes the state; a history
     arm's step (`speculative.history_step`) also the drafts, tokens and parents [B, N - 1]
     (abstract here: the engine passes the index's, same shapes)."""
     args = (call.params, call.drafter_params, state)
-    strategy = Strategy.parse(arm)
-    if not strategy.history:
+    if not arm.history:
       return args
-    drafts = jax.ShapeDtypeStruct((state.batch_size, strategy.verify_tokens - 1), jnp.int32,
+    drafts = jax.ShapeDtypeStruct((state.batch_size, arm.verify_tokens - 1), jnp.int32,
                                   sharding=self._replicated)
     return args + (drafts, drafts)
 
-  def spec(self, call: PlanCall, sp: SamplingParams, arm: str, state, kv_len: int | None = None):
+  def spec(self, call: PlanCall, sp: SamplingParams, arm: Strategy, state,
+           kv_len: int | None = None):
     """The (bucket, arm, attention window) executable (kv_len None: the whole cache); state
     may be abstract (ShapeDtypeStructs, `precompile`)."""
     from tlt_jax.rollout import speculative
     ecfg = self.ecfg
     kv_len = kv_len or ecfg.cache_len
     args = self._spec_args(call, arm, state)
-    strategy = Strategy.parse(arm)
     # a history arm's chunk is a host loop of single steps (the index drafts between them)
-    fn, chunk = ((speculative.history_step, {}) if strategy.history else
+    fn, chunk = ((speculative.history_step, {}) if arm.history else
                  (speculative.spec_chunk, dict(chunk=ecfg.chunk_size)))
 
     def compiled(use_kernel: bool):
       fn_ = functools.partial(fn, cfg=self.cfg, sp=sp, stop_tokens=ecfg.stop_tokens,
-                              strategy=strategy, capture_hidden=ecfg.capture_hidden,
+                              strategy=arm, capture_hidden=ecfg.capture_hidden,
                               use_kernel=use_kernel, kv_len=kv_len, **chunk)
       return self.exes.get("spec", (arm, sp, use_kernel, kv_len), fn_, args, donate=(2,))
 

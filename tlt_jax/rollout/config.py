@@ -19,7 +19,7 @@ class SpecConfig:
   """Adaptive speculative decoding: on once the live batch stays <= bs_threshold for
   `patience` consecutive chunk checks (then on for the rest of the generate call)."""
 
-  strategy: str = DEFAULT_ARM  # an arm name (strategy.py), e.g. "4_1_5", "hist_4", "off"
+  strategy: Strategy = DEFAULT_ARM  # an arm (strategy.py; a name is parsed), e.g. "4_1_5", "off"
   bs_threshold: int = 32
   patience: int = 2
   use_kernel: bool | None = None  # Pallas verification kernel vs jnp reference; None: GPU only
@@ -33,7 +33,7 @@ class SpecConfig:
 
   def __post_init__(self):
     try:
-      Strategy.parse(self.strategy)
+      object.__setattr__(self, "strategy", Strategy(self.strategy))
     except ValueError as e:
       raise ConfigError(str(e), "strategy", self.strategy) from None
     if self.bs_threshold < 1:

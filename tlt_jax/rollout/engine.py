@@ -90,12 +90,12 @@ def longest_row(sched: Scheduler, outputs: dict[Any, Output]) -> int:
               for req in sched.slots if req is not None), default=1)
 
 
-def chunk_reach(arm: str | None, chunk: int) -> int:
+def chunk_reach(arm: Strategy | None, chunk: int) -> int:
   """Cache slots past the longest row's length that a chunk of plain decoding (arm None) or
   of a speculative arm can read."""
   from tlt_jax.rollout import speculative
   return (decode.chunk_reach(chunk) if arm is None
-          else speculative.chunk_reach(Strategy.parse(arm), chunk))
+          else speculative.chunk_reach(arm, chunk))
 
 
 @dataclasses.dataclass
@@ -140,8 +140,8 @@ class Engine:
     self.history = history  # the host's history index (module docstring), or None
     self._ran: set[int] = set()  # ids of the arm executables run so far (first runs: `_report`)
     arms = ([spec.strategy] + list(getattr(self.selector, "arms", None) or [])) if spec else []
-    if history is None and any(Strategy.parse(a).history for a in arms):
-      raise ValueError(f"history arms {[a for a in arms if Strategy.parse(a).history]} need a "
+    if history is None and any(a.history for a in arms):
+      raise ValueError(f"history arms {[a for a in arms if a.history]} need a "
                        "history index: Engine(..., history=HistoryIndex(...))")
     self.kv = KVPages(cfg, self.mesh, self._replicated, num_pages=engine_cfg.pool_pages,
                       page_size=engine_cfg.page_size, row_pages=engine_cfg.row_pages)
@@ -202,7 +202,7 @@ class Engine:
     return PlanCall.view(self.worker_id, self.params, self.drafter_params, self.selector,
                          self.gate, self.kv)
 
-  def choosable_pairs(self) -> dict[int, list[str]]:
+  def choosable_pairs(self) -> dict[int, list[Strategy]]:
     """Engine bucket -> the arms the selector can choose there (compile_plan.py)."""
     return self.compiles.choosable_pairs(self._plan())
 
@@ -291,7 +291,7 @@ class Engine:
     exe = self.compiles.switch_on(c.plan, state, length, dpool=dkv)
     return exe(self.params, self.drafter_params, state, dkv, tokens), True
 
-  def _decode(self, state, c: Call, arm: str | None, kv_len: int):
+  def _decode(self, state, c: Call, arm: Strategy | None, kv_len: int):
     """One chunk, and its one host sync. arm=None: plain decoding (before speculation starts:
     a DecodeState, the executables of an engine without a drafter), returning hidden states
     if the call captures them; else a strategy on the SpecState (whose executables return
@@ -301,12 +301,11 @@ class Engine:
     verifications]), whether the arm's executable ran for the first time)."""
     sp = c.sp
     if arm is not None:
-      strategy = Strategy.parse(arm)
       exe = self.compiles.spec(c.plan, sp, arm, state, kv_len)
       first = self._first_run(exe)
-      if strategy.history:  # a host loop of steps, the index drafting before each
+      if arm.history:  # a host loop of steps, the index drafting before each
         rows = {s: c.sched.slots[s].key for s in c.sched.live}
-        state, host = history_chunk(exe, self.params, self.drafter_params, state, strategy,
+        state, host = history_chunk(exe, self.params, self.drafter_params, state, arm,
                                     self.history, rows, self.ecfg.chunk_size, self._replicated)
         return state, host, first
       state, out, counts = exe(self.params, self.drafter_params, state)
@@ -426,7 +425,7 @@ class Engine:
     state, host, first = self._decode(state, c, arm, kv_len)  # the host sync
     dt = time.perf_counter() - t0
     # a history chunk extended the index step by step
-    extend = self.history is not None and not (arm and Strategy.parse(arm).history)
+    extend = self.history is not None and not (arm and arm.history)
     produced = self._collect(c, live, host, extend)
     self._report(ChunkMetrics(
         worker_id=self.worker_id, bucket=state.batch_size, live=len(live), tokens=produced,

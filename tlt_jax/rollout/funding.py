@@ -11,7 +11,8 @@ import dataclasses
 from typing import Sequence
 
 from tlt_jax.rollout import payoff
-from tlt_jax.rollout.probe import PAYS, PROBING, depth, measured
+from tlt_jax.rollout.probe import PAYS, PROBING, measured
+from tlt_jax.rollout.strategy import Strategy
 
 
 def fund(s):
@@ -21,12 +22,12 @@ def fund(s):
   return s
 
 
-def ceiling(s, b: int, arm: str) -> float:
+def ceiling(s, b: int, arm: Strategy) -> float:
   """The best case of `arm` at `b`, as speed-up over plain decoding: its measured ceiling
   there; else the hardware ceiling measured at `b` or at any smaller bucket (every draft
   accepted: a larger batch is no less compute-bound), at most depth + 1 (each verification
   as cheap as a plain step, every draft accepted); "off" decodes plainly: 1."""
-  prior = float(depth(arm) + 1)
+  prior = float(arm.steps + 1)
   here = measured(s.at[b])
   if arm in here:
     return here[arm][1]
@@ -35,7 +36,7 @@ def ceiling(s, b: int, arm: str) -> float:
   return min([prior] + bounds)
 
 
-def scope(s, b: int, arm: str) -> list[int]:
+def scope(s, b: int, arm: Strategy) -> list[int]:
   """Where funding `arm` at `b` compiles it: `b` and every smaller bucket on probation or
   paying that does not have it yet (a batch that speculates at `b` compacts through them,
   and needs the arm's executable at each)."""
@@ -43,7 +44,7 @@ def scope(s, b: int, arm: str) -> list[int]:
           and arm not in s.at[q].funded and (q == b or arm in s.arms_at.get(q, ()))]
 
 
-def price(s, where: Sequence[int], arm: str, every_worker: bool) -> float | None:
+def price(s, where: Sequence[int], arm: Strategy, every_worker: bool) -> float | None:
   """Seconds to compile `arm` over `where`, with each bucket's one-off speculative compiles
   where nothing is funded there yet: on every worker (what a paying bucket costs each), or
   on the prober (a probe: what it compiled in this run already is paid for)."""
@@ -65,7 +66,7 @@ def worth(s, where: Sequence[int], gain: float, cost: float | None) -> bool:
                        rollouts=s.rollouts, payback=c.payback, gain=gain, cost=cost)
 
 
-def with_funded(s, where: Sequence[int], arm: str):
+def with_funded(s, where: Sequence[int], arm: Strategy):
   at = dict(s.at)
   for q in where:
     at[q] = dataclasses.replace(at[q], funded=at[q].funded | {arm})
@@ -108,7 +109,7 @@ def fund_bucket(s, b: int):
   return s
 
 
-def repays_window(s, bucket: int, arm: str, chunks_per_rollout: float, share: float) -> bool:
+def repays_window(s, bucket: int, arm: Strategy, chunks_per_rollout: float, share: float) -> bool:
   """Whether a narrower attention window of `arm` at `bucket` is worth compiling (one more
   executable, as costly as the arm's: payoff.py) for chunks that would read `share` fewer of
   their step's bytes (the compile plan's estimate) than at the wider window they run at now,
@@ -125,7 +126,7 @@ def repays_window(s, bucket: int, arm: str, chunks_per_rollout: float, share: fl
                               cost=s.ledger.arm_cost(bucket, arm, c.compile_factor))
 
 
-def terms(s, bucket: int, arm: str) -> dict[str, float | None]:
+def terms(s, bucket: int, arm: Strategy) -> dict[str, float | None]:
   """The payoff rule's terms for compiling `arm` at `bucket` on a worker that has nothing
   speculative there yet (the metrics' view; `fund_bucket` decides with what each worker
   has)."""

@@ -84,7 +84,7 @@ from typing import Any, Mapping, Sequence
 from tlt_jax.errors import ConfigError
 from tlt_jax.rollout import funding, payoff
 from tlt_jax.rollout.probe import (ACCEPTANCE, CLOSED, DECLINED, HARDWARE, PAYS, PROBING, Bucket,
-                                   Chunk, accept_len, depth, rate)
+                                   Chunk, accept_len, rate)
 from tlt_jax.rollout.strategy import Strategy
 from tlt_jax.rollout.verdicts import VerdictCache
 
@@ -98,7 +98,7 @@ class GateConfig:
   reprobe_every: int = 10  # rollouts after which a bucket declined for acceptance is re-probed
   hardware_reprobe_every: int = 40  # ... one declined for hardware (0: never, for both)
   follow_traffic: int = 3  # rollouts without traffic after which probation moves up (0: never)
-  lead: str = ""  # the arm a probe runs first ("": the first drafting arm choosable there)
+  lead: Strategy | str = ""  # the arm a probe runs first ("": the first drafting arm there)
   # What a compile must repay (payoff.py): the run's rollouts per worker (0: open-ended, every
   # compile repays), the share of the rollouts left within which the best case must repay it,
   # and a speculative arm's compile in plain decode chunk compiles until one is measured.
@@ -128,7 +128,7 @@ class GateConfig:
       raise ConfigError("must be > 0", "compile_factor", self.compile_factor)
     if self.lead:
       try:
-        Strategy.parse(self.lead)
+        object.__setattr__(self, "lead", Strategy(self.lead))
       except ValueError as e:
         raise ConfigError(str(e), "lead", self.lead) from None
 
@@ -145,7 +145,7 @@ class GateState:
   cfg: GateConfig
   buckets: tuple[int, ...] = ()
   at: Mapping[int, Bucket] = dataclasses.field(default_factory=dict)  # bucket -> its record
-  arms_at: Mapping[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # choosable
+  arms_at: Mapping[int, tuple[Strategy, ...]] = dataclasses.field(default_factory=dict)  # choosable
   prober: int | None = None  # the worker that probes (the first to start a rollout)
   rollouts: int = 0  # generate calls of the prober (the gate's clock)
   hardware_ok: bool = False  # a probe showed drafts can pay here (some arm's ceiling)
@@ -176,7 +176,8 @@ class GateState:
     if worker_id == s.prober:
       s = dataclasses.replace(s, rollouts=s.rollouts + 1)
     if not s.arms_at and choosable:
-      s = dataclasses.replace(s, arms_at={int(b): tuple(a) for b, a in choosable.items()},
+      s = dataclasses.replace(s, arms_at={int(b): tuple(map(Strategy, a))  # (names too)
+                                          for b, a in choosable.items()},
                               ledger=s.ledger.remembered(costs or {}))
       if not s.cfg.gating:  # open everywhere, every arm (a resume's statuses too)
         buckets = tuple(sorted(s.arms_at))
@@ -199,6 +200,8 @@ class GateState:
 
   def record(self, c: Chunk) -> GateState:
     """One measured chunk. The first of each (bucket, arm) is a warm-up, not counted."""
+    if c.arm is not None:
+      c = c._replace(arm=Strategy(c.arm))  # (a name from a test or a simulator: parsed here)
     r = self.at.get(c.bucket)
     if r is None or c.steps < 1 or c.wall <= 0:
       return self
@@ -213,7 +216,7 @@ class GateState:
     s = dataclasses.replace(self._put(c.bucket, r), ledger=self.ledger.decoded(c.bucket, c.wall))
     return s._decide(c.bucket)._fund() if r.status == PROBING else s
 
-  def compiled(self, kind: str, bucket: int, arm: str | None, seconds: float) -> GateState:
+  def compiled(self, kind: str, bucket: int, arm: Strategy | None, seconds: float) -> GateState:
     """An executable compiled (payoff.Ledger.compiled's kinds)."""
     return dataclasses.replace(self, ledger=self.ledger.compiled(kind, bucket, arm, seconds))
 
@@ -228,7 +231,7 @@ class GateState:
     return self.hardware_ok and any(r.status != DECLINED or r.reason != HARDWARE
                                     for r in self.at.values())
 
-  def arms(self, worker_id: int, bucket: int) -> list[str]:
+  def arms(self, worker_id: int, bucket: int) -> list[Strategy]:
     """The arms this worker compiles at this bucket now: the funded ones where it pays, the
     funded probed ones on the prober where it is on probation once half of plain decoding's
     measurement there is in (so not in a run's first rollouts, while everything else compiles
@@ -262,7 +265,7 @@ class GateState:
     return (r.status == PROBING and worker_id == self.prober
             and len(r.plain) >= self.cfg.min_chunks and bool(self.probe_arms(bucket)))
 
-  def probe_arm(self, bucket: int, default: str) -> str:
+  def probe_arm(self, bucket: int, default: Strategy) -> Strategy:
     """The arm a chunk at `bucket` runs: while the bucket is probed, the funded probed arm
     measured least so far; else `default` (the bandit's)."""
     r = self.at.get(bucket)
@@ -292,14 +295,14 @@ class GateState:
   def _log(self, decision: dict[str, Any]) -> GateState:
     return dataclasses.replace(self, decisions=self.decisions + (decision,))
 
-  def candidates(self, b: int) -> list[str]:
+  def candidates(self, b: int) -> list[Strategy]:
     """The arms a probation at `b` measures: the lead, or with `wide` every drafting arm."""
     drafting = [a for a in self.arms_at.get(b, ()) if a != "off"]
     if self.at[b].wide or not drafting:
       return drafting
     return [self.cfg.lead if self.cfg.lead in drafting else drafting[0]]
 
-  def probe_arms(self, b: int) -> list[str]:
+  def probe_arms(self, b: int) -> list[Strategy]:
     """The probation's arms whose probe is funded."""
     return [a for a in self.candidates(b) if a in self.at[b].funded]
 
@@ -356,7 +359,7 @@ class GateState:
       return self
     ratio = {a: rate(c) / plain for a, c in spec.items()}
     # with every draft accepted an arm delivers depth + 1 tokens per verification
-    ceiling = max(ratio[a] * (depth(a) + 1) / accept_len(spec[a]) for a in probed)
+    ceiling = max(ratio[a] * (a.steps + 1) / accept_len(spec[a]) for a in probed)
     best = max(ratio, key=ratio.get)
     bar = 1.0 + self.cfg.margin
     pays = ratio[best] >= bar
@@ -476,7 +479,7 @@ class SpecGate:
       costs = self.verdicts.load_costs() if first else None
       self.state = self.state.begin_rollout(worker_id, choosable, cached, costs)
 
-  def record(self, bucket: int, arm: str | None, wall: float, steps: int, accepted: int = 0,
+  def record(self, bucket: int, arm: Strategy | None, wall: float, steps: int, accepted: int = 0,
              verifications: int = 0) -> None:
     """steps (target forwards), accepted and verifications as in `ChunkMetrics`."""
     with self._lock:
@@ -485,7 +488,7 @@ class SpecGate:
       if self.verdicts is not None and len(self.state.decisions) > len(old.decisions):
         self.verdicts.update(self.state.hardware_verdicts())  # (a re-probe that paid: gone)
 
-  def compiled(self, kind: str, bucket: int, arm: str | None, seconds: float) -> None:
+  def compiled(self, kind: str, bucket: int, arm: Strategy | None, seconds: float) -> None:
     with self._lock:
       old = self.state.ledger.costs()
       self.state = self.state.compiled(kind, bucket, arm, seconds)
@@ -496,25 +499,23 @@ class SpecGate:
   def drafter_wanted(self) -> bool:
     return self.state.drafter_wanted()
 
-  def arms(self, worker_id: int, bucket: int) -> list[str]:
+  def arms(self, worker_id: int, bucket: int) -> list[Strategy]:
     return self.state.arms(worker_id, bucket)
 
   def allows(self, worker_id: int, bucket: int) -> bool:
     return self.state.allows(worker_id, bucket)
 
-  def probe_arm(self, bucket: int, default: str) -> str:
+  def probe_arm(self, bucket: int, default: Strategy) -> Strategy:
     return self.state.probe_arm(bucket, default)
 
-  def repays_window(self, bucket: int, arm: str, chunks_per_rollout: float,
+  def repays_window(self, bucket: int, arm: Strategy, chunks_per_rollout: float,
                     share: float) -> bool:
     return funding.repays_window(self.state, bucket, arm, chunks_per_rollout, share)
 
   def summary(self) -> dict[str, Any]:
     return self.state.summary()
 
-  def state_dict(self) -> dict[str, Any]:
-    return self.state.state_dict()
-
-  def load_state_dict(self, state: dict[str, Any]) -> None:
+  def hold(self, state: GateState) -> None:
+    """The state the workers share from now on (the train state's, before a rollout)."""
     with self._lock:
-      self.state = GateState.restore(self.state.cfg, state)
+      self.state = state

@@ -33,8 +33,9 @@ buckets and parameters, validated once) and `BanditState` (the reward windows an
 bucket, pulls so far), so asking again before an update gives the same arm) and `update`
 returns the next state; both run without devices or threads (a simulator drives them on its own
 clock). `Selector` is the one mutable holder the engine's workers share: a lock around the
-state, and the engine's interface (select, update, arms_for, choosable, state_dict,
-load_state_dict; the state dict is JSON and restores the sequence exactly).
+state, and the engine's interface (select, update, arms_for, choosable); the train state
+holds the value between rollouts (`hold` gives it to the workers). `BanditState.state_dict`
+is JSON and `BanditState.restore` continues the sequence exactly.
 """
 
 from __future__ import annotations
@@ -54,13 +55,7 @@ RULES = ("fixed", "egreedy", "ucb1")  # always one arm; epsilon-greedy on median
 SELECTORS = ("fixed", "beg", "eg", "ucb1", "bucb1")  # config names (make_selector)
 
 
-def check_arm(arm: str) -> str:
-  """Validates an arm name (tlt_jax/rollout/strategy.py is the one grammar); returns it."""
-  Strategy.parse(arm)
-  return arm
-
-
-def default_mab_buckets() -> dict[int, list[str]]:
+def default_mab_buckets() -> dict[int, list[Strategy]]:
   """BEG buckets for the default tiny model and its chain drafter. Every bucket has "off", so
   the bandit explores and can turn speculation off (DESIGN.md 4), drafter chains and a history
   arm. Drafter arms from notebooks/mab_bucket_ablation.ipynb (CPU): 6_1_7 was rarely the best
@@ -68,8 +63,9 @@ def default_mab_buckets() -> dict[int, list[str]]:
   batches. History arms (scripts/bench_history_arms.py): hist_4 is the cheapest history draft
   (no drafter forward); the hybrid hyb_4 (the index's and the drafter's chains as one tree of
   9 verified tokens) only where the batch is small enough for the wider verification."""
-  small = ["4_1_5", "3_1_4", "hyb_4", "hist_4", "off"]
-  return {1: small, 2: list(small), 5: list(small), 21: ["3_1_4", "2_1_3", "hist_4", "off"]}
+  small = [Strategy(a) for a in ("4_1_5", "3_1_4", "hyb_4", "hist_4", "off")]
+  return {1: small, 2: list(small), 5: list(small),
+          21: [Strategy(a) for a in ("3_1_4", "2_1_3", "hist_4", "off")]}
 
 
 def _check_size(batch_size: int) -> int:
@@ -90,24 +86,23 @@ def _bound(key) -> int:
   return lo
 
 
-def _buckets(buckets) -> tuple[tuple[int, tuple[str, ...]], ...]:
+def _buckets(buckets) -> tuple[tuple[int, tuple[Strategy, ...]], ...]:
   """Mappings (ConfigDicts, JSON: string keys) of lower bound -> arms, or one list of arms
-  (one bucket: every live size), validated, sorted by bound."""
+  (one bucket: every live size), validated, sorted by bound; the arms as strategies."""
   if not hasattr(buckets, "items"):
     buckets = {1: buckets}
   if not buckets:
     raise ConfigError("no buckets given; e.g. {1: ['4_1_5', 'off']}", "buckets")
-  out: dict[int, tuple[str, ...]] = {}
+  out: dict[int, tuple[Strategy, ...]] = {}
   for lo, arms in sorted(((_bound(k), v) for k, v in buckets.items()), key=lambda x: x[0]):
     arms = (arms,) if isinstance(arms, str) else tuple(arms)
     if not arms:
       raise ConfigError(f"bucket {lo} has no arms; give it at least one (e.g. 'off')",
                         "buckets")
-    for a in arms:
-      try:
-        check_arm(a)
-      except ValueError as e:
-        raise ConfigError(f"bucket {lo}: {e}", "buckets") from None
+    try:
+      arms = tuple(Strategy(a) for a in arms)
+    except ValueError as e:
+      raise ConfigError(f"bucket {lo}: {e}", "buckets") from None
     if len(set(arms)) != len(arms):
       raise ConfigError(f"bucket {lo} lists an arm twice: {list(arms)}", "buckets")
     if lo in out:
@@ -122,7 +117,7 @@ class BanditConfig:
   parameters. Built by `make_selector` from config values; validated here."""
 
   rule: str
-  buckets: tuple[tuple[int, tuple[str, ...]], ...]
+  buckets: tuple[tuple[int, tuple[Strategy, ...]], ...]
   window: int = 300  # rewards an arm's value is computed over (the last ones)
   min_pulls: int = 1  # rewards of every arm of a bucket before the rule chooses
   epsilon: float = 0.1  # egreedy: the share of random choices
@@ -154,11 +149,11 @@ class BanditConfig:
     return [lo for lo, _ in self.buckets]
 
   @property
-  def by_bound(self) -> dict[int, tuple[str, ...]]:
+  def by_bound(self) -> dict[int, tuple[Strategy, ...]]:
     return dict(self.buckets)
 
   @property
-  def arms(self) -> list[str]:
+  def arms(self) -> list[Strategy]:
     """Every arm of every bucket, first-listed order."""
     return list(dict.fromkeys(a for _, arms in self.buckets for a in arms))
 
@@ -172,10 +167,10 @@ class BanditConfig:
                        "with bound 1")
     return bounds[i]
 
-  def arms_for(self, batch_size: int) -> list[str]:
+  def arms_for(self, batch_size: int) -> list[Strategy]:
     return list(self.by_bound[self.bucket_of(batch_size)])
 
-  def choosable(self, lo: int, hi: int) -> list[str]:
+  def choosable(self, lo: int, hi: int) -> list[Strategy]:
     """Arms select() can return for some live size in [lo, hi] (sizes below every bound have
     no arm)."""
     lo, hi = _check_size(lo), _check_size(hi)
@@ -205,7 +200,7 @@ class BanditState:
     return cls(cfg, {lo: {a: () for a in arms} for lo, arms in cfg.buckets},
                {lo: {a: 0 for a in arms} for lo, arms in cfg.buckets})
 
-  def select(self, batch_size: int, arms: Sequence[str] | None = None) -> str:
+  def select(self, batch_size: int, arms: Sequence[Strategy] | None = None) -> Strategy:
     """The arm for a chunk of `batch_size` live rows, among `arms` where given (the ones the
     speculation gate has paid to compile there; none of the bucket's: every arm)."""
     cfg = self.cfg
@@ -237,7 +232,7 @@ class BanditState:
     return max(pool, key=lambda a: means[a] / scale
                + cfg.c * math.sqrt(2.0 * math.log(total) / n[a]))
 
-  def update(self, arm: str, batch_size: int, reward: float) -> BanditState:
+  def update(self, arm: Strategy, batch_size: int, reward: float) -> BanditState:
     """The state after `arm`'s chunk at `batch_size` earned `reward` (tokens/s)."""
     cfg = self.cfg
     lo = cfg.bucket_of(batch_size)
@@ -257,7 +252,7 @@ class BanditState:
     lo = self.cfg.bucket_of(batch_size)
     return {a: self._value(lo, a) if r else None for a, r in self.rewards[lo].items()}
 
-  def _value(self, lo: int, arm: str) -> float:
+  def _value(self, lo: int, arm: Strategy) -> float:
     r = self.rewards[lo][arm]
     return statistics.fmean(r) if self.cfg.rule == "ucb1" else statistics.median(r)
 
@@ -289,7 +284,7 @@ class BanditState:
 
 class Selector:
   """The bandit the engine's workers share: a `BanditState` behind a lock, with the engine's
-  interface. `state` is the current value (read it, or give it to a simulator)."""
+  interface. `state` is the current value (read it; `hold` replaces it)."""
 
   def __init__(self, cfg: BanditConfig):
     self.cfg = cfg
@@ -297,39 +292,39 @@ class Selector:
     self._lock = threading.Lock()
 
   @property
-  def arms(self) -> list[str]:
+  def arms(self) -> list[Strategy]:
     return self.cfg.arms
 
   @property
-  def buckets(self) -> dict[int, list[str]]:
+  def buckets(self) -> dict[int, list[Strategy]]:
     return {lo: list(a) for lo, a in self.cfg.buckets}
 
   def bucket_of(self, batch_size: int) -> int:
     return self.cfg.bucket_of(batch_size)
 
-  def arms_for(self, batch_size: int) -> list[str]:
+  def arms_for(self, batch_size: int) -> list[Strategy]:
     return self.cfg.arms_for(batch_size)
 
-  def choosable(self, lo: int, hi: int) -> list[str]:
+  def choosable(self, lo: int, hi: int) -> list[Strategy]:
     return self.cfg.choosable(lo, hi)
 
-  def select(self, batch_size: int, arms: Sequence[str] | None = None) -> str:
+  def select(self, batch_size: int, arms: Sequence[Strategy] | None = None) -> Strategy:
     return self.state.select(batch_size, arms)
 
-  def update(self, arm: str, batch_size: int, reward: float) -> None:
+  def update(self, arm: Strategy, batch_size: int, reward: float) -> None:
     with self._lock:
       self.state = self.state.update(arm, batch_size, reward)
 
   def values(self, batch_size: int) -> dict[str, float | None]:
     return self.state.values(batch_size)
 
-  def state_dict(self) -> dict[str, Any]:
-    return self.state.state_dict()
-
-  def load_state_dict(self, state: Mapping[str, Any]) -> None:
-    restored = BanditState.restore(self.cfg, state)
+  def hold(self, state: BanditState) -> None:
+    """The state the workers share from now on (the train state's, before a rollout)."""
+    if state.cfg.buckets != self.cfg.buckets or state.cfg.rule != self.cfg.rule:
+      raise ValueError(f"a bandit state of {state.cfg.to_json()} for the selector "
+                       f"{self.cfg.to_json()}")
     with self._lock:
-      self.state = restored
+      self.state = state
 
 
 def make_selector(selector: str, buckets: Mapping[int, Sequence[str]] | None = None, *,
@@ -342,7 +337,11 @@ def make_selector(selector: str, buckets: Mapping[int, Sequence[str]] | None = N
   if selector == "fixed":
     if strategy is None:
       raise ConfigError("the 'fixed' selector needs an arm, e.g. '4_1_5'", "strategy", None)
-    return Selector(BanditConfig("fixed", {1: [check_arm(strategy)]}))
+    try:
+      arm = Strategy(strategy)
+    except ValueError as e:
+      raise ConfigError(str(e), "strategy", strategy) from None
+    return Selector(BanditConfig("fixed", {1: [arm]}))
   if selector not in SELECTORS:
     raise ConfigError(f"use one of {', '.join(SELECTORS)}", "selector", selector)
   buckets = _buckets(default_mab_buckets() if buckets is None else buckets)

@@ -42,6 +42,8 @@ import dataclasses
 import statistics
 from typing import Any, Mapping
 
+from tlt_jax.rollout.strategy import Strategy
+
 # A bucket's one-off speculative compiles (switch-on at the lengths it needs, the speculative
 # prefill), in plain decode chunk compiles at the bucket, until measured (1.4 measured here).
 OPEN_PRIOR = 1.5
@@ -72,7 +74,7 @@ class Ledger:
     return dataclasses.replace(self, busy={**self.busy,
                                            bucket: self.busy.get(bucket, 0.0) + seconds})
 
-  def compiled(self, kind: str, bucket: int, arm: str | None, seconds: float) -> Ledger:
+  def compiled(self, kind: str, bucket: int, arm: Strategy | None, seconds: float) -> Ledger:
     """A compile at `bucket`: a plain decode chunk (kind PLAIN: the largest seen, a bucket's
     windows cost about the same), an arm's speculative chunk (SPEC: the largest of its
     windows), or the bucket's one-off speculative compiles (OPEN: summed)."""
@@ -120,7 +122,7 @@ class Ledger:
       return None
     return self.plain[min(self.plain, key=lambda b: (abs(b - bucket), b))]
 
-  def _factors(self, arm: str | None) -> list[float]:
+  def _factors(self, arm: Strategy | None) -> list[float]:
     return [s / self.plain[b] for (b, a), s in self.spec.items()
             if (arm is None or a == arm) and self.plain.get(b)]
 
@@ -129,7 +131,7 @@ class Ledger:
     are made)."""
     return any(b == bucket for b, _ in self.made)
 
-  def arm_cost(self, bucket: int, arm: str, prior: float) -> float | None:
+  def arm_cost(self, bucket: int, arm: Strategy, prior: float) -> float | None:
     """Estimated seconds to compile `arm`'s speculative chunk (one attention window) at
     `bucket` on a worker that has not: its measurement there, else the plain chunk's compile
     there x the arm's measured factor (at other buckets), else every arm's mean factor, else

@@ -16,7 +16,7 @@ HARDWARE, ACCEPTANCE = "hardware", "acceptance"  # why a bucket was declined
 class Chunk(NamedTuple):
   """One measured chunk, the event the gate learns from (the fields of `ChunkMetrics`)."""
   bucket: int
-  arm: str | None  # None: plain decoding
+  arm: Strategy | None  # None: plain decoding
   wall: float  # seconds, the queued work included
   steps: int  # target forwards
   accepted: int = 0  # drafts accepted over the chunk's rows
@@ -33,10 +33,6 @@ def rate(chunks: Sequence[Chunk]) -> float:
   """Per-row throughput: (tokens per row per step) x (steps per second)."""
   wall = sum(c.wall for c in chunks)
   return accept_len(chunks) * sum(c.steps for c in chunks) / wall if wall > 0 else 0.0
-
-
-def depth(arm: str) -> int:
-  return Strategy.parse(arm).steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,5 +66,5 @@ def measured(r: Bucket) -> dict[str, tuple[float, float]]:
   for a, chunks in r.spec.items():
     if chunks:
       ratio = rate(chunks) / plain
-      out[a] = (ratio, ratio * (depth(a) + 1) / accept_len(chunks))
+      out[a] = (ratio, ratio * (a.steps + 1) / accept_len(chunks))
   return out

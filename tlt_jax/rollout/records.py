@@ -59,7 +59,7 @@ class ChunkMetrics:
   tokens: int  # tokens produced in the chunk
   steps: int  # decode steps run (target forwards)
   wall_time: float
-  mode: str = "plain"  # "plain" | strategy name when speculative
+  mode: Strategy | str = "plain"  # "plain" | the strategy when speculative
   accepted: int = 0  # draft tokens accepted (speculative chunks)
   verifications: int = 0  # row-steps verified (speculative chunks): live rows x their steps
   t: float = 0.0  # chunk end, seconds since generate() began
@@ -67,7 +67,7 @@ class ChunkMetrics:
   first_run: bool = False  # its executable's first run (on CPU 10-50x a later one's time)
 
   @property
-  def arm(self) -> str | None:
+  def arm(self) -> Strategy | None:
     """The strategy the chunk ran (None: plain decoding, before speculation started)."""
     return None if self.mode == "plain" else self.mode
 
@@ -103,7 +103,8 @@ def by_kind(chunks, tokens: int) -> dict[str, dict[str, float]]:
   verification, share of `tokens` (e.g. the step's), tokens/s while that kind ran."""
   out: dict[str, list] = {}
   for c in chunks:
-    out.setdefault(Strategy.parse(c.mode).kind, []).append(c)
+    if c.arm is not None:
+      out.setdefault(c.arm.kind, []).append(c)
   return {kind: {"tokens_per_verify": tokens_per_verification(cs) or 0.0,
                  "share_of_tokens": sum(c.tokens for c in cs) / max(tokens, 1),
                  "tokens_per_s": sum(c.tokens for c in cs)

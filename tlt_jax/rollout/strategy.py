@@ -21,7 +21,6 @@ and config validation use it without JAX.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 _ARM = re.compile(r"^(\d+)_(\d+)_(\d+)$")
@@ -30,62 +29,65 @@ _HYB = re.compile(r"^hyb_(\d+)$")
 _HIST_TREE = re.compile(r"^histtree_(\d+)_(\d+)_(\d+)$")
 # The arm a fixed selector runs (SpecConfig.strategy); the default bandit's arm set per
 # live-batch bucket is mab.default_mab_buckets
-DEFAULT_ARM = "4_1_5"
+DEFAULT_ARM = "4_1_5"  # (a name: configs hold names)
 
 
-@dataclasses.dataclass(frozen=True)
-class Strategy:
-  """topk=1: a chain of `steps` drafts, steps+1 tokens verified. topk>1: an EAGLE-2 tree of
-  depth `steps` pruned to `num_verify_tokens` nodes, the root (pending token) included
-  (default: steps * topk + 1, capped at the number of candidates the expansion produces).
+class Strategy(str):
+  """An arm: its name, parsed once. `Strategy("4_1_5")` reads the name (ValueError naming the
+  grammar for one that is not an arm) and carries the numbers; it is the name as a string
+  too, so arms are dict keys, JSON and log text as they are, and equal to their names.
+  Strings become strategies only at the edges: the config (rollout/config.py, the bandit's
+  buckets), the CLI and saved state; inside, an arm is read (`arm.steps`), never re-parsed.
+
+  topk=1: a chain of `steps` drafts, steps+1 tokens verified. topk>1: an EAGLE-2 tree of
+  depth `steps` pruned to `num_verify_tokens` nodes, the root (pending token) included.
   steps=0 is "off". history: the drafts come from the host's history index (module
   docstring), not the drafter; hybrid: the index's chain and the drafter's as one tree."""
 
   steps: int
-  topk: int = 1
-  num_verify_tokens: int = 0
-  history: bool = False
-  hybrid: bool = False
+  topk: int
+  num_verify_tokens: int
+  history: bool
+  hybrid: bool
 
-  def __post_init__(self):
-    label = ("histtree_" if self.history else "") + (
-        f"{self.steps}_{self.topk}_{self.num_verify_tokens}")
-    if self.steps < 0 or self.topk < 1:
-      raise ValueError(f"strategy {label}: steps must be >= 0 and topk >= 1")
-    if self.history and self.steps == 0:
-      raise ValueError("a history strategy drafts at least one token: steps must be >= 1")
-    if self.hybrid and not (self.history and self.topk == 2
-                            and self.verify_tokens == 2 * self.steps + 1):
-      raise ValueError(f"strategy {label}: a hybrid arm is 'hyb_<steps>' (two chains)")
-    if self.num_verify_tokens and self.steps:
-      if self.topk == 1 and self.num_verify_tokens != self.steps + 1:
-        raise ValueError(f"strategy {label}: a chain verifies "
-                         f"steps + 1 tokens; write '{self.steps}_1_{self.steps + 1}'")
-      if not 2 <= self.num_verify_tokens <= self.max_nodes:
-        raise ValueError(f"strategy {label}: a tree "
-                         f"of depth {self.steps} and branching {self.topk} has {self.max_nodes} "
-                         f"candidate nodes; verify between 2 and {self.max_nodes}")
+  def __new__(cls, arm: str) -> "Strategy":
+    if isinstance(arm, Strategy):
+      return arm
+    steps, topk, verify, history, hybrid = _parse(arm)
+    self = super().__new__(cls, arm)
+    for k, v in (("steps", steps), ("topk", topk), ("num_verify_tokens", verify),
+                 ("history", history), ("hybrid", hybrid)):
+      object.__setattr__(self, k, v)
+    return self
+
+  @classmethod
+  def of(cls, steps: int, topk: int = 1, num_verify_tokens: int = 0) -> "Strategy":
+    """A drafter arm from its numbers (num_verify_tokens 0: steps * topk + 1, capped at the
+    expansion's candidates; a chain's is steps + 1); steps 0 is "off"."""
+    if steps == 0:
+      return cls("off")
+    if steps < 0 or topk < 1:
+      raise ValueError(f"strategy {steps}_{topk}_{num_verify_tokens}: steps must be >= 0 and "
+                       "topk >= 1")
+    verify = num_verify_tokens or (steps + 1 if topk == 1
+                                   else min(steps * topk + 1, _max_nodes(steps, topk, False)))
+    return cls(f"{steps}_{topk}_{verify}")
+
+  def __setattr__(self, name, value):
+    raise AttributeError(f"Strategy {str(self)!r} is immutable")
+
+  def __reduce__(self):
+    return (Strategy, (str(self),))
+
+  @property
+  def name(self) -> str:
+    return str(self)
 
   @property
   def max_nodes(self) -> int:
     """Candidates of the expansion, root included: 1 + k + (steps - 1) k^2 (a history tree:
     every node of depth <= steps with <= k children, 1 + k + ... + k^steps)."""
-    if not self.steps:
-      return 1
-    if self.history:
-      return sum(self.topk ** d for d in range(self.steps + 1))
-    return 1 + self.topk + max(self.steps - 1, 0) * self.topk ** 2
-
-  @property
-  def name(self) -> str:
-    if self.steps == 0:
-      return "off"
-    if self.hybrid:
-      return f"hyb_{self.steps}"
-    if self.history:
-      return (f"hist_{self.steps}" if self.topk == 1
-              else f"histtree_{self.steps}_{self.topk}_{self.verify_tokens}")
-    return f"{self.steps}_{self.topk}_{self.verify_tokens}"
+    return _max_nodes(self.steps, self.topk, self.history)
 
   @property
   def kind(self) -> str:
@@ -96,33 +98,63 @@ class Strategy:
 
   @property
   def verify_tokens(self) -> int:
-    if self.num_verify_tokens:
-      return self.num_verify_tokens
-    return self.steps + 1 if self.topk == 1 else min(self.steps * self.topk + 1, self.max_nodes)
+    return self.num_verify_tokens
 
-  @classmethod
-  def parse(cls, arm: str) -> "Strategy":
-    """A strategy from its name; the name round-trips (`parse(a).name == a`)."""
-    if arm == "off":
-      return cls(steps=0)
-    arm = arm if isinstance(arm, str) else ""
-    if (m := _HIST.match(arm)):
-      return cls(int(m.group(1)), history=True)
-    if (m := _HYB.match(arm)):
-      steps = int(m.group(1))
-      return cls(steps, 2, 2 * steps + 1, history=True, hybrid=True)
-    history = arm.startswith("histtree_")
-    m = (_HIST_TREE if history else _ARM).match(arm)
-    if not m:
-      raise ValueError(f"strategy {arm!r}: use '<steps>_<topk>_<verify_tokens>' (e.g. '4_1_5'), "
-                       "'hist_<steps>', 'hyb_<steps>', 'histtree_<steps>_<topk>_<verify_tokens>' or "
-                     "'off'")
-    steps, topk, verify = map(int, m.groups())
-    if history and topk == 1:
-      raise ValueError(f"strategy {arm!r}: a history chain is 'hist_{steps}'")
+
+def _max_nodes(steps: int, topk: int, history: bool) -> int:
+  if not steps:
+    return 1
+  if history:
+    return sum(topk ** d for d in range(steps + 1))
+  return 1 + topk + max(steps - 1, 0) * topk ** 2
+
+
+def _parse(arm) -> tuple[int, int, int, bool, bool]:
+  """(steps, topk, verify_tokens, history, hybrid) of an arm's name; ValueError naming the
+  grammar for anything else."""
+  if arm == "off":
+    return 0, 1, 1, False, False
+  name = arm if isinstance(arm, str) else ""
+  if (m := _HIST.match(name)):
+    steps = int(m.group(1))
     if steps == 0:
-      raise ValueError(f"strategy {arm!r}: zero draft steps is plain decoding; write 'off'")
-    if verify < 2:
-      raise ValueError(f"strategy {arm!r}: verify_tokens must be >= 2 (the pending token and "
-                       "at least one draft)")
-    return cls(steps, topk, verify, history=history)
+      raise ValueError("a history strategy drafts at least one token: steps must be >= 1")
+    _canonical(arm, f"hist_{steps}")
+    return steps, 1, steps + 1, True, False
+  if (m := _HYB.match(name)):
+    steps = int(m.group(1))
+    if steps == 0:
+      raise ValueError("a history strategy drafts at least one token: steps must be >= 1")
+    _canonical(arm, f"hyb_{steps}")
+    return steps, 2, 2 * steps + 1, True, True
+  history = name.startswith("histtree_")
+  m = (_HIST_TREE if history else _ARM).match(name)
+  if not m:
+    raise ValueError(f"strategy {arm!r}: use '<steps>_<topk>_<verify_tokens>' (e.g. '4_1_5'), "
+                     "'hist_<steps>', 'hyb_<steps>', 'histtree_<steps>_<topk>_<verify_tokens>' or "
+                     "'off'")
+  steps, topk, verify = map(int, m.groups())
+  if history and topk == 1:
+    raise ValueError(f"strategy {arm!r}: a history chain is 'hist_{steps}'")
+  if steps == 0:
+    raise ValueError(f"strategy {arm!r}: zero draft steps is plain decoding; write 'off'")
+  if verify < 2:
+    raise ValueError(f"strategy {arm!r}: verify_tokens must be >= 2 (the pending token and "
+                     "at least one draft)")
+  if topk < 1:
+    raise ValueError(f"strategy {arm!r}: topk must be >= 1")
+  if topk == 1 and verify != steps + 1:
+    raise ValueError(f"strategy {arm}: a chain verifies steps + 1 tokens; write "
+                     f"'{steps}_1_{steps + 1}'")
+  nodes = _max_nodes(steps, topk, history)
+  if verify > nodes:
+    raise ValueError(f"strategy {arm}: a tree of depth {steps} and branching {topk} has "
+                     f"{nodes} candidate nodes; verify between 2 and {nodes}")
+  _canonical(arm, ("histtree_" if history else "") + f"{steps}_{topk}_{verify}")
+  return steps, topk, verify, history, False
+
+
+def _canonical(arm: str, name: str) -> None:
+  """An arm is its one name: '04_1_5' would be a second key for 4_1_5's rewards."""
+  if arm != name:
+    raise ValueError(f"strategy {arm!r}: write {name!r}")
