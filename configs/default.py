@@ -156,6 +156,11 @@ def get_config():
   c.tlt.drafter.buffer_tokens = 65536  # token budget of the drafter data buffer
   c.tlt.drafter.keep_steps = 2  # train on the windows of the last N RL steps
   c.tlt.drafter.tail_weight = 4.0  # weight of tokens decoded with speculation on
+  # every step, the drafter's tokens per verification on this many of the step's responses,
+  # read off them with a greedy chain of acceptance_depth drafts (no decoding; metrics
+  # drafter_acceptance, the bar's draft_tpv: staleness as it happens; 0: off)
+  c.tlt.drafter.acceptance_sample = 8
+  c.tlt.drafter.acceptance_depth = 4
   c.tlt.spec = ml_collections.ConfigDict()
   c.tlt.spec.selector = "beg"  # BEG-MAB; or "fixed" (always `strategy`), "eg", "ucb1", "bucb1"
   # Bandit arms per live-batch bucket, "LOWER_BOUND:ARM,..."; "" = rollout.mab.default_mab_buckets

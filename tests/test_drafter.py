@@ -21,7 +21,7 @@ from tlt_jax.drafter import (DrafterLoadError, LossConfig, accept_lengths, chain
                              check_drafter_params, drafter_cache, drafter_forward,
                              drafter_loss, drafter_param_shapes, export_eagle, init_drafter,
                              load_drafter, loss_terms, save_drafter)
-from tlt_jax.drafter.loss import chain_mask
+from tlt_jax.drafter.loss import chain_window_mask
 from tlt_jax.models import ModelConfig, compute_logits, forward, init_params, param_shapes
 from tlt_jax.models.transformer import segment_causal_mask
 from tlt_jax.optim import make_optimizer
@@ -386,12 +386,11 @@ def test_chain_drafts_equal_sequential_drafting_with_a_cache():
 
 
 def test_chain_mask_and_accept_lengths():
-  m = np.asarray(chain_mask(3, 3))[0]
-  assert m.shape == (9, 9)
-  np.testing.assert_array_equal(m[:3, :3], np.tril(np.ones((3, 3))))
-  np.testing.assert_array_equal(m[:3, 3:], 0)
-  np.testing.assert_array_equal(m[6:, 3:6], np.eye(3))  # step 3 sees its own step 2
-  np.testing.assert_array_equal(m[3:6, 6:], 0)  # step 2 does not see step 3
+  m = np.asarray(chain_window_mask(3, 3))[0]  # step 3's queries over 9 cache slots
+  assert m.shape == (3, 9)
+  np.testing.assert_array_equal(m[:, :3], np.tril(np.ones((3, 3))))  # real pairs <= t
+  np.testing.assert_array_equal(m[:, 3:6], np.eye(3))  # its own step 2
+  np.testing.assert_array_equal(m[:, 6:], np.eye(3))  # itself
   tokens = jnp.asarray([[5, 6, 7, 8, 9, 10, 0]])
   lengths = jnp.asarray([6])
   # drafts[j-1][t] guesses tokens[t + j + 1]

@@ -295,6 +295,9 @@ def test_tlt_run_on_two_workers_trains_the_drafter_in_idle_windows(tmp_path):
   for key in ("rollout", "reward_wait", "logprobs", "update", "weight_sync", "drafter", "idle"):
     assert key in last["time"], key
   assert last["spec"]["chunks"] > 0 and last["spec"]["verify_path"] == ["jnp"]
+  acc = last["drafter_acceptance"]  # read off the step's responses (test_acceptance.py: exact)
+  assert acc["sequences"] == 8 and 1.0 <= acc["tokens_per_verify"] <= acc["depth"] + 1
+  assert "acceptance" in last["time"]
   spot = last["spot"]
   assert set(spot["per_worker"]) == {"0", "1"}
   # Idle time is spent training: what a worker leaves untrained is its wake-up latency (a

@@ -265,6 +265,10 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   check(dr.warmup_steps >= 0, "tlt.drafter.warmup_steps", dr.warmup_steps, "must be >= 0")
   check(dr.unroll >= 1, "tlt.drafter.unroll", dr.unroll, "must be >= 1 (1 = plain EAGLE)")
   check(dr.rows >= 1, "tlt.drafter.rows", dr.rows, "must be >= 1")
+  check(dr.acceptance_sample >= 0, "tlt.drafter.acceptance_sample", dr.acceptance_sample,
+        "must be >= 0 (0: no acceptance metric)")
+  check(dr.acceptance_depth >= 1, "tlt.drafter.acceptance_depth", dr.acceptance_depth,
+        "must be >= 1")
   check(dr.row_len >= dr.window, "tlt.drafter.row_len", dr.row_len,
         f"must be >= tlt.drafter.window ({dr.window}): a packed row holds whole windows")
   if not cfg.tlt.enabled:

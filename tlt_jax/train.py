@@ -62,7 +62,7 @@ from tlt_jax.rollout.gate import GateState
 from tlt_jax.rollout.mab import BanditState
 from tlt_jax.rollout.records import Request, Result
 from tlt_jax.run import Run, TrainState, build
-from tlt_jax.step_metrics import step_metrics
+from tlt_jax.step_metrics import drafter_acceptance, step_metrics
 
 
 def _seed_for(seed: int, step: int) -> int:
@@ -174,6 +174,7 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
     pool.submit((res.request_id, res.sample_index), text, prompts[res.request_id].row.answer)
 
   run.hold(state)
+  drafting = run.store.drafter()[1] if run.tlt else None  # the drafter of this rollout
   # (release: the workers free their actor copy for the learner's phases)
   out = run.coordinator.rollout(requests, run.sampling, seed=seed, step=step,
                                 on_response=on_response,
@@ -204,6 +205,14 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   prepared = grpo.prepare(state.learner, batches, run.learner)
   jax.block_until_ready([b.old_logp for group in prepared for b in group])
   times["logprobs"] = time.perf_counter() - t
+  acceptance = None
+  if drafting is not None and cfg.tlt.drafter.acceptance_sample:
+    # the drafter this rollout drafted with against the policy that wrote it (before the
+    # update), on a sample of its responses: staleness as it happens, speculating or not
+    t = time.perf_counter()
+    acceptance = drafter_acceptance(run, state.learner.params, drafting.params, responses,
+                                    seed=seed)
+    times["acceptance"] = time.perf_counter() - t
   t = time.perf_counter()
   learner, upd = grpo.update(state.learner, prepared, run.learner)
   times["update"] = time.perf_counter() - t
@@ -223,6 +232,8 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   # ---- metrics
   m = step_metrics(run, prompts, responses, r, chunks, wall, upd, pool.stats, spot, drafter,
                    epoch=data.epoch)
+  if acceptance is not None:
+    m["drafter_acceptance"] = acceptance
   times["total"] = time.perf_counter() - t_step
   times["compile"] = run.compile_clock.lap()
   m["time"] = times
@@ -321,6 +332,8 @@ def _progress(run: Run, m: dict[str, Any]) -> dict[str, str]:
     post["drafter"] = "paused"  # (the gate found no draft pays here, or not yet)
   elif "spot" in m and m["spot"]["idle_share_trained"] is not None:
     post["idle_trained"] = f"{m['spot']['idle_share_trained']:.0%}"
+  if m.get("drafter_acceptance", {}).get("tokens_per_verify") is not None:
+    post["draft_tpv"] = f"{m['drafter_acceptance']['tokens_per_verify']:.2f}"
   if "eval" in m:
     post["eval_acc"] = f"{m['eval']['accuracy']:.3f}"
   return post

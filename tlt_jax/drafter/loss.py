@@ -178,18 +178,13 @@ def drafter_loss(dparams: Params, target_params: Params, batch: dict[str, jax.Ar
 
 
 # ----------------------------------------------------------------------- acceptance estimate
-def chain_mask(n: int, k: int) -> jax.Array:
-  """[1, k*n, k*n] visibility for `chain_drafts`: block 0 holds the n real pairs (causal);
-  block j >= 1 holds chain step j+1 of every start t, which sees the real pairs <= t and its
-  own chain's earlier steps (a tree mask with n independent chains)."""
+def chain_window_mask(n: int, j: int) -> jax.Array:
+  """[1, n, j*n] visibility of chain step j's n queries (one per start t) over the drafter
+  cache of `chain_drafts`: the real pairs <= t (slots 0..n-1, causal), then the chain's own
+  steps 2..j (block i at slots (i-1)n..in-1: its t only; block j is the step itself)."""
   tril = jnp.tril(jnp.ones((n, n), jnp.bool_))
   eye = jnp.eye(n, dtype=jnp.bool_)
-  zero = jnp.zeros((n, n), jnp.bool_)
-  rows = []
-  for j in range(k):
-    row = [tril if i == 0 else (eye if i <= j else zero) for i in range(k)]
-    rows.append(jnp.concatenate(row, axis=1))
-  return jnp.concatenate(rows, axis=0)[None]
+  return jnp.concatenate([tril] + [eye] * (j - 1), axis=1)[None]
 
 
 def chain_drafts(dparams: Params, target_params: Params, tokens: jax.Array, hidden: jax.Array,
@@ -201,21 +196,26 @@ def chain_drafts(dparams: Params, target_params: Params, tokens: jax.Array, hidd
   (x_{t+1}, f_t) (draft step 1), then feeds its own (drafted token, g) back, as drafting does:
   step j's pair sits at position positions[t] + j - 1 and attends to the real pairs <= t and
   its own earlier steps (the KV cache a drafter would hold after verifying up to x_{t+1}).
+  The real pairs' k/v go to a drafter cache once; step j runs only its n new queries, over
+  the j*n slots filled so far (`chain_window_mask`): n * j*n scores, not (j*n)^2.
   Returns (drafts [depth, B, T-1] int32: step j's greedy token, a guess of x_{t+j+1};
   logits [depth, B, T-1, V]).
   """
+  from tlt_jax.drafter.model import drafter_cache
   tok, hid, pos = tokens[:, 1:], hidden[:, :-1], positions[:, :-1]
-  n = tok.shape[1]
-  g, logits, _ = drafter_forward(dparams, target_params, tok, hid, pos, cfg=cfg)
+  b, n = tok.shape
+  cache = drafter_cache(cfg, b, n * depth)
+  g, _, cache = drafter_forward(dparams, target_params, tok, hid, pos, cfg=cfg, cache=cache,
+                                kv_len=n, return_logits=False)
+  cache = cache.replace(lengths=cache.lengths + n)
+  logits = compute_logits(target_params, g, cfg)
   drafts, all_logits = [jnp.argmax(logits, -1).astype(jnp.int32)], [logits]
-  seq_tok, seq_hid, seq_pos = tok, hid, pos
   for j in range(2, depth + 1):
-    seq_tok = jnp.concatenate([seq_tok, drafts[-1]], axis=1)
-    seq_hid = jnp.concatenate([seq_hid, g.astype(hid.dtype)], axis=1)
-    seq_pos = jnp.concatenate([seq_pos, pos + (j - 1)], axis=1)
-    out_g, out_logits, _ = drafter_forward(dparams, target_params, seq_tok, seq_hid, seq_pos,
-                                           cfg=cfg, attn_mask=chain_mask(n, j))
-    g, logits = out_g[:, -n:], out_logits[:, -n:]
+    g, _, cache = drafter_forward(dparams, target_params, drafts[-1], g.astype(hid.dtype),
+                                  pos + (j - 1), cfg=cfg, cache=cache, kv_len=j * n,
+                                  window_mask=chain_window_mask(n, j), return_logits=False)
+    cache = cache.replace(lengths=cache.lengths + n)
+    logits = compute_logits(target_params, g, cfg)
     drafts.append(jnp.argmax(logits, -1).astype(jnp.int32))
     all_logits.append(logits)
   return jnp.stack(drafts), jnp.stack(all_logits)

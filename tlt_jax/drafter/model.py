@@ -183,7 +183,8 @@ def check_drafter_params(dparams: Params, cfg: ModelConfig) -> None:
 def drafter_forward(dparams: Params, target_params: Params, tokens: jax.Array,
                     hidden: jax.Array, positions: jax.Array, *, cfg: ModelConfig,
                     cache: KVCache | None = None, attn_mask: jax.Array | None = None,
-                    return_logits: bool = True, kv_len: int | None = None
+                    return_logits: bool = True, kv_len: int | None = None,
+                    window_mask: jax.Array | None = None
                     ) -> tuple[jax.Array, jax.Array | None, KVCache | None]:
   """tokens [B, T] (x_{t+1}), hidden [B, T, D] (f_t, post-norm), positions [B, T] ->
   (g [B, T, D] drafter output, logits [B, T, V] float32 | None, cache): logits = the
@@ -193,7 +194,8 @@ def drafter_forward(dparams: Params, target_params: Params, tokens: jax.Array,
   slots lengths .. lengths + T - 1 and `lengths` is NOT advanced: the caller commits.
   attn_mask [B|1, T, T]: within-chunk visibility (causal when None): segment masks in
   training, tree masks when drafting trees. kv_len: the attention window over the cache
-  (`tlt_jax.models.transformer`'s docstring).
+  (`tlt_jax.models.transformer`'s docstring); window_mask [B|1, T, W]: which of its slots each
+  query sees, in place of the committed-prefix rule (`decoder_stack`).
   """
   if tokens.ndim != 2 or hidden.ndim != 3 or hidden.shape[:2] != tokens.shape:
     raise ValueError(f"drafter_forward: tokens {tuple(tokens.shape)} must be [B, T] and hidden "
@@ -203,7 +205,8 @@ def drafter_forward(dparams: Params, target_params: Params, tokens: jax.Array,
                      f"hidden_size {cfg.hidden_size}")
   x = _drafter_input(dparams, target_params, tokens, hidden, cfg)
   g, cache = decoder_stack(dparams["layers"], x, positions, cfg=cfg, cache=cache,
-                           attn_mask=attn_mask, num_layers=1, kv_len=kv_len)
+                           attn_mask=attn_mask, num_layers=1, kv_len=kv_len,
+                           window_mask=window_mask)
   logits = compute_logits(target_params, g, cfg) if return_logits else None
   return g, logits, cache
 

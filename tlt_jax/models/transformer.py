@@ -400,12 +400,15 @@ def unstack_layers(params: Params) -> Params:
 def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, cfg: ModelConfig,
                   cache: KVCache | None = None, attn_mask: jax.Array | None = None,
                   num_layers: int | None = None, prefill: bool = False,
-                  kv_len: int | None = None):
+                  kv_len: int | None = None, window_mask: jax.Array | None = None):
   """Runs the decoder layers over residual stream x [B, T, D]: stacked ([L, ...] leaves) or
   unstacked (a tuple of per-layer dicts, `unstack_layers`). Shared with the drafter, which is
   one layer of the same architecture. prefill: the cache is empty (lengths 0), so the chunk
   attends within itself (causal, or attn_mask) and is written to slots 0..T-1. kv_len: the
-  attention window over the cache (None: all of it; see the module docstring)."""
+  attention window over the cache (None: all of it; see the module docstring). window_mask
+  [B|1, T, W] (with a cache; W the window): which window slot each query sees, in place of
+  "the committed prefix and the chunk's mask" (the drafter's teacher-forced chains: each
+  sees only part of the prefix)."""
   b, t, _ = x.shape
   cos, sin = rope_tables(cfg, positions)
   unstacked = isinstance(params_layers, (tuple, list))
@@ -436,7 +439,7 @@ def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, 
     mask = attn_mask
     slots = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
   else:
-    mask = _cache_mask(cache.lengths, t, w, attn_mask)
+    mask = _cache_mask(cache.lengths, t, w, attn_mask) if window_mask is None else window_mask
     slots = cache.lengths[:, None] + jnp.arange(t)[None, :]
   addr = cache_addr(cache, slots, w)
   ks, vs = [], []
