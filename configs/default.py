@@ -146,12 +146,17 @@ def get_config():
   c.tlt.drafter.mode = "spot"
   c.tlt.drafter.on_barrier = "finish"  # the in-flight step at the barrier: finish or drop
   c.tlt.drafter.serial_steps = 4
-  c.tlt.drafter.lr = 3e-4
+  # fine-tuning the shipped (warmed-up) drafter: at 3e-4 it drifts below its start even on its
+  # own policy's data (tlt_jax/drafter/buffer.py); a drafter from init:SEED wants ~3e-4
+  c.tlt.drafter.lr = 3e-5
   c.tlt.drafter.warmup_steps = 0
   c.tlt.drafter.unroll = 1  # > 1: EAGLE-3 style training-time-test unroll
   c.tlt.drafter.rows = 8  # packed rows per drafter step
   c.tlt.drafter.row_len = 256  # tokens per packed row
   c.tlt.drafter.window = 128  # tokens per buffered window of a response
+  # tokens before a window it attends to without a loss (the prompt, earlier response): the
+  # context the drafter drafts with (tlt_jax/drafter/buffer.py); row_len >= window + context
+  c.tlt.drafter.context = 128
   c.tlt.drafter.windows_per_response = 4
   c.tlt.drafter.buffer_tokens = 65536  # token budget of the drafter data buffer
   c.tlt.drafter.keep_steps = 2  # train on the windows of the last N RL steps

@@ -86,6 +86,7 @@ def get_config():
   c.tlt.drafter.rows = 8
   c.tlt.drafter.row_len = 2048
   c.tlt.drafter.window = 512
+  c.tlt.drafter.context = 1024  # the prompt and earlier response a window drafts with
   c.tlt.drafter.windows_per_response = 2
   c.tlt.drafter.buffer_tokens = 1 << 18  # ~1.9 GB of bf16 hidden states (d = 3584)
   c.tlt.drafter.serial_steps = 16

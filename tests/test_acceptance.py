@@ -77,3 +77,37 @@ def test_greedy_acceptance_equals_the_engines(default_target):
   fresh = init_drafter(cfg, jax.random.key(3))
   worse = measure(params, fresh, seqs, cfg=cfg, depth=4)
   assert worse["tokens_per_verify"] < 1.2 and worse["sequences"] == len(seqs)
+
+
+def test_spot_training_with_context_keeps_a_good_drafter_good(default_target):
+  """The defect behind DESIGN.md 5a: trained on bare response windows, the shipped drafter got
+  worse on its own policy's data (it drafts attending to the prompt and earlier response,
+  which the windows lacked). 30 steps of the spot trainer's recipe on the policy's own
+  rollouts: with the prompt as context it keeps (or improves) its acceptance; without, it
+  loses a clear margin."""
+  from tlt_jax.bench import drift
+  from tlt_jax.config import asset_path
+  from tlt_jax.data.prompts import load_prompt_rows
+  from tlt_jax.models.hf_io import load_tokenizer
+  cfg, params, dparams, stop, _ = default_target
+  tok = load_tokenizer(asset_path("default", "model"))
+  train, _ = load_prompt_rows(asset_path("default", "data", "train.jsonl"))
+  test, _ = load_prompt_rows(asset_path("default", "data", "test.jsonl"))
+  greedy, _ = drift.generate(params, cfg, [tok.encode(r.prompt) for r in test[:32]], stop,
+                             temperature=0.0, seed=0, max_new=288)
+  seqs = [(r.prompt_ids, r.response_ids) for r in greedy]
+  frozen = measure(params, dparams, seqs, cfg=cfg)["tokens_per_verify"]
+  got = {}
+  for context in (128, 0):
+    run_cfg = {"rollout": {"temperature": 1.0}, "tlt": {"drafter": {
+        "rows": 8, "row_len": 256, "window": 128, "context": context, "windows_per_response": 4,
+        "lr": 3e-5, "warmup_steps": 0, "unroll": 1}}}
+    fitted, steps = drift.fit_ceiling(params, dparams, cfg,
+                                      [tok.encode(r.prompt) for r in train[-64:]], stop,
+                                      tokens=30 * 8 * 256, run_cfg=run_cfg, seed=0, max_new=288)
+    assert steps == 30
+    got[context] = measure(params, fitted, seqs, cfg=cfg)["tokens_per_verify"]
+  print(f"greedy chain-4 tokens per verification: shipped {frozen:.3f}, after 30 spot steps "
+        f"with context {got[128]:.3f}, without {got[0]:.3f}")
+  assert got[128] >= frozen - 0.05
+  assert got[128] > got[0] + 0.15

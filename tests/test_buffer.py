@@ -442,3 +442,32 @@ def test_concurrent_add_and_sample_keep_the_token_count_consistent():
   # And the count is the sum of the held windows' lengths.
   assert buf.tokens == sum(w.length for w in buf._windows)  # white-box: no public listing
   assert buf.added_responses == sum(added)
+
+
+def test_windows_carry_their_context_without_a_loss_on_it():
+  """With a prompt and its hidden states, the first window attends to the prompt (the
+  drafter drafts with it); every window carries up to `context` tokens before it, masked."""
+  rng = np.random.default_rng(0)
+  ids, h = response(rng, 10)
+  prompt = np.arange(100, 106, dtype=np.int32)
+  ph = rng.standard_normal((6, D)).astype(np.float32)
+  buf = DrafterBuffer(BufferConfig(buffer_tokens=1000, window=4, context=3,
+                                   windows_per_response=100))
+  buf.add(0, ids, h, prompt_ids=prompt, prompt_hidden=ph)
+  tokens, hidden, mask = align(ids, h, prompt, ph)  # the whole sequence, 16 tokens
+  wins = all_windows(buf)
+  trained = []  # global pair indices each window trains on
+  for w in wins:
+    first = int(np.flatnonzero(w.loss_mask)[0])
+    assert first <= 3 and not w.loss_mask[:first].any()  # <= 3 context tokens, no loss
+    # the window is a slice of the aligned sequence: find it and check every field
+    at = [s for s in range(len(tokens) - w.length + 1)
+          if np.array_equal(tokens[s:s + w.length], w.tokens)]
+    assert len(at) == 1
+    s = at[0]
+    np.testing.assert_array_equal(w.hidden, hidden[s:s + w.length])
+    np.testing.assert_array_equal(w.loss_mask[first:], mask[s + first:s + w.length])
+    trained += [s + j for j in np.flatnonzero(w.loss_mask)]
+  # every pair that produced a response token (5..14: f_5 produced the first), once each
+  assert sorted(trained) == list(np.flatnonzero(mask)) == list(range(5, 15))
+  assert any(w.tokens[0] >= 100 for w in wins)  # the first window's context is the prompt

@@ -94,6 +94,8 @@ def _small_cfg(workdir, steps, **overrides):
   # tests the round robin)
   cfg.mesh.devices = 0  # the learner FSDP over all 8 test devices (sharded state, restored)
   cfg.tlt.drafter.row_len = 128
+  cfg.tlt.drafter.window = 64  # with 64 tokens of context: one packed row
+  cfg.tlt.drafter.context = 64
   cfg.tlt.drafter.rows = 4
   cfg.tlt.drafter.serial_steps = 2
   for key, value in overrides.items():

@@ -269,8 +269,9 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
         "must be >= 0 (0: no acceptance metric)")
   check(dr.acceptance_depth >= 1, "tlt.drafter.acceptance_depth", dr.acceptance_depth,
         "must be >= 1")
-  check(dr.row_len >= dr.window, "tlt.drafter.row_len", dr.row_len,
-        f"must be >= tlt.drafter.window ({dr.window}): a packed row holds whole windows")
+  check(dr.row_len >= dr.window + dr.context, "tlt.drafter.row_len", dr.row_len,
+        f"must be >= tlt.drafter.window + context ({dr.window} + {dr.context}): a packed row "
+        "holds whole windows with their context")
   if not cfg.tlt.enabled:
     speculation = gate = selector = mab_buckets = spot = None
   if spot is None or spot.mode == "off":

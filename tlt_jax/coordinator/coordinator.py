@@ -195,14 +195,30 @@ class Coordinator:
       self._last_barrier = everywhere
     stop = barrier if everywhere is None else everywhere.event  # spot training until then
 
+    # drafter data: a response whose hidden states were all kept waits for its prompt's
+    # (one forward over the worker's prompts once its share is done), the context its first
+    # window is trained with (tlt_jax/drafter/buffer.py); others go to the buffer at once
+    with_prompt = self.buffer is not None and self.buffer.cfg.context > 0
+    waiting: list[list[Any]] = [[] for _ in range(n)]
+
+    def to_buffer(res: Any, prompt_hidden=None) -> None:
+      off = res.hidden_offset  # (the response's positions whose hidden states were kept)
+      tail = None if res.spec_start is None else res.spec_start - off
+      self.buffer.add(step, res.response_ids[off:], res.hidden, tail,
+                      key=(res.request_id, res.sample_index),
+                      prompt_ids=res.prompt_ids if prompt_hidden is not None else (),
+                      prompt_hidden=prompt_hidden)
+
     def on_result(w: Worker, res: Any) -> None:
       if self.buffer is not None and res.hidden is not None:
-        off = res.hidden_offset  # (the response's positions whose hidden states were kept)
-        tail = None if res.spec_start is None else res.spec_start - off
-        self.buffer.add(step, res.response_ids[off:], res.hidden, tail,
-                        key=(res.request_id, res.sample_index))
+        if with_prompt and res.hidden_offset == 0:
+          waiting[slot_of[id(w)]].append(res)
+        else:
+          to_buffer(res)
       if on_response is not None:
         on_response(w, res)
+
+    slot_of = {id(w): i for i, w in enumerate(self.workers)}
 
     def work(i: int):
       w = self.workers[i]
@@ -214,6 +230,10 @@ class Coordinator:
             before_chunk=lambda: w.pull(self.store))
         w.pull(self.store)
         results = w.engine.generate(shares[i], sp, seed=seed, hooks=hooks, selector=selector)
+        if waiting[i]:
+          states = w.engine.prompt_hidden([r.prompt_ids for r in waiting[i]])
+          for res, h in zip(waiting[i], states):
+            to_buffer(res, h)
         generated[i].set_result(results)
       except BaseException as e:
         generated[i].set_exception(e)
@@ -360,3 +380,4 @@ def _waiter(future: cf.Future, timeline: Timeline) -> Callable[[], Any]:
         waited.append(True)
     return future.result()
   return wait
+

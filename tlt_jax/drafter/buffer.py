@@ -13,6 +13,14 @@ so no target forward is ever run for drafter data: the rollout already computed 
 whole prompt + response sequence, as the offline trainer uses); it is the one place the
 hidden/target alignment is written.
 
+Why context: the drafter drafts attending to every earlier pair of the sequence (the prompt's
+included). Trained on bare response windows it learns to draft without that context and
+drafts worse with it: 30 steps on the shipped policy's own rollouts took the shipped drafter
+from 3.88 to 3.65 tokens per verification (lr 3e-5; 3.52 at 3e-4), while the same steps on
+prompt + response took it to 3.95 (3.85 at 3e-4). So a window is stored with up to `context`
+tokens before it (the prompt's, with its hidden states, when `add` is given them), attended
+to with no loss on them.
+
 Why windows and a token budget: at 7B a 32k-token response's hidden states are ~230 MB in
 bf16. The buffer keeps at most `windows_per_response` windows of `window` tokens per
 response and `buffer_tokens` tokens in all (oldest first out), from the last `keep_steps` RL
@@ -45,7 +53,11 @@ from tlt_jax.errors import ConfigError
 @dataclasses.dataclass(frozen=True)
 class BufferConfig:
   buffer_tokens: int = 1 << 20  # tokens of all windows kept
-  window: int = 256  # tokens per window (the packed row length is >= this)
+  window: int = 256  # tokens per window whose pairs are trained on
+  # tokens before a window that it attends to without a loss on them (the prompt, earlier
+  # response): the drafter drafts with that context, and trained without it, it unlearns to
+  # use it (DESIGN.md 5a; tests/test_buffer.py). A packed row is >= window + context.
+  context: int = 0
   windows_per_response: int = 4
   keep_steps: int = 2  # sample from the windows of the last N RL steps
   tail_weight: float = 4.0  # weight of a token decoded while speculation was on (others: 1)
@@ -54,6 +66,8 @@ class BufferConfig:
     for name in ("buffer_tokens", "window", "windows_per_response", "keep_steps"):
       if int(getattr(self, name)) < 1:
         raise ConfigError("must be >= 1", name, getattr(self, name))
+    if int(self.context) < 0:
+      raise ConfigError("must be >= 0", "context", self.context)
     if not self.tail_weight >= 1.0:
       raise ConfigError("must be >= 1 (1 = no tail bias)", "tail_weight", self.tail_weight)
     if self.buffer_tokens < self.window:
@@ -126,22 +140,29 @@ class DrafterBuffer:
 
   # ------------------------------------------------------------------------------ writing
   def add(self, step: int, response_ids: np.ndarray, response_hidden: np.ndarray,
-          spec_start: int | None = None, key: tuple[int, ...] = (0,)) -> int:
+          spec_start: int | None = None, key: tuple[int, ...] = (0,),
+          prompt_ids: Sequence[int] = (), prompt_hidden: np.ndarray | None = None) -> int:
     """Keeps up to `windows_per_response` windows of one finished response; returns the
     tokens kept. spec_start: the first response position decoded with speculation on (None:
     never), whose tokens weigh `tail_weight`. key: the response's identity (request id,
     sample index): which windows are kept is a function of (seed, step, key) and the buffer
     is ordered by (step, key, position), so its contents and draws do not depend on the order
-    in which concurrent workers finish responses (resume can be exact)."""
-    r = len(response_ids)
-    if r < 2:  # no pair whose target is a response token
+    in which concurrent workers finish responses (resume can be exact). prompt_ids /
+    prompt_hidden [P, D]: the prompt and its hidden states, the context of the first window
+    (`align`); without them a response's first pair has no context. Each window carries up
+    to `context` tokens before it, with no loss on them."""
+    p = len(prompt_ids) if prompt_hidden is not None else 0
+    tokens, hidden, mask = align(response_ids, response_hidden,
+                                 prompt_ids if p else (), prompt_hidden if p else None)
+    t, lo = len(tokens), max(p - 1, 0)  # pairs from lo on produce response tokens
+    if t - lo < 2:  # no pair whose target is a response token
       return 0
-    tokens, hidden, mask = align(response_ids, response_hidden)
-    w = np.ones((r,), np.float64)
-    if spec_start is not None and spec_start < r:
-      w[max(spec_start, 0):] = self.cfg.tail_weight
+    w = np.ones((t,), np.float64)
+    if spec_start is not None and spec_start < len(response_ids):
+      w[max(lo + spec_start, 0):] = self.cfg.tail_weight
     w *= mask  # positions that are never a target carry no weight
-    cands = [(s, e, float(w[s:e].sum())) for s, e in tiles(r, self.cfg.window)]
+    cands = [(s + lo, e + lo, float(w[s + lo:e + lo].sum()))
+             for s, e in tiles(t - lo, self.cfg.window)]
     cands = [c for c in cands if c[2] > 0]
     if len(cands) > self.cfg.windows_per_response:
       p = np.asarray([c[2] for c in cands])
@@ -155,8 +176,11 @@ class DrafterBuffer:
         order = (step, tuple(map(int, key)), s)
         i = bisect.bisect(self._order, order)
         self._order.insert(i, order)
-        self._windows.insert(i, Window(step, tokens[s:e], hidden[s:e], mask[s:e], weight))
-        kept += e - s
+        c = max(s - self.cfg.context, 0)  # the context: attended to, not trained on
+        m = mask[c:e].copy()
+        m[:s - c] = 0.0
+        self._windows.insert(i, Window(step, tokens[c:e], hidden[c:e], m, weight))
+        kept += e - c
       self._tokens += kept
       self._latest_step = max(self._latest_step, step)
       self.added_responses += 1

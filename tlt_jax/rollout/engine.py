@@ -90,6 +90,13 @@ def longest_row(sched: Scheduler, outputs: dict[Any, Output]) -> int:
               for req in sched.slots if req is not None), default=1)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _prompt_forward(params: Params, tokens: jax.Array, *, cfg: ModelConfig) -> jax.Array:
+  from tlt_jax.models import forward
+  pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  return forward(params, tokens, pos, cfg=cfg, return_logits=False).hidden
+
+
 def chunk_reach(arm: Strategy | None, chunk: int) -> int:
   """Cache slots past the longest row's length that a chunk of plain decoding (arm None) or
   of a speculative arm can read."""
@@ -201,6 +208,20 @@ class Engine:
     """The compile plan's view of this engine now (its selector: the arms compiled)."""
     return PlanCall.view(self.worker_id, self.params, self.drafter_params, self.selector,
                          self.gate, self.kv)
+
+  def prompt_hidden(self, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    """The post-norm hidden state of every position of each prompt ([P_i, D], host), by one
+    forward of this engine's params over the distinct prompts on its devices (rows padded to
+    a power of two, columns to max_prompt_len: a few executables). The drafter's training
+    context (tlt_jax/drafter/buffer.py); the prefill does not keep them."""
+    keys = list(dict.fromkeys(tuple(int(t) for t in p) for p in prompts))
+    tok = np.zeros((1 << (len(keys) - 1).bit_length(), self.ecfg.max_prompt_len), np.int32)
+    for i, k in enumerate(keys):
+      tok[i, :len(k)] = k
+    h = np.asarray(jax.device_get(_prompt_forward(
+        self.params, jax.device_put(tok, self._replicated), cfg=self.cfg)))
+    by_key = {k: h[i, :len(k)] for i, k in enumerate(keys)}
+    return [by_key[tuple(int(t) for t in p)] for p in prompts]
 
   def choosable_pairs(self) -> dict[int, list[Strategy]]:
     """Engine bucket -> the arms the selector can choose there (compile_plan.py)."""
