@@ -4,7 +4,7 @@
     .venv/bin/python scripts/bench_drift.py [--config configs/default.py] [--steps 40] \\
         [--every 10] [--num_prompts 64] [--train_prompts 64] [--samples 8] \\
         [--out out/bench_drift] \\
-        [--extra "--config.optim.lr=... ..."]
+        [--extra="--config.optim.lr=... ..."]
 
 Runs one TLT training run of the config with the speculation gate off (so the drafter is
 spot-trained in every idle window), checkpointing every --every steps (re-running resumes
