@@ -433,6 +433,20 @@ class Checkpointer:
     return {"/".join(_norm_path(p)): (np.asarray(x) if hasattr(x, "shape") else x)
             for p, x in jax.tree_util.tree_flatten_with_path(out)[0]}
 
+  def read_subtree(self, prefix: str, step: int | None = None) -> dict[str, Any]:
+    """The nested dict of the leaves under `prefix` ("drafter/params") of `read(step)`:
+    params back in their own layout ({} where the checkpoint holds none)."""
+    out: dict[str, Any] = {}
+    lead = prefix.rstrip("/") + "/"
+    for k, v in self.read(step).items():
+      if k.startswith(lead):
+        *path, leaf = k[len(lead):].split("/")
+        node = out
+        for p in path:
+          node = node.setdefault(p, {})
+        node[leaf] = v
+    return out
+
   def _saved_leaves(self, step: int) -> dict[tuple[str, ...], Any]:
     """{normalized key path: Orbax leaf metadata} of the checkpoint, read from its metadata
     file only (no array data)."""

@@ -49,23 +49,11 @@ def train_run(workdir: str, *, config: str, steps: int, every: int, extra: Seque
   subprocess.run(cmd, check=True, cwd=ROOT)
 
 
-def _unflatten(flat: dict[str, Any], prefix: str) -> dict:
-  out: dict = {}
-  for k, v in flat.items():
-    if k.startswith(prefix):
-      *path, leaf = k[len(prefix):].split("/")
-      d = out
-      for p in path:
-        d = d.setdefault(p, {})
-      d[leaf] = np.asarray(v)
-  return out
-
-
 def load_step(workdir: str, step: int) -> tuple[dict, dict]:
   """(actor params, drafter params) of checkpoint `step` of the run in `workdir`."""
   from tlt_jax.checkpoint import Checkpointer
-  flat = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=None).read(step)
-  return _unflatten(flat, "actor/"), _unflatten(flat, "drafter/params/")
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=None)
+  return ckpt.read_subtree("actor", step), ckpt.read_subtree("drafter/params", step)
 
 
 def spot_tokens(workdir: str) -> dict[int, int]:

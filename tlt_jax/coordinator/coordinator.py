@@ -209,23 +209,21 @@ class Coordinator:
                       prompt_ids=res.prompt_ids if prompt_hidden is not None else (),
                       prompt_hidden=prompt_hidden)
 
-    def on_result(w: Worker, res: Any) -> None:
+    def on_result(i: int, res: Any) -> None:
       if self.buffer is not None and res.hidden is not None:
         if with_prompt and res.hidden_offset == 0:
-          waiting[slot_of[id(w)]].append(res)
+          waiting[i].append(res)
         else:
           to_buffer(res)
       if on_response is not None:
-        on_response(w, res)
-
-    slot_of = {id(w): i for i, w in enumerate(self.workers)}
+        on_response(self.workers[i], res)
 
     def work(i: int):
       w = self.workers[i]
       timeline.enter(i, WorkerState.GENERATING)
       try:
         hooks = EngineHooks(
-            on_result=lambda res: on_result(w, res),
+            on_result=lambda res: on_result(i, res),
             on_chunk=lambda c: (chunks.append(c), on_chunk and on_chunk(c)),
             before_chunk=lambda: w.pull(self.store))
         w.pull(self.store)

@@ -95,16 +95,12 @@ def export_run(workdir: str, *, step: int | None = None, engine: str = "sglang",
   if step not in steps:
     raise ExportError(f"--step {step}: {ckpt_dir} holds steps {sorted(steps)}")
   try:
-    leaves = Checkpointer(ckpt_dir, max_to_keep=None).read(step)
+    dparams = Checkpointer(ckpt_dir, max_to_keep=None).read_subtree("drafter/params", step)
   except CheckpointError as e:
     raise ExportError(str(e)) from None
-  prefix = "drafter/params/"
-  flat = {k[len(prefix):]: v for k, v in leaves.items() if k.startswith(prefix)}
-  if not flat:
+  if not dparams:
     raise ExportError(f"--workdir {workdir}: checkpoint {step} holds no drafter (a run with "
                       "tlt.enabled=False trains none)")
-  dparams = {"fc": flat["fc"],
-             "layers": {k.split("/", 1)[1]: v for k, v in flat.items() if k.startswith("layers/")}}
   out = out or export_path(workdir, step)
   export_eagle(out, dparams, cfg, target_hf_config=target_hf_config, engine=engine)
   return out
