@@ -146,9 +146,10 @@ def get_config():
   c.tlt.drafter.mode = "spot"
   c.tlt.drafter.on_barrier = "finish"  # the in-flight step at the barrier: finish or drop
   c.tlt.drafter.serial_steps = 4
-  # fine-tuning the shipped (warmed-up) drafter: at 3e-4 it drifts below its start even on its
-  # own policy's data (tlt_jax/drafter/buffer.py); a drafter from init:SEED wants ~3e-4
-  c.tlt.drafter.lr = 3e-5
+  # the spot trainer's: fresh windows every step, so a higher rate tracks a moving policy
+  # without drifting on a still one (docs/drafter.md, the drift benchmark: at 3e-5 it
+  # recovered ~50% of the frozen drafter's decay, at 3e-4 63-94%)
+  c.tlt.drafter.lr = 3e-4
   c.tlt.drafter.warmup_steps = 0
   c.tlt.drafter.unroll = 1  # > 1: EAGLE-3 style training-time-test unroll
   c.tlt.drafter.rows = 8  # packed rows per drafter step
@@ -161,11 +162,13 @@ def get_config():
   c.tlt.drafter.buffer_tokens = 65536  # token budget of the drafter data buffer
   c.tlt.drafter.keep_steps = 2  # train on the windows of the last N RL steps
   c.tlt.drafter.tail_weight = 4.0  # weight of tokens decoded with speculation on
-  # every step, the drafter's tokens per verification on this many of the step's responses,
-  # read off them with a greedy chain of acceptance_depth drafts (no decoding; metrics
+  # every step, the drafter's tokens per verification on this many of the step's responses
+  # (their first acceptance_len tokens, prompt included: one executable), read off them with a
+  # chain of acceptance_depth drafts at the rollout's sampling settings (no decoding; metrics
   # drafter_acceptance, the bar's draft_tpv: staleness as it happens; 0: off)
   c.tlt.drafter.acceptance_sample = 8
   c.tlt.drafter.acceptance_depth = 4
+  c.tlt.drafter.acceptance_len = 128
   c.tlt.spec = ml_collections.ConfigDict()
   c.tlt.spec.selector = "beg"  # BEG-MAB; or "fixed" (always `strategy`), "eg", "ucb1", "bucb1"
   # Bandit arms per live-batch bucket, "LOWER_BOUND:ARM,..."; "" = rollout.mab.default_mab_buckets

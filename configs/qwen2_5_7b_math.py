@@ -87,6 +87,7 @@ def get_config():
   c.tlt.drafter.row_len = 2048
   c.tlt.drafter.window = 512
   c.tlt.drafter.context = 1024  # the prompt and earlier response a window drafts with
+  c.tlt.drafter.acceptance_len = 2048  # the prompt and the response's start, per metric sample
   c.tlt.drafter.windows_per_response = 2
   c.tlt.drafter.buffer_tokens = 1 << 18  # ~1.9 GB of bf16 hidden states (d = 3584)
   c.tlt.drafter.serial_steps = 16

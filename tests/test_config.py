@@ -63,6 +63,8 @@ def test_history_arms_need_the_history_index():
     ("tlt.drafter.mode", "async", "config.tlt.drafter.mode='async': use one of off, spot"),
     ("tlt.drafter.window", 0, "config.tlt.drafter.window=0: must be >= 1"),
     ("tlt.drafter.row_len", 64, "config.tlt.drafter.row_len=64: must be >= tlt.drafter.window"),
+    ("tlt.drafter.acceptance_len", 64, "config.tlt.drafter.acceptance_len=64: must be > "
+     "data.max_prompt_len (80)"),
     ("tlt.spec.strategy", "4_1_3", "config.tlt.spec.strategy='4_1_3': strategy 4_1_3: a chain"),
     ("tlt.spec.epsilon", 2.0, "config.tlt.spec.epsilon=2.0: must be in [0, 1]"),
     ("tlt.spec.buckets", "1:4_1_5 x", "config.tlt.spec.buckets: 'x' is not"),

@@ -269,6 +269,10 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
         "must be >= 0 (0: no acceptance metric)")
   check(dr.acceptance_depth >= 1, "tlt.drafter.acceptance_depth", dr.acceptance_depth,
         "must be >= 1")
+  if dr.acceptance_sample:
+    check(dr.acceptance_len > cfg.data.max_prompt_len, "tlt.drafter.acceptance_len",
+          dr.acceptance_len, f"must be > data.max_prompt_len ({cfg.data.max_prompt_len}): the "
+          "metric reads each sampled sequence's first acceptance_len tokens, prompt included")
   check(dr.row_len >= dr.window + dr.context, "tlt.drafter.row_len", dr.row_len,
         f"must be >= tlt.drafter.window + context ({dr.window} + {dr.context}): a packed row "
         "holds whole windows with their context")

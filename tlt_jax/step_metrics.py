@@ -78,30 +78,26 @@ def step_metrics(run, prompts: Sequence[Any], responses: Sequence[Any], r: np.nd
   return m
 
 
-ACCEPTANCE_MAX_LEN = 1024  # tokens of a sequence the acceptance metric reads
-
-
 def drafter_acceptance(run, params, dparams, responses: Sequence[Any], *, seed: int
                        ) -> dict[str, Any]:
-  """Tokens per verification of a greedy chain of `config.tlt.drafter.acceptance_depth` drafts
-  by `dparams` on `acceptance_sample` of the step's responses, read off their tokens with the
-  policy `params` (tlt_jax/drafter/acceptance.py: no decoding; the engine's own figure for
-  greedy responses, the drafts' match rate with the samples at T > 0). The sample is a
-  function of (seed, step), the same on every process."""
+  """Tokens per verification of a chain of `config.tlt.drafter.acceptance_depth` drafts by
+  `dparams` on `acceptance_sample` of the step's responses (their first `acceptance_len`
+  tokens, prompt included), at the rollout's sampling settings, read off their tokens with
+  the policy `params` (tlt_jax/drafter/acceptance.py: no decoding; the engine's figure in
+  expectation on the policy's own samples, exactly for greedy ones). The sample is a function of (seed, step), the same on every process."""
   from jax.sharding import NamedSharding, PartitionSpec
   from tlt_jax.drafter import acceptance
   d = run.cfg.tlt.drafter
   n = min(int(d.acceptance_sample), len(responses))
   pick = sorted(np.random.default_rng([seed, 29]).choice(len(responses), n, replace=False))
   seqs = [(responses[i].prompt_ids, responses[i].response_ids) for i in pick]
-  # padded to a power of two >= 128 (the chains' attention is quadratic in it; a few
-  # executables), at most ACCEPTANCE_MAX_LEN (longer sequences: their first tokens)
-  longest = max([len(p) + len(r) for p, r in seqs] + [1])
-  length = min(max(128, 1 << (longest - 1).bit_length()), ACCEPTANCE_MAX_LEN)
+  # every sequence cut to (and padded to) its first acceptance_len tokens: one executable
+  length = int(d.acceptance_len)
   # the drafter beside the learner's params (the workers' store may span other devices)
   dparams = jax.device_put(dparams, NamedSharding(run.learner.mesh, PartitionSpec()))
   out = acceptance.measure(params, dparams, seqs, cfg=run.learner.cfg,
-                           depth=int(d.acceptance_depth), length=length)
+                           depth=int(d.acceptance_depth), sampling=run.sampling,
+                           length=length)
   return {"tokens_per_verify": out["tokens_per_verify"], "stderr": out["stderr"],
-          "sequences": out["sequences"], "depth": int(d.acceptance_depth),
+          "sequences": out["sequences"], "depth": int(d.acceptance_depth), "length": length,
           "accepted_per_position": out["accepted_per_position"]}

@@ -16,10 +16,12 @@ held-out prompts the policy never trained on:
              tokens as the spot trainer had trained on by step t (the run's metrics), with
              the run's drafter optimizer settings: what the same budget buys with data that
              is all the current policy's;
-  each greedy (read off pi_t's greedy responses with `drafter.acceptance.measure`: the
-  engine's figure exactly, with its standard error over prompts) and at the rollout
-  temperature (the engine's own speculative decoding, chain 4_1_5, sampled: acceptance of
-  drafts sampled from the drafter).
+  each greedy (read off pi_t's greedy responses) and at the rollout temperature (read off
+  `eval_samples` of pi_t's samples per prompt), both with `drafter.acceptance.measure`: the
+  engine's figure (exactly greedy, in expectation sampled: tests/test_acceptance.py), with
+  its standard error over sequences; the three drafters are read off the SAME sequences, so
+  their differences (spot - frozen, spot - ceiling) carry paired standard errors, which are
+  what the claims rest on.
 """
 
 from __future__ import annotations
@@ -94,15 +96,6 @@ def generate(params, cfg, prompts, stop, *, temperature: float, seed: int, max_n
   return sorted(out, key=lambda r: r.request_id), engine
 
 
-def sampled_tpv(params, dparams, cfg, prompts, stop, *, temperature: float, seed: int,
-                max_new: int) -> float:
-  """The engine's tokens per verification, chain 4_1_5 from the first token, sampled."""
-  from tlt_jax.rollout.records import tokens_per_verification
-  _, engine = generate(params, cfg, prompts, stop, temperature=temperature, seed=seed,
-                       max_new=max_new, dparams=dparams)
-  return tokens_per_verification([c for c in engine.chunk_log if c.mode != "plain"]) or 1.0
-
-
 def policy_figures(params, params0, cfg, seqs) -> dict[str, float]:
   """Per-token KL(pi_t || pi_0) and entropy of pi_t over the response positions of `seqs`
   ((prompt, response) sampled from pi_t), from the full distributions."""
@@ -174,8 +167,9 @@ def fit_ceiling(params, dparams0, cfg, prompts, stop, *, tokens: int, run_cfg, s
 # ------------------------------------------------------------------------------ the bench
 def measure_step(t: int, params, dparams_spot, ctx: dict[str, Any]) -> dict[str, Any]:
   """Every figure of checkpoint `t` (module docstring)."""
-  from tlt_jax.drafter.acceptance import measure
+  from tlt_jax.drafter.acceptance import difference, measure
   from tlt_jax.rl.rewards import get_reward_fn
+  from tlt_jax.rollout.sampling import SamplingParams
   cfg, stop, max_new = ctx["cfg"], ctx["stop"], ctx["max_new"]
   prompts, answers = ctx["prompts"], ctx["answers"]
   greedy, _ = generate(params, cfg, prompts, stop, temperature=0.0, seed=0, max_new=max_new)
@@ -183,32 +177,56 @@ def measure_step(t: int, params, dparams_spot, ctx: dict[str, Any]) -> dict[str,
   acc = np.mean([reward(ctx["tokenizer"].decode(r.response_ids, skip_special_tokens=True), a)
                  >= 1.0 for r, a in zip(greedy, answers)])
   temp = ctx["temperature"]
-  sampled, _ = generate(params, cfg, prompts, stop, temperature=temp, seed=1000 + t,
-                        max_new=max_new)
+  sampled, _ = generate(params, cfg, [p for p in prompts for _ in range(ctx["eval_samples"])],
+                        stop, temperature=temp, seed=1000 + t, max_new=max_new)
   lengths = np.asarray([len(r.response_ids) for r in sampled])
   row: dict[str, Any] = {"step": t, "accuracy": float(acc),
                          **policy_figures(params, ctx["params0"], cfg,
                                           [(r.prompt_ids, r.response_ids) for r in sampled]),
                          "length_p50": float(np.percentile(lengths, 50)),
                          "length_p90": float(np.percentile(lengths, 90)),
-                         "length_max": int(lengths.max())}
+                         "length_max": int(lengths.max()),
+                         "sequences": {"greedy": len(greedy), "sampled": len(sampled)}}
   ceiling, ceiling_steps = fit_ceiling(
       params, ctx["dparams0"], cfg, ctx["train_prompts"], stop, tokens=ctx["tokens"].get(t, 0),
       run_cfg=ctx["run_cfg"], seed=t, max_new=max_new, samples=ctx["samples"])
   row["spot_tokens"], row["ceiling_steps"] = ctx["tokens"].get(t, 0), ceiling_steps
   drafters = {"frozen": ctx["dparams0"], "spot": dparams_spot, "ceiling": ceiling}
-  seqs = [(r.prompt_ids, r.response_ids) for r in greedy]
-  for name, dp in drafters.items():
-    m = measure(params, dp, seqs, cfg=cfg, depth=4)
-    row[f"{name}_greedy"], row[f"{name}_greedy_se"] = m["tokens_per_verify"], m["stderr"]
-    row[f"{name}_sampled"] = sampled_tpv(params, dp, cfg, prompts, stop, temperature=temp,
-                                         seed=2000 + t, max_new=max_new)
+  for kind, res, sp in (("greedy", greedy, SamplingParams(temperature=0.0)),
+                        ("sampled", sampled, SamplingParams(temperature=temp))):
+    seqs = [(r.prompt_ids, r.response_ids) for r in res]
+    got = {name: measure(params, dp, seqs, cfg=cfg, depth=4, sampling=sp)
+           for name, dp in drafters.items()}
+    for name, m in got.items():
+      row[f"{name}_{kind}"], row[f"{name}_{kind}_se"] = m["tokens_per_verify"], m["stderr"]
+    for other in ("frozen", "ceiling"):
+      d, se = difference(got["spot"], got[other])
+      row[f"spot_minus_{other}_{kind}"], row[f"spot_minus_{other}_{kind}_se"] = d, se
   print(json.dumps(row), file=sys.stderr, flush=True)
   return row
 
 
-def context(workdir: str, *, num_prompts: int, num_train_prompts: int,
-            samples: int) -> dict[str, Any]:
+def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """Per checkpoint after step 0 and kind: the spot drafter over the ceiling (the 0.9 bar),
+  the frozen drafter's decay since step 0 with its standard error (different sequences:
+  unpaired), and the share of it the spot one recovered (the half bar; None where the decay
+  is within two standard errors of none)."""
+  out = []
+  for r in rows[1:]:
+    v: dict[str, Any] = {"step": r["step"]}
+    for kind in ("greedy", "sampled"):
+      decay = rows[0][f"frozen_{kind}"] - r[f"frozen_{kind}"]
+      se = float(np.hypot(rows[0][f"frozen_{kind}_se"] or 0.0, r[f"frozen_{kind}_se"] or 0.0))
+      v[f"spot_over_ceiling_{kind}"] = r[f"spot_{kind}"] / r[f"ceiling_{kind}"]
+      v[f"decay_{kind}"], v[f"decay_{kind}_se"] = decay, se
+      v[f"recovered_{kind}"] = (r[f"spot_minus_frozen_{kind}"] / decay if decay > 2 * se
+                                else None)
+    out.append(v)
+  return out
+
+
+def context(workdir: str, *, num_prompts: int, num_train_prompts: int, samples: int,
+            eval_samples: int) -> dict[str, Any]:
   """What every checkpoint's measurement shares: the run's model config, its starting policy
   and drafter, held-out and training prompts (after those the run drew), the spot tokens."""
   from tlt_jax.data.prompts import load_prompt_rows
@@ -230,18 +248,35 @@ def context(workdir: str, *, num_prompts: int, num_train_prompts: int,
           "reward": run_cfg["reward"]["name"],
           "prompts": [tok.encode(r.prompt) for r in test], "answers": [r.answer for r in test],
           "train_prompts": [tok.encode(r.prompt) for r in train],
-          "tokens": spot_tokens(workdir), "samples": samples}
+          "tokens": spot_tokens(workdir), "samples": samples, "eval_samples": eval_samples}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
+  """The policy's movement and the three drafters per checkpoint, then the paired differences
+  with the two bars' figures."""
+  fmt = lambda r, k: f"{r[k]:.2f}±{r[k + '_se']:.2f}"
   head = ("| step | KL(pi_t‖pi_0)/token | entropy | held-out acc | len p50/p90 | spot tokens | "
           "greedy: frozen / spot / ceiling | T=1: frozen / spot / ceiling |")
   out = [head, "|" + "---|" * 8]
   for r in rows:
-    g = " / ".join(f"{r[f'{d}_greedy']:.2f}±{r[f'{d}_greedy_se']:.2f}" for d in DRAFTERS)
-    s = " / ".join(f"{r[f'{d}_sampled']:.2f}" for d in DRAFTERS)
+    g = " / ".join(fmt(r, f"{d}_greedy") for d in DRAFTERS)
+    s = " / ".join(fmt(r, f"{d}_sampled") for d in DRAFTERS)
     out.append(f"| {r['step']} | {r['kl']:.4f} | {r['entropy']:.3f} | {r['accuracy']:.3f} | "
                f"{r['length_p50']:.0f}/{r['length_p90']:.0f} | {r['spot_tokens']} | {g} | {s} |")
+  out += ["", "| step | spot − frozen: greedy / T=1 | spot − ceiling: greedy / T=1 | "
+          "spot / ceiling: greedy / T=1 | frozen's decay since step 0: greedy / T=1 | "
+          "of it recovered by spot: greedy / T=1 |", "|" + "---|" * 6]
+  pct = lambda x: "(no decay)" if x is None else f"{100 * x:.0f}%"
+  for r, v in zip(rows[1:], verdicts(rows)):
+    sf = " / ".join(f"{r[f'spot_minus_frozen_{k}']:+.2f}±{r[f'spot_minus_frozen_{k}_se']:.2f}"
+                    for k in ("greedy", "sampled"))
+    sc = " / ".join(f"{r[f'spot_minus_ceiling_{k}']:+.2f}±{r[f'spot_minus_ceiling_{k}_se']:.2f}"
+                    for k in ("greedy", "sampled"))
+    oc = " / ".join(f"{v[f'spot_over_ceiling_{k}']:.2f}" for k in ("greedy", "sampled"))
+    dec = " / ".join(f"{v[f'decay_{k}']:.2f}±{v[f'decay_{k}_se']:.2f}"
+                     for k in ("greedy", "sampled"))
+    rec = " / ".join(pct(v[f"recovered_{k}"]) for k in ("greedy", "sampled"))
+    out.append(f"| {r['step']} | {sf} | {sc} | {oc} | {dec} | {rec} |")
   return "\n".join(out)
 
 
@@ -253,12 +288,9 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
   fig, axes = plt.subplots(1, 2, figsize=(11, 4))
   for ax, kind in zip(axes, ("greedy", "sampled")):
     for d, c in zip(DRAFTERS, ("tab:gray", "tab:blue", "tab:green")):
-      ys = [r[f"{d}_{kind}"] for r in rows]
-      if kind == "greedy":
-        ax.errorbar(steps, ys, yerr=[r[f"{d}_greedy_se"] for r in rows], color=c, marker="o",
-                    capsize=3, label=d)
-      else:
-        ax.plot(steps, ys, color=c, marker="o", label=d)
+      ax.errorbar(steps, [r[f"{d}_{kind}"] for r in rows],
+                  yerr=[r[f"{d}_{kind}_se"] for r in rows], color=c, marker="o", capsize=3,
+                  label=d)
     ax.set_xlabel("RL step")
     ax.set_ylabel(f"tokens per verification, chain 4_1_5 ({'greedy' if kind == 'greedy' else 'T=1'})")
     kl = ax.twinx()

@@ -188,7 +188,7 @@ def chain_window_mask(n: int, j: int) -> jax.Array:
 
 
 def chain_drafts(dparams: Params, target_params: Params, tokens: jax.Array, hidden: jax.Array,
-                 positions: jax.Array, *, cfg: ModelConfig, depth: int
+                 positions: jax.Array, *, cfg: ModelConfig, depth: int, teacher: bool = False
                  ) -> tuple[jax.Array, jax.Array]:
   """Greedy draft chains of `depth` from EVERY position of unpacked rows, in one pass per step.
 
@@ -198,6 +198,10 @@ def chain_drafts(dparams: Params, target_params: Params, tokens: jax.Array, hidd
   its own earlier steps (the KV cache a drafter would hold after verifying up to x_{t+1}).
   The real pairs' k/v go to a drafter cache once; step j runs only its n new queries, over
   the j*n slots filled so far (`chain_window_mask`): n * j*n scores, not (j*n)^2.
+  teacher: step j > 1 is fed the sequence's own token x_{t+j} instead of the chain's draft
+  (with the chain's g): the drafter's distribution of x_{t+j+1} on the path where every
+  earlier draft equalled the sequence, which is all a verifier that accepts drafts along the
+  sequence ever sees (identical to the free chain wherever its drafts matched).
   Returns (drafts [depth, B, T-1] int32: step j's greedy token, a guess of x_{t+j+1};
   logits [depth, B, T-1, V]).
   """
@@ -211,7 +215,8 @@ def chain_drafts(dparams: Params, target_params: Params, tokens: jax.Array, hidd
   logits = compute_logits(target_params, g, cfg)
   drafts, all_logits = [jnp.argmax(logits, -1).astype(jnp.int32)], [logits]
   for j in range(2, depth + 1):
-    g, _, cache = drafter_forward(dparams, target_params, drafts[-1], g.astype(hid.dtype),
+    fed = (jnp.pad(tok[:, j - 1:], ((0, 0), (0, j - 1))) if teacher else drafts[-1])
+    g, _, cache = drafter_forward(dparams, target_params, fed, g.astype(hid.dtype),
                                   pos + (j - 1), cfg=cfg, cache=cache, kv_len=j * n,
                                   window_mask=chain_window_mask(n, j), return_logits=False)
     cache = cache.replace(lengths=cache.lengths + n)
