@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tlt_jax.drafter.loss import chain_drafts
+from tlt_jax.drafter.loss import accept_lengths, chain_drafts
 from tlt_jax.models import ModelConfig, Params, forward
 from tlt_jax.rollout.sampling import SamplingParams, processed_logprobs
 
@@ -86,26 +86,24 @@ def survival(target_params: Params, dparams: Params, tokens: jax.Array, lengths:
   out = forward(target_params, tokens, positions, cfg=cfg, return_logits=not sampling.greedy)
   drafts, dlogits = chain_drafts(dparams, target_params, tokens, out.hidden, positions,
                                  cfg=cfg, depth=depth, teacher=True)
+  if sampling.greedy:  # the leading drafts equal to the sequence's tokens, all or nothing
+    acc = accept_lengths(drafts, tokens, starts, lengths)
+    return (acc[..., None] >= jnp.arange(1, depth + 1)).astype(jnp.float32)
   b, n = tokens.shape[0], tokens.shape[1] - 1
   pad = lambda x: jnp.pad(x, ((0, 0), (0, depth + 2)))
   nxt = pad(tokens)  # nxt[:, t + j + 1] = y_j of the chain from t
-  if not sampling.greedy:
-    # log p of each sequence token under the target's processed distribution before it
-    tlp = processed_logprobs(out.logits, sampling)[:, :-1]
-    lp = pad(jnp.take_along_axis(tlp, tokens[:, 1:, None], axis=-1)[..., 0])
+  # log p of each sequence token under the target's processed distribution before it
+  tlp = processed_logprobs(out.logits, sampling)[:, :-1]
+  lp = pad(jnp.take_along_axis(tlp, tokens[:, 1:, None], axis=-1)[..., 0])
   idx = jnp.arange(n)[None, :]
   run = jnp.ones((b, n), jnp.float32)
   out_s = []
   for j in range(1, depth + 1):
     want = nxt[:, j + 1:j + 1 + n]
-    inside = idx + j + 1 < lengths[:, None]
-    if sampling.greedy:
-      a = (drafts[j - 1] == want).astype(jnp.float32)
-    else:
-      lq = jnp.take_along_axis(processed_logprobs(dlogits[j - 1], sampling), want[..., None],
-                               axis=-1)[..., 0]
-      a = jnp.exp(jnp.minimum(lq - lp[:, j:j + n], 0.0))
-    run = run * jnp.where(inside, a, 0.0)
+    lq = jnp.take_along_axis(processed_logprobs(dlogits[j - 1], sampling), want[..., None],
+                             axis=-1)[..., 0]
+    a = jnp.exp(jnp.minimum(lq - lp[:, j:j + n], 0.0))
+    run = run * jnp.where(idx + j + 1 < lengths[:, None], a, 0.0)
     out_s.append(run)
   return jnp.where(starts[..., None], jnp.stack(out_s, -1), 0.0)
 
