@@ -194,6 +194,13 @@ def test_sampled_acceptance_is_the_engines_in_expectation(default_target):
     return m, total
 
   m, total = simulated(dparams)
+  # compiled ahead of time (the training metric's background compile): the same figures
+  from tlt_jax.drafter.acceptance import compile_survival
+  t_len = 64 * -(-max(len(p) + len(r) for p, r in seqs) // 64)
+  exe = compile_survival(params, dparams, len(seqs), t_len, cfg=cfg, depth=4, sampling=sp)
+  ahead = measure(params, dparams, seqs, cfg=cfg, depth=4, sampling=sp, length=t_len,
+                  executable=exe)
+  assert ahead["per_sequence"] == m["per_sequence"]
   assert sum(v for _, v in m["per_sequence"]) == pytest.approx(total.mean(), rel=0.01)
   lo, hi = np.quantile(total, [0.0005, 0.9995])
   print(f"T=1 chain-4 on {len(seqs)} samples: engine {engine_ver} verifications, the walk's "

@@ -42,6 +42,7 @@ from tlt_jax.rollout.history import HistoryIndex
 from tlt_jax.rollout.mab import BanditState, Selector
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.sharding import tree_shardings
+from tlt_jax.step_metrics import DrafterAcceptance
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +72,9 @@ class Run:
   # target's config.json it carries (None: no export; config.train.export_drafter)
   export_engine: str | None = None
   target_hf_config: dict[str, Any] | None = None
+  # the drafter's acceptance on each step's responses (None: TLT off or
+  # tlt.drafter.acceptance_sample=0)
+  acceptance: DrafterAcceptance | None = None
 
   @property
   def tlt(self) -> bool:
@@ -231,7 +235,9 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
             test_rows=test_rows, sampling=spec.sampling, store=store,
             coordinator=coordinator, selector=selector, eval_selector=eval_selector,
             gate=gate, buffer=buffer, ckpt=ckpt, compile_clock=compile_clock,
-            export_engine=export_engine, target_hf_config=hf_config)
+            export_engine=export_engine, target_hf_config=hf_config,
+            acceptance=DrafterAcceptance(cfg, lspec, spec.sampling)
+            if tlt and cfg.tlt.drafter.acceptance_sample else None)
   return run, TrainState(step=0, learner=learner,
                          bandit=None if selector is None else selector.state,
                          gate=None if gate is None else gate.state)

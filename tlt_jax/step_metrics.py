@@ -78,26 +78,58 @@ def step_metrics(run, prompts: Sequence[Any], responses: Sequence[Any], r: np.nd
   return m
 
 
-def drafter_acceptance(run, params, dparams, responses: Sequence[Any], *, seed: int
-                       ) -> dict[str, Any]:
+class DrafterAcceptance:
   """Tokens per verification of a chain of `config.tlt.drafter.acceptance_depth` drafts by
-  `dparams` on `acceptance_sample` of the step's responses (their first `acceptance_len`
-  tokens, prompt included), at the rollout's sampling settings, read off their tokens with
-  the policy `params` (tlt_jax/drafter/acceptance.py: no decoding; the engine's figure in
-  expectation on the policy's own samples, exactly for greedy ones). The sample is a function of (seed, step), the same on every process."""
-  from jax.sharding import NamedSharding, PartitionSpec
-  from tlt_jax.drafter import acceptance
-  d = run.cfg.tlt.drafter
-  n = min(int(d.acceptance_sample), len(responses))
-  pick = sorted(np.random.default_rng([seed, 29]).choice(len(responses), n, replace=False))
-  seqs = [(responses[i].prompt_ids, responses[i].response_ids) for i in pick]
-  # every sequence cut to (and padded to) its first acceptance_len tokens: one executable
-  length = int(d.acceptance_len)
-  # the drafter beside the learner's params (the workers' store may span other devices)
-  dparams = jax.device_put(dparams, NamedSharding(run.learner.mesh, PartitionSpec()))
-  out = acceptance.measure(params, dparams, seqs, cfg=run.learner.cfg,
-                           depth=int(d.acceptance_depth), sampling=run.sampling,
-                           length=length)
-  return {"tokens_per_verify": out["tokens_per_verify"], "stderr": out["stderr"],
-          "sequences": out["sequences"], "depth": int(d.acceptance_depth), "length": length,
-          "accepted_per_position": out["accepted_per_position"]}
+  the drafter that drafted a rollout on `acceptance_sample` of its responses (their first
+  `acceptance_len` tokens, prompt included), at the rollout's sampling settings, read off
+  their tokens with the policy that wrote them (tlt_jax/drafter/acceptance.py: no decoding;
+  the engine's figure in expectation on the policy's own samples, exactly for greedy ones).
+
+  Its one executable is compiled on a low-priority background thread from the first
+  `prepare` (called as a rollout starts), so the first step's metric does not put a compile
+  on the critical path. cfg: the run's config; learner: its grpo.LearnerSpec (the policy's
+  model config and mesh); sampling: the rollout's."""
+
+  def __init__(self, cfg, learner, sampling):
+    self.learner, self.sampling = learner, sampling
+    d = cfg.tlt.drafter
+    self.depth, self.length = int(d.acceptance_depth), int(d.acceptance_len)
+    self.sample = min(int(d.acceptance_sample), cfg.grpo.num_prompts * cfg.grpo.n)
+    self._compiler = self._exe = None
+
+  def _placed(self, dparams):
+    """The drafter beside the learner's params (the workers' store may span other devices)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+    return jax.device_put(dparams, NamedSharding(self.learner.mesh, PartitionSpec()))
+
+  def prepare(self, params, dparams) -> None:
+    """Starts compiling the executable (once) for these params' shapes and shardings."""
+    if self._exe is not None:
+      return
+    from tlt_jax.drafter import acceptance
+    from tlt_jax.rollout.executables import background_compiler
+    self._compiler = background_compiler("compile-acceptance")
+    sharding = jax.sharding.NamedSharding(self.learner.mesh, jax.sharding.PartitionSpec())
+    dabs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                        dparams)
+    self._exe = self._compiler.submit(
+        acceptance.compile_survival, params, dabs, self.sample, self.length,
+        cfg=self.learner.cfg, depth=self.depth, sampling=self.sampling)
+    self._compiler.shutdown(wait=False)  # the thread ends with its one job
+
+  def __call__(self, params, dparams, responses: Sequence[Any], *, seed: int
+               ) -> dict[str, Any]:
+    """The metric on `responses` (the sample a function of `seed`, the same on every
+    process)."""
+    from tlt_jax.drafter import acceptance
+    n = min(self.sample, len(responses))
+    pick = sorted(np.random.default_rng([seed, 29]).choice(len(responses), n, replace=False))
+    seqs = [(responses[i].prompt_ids, responses[i].response_ids) for i in pick]
+    exe = None if self._exe is None else self._exe.result()
+    # every sequence cut to (and padded to) its first acceptance_len tokens: one executable
+    out = acceptance.measure(params, self._placed(dparams), seqs, cfg=self.learner.cfg,
+                             depth=self.depth, sampling=self.sampling,
+                             length=self.length, executable=exe)
+    return {"tokens_per_verify": out["tokens_per_verify"], "stderr": out["stderr"],
+            "sequences": out["sequences"], "depth": self.depth, "length": self.length,
+            "accepted_per_position": out["accepted_per_position"]}

@@ -62,7 +62,7 @@ from tlt_jax.rollout.gate import GateState
 from tlt_jax.rollout.mab import BanditState
 from tlt_jax.rollout.records import Request, Result
 from tlt_jax.run import Run, TrainState, build
-from tlt_jax.step_metrics import drafter_acceptance, step_metrics
+from tlt_jax.step_metrics import step_metrics
 
 
 def _seed_for(seed: int, step: int) -> int:
@@ -175,6 +175,8 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
 
   run.hold(state)
   drafting = run.store.drafter()[1] if run.tlt else None  # the drafter of this rollout
+  if run.acceptance is not None:  # its metric's executable compiles while the rollout runs
+    run.acceptance.prepare(state.learner.params, drafting.params)
   # (release: the workers free their actor copy for the learner's phases)
   out = run.coordinator.rollout(requests, run.sampling, seed=seed, step=step,
                                 on_response=on_response,
@@ -206,12 +208,11 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   jax.block_until_ready([b.old_logp for group in prepared for b in group])
   times["logprobs"] = time.perf_counter() - t
   acceptance = None
-  if drafting is not None and cfg.tlt.drafter.acceptance_sample:
+  if run.acceptance is not None:
     # the drafter this rollout drafted with against the policy that wrote it (before the
     # update), on a sample of its responses: staleness as it happens, speculating or not
     t = time.perf_counter()
-    acceptance = drafter_acceptance(run, state.learner.params, drafting.params, responses,
-                                    seed=seed)
+    acceptance = run.acceptance(state.learner.params, drafting.params, responses, seed=seed)
     times["acceptance"] = time.perf_counter() - t
   t = time.perf_counter()
   learner, upd = grpo.update(state.learner, prepared, run.learner)

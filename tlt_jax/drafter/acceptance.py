@@ -32,7 +32,7 @@ policy's own rollouts at their sampling settings, whether or not speculation ran
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -110,7 +110,8 @@ def survival(target_params: Params, dparams: Params, tokens: jax.Array, lengths:
 
 def measure(target_params: Params, dparams: Params, sequences: Sequence[tuple[Any, Any]], *,
             cfg: ModelConfig, depth: int = 4, sampling: SamplingParams = GREEDY,
-            length: int | None = None, ends: Sequence[int] | None = None) -> dict[str, Any]:
+            length: int | None = None, ends: Sequence[int] | None = None,
+            executable: Callable | None = None) -> dict[str, Any]:
   """Tokens per verification of a chain of `depth` drafts over `sequences` ((prompt ids,
   response ids) pairs; responses of at least one token), each walked as the engine verifies
   (module docstring), drafts sampled and verified with `sampling` (default greedy; the
@@ -124,7 +125,9 @@ def measure(target_params: Params, dparams: Params, sequences: Sequence[tuple[An
   tokens_per_verify (all tokens over all verifications, expected), its standard error over
   sequences (ratio estimator), per-sequence expected (tokens, verifications) (`difference`
   pairs two drafters' on the same sequences), and the mean expected accepted drafts over
-  every response position."""
+  every response position. executable: `survival` compiled ahead of time (`compile_survival`)
+  for these settings and [S, length] sequences; used when the shapes match, else `survival`
+  is called (and compiled on first use)."""
   seqs = [(np.asarray(p, np.int32), np.asarray(r, np.int32)) for p, r in sequences]
   ends = [len(p) + len(r) for p, r in seqs] if ends is None else list(ends)
   if length is not None:
@@ -145,9 +148,12 @@ def measure(target_params: Params, dparams: Params, sequences: Sequence[tuple[An
     tok[i, :n] = np.concatenate([p, r])
     lens[i] = n
     starts[i, len(p) - 1:n - 1] = True  # chains from f_{P-1} on: each drafts response tokens
-  surv = np.asarray(jax.device_get(survival(target_params, dparams, jnp.asarray(tok),
-                                            jnp.asarray(lens), jnp.asarray(starts), cfg=cfg,
-                                            depth=depth, sampling=sampling)), np.float64)
+  args = (target_params, dparams, jnp.asarray(tok), jnp.asarray(lens), jnp.asarray(starts))
+  if executable is not None and executable.args_info[0][2].shape == tok.shape:
+    surv = executable(*args)
+  else:
+    surv = survival(*args, cfg=cfg, depth=depth, sampling=sampling)
+  surv = np.asarray(jax.device_get(surv), np.float64)
   per = [walk(surv[i], len(p), end) for i, ((p, _), end) in enumerate(zip(seqs, ends))]
   tokens = np.asarray([x for x, _ in per], np.float64)
   ver = np.asarray([v for _, v in per], np.float64)
@@ -158,6 +164,20 @@ def measure(target_params: Params, dparams: Params, sequences: Sequence[tuple[An
     stderr = float(np.sqrt((resid ** 2).sum() / (len(per) - 1) / len(per)) / ver.mean())
   return {"tokens_per_verify": float(tpv), "stderr": stderr, "sequences": len(per),
           "per_sequence": per, "accepted_per_position": float(surv.sum(-1)[starts].mean())}
+
+
+def compile_survival(target_params: Params, dparams: Params, num: int, length: int, *,
+                     cfg: ModelConfig, depth: int, sampling: SamplingParams = GREEDY):
+  """`survival` compiled ahead of time for `num` sequences of `length` tokens (params: arrays
+  or ShapeDtypeStructs with their shardings): `measure`'s executable, compiled where it costs
+  the caller nothing (a background thread) before the first measurement needs it."""
+  abstract = lambda t: jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), t)
+  return survival.lower(abstract(target_params), abstract(dparams),
+                        jax.ShapeDtypeStruct((num, length), jnp.int32),
+                        jax.ShapeDtypeStruct((num,), jnp.int32),
+                        jax.ShapeDtypeStruct((num, length - 1), jnp.bool_),
+                        cfg=cfg, depth=depth, sampling=sampling).compile()
 
 
 def difference(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float | None]:
