@@ -49,7 +49,7 @@ def get_config():
   c.model.param_dtype = "float32"
   c.model.remat = False  # rematerialise each layer in the backward pass (long sequences)
   # a shipped architecture (tlt_jax/assets/architectures/) for scripts/plan_memory.py when
-  # model.path is not on this machine: "qwen2.5-7b", "qwen2.5-32b", "llama-3.3-70b"
+  # model.path is not on this machine: "qwen2.5-7b", "qwen3-8b", "qwen2.5-32b", "llama-3.3-70b"
   c.model.architecture = ""
 
   # The per-device memory plan (tlt_jax/memory.py, scripts/plan_memory.py): the run refuses to
@@ -69,6 +69,8 @@ def get_config():
   c.data = ml_collections.ConfigDict()
   c.data.train_path = asset_path("default", "data", "train.jsonl")
   c.data.test_path = asset_path("default", "data", "test.jsonl")
+  # field names, or dotted paths into nested fields (verl's files: prompt_key="prompt",
+  # answer_key="reward_model.ground_truth", source_key="data_source"; configs/verl_math.py)
   c.data.prompt_key = "prompt"
   c.data.answer_key = "answer"
   c.data.source_key = ""  # optional per-row source field (accuracy is logged per source)
@@ -78,7 +80,10 @@ def get_config():
   c.data.system_prompt = ""
 
   c.reward = ml_collections.ConfigDict()
-  c.reward.name = "arith"  # or "math" (math-verify), or "package.module:function"
+  # "arith" (this task), "math" (math-verify), "package.module:function" or
+  # "path/to/file.py:function": fn(response, answer), or verl's signature
+  # fn(data_source, solution_str, ground_truth, extra_info=None) (tlt_jax/rl/rewards.py)
+  c.reward.name = "arith"
   c.reward.num_workers = 2  # reward processes; a crashing/hanging call scores 0 and is counted
   c.reward.timeout = 10.0  # seconds per call
 
@@ -132,10 +137,16 @@ def get_config():
   c.train.checkpoint_every = 5
   c.train.keep_checkpoints = 2
   # with every checkpoint of a TLT run, the drafter's EAGLE export for this serving engine in
-  # <workdir>/drafter_eagle/<step>/ (tlt_jax/drafter/export.py): "sglang" (Llama and Qwen2
+  # <workdir>/drafter_eagle/<step>/ (tlt_jax/drafter/export.py): "sglang" (Llama, Qwen2, Qwen3
   # targets) or "vllm" (Llama targets only)
   c.train.export_drafter = True
   c.train.export_engine = "sglang"
+  # the policy as a Hugging Face folder, <workdir>/policy_hf/<step>/ (tlt_jax/export.py): "final"
+  # (the last checkpoint's, at the end of the run), "every" (every checkpoint's, the newest
+  # keep_checkpoints kept; a synchronous gather and write each time) or "none"; in
+  # export_dtype ("": the starting model's config.json torch_dtype, else model.param_dtype)
+  c.train.export_policy = "final"
+  c.train.export_dtype = ""
 
   c.tlt = ml_collections.ConfigDict()
   c.tlt.enabled = True  # False: the baseline (plain rollout, no drafter, no drafter training)

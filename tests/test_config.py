@@ -55,6 +55,9 @@ def test_history_arms_need_the_history_index():
     ("memory.fraction", 1.5, "config.memory.fraction=1.5: the share"),
     ("model.dtype", "float8", "model.dtype"),
     ("data.on_bad_row", "ignore", "data.on_bad_row"),
+    ("data.answer_key", "reward_model..ground_truth", "config.data.answer_key='reward_model.."
+     "ground_truth': a column name, or a dotted path into nested fields"),
+    ("data.prompt_key", "", "config.data.prompt_key='': a column name"),
     ("data.max_prompt_len", 0, "config.data.max_prompt_len=0"),
     ("mesh.fsdp", 0, "mesh"),
     ("grpo.logit_chunk", 0, "config.grpo.logit_chunk=0: must be >= 1"),

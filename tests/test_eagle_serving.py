@@ -4,12 +4,15 @@ the project.
 `EagleDrafter` below is a small PyTorch EAGLE-1 forward written from the engines' code, not
 from tlt_jax/drafter/model.py:
   - SGLang python/sglang/srt/models/qwen2_eagle.py (`Qwen2Model.forward`,
-    `Qwen2DecoderLayerEagle`) and vLLM vllm/model_executor/models/llama_eagle.py
-    (`LlamaModel.forward`): hidden = fc(cat(embed_tokens(ids), target_hidden)) with fc's
-    bias (SGLang builds `nn.Linear(2D, D)` with one), layer 0 without its input norm
-    (`input_layernorm` replaced by the identity), causal self-attention with RoPE
-    (`rotate_half`, the target's rope_theta), GQA, Qwen2's q/k/v biases, the post-attention
-    RMSNorm and the SiLU MLP, then `hidden_states + residual` with NO final norm;
+    `Qwen2DecoderLayerEagle`), python/sglang/srt/models/qwen3_eagle.py
+    (`Qwen3ForCausalLMEagle`: a Qwen3ForCausalLM whose `model.eagle_fc` runs before its
+    layers) and vLLM vllm/model_executor/models/llama_eagle.py (`LlamaModel.forward`):
+    hidden = fc(cat(embed_tokens(ids), target_hidden)) with fc's bias (SGLang builds
+    `nn.Linear(2D, D)` with one), layer 0 without its input norm (`input_layernorm` replaced
+    by the identity), causal self-attention with RoPE (`rotate_half`, the target's
+    rope_theta), GQA, Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm before RoPE
+    (`Qwen3Attention`), the post-attention RMSNorm and the SiLU MLP, then
+    `hidden_states + residual` with NO final norm;
   - the logits are the TARGET's LM head on that output (both engines share the target's
     `lm_head`; EAGLE's cnets1.py `topK_genrate` calls `head(last_hidden)`);
   - the target hidden state fed in is the one after the target's final norm: HF's last
@@ -20,7 +23,8 @@ It reads ONLY the export (model.safetensors + config.json via safetensors / json
 target through transformers' AutoModelForCausalLM.
 
 Checks: (a) on a fixed context, its greedy chain of 4 drafts equals the project's drafter
-(`drafter_forward` over the project's target forward) token for token; (b) in a greedy chain-4
+(`drafter_forward` over the project's target forward) token for token, for the shipped Qwen2
+drafter and for a Qwen3 target's export; (b) in a greedy chain-4
 simulation (draft 4, verify with the torch target, accept the longest matching prefix + one
 target token) on the first 12 default-task test prompts it reaches >= 95% of the tokens per
 verification the project's own engine (`Engine`, arm 4_1_5, batch 1, greedy) reports, and
@@ -64,6 +68,7 @@ class EagleDrafter:
     assert (c.get("rope_scaling") or rp.get("rope_type", "default")) in (None, "default")
     self.theta = c.get("rope_theta", rp.get("rope_theta"))
     self.eps = c["rms_norm_eps"]
+    self.fc = "eagle_fc" if "eagle_fc.weight" in w else "fc"  # Qwen3ForCausalLMEagle's name
     self.embed = target.get_input_embeddings().weight.detach().double()
     self.head = target.get_output_embeddings().weight.detach().double()  # [V, D]
 
@@ -80,14 +85,20 @@ class EagleDrafter:
     x1, x2 = x[..., :self.hd // 2], x[..., self.hd // 2:]
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
+  def _norm(self, x, name):  # RMSNorm over the last axis
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.w[name]
+
   def forward(self, ids, hidden, pos):
     """ids [T], hidden [T, D] (target post-norm / own output), pos [T] -> (out, logits)."""
-    x = self._lin(torch.cat([self.embed[ids], hidden.double()], -1), "fc")
+    x = self._lin(torch.cat([self.embed[ids], hidden.double()], -1), self.fc)
     t = x.shape[0]
     residual = x  # layer 0: no input_layernorm
     p = "layers.0.self_attn."
-    q = self._rope(self._lin(x, p + "q_proj").view(t, self.n, self.hd), pos)
-    k = self._rope(self._lin(x, p + "k_proj").view(t, self.kv, self.hd), pos)
+    q = self._lin(x, p + "q_proj").view(t, self.n, self.hd)
+    k = self._lin(x, p + "k_proj").view(t, self.kv, self.hd)
+    if p + "q_norm.weight" in self.w:  # Qwen3: each head normed over head_dim, before RoPE
+      q, k = self._norm(q, p + "q_norm.weight"), self._norm(k, p + "k_norm.weight")
+    q, k = self._rope(q, pos), self._rope(k, pos)
     v = self._lin(x, p + "v_proj").view(t, self.kv, self.hd)
     rep = self.n // self.kv
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
@@ -96,8 +107,7 @@ class EagleDrafter:
     a = torch.einsum("nqk,knh->qnh", s.softmax(-1), v).reshape(t, self.n * self.hd)
     x = residual + self._lin(a, p + "o_proj")
     residual = x
-    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-    h = h * self.w["layers.0.post_attention_layernorm.weight"]
+    h = self._norm(x, "layers.0.post_attention_layernorm.weight")
     m = "layers.0.mlp."
     x = residual + self._lin(torch.nn.functional.silu(self._lin(h, m + "gate_proj"))
                              * self._lin(h, m + "up_proj"), m + "down_proj")
@@ -191,10 +201,7 @@ def test_hf_last_hidden_state_is_post_norm(setup):
 
 
 def test_drafts_match_the_project_on_a_fixed_context(setup):
-  import jax.numpy as jnp
-
-  from tlt_jax.drafter.model import drafter_forward, load_drafter
-  from tlt_jax.models import forward
+  from tlt_jax.drafter.model import load_drafter
   from tlt_jax.models.hf_io import load_hf_model
   target, prompts, _ = setup
   ctx = prompts[0] + [int(t) for t in prompts[1][:6]]  # a fixed context of real tokens
@@ -205,22 +212,74 @@ def test_drafts_match_the_project_on_a_fixed_context(setup):
     ours, lg = drafter.chain(torch.tensor(ctx[1:] + [pending]), h, torch.arange(len(ctx)), DEPTH)
 
   cfg, tp = load_hf_model(MODEL)
-  dp = load_drafter(DRAFTER, cfg)
+  theirs, their_lg = project_chain(cfg, tp, load_drafter(DRAFTER, cfg), ctx, pending)
+  assert ours == theirs
+  np.testing.assert_allclose(lg.numpy(), their_lg, rtol=1e-3, atol=1e-3)
+
+
+def project_chain(cfg, tp, dp, ctx, pending, depth=DEPTH):
+  """The project's greedy chain of `depth` drafts after `ctx` + `pending` (`drafter_forward`
+  over the project's target forward) -> (drafts, their logits [depth, V])."""
+  import jax.numpy as jnp
+
+  from tlt_jax.drafter.model import drafter_forward
+  from tlt_jax.models import forward
   ids = jnp.asarray([ctx], jnp.int32)
   fh = forward(tp, ids, jnp.arange(len(ctx))[None], cfg=cfg, return_logits=False).hidden
   tok = jnp.asarray([ctx[1:] + [pending]], jnp.int32)
   hid, pos = fh, jnp.arange(len(ctx))[None]
-  theirs, their_lg = [], []
-  for _ in range(DEPTH):
+  drafts, lgs = [], []
+  for _ in range(depth):
     g, logits, _ = drafter_forward(dp, tp, tok, hid, pos, cfg=cfg)
     d = int(jnp.argmax(logits[0, -1]))
-    theirs.append(d)
-    their_lg.append(np.asarray(logits[0, -1]))
+    drafts.append(d)
+    lgs.append(np.asarray(logits[0, -1]))
     tok = jnp.concatenate([tok, jnp.asarray([[d]], jnp.int32)], 1)
     hid = jnp.concatenate([hid, g[:, -1:]], 1)
     pos = jnp.concatenate([pos, pos[:, -1:] + 1], 1)
+  return drafts, np.stack(lgs)
+
+
+def test_qwen3_export_drafts_as_sglang_would(tmp_path):
+  """A drafter for a Qwen3 target (its layer has q/k norms), exported for SGLang's
+  Qwen3ForCausalLMEagle: the torch forward above, reading only the export and a transformers
+  Qwen3 target, drafts the project's tokens with its logits."""
+  import jax
+
+  from tlt_jax.drafter import init_drafter
+  from tlt_jax.drafter.model import export_eagle
+  from tlt_jax.models.hf_io import load_hf_model, read_hf_config
+  config = transformers.Qwen3Config(
+      vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1e6,
+      tie_word_embeddings=True)
+  torch.manual_seed(0)
+  target = transformers.AutoModelForCausalLM.from_config(config)
+  with torch.no_grad():
+    for name, p in target.named_parameters():
+      p.normal_(1.0, 0.3) if name.endswith("norm.weight") else p.normal_(0.0, 0.3)
+  target = target.double().eval()
+  target.save_pretrained(tmp_path / "target")
+  cfg, tp = load_hf_model(str(tmp_path / "target"))
+  dp = init_drafter(cfg, jax.random.key(1), std=0.3)
+  keys = jax.random.split(jax.random.key(2), 2)  # norms away from 1, so a dropped one shows
+  for k, name in zip(keys, ("q_norm", "k_norm")):
+    dp["layers"][name] = 1.0 + 0.3 * jax.random.normal(k, dp["layers"][name].shape)
+  written = export_eagle(str(tmp_path / "eagle"), dp, cfg, engine="sglang",
+                         target_hf_config=read_hf_config(str(tmp_path / "target")))
+  assert written["architectures"] == ["Qwen3ForCausalLMEagle"]
+  drafter = EagleDrafter(str(tmp_path / "eagle"), target)
+  assert {"eagle_fc.weight", "eagle_fc.bias", "layers.0.self_attn.q_norm.weight",
+          "layers.0.self_attn.k_norm.weight"} <= set(drafter.w)
+  ctx = np.random.default_rng(0).integers(0, 96, 20).tolist()
+  h = target_hidden(target, ctx)
+  pending = int((h[-1] @ target.get_output_embeddings().weight.double().T).argmax())
+  with torch.no_grad():
+    ours, lg = drafter.chain(torch.tensor(ctx[1:] + [pending]), h, torch.arange(len(ctx)),
+                             DEPTH)
+  theirs, their_lg = project_chain(cfg, tp, dp, ctx, pending)
   assert ours == theirs
-  np.testing.assert_allclose(lg.numpy(), np.stack(their_lg), rtol=1e-3, atol=1e-3)
+  np.testing.assert_allclose(lg.numpy(), their_lg, rtol=1e-3, atol=1e-3)
 
 
 def project_tokens_per_verification(prompts, eos) -> float:

@@ -25,7 +25,7 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.sharding import cache_sharding, make_mesh, tree_shardings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CLUSTER_CONFIGS = {"qwen2_5_7b_math.py": 8, "qwen2_5_32b_math.py": 32,
+CLUSTER_CONFIGS = {"qwen2_5_7b_math.py": 8, "qwen3_8b_math.py": 8, "qwen2_5_32b_math.py": 32,
                    "llama3_3_70b_math.py": 64}
 
 

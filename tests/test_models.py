@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from tlt_jax.bench.hf_parity import UnloadableCheckpoint, check_parity
 from tlt_jax.models import forward, init_cache, segment_causal_mask
@@ -39,8 +39,9 @@ VOCAB = 128
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 
-# name -> (arch, HF config kwargs). Together they cover: Qwen2 (qkv bias) and Llama; GQA
-# (4 q / 2 kv, 8 q / 2 kv), MQA (kv=1), MHA (kv=heads); explicit head_dim != hidden/heads;
+# name -> (arch, HF config kwargs). Together they cover: Qwen2 (qkv bias), Qwen3 (per-head q/k
+# RMSNorm before RoPE, head_dim set apart from hidden/heads as on every Qwen3 size) and Llama;
+# GQA (4 q / 2 kv, 8 q / 2 kv), MQA (kv=1), MHA (kv=heads); explicit head_dim != hidden/heads;
 # tied and untied embeddings; Llama attention_bias (q/k/v/o biases); Llama-3 rope scaling;
 # rope_theta 1e4 / 5e5 / 1e6; different rms_norm_eps.
 CONFIGS = {
@@ -56,6 +57,11 @@ CONFIGS = {
     # (6.3 < 8: kept, 19.9 in [8, 32]: blended, >= 63: divided by 8).
     "llama3_rope": ("llama", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16,
                                   rope_theta=1e4, rope_scaling=dict(LLAMA3_ROPE))),
+    # Qwen3-0.6B's shape in small: head_dim 32 != 64 / 4, tied embeddings, theta 1e6
+    "qwen3_hd32_tied": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      rope_theta=1e6, tie_word_embeddings=True)),
+    "qwen3_gqa": ("qwen3", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                                rms_norm_eps=1e-5, num_hidden_layers=3)),
 }
 
 _fwd = jax.jit(forward, static_argnames=("cfg", "return_logits", "prefill", "kv_len"))
@@ -68,7 +74,7 @@ def build_hf_checkpoint(path, arch, seed=0, **overrides):
   kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
   kw.update(overrides)
-  config = (Qwen2Config if arch == "qwen2" else LlamaConfig)(**kw)
+  config = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}[arch](**kw)
   torch.manual_seed(seed)
   model = AutoModelForCausalLM.from_config(config)
   with torch.no_grad():
@@ -150,6 +156,8 @@ def test_logits_match_transformers(ckpts, name):
   assert ("lm_head" in ck.params) == (not cfg.tie_word_embeddings)
   assert cfg.qkv_bias == (arch == "qwen2" or kw.get("attention_bias", False))
   assert cfg.o_bias == kw.get("attention_bias", False)
+  assert cfg.qk_norm == (arch == "qwen3")
+  assert ({"q_norm", "k_norm"} <= set(ck.params["layers"])) == (arch == "qwen3")
   assert cfg.rope_theta == kw.get("rope_theta", 10000.0)  # HF default
   assert (cfg.rope_scaling is not None) == ("rope_scaling" in kw)
   if arch == "qwen2":
@@ -204,7 +212,7 @@ def test_hidden_is_post_final_norm(ckpts, name):
 
 
 # ------------------------------------------------------------------------------- KV-cache paths
-@pytest.mark.parametrize("name", ["qwen2_gqa", "llama3_rope"])
+@pytest.mark.parametrize("name", ["qwen2_gqa", "llama3_rope", "qwen3_hd32_tied"])
 def test_prefill_then_decode_equals_full_forward(ckpts, name):
   ck = ckpts(name)
   cfg, params = ck.cfg, ck.params
@@ -236,7 +244,7 @@ def test_prefill_then_decode_equals_full_forward(ckpts, name):
   assert_close(got, ref, what=f"cache decode vs transformers [{name}]")
 
 
-@pytest.mark.parametrize("name", ["qwen2_gqa", "llama3_rope"])
+@pytest.mark.parametrize("name", ["qwen2_gqa", "llama3_rope", "qwen3_hd32_tied"])
 def test_prefill_within_the_prompt_then_decode_matches_transformers(ckpts, name):
   """forward(prefill=True) attends within the prompt only (never over the cache's other
   slots, here filled with noise): its logits, the k/v it writes, and a decode step after it
@@ -328,6 +336,7 @@ def _tree_mask(parents):
 
 
 @pytest.mark.parametrize("name,kv_len", [("qwen2_gqa", None), ("llama3_rope", None),
+                                         ("qwen3_hd32_tied", 38),
                                          ("qwen2_gqa", 38)])
 def test_tree_attention_with_cache(ckpts, name, kv_len):
   """Each tree node's logits equal transformers' on the linear path prefix -> root -> node.
@@ -450,7 +459,8 @@ def _assert_params_equal(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.parametrize("name", ["qwen2_gqa", "llama_hd24_bias_tied", "llama3_rope"])
+@pytest.mark.parametrize("name", ["qwen2_gqa", "llama_hd24_bias_tied", "llama3_rope",
+                                  "qwen3_gqa"])
 def test_save_round_trip_through_transformers(ckpts, name, tmp_path):
   ck = ckpts(name)
   out_dir = str(tmp_path / "export")
@@ -717,7 +727,7 @@ def test_parity_script(ckpts, tmp_path):
   assert "FAIL" in out and "PARITY FAILED: full batch" in out
 
 
-@pytest.mark.parametrize("name", ["qwen2_gqa", "llama_hd24_bias_tied"])
+@pytest.mark.parametrize("name", ["qwen2_gqa", "llama_hd24_bias_tied", "qwen3_gqa"])
 def test_unstacked_layers_match_transformers(ckpts, name):
   """The rollout replicas' layout (models.unstack_layers: one dict per layer) through the
   full forward (switch-on) and the cached forward (prefill, decode) gives transformers'

@@ -4,6 +4,7 @@ Every wait on the pool goes through `within`, a watchdog: a regression that make
 hang fails its test instead of hanging the suite.
 """
 
+import json
 import os
 import queue
 import subprocess
@@ -96,6 +97,31 @@ SLOW_IMPORT_MODULE = textwrap.dedent("""
 
     def fn(response, answer):
         return 1.0
+""")
+
+
+# verl's reward-function signature (called by keyword), as a verl user's file has it;
+# compute_score appends what it was given to calls.jsonl beside the file.
+VERL_MODULE = textwrap.dedent("""
+    import json, os, time
+    _LOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calls.jsonl")
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        with open(_LOG, "a") as f:
+            f.write(json.dumps([data_source, solution_str, ground_truth, extra_info]) + "\\n")
+        if solution_str == "boom":
+            raise ZeroDivisionError("user bug")
+        if solution_str == "hang":
+            time.sleep(600)
+        right = solution_str.strip() == ground_truth
+        return {"score": float(right) + (0.5 if data_source == "lighteval/MATH" else 0.0),
+                "acc": right}
+
+    def no_extra_info(data_source, solution_str, ground_truth):
+        return float(solution_str == ground_truth) + len(data_source)
+
+    def verl_gsm8k_style(solution_str, ground_truth, method="strict"):   # positional
+        return float(solution_str.split("#### ")[-1] == ground_truth)
 """)
 
 
@@ -341,3 +367,48 @@ def test_pool_bad_name_fails_fast(user_module, tmp_path):
   with pytest.raises(RewardError, match=r"^config\.reward\.name='exits_at_import:fn': the reward "
                      r"worker exited at start-up \(exit code 5"):
     within(30, RewardPool, "exits_at_import:fn", num_workers=1)
+
+
+# ------------------------------------------------------------- verl-signature reward functions
+@pytest.fixture
+def verl_file(tmp_path, monkeypatch):
+  (tmp_path / "verl_reward.py").write_text(VERL_MODULE)
+  monkeypatch.chdir(tmp_path)
+  return tmp_path
+
+
+def _calls(tmp_path):
+  return [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("name", ["verl_reward.py:compute_score", "verl_reward:compute_score"])
+def test_verl_signature_gets_source_truth_and_extra_info_in_the_pool(verl_file, name):
+  """verl's compute_score(data_source, solution_str, ground_truth, extra_info) named by file
+  path (as verl's custom_reward_function.path) or module, scored in the worker processes."""
+  tasks = [("a", "72", "72", "openai/gsm8k", {"split": "train", "index": 0}),
+           ("b", "7", "72", "openai/gsm8k", {"split": "train", "index": 1}),
+           ("c", "\\frac{1}{2}", "\\frac{1}{2}", "lighteval/MATH", None)]
+  with RewardPool(name, num_workers=1, timeout=5.0) as pool:
+    for key, response, answer, source, extra in tasks:
+      pool.submit(key, response, answer, source, extra)
+    # the dict's "score" (verl's convention), which here depends on data_source
+    assert within(30, pool.gather, ["a", "b", "c"]) == {"a": 1.0, "b": 0.0, "c": 1.5}
+  assert _calls(verl_file) == [[src, resp, ans, extra] for _, resp, ans, src, extra in tasks]
+
+
+def test_verl_signature_crash_and_hang_cost_one_reward(verl_file):
+  with RewardPool("verl_reward.py:compute_score", num_workers=1, timeout=1.0) as pool:
+    for key in ("boom", "hang", "72"):
+      pool.submit(key, key, "72", "openai/gsm8k", {})
+    assert within(30, pool.gather, ["boom", "hang", "72"]) == {"boom": 0.0, "hang": 0.0,
+                                                               "72": 1.0}
+    assert (pool.stats.errors, pool.stats.timeouts) == (1, 1), pool.stats
+
+
+def test_which_functions_are_called_the_verl_way(verl_file):
+  # data_source and extra_info only where the function names them; otherwise (response,
+  # answer) positionally, as verl's per-dataset scorers (gsm8k.compute_score) take them
+  assert get_reward_fn("verl_reward.py:no_extra_info")("4", "4", "abc", {"x": 1}) == 4.0
+  assert get_reward_fn("verl_reward.py:verl_gsm8k_style")("so #### 72", "72", "s", {}) == 1.0
+  with pytest.raises(ValueError, match=r"cannot import \(no file 'nope\.py'\).*file\.py"):
+    get_reward_fn("nope.py:compute_score")

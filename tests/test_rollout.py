@@ -1,7 +1,8 @@
 """Rollout engine and sampler, checked against independent references.
 
-* greedy decoding == transformers `generate(do_sample=False)` token for token (Qwen2, Llama),
-  with ragged prompts, a stop token that fires, per-request caps, refill and compaction;
+* greedy decoding == transformers `generate(do_sample=False)` token for token (Qwen2, Llama,
+  Qwen3; Qwen3 also speculatively, chain and tree), with ragged prompts, a stop token that
+  fires, per-request caps, refill and compaction;
 * batch-layout invariance: compaction on/off, chunk sizes, max_batch, multiple workers give
   identical greedy AND sampled outputs (per-row keys);
 * the sampler's distribution == a float64 numpy re-implementation of HF's logits warpers
@@ -65,6 +66,10 @@ def _build(arch: str, path: str, seed: int) -> TinyModel:
     hf_cfg = transformers.Qwen2Config(**common, tie_word_embeddings=False,
                                       use_sliding_window=False)
     cls = transformers.Qwen2ForCausalLM
+  elif arch == "qwen3":  # q/k norms, head_dim 16 != 32 / 4, tied head, Qwen3's rope theta
+    hf_cfg = transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True,
+                                      rope_theta=1e6)
+    cls = transformers.Qwen3ForCausalLM
   else:  # attention_bias (q/k/v/o biases), tied head, a different rope theta
     hf_cfg = transformers.LlamaConfig(**common, tie_word_embeddings=True, attention_bias=True,
                                       rope_theta=500.0)
@@ -77,14 +82,14 @@ def _build(arch: str, path: str, seed: int) -> TinyModel:
   model.eval()
   model.save_pretrained(path)
   cfg, params = load_hf_model(path, dtype="float32", param_dtype="float32")
-  assert cfg.arch == arch and cfg.tie_word_embeddings == (arch == "llama")
+  assert cfg.arch == arch and cfg.tie_word_embeddings == (arch != "qwen2")
   return TinyModel(arch, path, model, cfg, params)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
   return {arch: _build(arch, str(tmp_path_factory.mktemp(arch)), seed)
-          for arch, seed in (("qwen2", 0), ("llama", 1))}
+          for arch, seed in (("qwen2", 0), ("llama", 1), ("qwen3", 2))}
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +177,7 @@ def greedy(models, prompts):
 
 
 # ------------------------------------------------------------------------- 1. greedy vs HF
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
 def test_greedy_matches_transformers(greedy, prompts, arch):
   g = greedy[arch]
   results = g["results"]
@@ -199,6 +204,33 @@ def test_greedy_matches_transformers(greedy, prompts, arch):
   assert len(prompts) > g["worker"].ecfg.max_batch
   assert max(c.live for c in g["chunks"]) <= g["worker"].ecfg.max_batch
   assert sum(c.tokens for c in g["chunks"]) == sum(r.num_tokens for r in results.values())
+
+
+@pytest.mark.parametrize("arm", ["3_1_4", "2_2_5"])  # a chain, a tree
+def test_qwen3_speculative_greedy_matches_transformers(models, greedy, prompts, arm):
+  """Qwen3 (q/k norms in the target AND in the drafter's layer) decoding speculatively: the
+  same tokens as transformers' greedy generate. The drafter passes the target's hidden state
+  through (fc picks it, the layer's weights are zero): it drafts the target's last prediction
+  again, which this tiny model's repetitive greedy outputs often accept (25 drafts over 44
+  verifications for the chain, 32 over 42 for the tree when written), so the accept and
+  commit paths run, not only rejections."""
+  from tlt_jax.drafter import init_drafter
+  from tlt_jax.rollout.config import SpecConfig
+  m, g = models["qwen3"], greedy["qwen3"]
+  dparams = init_drafter(m.cfg, jax.random.key(0))
+  d = m.cfg.hidden_size  # fc: [embedding, hidden] -> hidden (the target's own features)
+  dparams["fc"] = jnp.concatenate([jnp.zeros((d, d)), jnp.eye(d)], 0)
+  for k in ("q", "k", "v", "o", "gate", "up", "down"):  # a near-identity layer
+    dparams["layers"][k] = dparams["layers"][k] * 0.0
+  w = Engine(m.params, m.cfg, engine_cfg(
+      stop_tokens=(g["stop"],),
+      spec=SpecConfig(strategy=arm, bs_threshold=4, patience=1, use_kernel=False)),
+      drafter_params=dparams)
+  results, chunks = run(w, greedy_requests(prompts), GREEDY)
+  spec = [c for c in chunks if c.mode == arm]
+  assert spec and sum(c.accepted for c in spec) > 0, "no draft was ever accepted"
+  for i, ref in enumerate(g["ref"]):
+    assert results[(i, 0)].response_ids.tolist() == ref, f"request {i}"
 
 
 def test_greedy_logprobs_match_transformers(models, greedy, prompts):

@@ -176,12 +176,13 @@ def test_resume_with_tlt_and_fixed_selector_is_bit_exact_and_exports_the_drafter
 def _check_drafter_export(workdir, run, spec):
   """A 3-step TLT run (`run` of `spec`, in `workdir`) wrote the drafter's EAGLE export
   with each checkpoint (the newest keep_checkpoints of them), holding the drafter the
-  checkpoint holds; export_run (scripts/export_drafter.py) writes the same files from a
-  finished run's checkpoint, and its user errors are one line each."""
+  checkpoint holds; export_run (python -m tlt_jax.export) writes the same files from a
+  finished run's checkpoint beside the policy, and its user errors are one line each."""
   from safetensors.numpy import load_file
 
-  from tlt_jax.drafter.export import ExportError, export_path, export_run
+  from tlt_jax.drafter.export import ExportError, export_path
   from tlt_jax.drafter.model import eagle_state_dict
+  from tlt_jax.export import export_run
   assert sorted(os.listdir(workdir / "drafter_eagle")) == ["2", "3"]  # keep_checkpoints=2
   final = run.store.drafter()[1].params
   assert int(run.store.drafter()[1].step) > 0  # trained: the export is not the initial one
@@ -197,7 +198,7 @@ def _check_drafter_export(workdir, run, spec):
   for k in ("rope_theta", "vocab_size", "rms_norm_eps", "tie_word_embeddings", "hidden_size"):
     assert conf[k] == target[k], k
 
-  out = export_run(str(workdir), engine="sglang", out=str(workdir / "again"))
+  out = export_run(str(workdir), engine="sglang", out=str(workdir / "again")).drafter
   again = load_file(os.path.join(out, "model.safetensors"))
   for k in want:
     np.testing.assert_array_equal(again[k], want[k], err_msg=k)
@@ -207,7 +208,7 @@ def _check_drafter_export(workdir, run, spec):
                          ({"engine": "trt"}, "is not one of")]:
     with pytest.raises(ExportError, match=needle.replace("[", r"\[").replace("]", r"\]")):
       export_run(str(workdir), **{"engine": "sglang", **kwargs})
-  cli = subprocess.run([sys.executable, "scripts/export_drafter.py", "--workdir",
+  cli = subprocess.run([sys.executable, "-m", "tlt_jax.export", "--workdir",
                         str(workdir / "nope"), "--engine", "sglang"], cwd=ROOT,
                        env=dict(_env(), PYTHONPATH=ROOT), capture_output=True, text=True,
                        timeout=300)
@@ -282,6 +283,84 @@ def test_evaluation_leaves_the_training_bandit_untouched(tmp_path):
   assert _pulls(run.eval_selector.state) > 0  # evaluation did speculate
 
 
+def _tiny_qwen3(path) -> None:
+  """A random Qwen3 checkpoint made with transformers (q/k norms, head_dim 32 != 64 / 4, tied
+  head) with the default task's tokenizer and generation config: the default run's
+  vocabulary, so configs/default.py trains it as is."""
+  import shutil
+
+  import torch
+  import transformers
+  src = config_lib.asset_path("default", "model")
+  config = transformers.Qwen3Config(
+      vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1e6,
+      tie_word_embeddings=True, max_position_embeddings=512, eos_token_id=1, pad_token_id=0)
+  torch.manual_seed(0)
+  model = transformers.AutoModelForCausalLM.from_config(config)
+  with torch.no_grad():  # every tensor away from its init, norms included
+    for name, p in model.named_parameters():
+      p.normal_(1.0, 0.2) if name.endswith("norm.weight") else p.normal_(0.0, 0.2)
+  model.save_pretrained(path)
+  for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    shutil.copy(os.path.join(src, f), os.path.join(path, f))
+
+
+def test_qwen3_trains_with_chain_and_tree_speculation(tmp_path):
+  """A tiny Qwen3 made with transformers trains under configs/default.py with TLT on, its
+  rollout speculating with a chain and a tree arm (a fresh drafter, trained after the
+  update); the run's policy with its drafter then decodes greedily, speculating with each
+  arm, exactly what transformers' greedy generate gives for the same weights."""
+  import jax
+  import torch
+  import transformers
+
+  from tlt_jax.models.hf_io import save_hf_model
+  from tlt_jax.rollout.config import EngineConfig, SpecConfig
+  from tlt_jax.rollout.engine import Engine
+  from tlt_jax.rollout.records import Request
+  from tlt_jax.rollout.sampling import SamplingParams
+  model_dir = str(tmp_path / "qwen3")
+  _tiny_qwen3(model_dir)
+  cfg = _small_cfg(tmp_path / "run", 1, **{
+      "model.path": model_dir, "tlt.drafter.init": "init:0", "grpo.num_prompts": 2,
+      "rollout.max_new_tokens": 64, "tlt.spec.patience": 1,
+      "tlt.drafter.mode": "serial",  # drafter steps after the update: surely some, this step
+      # one arm per live size: the chain at 1 row, the tree from 2 (a bandit's choice between
+      # two arms in so short a run would be a coin toss)
+      "tlt.spec.buckets": "1:4_1_5 2:2_2_5"})
+  run, state = _run(cfg)
+  recs = _records(tmp_path / "run")
+  assert run.model_cfg.arch == "qwen3" and run.model_cfg.qk_norm
+  arms = {c.mode for e in run.coordinator.engines for c in e.chunk_log}
+  assert {"4_1_5", "2_2_5"} <= arms, arms
+  assert recs[-1]["drafter"]["steps"] >= 1  # the Qwen3 drafter layer trained
+  params = jax.device_get(state.learner.params)
+  drafter = jax.device_get(run.store.drafter()[1].params)
+  out = str(tmp_path / "trained")
+  save_hf_model(params, run.model_cfg, out, tokenizer_dir=model_dir)
+  hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+  from tlt_jax.data.dataset import Position
+  prompts = [p.ids for p in run.stream.batch(Position(), 4)[0]]
+  ref = []
+  for p in prompts:
+    ids = torch.tensor([p])
+    with torch.no_grad():
+      o = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                      max_new_tokens=16, eos_token_id=1, pad_token_id=0)
+    ref.append(o[0, len(p):].tolist())
+  for arm in ("4_1_5", "2_2_5"):
+    ecfg = EngineConfig(max_batch=4, buckets=(1, 2, 4), chunk_size=4, max_prompt_len=80,
+                        max_new_tokens=16, stop_tokens=(1,),
+                        spec=SpecConfig(strategy=arm, bs_threshold=4, patience=1,
+                                        use_kernel=False))
+    engine = Engine(params, run.model_cfg, ecfg, drafter_params=drafter)
+    res = sorted(engine.generate([Request(p, request_id=i) for i, p in enumerate(prompts)],
+                                 SamplingParams(temperature=0.0)), key=lambda r: r.request_id)
+    assert any(c.mode == arm for c in engine.chunk_log)
+    assert [r.response_ids.tolist() for r in res] == ref, arm
+
+
 def test_tlt_run_on_two_workers_trains_the_drafter_in_idle_windows(tmp_path):
   """TLT on, spot mode, two rollout workers on devices 0 and 1 of the 8-device test mesh:
   metrics, the per-worker timeline, TensorBoard and checkpoints are written; idle worker
@@ -328,7 +407,8 @@ def test_tlt_run_on_two_workers_trains_the_drafter_in_idle_windows(tmp_path):
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2"]
 
 
-@pytest.mark.parametrize("name", ["qwen2_5_7b_math.py", "qwen2_5_32b_math.py"])
+@pytest.mark.parametrize("name", ["qwen2_5_7b_math.py", "qwen3_8b_math.py", "qwen2_5_32b_math.py",
+                                  "verl_math.py"])
 def test_real_work_configs_need_paths_and_say_so(name):
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", name))
   spec = config_lib.run_spec(cfg)  # shapes and values are consistent as shipped

@@ -420,31 +420,57 @@ class Checkpointer:
     """Every leaf of step `step` (default: latest) on the host, keyed by path
     ("actor/layers/q"), read without a template onto this process's first device: for
     inspecting and comparing checkpoints, whatever process count or mesh wrote them."""
+    return {"/".join(_norm_path(p)): (np.asarray(x) if hasattr(x, "shape") else x)
+            for p, x in jax.tree_util.tree_flatten_with_path(self._read(step))[0]}
+
+  def read_subtree(self, prefix: str, step: int | None = None, *,
+                   template: PyTree = None) -> dict[str, Any]:
+    """The nested dict of the leaves under `prefix` ("drafter/params", "actor") of step
+    `step` (default: latest), and only those are read: params back in their own layout ({}
+    where the checkpoint holds none). Without `template`, numpy arrays on the host; with it
+    (the subtree as jax.ShapeDtypeStruct leaves with shardings), each leaf is read straight
+    onto its sharding in its dtype, e.g. a model spread over a mesh's devices, never whole on
+    one; CheckpointError where its paths or shapes differ from the checkpoint's."""
+    out = self._read(step, prefix, template)
+    if out is None:
+      return {}
+    if template is not None:
+      return out
+    return jax.tree.map(lambda x: np.asarray(x) if hasattr(x, "shape") else x, out)
+
+  def _read(self, step: int | None, prefix: str = "", template: PyTree = None) -> PyTree:
+    """Step `step`'s tree, or its subtree under `prefix` alone (Orbax's partial restore: the
+    rest is not read; None where there is none), onto `template`'s shardings or this
+    process's first device."""
     self.wait_until_finished()
     step = self.latest_step() if step is None else int(step)
     if step is None or step not in self.all_steps():
       raise CheckpointError(f"no checkpoint for step {step} in {self.directory!r}")
     md = self._mngr.metadata(step).item_metadata[_ITEM]
-    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    args = jax.tree.map(lambda m: ocp.ArrayRestoreArgs(sharding=one)
-                        if getattr(m, "shape", None) is not None else ocp.RestoreArgs(), md)
+    parts = [p for p in prefix.split("/") if p]
+    sub = md
+    for p in parts:
+      if not hasattr(sub, "keys") or p not in sub:
+        return None
+      sub = sub[p]
+    if template is None:
+      one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+      args = jax.tree.map(lambda m: ocp.ArrayRestoreArgs(sharding=one)
+                          if getattr(m, "shape", None) is not None else ocp.RestoreArgs(), sub)
+    else:
+      saved = {tuple(parts) + _norm_path(p): m
+               for p, m in jax.tree_util.tree_flatten_with_path(sub)[0]}
+      t_leaves = [(tuple(parts) + _norm_path(p), x)
+                  for p, x in jax.tree_util.tree_flatten_with_path(template)[0]]
+      self._check_template(step, saved, t_leaves)
+      args = jax.tree_util.tree_map_with_path(self._restore_arg, template)
+      sub = template
+    for p in reversed(parts):
+      sub, args = {p: sub}, {p: args}
     out = self._mngr.restore(step, args=ocp.args.Composite(**{_ITEM: ocp.args.PyTreeRestore(
-        item=md, restore_args=args)}))[_ITEM]
-    return {"/".join(_norm_path(p)): (np.asarray(x) if hasattr(x, "shape") else x)
-            for p, x in jax.tree_util.tree_flatten_with_path(out)[0]}
-
-  def read_subtree(self, prefix: str, step: int | None = None) -> dict[str, Any]:
-    """The nested dict of the leaves under `prefix` ("drafter/params") of `read(step)`:
-    params back in their own layout ({} where the checkpoint holds none)."""
-    out: dict[str, Any] = {}
-    lead = prefix.rstrip("/") + "/"
-    for k, v in self.read(step).items():
-      if k.startswith(lead):
-        *path, leaf = k[len(lead):].split("/")
-        node = out
-        for p in path:
-          node = node.setdefault(p, {})
-        node[leaf] = v
+        item=sub, restore_args=args, partial_restore=bool(parts))}))[_ITEM]
+    for p in parts:
+      out = out[p]
     return out
 
   def _saved_leaves(self, step: int) -> dict[tuple[str, ...], Any]:

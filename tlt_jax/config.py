@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable
 import ml_collections
 from absl import flags
 
+from tlt_jax import export
 from tlt_jax.coordinator.spot import SpotConfig
 from tlt_jax.launch import DistributedConfig
 from tlt_jax.drafter.buffer import BufferConfig
@@ -244,6 +245,11 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   d = cfg.data
   check(d.on_bad_row in ("skip", "error"), "data.on_bad_row", d.on_bad_row,
         "use 'skip' (count and warn) or 'error' (stop with the row number)")
+  for k in ("prompt_key", "answer_key", "source_key"):  # source_key "": no sources
+    key = d.get(k, "")
+    check((k == "source_key" and key == "") or (isinstance(key, str) and all(key.split("."))),
+          f"data.{k}", key, "a column name, or a dotted path into nested fields (e.g. "
+          "reward_model.ground_truth)")
 
   r = cfg.rollout
   check(isinstance(r.max_batch, int) and r.max_batch >= 0, "rollout.max_batch", r.max_batch,
@@ -318,6 +324,11 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
         "True or False")
   check(t.export_engine in ENGINES, "train.export_engine", t.export_engine,
         f"use one of {list(ENGINES)}")
+  check(t.export_policy in export.POLICIES, "train.export_policy", t.export_policy,
+        f"use one of {list(export.POLICIES)}: the policy as a Hugging Face folder at the last "
+        "checkpoint only, at every checkpoint, or never")
+  check(t.export_dtype in ("",) + export.DTYPES, "train.export_dtype", t.export_dtype,
+        f"use one of {list(export.DTYPES)}, or '' for the starting model's dtype")
   check(cfg.eval.batch_size >= 1, "eval.batch_size", cfg.eval.batch_size, "must be >= 1")
   check(cfg.reward.num_workers >= 1, "reward.num_workers", cfg.reward.num_workers,
         "must be >= 1")

@@ -38,8 +38,10 @@ def evaluate(engine: Engine, tokenizer, rows: Sequence[PromptRow], reward_fn, *,
              system_prompt: str = "", selector=None, speculate: bool = True
              ) -> dict[str, Any]:
   """Greedy-decodes every row (prompts encoded as training encodes them) and scores it;
-  returns a metrics dict. `selector`: the speculative strategy selector for these chunks
-  (the RL loop passes its own evaluation selector, so evaluation never trains its bandit)."""
+  returns a metrics dict. `reward_fn(response, answer, source, extra_info)` as
+  rewards.get_reward_fn returns it. `selector`: the speculative strategy selector for these
+  chunks (the RL loop passes its own evaluation selector, so evaluation never trains its
+  bandit)."""
   requests = [Request(encode_prompt(tokenizer, r.prompt, chat_template=chat_template,
                                     system_prompt=system_prompt), request_id=i)
               for i, r in enumerate(rows)]
@@ -60,7 +62,7 @@ def evaluate(engine: Engine, tokenizer, rows: Sequence[PromptRow], reward_fn, *,
   for res in results:
     row = rows[res.request_id]
     text = tokenizer.decode(res.response_ids, skip_special_tokens=True)
-    s = float(reward_fn(text, row.answer))
+    s = float(reward_fn(text, row.answer, row.source, row.extra_info))
     scores.append(s)
     lengths.append(res.num_tokens)
     if "num_terms" in row.extra:

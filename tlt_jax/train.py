@@ -28,8 +28,10 @@ every worker's GENERATING / IDLE / TRAINING intervals: scripts/plot_timeline.py 
 tb/ (TensorBoard, the same scalars), checkpoints/ (async Orbax: actor, optimizer, drafter and
 its optimizer, step, data position, bandit and buffer policy), drafter_eagle/<step>/ beside
 each checkpoint of a TLT run (the drafter's EAGLE export for vLLM / SGLang,
-tlt_jax/drafter/export.py; config.train.export_drafter). Re-running the same command resumes
-from the latest checkpoint.
+tlt_jax/drafter/export.py; config.train.export_drafter), policy_hf/<step>/ (the policy as a
+Hugging Face folder: the last checkpoint's at the end of the run, or every checkpoint's;
+tlt_jax/export.py, config.train.export_policy). Re-running the same command resumes from the
+latest checkpoint.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from tqdm import tqdm
 
 from tlt_jax import config as config_lib
 from tlt_jax import distributed, runtime
+from tlt_jax import export as policy_export
 from tlt_jax.checkpoint import CheckpointError
 from tlt_jax.coordinator import Worker
 from tlt_jax.drafter import export as drafter_export
@@ -88,9 +91,12 @@ def _checkpoint_tree(run: Run, state: TrainState) -> dict[str, Any]:
 def save(run: Run, state: TrainState, *, force: bool = False) -> None:
   """An async checkpoint of `state` (every config.train.checkpoint_every steps, or `force`),
   and with it the drafter's EAGLE export (config.train.export_drafter), written at once: a
-  drafter is a few MB, and the export must not wait for the checkpoint's bytes."""
+  drafter is a few MB, and the export must not wait for the checkpoint's bytes; with
+  config.train.export_policy="every", the policy's Hugging Face folder too."""
   if not run.ckpt.save(state.step, _checkpoint_tree(run, state), force=force):
     return
+  if run.cfg.train.export_policy == "every":
+    export_policy(run, state)
   if run.export_engine is None:
     return
   _, d = run.store.drafter()
@@ -103,6 +109,18 @@ def save(run: Run, state: TrainState, *, force: bool = False) -> None:
                                engine=run.export_engine,
                                target_hf_config=run.target_hf_config,
                                keep=run.cfg.train.keep_checkpoints)
+
+
+def export_policy(run: Run, state: TrainState) -> None:
+  """The policy of checkpoint `state.step` as <workdir>/policy_hf/<step>/ (tlt_jax/export.py),
+  the newest train.keep_checkpoints of them kept. Every process calls it: the gather of each
+  tensor is a collective."""
+  cfg = run.cfg
+  dtype = policy_export.policy_dtype(cfg.train.export_dtype, cfg.model.path,
+                                     cfg.model.param_dtype)
+  policy_export.export_step(cfg.workdir, state.step, state.learner.params, run.model_cfg,
+                            model_dir=cfg.model.path, dtype=dtype,
+                            keep=cfg.train.keep_checkpoints)
 
 
 def restore(run: Run, state: TrainState) -> TrainState:
@@ -171,7 +189,8 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   # finish (the coordinator keeps their drafter data); spot training when idle
   def on_response(worker: Worker, res: Result) -> None:
     text = run.tokenizer.decode(res.response_ids, skip_special_tokens=True)
-    pool.submit((res.request_id, res.sample_index), text, prompts[res.request_id].row.answer)
+    row = prompts[res.request_id].row
+    pool.submit((res.request_id, res.sample_index), text, row.answer, row.source, row.extra_info)
 
   run.hold(state)
   drafting = run.store.drafter()[1] if run.tlt else None  # the drafter of this rollout
@@ -251,9 +270,9 @@ def _gather_responses(mine: list[Response]) -> list[Response]:
 
 def evaluate(run: Run, pool: RewardPool) -> dict[str, Any]:
   """Held-out greedy accuracy, decoded by worker 0 with the evaluation selector."""
-  def score(text, answer):
+  def score(text, answer, source=None, extra_info=None):
     key = ("eval", id(text))
-    pool.submit(key, text, answer)
+    pool.submit(key, text, answer, source, extra_info)
     return pool.gather([key])[key]
 
   d, w = run.cfg.data, run.coordinator.workers[0]
@@ -312,6 +331,12 @@ def train(run: Run, state: TrainState, *, progress: bool = True
           bar.set_postfix(_progress(run, m))
           bar.update(1)
     run.ckpt.wait_until_finished()
+    # the last checkpoint's policy, once the checkpoint is on disk, unless it is there already
+    # (export_policy="every", or the run this one resumed wrote it: process 0's view counts)
+    final = policy_export.policy_path(cfg.workdir, state.step)
+    if (cfg.train.export_policy != "none"
+        and not distributed.all_gather_objects(os.path.isdir(final))[0]):
+      export_policy(run, state)
   finally:
     if bar is not None:
       bar.close()

@@ -55,7 +55,7 @@ AXES = {
     "embed": "VD", "final_norm": "D", "lm_head": "DV",
     "attn_norm": "D", "mlp_norm": "D", "q": "DNH", "k": "DKH", "v": "DKH", "o": "NHD",
     "gate": "DF", "up": "DF", "down": "FD", "q_bias": "NH", "k_bias": "KH", "v_bias": "KH",
-    "o_bias": "D",
+    "o_bias": "D", "q_norm": "H", "k_norm": "H",
 }
 RANDOM_IN_NEW_LAYERS = ("q", "k", "v", "gate", "up")
 

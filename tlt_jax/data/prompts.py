@@ -1,5 +1,9 @@
 """Prompt datasets: local JSONL or Parquet rows -> validated (prompt, answer) records.
 
+Keys are column names or dotted paths into nested fields, so verl's preprocessed files
+(`reward_model.ground_truth`, chat-message `prompt`, `data_source`, `extra_info`) load as
+they are.
+
 Real datasets have broken rows. A malformed row is either skipped and counted (with a
 warning naming its row number) or stops the run naming the row, as `on_bad_row` decides;
 never a deep traceback.
@@ -30,6 +34,12 @@ class PromptRow:
   answer: str
   source: str | None = None
   extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  @property
+  def extra_info(self) -> Any:
+    """The row's `extra_info` field (verl's per-row record a verl-style reward function is
+    given), or None."""
+    return self.extra.get("extra_info")
 
 
 @dataclasses.dataclass
@@ -72,6 +82,52 @@ def _check_messages(messages: list, key: str) -> str | None:
   return None
 
 
+def _field(row: dict, key: str) -> tuple[Any, str | None]:
+  """The value at `key`: a column, or a dotted path into nested fields ("reward_model.
+  ground_truth"; Parquet struct columns arrive as dicts). A column named exactly `key` wins.
+  -> (value, None), or (None, the shortest prefix of `key` the row lacks)."""
+  if row.get(key) is not None:
+    return row[key], None
+  value, parts = row, key.split(".")
+  for j, part in enumerate(parts):
+    if not isinstance(value, dict) or value.get(part) is None:
+      return None, ".".join(parts[:j + 1])
+    value = value[part]
+  return value, None
+
+
+def _missing(key: str, lacks: str, config_key: str, what: str = "missing") -> str:
+  """The problem of a row without `key` (`lacks`: the prefix _field found missing)."""
+  why = f"the row has no '{lacks}'; " if lacks != key else ""
+  return f"{what} '{key}' ({why}set config.data.{config_key}?)"
+
+
+def _prompt_problem(value: Any, key: str, lacks: str | None) -> str | None:
+  """A prompt is non-empty text or a list of chat messages; -> the problem, or None."""
+  if isinstance(value, list):
+    return _check_messages(value, key)
+  if isinstance(value, str) and value.strip():
+    return None
+  if value is None or isinstance(value, str):
+    return _missing(key, lacks or key, "prompt_key", "missing or empty")
+  return f"'{key}' is a {type(value).__name__}, not text or a list of chat messages"
+
+
+_ANSWER = (str, int, float)
+
+
+def _answer(value: Any, key: str) -> tuple[str | None, str | None]:
+  """An answer: a str/int/float, or a one-element list of one (some verl files store the
+  ground truth so); -> (its text, None) or (None, the problem)."""
+  if isinstance(value, list) and len(value) == 1 and isinstance(value[0], _ANSWER):
+    value = value[0]
+  if isinstance(value, _ANSWER):
+    return str(value), None
+  what = (f"a list of {len(value)} values" if isinstance(value, list)
+          else f"a {type(value).__name__}")
+  return None, f"'{key}' is {what}, not one answer (a str, int or float, or a list of one)"
+
+
 def _source(value: Any) -> str | None:
   """Sources group accuracy metrics, so they must be hashable and printable: any JSON value
   becomes its string form (lists and dicts as compact JSON); missing stays None."""
@@ -86,22 +142,22 @@ def load_prompt_rows(path: str, *, prompt_key: str = "prompt", answer_key: str =
                      source_key: str | None = None, on_bad_row: str = "skip"
                      ) -> tuple[list[PromptRow], LoadStats]:
   """Reads rows; each needs a prompt (non-empty text, or a list of chat messages) and an
-  answer (str/int/float)."""
+  answer (str/int/float, or a list of one). Keys: see `_field`."""
   if on_bad_row not in ("skip", "error"):
     raise ValueError(f"on_bad_row={on_bad_row!r}: use 'skip' or 'error'")
   rows: list[PromptRow] = []
   stats = LoadStats()
   unit = "row" if path.endswith((".parquet", ".pq")) else "line"
   for i, raw, problem in _raw_rows(path):
+    if problem is None and not isinstance(raw, dict):
+      problem = "row is not a JSON object"
     if problem is None:
-      if not isinstance(raw, dict):
-        problem = "row is not a JSON object"
-      elif isinstance(raw.get(prompt_key), list):
-        problem = _check_messages(raw[prompt_key], prompt_key)
-      elif not isinstance(raw.get(prompt_key), str) or not raw[prompt_key].strip():
-        problem = f"missing or empty '{prompt_key}' (set config.data.prompt_key?)"
-      elif not isinstance(raw.get(answer_key), (str, int, float)):
-        problem = f"missing '{answer_key}' (set config.data.answer_key?)"
+      prompt, lacks = _field(raw, prompt_key)
+      problem = _prompt_problem(prompt, prompt_key, lacks)
+    if problem is None:
+      answer, lacks = _field(raw, answer_key)
+      answer, problem = (_answer(answer, answer_key) if lacks is None
+                         else (None, _missing(answer_key, lacks, "answer_key")))
     if problem is not None:
       msg = f"{path}: {unit} {i + 1}: {problem}"
       if on_bad_row == "error":
@@ -110,11 +166,10 @@ def load_prompt_rows(path: str, *, prompt_key: str = "prompt", answer_key: str =
       stats.first_bad = stats.first_bad or msg
       continue
     extra = {k: v for k, v in raw.items() if k not in (prompt_key, answer_key)}
-    prompt = raw[prompt_key]
     if isinstance(prompt, list):
       prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
-    rows.append(PromptRow(index=i, prompt=prompt, answer=str(raw[answer_key]),
-                          source=_source(raw.get(source_key)) if source_key else None,
+    rows.append(PromptRow(index=i, prompt=prompt, answer=answer,
+                          source=_source(_field(raw, source_key)[0]) if source_key else None,
                           extra=extra))
   stats.rows = len(rows)
   if stats.bad_rows:

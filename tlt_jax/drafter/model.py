@@ -49,25 +49,31 @@ Files
                          dir/drafter_config.json (format tag + the target signature it fits)
   export_eagle(dir)  ->  dir/model.safetensors + dir/config.json in the EAGLE-1/2 drafter
                          layout that SGLang (`LlamaForCausalLMEagle`, `Qwen2ForCausalLMEagle`,
-                         python/sglang/srt/models/{llama,qwen2}_eagle.py) and vLLM
-                         (`EagleLlamaForCausalLM`, vllm/model_executor/models/llama_eagle.py)
-                         load as `--speculative-draft-model-path` / `speculative_config.model`:
+                         `Qwen3ForCausalLMEagle`: python/sglang/srt/models/{llama,qwen2,
+                         qwen3}_eagle.py) and vLLM (`EagleLlamaForCausalLM`,
+                         vllm/model_executor/models/llama_eagle.py) load as
+                         `--speculative-draft-model-path` / `speculative_config.model`:
       fc.weight                                   [D, 2D]  (torch Linear: out x in)
       fc.bias                                     [D]      zeros; see below
       layers.0.self_attn.{q,k,v,o}_proj.weight    HF layout, as in the target checkpoint
       layers.0.self_attn.{q,k,v}_proj.bias        when the target has qkv biases (Qwen2)
       layers.0.self_attn.o_proj.bias              when the target has an o bias (Llama)
+      layers.0.self_attn.{q,k}_norm.weight        [H]  Qwen3 (its decoder layer has them)
       layers.0.post_attention_layernorm.weight    [D]
       layers.0.mlp.{gate,up,down}_proj.weight     HF layout
-    No `layers.0.input_layernorm.weight` (both engines replace layer 0's input norm with the
-    identity and would reject or ignore it), no `embed_tokens` / `lm_head` (both engines share
+    For a Qwen3 target the projection is `eagle_fc.{weight,bias}`: SGLang's
+    Qwen3ForCausalLMEagle is a Qwen3ForCausalLM with `model.eagle_fc` added (its load_weights
+    prefixes `model.` to every name), its layer 0's input norm and its final norm the
+    identity, as the other classes.
+    No `layers.0.input_layernorm.weight` (the engines replace layer 0's input norm with the
+    identity and would reject or ignore it), no `embed_tokens` / `lm_head` (the engines share
     the target's). config.json is the target's HF config with num_hidden_layers = 1 and
     `architectures` set for the engine:
-      engine="sglang": ["LlamaForCausalLMEagle"] / ["Qwen2ForCausalLMEagle"] (SGLang picks the
-        class from `architectures`; it does not rename a draft's architecture).
+      engine="sglang": ["<target class>Eagle"], e.g. ["Qwen3ForCausalLMEagle"] (SGLang picks
+        the class from `architectures`; it does not rename a draft's architecture).
       engine="vllm":   the target's own name (["LlamaForCausalLM"]): vLLM's EAGLEConfig prefixes
         "Eagle" itself (LlamaForCausalLM -> EagleLlamaForCausalLM). vLLM has no EAGLE-1 class
-        for Qwen2, so engine="vllm" with a qwen2 target is an error.
+        for Qwen2 or Qwen3, so engine="vllm" with such a target is an error.
     Why fc.bias: SGLang builds `fc = nn.Linear(2D, D)` WITH a bias and does not zero params a
     checkpoint omits, so a checkpoint without fc.bias would leave a random bias; a zero bias
     is exactly our bias-free fc. vLLM's fc has no bias and skips checkpoint names its model
@@ -340,6 +346,13 @@ def load_drafter(directory: str, cfg: ModelConfig) -> Params:
 
 
 # ------------------------------------------------------------------------------ export
+def eagle_fc_name(cfg: ModelConfig) -> str:
+  """The input projection's tensor name: SGLang's Qwen3ForCausalLMEagle calls it `eagle_fc`
+  (a Qwen3ForCausalLM with the projection added to its model), the EAGLE-1 classes of Llama
+  and Qwen2 `fc`."""
+  return "eagle_fc" if cfg.arch == "qwen3" else "fc"
+
+
 def eagle_state_dict(dparams: Params, cfg: ModelConfig, dtype: str | None = None,
                      fc_bias: bool = True) -> dict[str, np.ndarray]:
   """EAGLE-1/2 drafter tensors (see the module docstring), HF layout, numpy."""
@@ -348,9 +361,10 @@ def eagle_state_dict(dparams: Params, cfg: ModelConfig, dtype: str | None = None
   np_dtype = np.dtype(jnp.dtype(dtype or cfg.param_dtype))
   host = jax.device_get(dparams)
   fc = np.asarray(host["fc"])
-  out = {"fc.weight": np.ascontiguousarray(fc.T.astype(np_dtype))}
+  fc_name = eagle_fc_name(cfg)
+  out = {f"{fc_name}.weight": np.ascontiguousarray(fc.T.astype(np_dtype))}
   if fc_bias:
-    out["fc.bias"] = np.zeros((cfg.hidden_size,), np_dtype)
+    out[f"{fc_name}.bias"] = np.zeros((cfg.hidden_size,), np_dtype)
   one = cfg.replace(num_layers=1)
   for ours, hf_name, _, to_hf in _mapping(one):
     if not ours.startswith("layers/") or ours == "layers/attn_norm":
@@ -363,7 +377,7 @@ def eagle_state_dict(dparams: Params, cfg: ModelConfig, dtype: str | None = None
 
 
 def eagle_architecture(cfg: ModelConfig, engine: str) -> str:
-  base = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[cfg.arch]
+  base = cfg.to_hf_dict()["architectures"][0]
   if engine == "sglang":
     return base + "Eagle"
   if engine == "vllm":

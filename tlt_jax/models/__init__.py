@@ -1,4 +1,5 @@
-"""Pure-functional Qwen2/Llama models: config, params, forward, KV cache, HF checkpoint I/O."""
+"""Pure-functional Qwen2/Qwen3/Llama models: config, params, forward, KV cache, HF checkpoint
+I/O."""
 
 from tlt_jax.models.config import ModelConfig, RopeScaling, num_params
 from tlt_jax.models.transformer import (KVCache, ModelOutput, Params, abstract_params,

@@ -1,4 +1,5 @@
-"""Model configuration: one frozen, hashable dataclass for Qwen2/Qwen2.5 and Llama(-3.x).
+"""Model configuration: one frozen, hashable dataclass for Qwen2/Qwen2.5, Qwen3 (dense) and
+Llama(-3.x).
 
 The config is hashable so it can be a static argument of `jax.jit`; every field that changes
 the computation graph lives here, every array lives in the params pytree.
@@ -11,7 +12,9 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
-SUPPORTED_ARCHS = ("qwen2", "llama")
+SUPPORTED_ARCHS = ("qwen2", "qwen3", "llama")
+_HF_CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "llama": "LlamaForCausalLM"}
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -27,7 +30,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  arch: str  # "qwen2" | "llama"
+  arch: str  # "qwen2" | "qwen3" | "llama"
   vocab_size: int
   hidden_size: int
   intermediate_size: int
@@ -40,6 +43,7 @@ class ModelConfig:
   rms_norm_eps: float = 1e-6
   qkv_bias: bool = False  # Qwen2: True; Llama: `attention_bias`
   o_bias: bool = False  # Llama `attention_bias` also biases o_proj
+  qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on each query and key head, before RoPE
   tie_word_embeddings: bool = False
   max_position_embeddings: int = 4096
   dtype: str = "float32"  # compute dtype of matmuls
@@ -92,12 +96,14 @@ class ModelConfig:
       archs = d.get("architectures")
       raise ValueError(
           f"{source}: model_type={model_type!r} (architectures={archs}) is not supported; "
-          f"tlt_jax implements {SUPPORTED_ARCHS} (Qwen2/Qwen2.5 and Llama/Llama-3.x).")
+          f"tlt_jax implements {SUPPORTED_ARCHS} (Qwen2/Qwen2.5, dense Qwen3 and "
+          "Llama/Llama-3.x; Qwen3-MoE is not supported: docs/scale.md)")
     if d.get("mlp_bias"):
-      raise ValueError(f"{source}: mlp_bias=true is not supported (no released Qwen2/Llama uses it)")
-    if d.get("use_sliding_window") and model_type == "qwen2":
+      raise ValueError(f"{source}: mlp_bias=true is not supported (no released Qwen2, Qwen3 or "
+                       "Llama uses it)")
+    if d.get("use_sliding_window") and model_type in ("qwen2", "qwen3"):
       raise ValueError(f"{source}: use_sliding_window=true is not supported; set it to false "
-                       "(Qwen2.5 checkpoints ship with it off)")
+                       "(Qwen2.5 and Qwen3 checkpoints ship with it off)")
     act = d.get("hidden_act", "silu")
     if act != "silu":
       raise ValueError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
@@ -134,8 +140,10 @@ class ModelConfig:
         rope_theta=float(theta if theta is not None else 10000.0),
         rope_scaling=scaling,
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        # Qwen2: q/k/v biases, never o; Qwen3 and Llama: `attention_bias` covers all four
         qkv_bias=True if model_type == "qwen2" else attn_bias,
         o_bias=False if model_type == "qwen2" else attn_bias,
+        qk_norm=model_type == "qwen3",
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
     )
@@ -146,11 +154,14 @@ class ModelConfig:
     """The `config.json` transformers needs to load params saved by `save_hf_model`."""
     if self.arch == "qwen2" and self.o_bias:
       raise ValueError("Qwen2 has no o_proj bias; a qwen2 config with o_bias cannot be exported")
-    if self.arch == "llama" and self.qkv_bias != self.o_bias:
-      raise ValueError("Llama's attention_bias covers q/k/v/o together; qkv_bias != o_bias "
-                       "cannot be exported as a Llama checkpoint")
+    if self.arch in ("llama", "qwen3") and self.qkv_bias != self.o_bias:
+      raise ValueError(f"{self.arch}'s attention_bias covers q/k/v/o together; qkv_bias != "
+                       f"o_bias cannot be exported as a {_HF_CLASSES[self.arch]} checkpoint")
+    if self.qk_norm != (self.arch == "qwen3"):
+      raise ValueError(f"qk_norm={self.qk_norm} cannot be exported as a {self.arch} checkpoint "
+                       "(Qwen3 always has q/k norms, Qwen2 and Llama never)")
     d = {
-        "architectures": ["Qwen2ForCausalLM" if self.arch == "qwen2" else "LlamaForCausalLM"],
+        "architectures": [_HF_CLASSES[self.arch]],
         "model_type": self.arch,
         "vocab_size": self.vocab_size,
         "hidden_size": self.hidden_size,
@@ -167,8 +178,9 @@ class ModelConfig:
         "torch_dtype": self.param_dtype,
         "attention_dropout": 0.0,
     }
-    if self.arch == "llama":
+    if self.arch in ("llama", "qwen3"):
       d["attention_bias"] = self.qkv_bias
+    if self.arch == "llama":
       d["mlp_bias"] = False
     else:
       d["use_sliding_window"] = False
@@ -184,6 +196,8 @@ def num_params(cfg: ModelConfig) -> int:
     attn += h * (cfg.num_heads + 2 * cfg.num_kv_heads)
   if cfg.o_bias:
     attn += d
+  if cfg.qk_norm:
+    attn += 2 * h
   per_layer = attn + 3 * d * f + 2 * d
   emb = cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2)
   return cfg.num_layers * per_layer + emb + d

@@ -5,7 +5,8 @@ mapped, every param is built with `jax.make_array_from_callback`, and the callba
 the slice of the HF tensor that lands on that device (the layout transform is a numpy view,
 so slicing happens before any bytes are copied). Saving writes a directory that
 `transformers.AutoModelForCausalLM.from_pretrained` loads, so trained actors go straight to
-serving engines.
+serving engines; it streams the other way: one tensor (a stacked leaf's one layer) gathered to
+the host at a time and written as it comes, each file's header planned from the shapes first.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import os
 import shutil
 import struct
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import jax
 import ml_dtypes
@@ -74,28 +75,50 @@ def mmap_safetensors(path: str) -> dict[str, np.ndarray]:
   return out
 
 
-def write_safetensors(path: str, tensors: dict[str, np.ndarray],
-                      metadata: dict[str, str] | None = None) -> None:
+def _safetensors_header(specs: list[tuple[str, tuple[int, ...], Any]],
+                        metadata: dict[str, str] | None) -> bytes:
+  """The length prefix and JSON header of a file holding `specs` [(name, shape, dtype)] in
+  that order (the data section 8-byte aligned)."""
   header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
   pos = 0
-  arrays = []
-  for name, arr in tensors.items():
-    arr = np.ascontiguousarray(arr)
-    if arr.dtype not in _ST_NAMES:
-      raise ValueError(f"cannot write tensor {name} of dtype {arr.dtype} to safetensors")
-    header[name] = {"dtype": _ST_NAMES[arr.dtype], "shape": list(arr.shape),
-                    "data_offsets": [pos, pos + arr.nbytes]}
-    pos += arr.nbytes
-    arrays.append(arr)
+  for name, shape, dtype in specs:
+    dtype = np.dtype(dtype)
+    if dtype not in _ST_NAMES:
+      raise ValueError(f"cannot write tensor {name} of dtype {dtype} to safetensors")
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    header[name] = {"dtype": _ST_NAMES[dtype], "shape": [int(d) for d in shape],
+                    "data_offsets": [pos, pos + n]}
+    pos += n
   blob = json.dumps(header, separators=(",", ":")).encode()
   blob += b" " * (-len(blob) % 8)  # 8-byte alignment of the data section
+  return struct.pack("<Q", len(blob)) + blob
+
+
+def write_safetensors_stream(path: str, specs: list[tuple[str, tuple[int, ...], Any]],
+                             tensors: Iterator[tuple[str, np.ndarray]],
+                             metadata: dict[str, str] | None = None) -> None:
+  """A safetensors file written as its tensors are produced: the header from `specs`
+  [(name, shape, dtype)] first, then exactly len(specs) items of `tensors` ((name, array),
+  in the same order, e.g. a generator gathering them one by one), each written as it comes,
+  so the file's tensors are never all in memory at once. Renamed into place when complete: a
+  crash mid-write never leaves a truncated file under the real name."""
   tmp = path + ".tmp"
   with open(tmp, "wb") as f:
-    f.write(struct.pack("<Q", len(blob)))
-    f.write(blob)
-    for arr in arrays:
-      f.write(arr.tobytes())
-  os.replace(tmp, path)  # a crash mid-write never leaves a truncated file under the real name
+    f.write(_safetensors_header(specs, metadata))
+    for name, shape, dtype in specs:
+      got, arr = next(tensors, (None, None))
+      if got != name or tuple(arr.shape) != tuple(shape) or arr.dtype != np.dtype(dtype):
+        raise ValueError(f"{path}: expected tensor {name} {tuple(shape)} {np.dtype(dtype)}, got "
+                         + ("none" if got is None else f"{got} {arr.shape} {arr.dtype}"))
+      f.write(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
+  os.replace(tmp, path)
+
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray],
+                      metadata: dict[str, str] | None = None) -> None:
+  tensors = {name: np.asarray(arr) for name, arr in tensors.items()}
+  specs = [(name, arr.shape, arr.dtype) for name, arr in tensors.items()]
+  write_safetensors_stream(path, specs, iter(tensors.items()), metadata)
 
 
 # ------------------------------------------------------------------------------- key mapping
@@ -133,6 +156,9 @@ def _mapping(cfg: ModelConfig):
     ]
   if cfg.o_bias:
     rows.append(("layers/o_bias", "model.layers.{}.self_attn.o_proj.bias", ident, ident))
+  if cfg.qk_norm:
+    rows += [("layers/q_norm", "model.layers.{}.self_attn.q_norm.weight", ident, ident),
+             ("layers/k_norm", "model.layers.{}.self_attn.k_norm.weight", ident, ident)]
   if not cfg.tie_word_embeddings:
     rows.append(("lm_head", "lm_head.weight", t, t))
   return rows
@@ -272,61 +298,118 @@ def load_hf_model(model_dir: str, *, dtype: str | None = None, param_dtype: str 
 
 
 # ------------------------------------------------------------------------------------ saving
-def _to_host(x: jax.Array) -> np.ndarray:
+MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default, max_shard_size="5GB"
+
+
+def _to_host(x) -> np.ndarray:
+  """x on this host as numpy; an array with shards on other processes is all-gathered (a
+  collective: every process calls it, each gets all of x)."""
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
     from jax.experimental import multihost_utils
     x = multihost_utils.process_allgather(x, tiled=True)
   return np.asarray(x)
 
 
+@jax.jit
+def _layer(x: jax.Array, i: jax.Array) -> jax.Array:
+  """Layer i's slice of a stacked [L, ...] leaf, on the leaf's devices (one executable per
+  leaf shape, whatever i)."""
+  return jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
+
+
+def _np_dtype(dtype: str) -> np.dtype:
+  return np.dtype(jax.numpy.dtype(dtype))
+
+
+def hf_tensor_specs(cfg: ModelConfig, dtype: str | None = None
+                    ) -> list[tuple[str, tuple[int, ...], np.dtype]]:
+  """(HF name, shape, dtype) of each tensor `hf_state_dict` yields, in its order, from the
+  config alone (the layout transforms traced on shapes): a file's header before its data."""
+  np_dtype = _np_dtype(dtype or cfg.param_dtype)
+  shapes = param_shapes(cfg)
+  out = []
+  for ours, hf_name, _, to_hf in _mapping(cfg):
+    shape = _get(shapes, ours)
+    stacked = ours.startswith("layers/")
+    hf_shape = tuple(jax.eval_shape(to_hf, jax.ShapeDtypeStruct(
+        shape[1:] if stacked else shape, np.float32)).shape)
+    names = [hf_name.format(i) for i in range(cfg.num_layers)] if stacked else [hf_name]
+    out += [(name, hf_shape, np_dtype) for name in names]
+  return out
+
+
 def hf_state_dict(params: Params, cfg: ModelConfig, dtype: str | None = None
                   ) -> Iterable[tuple[str, np.ndarray]]:
-  """(HF name, numpy array) pairs in HF layout, one param at a time (bounded host memory)."""
-  np_dtype = np.dtype(jax.numpy.dtype(dtype or cfg.param_dtype))
+  """(HF name, numpy array) pairs in HF layout and `hf_tensor_specs` order, one tensor at a
+  time: a stacked [L, ...] leaf comes to the host one layer's slice at a time, so the host
+  holds one tensor of the model at once, whatever the model's size. With several processes
+  each tensor is a collective: every process iterates this to the end, in step."""
+  np_dtype = _np_dtype(dtype or cfg.param_dtype)
+
+  def convert(x, to_hf):
+    return np.array(to_hf(_to_host(x)), dtype=np_dtype, order="C")
+
   for ours, hf_name, _, to_hf in _mapping(cfg):
-    arr = _to_host(_get(params, ours))
-    if ours.startswith("layers/"):
-      for i in range(cfg.num_layers):
-        yield hf_name.format(i), np.ascontiguousarray(to_hf(arr[i]).astype(np_dtype))
-    else:
-      yield hf_name, np.ascontiguousarray(to_hf(arr).astype(np_dtype))
+    leaf = _get(params, ours)
+    if not ours.startswith("layers/"):
+      yield hf_name, convert(leaf, to_hf)
+      continue
+    for i in range(cfg.num_layers):
+      layer = _layer(leaf, np.int32(i)) if isinstance(leaf, jax.Array) else leaf[i]
+      yield hf_name.format(i), convert(layer, to_hf)
+
+
+def _shards(specs: list, max_shard_bytes: int) -> list[list]:
+  """`specs` cut, in order, into files of at most max_shard_bytes (a bigger tensor alone)."""
+  shards: list[list] = [[]]
+  size = 0
+  for spec in specs:
+    n = int(np.prod(spec[1], dtype=np.int64)) * spec[2].itemsize
+    if size and size + n > max_shard_bytes:
+      shards.append([])
+      size = 0
+    shards[-1].append(spec)
+    size += n
+  return shards
 
 
 def save_hf_model(params: Params, cfg: ModelConfig, out_dir: str, *,
                   dtype: str | None = None, extra_config: dict[str, Any] | None = None,
                   generation_config: dict[str, Any] | None = None,
                   tokenizer_dir: str | None = None,
-                  max_shard_bytes: int = 4 * 1024**3) -> None:
-  """Writes config.json + safetensors (sharded with an index above max_shard_bytes)."""
+                  max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+  """Writes config.json + safetensors (sharded with model.safetensors.index.json above
+  max_shard_bytes, as transformers names them) in `dtype` (default: cfg.param_dtype), and
+  generation_config.json and tokenizer_dir's tokenizer files when given.
+
+  Streamed: each file's header is planned from the shapes, then each tensor is gathered
+  (`hf_state_dict`), converted and written as it comes, so no host ever holds the model
+  twice. Every process of a multi-process run calls this (the gathers are collectives);
+  process 0 alone writes."""
+  tensors = iter(hf_state_dict(params, cfg, dtype))
   if jax.process_index() != 0:
-    list(hf_state_dict(params, cfg, dtype))  # every process joins the all-gathers
+    for _ in tensors:  # every process joins the all-gathers
+      pass
     return
   os.makedirs(out_dir, exist_ok=True)
   config = cfg.to_hf_dict()
   if dtype:
     config["torch_dtype"] = dtype
   config.update(extra_config or {})
-  shards: list[dict[str, np.ndarray]] = [{}]
-  size = 0
-  for name, arr in hf_state_dict(params, cfg, dtype):
-    if size and size + arr.nbytes > max_shard_bytes:
-      shards.append({})
-      size = 0
-    shards[-1][name] = arr
-    size += arr.nbytes
   for stale in os.listdir(out_dir):
     if stale.endswith(".safetensors") or stale == "model.safetensors.index.json":
       os.remove(os.path.join(out_dir, stale))
+  specs = hf_tensor_specs(cfg, dtype)
+  shards = _shards(specs, max_shard_bytes)
   if len(shards) == 1:
-    write_safetensors(os.path.join(out_dir, "model.safetensors"), shards[0])
+    write_safetensors_stream(os.path.join(out_dir, "model.safetensors"), specs, tensors)
   else:
-    weight_map, total = {}, 0
+    weight_map = {}
     for i, shard in enumerate(shards):
       fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-      write_safetensors(os.path.join(out_dir, fname), shard)
-      for name, arr in shard.items():
-        weight_map[name] = fname
-        total += arr.nbytes
+      write_safetensors_stream(os.path.join(out_dir, fname), shard, tensors)
+      weight_map.update((name, fname) for name, _, _ in shard)
+    total = sum(int(np.prod(shape, dtype=np.int64)) * dt.itemsize for _, shape, dt in specs)
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
       json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
   with open(os.path.join(out_dir, "config.json"), "w") as f:

@@ -1,4 +1,4 @@
-"""Pure-functional Qwen2 / Llama decoder.
+"""Pure-functional Qwen2 / Qwen3 (dense) / Llama decoder.
 
 Params are a plain nested dict (layout below); `forward` is a pure function of
 (params, tokens, positions, cache) and is meant to be called under `jax.jit` with `cfg`
@@ -19,6 +19,7 @@ Param layout (L layers, D hidden, N query heads, K kv heads, H head dim, F mlp, 
   embed       [V, D]
   layers/     attn_norm [L, D]   q [L, D, N, H]   k, v [L, D, K, H]   o [L, N, H, D]
               q_bias [L, N, H]   k_bias, v_bias [L, K, H]  (qkv_bias)   o_bias [L, D]  (o_bias)
+              q_norm, k_norm [L, H]  (qk_norm: Qwen3's per-head RMSNorm before RoPE)
               mlp_norm [L, D]    gate, up [L, D, F]   down [L, F, D]
   final_norm  [D]
   lm_head     [D, V]   (absent when tie_word_embeddings: the head is embed.T)
@@ -192,6 +193,8 @@ def param_shapes(cfg: ModelConfig) -> Params:
     layers.update(q_bias=(L, N, H), k_bias=(L, K, H), v_bias=(L, K, H))
   if cfg.o_bias:
     layers.update(o_bias=(L, D))
+  if cfg.qk_norm:
+    layers.update(q_norm=(L, H), k_norm=(L, H))
   shapes = {"embed": (V, D), "layers": layers, "final_norm": (D,)}
   if not cfg.tie_word_embeddings:
     shapes["lm_head"] = (D, V)
@@ -343,6 +346,9 @@ def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv, within_chunk: bool = Fal
   v = _dense(h, lp["v"], "BTD,DKH->BTKH", dt)
   if cfg.qkv_bias:
     q, k, v = q + lp["q_bias"].astype(dt), k + lp["k_bias"].astype(dt), v + lp["v_bias"].astype(dt)
+  if cfg.qk_norm:  # over each head's H features, every head sharing the weight
+    q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+    k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
   q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
   if kv is None:
     k_all, v_all, new_kv = k, v, None

@@ -114,14 +114,15 @@ class _Worker:
       self.kill()
       raise RewardError(_named(name, fatal))
 
-  def call(self, response: str, answer: str, timeout: float) -> tuple[str, Any]:
+  def call(self, task: dict[str, Any], timeout: float) -> tuple[str, Any]:
     """-> ("ok", reward) | ("error", msg) | ("timeout", None) | ("crash", None).
 
     Raises on a reply it cannot read; the pool counts that as a crash too."""
     deadline = time.monotonic() + timeout
-    task = json.dumps({"response": response, "answer": answer}).encode() + b"\n"
+    # default=str: a row's extra_info may hold values JSON lacks (dates, bytes from Parquet)
+    line = json.dumps(task, default=str).encode() + b"\n"
     try:
-      if not self._write(task, deadline):
+      if not self._write(line, deadline):
         return "timeout", None
     except OSError:  # BrokenPipeError: the process is gone
       return "crash", None
@@ -173,7 +174,9 @@ class _Worker:
 
 
 class RewardPool:
-  """`submit(key, response, answer)` from any thread; `gather(keys)` -> {key: reward}.
+  """`submit(key, response, answer, source, extra_info)` from any thread; `gather(keys)` ->
+  {key: reward}. `source` and `extra_info` (the prompt row's) reach verl-style reward
+  functions (rewards.py).
 
   `startup_timeout` bounds a worker's start-up (importing the reward module); by default
   max(timeout, 30 s). After `max_start_failures` failed worker starts in a row the pool stops
@@ -232,8 +235,8 @@ class RewardPool:
       if worker is not None:
         worker.kill()
 
-  def _run(self, worker: _Worker | None, key: Hashable, response: str,
-           answer: str) -> _Worker | None:
+  def _run(self, worker: _Worker | None, key: Hashable,
+           task: dict[str, Any]) -> _Worker | None:
     """Scores one task (always recording a result) and returns the worker for the next one."""
     if self._closed or self._broken is not None:
       with self._done:  # gather raises; do not spend start-ups and timeouts on the backlog
@@ -243,7 +246,7 @@ class RewardPool:
     try:
       if worker is None:
         worker = self._start_worker()
-      status, value = worker.call(response, answer, self.timeout)
+      status, value = worker.call(task, self.timeout)
     except _StartFailed:
       status, value = "start_failed", None
     except Exception as e:  # noqa: BLE001 - unreadable reply, broken pipe, ...: one crashed call
@@ -295,7 +298,8 @@ class RewardPool:
       self._done.notify_all()
 
   # ------------------------------------------------------------------------------ public
-  def submit(self, key: Hashable, response: str, answer: str) -> None:
+  def submit(self, key: Hashable, response: str, answer: str, source: str | None = None,
+             extra_info: Any = None) -> None:
     with self._done:
       if self._closed:
         raise RewardError("submit on a closed reward pool")
@@ -304,7 +308,8 @@ class RewardPool:
         # an idle spell (generation between two batches can take minutes).
         self._last_progress = time.monotonic()
       self._pending += 1
-    self._tasks.put((key, response, answer))
+    self._tasks.put((key, {"response": response, "answer": answer, "source": source,
+                           "extra_info": extra_info}))
 
   def gather(self, keys: list[Hashable]) -> dict[Hashable, float]:
     """Waits for (and removes) the rewards of `keys`.

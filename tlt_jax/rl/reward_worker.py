@@ -1,10 +1,10 @@
 """Reward worker process: `python -m tlt_jax.rl.reward_worker NAME`.
 
 Writes {"ready": true} (or {"fatal": str} and exits) once the reward function is loaded, then
-reads one JSON task per line ({"response", "answer"}) and writes one JSON line per task
-({"reward": float} or {"error": str}). Runs the function in its main thread, so libraries that
-time themselves out with SIGALRM (math-verify does) work. The parent kills and replaces this
-process when a call exceeds its timeout; see reward_pool.py.
+reads one JSON task per line ({"response", "answer", "source", "extra_info"}) and writes one
+JSON line per task ({"reward": float} or {"error": str}). Runs the function in its main
+thread, so libraries that time themselves out with SIGALRM (math-verify does) work. The parent
+kills and replaces this process when a call exceeds its timeout; see reward_pool.py.
 
 Why the protocol runs on private file descriptors: the reward is user code, and whatever it, a C
 extension or a child process writes to fd 1 would land on the protocol pipe as a line the
@@ -62,7 +62,8 @@ def main() -> None:
   for line in tasks:
     task = json.loads(line)
     try:
-      r = float(fn(task["response"], task["answer"]))
+      r = float(fn(task["response"], task["answer"], task.get("source"),
+                   task.get("extra_info")))
       msg = {"reward": r} if math.isfinite(r) else {"error": f"non-finite reward {r}"}
     except Exception as e:  # noqa: BLE001 - any failure of user code is one zero reward
       msg = {"error": f"{type(e).__name__}: {e}"[:500]}

@@ -1,8 +1,16 @@
-"""Reward functions, named in the config: a registry name or a `module.path:function`.
+"""Reward functions, named in the config: a registry name, `package.module:function` or
+`path/to/file.py:function`.
 
-A reward function is `fn(response_text: str, answer: str) -> float`. They run in the worker
-processes of `tlt_jax.rl.reward_pool.RewardPool` (a crash or hang costs one reward, not the
-run), so they may be slow, call sympy, or even segfault.
+A reward function is either
+  fn(response_text: str, answer: str) -> float
+or verl's signature, recognised by its parameter names and called as verl calls it, by keyword
+(so verl's own scorers and a verl user's reward files plug in unchanged):
+  fn(data_source, solution_str, ground_truth, extra_info=None) -> float | {"score": float, ...}
+with data_source the row's config.data.source_key value (None without one) and extra_info its
+`extra_info` field (None without one; passed only if fn takes it). `get_reward_fn` returns
+either kind as one `(response, answer, source=None, extra_info=None) -> float`. They run in
+the worker processes of `tlt_jax.rl.reward_pool.RewardPool` (a crash or hang costs one reward,
+not the run), so they may be slow, call sympy, or even segfault.
 
   arith  the default task's verifier (tlt_jax/data/arith.py): 1.0 iff the final answer after
          "####" is right.
@@ -14,9 +22,15 @@ run), so they may be slow, call sympy, or even segfault.
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+import importlib.util
+import inspect
+import os
+import sys
+from typing import Any, Callable
 
-RewardFn = Callable[[str, str], float]
+RewardFn = Callable[[str, str], float]  # a registry function: (response, answer) -> reward
+# verl's reward manager passes these by keyword; a function taking all three is verl-style.
+VERL_PARAMS = ("data_source", "solution_str", "ground_truth")
 
 
 def _arith(response: str, answer: str) -> float:
@@ -49,20 +63,54 @@ def _import_math_verify() -> None:
 REGISTRY: dict[str, RewardFn] = {"arith": _arith, "math": _math}
 
 
-def get_reward_fn(name: str) -> RewardFn:
+def _load_module(module: str):
+  """`module`: a dotted module name, or a .py file (as verl's custom_reward_function.path)."""
+  if not module.endswith(".py"):
+    return importlib.import_module(module)
+  if not os.path.isfile(module):
+    raise ImportError(f"no file {module!r}")
+  spec = importlib.util.spec_from_file_location(
+      "_tlt_reward_" + os.path.basename(module)[:-3], os.path.abspath(module))
+  mod = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = mod  # as an import would (dataclasses in it look themselves up)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def _uniform(fn: Callable) -> Callable[..., Any]:
+  """fn, of either kind (module docstring), as `(response, answer, source, extra_info)`."""
+  try:
+    params = inspect.signature(fn).parameters
+  except (TypeError, ValueError):  # a builtin without a signature: not verl-style
+    params = {}
+  named = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+  if not set(VERL_PARAMS) <= named:
+    return lambda response, answer, source=None, extra_info=None: fn(response, answer)
+  takes_extra = "extra_info" in named or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+  def verl_style(response, answer, source=None, extra_info=None):
+    kw = {"extra_info": extra_info} if takes_extra else {}
+    out = fn(data_source=source, solution_str=response, ground_truth=answer, **kw)
+    return out["score"] if isinstance(out, dict) else out  # verl's {"score": r, ...metrics}
+  return verl_style
+
+
+def get_reward_fn(name: str) -> Callable[..., Any]:
+  """The reward `name` as `(response, answer, source=None, extra_info=None) -> reward`."""
   if name in REGISTRY:
     if name == "math":
       _import_math_verify()
-    return REGISTRY[name]
+    return _uniform(REGISTRY[name])
   if ":" in name:
-    module, _, attr = name.partition(":")
+    module, _, attr = name.rpartition(":")
     try:
-      fn = getattr(importlib.import_module(module), attr)
+      fn = getattr(_load_module(module), attr)
     except (ImportError, AttributeError) as e:
       raise ValueError(f"reward {name!r}: cannot import ({e}); use 'package.module:function' "
-                       "importable from the working directory or PYTHONPATH") from None
+                       "importable from the working directory or PYTHONPATH, or "
+                       "'path/to/file.py:function'") from None
     if not callable(fn):
       raise ValueError(f"reward {name!r} is not callable")
-    return fn
-  raise ValueError(f"reward {name!r} is unknown; use one of {sorted(REGISTRY)} or "
-                   "'package.module:function'")
+    return _uniform(fn)
+  raise ValueError(f"reward {name!r} is unknown; use one of {sorted(REGISTRY)}, "
+                   "'package.module:function' or 'path/to/file.py:function'")
