@@ -3,15 +3,17 @@
 #
 #   bash scripts/gpu_check.sh [--smoke] [--out DIR]      # DIR/report.md (default out/gpu_check)
 #
-# On a GPU machine (every stage time-boxed; the whole run stays under 9 minutes): the Pallas
+# On a GPU machine (every stage time-boxed; the whole run stays under 10 minutes): the Pallas
 # verification kernels compiled for the GPU against their references and timed against XLA
 # (Mosaic GPU vs Triton vs the jnp reference, scripts/bench_verify.py), a speculative-test
 # subset (greedy SD == plain through the kernel, the lossless distribution tests), a >= 1B
 # widened bench target built on the spot (scripts/make_bench_model.py: the shipped model's
 # function, so the real acceptance) and probed in bf16 (copy bandwidth, roofline of plain
 # decode at batch 1 / 8, greedy SD == plain in bf16, compiled memory vs shapes:
-# scripts/gpu_probe.py), scripts/bench_regime.py on it (SD vs plain at batch 1, 8 and the long
-# tail), and a dozen RL steps of the default config, TLT on vs off (scripts/bench_e2e.py).
+# scripts/gpu_probe.py), the cost model calibrated on it and its predictions of the plain and
+# speculative steps against measured (scripts/bench_cost_model.py: the H100/H200 profile the
+# cluster simulator prices with), scripts/bench_regime.py on it (SD vs plain at batch 1, 8 and
+# the long tail), and a dozen RL steps of the default config, TLT on vs off (scripts/bench_e2e.py).
 # Missing Python packages travel as wheels in .whl/ (GPU.md says which) and are installed to
 # /tmp/site. A stage that fails or runs out of time is reported as such; the rest still runs.
 #
@@ -46,11 +48,12 @@ if [ $SMOKE = 1 ]; then
   PROBE_ARGS="--dtype float32 --prompts 2 --max_new_tokens 64 --iters 5"
   REGIME_ARGS="--prompts 1 --tail_prompts 2 --tail_n 2 --arms 3_1_4 --tail_arms 3_1_4
     --max_new_tokens 24 --threshold 2 --gate_rollouts 2 --gate_prompts 1"
+  COST_ARGS="--batch_sizes 1,2 --arms 3_1_4 --iters 8"
   E2E_STEPS=2
   E2E_EXTRA="--config.train.eval_every=0 --config.eval.num_prompts=16
     --config.grpo.num_prompts=4 --config.grpo.n=4 --config.grpo.micro_batch=16
     --config.rollout.max_new_tokens=96"
-  LIMIT=(30 240 240 120 240 300 400 120)
+  LIMIT=(30 240 240 120 240 300 400 120 240)
   KERNEL_TESTS="-k lower_to or chain_kernel_matches_reference"
   KBENCH_ARGS="--batches 1 --ks 4 --vocab 256 --iters 2"
   SPEC_TESTS="-k strategy_validation"
@@ -66,9 +69,10 @@ else
   PROBE_ARGS="--dtype bfloat16 --prompts 8"
   REGIME_ARGS="--dtype bfloat16 --prompts 4 --tail_prompts 8 --tail_n 4
     --arms 3_1_4,4_1_5,6_1_7,4_2_8 --tail_arms 4_1_5,6_1_7 --gate_rollouts 0"
+  COST_ARGS="--dtype bfloat16 --batch_sizes 1,8,64 --arms 4_1_5,4_2_8 --iters 32"
   E2E_STEPS=12
   E2E_EXTRA="--config.train.eval_every=0 --config.eval.num_prompts=64"
-  LIMIT=(20 60 50 50 100 110 120 30)  # 540 s: the checklist stays under 9 minutes
+  LIMIT=(20 60 50 50 100 110 120 30 40)  # 580 s: the checklist stays under 10 minutes
   KERNEL_TESTS=""
   KBENCH_ARGS="--batches 1,8,64 --ks 4,8 --iters 20"
   SPEC_TESTS="-k kernel_equals_reference or sampled_spec_matches or broken_acceptance"
@@ -123,6 +127,9 @@ stage bench_model "${LIMIT[3]}" tail "$PY" scripts/make_bench_model.py --out "$B
   --overwrite --no_regime $MODEL_ARGS
 # shellcheck disable=SC2086
 stage probe "${LIMIT[4]}" md "$PY" scripts/gpu_probe.py --bench "$BENCH" --out "$OUT" $PROBE_ARGS
+# shellcheck disable=SC2086
+stage cost_model "${LIMIT[8]}" md "$PY" scripts/bench_cost_model.py --target "$BENCH" \
+  --out "$OUT/cost_model" $COST_ARGS
 # shellcheck disable=SC2086
 stage bench_regime "${LIMIT[5]}" md "$PY" scripts/bench_regime.py --bench "$BENCH" --skip_regime \
   --skip_hf --out "$OUT/bench_regime" $REGIME_ARGS

@@ -22,7 +22,7 @@ def test_gpu_check_smoke_writes_a_complete_report(tmp_path):
   report = (tmp_path / "report.md").read_text()
   stages = re.findall(r"^## (\w+)$", report, re.M)
   assert stages == ["env", "kernels", "kernel_bench", "speculative", "bench_model", "probe",
-                    "bench_regime", "rl_steps"], report
+                    "cost_model", "bench_regime", "rl_steps"], report
   assert re.findall(r"^exit (\d+) after", report, re.M) == ["0"] * len(stages), report
   # the kernels and speculative stages ran tests, all passed
   for n_passed in re.findall(r"=+ (\d+) passed", report):
@@ -39,6 +39,10 @@ def test_gpu_check_smoke_writes_a_complete_report(tmp_path):
   assert [r[0] for r in rows] == ["plain", "SD 4_1_5", "SD 4_2_8"], report
   assert all(same == total for _, same, total in rows), rows
   assert "greedy argmax identical" in report  # widened target == the shipped model's function
+  # the cost model fitted on the bench target, its predictions beside the measured steps
+  fitted = json.load(open(tmp_path / "cost_model" / "cost_model.json"))
+  assert fitted["hardware"]["mem_bw"] > 0 and len(fitted["ratios"]) == 2  # 3_1_4 at 2 batches
+  assert {r["label"] for r in fitted["rows"]} >= {"plain step", "spec step 3_1_4"}
   assert re.search(r"\*\*s per RL step\*\*.*\| \*\*[\d.]+\*\* \| \*\*[\d.]+\*\* \|", report)
   # the regime stage (scripts/bench_regime.py on the smoke target): every table printed, greedy
   # speculative outputs equal plain decoding's, the summary's time split adds up

@@ -43,22 +43,16 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath  # orbax's own path library (local paths and gs:// alike)
 
+from tlt_jax.checkpoint_leaves import (SCALAR_TYPES, CheckpointError, check_template, fmt_path,
+                                       match_template, norm_path, restore_arg)
+
 PyTree = Any
 
 __all__ = ["Checkpointer", "CheckpointError"]
 
 _ITEM = "state"  # name of the single Orbax item inside every step directory
 _DAMAGED = "damaged"  # <dir>/damaged/<step>-<time>: steps that failed to restore, set aside
-_SCALAR_TYPES = (bool, int, float, str, np.generic)
 _log = logging.getLogger(__name__)
-
-
-class CheckpointError(ValueError):
-  """A user-fixable checkpoint problem (missing checkpoint/step, template mismatch, bad leaf).
-
-  Raised *instead of* the Orbax error, whose traceback is deep and rarely names the input at
-  fault; the message names the directory / key path and says what to change.
-  """
 
 
 class _Damaged(Exception):
@@ -113,42 +107,6 @@ def _quiet_about(path: epath.Path) -> Iterator[None]:
     sys.unraisablehook = previous
     for logger in loggers:
       logger.removeFilter(f)
-
-
-def _is_key(x: Any) -> bool:
-  """True for new-style typed PRNG key arrays (`jax.random.key`), whose dtype is key<impl>."""
-  return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
-
-
-def _key_name(k: Any) -> str:
-  """One pytree key as Orbax stores it: dict keys, attribute names (namedtuples, dataclasses)
-  and sequence indices all become plain strings, so template and checkpoint paths compare."""
-  for attr in ("key", "name", "idx"):
-    if hasattr(k, attr):
-      return str(getattr(k, attr))
-  return str(k)
-
-
-def _norm_path(path: tuple) -> tuple[str, ...]:
-  return tuple(_key_name(k) for k in path)
-
-
-def _fmt_path(path: tuple[str, ...]) -> str:
-  return "state" + "".join(f"[{p!r}]" for p in path) if path else "state (the root)"
-
-
-def _stored_shape(leaf: Any) -> tuple[int, ...] | None:
-  """Shape the leaf has on disk; None for non-array leaves (python/numpy scalars, str).
-
-  Typed keys are stored as their uint32 key data, shape `leaf.shape + impl.key_shape`
-  (e.g. () -> (2,) for threefry), so that is what is compared against the checkpoint.
-  """
-  if _is_key(leaf):
-    return tuple(jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape,
-                                                                          leaf.dtype)).shape)
-  if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray)):
-    return tuple(leaf.shape)
-  return None
 
 
 class Checkpointer:
@@ -271,10 +229,10 @@ class Checkpointer:
     def leaf(path, x):
       if isinstance(x, np.ndarray):
         return np.array(x, copy=True)
-      if isinstance(x, (jax.Array,) + _SCALAR_TYPES):
+      if isinstance(x, (jax.Array,) + SCALAR_TYPES):
         return x
       raise CheckpointError(
-          f"cannot checkpoint {_fmt_path(_norm_path(path))} of type {type(x).__name__}: leaves "
+          f"cannot checkpoint {fmt_path(norm_path(path))} of type {type(x).__name__}: leaves "
           "must be jax/numpy arrays, python bool/int/float/str or numpy scalars. Convert it "
           "(e.g. to a dict of arrays) or register its class as a pytree node.")
     return jax.tree_util.tree_map_with_path(leaf, state)
@@ -397,9 +355,9 @@ class Checkpointer:
     except Exception as e:  # pylint: disable=broad-except - see restore
       raise _Damaged("reading its metadata", e) from e
     t_leaves, treedef = jax.tree_util.tree_flatten_with_path(state_template)
-    self._check_template(step, saved, t_leaves)
+    check_template(saved, t_leaves, f"checkpoint step {step} in {self.directory!r}")
 
-    restore_args = [self._restore_arg(path, x) for path, x in t_leaves]
+    restore_args = [restore_arg(path, x) for path, x in t_leaves]
     # Orbax takes the structure from `item` and everything else from `restore_args`.
     item = jax.tree_util.tree_unflatten(treedef, [x for _, x in t_leaves])
     try:
@@ -411,16 +369,16 @@ class Checkpointer:
     except Exception as e:  # pylint: disable=broad-except - see restore
       raise _Damaged("reading its arrays", e) from e
     r_leaves = jax.tree_util.tree_leaves(result)
-    if len(r_leaves) != len(t_leaves):  # pragma: no cover - guarded by _check_template
+    if len(r_leaves) != len(t_leaves):  # pragma: no cover - guarded by check_template
       raise CheckpointError(f"restored {len(r_leaves)} leaves, template has {len(t_leaves)}")
     return jax.tree_util.tree_unflatten(
-        treedef, [_match_template(t, r) for (_, t), r in zip(t_leaves, r_leaves)])
+        treedef, [match_template(t, r) for (_, t), r in zip(t_leaves, r_leaves)])
 
   def read(self, step: int | None = None) -> dict[str, Any]:
     """Every leaf of step `step` (default: latest) on the host, keyed by path
     ("actor/layers/q"), read without a template onto this process's first device: for
     inspecting and comparing checkpoints, whatever process count or mesh wrote them."""
-    return {"/".join(_norm_path(p)): (np.asarray(x) if hasattr(x, "shape") else x)
+    return {"/".join(norm_path(p)): (np.asarray(x) if hasattr(x, "shape") else x)
             for p, x in jax.tree_util.tree_flatten_with_path(self._read(step))[0]}
 
   def read_subtree(self, prefix: str, step: int | None = None, *,
@@ -458,12 +416,12 @@ class Checkpointer:
       args = jax.tree.map(lambda m: ocp.ArrayRestoreArgs(sharding=one)
                           if getattr(m, "shape", None) is not None else ocp.RestoreArgs(), sub)
     else:
-      saved = {tuple(parts) + _norm_path(p): m
+      saved = {tuple(parts) + norm_path(p): m
                for p, m in jax.tree_util.tree_flatten_with_path(sub)[0]}
-      t_leaves = [(tuple(parts) + _norm_path(p), x)
+      t_leaves = [(tuple(parts) + norm_path(p), x)
                   for p, x in jax.tree_util.tree_flatten_with_path(template)[0]]
-      self._check_template(step, saved, t_leaves)
-      args = jax.tree_util.tree_map_with_path(self._restore_arg, template)
+      check_template(saved, t_leaves, f"checkpoint step {step} in {self.directory!r}")
+      args = jax.tree_util.tree_map_with_path(restore_arg, template)
       sub = template
     for p in reversed(parts):
       sub, args = {p: sub}, {p: args}
@@ -481,51 +439,7 @@ class Checkpointer:
     md = md[_ITEM] if md is not None and _ITEM in md else None
     if md is None:  # its item directory or the item's _METADATA is gone
       raise FileNotFoundError(f"no '{_ITEM}' item metadata in {self._path / str(step)}")
-    return {_norm_path(p): m for p, m in jax.tree_util.tree_flatten_with_path(md)[0]}
-
-  def _check_template(self, step: int, saved: dict, t_leaves: list) -> None:
-    hint = ("Checkpoint from a different model config (or from code with a different "
-            "train-state layout)? Restore it with that config, or use a new directory.")
-    where = f"checkpoint step {step} in {self.directory!r}"
-    t_paths = [_norm_path(p) for p, _ in t_leaves]
-    t_set = set(t_paths)
-    for path, (_, x) in zip(t_paths, t_leaves):
-      if path not in saved:
-        raise CheckpointError(
-            f"{_fmt_path(path)} is in the template but not in the {where} (template has "
-            f"{len(t_paths)} leaves, checkpoint {len(saved)}). {hint}")
-      want, have = _stored_shape(x), getattr(saved[path], "shape", None)
-      if want is not None and have is not None and tuple(have) != want:
-        what = f"typed PRNG key {tuple(x.shape)} -> data " if _is_key(x) else ""
-        raise CheckpointError(
-            f"shape mismatch at {_fmt_path(path)}: template {what}{want}, {where} has "
-            f"{tuple(have)}. {hint}")
-    extra = [p for p in saved if p not in t_set]
-    if extra:
-      raise CheckpointError(
-          f"{_fmt_path(extra[0])} is in the {where} but not in the template "
-          f"({len(extra)} such leaves). {hint}")
-
-  @staticmethod
-  def _restore_arg(path: tuple, x: Any) -> ocp.RestoreArgs:
-    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
-      sharding = getattr(x, "sharding", None)
-      if sharding is None:
-        raise CheckpointError(
-            f"template leaf {_fmt_path(_norm_path(path))} is a ShapeDtypeStruct without a "
-            "sharding, so there is no device to restore it onto: build it as "
-            "jax.ShapeDtypeStruct(shape, dtype, sharding=...) or pass a concrete array.")
-      return ocp.ArrayRestoreArgs(sharding=sharding, global_shape=tuple(x.shape), dtype=x.dtype)
-    if isinstance(x, np.ndarray):
-      return ocp.RestoreArgs(restore_type=np.ndarray, dtype=x.dtype)
-    if isinstance(x, str):
-      return ocp.RestoreArgs()
-    if isinstance(x, _SCALAR_TYPES):  # host-side, whether it was saved as scalar or jax.Array
-      return ocp.RestoreArgs(restore_type=np.ndarray)
-    raise CheckpointError(
-        f"template leaf {_fmt_path(_norm_path(path))} has type {type(x).__name__}; use "
-        "jax.Array / jax.ShapeDtypeStruct (with sharding) / np.ndarray or a python/numpy "
-        "scalar of the type you want back.")
+    return {norm_path(p): m for p, m in jax.tree_util.tree_flatten_with_path(md)[0]}
 
   # ------------------------------------------------------------------ lifecycle
 
@@ -549,30 +463,3 @@ class Checkpointer:
 
   def __repr__(self) -> str:
     return f"Checkpointer({self.directory!r}, steps={self.all_steps()})"
-
-
-def _match_template(t: Any, r: Any) -> Any:
-  """Give a restored leaf the template leaf's type: typed vs raw PRNG key, numpy scalar types,
-  python bool (Orbax returns saved scalars as python int/float and keys as they were saved)."""
-  if isinstance(t, (jax.Array, jax.ShapeDtypeStruct)):
-    if _is_key(t) and not _is_key(r):
-      r = jax.device_put(jax.random.wrap_key_data(r, impl=_key_impl(t)), t.sharding)
-    elif not _is_key(t) and _is_key(r):
-      r = jax.random.key_data(r)
-    if r.sharding != t.sharding:  # e.g. key arrays come back as P(None,) for a P() template
-      r = jax.device_put(r, t.sharding)
-    return r
-  if isinstance(t, np.ndarray):
-    return np.asarray(r, dtype=t.dtype)
-  if isinstance(t, np.generic):
-    return type(t)(np.asarray(r).item())
-  if isinstance(t, (bool, int, float)) and not isinstance(r, str):
-    return type(t)(np.asarray(r).item())
-  return r
-
-
-def _key_impl(t: Any) -> Any:
-  """PRNG impl of a typed-key template leaf (jax.random.key_impl rejects ShapeDtypeStruct)."""
-  if isinstance(t, jax.Array):
-    return jax.random.key_impl(t)
-  return t.dtype._impl  # pylint: disable=protected-access

@@ -1,0 +1,66 @@
+"""The cost model (tlt_jax/plan/cost.py) on this machine: predict, then compare with measured.
+
+  python scripts/bench_cost_model.py [--target DIR] [--dtype bfloat16] [--batch_sizes 1,4,16]
+      [--arms 4_1_5,3_2_6] [--iters 64] [--out out/bench_cost_model]
+
+Fits a hardware profile to the rollout's component forwards (the target's over 1 and each
+arm's verified tokens, the drafter's) timed as the engine runs them, then predicts what the
+fit did not see: the plain decode step and each arm's whole speculative step, and their
+ratio (tlt_jax/plan/calibrate.py). Prints the table (and writes OUT/cost_model.md, .json):
+the figure that says whether the simulator's (issue #38) step prices can be trusted here.
+--target: a bench target dir (scripts/make_bench_model.py; default the shipped model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from tlt_jax.bench.bench_model import load_target  # noqa: E402
+from tlt_jax.plan.calibrate import calibrate  # noqa: E402
+from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
+
+
+def main() -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--target", default=None)
+  ap.add_argument("--dtype", default=None, help="compute and param dtype (default: the "
+                  "checkpoint's)")
+  ap.add_argument("--batch_sizes", default="1,4,16")
+  ap.add_argument("--arms", default="4_1_5,3_2_6")
+  ap.add_argument("--iters", type=int, default=64)
+  ap.add_argument("--cache_len", type=int, default=256)
+  ap.add_argument("--out", default=os.path.join("out", "bench_cost_model"))
+  a = ap.parse_args()
+  cfg, params, dparams, *_ = load_target(a.target, a.dtype)
+  batches = [int(b) for b in a.batch_sizes.split(",")]
+  cal = calibrate(params, dparams, cfg, SamplingParams(temperature=1.0), batches=batches,
+                  arms=a.arms.split(","), iters=a.iters, cache_len=a.cache_len,
+                  progress=lambda i, n: print(f"batch {i}/{n} timed", file=sys.stderr))
+  hw = cal.hardware
+  lines = [f"profile fitted here: memory {hw.mem_bw / 1e9:.1f} GB/s, matmul "
+           f"{hw.flops / 1e9:.1f} GFLOP/s, {hw.fixed_s * 1e6:.0f} us per forward + "
+           f"{hw.layer_s * 1e6:.1f} us per layer", "", cal.table(), "",
+           "| batch | arm | spec / plain measured | predicted | predicted / measured |",
+           "|---:|---|---:|---:|---:|"]
+  for r in cal.ratios():
+    lines.append(f"| {r['batch']} | {r['arm']} | {r['measured']:.2f} | {r['predicted']:.2f} | "
+                 f"{r['predicted'] / r['measured']:.2f} |")
+  text = "\n".join(lines)
+  print(text)
+  os.makedirs(a.out, exist_ok=True)
+  with open(os.path.join(a.out, "cost_model.md"), "w") as f:
+    f.write(text + "\n")
+  with open(os.path.join(a.out, "cost_model.json"), "w") as f:
+    json.dump({"hardware": dataclasses.asdict(hw), "rows": cal.rows, "ratios": cal.ratios()},
+              f, indent=2)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,96 @@
+"""The cost model (tlt_jax/plan/cost.py) against independent counts: the parameter layout
+(`param_shapes`) and the memory plan's sharding rules for the bytes a forward reads, XLA's own
+cost analysis of the project's forward for its FLOPs, and a profile recovered by `fit` from
+timings that profile generated."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tlt_jax import memory
+from tlt_jax.models import forward as model_forward
+from tlt_jax.models import init_cache
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.transformer import param_shapes
+from tlt_jax.plan import cost
+
+CFGS = {
+    "qwen2": ModelConfig(arch="qwen2", vocab_size=512, hidden_size=128, intermediate_size=352,
+                         num_layers=3, num_heads=8, num_kv_heads=4, qkv_bias=True),
+    "qwen3_tied": ModelConfig(arch="qwen3", vocab_size=512, hidden_size=128,
+                              intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
+                              head_dim=64, qk_norm=True, tie_word_embeddings=True),
+    "llama_bias": ModelConfig(arch="llama", vocab_size=384, hidden_size=96,
+                              intermediate_size=256, num_layers=2, num_heads=6, num_kv_heads=3,
+                              qkv_bias=True, o_bias=True),
+}
+
+
+@pytest.mark.parametrize("name", list(CFGS))
+@pytest.mark.parametrize("tp", [1, 2])
+def test_weights_read_are_the_layouts_per_device_params(name, tp):
+  """Every parameter but the embedding table (gathered, unless it is the tied head) and the
+  final norm, per device of a tp-way replica as the sharding rules split them."""
+  cfg = CFGS[name]
+  shapes = param_shapes(cfg)
+  mesh = memory._mesh(tensor=tp)
+  want = memory.sharded_bytes({"layers": shapes["layers"]}, mesh, 1)
+  want += memory.sharded_bytes({"lm_head": (cfg.hidden_size, cfg.vocab_size)}, mesh, 1)
+  got = cfg.num_layers * cost.layer_weights(cfg, tp) + cost.head_weights(cfg, tp)
+  assert got == want
+
+
+@pytest.mark.parametrize("name", list(CFGS))
+@pytest.mark.parametrize("batch,tokens,kv_len", [(1, 1, 256), (4, 5, 128), (8, 1, 512)])
+def test_flops_are_xlas(name, batch, tokens, kv_len):
+  """The FLOPs of a decode/verification forward with a cache against XLA's cost analysis of
+  the project's forward (which also counts elementwise work, norms, softmax, RoPE: within
+  15%)."""
+  cfg = CFGS[name]
+  params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), param_shapes(cfg),
+                        is_leaf=lambda x: isinstance(x, tuple))
+  cache = jax.eval_shape(lambda: init_cache(cfg, batch, kv_len))
+  toks = jax.ShapeDtypeStruct((batch, tokens), jnp.int32)
+  lowered = jax.jit(lambda p, t, c: model_forward(
+      p, t, jnp.zeros(t.shape, jnp.int32), cfg=cfg, cache=c).logits).lower(params, toks, cache)
+  analysis = lowered.compile().cost_analysis()
+  analysis = analysis[0] if isinstance(analysis, list) else analysis
+  xla = float(analysis["flops"])
+  ours = cost.forward(cfg, batch, tokens, kv_len).flops
+  assert ours == pytest.approx(xla, rel=0.15), (ours, xla)
+
+
+def test_a_7b_decode_step_on_h100_is_its_weights_over_bandwidth():
+  """Batch 1, 1 token: bound by reading the weights (all but the gathered embedding table:
+  14.1 GB in bf16 for Qwen2.5-7B) at the profile's bandwidth, plus its launches; a prefill
+  of 8 x 1024 tokens is FLOP-bound."""
+  from tlt_jax.models.config import num_params
+  import json
+  from tlt_jax.config import asset_path
+  with open(asset_path("architectures", "qwen2.5-7b.json")) as f:
+    cfg = ModelConfig.from_hf_dict(json.load(f), dtype="bfloat16")
+  h100 = cost.PROFILES["h100"]
+  step = cost.forward(cfg, 1, 1, 1024)
+  weights = 2 * (num_params(cfg) - cfg.vocab_size * cfg.hidden_size)
+  assert weights < step.bytes < 1.01 * weights  # + 59 MB of KV window
+  bound = step.bytes / h100.mem_bw
+  assert h100.seconds(step) == pytest.approx(bound + h100.fixed_s + 28 * h100.layer_s)
+  pre = cost.prefill(cfg, 8, 1024)
+  assert pre.flops / h100.flops > pre.bytes / h100.mem_bw
+
+
+def test_fit_recovers_the_profile_that_made_the_timings():
+  true = cost.Hardware("x", mem_bw=20e9, flops=300e9, link_bw=float("inf"), fixed_s=2e-4,
+                       layer_s=3e-5)
+  cfg = CFGS["qwen2"]
+  costs = [cost.forward(cfg, b, t, kv, layers=layers)
+           for b in (1, 4, 16, 64) for t in (1, 5, 64) for kv in (128, 1024)
+           for layers in (1, 3)]
+  rng = np.random.default_rng(0)
+  seconds = [true.seconds(c) * (1 + 0.01 * rng.standard_normal()) for c in costs]
+  got = cost.fit(costs, seconds)
+  assert got.mem_bw == pytest.approx(true.mem_bw, rel=0.05)
+  assert got.flops == pytest.approx(true.flops, rel=0.05)
+  predicted = np.asarray([got.seconds(c) for c in costs])
+  assert np.max(np.abs(predicted / np.asarray(seconds) - 1)) < 0.05

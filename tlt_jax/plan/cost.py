@@ -1,0 +1,194 @@
+"""What a forward costs: the bytes it moves and the FLOPs it does, priced on a hardware profile.
+
+The cluster simulator (issue #38) prices every step of a run with these functions, so
+speculation's price is never a typed-in constant: a verification of K+1 tokens, a tree
+level, a drafter step and a prefill are all the same `forward` with different shapes.
+
+Bytes and FLOPs of one forward over `batch` rows of `tokens` new tokens each, attending over
+a window of `kv_len` cache slots, on one device of a replica split `tp` ways (the rules of
+`tlt_jax.memory`: what does not divide is replicated):
+  weights   every parameter the forward reads, once whatever the batch (the rollout's
+            replica layout, `memory.sharded_bytes`); an untied embedding table is gathered
+            (B x T rows), not read whole (`bench/roofline.py`'s rule)
+  KV        batch x kv_len slots of every layer's keys and values read (masked slots cost
+            as much as live ones: the window is read whole), batch x tokens written
+  FLOPs     2 per weight per token through the matmuls (the LM head included), plus the
+            attention's 4 x heads x head_dim per (query, slot) pair
+  collective  with tp > 1, two all-reduces of the residual stream per layer (attention out,
+            MLP out) of batch x tokens x hidden activations, ring cost 2 (tp - 1) / tp
+
+A profile turns that into seconds:
+    t = max(bytes / mem_bw, flops / flops) + collective bytes / link_bw
+        + fixed_s + layer_s x layers
+`fixed_s` is what one forward costs whatever its size (dispatch of the executable, host
+work per step), `layer_s` what each layer adds on top of its bytes and FLOPs (kernel
+launches). The shipped profiles take vendor peak figures (stated with each) scaled by
+achievable fractions that are assumptions until a GPU session calibrates them
+(scripts/gpu_check.sh); `calibrate` fits all four numbers to forwards measured on the
+machine it runs on (this CPU included) by non-negative least squares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from tlt_jax.models.config import ModelConfig
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+  """What one device does per second (module docstring): achieved, not peak."""
+
+  name: str
+  mem_bw: float  # bytes/s streamed from device memory
+  flops: float  # matmul FLOP/s in the compute dtype
+  link_bw: float  # bytes/s per device into a tensor-parallel all-reduce
+  fixed_s: float  # seconds per forward, whatever its size
+  layer_s: float  # seconds per layer per forward beyond bytes and FLOPs
+  note: str = ""  # where the numbers come from
+
+  def seconds(self, cost: "Cost") -> float:
+    """The forward's time on this device."""
+    return (max(cost.bytes / self.mem_bw, cost.flops / self.flops)
+            + cost.collective_bytes / self.link_bw + self.fixed_s + self.layer_s * cost.layers)
+
+
+# Vendor peaks (dense bf16 tensor-core FLOP/s, HBM bandwidth, NVLink per direction), scaled by
+# what a JAX decode/prefill loop reaches: 80% of HBM bandwidth on streaming reads, 60% of
+# matmul peak, 70% of NVLink; launches assumed at 20 us per layer, 100 us per forward (no CUDA
+# graphs). Assumptions until scripts/gpu_check.sh's calibration stage measures them.
+_MEM_EFF, _FLOP_EFF, _LINK_EFF = 0.8, 0.6, 0.7
+PROFILES = {
+    "h100": Hardware("h100", 3.35e12 * _MEM_EFF, 989e12 * _FLOP_EFF, 450e9 * _LINK_EFF,
+                     100e-6, 20e-6, "H100 SXM 80 GB: 3.35 TB/s HBM3, 989 TFLOP/s bf16 dense, "
+                     "NVLink 4 900 GB/s (450 per direction)"),
+    "h200": Hardware("h200", 4.8e12 * _MEM_EFF, 989e12 * _FLOP_EFF, 450e9 * _LINK_EFF,
+                     100e-6, 20e-6, "H200 SXM 141 GB: 4.8 TB/s HBM3e, 989 TFLOP/s bf16 dense, "
+                     "NVLink 4 900 GB/s"),
+    "a100": Hardware("a100", 2.039e12 * _MEM_EFF, 312e12 * _FLOP_EFF, 300e9 * _LINK_EFF,
+                     100e-6, 20e-6, "A100 SXM 80 GB: 2.04 TB/s HBM2e, 312 TFLOP/s bf16 dense, "
+                     "NVLink 3 600 GB/s (300 per direction)"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+  """One forward's work on one device (module docstring)."""
+
+  bytes: float  # weights read + KV read and written + activations in and out
+  flops: float
+  collective_bytes: float = 0.0
+  layers: int = 0
+
+  def __add__(self, other: "Cost") -> "Cost":
+    return Cost(self.bytes + other.bytes, self.flops + other.flops,
+                self.collective_bytes + other.collective_bytes, self.layers + other.layers)
+
+
+def _split(x: int, tp: int) -> int:
+  """A dimension split over tensor parallelism when it divides (the sharding rules'), else
+  replicated."""
+  return x // tp if tp > 1 and x % tp == 0 else x
+
+
+def layer_weights(cfg: ModelConfig, tp: int = 1) -> int:
+  """Parameters of one decoder layer on one device of a tp-way replica."""
+  d, f, h = cfg.hidden_size, _split(cfg.intermediate_size, tp), cfg.head_dim_
+  n, k = _split(cfg.num_heads, tp), _split(cfg.num_kv_heads, tp)
+  w = d * h * (2 * n + 2 * k) + 3 * d * f + 2 * d
+  if cfg.qkv_bias:
+    w += h * (n + 2 * k)
+  if cfg.o_bias:
+    w += d
+  if cfg.qk_norm:
+    w += 2 * h
+  return w
+
+
+def head_weights(cfg: ModelConfig, tp: int = 1) -> int:
+  """The LM head's parameters on one device (the vocabulary split over tp when it divides)."""
+  return cfg.hidden_size * _split(cfg.vocab_size, tp)
+
+
+def forward(cfg: ModelConfig, batch: int, tokens: int, kv_len: int, *, tp: int = 1,
+            layers: int | None = None, head: bool = True, dtype: str | None = None) -> Cost:
+  """A forward of the target (or, with layers=1 and the drafter's extras added by `draft`,
+  the drafter) over batch x tokens new tokens attending over kv_len slots (module
+  docstring). head: the LM head runs on every new token (verification, decode); prefill
+  runs it on the last token only (head=False, then one token's head added by the caller)."""
+  nb = _BYTES[dtype or cfg.dtype]
+  n_layers = cfg.num_layers if layers is None else layers
+  bt = batch * tokens
+  d, h = cfg.hidden_size, cfg.head_dim_
+  n, k = _split(cfg.num_heads, tp), _split(cfg.num_kv_heads, tp)
+  w_layer = layer_weights(cfg, tp)
+  weights = n_layers * w_layer + (head_weights(cfg, tp) if head else 0)
+  gathered = 0 if cfg.tie_word_embeddings and head else bt * d  # embedding rows gathered
+  kv = n_layers * 2 * k * h * nb * (batch * kv_len + bt)
+  acts = 2 * bt * d * nb + (bt * _split(cfg.vocab_size, tp) * 4 if head else 0)
+  flops = 2.0 * bt * (n_layers * w_layer + (head_weights(cfg, tp) if head else 0))
+  flops += 4.0 * bt * kv_len * n * h * n_layers
+  coll = 0.0
+  if tp > 1:
+    coll = n_layers * 2 * (2 * (tp - 1) / tp) * bt * d * nb
+  return Cost((weights + gathered) * nb + kv + acts, flops, coll, n_layers)
+
+
+def draft(cfg: ModelConfig, batch: int, tokens: int, kv_len: int, *, tp: int = 1,
+          dtype: str | None = None) -> Cost:
+  """One drafter forward (tlt_jax/drafter/model.py): fc over [embedding, hidden] (2D x D),
+  one target layer, the target's LM head over every new token."""
+  nb = _BYTES[dtype or cfg.dtype]
+  d, bt = cfg.hidden_size, batch * tokens
+  fc = Cost(2 * d * d * nb + bt * 3 * d * nb, 2.0 * bt * 2 * d * d)
+  return fc + forward(cfg, batch, tokens, kv_len, tp=tp, layers=1, dtype=dtype)
+
+
+def prefill(cfg: ModelConfig, prompts: int, prompt_len: int, *, tp: int = 1,
+            dtype: str | None = None) -> Cost:
+  """A prefill of `prompts` prompts of prompt_len tokens into an empty cache (causal: the
+  average query attends over half the prompt), the LM head on each prompt's last token."""
+  body = forward(cfg, prompts, prompt_len, max(prompt_len // 2, 1), tp=tp, head=False,
+                 dtype=dtype)
+  return body + Cost(head_weights(cfg, tp) * _BYTES[dtype or cfg.dtype],
+                     2.0 * prompts * head_weights(cfg, tp))
+
+
+# ------------------------------------------------------------------------------ calibration
+def fit(costs: Sequence[Cost], seconds: Sequence[float], *, name: str = "calibrated",
+        link_bw: float = float("inf")) -> Hardware:
+  """The profile whose `seconds` best fits measured forwards (relative least squares, every
+  coefficient >= 0). Which forwards are FLOP-bound depends only on where the profile's ridge
+  (flops / mem_bw) falls among the forwards' FLOPs-per-byte, so every split of them by
+  FLOPs-per-byte is tried (a linear non-negative fit of (1/mem_bw, 1/flops, fixed_s,
+  layer_s) each) and the best fit whose own ridge agrees with its split is kept."""
+  from scipy.optimize import nnls
+  t = np.asarray(seconds, np.float64)
+  b = np.asarray([c.bytes for c in costs], np.float64)
+  f = np.asarray([c.flops for c in costs], np.float64)
+  layers = np.asarray([c.layers for c in costs], np.float64)
+  if len(costs) < 4:
+    raise ValueError(f"fit: {len(costs)} forwards measured; 4 numbers need at least 4")
+  intensity = f / b
+  best = None
+  for cut in np.concatenate([[0.0], np.unique(intensity)]):
+    flop_bound = intensity > cut
+    a = np.stack([np.where(flop_bound, 0.0, b), np.where(flop_bound, f, 0.0),
+                  np.ones_like(t), layers], 1) / t[:, None]  # relative residuals
+    coef, resid = nnls(a, np.ones_like(t))
+    inv_bw, inv_fl = coef[:2]
+    # consistent: under the fitted profile, the split's forwards are the ones bound as assumed
+    bound = np.maximum(inv_bw * b, inv_fl * f)
+    used = np.where(flop_bound, inv_fl * f, inv_bw * b)
+    if not np.allclose(used, bound, rtol=1e-6, atol=0.0):
+      continue
+    if best is None or resid < best[0]:
+      best = (resid, coef)
+  inv_bw, inv_fl, fixed, per_layer = best[1]
+  return Hardware(name, 1.0 / max(inv_bw, 1e-30), 1.0 / max(inv_fl, 1e-30), link_bw,
+                  float(fixed), float(per_layer), f"fitted to {len(costs)} measured forwards")
