@@ -95,12 +95,9 @@ class DrafterAcceptance:
     d = cfg.tlt.drafter
     self.depth, self.length = int(d.acceptance_depth), int(d.acceptance_len)
     self.sample = min(int(d.acceptance_sample), cfg.grpo.num_prompts * cfg.grpo.n)
-    self._compiler = self._exe = None
-
-  def _placed(self, dparams):
-    """The drafter beside the learner's params (the workers' store may span other devices)."""
-    from jax.sharding import NamedSharding, PartitionSpec
-    return jax.device_put(dparams, NamedSharding(self.learner.mesh, PartitionSpec()))
+    # the drafter goes beside the learner's params (the workers' store may span other devices)
+    self._replicated = jax.sharding.NamedSharding(learner.mesh, jax.sharding.PartitionSpec())
+    self._exe = None
 
   def prepare(self, params, dparams) -> None:
     """Starts compiling the executable (once) for these params' shapes and shardings."""
@@ -108,14 +105,13 @@ class DrafterAcceptance:
       return
     from tlt_jax.drafter import acceptance
     from tlt_jax.rollout.executables import background_compiler
-    self._compiler = background_compiler("compile-acceptance")
-    sharding = jax.sharding.NamedSharding(self.learner.mesh, jax.sharding.PartitionSpec())
-    dabs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                        dparams)
-    self._exe = self._compiler.submit(
+    compiler = background_compiler("compile-acceptance")
+    dabs = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._replicated), dparams)
+    self._exe = compiler.submit(
         acceptance.compile_survival, params, dabs, self.sample, self.length,
         cfg=self.learner.cfg, depth=self.depth, sampling=self.sampling)
-    self._compiler.shutdown(wait=False)  # the thread ends with its one job
+    compiler.shutdown(wait=False)  # the thread ends with its one job
 
   def __call__(self, params, dparams, responses: Sequence[Any], *, seed: int
                ) -> dict[str, Any]:
@@ -127,7 +123,7 @@ class DrafterAcceptance:
     seqs = [(responses[i].prompt_ids, responses[i].response_ids) for i in pick]
     exe = None if self._exe is None else self._exe.result()
     # every sequence cut to (and padded to) its first acceptance_len tokens: one executable
-    out = acceptance.measure(params, self._placed(dparams), seqs, cfg=self.learner.cfg,
+    out = acceptance.measure(params, jax.device_put(dparams, self._replicated), seqs, cfg=self.learner.cfg,
                              depth=self.depth, sampling=self.sampling,
                              length=self.length, executable=exe)
     return {"tokens_per_verify": out["tokens_per_verify"], "stderr": out["stderr"],
