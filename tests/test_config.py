@@ -43,6 +43,13 @@ def test_history_arms_need_the_history_index():
   cfg.tlt.spec.history = False
   with pytest.raises(ConfigError, match=r"history arms \['hist_4'\] draft from a history index"):
     config_lib.run_spec(cfg)
+  # the bandit's default grid (no buckets named) has history arms too
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+  cfg.tlt.spec.history = False
+  with pytest.raises(ConfigError, match=r"history arms \['hist_4', 'hyb_4'\] draft from"):
+    config_lib.run_spec(cfg)
+  cfg.tlt.spec.selector = "fixed"  # the fixed selector runs tlt.spec.strategy only
+  assert not config_lib.run_spec(cfg).history
 
 
 @pytest.mark.parametrize("key,value,needle", [

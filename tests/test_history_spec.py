@@ -149,6 +149,74 @@ def test_greedy_history_spec_equals_plain(tiny, arms, pool):
   assert not index.seqs  # every row ended
 
 
+class NotWantedGate:
+  """A gate that allows speculation everywhere while saying speculation's data is not wanted
+  (`drafter_wanted` False): the engine does not feed the history index until a history arm
+  runs, then begins every live row with its text so far."""
+
+  def begin_rollout(self, worker_id, choosable):
+    pass
+
+  def drafter_wanted(self):
+    return False
+
+  def allows(self, worker_id, bucket):
+    return True
+
+  def arms(self, worker_id, bucket):
+    return []
+
+  def probe_arm(self, bucket, default):
+    return default
+
+  def repays_window(self, bucket, arm, chunks_per_rollout, share):
+    return True
+
+  def record(self, *args):
+    pass
+
+  def compiled(self, *args):
+    pass
+
+
+def test_history_fed_only_once_a_history_arm_runs(tiny):
+  params, dparams = tiny
+  reqs = _requests(9)
+  sp = SamplingParams(temperature=0.0)
+  plain = _by_key(Engine(params, CFG, EngineConfig(**SMALL)).generate(reqs, sp))
+  oracle = {k: np.concatenate([r.prompt_ids, r.response_ids]) for k, r in plain.items()}
+  index = FakeIndex(oracle, CFG.vocab_size)
+  begun = {}  # key -> chunks the engine had run when the index first heard of the row
+  begin = index.begin
+  def recording_begin(prompt_key, seq_key, prompt_ids):
+    begin(prompt_key, seq_key, prompt_ids)
+    begun[seq_key] = len(w.chunk_log)
+  index.begin = recording_begin
+  ecfg = EngineConfig(**SMALL, spec=SpecConfig(strategy="2_1_3", bs_threshold=4, patience=1,
+                                               use_kernel=False))
+  # 2_1_3, 2_1_3, 2_1_3, hist_3, ...: the first chunks speculate with the drafter only
+  selector = CycleSelector(["2_1_3", "2_1_3", "hist_3", "2_1_3"])
+  w = Engine(params, CFG, ecfg, drafter_params=dparams, history=index, selector=selector,
+             gate=NotWantedGate())
+  spec = _by_key(w.generate(reqs, sp))
+  modes = [m.mode for m in w.chunk_log]
+  assert "hist_3" in modes and modes.index("hist_3") > 0
+  for key, r in plain.items():
+    np.testing.assert_array_equal(spec[key].response_ids, r.response_ids)
+  # nothing was fed before the first history chunk; rows live then were begun with their
+  # tokens so far: every row the index heard of ended with its whole text
+  assert begun and min(begun.values()) == modes.index("hist_3")
+  for key in begun:
+    keep, seq = index.ended[key][-1]
+    assert keep and seq == list(oracle[key])
+  assert not index.seqs
+  # without a history arm the index hears nothing
+  quiet = FakeIndex(oracle, CFG.vocab_size)
+  Engine(params, CFG, ecfg, drafter_params=dparams, history=quiet,
+         selector=CycleSelector(["2_1_3", "off"]), gate=NotWantedGate()).generate(reqs, sp)
+  assert not quiet.ended and not quiet.seqs
+
+
 def test_history_arms_need_an_index(tiny):
   params, dparams = tiny
   with pytest.raises(ValueError, match="need a history index"):

@@ -37,7 +37,7 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.rl.grpo import GRPOConfig
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.gate import GateConfig
-from tlt_jax.rollout.mab import make_selector
+from tlt_jax.rollout.mab import default_mab_buckets, make_selector
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.scheduler import buckets_upto
 from tlt_jax.rollout.strategy import Strategy
@@ -201,7 +201,9 @@ def _speculation(cfg: ml_collections.ConfigDict):
   build(selector, "tlt.spec", {"seed": cfg.seed})  # validates its arguments, once
   check(isinstance(s.get("history", False), bool), "tlt.spec.history", s.get("history"),
         "True or False")
-  arms = {a for group in (buckets or {}).values() for a in group} | {spec.strategy}
+  # the arms the selector can choose: the named buckets', else the bandit's default grid
+  groups = buckets or (default_mab_buckets() if s.selector != "fixed" else {})
+  arms = {a for group in groups.values() for a in group} | {spec.strategy}
   hist = sorted(a for a in arms if a.history)
   check(not hist or s.get("history", False), "tlt.spec.history", s.get("history"),
         f"history arms {hist} draft from a history index: set tlt.spec.history=True")

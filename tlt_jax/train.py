@@ -194,7 +194,11 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
 
   run.hold(state)
   drafting = run.store.drafter()[1] if run.tlt else None  # the drafter of this rollout
-  if run.acceptance is not None:  # its metric's executable compiles while the rollout runs
+  # its acceptance is measured while speculation's data is wanted (the gate's drafter_wanted:
+  # where no draft can pay, the drafter is neither trained nor used, and the metric would be a
+  # cost of TLT on every step); the executable compiles while the rollout runs
+  measure = run.acceptance is not None and (state.gate is None or state.gate.drafter_wanted())
+  if measure:
     run.acceptance.prepare(state.learner.params, drafting.params)
   # (release: the workers free their actor copy for the learner's phases)
   out = run.coordinator.rollout(requests, run.sampling, seed=seed, step=step,
@@ -227,7 +231,7 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   jax.block_until_ready([b.old_logp for group in prepared for b in group])
   times["logprobs"] = time.perf_counter() - t
   acceptance = None
-  if run.acceptance is not None:
+  if measure:
     # the drafter this rollout drafted with against the policy that wrote it (before the
     # update), on a sample of its responses: staleness as it happens, speculating or not
     t = time.perf_counter()

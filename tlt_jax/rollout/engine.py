@@ -29,11 +29,14 @@ row the host knows of plus what the chunk can add (`chunk_reach`), on the `lengt
 
 History arms (strategy.py: "hist_<K>", "histtree_<K>_<topk>_<N>") draft from a host index of
 earlier text (`history=`: duck-typed, begin/extend/end/draft, rollout/history.py) instead of
-the drafter. The engine keeps the index current on every chunk, whatever the arm: a row's
+the drafter. A call keeps the index current on every chunk, whatever the arm: a row's
 prompt when it starts (`begin`), its tokens as they are emitted (`extend`), and `end` when it
 finishes (kept: a sibling or a later epoch drafts from it) or is preempted (dropped: it will
-be decoded again). A history arm needs a lookup per verification, so its chunk is a host loop
-of single jitted steps (history_chunk.py): draft every live row, verify, extend.
+be decoded again); with a gate, only a call that starts while speculation's data is wanted
+(`drafter_wanted`: where drafts cannot pay, feeding it is host work on every chunk for
+nothing), and a call that did not feed it begins its live rows (prompt and tokens so far) the
+first time a history arm runs. A history arm needs a lookup per verification, so its chunk is
+a host loop of single jitted steps (history_chunk.py): draft every live row, verify, extend.
 
 Hooks (`EngineHooks`, called on the engine's thread): each chunk's metrics, each finished
 response (rewards start at once; the drafter buffer takes its hidden states), and a call
@@ -121,6 +124,7 @@ class Call:
   plan: PlanCall
   sched: Scheduler
   pages: PageAllocator
+  history: Any  # the history index this call feeds (None: not fed, `_feed_history`)
   outputs: dict[Any, Output] = dataclasses.field(default_factory=dict)
   results: list[Result] = dataclasses.field(default_factory=list)
 
@@ -266,8 +270,8 @@ class Engine:
     for victim in grow_rows(c.pages, slots):
       state = self._apply(sched.preempt(live[victim]), state, c, False)
       c.outputs.pop(victim)
-      if self.history is not None:  # decoded again from its prompt later
-        self.history.end(victim, keep=False)
+      if c.history is not None:  # decoded again from its prompt later
+        c.history.end(victim, keep=False)
       self.preemptions += 1
     table = self.kv.table(c.pages, [r.key if r is not None else None for r in sched.slots])
     return self._call("set_tables", None, decode.set_tables, (state, table), donate=(0,))
@@ -327,7 +331,8 @@ class Engine:
       if arm.history:  # a host loop of steps, the index drafting before each
         rows = {s: c.sched.slots[s].key for s in c.sched.live}
         state, host = history_chunk(exe, self.params, self.drafter_params, state, arm,
-                                    self.history, rows, self.ecfg.chunk_size, self._replicated)
+                                    self._feed_history(c), rows, self.ecfg.chunk_size,
+                                    self._replicated)
         return state, host, first
       state, out, counts = exe(self.params, self.drafter_params, state)
     else:
@@ -342,6 +347,18 @@ class Engine:
       counts, first = (0, 0), False
     base = state if isinstance(state, decode.DecodeState) else state.base
     return state, jax.device_get((out, base.done, base.stopped, counts)), first
+
+  def _feed_history(self, c: Call):
+    """The index a history arm drafts from, fed from now on in a call that did not feed it:
+    its live rows begin with their prompts and the tokens they have so far."""
+    if c.history is None:
+      c.history = self.history
+      for s in c.sched.live:
+        req = c.sched.slots[s]
+        c.history.begin(tuple(int(t) for t in req.prompt_ids), req.key, req.prompt_ids)
+        for tokens in c.outputs[req.key].tokens:
+          c.history.extend(req.key, tokens)
+    return c.history
 
   def _first_run(self, exe) -> bool:
     """Whether `exe` (an arm's executable) runs for the first time on this engine."""
@@ -383,18 +400,19 @@ class Engine:
     at_once = (spec is not None and spec.patience == 1
                and len(requests) <= min(spec.bs_threshold, ecfg.max_batch)
                and self.compiles.ready(plan, sp, ecfg.bucket_for(len(requests))))
+    # drafter data and history only while speculation can pay: with a gate, once a probe has
+    # shown that drafts can pay on this hardware (where they cannot, the hidden states'
+    # transfer and the history's host bookkeeping are pure overhead on every chunk)
+    wanted = self.gate is None or self.gate.drafter_wanted()
     c = Call(
         sp=sp, base_key=jax.random.key(seed), selector=selector, gate=gate,
-        # drafter data only while the drafter is to be trained: with a gate, once a probe
-        # has shown that drafts can pay on this hardware (where they cannot, the hidden
-        # states' transfer and host bookkeeping are pure overhead on every chunk)
-        capture=ecfg.capture_hidden and (self.gate is None or self.gate.drafter_wanted()),
+        capture=ecfg.capture_hidden and wanted,
         hooks=hooks or EngineHooks(), t_start=time.perf_counter(), plan=plan,
         sched=Scheduler(requests, max_batch=ecfg.max_batch, buckets=ecfg.buckets,
                         compaction=ecfg.compaction,
                         bs_threshold=spec.bs_threshold if spec else None,
                         patience=spec.patience if spec else 1, speculating=at_once),
-        pages=self.kv.allocator())
+        pages=self.kv.allocator(), history=self.history if wanted else None)
     state, started = None, at_once  # started: every chunk from here on speculates
     try:
       while not c.sched.done:
@@ -415,9 +433,9 @@ class Engine:
       state = self._apply(op, state, c, started)
       for r in getattr(op, "requests", ()):
         c.outputs[r.key] = Output(ecfg.hidden_keep)
-        if self.history is not None:
+        if c.history is not None:
           # siblings and later epochs of a prompt share its history: keyed by the prompt's text
-          self.history.begin(tuple(int(t) for t in r.prompt_ids), r.key, r.prompt_ids)
+          c.history.begin(tuple(int(t) for t in r.prompt_ids), r.key, r.prompt_ids)
     speculating = sched.check_speculation()
     state = self._page(state, c, self._reach(started or speculating))
     live = sched.live
@@ -446,7 +464,7 @@ class Engine:
     state, host, first = self._decode(state, c, arm, kv_len)  # the host sync
     dt = time.perf_counter() - t0
     # a history chunk extended the index step by step
-    extend = self.history is not None and not (arm and arm.history)
+    extend = c.history is not None and not (arm and arm.history)
     produced = self._collect(c, live, host, extend)
     self._report(ChunkMetrics(
         worker_id=self.worker_id, bucket=state.batch_size, live=len(live), tokens=produced,
@@ -481,12 +499,12 @@ class Engine:
       outputs[req.key].append(out.tokens[s][v], out.logprobs[s][v],
                               out.hidden[s][v] if c.capture and out.hidden is not None else None)
       if extend:
-        self.history.extend(req.key, out.tokens[s][v])
+        c.history.extend(req.key, out.tokens[s][v])
       if done[s]:
         sched.finish(s)
         c.pages.release(req.key)
-        if self.history is not None:
-          self.history.end(req.key, keep=True)
+        if c.history is not None:
+          c.history.end(req.key, keep=True)
         res = outputs.pop(req.key).result(req, stopped=bool(stopped[s]), worker_id=self.worker_id,
                                           t=time.perf_counter() - c.t_start)
         c.results.append(res)
