@@ -6,8 +6,11 @@
 Fits a hardware profile to the rollout's component forwards (the target's over 1 and each
 arm's verified tokens, the drafter's) timed as the engine runs them, then predicts what the
 fit did not see: the plain decode step and each arm's whole speculative step, and their
-ratio (tlt_jax/plan/calibrate.py). Prints the table (and writes OUT/cost_model.md, .json):
-the figure that says whether the simulator's (issue #38) step prices can be trusted here.
+ratio (tlt_jax/plan/calibrate.py). Then whole rollouts: the cluster simulator
+(tlt_jax/plan/sim.py) predicts batch 1, batch 8 and a long tail, plain and with the first arm,
+on the fitted profile, and the engine decodes them (`validate_rollouts`). Prints the tables
+(and writes OUT/cost_model.md, .json): the figures that say whether the simulator's step
+prices can be trusted here.
 --target: a bench target dir (scripts/make_bench_model.py; default the shipped model).
 """
 
@@ -22,7 +25,7 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from tlt_jax.bench.bench_model import load_target  # noqa: E402
-from tlt_jax.plan.calibrate import calibrate  # noqa: E402
+from tlt_jax.plan.calibrate import calibrate, rollout_table, validate_rollouts  # noqa: E402
 from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
 
 
@@ -36,6 +39,8 @@ def main() -> int:
   ap.add_argument("--iters", type=int, default=64)
   ap.add_argument("--cache_len", type=int, default=256)
   ap.add_argument("--out", default=os.path.join("out", "bench_cost_model"))
+  ap.add_argument("--rollouts", type=int, default=1, help="1: also predict, then decode, "
+                  "whole rollouts (batch 1, batch 8, a long tail; plain and the first arm)")
   a = ap.parse_args()
   cfg, params, dparams, *_ = load_target(a.target, a.dtype)
   batches = [int(b) for b in a.batch_sizes.split(",")]
@@ -51,14 +56,22 @@ def main() -> int:
   for r in cal.ratios():
     lines.append(f"| {r['batch']} | {r['arm']} | {r['measured']:.2f} | {r['predicted']:.2f} | "
                  f"{r['predicted'] / r['measured']:.2f} |")
+  rollouts = []
+  if a.rollouts:
+    # whole rollouts, predicted by the simulator on the profile just fitted, then decoded
+    rollouts = validate_rollouts(params, dparams, cfg, hw, arm=a.arms.split(",")[0],
+                                 progress=lambda i, n: print(f"rollout {i}/{n} decoded",
+                                                             file=sys.stderr))
+    lines += ["", "Whole rollouts (tlt_jax/plan/sim.py on the profile above, then the engine):",
+              "", rollout_table(rollouts)]
   text = "\n".join(lines)
   print(text)
   os.makedirs(a.out, exist_ok=True)
   with open(os.path.join(a.out, "cost_model.md"), "w") as f:
     f.write(text + "\n")
   with open(os.path.join(a.out, "cost_model.json"), "w") as f:
-    json.dump({"hardware": dataclasses.asdict(hw), "rows": cal.rows, "ratios": cal.ratios()},
-              f, indent=2)
+    json.dump({"hardware": dataclasses.asdict(hw), "rows": cal.rows, "ratios": cal.ratios(),
+               "rollouts": rollouts}, f, indent=2)
   return 0
 
 

@@ -17,9 +17,6 @@ import os
 import sys
 
 
-COLORS = {"generating": "#4C72B0", "idle": "#DD8452", "training": "#55A868"}
-
-
 def load(workdir: str) -> tuple[dict[int, dict], dict[int, dict]]:
   from tlt_jax.metrics import read_records
 
@@ -30,44 +27,6 @@ def load(workdir: str) -> tuple[dict[int, dict], dict[int, dict]]:
                        f"--workdir {workdir} first")
     return {int(rec["step"]): rec for rec in read_records(path)}
   return read("timeline.jsonl"), read("metrics.jsonl")
-
-
-def plot(timelines: dict[int, dict], metrics: dict[int, dict], steps: list[int], out: str):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  from matplotlib.patches import Patch
-  fig, axes = plt.subplots(len(steps), 1, figsize=(11, 1.0 + 1.1 * len(steps) * max(
-      1 + max((iv[0] for t in timelines.values() for iv in t["intervals"]), default=0), 2) / 2),
-                           squeeze=False)
-  for ax, step in zip(axes[:, 0], steps):
-    tl = timelines[step]
-    workers = sorted({iv[0] for iv in tl["intervals"]})
-    for w, state, start, end in tl["intervals"]:
-      if state in COLORS and end > start:
-        ax.barh(w, end - start, left=start, height=0.6, color=COLORS[state])
-    if tl.get("barrier") is not None:
-      ax.axvline(tl["barrier"], color="k", lw=1)
-    if tl.get("released") is not None:
-      ax.axvline(tl["released"], color="k", lw=1, ls=":")
-    spot = metrics.get(step, {}).get("spot", {})
-    share = spot.get("idle_share_trained")
-    title = f"step {step}"
-    if share is not None:
-      title += (f": {spot['idle_s']:.1f} s idle worker time, {share:.0%} of it training the "
-                f"drafter; {spot['critical_path_s'] * 1000:.0f} ms of drafter time after the "
-                "barrier")
-    ax.set_title(title, fontsize=9, loc="left")
-    ax.set_yticks(workers)
-    ax.set_yticklabels([f"worker {w}" for w in workers])
-    ax.invert_yaxis()
-  axes[-1, 0].set_xlabel("seconds since the rollout began (solid line: barrier, the last "
-                         "worker done; dotted: merged drafter on every worker)")
-  fig.legend(handles=[Patch(color=c, label=s) for s, c in COLORS.items()], loc="upper right",
-             ncol=3, fontsize=8)
-  fig.tight_layout(rect=(0, 0, 1, 0.96))
-  fig.savefig(out, dpi=120)
-  plt.close(fig)
 
 
 def main(argv=None):
@@ -93,6 +52,7 @@ def main(argv=None):
   else:
     steps = sorted({have[0], have[len(have) // 2], have[-1]})
   out = a.out or os.path.join(a.workdir, "timeline.png")
+  from tlt_jax.coordinator.timeline import plot
   plot(timelines, metrics, steps, out)
   print(f"wrote {out} (steps {', '.join(map(str, steps))})", file=sys.stderr)
 

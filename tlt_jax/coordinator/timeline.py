@@ -129,3 +129,51 @@ class Timeline:
             "waited": self.waited,
             "intervals": [[iv.worker, iv.state.value, iv.start, iv.end]
                           for iv in self.intervals]}
+
+
+# ------------------------------------------------------------------------------- the plot
+PLOT_COLORS = {"generating": "#4C72B0", "idle": "#DD8452", "training": "#55A868"}
+
+
+def plot(timelines: dict[int, dict], metrics: dict[int, dict], steps: list[int], out: str,
+         *, time_label: str = "seconds since the rollout began",
+         labels: dict[int, str] | None = None) -> None:
+  """One PNG, a panel per step: each worker's intervals (`Timeline.to_json`), the barrier and
+  the merged drafter's arrival; `metrics[step]["spot"]` (`Timeline.summary`) titles a panel,
+  after `labels[step]` (default "step N").
+  scripts/plot_timeline.py draws a run's; the cluster simulator its predicted ones."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  from matplotlib.patches import Patch
+  fig, axes = plt.subplots(len(steps), 1, figsize=(11, 1.0 + 1.1 * len(steps) * max(
+      1 + max((iv[0] for t in timelines.values() for iv in t["intervals"]), default=0), 2) / 2),
+                           squeeze=False)
+  for ax, step in zip(axes[:, 0], steps):
+    tl = timelines[step]
+    workers = sorted({iv[0] for iv in tl["intervals"]})
+    for w, state, start, end in tl["intervals"]:
+      if state in PLOT_COLORS and end > start:
+        ax.barh(w, end - start, left=start, height=0.6, color=PLOT_COLORS[state])
+    if tl.get("barrier") is not None:
+      ax.axvline(tl["barrier"], color="k", lw=1)
+    if tl.get("released") is not None:
+      ax.axvline(tl["released"], color="k", lw=1, ls=":")
+    spot = metrics.get(step, {}).get("spot", {})
+    share = spot.get("idle_share_trained")
+    title = (labels or {}).get(step, f"step {step}")
+    if share is not None:
+      title += (f": {spot['idle_s']:.1f} s idle worker time, {share:.0%} of it training the "
+                f"drafter; {spot['critical_path_s'] * 1000:.0f} ms of drafter time after the "
+                "barrier")
+    ax.set_title(title, fontsize=9, loc="left")
+    ax.set_yticks(workers)
+    ax.set_yticklabels([f"worker {w}" for w in workers])
+    ax.invert_yaxis()
+  axes[-1, 0].set_xlabel(f"{time_label} (solid line: barrier, the last worker done; "
+                         "dotted: merged drafter on every worker)")
+  fig.legend(handles=[Patch(color=c, label=s) for s, c in PLOT_COLORS.items()], loc="upper right",
+             ncol=3, fontsize=8)
+  fig.tight_layout(rect=(0, 0, 1, 0.96))
+  fig.savefig(out, dpi=120)
+  plt.close(fig)

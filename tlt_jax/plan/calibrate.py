@@ -63,12 +63,7 @@ def component_cost(cfg: ModelConfig, label: str, batch: int, cache_len: int,
   if kind == "drafter":
     return cost.draft(cfg, batch, int(rest), cache_len)
   if label.startswith("spec step "):
-    arm = Strategy(label[len("spec step "):])
-    c = (cost.forward(cfg, batch, arm.verify_tokens, cache_len)
-         + cost.draft(cfg, batch, arm.steps + 1, cache_len))
-    for _ in range(arm.steps - 1):
-      c = c + cost.draft(cfg, batch, arm.topk, cache_len)
-    return c
+    return cost.spec_step(cfg, Strategy(label[len("spec step "):]), batch, cache_len)
   raise ValueError(f"component_cost: unknown forward {label!r}")
 
 
@@ -102,3 +97,80 @@ def _order(label: str) -> tuple:
   kind = 0 if label == "plain step" else 1 if "verify" in label else 2 if "drafter" in label \
       else 3
   return (kind, label)
+
+
+# --------------------------------------------------------------------------- rollouts
+def validate_rollouts(params, dparams, cfg: ModelConfig, hw: cost.Hardware, *,
+                      arm: str = "4_1_5", new_tokens: int = 96, seed: int = 0,
+                      progress=None) -> list[dict]:
+  """Whole rollouts predicted by the simulator (sim.py, on profile `hw`), then decoded by the
+  engine on this machine: batch 1, batch 8 and a long tail (24 rows of log-normal lengths at
+  max_batch 8: refill, then compaction down to one row), each plainly and with `arm` from the
+  first chunk, at temperature 1. Lengths are each request's max_new_tokens (no stop token), so
+  both decode the same tokens; the arm's acceptance is the one the engine measured in the
+  timed run (an input of the simulator, not what it predicts). The engine's executables are
+  compiled by a first, untimed run of each (compiles in the timed run are subtracted). Returns rows {workload, mode, predicted,
+  measured, tokens_per_verification}."""
+  import time
+
+  import numpy as np
+
+  from tlt_jax.plan.sim import SimEngine
+  from tlt_jax.plan.workload import Acceptance
+  from tlt_jax.rollout.config import EngineConfig, SpecConfig
+  from tlt_jax.rollout.engine import Engine
+  from tlt_jax.rollout.records import Request
+  from tlt_jax.rollout.sampling import SamplingParams
+  rng = np.random.default_rng(seed)
+  tail = np.clip(rng.lognormal(np.log(new_tokens / 3), 0.8, 24), 4, new_tokens).astype(int)
+  prompt = [1 + i % (cfg.vocab_size - 1) for i in range(12)]
+  workloads = {"batch 1": [new_tokens], "batch 8": [new_tokens] * 8, "tail": list(tail)}
+  sp = SamplingParams(temperature=1.0)
+  rows = []
+  jobs = [(w, m) for w in workloads for m in ("plain", arm)]
+  for i, (w, mode) in enumerate(jobs):
+    lens = workloads[w]
+    reqs = [Request(prompt[:4 + j % 8], request_id=j, max_new_tokens=int(n))
+            for j, n in enumerate(lens)]
+    spec = None if mode == "plain" else SpecConfig(strategy=mode, bs_threshold=8, patience=1,
+                                                   background_compile=False)
+    ecfg = EngineConfig(max_batch=8, buckets=(1, 2, 4, 8), chunk_size=16, max_prompt_len=16,
+                        max_new_tokens=new_tokens, spec=spec)
+    engine = Engine(params, cfg, ecfg, drafter_params=dparams if spec else None)
+    engine.generate(reqs, sp, seed=seed + 1)  # compiles
+    engine.chunk_log.clear()
+    before = len(engine.exes.records)
+    t = time.perf_counter()
+    engine.generate(reqs, sp, seed=seed)
+    # (windows the first run's rows did not reach compile now: their seconds are not decoding)
+    measured = time.perf_counter() - t - sum(r.seconds for r in engine.exes.records[before:])
+    log = engine.chunk_log
+    verifs = sum(m.verifications for m in log)
+    tpv = sum(m.tokens for m in log if m.arm is not None) / verifs if verifs else None
+    s = SimEngine(cfg, ecfg, hw, acceptance=Acceptance(tpv=((mode, tpv),)) if tpv else None)
+    s.lengths = {r.key: int(r.max_new_tokens) for r in reqs}
+    s.generate(reqs, sp, seed=seed)
+    rows.append({"workload": w, "mode": mode, "predicted": s.now, "measured": measured,
+                 "tokens_per_verification": tpv})
+    if progress:
+      progress(i + 1, len(jobs))
+  return rows
+
+
+def rollout_table(rows: list[dict]) -> str:
+  """The rollouts' table, and per workload the speculative / plain ratio both ways."""
+  lines = ["| workload | mode | tokens/verif. | measured s | predicted s | predicted / measured |",
+           "|---|---|---:|---:|---:|---:|"]
+  for r in rows:
+    tpv = f"{r['tokens_per_verification']:.2f}" if r["tokens_per_verification"] else ""
+    lines.append(f"| {r['workload']} | {r['mode']} | {tpv} | {r['measured']:.3f} | "
+                 f"{r['predicted']:.3f} | {r['predicted'] / r['measured']:.2f} |")
+  lines += ["", "| workload | arm / plain measured | predicted | predicted / measured |",
+            "|---|---:|---:|---:|"]
+  by = {}
+  for r in rows:
+    by.setdefault(r["workload"], []).append(r)
+  for w, (plain, spec) in by.items():
+    m, p = spec["measured"] / plain["measured"], spec["predicted"] / plain["predicted"]
+    lines.append(f"| {w} | {m:.2f} | {p:.2f} | {p / m:.2f} |")
+  return "\n".join(lines)

@@ -159,6 +159,25 @@ def prefill(cfg: ModelConfig, prompts: int, prompt_len: int, *, tp: int = 1,
                      2.0 * prompts * head_weights(cfg, tp))
 
 
+def spec_step(cfg: ModelConfig, arm, batch: int, kv_len: int, *, tp: int = 1,
+              dtype: str | None = None) -> Cost:
+  """One speculative step of `arm` (a rollout.strategy.Strategy): the target's verification
+  over its verify tokens, the drafter's catch-up over steps + 1 tokens and steps - 1 more
+  drafter steps of topk (a history arm drafts on the host: its verification only; "off" one
+  target token and the drafter's catch-up over it). Host work (a history lookup) is not in
+  it."""
+  if arm == "off" or not arm.steps:
+    return forward(cfg, batch, 1, kv_len, tp=tp, dtype=dtype) + draft(
+        cfg, batch, 1, kv_len, tp=tp, dtype=dtype)
+  c = forward(cfg, batch, arm.verify_tokens, kv_len, tp=tp, dtype=dtype)
+  if arm.history and not arm.hybrid:  # (a hybrid's drafter chain runs beside the history's)
+    return c
+  c = c + draft(cfg, batch, arm.steps + 1, kv_len, tp=tp, dtype=dtype)
+  for _ in range(arm.steps - 1):
+    c = c + draft(cfg, batch, arm.topk, kv_len, tp=tp, dtype=dtype)
+  return c
+
+
 # ------------------------------------------------------------------------------ calibration
 def fit(costs: Sequence[Cost], seconds: Sequence[float], *, name: str = "calibrated",
         link_bw: float = float("inf")) -> Hardware:

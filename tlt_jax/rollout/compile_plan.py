@@ -309,7 +309,7 @@ class CompilePlan:
       queue = (state.batch_size, fits[0]) not in self._switch_submitted
       self._switch_submitted.add((state.batch_size, fits[0]))
     if queue and self._compiler is not None:
-      args = (call, _abstract(state), fits[0])
+      args = (call, self._abstract(state), fits[0])
       self._compiler.submit(lambda: self.switch_on(*args))
     return compiled[0] if compiled else None
 
@@ -325,7 +325,7 @@ class CompilePlan:
     kv_len = kv_bucket(need, ecfg.prompt_bucket, ecfg.cache_len)
     if arm is None:
       return kv_len
-    abstract = _abstract(state)
+    abstract = self._abstract(state)
     compiled = lambda n: self._spec_key(call, sp, arm, abstract, n) in self.exes
     with self._lock:
       key = (state.batch_size, arm, kv_len)
@@ -345,6 +345,8 @@ class CompilePlan:
       args = (call, sp, arm, abstract, kv_len)
       self._compiler.submit(lambda: self.spec(*args))
     return wider if wider is not None else ecfg.cache_len
+
+  _abstract = staticmethod(_abstract)  # (the simulator's states are their own abstraction)
 
   def _window_pays(self, call: PlanCall, batch: int, arm: Strategy, want: int, have: int) -> bool:
     """The gate's payoff rule for compiling window `want` of (batch, arm) while `have` runs

@@ -205,6 +205,17 @@ class Engine:
     return self.exes.stats()
 
   # ------------------------------------------------------------------------- device calls
+  # The device seam: the chunk loop (`generate`, `_chunk`, `_page`, `_collect`, `_report`:
+  # the Scheduler, the page policy, the gate, the selector) touches devices and time only
+  # through `_call`, `_apply`, `_switch_on`, `_decode`, `_sync`, `kv`, `exes`, `compiles` and
+  # `clock`; the cluster simulator (tlt_jax/plan/sim.py) runs the same loop on a simulated
+  # device and clock by replacing them.
+  clock = staticmethod(time.perf_counter)
+
+  def _sync(self, state):
+    """Waits for what was dispatched before the next chunk (its time is the chunk's own)."""
+    return jax.block_until_ready(state)
+
   def _call(self, name: str, variant, fn: Callable, args: tuple, donate=()):
     return self.exes.get(name, variant, fn, args, donate=donate)(*args)
 
@@ -407,7 +418,7 @@ class Engine:
     c = Call(
         sp=sp, base_key=jax.random.key(seed), selector=selector, gate=gate,
         capture=ecfg.capture_hidden and wanted,
-        hooks=hooks or EngineHooks(), t_start=time.perf_counter(), plan=plan,
+        hooks=hooks or EngineHooks(), t_start=self.clock(), plan=plan,
         sched=Scheduler(requests, max_batch=ecfg.max_batch, buckets=ecfg.buckets,
                         compaction=ecfg.compaction,
                         bs_threshold=spec.bs_threshold if spec else None,
@@ -459,17 +470,17 @@ class Engine:
       # the chunk's time is the arm's own (the selector's reward, the gate's rates): what was
       # dispatched before it (a refill's prefill, the page tables) finishes first. Otherwise
       # at batch 1, where every chunk starts a new answer, each reward carried a prefill.
-      state = jax.block_until_ready(state)
-    compiles, t0 = self.exes.compiled_here(), time.perf_counter()
+      state = self._sync(state)
+    compiles, t0 = self.exes.compiled_here(), self.clock()
     state, host, first = self._decode(state, c, arm, kv_len)  # the host sync
-    dt = time.perf_counter() - t0
+    dt = self.clock() - t0
     # a history chunk extended the index step by step
     extend = c.history is not None and not (arm and arm.history)
     produced = self._collect(c, live, host, extend)
     self._report(ChunkMetrics(
         worker_id=self.worker_id, bucket=state.batch_size, live=len(live), tokens=produced,
         steps=int(host[0].steps), wall_time=dt, mode=arm or "plain", accepted=int(host[3][0]),
-        verifications=int(host[3][1]), t=time.perf_counter() - c.t_start,
+        verifications=int(host[3][1]), t=self.clock() - c.t_start,
         compiled=self.exes.compiled_here() != compiles, first_run=first), c)
     return state, started
 
@@ -506,7 +517,7 @@ class Engine:
         if c.history is not None:
           c.history.end(req.key, keep=True)
         res = outputs.pop(req.key).result(req, stopped=bool(stopped[s]), worker_id=self.worker_id,
-                                          t=time.perf_counter() - c.t_start)
+                                          t=self.clock() - c.t_start)
         c.results.append(res)
         if hooks.on_result:
           hooks.on_result(res)

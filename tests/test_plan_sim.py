@@ -1,0 +1,200 @@
+"""The cluster simulator (tlt_jax/plan): it runs the engine's own loop (a test fails if a
+policy method is overridden), it schedules, pages, preempts and speculates chunk for chunk as
+the real engine does on the same response lengths (and acceptance), its workloads draw what
+they say, and the command plans the shipped recipes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tlt_jax.plan import sim, workload
+from tlt_jax.plan.cost import PROFILES
+from tlt_jax.rollout.config import EngineConfig, SpecConfig
+from tlt_jax.rollout.engine import Engine
+from tlt_jax.rollout.records import Request
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.strategy import Strategy
+from spec_helpers import SMALL, TINY
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_simulator_runs_the_engines_loop():
+  """Only the device seam is replaced: generate/_chunk/_page/_collect/_report/_reach (the
+  Scheduler, the page policy, the gate, the selector, the window rule) are the engine's."""
+  sim._check_seam()
+  from tlt_jax.rollout.compile_plan import CompilePlan
+  for name in ("window", "_window_pays", "choosable_pairs", "_wanted_pairs"):
+    assert getattr(sim.SimCompilePlan, name) is getattr(CompilePlan, name), name
+
+
+def _requests(n, seed=0):
+  rng = np.random.RandomState(seed)
+  return [Request(list(rng.randint(1, TINY.vocab_size, rng.randint(2, 12))), i // 2, i % 2)
+          for i in range(n)]
+
+
+def _key(r):
+  return (r.request_id, r.sample_index)
+
+
+def _trace(log):
+  return [(m.bucket, m.live, m.tokens, m.steps, str(m.mode), m.accepted, m.verifications)
+          for m in log]
+
+
+class WrongIndex:
+  """A history index whose drafts are always wrong (the true continuation shifted by one id):
+  every verification accepts none and emits the target's token, as the simulator's
+  acceptance of 1 token per verification."""
+
+  def __init__(self, oracle):
+    self.oracle, self.seqs = oracle, {}
+
+  def begin(self, prompt_key, seq_key, prompt_ids):
+    self.seqs[seq_key] = [int(t) for t in prompt_ids]
+
+  def extend(self, seq_key, tokens):
+    self.seqs[seq_key].extend(int(t) for t in tokens)
+
+  def end(self, seq_key, keep):
+    self.seqs.pop(seq_key)
+
+  def stats(self):
+    return {}
+
+  def draft(self, seq_key, max_tokens, topk=1, max_nodes=None):
+    from tlt_jax.rollout.suffix_index import Draft
+    seq, true = self.seqs[seq_key], self.oracle[seq_key]
+    cont = list(true[len(seq):len(seq) + max_tokens])
+    cont = [(int(t) + 1) % TINY.vocab_size for t in cont] + [0] * (max_tokens - len(cont))
+    n = len(cont)
+    return Draft(np.asarray(cont, np.int32), np.arange(-1, n - 1, dtype=np.int32),
+                 np.ones((n,), np.float32))
+
+
+@pytest.mark.parametrize("spec", [None, "hist_3", "2_1_3"],
+                         ids=["plain", "history_arm", "drafter_arm"])
+def test_the_simulator_decodes_chunk_for_chunk_as_the_engine(tiny, spec):
+  """The real engine decodes 9 requests greedily (refill, compaction, a pool small enough to
+  preempt rows; speculating from live <= 2 after 2 checks, with a history arm whose drafts are
+  all wrong or the tiny random drafter, which gets none accepted either); the simulator, told
+  each response's length (and no acceptance), runs the same
+  chunks (bucket, live rows, tokens, steps, arm, accepted drafts, verifications), preempts as
+  often and finishes the responses in the same order."""
+  params, dparams = tiny
+  reqs = _requests(9)
+  sp = SamplingParams(temperature=0.0)
+  base = EngineConfig(**SMALL)
+  oracle = {_key(r): np.concatenate([r.prompt_ids, r.response_ids])
+            for r in Engine(params, TINY, base).generate(reqs, sp)}
+  stop = int(np.bincount(np.concatenate([o[-20:] for o in oracle.values()])).argmax())
+  kw = dict(SMALL, stop_tokens=(stop,), page_size=4, kv_pages=13)
+  if spec is None:
+    ecfg = EngineConfig(**kw)
+    real = Engine(params, TINY, ecfg)
+  else:
+    ecfg = EngineConfig(**kw, spec=SpecConfig(strategy=spec, bs_threshold=2, patience=2,
+                                              use_kernel=False, background_compile=False))
+    real = Engine(params, TINY, ecfg, drafter_params=dparams, history=WrongIndex(oracle))
+  results = real.generate(reqs, sp)
+  assert any(r.finish_reason == "stop" for r in results)
+  assert any(r.finish_reason == "length" for r in results)
+  assert real.preemptions > 0
+  s = sim.SimEngine(TINY, ecfg, PROFILES["h100"],
+                    acceptance=workload.Acceptance(default=1.0, history=1.0))
+  s.lengths = {_key(r): len(r.response_ids) for r in results}
+  got = s.generate(reqs, sp)
+  if spec is not None:  # (the premise: speculation ran, nothing was accepted)
+    assert sum(m.arm is not None for m in real.chunk_log) > 3
+    assert sum(m.accepted for m in real.chunk_log) == 0
+  assert _trace(s.chunk_log) == _trace(real.chunk_log)
+  assert s.preemptions == real.preemptions
+  assert [_key(r) for r in got] == [_key(r) for r in results]
+  assert [r.finish_reason for r in got] == [r.finish_reason for r in results]
+  assert s.now > 0 and s.busy["decode"] > 0
+
+
+def test_acceptance_rate_and_draws():
+  acc = workload.Acceptance(tpv=(("4_1_5", 3.1),), default=2.0, history=1.5)
+  for arm, want in (("4_1_5", 3.1), ("2_1_3", 2.0), ("hist_4", 1.5), ("hyb_4", 2.0)):
+    a, k = acc.rate(Strategy(arm)), Strategy(arm).steps
+    assert sum(a ** j for j in range(k + 1)) == pytest.approx(want, rel=1e-6)
+    draws = acc.draw(Strategy(arm), np.random.default_rng(0), (20000,)) + 1
+    assert abs(draws.mean() - want) < 4 * draws.std() / np.sqrt(len(draws)), arm
+    assert draws.min() >= 1 and draws.max() <= k + 1
+  assert acc.tokens_per_verification(Strategy("off")) == 1.0
+  assert workload.Acceptance(default=9.0).tokens_per_verification(Strategy("2_1_3")) == 3.0
+  assert workload.acceptance("2.5").default == 2.5
+  parsed = workload.acceptance("4_1_5=3.2,history=1.2")
+  assert parsed.tokens_per_verification(Strategy("4_1_5")) == 3.2 and parsed.history == 1.2
+  with pytest.raises(Exception, match="--acceptance"):
+    workload.acceptance("4_x_5=3")
+
+
+def test_lengths_draw_what_they_say(tmp_path):
+  rng = np.random.default_rng(0)
+  body = workload.lengths("lognormal:median=1000,sigma=0.5")
+  x = body.draw(20000, 100000, rng)
+  assert abs(np.median(x) / 1000 - 1) < 0.03
+  assert abs(np.log(x).std() - 0.5) < 0.02
+  tail = workload.lengths("lognormal:median=1000,sigma=0.5,tail=0.1,alpha=1.5,tail_from=3000")
+  y = tail.draw(20000, 8192, rng)
+  assert y.max() == 8192 and 0.02 < (y == 8192).mean() < 0.06  # P(Pareto > 8192) x 0.1
+  f = tmp_path / "lens.jsonl"
+  f.write_text("\n".join(json.dumps({"length": n}) for n in (5, 7, 9)) + "\n")
+  assert set(workload.lengths(str(f)).draw(100, 8, rng)) == {5, 7, 8}  # capped
+  m = tmp_path / "metrics.jsonl"
+  m.write_text(json.dumps({"step": 1, "reward": 0.5, "response_length": {
+      "mean": 40, "p50": 30, "p90": 80, "max": 150}}) + "\n")
+  z = workload.lengths(str(m)).draw(20000, 1000, rng)
+  assert abs(np.median(z) - 30) < 2 and abs(np.quantile(z, 0.9) - 80) < 5 and z.max() <= 150
+  for bad in ("lognormal:median=-1,sigma=1", "lognormal:mu=3", str(tmp_path / "nope")):
+    with pytest.raises(Exception, match="--lengths"):
+      workload.lengths(bad)
+
+
+def test_spot_window_is_the_coordinators_rule():
+  # 10 s idle, 3 s steps: 3 whole steps; the 4th in flight at the barrier is finished (2 s
+  # past it) or dropped
+  assert sim.spot_window(10.0, 3.0, "finish") == (4, 10.0, 2.0)
+  assert sim.spot_window(10.0, 3.0, "drop") == (3, 10.0, 0.0)
+  assert sim.spot_window(9.0, 3.0, "finish") == (3, 9.0, 0.0)
+  assert sim.spot_window(0.0, 3.0, "finish") == (0, 0.0, 0.0)
+  reqs = [Request([1], i) for i in range(7)]
+  assert [[r.request_id for r in s] for s in sim.shares(reqs, 3)] == [[0, 3, 6], [1, 4], [2, 5]]
+
+
+def _plan(*args):
+  return subprocess.run([sys.executable, "-m", "tlt_jax.plan", *args], cwd=ROOT,
+                        capture_output=True, text=True, timeout=600)
+
+
+def test_plan_command_on_the_7b_recipe(tmp_path):
+  """The 7B recipe on 8 simulated H100s: its memory plan's max_batch, both modes' phases,
+  the files; speculation runs (gate open) and spends the idle windows training."""
+  out = tmp_path / "plan"
+  r = _plan("--config", "configs/qwen2_5_7b_math.py", "--hardware", "h100", "--steps", "2",
+            "--out", str(out))
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert "8 x h100, 8 rollout workers x tp 1, max_batch 216" in r.stdout
+  assert "| **step** |" in r.stdout and "TLT on vs off:" in r.stdout
+  p = json.loads((out / "plan.json").read_text())
+  on, off = p["on"][-1], p["off"][-1]
+  assert on["phases"]["verification"] > 0 and off["phases"]["verification"] == 0
+  assert on["spot"]["training_s"] > 0 and off["spot"]["training_s"] == 0
+  assert on["phases"]["update"] == off["phases"]["update"]  # same lengths, same learner
+  assert (out / "timeline.png").stat().st_size > 0 and (out / "live_batch.png").exists()
+
+
+def test_plan_command_errors_are_one_line():
+  for args, needle in ((["--hardware", "tpu9"], "--hardware='tpu9': use one of"),
+                       (["--lengths", "lognormal:mu=1"], "--lengths"),
+                       (["--steps", "0"], "--steps=0")):
+    r = _plan("--config", "configs/default.py", "--gpus", "2", *args)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert needle in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,75 @@
+"""Know before you rent: a recipe's RL step on a simulated cluster, TLT on and off.
+
+    python -m tlt_jax.plan --config configs/qwen2_5_7b_math.py --hardware h100 \\
+        [--gpus 8] [--lengths lognormal:median=2500,sigma=0.7,...|FILE] \\
+        [--acceptance 6_1_7=3.4,...|FILE|NUMBER] [--steps 3] [--compile_s 0] [--out DIR] \\
+        [--config.key=value ...]
+
+Runs `--steps` RL steps of the recipe twice on the simulator (tlt_jax/plan/sim.py: the
+project's own rollout loop, Scheduler, page policy, gate and bandit on a simulated clock,
+priced by the cost model on the hardware profile), TLT on and TLT off, on the same response
+lengths, and prints per phase the predicted seconds of the last step (the bandit and the
+gate have learnt over the earlier ones), the live batch over the rollout, rows preempted for
+pages, the idle share spent training the drafter, and TLT on vs off. Writes OUT/plan.json,
+OUT/timeline.png (the simulated workers' timeline, as scripts/plot_timeline.py draws a run's)
+and OUT/live_batch.png. Everything printed is a prediction: docs/scale.md has the model's
+assumptions and its validation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
+flags.DEFINE_string("hardware", "h100", "a profile: h100, h200, a100")
+flags.DEFINE_integer("gpus", 0, "devices in the cluster (0: config.memory.num_devices)")
+flags.DEFINE_string("lengths", "", "response lengths: lognormal:..., a JSONL of lengths or a "
+                    "run's metrics.jsonl ('': the reasoning default, tlt_jax/plan/workload.py)")
+flags.DEFINE_string("acceptance", "3.0", "tokens per verification: arm=v,... or a JSON file "
+                    "or one number for every arm")
+flags.DEFINE_integer("steps", 3, "RL steps simulated (the last one is reported)")
+flags.DEFINE_float("compile_s", 0.0, "seconds per executable compiled (0: a warm cache)")
+flags.DEFINE_string("gate", "open", "open: speculation at every bucket under the threshold "
+                    "from the first step (a long run's steady state where drafts pay); learn: "
+                    "the recipe's gate, probing from nothing over --steps")
+flags.DEFINE_integer("seed", 0, "the workload's seed")
+flags.DEFINE_string("out", "", "where plan.json and the PNGs go ('': out/plan/<config name>)")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  del argv
+  from tlt_jax.errors import ConfigError
+  from tlt_jax.plan import report, workload
+  from tlt_jax.plan.cost import PROFILES
+  cfg = _CONFIG.value
+  if FLAGS.hardware not in PROFILES:
+    raise ConfigError(f"use one of {sorted(PROFILES)}", "--hardware", FLAGS.hardware)
+  if FLAGS.steps < 1:
+    raise ConfigError("must be >= 1", "--steps", FLAGS.steps)
+  if FLAGS.compile_s < 0:
+    raise ConfigError("must be >= 0 (0: a warm compilation cache)", "--compile_s",
+                      FLAGS.compile_s)
+  lengths = workload.lengths(FLAGS.lengths or workload.REASONING)
+  acc = workload.acceptance(FLAGS.acceptance)
+  name = os.path.splitext(os.path.basename(config_flags.get_config_filename(FLAGS["config"])))[0]
+  out = FLAGS.out or os.path.join("out", "plan", name)
+  plan = report.plan(cfg, hardware=FLAGS.hardware, gpus=FLAGS.gpus, lengths=lengths,
+                     acceptance=acc, steps=FLAGS.steps, compile_s=FLAGS.compile_s,
+                     gate=FLAGS.gate, seed=FLAGS.seed, progress=True)
+  print(report.text(plan))
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, "plan.json"), "w") as f:
+    json.dump(report.to_json(plan), f, indent=1)
+  report.plots(plan, out)
+  print(f"wrote {out}/plan.json, {out}/timeline.png, {out}/live_batch.png")
+
+
+if __name__ == "__main__":
+  from tlt_jax.config import flags_parser
+  from tlt_jax.runtime import exit_on_user_error
+  app.run(exit_on_user_error(main), flags_parser=flags_parser)

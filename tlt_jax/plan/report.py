@@ -1,0 +1,201 @@
+"""`python -m tlt_jax.plan`'s work: a recipe simulated TLT on and off, and what it prints.
+
+`plan` resolves the recipe as a run would (config.run_spec; rollout.max_batch = 0 sized by the
+memory plan for the hardware and device count), then runs the same steps on the simulator
+(sim.py) with TLT on and with TLT off, on the same response lengths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from tlt_jax.errors import ConfigError
+from tlt_jax.plan import cost
+from tlt_jax.plan.sim import ROLLOUT_PARTS, Simulation, StepResult
+from tlt_jax.plan.workload import Acceptance, Lengths
+
+PHASES = ("rollout", "drafter", "logprobs", "update", "weight_sync")
+
+
+@dataclasses.dataclass
+class Plan:
+  name: str
+  hardware: cost.Hardware
+  gpus: int
+  workers: int
+  tp: int
+  max_batch: int
+  kv_pages: int
+  lengths: Lengths
+  acceptance: Acceptance
+  compile_s: float
+  on: list[StepResult]
+  off: list[StepResult]
+  gate: dict[str, Any] | None
+  executables: dict[str, int]
+  gate_mode: str
+
+  @property
+  def speedup(self) -> float:
+    return self.off[-1].seconds / self.on[-1].seconds
+
+
+def _mode(cfg, tlt: bool, gate: str):
+  """The recipe with TLT on or off; gate "open": speculation at every bucket under the
+  threshold from the first step (the steady state a long run's gate reaches where drafts
+  pay), "learn": the gate as the recipe configures it, from nothing."""
+  c = cfg.copy_and_resolve_references()
+  c.tlt.enabled = tlt
+  if tlt and gate == "open" and c.tlt.spec.get("gate") is not None:
+    c.tlt.spec.gate.enabled = False
+  return c
+
+
+def plan(cfg, *, hardware: str, gpus: int = 0, lengths: Lengths, acceptance: Acceptance,
+         steps: int = 3, compile_s: float = 0.0, gate: str = "open", seed: int = 0,
+         progress: bool = False) -> Plan:
+  """The recipe `cfg` simulated for `steps` RL steps, TLT on and off (module docstring)."""
+  from tlt_jax import memory
+  from tlt_jax.config import model_config, run_spec
+  hw = cost.PROFILES[hardware]
+  n = int(gpus or cfg.memory.get("num_devices", 0) or 0)
+  if n < 1:
+    raise ConfigError("name the cluster's devices: --gpus N (or config.memory.num_devices)",
+                      "--gpus", gpus)
+  workers, tp = int(cfg.rollout.num_workers), int(cfg.rollout.tensor_parallel)
+  if workers * tp > n:
+    raise ConfigError(f"{workers} rollout workers x tensor_parallel {tp} need {workers * tp} "
+                      f"devices; set --gpus or config.rollout.num_workers", "--gpus", n)
+  model_cfg = model_config(cfg)
+  runs = {}
+  sized = None
+  if gate not in ("open", "learn"):
+    raise ConfigError("use open (speculation wherever the threshold allows) or learn (the "
+                      "gate probes from nothing)", "--gate", gate)
+  for mode, c in (("on", _mode(cfg, True, gate)), ("off", _mode(cfg, False, gate))):
+    spec = run_spec(c)
+    if spec.max_batch == 0:
+      if sized is None:  # TLT on's plan (its drafter's memory too) sizes both
+        sized = memory.derive_max_batch(spec, model_cfg, device=hardware, num_devices=n)
+      spec = spec.with_max_batch(*sized)
+    sim = Simulation(spec, model_cfg, hw, workers=workers, tp=tp, gpus=n, lengths=lengths,
+                     acceptance=acceptance, compile_s=compile_s, seed=seed)
+    bar = None
+    if progress:
+      from tqdm import tqdm
+      bar = tqdm(total=steps, desc=f"simulating TLT {mode}", unit="step", leave=False)
+    for _ in range(steps):
+      sim.step()
+      if bar is not None:
+        bar.update(1)
+    if bar is not None:
+      bar.close()
+    runs[mode] = sim
+  on, off = runs["on"], runs["off"]
+  ex = {"on": sum(len(e.exes.records) for e in on.engines),
+        "off": sum(len(e.exes.records) for e in off.engines)}
+  return Plan(name=cfg.model.get("architecture") or cfg.model.path, hardware=hw, gpus=n,
+              workers=workers, tp=tp, max_batch=on.ecfg.max_batch,
+              kv_pages=on.ecfg.pool_pages, lengths=lengths, acceptance=acceptance,
+              compile_s=compile_s, on=on.steps, off=off.steps,
+              gate=on.gate.summary() if on.gate is not None else None, executables=ex,
+              gate_mode=gate)
+
+
+def _live(s: StepResult, threshold: int | None) -> str:
+  if not s.live:
+    return "no chunks"
+  peak = max(n for _, n in s.live)
+  end = s.phases["rollout"]
+  marks = []
+  for frac in (0.5, 0.1):
+    t = next((t for t, n in s.live if n <= peak * frac), None)
+    if t is not None:
+      marks.append(f"<= {frac:.0%} of it after {t:.0f} s ({t / end:.0%} of the rollout)")
+  return f"peak {peak} rows; " + "; ".join(marks)
+
+
+def text(p: Plan) -> str:
+  on, off = p.on[-1], p.off[-1]
+  lines = [
+      f"# {p.name}: {p.gpus} x {p.hardware.name}, {p.workers} rollout workers x tp {p.tp}, "
+      f"max_batch {p.max_batch}, {p.kv_pages} KV pages per worker (predictions)",
+      f"lengths: {p.lengths.describe()}; this step mean {on.lengths.mean():.0f}, "
+      f"p90 {int(sorted(on.lengths)[int(0.9 * (len(on.lengths) - 1))])}, "
+      f"max {on.lengths.max()} tokens",
+      f"acceptance (tokens per verification): {dict(p.acceptance.tpv) or ''} drafter arms "
+      f"{p.acceptance.default}, history arms {p.acceptance.history}; compiles {p.compile_s:g} s "
+      "each "
+      f"({'cold' if p.compile_s else 'a warm cache'})",
+      f"profile: {p.hardware.note or p.hardware.name}",
+      "",
+      f"step {on.step} of {len(p.on)} (the bandit and the gate learn over the earlier ones)",
+      "| phase | TLT on s | TLT off s |", "|---|---:|---:|"]
+  for k in PHASES:
+    lines.append(f"| {k} | {on.phases[k]:.1f} | {off.phases[k]:.1f} |")
+  lines.append(f"| **step** | **{on.seconds:.1f}** | **{off.seconds:.1f}** |")
+  for k in ROLLOUT_PARTS:
+    lines.append(f"| rollout: {k} (per worker) | {on.phases[k]:.1f} | {off.phases[k]:.1f} |")
+  spot = on.spot
+  share = spot.get("idle_share_trained")
+  arms: dict[str, int] = {}
+  for m in on.chunks:
+    if m.arm is not None:
+      arms[str(m.arm)] = arms.get(str(m.arm), 0) + 1
+  lines += [
+      "",
+      f"TLT on vs off: {p.speedup:.2f}x the step, "
+      f"{off.phases['rollout'] / on.phases['rollout']:.2f}x the rollout",
+      f"live batch, TLT off: {_live(off, None)}",
+      f"rows preempted for pages: TLT on {on.preempted}, off {off.preempted}",
+      f"idle worker time {spot['idle_s']:.0f} s (all workers), "
+      + (f"{share:.0%} of it training the drafter" if share is not None else "none"),
+      f"speculative chunks per arm (TLT on): {arms or 'none'}",
+      f"gate ({p.gate_mode}): {p.gate['status'] if p.gate else 'none'}",
+      f"executables compiled over the run: TLT on {p.executables['on']}, "
+      f"off {p.executables['off']}"]
+  return "\n".join(lines)
+
+
+def to_json(p: Plan) -> dict[str, Any]:
+  def step(s: StepResult) -> dict[str, Any]:
+    return {"step": s.step, "seconds": s.seconds, "phases": s.phases,
+            "per_worker": s.per_worker, "preempted": s.preempted, "spot": s.spot,
+            "live": s.live, "timeline": s.timeline.to_json(),
+            "lengths": {"mean": float(s.lengths.mean()), "max": int(s.lengths.max())}}
+  return {"model": p.name, "hardware": dataclasses.asdict(p.hardware), "gpus": p.gpus,
+          "workers": p.workers, "tp": p.tp, "max_batch": p.max_batch, "kv_pages": p.kv_pages,
+          "lengths": p.lengths.describe(), "acceptance": dict(p.acceptance.tpv),
+          "acceptance_default": p.acceptance.default,
+          "acceptance_history": p.acceptance.history, "compile_s": p.compile_s,
+          "speedup": p.speedup, "gate": p.gate, "executables": p.executables,
+          "on": [step(s) for s in p.on], "off": [step(s) for s in p.off]}
+
+
+def plots(p: Plan, out: str) -> None:
+  """OUT/timeline.png (the last step's workers, TLT on and off) and OUT/live_batch.png."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  from tlt_jax.coordinator.timeline import plot
+  on, off = p.on[-1], p.off[-1]
+  plot({1: on.timeline.to_json(), 2: off.timeline.to_json()},
+       {1: {"spot": on.spot}, 2: {"spot": off.spot}}, [1, 2],
+       os.path.join(out, "timeline.png"),
+       time_label="predicted seconds since the rollout began",
+       labels={1: f"TLT on, step {on.step}", 2: f"TLT off, step {off.step}"})
+  fig, ax = plt.subplots(figsize=(9, 3.2))
+  for s, label in ((on, "TLT on"), (off, "TLT off")):
+    if s.live:
+      t, n = zip(*s.live)
+      ax.step(t, n, where="post", label=label)
+  ax.set_xlabel("predicted seconds since the rollout began")
+  ax.set_ylabel("live rows (all workers)")
+  ax.set_title(f"{p.name}: live batch over the rollout, {p.gpus} x {p.hardware.name}",
+               fontsize=9, loc="left")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "live_batch.png"), dpi=120)
+  plt.close(fig)
