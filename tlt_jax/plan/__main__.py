@@ -24,21 +24,25 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
-flags.DEFINE_string("hardware", "h100", "a profile: h100, h200, a100")
-flags.DEFINE_integer("gpus", 0, "devices in the cluster (0: config.memory.num_devices)")
-flags.DEFINE_string("lengths", "", "response lengths: lognormal:..., a JSONL of lengths or a "
-                    "run's metrics.jsonl ('': the reasoning default, tlt_jax/plan/workload.py)")
-flags.DEFINE_string("acceptance", "3.0", "tokens per verification: arm=v,... or a JSON file "
-                    "or one number for every arm")
-flags.DEFINE_integer("steps", 3, "RL steps simulated (the last one is reported)")
-flags.DEFINE_float("compile_s", 0.0, "seconds per executable compiled (0: a warm cache)")
-flags.DEFINE_string("gate", "open", "open: speculation at every bucket under the threshold "
-                    "from the first step (a long run's steady state where drafts pay); learn: "
-                    "the recipe's gate, probing from nothing over --steps")
-flags.DEFINE_integer("seed", 0, "the workload's seed")
-flags.DEFINE_string("out", "", "where plan.json and the PNGs go ('': out/plan/<config name>)")
 FLAGS = flags.FLAGS
+
+
+def _define_flags() -> None:
+  """(At run time only: importing this module defines no flags beside another command's.)"""
+  config_flags.DEFINE_config_file("config", lock_config=True)
+  flags.DEFINE_string("hardware", "h100", "a profile: h100, h200, a100")
+  flags.DEFINE_integer("gpus", 0, "devices in the cluster (0: config.memory.num_devices)")
+  flags.DEFINE_string("lengths", "", "response lengths: lognormal:..., a JSONL of lengths or a "
+                      "run's metrics.jsonl ('': the reasoning default, tlt_jax/plan/workload.py)")
+  flags.DEFINE_string("acceptance", "3.0", "tokens per verification: arm=v,... or a JSON file "
+                      "or one number for every arm")
+  flags.DEFINE_integer("steps", 3, "RL steps simulated (the last one is reported)")
+  flags.DEFINE_float("compile_s", 0.0, "seconds per executable compiled (0: a warm cache)")
+  flags.DEFINE_string("gate", "open", "open: speculation at every bucket under the threshold "
+                      "from the first step (a long run's steady state where drafts pay); learn: "
+                      "the recipe's gate, probing from nothing over --steps")
+  flags.DEFINE_integer("seed", 0, "the workload's seed")
+  flags.DEFINE_string("out", "", "where plan.json and the PNGs go ('': out/plan/<config name>)")
 
 
 def main(argv):
@@ -46,7 +50,7 @@ def main(argv):
   from tlt_jax.errors import ConfigError
   from tlt_jax.plan import report, workload
   from tlt_jax.plan.cost import PROFILES
-  cfg = _CONFIG.value
+  cfg = FLAGS.config
   if FLAGS.hardware not in PROFILES:
     raise ConfigError(f"use one of {sorted(PROFILES)}", "--hardware", FLAGS.hardware)
   if FLAGS.steps < 1:
@@ -72,4 +76,5 @@ def main(argv):
 if __name__ == "__main__":
   from tlt_jax.config import flags_parser
   from tlt_jax.runtime import exit_on_user_error
+  _define_flags()
   app.run(exit_on_user_error(main), flags_parser=flags_parser)
