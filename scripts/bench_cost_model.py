@@ -25,7 +25,8 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from tlt_jax.bench.bench_model import load_target  # noqa: E402
-from tlt_jax.plan.calibrate import calibrate, rollout_table, validate_rollouts  # noqa: E402
+from tlt_jax.plan.calibrate import (calibrate, host_overhead, rollout_table,  # noqa: E402
+                                    validate_rollouts)
 from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
 
 
@@ -59,6 +60,9 @@ def main() -> int:
   rollouts = []
   if a.rollouts:
     # whole rollouts, predicted by the simulator on the profile just fitted, then decoded
+    hw = host_overhead(params, cfg, hw)
+    lines += ["", f"host work beyond the forwards (two batch-1 probes): {hw.chunk_s * 1e3:.2f} "
+              f"ms per chunk, {hw.op_s * 1e3:.2f} ms per layout operation"]
     rollouts = validate_rollouts(params, dparams, cfg, hw, arm=a.arms.split(",")[0],
                                  progress=lambda i, n: print(f"rollout {i}/{n} decoded",
                                                              file=sys.stderr))

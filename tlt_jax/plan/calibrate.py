@@ -100,6 +100,69 @@ def _order(label: str) -> tuple:
 
 
 # --------------------------------------------------------------------------- rollouts
+def host_overhead(params, cfg: ModelConfig, hw: cost.Hardware, *, rows: int = 1,
+                  new_tokens: int = 192, chunk: int = 16, seed: int = 0) -> cost.Hardware:
+  """`hw` with the host's prices fitted on two probes of their own: `chunk_s` from a plain
+  rollout of `rows` rows x `new_tokens` with no refill, `op_s` from 3 x `rows` requests through
+  the same `rows` slots (refills and resizes); each decoded by the engine on this machine
+  (the fastest of 3 calls after one that compiles), less the simulator's price of it on `hw`.
+  At batch 1 by default, where the fitted profile prices the forwards best: a probe at batch 4
+  also absorbed the profile's underpricing of 4-row forwards on CPU (7 ms "per chunk", which
+  then overpredicted batch 1 by 2x). The validation (`validate_rollouts`) runs batch 1 with
+  other lengths, batch 8 and a long tail."""
+  import dataclasses
+
+  base = EngineConfigFor(rows, chunk, new_tokens)
+  probe = dataclasses.replace(hw, chunk_s=0.0, op_s=0.0)
+  measured, sim, chunks, _ = _probe(params, cfg, probe, base, rows, new_tokens, seed)
+  hw = dataclasses.replace(hw, chunk_s=max(measured - sim, 0.0) / max(chunks, 1), op_s=0.0)
+  lens = [new_tokens // (1 + i % 3) for i in range(3 * rows)]
+  measured, sim, _, ops = _probe(params, cfg, hw, base, len(lens), lens, seed)
+  return dataclasses.replace(hw, op_s=max(measured - sim, 0.0) / max(ops, 1))
+
+
+def _fastest(engine, reqs, sp, seed: int, repeats: int = 3) -> float:
+  """The engine's fastest of `repeats` timed generate calls (its chunk log: the last one's)."""
+  import time
+  best = float("inf")
+  for _ in range(repeats):
+    engine.chunk_log.clear()
+    t = time.perf_counter()
+    engine.generate(reqs, sp, seed=seed)
+    best = min(best, time.perf_counter() - t)
+  return best
+
+
+def EngineConfigFor(rows: int, chunk: int, new_tokens: int):
+  from tlt_jax.rollout.config import EngineConfig
+  return EngineConfig(max_batch=rows, buckets=tuple(b for b in (1, 2, 4, 8, 16) if b < rows)
+                      + (rows,), chunk_size=chunk, max_prompt_len=16, max_new_tokens=new_tokens)
+
+
+def _probe(params, cfg, hw, ecfg, n: int, lens, seed: int):
+  """(engine seconds, simulated seconds, engine chunks, layout operations) of n requests of
+  `lens` tokens (one number: all)."""
+
+  from tlt_jax.plan.sim import SimEngine
+  from tlt_jax.rollout.engine import Engine
+  from tlt_jax.rollout.records import Request
+  from tlt_jax.rollout.sampling import SamplingParams
+  lens = [lens] * n if isinstance(lens, int) else list(lens)
+  reqs = [Request([1 + (j % (cfg.vocab_size - 1))] * 6, request_id=j, max_new_tokens=int(m))
+          for j, m in enumerate(lens)]
+  sp = SamplingParams(temperature=1.0)
+  engine = Engine(params, cfg, ecfg)
+  engine.generate(reqs, sp, seed=seed)
+  measured = _fastest(engine, reqs, sp, seed)
+  s = SimEngine(cfg, ecfg, hw)
+  s.lengths = {r.key: int(r.max_new_tokens) for r in reqs}
+  ops = [0]
+  apply = s._apply
+  s._apply = lambda *a: ops.__setitem__(0, ops[0] + 1) or apply(*a)
+  s.generate(reqs, sp, seed=seed)
+  return measured, s.now, len(engine.chunk_log), ops[0]
+
+
 def validate_rollouts(params, dparams, cfg: ModelConfig, hw: cost.Hardware, *,
                       arm: str = "4_1_5", new_tokens: int = 96, seed: int = 0,
                       progress=None) -> list[dict]:
@@ -109,9 +172,9 @@ def validate_rollouts(params, dparams, cfg: ModelConfig, hw: cost.Hardware, *,
   first chunk, at temperature 1. Lengths are each request's max_new_tokens (no stop token), so
   both decode the same tokens; the arm's acceptance is the one the engine measured in the
   timed run (an input of the simulator, not what it predicts). The engine's executables are
-  compiled by a first, untimed run of each (compiles in the timed run are subtracted). Returns rows {workload, mode, predicted,
+  compiled and run once by a first, untimed run of each with the same seed (the same tokens,
+  the same chunks: a fresh executable's first run is slow on CPU). Returns rows {workload, mode, predicted,
   measured, tokens_per_verification}."""
-  import time
 
   import numpy as np
 
@@ -137,13 +200,8 @@ def validate_rollouts(params, dparams, cfg: ModelConfig, hw: cost.Hardware, *,
     ecfg = EngineConfig(max_batch=8, buckets=(1, 2, 4, 8), chunk_size=16, max_prompt_len=16,
                         max_new_tokens=new_tokens, spec=spec)
     engine = Engine(params, cfg, ecfg, drafter_params=dparams if spec else None)
-    engine.generate(reqs, sp, seed=seed + 1)  # compiles
-    engine.chunk_log.clear()
-    before = len(engine.exes.records)
-    t = time.perf_counter()
-    engine.generate(reqs, sp, seed=seed)
-    # (windows the first run's rows did not reach compile now: their seconds are not decoding)
-    measured = time.perf_counter() - t - sum(r.seconds for r in engine.exes.records[before:])
+    engine.generate(reqs, sp, seed=seed)  # compiles (and runs once) every executable it needs
+    measured = _fastest(engine, reqs, sp, seed)  # the same tokens, the same chunks
     log = engine.chunk_log
     verifs = sum(m.verifications for m in log)
     tpv = sum(m.tokens for m in log if m.arm is not None) / verifs if verifs else None

@@ -51,6 +51,11 @@ class Hardware:
   fixed_s: float  # seconds per forward, whatever its size
   layer_s: float  # seconds per layer per forward beyond bytes and FLOPs
   note: str = ""  # where the numbers come from
+  # the host's seconds per engine chunk beyond its forwards (dispatch, the host sync, the
+  # loop's bookkeeping and layout operations): the simulator adds it per chunk; fitted by
+  # calibrate.host_overhead, 0 in the vendor profiles (small beside a large model's chunk)
+  chunk_s: float = 0.0
+  op_s: float = 0.0  # ... per layout operation (a refill's or a resize's host work), the same
 
   def seconds(self, cost: "Cost") -> float:
     """The forward's time on this device."""

@@ -18,6 +18,8 @@ What the device would do is priced by the cost model (cost.py) on a hardware pro
                (`cost.spec_step`); each row's accepted drafts drawn per verification from
                the workload's acceptance (workload.py)
   switch-on    a forward of the target and the drafter over the rows' text so far
+  host         the profile's `chunk_s` per chunk (dispatch, sync, the loop's own work) and
+               `op_s` per layout operation (prefill, refill, resize)
   compile      `compile_s` per executable the first time it runs (0: a warm persistent
                cache); background compiles (each bucket's arms, SpecConfig.background_compile)
                finish `compile_s` after they are queued, one at a time, beside decoding
@@ -194,7 +196,7 @@ class SimEngine(Engine):
     self.preemptions = 0
     self.now = 0.0  # this device's clock
     self.busy = {"prefill": 0.0, "decode": 0.0, "verify": 0.0, "switch_on": 0.0,
-                 "compile": 0.0}
+                 "compile": 0.0, "host": 0.0}
     nb = cost._BYTES[cfg.dtype]
     slot = (cfg.num_layers + 1) * 2 * cfg.num_kv_heads * cfg.head_dim_ * nb
     weights = cost.forward(cfg, 1, 1, 0, tp=tp).bytes
@@ -224,9 +226,13 @@ class SimEngine(Engine):
     return state
 
   def _call(self, name, variant, fn, args, donate=()):
-    return args[0]  # (set_tables: the page tables are the allocator's)
+    # set_tables, once before each chunk (`_page`): the page tables are the allocator's; the
+    # host's own work per chunk is priced here, outside the chunk's measured time as on devices
+    self._spend("host", self.hw.chunk_s)
+    return args[0]
 
   def _apply(self, op, state, c, warm: bool):
+    self._spend("host", self.hw.op_s)
     if isinstance(op, Resize):
       rows = [state.rows[i] if v else None for i, v in zip(op.idx, op.valid)]
       return SimState(rows, state.spec)
@@ -399,7 +405,7 @@ class StepResult:
 
 # parts of the rollout phase, reported beside it (not added to the step)
 ROLLOUT_PARTS = ("prefill", "bulk_decode", "tail_decode", "verification", "switch_on",
-                 "compile", "idle", "drafter_training")
+                 "compile", "host", "idle", "drafter_training")
 
 
 class Simulation:
@@ -499,13 +505,13 @@ class Simulation:
                              reference=float(self.spec.cfg.grpo.get("kl_coef", 0.0)) > 0,
                              workers=self.workers_n, tp=self.tp)
     parts = {k2: sum(e.busy[k2] - b[k2] for e, b in zip(self.engines, busy0)) / self.workers_n
-             for k2 in ("prefill", "switch_on", "compile")}
+             for k2 in ("prefill", "switch_on", "compile", "host")}
     bulk, tail, verify = _decode_split(chunks)
     w = self.workers_n
     phases = {"rollout": barrier - t0, "drafter": late, **learner,
               "prefill": parts["prefill"], "bulk_decode": bulk / w, "tail_decode": tail / w,
               "verification": verify / w, "switch_on": parts["switch_on"],
-              "compile": parts["compile"], "idle": spot["idle_s"] / w,
+              "compile": parts["compile"], "host": parts["host"], "idle": spot["idle_s"] / w,
               "drafter_training": spot["training_s"] / w}
     self.t = barrier + late + learner["logprobs"] + learner["update"] + learner["weight_sync"]
     starts = [min(len(sh), self.ecfg.max_batch) for sh in shares(reqs, w)]
