@@ -191,6 +191,28 @@ def test_plan_command_on_the_7b_recipe(tmp_path):
   assert (out / "timeline.png").stat().st_size > 0 and (out / "live_batch.png").exists()
 
 
+def test_plan_command_takes_a_measured_profile(tmp_path):
+  """--hardware FILE: a profile fitted by scripts/bench_cost_model.py (its cost_model.json)
+  prices the default recipe on 2 simulated devices; a file that is not one is a one-line
+  error."""
+  import dataclasses
+  fitted = dataclasses.replace(PROFILES["a100"], name="fitted", mem_bw=20e9, flops=40e9,
+                               chunk_s=2e-3)
+  f = tmp_path / "cost_model.json"
+  f.write_text(json.dumps({"hardware": dataclasses.asdict(fitted), "rows": []}))
+  r = _plan("--config", "configs/default.py", "--gpus", "2", "--steps", "1", "--hardware",
+            str(f), "--out", str(tmp_path / "p"))
+  assert r.returncode == 0, r.stderr[-2000:]
+  p = json.loads((tmp_path / "p" / "plan.json").read_text())
+  assert p["hardware"]["name"] == "fitted" and p["hardware"]["chunk_s"] == 2e-3
+  assert p["on"][0]["phases"]["host"] > 0 and p["on"][0]["seconds"] > 0
+  bad = tmp_path / "bad.json"
+  bad.write_text("[1, 2]")
+  r = _plan("--config", "configs/default.py", "--gpus", "2", "--hardware", str(bad))
+  assert r.returncode == 2 and "is not a profile JSON" in r.stderr
+  assert "Traceback" not in r.stderr
+
+
 def test_plan_command_errors_are_one_line():
   for args, needle in ((["--hardware", "tpu9"], "--hardware='tpu9': use one of"),
                        (["--lengths", "lognormal:mu=1"], "--lengths"),

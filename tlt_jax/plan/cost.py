@@ -81,6 +81,29 @@ PROFILES = {
 }
 
 
+def profile(spec: str) -> Hardware:
+  """A profile by name (`PROFILES`) or from a JSON file: scripts/bench_cost_model.py's
+  cost_model.json (its "hardware", the profile fitted on the machine it ran on: this CPU, or a
+  GPU in a gpu_check session) or a bare {"mem_bw": ..., ...}. ConfigError naming the input."""
+  import json
+  import os
+
+  from tlt_jax.errors import ConfigError
+  if spec in PROFILES:
+    return PROFILES[spec]
+  if not os.path.isfile(spec):
+    raise ConfigError(f"use one of {sorted(PROFILES)} or a profile JSON "
+                      "(scripts/bench_cost_model.py's cost_model.json)", "--hardware", spec)
+  try:
+    with open(spec) as f:
+      d = json.load(f)
+    d = d.get("hardware", d)
+    fields = {f.name for f in dataclasses.fields(Hardware)}
+    return Hardware(**{k: v for k, v in d.items() if k in fields})
+  except (OSError, ValueError, TypeError, AttributeError) as e:
+    raise ConfigError(f"is not a profile JSON ({e})", "--hardware", spec) from None
+
+
 @dataclasses.dataclass(frozen=True)
 class Cost:
   """One forward's work on one device (module docstring)."""

@@ -53,13 +53,15 @@ def _mode(cfg, tlt: bool, gate: str):
   return c
 
 
-def plan(cfg, *, hardware: str, gpus: int = 0, lengths: Lengths, acceptance: Acceptance,
+def plan(cfg, *, hardware: str = "h100", gpus: int = 0, lengths: Lengths, acceptance: Acceptance,
          steps: int = 3, compile_s: float = 0.0, gate: str = "open", seed: int = 0,
          progress: bool = False) -> Plan:
   """The recipe `cfg` simulated for `steps` RL steps, TLT on and off (module docstring)."""
   from tlt_jax import memory
   from tlt_jax.config import model_config, run_spec
-  hw = cost.PROFILES[hardware]
+  hw = cost.profile(hardware)
+  # the memory plan's device: the profile's kind, else the recipe's (a fitted profile's file)
+  device = hardware if hardware in cost.PROFILES else (cfg.memory.get("device") or "h100")
   n = int(gpus or cfg.memory.get("num_devices", 0) or 0)
   if n < 1:
     raise ConfigError("name the cluster's devices: --gpus N (or config.memory.num_devices)",
@@ -78,7 +80,7 @@ def plan(cfg, *, hardware: str, gpus: int = 0, lengths: Lengths, acceptance: Acc
     spec = run_spec(c)
     if spec.max_batch == 0:
       if sized is None:  # TLT on's plan (its drafter's memory too) sizes both
-        sized = memory.derive_max_batch(spec, model_cfg, device=hardware, num_devices=n)
+        sized = memory.derive_max_batch(spec, model_cfg, device=device, num_devices=n)
       spec = spec.with_max_batch(*sized)
     sim = Simulation(spec, model_cfg, hw, workers=workers, tp=tp, gpus=n, lengths=lengths,
                      acceptance=acceptance, compile_s=compile_s, seed=seed)
