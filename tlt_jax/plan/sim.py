@@ -345,8 +345,7 @@ class Learner:
 
 
 def learner_phases(cfg: ModelConfig, hw: cost.Hardware, learner: Learner, seq_lens:
-                   Sequence[int], *, minibatches: int, reference: bool, workers: int,
-                   tp: int) -> dict[str, float]:
+                   Sequence[int], *, minibatches: int, reference: bool) -> dict[str, float]:
   """Seconds of the log-probs (old policy, and the reference with a KL term), the update
   (forward + backward of every minibatch, AdamW over the shards, FSDP's gathers) and the
   weight sync (the new weights to every rollout replica) of one RL step."""
@@ -502,8 +501,7 @@ class Simulation:
     seq = [self.prompt_tokens + int(x) for x in lens]
     learner = learner_phases(self.cfg, self.hw, self.learner, seq,
                              minibatches=int(self.spec.cfg.grpo.minibatches),
-                             reference=float(self.spec.cfg.grpo.get("kl_coef", 0.0)) > 0,
-                             workers=self.workers_n, tp=self.tp)
+                             reference=float(self.spec.cfg.grpo.get("kl_coef", 0.0)) > 0)
     parts = {k2: sum(e.busy[k2] - b[k2] for e, b in zip(self.engines, busy0)) / self.workers_n
              for k2 in ("prefill", "switch_on", "compile", "host")}
     bulk, tail, verify = _decode_split(chunks)
