@@ -166,7 +166,7 @@ def test_spot_window_is_the_coordinators_rule():
   assert sim.spot_window(9.0, 3.0, "finish") == (3, 9.0, 0.0)
   assert sim.spot_window(0.0, 3.0, "finish") == (0, 0.0, 0.0)
   reqs = [Request([1], i) for i in range(7)]
-  assert [[r.request_id for r in s] for s in sim.shares(reqs, 3)] == [[0, 3, 6], [1, 4], [2, 5]]
+  assert [[r.request_id for r in s] for s in sim.split(reqs, 3)] == [[0, 3, 6], [1, 4], [2, 5]]
 
 
 def _plan(*args):

@@ -164,12 +164,8 @@ class Coordinator:
     results are handed back."""
     from tlt_jax.rollout.records import EngineHooks
     n = len(self.workers)
-    slot = {g: i for i, g in enumerate(self.worker_ids)}
-    shares: list[list[Any]] = [[] for _ in range(n)]
-    for r in requests:  # another process's requests are its workers'
-      i = slot.get(r.request_id % self.num_workers)
-      if i is not None:
-        shares[i].append(r)
+    every = split(requests, self.num_workers)  # another process's requests are its workers'
+    shares = [every[g] for g in self.worker_ids]
     if self._settling is not None:  # the last rollout's drafter first (its caller settles it)
       self._settling.result()
       self._settling = None
@@ -361,6 +357,15 @@ class Coordinator:
       self._settler.shutdown(wait=True)
     for w in self.workers:
       w.close()
+
+
+def split(requests: Sequence[Any], num_workers: int) -> list[list[Any]]:
+  """Every worker's share of a rollout's requests (global worker ids): request_id modulo the
+  workers, so a GRPO group stays on one worker (its prompt prefilled once there)."""
+  out: list[list[Any]] = [[] for _ in range(num_workers)]
+  for r in requests:
+    out[r.request_id % num_workers].append(r)
+  return out
 
 
 def _waiter(future: cf.Future, timeline: Timeline) -> Callable[[], Any]:

@@ -26,7 +26,7 @@ What the device would do is priced by the cost model (cost.py) on a hardware pro
 Rows end at their drawn length (a stop token) or at max_new_tokens (truncated).
 
 `simulate` runs whole RL steps: the coordinator's split of requests over workers
-(coordinator.shares), each worker's generate call on its own device clock (workers run side by
+(coordinator.split), each worker's generate call on its own device clock (workers run side by
 side, each on its own replica: they are simulated one after the other and share the gate and
 the bandit, as the process's workers do), the barrier at the slowest worker, the drafter
 trained in each worker's idle window (`spot_window`: the coordinator's rule, steps of the
@@ -42,6 +42,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tlt_jax.coordinator.coordinator import split
 from tlt_jax.coordinator.timeline import Timeline, WorkerState
 from tlt_jax.models import ModelConfig
 from tlt_jax.plan import cost
@@ -377,14 +378,6 @@ def spot_window(idle: float, step_s: float, on_barrier: str) -> tuple[int, float
   return whole, idle, 0.0
 
 
-def shares(requests: Sequence[Request], workers: int) -> list[list[Request]]:
-  """The coordinator's split: request_id modulo the workers (coordinator.Coordinator.rollout)."""
-  out: list[list[Request]] = [[] for _ in range(workers)]
-  for r in requests:
-    out[r.request_id % workers].append(r)
-  return out
-
-
 @dataclasses.dataclass
 class StepResult:
   step: int
@@ -468,7 +461,7 @@ class Simulation:
              and (self.gate is None or self.gate.drafter_wanted()))
     per, chunks, live = [], [], []
     busy0 = [dict(e.busy) for e in self.engines]
-    for i, (e, share) in enumerate(zip(self.engines, shares(reqs, self.workers_n))):
+    for i, (e, share) in enumerate(zip(self.engines, split(reqs, self.workers_n))):
       e.now = self._now = t0  # (each worker's replica decodes from the step's start)
       tl.enter(i, WorkerState.GENERATING)
       before, pre = len(e.chunk_log), e.preemptions
@@ -512,7 +505,7 @@ class Simulation:
               "compile": parts["compile"], "host": parts["host"], "idle": spot["idle_s"] / w,
               "drafter_training": spot["training_s"] / w}
     self.t = barrier + late + learner["logprobs"] + learner["update"] + learner["weight_sync"]
-    starts = [min(len(sh), self.ecfg.max_batch) for sh in shares(reqs, w)]
+    starts = [min(len(sh), self.ecfg.max_batch) for sh in split(reqs, w)]
     res = StepResult(k + 1, phases, per, live_batch(live, starts), tl, chunks,
                      sum(p["preempted"] for p in per), lens, spot)
     self.steps.append(res)
