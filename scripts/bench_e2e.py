@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """End to end, side by side: tlt_jax with TLT on, tlt_jax with TLT off, and TRL's GRPOTrainer
-(the trainer users would otherwise pick) on the default config, each run whole, one after
-the other, on this machine, on every supported Python/JAX stack it finds.
+(the trainer users would otherwise pick) on the default config, run in lockstep (one RL step
+each in turn, never two at once) on this machine, on every supported Python/JAX stack it
+finds.
 
     bash scripts/setup.sh                                    # stack 1: Python 3.12, JAX 0.12
     PYTHON=python3.11 VENV=.venv-py311 bash scripts/setup.sh # stack 2: Python 3.11, JAX 0.10
@@ -23,18 +24,23 @@ same --out left: what every later run of the same config costs. Runs, per stack:
                                                          threshold, the drafter spot-trained:
                                                          what the spot trainer's bars use)
   trl        .venv-trl/bin/python scripts/bench_trl_grpo.py     (same model, task, settings;
-                                                                 once per stack, in its order)
+                                                                 once per stack)
 
 Stacks: --stacks names virtual environments made by scripts/setup.sh (default: .venv and
 .venv-py311, those that exist); each stack's runs go to OUT/<venv>/ and are reported with
-its Python and JAX versions, its ratios measured within its own sequence of runs.
+its Python and JAX versions, its ratios measured among its own runs.
 
-The default order on, off, off_seed1, on_seed1 is ABBA: this machine's speed drifts by up to
-1.7x over minutes, and a drift linear in time cancels from the mean of the two on runs vs the
-mean of the two off runs (printed with each seed's pair, whose spread is the noise).
+Lockstep (tlt_jax/bench/lockstep.py): this machine's speed drifts by up to 1.7x over minutes,
+more than the few percent between TLT on and off, and runs made one after the other see
+different machines (an ABBA order cancels only a drift linear in time; in three sessions the
+4th run was the slowest). So every run of a stack is started, and exactly one runs at any
+moment: it runs until it writes its next step's metrics line, is stopped (SIGSTOP, its whole
+process group), and the next run gets the CPU, round after round. A run's time is the sum of
+its own turns; step k of every run meets the machine within one round of the others'.
 
-Prints per-phase seconds and ratios, seconds per RL step (the whole command's wall time minus
-held-out evaluation, divided by the steps: start-up and compiles included), the compile time
+Prints per-phase seconds and ratios, seconds per RL step (the run's own time, start-up to
+exit, minus held-out evaluation, divided by the steps: start-up and compiles included),
+the mean of the two seeds' ratios with the spread between seeds, the compile time
 separately, the speculative executables compiled, held-out accuracy before and after (the
 same 400 test prompts and verifier), and whether TLT on learns like the baseline: the
 per-window difference of the training reward and the held-out accuracy against the
@@ -51,6 +57,8 @@ import shutil
 import subprocess
 import sys
 import time
+
+from tlt_jax.bench import lockstep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -79,19 +87,6 @@ def stack_label(venv: str) -> str:
   out = subprocess.run([os.path.join(ROOT, venv, "bin", "python"), "-c", code],
                        capture_output=True, text=True)
   return out.stdout.strip() or venv
-
-
-def run(name: str, cmd: list[str], log: str, env: dict | None = None) -> float:
-  print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(cmd[2:])}", file=sys.stderr,
-        flush=True)
-  t = time.perf_counter()
-  with open(log, "w") as f:
-    p = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
-  wall = time.perf_counter() - t
-  if p.returncode != 0:
-    raise SystemExit(f"error: run {name} failed (exit {p.returncode}); see {log}")
-  print(f"[{time.strftime('%H:%M:%S')}] {name}: {wall:.0f}s", file=sys.stderr, flush=True)
-  return wall
 
 
 def summarize_tlt(workdir: str, wall: float, steps: int) -> dict:
@@ -131,8 +126,10 @@ def summarize_trl(out_dir: str, wall: float, steps: int) -> dict:
   phases = {"rollout": t.get("generate", 0.0), "reward_wait": t.get("reward", 0.0),
             "logprobs": t.get("logprobs", 0.0), "update": t.get("update", 0.0),
             "weight_sync": 0.0, "drafter": 0.0, "checkpoint": 0.0,
-            "eval": summary.get("eval_seconds", 0.0), "compile": 0.0,
-            "total": t.get("total", 0.0)}
+            "eval": summary.get("eval_seconds", 0.0), "compile": 0.0}
+  # (TRL's own per-step wall time runs on from its record to its next step's start, so in
+  # lockstep it would count the other runs' turns: its steps' time is its own turns instead)
+  phases["total"] = wall - phases["eval"]
   evals = [(r["step"], r["eval"]["accuracy"]) for r in recs if "eval" in r]
   return {"wall": wall, "phases": phases, "eval_curve": evals,
           "reward_curve": [(r["step"], r["reward"]) for r in recs if "reward" in r],
@@ -204,9 +201,10 @@ def plot(res: dict, path: str) -> None:
 
 
 def run_stack(a, venv: str, runs: list[str], out: str) -> dict[str, dict]:
-  """Every run of --runs with this stack's Python, one after the other; -> name -> summary."""
+  """Every run of --runs with this stack's Python, in lockstep (tlt_jax/bench/lockstep.py:
+  one RL step each in turn, never two at once); -> name -> summary."""
   os.makedirs(out, exist_ok=True)
-  res: dict[str, dict] = {}
+  jobs = []
   for name in runs:
     workdir = os.path.join(out, name)
     shutil.rmtree(workdir, ignore_errors=True)
@@ -218,27 +216,49 @@ def run_stack(a, venv: str, runs: list[str], out: str) -> dict[str, dict]:
       py = os.path.join(ROOT, ".venv-trl", "bin", "python")
       if not os.path.exists(py):
         subprocess.run(["bash", os.path.join(ROOT, "scripts", "bench_trl_setup.sh")], check=True)
-      wall = run(name, [py, os.path.join(ROOT, "scripts", "bench_trl_grpo.py"), "--out", workdir,
-                        "--steps", str(a.steps), "--eval_every", "10"], log)
-      res[name] = summarize_trl(workdir, wall, a.steps)
-      continue
-    extra = RUNS[name]
-    wall = run(name, tlt_cmd(venv, workdir, a.steps, extra + a.extra.split(), cache, a.config),
-               log)
-    res[name] = summarize_tlt(workdir, wall, a.steps)
+      os.makedirs(workdir, exist_ok=True)
+      cmd = [py, os.path.join(ROOT, "scripts", "bench_trl_grpo.py"), "--out", workdir,
+             "--steps", str(a.steps), "--eval_every", "10"]
+      records = os.path.join(workdir, "trl_metrics.jsonl")
+    else:
+      cmd = tlt_cmd(venv, workdir, a.steps, RUNS[name] + a.extra.split(), cache, a.config)
+      records = os.path.join(workdir, "metrics.jsonl")
+    print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(cmd[2:])}", file=sys.stderr,
+          flush=True)
+    jobs.append(lockstep.Job(name, cmd, log, records, cwd=ROOT))
+
+  done = {n: 0.0 for n in runs}
+
+  def on_turn(name, seconds, lines):  # a line every 10 rounds: each run's seconds so far
+    done[name] = seconds
+    if name == runs[-1] and lines % 10 == 1:
+      print(f"[{time.strftime('%H:%M:%S')}] after step {lines - 1}: " + ", ".join(
+          f"{n} {done[n]:.0f}s" for n in runs), file=sys.stderr, flush=True)
+  try:
+    outcome = lockstep.run(jobs, on_turn=on_turn)
+  except RuntimeError as e:
+    raise SystemExit(f"error: {e}") from None
+  res: dict[str, dict] = {}
+  for name in runs:
+    secs = outcome[name].seconds
+    print(f"[{time.strftime('%H:%M:%S')}] {name}: {secs:.0f}s of its own turns", file=sys.stderr)
+    workdir = os.path.join(out, name)
+    res[name] = (summarize_trl(workdir, secs, a.steps) if name == "trl"
+                 else summarize_tlt(workdir, secs, a.steps))
   return res
 
 
 def report(a, label: str, runs: list[str], res: dict[str, dict], out: str) -> dict | None:
-  """Prints one stack's tables and ratios; -> the ABBA summary (None without both seeds)."""
-  print(f"\n## {label}: {a.steps} RL steps of {os.path.relpath(a.config, ROOT)}, each run "
-        f"whole, one after the other, {'warm' if a.warm_cache else 'cold'} caches; seconds")
+  """Prints one stack's tables and ratios; -> the two seeds' on / off summary (None without both)."""
+  print(f"\n## {label}: {a.steps} RL steps of {os.path.relpath(a.config, ROOT)}, the runs in "
+        f"lockstep, {'warm' if a.warm_cache else 'cold'} caches; seconds")
   cols = [n for n in runs if n in res]
   print("| phase | " + " | ".join(cols) + " |")
   print("|---|" + "---:|" * len(cols))
   for k in PHASES + ("eval", "compile"):
     print(f"| {k} | " + " | ".join(f"{res[n]['phases'][k]:.1f}" for n in cols) + " |")
-  print("| command wall | " + " | ".join(f"{res[n]['wall']:.0f}" for n in cols) + " |")
+  print("| its own turns, start to exit | " + " | ".join(f"{res[n]['wall']:.0f}" for n in cols)
+        + " |")
   print("| **s per RL step** (eval excluded, start-up + compile included) | "
         + " | ".join(f"**{res[n]['s_per_step']:.2f}**" for n in cols) + " |")
   if all(res[n]["eval_curve"] for n in cols):  # (configs without evaluation have none)
@@ -260,7 +280,7 @@ def report(a, label: str, runs: list[str], res: dict[str, dict], out: str) -> di
       line += (f"; drafter on the critical path {r['drafter_critical_share']:.1%} of the "
                f"steps' time, idle trained {r['idle_share_trained'] or 0:.0%}")
     print(line)
-  abba = None
+  both = None
   for x, y in (("on", "off"), ("on_seed1", "off_seed1"), ("on", "trl"), ("off", "trl"),
                ("on_nogate", "off")):
     if x in res and y in res:
@@ -272,16 +292,16 @@ def report(a, label: str, runs: list[str], res: dict[str, dict], out: str) -> di
     off = (res["off"]["s_per_step"] + res["off_seed1"]["s_per_step"]) / 2
     spread = max(abs(res[a]["s_per_step"] / res[b]["s_per_step"] - 1)
                  for a, b in (("off", "off_seed1"), ("on", "on_seed1")))
-    print(f"speed on vs off, mean of both seeds (ABBA order): {off / on:.2f}x (s per step "
-          f"{on:.2f} vs {off:.2f}); noise: runs of one mode differ by up to {spread:.0%}")
-    abba = {"ratio": off / on, "on": on, "off": off, "noise": spread}
+    print(f"speed on vs off, mean of both seeds: {off / on:.2f}x (s per step "
+          f"{on:.2f} vs {off:.2f}); the two seeds of one mode differ by up to {spread:.0%}")
+    both = {"ratio": off / on, "on": on, "off": off, "noise": spread}
     if "trl" in res:
       print(f"speed on vs trl, mean of both TLT-on seeds: "
             f"{res['trl']['s_per_step'] / on:.2f}x")
   for line in learning_check(res, a.window):
     print(line)
   plot(res, os.path.join(out, "curves.png"))
-  return abba
+  return both
 
 
 def main(argv=None):
@@ -322,8 +342,8 @@ def main(argv=None):
     out = os.path.join(a.out, venv.strip("./") or "venv")
     print(f"[{time.strftime('%H:%M:%S')}] stack {venv}: {label}", file=sys.stderr, flush=True)
     res = run_stack(a, venv, runs, out)
-    abba = report(a, label, runs, res, out)
-    summary[venv] = {"stack": label, "runs": res, "on_vs_off_abba": abba}
+    both = report(a, label, runs, res, out)
+    summary[venv] = {"stack": label, "runs": res, "on_vs_off_both_seeds": both}
   with open(os.path.join(a.out, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
   print(f"wrote {a.out}/<stack>/curves.png and {a.out}/summary.json")

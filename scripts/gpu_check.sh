@@ -50,7 +50,7 @@ if [ $SMOKE = 1 ]; then
   PROBE_ARGS="--dtype float32 --prompts 2 --max_new_tokens 64 --iters 5"
   REGIME_ARGS="--prompts 1 --tail_prompts 2 --tail_n 2 --arms 3_1_4 --tail_arms 3_1_4
     --max_new_tokens 24 --threshold 2 --gate_rollouts 2 --gate_prompts 1"
-  COST_ARGS="--batch_sizes 1,2 --arms 3_1_4 --iters 8 --rollouts 0"
+  COST_ARGS="--batch_sizes 1,2 --arms 3_1_4 --iters 8 --rollouts 0 --learner 0"
   E2E_STEPS=2
   E2E_EXTRA="--config.train.eval_every=0 --config.eval.num_prompts=16
     --config.grpo.num_prompts=4 --config.grpo.n=4 --config.grpo.micro_batch=16
@@ -71,7 +71,7 @@ else
   PROBE_ARGS="--dtype bfloat16 --prompts 8"
   REGIME_ARGS="--dtype bfloat16 --prompts 4 --tail_prompts 8 --tail_n 4
     --arms 3_1_4,4_1_5,6_1_7,4_2_8 --tail_arms 4_1_5,6_1_7 --gate_rollouts 0"
-  COST_ARGS="--dtype bfloat16 --batch_sizes 1,8,64 --arms 4_1_5,4_2_8 --iters 32 --rollouts 0"
+  COST_ARGS="--dtype bfloat16 --batch_sizes 1,8,64 --arms 4_1_5,4_2_8 --iters 32 --rollouts 0 --learner 0"
   E2E_STEPS=12
   E2E_EXTRA="--config.train.eval_every=0 --config.eval.num_prompts=64"
   LIMIT=(20 60 50 50 100 110 120 30 40)  # 580 s: the checklist stays under 10 minutes

@@ -227,3 +227,30 @@ def test_learner_first_step_runs_at_the_scheduled_lr(warmup):
   else:
     assert moved.max() <= lr * (1 + 1e-4)
     assert np.mean(np.abs(moved - lr) < 1e-2 * lr) > 0.5, np.percentile(moved, [10, 50, 90])
+
+
+@pytest.mark.parametrize("fsdp", [1, 8])
+def test_learner_compiles_each_micro_batch_shape_once(fsdp):
+  """Over several RL steps of two mini-batches each, every micro-batch shape's old-log-prob
+  pass and gradient step compile once: not again for the first micro-batch of a mini-batch
+  (its metric sums came in uncommitted) nor after the first optimizer step (the params came
+  out of it in another layout than init_learner put them in). Counted by JAX's own cache."""
+  mesh = make_mesh({"data": 1, "fsdp": fsdp, "tensor": 1}, devices=jax.devices()[:fsdp])
+  tx = make_optimizer(1e-3, weight_decay=0.0, grad_clip=1.0)
+  spec = grpo.LearnerSpec(CFG, grpo.GRPOConfig(), tx, mesh, micro_batch=8, pad_multiple=8,
+                          micro_batch_tokens=64)
+  state = grpo.init_learner(init_params(CFG, jax.random.key(3), std=0.05), spec)
+  rng = np.random.RandomState(0)
+  shapes = set()
+  caches = (grpo._accumulate, grpo.logprobs)
+  start = [f._cache_size() for f in caches]
+  for step in range(3):
+    # short and long samples: micro-batches of 8 x 8 and 2 x 32 tokens (8 x 32 over 8 devices:
+    # rows come in multiples of them), in both positions
+    samples = [grpo.Sample(rng.randint(1, 23, 3), rng.randint(1, 23, n), float(rng.randn()))
+               for n in rng.choice([3, 20], 24)]
+    batches = grpo.minibatches(samples, spec, num_minibatches=2, seed=step)
+    shapes |= {mb.tokens.shape for group in batches for mb in group}
+    state, _ = grpo.update(state, grpo.prepare(state, batches, spec), spec)
+  assert shapes == {(8, 8), (max(2, fsdp), 32)}
+  assert [f._cache_size() - s for f, s in zip(caches, start)] == [len(shapes)] * 2

@@ -94,3 +94,25 @@ def test_fit_recovers_the_profile_that_made_the_timings():
   assert got.flops == pytest.approx(true.flops, rel=0.05)
   predicted = np.asarray([got.seconds(c) for c in costs])
   assert np.max(np.abs(predicted / np.asarray(seconds) - 1)) < 0.05
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3_tied"])
+@pytest.mark.parametrize("rows,t", [(8, 32), (2, 256)])
+def test_learner_flops_are_xlas(name, rows, t):
+  """One micro-batch of the learner's log-prob pass (grpo.token_logprobs: the forward over
+  rows x t tokens, padding included, and the LM head's log-softmax) against XLA's cost
+  analysis: sim.micro_flops within 15%. One layer: the learner's forward scans its layers, and
+  XLA's analysis counts a loop's body once."""
+  import dataclasses
+
+  from tlt_jax.plan.sim import micro_flops
+  from tlt_jax.rl import grpo
+  cfg = dataclasses.replace(CFGS[name], num_layers=1)
+  params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), param_shapes(cfg),
+                        is_leaf=lambda x: isinstance(x, tuple))
+  toks = jax.ShapeDtypeStruct((rows, t), jnp.int32)
+  lowered = jax.jit(lambda p, x: grpo.token_logprobs(p, x, cfg=cfg, temperature=1.0,
+                                                     chunk=1024)[0]).lower(params, toks)
+  analysis = lowered.compile().cost_analysis()
+  analysis = analysis[0] if isinstance(analysis, list) else analysis
+  assert micro_flops(cfg, rows, t) == pytest.approx(float(analysis["flops"]), rel=0.15)

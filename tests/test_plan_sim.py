@@ -174,6 +174,24 @@ def _plan(*args):
                         capture_output=True, text=True, timeout=600)
 
 
+def test_the_learner_is_priced_on_its_own_packing():
+  """sim.Layout.shapes (what learner_phases prices) are the micro-batch shapes the learner's
+  grpo.minibatches makes of the same samples with the same seed: partition, length buckets,
+  rows per bucket under a token budget or a row count, padding rows included."""
+  from types import SimpleNamespace
+
+  from tlt_jax.plan.sim import Layout
+  from tlt_jax.rl import grpo
+  lens = [int(n) for n in np.random.default_rng(0).integers(5, 368, 256)]
+  samples = [grpo.Sample(np.ones(3, np.int32), np.ones(n - 3, np.int32), 0.0) for n in lens]
+  for tokens, rows, mult in ((2048, 64, 1), (0, 16, 1), (4096, 8, 4)):
+    spec = SimpleNamespace(micro_batch=rows, pad_multiple=32, max_len=368,
+                           micro_batch_tokens=tokens, row_multiple=mult)
+    real = [[mb.tokens.shape for mb in group]
+            for group in grpo.minibatches(samples, spec, 2, seed=7)]
+    assert Layout(rows, tokens, 32, 368, 2, row_multiple=mult).shapes(lens, 7) == real
+
+
 def test_plan_command_on_the_7b_recipe(tmp_path):
   """The 7B recipe on 8 simulated H100s: its memory plan's max_batch, both modes' phases,
   the files; speculation runs (gate open) and spends the idle windows training."""

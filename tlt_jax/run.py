@@ -107,6 +107,19 @@ class TrainState(NamedTuple):
   gate: GateState | None = None  # the speculation gate's (None: no gate)
 
 
+def learner_spec(spec: config_lib.RunSpec, model_cfg, mesh) -> grpo.LearnerSpec:
+  """The learner's layout and optimizer of a run (config.grpo, config.optim)."""
+  cfg = spec.cfg
+  g, o = cfg.grpo, cfg.optim
+  tx = make_optimizer(o.lr, warmup_steps=o.warmup_steps,
+                      total_steps=cfg.train.steps * g.minibatches, schedule=o.schedule,
+                      weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, grad_clip=o.grad_clip)
+  return grpo.LearnerSpec(model_cfg, spec.grpo, tx, mesh,
+                          micro_batch=g.micro_batch, pad_multiple=g.pad_multiple,
+                          micro_batch_tokens=g.micro_batch_tokens,
+                          max_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+
+
 def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
   """Everything the run of `spec` needs (runtime.prepare's: max_batch resolved), and its
   state at step 0."""
@@ -131,14 +144,7 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
     test_rows = rows[:cfg.eval.num_prompts] if cfg.eval.num_prompts else rows
 
   # -------------------------------------------------------------------------- learner
-  g, o = cfg.grpo, cfg.optim
-  tx = make_optimizer(o.lr, warmup_steps=o.warmup_steps,
-                      total_steps=cfg.train.steps * g.minibatches, schedule=o.schedule,
-                      weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, grad_clip=o.grad_clip)
-  lspec = grpo.LearnerSpec(model_cfg, spec.grpo, tx, mesh,
-                           micro_batch=g.micro_batch, pad_multiple=g.pad_multiple,
-                           micro_batch_tokens=g.micro_batch_tokens,
-                           max_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+  lspec = learner_spec(spec, model_cfg, mesh)
   learner = grpo.init_learner(params, lspec)
   del params
 

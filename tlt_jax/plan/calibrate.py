@@ -232,3 +232,148 @@ def rollout_table(rows: list[dict]) -> str:
     m, p = spec["measured"] / plain["measured"], spec["predicted"] / plain["predicted"]
     lines.append(f"| {w} | {m:.2f} | {p:.2f} | {p / m:.2f} |")
   return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the learner
+def learner_setup(cfg):
+  """The learner of a config as a run builds it (run.learner_spec on runtime's mesh and
+  model): (LearnerSpec, LearnerState, the model's ModelConfig, the training prompts' token
+  lengths)."""
+  from tlt_jax import config as config_lib
+  from tlt_jax import runtime
+  from tlt_jax.rl import grpo
+  from tlt_jax.run import learner_spec
+  spec = config_lib.run_spec(cfg)
+  mesh = runtime.learner_mesh(cfg)
+  model_cfg, params, tokenizer, _ = runtime.load_model(cfg, mesh=mesh)
+  ls = learner_spec(spec, model_cfg, mesh)
+  rows = runtime.load_rows(cfg, cfg.data.train_path)[:1024]
+  prompts = [n for n in (len(tokenizer.encode(r.prompt)) for r in rows)
+             if n <= cfg.data.max_prompt_len]
+  return ls, grpo.init_learner(params, ls), model_cfg, prompts
+
+
+def _learner_pass(ls, state, seq_lens: Sequence[int], prompt_lens: Sequence[int], seed: int,
+                  minibatches: int):
+  """One RL step's learner phases as rl_step runs and times them (the mini-batches packed and
+  their old log-probs computed; then the update) on samples of these total lengths (random
+  tokens); -> (state, log-prob seconds, update seconds)."""
+  import time
+
+  import jax
+  import numpy as np
+
+  from tlt_jax.rl import grpo
+  rng = np.random.default_rng(seed)
+  vocab = ls.cfg.vocab_size
+  samples = []
+  for i, n in enumerate(seq_lens):
+    p = min(int(prompt_lens[i % len(prompt_lens)]), int(n) - 1)
+    samples.append(grpo.Sample(rng.integers(1, vocab, p).astype(np.int32),
+                               rng.integers(1, vocab, int(n) - p).astype(np.int32),
+                               float(rng.normal())))
+  t = time.perf_counter()
+  prepared = grpo.prepare(state, grpo.minibatches(samples, ls, minibatches, seed=seed), ls)
+  jax.block_until_ready([b.old_logp for group in prepared for b in group])
+  lp = time.perf_counter() - t
+  t = time.perf_counter()
+  state, _ = grpo.update(state, prepared, ls)
+  jax.block_until_ready(state.params)
+  return state, lp, time.perf_counter() - t
+
+
+def learner_profile(ls, state, model_cfg: ModelConfig, hw: cost.Hardware, *, remat: bool,
+                    repeats: int = 3):
+  """The learner's prices on this machine (sim.Learner), fitted on probes of their own: one
+  mini-batch of one or two micro-batches of one shape, for two shapes (the narrowest length
+  bucket and an 8x longer one). Per probe the fastest of `repeats` passes after one that
+  compiles. The log-prob pass gives its FLOP rate and per-micro-batch cost; the update its
+  rate, per-micro-batch cost and the optimizer step (non-negative least squares on relative
+  residuals). -> (sim.Learner, the state the update probes left)."""
+  import numpy as np
+  from scipy.optimize import nnls
+
+  from tlt_jax.plan.sim import Learner, micro_flops
+  from tlt_jax.rl import grpo
+  short, long_ = ls.pad_multiple, 8 * ls.pad_multiple
+  rows = {}
+  for t in (short, long_):
+    (_, _, rows[t]), = grpo.micro_layout([t], ls.micro_batch, ls.pad_multiple, ls.max_len,
+                                         ls.micro_batch_tokens, ls.row_multiple)
+  cases = [(short, 1), (short, 2), (long_, 1), (long_, 2)]
+  lp, up = {}, {}
+  for t, m in cases:
+    lens = [t] * (rows[t] * m)
+    best = (float("inf"), float("inf"))
+    for r in range(repeats + 1):
+      state, a, b = _learner_pass(ls, state, lens, [t // 2], r, minibatches=1)
+      if r:
+        best = (min(best[0], a), min(best[1], b))
+    lp[(t, m)], up[(t, m)] = best
+  passes = 4 if remat else 3
+  f = {t: micro_flops(model_cfg, rows[t], t) for t in (short, long_)}
+  # log-probs: t = m * (flops x a + c); update: t = m * (passes x flops x a + c) + o; every
+  # coefficient >= 0, relative residuals (cost.fit's way: a least-squares fit clipped after
+  # the fact gave a negative per-micro-batch cost and a rate 2x too slow)
+  t_lp = np.array([lp[k] for k in cases])
+  t_up = np.array([up[k] for k in cases])
+  a_lp = nnls(np.array([[f[t] * m, m] for t, m in cases]) / t_lp[:, None], np.ones(len(cases)))[0]
+  a_up = nnls(np.array([[passes * f[t] * m, m, 1.0] for t, m in cases]) / t_up[:, None],
+              np.ones(len(cases)))[0]
+  a_lp[0], a_up[0] = max(a_lp[0], 1e-30), max(a_up[0], 1e-30)
+  learner = Learner(gpus=1, fwd_eff=float(1.0 / (a_lp[0] * hw.flops)),
+                    fwd_micro_s=float(a_lp[1]), train_eff=float(1.0 / (a_up[0] * hw.flops)),
+                    train_micro_s=float(a_up[1]),
+                    optimizer_s=float(a_up[2]), remat=remat)
+  return learner, state
+
+
+def validate_learner(ls, state, model_cfg: ModelConfig, hw: cost.Hardware, learner,
+                     lengths, prompt_lens: Sequence[int], *, max_new_tokens: int,
+                     responses: int, minibatches: int, steps: int = 3, seed: int = 0,
+                     progress=None
+                     ) -> list[dict]:
+  """RL steps' learner phases predicted (sim.learner_phases on the learner's own packing,
+  sim.Layout) and then run by the learner on this machine: `responses` samples per step,
+  response lengths drawn from `lengths` (workload.Lengths), prompt lengths cycled from
+  `prompt_lens`; one untimed pass first compiles every length bucket. Returns rows {step,
+  phase, predicted, measured}."""
+  import numpy as np
+
+  from tlt_jax.plan.sim import Layout, learner_phases
+  layout = Layout(ls.micro_batch, ls.micro_batch_tokens, ls.pad_multiple, ls.max_len,
+                  minibatches, ls.row_multiple)
+  warm, t = [], ls.pad_multiple
+  while t < ls.max_len:
+    warm.append(t)
+    t *= 2
+  warm.append(ls.max_len)
+  for r in range(2):  # (each pass's mini-batches hold a random part of the buckets)
+    state, _, _ = _learner_pass(ls, state, warm * 4, prompt_lens, seed + r, minibatches)
+  rng = np.random.default_rng(seed)
+  rows = []
+  for k in range(steps):
+    resp = lengths.draw(responses, max_new_tokens, rng, step=k)
+    seq = [int(prompt_lens[i % len(prompt_lens)]) + int(n) for i, n in enumerate(resp)]
+    pred = learner_phases(model_cfg, hw, learner, layout.shapes(seq, seed + k),
+                          reference=ls.gcfg.kl_coef > 0)
+    state, lp, up = _learner_pass(ls, state, seq, prompt_lens, seed + k, minibatches)
+    rows += [{"step": k + 1, "phase": "logprobs", "predicted": pred["logprobs"],
+              "measured": lp},
+             {"step": k + 1, "phase": "update", "predicted": pred["update"], "measured": up}]
+    if progress:
+      progress(k + 1, steps)
+  return rows
+
+
+def learner_table(learner, rows: list[dict]) -> str:
+  lines = [f"learner fitted here: log-prob pass {learner.fwd_eff:.2f} x the profile's matmul "
+           f"rate + {learner.fwd_micro_s * 1e3:.1f} ms per micro-batch; update "
+           f"{learner.train_eff:.2f} x + {learner.train_micro_s * 1e3:.1f} ms per micro-batch "
+           f"+ {(learner.optimizer_s or 0) * 1e3:.1f} ms per optimizer step", "",
+           "| RL step | phase | measured s | predicted s | predicted / measured |",
+           "|---:|---|---:|---:|---:|"]
+  for r in rows:
+    lines.append(f"| {r['step']} | {r['phase']} | {r['measured']:.3f} | {r['predicted']:.3f} | "
+                 f"{r['predicted'] / r['measured']:.2f} |")
+  return "\n".join(lines)

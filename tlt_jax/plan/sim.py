@@ -339,28 +339,73 @@ def _check_seam() -> None:
 # -------------------------------------------------------------------------- the RL step
 @dataclasses.dataclass(frozen=True)
 class Learner:
-  """What the learner's phases cost on the whole cluster (assumptions, docs/scale.md)."""
+  """What the learner's phases cost on the whole cluster: assumptions for a GPU cluster
+  (docs/scale.md); on the machine it runs on, `calibrate.learner_profile` measures them."""
   gpus: int
-  train_eff: float = 0.7  # the update's matmul rate relative to the profile's (FSDP overheads)
+  train_eff: float = 0.7  # the update's FLOP rate relative to the profile's matmul rate
+  fwd_eff: float = 0.7  # the log-prob pass's
   remat: bool = True  # the backward recomputes the forward (4 forwards of FLOPs, not 3)
+  fwd_micro_s: float = 0.0  # s per micro-batch of the log-prob pass beyond its FLOPs
+  train_micro_s: float = 0.0  # ... of the update (dispatch, the batch's transfer, the sync)
+  optimizer_s: float | None = None  # s per optimizer step (None: AdamW's bytes at mem_bw)
 
 
-def learner_phases(cfg: ModelConfig, hw: cost.Hardware, learner: Learner, seq_lens:
-                   Sequence[int], *, minibatches: int, reference: bool) -> dict[str, float]:
-  """Seconds of the log-probs (old policy, and the reference with a KL term), the update
-  (forward + backward of every minibatch, AdamW over the shards, FSDP's gathers) and the
-  weight sync (the new weights to every rollout replica) of one RL step."""
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """The learner's batch layout (config.grpo; grpo.micro_layout's arguments)."""
+  micro_batch: int
+  micro_batch_tokens: int
+  pad_multiple: int
+  max_len: int
+  minibatches: int
+  row_multiple: int = 1
+
+  @classmethod
+  def of(cls, cfg, row_multiple: int = 1) -> "Layout":
+    g = cfg.grpo
+    return cls(int(g.micro_batch), int(g.micro_batch_tokens), int(g.pad_multiple),
+               int(cfg.data.max_prompt_len + cfg.rollout.max_new_tokens), int(g.minibatches),
+               row_multiple)
+
+  def shapes(self, seq_lens: Sequence[int], seed: int = 0) -> list[list[tuple[int, int]]]:
+    """(rows, padded length) of every micro-batch, per mini-batch: the learner's own
+    partition and packing (grpo.minibatch_parts, grpo.micro_layout)."""
+    from tlt_jax.rl import grpo
+    return [[(n, t) for _, t, n in grpo.micro_layout(
+        [seq_lens[i] for i in part], self.micro_batch, self.pad_multiple, self.max_len,
+        self.micro_batch_tokens, self.row_multiple)]
+        for part in grpo.minibatch_parts(len(seq_lens), self.minibatches, seed)]
+
+
+def micro_flops(cfg: ModelConfig, rows: int, t: int) -> float:
+  """One forward over a micro-batch of rows x t tokens (padding included: the device computes
+  it): 2 FLOPs per weight per token, and the attention's scores and values over the whole
+  t x t matrix (the causal mask is applied, not skipped)."""
   n_params = cost.forward(cfg, 1, 1, 0).flops / 2  # 2 FLOPs per weight per token
-  tokens = float(sum(seq_lens))
-  attn = float(sum(s * s for s in seq_lens)) * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim_
-  fwd = 2 * n_params * tokens + attn
-  rate = hw.flops * learner.train_eff * learner.gpus
+  return (2.0 * n_params * rows * t
+          + 4.0 * rows * t * t * cfg.num_heads * cfg.head_dim_ * cfg.num_layers)
+
+
+def learner_phases(cfg: ModelConfig, hw: cost.Hardware, learner: Learner,
+                   shapes: Sequence[Sequence[tuple[int, int]]], *, reference: bool
+                   ) -> dict[str, float]:
+  """Seconds of the log-probs (old policy, and the reference with a KL term), the update
+  (forward + backward of every micro-batch, one optimizer step per mini-batch, FSDP's
+  gathers) and the weight sync (the new weights to every rollout replica) of one RL step,
+  from the micro-batches' shapes (`Layout.shapes`)."""
+  n_params = cost.forward(cfg, 1, 1, 0).flops / 2
+  micro = [s for mb in shapes for s in mb]
+  fwd = sum(micro_flops(cfg, n, t) for n, t in micro)
   nb = cost._BYTES[cfg.dtype]
   gather = n_params * nb * (learner.gpus - 1) / max(learner.gpus, 1)  # one FSDP all-gather
-  logprobs = (1 + reference) * fwd / rate + (1 + reference) * gather / hw.link_bw
+  logprobs = (1 + reference) * (fwd / (hw.flops * learner.fwd_eff * learner.gpus)
+                                + len(micro) * learner.fwd_micro_s + gather / hw.link_bw)
   passes = 4 if learner.remat else 3
-  adam = 16 * 2 * n_params / learner.gpus / hw.mem_bw  # f32 master, m, v, grads read + written
-  update = passes * fwd / rate + minibatches * (3 * gather / hw.link_bw + adam)
+  opt = learner.optimizer_s
+  if opt is None:
+    opt = 16 * 2 * n_params / learner.gpus / hw.mem_bw  # f32 master, m, v, grads read + written
+  update = (passes * fwd / (hw.flops * learner.train_eff * learner.gpus)
+            + len(micro) * learner.train_micro_s + len(shapes) * (3 * gather / hw.link_bw + opt))
   sync = n_params * nb * (learner.gpus - 1) / max(learner.gpus, 1) / hw.link_bw
   return {"logprobs": logprobs, "update": update, "weight_sync": sync}
 
@@ -422,6 +467,7 @@ class Simulation:
     g = spec.cfg.grpo
     self.num_prompts, self.group = int(g.num_prompts), int(g.n)
     self.learner = Learner(gpus)
+    self.layout = Layout.of(spec.cfg, row_multiple=gpus)  # FSDP over every device
     self.t = self._now = 0.0
     self.steps: list[StepResult] = []
 
@@ -492,8 +538,7 @@ class Simulation:
     tl.close()
     spot = tl.summary()
     seq = [self.prompt_tokens + int(x) for x in lens]
-    learner = learner_phases(self.cfg, self.hw, self.learner, seq,
-                             minibatches=int(self.spec.cfg.grpo.minibatches),
+    learner = learner_phases(self.cfg, self.hw, self.learner, self.layout.shapes(seq, k),
                              reference=float(self.spec.cfg.grpo.get("kl_coef", 0.0)) > 0)
     parts = {k2: sum(e.busy[k2] - b[k2] for e, b in zip(self.engines, busy0)) / self.workers_n
              for k2 in ("prefill", "switch_on", "compile", "host")}

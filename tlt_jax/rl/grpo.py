@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Iterator, NamedTuple
+from typing import Iterator, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 
 from tlt_jax.errors import ConfigError
 from tlt_jax.models import ModelConfig, Params, compute_logits, forward
-from tlt_jax.sharding import BATCH, batch_sharding, tree_shardings
+from tlt_jax.sharding import BATCH, batch_sharding, replicated, tree_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,11 +198,34 @@ class MicroBatch(NamedTuple):
   index: np.ndarray  # [b] int64 sample index per row, -1 for padding rows
 
 
+def micro_layout(lengths: Sequence[int], rows: int, pad_multiple: int, max_len: int,
+                 max_tokens: int = 0, row_multiple: int = 1) -> list[tuple[list[int], int, int]]:
+  """The layout of `micro_batches` from the samples' lengths alone: per micro-batch, shortest
+  first, (the sample indices it holds, its padded length T, its rows with padding rows). The
+  cluster simulator prices the learner on it (tlt_jax/plan/sim.py: what the device computes,
+  padding included)."""
+  cap = -(-max_len // pad_multiple) * pad_multiple
+  order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
+  out = []
+  s = 0
+  while s < len(order):
+    t = pad_multiple
+    while t < min(lengths[order[s]], cap):
+      t *= 2
+    t = min(t, cap)
+    n = rows
+    if max_tokens > 0:
+      n = max(row_multiple, (max_tokens // t) // row_multiple * row_multiple)
+    out.append((order[s:s + n], t, n))
+    s += n
+  return out[::-1]
+
+
 def micro_batches(samples: list[Sample], rows: int, pad_multiple: int, max_len: int,
                   max_tokens: int = 0, row_multiple: int = 1) -> Iterator[MicroBatch]:
   """Length-sorted micro-batches, each padded to its own length bucket T: the smallest
   pad_multiple x 2^k (or max_len rounded up to pad_multiple) that holds its longest row.
-  Missing rows are all-padding with an empty mask.
+  Missing rows are all-padding with an empty mask (`micro_layout`: the layout alone).
 
   rows: rows per micro-batch; or, with max_tokens > 0, a token budget: a micro-batch padded to
   T tokens holds max(row_multiple, max_tokens // T rounded down to row_multiple) rows, so the
@@ -211,20 +234,9 @@ def micro_batches(samples: list[Sample], rows: int, pad_multiple: int, max_len: 
   keep them few (32, 64, 128, 256, 384 for max_len 368: 5 compiles of the update instead of
   12 with multiples of 32; on the CPU each costs ~3 s, more than the padding they add).
   """
-  cap = -(-max_len // pad_multiple) * pad_multiple
-  order = sorted(range(len(samples)), key=lambda i: samples[i].length, reverse=True)
   out = []
-  s = 0
-  while s < len(order):
-    t = pad_multiple
-    while t < min(samples[order[s]].length, cap):
-      t *= 2
-    t = min(t, cap)
-    n = rows
-    if max_tokens > 0:
-      n = max(row_multiple, (max_tokens // t) // row_multiple * row_multiple)
-    idx = order[s:s + n]
-    s += n
+  for idx, t, n in micro_layout([s.length for s in samples], rows, pad_multiple, max_len,
+                                max_tokens, row_multiple):
     tokens = np.zeros((n, t), np.int32)
     mask = np.zeros((n, t), np.float32)
     adv = np.zeros((n,), np.float32)
@@ -236,7 +248,7 @@ def micro_batches(samples: list[Sample], rows: int, pad_multiple: int, max_len: 
       mask[r, p:p + k] = 1.0
       adv[r] = smp.advantage
     out.append(MicroBatch(tokens, mask, adv, np.asarray(idx + [-1] * (n - len(idx)), np.int64)))
-  return iter(out[::-1])  # shortest first
+  return iter(out)  # shortest first
 
 
 # ----------------------------------------------------------------------------------- learner
@@ -281,6 +293,11 @@ def _state_constraint(tree, mesh: Mesh):
 def init_learner(params: Params, spec: LearnerSpec) -> LearnerState:
   """Params (anywhere) -> a fresh state on the learner mesh."""
   params = jax.device_put(params, tree_shardings(params, spec.mesh))
+  # ...in the layout every update returns (`_state_constraint`'s output: a jit writes P() where
+  # device_put kept P(None,)): the learner's jitted steps key their executables on it, and
+  # the first optimizer step would otherwise make every micro-batch shape of `_accumulate`
+  # and `logprobs` compile a second time (measured: ~3 s per shape on the CPU default run)
+  params = jax.jit(lambda p: _state_constraint(p, spec.mesh))(params)
   # Adam moments sharded like their params (the path rules match "mu/layers/q" as they
   # match "layers/q"), counts replicated. Left to itself, init (zeros, independent of the
   # params' values) lands on one device; the state restored from a checkpoint onto such a
@@ -315,11 +332,15 @@ def minibatches(samples: list[Sample], spec: LearnerSpec, num_minibatches: int =
   the length-sorted order instead, one step would see only short (mostly right) responses
   and the next only long (mostly wrong) ones, two full-size Adam steps in opposite
   directions. Within a mini-batch, micro-batches are length-sorted (padding only)."""
-  order = np.random.default_rng([seed, 23]).permutation(len(samples))
-  parts = np.array_split(order, max(1, min(num_minibatches, len(samples))))
   return [list(micro_batches([samples[i] for i in part], spec.micro_batch, spec.pad_multiple,
                              spec.max_len, spec.micro_batch_tokens, spec.row_multiple))
-          for part in parts]
+          for part in minibatch_parts(len(samples), num_minibatches, seed)]
+
+
+def minibatch_parts(n: int, num_minibatches: int, seed: int) -> list[np.ndarray]:
+  """`minibatches`' random partition of n samples (indices per mini-batch)."""
+  order = np.random.default_rng([seed, 23]).permutation(n)
+  return np.array_split(order, max(1, min(num_minibatches, n)))
 
 
 def prepare(state: LearnerState, batches: list[list[MicroBatch]], spec: LearnerSpec
@@ -379,8 +400,12 @@ def update(state: LearnerState, prepared: list[list[Batch]], spec: LearnerSpec
     num_tokens = jnp.float32(sum(float(jnp.sum(mb.loss_mask)) for mb in group))
     metric_shapes = jax.eval_shape(functools.partial(grpo_loss, cfg=spec.cfg, gcfg=spec.gcfg),
                                    state.params, group[0], num_tokens=num_tokens)[1]
+    # the metric sums committed to the mesh as `_accumulate` returns them: left uncommitted,
+    # the first micro-batch of a mini-batch would call another executable than the others
+    # (every micro-batch shape compiled twice)
     acc = (_zero_grads(state.params, spec=spec),
-           jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes))
+           jax.tree.map(lambda s: jax.device_put(jnp.zeros(s.shape, s.dtype),
+                                                 replicated(spec.mesh)), metric_shapes))
     for mb in group:
       acc = _accumulate(state.params, acc, mb, num_tokens, spec=spec)
     grads, metrics = acc
