@@ -101,11 +101,11 @@ def test_fit_recovers_the_profile_that_made_the_timings():
 def test_learner_flops_are_xlas(name, rows, t):
   """One micro-batch of the learner's log-prob pass (grpo.token_logprobs: the forward over
   rows x t tokens, padding included, and the LM head's log-softmax) against XLA's cost
-  analysis: sim.micro_flops within 15%. One layer: the learner's forward scans its layers, and
+  analysis: learner.micro_flops within 15%. One layer: the learner's forward scans its layers, and
   XLA's analysis counts a loop's body once."""
   import dataclasses
 
-  from tlt_jax.plan.sim import micro_flops
+  from tlt_jax.plan.learner import micro_flops
   from tlt_jax.rl import grpo
   cfg = dataclasses.replace(CFGS[name], num_layers=1)
   params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), param_shapes(cfg),

@@ -175,12 +175,12 @@ def _plan(*args):
 
 
 def test_the_learner_is_priced_on_its_own_packing():
-  """sim.Layout.shapes (what learner_phases prices) are the micro-batch shapes the learner's
+  """learner.Layout.shapes (what learner_phases prices) are the micro-batch shapes the learner's
   grpo.minibatches makes of the same samples with the same seed: partition, length buckets,
   rows per bucket under a token budget or a row count, padding rows included."""
   from types import SimpleNamespace
 
-  from tlt_jax.plan.sim import Layout
+  from tlt_jax.plan.learner import Layout
   from tlt_jax.rl import grpo
   lens = [int(n) for n in np.random.default_rng(0).integers(5, 368, 256)]
   samples = [grpo.Sample(np.ones(3, np.int32), np.ones(n - 3, np.int32), 0.0) for n in lens]

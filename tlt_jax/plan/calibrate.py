@@ -284,16 +284,16 @@ def _learner_pass(ls, state, seq_lens: Sequence[int], prompt_lens: Sequence[int]
 
 def learner_profile(ls, state, model_cfg: ModelConfig, hw: cost.Hardware, *, remat: bool,
                     repeats: int = 3):
-  """The learner's prices on this machine (sim.Learner), fitted on probes of their own: one
+  """The learner's prices on this machine (learner.Learner), fitted on probes of their own: one
   mini-batch of one or two micro-batches of one shape, for two shapes (the narrowest length
   bucket and an 8x longer one). Per probe the fastest of `repeats` passes after one that
   compiles. The log-prob pass gives its FLOP rate and per-micro-batch cost; the update its
   rate, per-micro-batch cost and the optimizer step (non-negative least squares on relative
-  residuals). -> (sim.Learner, the state the update probes left)."""
+  residuals). -> (learner.Learner, the state the update probes left)."""
   import numpy as np
   from scipy.optimize import nnls
 
-  from tlt_jax.plan.sim import Learner, micro_flops
+  from tlt_jax.plan.learner import Learner, micro_flops
   from tlt_jax.rl import grpo
   short, long_ = ls.pad_multiple, 8 * ls.pad_multiple
   rows = {}
@@ -333,14 +333,14 @@ def validate_learner(ls, state, model_cfg: ModelConfig, hw: cost.Hardware, learn
                      responses: int, minibatches: int, steps: int = 3, seed: int = 0,
                      progress=None
                      ) -> list[dict]:
-  """RL steps' learner phases predicted (sim.learner_phases on the learner's own packing,
-  sim.Layout) and then run by the learner on this machine: `responses` samples per step,
+  """RL steps' learner phases predicted (learner.learner_phases on the learner's own packing,
+  learner.Layout) and then run by the learner on this machine: `responses` samples per step,
   response lengths drawn from `lengths` (workload.Lengths), prompt lengths cycled from
   `prompt_lens`; one untimed pass first compiles every length bucket. Returns rows {step,
   phase, predicted, measured}."""
   import numpy as np
 
-  from tlt_jax.plan.sim import Layout, learner_phases
+  from tlt_jax.plan.learner import Layout, learner_phases
   layout = Layout(ls.micro_batch, ls.micro_batch_tokens, ls.pad_multiple, ls.max_len,
                   minibatches, ls.row_multiple)
   warm, t = [], ls.pad_multiple
