@@ -105,7 +105,9 @@ def get_config():
   c.rollout.temperature = 1.0
   c.rollout.top_p = 1.0
   c.rollout.top_k = 0
-  c.rollout.num_workers = 2  # rollout replicas (each on its own devices)
+  # rollout replicas, each on its own tensor_parallel devices; 0: one per such group of the
+  # visible devices (2 on this config's 2 CPU devices, 1 on one GPU)
+  c.rollout.num_workers = 0
   c.rollout.tensor_parallel = 1  # devices per replica
 
   c.grpo = ml_collections.ConfigDict()

@@ -22,7 +22,7 @@ One invocation, every ratio measured in it (this machine drifts between runs):
     verification; outputs checked identical to plain decoding. HF transformers `generate` and
     assisted generation (assistant: the target cut to its first layer, tlt_jax/bench/rollout.py) on
     the same checkpoint.
- 3. Batch 8, greedy and sampled (temperature 1), the same prompts x 8.
+ 3. Batch 8, greedy and sampled (temperature 1), the same prompts x 8, plain vs the first arm.
  4. Long tail: one RL step's worth (--tail_prompts x --tail_n responses, temperature 1, EOS,
     the task's real length distribution) through one worker: continuous batching, compaction,
     speculation switched on once the live batch is <= --threshold, per arm and with BEG-MAB;
@@ -72,6 +72,10 @@ def main(argv=None) -> int:
   ap.add_argument("--only_roofline", action="store_true", help="run section 0 alone")
   ap.add_argument("--skip_hf", action="store_true")
   ap.add_argument("--skip_regime", action="store_true")
+  ap.add_argument("--skip_roofline", action="store_true", help="no section 0 "
+                  "(scripts/gpu_decode.py measures it with the engine's variants)")
+  ap.add_argument("--skip_tail", action="store_true", help="no section 4")
+  ap.add_argument("--skip_costs", action="store_true", help="no section 5")
   ap.add_argument("--dtype", default=D.dtype,
                   help="compute and param dtype of the target (default: its config's; "
                        "bfloat16 on a GPU)")

@@ -1,7 +1,13 @@
 #!/usr/bin/env python
-"""Reproduces the default task assets in tlt_jax/assets/default/ (CPU, no downloads).
+"""Reproduces the task assets in tlt_jax/assets/<task>/ (CPU, no downloads).
 
-    python scripts/make_default_assets.py            # ~5-10 min on a 2-core laptop CPU
+    python scripts/make_default_assets.py                  # the default: ~5-10 min, 2-core CPU
+    python scripts/make_default_assets.py --task longtail  # the long-tail variant
+
+--task picks the chain-length distribution (tlt_jax/data/arith.py TASKS): `default`, the
+embedded task of configs/default.py, or `longtail`, the same task with reasoning RL's length
+shape at a 512-token cap (configs/longtail.py; its packed SFT rows and evaluation cap are
+longer). The drafter beside the model is scripts/train_drafter.py's (--model <task>/model).
 
 Writes
   data/train.jsonl   RL prompts (+ `response`, the reference trace, for SFT / analysis)
@@ -61,12 +67,18 @@ from tlt_jax.rollout.sampling import SamplingParams  # noqa: E402
 
 # Fixed seeds of every random stream (distinct so splits never share a generator).
 TRAIN_SEED, TEST_SEED, SFT_SEED, VAL_SEED, INIT_SEED = 1, 2, 3, 4, 0
-BUCKETS = ((2, 3), (4, 6), (7, 11), (12, 18), (19, arith.K_MAX))
+BUCKETS = {"default": ((2, 3), (4, 6), (7, 11), (12, 18), (19, arith.K_MAX)),
+           "longtail": ((2, 3), (4, 6), (7, 11), (12, 18), (19, 40),
+                        (41, arith.LONGTAIL.k_max))}
+# per task: packed SFT row length (>= the longest prompt + response), evaluation cap
+TASK_DEFAULTS = {"default": {"seq_len": 512, "max_new_tokens": 256},
+                 "longtail": {"seq_len": 1280, "max_new_tokens": 512}}
 
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--out", default=arith.default_assets_dir())
+  p.add_argument("--task", default="default", choices=sorted(arith.TASKS))
+  p.add_argument("--out", default=None, help="default: tlt_jax/assets/<task>")
   p.add_argument("--n_train", type=int, default=4000)
   p.add_argument("--n_test", type=int, default=400)
   p.add_argument("--n_val", type=int, default=256)
@@ -78,7 +90,8 @@ def parse_args(argv=None):
   p.add_argument("--vocab_size", type=int, default=32, help="model vocab (>= tokenizer's)")
   # SFT
   p.add_argument("--rows", type=int, default=8, help="packed rows per batch")
-  p.add_argument("--seq_len", type=int, default=512, help="tokens per packed row")
+  p.add_argument("--seq_len", type=int, default=0, help="tokens per packed row (0: the "
+                 "task's, TASK_DEFAULTS)")
   p.add_argument("--lr", type=float, default=3e-3)
   p.add_argument("--warmup", type=int, default=50)
   p.add_argument("--max_steps", type=int, default=800, help="cosine schedule length and cap")
@@ -88,8 +101,13 @@ def parse_args(argv=None):
   p.add_argument("--target_acc", type=float, default=0.40,
                  help="stop SFT once greedy validation accuracy reaches this")
   p.add_argument("--log_every", type=int, default=10)
-  p.add_argument("--max_new_tokens", type=int, default=256)
-  return p.parse_args(argv)
+  p.add_argument("--max_new_tokens", type=int, default=0, help="evaluation cap (0: the task's)")
+  args = p.parse_args(argv)
+  args.out = args.out or arith.default_assets_dir(args.task)
+  for k, v in TASK_DEFAULTS[args.task].items():
+    if not getattr(args, k):
+      setattr(args, k, v)
+  return args
 
 
 # ------------------------------------------------------------------------------------- data
@@ -105,13 +123,13 @@ def quantiles(lengths):
           "p99": float(np.percentile(a, 99)), "max": int(a.max()), "mean": float(a.mean())}
 
 
-def sft_examples(tok, eos_id, rng, n, seq_len):
+def sft_examples(tok, eos_id, rng, n, seq_len, lengths=arith.DEFAULT):
   """n fresh SFT examples as packable sequences (tlt_jax/drafter/packing.py packs them, the
   same segment-id layout the drafter trains on): prompt + response + EOS, the loss mask on
   the positions whose NEXT token is a response token (incl. EOS)."""
   out = []
   for _ in range(n):
-    prob = arith.make_problem(rng)
+    prob = arith.make_problem(rng, lengths=lengths)
     p = tok.encode(prob["prompt"]).ids
     ids = np.asarray(p + tok.encode(prob["response"]).ids + [eos_id], np.int32)
     if len(ids) > seq_len:
@@ -122,10 +140,11 @@ def sft_examples(tok, eos_id, rng, n, seq_len):
   return out
 
 
-def sft_batch(tok, eos_id, rng, rows, seq_len):
+def sft_batch(tok, eos_id, rng, rows, seq_len, lengths=arith.DEFAULT):
   """[rows, seq_len] tokens, positions, segment ids, loss mask of freshly drawn examples
   (the data is an endless synthetic stream: an example that does not fit is simply not used)."""
-  b, _ = fill_batch(lambda n: sft_examples(tok, eos_id, rng, n, seq_len), rows, seq_len)
+  b, _ = fill_batch(lambda n: sft_examples(tok, eos_id, rng, n, seq_len, lengths), rows,
+                    seq_len)
   return b["tokens"], b["positions"], b["segment_ids"], b["loss_mask"]
 
 
@@ -149,12 +168,12 @@ def make_train_step(cfg, optimizer):
 
 
 # --------------------------------------------------------------- the script's own eval helper
-def make_greedy_decode(cfg, eos_id, pad_id, max_new):
+def make_greedy_decode(cfg, eos_id, pad_id, max_new, k_max=arith.K_MAX):
   """Greedy decoding through the project's rollout engine. One worker is reused across the
   periodic evaluations (new params each time), so each batch bucket compiles once."""
   del pad_id
   ecfg = EngineConfig(max_batch=256, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), chunk_size=32,
-                      max_prompt_len=2 * arith.K_MAX + 8, max_new_tokens=max_new,
+                      max_prompt_len=2 * k_max + 8, max_new_tokens=max_new,
                       stop_tokens=(eos_id,))
   holder = {}
 
@@ -179,11 +198,11 @@ def greedy_responses(decode, params, tok, problems, eos_id, pad_id, batch=256):
   return out
 
 
-def accuracy_report(problems, responses):
+def accuracy_report(problems, responses, buckets=BUCKETS["default"]):
   scores = np.array([arith.score(r, p["answer"]) for p, r in zip(problems, responses)])
   ks = np.array([p["num_terms"] for p in problems])
   by_bucket = {}
-  for lo, hi in BUCKETS:
+  for lo, hi in buckets:
     sel = (ks >= lo) & (ks <= hi)
     if sel.any():
       by_bucket[f"{lo}-{hi}"] = {"n": int(sel.sum()), "acc": float(scores[sel].mean())}
@@ -203,9 +222,10 @@ def main(argv=None):
   os.makedirs(data_dir, exist_ok=True)
 
   # 1. data ---------------------------------------------------------------------------------
-  train = arith.generate_dataset(args.n_train, TRAIN_SEED)
-  test = arith.generate_dataset(args.n_test, TEST_SEED)
-  val = arith.generate_dataset(args.n_val, VAL_SEED)
+  lengths, buckets = arith.TASKS[args.task], BUCKETS[args.task]
+  train = arith.generate_dataset(args.n_train, TRAIN_SEED, lengths)
+  test = arith.generate_dataset(args.n_test, TEST_SEED, lengths)
+  val = arith.generate_dataset(args.n_val, VAL_SEED, lengths)
   for p in train + test:
     assert arith.check_trace(p["prompt"], p["response"]), p
   write_jsonl(os.path.join(data_dir, "train.jsonl"), train,
@@ -237,7 +257,8 @@ def main(argv=None):
                     intermediate_size=4 * args.hidden, num_layers=args.layers,
                     num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=None,
                     rope_theta=10000.0, rms_norm_eps=1e-6, qkv_bias=True,
-                    tie_word_embeddings=True, max_position_embeddings=512,
+                    tie_word_embeddings=True,
+                    max_position_embeddings=max(512, args.seq_len),
                     dtype="float32", param_dtype="float32")
   n_params = num_params(cfg)
   print(f"model: qwen2 {args.layers}L d={args.hidden} heads={args.heads}/{args.kv_heads} "
@@ -248,7 +269,7 @@ def main(argv=None):
   optimizer = make_optimizer(args.lr, b2=0.98, **opt)
   opt_state = optimizer.init(params)
   step_fn = make_train_step(cfg, optimizer)
-  decode = make_greedy_decode(cfg, eos_id, pad_id, args.max_new_tokens)
+  decode = make_greedy_decode(cfg, eos_id, pad_id, args.max_new_tokens, lengths.k_max)
   sft_rng = np.random.default_rng(SFT_SEED)
 
   history = []
@@ -257,7 +278,7 @@ def main(argv=None):
   bar = tqdm(range(1, args.max_steps + 1), desc="SFT", dynamic_ncols=True)
   losses = []
   for step in bar:
-    batch = sft_batch(tok, eos_id, sft_rng, args.rows, args.seq_len)
+    batch = sft_batch(tok, eos_id, sft_rng, args.rows, args.seq_len, lengths)
     params, opt_state, loss, gnorm = step_fn(params, opt_state, *map(jnp.asarray, batch))
     losses.append(float(loss))
     bar.set_postfix(loss=f"{losses[-1]:.3f}", val_acc=f"{val_acc:.2f}")
@@ -267,7 +288,7 @@ def main(argv=None):
                  f"{time.time() - t0:.0f}s")
     if step >= args.min_steps and step % args.eval_every == 0:
       val_acc, by_bucket = accuracy_report(val, greedy_responses(decode, params, tok, val,
-                                                                 eos_id, pad_id))
+                                                                 eos_id, pad_id), buckets)
       history.append({"step": step, "loss": float(np.mean(losses[-args.eval_every:])),
                       "val_acc": val_acc})
       tqdm.write(f"step {step:5d} val greedy acc {val_acc:.3f} "
@@ -296,15 +317,15 @@ def main(argv=None):
 
   responses = greedy_responses(decode, params, tok, test, eos_id, pad_id)
   hf_agree = sum(a == b for a, b in zip(hf_text, responses))
-  test_acc, test_buckets = accuracy_report(test, responses)
+  test_acc, test_buckets = accuracy_report(test, responses, buckets)
   correct_traces = float(np.mean([arith.check_trace(p["prompt"], r)
                                   for p, r in zip(test, responses)]))
   gen_len = quantiles([len(tok.encode(r).ids) + 1 for r in responses])
 
   manifest = {
-      "task": {"name": "arith", "module": "tlt_jax.data.arith", "k_min": arith.K_MIN,
-               "k_max": arith.K_MAX, "lognormal_mu": arith.LOGNORMAL_MU,
-               "lognormal_sigma": arith.LOGNORMAL_SIGMA,
+      "task": {"name": "arith", "variant": args.task, "module": "tlt_jax.data.arith",
+               "k_min": arith.K_MIN, "k_max": lengths.k_max, "lognormal_mu": lengths.mu,
+               "lognormal_sigma": lengths.sigma,
                "example": {"prompt": train[0]["prompt"], "response": train[0]["response"],
                            "answer": train[0]["answer"]}},
       "seeds": {"train": TRAIN_SEED, "test": TEST_SEED, "sft": SFT_SEED, "val": VAL_SEED,

@@ -167,3 +167,19 @@ def test_cli_errors_are_one_line(tmp_path):
     assert p.returncode == 2, p.stderr
     assert needle in p.stderr
     assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("workers,tp,want", [(0, 1, 8), (0, 4, 2), (3, 2, 3), (0, 16, None)])
+def test_rollout_workers_follow_the_visible_devices(workers, tp, want):
+  """rollout.num_workers=0 (the default's): one replica per tensor_parallel devices of the 8
+  visible here (on one GPU: one), written back into the config; a pinned count is kept; a
+  replica wider than the machine is the one-line error."""
+  from tlt_jax import runtime
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+  assert cfg.rollout.num_workers == 0
+  cfg.rollout.num_workers, cfg.rollout.tensor_parallel = workers, tp
+  if want is None:
+    with pytest.raises(ConfigError, match=r"config.rollout.tensor_parallel=16: needs 16 devices"):
+      runtime.resolve_workers(cfg)
+    return
+  assert runtime.resolve_workers(cfg) == want and cfg.rollout.num_workers == want

@@ -210,6 +210,26 @@ def test_an_overlapped_settle_hands_results_back_at_the_barrier_and_counts_only_
                 overlap_settle=True)
 
 
+def test_a_lone_worker_trains_beside_the_learner_until_it_settles():
+  """One worker (one device) is the barrier, so it never idles during the rollout: with the
+  settling overlapped it trains while the caller runs the learner's phases (0.3 s of sleep
+  here) and stops when the caller settles; without overlap there is no idle window and it
+  never trains. A next rollout before any settle stops it too (nothing hangs)."""
+  c, store, trainers = make(1, overlap=True)
+  t0 = time.perf_counter()
+  out = c.rollout(shares(0.05), sp=None, seed=0)
+  assert time.perf_counter() - t0 < 0.2  # handed back at the barrier
+  time.sleep(0.3)
+  drafter = out.settle()
+  assert 8 <= drafter["steps"] <= 16, drafter  # ~0.3 s of 20 ms steps
+  assert store.drafter()[1].params == drafter["steps"] * 1.0
+  out = c.rollout(shares(0.05), sp=None, seed=1)  # never settled: the next rollout stops it
+  c.rollout(shares(0.05), sp=None, seed=2).settle()
+  c.close()
+  c, store, _ = make(1, overlap=False)
+  assert c.rollout(shares(0.05), sp=None, seed=0).drafter["steps"] == 0
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_release_frees_the_actor_after_the_in_flight_step_and_the_drafter_push_keeps_it_out(
     overlap):

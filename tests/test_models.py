@@ -727,16 +727,20 @@ def test_parity_script(ckpts, tmp_path):
   assert "FAIL" in out and "PARITY FAILED: full batch" in out
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 @pytest.mark.parametrize("name", ["qwen2_gqa", "llama_hd24_bias_tied", "qwen3_gqa"])
-def test_unstacked_layers_match_transformers(ckpts, name):
-  """The rollout replicas' layout (models.unstack_layers: one dict per layer) through the
-  full forward (switch-on) and the cached forward (prefill, decode) gives transformers'
-  logits."""
-  from tlt_jax.models import unstack_layers
+def test_unstacked_layers_match_transformers(ckpts, name, fused):
+  """The rollout replicas' layout (models.unstack_layers: one dict per layer; fused: one qkv
+  and one gate/up matmul a layer, models.fuse_projections) through the full forward
+  (switch-on) and the cached forward (prefill, decode) gives transformers' logits."""
+  from tlt_jax.models import fuse_projections, unstack_layers
   ck = ckpts(name)
   cfg = ck.cfg
   params = jax.jit(unstack_layers)(ck.params)
   assert isinstance(params["layers"], tuple) and len(params["layers"]) == cfg.num_layers
+  if fused:
+    params = fuse_projections(params, cfg)
+    assert {"qkv", "gate_up"} <= set(params["layers"][0]) and "q" not in params["layers"][0]
   tokens = rand_tokens(3, 2, 12)
   want = hf_logits(ck.hf, tokens)
   full = forward(params, jnp.asarray(tokens), arange_positions(2, 12), cfg=cfg).logits

@@ -233,6 +233,28 @@ def test_qwen3_speculative_greedy_matches_transformers(models, greedy, prompts, 
     assert results[(i, 0)].response_ids.tolist() == ref, f"request {i}"
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # q/k/v biases; q/k norms and a chain SD
+def test_fused_replica_weights_match_transformers(models, greedy, prompts, arch):
+  """The GPU's replica layout (one qkv and one gate/up matmul a layer, EngineConfig
+  fused_projections) forced on here: plain and speculative greedy decoding give transformers'
+  tokens, and new (learner-layout) weights are fused on their way in."""
+  from tlt_jax.drafter import init_drafter
+  from tlt_jax.rollout.config import SpecConfig
+  m, g = models[arch], greedy[arch]
+  spec = (SpecConfig(strategy="3_1_4", bs_threshold=4, patience=1, use_kernel=False)
+          if arch == "qwen3" else None)
+  w = Engine(m.params, m.cfg, engine_cfg(stop_tokens=(g["stop"],), fused_projections=True,
+                                         spec=spec),
+             drafter_params=init_drafter(m.cfg, jax.random.key(0)) if spec else None)
+  assert w.fused and "qkv" in w.params["layers"][0] and "q" not in w.params["layers"][0]
+  w.set_params(m.params)  # the learner's stacked layout again
+  assert "gate_up" in w.params["layers"][1]
+  results, chunks = run(w, greedy_requests(prompts), GREEDY)
+  assert not spec or any(c.mode == "3_1_4" for c in chunks)
+  for i, ref in enumerate(g["ref"]):
+    assert results[(i, 0)].response_ids.tolist() == ref, f"request {i}"
+
+
 def test_greedy_logprobs_match_transformers(models, greedy, prompts):
   """The returned logprob of each greedy token is log_softmax of HF's logits at its step."""
   m, g = models["qwen2"], greedy["qwen2"]
@@ -293,6 +315,47 @@ def test_chunk_size_and_max_batch_do_not_change_outputs(layouts):
   assert max(c.live for c in chunks) <= 3
   assert max(c.bucket for c in chunks) == 4
   assert all(c.steps <= 3 for c in chunks)
+
+
+@pytest.mark.parametrize("variant", [dict(unroll=4), dict(early_exit=False, unroll=3, fused=True)],
+                         ids=["unroll4", "fixed_unroll3_fused"])
+@pytest.mark.parametrize("sp", [GREEDY, SamplingParams(temperature=1.0)], ids=["greedy", "t1"])
+def test_decode_loop_variants_do_not_change_tokens(models, greedy, prompts, variant, sp):
+  """The decode chunk's GPU variants (a loop of known trip count, several steps per
+  iteration, fused qkv / gate-up projections) give the tokens, log-probs and validity of the
+  engine's loop, with rows finishing on a stop token and on their budget inside the chunk."""
+  import functools
+
+  from tlt_jax.models import fuse_projections, init_cache, unstack_layers
+  from tlt_jax.rollout import decode
+  m = models["qwen2"]
+  cfg, stop = m.cfg, greedy["qwen2"]["stop"]
+  params = unstack_layers(m.params)
+  b, p = 4, 16
+  toks = np.zeros((b, p), np.int32)
+  lens = np.array([len(q) for q in prompts[:b]], np.int32)
+  for i, q in enumerate(prompts[:b]):
+    toks[i, :len(q)] = q
+  keys = jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(b))
+  max_new = jnp.asarray([12, 3, 12, 7], jnp.int32)
+  state = jax.jit(functools.partial(decode.prefill, cfg=cfg))(
+      params, init_cache(cfg, b, 48), jnp.asarray(toks), jnp.asarray(lens), keys, max_new)
+  run_chunk = lambda prm, **kw: jax.jit(functools.partial(
+      decode.decode_chunk, cfg=cfg, sp=sp, stop_tokens=(stop,), chunk=12,
+      capture_hidden=True, **kw))(prm, state)
+  _, want = run_chunk(params)
+  kw = dict(variant)
+  if kw.pop("fused", False):
+    params = fuse_projections(params, cfg)
+  _, got = run_chunk(params, **kw)
+  valid = np.asarray(want.valid)
+  assert valid.any() and not valid.all()  # rows finished inside the chunk
+  np.testing.assert_array_equal(np.asarray(got.valid), valid)
+  np.testing.assert_array_equal(np.where(valid, got.tokens, -1), np.where(valid, want.tokens, -1))
+  np.testing.assert_allclose(np.where(valid, got.logprobs, 0), np.where(valid, want.logprobs, 0),
+                             atol=1e-5)
+  np.testing.assert_allclose(np.where(valid[..., None], got.hidden, 0),
+                             np.where(valid[..., None], want.hidden, 0), atol=1e-5)
 
 
 def test_compaction_shrinks_buckets(greedy, layouts):

@@ -93,6 +93,7 @@ def _small_cfg(workdir, steps, **overrides):
   cfg.tlt.spec.min_pulls = 1  # then greedy: fewer of the slow history chunks (test_mab.py
   # tests the round robin)
   cfg.mesh.devices = 0  # the learner FSDP over all 8 test devices (sharded state, restored)
+  cfg.rollout.num_workers = 2  # two of them roll out (0 would take all 8)
   cfg.tlt.drafter.row_len = 128
   cfg.tlt.drafter.window = 64  # with 64 tokens of context: one packed row
   cfg.tlt.drafter.context = 64

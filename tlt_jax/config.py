@@ -256,7 +256,8 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   r = cfg.rollout
   check(isinstance(r.max_batch, int) and r.max_batch >= 0, "rollout.max_batch", r.max_batch,
         "sequences per worker, or 0 to size it from memory")
-  check(r.num_workers >= 1, "rollout.num_workers", r.num_workers, "must be >= 1")
+  check(isinstance(r.num_workers, int) and r.num_workers >= 0, "rollout.num_workers",
+        r.num_workers, "rollout replicas, or 0 for one per tensor_parallel visible devices")
   check(isinstance(r.get("mean_live_tokens", 0), int) and r.get("mean_live_tokens", 0) >= 0,
         "rollout.mean_live_tokens", r.get("mean_live_tokens"),
         "the mean row length (prompt + response) to size max_batch = 0 by; 0: the max length")

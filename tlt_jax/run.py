@@ -30,18 +30,17 @@ from tlt_jax.drafter.trainer import DrafterTrainer
 from tlt_jax import distributed
 from tlt_jax.errors import ConfigError
 from tlt_jax.metrics import CompileClock
-from tlt_jax.models import ModelConfig, Params, unstack_layers
+from tlt_jax.models import ModelConfig, Params
 from tlt_jax.models.hf_io import read_hf_config
 from tlt_jax.optim import make_optimizer
 from tlt_jax.rl import grpo
 from tlt_jax.rollout.verdicts import for_run as gate_verdicts
-from tlt_jax.rollout.engine import Engine, to_replica_layout
+from tlt_jax.rollout.engine import Engine, replica_shardings, to_replica_layout
 from tlt_jax.rollout.executables import background_compiler
 from tlt_jax.rollout.gate import GateState, SpecGate
 from tlt_jax.rollout.history import HistoryIndex
 from tlt_jax.rollout.mab import BanditState, Selector
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.sharding import tree_shardings
 from tlt_jax.step_metrics import DrafterAcceptance
 
 
@@ -178,7 +177,7 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
     verdicts = gate_verdicts(cfg.get("compilation_cache", ""), model_cfg, ecfg, spec.sampling,
                               dparams, local[0][1].devices.flat)
     gate = SpecGate(spec.gate, verdicts=verdicts)
-  to_rollout = _to_rollout(lspec, rollout_mesh, learner.params)
+  to_rollout = _to_rollout(lspec, rollout_mesh, learner.params, ecfg.fuses())
   first = to_rollout(learner.params)
   workers = []
   for i, wmesh in local:  # this process's replicas (i: the global index)
@@ -249,7 +248,7 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
                          gate=None if gate is None else gate.state)
 
 
-def _to_rollout(spec: grpo.LearnerSpec, rollout_mesh, params: Params
+def _to_rollout(spec: grpo.LearnerSpec, rollout_mesh, params: Params, fused: bool
                 ) -> Callable[[Params], Params]:
   """learner params -> the store's rollout layout (the engine's replica layout on the whole
   rollout mesh: every replica's devices hold its tensor-parallel slices)."""
@@ -258,6 +257,5 @@ def _to_rollout(spec: grpo.LearnerSpec, rollout_mesh, params: Params
     # the resharding would need a transfer between processes outside a collective
     raise ConfigError("config.mesh.devices: with several processes the learner must span every "
                       "device (mesh.devices=0), as the rollout replicas do")
-  shardings = tree_shardings(jax.eval_shape(unstack_layers, params), rollout_mesh)
-  dtype = spec.cfg.compute_dtype
-  return lambda p: to_replica_layout(p, dtype, shardings)
+  shardings = replica_shardings(params, spec.cfg, fused, rollout_mesh)
+  return lambda p: to_replica_layout(p, spec.cfg, fused, shardings)

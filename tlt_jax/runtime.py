@@ -62,6 +62,7 @@ def prepare(spec: RunSpec, *, training: bool = True) -> RunSpec:
     raise ConfigError(str(e), "reward.name", in_config=True) from None
   if not training:
     return spec
+  resolve_workers(cfg)
   learner_mesh(cfg)
   worker_meshes(cfg)
   plan = memory.resolve(spec, model_config(cfg))
@@ -117,6 +118,23 @@ def load_model(cfg: ml_collections.ConfigDict, mesh=None):
         "generation_config.json, no eos_token in the tokenizer): every response would run to "
         "rollout.max_new_tokens. Set eos_token_id in generation_config.json")
   return model_cfg, params, tokenizer, stop
+
+
+def resolve_workers(cfg: ml_collections.ConfigDict) -> int:
+  """config.rollout.num_workers = 0 becomes one replica per tensor_parallel visible devices
+  (every process's: after distributed.initialize), written back into the config so the run
+  records what it used: two on the default's two CPU devices, one on one GPU, eight on eight.
+  A pinned count is kept (worker_meshes checks that it fits)."""
+  import jax
+  r = cfg.rollout
+  if r.num_workers == 0:
+    n = jax.device_count() // r.tensor_parallel
+    if n < 1:
+      raise ConfigError(f"needs {r.tensor_parallel} devices per rollout replica; "
+                        f"{jax.device_count()} {jax.default_backend()} devices are visible",
+                        "rollout.tensor_parallel", r.tensor_parallel, in_config=True)
+    r.num_workers = n
+  return r.num_workers
 
 
 def worker_meshes(cfg: ml_collections.ConfigDict):

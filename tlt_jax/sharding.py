@@ -28,6 +28,9 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
     (r"layers/(q|k|v)_bias$", P(None, "tensor", None)),
     (r"layers/o$", P(None, "tensor", None, "fsdp")),
     (r"layers/(gate|up)$", P(None, "fsdp", "tensor")),
+    (r"layers/qkv$", P(None, "fsdp", "tensor", None, None)),  # fused [L, D, K, G + 2, H]
+    (r"layers/qkv_bias$", P(None, "tensor", None, None)),
+    (r"layers/gate_up$", P(None, "fsdp", None, "tensor")),  # fused [L, D, 2, F]
     (r"layers/down$", P(None, "tensor", "fsdp")),
     (r"fc$", P("fsdp", "tensor")),  # drafter input projection [2D, D]
     (r".*", P()),  # norms, o_bias, scalars: replicated

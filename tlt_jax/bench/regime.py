@@ -41,6 +41,9 @@ class RegimeArgs:
   only_roofline: bool = False
   skip_hf: bool = False
   skip_regime: bool = False
+  skip_roofline: bool = False
+  skip_tail: bool = False
+  skip_costs: bool = False
   dtype: str | None = None
   out: str = os.path.join(ROOT, "out", "bench_regime")
 
@@ -185,7 +188,7 @@ def run(args: RegimeArgs) -> dict:
     spec = None
     if arm or selector:
       spec = SpecConfig(strategy=arm or "4_1_5", bs_threshold=threshold or batch,
-                        patience=1, use_kernel=False, background_compile=background)
+                        patience=1, background_compile=background)  # the kernel: GPU only
     ecfg = EngineConfig(max_batch=batch, buckets=buckets_upto(batch), chunk_size=16,
                         max_prompt_len=max_prompt, prompt_bucket=16,
                         max_new_tokens=args.max_new_tokens, stop_tokens=stop, spec=spec)
@@ -234,9 +237,10 @@ def run(args: RegimeArgs) -> dict:
             f"{acc if acc is None else round(acc, 2)} | {same} | {compile_s[label]:.0f} |",
             flush=True)
     summary[name] = rows_
+    _write(args.out, summary)  # as it goes: a time-boxed run keeps what it measured
     return rows_, res
 
-  if not args.only_gate:
+  if not (args.only_gate or args.skip_roofline):
     summary["roofline"] = roofline(args, params, cfg, prompts, max_prompt, greedy, sample)
   if args.only_roofline:  # section 0 alone
     _write(args.out, summary)
@@ -254,8 +258,24 @@ def run(args: RegimeArgs) -> dict:
          for j in range(8)][k:k + 8] for k in range(0, 8 * args.prompts, 8)]
   for sp, mode in ((greedy, "greedy"), (sample, "sampled")):
     compare(f"batch 8, {mode}, default task (EOS)", 8, b8, sp,
-            [("plain", {}), ("SD 4_1_5", {"arm": "4_1_5"})])
+            [("plain", {}), (f"SD {arms[0]}", {"arm": arms[0]})])
 
+  if not args.skip_tail:
+    long_tail(args, prompts, compare, worker, run, summary, sample, r1, Request, make_selector)
+  if not args.skip_costs:
+    summary["cost_model"] = cost_section(args, params, dparams, cfg, arms, greedy, r1,
+                                         max_prompt)
+
+  if args.gate_rollouts:
+    summary["gate"] = gate_rollouts(args, prompts, worker, make_selector, Request, sample)
+  if not args.skip_hf:
+    hf_section(args, model_dir, tok, stop, b1, params, cfg, arms, r1, summary)
+  _write(args.out, summary)
+  return summary
+
+
+def long_tail(args, prompts, compare, worker, run, summary, sample, r1, Request, make_selector):
+  """Section 4: one RL step's worth of sampled responses through one worker."""
   tail = [[Request(prompts[i], request_id=i, sample_index=j)
            for i in range(args.tail_prompts) for j in range(args.tail_n)]]
   big = args.tail_prompts * args.tail_n
@@ -274,7 +294,10 @@ def run(args: RegimeArgs) -> dict:
   prefill_s = run(w, first, sample)[1]
   summary["long tail split"] = tail_split(tail_res, args.threshold, r1, prefill_s)
 
-  # Cost model: what the engine should reach at batch 1 from per-forward costs.
+
+def cost_section(args, params, dparams, cfg, arms, greedy, r1, max_prompt) -> dict:
+  """Section 5: what the engine should reach at batch 1 from per-forward costs."""
+  from tlt_jax.rollout.strategy import Strategy
   costs = measure_costs(params, dparams, cfg, 1, arms, greedy, iters=10,
                         cache_len=max_prompt + args.max_new_tokens)
   print("\n### cost model, batch 1 greedy (per-forward costs in compiled loops, plain step = 1)"
@@ -294,42 +317,38 @@ def run(args: RegimeArgs) -> dict:
           f"{bd['r']:.3f} | {bd['step_cost']:.2f} | {row['accept']:.2f} "
           f"({row['delivered']:.2f}) | "
           f"{bd['measured']:.2f}x | {row['decode_speedup']:.2f}x | {gap:+.0%} |")
-  summary["cost_model"] = model
+  return model
 
-  if args.gate_rollouts:
-    summary["gate"] = gate_rollouts(args, prompts, worker, make_selector, Request, sample)
 
-  if not args.skip_hf:
-    import tempfile
+def hf_section(args, model_dir, tok, stop, b1, params, cfg, arms, r1, summary) -> None:
+  """HF transformers' generate and assisted generation on the same checkpoint, batch 1."""
+  import tempfile
 
-    import torch
-    import transformers
-    torch.set_num_threads(os.cpu_count() or 1)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    ps = [b[0].prompt_ids for b in b1]
-    with tempfile.TemporaryDirectory() as tmp:
-      assistant = first_layer_assistant(params, cfg, model_dir, tmp)
-      hf_assisted(hf, assistant, ps[:1], 4, sample=False, eos=list(stop), pad_id=pad)  # warm-up
-      gen_tok, gen_dt = timed(lambda: sum(hf_generate(hf, [p], args.max_new_tokens,
-                                                      sample=False, eos=list(stop), pad_id=pad)
-                                          for p in ps))
-      (as_tok, as_acc), as_dt = timed(lambda: hf_assisted(hf, assistant, ps,
-                                                          args.max_new_tokens, sample=False,
-                                                          eos=list(stop), pad_id=pad))
-    best = max(arms, key=lambda a: r1[f"SD {a}"]["tokens_per_s"])
-    ours = r1[f"SD {best}"]["tokens_per_s"]
-    print(f"\n### peer: HF transformers on the same checkpoint, batch 1 greedy, the same "
-          f"{len(ps)} prompts\n\n| engine | tokens/s | tokens per target forward |\n"
-          "|---|---:|---:|\n"
-          f"| tlt_jax plain | {r1['plain']['tokens_per_s']:.1f} | 1 |\n"
-          f"| tlt_jax SD {best} | {ours:.1f} | {r1[f'SD {best}']['accept']:.2f} |\n"
-          f"| HF generate | {gen_tok / gen_dt:.1f} | 1 |\n"
-          f"| HF assisted (first-layer assistant) | {as_tok / as_dt:.1f} | {as_acc:.2f} |\n\n"
-          f"tlt_jax SD / HF assisted: {ours / (as_tok / as_dt):.2f}x")
-    summary["hf"] = {"generate": gen_tok / gen_dt, "assisted": as_tok / as_dt,
-                     "assisted_accept": as_acc, "ours_best": ours, "best_arm": best}
-
-  _write(args.out, summary)
-  return summary
+  import torch
+  import transformers
+  torch.set_num_threads(os.cpu_count() or 1)
+  hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+  pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+  ps = [b[0].prompt_ids for b in b1]
+  with tempfile.TemporaryDirectory() as tmp:
+    assistant = first_layer_assistant(params, cfg, model_dir, tmp)
+    hf_assisted(hf, assistant, ps[:1], 4, sample=False, eos=list(stop), pad_id=pad)  # warm-up
+    gen_tok, gen_dt = timed(lambda: sum(hf_generate(hf, [p], args.max_new_tokens,
+                                                    sample=False, eos=list(stop), pad_id=pad)
+                                        for p in ps))
+    (as_tok, as_acc), as_dt = timed(lambda: hf_assisted(hf, assistant, ps,
+                                                        args.max_new_tokens, sample=False,
+                                                        eos=list(stop), pad_id=pad))
+  best = max(arms, key=lambda a: r1[f"SD {a}"]["tokens_per_s"])
+  ours = r1[f"SD {best}"]["tokens_per_s"]
+  print(f"\n### peer: HF transformers on the same checkpoint, batch 1 greedy, the same "
+        f"{len(ps)} prompts\n\n| engine | tokens/s | tokens per target forward |\n"
+        "|---|---:|---:|\n"
+        f"| tlt_jax plain | {r1['plain']['tokens_per_s']:.1f} | 1 |\n"
+        f"| tlt_jax SD {best} | {ours:.1f} | {r1[f'SD {best}']['accept']:.2f} |\n"
+        f"| HF generate | {gen_tok / gen_dt:.1f} | 1 |\n"
+        f"| HF assisted (first-layer assistant) | {as_tok / as_dt:.1f} | {as_acc:.2f} |\n\n"
+        f"tlt_jax SD / HF assisted: {ours / (as_tok / as_dt):.2f}x")
+  summary["hf"] = {"generate": gen_tok / gen_dt, "assisted": as_tok / as_dt,
+                   "assisted_accept": as_acc, "ours_best": ours, "best_arm": best}
 

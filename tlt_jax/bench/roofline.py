@@ -5,7 +5,8 @@ At small batch a decode step is bound by reads, not arithmetic: each step stream
 once (a [B, D] x [D, F] matmul does B multiply-adds per weight read) plus the KV window it
 attends over. So the fastest a step can be is (weights + KV read) / bandwidth, and the figure
 of merit is that bound / the measured step: the fraction of copy bandwidth the step reaches.
-Shared by scripts/gpu_probe.py (roofline section) and tlt_jax/bench/regime.py (per workload).
+Shared by scripts/gpu_decode.py (copy bandwidth, KV bytes) and tlt_jax/bench/regime.py (per
+workload).
 
   copy bandwidth  a jitted in-place `x + 1` over 1 GiB: bytes read + written / median time. The
                   reference every fraction is taken against, measured in the same invocation

@@ -145,6 +145,7 @@ class Coordinator:
     self._settler = (cf.ThreadPoolExecutor(1, thread_name_prefix="drafter-settle")
                      if overlap_settle else None)
     self._settling: cf.Future | None = None  # the last rollout's, while it runs
+    self._lone_stop = threading.Event()  # stops a lone worker's training (`rollout`)
     if spot.mode != "off" and any(w.trainer is None for w in self.workers):
       raise ValueError(f"spot mode {spot.mode!r} needs a drafter trainer on every worker")
 
@@ -167,6 +168,7 @@ class Coordinator:
     every = split(requests, self.num_workers)  # another process's requests are its workers'
     shares = [every[g] for g in self.worker_ids]
     if self._settling is not None:  # the last rollout's drafter first (its caller settles it)
+      self._lone_stop.set()
       self._settling.result()
       self._settling = None
     timeline = Timeline(n)
@@ -190,6 +192,14 @@ class Coordinator:
       everywhere = self.global_barrier(f"rollout-{self._rollouts}", on_all=timeline.mark_barrier)
       self._last_barrier = everywhere
     stop = barrier if everywhere is None else everywhere.event  # spot training until then
+    # A lone worker (one device) has no idle window before the barrier: it is the barrier.
+    # Its idle window is the learner's phases, so with the settling overlapped it trains
+    # until the caller settles (after the update), beside the learner on the same devices.
+    lone = (train and self.num_workers == 1 and self._settler is not None
+            and not release_actor)
+    learner_done = self._lone_stop = threading.Event()
+    if lone:
+      stop = learner_done
 
     # drafter data: a response whose hidden states were all kept waits for its prompt's
     # (one forward over the worker's prompts once its share is done), the context its first
@@ -286,7 +296,7 @@ class Coordinator:
         job = lambda: settle(finish())
       timeline.mark_returned()
       self._settling = self._settler.submit(job)
-      waiter = _waiter(self._settling, timeline)
+      waiter = _waiter(self._settling, timeline, before=learner_done.set)
     results = sorted((r for res, _ in outs for r in res),
                      key=lambda r: (r.request_id, r.sample_index))
     return RolloutOutcome(results, chunks, timeline.barrier or 0.0, timeline, waiter)
@@ -353,6 +363,7 @@ class Coordinator:
     return time.perf_counter() - t0
 
   def close(self) -> None:
+    self._lone_stop.set()
     if self._settler is not None:
       self._settler.shutdown(wait=True)
     for w in self.workers:
@@ -368,12 +379,15 @@ def split(requests: Sequence[Any], num_workers: int) -> list[list[Any]]:
   return out
 
 
-def _waiter(future: cf.Future, timeline: Timeline) -> Callable[[], Any]:
-  """settle() of an overlapped rollout: waits for the drafter (once; the seconds waited go to
-  the timeline's critical path) and returns its metrics."""
+def _waiter(future: cf.Future, timeline: Timeline,
+            before: Callable[[], Any] = lambda: None) -> Callable[[], Any]:
+  """settle() of an overlapped rollout: calls `before` (a lone worker's training stops),
+  waits for the drafter (once; the seconds waited go to the timeline's critical path) and
+  returns its metrics."""
   waited = []
 
   def wait():
+    before()
     if not waited:
       t = time.perf_counter()
       try:

@@ -32,6 +32,7 @@ Everything is deterministic given a seed (`numpy.random.Generator`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -45,6 +46,24 @@ K_MAX = 30  # most terms (29 steps: ~200-240 response tokens)
 LOGNORMAL_MU = math.log(3.0)  # median number of steps ~3
 LOGNORMAL_SIGMA = 1.0  # tail width: ~11% of problems have >= 10 steps, ~2% >= 20
 
+
+@dataclasses.dataclass(frozen=True)
+class Lengths:
+  """A task variant's chain lengths: k - 1 steps ~ round(LogNormal(mu, sigma)) in
+  [K_MIN - 1, k_max - 1]."""
+  k_max: int
+  mu: float
+  sigma: float
+
+
+# The embedded default (tlt_jax/assets/default): response p50 24, p90 74, p99 186 tokens.
+DEFAULT = Lengths(K_MAX, LOGNORMAL_MU, LOGNORMAL_SIGMA)
+# The long-tail variant (tlt_jax/assets/longtail, configs/longtail.py): the shape of reasoning
+# RL's lengths at a 512-token cap (reference traces: p50 ~30, p90 ~150 tokens, p99 near the
+# cap, 1-3% longer than it), up to 120 steps (~900 tokens).
+LONGTAIL = Lengths(121, math.log(3.5), 1.35)
+TASKS = {"default": DEFAULT, "longtail": LONGTAIL}
+
 PROMPT_PREFIX = "Q: "
 PROMPT_SUFFIX = "\nA:"
 ANSWER_MARKER = "####"
@@ -54,12 +73,12 @@ PAD_TOKEN = "<|pad|>"
 _ANSWER_RE = re.compile(r"\s*(-?\d+)")
 
 
-def sample_num_terms(rng: np.random.Generator) -> int:
-  """k in [K_MIN, K_MAX] with k - 1 ~ round(LogNormal(mu, sigma)), truncated by rejection
-  (rejection, not clipping, so the tail has no spike at K_MAX)."""
+def sample_num_terms(rng: np.random.Generator, lengths: Lengths = DEFAULT) -> int:
+  """k in [K_MIN, lengths.k_max] with k - 1 ~ round(LogNormal(mu, sigma)), truncated by
+  rejection (rejection, not clipping, so the tail has no spike at k_max)."""
   while True:
-    steps = int(round(math.exp(rng.normal(LOGNORMAL_MU, LOGNORMAL_SIGMA))))
-    if K_MIN - 1 <= steps <= K_MAX - 1:
+    steps = int(round(math.exp(rng.normal(lengths.mu, lengths.sigma))))
+    if K_MIN - 1 <= steps <= lengths.k_max - 1:
       return steps + 1
 
 
@@ -78,10 +97,11 @@ def reference_trace(digits: list[int], ops: list[str]) -> tuple[str, int]:
   return " " + " ".join(steps) + f" {ANSWER_MARKER} {value}", value
 
 
-def make_problem(rng: np.random.Generator, num_terms: int | None = None) -> dict[str, Any]:
+def make_problem(rng: np.random.Generator, num_terms: int | None = None,
+                 lengths: Lengths = DEFAULT) -> dict[str, Any]:
   """One problem: dict(prompt, answer, num_terms, response) with `response` the reference
   trace (without EOS; append the tokenizer's EOS when training on it)."""
-  k = sample_num_terms(rng) if num_terms is None else int(num_terms)
+  k = sample_num_terms(rng, lengths) if num_terms is None else int(num_terms)
   if not K_MIN <= k:
     raise ValueError(f"num_terms={k} must be >= {K_MIN}")
   digits = [int(x) for x in rng.integers(0, 10, size=k)]
@@ -92,10 +112,10 @@ def make_problem(rng: np.random.Generator, num_terms: int | None = None) -> dict
               response=response)
 
 
-def generate_dataset(n: int, seed: int) -> list[dict[str, Any]]:
+def generate_dataset(n: int, seed: int, lengths: Lengths = DEFAULT) -> list[dict[str, Any]]:
   """n problems, deterministic given seed (same seed -> identical list)."""
   rng = np.random.default_rng(seed)
-  return [make_problem(rng) for _ in range(n)]
+  return [make_problem(rng, lengths=lengths) for _ in range(n)]
 
 
 def expression_of(prompt: str) -> str:
@@ -206,10 +226,10 @@ def wrap_tokenizer(tok):
 
 
 # ------------------------------------------------------------------------------ default assets
-def default_assets_dir() -> str:
-  """tlt_jax/assets/default (data/{train,test}.jsonl, model/ with tokenizer)."""
+def default_assets_dir(task: str = "default") -> str:
+  """tlt_jax/assets/<task> (data/{train,test}.jsonl, model/ with tokenizer, drafter/)."""
   return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
-                      "default")
+                      task)
 
 
 def default_model_dir() -> str:

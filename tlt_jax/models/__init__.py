@@ -3,12 +3,16 @@ I/O."""
 
 from tlt_jax.models.config import ModelConfig, RopeScaling, num_params
 from tlt_jax.models.transformer import (KVCache, ModelOutput, Params, abstract_params,
-                                        causal_mask, compute_logits, forward, init_cache,
+                                        causal_mask, compute_logits, forward, fuse_projections,
+                                        init_cache,
                                         init_params, init_pools, pages_for, param_shapes,
+                                        replica_layout,
                                         segment_causal_mask, unstack_layers)
 
 __all__ = [
     "ModelConfig", "RopeScaling", "num_params", "KVCache", "ModelOutput", "Params",
-    "abstract_params", "causal_mask", "compute_logits", "forward", "init_cache", "init_pools",
-    "init_params", "pages_for", "param_shapes", "segment_causal_mask", "unstack_layers",
+    "abstract_params", "causal_mask", "compute_logits", "forward", "fuse_projections",
+    "init_cache", "init_pools",
+    "init_params", "pages_for", "param_shapes", "replica_layout", "segment_causal_mask",
+    "unstack_layers",
 ]

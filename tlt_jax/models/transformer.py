@@ -341,11 +341,20 @@ def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv, within_chunk: bool = Fal
   dt = cfg.compute_dtype
   # An EAGLE drafter's layer has no input norm (its input is already a projection): no key.
   h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps) if "attn_norm" in lp else x
-  q = _dense(h, lp["q"], "BTD,DNH->BTNH", dt)
-  k = _dense(h, lp["k"], "BTD,DKH->BTKH", dt)
-  v = _dense(h, lp["v"], "BTD,DKH->BTKH", dt)
-  if cfg.qkv_bias:
-    q, k, v = q + lp["q_bias"].astype(dt), k + lp["k_bias"].astype(dt), v + lp["v_bias"].astype(dt)
+  if "qkv" in lp:  # fused (`fuse_projections`): one matmul, split per kv-head group
+    qkv = _dense(h, lp["qkv"], "BTD,DKGH->BTKGH", dt)
+    if cfg.qkv_bias:
+      qkv = qkv + lp["qkv_bias"].astype(dt)
+    b_, t_, kh, g2, hd = qkv.shape
+    q = qkv[:, :, :, :g2 - 2].reshape(b_, t_, kh * (g2 - 2), hd)
+    k, v = qkv[:, :, :, g2 - 2], qkv[:, :, :, g2 - 1]
+  else:
+    q = _dense(h, lp["q"], "BTD,DNH->BTNH", dt)
+    k = _dense(h, lp["k"], "BTD,DKH->BTKH", dt)
+    v = _dense(h, lp["v"], "BTD,DKH->BTKH", dt)
+    if cfg.qkv_bias:
+      q, k, v = (q + lp["q_bias"].astype(dt), k + lp["k_bias"].astype(dt),
+                 v + lp["v_bias"].astype(dt))
   if cfg.qk_norm:  # over each head's H features, every head sharing the weight
     q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
@@ -372,8 +381,12 @@ def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv, within_chunk: bool = Fal
     out = out + lp["o_bias"].astype(dt)
   x = x + out
   h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-  gate = _dense(h, lp["gate"], "BTD,DF->BTF", dt)
-  up = _dense(h, lp["up"], "BTD,DF->BTF", dt)
+  if "gate_up" in lp:  # fused: [D, 2, F]
+    gu = _dense(h, lp["gate_up"], "BTD,DCF->BTCF", dt)
+    gate, up = gu[:, :, 0], gu[:, :, 1]
+  else:
+    gate = _dense(h, lp["gate"], "BTD,DF->BTF", dt)
+    up = _dense(h, lp["up"], "BTD,DF->BTF", dt)
   x = x + _dense(jax.nn.silu(gate) * up, lp["down"], "BTF,FD->BTD", dt)
   return x, new_kv
 
@@ -401,6 +414,43 @@ def unstack_layers(params: Params) -> Params:
   n = jax.tree.leaves(layers)[0].shape[0]
   return {**params, "layers": tuple(jax.tree.map(lambda a, i=i: a[i], layers)
                                     for i in range(n))}
+
+
+def fuse_projections(params: Params, cfg: ModelConfig) -> Params:
+  """Each layer's q/k/v as one `qkv` [D, K, G + 2, H] (kv head j's G query heads, then its key
+  and value head; biases likewise [K, G + 2, H]) and gate/up as one `gate_up` [D, 2, F]: two
+  matmuls a layer instead of five, the same weights (a step reads the same bytes in fewer,
+  larger kernels). Grouping by kv head keeps a tensor-parallel split on K whole heads, as the
+  separate q/k/v are split. Stacked or unstacked layers; `_layer` takes either layout, with
+  the same results as the separate projections up to the matmuls' summation order."""
+  n, kh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim_
+
+  def fuse(lp):
+    if "qkv" in lp or "q" not in lp:
+      return lp
+    lp = dict(lp)
+    q, k, v = lp.pop("q"), lp.pop("k"), lp.pop("v")
+    lead = q.shape[:-2]  # (L?, D)
+    q = q.reshape(lead + (kh, n // kh, hd))
+    lp["qkv"] = jnp.concatenate([q, k[..., None, :], v[..., None, :]], axis=-2)
+    if "q_bias" in lp:
+      qb, kb, vb = lp.pop("q_bias"), lp.pop("k_bias"), lp.pop("v_bias")
+      qb = qb.reshape(qb.shape[:-2] + (kh, n // kh, hd))
+      lp["qkv_bias"] = jnp.concatenate([qb, kb[..., None, :], vb[..., None, :]], axis=-2)
+    lp["gate_up"] = jnp.stack([lp.pop("gate"), lp.pop("up")], axis=-2)
+    return lp
+
+  layers = params["layers"]
+  if isinstance(layers, (tuple, list)):
+    return {**params, "layers": tuple(fuse(lp) for lp in layers)}
+  return {**params, "layers": fuse(layers)}
+
+
+def replica_layout(params: Params, cfg: ModelConfig, fused: bool) -> Params:
+  """The rollout replicas' layout: layers unstacked (`unstack_layers`), and with `fused` the
+  projections fused (`fuse_projections`)."""
+  params = unstack_layers(params)
+  return fuse_projections(params, cfg) if fused else params
 
 
 def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, cfg: ModelConfig,

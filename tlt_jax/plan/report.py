@@ -66,7 +66,8 @@ def plan(cfg, *, hardware: str = "h100", gpus: int = 0, lengths: Lengths, accept
   if n < 1:
     raise ConfigError("name the cluster's devices: --gpus N (or config.memory.num_devices)",
                       "--gpus", gpus)
-  workers, tp = int(cfg.rollout.num_workers), int(cfg.rollout.tensor_parallel)
+  tp = int(cfg.rollout.tensor_parallel)
+  workers = int(cfg.rollout.num_workers) or max(n // tp, 1)  # 0: one per tp devices
   if workers * tp > n:
     raise ConfigError(f"{workers} rollout workers x tensor_parallel {tp} need {workers * tp} "
                       f"devices; set --gpus or config.rollout.num_workers", "--gpus", n)

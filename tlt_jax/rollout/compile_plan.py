@@ -108,8 +108,11 @@ class CompilePlan:
     self.cfg, self.ecfg, self.exes = cfg, ecfg, exes
     self._replicated = replicated
     spec = ecfg.spec
-    self.use_kernel = bool(spec and (spec.use_kernel if spec.use_kernel is not None
-                                     else jax.default_backend() == "gpu"))
+    # True / False: always the kernel / the reference; None (a GPU's default): the kernel
+    # where it measured faster (kernels.verify.kernel_pays)
+    self.use_kernel: bool | None = (
+        False if spec is None else spec.use_kernel if spec.use_kernel is not None
+        else (None if jax.default_backend() == "gpu" else False))
     self.kernel_error: str | None = None
     self._lock = threading.Lock()
     self._ready: dict[SamplingParams, set[tuple[int, str]]] = {}  # compiled (bucket, arm)
@@ -124,8 +127,9 @@ class CompilePlan:
 
   @property
   def verify_path(self) -> str:
-    """Which verification ran: "pallas" (the kernel) or "jnp" (its reference)."""
-    return "pallas" if self.use_kernel else "jnp"
+    """Which verification ran: "pallas" (the kernel), "jnp" (its reference) or "auto" (the
+    kernel where it measured faster, a GPU's default)."""
+    return {True: "pallas", False: "jnp", None: "auto"}[self.use_kernel]
 
   def max_steps(self, call: PlanCall) -> int:
     """Catch-up capacity of the speculative state: room for every arm's drafts."""
@@ -402,10 +406,10 @@ class CompilePlan:
                               use_kernel=use_kernel, kv_len=kv_len, **chunk)
       return self.exes.get("spec", (arm, sp, use_kernel, kv_len), fn_, args, donate=(2,))
 
-    if not self.use_kernel:
+    if self.use_kernel is False:
       return compiled(False)
     try:
-      return compiled(True)
+      return compiled(self.use_kernel)
     except Exception as e:  # noqa: BLE001 - any lowering/compile failure of the kernel
       # The kernel is an optimisation with a bit-identical reference: a GPU/Triton version
       # it does not compile on must cost speed, not the run.

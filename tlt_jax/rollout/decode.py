@@ -148,9 +148,12 @@ def step_keys(keys: jax.Array, num_generated: jax.Array) -> jax.Array:
 
 def decode_chunk(params: Params, state: DecodeState, temperature: jax.Array | None = None, *,
                  cfg: ModelConfig, sp: SamplingParams, stop_tokens: tuple[int, ...], chunk: int,
-                 capture_hidden: bool, kv_len: int | None = None
-                 ) -> tuple[DecodeState, ChunkOutput]:
-  """Up to `chunk` plain decode steps; exits early once every row is done. kv_len: the
+                 capture_hidden: bool, kv_len: int | None = None, early_exit: bool = True,
+                 unroll: int = 1) -> tuple[DecodeState, ChunkOutput]:
+  """Up to `chunk` plain decode steps; exits early once every row is done (early_exit; else
+  exactly `chunk` steps, finished rows masked: a loop of known trip count, whose condition
+  the device need not send to the host every step). unroll: steps per loop iteration (it
+  divides `chunk`, or is reduced to a divisor). kv_len: the
   attention window (static, None: the whole cache); it must hold every live row's committed
   length + `chunk` (`chunk_reach`), or those rows' tokens change. temperature: a scalar
   argument replacing sp's (the engine passes `sampling.plain_variant(sp)` as `sp`: greedy and
@@ -162,11 +165,13 @@ def decode_chunk(params: Params, state: DecodeState, temperature: jax.Array | No
       hidden=jnp.zeros((b, chunk, d), state.hidden.dtype) if capture_hidden else None,
       valid=jnp.zeros((b, chunk), jnp.bool_), steps=jnp.int32(0))
 
+  unroll = max(u for u in range(1, max(1, min(unroll, chunk)) + 1) if chunk % u == 0)
+
   def cond(carry):
     state, _, i = carry
     return (i < chunk) & ~jnp.all(state.done)
 
-  def body(carry):
+  def step(carry):
     state, bufs, i = carry
     active = ~state.done
     logits = compute_logits(params, state.hidden, cfg)
@@ -188,7 +193,16 @@ def decode_chunk(params: Params, state: DecodeState, temperature: jax.Array | No
         num_generated=num_generated, done=done, stopped=state.stopped | is_stop)
     return state, bufs, i + 1
 
-  state, bufs, _ = jax.lax.while_loop(cond, body, (state, bufs, jnp.int32(0)))
+  def body(carry):
+    for _ in range(unroll):
+      carry = step(carry)
+    return carry
+
+  if early_exit:
+    state, bufs, _ = jax.lax.while_loop(cond, body, (state, bufs, jnp.int32(0)))
+  else:
+    state, bufs, _ = jax.lax.fori_loop(0, chunk // unroll, lambda _, c: body(c),
+                                       (state, bufs, jnp.int32(0)))
   return state, bufs
 
 

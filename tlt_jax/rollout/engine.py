@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from tlt_jax.models import KVCache, ModelConfig, Params, unstack_layers
+from tlt_jax.models import KVCache, ModelConfig, Params, replica_layout
 from tlt_jax.rollout import decode, payoff
 from tlt_jax.rollout.compile_plan import CompilePlan, PlanCall
 from tlt_jax.rollout.config import EngineConfig
@@ -72,18 +72,26 @@ from tlt_jax.rollout.strategy import Strategy
 from tlt_jax.sharding import make_mesh, tree_shardings
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _to_replica(params: Params, dtype) -> Params:
-  """The replica layout where the params live: the compute dtype, layers unstacked
-  (models.unstack_layers); new buffers (each output keeps its input's sharding)."""
-  return unstack_layers(jax.tree.map(lambda x: x.astype(dtype), params))
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _to_replica(params: Params, dtype, cfg: ModelConfig, fused: bool) -> Params:
+  """The replica layout where the params live: the compute dtype, layers unstacked and, with
+  `fused`, projections fused (models.replica_layout); new buffers (each output keeps its
+  input's sharding)."""
+  return replica_layout(jax.tree.map(lambda x: x.astype(dtype), params), cfg, fused)
 
 
-def to_replica_layout(params: Params, dtype, shardings: Any) -> Params:
+def replica_shardings(params: Params, cfg: ModelConfig, fused: bool, mesh: Mesh) -> Any:
+  """The replica layout's shardings on `mesh` (params: any layout, or its shapes)."""
+  return tree_shardings(jax.eval_shape(functools.partial(replica_layout, cfg=cfg, fused=fused),
+                                       params), mesh)
+
+
+def to_replica_layout(params: Params, cfg: ModelConfig, fused: bool, shardings: Any) -> Params:
   """Params in any layout (the learner's) -> the replica layout on `shardings`: cast and
-  unstacked where they live (a bf16 replica of f32 master weights moves half the bytes), then
-  resharded. Always a copy: the learner donates its params to its next update."""
-  return jax.device_put(_to_replica(params, dtype), shardings, may_alias=False)
+  unstacked (fused) where they live (a bf16 replica of f32 master weights moves half the
+  bytes), then resharded. Always a copy: the learner donates its params to its next update."""
+  return jax.device_put(_to_replica(params, cfg.compute_dtype, cfg, fused), shardings,
+                        may_alias=False)
 
 
 def longest_row(sched: Scheduler, outputs: dict[Any, Output]) -> int:
@@ -137,7 +145,8 @@ class Engine:
                selector: Any = None, gate: Any = None, history: Any = None):
     self.cfg, self.ecfg, self.worker_id = cfg, engine_cfg, worker_id
     self.mesh = mesh if mesh is not None else make_mesh((1, 1, 1), jax.devices()[:1])
-    self._param_shardings = tree_shardings(jax.eval_shape(unstack_layers, params), self.mesh)
+    self.fused = engine_cfg.fuses()  # the replica's projections fused (EngineConfig)
+    self._param_shardings = replica_shardings(params, cfg, self.fused, self.mesh)
     self._replicated = NamedSharding(self.mesh, PartitionSpec())
     self.params = self.drafter_params = None
     self.set_params(params)
@@ -173,12 +182,13 @@ class Engine:
     coincide)."""
     from tlt_jax.sharding import local_view
     dt = self.cfg.compute_dtype
-    if isinstance(params["layers"], (tuple, list)):
+    layers = params["layers"]
+    if isinstance(layers, (tuple, list)) and ("qkv" in layers[0]) == self.fused:
       view = local_view(params, self._param_shardings)
       if view is not None and all(x.dtype == dt for x in jax.tree.leaves(view)):
         self.params = view
         return
-    self.params = to_replica_layout(params, dt, self._param_shardings)
+    self.params = to_replica_layout(params, self.cfg, self.fused, self._param_shardings)
 
   def release_params(self) -> bool:
     """Drops this engine's copy of the actor (after its rollout: the learner's phases get the

@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 
 from tlt_jax.drafter.model import drafter_forward
-from tlt_jax.kernels.verify import verify_chain, verify_tree
+from tlt_jax.kernels.verify import kernel_pays, verify_chain, verify_tree
 from tlt_jax.kernels.verify.reference import draw_tree_randomness, draw_verify_randomness
 from tlt_jax.models import KVCache, ModelConfig, Params, compute_logits, forward
 from tlt_jax.models.transformer import move_slots
@@ -211,7 +211,7 @@ def _verify_keys(st: _Start, sp: SamplingParams, k: int):
 
 def _verify_commit(params, state: SpecState, bufs: ChunkOutput, count, st: _Start, vtoks, vpos,
                    *, tree: Tree | None, q, vkey, depth: int, cfg: ModelConfig,
-                   sp: SamplingParams, stop, use_kernel: bool, kv_len: int | None):
+                   sp: SamplingParams, stop, use_kernel: bool | None, kv_len: int | None):
   """Steps 4-5: ONE target forward over the verified tokens vtoks [B, N] (pending first) at
   positions vpos [B, N], verification, emission and commit. tree None: a chain of `depth`
   drafts (N = depth + 1; q [B, depth, V] their drafter distribution when sampling; depth 0 is
@@ -230,6 +230,8 @@ def _verify_commit(params, state: SpecState, bufs: ChunkOutput, count, st: _Star
                 kv_len=kv_len)
   f = out.hidden  # [B, N, D]
   tlp = processed_logprobs(compute_logits(params, f, cfg), sp)  # [B, N, V]
+  if use_kernel is None:  # the engine's GPU default: the kernel where it measured faster
+    use_kernel = kernel_pays(tree=tree is not None, greedy=sp.greedy, rows=b)
   if k == 0:
     n_acc = jnp.zeros((b,), jnp.int32)
     nxt = jnp.argmax(tlp[:, 0], axis=-1).astype(jnp.int32) if sp.greedy else (
@@ -297,7 +299,7 @@ def _verify_commit(params, state: SpecState, bufs: ChunkOutput, count, st: _Star
 
 
 def spec_step(params, dparams, state: SpecState, bufs: ChunkOutput, count, *, cfg: ModelConfig,
-              sp: SamplingParams, stop, strategy: Strategy, use_kernel: bool,
+              sp: SamplingParams, stop, strategy: Strategy, use_kernel: bool | None,
               kv_len: int | None = None):
   """One draft -> verify -> accept step (see the module docstring). count [B]: tokens emitted
   into bufs so far this chunk. kv_len: the attention window of both caches (`spec_chunk`)."""
@@ -346,8 +348,8 @@ def history_step(params, dparams, state: SpecState, tokens, parents, *, cfg: Mod
   chains as one tree (`hybrid_draft`): the drafter extends a history draft that runs out
   and replaces one that is missing or wrong, at the cost of its forwards and a wider
   verification. Returns (state, outputs [B, steps + 2], [accepted drafts, verifications])."""
-  if use_kernel is None:
-    use_kernel = jax.default_backend() == "gpu"
+  if use_kernel is None and jax.default_backend() != "gpu":
+    use_kernel = False
   k = strategy.steps
   b, d = state.base.hidden.shape
   stop = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)
@@ -382,12 +384,13 @@ def spec_chunk(params: Params, dparams: Params, state: SpecState, *, cfg: ModelC
   """Up to `chunk` speculative steps (target forwards). Returns (state, outputs [B, W] with
   W = chunk * (steps + 2), [accepted draft tokens, verifications] of the chunk's live rows
   as int32 [2]). use_kernel: the Pallas
-  verification kernel, or its jnp reference (same decisions); None: the kernel on GPU only
-  (elsewhere Pallas runs in interpret mode, a debugging interpreter slower than the reference).
+  verification kernel, or its jnp reference (same decisions); None: on a GPU the kernel where
+  it measured faster (`kernels.verify.kernel_pays`), elsewhere the reference (off-GPU Pallas
+  runs in interpret mode, a debugging interpreter slower than the reference).
   kv_len: the attention window of the target's and the drafter's caches (static, None: the
   whole cache); it must hold every live row's committed length + `chunk_reach`."""
-  if use_kernel is None:
-    use_kernel = jax.default_backend() == "gpu"
+  if use_kernel is None and jax.default_backend() != "gpu":
+    use_kernel = False
   b, d = state.base.hidden.shape
   width = chunk * (strategy.steps + 2)
   stop = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)

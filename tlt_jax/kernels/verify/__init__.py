@@ -27,8 +27,9 @@ Backends (`kernel_backend`, the one place that picks)
   is lowered for a GPU); it stays as their fallback while JAX ships it and is never lowered on
   Hopper or off-GPU, so those paths are warning-free. Nothing outside `triton` imports it.
 `use_kernel=False` is the jnp reference everywhere (the CPU default of the engine).
-scripts/bench_verify.py times both kernels against the reference (XLA-fused) per shape: where
-XLA is as fast on a GPU, the kernel should go.
+scripts/bench_verify.py times both kernels against the reference (XLA-fused) per shape; the
+engine's default on a GPU (`use_kernel=None`) takes the kernel only where it measured faster
+(`kernel_pays`).
 
 Lowering for a GPU on a machine without one needs an abstract GPU device on JAX >= 0.11 (see
 tests/test_verify_kernel.py::test_kernels_lower_to_triton / test_kernels_lower_to_mosaic_gpu);
@@ -62,6 +63,21 @@ def kernel_backend() -> str:
   except ValueError:
     hopper = False
   return "mosaic_gpu" if hopper else "triton"
+
+
+# Rows from which the greedy chain kernel beats the XLA-fused reference (scripts/bench_verify.py,
+# one H200, jax 0.11.2, V = 151936, K = 4, 2026-11-27: reference / kernel 0.59x at 1 row, 0.94x
+# at 8, 2.36x at 64; the first GPU run had 0.79-0.88x at 1 row).
+GREEDY_CHAIN_MIN_ROWS = 64
+
+
+def kernel_pays(*, tree: bool, greedy: bool, rows: int) -> bool:
+  """Whether the engine verifies with the Pallas kernel (`use_kernel=None` on a GPU): only
+  where it was measured faster than the XLA-fused reference. Greedy chains at
+  GREEDY_CHAIN_MIN_ROWS rows and more; sampled chains lost at 1 and 8 rows (0.25-0.39x) and
+  trees are unmeasured, so both take the reference. Both paths make the same decisions, so
+  the choice changes speed only."""
+  return (not tree) and greedy and rows >= GREEDY_CHAIN_MIN_ROWS
 
 
 def _auto_interpret(interpret):

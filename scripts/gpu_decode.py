@@ -1,0 +1,304 @@
+#!/usr/bin/env python
+"""How close decoding runs to the bandwidth limit, and which engine settings get it there:
+every variant in ONE stage, so a single short GPU run decides (issue #47, ../shared/GPU.md 2).
+
+    python scripts/gpu_decode.py [--dtype bfloat16] [--batches 1,8,64] [--iters 64]
+                                 [--shape 2048,64,32,5632,24,32] [--out DIR] [--quick]
+
+The target is the 1.13B bench target's shape (scripts/make_bench_model.py: hidden 2048, 64
+heads of 32, 32 kv heads, MLP 5632, 24 layers, the shipped 32-token vocabulary) with random
+weights made on the device: a step's bytes and time do not depend on what the weights say.
+
+Each XLA flag set runs in a subprocess of its own (XLA reads XLA_FLAGS once per process):
+  default        XLA's defaults
+  cmdbuf         command buffers (CUDA graphs) around the decode loop's WHILE and CONDITIONAL
+                 too, from one kernel up: the loop's condition never syncs the host
+  cmdbuf cublas  the same with Triton GEMM fusions off (narrow dots on cuBLAS)
+and in each, code variants of the decode chunk (tlt_jax/rollout/decode.py, models.transformer):
+  engine         decode_chunk as the engine runs it: a while loop that exits once every row
+                 is done (the device sends its condition to the host every step)
+  fixed          a known trip count (finished rows masked), no per-step condition
+  u4             4 decode steps per loop iteration
+  fused          one qkv and one gate/up matmul a layer (models.fuse_projections)
+  spec A         one speculative step of arm A (verification forward + drafter steps)
+  profile        also a profiler trace of the loop (tlt_jax/bench/device_profile.py): kernels
+                 a step, the device's busy time against the wall, the top kernels by time
+Every cell: the step's time inside one compiled loop (best of 5 calls, divided by the steps;
+random weights and KV, rows at 64 tokens), the bytes it must move (weights read once + the KV window it reads;
+a speculative step: the target once, the drafter and its LM head once per draft step, both
+KV windows), and those bytes over the time as a share of the copy bandwidth measured in the
+same process (roofline.copy_bandwidth). Also each executable's compiled memory against the
+weights + KV cache from shapes, and the device's peak bytes in use.
+
+Prints markdown as it goes (a time-boxed run keeps the rows it finished) and writes
+OUT/gpu_decode.json; the last section names the fastest variant per batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CMDBUF = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,"
+          "CONDITIONAL --xla_gpu_graph_min_graph_size=1")
+FLAG_SETS = {
+    "default": "",
+    "cmdbuf": CMDBUF,
+    "cmdbuf cublas": CMDBUF + " --xla_gpu_enable_triton_gemm=false",
+}
+# (flag set, code variant, batches): the most informative cells first in each process.
+PLAN = (
+    ("default", "engine profile", (1, 8)),
+    ("default", "engine", (2, 64)),
+    ("default", "fused", (1, 8)),
+    ("default", "fused fixed u4", (1, 8)),
+    ("default", "spec 4_1_5", (1,)),
+    ("cmdbuf", "engine", (1, 8)),
+    ("cmdbuf", "fused fixed u4 profile", (1,)),
+    ("cmdbuf cublas", "fused", (1, 8)),
+)
+QUICK_PLAN = (  # --quick (the CPU smoke): every kind of cell once
+    ("default", "engine profile", (1, 2)),
+    ("default", "fused fixed u4", (1,)),
+    ("default", "spec 3_1_4", (1,)),
+    ("cmdbuf", "fused", (1,)),
+)
+
+
+def parse_code(code: str) -> dict:
+  words = code.split()
+  arm = words[words.index("spec") + 1] if "spec" in words else None
+  return {"fused": "fused" in words, "early_exit": "fixed" not in words,
+          "unroll": 4 if "u4" in words else 1, "arm": arm, "profile": "profile" in words}
+
+
+# ----------------------------------------------------------------------------------- the child
+def child(args) -> int:
+  """Runs this flag set's cells, printing one `CELL {json}` line per cell."""
+  import functools
+
+  import jax
+  import jax.numpy as jnp
+
+  from tlt_jax.bench.roofline import copy_bandwidth, kv_bytes_per_token
+  from tlt_jax.drafter.model import drafter_cache, init_drafter
+  from tlt_jax.models import ModelConfig, fuse_projections, init_cache, init_params
+  from tlt_jax.models.transformer import unstack_layers
+  from tlt_jax.rollout import decode, speculative
+  from tlt_jax.rollout.sampling import SamplingParams
+  from tlt_jax.rollout.scheduler import kv_bucket
+  from tlt_jax.rollout.strategy import Strategy
+
+  cells = json.loads(args.child)
+  d, n, k, f, layers, v = (int(x) for x in args.shape.split(","))
+  cfg = ModelConfig(arch="qwen2", vocab_size=v, hidden_size=d, intermediate_size=f,
+                    num_layers=layers, num_heads=n, num_kv_heads=k, head_dim=d // n,
+                    qkv_bias=True, tie_word_embeddings=True, dtype=args.dtype,
+                    param_dtype=args.dtype)
+  emit = lambda **kw: print("CELL " + json.dumps(kw), flush=True)
+  bw = copy_bandwidth()
+  emit(kind="bandwidth", bytes_per_s=bw, device=str(jax.devices()[0].device_kind),
+       jax=jax.__version__, flags=os.environ.get("XLA_FLAGS", ""))
+  # eagerly, leaf by leaf: one jit of the whole init made XLA:GPU compile for minutes (seen
+  # on an H200: its threefry over 1.1B values never finished compiling in 100 s)
+  base = unstack_layers(init_params(cfg, jax.random.key(0)))
+  fused = None
+  dparams = jax.tree.map(lambda x: x.astype(cfg.weight_dtype),
+                         init_drafter(cfg, jax.random.key(1)))
+  wbytes = sum(x.nbytes for x in jax.tree.leaves(base))  # tied: the head is the embedding
+  head_bytes = base["embed"].nbytes
+  dbytes = sum(x.nbytes for x in jax.tree.leaves(dparams))
+  kvt = kv_bytes_per_token(cfg, cfg.compute_dtype)
+  greedy = SamplingParams(temperature=0.0)
+  prompt_len = 64
+  cache_len = prompt_len + args.iters * 8 + 64  # room for a spec chunk's reach
+  def rand_cache(c):  # KV pools of random values (never time on zeros), rows at prompt_len
+    fill = jax.jit(lambda x, key: jax.random.normal(key, x.shape, x.dtype))
+    k = tuple(fill(x, jax.random.key(i)) for i, x in enumerate(c.k))
+    return c.replace(k=k, v=k, lengths=jnp.full((c.batch_size,), prompt_len, jnp.int32))
+
+  for code, b in cells:
+    if args.deadline and time.time() > args.deadline:
+      emit(kind="cell", code=code, batch=b, error="skipped: out of --budget_s")
+      continue
+    c = parse_code(code)
+    if c["fused"] and fused is None:
+      fused = jax.jit(functools.partial(fuse_projections, cfg=cfg))(base)
+    params = fused if c["fused"] else base
+    hidden = jax.random.normal(jax.random.key(2), (b, d), cfg.compute_dtype)
+    keys = jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(b))
+    state = decode.DecodeState(
+        cache=rand_cache(init_cache(cfg, b, cache_len)), hidden=hidden, keys=keys,
+        num_generated=jnp.zeros((b,), jnp.int32), max_new=jnp.full((b,), 1 << 30, jnp.int32),
+        done=jnp.zeros((b,), jnp.bool_), stopped=jnp.zeros((b,), jnp.bool_))
+    t0 = time.perf_counter()
+    try:
+      if c["arm"] is None:
+        iters = args.iters
+        kv_len = kv_bucket(prompt_len + iters, 16, cache_len)
+        fn = lambda a, it: decode.decode_chunk(
+            a[0], a[1], cfg=cfg, sp=greedy, stop_tokens=(), chunk=it, capture_hidden=False,
+            kv_len=kv_len, early_exit=c["early_exit"], unroll=c["unroll"])
+        step_bytes = wbytes + b * kv_len * kvt
+        args_ = (params, state)
+      else:
+        st = Strategy(c["arm"])
+        iters = max(args.iters // 4, 4)
+        kv_len = kv_bucket(prompt_len + speculative.chunk_reach(st, iters), 16, cache_len)
+        dc = rand_cache(drafter_cache(cfg, b, cache_len))
+        m = st.steps + 1
+        sstate = speculative.SpecState(
+            base=state, dcache=dc.replace(lengths=dc.lengths - 1),
+            pending=jnp.zeros((b,), jnp.int32), has_pending=jnp.zeros((b,), jnp.bool_),
+            catch_tokens=jnp.zeros((b, m), jnp.int32),
+            catch_hidden=jnp.zeros((b, m, d), cfg.compute_dtype),
+            catch_count=jnp.zeros((b,), jnp.int32))
+        fn = lambda a, it: speculative.spec_chunk(
+            *a, cfg=cfg, sp=greedy, stop_tokens=(), chunk=it, strategy=st,
+            capture_hidden=False, kv_len=kv_len)
+        # the target's weights once (one verification forward), the drafter and the head it
+        # reads once per draft step; both KV windows (the drafter's: one layer)
+        step_bytes = (wbytes + st.steps * (dbytes + head_bytes)
+                      + b * kv_len * kvt * (1 + 1 / cfg.num_layers))
+        args_ = (params, dparams, sstate)
+      exe = jax.jit(fn, static_argnums=1).lower(args_, iters).compile()
+      compile_s = time.perf_counter() - t0
+      jax.block_until_ready(exe(args_))
+      step_s = float("inf")
+      for _ in range(5):
+        t = time.perf_counter()
+        jax.block_until_ready(exe(args_))
+        step_s = min(step_s, (time.perf_counter() - t) / iters)
+      mem = exe.memory_analysis()
+      mem_bytes = (None if mem is None else int(mem.argument_size_in_bytes
+                                                + mem.output_size_in_bytes
+                                                + mem.temp_size_in_bytes))
+      prof = None
+      if c["profile"]:
+        from tlt_jax.bench.device_profile import kernel_profile
+        prof = kernel_profile(lambda: jax.block_until_ready(exe(args_)), iters)
+      emit(kind="cell", code=code, batch=b, kv_len=kv_len, step_s=step_s, profile=prof,
+           bytes=step_bytes, fraction=step_bytes / step_s / bw, compile_s=compile_s,
+           seconds=time.perf_counter() - t0, memory_bytes=mem_bytes,
+           shape_bytes=wbytes + b * cache_len * kvt)
+    except Exception as e:  # noqa: BLE001 - a variant that fails here is a finding
+      emit(kind="cell", code=code, batch=b, error=f"{type(e).__name__}: {str(e)[:300]}")
+  stats = jax.devices()[0].memory_stats() or {}
+  emit(kind="peak", peak=stats.get("peak_bytes_in_use"), limit=stats.get("bytes_limit"),
+       weights=wbytes)
+  return 0
+
+
+# ---------------------------------------------------------------------------------- the parent
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--dtype", default="bfloat16")
+  ap.add_argument("--iters", type=int, default=64)
+  ap.add_argument("--shape", default="2048,64,32,5632,24,32",
+                  help="hidden,heads,kv_heads,mlp,layers,vocab")
+  ap.add_argument("--quick", action="store_true", help="one cell of each kind (CPU smoke)")
+  ap.add_argument("--flag_sets", default="", help="comma-separated subset of the flag sets")
+  ap.add_argument("--out", default=os.path.join(ROOT, "out", "gpu_decode"))
+  ap.add_argument("--budget_s", type=float, default=0.0, help="start no cell after this many "
+                  "seconds (0: no limit): a time-boxed stage still prints its summary")
+  ap.add_argument("--child", default="", help=argparse.SUPPRESS)
+  ap.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+  if args.child:
+    return child(args)
+
+  plan = QUICK_PLAN if args.quick else PLAN
+  only = [s for s in args.flag_sets.split(",") if s]
+  sets = [s for s in FLAG_SETS if any(p[0] == s for p in plan) and (not only or s in only)]
+  print(f"## Decode against the bandwidth limit ({args.dtype}, shape {args.shape}, "
+        f"{args.iters} steps a loop)\n\n| XLA flags | code | batch | kv_len | step ms | MB a step "
+        "| GB/s | % of copy bw | memory MiB (shapes) | compile s |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+  results = {"dtype": args.dtype, "shape": args.shape, "flag_sets": {}}
+  deadline = time.time() + args.budget_s if args.budget_s else 0.0
+  for name in sets:
+    if deadline and time.time() > deadline:
+      print(f"| {name} | (skipped: out of --budget_s) ||||||||", flush=True)
+      continue
+    cells = [(code, b) for s, code, bs in plan if s == name for b in bs]
+    env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " "
+                                       + FLAG_SETS[name]).strip()}
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(cells),
+           "--dtype", args.dtype, "--iters", str(args.iters), "--shape", args.shape,
+           "--deadline", str(deadline)]
+    got = results["flag_sets"][name] = {"cells": []}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    tail: list[str] = []
+    for line in proc.stdout:
+      if not line.startswith("CELL "):
+        tail = (tail + [line.rstrip()])[-8:]
+        continue
+      r = json.loads(line[5:])
+      if r["kind"] == "bandwidth":
+        got.update(bandwidth=r["bytes_per_s"], device=r["device"], jax=r["jax"])
+      elif r["kind"] == "peak":
+        got["peak"] = r
+      elif "error" in r:
+        got["cells"].append(r)
+        print(f"| {name} | {r['code']} | {r['batch']} | fails: {r['error'][:120]} ||||||||",
+              flush=True)
+      else:
+        got["cells"].append(r)
+        mem = ("-" if r["memory_bytes"] is None else
+               f"{r['memory_bytes'] / 2**20:.0f} ({r['shape_bytes'] / 2**20:.0f})")
+        print(f"| {name} | {r['code']} | {r['batch']} | {r['kv_len']} | "
+              f"{r['step_s'] * 1e3:.3f} | {r['bytes'] / 1e6:.0f} | "
+              f"{r['bytes'] / r['step_s'] / 1e9:.0f} | {r['fraction']:.0%} | {mem} | "
+              f"{r['compile_s']:.1f} |", flush=True)
+    rc = proc.wait()
+    if rc:
+      print(f"\n{name}: exit {rc}; its last lines:\n```\n" + "\n".join(tail) + "\n```\n",
+            flush=True)
+  for name, g in results["flag_sets"].items():
+    for r in g["cells"]:
+      if r.get("profile"):
+        from tlt_jax.bench.device_profile import profile_markdown
+        print("\n" + profile_markdown(f"{name}, {r['code']}, batch {r['batch']}", r["profile"]),
+              flush=True)
+  print("\ncopy bandwidth per process (in-place x + 1 over 1 GiB, read + write): "
+        + ", ".join(f"{n} {g['bandwidth'] / 1e9:.0f} GB/s"
+                    for n, g in results["flag_sets"].items() if "bandwidth" in g), flush=True)
+  best = summarize(results)
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "gpu_decode.json"), "w") as f:
+    json.dump(results, f, indent=1)
+  return 0 if best else 1
+
+
+def summarize(results: dict) -> dict:
+  """The fastest plain variant per batch, its share of copy bandwidth and its speedup over
+  the engine as it runs with XLA's defaults; prints the section, returns {batch: cell}."""
+  plain = [(n, c) for n, g in results["flag_sets"].items() for c in g["cells"]
+           if "error" not in c and "spec" not in c["code"]]
+  base = {c["batch"]: c for n, c in plain
+          if n == "default" and c["code"].replace(" profile", "") == "engine"}
+  best: dict[int, tuple[str, dict]] = {}
+  for n, c in plain:
+    if c["batch"] not in best or c["step_s"] < best[c["batch"]][1]["step_s"]:
+      best[c["batch"]] = (n, c)
+  print("\n### Fastest plain decode per batch\n\n| batch | XLA flags | code | step ms | "
+        "% of copy bw | vs engine on XLA defaults |\n|---:|---|---|---:|---:|---:|")
+  for b in sorted(best):
+    n, c = best[b]
+    ref = base.get(b)
+    gain = f"{ref['step_s'] / c['step_s']:.2f}x" if ref else "-"
+    print(f"| {b} | {n} | {c['code']} | {c['step_s'] * 1e3:.3f} | {c['fraction']:.0%} | "
+          f"{gain} |")
+  results["best"] = {b: {"flags": n, **c} for b, (n, c) in best.items()}
+  return best
+
+
+if __name__ == "__main__":
+  sys.exit(main())

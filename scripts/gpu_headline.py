@@ -1,0 +1,147 @@
+#!/usr/bin/env python
+"""The GPU checklist's headline table, from what its stages wrote (scripts/gpu_check.sh).
+
+    python scripts/gpu_headline.py OUT        # OUT: gpu_check.sh's --out directory
+    python scripts/gpu_headline.py --rl OUT   # the rl_steps stage's per-phase table
+
+One markdown table, a row per figure the checklist exists for (../shared/GPU.md): decode's
+share of copy bandwidth at batch 1, 8 and 64 (the engine on XLA's defaults, and the fastest
+variant, scripts/gpu_decode.py), the speculative step's, SD vs plain end to end (batch 1 and 8,
+scripts/bench_regime.py), one-GPU RL steps TLT on vs off (the main job, python -m
+tlt_jax.train, each run's metrics.jsonl), the cost
+model's predicted / measured speculative step (scripts/bench_cost_model.py). A stage that wrote
+nothing gives "not measured" with where to look.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def _load(path: str):
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+def rl_runs(out: str) -> dict[str, list[dict]]:
+  """The rl_steps stage's runs: mode -> its metrics.jsonl step records."""
+  runs = {}
+  for mode in ("on", "off"):
+    path = os.path.join(out, "e2e", mode, "metrics.jsonl")
+    if os.path.exists(path):
+      with open(path) as f:
+        runs[mode] = [r for r in map(json.loads, filter(str.strip, f)) if "time" in r]
+  return runs
+
+
+def phase_sums(records: list[dict]) -> dict[str, float]:
+  """Seconds per phase summed over the steps (every key of the records' `time`)."""
+  out: dict[str, float] = {}
+  for r in records:
+    for k, v in r["time"].items():
+      out[k] = out.get(k, 0.0) + v
+  return out
+
+
+def rl_table(out: str) -> str:
+  """The rl_steps stage's table: per phase, seconds summed over the steps, TLT on and off."""
+  runs = rl_runs(out)
+  if not runs:
+    return "no RL step finished"
+  sums = {m: phase_sums(r) for m, r in runs.items()}
+  keys = [k for k in next(iter(sums.values()))]
+  lines = ["| phase (s, summed over the steps) | " + " | ".join(
+      f"TLT {m} ({len(runs[m])} steps)" for m in sums) + " |",
+           "|---|" + "---:|" * len(sums)]
+  for k in keys:
+    lines.append(f"| {k} | " + " | ".join(f"{sums[m].get(k, 0.0):.2f}" for m in sums) + " |")
+  return "\n".join(lines)
+
+
+def rows(out: str) -> list[tuple[str, str, str]]:
+  """(figure, value, source) rows."""
+  res: list[tuple[str, str, str]] = []
+  dec = _load(os.path.join(out, "decode", "gpu_decode.json"))
+  if dec:
+    sets = dec.get("flag_sets", {})
+    base = {c["batch"]: c for c in sets.get("default", {}).get("cells", [])
+            if c.get("code", "").replace(" profile", "") == "engine" and "error" not in c}
+    best = {int(b): c for b, c in dec.get("best", {}).items()}
+    for b in (1, 8, 64):
+      if b in base:
+        line = f"engine {base[b]['fraction']:.0%} ({base[b]['step_s'] * 1e3:.2f} ms)"
+        if b in best:
+          c = best[b]
+          line += (f"; best {c['fraction']:.0%} ({c['step_s'] * 1e3:.2f} ms: {c['flags']}, "
+                   f"{c['code']})")
+        res.append((f"plain decode, batch {b}: % of copy bandwidth", line, "decode"))
+    spec = [(n, c) for n, g in sets.items() for c in g.get("cells", [])
+            if "spec" in c.get("code", "") and "error" not in c]
+    for n, c in spec:
+      res.append((f"speculative step {c['code'].split()[-1]}, batch {c['batch']}: % of copy "
+                  "bandwidth", f"{c['fraction']:.0%} ({c['step_s'] * 1e3:.2f} ms; {n}, "
+                  f"{c['code']})", "decode"))
+  else:
+    res.append(("decode % of copy bandwidth", "not measured", "decode"))
+  reg = _load(os.path.join(out, "bench_regime", "summary.json"))
+  found = False
+  for key, label in (("batch 1, greedy, default task (EOS)", "batch 1 greedy"),
+                     ("batch 8, greedy, default task (EOS)", "batch 8 greedy"),
+                     ("batch 8, sampled, default task (EOS)", "batch 8 sampled")):
+    for arm, r in (reg or {}).get(key, {}).items():
+      if arm == "plain":
+        continue
+      found = True
+      res.append((f"SD vs plain, {label}, {arm}",
+                  f"{r['speedup']:.2f}x end to end, {r['decode_speedup']:.2f}x decode-only, "
+                  f"{r['accept'] or 0:.2f} tokens/verification, outputs = plain: {r['same']}",
+                  "bench_regime"))
+  if not found:
+    res.append(("SD vs plain (batch 1, 8)", "not measured", "bench_regime"))
+  runs = rl_runs(out)
+  if runs.get("on") and runs.get("off"):
+    on, off = (phase_sums(runs[m]) for m in ("on", "off"))
+    res.append((f"one-GPU RL steps ({min(len(runs['on']), len(runs['off']))} of the default "
+                "config), TLT on / off",
+                f"speedup {off['total'] / on['total']:.2f}x (on {on['total']:.1f} s, off "
+                f"{off['total']:.1f} s; of which compiling {on['compile']:.1f} / "
+                f"{off['compile']:.1f} s, rollout {on['rollout']:.1f} / {off['rollout']:.1f} s)",
+                "rl_steps"))
+  else:
+    res.append(("one-GPU RL steps, TLT on / off",
+                "not measured" + (f" (steps done: on {len(runs.get('on', []))}, off "
+                                  f"{len(runs.get('off', []))})" if runs else ""), "rl_steps"))
+  cm = _load(os.path.join(out, "cost_model", "cost_model.json"))
+  if cm and cm.get("ratios"):
+    for r in cm["ratios"]:
+      res.append((f"cost model: spec / plain step, batch {r['batch']}, {r['arm']}",
+                  f"predicted {r['predicted']:.2f}, measured {r['measured']:.2f} "
+                  f"(predicted / measured {r['predicted'] / r['measured']:.2f})", "cost_model"))
+  else:
+    res.append(("cost model predicted / measured", "not measured", "cost_model"))
+  res.append(("learner step (packed update)", "not measured: no learner stage yet (issue #50)",
+              "-"))
+  return res
+
+
+def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  if argv[:1] == ["--rl"] and len(argv) == 2:
+    print(rl_table(argv[1]))
+    return 0
+  if len(argv) != 1:
+    print("usage: gpu_headline.py [--rl] OUT", file=sys.stderr)
+    return 2
+  print("| figure | measured | stage |\n|---|---|---|")
+  for figure, value, stage in rows(argv[0]):
+    print(f"| {figure} | {value} | {stage} |")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
