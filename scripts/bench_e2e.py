@@ -191,7 +191,7 @@ def plot(res: dict, path: str) -> None:
     if r["eval_curve"]:
       b.plot(*zip(*r["eval_curve"]), marker="o", label=name)
   a.set(title="training reward (mean per 5 steps)", xlabel="RL step")
-  b.set(title="held-out greedy accuracy (400 test prompts)", xlabel="RL step")
+  b.set(title="held-out greedy accuracy (config.eval.num_prompts test prompts)", xlabel="RL step")
   for ax in (a, b):
     ax.grid(alpha=0.3)
     ax.legend()

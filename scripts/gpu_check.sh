@@ -54,18 +54,19 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFOR
 export JAX_COMPILATION_CACHE_DIR=$OUT/jax_cache
 if [ $SMOKE = 1 ]; then
   export JAX_PLATFORMS=cpu
-  # bench model: 2 x the shipped width; stage limits generous (CI machines are slow)
+  # bench model: 2 x the long-tail model's width; stage limits generous (CI machines are slow)
   DECODE_ARGS="--quick --dtype float32 --iters 8 --shape 128,4,2,256,2,32 --budget_s 150"
   MODEL_ARGS="--hidden 256 --heads 8 --kv_heads 4 --intermediate 512 --layers 4"
+  DTYPE=float32
   REGIME_ARGS="--prompts 1 --tail_prompts 2 --tail_n 2 --arms 3_1_4 --tail_arms 3_1_4
     --max_new_tokens 24 --threshold 2 --gate_rollouts 2 --gate_prompts 1"
   COST_ARGS="--batch_sizes 1,2 --arms 3_1_4 --iters 8 --rollouts 0 --learner 0"
   E2E_STEPS=2
-  E2E_EXTRA="--config.train.eval_every=0 --config.eval.num_prompts=16
-    --config.grpo.num_prompts=4 --config.grpo.n=4 --config.grpo.micro_batch=16
-    --config.rollout.max_new_tokens=96 --config.cpu_devices=1 --config.reward.num_workers=1"
-  # env decode rl_steps bench_model bench_regime kernel_bench cost_model kernels speculative
-  LIMIT=(30 240 300 120 300 120 240 240 240)
+  E2E_EXTRA="--config.eval.num_prompts=16 --config.grpo.num_prompts=4 --config.grpo.n=4
+    --config.grpo.micro_batch=16 --config.rollout.max_new_tokens=96 --config.cpu_devices=1
+    --config.reward.num_workers=1"
+  # env decode bench_model rl_steps bench_regime kernel_bench cost_model kernels speculative
+  LIMIT=(30 240 120 300 300 120 240 240 240)
   KERNEL_TESTS="-k lower_to or chain_kernel_matches_reference"
   KBENCH_ARGS="--batches 1 --ks 4 --vocab 256 --iters 2"
   SPEC_TESTS="-k strategy_validation"
@@ -76,16 +77,21 @@ else
       --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site:$PWD
   fi
-  DECODE_ARGS="--dtype bfloat16 --budget_s 125"
-  # ~1.1B params: hidden 2048 (head_dim 32 kept), 24 layers, MLP 5632
-  MODEL_ARGS="--hidden 2048 --heads 64 --kv_heads 32 --intermediate 5632 --layers 24"
+  DECODE_ARGS="--dtype bfloat16 --budget_s 155"
+  # ~1.2B params in 6 layers (hidden 4096, head_dim 32 kept, MLP 11008): weight-bandwidth-bound
+  # like the 24-layer 1.13B target, a quarter of its compile per executable (the RL steps
+  # compile dozens)
+  MODEL_ARGS="--hidden 4096 --heads 128 --kv_heads 64 --intermediate 11008 --layers 6"
+  DTYPE=bfloat16
   REGIME_ARGS="--dtype bfloat16 --prompts 4 --arms 6_1_7 --skip_roofline --skip_tail
     --skip_costs --gate_rollouts 0"
   COST_ARGS="--dtype bfloat16 --batch_sizes 1,8 --arms 4_1_5 --iters 8 --rollouts 0 --learner 0"
-  E2E_STEPS=3
-  E2E_EXTRA="--config.train.eval_every=0 --config.eval.num_prompts=64"
-  # env decode rl_steps bench_model bench_regime kernel_bench cost_model kernels speculative
-  LIMIT=(10 150 120 45 85 25 60 15 30)  # 540 s: 9 minutes
+  E2E_STEPS=2
+  E2E_EXTRA="--config.grpo.num_prompts=8 --config.grpo.n=4 --config.grpo.micro_batch=8
+    --config.eval.num_prompts=32 --config.rollout.max_batch=32
+    --config.rollout.buckets=1,2,4,8,16,32"
+  # env decode bench_model rl_steps bench_regime kernel_bench cost_model kernels speculative
+  LIMIT=(10 165 40 140 75 25 50 15 20)  # 540 s: 9 minutes
   KERNEL_TESTS="-k lower_to or chain_kernel_matches_reference"
   KBENCH_ARGS="--batches 1,8,64 --ks 4 --iters 20"
   SPEC_TESTS="-k kernel_equals_reference or t1_3"
@@ -129,23 +135,27 @@ stage env "${LIMIT[0]}" all bash -c "nvidia-smi -L 2>/dev/null || echo 'no nvidi
     \"optax\", optax.__version__); print(jax.devices())'"
 # shellcheck disable=SC2086
 stage decode "${LIMIT[1]}" md "$PY" scripts/gpu_decode.py --out "$OUT/decode" $DECODE_ARGS
-# the main job, TLT on then off, each given half the stage; every step's phases (and seconds
+# shellcheck disable=SC2086
+stage bench_model "${LIMIT[2]}" tail "$PY" scripts/make_bench_model.py --out "$BENCH" \
+  --source tlt_jax/assets/longtail --overwrite --no_regime $MODEL_ARGS
+# The main job on one device: the long-tail workload (configs/longtail.py) on the widened
+# target, TLT on then off, each given half the stage; every step's phases (and seconds
 # compiling) from its metrics.jsonl
-HALF=$(( ${LIMIT[2]} / 2 - 3 ))
+HALF=$(( ${LIMIT[3]} / 2 - 3 ))
+E2E_EXTRA="--config.model.path=$BENCH/model --config.tlt.drafter.init=$BENCH/drafter
+  --config.model.dtype=$DTYPE --config.model.param_dtype=$DTYPE --config.train.eval_every=0
+  --config.train.export_policy=none --config.train.export_drafter=False $E2E_EXTRA"
 E2E_EXTRA=$(echo $E2E_EXTRA)  # one line: it is pasted into the bash -c script below
 # shellcheck disable=SC2086
-stage rl_steps "${LIMIT[2]}" all bash -c "for mode in on off; do
+stage rl_steps "${LIMIT[3]}" all bash -c "for mode in on off; do
     extra=''; [ \$mode = off ] && extra=--config.tlt.enabled=False
     rm -rf '$OUT/e2e/'\$mode
-    timeout --kill-after=5 $HALF $PY -m tlt_jax.train --config configs/default.py \
+    timeout --kill-after=5 $HALF $PY -m tlt_jax.train --config configs/longtail.py \
       --workdir '$OUT/e2e/'\$mode --config.train.steps=$E2E_STEPS \
       --config.compilation_cache='$OUT/e2e/cache_'\$mode $E2E_EXTRA \$extra 2>&1 \
       | tr '\r' '\n' | grep -E '^(error|done|step 0|Traceback)|Error' | tail -n 5
     echo \"TLT \$mode: exit \${PIPESTATUS[0]}\"
   done; $PY scripts/gpu_headline.py --rl '$OUT'"
-# shellcheck disable=SC2086
-stage bench_model "${LIMIT[3]}" tail "$PY" scripts/make_bench_model.py --out "$BENCH" \
-  --overwrite --no_regime $MODEL_ARGS
 # shellcheck disable=SC2086
 stage bench_regime "${LIMIT[4]}" md "$PY" scripts/bench_regime.py --bench "$BENCH" \
   --skip_regime --skip_hf --out "$OUT/bench_regime" $REGIME_ARGS

@@ -7,8 +7,8 @@
 One markdown table, a row per figure the checklist exists for (../shared/GPU.md): decode's
 share of copy bandwidth at batch 1, 8 and 64 (the engine on XLA's defaults, and the fastest
 variant, scripts/gpu_decode.py), the speculative step's, SD vs plain end to end (batch 1 and 8,
-scripts/bench_regime.py), one-GPU RL steps TLT on vs off (the main job, python -m
-tlt_jax.train, each run's metrics.jsonl), the cost
+scripts/bench_regime.py), RL steps on one GPU TLT on vs off (the main job, python -m
+tlt_jax.train, on the long-tail workload; each run's metrics.jsonl), the cost
 model's predicted / measured speculative step (scripts/bench_cost_model.py). A stage that wrote
 nothing gives "not measured" with where to look.
 """
@@ -48,6 +48,13 @@ def phase_sums(records: list[dict]) -> dict[str, float]:
   return out
 
 
+def tail(records: list[dict]) -> float:
+  """The long tail's share of the rollout's chunk seconds (metrics' rollout_tail), averaged
+  over the steps."""
+  shares = [r["rollout_tail"]["time_share"] for r in records if "rollout_tail" in r]
+  return sum(shares) / len(shares) if shares else float("nan")
+
+
 def rl_table(out: str) -> str:
   """The rl_steps stage's table: per phase, seconds summed over the steps, TLT on and off."""
   runs = rl_runs(out)
@@ -60,6 +67,11 @@ def rl_table(out: str) -> str:
            "|---|" + "---:|" * len(sums)]
   for k in keys:
     lines.append(f"| {k} | " + " | ".join(f"{sums[m].get(k, 0.0):.2f}" for m in sums) + " |")
+  lines.append("| the tail's share of the rollout (after 90% of the responses finished) | "
+               + " | ".join(f"{tail(runs[m]):.0%}" for m in sums) + " |")
+  lines.append("| response length p50 / max (last step) | " + " | ".join(
+      f"{runs[m][-1]['response_length']['p50']:.0f} / {runs[m][-1]['response_length']['max']:.0f}"
+      for m in sums) + " |")
   return "\n".join(lines)
 
 
@@ -106,14 +118,15 @@ def rows(out: str) -> list[tuple[str, str, str]]:
   runs = rl_runs(out)
   if runs.get("on") and runs.get("off"):
     on, off = (phase_sums(runs[m]) for m in ("on", "off"))
-    res.append((f"one-GPU RL steps ({min(len(runs['on']), len(runs['off']))} of the default "
-                "config), TLT on / off",
+    res.append((f"RL steps on one device ({min(len(runs['on']), len(runs['off']))} of "
+                "configs/longtail.py on the bench target), TLT on / off",
                 f"speedup {off['total'] / on['total']:.2f}x (on {on['total']:.1f} s, off "
                 f"{off['total']:.1f} s; of which compiling {on['compile']:.1f} / "
-                f"{off['compile']:.1f} s, rollout {on['rollout']:.1f} / {off['rollout']:.1f} s)",
+                f"{off['compile']:.1f} s, rollout {on['rollout']:.1f} / {off['rollout']:.1f} s;"
+                f" the tail's share of the rollout, TLT off: {tail(runs['off']):.0%})",
                 "rl_steps"))
   else:
-    res.append(("one-GPU RL steps, TLT on / off",
+    res.append(("RL steps on one device, TLT on / off",
                 "not measured" + (f" (steps done: on {len(runs.get('on', []))}, off "
                                   f"{len(runs.get('off', []))})" if runs else ""), "rl_steps"))
   cm = _load(os.path.join(out, "cost_model", "cost_model.json"))

@@ -70,9 +70,10 @@ TRAIN_SEED, TEST_SEED, SFT_SEED, VAL_SEED, INIT_SEED = 1, 2, 3, 4, 0
 BUCKETS = {"default": ((2, 3), (4, 6), (7, 11), (12, 18), (19, arith.K_MAX)),
            "longtail": ((2, 3), (4, 6), (7, 11), (12, 18), (19, 40),
                         (41, arith.LONGTAIL.k_max))}
-# per task: packed SFT row length (>= the longest prompt + response), evaluation cap
+# per task: packed SFT row length (examples longer than it are not drawn), evaluation cap
 TASK_DEFAULTS = {"default": {"seq_len": 512, "max_new_tokens": 256},
-                 "longtail": {"seq_len": 1280, "max_new_tokens": 512}}
+                 "longtail": {"seq_len": 640, "max_new_tokens": 512}}
+CONTEXT = {"default": 512, "longtail": 1024}  # the model's and tokenizer's stated max length
 
 
 def parse_args(argv=None):
@@ -126,14 +127,15 @@ def quantiles(lengths):
 def sft_examples(tok, eos_id, rng, n, seq_len, lengths=arith.DEFAULT):
   """n fresh SFT examples as packable sequences (tlt_jax/drafter/packing.py packs them, the
   same segment-id layout the drafter trains on): prompt + response + EOS, the loss mask on
-  the positions whose NEXT token is a response token (incl. EOS)."""
+  the positions whose NEXT token is a response token (incl. EOS). Examples longer than
+  seq_len are drawn again."""
   out = []
-  for _ in range(n):
+  while len(out) < n:
     prob = arith.make_problem(rng, lengths=lengths)
     p = tok.encode(prob["prompt"]).ids
     ids = np.asarray(p + tok.encode(prob["response"]).ids + [eos_id], np.int32)
-    if len(ids) > seq_len:
-      raise ValueError(f"example of {len(ids)} tokens does not fit --seq_len {seq_len}")
+    if len(ids) > seq_len:  # (the long-tail task's longest ~1%: SFT never shows them)
+      continue
     mask = np.zeros(len(ids), np.float32)
     mask[len(p) - 1:len(ids) - 1] = 1.0  # logits at t predict token t+1
     out.append(Window(step=0, tokens=ids, hidden=None, loss_mask=mask, weight=1.0))
@@ -234,7 +236,7 @@ def main(argv=None):
 
   # 2. tokenizer ----------------------------------------------------------------------------
   tok = arith.train_tokenizer(p["prompt"] + p["response"] for p in train)
-  hf_tok = arith.wrap_tokenizer(tok)
+  hf_tok = arith.wrap_tokenizer(tok, CONTEXT[args.task])
   eos_id, pad_id = hf_tok.eos_token_id, hf_tok.pad_token_id
   if tok.get_vocab_size() > args.vocab_size:
     raise SystemExit(f"tokenizer has {tok.get_vocab_size()} tokens > --vocab_size")
@@ -257,8 +259,7 @@ def main(argv=None):
                     intermediate_size=4 * args.hidden, num_layers=args.layers,
                     num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=None,
                     rope_theta=10000.0, rms_norm_eps=1e-6, qkv_bias=True,
-                    tie_word_embeddings=True,
-                    max_position_embeddings=max(512, args.seq_len),
+                    tie_word_embeddings=True, max_position_embeddings=CONTEXT[args.task],
                     dtype="float32", param_dtype="float32")
   n_params = num_params(cfg)
   print(f"model: qwen2 {args.layers}L d={args.hidden} heads={args.heads}/{args.kv_heads} "

@@ -163,20 +163,41 @@ def test_transformers_loads_tokenizer_and_model(tok):
 
 
 # ------------------------------------------------------------------------- committed data
-def test_committed_data_matches_generator():
-  """The committed splits are exactly what the generator produces from the recorded seeds."""
-  with open(_require(os.path.join(ASSETS, "manifest.json"))) as f:
+@pytest.mark.parametrize("task", ["default", "longtail"])
+def test_committed_data_matches_generator(task):
+  """The committed splits are exactly what the generator produces from the recorded seeds
+  and the task's lengths."""
+  root = arith.default_assets_dir(task)
+  with open(_require(os.path.join(root, "manifest.json"))) as f:
     manifest = json.load(f)
   seeds = manifest["seeds"]
   for split, fields in (("train", ("prompt", "answer", "num_terms", "response")),
                         ("test", ("prompt", "answer", "num_terms"))):
-    rows = arith.load_default_split(split)
+    rows = arith.load_jsonl(os.path.join(root, "data", f"{split}.jsonl"))
     assert len(rows) == manifest["data"][f"n_{split}"]
-    want = arith.generate_dataset(len(rows), seeds[split])
+    want = arith.generate_dataset(len(rows), seeds[split], arith.TASKS[task])
     assert rows == [{k: w[k] for k in fields} for w in want], f"{split}.jsonl is stale; {REGEN}"
-  size = sum(os.path.getsize(os.path.join(ASSETS, "data", f)) for f in os.listdir(
-      os.path.join(ASSETS, "data")))
-  assert size < 2e6
+  size = sum(os.path.getsize(os.path.join(root, "data", f)) for f in os.listdir(
+      os.path.join(root, "data")))
+  assert size < 3e6
+
+
+def test_longtail_reference_lengths_have_the_shape_of_reasoning_rl():
+  """The long-tail variant's reference traces, tokenized by its shipped tokenizer (EOS
+  included), at the 512-token cap of configs/longtail.py: p50 ~30 tokens, p90 ~150, p99 past
+  the cap, 1-3% truncated; the default's tail stays inside its cap."""
+  from tokenizers import Tokenizer
+  lengths = {}
+  for task in ("default", "longtail"):
+    root = arith.default_assets_dir(task)
+    tk = Tokenizer.from_file(_require(os.path.join(root, "model", "tokenizer.json")))
+    rows = arith.load_jsonl(os.path.join(root, "data", "train.jsonl"))
+    lengths[task] = np.array([len(tk.encode(r["response"]).ids) + 1 for r in rows])
+  lt = lengths["longtail"]
+  p50, p90, p99 = np.percentile(lt, [50, 90, 99])
+  assert 24 <= p50 <= 40 and 120 <= p90 <= 190 and p99 > 480, (p50, p90, p99)
+  assert 0.01 <= (lt > 512).mean() <= 0.03 and p99 / p50 >= 8
+  assert lengths["default"].max() < 288 and np.percentile(lengths["default"], 99) < 200
 
 
 def test_committed_model_loads_and_prefers_reference_traces():

@@ -492,3 +492,20 @@ def test_the_drafter_step_compiles_when_spot_training_is_first_wanted():
   assert trainer.next_batch() is None  # (an empty buffer: nothing to train on yet)
   trainer.prepare()
   assert calls == ["submit", ("compile", 128)]  # once
+
+
+def test_rollout_tail_share_is_the_time_after_90_percent_of_the_responses():
+  """metrics' rollout_tail: the share of the rollout (its last finish) spent after 90% of the
+  responses finished, and the last 10%'s share of the tokens (hand-computed)."""
+  import numpy as np
+
+  from tlt_jax.rollout.records import Result
+  from tlt_jax.step_metrics import tail_share
+  res = lambda t, n: Result(0, 0, np.zeros(1, np.int32), np.zeros(n, np.int32),
+                            np.zeros(n, np.float32), None, "stop", finish_time=t)
+  # 20 responses: 18 done by 2.0 s with 10 tokens each, the last two at 5.0 and 8.0 s
+  rs = [res(0.1 * i, 10) for i in range(1, 19)] + [res(5.0, 200), res(8.0, 300)]
+  got = tail_share(rs[::-1])
+  assert got["time_share"] == pytest.approx((8.0 - 1.8) / 8.0)
+  assert got["token_share"] == pytest.approx(500 / 680)
+  assert tail_share([]) == {"time_share": 0.0, "token_share": 0.0}

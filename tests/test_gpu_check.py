@@ -22,13 +22,14 @@ def test_gpu_check_smoke_writes_a_complete_report(tmp_path):
                   str(tmp_path)], check=True, env=env, timeout=1500, capture_output=True)
   report = (tmp_path / "report.md").read_text()
   stages = re.findall(r"^## (\w+)$", report, re.M)
-  assert stages == ["env", "decode", "rl_steps", "bench_model", "bench_regime", "kernel_bench",
+  assert stages == ["env", "decode", "bench_model", "rl_steps", "bench_regime", "kernel_bench",
                     "cost_model", "kernels", "speculative"], report
   assert re.findall(r"^exit (\d+) after", report, re.M) == ["0"] * len(stages), report
   # the headline table opens the report, every figure filled in but the learner's
   head = report.split("## env")[0]
   assert "| plain decode, batch 1: % of copy bandwidth | engine " in head, head
-  assert re.search(r"\| one-GPU RL steps \(2 of .*, TLT on / off \| speedup [\d.]+x \(on", head), head
+  assert re.search(r"\| RL steps on one device \(2 of configs/longtail.py .*, TLT on / off \| "
+                   r"speedup [\d.]+x \(on .*tail's share of the rollout, TLT off: \d+%", head), head
   assert re.search(r"\| SD vs plain, batch 1 greedy, SD 3_1_4 \| .*outputs = plain: True", head)
   assert "cost model: spec / plain step, batch 1, 3_1_4 | predicted" in head, head
   # the decode variants: every kind of cell measured, with a fraction of copy bandwidth and
@@ -59,8 +60,9 @@ def test_gpu_check_smoke_writes_a_complete_report(tmp_path):
   fitted = json.load(open(tmp_path / "cost_model" / "cost_model.json"))
   assert fitted["hardware"]["mem_bw"] > 0 and len(fitted["ratios"]) == 2  # 3_1_4 at 2 batches
   assert {r["label"] for r in fitted["rows"]} >= {"plain step", "spec step 3_1_4"}
-  # the main job ran TLT on and off (one device here, as on one GPU), each step's phases read
-  rl = report.split("## rl_steps")[1].split("## bench_model")[0]
+  # the main job ran the long-tail workload on the bench target TLT on and off (one device
+  # here, as on one GPU), each step's phases read
+  rl = report.split("## rl_steps")[1].split("## bench_regime")[0]
   assert "TLT on: exit 0" in rl and "TLT off: exit 0" in rl, rl
   assert re.search(r"^\| rollout \| [\d.]+ \| [\d.]+ \|$", rl, re.M), rl
   # the regime stage (scripts/bench_regime.py on the smoke target): every table printed, greedy

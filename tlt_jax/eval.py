@@ -30,7 +30,8 @@ def length_stats(lengths: Sequence[int]) -> dict[str, float]:
   if a.size == 0:
     return {}
   return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)),
-          "p90": float(np.percentile(a, 90)), "max": float(a.max())}
+          "p90": float(np.percentile(a, 90)), "p99": float(np.percentile(a, 99)),
+          "max": float(a.max())}
 
 
 def evaluate(engine: Engine, tokenizer, rows: Sequence[PromptRow], reward_fn, *,

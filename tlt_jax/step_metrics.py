@@ -35,6 +35,7 @@ def step_metrics(run, prompts: Sequence[Any], responses: Sequence[Any], r: np.nd
       "response_length": length_stats(lengths),
       "truncated": float(np.mean([res.finish_reason == "length" for res in responses])),
       "rollout_tokens_per_s": tokens / max(wall, 1e-9),
+      "rollout_tail": tail_share(responses),
       "tokens": tokens,
       "loss": upd,
       "reward_stats": dataclasses.asdict(reward_stats),
@@ -76,6 +77,21 @@ def step_metrics(run, prompts: Sequence[Any], responses: Sequence[Any], r: np.nd
     if drafter:
       m["drafter"] = drafter
   return m
+
+
+def tail_share(responses: Sequence[Any], frac: float = 0.1) -> dict[str, float]:
+  """The long tail's share of a rollout, as reasoning-RL papers report it: the share of the
+  rollout's time (its last response's finish) spent after all but the last `frac` of the
+  responses had finished, and those responses' share of the tokens (finish times: seconds
+  since each worker's generate began, the workers starting together)."""
+  if not responses:
+    return {"time_share": 0.0, "token_share": 0.0}
+  done = sorted(responses, key=lambda r: r.finish_time)
+  head = done[:max(int(np.ceil((1 - frac) * len(done))), 1)]
+  end, t_head = done[-1].finish_time, head[-1].finish_time
+  tokens = sum(r.num_tokens for r in done)
+  return {"time_share": (end - t_head) / end if end > 0 else 0.0,
+          "token_share": sum(r.num_tokens for r in done[len(head):]) / tokens if tokens else 0.0}
 
 
 class DrafterAcceptance:

@@ -167,11 +167,12 @@ class Response(NamedTuple):
   num_tokens: int
   finish_reason: str
   reward: float = 0.0  # (until scored)
+  finish_time: float = 0.0  # seconds since its worker's generate began (the tail metric)
 
   @classmethod
   def of(cls, res: Result) -> "Response":
     return cls(res.request_id, res.sample_index, res.prompt_ids, res.response_ids,
-               res.num_tokens, res.finish_reason)
+               res.num_tokens, res.finish_reason, finish_time=res.finish_time)
 
 
 def rl_step(run: Run, state: TrainState, pool: RewardPool
