@@ -6,7 +6,7 @@
 
 Short responses (the default task's, ending by EOS after 20-40 tokens) should cost the same
 per token whether the cache holds 256 or 4096 new tokens: attention reads the live tokens
-(`kv_len`, tlt_jax/models/transformer.py), not the whole cache. For each checkout in --trees
+(`kv_len`, tlt_jax/models/kv_cache.py), not the whole cache. For each checkout in --trees
 (a tlt_jax source tree: compare a branch with main in one run, since a CPU's speed drifts
 between runs), a child process decodes the same requests at each --lengths, greedy, plain and
 with chain speculation, warm (a first pass compiles), and reports seconds per generated

@@ -92,8 +92,8 @@ def child(args) -> int:
 
   from tlt_jax.bench.roofline import copy_bandwidth, kv_bytes_per_token
   from tlt_jax.drafter.model import drafter_cache, init_drafter
-  from tlt_jax.models import ModelConfig, fuse_projections, init_cache, init_params
-  from tlt_jax.models.transformer import unstack_layers
+  from tlt_jax.models import (ModelConfig, fuse_projections, init_cache, init_params,
+                              unstack_layers)
   from tlt_jax.rollout import decode, speculative
   from tlt_jax.rollout.sampling import SamplingParams
   from tlt_jax.rollout.scheduler import kv_bucket

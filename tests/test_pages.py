@@ -9,7 +9,7 @@ import types
 import numpy as np
 import pytest
 
-from tlt_jax.models.transformer import NO_PAGE
+from tlt_jax.models.kv_cache import NO_PAGE
 from tlt_jax.models import pages_for
 from tlt_jax.rollout.pages import PageAllocator, admission, grow_rows
 from tlt_jax.rollout.scheduler import Prefill, Refill, Resize, Scheduler

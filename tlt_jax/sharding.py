@@ -136,7 +136,7 @@ def cache_sharding(mesh: Mesh, batch_size: int, num_kv_heads: int, num_layers: i
   """A paged KVCache: page pools (num_layers x [P, page, K, H]) with kv heads over tensor (every
   device of a replica holds every page, a slice of its heads); page tables [B, R] and
   lengths [B] with the batch over data axes."""
-  from tlt_jax.models.transformer import KVCache  # local: keep this module model-agnostic
+  from tlt_jax.models.kv_cache import KVCache  # local: keep this module model-agnostic
   kv = NamedSharding(mesh, fit_spec(P(None, None, "tensor", None), (1, 1, num_kv_heads, 1),
                                     mesh, "kv_cache"))
   table = NamedSharding(mesh, fit_spec(P(BATCH, None), (batch_size, 1), mesh, "table"))

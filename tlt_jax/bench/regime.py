@@ -169,7 +169,6 @@ def run(args: RegimeArgs) -> dict:
   from tlt_jax.rollout.records import Request, tokens_per_verification
   from tlt_jax.rollout.mab import make_selector
   from tlt_jax.rollout.sampling import SamplingParams
-  from tlt_jax.rollout.strategy import Strategy
 
   arms = args.arms.split(",")
   summary: dict = {"machine": f"{jax.devices()[0].device_kind} ({jax.default_backend()}), "

@@ -1,6 +1,6 @@
 """Attention windows against executables (scripts/bench_windows.py prints what this measures).
 
-Decoding reads only the live tokens' window of the KV cache (`kv_len`, models/transformer.py),
+Decoding reads only the live tokens' window of the KV cache (`kv_len`, models/kv_cache.py),
 and a window is a static shape: every (batch bucket, arm) executable exists once per window,
 so speculation's executables multiply by the windows the tail visits. The choices, measured:
 
@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.transformer import attend, gather_window
+from tlt_jax.models.kv_cache import gather_window
+from tlt_jax.models.transformer import attend
 from tlt_jax.rollout.scheduler import bucket_for, length_grid
 
 SCHEMES = ("grid x2", "grid x4", "whole cache", "block loop")

@@ -95,9 +95,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.transformer import (DEFAULT_PAGE, KVCache, Params, _layer, cache_addr,
-                                        compute_logits, decoder_stack, embed_tokens, init_cache,
-                                        param_shapes, rope_tables)
+from tlt_jax.models.kv_cache import DEFAULT_PAGE, KVCache, cache_addr, init_cache
+from tlt_jax.models.transformer import (Params, _layer, compute_logits, decoder_stack,
+                                        embed_tokens, param_shapes, rope_tables)
 
 FORMAT = "tlt_jax.drafter"
 FORMAT_VERSION = 1

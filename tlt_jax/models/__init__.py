@@ -1,18 +1,17 @@
-"""Pure-functional Qwen2/Qwen3/Llama models: config, params, forward, KV cache, HF checkpoint
-I/O."""
+"""Pure-functional Qwen2/Qwen3/Llama models: config, params, forward (transformer.py), the
+paged KV cache (kv_cache.py), the rollout replicas' weight layouts (layouts.py), HF checkpoint
+I/O (hf_io.py)."""
 
 from tlt_jax.models.config import ModelConfig, RopeScaling, num_params
-from tlt_jax.models.transformer import (KVCache, ModelOutput, Params, abstract_params,
-                                        causal_mask, compute_logits, forward, fuse_projections,
-                                        init_cache,
-                                        init_params, init_pools, pages_for, param_shapes,
-                                        replica_layout,
-                                        segment_causal_mask, unstack_layers)
+from tlt_jax.models.kv_cache import KVCache, init_cache, init_pools, pages_for
+from tlt_jax.models.layouts import fuse_projections, replica_layout, unstack_layers
+from tlt_jax.models.transformer import (ModelOutput, Params, abstract_params, causal_mask,
+                                        compute_logits, forward, init_params, param_shapes,
+                                        segment_causal_mask)
 
 __all__ = [
     "ModelConfig", "RopeScaling", "num_params", "KVCache", "ModelOutput", "Params",
     "abstract_params", "causal_mask", "compute_logits", "forward", "fuse_projections",
-    "init_cache", "init_pools",
-    "init_params", "pages_for", "param_shapes", "replica_layout", "segment_causal_mask",
-    "unstack_layers",
+    "init_cache", "init_pools", "init_params", "pages_for", "param_shapes", "replica_layout",
+    "segment_causal_mask", "unstack_layers",
 ]

@@ -10,7 +10,7 @@ hidden. So `hidden[j]` returned for response token j is exactly the last-layer (
 hidden state that produced token j: the (h_t, token_{t+1}) pairs an EAGLE drafter trains on,
 with no extra forward pass.
 
-KV memory is paged (models/transformer.py's KVCache): a state's caches hold the replica's
+KV memory is paged (models/kv_cache.py's KVCache): a state's caches hold the replica's
 page pools and each row's page table. The per-row leaves are batch-major; the pools are not:
 re-layout ops (`map_rows`, `take_rows`, `put_rows`) move table rows, never k/v, and a prefill
 writes its prompts into the pages its rows were given (by the host allocator, pages.py).
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from tlt_jax.models import KVCache, ModelConfig, Params, compute_logits, forward, pages_for
-from tlt_jax.models.transformer import NO_PAGE
+from tlt_jax.models.kv_cache import NO_PAGE
 from tlt_jax.rollout.sampling import SamplingParams, sample_tokens
 
 

@@ -23,7 +23,7 @@ of `page_size` slots, allocated at the first generate and kept until `release_pa
 engine's `KVPages`, pages.py): a request holds the pages its row has reached plus one chunk's
 reach, is admitted only while pages are free, and when a live row's next chunk finds none the
 youngest rows are preempted and recomputed later (pages.py's policy). Each chunk attends over
-a window of the rows' slots (`kv_len`, models/transformer.py) picked from the longest live
+a window of the rows' slots (`kv_len`, models/kv_cache.py) picked from the longest live
 row the host knows of plus what the chunk can add (`chunk_reach`), on the `length_grid`
 (prompt_bucket x 2^k). Executables are keyed by window, compiled lazily like batch buckets.
 

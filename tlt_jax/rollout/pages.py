@@ -1,7 +1,7 @@
 """The host side of the paged KV cache: which pages of a replica's pool each request holds.
 
 A replica's KV memory is one pool of `num_pages` pages of `page_size` slots (models/
-transformer.py's KVCache: the target's layers and the drafter's layer share the page ids).
+kv_cache.py's KVCache: the target's layers and the drafter's layer share the page ids).
 A request holds the pages its row has reached (prompt + response so far + what the next
 chunk can add, `chunk_reach`); its row's page table lists them in slot order. Pages come back
 when the request finishes, is preempted, or the generate call ends, so a replica admits rows
@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, Sharding
 
 from tlt_jax.models import KVCache, ModelConfig, init_pools, pages_for
-from tlt_jax.models.transformer import NO_PAGE
+from tlt_jax.models.kv_cache import NO_PAGE
 from tlt_jax.rollout import decode
 from tlt_jax.sharding import cache_sharding
 

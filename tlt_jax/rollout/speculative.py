@@ -59,7 +59,7 @@ from tlt_jax.drafter.model import drafter_forward
 from tlt_jax.kernels.verify import kernel_pays, verify_chain, verify_tree
 from tlt_jax.kernels.verify.reference import draw_tree_randomness, draw_verify_randomness
 from tlt_jax.models import KVCache, ModelConfig, Params, compute_logits, forward
-from tlt_jax.models.transformer import move_slots
+from tlt_jax.models.kv_cache import move_slots
 from tlt_jax.rollout import decode
 from tlt_jax.rollout.decode import ChunkOutput, DecodeState
 from tlt_jax.rollout.drafts import Tree, draft_chain, draft_tree, external_tree, hybrid_draft
