@@ -184,7 +184,8 @@ def get_config():
   c.tlt.drafter.acceptance_len = 128
   c.tlt.spec = ml_collections.ConfigDict()
   c.tlt.spec.selector = "beg"  # BEG-MAB; or "fixed" (always `strategy`), "eg", "ucb1", "bucb1"
-  # Bandit arms per live-batch bucket, "LOWER_BOUND:ARM,..."; "" = rollout.mab.default_mab_buckets
+  # Bandit arms per live-batch bucket, "LOWER_BOUND:ARM,..."; "" = the defaults,
+  # rollout.policies.mab.default_mab_buckets
   c.tlt.spec.buckets = ""
   c.tlt.spec.epsilon = 0.1
   c.tlt.spec.window = 300
@@ -193,8 +194,8 @@ def get_config():
   c.tlt.spec.min_pulls = 5
   c.tlt.spec.strategy = "4_1_5"  # the fixed selector's arm
   # Each rollout worker keeps an index of this run's responses per prompt (siblings, earlier
-  # steps: tlt_jax/rollout/history.py), so history arms (hist_<K>, histtree_<K>_<topk>_<N>) in
-  # tlt.spec.buckets can draft from it; host-side work only.
+  # steps: tlt_jax/rollout/sources/history.py), so history arms (hist_<K>,
+  # histtree_<K>_<topk>_<N>) in tlt.spec.buckets can draft from it; host-side work only.
   c.tlt.spec.history = True
   c.tlt.spec.precompile = False  # True: compile every choosable (bucket, arm) pair up front
   # Compile them in the background instead, speculating at a bucket once its arms are ready
@@ -214,9 +215,9 @@ def get_config():
   # larger bucket after `follow_traffic` rollouts without a chunk where it is. Not with
   # selector="fixed" (the pinned strategy always). Hardware verdicts are kept beside
   # `compilation_cache` (tlt_gate/verdicts.json): a later run of this config on this kind of
-  # machine starts with them and probes nothing (tlt_jax/rollout/gate.py).
+  # machine starts with them and probes nothing (tlt_jax/rollout/policies/gate.py).
   # Nothing speculative is compiled unless its best case repays the compile within `payback`
-  # of the run's steps left (tlt_jax/rollout/payoff.py): the seconds the run spends at the
+  # of the run's steps left (tlt_jax/rollout/policies/payoff.py): the seconds the run spends at the
   # bucket per step x the steps left x payback x (1 - 1/ceiling) >= the compile, priced in
   # plain decode chunk compiles (`compile_factor` until one is measured). On this CPU the
   # long tail spends ~5 ms per step at bucket 1, so no arm is ever compiled here.

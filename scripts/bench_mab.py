@@ -2,7 +2,7 @@
 
   python scripts/bench_mab.py [--num_prompts 64] [--passes 10] [--warmup 2] [--chunk_size 4]
 
-Arms: every arm of the default BEG buckets (`tlt_jax.rollout.mab.default_mab_buckets()`).
+Arms: every arm of the default BEG buckets (`tlt_jax.rollout.policies.mab.default_mab_buckets()`).
 Each arm as a fixed strategy, and BEG over the default buckets, decode the long-tail workload
 (default model + shipped drafter, default-task test prompts, temperature 1, EOS) pass by pass,
 interleaved (tlt_jax/bench/mab.py). BEG keeps learning across passes and is reported
@@ -40,7 +40,7 @@ def main():
   import numpy as np
 
   from tlt_jax.rollout.engine import Engine
-  from tlt_jax.rollout.mab import default_mab_buckets, make_selector
+  from tlt_jax.rollout.policies.mab import default_mab_buckets, make_selector
   from tlt_jax.bench.mab import LongTailBench, load_default_workload, throughput
 
   buckets = default_mab_buckets()

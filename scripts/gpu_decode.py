@@ -97,7 +97,7 @@ def child(args) -> int:
   from tlt_jax.rollout import decode, speculative
   from tlt_jax.rollout.sampling import SamplingParams
   from tlt_jax.rollout.scheduler import kv_bucket
-  from tlt_jax.rollout.strategy import Strategy
+  from tlt_jax.rollout.policies.strategy import Strategy
 
   cells = json.loads(args.child)
   d, n, k, f, layers, v = (int(x) for x in args.shape.split(","))

@@ -1,4 +1,4 @@
-"""The speculation gate (tlt_jax/rollout/gate.py): decisions from known per-row rates, and
+"""The speculation gate (tlt_jax/rollout/policies/gate.py): decisions from known per-row rates, and
 the engine compiling and speculating only where the gate opens, losslessly."""
 
 import dataclasses
@@ -8,8 +8,8 @@ import pytest
 
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.engine import Engine
-from tlt_jax.rollout.gate import GateConfig, GateState, SpecGate
-from tlt_jax.rollout.probe import Chunk
+from tlt_jax.rollout.policies.gate import GateConfig, GateState, SpecGate
+from tlt_jax.rollout.policies.probe import Chunk
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
 from spec_helpers import SMALL, TINY
@@ -166,7 +166,7 @@ def test_hardware_verdicts_outlive_the_run_where_nothing_they_depend_on_changed(
   fingerprint starts declined (no probe: nothing compiles, the drafter is not wanted), one
   with another fingerprint probes; acceptance verdicts are not kept (they depend on the
   drafter); a re-probe that pays removes the verdict; a damaged file is a cache miss."""
-  from tlt_jax.rollout.verdicts import VerdictCache
+  from tlt_jax.rollout.policies.verdicts import VerdictCache
   path = tmp_path / "gate" / "verdicts.json"
   fp = {"device_kind": "cpu", "model": "hidden=128"}
   buckets = {b: ARMS for b in (1, 2, 4)}

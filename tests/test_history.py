@@ -1,5 +1,5 @@
-"""The history index (tlt_jax/rollout/suffix_index.py, and HistoryIndex around it: history.py)
-against a brute-force reference.
+"""The history index (tlt_jax/rollout/sources/suffix_index.py, and HistoryIndex around it:
+history.py) against a brute-force reference.
 
 The reference scans every sequence of the prompt for every occurrence of the context (a
 position with a next token) and counts next tokens; it expands the same best-first rule.
@@ -11,8 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from tlt_jax.rollout import suffix_index
-from tlt_jax.rollout.history import HistoryIndex
+from tlt_jax.rollout.sources import suffix_index
+from tlt_jax.rollout.sources.history import HistoryIndex
 
 
 class RefIndex:

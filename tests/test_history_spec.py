@@ -20,7 +20,7 @@ from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.engine import Engine, chunk_reach
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.strategy import Strategy
+from tlt_jax.rollout.policies.strategy import Strategy
 from spec_helpers import (N, NEW, PEAKED, PROMPT, SAMPLING, SMALL, TINY, broken_p, chi_square_p,
                           exact_joint, make_peaked)
 

@@ -12,11 +12,11 @@ import pytest
 
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.engine import Engine
-from tlt_jax.rollout.mab import (BanditConfig, BanditState, default_mab_buckets,
+from tlt_jax.rollout.policies.mab import (BanditConfig, BanditState, default_mab_buckets,
                                  make_selector)
 from tlt_jax.rollout.records import ChunkMetrics, Request
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.strategy import Strategy
+from tlt_jax.rollout.policies.strategy import Strategy
 from spec_helpers import TINY
 
 TLT = {1: ["8_4_48", "8_4_32", "off"], 2: ["8_4_32", "4_1_5", "off"],

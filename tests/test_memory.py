@@ -20,7 +20,7 @@ import pytest
 from tlt_jax import config as config_lib
 from tlt_jax import memory
 from tlt_jax.errors import ConfigError
-from tlt_jax.models import transformer as tf
+from tlt_jax import models as tf
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.sharding import cache_sharding, make_mesh, tree_shardings
 

@@ -1,12 +1,12 @@
-"""The payoff rule (tlt_jax/rollout/payoff.py) and the gate's use of it (gate.py), on hand-
+"""The payoff rule (tlt_jax/rollout/policies/payoff.py) and the gate's use of it (gate.py), on hand-
 computed cases: nothing speculative is compiled unless its best case repays the compile."""
 
 import pytest
 
-from tlt_jax.rollout import payoff
-from tlt_jax.rollout.gate import GateConfig, GateState, SpecGate
-from tlt_jax.rollout.verdicts import VerdictCache
-from tlt_jax.rollout.payoff import OPEN, PLAIN, SPEC, Ledger
+from tlt_jax.rollout.policies import payoff
+from tlt_jax.rollout.policies.gate import GateConfig, GateState, SpecGate
+from tlt_jax.rollout.policies.verdicts import VerdictCache
+from tlt_jax.rollout.policies.payoff import OPEN, PLAIN, SPEC, Ledger
 
 ARMS = ["4_1_5", "3_1_4", "off"]
 
@@ -230,7 +230,7 @@ def test_the_bandit_chooses_among_the_arms_the_gate_paid_for():
   """A paying bucket whose gate funded two of its four arms: the bandit's exploration rounds
   and its greedy choice stay among those two; given every arm (or none), it is the bandit it
   was (the same choices from the same seed)."""
-  from tlt_jax.rollout.mab import make_selector
+  from tlt_jax.rollout.policies.mab import make_selector
   arms = ["4_1_5", "3_1_4", "hist_4", "off"]
   sel = make_selector("beg", {1: arms}, epsilon=0.5, seed=3, min_pulls=2)
   seen = set()

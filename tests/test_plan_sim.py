@@ -17,7 +17,7 @@ from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.strategy import Strategy
+from tlt_jax.rollout.policies.strategy import Strategy
 from spec_helpers import SMALL, TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,7 +68,7 @@ class WrongIndex:
     return {}
 
   def draft(self, seq_key, max_tokens, topk=1, max_nodes=None):
-    from tlt_jax.rollout.suffix_index import Draft
+    from tlt_jax.rollout.sources.suffix_index import Draft
     seq, true = self.seqs[seq_key], self.oracle[seq_key]
     cont = list(true[len(seq):len(seq) + max_tokens])
     cont = [(int(t) + 1) % TINY.vocab_size for t in cont] + [0] * (max_tokens - len(cont))

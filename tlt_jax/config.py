@@ -36,11 +36,11 @@ from tlt_jax.memory import device_bytes
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.rl.grpo import GRPOConfig
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
-from tlt_jax.rollout.gate import GateConfig
-from tlt_jax.rollout.mab import default_mab_buckets, make_selector
+from tlt_jax.rollout.policies.gate import GateConfig
+from tlt_jax.rollout.policies.mab import default_mab_buckets, make_selector
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.scheduler import buckets_upto
-from tlt_jax.rollout.strategy import Strategy
+from tlt_jax.rollout.policies.strategy import Strategy
 from tlt_jax.sharding import AXES
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))

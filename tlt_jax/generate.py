@@ -9,14 +9,14 @@ template) or {"prompt_ids": [1, 2, 3]}. --temperature 0 is greedy. One output li
 prompt_index, sample_index, response_ids, text (when DIR has a tokenizer), num_tokens,
 finish_reason. A summary (tokens/s, batch-size profile over time) goes to stderr.
 
---spec takes one arm of the engine's grammar (rollout/strategy.py): "<steps>_<topk>_<verify>",
-e.g. 4_1_5 (a chain of 4 drafts, 5 tokens verified) or 3_2_6 (a tree of depth 3, branching 2,
-6 nodes verified); "off" decodes plainly. History arms, "hist_<K>" (a chain of up to K tokens)
-and "histtree_<K>_<topk>_<N>", draft from what the other samples of the same prompt
-(--num_samples) and the row itself have written (rollout/history.py's index); without
---drafter they run with a freshly initialised drafter, whose catch-up alone runs. The hybrid
-"hyb_<K>" verifies the index's chain and the drafter's together. By source: --spec drafter
-(4_1_5), --spec history (hist_8), --spec hybrid (hyb_4).
+--spec takes one arm of the engine's grammar (rollout/policies/strategy.py):
+"<steps>_<topk>_<verify>", e.g. 4_1_5 (a chain of 4 drafts, 5 tokens verified) or 3_2_6 (a tree
+of depth 3, branching 2, 6 nodes verified); "off" decodes plainly. History arms, "hist_<K>" (a
+chain of up to K tokens) and "histtree_<K>_<topk>_<N>", draft from what the other samples of
+the same prompt (--num_samples) and the row itself have written (rollout/sources/history.py's
+index); without --drafter they run with a freshly initialised drafter, whose catch-up alone
+runs. The hybrid "hyb_<K>" verifies the index's chain and the drafter's together. By source:
+--spec drafter (4_1_5), --spec history (hist_8), --spec hybrid (hyb_4).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ SPEC_NAMES = {"drafter": "4_1_5", "history": "hist_8", "hybrid": "hyb_4"}
 def history_index():
   """The host history index for history arms (imported here: only history arms need it)."""
   try:
-    from tlt_jax.rollout.history import HistoryIndex
+    from tlt_jax.rollout.sources.history import HistoryIndex
   except ImportError as e:
     raise InputError(f"--spec hist*: the history index is unavailable ({e})") from None
   return HistoryIndex()
@@ -133,7 +133,7 @@ def main(argv):
   from tlt_jax.rollout.records import EngineHooks, Request, tokens_per_verification
   from tlt_jax.rollout.sampling import SamplingParams
   from tlt_jax.rollout.scheduler import buckets_upto
-  from tlt_jax.rollout.strategy import Strategy
+  from tlt_jax.rollout.policies.strategy import Strategy
 
   sp = SamplingParams(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p)
   if FLAGS.num_samples < 1 or FLAGS.batch_size < 1 or FLAGS.max_new_tokens < 1:

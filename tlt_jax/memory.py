@@ -159,7 +159,7 @@ def learner_axes(cfg, num_devices: int) -> dict[str, int]:
 
 def _verify_width(spec) -> int:
   """Tokens per verification forward: the widest arm the bandit can choose."""
-  from tlt_jax.rollout.mab import default_mab_buckets
+  from tlt_jax.rollout.policies.mab import default_mab_buckets
   arms = {spec.speculation.strategy}
   for group in (spec.mab_buckets or default_mab_buckets()).values():
     arms.update(group)

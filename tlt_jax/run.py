@@ -34,12 +34,12 @@ from tlt_jax.models import ModelConfig, Params
 from tlt_jax.models.hf_io import read_hf_config
 from tlt_jax.optim import make_optimizer
 from tlt_jax.rl import grpo
-from tlt_jax.rollout.verdicts import for_run as gate_verdicts
+from tlt_jax.rollout.policies.verdicts import for_run as gate_verdicts
 from tlt_jax.rollout.engine import Engine, replica_shardings, to_replica_layout
 from tlt_jax.rollout.executables import background_compiler
-from tlt_jax.rollout.gate import GateState, SpecGate
-from tlt_jax.rollout.history import HistoryIndex
-from tlt_jax.rollout.mab import BanditState, Selector
+from tlt_jax.rollout.policies.gate import GateState, SpecGate
+from tlt_jax.rollout.sources.history import HistoryIndex
+from tlt_jax.rollout.policies.mab import BanditState, Selector
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.step_metrics import DrafterAcceptance
 
@@ -95,9 +95,9 @@ class Run:
 
 class TrainState(NamedTuple):
   """What an RL step takes and returns: the steps done, the learner, where the prompts are
-  and the host policies' states (pure values: rollout/mab.py, rollout/gate.py), which a
-  checkpoint saves and a resume rebuilds. (The drafter's state is the store's: spot training
-  merges into it during the rollout.)"""
+  and the host policies' states (pure values: rollout/policies/mab.py,
+  rollout/policies/gate.py), which a checkpoint saves and a resume rebuilds. (The drafter's
+  state is the store's: spot training merges into it during the rollout.)"""
 
   step: int
   learner: grpo.LearnerState

@@ -61,8 +61,8 @@ from tlt_jax.errors import ConfigError
 from tlt_jax.metrics import MetricsWriter, read_records
 from tlt_jax.rl import grpo
 from tlt_jax.rl.reward_pool import RewardError, RewardPool
-from tlt_jax.rollout.gate import GateState
-from tlt_jax.rollout.mab import BanditState
+from tlt_jax.rollout.policies.gate import GateState
+from tlt_jax.rollout.policies.mab import BanditState
 from tlt_jax.rollout.records import Request, Result
 from tlt_jax.run import Run, TrainState, build
 from tlt_jax.step_metrics import step_metrics

@@ -28,8 +28,8 @@ import tracemalloc
 
 import numpy as np
 
-from tlt_jax.rollout.history import HistoryIndex
-from tlt_jax.rollout.suffix_index import SuffixIndex
+from tlt_jax.rollout.sources.history import HistoryIndex
+from tlt_jax.rollout.sources.suffix_index import SuffixIndex
 
 
 def make_sample(rng, base, length, span, mut, vocab):
@@ -153,7 +153,7 @@ def history_table(prompts=8, samples=16, length=16384, prompt_len=256, epochs=2,
 
 def automaton_cost(n=100_000, vocab=32000, seed=0):
   """(bytes per token, us per token) of a plain CPython suffix automaton (dict transitions,
-  no occurrence counts): the alternative rollout/suffix_index.py's docstring rejects."""
+  no occurrence counts): the alternative rollout/sources/suffix_index.py's docstring rejects."""
   toks = np.random.default_rng(seed).integers(0, vocab, n).tolist()
   tracemalloc.start()
   t0 = time.perf_counter()

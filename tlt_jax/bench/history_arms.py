@@ -42,12 +42,12 @@ import jax
 from tlt_jax.bench.bench_model import load_target
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.engine import Engine
-from tlt_jax.rollout.history import HistoryIndex
-from tlt_jax.rollout.mab import Selector, default_mab_buckets, make_selector
+from tlt_jax.rollout.sources.history import HistoryIndex
+from tlt_jax.rollout.policies.mab import Selector, default_mab_buckets, make_selector
 from tlt_jax.rollout.records import Request, by_kind, tokens_per_verification
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.scheduler import buckets_upto
-from tlt_jax.rollout.strategy import Strategy
+from tlt_jax.rollout.policies.strategy import Strategy
 
 
 @dataclasses.dataclass(frozen=True)

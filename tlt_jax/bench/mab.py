@@ -25,10 +25,10 @@ import numpy as np
 
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.engine import Engine
-from tlt_jax.rollout.history import HistoryIndex
-from tlt_jax.rollout.mab import make_selector
+from tlt_jax.rollout.sources.history import HistoryIndex
+from tlt_jax.rollout.policies.mab import make_selector
 from tlt_jax.rollout.records import Request
-from tlt_jax.rollout.strategy import Strategy
+from tlt_jax.rollout.policies.strategy import Strategy
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.scheduler import buckets_upto
 

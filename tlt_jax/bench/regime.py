@@ -104,13 +104,13 @@ def roofline(args, params, cfg, prompts, max_prompt: int, greedy, sample) -> dic
 
 
 def gate_rollouts(args, prompts, worker, make_selector, Request, sp) -> dict:
-  """The speculation gate (tlt_jax/rollout/gate.py) as a training run meets it: rollouts of
+  """The speculation gate (tlt_jax/rollout/policies/gate.py) as a training run meets it: rollouts of
   --gate_prompts new prompts x --tail_n responses each (sampled, max batch 8), compile
   included, three workers interleaved rollout by rollout: plain; BEG-MAB behind the gate
   (one probe arm, buckets opened as they are measured to pay); BEG-MAB ungated (every
   bucket's arms compiled in the background from the first rollout). Prints the time per
   rollout, the gate's verdicts and when they came."""
-  from tlt_jax.rollout.gate import GateConfig, SpecGate
+  from tlt_jax.rollout.policies.gate import GateConfig, SpecGate
   arms = args.tail_arms.split(",")
 
   def beg():
@@ -167,7 +167,7 @@ def run(args: RegimeArgs) -> dict:
   from tlt_jax.rollout.config import EngineConfig, SpecConfig
   from tlt_jax.rollout.engine import Engine
   from tlt_jax.rollout.records import Request, tokens_per_verification
-  from tlt_jax.rollout.mab import make_selector
+  from tlt_jax.rollout.policies.mab import make_selector
   from tlt_jax.rollout.sampling import SamplingParams
 
   arms = args.arms.split(",")
@@ -296,7 +296,7 @@ def long_tail(args, prompts, compare, worker, run, summary, sample, r1, Request,
 
 def cost_section(args, params, dparams, cfg, arms, greedy, r1, max_prompt) -> dict:
   """Section 5: what the engine should reach at batch 1 from per-forward costs."""
-  from tlt_jax.rollout.strategy import Strategy
+  from tlt_jax.rollout.policies.strategy import Strategy
   costs = measure_costs(params, dparams, cfg, 1, arms, greedy, iters=10,
                         cache_len=max_prompt + args.max_new_tokens)
   print("\n### cost model, batch 1 greedy (per-forward costs in compiled loops, plain step = 1)"

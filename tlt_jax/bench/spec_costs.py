@@ -63,7 +63,7 @@ def measure_costs(params, dparams, cfg, batch: int, arms, sp, *, iters: int = 20
   from tlt_jax.rollout import decode, speculative
   from tlt_jax.rollout.sampling import processed_logprobs
   params = jax.jit(unstack_layers)(params)  # the rollout replicas' layout
-  from tlt_jax.rollout.strategy import Strategy
+  from tlt_jax.rollout.policies.strategy import Strategy
 
   b, v = batch, cfg.vocab_size
   rng = np.random.RandomState(0)
@@ -157,7 +157,7 @@ def measure_costs(params, dparams, cfg, batch: int, arms, sp, *, iters: int = 20
 def bounds(costs: dict[str, float], arm: str, accept: float) -> dict[str, float]:
   """The three speedup bounds of the module docstring for `arm` at `accept` tokens per
   verification (costs from `measure_costs`)."""
-  from tlt_jax.rollout.strategy import Strategy
+  from tlt_jax.rollout.policies.strategy import Strategy
   st = Strategy(arm)
   unit = costs["plain step"]
   r = costs["drafter fwd T=1"] / unit

@@ -19,7 +19,7 @@ from typing import Sequence
 
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.plan import cost
-from tlt_jax.rollout.strategy import Strategy
+from tlt_jax.rollout.policies.strategy import Strategy
 
 @dataclasses.dataclass
 class Calibration:

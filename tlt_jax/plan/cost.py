@@ -189,7 +189,7 @@ def prefill(cfg: ModelConfig, prompts: int, prompt_len: int, *, tp: int = 1,
 
 def spec_step(cfg: ModelConfig, arm, batch: int, kv_len: int, *, tp: int = 1,
               dtype: str | None = None) -> Cost:
-  """One speculative step of `arm` (a rollout.strategy.Strategy): the target's verification
+  """One speculative step of `arm` (a rollout.policies.strategy.Strategy): the target's verification
   over its verify tokens, the drafter's catch-up over steps + 1 tokens and steps - 1 more
   drafter steps of topk (a history arm drafts on the host: its verification only; "off" one
   target token and the drafter's catch-up over it). Host work (a history lookup) is not in

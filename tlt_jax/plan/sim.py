@@ -56,7 +56,7 @@ from tlt_jax.rollout.pages import PageAllocator
 from tlt_jax.rollout.prefill import prompt_len
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.scheduler import Prefill, Refill, Resize
-from tlt_jax.rollout.strategy import Strategy
+from tlt_jax.rollout.policies.strategy import Strategy
 
 
 # ----------------------------------------------------------------------------- the device
@@ -180,7 +180,7 @@ class SimEngine(Engine):
   def __init__(self, cfg: ModelConfig, ecfg, hw: cost.Hardware, *, worker_id: int = 0,
                selector: Any = None, gate: Any = None, acceptance: Acceptance | None = None,
                tp: int = 1, compile_s: float = 0.0, seed: int = 0):
-    from tlt_jax.rollout.mab import make_selector
+    from tlt_jax.rollout.policies.mab import make_selector
     self.cfg, self.ecfg, self.worker_id = cfg, ecfg, worker_id
     self.hw, self.tp, self.compile_s = hw, tp, compile_s
     self.acceptance = acceptance or Acceptance()
@@ -379,7 +379,7 @@ class Simulation:
   def __init__(self, spec, cfg: ModelConfig, hw: cost.Hardware, *, workers: int, tp: int,
                gpus: int, lengths: Lengths, acceptance: Acceptance, compile_s: float,
                seed: int = 0, prompt_tokens: int | None = None):
-    from tlt_jax.rollout.gate import SpecGate
+    from tlt_jax.rollout.policies.gate import SpecGate
     self.spec, self.cfg, self.hw = spec, cfg, hw
     self.workers_n, self.tp, self.gpus = workers, tp, gpus
     self.lengths, self.seed = lengths, seed

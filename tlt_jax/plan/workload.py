@@ -33,7 +33,7 @@ from typing import Sequence
 import numpy as np
 
 from tlt_jax.errors import ConfigError
-from tlt_jax.rollout.strategy import Strategy
+from tlt_jax.rollout.policies.strategy import Strategy
 
 # A reasoning run's response lengths at max_new_tokens 8192 (docs/scale.md): a median around
 # 2.5k tokens, a log-space spread of 0.7, and 8% of responses in a heavy tail from 4k tokens

@@ -1,0 +1,16 @@
+"""The rollout: an engine that decodes a worker's share of requests, the policies that decide
+how, and the sources that draft from what was already written.
+
+This package is the engine's mechanics: `engine.py` (one replica's `generate`, sequencing the
+rest once per chunk), `scheduler.py` (which rows to prefill, refill, compact), `pages.py` (the
+paged KV cache's allocator), `prefill.py`, `decode.py` (plain decode chunks), `speculative.py`
+and `drafts.py` (speculative chunks: the drafter's chains and trees, verification),
+`history_chunk.py` (a history arm's host loop), `compile_plan.py` and `executables.py` (what is
+compiled, when, and at what price), `records.py` (requests, results, chunk metrics),
+`sampling.py`, `config.py`. Its two subpackages:
+  policies/  the decisions (the bandit, the speculation gate and its pricing, the arm):
+             pure host values and transitions; they import no engine module.
+  sources/   draft sources from text already written (the history index); they import
+             neither the engine nor the policies.
+The engine imports both. tests/test_tree.py checks these rules.
+"""

@@ -45,7 +45,7 @@ from tlt_jax.rollout.prefill import prefill_arrays, prefill_call
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.scheduler import kv_bucket, length_grid
-from tlt_jax.rollout.strategy import Strategy
+from tlt_jax.rollout.policies.strategy import Strategy
 
 _log = logging.getLogger(__name__)
 

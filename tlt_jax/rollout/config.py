@@ -11,7 +11,7 @@ import dataclasses
 from tlt_jax.errors import ConfigError
 from tlt_jax.models import pages_for
 from tlt_jax.rollout.scheduler import bucket_for
-from tlt_jax.rollout.strategy import DEFAULT_ARM, Strategy
+from tlt_jax.rollout.policies.strategy import DEFAULT_ARM, Strategy
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from tlt_jax.drafter.model import drafter_forward, drafter_tree_forward
 from tlt_jax.models import KVCache
 from tlt_jax.rollout.sampling import processed_logprobs
-from tlt_jax.rollout.strategy import Strategy
+from tlt_jax.rollout.policies.strategy import Strategy
 
 
 def draft_chain(dparams, params, dc: KVCache, g, dlogits, keys, *, cfg, sp, steps, kv_len):

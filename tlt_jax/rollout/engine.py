@@ -28,7 +28,7 @@ row the host knows of plus what the chunk can add (`chunk_reach`), on the `lengt
 (prompt_bucket x 2^k). Executables are keyed by window, compiled lazily like batch buckets.
 
 History arms (strategy.py: "hist_<K>", "histtree_<K>_<topk>_<N>") draft from a host index of
-earlier text (`history=`: duck-typed, begin/extend/end/draft, rollout/history.py) instead of
+earlier text (`history=`: duck-typed, begin/extend/end/draft, rollout/sources/history.py) instead of
 the drafter. A call keeps the index current on every chunk, whatever the arm: a row's
 prompt when it starts (`begin`), its tokens as they are emitted (`extend`), and `end` when it
 finishes (kept: a sibling or a later epoch drafts from it) or is preempted (dropped: it will
@@ -57,18 +57,19 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tlt_jax.models import KVCache, ModelConfig, Params, replica_layout
-from tlt_jax.rollout import decode, payoff
+from tlt_jax.rollout import decode
+from tlt_jax.rollout.policies import payoff
 from tlt_jax.rollout.compile_plan import CompilePlan, PlanCall
 from tlt_jax.rollout.config import EngineConfig
 from tlt_jax.rollout.executables import CompileRecord, ExecutableCache
-from tlt_jax.rollout.mab import make_selector
+from tlt_jax.rollout.policies.mab import make_selector
 from tlt_jax.rollout.history_chunk import history_chunk
 from tlt_jax.rollout.pages import KVPages, PageAllocator, admission, grow_rows
 from tlt_jax.rollout.prefill import prefill_arrays, prefill_call, prompt_problem
 from tlt_jax.rollout.records import ChunkMetrics, EngineHooks, Output, Request, Result
 from tlt_jax.rollout.sampling import SamplingParams, plain_variant
 from tlt_jax.rollout.scheduler import Prefill, Refill, Resize, Scheduler
-from tlt_jax.rollout.strategy import Strategy
+from tlt_jax.rollout.policies.strategy import Strategy
 from tlt_jax.sharding import make_mesh, tree_shardings
 
 

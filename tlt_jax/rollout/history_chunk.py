@@ -17,7 +17,7 @@ from jax.sharding import Sharding
 
 from tlt_jax.models import Params
 from tlt_jax.rollout import decode
-from tlt_jax.rollout.strategy import Strategy
+from tlt_jax.rollout.policies.strategy import Strategy
 
 
 def history_chunk(exe, params: Params, drafter_params: Params, state, strategy: Strategy,

@@ -64,7 +64,7 @@ from tlt_jax.rollout import decode
 from tlt_jax.rollout.decode import ChunkOutput, DecodeState
 from tlt_jax.rollout.drafts import Tree, draft_chain, draft_tree, external_tree, hybrid_draft
 from tlt_jax.rollout.sampling import SamplingParams, processed_logprobs, sample_tokens
-from tlt_jax.rollout.strategy import Strategy
+from tlt_jax.rollout.policies.strategy import Strategy
 
 @flax.struct.dataclass
 class SpecState:

@@ -81,8 +81,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from tlt_jax.rollout.suffix_arena import (BITS, SENTINEL, PromptHistory, Seq, backward_sorted,
-                                          checked_ids, in_ranges)
+from tlt_jax.rollout.sources.suffix_arena import (BITS, SENTINEL, PromptHistory, Seq,
+                                                  backward_sorted, checked_ids, in_ranges)
 
 _SMALL = 32  # occurrence sets up to this size are walked as Python lists
 _NEVER = np.uint64((1 << 64) - 1)  # a pending key no (token, previous token) pair equals

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, NamedTuple, Sequence
 
-from tlt_jax.rollout.strategy import Strategy
+from tlt_jax.rollout.policies.strategy import Strategy
 
 PROBING, PAYS, DECLINED, CLOSED = "probing", "pays", "declined", "closed"
 HARDWARE, ACCEPTANCE = "hardware", "acceptance"  # why a bucket was declined

@@ -82,11 +82,11 @@ import threading
 from typing import Any, Mapping, Sequence
 
 from tlt_jax.errors import ConfigError
-from tlt_jax.rollout import funding, payoff
-from tlt_jax.rollout.probe import (ACCEPTANCE, CLOSED, DECLINED, HARDWARE, PAYS, PROBING, Bucket,
-                                   Chunk, accept_len, rate)
-from tlt_jax.rollout.strategy import Strategy
-from tlt_jax.rollout.verdicts import VerdictCache
+from tlt_jax.rollout.policies import funding, payoff
+from tlt_jax.rollout.policies.probe import (ACCEPTANCE, CLOSED, DECLINED, HARDWARE, PAYS,
+                                            PROBING, Bucket, Chunk, accept_len, rate)
+from tlt_jax.rollout.policies.strategy import Strategy
+from tlt_jax.rollout.policies.verdicts import VerdictCache
 
 
 

@@ -49,7 +49,7 @@ import threading
 from typing import Any, Mapping, Sequence
 
 from tlt_jax.errors import ConfigError
-from tlt_jax.rollout.strategy import Strategy
+from tlt_jax.rollout.policies.strategy import Strategy
 
 RULES = ("fixed", "egreedy", "ucb1")  # always one arm; epsilon-greedy on medians; UCB1 on means
 SELECTORS = ("fixed", "beg", "eg", "ucb1", "bucb1")  # config names (make_selector)

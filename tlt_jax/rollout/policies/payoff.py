@@ -42,7 +42,7 @@ import dataclasses
 import statistics
 from typing import Any, Mapping
 
-from tlt_jax.rollout.strategy import Strategy
+from tlt_jax.rollout.policies.strategy import Strategy
 
 # A bucket's one-off speculative compiles (switch-on at the lengths it needs, the speculative
 # prefill), in plain decode chunk compiles at the bucket, until measured (1.4 measured here).

@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from tlt_jax.rollout import payoff
-from tlt_jax.rollout.probe import PAYS, PROBING, measured
-from tlt_jax.rollout.strategy import Strategy
+from tlt_jax.rollout.policies import payoff
+from tlt_jax.rollout.policies.probe import PAYS, PROBING, measured
+from tlt_jax.rollout.policies.strategy import Strategy
 
 
 def fund(s):

@@ -28,7 +28,7 @@ import weakref
 
 import numpy as np
 
-from tlt_jax.rollout.suffix_index import Draft, SuffixIndex, checked_ids
+from tlt_jax.rollout.sources.suffix_index import Draft, SuffixIndex, checked_ids
 
 
 class HistoryIndex:

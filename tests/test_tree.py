@@ -1,0 +1,94 @@
+"""The package tree is the architecture (tlt_jax/rollout/__init__.py): the rollout's policies
+import no engine module, its draft sources import neither the engine nor the policies, and
+nothing imports a tlt_jax module or name that no longer exists. Read off the source with
+`ast`, not by importing it."""
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PKG = os.path.join(ROOT, "tlt_jax")
+
+
+def imports(path: str) -> set[str]:
+  """Every module a file imports (absolute names; `from a import b` counts a and a.b), but
+  those in an `except ImportError:` handler (a script's fallback for older checkouts)."""
+  tree = ast.parse(open(path).read())
+  fallback = {id(n) for h in ast.walk(tree) if isinstance(h, ast.ExceptHandler)
+              and isinstance(h.type, ast.Name) and h.type.id == "ImportError"
+              for n in ast.walk(h)}
+  out = set()
+  for node in ast.walk(tree):
+    if id(node) in fallback:
+      continue
+    if isinstance(node, ast.Import):
+      out |= {a.name for a in node.names}
+    elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+      out.add(node.module)
+      out |= {f"{node.module}.{a.name}" for a in node.names}
+  return out
+
+
+def defines(path: str) -> set[str]:
+  """The names a module binds at its top level (functions, classes, assignments, imports)."""
+  out = set()
+  for node in ast.parse(open(path).read()).body:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      out.add(node.name)
+    elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+      targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+      out |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    elif isinstance(node, (ast.Import, ast.ImportFrom)):
+      out |= {(a.asname or a.name).split(".")[0] for a in node.names}
+  return out
+
+
+def modules(sub: str) -> list[str]:
+  d = os.path.join(PKG, *sub.split("/"))
+  return [os.path.join(d, f) for f in sorted(os.listdir(d)) if f.endswith(".py")]
+
+
+def test_policies_import_no_engine_module():
+  for path in modules("rollout/policies"):
+    bad = {m for m in imports(path)
+           if m.startswith("tlt_jax.rollout.") and not m.startswith("tlt_jax.rollout.policies")}
+    assert not bad, f"{os.path.relpath(path, ROOT)} imports {sorted(bad)}"
+
+
+def test_draft_sources_import_neither_engine_nor_policies():
+  for path in modules("rollout/sources"):
+    bad = {m for m in imports(path)
+           if m.startswith("tlt_jax.rollout.") and not m.startswith("tlt_jax.rollout.sources")}
+    assert not bad, f"{os.path.relpath(path, ROOT)} imports {sorted(bad)}"
+
+
+def test_every_tlt_jax_import_names_a_module_or_a_name_in_one():
+  """No import of a moved or deleted module is left anywhere in the package, scripts or
+  tests (a name imported from a module must exist there: checked by importing each module
+  once the file's imports are known to resolve)."""
+  import importlib.util
+  roots = [PKG, os.path.join(ROOT, "scripts"), os.path.join(ROOT, "tests")]
+  missing = set()
+  for root in roots:
+    for d, _, files in os.walk(root):
+      for f in files:
+        if not f.endswith(".py"):
+          continue
+        for m in imports(os.path.join(d, f)):
+          if not m.startswith("tlt_jax."):
+            continue
+          parent, _, leaf = m.rpartition(".")
+          if importlib.util.find_spec(m.split(".")[0]) is None:
+            continue
+          try:
+            if importlib.util.find_spec(m) is not None:
+              continue
+          except ModuleNotFoundError:
+            pass
+          spec = importlib.util.find_spec(parent) if parent else None
+          if spec is None or spec.origin is None:
+            missing.add((os.path.relpath(os.path.join(d, f), ROOT), m))
+            continue
+          if leaf not in defines(spec.origin):
+            missing.add((os.path.relpath(os.path.join(d, f), ROOT), m))
+  assert not missing, sorted(missing)

@@ -1,0 +1,10 @@
+"""The rollout's policies: what decides how the engine decodes, as pure host values and
+transitions it calls once per chunk or rollout. `strategy.py` is an arm (a speculative
+strategy, or plain decoding); `mab.py` the bandit that picks the arm per live-batch bucket
+(BEG-MAB); `gate.py` whether speculation pays at a bucket on this hardware, from probes
+(`probe.py`), funded by what the probe can earn (`funding.py`, `payoff.py`: a compile must
+repay itself within the run), remembered between runs (`verdicts.py`). They import no engine
+module (tlt_jax/rollout/*.py) and run nothing on a device (verdicts.py asks jax only which
+machine it is): the cluster simulator (tlt_jax/plan) drives the same policies on a simulated
+clock.
+"""
