@@ -40,7 +40,8 @@ def main():
   import numpy as np
 
   from tlt_jax.rollout.engine import Engine
-  from tlt_jax.rollout.policies.mab import default_mab_buckets, make_selector
+  from tlt_jax.rollout.policies.cells import make_selector
+  from tlt_jax.rollout.policies.mab import default_mab_buckets
   from tlt_jax.bench.mab import LongTailBench, load_default_workload, throughput
 
   buckets = default_mab_buckets()
@@ -100,7 +101,7 @@ def main():
   for thr in sorted({ecfg.spec.bs_threshold, 16}):
     w = Engine(work.params, work.cfg, dataclasses.replace(
         ecfg, spec=dataclasses.replace(ecfg.spec, bs_threshold=thr)),
-        drafter_params=work.drafter_params, selector=beg())
+        drafter_params=work.drafter_params, bandit=beg().cfg)
     rows = {"BEG choosable pairs": [(a, b)
                                     for b, arms_b in w.choosable_pairs().items()
                                     for a in arms_b],

@@ -62,6 +62,9 @@ if [ $SMOKE = 1 ]; then
     --max_new_tokens 24 --threshold 2 --gate_rollouts 2 --gate_prompts 1"
   COST_ARGS="--batch_sizes 1,2 --arms 3_1_4 --iters 8 --rollouts 0 --learner 0"
   E2E_STEPS=2
+  # TLT off reuses what TLT on compiled (the learner's programs): on a GPU each mode compiles
+  # cold, as a run does; here only that the stage runs is checked
+  E2E_CACHE="$OUT/jax_cache"
   E2E_EXTRA="--config.eval.num_prompts=16 --config.grpo.num_prompts=4 --config.grpo.n=4
     --config.grpo.micro_batch=16 --config.rollout.max_new_tokens=96 --config.cpu_devices=1
     --config.reward.num_workers=1"
@@ -87,6 +90,7 @@ else
     --skip_costs --gate_rollouts 0"
   COST_ARGS="--dtype bfloat16 --batch_sizes 1,8 --arms 4_1_5 --iters 8 --rollouts 0 --learner 0"
   E2E_STEPS=2
+  E2E_CACHE="$OUT/e2e/cache_"'$mode'  # each mode compiles cold (its own cache), as a run does
   E2E_EXTRA="--config.grpo.num_prompts=8 --config.grpo.n=4 --config.grpo.micro_batch=8
     --config.eval.num_prompts=32 --config.rollout.max_batch=32
     --config.rollout.buckets=1,2,4,8,16,32"
@@ -152,7 +156,7 @@ stage rl_steps "${LIMIT[3]}" all bash -c "for mode in on off; do
     rm -rf '$OUT/e2e/'\$mode
     timeout --kill-after=5 $HALF $PY -m tlt_jax.train --config configs/longtail.py \
       --workdir '$OUT/e2e/'\$mode --config.train.steps=$E2E_STEPS \
-      --config.compilation_cache='$OUT/e2e/cache_'\$mode $E2E_EXTRA \$extra 2>&1 \
+      --config.compilation_cache=\"$E2E_CACHE\" $E2E_EXTRA \$extra 2>&1 \
       | tr '\r' '\n' | grep -E '^(error|done|step 0|Traceback)|Error' | tail -n 5
     echo \"TLT \$mode: exit \${PIPESTATUS[0]}\"
   done; $PY scripts/gpu_headline.py --rl '$OUT'"

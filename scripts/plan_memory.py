@@ -32,7 +32,7 @@ def main(argv):
   runtime.setup_jax(cfg)  # the CPU device count a CPU config asks for
   spec = run_spec(cfg)
   model_cfg = model_config(cfg)
-  device = cfg.memory.device or memory.local_device()
+  device = cfg.memory.device or runtime.local_device()
   n = int(cfg.memory.num_devices or 0) or memory.visible_devices()
   sized = ""
   if spec.max_batch == 0:

@@ -8,7 +8,14 @@ the subprocesses tests start (CLI runs, multi-process launches) through the envi
 import os
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# XLA's CPU collectives abort the process when a participant misses a rendezvous by the
+# termination timeout ("Termination timeout ... Exiting to ensure a consistent program state"):
+# on 2 cores shared by two xdist workers and the processes they start, an 8-device learner
+# step's collective can wait that long (a worker died in test_export's update, in a native
+# thread, twice); a slow rendezvous is not an error here.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
+                      "--xla_cpu_collective_call_terminate_timeout_seconds=1200 "
+                      "--xla_cpu_collective_call_warn_stuck_timeout_seconds=300")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -40,7 +40,8 @@ class FakeEngine:
     self.params = None
     self.drafter_params = None
 
-  def generate(self, share, sp, *, seed, hooks, selector=None):
+  def generate(self, share, sp, *, seed, hooks, policies=None):
+    self.policies = policies  # (the cells of the rollout's policies it was handed)
     out = []
     for r in share:
       if hooks.before_chunk:
@@ -290,19 +291,26 @@ def test_a_worker_without_data_waits_idle_and_spot_off_never_trains():
   assert out.drafter is None and s["training_s"] == 0
   assert s["idle_s"] == pytest.approx(0.25, abs=0.1)  # idle until the barrier, untrained
 
-  # spot training paused (the speculation gate declined every bucket), then resumed
-  wanted = [False]
+  # spot training paused (the speculation gate wants no drafter: nothing shows drafts pay
+  # yet), then resumed (an ungated gate wants it from the start)
+  from tlt_jax.rollout.policies.cells import Policies
+  from tlt_jax.rollout.policies.gate import GateConfig, GateState
+  paused, wanting = GateState(GateConfig()), GateState(GateConfig(gating=False))
+  assert not paused.drafter_wanted() and wanting.drafter_wanted()
   c, store, trainers = make(2)
-  c.spot_wanted = lambda: wanted[0]
-  out = c.rollout(shares(0.05, 0.3), sp=None, seed=0)
+  out = c.rollout(shares(0.05, 0.3), sp=None, seed=0, policies=Policies(gate=paused))
   s = out.timeline.summary()
   assert out.drafter["steps"] == 0 and s["training_s"] == 0 and store.drafter_version == 0
   assert s["idle_s"] == pytest.approx(0.25, abs=0.1)
   assert not any(hasattr(t, "prepared") for t in trainers)  # (nothing to compile for)
-  wanted[0] = True
-  out = c.rollout(shares(0.05, 0.3), sp=None, seed=1)
+  # the workers shared one cell of the gate, and the outcome carries its state back
+  cells = {id(w.engine.policies) for w in c.workers}
+  assert len(cells) == 1 and c.workers[0].engine.policies.gate.state is paused
+  assert out.policies.gate is paused
+  out = c.rollout(shares(0.05, 0.3), sp=None, seed=1, policies=Policies(gate=wanting))
   assert out.drafter["steps"] > 0 and store.drafter_version == 1
   assert all(t.prepared for t in trainers)
+  assert out.policies.gate is wanting
 
 
 def test_serial_mode_trains_after_the_rollout_on_worker_0_and_pushes():

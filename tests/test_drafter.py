@@ -421,7 +421,7 @@ def test_save_load_round_trip_exact(tmp_path, param_dtype):
 
 
 def test_export_eagle_keys_shapes_and_config(tmp_path):
-  from tlt_jax.models.hf_io import mmap_safetensors
+  from tlt_jax.models.safetensors_io import mmap_safetensors
   cfg = QWEN
   d, h = cfg.hidden_size, cfg.head_dim_
   n, k, f = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size

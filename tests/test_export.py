@@ -31,8 +31,8 @@ from tlt_jax.checkpoint import Checkpointer
 from tlt_jax.config import asset_path
 from tlt_jax.export import ExportError, export_run, policy_path
 from tlt_jax.models import forward
-from tlt_jax.models.hf_io import (hf_state_dict, load_hf_config, load_hf_model,
-                                  read_safetensors_header)
+from tlt_jax.models.hf_io import hf_state_dict, load_hf_config, load_hf_model
+from tlt_jax.models.safetensors_io import read_safetensors_header
 from tlt_jax.rollout.config import EngineConfig
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.records import Request

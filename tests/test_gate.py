@@ -8,7 +8,8 @@ import pytest
 
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.engine import Engine
-from tlt_jax.rollout.policies.gate import GateConfig, GateState, SpecGate
+from tlt_jax.rollout.policies.cells import PolicyCells, SpecGate
+from tlt_jax.rollout.policies.gate import GateConfig, GateState
 from tlt_jax.rollout.policies.probe import Chunk
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
@@ -152,8 +153,8 @@ def test_state_survives_a_resume():
   g.begin_rollout(0, {1: ARMS, 2: ARMS})
   _feed(g, 2, None, 100.0, 1, live=2)
   _feed(g, 2, "4_1_5", 50.0, 1, live=2, accept_len=4.0)  # ceiling 0.625: hardware
-  h = SpecGate(GateConfig(min_chunks=1, margin=0.0, lead="4_1_5"))
-  h.hold(GateState.restore(h.state.cfg, g.state.state_dict()))
+  h = SpecGate(GateState.restore(GateConfig(min_chunks=1, margin=0.0, lead="4_1_5"),
+                                 g.state.state_dict()))
   assert h.state.status == g.state.status == {1: "pays", 2: "declined"}
   assert h.state.reason == {2: "hardware"}
   h.begin_rollout(5, {1: ARMS, 2: ARMS})
@@ -306,10 +307,11 @@ def test_workers_compile_and_speculate_only_where_the_gate_opens(tiny):
                     background_compile=True)
   gate = SpecGate(GateConfig(min_chunks=1, margin=1e6, reprobe_every=0))  # never pays
   a, b = (Engine(params, CFG, EngineConfig(**SMALL, spec=spec), drafter_params=dparams,
-                 worker_id=i, gate=gate) for i in (0, 1))
+                 worker_id=i) for i in (0, 1))
 
-  def run(w):
-    out = {r.request_id: r.response_ids for r in w.generate(reqs, sp)}
+  def run(w):  # (the two workers' rollouts take turns: one cell of the gate, shared)
+    out = {r.request_id: r.response_ids
+           for r in w.generate(reqs, sp, policies=PolicyCells(gate=gate))}
     w.compiles.wait(timeout=600)
     for k, v in plain.items():
       np.testing.assert_array_equal(out[k], v)
@@ -355,11 +357,31 @@ def test_drafter_data_is_captured_only_while_the_gate_wants_the_drafter(tiny):
       params, CFG, ecfg, drafter_params=dparams).generate(reqs, sp, speculate=False)}
   # a probe that never decides (its verdict is timing's): whether drafts pay is set by hand
   gate = SpecGate(GateConfig(min_chunks=10_000, window=10_000, reprobe_every=0))
-  w = Engine(params, CFG, ecfg, drafter_params=dparams, gate=gate)
-  assert all(r.hidden is None for r in w.generate(reqs, sp))  # nothing shows drafts pay yet
+  w = Engine(params, CFG, ecfg, drafter_params=dparams)
+  cells = PolicyCells(gate=gate)
+  assert all(r.hidden is None for r in w.generate(reqs, sp, policies=cells))  # nothing shows
+  # drafts pay yet
   gate.state = dataclasses.replace(gate.state, hardware_ok=True)  # as if a probe measured
   # a ceiling over the bar
-  got = w.generate(reqs, sp)
+  got = w.generate(reqs, sp, policies=cells)
   assert gate.drafter_wanted() and all(r.hidden is not None for r in got)
   for r in got:
     np.testing.assert_allclose(r.hidden, ref[r.request_id][-len(r.hidden):], atol=1e-5)
+
+
+def test_a_call_whose_bandit_runs_arms_the_engine_does_not_compile_is_refused(tiny):
+  """An engine compiles for its bandit's arms (built once); a call's policies bring the bandit
+  state to choose with. One with an arm the engine does not know is one clear error before
+  anything runs; one within them (evaluation's own bandit, fewer arms) decodes."""
+  from tlt_jax.rollout.policies.cells import make_selector
+  from tlt_jax.rollout.policies.mab import bandit_config
+  params, dparams = tiny
+  spec = SpecConfig(strategy="3_1_4", bs_threshold=4, patience=1, use_kernel=False)
+  w = Engine(params, CFG, EngineConfig(**SMALL, spec=spec), drafter_params=dparams,
+             bandit=bandit_config("beg", {1: ["3_1_4", "off"]}))
+  reqs, sp = _requests(2), SamplingParams(temperature=0.0)
+  with pytest.raises(ValueError, match=r"runs \['2_1_3'\], which this engine does not"):
+    w.generate(reqs, sp, policies=PolicyCells(make_selector("beg", {1: ["2_1_3", "off"]})))
+  assert w.chunk_log == [] and w.compile_log == []
+  sel = make_selector("fixed", strategy="off")
+  assert len(w.generate(reqs, sp, policies=PolicyCells(sel))) == 2

@@ -18,6 +18,7 @@ from tlt_jax.models import init_cache
 from tlt_jax.rollout import drafts, speculative
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.engine import Engine, chunk_reach
+from tlt_jax.rollout.policies.cells import PolicyCells
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.policies.strategy import Strategy
@@ -131,9 +132,9 @@ def test_greedy_history_spec_equals_plain(tiny, arms, pool):
   ecfg = EngineConfig(**SMALL, stop_tokens=(stop,), **pool,
                       spec=SpecConfig(strategy=arms[0], bs_threshold=4, patience=1,
                                       use_kernel=False))
-  w = Engine(params, CFG, ecfg, drafter_params=dparams, history=index,
-             selector=CycleSelector(arms) if len(arms) > 1 else None)
-  spec = _by_key(w.generate(reqs, sp))
+  sel = CycleSelector(arms) if len(arms) > 1 else None
+  w = Engine(params, CFG, ecfg, drafter_params=dparams, history=index, bandit=sel)
+  spec = _by_key(w.generate(reqs, sp, policies=PolicyCells(sel)))
   hist = [m for m in w.chunk_log if m.mode != "off" and Strategy(m.mode).history]
   assert hist and sum(m.accepted for m in hist) > 0  # history drafts ran and were accepted
   assert {m.mode for m in w.chunk_log} >= set(arms)
@@ -196,9 +197,8 @@ def test_history_fed_only_once_a_history_arm_runs(tiny):
                                                use_kernel=False))
   # 2_1_3, 2_1_3, 2_1_3, hist_3, ...: the first chunks speculate with the drafter only
   selector = CycleSelector(["2_1_3", "2_1_3", "hist_3", "2_1_3"])
-  w = Engine(params, CFG, ecfg, drafter_params=dparams, history=index, selector=selector,
-             gate=NotWantedGate())
-  spec = _by_key(w.generate(reqs, sp))
+  w = Engine(params, CFG, ecfg, drafter_params=dparams, history=index, bandit=selector)
+  spec = _by_key(w.generate(reqs, sp, policies=PolicyCells(selector, NotWantedGate())))
   modes = [m.mode for m in w.chunk_log]
   assert "hist_3" in modes and modes.index("hist_3") > 0
   for key, r in plain.items():
@@ -212,8 +212,9 @@ def test_history_fed_only_once_a_history_arm_runs(tiny):
   assert not index.seqs
   # without a history arm the index hears nothing
   quiet = FakeIndex(oracle, CFG.vocab_size)
-  Engine(params, CFG, ecfg, drafter_params=dparams, history=quiet,
-         selector=CycleSelector(["2_1_3", "off"]), gate=NotWantedGate()).generate(reqs, sp)
+  sel = CycleSelector(["2_1_3", "off"])
+  Engine(params, CFG, ecfg, drafter_params=dparams, history=quiet, bandit=sel).generate(
+      reqs, sp, policies=PolicyCells(sel, NotWantedGate()))
   assert not quiet.ended and not quiet.seqs
 
 
@@ -384,11 +385,12 @@ def test_background_compile_of_history_arms(tiny):
   w = Engine(params, CFG, EngineConfig(
       **SMALL, spec=SpecConfig(strategy=arms[0], bs_threshold=4, patience=1, use_kernel=False,
                               background_compile=True)), drafter_params=dparams,
-             history=FakeIndex(oracle, CFG.vocab_size), selector=CycleSelector(arms))
-  first = _by_key(w.generate(reqs, sp))
+             history=FakeIndex(oracle, CFG.vocab_size), bandit=CycleSelector(arms))
+  cells = PolicyCells(w.bandit)
+  first = _by_key(w.generate(reqs, sp, policies=cells))
   w.compiles.wait(timeout=600)
   n = len(w.chunk_log)
-  second = _by_key(w.generate(reqs, sp))
+  second = _by_key(w.generate(reqs, sp, policies=cells))
   chunks = w.chunk_log[n:]
   assert {c.mode for c in chunks} >= set(arms) and not any(c.compiled for c in chunks)
   for k in plain:

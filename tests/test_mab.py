@@ -12,8 +12,8 @@ import pytest
 
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.engine import Engine
-from tlt_jax.rollout.policies.mab import (BanditConfig, BanditState, default_mab_buckets,
-                                 make_selector)
+from tlt_jax.rollout.policies.cells import PolicyCells, Selector, make_selector
+from tlt_jax.rollout.policies.mab import BanditConfig, BanditState, default_mab_buckets
 from tlt_jax.rollout.records import ChunkMetrics, Request
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.policies.strategy import Strategy
@@ -85,8 +85,8 @@ def test_state_dict_round_trip_continues_identically(before):
   sel = make_selector("beg", TLT, epsilon=0.3, window=50, seed=7, min_pulls=3)
   play(sel, MEANS, before, np.random.RandomState(2))
   state = json.loads(json.dumps(sel.state.state_dict()))  # checkpointed as JSON
-  twin = make_selector("beg", TLT, epsilon=0.3, window=50, seed=12345, min_pulls=3)
-  twin.hold(BanditState.restore(twin.cfg, state))
+  twin = Selector(BanditState.restore(
+      make_selector("beg", TLT, epsilon=0.3, window=50, seed=12345, min_pulls=3).cfg, state))
   assert twin.state.state_dict() == state
   a = play(sel, MEANS, 400, np.random.RandomState(3))
   b = play(twin, MEANS, 400, np.random.RandomState(3))
@@ -201,8 +201,6 @@ def test_invalid_calls_raise():
     make_selector("eg", ["off"], window=0)
   with pytest.raises(ValueError, match="same rule, window and buckets"):
     BanditState.restore(sel.cfg, make_selector("beg", {2: ["4_1_5", "off"]}).state.state_dict())
-  with pytest.raises(ValueError, match="for the selector"):
-    sel.hold(make_selector("beg", {2: ["4_1_5", "off"]}).state)
   # a checkpoint written before BanditState: refused in one line (train.restore then starts
   # the bandit fresh)
   with pytest.raises(ValueError, match=r"older layout \(BucketedEpsilonGreedy"):
@@ -279,7 +277,7 @@ def test_engine_beg_lossless_and_compiles_only_choosable(tiny):
                               epsilon=0.5, window=20, seed=0)
   w = Engine(params, CFG, EngineConfig(**base, spec=SpecConfig(
       strategy="1_1_2", bs_threshold=4, patience=1, use_kernel=False)),
-      drafter_params=dparams, selector=sel)
+      drafter_params=dparams, bandit=sel.cfg)
   # live <= 4: engine bucket 1 holds live 1 and bucket 2 live 2 (selector bucket 1), bucket
   # 4 live 3-4 (selector bucket 3); bucket 8 never speculates, selector bucket 5 is unreached.
   assert w.choosable_pairs() == {1: ["3_1_4", "off"], 2: ["3_1_4", "off"],
@@ -290,7 +288,7 @@ def test_engine_beg_lossless_and_compiles_only_choosable(tiny):
   assert w.precompile(sp) == 6
   assert spec_pairs() == [(1, "3_1_4"), (1, "off"), (2, "3_1_4"), (2, "off"), (4, "2_1_3"),
                           (4, "off")]
-  spec = {r.request_id: r for r in w.generate(reqs, sp)}
+  spec = {r.request_id: r for r in w.generate(reqs, sp, policies=PolicyCells(sel))}
   assert len(spec_pairs()) == 6  # generate reused the precompiled executables
   modes = {m.mode for m in w.chunk_log}
   assert {"3_1_4", "2_1_3", "off"} <= modes  # the bandit switched arms

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import pytest
 
 from tlt_jax import config as config_lib
-from tlt_jax import memory
+from tlt_jax import memory, runtime
 from tlt_jax.errors import ConfigError
 from tlt_jax import models as tf
 from tlt_jax.models.config import ModelConfig
@@ -180,14 +180,14 @@ def test_max_batch_zero_is_sized_to_fill_the_rollout_phase():
   # resolve hands the size back (the caller runs with it); the locked config keeps its 0
   cfg.memory.check = False
   cfg.lock()
-  assert memory.resolve(spec, m).max_batch == mb and cfg.rollout.max_batch == 0
+  assert runtime.resolve(spec, m).max_batch == mb and cfg.rollout.max_batch == 0
 
 
 def test_impossible_config_is_refused_in_one_line():
   cfg = _cfg(**{"memory.device": "0.05gb"})
   with pytest.raises(ConfigError, match=r"^memory: the rollout phase needs .* GiB per device, "
                      r".* usable on 0.05gb .*: lower rollout.max_batch"):
-    memory.resolve(config_lib.run_spec(cfg), config_lib.model_config(cfg))
+    runtime.resolve(config_lib.run_spec(cfg), config_lib.model_config(cfg))
 
 
 def test_train_refuses_to_start_when_a_phase_does_not_fit(tmp_path):

@@ -25,8 +25,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 
 from tlt_jax.bench.hf_parity import UnloadableCheckpoint, check_parity
 from tlt_jax.models import forward, init_cache, segment_causal_mask
-from tlt_jax.models.hf_io import (CheckpointFormatError, load_hf_model, mmap_safetensors,
-                                  read_safetensors_header, save_hf_model, write_safetensors)
+from tlt_jax.models.hf_io import CheckpointFormatError, load_hf_model, save_hf_model
+from tlt_jax.models.safetensors_io import (mmap_safetensors, read_safetensors_header,
+                                           write_safetensors)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "scripts", "check_hf_parity.py")

@@ -4,7 +4,8 @@ computed cases: nothing speculative is compiled unless its best case repays the 
 import pytest
 
 from tlt_jax.rollout.policies import payoff
-from tlt_jax.rollout.policies.gate import GateConfig, GateState, SpecGate
+from tlt_jax.rollout.policies.cells import SpecGate
+from tlt_jax.rollout.policies.gate import GateConfig, GateState
 from tlt_jax.rollout.policies.verdicts import VerdictCache
 from tlt_jax.rollout.policies.payoff import OPEN, PLAIN, SPEC, Ledger
 
@@ -220,8 +221,8 @@ def test_without_gating_every_bucket_is_open_and_compiles_are_still_priced():
   g.record(1, "4_1_5", 0.2, 16, 16, 16)
   assert g.state.decisions == () and g.state.status == {1: "pays", 2: "pays", 4: "pays"}
   assert not g.repays_window(1, "4_1_5", 0.05, 0.1)  # 0.2 x 0.05 x 0.1 x 38 x 0.5 < 4.6 s
-  h = SpecGate(GateConfig(gating=False, horizon=40))
-  h.hold(GateState.restore(h.state.cfg, GateState(GateConfig(horizon=40)).state_dict()))
+  h = SpecGate(GateState.restore(GateConfig(gating=False, horizon=40),
+                                 GateState(GateConfig(horizon=40)).state_dict()))
   h.begin_rollout(0, {1: ARMS})
   assert h.arms(0, 1) == ARMS
 
@@ -230,7 +231,7 @@ def test_the_bandit_chooses_among_the_arms_the_gate_paid_for():
   """A paying bucket whose gate funded two of its four arms: the bandit's exploration rounds
   and its greedy choice stay among those two; given every arm (or none), it is the bandit it
   was (the same choices from the same seed)."""
-  from tlt_jax.rollout.policies.mab import make_selector
+  from tlt_jax.rollout.policies.cells import make_selector
   arms = ["4_1_5", "3_1_4", "hist_4", "off"]
   sel = make_selector("beg", {1: arms}, epsilon=0.5, seed=3, min_pulls=2)
   seen = set()

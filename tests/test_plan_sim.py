@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from tlt_jax.plan import sim, workload
+from tlt_jax.plan import sim, sim_engine, workload
 from tlt_jax.plan.cost import PROFILES
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.engine import Engine
@@ -26,10 +26,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_the_simulator_runs_the_engines_loop():
   """Only the device seam is replaced: generate/_chunk/_page/_collect/_report/_reach (the
   Scheduler, the page policy, the gate, the selector, the window rule) are the engine's."""
-  sim._check_seam()
+  sim_engine._check_seam()
   from tlt_jax.rollout.compile_plan import CompilePlan
   for name in ("window", "_window_pays", "choosable_pairs", "_wanted_pairs"):
-    assert getattr(sim.SimCompilePlan, name) is getattr(CompilePlan, name), name
+    assert getattr(sim_engine.SimCompilePlan, name) is getattr(CompilePlan, name), name
 
 
 def _requests(n, seed=0):
@@ -105,8 +105,8 @@ def test_the_simulator_decodes_chunk_for_chunk_as_the_engine(tiny, spec):
   assert any(r.finish_reason == "stop" for r in results)
   assert any(r.finish_reason == "length" for r in results)
   assert real.preemptions > 0
-  s = sim.SimEngine(TINY, ecfg, PROFILES["h100"],
-                    acceptance=workload.Acceptance(default=1.0, history=1.0))
+  s = sim_engine.SimEngine(TINY, ecfg, PROFILES["h100"],
+                               acceptance=workload.Acceptance(default=1.0, history=1.0))
   s.lengths = {_key(r): len(r.response_ids) for r in results}
   got = s.generate(reqs, sp)
   if spec is not None:  # (the premise: speculation ran, nothing was accepted)

@@ -224,7 +224,8 @@ def test_resume_with_spot_training_and_the_bandit_restores_every_state(tmp_path)
   same distribution; what must hold is that every state comes back: the bandit's windows and
   RNG, the drafter and its optimizer, the actor, the data position."""
   from tlt_jax.run import build
-  from tlt_jax.train import restore, train
+  from tlt_jax.run import restore
+  from tlt_jax.train import train
   first, state = _build_drafter_compiled(_small_cfg(tmp_path, 3))  # chunks that compile reward
   state, _ = train(first, state, progress=False)  # no arm: 3 steps
   assert _pulls(state.bandit) > 0  # the bandit has windows to restore
@@ -244,7 +245,7 @@ def test_speculation_gate_reports_and_resumes(tmp_path):
   rule itself is test_payoff.py's); a resumed run continues from the saved verdicts and
   ledger."""
   from tlt_jax.run import build
-  from tlt_jax.train import restore
+  from tlt_jax.run import restore
   gate = {"tlt.spec.gate.enabled": True, "tlt.spec.gate.min_chunks": 1}
   first, last = _run(_small_cfg(tmp_path, 2, **gate))
   recs = _records(tmp_path)
@@ -267,21 +268,23 @@ def _pulls(bandit):
   return sum(n for d in bandit.pulls.values() for n in d.values())
 
 
-def test_evaluation_leaves_the_training_bandit_untouched(tmp_path):
-  """Held-out evaluation decodes through the training workers but with its own selector:
-  the training bandit's windows, pulls and RNG are exactly as before."""
+def test_evaluation_keeps_its_own_bandit_and_leaves_the_training_policies(tmp_path):
+  """Held-out evaluation decodes through the training workers with its own bandit, threaded
+  from one evaluation to the next; the train state's policies are values it reads only."""
   from tlt_jax.rl.reward_pool import RewardPool
   from tlt_jax.run import build
   from tlt_jax.train import evaluate
-  run, _ = build(_small_cfg(tmp_path, 1, **{"train.eval_every": 1, "eval.speculate": True}))
-  before = run.selector.state
+  run, state = build(_small_cfg(tmp_path, 1, **{"train.eval_every": 1, "eval.speculate": True}))
+  policies = state.policies
   with RewardPool("arith", num_workers=1) as pool:
-    first = evaluate(run, pool)  # compiles (compiling chunks reward no arm)
-    again = evaluate(run, pool)
+    first, bandit = evaluate(run, pool, state, run.eval_bandit)  # compiles (compiling chunks
+    # reward no arm)
+    again, bandit2 = evaluate(run, pool, state, bandit)
   run.coordinator.close()
   assert again["accuracy"] == first["accuracy"]  # greedy: lossless whatever the arms
-  assert run.selector.state == before
-  assert _pulls(run.eval_selector.state) > 0  # evaluation did speculate
+  assert state.policies == policies and run.eval_bandit == state.bandit  # (both fresh)
+  assert _pulls(bandit2) > _pulls(bandit) and _pulls(bandit2) > 0  # evaluation speculated,
+  # the second from where the first left its bandit
 
 
 def _tiny_qwen3(path) -> None:

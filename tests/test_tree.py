@@ -92,3 +92,54 @@ def test_every_tlt_jax_import_names_a_module_or_a_name_in_one():
           if leaf not in defines(spec.origin):
             missing.add((os.path.relpath(os.path.join(d, f), ROOT), m))
   assert not missing, sorted(missing)
+
+
+def _top_level_imports(path: str) -> set[str]:
+  """The tlt_jax modules a file imports when it is imported (module level, not inside a
+  function; `from pkg import name` counts pkg.name where that is a module)."""
+  import importlib.util
+  out = set()
+  for node in ast.parse(open(path).read()).body:
+    names = []
+    if isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+      names = [node.module]
+      for a in node.names:
+        sub = f"{node.module}.{a.name}"
+        if sub.startswith("tlt_jax.") and importlib.util.find_spec(node.module) is not None:
+          try:
+            if importlib.util.find_spec(sub) is not None:
+              names.append(sub)
+          except ModuleNotFoundError:
+            pass
+    out |= {n for n in names if n.startswith("tlt_jax.")}
+  return out
+
+
+def test_no_import_circle():
+  """The package's module-level imports form no cycle (a package counts as its __init__)."""
+  graph = {}
+  for d, _, files in os.walk(PKG):
+    for f in files:
+      if f.endswith(".py"):
+        path = os.path.join(d, f)
+        rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+        name = rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
+        graph[name] = _top_level_imports(path)
+  state: dict[str, int] = {}  # 1: on the path, 2: done
+
+  def visit(m, path):
+    state[m] = 1
+    for n in sorted(graph.get(m, ())):
+      if n not in graph or n == m:
+        continue
+      if state.get(n) == 1:
+        raise AssertionError("import circle: " + " -> ".join(path[path.index(n):] + [n]))
+      if n not in state:
+        visit(n, path + [n])
+    state[m] = 2
+
+  for m in sorted(graph):
+    if m not in state:
+      visit(m, [m])

@@ -36,8 +36,9 @@ from tlt_jax.memory import device_bytes
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.rl.grpo import GRPOConfig
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
-from tlt_jax.rollout.policies.gate import GateConfig
-from tlt_jax.rollout.policies.mab import default_mab_buckets, make_selector
+from tlt_jax.rollout.policies.cells import Policies
+from tlt_jax.rollout.policies.gate import GateConfig, GateState
+from tlt_jax.rollout.policies.mab import BanditState, bandit_config, default_mab_buckets
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.scheduler import buckets_upto
 from tlt_jax.rollout.policies.strategy import Strategy
@@ -133,19 +134,23 @@ class RunSpec:
   buffer: BufferConfig | None  # None: the drafter is not trained
   mab_buckets: dict[int, list[Strategy]] | None  # config.tlt.spec.buckets ({}: the defaults)
   max_batch: int
-  _selector: Callable[..., Any] | None = None
+  _bandit: Callable[..., Any] | None = None
   history: bool = False  # each rollout worker keeps a history index (history arms can draft)
 
   @property
   def tlt(self) -> bool:
     return self.speculation is not None
 
-  def selector(self, seed: int | None = None):
-    """A fresh speculative-strategy selector (BEG-MAB by default); None with TLT off. Each
-    call is a new one: training and evaluation each keep their own reward windows."""
-    if self._selector is None:
+  def bandit(self, seed: int | None = None) -> BanditState | None:
+    """The fresh state of the speculative-strategy bandit (BEG-MAB by default); None with TLT
+    off. Training and evaluation each start from one and keep their own reward windows."""
+    if self._bandit is None:
       return None
-    return self._selector(seed=self.cfg.seed if seed is None else seed)
+    return BanditState.fresh(self._bandit(seed=self.cfg.seed if seed is None else seed))
+
+  def policies(self) -> Policies:
+    """The rollout policies' states at step 0: a fresh bandit and gate (None where off)."""
+    return Policies(self.bandit(), None if self.gate is None else GateState(self.gate))
 
   def engine_config(self, stop: tuple[int, ...], *, max_batch: int | None = None,
                     speculative: bool = True) -> EngineConfig:
@@ -192,13 +197,14 @@ def distributed_config(cfg: ml_collections.ConfigDict) -> DistributedConfig:
 
 
 def _speculation(cfg: ml_collections.ConfigDict):
-  """-> (SpecConfig, GateConfig | None, selector factory, mab buckets) of config.tlt.spec."""
+  """-> (SpecConfig, GateConfig | None, bandit config factory, mab buckets) of
+  config.tlt.spec."""
   s = cfg.tlt.spec
   spec = build(SpecConfig, "tlt.spec", section_values(SpecConfig, s))
   buckets = parse_mab_buckets(s.buckets)
-  selector = functools.partial(make_selector, s.selector, buckets, strategy=s.strategy,
-                               epsilon=s.epsilon, window=s.window, min_pulls=s.min_pulls)
-  build(selector, "tlt.spec", {"seed": cfg.seed})  # validates its arguments, once
+  bandit = functools.partial(bandit_config, s.selector, buckets, strategy=s.strategy,
+                             epsilon=s.epsilon, window=s.window, min_pulls=s.min_pulls)
+  build(bandit, "tlt.spec", {"seed": cfg.seed})  # validates its arguments, once
   check(isinstance(s.get("history", False), bool), "tlt.spec.history", s.get("history"),
         "True or False")
   # the arms the selector can choose: the named buckets', else the bandit's default grid
@@ -218,7 +224,7 @@ def _speculation(cfg: ml_collections.ConfigDict):
                  lead=("tlt.spec.strategy", s.strategy),
                  horizon=("train.steps", cfg.train.steps),
                  gating=("tlt.spec.gate.enabled", bool(g.get("enabled", True))))
-  return spec, gate, selector, buckets
+  return spec, gate, bandit, buckets
 
 
 def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
@@ -265,7 +271,7 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   sampling = build(SamplingParams, "rollout", section_values(SamplingParams, r))
   # config.tlt is checked with TLT off too (as the baseline of a TLT run is run): switching it
   # on later must not bring up a mistake made earlier.
-  speculation, gate, selector, mab_buckets = _speculation(cfg)
+  speculation, gate, bandit, mab_buckets = _speculation(cfg)
   dr = cfg.tlt.drafter
   spot = build(SpotConfig, "tlt.drafter", section_values(SpotConfig, dr))
   buffer = build(BufferConfig, "tlt.drafter", section_values(BufferConfig, dr))
@@ -286,7 +292,7 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
         f"must be >= tlt.drafter.window + context ({dr.window} + {dr.context}): a packed row "
         "holds whole windows with their context")
   if not cfg.tlt.enabled:
-    speculation = gate = selector = mab_buckets = spot = None
+    speculation = gate = bandit = mab_buckets = spot = None
   if spot is None or spot.mode == "off":
     buffer = None
   trained = buffer is not None
@@ -338,7 +344,7 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   check(cfg.reward.timeout > 0, "reward.timeout", cfg.reward.timeout, "must be > 0 seconds")
   return RunSpec(cfg=cfg, sampling=sampling, engine=engine, grpo=grpo, distributed=distributed,
                  speculation=speculation, gate=gate, spot=spot, buffer=buffer,
-                 mab_buckets=mab_buckets, max_batch=r.max_batch, _selector=selector,
+                 mab_buckets=mab_buckets, max_batch=r.max_batch, _bandit=bandit,
                  history=speculation is not None and bool(cfg.tlt.spec.get("history", False)))
 
 

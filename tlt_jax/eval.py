@@ -36,13 +36,13 @@ def length_stats(lengths: Sequence[int]) -> dict[str, float]:
 
 def evaluate(engine: Engine, tokenizer, rows: Sequence[PromptRow], reward_fn, *,
              seed: int = 0, progress: bool = True, chat_template: bool = False,
-             system_prompt: str = "", selector=None, speculate: bool = True
+             system_prompt: str = "", policies=None, speculate: bool = True
              ) -> dict[str, Any]:
   """Greedy-decodes every row (prompts encoded as training encodes them) and scores it;
   returns a metrics dict. `reward_fn(response, answer, source, extra_info)` as
-  rewards.get_reward_fn returns it. `selector`: the speculative strategy selector for these
-  chunks (the RL loop passes its own evaluation selector, so evaluation never trains its
-  bandit)."""
+  rewards.get_reward_fn returns it. `policies`: the bandit and gate cells for these chunks
+  (policies/cells.py's PolicyCells; the RL loop passes evaluation's own bandit and a gate it
+  does not measure, so evaluation never moves the training policies; None: a fresh bandit)."""
   requests = [Request(encode_prompt(tokenizer, r.prompt, chat_template=chat_template,
                                     system_prompt=system_prompt), request_id=i)
               for i, r in enumerate(rows)]
@@ -53,7 +53,7 @@ def evaluate(engine: Engine, tokenizer, rows: Sequence[PromptRow], reward_fn, *,
   hooks = EngineHooks(on_result=(lambda _: bar.update(1)) if bar else None)
   t0 = time.perf_counter()
   results = engine.generate(requests, SamplingParams(temperature=0.0), seed=seed, hooks=hooks,
-                            selector=selector, speculate=speculate)
+                            policies=policies, speculate=speculate)
   wall = time.perf_counter() - t0
   if bar:
     bar.close()

@@ -23,8 +23,10 @@ ConfigError naming the knob to turn when a phase does not fit. The KV cache is p
 (rollout/pages.py): the plan counts the pool's pages (rollout.kv_pages; 0: max_batch rows of
 max length). `derive_max_batch` sizes both from what the rollout phase leaves free
 (`rollout.max_batch = 0`): the pool takes it all, and max_batch is the most rows it holds at
-rollout.mean_live_tokens each; `resolve` returns the plan of the sizes it chose
-(Plan.max_batch, Plan.kv_pages) for the caller to use: nothing here writes into the config. `scripts/plan_memory.py` prints the table.
+rollout.mean_live_tokens each; at start-up runtime.py's `resolve` plans the run on what this
+machine has and returns the plan of the sizes it chose (Plan.max_batch, Plan.kv_pages) for
+the caller to use: nothing here writes into the config. `scripts/plan_memory.py` prints the
+table.
 """
 
 from __future__ import annotations
@@ -414,40 +416,6 @@ def derive_max_batch(spec, model_cfg, *, device: str | None = None,
 def visible_devices() -> int:
   import jax
   return jax.device_count()
-
-
-def local_device() -> str:
-  """The memory of this process's first device as a config.memory.device value: the
-  allocator's limit on a GPU (XLA_PYTHON_CLIENT_MEM_FRACTION already applied, so the run's
-  fraction is 1 of it), or 'cpu' (no fixed limit)."""
-  import jax
-  dev = jax.local_devices()[0]
-  stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
-  if dev.platform == "cpu" or not stats or "bytes_limit" not in stats:
-    return "cpu"
-  return f"{stats['bytes_limit'] / GiB:.3f}gib"
-
-
-def resolve(spec, model_cfg) -> Plan:
-  """At start-up: the plan of this run, with rollout.max_batch sized from memory when it is 0
-  (Plan.max_batch: the caller runs with it); refuses a plan that does not fit (ConfigError
-  naming the knob). The plan is for what this run has: every visible device, and on a GPU its
-  allocator's limit (config.memory.device and num_devices are what scripts/plan_memory.py
-  plans for elsewhere; on a CPU host config.memory.device still applies, '' = no limit)."""
-  import sys
-  device, fraction = local_device(), 1.0  # bytes_limit is already the allocator's share
-  if device == "cpu":
-    device, fraction = spec.cfg.memory.device or "cpu", spec.cfg.memory.fraction
-  kw = dict(device=device, num_devices=visible_devices(), fraction=fraction)
-  max_batch, kv_pages = spec.max_batch, None
-  if max_batch == 0:
-    max_batch, kv_pages = derive_max_batch(spec, model_cfg, **kw)
-    print(f"memory: rollout.max_batch={max_batch}, rollout.kv_pages={kv_pages} (sized from "
-          f"{device})", file=sys.stderr)
-  p = plan(spec, model_cfg, max_batch=max_batch, kv_pages=kv_pages, **kw)
-  if spec.cfg.memory.check:
-    p.check()
-  return p
 
 
 def human(n: float) -> str:

@@ -1,11 +1,14 @@
 """A training run's parts, built once from a validated config (`build`): the mesh and the
-model, the prompts, the learner, the drafter and its data, the speculation gate and the
-bandits, the rollout workers and their coordinator, the checkpointer; and the state an RL
-step takes and returns (`TrainState`). tlt_jax/train.py runs the loop over them."""
+model, the prompts, the learner, the drafter and its data, the rollout workers and their
+coordinator (with the speculation gate's verdict cache), the checkpointer; the state an RL
+step takes and returns (`TrainState`: the learner, the data position, the bandit's and the
+gate's states), and that state in a checkpoint and back (`save`, `restore`, with the policy's
+and the drafter's exports). tlt_jax/train.py runs the loop over them."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -16,8 +19,9 @@ import ml_collections
 import numpy as np
 
 from tlt_jax import config as config_lib
+from tlt_jax import export as policy_export
 from tlt_jax import runtime
-from tlt_jax.checkpoint import Checkpointer
+from tlt_jax.checkpoint import CheckpointError, Checkpointer
 from tlt_jax.coordinator import Coordinator, ParamStore, SpotConfig, Worker
 from tlt_jax.data.dataset import Position, PromptStream
 from tlt_jax.data.prompts import PromptRow
@@ -35,11 +39,13 @@ from tlt_jax.models.hf_io import read_hf_config
 from tlt_jax.optim import make_optimizer
 from tlt_jax.rl import grpo
 from tlt_jax.rollout.policies.verdicts import for_run as gate_verdicts
-from tlt_jax.rollout.engine import Engine, replica_shardings, to_replica_layout
+from tlt_jax.rollout.engine import Engine
+from tlt_jax.rollout.replica import replica_shardings, to_replica_layout
 from tlt_jax.rollout.executables import background_compiler
-from tlt_jax.rollout.policies.gate import GateState, SpecGate
+from tlt_jax.rollout.policies.cells import Policies, PolicyCells
+from tlt_jax.rollout.policies.gate import GateState
 from tlt_jax.rollout.sources.history import HistoryIndex
-from tlt_jax.rollout.policies.mab import BanditState, Selector
+from tlt_jax.rollout.policies.mab import BanditState
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.step_metrics import DrafterAcceptance
 
@@ -47,10 +53,9 @@ from tlt_jax.step_metrics import DrafterAcceptance
 @dataclasses.dataclass(frozen=True)
 class Run:
   """What one training run is built from, once, by `build` from a validated config; what
-  changes step to step is the TrainState. The cells the workers share during a rollout (the
-  training bandit's `Selector`, the `SpecGate`) take the train state's policies with `hold`
-  and give them back with `held`; the buffer is the coordinator's store of drafter data
-  (its contents are not checkpointed: a resumed run refills it)."""
+  changes step to step is the TrainState (the rollout policies' states among it: a rollout
+  takes them and returns the next, policies/cells.py). The buffer is the coordinator's store
+  of drafter data (its contents are not checkpointed: a resumed run refills it)."""
 
   cfg: ml_collections.ConfigDict
   learner: grpo.LearnerSpec  # what the learner's jitted functions are specialised on
@@ -61,9 +66,9 @@ class Run:
   sampling: SamplingParams  # of the rollout
   store: ParamStore  # the actor and drafter versions the workers read
   coordinator: Coordinator  # the rollout workers
-  selector: Selector | None  # the training bandit (None: TLT off)
-  eval_selector: Selector | None  # evaluation's own (never trains the training bandit)
-  gate: SpecGate | None  # the buckets speculation pays at, compiles priced (None: fixed arm)
+  tlt: bool  # speculation on (config.tlt.enabled)
+  # evaluation's bandit at the start of a run (its own: never trains the training bandit)
+  eval_bandit: BanditState | None
   buffer: DrafterBuffer | None  # the drafter's training data (None: drafter not trained)
   ckpt: Checkpointer
   compile_clock: CompileClock  # seconds compiling, per step
@@ -75,22 +80,6 @@ class Run:
   # tlt.drafter.acceptance_sample=0)
   acceptance: DrafterAcceptance | None = None
 
-  @property
-  def tlt(self) -> bool:
-    return self.selector is not None
-
-
-  def hold(self, state: TrainState) -> None:
-    """`state`'s policies into the cells this run's workers share (before a rollout)."""
-    if self.selector is not None:
-      self.selector.hold(state.bandit)
-    if self.gate is not None:
-      self.gate.hold(state.gate)
-
-  def held(self, state: TrainState) -> TrainState:
-    """`state` with the policies the cells hold now (after a rollout)."""
-    return state._replace(bandit=None if self.selector is None else self.selector.state,
-                          gate=None if self.gate is None else self.gate.state)
 
 
 class TrainState(NamedTuple):
@@ -104,6 +93,10 @@ class TrainState(NamedTuple):
   data: Position = Position()
   bandit: BanditState | None = None  # the training bandit's (None: TLT off)
   gate: GateState | None = None  # the speculation gate's (None: no gate)
+
+  @property
+  def policies(self) -> Policies:
+    return Policies(self.bandit, self.gate)
 
 
 def learner_spec(spec: config_lib.RunSpec, model_cfg, mesh) -> grpo.LearnerSpec:
@@ -154,10 +147,8 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
   spot = spec.spot if tlt and spec.spot is not None else SpotConfig(mode="off")
   trained = spec.buffer is not None
   d = cfg.tlt.drafter
-  selector = spec.selector()
-  # Evaluation decodes through the same workers with its OWN selector (same arms): eval
-  # chunks must not move the training bandit's reward windows (or its checkpoint).
-  eval_selector = spec.selector()
+  policies = spec.policies()  # the bandit's and the gate's at step 0 (None: off)
+  bandit = policies.bandit.cfg if tlt else None  # the arms every engine compiles for
   drafter = dtx = store_sh = buffer = None
   if tlt:
     dtx = make_optimizer(d.lr, warmup_steps=d.warmup_steps)
@@ -171,12 +162,12 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
 
   # ------------------------------------------------------- rollout workers, coordinator
   ecfg = spec.engine_config(stop)
-  # one gate for this process's workers: one of them probes whether speculation pays
-  gate = None
+  # one gate for this process's workers (one of them probes whether speculation pays): the
+  # hardware verdicts of earlier runs on this machine
+  verdicts = None
   if spec.gate is not None:
     verdicts = gate_verdicts(cfg.get("compilation_cache", ""), model_cfg, ecfg, spec.sampling,
-                              dparams, local[0][1].devices.flat)
-    gate = SpecGate(spec.gate, verdicts=verdicts)
+                             dparams, local[0][1].devices.flat)
   to_rollout = _to_rollout(lspec, rollout_mesh, learner.params, ecfg.fuses())
   first = to_rollout(learner.params)
   workers = []
@@ -184,8 +175,8 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
     # the history index lives with its worker across steps (not checkpointed: a resumed
     # run rebuilds it from the responses it decodes from then on)
     engine = Engine(first, model_cfg, ecfg, worker_id=i, mesh=wmesh,
-                    drafter_params=drafter.params if tlt else None, selector=selector,
-                    gate=gate, history=HistoryIndex() if spec.history else None)
+                    drafter_params=drafter.params if tlt else None, bandit=bandit,
+                    history=HistoryIndex() if spec.history else None)
     trainer = None
     if trained:
       wsh = dts.state_shardings(drafter.params, dtx, wmesh)
@@ -203,7 +194,7 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
       num_workers=cfg.rollout.num_workers, to_rollout=to_rollout,
       gather=distributed.all_gather_objects,
       global_barrier=distributed.GlobalBarrier if jax.process_count() > 1 else None,
-      spot_wanted=gate.drafter_wanted if gate is not None else None,
+      verdicts=verdicts,
       # one process: the drafter settles beside the learner (across processes its merge is a
       # collective and keeps its place)
       overlap_settle=spot.mode == "spot" and jax.process_count() == 1, buffer=buffer)
@@ -212,7 +203,7 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
     compiler = background_compiler("compile-drafter")
     for w in workers:
       w.trainer.compile_on_first_use(model_cfg.hidden_size, compiler)
-      if gate is None or not spec.gate.gating:  # wanted from the first rollout: compile
+      if spec.gate is None or not spec.gate.gating:  # wanted from the first rollout: compile
         # while the run starts
         w.trainer.prepare()
   elif trained:  # serial: compiled now, so the first serial steps do not
@@ -220,7 +211,8 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
       f.result()
   if tlt and cfg.tlt.spec.precompile:
     t = time.perf_counter()
-    n = sum(e.precompile(spec.sampling) for e in coordinator.engines)
+    n = sum(e.precompile(spec.sampling, policies=PolicyCells.of(policies))
+            for e in coordinator.engines)
     print(f"precompiled {n} speculative executables in {time.perf_counter() - t:.0f}s",
           file=sys.stderr)
 
@@ -238,14 +230,12 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
                       save_interval_steps=cfg.train.checkpoint_every)
   run = Run(cfg=cfg, learner=lspec, model_cfg=model_cfg, tokenizer=tokenizer, stream=stream,
             test_rows=test_rows, sampling=spec.sampling, store=store,
-            coordinator=coordinator, selector=selector, eval_selector=eval_selector,
-            gate=gate, buffer=buffer, ckpt=ckpt, compile_clock=compile_clock,
+            coordinator=coordinator, tlt=tlt, eval_bandit=spec.bandit(), buffer=buffer,
+            ckpt=ckpt, compile_clock=compile_clock,
             export_engine=export_engine, target_hf_config=hf_config,
             acceptance=DrafterAcceptance(cfg, lspec, spec.sampling)
             if tlt and cfg.tlt.drafter.acceptance_sample else None)
-  return run, TrainState(step=0, learner=learner,
-                         bandit=None if selector is None else selector.state,
-                         gate=None if gate is None else gate.state)
+  return run, TrainState(step=0, learner=learner, bandit=policies.bandit, gate=policies.gate)
 
 
 def _to_rollout(spec: grpo.LearnerSpec, rollout_mesh, params: Params, fused: bool
@@ -259,3 +249,86 @@ def _to_rollout(spec: grpo.LearnerSpec, rollout_mesh, params: Params, fused: boo
                       "device (mesh.devices=0), as the rollout replicas do")
   shardings = replica_shardings(params, spec.cfg, fused, rollout_mesh)
   return lambda p: to_replica_layout(p, spec.cfg, fused, shardings)
+
+
+# ============================================================================= checkpoint
+# The TrainState in a checkpoint, and back (train.py saves after every step, restores once).
+def _checkpoint_tree(run: Run, state: TrainState) -> dict[str, Any]:
+  """What a checkpoint holds: the actor and its optimizer, the drafter and its optimizer,
+  the step, and (as JSON) the data position, the bandit's and the gate's states."""
+  meta = {"data": run.stream.saved(state.data),
+          "selector": state.bandit.state_dict() if state.bandit is not None else None,
+          "gate": state.gate.state_dict() if state.gate is not None else None}
+  tree = {"actor": state.learner.params, "opt": state.learner.opt_state, "step": state.step,
+          "meta": json.dumps(meta)}
+  if run.tlt:
+    _, d = run.store.drafter()
+    tree["drafter"] = {"params": d.params, "opt_state": d.opt_state, "step": d.step}
+  return tree
+
+
+def save(run: Run, state: TrainState, *, force: bool = False) -> None:
+  """An async checkpoint of `state` (every config.train.checkpoint_every steps, or `force`),
+  and with it the drafter's EAGLE export (config.train.export_drafter), written at once: a
+  drafter is a few MB, and the export must not wait for the checkpoint's bytes; with
+  config.train.export_policy="every", the policy's Hugging Face folder too."""
+  if not run.ckpt.save(state.step, _checkpoint_tree(run, state), force=force):
+    return
+  if run.cfg.train.export_policy == "every":
+    export_policy(run, state)
+  if run.export_engine is None:
+    return
+  _, d = run.store.drafter()
+  params = d.params
+  if jax.process_count() > 1:  # slices on other processes: every process takes part
+    from jax.experimental import multihost_utils
+    params = multihost_utils.process_allgather(params, tiled=True)
+  if distributed.is_primary():
+    drafter_export.export_step(run.cfg.workdir, state.step, params, run.model_cfg,
+                               engine=run.export_engine,
+                               target_hf_config=run.target_hf_config,
+                               keep=run.cfg.train.keep_checkpoints)
+
+
+def export_policy(run: Run, state: TrainState) -> None:
+  """The policy of checkpoint `state.step` as <workdir>/policy_hf/<step>/ (tlt_jax/export.py),
+  the newest train.keep_checkpoints of them kept. Every process calls it: the gather of each
+  tensor is a collective."""
+  cfg = run.cfg
+  dtype = policy_export.policy_dtype(cfg.train.export_dtype, cfg.model.path,
+                                     cfg.model.param_dtype)
+  policy_export.export_step(cfg.workdir, state.step, state.learner.params, run.model_cfg,
+                            model_dir=cfg.model.path, dtype=dtype,
+                            keep=cfg.train.keep_checkpoints)
+
+
+def restore(run: Run, state: TrainState) -> TrainState:
+  """The latest checkpoint in the workdir as the state (the given one, fresh, if there is
+  none): the learner, the data position and the policies rebuilt from what it saved; the
+  workers' weights follow it."""
+  if run.ckpt.latest_step() is None:
+    return state
+  try:
+    saved = run.ckpt.restore(_checkpoint_tree(run, state))
+  except CheckpointError as e:
+    raise ConfigError(f"--workdir {run.cfg.workdir}: {e}") from None  # e says the fix
+  meta = json.loads(saved["meta"])  # (an older run's "buffer" entry: nothing to restore)
+  bandit, gate = state.bandit, state.gate
+  if meta.get("selector") and bandit is not None:
+    try:
+      bandit = BanditState.restore(bandit.cfg, meta["selector"])
+    except ValueError as e:  # another bandit (or an older layout): it measures afresh
+      print(f"the checkpoint's bandit state is not this run's ({e}); the bandit starts fresh",
+            file=sys.stderr)
+  if meta.get("gate") and gate is not None:
+    gate = GateState.restore(gate.cfg, meta["gate"])
+  state = TrainState(step=int(saved["step"]),
+                     learner=state.learner.replace(params=saved["actor"],
+                                                   opt_state=saved["opt"]),
+                     data=run.stream.resume(meta["data"]), bandit=bandit, gate=gate)
+  run.store.publish_actor(run.coordinator.to_rollout(state.learner.params))
+  if run.tlt:
+    run.store.publish_drafter(dts.DrafterState(**saved["drafter"]))
+  run.coordinator.push()
+  print(f"resumed from {run.ckpt.directory} at step {state.step}", file=sys.stderr)
+  return state

@@ -65,8 +65,42 @@ def prepare(spec: RunSpec, *, training: bool = True) -> RunSpec:
   resolve_workers(cfg)
   learner_mesh(cfg)
   worker_meshes(cfg)
-  plan = memory.resolve(spec, model_config(cfg))
+  plan = resolve(spec, model_config(cfg))
   return spec.with_max_batch(plan.max_batch, plan.kv_pages)
+
+
+# ------------------------------------------------------------------- memory at start-up
+def local_device() -> str:
+  """The memory of this process's first device as a config.memory.device value: the
+  allocator's limit on a GPU (XLA_PYTHON_CLIENT_MEM_FRACTION already applied, so the run's
+  fraction is 1 of it), or 'cpu' (no fixed limit)."""
+  import jax
+  dev = jax.local_devices()[0]
+  stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+  if dev.platform == "cpu" or not stats or "bytes_limit" not in stats:
+    return "cpu"
+  return f"{stats['bytes_limit'] / memory.GiB:.3f}gib"
+
+
+def resolve(spec, model_cfg) -> memory.Plan:
+  """At start-up: the plan of this run, with rollout.max_batch sized from memory when it is 0
+  (Plan.max_batch: the caller runs with it); refuses a plan that does not fit (ConfigError
+  naming the knob). The plan is for what this run has: every visible device, and on a GPU its
+  allocator's limit (config.memory.device and num_devices are what scripts/plan_memory.py
+  plans for elsewhere; on a CPU host config.memory.device still applies, '' = no limit)."""
+  device, fraction = local_device(), 1.0  # bytes_limit is already the allocator's share
+  if device == "cpu":
+    device, fraction = spec.cfg.memory.device or "cpu", spec.cfg.memory.fraction
+  kw = dict(device=device, num_devices=memory.visible_devices(), fraction=fraction)
+  max_batch, kv_pages = spec.max_batch, None
+  if max_batch == 0:
+    max_batch, kv_pages = memory.derive_max_batch(spec, model_cfg, **kw)
+    print(f"memory: rollout.max_batch={max_batch}, rollout.kv_pages={kv_pages} (sized from "
+          f"{device})", file=sys.stderr)
+  p = memory.plan(spec, model_cfg, max_batch=max_batch, kv_pages=kv_pages, **kw)
+  if spec.cfg.memory.check:
+    p.check()
+  return p
 
 
 def learner_mesh(cfg: ml_collections.ConfigDict):

@@ -18,11 +18,12 @@ from tlt_jax.rollout.records import by_kind, tokens_per_verification
 
 def step_metrics(run, prompts: Sequence[Any], responses: Sequence[Any], r: np.ndarray,
                  chunks: Sequence[Any], wall: float, upd: dict[str, Any], reward_stats: Any,
-                 spot: dict[str, Any], drafter: dict[str, Any] | None, *, epoch: int
-                 ) -> dict[str, Any]:
+                 spot: dict[str, Any], drafter: dict[str, Any] | None, *, epoch: int,
+                 gate: Any = None) -> dict[str, Any]:
   """The step's metrics, without its times. run: tlt_jax.run.Run; r: [prompts, n] rewards;
   wall: the rollout's seconds; spot: the timeline's summary; drafter: the merge's metrics;
-  epoch: the data's after this step's prompts."""
+  epoch: the data's after this step's prompts; gate: the speculation gate's state after the
+  rollout (None: no gate)."""
   lengths = [res.num_tokens for res in responses]
   tokens = int(sum(lengths))
   spec_chunks = [c for c in chunks if c.mode != "plain"]
@@ -65,8 +66,8 @@ def step_metrics(run, prompts: Sequence[Any], responses: Sequence[Any], r: np.nd
   if histories:
     m["history"] = {k: sum(h[k] for h in histories)
                     for k in ("memory_bytes", "sequences", "tokens", "lookups", "hits")}
-  if run.gate is not None:
-    m["spec_gate"] = run.gate.summary()
+  if gate is not None:
+    m["spec_gate"] = gate.summary()
   m["executables"] = executables_summary([r for e in run.coordinator.engines
                                            for r in e.compile_log])
   if run.coordinator.spot.mode != "off":

@@ -5,9 +5,9 @@
   python -m tlt_jax.train --config configs/default.py --config.tlt.drafter.mode=serial
 
 The script, top to bottom: `build` (tlt_jax/run.py: mesh, model, data, learner, drafter,
-rollout workers, checkpoints) -> `restore` the TrainState if the workdir holds a checkpoint ->
-`rl_step(state) -> (state, metrics)` until config.train.steps -> `save(state)` after every
-step. The step's metrics record is tlt_jax/step_metrics.py's.
+rollout workers, checkpoints) -> `restore` the TrainState if the workdir holds a checkpoint
+(run.py) -> `rl_step(state) -> (state, metrics)` until config.train.steps -> `save(state)`
+after every step (run.py). The step's metrics record is tlt_jax/step_metrics.py's.
 
 One RL step (`rl_step`; DESIGN.md 7):
   prompts (PromptStream, resumable position)
@@ -36,7 +36,6 @@ latest checkpoint.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -52,107 +51,22 @@ from tqdm import tqdm
 from tlt_jax import config as config_lib
 from tlt_jax import distributed, runtime
 from tlt_jax import export as policy_export
-from tlt_jax.checkpoint import CheckpointError
 from tlt_jax.coordinator import Worker
-from tlt_jax.drafter import export as drafter_export
-from tlt_jax.drafter import train_step as dts
 from tlt_jax.eval import evaluate as evaluate_rows
 from tlt_jax.errors import ConfigError
 from tlt_jax.metrics import MetricsWriter, read_records
 from tlt_jax.rl import grpo
 from tlt_jax.rl.reward_pool import RewardError, RewardPool
-from tlt_jax.rollout.policies.gate import GateState
+from tlt_jax.rollout.policies.cells import Policies, PolicyCells
 from tlt_jax.rollout.policies.mab import BanditState
 from tlt_jax.rollout.records import Request, Result
-from tlt_jax.run import Run, TrainState, build
+from tlt_jax.run import Run, TrainState, build, export_policy, restore, save
 from tlt_jax.step_metrics import step_metrics
 
 
 def _seed_for(seed: int, step: int) -> int:
   """Rollout seed of a step: a pure function of (seed, step), so resume needs no RNG state."""
   return int(np.random.default_rng([seed, step, 17]).integers(0, 2**31 - 1))
-
-
-# ============================================================================= checkpoint
-def _checkpoint_tree(run: Run, state: TrainState) -> dict[str, Any]:
-  """What a checkpoint holds: the actor and its optimizer, the drafter and its optimizer,
-  the step, and (as JSON) the data position, the bandit's and the gate's states."""
-  meta = {"data": run.stream.saved(state.data),
-          "selector": state.bandit.state_dict() if state.bandit is not None else None,
-          "gate": state.gate.state_dict() if state.gate is not None else None}
-  tree = {"actor": state.learner.params, "opt": state.learner.opt_state, "step": state.step,
-          "meta": json.dumps(meta)}
-  if run.tlt:
-    _, d = run.store.drafter()
-    tree["drafter"] = {"params": d.params, "opt_state": d.opt_state, "step": d.step}
-  return tree
-
-
-def save(run: Run, state: TrainState, *, force: bool = False) -> None:
-  """An async checkpoint of `state` (every config.train.checkpoint_every steps, or `force`),
-  and with it the drafter's EAGLE export (config.train.export_drafter), written at once: a
-  drafter is a few MB, and the export must not wait for the checkpoint's bytes; with
-  config.train.export_policy="every", the policy's Hugging Face folder too."""
-  if not run.ckpt.save(state.step, _checkpoint_tree(run, state), force=force):
-    return
-  if run.cfg.train.export_policy == "every":
-    export_policy(run, state)
-  if run.export_engine is None:
-    return
-  _, d = run.store.drafter()
-  params = d.params
-  if jax.process_count() > 1:  # slices on other processes: every process takes part
-    from jax.experimental import multihost_utils
-    params = multihost_utils.process_allgather(params, tiled=True)
-  if distributed.is_primary():
-    drafter_export.export_step(run.cfg.workdir, state.step, params, run.model_cfg,
-                               engine=run.export_engine,
-                               target_hf_config=run.target_hf_config,
-                               keep=run.cfg.train.keep_checkpoints)
-
-
-def export_policy(run: Run, state: TrainState) -> None:
-  """The policy of checkpoint `state.step` as <workdir>/policy_hf/<step>/ (tlt_jax/export.py),
-  the newest train.keep_checkpoints of them kept. Every process calls it: the gather of each
-  tensor is a collective."""
-  cfg = run.cfg
-  dtype = policy_export.policy_dtype(cfg.train.export_dtype, cfg.model.path,
-                                     cfg.model.param_dtype)
-  policy_export.export_step(cfg.workdir, state.step, state.learner.params, run.model_cfg,
-                            model_dir=cfg.model.path, dtype=dtype,
-                            keep=cfg.train.keep_checkpoints)
-
-
-def restore(run: Run, state: TrainState) -> TrainState:
-  """The latest checkpoint in the workdir as the state (the given one, fresh, if there is
-  none): the learner, the data position and the policies rebuilt from what it saved; the
-  workers' weights follow it."""
-  if run.ckpt.latest_step() is None:
-    return state
-  try:
-    saved = run.ckpt.restore(_checkpoint_tree(run, state))
-  except CheckpointError as e:
-    raise ConfigError(f"--workdir {run.cfg.workdir}: {e}") from None  # e says the fix
-  meta = json.loads(saved["meta"])  # (an older run's "buffer" entry: nothing to restore)
-  bandit, gate = state.bandit, state.gate
-  if meta.get("selector") and bandit is not None:
-    try:
-      bandit = BanditState.restore(bandit.cfg, meta["selector"])
-    except ValueError as e:  # another bandit (or an older layout): it measures afresh
-      print(f"the checkpoint's bandit state is not this run's ({e}); the bandit starts fresh",
-            file=sys.stderr)
-  if meta.get("gate") and gate is not None:
-    gate = GateState.restore(gate.cfg, meta["gate"])
-  state = TrainState(step=int(saved["step"]),
-                     learner=state.learner.replace(params=saved["actor"],
-                                                   opt_state=saved["opt"]),
-                     data=run.stream.resume(meta["data"]), bandit=bandit, gate=gate)
-  run.store.publish_actor(run.coordinator.to_rollout(state.learner.params))
-  if run.tlt:
-    run.store.publish_drafter(dts.DrafterState(**saved["drafter"]))
-  run.coordinator.push()
-  print(f"resumed from {run.ckpt.directory} at step {state.step}", file=sys.stderr)
-  return state
 
 
 # ================================================================================ RL step
@@ -186,14 +100,13 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   requests = [Request(p.ids, request_id=i, sample_index=s)
               for i, p in enumerate(prompts) for s in range(cfg.grpo.n)]
 
-  # ---- rollout (the train state's policies held by the workers' cells), rewards as responses
-  # finish (the coordinator keeps their drafter data); spot training when idle
+  # ---- rollout (from the train state's policies, to the next), rewards as responses finish
+  # (the coordinator keeps their drafter data); spot training when idle
   def on_response(worker: Worker, res: Result) -> None:
     text = run.tokenizer.decode(res.response_ids, skip_special_tokens=True)
     row = prompts[res.request_id].row
     pool.submit((res.request_id, res.sample_index), text, row.answer, row.source, row.extra_info)
 
-  run.hold(state)
   drafting = run.store.drafter()[1] if run.tlt else None  # the drafter of this rollout
   # its acceptance is measured while speculation's data is wanted (the gate's drafter_wanted:
   # where no draft can pay, the drafter is neither trained nor used, and the metric would be a
@@ -203,9 +116,9 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
     run.acceptance.prepare(state.learner.params, drafting.params)
   # (release: the workers free their actor copy for the learner's phases)
   out = run.coordinator.rollout(requests, run.sampling, seed=seed, step=step,
-                                on_response=on_response,
+                                on_response=on_response, policies=state.policies,
                                 release_actor=cfg.memory.release_rollout_weights)
-  policies = run.held(state)
+  policies = out.policies
   mine = [Response.of(res) for res in out.results]
   chunks, timeline, wall, settle = out.chunks, out.timeline, out.wall, out.settle
   del out  # the Results' hidden states go now (the buffer copied the windows it keeps)
@@ -256,7 +169,7 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
 
   # ---- metrics
   m = step_metrics(run, prompts, responses, r, chunks, wall, upd, pool.stats, spot, drafter,
-                   epoch=data.epoch)
+                   epoch=data.epoch, gate=policies.gate)
   if acceptance is not None:
     m["drafter_acceptance"] = acceptance
   times["total"] = time.perf_counter() - t_step
@@ -273,19 +186,23 @@ def _gather_responses(mine: list[Response]) -> list[Response]:
   return sorted(every, key=lambda r: (r.request_id, r.sample_index))
 
 
-def evaluate(run: Run, pool: RewardPool) -> dict[str, Any]:
-  """Held-out greedy accuracy, decoded by worker 0 with the evaluation selector."""
+def evaluate(run: Run, pool: RewardPool, state: TrainState, bandit: BanditState | None
+             ) -> tuple[dict[str, Any], BanditState | None]:
+  """Held-out greedy accuracy, decoded by worker 0 with evaluation's own bandit (`bandit`,
+  returned updated) and the train state's gate, read but not moved."""
   def score(text, answer, source=None, extra_info=None):
     key = ("eval", id(text))
     pool.submit(key, text, answer, source, extra_info)
     return pool.gather([key])[key]
 
   d, w = run.cfg.data, run.coordinator.workers[0]
+  cells = PolicyCells.of(Policies(bandit, state.gate), measure=False)
   m = w.submit(evaluate_rows, w.engine, run.tokenizer, run.test_rows, score, seed=run.cfg.seed,
                progress=False, chat_template=d.chat_template, system_prompt=d.system_prompt,
-               selector=run.eval_selector, speculate=run.cfg.eval.speculate).result()
-  return {k: v for k, v in m.items() if k in ("accuracy", "accuracy_by_terms",
-                                               "response_length", "tokens_per_second")}
+               policies=cells, speculate=run.cfg.eval.speculate).result()
+  return ({k: v for k, v in m.items() if k in ("accuracy", "accuracy_by_terms",
+                                                "response_length", "tokens_per_second")},
+          cells.states().bandit)
 
 
 # =================================================================================== loop
@@ -302,6 +219,7 @@ def train(run: Run, state: TrainState, *, progress: bool = True
           "raise --config.train.steps to continue it or pass a new --workdir", file=sys.stderr)
   writer = MetricsWriter(cfg.workdir, start if start > 0 else -1) if primary else None
   evaluating = run.test_rows is not None and primary  # worker 0 is process 0's
+  eval_bandit = run.eval_bandit  # evaluation's (not checkpointed: a resume starts it afresh)
   try:
     pool = RewardPool(cfg.reward.name, num_workers=cfg.reward.num_workers,
                       timeout=cfg.reward.timeout)
@@ -316,7 +234,7 @@ def train(run: Run, state: TrainState, *, progress: bool = True
     with pool:
       if start == 0 and evaluating:
         t = time.perf_counter()
-        ev = evaluate(run, pool)
+        ev, eval_bandit = evaluate(run, pool, state, eval_bandit)
         writer.write(0, {"eval": ev, "time": {"eval": time.perf_counter() - t}})
         print(f"step 0: held-out accuracy {ev['accuracy']:.3f}", file=sys.stderr)
       while state.step < cfg.train.steps:
@@ -324,7 +242,7 @@ def train(run: Run, state: TrainState, *, progress: bool = True
         if evaluating and (state.step % cfg.train.eval_every == 0
                            or state.step == cfg.train.steps):
           t = time.perf_counter()
-          m["eval"] = evaluate(run, pool)
+          m["eval"], eval_bandit = evaluate(run, pool, state, eval_bandit)
           m["time"]["eval"] = time.perf_counter() - t
         t = time.perf_counter()
         save(run, state, force=state.step == cfg.train.steps)
@@ -333,7 +251,7 @@ def train(run: Run, state: TrainState, *, progress: bool = True
           writer.write(state.step, m, timeline)
         last = m
         if bar is not None:
-          bar.set_postfix(_progress(run, m))
+          bar.set_postfix(_progress(state, m))
           bar.update(1)
     run.ckpt.wait_until_finished()
     # the last checkpoint's policy, once the checkpoint is on disk, unless it is there already
@@ -356,10 +274,10 @@ def train(run: Run, state: TrainState, *, progress: bool = True
   return state, last
 
 
-def _progress(run: Run, m: dict[str, Any]) -> dict[str, str]:
+def _progress(state: TrainState, m: dict[str, Any]) -> dict[str, str]:
   post = {"reward": f"{m['reward']:.3f}", "len": f"{m['response_length']['mean']:.0f}",
           "s/step": f"{m['time']['total']:.1f}"}
-  if run.gate is not None and not run.gate.drafter_wanted():
+  if state.gate is not None and not state.gate.drafter_wanted():
     post["drafter"] = "paused"  # (the gate found no draft pays here, or not yet)
   elif "spot" in m and m["spot"]["idle_share_trained"] is not None:
     post["idle_trained"] = f"{m['spot']['idle_share_trained']:.0%}"

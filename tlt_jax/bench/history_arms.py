@@ -43,7 +43,8 @@ from tlt_jax.bench.bench_model import load_target
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.sources.history import HistoryIndex
-from tlt_jax.rollout.policies.mab import Selector, default_mab_buckets, make_selector
+from tlt_jax.rollout.policies.cells import PolicyCells, Selector, make_selector
+from tlt_jax.rollout.policies.mab import bandit_config, default_mab_buckets
 from tlt_jax.rollout.records import Request, by_kind, tokens_per_verification
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.scheduler import buckets_upto
@@ -131,7 +132,9 @@ def measure(args: Args, cfg, params, dparams, stop, reqs, max_batch: int, thresh
     ecfg = EngineConfig(max_batch=max_batch, buckets=buckets_upto(max_batch), chunk_size=16,
                         max_prompt_len=max_prompt, max_new_tokens=args.max_new_tokens,
                         stop_tokens=stop, spec=spec)
+    # (every configuration's arms: each call brings its own selector)
     return Engine(params, cfg, ecfg, drafter_params=dparams if spec else None,
+                  bandit=bandit_config("eg", arms + ["off"]) if spec else None,
                   history=HistoryIndex() if spec else None)
 
   plain = engine(None)
@@ -144,11 +147,11 @@ def measure(args: Args, cfg, params, dparams, stop, reqs, max_batch: int, thresh
   def one(label: str, seed: int, index) -> dict:
     w = plain if confs[label][0] is None else spec
     if w is spec:
-      w.selector, w.history = selectors[label], index
+      w.history = index
     w.chunk_log.clear()
     compiled = sum(r.seconds for r in w.compile_log)
     t0 = time.perf_counter()
-    res = w.generate(reqs, sp, seed=seed)
+    res = w.generate(reqs, sp, seed=seed, policies=PolicyCells(selectors.get(label)))
     dt = time.perf_counter() - t0 - (sum(r.seconds for r in w.compile_log) - compiled)
     tokens = sum(r.num_tokens for r in res)
     chunks = [c for c in w.chunk_log if c.mode != "plain"]

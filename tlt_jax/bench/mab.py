@@ -4,9 +4,9 @@ notebooks/mab_bucket_ablation.ipynb share it, so both measure the same thing the
 Workload: the default task's test prompts on the default model and shipped drafter, sampled at
 temperature 1 with EOS, so response lengths have the task's long tail. One worker serves every
 selector: executables depend on (bucket, arm), not on who picks the arm, so after one
-`precompile` every configuration runs without compiling, and swapping `worker.selector` is
-free. Speculation may switch on at any live size (bs_threshold = max_batch by default), so
-every selector bucket is exercised.
+`precompile` every configuration runs without compiling, and handing each call another
+selector is free. Speculation may switch on at any live size (bs_threshold = max_batch by
+default), so every selector bucket is exercised.
 
 Throughput of a pass = tokens / (wall time - compile time inside the pass): a prefill or
 compaction shape first seen in a later pass must not count against whichever selector ran it.
@@ -26,7 +26,8 @@ import numpy as np
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.sources.history import HistoryIndex
-from tlt_jax.rollout.policies.mab import make_selector
+from tlt_jax.rollout.policies.cells import PolicyCells, make_selector
+from tlt_jax.rollout.policies.mab import bandit_config
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.policies.strategy import Strategy
 from tlt_jax.rollout.sampling import SamplingParams
@@ -69,16 +70,16 @@ class LongTailBench:
                         max_new_tokens=max_new_tokens, stop_tokens=w.stop_tokens, spec=spec)
     history = any(Strategy(a).history for a in self.arms)
     self.worker = Engine(w.params, w.cfg, ecfg, drafter_params=w.drafter_params,
-                         selector=make_selector("eg", self.arms),
+                         bandit=bandit_config("eg", self.arms),
                          history=HistoryIndex() if history else None)
 
   def precompile(self) -> float:
     """Compiles every arm at every bucket speculation can run at, then one untimed pass
     compiles the prefill / compaction shapes. Returns the seconds spent."""
     t0 = time.perf_counter()
-    self.worker.selector = make_selector("eg", self.arms)
     self.worker.precompile(self.sp)
-    self.worker.generate(self.requests, self.sp, seed=10_000)
+    self.worker.generate(self.requests, self.sp, seed=10_000,
+                         policies=PolicyCells(make_selector("eg", self.arms)))
     return time.perf_counter() - t0
 
   def run(self, configs: dict[str, Callable[[], Any]], passes: int, *, seed: int = 0,
@@ -90,11 +91,10 @@ class LongTailBench:
     out: list[Pass] = []
     for i in range(passes):
       for name, sel in selectors.items():
-        w.selector = sel
         w.chunk_log.clear()
         compiled = sum(r.seconds for r in w.compile_log)
         t0 = time.perf_counter()
-        res = w.generate(self.requests, self.sp, seed=seed + i)
+        res = w.generate(self.requests, self.sp, seed=seed + i, policies=PolicyCells(sel))
         dt = time.perf_counter() - t0 - (sum(r.seconds for r in w.compile_log) - compiled)
         p = Pass(name, i, sum(r.num_tokens for r in res), dt, list(w.chunk_log))
         out.append(p)

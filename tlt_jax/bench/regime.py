@@ -104,13 +104,14 @@ def roofline(args, params, cfg, prompts, max_prompt: int, greedy, sample) -> dic
 
 
 def gate_rollouts(args, prompts, worker, make_selector, Request, sp) -> dict:
-  """The speculation gate (tlt_jax/rollout/policies/gate.py) as a training run meets it: rollouts of
-  --gate_prompts new prompts x --tail_n responses each (sampled, max batch 8), compile
-  included, three workers interleaved rollout by rollout: plain; BEG-MAB behind the gate
-  (one probe arm, buckets opened as they are measured to pay); BEG-MAB ungated (every
+  """The speculation gate (tlt_jax/rollout/policies/gate.py) as a training run meets it:
+  rollouts of --gate_prompts new prompts x --tail_n responses each (sampled, max batch 8),
+  compile included, three workers interleaved rollout by rollout: plain; BEG-MAB behind the
+  gate (one probe arm, buckets opened as they are measured to pay); BEG-MAB ungated (every
   bucket's arms compiled in the background from the first rollout). Prints the time per
   rollout, the gate's verdicts and when they came."""
-  from tlt_jax.rollout.policies.gate import GateConfig, SpecGate
+  from tlt_jax.rollout.policies.cells import SpecGate
+  from tlt_jax.rollout.policies.gate import GateConfig
   arms = args.tail_arms.split(",")
 
   def beg():
@@ -130,7 +131,7 @@ def gate_rollouts(args, prompts, worker, make_selector, Request, sp) -> dict:
                     sample_index=j) for k in range(args.gate_prompts) for j in range(args.tail_n)]
     for label, w in ws.items():
       t = time.perf_counter()
-      w.generate(reqs, sp, seed=i)
+      w.generate(reqs, sp, seed=i, policies=w.cells)
       times[label].append(time.perf_counter() - t)
     mark = {"probing": "probing", "pays": "PAYS", "declined": "declined", "closed": "-"}
     st = " ".join(f"{b}:{mark[s]}" for b, s in gate.summary()["status"].items())
@@ -167,7 +168,7 @@ def run(args: RegimeArgs) -> dict:
   from tlt_jax.rollout.config import EngineConfig, SpecConfig
   from tlt_jax.rollout.engine import Engine
   from tlt_jax.rollout.records import Request, tokens_per_verification
-  from tlt_jax.rollout.policies.mab import make_selector
+  from tlt_jax.rollout.policies.cells import PolicyCells, make_selector
   from tlt_jax.rollout.sampling import SamplingParams
 
   arms = args.arms.split(",")
@@ -191,8 +192,10 @@ def run(args: RegimeArgs) -> dict:
     ecfg = EngineConfig(max_batch=batch, buckets=buckets_upto(batch), chunk_size=16,
                         max_prompt_len=max_prompt, prompt_bucket=16,
                         max_new_tokens=args.max_new_tokens, stop_tokens=stop, spec=spec)
-    return Engine(params, cfg, ecfg, drafter_params=dparams if spec else None,
-                  selector=selector, gate=gate)
+    e = Engine(params, cfg, ecfg, drafter_params=dparams if spec else None,
+               bandit=selector.cfg if selector else None)
+    e.cells = PolicyCells(selector, gate)  # its calls' policies, kept across them (`run`)
+    return e
 
   def run(w, batches, sp):
     """Decodes each request batch (one generate call each) -> (tokens, seconds, outputs,
@@ -202,7 +205,7 @@ def run(args: RegimeArgs) -> dict:
     out, ntok = {}, 0
     t = time.perf_counter()
     for i, reqs in enumerate(batches):
-      for r in w.generate(reqs, sp, seed=i):
+      for r in w.generate(reqs, sp, seed=i, policies=w.cells):
         out[(r.request_id, r.sample_index)] = list(r.response_ids)
         ntok += r.num_tokens
     dt = time.perf_counter() - t

@@ -58,7 +58,7 @@ def count(spec) -> dict[str, Any]:
   speculative chunk executables a tail that visits every window compiles (pairs x windows)."""
   from tlt_jax.rollout.compile_plan import choosable_pairs
   ecfg = spec.engine
-  pairs = choosable_pairs(ecfg, spec.selector()) if ecfg.spec is not None else {}
+  pairs = choosable_pairs(ecfg, spec.bandit().cfg) if ecfg.spec is not None else {}
   n = sum(len(a) for a in pairs.values())
   out = {"pairs": n, "buckets": sorted(pairs), "cache_len": ecfg.cache_len}
   for s in SCHEMES:

@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence
 from tlt_jax.coordinator.param_store import ParamStore
 from tlt_jax.coordinator.spot import SpotConfig, SpotReport, train_until
 from tlt_jax.coordinator.timeline import Timeline, WorkerState
+from tlt_jax.rollout.policies.cells import Policies, PolicyCells
 
 
 class Worker:
@@ -92,6 +93,7 @@ class RolloutOutcome:
   # -> the step's spot training metrics (None: not on) once the drafter is settled: merged
   # and on every worker (waits for it; the wait is the drafter's on the critical path)
   settle: Callable[[], dict[str, Any] | None]
+  policies: Any = None  # the policies' states after the rollout (cells.Policies)
 
   @property
   def drafter(self) -> dict[str, Any] | None:
@@ -112,8 +114,7 @@ class Coordinator:
                to_rollout: Callable[[Any], Any] | None = None,
                gather: Callable[[Any], list] | None = None,
                global_barrier: Callable[..., Any] | None = None,
-               spot_wanted: Callable[[], bool] | None = None, overlap_settle: bool = False,
-               buffer: Any = None):
+               verdicts: Any = None, overlap_settle: bool = False, buffer: Any = None):
     """worker_ids / num_workers: the global indices of these (this process's) workers among
     all replicas (default: 0..n-1 of n); a worker decodes the requests whose request_id %
     num_workers is its index. to_rollout: learner params -> the rollout layout the store
@@ -122,8 +123,9 @@ class Coordinator:
     weights)` is called in every process with all of this process's copies and their tokens
     (0: not trained) and returns the global merge, or None when nothing was trained; and
     `global_barrier(name, on_all=...)` (distributed.GlobalBarrier) makes idle workers train
-    until every process's replicas are done. spot_wanted() -> False pauses spot training for
-    a rollout (the speculation gate declined every bucket: no drafter is decoding with).
+    until every process's replicas are done. verdicts: the speculation gate's cache of
+    hardware verdicts (policies/verdicts.py; None: none), which each rollout's gate cell reads
+    and writes.
     overlap_settle: hand the results back at the barrier and settle the drafter (in-flight
     steps, merge, push) on a thread of its own (module docstring); one process only (across
     processes the merge is a collective, which must keep its place in every process's
@@ -136,7 +138,7 @@ class Coordinator:
     self.to_rollout = to_rollout
     self.gather = gather or (lambda obj: [obj])
     self.global_barrier = global_barrier
-    self.spot_wanted = spot_wanted
+    self.verdicts = verdicts
     self.buffer = buffer
     self._rollouts = 0  # advances in lockstep in every process: names the global barriers
     self._last_barrier = None
@@ -157,12 +159,15 @@ class Coordinator:
   def rollout(self, requests: Sequence[Any], sp: Any, *, seed: int, step: int = 0,
               on_response: Callable[[Worker, Any], None] | None = None,
               on_chunk: Callable[[Any], None] | None = None,
-              selector: Any = None, release_actor: bool = False) -> RolloutOutcome:
+              policies: Policies = Policies(), release_actor: bool = False) -> RolloutOutcome:
     """Decodes `requests` over the workers (module docstring); `step` (the RL step) labels
-    the drafter data the responses leave in the buffer. release_actor: every worker
-    frees its actor copy once its share and its in-flight drafter step are done (the
-    learner's phases get that memory back; memory.release_rollout_weights), before the
-    results are handed back."""
+    the drafter data the responses leave in the buffer. `policies`: the bandit's and the
+    gate's states the rollout starts from; the workers share them in cells for its duration
+    (policies/cells.py) and the outcome carries the states they end in. A gate that wants no
+    drafter data (every bucket declined for hardware) pauses spot training for the rollout.
+    release_actor: every worker frees its actor copy once its share and its in-flight
+    drafter step are done (the learner's phases get that memory back;
+    memory.release_rollout_weights), before the results are handed back."""
     from tlt_jax.rollout.records import EngineHooks
     n = len(self.workers)
     every = split(requests, self.num_workers)  # another process's requests are its workers'
@@ -178,7 +183,8 @@ class Coordinator:
     remaining = [n]
     spot = self.spot.mode == "spot"
     # paused: idle workers wait; every process still joins the merge (its copies: 0 tokens)
-    train = spot and (self.spot_wanted is None or self.spot_wanted())
+    train = spot and (policies.gate is None or policies.gate.drafter_wanted())
+    cells = PolicyCells.of(policies, verdicts=self.verdicts)
     if train:  # (a deferred compile of the drafter step overlaps the generation)
       for w in self.workers:
         w.trainer.prepare()
@@ -233,7 +239,7 @@ class Coordinator:
             on_chunk=lambda c: (chunks.append(c), on_chunk and on_chunk(c)),
             before_chunk=lambda: w.pull(self.store))
         w.pull(self.store)
-        results = w.engine.generate(shares[i], sp, seed=seed, hooks=hooks, selector=selector)
+        results = w.engine.generate(shares[i], sp, seed=seed, hooks=hooks, policies=cells)
         if waiting[i]:
           states = w.engine.prompt_hidden([r.prompt_ids for r in waiting[i]])
           for res, h in zip(waiting[i], states):
@@ -299,7 +305,8 @@ class Coordinator:
       waiter = _waiter(self._settling, timeline, before=learner_done.set)
     results = sorted((r for res, _ in outs for r in res),
                      key=lambda r: (r.request_id, r.sample_index))
-    return RolloutOutcome(results, chunks, timeline.barrier or 0.0, timeline, waiter)
+    return RolloutOutcome(results, chunks, timeline.barrier or 0.0, timeline, waiter,
+                          cells.states())
 
   # --------------------------------------------------------------------------- drafter
   def _merge_and_push(self, reports: Sequence[SpotReport | None]) -> dict[str, Any]:

@@ -266,7 +266,7 @@ def _flat_items(dparams: Params):
 
 def save_drafter(directory: str, dparams: Params, cfg: ModelConfig) -> None:
   """Writes the trainable params (our layout) + the target signature they fit."""
-  from tlt_jax.models.hf_io import write_safetensors
+  from tlt_jax.models.safetensors_io import write_safetensors
   check_drafter_params(dparams, cfg)
   os.makedirs(directory, exist_ok=True)
   tensors = {name: np.asarray(jax.device_get(arr)) for name, arr in _flat_items(dparams)}
@@ -291,7 +291,7 @@ def load_drafter(directory: str, cfg: ModelConfig) -> Params:
   Raises DrafterLoadError (a ValueError) for a missing directory/file, a file that is not a
   tlt_jax drafter, or a drafter trained for a different target (naming both values).
   """
-  from tlt_jax.models.hf_io import CheckpointFormatError, mmap_safetensors
+  from tlt_jax.models.safetensors_io import CheckpointFormatError, mmap_safetensors
   if not os.path.isdir(directory):
     raise DrafterLoadError(f"drafter directory {directory!r} does not exist; pass the --out of "
                            "scripts/train_drafter.py (it holds drafter.safetensors)")
@@ -413,7 +413,7 @@ def export_eagle(directory: str, dparams: Params, cfg: ModelConfig, *,
                          "dtype")}
   config.update(num_hidden_layers=1, architectures=[arch],
                 torch_dtype=str(next(iter(tensors.values())).dtype))
-  from tlt_jax.models.hf_io import write_safetensors
+  from tlt_jax.models.safetensors_io import write_safetensors
   os.makedirs(directory, exist_ok=True)
   # both files renamed into place (write_safetensors does too): a run killed mid-export leaves
   # whole files, never a torn one an engine would load

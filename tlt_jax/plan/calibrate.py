@@ -143,7 +143,7 @@ def _probe(params, cfg, hw, ecfg, n: int, lens, seed: int):
   """(engine seconds, simulated seconds, engine chunks, layout operations) of n requests of
   `lens` tokens (one number: all)."""
 
-  from tlt_jax.plan.sim import SimEngine
+  from tlt_jax.plan.sim_engine import SimEngine
   from tlt_jax.rollout.engine import Engine
   from tlt_jax.rollout.records import Request
   from tlt_jax.rollout.sampling import SamplingParams
@@ -178,7 +178,7 @@ def validate_rollouts(params, dparams, cfg: ModelConfig, hw: cost.Hardware, *,
 
   import numpy as np
 
-  from tlt_jax.plan.sim import SimEngine
+  from tlt_jax.plan.sim_engine import SimEngine
   from tlt_jax.plan.workload import Acceptance
   from tlt_jax.rollout.config import EngineConfig, SpecConfig
   from tlt_jax.rollout.engine import Engine

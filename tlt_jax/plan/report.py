@@ -97,13 +97,14 @@ def plan(cfg, *, hardware: str = "h100", gpus: int = 0, lengths: Lengths, accept
       bar.close()
     runs[mode] = sim
   on, off = runs["on"], runs["off"]
+  gate_after = on.policies.gate  # (None: no gate)
   ex = {"on": sum(len(e.exes.records) for e in on.engines),
         "off": sum(len(e.exes.records) for e in off.engines)}
   return Plan(name=cfg.model.get("architecture") or cfg.model.path, hardware=hw, gpus=n,
               workers=workers, tp=tp, max_batch=on.ecfg.max_batch,
               kv_pages=on.ecfg.pool_pages, lengths=lengths, acceptance=acceptance,
               compile_s=compile_s, on=on.steps, off=off.steps,
-              gate=on.gate.summary() if on.gate is not None else None, executables=ex,
+              gate=gate_after.summary() if gate_after is not None else None, executables=ex,
               gate_mode=gate)
 
 

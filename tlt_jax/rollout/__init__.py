@@ -9,7 +9,8 @@ and `drafts.py` (speculative chunks: the drafter's chains and trees, verificatio
 compiled, when, and at what price), `records.py` (requests, results, chunk metrics),
 `sampling.py`, `config.py`. Its two subpackages:
   policies/  the decisions (the bandit, the speculation gate and its pricing, the arm):
-             pure host values and transitions; they import no engine module.
+             pure host values and transitions; they import no engine module. The engine
+             takes their states per call, in cells its caller owns (policies/cells.py).
   sources/   draft sources from text already written (the history index); they import
              neither the engine nor the policies.
 The engine imports both. tests/test_tree.py checks these rules.

@@ -1,8 +1,8 @@
 """Which speculative executables one engine has, and when they get compiled.
 
 Speculation needs one executable per (engine bucket, arm) pair and a switch-on executable per
-(bucket, sequence length). Only the pairs the selector can choose are wanted (`choosable_pairs`:
-the engine's batch grid intersected with the selector's live-size grid, under the speculation
+(bucket, sequence length). Only the pairs the bandit can choose are wanted (`choosable_pairs`:
+the engine's batch grid intersected with the bandit's live-size grid, under the speculation
 threshold), and with a gate only those it opens to this engine now. They compile either on
 first use (a chunk then pays the compile and reports nothing to the bandit), all at once
 (`precompile`), or in a background thread (SpecConfig.background_compile: `submit` at each
@@ -20,9 +20,9 @@ A Pallas verification kernel that fails to compile falls back to its jnp referen
 decisions) once, with a warning; `verify_path` says which ran.
 
 The plan holds no reference to its engine: every call is given a `PlanCall`, the engine's
-view at that moment (its worker id, its weights' shapes and shardings, its selector and gate,
-its page pools). Background compile jobs keep the view they were queued with (abstract
-weights: no device memory is held by a queued job).
+view at that moment (its worker id, its weights' shapes and shardings, its bandit's arms, the
+call's gate, its page pools). Background compile jobs keep the view they were queued with
+(abstract weights: no device memory is held by a queued job).
 """
 
 from __future__ import annotations
@@ -61,29 +61,31 @@ def _abstract(tree):
 @dataclasses.dataclass(frozen=True)
 class PlanCall:
   """What the plan reads of its engine, given with each call: the worker, its weights (only
-  their shapes and shardings are read: `view` makes them abstract), the engine's selector and
-  gate (None: every bucket open), and its page pools (`KVPages`: their abstract shapes)."""
+  their shapes and shardings are read: `view` makes them abstract), the engine's bandit config
+  (its arms and their bucket grid), the call's gate (None: every bucket open), and its page
+  pools (`KVPages`: their abstract shapes)."""
   worker_id: int
   params: Params
   drafter_params: Params | None
-  selector: Any
+  bandit: Any
   gate: Any
   kv: KVPages
 
   @classmethod
-  def view(cls, worker_id: int, params: Params, drafter_params: Params | None, selector: Any,
+  def view(cls, worker_id: int, params: Params, drafter_params: Params | None, bandit: Any,
            gate: Any, kv: KVPages) -> PlanCall:
-    return cls(worker_id, _abstract(params), _abstract(drafter_params), selector, gate, kv)
+    return cls(worker_id, _abstract(params), _abstract(drafter_params), bandit, gate, kv)
 
 
-def choosable_pairs(ecfg, selector) -> Pairs:
-  """Engine bucket -> the arms `selector` can return for a chunk decoded at that bucket.
+def choosable_pairs(ecfg, bandit) -> Pairs:
+  """Engine bucket -> the arms `bandit` (its config) can return for a chunk decoded at that
+  bucket.
 
   Speculation runs only at live sizes <= top = min(bs_threshold, max_batch): it switches on
   at a live size <= bs_threshold, which (when max_batch > bs_threshold) needs the queue to be
   empty, and the live batch never grows after that. With compaction, a chunk at bucket b has
   live size in (previous bucket, b]; without, anything in [1, b]. Engine buckets (compiled
-  batch sizes) and the selector's bucket bounds are different grids: this intersects them."""
+  batch sizes) and the bandit's bucket bounds are different grids: this intersects them."""
   spec = ecfg.spec
   if spec is None:
     return {}
@@ -94,7 +96,7 @@ def choosable_pairs(ecfg, selector) -> Pairs:
     prev = b
     if lo > top:
       break
-    arms = selector.choosable(lo, min(b, top))
+    arms = bandit.choosable(lo, min(b, top))
     if arms:
       pairs[b] = arms
   return pairs
@@ -134,13 +136,13 @@ class CompilePlan:
   def max_steps(self, call: PlanCall) -> int:
     """Catch-up capacity of the speculative state: room for every arm's drafts."""
     spec = self.ecfg.spec
-    arms = getattr(call.selector, "arms", None) or []
+    arms = call.bandit.arms if call.bandit is not None else []
     return max([spec.max_steps, spec.strategy.steps, 1] + [a.steps for a in arms])
 
   # ------------------------------------------------------------------------ which pairs
   def choosable_pairs(self, call: PlanCall) -> Pairs:
-    """Engine bucket -> the arms the selector can return there (`choosable_pairs`)."""
-    return choosable_pairs(self.ecfg, call.selector)
+    """Engine bucket -> the arms the bandit can return there (`choosable_pairs`)."""
+    return choosable_pairs(self.ecfg, call.bandit)
 
   def _wanted_pairs(self, call: PlanCall) -> Pairs:
     """Bucket -> the arms to compile there: the choosable ones, or with a gate those it
@@ -215,11 +217,11 @@ class CompilePlan:
   def precompile(self, call: PlanCall, sp: SamplingParams, *, all_pairs: bool = False) -> int:
     """AOT-compiles the speculative executable of every choosable (bucket, arm) pair now, instead
     of on first use (the default, lazy; it compiles the same pairs, and only those chosen).
-    all_pairs=True compiles every selector arm at every engine bucket (what choosable-only
+    all_pairs=True compiles every bandit arm at every engine bucket (what choosable-only
     saves, measured). Returns the number of new speculative executables."""
     pairs = self.choosable_pairs(call)
     if all_pairs and pairs:
-      pairs = {b: call.selector.arms for b in self.ecfg.buckets}
+      pairs = {b: call.bandit.arms for b in self.ecfg.buckets}
     before = sum(r.name == "spec" for r in self.exes.records)
     self._compile_pairs(call, sp, pairs, all_lengths=True)
     if self.ecfg.spec.background_compile:
@@ -317,7 +319,8 @@ class CompilePlan:
       self._compiler.submit(lambda: self.switch_on(*args))
     return compiled[0] if compiled else None
 
-  def window(self, call: PlanCall, sp: SamplingParams, arm: Strategy | None, state, need: int) -> int:
+  def window(self, call: PlanCall, sp: SamplingParams, arm: Strategy | None, state,
+             need: int) -> int:
     """The attention window of a chunk (plain: arm None) whose rows reach `need` cache slots
     (the longest row + `chunk_reach`): the `kv_bucket` holding them. A speculative window not
     compiled yet is one more executable of the arm: with a gate, where a wider one that holds

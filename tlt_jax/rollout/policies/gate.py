@@ -69,8 +69,8 @@ ledger) goes to a new state on each event (`begin_rollout`, `record` of a measur
 `compiled`), and every question (`arms`, `allows`, `probe_arm`, `drafter_wanted`, and
 funding.py's `repays_window`) is a function of a state, so a test drives a sequence of chunks
 and reads the verdicts. What is measured (chunks, rates, a bucket's record, ratios and
-ceilings) is probe.py's; what is funded, funding.py's. `SpecGate` is the one gate per process,
-shared by its workers' threads: it swaps the state under a lock and does the verdict cache's
+ceilings) is probe.py's; what is funded, funding.py's. During a rollout its workers' threads share
+the state in a `SpecGate` (cells.py), which swaps it under a lock and does the verdict cache's
 I/O. Rates are per chunk from the workers' `ChunkMetrics`; chunks that compiled are not
 measured.
 """
@@ -78,7 +78,6 @@ measured.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from typing import Any, Mapping, Sequence
 
 from tlt_jax.errors import ConfigError
@@ -86,7 +85,6 @@ from tlt_jax.rollout.policies import funding, payoff
 from tlt_jax.rollout.policies.probe import (ACCEPTANCE, CLOSED, DECLINED, HARDWARE, PAYS,
                                             PROBING, Bucket, Chunk, accept_len, rate)
 from tlt_jax.rollout.policies.strategy import Strategy
-from tlt_jax.rollout.policies.verdicts import VerdictCache
 
 
 
@@ -449,73 +447,3 @@ class GateState:
                rollouts=rollouts, hardware_ok=bool(state.get("hardware_ok", False)),
                decisions=tuple(state.get("decisions", [])),
                ledger=payoff.Ledger.restore(state.get("ledger", {})))
-
-
-class SpecGate:
-  """The one gate of a process, shared by its workers' threads: holds a `GateState` and
-  swaps it for the next under a lock; the policy is all in GateState. The whole interface an
-  engine uses (engine.py sequences it; compile_plan.py asks the questions about compiling):
-    begin_rollout(worker, choosable)  once per generate call (the prober's calls are the clock)
-    drafter_wanted()                  whether hidden states are captured / the drafter trained
-    arms(worker, bucket)              the arms to compile there now
-    allows(worker, bucket)            whether a chunk may speculate there now
-    probe_arm(bucket, default)        the arm a chunk runs (the probed one on probation)
-    record(bucket, arm, ...)          one measured chunk (arm None: plain); may decide
-    compiled(kind, bucket, arm, s)    an executable's compile seconds (payoff.py's kinds)
-    repays_window(bucket, arm, n, f)  whether a narrower attention window is worth compiling
-  Questions read one state (a reference read: no lock; a state never changes). The holder
-  owns the I/O the pure state cannot do: loading cached hardware verdicts and compile costs on
-  the first rollout with buckets, and writing them after every verdict and new cost."""
-
-  def __init__(self, cfg: GateConfig | None = None, verdicts: VerdictCache | None = None):
-    self.state = GateState(cfg or GateConfig())
-    self.verdicts = verdicts  # hardware verdicts of earlier runs (None: measure every run)
-    self._lock = threading.Lock()
-
-  def begin_rollout(self, worker_id: int, choosable: Mapping[int, Sequence[str]]) -> None:
-    with self._lock:
-      first = self.verdicts is not None and choosable and not self.state.arms_at
-      cached = self.verdicts.load() if first and not self.state.buckets else None
-      costs = self.verdicts.load_costs() if first else None
-      self.state = self.state.begin_rollout(worker_id, choosable, cached, costs)
-
-  def record(self, bucket: int, arm: Strategy | None, wall: float, steps: int, accepted: int = 0,
-             verifications: int = 0) -> None:
-    """steps (target forwards), accepted and verifications as in `ChunkMetrics`."""
-    with self._lock:
-      old = self.state
-      self.state = old.record(Chunk(bucket, arm, wall, steps, accepted, verifications))
-      if self.verdicts is not None and len(self.state.decisions) > len(old.decisions):
-        self.verdicts.update(self.state.hardware_verdicts())  # (a re-probe that paid: gone)
-
-  def compiled(self, kind: str, bucket: int, arm: Strategy | None, seconds: float) -> None:
-    with self._lock:
-      old = self.state.ledger.costs()
-      self.state = self.state.compiled(kind, bucket, arm, seconds)
-      costs = self.state.ledger.costs()
-      if self.verdicts is not None and costs != old:
-        self.verdicts.update(costs=costs)
-
-  def drafter_wanted(self) -> bool:
-    return self.state.drafter_wanted()
-
-  def arms(self, worker_id: int, bucket: int) -> list[Strategy]:
-    return self.state.arms(worker_id, bucket)
-
-  def allows(self, worker_id: int, bucket: int) -> bool:
-    return self.state.allows(worker_id, bucket)
-
-  def probe_arm(self, bucket: int, default: Strategy) -> Strategy:
-    return self.state.probe_arm(bucket, default)
-
-  def repays_window(self, bucket: int, arm: Strategy, chunks_per_rollout: float,
-                    share: float) -> bool:
-    return funding.repays_window(self.state, bucket, arm, chunks_per_rollout, share)
-
-  def summary(self) -> dict[str, Any]:
-    return self.state.summary()
-
-  def hold(self, state: GateState) -> None:
-    """The state the workers share from now on (the train state's, before a rollout)."""
-    with self._lock:
-      self.state = state

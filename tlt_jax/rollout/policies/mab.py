@@ -32,9 +32,8 @@ buckets and parameters, validated once) and `BanditState` (the reward windows an
 `BanditState.select` is a pure function of the state (its random draws are seeded by (seed,
 bucket, pulls so far), so asking again before an update gives the same arm) and `update`
 returns the next state; both run without devices or threads (a simulator drives them on its own
-clock). `Selector` is the one mutable holder the engine's workers share: a lock around the
-state, and the engine's interface (select, update, arms_for, choosable); the train state
-holds the value between rollouts (`hold` gives it to the workers). `BanditState.state_dict`
+clock). The train state holds the value between rollouts; during one, the workers share it in a
+`Selector` (cells.py). `BanditState.state_dict`
 is JSON and `BanditState.restore` continues the sequence exactly.
 """
 
@@ -45,14 +44,13 @@ import dataclasses
 import math
 import random
 import statistics
-import threading
 from typing import Any, Mapping, Sequence
 
 from tlt_jax.errors import ConfigError
 from tlt_jax.rollout.policies.strategy import Strategy
 
 RULES = ("fixed", "egreedy", "ucb1")  # always one arm; epsilon-greedy on medians; UCB1 on means
-SELECTORS = ("fixed", "beg", "eg", "ucb1", "bucb1")  # config names (make_selector)
+SELECTORS = ("fixed", "beg", "eg", "ucb1", "bucb1")  # config names (bandit_config)
 
 
 def default_mab_buckets() -> dict[int, list[Strategy]]:
@@ -114,7 +112,7 @@ def _buckets(buckets) -> tuple[tuple[int, tuple[Strategy, ...]], ...]:
 @dataclasses.dataclass(frozen=True)
 class BanditConfig:
   """What a bandit fixes: its rule, buckets (lower bound on the live batch size -> arms) and
-  parameters. Built by `make_selector` from config values; validated here."""
+  parameters. Built by `bandit_config` from config values; validated here."""
 
   rule: str
   buckets: tuple[tuple[int, tuple[Strategy, ...]], ...]
@@ -282,55 +280,10 @@ class BanditState:
                 for lo, arms in cfg.buckets})
 
 
-class Selector:
-  """The bandit the engine's workers share: a `BanditState` behind a lock, with the engine's
-  interface. `state` is the current value (read it; `hold` replaces it)."""
-
-  def __init__(self, cfg: BanditConfig):
-    self.cfg = cfg
-    self.state = BanditState.fresh(cfg)
-    self._lock = threading.Lock()
-
-  @property
-  def arms(self) -> list[Strategy]:
-    return self.cfg.arms
-
-  @property
-  def buckets(self) -> dict[int, list[Strategy]]:
-    return {lo: list(a) for lo, a in self.cfg.buckets}
-
-  def bucket_of(self, batch_size: int) -> int:
-    return self.cfg.bucket_of(batch_size)
-
-  def arms_for(self, batch_size: int) -> list[Strategy]:
-    return self.cfg.arms_for(batch_size)
-
-  def choosable(self, lo: int, hi: int) -> list[Strategy]:
-    return self.cfg.choosable(lo, hi)
-
-  def select(self, batch_size: int, arms: Sequence[Strategy] | None = None) -> Strategy:
-    return self.state.select(batch_size, arms)
-
-  def update(self, arm: Strategy, batch_size: int, reward: float) -> None:
-    with self._lock:
-      self.state = self.state.update(arm, batch_size, reward)
-
-  def values(self, batch_size: int) -> dict[str, float | None]:
-    return self.state.values(batch_size)
-
-  def hold(self, state: BanditState) -> None:
-    """The state the workers share from now on (the train state's, before a rollout)."""
-    if state.cfg.buckets != self.cfg.buckets or state.cfg.rule != self.cfg.rule:
-      raise ValueError(f"a bandit state of {state.cfg.to_json()} for the selector "
-                       f"{self.cfg.to_json()}")
-    with self._lock:
-      self.state = state
-
-
-def make_selector(selector: str, buckets: Mapping[int, Sequence[str]] | None = None, *,
+def bandit_config(selector: str, buckets: Mapping[int, Sequence[str]] | None = None, *,
                   strategy: str | None = None, epsilon: float = 0.1, window: int = 300,
-                  min_pulls: int = 1, seed: int = 0, c: float = 1.0) -> Selector:
-  """A selector from config values (arguments named as config.tlt.spec's keys). selector:
+                  min_pulls: int = 1, seed: int = 0, c: float = 1.0) -> BanditConfig:
+  """A bandit's config from config values (arguments named as config.tlt.spec's keys). selector:
   "beg" (bucketed epsilon-greedy), "eg" (epsilon-greedy, one bandit over every arm of
   `buckets`), "ucb1" (likewise, UCB1), "bucb1" (UCB1 per bucket), "fixed" (always the arm
   `strategy`). buckets default to `default_mab_buckets()`."""
@@ -341,12 +294,12 @@ def make_selector(selector: str, buckets: Mapping[int, Sequence[str]] | None = N
       arm = Strategy(strategy)
     except ValueError as e:
       raise ConfigError(str(e), "strategy", strategy) from None
-    return Selector(BanditConfig("fixed", {1: [arm]}))
+    return BanditConfig("fixed", {1: [arm]})
   if selector not in SELECTORS:
     raise ConfigError(f"use one of {', '.join(SELECTORS)}", "selector", selector)
   buckets = _buckets(default_mab_buckets() if buckets is None else buckets)
   if selector in ("eg", "ucb1"):  # one bandit over every arm
     buckets = ((1, tuple(dict.fromkeys(a for _, arms in buckets for a in arms))),)
   rule = "egreedy" if selector in ("beg", "eg") else "ucb1"
-  return Selector(BanditConfig(rule, buckets, window=window, min_pulls=min_pulls,
-                               epsilon=epsilon, c=c, seed=seed))
+  return BanditConfig(rule, buckets, window=window, min_pulls=min_pulls, epsilon=epsilon, c=c,
+                      seed=seed)

@@ -54,17 +54,9 @@ extend) was measured in CPython with dict transitions (tlt_jax/bench/history.py
 tokens; it also cannot delete (eviction and dropped rows would rebuild it) and its occurrence
 counts need propagating along suffix links. The arena + sorted array is numpy-sized and exact.
 
-Measured (scripts/bench_history.py, CPython 3.12 on 2 shared cores at load 4-7, so times
-are upper bounds; 2 prompts x 16 samples x 16k tokens of reasoning-like text, 2 epochs,
-rounds in the engine's order: every row drafts, then extends by 1-9 tokens): memory 11-14
-bytes per history token; a chain-8 lookup 68 us (first epoch) to 156 us (later epoch: longer
-drafts walk more nodes), a top-4 32-node tree about the same. A perfect verifier accepts 2.1
-drafted tokens per lookup from live siblings alone, 4.9 once the previous epoch's answers
-are history. Insert (begin/extend/end + registering + sorts), one recorded op trace replayed
-on the previous index (registering inside every extend) and on this one, in one run: 3.05 ->
-1.86 us/token (extend calls 2.33 -> 0.59, registering in settle 0.68, sorts 0.72 -> 0.59);
-under load ~10 at 3 prompts: 7.3 -> 5.7. The dict suffix automaton: ~400 bytes and ~10 us per
-token, before any occurrence counts.
+Measured (scripts/bench_history.py): 11-14 bytes and ~1.9 us of host time per history token,
+68-156 us per chain-8 lookup; the whole account in docs/engine.md ("History drafts vs the
+drafter").
 
 On the engine's host the index runs behind `HistoryIndex` (history.py), which applies its
 updates on a worker thread where the model runs on an accelerator.

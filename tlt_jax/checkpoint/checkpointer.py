@@ -30,83 +30,26 @@ directory; any number may read it.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import os
-import sys
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath  # orbax's own path library (local paths and gs:// alike)
 
-from tlt_jax.checkpoint_leaves import (SCALAR_TYPES, CheckpointError, check_template, fmt_path,
+from tlt_jax.checkpoint.damage import Damaged, quiet_about
+from tlt_jax.checkpoint.leaves import (SCALAR_TYPES, CheckpointError, check_template, fmt_path,
                                        match_template, norm_path, restore_arg)
 
 PyTree = Any
 
-__all__ = ["Checkpointer", "CheckpointError"]
 
 _ITEM = "state"  # name of the single Orbax item inside every step directory
 _DAMAGED = "damaged"  # <dir>/damaged/<step>-<time>: steps that failed to restore, set aside
-_log = logging.getLogger(__name__)
-
-
-class _Damaged(Exception):
-  """A step whose files fail to read (restore falls back past it); str() is one short line."""
-
-  def __init__(self, doing: str, error: BaseException):
-    msg = str(error).splitlines()[0] if str(error) else ""
-    # TensorStore appends its whole spec (kilobytes) to every message: the path and the
-    # reason come before it.
-    for cut in (" [tensorstore_spec=", ". See full TensorStore details"):
-      msg = msg.split(cut)[0]
-    if len(msg) > 300:
-      msg = msg[:300] + "..."
-    super().__init__(f"{type(error).__name__} {doing}: {msg}")
-
-
-@contextlib.contextmanager
-def _quiet_about(path: epath.Path) -> Iterator[None]:
-  """Drops third-party reports that mention `path` while it is read: a damaged step makes
-  Orbax log its unparsable files and its abandoned read tasks print dozens of traceback lines
-  (absl, asyncio, unraisable coroutine errors), which `restore`'s one line replaces."""
-  needle = str(path)
-
-  def mentions(e: BaseException | None) -> bool:
-    seen = 0
-    while e is not None and seen < 8:
-      if needle in str(e):
-        return True
-      e, seen = e.__cause__ or e.__context__, seen + 1
-    return False
-
-  class Filter(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-      return needle not in record.getMessage() and not (
-          record.exc_info and mentions(record.exc_info[1]))
-
-  def hook(unraisable: Any) -> None:
-    if not mentions(unraisable.exc_value):
-      previous(unraisable)
-
-  loggers, f, previous = [logging.getLogger(n) for n in ("asyncio", "absl")], Filter(), \
-      sys.unraisablehook
-  for logger in loggers:
-    logger.addFilter(f)
-  sys.unraisablehook = hook
-  try:
-    yield
-  except BaseException:
-    gc.collect()  # the failed read's abandoned tasks report when collected: now, filtered
-    raise
-  finally:
-    sys.unraisablehook = previous
-    for logger in loggers:
-      logger.removeFilter(f)
+_log = logging.getLogger("tlt_jax.checkpoint")  # (the package's logger)
 
 
 class Checkpointer:
@@ -151,7 +94,7 @@ class Checkpointer:
     )
     registry = ocp.handlers.create_default_handler_registry(
         **{_ITEM: ocp.PyTreeCheckpointHandler()})
-    with _quiet_about(self._path):  # it lists the steps, see all_steps
+    with quiet_about(self._path):  # it lists the steps, see all_steps
       self._mngr = ocp.CheckpointManager(directory, options=options, handler_registry=registry)
     self._inflight: int | None = None  # step of a started, not yet finalized, async save
     self._prepared = False
@@ -168,7 +111,7 @@ class Checkpointer:
     Orbax's in-memory list, which it keeps up to date.
     """
     if not self._prepared:
-      with _quiet_about(self._path):  # a damaged step's _CHECKPOINT_METADATA: see restore
+      with quiet_about(self._path):  # a damaged step's _CHECKPOINT_METADATA: see restore
         self._mngr.reload()
     steps = sorted(int(s) for s in self._mngr.all_steps())
     if self._inflight is not None:
@@ -315,7 +258,7 @@ class Checkpointer:
             f"no checkpoint for step {step} in {self.directory!r}; available steps: {steps}")
       try:
         return self._restore_step(step, state_template)
-      except _Damaged as e:
+      except Damaged as e:
         raise CheckpointError(
             f"checkpoint step {step} in {self.directory!r} is damaged ({e}); restore another "
             f"step (available: {steps})") from None
@@ -324,11 +267,11 @@ class Checkpointer:
     # missing file as JSONDecodeError, ValueError, FileNotFoundError or a bare Exception. A
     # failure that is not damage (e.g. out of memory) fails every step alike, and then nothing
     # is skipped or set aside: the error below lists each step's reason.
-    damaged: list[tuple[int, _Damaged]] = []
+    damaged: list[tuple[int, Damaged]] = []
     for s in reversed(steps):
       try:
         state = self._restore_step(s, state_template)
-      except _Damaged as e:
+      except Damaged as e:
         damaged.append((s, e))
         continue
       if damaged:
@@ -348,12 +291,12 @@ class Checkpointer:
         + "); nothing in it was changed: move it aside, or use another directory")
 
   def _restore_step(self, step: int, state_template: PyTree) -> PyTree:
-    """Restores one step; raises _Damaged for anything that fails while reading its files and
+    """Restores one step; raises Damaged for anything that fails while reading its files and
     CheckpointError for a template that does not match what it holds."""
     try:
       saved = self._saved_leaves(step)
     except Exception as e:  # pylint: disable=broad-except - see restore
-      raise _Damaged("reading its metadata", e) from e
+      raise Damaged("reading its metadata", e) from e
     t_leaves, treedef = jax.tree_util.tree_flatten_with_path(state_template)
     check_template(saved, t_leaves, f"checkpoint step {step} in {self.directory!r}")
 
@@ -361,13 +304,13 @@ class Checkpointer:
     # Orbax takes the structure from `item` and everything else from `restore_args`.
     item = jax.tree_util.tree_unflatten(treedef, [x for _, x in t_leaves])
     try:
-      with _quiet_about(self._path):
+      with quiet_about(self._path):
         result = self._mngr.restore(step, args=ocp.args.Composite(**{
             _ITEM: ocp.args.PyTreeRestore(
                 item=item, restore_args=jax.tree_util.tree_unflatten(treedef, restore_args))
         }))[_ITEM]
     except Exception as e:  # pylint: disable=broad-except - see restore
-      raise _Damaged("reading its arrays", e) from e
+      raise Damaged("reading its arrays", e) from e
     r_leaves = jax.tree_util.tree_leaves(result)
     if len(r_leaves) != len(t_leaves):  # pragma: no cover - guarded by check_template
       raise CheckpointError(f"restored {len(r_leaves)} leaves, template has {len(t_leaves)}")
@@ -434,7 +377,7 @@ class Checkpointer:
   def _saved_leaves(self, step: int) -> dict[tuple[str, ...], Any]:
     """{normalized key path: Orbax leaf metadata} of the checkpoint, read from its metadata
     file only (no array data)."""
-    with _quiet_about(self._path):
+    with quiet_about(self._path):
       md = self._mngr.metadata(step).item_metadata
     md = md[_ITEM] if md is not None and _ITEM in md else None
     if md is None:  # its item directory or the item's _METADATA is gone

@@ -1,4 +1,4 @@
-"""How a train-state pytree's leaves meet Orbax's (tlt_jax/checkpoint.py): key paths as
+"""How a train-state pytree's leaves meet Orbax's (checkpointer.py): key paths as
 Orbax stores them, each leaf's shape on disk (typed PRNG keys as their key data), the restore
 argument for a template leaf, the type a restored leaf is given back, and the template check
 whose one-line `CheckpointError`s name the key path at fault."""

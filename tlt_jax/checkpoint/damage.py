@@ -1,0 +1,68 @@
+"""A damaged checkpoint step, met while restoring: its one-line error (`Damaged`: the reason
+without TensorStore's kilobytes of spec) and the third-party noise its failed read makes,
+dropped while it is read (`quiet_about`). checkpointer.py's `restore` falls back past such a
+step and sets it aside."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import sys
+from typing import Any, Iterator
+
+from etils import epath
+
+
+class Damaged(Exception):
+  """A step whose files fail to read (restore falls back past it); str() is one short line."""
+
+  def __init__(self, doing: str, error: BaseException):
+    msg = str(error).splitlines()[0] if str(error) else ""
+    # TensorStore appends its whole spec (kilobytes) to every message: the path and the
+    # reason come before it.
+    for cut in (" [tensorstore_spec=", ". See full TensorStore details"):
+      msg = msg.split(cut)[0]
+    if len(msg) > 300:
+      msg = msg[:300] + "..."
+    super().__init__(f"{type(error).__name__} {doing}: {msg}")
+
+
+@contextlib.contextmanager
+def quiet_about(path: epath.Path) -> Iterator[None]:
+  """Drops third-party reports that mention `path` while it is read: a damaged step makes
+  Orbax log its unparsable files and its abandoned read tasks print dozens of traceback lines
+  (absl, asyncio, unraisable coroutine errors), which `restore`'s one line replaces."""
+  needle = str(path)
+
+  def mentions(e: BaseException | None) -> bool:
+    seen = 0
+    while e is not None and seen < 8:
+      if needle in str(e):
+        return True
+      e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
+
+  class Filter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+      return needle not in record.getMessage() and not (
+          record.exc_info and mentions(record.exc_info[1]))
+
+  def hook(unraisable: Any) -> None:
+    if not mentions(unraisable.exc_value):
+      previous(unraisable)
+
+  loggers, f, previous = [logging.getLogger(n) for n in ("asyncio", "absl")], Filter(), \
+      sys.unraisablehook
+  for logger in loggers:
+    logger.addFilter(f)
+  sys.unraisablehook = hook
+  try:
+    yield
+  except BaseException:
+    gc.collect()  # the failed read's abandoned tasks report when collected: now, filtered
+    raise
+  finally:
+    sys.unraisablehook = previous
+    for logger in loggers:
+      logger.removeFilter(f)

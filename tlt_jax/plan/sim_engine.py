@@ -1,0 +1,326 @@
+"""The cluster simulator's device: the project's own rollout loop on a simulated device and
+clock.
+
+`SimEngine` is the rollout `Engine` with its device seam replaced (replica.py: `_apply`,
+`_switch_on`, `_decode`, `_sync`, `_call`, `kv`, `exes`, `compiles`, `clock`): every chunk goes
+through the engine's own `generate` / `_chunk` / `_page` / `_collect` / `_report`, so the
+Scheduler (admission in order, refill, compaction, the speculation threshold and patience),
+the page policy (admission by free pages, preemption of the youngest rows: pages.py), the
+speculation gate (gate.py: probes, verdicts, the payoff rule pricing compiles), the bandit
+(mab.py) and the attention-window rule (compile_plan.py's `window`, `_window_pays`) decide
+exactly as they do on devices. Nothing of them is copied here; a test runs the real engine and
+the simulator on the same response lengths and compares every chunk.
+
+What the device would do is priced by the cost model (cost.py) on a hardware profile:
+  prefill      the distinct prompts of the rows (padded as prefill.py pads them)
+  plain chunk  chunk_size decode steps at the bucket, attending over the chunk's window
+  spec chunk   chunk_size verifications: the target over the arm's verify tokens, the
+               drafter's catch-up over steps + 1 and steps - 1 more drafter steps of topk
+               (`cost.spec_step`); each row's accepted drafts drawn per verification from
+               the workload's acceptance (workload.py)
+  switch-on    a forward of the target and the drafter over the rows' text so far
+  host         the profile's `chunk_s` per chunk (dispatch, sync, the loop's own work) and
+               `op_s` per layout operation (prefill, refill, resize)
+  compile      `compile_s` per executable the first time it runs (0: a warm persistent
+               cache); background compiles (each bucket's arms, SpecConfig.background_compile)
+               finish `compile_s` after they are queued, one at a time, beside decoding
+Rows end at their drawn length (a stop token) or at max_new_tokens (truncated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from tlt_jax.models import ModelConfig
+from tlt_jax.plan import cost
+from tlt_jax.plan.workload import Acceptance
+from tlt_jax.rollout import decode
+from tlt_jax.rollout.compile_plan import CompilePlan, PlanCall
+from tlt_jax.rollout.engine import Engine
+from tlt_jax.rollout.executables import CompileRecord, ExecKey
+from tlt_jax.rollout.pages import PageAllocator
+from tlt_jax.rollout.prefill import prompt_len
+from tlt_jax.rollout.records import Request
+from tlt_jax.rollout.scheduler import Prefill, Refill, Resize
+from tlt_jax.rollout.policies.strategy import Strategy
+
+
+@dataclasses.dataclass
+class Row:
+  key: Any
+  target: int  # tokens this response will have (its drawn length, capped)
+  produced: int = 0
+  stopped: bool = False  # ended by a stop token (else by max_new_tokens)
+  pending: int = 0  # tokens its next speculative step emits besides its own (switch-on's)
+
+
+class SimState:
+  """A simulated decode state: its rows (None: an empty slot) and whether the drafter's
+  state rides along (speculation switched on)."""
+
+  def __init__(self, rows: list[Row | None], spec: bool = False):
+    self.rows, self.spec = rows, spec
+
+  @property
+  def batch_size(self) -> int:
+    return len(self.rows)
+
+
+def exe_key(name: str, batch: int, *variant) -> ExecKey:
+  """A simulated executable's key: its name, its variant (a spec chunk's arm first, as the
+  engine's), its batch in place of the argument shapes."""
+  return ExecKey(name, tuple(variant), (batch,))
+
+
+class SimExes:
+  """The executables a simulated engine has compiled (keys), and the compile records."""
+
+  def __init__(self):
+    self.keys: set = set()
+    self.records: list[CompileRecord] = []
+    self._here = 0
+
+  def __contains__(self, key) -> bool:
+    return key in self.keys
+
+  def add(self, key: ExecKey, seconds: float, here: bool) -> None:
+    self.keys.add(key)
+    self.records.append(CompileRecord(key, key.shapes[0], seconds, None))
+    self._here += here
+
+  def compiled_here(self) -> int:
+    return self._here
+
+  def stats(self) -> dict[str, Any]:
+    return {"executables": len(self.records),
+            "compile_seconds": sum(r.seconds for r in self.records)}
+
+
+class SimKV:
+  """The page pool's host side only: the allocator is the engine's (pages.py)."""
+
+  def __init__(self, ecfg):
+    self.ecfg = ecfg
+
+  def allocator(self) -> PageAllocator:
+    e = self.ecfg
+    return PageAllocator(e.pool_pages, e.page_size, e.row_pages)
+
+  def table(self, pages, keys):
+    return None
+
+  def keep(self, state) -> None:
+    pass
+
+
+class SimCompilePlan(CompilePlan):
+  """The compile plan's decisions (`choosable_pairs`, `ready`, `window`, `_window_pays`) as
+  they are; what compiles is a key with a price on the engine's clock. Background compiles
+  finish one after another on a compile clock beside decoding."""
+
+  def __init__(self, engine: "SimEngine", weight_bytes: int, slot_bytes: int):
+    super().__init__(engine.cfg, engine.ecfg, engine.exes, None)
+    self.engine = engine
+    self.use_kernel = True  # (the verification kernel's path: a label only here)
+    self._bytes = (weight_bytes, slot_bytes)
+    self._due: dict = {}  # (sp, bucket, arm) -> simulated time its background compile ends
+    self._compile_free = 0.0  # when the compile thread is next free
+
+  _abstract = staticmethod(lambda state: state)
+
+  def _spec_key(self, call, sp, arm, state, kv_len):
+    return exe_key("spec", state.batch_size, Strategy(arm), kv_len)
+
+  def submit(self, call: PlanCall, sp, *_):
+    e = self.engine
+    for b, arms in self._wanted_pairs(call).items():
+      for arm in arms:
+        key = (sp, b, str(arm))
+        if key in self._due:
+          continue
+        start = max(self._compile_free, e.now)
+        self._compile_free = self._due[key] = start + e.compile_s
+        e.exes.add(exe_key("spec", b, Strategy(arm), self.ecfg.cache_len), e.compile_s, False)
+        e.exes.add(exe_key("switch_on", b, self.ecfg.cache_len), e.compile_s, False)
+
+  def ready(self, call: PlanCall, sp, bucket: int) -> bool:
+    if self.ecfg.spec.background_compile:
+      now = self.engine.now
+      with self._lock:
+        done = self._ready.setdefault(sp, set())
+        done.update((b, Strategy(a)) for (s, b, a), t in self._due.items()
+                    if s == sp and t <= now)
+    return super().ready(call, sp, bucket)
+
+  def switch_length(self, call, state, need: int) -> int:
+    return next(n for n in self.switch_lengths() if n >= need)
+
+
+class SimEngine(Engine):
+  """One rollout worker on a simulated device (module docstring). `lengths`: request key ->
+  its response length; `hw`: the profile; `tp`: the replica's tensor-parallel degree;
+  `compile_s`: seconds per executable compiled (0: a warm cache); `dcfg`: the drafter's
+  model config (the target's with one layer)."""
+
+  def __init__(self, cfg: ModelConfig, ecfg, hw: cost.Hardware, *, worker_id: int = 0,
+               bandit: Any = None, acceptance: Acceptance | None = None, tp: int = 1,
+               compile_s: float = 0.0, seed: int = 0):
+    from tlt_jax.rollout.policies.mab import bandit_config
+    self.cfg, self.ecfg, self.worker_id = cfg, ecfg, worker_id
+    self.hw, self.tp, self.compile_s = hw, tp, compile_s
+    self.acceptance = acceptance or Acceptance()
+    self.lengths: dict[Any, int] = {}
+    self.rng = np.random.default_rng(seed * 1009 + worker_id)
+    spec = ecfg.spec
+    self.bandit = bandit or (bandit_config("fixed", strategy=spec.strategy) if spec else None)
+    self.arms = frozenset([spec.strategy, *self.bandit.arms] if spec else [])
+    self.history = None
+    self.params = self.drafter_params = None
+    self._ran: set = set()
+    self.kv = SimKV(ecfg)
+    self.exes = SimExes()
+    self._compiles_reported = 0
+    self.chunk_log = []
+    self.preemptions = 0
+    self.now = 0.0  # this device's clock
+    self.busy = {"prefill": 0.0, "decode": 0.0, "verify": 0.0, "switch_on": 0.0,
+                 "compile": 0.0, "host": 0.0}
+    nb = cost._BYTES[cfg.dtype]
+    slot = (cfg.num_layers + 1) * 2 * cfg.num_kv_heads * cfg.head_dim_ * nb
+    weights = cost.forward(cfg, 1, 1, 0, tp=tp).bytes
+    self.compiles = SimCompilePlan(self, weights, slot)
+
+  # the clock the loop reads
+  def clock(self) -> float:  # (an instance's method: shadows Engine.clock)
+    return self.now
+
+  def _spend(self, what: str, seconds: float) -> None:
+    self.now += seconds
+    self.busy[what] += seconds
+
+  def _compile(self, key: ExecKey) -> None:
+    if key not in self.exes:
+      self.exes.add(key, self.compile_s, True)
+      self._spend("compile", self.compile_s)
+
+  def _seconds(self, c: cost.Cost) -> float:
+    return self.hw.seconds(c)
+
+  # the device seam (engine.py)
+  def _plan(self, gate: Any = None) -> PlanCall:
+    return PlanCall(self.worker_id, None, None, self.bandit, gate, None)
+
+  def _sync(self, state):
+    return state
+
+  def _call(self, name, variant, fn, args, donate=()):
+    # set_tables, once before each chunk (`_page`): the page tables are the allocator's; the
+    # host's own work per chunk is priced here, outside the chunk's measured time as on devices
+    self._spend("host", self.hw.chunk_s)
+    return args[0]
+
+  def _apply(self, op, state, c, warm: bool):
+    self._spend("host", self.hw.op_s)
+    if isinstance(op, Resize):
+      rows = [state.rows[i] if v else None for i, v in zip(op.idx, op.valid)]
+      return SimState(rows, state.spec)
+    reqs = op.requests
+    self._prefill(reqs, op.bucket, warm)
+    # a speculative prefill leaves each row's first token pending, as switch-on does
+    new = [Row(r.key, self.lengths[r.key], pending=int(warm)) for r in reqs]
+    if isinstance(op, Prefill):
+      return SimState(new + [None] * (op.bucket - len(reqs)), warm)
+    if isinstance(op, Refill):
+      rows = list(state.rows)
+      for s, row in zip(op.slots, new):
+        rows[s] = row
+      return SimState(rows, state.spec)
+    raise TypeError(f"unknown layout operation {op!r}")
+
+  def _prefill(self, reqs: Sequence[Request], bucket: int, warm: bool) -> None:
+    """A prefill's price: each distinct prompt once, padded as prefill.py pads them."""
+    p = prompt_len(reqs, self.ecfg)
+    distinct = len({tuple(r.prompt_ids) for r in reqs})
+    u = self.ecfg.bucket_for(distinct)
+    rows = u if u < bucket else bucket
+    self._compile(exe_key("prefill_spec" if warm else "prefill", bucket, p))
+    c = cost.prefill(self.cfg, rows, p, tp=self.tp)
+    if warm:
+      c = c + cost.draft(self.cfg, rows, p, max(p // 2, 1), tp=self.tp)
+    self._spend("prefill", self._seconds(c))
+
+  def _switch_on(self, state, c):
+    if not self.compiles.ready(c.plan, c.sp, state.batch_size):
+      return state, False
+    seqs = [len(req.prompt_ids) + c.outputs[req.key].length
+            for req in c.sched.slots[:state.batch_size] if req is not None]
+    length = self.compiles.switch_length(c.plan, state, max(seqs, default=1))
+    self._compile(exe_key("switch_on", state.batch_size, length))
+    b = state.batch_size
+    fwd = (cost.prefill(self.cfg, b, length, tp=self.tp)
+           + cost.draft(self.cfg, b, length, max(length // 2, 1), tp=self.tp))
+    self._spend("switch_on", self._seconds(fwd))
+    for row in state.rows:  # the token the plain state had ready comes out with the first
+      if row is not None:  # speculative step, beside the step's own
+        row.pending = 1
+    return SimState(list(state.rows), True), True
+
+  def _decode(self, state, c, arm: Strategy | None, kv_len: int):
+    ecfg, b, n = self.ecfg, state.batch_size, self.ecfg.chunk_size
+    first = False
+    if arm is None:
+      self._compile(exe_key("decode", b, kv_len, c.capture))
+      step = cost.forward(self.cfg, b, 1, kv_len, tp=self.tp)
+      per = np.ones((b, n), np.int64)
+      what = "decode"
+    else:
+      key = exe_key("spec", b, arm, kv_len)
+      self._compile(key)
+      first = key not in self._ran
+      self._ran.add(key)
+      step = cost.spec_step(self.cfg, arm, b, kv_len, tp=self.tp)
+      per = self.acceptance.draw(arm, self.rng, (b, n)) + 1
+      what = "verify"
+    valid = np.zeros((b, n * int(per.max(initial=1)) + 1), bool)  # (+ a pending token)
+    done = np.ones((b,), bool)
+    stopped = np.zeros((b,), bool)
+    accepted = verifications = ran = 0
+    for i, row in enumerate(state.rows):
+      if row is None or row.produced >= row.target:
+        continue
+      left = row.target - row.produced
+      extra = row.pending if arm is not None else 0
+      row.pending -= extra
+      if extra >= left:  # its pending token ends it: one step, nothing verified
+        steps, made, verified = 1, left, 0
+      else:
+        per[i, 0] += extra
+        got = per[i].cumsum()
+        steps = min(int(np.searchsorted(got, left)) + 1, n)  # steps until the row is done
+        made = min(int(got[steps - 1]), left)
+        verified = steps
+      row.produced += made
+      valid[i, :made] = True
+      verifications += verified
+      accepted += max(made - verified - extra, 0)
+      ran = max(ran, steps)
+      done[i] = row.produced >= row.target
+      if done[i]:
+        row.stopped = row.target < ecfg.max_new_tokens
+        stopped[i] = row.stopped
+    # the chunk's loop exits once every row is done (decode.py, speculative.py)
+    self._spend(what, ran * self._seconds(step))
+    out = decode.ChunkOutput(tokens=np.zeros(valid.shape, np.int32),
+                             logprobs=np.zeros(valid.shape, np.float32), valid=valid,
+                             hidden=None, steps=np.int32(ran))
+    counts = (accepted, verifications) if arm is not None else (0, 0)
+    return state, (out, done, stopped, counts), first
+
+
+def _check_seam() -> None:
+  """The simulator replaces the device seam only: the loop is the engine's (a test checks)."""
+  for name in ("generate", "_chunk", "_page", "_collect", "_report", "_reach", "_feed_history"):
+    assert getattr(SimEngine, name) is getattr(Engine, name), name

@@ -1,0 +1,250 @@
+"""One model replica on its devices: its weights (in the replica layout: the compute dtype,
+layers unstacked, projections fused where that pays, `to_replica_layout`), its paged KV pools
+(`KVPages`, pages.py), its executables (`ExecutableCache`, executables.py: each (function,
+bucket) compiled once, ahead of time, with its compile time and memory recorded; which
+speculative ones exist and when they compile is the `CompilePlan`'s, compile_plan.py), and
+the device calls a chunk makes: a prefill, the scheduler's layout operations (resize, refill),
+speculation's switch-on forward, one chunk of decoding and its host sync.
+
+`Replica` is the device seam of the engine (engine.py's `Engine` is a Replica with the chunk
+loop on top): the loop touches devices and time only through `_call`, `_apply`, `_switch_on`,
+`_decode`, `_sync`, `kv`, `exes`, `compiles` and `clock`, and the cluster simulator
+(tlt_jax/plan/sim_engine.py) runs the same loop on a simulated device and clock by replacing
+them. The calls take the engine's record of the `generate` call they serve (engine.py's
+`Call`: its sampling, key, scheduler, the rows' outputs, the compile plan's view).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from tlt_jax.models import KVCache, ModelConfig, Params, replica_layout
+from tlt_jax.rollout import decode
+from tlt_jax.rollout.compile_plan import CompilePlan
+from tlt_jax.rollout.config import EngineConfig
+from tlt_jax.rollout.executables import CompileRecord, ExecutableCache
+from tlt_jax.rollout.history_chunk import history_chunk
+from tlt_jax.rollout.pages import KVPages
+from tlt_jax.rollout.policies.strategy import Strategy
+from tlt_jax.rollout.prefill import prefill_arrays, prefill_call
+from tlt_jax.rollout.records import Request
+from tlt_jax.rollout.sampling import plain_variant
+from tlt_jax.rollout.scheduler import Prefill, Refill, Resize
+from tlt_jax.sharding import make_mesh, tree_shardings
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _to_replica(params: Params, dtype, cfg: ModelConfig, fused: bool) -> Params:
+  """The replica layout where the params live: the compute dtype, layers unstacked and, with
+  `fused`, projections fused (models.replica_layout); new buffers (each output keeps its
+  input's sharding)."""
+  return replica_layout(jax.tree.map(lambda x: x.astype(dtype), params), cfg, fused)
+
+
+def replica_shardings(params: Params, cfg: ModelConfig, fused: bool, mesh: Mesh) -> Any:
+  """The replica layout's shardings on `mesh` (params: any layout, or its shapes)."""
+  return tree_shardings(jax.eval_shape(functools.partial(replica_layout, cfg=cfg, fused=fused),
+                                       params), mesh)
+
+
+def to_replica_layout(params: Params, cfg: ModelConfig, fused: bool, shardings: Any) -> Params:
+  """Params in any layout (the learner's) -> the replica layout on `shardings`: cast and
+  unstacked (fused) where they live (a bf16 replica of f32 master weights moves half the
+  bytes), then resharded. Always a copy: the learner donates its params to its next update."""
+  return jax.device_put(_to_replica(params, cfg.compute_dtype, cfg, fused), shardings,
+                        may_alias=False)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _prompt_forward(params: Params, tokens: jax.Array, *, cfg: ModelConfig) -> jax.Array:
+  from tlt_jax.models import forward
+  pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  return forward(params, tokens, pos, cfg=cfg, return_logits=False).hidden
+
+
+class Replica:
+  """One model replica on its devices; see the module docstring."""
+
+  def __init__(self, params: Params, cfg: ModelConfig, engine_cfg: EngineConfig, *,
+               mesh: Mesh | None = None, drafter_params: Params | None = None):
+    self.cfg, self.ecfg = cfg, engine_cfg
+    self.mesh = mesh if mesh is not None else make_mesh((1, 1, 1), jax.devices()[:1])
+    self.fused = engine_cfg.fuses()  # the replica's projections fused (EngineConfig)
+    self._param_shardings = replica_shardings(params, cfg, self.fused, self.mesh)
+    self._replicated = NamedSharding(self.mesh, PartitionSpec())
+    self.params = self.drafter_params = None
+    self.set_params(params)
+    if drafter_params is not None:
+      self.set_drafter_params(drafter_params)
+    elif engine_cfg.spec is not None:
+      raise ValueError("EngineConfig.spec is set but the engine has no drafter_params")
+    self._ran: set[int] = set()  # ids of the arm executables run so far (first runs)
+    self.kv = KVPages(cfg, self.mesh, self._replicated, num_pages=engine_cfg.pool_pages,
+                      page_size=engine_cfg.page_size, row_pages=engine_cfg.row_pages)
+    self.exes = ExecutableCache()
+    self.compiles = CompilePlan(cfg, engine_cfg, self.exes, self._replicated)
+
+  # ---------------------------------------------------------------------------------- weights
+  def set_params(self, params: Params) -> None:
+    """New actor weights (after an RL update). Params already in the rollout layout (the
+    coordinator's `to_rollout`: compute dtype, layers unstacked, this engine's devices hold
+    its slices) are taken as they are, without a copy; others are cast to the compute dtype
+    and unstacked where they are (a bf16 replica of f32 master weights moves and keeps half
+    the bytes), then copied onto this engine's layout (a copy: the learner donates its params
+    to its next update, which must not delete these; on a learner device the two layouts can
+    coincide)."""
+    from tlt_jax.sharding import local_view
+    dt = self.cfg.compute_dtype
+    layers = params["layers"]
+    if isinstance(layers, (tuple, list)) and ("qkv" in layers[0]) == self.fused:
+      view = local_view(params, self._param_shardings)
+      if view is not None and all(x.dtype == dt for x in jax.tree.leaves(view)):
+        self.params = view
+        return
+    self.params = to_replica_layout(params, self.cfg, self.fused, self._param_shardings)
+
+  def release_params(self) -> bool:
+    """Drops this engine's copy of the actor (after its rollout: the learner's phases get the
+    memory back; the next `set_params` brings the updated weights). Not while background
+    compilation still runs real prefills with them (the first steps): False then."""
+    def drop():
+      self.params = None
+      self.kv.drop()
+    return self.compiles.when_idle(drop)
+
+  def set_drafter_params(self, dparams: Params) -> None:
+    """New drafter weights (after spot training) on this engine's mesh: a view of the
+    store's rollout layout where this engine's devices hold its slices, else a copy."""
+    from tlt_jax.sharding import local_view
+    shardings = tree_shardings(dparams, self.mesh)
+    view = local_view(dparams, shardings)
+    self.drafter_params = view if view is not None else jax.device_put(dparams, shardings)
+
+  @property
+  def compile_log(self) -> list[CompileRecord]:
+    return self.exes.records
+
+  def compile_stats(self) -> dict[str, Any]:
+    return self.exes.stats()
+
+  # ------------------------------------------------------------------------- device calls
+  # (the device seam: the module docstring)
+  clock = staticmethod(time.perf_counter)
+
+  def _sync(self, state):
+    """Waits for what was dispatched before the next chunk (its time is the chunk's own)."""
+    return jax.block_until_ready(state)
+
+  def _call(self, name: str, variant, fn: Callable, args: tuple, donate=()):
+    return self.exes.get(name, variant, fn, args, donate=donate)(*args)
+
+  def prompt_hidden(self, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    """The post-norm hidden state of every position of each prompt ([P_i, D], host), by one
+    forward of this engine's params over the distinct prompts on its devices (rows padded to
+    a power of two, columns to max_prompt_len: a few executables). The drafter's training
+    context (tlt_jax/drafter/buffer.py); the prefill does not keep them."""
+    keys = list(dict.fromkeys(tuple(int(t) for t in p) for p in prompts))
+    tok = np.zeros((1 << (len(keys) - 1).bit_length(), self.ecfg.max_prompt_len), np.int32)
+    for i, k in enumerate(keys):
+      tok[i, :len(k)] = k
+    h = np.asarray(jax.device_get(_prompt_forward(
+        self.params, jax.device_put(tok, self._replicated), cfg=self.cfg)))
+    by_key = {k: h[i, :len(k)] for i, k in enumerate(keys)}
+    return [by_key[tuple(int(t) for t in p)] for p in prompts]
+
+  def _prefill(self, reqs: Sequence[Request], batch: int, c, warm: bool,
+               kv: KVCache, dkv: KVCache | None):
+    """Prefill of `reqs` into a new state of `batch` rows whose k/v go to the pages the call's
+    allocator holds for them in the pools kv (and the drafter's, dkv: warm, with the drafter's
+    prefill, a SpecState); both pools are donated and come back in the state."""
+    tokens, lens, src, keys, max_new = prefill_arrays(reqs, batch, c.base_key, self.ecfg)
+    table = self.kv.table(c.pages, [r.key for r in reqs] + [None] * (batch - len(reqs)))
+    cache = kv.replace(table=table, lengths=jnp.zeros((batch,), jnp.int32))
+    max_steps = self.compiles.max_steps(c.plan) if warm else 0
+    name, variant, fn, args, donate = prefill_call(
+        self.cfg, warm, max_steps, self.params, self.drafter_params, cache, dkv, tokens, lens,
+        src, keys, max_new)
+    return self._call(name, variant, fn, args, donate=donate)
+
+  def _apply(self, op, state, c, warm: bool):
+    """A scheduler layout operation on the device state (None before the first prefill);
+    warm: the state carries the drafter's (a SpecState). Every op donates the state: its
+    page pools pass through in place."""
+    if isinstance(op, Prefill):
+      return self._prefill(op.requests, op.bucket, c, warm, self.kv.take(False),
+                           self.kv.take(True) if warm else None)
+    if isinstance(op, Resize):
+      idx, valid = jnp.asarray(op.idx, jnp.int32), jnp.asarray(op.valid)
+      return self._call("take_rows", None, decode.take_rows, (state, idx, valid), donate=(0,))
+    if isinstance(op, Refill):
+      kv, dkv = decode.pools(state)
+      rows = self._prefill(op.requests, op.bucket, c, warm, kv, dkv)
+      # Padding rows of the prefill go to an out-of-range slot and are dropped.
+      slots = np.full((op.bucket,), state.batch_size, np.int32)
+      slots[:len(op.slots)] = op.slots
+      return self._call("put_rows", None, decode.put_rows,
+                        (decode.without_pools(state), rows, jnp.asarray(slots)), donate=(0, 1))
+    raise TypeError(f"unknown layout operation {op!r}")
+
+  def _switch_on(self, state, c):
+    """Speculation starts: each row's prompt and response so far -> the SpecState, over the
+    shortest compiled length that holds them. Returns (state, True), or (state, False) while
+    this bucket's executables are still compiling (the chunk decodes plainly)."""
+    if not self.compiles.ready(c.plan, c.sp, state.batch_size):
+      return state, False
+    seqs = {row: c.outputs[req.key].sequence(req, self.ecfg.cache_len)
+            for row, req in enumerate(c.sched.slots[:state.batch_size]) if req is not None}
+    length = self.compiles.switch_length(c.plan, state,
+                                         max(map(len, seqs.values()), default=1))
+    if length is None:
+      return state, False
+    tokens = np.zeros((state.batch_size, length), np.int32)
+    for row, seq in seqs.items():
+      tokens[row, :len(seq)] = seq
+    tokens = jax.device_put(tokens, self._replicated)
+    dkv = self.kv.take(True)
+    exe = self.compiles.switch_on(c.plan, state, length, dpool=dkv)
+    return exe(self.params, self.drafter_params, state, dkv, tokens), True
+
+  def _decode(self, state, c, arm: Strategy | None, kv_len: int):
+    """One chunk, and its one host sync. arm=None: plain decoding (before speculation starts:
+    a DecodeState, the executables of an engine without a drafter), returning hidden states
+    if the call captures them; else a strategy on the SpecState (whose executables return
+    them if the engine captures at all: speculative chunks run only where the gate opens).
+    kv_len: the attention window (CompilePlan.window; the state's caches hold at least that).
+    Returns (state, host copies of (ChunkOutput, done [B], stopped [B], [accepted drafts,
+    verifications]), whether the arm's executable ran for the first time)."""
+    sp = c.sp
+    if arm is not None:
+      exe = self.compiles.spec(c.plan, sp, arm, state, kv_len)
+      first = self._first_run(exe)
+      if arm.history:  # a host loop of steps, the index drafting before each
+        rows = {s: c.sched.slots[s].key for s in c.sched.live}
+        state, host = history_chunk(exe, self.params, self.drafter_params, state, arm,
+                                    c.history, rows, self.ecfg.chunk_size, self._replicated)
+        return state, host, first
+      state, out, counts = exe(self.params, self.drafter_params, state)
+    else:
+      ecfg = self.ecfg
+      # one executable for every temperature (greedy evaluation included): an argument
+      static = plain_variant(sp)
+      fn = functools.partial(decode.decode_chunk, cfg=self.cfg, sp=static,
+                             stop_tokens=ecfg.stop_tokens, chunk=ecfg.chunk_size,
+                             capture_hidden=c.capture, kv_len=kv_len)
+      state, out = self._call("decode", (static, c.capture, kv_len), fn,
+                              (self.params, state, np.float32(sp.temperature)), donate=(1,))
+      counts, first = (0, 0), False
+    base = state if isinstance(state, decode.DecodeState) else state.base
+    return state, jax.device_get((out, base.done, base.stopped, counts)), first
+
+  def _first_run(self, exe) -> bool:
+    """Whether `exe` (an arm's executable) runs for the first time on this engine."""
+    first = id(exe) not in self._ran
+    self._ran.add(id(exe))
+    return first
