@@ -39,7 +39,7 @@ from tlt_jax.plan import cost
 from tlt_jax.plan.workload import Acceptance
 from tlt_jax.rollout import decode
 from tlt_jax.rollout.compile_plan import CompilePlan, PlanCall
-from tlt_jax.rollout.engine import Engine
+from tlt_jax.rollout.engine import Engine, engine_arms
 from tlt_jax.rollout.executables import CompileRecord, ExecKey
 from tlt_jax.rollout.pages import PageAllocator
 from tlt_jax.rollout.prefill import prompt_len
@@ -168,15 +168,13 @@ class SimEngine(Engine):
   def __init__(self, cfg: ModelConfig, ecfg, hw: cost.Hardware, *, worker_id: int = 0,
                bandit: Any = None, acceptance: Acceptance | None = None, tp: int = 1,
                compile_s: float = 0.0, seed: int = 0):
-    from tlt_jax.rollout.policies.mab import bandit_config
     self.cfg, self.ecfg, self.worker_id = cfg, ecfg, worker_id
     self.hw, self.tp, self.compile_s = hw, tp, compile_s
     self.acceptance = acceptance or Acceptance()
     self.lengths: dict[Any, int] = {}
     self.rng = np.random.default_rng(seed * 1009 + worker_id)
     spec = ecfg.spec
-    self.bandit = bandit or (bandit_config("fixed", strategy=spec.strategy) if spec else None)
-    self.arms = frozenset([spec.strategy, *self.bandit.arms] if spec else [])
+    self.bandit, self.arms = engine_arms(spec, bandit)
     self.history = None
     self.params = self.drafter_params = None
     self._ran: set = set()

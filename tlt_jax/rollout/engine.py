@@ -80,6 +80,16 @@ def longest_row(sched: Scheduler, outputs: dict[Any, Output]) -> int:
               for req in sched.slots if req is not None), default=1)
 
 
+def engine_arms(spec, bandit: Any = None) -> tuple[Any, frozenset[Strategy]]:
+  """(the bandit config an engine compiles for, every arm it may run): the bandits of its
+  calls choose among the config's arms on its bucket grid (default: the spec's fixed arm);
+  the spec's own arm runs too. (None, {}) without speculation."""
+  if spec is None:
+    return bandit, frozenset()
+  bandit = bandit or bandit_config("fixed", strategy=spec.strategy)
+  return bandit, frozenset([spec.strategy, *bandit.arms])
+
+
 def chunk_reach(arm: Strategy | None, chunk: int) -> int:
   """Cache slots past the longest row's length that a chunk of plain decoding (arm None) or
   of a speculative arm can read."""
@@ -117,14 +127,10 @@ class Engine(Replica):
     super().__init__(params, cfg, engine_cfg, mesh=mesh, drafter_params=drafter_params)
     self.worker_id = worker_id
     spec = engine_cfg.spec
-    # the arms this engine may run and their bucket grid (a BanditConfig: the bandits of its
-    # calls choose among these; default the spec's fixed arm)
-    self.bandit = bandit or (bandit_config("fixed", strategy=spec.strategy) if spec else None)
+    self.bandit, self.arms = engine_arms(spec, bandit)
     self.history = history  # the host's history index (module docstring), or None
-    arms = [spec.strategy, *self.bandit.arms] if spec else []
-    self.arms = frozenset(arms)
-    if history is None and any(a.history for a in arms):
-      raise ValueError(f"history arms {[a for a in arms if a.history]} need a "
+    if history is None and any(a.history for a in self.arms):
+      raise ValueError(f"history arms {sorted(a for a in self.arms if a.history)} need a "
                        "history index: Engine(..., history=HistoryIndex(...))")
     self._compiles_reported = 0  # exes.records told to the gate (`_report_compiles`)
     self.chunk_log: list[ChunkMetrics] = []
