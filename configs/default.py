@@ -200,22 +200,25 @@ def get_config():
   c.tlt.spec.precompile = False  # True: compile every choosable (bucket, arm) pair up front
   # Compile them in the background instead, speculating at a bucket once its arms are ready
   c.tlt.spec.background_compile = True
-  # speculate once the live batch is <= this. 4 on this CPU: a chunk of more rows is compute-
-  # bound here (no draft can pay), and each bucket's arms are executables to compile (the
-  # 7B/32B configs use the recipe's 32)
+  # A cap on the live batch speculation may run at (0: none; the gate finds where drafts pay).
+  # 4 on this CPU: a chunk of more rows is compute-bound here (no draft can pay; the gate
+  # would measure as much from plain decoding's steps and compile nothing), and the bandit's
+  # buckets above it would be host work for nothing. The 7B/32B/70B recipes set no cap.
   c.tlt.spec.bs_threshold = 4
   c.tlt.spec.patience = 2
   c.tlt.spec.max_steps = 0
-  # Open speculation bucket by bucket, smallest first, only where it is measured to beat plain
-  # decoding by `margin` (per-row tokens/s over `min_chunks` chunks); one worker probes, with
-  # `strategy` first, the others compile a bucket's arms only once it pays. A bucket declined
-  # because the drafts' acceptance fell short is probed again every `reprobe_every` rollouts
-  # (the drafter keeps training); one declined because no draft could pay on this hardware
-  # every `hardware_reprobe_every` (spot training pauses meanwhile). Probation widens to a
-  # larger bucket after `follow_traffic` rollouts without a chunk where it is. Not with
-  # selector="fixed" (the pinned strategy always). Hardware verdicts are kept beside
-  # `compilation_cache` (tlt_gate/verdicts.json): a later run of this config on this kind of
-  # machine starts with them and probes nothing (tlt_jax/rollout/policies/gate.py).
+  # Open speculation bucket by bucket where it is measured to beat plain decoding by
+  # `margin` (per-row tokens/s over `min_chunks` chunks); one worker probes, with `strategy`
+  # first, the others compile a bucket's arms only once it pays. Probation goes where the
+  # rollout's time is: to the bucket whose seconds per step x best-case saving is largest (the
+  # best case bounded by plain decoding's measured step times), moving after `follow_traffic`
+  # rollouts without a chunk there. A bucket declined because the drafts' acceptance fell
+  # short is probed again every `reprobe_every` rollouts (the drafter keeps training); one
+  # declined because no draft could pay on this hardware every `hardware_reprobe_every`
+  # (spot training pauses meanwhile). Not with selector="fixed" (the pinned strategy always).
+  # Hardware verdicts are kept beside `compilation_cache` (tlt_gate/verdicts.json): a later
+  # run of this config on this kind of machine starts with them and probes nothing
+  # (tlt_jax/rollout/policies/gate.py).
   # Nothing speculative is compiled unless its best case repays the compile within `payback`
   # of the run's steps left (tlt_jax/rollout/policies/payoff.py): the seconds the run spends at the
   # bucket per step x the steps left x payback x (1 - 1/ceiling) >= the compile, priced in

@@ -34,7 +34,6 @@ def get_config():
   c.grpo.minibatches = 4
   c.optim.lr = 5e-7
   c.tlt.drafter.rows = 4
-  c.tlt.spec.bs_threshold = 32
   c.memory.device = "h100"
   c.memory.num_devices = 64
   return c

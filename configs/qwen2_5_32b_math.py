@@ -34,7 +34,6 @@ def get_config():
   c.grpo.micro_batch_tokens = 65536
   c.grpo.minibatches = 4
   c.optim.lr = 1e-6
-  c.tlt.spec.bs_threshold = 32
   c.memory.device = "h100"
   c.memory.num_devices = 32
   return c

@@ -9,8 +9,11 @@ import pytest
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.policies.cells import PolicyCells, SpecGate
+from tlt_jax.rollout.policies import placement
 from tlt_jax.rollout.policies.gate import GateConfig, GateState
-from tlt_jax.rollout.policies.probe import Chunk
+from tlt_jax.rollout.policies import probe
+from tlt_jax.rollout.policies.probe import Chunk, Step
+from tlt_jax.rollout.policies.strategy import Strategy
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
 from spec_helpers import SMALL, TINY
@@ -19,18 +22,19 @@ from spec_helpers import SMALL, TINY
 ARMS = ["4_1_5", "3_1_4", "off"]
 
 
-def _feed(gate, bucket, arm, rate, n, live=1, accept_len=2.0):
+def _feed(gate, bucket, arm, rate, n, live=None, accept_len=2.0):
   """n chunks of 16 steps decoding `rate` tokens/s per row (a speculative chunk: `accept_len`
-  tokens per verification, so its steps take accept_len x longer at the same rate), after a
-  first chunk 50x slower where (bucket, arm) has not run yet: a warm-up the gate must not
-  count."""
+  tokens per verification, so its steps take accept_len x longer at the same rate) with
+  `live` rows (None: the bucket's), after a first chunk 50x slower where (bucket, arm) has
+  not run yet: a warm-up the gate must not count."""
+  live = live or bucket
   a = 1.0 if arm is None else accept_len
   ver = 0 if arm is None else 16 * live
   acc = round((a - 1.0) * ver)
   if arm not in gate.state.at[bucket].warm:
-    gate.record(bucket, arm, 50 * 16 * a / rate, 16, acc, ver)
+    gate.record(bucket, arm, 50 * 16 * a / rate, 16, acc, ver, live=live)
   for _ in range(n):
-    gate.record(bucket, arm, 16 * a / rate, 16, acc, ver)
+    gate.record(bucket, arm, 16 * a / rate, 16, acc, ver, live=live)
 
 
 def _gate(buckets=(1, 2, 4, 8), worker=0, **kw):
@@ -122,28 +126,103 @@ def test_probes_the_lead_whatever_the_bandit_picks_then_every_drafting_arm_in_tu
   assert h.probe_arm(1, "off") == "4_1_5"
 
 
-def test_probation_widens_to_the_buckets_with_traffic():
-  """Short responses end before the batch shrinks to bucket 1: bucket 8 has the traffic."""
+def test_probation_goes_where_the_time_is():
+  """Short responses end before the batch shrinks to bucket 1: the time is at bucket 8, and
+  probation moves there alone (a speculating batch compacts only to buckets whose arms are
+  compiled: nothing is probed on the way down)."""
   g = _gate(min_chunks=2, margin=0.05, follow_traffic=3)
   for r in range(5):
     g.begin_rollout(0, {b: ARMS for b in (1, 2, 4, 8)})
-    assert g.state.status[8] == ("closed" if r < 2 else "probing"), r
+    # the first rollout probes the smallest (nothing measured); once 8's time is in, and
+    # nothing speculative measured at 1, probation moves
+    assert g.state.status[8] == ("closed" if r < 1 else "probing"), r
     _feed(g, 8, None, 100.0, 1, live=8)
-  assert g.state.status == {1: "probing", 2: "probing", 4: "probing", 8: "probing"}
-  assert g.state.decisions[-1]["verdict"] == "widened"
-  assert g.arms(0, 8) == g.arms(0, 4) == ["4_1_5"]  # a batch speculating at 8 compacts to 4
+  assert g.state.status == {1: "closed", 2: "closed", 4: "closed", 8: "probing"}
+  assert g.state.decisions[-1]["verdict"] == "moved"
+  assert g.arms(0, 8) == g.arms(0, 4) == ["4_1_5"] and g.arms(1, 4) == []  # (compacts to 4)
   _feed(g, 8, "4_1_5", 90.0, 2, live=8, accept_len=4.5)  # ceiling 1.0: hardware
-  assert g.state.status == {1: "probing", 2: "probing", 4: "probing", 8: "declined"}
-  _feed(g, 4, None, 100.0, 2, live=4)
+  assert g.state.status == {1: "closed", 2: "closed", 4: "closed", 8: "declined"}
+  _feed(g, 4, None, 100.0, 2, live=4)  # the time moves to bucket 4: so does probation
+  g.begin_rollout(0, {b: ARMS for b in (1, 2, 4, 8)})
+  assert g.state.status == {1: "closed", 2: "closed", 4: "probing", 8: "declined"}
   _feed(g, 4, "4_1_5", 150.0, 2, live=4, accept_len=3.0)  # 4 pays: so do 1 and 2
   assert g.state.status == {1: "pays", 2: "pays", 4: "pays", 8: "probing"}  # 8 re-opened
-  # traffic where probation is resets the count: nothing widens while bucket 1 is busy
-  g = _gate(min_chunks=4, follow_traffic=2)
-  for _ in range(5):
-    g.begin_rollout(0, {b: ARMS for b in (1, 2, 4, 8)})
-    _feed(g, 1, None, 100.0, 1)
-    _feed(g, 4, None, 100.0, 1, live=4)
-  assert g.state.status == {1: "probing", 2: "closed", 4: "closed", 8: "closed"}
+  # a chunk's time is its live rows' bucket's: a speculating batch of 3 rows left at 8
+  h = _gate(min_chunks=2)
+  _feed(h, 8, None, 100.0, 3, live=3)
+  assert h.state.ledger.busy == {4: pytest.approx(3 * 16 / 100.0)}
+
+
+def _timed(g, times, rate_of, compile_s=0.0):
+  """Plain chunks at each bucket: `times[b]` seconds of them per rollout (after a warm-up
+  chunk), each step taking 1 / rate_of(b) seconds; and a plain compile measured."""
+  for b, t in times.items():
+    rate = rate_of(b)
+    n = max(1, round(t * rate / 16))
+    _feed(g, b, None, rate, n, live=b)
+  if compile_s:
+    for b in times:
+      g.compiled("plain", b, None, compile_s)
+
+
+def test_what_a_row_adds_to_a_step_is_fitted_as_a_float64_least_squares_would():
+  """probe.row_seconds against numpy's float64 least squares on the same steps: a step of r
+  rows reading B bytes (weights and every row's window; the windows differ from chunk to
+  chunk) taking a0 + a1 B + b r seconds. Bytes-bound (a GPU's 7B: b = 0) the bound on an arm
+  is its depth + 1; compute-bound (b carries the time) near 1."""
+  rng = np.random.default_rng(0)
+  rows = np.repeat([1, 2, 4, 8, 16, 32], 4).astype(float)
+  read = 15e9 + rows * rng.integers(256, 8192, rows.size) * 57e3
+  for a0, a1, b in ((2e-4, 1 / 3.0e12, 0.0), (1e-4, 0.0, 2e-3), (3e-4, 1 / 2e12, 1e-5)):
+    t = a0 + a1 * read + b * rows
+    steps = {}
+    for r, x, y in zip(rows, t, read):
+      steps.setdefault(int(r), []).append(Step(float(x), float(y)))
+    x = np.stack([np.ones_like(rows), read / 1e9, rows], 1)  # (GB: well conditioned)
+    ref, *_ = np.linalg.lstsq(x, t, rcond=None)
+    assert ref[2] == pytest.approx(b, abs=1e-9)  # (the reference recovers the truth)
+    assert probe.row_seconds(steps) == pytest.approx(ref[2], rel=1e-5, abs=1e-9)
+    here = probe.step_seconds(steps, 8)
+    bound = probe.plain_bound(steps, 8, Strategy("4_1_5"))  # 5 tokens a row verified
+    assert bound == pytest.approx(5 * here / (here + b * 8 * 4), rel=1e-4)
+    assert (bound > 4.99) == (b == 0)
+  assert probe.row_seconds({8: (Step(0.01),)}) is None  # one bucket: nothing to fit
+  assert probe.plain_bound({}, 8, Strategy("off")) == 1.0
+  # a step of k x the rows costing k x as much (compute-bound), whatever its bytes: ~1
+  steps = {r: (Step(1e-3 * r, 1e6 * r),) for r in (1, 2, 4, 8)}
+  assert probe.plain_bound(steps, 2, Strategy("4_1_5")) == pytest.approx(1.0, rel=1e-6)
+
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def test_the_first_probe_goes_where_time_x_saving_is_largest():
+  """Synthetic time shares of a long-tailed rollout: most time in the bulk (64), some in the
+  tail (8), little at 1. Where a step's cost does not grow with its rows (decoding bound by
+  streaming weights) drafts could save most where the time is: the probe goes to 64, then
+  up from a paying bucket. Where it grows with the rows (compute-bound) nothing could pay:
+  no bucket is worth a probe and, in a run of finite length, nothing is funded."""
+  times = {1: 0.5, 2: 0.5, 4: 0.5, 8: 4.0, 16: 1.0, 32: 1.0, 64: 30.0}
+  g = _gate(buckets=BUCKETS, horizon=100)
+  assert g.state.status[1] == "probing"  # nothing measured yet: the smallest
+  _timed(g, times, lambda b: 100.0, compile_s=10.0)  # every step 10 ms, whatever the rows
+  g.begin_rollout(0, {b: ARMS for b in BUCKETS})
+  worth = {b: placement.earns(g.state, b) for b in BUCKETS}
+  assert max(worth, key=worth.get) == 64 and worth[8] > worth[2] > 0
+  assert g.state.status == {**{b: "closed" for b in BUCKETS}, 64: "probing"}
+  # the prober compiles at 64 and under it (its batch compacts through them), no one else
+  assert g.arms(0, 64) == g.arms(0, 8) == ["4_1_5"] and g.arms(1, 64) == g.arms(1, 8) == []
+  assert g.state.probe_arms(64) == ["4_1_5"]  # funded: 30 s x 99 rollouts x 0.5 x 0.8
+  # compute-bound: a step of b rows costs b x 10 ms; a 5-token verification at b costs
+  # what 5b rows do, so no arm's best case beats plain decoding anywhere
+  h = _gate(buckets=BUCKETS, horizon=100)
+  _timed(h, times, lambda b: 100.0 / b, compile_s=10.0)
+  for _ in range(3):
+    h.begin_rollout(0, {b: ARMS for b in BUCKETS})
+  assert all(placement.earns(h.state, b) == pytest.approx(0.0, abs=1e-9) for b in BUCKETS)
+  assert h.state.status == {**{b: "closed" for b in BUCKETS}, 1: "probing"}
+  assert h.state.summary()["status"]["1"] == "unfunded"
+  assert not any(r.funded for r in h.state.at.values())
 
 
 def test_state_survives_a_resume():
@@ -238,7 +317,10 @@ def test_pure_transitions_from_recorded_chunks_to_the_verdicts():
   s1 = s0.begin_rollout(0, {b: ARMS for b in (1, 2, 4)})
   assert s0.buckets == () and s0.prober is None and s0.rollouts == 0
   assert s1.status == {1: "probing", 2: "closed", 4: "closed"} and s1.prober == 0
-  assert s1.record(Chunk(3, None, 1.0, 16)) is s1 and s1.record(Chunk(1, None, 0.0, 16)) is s1
+  assert s1.record(Chunk(1, None, 0.0, 16)) is s1  # nothing measured
+  s3 = s1.record(Chunk(3, None, 1.0, 16))  # a bucket without arms: its plain steps only,
+  assert s3.at == s1.at and s3.steps_at == {3: ()}  # from its second chunk on
+  assert s3.record(Chunk(3, None, 1.6, 16, read=8.0)).steps_at == {3: (Step(0.1, 8.0),)}
 
   plain = [Chunk(1, None, 10.0, 16), Chunk(1, None, 1.6, 16)] + [Chunk(1, None, 0.16, 16)] * 2
   s = _run(s1, *plain)
@@ -295,10 +377,11 @@ def _requests(n):
 
 
 def test_workers_compile_and_speculate_only_where_the_gate_opens(tiny):
-  """Two workers share a gate. While bucket 1 is probed only the prober compiles speculative
-  executables (bucket 1's only); a bucket declined stops speculation on both; a bucket that
-  pays is compiled by the other worker at its next rollout and speculated at. Greedy outputs
-  stay plain decoding's throughout."""
+  """Two workers share a gate. While a bucket is probed only the prober compiles speculative
+  executables, that bucket's only (its speculating batch does not compact into buckets not
+  compiled for); a bucket declined stops speculation on both; a bucket that pays is compiled
+  by the other worker at its next rollout and speculated at. Greedy outputs stay plain
+  decoding's throughout."""
   params, dparams = tiny
   reqs, sp = _requests(9), SamplingParams(temperature=0.0)
   plain = {r.request_id: r.response_ids
@@ -319,21 +402,23 @@ def test_workers_compile_and_speculate_only_where_the_gate_opens(tiny):
   def spec_buckets(w):
     return {r.batch for r in w.compile_log if r.name == "spec"}
 
-  run(a)
-  run(b)
-  assert gate.state.prober == 0 and spec_buckets(a) <= {1} and spec_buckets(b) == set()
-  for _ in range(10):  # a's tail reaches bucket 1 and speculates there until decided
-    if gate.state.status[1] != "probing":
-      break
+  probed = set()  # every bucket on probation so far (where the time is: gate.py)
+  for _ in range(12):  # until every bucket is declined
+    probed |= {q for q, st in gate.state.status.items() if st == "probing"}
     run(a)
+    probed |= {d["bucket"] for d in gate.state.decisions}  # (moved to, or decided there)
     run(b)
+    assert gate.state.prober == 0 and spec_buckets(b) == set()
+    assert spec_buckets(a) <= probed
+    assert {c.bucket for c in a.chunk_log if c.mode != "plain"} <= probed
+    if set(gate.state.status.values()) == {"declined"}:
+      break
   assert gate.state.status == {1: "declined", 2: "declined", 4: "declined"}
-  assert any(c.mode != "plain" and c.bucket == 1 for c in a.chunk_log)
   n_a, n_b = len(a.chunk_log), len(b.chunk_log)
   run(a)
   run(b)
   assert all(c.mode == "plain" for c in a.chunk_log[n_a:] + b.chunk_log[n_b:])
-  assert spec_buckets(a) == {1} and spec_buckets(b) == set()
+  assert spec_buckets(b) == set()
 
   paid = dataclasses.replace(gate.state.at[1], status="pays")
   gate.state = dataclasses.replace(gate.state, at={**gate.state.at, 1: paid})

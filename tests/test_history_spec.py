@@ -88,9 +88,12 @@ class CycleSelector:
   def __init__(self, arms):
     self.arms, self.i = [Strategy(a) for a in arms], 0  # a selector hands out strategies
 
-  def select(self, batch_size):
+  def select(self, batch_size, arms=None):
     self.i += 1
     return self.arms[self.i % len(self.arms)]
+
+  def learns(self, arm, batch_size):
+    return True
 
   def update(self, arm, batch_size, reward):
     pass
@@ -167,7 +170,7 @@ class NotWantedGate:
   def arms(self, worker_id, bucket):
     return []
 
-  def probe_arm(self, bucket, default):
+  def probe_arm(self, bucket, default, among=None):
     return default
 
   def repays_window(self, bucket, arm, chunks_per_rollout, share):

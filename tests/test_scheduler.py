@@ -233,6 +233,25 @@ def test_hand_checked_compaction_pads_with_empty_rows():
   assert s.slots == [r[5], r[6], None, None]
 
 
+def test_compaction_goes_only_where_the_engine_allows():
+  """A speculating batch compacts only to buckets whose executables are ready (the engine's
+  `compacts_to`): the smallest allowed one that holds the live rows, else it stays."""
+  r = [Req(i, 1) for i in range(16)]
+  s = Scheduler(r, max_batch=16, buckets=(1, 2, 4, 8, 16))
+  s.plan()
+  for i in range(13):
+    s.finish(i)
+  s.compacts_to = lambda b: b == 16  # nothing smaller compiled: 3 rows stay at 16
+  assert s.plan() == [] and s.batch == 16
+  s.compacts_to = lambda b: b in (8, 16)  # 4 would hold them, 8 is the smallest allowed
+  ops = s.plan()
+  assert len(ops) == 1 and isinstance(ops[0], Resize) and s.batch == 8
+  assert s.slots[:3] == r[13:] and s.slots[3:] == [None] * 5
+  s.compacts_to = None  # plain decoding: any bucket
+  s.plan()
+  assert s.batch == 4
+
+
 def test_hand_checked_small_batch_prefill_and_max_batch_below_bucket():
   # 3 requests, buckets (1, 2, 4): one prefill at bucket 4, one empty row.
   r = [Req(i, 1) for i in range(3)]

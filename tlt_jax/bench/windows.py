@@ -56,7 +56,7 @@ def windows(scheme: str, base: int, cap: int) -> tuple[int, ...]:
 def count(spec) -> dict[str, Any]:
   """A run spec's (config.run_spec) speculative (bucket, arm) pairs and, per scheme, the
   speculative chunk executables a tail that visits every window compiles (pairs x windows)."""
-  from tlt_jax.rollout.compile_plan import choosable_pairs
+  from tlt_jax.rollout.plan_call import choosable_pairs
   ecfg = spec.engine
   pairs = choosable_pairs(ecfg, spec.bandit().cfg) if ecfg.spec is not None else {}
   n = sum(len(a) for a in pairs.values())

@@ -22,8 +22,10 @@ What the device would do is priced by the cost model (cost.py) on a hardware pro
   host         the profile's `chunk_s` per chunk (dispatch, sync, the loop's own work) and
                `op_s` per layout operation (prefill, refill, resize)
   compile      `compile_s` per executable the first time it runs (0: a warm persistent
-               cache); background compiles (each bucket's arms, SpecConfig.background_compile)
-               finish `compile_s` after they are queued, one at a time, beside decoding
+               cache); background compiles (SpecConfig.background_compile: each bucket's
+               arms, and the attention windows and switch-on lengths the compile plan
+               queues) finish `compile_s` after they are queued, one at a time, beside
+               decoding; a chunk that needs one still queued waits for it
 Rows end at their drawn length (a stop token) or at max_new_tokens (truncated).
 """
 
@@ -38,7 +40,8 @@ from tlt_jax.models import ModelConfig
 from tlt_jax.plan import cost
 from tlt_jax.plan.workload import Acceptance
 from tlt_jax.rollout import decode
-from tlt_jax.rollout.compile_plan import CompilePlan, PlanCall
+from tlt_jax.rollout.compile_plan import CompilePlan
+from tlt_jax.rollout.plan_call import PlanCall
 from tlt_jax.rollout.engine import Engine, engine_arms
 from tlt_jax.rollout.executables import CompileRecord, ExecKey
 from tlt_jax.rollout.pages import PageAllocator
@@ -76,20 +79,41 @@ def exe_key(name: str, batch: int, *variant) -> ExecKey:
 
 
 class SimExes:
-  """The executables a simulated engine has compiled (keys), and the compile records."""
+  """The executables a simulated engine has compiled (keys), and the compile records. A key
+  queued on the compile thread (`queue`) counts as compiled once the clock passes its end."""
 
-  def __init__(self):
+  def __init__(self, clock):
     self.keys: set = set()
+    self.due: dict = {}  # key -> simulated time its background compile ends
     self.records: list[CompileRecord] = []
     self._here = 0
+    self._clock = clock
 
   def __contains__(self, key) -> bool:
-    return key in self.keys
+    return key in self.keys or self.due.get(key, float("inf")) <= self._clock()
 
   def add(self, key: ExecKey, seconds: float, here: bool) -> None:
     self.keys.add(key)
     self.records.append(CompileRecord(key, key.shapes[0], seconds, None))
     self._here += here
+
+  def queue(self, key: ExecKey, seconds: float, start: float) -> float:
+    """A background compile of `key` from `start`: when it ends (now, if compiled)."""
+    if key in self.keys:
+      return start
+    if key not in self.due:
+      self.due[key] = start + seconds
+      self.records.append(CompileRecord(key, key.shapes[0], seconds, None))
+    return self.due[key]
+
+  def take(self, key: ExecKey) -> float | None:
+    """A queued `key` a chunk needs now (it waits for it: a compile in its time): when its
+    compile ends; None if it is not queued."""
+    due = self.due.pop(key, None)
+    if due is not None:
+      self.keys.add(key)
+      self._here += 1
+    return due
 
   def compiled_here(self) -> int:
     return self._here
@@ -116,10 +140,21 @@ class SimKV:
     pass
 
 
+class _SimCompiler:
+  """The compile thread's queue as the compile plan sees it: a job runs at once, and what it
+  compiles (SimCompilePlan.spec / switch_on) is queued on the simulated compile clock."""
+
+  @staticmethod
+  def submit(job) -> None:
+    job()
+
+
 class SimCompilePlan(CompilePlan):
-  """The compile plan's decisions (`choosable_pairs`, `ready`, `window`, `_window_pays`) as
-  they are; what compiles is a key with a price on the engine's clock. Background compiles
-  finish one after another on a compile clock beside decoding."""
+  """The compile plan's decisions (`choosable_pairs`, `ready`, `window`, `switch_length`,
+  `_window_pays`) as they are; what compiles is a key with a price on the engine's clock.
+  Background compiles (each bucket's arms with switch-on over the whole cache, and the
+  windows and switch-on lengths the plan queues) finish one after another on a compile clock
+  beside decoding."""
 
   def __init__(self, engine: "SimEngine", weight_bytes: int, slot_bytes: int):
     super().__init__(engine.cfg, engine.ecfg, engine.exes, None)
@@ -134,29 +169,63 @@ class SimCompilePlan(CompilePlan):
   def _spec_key(self, call, sp, arm, state, kv_len):
     return exe_key("spec", state.batch_size, Strategy(arm), kv_len)
 
-  def submit(self, call: PlanCall, sp, *_):
+  def _switch_key(self, call, state, length):
+    return exe_key("switch_on", state.batch_size, length)
+
+  def _queue(self, key: ExecKey) -> float:
     e = self.engine
+    if key in e.exes:
+      return e.now
+    start = max(self._compile_free, e.now)
+    due = e.exes.queue(key, e.compile_s, start)
+    self._compile_free = max(self._compile_free, due)
+    return due
+
+  def spec(self, call, sp, arm, state, kv_len=None):
+    """(From the compile thread: a window the plan queued.)"""
+    self._queue(self._spec_key(call, sp, arm, state, kv_len or self.ecfg.cache_len))
+
+  def switch_on(self, call, base, length, dpool=None):
+    """(From the compile thread: a length the plan queued.)"""
+    self._queue(self._switch_key(call, base, length))
+
+  def submit(self, call: PlanCall, sp, *_):
+    if self._compiler is None:
+      self._compiler = _SimCompiler()
     for b, arms in self._wanted_pairs(call).items():
       for arm in arms:
         key = (sp, b, str(arm))
         if key in self._due:
           continue
-        start = max(self._compile_free, e.now)
-        self._compile_free = self._due[key] = start + e.compile_s
-        e.exes.add(exe_key("spec", b, Strategy(arm), self.ecfg.cache_len), e.compile_s, False)
-        e.exes.add(exe_key("switch_on", b, self.ecfg.cache_len), e.compile_s, False)
+        whole = SimState([None] * b)
+        self._queue(exe_key("switch_on", b, self.ecfg.cache_len))
+        self._due[key] = self._queue(self._spec_key(call, sp, arm, whole, self.ecfg.cache_len))
 
-  def ready(self, call: PlanCall, sp, bucket: int) -> bool:
+  def prefill_ready(self, call: PlanCall, requests, bucket: int, base_key) -> bool:
+    if not self.ecfg.spec.background_compile or self._compiler is None:
+      return True
+    key = exe_key("prefill_spec", bucket, prompt_len(requests, self.ecfg))
+    if key in self.engine.exes:
+      return True
+    self._queue(key)
+    return False
+
+  def _settle(self, sp) -> None:
+    """The arms whose background compile has ended by now join the compiled ones."""
     if self.ecfg.spec.background_compile:
       now = self.engine.now
       with self._lock:
         done = self._ready.setdefault(sp, set())
         done.update((b, Strategy(a)) for (s, b, a), t in self._due.items()
                     if s == sp and t <= now)
+
+  def ready(self, call: PlanCall, sp, bucket: int) -> bool:
+    self._settle(sp)
     return super().ready(call, sp, bucket)
 
-  def switch_length(self, call, state, need: int) -> int:
-    return next(n for n in self.switch_lengths() if n >= need)
+  def compiled_arms(self, sp, bucket: int, arms) -> list[Strategy]:
+    self._settle(sp)
+    return super().compiled_arms(sp, bucket, arms)
 
 
 class SimEngine(Engine):
@@ -179,7 +248,7 @@ class SimEngine(Engine):
     self.params = self.drafter_params = None
     self._ran: set = set()
     self.kv = SimKV(ecfg)
-    self.exes = SimExes()
+    self.exes = SimExes(self.clock)
     self._compiles_reported = 0
     self.chunk_log = []
     self.preemptions = 0
@@ -200,9 +269,14 @@ class SimEngine(Engine):
     self.busy[what] += seconds
 
   def _compile(self, key: ExecKey) -> None:
-    if key not in self.exes:
+    """A chunk needs `key` now: compiled in the foreground, or waited for where the compile
+    thread has it queued."""
+    if key in self.exes:
+      return
+    due = self.exes.take(key)
+    if due is None:
       self.exes.add(key, self.compile_s, True)
-      self._spend("compile", self.compile_s)
+    self._spend("compile", self.compile_s if due is None else due - self.now)
 
   def _seconds(self, c: cost.Cost) -> float:
     return self.hw.seconds(c)
@@ -256,6 +330,8 @@ class SimEngine(Engine):
     seqs = [len(req.prompt_ids) + c.outputs[req.key].length
             for req in c.sched.slots[:state.batch_size] if req is not None]
     length = self.compiles.switch_length(c.plan, state, max(seqs, default=1))
+    if length is None:  # (none compiled yet: the chunk decodes plainly)
+      return state, False
     self._compile(exe_key("switch_on", state.batch_size, length))
     b = state.batch_size
     fwd = (cost.prefill(self.cfg, b, length, tp=self.tp)
@@ -270,7 +346,9 @@ class SimEngine(Engine):
     ecfg, b, n = self.ecfg, state.batch_size, self.ecfg.chunk_size
     first = False
     if arm is None:
-      self._compile(exe_key("decode", b, kv_len, c.capture))
+      whole = exe_key("decode", b, kv_len, True)
+      capture = c.capture and self.compiles.captures(whole, lambda: self.compiles._queue(whole))
+      self._compile(exe_key("decode", b, kv_len, capture))
       step = cost.forward(self.cfg, b, 1, kv_len, tp=self.tp)
       per = np.ones((b, n), np.int64)
       what = "decode"

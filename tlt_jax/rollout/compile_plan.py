@@ -27,7 +27,6 @@ call's gate, its page pools). Background compile jobs keep the view they were qu
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
@@ -37,10 +36,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from tlt_jax.models import ModelConfig, Params
+from tlt_jax.models import ModelConfig
 from tlt_jax.rollout import decode
 from tlt_jax.rollout.executables import ExecKey, ExecutableCache, background_compiler
-from tlt_jax.rollout.pages import KVPages
+from tlt_jax.rollout.plan_call import Pairs, PlanCall, abstract, choosable_pairs
 from tlt_jax.rollout.prefill import prefill_arrays, prefill_call
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
@@ -48,59 +47,6 @@ from tlt_jax.rollout.scheduler import kv_bucket, length_grid
 from tlt_jax.rollout.policies.strategy import Strategy
 
 _log = logging.getLogger(__name__)
-
-Pairs = dict[int, list[Strategy]]  # engine bucket -> arms
-
-
-def _abstract(tree):
-  """ShapeDtypeStructs of a pytree of arrays (compiling for it later, on another thread)."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                      tree)
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanCall:
-  """What the plan reads of its engine, given with each call: the worker, its weights (only
-  their shapes and shardings are read: `view` makes them abstract), the engine's bandit config
-  (its arms and their bucket grid), the call's gate (None: every bucket open), and its page
-  pools (`KVPages`: their abstract shapes)."""
-  worker_id: int
-  params: Params
-  drafter_params: Params | None
-  bandit: Any
-  gate: Any
-  kv: KVPages
-
-  @classmethod
-  def view(cls, worker_id: int, params: Params, drafter_params: Params | None, bandit: Any,
-           gate: Any, kv: KVPages) -> PlanCall:
-    return cls(worker_id, _abstract(params), _abstract(drafter_params), bandit, gate, kv)
-
-
-def choosable_pairs(ecfg, bandit) -> Pairs:
-  """Engine bucket -> the arms `bandit` (its config) can return for a chunk decoded at that
-  bucket.
-
-  Speculation runs only at live sizes <= top = min(bs_threshold, max_batch): it switches on
-  at a live size <= bs_threshold, which (when max_batch > bs_threshold) needs the queue to be
-  empty, and the live batch never grows after that. With compaction, a chunk at bucket b has
-  live size in (previous bucket, b]; without, anything in [1, b]. Engine buckets (compiled
-  batch sizes) and the bandit's bucket bounds are different grids: this intersects them."""
-  spec = ecfg.spec
-  if spec is None:
-    return {}
-  top = min(spec.bs_threshold, ecfg.max_batch)
-  pairs, prev = {}, 0
-  for b in ecfg.buckets:
-    lo = prev + 1 if ecfg.compaction else 1
-    prev = b
-    if lo > top:
-      break
-    arms = bandit.choosable(lo, min(b, top))
-    if arms:
-      pairs[b] = arms
-  return pairs
-
 
 class CompilePlan:
   """See the module docstring. Thread-safe where the compile thread meets the engine's."""
@@ -121,6 +67,7 @@ class CompilePlan:
     self._submitted: dict[SamplingParams, set[tuple[int, str]]] = {}  # handed to the thread
     self._switch_submitted: set[tuple[int, int]] = set()  # (bucket, length) queued switch-ons
     self._window_submitted: set[tuple[int, str, int]] = set()  # (bucket, arm, kv_len) queued
+    self._queued: set[ExecKey] = set()  # capturing plain chunks, warm prefills queued
     self._needs: dict[tuple[int, str, int], int] = {}  # (bucket, arm, kv_len) -> chunks needing it
     self.rollouts = 0  # generate calls of the engine (`_window_pays`'s time base)
     self._bytes: tuple[int, int] | None = None  # (weight bytes, KV bytes per slot)
@@ -151,6 +98,15 @@ class CompilePlan:
     if gate is None:
       return pairs
     return {b: arms for b in pairs if (arms := gate.arms(call.worker_id, b))}
+
+  def compiled_arms(self, sp: SamplingParams, bucket: int, arms) -> list[Strategy]:
+    """Those of `arms` whose executables at `bucket` are compiled (without background
+    compilation: all, each compiles on first use)."""
+    if not self.ecfg.spec.background_compile:
+      return list(arms)
+    with self._lock:
+      done = self._ready.get(sp, set())
+      return [a for a in arms if (bucket, a) in done]
 
   def ready(self, call: PlanCall, sp: SamplingParams, bucket: int) -> bool:
     """Whether speculation may run at `bucket` now: the gate allows it and every arm wanted
@@ -301,14 +257,14 @@ class CompilePlan:
   def switch_length(self, call: PlanCall, state, need: int) -> int | None:
     """The length switch-on runs at now, for rows of up to `need` tokens: the shortest of
     `switch_lengths` holding them. With background compilation, if that one is not compiled
-    yet it is queued on the compile thread and the shortest compiled one that holds the rows
-    runs instead (the cache's length is compiled with each bucket's arms); None if there is
-    none yet."""
+    yet it is queued on the compile thread and the next one up runs instead if it is
+    compiled; None if it is not (the rows go on decoding plainly meanwhile)."""
     fits = [n for n in self.switch_lengths() if n >= need]
     if not self.ecfg.spec.background_compile:
       return fits[0]
-    compiled = [n for n in fits
-                if ExecKey.of("switch_on", None, self._switch_on_args(call, state, n)) in self.exes]
+    # a compiled length more than twice the rows' runs a forward over more than twice their
+    # tokens (at a large batch, seconds): the rows decode plainly until theirs is compiled
+    compiled = [n for n in fits[:2] if self._switch_key(call, state, n) in self.exes]
     if compiled and compiled[0] == fits[0]:
       return fits[0]
     with self._lock:
@@ -318,6 +274,55 @@ class CompilePlan:
       args = (call, self._abstract(state), fits[0])
       self._compiler.submit(lambda: self.switch_on(*args))
     return compiled[0] if compiled else None
+
+  def _switch_key(self, call: PlanCall, state, length: int) -> ExecKey:
+    return ExecKey.of("switch_on", None, self._switch_on_args(call, state, length))
+
+  def prefill_ready(self, call: PlanCall, requests, bucket: int, base_key) -> bool:
+    """Whether a batch of `requests` at `bucket` may start speculating from its prefill (the
+    drafter prefilled with the prompts: no switch-on forward later): the warm prefill's
+    executable for their shapes is compiled. With background compilation one that is not
+    is queued, and this call's batch starts plainly (the next one's need not); without,
+    the prefill compiles as it runs."""
+    spec = self.ecfg.spec
+    if spec is None or not spec.background_compile or self._compiler is None:
+      return True
+    return self._have(*self._warm_prefill(call, requests, bucket, base_key))
+
+  def _warm_prefill(self, call: PlanCall, requests, bucket: int, base_key):
+    """(key, compile job) of the warm prefill of `requests` at `bucket`, from abstract
+    pools and the prompts' own padded arrays (their shapes are what the key holds)."""
+    tokens, lens, src, keys, max_new = prefill_arrays(requests, bucket, base_key, self.ecfg)
+    rows = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._replicated)
+    cache = call.kv.abstract(False).replace(table=rows(bucket, self.ecfg.row_pages),
+                                            lengths=rows(bucket))
+    name, variant, fn, args, donate = prefill_call(
+        self.cfg, True, self.max_steps(call), call.params, call.drafter_params, cache,
+        call.kv.abstract(True), tokens, lens, src, keys, max_new)
+    return (ExecKey.of(name, variant, args),
+            lambda: self.exes.get(name, variant, fn, args, donate=donate))
+
+  def captures(self, key: ExecKey, compile_job: Callable[[], Any]) -> bool:
+    """Whether a plain chunk may capture hidden states (the drafter's data) now: its
+    capturing executable `key` is compiled. With background compilation one that is not is
+    queued on the compile thread (`compile_job`) and the chunk runs its executable without
+    capture meanwhile: a drafter wanted from mid-run costs no chunk a compile, its data
+    starts a chunk or a few later."""
+    return self._have(key, compile_job)
+
+  def _have(self, key: ExecKey, job: Callable[[], Any]) -> bool:
+    """Whether executable `key` is compiled. Compiling in the background, one that is not
+    is queued once (`job`) and the caller goes on without it; without background
+    compilation: True (it compiles as it runs)."""
+    spec = self.ecfg.spec
+    if spec is None or not spec.background_compile or self._compiler is None or key in self.exes:
+      return True
+    with self._lock:
+      queue = key not in self._queued
+      self._queued.add(key)
+    if queue:
+      self._compiler.submit(job)
+    return False
 
   def window(self, call: PlanCall, sp: SamplingParams, arm: Strategy | None, state,
              need: int) -> int:
@@ -353,7 +358,19 @@ class CompilePlan:
       self._compiler.submit(lambda: self.spec(*args))
     return wider if wider is not None else ecfg.cache_len
 
-  _abstract = staticmethod(_abstract)  # (the simulator's states are their own abstraction)
+  _abstract = staticmethod(abstract)  # (the simulator's states are their own abstraction)
+
+  def bytes_of(self, call: PlanCall) -> tuple[int, int]:
+    """(weight bytes, KV bytes per cache slot) of the replica: what a step reads is the
+    weights and, per row, its attention window's slots (the target's layers and the
+    drafter's one)."""
+    if self._bytes is None:
+      leaves = jax.tree.leaves([call.params, call.drafter_params])
+      weights = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves)
+      itemsize = jnp.dtype(self.cfg.compute_dtype).itemsize
+      slot = (self.cfg.num_layers + 1) * 2 * self.cfg.num_kv_heads * self.cfg.head_dim_ * itemsize
+      self._bytes = (weights, slot)
+    return self._bytes
 
   def _window_pays(self, call: PlanCall, batch: int, arm: Strategy, want: int, have: int) -> bool:
     """The gate's payoff rule for compiling window `want` of (batch, arm) while `have` runs
@@ -363,14 +380,7 @@ class CompilePlan:
     gate = call.gate
     if gate is None:
       return True
-    if self._bytes is None:
-      leaves = jax.tree.leaves([call.params, call.drafter_params])
-      weights = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves)
-      itemsize = jnp.dtype(self.cfg.compute_dtype).itemsize
-      # the target's layers and the drafter's one
-      slot = (self.cfg.num_layers + 1) * 2 * self.cfg.num_kv_heads * self.cfg.head_dim_ * itemsize
-      self._bytes = (weights, slot)
-    weights, slot = self._bytes
+    weights, slot = self.bytes_of(call)
     share = batch * (have - want) * slot / (weights + batch * have * slot)
     with self._lock:
       per_rollout = self._needs.get((batch, arm, want), 0) / max(self.rollouts, 1)

@@ -17,10 +17,13 @@ from tlt_jax.rollout.policies.strategy import DEFAULT_ARM, Strategy
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
   """Adaptive speculative decoding: on once the live batch stays <= bs_threshold for
-  `patience` consecutive chunk checks (then on for the rest of the generate call)."""
+  `patience` consecutive chunk checks (then on for the rest of the generate call); with a
+  speculation gate, only at the batch buckets it opens (gate.py: where the payoff is)."""
 
   strategy: Strategy = DEFAULT_ARM  # an arm (strategy.py; a name is parsed), e.g. "4_1_5", "off"
-  bs_threshold: int = 32
+  # a cap on the live batch speculation may run at (0: none, up to max_batch): with a gate,
+  # where speculation pays is measured, not set; a user may still cap it
+  bs_threshold: int = 0
   patience: int = 2
   use_kernel: bool | None = None  # Pallas verification kernel vs jnp reference; None: GPU only
   # Compile the speculative executables in a background thread from the first generate on;
@@ -36,8 +39,8 @@ class SpecConfig:
       object.__setattr__(self, "strategy", Strategy(self.strategy))
     except ValueError as e:
       raise ConfigError(str(e), "strategy", self.strategy) from None
-    if self.bs_threshold < 1:
-      raise ConfigError("must be >= 1", "bs_threshold", self.bs_threshold)
+    if self.bs_threshold < 0:
+      raise ConfigError("must be >= 0 (0: no cap)", "bs_threshold", self.bs_threshold)
     if self.patience < 1:
       raise ConfigError("must be >= 1", "patience", self.patience)
     if self.max_steps < 0:
@@ -66,6 +69,12 @@ class EngineConfig:
   # None: on GPUs, where it measured faster (plain decode of the 1.13B bench target on one
   # H200: 2% at batch 1, 5% at batch 8), not on CPUs
   fused_projections: bool | None = None
+
+  @property
+  def spec_top(self) -> int:
+    """The largest live batch speculation may run at: max_batch, or the spec's cap."""
+    cap = self.spec.bs_threshold if self.spec is not None else 0
+    return min(cap, self.max_batch) if cap else self.max_batch
 
   def __post_init__(self):
     if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) \

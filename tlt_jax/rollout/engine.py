@@ -52,6 +52,7 @@ concurrently, each inside a coordinator `Worker` (tlt_jax/coordinator/).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -59,7 +60,7 @@ from jax.sharding import Mesh
 
 from tlt_jax.models import ModelConfig, Params
 from tlt_jax.rollout import decode, speculative
-from tlt_jax.rollout.compile_plan import PlanCall
+from tlt_jax.rollout.plan_call import PlanCall
 from tlt_jax.rollout.config import EngineConfig
 from tlt_jax.rollout.pages import PageAllocator, admission, grow_rows
 from tlt_jax.rollout.policies import payoff
@@ -229,9 +230,11 @@ class Engine(Replica):
     # One batch at or under the threshold from the start (speculation would switch on at the
     # first check): speculate from the first chunk, the drafter prefilled with the prompts
     # (no switch-on forward after a plain prefill)
+    first = ecfg.bucket_for(len(requests))
     at_once = (spec is not None and spec.patience == 1
-               and len(requests) <= min(spec.bs_threshold, ecfg.max_batch)
-               and self.compiles.ready(plan, sp, ecfg.bucket_for(len(requests))))
+               and len(requests) <= ecfg.spec_top
+               and self.compiles.ready(plan, sp, first)
+               and self.compiles.prefill_ready(plan, requests, first, jax.random.key(seed)))
     # drafter data and history only while speculation can pay: with a gate, once a probe has
     # shown that drafts can pay on this hardware (where they cannot, the hidden states'
     # transfer and the history's host bookkeeping are pure overhead on every chunk)
@@ -242,7 +245,7 @@ class Engine(Replica):
         hooks=hooks or EngineHooks(), t_start=self.clock(), plan=plan,
         sched=Scheduler(requests, max_batch=ecfg.max_batch, buckets=ecfg.buckets,
                         compaction=ecfg.compaction,
-                        bs_threshold=spec.bs_threshold if spec else None,
+                        bs_threshold=ecfg.spec_top if spec else None,
                         patience=spec.patience if spec else 1, speculating=at_once),
         pages=self.kv.allocator(), history=self.history if wanted else None)
     state, started = None, at_once  # started: every chunk from here on speculates
@@ -259,6 +262,9 @@ class Engine(Replica):
     ecfg, sched, gate = self.ecfg, c.sched, c.gate
     if c.hooks.before_chunk:
       c.hooks.before_chunk()
+    # a speculating batch compacts only to buckets where it can go on speculating without a
+    # compile nobody paid for: the gate's funded arms, compiled (in the background: ready)
+    sched.compacts_to = functools.partial(self.compiles.ready, c.plan, c.sp) if started else None
     reach = self._reach(started or sched.speculating)
     for op in sched.plan(admission(c.pages, reach)):
       # refills once speculation runs carry the drafter's prefill
@@ -272,16 +278,27 @@ class Engine(Replica):
     state = self._page(state, c, self._reach(started or speculating))
     live = sched.live
     if speculating and not started:
-      state, speculating = self._switch_on(state, c)
+      # compiling in the background, a batch with requests still queued waits for the queue
+      # to empty: its refills would each carry a drafter prefill of a new shape, compiled
+      # as the refill runs (the whole call fitting at once speculates from its prefill)
+      if sched.pending and ecfg.spec.background_compile:
+        speculating = False
+      else:
+        state, speculating = self._switch_on(state, c)
     started = started or speculating
     arm = None
     if speculating:
       # with a gate, among the arms it paid to compile here; a bucket on probation runs the
       # probed arms
       paid = gate.arms(self.worker_id, state.batch_size) if gate is not None else None
+      if paid is not None:  # those compiled (in the background: no chunk waits for one);
+        # none paid (the gate closed the bucket since this call started speculating): the
+        # arms compiled there already, the compile is sunk
+        paid = self.compiles.compiled_arms(c.sp, state.batch_size,
+                                           paid or sorted(self.arms)) or paid
       arm = c.selector.select(len(live), arms=paid) if paid else c.selector.select(len(live))
       if gate is not None:
-        arm = gate.probe_arm(state.batch_size, arm)
+        arm = gate.probe_arm(state.batch_size, arm, among=paid)
     for s in live if speculating else ():
       c.outputs[sched.slots[s].key].speculating()
     # the attention window the rows reach this chunk (their pages hold it: `_page`)
@@ -304,8 +321,17 @@ class Engine(Replica):
         worker_id=self.worker_id, bucket=state.batch_size, live=len(live), tokens=produced,
         steps=int(host[0].steps), wall_time=dt, mode=arm or "plain", accepted=int(host[3][0]),
         verifications=int(host[3][1]), t=self.clock() - c.t_start,
-        compiled=self.exes.compiled_here() != compiles, first_run=first), c)
+        compiled=self.exes.compiled_here() != compiles, first_run=first,
+        read=self._read(c, state.batch_size, kv_len)), c)
     return state, started
+
+  def _read(self, c: Call, batch: int, kv_len: int) -> float:
+    """Bytes one step of a chunk reads (weights, every row's window): the gate's measure of
+    how much of a step's time the bytes explain (probe.row_seconds). Only with a gate."""
+    if c.gate is None:
+      return 0.0
+    weights, slot = self.compiles.bytes_of(c.plan)
+    return float(weights + batch * kv_len * slot)
 
   def _report_compiles(self, gate) -> None:
     """This engine's compiles since the last report (background ones too) to the gate, which
@@ -355,11 +381,12 @@ class Engine(Replica):
     if gate is not None:
       self._report_compiles(gate)
       if not m.compiled:
-        gate.record(m.bucket, m.arm, m.wall_time, m.steps, m.accepted, m.verifications)
-    if m.arm is not None and not (m.compiled or m.first_run):
+        gate.record(m.bucket, m.arm, m.wall_time, m.steps, m.accepted, m.verifications,
+                    live=m.live, read=m.read)
+    if m.arm is not None and not (m.compiled or m.first_run) and c.selector.learns(m.arm, m.live):
       # Reward (DESIGN.md 4) = accepted tokens x batch size / wall time of draft + verify
       # (ChunkMetrics.speed). "off" (plain decoding in the spec state: one token per
-      # verification) is measured the same way.
+      # verification) is measured the same way. (Not a probe's arm outside the bandit's.)
       c.selector.update(m.arm, m.live, m.speed)
     self.chunk_log.append(m)
     if hooks.on_chunk:

@@ -65,6 +65,7 @@ class ChunkMetrics:
   t: float = 0.0  # chunk end, seconds since generate() began
   compiled: bool = False  # the chunk compiled its executable (its time is not the arm's)
   first_run: bool = False  # its executable's first run (on CPU 10-50x a later one's time)
+  read: float = 0.0  # bytes one step reads: the weights and every row's attention window
 
   @property
   def arm(self) -> Strategy | None:

@@ -29,9 +29,10 @@ from tlt_jax.models import KVCache, ModelConfig, Params, replica_layout
 from tlt_jax.rollout import decode
 from tlt_jax.rollout.compile_plan import CompilePlan
 from tlt_jax.rollout.config import EngineConfig
-from tlt_jax.rollout.executables import CompileRecord, ExecutableCache
+from tlt_jax.rollout.executables import CompileRecord, ExecKey, ExecutableCache
 from tlt_jax.rollout.history_chunk import history_chunk
 from tlt_jax.rollout.pages import KVPages
+from tlt_jax.rollout.plan_call import abstract
 from tlt_jax.rollout.policies.strategy import Strategy
 from tlt_jax.rollout.prefill import prefill_arrays, prefill_call
 from tlt_jax.rollout.records import Request
@@ -234,11 +235,17 @@ class Replica:
       ecfg = self.ecfg
       # one executable for every temperature (greedy evaluation included): an argument
       static = plain_variant(sp)
-      fn = functools.partial(decode.decode_chunk, cfg=self.cfg, sp=static,
-                             stop_tokens=ecfg.stop_tokens, chunk=ecfg.chunk_size,
-                             capture_hidden=c.capture, kv_len=kv_len)
-      state, out = self._call("decode", (static, c.capture, kv_len), fn,
-                              (self.params, state, np.float32(sp.temperature)), donate=(1,))
+      fn = lambda capture: functools.partial(  # noqa: E731
+          decode.decode_chunk, cfg=self.cfg, sp=static, stop_tokens=ecfg.stop_tokens,
+          chunk=ecfg.chunk_size, capture_hidden=capture, kv_len=kv_len)
+      args = (self.params, state, np.float32(sp.temperature))
+      capture = c.capture and self.compiles.captures(
+          ExecKey.of("decode", (static, True, kv_len), args),
+          functools.partial(self.exes.get, "decode", (static, True, kv_len), fn(True),
+                            (*abstract(args[:2]),
+                             jax.ShapeDtypeStruct((), np.float32)), donate=(1,)))
+      state, out = self._call("decode", (static, capture, kv_len), fn(capture), args,
+                              donate=(1,))
       counts, first = (0, 0), False
     base = state if isinstance(state, decode.DecodeState) else state.base
     return state, jax.device_get((out, base.done, base.stopped, counts)), first

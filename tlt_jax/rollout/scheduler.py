@@ -17,7 +17,8 @@ admit them; `preempt(slot)` puts a running request back at the head of the queue
 has the policy).
 
 Compaction: once the queue is empty, the live rows move into the smallest bucket that holds
-them, so 3 stragglers of a 128-batch decode at bucket 4. Speculation switches on once the
+them, so 3 stragglers of a 128-batch decode at bucket 4; with `compacts_to` set (the engine
+while it speculates), the smallest such bucket it allows, else they stay where they are. Speculation switches on once the
 live batch has been <= bs_threshold for `patience` consecutive checks, and stays on for the
 rest of the call (the strategy selector can still choose "off"); speculating=True: on from the
 first chunk (the engine's call whose whole batch starts under the threshold, its executables
@@ -106,6 +107,9 @@ class Scheduler:
     self.slots: list[Any | None] = []  # row -> request (None: empty)
     self.speculating = speculating
     self._below = 0
+    # bucket -> whether the batch may compact to it (None: any); the engine's, while it
+    # speculates: only buckets whose speculative executables are ready
+    self.compacts_to: Callable[[int], bool] | None = None
 
   @property
   def batch(self) -> int:
@@ -143,7 +147,8 @@ class Scheduler:
         self.slots[s] = r
     live = self.live
     if self.compaction and not self.pending and live:
-      bucket = bucket_for(self.buckets, len(live))
+      bucket = next((b for b in self.buckets if len(live) <= b < self.batch
+                     and (self.compacts_to is None or self.compacts_to(b))), self.batch)
       if bucket < self.batch:
         pad = bucket - len(live)
         ops.append(Resize(tuple(live + [live[0]] * pad),

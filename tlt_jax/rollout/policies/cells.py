@@ -60,6 +60,9 @@ class Selector:
   def select(self, batch_size: int, arms: Sequence[Strategy] | None = None) -> Strategy:
     return self.state.select(batch_size, arms)
 
+  def learns(self, arm: Strategy, batch_size: int) -> bool:
+    return self.state.learns(arm, batch_size)
+
   def update(self, arm: Strategy, batch_size: int, reward: float) -> None:
     with self._lock:
       self.state = self.state.update(arm, batch_size, reward)
@@ -99,11 +102,13 @@ class SpecGate:
       self.state = self.state.begin_rollout(worker_id, choosable, cached, costs)
 
   def record(self, bucket: int, arm: Strategy | None, wall: float, steps: int, accepted: int = 0,
-             verifications: int = 0) -> None:
-    """steps (target forwards), accepted and verifications as in `ChunkMetrics`."""
+             verifications: int = 0, live: int = 0, read: float = 0.0) -> None:
+    """steps (target forwards), accepted, verifications, live and read as in
+    `ChunkMetrics`."""
     with self._lock:
       old = self.state
-      self.state = old.record(Chunk(bucket, arm, wall, steps, accepted, verifications))
+      self.state = old.record(Chunk(bucket, arm, wall, steps, accepted, verifications, live,
+                                    read))
       if self.verdicts is not None and len(self.state.decisions) > len(old.decisions):
         self.verdicts.update(self.state.hardware_verdicts())  # (a re-probe that paid: gone)
 
@@ -124,8 +129,8 @@ class SpecGate:
   def allows(self, worker_id: int, bucket: int) -> bool:
     return self.state.allows(worker_id, bucket)
 
-  def probe_arm(self, bucket: int, default: Strategy) -> Strategy:
-    return self.state.probe_arm(bucket, default)
+  def probe_arm(self, bucket: int, default: Strategy, among=None) -> Strategy:
+    return self.state.probe_arm(bucket, default, among)
 
   def repays_window(self, bucket: int, arm: Strategy, chunks_per_rollout: float,
                     share: float) -> bool:

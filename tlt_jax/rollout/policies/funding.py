@@ -11,7 +11,7 @@ import dataclasses
 from typing import Sequence
 
 from tlt_jax.rollout.policies import payoff
-from tlt_jax.rollout.policies.probe import PAYS, PROBING, measured
+from tlt_jax.rollout.policies.probe import PAYS, PROBING, measured, plain_bound, step_seconds
 from tlt_jax.rollout.policies.strategy import Strategy
 
 
@@ -24,24 +24,37 @@ def fund(s):
 
 def ceiling(s, b: int, arm: Strategy) -> float:
   """The best case of `arm` at `b`, as speed-up over plain decoding: its measured ceiling
-  there; else the hardware ceiling measured at `b` or at any smaller bucket (every draft
-  accepted: a larger batch is no less compute-bound), at most depth + 1 (each verification
-  as cheap as a plain step, every draft accepted); "off" decodes plainly: 1."""
+  there; else the least of depth + 1 (each verification as cheap as a plain step, every
+  draft accepted), the bound plain decoding's measured step times put on it
+  (probe.plain_bound: no probe needed where a k-token forward costs ~k single ones) and the
+  hardware ceiling measured at any smaller bucket (a larger batch is no less compute-bound);
+  "off" decodes plainly: 1."""
   prior = float(arm.steps + 1)
   here = measured(s.at[b])
   if arm in here:
     return here[arm][1]
   bounds = [max(c for _, c in m.values()) for q in s.buckets if q <= b
             if (m := measured(s.at[q]))]
-  return min([prior] + bounds)
+  plain = plain_bound(s.steps_at, b, arm)
+  return min([prior] + bounds + ([plain] if plain is not None else []))
 
 
-def scope(s, b: int, arm: Strategy) -> list[int]:
-  """Where funding `arm` at `b` compiles it: `b` and every smaller bucket on probation or
-  paying that does not have it yet (a batch that speculates at `b` compacts through them,
-  and needs the arm's executable at each)."""
-  return [q for q in s.buckets if q <= b and s.at[q].status in (PROBING, PAYS)
-          and arm not in s.at[q].funded and (q == b or arm in s.arms_at.get(q, ()))]
+def carried(s, b: int) -> float:
+  """The speed-up over plain decoding at `b` that a speculating batch has there without
+  anything compiled at `b`: it stays at the next larger bucket with funded arms (the compile
+  plan compacts a speculating batch only to buckets whose arms are ready), at that bucket's
+  best measured ratio, slowed by the larger batch's step (the plain steps measured at both);
+  1.0 where there is none (the rows decode plainly)."""
+  above = next((q for q in s.buckets if q > b and s.at[q].status == PAYS and s.at[q].funded),
+               None)
+  if above is None:
+    return 1.0
+  here = measured(s.at[above])
+  best = max((here[a][0] for a in s.at[above].funded if a in here), default=1.0)
+  t_b, t_above = step_seconds(s.steps_at, b), step_seconds(s.steps_at, above)
+  if not t_b or not t_above:
+    return 1.0
+  return max(1.0, best * t_b / t_above)
 
 
 def price(s, where: Sequence[int], arm: Strategy, every_worker: bool) -> float | None:
@@ -75,12 +88,13 @@ def with_funded(s, where: Sequence[int], arm: Strategy):
 
 def fund_bucket(s, b: int):
   """On probation: funds each probed arm whose best case (1 - 1/ceiling of the time spent
-  at `b` and the smaller buckets it compacts through) repays what the prober has left to
-  compile for it there, each on its own. Where it pays: funds arms, the measured ones by
-  speed first, whose best case beats the fastest funded one (plain decoding before any) by
-  enough to repay what every worker compiles for them. A funded arm is funded at the
-  smaller buckets of its scope too, and stays funded. An open-ended run (horizon 0) funds
-  every arm."""
+  at `b`) repays what the prober has left to compile for it there, each on its own. Where
+  it pays: funds arms, the measured ones by speed first, whose best case beats the fastest
+  funded one (else what a speculating batch gets at `b` without compiling there,
+  `carried`) by enough to repay what every worker compiles for them. Each bucket is funded
+  on its own: a speculating batch compacts only to buckets whose arms are compiled, so
+  nothing runs where nothing is funded. A funded arm stays funded. An open-ended run
+  (horizon 0) funds every arm."""
   r, c = s.at[b], s.cfg
   if r.status not in (PROBING, PAYS) or not c.gating:
     return s
@@ -92,16 +106,16 @@ def fund_bucket(s, b: int):
     for a in s.candidates(b):
       if a in s.at[b].funded:
         continue
-      where = scope(s, b, a)
+      where = [b]
       if worth(s, where, 1.0 - 1.0 / ceiling(s, b, a), price(s, where, a, False)):
         s = with_funded(s, where, a)
     return s
   here = measured(r)
-  base = max((here[a][0] for a in r.funded if a in here), default=1.0)
+  base = max((here[a][0] for a in r.funded if a in here), default=carried(s, b))
   for a in sorted(s.arms_at.get(b, ()), key=lambda a: -here.get(a, (0.0,))[0]):
     if a in s.at[b].funded:
       continue
-    where = scope(s, b, a)
+    where = [b]
     if worth(s, where, 1.0 - base / ceiling(s, b, a), price(s, where, a, True)):
       s = with_funded(s, where, a)
       if a in here:

@@ -6,13 +6,12 @@ forward costs ~k single ones (a small model in a CPU's cache) it loses, and each
 executable it needs is a compile the run pays. The bandit (mab.py) picks the best arm among
 compiled ones; this gate decides which batch buckets are worth compiling arms for at all:
 
-- It opens the smallest speculative bucket first (where drafts pay most) on one worker, the
-  prober: only that worker compiles and runs speculative chunks there (compiling once half of
-  the plain measurement is in), while every worker's plain chunks measure plain decoding at
-  the same bucket. The probe runs one arm, the lead
-  (the config's strategy), whatever the bandit would pick: a probe is a measurement. The first
-  chunk of each (bucket, arm) is a warm-up and not counted (a fresh executable's first run was
-  10-50x slower on CPU).
+- It probes one bucket at a time (where: below) on one worker, the prober: only that worker
+  compiles and runs speculative chunks there (compiling once half of the plain measurement
+  is in), while every worker's plain chunks measure plain decoding at the same bucket. The
+  probe runs one arm, the lead (the config's strategy), whatever the bandit would pick: a
+  probe is a measurement. The first chunk of each (bucket, arm) is a warm-up and not counted
+  (a fresh executable's first run was 10-50x slower on CPU).
 - Once the bucket has `min_chunks` plain chunks and as many of each probed arm, it compares
   per-row throughput: tokens per row per step (1 for plain decoding, the measured tokens per
   verification for an arm) over the time per step (target forwards in the chunks' wall
@@ -40,11 +39,19 @@ compiled ones; this gate decides which batch buckets are worth compiling arms fo
   for hardware (`drafter_wanted`). A drafter that starts untrained is thus declined for
   acceptance, trains, and is re-probed, instead of being shut out for good; a machine where
   drafts cannot pay never trains (or compiles) the drafter.
-- Probation follows traffic: when the buckets on probation see no chunk for `follow_traffic`
-  prober rollouts while a larger closed bucket does (short responses end before the batch
-  shrinks that far), probation widens up to that bucket (those between are probed too: the
-  prober's batch compacts through them). A bucket that pays makes every smaller one pay (a
-  smaller batch is the more memory-bound); one declined declines every larger one.
+- Probation goes where the time is. Each bucket's worth is the seconds a rollout spends
+  there (its chunks' time, by the smallest bucket that holds their live rows) x the share its
+  lead arm could save at best (1 - 1/ceiling); the ceiling is measured where a probe ran, and
+  elsewhere bounded by what plain decoding's measured step times allow (probe.plain_bound: a
+  verification of k tokens a row costs at least a plain step of k times the rows; where a
+  forward's cost grows with its tokens, as on a CPU, the bound is ~1 and nothing is probed).
+  The first probe is at the smallest bucket (nothing is measured yet); at each prober rollout
+  the probation moves to the closed bucket worth the most once the one on probation is stale
+  (its probe unfunded, no chunk there for `follow_traffic` rollouts, or nothing speculative
+  measured there yet while the other is worth twice as much). A bucket that pays makes every
+  smaller one pay (a smaller batch is the more memory-bound) and the next larger is probed;
+  one declined declines every larger one. A speculating batch compacts only to buckets whose
+  arms are funded and compiled (compile_plan.py), so a probe compiles its own bucket only.
 
 - Hardware verdicts outlive the run (`VerdictCache`): they depend on the machine and the
   shapes, not on the drafter or the policy, so like compiled executables they are kept on disk
@@ -81,9 +88,10 @@ import dataclasses
 from typing import Any, Mapping, Sequence
 
 from tlt_jax.errors import ConfigError
-from tlt_jax.rollout.policies import funding, payoff
+from tlt_jax.rollout.policies import funding, payoff, placement
 from tlt_jax.rollout.policies.probe import (ACCEPTANCE, CLOSED, DECLINED, HARDWARE, PAYS,
-                                            PROBING, Bucket, Chunk, accept_len, rate)
+                                            PROBING, Bucket, Chunk, Step, accept_len, home,
+                                            rate, stepped)
 from tlt_jax.rollout.policies.strategy import Strategy
 
 
@@ -95,7 +103,9 @@ class GateConfig:
   window: int = 64  # chunks kept per (bucket, mode) for the rates
   reprobe_every: int = 10  # rollouts after which a bucket declined for acceptance is re-probed
   hardware_reprobe_every: int = 40  # ... one declined for hardware (0: never, for both)
-  follow_traffic: int = 3  # rollouts without traffic after which probation moves up (0: never)
+  # rollouts without a chunk at the bucket on probation after which probation moves to where
+  # the time is (0: only an unfunded probation moves)
+  follow_traffic: int = 3
   lead: Strategy | str = ""  # the arm a probe runs first ("": the first drafting arm there)
   # What a compile must repay (payoff.py): the run's rollouts per worker (0: open-ended, every
   # compile repays), the share of the rollouts left within which the best case must repay it,
@@ -147,6 +157,9 @@ class GateState:
   prober: int | None = None  # the worker that probes (the first to start a rollout)
   rollouts: int = 0  # generate calls of the prober (the gate's clock)
   hardware_ok: bool = False  # a probe showed drafts can pay here (some arm's ceiling)
+  # engine bucket -> the steps of its recent plain chunks (every bucket, the first chunk not
+  # counted): the plain-decoding bound on what drafts can pay (probe.plain_bound)
+  steps_at: Mapping[int, tuple[Step, ...]] = dataclasses.field(default_factory=dict)
   decisions: tuple[dict[str, Any], ...] = ()  # every verdict and move, for the metrics
   ledger: payoff.Ledger = payoff.Ledger()  # time per bucket and compile costs measured
 
@@ -186,32 +199,35 @@ class GateState:
         s = dataclasses.replace(s, buckets=buckets, at={b: Bucket() for b in buckets})
         s = s._apply_cached(cached or {})
         if s.at[buckets[0]].status == CLOSED:
-          s = s._start_probe(buckets[0])
+          s = s.start_probe(buckets[0])
         return s._fund()
     if not s.cfg.gating:
       return s
     if worker_id != s.prober or not s.buckets:
       return s._fund()
     if not any(r.status == PROBING for r in s.at.values()):
-      return s._reprobe_due()._fund()
-    return (s._follow_traffic() if s.cfg.follow_traffic else s)._fund()
+      s = s._reprobe_due()
+    return placement.follow_time(s)._fund()
 
   def record(self, c: Chunk) -> GateState:
     """One measured chunk. The first of each (bucket, arm) is a warm-up, not counted."""
     if c.arm is not None:
       c = c._replace(arm=Strategy(c.arm))  # (a name from a test or a simulator: parsed here)
-    r = self.at.get(c.bucket)
-    if r is None or c.steps < 1 or c.wall <= 0:
+    if c.steps < 1 or c.wall <= 0:
       return self
-    r = dataclasses.replace(r, seen=self.rollouts)
+    s = dataclasses.replace(self, steps_at=stepped(self.steps_at, c))  # plain: its bucket's steps
+    r = s.at.get(c.bucket)
+    if r is None:
+      return s
+    r = dataclasses.replace(r, seen=s.rollouts)
     if c.arm not in r.warm:
-      return self._put(c.bucket, dataclasses.replace(r, warm=r.warm | {c.arm}))
-    w = self.cfg.window
+      return s.put(c.bucket, dataclasses.replace(r, warm=r.warm | {c.arm}))
+    w = s.cfg.window
     if c.arm is None:
       r = dataclasses.replace(r, plain=(r.plain + (c,))[-w:])
     else:
       r = dataclasses.replace(r, spec={**r.spec, c.arm: (r.spec.get(c.arm, ()) + (c,))[-w:]})
-    s = dataclasses.replace(self._put(c.bucket, r), ledger=self.ledger.decoded(c.bucket, c.wall))
+    s = dataclasses.replace(s.put(c.bucket, r), ledger=s.ledger.decoded(home(s.buckets, c), c.wall))
     return s._decide(c.bucket)._fund() if r.status == PROBING else s
 
   def compiled(self, kind: str, bucket: int, arm: Strategy | None, seconds: float) -> GateState:
@@ -246,13 +262,29 @@ class GateState:
         len(self.at[q].plain) >= half for q in self.buckets  # batch compacts to it)
         if q >= bucket and self.at[q].status == PROBING):
       return self.probe_arms(bucket)
-    return []
+    return self._below_probe(worker_id, bucket)
+
+  def _below_probe(self, worker_id: int, bucket: int) -> list[Strategy]:
+    """On the prober, at a closed bucket under the one on probation (whose plain decoding is
+    half measured): the probe's arms that run there too. The prober's speculating batch
+    compacts through it as its rows finish (compile_plan: only where they are compiled, in
+    the background), instead of running its tail at the probed bucket's size."""
+    r = self.at.get(bucket)
+    if worker_id != self.prober or r is None or r.status != CLOSED:
+      return []
+    half = (self.cfg.min_chunks + 1) // 2
+    above = next((q for q in self.buckets if q > bucket and self.at[q].status == PROBING
+                  and len(self.at[q].plain) >= half), None)
+    if above is None:
+      return []
+    return [a for a in self.probe_arms(above) if a in self.arms_at.get(bucket, ())]
 
   def allows(self, worker_id: int, bucket: int) -> bool:
     """Whether this worker may speculate at this bucket now: where it pays and some arm is
     funded; on the prober at a bucket on probation once plain decoding there is measured
     (`min_chunks` chunks: until then it decodes plainly there itself, a lone worker has no one
-    else to measure it) and its probe is funded."""
+    else to measure it) and its probe is funded, and at the closed buckets under it
+    (`_below_probe`)."""
     if not self.cfg.gating:  # (evaluation may come before any training rollout)
       return True
     r = self.at.get(bucket)
@@ -260,14 +292,18 @@ class GateState:
       return False
     if r.status == PAYS:
       return bool(r.funded)
+    if r.status == CLOSED:
+      return bool(self._below_probe(worker_id, bucket))
     return (r.status == PROBING and worker_id == self.prober
             and len(r.plain) >= self.cfg.min_chunks and bool(self.probe_arms(bucket)))
 
-  def probe_arm(self, bucket: int, default: Strategy) -> Strategy:
+  def probe_arm(self, bucket: int, default: Strategy, among=None) -> Strategy:
     """The arm a chunk at `bucket` runs: while the bucket is probed, the funded probed arm
-    measured least so far; else `default` (the bandit's)."""
+    (of those `among`, where given: the compiled ones) measured least so far; else
+    `default` (the bandit's)."""
     r = self.at.get(bucket)
     probed = self.probe_arms(bucket) if r is not None and r.status == PROBING else []
+    probed = [a for a in probed if among is None or a in among]
     if not probed:
       return default
     return min(probed, key=lambda a: len(r.spec.get(a, ())) + (a in r.warm))
@@ -287,10 +323,10 @@ class GateState:
   def _fund_bucket(self, b: int) -> GateState:
     return funding.fund_bucket(self, b)
 
-  def _put(self, b: int, r: Bucket) -> GateState:
+  def put(self, b: int, r: Bucket) -> GateState:
     return dataclasses.replace(self, at={**self.at, b: r})
 
-  def _log(self, decision: dict[str, Any]) -> GateState:
+  def logged(self, decision: dict[str, Any]) -> GateState:
     return dataclasses.replace(self, decisions=self.decisions + (decision,))
 
   def candidates(self, b: int) -> list[Strategy]:
@@ -311,11 +347,11 @@ class GateState:
     if not cached:
       return self
     b0 = min(cached)
-    return self._log({**cached[b0], "bucket": b0, "verdict": DECLINED, "reason": HARDWARE,
+    return self.logged({**cached[b0], "bucket": b0, "verdict": DECLINED, "reason": HARDWARE,
                       "cached": True, "rollout": self.rollouts})._decline_from(b0, HARDWARE)
 
-  def _start_probe(self, b: int) -> GateState:
-    return self._put(b, dataclasses.replace(self.at[b], status=PROBING, reason=None,
+  def start_probe(self, b: int) -> GateState:
+    return self.put(b, dataclasses.replace(self.at[b], status=PROBING, reason=None,
                                             since=self.rollouts, wide=False, spec={},
                                             funded=frozenset()))
 
@@ -327,24 +363,8 @@ class GateState:
     every = (self.cfg.hardware_reprobe_every if r.reason == HARDWARE
              else self.cfg.reprobe_every)
     if every and self.rollouts - (r.declined_at or 0) >= every:
-      return self._start_probe(declined[0])
+      return self.start_probe(declined[0])
     return self
-
-  def _follow_traffic(self) -> GateState:
-    probing = [b for b in self.buckets if self.at[b].status == PROBING]
-    quiet_since = max(max(self.at[b].since, self.at[b].seen + 1) for b in probing)
-    if self.rollouts - quiet_since < self.cfg.follow_traffic:
-      return self
-    busy = [q for q in self.buckets if q > probing[-1] and self.at[q].status == CLOSED
-            and self.at[q].seen >= quiet_since]
-    if not busy:
-      return self
-    s = self
-    for b in self.buckets:
-      if probing[-1] < b <= busy[0] and s.at[b].status == CLOSED:
-        s = s._start_probe(b)
-    return s._log({"bucket": busy[0], "verdict": "widened", "from": probing,
-                   "rollout": self.rollouts})
 
   def _decide(self, b: int) -> GateState:
     n, r = self.cfg.min_chunks, self.at[b]
@@ -366,12 +386,12 @@ class GateState:
     if not pays and not r.wide and len(drafting) > 1 and ceiling >= bar:
       # the drafts' acceptance, not the hardware, falls short: try the others, those whose
       # best case repays their compile (none: declined for acceptance now)
-      s = s._put(b, dataclasses.replace(r, wide=True))._fund_bucket(b)
+      s = s.put(b, dataclasses.replace(r, wide=True))._fund_bucket(b)
       if set(s.probe_arms(b)) != set(probed):
         return s
       r = s.at[b]
     reason = None if pays else (HARDWARE if ceiling < bar else ACCEPTANCE)
-    s = s._log({"bucket": b, "verdict": PAYS if pays else DECLINED, "reason": reason,
+    s = s.logged({"bucket": b, "verdict": PAYS if pays else DECLINED, "reason": reason,
                 "best_arm": best, "ratio": round(ratio[best], 3), "ceiling": round(ceiling, 3),
                 "accept_len": round(accept_len(spec[best]), 3), "plain_chunks": len(r.plain),
                 "rollout": self.rollouts})
@@ -384,7 +404,7 @@ class GateState:
     s = dataclasses.replace(s, at=at)
     nxt = next((bb for bb in self.buckets[i + 1:] if at[bb].status != PAYS), None)
     if nxt is not None and at[nxt].status != PROBING:
-      s = s._start_probe(nxt)  # closed, or declined before (a re-probe that paid)
+      s = s.start_probe(nxt)  # closed, or declined before (a re-probe that paid)
     return s
 
   def _decline_from(self, b: int, reason: str) -> GateState:

@@ -200,14 +200,18 @@ class BanditState:
 
   def select(self, batch_size: int, arms: Sequence[Strategy] | None = None) -> Strategy:
     """The arm for a chunk of `batch_size` live rows, among `arms` where given (the ones the
-    speculation gate has paid to compile there; none of the bucket's: every arm)."""
+    speculation gate has paid to compile there). None of them the bucket's (a speculating
+    batch left at a larger bucket's executables): the first of them, a chunk the bandit does
+    not learn from (`learns`)."""
     cfg = self.cfg
     lo = cfg.bucket_of(batch_size)
     if cfg.rule == "fixed":
       return cfg.arms[0]
     listed = cfg.by_bound[lo]
     rewards = self.rewards[lo]
-    pool = [a for a in listed if arms is None or a in arms] or list(listed)
+    pool = [a for a in listed if arms is None or a in arms]
+    if not pool:
+      return Strategy(arms[0])
     # arms with fewer than min_pulls rewards first: rounds of the least measured, in random
     # order (module docstring: a fixed one aliases with periodic workloads). The order is a
     # function of (seed, bucket, round): an arm whose chunk reported nothing (it compiled)
@@ -229,6 +233,11 @@ class BanditState:
     total = sum(n.values())
     return max(pool, key=lambda a: means[a] / scale
                + cfg.c * math.sqrt(2.0 * math.log(total) / n[a]))
+
+  def learns(self, arm: Strategy, batch_size: int) -> bool:
+    """Whether a chunk of `arm` at `batch_size` live rows is one of the bandit's pulls (the
+    arm is listed at that bucket)."""
+    return arm in self.rewards[self.cfg.bucket_of(batch_size)]
 
   def update(self, arm: Strategy, batch_size: int, reward: float) -> BanditState:
     """The state after `arm`'s chunk at `batch_size` earned `reward` (tokens/s)."""

@@ -5,7 +5,11 @@ ceiling. Pure host-side values and functions."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import statistics
 from typing import Mapping, NamedTuple, Sequence
+
+import numpy as np
 
 from tlt_jax.rollout.policies.strategy import Strategy
 
@@ -21,6 +25,91 @@ class Chunk(NamedTuple):
   steps: int  # target forwards
   accepted: int = 0  # drafts accepted over the chunk's rows
   verifications: int = 0  # (row, step) verifications
+  live: int = 0  # rows decoding (0: unknown, the bucket's)
+  read: float = 0.0  # bytes a plain step of the chunk reads (weights, windows; 0: unknown)
+
+
+STEPS_KEPT = 16  # plain chunks kept per bucket for its step time (the median of them)
+
+
+class Step(NamedTuple):
+  """One plain decode step as a chunk measured it: its seconds, and the bytes it read (the
+  weights and every row's attention window; 0: not known)."""
+  seconds: float
+  read: float = 0.0
+
+
+def stepped(steps_at: Mapping[int, tuple[Step, ...]], c: Chunk) -> dict[int, tuple[Step, ...]]:
+  """`steps_at` with a plain chunk's step kept for its bucket (the first chunk there is a
+  warm-up: not kept; at most STEPS_KEPT, the latest); a speculative chunk changes nothing."""
+  if c.arm is not None:
+    return dict(steps_at)
+  kept = steps_at.get(c.bucket)
+  kept = () if kept is None else (kept + (Step(c.wall / c.steps, c.read),))[-STEPS_KEPT:]
+  return {**steps_at, c.bucket: kept}
+
+
+def home(buckets: Sequence[int], c: Chunk) -> int:
+  """The bucket a chunk's time belongs to: the smallest of `buckets` that holds its live
+  rows (a speculating batch may run at a larger one than it needs: the compile plan's
+  floor), else the chunk's own."""
+  if c.live <= 0:
+    return c.bucket
+  return min((q for q in buckets if q >= c.live), default=c.bucket)
+
+
+def step_seconds(steps_at: Mapping[int, Sequence[Step]], bucket: int) -> float | None:
+  """The median seconds of a plain step measured at `bucket` (None: none measured)."""
+  kept = steps_at.get(bucket)
+  return statistics.median(s.seconds for s in kept) if kept else None
+
+
+def row_seconds(steps_at: Mapping[int, Sequence[Step]]) -> float | None:
+  """What one more row adds to a plain step's time beyond the bytes it reads: the
+  coefficient b of t = a0 + a1 x bytes + b x rows, fitted to the kept steps of every bucket
+  (their windows differ, which tells bytes from rows) by least squares with every
+  coefficient >= 0: the best fit over the subsets of the three terms, those with the rows
+  term first (where bytes and rows explain the times equally well, the explanation under
+  which drafts pay least). Where decoding streams the weights (a 7B model on a GPU) the
+  bytes explain the time and b ~ 0; where a forward's cost grows with its tokens (a small
+  model on a CPU) b carries it. None with fewer than two buckets measured."""
+  pts = [(b, s.seconds, s.read) for b, v in sorted(steps_at.items()) for s in v]
+  if len({b for b, _, _ in pts}) < 2:
+    return None
+  t = np.array([p[1] for p in pts])
+  cols = {"rows": np.array([p[0] for p in pts], float), "fixed": np.ones(len(pts)),
+          "bytes": np.array([p[2] for p in pts], float)}
+  best = None
+  for terms in itertools.chain.from_iterable(
+      itertools.combinations(cols, k) for k in (1, 2, 3)):
+    x = np.stack([cols[k] for k in terms], axis=1)
+    if len(pts) < len(terms) or not x.any(axis=0).all():
+      continue
+    scale = np.abs(x).max(axis=0)  # (bytes run to 1e10: each column to [0, 1] first)
+    coef, *_ = np.linalg.lstsq(x / scale, t, rcond=None)
+    coef = coef / scale
+    if (coef < 0).any():
+      continue
+    err = float(((x @ coef - t) ** 2).sum())
+    if best is None or err < best[0] * (1 - 1e-6) - 1e-24:
+      best = (err, dict(zip(terms, coef)))
+  return None if best is None else float(best[1].get("rows", 0.0))
+
+
+def plain_bound(steps_at: Mapping[int, Sequence[Step]], bucket: int, arm: Strategy) -> float | None:
+  """The best case of `arm` at `bucket` that plain decoding's measured costs allow, as
+  speed-up over it: a verification of `arm.verify_tokens` tokens per row reads what a plain
+  step reads (the weights, the rows' windows) and computes for that many tokens per row, so
+  it costs about t + b_row x rows x (verify_tokens - 1) (`row_seconds`) and delivers at most
+  depth + 1 tokens: (depth + 1) x t / that. Near depth + 1 where decoding is bound by bytes;
+  near 1 where a step's cost grows with its rows (a CPU), so no probe need compile to learn
+  that drafts cannot pay. None until plain steps are measured at `bucket` and one more."""
+  if not arm.steps:
+    return 1.0
+  t, per_row = step_seconds(steps_at, bucket), row_seconds(steps_at)
+  if not t or per_row is None:
+    return None
+  return (arm.steps + 1) * t / (t + per_row * bucket * (arm.verify_tokens - 1))
 
 
 def accept_len(chunks: Sequence[Chunk]) -> float:

@@ -1,0 +1,53 @@
+"""Where the speculation gate probes (gate.py): each batch bucket's worth (what a probe there
+could earn per rollout at best) and the move of probation to where the rollout's time is.
+Functions of a `GateState`, like funding.py's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tlt_jax.rollout.policies import funding
+from tlt_jax.rollout.policies.probe import CLOSED, PROBING
+
+
+def earns(s, b: int) -> float:
+  """What probing `b` could earn per rollout at best: the seconds a rollout spends there x
+  the share its lead arm could save (1 - 1/ceiling, funding.ceiling: measured, or bounded
+  by plain decoding's measured costs); 0 where that ceiling would not clear the bar."""
+  lead = s.candidates(b)
+  if not lead:
+    return 0.0
+  best = funding.ceiling(s, b, lead[0])
+  if best < 1.0 + s.cfg.margin:  # (its best case would not clear the bar)
+    return 0.0
+  return s.ledger.per_rollout(b) * (1.0 - 1.0 / best)
+
+
+def follow_time(s):
+  """Probation goes where the time is: to the closed bucket whose probe could earn the most
+  (`earns`), once the buckets on probation are stale (their probe unfunded, no chunk there
+  for `follow_traffic` rollouts, or none of their speculative chunks measured yet while it
+  could earn twice what they could) and it could earn more than they. A stale bucket goes
+  back to closed (its compiles, if any, are kept)."""
+  probing = [b for b in s.buckets if s.at[b].status == PROBING]
+  closed = [b for b in s.buckets if s.at[b].status == CLOSED]
+  if not closed:
+    return s
+  worth = {b: earns(s, b) for b in probing + closed}
+  best = max(closed, key=lambda b: (worth[b], -b))
+  if worth[best] <= max([0.0] + [worth[b] for b in probing]):
+    return s
+
+  def stale(b: int) -> bool:
+    r, quiet = s.at[b], s.cfg.follow_traffic
+    return (not s.probe_arms(b)
+            or bool(quiet and s.rollouts - max(r.since, r.seen + 1) >= quiet)
+            or (not any(r.spec.values()) and worth[best] >= 2 * worth[b]))
+  if not all(stale(b) for b in probing):
+    return s
+  for b in probing:
+    s = s.put(b, dataclasses.replace(s.at[b], status=CLOSED, funded=frozenset()))
+  return s.start_probe(best).logged({"bucket": best, "verdict": "moved", "from": probing,
+                                    "worth": round(worth[best], 4),
+                                    "rollout": s.rollouts})
+
