@@ -176,7 +176,7 @@ class NotWantedGate:
   def repays_window(self, bucket, arm, chunks_per_rollout, share):
     return True
 
-  def record(self, *args):
+  def record(self, *args, **kw):
     pass
 
   def compiled(self, *args):

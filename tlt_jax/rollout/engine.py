@@ -278,10 +278,11 @@ class Engine(Replica):
     state = self._page(state, c, self._reach(started or speculating))
     live = sched.live
     if speculating and not started:
-      # compiling in the background, a batch with requests still queued waits for the queue
-      # to empty: its refills would each carry a drafter prefill of a new shape, compiled
-      # as the refill runs (the whole call fitting at once speculates from its prefill)
-      if sched.pending and ecfg.spec.background_compile:
+      # with a gate pricing compiles in the background, a batch with requests still queued
+      # waits for the queue to empty: its refills would each carry a drafter prefill of a
+      # new shape, compiled as the refill runs (a whole call that fits at once speculates
+      # from its prefill)
+      if sched.pending and gate is not None and ecfg.spec.background_compile:
         speculating = False
       else:
         state, speculating = self._switch_on(state, c)

@@ -48,9 +48,11 @@ def choosable_pairs(ecfg, bandit) -> Pairs:
 
   Speculation runs only at live sizes <= top (`EngineConfig.spec_top`: max_batch, or the
   bs_threshold cap): it switches on at a live size <= top, which (when max_batch > top)
-  needs the queue to be empty, and the live batch never grows after that. With compaction, a chunk at bucket b has
-  live size in (previous bucket, b]; without, anything in [1, b]. Engine buckets (compiled
-  batch sizes) and the bandit's bucket bounds are different grids: this intersects them."""
+  needs the queue to be empty, and the live batch never grows after that. With compaction,
+  a chunk at bucket b has live size in (previous bucket, b]; without, anything in [1, b]
+  (a speculating batch may also stay at a larger bucket than its rows need: the compile
+  plan's floor). Engine buckets (compiled batch sizes) and the bandit's bucket bounds are
+  different grids: this intersects them."""
   spec = ecfg.spec
   if spec is None:
     return {}

@@ -18,11 +18,12 @@ has the policy).
 
 Compaction: once the queue is empty, the live rows move into the smallest bucket that holds
 them, so 3 stragglers of a 128-batch decode at bucket 4; with `compacts_to` set (the engine
-while it speculates), the smallest such bucket it allows, else they stay where they are. Speculation switches on once the
-live batch has been <= bs_threshold for `patience` consecutive checks, and stays on for the
-rest of the call (the strategy selector can still choose "off"); speculating=True: on from the
-first chunk (the engine's call whose whole batch starts under the threshold, its executables
-ready).
+while it speculates), the smallest such bucket it allows, else they stay where they are.
+
+Speculation switches on once the live batch has been <= bs_threshold for `patience`
+consecutive checks, and stays on for the rest of the call (the strategy selector can still
+choose "off"); speculating=True: on from the first chunk (the engine's call whose whole
+batch starts under the threshold, its executables ready).
 """
 
 from __future__ import annotations
