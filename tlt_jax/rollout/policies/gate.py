@@ -39,19 +39,14 @@ compiled ones; this gate decides which batch buckets are worth compiling arms fo
   for hardware (`drafter_wanted`). A drafter that starts untrained is thus declined for
   acceptance, trains, and is re-probed, instead of being shut out for good; a machine where
   drafts cannot pay never trains (or compiles) the drafter.
-- Probation goes where the time is. Each bucket's worth is the seconds a rollout spends
-  there (its chunks' time, by the smallest bucket that holds their live rows) x the share its
-  lead arm could save at best (1 - 1/ceiling); the ceiling is measured where a probe ran, and
-  elsewhere bounded by what plain decoding's measured step times allow (probe.plain_bound: a
-  verification of k tokens a row costs at least a plain step of k times the rows; where a
-  forward's cost grows with its tokens, as on a CPU, the bound is ~1 and nothing is probed).
-  The first probe is at the smallest bucket (nothing is measured yet); at each prober rollout
-  the probation moves to the closed bucket worth the most once the one on probation is stale
-  (its probe unfunded, no chunk there for `follow_traffic` rollouts, or nothing speculative
-  measured there yet while the other is worth twice as much). A bucket that pays makes every
-  smaller one pay (a smaller batch is the more memory-bound) and the next larger is probed;
-  one declined declines every larger one. A speculating batch compacts only to buckets whose
-  arms are funded and compiled (compile_plan.py), so a probe compiles its own bucket only.
+- Probation goes where the time is (placement.py): to the closed bucket whose seconds per
+  rollout x best-case saving (1 - 1/ceiling) is largest, the ceiling measured where a probe
+  ran, else bounded by plain decoding's measured step times (probe.plain_bound: ~1 where a
+  forward's cost grows with its tokens, as on a CPU, so nothing is probed there). The first
+  probe is at the smallest bucket (nothing is measured yet); a stale probation moves. A
+  bucket that pays makes every smaller one pay (a smaller batch is the more memory-bound)
+  and the next larger is probed; one declined declines every larger one. A speculating
+  batch compacts only to buckets whose arms are funded and compiled (compile_plan.py).
 
 - Hardware verdicts outlive the run (`VerdictCache`): they depend on the machine and the
   shapes, not on the drafter or the policy, so like compiled executables they are kept on disk
@@ -262,29 +257,14 @@ class GateState:
         len(self.at[q].plain) >= half for q in self.buckets  # batch compacts to it)
         if q >= bucket and self.at[q].status == PROBING):
       return self.probe_arms(bucket)
-    return self._below_probe(worker_id, bucket)
-
-  def _below_probe(self, worker_id: int, bucket: int) -> list[Strategy]:
-    """On the prober, at a closed bucket under the one on probation (whose plain decoding is
-    half measured): the probe's arms that run there too. The prober's speculating batch
-    compacts through it as its rows finish (compile_plan: only where they are compiled, in
-    the background), instead of running its tail at the probed bucket's size."""
-    r = self.at.get(bucket)
-    if worker_id != self.prober or r is None or r.status != CLOSED:
-      return []
-    half = (self.cfg.min_chunks + 1) // 2
-    above = next((q for q in self.buckets if q > bucket and self.at[q].status == PROBING
-                  and len(self.at[q].plain) >= half), None)
-    if above is None:
-      return []
-    return [a for a in self.probe_arms(above) if a in self.arms_at.get(bucket, ())]
+    return placement.below_probe(self, worker_id, bucket)
 
   def allows(self, worker_id: int, bucket: int) -> bool:
     """Whether this worker may speculate at this bucket now: where it pays and some arm is
     funded; on the prober at a bucket on probation once plain decoding there is measured
     (`min_chunks` chunks: until then it decodes plainly there itself, a lone worker has no one
     else to measure it) and its probe is funded, and at the closed buckets under it
-    (`_below_probe`)."""
+    (placement.below_probe)."""
     if not self.cfg.gating:  # (evaluation may come before any training rollout)
       return True
     r = self.at.get(bucket)
@@ -293,7 +273,7 @@ class GateState:
     if r.status == PAYS:
       return bool(r.funded)
     if r.status == CLOSED:
-      return bool(self._below_probe(worker_id, bucket))
+      return bool(placement.below_probe(self, worker_id, bucket))
     return (r.status == PROBING and worker_id == self.prober
             and len(r.plain) >= self.cfg.min_chunks and bool(self.probe_arms(bucket)))
 

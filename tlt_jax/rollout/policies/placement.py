@@ -1,5 +1,6 @@
 """Where the speculation gate probes (gate.py): each batch bucket's worth (what a probe there
-could earn per rollout at best) and the move of probation to where the rollout's time is.
+could earn per rollout at best), the move of probation to where the rollout's time is, and
+the closed buckets under a probe the prober's batch compacts through.
 Functions of a `GateState`, like funding.py's."""
 
 from __future__ import annotations
@@ -51,3 +52,18 @@ def follow_time(s):
                                     "worth": round(worth[best], 4),
                                     "rollout": s.rollouts})
 
+
+def below_probe(s, worker_id: int, bucket: int) -> list:
+  """On the prober, at a closed bucket under the one on probation (whose plain decoding is
+  half measured): the probe's arms that run there too. The prober's speculating batch
+  compacts through it as its rows finish (compile_plan: only where they are compiled, in
+  the background), instead of running its tail at the probed bucket's size."""
+  r = s.at.get(bucket)
+  if worker_id != s.prober or r is None or r.status != CLOSED:
+    return []
+  half = (s.cfg.min_chunks + 1) // 2
+  above = next((q for q in s.buckets if q > bucket and s.at[q].status == PROBING
+                and len(s.at[q].plain) >= half), None)
+  if above is None:
+    return []
+  return [a for a in s.probe_arms(above) if a in s.arms_at.get(bucket, ())]
