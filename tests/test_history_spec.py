@@ -221,6 +221,61 @@ def test_history_fed_only_once_a_history_arm_runs(tiny):
   assert not quiet.ended and not quiet.seqs
 
 
+class ClosingGate(NotWantedGate):
+  """Allows speculation everywhere until `after` speculative chunks ran at `bucket` (the
+  engine's log), then closes that bucket (as a probe there that declines)."""
+
+  def __init__(self, engine, bucket, after):
+    self.engine, self.bucket, self.after = engine, bucket, after
+
+  def drafter_wanted(self):
+    return True
+
+  def allows(self, worker_id, bucket):
+    ran = sum(m.bucket == bucket and m.mode != "plain" for m in self.engine.chunk_log)
+    return bucket != self.bucket or ran < self.after
+
+  def arms(self, worker_id, bucket):
+    return list(self.engine.arms) if self.allows(worker_id, bucket) else []
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
+def test_a_batch_whose_bucket_closes_stops_speculating_and_outputs_stay_plain(tiny, background):
+  """The gate closes the speculating batch's bucket mid-call: the batch switches off
+  (speculative.switch_off), decodes plainly there, compacts and switches on again where the
+  gate allows it; greedy outputs are plain decoding's throughout. Compiling in the
+  background, switch-off's executable was queued once the batch speculated."""
+  params, dparams = tiny
+  # budgets of 24, 24, 10, 6 tokens: the batch compacts from 4 rows to 2 at some point
+  reqs = [dataclasses.replace(r, max_new_tokens=n)
+          for r, n in zip(_requests(4), (24, 24, 10, 6))]
+  sp = SamplingParams(temperature=0.0)
+  plain = _by_key(Engine(params, CFG, EngineConfig(**SMALL)).generate(reqs, sp))
+  ecfg = EngineConfig(**SMALL, spec=SpecConfig(strategy="2_1_3", bs_threshold=4, patience=1,
+                                               use_kernel=False, background_compile=background))
+  selector = CycleSelector(["2_1_3"])
+  w = Engine(params, CFG, ecfg, drafter_params=dparams, bandit=selector)
+  if background:  # what the call runs compiled before it, as a run's earlier rollouts would
+    for _ in range(2):  # (the first decodes plainly while the arms compile)
+      w.generate(reqs, sp, policies=PolicyCells(selector, ClosingGate(w, 4, 10**9)))
+      w.compiles.wait()
+    w.chunk_log.clear()
+  # switch-off compiled on the compile thread where the batch speculated, none used yet
+  ahead = [r.name for r in w.exes.records].count("switch_off")
+  assert (ahead >= 1) if background else ahead == 0
+  spec = _by_key(w.generate(reqs, sp, policies=PolicyCells(selector, ClosingGate(w, 4, 2))))
+  for key, r in plain.items():
+    np.testing.assert_array_equal(spec[key].response_ids, r.response_ids)
+  log = [(m.bucket, m.mode) for m in w.chunk_log]
+  off = log.index((4, "plain"))  # speculating from the first chunk until the bucket closed
+  assert off >= 2 and log[:off] == [(4, "2_1_3")] * off, log
+  assert (4, "2_1_3") not in log[off:], log  # plain decoding at the closed bucket...
+  assert [r.name for r in w.exes.records].count("switch_off") == max(ahead, 1)
+  if not background:  # ...and on again below it (in the background, its switch-on at 2 rows
+    # compiles meanwhile: the rest of the call decodes plainly)
+    assert any(b < 4 and mode == "2_1_3" for b, mode in log[off:]), log
+
+
 def test_history_arms_need_an_index(tiny):
   params, dparams = tiny
   with pytest.raises(ValueError, match="need a history index"):

@@ -13,7 +13,7 @@ import pytest
 
 from tlt_jax.drafter.model import drafter_cache
 from tlt_jax.models import init_cache
-from tlt_jax.rollout import speculative
+from tlt_jax.rollout import decode, speculative
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.records import Request
@@ -311,6 +311,50 @@ def test_plain_sampling_matches_target_distribution(peaked):
   sp = SAMPLING[0]
   seqs, _ = sample_joint(params, dparams, sp, speculative.Strategy.of(0))
   assert chi_square_p(seqs, exact_joint(params, sp)) > 1e-3
+
+
+def _switch_off_joint(params, dparams, sp, switch_off):
+  """N samples of the first NEW tokens: one speculative step (a 2-draft chain: 2 tokens or
+  more, the last pending), `switch_off`, then plain decoding; and how many rows took a token
+  from the plain part."""
+  b = N
+  toks = jnp.tile(jnp.asarray(PROMPT, jnp.int32), (b, 1))
+  keys = jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(b) + 7 * b)
+  run = functools.partial(speculative.prefill, cfg=PEAKED, max_steps=2)
+  state = jax.jit(run)(params, dparams, init_cache(PEAKED, b, 16, page_size=2),
+                       drafter_cache(PEAKED, b, 16, page_size=2), toks,
+                       jnp.full((b,), len(PROMPT), jnp.int32), keys,
+                       jnp.full((b,), NEW + 2, jnp.int32))
+  spec = functools.partial(speculative.spec_chunk, cfg=PEAKED, sp=sp, stop_tokens=(), chunk=1,
+                           strategy=speculative.Strategy.of(2), capture_hidden=False,
+                           use_kernel=False)
+  state, out1, _ = jax.jit(spec)(params, dparams, state)
+  base = jax.jit(switch_off)(params, state.base, state.pending, state.has_pending)
+  plain = functools.partial(decode.decode_chunk, cfg=PEAKED, sp=sp, stop_tokens=(), chunk=NEW,
+                            capture_hidden=False)
+  _, out2 = jax.jit(plain)(params, base)
+  first = [np.asarray(out1.tokens)[i][np.asarray(out1.valid)[i]] for i in range(b)]
+  rest = [np.asarray(out2.tokens)[i][np.asarray(out2.valid)[i]] for i in range(b)]
+  seqs = np.stack([np.concatenate([f, r])[:NEW] for f, r in zip(first, rest)])
+  return seqs, sum(len(f) < NEW for f in first)
+
+
+def test_sampled_switch_off_matches_target_distribution(peaked):
+  """Speculation stopped mid-call (`switch_off`: each row's pending token through the
+  target, then plain decoding from the state that leaves) samples the target's distribution:
+  most rows here emit 2 tokens in their speculative step and draw the 3rd plainly. A
+  switch-off that skips the pending token's forward samples the 3rd from the wrong
+  conditional, and the test sees it."""
+  params, dparams = peaked
+  sp = SAMPLING[0]
+  joint = exact_joint(params, sp)
+  seqs, from_plain = _switch_off_joint(params, dparams, sp, functools.partial(
+      speculative.switch_off, cfg=PEAKED))
+  assert from_plain > 0.5 * N
+  assert chi_square_p(seqs, joint) > 1e-3
+  skip = lambda params, base, pending, has_pending: base  # noqa: E731
+  seqs, _ = _switch_off_joint(params, dparams, sp, skip)
+  assert broken_p(seqs, joint) < 1e-6
 
 
 def test_broken_acceptance_rule_is_detected(peaked):

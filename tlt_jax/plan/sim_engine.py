@@ -201,6 +201,10 @@ class SimCompilePlan(CompilePlan):
         self._queue(exe_key("switch_on", b, self.ecfg.cache_len))
         self._due[key] = self._queue(self._spec_key(call, sp, arm, whole, self.ecfg.cache_len))
 
+  def switch_off_ahead(self, call: PlanCall, state) -> None:
+    if self.ecfg.spec.background_compile and self._compiler is not None:
+      self._queue(exe_key("switch_off", state.batch_size))
+
   def prefill_ready(self, call: PlanCall, requests, bucket: int, base_key) -> bool:
     if not self.ecfg.spec.background_compile or self._compiler is None:
       return True
@@ -341,6 +345,18 @@ class SimEngine(Engine):
       if row is not None:  # speculative step, beside the step's own
         row.pending = 1
     return SimState(list(state.rows), True), True
+
+  def _switch_off(self, state, c):
+    # one plain step over the whole cache feeds each row's pending token (already counted
+    # here as the next speculative step's: it comes out of the next plain step instead)
+    b = state.batch_size
+    self._compile(exe_key("switch_off", b))
+    self._spend("switch_on", self._seconds(cost.forward(self.cfg, b, 1, self.ecfg.cache_len,
+                                                        tp=self.tp)))
+    for row in state.rows:
+      if row is not None:
+        row.pending = 0
+    return SimState(list(state.rows), False)
 
   def _decode(self, state, c, arm: Strategy | None, kv_len: int):
     ecfg, b, n = self.ecfg, state.batch_size, self.ecfg.chunk_size

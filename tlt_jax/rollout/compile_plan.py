@@ -67,6 +67,7 @@ class CompilePlan:
     self._submitted: dict[SamplingParams, set[tuple[int, str]]] = {}  # handed to the thread
     self._switch_submitted: set[tuple[int, int]] = set()  # (bucket, length) queued switch-ons
     self._window_submitted: set[tuple[int, str, int]] = set()  # (bucket, arm, kv_len) queued
+    self._off_ahead: set[int] = set()  # batch sizes whose switch-off is compiled or queued
     self._queued: set[ExecKey] = set()  # capturing plain chunks, warm prefills queued
     self._needs: dict[tuple[int, str, int], int] = {}  # (bucket, arm, kv_len) -> chunks needing it
     self.rollouts = 0  # generate calls of the engine (`_window_pays`'s time base)
@@ -107,6 +108,18 @@ class CompilePlan:
     with self._lock:
       done = self._ready.get(sp, set())
       return [a for a in arms if (bucket, a) in done]
+
+  def compacts_to(self, call: PlanCall, sp: SamplingParams, bucket: int) -> bool:
+    """Whether a speculating batch may compact to `bucket`: the gate allows speculation there
+    and one of the arms wanted there is compiled (without background compilation: always).
+    Its chunks there choose among the compiled ones (the engine's `compiled_arms`); the
+    rest compile in the background meanwhile."""
+    gate = call.gate
+    if gate is not None and not gate.allows(call.worker_id, bucket):
+      return False
+    if not self.ecfg.spec.background_compile:
+      return True
+    return bool(self.compiled_arms(sp, bucket, self._wanted_pairs(call).get(bucket, ())))
 
   def ready(self, call: PlanCall, sp: SamplingParams, bucket: int) -> bool:
     """Whether speculation may run at `bucket` now: the gate allows it and every arm wanted
@@ -253,6 +266,29 @@ class CompilePlan:
     compiling ahead). It donates the state and the drafter's pools."""
     return self.exes.get("switch_on", None, self._switch_on_fn(call),
                          self._switch_on_args(call, base, length, dpool), donate=(2, 3))
+
+  def switch_off(self, call: PlanCall, state):
+    """The executable that turns a speculating batch back into a plainly decoded one
+    (speculative.switch_off; compiled where a batch first stops, which is rare: the gate
+    closed its bucket mid-call). It donates the target's state; the caller keeps the
+    drafter's pools."""
+    from tlt_jax.rollout import speculative
+    return self.exes.get("switch_off", None,
+                         functools.partial(speculative.switch_off, cfg=self.cfg),
+                         (call.params, state.base, state.pending, state.has_pending),
+                         donate=(1,))
+
+  def switch_off_ahead(self, call: PlanCall, state) -> None:
+    """Queues switch-off's executable at a speculating batch's bucket on the compile thread
+    (background compilation only; once per shape): a batch whose bucket the gate closes
+    later (a probe there that declines) stops speculating without a compile in its time."""
+    if state.batch_size in self._off_ahead:  # (a key over the weights' tree: not per chunk)
+      return
+    self._off_ahead.add(state.batch_size)
+    key = ExecKey.of("switch_off", None, (call.params, state.base, state.pending,
+                                          state.has_pending))
+    shapes = self._abstract(state)
+    self._have(key, lambda: self.switch_off(call, shapes))
 
   def switch_length(self, call: PlanCall, state, need: int) -> int | None:
     """The length switch-on runs at now, for rows of up to `need` tokens: the shortest of

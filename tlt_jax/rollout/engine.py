@@ -262,9 +262,16 @@ class Engine(Replica):
     ecfg, sched, gate = self.ecfg, c.sched, c.gate
     if c.hooks.before_chunk:
       c.hooks.before_chunk()
+    if started and gate is not None and state is not None and not gate.allows(
+        self.worker_id, state.batch_size):
+      # the gate closed this bucket since the batch switched on (a probe here declined, or
+      # probation moved on): it decodes plainly again, compacting as its rows finish, and
+      # switches on again where the gate allows (a losing arm never runs out the call)
+      state, started = self._switch_off(state, c), False
     # a speculating batch compacts only to buckets where it can go on speculating without a
-    # compile nobody paid for: the gate's funded arms, compiled (in the background: ready)
-    sched.compacts_to = functools.partial(self.compiles.ready, c.plan, c.sp) if started else None
+    # compile nobody paid for: the gate allows it and one of the arms there is compiled
+    sched.compacts_to = (functools.partial(self.compiles.compacts_to, c.plan, c.sp)
+                         if started else None)
     reach = self._reach(started or sched.speculating)
     for op in sched.plan(admission(c.pages, reach)):
       # refills once speculation runs carry the drafter's prefill
@@ -287,14 +294,16 @@ class Engine(Replica):
       else:
         state, speculating = self._switch_on(state, c)
     started = started or speculating
+    if started and gate is not None:  # (its bucket may close while it speculates)
+      self.compiles.switch_off_ahead(c.plan, state)
     arm = None
     if speculating:
       # with a gate, among the arms it paid to compile here; a bucket on probation runs the
       # probed arms
       paid = gate.arms(self.worker_id, state.batch_size) if gate is not None else None
       if paid is not None:  # those compiled (in the background: no chunk waits for one);
-        # none paid (the gate closed the bucket since this call started speculating): the
-        # arms compiled there already, the compile is sunk
+        # none named (a gate that allows the bucket without funding arms there): the arms
+        # compiled there already
         paid = self.compiles.compiled_arms(c.sp, state.batch_size,
                                            paid or sorted(self.arms)) or paid
       arm = c.selector.select(len(live), arms=paid) if paid else c.selector.select(len(live))

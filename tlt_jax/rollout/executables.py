@@ -127,8 +127,8 @@ class ExecutableCache:
 
 
 # executables only speculation compiles: an arm's chunk (or a history arm's step), the
-# switch-on forward, the drafter-carrying prefill
-SPECULATIVE = ("spec", "switch_on", "prefill_spec")
+# switch-on forward (and switch-off's step), the drafter-carrying prefill
+SPECULATIVE = ("spec", "switch_on", "switch_off", "prefill_spec")
 
 
 def summary(records: list[CompileRecord]) -> dict[str, Any]:

@@ -213,6 +213,14 @@ class Replica:
     exe = self.compiles.switch_on(c.plan, state, length, dpool=dkv)
     return exe(self.params, self.drafter_params, state, dkv, tokens), True
 
+  def _switch_off(self, state, c):
+    """Speculation stops (the gate closed this batch's bucket mid-call): the SpecState ->
+    the DecodeState plain decoding would have reached (speculative.switch_off); the
+    drafter's pools go back for the next switch-on."""
+    self.kv.keep_drafter(decode.pools(state)[1])
+    exe = self.compiles.switch_off(c.plan, state)
+    return exe(self.params, state.base, state.pending, state.has_pending)
+
   def _decode(self, state, c, arm: Strategy | None, kv_len: int):
     """One chunk, and its one host sync. arm=None: plain decoding (before speculation starts:
     a DecodeState, the executables of an engine without a drafter), returning hidden states

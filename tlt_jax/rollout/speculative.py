@@ -32,7 +32,9 @@ plain decoding before speculation runs the executables of a worker without a dra
 `switch_on` turns its DecodeState into a SpecState when speculation starts: one target forward
 over each row's sequence so far recomputes the hidden states the drafter consumes (the
 target's cache, hidden state and sampling stream are untouched: the drafter only proposes).
-A strategy with steps=0 is plain decoding inside this state ("SD off" as a bandit arm).
+`switch_off` is its inverse, where the gate closes a speculating batch's bucket mid-call: the
+rows' pending tokens go through the target (one forward step), leaving the DecodeState plain
+decoding would have reached. A strategy with steps=0 is plain decoding inside this state ("SD off" as a bandit arm).
 
 External drafts (history arms, `history_step`): steps 2-3 shrink to the drafter's catch-up
 (kept, so a later drafter arm drafts from a coherent cache) and the drafts come in as arrays,
@@ -444,3 +446,20 @@ def switch_on(params: Params, dparams: Params, base: DecodeState, dpool: KVCache
   hidden = forward(params, tokens, positions, cfg=cfg, return_logits=False).hidden
   return init_spec_state(params, dparams, base, dpool, tokens, hidden, base.cache.lengths,
                          cfg=cfg, max_steps=max_steps)
+
+
+def switch_off(params: Params, base: DecodeState, pending: jax.Array, has_pending: jax.Array, *,
+               cfg: ModelConfig) -> DecodeState:
+  """Speculation stops on a speculating batch (a SpecState's `base`, `pending`,
+  `has_pending`; its drafter state is dropped, its pools kept by the caller): each live row's
+  pending token, already emitted and counted, goes through the target, one forward step as
+  plain decoding's (every row at its next slot, only those fed committed), so the row's
+  cache holds its whole text and `hidden` is the one its next token is sampled from: the
+  state plain decoding would have reached. Rows without one (prefilled into the speculative
+  state, not stepped yet) keep theirs."""
+  feed = has_pending & ~base.done
+  lengths = base.cache.lengths
+  out = forward(params, pending[:, None], lengths[:, None], cfg=cfg, cache=base.cache,
+                return_logits=False)
+  return base.replace(cache=out.cache.replace(lengths=lengths + feed),
+                      hidden=jnp.where(feed[:, None], out.hidden[:, 0], base.hidden))
