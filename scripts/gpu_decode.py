@@ -94,7 +94,7 @@ def child(args) -> int:
   from tlt_jax.drafter.model import drafter_cache, init_drafter
   from tlt_jax.models import (ModelConfig, fuse_projections, init_cache, init_params,
                               unstack_layers)
-  from tlt_jax.rollout import decode, speculative
+  from tlt_jax.rollout import decode, spec_state, speculative
   from tlt_jax.rollout.sampling import SamplingParams
   from tlt_jax.rollout.scheduler import kv_bucket
   from tlt_jax.rollout.policies.strategy import Strategy
@@ -157,7 +157,7 @@ def child(args) -> int:
         kv_len = kv_bucket(prompt_len + speculative.chunk_reach(st, iters), 16, cache_len)
         dc = rand_cache(drafter_cache(cfg, b, cache_len))
         m = st.steps + 1
-        sstate = speculative.SpecState(
+        sstate = spec_state.SpecState(
             base=state, dcache=dc.replace(lengths=dc.lengths - 1),
             pending=jnp.zeros((b,), jnp.int32), has_pending=jnp.zeros((b,), jnp.bool_),
             catch_tokens=jnp.zeros((b, m), jnp.int32),

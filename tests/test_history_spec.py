@@ -15,7 +15,7 @@ import pytest
 
 from tlt_jax.drafter.model import drafter_cache
 from tlt_jax.models import init_cache
-from tlt_jax.rollout import drafts, speculative
+from tlt_jax.rollout import drafts, spec_state, speculative
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.engine import Engine, chunk_reach
 from tlt_jax.rollout.policies.cells import PolicyCells
@@ -242,7 +242,7 @@ class ClosingGate(NotWantedGate):
 @pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
 def test_a_batch_whose_bucket_closes_stops_speculating_and_outputs_stay_plain(tiny, background):
   """The gate closes the speculating batch's bucket mid-call: the batch switches off
-  (speculative.switch_off), decodes plainly there, compacts and switches on again where the
+  (spec_state.switch_off), decodes plainly there, compacts and switches on again where the
   gate allows it; greedy outputs are plain decoding's throughout. Compiling in the
   background, switch-off's executable was queued once the batch speculated."""
   params, dparams = tiny
@@ -255,14 +255,17 @@ def test_a_batch_whose_bucket_closes_stops_speculating_and_outputs_stay_plain(ti
                                                use_kernel=False, background_compile=background))
   selector = CycleSelector(["2_1_3"])
   w = Engine(params, CFG, ecfg, drafter_params=dparams, bandit=selector)
-  if background:  # what the call runs compiled before it, as a run's earlier rollouts would
-    for _ in range(2):  # (the first decodes plainly while the arms compile)
-      w.generate(reqs, sp, policies=PolicyCells(selector, ClosingGate(w, 4, 10**9)))
-      w.compiles.wait()
-    w.chunk_log.clear()
-  # switch-off compiled on the compile thread where the batch speculated, none used yet
-  ahead = [r.name for r in w.exes.records].count("switch_off")
-  assert (ahead >= 1) if background else ahead == 0
+  switch_offs = lambda: [r.batch for r in w.exes.records if r.name == "switch_off"]  # noqa: E731
+  # what the call runs compiled before it, as a run's earlier rollouts would: the first
+  # rollouts decode plainly while the arms compile; once a batch speculated at 4 rows, the
+  # compile thread compiled switch-off there, unused
+  for _ in range(4 if background else 0):
+    w.generate(reqs, sp, policies=PolicyCells(selector, ClosingGate(w, 4, 10**9)))
+    w.compiles.wait()
+    if 4 in switch_offs():
+      break
+  w.chunk_log.clear()
+  assert (4 in switch_offs()) == background
   spec = _by_key(w.generate(reqs, sp, policies=PolicyCells(selector, ClosingGate(w, 4, 2))))
   for key, r in plain.items():
     np.testing.assert_array_equal(spec[key].response_ids, r.response_ids)
@@ -270,7 +273,7 @@ def test_a_batch_whose_bucket_closes_stops_speculating_and_outputs_stay_plain(ti
   off = log.index((4, "plain"))  # speculating from the first chunk until the bucket closed
   assert off >= 2 and log[:off] == [(4, "2_1_3")] * off, log
   assert (4, "2_1_3") not in log[off:], log  # plain decoding at the closed bucket...
-  assert [r.name for r in w.exes.records].count("switch_off") == max(ahead, 1)
+  assert switch_offs().count(4) == 1  # (compiled ahead: none in the call's time)
   if not background:  # ...and on again below it (in the background, its switch-on at 2 rows
     # compiles meanwhile: the rest of the call decodes plainly)
     assert any(b < 4 and mode == "2_1_3" for b, mode in log[off:]), log
@@ -385,7 +388,7 @@ def sample_history(params, dparams, sp, strategy, monkeypatch=None, verify=None)
   toks = jnp.tile(jnp.asarray(PROMPT, jnp.int32), (b, 1))
   lens = jnp.full((b,), len(PROMPT), jnp.int32)
   keys = jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(b))
-  run = functools.partial(speculative.prefill, cfg=PEAKED, max_steps=strategy.steps)
+  run = functools.partial(spec_state.prefill, cfg=PEAKED, max_steps=strategy.steps)
   state = jax.jit(run)(params, dparams, init_cache(PEAKED, b, 16, page_size=2),
                        drafter_cache(PEAKED, b, 16, page_size=2), toks, lens, keys,
                        jnp.full((b,), NEW, jnp.int32))

@@ -13,7 +13,7 @@ import pytest
 
 from tlt_jax.drafter.model import drafter_cache
 from tlt_jax.models import init_cache
-from tlt_jax.rollout import decode, speculative
+from tlt_jax.rollout import decode, spec_state, speculative
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.records import Request
@@ -138,7 +138,7 @@ def test_tightest_attention_window_equals_the_whole_cache(arm, temperature):
     toks[i, :len(x)] = x
   strategy, chunk = speculative.Strategy(arm), 3
   keys = jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(4))
-  state = jax.jit(functools.partial(speculative.prefill, cfg=cfg, max_steps=strategy.steps))(
+  state = jax.jit(functools.partial(spec_state.prefill, cfg=cfg, max_steps=strategy.steps))(
       params, dparams, init_cache(cfg, 4, p + 80), drafter_cache(cfg, 4, p + 80),
       jnp.asarray(toks), jnp.asarray([len(x) for x in ids], jnp.int32), keys,
       jnp.full((4,), 64, jnp.int32))
@@ -249,7 +249,7 @@ def sample_joint(params, dparams, sp, strategy, seed=0, verify=None, cache_len=1
   lens = jnp.full((b,), len(PROMPT), jnp.int32)
   keys = jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(b) + seed * b)
   max_new = jnp.full((b,), NEW, jnp.int32)
-  run = functools.partial(speculative.prefill, cfg=PEAKED, max_steps=max(strategy.steps, 1))
+  run = functools.partial(spec_state.prefill, cfg=PEAKED, max_steps=max(strategy.steps, 1))
   # pages of 2 slots: a row holds exactly cache_len slots (a tight cache stays tight)
   state = jax.jit(run)(params, dparams, init_cache(PEAKED, b, cache_len, page_size=2),
                        drafter_cache(PEAKED, b, cache_len, page_size=2), toks, lens, keys,
@@ -320,7 +320,7 @@ def _switch_off_joint(params, dparams, sp, switch_off):
   b = N
   toks = jnp.tile(jnp.asarray(PROMPT, jnp.int32), (b, 1))
   keys = jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(b) + 7 * b)
-  run = functools.partial(speculative.prefill, cfg=PEAKED, max_steps=2)
+  run = functools.partial(spec_state.prefill, cfg=PEAKED, max_steps=2)
   state = jax.jit(run)(params, dparams, init_cache(PEAKED, b, 16, page_size=2),
                        drafter_cache(PEAKED, b, 16, page_size=2), toks,
                        jnp.full((b,), len(PROMPT), jnp.int32), keys,
@@ -349,7 +349,7 @@ def test_sampled_switch_off_matches_target_distribution(peaked):
   sp = SAMPLING[0]
   joint = exact_joint(params, sp)
   seqs, from_plain = _switch_off_joint(params, dparams, sp, functools.partial(
-      speculative.switch_off, cfg=PEAKED))
+      spec_state.switch_off, cfg=PEAKED))
   assert from_plain > 0.5 * N
   assert chi_square_p(seqs, joint) > 1e-3
   skip = lambda params, base, pending, has_pending: base  # noqa: E731
@@ -491,7 +491,7 @@ def test_plain_call_of_a_worker_with_a_drafter_runs_without_it(tiny):
 def test_a_group_starting_under_the_threshold_prefills_its_prompt_once(tiny):
   """Two prompts x 2 samples, under the threshold from the start: speculation starts from a
   drafter-carrying prefill of the 2 distinct prompts expanded to the 4 rows
-  (speculative.prefill_shared). Greedy: every row equals plain decoding of its prompt alone;
+  (spec_state.prefill_shared). Greedy: every row equals plain decoding of its prompt alone;
   the drafter's cache of each row is its prompt's (the drafts keep being accepted)."""
   params, dparams = tiny
   prompts = [r.prompt_ids for r in _requests(2, seed=3)]

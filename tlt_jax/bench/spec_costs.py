@@ -60,7 +60,7 @@ def measure_costs(params, dparams, cfg, batch: int, arms, sp, *, iters: int = 20
   from tlt_jax.kernels.verify import verify_chain, verify_tree
   from tlt_jax.kernels.verify.reference import draw_tree_randomness, draw_verify_randomness
   from tlt_jax.models import compute_logits, forward, init_cache, unstack_layers
-  from tlt_jax.rollout import decode, speculative
+  from tlt_jax.rollout import decode, spec_state, speculative
   from tlt_jax.rollout.sampling import processed_logprobs
   params = jax.jit(unstack_layers)(params)  # the rollout replicas' layout
   from tlt_jax.rollout.policies.strategy import Strategy
@@ -78,7 +78,7 @@ def measure_costs(params, dparams, cfg, batch: int, arms, sp, *, iters: int = 20
         params, cache, toks, lens, keys, max_new)
   else:
     state = jax.jit(functools.partial(
-        speculative.prefill, cfg=cfg, max_steps=max([s.steps for s in strategies] + [1])))(
+        spec_state.prefill, cfg=cfg, max_steps=max([s.steps for s in strategies] + [1])))(
             params, dparams, cache, drafter_cache(cfg, b, cache_len), toks, lens, keys, max_new)
     base = state.base
 

@@ -3,8 +3,9 @@ how, and the sources that draft from what was already written.
 
 This package is the engine's mechanics: `engine.py` (one replica's `generate`, sequencing the
 rest once per chunk), `scheduler.py` (which rows to prefill, refill, compact), `pages.py` (the
-paged KV cache's allocator), `prefill.py`, `decode.py` (plain decode chunks), `speculative.py`
-and `drafts.py` (speculative chunks: the drafter's chains and trees, verification),
+paged KV cache's allocator), `prefill.py`, `decode.py` (plain decode chunks), `spec_state.py`
+(the speculative state: entering it, leaving it), `speculative.py` and `drafts.py`
+(speculative chunks: the drafter's chains and trees, verification),
 `history_chunk.py` (a history arm's host loop), `compile_plan.py`, `plan_call.py` and
 `executables.py` (what is compiled, when, and at what price), `records.py` (requests,
 results, chunk metrics), `sampling.py`, `config.py`. Its two subpackages:

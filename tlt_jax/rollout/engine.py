@@ -17,7 +17,7 @@ coordinator's for one rollout, shared by its workers) and reads back after. The 
 only what it compiles for: its bandit's config (the arms and their bucket grid).
 
 Until speculation switches on, an engine decodes with the executables of an engine without a
-drafter; at switch-on `speculative.switch_on` builds the drafter's state from the live rows'
+drafter; at switch-on `spec_state.switch_on` builds the drafter's state from the live rows'
 sequences (one target forward over them). Which speculative (bucket, arm) executables exist,
 and when they compile (first use, `precompile`, or a background thread), is the engine's
 `CompilePlan` (compile_plan.py).

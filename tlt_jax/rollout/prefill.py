@@ -72,8 +72,8 @@ def prefill_call(cfg: ModelConfig, warm: bool, max_steps: int, params, dparams, 
   """(name, variant, fn, args, donate) of a prefill (concrete or abstract args): plain, or
   warm (a SpecState: the drafter prefilled too, its catch-up room `max_steps`); one row per
   prompt, or "shared" (src: row -> its prompt, each distinct prompt prefilled once)."""
-  from tlt_jax.rollout import speculative
-  mod = speculative if warm else decode
+  from tlt_jax.rollout import spec_state
+  mod = spec_state if warm else decode
   kw = dict(cfg=cfg, max_steps=max_steps) if warm else dict(cfg=cfg)
   head = (params, dparams, cache, dkv) if warm else (params, cache)
   donate = (2, 3) if warm else (1,)

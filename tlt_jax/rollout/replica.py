@@ -215,7 +215,7 @@ class Replica:
 
   def _switch_off(self, state, c):
     """Speculation stops (the gate closed this batch's bucket mid-call): the SpecState ->
-    the DecodeState plain decoding would have reached (speculative.switch_off); the
+    the DecodeState plain decoding would have reached (spec_state.switch_off); the
     drafter's pools go back for the next switch-on."""
     self.kv.keep_drafter(decode.pools(state)[1])
     exe = self.compiles.switch_off(c.plan, state)
