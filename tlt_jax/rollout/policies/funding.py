@@ -8,7 +8,6 @@ value or the next state; the gate asks `fund` again on every prober rollout and 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
 
 from tlt_jax.rollout.policies import payoff
 from tlt_jax.rollout.policies.probe import PAYS, PROBING, measured, plain_bound, step_seconds
@@ -57,33 +56,30 @@ def carried(s, b: int) -> float:
   return max(1.0, best * t_b / t_above)
 
 
-def price(s, where: Sequence[int], arm: Strategy, every_worker: bool) -> float | None:
-  """Seconds to compile `arm` over `where`, with each bucket's one-off speculative compiles
-  where nothing is funded there yet: on every worker (what a paying bucket costs each), or
-  on the prober (a probe: what it compiled in this run already is paid for)."""
-  led, total = s.ledger, 0.0
-  for q in where:
-    arm_s = (0.0 if not every_worker and (q, arm) in led.made
-             else led.arm_cost(q, arm, s.cfg.compile_factor))
-    open_s = (0.0 if s.at[q].funded or (not every_worker and led.opened(q))
-              else led.open_cost(q))
-    if arm_s is None or open_s is None:
-      return None
-    total += arm_s + open_s
-  return total
+def price(s, b: int, arm: Strategy, every_worker: bool) -> float | None:
+  """Seconds to compile `arm` at `b`, with the bucket's one-off speculative compiles where
+  nothing is funded there yet: on every worker (what a paying bucket costs each), or on the
+  prober (a probe: what it compiled in this run already is paid for)."""
+  led = s.ledger
+  arm_s = (0.0 if not every_worker and (b, arm) in led.made
+           else led.arm_cost(b, arm, s.cfg.compile_factor))
+  open_s = (0.0 if s.at[b].funded or (not every_worker and led.opened(b))
+            else led.open_cost(b))
+  if arm_s is None or open_s is None:
+    return None
+  return arm_s + open_s
 
 
-def worth(s, where: Sequence[int], gain: float, cost: float | None) -> bool:
+def worth(s, b: int, gain: float, cost: float | None) -> bool:
+  """Whether saving `gain` of the time a rollout spends at `b` repays `cost` (payoff.py)."""
   c = s.cfg
-  return payoff.repays(sum(s.ledger.per_rollout(q) for q in where), horizon=c.horizon,
-                       rollouts=s.rollouts, payback=c.payback, gain=gain, cost=cost)
+  return payoff.repays(s.ledger.per_rollout(b), horizon=c.horizon, rollouts=s.rollouts,
+                       payback=c.payback, gain=gain, cost=cost)
 
 
-def with_funded(s, where: Sequence[int], arm: Strategy):
-  at = dict(s.at)
-  for q in where:
-    at[q] = dataclasses.replace(at[q], funded=at[q].funded | {arm})
-  return dataclasses.replace(s, at=at)
+def with_funded(s, b: int, arm: Strategy):
+  return dataclasses.replace(s, at={**s.at, b: dataclasses.replace(
+      s.at[b], funded=s.at[b].funded | {arm})})
 
 
 def fund_bucket(s, b: int):
@@ -106,18 +102,16 @@ def fund_bucket(s, b: int):
     for a in s.candidates(b):
       if a in s.at[b].funded:
         continue
-      where = [b]
-      if worth(s, where, 1.0 - 1.0 / ceiling(s, b, a), price(s, where, a, False)):
-        s = with_funded(s, where, a)
+      if worth(s, b, 1.0 - 1.0 / ceiling(s, b, a), price(s, b, a, False)):
+        s = with_funded(s, b, a)
     return s
   here = measured(r)
   base = max((here[a][0] for a in r.funded if a in here), default=carried(s, b))
   for a in sorted(s.arms_at.get(b, ()), key=lambda a: -here.get(a, (0.0,))[0]):
     if a in s.at[b].funded:
       continue
-    where = [b]
-    if worth(s, where, 1.0 - base / ceiling(s, b, a), price(s, where, a, True)):
-      s = with_funded(s, where, a)
+    if worth(s, b, 1.0 - base / ceiling(s, b, a), price(s, b, a, True)):
+      s = with_funded(s, b, a)
       if a in here:
         base = max(base, here[a][0])
   return s
