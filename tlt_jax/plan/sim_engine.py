@@ -348,7 +348,8 @@ class SimEngine(Engine):
 
   def _switch_off(self, state, c):
     # one plain step over the whole cache feeds each row's pending token (already counted
-    # here as the next speculative step's: it comes out of the next plain step instead)
+    # here as the next speculative step's: it comes out of the next plain step instead);
+    # its time is reported with switch-on's
     b = state.batch_size
     self._compile(exe_key("switch_off", b))
     self._spend("switch_on", self._seconds(cost.forward(self.cfg, b, 1, self.ecfg.cache_len,

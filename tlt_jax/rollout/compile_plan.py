@@ -1,12 +1,13 @@
 """Which speculative executables one engine has, and when they get compiled.
 
 Speculation needs one executable per (engine bucket, arm) pair and a switch-on executable per
-(bucket, sequence length) (switching.py, with switch-off's). Only the pairs the bandit can choose are wanted (`choosable_pairs`:
-the engine's batch grid intersected with the bandit's live-size grid, under the speculation
-threshold), and with a gate only those it opens to this engine now. They compile either on
-first use (a chunk then pays the compile and reports nothing to the bandit), all at once
-(`precompile`), or in a background thread (SpecConfig.background_compile: `submit` at each
-generate; a bucket speculates only once it is `ready`, so no chunk waits for a compile).
+(bucket, sequence length) (switching.py, with switch-off's). Only the pairs the bandit can
+choose are wanted (`choosable_pairs`: the engine's batch grid intersected with the bandit's
+live-size grid, under the speculation threshold), and with a gate only those it opens to this
+engine now. They compile either on first use (a chunk then pays the compile and reports
+nothing to the bandit), all at once (`precompile`), or in a background thread
+(SpecConfig.background_compile: `submit` at each generate; a bucket speculates only once it is
+`ready`, so no chunk waits for a compile).
 
 Attention windows (`kv_len`: decoding reads cache slots [0, kv_len) only) are a third grid: a
 speculative executable per (bucket, arm, window). The whole cache's window compiles with each

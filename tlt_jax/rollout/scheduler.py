@@ -22,8 +22,9 @@ while it speculates), the smallest such bucket it allows, else they stay where t
 
 Speculation switches on once the live batch has been <= bs_threshold for `patience`
 consecutive checks, and stays on for the rest of the call (the strategy selector can still
-choose "off"; the engine switches a batch off where the gate closes its bucket); speculating=True: on from the first chunk (the engine's call whose whole
-batch starts under the threshold, its executables ready).
+choose "off"; the engine switches a batch off where the gate closes its bucket);
+speculating=True: on from the first chunk (the engine's call whose whole batch starts under
+the threshold, its executables ready).
 """
 
 from __future__ import annotations

@@ -48,16 +48,18 @@ class Switching:
     return self.exes.get("switch_on", None, self._switch_on_fn(call),
                          self._switch_on_args(call, base, length, dpool), donate=(2, 3))
 
+  @staticmethod
+  def _switch_off_args(call: PlanCall, state) -> tuple:
+    return (call.params, state.base, state.pending, state.has_pending)
+
   def switch_off(self, call: PlanCall, state):
     """The executable that turns a speculating batch back into a plainly decoded one
-    (spec_state.switch_off; compiled where a batch first stops, which is rare: the gate
-    closed its bucket mid-call). It donates the target's state; the caller keeps the
-    drafter's pools."""
+    (spec_state.switch_off; state may be abstract: `switch_off_ahead` compiles it on the
+    compile thread). It donates the target's state; the caller keeps the drafter's pools."""
     from tlt_jax.rollout import spec_state
     return self.exes.get("switch_off", None,
                          functools.partial(spec_state.switch_off, cfg=self.cfg),
-                         (call.params, state.base, state.pending, state.has_pending),
-                         donate=(1,))
+                         self._switch_off_args(call, state), donate=(1,))
 
   def switch_off_ahead(self, call: PlanCall, state) -> None:
     """Queues switch-off's executable at a speculating batch's bucket on the compile thread
@@ -66,8 +68,7 @@ class Switching:
     if state.batch_size in self._off_ahead:  # (a key over the weights' tree: not per chunk)
       return
     self._off_ahead.add(state.batch_size)
-    key = ExecKey.of("switch_off", None, (call.params, state.base, state.pending,
-                                          state.has_pending))
+    key = ExecKey.of("switch_off", None, self._switch_off_args(call, state))
     shapes = self._abstract(state)
     self._have(key, lambda: self.switch_off(call, shapes))
 
