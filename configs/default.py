@@ -48,6 +48,12 @@ def get_config():
   c.model.dtype = "float32"
   c.model.param_dtype = "float32"
   c.model.remat = False  # rematerialise each layer in the backward pass (long sequences)
+  # what it keeps: "full" (each layer's input only: the least memory, the backward recomputes
+  # the forward) or "dots" (every projection's output too: no matmul recomputed)
+  c.model.remat_policy = "full"
+  # the learner's attention over packed rows: "auto" (a fused flash-attention kernel on a GPU
+  # in bf16/fp16, XLA's reference elsewhere; the run logs which and why), "fused", "xla"
+  c.model.attention = "auto"
   # a shipped architecture (tlt_jax/assets/architectures/) for scripts/plan_memory.py when
   # model.path is not on this machine: "qwen2.5-7b", "qwen3-8b", "qwen2.5-32b", "llama-3.3-70b"
   c.model.architecture = ""

@@ -22,6 +22,7 @@ def get_config():
   c.workdir = "workdirs/llama3_3_70b_math"
   c.model.path = "/path/to/Llama-3.3-70B-Instruct"  # --config.model.path=...
   c.model.architecture = "llama-3.3-70b"
+  c.model.remat_policy = "full"  # 17k tokens per device: "dots" would not fit (plan_memory)
   c.rollout.num_workers = 8  # 64 GPUs / tensor_parallel 8
   c.rollout.tensor_parallel = 8
   c.rollout.max_batch = 0  # sized from memory

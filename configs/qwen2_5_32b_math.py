@@ -23,6 +23,7 @@ def get_config():
   c.workdir = "workdirs/qwen2_5_32b_math"
   c.model.path = "/path/to/Qwen2.5-32B-Instruct"  # --config.model.path=...
   c.model.architecture = "qwen2.5-32b"
+  c.model.remat_policy = "full"  # 17k tokens per device: "dots" would not fit (plan_memory)
   c.rollout.num_workers = 8  # 32 GPUs / tensor_parallel 4
   c.rollout.tensor_parallel = 4
   c.rollout.max_batch = 0  # sized from memory

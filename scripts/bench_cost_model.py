@@ -86,7 +86,7 @@ def main() -> int:
     from tlt_jax.plan.workload import lengths
     rcfg = load_config_file(a.config)
     ls, state, mcfg, prompts = learner_setup(rcfg)
-    learner, state = learner_profile(ls, state, mcfg, hw, remat=bool(rcfg.model.remat))
+    learner, state = learner_profile(ls, state, mcfg, hw)
     learner_rows = validate_learner(
         ls, state, mcfg, hw, learner, lengths(a.learner_lengths), prompts,
         max_new_tokens=rcfg.rollout.max_new_tokens,

@@ -19,6 +19,8 @@
 #                 model's function, so the real acceptance)
 #   bench_regime  SD vs plain on it, batch 1 and 8, greedy (outputs == plain, bf16) and sampled
 #                 (scripts/bench_regime.py)
+#   learner       a packed RL step's log-prob pass and update on it, the fused attention vs
+#                 XLA's: seconds, parity, the simulator's prediction (scripts/gpu_learner.py)
 #   kernel_bench  the verification kernels (Mosaic GPU, Triton) vs the XLA reference
 #                 (scripts/bench_verify.py)
 #   cost_model    the cost model fitted on the bench target, its predictions of the plain and
@@ -68,8 +70,10 @@ if [ $SMOKE = 1 ]; then
   E2E_EXTRA="--config.eval.num_prompts=16 --config.grpo.num_prompts=4 --config.grpo.n=4
     --config.grpo.micro_batch=16 --config.rollout.max_new_tokens=96 --config.cpu_devices=1
     --config.reward.num_workers=1"
+  LEARNER_ARGS="--dtype float32 --max_len 64 --tokens 256 --samples 12 --steps 1"
   # env decode bench_model rl_steps bench_regime kernel_bench cost_model kernels speculative
-  LIMIT=(30 240 120 300 300 120 240 240 240)
+  # learner
+  LIMIT=(30 240 120 300 300 120 240 240 240 240)
   KERNEL_TESTS="-k lower_to or chain_kernel_matches_reference"
   KBENCH_ARGS="--batches 1 --ks 4 --vocab 256 --iters 2"
   SPEC_TESTS="-k strategy_validation"
@@ -80,7 +84,7 @@ else
       --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site:$PWD
   fi
-  DECODE_ARGS="--dtype bfloat16 --budget_s 155"
+  DECODE_ARGS="--dtype bfloat16 --budget_s 140"
   # ~1.2B params in 6 layers (hidden 4096, head_dim 32 kept, MLP 11008): weight-bandwidth-bound
   # like the 24-layer 1.13B target, a quarter of its compile per executable (the RL steps
   # compile dozens)
@@ -94,8 +98,13 @@ else
   E2E_EXTRA="--config.grpo.num_prompts=8 --config.grpo.n=4 --config.grpo.micro_batch=8
     --config.eval.num_prompts=32 --config.rollout.max_batch=32
     --config.rollout.buckets=1,2,4,8,16,32"
+  # one length bucket of 512 (the bench target's positions), 16 rows a micro-batch; the xla
+  # variant only if the fused one is done within 20 s
+  LEARNER_ARGS="--dtype bfloat16 --max_len 512 --tokens 8192 --samples 96 --steps 2
+    --budget_s 20"
   # env decode bench_model rl_steps bench_regime kernel_bench cost_model kernels speculative
-  LIMIT=(10 165 40 140 75 25 50 15 20)  # 540 s: 9 minutes
+  # learner
+  LIMIT=(10 150 40 125 65 25 50 15 20 40)  # 540 s: 9 minutes
   KERNEL_TESTS="-k lower_to or chain_kernel_matches_reference"
   KBENCH_ARGS="--batches 1,8,64 --ks 4 --iters 20"
   SPEC_TESTS="-k kernel_equals_reference or t1_3"
@@ -163,6 +172,9 @@ stage rl_steps "${LIMIT[3]}" all bash -c "for mode in on off; do
 # shellcheck disable=SC2086
 stage bench_regime "${LIMIT[4]}" md "$PY" scripts/bench_regime.py --bench "$BENCH" \
   --skip_regime --skip_hf --out "$OUT/bench_regime" $REGIME_ARGS
+# shellcheck disable=SC2086
+stage learner "${LIMIT[9]}" md "$PY" scripts/gpu_learner.py --target "$BENCH" \
+  --out "$OUT/learner" $LEARNER_ARGS
 # shellcheck disable=SC2086
 stage kernel_bench "${LIMIT[5]}" md "$PY" scripts/bench_verify.py $KBENCH_ARGS
 # shellcheck disable=SC2086

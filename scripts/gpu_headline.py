@@ -137,8 +137,19 @@ def rows(out: str) -> list[tuple[str, str, str]]:
                   f"(predicted / measured {r['predicted'] / r['measured']:.2f})", "cost_model"))
   else:
     res.append(("cost model predicted / measured", "not measured", "cost_model"))
-  res.append(("learner step (packed update)", "not measured: no learner stage yet (issue #50)",
-              "-"))
+  lr = [r for r in _load(os.path.join(out, "learner", "learner.json")) or []
+        if "skipped" not in r]
+  for r in lr:
+    pred = (f"; predicted {r['predicted_update_s']:.3f} s (predicted / measured "
+            f"{r['predicted_update_s'] / r['update_s']:.2f})" if "predicted_update_s" in r
+            else "")
+    parity = (f"; old log-probs vs the other attention: max |diff| {r['parity_max_abs']:.1e}"
+              if "parity_max_abs" in r else "")
+    res.append((f"learner step (packed update), attention {r['attention']}",
+                f"update {r['update_s']:.3f} s, log-probs {r['logprobs_s']:.3f} s{pred}{parity}",
+                "learner"))
+  if not lr:
+    res.append(("learner step (packed update)", "not measured", "learner"))
   return res
 
 

@@ -23,7 +23,7 @@ from tlt_jax.drafter import (DrafterLoadError, LossConfig, accept_lengths, chain
                              load_drafter, loss_terms, save_drafter)
 from tlt_jax.drafter.loss import chain_window_mask
 from tlt_jax.models import ModelConfig, compute_logits, forward, init_params, param_shapes
-from tlt_jax.models.transformer import segment_causal_mask
+from tlt_jax.models.attention import segment_causal_mask
 from tlt_jax.optim import make_optimizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -22,8 +22,8 @@ def test_gpu_check_smoke_writes_a_complete_report(tmp_path):
                   str(tmp_path)], check=True, env=env, timeout=1500, capture_output=True)
   report = (tmp_path / "report.md").read_text()
   stages = re.findall(r"^## (\w+)$", report, re.M)
-  assert stages == ["env", "decode", "bench_model", "rl_steps", "bench_regime", "kernel_bench",
-                    "cost_model", "kernels", "speculative"], report
+  assert stages == ["env", "decode", "bench_model", "rl_steps", "bench_regime", "learner",
+                    "kernel_bench", "cost_model", "kernels", "speculative"], report
   assert re.findall(r"^exit (\d+) after", report, re.M) == ["0"] * len(stages), report
   # the headline table opens the report, every figure filled in but the learner's
   head = report.split("## env")[0]
@@ -65,6 +65,12 @@ def test_gpu_check_smoke_writes_a_complete_report(tmp_path):
   rl = report.split("## rl_steps")[1].split("## bench_regime")[0]
   assert "TLT on: exit 0" in rl and "TLT off: exit 0" in rl, rl
   assert re.search(r"^\| rollout \| [\d.]+ \| [\d.]+ \|$", rl, re.M), rl
+  # the learner stage: a packed step with the fused kernel (interpreted here) and with XLA's
+  # attention, equal old log-probs, both in the headline
+  learner = json.load(open(tmp_path / "learner" / "learner.json"))
+  assert [r["attention"] for r in learner] == ["fused", "xla"], learner
+  assert all(r["update_s"] > 0 and r["parity_max_abs"] < 1e-3 for r in learner), learner
+  assert "learner step (packed update), attention fused" in report
   # the regime stage (scripts/bench_regime.py on the smoke target): every table printed, greedy
   # speculative outputs equal plain decoding's, the summary's time split adds up
   regime = (tmp_path / "bench_regime.log").read_text()

@@ -1,6 +1,7 @@
 """GRPO math against a float64 numpy reference, and learning on a toy reward."""
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -97,17 +98,21 @@ def test_microbatched_loss_matches_float64_reference(setup, kl_coef, temperature
   old, new, ref, samples = setup
   gcfg = grpo.GRPOConfig(eps_low=0.2, eps_high=0.28, kl_coef=kl_coef, temperature=temperature,
                          logit_chunk=8)  # chunked LM head with a ragged last chunk
+  rng = np.random.RandomState(1)  # short samples too: they outlast the long rows' gaps
+  samples = samples + [grpo.Sample(rng.randint(1, 23, 3), rng.randint(1, 23, rng.randint(1, 9)),
+                                   float(rng.randn())) for _ in range(12)]
   want, want_ent, want_kl = _np_grpo_loss(new, old, ref, samples, gcfg)
-  mbs = list(grpo.micro_batches(samples, rows=4, pad_multiple=16, max_len=64))
-  assert len({mb.tokens.shape[1] for mb in mbs}) > 1  # differently padded micro-batches
+  mbs = list(grpo.micro_batches(samples, rows=2, pad_multiple=16, max_len=64))
+  assert len({mb.tokens.shape[1] for mb in mbs}) > 1  # micro-batches of several lengths
+  assert max(mb.segment_ids.max() for mb in mbs) >= 3  # rows packed with several samples
   num_tokens = jnp.float32(sum(mb.loss_mask.sum() for mb in mbs))
   total = ent = kl = clip = 0.0
   lp_fn = jax.jit(functools.partial(grpo.token_logprobs, cfg=CFG, temperature=temperature,
                                     chunk=8))
   for mb in mbs:
-    tokens = jnp.asarray(mb.tokens)
-    dev = grpo.Batch(tokens, jnp.asarray(mb.loss_mask), jnp.asarray(mb.advantages),
-                     lp_fn(old, tokens)[0], lp_fn(ref, tokens)[0])
+    packed = (jnp.asarray(mb.tokens), jnp.asarray(mb.positions), jnp.asarray(mb.segment_ids))
+    dev = grpo.Batch(*packed, jnp.asarray(mb.loss_mask), jnp.asarray(mb.advantages),
+                     lp_fn(old, *packed)[0], lp_fn(ref, *packed)[0])
     loss, m = grpo.grpo_loss(new, dev, cfg=CFG, gcfg=gcfg, num_tokens=num_tokens)
     total += float(loss)
     ent += float(m["entropy"])
@@ -122,19 +127,27 @@ def test_microbatched_loss_matches_float64_reference(setup, kl_coef, temperature
 
 def test_ratio_is_one_on_policy_and_gradient_is_policy_gradient(setup):
   """With old == new the loss is -mean(A) and its gradient is -mean(A * grad log p): the
-  REINFORCE estimator with group baselines (checked against jax.grad of that expression)."""
+  REINFORCE estimator with group baselines (checked against jax.grad of that expression,
+  summed over the samples each run alone, unpacked)."""
   old, _, _, samples = setup
   gcfg = grpo.GRPOConfig()
-  mb = next(grpo.micro_batches(samples, rows=len(samples), pad_multiple=8, max_len=64))
-  tokens = jnp.asarray(mb.tokens)
-  dev = grpo.Batch(tokens, jnp.asarray(mb.loss_mask), jnp.asarray(mb.advantages),
-                   grpo.token_logprobs(old, tokens, cfg=CFG, temperature=1.0)[0])
-  n = dev.loss_mask.sum()
-  g_loss = jax.grad(lambda p: grpo.grpo_loss(p, dev, cfg=CFG, gcfg=gcfg, num_tokens=n)[0])(old)
+  mbs = list(grpo.micro_batches(samples, rows=2, pad_multiple=64, max_len=64))
+  n = jnp.float32(sum(float(mb.loss_mask.sum()) for mb in mbs))
+  g_loss = None
+  for mb in mbs:
+    packed = (jnp.asarray(mb.tokens), jnp.asarray(mb.positions), jnp.asarray(mb.segment_ids))
+    dev = grpo.Batch(*packed, jnp.asarray(mb.loss_mask), jnp.asarray(mb.advantages),
+                     grpo.token_logprobs(old, *packed, cfg=CFG, temperature=1.0)[0])
+    g = jax.grad(lambda p: grpo.grpo_loss(p, dev, cfg=CFG, gcfg=gcfg, num_tokens=n)[0])(old)
+    g_loss = g if g_loss is None else jax.tree.map(jnp.add, g_loss, g)
 
   def reinforce(p):
-    lp = grpo.token_logprobs(p, dev.tokens, cfg=CFG, temperature=1.0)[0]
-    return -jnp.sum(dev.advantages[:, None] * lp * dev.loss_mask) / n
+    total = 0.0
+    for s in samples:
+      seq = jnp.asarray(np.concatenate([s.prompt_ids, s.response_ids]))[None]
+      lp = grpo.token_logprobs(p, seq, cfg=CFG, temperature=1.0)[0][0, len(s.prompt_ids):]
+      total = total - s.advantage * jnp.sum(lp)
+    return total / n
 
   g_ref = jax.grad(reinforce)(old)
   for a, b in zip(jax.tree.leaves(g_loss), jax.tree.leaves(g_ref)):
@@ -143,23 +156,34 @@ def test_ratio_is_one_on_policy_and_gradient_is_policy_gradient(setup):
 
 def test_micro_batches_layout():
   samples = [grpo.Sample(np.array([5, 6]), np.array([7] * k), float(k)) for k in (9, 1, 4)]
+  # lengths 11, 3, 6; 2 rows of the 11-token sample's bucket 16: first-fit longest first puts
+  # the 6 beside nothing it fits with (11 + 6 > 16) and the 3 beside the 11
   mbs = list(grpo.micro_batches(samples, rows=2, pad_multiple=4, max_len=64))
-  # longest rows grouped together; shortest micro-batch first; padding rows have index -1
-  assert [list(mb.index) for mb in mbs] == [[1, -1], [0, 2]]
-  # length buckets 4 x 2^k: the 11-token row pads to 16, the 3-token one to 4
-  assert mbs[0].tokens.shape == (2, 4) and mbs[1].tokens.shape == (2, 16)
-  np.testing.assert_array_equal(mbs[1].tokens[0, :11], [5, 6] + [7] * 9)
-  np.testing.assert_array_equal(mbs[1].loss_mask[0], [0, 0] + [1] * 9 + [0] * 5)
-  assert mbs[0].loss_mask[1].sum() == 0 and mbs[1].advantages[0] == 9.0
-  # capped at max_len (rounded up to the multiple): with max_len 12 the 11-token row pads to 12
+  assert len(mbs) == 1 and mbs[0].tokens.shape == (2, 16)
+  mb = mbs[0]
+  np.testing.assert_array_equal(mb.tokens[0, :14], [5, 6] + [7] * 9 + [5, 6, 7])
+  np.testing.assert_array_equal(mb.positions[0, :14], list(range(11)) + [0, 1, 2])
+  np.testing.assert_array_equal(mb.segment_ids[0], [1] * 11 + [2] * 3 + [0] * 2)
+  np.testing.assert_array_equal(mb.loss_mask[0], [0, 0] + [1] * 9 + [0, 0, 1] + [0] * 2)
+  np.testing.assert_array_equal(mb.advantages[0, :14], [9.0] * 11 + [1.0] * 3)
+  np.testing.assert_array_equal(mb.index[0], [0] * 11 + [1] * 3 + [-1] * 2)
+  np.testing.assert_array_equal(mb.index[1], [2] * 6 + [-1] * 10)
+  assert mb.segment_ids[1].max() == 1 and mb.advantages[1, 6:].sum() == 0
+  # capped at max_len (rounded up to the multiple): with max_len 12 rows are 12 long, and the
+  # 3 no longer fits beside the 11; it goes beside the 6
   capped = list(grpo.micro_batches(samples, rows=2, pad_multiple=4, max_len=12))
-  assert capped[1].tokens.shape == (2, 12)
-  # token budget 32: 2 rows at T=16 (lengths 11, 6), 8 rows at T=4 (multiples of 2)
-  many = samples + [grpo.Sample(np.array([5]), np.array([7]), 0.0) for _ in range(5)]
+  assert [mb.tokens.shape for mb in capped] == [(2, 12)]
+  np.testing.assert_array_equal(capped[0].index[1, :9], [2] * 6 + [1] * 3)
+  # token budget 32: 2 rows at T=16 hold all but one 2-token sample (11+3+2, 6+2x5), which gets
+  # its own micro-batch of 8 rows at T=4 (a multiple of row_multiple 2), shortest first
+  many = samples + [grpo.Sample(np.array([5]), np.array([7]), 0.0) for _ in range(7)]
   mbs = list(grpo.micro_batches(many, rows=0, pad_multiple=4, max_len=64, max_tokens=32,
                                 row_multiple=2))
   assert [mb.tokens.shape for mb in mbs] == [(8, 4), (2, 16)]
-  assert sorted(i for mb in mbs for i in mb.index if i >= 0) == list(range(8))
+  held = [i for mb in mbs for i in np.unique(mb.index) if i >= 0]
+  assert sorted(held) == list(range(10)) and len(np.unique(mbs[0].index)) == 2
+  with pytest.raises(ValueError, match="longer than max_len"):
+    grpo.micro_layout([13], 2, 4, 12)
 
 
 def test_grpo_raises_a_toy_reward_on_a_sharded_learner():
@@ -234,7 +258,10 @@ def test_learner_compiles_each_micro_batch_shape_once(fsdp):
   """Over several RL steps of two mini-batches each, every micro-batch shape's old-log-prob
   pass and gradient step compile once: not again for the first micro-batch of a mini-batch
   (its metric sums came in uncommitted) nor after the first optimizer step (the params came
-  out of it in another layout than init_learner put them in). Counted by JAX's own cache."""
+  out of it in another layout than init_learner put them in), nor for the first mini-batch's
+  on-policy micro-batches (no old log-probs computed). Counted by JAX's own log of what it
+  compiles ("Compiling jit(...)": once per XLA compile, whatever the persistent cache holds;
+  its per-call dispatch cache may key one executable twice where two layouts are the same)."""
   mesh = make_mesh({"data": 1, "fsdp": fsdp, "tensor": 1}, devices=jax.devices()[:fsdp])
   tx = make_optimizer(1e-3, weight_decay=0.0, grad_clip=1.0)
   spec = grpo.LearnerSpec(CFG, grpo.GRPOConfig(), tx, mesh, micro_batch=8, pad_multiple=8,
@@ -242,15 +269,132 @@ def test_learner_compiles_each_micro_batch_shape_once(fsdp):
   state = grpo.init_learner(init_params(CFG, jax.random.key(3), std=0.05), spec)
   rng = np.random.RandomState(0)
   shapes = set()
-  caches = (grpo._accumulate, grpo.logprobs)
-  start = [f._cache_size() for f in caches]
-  for step in range(3):
-    # short and long samples: micro-batches of 8 x 8 and 2 x 32 tokens (8 x 32 over 8 devices:
-    # rows come in multiples of them), in both positions
-    samples = [grpo.Sample(rng.randint(1, 23, 3), rng.randint(1, 23, n), float(rng.randn()))
-               for n in rng.choice([3, 20], 24)]
-    batches = grpo.minibatches(samples, spec, num_minibatches=2, seed=step)
-    shapes |= {mb.tokens.shape for group in batches for mb in group}
-    state, _ = grpo.update(state, grpo.prepare(state, batches, spec), spec)
+  compiled = []
+
+  class Log(logging.Handler):
+    def emit(self, record):
+      compiled.extend(n for n in ("_accumulate", "logprobs")
+                      if record.getMessage().startswith(f"Compiling jit({n})"))
+
+  handler = Log(level=logging.DEBUG)
+  logger = logging.getLogger("jax")
+  logger.addHandler(handler)
+  level = logger.level
+  logger.setLevel(logging.DEBUG)
+  try:
+    with jax.log_compiles():
+      for step in range(3):
+        # short and long samples (6 and 29 tokens: a short one fits no long row's gap):
+        # micro-batches of 8 x 8 and 2 x 32 tokens (8 x 32 over 8 devices: rows come in
+        # multiples of them), in both positions
+        samples = [grpo.Sample(rng.randint(1, 23, 3), rng.randint(1, 23, n),
+                               float(rng.randn())) for n in rng.choice([3, 26], 24)]
+        batches = grpo.minibatches(samples, spec, num_minibatches=2, seed=step)
+        shapes |= {mb.tokens.shape for group in batches for mb in group}
+        state, _ = grpo.update(state, grpo.prepare(state, batches, spec), spec)
+  finally:
+    logger.removeHandler(handler)
+    logger.setLevel(level)
   assert shapes == {(8, 8), (max(2, fsdp), 32)}
-  assert [f._cache_size() - s for f, s in zip(caches, start)] == [len(shapes)] * 2
+  assert sorted(compiled) == sorted(["_accumulate", "logprobs"] * len(shapes)), compiled
+
+
+@pytest.mark.parametrize("fsdp,attention", [(1, "xla"), (8, "xla"), (8, "fused")])
+def test_packed_learner_equals_each_sample_run_alone(setup, fsdp, attention):
+  """The learner's packed micro-batches (several samples per row, on 1 or 8 devices; XLA's
+  masked attention or the Pallas flash-attention kernel, interpreted here, per shard): every
+  response token's old log-prob, and the loss and gradient of the mini-batch, equal those of
+  each sample run alone in a row of its own (no packing, plain causal attention:
+  grpo.token_logprobs without segments), summed; off policy (a later mini-batch) and on
+  policy (the first: old log-probs not computed)."""
+  import dataclasses
+  params, new, _, samples = setup
+  rng = np.random.RandomState(2)
+  samples = samples + [grpo.Sample(rng.randint(1, 23, 3), rng.randint(1, 23, rng.randint(1, 9)),
+                                   float(rng.randn())) for _ in range(9)]
+  cfg = dataclasses.replace(CFG, attention=attention)
+  mesh = make_mesh({"data": 1, "fsdp": fsdp, "tensor": 1}, devices=jax.devices()[:fsdp])
+  tx = make_optimizer(1e-3, weight_decay=0.0, grad_clip=0.0)
+  spec = grpo.LearnerSpec(cfg, grpo.GRPOConfig(eps_low=0.2, eps_high=0.28), tx, mesh,
+                          micro_batch=8, pad_multiple=16, max_len=64, micro_batch_tokens=256)
+  state = grpo.init_learner(params, spec)
+  group = list(grpo.micro_batches(samples, spec.micro_batch, spec.pad_multiple, spec.max_len,
+                                  spec.micro_batch_tokens, spec.row_multiple))
+  assert max(mb.segment_ids.max() for mb in group) >= 3
+  assert len(group) > 1 or fsdp > 1  # accumulated over micro-batches (8 x 64 holds them all)
+  # the same micro-batches as a step's first mini-batch (on policy: no old log-probs
+  # computed) and as a later one (computed)
+  first, prepared = grpo.prepare(state, [group, group], spec)
+  assert all(bool(b.on_policy) for b in first) and not any(bool(b.on_policy) for b in prepared)
+  n = sum(float(mb.loss_mask.sum()) for mb in group)
+
+  # each sample alone in a row of its own, right-padded (harmless under the causal mask)
+  rows = np.zeros((len(samples), 64), np.int32)
+  resp = np.zeros((len(samples), 64), np.float32)
+  for i, s in enumerate(samples):
+    k, n_s = len(s.prompt_ids), s.length
+    rows[i, :n_s] = np.concatenate([s.prompt_ids, s.response_ids])
+    resp[i, k:n_s] = 1.0
+  alone = jax.jit(lambda p: grpo.token_logprobs(p, jnp.asarray(rows), cfg=CFG,
+                                                temperature=1.0)[0])
+  old = np.asarray(alone(params))
+  for mb, dev in zip(group, prepared):
+    got = np.asarray(dev.old_logp)
+    for r, t in zip(*np.nonzero(mb.loss_mask)):
+      np.testing.assert_allclose(got[r, t], old[mb.index[r, t], mb.positions[r, t]],
+                                 rtol=1e-5, atol=1e-5)
+
+  gcfg = spec.gcfg
+  adv = np.asarray([s.advantage for s in samples], np.float32)[:, None]
+
+  def reference_loss(p):  # the clipped objective of every response token, sample by sample
+    ratio = jnp.exp(alone(p) - old)
+    pg = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - gcfg.eps_low, 1 + gcfg.eps_high))
+    return jnp.sum(pg * resp) / n
+
+  # the learner's gradient at `new` (ratios away from 1, clipping on both sides)
+  state = state.replace(params=jax.device_put(new, jax.tree.map(lambda x: x.sharding,
+                                                                state.params)))
+  zeros = functools.partial(grpo._zero_grads, spec=spec)
+  step = functools.partial(grpo._accumulate, spec=spec)
+  metrics = ("pg_loss", "entropy", "clip_frac", "approx_kl_old", "loss")
+  acc = (zeros(state.params), {k: jax.device_put(jnp.zeros(()), grpo.replicated(mesh))
+                               for k in metrics})
+  for dev in prepared:
+    acc = step(state.params, acc, dev, jnp.float32(n))
+  want_loss, want = jax.value_and_grad(reference_loss)(new)
+  np.testing.assert_allclose(float(acc[1]["loss"]), float(want_loss), rtol=1e-5, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(acc[0]), jax.tree.leaves(want)):  # float32 sums' rounding
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3,
+                               atol=1e-4 * float(jnp.max(jnp.abs(b))))
+  # on policy (the first mini-batch, at the old params): the loss's own log-probs as the old
+  # ones give the reference's loss and gradient there too
+  at_old = jax.device_put(params, jax.tree.map(lambda x: x.sharding, state.params))
+  acc = (zeros(at_old), {k: jax.device_put(jnp.zeros(()), grpo.replicated(mesh))
+                         for k in metrics})
+  for dev in first:
+    acc = step(at_old, acc, dev, jnp.float32(n))
+  want_loss, want = jax.value_and_grad(reference_loss)(params)
+  np.testing.assert_allclose(float(acc[1]["loss"]), float(want_loss), rtol=1e-5, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(acc[0]), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3,
+                               atol=1e-4 * float(jnp.max(jnp.abs(b))))
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.05])
+def test_the_reference_forward_runs_only_with_a_kl_term(kl_coef):
+  """kl_coef == 0 (the DAPO / Dr. GRPO setting): no reference params kept and no reference
+  log-probs computed; > 0: both, equal to the initial policy's log-probs."""
+  mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+  spec = grpo.LearnerSpec(CFG, grpo.GRPOConfig(kl_coef=kl_coef), make_optimizer(1e-3), mesh,
+                          micro_batch=4, pad_multiple=32)
+  state = grpo.init_learner(init_params(CFG, jax.random.key(3), std=0.05), spec)
+  rng = np.random.RandomState(0)
+  samples = [grpo.Sample(rng.randint(1, 23, 3), rng.randint(1, 23, 9), float(a))
+             for a in rng.randn(8)]
+  first, later = grpo.prepare(state, grpo.minibatches(samples, spec, 2), spec)
+  assert (state.ref_params is None) == (kl_coef == 0)
+  for b in first + later:
+    assert (b.ref_logp is None) == (kl_coef == 0)
+  if kl_coef:
+    np.testing.assert_array_equal(np.asarray(later[0].ref_logp), np.asarray(later[0].old_logp))

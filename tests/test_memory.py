@@ -103,7 +103,7 @@ def _learner_temps(m: ModelConfig, rows: int, T: int, chunk: int):
   gcfg = grpo.GRPOConfig(temperature=1.0, logit_chunk=chunk)
   tok = jax.ShapeDtypeStruct((rows, T), jnp.int32)
   f32 = lambda s: jax.ShapeDtypeStruct(s, jnp.float32)
-  mb = grpo.Batch(tok, f32((rows, T)), f32((rows,)), f32((rows, T)), None)
+  mb = grpo.Batch(tok, tok, tok, f32((rows, T)), f32((rows, T)), f32((rows, T)), None)
 
   def grad_step(params, acc, mb, num_tokens):
     (_, _), g = jax.value_and_grad(functools.partial(grpo.grpo_loss, cfg=m, gcfg=gcfg),
@@ -112,7 +112,7 @@ def _learner_temps(m: ModelConfig, rows: int, T: int, chunk: int):
 
   upd = jax.jit(grad_step, donate_argnums=(1,)).lower(ap, ap, mb, f32(())).compile()
   lp = functools.partial(grpo.token_logprobs, cfg=m, temperature=1.0, chunk=chunk)
-  logp = jax.jit(lambda p, t: lp(p, t)[0]).lower(ap, tok).compile()
+  logp = jax.jit(lambda p, t: lp(p, t, t, t)[0]).lower(ap, tok).compile()  # packed rows
   return upd.memory_analysis().temp_size_in_bytes, logp.memory_analysis().temp_size_in_bytes
 
 
@@ -124,12 +124,15 @@ def _learner_temps(m: ModelConfig, rows: int, T: int, chunk: int):
          num_layers=6, num_heads=6, vocab_size=16384, head_dim=64),
     dict(rows=4, T=256, chunk=256, remat=False),
     dict(rows=2, T=512, chunk=256, remat=False, num_heads=16, vocab_size=2048),
+    dict(rows=4, T=256, chunk=256, remat="dots"),
+    dict(rows=2, T=512, chunk=256, remat="dots", hidden_size=512, intermediate_size=1408,
+         num_layers=8, vocab_size=8192, head_dim=64),
 ])
 def test_learner_activation_estimates_against_memory_analysis(shape):
   """Per-phase totals (the arguments XLA sees + the estimated activations) within 15% of
   argument + temp bytes of the compiled executables (float32, one device)."""
   rows, T, chunk, remat = (shape.pop(k) for k in ("rows", "T", "chunk", "remat"))
-  m = _model(remat=remat, **shape)
+  m = _model(remat=bool(remat), remat_policy="dots" if remat == "dots" else "full", **shape)
   cfg = _cfg(**{"tlt.enabled": False, "data.max_prompt_len": 32,
                 "rollout.max_new_tokens": T - 32, "grpo.micro_batch": rows,
                 "grpo.micro_batch_tokens": 0, "grpo.pad_multiple": 32,

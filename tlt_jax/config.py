@@ -33,7 +33,7 @@ from tlt_jax.drafter.buffer import BufferConfig
 from tlt_jax.drafter.model import ENGINES
 from tlt_jax.errors import ConfigError, build, check, section_values
 from tlt_jax.memory import device_bytes
-from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES, ModelConfig
 from tlt_jax.rl.grpo import GRPOConfig
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.policies.cells import Policies
@@ -236,6 +236,11 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   for k in ("dtype", "param_dtype"):
     check(m[k] in ("float32", "bfloat16", "float16"), f"model.{k}", m[k],
           "use float32, bfloat16 or float16")
+  check(m.get("remat_policy", "full") in REMAT_POLICIES, "model.remat_policy",
+        m.get("remat_policy"), f"use one of {REMAT_POLICIES} (dots: keep the projections' "
+        "outputs, recompute the rest)")
+  check(m.get("attention", "auto") in ATTENTION_IMPLS, "model.attention", m.get("attention"),
+        f"use one of {ATTENTION_IMPLS} (auto: a fused kernel where the backend has one)")
   check(isinstance(cfg.cpu_devices, int) and cfg.cpu_devices >= 0, "cpu_devices",
         cfg.cpu_devices, "a number of CPU devices to expose, or 0 for JAX's default")
   sizes = [cfg.mesh[a] for a in AXES]
@@ -318,6 +323,9 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   check(1 <= g.minibatches <= most, "grpo.minibatches", g.minibatches,
         f"must be between 1 and the number of micro-batches per step ({most})")
   check(g.pad_multiple >= 1, "grpo.pad_multiple", g.pad_multiple, "must be >= 1")
+  check(cfg.model.get("attention", "auto") != "fused" or g.pad_multiple % 16 == 0,
+        "grpo.pad_multiple", g.pad_multiple, "must be a multiple of 16 with "
+        "model.attention='fused' (the kernel's blocks; rows are pad_multiple x 2^k long)")
   o = cfg.optim
   check(o.lr > 0, "optim.lr", o.lr, "must be > 0")
   check(o.schedule in ("constant", "cosine"), "optim.schedule", o.schedule,
@@ -368,4 +376,6 @@ def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:
     d = json.load(f)
   return ModelConfig.from_hf_dict(d, source=path, dtype=cfg.model.dtype,
                                   param_dtype=cfg.model.param_dtype,
-                                  remat=bool(cfg.model.get("remat", False)))
+                                  remat=bool(cfg.model.get("remat", False)),
+                                  remat_policy=str(cfg.model.get("remat_policy", "full")),
+                                  attention=str(cfg.model.get("attention", "auto")))

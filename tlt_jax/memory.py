@@ -232,7 +232,8 @@ KNOBS = {  # what to turn when a phase does not fit
                "rollout.tensor_parallel, or use more devices",
     "spot": "lower tlt.drafter.rows or tlt.drafter.row_len",
     "logprobs": "lower grpo.micro_batch_tokens (or grpo.micro_batch) or grpo.logit_chunk",
-    "update": "lower grpo.micro_batch_tokens (or grpo.micro_batch), set model.remat=True, "
+    "update": "lower grpo.micro_batch_tokens (or grpo.micro_batch), set model.remat=True "
+              "(with model.remat_policy='full': the least memory), "
               "or shard the learner over more devices (mesh.fsdp)"}
 
 
@@ -311,6 +312,9 @@ def _drafter(z: _Sizes) -> list[Item]:
   return items
 
 
+DOTS_SAVED = 0.45  # remat_policy="dots": of its projection outputs, the share XLA keeps (fitted)
+
+
 def _learner_activations(z: _Sizes) -> list[Item]:
   """The log-prob pass's and the update's activations: the largest micro-batch (padded to
   max_len), per device."""
@@ -347,7 +351,13 @@ def _learner_activations(z: _Sizes) -> list[Item]:
   # The backward keeps what the forward saved (remat: each layer's input; otherwise every
   # layer's internals) and the stacked per-layer gradients, then peaks in one layer's
   # recomputed backward or in an LM-head chunk's.
-  if m.remat:
+  if m.remat and m.remat_policy == "dots":  # + every projection's output, per layer
+    k_l = m.num_kv_heads // tp_l if m.num_kv_heads % tp_l == 0 else m.num_kv_heads
+    saved = n_l * m.head_dim_ + 2 * k_l * m.head_dim_ + 3 * D + 2 * f_l
+    stored = L * (1.05 * act(t * D) + DOTS_SAVED * act(t * saved)) + 1.25 * layers_dev
+    peak = max(6.0 * act(t * f_l) + 3.8 * scores + 12.0 * act(t * D),
+               2.1 * head + 1.0 * embed_dev)
+  elif m.remat:
     stored = 1.05 * L * act(t * D) + 1.25 * layers_dev
     peak = max(6.0 * act(t * f_l) + 3.8 * scores + 12.0 * act(t * D),
                2.1 * head + 1.0 * embed_dev)
@@ -355,7 +365,8 @@ def _learner_activations(z: _Sizes) -> list[Item]:
     stored = L * (0.3 * act(t * D) + 8.1 * act(t * f_l) + 2.9 * scores) + 1.5 * layers_dev
     peak = max(20.0 * act(t * D), 2.8 * head)
   items.append(Item("update activations", int(stored + peak + 2 * gathered), ("update",),
-                    f"{b} x {T} tokens per device, remat={'on' if m.remat else 'off'}"))
+                    f"{b} x {T} tokens per device, remat="
+                    f"{m.remat_policy if m.remat else 'off'}"))
   return items
 
 

@@ -34,7 +34,7 @@ from tlt_jax.drafter.trainer import DrafterTrainer
 from tlt_jax import distributed
 from tlt_jax.errors import ConfigError
 from tlt_jax.metrics import CompileClock
-from tlt_jax.models import ModelConfig, Params
+from tlt_jax.models import ModelConfig, Params, packed_impl
 from tlt_jax.models.hf_io import read_hf_config
 from tlt_jax.optim import make_optimizer
 from tlt_jax.rl import grpo
@@ -137,6 +137,9 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
 
   # -------------------------------------------------------------------------- learner
   lspec = learner_spec(spec, model_cfg, mesh)
+  _, why = packed_impl(model_cfg, lspec.pad_multiple)
+  print(f"learner: packed micro-batches (grpo.micro_batch_tokens="
+        f"{cfg.grpo.micro_batch_tokens}), attention: {why}", file=sys.stderr)
   learner = grpo.init_learner(params, lspec)
   del params
 

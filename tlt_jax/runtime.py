@@ -135,8 +135,9 @@ def load_model(cfg: ml_collections.ConfigDict, mesh=None):
                                       param_dtype=cfg.model.param_dtype, mesh=mesh)
   except CheckpointFormatError as e:
     raise ConfigError(str(e), "model.path", in_config=True) from None
-  if cfg.model.get("remat", False):
-    model_cfg = dataclasses.replace(model_cfg, remat=True)
+  model_cfg = dataclasses.replace(model_cfg, remat=bool(cfg.model.get("remat", False)),
+                                  remat_policy=str(cfg.model.get("remat_policy", "full")),
+                                  attention=str(cfg.model.get("attention", "auto")))
   tokenizer = load_tokenizer(cfg.model.path)
   if tokenizer is None:
     raise ConfigError("has no tokenizer files (tokenizer.json / tokenizer_config.json)",

@@ -142,7 +142,7 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   t = time.perf_counter()
   batches = grpo.minibatches(samples, run.learner, cfg.grpo.minibatches, seed=seed)
   prepared = grpo.prepare(state.learner, batches, run.learner)
-  jax.block_until_ready([b.old_logp for group in prepared for b in group])
+  jax.block_until_ready(prepared)
   times["logprobs"] = time.perf_counter() - t
   acceptance = None
   if measure:

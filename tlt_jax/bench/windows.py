@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.kv_cache import gather_window
-from tlt_jax.models.transformer import attend
+from tlt_jax.models.attention import attend
 from tlt_jax.rollout.scheduler import bucket_for, length_grid
 
 SCHEMES = ("grid x2", "grid x4", "whole cache", "block loop")

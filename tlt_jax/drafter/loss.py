@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from tlt_jax.drafter.model import drafter_forward
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.transformer import Params, compute_logits, segment_causal_mask
+from tlt_jax.models.transformer import Params, compute_logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,14 +149,13 @@ def drafter_loss(dparams: Params, target_params: Params, batch: dict[str, jax.Ar
   target_params = jax.lax.stop_gradient(target_params)
   pr = prepare_pairs(batch)
   f_next = jax.lax.stop_gradient(pr["f_next"])
-  attn_mask = segment_causal_mask(pr["segment_ids"])
   real_hidden = pr["hidden"]
   hid, valid = real_hidden, pr["valid"]
   total = jnp.float32(0.0)
   metrics: dict[str, Any] = {"vloss": jnp.float32(0.0), "ploss": jnp.float32(0.0)}
   for k in range(1, loss_cfg.unroll_steps + 1):
     g, _, _ = drafter_forward(dparams, target_params, pr["tokens"], hid, pr["positions"],
-                              cfg=cfg, attn_mask=attn_mask, return_logits=False)
+                              cfg=cfg, segment_ids=pr["segment_ids"], return_logits=False)
     ptok, hit = chunked_token_terms(target_params, g, f_next, cfg=cfg,
                                     chunk=loss_cfg.logit_chunk)
     t = _reduce(g, f_next, ptok, hit, valid, w_v=loss_cfg.w_v, w_p=loss_cfg.w_p,

@@ -190,7 +190,7 @@ def drafter_forward(dparams: Params, target_params: Params, tokens: jax.Array,
                     hidden: jax.Array, positions: jax.Array, *, cfg: ModelConfig,
                     cache: KVCache | None = None, attn_mask: jax.Array | None = None,
                     return_logits: bool = True, kv_len: int | None = None,
-                    window_mask: jax.Array | None = None
+                    window_mask: jax.Array | None = None, segment_ids: jax.Array | None = None
                     ) -> tuple[jax.Array, jax.Array | None, KVCache | None]:
   """tokens [B, T] (x_{t+1}), hidden [B, T, D] (f_t, post-norm), positions [B, T] ->
   (g [B, T, D] drafter output, logits [B, T, V] float32 | None, cache): logits = the
@@ -201,7 +201,9 @@ def drafter_forward(dparams: Params, target_params: Params, tokens: jax.Array,
   attn_mask [B|1, T, T]: within-chunk visibility (causal when None): segment masks in
   training, tree masks when drafting trees. kv_len: the attention window over the cache
   (`tlt_jax.models.transformer`'s docstring); window_mask [B|1, T, W]: which of its slots each
-  query sees, in place of the committed-prefix rule (`decoder_stack`).
+  query sees, in place of the committed-prefix rule (`decoder_stack`). segment_ids [B, T]
+  (no cache): packed training rows, causal within each segment (`packed_attention`: a fused
+  kernel where the backend has one).
   """
   if tokens.ndim != 2 or hidden.ndim != 3 or hidden.shape[:2] != tokens.shape:
     raise ValueError(f"drafter_forward: tokens {tuple(tokens.shape)} must be [B, T] and hidden "
@@ -212,7 +214,7 @@ def drafter_forward(dparams: Params, target_params: Params, tokens: jax.Array,
   x = _drafter_input(dparams, target_params, tokens, hidden, cfg)
   g, cache = decoder_stack(dparams["layers"], x, positions, cfg=cfg, cache=cache,
                            attn_mask=attn_mask, num_layers=1, kv_len=kv_len,
-                           window_mask=window_mask)
+                           window_mask=window_mask, segment_ids=segment_ids)
   logits = compute_logits(target_params, g, cfg) if return_logits else None
   return g, logits, cache
 

@@ -1,7 +1,7 @@
 """Padding-free packing of drafter windows into fixed [rows, row_len] batches.
 
 Several windows share a row, told apart by segment ids (1, 2, ... per window, 0 = padding).
-Attention never crosses segments (`segment_causal_mask` in the drafter loss) and positions
+Attention never crosses segments (`segment_ids` into the drafter loss's forward) and positions
 restart at 0 in every segment (RoPE sees relative positions only, so a window attends exactly
 as it would alone). The reference implementation concatenates windows under ONE causal mask
 with running positions, so packed samples attend to each other; tests/test_packing.py shows

@@ -1,17 +1,18 @@
-"""Pure-functional Qwen2/Qwen3/Llama models: config, params, forward (transformer.py), the
+"""Pure-functional Qwen2/Qwen3/Llama models: config, params, forward (transformer.py), its
+attention implementations (attention.py: XLA's reference, cuDNN, Pallas flash attention), the
 paged KV cache (kv_cache.py), the rollout replicas' weight layouts (layouts.py), HF checkpoint
 I/O (hf_io.py)."""
 
 from tlt_jax.models.config import ModelConfig, RopeScaling, num_params
 from tlt_jax.models.kv_cache import KVCache, init_cache, init_pools, pages_for
 from tlt_jax.models.layouts import fuse_projections, replica_layout, unstack_layers
-from tlt_jax.models.transformer import (ModelOutput, Params, abstract_params, causal_mask,
-                                        compute_logits, forward, init_params, param_shapes,
-                                        segment_causal_mask)
+from tlt_jax.models.attention import causal_mask, packed_impl, segment_causal_mask
+from tlt_jax.models.transformer import (ModelOutput, Params, abstract_params, compute_logits,
+                                        forward, init_params, param_shapes)
 
 __all__ = [
     "ModelConfig", "RopeScaling", "num_params", "KVCache", "ModelOutput", "Params",
     "abstract_params", "causal_mask", "compute_logits", "forward", "fuse_projections",
-    "init_cache", "init_pools", "init_params", "pages_for", "param_shapes", "replica_layout",
+    "init_cache", "init_pools", "init_params", "packed_impl", "pages_for", "param_shapes", "replica_layout",
     "segment_causal_mask", "unstack_layers",
 ]

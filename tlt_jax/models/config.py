@@ -15,6 +15,8 @@ import jax.numpy as jnp
 SUPPORTED_ARCHS = ("qwen2", "qwen3", "llama")
 _HF_CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "llama": "LlamaForCausalLM"}
+ATTENTION_IMPLS = ("auto", "fused", "xla")
+REMAT_POLICIES = ("full", "dots")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -49,6 +51,13 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype of matmuls
   param_dtype: str = "float32"  # storage dtype of params
   remat: bool = False  # rematerialise each layer in the backward pass (training memory)
+  # what a rematerialised layer keeps from its forward: "full" nothing but its input (the
+  # backward recomputes the whole forward), "dots" every projection's output (the matmuls
+  # are not recomputed, only the elementwise ops and the attention: ~1 forward less)
+  remat_policy: str = "full"
+  # packed (and causal) attention's implementation: "auto" (a fused kernel where the backend
+  # has one, models/attention.py), "fused" (the Pallas kernel; interpreted off a GPU) or "xla"
+  attention: str = "auto"
 
   def __post_init__(self):
     def bad(field, value, fix):
@@ -67,6 +76,10 @@ class ModelConfig:
       bad("head_dim", None, "set head_dim explicitly: hidden_size is not divisible by num_heads")
     if self.head_dim_ % 2:
       bad("head_dim", self.head_dim_, "RoPE needs an even head_dim")
+    if self.remat_policy not in REMAT_POLICIES:
+      bad("remat_policy", self.remat_policy, f"use one of {REMAT_POLICIES}")
+    if self.attention not in ATTENTION_IMPLS:
+      bad("attention", self.attention, f"use one of {ATTENTION_IMPLS}")
     for f in ("dtype", "param_dtype"):
       if getattr(self, f) not in _DTYPES:
         bad(f, getattr(self, f), f"use one of {sorted(_DTYPES)}")

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from tlt_jax.models.attention import attend, causal_attention, packed_attention
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.kv_cache import KVCache, cache_addr, gather_window, write_kv
 
@@ -131,46 +132,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return out.astype(x.dtype)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-  """Grouped-query attention. q [B, T, N, H], k/v [B, S, K, H], mask [B|1, T, S] -> [B, T, N, H]."""
-  b, t, n, h = q.shape
-  kv_heads = k.shape[2]
-  qg = q.reshape(b, t, kv_heads, n // kv_heads, h)
-  scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
-  scores = scores / math.sqrt(h)
-  scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
-  return out.reshape(b, t, n, h)
-
-
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, cfg: ModelConfig) -> jax.Array:
-  """Causal self-attention of a chunk (training, log-probs, prefill of an empty cache) through
-  `jax.nn.dot_product_attention`: cuDNN's fused flash attention on a GPU in bf16/fp16 (no
-  [T, T] score matrix in memory), XLA's reference elsewhere (float32 scores, as `attend`).
-  jax's implementation=None means XLA today, so the backend is chosen here."""
-  impl = "xla"
-  if jax.default_backend() == "gpu" and cfg.compute_dtype in (jnp.bfloat16, jnp.float16):
-    impl = "cudnn"
-  try:
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
-  except (NotImplementedError, ValueError, RuntimeError):  # shape/GPU cuDNN cannot run
-    if impl == "xla":
-      raise
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
-
-
-def causal_mask(t: int) -> jax.Array:
-  return jnp.tril(jnp.ones((1, t, t), jnp.bool_))
-
-
-def segment_causal_mask(segment_ids: jax.Array) -> jax.Array:
-  """[B, T] segment ids (0 = padding) -> [B, T, T]: causal within each packed segment."""
-  t = segment_ids.shape[1]
-  same = segment_ids[:, :, None] == segment_ids[:, None, :]
-  return same & (segment_ids[:, :, None] != 0) & causal_mask(t)
-
-
 def _cache_mask(lengths: jax.Array, t: int, s: int, attn_mask: jax.Array | None) -> jax.Array:
   """[B, T, s]: query t sees the committed prefix and the new slots its chunk mask allows,
   over the attention window of the first s cache slots."""
@@ -192,8 +153,10 @@ def _dense(x, w, eq, dtype):
   return jnp.einsum(eq, x, w.astype(dtype))
 
 
-def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv, within_chunk: bool = False):
-  """One decoder layer. kv: None (training: attend within the chunk) or
+def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv, within_chunk: bool = False,
+           segment_ids=None):
+  """One decoder layer. kv: None (training: attend within the chunk; segment_ids [B, T]:
+  causal within each packed segment, `packed_attention`) or
   (k_pool [P, page, K, H], v_pool, addr: CacheAddr) of this layer -> writes this chunk's k/v
   at `addr` and returns the updated (k_pool, v_pool). mask None: causal within the chunk.
   With a cache, mask [B|1, T, W] spans the attention window: the first W slots of each row
@@ -234,7 +197,9 @@ def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv, within_chunk: bool = Fal
       k_all = gather_window(k_pool, addr.window, w).astype(dt)
       v_all = gather_window(v_pool, addr.window, w).astype(dt)
     new_kv = (k_pool, v_pool)
-  if mask is None:
+  if segment_ids is not None:
+    attn = packed_attention(q, k_all, v_all, segment_ids, cfg)
+  elif mask is None:
     attn = causal_attention(q, k_all, v_all, cfg)
   else:
     attn = attend(q, k_all, v_all, mask)
@@ -270,7 +235,8 @@ def compute_logits(params: Params, h: jax.Array, cfg: ModelConfig) -> jax.Array:
 def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, cfg: ModelConfig,
                   cache: KVCache | None = None, attn_mask: jax.Array | None = None,
                   num_layers: int | None = None, prefill: bool = False,
-                  kv_len: int | None = None, window_mask: jax.Array | None = None):
+                  kv_len: int | None = None, window_mask: jax.Array | None = None,
+                  segment_ids: jax.Array | None = None):
   """Runs the decoder layers over residual stream x [B, T, D]: stacked ([L, ...] leaves) or
   unstacked (a tuple of per-layer dicts, `unstack_layers`). Shared with the drafter, which is
   one layer of the same architecture. prefill: the cache is empty (lengths 0), so the chunk
@@ -278,7 +244,8 @@ def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, 
   attention window over the cache (None: all of it; see the module docstring). window_mask
   [B|1, T, W] (with a cache; W the window): which window slot each query sees, in place of
   "the committed prefix and the chunk's mask" (the drafter's teacher-forced chains: each
-  sees only part of the prefix)."""
+  sees only part of the prefix). segment_ids [B, T] (no cache, no attn_mask): packed rows,
+  each token attending to the earlier tokens of its own segment (0 = padding)."""
   b, t, _ = x.shape
   cos, sin = rope_tables(cfg, positions)
   unstacked = isinstance(params_layers, (tuple, list))
@@ -286,10 +253,14 @@ def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, 
                             else jax.tree.leaves(params_layers)[0].shape[0])
 
   if cache is None:  # training / log-probs: scanned layers, optionally rematerialised
-    mask = attn_mask  # None: causal (causal_attention)
-    layer_fn = lambda x, lp: _layer(cfg, x, lp, cos, sin, mask, None)
-    if cfg.remat:
-      layer_fn = jax.checkpoint(layer_fn)
+    if segment_ids is not None and attn_mask is not None:
+      raise ValueError("give segment_ids or attn_mask, not both")
+    mask = attn_mask  # None: causal (causal_attention), or packed segments
+    layer_fn = lambda x, lp: _layer(cfg, x, lp, cos, sin, mask, None, segment_ids=segment_ids)
+    if cfg.remat:  # "dots": projections' outputs saved, attention scores (batched dots) not
+      policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+                if cfg.remat_policy == "dots" else None)
+      layer_fn = jax.checkpoint(layer_fn, policy=policy)
     if unstacked:  # a replica's full forward (switch-on): its layers one after the other
       for lp in params_layers[:n_layers]:
         x, _ = layer_fn(x, lp)
@@ -325,7 +296,7 @@ def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, 
 def forward(params: Params, tokens: jax.Array, positions: jax.Array, *, cfg: ModelConfig,
             cache: KVCache | None = None, attn_mask: jax.Array | None = None,
             return_logits: bool = True, prefill: bool = False,
-            kv_len: int | None = None) -> ModelOutput:
+            kv_len: int | None = None, segment_ids: jax.Array | None = None) -> ModelOutput:
   """tokens, positions [B, T] int32 -> ModelOutput.
 
   attn_mask [B|1, T, T] bool restricts which tokens of THIS chunk a query sees (causal when
@@ -333,7 +304,10 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, *, cfg: Mod
   the committed prefix (slots < cache.lengths) is always visible. prefill=True: the cache is
   empty (a fresh `init_cache`): attention stays within the chunk. kv_len (static): attention
   reads cache slots [0, kv_len) only; the caller guarantees that every row whose output it
-  uses has lengths + T <= kv_len (None: the whole cache).
+  uses has lengths + T <= kv_len (None: the whole cache). segment_ids [B, T] (no cache):
+  packed rows, several sequences end to end, 0 on padding; attention stays within a segment
+  (`attention.packed_attention`: a fused kernel where the backend has one) and positions are
+  the caller's (each segment's own, from 0).
 
   `hidden` is the last hidden state AFTER the final norm, as vLLM's and HF's model forwards
   return it: the state the serving engines' EAGLE drafters read (tlt_jax/drafter/model.py),
@@ -342,7 +316,8 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, *, cfg: Mod
   """
   x = embed_tokens(params, tokens, cfg)
   x, cache = decoder_stack(params["layers"], x, positions, cfg=cfg, cache=cache,
-                           attn_mask=attn_mask, prefill=prefill, kv_len=kv_len)
+                           attn_mask=attn_mask, prefill=prefill, kv_len=kv_len,
+                           segment_ids=segment_ids)
   h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   logits = compute_logits(params, h, cfg) if return_logits else None
   return ModelOutput(logits=logits, hidden=h, cache=cache)

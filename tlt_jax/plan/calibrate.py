@@ -274,7 +274,7 @@ def _learner_pass(ls, state, seq_lens: Sequence[int], prompt_lens: Sequence[int]
                                float(rng.normal())))
   t = time.perf_counter()
   prepared = grpo.prepare(state, grpo.minibatches(samples, ls, minibatches, seed=seed), ls)
-  jax.block_until_ready([b.old_logp for group in prepared for b in group])
+  jax.block_until_ready(prepared)
   lp = time.perf_counter() - t
   t = time.perf_counter()
   state, _ = grpo.update(state, prepared, ls)
@@ -282,18 +282,19 @@ def _learner_pass(ls, state, seq_lens: Sequence[int], prompt_lens: Sequence[int]
   return state, lp, time.perf_counter() - t
 
 
-def learner_profile(ls, state, model_cfg: ModelConfig, hw: cost.Hardware, *, remat: bool,
+def learner_profile(ls, state, model_cfg: ModelConfig, hw: cost.Hardware, *,
                     repeats: int = 3):
-  """The learner's prices on this machine (learner.Learner), fitted on probes of their own: one
-  mini-batch of one or two micro-batches of one shape, for two shapes (the narrowest length
-  bucket and an 8x longer one). Per probe the fastest of `repeats` passes after one that
+  """The learner's prices on this machine (learner.Learner), fitted on probes of their own: two
+  mini-batches of one or two micro-batches of one shape each, for two shapes (the narrowest
+  length bucket and an 8x longer one). Per probe the fastest of `repeats` passes after one that
   compiles. The log-prob pass gives its FLOP rate and per-micro-batch cost; the update its
   rate, per-micro-batch cost and the optimizer step (non-negative least squares on relative
   residuals). -> (learner.Learner, the state the update probes left)."""
   import numpy as np
   from scipy.optimize import nnls
 
-  from tlt_jax.plan.learner import Learner, micro_flops
+  from tlt_jax.models import packed_impl
+  from tlt_jax.plan.learner import Learner, micro_flops, remat_mode
   from tlt_jax.rl import grpo
   short, long_ = ls.pad_multiple, 8 * ls.pad_multiple
   rows = {}
@@ -303,25 +304,32 @@ def learner_profile(ls, state, model_cfg: ModelConfig, hw: cost.Hardware, *, rem
   cases = [(short, 1), (short, 2), (long_, 1), (long_, 2)]
   lp, up = {}, {}
   for t, m in cases:
-    lens = [t] * (rows[t] * m)
+    # two mini-batches of m micro-batches each: the first one's old log-probs are not
+    # computed (grpo.prepare), so the second's are the pass timed
+    lens = [t] * (2 * rows[t] * m)
     best = (float("inf"), float("inf"))
     for r in range(repeats + 1):
-      state, a, b = _learner_pass(ls, state, lens, [t // 2], r, minibatches=1)
+      state, a, b = _learner_pass(ls, state, lens, [t // 2], r, minibatches=2)
       if r:
         best = (min(best[0], a), min(best[1], b))
     lp[(t, m)], up[(t, m)] = best
-  passes = 4 if remat else 3
-  f = {t: micro_flops(model_cfg, rows[t], t) for t in (short, long_)}
-  # log-probs: t = m * (flops x a + c); update: t = m * (passes x flops x a + c) + o; every
+  remat = remat_mode(model_cfg)
+  passes = 4 if remat == "full" else 3  # (the probes' attention is a small share: as weights)
+  skip = packed_impl(model_cfg, short)[0] == "fused"
+  f = {t: micro_flops(model_cfg, rows[t], t, causal_skip=skip) for t in (short, long_)}
+  # log-probs: t = k * (flops x a + c) over k = m micro-batches' forwards (+ 2m with the
+  # reference's); update, per mini-batch: t / 2 = m * (passes x flops x a + c) + o; every
   # coefficient >= 0, relative residuals (cost.fit's way: a least-squares fit clipped after
   # the fact gave a negative per-micro-batch cost and a rate 2x too slow)
-  t_lp = np.array([lp[k] for k in cases])
-  t_up = np.array([up[k] for k in cases])
+  forwards = 1 + 2 * (ls.gcfg.kl_coef > 0)
+  t_lp = np.array([lp[k] for k in cases]) / forwards
+  t_up = np.array([up[k] for k in cases]) / 2
   a_lp = nnls(np.array([[f[t] * m, m] for t, m in cases]) / t_lp[:, None], np.ones(len(cases)))[0]
   a_up = nnls(np.array([[passes * f[t] * m, m, 1.0] for t, m in cases]) / t_up[:, None],
               np.ones(len(cases)))[0]
   a_lp[0], a_up[0] = max(a_lp[0], 1e-30), max(a_up[0], 1e-30)
-  learner = Learner(gpus=1, fwd_eff=float(1.0 / (a_lp[0] * hw.flops)),
+  learner = Learner(gpus=1, fused_attention=packed_impl(model_cfg, short)[0] == "fused",
+                    fwd_eff=float(1.0 / (a_lp[0] * hw.flops)),
                     fwd_micro_s=float(a_lp[1]), train_eff=float(1.0 / (a_up[0] * hw.flops)),
                     train_micro_s=float(a_up[1]),
                     optimizer_s=float(a_up[2]), remat=remat)

@@ -1,10 +1,11 @@
 """The learner's phases of an RL step, priced for the cluster simulator (sim.py).
 
 The learner's own batch layout (`Layout`: grpo's random partition into mini-batches and its
-length-bucketed micro-batches, padding included), each micro-batch's forward FLOPs
-(`micro_flops`), and `learner_phases`: the log-prob pass, the update (one optimizer step per
-mini-batch, FSDP's gathers) and the weight sync, at the efficiencies of a `Learner`: assumed
-for a GPU cluster (docs/scale.md), fitted on the machine it runs on by
+packed micro-batches, the padding left included), each micro-batch's forward FLOPs (`micro_flops`:
+the weights', and the attention's over each row's [T, T] scores, half of them where a fused
+kernel skips the masked half), and `learner_phases`: the log-prob pass, the update (one
+optimizer step per mini-batch, FSDP's gathers) and the weight sync, at the efficiencies of a
+`Learner`: assumed for a GPU cluster (docs/scale.md), fitted on the machine it runs on by
 `calibrate.learner_profile`.
 """
 
@@ -24,10 +25,20 @@ class Learner:
   gpus: int
   train_eff: float = 0.7  # the update's FLOP rate relative to the profile's matmul rate
   fwd_eff: float = 0.7  # the log-prob pass's
-  remat: bool = True  # the backward recomputes the forward (4 forwards of FLOPs, not 3)
+  # the update's forwards per micro-batch: 3 (forward, backward's two) plus what the backward
+  # recomputes: "full" remat the whole forward (4), "dots" all but the matmuls (3 for the
+  # weights, 4 for the attention, which it recomputes), "none" nothing (`remat_mode`)
+  remat: str = "full"
   fwd_micro_s: float = 0.0  # s per micro-batch of the log-prob pass beyond its FLOPs
   train_micro_s: float = 0.0  # ... of the update (dispatch, the batch's transfer, the sync)
   optimizer_s: float | None = None  # s per optimizer step (None: AdamW's bytes at mem_bw)
+  # the attention of packed rows through a fused flash-attention kernel (models/attention.py:
+  # a GPU in bf16), which skips the causal mask's upper half, at attn_eff of the matmul rate
+  # (assumed: FlashAttention-2-class kernels reach ~35% of an H100's bf16 peak; gpu_check's
+  # learner stage measures ours). False: XLA's reference, the whole [T, T] at the update's or
+  # the log-prob pass's own efficiency (a CPU).
+  fused_attention: bool = True
+  attn_eff: float = 0.35
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,13 +68,28 @@ class Layout:
         for part in grpo.minibatch_parts(len(seq_lens), self.minibatches, seed)]
 
 
-def micro_flops(cfg: ModelConfig, rows: int, t: int) -> float:
-  """One forward over a micro-batch of rows x t tokens (padding included: the device computes
-  it): 2 FLOPs per weight per token, and the attention's scores and values over the whole
-  t x t matrix (the causal mask is applied, not skipped)."""
-  n_params = cost.forward(cfg, 1, 1, 0).flops / 2  # 2 FLOPs per weight per token
-  return (2.0 * n_params * rows * t
-          + 4.0 * rows * t * t * cfg.num_heads * cfg.head_dim_ * cfg.num_layers)
+def remat_mode(cfg: ModelConfig) -> str:
+  """The learner's rematerialisation as `Learner.remat` spells it."""
+  return cfg.remat_policy if cfg.remat else "none"
+
+
+def weight_flops(cfg: ModelConfig, rows: int, t: int) -> float:
+  """A forward's matmuls over rows x t tokens (padding included: the device computes it): 2
+  FLOPs per weight per token."""
+  return cost.forward(cfg, 1, 1, 0).flops * rows * t
+
+
+def attention_flops(cfg: ModelConfig, rows: int, t: int, *, causal_skip: bool) -> float:
+  """A forward's attention scores and values over each row's t x t matrix (within segments
+  or not: the mask is applied per element), or its lower half where a fused kernel skips the
+  blocks above the diagonal."""
+  full = 4.0 * rows * t * t * cfg.num_heads * cfg.head_dim_ * cfg.num_layers
+  return full / 2 if causal_skip else full
+
+
+def micro_flops(cfg: ModelConfig, rows: int, t: int, *, causal_skip: bool = False) -> float:
+  """One forward over a micro-batch of rows x t tokens: `weight_flops` + `attention_flops`."""
+  return weight_flops(cfg, rows, t) + attention_flops(cfg, rows, t, causal_skip=causal_skip)
 
 
 def learner_phases(cfg: ModelConfig, hw: cost.Hardware, learner: Learner,
@@ -72,19 +98,31 @@ def learner_phases(cfg: ModelConfig, hw: cost.Hardware, learner: Learner,
   """Seconds of the log-probs (old policy, and the reference with a KL term), the update
   (forward + backward of every micro-batch, one optimizer step per mini-batch, FSDP's
   gathers) and the weight sync (the new weights to every rollout replica) of one RL step,
-  from the micro-batches' shapes (`Layout.shapes`)."""
+  from the micro-batches' shapes (`Layout.shapes`). The old log-probs skip the first
+  mini-batch (grpo.prepare: on policy, its loss reads its own)."""
   n_params = cost.forward(cfg, 1, 1, 0).flops / 2
   micro = [s for mb in shapes for s in mb]
-  fwd = sum(micro_flops(cfg, n, t) for n, t in micro)
+  later = [s for mb in shapes[1:] for s in mb]
+  fused = learner.fused_attention
+  rate = hw.flops * learner.gpus
+
+  def forward_s(micros, eff, w_passes=1, a_passes=1):  # forwards over these micro-batches
+    w = sum(weight_flops(cfg, n, t) for n, t in micros)
+    a = sum(attention_flops(cfg, n, t, causal_skip=fused) for n, t in micros)
+    return (w_passes * w / (rate * eff)
+            + a_passes * a / (rate * (learner.attn_eff if fused else eff)))
+
   nb = cost._BYTES[cfg.dtype]
   gather = n_params * nb * (learner.gpus - 1) / max(learner.gpus, 1)  # one FSDP all-gather
-  logprobs = (1 + reference) * (fwd / (hw.flops * learner.fwd_eff * learner.gpus)
-                                + len(micro) * learner.fwd_micro_s + gather / hw.link_bw)
-  passes = 4 if learner.remat else 3
+  pass_s = lambda micros: (forward_s(micros, learner.fwd_eff)
+                           + len(micros) * learner.fwd_micro_s + gather / hw.link_bw)
+  logprobs = (pass_s(later) if later else 0.0) + (pass_s(micro) if reference else 0.0)
+  w_passes = 4 if learner.remat == "full" else 3
+  a_passes = 3 if learner.remat == "none" else 4
   opt = learner.optimizer_s
   if opt is None:
     opt = 16 * 2 * n_params / learner.gpus / hw.mem_bw  # f32 master, m, v, grads read + written
-  update = (passes * fwd / (hw.flops * learner.train_eff * learner.gpus)
+  update = (forward_s(micro, learner.train_eff, w_passes, a_passes)
             + len(micro) * learner.train_micro_s + len(shapes) * (3 * gather / hw.link_bw + opt))
   sync = n_params * nb * (learner.gpus - 1) / max(learner.gpus, 1) / hw.link_bw
   return {"logprobs": logprobs, "update": update, "weight_sync": sync}

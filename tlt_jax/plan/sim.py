@@ -23,7 +23,7 @@ from tlt_jax.coordinator.coordinator import split
 from tlt_jax.coordinator.timeline import Timeline, WorkerState
 from tlt_jax.models import ModelConfig
 from tlt_jax.plan import cost
-from tlt_jax.plan.learner import Layout, Learner, learner_phases
+from tlt_jax.plan.learner import Layout, Learner, learner_phases, remat_mode
 from tlt_jax.plan.sim_engine import SimEngine
 from tlt_jax.plan.workload import Acceptance, Lengths
 from tlt_jax.rollout.records import Request
@@ -87,7 +87,7 @@ class Simulation:
     self.rng = np.random.default_rng(seed)
     g = spec.cfg.grpo
     self.num_prompts, self.group = int(g.num_prompts), int(g.n)
-    self.learner = Learner(gpus)
+    self.learner = Learner(gpus, remat=remat_mode(cfg))
     self.layout = Layout.of(spec.cfg, row_multiple=gpus)  # FSDP over every device
     self.t = self._now = 0.0
     self.steps: list[StepResult] = []

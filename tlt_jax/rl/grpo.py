@@ -6,17 +6,20 @@ recomputes the old (and reference) log-probs with the same function the loss dif
 so the importance ratio is exactly 1 on the first mini-batch and speculative decoding cannot
 bias training (DESIGN.md 3).
 
-Batch layout (one row per response): tokens [B, T] = prompt + response + padding, and
-`loss_mask` [B, T] = 1 on response tokens (the stop token included). Log-probs are aligned to
-tokens: logp[:, t] = log p(tokens[:, t] | tokens[:, :t]) and logp[:, 0] = 0. The logits are
-divided by the rollout temperature first (as VeRL does), so the ratio is between the two
-sampling distributions the update actually changes.
+Batch layout: packed rows. A micro-batch is [b, T] tokens holding several responses (each
+with its prompt) end to end, `segment_ids` numbering them within a row (0 on the padding
+after the last), `positions` restarting at 0 in each, `loss_mask` 1 on response tokens (the
+stop token included) and the advantages per token. Attention never crosses a segment
+(models/attention.py: a fused kernel on a GPU). Log-probs are aligned to tokens:
+logp[:, t] = log p(tokens[:, t] | the tokens of its segment before it), 0 at a segment's
+first token. The logits are divided by the rollout temperature first (as VeRL does), so the
+ratio is between the two sampling distributions the update actually changes.
 
 Loss aggregation is token-mean over the whole mini-batch: sum over every response token of
-every micro-batch, divided by the mini-batch's response-token count. Micro-batches are sorted
-by length and padded each to its own length bucket, so a long-tailed batch does not pay
-max-length padding on every row; the division by the global count makes the result the same
-as one unpadded pass (tested against a float64 numpy reference).
+every micro-batch, divided by the mini-batch's response-token count, so the result equals one
+unpacked, unpadded pass (tested against a float64 numpy reference, and the gradient against
+each response run alone). Micro-batches come in length buckets (T = pad_multiple x 2^k) and
+rows are filled first-fit, longest first, so the device computes little padding.
 """
 
 from __future__ import annotations
@@ -117,15 +120,24 @@ def _lm_head_logprobs(params: Params, hidden: jax.Array, targets: jax.Array, *,
   return lp, ent
 
 
-def token_logprobs(params: Params, tokens: jax.Array, *, cfg: ModelConfig, temperature: float,
-                   chunk: int = 1024) -> tuple[jax.Array, jax.Array]:
-  """tokens [B, T] -> (logp [B, T], entropy [B, T][, hidden [B, T, D]]), aligned to tokens
-  (position 0 gets 0). Right padding is harmless under the causal mask."""
+def token_logprobs(params: Params, tokens: jax.Array, positions: jax.Array | None = None,
+                   segment_ids: jax.Array | None = None, *, cfg: ModelConfig,
+                   temperature: float, chunk: int = 1024) -> tuple[jax.Array, jax.Array]:
+  """tokens [B, T] -> (logp [B, T], entropy [B, T]) aligned to tokens: at t, of the
+  distribution that predicts tokens[:, t]. Packed rows (segment_ids, positions: the module
+  docstring) get 0 at each segment's first token and on padding; without segment_ids a row is
+  one sequence from position 0 (right padding is harmless under the causal mask) and only
+  position 0 gets 0."""
   b, t = tokens.shape
-  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  out = forward(params, tokens, positions, cfg=cfg, return_logits=False)
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  out = forward(params, tokens, positions, cfg=cfg, return_logits=False,
+                segment_ids=segment_ids)
   lp, ent = _lm_head_logprobs(params, out.hidden[:, :-1], tokens[:, 1:], cfg=cfg,
                               temperature=temperature, chunk=chunk)
+  if segment_ids is not None:  # a segment's first token is predicted by the one before
+    same = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)
+    lp, ent = jnp.where(same, lp, 0.0), jnp.where(same, ent, 0.0)
   zero = jnp.zeros((b, 1), jnp.float32)
   lp = jnp.concatenate([zero, lp], axis=1)
   ent = jnp.concatenate([zero, ent], axis=1)
@@ -133,13 +145,18 @@ def token_logprobs(params: Params, tokens: jax.Array, *, cfg: ModelConfig, tempe
 
 
 class Batch(NamedTuple):
-  """One micro-batch on device, as the loss reads it."""
+  """One micro-batch on device, as the loss reads it (the module docstring's layout)."""
 
-  tokens: jax.Array  # [b, T] int32 prompt + response + padding
+  tokens: jax.Array  # [b, T] int32 packed segments (prompt + response each), then padding
+  positions: jax.Array  # [b, T] int32 each segment's own, from 0
+  segment_ids: jax.Array  # [b, T] int32 1, 2, ... per row; 0 on padding
   loss_mask: jax.Array  # [b, T] 1 on response tokens
-  advantages: jax.Array  # [b]
+  advantages: jax.Array  # [b, T] each token's response's advantage
   old_logp: jax.Array  # [b, T] recomputed by the learner (never the rollout's)
   ref_logp: jax.Array | None = None  # [b, T] the frozen reference (kl_coef > 0)
+  # () bool: the step's first mini-batch, whose params are still the old ones: the old
+  # log-probs are the loss's own (stop-gradient), old_logp unread and not computed
+  on_policy: jax.Array | None = None
 
 
 def grpo_loss(params: Params, mb: Batch, *, cfg: ModelConfig, gcfg: GRPOConfig,
@@ -149,11 +166,14 @@ def grpo_loss(params: Params, mb: Batch, *, cfg: ModelConfig, gcfg: GRPOConfig,
   only when kl_coef > 0. Metrics are sums over the micro-batch's tokens divided by num_tokens
   too (they add up).
   """
-  logp, ent = token_logprobs(params, mb.tokens, cfg=cfg, temperature=gcfg.temperature,
-                             chunk=gcfg.logit_chunk)
+  logp, ent = token_logprobs(params, mb.tokens, mb.positions, mb.segment_ids, cfg=cfg,
+                             temperature=gcfg.temperature, chunk=gcfg.logit_chunk)
   mask = mb.loss_mask.astype(jnp.float32)
-  adv = mb.advantages[:, None]
-  log_ratio = logp - mb.old_logp
+  adv = mb.advantages
+  old = mb.old_logp
+  if mb.on_policy is not None:  # a flag, not a second program: one executable per shape
+    old = jnp.where(mb.on_policy, jax.lax.stop_gradient(logp), old)
+  log_ratio = logp - old
   ratio = jnp.exp(log_ratio)
   pg_unclipped = -adv * ratio
   pg_clipped = -adv * jnp.clip(ratio, 1.0 - gcfg.eps_low, 1.0 + gcfg.eps_high)
@@ -190,65 +210,91 @@ class Sample:
 
 
 class MicroBatch(NamedTuple):
-  """One micro-batch on the host, before the old-log-prob pass."""
+  """One micro-batch on the host, before the old-log-prob pass (`Batch`'s layout)."""
 
   tokens: np.ndarray  # [b, T] int32
+  positions: np.ndarray  # [b, T] int32
+  segment_ids: np.ndarray  # [b, T] int32
   loss_mask: np.ndarray  # [b, T] float32
-  advantages: np.ndarray  # [b] float32
-  index: np.ndarray  # [b] int64 sample index per row, -1 for padding rows
+  advantages: np.ndarray  # [b, T] float32
+  index: np.ndarray  # [b, T] int64 each token's sample index, -1 on padding
 
 
 def micro_layout(lengths: Sequence[int], rows: int, pad_multiple: int, max_len: int,
-                 max_tokens: int = 0, row_multiple: int = 1) -> list[tuple[list[int], int, int]]:
+                 max_tokens: int = 0, row_multiple: int = 1
+                 ) -> list[tuple[list[list[int]], int, int]]:
   """The layout of `micro_batches` from the samples' lengths alone: per micro-batch, shortest
-  first, (the sample indices it holds, its padded length T, its rows with padding rows). The
-  cluster simulator prices the learner on it (tlt_jax/plan/sim.py: what the device computes,
-  padding included)."""
+  first, (the sample indices of each of its rows, its row length T, its row count). The
+  cluster simulator prices the learner on it (tlt_jax/plan/learner.py: what the device
+  computes, the padding left included).
+
+  Longest first: a micro-batch's T is the length bucket of the longest sample left (the
+  smallest pad_multiple x 2^k that holds it, at most max_len rounded up to pad_multiple), its
+  row count `rows`, or with max_tokens > 0 max(row_multiple, max_tokens // T rounded down to
+  row_multiple); then every sample left, longest first, goes into the first of its rows with
+  room (first-fit decreasing), and what fits nowhere waits for the next micro-batch."""
   cap = -(-max_len // pad_multiple) * pad_multiple
-  order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
+  if lengths and max(lengths) > cap:
+    raise ValueError(f"a sample of {max(lengths)} tokens is longer than max_len {max_len}")
+  left = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
   out = []
-  s = 0
-  while s < len(order):
+  while left:
     t = pad_multiple
-    while t < min(lengths[order[s]], cap):
+    while t < min(lengths[left[0]], cap):
       t *= 2
     t = min(t, cap)
     n = rows
     if max_tokens > 0:
       n = max(row_multiple, (max_tokens // t) // row_multiple * row_multiple)
-    out.append((order[s:s + n], t, n))
-    s += n
+    bins: list[list[int]] = [[] for _ in range(n)]
+    free = [t] * n
+    rest = []
+    for i in left:
+      r = next((r for r in range(n) if free[r] >= lengths[i]), -1)
+      if r < 0:
+        rest.append(i)
+      else:
+        bins[r].append(i)
+        free[r] -= lengths[i]
+    out.append((bins, t, n))
+    left = rest
   return out[::-1]
 
 
 def micro_batches(samples: list[Sample], rows: int, pad_multiple: int, max_len: int,
                   max_tokens: int = 0, row_multiple: int = 1) -> Iterator[MicroBatch]:
-  """Length-sorted micro-batches, each padded to its own length bucket T: the smallest
-  pad_multiple x 2^k (or max_len rounded up to pad_multiple) that holds its longest row.
-  Missing rows are all-padding with an empty mask (`micro_layout`: the layout alone).
+  """Packed micro-batches (`micro_layout`), shortest first.
 
-  rows: rows per micro-batch; or, with max_tokens > 0, a token budget: a micro-batch padded to
-  T tokens holds max(row_multiple, max_tokens // T rounded down to row_multiple) rows, so the
-  long tail goes in a few narrow micro-batches instead of padding every row of a wide one.
-  Shapes depend only on T, so there is one compile per length bucket, and geometric buckets
-  keep them few (32, 64, 128, 256, 384 for max_len 368: 5 compiles of the update instead of
-  12 with multiples of 32; on the CPU each costs ~3 s, more than the padding they add).
+  rows: rows per micro-batch; or, with max_tokens > 0, a token budget per micro-batch of T
+  tokens a row. Shapes depend only on T, so there is one compile per length bucket, and
+  geometric buckets keep them few (32, 64, 128, 256, 384 for max_len 368: 5 compiles of the
+  update; on the CPU each costs ~3 s, more than the padding they save).
   """
   out = []
-  for idx, t, n in micro_layout([s.length for s in samples], rows, pad_multiple, max_len,
-                                max_tokens, row_multiple):
+  for bins, t, n in micro_layout([s.length for s in samples], rows, pad_multiple, max_len,
+                                 max_tokens, row_multiple):
     tokens = np.zeros((n, t), np.int32)
+    positions = np.zeros((n, t), np.int32)
+    segments = np.zeros((n, t), np.int32)
     mask = np.zeros((n, t), np.float32)
-    adv = np.zeros((n,), np.float32)
-    for r, i in enumerate(idx):
-      smp = samples[i]
-      p, k = len(smp.prompt_ids), len(smp.response_ids)
-      tokens[r, :p] = smp.prompt_ids
-      tokens[r, p:p + k] = smp.response_ids
-      mask[r, p:p + k] = 1.0
-      adv[r] = smp.advantage
-    out.append(MicroBatch(tokens, mask, adv, np.asarray(idx + [-1] * (n - len(idx)), np.int64)))
-  return iter(out)  # shortest first
+    adv = np.zeros((n, t), np.float32)
+    index = np.full((n, t), -1, np.int64)
+    for r, idx in enumerate(bins):
+      at = 0
+      for seg, i in enumerate(idx, 1):
+        smp = samples[i]
+        p, k = len(smp.prompt_ids), len(smp.response_ids)
+        span = slice(at, at + p + k)
+        tokens[r, at:at + p] = smp.prompt_ids
+        tokens[r, at + p:at + p + k] = smp.response_ids
+        positions[r, span] = np.arange(p + k)
+        segments[r, span] = seg
+        mask[r, at + p:at + p + k] = 1.0
+        adv[r, span] = smp.advantage
+        index[r, span] = i
+        at += p + k
+    out.append(MicroBatch(tokens, positions, segments, mask, adv, index))
+  return iter(out)
 
 
 # ----------------------------------------------------------------------------------- learner
@@ -317,11 +363,16 @@ def put_batch(x: np.ndarray, mesh: Mesh) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def logprobs(params: Params, tokens: jax.Array, *, spec: LearnerSpec) -> jax.Array:
-  """tokens [b, T] -> log-probs [b, T] under `params`: the old (and reference) log-probs,
-  with the function the loss differentiates (the module docstring)."""
-  return token_logprobs(params, tokens, cfg=spec.cfg, temperature=spec.gcfg.temperature,
-                        chunk=spec.gcfg.logit_chunk)[0]
+def logprobs(params: Params, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array,
+             *, spec: LearnerSpec) -> jax.Array:
+  """A packed micro-batch [b, T] -> log-probs [b, T] under `params`: the old (and reference)
+  log-probs, with the function the loss differentiates (the module docstring)."""
+  with jax.sharding.use_abstract_mesh(spec.mesh.abstract_mesh):  # a fused kernel per shard
+    lp = token_logprobs(params, tokens, positions, segment_ids, cfg=spec.cfg,
+                        temperature=spec.gcfg.temperature, chunk=spec.gcfg.logit_chunk)[0]
+  # in the batch layout (`put_batch`'s), as the first mini-batch's placeholders come: left to
+  # XLA, its own choice made `_accumulate` compile every shape a second time
+  return jax.lax.with_sharding_constraint(lp, batch_sharding(spec.mesh, 2))
 
 
 def minibatches(samples: list[Sample], spec: LearnerSpec, num_minibatches: int = 1,
@@ -331,7 +382,7 @@ def minibatches(samples: list[Sample], spec: LearnerSpec, num_minibatches: int =
   Mini-batches are a random partition of the samples, as in VeRL/PPO: were they cut from
   the length-sorted order instead, one step would see only short (mostly right) responses
   and the next only long (mostly wrong) ones, two full-size Adam steps in opposite
-  directions. Within a mini-batch, micro-batches are length-sorted (padding only)."""
+  directions. Within a mini-batch, micro-batches are packed (`micro_layout`)."""
   return [list(micro_batches([samples[i] for i in part], spec.micro_batch, spec.pad_multiple,
                              spec.max_len, spec.micro_batch_tokens, spec.row_multiple))
           for part in minibatch_parts(len(samples), num_minibatches, seed)]
@@ -346,18 +397,27 @@ def minibatch_parts(n: int, num_minibatches: int, seed: int) -> list[np.ndarray]
 def prepare(state: LearnerState, batches: list[list[MicroBatch]], spec: LearnerSpec
             ) -> list[list[Batch]]:
   """The old-log-prob pass: every micro-batch on device with old (and reference) log-probs
-  under the state's params, ready for `update` (same nesting)."""
+  under the state's params, ready for `update` (same nesting). The first mini-batch's old
+  log-probs are not computed: `update` steps it before any optimizer step, under the params
+  that are the old policy, so its loss takes them from its own forward (`Batch.on_policy`:
+  the ratio 1 and the same gradient; verl's on-policy shortcut, one mini-batch's pass saved)."""
   out = []
-  for group in batches:
+  for k, group in enumerate(batches):
     prepared = []
+    flag = np.bool_(k == 0)
     for mb in group:
-      tokens = put_batch(mb.tokens, spec.mesh)
+      tokens, positions, segments = (put_batch(x, spec.mesh)
+                                     for x in (mb.tokens, mb.positions, mb.segment_ids))
       ref = None
       if state.ref_params is not None:
-        ref = logprobs(state.ref_params, tokens, spec=spec)
-      prepared.append(Batch(tokens, put_batch(mb.loss_mask, spec.mesh),
-                            put_batch(mb.advantages, spec.mesh),
-                            logprobs(state.params, tokens, spec=spec), ref))
+        ref = logprobs(state.ref_params, tokens, positions, segments, spec=spec)
+      mask = put_batch(mb.loss_mask, spec.mesh)
+      if k == 0:  # a placeholder of the right shape and layout, never read
+        old = mask
+      else:
+        old = logprobs(state.params, tokens, positions, segments, spec=spec)
+      prepared.append(Batch(tokens, positions, segments, mask,
+                            put_batch(mb.advantages, spec.mesh), old, ref, flag))
     out.append(prepared)
   return out
 
@@ -370,11 +430,17 @@ def _zero_grads(params: Params, *, spec: LearnerSpec) -> Params:
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnums=(1,))
 def _accumulate(params: Params, acc, mb: Batch, num_tokens: jax.Array, *, spec: LearnerSpec):
   """acc (gradient sums, metric sums) + this micro-batch's; acc donated."""
-  (_, m), g = jax.value_and_grad(
-      functools.partial(grpo_loss, cfg=spec.cfg, gcfg=spec.gcfg), has_aux=True)(
-          params, mb, num_tokens=num_tokens)
+  with jax.sharding.use_abstract_mesh(spec.mesh.abstract_mesh):  # a fused kernel per shard
+    (_, m), g = jax.value_and_grad(
+        functools.partial(grpo_loss, cfg=spec.cfg, gcfg=spec.gcfg), has_aux=True)(
+            params, mb, num_tokens=num_tokens)
   acc_g, acc_m = acc
-  return jax.tree.map(jnp.add, acc_g, g), jax.tree.map(jnp.add, acc_m, m)
+  # the sums in the layout they came in (`_zero_grads`'s, `update`'s replicated metric zeros):
+  # left to XLA, a mini-batch starting with a shape so far seen only after the first
+  # micro-batch compiled it again
+  return (_state_constraint(jax.tree.map(jnp.add, acc_g, g), spec.mesh),
+          jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, acc_m, m),
+                                           replicated(spec.mesh)))
 
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnums=(0,))

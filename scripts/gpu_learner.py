@@ -1,0 +1,159 @@
+"""The learner on the GPU: a packed RL step's log-prob pass and update on the bench target,
+the fused attention against XLA's, measured and predicted (gpu_check's learner stage).
+
+    python scripts/gpu_learner.py [--target DIR] [--dtype bfloat16] [--budget_s 60] [--out DIR]
+
+One RL step's learner phases as a run does them (grpo.minibatches: packed micro-batches of
+one length bucket; grpo.prepare: the old log-probs, none for the first mini-batch;
+grpo.update), on random tokens of long-tailed lengths, once with model.attention="fused" (the
+Pallas flash-attention kernel; interpreted off a GPU) and once with "xla" (the masked
+reference): each variant compiled by one untimed step, then the median of --steps timed ones.
+Parity: the old log-probs of every response token, fused vs xla. Prediction:
+plan/learner.learner_phases on the same layout at the cluster profile's assumed efficiencies
+(docs/scale.md) for this device (H100 / H200; none on a CPU), so predicted / measured says
+how far the simulator's learner is from this one. A variant not started within --budget_s
+is reported as skipped. Prints a markdown table; writes DIR/learner.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tlt_jax.bench.bench_model import load_target  # noqa: E402
+from tlt_jax.models import packed_impl  # noqa: E402
+from tlt_jax.optim import make_optimizer  # noqa: E402
+from tlt_jax.plan import cost  # noqa: E402
+from tlt_jax.plan.learner import Learner, learner_phases, remat_mode  # noqa: E402
+from tlt_jax.rl import grpo  # noqa: E402
+from tlt_jax.sharding import make_mesh  # noqa: E402
+
+
+def samples(n: int, max_len: int, seed: int, vocab: int) -> list[grpo.Sample]:
+  """n samples: 64-token prompts, lognormal responses (median max_len / 5) capped to fit."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(n):
+    k = int(min(max_len - 64, max(1, rng.lognormal(np.log(max_len / 5), 0.7))))
+    out.append(grpo.Sample(rng.integers(2, vocab, 64).astype(np.int32),
+                           rng.integers(2, vocab, k).astype(np.int32), float(rng.normal())))
+  return out
+
+
+def device_profile() -> cost.Hardware | None:
+  kind = jax.devices()[0].device_kind.lower()
+  for name in ("h200", "h100"):
+    if name in kind:
+      return cost.profile(name)
+  return None
+
+
+def run_variant(params, cfg, attention: str, args, batch) -> dict:
+  """One variant's measured phases (median of args.steps after one compile step) and its
+  first mini-batch-but-one's old log-probs."""
+  mcfg = dataclasses.replace(cfg, attention=attention)
+  mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+  spec = grpo.LearnerSpec(mcfg, grpo.GRPOConfig(), make_optimizer(1e-6), mesh,
+                          micro_batch=1, pad_multiple=args.max_len, max_len=args.max_len,
+                          micro_batch_tokens=args.tokens)
+  state = grpo.init_learner(params, spec)
+  times, logp = [], None
+  for step in range(args.steps + 1):
+    batches = grpo.minibatches(batch, spec, 2, seed=0)
+    t = time.perf_counter()
+    prepared = grpo.prepare(state, batches, spec)
+    jax.block_until_ready(prepared)
+    lp = time.perf_counter() - t
+    if logp is None:
+      logp = [np.asarray(b.old_logp, np.float32) for b in prepared[1]]
+    t = time.perf_counter()
+    state, _ = grpo.update(state, prepared, spec)
+    jax.block_until_ready(state.params)
+    if step:
+      times.append((lp, time.perf_counter() - t))
+  shapes = [[mb.tokens.shape for mb in group] for group in batches]
+  masks = [mb.loss_mask for mb in batches[1]]
+  return {"attention": attention, "why": packed_impl(mcfg, args.max_len)[1],
+          "logprobs_s": statistics.median(a for a, _ in times),
+          "update_s": statistics.median(b for _, b in times), "shapes": shapes,
+          "_logp": logp, "_masks": masks, "remat": remat_mode(mcfg)}
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--target", default=None, help="a bench target dir (default: the shipped)")
+  ap.add_argument("--dtype", default="bfloat16", help="compute dtype (params stay float32)")
+  ap.add_argument("--max_len", type=int, default=512, help="row length: one length bucket")
+  ap.add_argument("--tokens", type=int, default=8192, help="tokens per micro-batch")
+  ap.add_argument("--samples", type=int, default=96, help="responses per RL step")
+  ap.add_argument("--steps", type=int, default=2, help="timed steps per variant")
+  ap.add_argument("--budget_s", type=float, default=0.0, help="start no variant after this "
+                  "many seconds (0: no limit)")
+  ap.add_argument("--out", default=os.path.join(ROOT, "out", "gpu_learner"))
+  args = ap.parse_args(argv)
+  t0 = time.perf_counter()
+  cfg, params, *_ = load_target(args.target)
+  cfg = dataclasses.replace(cfg, dtype=args.dtype, param_dtype="float32")
+  params = jax.tree.map(lambda x: x.astype(np.float32), params)
+  batch = samples(args.samples, args.max_len, 0, cfg.vocab_size)
+  hw = device_profile()
+  rows = []
+  for attention in ("fused", "xla"):
+    if args.budget_s and time.perf_counter() - t0 > args.budget_s:
+      rows.append({"attention": attention, "skipped": "out of --budget_s"})
+      continue
+    r = run_variant(params, cfg, attention, args, batch)
+    if hw is not None:
+      learner = Learner(gpus=1, remat=r["remat"], fused_attention=attention == "fused")
+      shapes = [[(n, t) for n, t in group] for group in r["shapes"]]
+      pred = learner_phases(cfg, hw, learner, shapes, reference=False)
+      r["predicted_logprobs_s"], r["predicted_update_s"] = pred["logprobs"], pred["update"]
+    rows.append(r)
+    print(f"{attention}: done at {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+  tokens = sum(s.length for s in batch)
+  lines = [f"Packed learner step on {jax.devices()[0].device_kind} ({cfg.num_layers} layers, "
+           f"hidden {cfg.hidden_size}, {args.dtype}; {args.samples} responses, {tokens} tokens "
+           f"in rows of {args.max_len}, 2 mini-batches):", "",
+           "| attention | log-probs s | update s | update tokens/s | predicted log-probs / "
+           "update s | predicted / measured (update) |", "|---|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    if "skipped" in r:
+      lines.append(f"| {r['attention']} | skipped: {r['skipped']} ||||")
+      continue
+    pred = ("no GPU profile", "-")
+    if "predicted_update_s" in r:
+      pred = (f"{r['predicted_logprobs_s']:.3f} / {r['predicted_update_s']:.3f}",
+              f"{r['predicted_update_s'] / r['update_s']:.2f}")
+    lines.append(f"| {r['attention']} | {r['logprobs_s']:.3f} | {r['update_s']:.3f} | "
+                 f"{tokens / r['update_s']:.0f} | {pred[0]} | {pred[1]} |")
+  done = [r for r in rows if "skipped" not in r]
+  if len(done) == 2:
+    diff = max(float(np.max(np.abs(a - b) * m))
+               for a, b, m in zip(done[0]["_logp"], done[1]["_logp"], done[0]["_masks"]))
+    lines += ["", f"old log-probs, fused vs xla: max |difference| over response tokens "
+              f"{diff:.2e} ({args.dtype}); the update with fused attention at "
+              f"{done[1]['update_s'] / done[0]['update_s']:.2f}x the speed of xla's"]
+    for r in done:
+      r["parity_max_abs"] = diff
+  lines += [f"attention ({r['attention']}): {r['why']}" for r in done]
+  print("\n".join(lines))
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "learner.json"), "w") as f:
+    json.dump([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows], f,
+              indent=2)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,143 @@
+"""Attention for the model's forward: over a KV cache (`attend`, the rollout), causal over a
+chunk (`causal_attention`: prefill), and causal within packed segments (`packed_attention`:
+the learner's and the drafter's packed rows, several sequences laid end to end in one row).
+
+Which implementation runs is `ModelConfig.attention` ("auto" unless a user pins it), decided
+at trace time by `packed_impl` / `causal_attention`:
+- on a GPU in bf16/fp16, packed segments go through JAX's Pallas (Triton) flash attention
+  (`jax.experimental.pallas.ops.gpu.attention.mha`): segment ids and the causal mask are
+  applied per block, key blocks above the diagonal are never visited (the causal half is
+  skipped) and the [T, T] scores never exist in memory; its backward is fused too.
+  `jax.nn.dot_product_attention` (cuDNN) has no segment ids, and cuDNN's packed layout is a
+  private API; tokamax would add a dependency tree (xprof, qwix, pydantic) for the same
+  kernel family. Unpacked causal chunks use cuDNN through `jax.nn.dot_product_attention`.
+- everywhere else XLA's reference: the [T, T] scores formed and masked (float32 softmax).
+- attention="fused" forces the Pallas kernel on any backend: off a GPU it runs in Pallas
+  interpret mode (slow; for parity tests on a CPU). "xla" forces the reference.
+
+Under a learner mesh of several devices the kernel runs per shard (`jax.shard_map` over the
+batch axes, heads over "tensor" where they are split): a custom call left to the SPMD
+partitioner would be gathered onto every device.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from tlt_jax.models.config import ModelConfig
+
+_FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
+_BLOCKS = (128, 64, 32, 16)  # the kernel's query/key block, the largest that divides T
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+  """Grouped-query attention. q [B, T, N, H], k/v [B, S, K, H], mask [B|1, T, S] -> [B, T, N, H]."""
+  b, t, n, h = q.shape
+  kv_heads = k.shape[2]
+  qg = q.reshape(b, t, kv_heads, n // kv_heads, h)
+  scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
+  scores = scores / math.sqrt(h)
+  scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+  return out.reshape(b, t, n, h)
+
+
+def causal_mask(t: int) -> jax.Array:
+  return jnp.tril(jnp.ones((1, t, t), jnp.bool_))
+
+
+def segment_causal_mask(segment_ids: jax.Array) -> jax.Array:
+  """[B, T] segment ids (0 = padding) -> [B, T, T]: causal within each packed segment."""
+  t = segment_ids.shape[1]
+  same = segment_ids[:, :, None] == segment_ids[:, None, :]
+  return same & (segment_ids[:, :, None] != 0) & causal_mask(t)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """Causal self-attention of a chunk (prefill of an empty cache, an unpacked forward) through
+  `jax.nn.dot_product_attention`: cuDNN's fused flash attention on a GPU in bf16/fp16 (no
+  [T, T] score matrix in memory), XLA's reference elsewhere (float32 scores, as `attend`).
+  jax's implementation=None means XLA today, so the backend is chosen here."""
+  impl = "xla"
+  if (cfg.attention != "xla" and jax.default_backend() == "gpu"
+      and cfg.compute_dtype in _FUSED_DTYPES):
+    impl = "cudnn"
+  try:
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+  except (NotImplementedError, ValueError, RuntimeError):  # shape/GPU cuDNN cannot run
+    if impl == "xla":
+      raise
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+
+def packed_impl(cfg: ModelConfig, t: int) -> tuple[str, str]:
+  """(implementation, reason) of `packed_attention` for rows of t tokens: "fused" (the Pallas
+  flash attention, interpreted off a GPU) or "xla" (the reference); the reason is the one line
+  a run logs (the learner at start-up)."""
+  block = next((b for b in _BLOCKS if t % b == 0), 0)
+  backend = jax.default_backend()
+  if cfg.attention == "xla":
+    return "xla", "XLA's reference attention (model.attention='xla')"
+  if cfg.attention == "fused":
+    if not block:
+      raise ValueError(f"model.attention='fused' needs rows of a multiple of 16 tokens, got "
+                       f"{t}: set grpo.pad_multiple to a multiple of 16")
+    mode = "" if backend == "gpu" else f" in interpret mode (on {backend}: slow, for tests)"
+    return "fused", f"Pallas flash attention (model.attention='fused'){mode}"
+  if backend != "gpu":
+    return "xla", (f"XLA's reference attention: no fused kernel for packed segments on "
+                   f"{backend} ([T, T] scores, masked)")
+  if cfg.compute_dtype not in _FUSED_DTYPES:
+    return "xla", (f"XLA's reference attention: the fused kernel runs in bf16/fp16, the model "
+                   f"computes in {cfg.dtype}")
+  if not block:
+    return "xla", (f"XLA's reference attention: rows of {t} tokens are no multiple of 16 "
+                   "(grpo.pad_multiple)")
+  return "fused", ("Pallas (Triton) flash attention: causal within packed segments, the "
+                   "masked half skipped, no [T, T] scores")
+
+
+def _mha(q, k, v, segment_ids, *, interpret: bool):
+  """The Pallas kernel on one shard: q [b, T, N, H], k/v [b, T, K, H] (kv heads repeated to
+  N: the kernel has no groups; the repeat's gradient sums them back)."""
+  with warnings.catch_warnings():  # jax points at tokamax (the module docstring says why not)
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+  t, n, h = q.shape[1], q.shape[2], q.shape[3]
+  group = n // k.shape[2]
+  if group > 1:
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+  block = next(b for b in _BLOCKS if t % b == 0)
+  sizes = pallas_attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=min(block, 64),
+                                      block_kv_dkv=min(block, 64), block_q_dq=min(block, 64),
+                                      block_kv_dq=min(block, 64))
+  return pallas_attention.mha(q, k, v, segment_ids, sm_scale=1.0 / math.sqrt(h), causal=True,
+                              block_sizes=sizes, interpret=interpret)
+
+
+def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
+                     cfg: ModelConfig) -> jax.Array:
+  """q [B, T, N, H], k/v [B, T, K, H], segment_ids [B, T] (0 = padding) -> [B, T, N, H]:
+  each token attends to the earlier tokens of its own segment only. Padding tokens' outputs
+  are unspecified (finite): nothing reads them."""
+  impl, _ = packed_impl(cfg, q.shape[1])
+  if impl == "xla":
+    return attend(q, k, v, segment_causal_mask(segment_ids))
+  interpret = jax.default_backend() != "gpu"
+  kernel = lambda q, k, v, s: _mha(q, k, v, s, interpret=interpret)
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return kernel(q, k, v, segment_ids)
+  batch = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names and mesh.shape[a] > 1)
+  heads = "tensor" if "tensor" in mesh.axis_names and mesh.shape["tensor"] > 1 else None
+  if heads and k.shape[2] % mesh.shape["tensor"]:
+    heads = None  # kv heads fewer than the tensor axis: each shard holds every head
+  qs = P(batch or None, None, heads, None)
+  return jax.shard_map(kernel, mesh=mesh, in_specs=(qs, qs, qs, P(batch or None, None)),
+                       out_specs=qs, check_vma=False)(q, k, v, segment_ids)
