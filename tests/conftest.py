@@ -49,3 +49,11 @@ def tiny():
   """(params, drafter params) of spec_helpers.TINY, the engine tests' tiny target."""
   from spec_helpers import make_tiny
   return make_tiny()
+
+
+@pytest.fixture(scope="session")
+def plain_greedy(tiny):
+  """spec_helpers.PlainGreedy on the `tiny` target: plain greedy decoding's results, the
+  engine tests' reference, computed once per request list for the session."""
+  from spec_helpers import PlainGreedy
+  return PlainGreedy(tiny[0])

@@ -12,6 +12,8 @@ from scipy import stats
 
 from tlt_jax.drafter.model import init_drafter
 from tlt_jax.models import ModelConfig, forward, init_params
+from tlt_jax.rollout.config import EngineConfig
+from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.sampling import SamplingParams, processed_logprobs
 
 # the engine tests' tiny target: its weights are conftest.py's `tiny` fixture
@@ -25,6 +27,39 @@ def make_tiny():
   """(params, drafter params) of `TINY`: a random target with logits sharp enough to decode
   distinct answers, and a random drafter."""
   return init_params(TINY, jax.random.key(0), std=0.3), init_drafter(TINY, jax.random.key(1))
+
+
+class PlainGreedy:
+  """Plain greedy decoding of `TINY` in the `SMALL` layout (conftest.py's `plain_greedy`
+  fixture): the reference the engine tests compare speculation with. `(reqs, stop_tokens=())`
+  -> the results of a plain engine (no drafter) with those stop tokens.
+
+  One engine per stop-token set, kept for the session, and its results kept per request
+  list: a test asking for a reference another test already computed gets it without
+  building an engine and compiling its executables again. What it returns is what a fresh
+  engine returns: greedy decoding is deterministic, and a row's tokens do not depend on the
+  engine, call or batch that decodes it (the speculative tests compare against exactly that).
+  """
+
+  def __init__(self, params):
+    self.params = params
+    self.engines: dict = {}
+    self.results: dict = {}
+
+  def engine(self, stop_tokens=()) -> Engine:
+    stop = tuple(int(t) for t in stop_tokens)
+    if stop not in self.engines:
+      self.engines[stop] = Engine(self.params, TINY, EngineConfig(**SMALL, stop_tokens=stop))
+    return self.engines[stop]
+
+  def __call__(self, reqs, stop_tokens=()):
+    stop = tuple(int(t) for t in stop_tokens)
+    key = (stop, tuple((tuple(int(t) for t in r.prompt_ids), r.request_id, r.sample_index,
+                        r.max_new_tokens) for r in reqs))
+    if key not in self.results:
+      self.results[key] = self.engine(stop).generate(list(reqs),
+                                                     SamplingParams(temperature=0.0))
+    return self.results[key]
 
 
 V = 6

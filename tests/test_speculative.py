@@ -18,8 +18,8 @@ from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
-from spec_helpers import (N, NEW, PEAKED, PROMPT, SAMPLING, TINY, broken_p, chi_square_p,
-                          exact_joint, make_peaked)
+from spec_helpers import (N, NEW, PEAKED, PROMPT, SAMPLING, SMALL, TINY, broken_p,
+                          chi_square_p, exact_joint, make_peaked)
 
 CFG = TINY
 
@@ -36,17 +36,15 @@ def _by_id(results):
 
 
 @pytest.mark.parametrize("arm", ["3_1_4", "off", "2_2_4", "3_3_8"])  # chain, off, trees
-def test_greedy_spec_equals_plain_random_drafter(tiny, arm):
+def test_greedy_spec_equals_plain_random_drafter(tiny, plain_greedy, arm):
   params, dparams = tiny
   reqs = _requests(9)
-  base = dict(max_batch=4, buckets=(1, 2, 4), chunk_size=4, max_prompt_len=16,
-              max_new_tokens=24)
+  base = SMALL
   sp = SamplingParams(temperature=0.0)
-  plain = Engine(params, CFG, EngineConfig(**base)).generate(reqs, sp)
+  plain = plain_greedy(reqs)  # plain engines of SMALL (shared by the arms: the same outputs)
   # A stop token that really fires inside some responses.
   stop = int(np.bincount(np.concatenate([r.response_ids[3:] for r in plain])).argmax())
-  plain = _by_id(Engine(params, CFG, EngineConfig(**base, stop_tokens=(stop,)))
-                 .generate(reqs, sp))
+  plain = _by_id(plain_greedy(reqs, stop_tokens=(stop,)))
   assert any(r.finish_reason == "stop" for r in plain.values())
   w = Engine(params, CFG, EngineConfig(
       **base, stop_tokens=(stop,),
@@ -77,12 +75,10 @@ def test_greedy_spec_with_kernel_equals_reference(tiny, arm):
 DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "..", "tlt_jax", "assets", "default")
 
 
-@pytest.mark.skipif(not os.path.exists(os.path.join(DEFAULT_MODEL, "drafter", "drafter_config.json")),
-                    reason="default drafter not built")
-@pytest.mark.parametrize("arm", ["4_1_5", "4_4_16"])
-def test_greedy_spec_equals_plain_trained_drafter(arm):
-  """With the shipped drafter most drafts are accepted: the accept path is exercised (for
-  trees: accepted nodes' k/v gathered from scattered chunk slots)."""
+@pytest.fixture(scope="module")
+def shipped():
+  """The shipped target and drafter (tlt_jax/assets/default), loaded once for the module:
+  (cfg, params, drafter params, tokenizer, test prompt rows, stop tokens)."""
   from tlt_jax.data.prompts import load_prompt_rows
   from tlt_jax.drafter.model import load_drafter
   from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
@@ -91,11 +87,31 @@ def test_greedy_spec_equals_plain_trained_drafter(arm):
   dparams = load_drafter(os.path.join(DEFAULT_MODEL, "drafter"), cfg)
   tok = load_tokenizer(mdir)
   rows, _ = load_prompt_rows(os.path.join(DEFAULT_MODEL, "data", "test.jsonl"))
+  return cfg, params, dparams, tok, rows, stop_token_ids(mdir, tok)
+
+
+@pytest.fixture(scope="module")
+def shipped_plain(shipped):
+  """12 test prompts, the engine layout the trained-drafter arms run in, and plain greedy
+  decoding's results there (one plain engine for both arms: the same reference)."""
+  cfg, params, _, tok, rows, stop = shipped
   reqs = [Request(tok.encode(r.prompt), i) for i, r in enumerate(rows[:12])]
   base = dict(max_batch=4, buckets=(1, 2, 4), chunk_size=8, max_prompt_len=64,
-              max_new_tokens=96, stop_tokens=stop_token_ids(mdir, tok))
+              max_new_tokens=96, stop_tokens=stop)
+  plain = _by_id(Engine(params, cfg, EngineConfig(**base)).generate(
+      reqs, SamplingParams(temperature=0.0)))
+  return reqs, base, plain
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(DEFAULT_MODEL, "drafter", "drafter_config.json")),
+                    reason="default drafter not built")
+@pytest.mark.parametrize("arm", ["4_1_5", "4_4_16"])
+def test_greedy_spec_equals_plain_trained_drafter(shipped, shipped_plain, arm):
+  """With the shipped drafter most drafts are accepted: the accept path is exercised (for
+  trees: accepted nodes' k/v gathered from scattered chunk slots)."""
+  cfg, params, dparams = shipped[:3]
+  reqs, base, plain = shipped_plain
   sp = SamplingParams(temperature=0.0)
-  plain = _by_id(Engine(params, cfg, EngineConfig(**base)).generate(reqs, sp))
   w = Engine(params, cfg, EngineConfig(**base, spec=SpecConfig(
       strategy=arm, bs_threshold=4, patience=1, use_kernel=False)), drafter_params=dparams)
   spec = _by_id(w.generate(reqs, sp))
@@ -118,19 +134,12 @@ def test_greedy_spec_equals_plain_trained_drafter(arm):
                     reason="default drafter not built")
 @pytest.mark.parametrize("arm,temperature", [("4_1_5", 0.0), ("4_1_5", 1.0), ("4_4_16", 0.0),
                                              ("3_2_6", 1.0)])
-def test_tightest_attention_window_equals_the_whole_cache(arm, temperature):
+def test_tightest_attention_window_equals_the_whole_cache(shipped, arm, temperature):
   """spec_chunk over the window of exactly the longest row + `chunk_reach` slots (unbucketed:
   the tightest the engine may choose) gives the tokens and logprobs of the whole cache, chunk
   after chunk. The shipped drafter is accepted most of the time, so rows grow by up to
   steps + 1 tokens a step: the reach bound is exercised where it is tight."""
-  from tlt_jax.data.prompts import load_prompt_rows
-  from tlt_jax.drafter.model import load_drafter
-  from tlt_jax.models.hf_io import load_hf_model, load_tokenizer
-  mdir = os.path.join(DEFAULT_MODEL, "model")
-  cfg, params = load_hf_model(mdir)
-  dparams = load_drafter(os.path.join(DEFAULT_MODEL, "drafter"), cfg)
-  tok = load_tokenizer(mdir)
-  rows, _ = load_prompt_rows(os.path.join(DEFAULT_MODEL, "data", "test.jsonl"))
+  cfg, params, dparams, tok, rows, _ = shipped
   ids = [tok.encode(r.prompt) for r in rows[:4]]
   p = max(map(len, ids))
   toks = np.zeros((4, p), np.int32)
@@ -193,7 +202,7 @@ def test_attention_windows_in_the_engine_do_not_change_outputs(tiny, arm, monkey
 
 @pytest.mark.skipif(not os.path.isdir(os.path.join(DEFAULT_MODEL, "drafter")),
                     reason="default drafter not built")
-def test_switch_on_after_plain_decoding_gives_the_drafter_its_context():
+def test_switch_on_after_plain_decoding_gives_the_drafter_its_context(shipped):
   """Speculation that switches on after a plain phase (`switch_on`: one target forward over
   the live rows' sequences, then the drafter's prefill) gives the drafter its whole context:
   the shipped drafter accepts, per verification of a depth-4 chain, at least 80% of what its
@@ -201,18 +210,11 @@ def test_switch_on_after_plain_decoding_gives_the_drafter_its_context():
   scripts/train_drafter.py, not by the engine: 2.76), switching on after 4 plain chunks as
   right after the prompt (measured here 2.39 and 2.34; a drafter whose context is dropped at
   switch-on: 1.57), and outputs stay plain greedy decoding's."""
-  from tlt_jax.data.prompts import load_prompt_rows
-  from tlt_jax.drafter.model import load_drafter
-  from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
-  mdir = os.path.join(DEFAULT_MODEL, "model")
-  cfg, params = load_hf_model(mdir)
-  dparams = load_drafter(os.path.join(DEFAULT_MODEL, "drafter"), cfg)
-  tok = load_tokenizer(mdir)
-  rows, _ = load_prompt_rows(os.path.join(DEFAULT_MODEL, "data", "test.jsonl"))
+  cfg, params, dparams, tok, rows, stop = shipped
   longest = sorted(rows[:200], key=lambda r: -len(r.prompt))[:8]  # the longest chains
   reqs = [Request(tok.encode(r.prompt), i) for i, r in enumerate(longest)]
   base = dict(max_batch=8, buckets=(1, 2, 4, 8), chunk_size=8, max_prompt_len=64,
-              max_new_tokens=160, stop_tokens=stop_token_ids(mdir, tok))
+              max_new_tokens=160, stop_tokens=stop)
   sp = SamplingParams(temperature=0.0)
   plain = _by_id(Engine(params, cfg, EngineConfig(**base)).generate(reqs, sp))
   runs = {}
@@ -405,16 +407,14 @@ def test_strategy_validation():
     speculative.Strategy("2_2_8")
 
 
-SMALL = dict(max_batch=4, buckets=(1, 2, 4), chunk_size=4, max_prompt_len=16, max_new_tokens=24)
-
-
-def _greedy_plain(params, n):
+def _greedy_plain(plain_greedy, n):
   """n requests, greedy sampling, and plain decoding's results (the reference)."""
   reqs, sp = _requests(n), SamplingParams(temperature=0.0)
-  return reqs, sp, _by_id(Engine(params, CFG, EngineConfig(**SMALL)).generate(reqs, sp))
+  return reqs, sp, _by_id(plain_greedy(reqs))
 
 
-def test_kernel_that_fails_to_compile_falls_back_to_the_reference(tiny, monkeypatch, caplog):
+def test_kernel_that_fails_to_compile_falls_back_to_the_reference(tiny, plain_greedy, monkeypatch,
+                                                                  caplog):
   """A verification kernel that does not lower (as on a GPU/Triton version it was never
   compiled for) costs the run its speed, not its life: one warning, the jnp reference from
   then on, outputs unchanged, and `verify_path` says which ran."""
@@ -431,7 +431,7 @@ def test_kernel_that_fails_to_compile_falls_back_to_the_reference(tiny, monkeypa
 
   monkeypatch.setattr(speculative, "verify_chain", failing("chain"))
   monkeypatch.setattr(speculative, "verify_tree", failing("tree"))
-  reqs, sp, plain = _greedy_plain(params, 6)
+  reqs, sp, plain = _greedy_plain(plain_greedy, 6)
   w = Engine(params, CFG, EngineConfig(
       **SMALL, spec=SpecConfig(strategy=arm, bs_threshold=4, patience=1, use_kernel=True)),
       drafter_params=dparams)
@@ -445,12 +445,12 @@ def test_kernel_that_fails_to_compile_falls_back_to_the_reference(tiny, monkeypa
     np.testing.assert_array_equal(spec[k].response_ids, plain[k].response_ids)
 
 
-def test_background_compile_then_speculation_without_foreground_compiles(tiny):
+def test_background_compile_then_speculation_without_foreground_compiles(tiny, plain_greedy):
   """With background compilation the worker decodes plainly until a bucket's arms are ready;
   once compiled, a generate call speculates and compiles nothing in the foreground, and
   outputs stay exactly plain greedy decoding's."""
   params, dparams = tiny
-  reqs, sp, plain = _greedy_plain(params, 9)
+  reqs, sp, plain = _greedy_plain(plain_greedy, 9)
   w = Engine(params, CFG, EngineConfig(
       **SMALL, spec=SpecConfig(strategy="3_1_4", bs_threshold=4, patience=1, use_kernel=False,
                               background_compile=True)), drafter_params=dparams)
@@ -468,12 +468,12 @@ def test_background_compile_then_speculation_without_foreground_compiles(tiny):
     np.testing.assert_array_equal(second[k].response_ids, plain[k].response_ids)
 
 
-def test_plain_call_of_a_worker_with_a_drafter_runs_without_it(tiny):
+def test_plain_call_of_a_worker_with_a_drafter_runs_without_it(tiny, plain_greedy):
   """speculate=False (held-out evaluation) decodes with the executables of a worker that has
   no drafter: no drafter prefill or warm plain chunks are compiled or run, and the outputs
   are plain greedy decoding's; a later speculating call still speculates, losslessly."""
   params, dparams = tiny
-  reqs, sp, plain = _greedy_plain(params, 6)
+  reqs, sp, plain = _greedy_plain(plain_greedy, 6)
   w = Engine(params, CFG, EngineConfig(
       **SMALL, spec=SpecConfig(strategy="3_1_4", bs_threshold=4, patience=1, use_kernel=False)),
       drafter_params=dparams)
@@ -488,7 +488,7 @@ def test_plain_call_of_a_worker_with_a_drafter_runs_without_it(tiny):
     np.testing.assert_array_equal(on[k].response_ids, plain[k].response_ids)
 
 
-def test_a_group_starting_under_the_threshold_prefills_its_prompt_once(tiny):
+def test_a_group_starting_under_the_threshold_prefills_its_prompt_once(tiny, plain_greedy):
   """Two prompts x 2 samples, under the threshold from the start: speculation starts from a
   drafter-carrying prefill of the 2 distinct prompts expanded to the 4 rows
   (spec_state.prefill_shared). Greedy: every row equals plain decoding of its prompt alone;
@@ -497,8 +497,8 @@ def test_a_group_starting_under_the_threshold_prefills_its_prompt_once(tiny):
   prompts = [r.prompt_ids for r in _requests(2, seed=3)]
   reqs = [Request(prompts[i], request_id=i, sample_index=s) for i in range(2) for s in range(2)]
   sp = SamplingParams(temperature=0.0)
-  alone = {i: Engine(params, CFG, EngineConfig(**SMALL)).generate(
-      [Request(prompts[i], request_id=i)], sp)[0].response_ids for i in range(2)}
+  alone = {i: plain_greedy([Request(prompts[i], request_id=i)])[0].response_ids
+           for i in range(2)}
   w = Engine(params, CFG, EngineConfig(
       **SMALL, spec=SpecConfig(strategy="3_1_4", bs_threshold=4, patience=1, use_kernel=False)),
       drafter_params=dparams)
