@@ -120,16 +120,16 @@ def _by_key(results):
     (["hyb_3", "hist_3", "2_1_3"], {}),
     (["hist_3"], dict(page_size=4, kv_pages=13))],  # a row reaches up to 10 pages
     ids=["chain", "tree", "mixed_with_drafter", "hybrid_mixed", "chain_preempting"])
-def test_greedy_history_spec_equals_plain(tiny, arms, pool):
+def test_greedy_history_spec_equals_plain(tiny, plain_greedy, arms, pool):
   params, dparams = tiny
   reqs = _requests(9)
   sp = SamplingParams(temperature=0.0)
-  oracle = {k: np.concatenate([r.prompt_ids, r.response_ids]) for k, r in _by_key(
-      Engine(params, CFG, EngineConfig(**SMALL)).generate(reqs, sp)).items()}
+  # plain greedy decoding (conftest.py's plain_greedy: engines of SMALL, shared by the cases)
+  oracle = {k: np.concatenate([r.prompt_ids, r.response_ids])
+            for k, r in _by_key(plain_greedy(reqs)).items()}
   # A stop token that really fires inside some responses (and sits inside drafts).
   stop = int(np.bincount(np.concatenate([o[-20:] for o in oracle.values()])).argmax())
-  plain = _by_key(Engine(params, CFG, EngineConfig(**SMALL, stop_tokens=(stop,)))
-                  .generate(reqs, sp))
+  plain = _by_key(plain_greedy(reqs, stop_tokens=(stop,)))
   assert any(r.finish_reason == "stop" for r in plain.values())
   index = FakeIndex(oracle, CFG.vocab_size)
   ecfg = EngineConfig(**SMALL, stop_tokens=(stop,), **pool,
@@ -183,11 +183,11 @@ class NotWantedGate:
     pass
 
 
-def test_history_fed_only_once_a_history_arm_runs(tiny):
+def test_history_fed_only_once_a_history_arm_runs(tiny, plain_greedy):
   params, dparams = tiny
   reqs = _requests(9)
   sp = SamplingParams(temperature=0.0)
-  plain = _by_key(Engine(params, CFG, EngineConfig(**SMALL)).generate(reqs, sp))
+  plain = _by_key(plain_greedy(reqs))
   oracle = {k: np.concatenate([r.prompt_ids, r.response_ids]) for k, r in plain.items()}
   index = FakeIndex(oracle, CFG.vocab_size)
   begun = {}  # key -> chunks the engine had run when the index first heard of the row
@@ -240,7 +240,8 @@ class ClosingGate(NotWantedGate):
 
 
 @pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
-def test_a_batch_whose_bucket_closes_stops_speculating_and_outputs_stay_plain(tiny, background):
+def test_a_batch_whose_bucket_closes_stops_speculating_and_outputs_stay_plain(tiny, plain_greedy,
+                                                                              background):
   """The gate closes the speculating batch's bucket mid-call: the batch switches off
   (spec_state.switch_off), decodes plainly there, compacts and switches on again where the
   gate allows it; greedy outputs are plain decoding's throughout. Compiling in the
@@ -250,7 +251,7 @@ def test_a_batch_whose_bucket_closes_stops_speculating_and_outputs_stay_plain(ti
   reqs = [dataclasses.replace(r, max_new_tokens=n)
           for r, n in zip(_requests(4), (24, 24, 10, 6))]
   sp = SamplingParams(temperature=0.0)
-  plain = _by_key(Engine(params, CFG, EngineConfig(**SMALL)).generate(reqs, sp))
+  plain = _by_key(plain_greedy(reqs))
   ecfg = EngineConfig(**SMALL, spec=SpecConfig(strategy="2_1_3", bs_threshold=4, patience=1,
                                                use_kernel=False, background_compile=background))
   selector = CycleSelector(["2_1_3"])
@@ -435,12 +436,12 @@ def test_broken_history_acceptance_is_detected(peaked, arm, monkeypatch):
   assert broken_p(seqs, exact_joint(params, sp)) < 1e-6
 
 
-def test_background_compile_of_history_arms(tiny):
+def test_background_compile_of_history_arms(tiny, plain_greedy):
   """History arms compile ahead like drafter arms (their step takes the draft arrays): a
   second generate call runs them with nothing compiled in the foreground, outputs unchanged."""
   params, dparams = tiny
   reqs, sp = _requests(6), SamplingParams(temperature=0.0)
-  plain = _by_key(Engine(params, CFG, EngineConfig(**SMALL)).generate(reqs, sp))
+  plain = _by_key(plain_greedy(reqs))
   oracle = {k: np.concatenate([r.prompt_ids, r.response_ids]) for k, r in plain.items()}
   arms = ["hist_2", "2_1_3", "histtree_2_2_5"]
   w = Engine(params, CFG, EngineConfig(
