@@ -107,7 +107,7 @@ def test_greedy_acceptance_equals_the_engines(default_target):
   assert worse["tokens_per_verify"] < 1.2 and worse["sequences"] == len(seqs)
 
 
-def test_spot_training_with_context_keeps_a_good_drafter_good(default_target):
+def test_spot_training_with_context_keeps_a_good_drafter_good(default_target, monkeypatch):
   """The defect behind DESIGN.md 5a: trained on bare response windows, the shipped drafter got
   worse on its own policy's data (it drafts attending to the prompt and earlier response,
   which the windows lacked). 30 steps of the spot trainer's recipe on the policy's own
@@ -125,6 +125,18 @@ def test_spot_training_with_context_keeps_a_good_drafter_good(default_target):
                              temperature=0.0, seed=0, max_new=288)
   seqs = [(r.prompt_ids, r.response_ids) for r in greedy]
   frozen = measure(params, dparams, seqs, cfg=cfg)["tokens_per_verify"]
+  # Both fits train on the policy's rollouts of the same prompts at the same temperature and
+  # seed: the same sequences (sampling is keyed by seed and row), generated once and handed
+  # to both (the fits differ only in the context their buffer windows keep).
+  rollouts, generate = {}, drift.generate
+
+  def generate_once(params_, cfg_, prompts_, stop_, **kw):
+    key = (id(params_), tuple(map(tuple, prompts_)), tuple(stop_), tuple(sorted(kw.items())))
+    if key not in rollouts:
+      rollouts[key] = generate(params_, cfg_, prompts_, stop_, **kw)
+    return rollouts[key]
+
+  monkeypatch.setattr(drift, "generate", generate_once)
   got = {}
   for context in (128, 0):
     run_cfg = {"rollout": {"temperature": 1.0}, "tlt": {"drafter": {
@@ -135,6 +147,7 @@ def test_spot_training_with_context_keeps_a_good_drafter_good(default_target):
                                       tokens=30 * 8 * 256, run_cfg=run_cfg, seed=0, max_new=288)
     assert steps == 30
     got[context] = measure(params, fitted, seqs, cfg=cfg)["tokens_per_verify"]
+  assert len(rollouts) == 1
   print(f"greedy chain-4 tokens per verification: shipped {frozen:.3f}, after 30 spot steps "
         f"with context {got[128]:.3f}, without {got[0]:.3f}")
   assert got[128] >= frozen - 0.05
