@@ -418,12 +418,14 @@ def test_attention_windows_do_not_change_outputs(models, greedy, prompts, monkey
 
 
 def test_kv_pages_admit_exhaust_and_preempt_without_changing_a_response(models, greedy,
-                                                                         prompts):
+                                                                         layouts, prompts):
   """A KV pool far smaller than max_batch rows of max length (9 pages of 4 slots; a row
   reaches up to 7): requests wait for pages to be admitted, live rows run out of pages
   mid-rollout and the youngest are preempted and recomputed (pages.py). Every response is
   still transformers' greedy one, and sampled responses equal those of an engine whose pool
-  never runs out (per-row keys: a recomputed row draws the same tokens)."""
+  never runs out (per-row keys: a recomputed row draws the same tokens): the module's main
+  Qwen worker (its default pool holds max_batch rows of max length, in pages of 16 slots; its
+  sampled results are the `layouts` fixture's)."""
   m, g = models["qwen2"], greedy["qwen2"]
   roomy = engine_cfg(stop_tokens=(g["stop"],), page_size=4)
   tight = dataclasses.replace(roomy, kv_pages=9)
@@ -436,8 +438,10 @@ def test_kv_pages_admit_exhaust_and_preempt_without_changing_a_response(models, 
   assert greedy_preempted > 0 and w.preemptions > greedy_preempted  # pages ran out in both
   # admission by pages: never the 4 rows max_batch allows while requests waited
   assert max(c.live for c in log_g + log_s) < 4
-  assert_same_results(res_s, run(Engine(m.params, m.cfg, roomy), sampled_requests(prompts),
-                                 T1, seed=0)[0], "sampled, tight pool vs roomy")
+  main = layouts["workers"]["main"]
+  assert main.ecfg.pool_pages >= main.ecfg.max_batch * main.ecfg.row_pages  # never runs out
+  assert main.preemptions == 0
+  assert_same_results(res_s, layouts["main"]["sampled"][0], "sampled, tight pool vs roomy")
   with pytest.raises(Exception, match="kv_pages"):  # a pool must hold one longest row
     dataclasses.replace(roomy, kv_pages=6)
 
