@@ -36,17 +36,17 @@ from tlt_jax.models import packed_impl  # noqa: E402
 from tlt_jax.optim import make_optimizer  # noqa: E402
 from tlt_jax.plan import cost  # noqa: E402
 from tlt_jax.plan.learner import Learner, learner_phases, remat_mode  # noqa: E402
-from tlt_jax.rl import grpo  # noqa: E402
+from tlt_jax.rl import batching, grpo  # noqa: E402
 from tlt_jax.sharding import make_mesh  # noqa: E402
 
 
-def samples(n: int, max_len: int, seed: int, vocab: int) -> list[grpo.Sample]:
+def samples(n: int, max_len: int, seed: int, vocab: int) -> list[batching.Sample]:
   """n samples: 64-token prompts, lognormal responses (median max_len / 5) capped to fit."""
   rng = np.random.default_rng(seed)
   out = []
   for _ in range(n):
     k = int(min(max_len - 64, max(1, rng.lognormal(np.log(max_len / 5), 0.7))))
-    out.append(grpo.Sample(rng.integers(2, vocab, 64).astype(np.int32),
+    out.append(batching.Sample(rng.integers(2, vocab, 64).astype(np.int32),
                            rng.integers(2, vocab, k).astype(np.int32), float(rng.normal())))
   return out
 
@@ -70,7 +70,7 @@ def run_variant(params, cfg, attention: str, args, batch) -> dict:
   state = grpo.init_learner(params, spec)
   times, logp = [], None
   for step in range(args.steps + 1):
-    batches = grpo.minibatches(batch, spec, 2, seed=0)
+    batches = batching.minibatches(batch, spec, 2, seed=0)
     t = time.perf_counter()
     prepared = grpo.prepare(state, batches, spec)
     jax.block_until_ready(prepared)

@@ -10,7 +10,7 @@ import pytest
 
 from tlt_jax.models import ModelConfig, forward, init_params
 from tlt_jax.optim import make_optimizer
-from tlt_jax.rl import grpo
+from tlt_jax.rl import batching, grpo
 from tlt_jax.rollout.config import EngineConfig
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.records import Request
@@ -87,7 +87,7 @@ def setup():
   new = jax.tree.map(lambda a, b: a + 0.5 * b, old, noise)
   ref = init_params(CFG, jax.random.key(2), std=0.3)
   rng = np.random.RandomState(0)
-  samples = [grpo.Sample(rng.randint(1, 23, rng.randint(2, 9)),
+  samples = [batching.Sample(rng.randint(1, 23, rng.randint(2, 9)),
                          rng.randint(1, 23, rng.choice([1, 3, 17, 40])), float(rng.randn()))
              for _ in range(11)]
   return old, new, ref, samples
@@ -99,10 +99,10 @@ def test_microbatched_loss_matches_float64_reference(setup, kl_coef, temperature
   gcfg = grpo.GRPOConfig(eps_low=0.2, eps_high=0.28, kl_coef=kl_coef, temperature=temperature,
                          logit_chunk=8)  # chunked LM head with a ragged last chunk
   rng = np.random.RandomState(1)  # short samples too: they outlast the long rows' gaps
-  samples = samples + [grpo.Sample(rng.randint(1, 23, 3), rng.randint(1, 23, rng.randint(1, 9)),
+  samples = samples + [batching.Sample(rng.randint(1, 23, 3), rng.randint(1, 23, rng.randint(1, 9)),
                                    float(rng.randn())) for _ in range(12)]
   want, want_ent, want_kl = _np_grpo_loss(new, old, ref, samples, gcfg)
-  mbs = list(grpo.micro_batches(samples, rows=2, pad_multiple=16, max_len=64))
+  mbs = list(batching.micro_batches(samples, rows=2, pad_multiple=16, max_len=64))
   assert len({mb.tokens.shape[1] for mb in mbs}) > 1  # micro-batches of several lengths
   assert max(mb.segment_ids.max() for mb in mbs) >= 3  # rows packed with several samples
   num_tokens = jnp.float32(sum(mb.loss_mask.sum() for mb in mbs))
@@ -131,7 +131,7 @@ def test_ratio_is_one_on_policy_and_gradient_is_policy_gradient(setup):
   summed over the samples each run alone, unpacked)."""
   old, _, _, samples = setup
   gcfg = grpo.GRPOConfig()
-  mbs = list(grpo.micro_batches(samples, rows=2, pad_multiple=64, max_len=64))
+  mbs = list(batching.micro_batches(samples, rows=2, pad_multiple=64, max_len=64))
   n = jnp.float32(sum(float(mb.loss_mask.sum()) for mb in mbs))
   g_loss = None
   for mb in mbs:
@@ -155,10 +155,10 @@ def test_ratio_is_one_on_policy_and_gradient_is_policy_gradient(setup):
 
 
 def test_micro_batches_layout():
-  samples = [grpo.Sample(np.array([5, 6]), np.array([7] * k), float(k)) for k in (9, 1, 4)]
+  samples = [batching.Sample(np.array([5, 6]), np.array([7] * k), float(k)) for k in (9, 1, 4)]
   # lengths 11, 3, 6; 2 rows of the 11-token sample's bucket 16: first-fit longest first puts
   # the 6 beside nothing it fits with (11 + 6 > 16) and the 3 beside the 11
-  mbs = list(grpo.micro_batches(samples, rows=2, pad_multiple=4, max_len=64))
+  mbs = list(batching.micro_batches(samples, rows=2, pad_multiple=4, max_len=64))
   assert len(mbs) == 1 and mbs[0].tokens.shape == (2, 16)
   mb = mbs[0]
   np.testing.assert_array_equal(mb.tokens[0, :14], [5, 6] + [7] * 9 + [5, 6, 7])
@@ -171,19 +171,19 @@ def test_micro_batches_layout():
   assert mb.segment_ids[1].max() == 1 and mb.advantages[1, 6:].sum() == 0
   # capped at max_len (rounded up to the multiple): with max_len 12 rows are 12 long, and the
   # 3 no longer fits beside the 11; it goes beside the 6
-  capped = list(grpo.micro_batches(samples, rows=2, pad_multiple=4, max_len=12))
+  capped = list(batching.micro_batches(samples, rows=2, pad_multiple=4, max_len=12))
   assert [mb.tokens.shape for mb in capped] == [(2, 12)]
   np.testing.assert_array_equal(capped[0].index[1, :9], [2] * 6 + [1] * 3)
   # token budget 32: 2 rows at T=16 hold all but one 2-token sample (11+3+2, 6+2x5), which gets
   # its own micro-batch of 8 rows at T=4 (a multiple of row_multiple 2), shortest first
-  many = samples + [grpo.Sample(np.array([5]), np.array([7]), 0.0) for _ in range(7)]
-  mbs = list(grpo.micro_batches(many, rows=0, pad_multiple=4, max_len=64, max_tokens=32,
+  many = samples + [batching.Sample(np.array([5]), np.array([7]), 0.0) for _ in range(7)]
+  mbs = list(batching.micro_batches(many, rows=0, pad_multiple=4, max_len=64, max_tokens=32,
                                 row_multiple=2))
   assert [mb.tokens.shape for mb in mbs] == [(8, 4), (2, 16)]
   held = [i for mb in mbs for i in np.unique(mb.index) if i >= 0]
   assert sorted(held) == list(range(10)) and len(np.unique(mbs[0].index)) == 2
   with pytest.raises(ValueError, match="longer than max_len"):
-    grpo.micro_layout([13], 2, 4, 12)
+    batching.micro_layout([13], 2, 4, 12)
 
 
 def test_grpo_raises_a_toy_reward_on_a_sharded_learner():
@@ -212,9 +212,9 @@ def test_grpo_raises_a_toy_reward_on_a_sharded_learner():
       r[x.request_id, x.sample_index] = np.mean(x.response_ids == 3)
     means.append(r.mean())
     adv = grpo.group_advantages(r)
-    samples = [grpo.Sample(x.prompt_ids, x.response_ids, adv[x.request_id, x.sample_index])
+    samples = [batching.Sample(x.prompt_ids, x.response_ids, adv[x.request_id, x.sample_index])
                for x in res]
-    minibatches = grpo.minibatches(samples, spec, num_minibatches=2, seed=step)
+    minibatches = batching.minibatches(samples, spec, num_minibatches=2, seed=step)
     assert len(minibatches) == 2
     state, m = grpo.update(state, grpo.prepare(state, minibatches, spec), spec)
     assert np.isfinite(m["loss"]) and m["grad_norm"] > 0
@@ -237,10 +237,10 @@ def test_learner_first_step_runs_at_the_scheduled_lr(warmup):
   # copies: a numpy view of a CPU buffer would keep it alive past the donation
   before = [np.array(x, copy=True) for x in jax.tree.leaves(state.params)]
   rng = np.random.RandomState(0)
-  samples = [grpo.Sample(rng.randint(1, 23, 4), rng.randint(1, 23, 6), float(a))
+  samples = [batching.Sample(rng.randint(1, 23, 4), rng.randint(1, 23, 6), float(a))
              for a in rng.randn(12)]
   old = state
-  batches = grpo.minibatches(samples, spec)
+  batches = batching.minibatches(samples, spec)
   state, m = grpo.update(state, grpo.prepare(state, batches, spec), spec)
   assert all(x.is_deleted() for x in jax.tree.leaves(old))  # donated
   assert m["grad_norm"] > 0 and int(state.opt_state[0][0].count) == 1
@@ -287,9 +287,9 @@ def test_learner_compiles_each_micro_batch_shape_once(fsdp):
         # short and long samples (6 and 29 tokens: a short one fits no long row's gap):
         # micro-batches of 8 x 8 and 2 x 32 tokens (8 x 32 over 8 devices: rows come in
         # multiples of them), in both positions
-        samples = [grpo.Sample(rng.randint(1, 23, 3), rng.randint(1, 23, n),
+        samples = [batching.Sample(rng.randint(1, 23, 3), rng.randint(1, 23, n),
                                float(rng.randn())) for n in rng.choice([3, 26], 24)]
-        batches = grpo.minibatches(samples, spec, num_minibatches=2, seed=step)
+        batches = batching.minibatches(samples, spec, num_minibatches=2, seed=step)
         shapes |= {mb.tokens.shape for group in batches for mb in group}
         state, _ = grpo.update(state, grpo.prepare(state, batches, spec), spec)
   finally:
@@ -310,7 +310,7 @@ def test_packed_learner_equals_each_sample_run_alone(setup, fsdp, attention):
   import dataclasses
   params, new, _, samples = setup
   rng = np.random.RandomState(2)
-  samples = samples + [grpo.Sample(rng.randint(1, 23, 3), rng.randint(1, 23, rng.randint(1, 9)),
+  samples = samples + [batching.Sample(rng.randint(1, 23, 3), rng.randint(1, 23, rng.randint(1, 9)),
                                    float(rng.randn())) for _ in range(9)]
   cfg = dataclasses.replace(CFG, attention=attention)
   mesh = make_mesh({"data": 1, "fsdp": fsdp, "tensor": 1}, devices=jax.devices()[:fsdp])
@@ -318,7 +318,7 @@ def test_packed_learner_equals_each_sample_run_alone(setup, fsdp, attention):
   spec = grpo.LearnerSpec(cfg, grpo.GRPOConfig(eps_low=0.2, eps_high=0.28), tx, mesh,
                           micro_batch=8, pad_multiple=16, max_len=64, micro_batch_tokens=256)
   state = grpo.init_learner(params, spec)
-  group = list(grpo.micro_batches(samples, spec.micro_batch, spec.pad_multiple, spec.max_len,
+  group = list(batching.micro_batches(samples, spec.micro_batch, spec.pad_multiple, spec.max_len,
                                   spec.micro_batch_tokens, spec.row_multiple))
   assert max(mb.segment_ids.max() for mb in group) >= 3
   assert len(group) > 1 or fsdp > 1  # accumulated over micro-batches (8 x 64 holds them all)
@@ -390,9 +390,9 @@ def test_the_reference_forward_runs_only_with_a_kl_term(kl_coef):
                           micro_batch=4, pad_multiple=32)
   state = grpo.init_learner(init_params(CFG, jax.random.key(3), std=0.05), spec)
   rng = np.random.RandomState(0)
-  samples = [grpo.Sample(rng.randint(1, 23, 3), rng.randint(1, 23, 9), float(a))
+  samples = [batching.Sample(rng.randint(1, 23, 3), rng.randint(1, 23, 9), float(a))
              for a in rng.randn(8)]
-  first, later = grpo.prepare(state, grpo.minibatches(samples, spec, 2), spec)
+  first, later = grpo.prepare(state, batching.minibatches(samples, spec, 2), spec)
   assert (state.ref_params is None) == (kl_coef == 0)
   for b in first + later:
     assert (b.ref_logp is None) == (kl_coef == 0)

@@ -55,7 +55,7 @@ from tlt_jax.coordinator import Worker
 from tlt_jax.eval import evaluate as evaluate_rows
 from tlt_jax.errors import ConfigError
 from tlt_jax.metrics import MetricsWriter, read_records
-from tlt_jax.rl import grpo
+from tlt_jax.rl import batching, grpo
 from tlt_jax.rl.reward_pool import RewardError, RewardPool
 from tlt_jax.rollout.policies.cells import Policies, PolicyCells
 from tlt_jax.rollout.policies.mab import BanditState
@@ -135,12 +135,12 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   for res in responses:
     r[res.request_id, res.sample_index] = res.reward
   adv = grpo.group_advantages(r, eps=cfg.grpo.adv_eps, norm_by_std=cfg.grpo.norm_adv_by_std)
-  samples = [grpo.Sample(res.prompt_ids, res.response_ids,
+  samples = [batching.Sample(res.prompt_ids, res.response_ids,
                          float(adv[res.request_id, res.sample_index])) for res in responses]
 
   # ---- learner: old log-probs, then the update
   t = time.perf_counter()
-  batches = grpo.minibatches(samples, run.learner, cfg.grpo.minibatches, seed=seed)
+  batches = batching.minibatches(samples, run.learner, cfg.grpo.minibatches, seed=seed)
   prepared = grpo.prepare(state.learner, batches, run.learner)
   jax.block_until_ready(prepared)
   times["logprobs"] = time.perf_counter() - t

@@ -263,17 +263,17 @@ def _learner_pass(ls, state, seq_lens: Sequence[int], prompt_lens: Sequence[int]
   import jax
   import numpy as np
 
-  from tlt_jax.rl import grpo
+  from tlt_jax.rl import batching, grpo
   rng = np.random.default_rng(seed)
   vocab = ls.cfg.vocab_size
   samples = []
   for i, n in enumerate(seq_lens):
     p = min(int(prompt_lens[i % len(prompt_lens)]), int(n) - 1)
-    samples.append(grpo.Sample(rng.integers(1, vocab, p).astype(np.int32),
+    samples.append(batching.Sample(rng.integers(1, vocab, p).astype(np.int32),
                                rng.integers(1, vocab, int(n) - p).astype(np.int32),
                                float(rng.normal())))
   t = time.perf_counter()
-  prepared = grpo.prepare(state, grpo.minibatches(samples, ls, minibatches, seed=seed), ls)
+  prepared = grpo.prepare(state, batching.minibatches(samples, ls, minibatches, seed=seed), ls)
   jax.block_until_ready(prepared)
   lp = time.perf_counter() - t
   t = time.perf_counter()
@@ -295,11 +295,11 @@ def learner_profile(ls, state, model_cfg: ModelConfig, hw: cost.Hardware, *,
 
   from tlt_jax.models import packed_impl
   from tlt_jax.plan.learner import Learner, micro_flops, remat_mode
-  from tlt_jax.rl import grpo
+  from tlt_jax.rl import batching
   short, long_ = ls.pad_multiple, 8 * ls.pad_multiple
   rows = {}
   for t in (short, long_):
-    (_, _, rows[t]), = grpo.micro_layout([t], ls.micro_batch, ls.pad_multiple, ls.max_len,
+    (_, _, rows[t]), = batching.micro_layout([t], ls.micro_batch, ls.pad_multiple, ls.max_len,
                                          ls.micro_batch_tokens, ls.row_multiple)
   cases = [(short, 1), (short, 2), (long_, 1), (long_, 2)]
   lp, up = {}, {}

@@ -43,7 +43,7 @@ class Learner:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """The learner's batch layout (config.grpo; grpo.micro_layout's arguments)."""
+  """The learner's batch layout (config.grpo; batching.micro_layout's arguments)."""
   micro_batch: int
   micro_batch_tokens: int
   pad_multiple: int
@@ -60,12 +60,12 @@ class Layout:
 
   def shapes(self, seq_lens: Sequence[int], seed: int = 0) -> list[list[tuple[int, int]]]:
     """(rows, padded length) of every micro-batch, per mini-batch: the learner's own
-    partition and packing (grpo.minibatch_parts, grpo.micro_layout)."""
-    from tlt_jax.rl import grpo
-    return [[(n, t) for _, t, n in grpo.micro_layout(
+    partition and packing (batching.minibatch_parts, batching.micro_layout)."""
+    from tlt_jax.rl import batching
+    return [[(n, t) for _, t, n in batching.micro_layout(
         [seq_lens[i] for i in part], self.micro_batch, self.pad_multiple, self.max_len,
         self.micro_batch_tokens, self.row_multiple)]
-        for part in grpo.minibatch_parts(len(seq_lens), self.minibatches, seed)]
+        for part in batching.minibatch_parts(len(seq_lens), self.minibatches, seed)]
 
 
 def remat_mode(cfg: ModelConfig) -> str:

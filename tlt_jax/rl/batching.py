@@ -1,0 +1,131 @@
+"""The learner's batches: samples (a prompt, its response, the advantage) cut into
+mini-batches (a random partition, one optimizer step each) and laid out as packed
+micro-batches (grpo's module docstring has the layout; `micro_layout` is the layout from the
+lengths alone, which the cluster simulator prices). Host-side numpy only: the learner
+(rl/grpo.py) puts them on its mesh."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, NamedTuple, Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Sample:
+  prompt_ids: np.ndarray
+  response_ids: np.ndarray
+  advantage: float
+
+  @property
+  def length(self) -> int:
+    return len(self.prompt_ids) + len(self.response_ids)
+
+
+class MicroBatch(NamedTuple):
+  """One micro-batch on the host, before the old-log-prob pass (`Batch`'s layout)."""
+
+  tokens: np.ndarray  # [b, T] int32
+  positions: np.ndarray  # [b, T] int32
+  segment_ids: np.ndarray  # [b, T] int32
+  loss_mask: np.ndarray  # [b, T] float32
+  advantages: np.ndarray  # [b, T] float32
+  index: np.ndarray  # [b, T] int64 each token's sample index, -1 on padding
+
+
+def micro_layout(lengths: Sequence[int], rows: int, pad_multiple: int, max_len: int,
+                 max_tokens: int = 0, row_multiple: int = 1
+                 ) -> list[tuple[list[list[int]], int, int]]:
+  """The layout of `micro_batches` from the samples' lengths alone: per micro-batch, shortest
+  first, (the sample indices of each of its rows, its row length T, its row count). The
+  cluster simulator prices the learner on it (tlt_jax/plan/learner.py: what the device
+  computes, the padding left included).
+
+  Longest first: a micro-batch's T is the length bucket of the longest sample left (the
+  smallest pad_multiple x 2^k that holds it, at most max_len rounded up to pad_multiple), its
+  row count `rows`, or with max_tokens > 0 max(row_multiple, max_tokens // T rounded down to
+  row_multiple); then every sample left, longest first, goes into the first of its rows with
+  room (first-fit decreasing), and what fits nowhere waits for the next micro-batch."""
+  cap = -(-max_len // pad_multiple) * pad_multiple
+  if lengths and max(lengths) > cap:
+    raise ValueError(f"a sample of {max(lengths)} tokens is longer than max_len {max_len}")
+  left = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
+  out = []
+  while left:
+    t = pad_multiple
+    while t < min(lengths[left[0]], cap):
+      t *= 2
+    t = min(t, cap)
+    n = rows
+    if max_tokens > 0:
+      n = max(row_multiple, (max_tokens // t) // row_multiple * row_multiple)
+    bins: list[list[int]] = [[] for _ in range(n)]
+    free = [t] * n
+    rest = []
+    for i in left:
+      r = next((r for r in range(n) if free[r] >= lengths[i]), -1)
+      if r < 0:
+        rest.append(i)
+      else:
+        bins[r].append(i)
+        free[r] -= lengths[i]
+    out.append((bins, t, n))
+    left = rest
+  return out[::-1]
+
+
+def micro_batches(samples: list[Sample], rows: int, pad_multiple: int, max_len: int,
+                  max_tokens: int = 0, row_multiple: int = 1) -> Iterator[MicroBatch]:
+  """Packed micro-batches (`micro_layout`), shortest first.
+
+  rows: rows per micro-batch; or, with max_tokens > 0, a token budget per micro-batch of T
+  tokens a row. Shapes depend only on T, so there is one compile per length bucket, and
+  geometric buckets keep them few (32, 64, 128, 256, 384 for max_len 368: 5 compiles of the
+  update; on the CPU each costs ~3 s, more than the padding they save).
+  """
+  out = []
+  for bins, t, n in micro_layout([s.length for s in samples], rows, pad_multiple, max_len,
+                                 max_tokens, row_multiple):
+    tokens = np.zeros((n, t), np.int32)
+    positions = np.zeros((n, t), np.int32)
+    segments = np.zeros((n, t), np.int32)
+    mask = np.zeros((n, t), np.float32)
+    adv = np.zeros((n, t), np.float32)
+    index = np.full((n, t), -1, np.int64)
+    for r, idx in enumerate(bins):
+      at = 0
+      for seg, i in enumerate(idx, 1):
+        smp = samples[i]
+        p, k = len(smp.prompt_ids), len(smp.response_ids)
+        span = slice(at, at + p + k)
+        tokens[r, at:at + p] = smp.prompt_ids
+        tokens[r, at + p:at + p + k] = smp.response_ids
+        positions[r, span] = np.arange(p + k)
+        segments[r, span] = seg
+        mask[r, at + p:at + p + k] = 1.0
+        adv[r, span] = smp.advantage
+        index[r, span] = i
+        at += p + k
+    out.append(MicroBatch(tokens, positions, segments, mask, adv, index))
+  return iter(out)
+
+
+def minibatches(samples: list[Sample], spec, num_minibatches: int = 1,
+                seed: int = 0) -> list[list[MicroBatch]]:
+  """Samples -> mini-batches (one optimizer step each) of micro-batches, laid out as
+  `spec` (a grpo.LearnerSpec) says.
+
+  Mini-batches are a random partition of the samples, as in VeRL/PPO: were they cut from
+  the length-sorted order instead, one step would see only short (mostly right) responses
+  and the next only long (mostly wrong) ones, two full-size Adam steps in opposite
+  directions. Within a mini-batch, micro-batches are packed (`micro_layout`)."""
+  return [list(micro_batches([samples[i] for i in part], spec.micro_batch, spec.pad_multiple,
+                             spec.max_len, spec.micro_batch_tokens, spec.row_multiple))
+          for part in minibatch_parts(len(samples), num_minibatches, seed)]
+
+
+def minibatch_parts(n: int, num_minibatches: int, seed: int) -> list[np.ndarray]:
+  """`minibatches`' random partition of n samples (indices per mini-batch)."""
+  order = np.random.default_rng([seed, 23]).permutation(n)
+  return np.array_split(order, max(1, min(num_minibatches, n)))
