@@ -222,7 +222,10 @@ def test_a_lone_worker_trains_beside_the_learner_until_it_settles():
   assert time.perf_counter() - t0 < 0.2  # handed back at the barrier
   time.sleep(0.3)
   drafter = out.settle()
-  assert 8 <= drafter["steps"] <= 16, drafter  # ~0.3 s of 20 ms steps
+  elapsed = time.perf_counter() - t0
+  # ~0.3 s of 20 ms steps: bounded by the time it had (a slow machine runs fewer, never more),
+  # and it clearly kept going (not one step, then idle)
+  assert 3 <= drafter["steps"] <= elapsed / 0.02 + 1, (drafter, elapsed)
   assert store.drafter()[1].params == drafter["steps"] * 1.0
   out = c.rollout(shares(0.05), sp=None, seed=1)  # never settled: the next rollout stops it
   c.rollout(shares(0.05), sp=None, seed=2).settle()
