@@ -99,7 +99,7 @@ def get_config():
   # No cap on the live batch speculation runs at (the paper's recipe speculates under 32 rows,
   # DESIGN.md 4): at 7B on an H100 a step of 64-216 rows is still bound by bytes, so drafts
   # pay in the bulk too, and the gate measures where they do (docs/scale.md). Patience 1: a
-  # worker's batch that fits at once speculates from its prefill (no switch-on forward).
+  # batch speculates from its first chunk where the gate allows.
   c.tlt.spec.bs_threshold = 0
   c.tlt.spec.patience = 1
   c.tlt.spec.max_steps = 8

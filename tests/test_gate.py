@@ -75,6 +75,83 @@ def test_opens_bucket_by_bucket_while_it_pays_then_declines_the_rest():
   assert g.arms(7, 2) == [] and g.drafter_wanted()
 
 
+def test_a_call_may_speculate_only_where_a_probe_is_funded_or_a_bucket_pays():
+  """`may_speculate` (whether a call keeps the drafter's cache current, engine.py's tracked
+  call): not while nothing is funded (a horizon too short to repay any compile: the CPU
+  default's case), yes once a probe is funded (on every worker: it may pay mid-call) and
+  while a bucket pays; not once every bucket is declined."""
+  g = _gate(min_chunks=2, margin=0.1, reprobe_every=0, horizon=1, payback=0.01)
+  assert g.state.status[1] == "probing" and not g.state.probe_arms(1)
+  assert not g.may_speculate()
+  g = _gate(min_chunks=2, margin=0.1, reprobe_every=0)  # open-ended: every compile repays
+  assert g.state.probe_arms(1) == ["4_1_5"] and g.may_speculate()
+  _feed(g, 1, None, 100.0, 2)
+  _feed(g, 1, "4_1_5", 150.0, 2)
+  assert g.state.status[1] == "pays" and g.may_speculate()
+  for b in (2, 4, 8):
+    g.state = dataclasses.replace(g.state, at={**g.state.at, b: dataclasses.replace(
+        g.state.at[b], status="declined", reason="hardware", funded=frozenset())})
+  g.state = g.state.put(1, dataclasses.replace(g.state.at[1], status="declined",
+                                               funded=frozenset()))
+  assert not g.may_speculate()
+  assert dataclasses.replace(g.state, cfg=GateConfig(gating=False)).may_speculate()
+
+
+def test_chunks_at_a_wider_window_than_their_rows_need_may_open_a_bucket_not_close_it():
+  """A probe's chunk that ran at a wider attention window than its rows need (a compiled
+  wide one while theirs compiles) reads more than plain decoding at the rows' windows: it
+  may show that an arm pays (it would pay more at the rows' windows), not that none does (the
+  32B recipe's 120-row probe read 3.9x plain's bytes per step at the whole cache's window and
+  was declined at 0.89x). A decline waits for chunks at the rows' own windows."""
+  g = _gate(min_chunks=2, margin=0.1, reprobe_every=0)
+  _feed(g, 1, None, 100.0, 2)
+  g.record(1, "4_1_5", 1.0, 16, 16, 16, live=1)  # warm-up
+  for _ in range(4):  # slow: at the whole cache's window
+    g.record(1, "4_1_5", 16 * 2.0 / 30.0, 16, 16, 16, live=1, wide=True)
+  assert g.state.status[1] == "probing"  # (counted as wide chunks: no decline on them)
+  for _ in range(2):  # at the rows' windows: paying
+    g.record(1, "4_1_5", 16 * 2.0 / 150.0, 16, 16, 16, live=1)
+  assert g.state.status[1] == "pays"
+  d = g.state.decisions[-1]
+  assert d["ratio"] == pytest.approx(1.5)
+  g = _gate(min_chunks=2, margin=0.1, reprobe_every=0)
+  _feed(g, 1, None, 100.0, 2)
+  g.record(1, "4_1_5", 1.0, 16, 16, 16, live=1)
+  for _ in range(2):  # wide, yet paying: it pays
+    g.record(1, "4_1_5", 16 * 2.0 / 130.0, 16, 16, 16, live=1, wide=True)
+  assert g.state.status[1] == "pays"
+  g = _gate(min_chunks=2, margin=0.1, reprobe_every=0)
+  _feed(g, 1, None, 100.0, 2)
+  g.record(1, "4_1_5", 1.0, 16, 16, 16, live=1)
+  for wide in (True, False, False):  # losing at the rows' windows too: declined
+    g.record(1, "4_1_5", 16 * 2.0 / 30.0, 16, 16, 16, live=1, wide=wide)
+  assert g.state.status[1] == "declined"
+
+
+def test_once_a_bucket_pays_probation_goes_where_the_time_is_above_it():
+  """Bucket 1 pays; probation moves to the larger bucket whose probe could earn the most (the
+  seconds a rollout spends there x the best case's saving), here 8, where the rollout's time
+  is, not to the next bucket up (2): plain steps whose time the bytes they read explain
+  (a GPU's decoding) bound the best case at depth + 1 everywhere. With no time measured
+  above it, the next one up."""
+  def plain(g, bucket, chunks):
+    for _ in range(chunks + 1):  # (+ the warm-up)
+      read = 1e9 + bucket * 1e6
+      g.record(bucket, None, 16 * read / 1e11, 16, live=bucket, read=read)
+
+  for busy, expect in (({2: 1, 4: 1, 8: 40}, 8), ({}, 2)):
+    g = _gate(min_chunks=2, margin=0.1, reprobe_every=0)
+    plain(g, 1, 2)
+    for b, n in busy.items():
+      plain(g, b, n)
+    g.record(1, "4_1_5", 1.0, 16, 16, 16, live=1)  # warm-up
+    for _ in range(2):  # 2 tokens per verification at 1.5x plain's step time: pays
+      g.record(1, "4_1_5", 16 * 1.5 * 1.001e9 / 1e11, 16, 16, 16, live=1)
+    assert g.state.status[1] == "pays", g.state.decisions
+    assert g.state.status[expect] == "probing"
+    assert [b for b, st in g.state.status.items() if st == "probing"] == [expect]
+
+
 def test_declines_for_hardware_with_the_lead_alone_and_pauses_the_drafter():
   """A k-token forward costing ~k single ones: even all drafts accepted would not pay."""
   g = _gate(min_chunks=2, margin=0.05, reprobe_every=2, hardware_reprobe_every=5)

@@ -164,6 +164,9 @@ class NotWantedGate:
   def drafter_wanted(self):
     return False
 
+  def may_speculate(self):
+    return True
+
   def allows(self, worker_id, bucket):
     return True
 

@@ -1,6 +1,8 @@
 """The payoff rule (tlt_jax/rollout/policies/payoff.py) and the gate's use of it (gate.py), on hand-
 computed cases: nothing speculative is compiled unless its best case repays the compile."""
 
+import dataclasses
+
 import pytest
 
 from tlt_jax.rollout.policies import payoff
@@ -156,12 +158,15 @@ def test_a_narrower_window_compiles_only_when_what_it_saves_repays_it():
   """An arm runs 0.2 s chunks at bucket 1 at a wider window than it needs; the narrower one
   would read 10% fewer bytes. At 5 chunks per rollout that saves 0.1 s per rollout: over 990
   rollouts left x 0.5, 49.5 s, against its compile (4.6 s, measured): compiled. At 0.05
-  chunks per rollout: 0.5 s, not. An open-ended gate compiles every window."""
+  chunks per rollout: 0.5 s, not. An open-ended gate compiles every window; a probe, the
+  windows its rows need (at a wider one its verdict would measure the window)."""
   g = SpecGate(GateConfig(lead="4_1_5", min_chunks=1, margin=0.0, horizon=1000))
   for _ in range(10):
     g.begin_rollout(0, {1: ARMS})
   g.compiled(PLAIN, 1, None, 1.4)
   g.compiled(SPEC, 1, "4_1_5", 4.6)
+  assert g.state.status[1] == "probing" and g.repays_window(1, "4_1_5", 0.05, 0.1)
+  g.state = g.state.put(1, dataclasses.replace(g.state.at[1], status="pays"))
   assert not g.repays_window(1, "4_1_5", 5, 0.1)  # no chunk of the arm measured yet
   g.record(1, "4_1_5", 0.2, 16, 16, 16)
   g.record(1, "4_1_5", 0.2, 16, 16, 16)

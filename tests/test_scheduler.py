@@ -65,7 +65,7 @@ def brute_speculation(lives, threshold, patience):
 
 
 def simulate(requests, *, max_batch, buckets, compaction=True, bs_threshold=None, patience=1,
-             rng=None, speculating=False):
+             rng=None):
   """Drives a Scheduler the way the engine does and checks every invariant on the way.
 
   Each chunk: plan -> apply ops to the simulated rows -> check_speculation -> every live row
@@ -73,7 +73,7 @@ def simulate(requests, *, max_batch, buckets, compaction=True, bs_threshold=None
   Returns a trace for scenario-specific checks."""
   rng = rng or random.Random(0)
   s = Scheduler(requests, max_batch=max_batch, buckets=buckets, compaction=compaction,
-                bs_threshold=bs_threshold, patience=patience, speculating=speculating)
+                bs_threshold=bs_threshold, patience=patience)
   rows = []
   queue = list(requests)  # our own model of the pending queue
   entered = []  # requests in the order they reached the device
@@ -373,23 +373,6 @@ def test_speculation_never_switches_on_without_threshold(seed):
   s, tr = simulate(requests, max_batch=4, buckets=(1, 2, 4), bs_threshold=None, patience=1,
                    rng=rng)
   assert not any(tr["spec"]) and not s.speculating
-
-
-@pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("threshold", [None, 2])
-def test_speculating_from_the_first_chunk(seed, threshold):
-  """speculating=True (the engine's call whose batch starts under the threshold): every check
-  is on, whatever the live sizes, and the layout is the one a scheduler without speculation
-  plans (the flag changes no op)."""
-  rng = random.Random(seed)
-  requests = [Req(i, rng.randint(1, 12)) for i in range(rng.randint(1, 8))]
-  kw = dict(max_batch=8, buckets=(1, 2, 4, 8), bs_threshold=threshold, patience=3)
-  s, tr = simulate(requests, speculating=True, rng=random.Random(seed), **kw)
-  assert tr["spec"] == [True] * len(tr["lives"]) and s.speculating
-  _, plain = simulate(requests, rng=random.Random(seed), **kw)
-  assert tr["ops"] == plain["ops"]
-  # without the flag, patience 3 at threshold 2 is the brute-force expectation, not all-on
-  assert plain["spec"] == brute_speculation(plain["lives"], threshold, 3)
 
 
 def test_speculation_counter_resets_on_a_large_batch():

@@ -177,7 +177,7 @@ def test_tightest_attention_window_equals_the_whole_cache(shipped, arm, temperat
 def test_attention_windows_in_the_engine_do_not_change_outputs(tiny, arm, monkeypatch):
   """Speculative and plain chunks over windows of the cache (prompt_bucket 2: many windows,
   crossed mid-rollout) give the whole-cache engine's tokens and logprobs, greedy and sampled
-  (same keys), through refills, compaction and switch-on."""
+  (same keys), through refills, compaction and switch-on after tracked plain chunks."""
   from tlt_jax.rollout import compile_plan
   params, dparams = tiny
   reqs = _requests(9)
@@ -202,14 +202,15 @@ def test_attention_windows_in_the_engine_do_not_change_outputs(tiny, arm, monkey
 
 @pytest.mark.skipif(not os.path.isdir(os.path.join(DEFAULT_MODEL, "drafter")),
                     reason="default drafter not built")
-def test_switch_on_after_plain_decoding_gives_the_drafter_its_context(shipped):
-  """Speculation that switches on after a plain phase (`switch_on`: one target forward over
-  the live rows' sequences, then the drafter's prefill) gives the drafter its whole context:
+def test_speculation_after_plain_decoding_gives_the_drafter_its_context(shipped):
+  """Speculation that switches on after a plain phase (a tracked call: the drafter consumed
+  each plain chunk's pairs, `spec_state.track`) gives the drafter its whole context:
   the shipped drafter accepts, per verification of a depth-4 chain, at least 80% of what its
   own teacher-forced evaluation measured (eval.json beside it, computed by
   scripts/train_drafter.py, not by the engine: 2.76), switching on after 4 plain chunks as
-  right after the prompt (measured here 2.39 and 2.34; a drafter whose context is dropped at
-  switch-on: 1.57), and outputs stay plain greedy decoding's."""
+  right after the prompt (measured here 2.39 and 2.34 with a target forward over the rows at
+  switch-on, before tracking; a drafter whose context is dropped at switch-on: 1.57), and
+  outputs stay plain greedy decoding's."""
   cfg, params, dparams, tok, rows, stop = shipped
   longest = sorted(rows[:200], key=lambda r: -len(r.prompt))[:8]  # the longest chains
   reqs = [Request(tok.encode(r.prompt), i) for i, r in enumerate(longest)]
@@ -315,10 +316,12 @@ def test_plain_sampling_matches_target_distribution(peaked):
   assert chi_square_p(seqs, exact_joint(params, sp)) > 1e-3
 
 
-def _switch_off_joint(params, dparams, sp, switch_off):
-  """N samples of the first NEW tokens: one speculative step (a 2-draft chain: 2 tokens or
-  more, the last pending), `switch_off`, then plain decoding; and how many rows took a token
-  from the plain part."""
+def _phases_joint(params, dparams, sp, phases, switch_off=None):
+  """N samples of the first NEW tokens of a speculative prefill followed by `phases`, each
+  ("track", steps): a tracked plain chunk (decode_chunk, then `spec_state.track`),
+  ("spec", steps): a 2-draft chain's chunk, or "off": `switch_off` (default
+  spec_state.switch_off). Returns the samples and, per phase, how many rows took a token in
+  it."""
   b = N
   toks = jnp.tile(jnp.asarray(PROMPT, jnp.int32), (b, 1))
   keys = jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(b) + 7 * b)
@@ -327,36 +330,64 @@ def _switch_off_joint(params, dparams, sp, switch_off):
                        drafter_cache(PEAKED, b, 16, page_size=2), toks,
                        jnp.full((b,), len(PROMPT), jnp.int32), keys,
                        jnp.full((b,), NEW + 2, jnp.int32))
-  spec = functools.partial(speculative.spec_chunk, cfg=PEAKED, sp=sp, stop_tokens=(), chunk=1,
-                           strategy=speculative.Strategy.of(2), capture_hidden=False,
-                           use_kernel=False)
-  state, out1, _ = jax.jit(spec)(params, dparams, state)
-  base = jax.jit(switch_off)(params, state.base, state.pending, state.has_pending)
-  plain = functools.partial(decode.decode_chunk, cfg=PEAKED, sp=sp, stop_tokens=(), chunk=NEW,
-                            capture_hidden=False)
-  _, out2 = jax.jit(plain)(params, base)
-  first = [np.asarray(out1.tokens)[i][np.asarray(out1.valid)[i]] for i in range(b)]
-  rest = [np.asarray(out2.tokens)[i][np.asarray(out2.valid)[i]] for i in range(b)]
-  seqs = np.stack([np.concatenate([f, r])[:NEW] for f, r in zip(first, rest)])
-  return seqs, sum(len(f) < NEW for f in first)
+  off = switch_off or functools.partial(spec_state.switch_off, cfg=PEAKED)
+  got, took = [[] for _ in range(b)], []
+  for phase in phases:
+    if phase == "off":
+      state = jax.jit(off)(params, dparams, state)
+      continue
+    kind, steps = phase
+    if kind == "spec":
+      fn = functools.partial(speculative.spec_chunk, cfg=PEAKED, sp=sp, stop_tokens=(),
+                             chunk=steps, strategy=speculative.Strategy.of(2),
+                             capture_hidden=False, use_kernel=False)
+      state, out, _ = jax.jit(fn)(params, dparams, state)
+    else:
+      fn = functools.partial(decode.decode_chunk, cfg=PEAKED, sp=sp, stop_tokens=(),
+                             chunk=steps, capture_hidden=True)
+      base, out = jax.jit(fn)(params, state.base)
+      track = functools.partial(spec_state.track, cfg=PEAKED)
+      state = state.replace(base=base, dcache=jax.jit(track)(
+          params, dparams, state.dcache, out.tokens, out.hidden, out.valid))
+    tokens, valid = np.asarray(out.tokens), np.asarray(out.valid)
+    took.append(sum(len(g) < NEW and valid[i].any() for i, g in enumerate(got)))
+    for i in range(b):
+      got[i].extend(tokens[i][valid[i]])
+  return np.stack([np.asarray(g[:NEW]) for g in got]), took
 
 
 def test_sampled_switch_off_matches_target_distribution(peaked):
-  """Speculation stopped mid-call (`switch_off`: each row's pending token through the
-  target, then plain decoding from the state that leaves) samples the target's distribution:
-  most rows here emit 2 tokens in their speculative step and draw the 3rd plainly. A
-  switch-off that skips the pending token's forward samples the 3rd from the wrong
-  conditional, and the test sees it."""
+  """Speculation stopped mid-call (`switch_off`: the drafter's catch-up, each row's pending
+  token through the target, then tracked plain decoding from the state that leaves) samples
+  the target's distribution: most rows here emit 2 tokens in their speculative step and draw
+  the 3rd plainly. A switch-off that skips the pending token's forward samples the 3rd from
+  the wrong conditional, and the test sees it."""
   params, dparams = peaked
   sp = SAMPLING[0]
   joint = exact_joint(params, sp)
-  seqs, from_plain = _switch_off_joint(params, dparams, sp, functools.partial(
-      spec_state.switch_off, cfg=PEAKED))
-  assert from_plain > 0.5 * N
+  phases = [("spec", 1), "off", ("track", NEW)]
+  seqs, took = _phases_joint(params, dparams, sp, phases)
+  assert took[1] > 0.5 * N
   assert chi_square_p(seqs, joint) > 1e-3
-  skip = lambda params, base, pending, has_pending: base  # noqa: E731
-  seqs, _ = _switch_off_joint(params, dparams, sp, skip)
+  skip = lambda params, dparams, state: state  # noqa: E731
+  seqs, _ = _phases_joint(params, dparams, sp, phases, switch_off=skip)
   assert broken_p(seqs, joint) < 1e-6
+
+
+def test_sampled_tracked_then_speculative_matches_target_distribution(peaked):
+  """A tracked call's first token plainly (`spec_state.track`: the drafter consumes its pair),
+  the rest speculatively from the drafter's cache it left (no switch-on forward); and a
+  batch switched off after one speculative step, then on again: the target's
+  distribution."""
+  params, dparams = peaked
+  sp = SAMPLING[1]
+  joint = exact_joint(params, sp)
+  seqs, took = _phases_joint(params, dparams, sp, [("track", 1), ("spec", NEW)])
+  assert took == [N, N]
+  assert chi_square_p(seqs, joint) > 1e-3
+  seqs, took = _phases_joint(params, dparams, sp, [("spec", 1), "off", ("spec", NEW)])
+  assert took[1] > 0.5 * N
+  assert chi_square_p(seqs, joint) > 1e-3
 
 
 def test_broken_acceptance_rule_is_detected(peaked):
@@ -490,8 +521,8 @@ def test_plain_call_of_a_worker_with_a_drafter_runs_without_it(tiny, plain_greed
 
 def test_a_group_starting_under_the_threshold_prefills_its_prompt_once(tiny, plain_greedy):
   """Two prompts x 2 samples, under the threshold from the start: speculation starts from a
-  drafter-carrying prefill of the 2 distinct prompts expanded to the 4 rows
-  (spec_state.prefill_shared). Greedy: every row equals plain decoding of its prompt alone;
+  prefill of the 2 distinct prompts, the drafter's over them, expanded to the 4 rows
+  (spec_state.track_prompt). Greedy: every row equals plain decoding of its prompt alone;
   the drafter's cache of each row is its prompt's (the drafts keep being accepted)."""
   params, dparams = tiny
   prompts = [r.prompt_ids for r in _requests(2, seed=3)]
@@ -503,7 +534,7 @@ def test_a_group_starting_under_the_threshold_prefills_its_prompt_once(tiny, pla
       **SMALL, spec=SpecConfig(strategy="3_1_4", bs_threshold=4, patience=1, use_kernel=False)),
       drafter_params=dparams)
   out = _by_id(w.generate(reqs, sp))
-  assert any(r.name == "prefill_spec" and r.key.variant == "shared" for r in w.compile_log)
+  assert any(r.name == "track_prompt" and r.key.variant == "shared" for r in w.compile_log)
   assert all(c.mode == "3_1_4" for c in w.chunk_log)  # speculated from the first chunk
   for (i, s), r in out.items():
     np.testing.assert_array_equal(r.response_ids, alone[i], err_msg=str((i, s)))

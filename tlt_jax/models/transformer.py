@@ -261,7 +261,7 @@ def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, 
       policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable
                 if cfg.remat_policy == "dots" else None)
       layer_fn = jax.checkpoint(layer_fn, policy=policy)
-    if unstacked:  # a replica's full forward (switch-on): its layers one after the other
+    if unstacked:  # a replica's full forward (prompt_hidden): layer after layer
       for lp in params_layers[:n_layers]:
         x, _ = layer_fn(x, lp)
       return x, None

@@ -34,7 +34,7 @@ class Plan:
   on: list[StepResult]
   off: list[StepResult]
   gate: dict[str, Any] | None
-  executables: dict[str, int]
+  executables: dict[str, Any]  # on, off: totals; per_worker: executables and compile seconds
   gate_mode: str
 
   @property
@@ -99,7 +99,13 @@ def plan(cfg, *, hardware: str = "h100", gpus: int = 0, lengths: Lengths, accept
   on, off = runs["on"], runs["off"]
   gate_after = on.policies.gate  # (None: no gate)
   ex = {"on": sum(len(e.exes.records) for e in on.engines),
-        "off": sum(len(e.exes.records) for e in off.engines)}
+        "off": sum(len(e.exes.records) for e in off.engines),
+        # per worker: executables and the seconds compiling them (foreground or not)
+        "per_worker": {m: {"executables": round(sum(len(e.exes.records) for e in r.engines)
+                                                / len(r.engines), 1),
+                           "compile_s": round(sum(x.seconds for e in r.engines
+                                                  for x in e.exes.records) / len(r.engines), 1)}
+                       for m, r in (("on", on), ("off", off))}}
   return Plan(name=cfg.model.get("architecture") or cfg.model.path, hardware=hw, gpus=n,
               workers=workers, tp=tp, max_batch=on.ecfg.max_batch,
               kv_pages=on.ecfg.pool_pages, lengths=lengths, acceptance=acceptance,
@@ -159,7 +165,11 @@ def text(p: Plan) -> str:
       f"speculative chunks per arm (TLT on): {arms or 'none'}",
       f"gate ({p.gate_mode}): {p.gate['status'] if p.gate else 'none'}",
       f"executables compiled over the run: TLT on {p.executables['on']}, "
-      f"off {p.executables['off']}"]
+      f"off {p.executables['off']}; per worker: TLT on "
+      f"{p.executables['per_worker']['on']['executables']} "
+      f"({p.executables['per_worker']['on']['compile_s']:.0f} s compiling), off "
+      f"{p.executables['per_worker']['off']['executables']} "
+      f"({p.executables['per_worker']['off']['compile_s']:.0f} s)"]
   return "\n".join(lines)
 
 

@@ -62,8 +62,8 @@ class StepResult:
 
 
 # parts of the rollout phase, reported beside it (not added to the step)
-ROLLOUT_PARTS = ("prefill", "bulk_decode", "tail_decode", "verification", "switch_on",
-                 "compile", "host", "idle", "drafter_training")
+ROLLOUT_PARTS = ("prefill", "bulk_decode", "tail_decode", "verification",
+                 "drafter_tracking", "compile", "host", "idle", "drafter_training")
 
 
 class Simulation:
@@ -164,12 +164,12 @@ class Simulation:
     learner = learner_phases(self.cfg, self.hw, self.learner, self.layout.shapes(seq, k),
                              reference=float(self.spec.cfg.grpo.get("kl_coef", 0.0)) > 0)
     parts = {k2: sum(e.busy[k2] - b[k2] for e, b in zip(self.engines, busy0)) / self.workers_n
-             for k2 in ("prefill", "switch_on", "compile", "host")}
+             for k2 in ("prefill", "drafter_tracking", "compile", "host")}
     bulk, tail, verify = _decode_split(chunks)
     w = self.workers_n
     phases = {"rollout": barrier - t0, "drafter": late, **learner,
               "prefill": parts["prefill"], "bulk_decode": bulk / w, "tail_decode": tail / w,
-              "verification": verify / w, "switch_on": parts["switch_on"],
+              "verification": verify / w, "drafter_tracking": parts["drafter_tracking"],
               "compile": parts["compile"], "host": parts["host"], "idle": spot["idle_s"] / w,
               "drafter_training": spot["training_s"] / w}
     self.t = barrier + late + learner["logprobs"] + learner["update"] + learner["weight_sync"]

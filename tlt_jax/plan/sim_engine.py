@@ -2,7 +2,7 @@
 clock.
 
 `SimEngine` is the rollout `Engine` with its device seam replaced (replica.py: `_apply`,
-`_switch_on`, `_decode`, `_sync`, `_call`, `kv`, `exes`, `compiles`, `clock`): every chunk goes
+`_switch_off`, `_decode`, `_sync`, `_call`, `kv`, `exes`, `compiles`, `clock`): every chunk goes
 through the engine's own `generate` / `_chunk` / `_page` / `_collect` / `_report`, so the
 Scheduler (admission in order, refill, compaction, the speculation threshold and patience),
 the page policy (admission by free pages, preemption of the youngest rows: pages.py), the
@@ -13,17 +13,20 @@ the simulator on the same response lengths and compares every chunk.
 
 What the device would do is priced by the cost model (cost.py) on a hardware profile:
   prefill      the distinct prompts of the rows (padded as prefill.py pads them)
-  plain chunk  chunk_size decode steps at the bucket, attending over the chunk's window
+  plain chunk  chunk_size decode steps at the bucket, attending over the chunk's window; in a
+               tracked call (one that may speculate) one drafter forward over the chunk's
+               tokens besides ("drafter_tracking", inside the chunk's time)
   spec chunk   chunk_size verifications: the target over the arm's verify tokens, the
                drafter's catch-up over steps + 1 and steps - 1 more drafter steps of topk
                (`cost.spec_step`); each row's accepted drafts drawn per verification from
                the workload's acceptance (workload.py)
-  switch-on    a forward of the target and the drafter over the rows' text so far
+  switch-off   the drafter's catch-up and one target step over the whole cache
   host         the profile's `chunk_s` per chunk (dispatch, sync, the loop's own work) and
                `op_s` per layout operation (prefill, refill, resize)
   compile      `compile_s` per executable the first time it runs (0: a warm persistent
-               cache); background compiles (SpecConfig.background_compile: each bucket's
-               arms, and the attention windows and switch-on lengths the compile plan
+               cache; a drafter-only one, the tracking's, by its layers: 2 / (layers + 1));
+               background compiles (SpecConfig.background_compile: each bucket's
+               arms, and the attention windows and switch-offs the compile plan
                queues) finish `compile_s` after they are queued, one at a time, beside
                decoding; a chunk that needs one still queued waits for it
 Rows end at their drawn length (a stop token) or at max_new_tokens (truncated).
@@ -57,7 +60,9 @@ class Row:
   target: int  # tokens this response will have (its drawn length, capped)
   produced: int = 0
   stopped: bool = False  # ended by a stop token (else by max_new_tokens)
-  pending: int = 0  # tokens its next speculative step emits besides its own (switch-on's)
+  # tokens its next speculative step emits besides its own (a tracked row has no pending
+  # token: the step samples one first)
+  pending: int = 0
 
 
 class SimState:
@@ -142,7 +147,7 @@ class SimKV:
 
 class _SimCompiler:
   """The compile thread's queue as the compile plan sees it: a job runs at once, and what it
-  compiles (SimCompilePlan.spec / switch_on) is queued on the simulated compile clock."""
+  compiles (SimCompilePlan.spec, switch-offs) is queued on the simulated compile clock."""
 
   @staticmethod
   def submit(job) -> None:
@@ -150,11 +155,10 @@ class _SimCompiler:
 
 
 class SimCompilePlan(CompilePlan):
-  """The compile plan's decisions (`choosable_pairs`, `ready`, `window`, `switch_length`,
-  `_window_pays`) as they are; what compiles is a key with a price on the engine's clock.
-  Background compiles (each bucket's arms with switch-on over the whole cache, and the
-  windows and switch-on lengths the plan queues) finish one after another on a compile clock
-  beside decoding."""
+  """The compile plan's decisions (`choosable_pairs`, `ready`, `window`, `_window_pays`) as
+  they are; what compiles is a key with a price on the engine's clock. Background compiles
+  (each bucket's arms over the whole cache, and the windows and switch-offs the plan queues)
+  finish one after another on a compile clock beside decoding."""
 
   def __init__(self, engine: "SimEngine", weight_bytes: int, slot_bytes: int):
     super().__init__(engine.cfg, engine.ecfg, engine.exes, None)
@@ -169,25 +173,18 @@ class SimCompilePlan(CompilePlan):
   def _spec_key(self, call, sp, arm, state, kv_len):
     return exe_key("spec", state.batch_size, Strategy(arm), kv_len)
 
-  def _switch_key(self, call, state, length):
-    return exe_key("switch_on", state.batch_size, length)
-
-  def _queue(self, key: ExecKey) -> float:
+  def _queue(self, key: ExecKey, scale: float = 1.0) -> float:
     e = self.engine
     if key in e.exes:
       return e.now
     start = max(self._compile_free, e.now)
-    due = e.exes.queue(key, e.compile_s, start)
+    due = e.exes.queue(key, e.compile_s * scale, start)
     self._compile_free = max(self._compile_free, due)
     return due
 
   def spec(self, call, sp, arm, state, kv_len=None):
     """(From the compile thread: a window the plan queued.)"""
     self._queue(self._spec_key(call, sp, arm, state, kv_len or self.ecfg.cache_len))
-
-  def switch_on(self, call, base, length, dpool=None):
-    """(From the compile thread: a length the plan queued.)"""
-    self._queue(self._switch_key(call, base, length))
 
   def submit(self, call: PlanCall, sp, *_):
     if self._compiler is None:
@@ -198,21 +195,17 @@ class SimCompilePlan(CompilePlan):
         if key in self._due:
           continue
         whole = SimState([None] * b)
-        self._queue(exe_key("switch_on", b, self.ecfg.cache_len))
         self._due[key] = self._queue(self._spec_key(call, sp, arm, whole, self.ecfg.cache_len))
+
+  def track_ahead(self, call: PlanCall) -> None:
+    if not self._tracked:
+      self._tracked = True
+      for b in sorted(self.ecfg.buckets, reverse=True):
+        self._queue(exe_key("track", b), self.engine.drafter_compile)
 
   def switch_off_ahead(self, call: PlanCall, state) -> None:
     if self.ecfg.spec.background_compile and self._compiler is not None:
       self._queue(exe_key("switch_off", state.batch_size))
-
-  def prefill_ready(self, call: PlanCall, requests, bucket: int, base_key) -> bool:
-    if not self.ecfg.spec.background_compile or self._compiler is None:
-      return True
-    key = exe_key("prefill_spec", bucket, prompt_len(requests, self.ecfg))
-    if key in self.engine.exes:
-      return True
-    self._queue(key)
-    return False
 
   def _settle(self, sp) -> None:
     """The arms whose background compile has ended by now join the compiled ones."""
@@ -257,12 +250,15 @@ class SimEngine(Engine):
     self.chunk_log = []
     self.preemptions = 0
     self.now = 0.0  # this device's clock
-    self.busy = {"prefill": 0.0, "decode": 0.0, "verify": 0.0, "switch_on": 0.0,
+    self.busy = {"prefill": 0.0, "decode": 0.0, "verify": 0.0, "drafter_tracking": 0.0,
                  "compile": 0.0, "host": 0.0}
     nb = cost._BYTES[cfg.dtype]
     slot = (cfg.num_layers + 1) * 2 * cfg.num_kv_heads * cfg.head_dim_ * nb
     weights = cost.forward(cfg, 1, 1, 0, tp=tp).bytes
     self.compiles = SimCompilePlan(self, weights, slot)
+    # a drafter-only executable (the fc and one layer; a target's has num_layers and the
+    # head): XLA's compile time grows with the program, priced by its layers
+    self.drafter_compile = 2.0 / (cfg.num_layers + 1)
 
   # the clock the loop reads
   def clock(self) -> float:  # (an instance's method: shadows Engine.clock)
@@ -272,15 +268,15 @@ class SimEngine(Engine):
     self.now += seconds
     self.busy[what] += seconds
 
-  def _compile(self, key: ExecKey) -> None:
-    """A chunk needs `key` now: compiled in the foreground, or waited for where the compile
-    thread has it queued."""
+  def _compile(self, key: ExecKey, scale: float = 1.0) -> None:
+    """A chunk needs `key` now: compiled in the foreground (`compile_s` x `scale`), or waited
+    for where the compile thread has it queued."""
     if key in self.exes:
       return
     due = self.exes.take(key)
     if due is None:
-      self.exes.add(key, self.compile_s, True)
-    self._spend("compile", self.compile_s if due is None else due - self.now)
+      self.exes.add(key, self.compile_s * scale, True)
+    self._spend("compile", self.compile_s * scale if due is None else due - self.now)
 
   def _seconds(self, c: cost.Cost) -> float:
     return self.hw.seconds(c)
@@ -305,7 +301,7 @@ class SimEngine(Engine):
       return SimState(rows, state.spec)
     reqs = op.requests
     self._prefill(reqs, op.bucket, warm)
-    # a speculative prefill leaves each row's first token pending, as switch-on does
+    # a speculative prefill leaves no pending token: a first speculative step samples one
     new = [Row(r.key, self.lengths[r.key], pending=int(warm)) for r in reqs]
     if isinstance(op, Prefill):
       return SimState(new + [None] * (op.bucket - len(reqs)), warm)
@@ -322,50 +318,31 @@ class SimEngine(Engine):
     distinct = len({tuple(r.prompt_ids) for r in reqs})
     u = self.ecfg.bucket_for(distinct)
     rows = u if u < bucket else bucket
-    self._compile(exe_key("prefill_spec" if warm else "prefill", bucket, p))
+    self._compile(exe_key("prefill", bucket, p))
     c = cost.prefill(self.cfg, rows, p, tp=self.tp)
-    if warm:
+    if warm:  # a tracked call's: the drafter's over the prompts (a drafter-only executable)
+      self._compile(exe_key("track_prompt", bucket, p), self.drafter_compile)
       c = c + cost.draft(self.cfg, rows, p, max(p // 2, 1), tp=self.tp)
     self._spend("prefill", self._seconds(c))
 
-  def _switch_on(self, state, c):
-    if not self.compiles.ready(c.plan, c.sp, state.batch_size):
-      return state, False
-    seqs = [len(req.prompt_ids) + c.outputs[req.key].length
-            for req in c.sched.slots[:state.batch_size] if req is not None]
-    length = self.compiles.switch_length(c.plan, state, max(seqs, default=1))
-    if length is None:  # (none compiled yet: the chunk decodes plainly)
-      return state, False
-    self._compile(exe_key("switch_on", state.batch_size, length))
-    b = state.batch_size
-    fwd = (cost.prefill(self.cfg, b, length, tp=self.tp)
-           + cost.draft(self.cfg, b, length, max(length // 2, 1), tp=self.tp))
-    self._spend("switch_on", self._seconds(fwd))
-    for row in state.rows:  # the token the plain state had ready comes out with the first
-      if row is not None:  # speculative step, beside the step's own
-        row.pending = 1
-    return SimState(list(state.rows), True), True
-
   def _switch_off(self, state, c):
-    # one plain step over the whole cache feeds each row's pending token (already counted
-    # here as the next speculative step's: it comes out of the next plain step instead);
-    # its time is reported with switch-on's
-    b = state.batch_size
+    # the drafter's catch-up and one target step over the whole cache; the rows are tracked
+    # again (no pending token: a next speculative step samples one first)
+    b, m = state.batch_size, self.compiles.max_steps(c.plan) + 1
     self._compile(exe_key("switch_off", b))
-    self._spend("switch_on", self._seconds(cost.forward(self.cfg, b, 1, self.ecfg.cache_len,
-                                                        tp=self.tp)))
+    fwd = (cost.forward(self.cfg, b, 1, self.ecfg.cache_len, tp=self.tp)
+           + cost.draft(self.cfg, b, m, self.ecfg.cache_len, tp=self.tp))
+    self._spend("drafter_tracking", self._seconds(fwd))
     for row in state.rows:
       if row is not None:
-        row.pending = 0
-    return SimState(list(state.rows), False)
+        row.pending = 1
+    return state
 
   def _decode(self, state, c, arm: Strategy | None, kv_len: int):
     ecfg, b, n = self.ecfg, state.batch_size, self.ecfg.chunk_size
     first = False
     if arm is None:
-      whole = exe_key("decode", b, kv_len, True)
-      capture = c.capture and self.compiles.captures(whole, lambda: self.compiles._queue(whole))
-      self._compile(exe_key("decode", b, kv_len, capture))
+      self._compile(exe_key("decode", b, kv_len, c.capture or ecfg.spec is not None))
       step = cost.forward(self.cfg, b, 1, kv_len, tp=self.tp)
       per = np.ones((b, n), np.int64)
       what = "decode"
@@ -406,6 +383,11 @@ class SimEngine(Engine):
         stopped[i] = row.stopped
     # the chunk's loop exits once every row is done (decode.py, speculative.py)
     self._spend(what, ran * self._seconds(step))
+    if arm is None and state.spec:  # the drafter consumes the chunk's pairs (a drafter-only
+      # executable per bucket, over the whole cache)
+      self._compile(exe_key("track", b), self.drafter_compile)
+      self._spend("drafter_tracking", self._seconds(cost.draft(self.cfg, b, n, ecfg.cache_len,
+                                                               tp=self.tp)))
     out = decode.ChunkOutput(tokens=np.zeros(valid.shape, np.int32),
                              logprobs=np.zeros(valid.shape, np.float32), valid=valid,
                              hidden=None, steps=np.int32(ran))

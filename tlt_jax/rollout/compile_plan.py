@@ -1,10 +1,12 @@
 """Which speculative executables one engine has, and when they get compiled.
 
-Speculation needs one executable per (engine bucket, arm) pair and a switch-on executable per
-(bucket, sequence length) (switching.py, with switch-off's). Only the pairs the bandit can
-choose are wanted (`choosable_pairs`: the engine's batch grid intersected with the bandit's
-live-size grid, under the speculation threshold), and with a gate only those it opens to this
-engine now. They compile either on first use (a chunk then pays the compile and reports
+Speculation needs one executable per (engine bucket, arm) pair, and a switch-off per bucket
+where a gate may close a speculating batch's bucket (switching.py); a tracked call adds the
+drafter's tracking after its plain prefills and chunks (engine.py: one drafter-only executable
+per bucket, `track_ahead`, and one per prefill shape). Only the pairs the bandit can choose
+are wanted (`choosable_pairs`: the engine's batch grid intersected with the bandit's live-size
+grid, under the speculation threshold), and with a gate only those it opens to this engine
+now. They compile either on first use (a chunk then pays the compile and reports
 nothing to the bandit), all at once (`precompile`), or in a background thread
 (SpecConfig.background_compile: `submit` at each generate; a bucket speculates only once it is
 `ready`, so no chunk waits for a compile).
@@ -41,7 +43,7 @@ from tlt_jax.models import ModelConfig
 from tlt_jax.rollout import decode
 from tlt_jax.rollout.executables import ExecKey, ExecutableCache, background_compiler
 from tlt_jax.rollout.plan_call import Pairs, PlanCall, abstract, choosable_pairs
-from tlt_jax.rollout.prefill import prefill_arrays, prefill_call
+from tlt_jax.rollout.prefill import prefill_arrays, run_prefill
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.scheduler import kv_bucket, length_grid
@@ -67,10 +69,10 @@ class CompilePlan(Switching):
     self._lock = threading.Lock()
     self._ready: dict[SamplingParams, set[tuple[int, str]]] = {}  # compiled (bucket, arm)
     self._submitted: dict[SamplingParams, set[tuple[int, str]]] = {}  # handed to the thread
-    self._switch_submitted: set[tuple[int, int]] = set()  # (bucket, length) queued switch-ons
     self._window_submitted: set[tuple[int, str, int]] = set()  # (bucket, arm, kv_len) queued
     self._off_ahead: set[int] = set()  # batch sizes whose switch-off is compiled or queued
-    self._queued: set[ExecKey] = set()  # capturing plain chunks, warm prefills queued
+    self._tracked = False  # the drafter's tracking queued at every bucket (`track_ahead`)
+    self._queued: set[ExecKey] = set()  # switch-offs queued (`_have`)
     self._needs: dict[tuple[int, str, int], int] = {}  # (bucket, arm, kv_len) -> chunks needing it
     self.rollouts = 0  # generate calls of the engine (`_window_pays`'s time base)
     self._bytes: tuple[int, int] | None = None  # (weight bytes, KV bytes per slot)
@@ -194,7 +196,7 @@ class CompilePlan(Switching):
     if all_pairs and pairs:
       pairs = {b: call.bandit.arms for b in self.ecfg.buckets}
     before = sum(r.name == "spec" for r in self.exes.records)
-    self._compile_pairs(call, sp, pairs, all_lengths=True)
+    self._compile_pairs(call, sp, pairs)
     if self.ecfg.spec.background_compile:
       done = {(b, a) for b, arms in pairs.items() for a in arms}
       with self._lock:
@@ -203,28 +205,21 @@ class CompilePlan(Switching):
     return sum(r.name == "spec" for r in self.exes.records) - before
 
   def _compile_pairs(self, call: PlanCall, sp: SamplingParams, pairs: Pairs,
-                     on_compiled: Callable | None = None, all_lengths: bool = False) -> None:
-    """The spec executables of `pairs` and, per bucket, switch-on over the whole cache
-    (every other length: all_lengths=True, else compiled when first needed).
+                     on_compiled: Callable | None = None) -> None:
+    """The spec executables of `pairs`.
 
-    States are abstract: shapes and shardings come from the executables of a prefill of dummy
-    rows at the largest bucket and its switch-on (the ones generate() will run), resized on
+    States are abstract: shapes and shardings come from the executable of a speculative
+    prefill of dummy rows at the largest bucket (the state generate() will run), resized on
     the batch axis; no KV pool is touched (generate may be using it)."""
     if not pairs:
       return
-    top = max(pairs)
-    base = self.prefill_dummy(call, top)
-    lengths = self.switch_lengths()
-    state = self.exes.abstract_out("switch_on", None, self._switch_on_fn(call),
-                                   self._switch_on_args(call, base, lengths[-1]), donate=(2, 3))
+    state = self.prefill_dummy(call, max(pairs), warm=True)
 
     def resized(tree, b):  # the batch-major leaves (the page pools are not)
       return decode.map_rows(
           lambda x: jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype, sharding=x.sharding), tree)
 
     for b in sorted(pairs, reverse=True):
-      for n in lengths if all_lengths else lengths[-1:]:
-        self.switch_on(call, resized(base, b), n)
       abstract = resized(state, b)
       for arm in pairs[b]:
         self.spec(call, sp, arm, abstract)
@@ -232,50 +227,51 @@ class CompilePlan(Switching):
           on_compiled((b, arm))
 
   # ----------------------------------------------------------------- the executables
-  def prefill_dummy(self, call: PlanCall, batch: int):
-    """What a plain prefill of `batch` distinct one-token rows outputs, abstract (shapes and
-    shardings as generate's; the shapes ahead-of-time compiles start from): no pool is
-    touched."""
+  def track(self, call: PlanCall, dcache, tokens, hidden, valid):
+    """The drafter's tracking of a plain chunk at a bucket (spec_state.track; args may be
+    abstract: `track_ahead`). It donates the drafter's cache."""
+    from tlt_jax.rollout import spec_state
+    return self.exes.get("track", None, functools.partial(spec_state.track, cfg=self.cfg),
+                         (call.params, call.drafter_params, dcache, tokens, hidden, valid),
+                         donate=(2,))
+
+  def track_ahead(self, call: PlanCall) -> None:
+    """Queues the drafter's tracking at every engine bucket on the compile thread (once; a
+    tracked call's: drafter-only executables, seconds each), ahead of the arms: a batch
+    reaching a bucket finds it compiled (the first bucket's may still compile in its time)."""
+    with self._lock:
+      if self._tracked:
+        return
+      self._tracked = True
+      if self._compiler is None:
+        self._compiler = background_compiler(f"compile-worker-{call.worker_id}")
+    c, d = self.ecfg.chunk_size, self.cfg.hidden_size
+    top = self.prefill_dummy(call, max(self.ecfg.buckets), warm=True).dcache
+    for b in sorted(self.ecfg.buckets, reverse=True):
+      rows = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(  # noqa: E731
+          shape, dtype, sharding=self._replicated)
+      dc = decode.map_rows(lambda x: jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype,
+                                                          sharding=x.sharding), top)
+      args = (dc, rows(b, c), rows(b, c, d, dtype=self.cfg.compute_dtype),
+              rows(b, c, dtype=jnp.bool_))
+      self._compiler.submit(functools.partial(self.track, call, *args))
+
+  def prefill_dummy(self, call: PlanCall, batch: int, warm: bool = False):
+    """What a prefill of `batch` distinct one-token rows outputs (warm: a speculative one,
+    the drafter's too), abstract (shapes and shardings as generate's; the shapes
+    ahead-of-time compiles start from): no pool is touched."""
     dummy = [Request([i % self.cfg.vocab_size], i) for i in range(batch)]
     tokens, lens, _, keys, max_new = prefill_arrays(dummy, batch, jax.random.key(0), self.ecfg)
     rows = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._replicated)
     cache = call.kv.abstract(False).replace(table=rows(batch, self.ecfg.row_pages),
                                             lengths=rows(batch))
-    name, variant, fn, args, donate = prefill_call(
-        self.cfg, False, 0, call.params, None, cache, None, tokens, lens, None, keys, max_new)
-    return self.exes.abstract_out(name, variant, fn, args, donate=donate)
-
-  def prefill_ready(self, call: PlanCall, requests, bucket: int, base_key) -> bool:
-    """Whether a batch of `requests` at `bucket` may start speculating from its prefill (the
-    drafter prefilled with the prompts: no switch-on forward later): the warm prefill's
-    executable for their shapes is compiled. With background compilation one that is not
-    is queued, and this call's batch starts plainly (the next one's need not); without,
-    the prefill compiles as it runs."""
-    spec = self.ecfg.spec
-    if spec is None or not spec.background_compile or self._compiler is None:
-      return True
-    return self._have(*self._warm_prefill(call, requests, bucket, base_key))
-
-  def _warm_prefill(self, call: PlanCall, requests, bucket: int, base_key):
-    """(key, compile job) of the warm prefill of `requests` at `bucket`, from abstract
-    pools and the prompts' own padded arrays (their shapes are what the key holds)."""
-    tokens, lens, src, keys, max_new = prefill_arrays(requests, bucket, base_key, self.ecfg)
-    rows = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._replicated)
-    cache = call.kv.abstract(False).replace(table=rows(bucket, self.ecfg.row_pages),
-                                            lengths=rows(bucket))
-    name, variant, fn, args, donate = prefill_call(
-        self.cfg, True, self.max_steps(call), call.params, call.drafter_params, cache,
-        call.kv.abstract(True), tokens, lens, src, keys, max_new)
-    return (ExecKey.of(name, variant, args),
-            lambda: self.exes.get(name, variant, fn, args, donate=donate))
-
-  def captures(self, key: ExecKey, compile_job: Callable[[], Any]) -> bool:
-    """Whether a plain chunk may capture hidden states (the drafter's data) now: its
-    capturing executable `key` is compiled. With background compilation one that is not is
-    queued on the compile thread (`compile_job`) and the chunk runs its executable without
-    capture meanwhile: a drafter wanted from mid-run costs no chunk a compile, its data
-    starts a chunk or a few later."""
-    return self._have(key, compile_job)
+    run = lambda name, variant, fn, args, donate: self.exes.abstract_out(  # noqa: E731
+        name, variant, fn, args, donate=donate)
+    return run_prefill(run, self.cfg, self.ecfg.spec is not None,
+                       self.max_steps(call) if warm else 0,
+                       call.params, call.drafter_params, cache,
+                       call.kv.abstract(True) if warm else None, tokens, lens, None, keys,
+                       max_new)
 
   def _have(self, key: ExecKey, job: Callable[[], Any]) -> bool:
     """Whether executable `key` is compiled. Compiling in the background, one that is not

@@ -105,11 +105,32 @@ def prefill_shared(params: Params, cache: KVCache, tokens: jax.Array, prompt_len
   """`prefill` of U distinct prompts (tokens [U, P], prompt_lens [U]) expanded to B rows
   (`expand_rows`; cache: the B rows' tables): a GRPO group's n responses share one prompt,
   whose forward runs once into its first row's pages; the others copy those pages."""
+  return prefill_shared_with_hidden(params, cache, tokens, prompt_lens, src, keys, max_new,
+                                    cfg=cfg)[0]
+
+
+def prefill_shared_with_hidden(params: Params, cache: KVCache, tokens: jax.Array,
+                               prompt_lens: jax.Array, src: jax.Array, keys: jax.Array,
+                               max_new: jax.Array, *, cfg: ModelConfig
+                               ) -> tuple[DecodeState, jax.Array]:
+  """`prefill_shared`, also returning the U prompts' hidden states [U, P, D]."""
   u = tokens.shape[0]
   src_tables, _ = shared_tables(cache.table, src, u)
-  state = prefill(params, cache.replace(table=src_tables), tokens, prompt_lens,
-                  jnp.zeros((u, 2), jnp.uint32), jnp.zeros((u,), jnp.int32), cfg=cfg)
-  return expand_rows(state, src, keys, max_new, cache.table, tokens.shape[1])
+  state, hidden = prefill_with_hidden(params, cache.replace(table=src_tables), tokens,
+                                      prompt_lens, jnp.zeros((u, 2), jnp.uint32),
+                                      jnp.zeros((u,), jnp.int32), cfg=cfg)
+  return expand_rows(state, src, keys, max_new, cache.table, tokens.shape[1]), hidden
+
+
+def expand_cache(cache: KVCache, src: jax.Array, table: jax.Array, prompt_slots: int) -> KVCache:
+  """A cache of U freshly prefilled prompts -> B rows (row i: prompt src[i], < 0 empty) with
+  page tables `table` [B, R]: each prompt's pages (its first `prompt_slots` slots) copied from
+  its first row to the others, lengths taken from the prompt."""
+  src_tables, copy_to = shared_tables(table, src, cache.table.shape[0])
+  n = pages_for(prompt_slots, cache.page_size)
+  copy_from = jnp.take(src_tables, jnp.maximum(src, 0), axis=0)
+  return copy_pages(cache, copy_to, copy_from, n).replace(
+      table=table, lengths=jnp.where(src >= 0, jnp.take(cache.lengths, jnp.maximum(src, 0)), 0))
 
 
 def expand_rows(state, src: jax.Array, keys: jax.Array, max_new: jax.Array, table: jax.Array,
@@ -121,12 +142,7 @@ def expand_rows(state, src: jax.Array, keys: jax.Array, max_new: jax.Array, tabl
   from its own key), so the rows are what prefilling the B prompts gives. DecodeState, or a
   state wrapping one (`.base`) whose drafter cache (`.dcache`, same tables) is expanded too."""
   valid = src >= 0
-  u = state.batch_size
-  src_tables, copy_to = shared_tables(table, src, u)
-  n = pages_for(prompt_slots, table_page_size(state))
-  copy_from = jnp.take(src_tables, jnp.maximum(src, 0), axis=0)
-  expand = lambda c: copy_pages(c, copy_to, copy_from, n).replace(
-      table=table, lengths=jnp.where(valid, jnp.take(c.lengths, jnp.maximum(src, 0)), 0))
+  expand = lambda c: expand_cache(c, src, table, prompt_slots)
   rows = map_rows(lambda x: jnp.take(x, jnp.maximum(src, 0), axis=0), state)
   base = rows if isinstance(rows, DecodeState) else rows.base
   old = state if isinstance(state, DecodeState) else state.base

@@ -16,11 +16,14 @@ the bandit's and the gate's states in cells its caller owns (policies/cells.py: 
 coordinator's for one rollout, shared by its workers) and reads back after. The engine keeps
 only what it compiles for: its bandit's config (the arms and their bucket grid).
 
-Until speculation switches on, an engine decodes with the executables of an engine without a
-drafter; at switch-on `spec_state.switch_on` builds the drafter's state from the live rows'
-sequences (one target forward over them). Which speculative (bucket, arm) executables exist,
-and when they compile (first use, `precompile`, or a background thread), is the engine's
-`CompilePlan` (compile_plan.py).
+A call that may speculate (a speculating engine without a gate, or one whose gate opens a
+bucket or funds a probe when the call starts: `tracks`) is "tracked": its prefills carry the
+drafter's (the prompts' pairs) and its plain chunks keep the drafter's cache current
+(`spec_state.tracked_chunk`: the drafter consumes the hidden states each chunk produced), so
+speculation switches on at any chunk at no cost and off where the gate closes a bucket. A call
+that cannot speculate decodes with the executables of an engine without a drafter. Which
+speculative (bucket, arm) executables exist, and when they compile (first use, `precompile`,
+or a background thread), is the engine's `CompilePlan` (compile_plan.py).
 
 Reads and memory follow the rows' live lengths, not the cache's capacity
 (max_prompt_len + max_new_tokens). KV memory is one paged pool per replica (`kv_pages` pages
@@ -71,7 +74,7 @@ from tlt_jax.rollout.prefill import prompt_problem
 from tlt_jax.rollout.records import ChunkMetrics, EngineHooks, Output, Request, Result
 from tlt_jax.rollout.replica import Replica
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.scheduler import Scheduler
+from tlt_jax.rollout.scheduler import Scheduler, kv_bucket
 
 
 def longest_row(sched: Scheduler, outputs: dict[Any, Output]) -> int:
@@ -91,6 +94,14 @@ def engine_arms(spec, bandit: Any = None) -> tuple[Any, frozenset[Strategy]]:
   return bandit, frozenset([spec.strategy, *bandit.arms])
 
 
+def tracks(spec, gate: Any) -> bool:
+  """Whether a call may speculate, so keeps the drafter's cache current from its prefills
+  (module docstring): a speculating engine without a gate, or with one that opens a bucket or
+  funds a probe as the call starts (`GateState.may_speculate`). A gate that opens later in
+  the call (another worker's probe paying) opens it from the worker's next call."""
+  return spec is not None and (gate is None or gate.may_speculate())
+
+
 def chunk_reach(arm: Strategy | None, chunk: int) -> int:
   """Cache slots past the longest row's length that a chunk of plain decoding (arm None) or
   of a speculative arm can read."""
@@ -108,6 +119,7 @@ class Call:
   base_key: Any
   selector: Any
   gate: Any  # the gate this call measures (None: evaluation, or no gate)
+  track: bool  # the drafter's cache kept current: the call may speculate (module docstring)
   capture: bool
   hooks: EngineHooks
   t_start: float
@@ -223,32 +235,28 @@ class Engine(Replica):
     gate = policies.gate if spec is not None and policies.measure else None
     if gate is not None:
       gate.begin_rollout(self.worker_id, self.compiles.choosable_pairs(plan))
+    track = tracks(spec, policies.gate)
     if spec is not None:
       self.compiles.rollouts += 1
       if spec.background_compile:
+        if track:  # first: the drafter's tracking at every bucket the batch will visit
+          self.compiles.track_ahead(plan)
         self.compiles.submit(plan, sp)
-    # One batch at or under the threshold from the start (speculation would switch on at the
-    # first check): speculate from the first chunk, the drafter prefilled with the prompts
-    # (no switch-on forward after a plain prefill)
-    first = ecfg.bucket_for(len(requests))
-    at_once = (spec is not None and spec.patience == 1
-               and len(requests) <= ecfg.spec_top
-               and self.compiles.ready(plan, sp, first)
-               and self.compiles.prefill_ready(plan, requests, first, jax.random.key(seed)))
     # drafter data and history only while speculation can pay: with a gate, once a probe has
     # shown that drafts can pay on this hardware (where they cannot, the hidden states'
     # transfer and the history's host bookkeeping are pure overhead on every chunk)
     wanted = policies.gate is None or policies.gate.drafter_wanted()
     c = Call(
         sp=sp, base_key=jax.random.key(seed), selector=selector, gate=gate,
+        track=track,
         capture=ecfg.capture_hidden and wanted,
         hooks=hooks or EngineHooks(), t_start=self.clock(), plan=plan,
         sched=Scheduler(requests, max_batch=ecfg.max_batch, buckets=ecfg.buckets,
                         compaction=ecfg.compaction,
                         bs_threshold=ecfg.spec_top if spec else None,
-                        patience=spec.patience if spec else 1, speculating=at_once),
+                        patience=spec.patience if spec else 1),
         pages=self.kv.allocator(), history=self.history if wanted else None)
-    state, started = None, at_once  # started: every chunk from here on speculates
+    state, started = None, False  # started: every chunk from here on speculates
     try:
       while not c.sched.done:
         state, started = self._chunk(state, started, c)
@@ -274,8 +282,8 @@ class Engine(Replica):
                          if started else None)
     reach = self._reach(started or sched.speculating)
     for op in sched.plan(admission(c.pages, reach)):
-      # refills once speculation runs carry the drafter's prefill
-      state = self._apply(op, state, c, started)
+      # a tracked call's prefills carry the drafter's
+      state = self._apply(op, state, c, c.track)
       for r in getattr(op, "requests", ()):
         c.outputs[r.key] = Output(ecfg.hidden_keep)
         if c.history is not None:
@@ -285,14 +293,9 @@ class Engine(Replica):
     state = self._page(state, c, self._reach(started or speculating))
     live = sched.live
     if speculating and not started:
-      # with a gate pricing compiles in the background, a batch with requests still queued
-      # waits for the queue to empty: its refills would each carry a drafter prefill of a
-      # new shape, compiled as the refill runs (a whole call that fits at once speculates
-      # from its prefill)
-      if sched.pending and gate is not None and ecfg.spec.background_compile:
-        speculating = False
-      else:
-        state, speculating = self._switch_on(state, c)
+      # a tracked call's batch (its drafter's cache is current: nothing to compute) once its
+      # bucket's executables are compiled (until then the chunk decodes plainly)
+      speculating = c.track and self.compiles.ready(c.plan, c.sp, state.batch_size)
     started = started or speculating
     if started and gate is not None:  # (its bucket may close while it speculates)
       self.compiles.switch_off_ahead(c.plan, state)
@@ -312,8 +315,8 @@ class Engine(Replica):
     for s in live if speculating else ():
       c.outputs[sched.slots[s].key].speculating()
     # the attention window the rows reach this chunk (their pages hold it: `_page`)
-    kv_len = self.compiles.window(c.plan, c.sp, arm, state, longest_row(sched, c.outputs)
-                                  + chunk_reach(arm, ecfg.chunk_size))
+    need = longest_row(sched, c.outputs) + chunk_reach(arm, ecfg.chunk_size)
+    kv_len = self.compiles.window(c.plan, c.sp, arm, state, need)
     if arm is not None or gate is not None:
       # the chunk's time is the arm's own (the selector's reward, the gate's rates): what was
       # dispatched before it (a refill's prefill, the page tables) finishes first. Otherwise
@@ -332,7 +335,8 @@ class Engine(Replica):
         steps=int(host[0].steps), wall_time=dt, mode=arm or "plain", accepted=int(host[3][0]),
         verifications=int(host[3][1]), t=self.clock() - c.t_start,
         compiled=self.exes.compiled_here() != compiles, first_run=first,
-        read=self._read(c, state.batch_size, kv_len)), c)
+        read=self._read(c, state.batch_size, kv_len),
+        wide=kv_len > kv_bucket(need, ecfg.prompt_bucket, ecfg.cache_len)), c)
     return state, started
 
   def _read(self, c: Call, batch: int, kv_len: int) -> float:
@@ -392,7 +396,7 @@ class Engine(Replica):
       self._report_compiles(gate)
       if not m.compiled:
         gate.record(m.bucket, m.arm, m.wall_time, m.steps, m.accepted, m.verifications,
-                    live=m.live, read=m.read)
+                    live=m.live, read=m.read, wide=m.wide)
     if m.arm is not None and not (m.compiled or m.first_run) and c.selector.learns(m.arm, m.live):
       # Reward (DESIGN.md 4) = accepted tokens x batch size / wall time of draft + verify
       # (ChunkMetrics.speed). "off" (plain decoding in the spec state: one token per

@@ -127,8 +127,8 @@ class ExecutableCache:
 
 
 # executables only speculation compiles: an arm's chunk (or a history arm's step), the
-# switch-on forward (and switch-off's step), the drafter-carrying prefill
-SPECULATIVE = ("spec", "switch_on", "switch_off", "prefill_spec")
+# drafter's tracking of a call's prompts and plain chunks, switch-off
+SPECULATIVE = ("spec", "track", "track_prompt", "switch_off")
 
 
 def summary(records: list[CompileRecord]) -> dict[str, Any]:

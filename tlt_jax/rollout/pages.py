@@ -168,11 +168,6 @@ class KVPages:
       if dkv is not None:
         self._kept[True] = dkv
 
-  def keep_drafter(self, dkv: KVCache) -> None:
-    """The drafter's pools of a batch that stopped speculating mid-call (`decode.pools`),
-    back for its next switch-on."""
-    self._kept[True] = dkv
-
   def drop(self) -> None:
     """Frees the kept pools (the weights are released; the next generate allocates anew)."""
     self._kept.clear()

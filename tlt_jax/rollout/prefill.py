@@ -67,19 +67,44 @@ def prompt_problem(ids: Sequence[int], *, vocab_size: int, max_prompt_len: int) 
   return None
 
 
-def prefill_call(cfg: ModelConfig, warm: bool, max_steps: int, params, dparams, cache, dkv,
-                 tokens, lens, src, keys, max_new) -> tuple:
-  """(name, variant, fn, args, donate) of a prefill (concrete or abstract args): plain, or
-  warm (a SpecState: the drafter prefilled too, its catch-up room `max_steps`); one row per
-  prompt, or "shared" (src: row -> its prompt, each distinct prompt prefilled once)."""
-  from tlt_jax.rollout import spec_state
-  mod = spec_state if warm else decode
-  kw = dict(cfg=cfg, max_steps=max_steps) if warm else dict(cfg=cfg)
-  head = (params, dparams, cache, dkv) if warm else (params, cache)
-  donate = (2, 3) if warm else (1,)
-  name = "prefill_spec" if warm else "prefill"
+def prefill_call(cfg: ModelConfig, hidden: bool, params, cache, tokens, lens, src, keys,
+                 max_new) -> tuple:
+  """(name, variant, fn, args, donate) of a prefill (concrete or abstract args): one row per
+  prompt, or "shared" (src: row -> its prompt, each distinct prompt prefilled once); with
+  `hidden` (a speculating engine's, tracked call or not: one executable) it also returns the
+  prompts' hidden states [U, P, D] for `track_prompt_call`."""
   if src is None:
-    return (name, None, functools.partial(mod.prefill, **kw),
-            head + (tokens, lens, keys, max_new), donate)
-  return (name, "shared", functools.partial(mod.prefill_shared, **kw),
-          head + (tokens, lens, src, keys, max_new), donate)
+    fn = decode.prefill_with_hidden if hidden else decode.prefill
+    args = (params, cache, tokens, lens, keys, max_new)
+  else:
+    fn = decode.prefill_shared_with_hidden if hidden else decode.prefill_shared
+    args = (params, cache, tokens, lens, src, keys, max_new)
+  # (an engine's prefills all return the hidden states or none do: one key per shape)
+  return ("prefill", "shared" if src is not None else None, functools.partial(fn, cfg=cfg),
+          args, (1,))
+
+
+def track_prompt_call(cfg: ModelConfig, max_steps: int, params, dparams, base, dkv, tokens,
+                      hidden, lens, src) -> tuple:
+  """(name, variant, fn, args, donate) of a tracked call's drafter prefill after the target's
+  (`spec_state.track_prompt`: a drafter-only executable; its catch-up room `max_steps`)."""
+  from tlt_jax.rollout import spec_state
+  fn = functools.partial(spec_state.track_prompt, cfg=cfg, max_steps=max_steps)
+  return ("track_prompt", "shared" if src is not None else None, fn,
+          (params, dparams, base, dkv, tokens, hidden, lens, src), (2, 3))
+
+
+def run_prefill(run, cfg: ModelConfig, hidden: bool, max_steps: int, params, dparams, cache, dkv,
+                tokens, lens, src, keys, max_new):
+  """A prefill through `run(name, variant, fn, args, donate)` (the engine's device call, or
+  the compile plan's abstract evaluation): the target's (`prefill_call`; `hidden`: a
+  speculating engine's, which returns the prompts' hidden states) and, with the drafter's
+  pools `dkv` (a tracked call's), the drafter's over the prompts after it."""
+  state = run(*prefill_call(cfg, hidden, params, cache, tokens, lens, src, keys, max_new))
+  if not hidden:
+    return state
+  state, prompt_hidden = state
+  if dkv is None:
+    return state
+  return run(*track_prompt_call(cfg, max_steps, params, dparams, state, dkv, tokens,
+                                prompt_hidden, lens, src))

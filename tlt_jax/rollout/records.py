@@ -66,6 +66,7 @@ class ChunkMetrics:
   compiled: bool = False  # the chunk compiled its executable (its time is not the arm's)
   first_run: bool = False  # its executable's first run (on CPU 10-50x a later one's time)
   read: float = 0.0  # bytes one step reads: the weights and every row's attention window
+  wide: bool = False  # ran at a wider window than its rows need (a compiled one, theirs not)
 
   @property
   def arm(self) -> Strategy | None:
@@ -148,10 +149,6 @@ class Output:
     """The next token is decoded with speculation on (first call only counts)."""
     if self.spec_start is None:
       self.spec_start = self.length
-
-  def sequence(self, req: Request, limit: int) -> np.ndarray:
-    """[<= limit] int32: the prompt and the response so far (the drafter's switch-on input)."""
-    return np.concatenate([np.asarray(req.prompt_ids, np.int32)] + self.tokens)[:limit]
 
   def result(self, req: Request, *, stopped: bool, worker_id: int, t: float) -> Result:
     response = np.concatenate(self.tokens).astype(np.int32)

@@ -4,10 +4,10 @@ layers unstacked, projections fused where that pays, `to_replica_layout`), its p
 bucket) compiled once, ahead of time, with its compile time and memory recorded; which
 speculative ones exist and when they compile is the `CompilePlan`'s, compile_plan.py), and
 the device calls a chunk makes: a prefill, the scheduler's layout operations (resize, refill),
-speculation's switch-on forward, one chunk of decoding and its host sync.
+speculation's switch-off, one chunk of decoding and its host sync.
 
 `Replica` is the device seam of the engine (engine.py's `Engine` is a Replica with the chunk
-loop on top): the loop touches devices and time only through `_call`, `_apply`, `_switch_on`,
+loop on top): the loop touches devices and time only through `_call`, `_apply`, `_switch_off`,
 `_decode`, `_sync`, `kv`, `exes`, `compiles` and `clock`, and the cluster simulator
 (tlt_jax/plan/sim_engine.py) runs the same loop on a simulated device and clock by replacing
 them. The calls take the engine's record of the `generate` call they serve (engine.py's
@@ -29,12 +29,11 @@ from tlt_jax.models import KVCache, ModelConfig, Params, replica_layout
 from tlt_jax.rollout import decode
 from tlt_jax.rollout.compile_plan import CompilePlan
 from tlt_jax.rollout.config import EngineConfig
-from tlt_jax.rollout.executables import CompileRecord, ExecKey, ExecutableCache
+from tlt_jax.rollout.executables import CompileRecord, ExecutableCache
 from tlt_jax.rollout.history_chunk import history_chunk
 from tlt_jax.rollout.pages import KVPages
-from tlt_jax.rollout.plan_call import abstract
 from tlt_jax.rollout.policies.strategy import Strategy
-from tlt_jax.rollout.prefill import prefill_arrays, prefill_call
+from tlt_jax.rollout.prefill import prefill_arrays, run_prefill
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import plain_variant
 from tlt_jax.rollout.scheduler import Prefill, Refill, Resize
@@ -162,16 +161,17 @@ class Replica:
   def _prefill(self, reqs: Sequence[Request], batch: int, c, warm: bool,
                kv: KVCache, dkv: KVCache | None):
     """Prefill of `reqs` into a new state of `batch` rows whose k/v go to the pages the call's
-    allocator holds for them in the pools kv (and the drafter's, dkv: warm, with the drafter's
-    prefill, a SpecState); both pools are donated and come back in the state."""
+    allocator holds for them in the pools kv (and the drafter's, dkv: warm, a tracked call's,
+    whose drafter then consumes the prompts: a SpecState); both pools are donated and come
+    back in the state."""
     tokens, lens, src, keys, max_new = prefill_arrays(reqs, batch, c.base_key, self.ecfg)
     table = self.kv.table(c.pages, [r.key for r in reqs] + [None] * (batch - len(reqs)))
     cache = kv.replace(table=table, lengths=jnp.zeros((batch,), jnp.int32))
-    max_steps = self.compiles.max_steps(c.plan) if warm else 0
-    name, variant, fn, args, donate = prefill_call(
-        self.cfg, warm, max_steps, self.params, self.drafter_params, cache, dkv, tokens, lens,
-        src, keys, max_new)
-    return self._call(name, variant, fn, args, donate=donate)
+    run = lambda name, variant, fn, args, donate: self._call(  # noqa: E731
+        name, variant, fn, args, donate=donate)
+    return run_prefill(run, self.cfg, self.ecfg.spec is not None,
+                       self.compiles.max_steps(c.plan) if warm else 0, self.params, self.drafter_params, cache,
+                       dkv if warm else None, tokens, lens, src, keys, max_new)
 
   def _apply(self, op, state, c, warm: bool):
     """A scheduler layout operation on the device state (None before the first prefill);
@@ -193,42 +193,21 @@ class Replica:
                         (decode.without_pools(state), rows, jnp.asarray(slots)), donate=(0, 1))
     raise TypeError(f"unknown layout operation {op!r}")
 
-  def _switch_on(self, state, c):
-    """Speculation starts: each row's prompt and response so far -> the SpecState, over the
-    shortest compiled length that holds them. Returns (state, True), or (state, False) while
-    this bucket's executables are still compiling (the chunk decodes plainly)."""
-    if not self.compiles.ready(c.plan, c.sp, state.batch_size):
-      return state, False
-    seqs = {row: c.outputs[req.key].sequence(req, self.ecfg.cache_len)
-            for row, req in enumerate(c.sched.slots[:state.batch_size]) if req is not None}
-    length = self.compiles.switch_length(c.plan, state,
-                                         max(map(len, seqs.values()), default=1))
-    if length is None:
-      return state, False
-    tokens = np.zeros((state.batch_size, length), np.int32)
-    for row, seq in seqs.items():
-      tokens[row, :len(seq)] = seq
-    tokens = jax.device_put(tokens, self._replicated)
-    dkv = self.kv.take(True)
-    exe = self.compiles.switch_on(c.plan, state, length, dpool=dkv)
-    return exe(self.params, self.drafter_params, state, dkv, tokens), True
-
   def _switch_off(self, state, c):
-    """Speculation stops (the gate closed this batch's bucket mid-call): the SpecState ->
-    the DecodeState plain decoding would have reached (spec_state.switch_off); the
-    drafter's pools go back for the next switch-on."""
-    self.kv.keep_drafter(decode.pools(state)[1])
+    """Speculation stops (the gate closed this batch's bucket mid-call): back to the tracked
+    state plain decoding would have reached (spec_state.switch_off)."""
     exe = self.compiles.switch_off(c.plan, state)
-    return exe(self.params, state.base, state.pending, state.has_pending)
+    return exe(self.params, self.drafter_params, state)
 
   def _decode(self, state, c, arm: Strategy | None, kv_len: int):
-    """One chunk, and its one host sync. arm=None: plain decoding (before speculation starts:
-    a DecodeState, the executables of an engine without a drafter), returning hidden states
-    if the call captures them; else a strategy on the SpecState (whose executables return
-    them if the engine captures at all: speculative chunks run only where the gate opens).
+    """One chunk, and its one host sync. arm=None: plain decoding (a DecodeState, or a
+    tracked call's SpecState: the same executable on its `base`, then the drafter's
+    `track`), returning hidden states to the host if the call captures them; else a strategy
+    on the SpecState (whose executables return them if the engine captures at all).
     kv_len: the attention window (CompilePlan.window; the state's caches hold at least that).
     Returns (state, host copies of (ChunkOutput, done [B], stopped [B], [accepted drafts,
-    verifications]), whether the arm's executable ran for the first time)."""
+    verifications]), whether the arm's executable ran for the first time). A tracked call's
+    plain chunk (on a SpecState) also keeps the drafter's cache current (`spec_state.track`)."""
     sp = c.sp
     if arm is not None:
       exe = self.compiles.spec(c.plan, sp, arm, state, kv_len)
@@ -243,17 +222,24 @@ class Replica:
       ecfg = self.ecfg
       # one executable for every temperature (greedy evaluation included): an argument
       static = plain_variant(sp)
-      fn = lambda capture: functools.partial(  # noqa: E731
-          decode.decode_chunk, cfg=self.cfg, sp=static, stop_tokens=ecfg.stop_tokens,
-          chunk=ecfg.chunk_size, capture_hidden=capture, kv_len=kv_len)
-      args = (self.params, state, np.float32(sp.temperature))
-      capture = c.capture and self.compiles.captures(
-          ExecKey.of("decode", (static, True, kv_len), args),
-          functools.partial(self.exes.get, "decode", (static, True, kv_len), fn(True),
-                            (*abstract(args[:2]),
-                             jax.ShapeDtypeStruct((), np.float32)), donate=(1,)))
-      state, out = self._call("decode", (static, capture, kv_len), fn(capture), args,
-                              donate=(1,))
+      # a speculating engine's chunks keep the hidden states on the device (the drafter's
+      # pairs, `track`): one executable for tracked calls and the others
+      hidden = c.capture or ecfg.spec is not None
+      fn = functools.partial(decode.decode_chunk, cfg=self.cfg, sp=static,
+                             stop_tokens=ecfg.stop_tokens, chunk=ecfg.chunk_size,
+                             capture_hidden=hidden, kv_len=kv_len)
+      tracked = not isinstance(state, decode.DecodeState)
+      base = state.base if tracked else state
+      base, out = self._call("decode", (static, hidden, kv_len), fn,
+                             (self.params, base, np.float32(sp.temperature)), donate=(1,))
+      if tracked:  # the drafter consumes the chunk's pairs
+        dc = self.compiles.track(c.plan, state.dcache, out.tokens, out.hidden, out.valid)(
+            self.params, self.drafter_params, state.dcache, out.tokens, out.hidden, out.valid)
+        state = state.replace(base=base, dcache=dc)
+      else:
+        state = base
+      if not c.capture:  # (the drafter's data: only then to the host)
+        out = out._replace(hidden=None)
       counts, first = (0, 0), False
     base = state if isinstance(state, decode.DecodeState) else state.base
     return state, jax.device_get((out, base.done, base.stopped, counts)), first

@@ -22,9 +22,7 @@ while it speculates), the smallest such bucket it allows, else they stay where t
 
 Speculation switches on once the live batch has been <= bs_threshold for `patience`
 consecutive checks, and stays on for the rest of the call (the strategy selector can still
-choose "off"; the engine switches a batch off where the gate closes its bucket);
-speculating=True: on from the first chunk (the engine's call whose whole batch starts under
-the threshold, its executables ready).
+choose "off"; the engine switches a batch off where the gate closes its bucket).
 """
 
 from __future__ import annotations
@@ -97,8 +95,7 @@ class Scheduler:
   """See the module docstring. `requests` are any objects (the engine's Request)."""
 
   def __init__(self, requests: Sequence[Any], *, max_batch: int, buckets: Sequence[int],
-               compaction: bool = True, bs_threshold: int | None = None, patience: int = 1,
-               speculating: bool = False):
+               compaction: bool = True, bs_threshold: int | None = None, patience: int = 1):
     if max_batch < 1 or not buckets or buckets[-1] < max_batch:
       raise ValueError(f"Scheduler: buckets {tuple(buckets)} must reach max_batch={max_batch}")
     if list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
@@ -107,7 +104,7 @@ class Scheduler:
     self.bs_threshold, self.patience = bs_threshold, patience
     self.pending = collections.deque(requests)
     self.slots: list[Any | None] = []  # row -> request (None: empty)
-    self.speculating = speculating
+    self.speculating = False
     self._below = 0
     # bucket -> whether the batch may compact to it (None: any); the engine's, while it
     # speculates: only buckets whose speculative executables are ready

@@ -4,13 +4,14 @@ and leaves it.
 `SpecState` wraps the target's DecodeState (`base`) with the drafter's page pools (`dcache`,
 read through the target's tables), the pending token a verification emitted but the target
 has not consumed yet, and the catch-up buffer of pairs the drafter has yet to consume
-(speculative.py's state machine). A batch enters it from its prompts (`prefill`: a target and
-a drafter prefill, `prefill_shared` for a GRPO group's shared prompt) or after plain decoding
-(`switch_on`: one target forward over each row's sequence so far recomputes the hidden states
-the drafter consumes; the target's cache, hidden state and sampling stream are untouched), and
-leaves it where the gate closes its bucket mid-call (`switch_off`: the rows' pending tokens go
-through the target in one forward step, leaving the DecodeState plain decoding would have
-reached).
+(speculative.py's state machine). A call that may speculate (engine.py) holds its batch in
+it from the prefill on (`track_prompt`: the drafter consumes the prompts' pairs after the
+target's prefill; `prefill` is the two as one function), and decodes plainly on a "tracked"
+state (each plain chunk on `base`, then `track`: the drafter consumes the chunk's pairs, the
+hidden states the chunk produced anyway), so speculation switches on at any chunk without a
+forward over the rows' text, and off where the gate closes the batch's bucket mid-call
+(`switch_off`: the drafter's catch-up and the rows' pending tokens consumed, back to a
+tracked state).
 """
 
 from __future__ import annotations
@@ -40,20 +41,29 @@ class SpecState:
     return self.base.batch_size
 
 
-def init_spec_state(params: Params, dparams: Params, base: DecodeState, dpool: KVCache,
-                    prompt_tokens: jax.Array, prompt_hidden: jax.Array, prompt_lens: jax.Array, *,
-                    cfg: ModelConfig, max_steps: int) -> SpecState:
-  """After a target prefill: the drafter consumes the prompt's pairs (x_{t+1}, f_t), t < P-1,
-  into its page pool `dpool` (`decode.pools`) through the target's page tables."""
-  b, p = prompt_tokens.shape
-  d = base.hidden.shape[-1]
-  dc = dpool.replace(table=base.cache.table, lengths=jnp.zeros((b,), jnp.int32))
-  pos = jnp.broadcast_to(jnp.arange(p - 1, dtype=jnp.int32), (b, p - 1))
+def track_prompt(params: Params, dparams: Params, base: DecodeState, dpool: KVCache,
+                 tokens: jax.Array, hidden: jax.Array, prompt_lens: jax.Array,
+                 src: jax.Array | None = None, *, cfg: ModelConfig, max_steps: int) -> SpecState:
+  """After a target prefill (`decode.prefill_with_hidden` / `prefill_shared_with_hidden`: the
+  state `base` and the prompts' hidden states [U, P, D]): the drafter consumes the prompts'
+  pairs (x_{t+1}, f_t), t < P - 1, into its page pool `dpool` (`decode.pools`) through the
+  rows' page tables; a tracked call's prefill (engine.py). src [B] (row -> its prompt, U < B:
+  a group's shared prompt): each prompt once, into its first row's pages, copied to the
+  others (`decode.expand_cache`)."""
+  u, p = tokens.shape
+  b, d = base.hidden.shape
+  table = base.cache.table
+  if src is not None:
+    table, _ = decode.shared_tables(table, src, u)
+  dc = dpool.replace(table=table, lengths=jnp.zeros((u,), jnp.int32))
+  pos = jnp.broadcast_to(jnp.arange(p - 1, dtype=jnp.int32), (u, p - 1))
   if p > 1:
     # The cache is empty: attention reads only the window of the P - 1 new pairs.
-    _, _, dc = drafter_forward(dparams, params, prompt_tokens[:, 1:], prompt_hidden[:, :-1], pos,
+    _, _, dc = drafter_forward(dparams, params, tokens[:, 1:], hidden[:, :-1], pos,
                                cfg=cfg, cache=dc, return_logits=False, kv_len=p - 1)
   dc = dc.replace(lengths=jnp.maximum(prompt_lens - 1, 0).astype(jnp.int32))
+  if src is not None:
+    dc = decode.expand_cache(dc, src, base.cache.table, p)
   m = max_steps + 1
   return SpecState(base=base, dcache=dc, pending=jnp.zeros((b,), jnp.int32),
                    has_pending=jnp.zeros((b,), jnp.bool_),
@@ -65,53 +75,60 @@ def init_spec_state(params: Params, dparams: Params, base: DecodeState, dpool: K
 def prefill(params: Params, dparams: Params, cache: KVCache, dpool: KVCache, tokens: jax.Array,
             prompt_lens: jax.Array, keys: jax.Array, max_new: jax.Array, *, cfg: ModelConfig,
             max_steps: int) -> SpecState:
-  """Target prefill + drafter prefill over the prompt (one forward each); cache: the target's
-  pools with these rows' page tables (`decode.prefill`), dpool: the drafter's pools."""
+  """Target prefill + drafter prefill over the prompt (one forward each: the engine's two
+  executables as one function); cache: the target's pools with these rows' page tables
+  (`decode.prefill`), dpool: the drafter's pools."""
   base, hidden = decode.prefill_with_hidden(params, cache, tokens, prompt_lens, keys, max_new,
                                            cfg=cfg)
-  return init_spec_state(params, dparams, base, dpool, tokens, hidden, prompt_lens, cfg=cfg,
-                         max_steps=max_steps)
+  return track_prompt(params, dparams, base, dpool, tokens, hidden, prompt_lens, cfg=cfg,
+                      max_steps=max_steps)
 
 
-def prefill_shared(params: Params, dparams: Params, cache: KVCache, dpool: KVCache,
-                   tokens: jax.Array, prompt_lens: jax.Array, src: jax.Array, keys: jax.Array,
-                   max_new: jax.Array, *, cfg: ModelConfig, max_steps: int) -> SpecState:
-  """`prefill` of U distinct prompts expanded to B rows (decode.expand_rows)."""
-  u = tokens.shape[0]
-  src_tables, _ = decode.shared_tables(cache.table, src, u)
-  state = prefill(params, dparams, cache.replace(table=src_tables), dpool, tokens, prompt_lens,
-                  jnp.zeros((u, 2), jnp.uint32), jnp.zeros((u,), jnp.int32), cfg=cfg,
-                  max_steps=max_steps)
-  return decode.expand_rows(state, src, keys, max_new, cache.table, tokens.shape[1])
+def catch_up(dparams: Params, params: Params, state: SpecState, *, cfg: ModelConfig,
+             kv_len: int | None = None, logits: bool = True):
+  """The drafter consumes its catch-up pairs (one forward over [B, M], committed); returns
+  (state, g_last [B, D], logits_last [B, V] | None): its output at each row's last pair."""
+  dc = state.dcache
+  m = state.catch_tokens.shape[1]
+  pos = dc.lengths[:, None] + jnp.arange(m, dtype=jnp.int32)[None, :]
+  g, lg, dc = drafter_forward(dparams, params, state.catch_tokens, state.catch_hidden, pos,
+                              cfg=cfg, cache=dc, kv_len=kv_len, return_logits=logits)
+  last = jnp.clip(state.catch_count - 1, 0, m - 1)
+  at_last = lambda x: jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+  dc = dc.replace(lengths=dc.lengths + state.catch_count)
+  state = state.replace(dcache=dc, catch_count=jnp.zeros_like(state.catch_count))
+  return state, at_last(g), None if lg is None else at_last(lg)
 
 
-def switch_on(params: Params, dparams: Params, base: DecodeState, dpool: KVCache,
-              tokens: jax.Array, *, cfg: ModelConfig, max_steps: int) -> SpecState:
-  """Speculation starts on a batch decoded plainly so far (dpool: the drafter's page pools,
-  read through the target's tables). tokens [B, S]: each row's prompt and
-  response so far, right-padded (S >= every row's committed length `base.cache.lengths`). One
-  causal target forward over them recomputes f_t, then the drafter prefills over the pairs
-  (x_{t+1}, f_t), t < n - 1, exactly as after a prompt prefill; the target's own state (cache,
-  base.hidden = f_{n-1}, keys) is kept, so what the target samples is unchanged."""
-  b, s = tokens.shape
-  positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-  hidden = forward(params, tokens, positions, cfg=cfg, return_logits=False).hidden
-  return init_spec_state(params, dparams, base, dpool, tokens, hidden, base.cache.lengths,
-                         cfg=cfg, max_steps=max_steps)
+def track(params: Params, dparams: Params, dcache: KVCache, tokens: jax.Array,
+          hidden: jax.Array, valid: jax.Array, *, cfg: ModelConfig) -> KVCache:
+  """The drafter consumes a plain chunk's pairs (x_{t+1}, f_t): its tokens [B, C] and the
+  hidden states that produced them [B, C, D] (`decode.decode_chunk`'s, made anyway), valid
+  [B, C] (a row's valid tokens come first), into its cache `dcache` (the state's), in one
+  drafter forward over the whole cache's window (one executable per batch bucket). A state
+  kept so ("tracked": no pending token, no catch-up) switches on at any chunk without a
+  target forward over the rows' text."""
+  pos = dcache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+  _, _, dc = drafter_forward(dparams, params, tokens, hidden, pos, cfg=cfg, cache=dcache,
+                             return_logits=False)
+  return dc.replace(lengths=dc.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32))
 
 
-def switch_off(params: Params, base: DecodeState, pending: jax.Array, has_pending: jax.Array, *,
-               cfg: ModelConfig) -> DecodeState:
-  """Speculation stops on a speculating batch (a SpecState's `base`, `pending`,
-  `has_pending`; its drafter state is dropped, its pools kept by the caller): each live row's
-  pending token, already emitted and counted, goes through the target, one forward step as
-  plain decoding's (every row at its next slot, only those fed committed), so the row's
-  cache holds its whole text and `hidden` is the one its next token is sampled from: the
-  state plain decoding would have reached. Rows without one (prefilled into the speculative
-  state, not stepped yet) keep theirs."""
-  feed = has_pending & ~base.done
+def switch_off(params: Params, dparams: Params, state: SpecState, *, cfg: ModelConfig
+               ) -> SpecState:
+  """Speculation stops (the gate closed the batch's bucket mid-call): the state goes back to
+  a tracked one (`track`'s), which plain decoding would have reached. The drafter
+  consumes its catch-up (the pending token's pair among it), then each live row's pending
+  token, already emitted and counted, goes through the target, one forward step as plain
+  decoding's (every row at its next slot, only those fed committed), so the row's cache
+  holds its whole text and `hidden` is the one its next token is sampled from. Rows without
+  one (prefilled, not stepped yet) keep theirs."""
+  state, _, _ = catch_up(dparams, params, state, cfg=cfg, logits=False)
+  base = state.base
+  feed = state.has_pending & ~base.done
   lengths = base.cache.lengths
-  out = forward(params, pending[:, None], lengths[:, None], cfg=cfg, cache=base.cache,
+  out = forward(params, state.pending[:, None], lengths[:, None], cfg=cfg, cache=base.cache,
                 return_logits=False)
-  return base.replace(cache=out.cache.replace(lengths=lengths + feed),
+  base = base.replace(cache=out.cache.replace(lengths=lengths + feed),
                       hidden=jnp.where(feed[:, None], out.hidden[:, 0], base.hidden))
+  return state.replace(base=base, has_pending=jnp.zeros_like(state.has_pending))

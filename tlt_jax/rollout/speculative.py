@@ -28,8 +28,9 @@ speculative step:
      token is the verifier's next token; the path's true pairs become the catch-up buffer.
 
 So a step commits a + 1 target tokens and emits up to a + 2 (the new pending one included).
-How a batch enters the state (a speculative prefill, or `switch_on` after plain decoding) and
-leaves it (`switch_off`) is spec_state.py. A strategy with steps=0 is plain decoding inside
+How a batch enters the state (the drafter's prefill, `track_prompt`), decodes plainly in it
+with the drafter kept current (`track`) and leaves speculation (`switch_off`) is
+spec_state.py. A strategy with steps=0 is plain decoding inside
 this state ("SD off" as a bandit arm).
 
 External drafts (history arms, `history_step`): steps 2-3 shrink to the drafter's catch-up
@@ -52,7 +53,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tlt_jax.drafter.model import drafter_forward
 from tlt_jax.kernels.verify import kernel_pays, verify_chain, verify_tree
 from tlt_jax.kernels.verify.reference import draw_tree_randomness, draw_verify_randomness
 from tlt_jax.models import ModelConfig, Params, compute_logits, forward
@@ -61,21 +61,12 @@ from tlt_jax.rollout import decode
 from tlt_jax.rollout.decode import ChunkOutput
 from tlt_jax.rollout.drafts import Tree, draft_chain, draft_tree, external_tree, hybrid_draft
 from tlt_jax.rollout.sampling import SamplingParams, processed_logprobs, sample_tokens
-from tlt_jax.rollout.spec_state import SpecState
+from tlt_jax.rollout.spec_state import SpecState, catch_up
 from tlt_jax.rollout.policies.strategy import Strategy
 
 def _catch_up(dparams, params, state: SpecState, cfg: ModelConfig, kv_len: int | None):
   """Drafter consumes its catch-up pairs; returns (state, g_last [B, D], logits_last [B, V])."""
-  dc = state.dcache
-  m = state.catch_tokens.shape[1]
-  pos = dc.lengths[:, None] + jnp.arange(m, dtype=jnp.int32)[None, :]
-  g, logits, dc = drafter_forward(dparams, params, state.catch_tokens, state.catch_hidden, pos,
-                                  cfg=cfg, cache=dc, kv_len=kv_len)
-  last = jnp.clip(state.catch_count - 1, 0, m - 1)
-  g_last = jnp.take_along_axis(g, last[:, None, None], axis=1)[:, 0]
-  lg_last = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
-  dc = dc.replace(lengths=dc.lengths + state.catch_count)
-  return state.replace(dcache=dc, catch_count=jnp.zeros_like(state.catch_count)), g_last, lg_last
+  return catch_up(dparams, params, state, cfg=cfg, kv_len=kv_len)
 
 
 def _emit(bufs: ChunkOutput, count: jax.Array, tokens, logprobs, hidden, n_emit):

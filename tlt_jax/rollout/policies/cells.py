@@ -102,13 +102,14 @@ class SpecGate:
       self.state = self.state.begin_rollout(worker_id, choosable, cached, costs)
 
   def record(self, bucket: int, arm: Strategy | None, wall: float, steps: int, accepted: int = 0,
-             verifications: int = 0, live: int = 0, read: float = 0.0) -> None:
-    """steps (target forwards), accepted, verifications, live and read as in
+             verifications: int = 0, live: int = 0, read: float = 0.0,
+             wide: bool = False) -> None:
+    """steps (target forwards), accepted, verifications, live, read and wide as in
     `ChunkMetrics`."""
     with self._lock:
       old = self.state
       self.state = old.record(Chunk(bucket, arm, wall, steps, accepted, verifications, live,
-                                    read))
+                                    read, wide))
       if self.verdicts is not None and len(self.state.decisions) > len(old.decisions):
         self.verdicts.update(self.state.hardware_verdicts())  # (a re-probe that paid: gone)
 
@@ -122,6 +123,9 @@ class SpecGate:
 
   def drafter_wanted(self) -> bool:
     return self.state.drafter_wanted()
+
+  def may_speculate(self) -> bool:
+    return self.state.may_speculate()
 
   def arms(self, worker_id: int, bucket: int) -> list[Strategy]:
     return self.state.arms(worker_id, bucket)

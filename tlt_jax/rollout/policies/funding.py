@@ -125,6 +125,8 @@ def repays_window(s, bucket: int, arm: Strategy, chunks_per_rollout: float, shar
   before it has one, only an open-ended run compiles."""
   c = s.cfg
   r = s.at.get(bucket)
+  if r is not None and r.status == PROBING:  # a probe measures at the rows' own windows (at
+    return True  # a wider one its chunks are not counted: gate.py)
   chunks = r.spec.get(arm, ()) if r is not None else ()
   if not chunks:
     return c.horizon <= 0

@@ -6,21 +6,18 @@ forward costs ~k single ones (a small model in a CPU's cache) it loses, and each
 executable it needs is a compile the run pays. The bandit (mab.py) picks the best arm among
 compiled ones; this gate decides which batch buckets are worth compiling arms for at all:
 
-- It probes one bucket at a time (where: below) on one worker, the prober: only that worker
-  compiles and runs speculative chunks there (compiling once half of the plain measurement
-  is in), while every worker's plain chunks measure plain decoding at the same bucket. The
-  probe runs one arm, the lead (the config's strategy), whatever the bandit would pick: a
-  probe is a measurement. The first chunk of each (bucket, arm) is a warm-up and not counted
-  (a fresh executable's first run was 10-50x slower on CPU).
+- It probes one bucket at a time (where: below) on one worker, the prober, which compiles
+  and runs speculative chunks there (once half of the plain measurement is in) while every
+  worker's plain chunks measure plain decoding. A probe runs the lead arm (the config's
+  strategy), whatever the bandit would pick. The first chunk of each (bucket, arm) is a
+  warm-up, not counted (a fresh executable's first run was 10-50x slower on CPU).
 - Once the bucket has `min_chunks` plain chunks and as many of each probed arm, it compares
   per-row throughput: tokens per row per step (1 for plain decoding, the measured tokens per
-  verification for an arm) over the time per step (target forwards in the chunks' wall
-  time). Rows that finish inside a chunk do not bias it (a speculative chunk runs its rows out
-  far sooner, while the bucket's cost per step stays). The work queued before a chunk runs in
-  its time (asynchronous dispatch): the switch-on forward that starts speculation is charged
-  to the arm that speculates after it, as a run pays it. If the best arm
-  beats plain decoding by `margin`, the bucket "pays": every worker compiles all its arms, the
-  bandit chooses among them, and the next bucket up is probed.
+  verification for an arm) over the time per step (rows that finish inside a chunk do not
+  bias it). If the best arm beats plain decoding by `margin`, the bucket "pays": every
+  worker compiles all its arms, the bandit chooses among them, and probation moves up.
+  Chunks at a wider attention window than their rows need may show that an arm pays, not
+  that none does (`probe.Chunk.wide`).
 - Else the gate asks why. The measured ratio is (tokens per verification) / (cost of a
   speculative step in plain steps); with every draft accepted an arm would deliver its depth + 1
   tokens, so its *ceiling* is ratio x (depth + 1) / (measured tokens per verification). A
@@ -30,51 +27,40 @@ compiled ones; this gate decides which batch buckets are worth compiling arms fo
   chain may pay where the lead does not); if none pays the bucket is declined for
   "acceptance". Either way every larger bucket is declined with it (a larger batch is more
   compute-bound; drafts pay less there).
-- A bucket declined for acceptance is probed again every `reprobe_every` rollouts (the drafter
-  keeps training meanwhile, and its executables are compiled, so a re-probe costs a few
-  chunks); one declined for hardware every `hardware_reprobe_every` (the machine's costs do not
-  improve with training). Spot drafter training starts only once a probe has shown that drafts
-  can pay on this hardware (a verdict whose ceiling clears the bar: the hardware question does
-  not depend on the drafter, so it is asked first) and pauses while every bucket is declined
-  for hardware (`drafter_wanted`). A drafter that starts untrained is thus declined for
-  acceptance, trains, and is re-probed, instead of being shut out for good; a machine where
-  drafts cannot pay never trains (or compiles) the drafter.
+- A bucket declined for acceptance is re-probed every `reprobe_every` rollouts (the drafter
+  trains meanwhile), one declined for hardware every `hardware_reprobe_every`. The drafter
+  trains once a probe's ceiling shows drafts can pay here, and pauses while every bucket is
+  declined for hardware (`drafter_wanted`): a machine where they cannot never trains it.
 - Probation goes where the time is (placement.py): to the closed bucket whose seconds per
   rollout x best-case saving (1 - 1/ceiling) is largest, the ceiling measured where a probe
   ran, else bounded by plain decoding's measured step times (probe.plain_bound: ~1 where a
   forward's cost grows with its tokens, as on a CPU, so nothing is probed there). The first
   probe is at the smallest bucket (nothing is measured yet); a stale probation moves. A
   bucket that pays makes every smaller one pay (a smaller batch is the more memory-bound)
-  and the next larger is probed; one declined declines every larger one. A speculating
+  and the larger one worth the most is probed (`next_probe`); one declined declines every
+  larger one. A speculating
   batch compacts only to buckets whose arms are funded and compiled (compile_plan.py).
 
-- Hardware verdicts outlive the run (`VerdictCache`): they depend on the machine and the
-  shapes, not on the drafter or the policy, so like compiled executables they are kept on disk
-  (beside the persistent compilation cache), keyed by everything the measurement depends on.
-  A later run of the same config on the same kind of machine starts with those buckets
-  declined and probes, compiles and trains nothing for them; it re-probes them every
-  `hardware_reprobe_every` rollouts as a run that measured them itself would, and a re-probe
-  that pays removes the verdict.
+- Hardware verdicts outlive the run (`VerdictCache`, on disk beside the persistent
+  compilation cache, keyed by the machine and the shapes they depend on): a later run starts
+  with those buckets declined, re-probes them every `hardware_reprobe_every` rollouts, and a
+  re-probe that pays removes the verdict.
 
-- Nothing is compiled that cannot repay its compile (payoff.py): an arm's probe, the other
-  arms probed when acceptance falls short, the arms a paying bucket compiles on every worker,
-  and each narrower attention window are "funded" only when their best case (the time the
-  run spends at the bucket per rollout x the rollouts left x `payback` x the share an arm
-  could save at best) repays what they compile, priced from the compiles measured. The
-  answer is asked again every prober rollout; a bucket on probation whose probe is not funded
-  is "unfunded" in the metrics (on this CPU's default run: bucket 1 for the whole run, so
-  nothing speculative compiles and the drafter is never trained).
+- Nothing is compiled that cannot repay its compile (payoff.py): probes, the arms a paying
+  bucket compiles and each narrower attention window are "funded" only when their best case
+  (the time at the bucket per rollout x the rollouts left x `payback` x the share an arm
+  could save at best) repays their compiles as measured; asked again every prober rollout.
+  A probation whose probe is not funded is "unfunded" (this CPU's default run: bucket 1 for
+  the whole run, so nothing speculative compiles, no call is tracked, no drafter trains).
 
 The policy is pure transitions over one frozen record, like the Scheduler: `GateState` (a
 `Bucket` record per batch bucket, and the clock, the prober, the verdicts so far, the payoff
 ledger) goes to a new state on each event (`begin_rollout`, `record` of a measured `Chunk`,
-`compiled`), and every question (`arms`, `allows`, `probe_arm`, `drafter_wanted`, and
-funding.py's `repays_window`) is a function of a state, so a test drives a sequence of chunks
-and reads the verdicts. What is measured (chunks, rates, a bucket's record, ratios and
-ceilings) is probe.py's; what is funded, funding.py's. During a rollout its workers' threads share
-the state in a `SpecGate` (cells.py), which swaps it under a lock and does the verdict cache's
-I/O. Rates are per chunk from the workers' `ChunkMetrics`; chunks that compiled are not
-measured.
+`compiled`), and every question (`arms`, `allows`, `probe_arm`, `drafter_wanted`,
+`may_speculate`, funding.py's `repays_window`) is a function of a state: a test drives chunks
+and reads the verdicts. What is measured (chunks, rates, ratios, ceilings) is probe.py's; what
+is funded, funding.py's. A rollout's workers share the state in a `SpecGate` (cells.py: a
+lock, the verdict cache's I/O). Chunks that compiled are not measured.
 """
 
 from __future__ import annotations
@@ -143,7 +129,8 @@ class GateState:
 
   Transitions: `begin_rollout` (a worker's generate call: the prober's calls are the clock),
   `record` (one measured chunk: may decide) and `compiled` (an executable's compile time, for
-  the payoff rule's prices). Questions: `arms`, `allows`, `probe_arm`, `drafter_wanted`.
+  the payoff rule's prices). Questions: `arms`, `allows`, `probe_arm`, `drafter_wanted`,
+  `may_speculate`.
   `hardware_verdicts` and `ledger.costs()` are what the verdict cache keeps."""
   cfg: GateConfig
   buckets: tuple[int, ...] = ()
@@ -239,6 +226,15 @@ class GateState:
       return True
     return self.hardware_ok and any(r.status != DECLINED or r.reason != HARDWARE
                                     for r in self.at.values())
+
+  def may_speculate(self) -> bool:
+    """Whether a call starting now may speculate (so keeps the drafter's cache current,
+    engine.py): a bucket pays with funded arms, or a probe is funded (on every worker: one
+    that pays mid-call opens its bucket to all). Without gating: always."""
+    if not self.cfg.gating:
+      return True
+    return any((r.status == PAYS and r.funded) or (r.status == PROBING and self.probe_arms(b))
+               for b, r in self.at.items())
 
   def arms(self, worker_id: int, bucket: int) -> list[Strategy]:
     """The arms this worker compiles at this bucket now: the funded ones where it pays, the
@@ -355,11 +351,17 @@ class GateState:
     plain = rate(r.plain)
     if plain <= 0:
       return self
+    bar = 1.0 + self.cfg.margin
     ratio = {a: rate(c) / plain for a, c in spec.items()}
+    if max(ratio.values()) < bar:  # a chunk at a wider window than its rows need reads
+      # more than plain decoding: it may show an arm pays, not that none does (`Chunk.wide`)
+      spec = {a: tuple(x for x in c if not x.wide) for a, c in spec.items()}
+      if any(len(c) < n for c in spec.values()):
+        return self
+      ratio = {a: rate(c) / plain for a, c in spec.items()}
     # with every draft accepted an arm delivers depth + 1 tokens per verification
     ceiling = max(ratio[a] * (a.steps + 1) / accept_len(spec[a]) for a in probed)
     best = max(ratio, key=ratio.get)
-    bar = 1.0 + self.cfg.margin
     pays = ratio[best] >= bar
     s = dataclasses.replace(self, hardware_ok=self.hardware_ok or ceiling >= bar)
     drafting = [a for a in self.arms_at.get(b, ()) if a != "off"]
@@ -382,10 +384,8 @@ class GateState:
     for bb in self.buckets[:i + 1]:  # a smaller batch pays the more
       at[bb] = dataclasses.replace(at[bb], status=PAYS, reason=None, funded=frozenset())
     s = dataclasses.replace(s, at=at)
-    nxt = next((bb for bb in self.buckets[i + 1:] if at[bb].status != PAYS), None)
-    if nxt is not None and at[nxt].status != PROBING:
-      s = s.start_probe(nxt)  # closed, or declined before (a re-probe that paid)
-    return s
+    nxt = placement.next_probe(s, b)
+    return s if nxt is None else s.start_probe(nxt)
 
   def _decline_from(self, b: int, reason: str) -> GateState:
     """Declines `b` and every larger bucket not already declined (a larger batch is more

@@ -20,9 +20,8 @@ only when its best case repays it:
   the ceiling being what the arm would reach with every draft accepted);
 - compile seconds: this ledger's measurement in units of the plain decode chunk's compile at
   the same bucket (a speculative chunk holds that chunk's forward and more: measured here,
-  4_1_5 3.3x, 3_1_4 2.7x, hist_4 2.2x, hyb_4 4.0x, "off" 1.3x; the switch-on forward and the
-  speculative prefill a bucket needs once, 1.4x), so one measurement prices every bucket; the
-  `compile_factor` prior stands in until a speculative compile is measured.
+  4_1_5 3.3x, 3_1_4 2.7x, hist_4 2.2x, hyb_4 4.0x, "off" 1.3x), so one measurement prices
+  every bucket; the `compile_factor` prior stands in until a speculative compile is measured.
 
 Measured on this CPU in a cold default run: the 40 rollouts spent ~5 ms each at bucket 1 (a
 few 16-step chunks of the long tail), so the best case of any arm there, ~0.1 s over the whole
@@ -44,12 +43,12 @@ from typing import Any, Mapping
 
 from tlt_jax.rollout.policies.strategy import Strategy
 
-# A bucket's one-off speculative compiles (switch-on at the lengths it needs, the speculative
-# prefill), in plain decode chunk compiles at the bucket, until measured (1.4 measured here).
+# A bucket's one-off speculative compiles (the drafter's tracking of a call's prompts and
+# plain chunks, switch-off), in plain decode chunk compiles at the bucket, until measured.
 OPEN_PRIOR = 1.5
 PLAIN, SPEC, OPEN = "plain", "spec", "open"  # the kinds of compile a ledger prices
 # an engine executable's name (executables.py, compile_plan.py) -> its kind (None: not priced)
-KIND = {"decode": PLAIN, "spec": SPEC, "switch_on": OPEN, "prefill_spec": OPEN}
+KIND = {"decode": PLAIN, "spec": SPEC, "switch_off": OPEN, "track_prompt": OPEN, "track": OPEN}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from tlt_jax.rollout.policies import funding
-from tlt_jax.rollout.policies.probe import CLOSED, PROBING
+from tlt_jax.rollout.policies.probe import CLOSED, PAYS, PROBING
 
 
 def earns(s, b: int) -> float:
@@ -22,6 +22,19 @@ def earns(s, b: int) -> float:
   if best < 1.0 + s.cfg.margin:  # (its best case would not clear the bar)
     return 0.0
   return s.ledger.per_rollout(b) * (1.0 - 1.0 / best)
+
+
+def next_probe(s, b: int) -> int | None:
+  """Where probation goes once bucket `b` pays (and every smaller one with it): to the larger
+  bucket not paying whose probe could earn the most (`earns`: where the rollout's time is,
+  e.g. the bulk of a 70B rollout rather than the next bucket up), the next one up where none
+  could earn anything; closed, or declined before (a re-probe that pays). None while a
+  larger one is on probation already, or none is left."""
+  above = [q for q in s.buckets if q > b and s.at[q].status != PAYS]
+  if not above or any(s.at[q].status == PROBING for q in above):
+    return None
+  worth = {q: earns(s, q) for q in above}
+  return max(above, key=lambda q: (worth[q], -q)) if max(worth.values()) > 0 else above[0]
 
 
 def follow_time(s):

@@ -27,6 +27,10 @@ class Chunk(NamedTuple):
   verifications: int = 0  # (row, step) verifications
   live: int = 0  # rows decoding (0: unknown, the bucket's)
   read: float = 0.0  # bytes a plain step of the chunk reads (weights, windows; 0: unknown)
+  # ran at a wider attention window than its rows need (a compiled one while theirs compiles):
+  # it reads more than plain decoding at the rows' windows, so it may show that an arm pays,
+  # not that none does (the 32B recipe's 120-row probe read 3.9x plain's bytes, measured 0.89x)
+  wide: bool = False
 
 
 STEPS_KEPT = 16  # plain chunks kept per bucket for its step time (the median of them)
