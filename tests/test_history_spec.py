@@ -278,7 +278,7 @@ def test_a_batch_whose_bucket_closes_stops_speculating_and_outputs_stay_plain(ti
   assert off >= 2 and log[:off] == [(4, "2_1_3")] * off, log
   assert (4, "2_1_3") not in log[off:], log  # plain decoding at the closed bucket...
   assert switch_offs().count(4) == 1  # (compiled ahead: none in the call's time)
-  if not background:  # ...and on again below it (in the background, its switch-on at 2 rows
+  if not background:  # ...and on again below it (in the background, its arm at 2 rows
     # compiles meanwhile: the rest of the call decodes plainly)
     assert any(b < 4 and mode == "2_1_3" for b, mode in log[off:]), log
 

@@ -733,7 +733,7 @@ def test_parity_script(ckpts, tmp_path):
 def test_unstacked_layers_match_transformers(ckpts, name, fused):
   """The rollout replicas' layout (models.unstack_layers: one dict per layer; fused: one qkv
   and one gate/up matmul a layer, models.fuse_projections) through the full forward
-  (switch-on) and the cached forward (prefill, decode) gives transformers' logits."""
+  (prompt_hidden) and the cached forward (prefill, decode) gives transformers' logits."""
   from tlt_jax.models import fuse_projections, unstack_layers
   ck = ckpts(name)
   cfg = ck.cfg

@@ -350,8 +350,8 @@ class Engine(Replica):
   def _report_compiles(self, gate) -> None:
     """This engine's compiles since the last report (background ones too) to the gate, which
     prices what speculation would compile by them (payoff.py): plain decode chunks, an arm's
-    speculative chunk, a bucket's one-off speculative compiles (switch-on, the speculative
-    prefill)."""
+    speculative chunk, a bucket's one-off speculative compiles (the drafter's tracking,
+    switch-off)."""
     records = self.exes.records[self._compiles_reported:]
     self._compiles_reported += len(records)
     for r in records:

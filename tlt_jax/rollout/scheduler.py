@@ -76,7 +76,7 @@ def bucket_for(buckets: Sequence[int], n: int) -> int:
 
 def length_grid(base: int, cap: int) -> tuple[int, ...]:
   """Sequence lengths compiled for: base x 2^k below `cap`, then `cap` (a cache's length).
-  The one grid of switch-on forwards and attention windows (`kv_bucket`): an executable per
+  The grid of attention windows (`kv_bucket`): an executable per
   doubling keeps the compiles logarithmic while a window wastes at most half its reads."""
   out, n = [], base
   while n < cap:
