@@ -17,11 +17,12 @@ coordinator's for one rollout, shared by its workers) and reads back after. The 
 only what it compiles for: its bandit's config (the arms and their bucket grid).
 
 A call that may speculate (a speculating engine without a gate, or one whose gate opens a
-bucket or funds a probe when the call starts: `tracks`) is "tracked": its prefills carry the
-drafter's (the prompts' pairs) and its plain chunks keep the drafter's cache current
-(`spec_state.tracked_chunk`: the drafter consumes the hidden states each chunk produced), so
-speculation switches on at any chunk at no cost and off where the gate closes a bucket. A call
-that cannot speculate decodes with the executables of an engine without a drafter. Which
+bucket or funds a probe when the call starts: `tracks`) is "tracked": the drafter consumes
+its prompts after each prefill (`spec_state.track_prompt`) and each plain chunk's pairs after
+it (`spec_state.track`: the hidden states the chunk produced anyway), so speculation switches
+on at any chunk at no cost and off where the gate closes a bucket. The target's executables
+are the same in every call of a speculating engine (its plain chunks and prefills keep their
+hidden states on the device); a call that cannot speculate runs only those. Which
 speculative (bucket, arm) executables exist, and when they compile (first use, `precompile`,
 or a background thread), is the engine's `CompilePlan` (compile_plan.py).
 
