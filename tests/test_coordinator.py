@@ -292,7 +292,9 @@ def test_a_worker_without_data_waits_idle_and_spot_off_never_trains():
   out = c.rollout(shares(0.05, 0.3), sp=None, seed=0)
   s = out.timeline.summary()
   assert out.drafter is None and s["training_s"] == 0
-  assert s["idle_s"] == pytest.approx(0.25, abs=0.1)  # idle until the barrier, untrained
+  # idle until the barrier (0.3 - 0.05 s at least; a loaded machine's barrier comes later),
+  # untrained
+  assert s["idle_s"] >= 0.15
 
   # spot training paused (the speculation gate wants no drafter: nothing shows drafts pay
   # yet), then resumed (an ungated gate wants it from the start)
@@ -304,7 +306,7 @@ def test_a_worker_without_data_waits_idle_and_spot_off_never_trains():
   out = c.rollout(shares(0.05, 0.3), sp=None, seed=0, policies=Policies(gate=paused))
   s = out.timeline.summary()
   assert out.drafter["steps"] == 0 and s["training_s"] == 0 and store.drafter_version == 0
-  assert s["idle_s"] == pytest.approx(0.25, abs=0.1)
+  assert s["idle_s"] >= 0.15  # (0.57 s once, in a full suite run on a loaded machine)
   assert not any(hasattr(t, "prepared") for t in trainers)  # (nothing to compile for)
   # the workers shared one cell of the gate, and the outcome carries its state back
   cells = {id(w.engine.policies) for w in c.workers}
