@@ -189,13 +189,12 @@ class SimCompilePlan(CompilePlan):
   def submit(self, call: PlanCall, sp, *_):
     if self._compiler is None:
       self._compiler = _SimCompiler()
-    for b, arms in self._wanted_pairs(call).items():
-      for arm in arms:
-        key = (sp, b, str(arm))
-        if key in self._due:
-          continue
-        whole = SimState([None] * b)
-        self._due[key] = self._queue(self._spec_key(call, sp, arm, whole, self.ecfg.cache_len))
+    for b, arm in self.compile_order(self._wanted_pairs(call)):
+      key = (sp, b, str(arm))
+      if key in self._due:
+        continue
+      whole = SimState([None] * b)
+      self._due[key] = self._queue(self._spec_key(call, sp, arm, whole, self.ecfg.cache_len))
 
   def track_ahead(self, call: PlanCall) -> None:
     if not self._tracked:

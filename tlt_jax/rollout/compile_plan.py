@@ -126,17 +126,27 @@ class CompilePlan(Switching):
     return bool(self.compiled_arms(sp, bucket, self._wanted_pairs(call).get(bucket, ())))
 
   def ready(self, call: PlanCall, sp: SamplingParams, bucket: int) -> bool:
-    """Whether speculation may run at `bucket` now: the gate allows it and every arm wanted
-    there is compiled (always, without background compilation: a chunk compiles what it
+    """Whether speculation may run at `bucket` now: the gate allows it and one arm wanted
+    there is compiled, or none is wanted there (its chunks choose among the compiled ones,
+    `compiled_arms`; always, without background compilation: a chunk compiles what it
     needs)."""
     gate = call.gate
     if gate is not None and not gate.allows(call.worker_id, bucket):
       return False
-    if not self.ecfg.spec.background_compile:
-      return True
-    want = {(bucket, a) for a in self._wanted_pairs(call).get(bucket, ())}
-    with self._lock:
-      return want <= self._ready.get(sp, set())
+    want = self._wanted_pairs(call).get(bucket, ())
+    return (not self.ecfg.spec.background_compile or not want
+            or bool(self.compiled_arms(sp, bucket, want)))
+
+  def compile_order(self, pairs: Pairs) -> list[tuple[int, Strategy]]:
+    """The order the compile thread takes `pairs` in: each bucket's first arm, largest bucket
+    first (speculation switches on at the largest and shrinks), then each one's second, ...:
+    every bucket speculates after one compile, not after all of its arms'. A bucket's arms:
+    the config's strategy (the gate's lead) first, "off" last."""
+    lead = self.ecfg.spec.strategy
+    ranked = {b: sorted(arms, key=lambda a: (a != lead, a == "off")) for b, arms in pairs.items()}
+    depth = max(map(len, ranked.values()), default=0)
+    return [(b, ranked[b][i]) for i in range(depth) for b in sorted(ranked, reverse=True)
+            if i < len(ranked[b])]
 
   # ----------------------------------------------------------------------- when
   def submit(self, call: PlanCall, sp: SamplingParams) -> None:
@@ -219,12 +229,10 @@ class CompilePlan(Switching):
       return decode.map_rows(
           lambda x: jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype, sharding=x.sharding), tree)
 
-    for b in sorted(pairs, reverse=True):
-      abstract = resized(state, b)
-      for arm in pairs[b]:
-        self.spec(call, sp, arm, abstract)
-        if on_compiled is not None:
-          on_compiled((b, arm))
+    for b, arm in self.compile_order(pairs):
+      self.spec(call, sp, arm, resized(state, b))
+      if on_compiled is not None:
+        on_compiled((b, arm))
 
   # ----------------------------------------------------------------- the executables
   def track(self, call: PlanCall, dcache, tokens, hidden, valid):
