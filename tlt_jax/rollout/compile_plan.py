@@ -8,8 +8,8 @@ are wanted (`choosable_pairs`: the engine's batch grid intersected with the band
 grid, under the speculation threshold), and with a gate only those it opens to this engine
 now. They compile either on first use (a chunk then pays the compile and reports
 nothing to the bandit), all at once (`precompile`), or in a background thread
-(SpecConfig.background_compile: `submit` at each generate; a bucket speculates only once it is
-`ready`, so no chunk waits for a compile).
+(SpecConfig.background_compile: `submit` at each generate, in `compile_order`; a bucket
+speculates once it is `ready`, one of its arms compiled, so no chunk waits for a compile).
 
 Attention windows (`kv_len`: decoding reads cache slots [0, kv_len) only) are a third grid: a
 speculative executable per (bucket, arm, window). The whole cache's window compiles with each

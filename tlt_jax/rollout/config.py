@@ -27,9 +27,9 @@ class SpecConfig:
   patience: int = 2
   use_kernel: bool | None = None  # Pallas verification kernel vs jnp reference; None: GPU only
   # Compile the speculative executables in a background thread from the first generate on;
-  # speculation starts at a bucket only once every arm choosable there is compiled (until
-  # then the rows decode plainly): no chunk waits for a compile, the bandit sees no compile
-  # time, and on an accelerator host the compiles overlap decoding for free. Off: each
+  # speculation starts at a bucket once one arm choosable there is compiled, its chunks
+  # choosing among the compiled ones (until then the rows decode plainly): no chunk waits for
+  # a compile, the bandit sees no compile time, and on an accelerator host the compiles overlap decoding for free. Off: each
   # executable compiles on first use (speculation from the first generate call).
   background_compile: bool = False
   max_steps: int = 0  # catch-up capacity (>= every strategy's steps); 0 -> the strategies'
