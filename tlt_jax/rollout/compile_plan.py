@@ -52,6 +52,14 @@ from tlt_jax.rollout.policies.strategy import Strategy
 
 _log = logging.getLogger(__name__)
 
+
+def _resized(tree, b: int):
+  """An abstract state (or cache) with `b` rows: its batch-major leaves resized (the page
+  pools are not)."""
+  return decode.map_rows(
+      lambda x: jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype, sharding=x.sharding), tree)
+
+
 class CompilePlan(Switching):
   """See the module docstring. Thread-safe where the compile thread meets the engine's."""
 
@@ -130,12 +138,11 @@ class CompilePlan(Switching):
     there is compiled, or none is wanted there (its chunks choose among the compiled ones,
     `compiled_arms`; always, without background compilation: a chunk compiles what it
     needs)."""
+    if self.compacts_to(call, sp, bucket):
+      return True
     gate = call.gate
-    if gate is not None and not gate.allows(call.worker_id, bucket):
-      return False
-    want = self._wanted_pairs(call).get(bucket, ())
-    return (not self.ecfg.spec.background_compile or not want
-            or bool(self.compiled_arms(sp, bucket, want)))
+    return ((gate is None or gate.allows(call.worker_id, bucket))
+            and not self._wanted_pairs(call).get(bucket))
 
   def compile_order(self, pairs: Pairs) -> list[tuple[int, Strategy]]:
     """The order the compile thread takes `pairs` in: each bucket's first arm, largest bucket
@@ -224,13 +231,8 @@ class CompilePlan(Switching):
     if not pairs:
       return
     state = self.prefill_dummy(call, max(pairs), warm=True)
-
-    def resized(tree, b):  # the batch-major leaves (the page pools are not)
-      return decode.map_rows(
-          lambda x: jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype, sharding=x.sharding), tree)
-
     for b, arm in self.compile_order(pairs):
-      self.spec(call, sp, arm, resized(state, b))
+      self.spec(call, sp, arm, _resized(state, b))
       if on_compiled is not None:
         on_compiled((b, arm))
 
@@ -254,13 +256,11 @@ class CompilePlan(Switching):
       if self._compiler is None:
         self._compiler = background_compiler(f"compile-worker-{call.worker_id}")
     c, d = self.ecfg.chunk_size, self.cfg.hidden_size
+    rows = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, dtype, sharding=self._replicated)
     top = self.prefill_dummy(call, max(self.ecfg.buckets), warm=True).dcache
     for b in sorted(self.ecfg.buckets, reverse=True):
-      rows = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(  # noqa: E731
-          shape, dtype, sharding=self._replicated)
-      dc = decode.map_rows(lambda x: jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype,
-                                                          sharding=x.sharding), top)
-      args = (dc, rows(b, c), rows(b, c, d, dtype=self.cfg.compute_dtype),
+      args = (_resized(top, b), rows(b, c), rows(b, c, d, dtype=self.cfg.compute_dtype),
               rows(b, c, dtype=jnp.bool_))
       self._compiler.submit(functools.partial(self.track, call, *args))
 
