@@ -10,6 +10,7 @@ from tlt_jax.rollout.policies.cells import SpecGate
 from tlt_jax.rollout.policies.gate import GateConfig, GateState
 from tlt_jax.rollout.policies.verdicts import VerdictCache
 from tlt_jax.rollout.policies.payoff import OPEN, PLAIN, SPEC, Ledger
+from tlt_jax.rollout.policies.strategy import Strategy
 
 ARMS = ["4_1_5", "3_1_4", "off"]
 
@@ -158,8 +159,10 @@ def test_a_narrower_window_compiles_only_when_what_it_saves_repays_it():
   """An arm runs 0.2 s chunks at bucket 1 at a wider window than it needs; the narrower one
   would read 10% fewer bytes. At 5 chunks per rollout that saves 0.1 s per rollout: over 990
   rollouts left x 0.5, 49.5 s, against its compile (4.6 s, measured): compiled. At 0.05
-  chunks per rollout: 0.5 s, not. An open-ended gate compiles every window; a probe, the
-  windows its rows need (at a wider one its verdict would measure the window)."""
+  chunks per rollout: 0.5 s, not. Before the arm has a chunk there, the plain chunks' time
+  stands for its (a chunk that would lose at the wider window runs plainly: `runs_wide`).
+  An open-ended gate compiles every window; a probe, the windows its rows need (at a wider
+  one its verdict would measure the window)."""
   g = SpecGate(GateConfig(lead="4_1_5", min_chunks=1, margin=0.0, horizon=1000))
   for _ in range(10):
     g.begin_rollout(0, {1: ARMS})
@@ -167,12 +170,34 @@ def test_a_narrower_window_compiles_only_when_what_it_saves_repays_it():
   g.compiled(SPEC, 1, "4_1_5", 4.6)
   assert g.state.status[1] == "probing" and g.repays_window(1, "4_1_5", 0.05, 0.1)
   g.state = g.state.put(1, dataclasses.replace(g.state.at[1], status="pays"))
-  assert not g.repays_window(1, "4_1_5", 5, 0.1)  # no chunk of the arm measured yet
+  assert not g.repays_window(1, "4_1_5", 5, 0.1)  # no chunk measured there yet
+  for _ in range(2):  # (the first chunk of each kind is a warm-up, not counted)
+    g.record(1, None, 0.2, 16)
+  assert g.repays_window(1, "4_1_5", 5, 0.1)  # the plain chunks' time
+  assert not g.repays_window(1, "4_1_5", 0.05, 0.1)
   g.record(1, "4_1_5", 0.2, 16, 16, 16)
-  g.record(1, "4_1_5", 0.2, 16, 16, 16)
-  assert g.repays_window(1, "4_1_5", 5, 0.1)
+  g.record(1, "4_1_5", 0.01, 16, 16, 16)
+  assert not g.repays_window(1, "4_1_5", 5, 0.1)  # the arm's own: 0.005 s a rollout
+  g.record(1, "4_1_5", 0.39, 16, 16, 16)
+  assert g.repays_window(1, "4_1_5", 5, 0.1)  # 0.2 s a chunk
   assert not g.repays_window(1, "4_1_5", 0.05, 0.1)
   assert SpecGate(GateConfig(horizon=0)).repays_window(1, "4_1_5", 0.0, 0.1)  # open-ended
+
+
+def test_an_arm_runs_at_a_wider_window_only_while_its_tokens_outweigh_the_extra_bytes():
+  """A speculative chunk at a compiled window wider than its rows' reads `extra` x a plain
+  step's bytes there: bytes-bound, it costs at least `extra` plain steps, so it may run only
+  while the arm's tokens per verification exceed `extra` (before a chunk of it, its best case
+  depth + 1). The 32B recipe's bulk: 3.9x the bytes for ~3 tokens, measured 0.89x."""
+  a, b, h = Strategy("3_1_4"), Strategy("4_1_5"), Strategy("hist_4")
+  g = SpecGate(GateConfig(lead="3_1_4", min_chunks=1, margin=0.0, horizon=1000))
+  g.begin_rollout(0, {64: ARMS})
+  assert g.runs_wide(64, a, 3.9) and not g.runs_wide(64, a, 4.1)  # 4 at best
+  assert g.runs_wide(64, b, 4.1) and not g.runs_wide(64, h, 5.1)
+  for _ in range(2):  # 16 drafts accepted in 16 verifications: 2 tokens (after a warm-up)
+    g.record(64, a, 0.3, 16, 16, 16)
+  assert g.runs_wide(64, a, 1.9) and not g.runs_wide(64, a, 2.1)
+  assert g.runs_wide(64, b, 4.1)  # (another arm: its own best case)
 
 
 def test_compile_costs_are_kept_with_the_verdicts(tmp_path):

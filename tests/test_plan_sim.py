@@ -28,7 +28,8 @@ def test_the_simulator_runs_the_engines_loop():
   Scheduler, the page policy, the gate, the selector, the window rule) are the engine's."""
   sim_engine._check_seam()
   from tlt_jax.rollout.compile_plan import CompilePlan
-  for name in ("window", "_window_pays", "choosable_pairs", "_wanted_pairs"):
+  for name in ("window", "_window_pays", "fits", "runs_wide", "choosable_pairs",
+               "_wanted_pairs"):
     assert getattr(sim_engine.SimCompilePlan, name) is getattr(CompilePlan, name), name
 
 

@@ -202,9 +202,12 @@ class SimCompilePlan(CompilePlan):
       for b in sorted(self.ecfg.buckets, reverse=True):
         self._queue(exe_key("track", b), self.engine.drafter_compile)
 
+  def _switch_off_key(self, call: PlanCall, state) -> ExecKey:
+    return exe_key("switch_off", state.batch_size)
+
   def switch_off_ahead(self, call: PlanCall, state) -> None:
     if self.ecfg.spec.background_compile and self._compiler is not None:
-      self._queue(exe_key("switch_off", state.batch_size))
+      self._queue(self._switch_off_key(call, state))
 
   def _settle(self, sp) -> None:
     """The arms whose background compile has ended by now join the compiled ones."""

@@ -329,6 +329,30 @@ class CompilePlan(Switching):
       self._compiler.submit(lambda: self.spec(*args))
     return wider if wider is not None else ecfg.cache_len
 
+  def fits(self, call: PlanCall, sp: SamplingParams, arm: Strategy, state, need: int) -> bool:
+    """Whether a chunk of `arm` whose rows reach `need` slots has a compiled window to run at
+    without losing to plain decoding (`runs_wide`; nothing queued, nothing counted: `window`
+    does that). Compiling as it runs (no background compilation): always."""
+    ecfg = self.ecfg
+    if not ecfg.spec.background_compile or self._compiler is None:
+      return True
+    want = kv_bucket(need, ecfg.prompt_bucket, ecfg.cache_len)
+    abstract = self._abstract(state)
+    have = next((n for n in length_grid(ecfg.prompt_bucket, ecfg.cache_len)
+                 if n >= want and self._spec_key(call, sp, arm, abstract, n) in self.exes), None)
+    return have is not None and self.runs_wide(call, state.batch_size, arm, have, want)
+
+  def runs_wide(self, call: PlanCall, batch: int, arm: Strategy, have: int, want: int) -> bool:
+    """Whether a speculative chunk of `arm` may run at window `have` (`window`'s answer)
+    when its rows need `want`: with a gate, the gate's rule on the bytes a step reads at each
+    (funding.runs_wide); else always."""
+    gate = call.gate
+    if gate is None or have <= want:
+      return True
+    weights, slot = self.bytes_of(call)
+    return gate.runs_wide(batch, arm, (weights + batch * have * slot) /
+                          (weights + batch * want * slot))
+
   _abstract = staticmethod(abstract)  # (the simulator's states are their own abstraction)
 
   def bytes_of(self, call: PlanCall) -> tuple[int, int]:

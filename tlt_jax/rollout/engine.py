@@ -297,8 +297,7 @@ class Engine(Replica):
       # a tracked call's batch (its drafter's cache is current: nothing to compute) once its
       # bucket's executables are compiled (until then the chunk decodes plainly)
       speculating = c.track and self.compiles.ready(c.plan, c.sp, state.batch_size)
-    started = started or speculating
-    if started and gate is not None:  # (its bucket may close while it speculates)
+    if (started or speculating) and gate is not None:  # (its bucket may close meanwhile)
       self.compiles.switch_off_ahead(c.plan, state)
     arm = None
     if speculating:
@@ -313,11 +312,30 @@ class Engine(Replica):
       arm = c.selector.select(len(live), arms=paid) if paid else c.selector.select(len(live))
       if gate is not None:
         arm = gate.probe_arm(state.batch_size, arm, among=paid)
+    # the attention window the rows reach this chunk (their pages hold it: `_page`)
+    longest = longest_row(sched, c.outputs)
+    reach_of = lambda a: longest + chunk_reach(a, ecfg.chunk_size)  # noqa: E731
+    kv_len = self.compiles.window(c.plan, c.sp, arm, state, reach_of(arm))
+    if gate is not None and arm is not None and not self.compiles.fits(
+        c.plan, c.sp, arm, state, reach_of(arm)):
+      # the arm's compiled window is so much wider than its rows' that it would read more
+      # than its drafts save (the gate's rule; `window` queued the rows' own): another arm
+      # that fits, else the chunk decodes plainly (a speculating batch switches off first)
+      fit = [a for a in (paid or sorted(self.arms))
+             if self.compiles.fits(c.plan, c.sp, a, state, reach_of(a))]
+      if fit or not started or self.compiles.switch_off_ready(c.plan, state):
+        if fit:
+          arm = gate.probe_arm(state.batch_size, c.selector.select(len(live), arms=fit),
+                               among=fit)
+        else:
+          if started:
+            state = self._switch_off(state, c)
+          arm, speculating, started = None, False, False
+        kv_len = self.compiles.window(c.plan, c.sp, arm, state, reach_of(arm))
+    need = reach_of(arm)
+    started = started or speculating
     for s in live if speculating else ():
       c.outputs[sched.slots[s].key].speculating()
-    # the attention window the rows reach this chunk (their pages hold it: `_page`)
-    need = longest_row(sched, c.outputs) + chunk_reach(arm, ecfg.chunk_size)
-    kv_len = self.compiles.window(c.plan, c.sp, arm, state, need)
     if arm is not None or gate is not None:
       # the chunk's time is the arm's own (the selector's reward, the gate's rates): what was
       # dispatched before it (a refill's prefill, the page tables) finishes first. Otherwise

@@ -32,6 +32,17 @@ class Switching:
                          functools.partial(spec_state.switch_off, cfg=self.cfg),
                          self._switch_off_args(call, state), donate=(2,))
 
+  def switch_off_ready(self, call: PlanCall, state) -> bool:
+    """Whether switch-off at the state's bucket runs without a compile in its time (compiled;
+    or compiled as it runs: no background compilation)."""
+    spec = self.ecfg.spec
+    if spec is None or not spec.background_compile or self._compiler is None:
+      return True
+    return self._switch_off_key(call, state) in self.exes
+
+  def _switch_off_key(self, call: PlanCall, state) -> ExecKey:
+    return ExecKey.of("switch_off", None, self._switch_off_args(call, state))
+
   def switch_off_ahead(self, call: PlanCall, state) -> None:
     """Queues switch-off's executable at a speculating batch's bucket on the compile thread
     (background compilation only; once per shape): a batch whose bucket the gate closes
@@ -39,6 +50,6 @@ class Switching:
     if state.batch_size in self._off_ahead:  # (a key over the weights' tree: not per chunk)
       return
     self._off_ahead.add(state.batch_size)
-    key = ExecKey.of("switch_off", None, self._switch_off_args(call, state))
+    key = self._switch_off_key(call, state)
     shapes = self._abstract(state)
     self._have(key, lambda: self.switch_off(call, shapes))

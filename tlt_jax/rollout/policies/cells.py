@@ -83,6 +83,7 @@ class SpecGate:
     record(bucket, arm, ...)          one measured chunk (arm None: plain); may decide
     compiled(kind, bucket, arm, s)    an executable's compile seconds (payoff.py's kinds)
     repays_window(bucket, arm, n, f)  whether a narrower attention window is worth compiling
+    runs_wide(bucket, arm, extra)     whether an arm may run at a wider window than its rows'
   Questions read one state (a reference read: no lock; a state never changes). The holder
   owns the I/O the pure state cannot do: loading cached hardware verdicts and compile costs on
   the first rollout with buckets, and writing them after every verdict and new cost."""
@@ -139,6 +140,9 @@ class SpecGate:
   def repays_window(self, bucket: int, arm: Strategy, chunks_per_rollout: float,
                     share: float) -> bool:
     return funding.repays_window(self.state, bucket, arm, chunks_per_rollout, share)
+
+  def runs_wide(self, bucket: int, arm: Strategy, extra: float) -> bool:
+    return funding.runs_wide(self.state, bucket, arm, extra)
 
   def summary(self) -> dict[str, Any]:
     return self.state.summary()

@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 from tlt_jax.rollout.policies import payoff
-from tlt_jax.rollout.policies.probe import PAYS, PROBING, measured, plain_bound, step_seconds
+from tlt_jax.rollout.policies.probe import (PAYS, PROBING, accept_len, measured, plain_bound,
+                                            step_seconds)
 from tlt_jax.rollout.policies.strategy import Strategy
 
 
@@ -122,18 +123,32 @@ def repays_window(s, bucket: int, arm: Strategy, chunks_per_rollout: float, shar
   executable, as costly as the arm's: payoff.py) for chunks that would read `share` fewer of
   their step's bytes (the compile plan's estimate) than at the wider window they run at now,
   `chunks_per_rollout` times per rollout. Their time is the arm's measured chunks' there;
-  before it has one, only an open-ended run compiles."""
+  before it has one, the plain chunks' there (a chunk the wider window would make lose runs
+  plainly: `runs_wide`); before either, only an open-ended run compiles."""
   c = s.cfg
   r = s.at.get(bucket)
   if r is not None and r.status == PROBING:  # a probe measures at the rows' own windows (at
     return True  # a wider one its chunks are not counted: gate.py)
-  chunks = r.spec.get(arm, ()) if r is not None else ()
+  chunks = (r.spec.get(arm) or r.plain) if r is not None else ()
   if not chunks:
     return c.horizon <= 0
   wall = sum(x.wall for x in chunks) / len(chunks)
   return payoff.repays_saving(chunks_per_rollout * wall * share, horizon=c.horizon,
                               rollouts=s.rollouts, payback=c.payback,
                               cost=s.ledger.arm_cost(bucket, arm, c.compile_factor))
+
+
+def runs_wide(s, bucket: int, arm: Strategy, extra: float) -> bool:
+  """Whether `arm` at `bucket` may run at a compiled attention window wider than its rows
+  need (while theirs compiles, or where compiling it does not repay) instead of decoding
+  plainly: a step there reads `extra` times the bytes of a plain step at the rows' own window
+  (the compile plan's estimate), and a verification delivers the arm's measured tokens per
+  row (its chunks here; before any, its best case, depth + 1). Where decoding is bound by
+  bytes it costs at least `extra` plain steps, so it loses unless those tokens exceed
+  `extra` (the 32B recipe's 120-row bulk: 3.9x the bytes for ~3 tokens, 0.89x measured)."""
+  r = s.at.get(bucket)
+  chunks = r.spec.get(arm, ()) if r is not None else ()
+  return (accept_len(chunks) if chunks else arm.steps + 1) > extra
 
 
 def terms(s, bucket: int, arm: Strategy) -> dict[str, float | None]:
