@@ -179,6 +179,9 @@ class NotWantedGate:
   def repays_window(self, bucket, arm, chunks_per_rollout, share):
     return True
 
+  def runs_wide(self, bucket, arm, extra):
+    return True
+
   def record(self, *args, **kw):
     pass
 

@@ -476,6 +476,28 @@ def test_kernel_that_fails_to_compile_falls_back_to_the_reference(tiny, plain_gr
     np.testing.assert_array_equal(spec[k].response_ids, plain[k].response_ids)
 
 
+def test_a_window_a_chunk_needs_compiles_before_queued_arms(tiny):
+  """The compile thread runs an urgent job (an attention window a running chunk needs,
+  `CompilePlan.window`) before every job not started yet, and the arms' job between its
+  executables: queued behind a running compile and two arms' jobs, the window runs second."""
+  import threading
+  params, dparams = tiny
+  w = Engine(params, CFG, EngineConfig(**SMALL, spec=SpecConfig(
+      strategy="3_1_4", use_kernel=False, background_compile=True)), drafter_params=dparams)
+  plan = w.compiles
+  from tlt_jax.rollout.executables import background_compiler
+  plan._compiler = background_compiler("test-compile")
+  ran, release = [], threading.Event()
+  plan._submit(lambda: (release.wait(10), ran.append("running")))
+  plan._submit(lambda: ran.append("arms 1"))
+  plan._submit(lambda: ran.append("arms 2"))
+  plan._submit(lambda: ran.append("window"), urgent=True)
+  plan._submit(lambda: 1 / 0, urgent=True)  # (a failed window is logged, nothing else)
+  release.set()
+  plan.wait(10)
+  assert ran == ["running", "window", "arms 1", "arms 2"], ran
+
+
 def test_background_compile_then_speculation_without_foreground_compiles(tiny, plain_greedy):
   """With background compilation the worker decodes plainly until a bucket's arms are ready;
   once compiled, a generate call speculates and compiles nothing in the foreground, and

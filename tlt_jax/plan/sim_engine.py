@@ -167,24 +167,34 @@ class SimCompilePlan(CompilePlan):
     self._bytes = (weight_bytes, slot_bytes)
     self._due: dict = {}  # (sp, bucket, arm) -> simulated time its background compile ends
     self._compile_free = 0.0  # when the compile thread is next free
+    self._took: dict = {}  # key -> its compile's seconds (queued keys)
 
   _abstract = staticmethod(lambda state: state)
 
   def _spec_key(self, call, sp, arm, state, kv_len):
     return exe_key("spec", state.batch_size, Strategy(arm), kv_len)
 
-  def _queue(self, key: ExecKey, scale: float = 1.0) -> float:
-    e = self.engine
-    if key in e.exes:
-      return e.now
+  def _queue(self, key: ExecKey, scale: float = 1.0, urgent: bool = False) -> float:
+    """A compile on the thread's clock: after what is queued, or (urgent: CompilePlan._submit)
+    once the compile running now ends, what had not started yet moving back by its time."""
+    e, seconds = self.engine, self.engine.compile_s * scale
+    if key in e.exes or key in e.exes.due:
+      return e.exes.due.get(key, e.now)
     start = max(self._compile_free, e.now)
-    due = e.exes.queue(key, e.compile_s * scale, start)
+    if urgent:
+      start = max([e.now] + [t for k, t in e.exes.due.items() if t - self._took[k] <= e.now < t])
+      e.exes.due.update((k, t + seconds) for k, t in e.exes.due.items()
+                        if t - self._took[k] >= start)
+      self._due.update((k, t + seconds) for k, t in self._due.items() if t > start)
+      self._compile_free = max(self._compile_free, start) + seconds
+    self._took[key] = seconds
+    due = e.exes.queue(key, seconds, start)
     self._compile_free = max(self._compile_free, due)
     return due
 
   def spec(self, call, sp, arm, state, kv_len=None):
-    """(From the compile thread: a window the plan queued.)"""
-    self._queue(self._spec_key(call, sp, arm, state, kv_len or self.ecfg.cache_len))
+    """(From the compile thread: a window a chunk needs, urgent.)"""
+    self._queue(self._spec_key(call, sp, arm, state, kv_len or self.ecfg.cache_len), urgent=True)
 
   def submit(self, call: PlanCall, sp, *_):
     if self._compiler is None:

@@ -30,6 +30,7 @@ call's gate, its page pools). Background compile jobs keep the view they were qu
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import math
@@ -85,6 +86,7 @@ class CompilePlan(Switching):
     self.rollouts = 0  # generate calls of the engine (`_window_pays`'s time base)
     self._bytes: tuple[int, int] | None = None  # (weight bytes, KV bytes per slot)
     self._compiler = None  # one compile thread per engine, started on first use
+    self._urgent: collections.deque = collections.deque()  # windows running chunks need
     self._compiling = 0  # background jobs pending or running (they run real prefills)
 
   @property
@@ -189,7 +191,24 @@ class CompilePlan(Switching):
         with self._lock:
           self._compiling -= 1
 
-    self._compiler.submit(job)
+    self._submit(job)
+
+  def _submit(self, job: Callable[[], Any], urgent: bool = False) -> None:
+    """Queues `job` on the compile thread; an urgent one (a window a running chunk needs)
+    before every job not started yet (each job, and the arms' between executables, runs the
+    urgent ones first): it waits for one compile at most, not for arms nobody has run yet."""
+    if urgent:
+      self._urgent.append(job)
+      self._compiler.submit(self._run_urgent)
+    else:
+      self._compiler.submit(lambda: (self._run_urgent(), job()))
+
+  def _run_urgent(self) -> None:
+    while self._urgent:
+      try:  # (a failed window: its chunks run the wider one they have)
+        self._urgent.popleft()()
+      except Exception:  # noqa: BLE001
+        _log.exception("background compilation of an attention window failed")
 
   def wait(self, timeout: float | None = None) -> None:
     """Blocks until background compilation started so far is done (tests, benchmarks)."""
@@ -232,6 +251,8 @@ class CompilePlan(Switching):
       return
     state = self.prefill_dummy(call, max(pairs), warm=True)
     for b, arm in self.compile_order(pairs):
+      if on_compiled is not None:  # (on the compile thread: the windows chunks need first)
+        self._run_urgent()
       self.spec(call, sp, arm, _resized(state, b))
       if on_compiled is not None:
         on_compiled((b, arm))
@@ -262,7 +283,7 @@ class CompilePlan(Switching):
     for b in sorted(self.ecfg.buckets, reverse=True):
       args = (_resized(top, b), rows(b, c), rows(b, c, d, dtype=self.cfg.compute_dtype),
               rows(b, c, dtype=jnp.bool_))
-      self._compiler.submit(functools.partial(self.track, call, *args))
+      self._submit(functools.partial(self.track, call, *args))
 
   def prefill_dummy(self, call: PlanCall, batch: int, warm: bool = False):
     """What a prefill of `batch` distinct one-token rows outputs (warm: a speculative one,
@@ -292,7 +313,7 @@ class CompilePlan(Switching):
       queue = key not in self._queued
       self._queued.add(key)
     if queue:
-      self._compiler.submit(job)
+      self._submit(job)
     return False
 
   def window(self, call: PlanCall, sp: SamplingParams, arm: Strategy | None, state,
@@ -326,7 +347,7 @@ class CompilePlan(Switching):
       self._window_submitted.add(key)
     if queue:
       args = (call, sp, arm, abstract, kv_len)
-      self._compiler.submit(lambda: self.spec(*args))
+      self._submit(lambda: self.spec(*args), urgent=True)
     return wider if wider is not None else ecfg.cache_len
 
   def fits(self, call: PlanCall, sp: SamplingParams, arm: Strategy, state, need: int) -> bool:
