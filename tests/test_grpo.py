@@ -133,23 +133,33 @@ def test_ratio_is_one_on_policy_and_gradient_is_policy_gradient(setup):
   gcfg = grpo.GRPOConfig()
   mbs = list(batching.micro_batches(samples, rows=2, pad_multiple=64, max_len=64))
   n = jnp.float32(sum(float(mb.loss_mask.sum()) for mb in mbs))
+  # (jitted: eager grads compile every op once per shape, a minute of this test)
+  loss_grad = jax.jit(jax.grad(
+      lambda p, dev: grpo.grpo_loss(p, dev, cfg=CFG, gcfg=gcfg, num_tokens=n)[0]))
   g_loss = None
   for mb in mbs:
     packed = (jnp.asarray(mb.tokens), jnp.asarray(mb.positions), jnp.asarray(mb.segment_ids))
     dev = grpo.Batch(*packed, jnp.asarray(mb.loss_mask), jnp.asarray(mb.advantages),
                      grpo.token_logprobs(old, *packed, cfg=CFG, temperature=1.0)[0])
-    g = jax.grad(lambda p: grpo.grpo_loss(p, dev, cfg=CFG, gcfg=gcfg, num_tokens=n)[0])(old)
+    g = loss_grad(old, dev)
     g_loss = g if g_loss is None else jax.tree.map(jnp.add, g_loss, g)
 
-  def reinforce(p):
-    total = 0.0
-    for s in samples:
-      seq = jnp.asarray(np.concatenate([s.prompt_ids, s.response_ids]))[None]
-      lp = grpo.token_logprobs(p, seq, cfg=CFG, temperature=1.0)[0][0, len(s.prompt_ids):]
-      total = total - s.advantage * jnp.sum(lp)
-    return total / n
+  @jax.jit
+  @jax.grad
+  def reinforce(p, seq, response, advantage):  # one sample, alone: -A * sum of its log p
+    lp = grpo.token_logprobs(p, seq, cfg=CFG, temperature=1.0)[0][0]
+    return -advantage * jnp.sum(jnp.where(response, lp, 0.0)) / n
 
-  g_ref = jax.grad(reinforce)(old)
+  # each sample alone in a row, padded at its end to one length (one compile; causal: what
+  # follows a token changes nothing before it)
+  T = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+  g_ref = None
+  for s in samples:
+    seq = np.concatenate([s.prompt_ids, s.response_ids])
+    pos = np.arange(T)
+    g = reinforce(old, jnp.asarray(np.pad(seq, (0, T - len(seq))))[None],
+                  jnp.asarray((pos >= len(s.prompt_ids)) & (pos < len(seq))), s.advantage)
+    g_ref = g if g_ref is None else jax.tree.map(jnp.add, g_ref, g)
   for a, b in zip(jax.tree.leaves(g_loss), jax.tree.leaves(g_ref)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
