@@ -330,14 +330,12 @@ class CompilePlan(Switching):
     if arm is None:
       return kv_len
     abstract = self._abstract(state)
-    compiled = lambda n: self._spec_key(call, sp, arm, abstract, n) in self.exes
     with self._lock:
       key = (state.batch_size, arm, kv_len)
       self._needs[key] = self._needs.get(key, 0) + 1
-    if compiled(kv_len):
+    wider = self._compiled_window(call, sp, arm, abstract, kv_len)
+    if wider == kv_len:
       return kv_len
-    wider = next((n for n in length_grid(ecfg.prompt_bucket, ecfg.cache_len)
-                  if n > kv_len and compiled(n)), None)
     if wider is not None and not self._window_pays(call, state.batch_size, arm, kv_len, wider):
       return wider
     if not ecfg.spec.background_compile or self._compiler is None:
@@ -358,10 +356,13 @@ class CompilePlan(Switching):
     if not ecfg.spec.background_compile or self._compiler is None:
       return True
     want = kv_bucket(need, ecfg.prompt_bucket, ecfg.cache_len)
-    abstract = self._abstract(state)
-    have = next((n for n in length_grid(ecfg.prompt_bucket, ecfg.cache_len)
-                 if n >= want and self._spec_key(call, sp, arm, abstract, n) in self.exes), None)
+    have = self._compiled_window(call, sp, arm, self._abstract(state), want)
     return have is not None and self.runs_wide(call, state.batch_size, arm, have, want)
+
+  def _compiled_window(self, call: PlanCall, sp, arm: Strategy, abstract, want: int):
+    """The narrowest window >= `want` compiled for `arm` at the state's bucket (None: none)."""
+    return next((n for n in length_grid(self.ecfg.prompt_bucket, self.ecfg.cache_len)
+                 if n >= want and self._spec_key(call, sp, arm, abstract, n) in self.exes), None)
 
   def runs_wide(self, call: PlanCall, batch: int, arm: Strategy, have: int, want: int) -> bool:
     """Whether a speculative chunk of `arm` may run at window `have` (`window`'s answer)
@@ -370,23 +371,22 @@ class CompilePlan(Switching):
     gate = call.gate
     if gate is None or have <= want:
       return True
-    weights, slot = self.bytes_of(call)
-    return gate.runs_wide(batch, arm, (weights + batch * have * slot) /
-                          (weights + batch * want * slot))
+    return gate.runs_wide(batch, arm, self.step_bytes(call, batch, have) /
+                          self.step_bytes(call, batch, want))
 
   _abstract = staticmethod(abstract)  # (the simulator's states are their own abstraction)
 
-  def bytes_of(self, call: PlanCall) -> tuple[int, int]:
-    """(weight bytes, KV bytes per cache slot) of the replica: what a step reads is the
-    weights and, per row, its attention window's slots (the target's layers and the
-    drafter's one)."""
-    if self._bytes is None:
+  def step_bytes(self, call: PlanCall, batch: int, window: int) -> float:
+    """Bytes one decode step of the replica reads: the weights and, per row, its attention
+    window's KV slots (the target's layers and the drafter's one)."""
+    if self._bytes is None:  # (weight bytes, KV bytes per cache slot)
       leaves = jax.tree.leaves([call.params, call.drafter_params])
       weights = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves)
       itemsize = jnp.dtype(self.cfg.compute_dtype).itemsize
       slot = (self.cfg.num_layers + 1) * 2 * self.cfg.num_kv_heads * self.cfg.head_dim_ * itemsize
       self._bytes = (weights, slot)
-    return self._bytes
+    weights, slot = self._bytes
+    return float(weights + batch * window * slot)
 
   def _window_pays(self, call: PlanCall, batch: int, arm: Strategy, want: int, have: int) -> bool:
     """The gate's payoff rule for compiling window `want` of (batch, arm) while `have` runs
@@ -396,8 +396,7 @@ class CompilePlan(Switching):
     gate = call.gate
     if gate is None:
       return True
-    weights, slot = self.bytes_of(call)
-    share = batch * (have - want) * slot / (weights + batch * have * slot)
+    share = 1 - self.step_bytes(call, batch, want) / self.step_bytes(call, batch, have)
     with self._lock:
       per_rollout = self._needs.get((batch, arm, want), 0) / max(self.rollouts, 1)
     return gate.repays_window(batch, arm, per_rollout, share)

@@ -363,8 +363,7 @@ class Engine(Replica):
     how much of a step's time the bytes explain (probe.row_seconds). Only with a gate."""
     if c.gate is None:
       return 0.0
-    weights, slot = self.compiles.bytes_of(c.plan)
-    return float(weights + batch * kv_len * slot)
+    return self.compiles.step_bytes(c.plan, batch, kv_len)
 
   def _report_compiles(self, gate) -> None:
     """This engine's compiles since the last report (background ones too) to the gate, which
