@@ -67,10 +67,12 @@ class FakeEngine:
 
 
 class FakeTrainer:
-  """A drafter step takes `step_s` and adds `lr` to the weight; `tokens` per step."""
+  """A drafter step takes `step_s` (or the next of a list of them; the last repeats) and adds
+  `lr` to the weight; `tokens` per step."""
 
   def __init__(self, step_s=0.02, tokens=100, lr=1.0, has_data=True):
-    self.step_s, self.tokens, self.lr = step_s, tokens, lr
+    self.steps_s = list(step_s) if isinstance(step_s, (list, tuple)) else [step_s]
+    self.tokens, self.lr = tokens, lr
     self.has_data = has_data
     self.state = None
     self.metrics = []
@@ -86,7 +88,8 @@ class FakeTrainer:
     return object() if self.has_data else None
 
   def dispatch(self, batch):
-    return (time.perf_counter() + self.step_s,
+    step_s = self.steps_s.pop(0) if len(self.steps_s) > 1 else self.steps_s[0]
+    return (time.perf_counter() + step_s,
             FakeState(self.state.params + self.lr, self.state.steps + 1))
 
   def ready(self, inflight):
@@ -152,10 +155,13 @@ def test_idle_worker_trains_until_the_barrier_and_the_last_one_never_idles():
 
 @pytest.mark.parametrize("on_barrier", ["finish", "drop"])
 def test_in_flight_step_at_the_barrier_is_finished_or_dropped(on_barrier):
-  """Steps of 0.3 s, barrier at ~0.4 s: worker 0 starts its 2nd step at ~0.35 s. finish: the
-  rollout waits for it (released ~0.65 s, 2 steps); drop: it is thrown away (released right
-  after the barrier, 1 step, weight of 1 step)."""
-  trainers = [FakeTrainer(step_s=0.3), FakeTrainer(step_s=0.3)]
+  """finish: steps of 0.3 s, barrier at ~0.4 s: worker 0 starts its 2nd step at ~0.35 s; the
+  rollout waits for it (released ~0.65 s, 2 steps). drop: a 0.1 s step then a 1 s one, barrier
+  at ~0.4 s (a quarter second from either end of the 2nd step, so a loaded machine's thread
+  delays do not move the barrier out of it): the 2nd is thrown away (released right after the
+  barrier, 1 step, weight of 1 step)."""
+  step_s = 0.3 if on_barrier == "finish" else [0.1, 1.0]
+  trainers = [FakeTrainer(step_s=step_s), FakeTrainer(step_s=step_s)]
   c, store, _ = make(2, on_barrier=on_barrier, trainers=trainers)
   out = c.rollout(shares(0.05, 0.4), sp=None, seed=0)
   crit = out.timeline.summary()["critical_path_s"]
