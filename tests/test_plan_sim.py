@@ -239,3 +239,59 @@ def test_plan_command_errors_are_one_line():
     r = _plan("--config", "configs/default.py", "--gpus", "2", *args)
     assert r.returncode == 2, r.stderr[-2000:]
     assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+class Prefers:
+  """A selector whose bandit has learnt: it picks `prefer[live]` (for that many live rows,
+  else `prefer[0]`) where it may, else the first arm it may pick."""
+
+  def __init__(self, arms, prefer):
+    self.arms = [Strategy(a) for a in arms]
+    self.prefer = {b: Strategy(a) for b, a in prefer.items()}
+
+  def select(self, batch_size, arms=None):
+    arms = list(arms or self.arms)
+    want = self.prefer.get(batch_size, self.prefer[0])
+    return want if want in arms else arms[0]
+
+  def learns(self, arm, batch_size):
+    return True
+
+  def update(self, arm, batch_size, reward):
+    pass
+
+
+def test_with_a_gate_only_the_arms_chunks_ask_for_compile():
+  """A worker with a gate (open: every bucket pays, every arm funded) and background
+  compilation compiles each bucket's first arm ahead, and another only once a chunk's bandit
+  asks for it, at the window its rows need; an arm no chunk asks for is never compiled, and
+  the drafter's tracking compiles only where a tracked plain chunk ran (and the bucket under
+  it). The arm asked for runs once compiled: no chunk waited for it."""
+  from tlt_jax.rollout.policies.mab import bandit_config
+  from tlt_jax.rollout.policies.cells import PolicyCells, SpecGate
+  from tlt_jax.rollout.policies.gate import GateConfig
+  arms = ["3_1_4", "2_1_3", "4_1_5", "off"]
+  kw = dict(max_batch=8, buckets=(1, 2, 4, 8), chunk_size=4, max_prompt_len=16,
+            max_new_tokens=400, prompt_bucket=16)
+  ecfg = EngineConfig(**kw, spec=SpecConfig(strategy="3_1_4", bs_threshold=8, patience=1,
+                                            use_kernel=False, background_compile=True))
+  bandit = bandit_config("eg", {1: arms})
+  s = sim_engine.SimEngine(TINY, ecfg, PROFILES["h100"], bandit=bandit, compile_s=5e-4,
+                           acceptance=workload.Acceptance(default=2.0, history=1.0))
+  reqs = _requests(8)  # six short answers, two long ones: the batch spends its time at 2 rows
+  s.lengths = {_key(r): 40 + 10 * i if i < 6 else 300 + 60 * (i - 6)
+               for i, r in enumerate(reqs)}
+  gate = SpecGate(GateConfig(gating=False))
+  s.generate(reqs, SamplingParams(temperature=1.0),
+             policies=PolicyCells(Prefers(arms, {0: "3_1_4", 2: "2_1_3"}), gate))
+  spec = {(r.key.shapes[0], str(r.key.variant[0])) for r in s.exes.records
+          if r.key.name == "spec"}
+  assert {a for _, a in spec} == {"3_1_4", "2_1_3"}  # 4_1_5 and off: nobody asked
+  assert {b for b, a in spec if a == "2_1_3"} == {2}
+  ran = [(m.bucket, str(m.mode)) for m in s.chunk_log]
+  assert (2, "2_1_3") in ran
+  assert all(not m.compiled for m in s.chunk_log if m.mode != "plain")
+  tracked = {r.key.shapes[0] for r in s.exes.records if r.key.name == "track"}
+  plain = {m.bucket for m in s.chunk_log if m.mode == "plain"}
+  assert plain and tracked == plain | {max([b for b in ecfg.buckets if b < p], default=p)
+                                       for p in plain}

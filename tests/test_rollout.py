@@ -391,7 +391,7 @@ def test_attention_windows_do_not_change_outputs(models, greedy, prompts, monkey
   live row), not all of it: greedy outputs equal transformers' and sampled outputs (same
   keys) the whole-cache engine's, through ragged prompts, refills, compaction and rows
   that cross window boundaries mid-rollout (prompt_bucket 4: windows 4, 8, 16, 28)."""
-  from tlt_jax.rollout import compile_plan
+  from tlt_jax.rollout import windows as window_rule
   m, g = models["qwen2"], greedy["qwen2"]
   cfg = engine_cfg(stop_tokens=(g["stop"],), prompt_bucket=4, capture_hidden=True)
   windowed = Engine(m.params, m.cfg, cfg)
@@ -409,7 +409,7 @@ def test_attention_windows_do_not_change_outputs(models, greedy, prompts, monkey
   pairs = [(r.batch, r.key.variant[1:]) for r in windowed.compile_log if r.name == "decode"]
   assert len(pairs) == len(set(pairs)), pairs
   with monkeypatch.context() as mp:  # the reference: every chunk over the whole cache
-    mp.setattr(compile_plan, "kv_bucket", lambda need, base, cap: cap)  # chunk windows
+    mp.setattr(window_rule, "kv_bucket", lambda need, base, cap: cap)  # chunk windows
     whole = Engine(m.params, m.cfg, cfg)
     assert_same_results(res_g, run(whole, greedy_requests(prompts), GREEDY)[0], "greedy")
     assert_same_results(res_s, run(whole, sampled_requests(prompts), T1, seed=0)[0], "sampled")

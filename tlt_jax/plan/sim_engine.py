@@ -168,6 +168,7 @@ class SimCompilePlan(CompilePlan):
     self._due: dict = {}  # (sp, bucket, arm) -> simulated time its background compile ends
     self._compile_free = 0.0  # when the compile thread is next free
     self._took: dict = {}  # key -> its compile's seconds (queued keys)
+    self._urgent_job = False  # the job running now was submitted urgent
 
   _abstract = staticmethod(lambda state: state)
 
@@ -193,24 +194,34 @@ class SimCompilePlan(CompilePlan):
     return due
 
   def spec(self, call, sp, arm, state, kv_len=None):
-    """(From the compile thread: a window a chunk needs, urgent.)"""
-    self._queue(self._spec_key(call, sp, arm, state, kv_len or self.ecfg.cache_len), urgent=True)
+    """(From the compile thread: a window a chunk needs, or an arm one wants.)"""
+    self._queue(self._spec_key(call, sp, arm, state, kv_len or self.ecfg.cache_len),
+                urgent=self._urgent_job)
 
   def submit(self, call: PlanCall, sp, *_):
-    if self._compiler is None:
-      self._compiler = _SimCompiler()
-    for b, arm in self.compile_order(self._wanted_pairs(call)):
+    self._thread(call)
+    for b, arm in self.compile_order(self._ahead(call)):
       key = (sp, b, str(arm))
       if key in self._due:
         continue
       whole = SimState([None] * b)
       self._due[key] = self._queue(self._spec_key(call, sp, arm, whole, self.ecfg.cache_len))
 
-  def track_ahead(self, call: PlanCall) -> None:
-    if not self._tracked:
-      self._tracked = True
-      for b in sorted(self.ecfg.buckets, reverse=True):
-        self._queue(exe_key("track", b), self.engine.drafter_compile)
+  def _thread(self, call) -> None:
+    if self._compiler is None:
+      self._compiler = _SimCompiler()
+
+  def _submit(self, job, urgent: bool = False) -> None:
+    """A job runs now; what it compiles is queued on the compile clock (`_queue`), an urgent
+    one (CompilePlan._submit) ahead of what has not started."""
+    self._urgent_job = urgent
+    try:
+      job()
+    finally:
+      self._urgent_job = False
+
+  def _track_at(self, call, bucket: int) -> None:
+    self._queue(exe_key("track", bucket), self.engine.drafter_compile, urgent=self._urgent_job)
 
   def _switch_off_key(self, call: PlanCall, state) -> ExecKey:
     return exe_key("switch_off", state.batch_size)

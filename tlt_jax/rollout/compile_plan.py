@@ -3,21 +3,20 @@
 Speculation needs one executable per (engine bucket, arm) pair, and a switch-off per bucket
 where a gate may close a speculating batch's bucket (switching.py); a tracked call adds the
 drafter's tracking after its plain prefills and chunks (engine.py: one drafter-only executable
-per bucket, `track_ahead`, and one per prefill shape). Only the pairs the bandit can choose
+per bucket it decodes plainly at, `track_ahead`, and one per prefill shape). Only the pairs the bandit can choose
 are wanted (`choosable_pairs`: the engine's batch grid intersected with the bandit's live-size
 grid, under the speculation threshold), and with a gate only those it opens to this engine
 now. They compile either on first use (a chunk then pays the compile and reports
 nothing to the bandit), all at once (`precompile`), or in a background thread
 (SpecConfig.background_compile: `submit` at each generate, in `compile_order`; a bucket
 speculates once it is `ready`, one of its arms compiled, so no chunk waits for a compile).
+With a gate, only each bucket's first arm in that order compiles ahead; another when a chunk's
+policies ask for it (`want`: the bandit exploring it, a probe measuring it), at the window its
+rows need: an executable nobody runs is not compiled (the 7B recipe, gate open, 3 simulated
+steps: 395 speculative executables compiled ahead, 96 of them ever ran).
 
-Attention windows (`kv_len`: decoding reads cache slots [0, kv_len) only) are a third grid: a
-speculative executable per (bucket, arm, window). The whole cache's window compiles with each
-pair in the background; another on first use or, with background compilation, on the compile
-thread while the narrowest compiled window that holds the rows runs (`window`). With a gate, a
-window narrower than one compiled is compiled only when what it saves repays its compile
-(`_window_pays`: the gate's payoff rule, payoff.py), so a run's speculative executables do not
-multiply by the windows its tail visits unless reading fewer slots pays for them.
+Attention windows (`kv_len`) are a third grid, a speculative executable per (bucket, arm,
+window): windows.py.
 
 A Pallas verification kernel that fails to compile falls back to its jnp reference (same
 decisions) once, with a warning; `verify_path` says which ran.
@@ -33,7 +32,6 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import math
 import threading
 from typing import Any, Callable
 
@@ -47,8 +45,8 @@ from tlt_jax.rollout.plan_call import Pairs, PlanCall, abstract, choosable_pairs
 from tlt_jax.rollout.prefill import prefill_arrays, run_prefill
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.scheduler import kv_bucket, length_grid
 from tlt_jax.rollout.switching import Switching
+from tlt_jax.rollout.windows import Windows
 from tlt_jax.rollout.policies.strategy import Strategy
 
 _log = logging.getLogger(__name__)
@@ -61,7 +59,7 @@ def _resized(tree, b: int):
       lambda x: jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype, sharding=x.sharding), tree)
 
 
-class CompilePlan(Switching):
+class CompilePlan(Switching, Windows):
   """See the module docstring. Thread-safe where the compile thread meets the engine's."""
 
   def __init__(self, cfg: ModelConfig, ecfg, exes: ExecutableCache,
@@ -80,7 +78,7 @@ class CompilePlan(Switching):
     self._submitted: dict[SamplingParams, set[tuple[int, str]]] = {}  # handed to the thread
     self._window_submitted: set[tuple[int, str, int]] = set()  # (bucket, arm, kv_len) queued
     self._off_ahead: set[int] = set()  # batch sizes whose switch-off is compiled or queued
-    self._tracked = False  # the drafter's tracking queued at every bucket (`track_ahead`)
+    self._tracked: set[int] = set()  # buckets whose drafter's tracking is queued
     self._queued: set[ExecKey] = set()  # switch-offs queued (`_have`)
     self._needs: dict[tuple[int, str, int], int] = {}  # (bucket, arm, kv_len) -> chunks needing it
     self.rollouts = 0  # generate calls of the engine (`_window_pays`'s time base)
@@ -151,18 +149,31 @@ class CompilePlan(Switching):
     first (speculation switches on at the largest and shrinks), then each one's second, ...:
     every bucket speculates after one compile, not after all of its arms'. A bucket's arms:
     the config's strategy (the gate's lead) first, "off" last."""
-    lead = self.ecfg.spec.strategy
-    ranked = {b: sorted(arms, key=lambda a: (a != lead, a == "off")) for b, arms in pairs.items()}
+    ranked = self._ranked(pairs)
     depth = max(map(len, ranked.values()), default=0)
     return [(b, ranked[b][i]) for i in range(depth) for b in sorted(ranked, reverse=True)
             if i < len(ranked[b])]
+
+  def _ahead(self, call: PlanCall) -> Pairs:
+    """The wanted pairs compiled ahead of need (`submit`): with a gate, each bucket's first
+    arm (`want` the others); else all."""
+    pairs = self._wanted_pairs(call)
+    if call.gate is None:
+      return pairs
+    return {b: arms[:1] for b, arms in self._ranked(pairs).items()}
+
+  def _ranked(self, pairs: Pairs) -> Pairs:
+    """Each bucket's arms, the config's strategy (the gate's lead) first, "off" last."""
+    lead = self.ecfg.spec.strategy
+    return {b: sorted(arms, key=lambda a: (a != lead, a == "off")) for b, arms in pairs.items()}
 
   # ----------------------------------------------------------------------- when
   def submit(self, call: PlanCall, sp: SamplingParams) -> None:
     """Starts compiling the wanted (bucket, arm) pairs for `sp` that are not compiled or
     queued yet on the compile thread, largest bucket first (speculation switches on at the
-    largest and shrinks). Called at every generate: what a gate opens later compiles then."""
-    pairs = self._wanted_pairs(call)
+    largest and shrinks). Called at every generate: what a gate opens later compiles then.
+    With a gate, each bucket's first arm only (`want` queues the others when a chunk asks)."""
+    pairs = self._ahead(call)
     with self._lock:
       self._ready.setdefault(sp, set())
       submitted = self._submitted.setdefault(sp, set())
@@ -171,8 +182,7 @@ class CompilePlan(Switching):
       if not pairs:
         return
       submitted.update((b, a) for b, arms in pairs.items() for a in arms)
-      if self._compiler is None:
-        self._compiler = background_compiler(f"compile-worker-{call.worker_id}")
+      self._thread(call)
       self._compiling += 1
 
     def mark(pair):
@@ -192,6 +202,11 @@ class CompilePlan(Switching):
           self._compiling -= 1
 
     self._submit(job)
+
+  def _thread(self, call: PlanCall) -> None:
+    """Starts this engine's compile thread if it has none (under the lock)."""
+    if self._compiler is None:
+      self._compiler = background_compiler(f"compile-worker-{call.worker_id}")
 
   def _submit(self, job: Callable[[], Any], urgent: bool = False) -> None:
     """Queues `job` on the compile thread; an urgent one (a window a running chunk needs)
@@ -266,24 +281,32 @@ class CompilePlan(Switching):
                          (call.params, call.drafter_params, dcache, tokens, hidden, valid),
                          donate=(2,))
 
-  def track_ahead(self, call: PlanCall) -> None:
-    """Queues the drafter's tracking at every engine bucket on the compile thread (once; a
-    tracked call's: drafter-only executables, seconds each), ahead of the arms: a batch
-    reaching a bucket finds it compiled (the first bucket's may still compile in its time)."""
+  def track_ahead(self, call: PlanCall, bucket: int) -> None:
+    """Queues the drafter's tracking (drafter-only executables, seconds each) at `bucket` and
+    the next bucket down on the compile thread, once each (background compilation only): a
+    tracked call's plain chunks at a bucket find it compiled, and the batch compacting finds
+    the next one compiled too. Buckets a tracked batch never decodes plainly at compile none."""
+    if not self.ecfg.spec.background_compile:
+      return
+    below = [b for b in self.ecfg.buckets if b < bucket]
+    want = [b for b in (bucket, max(below, default=None)) if b is not None]
     with self._lock:
-      if self._tracked:
+      want = [b for b in want if b not in self._tracked]
+      self._tracked.update(want)
+      if not want:
         return
-      self._tracked = True
-      if self._compiler is None:
-        self._compiler = background_compiler(f"compile-worker-{call.worker_id}")
+      self._thread(call)
+    for b in want:  # (ahead of queued arms: a plain chunk here would wait for it)
+      self._submit(functools.partial(self._track_at, call, b), urgent=True)
+
+  def _track_at(self, call: PlanCall, bucket: int) -> None:
+    """Compiles the drafter's tracking at `bucket` (abstract arguments; the compile thread)."""
     c, d = self.ecfg.chunk_size, self.cfg.hidden_size
     rows = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(  # noqa: E731
         shape, dtype, sharding=self._replicated)
     top = self.prefill_dummy(call, max(self.ecfg.buckets), warm=True).dcache
-    for b in sorted(self.ecfg.buckets, reverse=True):
-      args = (_resized(top, b), rows(b, c), rows(b, c, d, dtype=self.cfg.compute_dtype),
-              rows(b, c, dtype=jnp.bool_))
-      self._submit(functools.partial(self.track, call, *args))
+    self.track(call, _resized(top, bucket), rows(bucket, c),
+               rows(bucket, c, d, dtype=self.cfg.compute_dtype), rows(bucket, c, dtype=jnp.bool_))
 
   def prefill_dummy(self, call: PlanCall, batch: int, warm: bool = False):
     """What a prefill of `batch` distinct one-token rows outputs (warm: a speculative one,
@@ -316,90 +339,7 @@ class CompilePlan(Switching):
       self._submit(job)
     return False
 
-  def window(self, call: PlanCall, sp: SamplingParams, arm: Strategy | None, state,
-             need: int) -> int:
-    """The attention window of a chunk (plain: arm None) whose rows reach `need` cache slots
-    (the longest row + `chunk_reach`): the `kv_bucket` holding them. A speculative window not
-    compiled yet is one more executable of the arm: with a gate, where a wider one that holds
-    the rows is compiled, the narrower one is compiled only when what it saves repays it
-    (`_window_pays`), else the wider one runs. With background compilation a window to compile
-    is queued on the compile thread and the narrowest compiled one that holds the rows runs
-    meanwhile (the whole cache's is compiled with each bucket's arms): no chunk waits."""
-    ecfg = self.ecfg
-    kv_len = kv_bucket(need, ecfg.prompt_bucket, ecfg.cache_len)
-    if arm is None:
-      return kv_len
-    abstract = self._abstract(state)
-    with self._lock:
-      key = (state.batch_size, arm, kv_len)
-      self._needs[key] = self._needs.get(key, 0) + 1
-    wider = self._compiled_window(call, sp, arm, abstract, kv_len)
-    if wider == kv_len:
-      return kv_len
-    if wider is not None and not self._window_pays(call, state.batch_size, arm, kv_len, wider):
-      return wider
-    if not ecfg.spec.background_compile or self._compiler is None:
-      return kv_len
-    with self._lock:
-      queue = key not in self._window_submitted
-      self._window_submitted.add(key)
-    if queue:
-      args = (call, sp, arm, abstract, kv_len)
-      self._submit(lambda: self.spec(*args), urgent=True)
-    return wider if wider is not None else ecfg.cache_len
-
-  def fits(self, call: PlanCall, sp: SamplingParams, arm: Strategy, state, need: int) -> bool:
-    """Whether a chunk of `arm` whose rows reach `need` slots has a compiled window to run at
-    without losing to plain decoding (`runs_wide`; nothing queued, nothing counted: `window`
-    does that). Compiling as it runs (no background compilation): always."""
-    ecfg = self.ecfg
-    if not ecfg.spec.background_compile or self._compiler is None:
-      return True
-    want = kv_bucket(need, ecfg.prompt_bucket, ecfg.cache_len)
-    have = self._compiled_window(call, sp, arm, self._abstract(state), want)
-    return have is not None and self.runs_wide(call, state.batch_size, arm, have, want)
-
-  def _compiled_window(self, call: PlanCall, sp, arm: Strategy, abstract, want: int):
-    """The narrowest window >= `want` compiled for `arm` at the state's bucket (None: none)."""
-    return next((n for n in length_grid(self.ecfg.prompt_bucket, self.ecfg.cache_len)
-                 if n >= want and self._spec_key(call, sp, arm, abstract, n) in self.exes), None)
-
-  def runs_wide(self, call: PlanCall, batch: int, arm: Strategy, have: int, want: int) -> bool:
-    """Whether a speculative chunk of `arm` may run at window `have` (`window`'s answer)
-    when its rows need `want`: with a gate, the gate's rule on the bytes a step reads at each
-    (funding.runs_wide); else always."""
-    gate = call.gate
-    if gate is None or have <= want:
-      return True
-    return gate.runs_wide(batch, arm, self.step_bytes(call, batch, have) /
-                          self.step_bytes(call, batch, want))
-
   _abstract = staticmethod(abstract)  # (the simulator's states are their own abstraction)
-
-  def step_bytes(self, call: PlanCall, batch: int, window: int) -> float:
-    """Bytes one decode step of the replica reads: the weights and, per row, its attention
-    window's KV slots (the target's layers and the drafter's one)."""
-    if self._bytes is None:  # (weight bytes, KV bytes per cache slot)
-      leaves = jax.tree.leaves([call.params, call.drafter_params])
-      weights = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves)
-      itemsize = jnp.dtype(self.cfg.compute_dtype).itemsize
-      slot = (self.cfg.num_layers + 1) * 2 * self.cfg.num_kv_heads * self.cfg.head_dim_ * itemsize
-      self._bytes = (weights, slot)
-    weights, slot = self._bytes
-    return float(weights + batch * window * slot)
-
-  def _window_pays(self, call: PlanCall, batch: int, arm: Strategy, want: int, have: int) -> bool:
-    """The gate's payoff rule for compiling window `want` of (batch, arm) while `have` runs
-    (no gate: always): chunks needing it per generate call so far, and the share of a step's
-    bytes it would not read (the KV slots between the two windows, of the weights and KV a
-    step at `have` reads: decoding at small batch is bound by those bytes)."""
-    gate = call.gate
-    if gate is None:
-      return True
-    share = 1 - self.step_bytes(call, batch, want) / self.step_bytes(call, batch, have)
-    with self._lock:
-      per_rollout = self._needs.get((batch, arm, want), 0) / max(self.rollouts, 1)
-    return gate.repays_window(batch, arm, per_rollout, share)
 
   def _spec_key(self, call: PlanCall, sp: SamplingParams, arm: Strategy, state,
                 kv_len: int) -> ExecKey:

@@ -240,8 +240,9 @@ class Engine(Replica):
     if spec is not None:
       self.compiles.rollouts += 1
       if spec.background_compile:
-        if track:  # first: the drafter's tracking at every bucket the batch will visit
-          self.compiles.track_ahead(plan)
+        if track:  # first: the drafter's tracking where the batch starts
+          start = min(max(len(requests), 1), ecfg.max_batch)
+          self.compiles.track_ahead(plan, ecfg.bucket_for(start))
         self.compiles.submit(plan, sp)
     # drafter data and history only while speculation can pay: with a gate, once a probe has
     # shown that drafts can pay on this hardware (where they cannot, the hidden states'
@@ -297,24 +298,33 @@ class Engine(Replica):
       # a tracked call's batch (its drafter's cache is current: nothing to compute) once its
       # bucket's executables are compiled (until then the chunk decodes plainly)
       speculating = c.track and self.compiles.ready(c.plan, c.sp, state.batch_size)
-    if (started or speculating) and gate is not None:  # (its bucket may close meanwhile)
-      self.compiles.switch_off_ahead(c.plan, state)
+    if (started or speculating) and gate is not None and gate.closes:
+      self.compiles.switch_off_ahead(c.plan, state)  # (its bucket may close meanwhile)
+    # the attention window the rows reach this chunk (their pages hold it: `_page`)
+    longest = longest_row(sched, c.outputs)
+    reach_of = lambda a: longest + chunk_reach(a, ecfg.chunk_size)  # noqa: E731
     arm = None
     if speculating:
       # with a gate, among the arms it paid to compile here; a bucket on probation runs the
       # probed arms
       paid = gate.arms(self.worker_id, state.batch_size) if gate is not None else None
-      if paid is not None:  # those compiled (in the background: no chunk waits for one);
-        # none named (a gate that allows the bucket without funding arms there): the arms
-        # compiled there already
-        paid = self.compiles.compiled_arms(c.sp, state.batch_size,
-                                           paid or sorted(self.arms)) or paid
-      arm = c.selector.select(len(live), arms=paid) if paid else c.selector.select(len(live))
-      if gate is not None:
-        arm = gate.probe_arm(state.batch_size, arm, among=paid)
-    # the attention window the rows reach this chunk (their pages hold it: `_page`)
-    longest = longest_row(sched, c.outputs)
-    reach_of = lambda a: longest + chunk_reach(a, ecfg.chunk_size)  # noqa: E731
+      if paid is None:
+        arm = c.selector.select(len(live))
+      else:  # (none named: a gate that allows the bucket without funding arms there) the
+        # arm the policies want (the bandit's, a probe's) if it runs without a compile:
+        # compiled over the whole cache, or at a window that fits the rows; else it compiles
+        # at the rows' window (in the background) and one that runs is chosen meanwhile
+        paid = paid or sorted(self.arms)
+        arm = gate.probe_arm(state.batch_size, c.selector.select(len(live), arms=paid))
+        have = self.compiles.compiled_arms(c.sp, state.batch_size, paid)
+        have += [a for a in paid if a not in have and self.compiles.fits(
+            c.plan, c.sp, a, state, reach_of(a))]
+        if arm not in have:
+          self.compiles.want(c.plan, c.sp, arm, state, reach_of(arm))
+          if have:
+            arm = gate.probe_arm(state.batch_size, c.selector.select(len(live), arms=have),
+                                 among=have)
+        paid = have or paid
     kv_len = self.compiles.window(c.plan, c.sp, arm, state, reach_of(arm))
     if gate is not None and arm is not None and not self.compiles.fits(
         c.plan, c.sp, arm, state, reach_of(arm)):
@@ -332,8 +342,12 @@ class Engine(Replica):
             state = self._switch_off(state, c)
           arm, speculating, started = None, False, False
         kv_len = self.compiles.window(c.plan, c.sp, arm, state, reach_of(arm))
+      else:  # (it keeps the wide arm this chunk; the next may switch off)
+        self.compiles.switch_off_ahead(c.plan, state)
     need = reach_of(arm)
     started = started or speculating
+    if c.track and arm is None:  # the drafter's tracking here and at the next bucket down
+      self.compiles.track_ahead(c.plan, state.batch_size)
     for s in live if speculating else ():
       c.outputs[sched.slots[s].key].speculating()
     if arm is not None or gate is not None:

@@ -84,6 +84,7 @@ class SpecGate:
     compiled(kind, bucket, arm, s)    an executable's compile seconds (payoff.py's kinds)
     repays_window(bucket, arm, n, f)  whether a narrower attention window is worth compiling
     runs_wide(bucket, arm, extra)     whether an arm may run at a wider window than its rows'
+    closes                            whether it may close a bucket (switch-off compiled ahead)
   Questions read one state (a reference read: no lock; a state never changes). The holder
   owns the I/O the pure state cannot do: loading cached hardware verdicts and compile costs on
   the first rollout with buckets, and writing them after every verdict and new cost."""
@@ -94,6 +95,12 @@ class SpecGate:
     self.state = state if isinstance(state, GateState) else GateState(state or GateConfig())
     self.verdicts = verdicts  # hardware verdicts of earlier runs (None: measure every run)
     self._lock = threading.Lock()
+
+  @property
+  def closes(self) -> bool:
+    """Whether it may close a bucket a batch speculates at (gating: a probe that declines;
+    an open gate never does, so no switch-off is compiled ahead for it)."""
+    return self.state.cfg.gating
 
   def begin_rollout(self, worker_id: int, choosable: Mapping[int, Sequence[str]]) -> None:
     with self._lock:
