@@ -57,19 +57,3 @@ def plain_greedy(tiny):
   engine tests' reference, computed once per request list for the session."""
   from spec_helpers import PlainGreedy
   return PlainGreedy(tiny[0])
-
-
-# The files that take longest (minutes each on a 2-core CPU: subprocess runs of whole jobs,
-# engines compiling many executables), first: `--dist loadfile` hands out files in
-# collection order (scripts/test.sh turns xdist's reordering by test count off), so these
-# overlap the many short files instead of ending the run on one busy worker (the gpu_check
-# smoke alone took 389 s and was handed out mid-run).
-# (test_coordinator's wall-clock tests are left where they were: not beside the smoke's start.)
-SLOW_FIRST = ("test_gpu_check.py", "test_multihost.py", "test_train.py", "test_speculative.py",
-              "test_history_spec.py", "test_acceptance.py", "test_rollout.py",
-              "test_drafter.py", "test_export.py", "test_generate_cli.py", "test_notebook.py")
-
-
-def pytest_collection_modifyitems(config, items):
-  rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable: file order kept)
