@@ -138,15 +138,18 @@ def test_idle_worker_trains_until_the_barrier_and_the_last_one_never_idles():
   out = c.rollout(shares(0.05, 0.5), sp=None, seed=0)
   s = out.timeline.summary()
   per = {p["worker"]: p for p in s["per_worker"]}
-  assert out.wall == pytest.approx(0.5, abs=0.15)  # the barrier: the slower worker's share
-  assert per[0]["idle_s"] == pytest.approx(0.45, abs=0.15)
+  # the barrier: the slower worker's share (a loaded machine's sleeps overshoot, never fall short)
+  assert 0.49 <= out.wall < 0.9, out.wall
+  assert 0.35 < per[0]["idle_s"] <= out.wall, (per[0], out.wall)
   assert per[0]["training_s"] > 0.9 * per[0]["idle_s"]
   assert per[1]["idle_s"] < 0.02 and per[1]["training_s"] == 0
   assert s["idle_share_trained"] > 0.9
   states = [iv.state for iv in out.timeline.intervals if iv.worker == 0]
   assert states[:3] == [WorkerState.GENERATING, WorkerState.IDLE, WorkerState.TRAINING]
-  # ~0.45 s of 20 ms steps on worker 0, none on worker 1; the merge is worker 0's copy
-  assert 10 <= out.drafter["steps"] <= 25 and out.drafter["workers_trained"] == 1
+  # ~0.45 s of 20 ms steps on worker 0 (never more than its training time holds), none on
+  # worker 1; the merge is worker 0's copy
+  assert 10 <= out.drafter["steps"] <= per[0]["training_s"] / 0.02 + 1, (out.drafter, per[0])
+  assert out.drafter["workers_trained"] == 1
   version, merged = store.drafter()
   assert version == 1 and merged.params == out.drafter["steps"] * 1.0  # +1 per step
   assert [w.engine.drafter_params for w in c.workers] == [merged.params] * 2
@@ -155,46 +158,44 @@ def test_idle_worker_trains_until_the_barrier_and_the_last_one_never_idles():
 
 @pytest.mark.parametrize("on_barrier", ["finish", "drop"])
 def test_in_flight_step_at_the_barrier_is_finished_or_dropped(on_barrier):
-  """finish: steps of 0.3 s, barrier at ~0.4 s: worker 0 starts its 2nd step at ~0.35 s; the
-  rollout waits for it (released ~0.65 s, 2 steps). drop: a 0.1 s step then a 1 s one, barrier
-  at ~0.4 s (a quarter second from either end of the 2nd step, so a loaded machine's thread
-  delays do not move the barrier out of it): the 2nd is thrown away (released right after the
-  barrier, 1 step, weight of 1 step)."""
-  step_s = 0.3 if on_barrier == "finish" else [0.1, 1.0]
-  trainers = [FakeTrainer(step_s=step_s), FakeTrainer(step_s=step_s)]
+  """A 0.1 s drafter step then a 1 s one on worker 0, the barrier at ~0.4 s (a quarter second
+  from either end of the 2nd step, so a loaded machine's thread delays do not move the barrier
+  out of it). finish: the rollout waits for the 2nd (released ~1.15 s, 2 steps); drop: it is
+  thrown away (released right after the barrier, 1 step, weight of 1 step)."""
+  trainers = [FakeTrainer(step_s=[0.1, 1.0]), FakeTrainer(step_s=[0.1, 1.0])]
   c, store, _ = make(2, on_barrier=on_barrier, trainers=trainers)
   out = c.rollout(shares(0.05, 0.4), sp=None, seed=0)
   crit = out.timeline.summary()["critical_path_s"]
   _, merged = store.drafter()
   if on_barrier == "finish":
     assert out.drafter["steps"] == 2 and merged.params == 2.0
-    assert crit < 0.45  # at most one drafter step after the barrier
-    # the release waited for the step in flight at the barrier (on a loaded machine the
-    # barrier can come after both steps: then none was in flight and nothing is waited for)
+    # the release waited for the step in flight at the barrier, and for nothing more
     barrier = out.timeline.barrier
     in_flight = [iv.end for iv in out.timeline.intervals
                  if iv.state is WorkerState.TRAINING and iv.start < barrier < iv.end]
-    if in_flight:
-      assert crit >= max(in_flight) - barrier - 0.01, (crit, in_flight, barrier)
+    assert in_flight and max(in_flight) - barrier - 0.01 <= crit < 1.1, (crit, in_flight,
+                                                                          barrier)
   else:
     assert out.drafter["steps"] == 1 and out.drafter["dropped"] == 1 and merged.params == 1.0
-    assert crit < 0.1 and trainers[0].discarded == 1
+    assert crit < 0.3 and trainers[0].discarded == 1  # (not the ~0.75 s the step had left)
 
 
 def test_an_overlapped_settle_hands_results_back_at_the_barrier_and_counts_only_its_wait():
-  """overlap_settle: the rollout returns at the barrier while worker 0's drafter step (0.3 s,
-  started at ~0.35 s) is still in flight; the step finishes and the merge lands beside the
-  caller's work (here 0.5 s of sleep, the learner's phases), so settle() waits for nothing
+  """overlap_settle: the rollout returns at the barrier while worker 0's drafter step (1 s,
+  started at ~0.15 s after a 0.1 s one) is still in flight; the step finishes and the merge
+  lands beside the caller's work (here 1.2 s of sleep, the learner's phases), so settle()
+  waits for nothing
   and the critical path is ~0; the merged drafter is the one the synchronous settle gives. A
   caller that settles at once waits for the step, and that wait is its critical path."""
-  for learner_s in (0.5, 0.0):
-    trainers = [FakeTrainer(step_s=0.3), FakeTrainer(step_s=0.3)]
+  for learner_s in (1.2, 0.0):
+    trainers = [FakeTrainer(step_s=[0.1, 1.0]), FakeTrainer(step_s=[0.1, 1.0])]
     c, store, _ = make(2, trainers=trainers, overlap=True)
     t0 = time.perf_counter()
     out = c.rollout(shares(0.05, 0.4), sp=None, seed=0)
     returned = time.perf_counter() - t0
     barrier = out.timeline.barrier
-    assert returned < barrier + 0.1, (returned, barrier)  # did not wait for the step
+    # did not wait for the step (~0.75 s of it left at the barrier)
+    assert returned < barrier + 0.4, (returned, barrier)
     time.sleep(learner_s)
     drafter = out.settle()
     crit = out.timeline.summary()["critical_path_s"]
@@ -202,13 +203,12 @@ def test_an_overlapped_settle_hands_results_back_at_the_barrier_and_counts_only_
     assert drafter["steps"] == 2 and merged.params == 2.0  # as the synchronous settle
     assert all(w.drafter_version == store.drafter_version for w in c.workers)
     if learner_s:
-      assert crit < 0.1, crit
-    else:  # the step in flight at the barrier (if the machine was not too slow to have one),
-      # waited for by the caller
+      assert crit < 0.2, crit
+    else:  # the step in flight at the barrier, waited for by the caller
       in_flight = [iv.end for iv in out.timeline.intervals
                    if iv.state is WorkerState.TRAINING and iv.start < barrier < iv.end]
-      if in_flight:
-        assert max(in_flight) - barrier - 0.05 <= crit < 0.45, (crit, in_flight, barrier)
+      assert in_flight and max(in_flight) - barrier - 0.05 <= crit < 1.1, (crit, in_flight,
+                                                                            barrier)
     assert out.settle() is drafter and out.timeline.summary()["critical_path_s"] == crit
     c.close()
   with pytest.raises(ValueError, match="one process"):
@@ -225,7 +225,7 @@ def test_a_lone_worker_trains_beside_the_learner_until_it_settles():
   c, store, trainers = make(1, overlap=True)
   t0 = time.perf_counter()
   out = c.rollout(shares(0.05), sp=None, seed=0)
-  assert time.perf_counter() - t0 < 0.2  # handed back at the barrier
+  assert time.perf_counter() - t0 < out.timeline.barrier + 0.2  # handed back at the barrier
   time.sleep(0.3)
   drafter = out.settle()
   elapsed = time.perf_counter() - t0
