@@ -146,12 +146,8 @@ class SimKV:
 
 
 class _SimCompiler:
-  """The compile thread's queue as the compile plan sees it: a job runs at once, and what it
-  compiles (SimCompilePlan.spec, switch-offs) is queued on the simulated compile clock."""
-
-  @staticmethod
-  def submit(job) -> None:
-    job()
+  """Stands for the compile thread: a job runs at once (SimCompilePlan._submit), and what it
+  compiles (SimCompilePlan.spec, trackings, switch-offs) is queued on the compile clock."""
 
 
 class SimCompilePlan(CompilePlan):

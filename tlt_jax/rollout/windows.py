@@ -69,10 +69,9 @@ class Windows:
     thread behind what is queued (the chunk runs an arm that fits meanwhile), as `window`
     would for a chunk of it; one at a time per bucket (rows that outgrow it meanwhile want
     the next)."""
-    b, abstract = state.batch_size, self._abstract(state)
-    with self._lock:
-      queued = [n for q, a, n in self._window_submitted if (q, a) == (b, arm)]
-    if any(self._spec_key(call, sp, arm, abstract, n) not in self.exes for n in queued):
+    abstract = self._abstract(state)
+    if any(self._spec_key(call, sp, arm, abstract, n) not in self.exes
+           for n in self._queued_windows(state.batch_size, arm)):
       return
     self.window(call, sp, arm, state, need, urgent=False)
 
@@ -85,12 +84,17 @@ class Windows:
       return True
     b = state.batch_size
     with self._lock:  # (nothing of the arm compiled or queued here: no key to look up)
-      if all((b, arm) not in d.get(sp, ()) for d in (self._ready, self._submitted)) and not any(
-          k[:2] == (b, arm) for k in self._window_submitted):
-        return False
+      ahead = any((b, arm) in d.get(sp, ()) for d in (self._ready, self._submitted))
+    if not ahead and not self._queued_windows(b, arm):
+      return False
     want = kv_bucket(need, ecfg.prompt_bucket, ecfg.cache_len)
     have = self._compiled_window(call, sp, arm, self._abstract(state), want)
     return have is not None and self.runs_wide(call, state.batch_size, arm, have, want)
+
+  def _queued_windows(self, batch: int, arm: Strategy) -> list[int]:
+    """The windows of `arm` at bucket `batch` queued by `window` (compiled or not)."""
+    with self._lock:
+      return [n for b, a, n in self._window_submitted if (b, a) == (batch, arm)]
 
   def _compiled_window(self, call: PlanCall, sp, arm: Strategy, abstract, want: int):
     """The narrowest window >= `want` compiled for `arm` at the state's bucket (None: none)."""
