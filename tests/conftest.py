@@ -5,6 +5,7 @@ The flags must be set before jax is imported anywhere, which is why they live he
 the subprocesses tests start (CLI runs, multi-process launches) through the environment.
 """
 
+import gc
 import os
 import tempfile
 
@@ -57,3 +58,15 @@ def plain_greedy(tiny):
   engine tests' reference, computed once per request list for the session."""
   from spec_helpers import PlainGreedy
   return PlainGreedy(tiny[0])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+  """After each test file, JAX's in-memory caches of what that file traced and compiled are
+  dropped (the persistent cache keeps the slow compiles): an xdist worker otherwise holds every
+  program of every file it ran (~6 GB by the end of the suite here), and one died on CI's
+  machine without a traceback, as the kernel's OOM killer leaves it. Measured on four files in one
+  process: peak 2.15 -> 1.77 GB, time unchanged."""
+  yield
+  jax.clear_caches()
+  gc.collect()
