@@ -9,9 +9,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --dev
 status=0
+# each worker's memory after every test file (tests/conftest.py), printed if the run fails
+export TLT_TEST_MEMORY_LOG=${TLT_TEST_MEMORY_LOG:-$(mktemp -t tlt_jax_test_memory.XXXXXX)}
 .venv/bin/python -m pytest -n 2 --dist loadfile --max-worker-restart=0 -q "$@" || status=$?
-if [ $status -ne 0 ] && dmesg >/dev/null 2>&1; then
-  # a worker killed for memory leaves no traceback; the kernel's log says so
-  dmesg | grep -iE "out of memory|oom-kill|killed process" | tail -n 5 || true
+if [ $status -ne 0 ]; then
+  # a worker killed for memory leaves no traceback: what each worker held after its last files,
+  # and the kernel's log where it can be read
+  echo "memory after the last test files (rss: the worker's; peak: its highest so far):"
+  for w in gw0 gw1; do grep "^$w " "$TLT_TEST_MEMORY_LOG" | tail -n 2 || true; done
+  if dmesg >/dev/null 2>&1; then
+    dmesg | grep -iE "out of memory|oom-kill|killed process" | tail -n 5 || true
+  fi
 fi
 exit $status

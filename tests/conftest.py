@@ -61,7 +61,7 @@ def plain_greedy(tiny):
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _drop_compiled_programs():
+def _drop_compiled_programs(request):
   """After each test file, JAX's in-memory caches of what that file traced and compiled are
   dropped (the persistent cache keeps the slow compiles): an xdist worker otherwise holds every
   program of every file it ran (~6 GB by the end of the suite here), and one died on CI's
@@ -70,3 +70,20 @@ def _drop_compiled_programs():
   yield
   jax.clear_caches()
   gc.collect()
+  log = os.environ.get("TLT_TEST_MEMORY_LOG")
+  if log:  # scripts/test.sh prints its tail when a run fails (a worker killed leaves no trace)
+    with open(log, "a") as f:
+      f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {request.node.nodeid}: "
+              f"{_memory()}\n")
+
+
+def _memory() -> str:
+  """This process's resident and peak memory and the machine's available memory (Linux)."""
+  try:
+    status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    info = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+  except OSError:
+    return "n/a"
+  mb = lambda v: int(v.split()[0]) // 1024  # noqa: E731 (kB)
+  return (f"rss {mb(status['VmRSS'])} MB, peak {mb(status['VmHWM'])} MB; machine: "
+          f"{mb(info['MemAvailable'])} of {mb(info['MemTotal'])} MB available")
