@@ -79,9 +79,11 @@ def _drop_compiled_programs(request):
 
 def _memory() -> str:
   """This process's resident and peak memory and the machine's available memory (Linux)."""
+  def fields(path):
+    with open(path) as f:
+      return dict(line.split(":", 1) for line in f)
   try:
-    status = dict(line.split(":", 1) for line in open("/proc/self/status"))
-    info = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+    status, info = fields("/proc/self/status"), fields("/proc/meminfo")
   except OSError:
     return "n/a"
   mb = lambda v: int(v.split()[0]) // 1024  # noqa: E731 (kB)
