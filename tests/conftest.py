@@ -44,6 +44,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 import pytest  # noqa: E402
 
+from tlt_jax.rollout import executables  # noqa: E402
+
 
 @pytest.fixture(scope="session")
 def tiny():
@@ -63,18 +65,33 @@ def plain_greedy(tiny):
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs(request):
   """After each test file, JAX's in-memory caches of what that file traced and compiled are
-  dropped (the persistent cache keeps the slow compiles): an xdist worker otherwise holds every
-  program of every file it ran (~6 GB by the end of the suite here), and one died on CI's
-  machine without a traceback, as the kernel's OOM killer leaves it. Measured on four files in one
-  process: peak 2.15 -> 1.77 GB, time unchanged."""
+  dropped, and the executables its engines shared (the persistent cache keeps the slow
+  compiles): an xdist worker otherwise holds every program of every file it ran (~6 GB by the
+  end of the suite here), and one died on CI's machine without a traceback, as the kernel's
+  OOM killer leaves it. Measured on four files in one process: peak 2.15 -> 1.77 GB, time
+  unchanged."""
   yield
   jax.clear_caches()
+  executables.clear_shared()
   gc.collect()
   log = os.environ.get("TLT_TEST_MEMORY_LOG")
   if log:  # scripts/test.sh prints its tail when a run fails (a worker killed leaves no trace)
     with open(log, "a") as f:
       f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {request.node.nodeid}: "
               f"{_memory()}\n")
+
+
+@pytest.fixture(autouse=True)
+def _unshared_while_patched(request):
+  """A test that patches module attributes (`monkeypatch`) can change what a function computes
+  without changing its key: it neither takes nor leaves executables shared across the
+  process's engines (rollout/executables.py; shared within a file otherwise)."""
+  patched = "monkeypatch" in request.fixturenames
+  if patched:
+    executables.clear_shared()
+  yield
+  if patched:
+    executables.clear_shared()
 
 
 def _memory() -> str:

@@ -783,3 +783,60 @@ def test_engine_config_errors():
     with pytest.raises(ValueError, match=rf"^{name}=0: must be > 0"):
       EngineConfig(**{name: 0})
   EngineConfig(max_batch=3, buckets=(1, 2, 4))  # buckets may overshoot max_batch
+
+
+# ------------------------------------------------------- 8. executables shared in a process
+def _double(x, *, k):
+  return x * k
+
+
+def test_engines_of_one_process_share_their_executables(models, prompts):
+  """A second engine with the same configuration on the same device takes every executable
+  the first compiled (the same objects, its records priced at their compile's seconds) and
+  returns the same results; one on another device shares none, one with another chunk size
+  only what does not depend on it (the prefill, the layout ops), not its decode chunks."""
+  from tlt_jax.rollout import executables
+  m = models["qwen2"]
+  executables.clear_shared()
+  cfg = engine_cfg()
+  first, again = Engine(m.params, m.cfg, cfg), Engine(m.params, m.cfg, cfg)
+  reqs = sampled_requests(prompts)
+  ref = run(first, reqs, T1, seed=1)[0]
+  assert_same_results(ref, run(again, reqs, T1, seed=1)[0], "sharing engine")
+  own = {r.key: r for r in first.compile_log}
+  assert {r.key for r in again.compile_log} == set(own)
+  for r in again.compile_log:
+    assert again.exes._compiled[r.key] is first.exes._compiled[r.key], r.key
+    assert r.compile_s == own[r.key].compile_s > 0
+  other = Engine(m.params, m.cfg, cfg, worker_id=1,
+                 mesh=Mesh(np.array([jax.devices()[1]]).reshape(1, 1, 1),
+                           ("data", "fsdp", "tensor")))
+  wider = Engine(m.params, m.cfg, engine_cfg(chunk_size=2))
+  for e in (other, wider):
+    assert_same_results(ref, run(e, reqs, T1, seed=1)[0], "unshared engine")
+  ids = lambda e: set(map(id, e.exes._compiled.values()))  # noqa: E731
+  assert not ids(other) & ids(first)
+  # the same cache key (a decode chunk's names no chunk size), another function: not shared
+  common = set(wider.exes._compiled) & set(first.exes._compiled)
+  assert {k.name for k in common} >= {"decode", "prefill"}, common
+  for k in common:
+    assert (wider.exes._compiled[k] is first.exes._compiled[k]) == (k.name != "decode"), k
+
+
+def test_what_an_executable_depends_on_keeps_it_from_being_shared():
+  """Shared: a module-level function, or a partial of one with equal arguments. Not shared: a
+  closure (what it captured is not in the key), other keywords, another JAX precision."""
+  from functools import partial
+  from tlt_jax.rollout.executables import ExecutableCache, clear_shared
+  clear_shared()
+  x = jnp.ones((4,), jnp.float32)
+  a, b = ExecutableCache(), ExecutableCache()
+  get = lambda cache, fn: cache.get("f", None, fn, (x,))  # noqa: E731
+  assert get(a, partial(_double, k=2.0)) is get(b, partial(_double, k=2.0))
+  assert get(ExecutableCache(), partial(_double, k=3.0)) is not get(a, partial(_double, k=2.0))
+  three = 3.0
+  closure = lambda v: v * three  # noqa: E731
+  assert get(ExecutableCache(), closure) is not get(ExecutableCache(), closure)
+  with jax.default_matmul_precision("bfloat16"):
+    assert get(ExecutableCache(), partial(_double, k=2.0)) is not get(a, partial(_double, k=2.0))
+  np.testing.assert_array_equal(get(ExecutableCache(), partial(_double, k=3.0))(x), 3 * x)

@@ -99,7 +99,7 @@ class SimExes:
 
   def add(self, key: ExecKey, seconds: float, here: bool) -> None:
     self.keys.add(key)
-    self.records.append(CompileRecord(key, key.shapes[0], seconds, None))
+    self.records.append(CompileRecord(key, key.shapes[0], seconds, None, seconds))
     self._here += here
 
   def queue(self, key: ExecKey, seconds: float, start: float) -> float:
@@ -108,7 +108,7 @@ class SimExes:
       return start
     if key not in self.due:
       self.due[key] = start + seconds
-      self.records.append(CompileRecord(key, key.shapes[0], seconds, None))
+      self.records.append(CompileRecord(key, key.shapes[0], seconds, None, seconds))
     return self.due[key]
 
   def take(self, key: ExecKey) -> float | None:

@@ -390,7 +390,7 @@ class Engine(Replica):
       kind = payoff.KIND.get(r.name)
       if kind is not None:
         gate.compiled(kind, r.batch, r.key.variant[0] if kind == payoff.SPEC else None,
-                      r.seconds)
+                      r.compile_s)
 
   def _collect(self, c: Call, live: list[int], host, extend: bool) -> int:
     """A chunk's tokens into the live rows' outputs (and the history index's, if `extend`);

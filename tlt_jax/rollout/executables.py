@@ -5,12 +5,20 @@ and compiled once and reused for the whole run, and its compile time and memory
 (`memory_analysis()`) are recorded, so the cost of every executable the engine holds is known.
 Keys are frozen and hashable: the function's name, its static variant (sampling params,
 strategy, kernel choice) and the shapes/dtypes of its arguments.
+
+Executables are shared by every cache of a process (`_shared_key`): one is a function of its
+function and static configuration, its arguments' shapes, dtypes and shardings, what it
+donates and JAX's tracing context, so engines of one process with the same configuration on
+the same devices (a benchmark's plain and speculative engines, a notebook's engines per
+configuration, a test file's engines) trace, lower and compile each once. A function whose
+behaviour the key cannot see (a closure) is not shared; `clear_shared` drops them all.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -38,8 +46,11 @@ class ExecKey:
 class CompileRecord:
   key: ExecKey
   batch: int  # the batch (bucket) it was compiled for, 0 when it has none
-  seconds: float
+  seconds: float  # spent getting it here: compiling, loading it from JAX's persistent cache
   memory_bytes: int | None  # argument + output + temp bytes from memory_analysis(), if given
+  # what its compile took (`seconds`, or the one of the process's caches that compiled it and
+  # shared it: what compiling it costs on this machine, the gate's price)
+  compile_s: float = 0.0
 
   @property
   def name(self) -> str:
@@ -75,30 +86,29 @@ class ExecutableCache:
 
   def get(self, name: str, variant: Hashable, fn: Callable, args: tuple, *,
           donate: tuple[int, ...] = ()):
+    """The executable, compiled here on first use (or taken from another cache of the
+    process: a record all the same, with the seconds it took here and its compile's)."""
     key = ExecKey.of(name, variant, args)
     exe = self._compiled.get(key)
     if exe is not None:
       return exe
     batch = batch_of(args)
     t0 = time.perf_counter()
-    # Input shardings are committed (params on the worker's mesh), so no mesh context.
-    with warnings.catch_warnings():
-      # A donated state's page pools pass through in place; its per-row leaves often cannot
-      # be reused (another batch size, fewer outputs) and are just freed: not worth a warning.
-      warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-      exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+    shared = _shared_key(key, fn, args, donate)
+    with _SHARED_LOCK:
+      hit = _SHARED.get(shared) if shared is not None else None
+    if hit is None:
+      exe, mem = _compile(fn, args, donate)
+      hit = (exe, mem, time.perf_counter() - t0)
+      if shared is not None:
+        with _SHARED_LOCK:
+          hit = _SHARED.setdefault(shared, hit)
+    exe, mem, compile_s = hit
     seconds = time.perf_counter() - t0
-    mem = None
-    try:
-      ma = exe.memory_analysis()
-      if ma is not None:
-        mem = int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes)
-    except Exception:  # noqa: BLE001 - backends without memory analysis
-      mem = None
     with self._lock:
       if key not in self._compiled:
         self._compiled[key] = exe
-        self.records.append(CompileRecord(key, batch, seconds, mem))
+        self.records.append(CompileRecord(key, batch, seconds, mem, compile_s))
         me = threading.get_ident()
         self._by_thread[me] = self._by_thread.get(me, 0) + 1
       return self._compiled[key]
@@ -124,6 +134,66 @@ class ExecutableCache:
     return {"executables": len(self.records),
             "compile_seconds": sum(r.seconds for r in self.records),
             "memory_bytes": sum(mems) if mems else None}
+
+
+def _compile(fn: Callable, args: tuple, donate: tuple[int, ...]):
+  """(executable, its argument + output + temp bytes from memory_analysis() or None)."""
+  # Input shardings are committed (params on the worker's mesh), so no mesh context.
+  with warnings.catch_warnings():
+    # A donated state's page pools pass through in place; its per-row leaves often cannot
+    # be reused (another batch size, fewer outputs) and are just freed: not worth a warning.
+    warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+    exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+  try:
+    ma = exe.memory_analysis()
+    mem = (None if ma is None else
+           int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes))
+  except Exception:  # noqa: BLE001 - backends without memory analysis
+    mem = None
+  return exe, mem
+
+
+# _shared_key -> (executable, memory bytes, compile seconds): the process's (module docstring)
+_SHARED: dict = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def clear_shared() -> None:
+  """Drops the executables shared across the process's caches (each cache keeps its own)."""
+  with _SHARED_LOCK:
+    _SHARED.clear()
+
+
+def _fn_key(fn: Callable):
+  """`fn` as a key: a module-level function itself, a partial by its function, arguments and
+  keywords (values compared by value); None for a closure (state the key cannot see)."""
+  if isinstance(fn, functools.partial):
+    inner = _fn_key(fn.func)
+    return None if inner is None else (inner, fn.args, tuple(sorted(fn.keywords.items())))
+  return None if getattr(fn, "__closure__", None) else fn
+
+
+def _shared_key(key: ExecKey, fn: Callable, args: tuple, donate: tuple[int, ...]):
+  """What the executable of `fn` on `args` is a function of (None: not shared): the cache
+  key, the function, the arguments' tree, shardings and weak types, the donation, and JAX's
+  tracing context (its configuration: precision, x64, ...)."""
+  f = _fn_key(fn)
+  if f is None:
+    return None
+  try:
+    from jax._src import config as jax_config  # (the context jit's own cache keys on)
+    context = jax_config.trace_context()
+  except (ImportError, AttributeError):
+    return None
+  leaves, tree = jax.tree.flatten(args)
+  placed = tuple((getattr(x, "sharding", None), bool(getattr(x, "weak_type", False)))
+                 for x in leaves)
+  k = (f, key, tree, placed, tuple(donate), context)
+  try:
+    hash(k)
+  except TypeError:  # (an unhashable static value: compiled per cache)
+    return None
+  return k
 
 
 # executables only speculation compiles: an arm's chunk (or a history arm's step), the
