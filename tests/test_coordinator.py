@@ -207,8 +207,10 @@ def test_an_overlapped_settle_hands_results_back_at_the_barrier_and_counts_only_
     else:  # the step in flight at the barrier, waited for by the caller
       in_flight = [iv.end for iv in out.timeline.intervals
                    if iv.state is WorkerState.TRAINING and iv.start < barrier < iv.end]
-      assert in_flight and max(in_flight) - barrier - 0.05 <= crit < 1.1, (crit, in_flight,
-                                                                            barrier)
+      # bounded by the step's own end, not a fixed time: on a loaded machine it ends later
+      # (once 1.14 s after the barrier)
+      wait = max(in_flight) - barrier if in_flight else None
+      assert wait is not None and wait - 0.05 <= crit < wait + 0.1, (crit, in_flight, barrier)
     assert out.settle() is drafter and out.timeline.summary()["critical_path_s"] == crit
     c.close()
   with pytest.raises(ValueError, match="one process"):

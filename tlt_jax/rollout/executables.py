@@ -9,8 +9,8 @@ strategy, kernel choice) and the shapes/dtypes of its arguments.
 Executables are shared by every cache of a process (`_shared_key`): one is a function of its
 function and static configuration, its arguments' shapes, dtypes and shardings, what it
 donates and JAX's tracing context, so engines of one process with the same configuration on
-the same devices (a benchmark's plain and speculative engines, a notebook's engines per
-configuration, a test file's engines) trace, lower and compile each once. A function whose
+the same devices (a benchmark's plain and speculative engines, a test file's engines) trace,
+lower and compile each once. A function whose
 behaviour the key cannot see (a closure) is not shared; `clear_shared` drops them all.
 """
 
