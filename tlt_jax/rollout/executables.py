@@ -10,8 +10,8 @@ Executables are shared by every cache of a process (`_shared_key`): one is a fun
 function and static configuration, its arguments' shapes, dtypes and shardings, what it
 donates and JAX's tracing context, so engines of one process with the same configuration on
 the same devices (a benchmark's plain and speculative engines, a test file's engines) trace,
-lower and compile each once. A function whose
-behaviour the key cannot see (a closure) is not shared; `clear_shared` drops them all.
+lower and compile each once. A function whose behaviour the key cannot see (a closure) is not
+shared; `clear_shared` drops them all.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class CompileRecord:
   memory_bytes: int | None  # argument + output + temp bytes from memory_analysis(), if given
   # what its compile took (`seconds`, or the one of the process's caches that compiled it and
   # shared it: what compiling it costs on this machine, the gate's price)
-  compile_s: float = 0.0
+  compile_s: float
 
   @property
   def name(self) -> str:
