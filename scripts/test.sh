@@ -5,13 +5,15 @@
 # timeout) ends the run at once, naming the test it was running. Restarting it is worse than
 # useless under --dist loadfile: pytest-xdist 3.8 can hang forever handing the dead worker's
 # files to its replacement (pytest-dev/pytest-xdist#1378).
+# --no-loadscope-reorder: files go to the workers in the order tests/conftest.py sorts them
+# (heaviest first), not xdist's (most tests first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --dev
 status=0
 # each worker's memory after every test file (tests/conftest.py), printed if the run fails
 export TLT_TEST_MEMORY_LOG=${TLT_TEST_MEMORY_LOG:-$(mktemp -t tlt_jax_test_memory.XXXXXX)}
-.venv/bin/python -m pytest -n 2 --dist loadfile --max-worker-restart=0 -q "$@" || status=$?
+.venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0 -q "$@" || status=$?
 if [ $status -ne 0 ]; then
   # a worker killed for memory leaves no traceback: what each worker held after its last files,
   # and the kernel's log where it can be read

@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tlt_jax.checkpoint import Checkpointer, CheckpointError
+from user_env import user_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
@@ -455,7 +456,7 @@ def test_train_resumes_past_a_damaged_checkpoint(tmp_path):
   def train(workdir):
     return subprocess.run([sys.executable, "-m", "tlt_jax.train", *_TRAIN_FLAGS, "--workdir",
                            str(workdir)], cwd=REPO, capture_output=True, text=True,
-                          timeout=900, env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"))
+                          timeout=900, env=user_env(XLA_FLAGS="", JAX_PLATFORMS="cpu"))
 
   def records():
     with open(tmp_path / "metrics.jsonl") as f:

@@ -10,13 +10,14 @@ import pytest
 
 from tlt_jax import config as config_lib
 from tlt_jax.errors import ConfigError
+from user_env import user_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, "configs")) if f.endswith(".py"))
 
 
 def _run(args, **kw):
-  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  env = user_env(XLA_FLAGS="", JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=600, **kw)
 

@@ -25,6 +25,7 @@ from tlt_jax.drafter.loss import chain_window_mask
 from tlt_jax.models import ModelConfig, compute_logits, forward, init_params, param_shapes
 from tlt_jax.models.attention import segment_causal_mask
 from tlt_jax.optim import make_optimizer
+from user_env import user_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-4
@@ -522,7 +523,7 @@ def test_train_drafter_script_end_to_end_and_resume(tmp_path):
          "--out", str(out), "--num_prompts", "8", "--num_samples", "2", "--max_new_tokens",
          "16", "--gen_batch", "4", "--batch", "2", "--seq_len", "64", "--eval_prompts", "2",
          "--save_every", "4", "--log_every", "2", "--lr", "1e-3"]
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = user_env(JAX_PLATFORMS="cpu", XLA_FLAGS="")
   run = lambda steps: subprocess.run(cmd + ["--steps", str(steps)], env=env,
                                      capture_output=True, text=True, timeout=600)
   r = run(6)

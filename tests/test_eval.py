@@ -8,12 +8,13 @@ import sys
 
 import numpy as np
 import pytest
+from user_env import user_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(args):
-  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  env = user_env(XLA_FLAGS="", JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=600)
 

@@ -38,6 +38,7 @@ from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.sharding import make_mesh
+from user_env import user_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = asset_path("default", "model")  # the default task's tokenizer (32 tokens)
@@ -58,7 +59,7 @@ ARCHS = {
 
 
 def _env():
-  return dict(os.environ, PYTHONPATH=ROOT)
+  return user_env(PYTHONPATH=ROOT)
 
 
 def _starting_model(path: str, arch: str, seed: int) -> None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+from user_env import user_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("the cat dog sat ran on a mat rug big small red blue green and then it was is not "
@@ -27,7 +28,7 @@ TEXTS = ["the cat sat on the mat", "a big red dog ran", "one two three", "happy"
 
 
 def _env():
-  env = dict(os.environ)
+  env = user_env()
   env.pop("XLA_FLAGS", None)  # one CPU device: faster start-up than conftest's 8
   env["JAX_PLATFORMS"] = "cpu"
   env["TOKENIZERS_PARALLELISM"] = "false"

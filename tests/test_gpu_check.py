@@ -12,12 +12,13 @@ import json
 import os
 import re
 import subprocess
+from user_env import user_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_gpu_check_smoke_writes_a_complete_report(tmp_path):
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env = user_env({k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")})
   subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--smoke", "--out",
                   str(tmp_path)], check=True, env=env, timeout=1500, capture_output=True)
   report = (tmp_path / "report.md").read_text()

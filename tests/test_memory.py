@@ -23,6 +23,7 @@ from tlt_jax.errors import ConfigError
 from tlt_jax import models as tf
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.sharding import cache_sharding, make_mesh, tree_shardings
+from user_env import user_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER_CONFIGS = {"qwen2_5_7b_math.py": 8, "qwen3_8b_math.py": 8, "qwen2_5_32b_math.py": 32,
@@ -194,7 +195,7 @@ def test_impossible_config_is_refused_in_one_line():
 
 
 def test_train_refuses_to_start_when_a_phase_does_not_fit(tmp_path):
-  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  env = user_env(XLA_FLAGS="", JAX_PLATFORMS="cpu")
   p = subprocess.run([sys.executable, "-m", "tlt_jax.train", "--config", "configs/default.py",
                       "--workdir", str(tmp_path / "w"), "--config.memory.device=0.05gb"],
                      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -205,7 +206,7 @@ def test_train_refuses_to_start_when_a_phase_does_not_fit(tmp_path):
 
 
 def test_plan_memory_script_prints_the_table_and_exit_status():
-  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  env = user_env(XLA_FLAGS="", JAX_PLATFORMS="cpu")
   ok = subprocess.run([sys.executable, "scripts/plan_memory.py", "--config",
                        "configs/llama3_3_70b_math.py"], cwd=ROOT, env=env,
                       capture_output=True, text=True, timeout=300)

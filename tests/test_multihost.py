@@ -19,6 +19,7 @@ import sys
 import numpy as np
 
 from tests.mp_launch import ROOT, describe, launch
+from tests.user_env import user_env
 
 ARGS = ["--config", "configs/default.py", "--config.train.steps=2", "--config.train.eval_every=0",
         "--config.tlt.enabled=False", "--config.mesh.devices=0", "--config.cpu_devices=0",
@@ -29,8 +30,8 @@ ARGS = ["--config", "configs/default.py", "--config.train.steps=2", "--config.tr
 
 
 def _single(workdir, *extra):
-  env = {k: v for k, v in os.environ.items()
-         if not k.startswith(("SLURM_", "OMPI_", "TLT_", "JAX_COORDINATOR"))}
+  env = user_env({k: v for k, v in os.environ.items()
+                  if not k.startswith(("SLURM_", "OMPI_", "TLT_", "JAX_COORDINATOR"))})
   env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, "-m", "tlt_jax.train", *ARGS, "--workdir", workdir,
                          *extra],

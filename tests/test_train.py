@@ -14,6 +14,7 @@ import pytest
 from tlt_jax import config as config_lib
 from tlt_jax import runtime
 from tlt_jax.errors import ConfigError
+from user_env import user_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,7 +32,7 @@ def _cmd(workdir, steps, *extra):
 
 
 def _env():
-  return dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  return user_env(XLA_FLAGS="", JAX_PLATFORMS="cpu")
 
 
 def _records(workdir):
@@ -211,7 +212,7 @@ def _check_drafter_export(workdir, run, spec):
       export_run(str(workdir), **{"engine": "sglang", **kwargs})
   cli = subprocess.run([sys.executable, "-m", "tlt_jax.export", "--workdir",
                         str(workdir / "nope"), "--engine", "sglang"], cwd=ROOT,
-                       env=dict(_env(), PYTHONPATH=ROOT), capture_output=True, text=True,
+                       env=user_env(_env(), PYTHONPATH=ROOT), capture_output=True, text=True,
                        timeout=300)
   assert cli.returncode == 2 and cli.stderr.strip().splitlines() == [
       f"error: --workdir {str(workdir / 'nope')!r} does not exist; pass the workdir of a "

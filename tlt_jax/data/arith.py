@@ -218,11 +218,12 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 32):
 
 def wrap_tokenizer(tok, model_max_length: int = 512):
   """`transformers.PreTrainedTokenizerFast` around a trained tokenizer (EOS/PAD set)."""
-  from transformers import PreTrainedTokenizerFast
+  from tlt_jax.models.hf_io import transformers_module
 
-  return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
-                                 clean_up_tokenization_spaces=False, padding_side="right",
-                                 model_max_length=model_max_length)
+  fast = transformers_module().PreTrainedTokenizerFast
+  return fast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
+              clean_up_tokenization_spaces=False, padding_side="right",
+              model_max_length=model_max_length)
 
 
 # ------------------------------------------------------------------------------ default assets

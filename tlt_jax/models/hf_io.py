@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from typing import Any, Iterable
 
 import jax
@@ -336,12 +337,29 @@ def save_hf_model(params: Params, cfg: ModelConfig, out_dir: str, *,
 
 
 # ------------------------------------------------------------------------- tokenizer, eos ids
+def transformers_module():
+  """`transformers`, imported without the advice it prints when torch is absent ("PyTorch
+  was not found. Models won't be available"): the project takes only its tokenizers, and the
+  main job's install has no torch (scripts/setup.sh without --dev)."""
+  if "transformers" not in sys.modules:
+    quiet, before = "TRANSFORMERS_NO_ADVISORY_WARNINGS", os.environ.get(
+        "TRANSFORMERS_NO_ADVISORY_WARNINGS")
+    os.environ[quiet] = "1"
+    try:
+      import transformers  # noqa: F401
+    finally:
+      if before is None:
+        os.environ.pop(quiet, None)
+      else:
+        os.environ[quiet] = before
+  return sys.modules["transformers"]
+
+
 def load_tokenizer(model_dir: str):
   """`transformers.AutoTokenizer` from the model directory, or None when it has none."""
   if not any(os.path.exists(os.path.join(model_dir, f)) for f in TOKENIZER_FILES[:2]):
     return None
-  from transformers import AutoTokenizer
-  return AutoTokenizer.from_pretrained(model_dir)
+  return transformers_module().AutoTokenizer.from_pretrained(model_dir)
 
 
 def stop_token_ids(model_dir: str, tokenizer=None, *, chat_template: bool = False
