@@ -361,6 +361,42 @@ def test_training_on_random_target_reduces_loss_and_beats_chance():
 
 
 # ------------------------------------------------------------------------ acceptance estimate
+def test_a_second_run_reuses_the_compiled_drafter_step():
+  """make_train_step of equal arguments (a fresh optimizer of the same hyperparameters, as a
+  process's next run builds it: a notebook's, a test file's) is one jitted step, compiled
+  once; other hyperparameters compile their own. Counted by JAX's log of what it compiles."""
+  import logging
+
+  from tlt_jax.drafter import train_step as dts
+  cfg = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
+                    num_layers=2, num_heads=4, num_kv_heads=2, qkv_bias=True)
+  tp = init_params(cfg, jax.random.key(0), std=0.1)
+  tok = jax.random.randint(jax.random.key(1), (4, 16), 0, cfg.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(16), (4, 16))
+  batch = {"tokens": tok, "hidden": forward(tp, tok, pos, cfg=cfg, return_logits=False).hidden,
+           "positions": pos, "loss_mask": jnp.ones((4, 16)).at[:, -1].set(0.0)}
+  compiled = []
+
+  class Log(logging.Handler):
+    def emit(self, record):
+      compiled.extend(["step"] if record.getMessage().startswith("Compiling jit(step)") else [])
+
+  handler, logger = Log(level=logging.DEBUG), logging.getLogger("jax")
+  logger.addHandler(handler)
+  level = logger.level
+  logger.setLevel(logging.DEBUG)
+  try:
+    with jax.log_compiles():
+      state = dts.init_state(init_drafter(cfg, jax.random.key(2)), make_optimizer(1e-3))
+      for lr in (1e-3, 1e-3, 2e-3):  # two runs of one config, then another learning rate
+        state, _ = dts.make_train_step(cfg, make_optimizer(lr))(state, tp, batch)
+  finally:
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+  assert int(state.step) == 3
+  assert compiled == ["step", "step"], compiled
+
+
 def test_chain_drafts_equal_sequential_drafting_with_a_cache():
   """chain_drafts' one-pass tree evaluation equals drafting each chain with a KV cache:
   prefill the real pairs <= t, then feed (draft, g) back one token at a time."""

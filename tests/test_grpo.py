@@ -269,9 +269,11 @@ def test_learner_compiles_each_micro_batch_shape_once(fsdp):
   pass and gradient step compile once: not again for the first micro-batch of a mini-batch
   (its metric sums came in uncommitted) nor after the first optimizer step (the params came
   out of it in another layout than init_learner put them in), nor for the first mini-batch's
-  on-policy micro-batches (no old log-probs computed). Counted by JAX's own log of what it
-  compiles ("Compiling jit(...)": once per XLA compile, whatever the persistent cache holds;
-  its per-call dispatch cache may key one executable twice where two layouts are the same)."""
+  on-policy micro-batches (no old log-probs computed); nor in a second run of the process
+  (a new learner of the same config: its own optimizer and mesh objects, as a notebook's next
+  run builds them). Counted by JAX's own log of what it compiles ("Compiling jit(...)": once
+  per XLA compile, whatever the persistent cache holds; its per-call dispatch cache may key one
+  executable twice where two layouts are the same)."""
   mesh = make_mesh({"data": 1, "fsdp": fsdp, "tensor": 1}, devices=jax.devices()[:fsdp])
   tx = make_optimizer(1e-3, weight_decay=0.0, grad_clip=1.0)
   spec = grpo.LearnerSpec(CFG, grpo.GRPOConfig(), tx, mesh, micro_batch=8, pad_multiple=8,
@@ -302,6 +304,12 @@ def test_learner_compiles_each_micro_batch_shape_once(fsdp):
         batches = batching.minibatches(samples, spec, num_minibatches=2, seed=step)
         shapes |= {mb.tokens.shape for group in batches for mb in group}
         state, _ = grpo.update(state, grpo.prepare(state, batches, spec), spec)
+      mesh = make_mesh({"data": 1, "fsdp": fsdp, "tensor": 1}, devices=jax.devices()[:fsdp])
+      spec = grpo.LearnerSpec(CFG, grpo.GRPOConfig(),
+                              make_optimizer(1e-3, weight_decay=0.0, grad_clip=1.0), mesh,
+                              micro_batch=8, pad_multiple=8, micro_batch_tokens=64)
+      state = grpo.init_learner(init_params(CFG, jax.random.key(4), std=0.05), spec)
+      state, _ = grpo.update(state, grpo.prepare(state, batches, spec), spec)
   finally:
     logger.removeHandler(handler)
     logger.setLevel(level)

@@ -10,6 +10,8 @@ full lr: a warm-up of 0 steps is no warm-up, not one step at lr 0.
 
 from __future__ import annotations
 
+import functools
+
 import optax
 
 SCHEDULES = ("constant", "cosine")
@@ -36,11 +38,17 @@ def lr_schedule(lr: float, *, warmup_steps: int = 0, total_steps: int = 0,
                               [w])
 
 
+@functools.lru_cache(maxsize=None)
 def make_optimizer(lr: float, *, warmup_steps: int = 0, total_steps: int = 0,
                    schedule: str = "constant", weight_decay: float = 0.01, b1: float = 0.9,
                    b2: float = 0.95, grad_clip: float = 1.0) -> optax.GradientTransformation:
   """AdamW on `lr_schedule`, after a global-norm clip (grad_clip > 0). The defaults are the
-  reference drafter recipe (DESIGN.md 2); the learner passes config.optim's values."""
+  reference drafter recipe (DESIGN.md 2); the learner passes config.optim's values.
+
+  One object per hyperparameter set in a process (a transformation is pure functions, no
+  state): the jitted steps that take it as a static argument (grpo.LearnerSpec, the drafter's
+  `make_train_step`) then key equal across runs, and a notebook's or a test file's second run
+  traces and compiles none of them again."""
   sched = lr_schedule(lr, warmup_steps=warmup_steps, total_steps=total_steps, schedule=schedule)
   parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip > 0 else []
   parts.append(optax.adamw(sched, b1=b1, b2=b2, weight_decay=weight_decay))

@@ -49,6 +49,9 @@ def state_shardings(params: Params, tx: optax.GradientTransformation, mesh) -> D
   return tree_shardings(abstract, mesh)
 
 
+_STEPS: dict = {}  # make_train_step's jitted steps, by what they are a function of
+
+
 def make_train_step(cfg: ModelConfig, tx: optax.GradientTransformation,
                     loss_cfg: LossConfig = LossConfig(), *, donate: bool = True,
                     state_shardings: DrafterState | None = None):
@@ -57,7 +60,17 @@ def make_train_step(cfg: ModelConfig, tx: optax.GradientTransformation,
   donate=False keeps the input state alive (a caller that may drop an in-flight step).
   state_shardings (`state_shardings(...)` on one mesh): the new state keeps exactly that
   layout (left to XLA, a tensor-parallel step may return another, and the next call of an
-  executable compiled for the first would be refused)."""
+  executable compiled for the first would be refused). The same arguments (`tx` the same
+  object: optim.make_optimizer returns one per hyperparameter set) return the same jitted
+  step, so a process's later runs reuse what it traced and compiled."""
+  key = (cfg, tx, loss_cfg, donate, jax.tree.structure(state_shardings),
+         tuple(jax.tree.leaves(state_shardings)))
+  if key not in _STEPS:
+    _STEPS[key] = _make_train_step(cfg, tx, loss_cfg, donate, state_shardings)
+  return _STEPS[key]
+
+
+def _make_train_step(cfg, tx, loss_cfg, donate, state_shardings):
   loss = functools.partial(drafter_loss, cfg=cfg, loss_cfg=loss_cfg)
 
   def step(state: DrafterState, target_params: Params, batch: dict[str, jax.Array]):
