@@ -24,9 +24,9 @@ import tempfile
 import time
 from typing import Callable, Mapping, Sequence
 
+from tests.user_env import user_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# first on each process's PYTHONPATH: torch hidden, as a user's install has it (tests/user_env.py)
-WITHOUT_TORCH = os.path.join(ROOT, "tests", "without_torch")
 
 _DROP = re.compile(r"^(SLURM_|SLURMD_|OMPI_|PMIX_|PMI_|JAX_COORDINATOR|JAX_LOCAL_DEVICE_IDS$|"
                    r"JAX_NUM_CPU_DEVICES$|TLT_)")
@@ -81,13 +81,13 @@ def process_env(process_id: int, n_processes: int, devices_per_process: int, por
   env["XLA_FLAGS"] = env["XLA_FLAGS"].strip()
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONUNBUFFERED"] = "1"
-  env["PYTHONPATH"] = os.pathsep.join([WITHOUT_TORCH, ROOT] + [
-      p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != WITHOUT_TORCH])
+  env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(
+      os.pathsep) if p])
   env["TLT_COORDINATOR_ADDRESS"] = f"127.0.0.1:{port}"
   env["TLT_NUM_PROCESSES"] = str(n_processes)
   env["TLT_PROCESS_ID"] = str(process_id)
   env.update(extra or {})
-  return env
+  return user_env(env)  # torch hidden, as a user's install has it
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -342,8 +342,8 @@ def transformers_module():
   was not found. Models won't be available"): the project takes only its tokenizers, and the
   main job's install has no torch (scripts/setup.sh without --dev)."""
   if "transformers" not in sys.modules:
-    quiet, before = "TRANSFORMERS_NO_ADVISORY_WARNINGS", os.environ.get(
-        "TRANSFORMERS_NO_ADVISORY_WARNINGS")
+    quiet = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
+    before = os.environ.get(quiet)
     os.environ[quiet] = "1"
     try:
       import transformers  # noqa: F401
