@@ -96,3 +96,22 @@ def test_every_module_imports_in_a_fresh_interpreter():
   p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                      text=True, timeout=300)
   assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_a_user_install_loads_the_tokenizer_without_torch_and_quietly():
+  """A command-line process as tests start them (tests/user_env.py: torch hidden, as the main
+  job's install has it) finds no torch, loads the shipped tokenizer through transformers, and
+  prints nothing (transformers' "PyTorch was not found" advice is the project's to hide)."""
+  from user_env import user_env
+  code = ("import importlib.util\n"
+          "assert importlib.util.find_spec('torch') is None\n"
+          "from tlt_jax.config import asset_path\n"
+          "from tlt_jax.models.hf_io import load_tokenizer\n"
+          "print(load_tokenizer(asset_path('default', 'model')).encode('12+3='))\n"
+          "import transformers\n"
+          "assert not transformers.utils.is_torch_available()\n")
+  p = subprocess.run([sys.executable, "-c", code], cwd=ROOT,
+                     env=user_env(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT), capture_output=True,
+                     text=True, timeout=300)
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert p.stdout.strip() == "[6, 7, 3, 8, 16]" and p.stderr == "", (p.stdout, p.stderr)
