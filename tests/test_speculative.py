@@ -487,8 +487,9 @@ def test_a_window_a_chunk_needs_compiles_before_queued_arms(tiny):
   plan = w.compiles
   from tlt_jax.rollout.executables import background_compiler
   plan._compiler = background_compiler("test-compile")
-  ran, release = [], threading.Event()
-  plan._submit(lambda: (release.wait(10), ran.append("running")))
+  ran, started, release = [], threading.Event(), threading.Event()
+  plan._submit(lambda: (started.set(), release.wait(10), ran.append("running")))
+  assert started.wait(10)  # (the thread is inside the first job before the rest are queued)
   plan._submit(lambda: ran.append("arms 1"))
   plan._submit(lambda: ran.append("arms 2"))
   plan._submit(lambda: ran.append("window"), urgent=True)
