@@ -144,6 +144,38 @@ def test_model_without_any_stop_token_is_a_config_error(tmp_path):
     runtime.load_model(cfg)
 
 
+def test_paths_that_cannot_serve_the_run_are_config_errors(tmp_path):
+  """A data path that is a directory, a workdir that is a file or cannot be made: one error
+  naming the key, the file in the way untouched; a run whose config fails a later check makes
+  no workdir, one that passes them all gets its workdir made."""
+  from tlt_jax import runtime
+
+  def prepare(workdir, training=False, mesh_data=None, train_path=None):
+    cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+    cfg.workdir = str(workdir)
+    if mesh_data:
+      cfg.mesh.data = mesh_data
+    if train_path:
+      cfg.data.train_path = str(train_path)
+    return runtime.prepare(config_lib.run_spec(cfg), training=training)
+
+  run = tmp_path / "run"
+  with pytest.raises(ConfigError, match=r"^config.data.train_path='.*': is a directory; point"):
+    prepare(run, train_path=tmp_path)
+  in_the_way = tmp_path / "saved"
+  in_the_way.write_text("an earlier result")
+  with pytest.raises(ConfigError, match=r"^config.workdir='.*saved': is a file; pass a dir"):
+    prepare(in_the_way)
+  with pytest.raises(ConfigError, match=r"^config.workdir='.*saved/run': cannot be made \(Not"):
+    prepare(in_the_way / "run")
+  assert in_the_way.read_text() == "an earlier result"
+  with pytest.raises(ConfigError, match="config.mesh="):
+    prepare(run, training=True, mesh_data=3)
+  assert not run.exists()
+  prepare(run, training=True)
+  assert run.is_dir()
+
+
 def test_cli_errors_are_one_line(tmp_path):
   unsupported = tmp_path / "gpt2"
   unsupported.mkdir()
@@ -157,8 +189,8 @@ def test_cli_errors_are_one_line(tmp_path):
        "is not a directory"),
       ("eval", ["--config", "configs/default.py", "--config.rollout.top_p=abc"],
        "could not convert"),
-      ("eval", ["--config", "configs/default.py", f"--config.model.path={unsupported}"],
-       "model_type='gpt2'"),
+      ("eval", ["--config", "configs/default.py", f"--config.model.path={unsupported}",
+                f"--config.workdir={tmp_path / 'e'}"], "model_type='gpt2'"),
       ("train", ["--config", "configs/default.py", "--config.mesh.data=3",
                  f"--workdir={tmp_path / 'w'}"], "config.mesh="),
       ("train", ["--config", "configs/default.py", "--config.tlt.drafter.mode=async",

@@ -104,7 +104,6 @@ def main(argv):
                      chat_template=cfg.data.chat_template, system_prompt=cfg.data.system_prompt)
   metrics["compile"] = engine.compile_stats()
   metrics["model"] = cfg.model.path
-  os.makedirs(cfg.workdir, exist_ok=True)
   with open(os.path.join(cfg.workdir, "eval.json"), "w") as f:
     json.dump(metrics, f, indent=2)
   lens = metrics["response_length"]

@@ -113,10 +113,9 @@ def learner_spec(spec: config_lib.RunSpec, model_cfg, mesh) -> grpo.LearnerSpec:
 
 
 def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
-  """Everything the run of `spec` needs (runtime.prepare's: max_batch resolved), and its
-  state at step 0."""
+  """Everything the run of `spec` needs (runtime.prepare's: max_batch resolved, the workdir
+  made), and its state at step 0."""
   cfg = spec.cfg
-  os.makedirs(cfg.workdir, exist_ok=True)
   compile_clock = CompileClock()
   # ------------------------------------------------------------------- mesh and model
   mesh = runtime.learner_mesh(cfg)

@@ -43,8 +43,9 @@ def setup_jax(cfg: ml_collections.ConfigDict) -> None:
 def prepare(spec: RunSpec, *, training: bool = True) -> RunSpec:
   """The run spec checked against this machine: paths and the reward; with `training`, also
   the learner mesh, the rollout workers' devices and the memory plan (evaluation uses one
-  device and none of them). Returns the spec with rollout.max_batch and kv_pages as the memory
-  plan sized them. After distributed.initialize: the meshes count every process's devices."""
+  device and none of them); then the workdir made. Returns the spec with rollout.max_batch and
+  kv_pages as the memory plan sized them. After distributed.initialize: the meshes count every
+  process's devices."""
   cfg = spec.cfg
   if not os.path.isdir(cfg.model.path):  # inputs first, then whether this machine fits them
     raise ConfigError("is not a directory; point it at a local Hugging Face model directory "
@@ -52,21 +53,28 @@ def prepare(spec: RunSpec, *, training: bool = True) -> RunSpec:
                       in_config=True)
   for key in ("train_path", "test_path"):
     path = cfg.data.get(key)
-    if path and not os.path.exists(path):
-      raise ConfigError("does not exist; point it at a local JSONL or Parquet file",
-                        f"data.{key}", path, in_config=True)
+    if path and not os.path.isfile(path):
+      raise ConfigError(("is a directory" if os.path.isdir(path) else "does not exist")
+                        + "; point it at a local JSONL or Parquet file", f"data.{key}", path,
+                        in_config=True)
   from tlt_jax.rl.rewards import get_reward_fn
   try:
     get_reward_fn(cfg.reward.name)
   except ValueError as e:
     raise ConfigError(str(e), "reward.name", in_config=True) from None
-  if not training:
-    return spec
-  resolve_workers(cfg)
-  learner_mesh(cfg)
-  worker_meshes(cfg)
-  plan = resolve(spec, model_config(cfg))
-  return spec.with_max_batch(plan.max_batch, plan.kv_pages)
+  if training:
+    resolve_workers(cfg)
+    learner_mesh(cfg)
+    worker_meshes(cfg)
+    plan = resolve(spec, model_config(cfg))
+    spec = spec.with_max_batch(plan.max_batch, plan.kv_pages)
+  try:  # last, once the rest holds: where the run writes (evaluation too)
+    os.makedirs(cfg.workdir, exist_ok=True)
+  except OSError as e:
+    why = "is a file" if os.path.isfile(cfg.workdir) else f"cannot be made ({e.strerror})"
+    raise ConfigError(f"{why}; pass a directory this user can write (train: --workdir)",
+                      "workdir", cfg.workdir, in_config=True) from None
+  return spec
 
 
 # ------------------------------------------------------------------- memory at start-up
