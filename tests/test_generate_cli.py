@@ -227,8 +227,13 @@ def errors(ckpt, tmp_path_factory):
                      "--spec", "chain"],
       "tree_too_big": ["--model", ckpt["dir"], "--prompts", files["good"], "--drafter",
                        "init:0", "--spec", "2_2_9"],
+      # (these name their own --output: the later flag wins)
+      "output_is_a_dir": ["--model", ckpt["dir"], "--prompts", files["good"], "--output",
+                          str(tmp)],
+      "output_under_a_file": ["--model", ckpt["dir"], "--prompts", files["good"], "--output",
+                              os.path.join(files["good"], "out.jsonl")],
   }
-  procs = {k: _start(*v, *base) for k, v in cases.items()}
+  procs = {k: _start(*base, *v) for k, v in cases.items()}
   done = {k: _finish(p) for k, p in procs.items()}
   assert not os.path.exists(out)
   return done, files, tmp
@@ -250,6 +255,10 @@ def errors(ckpt, tmp_path_factory):
                    r"drafter, history, hybrid"),
     ("tree_too_big", r"error: --spec: strategy 2_2_9: a tree of depth 2 and branching 2 has 7 "
                      r"candidate nodes"),
+    # said before the model loads, not after the generation it would lose
+    ("output_is_a_dir", r"error: --output \S*cli_errors\d*: is a directory; pass a file path"),
+    ("output_under_a_file", r"error: --output \S*good\.jsonl/out\.jsonl: cannot make its "
+                            r"directory \(\S*good\.jsonl is a file\)"),
 ])
 def test_user_errors(errors, case, pattern):
   cp = errors[0][case]

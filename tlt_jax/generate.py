@@ -73,7 +73,8 @@ def history_index():
 def read_prompts(path: str, tokenizer, *, chat: bool) -> list[list[int]]:
   """Token ids per prompt line; errors name the line and the fix."""
   if not os.path.isfile(path):
-    raise InputError(f"--prompts {path}: no such file")
+    raise InputError(f"--prompts {path}: " + ("is a directory; pass a JSONL file"
+                                               if os.path.isdir(path) else "no such file"))
   out = []
   with open(path, encoding="utf-8") as f:
     for n, line in enumerate(f, 1):
@@ -113,6 +114,24 @@ def read_prompts(path: str, tokenizer, *, chat: bool) -> list[list[int]]:
   return out
 
 
+def check_output(path: str) -> None:
+  """--output can be written: not a directory, its directory made (an existing file there is
+  replaced only once the results are in)."""
+  if os.path.isdir(path):
+    raise InputError(f"--output {path}: is a directory; pass a file path (JSONL)")
+  where = os.path.dirname(os.path.abspath(path))
+  try:
+    os.makedirs(where, exist_ok=True)
+  except OSError as e:
+    up = where
+    while not os.path.exists(up):
+      up = os.path.dirname(up)
+    why = f"{up} is a file" if os.path.isfile(up) else e.strerror
+    raise InputError(f"--output {path}: cannot make its directory ({why})") from None
+  if not os.access(where, os.W_OK):
+    raise InputError(f"--output {path}: its directory {where} is not writable")
+
+
 def batch_profile(chunks, start: float = 0.0, points: int = 8) -> str:
   """'t=0.0s:64 t=1.2s:16 ...': the engine's batch bucket over time, for the summary."""
   if not chunks:
@@ -135,6 +154,7 @@ def main(argv):
   from tlt_jax.rollout.scheduler import buckets_upto
   from tlt_jax.rollout.policies.strategy import Strategy
 
+  check_output(FLAGS.output)  # before the work, not after it
   sp = SamplingParams(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p)
   if FLAGS.num_samples < 1 or FLAGS.batch_size < 1 or FLAGS.max_new_tokens < 1:
     raise InputError("--num_samples, --batch_size and --max_new_tokens must be >= 1")
@@ -191,7 +211,6 @@ def main(argv):
     history.close()
   bar.close()
   results.sort(key=lambda r: (r.request_id, r.sample_index))
-  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.output)), exist_ok=True)
   with open(FLAGS.output, "w", encoding="utf-8") as f:
     for r in results:
       row = {"prompt_index": r.request_id, "sample_index": r.sample_index,
@@ -213,14 +232,6 @@ def main(argv):
   print(f"wrote {FLAGS.output}", file=sys.stderr)
 
 
-def _run(argv):
-  from tlt_jax.models.hf_io import CheckpointFormatError
-  try:
-    main(argv)
-  except (InputError, CheckpointFormatError, ValueError) as e:  # DrafterLoadError included
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
-
-
 if __name__ == "__main__":
-  app.run(_run)
+  from tlt_jax.runtime import exit_on_user_error
+  app.run(exit_on_user_error(main, also=(ValueError,)))  # InputError, DrafterLoadError

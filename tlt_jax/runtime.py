@@ -251,18 +251,23 @@ def load_rows(cfg: ml_collections.ConfigDict, path: str):
   return rows
 
 
-def exit_on_user_error(main):
-  """Wraps an absl main: a ConfigError/DataError/CheckpointFormatError (or a reward function
-  that can no longer be loaded, RewardError) becomes one line on stderr and exit status 2 (a
-  user's mistake is not a crash; checkpoints already written stay)."""
+def exit_on_user_error(main, also: tuple[type[Exception], ...] = ()):
+  """Wraps an absl main (every `python -m tlt_jax.*` command): a ConfigError / DataError /
+  CheckpointFormatError (or a reward function that can no longer be loaded, RewardError; or
+  the command's own input errors, `also`) becomes one line on stderr and exit status 2 (a
+  user's mistake is not a crash; checkpoints already written stay). absl's INFO lines stay off
+  stderr (JAX's probing of backends this machine lacks, Orbax's every save)."""
   @functools.wraps(main)
   def wrapped(argv):
+    from absl import logging as absl_logging
+
     from tlt_jax.data.prompts import DataError
     from tlt_jax.models.hf_io import CheckpointFormatError
     from tlt_jax.rl.reward_pool import RewardError
+    absl_logging.set_verbosity(absl_logging.WARNING)
     try:
       return main(argv)
-    except (ConfigError, DataError, CheckpointFormatError, RewardError) as e:
+    except (ConfigError, DataError, CheckpointFormatError, RewardError, *also) as e:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(2)
   return wrapped

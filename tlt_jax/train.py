@@ -44,7 +44,6 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 from absl import app, flags
-from absl import logging as absl_logging
 from ml_collections import config_flags
 from tqdm import tqdm
 
@@ -290,7 +289,6 @@ def _progress(state: TrainState, m: dict[str, Any]) -> dict[str, str]:
 
 def main(argv):
   del argv
-  absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save at INFO
   cfg = _CONFIG.value
   if _WORKDIR.value:
     with cfg.unlocked():
