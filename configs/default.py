@@ -144,6 +144,10 @@ def get_config():
   c.train.eval_every = 10  # held-out greedy accuracy every N steps (0: never)
   c.train.checkpoint_every = 5
   c.train.keep_checkpoints = 2
+  # a run resumed from its workdir's checkpoint with other values of what it learns (model,
+  # data, reward, sampling, GRPO, optimizer, seed: runtime.LEARNING_KEYS) stops with an error
+  # naming them; True continues it with the new values (the earlier config.json kept)
+  c.train.resume_with_changes = False
   # with every checkpoint of a TLT run, the drafter's EAGLE export for this serving engine in
   # <workdir>/drafter_eagle/<step>/ (tlt_jax/drafter/export.py): "sglang" (Llama, Qwen2, Qwen3
   # targets) or "vllm" (Llama targets only)

@@ -176,6 +176,51 @@ def test_paths_that_cannot_serve_the_run_are_config_errors(tmp_path):
   assert run.is_dir()
 
 
+def test_a_resumed_run_that_would_learn_otherwise_stops_and_its_configs_are_kept(tmp_path,
+                                                                                 capsys):
+  """A workdir with a checkpoint: resuming it with other values of what the run learns (model,
+  data, sampling, GRPO, optimizer, seed) is one error naming each change, unless
+  train.resume_with_changes; more steps or another engine setting resume as before; TLT on /
+  off stays as checkpointed either way. Each config a run ran with is kept."""
+  from tlt_jax import runtime
+
+  def cfg_of(**values):
+    cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+    cfg.workdir = str(tmp_path)
+    for key, value in values.items():
+      section, name = key.split("__")
+      cfg[section][name] = value
+    return cfg
+
+  def prepare(**values):
+    return runtime.prepare(config_lib.run_spec(cfg_of(**values)))
+
+  first = cfg_of()
+  runtime.write_config(first)
+  prepare(optim__lr=1e-4)  # no checkpoint yet: a fresh run, whatever config.json says
+  (tmp_path / "checkpoints" / "3").mkdir(parents=True)
+  (tmp_path / "checkpoints" / "4.orbax-checkpoint-tmp-1").mkdir()  # a save cut short
+  prepare(train__steps=80, rollout__chunk_size=8, train__eval_every=0)
+  with pytest.raises(ConfigError, match=r"^config.workdir='.*': holds a run checkpointed at "
+                     r"step 3 that learned with other values: rollout.temperature 1.0 -> "
+                     r"0.7; optim.lr 5e-05 -> 0.0001; pass a new --workdir"):
+    prepare(optim__lr=1e-4, rollout__temperature=0.7)
+  with pytest.raises(ConfigError, match=r"model.path '.*default/model' -> '.*longtail/model'"):
+    prepare(model__path=config_lib.asset_path("longtail", "model"))
+  capsys.readouterr()
+  prepare(optim__lr=1e-4, train__resume_with_changes=True)
+  assert "resuming with changed values: optim.lr 5e-05 -> 0.0001" in capsys.readouterr().err
+  with pytest.raises(ConfigError, match=r"with tlt.enabled=True; resume it with that"):
+    prepare(tlt__enabled=False, train__resume_with_changes=True)
+  # config.json is the latest run's; the one it resumed from kept as config.<step>.json
+  runtime.write_config(first)
+  assert sorted(p.name for p in tmp_path.glob("config*.json")) == ["config.json"]
+  changed = cfg_of(optim__lr=1e-4, train__resume_with_changes=True)
+  runtime.write_config(changed)
+  assert json.loads((tmp_path / "config.3.json").read_text())["optim"]["lr"] == 5e-05
+  assert json.loads((tmp_path / "config.json").read_text())["optim"]["lr"] == 1e-4
+
+
 def test_cli_errors_are_one_line(tmp_path):
   unsupported = tmp_path / "gpt2"
   unsupported.mkdir()

@@ -107,11 +107,7 @@ def _spec(workdir, model_dir, reward, *, tlt: bool, **overrides):
     cfg.tlt.spec.history = False
   else:
     cfg.tlt.enabled = False
-  spec = runtime.prepare(config_lib.run_spec(cfg))
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:  # as tlt_jax.train's main does
-    f.write(cfg.to_json_best_effort(indent=2))
-  return spec
+  return runtime.prepare(config_lib.run_spec(cfg))  # (train writes the workdir's config.json)
 
 
 def _train(spec):

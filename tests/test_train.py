@@ -157,10 +157,7 @@ def test_resume_with_tlt_and_fixed_selector_is_bit_exact_and_exports_the_drafter
   fixed = {"tlt.spec.selector": "fixed", "tlt.spec.strategy": "3_1_4",
            "tlt.drafter.mode": "serial", "tlt.drafter.keep_steps": 1}
   spec = _small_cfg(tmp_path / "ref", 3, **fixed)
-  os.makedirs(tmp_path / "ref")
-  with open(tmp_path / "ref" / "config.json", "w") as f:  # as tlt_jax.train's main writes it
-    f.write(spec.cfg.to_json_best_effort(indent=2))
-  ref = _run(spec)
+  ref = _run(spec)  # (its config.json written by train, as the export reads it)
   _run(_small_cfg(tmp_path / "run", 2, **fixed))
   resumed = _run(_small_cfg(tmp_path / "run", 3, **fixed))
   recs, want = _records(tmp_path / "run"), _records(tmp_path / "ref")

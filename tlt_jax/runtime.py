@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import sys
+from typing import Any
 
 import ml_collections
 
@@ -68,6 +70,8 @@ def prepare(spec: RunSpec, *, training: bool = True) -> RunSpec:
     worker_meshes(cfg)
     plan = resolve(spec, model_config(cfg))
     spec = spec.with_max_batch(plan.max_batch, plan.kv_pages)
+  if training:
+    check_resume(cfg)
   try:  # last, once the rest holds: where the run writes (evaluation too)
     os.makedirs(cfg.workdir, exist_ok=True)
   except OSError as e:
@@ -249,6 +253,91 @@ def load_rows(cfg: ml_collections.ConfigDict, path: str):
   except DataError as e:
     raise ConfigError(str(e)) from None
   return rows
+
+
+# What a run learns. A run resumed from its workdir's checkpoint with one of these changed is
+# another experiment on the first one's weights, optimizer and data position: one error, not
+# silently (config.train.resume_with_changes=True continues it, the earlier config kept).
+# tlt.enabled is lossless, but its checkpoint holds the drafter or not: it stays as saved.
+LEARNING_KEYS = (
+    "seed", "model.path", "model.architecture", "model.param_dtype", "data.train_path",
+    "data.prompt_key", "data.answer_key", "data.max_prompt_len", "data.chat_template",
+    "data.system_prompt", "reward.name", "rollout.max_new_tokens", "rollout.temperature",
+    "rollout.top_p", "rollout.top_k", "grpo.num_prompts", "grpo.n", "grpo.eps_low",
+    "grpo.eps_high", "grpo.kl_coef", "grpo.norm_adv_by_std", "grpo.minibatches", "optim.lr",
+    "optim.schedule", "optim.warmup_steps", "optim.weight_decay", "optim.b1", "optim.b2",
+    "optim.grad_clip", "tlt.enabled")
+
+
+def saved_step(workdir: str) -> int | None:
+  """The newest finished checkpoint step in workdir/checkpoints (Orbax names a save in
+  progress with a suffix), or None."""
+  d = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(d):
+    return None
+  return max((int(n) for n in os.listdir(d) if n.isdigit()), default=None)
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for k, v in tree.items():
+    out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+  return out
+
+
+def config_changes(cfg: ml_collections.ConfigDict) -> list[tuple[str, Any, Any]]:
+  """(key, saved, now) for each of LEARNING_KEYS that the run checkpointed in cfg.workdir (its
+  config.json) set otherwise; [] for a workdir with no checkpoint. Paths compare resolved."""
+  path = os.path.join(cfg.workdir, "config.json")
+  if saved_step(cfg.workdir) is None or not os.path.isfile(path):
+    return []
+  with open(path, encoding="utf-8") as f:
+    saved = _flat(json.load(f))
+  now = _flat(json.loads(cfg.to_json_best_effort()))
+
+  def norm(key, value):
+    if key.endswith("path") and isinstance(value, str) and value:
+      return os.path.realpath(os.path.expanduser(value))
+    return value
+  return [(k, saved[k], now.get(k)) for k in LEARNING_KEYS
+          if k in saved and norm(k, saved[k]) != norm(k, now.get(k))]
+
+
+def check_resume(cfg: ml_collections.ConfigDict) -> None:
+  """A run that would resume with other LEARNING_KEYS than its checkpoint's: ConfigError,
+  unless config.train.resume_with_changes, which says what changed."""
+  changes = config_changes(cfg)
+  tlt = [c for c in changes if c[0] == "tlt.enabled"]
+  if tlt:  # (lossless either way, but the checkpoint holds the drafter or it does not)
+    raise ConfigError(
+        f"holds a run checkpointed at step {saved_step(cfg.workdir)} with tlt.enabled="
+        f"{tlt[0][1]}; resume it with that (TLT on or off gives the same learning), or pass a "
+        "new --workdir", "workdir", cfg.workdir, in_config=True)
+  if not changes:
+    return
+  said = "; ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changes)
+  if cfg.train.get("resume_with_changes", False):
+    print(f"resuming with changed values: {said}", file=sys.stderr)
+    return
+  raise ConfigError(
+      f"holds a run checkpointed at step {saved_step(cfg.workdir)} that learned with other "
+      f"values: {said}; pass a new --workdir (or that run's values), or "
+      "--config.train.resume_with_changes=True to continue it with these", "workdir",
+      cfg.workdir, in_config=True)
+
+
+def write_config(cfg: ml_collections.ConfigDict) -> None:
+  """The run's config.json in its workdir; an earlier one that differs (a resumed run given
+  other values, more steps included) is kept as config.<step>.json, the step it resumed at."""
+  path = os.path.join(cfg.workdir, "config.json")
+  text = cfg.to_json_best_effort(indent=2)
+  step = saved_step(cfg.workdir)
+  if step is not None and os.path.isfile(path):
+    with open(path, encoding="utf-8") as f:
+      if f.read() != text:
+        os.replace(path, os.path.join(cfg.workdir, f"config.{step}.json"))
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(text)
 
 
 def exit_on_user_error(main, also: tuple[type[Exception], ...] = ()):

@@ -213,6 +213,8 @@ def train(run: Run, state: TrainState, *, progress: bool = True
   state = restore(run, state)
   start = state.step
   primary = distributed.is_primary()  # process 0 writes metrics and shows progress
+  if primary:
+    runtime.write_config(cfg)  # (once the checkpoint restored: config.json is what ran)
   if start >= cfg.train.steps and primary:
     print(f"{cfg.workdir} already holds a finished run ({start} of {cfg.train.steps} steps); "
           "raise --config.train.steps to continue it or pass a new --workdir", file=sys.stderr)
@@ -297,9 +299,6 @@ def main(argv):
   spec = config_lib.run_spec(cfg)
   distributed.initialize(spec.distributed)  # several processes: join them first
   run, state = build(runtime.prepare(spec))
-  if distributed.is_primary():
-    with open(os.path.join(cfg.workdir, "config.json"), "w") as f:
-      f.write(cfg.to_json_best_effort(indent=2))
   state, last = train(run, state)
   distributed.barrier("tlt_jax.train.done")  # no process exits while another still saves
   if not distributed.is_primary():
