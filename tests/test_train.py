@@ -73,6 +73,35 @@ def test_sigkill_during_training_resumes_exactly(tmp_path):
   assert recs[-1]["eval"]["accuracy"] == want[-1]["eval"]["accuracy"]
 
 
+def test_ctrl_c_stops_after_the_saves_in_flight_and_says_where_the_run_resumes(
+    tmp_path, monkeypatch, capsys):
+  """Ctrl-C during step 2 (KeyboardInterrupt out of the step): step 1's checkpoint is on disk
+  when the run stops, the command prints one line naming it and exits 130, no traceback."""
+  from tlt_jax import train as train_mod
+  spec = _small_cfg(tmp_path, 3, **{"tlt.enabled": False, "train.checkpoint_every": 1})
+  real, calls = train_mod.rl_step, []
+
+  def step(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+      raise KeyboardInterrupt
+    return real(*args, **kwargs)
+  monkeypatch.setattr(train_mod, "rl_step", step)
+  with pytest.raises(KeyboardInterrupt) as e:
+    _run(spec)
+  assert os.listdir(tmp_path / "checkpoints") == ["1"]
+  assert [r["step"] for r in _records(tmp_path)] == [1]
+
+  def main(argv):
+    raise e.value
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as done:
+    runtime.exit_on_user_error(main)([])
+  assert done.value.code == 130
+  assert capsys.readouterr().err == ("interrupted during step 2; the same command resumes from "
+                                     "the newest checkpoint, step 1\n")
+
+
 def _small_cfg(workdir, steps, **overrides):
   """The run spec of configs/default.py with SMALL applied, TLT on; overrides:
   {"section.field": value}."""

@@ -344,8 +344,9 @@ def exit_on_user_error(main, also: tuple[type[Exception], ...] = ()):
   """Wraps an absl main (every `python -m tlt_jax.*` command): a ConfigError / DataError /
   CheckpointFormatError (or a reward function that can no longer be loaded, RewardError; or
   the command's own input errors, `also`) becomes one line on stderr and exit status 2 (a
-  user's mistake is not a crash; checkpoints already written stay). absl's INFO lines stay off
-  stderr (JAX's probing of backends this machine lacks, Orbax's every save)."""
+  user's mistake is not a crash; checkpoints already written stay); Ctrl-C one line and 130.
+  absl's INFO lines stay off stderr (JAX's probing of backends this machine lacks, Orbax's
+  every save)."""
   @functools.wraps(main)
   def wrapped(argv):
     from absl import logging as absl_logging
@@ -359,4 +360,7 @@ def exit_on_user_error(main, also: tuple[type[Exception], ...] = ()):
     except (ConfigError, DataError, CheckpointFormatError, RewardError, *also) as e:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(2)
+    except KeyboardInterrupt as e:  # Ctrl-C: what it cut short, not a traceback
+      print("interrupted" + (f" {e}" if e.args else ""), file=sys.stderr)
+      sys.exit(130)
   return wrapped

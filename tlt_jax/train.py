@@ -231,6 +231,7 @@ def train(run: Run, state: TrainState, *, progress: bool = True
     bar = tqdm(total=cfg.train.steps, initial=start, desc="train", unit="step", file=sys.stderr,
                dynamic_ncols=True)
   last: dict[str, Any] = {}
+  interrupted = 0
   try:
     with pool:
       if start == 0 and evaluating:
@@ -261,6 +262,8 @@ def train(run: Run, state: TrainState, *, progress: bool = True
     if (cfg.train.export_policy != "none"
         and not distributed.all_gather_objects(os.path.isdir(final))[0]):
       export_policy(run, state)
+  except KeyboardInterrupt:  # (Ctrl-C) said once the saves in flight are on disk, below
+    interrupted = state.step + 1
   finally:
     if bar is not None:
       bar.close()
@@ -272,6 +275,11 @@ def train(run: Run, state: TrainState, *, progress: bool = True
     for e in run.coordinator.engines:  # the history indices' worker threads
       if e.history is not None:
         e.history.close()
+  if interrupted:
+    saved = runtime.saved_step(cfg.workdir)
+    raise KeyboardInterrupt(f"during step {interrupted}; " + (
+        f"the same command resumes from the newest checkpoint, step {saved}" if saved else
+        "no checkpoint yet: the same command starts again"))
   return state, last
 
 
