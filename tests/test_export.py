@@ -327,10 +327,13 @@ def test_gather_of_sharded_params_is_the_hf_state_dict(tmp_path):
 def test_user_errors_are_one_line_and_touch_nothing(runs, tmp_path):
   r = runs["qwen2"]
   workdir = r["workdir"]
-  before = {d: sorted(os.listdir(os.path.join(workdir, d)))
-            for d in ("checkpoints", "policy_hf", "drafter_eagle", "export")}
+  def listing(d):  # (export/ exists once another test exported from this run)
+    path = os.path.join(workdir, d)
+    return sorted(os.listdir(path)) if os.path.isdir(path) else None
+  before = {d: listing(d) for d in ("checkpoints", "policy_hf", "drafter_eagle", "export")}
   (tmp_path / "bare").mkdir()
   (tmp_path / "fresh").mkdir()
+  (tmp_path / "a_file").write_text("kept")
   with open(tmp_path / "fresh" / "config.json", "w") as f:
     f.write(open(os.path.join(workdir, "config.json")).read())
   for kwargs, msg in [
@@ -348,7 +351,11 @@ def test_user_errors_are_one_line_and_touch_nothing(runs, tmp_path):
        "--dtype 'fp8' is not one of ['bfloat16', 'float16', 'float32']"),
       (dict(workdir=workdir, engine="vllm"),
        "--engine vllm: export_eagle(engine='vllm'): vLLM has no EAGLE-1 drafter class for "
-       "qwen2 targets (only EagleLlamaForCausalLM); use engine='sglang'")]:
+       "qwen2 targets (only EagleLlamaForCausalLM); use engine='sglang'"),
+      (dict(workdir=workdir, out=str(tmp_path / "a_file")),
+       f"--out {tmp_path / 'a_file'}: is a file; pass a directory (new, or an earlier export's)"),
+      (dict(workdir=workdir, out=str(tmp_path / "a_file" / "x")),
+       f"--out {tmp_path / 'a_file' / 'x'}: cannot be made a directory (Not a directory)")]:
     with pytest.raises(ExportError) as e:
       export_run(kwargs.pop("workdir"), **kwargs)
     assert str(e.value) == msg
@@ -357,8 +364,8 @@ def test_user_errors_are_one_line_and_touch_nothing(runs, tmp_path):
   assert p.returncode == 2 and p.stdout == ""
   assert p.stderr.strip().splitlines() == [
       f"error: --step 7: {workdir}/checkpoints holds steps [1, 2]; pass one of them"]
-  after = {d: sorted(os.listdir(os.path.join(workdir, d))) for d in before}
-  assert after == before
+  after = {d: listing(d) for d in before}
+  assert after == before and (tmp_path / "a_file").read_text() == "kept"
 
 
 def test_export_policy_and_dtype_are_validated(tmp_path):

@@ -132,7 +132,8 @@ def export_run(workdir: str, *, step: int | None = None, out: str | None = None,
   """OUT/policy and, for a run with a drafter, OUT/drafter_eagle of checkpoint `step` (the
   module docstring: the defaults). ExportError, one line naming the input and the fix, for a
   missing workdir, config.json or starting model, no checkpoints, an unknown step, a bad
-  dtype or engine, found before anything is written. Every process calls it."""
+  dtype or engine, an --out that cannot be a directory, found before anything is written.
+  Every process calls it."""
   from tlt_jax.checkpoint import Checkpointer, CheckpointError
   from tlt_jax.models.transformer import abstract_params
   from tlt_jax.sharding import make_mesh, tree_shardings
@@ -157,6 +158,8 @@ def export_run(workdir: str, *, step: int | None = None, out: str | None = None,
     dtype = policy_dtype(dtype or "", model_dir, cfg.param_dtype)
   except CheckpointFormatError as e:
     raise ExportError(f"{cpath}: model.path: {e}") from None
+  if out is not None and os.path.exists(out) and not os.path.isdir(out):
+    raise ExportError(f"--out {out}: is a file; pass a directory (new, or an earlier export's)")
   ckpt_dir = os.path.join(workdir, "checkpoints")
   if not os.path.isdir(ckpt_dir):
     raise ExportError(f"--workdir {workdir}: no checkpoints in {ckpt_dir}; the run saved none "
@@ -184,6 +187,10 @@ def export_run(workdir: str, *, step: int | None = None, out: str | None = None,
     except ExportError as e:
       raise ExportError(f"--engine {engine}: {e}") from None
   out = out or os.path.join(workdir, EXPORT_DIR, str(step))
+  try:
+    os.makedirs(out, exist_ok=True)
+  except OSError as e:
+    raise ExportError(f"--out {out}: cannot be made a directory ({e.strerror})") from None
   policy = write_policy(os.path.join(out, "policy"), params, cfg, model_dir=model_dir,
                         dtype=dtype, max_shard_bytes=max_shard_bytes)
   del params
