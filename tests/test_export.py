@@ -355,7 +355,8 @@ def test_user_errors_are_one_line_and_touch_nothing(runs, tmp_path):
       (dict(workdir=workdir, out=str(tmp_path / "a_file")),
        f"--out {tmp_path / 'a_file'}: is a file; pass a directory (new, or an earlier export's)"),
       (dict(workdir=workdir, out=str(tmp_path / "a_file" / "x")),
-       f"--out {tmp_path / 'a_file' / 'x'}: cannot be made a directory (Not a directory)")]:
+       f"--out {tmp_path / 'a_file' / 'x'}: cannot be made ({tmp_path / 'a_file'} is a file); "
+       "pass a directory (new, or an earlier export's)")]:
     with pytest.raises(ExportError) as e:
       export_run(kwargs.pop("workdir"), **kwargs)
     assert str(e.value) == msg

@@ -232,10 +232,14 @@ def test_plan_command_takes_a_measured_profile(tmp_path):
   assert "Traceback" not in r.stderr
 
 
-def test_plan_command_errors_are_one_line():
+def test_plan_command_errors_are_one_line(tmp_path):
+  (tmp_path / "a_file").write_text("")
   for args, needle in ((["--hardware", "tpu9"], "--hardware='tpu9': use one of"),
                        (["--lengths", "lognormal:mu=1"], "--lengths"),
-                       (["--steps", "0"], "--steps=0")):
+                       (["--steps", "0"], "--steps=0"),
+                       (["--out", str(tmp_path / "a_file" / "p")],  # before the simulation
+                        f"--out='{tmp_path / 'a_file' / 'p'}': cannot be made "
+                        f"({tmp_path / 'a_file'} is a file)")):
     r = _plan("--config", "configs/default.py", "--gpus", "2", *args)
     assert r.returncode == 2, r.stderr[-2000:]
     assert needle in r.stderr and "Traceback" not in r.stderr

@@ -13,6 +13,7 @@ the key travels as an attribute, never as text to parse.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, Mapping
 
 
@@ -59,6 +60,23 @@ class ConfigError(ValueError):
 
 def _rebuild(fix, key, value, in_config):
   return ConfigError(fix, key, value, in_config=in_config)
+
+
+def output_dir_problem(path: str) -> str | None:
+  """Why `path` cannot be the directory a command writes into, said for an error message
+  ("is a file", "cannot be made (/x is a file)", ...); None once it is one (made here, before
+  the work whose results would otherwise have nowhere to go)."""
+  if os.path.isfile(path):
+    return "is a file"
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    up = os.path.abspath(path)
+    while not os.path.exists(up):
+      up = os.path.dirname(up)
+    return f"cannot be made ({up} is a file)" if os.path.isfile(up) else (
+        f"cannot be made ({e.strerror})")
+  return None if os.access(path, os.W_OK | os.X_OK) else "is not writable"
 
 
 def check(cond: bool, key: str, value: Any, fix: str) -> None:

@@ -44,6 +44,7 @@ import jax
 from tlt_jax.drafter import export as drafter_export
 from tlt_jax.drafter.export import ExportError
 from tlt_jax.drafter.model import ENGINES, export_eagle
+from tlt_jax.errors import output_dir_problem
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.hf_io import (MAX_SHARD_BYTES, CheckpointFormatError, load_hf_config,
                                   load_tokenizer, read_hf_config, save_hf_model)
@@ -158,8 +159,6 @@ def export_run(workdir: str, *, step: int | None = None, out: str | None = None,
     dtype = policy_dtype(dtype or "", model_dir, cfg.param_dtype)
   except CheckpointFormatError as e:
     raise ExportError(f"{cpath}: model.path: {e}") from None
-  if out is not None and os.path.exists(out) and not os.path.isdir(out):
-    raise ExportError(f"--out {out}: is a file; pass a directory (new, or an earlier export's)")
   ckpt_dir = os.path.join(workdir, "checkpoints")
   if not os.path.isdir(ckpt_dir):
     raise ExportError(f"--workdir {workdir}: no checkpoints in {ckpt_dir}; the run saved none "
@@ -172,6 +171,10 @@ def export_run(workdir: str, *, step: int | None = None, out: str | None = None,
     step = steps[-1] if step is None else int(step)
     if step not in steps:
       raise ExportError(f"--step {step}: {ckpt_dir} holds steps {steps}; pass one of them")
+    out = out or os.path.join(workdir, EXPORT_DIR, str(step))
+    why = output_dir_problem(out)
+    if why:
+      raise ExportError(f"--out {out}: {why}; pass a directory (new, or an earlier export's)")
     try:
       dparams = ckpt.read_subtree("drafter/params", step)
       if dparams:
@@ -186,11 +189,6 @@ def export_run(workdir: str, *, step: int | None = None, out: str | None = None,
       raise ExportError(f"--workdir {workdir}: {e}") from None
     except ExportError as e:
       raise ExportError(f"--engine {engine}: {e}") from None
-  out = out or os.path.join(workdir, EXPORT_DIR, str(step))
-  try:
-    os.makedirs(out, exist_ok=True)
-  except OSError as e:
-    raise ExportError(f"--out {out}: cannot be made a directory ({e.strerror})") from None
   policy = write_policy(os.path.join(out, "policy"), params, cfg, model_dir=model_dir,
                         dtype=dtype, max_shard_bytes=max_shard_bytes)
   del params

@@ -28,6 +28,8 @@ import time
 
 from absl import app, flags
 
+from tlt_jax.errors import output_dir_problem
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "Local Hugging Face model directory.")
 flags.DEFINE_string("prompts", None, "JSONL file of prompts.")
@@ -120,16 +122,9 @@ def check_output(path: str) -> None:
   if os.path.isdir(path):
     raise InputError(f"--output {path}: is a directory; pass a file path (JSONL)")
   where = os.path.dirname(os.path.abspath(path))
-  try:
-    os.makedirs(where, exist_ok=True)
-  except OSError as e:
-    up = where
-    while not os.path.exists(up):
-      up = os.path.dirname(up)
-    why = f"{up} is a file" if os.path.isfile(up) else e.strerror
-    raise InputError(f"--output {path}: cannot make its directory ({why})") from None
-  if not os.access(where, os.W_OK):
-    raise InputError(f"--output {path}: its directory {where} is not writable")
+  why = output_dir_problem(where)
+  if why:
+    raise InputError(f"--output {path}: its directory {where} {why}")
 
 
 def batch_profile(chunks, start: float = 0.0, points: int = 8) -> str:

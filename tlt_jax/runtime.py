@@ -17,7 +17,7 @@ import ml_collections
 
 from tlt_jax import memory
 from tlt_jax.config import RunSpec, model_config
-from tlt_jax.errors import ConfigError
+from tlt_jax.errors import ConfigError, output_dir_problem
 from tlt_jax.sharding import make_mesh
 
 
@@ -72,12 +72,10 @@ def prepare(spec: RunSpec, *, training: bool = True) -> RunSpec:
     spec = spec.with_max_batch(plan.max_batch, plan.kv_pages)
   if training:
     check_resume(cfg)
-  try:  # last, once the rest holds: where the run writes (evaluation too)
-    os.makedirs(cfg.workdir, exist_ok=True)
-  except OSError as e:
-    why = "is a file" if os.path.isfile(cfg.workdir) else f"cannot be made ({e.strerror})"
+  why = output_dir_problem(cfg.workdir)  # last, once the rest holds (made: evaluation's too)
+  if why:
     raise ConfigError(f"{why}; pass a directory this user can write (train: --workdir)",
-                      "workdir", cfg.workdir, in_config=True) from None
+                      "workdir", cfg.workdir, in_config=True)
   return spec
 
 

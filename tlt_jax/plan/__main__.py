@@ -48,7 +48,7 @@ def _define_flags() -> None:
 
 def main(argv):
   del argv
-  from tlt_jax.errors import ConfigError
+  from tlt_jax.errors import ConfigError, output_dir_problem
   from tlt_jax.plan import report, workload
   cfg = FLAGS.config
   if FLAGS.steps < 1:
@@ -60,11 +60,14 @@ def main(argv):
   acc = workload.acceptance(FLAGS.acceptance)
   name = os.path.splitext(os.path.basename(config_flags.get_config_filename(FLAGS["config"])))[0]
   out = FLAGS.out or os.path.join("out", "plan", name)
+  report.cluster(cfg, hardware=FLAGS.hardware, gpus=FLAGS.gpus, gate=FLAGS.gate)
+  why = output_dir_problem(out)  # (made once the inputs hold, before the simulation)
+  if why:
+    raise ConfigError(f"{why}; pass a directory this user can write", "--out", out)
   plan = report.plan(cfg, hardware=FLAGS.hardware, gpus=FLAGS.gpus, lengths=lengths,
                      acceptance=acc, steps=FLAGS.steps, compile_s=FLAGS.compile_s,
                      gate=FLAGS.gate, seed=FLAGS.seed, progress=True)
   print(report.text(plan))
-  os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, "plan.json"), "w") as f:
     json.dump(report.to_json(plan), f, indent=1)
   report.plots(plan, out)

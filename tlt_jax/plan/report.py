@@ -53,12 +53,9 @@ def _mode(cfg, tlt: bool, gate: str):
   return c
 
 
-def plan(cfg, *, hardware: str = "h100", gpus: int = 0, lengths: Lengths, acceptance: Acceptance,
-         steps: int = 3, compile_s: float = 0.0, gate: str = "open", seed: int = 0,
-         progress: bool = False) -> Plan:
-  """The recipe `cfg` simulated for `steps` RL steps, TLT on and off (module docstring)."""
-  from tlt_jax import memory
-  from tlt_jax.config import model_config, run_spec
+def cluster(cfg, *, hardware: str, gpus: int, gate: str):
+  """The simulated cluster, its inputs checked (ConfigError naming the flag): (the hardware
+  profile, the memory plan's device kind, devices, rollout workers, tensor parallel)."""
   hw = cost.profile(hardware)
   # the memory plan's device: the profile's kind, else the recipe's (a fitted profile's file)
   device = hardware if hardware in cost.PROFILES else (cfg.memory.get("device") or "h100")
@@ -71,12 +68,22 @@ def plan(cfg, *, hardware: str = "h100", gpus: int = 0, lengths: Lengths, accept
   if workers * tp > n:
     raise ConfigError(f"{workers} rollout workers x tensor_parallel {tp} need {workers * tp} "
                       f"devices; set --gpus or config.rollout.num_workers", "--gpus", n)
-  model_cfg = model_config(cfg)
-  runs = {}
-  sized = None
   if gate not in ("open", "learn"):
     raise ConfigError("use open (speculation wherever the threshold allows) or learn (the "
                       "gate probes from nothing)", "--gate", gate)
+  return hw, device, n, workers, tp
+
+
+def plan(cfg, *, hardware: str = "h100", gpus: int = 0, lengths: Lengths, acceptance: Acceptance,
+         steps: int = 3, compile_s: float = 0.0, gate: str = "open", seed: int = 0,
+         progress: bool = False) -> Plan:
+  """The recipe `cfg` simulated for `steps` RL steps, TLT on and off (module docstring)."""
+  from tlt_jax import memory
+  from tlt_jax.config import model_config, run_spec
+  hw, device, n, workers, tp = cluster(cfg, hardware=hardware, gpus=gpus, gate=gate)
+  model_cfg = model_config(cfg)
+  runs = {}
+  sized = None
   for mode, c in (("on", _mode(cfg, True, gate)), ("off", _mode(cfg, False, gate))):
     spec = run_spec(c)
     if spec.max_batch == 0:
