@@ -220,6 +220,12 @@ def test_a_resumed_run_that_would_learn_otherwise_stops_and_its_configs_are_kept
   runtime.write_config(changed)
   assert json.loads((tmp_path / "config.3.json").read_text())["optim"]["lr"] == 5e-05
   assert json.loads((tmp_path / "config.json").read_text())["optim"]["lr"] == 1e-4
+  (tmp_path / "config.json").write_text('{"seed": ')  # cut short: not compared, said
+  prepare(optim__lr=2e-4)
+  assert "config.json is unreadable" in capsys.readouterr().err
+  runtime.write_config(first)  # resumed at step 3 again: the earlier ones stay
+  assert (tmp_path / "config.3-1.json").read_text() == '{"seed": '
+  assert json.loads((tmp_path / "config.3.json").read_text())["optim"]["lr"] == 5e-05
 
 
 def test_cli_errors_are_one_line(tmp_path):

@@ -289,8 +289,13 @@ def config_changes(cfg: ml_collections.ConfigDict) -> list[tuple[str, Any, Any]]
   path = os.path.join(cfg.workdir, "config.json")
   if saved_step(cfg.workdir) is None or not os.path.isfile(path):
     return []
-  with open(path, encoding="utf-8") as f:
-    saved = _flat(json.load(f))
+  try:
+    with open(path, encoding="utf-8") as f:
+      saved = _flat(json.load(f))
+  except (OSError, ValueError) as e:  # (not a run's config: nothing to compare against)
+    print(f"{path} is unreadable ({e}); resuming without comparing the configs",
+          file=sys.stderr)
+    return []
   now = _flat(json.loads(cfg.to_json_best_effort()))
 
   def norm(key, value):
@@ -326,16 +331,23 @@ def check_resume(cfg: ml_collections.ConfigDict) -> None:
 
 def write_config(cfg: ml_collections.ConfigDict) -> None:
   """The run's config.json in its workdir; an earlier one that differs (a resumed run given
-  other values, more steps included) is kept as config.<step>.json, the step it resumed at."""
+  other values, more steps included) is kept as config.<step>.json, the step it resumed at
+  (config.<step>-<k>.json where that is taken)."""
   path = os.path.join(cfg.workdir, "config.json")
   text = cfg.to_json_best_effort(indent=2)
   step = saved_step(cfg.workdir)
   if step is not None and os.path.isfile(path):
     with open(path, encoding="utf-8") as f:
-      if f.read() != text:
-        os.replace(path, os.path.join(cfg.workdir, f"config.{step}.json"))
-  with open(path, "w", encoding="utf-8") as f:
+      old = f.read()
+    if old != text:  # (resumed at one step twice, with two configs: both kept)
+      keep = os.path.join(cfg.workdir, f"config.{step}.json")
+      k = 1
+      while os.path.exists(keep):
+        keep, k = os.path.join(cfg.workdir, f"config.{step}-{k}.json"), k + 1
+      os.replace(path, keep)
+  with open(path + ".tmp", "w", encoding="utf-8") as f:  # (a kill mid-write leaves the old)
     f.write(text)
+  os.replace(path + ".tmp", path)
 
 
 def exit_on_user_error(main, also: tuple[type[Exception], ...] = ()):
