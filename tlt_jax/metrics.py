@@ -87,7 +87,7 @@ class MetricsWriter:
       self._timeline.write(json.dumps({"step": step, **timeline}) + "\n")
       self._timeline.flush()
     if self._tb is not None:
-      for k, v in _flatten(metrics).items():
+      for k, v in flatten(metrics).items():
         if isinstance(v, (int, float)) and not isinstance(v, bool):
           self._tb.add_scalar(k, v, step)
       self._tb.flush()
@@ -99,11 +99,12 @@ class MetricsWriter:
       self._tb.close()
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(d: dict[str, Any], prefix: str = "", sep: str = "/") -> dict[str, Any]:
+  """{"a": {"b": 1}} -> {"a/b": 1} (TensorBoard's tags; sep "." for config keys)."""
   out = {}
   for k, v in d.items():
     if isinstance(v, dict):
-      out.update(_flatten(v, f"{prefix}{k}/"))
+      out.update(flatten(v, f"{prefix}{k}{sep}", sep))
     else:
       out[f"{prefix}{k}"] = v
   return out

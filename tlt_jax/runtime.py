@@ -70,7 +70,6 @@ def prepare(spec: RunSpec, *, training: bool = True) -> RunSpec:
     worker_meshes(cfg)
     plan = resolve(spec, model_config(cfg))
     spec = spec.with_max_batch(plan.max_batch, plan.kv_pages)
-  if training:
     check_resume(cfg)
   why = output_dir_problem(cfg.workdir)  # last, once the rest holds (made: evaluation's too)
   if why:
@@ -276,27 +275,21 @@ def saved_step(workdir: str) -> int | None:
   return max((int(n) for n in os.listdir(d) if n.isdigit()), default=None)
 
 
-def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
-  out = {}
-  for k, v in tree.items():
-    out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-  return out
-
-
 def config_changes(cfg: ml_collections.ConfigDict) -> list[tuple[str, Any, Any]]:
   """(key, saved, now) for each of LEARNING_KEYS that the run checkpointed in cfg.workdir (its
   config.json) set otherwise; [] for a workdir with no checkpoint. Paths compare resolved."""
+  from tlt_jax.metrics import flatten
   path = os.path.join(cfg.workdir, "config.json")
   if saved_step(cfg.workdir) is None or not os.path.isfile(path):
     return []
   try:
     with open(path, encoding="utf-8") as f:
-      saved = _flat(json.load(f))
+      saved = flatten(json.load(f), sep=".")
   except (OSError, ValueError) as e:  # (not a run's config: nothing to compare against)
     print(f"{path} is unreadable ({e}); resuming without comparing the configs",
           file=sys.stderr)
     return []
-  now = _flat(json.loads(cfg.to_json_best_effort()))
+  now = flatten(json.loads(cfg.to_json_best_effort()), sep=".")
 
   def norm(key, value):
     if key.endswith("path") and isinstance(value, str) and value:
