@@ -286,6 +286,37 @@ def test_error_template_mismatch(tmp_path):
     ckpt.restore(no_sharding)
 
 
+def test_optional_parts_restore_where_both_hold_them(tmp_path):
+  """optional keys (a part a run switches on or off between restarts): read where the
+  checkpoint and the template both hold them, left out where the checkpoint lacks them, not
+  read where the template lacks them; every other key still checked."""
+  actor = {"w": jnp.arange(8.0).reshape(2, 4)}
+  drafter = {"fc": jnp.full((3,), 7.0), "step": 4}
+  with Checkpointer(str(tmp_path / "with")) as ckpt:
+    ckpt.save(1, {"actor": actor, "drafter": drafter, "step": 1})
+  with Checkpointer(str(tmp_path / "without")) as ckpt:
+    ckpt.save(1, {"actor": actor, "step": 1})
+  fresh = {"actor": {"w": jnp.zeros((2, 4))}, "step": 0}
+  fresh_drafter = {"fc": jnp.zeros((3,)), "step": 0}
+
+  out = Checkpointer(str(tmp_path / "with")).restore(fresh, optional=("drafter",))
+  assert set(out) == {"actor", "step"} and out["step"] == 1
+  np.testing.assert_array_equal(out["actor"]["w"], actor["w"])
+  out = Checkpointer(str(tmp_path / "with")).restore({**fresh, "drafter": fresh_drafter},
+                                                     optional=("drafter",))
+  np.testing.assert_array_equal(out["drafter"]["fc"], drafter["fc"])
+  assert out["drafter"]["step"] == 4
+  out = Checkpointer(str(tmp_path / "without")).restore({**fresh, "drafter": fresh_drafter},
+                                                        optional=("drafter",))
+  assert set(out) == {"actor", "step"}
+  np.testing.assert_array_equal(out["actor"]["w"], actor["w"])
+  with pytest.raises(CheckpointError, match=r"\['drafter'\]\['fc'\].*not in the template"):
+    Checkpointer(str(tmp_path / "with")).restore(fresh)  # not optional: still an error
+  with pytest.raises(CheckpointError, match=r"shape mismatch at state\['drafter'\]\['fc'\]"):
+    Checkpointer(str(tmp_path / "with")).restore(
+        {**fresh, "drafter": {"fc": jnp.zeros((5,)), "step": 0}}, optional=("drafter",))
+
+
 def test_error_missing_step(tmp_path):
   state = {"w": jnp.ones((2,))}
   with Checkpointer(str(tmp_path)) as ckpt:

@@ -181,8 +181,8 @@ def test_a_resumed_run_that_would_learn_otherwise_stops_and_its_configs_are_kept
                                                                                  capsys):
   """A workdir with a checkpoint: resuming it with other values of what the run learns (model,
   data, sampling, GRPO, optimizer, seed) is one error naming each change, unless
-  train.resume_with_changes; more steps or another engine setting resume as before; TLT on /
-  off stays as checkpointed either way. Each config a run ran with is kept."""
+  train.resume_with_changes; more steps, another engine setting or TLT switched (lossless)
+  resume as before. Each config a run ran with is kept."""
   from tlt_jax import runtime
 
   def cfg_of(**values):
@@ -211,8 +211,8 @@ def test_a_resumed_run_that_would_learn_otherwise_stops_and_its_configs_are_kept
   capsys.readouterr()
   prepare(optim__lr=1e-4, train__resume_with_changes=True)
   assert "resuming with changed values: optim.lr 5e-05 -> 0.0001" in capsys.readouterr().err
-  with pytest.raises(ConfigError, match=r"with tlt.enabled=True; resume it with that"):
-    prepare(tlt__enabled=False, train__resume_with_changes=True)
+  prepare(tlt__enabled=False)  # lossless: the same run goes on, said (test_train: the drafter)
+  assert "resuming with TLT switched off" in capsys.readouterr().err
   # config.json is the latest run's; the one it resumed from kept as config.<step>.json
   runtime.write_config(first)
   assert sorted(p.name for p in tmp_path.glob("config*.json")) == ["config.json"]
@@ -226,6 +226,32 @@ def test_a_resumed_run_that_would_learn_otherwise_stops_and_its_configs_are_kept
   runtime.write_config(first)  # resumed at step 3 again: the earlier ones stay
   assert (tmp_path / "config.3-1.json").read_text() == '{"seed": '
   assert json.loads((tmp_path / "config.3.json").read_text())["optim"]["lr"] == 5e-05
+
+
+def test_config_json_names_its_inputs_wherever_the_run_is_resumed_from(tmp_path, monkeypatch):
+  """config.json holds the input paths absolute (export and a resume read it from any working
+  directory); a resume given the same file by another relative path is no change, another
+  file by the same relative path is one."""
+  from tlt_jax import runtime
+  (tmp_path / "data").mkdir()
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+  cfg.workdir = str(tmp_path / "run")
+  cfg.data.train_path = "data/train.jsonl"
+  cfg.tlt.drafter.init = "init:3"
+  os.makedirs(cfg.workdir)
+  monkeypatch.chdir(tmp_path)
+  runtime.write_config(cfg)
+  saved = json.loads((tmp_path / "run" / "config.json").read_text())
+  assert saved["data"]["train_path"] == str(tmp_path / "data" / "train.jsonl")
+  assert saved["tlt"]["drafter"]["init"] == "init:3"
+  assert saved["model"]["path"] == cfg.model.path and os.path.isabs(cfg.model.path)
+  (tmp_path / "run" / "checkpoints" / "1").mkdir(parents=True)
+  monkeypatch.chdir(tmp_path / "data")
+  cfg.data.train_path = "train.jsonl"
+  assert runtime.config_changes(cfg) == []
+  cfg.data.train_path = "data/train.jsonl"
+  assert runtime.config_changes(cfg) == [
+      ("data.train_path", str(tmp_path / "data" / "train.jsonl"), "data/train.jsonl")]
 
 
 def test_cli_errors_are_one_line(tmp_path):

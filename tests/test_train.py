@@ -291,6 +291,36 @@ def test_speculation_gate_reports_and_resumes(tmp_path):
   second.coordinator.close()
 
 
+def test_tlt_switched_on_then_off_between_restarts_continues_the_run(tmp_path, capsys):
+  """TLT is lossless, so a run may switch it between restarts: a TLT-off checkpoint resumes
+  with TLT on (the learner, optimizer and data position restored, the drafter a new run's,
+  the bandit fresh; the step speculates), and that checkpoint, drafter and all, resumes with
+  TLT off (its drafter not read)."""
+  from tlt_jax.run import build, restore
+  from tlt_jax.train import train
+  off = {"tlt.enabled": False}
+  first, one = _run(_small_cfg(tmp_path, 1, **off))
+  capsys.readouterr()
+  second, fresh = build(_small_cfg(tmp_path, 2))
+  assert "resuming with TLT switched on" in capsys.readouterr().err
+  new_drafter = second.store.drafter()[1]
+  resumed = restore(second, fresh)
+  assert resumed.step == 1 and resumed.data == one.data and resumed.data != fresh.data
+  assert _same_tree(resumed.learner.params, one.learner.params)
+  assert _same_tree(resumed.learner.opt_state, one.learner.opt_state)
+  assert _same_tree(second.store.drafter()[1], new_drafter)
+  assert _pulls(resumed.bandit) == 0
+  two, _ = train(second, resumed, progress=False)
+  assert [r["step"] for r in _records(tmp_path)] == [1, 2]
+  assert _records(tmp_path)[-1]["spec"]["chunks"] > 0  # step 2 speculated
+  third, fresh = build(_small_cfg(tmp_path, 3, **off))
+  assert "resuming with TLT switched off" in capsys.readouterr().err
+  back = restore(third, fresh)
+  assert back.step == 2 and back.bandit is None and back.data == two.data
+  assert _same_tree(back.learner.params, two.learner.params)
+  third.coordinator.close()
+
+
 def _pulls(bandit):
   return sum(n for d in bandit.pulls.values() for n in d.values())
 

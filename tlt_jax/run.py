@@ -310,8 +310,8 @@ def restore(run: Run, state: TrainState) -> TrainState:
   workers' weights follow it."""
   if run.ckpt.latest_step() is None:
     return state
-  try:
-    saved = run.ckpt.restore(_checkpoint_tree(run, state))
+  try:  # (the drafter: a run may switch TLT on or off between restarts, runtime.check_resume)
+    saved = run.ckpt.restore(_checkpoint_tree(run, state), optional=("drafter",))
   except CheckpointError as e:
     raise ConfigError(f"--workdir {run.cfg.workdir}: {e}") from None  # e says the fix
   meta = json.loads(saved["meta"])  # (an older run's "buffer" entry: nothing to restore)
@@ -329,7 +329,7 @@ def restore(run: Run, state: TrainState) -> TrainState:
                                                    opt_state=saved["opt"]),
                      data=run.stream.resume(meta["data"]), bandit=bandit, gate=gate)
   run.store.publish_actor(run.coordinator.to_rollout(state.learner.params))
-  if run.tlt:
+  if "drafter" in saved:  # (else TLT was off: the drafter starts as a fresh run's does)
     run.store.publish_drafter(dts.DrafterState(**saved["drafter"]))
   run.coordinator.push()
   print(f"resumed from {run.ckpt.directory} at step {state.step}", file=sys.stderr)

@@ -255,7 +255,8 @@ def load_rows(cfg: ml_collections.ConfigDict, path: str):
 # What a run learns. A run resumed from its workdir's checkpoint with one of these changed is
 # another experiment on the first one's weights, optimizer and data position: one error, not
 # silently (config.train.resume_with_changes=True continues it, the earlier config kept).
-# tlt.enabled is lossless, but its checkpoint holds the drafter or not: it stays as saved.
+# tlt.enabled is not among them: TLT is lossless, so switching it between restarts continues the
+# same run (said, check_resume; the drafter is restored where the checkpoint holds one).
 LEARNING_KEYS = (
     "seed", "model.path", "model.architecture", "model.param_dtype", "data.train_path",
     "data.prompt_key", "data.answer_key", "data.max_prompt_len", "data.chat_template",
@@ -263,7 +264,7 @@ LEARNING_KEYS = (
     "rollout.top_p", "rollout.top_k", "grpo.num_prompts", "grpo.n", "grpo.eps_low",
     "grpo.eps_high", "grpo.kl_coef", "grpo.norm_adv_by_std", "grpo.minibatches", "optim.lr",
     "optim.schedule", "optim.warmup_steps", "optim.weight_decay", "optim.b1", "optim.b2",
-    "optim.grad_clip", "tlt.enabled")
+    "optim.grad_clip")
 
 
 def saved_step(workdir: str) -> int | None:
@@ -275,8 +276,16 @@ def saved_step(workdir: str) -> int | None:
   return max((int(n) for n in os.listdir(d) if n.isdigit()), default=None)
 
 
-def config_changes(cfg: ml_collections.ConfigDict) -> list[tuple[str, Any, Any]]:
-  """(key, saved, now) for each of LEARNING_KEYS that the run checkpointed in cfg.workdir (its
+def _local_path(key: str, value: Any) -> bool:
+  """Whether the config's `key` ("data.train_path") holds a local file or directory it reads."""
+  return (isinstance(value, str) and bool(value) and "://" not in value
+          and not value.startswith("init:")  # (tlt.drafter.init's other form)
+          and (key.endswith("path") or key == "tlt.drafter.init"))
+
+
+def config_changes(cfg: ml_collections.ConfigDict, keys: tuple[str, ...] = LEARNING_KEYS
+                   ) -> list[tuple[str, Any, Any]]:
+  """(key, saved, now) for each of `keys` that the run checkpointed in cfg.workdir (its
   config.json) set otherwise; [] for a workdir with no checkpoint. Paths compare resolved."""
   from tlt_jax.metrics import flatten
   path = os.path.join(cfg.workdir, "config.json")
@@ -292,42 +301,52 @@ def config_changes(cfg: ml_collections.ConfigDict) -> list[tuple[str, Any, Any]]
   now = flatten(json.loads(cfg.to_json_best_effort()), sep=".")
 
   def norm(key, value):
-    if key.endswith("path") and isinstance(value, str) and value:
-      return os.path.realpath(os.path.expanduser(value))
-    return value
-  return [(k, saved[k], now.get(k)) for k in LEARNING_KEYS
+    return os.path.realpath(os.path.expanduser(value)) if _local_path(key, value) else value
+  return [(k, saved[k], now.get(k)) for k in keys
           if k in saved and norm(k, saved[k]) != norm(k, now.get(k))]
 
 
 def check_resume(cfg: ml_collections.ConfigDict) -> None:
   """A run that would resume with other LEARNING_KEYS than its checkpoint's: ConfigError,
-  unless config.train.resume_with_changes, which says what changed."""
-  changes = config_changes(cfg)
-  tlt = [c for c in changes if c[0] == "tlt.enabled"]
-  if tlt:  # (lossless either way, but the checkpoint holds the drafter or it does not)
-    raise ConfigError(
-        f"holds a run checkpointed at step {saved_step(cfg.workdir)} with tlt.enabled="
-        f"{tlt[0][1]}; resume it with that (TLT on or off gives the same learning), or pass a "
-        "new --workdir", "workdir", cfg.workdir, in_config=True)
-  if not changes:
-    return
+  unless config.train.resume_with_changes, which says what changed; TLT switched on or off
+  (the same learning), said."""
+  changes = config_changes(cfg, LEARNING_KEYS + ("tlt.enabled",))
+  switched = [c for c in changes if c[0] == "tlt.enabled"]
+  changes = [c for c in changes if c[0] != "tlt.enabled"]
   said = "; ".join(f"{k} {a!r} -> {b!r}" for k, a, b in changes)
-  if cfg.train.get("resume_with_changes", False):
+  if changes and not cfg.train.get("resume_with_changes", False):
+    raise ConfigError(
+        f"holds a run checkpointed at step {saved_step(cfg.workdir)} that learned with other "
+        f"values: {said}; pass a new --workdir (or that run's values), or "
+        "--config.train.resume_with_changes=True to continue it with these", "workdir",
+        cfg.workdir, in_config=True)
+  if changes:
     print(f"resuming with changed values: {said}", file=sys.stderr)
-    return
-  raise ConfigError(
-      f"holds a run checkpointed at step {saved_step(cfg.workdir)} that learned with other "
-      f"values: {said}; pass a new --workdir (or that run's values), or "
-      "--config.train.resume_with_changes=True to continue it with these", "workdir",
-      cfg.workdir, in_config=True)
+  if switched and cfg.tlt.enabled:
+    print("resuming with TLT switched on (lossless: the same learning): the checkpoint holds "
+          "no drafter, so it starts as a new run's does (tlt.drafter.init) and learns from "
+          "the rollouts that follow; the bandit and the gate learn afresh", file=sys.stderr)
+  elif switched:
+    print("resuming with TLT switched off (lossless: the same learning): the checkpoint's "
+          "drafter is not read (TLT switched back on later starts a new one)", file=sys.stderr)
 
 
 def write_config(cfg: ml_collections.ConfigDict) -> None:
   """The run's config.json in its workdir; an earlier one that differs (a resumed run given
   other values, more steps included) is kept as config.<step>.json, the step it resumed at
-  (config.<step>-<k>.json where that is taken)."""
+  (config.<step>-<k>.json where that is taken). Its input paths are absolute: the run
+  resumed, or exported, from another working directory reads the same files."""
   path = os.path.join(cfg.workdir, "config.json")
-  text = cfg.to_json_best_effort(indent=2)
+  values = json.loads(cfg.to_json_best_effort())
+
+  def absolute(node, prefix=""):
+    for k, v in node.items():
+      if isinstance(v, dict):
+        absolute(v, f"{prefix}{k}.")
+      elif _local_path(prefix + k, v):
+        node[k] = os.path.abspath(os.path.expanduser(v))
+  absolute(values)
+  text = json.dumps(values, indent=2)
   step = saved_step(cfg.workdir)
   if step is not None and os.path.isfile(path):
     with open(path, encoding="utf-8") as f:

@@ -216,9 +216,15 @@ class Checkpointer:
 
   # ------------------------------------------------------------------ restore
 
-  def restore(self, state_template: PyTree, step: int | None = None) -> PyTree:
+  def restore(self, state_template: PyTree, step: int | None = None, *,
+              optional: tuple[str, ...] = ()) -> PyTree:
     """Read step `step` (default: the newest that restores) into a pytree shaped like
     `state_template`.
+
+    optional: top-level keys of a dict state that a checkpoint may hold or not, whatever the
+    template has (e.g. a part of the state that a run may switch on or off between restarts):
+    where both have one it is restored as any other; where the checkpoint lacks it, it is left
+    out of the result; where the template lacks it, its leaves are not read.
 
     Why a template: a checkpoint stores values and shapes but not where they should live.
     Each array leaf is read directly onto its template leaf's `.sharding` (any mesh, any
@@ -257,7 +263,7 @@ class Checkpointer:
         raise CheckpointError(
             f"no checkpoint for step {step} in {self.directory!r}; available steps: {steps}")
       try:
-        return self._restore_step(step, state_template)
+        return self._restore_step(step, state_template, optional)
       except Damaged as e:
         raise CheckpointError(
             f"checkpoint step {step} in {self.directory!r} is damaged ({e}); restore another "
@@ -270,7 +276,7 @@ class Checkpointer:
     damaged: list[tuple[int, Damaged]] = []
     for s in reversed(steps):
       try:
-        state = self._restore_step(s, state_template)
+        state = self._restore_step(s, state_template, optional)
       except Damaged as e:
         damaged.append((s, e))
         continue
@@ -290,13 +296,25 @@ class Checkpointer:
         + "; ".join(f"step {d}: {e}" for d, e in damaged)
         + "); nothing in it was changed: move it aside, or use another directory")
 
-  def _restore_step(self, step: int, state_template: PyTree) -> PyTree:
+  def _restore_step(self, step: int, state_template: PyTree,
+                    optional: tuple[str, ...] = ()) -> PyTree:
     """Restores one step; raises Damaged for anything that fails while reading its files and
     CheckpointError for a template that does not match what it holds."""
     try:
       saved = self._saved_leaves(step)
     except Exception as e:  # pylint: disable=broad-except - see restore
       raise Damaged("reading its metadata", e) from e
+    partial = False
+    if optional:  # (see restore) the template and the saved leaves cut to what both hold
+      if not isinstance(state_template, dict):
+        raise TypeError(f"optional={optional}: needs a dict state, not "
+                        f"{type(state_template).__name__}")
+      held = {p[0] for p in saved if p}
+      state_template = {k: v for k, v in state_template.items()
+                        if k not in optional or k in held}
+      unread = {p for p in saved if p and p[0] in optional and p[0] not in state_template}
+      saved = {p: m for p, m in saved.items() if p not in unread}
+      partial = bool(unread)
     t_leaves, treedef = jax.tree_util.tree_flatten_with_path(state_template)
     check_template(saved, t_leaves, f"checkpoint step {step} in {self.directory!r}")
 
@@ -307,8 +325,8 @@ class Checkpointer:
       with quiet_about(self._path):
         result = self._mngr.restore(step, args=ocp.args.Composite(**{
             _ITEM: ocp.args.PyTreeRestore(
-                item=item, restore_args=jax.tree_util.tree_unflatten(treedef, restore_args))
-        }))[_ITEM]
+                item=item, restore_args=jax.tree_util.tree_unflatten(treedef, restore_args),
+            partial_restore=partial)}))[_ITEM]
     except Exception as e:  # pylint: disable=broad-except - see restore
       raise Damaged("reading its arrays", e) from e
     r_leaves = jax.tree_util.tree_leaves(result)
