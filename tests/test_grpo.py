@@ -244,8 +244,9 @@ def test_learner_first_step_runs_at_the_scheduled_lr(warmup):
                       grad_clip=0.0)
   spec = grpo.LearnerSpec(CFG, grpo.GRPOConfig(), tx, mesh, micro_batch=8, pad_multiple=8)
   state = grpo.init_learner(init_params(CFG, jax.random.key(3), std=0.05), spec)
-  # copies: a numpy view of a CPU buffer would keep it alive past the donation
-  before = [np.array(x, copy=True) for x in jax.tree.leaves(state.params)]
+  # copies made on the device: reading the array itself into numpy keeps a view of its CPU
+  # buffer (JAX caches it on the array; jax 0.11), and a viewed buffer is not donated
+  before = [np.asarray(jnp.copy(x)) for x in jax.tree.leaves(state.params)]
   rng = np.random.RandomState(0)
   samples = [batching.Sample(rng.randint(1, 23, 4), rng.randint(1, 23, 6), float(a))
              for a in rng.randn(12)]

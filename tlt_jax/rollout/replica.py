@@ -39,12 +39,23 @@ from tlt_jax.rollout.sampling import plain_variant
 from tlt_jax.rollout.scheduler import Prefill, Refill, Resize
 from tlt_jax.sharding import make_mesh, tree_shardings
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _to_replica(params: Params, dtype, cfg: ModelConfig, fused: bool) -> Params:
-  """The replica layout where the params live: the compute dtype, layers unstacked and, with
-  `fused`, projections fused (models.replica_layout); new buffers (each output keeps its
-  input's sharding)."""
-  return replica_layout(jax.tree.map(lambda x: x.astype(dtype), params), cfg, fused)
+def _replica_of(params: Params, dtype, cfg: ModelConfig, fused: bool) -> Params:
+  """The replica layout of `params`: the compute dtype, layers unstacked and, with `fused`,
+  projections fused (models.replica_layout); every output a new buffer (an input passed
+  through unchanged, e.g. a norm already in the compute dtype, is copied)."""
+  given = {id(x) for x in jax.tree.leaves(params)}
+  out = replica_layout(jax.tree.map(lambda x: x.astype(dtype), params), cfg, fused)
+  return jax.tree.map(lambda y: jnp.copy(y) if id(y) in given else y, out)
+
+
+_to_replica = jax.jit(_replica_of, static_argnums=(1, 2, 3))  # where the params live
+
+
+@functools.lru_cache(maxsize=64)
+def _to_replica_on(dtype, cfg: ModelConfig, fused: bool, treedef, shardings: tuple):
+  """_replica_of landing on `shardings` (its leaves, hashable), one program."""
+  return jax.jit(functools.partial(_replica_of, dtype=dtype, cfg=cfg, fused=fused),
+                 out_shardings=jax.tree.unflatten(treedef, shardings))
 
 
 def replica_shardings(params: Params, cfg: ModelConfig, fused: bool, mesh: Mesh) -> Any:
@@ -54,9 +65,20 @@ def replica_shardings(params: Params, cfg: ModelConfig, fused: bool, mesh: Mesh)
 
 
 def to_replica_layout(params: Params, cfg: ModelConfig, fused: bool, shardings: Any) -> Params:
-  """Params in any layout (the learner's) -> the replica layout on `shardings`: cast and
-  unstacked (fused) where they live (a bf16 replica of f32 master weights moves half the
-  bytes), then resharded. Always a copy: the learner donates its params to its next update."""
+  """Params in any layout (the learner's) -> the replica layout on `shardings`, always a copy
+  (the learner donates its params to its next update). Where the params live on the devices
+  `shardings` spans (the learner's to the store's rollout layout: across processes the only
+  case, run.py), one program casts, unstacks and reshards every leaf: a device_put of the tree
+  reshards leaf by leaf, a cross-process program each, and two CPU processes (gloo) hung in
+  one of those in 5 of 6 runs with jax 0.11.2 (0 of 3 with the one program). Elsewhere (one
+  worker's devices) cast and unstacked where they live (a bf16 replica of f32 master weights
+  moves half the bytes), then moved."""
+  leaves, treedef = jax.tree.flatten(shardings)
+  given = jax.tree.leaves(params)
+  if (all(isinstance(x, jax.Array) for x in given)
+      and {d for x in given for d in x.sharding.device_set}
+      == {d for s in leaves for d in s.device_set}):
+    return _to_replica_on(cfg.compute_dtype, cfg, fused, treedef, tuple(leaves))(params)
   return jax.device_put(_to_replica(params, cfg.compute_dtype, cfg, fused), shardings,
                         may_alias=False)
 
@@ -170,7 +192,8 @@ class Replica:
     run = lambda name, variant, fn, args, donate: self._call(  # noqa: E731
         name, variant, fn, args, donate=donate)
     return run_prefill(run, self.cfg, self.ecfg.spec is not None,
-                       self.compiles.max_steps(c.plan) if warm else 0, self.params, self.drafter_params, cache,
+                       self.compiles.max_steps(c.plan) if warm else 0, self.params,
+                       self.drafter_params, cache,
                        dkv if warm else None, tokens, lens, src, keys, max_new)
 
   def _apply(self, op, state, c, warm: bool):
