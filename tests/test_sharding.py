@@ -53,34 +53,43 @@ def test_unstacked_layers_take_the_stacked_rule_without_the_layer_axis():
       assert unstacked["layers"][i][k].spec == P(*tuple(sh.spec)[1:]), k
 
 
-def test_learner_params_to_the_replica_layout_are_a_copy_on_any_devices():
-  """The learner's FSDP params -> the rollout layout (bf16, layers unstacked) on the same 8
-  devices (one program) and on 4 of them (moved): each layer's tensors are the learner's slice
-  rounded to bf16 (numpy), every leaf on its target sharding, both ways equal, and the
-  learner donating its params to an update deletes nothing of either."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])  # float32: leaves pass through
+def test_learner_params_to_the_replica_layout_are_a_copy_on_any_devices(dtype):
+  """The learner's FSDP params -> the rollout layout (cast, layers unstacked) on the same 8
+  devices and on 4 of them, and in the one program that several processes use (the same 8
+  devices): each layer's tensors are the learner's slice cast (numpy), every leaf
+  on its target sharding, every way equal, and the learner donating its params to an update
+  deletes nothing of any."""
   from tlt_jax.models import ModelConfig, init_params
-  from tlt_jax.rollout.replica import replica_shardings, to_replica_layout
+  from tlt_jax.rollout.replica import _to_replica_on, replica_shardings, to_replica_layout
   cfg = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
                     num_layers=3, num_heads=4, num_kv_heads=2, qkv_bias=True,
-                    tie_word_embeddings=True, dtype="bfloat16")
+                    tie_word_embeddings=True, dtype=dtype)
   learner = make_mesh({"fsdp": 8})
   params = jax.device_put(init_params(cfg, jax.random.key(0)),
                           tree_shardings(init_params(cfg, jax.random.key(0)), learner))
   host = jax.tree.map(lambda x: np.asarray(jax.numpy.copy(x)), params)  # (a view: no donation)
   outs = []
-  for mesh in (make_mesh({"fsdp": 2, "tensor": 4}),
-               make_mesh({"tensor": 4}, devices=jax.devices()[4:])):
+  whole = make_mesh({"fsdp": 2, "tensor": 4})
+
+  def one_program(params, cfg, fused, shardings):
+    leaves, treedef = jax.tree.flatten(shardings)
+    return _to_replica_on(cfg.compute_dtype, cfg, fused, treedef, tuple(leaves))(params)
+  for mesh, move in ((whole, to_replica_layout),
+                     (make_mesh({"tensor": 4}, devices=jax.devices()[4:]), to_replica_layout),
+                     (whole, one_program)):
     shardings = replica_shardings(params, cfg, False, mesh)
-    out = to_replica_layout(params, cfg, False, shardings)
+    out = move(params, cfg, False, shardings)
     for x, sh in zip(jax.tree.leaves(out), jax.tree.leaves(shardings)):
-      assert x.sharding == sh and x.dtype == jax.numpy.bfloat16
+      assert x.sharding == sh and x.dtype == cfg.compute_dtype
     for i in range(cfg.num_layers):
       for k, v in host["layers"].items():
-        want = v[i].astype(jax.numpy.bfloat16).astype(np.float32)
+        want = v[i].astype(cfg.compute_dtype).astype(np.float32)
         np.testing.assert_array_equal(np.asarray(out["layers"][i][k], np.float32), want, k)
     outs.append(out)
-  for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  for other in outs[1:]:
+    for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(other)):
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
   jax.jit(lambda p: jax.tree.map(lambda x: x * 2, p), donate_argnums=0)(params)
   assert all(x.is_deleted() for x in jax.tree.leaves(params))
   assert not any(x.is_deleted() for out in outs for x in jax.tree.leaves(out))

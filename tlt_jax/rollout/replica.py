@@ -41,11 +41,8 @@ from tlt_jax.sharding import make_mesh, tree_shardings
 
 def _replica_of(params: Params, dtype, cfg: ModelConfig, fused: bool) -> Params:
   """The replica layout of `params`: the compute dtype, layers unstacked and, with `fused`,
-  projections fused (models.replica_layout); every output a new buffer (an input passed
-  through unchanged, e.g. a norm already in the compute dtype, is copied)."""
-  given = {id(x) for x in jax.tree.leaves(params)}
-  out = replica_layout(jax.tree.map(lambda x: x.astype(dtype), params), cfg, fused)
-  return jax.tree.map(lambda y: jnp.copy(y) if id(y) in given else y, out)
+  projections fused (models.replica_layout)."""
+  return replica_layout(jax.tree.map(lambda x: x.astype(dtype), params), cfg, fused)
 
 
 _to_replica = jax.jit(_replica_of, static_argnums=(1, 2, 3))  # where the params live
@@ -53,7 +50,8 @@ _to_replica = jax.jit(_replica_of, static_argnums=(1, 2, 3))  # where the params
 
 @functools.lru_cache(maxsize=64)
 def _to_replica_on(dtype, cfg: ModelConfig, fused: bool, treedef, shardings: tuple):
-  """_replica_of landing on `shardings` (its leaves, hashable), one program."""
+  """_replica_of landing on `shardings` (its leaves, hashable), one program; its outputs are
+  new buffers, an input passed through unchanged too (not donated: tests/test_sharding.py)."""
   return jax.jit(functools.partial(_replica_of, dtype=dtype, cfg=cfg, fused=fused),
                  out_shardings=jax.tree.unflatten(treedef, shardings))
 
@@ -66,16 +64,15 @@ def replica_shardings(params: Params, cfg: ModelConfig, fused: bool, mesh: Mesh)
 
 def to_replica_layout(params: Params, cfg: ModelConfig, fused: bool, shardings: Any) -> Params:
   """Params in any layout (the learner's) -> the replica layout on `shardings`, always a copy
-  (the learner donates its params to its next update). Where the params live on the devices
-  `shardings` spans (the learner's to the store's rollout layout: across processes the only
-  case, run.py), one program casts, unstacks and reshards every leaf: a device_put of the tree
-  reshards leaf by leaf, a cross-process program each, and two CPU processes (gloo) hung in
-  one of those in 5 of 6 runs with jax 0.11.2 (0 of 3 with the one program). Elsewhere (one
-  worker's devices) cast and unstacked where they live (a bf16 replica of f32 master weights
-  moves half the bytes), then moved."""
+  (the learner donates its params to its next update): cast and unstacked (fused) where they
+  live (a bf16 replica of f32 master weights moves half the bytes), then moved. Across
+  processes (the learner's params to the store's rollout layout on the same devices, the only
+  case there, run.py) one program does all of it: a device_put of the tree reshards leaf by
+  leaf, a cross-process program each, and two CPU processes (gloo) hung in one of those in 5
+  of 6 runs with jax 0.11.2 (none in 6 with the one program)."""
   leaves, treedef = jax.tree.flatten(shardings)
   given = jax.tree.leaves(params)
-  if (all(isinstance(x, jax.Array) for x in given)
+  if (jax.process_count() > 1 and all(isinstance(x, jax.Array) for x in given)
       and {d for x in given for d in x.sharding.device_set}
       == {d for s in leaves for d in s.device_set}):
     return _to_replica_on(cfg.compute_dtype, cfg, fused, treedef, tuple(leaves))(params)
