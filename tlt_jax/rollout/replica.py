@@ -68,8 +68,8 @@ def to_replica_layout(params: Params, cfg: ModelConfig, fused: bool, shardings: 
   live (a bf16 replica of f32 master weights moves half the bytes), then moved. Across
   processes (the learner's params to the store's rollout layout on the same devices, the only
   case there, run.py) one program does all of it: a device_put of the tree reshards leaf by
-  leaf, a cross-process program each, and two CPU processes (gloo) hung in one of those in 5
-  of 6 runs with jax 0.11.2 (none in 6 with the one program)."""
+  leaf, a cross-process program each, and two CPU processes (gloo) hung in one of those in 6
+  of 7 runs with jax 0.11.2 (none in 7 with the one program)."""
   leaves, treedef = jax.tree.flatten(shardings)
   given = jax.tree.leaves(params)
   if (jax.process_count() > 1 and all(isinstance(x, jax.Array) for x in given)
