@@ -61,7 +61,8 @@ def test_learner_params_to_the_replica_layout_are_a_copy_on_any_devices(dtype):
   on its target sharding, every way equal, and the learner donating its params to an update
   deletes nothing of any."""
   from tlt_jax.models import ModelConfig, init_params
-  from tlt_jax.rollout.replica import _to_replica_on, replica_shardings, to_replica_layout
+  from tlt_jax.rollout.replica import (replica_shardings, to_replica_layout,
+                                       to_replica_program)
   cfg = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
                     num_layers=3, num_heads=4, num_kv_heads=2, qkv_bias=True,
                     tie_word_embeddings=True, dtype=dtype)
@@ -73,8 +74,7 @@ def test_learner_params_to_the_replica_layout_are_a_copy_on_any_devices(dtype):
   whole = make_mesh({"fsdp": 2, "tensor": 4})
 
   def one_program(params, cfg, fused, shardings):
-    leaves, treedef = jax.tree.flatten(shardings)
-    return _to_replica_on(cfg.compute_dtype, cfg, fused, treedef, tuple(leaves))(params)
+    return to_replica_program(cfg, fused, shardings)(params)
   for mesh, move in ((whole, to_replica_layout),
                      (make_mesh({"tensor": 4}, devices=jax.devices()[4:]), to_replica_layout),
                      (whole, one_program)):

@@ -40,7 +40,8 @@ from tlt_jax.optim import make_optimizer
 from tlt_jax.rl import grpo
 from tlt_jax.rollout.policies.verdicts import for_run as gate_verdicts
 from tlt_jax.rollout.engine import Engine
-from tlt_jax.rollout.replica import replica_shardings, to_replica_layout
+from tlt_jax.rollout.replica import (replica_shardings, to_replica_layout,
+                                     to_replica_program)
 from tlt_jax.rollout.executables import background_compiler
 from tlt_jax.rollout.policies.cells import Policies, PolicyCells
 from tlt_jax.rollout.policies.gate import GateState
@@ -250,6 +251,8 @@ def _to_rollout(spec: grpo.LearnerSpec, rollout_mesh, params: Params, fused: boo
     raise ConfigError("config.mesh.devices: with several processes the learner must span every "
                       "device (mesh.devices=0), as the rollout replicas do")
   shardings = replica_shardings(params, spec.cfg, fused, rollout_mesh)
+  if jax.process_count() > 1:  # (the same devices: one program, not a device_put per leaf)
+    return to_replica_program(spec.cfg, fused, shardings)
   return lambda p: to_replica_layout(p, spec.cfg, fused, shardings)
 
 

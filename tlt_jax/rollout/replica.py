@@ -48,14 +48,6 @@ def _replica_of(params: Params, dtype, cfg: ModelConfig, fused: bool) -> Params:
 _to_replica = jax.jit(_replica_of, static_argnums=(1, 2, 3))  # where the params live
 
 
-@functools.lru_cache(maxsize=64)
-def _to_replica_on(dtype, cfg: ModelConfig, fused: bool, treedef, shardings: tuple):
-  """_replica_of landing on `shardings` (its leaves, hashable), one program; its outputs are
-  new buffers, an input passed through unchanged too (not donated: tests/test_sharding.py)."""
-  return jax.jit(functools.partial(_replica_of, dtype=dtype, cfg=cfg, fused=fused),
-                 out_shardings=jax.tree.unflatten(treedef, shardings))
-
-
 def replica_shardings(params: Params, cfg: ModelConfig, fused: bool, mesh: Mesh) -> Any:
   """The replica layout's shardings on `mesh` (params: any layout, or its shapes)."""
   return tree_shardings(jax.eval_shape(functools.partial(replica_layout, cfg=cfg, fused=fused),
@@ -63,21 +55,23 @@ def replica_shardings(params: Params, cfg: ModelConfig, fused: bool, mesh: Mesh)
 
 
 def to_replica_layout(params: Params, cfg: ModelConfig, fused: bool, shardings: Any) -> Params:
-  """Params in any layout (the learner's) -> the replica layout on `shardings`, always a copy
-  (the learner donates its params to its next update): cast and unstacked (fused) where they
-  live (a bf16 replica of f32 master weights moves half the bytes), then moved. Across
-  processes (the learner's params to the store's rollout layout on the same devices, the only
-  case there, run.py) one program does all of it: a device_put of the tree reshards leaf by
-  leaf, a cross-process program each, and two CPU processes (gloo) hung in one of those in 6
-  of 7 runs with jax 0.11.2 (none in 7 with the one program)."""
-  leaves, treedef = jax.tree.flatten(shardings)
-  given = jax.tree.leaves(params)
-  if (jax.process_count() > 1 and all(isinstance(x, jax.Array) for x in given)
-      and {d for x in given for d in x.sharding.device_set}
-      == {d for s in leaves for d in s.device_set}):
-    return _to_replica_on(cfg.compute_dtype, cfg, fused, treedef, tuple(leaves))(params)
+  """Params in any layout (the learner's) -> the replica layout on `shardings`: cast and
+  unstacked (fused) where they live (a bf16 replica of f32 master weights moves half the
+  bytes), then resharded. Always a copy: the learner donates its params to its next update."""
   return jax.device_put(_to_replica(params, cfg.compute_dtype, cfg, fused), shardings,
                         may_alias=False)
+
+
+def to_replica_program(cfg: ModelConfig, fused: bool, shardings: Any
+                       ) -> Callable[[Params], Params]:
+  """params on the devices `shardings` spans -> the replica layout on `shardings` in ONE
+  program (new buffers, an input passed through unchanged too: tests/test_sharding.py). For
+  the learner's params to the store's rollout layout across processes (run.py): a device_put
+  of the tree reshards leaf by leaf, a cross-process program each, and two CPU processes
+  (gloo) hung in one of those in 6 of 7 runs with jax 0.11.2 (none in 7 with the one
+  program)."""
+  return jax.jit(functools.partial(_replica_of, dtype=cfg.compute_dtype, cfg=cfg, fused=fused),
+                 out_shardings=shardings)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
