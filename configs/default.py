@@ -107,6 +107,10 @@ def get_config():
   c.rollout.page_size = 16
   c.rollout.kv_pages = 0
   c.rollout.mean_live_tokens = 0
+  # attention over the cache: False, the window's pages gathered (an executable per window);
+  # True, a Pallas kernel reading each row's live pages (one window; interpreted, slow, off a
+  # GPU; tlt_jax/kernels/paged_attention.py)
+  c.rollout.paged_attention = False
   c.rollout.max_new_tokens = 288
   c.rollout.temperature = 1.0
   c.rollout.top_p = 1.0

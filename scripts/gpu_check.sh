@@ -12,6 +12,7 @@
 #   decode        plain and speculative decode against the copy bandwidth at batch 1, 2, 8, 64,
 #                 with the variants that decide the engine's GPU settings: XLA command buffers,
 #                 fused projections, a loop of known trip count, several steps per iteration,
+#                 the paged attention kernel (live pages read in place, one window),
 #                 cuBLAS for narrow dots; compiled memory (scripts/gpu_decode.py)
 #   rl_steps      RL steps of the default config on ONE GPU (the main job, python -m
 #                 tlt_jax.train), TLT on then off, each run's phases and compile seconds

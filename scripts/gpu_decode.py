@@ -23,11 +23,16 @@ and in each, code variants of the decode chunk (tlt_jax/rollout/decode.py, model
   u4             4 decode steps per loop iteration
   fused          one qkv and one gate/up matmul a layer (models.fuse_projections)
   spec A         one speculative step of arm A (verification forward + drafter steps)
+  paged          attention through the paged kernel (kernels/paged_attention.py,
+                 EngineConfig.paged_attention): each row's live pages read, one executable
+                 for every window; the cell also reports the kernel's largest difference from
+                 XLA's attention over the same cache (bf16 inputs, float32 reference)
   profile        also a profiler trace of the loop (tlt_jax/bench/device_profile.py): kernels
                  a step, the device's busy time against the wall, the top kernels by time
 Every cell: the step's time inside one compiled loop (best of 5 calls, divided by the steps;
-random weights and KV, rows at 64 tokens), the bytes it must move (weights read once + the KV window it reads;
-a speculative step: the target once, the drafter and its LM head once per draft step, both
+random weights and KV, rows at 64 tokens), the bytes it must move (weights read once + the KV
+window it reads, or with paged attention the rows' live slots, mean over the loop; a
+speculative step: the target once, the drafter and its LM head once per draft step, both
 KV windows), and those bytes over the time as a share of the copy bandwidth measured in the
 same process (roofline.copy_bandwidth). Also each executable's compiled memory against the
 weights + KV cache from shapes, and the device's peak bytes in use.
@@ -62,6 +67,8 @@ PLAN = (
     ("default", "fused", (1, 8)),
     ("default", "fused fixed u4", (1,)),
     ("default", "spec 4_1_5", (1,)),
+    ("default", "paged", (1, 8, 64)),
+    ("default", "paged spec 4_1_5", (1,)),
     ("cmdbuf", "engine", (1, 8)),
     ("cmdbuf", "fused fixed u4 profile", (1,)),
     ("cmdbuf cublas", "fused", (1, 8)),
@@ -72,6 +79,7 @@ QUICK_PLAN = (  # --quick (the CPU smoke): every kind of cell once
     ("default", "fused fixed u4", (1,)),
     ("default", "spec 3_1_4", (1,)),
     ("cmdbuf", "fused", (1,)),
+    ("default", "paged", (1,)),
 )
 
 
@@ -79,7 +87,35 @@ def parse_code(code: str) -> dict:
   words = code.split()
   arm = words[words.index("spec") + 1] if "spec" in words else None
   return {"fused": "fused" in words, "early_exit": "fixed" not in words,
-          "unroll": 4 if "u4" in words else 1, "arm": arm, "profile": "profile" in words}
+          "unroll": 4 if "u4" in words else 1, "arm": arm, "profile": "profile" in words,
+          "paged": "paged" in words}
+
+
+def paged_parity(cfg, cache, rows: int, t: int) -> float:
+  """The paged kernel against XLA's attention (float32, `models.attend` over the committed
+  slots gathered and the chunk's causal tokens) on layer 0 of `cache`: the largest absolute
+  difference of their outputs, random queries and chunk keys of the cache's dtype."""
+  import jax
+  import jax.numpy as jnp
+
+  from tlt_jax.kernels.paged_attention import paged_attention
+  from tlt_jax.models.attention import attend
+  from tlt_jax.models.kv_cache import gather_window
+
+  h, kh, dt = cfg.head_dim_, cfg.num_kv_heads, cfg.compute_dtype
+  key = jax.random.split(jax.random.key(7), 3)
+  q = jax.random.normal(key[0], (rows, t, cfg.num_heads, h), dt)
+  k_new, v_new = (jax.random.normal(k, (rows, t, kh, h), dt) for k in key[1:])
+  c = cache.replace(table=cache.table[:rows], lengths=cache.lengths[:rows])
+  got = jax.jit(paged_attention)(q, c.k[0], c.v[0], c.table, c.lengths, k_new, v_new)
+  f32 = lambda x: x.astype(jnp.float32)
+  keys = jnp.concatenate([f32(gather_window(c.k[0], c.table, c.max_len)), f32(k_new)], 1)
+  vals = jnp.concatenate([f32(gather_window(c.v[0], c.table, c.max_len)), f32(v_new)], 1)
+  slot = jnp.arange(c.max_len)[None, None, :] < c.lengths[:, None, None]
+  mask = jnp.concatenate([jnp.broadcast_to(slot, (rows, t, c.max_len)),
+                          jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (rows, t, t))], 2)
+  want = jax.jit(attend)(f32(q), keys, vals, mask)
+  return float(jnp.abs(f32(got) - want).max())
 
 
 # ----------------------------------------------------------------------------------- the child
@@ -132,6 +168,7 @@ def child(args) -> int:
       emit(kind="cell", code=code, batch=b, error="skipped: out of --budget_s")
       continue
     c = parse_code(code)
+    ccfg = cfg.replace(cache_attention="paged") if c["paged"] else cfg
     if c["fused"] and fused is None:
       fused = jax.jit(functools.partial(fuse_projections, cfg=cfg))(base)
     params = fused if c["fused"] else base
@@ -145,16 +182,20 @@ def child(args) -> int:
     try:
       if c["arm"] is None:
         iters = args.iters
-        kv_len = kv_bucket(prompt_len + iters, 16, cache_len)
+        # paged: the one window (the whole cache), each row's live slots read (their mean)
+        kv_len = cache_len if c["paged"] else kv_bucket(prompt_len + iters, 16, cache_len)
+        read = prompt_len + iters // 2 if c["paged"] else kv_len
         fn = lambda a, it: decode.decode_chunk(
-            a[0], a[1], cfg=cfg, sp=greedy, stop_tokens=(), chunk=it, capture_hidden=False,
+            a[0], a[1], cfg=ccfg, sp=greedy, stop_tokens=(), chunk=it, capture_hidden=False,
             kv_len=kv_len, early_exit=c["early_exit"], unroll=c["unroll"])
-        step_bytes = wbytes + b * kv_len * kvt
+        step_bytes = wbytes + b * read * kvt
         args_ = (params, state)
       else:
         st = Strategy(c["arm"])
         iters = max(args.iters // 4, 4)
-        kv_len = kv_bucket(prompt_len + speculative.chunk_reach(st, iters), 16, cache_len)
+        reach = prompt_len + speculative.chunk_reach(st, iters)
+        kv_len = cache_len if c["paged"] else kv_bucket(reach, 16, cache_len)
+        read = (prompt_len + reach) // 2 if c["paged"] else kv_len
         dc = rand_cache(drafter_cache(cfg, b, cache_len))
         m = st.steps + 1
         sstate = spec_state.SpecState(
@@ -164,12 +205,12 @@ def child(args) -> int:
             catch_hidden=jnp.zeros((b, m, d), cfg.compute_dtype),
             catch_count=jnp.zeros((b,), jnp.int32))
         fn = lambda a, it: speculative.spec_chunk(
-            *a, cfg=cfg, sp=greedy, stop_tokens=(), chunk=it, strategy=st,
+            *a, cfg=ccfg, sp=greedy, stop_tokens=(), chunk=it, strategy=st,
             capture_hidden=False, kv_len=kv_len)
         # the target's weights once (one verification forward), the drafter and the head it
         # reads once per draft step; both KV windows (the drafter's: one layer)
         step_bytes = (wbytes + st.steps * (dbytes + head_bytes)
-                      + b * kv_len * kvt * (1 + 1 / cfg.num_layers))
+                      + b * read * kvt * (1 + 1 / cfg.num_layers))
         args_ = (params, dparams, sstate)
       exe = jax.jit(fn, static_argnums=1).lower(args_, iters).compile()
       compile_s = time.perf_counter() - t0
@@ -187,7 +228,10 @@ def child(args) -> int:
       if c["profile"]:
         from tlt_jax.bench.device_profile import kernel_profile
         prof = kernel_profile(lambda: jax.block_until_ready(exe(args_)), iters)
+      parity = (paged_parity(cfg, state.cache, b, 1 if c["arm"] is None else st.steps + 1)
+                if c["paged"] else None)
       emit(kind="cell", code=code, batch=b, kv_len=kv_len, step_s=step_s, profile=prof,
+           paged_parity=parity,
            bytes=step_bytes, fraction=step_bytes / step_s / bw, compile_s=compile_s,
            seconds=time.perf_counter() - t0, memory_bytes=mem_bytes,
            shape_bytes=wbytes + b * cache_len * kvt)
@@ -257,7 +301,9 @@ def main(argv=None) -> int:
         got["cells"].append(r)
         mem = ("-" if r["memory_bytes"] is None else
                f"{r['memory_bytes'] / 2**20:.0f} ({r['shape_bytes'] / 2**20:.0f})")
-        print(f"| {name} | {r['code']} | {r['batch']} | {r['kv_len']} | "
+        code = r["code"] + ("" if r.get("paged_parity") is None
+                            else f" (max diff vs XLA {r['paged_parity']:.1e})")
+        print(f"| {name} | {code} | {r['batch']} | {r['kv_len']} | "
               f"{r['step_s'] * 1e3:.3f} | {r['bytes'] / 1e6:.0f} | "
               f"{r['bytes'] / r['step_s'] / 1e9:.0f} | {r['fraction']:.0%} | {mem} | "
               f"{r['compile_s']:.1f} |", flush=True)

@@ -120,6 +120,30 @@ def test_the_simulator_decodes_chunk_for_chunk_as_the_engine(tiny, spec):
   assert s.now > 0 and s.busy["decode"] > 0
 
 
+def test_paged_attention_compiles_one_window_and_reads_the_live_slots():
+  """With EngineConfig.paged_attention the simulated engine, as the real one
+  (tests/test_rollout.py), compiles one decode window per bucket, the whole cache, where the
+  window grid compiles several; and a step is priced on the rows' live slots, so the same
+  ragged responses decode in less simulated time than over their windows."""
+  reqs = _requests(9)
+  lengths = {_key(r): 3 + 7 * (i % 4) for i, r in enumerate(reqs)}  # 3 .. 24 tokens
+  runs = {}
+  for paged in (False, True):
+    ecfg = EngineConfig(**dict(SMALL, prompt_bucket=4, paged_attention=paged))
+    s = sim_engine.SimEngine(TINY, ecfg, PROFILES["h100"], acceptance=workload.Acceptance())
+    s.lengths = dict(lengths)
+    s.generate(reqs, SamplingParams(temperature=0.0))
+    windows = {}
+    for r in s.exes.records:
+      if r.name == "decode":
+        windows.setdefault(r.key.shapes[0], set()).add(r.key.variant[0])
+    runs[paged] = (windows, s.busy["decode"], ecfg.cache_len)
+  (grid, grid_s, cap), (one, paged_s, _) = runs[False], runs[True]
+  assert all(w == {cap} for w in one.values()), one
+  assert any(len(w) > 1 for w in grid.values()), grid
+  assert 0 < paged_s < grid_s
+
+
 def test_acceptance_rate_and_draws():
   acc = workload.Acceptance(tpv=(("4_1_5", 3.1),), default=2.0, history=1.5)
   for arm, want in (("4_1_5", 3.1), ("2_1_3", 2.0), ("hist_4", 1.5), ("hyb_4", 2.0)):

@@ -255,6 +255,32 @@ def test_fused_replica_weights_match_transformers(models, greedy, prompts, arch)
     assert results[(i, 0)].response_ids.tolist() == ref, f"request {i}"
 
 
+@pytest.mark.parametrize("arch,arm", [("qwen2", None), ("qwen3", "3_1_4"), ("qwen3", "2_2_5")])
+def test_paged_attention_engine_matches_transformers(models, greedy, prompts, arch, arm):
+  """The engine with the paged attention kernel (EngineConfig.paged_attention, interpreted on
+  this CPU), pages of 4 slots (rows over several pages) and windows of 4 slots (where the
+  windowed engine compiles 4, 8, 16, 28: test_attention_windows_do_not_change_outputs):
+  plain, chain and tree speculative greedy decoding give transformers' tokens, and every
+  executable has the one window, the whole cache."""
+  from tlt_jax.drafter import init_drafter
+  from tlt_jax.rollout.config import SpecConfig
+  m, g = models[arch], greedy[arch]
+  spec = (SpecConfig(strategy=arm, bs_threshold=4, patience=1, use_kernel=False)
+          if arm else None)
+  ecfg = engine_cfg(stop_tokens=(g["stop"],), paged_attention=True, page_size=4,
+                    prompt_bucket=4, spec=spec)
+  w = Engine(m.params, m.cfg, ecfg,
+             drafter_params=init_drafter(m.cfg, jax.random.key(0)) if spec else None)
+  assert w.cfg.cache_attention == "paged"
+  results, chunks = run(w, greedy_requests(prompts), GREEDY)
+  assert not spec or any(c.mode == arm for c in chunks)
+  windows = {r.key.variant[2] if r.name == "decode" else r.key.variant[3]
+             for r in w.compile_log if r.name in ("decode", "spec")}
+  assert windows == {ecfg.cache_len}, windows
+  for i, ref in enumerate(g["ref"]):
+    assert results[(i, 0)].response_ids.tolist() == ref, f"request {i}"
+
+
 def test_greedy_logprobs_match_transformers(models, greedy, prompts):
   """The returned logprob of each greedy token is log_softmax of HF's logits at its step."""
   m, g = models["qwen2"], greedy["qwen2"]

@@ -58,6 +58,11 @@ class ModelConfig:
   # packed (and causal) attention's implementation: "auto" (a fused kernel where the backend
   # has one, models/attention.py), "fused" (the Pallas kernel; interpreted off a GPU) or "xla"
   attention: str = "auto"
+  # attention over a KV cache (the rollout's decode and verification steps): "window" (the
+  # window's pages gathered, XLA's attention: models/kv_cache.py) or "paged" (a Pallas kernel
+  # that reads each row's live pages only, kernels/paged_attention.py; set by the engine,
+  # rollout EngineConfig.paged_attention)
+  cache_attention: str = "window"
 
   def __post_init__(self):
     def bad(field, value, fix):
@@ -80,6 +85,8 @@ class ModelConfig:
       bad("remat_policy", self.remat_policy, f"use one of {REMAT_POLICIES}")
     if self.attention not in ATTENTION_IMPLS:
       bad("attention", self.attention, f"use one of {ATTENTION_IMPLS}")
+    if self.cache_attention not in ("window", "paged"):
+      bad("cache_attention", self.cache_attention, "use 'window' or 'paged'")
     for f in ("dtype", "param_dtype"):
       if getattr(self, f) not in _DTYPES:
         bad(f, getattr(self, f), f"use one of {sorted(_DTYPES)}")

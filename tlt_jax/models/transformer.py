@@ -37,6 +37,14 @@ from tlt_jax.models.kv_cache import KVCache, cache_addr, gather_window, write_kv
 Params = dict[str, Any]
 
 
+class PagedView(NamedTuple):
+  """What a layer's paged attention reads besides its pools (cfg.cache_attention="paged"):
+  the rows' committed lengths, their page tables and the chunk's mask (None: causal)."""
+  lengths: jax.Array  # [B]
+  table: jax.Array  # [B, R]
+  chunk_mask: jax.Array | None  # [B|1, T, T]
+
+
 class ModelOutput(NamedTuple):
   logits: jax.Array | None  # [B, T, V] float32 (None when return_logits=False)
   hidden: jax.Array  # [B, T, D] last-layer hidden state AFTER the final norm (EAGLE's input)
@@ -160,7 +168,9 @@ def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv, within_chunk: bool = Fal
   (k_pool [P, page, K, H], v_pool, addr: CacheAddr) of this layer -> writes this chunk's k/v
   at `addr` and returns the updated (k_pool, v_pool). mask None: causal within the chunk.
   With a cache, mask [B|1, T, W] spans the attention window: the first W slots of each row
-  are read (its window pages gathered; the module docstring's `kv_len`).
+  are read (its window pages gathered; the module docstring's `kv_len`); mask a `PagedView`
+  (cfg.cache_attention="paged"): each row's live pages only, whatever the window
+  (kernels/paged_attention.py).
   within_chunk: attend to the chunk's own k/v even with a cache (a prefill of an empty cache:
   nothing else is visible, so the [T, S] scores over the whole cache are never formed)."""
   dt = cfg.compute_dtype
@@ -192,12 +202,20 @@ def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv, within_chunk: bool = Fal
     k_pool, v_pool = write_kv(k_pool, addr, k), write_kv(v_pool, addr, v)
     if within_chunk:
       k_all, v_all = k, v
+    elif isinstance(mask, PagedView):  # the live pages only (kernels/paged_attention.py)
+      from tlt_jax.kernels.paged_attention import paged_attention
+      k_new, v_new = (x.astype(k_pool.dtype).astype(dt) for x in (k, v))
+      attn = paged_attention(q, k_pool, v_pool, mask.table, mask.lengths, k_new, v_new,
+                             mask.chunk_mask)
+      mask = k_all = v_all = None
     else:
       w = mask.shape[-1]
       k_all = gather_window(k_pool, addr.window, w).astype(dt)
       v_all = gather_window(v_pool, addr.window, w).astype(dt)
     new_kv = (k_pool, v_pool)
-  if segment_ids is not None:
+  if k_all is None:
+    pass  # attended above (paged)
+  elif segment_ids is not None:
     attn = packed_attention(q, k_all, v_all, segment_ids, cfg)
   elif mask is None:
     attn = causal_attention(q, k_all, v_all, cfg)
@@ -241,7 +259,8 @@ def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, 
   unstacked (a tuple of per-layer dicts, `unstack_layers`). Shared with the drafter, which is
   one layer of the same architecture. prefill: the cache is empty (lengths 0), so the chunk
   attends within itself (causal, or attn_mask) and is written to slots 0..T-1. kv_len: the
-  attention window over the cache (None: all of it; see the module docstring). window_mask
+  attention window over the cache (None: all of it; see the module docstring; with
+  cfg.cache_attention="paged" each row's live pages are read whatever it is). window_mask
   [B|1, T, W] (with a cache; W the window): which window slot each query sees, in place of
   "the committed prefix and the chunk's mask" (the drafter's teacher-forced chains: each
   sees only part of the prefix). segment_ids [B, T] (no cache, no attn_mask): packed rows,
@@ -280,7 +299,12 @@ def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, 
     mask = attn_mask
     slots = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
   else:
-    mask = _cache_mask(cache.lengths, t, w, attn_mask) if window_mask is None else window_mask
+    if window_mask is not None:
+      mask = window_mask
+    elif cfg.cache_attention == "paged":
+      mask = PagedView(cache.lengths, cache.table, attn_mask)
+    else:
+      mask = _cache_mask(cache.lengths, t, w, attn_mask)
     slots = cache.lengths[:, None] + jnp.arange(t)[None, :]
   addr = cache_addr(cache, slots, w)
   ks, vs = [], []

@@ -13,7 +13,8 @@ the simulator on the same response lengths and compares every chunk.
 
 What the device would do is priced by the cost model (cost.py) on a hardware profile:
   prefill      the distinct prompts of the rows (padded as prefill.py pads them)
-  plain chunk  chunk_size decode steps at the bucket, attending over the chunk's window; in a
+  plain chunk  chunk_size decode steps at the bucket, attending over the chunk's window (with
+               rollout.paged_attention: each row's live slots, mid-chunk); in a
                tracked call (one that may speculate) one drafter forward over the chunk's
                tokens besides ("drafter_tracking", inside the chunk's time)
   spec chunk   chunk_size verifications: the target over the arm's verify tokens, the
@@ -63,6 +64,7 @@ class Row:
   # tokens its next speculative step emits besides its own (a tracked row has no pending
   # token: the step samples one first)
   pending: int = 0
+  prompt: int = 0  # its prompt's cache slots
 
 
 class SimState:
@@ -321,7 +323,8 @@ class SimEngine(Engine):
     reqs = op.requests
     self._prefill(reqs, op.bucket, warm)
     # a speculative prefill leaves no pending token: a first speculative step samples one
-    new = [Row(r.key, self.lengths[r.key], pending=int(warm)) for r in reqs]
+    new = [Row(r.key, self.lengths[r.key], pending=int(warm), prompt=len(r.prompt_ids))
+           for r in reqs]
     if isinstance(op, Prefill):
       return SimState(new + [None] * (op.bucket - len(reqs)), warm)
     if isinstance(op, Refill):
@@ -360,9 +363,13 @@ class SimEngine(Engine):
   def _decode(self, state, c, arm: Strategy | None, kv_len: int):
     ecfg, b, n = self.ecfg, state.batch_size, self.ecfg.chunk_size
     first = False
+    read = kv_len  # the KV slots a step reads per row: the window's
+    if ecfg.paged_attention:  # each row's own live slots (an empty one: none), mid-chunk
+      read = max(1, -(-sum(r.prompt + r.produced + n // 2 for r in state.rows
+                           if r is not None) // b))
     if arm is None:
       self._compile(exe_key("decode", b, kv_len, c.capture or ecfg.spec is not None))
-      step = cost.forward(self.cfg, b, 1, kv_len, tp=self.tp)
+      step = cost.forward(self.cfg, b, 1, read, tp=self.tp)
       per = np.ones((b, n), np.int64)
       what = "decode"
     else:
@@ -370,7 +377,7 @@ class SimEngine(Engine):
       self._compile(key)
       first = key not in self._ran
       self._ran.add(key)
-      step = cost.spec_step(self.cfg, arm, b, kv_len, tp=self.tp)
+      step = cost.spec_step(self.cfg, arm, b, read, tp=self.tp)
       per = self.acceptance.draw(arm, self.rng, (b, n)) + 1
       what = "verify"
     valid = np.zeros((b, n * int(per.max(initial=1)) + 1), bool)  # (+ a pending token)

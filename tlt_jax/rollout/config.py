@@ -10,7 +10,7 @@ import dataclasses
 
 from tlt_jax.errors import ConfigError
 from tlt_jax.models import pages_for
-from tlt_jax.rollout.scheduler import bucket_for
+from tlt_jax.rollout.scheduler import bucket_for, kv_bucket
 from tlt_jax.rollout.policies.strategy import DEFAULT_ARM, Strategy
 
 
@@ -29,8 +29,9 @@ class SpecConfig:
   # Compile the speculative executables in a background thread from the first generate on;
   # speculation starts at a bucket once one arm choosable there is compiled, its chunks
   # choosing among the compiled ones (until then the rows decode plainly): no chunk waits for
-  # a compile, the bandit sees no compile time, and on an accelerator host the compiles overlap decoding for free. Off: each
-  # executable compiles on first use (speculation from the first generate call).
+  # a compile, the bandit sees no compile time, and on an accelerator host the compiles
+  # overlap decoding for free. Off: each executable compiles on first use (speculation from
+  # the first generate call).
   background_compile: bool = False
   max_steps: int = 0  # catch-up capacity (>= every strategy's steps); 0 -> the strategies'
 
@@ -69,6 +70,11 @@ class EngineConfig:
   # None: on GPUs, where it measured faster (plain decode of the 1.13B bench target on one
   # H200: 2% at batch 1, 5% at batch 8), not on CPUs
   fused_projections: bool | None = None
+  # attention over the cache through a Pallas kernel that reads each row's live pages
+  # (kernels/paged_attention.py): one attention window, the whole cache, so no executable is
+  # compiled per window (rollout/windows.py); interpreted (slow) off a GPU. Off until a GPU
+  # measures it against the windows (scripts/gpu_decode.py's "paged" cells)
+  paged_attention: bool = False
 
   @property
   def spec_top(self) -> int:
@@ -116,6 +122,14 @@ class EngineConfig:
       return self.fused_projections
     import jax
     return jax.default_backend() == "gpu"
+
+  def window_for(self, need: int) -> int:
+    """The attention window of a chunk whose rows reach `need` cache slots: the `kv_bucket`
+    holding them; with paged attention the whole cache (its one window: the kernel reads the
+    live pages)."""
+    if self.paged_attention:
+      return self.cache_len
+    return kv_bucket(need, self.prompt_bucket, self.cache_len)
 
   def bucket_for(self, n: int) -> int:
     return bucket_for(self.buckets, n)

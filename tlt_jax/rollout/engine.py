@@ -75,7 +75,7 @@ from tlt_jax.rollout.prefill import prompt_problem
 from tlt_jax.rollout.records import ChunkMetrics, EngineHooks, Output, Request, Result
 from tlt_jax.rollout.replica import Replica
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.scheduler import Scheduler, kv_bucket
+from tlt_jax.rollout.scheduler import Scheduler
 
 
 def longest_row(sched: Scheduler, outputs: dict[Any, Output]) -> int:
@@ -368,13 +368,15 @@ class Engine(Replica):
         steps=int(host[0].steps), wall_time=dt, mode=arm or "plain", accepted=int(host[3][0]),
         verifications=int(host[3][1]), t=self.clock() - c.t_start,
         compiled=self.exes.compiled_here() != compiles, first_run=first,
-        read=self._read(c, state.batch_size, kv_len),
-        wide=kv_len > kv_bucket(need, ecfg.prompt_bucket, ecfg.cache_len)), c)
+        read=self._read(c, state.batch_size, min(kv_len, need) if ecfg.paged_attention
+                        else kv_len),
+        wide=kv_len > ecfg.window_for(need)), c)
     return state, started
 
   def _read(self, c: Call, batch: int, kv_len: int) -> float:
-    """Bytes one step of a chunk reads (weights, every row's window): the gate's measure of
-    how much of a step's time the bytes explain (probe.row_seconds). Only with a gate."""
+    """Bytes one step of a chunk reads (weights, every row's window; paged attention: the
+    rows' reach): the gate's measure of how much of a step's time the bytes explain
+    (probe.row_seconds). Only with a gate."""
     if c.gate is None:
       return 0.0
     return self.compiles.step_bytes(c.plan, batch, kv_len)

@@ -86,6 +86,8 @@ class Replica:
 
   def __init__(self, params: Params, cfg: ModelConfig, engine_cfg: EngineConfig, *,
                mesh: Mesh | None = None, drafter_params: Params | None = None):
+    if engine_cfg.paged_attention:  # the target's and the drafter's (its cfg is the target's)
+      cfg = cfg.replace(cache_attention="paged")
     self.cfg, self.ecfg = cfg, engine_cfg
     self.mesh = mesh if mesh is not None else make_mesh((1, 1, 1), jax.devices()[:1])
     self.fused = engine_cfg.fuses()  # the replica's projections fused (EngineConfig)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from tlt_jax.rollout.plan_call import PlanCall
 from tlt_jax.rollout.sampling import SamplingParams
-from tlt_jax.rollout.scheduler import kv_bucket, length_grid
+from tlt_jax.rollout.scheduler import length_grid
 from tlt_jax.rollout.policies.strategy import Strategy
 
 
@@ -41,7 +41,7 @@ class Windows:
     narrowest compiled one that holds the rows runs meanwhile (the whole cache's is compiled
     with each bucket's first arm): no chunk waits."""
     ecfg = self.ecfg
-    kv_len = kv_bucket(need, ecfg.prompt_bucket, ecfg.cache_len)
+    kv_len = ecfg.window_for(need)
     if arm is None:
       return kv_len
     abstract = self._abstract(state)
@@ -87,7 +87,7 @@ class Windows:
       ahead = any((b, arm) in d.get(sp, ()) for d in (self._ready, self._submitted))
     if not ahead and not self._queued_windows(b, arm):
       return False
-    want = kv_bucket(need, ecfg.prompt_bucket, ecfg.cache_len)
+    want = ecfg.window_for(need)
     have = self._compiled_window(call, sp, arm, self._abstract(state), want)
     return have is not None and self.runs_wide(call, state.batch_size, arm, have, want)
 
