@@ -93,8 +93,11 @@ def _drop_compiled_programs(request):
   compiles): an xdist worker otherwise holds every program of every file it ran (~6 GB by the
   end of the suite here), and one died on CI's machine without a traceback, as the kernel's
   OOM killer leaves it. Measured on four files in one process: peak 2.15 -> 1.77 GB, time
-  unchanged."""
+  unchanged. Compile threads the file's engines left running are waited for first: clearing
+  JAX's caches beside a compile in another thread is a race (a worker crashed natively, with
+  no traceback, in test_train and test_grpo once each, on 2026-12-01 and 12-02)."""
   yield
+  executables.drain_compilers()
   jax.clear_caches()
   executables.clear_shared()
   gc.collect()

@@ -38,7 +38,9 @@ def test_gpu_check_smoke_writes_a_complete_report(tmp_path):
   dec = json.load(open(tmp_path / "decode" / "gpu_decode.json"))
   cells = [c for g in dec["flag_sets"].values() for c in g["cells"]]
   assert {c["code"] for c in cells} == {"engine profile", "fused fixed u4", "spec 3_1_4",
-                                        "fused"}
+                                        "fused", "paged"}
+  # the paged kernel's cell: its output against XLA's attention (float32 here)
+  assert [c["paged_parity"] < 1e-5 for c in cells if c["code"] == "paged"] == [True]
   prof = [c["profile"] for c in cells if c["code"] == "engine profile"]
   assert len(prof) == 2 and all(p["lines"] and p["wall_s"] > 0 for p in prof), prof
   for c in cells:

@@ -417,7 +417,6 @@ def test_attention_windows_do_not_change_outputs(models, greedy, prompts, monkey
   live row), not all of it: greedy outputs equal transformers' and sampled outputs (same
   keys) the whole-cache engine's, through ragged prompts, refills, compaction and rows
   that cross window boundaries mid-rollout (prompt_bucket 4: windows 4, 8, 16, 28)."""
-  from tlt_jax.rollout import windows as window_rule
   m, g = models["qwen2"], greedy["qwen2"]
   cfg = engine_cfg(stop_tokens=(g["stop"],), prompt_bucket=4, capture_hidden=True)
   windowed = Engine(m.params, m.cfg, cfg)
@@ -435,7 +434,7 @@ def test_attention_windows_do_not_change_outputs(models, greedy, prompts, monkey
   pairs = [(r.batch, r.key.variant[1:]) for r in windowed.compile_log if r.name == "decode"]
   assert len(pairs) == len(set(pairs)), pairs
   with monkeypatch.context() as mp:  # the reference: every chunk over the whole cache
-    mp.setattr(window_rule, "kv_bucket", lambda need, base, cap: cap)  # chunk windows
+    mp.setattr(EngineConfig, "window_for", lambda self, need: self.cache_len)
     whole = Engine(m.params, m.cfg, cfg)
     assert_same_results(res_g, run(whole, greedy_requests(prompts), GREEDY)[0], "greedy")
     assert_same_results(res_s, run(whole, sampled_requests(prompts), T1, seed=0)[0], "sampled")
@@ -809,6 +808,34 @@ def test_engine_config_errors():
     with pytest.raises(ValueError, match=rf"^{name}=0: must be > 0"):
       EngineConfig(**{name: 0})
   EngineConfig(max_batch=3, buckets=(1, 2, 4))  # buckets may overshoot max_batch
+
+
+def test_drain_compilers_waits_for_queued_and_requeued_jobs():
+  """`executables.drain_compilers` returns only once every compile thread has run what was
+  queued on it and what those jobs queued (the tests' teardown clears JAX's caches after it:
+  never beside a compile); a thread shut down is skipped."""
+  import threading
+  import time
+
+  from tlt_jax.rollout import executables
+  ex = executables.background_compiler("test-drain")
+  done, gate = [], threading.Event()
+
+  def slow(name, then=None):
+    gate.wait(5)
+    time.sleep(0.2)
+    done.append(name)
+    if then:
+      ex.submit(then)
+
+  ex.submit(slow, "first", lambda: slow("requeued"))
+  ex.submit(slow, "second")
+  gone = executables.background_compiler("test-drain-closed")
+  gone.shutdown()
+  gate.set()
+  assert executables.drain_compilers() >= 1
+  assert done == ["first", "second", "requeued"]
+  ex.shutdown()
 
 
 # ------------------------------------------------------- 8. executables shared in a process

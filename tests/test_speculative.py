@@ -103,8 +103,9 @@ def shipped_plain(shipped):
   return reqs, base, plain
 
 
-@pytest.mark.skipif(not os.path.exists(os.path.join(DEFAULT_MODEL, "drafter", "drafter_config.json")),
-                    reason="default drafter not built")
+@pytest.mark.skipif(
+    not os.path.exists(os.path.join(DEFAULT_MODEL, "drafter", "drafter_config.json")),
+    reason="default drafter not built")
 @pytest.mark.parametrize("arm", ["4_1_5", "4_4_16"])
 def test_greedy_spec_equals_plain_trained_drafter(shipped, shipped_plain, arm):
   """With the shipped drafter most drafts are accepted: the accept path is exercised (for
@@ -179,7 +180,6 @@ def test_attention_windows_in_the_engine_do_not_change_outputs(tiny, arm, monkey
   """Speculative and plain chunks over windows of the cache (prompt_bucket 2: many windows,
   crossed mid-rollout) give the whole-cache engine's tokens and logprobs, greedy and sampled
   (same keys), through refills, compaction and switch-on after tracked plain chunks."""
-  from tlt_jax.rollout import windows as window_rule
   params, dparams = tiny
   reqs = _requests(9)
   cfg = EngineConfig(**SMALL, prompt_bucket=2, spec=SpecConfig(strategy=arm, bs_threshold=3,
@@ -190,7 +190,7 @@ def test_attention_windows_in_the_engine_do_not_change_outputs(tiny, arm, monkey
   assert any(m.mode == arm for m in w.chunk_log)
   spec_windows = {r.key.variant[3] for r in w.compile_log if r.name == "spec"}
   assert len(spec_windows) >= 2 and min(spec_windows) < cfg.cache_len, spec_windows
-  monkeypatch.setattr(window_rule, "kv_bucket", lambda need, base, cap: cap)  # chunk windows
+  monkeypatch.setattr(EngineConfig, "window_for", lambda self, need: self.cache_len)
   w = Engine(params, CFG, cfg, drafter_params=dparams)
   for sp, res in zip(sps, windowed):
     ref = _by_id(w.generate(reqs, sp, seed=3))

@@ -23,6 +23,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from typing import Any, Callable, Hashable
 
 import jax
@@ -210,6 +211,29 @@ def summary(records: list[CompileRecord]) -> dict[str, Any]:
           "speculative_compile_s": round(sum(r.seconds for r in spec), 2)}
 
 
+# every compile thread of the process (`drain_compilers`), as long as its owner keeps it
+_COMPILERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def drain_compilers(timeout: float = 900.0) -> int:
+  """Blocks until every live compile thread of the process has run what is queued on it (and
+  what those jobs queue): for code that must not run beside a compile, e.g. the tests'
+  `jax.clear_caches()` after each file, while an engine of that file may still be compiling
+  ahead. Returns how many threads it waited for."""
+  waited = 0
+  for ex in list(_COMPILERS):
+    try:
+      # jobs queue jobs (an arm's windows): until a marker job, run on the thread itself (one
+      # thread: nothing else runs then), finds nothing queued behind it
+      for _ in range(1000):
+        if ex.submit(lambda ex=ex: ex._work_queue.empty()).result(timeout):
+          break
+    except RuntimeError:  # shut down: nothing runs there
+      continue
+    waited += 1
+  return waited
+
+
 def background_compiler(name: str) -> cf.ThreadPoolExecutor:
   """One thread for compiling ahead of need, at the lowest CPU priority (Linux: per-thread
   nice 19, inherited by threads XLA starts from it): compiles fill idle cores (a decode tail
@@ -222,4 +246,6 @@ def background_compiler(name: str) -> cf.ThreadPoolExecutor:
     except (AttributeError, OSError):  # not Linux, or not permitted: normal priority
       pass
 
-  return cf.ThreadPoolExecutor(1, thread_name_prefix=name, initializer=lower_priority)
+  ex = cf.ThreadPoolExecutor(1, thread_name_prefix=name, initializer=lower_priority)
+  _COMPILERS.add(ex)
+  return ex
