@@ -144,6 +144,19 @@ def test_forward_with_paged_attention_matches_the_window():
     np.testing.assert_allclose(a, w, atol=2e-5, rtol=0)
 
 
+def test_shapes_triton_cannot_block_are_one_error_before_lowering():
+  """Compiled for a GPU (interpret=False), a head_dim or page size Triton cannot block is one
+  error naming both and the setting to turn off, raised before anything is lowered."""
+  from tlt_jax.kernels.paged_attention import prefix_attention
+  for h, page in ((8, 16), (48, 16), (32, 12)):
+    q = jnp.zeros((1, 2, 2, h))
+    pool = jnp.zeros((4, page, 2, h))
+    with pytest.raises(ValueError, match=rf"got head_dim {h}, page_size {page}: set "
+                                         r"rollout.paged_attention=False"):
+      prefix_attention(q, pool, pool, jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32),
+                       interpret=False)
+
+
 def test_splits_fill_the_device_only_where_rows_are_few():
   """Flash-decoding splits of the prefix: a lone row over a long table is split until the
   programs reach the device-filling count, a full batch is not; never more splits than

@@ -281,6 +281,17 @@ def test_paged_attention_engine_matches_transformers(models, greedy, prompts, ar
     assert results[(i, 0)].response_ids.tolist() == ref, f"request {i}"
 
 
+def test_paged_attention_refuses_a_replica_with_split_heads(models):
+  """The kernel runs on one device's kv heads: an engine whose replica splits them over two
+  devices (tensor_parallel 2) is refused at construction, naming both ways out."""
+  from tlt_jax.sharding import make_mesh
+  m = models["qwen2"]
+  mesh = make_mesh((1, 1, 2), jax.devices()[:2])
+  with pytest.raises(ValueError, match=r"splits them over 2 devices: use tensor_parallel=1 or "
+                                       r"paged_attention=False"):
+    Engine(m.params, m.cfg, engine_cfg(paged_attention=True), mesh=mesh)
+
+
 def test_greedy_logprobs_match_transformers(models, greedy, prompts):
   """The returned logprob of each greedy token is log_softmax of HF's logits at its step."""
   m, g = models["qwen2"], greedy["qwen2"]
@@ -808,6 +819,9 @@ def test_engine_config_errors():
     with pytest.raises(ValueError, match=rf"^{name}=0: must be > 0"):
       EngineConfig(**{name: 0})
   EngineConfig(max_batch=3, buckets=(1, 2, 4))  # buckets may overshoot max_batch
+  with pytest.raises(ValueError, match=r"^page_size=12: paged_attention reads whole pages"):
+    EngineConfig(page_size=12, paged_attention=True)
+  EngineConfig(page_size=12)  # the window path gathers any page size
 
 
 def test_drain_compilers_waits_for_queued_and_requeued_jobs():

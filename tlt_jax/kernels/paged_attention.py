@@ -23,9 +23,10 @@ dtype's rounding, not bit for bit (tests/test_paged_attention.py: against a floa
 reference and the windowed XLA path).
 
 Backend: Pallas Triton (`jax.experimental.pallas.triton`) on GPUs (Triton needs power-of-two
-blocks: head_dim and page_size powers of two, >= 16 for its dots); in Pallas interpret mode
-elsewhere (tests on a CPU). JAX >= 0.11 deprecates the Triton backend; the learner's packed
-attention (models/attention.py) uses it too, and both move with JAX's own kernels.
+blocks: head_dim a power of two >= 16, page_size a power of two; one device's kv heads, so a
+replica of tensor_parallel 1); in Pallas interpret mode elsewhere (tests on a CPU). JAX >=
+0.11 deprecates the Triton backend; the learner's packed attention (models/attention.py) uses
+it too, and both move with JAX's own kernels.
 """
 
 from __future__ import annotations
@@ -121,6 +122,10 @@ def prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: 
   q = jnp.pad(q, ((0, 0), (0, 0), (0, nq * bq - r), (0, 0)))
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
+  if not interpret and (h < 16 or h & (h - 1) or page & (page - 1)):
+    raise ValueError(f"paged attention on a GPU needs a head_dim that is a power of two >= 16 "
+                     f"and a page_size that is a power of two (Triton blocks), got head_dim "
+                     f"{h}, page_size {page}: set rollout.paged_attention=False for this model")
   precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
   kernel = functools.partial(_kernel, page=page, ppb=ppb, pps=pps, scale=1.0 / math.sqrt(h),
                              precision=precision)

@@ -95,6 +95,9 @@ class EngineConfig:
     for name in ("chunk_size", "max_prompt_len", "max_new_tokens", "prompt_bucket", "page_size"):
       if getattr(self, name) <= 0:
         raise ConfigError("must be > 0", name, getattr(self, name))
+    if self.paged_attention and self.page_size & (self.page_size - 1):
+      raise ConfigError("paged_attention reads whole pages as Triton blocks: use a power of "
+                        "two (e.g. 16)", "page_size", self.page_size)
     if self.hidden_keep < 0:
       raise ConfigError("must be >= 0 (0 = all)", "hidden_keep", self.hidden_keep)
     if self.kv_pages and self.kv_pages < self.row_pages:
