@@ -108,8 +108,8 @@ def get_config():
   c.rollout.kv_pages = 0
   c.rollout.mean_live_tokens = 0
   # attention over the cache: False, the window's pages gathered (an executable per window);
-  # True, a Pallas kernel reading each row's live pages (one window; interpreted, slow, off a
-  # GPU; tlt_jax/kernels/paged_attention.py)
+  # True, each row's live pages read in place (one window; a Pallas kernel on GPUs, its XLA
+  # form elsewhere: tlt_jax/kernels/paged_attention.py; 1.09x the main job on this CPU)
   c.rollout.paged_attention = False
   c.rollout.max_new_tokens = 288
   c.rollout.temperature = 1.0

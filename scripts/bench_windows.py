@@ -32,7 +32,6 @@ def main(argv=None) -> int:
   ap.add_argument("--batch", default="1,8")
   ap.add_argument("--t", default="1,5")
   ap.add_argument("--layers_7b", type=int, default=2)
-  ap.add_argument("--block", type=int, default=128, help="the block loop's slots per block")
   ap.add_argument("--iters", type=int, default=50)
   a = ap.parse_args(argv)
   ints = lambda s: [int(x) for x in s.split(",") if x]
@@ -67,7 +66,7 @@ def main(argv=None) -> int:
             if live + t > alloc + base:
               continue
             time = {s: attention_step(mcfg, batch=batch, t=t, live=live, allocated=alloc + base,
-                                      scheme=s, base=base, block=a.block, layers=layers,
+                                      scheme=s, base=base, layers=layers,
                                       iters=a.iters) for s in SCHEMES}
             ref = time["grid x2"]
             print(f"| {name}{'' if layers is None else f' ({layers} layers)'} | {batch} | {t} | "

@@ -107,23 +107,6 @@ def test_invalid_values_name_the_key(key, value, needle):
   assert e.value.key == key or key.startswith(e.value.key + "."), e.value.key  # an attribute
 
 
-@pytest.mark.parametrize("tp,page,key,needle", [
-    (2, 16, "rollout.paged_attention", "use rollout.tensor_parallel=1 (it is 2)"),
-    (1, 12, "rollout.page_size", "config.rollout.page_size=12: paged_attention reads whole"),
-])
-def test_paged_attention_settings_it_cannot_serve_are_one_error(tp, page, key, needle):
-  """rollout.paged_attention with heads split over devices, or pages Triton cannot block:
-  one line naming the key and the fix (the same config without the kernel is valid)."""
-  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
-  cfg.rollout.tensor_parallel, cfg.rollout.page_size = tp, page
-  config_lib.run_spec(cfg)
-  cfg.rollout.paged_attention = True
-  with pytest.raises(ConfigError) as e:
-    config_lib.run_spec(cfg)
-  assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
-  assert e.value.key == key, e.value.key
-
-
 @pytest.mark.parametrize("mesh,micro_batch,needle", [
     ({"data": 3, "fsdp": 1, "tensor": 1, "devices": 0}, 6,
      r"config.mesh=.* does not fit the 8 cpu devices it spans"),

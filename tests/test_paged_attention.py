@@ -1,7 +1,8 @@
-"""The paged attention kernel (tlt_jax/kernels/paged_attention.py, Pallas interpret mode on this
-CPU) against a float64 numpy reference written from the definition (each query's visible
-slots gathered one by one through the page table), against the windowed XLA path it
-replaces in a model forward, and lowered to Triton for an abstract H100. The engine running
+"""Paged attention (tlt_jax/kernels/paged_attention.py: the Pallas kernel in interpret mode on
+this CPU, and its XLA form) against a float64 numpy reference written from the definition
+(each query's visible slots gathered one by one through the page table), against the
+windowed XLA path it replaces in a model forward, and the kernel lowered to Triton for an
+abstract H100. The engine running
 it is tests/test_rollout.py::test_paged_attention_engine_matches_transformers."""
 
 from __future__ import annotations
@@ -71,12 +72,12 @@ def _reference(c) -> np.ndarray:
   return out
 
 
-def _run(c, dtype, splits=None):
+def _run(c, dtype, splits=None, impl="pallas"):
   a = lambda x: jnp.asarray(x, dtype)
   return np.asarray(paged_attention(
       a(c["q"]), a(c["k_pool"]), a(c["v_pool"]), jnp.asarray(c["table"]),
       jnp.asarray(c["lengths"]), a(c["k_new"]), a(c["v_new"]),
-      None if c["mask"] is None else jnp.asarray(c["mask"]), splits=splits,
+      None if c["mask"] is None else jnp.asarray(c["mask"]), impl=impl, splits=splits,
       interpret=True).astype(jnp.float32))
 
 
@@ -87,23 +88,25 @@ def _run(c, dtype, splits=None):
     (40, 2, True, 2),  # 80 query rows: two query blocks
 ])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_kernel_matches_a_float64_reference(T, G, tree, splits, dtype):
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_kernel_matches_a_float64_reference(T, G, tree, splits, dtype, impl):
   """Rows committed to 0 slots, mid-page, a page's end and several loop blocks (pages of 8
   slots, 16 per block), unallocated table entries past each row's pages."""
   lengths = [0, 13, 16, 300]
   c = _case(0, 4, T, 2, G, 16, 8, pages_for(300 + T, 8) + 2, lengths, dtype, tree)
-  got = _run(c, dtype, splits)
+  got = _run(c, dtype, splits, impl)
   want = _reference(c)
   tol = 2e-5 if dtype == "float32" else 2e-2  # bf16: the probabilities' cast before p @ v
   np.testing.assert_allclose(got, want, atol=tol, rtol=0)
 
 
-def test_kernel_reads_only_live_pages():
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_kernel_reads_only_live_pages(impl):
   """What lies past a row's committed length (its own stale slots, NaN in unowned pages)
   does not reach its output: the kernel's loop ends at the live pages, and the partial last
   page is masked."""
   c = _case(1, 2, 3, 2, 2, 16, 8, 8, [11, 30], "float32", True)
-  want = _run(c, "float32")
+  want = _run(c, "float32", impl=impl)
   poisoned = dict(c)
   k_pool, v_pool = c["k_pool"].copy(), c["v_pool"].copy()
   for b, L in enumerate(c["lengths"]):
@@ -116,13 +119,17 @@ def test_kernel_reads_only_live_pages():
   for p in set(range(k_pool.shape[0])) - owned:
     k_pool[p] = v_pool[p] = np.nan
   poisoned.update(k_pool=k_pool, v_pool=v_pool)
-  np.testing.assert_array_equal(_run(poisoned, "float32"), want)
+  np.testing.assert_array_equal(_run(poisoned, "float32", impl=impl), want)
 
 
-def test_forward_with_paged_attention_matches_the_window():
-  """A model forward of a draft tree over a cache of ragged rows: the paged kernel's logits
-  and cache equal the windowed XLA path's (models.attend over the gathered window)."""
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_forward_with_paged_attention_matches_the_window(impl, monkeypatch):
+  """A model forward of a draft tree over a cache of ragged rows: the paged attention's
+  logits and cache (the kernel, interpreted; its XLA form) equal the windowed XLA path's
+  (models.attend over the gathered window)."""
+  from tlt_jax.kernels import paged_attention as module
   from tlt_jax.models import forward, init_cache, init_params
+  monkeypatch.setattr(module, "default_impl", lambda: impl)
   from tlt_jax.models.config import ModelConfig
   cfg = ModelConfig(arch="qwen3", vocab_size=48, hidden_size=64, intermediate_size=128,
                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True)
@@ -187,7 +194,7 @@ def test_kernel_lowers_to_triton(dtype):
           S((B, T, K, H), dtype), S((B, T, T), jnp.bool_))
   device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
                                        platform="gpu")
-  fn = functools.partial(paged_attention, interpret=False)
+  fn = functools.partial(paged_attention, impl="pallas", interpret=False)
   with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(
       jax.sharding.AbstractMesh((), (), abstract_device=device)):
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

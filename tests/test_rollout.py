@@ -255,15 +255,21 @@ def test_fused_replica_weights_match_transformers(models, greedy, prompts, arch)
     assert results[(i, 0)].response_ids.tolist() == ref, f"request {i}"
 
 
-@pytest.mark.parametrize("arch,arm", [("qwen2", None), ("qwen3", "3_1_4"), ("qwen3", "2_2_5")])
-def test_paged_attention_engine_matches_transformers(models, greedy, prompts, arch, arm):
-  """The engine with the paged attention kernel (EngineConfig.paged_attention, interpreted on
-  this CPU), pages of 4 slots (rows over several pages) and windows of 4 slots (where the
-  windowed engine compiles 4, 8, 16, 28: test_attention_windows_do_not_change_outputs):
+@pytest.mark.parametrize("arch,arm,impl", [("qwen2", None, "pallas"), ("qwen2", None, "xla"),
+                                           ("qwen3", "3_1_4", "xla"),
+                                           ("qwen3", "2_2_5", "pallas")])
+def test_paged_attention_engine_matches_transformers(models, greedy, prompts, arch, arm, impl,
+                                                     monkeypatch):
+  """The engine with paged attention (EngineConfig.paged_attention: the Pallas kernel,
+  interpreted here, or its XLA form, the CPU's), pages of 4 slots (rows over several pages)
+  and windows of 4 slots (where the windowed engine compiles 4, 8, 16, 28:
+  test_attention_windows_do_not_change_outputs):
   plain, chain and tree speculative greedy decoding give transformers' tokens, and every
   executable has the one window, the whole cache."""
   from tlt_jax.drafter import init_drafter
+  from tlt_jax.kernels import paged_attention as kernel
   from tlt_jax.rollout.config import SpecConfig
+  monkeypatch.setattr(kernel, "default_impl", lambda: impl)
   m, g = models[arch], greedy[arch]
   spec = (SpecConfig(strategy=arm, bs_threshold=4, patience=1, use_kernel=False)
           if arm else None)
@@ -281,15 +287,23 @@ def test_paged_attention_engine_matches_transformers(models, greedy, prompts, ar
     assert results[(i, 0)].response_ids.tolist() == ref, f"request {i}"
 
 
-def test_paged_attention_refuses_a_replica_with_split_heads(models):
-  """The kernel runs on one device's kv heads: an engine whose replica splits them over two
-  devices (tensor_parallel 2) is refused at construction, naming both ways out."""
+def test_paged_attention_with_split_heads(models, greedy, prompts, monkeypatch):
+  """A replica whose kv heads are split over two devices (tensor_parallel 2): the XLA form
+  (this CPU's) is partitioned like any XLA code and decodes transformers' tokens; the Pallas
+  kernel runs on one device's heads, so with it the engine is refused at construction,
+  naming both ways out."""
+  from tlt_jax.kernels import paged_attention as kernel
   from tlt_jax.sharding import make_mesh
-  m = models["qwen2"]
+  m, g = models["qwen2"], greedy["qwen2"]
   mesh = make_mesh((1, 1, 2), jax.devices()[:2])
+  ecfg = engine_cfg(stop_tokens=(g["stop"],), paged_attention=True)
+  results, _ = run(Engine(m.params, m.cfg, ecfg, mesh=mesh), greedy_requests(prompts), GREEDY)
+  for i, ref in enumerate(g["ref"]):
+    assert results[(i, 0)].response_ids.tolist() == ref, f"request {i}"
+  monkeypatch.setattr(kernel, "default_impl", lambda: "pallas")
   with pytest.raises(ValueError, match=r"splits them over 2 devices: use tensor_parallel=1 or "
                                        r"paged_attention=False"):
-    Engine(m.params, m.cfg, engine_cfg(paged_attention=True), mesh=mesh)
+    Engine(m.params, m.cfg, ecfg, mesh=mesh)
 
 
 def test_greedy_logprobs_match_transformers(models, greedy, prompts):
@@ -819,9 +833,6 @@ def test_engine_config_errors():
     with pytest.raises(ValueError, match=rf"^{name}=0: must be > 0"):
       EngineConfig(**{name: 0})
   EngineConfig(max_batch=3, buckets=(1, 2, 4))  # buckets may overshoot max_batch
-  with pytest.raises(ValueError, match=r"^page_size=12: paged_attention reads whole pages"):
-    EngineConfig(page_size=12, paged_attention=True)
-  EngineConfig(page_size=12)  # the window path gathers any page size
 
 
 def test_drain_compilers_waits_for_queued_and_requeued_jobs():

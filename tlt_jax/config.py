@@ -273,10 +273,6 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
         "rollout.mean_live_tokens", r.get("mean_live_tokens"),
         "the mean row length (prompt + response) to size max_batch = 0 by; 0: the max length")
   check(r.tensor_parallel >= 1, "rollout.tensor_parallel", r.tensor_parallel, "must be >= 1")
-  check(not (r.get("paged_attention", False) and r.tensor_parallel > 1),
-        "rollout.paged_attention", r.get("paged_attention"),
-        f"the kernel runs on one device's kv heads: use rollout.tensor_parallel=1 (it is "
-        f"{r.tensor_parallel}) or paged_attention=False")
   sampling = build(SamplingParams, "rollout", section_values(SamplingParams, r))
   # config.tlt is checked with TLT off too (as the baseline of a TLT run is run): switching it
   # on later must not bring up a mistake made earlier.

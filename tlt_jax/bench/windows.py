@@ -8,11 +8,12 @@ so speculation's executables multiply by the windows the tail visits. The choice
                step reads at most 2x the live tokens; log2(cache / prompt_bucket) + 1 windows
   grid x4      prompt_bucket x 4^k: half as many windows, at most 4x the live tokens read
   whole cache  one window, the cache's capacity: reads follow the allocation, not the tokens
-  block loop   one executable: attention loops over blocks of `block` slots of the row's pages
-               with a dynamic trip count (online softmax), reading the live tokens rounded up
-               to a block; the price is a loop per layer per forward (on a GPU, XLA's dynamic
-               loops synchronise with the host at every iteration; a fused paged-attention
-               kernel would be the GPU form of this choice)
+  block loop   one executable: the engine's paged attention (rollout.paged_attention) in its
+               XLA form (kernels/paged_attention.py): a loop over blocks of 128 slots of the
+               rows' pages with a dynamic trip count (online softmax), reading the live tokens
+               rounded up to a block; the price is a loop per layer per forward (on a GPU,
+               XLA's dynamic loops synchronise with the host at every iteration: there the
+               Pallas kernel is its form)
 
 `count` gives each scheme's speculative executables for a config by count (its choosable
 (bucket, arm) pairs x its windows); `attention_step` times one decode step's attention, every
@@ -30,6 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from tlt_jax.kernels.paged_attention import paged_attention
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.kv_cache import gather_window
 from tlt_jax.models.attention import attend
@@ -67,41 +69,8 @@ def count(spec) -> dict[str, Any]:
   return out
 
 
-def _block_loop(q, k_pool, v_pool, table, lengths, t: int, block: int):
-  """Attention of q [B, T, N, H] over each row's first ceil((max length + T) / block)
-  blocks of its pages (online softmax), a dynamic trip count; the mask as the model's."""
-  b, _, n, h = q.shape
-  page, kv_heads = k_pool.shape[1], k_pool.shape[2]
-  per = block // page
-  table = jnp.pad(table, ((0, 0), (0, (-table.shape[1]) % per)))
-  trips = (jnp.max(lengths) + t + block - 1) // block
-  qg = q.reshape(b, t, kv_heads, n // kv_heads, h)
-
-  def body(i, carry):
-    m, s_sum, acc = carry
-    pages = jax.lax.dynamic_slice_in_dim(table, i * per, per, axis=1)
-    k = jnp.take(k_pool, pages, axis=0, mode="clip").reshape(b, block, kv_heads, h)
-    v = jnp.take(v_pool, pages, axis=0, mode="clip").reshape(b, block, kv_heads, h)
-    s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
-    s = s / math.sqrt(h)
-    slots = i * block + jnp.arange(block)
-    visible = slots[None, None, :] <= lengths[:, None, None] + jnp.arange(t)[None, :, None]
-    s = jnp.where(visible[:, None, None], s, jnp.finfo(jnp.float32).min)
-    m_new = jnp.maximum(m, s.max(-1))
-    p = jnp.exp(s - m_new[..., None])
-    scale = jnp.exp(m - m_new)
-    return (m_new, s_sum * scale + p.sum(-1),
-            acc * scale[..., None] + jnp.einsum("BKGTS,BSKH->BKGTH", p, v))
-
-  shape = (b, kv_heads, n // kv_heads, t)
-  init = (jnp.full(shape, jnp.finfo(jnp.float32).min), jnp.zeros(shape),
-          jnp.zeros(shape + (h,)))
-  _, s_sum, acc = jax.lax.fori_loop(0, trips, body, init)
-  return (acc / s_sum[..., None]).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
-
-
 def attention_step(cfg: ModelConfig, *, batch: int, t: int, live: int, allocated: int,
-                   scheme: str, base: int = 16, block: int = 128, page: int = 16,
+                   scheme: str, base: int = 16, page: int = 16,
                    layers: int | None = None, iters: int = 50, repeats: int = 5) -> float:
   """Seconds of one decode forward's attention (`layers` of the model's layers, all by
   default; T = t query tokens per row: 1 plain, K + 1 a verification) for rows of `live`
@@ -115,6 +84,7 @@ def attention_step(cfg: ModelConfig, *, batch: int, t: int, live: int, allocated
   table = jnp.arange(batch * rows, dtype=jnp.int32).reshape(batch, rows)
   lengths = jnp.full((batch,), live, jnp.int32)
   q = jax.random.normal(keys[0], (batch, t, n, h), jnp.float32)
+  k_new = jax.random.normal(keys[0], (batch, t, kvh, h), jnp.float32)  # the chunk's own
   w = (bucket_for(windows(scheme, base, rows * page), live + t)
        if scheme != "block loop" else None)
 
@@ -122,8 +92,8 @@ def attention_step(cfg: ModelConfig, *, batch: int, t: int, live: int, allocated
     out = q
     for i in range(layers):
       kp, vp = pools[2 * i], pools[2 * i + 1]
-      if w is None:
-        o = _block_loop(out, kp, vp, table, lengths, t, block)
+      if w is None:  # the engine's paged attention in its XLA form (the CPU's)
+        o = paged_attention(out, kp, vp, table, lengths, k_new, k_new, impl="xla")
       else:
         k = gather_window(kp, table[:, :-(-w // page)], w)
         v = gather_window(vp, table[:, :-(-w // page)], w)

@@ -14,7 +14,10 @@ chunk's keys and values as computed (the same values the cache holds: written in
 dtype and read back in the compute dtype). The two are merged by their softmax statistics.
 
 The committed prefix is split across programs (`splits`) so that a few long rows still fill
-the device (flash decoding); a split past a row's live pages does nothing.
+the device (flash decoding); a split past a row's live pages does nothing. Off a GPU (a)
+runs as the same loop in XLA (`prefix_attention_xla`: one loop over the batch, to the
+longest row's live pages), which XLA:CPU runs without a host round trip; the kernel itself
+runs there in Pallas interpret mode only when asked (tests).
 
 Numerics as `models.attention.attend` (the XLA path it replaces): scores and softmax in
 float32, probabilities cast to the values' dtype before their matmul; the merge divides by
@@ -24,7 +27,8 @@ reference and the windowed XLA path).
 
 Backend: Pallas Triton (`jax.experimental.pallas.triton`) on GPUs (Triton needs power-of-two
 blocks: head_dim a power of two >= 16, page_size a power of two; one device's kv heads, so a
-replica of tensor_parallel 1); in Pallas interpret mode elsewhere (tests on a CPU). JAX >=
+replica of tensor_parallel 1; the XLA form has none of these limits); in Pallas interpret
+mode elsewhere when asked (tests on a CPU). JAX >=
 0.11 deprecates the Triton backend; the learner's packed attention (models/attention.py) uses
 it too, and both move with JAX's own kernels.
 """
@@ -151,22 +155,73 @@ def prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: 
   return o[..., :r, :], m[..., :r], l[..., :r]
 
 
+def prefix_attention_xla(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: jax.Array,
+                         lengths: jax.Array):
+  """`prefix_attention`'s result (one split) in XLA, for backends without the kernel: one
+  loop over blocks of `_KEYS_PER_BLOCK` slots of every row's pages, its trip count the
+  longest row's live blocks (read on the device), the same online softmax. The CPU's form:
+  XLA:CPU runs a dynamic loop without a host round trip, and its [B, K, R, block] scores
+  stay in cache where a window's do not (docs/engine.md's block loop)."""
+  b, kh, r, h = q.shape
+  n_pages, page = k_pool.shape[0], k_pool.shape[1]
+  ppb = max(1, _KEYS_PER_BLOCK // page)
+  bk = ppb * page
+  table = jnp.clip(table, 0, n_pages - 1).astype(jnp.int32)
+  table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % ppb)))
+  lengths = lengths.astype(jnp.int32)
+  trips = (jnp.max(lengths, initial=0) + bk - 1) // bk
+  scale = 1.0 / math.sqrt(h)
+
+  def body(i, carry):
+    o, m, l = carry
+    ids = lax.dynamic_slice_in_dim(table, i * ppb, ppb, axis=1)  # [B, ppb]
+    k = jnp.take(k_pool, ids, axis=0).reshape(b, bk, kh, h).astype(q.dtype)
+    v = jnp.take(v_pool, ids, axis=0).reshape(b, bk, kh, h).astype(q.dtype)
+    seen = i * bk + jnp.arange(bk)[None, :] < lengths[:, None]  # [B, bk]
+    s = jnp.einsum("BKRH,BSKH->BKRS", q, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(seen[:, None, None], s, _MASK)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    corr = jnp.exp(m - m_new)
+    p = jnp.where(seen[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
+    v = jnp.where(seen[:, :, None, None], v, jnp.zeros_like(v))
+    pv = jnp.einsum("BKRS,BSKH->BKRH", p.astype(q.dtype), v, preferred_element_type=jnp.float32)
+    return corr[..., None] * o + pv, m_new, corr * l + p.sum(axis=-1)
+
+  init = (jnp.zeros((b, kh, r, h), jnp.float32), jnp.full((b, kh, r), _MASK, jnp.float32),
+          jnp.zeros((b, kh, r), jnp.float32))
+  o, m, l = lax.fori_loop(0, trips, body, init)
+  return o[None], m[None], l[None]
+
+
+def default_impl() -> str:
+  """The prefix's implementation where none is asked for: the Pallas kernel on a GPU, the XLA
+  block loop elsewhere (the kernel interpreted is for tests)."""
+  return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
 def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: jax.Array,
                     lengths: jax.Array, k_new: jax.Array, v_new: jax.Array,
-                    chunk_mask: jax.Array | None = None, *, splits: int | None = None,
-                    interpret: bool | None = None) -> jax.Array:
+                    chunk_mask: jax.Array | None = None, *, impl: str | None = None,
+                    splits: int | None = None, interpret: bool | None = None) -> jax.Array:
   """q [B, T, N, H] of T new tokens at slots lengths .. lengths + T - 1; pools [P, page, K, H]
   and table [B, C] the cache's (module docstring); k_new, v_new [B, T, K, H] the chunk's keys
   and values as the cache holds them; chunk_mask [B|1, T, T] bool (None: causal) ->
   [B, T, N, H] in q's dtype: what `attend` gives over the window of the committed prefix and
-  the chunk."""
+  the chunk. impl: "pallas" (the kernel; `interpret` as `prefix_attention`) or "xla"
+  (`prefix_attention_xla`); None: `default_impl()`."""
   b, t, n, h = q.shape
   kh = k_new.shape[2]
   g = n // kh
   # query rows per kv head, row r = t * G + g (heads of a kv head are consecutive)
   qr = q.reshape(b, t, kh, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, h)
-  o, m, l = prefix_attention(qr, k_pool, v_pool, table, lengths, splits=splits,
-                             interpret=interpret)
+  impl = impl or default_impl()
+  if impl == "xla":
+    o, m, l = prefix_attention_xla(qr, k_pool, v_pool, table, lengths)
+  elif impl == "pallas":
+    o, m, l = prefix_attention(qr, k_pool, v_pool, table, lengths, splits=splits,
+                               interpret=interpret)
+  else:
+    raise ValueError(f"paged_attention impl={impl!r}: use 'pallas' or 'xla'")
   # the chunk's own tokens, in XLA: scores [B, K, T*G, T]
   sc = jnp.einsum("BKRH,BSKH->BKRS", qr, k_new.astype(q.dtype),
                   preferred_element_type=jnp.float32) / math.sqrt(h)

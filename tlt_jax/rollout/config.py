@@ -70,10 +70,11 @@ class EngineConfig:
   # None: on GPUs, where it measured faster (plain decode of the 1.13B bench target on one
   # H200: 2% at batch 1, 5% at batch 8), not on CPUs
   fused_projections: bool | None = None
-  # attention over the cache through a Pallas kernel that reads each row's live pages
-  # (kernels/paged_attention.py): one attention window, the whole cache, so no executable is
-  # compiled per window (rollout/windows.py); interpreted (slow) off a GPU. Off until a GPU
-  # measures it against the windows (scripts/gpu_decode.py's "paged" cells)
+  # attention over the cache reading each row's live pages (kernels/paged_attention.py: a
+  # Pallas kernel on GPUs, the same loop in XLA elsewhere): one attention window, the whole
+  # cache, so no executable is compiled per window (rollout/windows.py). Off by default until
+  # the GPU kernel is measured (scripts/gpu_decode.py's "paged" cells); on this CPU the main
+  # job ran 1.09x faster with it (docs/engine.md)
   paged_attention: bool = False
 
   @property
@@ -95,9 +96,6 @@ class EngineConfig:
     for name in ("chunk_size", "max_prompt_len", "max_new_tokens", "prompt_bucket", "page_size"):
       if getattr(self, name) <= 0:
         raise ConfigError("must be > 0", name, getattr(self, name))
-    if self.paged_attention and self.page_size & (self.page_size - 1):
-      raise ConfigError("paged_attention reads whole pages as Triton blocks: use a power of "
-                        "two (e.g. 16)", "page_size", self.page_size)
     if self.hidden_keep < 0:
       raise ConfigError("must be >= 0 (0 = all)", "hidden_keep", self.hidden_keep)
     if self.kv_pages and self.kv_pages < self.row_pages:

@@ -91,9 +91,11 @@ class Replica:
     self.cfg, self.ecfg = cfg, engine_cfg
     self.mesh = mesh if mesh is not None else make_mesh((1, 1, 1), jax.devices()[:1])
     if engine_cfg.paged_attention and self.mesh.shape.get("tensor", 1) > 1:
-      raise ValueError("EngineConfig.paged_attention runs on one device's kv heads; this "
-                       f"replica splits them over {self.mesh.shape['tensor']} devices: use "
-                       "tensor_parallel=1 or paged_attention=False")
+      from tlt_jax.kernels.paged_attention import default_impl
+      if default_impl() == "pallas":  # (the XLA form is partitioned like any XLA code)
+        raise ValueError("EngineConfig.paged_attention's kernel runs on one device's kv heads;"
+                         f" this replica splits them over {self.mesh.shape['tensor']} devices: "
+                         "use tensor_parallel=1 or paged_attention=False")
     self.fused = engine_cfg.fuses()  # the replica's projections fused (EngineConfig)
     self._param_shardings = replica_shardings(params, cfg, self.fused, self.mesh)
     self._replicated = NamedSharding(self.mesh, PartitionSpec())
