@@ -6,7 +6,8 @@
 
 One markdown table, a row per figure the checklist exists for (../shared/GPU.md): decode's
 share of copy bandwidth at batch 1, 8 and 64 (the engine on XLA's defaults, and the fastest
-variant, scripts/gpu_decode.py), the speculative step's, SD vs plain end to end (batch 1 and 8,
+variant, scripts/gpu_decode.py), the speculative step's, paged attention's step against the
+engine's windows with its difference from XLA's attention, SD vs plain end to end (batch 1 and 8,
 scripts/bench_regime.py), RL steps on one GPU TLT on vs off (the main job, python -m
 tlt_jax.train, on the long-tail workload; each run's metrics.jsonl), the cost
 model's predicted / measured speculative step (scripts/bench_cost_model.py). A stage that wrote
@@ -98,6 +99,13 @@ def rows(out: str) -> list[tuple[str, str, str]]:
       res.append((f"speculative step {c['code'].split()[-1]}, batch {c['batch']}: % of copy "
                   "bandwidth", f"{c['fraction']:.0%} ({c['step_s'] * 1e3:.2f} ms; {n}, "
                   f"{c['code']})", "decode"))
+    for c in sets.get("default", {}).get("cells", []):  # the paged attention's plain cells
+      if c.get("code") == "paged" and "error" not in c and c["batch"] in base:
+        ref = base[c["batch"]]
+        res.append((f"paged attention, batch {c['batch']}: step vs the engine's windows",
+                    f"{ref['step_s'] / c['step_s']:.2f}x ({c['step_s'] * 1e3:.2f} vs "
+                    f"{ref['step_s'] * 1e3:.2f} ms; > 1: paged faster), largest difference "
+                    f"from XLA's attention {c['paged_parity']:.1e}", "decode"))
   else:
     res.append(("decode % of copy bandwidth", "not measured", "decode"))
   reg = _load(os.path.join(out, "bench_regime", "summary.json"))

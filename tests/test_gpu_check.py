@@ -33,6 +33,8 @@ def test_gpu_check_smoke_writes_a_complete_report(tmp_path):
                    r"speedup [\d.]+x \(on .*tail's share of the rollout, TLT off: \d+%", head), head
   assert re.search(r"\| SD vs plain, batch 1 greedy, SD 3_1_4 \| .*outputs = plain: True", head)
   assert "cost model: spec / plain step, batch 1, 3_1_4 | predicted" in head, head
+  assert re.search(r"\| paged attention, batch 1: step vs the engine's windows \| [\d.]+x .*"
+                   r"largest difference from XLA's attention [\d.e+-]+ \|", head), head
   # the decode variants: every kind of cell measured, with a fraction of copy bandwidth and
   # compiled memory at least the weights + KV from shapes
   dec = json.load(open(tmp_path / "decode" / "gpu_decode.json"))
