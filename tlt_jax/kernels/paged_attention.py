@@ -70,6 +70,17 @@ def geometry(batch: int, kv_heads: int, rows: int, table_pages: int, page: int,
   return bq, nq, ppb, max(1, min(int(splits), blocks))
 
 
+def _softmax_step(m, l, s, seen):
+  """One block of an online softmax: the running max `m` and sum `l` of each query row, the
+  block's scores `s` [..., keys] of which `seen` count -> (the block's weights, the new max,
+  the factor earlier sums and values are rescaled by, the new sum)."""
+  s = jnp.where(seen, s, _MASK)
+  m_new = jnp.maximum(m, s.max(axis=-1))
+  corr = jnp.exp(m - m_new)
+  p = jnp.where(seen, jnp.exp(s - m_new[..., None]), 0.0)
+  return p, m_new, corr, corr * l + p.sum(axis=-1)
+
+
 def _kernel(len_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, page: int,
             ppb: int, pps: int, scale: float, precision):
   """One (row, kv head, query block, split): the online softmax over the split's live pages.
@@ -91,12 +102,7 @@ def _kernel(len_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, pag
     v = v_ref[ids].reshape(bk, h).astype(q.dtype)
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=precision) * scale
     slot = (first + i * ppb) * page + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-    seen = slot < length
-    s = jnp.where(seen, s, _MASK)
-    m_new = jnp.maximum(m, s.max(axis=-1))
-    corr = jnp.exp(m - m_new)
-    p = jnp.where(seen, jnp.exp(s - m_new[:, None]), 0.0)
-    l = corr * l + p.sum(axis=-1)
+    p, m_new, corr, l = _softmax_step(m, l, s, slot < length)
     # slots past the length in the last page hold stale values: zeroed, not just unweighted
     v = jnp.where(slot.reshape(bk, 1) < length, v, jnp.zeros_like(v))
     pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=precision)
@@ -179,13 +185,10 @@ def prefix_attention_xla(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, tab
     v = jnp.take(v_pool, ids, axis=0).reshape(b, bk, kh, h).astype(q.dtype)
     seen = i * bk + jnp.arange(bk)[None, :] < lengths[:, None]  # [B, bk]
     s = jnp.einsum("BKRH,BSKH->BKRS", q, k, preferred_element_type=jnp.float32) * scale
-    s = jnp.where(seen[:, None, None], s, _MASK)
-    m_new = jnp.maximum(m, s.max(axis=-1))
-    corr = jnp.exp(m - m_new)
-    p = jnp.where(seen[:, None, None], jnp.exp(s - m_new[..., None]), 0.0)
+    p, m_new, corr, l = _softmax_step(m, l, s, seen[:, None, None])
     v = jnp.where(seen[:, :, None, None], v, jnp.zeros_like(v))
     pv = jnp.einsum("BKRS,BSKH->BKRH", p.astype(q.dtype), v, preferred_element_type=jnp.float32)
-    return corr[..., None] * o + pv, m_new, corr * l + p.sum(axis=-1)
+    return corr[..., None] * o + pv, m_new, l
 
   init = (jnp.zeros((b, kh, r, h), jnp.float32), jnp.full((b, kh, r), _MASK, jnp.float32),
           jnp.zeros((b, kh, r), jnp.float32))
@@ -227,14 +230,12 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: j
                   preferred_element_type=jnp.float32) / math.sqrt(h)
   mask = jnp.tril(jnp.ones((1, t, t), jnp.bool_)) if chunk_mask is None else chunk_mask
   mask = jnp.repeat(jnp.broadcast_to(mask, (b, t, t)), g, axis=1)[:, None]  # [B, 1, T*G, T]
-  sc = jnp.where(mask, sc, _MASK)
-  m_c = sc.max(axis=-1)
-  p_c = jnp.where(mask, jnp.exp(sc - m_c[..., None]), 0.0)
+  p_c, m_c, _, l_c = _softmax_step(jnp.full(sc.shape[:-1], _MASK), 0.0, sc, mask)
   top = jnp.maximum(m.max(axis=0), m_c)
   w, w_c = jnp.exp(m - top), jnp.exp(m_c - top)  # [S, B, K, R], [B, K, R]
   num = (o * w[..., None]).sum(axis=0) + jnp.einsum(
       "BKRS,BSKH->BKRH", (p_c * w_c[..., None]).astype(q.dtype), v_new.astype(q.dtype),
       preferred_element_type=jnp.float32)
-  den = (l * w).sum(axis=0) + p_c.sum(axis=-1) * w_c
+  den = (l * w).sum(axis=0) + l_c * w_c
   out = num / jnp.maximum(den, jnp.finfo(jnp.float32).tiny)[..., None]
   return out.reshape(b, kh, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h).astype(q.dtype)

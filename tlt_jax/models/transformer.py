@@ -204,7 +204,7 @@ def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv, within_chunk: bool = Fal
       k_all, v_all = k, v
     elif isinstance(mask, PagedView):  # the live pages only (kernels/paged_attention.py)
       from tlt_jax.kernels.paged_attention import paged_attention
-      k_new, v_new = (x.astype(k_pool.dtype).astype(dt) for x in (k, v))
+      k_new, v_new = (a.astype(k_pool.dtype).astype(dt) for a in (k, v))  # as the pools hold
       attn = paged_attention(q, k_pool, v_pool, mask.table, mask.lengths, k_new, v_new,
                              mask.chunk_mask)
       mask = k_all = v_all = None
