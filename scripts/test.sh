@@ -11,9 +11,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --dev
 status=0
+# stderr joins stdout: what a dying worker prints (faulthandler's stacks, XLA's last log line,
+# tests/conftest.py's exit status of its process) lands in the log beside the test it names
 # each worker's memory after every test file (tests/conftest.py), printed if the run fails
 export TLT_TEST_MEMORY_LOG=${TLT_TEST_MEMORY_LOG:-$(mktemp -t tlt_jax_test_memory.XXXXXX)}
-.venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0 -q "$@" || status=$?
+.venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0 -q "$@" 2>&1 || status=$?
 if [ $status -ne 0 ]; then
   # a worker killed for memory leaves no traceback: what each worker held after its last files,
   # and the kernel's log where it can be read

@@ -7,6 +7,8 @@ the subprocesses tests start (CLI runs, multi-process launches) through the envi
 
 import gc
 import os
+import signal
+import sys
 import tempfile
 
 # XLA's CPU collectives abort the process when a participant misses a rendezvous by the
@@ -119,6 +121,34 @@ def _unshared_while_patched(request):
   yield
   if patched:
     executables.clear_shared()
+
+
+def pytest_testnodedown(node, error):
+  """(xdist's controller) A worker that died says nothing of how: no traceback when the kernel
+  killed it (out of memory), when a native thread overflowed its stack, when native code
+  called exit(), or when pytest-timeout ended it (its stack dump does not leave the worker:
+  measured). Its process's exit status tells these apart."""
+  if not error:
+    return
+  popen = getattr(getattr(node.gateway, "_io", None), "popen", None)
+  try:
+    rc = popen.wait(timeout=60)
+  except Exception:  # noqa: BLE001 - no process to ask (another gateway kind) or still running
+    return
+  if rc is not None and rc < 0:
+    name = signal.Signals(-rc).name
+    how = {"SIGKILL": "killed: the kernel's OOM killer (see the memory lines below) or a kill "
+                      "from outside",
+           "SIGSEGV": "a segmentation fault with no Python traceback above: a native thread's "
+                      "stack overflow, or a fault faulthandler could not report"}.get(name, "")
+    said = f"signal {name}" + (f" ({how})" if how else "")
+  else:
+    how = {1: "pytest-timeout ended it (a test past pyproject's timeout: the stacks "
+              "faulthandler dumped above show where it hung)",
+           42: "XLA ended it: a collective's rendezvous passed its termination timeout"}
+    said = f"exit status {rc}" + (f" ({how[rc]})" if rc in how else "")
+  print(f"[{node.gateway.id}] the worker's process ended with {said}", file=sys.stderr,
+        flush=True)
 
 
 def _memory() -> str:
