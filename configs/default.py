@@ -107,10 +107,11 @@ def get_config():
   c.rollout.page_size = 16
   c.rollout.kv_pages = 0
   c.rollout.mean_live_tokens = 0
-  # attention over the cache: False, the window's pages gathered (an executable per window);
-  # True, each row's live pages read in place (one window; a Pallas kernel on GPUs, its XLA
-  # form elsewhere: tlt_jax/kernels/paged_attention.py; 1.09x the main job on this CPU)
-  c.rollout.paged_attention = False
+  # attention over the cache: "paged", each row's live pages read in place (one window; a
+  # Pallas kernel on GPUs, its XLA form elsewhere: tlt_jax/kernels/paged_attention.py; 1.09x
+  # the main job on a 2-core CPU); "windows", the window's pages gathered (an executable per
+  # window); "auto": paged on CPUs, windows on GPUs until the kernel is measured there
+  c.rollout.attention = "auto"
   c.rollout.max_new_tokens = 288
   c.rollout.temperature = 1.0
   c.rollout.top_p = 1.0

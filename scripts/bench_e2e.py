@@ -23,8 +23,9 @@ same --out left: what every later run of the same config costs. Runs, per stack:
   on_nogate  ... --config.tlt.spec.gate.enabled=False   (speculation at every bucket under the
                                                          threshold, the drafter spot-trained:
                                                          what the spot trainer's bars use)
-  on_paged   ... --config.rollout.paged_attention=True   (the paged attention: one window,
-                                                         each row's live pages read)
+  on_windows ... --config.rollout.attention=windows  (attention over gathered windows, an
+                                                     executable per window, instead of the
+                                                     CPU default's paged attention)
   trl        .venv-trl/bin/python scripts/bench_trl_grpo.py     (same model, task, settings;
                                                                  once per stack)
 
@@ -72,7 +73,7 @@ STACKS = (".venv", ".venv-py311")  # scripts/setup.sh's default and second envir
 RUNS = {"on": [], "off": ["--config.tlt.enabled=False"],
         "off_seed1": ["--config.tlt.enabled=False", "--config.seed=1"],
         "on_seed1": ["--config.seed=1"], "on_nogate": ["--config.tlt.spec.gate.enabled=False"],
-        "on_paged": ["--config.rollout.paged_attention=True"], "trl": None}
+        "on_windows": ["--config.rollout.attention=windows"], "trl": None}
 
 
 def tlt_cmd(venv: str, workdir: str, steps: int, extra: list[str], cache: str,
@@ -285,7 +286,7 @@ def report(a, label: str, runs: list[str], res: dict[str, dict], out: str) -> di
     print(line)
   both = None
   for x, y in (("on", "off"), ("on_seed1", "off_seed1"), ("on", "trl"), ("off", "trl"),
-               ("on_nogate", "off"), ("on_paged", "on")):
+               ("on_nogate", "off"), ("on", "on_windows")):
     if x in res and y in res:
       print(f"speed {x} vs {y}: {res[y]['s_per_step'] / res[x]['s_per_step']:.2f}x "
             f"(s per step {res[x]['s_per_step']:.2f} vs {res[y]['s_per_step']:.2f}; > 1: "

@@ -20,6 +20,15 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
                       "--xla_cpu_collective_call_terminate_timeout_seconds=1200 "
                       "--xla_cpu_collective_call_warn_stuck_timeout_seconds=300")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA's CPU client runs device programs on a pool of max(cores, devices) threads, "enough
+# for one collective" (xla/pjrt/cpu/cpu_client.cc). With 8 fake devices on 2 cores that is
+# 8, and the learner's 8-device programs deadlocked in it: every pool thread blocked in a
+# partition of a collective program, waiting for partitions queued behind them (gdb: 8 of 8
+# "XLAExecute" threads in CpuPjRtRawLoadedExecutable::Execute's wait). test_grpo's sharded
+# learner, looped in two processes, hung in 4 of 4 runs within 6 steps; CI lost a worker to
+# it after pytest-timeout's 20 minutes (and session 53 one in test_train). XLA sizes the pool
+# from NPROC where it is set: twice the devices, 0 hangs in 120 steps of the same loop.
+os.environ.setdefault("NPROC", "16")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -123,6 +132,7 @@ def _unshared_while_patched(request):
     executables.clear_shared()
 
 
+@pytest.hookimpl(optionalhook=True)  # (xdist's hook: unknown without it)
 def pytest_testnodedown(node, error):
   """(xdist's controller) A worker that died says nothing of how: no traceback when the kernel
   killed it (out of memory), when a native thread overflowed its stack, when native code

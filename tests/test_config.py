@@ -93,6 +93,7 @@ def test_history_arms_need_the_history_index():
     ("rollout.page_size", 0, "config.rollout.page_size=0: must be > 0"),
     ("rollout.kv_pages", 3, "config.rollout.kv_pages=3: a KV pool must hold one row"),
     ("rollout.mean_live_tokens", -1, "config.rollout.mean_live_tokens=-1"),
+    ("rollout.attention", "flash", "config.rollout.attention='flash': must be 'auto'"),
 ])
 def test_invalid_values_name_the_key(key, value, needle):
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
@@ -294,3 +295,16 @@ def test_rollout_workers_follow_the_visible_devices(workers, tp, want):
       runtime.resolve_workers(cfg)
     return
   assert runtime.resolve_workers(cfg) == want and cfg.rollout.num_workers == want
+
+
+@pytest.mark.parametrize("value,paged", [("auto", None), ("paged", True), ("windows", False)])
+def test_rollout_attention_reaches_the_engine(value, paged):
+  """rollout.attention -> EngineConfig.paged_attention; "auto" resolves by backend when a
+  replica is built (EngineConfig.reads_pages): paged attention on CPUs only."""
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+  cfg.rollout.attention = value
+  ecfg = config_lib.run_spec(cfg).engine
+  assert ecfg.paged_attention is paged
+  want = {"cpu": True, "gpu": False, "tpu": False} if paged is None else dict.fromkeys(
+      ("cpu", "gpu", "tpu"), paged)
+  assert {b: ecfg.reads_pages(b) for b in want} == want

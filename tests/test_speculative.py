@@ -2,6 +2,7 @@
 outputs distributed exactly as the target's (chi-square against the exact joint distribution
 computed by enumeration), and a deliberately broken acceptance rule fails the same test."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -178,26 +179,34 @@ def test_tightest_attention_window_equals_the_whole_cache(shipped, arm, temperat
 @pytest.mark.parametrize("arm", ["3_1_4", "2_2_4"])
 def test_attention_windows_in_the_engine_do_not_change_outputs(tiny, arm, monkeypatch):
   """Speculative and plain chunks over windows of the cache (prompt_bucket 2: many windows,
-  crossed mid-rollout) give the whole-cache engine's tokens and logprobs, greedy and sampled
-  (same keys), through refills, compaction and switch-on after tracked plain chunks."""
+  crossed mid-rollout; windows are the GPU's default, pinned here) give the whole-cache
+  engine's tokens and logprobs, and so does paged attention (this CPU's default: each row's
+  live pages), greedy and sampled (same keys), through refills, compaction and switch-on
+  after tracked plain chunks."""
   params, dparams = tiny
   reqs = _requests(9)
-  cfg = EngineConfig(**SMALL, prompt_bucket=2, spec=SpecConfig(strategy=arm, bs_threshold=3,
-                                                               patience=1, use_kernel=False))
+  cfg = EngineConfig(**SMALL, prompt_bucket=2, paged_attention=False,
+                     spec=SpecConfig(strategy=arm, bs_threshold=3, patience=1, use_kernel=False))
   sps = (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0))
   w = Engine(params, CFG, cfg, drafter_params=dparams)
   windowed = [_by_id(w.generate(reqs, sp, seed=3)) for sp in sps]
   assert any(m.mode == arm for m in w.chunk_log)
   spec_windows = {r.key.variant[3] for r in w.compile_log if r.name == "spec"}
   assert len(spec_windows) >= 2 and min(spec_windows) < cfg.cache_len, spec_windows
+  paged = Engine(params, CFG, dataclasses.replace(cfg, paged_attention=True),
+                 drafter_params=dparams)
+  assert {r.key.variant[3] for r in paged.compile_log if r.name == "spec"} <= {cfg.cache_len}
+  paged_res = [_by_id(paged.generate(reqs, sp, seed=3)) for sp in sps]
+  assert any(m.mode == arm for m in paged.chunk_log)
   monkeypatch.setattr(EngineConfig, "window_for", lambda self, need: self.cache_len)
   w = Engine(params, CFG, cfg, drafter_params=dparams)
-  for sp, res in zip(sps, windowed):
+  for sp, res, res_paged in zip(sps, windowed, paged_res):
     ref = _by_id(w.generate(reqs, sp, seed=3))
-    assert sorted(ref) == sorted(res)
-    for k, r in ref.items():
-      np.testing.assert_array_equal(res[k].response_ids, r.response_ids)
-      np.testing.assert_allclose(res[k].logprobs, r.logprobs, atol=1e-5)
+    for got in (res, res_paged):
+      assert sorted(ref) == sorted(got)
+      for k, r in ref.items():
+        np.testing.assert_array_equal(got[k].response_ids, r.response_ids)
+        np.testing.assert_allclose(got[k].logprobs, r.logprobs, atol=1e-5)
   assert {r.key.variant[3] for r in w.compile_log if r.name == "spec"} == {cfg.cache_len}
 
 

@@ -8,7 +8,7 @@ so speculation's executables multiply by the windows the tail visits. The choice
                step reads at most 2x the live tokens; log2(cache / prompt_bucket) + 1 windows
   grid x4      prompt_bucket x 4^k: half as many windows, at most 4x the live tokens read
   whole cache  one window, the cache's capacity: reads follow the allocation, not the tokens
-  block loop   one executable: the engine's paged attention (rollout.paged_attention) in its
+  block loop   one executable: the engine's paged attention (rollout.attention='paged') in its
                XLA form (kernels/paged_attention.py): a loop over blocks of 128 slots of the
                rows' pages with a dynamic trip count (online softmax), reading the live tokens
                rounded up to a block; the price is a loop per layer per forward (on a GPU,

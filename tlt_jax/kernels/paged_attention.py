@@ -135,7 +135,7 @@ def prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: 
   if not interpret and (h < 16 or h & (h - 1) or page & (page - 1)):
     raise ValueError(f"paged attention on a GPU needs a head_dim that is a power of two >= 16 "
                      f"and a page_size that is a power of two (Triton blocks), got head_dim "
-                     f"{h}, page_size {page}: set rollout.paged_attention=False for this model")
+                     f"{h}, page_size {page}: set rollout.attention='windows' for this model")
   precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
   kernel = functools.partial(_kernel, page=page, ppb=ppb, pps=pps, scale=1.0 / math.sqrt(h),
                              precision=precision)

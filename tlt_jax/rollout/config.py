@@ -72,10 +72,11 @@ class EngineConfig:
   fused_projections: bool | None = None
   # attention over the cache reading each row's live pages (kernels/paged_attention.py: a
   # Pallas kernel on GPUs, the same loop in XLA elsewhere): one attention window, the whole
-  # cache, so no executable is compiled per window (rollout/windows.py). Off by default until
-  # the GPU kernel is measured (scripts/gpu_decode.py's "paged" cells); on this CPU the main
-  # job ran 1.09x faster with it (docs/engine.md)
-  paged_attention: bool = False
+  # cache, so no executable is compiled per window (rollout/windows.py). None: by backend
+  # (`reads_pages`): on CPUs, where the main job ran 1.09x faster with it (docs/engine.md);
+  # not on GPUs until the kernel is measured there (scripts/gpu_decode.py's "paged" cells).
+  # Replicas resolve it when they are built: their EngineConfig holds a bool.
+  paged_attention: bool | None = None
 
   @property
   def spec_top(self) -> int:
@@ -124,11 +125,21 @@ class EngineConfig:
     import jax
     return jax.default_backend() == "gpu"
 
+  def reads_pages(self, backend: str | None = None) -> bool:
+    """Whether attention reads the rows' live pages (`paged_attention`, resolved for
+    `backend`, by default JAX's: on CPUs only)."""
+    if self.paged_attention is not None:
+      return self.paged_attention
+    if backend is None:
+      import jax
+      backend = jax.default_backend()
+    return backend == "cpu"
+
   def window_for(self, need: int) -> int:
     """The attention window of a chunk whose rows reach `need` cache slots: the `kv_bucket`
     holding them; with paged attention the whole cache (its one window: the kernel reads the
     live pages)."""
-    if self.paged_attention:
+    if self.reads_pages():
       return self.cache_len
     return kv_bucket(need, self.prompt_bucket, self.cache_len)
 

@@ -16,6 +16,7 @@ them. The calls take the engine's record of the `generate` call they serve (engi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import Any, Callable, Sequence
@@ -86,6 +87,8 @@ class Replica:
 
   def __init__(self, params: Params, cfg: ModelConfig, engine_cfg: EngineConfig, *,
                mesh: Mesh | None = None, drafter_params: Params | None = None):
+    # paged attention resolved for this backend (EngineConfig.reads_pages), once
+    engine_cfg = dataclasses.replace(engine_cfg, paged_attention=engine_cfg.reads_pages())
     if engine_cfg.paged_attention:  # the target's and the drafter's (its cfg is the target's)
       cfg = cfg.replace(cache_attention="paged")
     self.cfg, self.ecfg = cfg, engine_cfg
@@ -95,7 +98,8 @@ class Replica:
       if default_impl() == "pallas":  # (the XLA form is partitioned like any XLA code)
         raise ValueError("EngineConfig.paged_attention's kernel runs on one device's kv heads;"
                          f" this replica splits them over {self.mesh.shape['tensor']} devices: "
-                         "use tensor_parallel=1 or paged_attention=False")
+                         "use tensor_parallel=1 or attention windows (rollout.attention="
+                         "'windows', EngineConfig.paged_attention=False)")
     self.fused = engine_cfg.fuses()  # the replica's projections fused (EngineConfig)
     self._param_shardings = replica_shardings(params, cfg, self.fused, self.mesh)
     self._replicated = NamedSharding(self.mesh, PartitionSpec())
