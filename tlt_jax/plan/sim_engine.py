@@ -14,7 +14,7 @@ the simulator on the same response lengths and compares every chunk.
 What the device would do is priced by the cost model (cost.py) on a hardware profile:
   prefill      the distinct prompts of the rows (padded as prefill.py pads them)
   plain chunk  chunk_size decode steps at the bucket, attending over the chunk's window (with
-               rollout.paged_attention: each row's live slots, mid-chunk); in a
+               rollout.attention='paged': each row's live slots, mid-chunk); in a
                tracked call (one that may speculate) one drafter forward over the chunk's
                tokens besides ("drafter_tracking", inside the chunk's time)
   spec chunk   chunk_size verifications: the target over the arm's verify tokens, the
