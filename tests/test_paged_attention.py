@@ -159,7 +159,7 @@ def test_shapes_triton_cannot_block_are_one_error_before_lowering():
     q = jnp.zeros((1, 2, 2, h))
     pool = jnp.zeros((4, page, 2, h))
     with pytest.raises(ValueError, match=rf"got head_dim {h}, page_size {page}: set "
-                                         r"rollout.paged_attention=False"):
+                                         r"rollout.attention='windows'"):
       prefix_attention(q, pool, pool, jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32),
                        interpret=False)
 
