@@ -15,7 +15,9 @@ that does not end within --hang_s counts as hung (its stacks printed) and ends i
 
 2026-12-02, 2-vCPU Intel Xeon, JAX 0.12.0.1: NPROC=8 (XLA's own choice here), 8 of 8
 processes hung within their first 6 runs (4 with nothing else running; this script's last
-invocation: 2 of 2, after 5 and 0 runs); NPROC=16, 0 of 4 in 30-60 runs each. A loop of
+invocation: 2 of 2, after 5 and 0 runs; one process alone hung in its first run, and with
+JAX_CPU_ENABLE_ASYNC_DISPATCH=false in its second); NPROC=9 and 12, 0 of 2 in 20 runs each (the pool
+is one thread short); NPROC=16, 0 of 4 in 30-60 runs each. A loop of
 RL steps with the learner on 2 devices (the main job's CPU layout is 1 learner device): 0 of
 2 processes hung in 400 steps.
 """
