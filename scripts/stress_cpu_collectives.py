@@ -18,10 +18,11 @@ processes hung within their first 6 runs (4 with nothing else running; this scri
 invocation: 2 of 2, after 5 and 0 runs; one process alone hung in its first run, and with
 JAX_CPU_ENABLE_ASYNC_DISPATCH=false in its second); NPROC=9 and 12, 0 of 2 in 20 runs each (the pool
 is one thread short); NPROC=16, 0 of 4 in 30-60 runs each. XLA's stuck-rendezvous log
-(`--xla_cpu_collective_call_warn_stuck_timeout_seconds=10` in XLA_FLAGS) names the two
-programs: ranks 0-6 of one waiting in an all-gather (op 24) for rank 7, which has no thread,
-and rank 0 of another program with the same run id waiting in an all-reduce (op 1) on the 8th
-thread, so two collective programs ran at once where XLA schedules one at a time. A loop of
+(`--xla_cpu_collective_call_warn_stuck_timeout_seconds=10` in XLA_FLAGS) shows where: ranks
+0-6 of one execution (one run id) wait in an all-gather (op 24) for rank 7, which has no
+thread, and the 8th thread holds rank 0 of the same run id waiting in an all-reduce (op 1).
+It reads as one partition running two independent collectives at once on two pool threads,
+where XLA sized the pool at one thread per partition. A loop of
 RL steps with the learner on 2 devices (the main job's CPU layout is 1 learner device): 0 of
 2 processes hung in 400 steps.
 """

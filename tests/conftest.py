@@ -11,11 +11,11 @@ import signal
 import sys
 import tempfile
 
-# XLA's CPU collectives abort the process when a participant misses a rendezvous by the
-# termination timeout ("Termination timeout ... Exiting to ensure a consistent program state"):
-# on 2 cores shared by two xdist workers and the processes they start, an 8-device learner
-# step's collective can wait that long (a worker died in test_export's update, in a native
-# thread, twice); a slow rendezvous is not an error here.
+# XLA's CPU collectives exit the process when a participant misses a rendezvous by the
+# termination timeout (40 s; "Termination timeout ... Exiting to ensure a consistent program
+# state"): a worker died so in test_export's update, twice; that was the deadlock below (NPROC),
+# but on 2 cores shared by two xdist workers and the processes they start a rendezvous can
+# also be slow, which is not an error here.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
                       "--xla_cpu_collective_call_terminate_timeout_seconds=1200 "
                       "--xla_cpu_collective_call_warn_stuck_timeout_seconds=300")
@@ -24,7 +24,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # for one collective" (xla/pjrt/cpu/cpu_client.cc). With 8 fake devices on 2 cores that is
 # 8, and the learner's 8-device programs deadlocked in it: every pool thread blocked in a
 # partition of a collective program, waiting for partitions queued behind them (gdb: 8 of 8
-# "XLAExecute" threads in CpuPjRtRawLoadedExecutable::Execute's wait). test_grpo's sharded
+# "XLAExecute" threads in CpuPjRtRawLoadedExecutable::Execute's wait; XLA's stuck-rendezvous
+# log: 7 ranks in an all-gather, the 8th thread rank 0 of the same run in an all-reduce, so
+# one partition held two threads; scripts/stress_cpu_collectives.py). test_grpo's sharded
 # learner test, run over and over in two processes, hung in 8 of 8 within 6 runs; CI lost a
 # worker to it after pytest-timeout's 20 minutes (and session 53 one in test_train). XLA
 # sizes its pools from NPROC where it is set: twice the devices, 0 of 4 hung in 30-60 runs
