@@ -308,3 +308,23 @@ def test_rollout_attention_reaches_the_engine(value, paged):
   want = {"cpu": True, "gpu": False, "tpu": False} if paged is None else dict.fromkeys(
       ("cpu", "gpu", "tpu"), paged)
   assert {b: ecfg.reads_pages(b) for b in want} == want
+
+
+@pytest.mark.parametrize("mesh_devices,tp,doubled", [(1, 1, False), (0, 1, True), (2, 1, True),
+                                                     (1, 2, True)])
+def test_a_learner_on_several_cpu_devices_gets_xla_a_pool_it_cannot_deadlock(
+    mesh_devices, tp, doubled, monkeypatch):
+  """XLA sizes its CPU execution pool at one thread per device, and a learner sharded over
+  them deadlocked in it (tests/conftest.py, scripts/stress_cpu_collectives.py): a run whose
+  learner or replica spans several fake CPU devices gets twice the threads; the default run
+  (one learner device) keeps XLA's own pool; a user's NPROC wins."""
+  from tlt_jax import runtime
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+  cfg.cpu_devices, cfg.compilation_cache = 8, ""
+  cfg.mesh.devices, cfg.rollout.tensor_parallel = mesh_devices, tp
+  monkeypatch.delenv("NPROC", raising=False)
+  runtime.setup_jax(cfg)
+  assert os.environ.get("NPROC") == (str(max(os.cpu_count(), 16)) if doubled else None)
+  monkeypatch.setenv("NPROC", "3")
+  runtime.setup_jax(cfg)
+  assert os.environ["NPROC"] == "3"

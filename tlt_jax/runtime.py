@@ -29,11 +29,22 @@ def setup_jax(cfg: ml_collections.ConfigDict) -> None:
     it is harmless. An explicit device count in XLA_FLAGS wins.
   compilation_cache: a directory for JAX's persistent compilation cache: a second run of the
     same config (or a resumed one) loads its executables instead of compiling them.
+
+  A learner (mesh.devices) or a replica (rollout.tensor_parallel) over several of those CPU
+  devices also gets XLA's CPU execution pool doubled (NPROC, unless set): XLA sizes it at one
+  thread per device, and the sharded learner's collectives deadlocked in it (one partition
+  held two threads: tests/conftest.py, scripts/stress_cpu_collectives.py). Not otherwise:
+  the default run's learner is one device, and twice the threads made it 1.9% slower (16
+  steps in lockstep, NPROC 4 vs 2, 2026-12-02).
   """
   n = int(cfg.get("cpu_devices", 0) or 0)
   flags = os.environ.get("XLA_FLAGS", "")
   if n > 0 and "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+  learner = int(cfg.get("mesh", {}).get("devices", 1) or n)  # (0: all of them)
+  widest = max(min(learner, n), int(cfg.get("rollout", {}).get("tensor_parallel", 1) or 1))
+  if n > 1 and widest > 1 and "NPROC" not in os.environ:
+    os.environ["NPROC"] = str(max(os.cpu_count() or 1, 2 * n))
   cache = cfg.get("compilation_cache", "")
   if cache:
     import jax
