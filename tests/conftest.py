@@ -30,7 +30,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # learner test, run over and over in two processes, hung in 8 of 8 within 6 runs; CI lost a
 # worker to it after pytest-timeout's 20 minutes (and session 53 one in test_train). XLA
 # sizes its pools from NPROC where it is set: twice the devices, 0 of 4 hung in 30-60 runs
-# (scripts/stress_cpu_collectives.py); the suite's time unchanged (17m35s vs 17m43s).
+# (scripts/stress_cpu_collectives.py); the suite's time unchanged (17m17s-17m35s vs 17m43s).
 os.environ.setdefault("NPROC", "16")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
