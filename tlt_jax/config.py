@@ -306,10 +306,11 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   # max_batch 0 is sized from memory at start-up; until then the largest bucket stands in
   max_batch = r.max_batch or max(r.buckets, default=1)
   values = section_values(EngineConfig, r)
-  check(r.get("attention", "auto") in ROLLOUT_ATTENTION, "rollout.attention", r.get("attention"),
+  attention = r.get("attention", "auto")
+  check(attention in ROLLOUT_ATTENTION, "rollout.attention", attention,
         "must be 'auto' (paged on CPUs; windows on GPUs until the kernel is measured there), "
         "'paged' (each row's live pages read in place) or 'windows' (the window's pages gathered)")
-  values.update(paged_attention=ROLLOUT_ATTENTION[r.get("attention", "auto")])
+  values.update(paged_attention=ROLLOUT_ATTENTION[attention])
   values.update(max_batch=max_batch, spec=speculation, capture_hidden=trained,
                 hidden_keep=dr.window * dr.windows_per_response if trained else 0)
   engine = build(EngineConfig, "rollout", values,
