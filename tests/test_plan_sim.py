@@ -323,3 +323,30 @@ def test_with_a_gate_only_the_arms_chunks_ask_for_compile():
   plain = {m.bucket for m in s.chunk_log if m.mode == "plain"}
   assert plain and tracked == plain | {max([b for b in ecfg.buckets if b < p], default=p)
                                        for p in plain}
+
+
+def test_arms_compile_ahead_only_at_buckets_the_call_can_reach():
+  """A call's live batch starts at its request count (at most max_batch) and never grows: its
+  compile-ahead stops at that bucket (the compile thread's first 30 s went to an arm at 216
+  rows for a worker holding 128, `python -m tlt_jax.plan`); a later call with more rows
+  compiles the larger buckets then."""
+  from tlt_jax.rollout.policies.mab import bandit_config
+  from tlt_jax.rollout.policies.cells import PolicyCells, SpecGate
+  from tlt_jax.rollout.policies.gate import GateConfig
+  arms = ["3_1_4", "2_1_3"]
+  ecfg = EngineConfig(max_batch=8, buckets=(1, 2, 4, 8), chunk_size=4, max_prompt_len=16,
+                      max_new_tokens=40, prompt_bucket=16,
+                      spec=SpecConfig(strategy="3_1_4", bs_threshold=8, patience=1,
+                                      use_kernel=False, background_compile=True))
+  s = sim_engine.SimEngine(TINY, ecfg, PROFILES["h100"], bandit=bandit_config("eg", {1: arms}),
+                           compile_s=5e-4, acceptance=workload.Acceptance(default=2.0))
+  gate = SpecGate(GateConfig(gating=False))
+
+  def buckets(reqs):
+    s.lengths = {_key(r): 20 for r in reqs}
+    s.generate(reqs, SamplingParams(temperature=1.0),
+               policies=PolicyCells(Prefers(arms, {0: "3_1_4"}), gate))
+    return {r.key.shapes[0] for r in s.exes.records if r.key.name == "spec"}
+
+  assert buckets(_requests(3)) == {1, 2, 4}  # 3 rows: bucket 4 at most
+  assert buckets(_requests(8, seed=1)) == {1, 2, 4, 8}

@@ -196,9 +196,9 @@ class SimCompilePlan(CompilePlan):
     self._queue(self._spec_key(call, sp, arm, state, kv_len or self.ecfg.cache_len),
                 urgent=self._urgent_job)
 
-  def submit(self, call: PlanCall, sp, *_):
+  def submit(self, call: PlanCall, sp, top: int | None = None):
     self._thread(call)
-    for b, arm in self.compile_order(self._ahead(call)):
+    for b, arm in self.compile_order(self._ahead(call, top)):
       key = (sp, b, str(arm))
       if key in self._due:
         continue

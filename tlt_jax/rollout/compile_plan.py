@@ -3,13 +3,14 @@
 Speculation needs one executable per (engine bucket, arm) pair, and a switch-off per bucket
 where a gate may close a speculating batch's bucket (switching.py); a tracked call adds the
 drafter's tracking after its plain prefills and chunks (engine.py: one drafter-only executable
-per bucket it decodes plainly at, `track_ahead`, and one per prefill shape). Only the pairs the bandit can choose
-are wanted (`choosable_pairs`: the engine's batch grid intersected with the bandit's live-size
-grid, under the speculation threshold), and with a gate only those it opens to this engine
-now. They compile either on first use (a chunk then pays the compile and reports
-nothing to the bandit), all at once (`precompile`), or in a background thread
-(SpecConfig.background_compile: `submit` at each generate, in `compile_order`; a bucket
-speculates once it is `ready`, one of its arms compiled, so no chunk waits for a compile).
+per bucket it decodes plainly at, `track_ahead`, and one per prefill shape). Only the pairs
+the bandit can choose are wanted (`choosable_pairs`: the engine's batch grid intersected with
+the bandit's live-size grid, under the speculation threshold), and with a gate only those it
+opens to this engine now. They compile either on first use (a chunk then pays the compile and
+reports nothing to the bandit), all at once (`precompile`), or in a background thread
+(SpecConfig.background_compile: `submit` at each generate, in `compile_order`, up to the
+bucket the call's batch starts at; a bucket speculates once it is `ready`, one of its arms
+compiled, so no chunk waits for a compile).
 With a gate, only each bucket's first arm in that order compiles ahead; another when a chunk's
 policies ask for it (`want`: the bandit exploring it, a probe measuring it), at the window its
 rows need: an executable nobody runs is not compiled (the 7B recipe, gate open, 3 simulated
@@ -154,10 +155,11 @@ class CompilePlan(Switching, Windows):
     return [(b, ranked[b][i]) for i in range(depth) for b in sorted(ranked, reverse=True)
             if i < len(ranked[b])]
 
-  def _ahead(self, call: PlanCall) -> Pairs:
-    """The wanted pairs compiled ahead of need (`submit`): with a gate, each bucket's first
-    arm (`want` the others); else all."""
-    pairs = self._wanted_pairs(call)
+  def _ahead(self, call: PlanCall, top: int | None = None) -> Pairs:
+    """The wanted pairs compiled ahead of need (`submit`) at buckets up to `top` (the call's
+    first batch: its live batch never grows past it; None: every bucket): with a gate, each
+    bucket's first arm (`want` the others); else all."""
+    pairs = {b: arms for b, arms in self._wanted_pairs(call).items() if top is None or b <= top}
     if call.gate is None:
       return pairs
     return {b: arms[:1] for b, arms in self._ranked(pairs).items()}
@@ -168,12 +170,14 @@ class CompilePlan(Switching, Windows):
     return {b: sorted(arms, key=lambda a: (a != lead, a == "off")) for b, arms in pairs.items()}
 
   # ----------------------------------------------------------------------- when
-  def submit(self, call: PlanCall, sp: SamplingParams) -> None:
+  def submit(self, call: PlanCall, sp: SamplingParams, top: int | None = None) -> None:
     """Starts compiling the wanted (bucket, arm) pairs for `sp` that are not compiled or
     queued yet on the compile thread, largest bucket first (speculation switches on at the
-    largest and shrinks). Called at every generate: what a gate opens later compiles then.
-    With a gate, each bucket's first arm only (`want` queues the others when a chunk asks)."""
-    pairs = self._ahead(call)
+    largest and shrinks), up to bucket `top` (the call's first batch; a later call with more
+    rows compiles the larger buckets then). Called at every generate: what a gate opens later
+    compiles then. With a gate, each bucket's first arm only (`want` queues the others when a
+    chunk asks)."""
+    pairs = self._ahead(call, top)
     with self._lock:
       self._ready.setdefault(sp, set())
       submitted = self._submitted.setdefault(sp, set())

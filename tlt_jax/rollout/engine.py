@@ -240,10 +240,11 @@ class Engine(Replica):
     if spec is not None:
       self.compiles.rollouts += 1
       if spec.background_compile:
+        # the batch starts at `top` and never grows: nothing above it is compiled for this call
+        top = ecfg.bucket_for(min(max(len(requests), 1), ecfg.max_batch))
         if track:  # first: the drafter's tracking where the batch starts
-          start = min(max(len(requests), 1), ecfg.max_batch)
-          self.compiles.track_ahead(plan, ecfg.bucket_for(start))
-        self.compiles.submit(plan, sp)
+          self.compiles.track_ahead(plan, top)
+        self.compiles.submit(plan, sp, top)
     # drafter data and history only while speculation can pay: with a gate, once a probe has
     # shown that drafts can pay on this hardware (where they cannot, the hidden states'
     # transfer and the history's host bookkeeping are pure overhead on every chunk)
