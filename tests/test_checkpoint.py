@@ -113,6 +113,43 @@ def test_restore_onto_different_sharding(tmp_path):
   _assert_tree_equal(state, restored)
 
 
+def test_small_replicated_arrays_are_saved_without_programs(tmp_path):
+  """Orbax saves an array replicated over several devices replica-parallel: each replica
+  writes a slice, an eager program compiled per (shape, device). For small arrays (the drafter
+  replicated over the rollout workers) that was all cost: TLT on's first checkpoint of the
+  default run took 0.58 s against 0.07 s without it. One replica writes a replicated array
+  whose slices would be under 4 MiB (no program compiled); a larger one is still sliced; both
+  round-trip."""
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+  everywhere = NamedSharding(Mesh(np.array(jax.devices()[:8]), ("r",)), P())
+  two = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("r",)), P())
+  # (first dimensions a multiple of 8, which Orbax slices; shapes no other test compiles)
+  small = {"w": jnp.arange(72 * 5, dtype=jnp.float32).reshape(72, 5),
+           "b": jnp.arange(88, dtype=jnp.bfloat16)}
+  small = jax.device_put(small, everywhere)
+  big = jax.device_put(jnp.arange((9 << 20) // 4 + 3, dtype=jnp.float32), two)  # 2 x 4.5 MiB
+  compiles = []
+
+  def listen(event, seconds, **kw):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(seconds)
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    with Checkpointer(str(tmp_path)) as ckpt:
+      ckpt.save(1, small)
+      ckpt.wait_until_finished()
+      assert compiles == []
+      ckpt.save(2, {"big": big})
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  ckpt = Checkpointer(str(tmp_path))
+  _assert_tree_equal(small, ckpt.restore(small, step=1))
+  _assert_tree_equal({"big": big}, ckpt.restore({"big": big}, step=2))
+  ckpt.close()
+
+
 def test_keep_last_n(tmp_path):
   state = {"w": jnp.ones((4,)), "step": 0}
   with Checkpointer(str(tmp_path), max_to_keep=2) as ckpt:
