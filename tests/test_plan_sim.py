@@ -326,7 +326,7 @@ def test_with_a_gate_only_the_arms_chunks_ask_for_compile():
 
 
 def test_arms_compile_ahead_only_at_buckets_the_call_can_reach():
-  """A call's live batch starts at its request count (at most max_batch) and never grows: its
+  """No batch of a call needs a bucket above its request count's (at most max_batch): its
   compile-ahead stops at that bucket (the compile thread's first 30 s went to an arm at 216
   rows for a worker holding 128, `python -m tlt_jax.plan`); a later call with more rows
   compiles the larger buckets then."""

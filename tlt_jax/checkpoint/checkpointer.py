@@ -55,7 +55,8 @@ _log = logging.getLogger("tlt_jax.checkpoint")  # (the package's logger)
 # writes a slice) on every platform but GPUs (there only where JAX_PLATFORMS names one):
 # each slice is an eager program compiled once per (shape, device). For small arrays that is
 # all cost: the drafter replicated over the rollout workers made TLT on's first checkpoint of
-# the default run 0.7 s longer than TLT off's (18 slice compiles) and each later one 0.05 s.
+# the default run take 0.58 s against 0.07 s (18 slice compiles, cold), each later one
+# ~0.05 s more.
 # Replica-parallel only where each replica's slice is at least this large.
 _MIN_REPLICA_SLICE_BYTES = 4 << 20
 

@@ -9,7 +9,7 @@ the bandit's live-size grid, under the speculation threshold), and with a gate o
 opens to this engine now. They compile either on first use (a chunk then pays the compile and
 reports nothing to the bandit), all at once (`precompile`), or in a background thread
 (SpecConfig.background_compile: `submit` at each generate, in `compile_order`, up to the
-bucket the call's batch starts at; a bucket speculates once it is `ready`, one of its arms
+bucket of the call's request count; a bucket speculates once it is `ready`, one of its arms
 compiled, so no chunk waits for a compile).
 With a gate, only each bucket's first arm in that order compiles ahead; another when a chunk's
 policies ask for it (`want`: the bandit exploring it, a probe measuring it), at the window its
@@ -156,9 +156,9 @@ class CompilePlan(Switching, Windows):
             if i < len(ranked[b])]
 
   def _ahead(self, call: PlanCall, top: int | None = None) -> Pairs:
-    """The wanted pairs compiled ahead of need (`submit`) at buckets up to `top` (the call's
-    first batch: its live batch never grows past it; None: every bucket): with a gate, each
-    bucket's first arm (`want` the others); else all."""
+    """The wanted pairs compiled ahead of need (`submit`) at buckets up to `top` (the bucket
+    of the call's request count: no batch of the call needs more; None: every bucket): with a
+    gate, each bucket's first arm (`want` the others); else all."""
     pairs = {b: arms for b, arms in self._wanted_pairs(call).items() if top is None or b <= top}
     if call.gate is None:
       return pairs
@@ -173,10 +173,10 @@ class CompilePlan(Switching, Windows):
   def submit(self, call: PlanCall, sp: SamplingParams, top: int | None = None) -> None:
     """Starts compiling the wanted (bucket, arm) pairs for `sp` that are not compiled or
     queued yet on the compile thread, largest bucket first (speculation switches on at the
-    largest and shrinks), up to bucket `top` (the call's first batch; a later call with more
-    rows compiles the larger buckets then). Called at every generate: what a gate opens later
-    compiles then. With a gate, each bucket's first arm only (`want` queues the others when a
-    chunk asks)."""
+    largest and shrinks), up to bucket `top` (that of the call's request count: no batch of
+    the call needs more; a later call with more rows compiles the larger buckets then).
+    Called at every generate: what a gate opens later compiles then. With a gate, each
+    bucket's first arm only (`want` queues the others when a chunk asks)."""
     pairs = self._ahead(call, top)
     with self._lock:
       self._ready.setdefault(sp, set())

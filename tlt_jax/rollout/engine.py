@@ -240,7 +240,8 @@ class Engine(Replica):
     if spec is not None:
       self.compiles.rollouts += 1
       if spec.background_compile:
-        # the batch starts at `top` and never grows: nothing above it is compiled for this call
+        # no batch of this call needs a bucket above `top` (its requests, at most max_batch):
+        # nothing above it is compiled for it
         top = ecfg.bucket_for(min(max(len(requests), 1), ecfg.max_batch))
         if track:  # first: the drafter's tracking where the batch starts
           self.compiles.track_ahead(plan, top)
