@@ -350,3 +350,32 @@ def test_arms_compile_ahead_only_at_buckets_the_call_can_reach():
 
   assert buckets(_requests(3)) == {1, 2, 4}  # 3 rows: bucket 4 at most
   assert buckets(_requests(8, seed=1)) == {1, 2, 4, 8}
+
+
+def test_a_buckets_first_arm_is_one_the_bandit_picks_at_its_size():
+  """An engine bucket spans the bandit's size bounds (bucket 4 of buckets 1, 4 holds 2-4 live
+  rows; the bandit lists 4_1_5 for 1-2 rows, 3_1_4 from 3). Its arm compiled ahead is one
+  the bandit lists at the bucket's own size, so a batch of 3-4 rows there runs it and not
+  "off" (the 7B plan, paged attention: 363 chunks of plain decoding in the speculative state,
+  waiting for its listed arm's compile)."""
+  from tlt_jax.rollout.policies.mab import bandit_config
+  from tlt_jax.rollout.policies.cells import PolicyCells, SpecGate
+  from tlt_jax.rollout.policies.gate import GateConfig
+  ecfg = EngineConfig(max_batch=4, buckets=(1, 4), chunk_size=4, max_prompt_len=16,
+                      max_new_tokens=60, prompt_bucket=16,
+                      spec=SpecConfig(strategy="2_1_3", bs_threshold=4, patience=1,
+                                      use_kernel=False, background_compile=True))
+  bandit = bandit_config("beg", {1: ["4_1_5", "off"], 3: ["3_1_4", "off"]})
+  s = sim_engine.SimEngine(TINY, ecfg, PROFILES["h100"], bandit=bandit, compile_s=5e-4,
+                           acceptance=workload.Acceptance(default=2.0))
+  reqs = _requests(4)
+  s.lengths = {_key(r): 60 for r in reqs}
+  s.generate(reqs, SamplingParams(temperature=1.0),
+             policies=PolicyCells(Prefers(["3_1_4", "4_1_5", "off"], {0: "3_1_4"}),
+                                  SpecGate(GateConfig(gating=False))))
+  first = next(r.key.variant[0] for r in s.exes.records
+               if r.key.name == "spec" and r.key.shapes[0] == 4)
+  assert str(first) == "3_1_4"
+  # (plainly while it compiles, then speculating with it)
+  ran = {str(m.mode) for m in s.chunk_log if m.bucket == 4 and m.live >= 3} - {"plain"}
+  assert ran == {"3_1_4"}, ran

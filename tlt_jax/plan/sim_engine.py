@@ -198,7 +198,7 @@ class SimCompilePlan(CompilePlan):
 
   def submit(self, call: PlanCall, sp, top: int | None = None):
     self._thread(call)
-    for b, arm in self.compile_order(self._ahead(call, top)):
+    for b, arm in self.compile_order(self._ahead(call, top), call.bandit):
       key = (sp, b, str(arm))
       if key in self._due:
         continue
