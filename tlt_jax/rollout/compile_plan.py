@@ -166,15 +166,19 @@ class CompilePlan(Switching, Windows):
 
   def _ranked(self, pairs: Pairs, bandit=None) -> Pairs:
     """Each bucket's arms: the config's strategy (the gate's lead) first; then those `bandit`
-    (its config) lists for the bucket's largest live size, where most of a batch's chunks
-    there run; "off" last. (A bucket spans the bandit's size bounds: 32 rows hold live sizes
-    17-32, two bounds of the default grid. Its first arm, the one compiled ahead, picked from
-    the lower bound's list left the bandit nothing to choose from the upper's but "off" once
-    that was compiled: the simulator's 7B plan, paged attention, ran 363 chunks of plain decoding
-    in the speculative state, 1 token a verification against 2.9 for 3_1_4, while 3_1_4 waited
-    for its compile.)"""
+    (the engine's: its `choosable`) may return at the bucket's largest live size, where most
+    of a batch's chunks there run; "off" last. (A bucket spans the bandit's size bounds: 32
+    rows hold live sizes 17-32, two bounds of the default grid. Its first arm, the one
+    compiled ahead, picked from the lower bound's list left the bandit nothing to choose from
+    the upper's but "off" once that was compiled: the simulator's 7B plan, paged attention,
+    ran 363 chunks of plain decoding in the speculative state, 1 token a verification against
+    2.9 for 3_1_4, while 3_1_4 waited for its compile.)"""
     lead, top = self.ecfg.spec.strategy, self.ecfg.spec_top
-    listed = lambda b: () if bandit is None else bandit.arms_for(min(b, top))  # noqa: E731
+
+    def listed(b):  # what the bandit may return at the bucket's largest live size
+      n = min(b, top)
+      return () if bandit is None else bandit.choosable(n, n)
+
     return {b: sorted(arms, key=lambda a: (a != lead, a not in listed(b), a == "off"))
             for b, arms in pairs.items()}
 
