@@ -145,7 +145,7 @@ class CompilePlan(Switching, Windows):
     return ((gate is None or gate.allows(call.worker_id, bucket))
             and not self._wanted_pairs(call).get(bucket))
 
-  def compile_order(self, pairs: Pairs, bandit=None) -> list[tuple[int, Strategy]]:
+  def compile_order(self, pairs: Pairs, bandit) -> list[tuple[int, Strategy]]:
     """The order the compile thread takes `pairs` in: each bucket's first arm, largest bucket
     first (speculation switches on at the largest and shrinks), then each one's second, ...:
     every bucket speculates after one compile, not after all of its arms'. A bucket's arms in
@@ -164,7 +164,7 @@ class CompilePlan(Switching, Windows):
       return pairs
     return {b: arms[:1] for b, arms in self._ranked(pairs, call.bandit).items()}
 
-  def _ranked(self, pairs: Pairs, bandit=None) -> Pairs:
+  def _ranked(self, pairs: Pairs, bandit) -> Pairs:
     """Each bucket's arms: the config's strategy (the gate's lead) first; then those `bandit`
     (the engine's: its `choosable`) may return at the bucket's largest live size, where most
     of a batch's chunks there run; "off" last. (A bucket spans the bandit's size bounds: 32
@@ -175,12 +175,12 @@ class CompilePlan(Switching, Windows):
     2.9 for 3_1_4, while 3_1_4 waited for its compile.)"""
     lead, top = self.ecfg.spec.strategy, self.ecfg.spec_top
 
-    def listed(b):  # what the bandit may return at the bucket's largest live size
-      n = min(b, top)
-      return () if bandit is None else bandit.choosable(n, n)
+    def ranked(b, arms):
+      n = min(b, top)  # the bucket's largest live size
+      listed = bandit.choosable(n, n)
+      return sorted(arms, key=lambda a: (a != lead, a not in listed, a == "off"))
 
-    return {b: sorted(arms, key=lambda a: (a != lead, a not in listed(b), a == "off"))
-            for b, arms in pairs.items()}
+    return {b: ranked(b, arms) for b, arms in pairs.items()}
 
   # ----------------------------------------------------------------------- when
   def submit(self, call: PlanCall, sp: SamplingParams, top: int | None = None) -> None:
