@@ -297,14 +297,14 @@ def test_engine_beg_lossless_and_compiles_only_choosable(tiny):
   assert sum(pulls["5"].values()) == 0
   for r in plain:
     np.testing.assert_array_equal(spec[r.request_id].response_ids, r.response_ids)
-  # each reward: tokens per verification x live rows x steps / wall time of its chunk, in
+  # each reward: tokens per verification x steps / wall time of its chunk (per live row), in
   # chunk order (chunks that compiled or first ran an executable report none)
   want: dict = {}
   for m in w.chunk_log:
     if m.mode != "plain" and not (m.compiled or m.first_run):
       tpv = (m.accepted + m.verifications) / m.verifications
       want.setdefault((str(sel.bucket_of(m.live)), m.mode), []).append(
-          tpv * m.live * m.steps / m.wall_time)
+          tpv * m.steps / m.wall_time)
   got = {(lo, a): r for lo, d in sel.state.state_dict()["rewards"].items()
          for a, r in d.items() if r}
   assert got.keys() == want.keys()
@@ -313,17 +313,52 @@ def test_engine_beg_lossless_and_compiles_only_choosable(tiny):
 
 
 def test_reward_is_the_arms_speed_not_the_rows_that_ended():
-  """The reward (ChunkMetrics.speed; DESIGN.md 4: accepted tokens x batch size / wall time) of
-  two chunks of one arm with the same acceptance and step time is the same when rows ended
-  mid-chunk in one of them: their unused steps emitted nothing, whichever arm ran. 8 rows x
-  4 steps, 2 of 2 drafts accepted per verification (3 tokens), 2 s."""
+  """The reward (ChunkMetrics.row_speed: tokens per verification x steps / wall time, per
+  live row) of two chunks of one arm with the same acceptance and step time is the same when
+  rows ended mid-chunk in one of them: their unused steps emitted nothing, whichever arm ran.
+  8 rows x 4 steps, 2 of 2 drafts accepted per verification (3 tokens), 2 s."""
   full = ChunkMetrics(worker_id=0, bucket=8, live=8, tokens=96, steps=4, wall_time=2.0,
                       mode="2_1_3", accepted=64, verifications=32)
   # 3 rows stop after their first verification: 5 x 4 + 3 x 1 = 23 verifications
   ended = dataclasses.replace(full, tokens=69, accepted=46, verifications=23)
-  assert full.speed == pytest.approx(48.0) and ended.speed == pytest.approx(48.0)
-  assert ended.tokens / ended.wall_time == pytest.approx(34.5)  # what emitted tokens/s says
+  assert full.row_speed == pytest.approx(6.0) and ended.row_speed == pytest.approx(6.0)
+  assert ended.tokens / ended.wall_time / ended.live == pytest.approx(69 / 16)  # emitted's
   off = dataclasses.replace(full, mode="off", tokens=20, accepted=0, verifications=20)
-  assert off.speed == pytest.approx(1 * 8 * 4 / 2.0)
+  assert off.row_speed == pytest.approx(1 * 4 / 2.0)
   plain = ChunkMetrics(worker_id=0, bucket=8, live=8, tokens=32, steps=4, wall_time=2.0)
-  assert plain.speed == pytest.approx(16.0)  # no verifications: emitted tokens / wall time
+  assert plain.row_speed == pytest.approx(2.0)  # no verifications: emitted tokens / wall / rows
+
+
+def _roofline_chunk(arm: str, live: int, tpv: float, rng) -> ChunkMetrics:
+  """A chunk of 4 steps whose step time follows a bandwidth-bound roofline, independent of
+  this module's reward: the weights' read (1 ms) + each row's KV window (2 us a row), x 1.25
+  for a drafter arm's verification and draft steps; 5% noise."""
+  step = (1e-3 + 2e-6 * live) * (1.0 if arm == "off" else 1.25)
+  ver = live * 4
+  return ChunkMetrics(worker_id=0, bucket=live, live=live, tokens=int(tpv * ver), steps=4,
+                      wall_time=4 * step * (1 + 0.05 * rng.randn()), mode=arm,
+                      accepted=int((tpv - 1) * ver), verifications=ver)
+
+
+def test_arms_measured_at_different_sizes_of_a_bucket_compare_by_their_speed():
+  """One bucket spans 21-216 rows (a user's layout; speculation may run up to max_batch).
+  "3_1_4" (3 tokens a verification at 1.25x the step time) beats "off" at every size of it by
+  the roofline (`_roofline_chunk`), but was measured at 21-60 rows and "off" at 100-200
+  (where it happened to be pulled: the compiled fallback of a bulk batch). The greedy choice
+  at every size is "3_1_4". With the batch's tokens/s as the reward (x live rows) "off"'s
+  median came out higher (it was measured with more rows): the bandit ran plain decoding in
+  the speculative state."""
+  rng = np.random.RandomState(0)
+  state = BanditState.fresh(BanditConfig("egreedy", {21: ["3_1_4", "off"]}, epsilon=0.0))
+  batch = state
+  for _ in range(30):
+    for arm, lo, hi, tpv in (("3_1_4", 21, 60, 3.0), ("off", 100, 200, 1.0)):
+      m = _roofline_chunk(arm, rng.randint(lo, hi + 1), tpv, rng)
+      state = state.update(arm, m.live, m.row_speed)
+      batch = batch.update(arm, m.live, m.row_speed * m.live)
+  for live in (21, 64, 128, 216):
+    truth = {a: _roofline_chunk(a, live, tpv, np.random.RandomState(1)).row_speed
+             for a, tpv in (("3_1_4", 3.0), ("off", 1.0))}
+    assert max(truth, key=truth.get) == "3_1_4"
+    assert state.select(live) == "3_1_4", live
+    assert batch.select(live) == "off"  # what the batch's tokens/s chose

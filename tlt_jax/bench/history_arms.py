@@ -14,7 +14,7 @@ empty index, later ones find the earlier epochs' answers in it, as later RL step
 lives with the rollout worker). Configurations run interleaved per epoch, each with its own
 index (and the bandit its own state, kept across epochs): plain decoding, drafter arms, history
 arms, the hybrid, and a bucketed epsilon-greedy bandit over all kinds and "off" (a bandit per
-live-batch bucket, the default buckets' bounds: a chunk's reward is the batch's tokens/s,
+live-batch bucket, the default buckets' bounds: a chunk's reward is its rows' tokens/s each,
 comparable only between chunks of about the same live batch). The bandit
 first decodes the workload untimed with a scratch index until it is past its exploration
 phase (every arm measured `min_pulls` times in the buckets holding 90% of its chunks), at
@@ -100,8 +100,8 @@ def configurations(args: Args) -> dict[str, tuple[Any, bool]]:
     out[a] = (lambda a=a: make_selector("fixed", strategy=a), Strategy(a).history)
   every = drafter + history + hybrid
   if args.bandit and len(every) > 1:
-    # one bandit per live-batch bucket, the default's bounds: a chunk's reward is the batch's
-    # tokens/s, comparable only between chunks of about the same live batch
+    # one bandit per live-batch bucket, the default's bounds: a chunk's reward (tokens/s a
+    # row) is comparable only between chunks of about the same live batch
     bounds = sorted(default_mab_buckets())
     out["bandit"] = (lambda: make_selector("beg", {lo: every + ["off"] for lo in bounds},
                                            seed=0, min_pulls=args.min_pulls),
@@ -158,7 +158,7 @@ def measure(args: Args, cfg, params, dparams, stop, reqs, max_batch: int, thresh
     rewards: dict[str, list[float]] = {}  # what the selector was told, per arm
     for c in chunks:
       if not (c.compiled or c.first_run):
-        rewards.setdefault(c.arm, []).append(c.speed)
+        rewards.setdefault(c.arm, []).append(c.row_speed)
     sel = selectors.get(label)
     return {"tokens": tokens, "seconds": dt, "tokens_per_s": tokens / max(dt, 1e-9),
             "tokens_per_verify": tokens_per_verification(chunks),
@@ -232,11 +232,11 @@ def table(name: str, res: dict[str, list[dict]]) -> str:
     lines += ["", "bandit's speculative tokens by kind: " + "; ".join(shares)]
     fixed = {label: rs[-1]["chunk_rewards"].get(label) for label, rs in res.items()
              if label not in ("plain", "bandit")}
-    lines += ["", "each fixed arm's median chunk reward (tokens/s, last epoch): " + ", ".join(
+    lines += ["", "each fixed arm's median chunk reward (tokens/s a row, last epoch): " + ", ".join(
         f"{a} {r['median']:.1f}" for a, r in fixed.items() if r)]
     last = res["bandit"][-1]["values"] or {}
-    lines += ["", "bandit's arm values (median chunk reward, tokens/s) at the end, per bucket: "
-              + "; ".join(f"{lo}: " + ", ".join(f"{a} {v:.1f}" for a, v in vals.items()
+    lines += ["", "bandit's arm values (median chunk reward, tokens/s a row) at the end, per "
+              "bucket: " + "; ".join(f"{lo}: " + ", ".join(f"{a} {v:.1f}" for a, v in vals.items()
                                                   if v is not None)
                           for lo, vals in last.items() if any(v is not None
                                                               for v in vals.values()))]

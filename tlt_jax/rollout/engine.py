@@ -434,10 +434,10 @@ class Engine(Replica):
         gate.record(m.bucket, m.arm, m.wall_time, m.steps, m.accepted, m.verifications,
                     live=m.live, read=m.read, wide=m.wide)
     if m.arm is not None and not (m.compiled or m.first_run) and c.selector.learns(m.arm, m.live):
-      # Reward (DESIGN.md 4) = accepted tokens x batch size / wall time of draft + verify
-      # (ChunkMetrics.speed). "off" (plain decoding in the spec state: one token per
+      # Reward = tokens per verification x steps / wall time of draft + verify, per live row
+      # (ChunkMetrics.row_speed). "off" (plain decoding in the spec state: one token per
       # verification) is measured the same way. (Not a probe's arm outside the bandit's.)
-      c.selector.update(m.arm, m.live, m.speed)
+      c.selector.update(m.arm, m.live, m.row_speed)
     self.chunk_log.append(m)
     if hooks.on_chunk:
       hooks.on_chunk(m)

@@ -79,18 +79,24 @@ class ChunkMetrics:
     return tokens_per_verification([self])
 
   @property
-  def speed(self) -> float:
-    """The chunk's arm's speed in tokens/s, the bandit's reward (DESIGN.md 4: accepted tokens
-    x batch size / wall time): tokens per verification x live rows x steps / wall time, i.e.
-    the batch's tokens/s had every row decoded the whole chunk. Emitted tokens / wall time
-    would also charge the arm for rows that ended mid-chunk (their remaining steps emit
-    nothing, whichever arm runs): with answers a few chunks long that was most of a reward's
-    spread, and it ranked arms by where their chunks fell in the answers (bench_history_arms
-    at batch 8). Chunks without verifications (plain decoding) fall back to tokens / wall."""
+  def row_speed(self) -> float:
+    """The chunk's arm's speed in tokens/s per live row, the bandit's reward: tokens per
+    verification x steps / wall time, the rate its rows decoded at had none ended mid-chunk.
+    - Per row, where DESIGN.md 4 (the reference) multiplies by the live rows: at one size both
+      rank arms alike, but a bucket spans sizes (the reference's top one 21-32 rows, where its
+      speculation stops; ours go to max_batch) and the batch's tokens/s grows with its rows,
+      so an arm's median said where it happened to be measured (the simulator's 7B plan: "off"
+      measured at 118 rows came within 12% of 3_1_4 measured at 58, at half its rate a row).
+      A bandwidth-bound step, the regime speculation is for, takes about as long at 60 rows
+      as at 120: per row, arms compare at any size of the bucket.
+    - Not emitted tokens / wall time, which charges the arm for rows that ended mid-chunk
+      (their remaining steps emit nothing, whichever arm runs): with answers a few chunks long
+      that was most of a reward's spread (bench_history_arms at batch 8).
+    Chunks without verifications (plain decoding) fall back to tokens / wall / live rows."""
     tpv = self.accept_len
     if tpv is None or self.steps <= 0:
-      return self.tokens / max(self.wall_time, 1e-9)
-    return tpv * self.live * self.steps / max(self.wall_time, 1e-9)
+      return self.tokens / max(self.wall_time, 1e-9) / max(self.live, 1)
+    return tpv * self.steps / max(self.wall_time, 1e-9)
 
 
 def tokens_per_verification(chunks) -> float | None:

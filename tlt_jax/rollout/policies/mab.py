@@ -23,9 +23,10 @@ speculative state, so turning speculation off competes as an arm). Bucket keys a
 bounds on the live batch size: {1: [...], 2: [...], 5: [...], 21: [...]} means sizes 1, 2-4,
 5-20 and >= 21.
 
-Reward (reported by the engine per chunk, records.ChunkMetrics.speed): accepted tokens per
-verification x live rows x steps / wall time of the chunk's draft + verify, in tokens/s (the
-batch's tokens/s had no row ended mid-chunk).
+Reward (reported by the engine per chunk, records.ChunkMetrics.row_speed): tokens per
+verification x steps / wall time of the chunk's draft + verify, in tokens/s per live row (the
+rate its rows decoded at had none ended mid-chunk); per row, not the batch's tokens/s, so that
+chunks at different sizes of one bucket compare (row_speed says why).
 
 The policy is a value, as the speculation gate's is (gate.py): `BanditConfig` (the rule, its
 buckets and parameters, validated once) and `BanditState` (the reward windows and pull counts).
@@ -60,10 +61,16 @@ def default_mab_buckets() -> dict[int, list[Strategy]]:
   anywhere, 3_1_4 and 4_1_5 usually were, and shallower chains only pay off at large live
   batches. History arms (scripts/bench_history_arms.py): hist_4 is the cheapest history draft
   (no drafter forward); the hybrid hyb_4 (the index's and the drafter's chains as one tree of
-  9 verified tokens) only where the batch is small enough for the wider verification."""
-  small = [Strategy(a) for a in ("4_1_5", "3_1_4", "hyb_4", "hist_4", "off")]
-  return {1: small, 2: list(small), 5: list(small),
-          21: [Strategy(a) for a in ("3_1_4", "2_1_3", "hist_4", "off")]}
+  9 verified tokens) only where the batch is small enough for the wider verification.
+  Bounds: TLT's [1, 2, 5, 21], split further where the engine's power-of-two buckets split
+  (9; 33, 65, 129): speculation runs up to max_batch here (the reference's stops at 32), and
+  one bucket over 21-216 rows compared arms measured at sizes 5x apart, whose best arms differ
+  (with the per-row reward, the simulator's 7B-70B plans: -1% to +7% of the rollout,
+  docs/scale.md)."""
+  small = ("4_1_5", "3_1_4", "hyb_4", "hist_4", "off")
+  large = ("3_1_4", "2_1_3", "hist_4", "off")
+  return {lo: [Strategy(a) for a in (small if lo < 21 else large)]
+          for lo in (1, 2, 5, 9, 21, 33, 65, 129)}
 
 
 def _check_size(batch_size: int) -> int:
@@ -240,7 +247,7 @@ class BanditState:
     return arm in self.rewards[self.cfg.bucket_of(batch_size)]
 
   def update(self, arm: Strategy, batch_size: int, reward: float) -> BanditState:
-    """The state after `arm`'s chunk at `batch_size` earned `reward` (tokens/s)."""
+    """The state after `arm`'s chunk at `batch_size` earned `reward` (tokens/s per live row)."""
     cfg = self.cfg
     lo = cfg.bucket_of(batch_size)
     if arm not in self.rewards[lo]:
