@@ -312,6 +312,34 @@ def test_engine_beg_lossless_and_compiles_only_choosable(tiny):
     np.testing.assert_allclose(got[k], want[k][-20:], rtol=1e-12, err_msg=str(k))
 
 
+def test_precompile_where_the_batch_outnumbers_the_vocabulary():
+  """The shipped models have 32 tokens and a 64-row bucket. Compiling ahead starts from a
+  dummy prefill of distinct rows at the largest bucket; with one-token prompts 64 rows held
+  32 distinct ones, the prefill became a shared one of 32 rows and the 64-row table failed to
+  broadcast against it (scripts/bench_mab.py's precompile). Here 4 tokens and 8 rows: every
+  choosable pair compiles, and the bandit's decode equals plain decoding."""
+  from tlt_jax.drafter.model import init_drafter
+  from tlt_jax.models import init_params
+  import jax
+  cfg = CFG.replace(vocab_size=4)
+  params, dparams = (init_params(cfg, jax.random.key(0), std=0.3),
+                     init_drafter(cfg, jax.random.key(1)))
+  rng = np.random.RandomState(0)
+  reqs = [Request(list(rng.randint(0, 4, 3)), i, max_new_tokens=3 + 2 * i) for i in range(8)]
+  base = dict(max_batch=8, buckets=(1, 2, 4, 8), chunk_size=2, max_prompt_len=8,
+              max_new_tokens=20)
+  sp = SamplingParams(temperature=0.0)
+  sel = make_selector("beg", {1: ["2_1_3", "off"]}, seed=0)
+  w = Engine(params, cfg, EngineConfig(**base, spec=SpecConfig(
+      strategy="2_1_3", bs_threshold=8, patience=1, use_kernel=False)),
+      drafter_params=dparams, bandit=sel.cfg)
+  assert w.precompile(sp) == 8  # 2 arms x 4 buckets
+  spec = {r.request_id: r for r in w.generate(reqs, sp, policies=PolicyCells(sel))}
+  assert {m.mode for m in w.chunk_log} & {"2_1_3"}
+  for r in Engine(params, cfg, EngineConfig(**base)).generate(reqs, sp):
+    np.testing.assert_array_equal(spec[r.request_id].response_ids, r.response_ids)
+
+
 def test_reward_is_the_arms_speed_not_the_rows_that_ended():
   """The reward (ChunkMetrics.row_speed: tokens per verification x steps / wall time, per
   live row) of two chunks of one arm with the same acceptance and step time is the same when

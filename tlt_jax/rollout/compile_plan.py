@@ -326,10 +326,15 @@ class CompilePlan(Switching, Windows):
                rows(bucket, c, d, dtype=self.cfg.compute_dtype), rows(bucket, c, dtype=jnp.bool_))
 
   def prefill_dummy(self, call: PlanCall, batch: int, warm: bool = False):
-    """What a prefill of `batch` distinct one-token rows outputs (warm: a speculative one,
-    the drafter's too), abstract (shapes and shardings as generate's; the shapes
-    ahead-of-time compiles start from): no pool is touched."""
-    dummy = [Request([i % self.cfg.vocab_size], i) for i in range(batch)]
+    """What a prefill of `batch` distinct rows outputs (warm: a speculative one, the
+    drafter's too), abstract (shapes and shardings as generate's; the shapes ahead-of-time
+    compiles start from): no pool is touched. Row i's prompt is i's digits in base vocab_size
+    (distinct rows even where the batch outnumbers the vocabulary, as the shipped 32-token
+    models' 64-row bucket does: repeated prompts would make it a shared prefill of fewer rows)."""
+    v, width = self.cfg.vocab_size, 1
+    while v ** width < batch:
+      width += 1
+    dummy = [Request([i // v ** k % v for k in range(width)], i) for i in range(batch)]
     tokens, lens, _, keys, max_new = prefill_arrays(dummy, batch, jax.random.key(0), self.ecfg)
     rows = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._replicated)
     cache = call.kv.abstract(False).replace(table=rows(batch, self.ecfg.row_pages),
