@@ -101,7 +101,8 @@ def main():
   for thr in sorted({ecfg.spec.bs_threshold, 16}):
     w = Engine(work.params, work.cfg, dataclasses.replace(
         ecfg, spec=dataclasses.replace(ecfg.spec, bs_threshold=thr)),
-        drafter_params=work.drafter_params, bandit=beg().cfg)
+        drafter_params=work.drafter_params, bandit=beg().cfg,
+        history=bench.worker.history)  # (the default buckets hold history arms)
     rows = {"BEG choosable pairs": [(a, b)
                                     for b, arms_b in w.choosable_pairs().items()
                                     for a in arms_b],
