@@ -1,8 +1,10 @@
 """BEG-MAB vs fixed strategies on the long-tail rollout, measured in one run.
 
   python scripts/bench_mab.py [--num_prompts 64] [--passes 10] [--warmup 2] [--chunk_size 4]
+                              [--arms A,B,...]
 
-Arms: every arm of the default BEG buckets (`tlt_jax.rollout.policies.mab.default_mab_buckets()`).
+Arms: every arm of the default BEG buckets (`tlt_jax.rollout.policies.mab.default_mab_buckets()`),
+or `--arms` in every bucket of the default bounds.
 Each arm as a fixed strategy, and BEG over the default buckets, decode the long-tail workload
 (default model + shipped drafter, default-task test prompts, temperature 1, EOS) pass by pass,
 interleaved (tlt_jax/bench/mab.py). BEG keeps learning across passes and is reported
@@ -32,6 +34,8 @@ def main():
   ap.add_argument("--warmup", type=int, default=2, help="BEG passes left out of its number")
   ap.add_argument("--epsilon", type=float, default=0.1)
   ap.add_argument("--window", type=int, default=300)
+  ap.add_argument("--arms", default="", help="comma-separated arms, each in every bucket of "
+                  "the default bounds ('': the default buckets)")
   ap.add_argument("--bs_threshold", type=int, default=0,
                   help="speculate once live <= this (0: max_batch, every bucket speculates)")
   args = ap.parse_args()
@@ -45,6 +49,8 @@ def main():
   from tlt_jax.bench.mab import LongTailBench, load_default_workload, throughput
 
   buckets = default_mab_buckets()
+  if args.arms:
+    buckets = {lo: args.arms.split(",") for lo in buckets}
   arms = make_selector("beg", buckets).arms
   work = load_default_workload(args.num_prompts)
   bench = LongTailBench(work, arms, max_batch=args.max_batch, chunk_size=args.chunk_size,

@@ -390,3 +390,20 @@ def test_arms_measured_at_different_sizes_of_a_bucket_compare_by_their_speed():
     assert max(truth, key=truth.get) == "3_1_4"
     assert state.select(live) == "3_1_4", live
     assert batch.select(live) == "off"  # what the batch's tokens/s chose
+
+def test_bench_mab_runs_end_to_end():
+  """scripts/bench_mab.py, tiny settings (4 prompts, 2 passes, a history arm among its arms):
+  every section prints, the executables table included (its engine once lacked the history
+  index the default buckets' history arms need, and the benchmark died after its passes)."""
+  import os
+  import subprocess
+  import sys
+  from user_env import ROOT as root, user_env
+  env = user_env(JAX_PLATFORMS="cpu", PYTHONPATH=root)
+  out = subprocess.run(
+      [sys.executable, os.path.join(root, "scripts", "bench_mab.py"), "--num_prompts", "4",
+       "--max_batch", "4", "--passes", "2", "--warmup", "1", "--arms", "3_1_4,hist_4,off"],
+      capture_output=True, text=True, env=env, timeout=600)
+  assert out.returncode == 0, out.stderr[-2000:]
+  for want in ("BEG / best fixed", "| BEG choosable pairs | 4 | 9 |", "BEG, lazily compiled"):
+    assert want in out.stdout, out.stdout
