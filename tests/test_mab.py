@@ -5,11 +5,16 @@ choosable (bucket, arm) executables are compiled."""
 
 import dataclasses
 import json
+import subprocess
+import sys
 
+import jax
 import ml_collections
 import numpy as np
 import pytest
 
+from tlt_jax.drafter.model import init_drafter
+from tlt_jax.models import init_params
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.policies.cells import PolicyCells, Selector, make_selector
@@ -18,6 +23,7 @@ from tlt_jax.rollout.records import ChunkMetrics, Request
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.policies.strategy import Strategy
 from spec_helpers import TINY
+from user_env import ROOT, user_env
 
 TLT = {1: ["8_4_48", "8_4_32", "off"], 2: ["8_4_32", "4_1_5", "off"],
        5: ["4_1_5", "2_1_3", "off"], 21: ["2_1_3", "off"]}
@@ -318,9 +324,6 @@ def test_precompile_where_the_batch_outnumbers_the_vocabulary():
   32 distinct ones, the prefill became a shared one of 32 rows and the 64-row table failed to
   broadcast against it (scripts/bench_mab.py's precompile). Here 4 tokens and 8 rows: every
   choosable pair compiles, and the bandit's decode equals plain decoding."""
-  from tlt_jax.drafter.model import init_drafter
-  from tlt_jax.models import init_params
-  import jax
   cfg = CFG.replace(vocab_size=4)
   params, dparams = (init_params(cfg, jax.random.key(0), std=0.3),
                      init_drafter(cfg, jax.random.key(1)))
@@ -395,13 +398,9 @@ def test_bench_mab_runs_end_to_end():
   """scripts/bench_mab.py, tiny settings (4 prompts, 2 passes, a history arm among its arms):
   every section prints, the executables table included (its engine once lacked the history
   index the default buckets' history arms need, and the benchmark died after its passes)."""
-  import os
-  import subprocess
-  import sys
-  from user_env import ROOT as root, user_env
-  env = user_env(JAX_PLATFORMS="cpu", PYTHONPATH=root)
+  env = user_env(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   out = subprocess.run(
-      [sys.executable, os.path.join(root, "scripts", "bench_mab.py"), "--num_prompts", "4",
+      [sys.executable, f"{ROOT}/scripts/bench_mab.py", "--num_prompts", "4",
        "--max_batch", "4", "--passes", "2", "--warmup", "1", "--arms", "3_1_4,hist_4,off"],
       capture_output=True, text=True, env=env, timeout=600)
   assert out.returncode == 0, out.stderr[-2000:]
