@@ -147,7 +147,7 @@ def test_paged_attention_compiles_one_window_and_reads_the_live_slots():
 def test_acceptance_rate_and_draws():
   acc = workload.Acceptance(tpv=(("4_1_5", 3.1),), default=2.0, history=1.5)
   for arm, want in (("4_1_5", 3.1), ("2_1_3", 2.0), ("hist_4", 1.5), ("hyb_4", 2.0)):
-    a, k = acc.rate(Strategy(arm)), Strategy(arm).steps
+    a, k = acc.rate_of(Strategy(arm)), Strategy(arm).steps
     assert sum(a ** j for j in range(k + 1)) == pytest.approx(want, rel=1e-6)
     draws = acc.draw(Strategy(arm), np.random.default_rng(0), (20000,)) + 1
     assert abs(draws.mean() - want) < 4 * draws.std() / np.sqrt(len(draws)), arm
@@ -159,6 +159,46 @@ def test_acceptance_rate_and_draws():
   assert parsed.tokens_per_verification(Strategy("4_1_5")) == 3.2 and parsed.history == 1.2
   with pytest.raises(Exception, match="--acceptance"):
     workload.acceptance("4_x_5=3")
+
+
+def _geometric_tpv(a: float, k: int) -> float:
+  """A depth-k chain's expected tokens per verification, in float64 from the distribution of
+  accepted drafts: P(j accepted) = a^j (1 - a) for j < k, a^k for k; plus the target's token."""
+  a = np.float64(a)
+  probs = np.array([a ** j * (1 - a) for j in range(k)] + [a ** k])
+  assert probs.sum() == pytest.approx(1.0)
+  return float((probs * (np.arange(k + 1) + 1)).sum())
+
+
+def test_acceptance_from_one_per_draft_rate():
+  # Not named, drafter arms share one per-draft rate: deeper chains deliver more tokens per
+  # verification, shallower fewer, and the draws average to it.
+  acc = workload.acceptance("rate=0.6,history=1.4")
+  for arm in ("2_1_3", "3_1_4", "4_1_5", "6_1_7", "hyb_4", "4_2_8"):
+    s = Strategy(arm)
+    want = _geometric_tpv(0.6, s.steps)  # a tree priced as the chain of its depth
+    assert acc.tokens_per_verification(s) == pytest.approx(want, rel=1e-9), arm
+    draws = acc.draw(s, np.random.default_rng(1), (20000,)) + 1
+    assert abs(draws.mean() - want) < 4 * draws.std() / np.sqrt(len(draws)), arm
+  assert acc.tokens_per_verification(Strategy("hist_4")) == 1.4
+  # A measured arm sets the rate of the ones not named; the default (nothing given) is a depth-4
+  # chain at 3.0 tokens per verification.
+  measured = workload.acceptance("4_1_5=3.4")
+  a = measured.draft_rate()
+  assert _geometric_tpv(a, 4) == pytest.approx(3.4, rel=1e-6)
+  assert measured.tokens_per_verification(Strategy("2_1_3")) == pytest.approx(
+      _geometric_tpv(a, 2), rel=1e-6)
+  assert measured.tokens_per_verification(Strategy("2_1_3")) < 3.4 < (
+      measured.tokens_per_verification(Strategy("6_1_7")))
+  assert workload.acceptance("").tokens_per_verification(Strategy("4_1_5")) == pytest.approx(
+      3.0, abs=0.01)
+  assert workload.acceptance("").tokens_per_verification(Strategy("hist_4")) == 1.8
+  # a flat default= keeps every drafter arm at the same tokens per verification
+  flat = workload.acceptance("default=3.0")
+  assert {flat.tokens_per_verification(Strategy(a)) for a in ("3_1_4", "6_1_7")} == {3.0}
+  for bad in ("rate=0.7,default=3", "rate=1.5"):
+    with pytest.raises(Exception, match="--acceptance"):
+      workload.acceptance(bad)
 
 
 def test_lengths_draw_what_they_say(tmp_path):

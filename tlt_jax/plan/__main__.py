@@ -2,8 +2,8 @@
 
     python -m tlt_jax.plan --config configs/qwen2_5_7b_math.py --hardware h100|PROFILE.json \\
         [--gpus 8] [--lengths lognormal:median=2500,sigma=0.7,...|FILE] \\
-        [--acceptance 6_1_7=3.4,...|FILE|NUMBER] [--steps 3] [--compile_s 0] [--out DIR] \\
-        [--config.key=value ...]
+        [--acceptance 4_1_5=3.1,rate=0.8,history=1.8,...|FILE|NUMBER] [--steps 3] \\
+        [--compile_s 0] [--out DIR] [--config.key=value ...]
 
 Runs `--steps` RL steps of the recipe twice on the simulator (tlt_jax/plan/sim.py: the
 project's own rollout loop, Scheduler, page policy, gate and bandit on a simulated clock,
@@ -35,8 +35,10 @@ def _define_flags() -> None:
   flags.DEFINE_integer("gpus", 0, "devices in the cluster (0: config.memory.num_devices)")
   flags.DEFINE_string("lengths", "", "response lengths: lognormal:..., a JSONL of lengths or a "
                       "run's metrics.jsonl ('': the reasoning default, tlt_jax/plan/workload.py)")
-  flags.DEFINE_string("acceptance", "3.0", "tokens per verification: arm=v,... or a JSON file "
-                      "or one number for every arm")
+  flags.DEFINE_string("acceptance", "", "tokens per verification: arm=v,... with rate=A (a "
+                      "per-draft acceptance for the drafter arms not named) or default=T (a "
+                      "flat T for them) and history=T, a JSON file, or one number for every "
+                      "drafter arm ('': per-draft rate 0.74, history arms 1.8; workload.py)")
   flags.DEFINE_integer("steps", 3, "RL steps simulated (the last one is reported)")
   flags.DEFINE_float("compile_s", 0.0, "seconds per executable compiled (0: a warm cache)")
   flags.DEFINE_string("gate", "open", "open: speculation at every bucket under the threshold "

@@ -142,9 +142,7 @@ def text(p: Plan) -> str:
       f"lengths: {p.lengths.describe()}; this step mean {on.lengths.mean():.0f}, "
       f"p90 {int(sorted(on.lengths)[int(0.9 * (len(on.lengths) - 1))])}, "
       f"max {on.lengths.max()} tokens",
-      f"acceptance (tokens per verification): {dict(p.acceptance.tpv) or ''} drafter arms "
-      f"{p.acceptance.default}, history arms {p.acceptance.history}; compiles {p.compile_s:g} s "
-      "each "
+      f"acceptance: {p.acceptance.describe()}; compiles {p.compile_s:g} s each "
       f"({'cold' if p.compile_s else 'a warm cache'})",
       f"profile: {p.hardware.note or p.hardware.name}",
       "",
@@ -190,6 +188,8 @@ def to_json(p: Plan) -> dict[str, Any]:
           "workers": p.workers, "tp": p.tp, "max_batch": p.max_batch, "kv_pages": p.kv_pages,
           "lengths": p.lengths.describe(), "acceptance": dict(p.acceptance.tpv),
           "acceptance_default": p.acceptance.default,
+          "acceptance_rate": None if p.acceptance.default is not None else
+          p.acceptance.draft_rate(),
           "acceptance_history": p.acceptance.history, "compile_s": p.compile_s,
           "speedup": p.speedup, "gate": p.gate, "executables": p.executables,
           "on": [step(s) for s in p.on], "off": [step(s) for s in p.off]}

@@ -13,13 +13,22 @@ Lengths (`lengths`):
       replacement, step by step
 `REASONING` is the default for the shipped recipes (docs/scale.md says why).
 
-Acceptance (`acceptance`): tokens per verification per arm, "4_1_5=3.1,6_1_7=3.6" or a JSON
-file {"4_1_5": 3.1, ...} (the generate CLI's and the drift benchmark's figure), or one number
-for every drafter arm; "default=" sets the drafter arms not named, "history=" the history
-arms not named (1.8 unless set: `hist_4` drafted 1.84 tokens per verification at batch 1 in
-the history benchmark's first epoch, docs/engine.md; a hybrid counts as a drafter arm). A chain of depth K whose drafts are accepted with probability a each, until the
-first rejection, delivers sum_{k<=K} a^k tokens per verification; the simulator solves for a
-and draws each verification's accepted drafts from it. "off" delivers 1.
+Acceptance (`acceptance`): how many tokens each arm's verification delivers. A chain of
+depth K whose drafts are each accepted with probability a, until the first rejection, delivers
+sum_{k<=K} a^k tokens per verification; the simulator draws each verification's accepted
+drafts from that. Given as "arm=v,..." (tokens per verification, "4_1_5=3.1": the generate
+CLI's and the drift benchmark's figure), a JSON file {"4_1_5": 3.1, ...}, or one number, with
+the drafter arms not named priced by one of:
+  rate=A     one per-draft acceptance for every drafter arm not named (a deeper chain delivers
+             more tokens, a shallower one fewer, as a real drafter's do);
+  default=T  the same T tokens per verification for every drafter arm not named, whatever its
+             depth (one number alone means this);
+and without either, the per-draft rate of the named drafter arms (their mean), else
+`RATE` (0.74: 4_1_5 delivers 3.0 tokens per verification, 2_1_3 2.29, 6_1_7 3.39). A tree
+is priced as the chain of its depth (its other branches earn nothing: a lower bound) and a
+hybrid as a drafter chain. "history=" sets the history arms not named (1.8 tokens per
+verification unless set: `hist_4` drafted 1.84 at batch 1 in the history benchmark's first
+epoch, docs/engine.md); "off" delivers 1.
 """
 
 from __future__ import annotations
@@ -131,46 +140,95 @@ def lengths(spec: str) -> Lengths:
   raise ConfigError("holds no lengths", "--lengths", spec)
 
 
+# The per-draft acceptance of drafter arms when nothing is measured: a depth-4 chain at 3.0
+# tokens per verification. Conservative: the shipped drafter's 3.84 at depth 4 (greedy) is
+# a = 0.87, TLT's published 8.67 at depth 12 a = 0.93.
+RATE = 0.74
+
+
+def chain_tokens(a: float, k: int) -> float:
+  """Tokens per verification of a depth-k chain accepting each draft with probability a."""
+  return sum(a ** j for j in range(k + 1))
+
+
+def solve_rate(tpv: float, k: int) -> float:
+  """The per-draft acceptance a with chain_tokens(a, k) = tpv (clipped to [1, k + 1])."""
+  if tpv >= k + 1 - 1e-9:
+    return 1.0
+  lo, hi = 0.0, 1.0
+  for _ in range(60):
+    mid = (lo + hi) / 2
+    lo, hi = (mid, hi) if chain_tokens(mid, k) < tpv else (lo, mid)
+  return lo
+
+
 @dataclasses.dataclass(frozen=True)
 class Acceptance:
-  """Tokens per verification per arm (module docstring); `default` for arms not named."""
+  """Tokens per verification per arm (module docstring): `tpv` for the arms named; the drafter
+  arms not named at the flat `default` where it is set, else at the per-draft `rate` (None:
+  the named drafter arms' mean rate, else RATE); history arms not named at `history`."""
 
   tpv: tuple[tuple[str, float], ...] = ()
-  default: float = 3.0
+  default: float | None = None
+  rate: float | None = None
   history: float = 1.8
+
+  def __post_init__(self):
+    if self.default is not None and self.rate is not None:
+      raise ValueError("give the drafter arms not named either a flat default= or a per-draft "
+                       "rate=, not both")
+    if self.rate is not None and not 0.0 <= self.rate <= 1.0:
+      raise ValueError(f"rate={self.rate}: a per-draft acceptance is in [0, 1]")
+
+  def draft_rate(self) -> float:
+    """The per-draft acceptance of the drafter arms not named (when `default` is None)."""
+    if self.rate is not None:
+      return self.rate
+    named = [Strategy(a) for a, _ in self.tpv]
+    rates = [solve_rate(v, s.steps) for s, (_, v) in zip(named, self.tpv)
+             if s.steps and not (s.history and not s.hybrid)]
+    return float(np.mean(rates)) if rates else RATE
 
   def tokens_per_verification(self, arm: Strategy) -> float:
     if arm == "off" or not arm.steps:
       return 1.0
-    fallback = self.history if arm.history and not arm.hybrid else self.default
-    v = dict(self.tpv).get(str(arm), fallback)
+    named = dict(self.tpv)
+    if str(arm) in named:
+      v = named[str(arm)]
+    elif arm.history and not arm.hybrid:
+      v = self.history
+    elif self.default is not None:
+      v = self.default
+    else:
+      v = chain_tokens(self.draft_rate(), arm.steps)
     return min(max(v, 1.0), arm.steps + 1)
 
-  def rate(self, arm: Strategy) -> float:
+  def rate_of(self, arm: Strategy) -> float:
     """Per-draft acceptance a with sum_{k=0..K} a^k = the arm's tokens per verification."""
-    want, k = self.tokens_per_verification(arm), arm.steps
-    if want >= k + 1 - 1e-9:
-      return 1.0
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-      mid = (lo + hi) / 2
-      if sum(mid ** j for j in range(k + 1)) < want:
-        lo = mid
-      else:
-        hi = mid
-    return lo
+    return solve_rate(self.tokens_per_verification(arm), arm.steps)
+
+  def describe(self) -> str:
+    named = ", ".join(f"{a} {v:g}" for a, v in self.tpv)
+    drafter = (f"{self.default:g} tokens per verification each" if self.default is not None
+               else f"per-draft rate {self.draft_rate():.3f} (4_1_5 "
+               f"{chain_tokens(self.draft_rate(), 4):.2f} tokens per verification)")
+    return ((f"{named}; " if named else "") + f"other drafter arms {drafter}; history arms "
+            f"{self.history:g}")
 
   def draw(self, arm: Strategy, rng: np.random.Generator, shape: Sequence[int]) -> np.ndarray:
     """Accepted drafts per verification (0..K), shaped `shape`."""
     if arm == "off" or not arm.steps:
       return np.zeros(shape, np.int64)
-    a = self.rate(arm)
+    a = self.rate_of(arm)
     u = rng.random(tuple(shape) + (arm.steps,))
     return np.cumprod(u < a, axis=-1).sum(-1)
 
 
 def acceptance(spec: str) -> Acceptance:
-  """An `Acceptance` from "arm=v,...", a JSON file, or one number (module docstring)."""
+  """An `Acceptance` from "arm=v,...", a JSON file, or one number (module docstring); "":
+  the default (every drafter arm at the per-draft RATE, history arms 1.8)."""
+  if not spec.strip():
+    return Acceptance()
   try:
     return Acceptance(default=float(spec))
   except ValueError:
@@ -185,15 +243,18 @@ def acceptance(spec: str) -> Acceptance:
   else:
     items = [p.partition("=")[::2] for p in spec.split(",") if p]
   if not items:
-    raise ConfigError("use arm=tokens_per_verification,... (4_1_5=3.1), a JSON file of "
-                      "them, or one number", "--acceptance", spec)
-  out, default = [], {}
+    raise ConfigError("use arm=tokens_per_verification,... (4_1_5=3.1, rate=0.8, default=3.0, "
+                      "history=1.8), a JSON file of them, or one number", "--acceptance", spec)
+  out, kw = [], {}
   for arm, v in items:
     try:
-      if arm in ("default", "history"):  # the drafter / history arms not named
-        default[arm] = float(v)
+      if arm in ("default", "history", "rate"):  # the drafter / history arms not named
+        kw[arm] = float(v)
       else:
         out.append((str(Strategy(arm)), float(v)))
     except ValueError as e:
       raise ConfigError(f"{arm}={v!r}: {e}", "--acceptance", spec) from None
-  return Acceptance(tpv=tuple(out), **default)
+  try:
+    return Acceptance(tpv=tuple(out), **kw)
+  except ValueError as e:
+    raise ConfigError(str(e), "--acceptance", spec) from None
