@@ -269,8 +269,8 @@ def main():
           " final norm, LM head), HF defaults for the draft length schedule; batch 1, one "
           f"prompt at a time, at most {args.hf_prompts} prompts per workload. Ours: the runs of "
           "the SD table (long tail: our batched engine, SD once the live batch is small).")
-    print(f"\n| workload | ours plain | ours best SD (arm) | HF generate | HF assisted "
-          f"(tokens/target fwd) | ours SD / HF assisted |")
+    print("\n| workload | ours plain | ours best SD (arm) | HF generate | HF assisted "
+          "(tokens/target fwd) | ours SD / HF assisted |")
     print("|---|---:|---:|---:|---:|---:|")
     task1 = [prompts[i % len(prompts)] for i in range(args.task_requests)]
     work = [(f"batch 1, {m}, {args.new_tokens} tokens/row (no EOS)", prompts[:1], args.new_tokens,

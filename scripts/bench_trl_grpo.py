@@ -487,8 +487,9 @@ def differences(args) -> list[str]:
       "2 worker processes while the long tail is still decoding.",
       "Micro-batching: TRL runs each 128-row optimizer step as one forward/backward padded to the "
       "longest completion of the generation batch (per_device_train_batch_size=%d, gradient "
-      "accumulation %d); ours length-sorted micro-batches of <= 8192 tokens padded to multiples of "
-      "64. Numerically the same loss; different speed." % (args.micro_batch, 128 // args.micro_batch),
+      "accumulation %d); ours length-sorted micro-batches of <= 8192 tokens padded to "
+      "multiples of 64. Numerically the same loss; different speed."
+      % (args.micro_batch, 128 // args.micro_batch),
       "Checkpointing: none in the TRL run (save_strategy='no'); ours saves every 5 steps (timed "
       "outside its per-step 'total').",
       "TRL computes per-token entropy in every loss forward (metric only; ours computes it too).",

@@ -1,5 +1,6 @@
-"""tlt_jax.launch and tlt_jax.distributed: launch detection on fake Slurm / Open MPI / by-hand environments, the
-config section and its errors, then real 2-process x 4-CPU-device runs (tests/mp_launch.py):
+"""tlt_jax.launch and tlt_jax.distributed: launch detection on fake Slurm / Open MPI / by-hand
+environments, the config section and its errors, then real 2-process x 4-CPU-device runs
+(tests/mp_launch.py):
 global collectives give the numpy answer in both processes, and a process that dies (killed,
 or an uncaught exception; process 0 or not) brings the other down in bounded time instead of
 leaving it hanging."""

@@ -308,7 +308,8 @@ def test_history_strategy_grammar_and_reach():
   # a chunk of 4 single steps: each commits <= steps + 1 and verifies verify_tokens slots
   assert chunk_reach(Strategy("hist_4"), 4) == 3 * 5 + 5
   assert chunk_reach(Strategy("histtree_2_4_6"), 4) == 3 * 3 + 6  # no drafter tree levels to reach
-  assert chunk_reach(Strategy("hyb_4"), 4) == 3 * 5 + 9  # its drafter chain stays below the verified slots
+  # its drafter chain stays below the verified slots
+  assert chunk_reach(Strategy("hyb_4"), 4) == 3 * 5 + 9
 
 
 def test_external_tree_layout():

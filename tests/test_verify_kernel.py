@@ -630,7 +630,7 @@ def build_q_tree(root_q, Q, widths, dup=False):
   child. Returns tokens [N, T], children [N, T, C], parent-token index per node (-1 = root)."""
   Nr = root_q.shape[0]
   C = max(widths)
-  toks, kids, parent = [np.zeros(Nr, np.int32)], [], [-1]
+  toks, parent = [np.zeros(Nr, np.int32)], [-1]
   frontier = [(0, np.asarray(root_q))]
   kids_of = {}
   for depth, w in enumerate(widths):

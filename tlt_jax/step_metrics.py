@@ -140,7 +140,8 @@ class DrafterAcceptance:
     seqs = [(responses[i].prompt_ids, responses[i].response_ids) for i in pick]
     exe = None if self._exe is None else self._exe.result()
     # every sequence cut to (and padded to) its first acceptance_len tokens: one executable
-    out = acceptance.measure(params, jax.device_put(dparams, self._replicated), seqs, cfg=self.learner.cfg,
+    out = acceptance.measure(params, jax.device_put(dparams, self._replicated), seqs,
+                             cfg=self.learner.cfg,
                              depth=self.depth, sampling=self.sampling,
                              length=self.length, executable=exe)
     return {"tokens_per_verify": out["tokens_per_verify"], "stderr": out["stderr"],

@@ -2,4 +2,5 @@
 (bench_model), per-forward speculative costs and speedup bounds (spec_costs), decode steps
 against copy bandwidth (roofline), the Hugging Face peers (rollout), the regime benchmark
 (regime), the transformers parity check (hf_parity), the history index at scale
-(history) and runs in lockstep (lockstep: scripts/bench_e2e.py's drift-free comparison). The scripts in scripts/ are their command lines."""
+(history) and runs in lockstep (lockstep: scripts/bench_e2e.py's drift-free comparison). The
+scripts in scripts/ are their command lines."""

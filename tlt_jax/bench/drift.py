@@ -292,7 +292,8 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
                   yerr=[r[f"{d}_{kind}_se"] for r in rows], color=c, marker="o", capsize=3,
                   label=d)
     ax.set_xlabel("RL step")
-    ax.set_ylabel(f"tokens per verification, chain 4_1_5 ({'greedy' if kind == 'greedy' else 'T=1'})")
+    ax.set_ylabel("tokens per verification, chain 4_1_5 "
+                  f"({'greedy' if kind == 'greedy' else 'T=1'})")
     kl = ax.twinx()
     kl.plot(steps, [r["kl"] for r in rows], color="tab:red", ls="--", label="KL")
     kl.set_ylabel("KL(pi_t || pi_0) per token", color="tab:red")

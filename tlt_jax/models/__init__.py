@@ -13,6 +13,7 @@ from tlt_jax.models.transformer import (ModelOutput, Params, abstract_params, co
 __all__ = [
     "ModelConfig", "RopeScaling", "num_params", "KVCache", "ModelOutput", "Params",
     "abstract_params", "causal_mask", "compute_logits", "forward", "fuse_projections",
-    "init_cache", "init_pools", "init_params", "packed_impl", "pages_for", "param_shapes", "replica_layout",
+    "init_cache", "init_pools", "init_params", "packed_impl", "pages_for", "param_shapes",
+    "replica_layout",
     "segment_causal_mask", "unstack_layers",
 ]

@@ -3,7 +3,8 @@
 `calibrate` times the rollout's forwards as the engine runs them (`bench/spec_costs.py`: N
 repetitions inside one compiled loop, weights as arguments) at several batch sizes: the
 target's forward over 1 and each arm's `verify_tokens` new tokens with a cache, and the
-drafter's over 1, `topk` and `steps + 1`. It fits a `cost.Hardware` to those components alone (`cost.fit`), then
+drafter's over 1, `topk` and `steps + 1`. It fits a `cost.Hardware` to those components
+alone (`cost.fit`), then
 predicts what it did not see: the plain decode step (a forward, sampling and the chunk's
 bookkeeping) and each arm's whole speculative step (the verification forward over its
 `verify_tokens`, the drafter's catch-up over steps + 1, steps - 1 more drafter steps of
@@ -173,8 +174,8 @@ def validate_rollouts(params, dparams, cfg: ModelConfig, hw: cost.Hardware, *,
   both decode the same tokens; the arm's acceptance is the one the engine measured in the
   timed run (an input of the simulator, not what it predicts). The engine's executables are
   compiled and run once by a first, untimed run of each with the same seed (the same tokens,
-  the same chunks: a fresh executable's first run is slow on CPU). Returns rows {workload, mode, predicted,
-  measured, tokens_per_verification}."""
+  the same chunks: a fresh executable's first run is slow on CPU). Returns rows {workload,
+  mode, predicted, measured, tokens_per_verification}."""
 
   import numpy as np
 

@@ -90,7 +90,8 @@ def group_advantages(rewards: np.ndarray, *, eps: float = 1e-6, norm_by_std: boo
 def _lm_head_logprobs(params: Params, hidden: jax.Array, targets: jax.Array, *,
                       cfg: ModelConfig, temperature: float, chunk: int
                       ) -> tuple[jax.Array, jax.Array]:
-  """hidden [B, T, D] (after the final norm), targets [B, T] -> (log p(target), entropy), both [B, T].
+  """hidden [B, T, D] (after the final norm), targets [B, T] -> (log p(target), entropy), both
+  [B, T].
 
   The LM head runs over chunks of `chunk` positions under `jax.checkpoint`, so neither the
   forward nor the backward pass ever holds [B, T, V] float32 logits (152k-vocab models at 8k

@@ -29,7 +29,8 @@ from tlt_jax.rollout.decode import DecodeState
 @flax.struct.dataclass
 class SpecState:
   base: DecodeState
-  dcache: KVCache  # drafter k/v (1 layer page pools, the target's tables); lengths = pairs committed
+  # drafter k/v (1 layer page pools, the target's tables); lengths = pairs committed
+  dcache: KVCache
   pending: jax.Array  # [B] int32 emitted token not yet fed to the target
   has_pending: jax.Array  # [B] bool
   catch_tokens: jax.Array  # [B, M] int32 (M = max_steps + 1)
