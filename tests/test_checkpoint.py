@@ -418,6 +418,11 @@ def _warnings(caplog):
           if r.name == "tlt_jax.checkpoint" and r.levelname == "WARNING"]
 
 
+# Orbax's restore, failing on an empty array file, leaves TensorStore reads that finish after
+# its event loop has closed; their callbacks raise "Event loop is closed" in a TensorStore
+# thread, which Python prints as ignored (nothing is lost: the fallback below is what counts).
+@pytest.mark.filterwarnings(
+    "ignore:(?s)Exception ignored in.*Event loop is closed:pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("damage", [_truncate_all, _empty_array_data, _damage_metadata,
                                     _drop_manifest, _drop_item])
 def test_damaged_newest_step_falls_back_and_is_kept(tmp_path, caplog, damage):
