@@ -201,6 +201,28 @@ def test_acceptance_from_one_per_draft_rate():
       workload.acceptance(bad)
 
 
+def test_acceptance_from_a_runs_metrics(tmp_path):
+  # the drafter's chain at the mean of the last 5 steps that measured it; the other drafter arms
+  # at its per-draft rate
+  tpvs = [3.9, 3.5, 3.4, 3.3, 3.2, 3.1, 3.0]
+  path = tmp_path / "metrics.jsonl"
+  with open(path, "w") as f:
+    f.write(json.dumps({"step": 0, "response_length": {"p50": 30}}) + "\n")
+    for i, v in enumerate(tpvs, 1):
+      f.write(json.dumps({"step": i, "drafter_acceptance": {
+          "tokens_per_verify": v, "stderr": 0.05, "depth": 4, "length": 128}}) + "\n")
+  acc = workload.acceptance(str(path))
+  want = float(np.mean(tpvs[-5:]))
+  assert acc.tokens_per_verification(Strategy("4_1_5")) == pytest.approx(want)
+  a = acc.draft_rate()
+  assert acc.tokens_per_verification(Strategy("6_1_7")) == pytest.approx(
+      _geometric_tpv(a, 6), rel=1e-6)
+  empty = tmp_path / "plain.jsonl"
+  empty.write_text(json.dumps({"step": 0, "reward": 0.5}) + "\n")
+  with pytest.raises(Exception, match="drafter_acceptance"):
+    workload.acceptance(str(empty))
+
+
 def test_lengths_draw_what_they_say(tmp_path):
   rng = np.random.default_rng(0)
   body = workload.lengths("lognormal:median=1000,sigma=0.5")

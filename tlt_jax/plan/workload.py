@@ -17,8 +17,9 @@ Acceptance (`acceptance`): how many tokens each arm's verification delivers. A c
 depth K whose drafts are each accepted with probability a, until the first rejection, delivers
 sum_{k<=K} a^k tokens per verification; the simulator draws each verification's accepted
 drafts from that. Given as "arm=v,..." (tokens per verification, "4_1_5=3.1": the generate
-CLI's and the drift benchmark's figure), a JSON file {"4_1_5": 3.1, ...}, or one number, with
-the drafter arms not named priced by one of:
+CLI's and the drift benchmark's figure), a JSON file {"4_1_5": 3.1, ...}, a run's
+metrics.jsonl (its drafter's chain at the mean `drafter_acceptance` of its last 5 steps that
+measured it), or one number, with the drafter arms not named priced by one of:
   rate=A     one per-draft acceptance for every drafter arm not named (a deeper chain delivers
              more tokens, a shallower one fewer, as a real drafter's do);
   default=T  the same T tokens per verification for every drafter arm not named, whatever its
@@ -208,7 +209,7 @@ class Acceptance:
     return solve_rate(self.tokens_per_verification(arm), arm.steps)
 
   def describe(self) -> str:
-    named = ", ".join(f"{a} {v:g}" for a, v in self.tpv)
+    named = ", ".join(f"{a} {v:.2f}" for a, v in self.tpv)
     drafter = (f"{self.default:g} tokens per verification each" if self.default is not None
                else f"per-draft rate {self.draft_rate():.3f} (4_1_5 "
                f"{chain_tokens(self.draft_rate(), 4):.2f} tokens per verification)")
@@ -224,6 +225,29 @@ class Acceptance:
     return np.cumprod(u < a, axis=-1).sum(-1)
 
 
+def _run_acceptance(path: str, last: int = 5) -> list[tuple[str, float]]:
+  """A run's metrics.jsonl: its drafter's chain, `{depth}_1_{depth + 1}`, at the mean tokens per
+  verification of the last `last` steps that measured it (`drafter_acceptance`: the policy's
+  own samples at the rollout's temperature, train.py)."""
+  seen: list[tuple[int, float]] = []
+  with open(path) as f:
+    for i, line in enumerate(f, 1):
+      try:
+        rec = json.loads(line) if line.strip() else {}
+      except json.JSONDecodeError as e:
+        raise ConfigError(f"line {i} is not JSON ({e})", "--acceptance", path) from None
+      m = rec.get("drafter_acceptance") if isinstance(rec, dict) else None
+      if isinstance(m, dict) and "tokens_per_verify" in m:
+        seen.append((int(m["depth"]), float(m["tokens_per_verify"])))
+  if not seen:
+    raise ConfigError("has no drafter_acceptance (a run's metrics.jsonl records it at each step "
+                      "where the drafter is wanted): give tokens per verification instead, "
+                      "4_1_5=3.1", "--acceptance", path)
+  depth = seen[-1][0]
+  tpv = [v for d, v in seen if d == depth][-last:]
+  return [(f"{depth}_1_{depth + 1}", float(np.mean(tpv)))]
+
+
 def acceptance(spec: str) -> Acceptance:
   """An `Acceptance` from "arm=v,...", a JSON file, or one number (module docstring); "":
   the default (every drafter arm at the per-draft RATE, history arms 1.8)."""
@@ -234,12 +258,14 @@ def acceptance(spec: str) -> Acceptance:
   except ValueError:
     pass
   if os.path.isfile(spec):
-    try:
-      with open(spec) as f:
-        d = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-      raise ConfigError(f"cannot be read as JSON ({e})", "--acceptance", spec) from None
-    items = list(d.items()) if isinstance(d, dict) else None
+    items = _run_acceptance(spec) if spec.endswith(".jsonl") else None
+    if items is None:
+      try:
+        with open(spec) as f:
+          d = json.load(f)
+      except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot be read as JSON ({e})", "--acceptance", spec) from None
+      items = list(d.items()) if isinstance(d, dict) else None
   else:
     items = [p.partition("=")[::2] for p in spec.split(",") if p]
   if not items:
