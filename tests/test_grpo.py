@@ -136,13 +136,21 @@ def test_ratio_is_one_on_policy_and_gradient_is_policy_gradient(setup):
   # (jitted: eager grads compile every op once per shape, a minute of this test)
   loss_grad = jax.jit(jax.grad(
       lambda p, dev: grpo.grpo_loss(p, dev, cfg=CFG, gcfg=gcfg, num_tokens=n)[0]))
-  g_loss = None
+  loss_of = jax.jit(lambda p, dev: grpo.grpo_loss(p, dev, cfg=CFG, gcfg=gcfg, num_tokens=n))
+  g_loss, total = None, 0.0
   for mb in mbs:
     packed = (jnp.asarray(mb.tokens), jnp.asarray(mb.positions), jnp.asarray(mb.segment_ids))
     dev = grpo.Batch(*packed, jnp.asarray(mb.loss_mask), jnp.asarray(mb.advantages),
                      grpo.token_logprobs(old, *packed, cfg=CFG, temperature=1.0)[0])
     g = loss_grad(old, dev)
     g_loss = g if g_loss is None else jax.tree.map(jnp.add, g_loss, g)
+    loss, m = loss_of(old, dev)
+    total += float(loss)
+    assert float(m["clip_frac"]) == 0.0 and abs(float(m["approx_kl_old"])) < 1e-6  # ratio 1
+  # the loss: -(sum over samples of A x its response tokens) / all response tokens
+  want = -sum(s.advantage * len(s.response_ids) for s in samples) / float(n)
+  assert abs(want) > 1e-3  # (the advantages sum to 0 per group; the lengths differ)
+  np.testing.assert_allclose(total, want, rtol=1e-5, atol=1e-7)
 
   @jax.jit
   @jax.grad

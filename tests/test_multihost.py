@@ -107,7 +107,14 @@ def test_replica_merge_on_devices_equals_the_weighted_average():
     states.append(dts.DrafterState(st.params, st.opt_state, st.step + 3 * r))
   got = average_replicas(states, [3.0, 1.0], [0, 1], rollout, store_sh)
   want = average_states([jax.device_put(s, store_sh) for s in states], [3.0, 1.0])
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+  # both against numpy: 0.75 x the first copy + 0.25 x the second, the larger step count
+  leaves = [[np.asarray(x) for x in jax.tree.leaves(s)] for s in states]
+  ref = [np.maximum(x0, x1) if np.issubdtype(x0.dtype, np.integer)
+         else 0.75 * x0.astype(np.float64) + 0.25 * x1.astype(np.float64)
+         for x0, x1 in zip(*leaves)]
+  assert any(np.issubdtype(x.dtype, np.integer) for x in ref)  # the step counts are checked
+  for a, b, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), ref):
+    np.testing.assert_allclose(np.asarray(a), r, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(b), r, rtol=1e-6, atol=1e-7)
   assert all(x.sharding == s for x, s in zip(jax.tree.leaves(got), jax.tree.leaves(store_sh)))
   assert average_replicas(states, [0.0, 0.0], [0, 1], rollout, store_sh) is None

@@ -7,8 +7,9 @@
   identical greedy AND sampled outputs (per-row keys);
 * the sampler's distribution == a float64 numpy re-implementation of HF's logits warpers
   (chi-square), both for `sample_tokens` directly and end to end through the engine;
-* captured hidden states == the pre-final-norm hidden state of a full no-cache forward and of
-  transformers (hook on `model.model.norm`).
+* captured hidden states == the post-final-norm hidden state (the serving engines' drafter
+  convention) of a full no-cache forward and of transformers (hook on `model.model.norm`'s
+  output).
 
 Models are tiny (vocab 96, 2 layers, width 32) with every tensor drawn from N(0, 0.3) so their
 outputs are far from uniform/degenerate. Workers are module-scoped and shared between tests:

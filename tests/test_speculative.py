@@ -69,6 +69,9 @@ def test_greedy_spec_with_kernel_equals_reference(tiny, arm):
         spec=SpecConfig(strategy=arm, bs_threshold=4, patience=1, use_kernel=use_kernel)),
         drafter_params=dparams)
     outs.append(_by_id(w.generate(reqs, SamplingParams(temperature=0.0))))
+    assert any(m.mode == arm for m in w.chunk_log)  # speculation really ran
+  # the kernel really ran (a failed compile falls back to the reference, with a warning)
+  assert w.compiles.verify_path == "pallas" and w.compiles.kernel_error is None
   for key in outs[0]:
     np.testing.assert_array_equal(outs[0][key].response_ids, outs[1][key].response_ids)
 

@@ -268,12 +268,13 @@ def test_resume_with_spot_training_and_the_bandit_restores_every_state(tmp_path)
 def test_speculation_gate_reports_and_resumes(tmp_path):
   """With the gate on, every step's metrics carry its per-bucket status, the rates it
   measured and the payoff rule's terms; while no probe is funded nothing speculative is
-  compiled (the suite's persistent cache can make compiles look cheap enough to fund one: the
-  rule itself is test_payoff.py's); a resumed run continues from the saved verdicts and
-  ledger."""
+  compiled (a payback so small that no saving repays a compile, however cheap the suite's
+  persistent cache makes it: the rule itself is test_payoff.py's); a resumed run continues
+  from the saved verdicts and ledger."""
   from tlt_jax.run import build
   from tlt_jax.run import restore
-  gate = {"tlt.spec.gate.enabled": True, "tlt.spec.gate.min_chunks": 1}
+  gate = {"tlt.spec.gate.enabled": True, "tlt.spec.gate.min_chunks": 1,
+          "tlt.spec.gate.payback": 1e-9}
   first, last = _run(_small_cfg(tmp_path, 2, **gate))
   recs = _records(tmp_path)
   status = recs[-1]["spec_gate"]["status"]
@@ -282,8 +283,8 @@ def test_speculation_gate_reports_and_resumes(tmp_path):
   p = recs[-1]["spec_gate"]["payoff"]["1"]
   assert p["arm"] == "4_1_5" and p["s_per_rollout"] >= 0 and p["compile"] > 0
   for r in recs[1:]:
-    if all(v in ("unfunded", "closed") for v in r["spec_gate"]["status"].values()):
-      assert r["executables"]["speculative"] == 0 and "spec" not in r
+    assert all(v in ("unfunded", "closed") for v in r["spec_gate"]["status"].values()), r
+    assert r["executables"]["speculative"] == 0 and "spec" not in r
   assert recs[-1]["executables"]["count"] > 0
   second, fresh = build(_small_cfg(tmp_path, 3, **gate))
   resumed = restore(second, fresh)
