@@ -64,11 +64,11 @@ def main() -> int:
   lines = [f"profile fitted here: memory {hw.mem_bw / 1e9:.1f} GB/s, matmul "
            f"{hw.flops / 1e9:.1f} GFLOP/s, {hw.fixed_s * 1e6:.0f} us per forward + "
            f"{hw.layer_s * 1e6:.1f} us per layer", "", cal.table(), "",
-           "| batch | arm | spec / plain measured | predicted | predicted / measured |",
-           "|---:|---|---:|---:|---:|"]
+           "| batch | arm | spec / plain measured | predicted | predicted / measured | one rate "
+           "/ measured |", "|---:|---|---:|---:|---:|---:|"]
   for r in cal.ratios():
     lines.append(f"| {r['batch']} | {r['arm']} | {r['measured']:.2f} | {r['predicted']:.2f} | "
-                 f"{r['predicted'] / r['measured']:.2f} |")
+                 f"{r['predicted'] / r['measured']:.2f} | {r['one_rate'] / r['measured']:.2f} |")
   rollouts = []
   if a.rollouts:
     # whole rollouts, predicted by the simulator on the profile just fitted, then decoded

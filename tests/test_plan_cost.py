@@ -96,6 +96,62 @@ def test_fit_recovers_the_profile_that_made_the_timings():
   assert np.max(np.abs(predicted / np.asarray(seconds) - 1)) < 0.05
 
 
+def test_shape_factors_price_what_one_rate_cannot(tmp_path):
+  """A machine whose 1-token forwards lose efficiency with rows (XLA:CPU's: 0.6-0.7x at 4+
+  rows) cannot be fitted by one rate and bandwidth; the factors calibrate keeps reproduce each
+  measured forward, interpolate in log rows between them, price a speculative step as its
+  parts, survive the profile's JSON, and leave a profile without them as it was."""
+  import dataclasses
+  import json
+  from tlt_jax.plan.calibrate import shape_factors
+  from tlt_jax.rollout.policies.strategy import Strategy
+  cfg = CFGS["qwen2"]
+  base = cost.Hardware("x", mem_bw=20e9, flops=300e9, link_bw=float("inf"), fixed_s=2e-4,
+                       layer_s=3e-5)
+
+  def efficiency(kind, rows, tokens):  # the "true" machine: slower 1-token forwards at 4+ rows
+    return 1.0 if tokens > 1 or rows < 4 else 0.6 + 0.1 * (rows >= 16)
+
+  def true_seconds(c):  # each forward's roofline at its own efficiency
+    return sum(base.roofline(b, f) / efficiency(k, r, t) for k, r, t, b, f, _ in c.shapes) + (
+        base.fixed_s + base.layer_s * c.layers)
+
+  shapes = [("verify", b, t) for b in (1, 4, 16) for t in (1, 5)] + [
+      ("drafter", b, t) for b in (1, 4, 16) for t in (1, 5)]
+  comps = {}
+  for kind, b, t in shapes:
+    c = (cost.forward(cfg, b, t, 256) if kind == "verify" else cost.draft(cfg, b, t, 256))
+    comps[(b, f"{kind} fwd T={t}")] = (c, true_seconds(c))
+  fitted = cost.fit([c for c, _ in comps.values()], [s for _, s in comps.values()])
+  plain = np.asarray([fitted.seconds(c) / s for c, s in comps.values()])
+  assert np.max(np.abs(plain - 1)) > 0.15  # one rate cannot fit them all
+  hw = dataclasses.replace(fitted, shape_factors=shape_factors(fitted, comps))
+  for c, s in comps.values():
+    assert hw.seconds(c) == pytest.approx(s, rel=1e-6)
+  # between measured rows: the factor interpolated in log rows (8 rows: halfway from 4 to 16)
+  f4, f16 = hw.factor("target", 4, 1), hw.factor("target", 16, 1)
+  assert hw.factor("target", 8, 1) == pytest.approx((f4 + f16) / 2)
+  assert hw.factor("target", 64, 1) == pytest.approx(f16)  # clamped past the last row count
+  assert hw.factor("target", 1, 64) == 1.0 and hw.factor("prefill", 4, 1) == 1.0
+  # a speculative step (verification + drafter forwards) at measured shapes: its parts' times
+  step = cost.spec_step(cfg, Strategy("4_1_5"), 4, 256)
+  terms = [hw.roofline(b, f) + hw.layer_s * n for _, _, _, b, f, n in step.shapes]
+  parts = sum(w * hw.factor(k, r, t) for w, (k, r, t, *_) in zip(terms, step.shapes))
+  whole = hw.roofline(step.bytes, step.flops) + hw.layer_s * step.layers
+  assert hw.seconds(step) == pytest.approx(parts * whole / sum(terms) + hw.fixed_s, rel=1e-9)
+  # the profile's JSON (bench_cost_model's cost_model.json) keeps them
+  path = tmp_path / "cost_model.json"
+  path.write_text(json.dumps({"hardware": dataclasses.asdict(hw)}))
+  again = cost.profile(str(path))
+  assert again.shape_factors == hw.shape_factors
+  assert again.seconds(step) == pytest.approx(hw.seconds(step), rel=1e-12)
+  # a profile without factors prices as the formula says
+  c = cost.forward(cfg, 8, 1, 256)
+  assert fitted.seconds(c) == pytest.approx(
+      max(c.bytes / fitted.mem_bw, c.flops / fitted.flops) + fitted.fixed_s
+      + fitted.layer_s * c.layers)
+
+
 @pytest.mark.parametrize("name", ["qwen2", "qwen3_tied"])
 @pytest.mark.parametrize("rows,t", [(8, 32), (2, 256)])
 def test_learner_flops_are_xlas(name, rows, t):

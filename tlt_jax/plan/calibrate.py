@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import numpy as np
+
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.plan import cost
 from tlt_jax.rollout.policies.strategy import Strategy
@@ -25,18 +27,19 @@ from tlt_jax.rollout.policies.strategy import Strategy
 @dataclasses.dataclass
 class Calibration:
   """What `calibrate` measured and fitted: `hardware`; per (batch, label) the measured
-  seconds and the profile's prediction, `fitted` marking the components it was fitted on."""
+  seconds and the profile's prediction (`one_rate`: without its shape factors), `fitted`
+  marking the components it was fitted on."""
 
   hardware: cost.Hardware
   rows: list[dict]
 
   def table(self) -> str:
-    lines = ["| batch | forward | measured ms | predicted ms | predicted / measured | in fit |",
-             "|---:|---|---:|---:|---:|:---:|"]
+    lines = ["| batch | forward | measured ms | predicted ms | predicted / measured | one rate "
+             "/ measured | in fit |", "|---:|---|---:|---:|---:|---:|:---:|"]
     for r in self.rows:
       lines.append(f"| {r['batch']} | {r['label']} | {r['measured'] * 1e3:.3f} | "
                    f"{r['predicted'] * 1e3:.3f} | {r['predicted'] / r['measured']:.2f} | "
-                   f"{'yes' if r['fitted'] else ''} |")
+                   f"{r['one_rate'] / r['measured']:.2f} | {'yes' if r['fitted'] else ''} |")
     return "\n".join(lines)
 
   def ratios(self) -> list[dict]:
@@ -48,7 +51,8 @@ class Calibration:
         plain = by[(b, "plain step")]
         out.append({"batch": b, "arm": label[len("spec step "):],
                     "measured": r["measured"] / plain["measured"],
-                    "predicted": r["predicted"] / plain["predicted"]})
+                    "predicted": r["predicted"] / plain["predicted"],
+                    "one_rate": r["one_rate"] / plain["one_rate"]})
     return out
 
 
@@ -87,11 +91,29 @@ def calibrate(params, dparams, cfg: ModelConfig, sp, *, batches: Sequence[int] =
       progress(i + 1, len(batches))
   fitted = [k for k in measured if " fwd T=" in k[1]]
   costs = {k: component_cost(cfg, k[1], k[0], cache_len, kv_len) for k in measured}
-  hw = cost.fit([costs[k] for k in fitted], [measured[k] for k in fitted], name=name)
+  one_rate = cost.fit([costs[k] for k in fitted], [measured[k] for k in fitted], name=name)
+  hw = dataclasses.replace(one_rate, shape_factors=shape_factors(
+      one_rate, {k: (costs[k], measured[k]) for k in fitted}))
   rows = [{"batch": b, "label": label, "measured": measured[(b, label)],
-           "predicted": hw.seconds(costs[(b, label)]), "fitted": (b, label) in fitted}
+           "predicted": hw.seconds(costs[(b, label)]),
+           "one_rate": one_rate.seconds(costs[(b, label)]), "fitted": (b, label) in fitted}
           for b, label in sorted(measured, key=lambda k: (k[0], _order(k[1])))]
   return Calibration(hw, rows)
+
+
+def shape_factors(hw: cost.Hardware, components: dict[tuple[int, str], tuple[cost.Cost, float]]
+                  ) -> tuple[tuple[str, int, int, float], ...]:
+  """Per measured component forward ((batch, label) -> (its cost, measured seconds)): how far
+  `hw`'s size-dependent terms (roofline and per-layer) were off at its shape, measured over
+  fitted with fixed_s and collectives aside (cost.py's module docstring)."""
+  out = []
+  for (b, label), (c, seconds) in sorted(components.items()):
+    kind, _, tokens = label.partition(" fwd T=")
+    sized = hw.roofline(c.bytes, c.flops) + hw.layer_s * c.layers
+    rest = hw.fixed_s + c.collective_bytes / hw.link_bw
+    out.append(({"verify": "target", "drafter": "drafter"}[kind], b, int(tokens),
+                float(np.clip((seconds - rest) / sized, 0.05, 20.0)) if sized > 0 else 1.0))
+  return tuple(out)
 
 
 def _order(label: str) -> tuple:
@@ -175,7 +197,8 @@ def validate_rollouts(params, dparams, cfg: ModelConfig, hw: cost.Hardware, *,
   timed run (an input of the simulator, not what it predicts). The engine's executables are
   compiled and run once by a first, untimed run of each with the same seed (the same tokens,
   the same chunks: a fresh executable's first run is slow on CPU). Returns rows {workload,
-  mode, predicted, measured, tokens_per_verification}."""
+  mode, predicted, one_rate (`hw` without its shape factors), measured,
+  tokens_per_verification}."""
 
   import numpy as np
 
@@ -206,10 +229,15 @@ def validate_rollouts(params, dparams, cfg: ModelConfig, hw: cost.Hardware, *,
     log = engine.chunk_log
     verifs = sum(m.verifications for m in log)
     tpv = sum(m.tokens for m in log if m.arm is not None) / verifs if verifs else None
-    s = SimEngine(cfg, ecfg, hw, acceptance=Acceptance(tpv=((mode, tpv),)) if tpv else None)
-    s.lengths = {r.key: int(r.max_new_tokens) for r in reqs}
-    s.generate(reqs, sp, seed=seed)
-    rows.append({"workload": w, "mode": mode, "predicted": s.now, "measured": measured,
+    predicted = {}
+    for key, profile in (("predicted", hw),
+                         ("one_rate", dataclasses.replace(hw, shape_factors=()))):
+      s = SimEngine(cfg, ecfg, profile,
+                    acceptance=Acceptance(tpv=((mode, tpv),)) if tpv else None)
+      s.lengths = {r.key: int(r.max_new_tokens) for r in reqs}
+      s.generate(reqs, sp, seed=seed)
+      predicted[key] = s.now
+    rows.append({"workload": w, "mode": mode, **predicted, "measured": measured,
                  "tokens_per_verification": tpv})
     if progress:
       progress(i + 1, len(jobs))
@@ -218,20 +246,22 @@ def validate_rollouts(params, dparams, cfg: ModelConfig, hw: cost.Hardware, *,
 
 def rollout_table(rows: list[dict]) -> str:
   """The rollouts' table, and per workload the speculative / plain ratio both ways."""
-  lines = ["| workload | mode | tokens/verif. | measured s | predicted s | predicted / measured |",
-           "|---|---|---:|---:|---:|---:|"]
+  lines = ["| workload | mode | tokens/verif. | measured s | predicted s | predicted / measured "
+           "| one rate / measured |", "|---|---|---:|---:|---:|---:|---:|"]
   for r in rows:
     tpv = f"{r['tokens_per_verification']:.2f}" if r["tokens_per_verification"] else ""
     lines.append(f"| {r['workload']} | {r['mode']} | {tpv} | {r['measured']:.3f} | "
-                 f"{r['predicted']:.3f} | {r['predicted'] / r['measured']:.2f} |")
-  lines += ["", "| workload | arm / plain measured | predicted | predicted / measured |",
-            "|---|---:|---:|---:|"]
+                 f"{r['predicted']:.3f} | {r['predicted'] / r['measured']:.2f} | "
+                 f"{r['one_rate'] / r['measured']:.2f} |")
+  lines += ["", "| workload | arm / plain measured | predicted | predicted / measured | one rate "
+            "/ measured |", "|---|---:|---:|---:|---:|"]
   by = {}
   for r in rows:
     by.setdefault(r["workload"], []).append(r)
   for w, (plain, spec) in by.items():
     m, p = spec["measured"] / plain["measured"], spec["predicted"] / plain["predicted"]
-    lines.append(f"| {w} | {m:.2f} | {p:.2f} | {p / m:.2f} |")
+    o = spec["one_rate"] / plain["one_rate"]
+    lines.append(f"| {w} | {m:.2f} | {p:.2f} | {p / m:.2f} | {o / m:.2f} |")
   return "\n".join(lines)
 
 

@@ -22,10 +22,18 @@ A profile turns that into seconds:
         + fixed_s + layer_s x layers
 `fixed_s` is what one forward costs whatever its size (dispatch of the executable, host
 work per step), `layer_s` what each layer adds on top of its bytes and FLOPs (kernel
-launches). The shipped profiles take vendor peak figures (stated with each) scaled by
-achievable fractions that are assumptions until a GPU session calibrates them
-(scripts/gpu_check.sh); `calibrate` fits all four numbers to forwards measured on the
-machine it runs on (this CPU included) by non-negative least squares.
+launches). A profile fitted on a machine also keeps, per forward it measured (the target's or
+the drafter's, rows x new tokens), how far that forward's size-dependent terms were off
+(`shape_factors`: measured over fitted, less `fixed_s`): one rate and one bandwidth cannot fit
+every shape (XLA:CPU's 1-token forwards at 4+ rows run at 0.6-0.7x of the fitted rate, a GPU's
+batch-1 dots below its batch-8 ones), so a forward's roofline and per-layer terms are scaled by
+the factor interpolated at its shape (log rows, log tokens; rows clamped to the measured ones,
+no factor at a token count outside them: a prefill, a chunk's drafter tracking); a sum of
+forwards (a speculative step) by its parts' factors weighted by their terms.
+The shipped profiles take vendor peak figures (stated with each) scaled by achievable
+fractions that are assumptions until a GPU session calibrates them (scripts/gpu_check.sh),
+and no shape factors; `calibrate` fits all four numbers to forwards measured on the machine it
+runs on (this CPU included) by non-negative least squares, then the factors.
 """
 
 from __future__ import annotations
@@ -56,11 +64,48 @@ class Hardware:
   # calibrate.host_overhead, 0 in the vendor profiles (small beside a large model's chunk)
   chunk_s: float = 0.0
   op_s: float = 0.0  # ... per layout operation (a refill's or a resize's host work), the same
+  # (kind, rows, tokens, factor) per measured forward: "target" or "drafter" (module docstring)
+  shape_factors: tuple[tuple[str, int, int, float], ...] = ()
+
+  def __post_init__(self):  # from JSON: lists
+    object.__setattr__(self, "shape_factors",
+                       tuple((str(k), int(r), int(t), float(f))
+                             for k, r, t, f in self.shape_factors))
+
+  def roofline(self, nbytes: float, flops: float) -> float:
+    return max(nbytes / self.mem_bw, flops / self.flops)
 
   def seconds(self, cost: "Cost") -> float:
     """The forward's time on this device."""
-    return (max(cost.bytes / self.mem_bw, cost.flops / self.flops)
-            + cost.collective_bytes / self.link_bw + self.fixed_s + self.layer_s * cost.layers)
+    t = self.roofline(cost.bytes, cost.flops) + self.layer_s * cost.layers
+    if self.shape_factors and cost.shapes:
+      w = [self.roofline(b, f) + self.layer_s * n_layers
+           for _, _, _, b, f, n_layers in cost.shapes]
+      if sum(w) > 0:
+        t *= sum(wi * self.factor(k, r, n)
+                 for wi, (k, r, n, *_) in zip(w, cost.shapes)) / sum(w)
+    return t + cost.collective_bytes / self.link_bw + self.fixed_s
+
+  def factor(self, kind: str, rows: int, tokens: int) -> float:
+    """The roofline correction at a forward's shape: bilinear in (log rows, log tokens) over
+    the measured grid of `kind`, rows clamped to its edges; 1 where nothing of `kind` was
+    measured at tokens around this one."""
+    pts = [(r, t, f) for k, r, t, f in self.shape_factors if k == kind]
+    if not pts or not min(t for _, t, _ in pts) <= tokens <= max(t for _, t, _ in pts):
+      return 1.0
+
+    def interp(x: float, xs: list[float], ys: list[float]) -> float:
+      return float(np.interp(np.log(x), np.log(xs), ys))
+
+    by_tokens: dict[int, list[tuple[int, float]]] = {}
+    for r, t, f in pts:
+      by_tokens.setdefault(t, []).append((r, f))
+    ts = sorted(by_tokens)
+    per_t = []
+    for t in ts:
+      rf = sorted(by_tokens[t])
+      per_t.append(interp(max(rows, 1), [r for r, _ in rf], [f for _, f in rf]))
+    return interp(tokens, ts, per_t)
 
 
 # Vendor peaks (dense bf16 tensor-core FLOP/s, HBM bandwidth, NVLink per direction), scaled by
@@ -112,10 +157,19 @@ class Cost:
   flops: float
   collective_bytes: float = 0.0
   layers: int = 0
+  # the forwards it sums, (kind, rows, tokens, bytes, flops, layers): what a profile's
+  # shape_factors are looked up by (Hardware.seconds)
+  shapes: tuple[tuple[str, int, int, float, float, int], ...] = ()
 
   def __add__(self, other: "Cost") -> "Cost":
     return Cost(self.bytes + other.bytes, self.flops + other.flops,
-                self.collective_bytes + other.collective_bytes, self.layers + other.layers)
+                self.collective_bytes + other.collective_bytes, self.layers + other.layers,
+                self.shapes + other.shapes)
+
+  def as_shape(self, kind: str, rows: int, tokens: int) -> "Cost":
+    """This cost as one forward of `kind` over rows x tokens."""
+    return dataclasses.replace(
+        self, shapes=((kind, rows, tokens, self.bytes, self.flops, self.layers),))
 
 
 def _split(x: int, tp: int) -> int:
@@ -164,7 +218,8 @@ def forward(cfg: ModelConfig, batch: int, tokens: int, kv_len: int, *, tp: int =
   coll = 0.0
   if tp > 1:
     coll = n_layers * 2 * (2 * (tp - 1) / tp) * bt * d * nb
-  return Cost((weights + gathered) * nb + kv + acts, flops, coll, n_layers)
+  return Cost((weights + gathered) * nb + kv + acts, flops, coll, n_layers).as_shape(
+      "target" if layers is None and head else "part", batch, tokens)
 
 
 def draft(cfg: ModelConfig, batch: int, tokens: int, kv_len: int, *, tp: int = 1,
@@ -174,7 +229,8 @@ def draft(cfg: ModelConfig, batch: int, tokens: int, kv_len: int, *, tp: int = 1
   nb = _BYTES[dtype or cfg.dtype]
   d, bt = cfg.hidden_size, batch * tokens
   fc = Cost(2 * d * d * nb + bt * 3 * d * nb, 2.0 * bt * 2 * d * d)
-  return fc + forward(cfg, batch, tokens, kv_len, tp=tp, layers=1, dtype=dtype)
+  return (fc + forward(cfg, batch, tokens, kv_len, tp=tp, layers=1, dtype=dtype)).as_shape(
+      "drafter", batch, tokens)
 
 
 def prefill(cfg: ModelConfig, prompts: int, prompt_len: int, *, tp: int = 1,
@@ -183,8 +239,9 @@ def prefill(cfg: ModelConfig, prompts: int, prompt_len: int, *, tp: int = 1,
   average query attends over half the prompt), the LM head on each prompt's last token."""
   body = forward(cfg, prompts, prompt_len, max(prompt_len // 2, 1), tp=tp, head=False,
                  dtype=dtype)
-  return body + Cost(head_weights(cfg, tp) * _BYTES[dtype or cfg.dtype],
-                     2.0 * prompts * head_weights(cfg, tp))
+  return (body + Cost(head_weights(cfg, tp) * _BYTES[dtype or cfg.dtype],
+                      2.0 * prompts * head_weights(cfg, tp))).as_shape(
+      "prefill", prompts, prompt_len)
 
 
 def spec_step(cfg: ModelConfig, arm, batch: int, kv_len: int, *, tp: int = 1,
