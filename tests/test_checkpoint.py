@@ -420,9 +420,12 @@ def _warnings(caplog):
 
 # Orbax's restore, failing on an empty array file, leaves TensorStore reads that finish after
 # its event loop has closed; their callbacks raise "Event loop is closed" in a TensorStore
-# thread, which Python prints as ignored (nothing is lost: the fallback below is what counts).
-@pytest.mark.filterwarnings(
+# thread, which Python prints as ignored (nothing is lost: the fallback is what counts).
+_ORBAX_LATE_READS = pytest.mark.filterwarnings(
     "ignore:(?s)Exception ignored in.*Event loop is closed:pytest.PytestUnraisableExceptionWarning")
+
+
+@_ORBAX_LATE_READS
 @pytest.mark.parametrize("damage", [_truncate_all, _empty_array_data, _damage_metadata,
                                     _drop_manifest, _drop_item])
 def test_damaged_newest_step_falls_back_and_is_kept(tmp_path, caplog, damage):
@@ -475,6 +478,7 @@ def test_keep_last_n_after_fallback_leaves_the_damaged_copy(tmp_path):
   assert len(os.listdir(os.path.join(d, "damaged"))) == 1
 
 
+@_ORBAX_LATE_READS
 def test_every_step_damaged_is_one_error_and_changes_nothing(tmp_path, caplog):
   d = str(tmp_path)
   _saved_5_and_10(d)
