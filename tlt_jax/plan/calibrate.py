@@ -199,9 +199,6 @@ def validate_rollouts(params, dparams, cfg: ModelConfig, hw: cost.Hardware, *,
   the same chunks: a fresh executable's first run is slow on CPU). Returns rows {workload,
   mode, predicted, one_rate (`hw` without its shape factors), measured,
   tokens_per_verification}."""
-
-  import numpy as np
-
   from tlt_jax.plan.sim_engine import SimEngine
   from tlt_jax.plan.workload import Acceptance
   from tlt_jax.rollout.config import EngineConfig, SpecConfig

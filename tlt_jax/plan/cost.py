@@ -39,6 +39,7 @@ runs on (this CPU included) by non-negative least squares, then the factors.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -87,25 +88,29 @@ class Hardware:
     return t + cost.collective_bytes / self.link_bw + self.fixed_s
 
   def factor(self, kind: str, rows: int, tokens: int) -> float:
-    """The roofline correction at a forward's shape: bilinear in (log rows, log tokens) over
-    the measured grid of `kind`, rows clamped to its edges; 1 where nothing of `kind` was
-    measured at tokens around this one."""
-    pts = [(r, t, f) for k, r, t, f in self.shape_factors if k == kind]
-    if not pts or not min(t for _, t, _ in pts) <= tokens <= max(t for _, t, _ in pts):
-      return 1.0
+    """The size-dependent terms' correction at a forward's shape (`_factor`)."""
+    return _factor(self.shape_factors, kind, rows, tokens)
 
-    def interp(x: float, xs: list[float], ys: list[float]) -> float:
-      return float(np.interp(np.log(x), np.log(xs), ys))
 
-    by_tokens: dict[int, list[tuple[int, float]]] = {}
-    for r, t, f in pts:
-      by_tokens.setdefault(t, []).append((r, f))
-    ts = sorted(by_tokens)
-    per_t = []
-    for t in ts:
-      rf = sorted(by_tokens[t])
-      per_t.append(interp(max(rows, 1), [r for r, _ in rf], [f for _, f in rf]))
-    return interp(tokens, ts, per_t)
+@functools.lru_cache(maxsize=4096)  # pure; asked for every forward a fitted profile prices
+def _factor(shape_factors: tuple[tuple[str, int, int, float], ...], kind: str, rows: int,
+            tokens: int) -> float:
+  """Bilinear in (log rows, log tokens) over the measured grid of `kind`, rows clamped to its
+  edges; 1 where nothing of `kind` was measured at tokens around this one."""
+  pts = [(r, t, f) for k, r, t, f in shape_factors if k == kind]
+  if not pts or not min(t for _, t, _ in pts) <= tokens <= max(t for _, t, _ in pts):
+    return 1.0
+
+  def interp(x: float, xs: list[float], ys: list[float]) -> float:
+    return float(np.interp(np.log(x), np.log(xs), ys))
+
+  by_tokens: dict[int, list[tuple[int, float]]] = {}
+  for r, t, f in pts:
+    by_tokens.setdefault(t, []).append((r, f))
+  ts = sorted(by_tokens)
+  per_t = [interp(max(rows, 1), [r for r, _ in sorted(by_tokens[t])],
+                  [f for _, f in sorted(by_tokens[t])]) for t in ts]
+  return interp(tokens, ts, per_t)
 
 
 # Vendor peaks (dense bf16 tensor-core FLOP/s, HBM bandwidth, NVLink per direction), scaled by

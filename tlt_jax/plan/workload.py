@@ -35,6 +35,7 @@ epoch, docs/engine.md); "off" delivers 1.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -152,6 +153,7 @@ def chain_tokens(a: float, k: int) -> float:
   return sum(a ** j for j in range(k + 1))
 
 
+@functools.lru_cache(maxsize=None)  # pure; asked for every speculative chunk simulated
 def solve_rate(tpv: float, k: int) -> float:
   """The per-draft acceptance a with chain_tokens(a, k) = tpv (clipped to [1, k + 1])."""
   if tpv >= k + 1 - 1e-9:
