@@ -3,6 +3,7 @@ and the real-work configs' path checks."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,6 +41,24 @@ def _records(workdir):
     return [json.loads(line) for line in f]
 
 
+def _assert_stderr_as_the_readme_says(stderr):
+  """The README's "What the main job prints" block lists the lines a run writes to stderr, in
+  order: every line the run wrote opens with one of the block's prefixes ("data:", "step 0:",
+  ...), and each prefix's first line comes in the block's order."""
+  readme = open(os.path.join(ROOT, "README.md")).read()
+  block = readme.split("On stderr, in this order")[1].split("```")[1]
+  prefixes = [line.split(":")[0] + ":" for line in block.strip().splitlines()]
+  # tqdm redraws its bar with carriage returns, and a line printed under it follows the bar
+  lines = [re.sub(r"train:[^\]]*\]", "", seg).strip() for seg in re.split(r"[\r\n]", stderr)]
+  lines = [x for x in lines if x]
+  assert lines, stderr
+  for line in lines:
+    assert any(line.startswith(p) for p in prefixes), (line, prefixes)
+  firsts = [next(i for i, x in enumerate(lines) if x.startswith(p)) for p in prefixes
+            if p != "train:"]
+  assert firsts == sorted(firsts), (prefixes, lines)
+
+
 def test_sigkill_during_training_resumes_exactly(tmp_path):
   """Kill the run right after its step-2 checkpoint lands; re-running the same command
   resumes and finishes, and steps 3-4 equal those of a run that was never killed."""
@@ -48,6 +67,7 @@ def test_sigkill_during_training_resumes_exactly(tmp_path):
   ref = subprocess.run(_cmd(ref_dir, 4, *extra), cwd=ROOT, env=_env(), capture_output=True,
                        text=True, timeout=900)
   assert ref.returncode == 0, ref.stderr[-3000:]
+  _assert_stderr_as_the_readme_says(ref.stderr)
 
   proc = subprocess.Popen(_cmd(run_dir, 4, *extra), cwd=ROOT, env=_env(),
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
