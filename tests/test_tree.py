@@ -1,10 +1,14 @@
-"""The package tree is the architecture (tlt_jax/rollout/__init__.py): the rollout's policies
-import no engine module, its draft sources import neither the engine nor the policies, and
+"""The package tree is the architecture (each package's docstring): the rollout's policies
+import no engine module, its draft sources import neither the engine nor the policies, the
+learner (rl/) nothing of how responses were decoded, data/ only the tokenizer's loader, no
+module the simulator (plan/), and
 nothing imports a tlt_jax module or name that no longer exists. Read off the source with
 `ast`, not by importing it."""
 
 import ast
 import os
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "tlt_jax")
@@ -60,6 +64,55 @@ def test_draft_sources_import_neither_engine_nor_policies():
     bad = {m for m in imports(path)
            if m.startswith("tlt_jax.rollout.") and not m.startswith("tlt_jax.rollout.sources")}
     assert not bad, f"{os.path.relpath(path, ROOT)} imports {sorted(bad)}"
+
+
+def _package_imports(sub: str) -> dict[str, set[str]]:
+  """Each module of tlt_jax/<sub> (its subpackages too) -> the tlt_jax modules it imports
+  from outside <sub>."""
+  own = "tlt_jax." + sub.replace("/", ".")
+  out = {}
+  for d, _, files in os.walk(os.path.join(PKG, sub)):
+    for f in files:
+      if f.endswith(".py"):
+        path = os.path.join(d, f)
+        out[os.path.relpath(path, ROOT)] = {
+            m for m in imports(path) if m.startswith("tlt_jax.") and not m.startswith(own)}
+  return out
+
+
+def test_the_learner_imports_nothing_of_how_responses_were_decoded():
+  """rl/ (GRPO, rewards) imports no rollout, drafter, coordinator or simulator module."""
+  banned = ("tlt_jax.rollout", "tlt_jax.drafter", "tlt_jax.coordinator", "tlt_jax.plan",
+            "tlt_jax.kernels")
+  for path, mods in _package_imports("rl").items():
+    bad = {m for m in mods if m.startswith(banned)}
+    assert not bad, f"{path} imports {sorted(bad)}"
+
+
+def test_data_imports_only_the_tokenizer_loader():
+  for path, mods in _package_imports("data").items():
+    bad = {m for m in mods if not m.startswith("tlt_jax.models.hf_io")}
+    assert not bad, f"{path} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("sub,allowed", [
+    ("models", ("tlt_jax.kernels", "tlt_jax.sharding")), ("kernels", ()), ("checkpoint", ())])
+def test_the_bottom_layers_import_only_below_them(sub, allowed):
+  for path, mods in _package_imports(sub).items():
+    bad = {m for m in mods if m != "tlt_jax" and not m.startswith(allowed)}
+    assert not bad, f"{path} imports {sorted(bad)}"
+
+
+def test_the_simulator_is_a_leaf():
+  """No module outside plan/ imports it (scripts and tests may)."""
+  for d, _, files in os.walk(PKG):
+    if os.path.relpath(d, PKG).split(os.sep)[0] == "plan":
+      continue
+    for f in files:
+      if f.endswith(".py"):
+        path = os.path.join(d, f)
+        bad = {m for m in imports(path) if m == "tlt_jax.plan" or m.startswith("tlt_jax.plan.")}
+        assert not bad, f"{os.path.relpath(path, ROOT)} imports {sorted(bad)}"
 
 
 def test_every_tlt_jax_import_names_a_module_or_a_name_in_one():

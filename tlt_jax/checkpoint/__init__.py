@@ -4,7 +4,8 @@
 the whole project (the RL loop, the drafter trainer, the exports read it); `CheckpointError`
 the one-line, user-fixable error of every problem with one. leaves.py matches a template's
 leaves with what Orbax stored; damage.py is a damaged step's one-line error and the noise its
-failed read makes, dropped.
+failed read makes, dropped. It imports nothing of the project outside checkpoint/
+(tests/test_tree.py).
 """
 
 from tlt_jax.checkpoint.checkpointer import Checkpointer

@@ -1,2 +1,3 @@
 """Pallas kernels (Hopper+: Mosaic GPU; older GPUs: Triton; CPU: Mosaic GPU interpret mode) with
-pure-jnp references."""
+pure-jnp references. They import nothing of the project outside kernels/ (tests/test_tree.py).
+"""
