@@ -178,6 +178,21 @@ def test_paths_that_cannot_serve_the_run_are_config_errors(tmp_path):
   assert run.is_dir()
 
 
+def test_a_reward_module_that_cannot_load_is_one_config_error(tmp_path):
+  """A user's reward file that fails at import (here: a syntax error) stops the run at
+  start-up with one line naming config.reward.name and the error (it once surfaced as the
+  SyntaxError's traceback, the module imported in the main process)."""
+  from tlt_jax import runtime
+  (tmp_path / "my_reward.py").write_text("def fn(response, answer:\n")
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+  cfg.workdir = str(tmp_path / "run")
+  cfg.reward.name = f"{tmp_path / 'my_reward.py'}:fn"
+  with pytest.raises(ConfigError, match=r"^config\.reward\.name='.*my_reward\.py:fn': .*cannot "
+                     r"load \(SyntaxError: '\(' was never closed"):
+    runtime.prepare(config_lib.run_spec(cfg))
+  assert not (tmp_path / "run").exists()
+
+
 def test_a_resumed_run_that_would_learn_otherwise_stops_and_its_configs_are_kept(tmp_path,
                                                                                  capsys):
   """A workdir with a checkpoint: resuming it with other values of what the run learns (model,

@@ -322,6 +322,32 @@ def test_pool_start_up_has_a_deadline(tmp_path, monkeypatch):
     os.kill(pid, 0)
 
 
+def test_check_reward_loads_the_module_in_a_worker_with_a_deadline(tmp_path, monkeypatch):
+  """check_reward (the run's start-up check) never imports a user module in the calling
+  process: a module that fails at import is one RewardError naming the key and the error, one
+  that hangs at import costs the deadline, its process killed."""
+  (tmp_path / "records_pid.py").write_text(
+      "import os\nopen(os.path.join(os.path.dirname(__file__), 'import.pid'), 'w')"
+      ".write(str(os.getpid()))\nraise RuntimeError('boom at import')\n")
+  (tmp_path / "bad_syntax.py").write_text("def fn(response, answer:\n")
+  (tmp_path / "slow_import.py").write_text(SLOW_IMPORT_MODULE)
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(RewardError, match=r"^config\.reward\.name='records_pid\.py:fn': .*cannot "
+                     r"load \(RuntimeError: boom at import\)$"):
+    within(30, reward_pool.check_reward, "records_pid.py:fn")
+  assert int((tmp_path / "import.pid").read_text()) != os.getpid()
+  with pytest.raises(RewardError, match=r"^config\.reward\.name='bad_syntax\.py:fn': .*"
+                     r"SyntaxError"):
+    within(30, reward_pool.check_reward, "bad_syntax.py:fn")
+  t0 = time.monotonic()
+  with pytest.raises(RewardError, match=r"did not start within 1\.5 s"):
+    within(30, reward_pool.check_reward, "slow_import:fn", 1.5)
+  assert time.monotonic() - t0 < 10
+  with pytest.raises(ProcessLookupError):
+    os.kill(int((tmp_path / "slow.pid").read_text()), 0)
+  reward_pool.check_reward("arith")  # a good name passes
+
+
 def test_gather_raises_when_the_pool_makes_no_progress(user_module, monkeypatch):
   monkeypatch.setattr(reward_pool, "_STALL_MARGIN_S", 0.5)
   with RewardPool(f"{user_module}:good", num_workers=1, timeout=1.0,

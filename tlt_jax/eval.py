@@ -39,10 +39,11 @@ def evaluate(engine: Engine, tokenizer, rows: Sequence[PromptRow], reward_fn, *,
              system_prompt: str = "", policies=None, speculate: bool = True
              ) -> dict[str, Any]:
   """Greedy-decodes every row (prompts encoded as training encodes them) and scores it;
-  returns a metrics dict. `reward_fn(response, answer, source, extra_info)` as
-  rewards.get_reward_fn returns it. `policies`: the bandit and gate cells for these chunks
-  (policies/cells.py's PolicyCells; the RL loop passes evaluation's own bandit and a gate it
-  does not measure, so evaluation never moves the training policies; None: a fresh bandit)."""
+  returns a metrics dict. `reward_fn(response, answer, source, extra_info)`: a reward pool's
+  `score` (user code runs in its worker processes), or rewards.get_reward_fn's function.
+  `policies`: the bandit and gate cells for these chunks (policies/cells.py's PolicyCells; the
+  RL loop passes evaluation's own bandit and a gate it does not measure, so evaluation never
+  moves the training policies; None: a fresh bandit)."""
   requests = [Request(encode_prompt(tokenizer, r.prompt, chat_template=chat_template,
                                     system_prompt=system_prompt), request_id=i)
               for i, r in enumerate(rows)]
@@ -99,9 +100,19 @@ def main(argv):
   rows = runtime.load_rows(cfg, cfg.data.test_path)
   if cfg.eval.num_prompts:
     rows = rows[:cfg.eval.num_prompts]
-  from tlt_jax.rl.rewards import get_reward_fn
-  metrics = evaluate(engine, tokenizer, rows, get_reward_fn(cfg.reward.name), seed=cfg.seed,
-                     chat_template=cfg.data.chat_template, system_prompt=cfg.data.system_prompt)
+  from tlt_jax.errors import ConfigError
+  from tlt_jax.rl.reward_pool import RewardError, RewardPool
+  try:  # the user's reward runs in worker processes, as in training: a hang costs one reward
+    pool = RewardPool(cfg.reward.name, num_workers=cfg.reward.num_workers,
+                      timeout=cfg.reward.timeout)
+  except RewardError as e:
+    raise ConfigError(str(e)) from None
+  with pool:
+    metrics = evaluate(engine, tokenizer, rows, pool.score, seed=cfg.seed,
+                       chat_template=cfg.data.chat_template,
+                       system_prompt=cfg.data.system_prompt)
+  metrics["reward_failures"] = {"errors": pool.stats.errors, "timeouts": pool.stats.timeouts,
+                                "crashes": pool.stats.crashes}
   metrics["compile"] = engine.compile_stats()
   metrics["model"] = cfg.model.path
   with open(os.path.join(cfg.workdir, "eval.json"), "w") as f:

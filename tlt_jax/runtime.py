@@ -70,11 +70,11 @@ def prepare(spec: RunSpec, *, training: bool = True) -> RunSpec:
       raise ConfigError(("is a directory" if os.path.isdir(path) else "does not exist")
                         + "; point it at a local JSONL or Parquet file", f"data.{key}", path,
                         in_config=True)
-  from tlt_jax.rl.rewards import get_reward_fn
-  try:
-    get_reward_fn(cfg.reward.name)
-  except ValueError as e:
-    raise ConfigError(str(e), "reward.name", in_config=True) from None
+  from tlt_jax.rl.reward_pool import RewardError, check_reward
+  try:  # in a reward worker, with its start-up deadline, as the run will load it
+    check_reward(cfg.reward.name, max(cfg.reward.timeout, 30.0))
+  except RewardError as e:
+    raise ConfigError(str(e)) from None
   if training:
     resolve_workers(cfg)
     learner_mesh(cfg)

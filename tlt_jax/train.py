@@ -189,14 +189,9 @@ def evaluate(run: Run, pool: RewardPool, state: TrainState, bandit: BanditState 
              ) -> tuple[dict[str, Any], BanditState | None]:
   """Held-out greedy accuracy, decoded by worker 0 with evaluation's own bandit (`bandit`,
   returned updated) and the train state's gate, read but not moved."""
-  def score(text, answer, source=None, extra_info=None):
-    key = ("eval", id(text))
-    pool.submit(key, text, answer, source, extra_info)
-    return pool.gather([key])[key]
-
   d, w = run.cfg.data, run.coordinator.workers[0]
   cells = PolicyCells.of(Policies(bandit, state.gate), measure=False)
-  m = w.submit(evaluate_rows, w.engine, run.tokenizer, run.test_rows, score, seed=run.cfg.seed,
+  m = w.submit(evaluate_rows, w.engine, run.tokenizer, run.test_rows, pool.score, seed=run.cfg.seed,
                progress=False, chat_template=d.chat_template, system_prompt=d.system_prompt,
                policies=cells, speculate=run.cfg.eval.speculate).result()
   return ({k: v for k, v in m.items() if k in ("accuracy", "accuracy_by_terms",

@@ -21,6 +21,7 @@ hook, so scoring overlaps the long tail of decoding instead of following it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -173,6 +174,22 @@ class _Worker:
         pass
 
 
+def _worker_env() -> dict[str, str]:
+  """A reward worker's environment: ours, with the launch directory first on PYTHONPATH, so
+  user reward modules import from it as with `python -m`."""
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(
+      [os.getcwd()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+  return env
+
+
+def check_reward(name: str, startup_timeout: float = 30.0) -> None:
+  """Raises RewardError (one line) unless the reward `name` loads in a reward worker within
+  `startup_timeout` s. The user's module is imported there, never in the calling process: one
+  that hangs, exits or fails at import costs a deadline and a message, not the run."""
+  _Worker(name, _worker_env(), startup_timeout).kill()
+
+
 class RewardPool:
   """`submit(key, response, answer, source, extra_info)` from any thread; `gather(keys)` ->
   {key: reward}. `source` and `extra_info` (the prompt row's) reach verl-style reward
@@ -199,10 +216,8 @@ class RewardPool:
     # worker, then the call itself. `gather` gives up when no call finished for this long.
     self.stall_limit = startup_timeout + timeout + _STALL_MARGIN_S
     self.stats = RewardStats()
-    self._env = dict(os.environ)
-    # User reward modules are importable from the launch directory, as with `python -m`.
-    self._env["PYTHONPATH"] = os.pathsep.join(
-        [os.getcwd()] + [p for p in self._env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    self._env = _worker_env()
+    self._scored = itertools.count()  # score()'s keys
     self._tasks: queue.Queue = queue.Queue()
     self._results: dict[Hashable, float] = {}
     self._done = threading.Condition()  # guards stats, _results and the fields below
@@ -310,6 +325,14 @@ class RewardPool:
       self._pending += 1
     self._tasks.put((key, {"response": response, "answer": answer, "source": source,
                            "extra_info": extra_info}))
+
+  def score(self, response: str, answer: str, source: str | None = None,
+            extra_info: Any = None) -> float:
+    """One reward, waited for: the pool as a reward function (`rewards.get_reward_fn`'s
+    signature), for callers that score one response at a time (evaluation)."""
+    key = ("score", next(self._scored))
+    self.submit(key, response, answer, source, extra_info)
+    return self.gather([key])[key]
 
   def gather(self, keys: list[Hashable]) -> dict[Hashable, float]:
     """Waits for (and removes) the rewards of `keys`.
