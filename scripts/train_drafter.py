@@ -312,6 +312,9 @@ def main(argv=None):
   from tlt_jax.rollout.sampling import SamplingParams
 
   t_start = time.perf_counter()
+  if not os.path.isfile(os.path.join(args.model, "config.json")):  # the model before its data
+    raise UserError(f"--model {args.model}: no config.json; pass a local Hugging Face model "
+                    "directory")
   data_path, eval_path = resolve_data(args)
   cfg, target = load_hf_model(args.model)
   tokenizer = load_tokenizer(args.model)

@@ -586,6 +586,11 @@ def test_train_drafter_script_end_to_end_and_resume(tmp_path):
                                   str(tmp_path / "missing.jsonl")],
                        env=env, capture_output=True, text=True, timeout=300)
   assert bad.returncode == 2 and "missing.jsonl: no such file" in bad.stderr
+  no_model = subprocess.run([cmd[0], cmd[1], "--model", str(tmp_path / "nowhere"), "--out",
+                             str(tmp_path / "o3")], env=env, capture_output=True, text=True,
+                            timeout=300)
+  assert no_model.returncode == 2 and "nowhere: no config.json" in no_model.stderr, \
+      no_model.stderr
 
 
 # --------------------------------------------------------- online (RL-loop) drafter training

@@ -221,6 +221,8 @@ def test_acceptance_from_a_runs_metrics(tmp_path):
   empty.write_text(json.dumps({"step": 0, "reward": 0.5}) + "\n")
   with pytest.raises(Exception, match="drafter_acceptance"):
     workload.acceptance(str(empty))
+  with pytest.raises(Exception, match=r"^--acceptance='.*missing\.jsonl': no such file"):
+    workload.acceptance(str(tmp_path / "missing.jsonl"))
 
 
 def test_lengths_draw_what_they_say(tmp_path):

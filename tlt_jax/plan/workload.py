@@ -268,6 +268,9 @@ def acceptance(spec: str) -> Acceptance:
       except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"cannot be read as JSON ({e})", "--acceptance", spec) from None
       items = list(d.items()) if isinstance(d, dict) else None
+  elif spec.endswith((".json", ".jsonl")) or os.sep in spec:
+    raise ConfigError("no such file; pass a run's metrics.jsonl, a JSON file of "
+                      "arm=tokens_per_verification, or them inline", "--acceptance", spec)
   else:
     items = [p.partition("=")[::2] for p in spec.split(",") if p]
   if not items:
