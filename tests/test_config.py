@@ -151,18 +151,27 @@ def test_paths_that_cannot_serve_the_run_are_config_errors(tmp_path):
   no workdir, one that passes them all gets its workdir made."""
   from tlt_jax import runtime
 
-  def prepare(workdir, training=False, mesh_data=None, train_path=None):
+  def prepare(workdir, training=False, mesh_data=None, train_path=None, drafter=None):
     cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
     cfg.workdir = str(workdir)
     if mesh_data:
       cfg.mesh.data = mesh_data
     if train_path:
       cfg.data.train_path = str(train_path)
+    if drafter:
+      cfg.tlt.drafter.init = str(drafter)
     return runtime.prepare(config_lib.run_spec(cfg), training=training)
 
   run = tmp_path / "run"
   with pytest.raises(ConfigError, match=r"^config.data.train_path='.*': is a directory; point"):
     prepare(run, train_path=tmp_path)
+  # the drafter's directory before the model is loaded; its form before anything is read
+  with pytest.raises(ConfigError, match=r"^config.tlt.drafter.init='.*nowhere': is not a "
+                     r"directory; point"):
+    prepare(run, drafter=tmp_path / "nowhere")
+  with pytest.raises(ConfigError, match=r"^config.tlt.drafter.init='init:zero': use "
+                     r"'init:<integer seed>'"):
+    prepare(run, drafter="init:zero")
   in_the_way = tmp_path / "saved"
   in_the_way.write_text("an earlier result")
   with pytest.raises(ConfigError, match=r"^config.workdir='.*saved': is a file; pass a dir"):
@@ -343,3 +352,14 @@ def test_a_learner_on_several_cpu_devices_gets_xla_a_pool_it_cannot_deadlock(
   monkeypatch.setenv("NPROC", "3")
   runtime.setup_jax(cfg)
   assert os.environ["NPROC"] == "3"
+
+
+def test_the_data_line_says_when_every_step_repeats_prompts():
+  """A training file smaller than one step's draw (most often the wrong file) is said on the
+  run's first line; a file that holds a step's draw is not flagged."""
+  from tlt_jax.run import data_line
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+  cfg.grpo.num_prompts = 8
+  assert data_line(7, 0, cfg).endswith("; fewer than the 8 a step draws (grpo.num_prompts): "
+                                       "every step repeats prompts")
+  assert data_line(8, 2, cfg).endswith("(2 dropped as longer than max_prompt_len=80 tokens)")

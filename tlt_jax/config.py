@@ -282,6 +282,8 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   dr = cfg.tlt.drafter
   spot = build(SpotConfig, "tlt.drafter", section_values(SpotConfig, dr))
   buffer = build(BufferConfig, "tlt.drafter", section_values(BufferConfig, dr))
+  check(not dr.init.startswith("init:") or dr.init[5:].lstrip("-").isdigit(), "tlt.drafter.init",
+        dr.init, "use 'init:<integer seed>' for a fresh drafter, or a drafter's directory")
   check(dr.lr > 0, "tlt.drafter.lr", dr.lr,
         "must be > 0 (to keep the drafter fixed set tlt.drafter.mode=off)")
   check(dr.warmup_steps >= 0, "tlt.drafter.warmup_steps", dr.warmup_steps, "must be >= 0")

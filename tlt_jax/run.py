@@ -113,6 +113,15 @@ def learner_spec(spec: config_lib.RunSpec, model_cfg, mesh) -> grpo.LearnerSpec:
                           max_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
 
 
+def data_line(n: int, dropped: int, cfg: ml_collections.ConfigDict) -> str:
+  """The run's first line: how many training prompts it holds, and whether a step repeats
+  them (a file smaller than one step's draw is most often the wrong file)."""
+  few = (f"; fewer than the {cfg.grpo.num_prompts} a step draws (grpo.num_prompts): every "
+         "step repeats prompts" if n < cfg.grpo.num_prompts else "")
+  return (f"data: {n} training prompts from {cfg.data.train_path} ({dropped} dropped as longer "
+          f"than max_prompt_len={cfg.data.max_prompt_len} tokens){few}")
+
+
 def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
   """Everything the run of `spec` needs (runtime.prepare's: max_batch resolved, the workdir
   made), and its state at step 0."""
@@ -127,9 +136,7 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
                         max_prompt_len=cfg.data.max_prompt_len, seed=cfg.seed,
                         chat_template=cfg.data.chat_template,
                         system_prompt=cfg.data.system_prompt, name="config.data.train_path")
-  print(f"data: {len(stream)} training prompts from {cfg.data.train_path} "
-        f"({stream.dropped_long} dropped as longer than max_prompt_len="
-        f"{cfg.data.max_prompt_len} tokens)", file=sys.stderr)
+  print(data_line(len(stream), stream.dropped_long, cfg), file=sys.stderr)
   test_rows = None
   if cfg.data.test_path and cfg.train.eval_every > 0:
     rows = runtime.load_rows(cfg, cfg.data.test_path)

@@ -70,6 +70,11 @@ def prepare(spec: RunSpec, *, training: bool = True) -> RunSpec:
       raise ConfigError(("is a directory" if os.path.isdir(path) else "does not exist")
                         + "; point it at a local JSONL or Parquet file", f"data.{key}", path,
                         in_config=True)
+  init = cfg.tlt.drafter.init  # (checked with TLT off too, as the rest of config.tlt is)
+  if not init.startswith("init:") and not os.path.isdir(init):
+    raise ConfigError("is not a directory; point it at a drafter saved by "
+                      "scripts/train_drafter.py, or use 'init:0' for a fresh drafter",
+                      "tlt.drafter.init", init, in_config=True)
   from tlt_jax.rl.reward_pool import RewardError, check_reward
   try:  # in a reward worker, with its start-up deadline, as the run will load it
     check_reward(cfg.reward.name, max(cfg.reward.timeout, 30.0))
@@ -228,23 +233,14 @@ def worker_meshes(cfg: ml_collections.ConfigDict):
 
 
 def load_drafter(cfg: ml_collections.ConfigDict, model_cfg):
-  """The drafter named by config.tlt.drafter.init: a directory, or 'init:SEED' for a fresh
-  one."""
+  """The drafter named by config.tlt.drafter.init (its form checked by config.run_spec, its
+  directory by `prepare`): a directory, or 'init:SEED' for a fresh one."""
   import jax
 
   from tlt_jax.drafter import model as drafter_model
   path = cfg.tlt.drafter.init
   if path.startswith("init:"):
-    try:
-      seed = int(path[5:])
-    except ValueError:
-      raise ConfigError("use 'init:<integer seed>'", "tlt.drafter.init", path,
-                        in_config=True) from None
-    return drafter_model.init_drafter(model_cfg, jax.random.key(seed))
-  if not os.path.isdir(path):
-    raise ConfigError("is not a directory; point it at a drafter saved by "
-                      "scripts/train_drafter.py, or use 'init:0' for a fresh drafter",
-                      "tlt.drafter.init", path, in_config=True)
+    return drafter_model.init_drafter(model_cfg, jax.random.key(int(path[5:])))
   try:
     return drafter_model.load_drafter(path, model_cfg)
   except drafter_model.DrafterLoadError as e:
