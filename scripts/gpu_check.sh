@@ -3,6 +3,7 @@
 # headline table.
 #
 #   bash scripts/gpu_check.sh [--smoke] [--out DIR]      # DIR/report.md (default out/gpu_check)
+#   bash scripts/gpu_check.sh --plan [--smoke]           # print each stage's command, run none
 #
 # On a GPU machine, fresh and with empty caches, every stage is time-boxed and the whole run
 # takes at most 9 minutes (the limits below sum to 540 s; most stages end well inside theirs).
@@ -38,12 +39,16 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SMOKE=0
+PLAN=0  # --plan: each stage's command, one line each (name, limit, command), and nothing run:
+        # tests/test_gpu_check.py parses the GPU settings' arguments on the CPU with it
 OUT=out/gpu_check
 while [ $# -gt 0 ]; do
   case "$1" in
     --smoke) SMOKE=1 ;;
+    --plan) PLAN=1 ;;
     --out) OUT=$2; shift ;;
-    *) echo "gpu_check.sh: unknown argument '$1' (usage: gpu_check.sh [--smoke] [--out DIR])" >&2
+    *) echo "gpu_check.sh: unknown argument '$1' (usage: gpu_check.sh [--smoke] [--plan]" \
+         "[--out DIR])" >&2
        exit 2 ;;
   esac
   shift
@@ -80,7 +85,7 @@ if [ $SMOKE = 1 ]; then
   SPEC_TESTS="-k strategy_validation"
 else
   export JAX_PLATFORMS=cuda XLA_FLAGS=""
-  if [ -d .whl ] && compgen -G ".whl/*.whl" > /dev/null; then
+  if [ $PLAN = 0 ] && [ -d .whl ] && compgen -G ".whl/*.whl" > /dev/null; then
     "${PY:-python3}" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
       --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site:$PWD
@@ -123,6 +128,10 @@ T0=$(date +%s)
 stage() {
   local name=$1 limit=$2 filter=$3
   shift 3
+  if [ $PLAN = 1 ]; then
+    printf '%s\t%s\t' "$name" "$limit"; printf '%q ' "$@"; echo
+    return 0
+  fi
   local log=$OUT/$name.log t=$(date +%s)
   echo "[gpu_check] $name (limit ${limit}s)" >&2
   timeout --kill-after=10 "$limit" "$@" > "$log" 2>&1
@@ -161,15 +170,19 @@ E2E_EXTRA="--config.model.path=$BENCH/model --config.tlt.drafter.init=$BENCH/dra
   --config.model.dtype=$DTYPE --config.model.param_dtype=$DTYPE --config.train.eval_every=0
   --config.train.export_policy=none --config.train.export_drafter=False $E2E_EXTRA"
 E2E_EXTRA=$(echo $E2E_EXTRA)  # one line: it is pasted into the bash -c script below
+TRAIN="$PY -m tlt_jax.train --config configs/longtail.py --config.train.steps=$E2E_STEPS
+  $E2E_EXTRA"
+TRAIN=$(echo $TRAIN)
+# shellcheck disable=SC2086
+[ $PLAN = 1 ] && stage rl_steps:train "$HALF" - $TRAIN  # (the command rl_steps runs per mode)
 # shellcheck disable=SC2086
 stage rl_steps "${LIMIT[3]}" all bash -c "t0=\$(date +%s); for mode in on off; do
     extra=''; limit=$HALF
     [ \$mode = off ] && extra=--config.tlt.enabled=False \
       && limit=\$(( ${LIMIT[3]} - 12 - \$(date +%s) + t0 )) && [ \$limit -lt 5 ] && limit=5
     rm -rf '$OUT/e2e/'\$mode
-    timeout --kill-after=5 \$limit $PY -m tlt_jax.train --config configs/longtail.py \
-      --workdir '$OUT/e2e/'\$mode --config.train.steps=$E2E_STEPS \
-      --config.compilation_cache=\"$E2E_CACHE\" $E2E_EXTRA \$extra 2>&1 \
+    timeout --kill-after=5 \$limit $TRAIN --workdir '$OUT/e2e/'\$mode \
+      --config.compilation_cache=\"$E2E_CACHE\" \$extra 2>&1 \
       | tr '\r' '\n' | grep -E '^(error|done|step 0|Traceback)|Error' | tail -n 5
     echo \"TLT \$mode: exit \${PIPESTATUS[0]}\"
   done; $PY scripts/gpu_headline.py --rl '$OUT'"
@@ -189,6 +202,7 @@ stage kernels "${LIMIT[7]}" tail "$PY" -m pytest -p no:cacheprovider -q --tb=lin
 stage speculative "${LIMIT[8]}" tail "$PY" -m pytest -p no:cacheprovider -q --tb=line \
   tests/test_speculative.py ${SPEC_TESTS:+"${SPEC_TESTS%% *}" "${SPEC_TESTS#* }"}
 
+[ $PLAN = 1 ] && exit 0
 {
   echo "# GPU check ($(date -u +%Y-%m-%dT%H:%MZ), $([ $SMOKE = 1 ] && echo smoke on CPU || echo GPU))"
   echo

@@ -90,3 +90,42 @@ def test_gpu_check_smoke_writes_a_complete_report(tmp_path):
   assert len(summary["gate"]["times"]["gated BEG"]) == 2
   assert summary["batch 1, greedy, default task (EOS)"]["SD 3_1_4"]["same"] is True
   assert summary["batch 8, greedy, default task (EOS)"]["SD 3_1_4"]["same"] is True
+
+
+def test_the_gpu_settings_parse(tmp_path):
+  """Every command the checklist runs on a GPU (`gpu_check.sh --plan`: the GPU settings,
+  printed, not run) parses here: each script's arguments, the main job's config overrides and
+  its config's checks (tests/gpu_plan_args.py), each pytest stage's -k selects tests. A
+  mistyped argument in the GPU branch, which the smoke run never takes, would otherwise cost a
+  stage of the next lent GPU's few minutes."""
+  import shlex
+  import sys
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  plan = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--plan",
+                         "--out", str(tmp_path)], cwd=ROOT, env=env, check=True,
+                        capture_output=True, text=True, timeout=60).stdout
+  rows = [line.split("\t") for line in plan.splitlines()]
+  assert [r[0] for r in rows] == ["env", "decode", "bench_model", "rl_steps:train", "rl_steps",
+                                  "bench_regime", "learner", "kernel_bench", "cost_model",
+                                  "kernels", "speculative"], plan
+  limits = {name: int(limit) for name, limit, _ in rows if name != "rl_steps:train"}
+  assert sum(limits.values()) <= 540, limits  # 9 minutes in all
+  assert not list(tmp_path.glob("*.log")) and not (tmp_path / "report.md").exists()  # none ran
+  scripts, selections = [], []
+  for name, _, cmd in rows:
+    if name in ("env", "rl_steps"):  # shell scripts: the command rl_steps runs is its own row
+      continue
+    argv = shlex.split(cmd)[1:]  # less the interpreter
+    (selections if argv[:2] == ["-m", "pytest"] else scripts).append((name, argv))
+  assert {n for n, _ in selections} == {"kernels", "speculative"}
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "gpu_plan_args.py")],
+                       input=json.dumps(scripts), cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env=dict(env, JAX_PLATFORMS="cpu"))
+  results = [json.loads(line) for line in out.stdout.splitlines()]
+  assert [r["stage"] for r in results] == [n for n, _ in scripts], out.stderr[-2000:]
+  assert all(r["ok"] for r in results), results
+  for name, argv in selections:
+    got = subprocess.run([sys.executable, *argv, "--collect-only"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, (name, got.stdout[-2000:])
+    assert re.search(r"^(\d+)/\d+ tests collected", got.stdout, re.M), (name, got.stdout[-500:])
