@@ -184,23 +184,11 @@ def learning_check(res: dict, size: int) -> list[str]:
 
 
 def plot(res: dict, path: str) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
-  for name, r in res.items():
-    w = windows(r["reward_curve"], 5)
-    a.plot([k + 2 for k in w], list(w.values()), marker="o", label=name)
-    if r["eval_curve"]:
-      b.plot(*zip(*r["eval_curve"]), marker="o", label=name)
-  a.set(title="training reward (mean per 5 steps)", xlabel="RL step")
-  b.set(title="held-out greedy accuracy (config.eval.num_prompts test prompts)", xlabel="RL step")
-  for ax in (a, b):
-    ax.grid(alpha=0.3)
-    ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  """Every run's reward and held-out accuracy (TRL's too) in tlt_jax.curves' figure."""
+  from tlt_jax.curves import plot_runs
+  plot_runs({name: [{"step": s, "reward": v} for s, v in r["reward_curve"]]
+             + [{"step": s, "eval": {"accuracy": v}} for s, v in r["eval_curve"]]
+             for name, r in res.items()}, path)
 
 
 def run_stack(a, venv: str, runs: list[str], out: str) -> dict[str, dict]:

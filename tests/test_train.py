@@ -68,6 +68,7 @@ def test_sigkill_during_training_resumes_exactly(tmp_path):
                        text=True, timeout=900)
   assert ref.returncode == 0, ref.stderr[-3000:]
   _assert_stderr_as_the_readme_says(ref.stderr)
+  assert "curves.png beside it" in ref.stderr and (ref_dir / "curves.png").stat().st_size > 0
 
   proc = subprocess.Popen(_cmd(run_dir, 4, *extra), cwd=ROOT, env=_env(),
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -1,8 +1,8 @@
 """What a run writes about itself: metrics.jsonl, timeline.jsonl, TensorBoard, compile time.
 
 Host-side I/O only (no jitted code). The trainer writes with `MetricsWriter`; scripts that
-plot or compare runs (scripts/bench_e2e.py, scripts/plot_timeline.py) read with
-`read_records`, without importing the trainer.
+plot or compare runs (tlt_jax/curves.py, scripts/plot_timeline.py) read with `read_records`,
+without importing the trainer.
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ from tlt_jax import export as policy_export
 from tlt_jax.coordinator import Worker
 from tlt_jax.eval import evaluate as evaluate_rows
 from tlt_jax.errors import ConfigError
+from tlt_jax.curves import plot_runs
 from tlt_jax.metrics import MetricsWriter, read_records
 from tlt_jax.rl import batching, grpo
 from tlt_jax.rl.reward_pool import RewardError, RewardPool
@@ -307,13 +308,21 @@ def main(argv):
   if not distributed.is_primary():
     return
   path = os.path.join(cfg.workdir, "metrics.jsonl")
-  evals = [rec["eval"]["accuracy"] for rec in read_records(path) if "eval" in rec]
+  records = read_records(path)
+  evals = [rec["eval"]["accuracy"] for rec in records if "eval" in rec]
   msg = f"done: {state.step} steps"
   if evals:
     msg += f"; held-out accuracy {evals[0]:.3f} -> {evals[-1]:.3f}"
   if last:
     msg += f"; last step reward {last['reward']:.3f}"
-  print(f"{msg}; metrics in {path}", file=sys.stderr)
+  msg += f"; metrics in {path}"
+  try:  # a figure is a convenience: it never fails a finished run
+    plot_runs({os.path.basename(os.path.normpath(cfg.workdir)): records},
+              os.path.join(cfg.workdir, "curves.png"))
+    msg += ", curves.png beside it"
+  except Exception as e:  # noqa: BLE001
+    msg += f" (curves.png not drawn: {type(e).__name__}: {e})"
+  print(msg, file=sys.stderr)
 
 
 if __name__ == "__main__":

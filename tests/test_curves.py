@@ -1,0 +1,76 @@
+"""A run's curves (tlt_jax/curves.py, scripts/plot_curves.py): the rolling mean against a
+direct window average, each panel's points against the records they come from, the figure
+written and readable, the command's user errors."""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from tlt_jax.curves import rolling_mean, series
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+
+def test_rolling_mean_is_the_trailing_window_average():
+  y = np.random.RandomState(0).randn(23)
+  for size in (1, 3, 5, 30):
+    want = [np.mean(y[max(0, i - size + 1):i + 1]) for i in range(len(y))]
+    np.testing.assert_allclose(rolling_mean(y, size), want, rtol=1e-12)
+
+
+def _records(n=12, resumed_at=None, seed=0):
+  rng = np.random.RandomState(seed)
+  recs = [{"step": 0, "eval": {"accuracy": 0.4}}]
+  for s in range(1, n + 1):
+    r = {"step": s, "reward": float(rng.rand()), "response_length": {"mean": 30.0 + s},
+         "time": {"total": 5.0 + s % 3, "rollout": 2.0}}
+    if s % 5 == 0:
+      r["eval"] = {"accuracy": 0.4 + 0.01 * s}
+    recs.append(r)
+  if resumed_at is not None:  # a resumed run: no time for the step it restarted at
+    del recs[resumed_at]["time"]
+  return recs
+
+
+def test_each_panel_holds_the_records_values():
+  recs = _records(resumed_at=4)
+  got = series(recs, smooth=3)
+  steps = [r["step"] for r in recs if "reward" in r]
+  rewards = [r["reward"] for r in recs if "reward" in r]
+  assert got["reward"]["per step"][0].tolist() == steps
+  np.testing.assert_allclose(got["reward"]["per step"][1], rewards)
+  np.testing.assert_allclose(got["reward"]["mean"][1][2], np.mean(rewards[:3]))
+  assert got["accuracy"]["eval"][0].tolist() == [0, 5, 10]
+  np.testing.assert_allclose(got["accuracy"]["eval"][1], [0.4, 0.45, 0.5])
+  assert 4 not in got["seconds"]["total"][0].tolist()  # the step without a time is left out
+  assert len(got["seconds"]["total"][0]) == 11 and set(got["seconds"]["rollout"][1]) == {2.0}
+  assert series([{"step": 0, "eval": {"accuracy": 0.5}}]).keys() == {"accuracy"}
+
+
+def test_plot_curves_command(tmp_path, capsys):
+  import matplotlib.image
+  import plot_curves
+  for name, seed in (("on", 0), ("off", 1)):
+    (tmp_path / name).mkdir()
+    with open(tmp_path / name / "metrics.jsonl", "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in _records(seed=seed))
+  out = tmp_path / "both.png"
+  plot_curves.main(["--workdir", str(tmp_path / "on"), "--workdir", str(tmp_path / "off"),
+                    "--label", "TLT on", "--label", "TLT off", "--out", str(out)])
+  img = matplotlib.image.imread(str(out))
+  assert img.shape[:2] == (825, 1320)  # 12 x 7.5 inches at 110 dpi
+  plot_curves.main(["--workdir", str(tmp_path / "on")])  # one run: beside its metrics
+  assert (tmp_path / "on" / "curves.png").stat().st_size > 0
+  capsys.readouterr()
+  with pytest.raises(SystemExit):
+    plot_curves.main(["--workdir", str(tmp_path / "on"), "--workdir", str(tmp_path / "off"),
+                      "--label", "x"])
+  assert "1 --label for 2 --workdir: give one per run" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    plot_curves.main(["--workdir", str(tmp_path / "nowhere")])
+  assert "nowhere: no metrics.jsonl" in capsys.readouterr().err
+  assert not (tmp_path / "nowhere").exists()
