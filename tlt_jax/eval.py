@@ -20,6 +20,7 @@ import numpy as np
 
 from tlt_jax.data.dataset import encode_prompt
 from tlt_jax.data.prompts import PromptRow
+from tlt_jax.rl.reward_pool import RewardPool
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.records import EngineHooks, Request
 from tlt_jax.rollout.sampling import SamplingParams
@@ -34,16 +35,16 @@ def length_stats(lengths: Sequence[int]) -> dict[str, float]:
           "max": float(a.max())}
 
 
-def evaluate(engine: Engine, tokenizer, rows: Sequence[PromptRow], reward_fn, *,
+def evaluate(engine: Engine, tokenizer, rows: Sequence[PromptRow], pool: RewardPool, *,
              seed: int = 0, progress: bool = True, chat_template: bool = False,
              system_prompt: str = "", policies=None, speculate: bool = True
              ) -> dict[str, Any]:
   """Greedy-decodes every row (prompts encoded as training encodes them) and scores it;
-  returns a metrics dict. `reward_fn(response, answer, source, extra_info)`: a reward pool's
-  `score` (user code runs in its worker processes), or rewards.get_reward_fn's function.
-  `policies`: the bandit and gate cells for these chunks (policies/cells.py's PolicyCells; the
-  RL loop passes evaluation's own bandit and a gate it does not measure, so evaluation never
-  moves the training policies; None: a fresh bandit)."""
+  returns a metrics dict. Each response goes to the reward `pool` as it finishes, scored in
+  its worker processes while the rest decode (as training's are). `policies`: the bandit and
+  gate cells for these chunks (policies/cells.py's PolicyCells; the RL loop passes
+  evaluation's own bandit and a gate it does not measure, so evaluation never moves the
+  training policies; None: a fresh bandit)."""
   requests = [Request(encode_prompt(tokenizer, r.prompt, chat_template=chat_template,
                                     system_prompt=system_prompt), request_id=i)
               for i, r in enumerate(rows)]
@@ -51,20 +52,30 @@ def evaluate(engine: Engine, tokenizer, rows: Sequence[PromptRow], reward_fn, *,
   if progress:
     from tqdm import tqdm
     bar = tqdm(total=len(requests), desc="eval", unit="prompt", file=sys.stderr)
-  hooks = EngineHooks(on_result=(lambda _: bar.update(1)) if bar else None)
+  call = object()  # this call's keys in the pool, whoever else uses it
+
+  def score(res) -> None:
+    row = rows[res.request_id]
+    pool.submit((call, res.request_id), tokenizer.decode(res.response_ids,
+                                                         skip_special_tokens=True),
+                row.answer, row.source, row.extra_info)
+    if bar:
+      bar.update(1)
+
   t0 = time.perf_counter()
-  results = engine.generate(requests, SamplingParams(temperature=0.0), seed=seed, hooks=hooks,
-                            policies=policies, speculate=speculate)
+  results = engine.generate(requests, SamplingParams(temperature=0.0), seed=seed,
+                            hooks=EngineHooks(on_result=score), policies=policies,
+                            speculate=speculate)
   wall = time.perf_counter() - t0
   if bar:
     bar.close()
   results.sort(key=lambda r: r.request_id)
+  rewards = pool.gather([(call, r.request_id) for r in results])
   scores, lengths = [], []
   by_terms: dict[int, list[float]] = collections.defaultdict(list)
   for res in results:
     row = rows[res.request_id]
-    text = tokenizer.decode(res.response_ids, skip_special_tokens=True)
-    s = float(reward_fn(text, row.answer, row.source, row.extra_info))
+    s = rewards[(call, res.request_id)]
     scores.append(s)
     lengths.append(res.num_tokens)
     if "num_terms" in row.extra:
@@ -101,14 +112,14 @@ def main(argv):
   if cfg.eval.num_prompts:
     rows = rows[:cfg.eval.num_prompts]
   from tlt_jax.errors import ConfigError
-  from tlt_jax.rl.reward_pool import RewardError, RewardPool
+  from tlt_jax.rl.reward_pool import RewardError
   try:  # the user's reward runs in worker processes, as in training: a hang costs one reward
     pool = RewardPool(cfg.reward.name, num_workers=cfg.reward.num_workers,
                       timeout=cfg.reward.timeout)
   except RewardError as e:
     raise ConfigError(str(e)) from None
   with pool:
-    metrics = evaluate(engine, tokenizer, rows, pool.score, seed=cfg.seed,
+    metrics = evaluate(engine, tokenizer, rows, pool, seed=cfg.seed,
                        chat_template=cfg.data.chat_template,
                        system_prompt=cfg.data.system_prompt)
   metrics["reward_failures"] = {"errors": pool.stats.errors, "timeouts": pool.stats.timeouts,

@@ -192,7 +192,7 @@ def evaluate(run: Run, pool: RewardPool, state: TrainState, bandit: BanditState 
   returned updated) and the train state's gate, read but not moved."""
   d, w = run.cfg.data, run.coordinator.workers[0]
   cells = PolicyCells.of(Policies(bandit, state.gate), measure=False)
-  m = w.submit(evaluate_rows, w.engine, run.tokenizer, run.test_rows, pool.score, seed=run.cfg.seed,
+  m = w.submit(evaluate_rows, w.engine, run.tokenizer, run.test_rows, pool, seed=run.cfg.seed,
                progress=False, chat_template=d.chat_template, system_prompt=d.system_prompt,
                policies=cells, speculate=run.cfg.eval.speculate).result()
   return ({k: v for k, v in m.items() if k in ("accuracy", "accuracy_by_terms",

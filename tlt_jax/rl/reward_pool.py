@@ -21,7 +21,6 @@ hook, so scoring overlaps the long tail of decoding instead of following it.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import logging
 import math
@@ -217,7 +216,6 @@ class RewardPool:
     self.stall_limit = startup_timeout + timeout + _STALL_MARGIN_S
     self.stats = RewardStats()
     self._env = _worker_env()
-    self._scored = itertools.count()  # score()'s keys
     self._tasks: queue.Queue = queue.Queue()
     self._results: dict[Hashable, float] = {}
     self._done = threading.Condition()  # guards stats, _results and the fields below
@@ -325,14 +323,6 @@ class RewardPool:
       self._pending += 1
     self._tasks.put((key, {"response": response, "answer": answer, "source": source,
                            "extra_info": extra_info}))
-
-  def score(self, response: str, answer: str, source: str | None = None,
-            extra_info: Any = None) -> float:
-    """One reward, waited for: the pool as a reward function (`rewards.get_reward_fn`'s
-    signature), for callers that score one response at a time (evaluation)."""
-    key = ("score", next(self._scored))
-    self.submit(key, response, answer, source, extra_info)
-    return self.gather([key])[key]
 
   def gather(self, keys: list[Hashable]) -> dict[Hashable, float]:
     """Waits for (and removes) the rewards of `keys`.
