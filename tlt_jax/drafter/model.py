@@ -96,7 +96,7 @@ import numpy as np
 
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.kv_cache import DEFAULT_PAGE, KVCache, cache_addr, init_cache
-from tlt_jax.models.transformer import (Params, _layer, compute_logits, decoder_stack,
+from tlt_jax.models.transformer import (Params, _dense, _layer, compute_logits, decoder_stack,
                                         embed_tokens, param_shapes, rope_tables)
 
 FORMAT = "tlt_jax.drafter"
@@ -224,7 +224,7 @@ def _drafter_input(dparams, target_params, tokens, hidden, cfg):
   dt = cfg.compute_dtype
   emb = embed_tokens(target_params, tokens, cfg)
   x = jnp.concatenate([emb, hidden.astype(dt)], axis=-1)
-  return jnp.einsum("BTE,ED->BTD", x, dparams["fc"].astype(dt))
+  return _dense(x, dparams["fc"], "BTE,ED->BTD", dt)
 
 
 def drafter_tree_forward(dparams: Params, target_params: Params, tokens: jax.Array,
