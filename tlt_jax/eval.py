@@ -111,14 +111,7 @@ def main(argv):
   rows = runtime.load_rows(cfg, cfg.data.test_path)
   if cfg.eval.num_prompts:
     rows = rows[:cfg.eval.num_prompts]
-  from tlt_jax.errors import ConfigError
-  from tlt_jax.rl.reward_pool import RewardError
-  try:  # the user's reward runs in worker processes, as in training: a hang costs one reward
-    pool = RewardPool(cfg.reward.name, num_workers=cfg.reward.num_workers,
-                      timeout=cfg.reward.timeout)
-  except RewardError as e:
-    raise ConfigError(str(e)) from None
-  with pool:
+  with runtime.reward_pool(cfg) as pool:  # as in training: a hang costs one reward
     metrics = evaluate(engine, tokenizer, rows, pool, seed=cfg.seed,
                        chat_template=cfg.data.chat_template,
                        system_prompt=cfg.data.system_prompt)

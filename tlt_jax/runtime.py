@@ -247,6 +247,17 @@ def load_drafter(cfg: ml_collections.ConfigDict, model_cfg):
     raise ConfigError(str(e), "tlt.drafter.init", in_config=True) from None
 
 
+def reward_pool(cfg: ml_collections.ConfigDict):
+  """The run's RewardPool (the user's reward runs in its worker processes: a call that hangs
+  or crashes costs one reward); a reward whose workers cannot start is one ConfigError."""
+  from tlt_jax.rl.reward_pool import RewardError, RewardPool
+  try:
+    return RewardPool(cfg.reward.name, num_workers=cfg.reward.num_workers,
+                      timeout=cfg.reward.timeout)
+  except RewardError as e:
+    raise ConfigError(str(e)) from None
+
+
 def load_rows(cfg: ml_collections.ConfigDict, path: str):
   from tlt_jax.data.prompts import DataError, load_prompt_rows
   try:

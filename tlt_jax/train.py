@@ -52,11 +52,10 @@ from tlt_jax import distributed, runtime
 from tlt_jax import export as policy_export
 from tlt_jax.coordinator import Worker
 from tlt_jax.eval import evaluate as evaluate_rows
-from tlt_jax.errors import ConfigError
 from tlt_jax.curves import plot_runs
 from tlt_jax.metrics import MetricsWriter, read_records
 from tlt_jax.rl import batching, grpo
-from tlt_jax.rl.reward_pool import RewardError, RewardPool
+from tlt_jax.rl.reward_pool import RewardPool
 from tlt_jax.rollout.policies.cells import Policies, PolicyCells
 from tlt_jax.rollout.policies.mab import BanditState
 from tlt_jax.rollout.records import Request, Result
@@ -217,11 +216,7 @@ def train(run: Run, state: TrainState, *, progress: bool = True
   writer = MetricsWriter(cfg.workdir, start if start > 0 else -1) if primary else None
   evaluating = run.test_rows is not None and primary  # worker 0 is process 0's
   eval_bandit = run.eval_bandit  # evaluation's (not checkpointed: a resume starts it afresh)
-  try:
-    pool = RewardPool(cfg.reward.name, num_workers=cfg.reward.num_workers,
-                      timeout=cfg.reward.timeout)
-  except RewardError as e:
-    raise ConfigError(str(e)) from None
+  pool = runtime.reward_pool(cfg)
   bar = None
   if progress and primary:
     bar = tqdm(total=cfg.train.steps, initial=start, desc="train", unit="step", file=sys.stderr,
