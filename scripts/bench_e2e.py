@@ -183,12 +183,36 @@ def learning_check(res: dict, size: int) -> list[str]:
   return lines
 
 
-def plot(res: dict, path: str) -> None:
-  """Every run's reward and held-out accuracy (TRL's too) in tlt_jax.curves' figure."""
+TRL_PHASES = ("generate", "reward", "logprobs", "rollout_other", "update")
+
+
+def trl_curve_records(recs: list[dict]) -> list[dict]:
+  """TRL's per-step records in tlt_jax's metrics form for tlt_jax.curves: its step's seconds
+  are the sum of its phases (its `total`, and with it `other`, runs on from its record into the
+  other runs' lockstep turns), its rollout is `generate`."""
+  out = []
+  for r in recs:
+    row = {k: r[k] for k in ("step", "reward", "eval", "response_length") if k in r}
+    t = r.get("time", {})
+    if "generate" in t:
+      row["time"] = {"total": sum(t.get(k, 0.0) for k in TRL_PHASES), "rollout": t["generate"]}
+    out.append(row)
+  return out
+
+
+def plot(out: str, runs: list[str], path: str) -> None:
+  """Every run's curves (reward, held-out accuracy, response length, seconds per step and its
+  rollout), TRL's too, in tlt_jax.curves' figure: read from the runs' records under `out`."""
   from tlt_jax.curves import plot_runs
-  plot_runs({name: [{"step": s, "reward": v} for s, v in r["reward_curve"]]
-             + [{"step": s, "eval": {"accuracy": v}} for s, v in r["eval_curve"]]
-             for name, r in res.items()}, path)
+  from tlt_jax.metrics import read_records
+  curves = {}
+  for name in runs:
+    if name == "trl":
+      curves[name] = trl_curve_records(
+          read_records(os.path.join(out, name, "trl_metrics.jsonl")))
+    else:
+      curves[name] = read_records(os.path.join(out, name, "metrics.jsonl"))
+  plot_runs(curves, path)
 
 
 def run_stack(a, venv: str, runs: list[str], out: str) -> dict[str, dict]:
@@ -292,7 +316,7 @@ def report(a, label: str, runs: list[str], res: dict[str, dict], out: str) -> di
             f"{res['trl']['s_per_step'] / on:.2f}x")
   for line in learning_check(res, a.window):
     print(line)
-  plot(res, os.path.join(out, "curves.png"))
+  plot(out, [n for n in runs if n in res], os.path.join(out, "curves.png"))
   return both
 
 

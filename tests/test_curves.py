@@ -74,3 +74,40 @@ def test_plot_curves_command(tmp_path, capsys):
     plot_curves.main(["--workdir", str(tmp_path / "nowhere")])
   assert "nowhere: no metrics.jsonl" in capsys.readouterr().err
   assert not (tmp_path / "nowhere").exists()
+
+
+def test_bench_e2e_draws_trl_in_every_panel():
+  """TRL's records (scripts/bench_trl_grpo.py's form) reach every panel: its step's seconds are
+  its `total` less `other` (TRL's own accounting: total = the phases + other, and in lockstep
+  `other` runs on into the other runs' turns), its rollout its `generate`."""
+  import bench_e2e
+  trl = [{"step": 0, "eval": {"accuracy": 0.47}, "time": {"eval": 10.7}}]
+  for s in range(1, 6):
+    t = {"generate": 3.0 + s, "reward": 0.01, "logprobs": 2.0, "rollout_other": 0.05,
+         "update_fwd_bwd": 8.0, "optimizer": 0.1, "update": 8.1, "other": 20.0 * s}
+    t["total"] = (t["generate"] + t["reward"] + t["logprobs"] + t["rollout_other"]
+                  + t["update"] + t["other"])
+    trl.append({"step": s, "reward": 0.3, "response_length": {"mean": 30.0}, "time": t})
+  got = series(bench_e2e.trl_curve_records(trl))
+  assert got.keys() == {"reward", "accuracy", "length", "seconds"}
+  np.testing.assert_allclose(got["seconds"]["total"][1],
+                             [r["time"]["total"] - r["time"]["other"] for r in trl[1:]])
+  np.testing.assert_allclose(got["seconds"]["rollout"][1], [4.0, 5.0, 6.0, 7.0, 8.0])
+  assert got["accuracy"]["eval"][1].tolist() == [0.47]
+
+
+def test_bench_e2e_plot_reads_every_run(tmp_path, monkeypatch):
+  import bench_e2e
+  import tlt_jax.curves
+  (tmp_path / "on").mkdir()
+  (tmp_path / "trl").mkdir()
+  with open(tmp_path / "on" / "metrics.jsonl", "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in _records())
+  with open(tmp_path / "trl" / "trl_metrics.jsonl", "w") as f:
+    f.write(json.dumps({"step": 1, "reward": 0.5, "time": {"generate": 1.0, "update": 2.0}})
+            + "\n")
+  seen = {}
+  monkeypatch.setattr(tlt_jax.curves, "plot_runs", lambda runs, path: seen.update(runs))
+  bench_e2e.plot(str(tmp_path), ["on", "trl"], str(tmp_path / "c.png"))
+  assert seen["on"] == _records()
+  assert seen["trl"] == [{"step": 1, "reward": 0.5, "time": {"total": 3.0, "rollout": 1.0}}]
