@@ -76,9 +76,12 @@ def run(jobs: list[Job], *, poll_s: float = 0.002, nice: int = 5, on_turn=None
         t = time.perf_counter()
         if j.name not in procs:  # its first turn starts it
           logs[j.name] = open(j.log, "w")
-          procs[j.name] = subprocess.Popen(j.cmd, cwd=j.cwd, env=j.env, stdout=logs[j.name],
-                                           stderr=subprocess.STDOUT, start_new_session=True,
-                                           preexec_fn=lambda: os.nice(nice))
+          # niced through nice(1), which execs the command (its pid stays the group's): a
+          # preexec_fn would make Popen fork this multithreaded process (JAX's threads) and run
+          # Python in the child before exec, which can deadlock
+          procs[j.name] = subprocess.Popen(["nice", "-n", str(nice), *j.cmd], cwd=j.cwd,
+                                           env=j.env, stdout=logs[j.name],
+                                           stderr=subprocess.STDOUT, start_new_session=True)
         else:
           _signal(procs[j.name], signal.SIGCONT)
         p = procs[j.name]
