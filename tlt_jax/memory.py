@@ -343,8 +343,9 @@ def _learner_activations(z: _Sizes) -> list[Item]:
   head = b * chunk * v_l * 4  # one LM-head chunk of f32 logits
   # The coefficients are calibrated against XLA's temp sizes on this CPU (float32; 27 random
   # shapes; tests/test_memory.py checks them): a forward keeps the hidden states and, at its
-  # peak, either one layer's attention or one LM-head chunk.
-  lp_layer = 3.0 * scores + 1.3 * act(t * D) + 0.8 * layers_dev / L
+  # peak, either one layer's attention or one LM-head chunk. (The forward's scores: 2 copies
+  # since attention's queries are laid out per kv head, 3 before: 11 shapes, 2026-12-03.)
+  lp_layer = 2.0 * scores + 1.3 * act(t * D) + 0.8 * layers_dev / L
   items = [Item("log-prob activations", int(0.85 * act(t * D) + max(lp_layer, head)
                                              + 2 * gathered),
                 ("logprobs",), f"{b} row(s) x {T} tokens per device")]
