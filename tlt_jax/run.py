@@ -205,9 +205,12 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
       gather=distributed.all_gather_objects,
       global_barrier=distributed.GlobalBarrier if jax.process_count() > 1 else None,
       verdicts=verdicts,
-      # one process: the drafter settles beside the learner (across processes its merge is a
-      # collective and keeps its place)
-      overlap_settle=spot.mode == "spot" and jax.process_count() == 1, buffer=buffer)
+      # one process, one-device workers: their in-flight drafter steps run on beside the
+      # learner (across processes the merge is a collective and keeps its place; a
+      # tensor-parallel worker's steps have collectives of their own, which must not
+      # interleave with the learner's: coordinator.py's docstring)
+      overlap_settle=(spot.mode == "spot" and jax.process_count() == 1
+                      and cfg.rollout.tensor_parallel == 1), buffer=buffer)
   coordinator.push()  # every worker takes the store's weights (and its trainer the drafter)
   if spot.mode == "spot":  # compiled at low priority once spot training is wanted
     compiler = background_compiler("compile-drafter")

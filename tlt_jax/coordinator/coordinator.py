@@ -14,10 +14,15 @@ drives one rollout per RL step:
   3. when the last worker finishes (the barrier) every worker stops: an in-flight drafter step
      finishes or is dropped; the copies trained on different workers are merged (weighted by
      the tokens each trained on), published to the store and pushed to every worker before
-     the next rollout. With `overlap_settle` (one process) the rollout hands its results back
-     at the barrier and this settling runs on a thread of its own while the learner's phases
-     run (the learner never reads the drafter); the caller's `settle()` waits for it before
-     the next weights go out, and only that wait counts on the critical path.
+     the next rollout. With `overlap_settle` (one process, one-device workers) the rollout
+     hands its results back at the barrier: the in-flight steps (and a lone worker's
+     training) run on beside the learner's phases (the learner never reads the drafter),
+     and the caller's `settle()` waits for them, then merges and pushes on its own thread
+     before the next weights go out; only that counts on the critical path. The merge and
+     the push run where the learner's programs are dispatched, never beside them: two
+     threads launching programs with collectives over the same devices can deadlock (XLA:CPU
+     gang-schedules one multi-device launch at a time from a fixed pool; NCCL orders each
+     device's stream as its launches arrive), so nothing beside the learner spans devices.
 
 The learner never sees a worker: it publishes its params to the store, and `sync_actor`
 pushes them. The timeline of states (tlt_jax/coordinator/timeline.py) gives the step's idle
@@ -127,9 +132,10 @@ class Coordinator:
     hardware verdicts (policies/verdicts.py; None: none), which each rollout's gate cell reads
     and writes.
     overlap_settle: hand the results back at the barrier and settle the drafter (in-flight
-    steps, merge, push) on a thread of its own (module docstring); one process only (across
-    processes the merge is a collective, which must keep its place in every process's
-    order)."""
+    steps' end, merge, push) when the caller asks (module docstring); one process only
+    (across processes the merge is a collective, which must keep its place in every
+    process's order), and only with workers whose drafter steps are one-device programs
+    (they run beside the learner's)."""
     if not workers:
       raise ValueError("Coordinator: no workers")
     self.workers, self.store, self.spot, self.merge = list(workers), store, spot, merge
@@ -144,9 +150,8 @@ class Coordinator:
     self._last_barrier = None
     if overlap_settle and global_barrier is not None:
       raise ValueError("overlap_settle: one process only (the merge is a collective)")
-    self._settler = (cf.ThreadPoolExecutor(1, thread_name_prefix="drafter-settle")
-                     if overlap_settle else None)
-    self._settling: cf.Future | None = None  # the last rollout's, while it runs
+    self.overlap_settle = overlap_settle
+    self._settling: Callable[[], Any] | None = None  # the last rollout's, until it settles
     self._lone_stop = threading.Event()  # stops a lone worker's training (`rollout`)
     if spot.mode != "off" and any(w.trainer is None for w in self.workers):
       raise ValueError(f"spot mode {spot.mode!r} needs a drafter trainer on every worker")
@@ -173,9 +178,7 @@ class Coordinator:
     every = split(requests, self.num_workers)  # another process's requests are its workers'
     shares = [every[g] for g in self.worker_ids]
     if self._settling is not None:  # the last rollout's drafter first (its caller settles it)
-      self._lone_stop.set()
-      self._settling.result()
-      self._settling = None
+      self._settling()
     timeline = Timeline(n)
     barrier = threading.Event()  # this process's workers are done
     generated = [cf.Future() for _ in range(n)]  # each worker's results, at its share's end
@@ -201,8 +204,7 @@ class Coordinator:
     # A lone worker (one device) has no idle window before the barrier: it is the barrier.
     # Its idle window is the learner's phases, so with the settling overlapped it trains
     # until the caller settles (after the update), beside the learner on the same devices.
-    lone = (train and self.num_workers == 1 and self._settler is not None
-            and not release_actor)
+    lone = (train and self.num_workers == 1 and self.overlap_settle and not release_actor)
     learner_done = self._lone_stop = threading.Event()
     if lone:
       stop = learner_done
@@ -287,12 +289,12 @@ class Coordinator:
       timeline.close()
       return drafter
 
-    if self._settler is None:
+    if not self.overlap_settle:
       outs = finish()
       drafter = settle(outs)
       timeline.mark_returned()
       waiter = lambda: drafter
-    else:  # the drafter settles beside the learner
+    else:  # the workers' in-flight steps run on beside the learner; the caller settles
       if release_actor:  # the learner needs the actor's memory: the workers finish first
         outs = finish()
         job = functools.partial(settle, outs)
@@ -301,8 +303,8 @@ class Coordinator:
         outs = [(g.result(), None) for g in generated]
         job = lambda: settle(finish())
       timeline.mark_returned()
-      self._settling = self._settler.submit(job)
-      waiter = _waiter(self._settling, timeline, before=learner_done.set)
+      waiter = self._settling = _deferred(job, timeline, before=learner_done.set,
+                                          after=self._settled)
     results = sorted((r for res, _ in outs for r in res),
                      key=lambda r: (r.request_id, r.sample_index))
     return RolloutOutcome(results, chunks, timeline.barrier or 0.0, timeline, waiter,
@@ -369,10 +371,11 @@ class Coordinator:
       jax.block_until_ready(w.engine.params)
     return time.perf_counter() - t0
 
+  def _settled(self) -> None:
+    self._settling = None
+
   def close(self) -> None:
-    self._lone_stop.set()
-    if self._settler is not None:
-      self._settler.shutdown(wait=True)
+    self._lone_stop.set()  # (an unsettled rollout's workers stop; nothing is merged)
     for w in self.workers:
       w.close()
 
@@ -386,22 +389,27 @@ def split(requests: Sequence[Any], num_workers: int) -> list[list[Any]]:
   return out
 
 
-def _waiter(future: cf.Future, timeline: Timeline,
-            before: Callable[[], Any] = lambda: None) -> Callable[[], Any]:
-  """settle() of an overlapped rollout: calls `before` (a lone worker's training stops),
-  waits for the drafter (once; the seconds waited go to the timeline's critical path) and
-  returns its metrics."""
-  waited = []
+def _deferred(job: Callable[[], Any], timeline: Timeline, *,
+              before: Callable[[], Any], after: Callable[[], Any]) -> Callable[[], Any]:
+  """settle() of an overlapped rollout, on the caller's thread: calls `before` (a lone
+  worker's training stops), runs `job` once (the workers' in-flight steps end, merge, push;
+  its seconds go to the timeline's critical path), then `after`; returns its metrics, or
+  raises its error, on every call."""
+  done: list = []
 
-  def wait():
-    before()
-    if not waited:
+  def settle():
+    if not done:
+      before()
       t = time.perf_counter()
       try:
-        return future.result()
+        done.append((job(), None))
+      except BaseException as e:
+        done.append((None, e))
       finally:
         timeline.add_wait(time.perf_counter() - t)
-        waited.append(True)
-    return future.result()
-  return wait
-
+        after()
+    value, error = done[0]
+    if error is not None:
+      raise error
+    return value
+  return settle
