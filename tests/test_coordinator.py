@@ -530,3 +530,31 @@ def test_rollout_tail_share_is_the_time_after_90_percent_of_the_responses():
   assert got["time_share"] == pytest.approx((8.0 - 1.8) / 8.0)
   assert got["token_share"] == pytest.approx(500 / 680)
   assert tail_share([]) == {"time_share": 0.0, "token_share": 0.0}
+
+
+def test_average_states_is_the_token_weighted_mean_of_params_and_moments():
+  """The merge of real drafter states (params, Adam's moments, step counts) against a
+  float64 numpy weighted mean: a copy with weight 0 changes nothing, the step is the largest."""
+  import jax
+  import jax.numpy as jnp
+  from tlt_jax.drafter.merge import average_states
+  from tlt_jax.drafter.train_step import DrafterState
+  rng = np.random.default_rng(0)
+  shapes = {"w": (3, 4), "b": (4,)}
+  states = []
+  for step in (5, 9, 7):
+    tree = lambda: {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in shapes.items()}
+    states.append(DrafterState(step=jnp.asarray(step, jnp.int32), params=tree(),
+                               opt_state=(tree(), tree())))
+  weights = [300.0, 100.0, 0.0]
+  got = average_states(states, weights)
+  want_w = np.asarray(weights[:2], np.float64) / 400.0
+  for g, *xs in zip(jax.tree.leaves(got), *[jax.tree.leaves(s) for s in states]):
+    if np.issubdtype(np.asarray(g).dtype, np.integer):
+      assert int(g) == 9  # the largest step among the copies that trained
+      continue
+    ref = sum(wi * np.asarray(x, np.float64) for wi, x in zip(want_w, xs[:2]))
+    np.testing.assert_allclose(np.asarray(g, np.float64), ref, rtol=1e-6, atol=1e-7)
+  assert average_states(states, [0.0, 5.0, 0.0]) is states[1]  # one copy trained
+  with pytest.raises(ValueError, match="sum to 0"):
+    average_states(states, [0.0, 0.0, 0.0])

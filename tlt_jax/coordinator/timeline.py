@@ -106,8 +106,9 @@ class Timeline:
       idle_share_trained  training_s / idle_s (the figure of merit)
       critical_path_s  drafter time after the barrier that the step waited for: until the
                     rollout handed its results back (in-flight steps finishing, merge, push,
-                    when it settles the drafter first), plus the wait for a drafter settling
-                    beside the learner (`overlap_settle`): what training costs the step
+                    when it settles the drafter first), plus, with `overlap_settle`, what the
+                    caller's settle() took (the in-flight steps' end, merge, push): what
+                    training costs the step
     """
     barrier = self.barrier if self.barrier is not None else self.now()
     per = []

@@ -23,21 +23,28 @@ from tlt_jax.drafter.train_step import DrafterState
 
 
 def average_states(states: Sequence[DrafterState], weights: Sequence[float]) -> DrafterState:
-  """The weighted mean of `states` (weights: tokens each trained on). States must be on the
-  same devices (the caller moves them)."""
+  """The weighted mean of `states` (weights: tokens each trained on): one jitted program (an
+  executable per number of copies that trained), or the one copy that trained. States must
+  be on the same devices (the caller moves them)."""
   if not states or len(states) != len(weights):
     raise ValueError("average_states: give one weight per state")
   total = float(sum(weights))
   if total <= 0:
     raise ValueError("average_states: the weights sum to 0 (nothing was trained)")
-  w = [float(x) / total for x in weights]
+  kept = [(s, float(x) / total) for s, x in zip(states, weights) if x]
+  if len(kept) == 1:  # one copy trained: it is the mean
+    return kept[0][0]
+  w = np.asarray([x for _, x in kept], np.float32)
+  return _weighted_mean(tuple(s for s, _ in kept), w)
 
+
+@jax.jit
+def _weighted_mean(states: tuple, w: jax.Array) -> DrafterState:
   def mean(*leaves):
     if jnp.issubdtype(leaves[0].dtype, jnp.integer):  # step counts
       return functools.reduce(jnp.maximum, leaves)
-    acc = sum(wi * x.astype(jnp.float32) for wi, x in zip(w, leaves) if wi)
+    acc = sum(w[i] * x.astype(jnp.float32) for i, x in enumerate(leaves))
     return acc.astype(leaves[0].dtype)
-
   return jax.tree.map(mean, *states)
 
 
