@@ -32,8 +32,9 @@ once in a suite run of session 60) at NPROC=16, 0 of 4 processes in 12 runs each
 in 30 runs each (in its 12th: ranks 0-6 of an 8-device all-to-all waiting for rank 7, the
 main thread in the acceptance program, the settle thread in the merge's eager ops: two
 threads launching multi-device programs at once); with the merge and push moved onto the
-learner's thread (tlt_jax/coordinator/coordinator.py), 0 of 2 in 40 runs each. A loop of RL steps with the learner on 2
-devices (the main job's CPU layout is 1 learner device): 0 of 2 processes hung in 400 steps.
+learner's thread (tlt_jax/coordinator/coordinator.py), 0 of 2 in 40 runs each. A loop of RL
+steps with the learner on 2 devices (the main job's CPU layout is 1 learner device): 0 of 2
+processes hung in 400 steps.
 """
 
 from __future__ import annotations
