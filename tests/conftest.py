@@ -135,6 +135,56 @@ def _unshared_while_patched(request):
     executables.clear_shared()
 
 
+def _fault_file(worker: str) -> str | None:
+  """Where worker `worker`'s faulthandler writes a fatal error's stacks (beside scripts/test.sh's
+  memory log; None when the suite runs without it)."""
+  log = os.environ.get("TLT_TEST_MEMORY_LOG")
+  return f"{log}.{worker}.fault" if log else None
+
+
+_FAULT_FILE = None  # (a worker's) the file its faulthandler writes to
+
+
+def pytest_sessionstart(session):
+  """(each xdist worker) A fatal error's stacks go to a file the controller reads when the
+  worker dies (pytest_testnodedown): on the worker's stderr they interleave with the other
+  worker's output, and CI shows a run's last lines, where the crashing thread's stack was cut
+  off (2026-12-03: a SIGSEGV in test_checkpoint with only the main thread's frames shown).
+  pytest's own faulthandler timeout dump (pyproject's faulthandler_timeout) is not affected."""
+  import faulthandler
+  path = _fault_file(os.environ.get("PYTEST_XDIST_WORKER", ""))
+  if path and os.environ.get("PYTEST_XDIST_WORKER"):
+    global _FAULT_FILE
+    _FAULT_FILE = open(path, "w")  # open for the process's life: faulthandler writes to its fd
+    faulthandler.enable(file=_FAULT_FILE, all_threads=True)
+
+
+def _fault_summary(text: str, frames: int = 4) -> str:
+  """faulthandler's dump cut to what tells a crash apart: its first line, the crashing thread's
+  whole stack, and the top `frames` frames of every other thread."""
+  head, blocks = [], []
+  for line in text.splitlines():
+    if line.startswith(("Thread 0x", "Current thread 0x")):
+      blocks.append([line])
+    elif line.startswith("Extension modules:"):
+      break
+    elif blocks and line.startswith("  "):
+      blocks[-1].append(line)
+    elif not blocks and line.strip():
+      head.append(line)
+
+  def plumbing(line):  # pytest's and xdist's own frames, one line for a run of them
+    return any(f"/{m}/" in line for m in ("_pytest", "pluggy", "execnet", "xdist"))
+
+  out = head[:3]
+  for b in sorted(blocks, key=lambda b: not b[0].startswith("Current")):
+    b = [x for i, x in enumerate(b) if not (plumbing(x) and i and plumbing(b[i - 1]))]
+    b = [x if not plumbing(x) else "  ... (pytest's frames)" for x in b]
+    keep = b if b[0].startswith("Current") else b[:frames + 1]
+    out += keep + ([f"  ... {len(b) - len(keep)} more frames"] if len(b) > len(keep) else [])
+  return "\n".join(out)
+
+
 @pytest.hookimpl(optionalhook=True)  # (xdist's hook: unknown without it)
 def pytest_testnodedown(node, error):
   """(xdist's controller) A worker that died says nothing of how: no traceback when the kernel
@@ -152,8 +202,8 @@ def pytest_testnodedown(node, error):
     name = signal.Signals(-rc).name
     how = {"SIGKILL": "killed: the kernel's OOM killer (see the memory lines below) or a kill "
                       "from outside",
-           "SIGSEGV": "a segmentation fault with no Python traceback above: a native thread's "
-                      "stack overflow, or a fault faulthandler could not report"}.get(name, "")
+           "SIGSEGV": "a segmentation fault: its faulthandler report follows where it wrote "
+                      "one; none: a native thread's stack overflow"}.get(name, "")
     said = f"signal {name}" + (f" ({how})" if how else "")
   else:
     how = {1: "pytest-timeout ended it (a test past pyproject's timeout: the stacks "
@@ -162,6 +212,11 @@ def pytest_testnodedown(node, error):
     said = f"exit status {rc}" + (f" ({how[rc]})" if rc in how else "")
   print(f"[{node.gateway.id}] the worker's process ended with {said}", file=sys.stderr,
         flush=True)
+  path = _fault_file(node.gateway.id)
+  if path and os.path.exists(path) and os.path.getsize(path):
+    with open(path, errors="replace") as f:
+      print(f"[{node.gateway.id}] its faulthandler report (the crashing thread first):\n"
+            + _fault_summary(f.read()), file=sys.stderr, flush=True)
 
 
 def _memory() -> str:

@@ -29,7 +29,7 @@ def test_gpu_check_smoke_writes_a_complete_report(tmp_path):
   # the headline table opens the report, every figure filled in but the learner's
   head = report.split("## env")[0]
   assert "| plain decode, batch 1: % of copy bandwidth | engine " in head, head
-  assert re.search(r"\| RL steps on one device \(2 of configs/longtail.py .*, TLT on / off \| "
+  assert re.search(r"\| RL steps on one device \(1 of configs/longtail.py .*, TLT on / off \| "
                    r"speedup [\d.]+x \(on .*tail's share of the rollout, TLT off: \d+%", head), head
   assert re.search(r"\| SD vs plain, batch 1 greedy, SD 3_1_4 \| .*outputs = plain: True", head)
   assert "cost model: spec / plain step, batch 1, 3_1_4 | predicted" in head, head

@@ -137,8 +137,9 @@ def test_greedy_spec_equals_plain_trained_drafter(shipped, shipped_plain, arm):
 
 @pytest.mark.skipif(not os.path.isdir(os.path.join(DEFAULT_MODEL, "drafter")),
                     reason="default drafter not built")
-@pytest.mark.parametrize("arm,temperature", [("4_1_5", 0.0), ("4_1_5", 1.0), ("4_4_16", 0.0),
-                                             ("3_2_6", 1.0)])
+# A chain sampled and a tree greedy: the window's mask is the same code for either sampling
+# rule and either verification (chain greedy and tree sampled took 52 s more of the suite).
+@pytest.mark.parametrize("arm,temperature", [("4_1_5", 1.0), ("4_4_16", 0.0)])
 def test_tightest_attention_window_equals_the_whole_cache(shipped, arm, temperature):
   """spec_chunk over the window of exactly the longest row + `chunk_reach` slots (unbucketed:
   the tightest the engine may choose) gives the tokens and logprobs of the whole cache, chunk
@@ -179,7 +180,9 @@ def test_tightest_attention_window_equals_the_whole_cache(shipped, arm, temperat
   assert accepted > n_chunks * 4 * chunk  # > one accepted draft per row-step on average
 
 
-@pytest.mark.parametrize("arm", ["3_1_4", "2_2_4"])
+# A tree arm (its masks within a window); a chain's windows are the spec_chunk test above
+# (4_1_5) and test_rollout's plain windows (the chain arm here took 59 s more of the suite).
+@pytest.mark.parametrize("arm", ["2_2_4"])
 def test_attention_windows_in_the_engine_do_not_change_outputs(tiny, arm, monkeypatch):
   """Speculative and plain chunks over windows of the cache (prompt_bucket 2: many windows,
   crossed mid-rollout; windows are the GPU's default, pinned here) give the whole-cache

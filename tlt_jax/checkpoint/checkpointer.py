@@ -40,7 +40,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath  # orbax's own path library (local paths and gs:// alike)
 
-from tlt_jax.checkpoint.damage import Damaged, quiet_about
+from tlt_jax.checkpoint.damage import Damaged, check_array_files, quiet_about
 from tlt_jax.checkpoint.leaves import (SCALAR_TYPES, CheckpointError, check_template, fmt_path,
                                        match_template, norm_path, restore_arg)
 
@@ -307,8 +307,7 @@ class Checkpointer:
       if damaged:
         self._damaged.update(d for d, _ in damaged)
         which = ", ".join(str(d) for d, _ in damaged)
-        why = ("; ".join(f"step {d}: {e}" for d, e in damaged) if len(damaged) > 1
-               else str(damaged[0][1]))
+        why = "; ".join(f"step {d}: {e}" if len(damaged) > 1 else str(e) for d, e in damaged)
         _log.warning(
             "checkpoint step%s %s in %s %s damaged (%s): skipped; resuming from step %d (the "
             "damaged data stays on disk; the first save moves it to %s)",
@@ -324,6 +323,7 @@ class Checkpointer:
                     optional: tuple[str, ...] = ()) -> PyTree:
     """Restores one step; raises Damaged for anything that fails while reading its files and
     CheckpointError for a template that does not match what it holds."""
+    check_array_files(os.path.join(self.directory, str(step), _ITEM))
     try:
       saved = self._saved_leaves(step)
     except Exception as e:  # pylint: disable=broad-except - see restore

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 import sys
 from typing import Any, Iterator
 
@@ -26,6 +27,24 @@ class Damaged(Exception):
     if len(msg) > 300:
       msg = msg[:300] + "..."
     super().__init__(f"{type(error).__name__} {doing}: {msg}")
+
+
+def check_array_files(item_dir: str) -> None:
+  """Raises Damaged if a file of the item's array store (OCDBT: its manifests and the data
+  files under `d/` directories) is empty: what a crash leaves of a write whose directory entry
+  landed before its data (e.g. ext4's delayed allocation, a power cut). No OCDBT file is empty
+  when whole. Checked before Orbax reads (its metadata read opens the arrays too), which on
+  such a file fails mid-read and leaves its other TensorStore reads running past its closed
+  event loop. Local paths only (a listing of
+  a bucket is slow; there Orbax's own read reports the damage)."""
+  if "://" in item_dir:
+    return
+  for root, _, files in os.walk(item_dir):
+    for f in sorted(files):
+      if (f == "manifest.ocdbt" or os.path.basename(root) == "d") and \
+          os.path.getsize(os.path.join(root, f)) == 0:
+        raise Damaged("reading its arrays", OSError(
+            f"{os.path.join(root, f)} is empty (0 bytes: a write lost in a crash)"))
 
 
 @contextlib.contextmanager
