@@ -62,21 +62,22 @@ from tlt_jax.rollout import executables  # noqa: E402
 
 
 # Seconds each test file took in the whole suite (cold cache, `bash scripts/test.sh
-# --durations=0`, 2026-11-29; files under 10 s left out). The files are handed to the two xdist
+# --durations=0`, 2026-12-04; files under 10 s left out). The files are handed to the two xdist
 # workers heaviest first (longest processing time first; scripts/test.sh turns off xdist's own
 # order, by number of tests): in that order a one-test file of ~5 minutes (test_gpu_check) ran
 # last on one worker while the other sat idle for ~280 s.
 _FILE_SECONDS = {
-    "test_speculative.py": 509, "test_train.py": 358, "test_gpu_check.py": 313,
-    "test_history_spec.py": 227, "test_rollout.py": 169, "test_acceptance.py": 161,
-    "test_multihost.py": 158, "test_export.py": 135, "test_drafter.py": 133,
-    "test_models.py": 97, "test_grpo.py": 94, "test_verify_kernel.py": 90, "test_gate.py": 90,
-    "test_notebook.py": 78, "test_generate_cli.py": 76, "test_bench_model.py": 75,
-    "test_plan_sim.py": 73, "test_checkpoint.py": 59, "test_distributed.py": 50,
-    "test_eval.py": 49, "test_coordinator.py": 42, "test_mab.py": 41, "test_memory.py": 36,
-    "test_eagle_serving.py": 29, "test_packing.py": 26, "test_verl_data.py": 25,
-    "test_history.py": 23, "test_config.py": 22, "test_attention.py": 22,
-    "test_plan_cost.py": 15, "test_sharding.py": 14, "test_rewards.py": 13}
+    "test_speculative.py": 346, "test_train.py": 279, "test_history_spec.py": 248,
+    "test_gpu_check.py": 242, "test_rollout.py": 215, "test_drafter.py": 167,
+    "test_multihost.py": 164, "test_acceptance.py": 155, "test_bench_model.py": 141,
+    "test_mab.py": 131, "test_grpo.py": 103, "test_models.py": 99, "test_export.py": 94,
+    "test_generate_cli.py": 91, "test_verify_kernel.py": 81, "test_plan_sim.py": 81,
+    "test_notebook.py": 56, "test_distributed.py": 52, "test_checkpoint.py": 51,
+    "test_paged_attention.py": 46, "test_memory.py": 44, "test_coordinator.py": 43,
+    "test_eagle_serving.py": 34, "test_eval.py": 33, "test_config.py": 27, "test_packing.py": 21,
+    "test_gate.py": 21, "test_verl_data.py": 18, "test_sharding.py": 18, "test_tree.py": 17,
+    "test_rewards.py": 16, "test_attention.py": 14, "test_plan_cost.py": 13,
+    "test_history.py": 12, "test_imports.py": 10}
 
 
 def pytest_collection_modifyitems(items):
