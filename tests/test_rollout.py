@@ -871,6 +871,33 @@ def _double(x, *, k):
   return x * k
 
 
+def test_unusable_donations_do_not_warn_from_compiling_threads():
+  """The engine's executables donate states whose per-row leaves often cannot be reused; JAX's
+  warning about them is dropped (rollout/executables.py), also when several threads compile
+  at once (a per-compile warnings.catch_warnings lost its filter under background compiles).
+  Measured against the same compile with the filters reset."""
+  import warnings
+  from tlt_jax.rollout import executables
+
+  def compile_one(n):
+    return executables._compile(lambda x, y: x[:2] + n, (jnp.ones((4,)), jnp.ones((n,))),
+                                (0, 1))
+
+  with warnings.catch_warnings(record=True) as seen:
+    threads = [threading.Thread(target=compile_one, args=(n,)) for n in range(3, 9)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    compile_one(9)
+  assert not [w for w in seen if "donated buffers" in str(w.message)]
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    jax.jit(lambda x, y: x[:2] + 10, donate_argnums=(0, 1)).lower(
+        jnp.ones((4,)), jnp.ones((10,))).compile()  # the same compile, not through the engine's
+  assert [w for w in seen if "donated buffers" in str(w.message)]
+
+
 def test_engines_of_one_process_share_their_executables(models, prompts):
   """A second engine with the same configuration on the same device takes every executable
   the first compiled (the same objects, its records priced at their compile's seconds) and

@@ -139,12 +139,18 @@ class ExecutableCache:
 
 def _compile(fn: Callable, args: tuple, donate: tuple[int, ...]):
   """(executable, its argument + output + temp bytes from memory_analysis() or None)."""
+  # A donated state's page pools pass through in place; its per-row leaves often cannot be
+  # reused (another batch size, fewer outputs) and are just freed: not worth a warning. The
+  # filter (JAX's lowering module, this message) is put first in the filters in force at each
+  # compile (filterwarnings replaces an equal one: the list does not grow): a
+  # `warnings.catch_warnings()` around the compile is not thread-safe (with background
+  # compiles one thread's exit restored the filters under another's compile, and the warning
+  # reached a test's output), and one set at import is lost when the import runs inside a
+  # catch_warnings (pytest's collection).
+  warnings.filterwarnings("ignore", "Some donated buffers were not usable", UserWarning,
+                          r"jax\._src\.interpreters\.mlir")
   # Input shardings are committed (params on the worker's mesh), so no mesh context.
-  with warnings.catch_warnings():
-    # A donated state's page pools pass through in place; its per-row leaves often cannot
-    # be reused (another batch size, fewer outputs) and are just freed: not worth a warning.
-    warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-    exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+  exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
   try:
     ma = exe.memory_analysis()
     mem = (None if ma is None else
