@@ -153,9 +153,10 @@ def pytest_sessionstart(session):
   off (2026-12-03: a SIGSEGV in test_checkpoint with only the main thread's frames shown).
   pytest's own faulthandler timeout dump (pyproject's faulthandler_timeout) is not affected."""
   import faulthandler
-  path = _fault_file(os.environ.get("PYTEST_XDIST_WORKER", ""))
-  if path and os.environ.get("PYTEST_XDIST_WORKER"):
-    global _FAULT_FILE
+  global _FAULT_FILE
+  worker = os.environ.get("PYTEST_XDIST_WORKER")
+  path = _fault_file(worker) if worker else None
+  if path:
     _FAULT_FILE = open(path, "w")  # open for the process's life: faulthandler writes to its fd
     faulthandler.enable(file=_FAULT_FILE, all_threads=True)
 

@@ -875,7 +875,7 @@ def test_unusable_donations_do_not_warn_from_compiling_threads():
   """The engine's executables donate states whose per-row leaves often cannot be reused; JAX's
   warning about them is dropped (rollout/executables.py), also when several threads compile
   at once (a per-compile warnings.catch_warnings lost its filter under background compiles).
-  Measured against the same compile with the filters reset."""
+  Measured against the same compile outside the engine, every warning shown."""
   import warnings
   from tlt_jax.rollout import executables
 

@@ -35,8 +35,8 @@ def check_array_files(item_dir: str) -> None:
   landed before its data (e.g. ext4's delayed allocation, a power cut). No OCDBT file is empty
   when whole. Checked before Orbax reads (its metadata read opens the arrays too), which on
   such a file fails mid-read and leaves its other TensorStore reads running past its closed
-  event loop. Local paths only (a listing of
-  a bucket is slow; there Orbax's own read reports the damage)."""
+  event loop. Local paths only (a listing of a bucket is slow; there Orbax's own read reports
+  the damage)."""
   if "://" in item_dir:
     return
   for root, _, files in os.walk(item_dir):
