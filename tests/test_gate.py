@@ -75,6 +75,35 @@ def test_opens_bucket_by_bucket_while_it_pays_then_declines_the_rest():
   assert g.arms(7, 2) == [] and g.drafter_wanted()
 
 
+def test_a_bucket_the_gate_says_it_never_closes_stays_open_through_every_transition():
+  """`closes(bucket)` False is what lets the engine skip compiling switch-off ahead there:
+  over random runs of measured chunks (plain and speculative, faster and slower, at random
+  buckets, on two workers, rollouts beginning between them: probes that pay and decline,
+  probation that moves, reprobes), a bucket once reported as never closing stays allowed on
+  every worker at every later point; a gate that does not gate closes nothing."""
+  rng = np.random.default_rng(0)
+  buckets = (1, 2, 4, 8, 16)
+  exercised = 0
+  for seed in range(6):
+    g = _gate(buckets=buckets, min_chunks=2, margin=0.1, reprobe_every=1)
+    g.begin_rollout(1, {b: ARMS for b in buckets})
+    never: set[int] = set()
+    for i in range(120):
+      if i % 7 == 0:
+        g.begin_rollout(int(rng.integers(2)), {b: ARMS for b in buckets})
+      b = int(rng.choice(buckets))
+      arm = [None, "4_1_5", "3_1_4"][int(rng.integers(3))]
+      _feed(g, b, arm, float(rng.uniform(50, 200)), 1, accept_len=float(rng.uniform(1, 3)))
+      for q in never:
+        assert g.allows(0, q) and g.allows(1, q), (seed, i, q, g.state.status)
+      never |= {q for q in buckets if not g.closes(q)}
+    exercised += bool(never)
+  assert exercised >= 3  # in most runs some bucket came to pay: the property was exercised
+  g = SpecGate(GateConfig(gating=False))
+  g.begin_rollout(0, {b: ARMS for b in buckets})
+  assert not any(g.closes(b) for b in buckets) and all(g.allows(0, b) for b in buckets)
+
+
 def test_a_call_may_speculate_only_where_a_probe_is_funded_or_a_bucket_pays():
   """`may_speculate` (whether a call keeps the drafter's cache current, engine.py's tracked
   call): not while nothing is funded (a horizon too short to repay any compile: the CPU

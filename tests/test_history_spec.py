@@ -157,7 +157,9 @@ class NotWantedGate:
   """A gate that allows speculation everywhere while saying speculation's data is not wanted
   (`drafter_wanted` False): the engine does not feed the history index until a history arm
   runs, then begins every live row with its text so far."""
-  closes = True
+
+  def closes(self, bucket):
+    return True
 
   def begin_rollout(self, worker_id, choosable):
     pass

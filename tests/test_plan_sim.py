@@ -300,6 +300,15 @@ def test_plan_command_on_the_7b_recipe(tmp_path):
   assert on["phases"]["verification"] > 0 and off["phases"]["verification"] == 0
   assert on["spot"]["training_s"] > 0 and off["spot"]["training_s"] == 0
   assert on["phases"]["update"] == off["phases"]["update"]  # same lengths, same learner
+  # executables by kind add up to the totals; TLT off compiles none of speculation's
+  from tlt_jax.rollout.executables import SPECULATIVE
+  per = p["executables"]["per_worker"]
+  for m in ("on", "off"):
+    kinds = per[m]["by_kind"]
+    assert sum(k["executables"] for k in kinds.values()) == pytest.approx(per[m]["executables"],
+                                                                          abs=0.1 * len(kinds))
+    assert f"per worker by kind, TLT {m}: " in r.stdout
+  assert "spec" in per["on"]["by_kind"] and not set(per["off"]["by_kind"]) & set(SPECULATIVE)
   assert (out / "timeline.png").stat().st_size > 0 and (out / "live_batch.png").exists()
 
 

@@ -34,7 +34,7 @@ class Plan:
   on: list[StepResult]
   off: list[StepResult]
   gate: dict[str, Any] | None
-  executables: dict[str, Any]  # on, off: totals; per_worker: executables and compile seconds
+  executables: dict[str, Any]  # on, off: totals; per_worker: executables, compile seconds, by_kind
   gate_mode: str
 
   @property
@@ -107,11 +107,10 @@ def plan(cfg, *, hardware: str = "h100", gpus: int = 0, lengths: Lengths, accept
   gate_after = on.policies.gate  # (None: no gate)
   ex = {"on": sum(len(e.exes.records) for e in on.engines),
         "off": sum(len(e.exes.records) for e in off.engines),
-        # per worker: executables and the seconds compiling them (foreground or not)
-        "per_worker": {m: {"executables": round(sum(len(e.exes.records) for e in r.engines)
-                                                / len(r.engines), 1),
-                           "compile_s": round(sum(x.seconds for e in r.engines
-                                                  for x in e.exes.records) / len(r.engines), 1)}
+        # per worker: executables and the seconds compiling them (foreground or not), in all
+        # and by kind (the executable's name: decode, prefill, spec, track, switch_off, ...)
+        "per_worker": {m: _per_worker([x for e in r.engines for x in e.exes.records],
+                                      len(r.engines))
                        for m, r in (("on", on), ("off", off))}}
   return Plan(name=cfg.model.get("architecture") or cfg.model.path, hardware=hw, gpus=n,
               workers=workers, tp=tp, max_batch=on.ecfg.max_batch,
@@ -119,6 +118,18 @@ def plan(cfg, *, hardware: str = "h100", gpus: int = 0, lengths: Lengths, accept
               compile_s=compile_s, on=on.steps, off=off.steps,
               gate=gate_after.summary() if gate_after is not None else None, executables=ex,
               gate_mode=gate)
+
+
+def _per_worker(records, workers: int) -> dict[str, Any]:
+  """Executables and their compile seconds per worker, in all and by kind (`by_kind`)."""
+  kinds: dict[str, list] = {}
+  for x in records:
+    kinds.setdefault(x.name, []).append(x.seconds)
+  return {"executables": round(len(records) / workers, 1),
+          "compile_s": round(sum(x.seconds for x in records) / workers, 1),
+          "by_kind": {k: {"executables": round(len(v) / workers, 1),
+                          "compile_s": round(sum(v) / workers, 1)}
+                      for k, v in sorted(kinds.items())}}
 
 
 def _live(s: StepResult, threshold: int | None) -> str:
@@ -175,6 +186,10 @@ def text(p: Plan) -> str:
       f"({p.executables['per_worker']['on']['compile_s']:.0f} s compiling), off "
       f"{p.executables['per_worker']['off']['executables']} "
       f"({p.executables['per_worker']['off']['compile_s']:.0f} s)"]
+  for m in ("on", "off"):
+    kinds = p.executables["per_worker"][m]["by_kind"]
+    lines.append(f"  per worker by kind, TLT {m}: " + ", ".join(
+        f"{k} {v['executables']:g} ({v['compile_s']:.0f} s)" for k, v in kinds.items()))
   return "\n".join(lines)
 
 

@@ -300,7 +300,7 @@ class Engine(Replica):
       # a tracked call's batch (its drafter's cache is current: nothing to compute) once its
       # bucket's executables are compiled (until then the chunk decodes plainly)
       speculating = c.track and self.compiles.ready(c.plan, c.sp, state.batch_size)
-    if (started or speculating) and gate is not None and gate.closes:
+    if (started or speculating) and gate is not None and gate.closes(state.batch_size):
       self.compiles.switch_off_ahead(c.plan, state)  # (its bucket may close meanwhile)
     # the attention window the rows reach this chunk (their pages hold it: `_page`)
     longest = longest_row(sched, c.outputs)

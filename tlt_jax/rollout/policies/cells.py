@@ -19,7 +19,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 from tlt_jax.rollout.policies import funding
 from tlt_jax.rollout.policies.gate import GateConfig, GateState
 from tlt_jax.rollout.policies.mab import BanditConfig, BanditState, bandit_config
-from tlt_jax.rollout.policies.probe import Chunk
+from tlt_jax.rollout.policies.probe import PAYS, Chunk
 from tlt_jax.rollout.policies.strategy import Strategy
 from tlt_jax.rollout.policies.verdicts import VerdictCache
 
@@ -84,7 +84,7 @@ class SpecGate:
     compiled(kind, bucket, arm, s)    an executable's compile seconds (payoff.py's kinds)
     repays_window(bucket, arm, n, f)  whether a narrower attention window is worth compiling
     runs_wide(bucket, arm, extra)     whether an arm may run at a wider window than its rows'
-    closes                            whether it may close a bucket (switch-off compiled ahead)
+    closes(bucket)                    whether it may close a bucket (switch-off compiled ahead)
   Questions read one state (a reference read: no lock; a state never changes). The holder
   owns the I/O the pure state cannot do: loading cached hardware verdicts and compile costs on
   the first rollout with buckets, and writing them after every verdict and new cost."""
@@ -96,11 +96,18 @@ class SpecGate:
     self.verdicts = verdicts  # hardware verdicts of earlier runs (None: measure every run)
     self._lock = threading.Lock()
 
-  @property
-  def closes(self) -> bool:
-    """Whether it may close a bucket a batch speculates at (gating: a probe that declines;
-    an open gate never does, so no switch-off is compiled ahead for it)."""
-    return self.state.cfg.gating
+  def closes(self, bucket: int) -> bool:
+    """Whether it may close `bucket` while a batch speculates there, so that switch-off is
+    compiled ahead there: a gating gate's bucket on probation, closed or declined (a probe
+    that declines, probation that moves on). Not an open gate, and not a bucket that pays
+    with funded arms: a verdict of paying is final and a funded arm stays funded
+    (funding.py), so the gate never closes it (a batch there whose arms read too wide a
+    window still switches off, once switch-off is compiled: engine.py)."""
+    s = self.state
+    if not s.cfg.gating:
+      return False
+    r = s.at.get(bucket)
+    return r is None or r.status != PAYS or not r.funded
 
   def begin_rollout(self, worker_id: int, choosable: Mapping[int, Sequence[str]]) -> None:
     with self._lock:
