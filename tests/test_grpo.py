@@ -59,8 +59,9 @@ def _np_logprobs(params, seq, temperature):
 
 
 def _np_grpo_loss(new, old, ref, samples, gcfg):
-  """Token-mean over every response token of the batch, float64, no padding anywhere."""
-  tot, n, ent_sum, kl_sum = 0.0, 0, 0.0, 0.0
+  """Token-mean over every response token of the batch, float64, no padding anywhere:
+  (loss, entropy, KL to ref, clipped policy-gradient term, share of tokens clipped)."""
+  n, sums = 0, np.zeros(5)
   for s in samples:
     seq = list(s.prompt_ids) + list(s.response_ids)
     lp, ent = _np_logprobs(new, seq, gcfg.temperature)
@@ -69,23 +70,25 @@ def _np_grpo_loss(new, old, ref, samples, gcfg):
     for t in range(len(s.prompt_ids), len(seq)):
       ratio = np.exp(lp[t] - lo[t])
       a = s.advantage
-      pg = max(-a * ratio, -a * min(max(ratio, 1 - gcfg.eps_low), 1 + gcfg.eps_high))
+      clipped = -a * min(max(ratio, 1 - gcfg.eps_low), 1 + gcfg.eps_high)
+      pg = max(-a * ratio, clipped)
       d = lr[t] - lp[t]
       kl = np.exp(d) - d - 1
-      tot += pg + gcfg.kl_coef * kl
-      ent_sum += ent[t]
-      kl_sum += kl
+      sums += (pg + gcfg.kl_coef * kl, ent[t], kl, pg, clipped > -a * ratio)
       n += 1
-  return tot / n, ent_sum / n, kl_sum / n
+  return tuple(sums / n)
 
 
 @pytest.fixture(scope="module")
 def setup():
   old = init_params(CFG, jax.random.key(0), std=0.3)
-  # new = old moved far enough that many ratios leave [1 - eps, 1 + eps] (clipping is tested)
-  noise = init_params(CFG, jax.random.key(1), std=0.3)
-  new = jax.tree.map(lambda a, b: a + 0.5 * b, old, noise)
-  ref = init_params(CFG, jax.random.key(2), std=0.3)
+  # new = old moved as an update moves it: ratios 0.67-1.54 (5th-95th percentile), about 40%
+  # of them outside [1 - eps, 1 + eps] (both branches of the clip); ref = old moved less
+  # (KL to it ~0.05 a token): the policy-gradient and KL terms are of the sizes they have in
+  # a run, so neither hides an error in the other
+  move = lambda scale, seed: jax.tree.map(  # noqa: E731
+      lambda a, b: a + scale * b, old, init_params(CFG, jax.random.key(seed), std=0.3))
+  new, ref = move(0.02, 1), move(0.01, 2)
   rng = np.random.RandomState(0)
   samples = [batching.Sample(rng.randint(1, 23, rng.randint(2, 9)),
                          rng.randint(1, 23, rng.choice([1, 3, 17, 40])), float(rng.randn()))
@@ -101,28 +104,29 @@ def test_microbatched_loss_matches_float64_reference(setup, kl_coef, temperature
   rng = np.random.RandomState(1)  # short samples too: they outlast the long rows' gaps
   samples = samples + [batching.Sample(rng.randint(1, 23, 3), rng.randint(1, 23, rng.randint(1, 9)),
                                    float(rng.randn())) for _ in range(12)]
-  want, want_ent, want_kl = _np_grpo_loss(new, old, ref, samples, gcfg)
+  want, want_ent, want_kl, want_pg, want_clip = _np_grpo_loss(new, old, ref, samples, gcfg)
   mbs = list(batching.micro_batches(samples, rows=2, pad_multiple=16, max_len=64))
   assert len({mb.tokens.shape[1] for mb in mbs}) > 1  # micro-batches of several lengths
   assert max(mb.segment_ids.max() for mb in mbs) >= 3  # rows packed with several samples
-  num_tokens = jnp.float32(sum(mb.loss_mask.sum() for mb in mbs))
-  total = ent = kl = clip = 0.0
+  n = sum(mb.loss_mask.sum() for mb in mbs)
+  got = dict.fromkeys(["loss", "entropy", "kl_ref", "pg_loss", "clip_frac"], 0.0)
   lp_fn = jax.jit(functools.partial(grpo.token_logprobs, cfg=CFG, temperature=temperature,
                                     chunk=8))
   for mb in mbs:
     packed = (jnp.asarray(mb.tokens), jnp.asarray(mb.positions), jnp.asarray(mb.segment_ids))
     dev = grpo.Batch(*packed, jnp.asarray(mb.loss_mask), jnp.asarray(mb.advantages),
                      lp_fn(old, *packed)[0], lp_fn(ref, *packed)[0])
-    loss, m = grpo.grpo_loss(new, dev, cfg=CFG, gcfg=gcfg, num_tokens=num_tokens)
-    total += float(loss)
-    ent += float(m["entropy"])
-    clip += float(m["clip_frac"])
-    kl += float(m.get("kl_ref", 0.0))
-  np.testing.assert_allclose(total, want, rtol=2e-5, atol=1e-6)
-  np.testing.assert_allclose(ent, want_ent, rtol=2e-5)
+    loss, m = grpo.grpo_loss(new, dev, cfg=CFG, gcfg=gcfg, num_tokens=jnp.float32(n))
+    for k in got:
+      got[k] += float(loss if k == "loss" else m.get(k, 0.0))
+  np.testing.assert_allclose(got["loss"], want, rtol=2e-5, atol=1e-6)
+  np.testing.assert_allclose(got["pg_loss"], want_pg, rtol=2e-5, atol=1e-6)
+  np.testing.assert_allclose(got["entropy"], want_ent, rtol=2e-5)
   if kl_coef:
-    np.testing.assert_allclose(kl, want_kl, rtol=2e-5)
-  assert 0.05 < clip < 0.95  # both branches of the clip were exercised
+    np.testing.assert_allclose(got["kl_ref"], want_kl, rtol=2e-5)
+  # the clipped tokens, counted (a float32 ratio on a clip boundary may count either way)
+  np.testing.assert_allclose(got["clip_frac"], want_clip, atol=1.5 / n)
+  assert 0.1 < want_clip < 0.9  # both branches of the clip were exercised
 
 
 def test_ratio_is_one_on_policy_and_gradient_is_policy_gradient(setup):

@@ -12,13 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tlt_jax.drafter.model import drafter_cache
+from tlt_jax.drafter.model import drafter_cache, drafter_forward
 from tlt_jax.models import init_cache
 from tlt_jax.rollout import decode, spec_state, speculative
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.records import Request
-from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.drafts import draft_chain, draft_tree
+from tlt_jax.rollout.sampling import SamplingParams, processed_logprobs
 from spec_helpers import (N, NEW, PEAKED, PROMPT, SAMPLING, SMALL, TINY, broken_p,
                           chi_square_p, exact_joint, make_peaked)
 
@@ -296,9 +297,9 @@ def _with_verify(fn, name, verify):
 
 
 # every sampling setting and every depth, each once (not their product: the rule does not
-# depend on the depth, the draws do)
-@pytest.mark.parametrize("sp,steps", [(SAMPLING[0], 3), (SAMPLING[1], 2)],
-                         ids=["t1_3", "t0.8_topk4_2"])
+# depend on the depth, the draws do); one draft: the third token is the bonus after it
+@pytest.mark.parametrize("sp,steps", [(SAMPLING[0], 3), (SAMPLING[1], 2), (SAMPLING[0], 1)],
+                         ids=["t1_3", "t0.8_topk4_2", "t1_1_bonus"])
 def test_sampled_spec_matches_target_distribution(peaked, sp, steps):
   params, dparams = peaked
   joint = exact_joint(params, sp)
@@ -306,6 +307,113 @@ def test_sampled_spec_matches_target_distribution(peaked, sp, steps):
   assert acc > 0.02 * N  # the random drafter's tokens are accepted sometimes...
   assert acc < 0.9 * N * (NEW - 1)  # ...and rejected sometimes: both paths run
   assert chi_square_p(seqs, joint) > 1e-3
+
+
+def test_drafted_chain_q_is_the_processed_drafter_distribution(peaked):
+  """The q a sampled chain hands to verification is the drafter's distribution after the
+  sampling settings (temperature, top-k), the one its drafts were drawn from: recomputed here
+  step by step by cacheless drafter forwards over the drafts so far, each fed the previous
+  step's own output state (EAGLE's chain). A q before the settings (or of another step) makes
+  the acceptance ratio and the residual wrong: not lossless."""
+  params, dparams = peaked
+  sp, steps, b = SamplingParams(temperature=0.8, top_k=4), 3, 64
+  rng = np.random.default_rng(0)
+  g0 = jnp.asarray(rng.normal(size=(b, PEAKED.hidden_size)), jnp.float32)
+  dlogits = jnp.asarray(rng.normal(size=(b, PEAKED.vocab_size)) * 3, jnp.float32)
+  keys = jax.vmap(lambda i: jax.random.split(jax.random.key(i), steps))(jnp.arange(b))
+  drafts, q, _ = draft_chain(dparams, params, drafter_cache(PEAKED, b, 8), g0, dlogits, keys,
+                             cfg=PEAKED, sp=sp, steps=steps, kv_len=None)
+  drafts, q = np.asarray(drafts), np.asarray(q)
+  hidden, want = [g0], [processed_logprobs(dlogits, sp)]
+  for i in range(1, steps):
+    g, logits, _ = drafter_forward(dparams, params, jnp.asarray(drafts[:, :i]),
+                                   jnp.stack(hidden, 1), jnp.broadcast_to(jnp.arange(i), (b, i)),
+                                   cfg=PEAKED)
+    hidden.append(g[:, -1])
+    want.append(processed_logprobs(logits[:, -1], sp))
+  want = np.stack([np.asarray(w) for w in want], 1)
+  np.testing.assert_array_equal(np.isfinite(q), np.isfinite(want))
+  assert (np.isfinite(q).sum(-1) == 4).all()  # top-4 of 6 tokens
+  np.testing.assert_allclose(np.where(np.isfinite(q), q, 0), np.where(np.isfinite(want), want, 0),
+                             rtol=1e-4, atol=1e-4)  # float32, through the cache or not
+  assert np.isfinite(np.take_along_axis(q, drafts[..., None], -1)).all()  # drawn from q
+
+
+def _log_softmax64(x):
+  x = np.asarray(x, np.float64)
+  m = x.max()
+  return x - m - np.log(np.exp(x - m).sum())
+
+
+def _eagle2_tree_by_paths(dparams, params, g, dlogits, k, depth, n_verify):
+  """EAGLE-2's dynamic tree for one row, the slow way: every frontier node's children come
+  from a cacheless drafter forward over its own root-to-node path (each step fed the previous
+  step's output state), the next frontier is the k best children by cumulative log-prob, and
+  the n_verify best candidates (root first, ties in expansion order) are verified. Returns
+  (tokens, depth, parent, score) per verified node, in verification order."""
+  fwd = jax.jit(functools.partial(drafter_forward, cfg=TINY))
+  top = lambda lp: np.argsort(-lp, kind="stable")[:k]  # noqa: E731
+  lq = _log_softmax64(dlogits)
+  cands = [dict(tok=0, score=0.0, parent=-1, depth=0)]
+  frontier = []
+  for t in top(lq):
+    cands.append(dict(tok=int(t), score=lq[t], parent=0, depth=1, path=[int(t)], hid=[g]))
+    frontier.append(len(cands) - 1)
+  for j in range(1, depth):
+    children = []
+    for f in frontier:
+      node = cands[f]
+      out, logits, _ = fwd(dparams, params, jnp.asarray([node["path"]]),
+                           jnp.stack(node["hid"])[None], jnp.arange(j)[None])
+      clq = _log_softmax64(logits[0, -1])
+      for c in top(clq):
+        children.append(dict(tok=int(c), score=node["score"] + clq[c], parent=f, depth=j + 1,
+                             path=node["path"] + [int(c)], hid=node["hid"] + [out[0, -1]]))
+    first = len(cands)
+    cands += children
+    scores = np.array([c["score"] for c in children])
+    frontier = [first + int(i) for i in np.argsort(-scores, kind="stable")[:k]]
+  sel = np.argsort(-np.array([c["score"] for c in cands]), kind="stable")[:n_verify]
+  where = {int(c): i for i, c in enumerate(sel)}
+  return (np.array([cands[c]["tok"] for c in sel]), np.array([cands[c]["depth"] for c in sel]),
+          np.array([where.get(cands[c]["parent"], -1) for c in sel]),
+          np.array([cands[c]["score"] for c in sel]))
+
+
+@pytest.mark.parametrize("arm", ["3_3_8", "4_2_15"])  # 15: every candidate verified
+def test_draft_tree_is_eagle2s_tree(tiny, arm):
+  """The drafted tree (one batched drafter forward per depth over the frontier, nodes
+  attending to their ancestors' cached k/v through tree masks) is the tree EAGLE-2's rule
+  builds from each path alone: the same tokens, depths and parents in the same order (with
+  every candidate verified, the deepest expansions' too)."""
+  params, dparams = tiny
+  # attention weighing heavily in the drafter's output, so that what a node attends to (its
+  # ancestors, nothing else) decides its children
+  layers = dparams["layers"]
+  dparams = {**dparams, "layers": {**layers, "o": layers["o"] * 8, "q": layers["q"] * 3}}
+  strategy, b = speculative.Strategy(arm), 4
+  rng = np.random.default_rng(1)
+  g = jnp.asarray(rng.normal(size=(b, TINY.hidden_size)), jnp.float32)
+  dlogits = jnp.asarray(rng.normal(size=(b, TINY.vocab_size)) * 2, jnp.float32)
+  tree, _ = draft_tree(dparams, params, drafter_cache(TINY, b, 16), g, dlogits, cfg=TINY,
+                       strategy=strategy, kv_len=None)
+  children, visible = np.asarray(tree.children), np.asarray(tree.visible)
+  for r in range(b):
+    tok, dep, parent, _ = _eagle2_tree_by_paths(dparams, params, g[r], dlogits[r],
+                                                strategy.topk, strategy.steps,
+                                                strategy.verify_tokens)
+    np.testing.assert_array_equal(np.asarray(tree.tokens[r, 1:]), tok[1:])
+    np.testing.assert_array_equal(np.asarray(tree.depth[r]), dep)
+    got_parent = np.full(len(tok), -1)
+    for n, kids in enumerate(children[r]):
+      got_parent[kids[kids >= 0]] = n
+    np.testing.assert_array_equal(got_parent, parent)
+    for n in range(len(tok)):  # a node sees itself and exactly its ancestors
+      anc, a = {n}, parent[n]
+      while a >= 0:
+        anc.add(int(a))
+        a = parent[a]
+      assert set(np.flatnonzero(visible[r, n])) == anc
 
 
 @pytest.mark.parametrize("arm,cache_len,sp", [

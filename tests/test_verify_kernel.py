@@ -553,10 +553,11 @@ def _softmax_logp(x):
   return np.asarray(jax.nn.log_softmax(jnp.asarray(x, jnp.float32), axis=-1))
 
 
-def markov_model(seed, top_k=False):
-  """Target: t1 ~ p0, t_{n+1} ~ P[t_n]. Drafter (deliberately mismatched): q0, Q[t]."""
+def markov_model(seed, top_k=False, repeat=0.0):
+  """Target: t1 ~ p0, t_{n+1} ~ P[t_n]. Drafter (deliberately mismatched): q0, Q[t].
+  repeat: added to the target's logit of repeating the last token."""
   rng = np.random.default_rng(seed)
-  tl0, tl = rng.normal(size=VS) * 2.0, rng.normal(size=(VS, VS)) * 2.0
+  tl0, tl = rng.normal(size=VS) * 2.0, rng.normal(size=(VS, VS)) * 2.0 + repeat * np.eye(VS)
   if top_k:
     sp = SamplingParams(0.8, top_k=4)
     p0 = np.asarray(processed_logprobs(jnp.asarray(tl0, jnp.float32), sp))
@@ -581,11 +582,18 @@ def chi2_p(counts, probs):
   return stats.chisquare(obs_k, exp_k).pvalue
 
 
-def _joint_pvalues(t1, t2, p0, P):
+def _joint_pvalues(seqs, p0, P):
+  """Chi-square p-values of the first 1, 2, ..., M tokens of `seqs` [N, M] against the
+  Markov target's exact joint p0[t1] P[t1, t2] ... P[t_{M-1}, t_M]."""
   p0p, Pp = np.exp(p0.astype(np.float64)), np.exp(P.astype(np.float64))
-  c1 = np.bincount(t1, minlength=VS)
-  c12 = np.bincount(t1 * VS + t2, minlength=VS * VS)
-  return chi2_p(c1, p0p), chi2_p(c12, p0p[:, None] * Pp)
+  joint, cell = p0p, seqs[:, 0]
+  out = [chi2_p(np.bincount(cell, minlength=VS), joint)]
+  for m in range(1, seqs.shape[1]):
+    # cell c of m tokens ends in token c % VS: the next token follows that token's row of P
+    joint = (joint[:, None] * Pp[np.arange(joint.size) % VS]).reshape(-1)
+    cell = cell * VS + seqs[:, m]
+    out.append(chi2_p(np.bincount(cell, minlength=VS ** (m + 1)), joint))
+  return out
 
 
 def chain_round(key, start_p, start_q, P, Q, K, mode, rule):
@@ -612,15 +620,40 @@ def chain_round(key, start_p, start_q, P, Q, K, mode, rule):
   return jnp.where(pos == n[:, None], nxt[:, None], emitted)
 
 
-def chain_first_two(seed, model, K, mode, rule):
-  p0, P, q0, Q = map(jnp.asarray, model)
-  k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-  e1 = chain_round(k1, jnp.broadcast_to(p0, (N, VS)), jnp.broadcast_to(q0, (N, VS)), P, Q, K,
-                   mode, rule)
-  t1 = e1[:, 0]
-  e2 = chain_round(k2, P[t1], Q[t1], P, Q, K, mode, rule)  # next round, for 1-token rounds
-  t2 = jnp.where(e1[:, 1] >= 0, e1[:, 1], e2[:, 0])
-  return np.asarray(t1), np.asarray(t2)
+def first_tokens(seed, M, start, round_fn):
+  """The first M tokens of N independent sequences, as many verification rounds as they take:
+  each round starts every row from its last token's rows (`start(last)` -> (p rows, q rows);
+  `start(None)`: the first round's) and appends what it emits (`round_fn(key, p, q)` ->
+  [N, R] tokens, -1 past the end). So the accepted drafts, the token after the first
+  rejection AND the bonus token after a fully accepted round are all in the joint."""
+  out, filled = np.full((N, M), -1, np.int64), np.zeros(N, np.int64)
+  rows, key, last = np.arange(N), jax.random.PRNGKey(seed), None
+  while filled.min() < M:
+    key, sub = jax.random.split(key)
+    emitted = np.asarray(round_fn(sub, *start(last)))
+    for tok in emitted.T:
+      take = (tok >= 0) & (filled < M)
+      out[rows[take], filled[take]] = tok[take]
+      filled += take
+    last = out[rows, filled - 1]
+  return out
+
+
+def _markov_start(model, jnp_rows):
+  p0, P, q0, Q = model
+  def start(last):
+    if last is None:
+      return jnp_rows(np.broadcast_to(p0, (N, VS))), jnp_rows(np.broadcast_to(q0, (N, VS)))
+    return jnp_rows(np.asarray(P)[last]), jnp_rows(np.asarray(Q)[last])
+  return start
+
+
+def chain_first(seed, model, K, mode, rule, M=None):
+  """The first M (default K + 1: every draft and the bonus) tokens of chain rounds of depth K
+  under `rule`."""
+  P, Q = jnp.asarray(model[1]), jnp.asarray(model[3])
+  return first_tokens(seed, M or K + 1, _markov_start(model, jnp.asarray),
+                      lambda key, sp, sq: chain_round(key, sp, sq, P, Q, K, mode, rule))
 
 
 def build_q_tree(root_q, Q, widths, dup=False):
@@ -674,18 +707,26 @@ def tree_round(key, root_p, root_q, P, Q, widths, dup, rule):
   return emitted
 
 
-def tree_first_two(seed, model, widths, dup, rule):
-  p0, P, q0, Q = model
-  k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-  e1 = tree_round(k1, np.broadcast_to(p0, (N, VS)), np.broadcast_to(q0, (N, VS)), P, Q, widths,
-                  dup, rule)
-  t1 = e1[:, 0]
-  e2 = tree_round(k2, P[t1], Q[t1], P, Q, widths, dup, rule)
-  t2 = np.where(e1[:, 1] >= 0, e1[:, 1], e2[:, 0])
-  return t1, t2
+def tree_first(seed, model, widths, dup, rule):
+  """The first len(widths) + 1 tokens (the deepest path and the token after it) of tree
+  rounds under `rule`."""
+  P, Q = model[1], model[3]
+  return first_tokens(seed, len(widths) + 1, _markov_start(model, np.asarray),
+                      lambda key, sp, sq: tree_round(key, sp, sq, P, Q, widths, dup, rule))
 
 
 # --- deliberately broken rules (modified copies of the reference) ------------------------------
+
+
+def _accepted(target_logp, draft_tokens, draft_logp, uniforms):
+  """The reference's count of accepted drafts [B]: d_i with probability min(1, p / q)
+  (q = 1: one-hot drafts), up to the first rejection."""
+  K = draft_tokens.shape[1]
+  lp_d = jnp.take_along_axis(target_logp[:, :K], draft_tokens[..., None], -1)[..., 0]
+  lq_d = (jnp.zeros_like(lp_d) if draft_logp is None else
+          jnp.take_along_axis(draft_logp, draft_tokens[..., None], -1)[..., 0])
+  acc = (uniforms < vref._accept_ratio(lp_d, lq_d)).astype(jnp.int32)
+  return jnp.sum(jnp.cumprod(acc, axis=1), axis=1).astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("greedy",))
@@ -693,14 +734,8 @@ def chain_broken_resample_from_p(target_logp, draft_tokens, draft_logp, uniforms
                                  greedy):
   """BROKEN: on rejection resample from p_j instead of norm(max(p_j - q_j, 0))."""
   del greedy
-  B, K1, V = target_logp.shape
-  K = K1 - 1
-  rows = jnp.arange(B)
-  lp_d = jnp.take_along_axis(target_logp[:, :K], draft_tokens[..., None], -1)[..., 0]
-  lq_d = (jnp.zeros_like(lp_d) if draft_logp is None else
-          jnp.take_along_axis(draft_logp, draft_tokens[..., None], -1)[..., 0])
-  acc = (uniforms < vref._accept_ratio(lp_d, lq_d)).astype(jnp.int32)
-  n = jnp.sum(jnp.cumprod(acc, axis=1), axis=1).astype(jnp.int32)
+  rows = jnp.arange(target_logp.shape[0])
+  n = _accepted(target_logp, draft_tokens, draft_logp, uniforms)
   lp_n = target_logp[rows, n]
   return n, jnp.argmax(lp_n + noise[rows, n], axis=-1).astype(jnp.int32)
 
@@ -713,6 +748,36 @@ def chain_broken_always_accept(target_logp, draft_tokens, draft_logp, uniforms, 
   B, K1, _ = target_logp.shape
   n = jnp.full((B,), K1 - 1, jnp.int32)
   return n, jnp.argmax(target_logp[:, -1] + noise[:, -1], axis=-1).astype(jnp.int32)
+
+
+def _chain_broken(*, bonus_from_residual=False, residual_without_q=False):
+  """BROKEN copies of the reference's sampled chain rule: `bonus_from_residual` draws the
+  token after K accepted drafts from the residual against the last draft's q (or without the
+  last draft, one-hot) instead of from p_K; `residual_without_q` draws the token after a
+  rejection from p restricted to p > q instead of norm(max(p - q, 0))."""
+  @functools.partial(jax.jit, static_argnames=("greedy",))
+  def rule(target_logp, draft_tokens, draft_logp, uniforms, noise, *, greedy):
+    del greedy
+    B, K1, V = target_logp.shape
+    K = K1 - 1
+    rows = jnp.arange(B)
+    n = _accepted(target_logp, draft_tokens, draft_logp, uniforms)
+    has_d = jnp.ones((B, 1), bool) if bonus_from_residual else (n < K)[:, None]
+    jq = jnp.minimum(n, K - 1)
+    lp_n = target_logp[rows, n]
+    if draft_logp is None:
+      hit = (jnp.arange(V)[None, :] == draft_tokens[rows, jq][:, None]) & has_d
+      logr = jnp.where(hit, NEG_INF, lp_n)
+    else:
+      lq_n = jnp.where(has_d, draft_logp[rows, jq], NEG_INF)
+      logr = (jnp.where(lp_n > lq_n, lp_n, NEG_INF) if residual_without_q else
+              vref._residual_logp(lp_n, lq_n))
+    return n, vref._gumbel_pick(logr, lp_n, noise[rows, n])
+  return rule
+
+
+chain_broken_bonus_from_residual = _chain_broken(bonus_from_residual=True)
+chain_broken_residual_without_q = _chain_broken(residual_without_q=True)
 
 
 @functools.partial(jax.jit, static_argnames=("greedy", "max_depth"))
@@ -757,13 +822,16 @@ def tree_broken_no_renormalise(target_logp, tree_tokens, children, uniforms, noi
 STAT_SEEDS = {"q": 11, "onehot": 12}
 
 
+@pytest.mark.parametrize("K", [1, 3])
 @pytest.mark.parametrize("top_k", [False, True])
 @pytest.mark.parametrize("mode", ["q", "onehot"])
-def test_chain_lossless(mode, top_k):
+def test_chain_lossless(mode, top_k, K):
+  """The joint of the first K + 1 tokens: every draft position and the bonus token after a
+  fully accepted chain (K = 1: about half the rows take it)."""
   model = markov_model(3 + top_k, top_k=top_k)
-  t1, t2 = chain_first_two(STAT_SEEDS[mode] + top_k, model, 3, mode, verify_chain_reference)
-  p1, p12 = _joint_pvalues(t1, t2, model[0], model[1])
-  assert p1 > 1e-3 and p12 > 1e-3, (p1, p12)
+  seqs = chain_first(STAT_SEEDS[mode] + top_k + 10 * K, model, K, mode, verify_chain_reference)
+  ps = _joint_pvalues(seqs, model[0], model[1])
+  assert min(ps) > 1e-3, ps
 
 
 @pytest.mark.parametrize("widths,dup,top_k", [((3, 2, 1), False, False),
@@ -771,24 +839,31 @@ def test_chain_lossless(mode, top_k):
                                              ((4, 1), False, True)])
 def test_tree_lossless(widths, dup, top_k):
   model = markov_model(5 + top_k, top_k=top_k)
-  t1, t2 = tree_first_two(21 + len(widths), model, widths, dup, verify_tree_reference)
-  p1, p12 = _joint_pvalues(t1, t2, model[0], model[1])
-  assert p1 > 1e-3 and p12 > 1e-3, (p1, p12)
+  seqs = tree_first(21 + len(widths), model, widths, dup, verify_tree_reference)
+  ps = _joint_pvalues(seqs, model[0], model[1])
+  assert min(ps) > 1e-3, ps
 
 
-@pytest.mark.parametrize("rule,mode", [(chain_broken_resample_from_p, "q"),
-                                       (chain_broken_resample_from_p, "onehot"),
-                                       (chain_broken_always_accept, "q")])
-def test_chain_broken_rules_are_rejected(rule, mode):
-  """The same statistic has power: a broken rule fails it decisively."""
-  model = markov_model(3)
-  t1, t2 = chain_first_two(STAT_SEEDS[mode], model, 3, mode, rule)
-  p1, p12 = _joint_pvalues(t1, t2, model[0], model[1])
-  assert min(p1, p12) < 1e-6, (p1, p12)
+@pytest.mark.parametrize("rule,mode,K", [(chain_broken_resample_from_p, "q", 3),
+                                         (chain_broken_resample_from_p, "onehot", 3),
+                                         (chain_broken_always_accept, "q", 3),
+                                         (chain_broken_bonus_from_residual, "q", 1),
+                                         (chain_broken_bonus_from_residual, "onehot", 1),
+                                         (chain_broken_residual_without_q, "q", 3)],
+                         ids=["resample_from_p-q", "resample_from_p-onehot", "always_accept",
+                              "bonus_from_residual-q", "bonus_from_residual-onehot",
+                              "residual_without_q"])
+def test_chain_broken_rules_are_rejected(rule, mode, K):
+  """The same statistic has power: a broken rule fails it decisively. (4: a one-hot draft's
+  bonus drawn without the draft removes only the draft repeated, so the target repeats often
+  here.)"""
+  model = markov_model(3, repeat=4.0 if rule is chain_broken_bonus_from_residual else 0.0)
+  ps = _joint_pvalues(chain_first(STAT_SEEDS[mode], model, K, mode, rule), model[0], model[1])
+  assert min(ps) < 1e-6, ps
 
 
 def test_tree_broken_rule_is_rejected():
   model = markov_model(5)
-  t1, t2 = tree_first_two(24, model, (3, 2, 1), False, tree_broken_no_renormalise)
-  p1, p12 = _joint_pvalues(t1, t2, model[0], model[1])
-  assert min(p1, p12) < 1e-6, (p1, p12)
+  ps = _joint_pvalues(tree_first(24, model, (3, 2, 1), False, tree_broken_no_renormalise),
+                      model[0], model[1])
+  assert min(ps) < 1e-6, ps
