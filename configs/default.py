@@ -191,12 +191,13 @@ def get_config():
   c.tlt.drafter.keep_steps = 2  # train on the windows of the last N RL steps
   c.tlt.drafter.tail_weight = 4.0  # weight of tokens decoded with speculation on
   # every step, the drafter's tokens per verification on this many of the step's responses
-  # (their first acceptance_len tokens, prompt included: one executable), read off them with a
-  # chain of acceptance_depth drafts at the rollout's sampling settings (no decoding; metrics
-  # drafter_acceptance, the bar's draft_tpv: staleness as it happens; 0: off)
+  # (each read up to data.max_prompt_len + acceptance_response_len tokens, prompt included:
+  # one executable), read off them with a chain of acceptance_depth drafts at the rollout's
+  # sampling settings (no decoding; metrics drafter_acceptance, the bar's draft_tpv:
+  # staleness as it happens; 0: off)
   c.tlt.drafter.acceptance_sample = 8
   c.tlt.drafter.acceptance_depth = 4
-  c.tlt.drafter.acceptance_len = 128
+  c.tlt.drafter.acceptance_response_len = 48
   c.tlt.spec = ml_collections.ConfigDict()
   c.tlt.spec.selector = "beg"  # BEG-MAB; or "fixed" (always `strategy`), "eg", "ucb1", "bucb1"
   # Bandit arms per live-batch bucket, "LOWER_BOUND:ARM,..."; "" = the defaults,

@@ -41,5 +41,5 @@ def get_config():
   c.tlt.drafter.row_len = 512
   c.tlt.drafter.window = 256
   c.tlt.drafter.context = 256
-  c.tlt.drafter.acceptance_len = 384  # > max_prompt_len: the metric reads prompt + response
+  c.tlt.drafter.acceptance_response_len = 128  # read after the prompt's 256 tokens
   return c

@@ -91,13 +91,13 @@ def get_config():
   c.tlt.drafter.row_len = 2048
   c.tlt.drafter.window = 512
   c.tlt.drafter.context = 1024  # the prompt and earlier response a window drafts with
-  c.tlt.drafter.acceptance_len = 2048  # the prompt and the response's start, per metric sample
+  c.tlt.drafter.acceptance_response_len = 1024  # the response's start, per metric sample
   c.tlt.drafter.windows_per_response = 2
   c.tlt.drafter.buffer_tokens = 1 << 18  # ~1.9 GB of bf16 hidden states (d = 3584)
   c.tlt.drafter.serial_steps = 16
   c.tlt.spec.strategy = "6_1_7"
-  # No cap on the live batch speculation runs at (the paper's recipe speculates under 32 rows,
-  # DESIGN.md 4): at 7B on an H100 a step of 64-216 rows is still bound by bytes, so drafts
+  # No cap on the live batch speculation runs at (the paper's recipe speculates under 32
+  # rows): at 7B on an H100 a step of 64-216 rows is still bound by bytes, so drafts
   # pay in the bulk too, and the gate measures where they do (docs/scale.md). Patience 1: a
   # batch speculates from its first chunk where the gate allows.
   c.tlt.spec.bs_threshold = 0

@@ -74,8 +74,8 @@ def test_history_arms_need_the_history_index():
     ("tlt.drafter.mode", "async", "config.tlt.drafter.mode='async': use one of off, spot"),
     ("tlt.drafter.window", 0, "config.tlt.drafter.window=0: must be >= 1"),
     ("tlt.drafter.row_len", 64, "config.tlt.drafter.row_len=64: must be >= tlt.drafter.window"),
-    ("tlt.drafter.acceptance_len", 64, "config.tlt.drafter.acceptance_len=64: must be > "
-     "data.max_prompt_len (80)"),
+    ("tlt.drafter.acceptance_response_len", 0,
+     "config.tlt.drafter.acceptance_response_len=0: must be >= 1"),
     ("tlt.spec.strategy", "4_1_3", "config.tlt.spec.strategy='4_1_3': strategy 4_1_3: a chain"),
     ("tlt.spec.epsilon", 2.0, "config.tlt.spec.epsilon=2.0: must be in [0, 1]"),
     ("tlt.spec.buckets", "1:4_1_5 x", "config.tlt.spec.buckets: 'x' is not"),
@@ -255,28 +255,31 @@ def test_a_resumed_run_that_would_learn_otherwise_stops_and_its_configs_are_kept
 
 def test_config_json_names_its_inputs_wherever_the_run_is_resumed_from(tmp_path, monkeypatch):
   """config.json holds the input paths absolute (export and a resume read it from any working
-  directory); a resume given the same file by another relative path is no change, another
-  file by the same relative path is one."""
+  directory), a reward function's file too; a resume given the same file by another relative
+  path is no change, another file by the same relative path is one."""
   from tlt_jax import runtime
   (tmp_path / "data").mkdir()
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
   cfg.workdir = str(tmp_path / "run")
   cfg.data.train_path = "data/train.jsonl"
   cfg.tlt.drafter.init = "init:3"
+  cfg.reward.name = "data/score.py:score"
   os.makedirs(cfg.workdir)
   monkeypatch.chdir(tmp_path)
   runtime.write_config(cfg)
   saved = json.loads((tmp_path / "run" / "config.json").read_text())
   assert saved["data"]["train_path"] == str(tmp_path / "data" / "train.jsonl")
+  assert saved["reward"]["name"] == f"{tmp_path / 'data' / 'score.py'}:score"
   assert saved["tlt"]["drafter"]["init"] == "init:3"
   assert saved["model"]["path"] == cfg.model.path and os.path.isabs(cfg.model.path)
   (tmp_path / "run" / "checkpoints" / "1").mkdir(parents=True)
   monkeypatch.chdir(tmp_path / "data")
-  cfg.data.train_path = "train.jsonl"
+  cfg.data.train_path, cfg.reward.name = "train.jsonl", "score.py:score"
   assert runtime.config_changes(cfg) == []
-  cfg.data.train_path = "data/train.jsonl"
+  cfg.data.train_path, cfg.reward.name = "data/train.jsonl", "data/score.py:score"
   assert runtime.config_changes(cfg) == [
-      ("data.train_path", str(tmp_path / "data" / "train.jsonl"), "data/train.jsonl")]
+      ("data.train_path", str(tmp_path / "data" / "train.jsonl"), "data/train.jsonl"),
+      ("reward.name", f"{tmp_path / 'data' / 'score.py'}:score", "data/score.py:score")]
 
 
 def test_cli_errors_are_one_line(tmp_path):
@@ -284,6 +287,9 @@ def test_cli_errors_are_one_line(tmp_path):
   unsupported.mkdir()
   (unsupported / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
   (unsupported / "model.safetensors").write_bytes(b"")
+  broken = tmp_path / "broken"  # a config.json cut short
+  broken.mkdir()
+  (broken / "config.json").write_text('{"model_type": "qwen2", "hidden_si')
   for module, args, needle in [
       ("eval", ["--config", "configs/missing.py"], "no such file"),
       ("eval", ["--config", "configs/default.py", "--config.rollout.chunksize=4"],
@@ -294,6 +300,12 @@ def test_cli_errors_are_one_line(tmp_path):
        "could not convert"),
       ("eval", ["--config", "configs/default.py", f"--config.model.path={unsupported}",
                 f"--config.workdir={tmp_path / 'e'}"], "model_type='gpt2'"),
+      ("train", ["--config", "configs/default.py", f"--config.model.path={unsupported}",
+                 f"--workdir={tmp_path / 'w'}"], "model_type='gpt2'"),
+      ("train", ["--config", "configs/default.py", f"--config.model.path={broken}",
+                 f"--workdir={tmp_path / 'w'}"], "config.json"),
+      ("train", ["--config", "configs/default.py", "--config.data.train_path=",
+                 f"--workdir={tmp_path / 'w'}"], "config.data.train_path='': is empty"),
       ("train", ["--config", "configs/default.py", "--config.mesh.data=3",
                  f"--workdir={tmp_path / 'w'}"], "config.mesh="),
       ("train", ["--config", "configs/default.py", "--config.tlt.drafter.mode=async",
@@ -363,3 +375,29 @@ def test_the_data_line_says_when_every_step_repeats_prompts():
   assert data_line(7, 0, cfg).endswith("; fewer than the 8 a step draws (grpo.num_prompts): "
                                        "every step repeats prompts")
   assert data_line(8, 2, cfg).endswith("(2 dropped as longer than max_prompt_len=80 tokens)")
+
+
+def test_a_context_past_the_models_positions_is_said(tmp_path, capsys):
+  """Prompt + response longer than the checkpoint's max_position_embeddings: one warning (the
+  run goes on: RoPE computes any position, but the model never trained on them)."""
+  from tlt_jax import runtime
+  model = config_lib.asset_path("default", "model")
+  for name in os.listdir(model):
+    if name != "config.json":
+      os.symlink(os.path.join(model, name), tmp_path / name)
+  hf = json.loads(open(os.path.join(model, "config.json")).read())
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+  cfg.model.path = str(tmp_path)
+  for positions, said in ((80 + 288, False), (80 + 287, True)):  # the default's prompt + answer
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "max_position_embeddings": positions}))
+    runtime.load_model(cfg)
+    err = capsys.readouterr().err
+    assert ("data.max_prompt_len + rollout.max_new_tokens = 368 tokens, past the 367 positions"
+            in err) == said, err
+
+
+def test_help_is_not_an_error():
+  """--help prints the flags and exits 0 (absl's own exit status is 1, which scripts read as
+  a failure: plan_memory.py's 'a phase does not fit')."""
+  p = _run(["tlt_jax.plan", "--help"])
+  assert p.returncode == 0 and "--config" in p.stdout + p.stderr

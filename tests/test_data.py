@@ -76,7 +76,9 @@ def test_missing_file_and_empty_data(tmp_path):
   with pytest.raises(DataError, match="does not exist"):
     load_prompt_rows(str(tmp_path / "nope.jsonl"))
   path = write_jsonl(tmp_path / "d.jsonl", [json.dumps({"x": 1})])
-  with pytest.raises(DataError, match="no usable rows"):
+  # the error says why the first row was unusable (the key to set), not only that none was
+  with pytest.raises(DataError, match=r"no usable rows .*first: line 1: missing or empty "
+                     r"'prompt' \(set config\.data\.prompt_key"):
     load_prompt_rows(path)
 
 
@@ -203,6 +205,28 @@ def test_chat_template_end_of_turn_joins_the_stop_tokens(tmp_path, style, end_of
   assert eot != eos
   assert stop_token_ids(str(tmp_path), tok) == (eos,)  # plain prompts: EOS only
   assert stop_token_ids(str(tmp_path), tok, chat_template=True) == (eos, eot)
+
+
+def test_chat_message_prompts_stop_at_the_end_of_turn(tmp_path):
+  """Chat-message rows are rendered with the template whatever data.chat_template says, so
+  the template's end-of-turn token stops their responses too (a base model's EOS is
+  <|endoftext|>, its turns end with <|im_end|>); plain-text rows keep EOS alone."""
+  import ml_collections
+  from transformers import AutoTokenizer
+
+  from tlt_jax import runtime
+  from tlt_jax.models.hf_io import stop_token_ids
+  make_chat_model_dir(str(tmp_path), "qwen2.5")
+  tok = AutoTokenizer.from_pretrained(str(tmp_path))
+  eos, eot = tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")
+  stop = stop_token_ids(str(tmp_path), tok)
+  assert stop == (eos,)
+  chats = write_jsonl(tmp_path / "c.jsonl", [json.dumps(
+      {"prompt": [{"role": "user", "content": "2+2?"}], "answer": "4"})])
+  cfg = ml_collections.ConfigDict({"data": {"chat_template": False}})
+  assert runtime.chat_stop(cfg, tok, stop, load_prompt_rows(chats)[0]) == (eos, eot)
+  texts = write_jsonl(tmp_path / "t.jsonl", [json.dumps({"prompt": "2+2?", "answer": "4"})])
+  assert runtime.chat_stop(cfg, tok, stop, load_prompt_rows(texts)[0]) == (eos,)
 
 
 def test_chat_message_prompts_are_rendered_with_the_template(tmp_path):

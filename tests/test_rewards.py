@@ -192,9 +192,13 @@ def test_arith_reward_and_bad_names():
     get_reward_fn("no_such_module_xyz:fn")
 
 
-def test_pool_survives_crash_hang_and_death(user_module):
-  for fn, bad, counter in (("crash", "boom", "errors"), ("hang", "hang", "timeouts"),
-                           ("die", "die", "crashes")):
+def test_pool_survives_crash_hang_and_death(user_module, caplog):
+  """Each failed call scores 0 and is counted; the first of each kind is said once, with
+  what happened (a reward that fails on every call must not train on zeros unnoticed)."""
+  for fn, bad, counter, said in (("crash", "boom", "errors", "ZeroDivisionError: user bug"),
+                                 ("hang", "hang", "timeouts", "ran past reward.timeout=1 s"),
+                                 ("die", "die", "crashes", "killed its worker process")):
+    caplog.clear()
     with RewardPool(f"{user_module}:{fn}", num_workers=2, timeout=1.0) as pool:
       t0 = time.perf_counter()
       for i in range(6):
@@ -203,6 +207,8 @@ def test_pool_survives_crash_hang_and_death(user_module):
       assert out == {0: 1.0, 1: 0.0, 2: 1.0, 3: 1.0, 4: 0.0, 5: 1.0}, fn
       assert getattr(pool.stats, counter) == 2, (fn, pool.stats)
       assert pool.stats.calls == 6
+      warned = [r.getMessage() for r in caplog.records if "scored 0" in r.getMessage()]
+      assert len(warned) == 1 and said in warned[0] and f":{fn}'" in warned[0], warned
       # the pool goes on after the failures: later calls are served by fresh workers
       pool.submit("after", "ok", "ok")
       assert within(30, pool.gather, ["after"]) == {"after": 1.0}

@@ -111,6 +111,9 @@ def flags_parser(argv: list[str]) -> list[str]:
   except flags.Error as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+  except SystemExit as e:  # absl's --help printed the usage and exits 1: asked for, not failed
+    helped = {"--help", "-h", "-?", "--helpshort", "--helpfull"} & set(argv[1:])
+    sys.exit(0 if helped and e.code == 1 else e.code)
 
 
 
@@ -294,9 +297,9 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   check(dr.acceptance_depth >= 1, "tlt.drafter.acceptance_depth", dr.acceptance_depth,
         "must be >= 1")
   if dr.acceptance_sample:
-    check(dr.acceptance_len > cfg.data.max_prompt_len, "tlt.drafter.acceptance_len",
-          dr.acceptance_len, f"must be > data.max_prompt_len ({cfg.data.max_prompt_len}): the "
-          "metric reads each sampled sequence's first acceptance_len tokens, prompt included")
+    check(dr.acceptance_response_len >= 1, "tlt.drafter.acceptance_response_len",
+          dr.acceptance_response_len, "must be >= 1: the metric reads each sampled sequence "
+          "up to data.max_prompt_len + this many tokens")
   check(dr.row_len >= dr.window + dr.context, "tlt.drafter.row_len", dr.row_len,
         f"must be >= tlt.drafter.window + context ({dr.window} + {dr.context}): a packed row "
         "holds whole windows with their context")
@@ -381,10 +384,15 @@ def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:
     raise ConfigError("has no config.json; point it at a local Hugging Face model directory "
                       "(or set config.model.architecture)", "model.path", cfg.model.path,
                       in_config=True)
-  with open(path) as f:
-    d = json.load(f)
-  return ModelConfig.from_hf_dict(d, source=path, dtype=cfg.model.dtype,
-                                  param_dtype=cfg.model.param_dtype,
-                                  remat=bool(cfg.model.get("remat", False)),
-                                  remat_policy=str(cfg.model.get("remat_policy", "full")),
-                                  attention=str(cfg.model.get("attention", "auto")))
+  kw = dict(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
+            remat=bool(cfg.model.get("remat", False)),
+            remat_policy=str(cfg.model.get("remat_policy", "full")),
+            attention=str(cfg.model.get("attention", "auto")))
+  if os.path.basename(path) != "config.json":  # a shipped architecture
+    with open(path) as f:
+      return ModelConfig.from_hf_dict(json.load(f), source=path, **kw)
+  from tlt_jax.models.hf_io import CheckpointFormatError, load_hf_config
+  try:  # (an unsupported or broken config.json: one line, as the weights' loader says it)
+    return load_hf_config(os.path.dirname(path), **kw)
+  except CheckpointFormatError as e:
+    raise ConfigError(str(e), "model.path", in_config=True) from None

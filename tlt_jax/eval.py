@@ -106,9 +106,10 @@ def main(argv):
   cfg = _CONFIG.value
   spec = runtime.prepare(run_spec(cfg), training=False)
   model_cfg, params, tokenizer, stop = runtime.load_model(cfg)
+  rows = runtime.load_rows(cfg, cfg.data.test_path)
+  stop = runtime.chat_stop(cfg, tokenizer, stop, rows)
   engine = Engine(params, model_cfg, spec.engine_config(
       stop, max_batch=cfg.eval.batch_size, speculative=False))
-  rows = runtime.load_rows(cfg, cfg.data.test_path)
   if cfg.eval.num_prompts:
     rows = rows[:cfg.eval.num_prompts]
   with runtime.reward_pool(cfg) as pool:  # as in training: a hang costs one reward

@@ -132,7 +132,8 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
   model_cfg, params, tokenizer, stop = runtime.load_model(cfg, mesh=mesh)
 
   # ----------------------------------------------------------------------------- data
-  stream = PromptStream(runtime.load_rows(cfg, cfg.data.train_path), tokenizer,
+  train_rows = runtime.load_rows(cfg, cfg.data.train_path)
+  stream = PromptStream(train_rows, tokenizer,
                         max_prompt_len=cfg.data.max_prompt_len, seed=cfg.seed,
                         chat_template=cfg.data.chat_template,
                         system_prompt=cfg.data.system_prompt, name="config.data.train_path")
@@ -141,6 +142,7 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
   if cfg.data.test_path and cfg.train.eval_every > 0:
     rows = runtime.load_rows(cfg, cfg.data.test_path)
     test_rows = rows[:cfg.eval.num_prompts] if cfg.eval.num_prompts else rows
+  stop = runtime.chat_stop(cfg, tokenizer, stop, train_rows + (test_rows or []))
 
   # -------------------------------------------------------------------------- learner
   lspec = learner_spec(spec, model_cfg, mesh)

@@ -64,6 +64,9 @@ def prepare(spec: RunSpec, *, training: bool = True) -> RunSpec:
     raise ConfigError("is not a directory; point it at a local Hugging Face model directory "
                       "(config.json + *.safetensors)", "model.path", cfg.model.path,
                       in_config=True)
+  if training and not cfg.data.get("train_path"):
+    raise ConfigError("is empty; point it at a local JSONL or Parquet file", "data.train_path",
+                      "", in_config=True)
   for key in ("train_path", "test_path"):
     path = cfg.data.get(key)
     if path and not os.path.isfile(path):
@@ -163,6 +166,13 @@ def load_model(cfg: ml_collections.ConfigDict, mesh=None):
   model_cfg = dataclasses.replace(model_cfg, remat=bool(cfg.model.get("remat", False)),
                                   remat_policy=str(cfg.model.get("remat_policy", "full")),
                                   attention=str(cfg.model.get("attention", "auto")))
+  if "data" in cfg and "rollout" in cfg:
+    longest = int(cfg.data.max_prompt_len) + int(cfg.rollout.max_new_tokens)
+    if longest > model_cfg.max_position_embeddings:
+      print(f"warning: data.max_prompt_len + rollout.max_new_tokens = {longest} tokens, past "
+            f"the {model_cfg.max_position_embeddings} positions of config.model.path's "
+            "config.json (max_position_embeddings): the model was not trained that far",
+            file=sys.stderr)
   tokenizer = load_tokenizer(cfg.model.path)
   if tokenizer is None:
     raise ConfigError("has no tokenizer files (tokenizer.json / tokenizer_config.json)",
@@ -178,6 +188,17 @@ def load_model(cfg: ml_collections.ConfigDict, mesh=None):
         "generation_config.json, no eos_token in the tokenizer): every response would run to "
         "rollout.max_new_tokens. Set eos_token_id in generation_config.json")
   return model_cfg, params, tokenizer, stop
+
+
+def chat_stop(cfg: ml_collections.ConfigDict, tokenizer, stop: tuple[int, ...],
+              rows) -> tuple[int, ...]:
+  """`stop` with the chat template's end-of-turn token where the rows hold chat-message
+  prompts (always rendered with the chat template, data.chat_template or not): without it a
+  base model's response (EOS <|endoftext|>, turns closed by <|im_end|>) runs past its turn."""
+  if cfg.data.get("chat_template", False) or not any(isinstance(r.prompt, list) for r in rows):
+    return stop
+  from tlt_jax.models.hf_io import chat_end_of_turn_ids
+  return tuple(stop) + tuple(i for i in chat_end_of_turn_ids(tokenizer) if i not in stop)
 
 
 def resolve_workers(cfg: ml_collections.ConfigDict) -> int:
@@ -276,13 +297,13 @@ def load_rows(cfg: ml_collections.ConfigDict, path: str):
 # tlt.enabled is not among them: TLT is lossless, so switching it between restarts continues the
 # same run (said, check_resume; the drafter is restored where the checkpoint holds one).
 LEARNING_KEYS = (
-    "seed", "model.path", "model.architecture", "model.param_dtype", "data.train_path",
-    "data.prompt_key", "data.answer_key", "data.max_prompt_len", "data.chat_template",
-    "data.system_prompt", "reward.name", "rollout.max_new_tokens", "rollout.temperature",
-    "rollout.top_p", "rollout.top_k", "grpo.num_prompts", "grpo.n", "grpo.eps_low",
-    "grpo.eps_high", "grpo.kl_coef", "grpo.norm_adv_by_std", "grpo.minibatches", "optim.lr",
-    "optim.schedule", "optim.warmup_steps", "optim.weight_decay", "optim.b1", "optim.b2",
-    "optim.grad_clip")
+    "seed", "model.path", "model.architecture", "model.dtype", "model.param_dtype",
+    "data.train_path", "data.prompt_key", "data.answer_key", "data.source_key",
+    "data.max_prompt_len", "data.chat_template", "data.system_prompt", "reward.name",
+    "rollout.max_new_tokens", "rollout.temperature", "rollout.top_p", "rollout.top_k",
+    "grpo.num_prompts", "grpo.n", "grpo.eps_low", "grpo.eps_high", "grpo.kl_coef",
+    "grpo.norm_adv_by_std", "grpo.minibatches", "optim.lr", "optim.schedule",
+    "optim.warmup_steps", "optim.weight_decay", "optim.b1", "optim.b2", "optim.grad_clip")
 
 
 def saved_step(workdir: str) -> int | None:
@@ -299,6 +320,17 @@ def _local_path(key: str, value: Any) -> bool:
   return (isinstance(value, str) and bool(value) and "://" not in value
           and not value.startswith("init:")  # (tlt.drafter.init's other form)
           and (key.endswith("path") or key == "tlt.drafter.init"))
+
+
+def _absolute(key: str, value: Any, resolve=os.path.abspath) -> Any:
+  """`value` with the local file it names made absolute (`resolve`): a path key's, and
+  reward.name's file form 'path/to/file.py:function' (relative to the working directory)."""
+  if _local_path(key, value):
+    return resolve(os.path.expanduser(value))
+  if key == "reward.name" and isinstance(value, str) and ".py:" in value:
+    file, fn = value.rsplit(":", 1)
+    return f"{resolve(os.path.expanduser(file))}:{fn}"
+  return value
 
 
 def config_changes(cfg: ml_collections.ConfigDict, keys: tuple[str, ...] = LEARNING_KEYS
@@ -319,7 +351,7 @@ def config_changes(cfg: ml_collections.ConfigDict, keys: tuple[str, ...] = LEARN
   now = flatten(json.loads(cfg.to_json_best_effort()), sep=".")
 
   def norm(key, value):
-    return os.path.realpath(os.path.expanduser(value)) if _local_path(key, value) else value
+    return _absolute(key, value, os.path.realpath)
   return [(k, saved[k], now.get(k)) for k in keys
           if k in saved and norm(k, saved[k]) != norm(k, now.get(k))]
 
@@ -361,8 +393,8 @@ def write_config(cfg: ml_collections.ConfigDict) -> None:
     for k, v in node.items():
       if isinstance(v, dict):
         absolute(v, f"{prefix}{k}.")
-      elif _local_path(prefix + k, v):
-        node[k] = os.path.abspath(os.path.expanduser(v))
+      else:
+        node[k] = _absolute(prefix + k, v)
   absolute(values)
   text = json.dumps(values, indent=2)
   step = saved_step(cfg.workdir)

@@ -97,10 +97,11 @@ def tail_share(responses: Sequence[Any], frac: float = 0.1) -> dict[str, float]:
 
 class DrafterAcceptance:
   """Tokens per verification of a chain of `config.tlt.drafter.acceptance_depth` drafts by
-  the drafter that drafted a rollout on `acceptance_sample` of its responses (their first
-  `acceptance_len` tokens, prompt included), at the rollout's sampling settings, read off
-  their tokens with the policy that wrote them (tlt_jax/drafter/acceptance.py: no decoding;
-  the engine's figure in expectation on the policy's own samples, exactly for greedy ones).
+  the drafter that drafted a rollout on `acceptance_sample` of its responses (each read up to
+  `data.max_prompt_len + acceptance_response_len` tokens, prompt included), at the rollout's
+  sampling settings, read off their tokens with the policy that wrote them
+  (tlt_jax/drafter/acceptance.py: no decoding; the engine's figure in expectation on the policy's
+  own samples, exactly for greedy ones).
 
   Its one executable is compiled on a low-priority background thread from the first
   `prepare` (called as a rollout starts), so the first step's metric does not put a compile
@@ -110,7 +111,9 @@ class DrafterAcceptance:
   def __init__(self, cfg, learner, sampling):
     self.learner, self.sampling = learner, sampling
     d = cfg.tlt.drafter
-    self.depth, self.length = int(d.acceptance_depth), int(d.acceptance_len)
+    self.depth = int(d.acceptance_depth)
+    # one length for every sequence (one executable), past the longest prompt
+    self.length = int(cfg.data.max_prompt_len) + int(d.acceptance_response_len)
     self.sample = min(int(d.acceptance_sample), cfg.grpo.num_prompts * cfg.grpo.n)
     # the drafter goes beside the learner's params (the workers' store may span other devices)
     self._replicated = jax.sharding.NamedSharding(learner.mesh, jax.sharding.PartitionSpec())
@@ -139,7 +142,7 @@ class DrafterAcceptance:
     pick = sorted(np.random.default_rng([seed, 29]).choice(len(responses), n, replace=False))
     seqs = [(responses[i].prompt_ids, responses[i].response_ids) for i in pick]
     exe = None if self._exe is None else self._exe.result()
-    # every sequence cut to (and padded to) its first acceptance_len tokens: one executable
+    # every sequence cut to (and padded to) its first `length` tokens: one executable
     out = acceptance.measure(params, jax.device_put(dparams, self._replicated), seqs,
                              cfg=self.learner.cfg,
                              depth=self.depth, sampling=self.sampling,

@@ -43,8 +43,9 @@ def encode_prompt(tokenizer, prompt, *, chat_template: bool, system_prompt: str 
     return list(tokenizer.encode(prompt))
   if not getattr(tokenizer, "chat_template", None):
     what = ("config.data.chat_template=True" if isinstance(prompt, str)
-            else "the prompts are chat messages, which")
-    raise DataError(f"{what} but the tokenizer has no chat template; use a model directory "
+            else "the prompts are chat messages (rendered with a chat template)")
+    raise DataError(f"{what} but the tokenizer of config.model.path has no chat template; "
+                    "use a model directory "
                     "whose tokenizer has one" + (" or set config.data.chat_template=False"
                                                  if isinstance(prompt, str) else ""))
   messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)

@@ -176,6 +176,7 @@ def load_prompt_rows(path: str, *, prompt_key: str = "prompt", answer_key: str =
     _log.warning("%s: skipped %d malformed rows (first: %s)", path, stats.bad_rows,
                  stats.first_bad)
   if not rows:
+    first = f"; first: {stats.first_bad.split(': ', 1)[-1]}" if stats.first_bad else ""
     raise DataError(f"{path}: no usable rows (prompt_key={prompt_key!r}, "
-                    f"answer_key={answer_key!r})")
+                    f"answer_key={answer_key!r}{first})")
   return rows, stats

@@ -222,6 +222,7 @@ class RewardPool:
     self._pending = 0  # submitted tasks not yet finished
     self._last_progress = time.monotonic()
     self._start_failures = 0  # failed worker starts in a row
+    self._said: set[str] = set()  # the kinds of failed call warned about (once each)
     self._broken: str | None = None  # why the pool stopped; gather raises it
     self._closed = False
     first = _Worker(name, self._env, startup_timeout)  # fails fast (RewardError) on a bad name
@@ -278,9 +279,17 @@ class RewardPool:
       elif status == "start_failed":
         s.respawn_failures += 1
       self._results[key] = value if status == "ok" else 0.0
+      first = status in ("error", "timeout", "crash") and status not in self._said
+      self._said.add(status)
       self._pending -= 1
       self._last_progress = time.monotonic()
       self._done.notify_all()
+    if first:  # once per kind: a function that raises (or hangs) on every call would
+      # otherwise score 0 silently, the run training on nothing; the rest are counted
+      what = {"error": f"raised ({value})", "timeout": f"ran past reward.timeout="
+              f"{self.timeout:g} s", "crash": "killed its worker process"}[status]
+      _log.warning("reward %r %s: scored 0 (further such calls are counted in the metrics' "
+                   "reward_stats)", self.name, what)
     if status in ("timeout", "crash") and worker is not None:
       worker.kill()
       worker = None  # a fresh process for the next task
