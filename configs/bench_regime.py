@@ -4,12 +4,12 @@
   python scripts/bench_e2e.py --config configs/bench_regime.py --runs on,off --steps 6
 
 The target is the shipped model widened and deepened to 189M params (scripts/make_bench_model.py:
-the same function, so the same responses, rewards and drafter acceptance), whose decoding
-streams ~750 MB of weights per step, as a 7B+ model's does on a GPU. The step is shaped so that
-rollout dominates it as in long-response RL at scale (DESIGN.md 8): few prompts per step, the
-task's long-tailed lengths, one rollout worker decoding the tail. What the learner costs per
-token here (a 2-core CPU computes ~100x less per byte of bandwidth than a GPU) bounds how
-large a step can stay rollout-dominated: see docs/engine.md "Where speculation can pay".
+the same function, so the same responses, rewards and drafter acceptance), whose decoding streams
+~750 MB of weights per step, as a 7B+ model's does on a GPU. The step is shaped so that rollout
+dominates it as in long-response RL at scale (docs/engine.md: where speculation can pay): few
+prompts per step, the task's long-tailed lengths, one rollout worker decoding the tail. What the
+learner costs per token here (a 2-core CPU computes ~100x less per byte of bandwidth than a GPU)
+bounds how large a step can stay rollout-dominated: see docs/engine.md "Where speculation can pay".
 """
 
 import os

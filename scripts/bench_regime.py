@@ -7,10 +7,11 @@
         [--out out/bench_regime]
 
 The shipped model (1M params) sits in cache: a k-token forward costs ~k single ones, so drafts
-cannot pay here (DESIGN.md 8). The bench target (scripts/make_bench_model.py: the shipped model
-widened and deepened to 189M params, the same function, so the same outputs and acceptance)
-streams ~750 MB of weights per step, as decoding on an accelerator is bound by weight reads.
-One invocation, every ratio measured in it (this machine drifts between runs):
+cannot pay here (docs/engine.md: where speculation can pay). The bench target
+(scripts/make_bench_model.py: the shipped model widened and deepened to 189M params, the same
+function, so the same outputs and acceptance) streams ~750 MB of weights per step, as decoding on an
+accelerator is bound by weight reads. One invocation, every ratio measured in it (this machine
+drifts between runs):
 
  0. Roofline: copy bandwidth, then per workload of 2-4 the bytes a plain decode step moves
     (weights + the KV window the engine reads) / step time, as a fraction of that bandwidth,

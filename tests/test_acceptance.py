@@ -108,11 +108,11 @@ def test_greedy_acceptance_equals_the_engines(default_target):
 
 
 def test_spot_training_with_context_keeps_a_good_drafter_good(default_target, monkeypatch):
-  """The defect behind DESIGN.md 5a: trained on bare response windows, the shipped drafter got
-  worse on its own policy's data (it drafts attending to the prompt and earlier response,
-  which the windows lacked). 30 steps of the spot trainer's recipe on the policy's own
-  rollouts: with the prompt as context it keeps (or improves) its acceptance; without, it
-  loses a clear margin."""
+  """The defect behind the drift benchmark (docs/drafter.md): trained on bare response windows, the
+  shipped drafter got worse on its own policy's data (it drafts attending to the prompt and earlier
+  response, which the windows lacked). 30 steps of the spot trainer's recipe on the policy's own
+  rollouts: with the prompt as context it keeps (or improves) its acceptance; without, it loses a
+  clear margin."""
   from tlt_jax.bench import drift
   from tlt_jax.config import asset_path
   from tlt_jax.data.prompts import load_prompt_rows

@@ -1,7 +1,7 @@
 """Per-device memory plan of a training run: what is resident in each phase, from the config.
 
-A run has four phases on every device (DESIGN.md 7), and their peaks decide whether a config
-fits its GPUs:
+A run has four phases on every device (README: architecture), and their peaks decide whether a
+config fits its GPUs:
   rollout   learner state + rollout weights + KV cache + decode/prefill activations
   spot      the same device once its share is decoded (the KV cache is freed): the drafter
             trained on the idle worker

@@ -43,7 +43,7 @@ def make_optimizer(lr: float, *, warmup_steps: int = 0, total_steps: int = 0,
                    schedule: str = "constant", weight_decay: float = 0.01, b1: float = 0.9,
                    b2: float = 0.95, grad_clip: float = 1.0) -> optax.GradientTransformation:
   """AdamW on `lr_schedule`, after a global-norm clip (grad_clip > 0). The defaults are the
-  reference drafter recipe (DESIGN.md 2); the learner passes config.optim's values.
+  reference implementation's drafter recipe; the learner passes config.optim's values.
 
   One object per hyperparameter set in a process (a transformation is pure functions, no
   state): the jitted steps that take it as a static argument (grpo.LearnerSpec, the drafter's

@@ -9,7 +9,7 @@ rollout workers, checkpoints) -> `restore` the TrainState if the workdir holds a
 (run.py) -> `rl_step(state) -> (state, metrics)` until config.train.steps -> `save(state)`
 after every step (run.py). The step's metrics record is tlt_jax/step_metrics.py's.
 
-One RL step (`rl_step`; DESIGN.md 7):
+One RL step (`rl_step`; README: architecture):
   prompts (PromptStream, resumable position)
   -> coordinator.rollout: each rollout worker decodes its share (continuous batching; plain
      decoding while the batch is large, speculative decoding with the drafter in the long

@@ -1,4 +1,4 @@
-"""Does the drafter keep up with a moving policy? (scripts/bench_drift.py; DESIGN.md 5a)
+"""Does the drafter keep up with a moving policy? (scripts/bench_drift.py; docs/drafter.md)
 
 One TLT run of a config (the gate off, so the drafter is spot-trained in every idle window),
 checkpointed every `every` steps and all kept; then, at step 0 and every checkpoint t, on

@@ -56,7 +56,7 @@ class BufferConfig:
   window: int = 256  # tokens per window whose pairs are trained on
   # tokens before a window that it attends to without a loss on them (the prompt, earlier
   # response): the drafter drafts with that context, and trained without it, it unlearns to
-  # use it (DESIGN.md 5a; tests/test_buffer.py). A packed row is >= window + context.
+  # use it (docs/drafter.md: the drift benchmark). A packed row is >= window + context.
   context: int = 0
   windows_per_response: int = 4
   keep_steps: int = 2  # sample from the windows of the last N RL steps

@@ -7,8 +7,8 @@ drafter's own params are trained and kept in `DrafterState`; the target's embedd
 norm and LM head are read from `target_params` (the rollout worker's copy of the policy),
 frozen.
 
-Optimizer: tlt_jax/optim.py `make_optimizer` (its defaults are the reference recipe, DESIGN.md
-2: AdamW(b1 0.9, b2 0.95, wd 0.01), global-norm clip 1.0). Trained copies are merged in
+Optimizer: tlt_jax/optim.py `make_optimizer` (its defaults are the reference implementation's
+recipe: AdamW(b1 0.9, b2 0.95, wd 0.01), global-norm clip 1.0). Trained copies are merged in
 tlt_jax/drafter/merge.py.
 """
 

@@ -3,7 +3,7 @@
     python -m tlt_jax.plan --config configs/qwen2_5_7b_math.py --hardware h100|PROFILE.json \\
         [--gpus 8] [--lengths lognormal:median=2500,sigma=0.7,...|FILE] \\
         [--acceptance 4_1_5=3.1,rate=0.8,history=1.8,...|FILE|NUMBER] [--steps 3] \\
-        [--compile_s 0] [--out DIR] [--config.key=value ...]
+        [--gate open|learn] [--compile_s 0] [--out DIR] [--config.key=value ...]
 
 Runs `--steps` RL steps of the recipe twice on the simulator (tlt_jax/plan/sim.py: the
 project's own rollout loop, Scheduler, page policy, gate and bandit on a simulated clock,

@@ -4,7 +4,7 @@ The learner never trusts rollout log-probs: the rollout may have decoded specula
 different precision, on another mesh, or with top-k/top-p applied. `logprobs`
 recomputes the old (and reference) log-probs with the same function the loss differentiates,
 so the importance ratio is exactly 1 on the first mini-batch and speculative decoding cannot
-bias training (DESIGN.md 3).
+bias training (docs/training.md: one RL step).
 
 Batch layout: packed rows. A micro-batch is [b, T] tokens holding several responses (each
 with its prompt) end to end, `segment_ids` numbering them within a row (0 on the padding

@@ -82,7 +82,7 @@ class ChunkMetrics:
   def row_speed(self) -> float:
     """The chunk's arm's speed in tokens/s per live row, the bandit's reward: tokens per
     verification x steps / wall time, the rate its rows decoded at had none ended mid-chunk.
-    - Per row, where DESIGN.md 4 (the reference) multiplies by the live rows: at one size both
+    - Per row, where TLT's reference implementation multiplies by the live rows: at one size both
       rank arms alike, but a bucket spans sizes (the reference's top one 21-32 rows, where its
       speculation stops; ours go to max_batch) and the batch's tokens/s grows with its rows,
       so an arm's median said where it happened to be measured (the simulator's 7B plan: "off"

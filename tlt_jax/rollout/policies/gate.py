@@ -1,9 +1,9 @@
 """Whether speculation pays on this hardware, measured before it is paid for.
 
-Speculative decoding wins only where a forward over k tokens costs about one token's
-(decoding bound by streaming the weights: a 7B+ model on a GPU, DESIGN.md 8). Where a k-token
-forward costs ~k single ones (a small model in a CPU's cache) it loses, and each (bucket, arm)
-executable it needs is a compile the run pays. The bandit (mab.py) picks the best arm among
+Speculative decoding wins only where a forward over k tokens costs about one token's (decoding bound
+by streaming the weights: a 7B+ model on a GPU, docs/engine.md: where speculation can pay). Where a
+k-token forward costs ~k single ones (a small model in a CPU's cache) it loses, and each (bucket,
+arm) executable it needs is a compile the run pays. The bandit (mab.py) picks the best arm among
 compiled ones; this gate decides which batch buckets are worth compiling arms for at all:
 
 - It probes one bucket at a time (where: below) on one worker, the prober, which compiles

@@ -3,7 +3,7 @@
 Why a bandit: a strategy's speed-up depends on the live batch size (verifying B x V tokens is
 nearly free at B=1 and compute-bound at large B) and on the drafter's acceptance rate, which
 drifts as the policy trains and the drafter is retrained. No fixed arm is best over a whole
-rollout, and the best arm of a batch size changes over training. BEG-MAB (TLT; DESIGN.md 4)
+rollout, and the best arm of a batch size changes over training. BEG-MAB (TLT; docs/engine.md)
 keeps one epsilon-greedy bandit per bucket of live batch sizes. An arm's value is the median of
 its last `window` rewards: a few slow chunks (a GC pause, a co-tenant) do not move it, and an
 arm whose reward drops (a stale drafter) loses its lead within about one window. Every arm of a
@@ -55,18 +55,17 @@ SELECTORS = ("fixed", "beg", "eg", "ucb1", "bucb1")  # config names (bandit_conf
 
 
 def default_mab_buckets() -> dict[int, list[Strategy]]:
-  """BEG buckets for the default tiny model and its chain drafter. Every bucket has "off", so
-  the bandit explores and can turn speculation off (DESIGN.md 4), drafter chains and a history
-  arm. Drafter arms from notebooks/mab_bucket_ablation.ipynb (CPU): 6_1_7 was rarely the best
-  anywhere, 3_1_4 and 4_1_5 usually were, and shallower chains only pay off at large live
-  batches. History arms (scripts/bench_history_arms.py): hist_4 is the cheapest history draft
-  (no drafter forward); the hybrid hyb_4 (the index's and the drafter's chains as one tree of
-  9 verified tokens) only where the batch is small enough for the wider verification.
-  Bounds: TLT's [1, 2, 5, 21], split further where the engine's power-of-two buckets split
-  (9; 33, 65, 129): speculation runs up to max_batch here (the reference's stops at 32), and
-  one bucket over 21-216 rows compared arms measured at sizes 5x apart, whose best arms differ
-  (with the per-row reward, the simulator's 7B-70B plans: -1% to +7% of the rollout,
-  docs/scale.md)."""
+  """BEG buckets for the default tiny model and its chain drafter. Every bucket has "off", so the
+  bandit explores and can turn speculation off (TLT's buckets hold one arm each), drafter chains and
+  a history arm. Drafter arms from notebooks/mab_bucket_ablation.ipynb (CPU): 6_1_7 was rarely the
+  best anywhere, 3_1_4 and 4_1_5 usually were, and shallower chains only pay off at large live
+  batches. History arms (scripts/bench_history_arms.py): hist_4 is the cheapest history draft (no
+  drafter forward); the hybrid hyb_4 (the index's and the drafter's chains as one tree of 9 verified
+  tokens) only where the batch is small enough for the wider verification. Bounds: TLT's [1, 2, 5,
+  21], split further where the engine's power-of-two buckets split (9; 33, 65, 129): speculation
+  runs up to max_batch here (the reference's stops at 32), and one bucket over 21-216 rows compared
+  arms measured at sizes 5x apart, whose best arms differ (with the per-row reward, the simulator's
+  7B-70B plans: -1% to +7% of the rollout, docs/scale.md)."""
   small = ("4_1_5", "3_1_4", "hyb_4", "hist_4", "off")
   large = ("3_1_4", "2_1_3", "hist_4", "off")
   return {lo: [Strategy(a) for a in (small if lo < 21 else large)]
