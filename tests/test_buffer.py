@@ -47,12 +47,15 @@ def response(rng, r, base=0, d=D):
   return ids, rng.normal(size=(r, d)).astype(np.float32)
 
 
-def expected_weight(s, e, r, spec_start, tail):
-  """sum over positions of (tail if pos >= spec_start else 1) * loss_mask (pos <= r - 2)."""
+def expected_weight(s, e, r, spec_start, tail, prompt=0):
+  """A window's weight: over its pair positions with a loss, `tail` where the pair's target
+  (the next token: response token pos + 1 - prompt) was decoded at or after spec_start (a
+  response position), else 1."""
   total = 0.0
   for pos in range(s, e):
-    if pos <= r - 2:
-      total += tail if (spec_start is not None and pos >= spec_start) else 1.0
+    if prompt - 1 <= pos <= prompt + r - 2:  # the pairs whose target is a response token
+      target = pos + 1 - prompt
+      total += tail if (spec_start is not None and target >= spec_start) else 1.0
   return total
 
 
@@ -185,6 +188,25 @@ def test_windows_equal_align_slices_with_weights_from_positions():
     np.testing.assert_array_equal(w.loss_mask, rm[s:e])
     assert w.weight == pytest.approx(expected_weight(s, e, r, spec, 3.0))
   assert len(seen) == n_tiles
+
+
+def test_tail_weight_counts_response_positions_after_a_prompt():
+  """spec_start is a response position whether or not the prompt comes with the response
+  (the context windows' case): the windows' weights follow the tokens decoded with
+  speculation, not the positions in the prompt + response sequence."""
+  rng = np.random.default_rng(1)
+  ids, h = response(rng, 20, base=1000)
+  prompt = np.arange(500, 506, dtype=np.int32)
+  ph = rng.standard_normal((6, D)).astype(np.float32)
+  buf = DrafterBuffer(BufferConfig(buffer_tokens=1000, window=4, windows_per_response=100,
+                                   tail_weight=3.0))
+  buf.add(0, ids, h, spec_start=7, prompt_ids=prompt, prompt_hidden=ph)
+  tokens = np.concatenate([prompt, ids])
+  wins = all_windows(buf)
+  assert sum(w.length for w in wins) == 21  # pairs 5..25 (the last prompt token's on)
+  for w in wins:
+    s = int(np.flatnonzero(tokens == w.tokens[0])[0])
+    assert w.weight == pytest.approx(expected_weight(s, s + w.length, 20, 7, 3.0, prompt=6))
 
 
 def test_responses_shorter_than_two_tokens_add_nothing():

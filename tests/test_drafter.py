@@ -305,6 +305,25 @@ def test_unroll_n1_is_the_single_step_loss_and_n2_composes():
   assert float(m2["tokens_2"]) == valid2.sum() < float(m2["tokens_1"])
 
 
+def test_unrolled_loss_gradient_flows_through_the_unroll():
+  """The gradient of the 2-step (test-time-training) loss is the loss's own derivative: along
+  a random direction of the drafter's params it equals the central difference of the loss.
+  Step 2 reads step 1's output state, so the step-2 loss also teaches step 1 (EAGLE-3); a
+  gradient cut at that hand-over leaves every loss value as it is and halves this one."""
+  cfg = QWEN
+  tp, dp, *_ = setup(cfg)
+  batch, _ = packed_batch(cfg, tp)
+  loss = jax.jit(lambda d: drafter_loss(d, tp, batch, cfg=cfg,
+                                         loss_cfg=LossConfig(unroll_steps=2))[0])
+  grads = jax.grad(loss)(dp)
+  rng = np.random.default_rng(0)
+  v = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), dp)
+  along = sum(float(jnp.vdot(g, d)) for g, d in zip(jax.tree.leaves(grads), jax.tree.leaves(v)))
+  eps = 1e-3
+  moved = lambda sign: loss(jax.tree.map(lambda a, b: a + sign * eps * b, dp, v))  # noqa: E731
+  np.testing.assert_allclose(along, float(moved(1) - moved(-1)) / (2 * eps), rtol=1e-2)
+
+
 def test_gradients_only_for_drafter_params():
   cfg = QWEN
   tp, dp, *_ = setup(cfg)

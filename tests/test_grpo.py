@@ -6,6 +6,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from tlt_jax.models import ModelConfig, forward, init_params
@@ -174,6 +175,61 @@ def test_ratio_is_one_on_policy_and_gradient_is_policy_gradient(setup):
     g_ref = g if g_ref is None else jax.tree.map(jnp.add, g_ref, g)
   for a, b in zip(jax.tree.leaves(g_loss), jax.tree.leaves(g_ref)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_update_steps_by_the_gradient_of_each_minibatchs_token_mean():
+  """`update` over two mini-batches of several micro-batches each (packed rows of several
+  lengths), with plain SGD so that a step is the gradient: each step is the gradient of that
+  mini-batch's token-mean clipped objective, the samples each run alone (unpacked) as the
+  reference, the second under the params the first step left and the old log-probs of the
+  params before both (`prepare`); the metrics are the mean over the two mini-batches."""
+  lr, gcfg = 0.1, grpo.GRPOConfig()
+  mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+  spec = grpo.LearnerSpec(CFG, gcfg, optax.sgd(lr), mesh, micro_batch=0, pad_multiple=8,
+                          micro_batch_tokens=48)
+  p0 = init_params(CFG, jax.random.key(5), std=0.3)
+  rng = np.random.RandomState(2)
+  samples = [batching.Sample(rng.randint(1, 23, rng.randint(2, 6)),
+                             rng.randint(1, 23, rng.choice([1, 4, 9, 20])), float(rng.randn()))
+             for _ in range(12)]
+  batches = batching.minibatches(samples, spec, num_minibatches=2, seed=0)
+  assert all(len(group) >= 2 for group in batches)  # several micro-batches per step...
+  assert len({mb.tokens.shape for group in batches for mb in group}) >= 2  # ...of two lengths
+  state = grpo.init_learner(jax.tree.map(jnp.copy, p0), spec)
+  state, m = grpo.update(state, grpo.prepare(state, batches, spec), spec)
+
+  T = 32
+  def padded(s):
+    seq = np.concatenate([s.prompt_ids, s.response_ids])
+    pos = np.arange(T)
+    return (jnp.asarray(np.pad(seq, (0, T - len(seq))))[None],
+            jnp.asarray((pos >= len(s.prompt_ids)) & (pos < len(seq))))
+
+  @jax.jit
+  def lp_of(p, seq):
+    return grpo.token_logprobs(p, seq, cfg=CFG, temperature=1.0)[0][0]
+
+  @jax.jit
+  def clipped_sum(p, seq, response, lp_old, adv):  # one sample: its tokens' clipped terms
+    ratio = jnp.exp(lp_of(p, seq) - lp_old)
+    pg = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - gcfg.eps_low, 1 + gcfg.eps_high))
+    return jnp.sum(jnp.where(response, pg, 0.0))
+
+  grad_sum = jax.jit(jax.value_and_grad(clipped_sum))
+  params, losses = p0, []
+  old = {i: lp_of(p0, padded(s)[0]) for i, s in enumerate(samples)}  # before any step
+  for part in batching.minibatch_parts(len(samples), 2, 0):
+    n = sum(len(samples[i].response_ids) for i in part)
+    loss, grad = 0.0, jax.tree.map(jnp.zeros_like, params)
+    for i in part:
+      v, g = grad_sum(params, *padded(samples[i]), old[int(i)], samples[i].advantage)
+      loss, grad = loss + float(v) / n, jax.tree.map(lambda a, b: a + b / n, grad, g)
+    losses.append(loss)
+    params = jax.tree.map(lambda a, b: a - lr * b, params, grad)
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(m["loss"], np.mean(losses), rtol=1e-4, atol=1e-7)
+  np.testing.assert_allclose(m["pg_loss"], np.mean(losses), rtol=1e-4, atol=1e-7)
 
 
 def test_micro_batches_layout():

@@ -72,3 +72,26 @@ def test_scheduler_admits_in_order_while_allowed_and_requeues_preempted_rows():
   assert ops[0] == Resize((0, 1, 0, 1), (True, True, False, False))
   assert ops[1] == Refill(("b", "c", "d"), (1, 2, 3), 4)
   assert sched.slots == ["a", "b", "c", "d"] and list(sched.pending) == ["e"]
+
+
+def test_slot_addresses_follow_each_rows_table_and_drop_what_is_outside_it():
+  """slot_addr: slot s of row b is offset s % page of the row's page table[b, s // page];
+  slots before 0 or at or past the row's max_len (R pages) go nowhere (NO_PAGE: a write
+  there is dropped, never wrapped into the row's last page)."""
+  import jax.numpy as jnp
+
+  from tlt_jax.models import ModelConfig, init_cache
+  from tlt_jax.models.kv_cache import slot_addr
+  cfg = ModelConfig(arch="qwen2", vocab_size=8, hidden_size=8, intermediate_size=8,
+                    num_layers=1, num_heads=2, num_kv_heads=1)
+  cache = init_cache(cfg, 2, 10, page_size=4)  # 3 pages a row: 12 slots
+  table = np.asarray(cache.table)
+  assert cache.max_len == 12 and table.shape == (2, 3)
+  slots = np.array([[-1, 0, 3, 4, 11, 12, 17], [5, 8, 9, 12, 0, -4, 2]], np.int32)
+  page, offset = map(np.asarray, slot_addr(cache, jnp.asarray(slots)))
+  for b in range(2):
+    for t, s in enumerate(slots[b]):
+      if 0 <= s < 12:
+        assert page[b, t] == table[b, s // 4] and offset[b, t] == s % 4, (b, s)
+      else:
+        assert page[b, t] == NO_PAGE, (b, s)

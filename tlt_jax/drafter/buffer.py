@@ -159,7 +159,9 @@ class DrafterBuffer:
       return 0
     w = np.ones((t,), np.float64)
     if spec_start is not None and spec_start < len(response_ids):
-      w[max(lo + spec_start, 0):] = self.cfg.tail_weight
+      # pair i's target is token i + 1: response token i + 1 - p (with no prompt, the first
+      # response token is no pair's target)
+      w[max(p - 1 + spec_start, 0):] = self.cfg.tail_weight
     w *= mask  # positions that are never a target carry no weight
     cands = [(s + lo, e + lo, float(w[s + lo:e + lo].sum()))
              for s, e in tiles(t - lo, self.cfg.window)]
