@@ -558,3 +558,32 @@ def test_average_states_is_the_token_weighted_mean_of_params_and_moments():
   assert average_states(states, [0.0, 5.0, 0.0]) is states[1]  # one copy trained
   with pytest.raises(ValueError, match="sum to 0"):
     average_states(states, [0.0, 0.0, 0.0])
+
+
+def test_process_timelines_merge_into_the_jobs():
+  """merge_processes: process 1's workers follow process 0's, seconds add up over all of
+  them (the idle share of the whole job), the barrier and the critical path are the
+  latest / longest; a hand-worked two-process step."""
+  from tlt_jax.coordinator.timeline import merge_processes
+  parts = []
+  for events, barrier in (([(0, 0.0, "g"), (0, 1.0, "i"), (0, 1.5, "t")], 3.0),  # process 0
+                          ([(0, 0.0, "g"), (1, 0.0, "g"), (1, 2.0, "i")], 4.0)):  # process 1
+    now = [0.0]
+    tl = Timeline(2 if any(w == 1 for w, _, _ in events) else 1, clock=lambda: now[0])
+    for w, t, s in events:
+      now[0] = t
+      tl.enter(w, {"g": WorkerState.GENERATING, "i": WorkerState.IDLE,
+                   "t": WorkerState.TRAINING}[s])
+    now[0] = barrier
+    tl.mark_barrier()
+    tl.close()
+    parts.append((tl.summary(), tl.to_json()))
+  summary, js = merge_processes(parts)
+  assert [p["worker"] for p in summary["per_worker"]] == [0, 1, 2]
+  assert sorted({iv[0] for iv in js["intervals"]}) == [0, 1, 2]
+  # generating: 1 (p0 w0) + 4 (p1 w0, to the barrier) + 2 (p1 w1); idle: 2 + 0 + 2, of which
+  # p0's 1.5 s training
+  assert summary["generating_s"] == pytest.approx(7.0)
+  assert summary["idle_s"] == pytest.approx(4.0) and summary["training_s"] == pytest.approx(1.5)
+  assert summary["idle_share_trained"] == pytest.approx(1.5 / 4.0)
+  assert js["barrier"] == 4.0 and summary["barrier_s"] == 4.0

@@ -179,6 +179,13 @@ def test_explicit():
     ({}, {"num_processes": 2}, r"config\.distributed\.num_processes=2: no coordinator"),
     ({**slurm_env(0, 0, 0), "SLURM_PROCID": "x"}, {}, r"SLURM_PROCID='x': not an integer"),
     (slurm_env(0, 0, 0, nodelist="gpu[1-"), {}, r"SLURM_STEP_NODELIST"),
+    # a process of a hand launch missing its coordinator never trains alone (into the
+    # workdir the others share)
+    ({"TLT_NUM_PROCESSES": "2", "TLT_PROCESS_ID": "1"}, {},
+     r"TLT_NUM_PROCESSES=2, TLT_PROCESS_ID=1 but no coordinator address"),
+    ({}, {"process_id": 1}, r"config\.distributed\.process_id=1 but no coordinator"),
+    ({**slurm_env(0, 0, 0), "JAX_COORDINATOR_PORT": "70000"}, {},
+     r"coordinator address 'gpu007:70000' is not HOST:PORT"),
 ])
 def test_detect_errors(env, cfg, match):
   with pytest.raises(ConfigError, match=match):
@@ -237,6 +244,20 @@ def _clean_env(monkeypatch):
   for k in list(os.environ):
     if re.match(r"(SLURM_|OMPI_|TLT_|JAX_COORDINATOR)", k):
       monkeypatch.delenv(k)
+
+
+def test_process_0_does_not_join_a_coordinator_already_serving():
+  """A second process 0 (a duplicated id, or a second job on the same port) would register
+  with the running job's coordinator, which takes it for a restart and aborts that job: it
+  stops first, with one error naming the address."""
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    address = f"127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(ConfigError, match=f"coordinator address {address} is already in use"):
+      dist._check_port_free(address, "process 0/2")
+  dist._check_port_free(address, "process 0/2")  # closed: free
 
 
 def test_initialize_single_process(monkeypatch, capsys):

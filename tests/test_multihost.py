@@ -66,6 +66,13 @@ def test_two_processes_train_like_one(tmp_path):
     assert ma["tokens"] == mb["tokens"]
     assert ma["response_length"] == mb["response_length"]
     assert ma["reward"] == mb["reward"]
+    # what process 0 writes is the job's: every process's reward calls and workers
+    assert ma["reward_stats"]["calls"] == mb["reward_stats"]["calls"] > 0
+  for run in (one, two):  # both workers' intervals, one per process in the 2-process run
+    with open(os.path.join(run, "timeline.jsonl")) as f:
+      steps = [json.loads(line) for line in f]
+    assert [t["step"] for t in steps] == [1, 2]
+    assert all({iv[0] for iv in t["intervals"]} == {0, 1} for t in steps), run
     for k in ("loss", "pg_loss", "entropy", "grad_norm"):
       np.testing.assert_allclose(mb["loss"][k], ma["loss"][k], rtol=1e-5, atol=1e-7,
                                  err_msg=f"step {ma['step']} {k}")

@@ -88,6 +88,23 @@ def _wait_for_coordinator(address: str, timeout: float, who: str) -> float:
                      f"that port {port} there is reachable from this host (firewall, address)")
 
 
+def _check_port_free(address: str, who: str) -> None:
+  """Process 0 is about to serve `address`: something already accepting connections there is
+  another job's coordinator (or a second process started with process_id=0). Joining it would
+  abort that job (JAX takes a second registration of a task as its restart), so stop here."""
+  host, port = parse_address(address)
+  try:
+    with socket.create_connection((host.strip("[]"), port), timeout=2.0):
+      pass
+  except OSError:
+    return  # nothing listens there: free (or not reachable, which initialize reports)
+  raise ConfigError(f"{who}: the coordinator address {address} is already in use on this "
+                    "host (another job, or another process started with process_id=0); pick "
+                    "another port (config.distributed.coordinator_address, TLT_COORDINATOR_"
+                    "ADDRESS, or JAX_COORDINATOR_PORT under Slurm) or give each process its "
+                    "own process_id")
+
+
 def initialize(config: DistributedConfig | None = None) -> Launch | None:
   """Joins the multi-process launch this process belongs to; None when it runs alone.
 
@@ -130,6 +147,8 @@ def initialize(config: DistributedConfig | None = None) -> Launch | None:
   timeout = config.initialization_timeout
   if launch.process_id != 0:
     timeout = _wait_for_coordinator(launch.coordinator_address, timeout, who)
+  else:
+    _check_port_free(launch.coordinator_address, who)
   # JAX aborts the process (a C++ fatal error) when not every process joins in time; say why
   # first. A timer, since the wait happens inside one native call.
   timer = threading.Timer(timeout, _warn, [
@@ -155,6 +174,14 @@ def initialize(config: DistributedConfig | None = None) -> Launch | None:
     timer.cancel()
   _launch = launch
   sys.excepthook = _fail_fast_excepthook(sys.excepthook)
+  if jax.process_count() != launch.num_processes:
+    # the coordinator's job has another count: this process was started with the wrong one.
+    # Leave at once (no shutdown barrier): the others then stop within heartbeat_timeout.
+    _warn(f"{who}: num_processes={launch.num_processes}, but the coordinator "
+          f"{launch.coordinator_address} runs a job of {jax.process_count()} processes; give "
+          "every process the same count (config.distributed.num_processes or "
+          f"TLT_NUM_PROCESSES)")
+    os._exit(2)
   _warn(f"process {launch.process_id}/{launch.num_processes} ({launch.kind}), "
         f"{jax.local_device_count()} local / {jax.device_count()} global devices, "
         f"coordinator {launch.coordinator_address}")

@@ -302,6 +302,18 @@ def detect(env: Mapping[str, str] | None = None, config: DistributedConfig | Non
         raise ConfigError(f"config.distributed.num_processes={config.num_processes}: no "
                           "coordinator; set config.distributed.coordinator_address=HOST:PORT "
                           f"(or {ENV_COORDINATOR})")
+      # a launch by hand missing its coordinator: never run alone (a process of a multi-process
+      # job training by itself writes the shared workdir beside the others)
+      env_n, env_pid = int_env(env, ENV_NUM_PROCESSES), int_env(env, ENV_PROCESS_ID)
+      if (env_n or 0) > 1 or (env_pid or 0) > 0 or config.process_id > 0:
+        said = ", ".join(f"{k}={v}" for k, v in ((ENV_NUM_PROCESSES, env_n),
+                                                   (ENV_PROCESS_ID, env_pid),
+                                                   ("config.distributed.process_id",
+                                                    config.process_id if config.process_id >= 0
+                                                    else None)) if v is not None)
+        raise ConfigError(f"{said} but no coordinator address; set {ENV_COORDINATOR}=HOST:PORT "
+                          "(or config.distributed.coordinator_address) in every process, or "
+                          "unset these to run a single process")
       return None
     found = dict(kind="explicit", num_processes=int_env(env, ENV_NUM_PROCESSES),
                  process_id=int_env(env, ENV_PROCESS_ID), local_rank=None, local_count=None,
@@ -319,6 +331,10 @@ def detect(env: Mapping[str, str] | None = None, config: DistributedConfig | Non
   if not 0 <= pid < n:
     raise ConfigError(f"config.distributed.process_id={pid}: must be in 0..{n - 1} for "
                       f"num_processes={n} ({kind} launch)")
+  if coordinator and parse_address(coordinator) is None:
+    raise ConfigError(f"the {kind} launch's coordinator address {coordinator!r} is not HOST:PORT "
+                      "with a port in 1..65535; set config.distributed.coordinator_address (or "
+                      "JAX_COORDINATOR_PORT)")
   if not coordinator:
     fix = ("export TLT_COORDINATOR_ADDRESS=HOST:PORT to every rank (mpirun -x), HOST being "
            "rank 0's host" if kind == "openmpi" else "set it to HOST:PORT")

@@ -36,6 +36,7 @@ latest checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -51,6 +52,7 @@ from tlt_jax import config as config_lib
 from tlt_jax import distributed, runtime
 from tlt_jax import export as policy_export
 from tlt_jax.coordinator import Worker
+from tlt_jax.coordinator.timeline import merge_processes
 from tlt_jax.eval import evaluate as evaluate_rows
 from tlt_jax.curves import plot_runs
 from tlt_jax.metrics import MetricsWriter, read_records
@@ -157,7 +159,11 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   # ---- the drafter settled (merged, on every worker: with one process it settles while the
   # learner runs), then the new weights to the workers; the serial drafter ablation
   drafter = settle()
-  spot = timeline.summary()
+  spot, timeline_json = timeline.summary(), timeline.to_json()
+  reward_stats = pool.stats
+  if jax.process_count() > 1:  # the job's view: every process's workers, chunks and rewards
+    chunks, spot, timeline_json, reward_stats = _gather_views(chunks, spot, timeline_json,
+                                                              reward_stats)
   times["idle"] = spot["idle_s"] / max(len(run.coordinator.workers), 1)
   times["drafter"] = spot["critical_path_s"]
   times["weight_sync"] = run.coordinator.sync_actor(learner.params)
@@ -167,7 +173,7 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
     times["drafter"] = time.perf_counter() - t
 
   # ---- metrics
-  m = step_metrics(run, prompts, responses, r, chunks, wall, upd, pool.stats, spot, drafter,
+  m = step_metrics(run, prompts, responses, r, chunks, wall, upd, reward_stats, spot, drafter,
                    epoch=data.epoch, gate=policies.gate)
   if acceptance is not None:
     m["drafter_acceptance"] = acceptance
@@ -175,7 +181,18 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   times["compile"] = run.compile_clock.lap()
   m["time"] = times
   return (TrainState(step + 1, learner, data, policies.bandit, policies.gate), m,
-          timeline.to_json())
+          timeline_json)
+
+
+def _gather_views(chunks, spot, timeline_json, reward_stats):
+  """This process's chunk records, timeline (summary, JSON) and reward-pool counts -> every
+  process's: the chunks and counts together, the timelines merged (`merge_processes`)."""
+  parts = distributed.all_gather_objects((list(chunks), spot, timeline_json, reward_stats))
+  spot, timeline_json = merge_processes([(s, t) for _, s, t, _ in parts])
+  stats = [p[3] for p in parts]
+  total = dataclasses.replace(stats[0], **{
+      f.name: sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(stats[0])})
+  return [c for p in parts for c in p[0]], spot, timeline_json, total
 
 
 def _gather_responses(mine: list[Response]) -> list[Response]:

@@ -132,6 +132,31 @@ class Timeline:
                           for iv in self.intervals]}
 
 
+def merge_processes(parts: list[tuple[dict[str, Any], dict[str, Any]]]
+                    ) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Every process's (`summary`, `to_json`) of one step, in process order -> the job's: the
+  workers numbered process after process, each process's times on its own rollout clock (the
+  processes start a rollout together, after the step's collectives, so the clocks agree to
+  within that skew), seconds summed over the workers, the barrier the last process's, the
+  critical path the longest."""
+  per, intervals, offset = [], [], 0
+  for summary, js in parts:
+    per += [{**p, "worker": p["worker"] + offset} for p in summary["per_worker"]]
+    intervals += [[w + offset, *rest] for w, *rest in js["intervals"]]
+    offset += len(summary["per_worker"])
+
+  def last(key, items):
+    return max((x[key] for x in items if x[key] is not None), default=None)
+  idle, train = sum(p["idle_s"] for p in per), sum(p["training_s"] for p in per)
+  summaries, jsons = [s for s, _ in parts], [j for _, j in parts]
+  summary = {"generating_s": sum(p["generating_s"] for p in per), "idle_s": idle,
+             "training_s": train, "idle_share_trained": train / idle if idle > 0 else None,
+             "critical_path_s": last("critical_path_s", summaries),
+             "barrier_s": last("barrier_s", summaries), "per_worker": per}
+  js = {k: last(k, jsons) for k in ("barrier", "returned", "released", "waited")}
+  return summary, {**js, "intervals": intervals}
+
+
 # ------------------------------------------------------------------------------- the plot
 PLOT_COLORS = {"generating": "#4C72B0", "idle": "#DD8452", "training": "#55A868"}
 
