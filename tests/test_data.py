@@ -223,10 +223,11 @@ def test_chat_message_prompts_stop_at_the_end_of_turn(tmp_path):
   assert stop == (eos,)
   chats = write_jsonl(tmp_path / "c.jsonl", [json.dumps(
       {"prompt": [{"role": "user", "content": "2+2?"}], "answer": "4"})])
-  cfg = ml_collections.ConfigDict({"data": {"chat_template": False}})
-  assert runtime.chat_stop(cfg, tok, stop, load_prompt_rows(chats)[0]) == (eos, eot)
+  cfg = ml_collections.ConfigDict({"data": {"chat_template": False},
+                                  "model": {"path": str(tmp_path)}})
+  assert runtime.stop_tokens(cfg, tok, load_prompt_rows(chats)[0]) == (eos, eot)
   texts = write_jsonl(tmp_path / "t.jsonl", [json.dumps({"prompt": "2+2?", "answer": "4"})])
-  assert runtime.chat_stop(cfg, tok, stop, load_prompt_rows(texts)[0]) == (eos,)
+  assert runtime.stop_tokens(cfg, tok, load_prompt_rows(texts)[0]) == (eos,)
 
 
 def test_chat_message_prompts_are_rendered_with_the_template(tmp_path):

@@ -105,9 +105,8 @@ def main(argv):
   from tlt_jax.config import run_spec
   cfg = _CONFIG.value
   spec = runtime.prepare(run_spec(cfg), training=False)
-  model_cfg, params, tokenizer, stop = runtime.load_model(cfg)
   rows = runtime.load_rows(cfg, cfg.data.test_path)
-  stop = runtime.chat_stop(cfg, tokenizer, stop, rows)
+  model_cfg, params, tokenizer, stop = runtime.load_model(cfg, rows=rows)
   engine = Engine(params, model_cfg, spec.engine_config(
       stop, max_batch=cfg.eval.batch_size, speculative=False))
   if cfg.eval.num_prompts:

@@ -129,20 +129,21 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
   compile_clock = CompileClock()
   # ------------------------------------------------------------------- mesh and model
   mesh = runtime.learner_mesh(cfg)
-  model_cfg, params, tokenizer, stop = runtime.load_model(cfg, mesh=mesh)
+  # (the prompts first: chat-message prompts add the template's end of turn to the stop ids)
+  train_rows = runtime.load_rows(cfg, cfg.data.train_path)
+  test_rows = None
+  if cfg.data.test_path and cfg.train.eval_every > 0:
+    rows = runtime.load_rows(cfg, cfg.data.test_path)
+    test_rows = rows[:cfg.eval.num_prompts] if cfg.eval.num_prompts else rows
+  model_cfg, params, tokenizer, stop = runtime.load_model(
+      cfg, mesh=mesh, rows=train_rows + (test_rows or []))
 
   # ----------------------------------------------------------------------------- data
-  train_rows = runtime.load_rows(cfg, cfg.data.train_path)
   stream = PromptStream(train_rows, tokenizer,
                         max_prompt_len=cfg.data.max_prompt_len, seed=cfg.seed,
                         chat_template=cfg.data.chat_template,
                         system_prompt=cfg.data.system_prompt, name="config.data.train_path")
   print(data_line(len(stream), stream.dropped_long, cfg), file=sys.stderr)
-  test_rows = None
-  if cfg.data.test_path and cfg.train.eval_every > 0:
-    rows = runtime.load_rows(cfg, cfg.data.test_path)
-    test_rows = rows[:cfg.eval.num_prompts] if cfg.eval.num_prompts else rows
-  stop = runtime.chat_stop(cfg, tokenizer, stop, train_rows + (test_rows or []))
 
   # -------------------------------------------------------------------------- learner
   lspec = learner_spec(spec, model_cfg, mesh)

@@ -11,7 +11,7 @@ import functools
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, Sequence
 
 import ml_collections
 
@@ -154,10 +154,10 @@ def learner_mesh(cfg: ml_collections.ConfigDict):
   return mesh
 
 
-def load_model(cfg: ml_collections.ConfigDict, mesh=None):
-  """-> (ModelConfig, params, tokenizer, stop token ids)."""
-  from tlt_jax.models.hf_io import (CheckpointFormatError, load_hf_model, load_tokenizer,
-                                    stop_token_ids)
+def load_model(cfg: ml_collections.ConfigDict, mesh=None, rows: Sequence[Any] = ()):
+  """-> (ModelConfig, params, tokenizer, stop token ids); rows: the prompts it will answer
+  (`stop_tokens`)."""
+  from tlt_jax.models.hf_io import CheckpointFormatError, load_hf_model, load_tokenizer
   try:
     model_cfg, params = load_hf_model(cfg.model.path, dtype=cfg.model.dtype,
                                       param_dtype=cfg.model.param_dtype, mesh=mesh)
@@ -177,9 +177,20 @@ def load_model(cfg: ml_collections.ConfigDict, mesh=None):
   if tokenizer is None:
     raise ConfigError("has no tokenizer files (tokenizer.json / tokenizer_config.json)",
                       "model.path", cfg.model.path, in_config=True)
+  return model_cfg, params, tokenizer, stop_tokens(cfg, tokenizer, rows)
+
+
+def stop_tokens(cfg: ml_collections.ConfigDict, tokenizer, rows: Sequence[Any] = ()
+                ) -> tuple[int, ...]:
+  """The ids a response stops at: the model's EOS, and the chat template's end-of-turn token
+  where prompts are wrapped in the template (data.chat_template, or rows whose prompts are chat
+  messages, which always are): a base model's EOS is <|endoftext|>, its turns end with
+  <|im_end|>, and a chat response would otherwise run past its turn."""
+  from tlt_jax.models.hf_io import CheckpointFormatError, stop_token_ids
   chat = bool(cfg.data.get("chat_template", False)) if "data" in cfg else False
   try:
-    stop = stop_token_ids(cfg.model.path, tokenizer, chat_template=chat)
+    stop = stop_token_ids(cfg.model.path, tokenizer, chat_template=chat or any(
+        isinstance(r.prompt, list) for r in rows))
   except CheckpointFormatError as e:
     raise ConfigError(str(e), "model.path", in_config=True) from None
   if not stop:
@@ -187,18 +198,7 @@ def load_model(cfg: ml_collections.ConfigDict, mesh=None):
         f"config.model.path={cfg.model.path!r} defines no stop token (no eos_token_id in "
         "generation_config.json, no eos_token in the tokenizer): every response would run to "
         "rollout.max_new_tokens. Set eos_token_id in generation_config.json")
-  return model_cfg, params, tokenizer, stop
-
-
-def chat_stop(cfg: ml_collections.ConfigDict, tokenizer, stop: tuple[int, ...],
-              rows) -> tuple[int, ...]:
-  """`stop` with the chat template's end-of-turn token where the rows hold chat-message
-  prompts (always rendered with the chat template, data.chat_template or not): without it a
-  base model's response (EOS <|endoftext|>, turns closed by <|im_end|>) runs past its turn."""
-  if cfg.data.get("chat_template", False) or not any(isinstance(r.prompt, list) for r in rows):
-    return stop
-  from tlt_jax.models.hf_io import chat_end_of_turn_ids
-  return tuple(stop) + tuple(i for i in chat_end_of_turn_ids(tokenizer) if i not in stop)
+  return stop
 
 
 def resolve_workers(cfg: ml_collections.ConfigDict) -> int:
