@@ -375,6 +375,7 @@ def test_the_data_line_says_when_every_step_repeats_prompts():
   assert data_line(7, 0, cfg).endswith("; fewer than the 8 a step draws (grpo.num_prompts): "
                                        "every step repeats prompts")
   assert data_line(8, 2, cfg).endswith("(2 dropped as longer than max_prompt_len=80 tokens)")
+  assert data_line(8, 2, cfg, 1).endswith("max_prompt_len=80 tokens, 1 as encoding to no tokens)")
 
 
 def test_a_context_past_the_models_positions_is_said(tmp_path, capsys):

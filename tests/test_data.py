@@ -96,6 +96,23 @@ def test_length_filter_counts_dropped(tmp_path):
     _stream(tmp_path, n=3, max_len=0)
 
 
+class _NoXTokenizer(CharTokenizer):
+  """Has no token for "x" (as a tokenizer may lack one for text it was not built on)."""
+
+  def encode(self, text):
+    return [ord(c) for c in text if c != "x"]
+
+
+def test_a_prompt_of_no_tokens_is_not_counted_as_too_long(tmp_path, caplog):
+  lines = [json.dumps({"prompt": p, "answer": 0}) for p in ("ab", "xxx", "abcdef", "x")]
+  rows, _ = load_prompt_rows(write_jsonl(tmp_path / "e.jsonl", lines))
+  s = PromptStream(rows, _NoXTokenizer(), max_prompt_len=3)
+  assert len(s) == 1 and s.dropped_long == 1 and s.dropped_empty == 2
+  assert "2 of 4 prompts that encode to no tokens (rows 2, 4)" in caplog.text
+  with pytest.raises(DataError, match="every prompt encodes to no tokens"):
+    PromptStream(rows[1::2], _NoXTokenizer(), max_prompt_len=3)
+
+
 def _draw(stream, pos, sizes):
   """The prompt indices of successive batches of `sizes` from `pos`, and the position after."""
   out = []

@@ -113,13 +113,14 @@ def learner_spec(spec: config_lib.RunSpec, model_cfg, mesh) -> grpo.LearnerSpec:
                           max_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
 
 
-def data_line(n: int, dropped: int, cfg: ml_collections.ConfigDict) -> str:
+def data_line(n: int, dropped: int, cfg: ml_collections.ConfigDict, empty: int = 0) -> str:
   """The run's first line: how many training prompts it holds, and whether a step repeats
   them (a file smaller than one step's draw is most often the wrong file)."""
   few = (f"; fewer than the {cfg.grpo.num_prompts} a step draws (grpo.num_prompts): every "
          "step repeats prompts" if n < cfg.grpo.num_prompts else "")
+  none = f", {empty} as encoding to no tokens" if empty else ""
   return (f"data: {n} training prompts from {cfg.data.train_path} ({dropped} dropped as longer "
-          f"than max_prompt_len={cfg.data.max_prompt_len} tokens){few}")
+          f"than max_prompt_len={cfg.data.max_prompt_len} tokens{none}){few}")
 
 
 def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
@@ -143,7 +144,7 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
                         max_prompt_len=cfg.data.max_prompt_len, seed=cfg.seed,
                         chat_template=cfg.data.chat_template,
                         system_prompt=cfg.data.system_prompt, name="config.data.train_path")
-  print(data_line(len(stream), stream.dropped_long, cfg), file=sys.stderr)
+  print(data_line(len(stream), stream.dropped_long, cfg, stream.dropped_empty), file=sys.stderr)
 
   # -------------------------------------------------------------------------- learner
   lspec = learner_spec(spec, model_cfg, mesh)

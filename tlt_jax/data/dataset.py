@@ -63,17 +63,28 @@ class PromptStream:
                name: str = "train"):
     self.prompts: list[Prompt] = []
     self.dropped_long = 0
+    empty = []  # rows whose text encodes to no token (whitespace, say): nothing to condition on
     for r in rows:
       ids = encode_prompt(tokenizer, r.prompt, chat_template=chat_template,
                           system_prompt=system_prompt)
-      if not ids or len(ids) > max_prompt_len:
+      if not ids:
+        empty.append(r.index)
+      elif len(ids) > max_prompt_len:
         self.dropped_long += 1
-        continue
-      self.prompts.append(Prompt(r, ids))
+      else:
+        self.prompts.append(Prompt(r, ids))
+    self.dropped_empty = len(empty)
+    if empty:
+      _log.warning("%s: dropped %d of %d prompts that encode to no tokens (rows %s)", name,
+                   len(empty), len(rows), ", ".join(str(i + 1) for i in empty[:5])
+                   + (", ..." if len(empty) > 5 else ""))
     if self.dropped_long:
       _log.warning("%s: dropped %d of %d prompts longer than max_prompt_len=%d tokens", name,
                    self.dropped_long, len(rows), max_prompt_len)
     if not self.prompts:
+      if not self.dropped_long:
+        raise DataError(f"{name}: every prompt encodes to no tokens; check data.prompt_key and "
+                        "the tokenizer")
       raise DataError(f"{name}: every prompt is longer than config.data.max_prompt_len="
                       f"{max_prompt_len} tokens; raise it")
     self.seed = seed
