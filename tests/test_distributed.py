@@ -347,3 +347,19 @@ def test_missing_process_fails_at_start(process_id, match):
              env={"TLT_NUM_PROCESSES": "2", "TLT_PROCESS_ID": str(process_id)})[0]
   assert not r.timed_out and r.returncode != 0 and "JOINED" not in r.stdout, r.tail()
   assert re.search(match, r.stderr), r.tail()
+
+
+def test_a_process_started_with_another_count_stops_the_job():
+  """Process 1 told 3 processes joins a job of 2: it leaves at once with one line naming the
+  counts (exit 2), and process 0 stops within the heartbeat (5 s here), not at its shutdown
+  barrier minutes later."""
+  results = launch("tests/mp_workers/join.py", 2, devices_per_process=2, args=["10", "5"],
+                   timeout=60, env=lambda i: {"TLT_NUM_PROCESSES": "3"} if i == 1 else {})
+  first, wrong = results
+  msg = describe(results)
+  assert wrong.returncode == 2 and "JOINED" not in wrong.stdout, msg
+  assert re.search(r"distributed: process 1/3 \(explicit\): num_processes=3, but the "
+                   r"coordinator 127\.0\.0\.1:\d+ runs a job of 2 processes; give every "
+                   r"process the same count", wrong.stderr), msg
+  assert not first.timed_out and first.returncode != 0, msg
+  assert first.end - wrong.end < 5 + 20, msg
