@@ -128,6 +128,11 @@ def get_config():
   c.grpo.eps_high = 0.28
   c.grpo.kl_coef = 0.0  # > 0: low-variance KL to the initial model
   c.grpo.norm_adv_by_std = True
+  # how the loss aggregates its token terms over a mini-batch: "token-mean" (DAPO),
+  # "seq-mean-token-mean" (GRPO), "seq-mean-token-sum", "seq-mean-token-sum-norm" (Dr. GRPO,
+  # with norm_adv_by_std=False; each response's sum over loss_norm_len, 0: max_new_tokens)
+  c.grpo.loss_agg = "token-mean"
+  c.grpo.loss_norm_len = 0
   c.grpo.adv_eps = 1e-6
   c.grpo.micro_batch = 64  # rows per learner forward/backward (gradient accumulation)
   c.grpo.micro_batch_tokens = 2048  # > 0: rows per micro-batch = this // its padded length

@@ -70,6 +70,9 @@ def test_history_arms_need_the_history_index():
     ("mesh.fsdp", 0, "mesh"),
     ("grpo.logit_chunk", 0, "config.grpo.logit_chunk=0: must be >= 1"),
     ("grpo.eps_low", 1.5, "config.grpo.eps_low=1.5: must be in [0, 1)"),
+    ("grpo.loss_agg", "seq-mean", "config.grpo.loss_agg='seq-mean': must be one of token-mean, "
+     "seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm"),
+    ("grpo.loss_norm_len", -2, "config.grpo.loss_norm_len=-2: must be >= 0"),
     ("tlt.drafter.lr", -1e-4, "config.tlt.drafter.lr=-0.0001: must be > 0"),
     ("tlt.drafter.mode", "async", "config.tlt.drafter.mode='async': use one of off, spot"),
     ("tlt.drafter.window", 0, "config.tlt.drafter.window=0: must be >= 1"),
@@ -402,3 +405,11 @@ def test_help_is_not_an_error():
   a failure: plan_memory.py's 'a phase does not fit')."""
   p = _run(["tlt_jax.plan", "--help"])
   assert p.returncode == 0 and "--config" in p.stdout + p.stderr
+
+
+def test_dr_grpos_length_is_the_generation_budget_unless_set():
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+  cfg.grpo.loss_agg = "seq-mean-token-sum-norm"
+  assert config_lib.run_spec(cfg).grpo.loss_norm_len == cfg.rollout.max_new_tokens
+  cfg.grpo.loss_norm_len = 300
+  assert config_lib.run_spec(cfg).grpo.loss_norm_len == 300

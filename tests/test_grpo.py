@@ -60,14 +60,16 @@ def _np_logprobs(params, seq, temperature):
 
 
 def _np_grpo_loss(new, old, ref, samples, gcfg):
-  """Token-mean over every response token of the batch, float64, no padding anywhere:
-  (loss, entropy, KL to ref, clipped policy-gradient term, share of tokens clipped)."""
-  n, sums = 0, np.zeros(5)
+  """The loss aggregated as gcfg.loss_agg says over every response token of the batch (one
+  mini-batch), float64, no padding anywhere, and the token means of the metrics: (loss,
+  entropy, KL to ref, clipped policy-gradient term, share of tokens clipped)."""
+  n_tok, loss, sums = 0, 0.0, np.zeros(4)
   for s in samples:
     seq = list(s.prompt_ids) + list(s.response_ids)
     lp, ent = _np_logprobs(new, seq, gcfg.temperature)
     lo, _ = _np_logprobs(old, seq, gcfg.temperature)
     lr, _ = _np_logprobs(ref, seq, gcfg.temperature)
+    terms = []
     for t in range(len(s.prompt_ids), len(seq)):
       ratio = np.exp(lp[t] - lo[t])
       a = s.advantage
@@ -75,9 +77,20 @@ def _np_grpo_loss(new, old, ref, samples, gcfg):
       pg = max(-a * ratio, clipped)
       d = lr[t] - lp[t]
       kl = np.exp(d) - d - 1
-      sums += (pg + gcfg.kl_coef * kl, ent[t], kl, pg, clipped > -a * ratio)
-      n += 1
-  return tuple(sums / n)
+      terms.append(pg + gcfg.kl_coef * kl)
+      sums += (ent[t], kl, pg, clipped > -a * ratio)
+    n_tok += len(terms)
+    if gcfg.loss_agg == "token-mean":  # summed here, divided by every token below
+      loss += sum(terms)
+    elif gcfg.loss_agg == "seq-mean-token-mean":
+      loss += np.mean(terms) / len(samples)
+    elif gcfg.loss_agg == "seq-mean-token-sum":
+      loss += sum(terms) / len(samples)
+    else:
+      loss += sum(terms) / gcfg.loss_norm_len / len(samples)
+  if gcfg.loss_agg == "token-mean":
+    loss /= n_tok
+  return (loss, *(sums / n_tok))
 
 
 @pytest.fixture(scope="module")
@@ -97,16 +110,22 @@ def setup():
   return old, new, ref, samples
 
 
-@pytest.mark.parametrize("kl_coef,temperature", [(0.0, 1.0), (0.05, 0.7)])
-def test_microbatched_loss_matches_float64_reference(setup, kl_coef, temperature):
+@pytest.mark.parametrize("kl_coef,temperature,loss_agg", [
+    (0.0, 1.0, "token-mean"), (0.05, 0.7, "seq-mean-token-mean"),
+    (0.0, 1.0, "seq-mean-token-sum"), (0.05, 0.7, "seq-mean-token-sum-norm")])
+def test_microbatched_loss_matches_float64_reference(setup, kl_coef, temperature, loss_agg):
+  """The loss as each aggregation defines it over the whole batch (its responses of 1-40
+  tokens, so the aggregations differ), the metrics token means whatever it is."""
   old, new, ref, samples = setup
   gcfg = grpo.GRPOConfig(eps_low=0.2, eps_high=0.28, kl_coef=kl_coef, temperature=temperature,
-                         logit_chunk=8)  # chunked LM head with a ragged last chunk
+                         logit_chunk=8,  # chunked LM head with a ragged last chunk
+                         loss_agg=loss_agg, loss_norm_len=48)
   rng = np.random.RandomState(1)  # short samples too: they outlast the long rows' gaps
   samples = samples + [batching.Sample(rng.randint(1, 23, 3), rng.randint(1, 23, rng.randint(1, 9)),
                                    float(rng.randn())) for _ in range(12)]
   want, want_ent, want_kl, want_pg, want_clip = _np_grpo_loss(new, old, ref, samples, gcfg)
-  mbs = list(batching.micro_batches(samples, rows=2, pad_multiple=16, max_len=64))
+  mbs = list(batching.micro_batches(samples, rows=2, pad_multiple=16, max_len=64,
+                                    loss_agg=loss_agg, norm_len=48))
   assert len({mb.tokens.shape[1] for mb in mbs}) > 1  # micro-batches of several lengths
   assert max(mb.segment_ids.max() for mb in mbs) >= 3  # rows packed with several samples
   n = sum(mb.loss_mask.sum() for mb in mbs)
@@ -115,7 +134,8 @@ def test_microbatched_loss_matches_float64_reference(setup, kl_coef, temperature
                                     chunk=8))
   for mb in mbs:
     packed = (jnp.asarray(mb.tokens), jnp.asarray(mb.positions), jnp.asarray(mb.segment_ids))
-    dev = grpo.Batch(*packed, jnp.asarray(mb.loss_mask), jnp.asarray(mb.advantages),
+    dev = grpo.Batch(*packed, jnp.asarray(mb.loss_mask), jnp.asarray(mb.loss_weight),
+                     jnp.asarray(mb.advantages),
                      lp_fn(old, *packed)[0], lp_fn(ref, *packed)[0])
     loss, m = grpo.grpo_loss(new, dev, cfg=CFG, gcfg=gcfg, num_tokens=jnp.float32(n))
     for k in got:
@@ -145,7 +165,8 @@ def test_ratio_is_one_on_policy_and_gradient_is_policy_gradient(setup):
   g_loss, total = None, 0.0
   for mb in mbs:
     packed = (jnp.asarray(mb.tokens), jnp.asarray(mb.positions), jnp.asarray(mb.segment_ids))
-    dev = grpo.Batch(*packed, jnp.asarray(mb.loss_mask), jnp.asarray(mb.advantages),
+    dev = grpo.Batch(*packed, jnp.asarray(mb.loss_mask), jnp.asarray(mb.loss_weight),
+                     jnp.asarray(mb.advantages),
                      grpo.token_logprobs(old, *packed, cfg=CFG, temperature=1.0)[0])
     g = loss_grad(old, dev)
     g_loss = g if g_loss is None else jax.tree.map(jnp.add, g_loss, g)
@@ -262,6 +283,34 @@ def test_micro_batches_layout():
   assert sorted(held) == list(range(10)) and len(np.unique(mbs[0].index)) == 2
   with pytest.raises(ValueError, match="longer than max_len"):
     batching.micro_layout([13], 2, 4, 12)
+
+
+@pytest.mark.parametrize("loss_agg", batching.LOSS_AGG)
+def test_minibatches_weigh_each_token_as_the_configured_aggregation(loss_agg):
+  """Each response token's loss weight, read back per sample through the packed layout: the
+  mini-batch's aggregation as defined (token-mean: 1 / its response tokens; the sequence means:
+  each response 1 / the responses, its tokens alike (token-mean-of-sequence), or 1 / the
+  generation budget each (-norm)); nothing on prompts or padding."""
+  rng = np.random.RandomState(3)
+  samples = [batching.Sample(rng.randint(1, 9, rng.randint(1, 5)),
+                             rng.randint(1, 9, rng.choice([1, 2, 7, 13])), 1.0)
+             for _ in range(14)]
+  mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+  spec = grpo.LearnerSpec(CFG, grpo.GRPOConfig(loss_agg=loss_agg, loss_norm_len=20), None,
+                          mesh, micro_batch=3, pad_multiple=4)
+  groups = batching.minibatches(samples, spec, num_minibatches=3, seed=1)
+  for group, part in zip(groups, batching.minibatch_parts(len(samples), 3, 1)):
+    lens = {j: len(samples[i].response_ids) for j, i in enumerate(part)}  # (index: in part)
+    for mb in group:
+      assert np.all(mb.loss_weight[mb.loss_mask == 0] == 0)
+      for i in np.unique(mb.index[mb.index >= 0]):
+        w = mb.loss_weight[(mb.index == i) & (mb.loss_mask == 1)]
+        assert w.size == lens[int(i)] and np.all(w == w[0])
+        want = {"token-mean": 1 / sum(lens.values()),
+                "seq-mean-token-mean": 1 / (len(lens) * lens[int(i)]),
+                "seq-mean-token-sum": 1 / len(lens),
+                "seq-mean-token-sum-norm": 1 / (len(lens) * 20)}[loss_agg]
+        np.testing.assert_allclose(w[0], want, rtol=1e-6)
 
 
 def test_grpo_raises_a_toy_reward_on_a_sharded_learner():

@@ -104,7 +104,8 @@ def _learner_temps(m: ModelConfig, rows: int, T: int, chunk: int):
   gcfg = grpo.GRPOConfig(temperature=1.0, logit_chunk=chunk)
   tok = jax.ShapeDtypeStruct((rows, T), jnp.int32)
   f32 = lambda s: jax.ShapeDtypeStruct(s, jnp.float32)
-  mb = grpo.Batch(tok, tok, tok, f32((rows, T)), f32((rows, T)), f32((rows, T)), None)
+  mb = grpo.Batch(tok, tok, tok, f32((rows, T)), f32((rows, T)), f32((rows, T)),
+                  f32((rows, T)), None)
 
   def grad_step(params, acc, mb, num_tokens):
     (_, _), g = jax.value_and_grad(functools.partial(grpo.grpo_loss, cfg=m, gcfg=gcfg),

@@ -323,8 +323,10 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
                  max_prompt_len=("data.max_prompt_len", d.max_prompt_len))
 
   g = cfg.grpo
-  grpo = build(GRPOConfig, "grpo", section_values(GRPOConfig, g),
-               temperature=("rollout.temperature", r.temperature))
+  values = section_values(GRPOConfig, g)
+  if not values.get("loss_norm_len"):  # 0: the generation budget
+    values["loss_norm_len"] = r.max_new_tokens
+  grpo = build(GRPOConfig, "grpo", values, temperature=("rollout.temperature", r.temperature))
   check(g.num_prompts >= 1, "grpo.num_prompts", g.num_prompts, "must be >= 1")
   check(g.n >= 2, "grpo.n", g.n, "GRPO needs >= 2 responses per prompt to compare")
   check(g.micro_batch >= 1, "grpo.micro_batch", g.micro_batch, "must be >= 1")

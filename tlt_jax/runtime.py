@@ -302,8 +302,9 @@ LEARNING_KEYS = (
     "data.max_prompt_len", "data.chat_template", "data.system_prompt", "reward.name",
     "rollout.max_new_tokens", "rollout.temperature", "rollout.top_p", "rollout.top_k",
     "grpo.num_prompts", "grpo.n", "grpo.eps_low", "grpo.eps_high", "grpo.kl_coef",
-    "grpo.norm_adv_by_std", "grpo.minibatches", "optim.lr", "optim.schedule",
-    "optim.warmup_steps", "optim.weight_decay", "optim.b1", "optim.b2", "optim.grad_clip")
+    "grpo.norm_adv_by_std", "grpo.loss_agg", "grpo.loss_norm_len", "grpo.minibatches",
+    "optim.lr", "optim.schedule", "optim.warmup_steps", "optim.weight_decay", "optim.b1",
+    "optim.b2", "optim.grad_clip")
 
 
 def saved_step(workdir: str) -> int | None:

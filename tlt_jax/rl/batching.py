@@ -30,6 +30,7 @@ class MicroBatch(NamedTuple):
   positions: np.ndarray  # [b, T] int32
   segment_ids: np.ndarray  # [b, T] int32
   loss_mask: np.ndarray  # [b, T] float32
+  loss_weight: np.ndarray  # [b, T] float32 each response token's weight in the loss
   advantages: np.ndarray  # [b, T] float32
   index: np.ndarray  # [b, T] int64 each token's sample index, -1 on padding
 
@@ -75,15 +76,51 @@ def micro_layout(lengths: Sequence[int], rows: int, pad_multiple: int, max_len: 
   return out[::-1]
 
 
+LOSS_AGG = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def token_weights(response_lens: Sequence[int], loss_agg: str = "token-mean",
+                  norm_len: int = 0) -> np.ndarray:
+  """[n] the weight of each response token of sample i in its mini-batch's loss (the n
+  samples are the mini-batch): the loss is the sum over every response token of weight x its
+  term (grpo.grpo_loss), so the weights say how the terms are aggregated (VeRL's
+  `loss_agg_mode`):
+    token-mean: every token of the mini-batch alike, 1 / its response tokens (DAPO; a long
+      response weighs as its length);
+    seq-mean-token-mean: each response's token mean, averaged over responses, 1 / (n x len_i)
+      (the original GRPO: a long response's tokens weigh less each);
+    seq-mean-token-sum: each response's token sum, averaged over responses, 1 / n;
+    seq-mean-token-sum-norm: the sums divided by a constant length instead, 1 / (n x
+      norm_len) (Dr. GRPO: no length bias either way; norm_len the generation budget)."""
+  lens = np.asarray(response_lens, np.float64)
+  n = max(len(lens), 1)
+  if loss_agg == "token-mean":
+    w = np.full(len(lens), 1.0 / max(lens.sum(), 1.0))
+  elif loss_agg == "seq-mean-token-mean":
+    w = 1.0 / (n * np.maximum(lens, 1.0))
+  elif loss_agg == "seq-mean-token-sum":
+    w = np.full(len(lens), 1.0 / n)
+  elif loss_agg == "seq-mean-token-sum-norm":
+    if norm_len < 1:
+      raise ValueError("seq-mean-token-sum-norm needs norm_len >= 1 (the generation budget)")
+    w = np.full(len(lens), 1.0 / (n * norm_len))
+  else:
+    raise ValueError(f"loss_agg {loss_agg!r} is not one of {LOSS_AGG}")
+  return w
+
+
 def micro_batches(samples: list[Sample], rows: int, pad_multiple: int, max_len: int,
-                  max_tokens: int = 0, row_multiple: int = 1) -> Iterator[MicroBatch]:
-  """Packed micro-batches (`micro_layout`), shortest first.
+                  max_tokens: int = 0, row_multiple: int = 1, loss_agg: str = "token-mean",
+                  norm_len: int = 0) -> Iterator[MicroBatch]:
+  """Packed micro-batches (`micro_layout`), shortest first, of one mini-batch: `samples`
+  (each response token's loss weight is `token_weights` over them).
 
   rows: rows per micro-batch; or, with max_tokens > 0, a token budget per micro-batch of T
   tokens a row. Shapes depend only on T, so there is one compile per length bucket, and
   geometric buckets keep them few (32, 64, 128, 256, 384 for max_len 368: 5 compiles of the
   update; on the CPU each costs ~3 s, more than the padding they save).
   """
+  weights = token_weights([len(s.response_ids) for s in samples], loss_agg, norm_len)
   out = []
   for bins, t, n in micro_layout([s.length for s in samples], rows, pad_multiple, max_len,
                                  max_tokens, row_multiple):
@@ -91,6 +128,7 @@ def micro_batches(samples: list[Sample], rows: int, pad_multiple: int, max_len: 
     positions = np.zeros((n, t), np.int32)
     segments = np.zeros((n, t), np.int32)
     mask = np.zeros((n, t), np.float32)
+    weight = np.zeros((n, t), np.float32)
     adv = np.zeros((n, t), np.float32)
     index = np.full((n, t), -1, np.int64)
     for r, idx in enumerate(bins):
@@ -104,10 +142,11 @@ def micro_batches(samples: list[Sample], rows: int, pad_multiple: int, max_len: 
         positions[r, span] = np.arange(p + k)
         segments[r, span] = seg
         mask[r, at + p:at + p + k] = 1.0
+        weight[r, at + p:at + p + k] = weights[i]
         adv[r, span] = smp.advantage
         index[r, span] = i
         at += p + k
-    out.append(MicroBatch(tokens, positions, segments, mask, adv, index))
+    out.append(MicroBatch(tokens, positions, segments, mask, weight, adv, index))
   return iter(out)
 
 
@@ -119,9 +158,12 @@ def minibatches(samples: list[Sample], spec, num_minibatches: int = 1,
   Mini-batches are a random partition of the samples, as in VeRL/PPO: were they cut from
   the length-sorted order instead, one step would see only short (mostly right) responses
   and the next only long (mostly wrong) ones, two full-size Adam steps in opposite
-  directions. Within a mini-batch, micro-batches are packed (`micro_layout`)."""
+  directions. Within a mini-batch, micro-batches are packed (`micro_layout`), its loss
+  aggregated as spec.gcfg.loss_agg says (`token_weights`)."""
+  g = spec.gcfg
   return [list(micro_batches([samples[i] for i in part], spec.micro_batch, spec.pad_multiple,
-                             spec.max_len, spec.micro_batch_tokens, spec.row_multiple))
+                             spec.max_len, spec.micro_batch_tokens, spec.row_multiple,
+                             g.loss_agg, g.loss_norm_len))
           for part in minibatch_parts(len(samples), num_minibatches, seed)]
 
 

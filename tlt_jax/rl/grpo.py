@@ -9,17 +9,21 @@ bias training (docs/training.md: one RL step).
 Batch layout: packed rows. A micro-batch is [b, T] tokens holding several responses (each
 with its prompt) end to end, `segment_ids` numbering them within a row (0 on the padding
 after the last), `positions` restarting at 0 in each, `loss_mask` 1 on response tokens (the
-stop token included) and the advantages per token. Attention never crosses a segment
+stop token included), `loss_weight` each response token's weight in the mini-batch's loss,
+and the advantages per token. Attention never crosses a segment
 (models/attention.py: a fused kernel on a GPU). Log-probs are aligned to tokens:
 logp[:, t] = log p(tokens[:, t] | the tokens of its segment before it), 0 at a segment's
 first token. The logits are divided by the rollout temperature first (as VeRL does), so the
 ratio is between the two sampling distributions the update actually changes.
 
-Loss aggregation is token-mean over the whole mini-batch: sum over every response token of
-every micro-batch, divided by the mini-batch's response-token count, so the result equals one
+Loss aggregation is over the whole mini-batch: the sum over every response token of every
+micro-batch of its term x its weight (`grpo.loss_agg`: token-mean by default, the mini-batch's
+response-token count dividing every term; the per-response means of the original GRPO and
+Dr. GRPO's constant length are the others, batching.token_weights), so the result equals one
 unpacked, unpadded pass (tested against a float64 numpy reference, and the gradient against
-each response run alone). Micro-batches come in length buckets (T = pad_multiple x 2^k) and
-rows are filled first-fit, longest first, so the device computes little padding.
+each response run alone). The metrics are token means whatever the aggregation.
+Micro-batches come in length buckets (T = pad_multiple x 2^k) and rows are filled first-fit,
+longest first, so the device computes little padding.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from jax.sharding import Mesh
 
 from tlt_jax.errors import ConfigError
 from tlt_jax.models import ModelConfig, Params, compute_logits, forward
-from tlt_jax.rl.batching import MicroBatch
+from tlt_jax.rl.batching import LOSS_AGG, MicroBatch
 from tlt_jax.sharding import BATCH, batch_sharding, replicated, tree_shardings
 
 
@@ -48,7 +52,12 @@ class GRPOConfig:
   kl_coef: float = 0.0  # > 0: low-variance KL (k3) to the frozen reference policy
   temperature: float = 1.0  # the rollout temperature; logits / T before log-softmax
   adv_eps: float = 1e-6
-  norm_adv_by_std: bool = True  # False: Dr.GRPO-style (r - mean) only
+  norm_adv_by_std: bool = True  # False: Dr. GRPO's advantages (r - mean)
+  # how the mini-batch's token terms are aggregated: batching.token_weights (Dr. GRPO:
+  # "seq-mean-token-sum-norm" with norm_adv_by_std False)
+  loss_agg: str = "token-mean"
+  # seq-mean-token-sum-norm's constant length (the config's 0: rollout.max_new_tokens)
+  loss_norm_len: int = 0
   logit_chunk: int = 1024  # tokens per LM-head chunk (bounds [rows, chunk, V] logits memory)
 
   def __post_init__(self):
@@ -63,6 +72,15 @@ class GRPOConfig:
                         "(e.g. 1.0)", "temperature", self.temperature)
     if self.adv_eps <= 0:
       raise ConfigError("must be > 0", "adv_eps", self.adv_eps)
+    if self.loss_agg not in LOSS_AGG:
+      raise ConfigError(f"must be one of {', '.join(LOSS_AGG)}", "loss_agg", self.loss_agg)
+    if self.loss_norm_len < 0:
+      raise ConfigError("must be >= 0 (a length; the config's 0 is rollout.max_new_tokens)",
+                        "loss_norm_len", self.loss_norm_len)
+    if self.loss_agg == "seq-mean-token-sum-norm" and self.loss_norm_len < 1:
+      raise ConfigError("must be >= 1 with loss_agg='seq-mean-token-sum-norm' (the length each "
+                        "response's token sum is divided by, e.g. the generation budget)",
+                        "loss_norm_len", self.loss_norm_len)
     if self.logit_chunk < 1:
       raise ConfigError("must be >= 1 (tokens per LM-head chunk, e.g. 1024)", "logit_chunk",
                         self.logit_chunk)
@@ -153,6 +171,7 @@ class Batch(NamedTuple):
   positions: jax.Array  # [b, T] int32 each segment's own, from 0
   segment_ids: jax.Array  # [b, T] int32 1, 2, ... per row; 0 on padding
   loss_mask: jax.Array  # [b, T] 1 on response tokens
+  loss_weight: jax.Array  # [b, T] each response token's weight in the mini-batch's loss
   advantages: jax.Array  # [b, T] each token's response's advantage
   old_logp: jax.Array  # [b, T] recomputed by the learner (never the rollout's)
   ref_logp: jax.Array | None = None  # [b, T] the frozen reference (kl_coef > 0)
@@ -163,10 +182,11 @@ class Batch(NamedTuple):
 
 def grpo_loss(params: Params, mb: Batch, *, cfg: ModelConfig, gcfg: GRPOConfig,
               num_tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Clipped-ratio loss of one micro-batch, already divided by the mini-batch's response-token
-  count `num_tokens` (so summing micro-batch losses gives the token-mean). ref_logp is read
-  only when kl_coef > 0. Metrics are sums over the micro-batch's tokens divided by num_tokens
-  too (they add up).
+  """Clipped-ratio loss of one micro-batch: each response token's term x its `loss_weight`
+  (weights over the whole mini-batch, so summing micro-batch losses gives the mini-batch's
+  aggregate). ref_logp is read only when kl_coef > 0. Metrics are sums over the micro-batch's
+  response tokens divided by the mini-batch's count `num_tokens` (they add up to token
+  means).
   """
   logp, ent = token_logprobs(params, mb.tokens, mb.positions, mb.segment_ids, cfg=cfg,
                              temperature=gcfg.temperature, chunk=gcfg.logit_chunk)
@@ -194,7 +214,7 @@ def grpo_loss(params: Params, mb: Batch, *, cfg: ModelConfig, gcfg: GRPOConfig,
     kl = jnp.exp(d) - d - 1.0  # k3: unbiased, >= 0, low variance (Schulman)
     per_token = per_token + gcfg.kl_coef * kl
     metrics["kl_ref"] = jnp.sum(kl * mask) / denom
-  loss = jnp.sum(per_token * mask) / denom
+  loss = jnp.sum(per_token * mb.loss_weight)
   metrics["loss"] = loss
   return loss, metrics
 
@@ -300,6 +320,7 @@ def prepare(state: LearnerState, batches: list[list[MicroBatch]], spec: LearnerS
       else:
         old = logprobs(state.params, tokens, positions, segments, spec=spec)
       prepared.append(Batch(tokens, positions, segments, mask,
+                            put_batch(mb.loss_weight, spec.mesh),
                             put_batch(mb.advantages, spec.mesh), old, ref, flag))
     out.append(prepared)
   return out
