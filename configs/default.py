@@ -92,6 +92,10 @@ def get_config():
   c.reward.name = "arith"
   c.reward.num_workers = 2  # reward processes; a crashing/hanging call scores 0 and is counted
   c.reward.timeout = 10.0  # seconds per call
+  # DAPO's soft overlong punishment: a response in the last overlong_buffer tokens of
+  # rollout.max_new_tokens loses up to overlong_penalty, linearly, all of it at the budget (0: off)
+  c.reward.overlong_buffer = 0
+  c.reward.overlong_penalty = 1.0
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.max_batch = 64  # sequences one worker decodes at once; 0: size it from memory
@@ -133,6 +137,9 @@ def get_config():
   # with norm_adv_by_std=False; each response's sum over loss_norm_len, 0: max_new_tokens)
   c.grpo.loss_agg = "token-mean"
   c.grpo.loss_norm_len = 0
+  # DAPO's overlong filtering: responses cut at rollout.max_new_tokens carry no loss (their
+  # group's advantages still count them)
+  c.grpo.drop_truncated = False
   c.grpo.adv_eps = 1e-6
   c.grpo.micro_batch = 64  # rows per learner forward/backward (gradient accumulation)
   c.grpo.micro_batch_tokens = 2048  # > 0: rows per micro-batch = this // its padded length

@@ -73,6 +73,9 @@ def test_history_arms_need_the_history_index():
     ("grpo.loss_agg", "seq-mean", "config.grpo.loss_agg='seq-mean': must be one of token-mean, "
      "seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm"),
     ("grpo.loss_norm_len", -2, "config.grpo.loss_norm_len=-2: must be >= 0"),
+    ("reward.overlong_buffer", 10_000, "config.reward.overlong_buffer=10000: must be in [0, "
+     "rollout.max_new_tokens="),
+    ("reward.overlong_penalty", -0.5, "config.reward.overlong_penalty=-0.5: must be >= 0"),
     ("tlt.drafter.lr", -1e-4, "config.tlt.drafter.lr=-0.0001: must be > 0"),
     ("tlt.drafter.mode", "async", "config.tlt.drafter.mode='async': use one of off, spot"),
     ("tlt.drafter.window", 0, "config.tlt.drafter.window=0: must be >= 1"),

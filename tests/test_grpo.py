@@ -93,6 +93,14 @@ def _np_grpo_loss(new, old, ref, samples, gcfg):
   return (loss, *(sums / n_tok))
 
 
+def test_overlong_penalty_is_dapos_soft_punishment():
+  """0 up to max_len - buffer tokens, then linear to -penalty at max_len (DAPO, eq. 13)."""
+  got = grpo.overlong_penalty(np.array([[0, 6], [7, 8], [9, 10]]), max_len=10, buffer=4,
+                              penalty=0.5)
+  np.testing.assert_allclose(got, [[0, 0], [-0.125, -0.25], [-0.375, -0.5]], rtol=1e-6)
+  assert not grpo.overlong_penalty(np.array([10, 3]), max_len=10, buffer=0).any()
+
+
 @pytest.fixture(scope="module")
 def setup():
   old = init_params(CFG, jax.random.key(0), std=0.3)

@@ -505,3 +505,51 @@ def test_bad_reward_name_is_one_line(tmp_path):
                      cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
   assert p.returncode == 2, p.stderr[-2000:]
   assert "config.reward.name" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_learner_samples_shape_the_rewards_and_drop_the_truncated_as_dapo():
+  """Two groups of three: the advantages are those of the rewards plus the overlong penalty
+  (computed here from its definition), and with drop_truncated the responses cut at the budget
+  (finish "length") are not among the learner's samples, their group's statistics unchanged."""
+  from tlt_jax.train import Response, learner_samples
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+  cfg.grpo.n, cfg.rollout.max_new_tokens = 3, 20
+  cfg.reward.overlong_buffer, cfg.reward.overlong_penalty = 5, 0.8
+  cfg.grpo.drop_truncated = True
+  rows = [(0, 0, 1.0, 10, "stop"), (0, 1, 1.0, 18, "stop"), (0, 2, 0.0, 20, "length"),
+          (1, 0, 0.0, 16, "stop"), (1, 1, 0.0, 3, "stop"), (1, 2, 1.0, 20, "length")]
+  responses = [Response(p, i, np.array([1, 2]), np.arange(k), k, why, reward=rew)
+               for p, i, rew, k, why in rows]
+  r, penalty, samples = learner_samples(responses, 2, cfg)
+  shaped = np.array([[1.0, 1.0 - 0.8 * 3 / 5, -0.8], [-0.8 / 5, 0.0, 1.0 - 0.8]])
+  np.testing.assert_allclose(r + penalty, shaped, rtol=1e-6)
+  adv = (shaped - shaped.mean(1, keepdims=True)) / (shaped.std(1, ddof=1, keepdims=True) + 1e-6)
+  kept = [(p, i) for p, i, _, _, why in rows if why == "stop"]
+  assert [len(s.response_ids) for s in samples] == [10, 18, 16, 3]
+  np.testing.assert_allclose([s.advantage for s in samples], [adv[k] for k in kept], rtol=1e-5)
+  cfg.grpo.drop_truncated, cfg.reward.overlong_buffer = False, 0
+  r, penalty, samples = learner_samples(responses, 2, cfg)
+  assert len(samples) == 6 and not penalty.any()
+
+
+def test_a_step_whose_responses_are_all_dropped_does_not_update(tmp_path):
+  """Every response cut at an 8-token budget, drop_truncated on: the step runs, reports them
+  dropped and the full overlong penalty, and leaves the policy and its optimizer as they were."""
+  from tlt_jax.run import build
+  from tlt_jax.train import train
+  cfg = _small_cfg(tmp_path, 1, **{"tlt.enabled": False, "rollout.max_new_tokens": 8,
+                                   "grpo.drop_truncated": True, "reward.overlong_buffer": 4})
+  run, state = build(cfg)
+  before = jax_copy(state.learner)
+  state, _ = train(run, state, progress=False)
+  rec = _records(tmp_path)[-1]
+  assert rec["truncated"] == 1.0
+  assert rec["loss"] == {"overlong_penalty": -1.0, "dropped_truncated": 16}
+  assert _same_tree(state.learner.params, before.params)
+  assert _same_tree(state.learner.opt_state, before.opt_state)
+  run.coordinator.close()
+
+
+def jax_copy(tree):
+  import jax
+  return jax.tree.map(lambda x: np.array(x), tree)

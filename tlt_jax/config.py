@@ -364,6 +364,11 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   check(cfg.reward.num_workers >= 1, "reward.num_workers", cfg.reward.num_workers,
         "must be >= 1")
   check(cfg.reward.timeout > 0, "reward.timeout", cfg.reward.timeout, "must be > 0 seconds")
+  check(0 <= cfg.reward.overlong_buffer < r.max_new_tokens, "reward.overlong_buffer",
+        cfg.reward.overlong_buffer, f"must be in [0, rollout.max_new_tokens={r.max_new_tokens}):"
+        " the last tokens of the budget over which the penalty grows (0: off)")
+  check(cfg.reward.overlong_penalty >= 0, "reward.overlong_penalty",
+        cfg.reward.overlong_penalty, "must be >= 0 (the penalty at the budget)")
   return RunSpec(cfg=cfg, sampling=sampling, engine=engine, grpo=grpo, distributed=distributed,
                  speculation=speculation, gate=gate, spot=spot, buffer=buffer,
                  mab_buckets=mab_buckets, max_batch=r.max_batch, _bandit=bandit,

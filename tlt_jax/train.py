@@ -43,6 +43,7 @@ import time
 from typing import Any, NamedTuple
 
 import jax
+import ml_collections
 import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
@@ -132,17 +133,12 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
                                  for res in mine])
 
   # ---- advantages
-  r = np.zeros((len(prompts), cfg.grpo.n), np.float32)
-  for res in responses:
-    r[res.request_id, res.sample_index] = res.reward
-  adv = grpo.group_advantages(r, eps=cfg.grpo.adv_eps, norm_by_std=cfg.grpo.norm_adv_by_std)
-  samples = [batching.Sample(res.prompt_ids, res.response_ids,
-                         float(adv[res.request_id, res.sample_index])) for res in responses]
+  r, penalty, samples = learner_samples(responses, len(prompts), cfg)
 
-  # ---- learner: old log-probs, then the update
+  # ---- learner: old log-probs, then the update (none when every response was dropped)
   t = time.perf_counter()
   batches = batching.minibatches(samples, run.learner, cfg.grpo.minibatches, seed=seed)
-  prepared = grpo.prepare(state.learner, batches, run.learner)
+  prepared = grpo.prepare(state.learner, batches, run.learner) if samples else []
   jax.block_until_ready(prepared)
   times["logprobs"] = time.perf_counter() - t
   acceptance = None
@@ -155,6 +151,10 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   t = time.perf_counter()
   learner, upd = grpo.update(state.learner, prepared, run.learner)
   times["update"] = time.perf_counter() - t
+  if cfg.reward.overlong_buffer:
+    upd["overlong_penalty"] = float(penalty.mean())
+  if cfg.grpo.drop_truncated:
+    upd["dropped_truncated"] = len(responses) - len(samples)
 
   # ---- the drafter settled (merged, on every worker: with one process it settles while the
   # learner runs), then the new weights to the workers; the serial drafter ablation
@@ -182,6 +182,29 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   m["time"] = times
   return (TrainState(step + 1, learner, data, policies.bandit, policies.gate), m,
           timeline_json)
+
+
+def learner_samples(responses: list[Response], num_prompts: int,
+                    cfg: ml_collections.ConfigDict
+                    ) -> tuple[np.ndarray, np.ndarray, list[batching.Sample]]:
+  """-> (rewards [prompts, n], DAPO's overlong penalty [prompts, n] (0 where
+  reward.overlong_buffer is), the learner's samples): the group advantages of the rewards plus
+  the penalty, without the responses cut at the budget where grpo.drop_truncated (DAPO's
+  overlong filtering: their group's advantages still count them)."""
+  r = np.zeros((num_prompts, cfg.grpo.n), np.float32)
+  length = np.zeros_like(r)
+  for res in responses:
+    r[res.request_id, res.sample_index] = res.reward
+    length[res.request_id, res.sample_index] = res.num_tokens
+  penalty = grpo.overlong_penalty(length, cfg.rollout.max_new_tokens,
+                                  cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
+  adv = grpo.group_advantages(r + penalty, eps=cfg.grpo.adv_eps,
+                              norm_by_std=cfg.grpo.norm_adv_by_std)
+  samples = [batching.Sample(res.prompt_ids, res.response_ids,
+                             float(adv[res.request_id, res.sample_index]))
+             for res in responses
+             if not (cfg.grpo.drop_truncated and res.finish_reason == "length")]
+  return r, penalty, samples
 
 
 def _gather_views(chunks, spot, timeline_json, reward_stats):

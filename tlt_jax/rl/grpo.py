@@ -105,6 +105,18 @@ def group_advantages(rewards: np.ndarray, *, eps: float = 1e-6, norm_by_std: boo
 
 
 # ---------------------------------------------------------------------------- per-token math
+def overlong_penalty(lengths: np.ndarray, max_len: int, buffer: int, penalty: float = 1.0
+                     ) -> np.ndarray:
+  """DAPO's soft overlong punishment, added to the rewards: 0 for a response of at most
+  max_len - buffer tokens, then falling linearly to -penalty at max_len tokens (a response is
+  never longer: the rollout stops it there). buffer 0: none."""
+  lengths = np.asarray(lengths, np.float64)
+  if buffer <= 0:
+    return np.zeros_like(lengths, np.float32)
+  over = np.clip(lengths - (max_len - buffer), 0.0, buffer)
+  return (-penalty * over / buffer).astype(np.float32)
+
+
 def _lm_head_logprobs(params: Params, hidden: jax.Array, targets: jax.Array, *,
                       cfg: ModelConfig, temperature: float, chunk: int
                       ) -> tuple[jax.Array, jax.Array]:
