@@ -2,7 +2,7 @@
 """How close decoding runs to the bandwidth limit, and which engine settings get it there:
 every variant in ONE stage, so a single short GPU run decides (issue #47, ../shared/GPU.md 2).
 
-    python scripts/gpu_decode.py [--dtype bfloat16] [--batches 1,8,64] [--iters 64]
+    python scripts/gpu_decode.py [--dtype bfloat16] [--iters 64] [--flag_sets default,cmdbuf]
                                  [--shape 2048,64,32,5632,24,32] [--out DIR] [--quick]
 
 The target is the 1.13B bench target's shape (scripts/make_bench_model.py: hidden 2048, 64
@@ -92,9 +92,9 @@ def parse_code(code: str) -> dict:
 
 
 def paged_parity(cfg, cache, rows: int, t: int) -> float:
-  """The paged kernel against XLA's attention (float32, `models.attend` over the committed
-  slots gathered and the chunk's causal tokens) on layer 0 of `cache`: the largest absolute
-  difference of their outputs, random queries and chunk keys of the cache's dtype."""
+  """The paged kernel against XLA's attention (float32, `models.attention.attend` over the
+  committed slots gathered and the chunk's causal tokens) on layer 0 of `cache`: the largest
+  absolute difference of their outputs, random queries and chunk keys of the cache's dtype."""
   import jax
   import jax.numpy as jnp
 

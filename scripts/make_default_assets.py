@@ -53,6 +53,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from tlt_jax.config import asset_path  # noqa: E402
 from tlt_jax.data import arith  # noqa: E402
 from tlt_jax.drafter.buffer import Window  # noqa: E402
 from tlt_jax.drafter.packing import fill_batch  # noqa: E402
@@ -104,7 +105,7 @@ def parse_args(argv=None):
   p.add_argument("--log_every", type=int, default=10)
   p.add_argument("--max_new_tokens", type=int, default=0, help="evaluation cap (0: the task's)")
   args = p.parse_args(argv)
-  args.out = args.out or arith.default_assets_dir(args.task)
+  args.out = args.out or asset_path(args.task)
   for k, v in TASK_DEFAULTS[args.task].items():
     if not getattr(args, k):
       setattr(args, k, v)
@@ -170,10 +171,9 @@ def make_train_step(cfg, optimizer):
 
 
 # --------------------------------------------------------------- the script's own eval helper
-def make_greedy_decode(cfg, eos_id, pad_id, max_new, k_max=arith.K_MAX):
+def make_greedy_decode(cfg, eos_id, max_new, k_max=arith.K_MAX):
   """Greedy decoding through the project's rollout engine. One worker is reused across the
   periodic evaluations (new params each time), so each batch bucket compiles once."""
-  del pad_id
   ecfg = EngineConfig(max_batch=256, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), chunk_size=32,
                       max_prompt_len=2 * k_max + 8, max_new_tokens=max_new,
                       stop_tokens=(eos_id,))
@@ -189,9 +189,8 @@ def make_greedy_decode(cfg, eos_id, pad_id, max_new, k_max=arith.K_MAX):
   return decode
 
 
-def greedy_responses(decode, params, tok, problems, eos_id, pad_id, batch=256):
+def greedy_responses(decode, params, tok, problems):
   """Greedy response text (cut at EOS, EOS excluded) for each problem."""
-  del eos_id, pad_id, batch
   reqs = [Request(tok.encode(p["prompt"]).ids, request_id=i) for i, p in enumerate(problems)]
   out = [""] * len(problems)
   for r in decode(params, reqs):
@@ -270,7 +269,7 @@ def main(argv=None):
   optimizer = make_optimizer(args.lr, b2=0.98, **opt)
   opt_state = optimizer.init(params)
   step_fn = make_train_step(cfg, optimizer)
-  decode = make_greedy_decode(cfg, eos_id, pad_id, args.max_new_tokens, lengths.k_max)
+  decode = make_greedy_decode(cfg, eos_id, args.max_new_tokens, lengths.k_max)
   sft_rng = np.random.default_rng(SFT_SEED)
 
   history = []
@@ -288,8 +287,8 @@ def main(argv=None):
                  f"gnorm {float(gnorm):.3f} lr {float(sched(step)):.2e} "
                  f"{time.time() - t0:.0f}s")
     if step >= args.min_steps and step % args.eval_every == 0:
-      val_acc, by_bucket = accuracy_report(val, greedy_responses(decode, params, tok, val,
-                                                                 eos_id, pad_id), buckets)
+      val_acc, by_bucket = accuracy_report(val, greedy_responses(decode, params, tok, val),
+                                           buckets)
       history.append({"step": step, "loss": float(np.mean(losses[-args.eval_every:])),
                       "val_acc": val_acc})
       tqdm.write(f"step {step:5d} val greedy acc {val_acc:.3f} "
@@ -316,7 +315,7 @@ def main(argv=None):
   logits_diff, hf_text = verify_checkpoint(model_dir, cfg, params, tok, test + train, eos_id,
                                           pad_id)
 
-  responses = greedy_responses(decode, params, tok, test, eos_id, pad_id)
+  responses = greedy_responses(decode, params, tok, test)
   hf_agree = sum(a == b for a, b in zip(hf_text, responses))
   test_acc, test_buckets = accuracy_report(test, responses, buckets)
   correct_traces = float(np.mean([arith.check_trace(p["prompt"], r)

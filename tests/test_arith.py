@@ -7,10 +7,11 @@ import re
 import numpy as np
 import pytest
 
+from tlt_jax.config import asset_path
 from tlt_jax.data import arith
 
-ASSETS = arith.default_assets_dir()
-MODEL_DIR = arith.default_model_dir()
+ASSETS = asset_path("default")
+MODEL_DIR = os.path.join(ASSETS, "model")
 REGEN = "regenerate with `python scripts/make_default_assets.py`"
 
 
@@ -167,7 +168,7 @@ def test_transformers_loads_tokenizer_and_model(tok):
 def test_committed_data_matches_generator(task):
   """The committed splits are exactly what the generator produces from the recorded seeds
   and the task's lengths."""
-  root = arith.default_assets_dir(task)
+  root = asset_path(task)
   with open(_require(os.path.join(root, "manifest.json"))) as f:
     manifest = json.load(f)
   seeds = manifest["seeds"]
@@ -189,7 +190,7 @@ def test_longtail_reference_lengths_have_the_shape_of_reasoning_rl():
   from tokenizers import Tokenizer
   lengths = {}
   for task in ("default", "longtail"):
-    root = arith.default_assets_dir(task)
+    root = asset_path(task)
     tk = Tokenizer.from_file(_require(os.path.join(root, "model", "tokenizer.json")))
     rows = arith.load_jsonl(os.path.join(root, "data", "train.jsonl"))
     lengths[task] = np.array([len(tk.encode(r["response"]).ids) + 1 for r in rows])

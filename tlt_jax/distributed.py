@@ -29,7 +29,6 @@ processes join in time, JAX aborts them, after a line from here saying what to c
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import socket
 import sys
@@ -188,24 +187,11 @@ def initialize(config: DistributedConfig | None = None) -> Launch | None:
   return launch
 
 
-def launch_info() -> Launch | None:
-  """The Launch `initialize` joined, or None (single process)."""
-  return _launch
-
-
 # ----------------------------------------------------------------------------------- helpers
 def is_primary() -> bool:
   """True in process 0 (the one that writes checkpoints, logs and metrics)."""
   import jax
   return jax.process_index() == 0
-
-
-def primary_only(fn: Callable) -> Callable:
-  """`fn` run in process 0 only; the others get None."""
-  @functools.wraps(fn)
-  def wrapper(*args, **kwargs):
-    return fn(*args, **kwargs) if is_primary() else None
-  return wrapper
 
 
 def barrier(name: str) -> None:

@@ -46,7 +46,6 @@ GiB = 1 << 30
 DEVICE_MEMORY_GB = {"h100": 80, "h100-80gb": 80, "h100-94gb": 94, "h200": 141, "h200-141gb": 141,
                     "a100": 80, "a100-80gb": 80, "a100-40gb": 40, "l40s": 48, "b200": 180,
                     "gh200": 96, "a10g": 24, "l4": 24}
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PHASES = ("rollout", "spot", "logprobs", "update")
 
 
@@ -201,6 +200,7 @@ def plan(spec, model_cfg, *, device: str | None = None, num_devices: int | None 
   spec's (rollout.kv_pages 0: max_batch rows of max length; `derive_max_batch` passes
   candidates). One function per phase's items: the learner's state, the rollout's, the
   drafter's, the learner's activations."""
+  from tlt_jax.models.config import DTYPE_BYTES
   from tlt_jax.models.transformer import param_shapes
   cfg = spec.cfg
   mem = cfg.memory
@@ -213,13 +213,13 @@ def plan(spec, model_cfg, *, device: str | None = None, num_devices: int | None 
   shapes = param_shapes(m)
   axes = learner_axes(cfg, num_devices)
   lmesh = _mesh(**axes)
-  pbytes = _BYTES[m.param_dtype]
+  pbytes = DTYPE_BYTES[m.param_dtype]
   tp = int(cfg.rollout.tensor_parallel)
   mb = int(max_batch if max_batch is not None else spec.max_batch)
   e = spec.engine  # the cache geometry's owner (rollout/config.py)
   pages = int(kv_pages if kv_pages is not None else e.kv_pages or mb * e.row_pages)
   z = _Sizes(spec=spec, cfg=cfg, m=m, gpu=cap is not None, pbytes=pbytes,
-             cbytes=_BYTES[m.dtype], shapes=shapes, axes=axes, lmesh=lmesh,
+             cbytes=DTYPE_BYTES[m.dtype], shapes=shapes, axes=axes, lmesh=lmesh,
              learner=sharded_bytes(shapes, lmesh, pbytes), tp=tp, rmesh=_mesh(tensor=tp),
              mb=mb, pages=pages)
   items = (_learner_state(z) + _rollout(z) + (_drafter(z) if spec.tlt else [])

@@ -26,8 +26,8 @@ Output in the workdir: metrics.jsonl (one JSON object per step: time breakdown, 
 accuracy, lengths, tokens/s, speculation, spot training, eval), timeline.jsonl (per step,
 every worker's GENERATING / IDLE / TRAINING intervals: scripts/plot_timeline.py draws them),
 tb/ (TensorBoard, the same scalars), checkpoints/ (async Orbax: actor, optimizer, drafter and
-its optimizer, step, data position, bandit and buffer policy), drafter_eagle/<step>/ beside
-each checkpoint of a TLT run (the drafter's EAGLE export for vLLM / SGLang,
+its optimizer, step, data position, the bandit's and the gate's states), drafter_eagle/<step>/
+beside each checkpoint of a TLT run (the drafter's EAGLE export for vLLM / SGLang,
 tlt_jax/drafter/export.py; config.train.export_drafter), policy_hf/<step>/ (the policy as a
 Hugging Face folder: the last checkpoint's at the end of the run, or every checkpoint's;
 tlt_jax/export.py, config.train.export_policy). Re-running the same command resumes from the

@@ -42,12 +42,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tlt_jax.config import asset_path
 from tlt_jax.drafter.model import drafter_cache, drafter_forward, load_drafter, save_drafter
 from tlt_jax.models import ModelConfig, forward, init_cache, num_params, unstack_layers
 from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, read_hf_config, save_hf_model
 
-SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
-                       "default")
+SHIPPED = asset_path("default")
 NEW_LAYER_STD = 0.02
 # Axis kinds of each param (after the stacked layer axis): D hidden, N query heads, K kv heads,
 # H head dim, F mlp, V vocab.

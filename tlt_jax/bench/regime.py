@@ -200,7 +200,7 @@ def run(args: RegimeArgs) -> dict:
   def run(w, batches, sp):
     """Decodes each request batch (one generate call each) -> (tokens, seconds, outputs,
     tokens per verification, decode-only seconds, tokens delivered per verification: what a
-    stop token cut from a verification's accepted drafts is not delivered)."""
+    stop token cut from a verification's accepted drafts is not delivered, the chunk log)."""
     w.chunk_log.clear()
     out, ntok = {}, 0
     t = time.perf_counter()

@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import re
 from typing import Any, Iterable
 
@@ -226,22 +225,7 @@ def wrap_tokenizer(tok, model_max_length: int = 512):
               model_max_length=model_max_length)
 
 
-# ------------------------------------------------------------------------------ default assets
-def default_assets_dir(task: str = "default") -> str:
-  """tlt_jax/assets/<task> (data/{train,test}.jsonl, model/ with tokenizer, drafter/)."""
-  return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
-                      task)
-
-
-def default_model_dir() -> str:
-  return os.path.join(default_assets_dir(), "model")
-
-
+# ----------------------------------------------------------------------------- committed splits
 def load_jsonl(path: str) -> list[dict[str, Any]]:
   with open(path) as f:
     return [json.loads(line) for line in f if line.strip()]
-
-
-def load_default_split(split: str) -> list[dict[str, Any]]:
-  """The committed 'train' or 'test' split of the default task."""
-  return load_jsonl(os.path.join(default_assets_dir(), "data", f"{split}.jsonl"))

@@ -18,6 +18,7 @@ _HF_CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
 ATTENTION_IMPLS = ("auto", "fused", "xla")
 REMAT_POLICIES = ("full", "dots")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPE_BYTES = {k: jnp.dtype(v).itemsize for k, v in _DTYPES.items()}  # config name -> bytes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,8 +83,7 @@ class CacheAddr(NamedTuple):
   """Where a forward writes and reads, computed once for all layers (`cache_addr`)."""
   page: jax.Array  # [B, T] page of each new token's slot (NO_PAGE: dropped)
   offset: jax.Array  # [B, T] its offset in the page
-  window: jax.Array  # [B, ceil(W / page)] pages of the attention window
-  width: int  # W, the window's slots
+  window: jax.Array  # [B, ceil(W / page)] pages of the attention window of W slots
 
 
 def slot_addr(cache: KVCache, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -98,7 +97,7 @@ def slot_addr(cache: KVCache, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def cache_addr(cache: KVCache, slots: jax.Array, width: int) -> CacheAddr:
   page, offset = slot_addr(cache, slots)
-  return CacheAddr(page, offset, cache.table[:, :pages_for(width, cache.page_size)], width)
+  return CacheAddr(page, offset, cache.table[:, :pages_for(width, cache.page_size)])
 
 
 def gather_window(pool: jax.Array, window: jax.Array, width: int) -> jax.Array:
@@ -129,7 +128,8 @@ DEFAULT_PAGE = 16
 def init_pools(cfg: ModelConfig, num_pages: int, page_size: int = DEFAULT_PAGE, dtype=None,
                row_pages: int = 1) -> KVCache:
   """Zeroed page pools and no rows (table [0, row_pages]): the rollout engine's KV memory,
-  whose pages its allocator hands to rows (`with_rows`)."""
+  whose pages its allocator hands to rows (rollout/pages.py; rollout/decode.py's `set_tables`
+  gives a state their tables)."""
   shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim_)
   dtype = dtype or cfg.compute_dtype
   zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))

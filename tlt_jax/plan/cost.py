@@ -44,9 +44,7 @@ from typing import Sequence
 
 import numpy as np
 
-from tlt_jax.models.config import ModelConfig
-
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+from tlt_jax.models.config import DTYPE_BYTES, ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +206,7 @@ def forward(cfg: ModelConfig, batch: int, tokens: int, kv_len: int, *, tp: int =
   the drafter) over batch x tokens new tokens attending over kv_len slots (module
   docstring). head: the LM head runs on every new token (verification, decode); prefill
   runs it on the last token only (head=False, then one token's head added by the caller)."""
-  nb = _BYTES[dtype or cfg.dtype]
+  nb = DTYPE_BYTES[dtype or cfg.dtype]
   n_layers = cfg.num_layers if layers is None else layers
   bt = batch * tokens
   d, h = cfg.hidden_size, cfg.head_dim_
@@ -231,7 +229,7 @@ def draft(cfg: ModelConfig, batch: int, tokens: int, kv_len: int, *, tp: int = 1
           dtype: str | None = None) -> Cost:
   """One drafter forward (tlt_jax/drafter/model.py): fc over [embedding, hidden] (2D x D),
   one target layer, the target's LM head over every new token."""
-  nb = _BYTES[dtype or cfg.dtype]
+  nb = DTYPE_BYTES[dtype or cfg.dtype]
   d, bt = cfg.hidden_size, batch * tokens
   fc = Cost(2 * d * d * nb + bt * 3 * d * nb, 2.0 * bt * 2 * d * d)
   return (fc + forward(cfg, batch, tokens, kv_len, tp=tp, layers=1, dtype=dtype)).as_shape(
@@ -244,7 +242,7 @@ def prefill(cfg: ModelConfig, prompts: int, prompt_len: int, *, tp: int = 1,
   average query attends over half the prompt), the LM head on each prompt's last token."""
   body = forward(cfg, prompts, prompt_len, max(prompt_len // 2, 1), tp=tp, head=False,
                  dtype=dtype)
-  return (body + Cost(head_weights(cfg, tp) * _BYTES[dtype or cfg.dtype],
+  return (body + Cost(head_weights(cfg, tp) * DTYPE_BYTES[dtype or cfg.dtype],
                       2.0 * prompts * head_weights(cfg, tp))).as_shape(
       "prefill", prompts, prompt_len)
 

@@ -15,6 +15,7 @@ import dataclasses
 from typing import Sequence
 
 from tlt_jax.models import ModelConfig
+from tlt_jax.models.config import DTYPE_BYTES
 from tlt_jax.plan import cost
 
 
@@ -112,7 +113,7 @@ def learner_phases(cfg: ModelConfig, hw: cost.Hardware, learner: Learner,
     return (w_passes * w / (rate * eff)
             + a_passes * a / (rate * (learner.attn_eff if fused else eff)))
 
-  nb = cost._BYTES[cfg.dtype]
+  nb = DTYPE_BYTES[cfg.dtype]
   gather = n_params * nb * (learner.gpus - 1) / max(learner.gpus, 1)  # one FSDP all-gather
   pass_s = lambda micros: (forward_s(micros, learner.fwd_eff)
                            + len(micros) * learner.fwd_micro_s + gather / hw.link_bw)

@@ -132,7 +132,7 @@ def _per_worker(records, workers: int) -> dict[str, Any]:
                       for k, v in sorted(kinds.items())}}
 
 
-def _live(s: StepResult, threshold: int | None) -> str:
+def _live(s: StepResult) -> str:
   if not s.live:
     return "no chunks"
   peak = max(n for _, n in s.live)
@@ -174,7 +174,7 @@ def text(p: Plan) -> str:
       "",
       f"TLT on vs off: {p.speedup:.2f}x the step, "
       f"{off.phases['rollout'] / on.phases['rollout']:.2f}x the rollout",
-      f"live batch, TLT off: {_live(off, None)}",
+      f"live batch, TLT off: {_live(off)}",
       f"rows preempted for pages: TLT on {on.preempted}, off {off.preempted}",
       f"idle worker time {spot['idle_s']:.0f} s (all workers), "
       + (f"{share:.0%} of it training the drafter" if share is not None else "none"),

@@ -1,7 +1,7 @@
 """The cluster simulator's RL steps: the project's own rollout loop (sim_engine.py's
 `SimEngine`, the engine on a simulated device and clock) inside whole simulated steps.
 
-`simulate` runs whole RL steps: the coordinator's split of requests over workers
+`Simulation.step` runs one whole RL step: the coordinator's split of requests over workers
 (coordinator.split), each worker's generate call on its own device clock (workers run side by
 side, each on its own replica: they are simulated one after the other and share the step's
 cells of the gate and the bandit, as the process's workers share a rollout's; the states go
@@ -67,7 +67,8 @@ ROLLOUT_PARTS = ("prefill", "bulk_decode", "tail_decode", "verification",
 
 
 class Simulation:
-  """Workers, their shared gate and bandit, and the clock of a simulated run (`simulate`)."""
+  """Workers, their shared gate and bandit, and the clock of a simulated run (`step`: one RL
+  step)."""
 
   def __init__(self, spec, cfg: ModelConfig, hw: cost.Hardware, *, workers: int, tp: int,
                gpus: int, lengths: Lengths, acceptance: Acceptance, compile_s: float,

@@ -7,7 +7,7 @@ through the engine's own `generate` / `_chunk` / `_page` / `_collect` / `_report
 Scheduler (admission in order, refill, compaction, the speculation threshold and patience),
 the page policy (admission by free pages, preemption of the youngest rows: pages.py), the
 speculation gate (gate.py: probes, verdicts, the payoff rule pricing compiles), the bandit
-(mab.py) and the attention-window rule (compile_plan.py's `window`, `_window_pays`) decide
+(mab.py) and the attention-window rule (windows.py's `window`, `_window_pays`) decide
 exactly as they do on devices. Nothing of them is copied here; a test runs the real engine and
 the simulator on the same response lengths and compares every chunk.
 
@@ -41,6 +41,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from tlt_jax.models import ModelConfig
+from tlt_jax.models.config import DTYPE_BYTES
 from tlt_jax.plan import cost
 from tlt_jax.plan.workload import Acceptance
 from tlt_jax.rollout import decode
@@ -249,8 +250,7 @@ class SimCompilePlan(CompilePlan):
 class SimEngine(Engine):
   """One rollout worker on a simulated device (module docstring). `lengths`: request key ->
   its response length; `hw`: the profile; `tp`: the replica's tensor-parallel degree;
-  `compile_s`: seconds per executable compiled (0: a warm cache); `dcfg`: the drafter's
-  model config (the target's with one layer)."""
+  `compile_s`: seconds per executable compiled (0: a warm cache)."""
 
   def __init__(self, cfg: ModelConfig, ecfg, hw: cost.Hardware, *, worker_id: int = 0,
                bandit: Any = None, acceptance: Acceptance | None = None, tp: int = 1,
@@ -275,7 +275,7 @@ class SimEngine(Engine):
     self.now = 0.0  # this device's clock
     self.busy = {"prefill": 0.0, "decode": 0.0, "verify": 0.0, "drafter_tracking": 0.0,
                  "compile": 0.0, "host": 0.0}
-    nb = cost._BYTES[cfg.dtype]
+    nb = DTYPE_BYTES[cfg.dtype]
     slot = (cfg.num_layers + 1) * 2 * cfg.num_kv_heads * cfg.head_dim_ * nb
     weights = cost.forward(cfg, 1, 1, 0, tp=tp).bytes
     self.compiles = SimCompilePlan(self, weights, slot)

@@ -229,10 +229,6 @@ def chunk_reach(chunk: int) -> int:
 
 
 # ----------------------------------------------------------------------------- batch re-layout
-def table_page_size(state) -> int:
-  return (state if isinstance(state, DecodeState) else state.base).cache.page_size
-
-
 def map_rows(fn: Callable[[Any], Any], state):
   """fn over every batch-major leaf of a decode state (DecodeState, or a state wrapping one
   as `.base` with a drafter cache `.dcache`): everything but the page pools, which are the

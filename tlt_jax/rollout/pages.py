@@ -76,10 +76,6 @@ class PageAllocator:
     """All of `key`'s pages back to the free list."""
     self._free.extend(reversed(self._held.pop(key, [])))
 
-  def release_all(self) -> None:
-    for key in list(self._held):
-      self.release(key)
-
   def table(self, keys: Iterable[Hashable | None]) -> np.ndarray:
     """[len(keys), row_pages] int32 page tables, a row per key (None or a key without pages:
     NO_PAGE throughout, so that row writes nothing)."""
