@@ -59,7 +59,9 @@ def main() -> int:
   batches = [int(b) for b in a.batch_sizes.split(",")]
   cal = calibrate(params, dparams, cfg, SamplingParams(temperature=1.0), batches=batches,
                   arms=a.arms.split(","), iters=a.iters, cache_len=a.cache_len,
-                  progress=lambda i, n: print(f"batch {i}/{n} timed", file=sys.stderr))
+                  progress=lambda i, n, got: print(  # as it goes: a cut-off keeps these
+                      f"batch {batches[i - 1]} timed ({i}/{n}): " + ", ".join(
+                          f"{k} {s * 1e3:.3f} ms" for k, s in got.items()), flush=True))
   hw = cal.hardware
   lines = [f"profile fitted here: memory {hw.mem_bw / 1e9:.1f} GB/s, matmul "
            f"{hw.flops / 1e9:.1f} GFLOP/s, {hw.fixed_s * 1e6:.0f} us per forward + "

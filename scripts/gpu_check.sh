@@ -126,7 +126,8 @@ T0=$(date +%s)
 : > "$BODY"
 
 # stage NAME LIMIT_S FILTER CMD...: runs CMD under `timeout`, appends what FILTER keeps of its
-# log (all: the whole log; md: the markdown it printed; tail: the last 25 lines).
+# log (all: the whole log; md: the markdown it printed, its last 250 lines: on a GPU the decode
+# stage's profiles alone are ~130; tail: the last 25 lines).
 stage() {
   local name=$1 limit=$2 filter=$3
   shift 3
@@ -144,7 +145,7 @@ stage() {
     echo
     case $filter in
       md) grep -E '^(#|\||[A-Za-z*].*(:|x|%)|$)' "$log" | grep -v -E '^(WARNING|I[0-9]{4}|W[0-9]{4})' \
-            | cat -s | tail -n 80 ;;
+            | cat -s | tail -n 250 ;;
       tail) echo '```'; tail -n 25 "$log"; echo '```' ;;
       *) echo '```'; cat "$log"; echo '```' ;;
     esac
@@ -170,7 +171,8 @@ stage bench_model "${LIMIT[2]}" tail "$PY" scripts/make_bench_model.py --out "$B
 HALF=$(( ${LIMIT[3]} / 2 - 3 ))
 E2E_EXTRA="--config.model.path=$BENCH/model --config.tlt.drafter.init=$BENCH/drafter
   --config.model.dtype=$DTYPE --config.model.param_dtype=$DTYPE --config.train.eval_every=0
-  --config.train.export_policy=none --config.train.export_drafter=False $E2E_EXTRA"
+  --config.train.export_policy=none --config.train.export_drafter=False
+  --config.train.keep_checkpoints=1 $E2E_EXTRA"
 E2E_EXTRA=$(echo $E2E_EXTRA)  # one line: it is pasted into the bash -c script below
 TRAIN="$PY -m tlt_jax.train --config configs/longtail.py --config.train.steps=$E2E_STEPS
   $E2E_EXTRA"
@@ -187,6 +189,7 @@ stage rl_steps "${LIMIT[3]}" all bash -c "t0=\$(date +%s); for mode in on off; d
       --config.compilation_cache=\"$E2E_CACHE\" \$extra 2>&1 \
       | tr '\r' '\n' | grep -E '^(error|done|step 0|Traceback)|Error' | tail -n 5
     echo \"TLT \$mode: exit \${PIPESTATUS[0]}\"
+    rm -rf '$OUT/e2e/'\$mode/checkpoints  # never read; on the bench target ~10 GB each
   done; $PY scripts/gpu_headline.py --rl '$OUT'"
 # shellcheck disable=SC2086
 stage bench_regime "${LIMIT[4]}" md "$PY" scripts/bench_regime.py --bench "$BENCH" \

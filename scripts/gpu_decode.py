@@ -37,8 +37,10 @@ KV windows), and those bytes over the time as a share of the copy bandwidth meas
 same process (roofline.copy_bandwidth). Also each executable's compiled memory against the
 weights + KV cache from shapes, and the device's peak bytes in use.
 
-Prints markdown as it goes (a time-boxed run keeps the rows it finished) and writes
-OUT/gpu_decode.json; the last section names the fastest variant per batch.
+Prints markdown as it goes and writes OUT/gpu_decode.json after every cell (a time-boxed run
+keeps the rows it finished, and the headline its figures); a cell that would end past
+--budget_s by the slowest cell so far is not started. The last section names the fastest
+variant per batch.
 """
 
 from __future__ import annotations
@@ -163,8 +165,9 @@ def child(args) -> int:
     k = tuple(fill(x, jax.random.key(i)) for i, x in enumerate(c.k))
     return c.replace(k=k, v=k, lengths=jnp.full((c.batch_size,), prompt_len, jnp.int32))
 
-  for code, b in cells:
-    if args.deadline and time.time() > args.deadline:
+  slowest = 0.0  # seconds of the slowest cell so far: a cell is started only if one as slow
+  for code, b in cells:  # would still end before the deadline
+    if args.deadline and time.time() + slowest > args.deadline:
       emit(kind="cell", code=code, batch=b, error="skipped: out of --budget_s")
       continue
     c = parse_code(code)
@@ -225,9 +228,13 @@ def child(args) -> int:
                                                 + mem.output_size_in_bytes
                                                 + mem.temp_size_in_bytes))
       prof = None
-      if c["profile"]:
+      if c["profile"]:  # a trace that fails (no CUPTI, say) costs the trace, not the cell
         from tlt_jax.bench.device_profile import kernel_profile
-        prof = kernel_profile(lambda: jax.block_until_ready(exe(args_)), iters)
+        try:
+          prof = kernel_profile(lambda: jax.block_until_ready(exe(args_)), iters)
+        except Exception as e:  # noqa: BLE001
+          prof = {"wall_s": step_s, "lines": [], "error": f"trace failed: {type(e).__name__}: "
+                  f"{str(e)[:200]}"}
       parity = (paged_parity(cfg, state.cache, b, 1 if c["arm"] is None else st.steps + 1)
                 if c["paged"] else None)
       emit(kind="cell", code=code, batch=b, kv_len=kv_len, step_s=step_s, profile=prof,
@@ -237,6 +244,7 @@ def child(args) -> int:
            shape_bytes=wbytes + b * cache_len * kvt)
     except Exception as e:  # noqa: BLE001 - a variant that fails here is a finding
       emit(kind="cell", code=code, batch=b, error=f"{type(e).__name__}: {str(e)[:300]}")
+    slowest = max(slowest, time.perf_counter() - t0)
   stats = jax.devices()[0].memory_stats() or {}
   emit(kind="peak", peak=stats.get("peak_bytes_in_use"), limit=stats.get("bytes_limit"),
        weights=wbytes)
@@ -253,8 +261,9 @@ def main(argv=None) -> int:
   ap.add_argument("--quick", action="store_true", help="one cell of each kind (CPU smoke)")
   ap.add_argument("--flag_sets", default="", help="comma-separated subset of the flag sets")
   ap.add_argument("--out", default=os.path.join(ROOT, "out", "gpu_decode"))
-  ap.add_argument("--budget_s", type=float, default=0.0, help="start no cell after this many "
-                  "seconds (0: no limit): a time-boxed stage still prints its summary")
+  ap.add_argument("--budget_s", type=float, default=0.0, help="start no cell that would end "
+                  "after this many seconds, judged by the slowest cell so far (0: no limit): "
+                  "a time-boxed stage still prints its summary")
   ap.add_argument("--child", default="", help=argparse.SUPPRESS)
   ap.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
@@ -270,8 +279,9 @@ def main(argv=None) -> int:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
   results = {"dtype": args.dtype, "shape": args.shape, "flag_sets": {}}
   deadline = time.time() + args.budget_s if args.budget_s else 0.0
+  slowest = 0.0  # the slowest cell's seconds so far (a new process's start-up comes on top)
   for name in sets:
-    if deadline and time.time() > deadline:
+    if deadline and time.time() + slowest > deadline:
       print(f"| {name} | (skipped: out of --budget_s) ||||||||", flush=True)
       continue
     cells = [(code, b) for s, code, bs in plan if s == name for b in bs]
@@ -289,6 +299,7 @@ def main(argv=None) -> int:
         tail = (tail + [line.rstrip()])[-8:]
         continue
       r = json.loads(line[5:])
+      slowest = max(slowest, r.get("seconds", 0.0))
       if r["kind"] == "bandwidth":
         got.update(bandwidth=r["bytes_per_s"], device=r["device"], jax=r["jax"])
       elif r["kind"] == "peak":
@@ -307,6 +318,7 @@ def main(argv=None) -> int:
               f"{r['step_s'] * 1e3:.3f} | {r['bytes'] / 1e6:.0f} | "
               f"{r['bytes'] / r['step_s'] / 1e9:.0f} | {r['fraction']:.0%} | {mem} | "
               f"{r['compile_s']:.1f} |", flush=True)
+      save(args.out, results)  # as it goes: a stage cut off at its limit keeps these cells
     rc = proc.wait()
     if rc:
       print(f"\n{name}: exit {rc}; its last lines:\n```\n" + "\n".join(tail) + "\n```\n",
@@ -321,23 +333,39 @@ def main(argv=None) -> int:
         + ", ".join(f"{n} {g['bandwidth'] / 1e9:.0f} GB/s"
                     for n, g in results["flag_sets"].items() if "bandwidth" in g), flush=True)
   best = summarize(results)
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "gpu_decode.json"), "w") as f:
-    json.dump(results, f, indent=1)
+  save(args.out, results)
   return 0 if best else 1
+
+
+def save(out: str, results: dict) -> None:
+  """OUT/gpu_decode.json, with the fastest plain variant per batch so far (`fastest`),
+  written whole each time (a temporary file renamed: a kill mid-write leaves the last one)."""
+  results["best"] = {b: {"flags": n, **c} for b, (n, c) in fastest(results).items()}
+  os.makedirs(out, exist_ok=True)
+  path = os.path.join(out, "gpu_decode.json")
+  with open(path + ".tmp", "w") as f:
+    json.dump(results, f, indent=1)
+  os.replace(path + ".tmp", path)
+
+
+def fastest(results: dict) -> dict[int, tuple[str, dict]]:
+  """{batch: (flag set, cell)}: the fastest plain (not speculative) cell of each batch."""
+  best: dict[int, tuple[str, dict]] = {}
+  for n, g in results["flag_sets"].items():
+    for c in g["cells"]:
+      if "error" in c or "spec" in c["code"]:
+        continue
+      if c["batch"] not in best or c["step_s"] < best[c["batch"]][1]["step_s"]:
+        best[c["batch"]] = (n, c)
+  return best
 
 
 def summarize(results: dict) -> dict:
   """The fastest plain variant per batch, its share of copy bandwidth and its speedup over
   the engine as it runs with XLA's defaults; prints the section, returns {batch: cell}."""
-  plain = [(n, c) for n, g in results["flag_sets"].items() for c in g["cells"]
-           if "error" not in c and "spec" not in c["code"]]
-  base = {c["batch"]: c for n, c in plain
-          if n == "default" and c["code"].replace(" profile", "") == "engine"}
-  best: dict[int, tuple[str, dict]] = {}
-  for n, c in plain:
-    if c["batch"] not in best or c["step_s"] < best[c["batch"]][1]["step_s"]:
-      best[c["batch"]] = (n, c)
+  base = {c["batch"]: c for c in results["flag_sets"].get("default", {}).get("cells", [])
+          if "error" not in c and c["code"].replace(" profile", "") == "engine"}
+  best = fastest(results)
   print("\n### Fastest plain decode per batch\n\n| batch | XLA flags | code | step ms | "
         "% of copy bw | vs engine on XLA defaults |\n|---:|---|---|---:|---:|---:|")
   for b in sorted(best):
@@ -346,7 +374,6 @@ def summarize(results: dict) -> dict:
     gain = f"{ref['step_s'] / c['step_s']:.2f}x" if ref else "-"
     print(f"| {b} | {n} | {c['code']} | {c['step_s'] * 1e3:.3f} | {c['fraction']:.0%} | "
           f"{gain} |")
-  results["best"] = {b: {"flags": n, **c} for b, (n, c) in best.items()}
   return best
 
 

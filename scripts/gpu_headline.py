@@ -36,8 +36,17 @@ def rl_runs(out: str) -> dict[str, list[dict]]:
     path = os.path.join(out, "e2e", mode, "metrics.jsonl")
     if os.path.exists(path):
       with open(path) as f:
-        runs[mode] = [r for r in map(json.loads, filter(str.strip, f)) if "time" in r]
+        runs[mode] = [r for r in map(_record, f) if r and "time" in r]
   return runs
+
+
+def _record(line: str) -> dict | None:
+  """One metrics.jsonl line, or None (blank, or torn: a run killed at its limit mid-write)."""
+  try:
+    r = json.loads(line)
+  except ValueError:
+    return None
+  return r if isinstance(r, dict) else None
 
 
 def phase_sums(records: list[dict]) -> dict[str, float]:
@@ -57,27 +66,45 @@ def tail(records: list[dict]) -> float:
 
 
 def rl_table(out: str) -> str:
-  """The rl_steps stage's table: per phase, seconds summed over the steps, TLT on and off."""
+  """The rl_steps stage's table: per phase, seconds summed over the steps, TLT on and off. A
+  mode cut off before its first step (its metrics.jsonl is opened at start-up, so it exists
+  and holds no step) is named below the table, with no column."""
   runs = rl_runs(out)
-  if not runs:
-    return "no RL step finished"
-  sums = {m: phase_sums(r) for m, r in runs.items()}
-  keys = [k for k in next(iter(sums.values()))]
+  done = {m: r for m, r in runs.items() if r}
+  if not done:
+    return "no RL step finished" + (f" (started: {', '.join(f'TLT {m}' for m in runs)})"
+                                    if runs else "")
+  sums = {m: phase_sums(r) for m, r in done.items()}
+  keys = list(dict.fromkeys(k for s in sums.values() for k in s))  # every mode's phases
   lines = ["| phase (s, summed over the steps) | " + " | ".join(
-      f"TLT {m} ({len(runs[m])} steps)" for m in sums) + " |",
+      f"TLT {m} ({len(done[m])} steps)" for m in sums) + " |",
            "|---|" + "---:|" * len(sums)]
   for k in keys:
     lines.append(f"| {k} | " + " | ".join(f"{sums[m].get(k, 0.0):.2f}" for m in sums) + " |")
   lines.append("| the tail's share of the rollout (after 90% of the responses finished) | "
-               + " | ".join(f"{tail(runs[m]):.0%}" for m in sums) + " |")
+               + " | ".join(f"{tail(done[m]):.0%}" for m in sums) + " |")
+  last = [done[m][-1].get("response_length") or {} for m in sums]
   lines.append("| response length p50 / max (last step) | " + " | ".join(
-      f"{runs[m][-1]['response_length']['p50']:.0f} / {runs[m][-1]['response_length']['max']:.0f}"
-      for m in sums) + " |")
+      f"{r.get('p50', float('nan')):.0f} / {r.get('max', float('nan')):.0f}" for r in last)
+      + " |")
+  lines += [f"TLT {m}: no step finished" for m in runs if m not in done]
   return "\n".join(lines)
 
 
 def rows(out: str) -> list[tuple[str, str, str]]:
-  """(figure, value, source) rows."""
+  """(figure, value, source) rows, stage by stage: a stage whose output cannot be read (cut
+  off mid-write, a field missing) gives one row saying so, and the other stages' rows stay."""
+  res: list[tuple[str, str, str]] = []
+  for stage, section in (("decode", _decode), ("bench_regime", _regime), ("rl_steps", _rl),
+                         ("cost_model", _cost), ("learner", _learner)):
+    try:
+      res += section(out)
+    except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
+      res.append((f"{stage} figures", f"unreadable ({type(e).__name__}: {e})", stage))
+  return res
+
+
+def _decode(out: str) -> list[tuple[str, str, str]]:
   res: list[tuple[str, str, str]] = []
   dec = _load(os.path.join(out, "decode", "gpu_decode.json"))
   if dec:
@@ -108,6 +135,11 @@ def rows(out: str) -> list[tuple[str, str, str]]:
                     f"from XLA's attention {c['paged_parity']:.1e}", "decode"))
   else:
     res.append(("decode % of copy bandwidth", "not measured", "decode"))
+  return res
+
+
+def _regime(out: str) -> list[tuple[str, str, str]]:
+  res: list[tuple[str, str, str]] = []
   reg = _load(os.path.join(out, "bench_regime", "summary.json"))
   found = False
   for key, label in (("batch 1, greedy, default task (EOS)", "batch 1 greedy"),
@@ -123,20 +155,31 @@ def rows(out: str) -> list[tuple[str, str, str]]:
                   "bench_regime"))
   if not found:
     res.append(("SD vs plain (batch 1, 8)", "not measured", "bench_regime"))
+  return res
+
+
+def _rl(out: str) -> list[tuple[str, str, str]]:
+  res: list[tuple[str, str, str]] = []
   runs = rl_runs(out)
   if runs.get("on") and runs.get("off"):
     on, off = (phase_sums(runs[m]) for m in ("on", "off"))
     res.append((f"RL steps on one device ({min(len(runs['on']), len(runs['off']))} of "
                 "configs/longtail.py on the bench target), TLT on / off",
                 f"speedup {off['total'] / on['total']:.2f}x (on {on['total']:.1f} s, off "
-                f"{off['total']:.1f} s; of which compiling {on['compile']:.1f} / "
-                f"{off['compile']:.1f} s, rollout {on['rollout']:.1f} / {off['rollout']:.1f} s;"
-                f" the tail's share of the rollout, TLT off: {tail(runs['off']):.0%})",
+                f"{off['total']:.1f} s; of which compiling {on.get('compile', 0):.1f} / "
+                f"{off.get('compile', 0):.1f} s, rollout {on['rollout']:.1f} / "
+                f"{off['rollout']:.1f} s; the tail's share of the rollout, TLT off: "
+                f"{tail(runs['off']):.0%})",
                 "rl_steps"))
   else:
     res.append(("RL steps on one device, TLT on / off",
                 "not measured" + (f" (steps done: on {len(runs.get('on', []))}, off "
                                   f"{len(runs.get('off', []))})" if runs else ""), "rl_steps"))
+  return res
+
+
+def _cost(out: str) -> list[tuple[str, str, str]]:
+  res: list[tuple[str, str, str]] = []
   cm = _load(os.path.join(out, "cost_model", "cost_model.json"))
   if cm and cm.get("ratios"):
     for r in cm["ratios"]:
@@ -145,9 +188,18 @@ def rows(out: str) -> list[tuple[str, str, str]]:
                   f"(predicted / measured {r['predicted'] / r['measured']:.2f})", "cost_model"))
   else:
     res.append(("cost model predicted / measured", "not measured", "cost_model"))
+  return res
+
+
+def _learner(out: str) -> list[tuple[str, str, str]]:
+  res: list[tuple[str, str, str]] = []
   lr = [r for r in _load(os.path.join(out, "learner", "learner.json")) or []
         if "skipped" not in r]
   for r in lr:
+    if "error" in r:  # the variant failed (a kernel that does not compile here, say)
+      res.append((f"learner step (packed update), attention {r['attention']}",
+                  f"fails: {r['error'][:200]}", "learner"))
+      continue
     pred = (f"; predicted {r['predicted_update_s']:.3f} s (predicted / measured "
             f"{r['predicted_update_s'] / r['update_s']:.2f})" if "predicted_update_s" in r
             else "")

@@ -12,7 +12,8 @@ Parity: the old log-probs of every response token, fused vs xla. Prediction:
 plan/learner.learner_phases on the same layout at the cluster profile's assumed efficiencies
 (docs/scale.md) for this device (H100 / H200; none on a CPU), so predicted / measured says
 how far the simulator's learner is from this one. A variant not started within --budget_s
-is reported as skipped. Prints a markdown table; writes DIR/learner.json.
+is reported as skipped, one that raises as failing (the other still runs). Prints a markdown
+table, each row as its variant finishes, and writes DIR/learner.json after each.
 """
 
 from __future__ import annotations
@@ -90,6 +91,27 @@ def run_variant(params, cfg, attention: str, args, batch) -> dict:
           "_logp": logp, "_masks": masks, "remat": remat_mode(mcfg)}
 
 
+def table_row(r: dict, tokens: int) -> str:
+  """One variant's row of the table `main` prints."""
+  if "skipped" in r or "error" in r:
+    why = f"skipped: {r['skipped']}" if "skipped" in r else f"fails: {r['error'][:200]}"
+    return f"| {r['attention']} | {why} ||||"
+  pred = ("no GPU profile", "-")
+  if "predicted_update_s" in r:
+    pred = (f"{r['predicted_logprobs_s']:.3f} / {r['predicted_update_s']:.3f}",
+            f"{r['predicted_update_s'] / r['update_s']:.2f}")
+  return (f"| {r['attention']} | {r['logprobs_s']:.3f} | {r['update_s']:.3f} | "
+          f"{tokens / r['update_s']:.0f} | {pred[0]} | {pred[1]} |")
+
+
+def write(out: str, rows: list[dict]) -> None:
+  """OUT/learner.json: the rows so far (their private fields, the log-probs, left out)."""
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, "learner.json"), "w") as f:
+    json.dump([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows], f,
+              indent=2)
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--target", default=None, help="a bench target dir (default: the shipped)")
@@ -108,36 +130,37 @@ def main(argv=None) -> int:
   params = jax.tree.map(lambda x: x.astype(np.float32), params)
   batch = samples(args.samples, args.max_len, 0, cfg.vocab_size)
   hw = device_profile()
+  tokens = sum(s.length for s in batch)
+  # the table's head now and each variant's row once it is done: a stage cut off at its limit
+  # keeps the rows (and OUT/learner.json) of the variants that finished
+  print("\n".join([
+      f"Packed learner step on {jax.devices()[0].device_kind} ({cfg.num_layers} layers, "
+      f"hidden {cfg.hidden_size}, {args.dtype}; {args.samples} responses, {tokens} tokens "
+      f"in rows of {args.max_len}, 2 mini-batches):", "",
+      "| attention | log-probs s | update s | update tokens/s | predicted log-probs / "
+      "update s | predicted / measured (update) |", "|---|---:|---:|---:|---:|---:|"]),
+        flush=True)
   rows = []
   for attention in ("fused", "xla"):
     if args.budget_s and time.perf_counter() - t0 > args.budget_s:
       rows.append({"attention": attention, "skipped": "out of --budget_s"})
-      continue
-    r = run_variant(params, cfg, attention, args, batch)
-    if hw is not None:
-      learner = Learner(gpus=1, remat=r["remat"], fused_attention=attention == "fused")
-      shapes = [[(n, t) for n, t in group] for group in r["shapes"]]
-      pred = learner_phases(cfg, hw, learner, shapes, reference=False)
-      r["predicted_logprobs_s"], r["predicted_update_s"] = pred["logprobs"], pred["update"]
-    rows.append(r)
-    print(f"{attention}: done at {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
-  tokens = sum(s.length for s in batch)
-  lines = [f"Packed learner step on {jax.devices()[0].device_kind} ({cfg.num_layers} layers, "
-           f"hidden {cfg.hidden_size}, {args.dtype}; {args.samples} responses, {tokens} tokens "
-           f"in rows of {args.max_len}, 2 mini-batches):", "",
-           "| attention | log-probs s | update s | update tokens/s | predicted log-probs / "
-           "update s | predicted / measured (update) |", "|---|---:|---:|---:|---:|---:|"]
-  for r in rows:
-    if "skipped" in r:
-      lines.append(f"| {r['attention']} | skipped: {r['skipped']} ||||")
-      continue
-    pred = ("no GPU profile", "-")
-    if "predicted_update_s" in r:
-      pred = (f"{r['predicted_logprobs_s']:.3f} / {r['predicted_update_s']:.3f}",
-              f"{r['predicted_update_s'] / r['update_s']:.2f}")
-    lines.append(f"| {r['attention']} | {r['logprobs_s']:.3f} | {r['update_s']:.3f} | "
-                 f"{tokens / r['update_s']:.0f} | {pred[0]} | {pred[1]} |")
-  done = [r for r in rows if "skipped" not in r]
+    else:
+      try:  # a variant that fails (a kernel that does not compile here) is a finding, and
+        r = run_variant(params, cfg, attention, args, batch)  # the other one still runs
+      except Exception as e:  # noqa: BLE001
+        r = {"attention": attention, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+      if hw is not None and "error" not in r:
+        learner = Learner(gpus=1, remat=r["remat"], fused_attention=attention == "fused")
+        shapes = [[(n, t) for n, t in group] for group in r["shapes"]]
+        pred = learner_phases(cfg, hw, learner, shapes, reference=False)
+        r["predicted_logprobs_s"], r["predicted_update_s"] = pred["logprobs"], pred["update"]
+      rows.append(r)
+      print(f"{attention}: done at {time.perf_counter() - t0:.0f}s", file=sys.stderr,
+            flush=True)
+    print(table_row(rows[-1], tokens), flush=True)
+    write(args.out, rows)
+  lines = []
+  done = [r for r in rows if "skipped" not in r and "error" not in r]
   if len(done) == 2:
     diff = max(float(np.max(np.abs(a - b) * m))
                for a, b, m in zip(done[0]["_logp"], done[1]["_logp"], done[0]["_masks"]))
@@ -148,10 +171,7 @@ def main(argv=None) -> int:
       r["parity_max_abs"] = diff
   lines += [f"attention ({r['attention']}): {r['why']}" for r in done]
   print("\n".join(lines))
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "learner.json"), "w") as f:
-    json.dump([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows], f,
-              indent=2)
+  write(args.out, rows)
   return 0
 
 

@@ -77,7 +77,8 @@ def calibrate(params, dparams, cfg: ModelConfig, sp, *, batches: Sequence[int] =
               cache_len: int = 256, name: str = "this machine",
               progress=None) -> Calibration:
   """Times the forwards (module docstring) on this machine, fits a profile to the
-  components, predicts every entry. progress(done, total): called after each batch."""
+  components, predicts every entry. progress(done, total, measured): called after each batch
+  with its seconds per component ({label: s}), so a caller cut off later keeps them."""
   from tlt_jax.bench.spec_costs import measure_costs
   from tlt_jax.rollout.scheduler import kv_bucket
   kv_len = kv_bucket(prompt_len + iters, 16, cache_len)
@@ -88,7 +89,7 @@ def calibrate(params, dparams, cfg: ModelConfig, sp, *, batches: Sequence[int] =
     for label, s in out.items():
       measured[(b, label)] = s
     if progress:
-      progress(i + 1, len(batches))
+      progress(i + 1, len(batches), out)
   fitted = [k for k in measured if " fwd T=" in k[1]]
   costs = {k: component_cost(cfg, k[1], k[0], cache_len, kv_len) for k in measured}
   one_rate = cost.fit([costs[k] for k in fitted], [measured[k] for k in fitted], name=name)

@@ -1,0 +1,193 @@
+"""The GPU checklist's outputs when a stage is cut off at its limit or fails, as on a lent GPU
+(fresh, cold caches: the first run lost four of nine stages to their limits): the headline
+(scripts/gpu_headline.py) reads what the stages left, the decode and learner stages
+(scripts/gpu_decode.py, scripts/gpu_learner.py) leave what they measured before the cut. The
+smoke run (tests/test_gpu_check.py) finishes every stage, so none of this happens there."""
+
+import importlib.util
+import io
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _script(name: str):
+  spec = importlib.util.spec_from_file_location(f"_gpu_{name}",
+                                                os.path.join(ROOT, "scripts", f"{name}.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+_STEP = {"step": 1, "time": {"rollout": 3.0, "update": 2.0, "total": 6.0, "compile": 1.5},
+         "response_length": {"p50": 40, "max": 512}, "rollout_tail": {"time_share": 0.4}}
+
+
+def _metrics(out, mode: str, text: str) -> None:
+  d = out / "e2e" / mode
+  d.mkdir(parents=True)
+  (d / "metrics.jsonl").write_text(text)
+
+
+def test_rl_table_with_a_mode_cut_off_before_its_first_step(tmp_path):
+  """The main job opens metrics.jsonl at start-up: TLT on cut off at its half of the stage
+  (cold compiles) leaves the file empty; the table has TLT off's column and says so."""
+  headline = _script("gpu_headline")
+  _metrics(tmp_path, "on", "")
+  _metrics(tmp_path, "off", json.dumps(_STEP) + "\n")
+  table = headline.rl_table(str(tmp_path))
+  assert "| rollout | 3.00 |" in table and "TLT off (1 steps)" in table, table
+  assert "TLT on: no step finished" in table and "| response length p50 / max (last step) | " \
+      "40 / 512 |" in table, table
+  rows = {f: v for f, v, _ in headline.rows(str(tmp_path))}
+  assert rows["RL steps on one device, TLT on / off"] == \
+      "not measured (steps done: on 0, off 1)", rows
+  _metrics(tmp_path / "none", "on", "")  # nothing finished at all
+  assert headline.rl_table(str(tmp_path / "none")).startswith("no RL step finished")
+
+
+def test_a_torn_last_record_is_skipped(tmp_path):
+  """A run killed mid-write leaves half a line: the steps before it still count."""
+  headline = _script("gpu_headline")
+  for mode in ("on", "off"):
+    _metrics(tmp_path, mode, json.dumps(_STEP) + "\n" + json.dumps(_STEP)[:30])
+  assert [len(r) for r in headline.rl_runs(str(tmp_path)).values()] == [1, 1]
+  rows = {f: v for f, v, _ in headline.rows(str(tmp_path))}
+  key = next(f for f in rows if f.startswith("RL steps on one device (1 of"))
+  assert rows[key].startswith("speedup 1.00x"), rows
+
+
+def test_headline_rows_from_cut_off_and_failed_stages(tmp_path):
+  """The decode stage cut off before its summary (no "best"), a learner variant that failed
+  (its kernel did not compile) and one stage's output missing a field: each gives its row and
+  the others' rows stay."""
+  headline = _script("gpu_headline")
+  cell = {"code": "engine profile", "batch": 1, "step_s": 0.0017, "fraction": 0.47}
+  (tmp_path / "decode").mkdir()
+  (tmp_path / "decode" / "gpu_decode.json").write_text(json.dumps(
+      {"flag_sets": {"default": {"cells": [cell, {"code": "fused", "batch": 8,
+                                                  "error": "XlaRuntimeError: x"}]}}}))
+  (tmp_path / "learner").mkdir()
+  (tmp_path / "learner" / "learner.json").write_text(json.dumps(
+      [{"attention": "fused", "error": "XlaRuntimeError: Triton compilation failed"},
+       {"attention": "xla", "update_s": 2.0, "logprobs_s": 0.5}]))
+  (tmp_path / "cost_model").mkdir()
+  (tmp_path / "cost_model" / "cost_model.json").write_text(json.dumps(
+      {"ratios": [{"batch": 1, "arm": "4_1_5"}]}))  # predicted / measured missing
+  rows = {f: v for f, v, _ in headline.rows(str(tmp_path))}
+  assert rows["plain decode, batch 1: % of copy bandwidth"] == "engine 47% (1.70 ms)", rows
+  assert rows["learner step (packed update), attention fused"].startswith(
+      "fails: XlaRuntimeError: Triton"), rows
+  assert rows["learner step (packed update), attention xla"].startswith("update 2.000 s")
+  assert rows["cost_model figures"].startswith("unreadable (KeyError"), rows
+  assert rows["SD vs plain (batch 1, 8)"] == "not measured"
+  assert headline.main([str(tmp_path)]) == 0
+
+
+class _FakeChild:
+  """A decode child that prints `lines`, then dies as a process the stage's timeout killed
+  would leave its parent (the parent is killed with it: here, an exception)."""
+
+  def __init__(self, lines, calls):
+    self.lines = lines
+    calls.append(self)
+    self.stdout = self._out()
+
+  def _out(self):
+    yield from self.lines
+    raise KeyboardInterrupt("the stage's limit")
+
+  def wait(self):
+    return 0
+
+
+def _cell(**kw):
+  return "CELL " + json.dumps(kw) + "\n"
+
+
+_BW = _cell(kind="bandwidth", bytes_per_s=3e12, device="NVIDIA H200", jax="0.11.2", flags="")
+_ENGINE = _cell(kind="cell", code="engine profile", batch=1, kv_len=128, step_s=0.0017,
+                profile=None, paged_parity=None, bytes=2.3e9, fraction=0.47, compile_s=6.4,
+                seconds=9.0, memory_bytes=None, shape_bytes=1)
+
+
+def test_decode_json_is_written_as_the_cells_come(tmp_path, monkeypatch):
+  """gpu_decode.json after every cell: a stage cut off at its limit (a cell started late, a
+  slow compile) keeps the cells it measured for the headline, with the fastest so far."""
+  decode = _script("gpu_decode")
+  calls = []
+  monkeypatch.setattr(decode.subprocess, "Popen",
+                      lambda *a, **kw: _FakeChild([_BW, _ENGINE], calls))
+  monkeypatch.setattr(sys, "stdout", io.StringIO())
+  with pytest.raises(KeyboardInterrupt):
+    decode.main(["--quick", "--out", str(tmp_path)])
+  got = json.load(open(tmp_path / "gpu_decode.json"))
+  assert [c["code"] for c in got["flag_sets"]["default"]["cells"]] == ["engine profile"]
+  assert got["best"]["1"]["flags"] == "default" and got["flag_sets"]["default"]["bandwidth"]
+
+
+def test_decode_starts_no_process_whose_first_cell_cannot_end_in_time(tmp_path, monkeypatch):
+  """A cell took 9 s: with 5 s of --budget_s, no further flag set's process is started (its
+  start-up and first cell would run past the stage's limit)."""
+  decode = _script("gpu_decode")
+  calls = []
+
+  class Done(_FakeChild):
+    def _out(self):
+      yield from self.lines
+
+  monkeypatch.setattr(decode.subprocess, "Popen", lambda *a, **kw: Done([_BW, _ENGINE], calls))
+  out = io.StringIO()
+  monkeypatch.setattr(sys, "stdout", out)
+  decode.main(["--quick", "--out", str(tmp_path), "--budget_s", "5"])
+  assert len(calls) == 1, out.getvalue()  # --quick has two flag sets: default, cmdbuf
+  assert "| cmdbuf | (skipped: out of --budget_s)" in out.getvalue()
+
+
+def test_learner_variant_that_fails_leaves_the_other(tmp_path, monkeypatch):
+  """The fused attention's Triton kernel has never been compiled on a GPU by this project: if
+  it fails there, XLA's variant still runs, and each row is printed and written as it
+  finishes (the shipped model, the variants' measurement stubbed)."""
+  learner = _script("gpu_learner")
+  seen = []
+  error = "RuntimeError: Triton compilation failed"
+
+  def variant(params, cfg, attention, args, batch):
+    seen.append(attention)
+    if attention == "fused":
+      raise RuntimeError("Triton compilation failed")
+    # the failed variant's row is on disk before the next one starts
+    assert json.load(open(tmp_path / "learner.json")) == [{"attention": "fused",
+                                                           "error": error}]
+    return {"attention": attention, "why": "XLA's reference attention", "logprobs_s": 0.5,
+            "update_s": 2.0, "shapes": [], "_logp": [], "_masks": [], "remat": "none"}
+
+  monkeypatch.setattr(learner, "run_variant", variant)
+  out = io.StringIO()
+  monkeypatch.setattr(sys, "stdout", out)
+  assert learner.main(["--out", str(tmp_path), "--samples", "4", "--max_len", "128"]) == 0
+  assert seen == ["fused", "xla"]
+  rows = json.load(open(tmp_path / "learner.json"))
+  assert rows[0] == {"attention": "fused", "error": error} and rows[1]["update_s"] == 2.0
+  assert f"| fused | fails: {error} ||||" in out.getvalue()
+  assert "| xla | 0.500 | 2.000 |" in out.getvalue()
+
+
+def test_decode_flag_sets_parse_on_this_jaxlib():
+  """Each XLA flag set the decode stage runs a process with is known to XLA: an unknown flag
+  or value in XLA_FLAGS aborts the process at start-up (checked: a misspelled flag exits
+  non-zero here too), which on the GPU would cost that set's cells. jaxlib's CPU build
+  declares the GPU flags as well, so the CPU checks their spelling."""
+  import subprocess
+  decode = _script("gpu_decode")
+  code = "import jax, jax.numpy as jnp; print(jax.jit(lambda x: x + 1)(jnp.ones(2)).sum())"
+  sets = dict(decode.FLAG_SETS, misspelled="--xla_gpu_enable_command_bufer=FUSION")
+  for name, flags in sets.items():
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert (got.returncode == 0) == (name != "misspelled"), (name, got.stderr[-500:])
