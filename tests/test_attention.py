@@ -84,3 +84,22 @@ def test_which_implementation_and_why():
     packed_impl(dataclasses.replace(CFG, attention="fused"), 40)
   with pytest.raises(ValueError, match="attention"):
     dataclasses.replace(CFG, attention="flash")
+
+
+def test_auto_on_a_gpu_falls_back_to_xla_where_the_kernel_does_not_compile(monkeypatch):
+  """"auto" on a GPU in bf16 compiles the kernel first: where it does not compile (here the
+  real failure: the Triton lowering on this CPU, the backend only named a GPU), the reference
+  runs and the reason carries the error; where it does, the kernel runs."""
+  from tlt_jax.models import attention
+  bf16 = dataclasses.replace(CFG, dtype="bfloat16")
+  probe = attention._fused_compiles
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  probe.cache_clear()
+  try:
+    impl, why = packed_impl(bf16, 512)
+    assert impl == "xla" and "the fused kernel does not compile here (" in why, why
+    assert "\n" not in why and probe.cache_info().currsize == 1
+    monkeypatch.setattr(attention, "_fused_compiles", lambda *a: None)
+    assert packed_impl(bf16, 512)[0] == "fused"
+  finally:
+    probe.cache_clear()

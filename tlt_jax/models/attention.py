@@ -14,6 +14,10 @@ at trace time by `packed_impl` / `causal_attention`:
 - everywhere else XLA's reference: the [T, T] scores formed and masked (float32 softmax).
 - attention="fused" forces the Pallas kernel on any backend: off a GPU it runs in Pallas
   interpret mode (slow; for parity tests on a CPU). "xla" forces the reference.
+- "auto" on a GPU compiles the kernel once per block size first (forward and backward on one
+  small row, `_fused_compiles`): a JAX or Triton release the kernel does not compile under
+  falls back to the reference with the error in the reason a run logs, instead of ending
+  the run at its first update.
 
 Under a learner mesh of several devices the kernel runs per shard (`jax.shard_map` over the
 batch axes, heads over "tensor" where they are split): a custom call left to the SPMD
@@ -22,6 +26,7 @@ partitioner would be gathered onto every device.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -106,8 +111,32 @@ def packed_impl(cfg: ModelConfig, t: int) -> tuple[str, str]:
   if not block:
     return "xla", (f"XLA's reference attention: rows of {t} tokens are no multiple of 16 "
                    "(grpo.pad_multiple)")
+  failed = _fused_compiles(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim_,
+                           jnp.dtype(cfg.compute_dtype).name, block)
+  if failed:
+    return "xla", f"XLA's reference attention: the fused kernel does not compile here ({failed})"
   return "fused", ("Pallas (Triton) flash attention: causal within packed segments, the "
                    "masked half skipped, no [T, T] scores")
+
+
+@functools.cache
+def _fused_compiles(heads: int, kv_heads: int, head_dim: int, dtype: str, block: int
+                    ) -> str | None:
+  """None if the kernel's forward and backward compile for blocks of `block` on this backend,
+  else the error's first line. One row of two blocks: the code is the blocks', the grid
+  only repeats it."""
+  q = jax.ShapeDtypeStruct((1, 2 * block, heads, head_dim), dtype)
+  kv = jax.ShapeDtypeStruct((1, 2 * block, kv_heads, head_dim), dtype)
+  seg = jax.ShapeDtypeStruct((1, 2 * block), jnp.int32)
+
+  def loss(q, k, v, s):
+    return jnp.sum(_mha(q, k, v, s, interpret=False).astype(jnp.float32))
+  try:
+    jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, seg).compile()
+  except Exception as e:  # noqa: BLE001 - any failure means: do not use it here
+    text = str(e).strip()
+    return (text.splitlines()[0][:200] if text else type(e).__name__)
+  return None
 
 
 def _mha(q, k, v, segment_ids, *, interpret: bool):
