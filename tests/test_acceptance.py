@@ -224,6 +224,27 @@ def test_sampled_acceptance_is_the_engines_in_expectation(default_target):
   assert engine_ver < fresh.min()
 
 
+def test_measure_reports_the_ratio_estimator_and_its_textbook_standard_error(monkeypatch):
+  """tokens_per_verify is all tokens over all verifications, its standard error the ratio
+  estimator's over n sequences: sqrt(sum (t_i - R v_i)^2 / (n - 1) / n) / mean(v), from the
+  per-sequence walks (here of random survival curves, no model)."""
+  from tlt_jax.drafter import acceptance
+  rng = np.random.default_rng(1)
+  seqs = [(np.arange(1, 4), np.arange(1, int(n) + 1)) for n in rng.integers(5, 40, 6)]
+
+  def fake_survival(target_params, dparams, tokens, lengths, starts, *, cfg, depth, sampling):
+    a = rng.uniform(0.2, 0.9, tuple(starts.shape) + (depth,))
+    return np.cumprod(a, -1) * np.asarray(starts)[..., None]
+
+  monkeypatch.setattr(acceptance, "survival", fake_survival)
+  out = acceptance.measure(None, None, seqs, cfg=None, depth=3)
+  t, v = np.asarray(out["per_sequence"], np.float64).T
+  n, ratio = len(t), t.sum() / v.sum()
+  assert n == 6 and out["tokens_per_verify"] == pytest.approx(ratio, rel=1e-12)
+  want = np.sqrt(((t - ratio * v) ** 2).sum() / (n - 1) / n) / v.mean()
+  assert out["stderr"] == pytest.approx(want, rel=1e-12)
+
+
 def test_paired_difference_has_the_spread_of_repeated_experiments():
   """`difference`'s standard error against the spread of the difference over many repeated
   data sets of a known model: sequences of shared difficulty (which cancels in the pair) and

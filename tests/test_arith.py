@@ -79,6 +79,9 @@ def test_check_trace_rejects_wrong_traces():
   assert not arith.check_trace(p["prompt"], " 7+3=10 10-5=5 #### 4")  # wrong final
   assert not arith.check_trace(p["prompt"], " 7+3=10 #### 10")  # skipped step
   assert not arith.check_trace(p["prompt"], " 7+3=10 10-5=5")  # no answer
+  # every step restates the running value: a step that starts from another value (here 11,
+  # not 10) is wrong even when its own arithmetic and the final answer agree with it
+  assert not arith.check_trace(p["prompt"], " 7+3=10 11-5=6 #### 6")
 
 
 # ------------------------------------------------------------------------ answer + reward

@@ -245,6 +245,8 @@ def test_at_most_windows_per_response_are_kept():
   for w in all_windows(buf, n=20000):
     counts[int(w.tokens[0]) // 1000] = counts.get(int(w.tokens[0]) // 1000, 0) + 1
   assert max(counts.values()) <= 3
+  firsts = [int(w.tokens[0]) for w in all_windows(buf, n=20000)]
+  assert len(firsts) == len(set(firsts))  # distinct tiles: none is kept twice
   assert buf.tokens == total
   assert len(buf) == sum(counts.values())
 
@@ -475,9 +477,11 @@ def test_windows_carry_their_context_without_a_loss_on_it():
   ph = rng.standard_normal((6, D)).astype(np.float32)
   buf = DrafterBuffer(BufferConfig(buffer_tokens=1000, window=4, context=3,
                                    windows_per_response=100))
-  buf.add(0, ids, h, prompt_ids=prompt, prompt_hidden=ph)
+  kept = buf.add(0, ids, h, prompt_ids=prompt, prompt_hidden=ph)
   tokens, hidden, mask = align(ids, h, prompt, ph)  # the whole sequence, 16 tokens
   wins = all_windows(buf)
+  # the budget counts what the windows hold, their context included
+  assert kept == buf.tokens == sum(w.length for w in wins) > 10
   trained = []  # global pair indices each window trains on
   for w in wins:
     first = int(np.flatnonzero(w.loss_mask)[0])

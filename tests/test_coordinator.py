@@ -370,6 +370,53 @@ def test_train_until_stops_at_max_steps_and_without_data():
   assert train_until(t, threading.Event(), max_steps=3, poll_s=0.001).steps == 0
 
 
+def test_param_store_versions_each_kind_of_weights_on_its_own():
+  """Workers pull what is newer by comparing versions: each of actor and drafter counts its
+  own publications, whatever the other does."""
+  store = ParamStore(actor="a0", drafter="d0")
+  assert store.actor() == (0, "a0") and store.drafter() == (0, "d0")
+  assert store.publish_actor("a1") == 1 and store.publish_actor("a2") == 2
+  assert store.publish_drafter("d1") == 1
+  assert store.actor() == (2, "a2") and store.drafter() == (1, "d1")
+  store.release_actor()
+  assert store.actor() == (2, None) and store.drafter() == (1, "d1")
+  assert store.publish_actor("a3") == 3 and store.actor() == (3, "a3")
+
+
+class BatchTrainer(FakeTrainer):
+  """next_batch: `empty` Nones (no data yet), then batches 0, 1, 2, ...; records the batch of
+  every step it dispatches and sets `barrier` once `stop_after` steps are committed."""
+
+  def __init__(self, barrier, empty=0, stop_after=4):
+    super().__init__(step_s=0.001)
+    self.barrier, self.empty, self.stop_after = barrier, empty, stop_after
+    self.calls, self.trained = 0, []
+    self.load(FakeState(0.0))
+
+  def next_batch(self):
+    self.calls += 1
+    return None if self.calls <= self.empty else self.calls - self.empty - 1
+
+  def dispatch(self, batch):
+    self.trained.append(batch)
+    return super().dispatch(batch)
+
+  def commit(self, inflight):
+    super().commit(inflight)
+    if len(self.metrics) >= self.stop_after:
+      self.barrier.set()
+
+
+def test_train_until_trains_each_step_on_the_next_batch_and_sums_its_waits_for_data():
+  barrier = threading.Event()
+  t = BatchTrainer(barrier, empty=5)
+  rep = train_until(t, barrier, poll_s=0.01)
+  assert rep.steps == 4 and t.trained == [0, 1, 2, 3]  # each batch once, in drawn order
+  assert t.calls == 5 + 5  # the 5 empty draws, 4 batches trained and 1 packed ahead
+  # every wait for data counts (5 polls of 10 ms), not only the last one
+  assert 0.045 <= rep.waited_for_data_s < 2.0
+
+
 def test_timeline_summary_against_hand_computed_intervals():
   clock = [0.0]
   tl = Timeline(2, clock=lambda: clock[0])
@@ -530,6 +577,52 @@ def test_rollout_tail_share_is_the_time_after_90_percent_of_the_responses():
   assert got["time_share"] == pytest.approx((8.0 - 1.8) / 8.0)
   assert got["token_share"] == pytest.approx(500 / 680)
   assert tail_share([]) == {"time_share": 0.0, "token_share": 0.0}
+  # 15 responses: 90% of them (13.5) have finished once the 14th has, at 1.4 s
+  rs = [res(0.1 * i, 10) for i in range(1, 15)] + [res(4.0, 50)]
+  assert tail_share(rs)["time_share"] == pytest.approx((4.0 - 1.4) / 4.0)
+  assert tail_share(rs)["token_share"] == pytest.approx(50 / 190)
+
+
+def test_step_metrics_reward_figures_are_per_group_and_per_source():
+  """metrics' reward figures on a hand-made [prompts, n] reward matrix: a group is a prompt's
+  n samples (a row), solved if any sample is right, zero-advantage if all its rewards are
+  equal; accuracy by source averages the samples of that source's prompts only."""
+  from types import SimpleNamespace as NS
+
+  from tlt_jax.rl.reward_pool import RewardStats
+  from tlt_jax.rollout.records import Result
+  from tlt_jax.step_metrics import step_metrics
+  r = np.asarray([[1.0, 0.0, 0.0],    # solved, mixed
+                  [0.0, 0.0, 0.0],    # unsolved, all equal
+                  [1.0, 1.0, 1.0],    # solved, all equal
+                  [0.5, 0.0, 0.0]])   # partial credit is not solved; mixed
+  prompts = [NS(row=NS(source=s)) for s in ("a", "b", "a", None)]
+  res = lambda n, why: Result(0, 0, np.zeros(1, np.int32), np.zeros(n, np.int32),
+                              np.zeros(n, np.float32), None, why, finish_time=float(n))
+  responses = [res(n, "length" if n in (4, 9) else "stop") for n in range(1, 13)]
+  run = NS(coordinator=NS(engines=[], spot=NS(mode="off")))
+  m = step_metrics(run, prompts, responses, r, [], 2.0, {"loss": 0.5}, RewardStats(), {},
+                   None, epoch=1)
+  assert m["reward"] == pytest.approx(r.sum() / 12)
+  assert m["accuracy"] == pytest.approx(4 / 12)
+  assert m["solved_groups"] == pytest.approx(2 / 4)
+  assert m["zero_adv_groups"] == pytest.approx(2 / 4)
+  assert m["accuracy_by_source"] == pytest.approx({"a": 4 / 6, "b": 0.0})
+  assert m["truncated"] == pytest.approx(2 / 12)
+  assert m["tokens"] == 78 and m["rollout_tokens_per_s"] == pytest.approx(39.0)
+  # speculation: chunks of the "off" arm verify without drafts, so they count in the share of
+  # speculative tokens but not in the tokens per verification of the drafting chunks
+  from tlt_jax.rollout.policies.strategy import Strategy
+  from tlt_jax.rollout.records import ChunkMetrics
+  chunk = lambda mode, tokens, acc, ver: ChunkMetrics(0, 8, 4, tokens, 5, 1.0, mode=mode,
+                                                      accepted=acc, verifications=ver)
+  chunks = [chunk("plain", 8, 0, 0), chunk(Strategy("off"), 20, 0, 20),
+            chunk(Strategy("4_1_5"), 30, 15, 10)]
+  m = step_metrics(run, prompts, responses, r, chunks, 2.0, {}, RewardStats(), {}, None,
+                   epoch=1)
+  assert m["spec"]["chunks"] == 2
+  assert m["spec"]["tokens_per_verify"] == pytest.approx((15 + 10) / 10)
+  assert m["spec"]["share_of_tokens"] == pytest.approx((20 + 30) / 78)
 
 
 def test_average_states_is_the_token_weighted_mean_of_params_and_moments():

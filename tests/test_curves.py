@@ -44,6 +44,10 @@ def test_each_panel_holds_the_records_values():
   assert got["reward"]["per step"][0].tolist() == steps
   np.testing.assert_allclose(got["reward"]["per step"][1], rewards)
   np.testing.assert_allclose(got["reward"]["mean"][1][2], np.mean(rewards[:3]))
+  lengths = [r["response_length"]["mean"] for r in recs if "response_length" in r]
+  np.testing.assert_allclose(got["length"]["mean"][1][:3],  # a trailing mean of up to 3
+                             [lengths[0], np.mean(lengths[:2]), np.mean(lengths[:3])])
+  np.testing.assert_allclose(got["length"]["mean"][1][-1], np.mean(lengths[-3:]))
   assert got["accuracy"]["eval"][0].tolist() == [0, 5, 10]
   np.testing.assert_allclose(got["accuracy"]["eval"][1], [0.4, 0.45, 0.5])
   assert 4 not in got["seconds"]["total"][0].tolist()  # the step without a time is left out

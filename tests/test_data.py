@@ -36,7 +36,36 @@ def test_jsonl_fields_sources_and_extra(tmp_path):
   assert [r.prompt for r in rows] == [f"p{i}" for i in range(6)]
   assert [r.answer for r in rows] == [str(i) for i in range(6)]  # numbers become strings
   assert [r.source for r in rows] == ["s0", "s1"] * 3
+  # every other field of the row rides along; the prompt and the answer are not repeated
+  assert [r.extra for r in rows] == [{"src": "s%d" % (i % 2)} for i in range(6)]
   assert stats.rows == 6 and stats.bad_rows == 0
+
+
+def test_a_column_named_with_dots_wins_over_the_nested_path(tmp_path):
+  """`_field`: a column named exactly the key is read as it is (a flattened file's
+  "reward_model.ground_truth" column), before the key is read as a path into nested fields."""
+  lines = [json.dumps({"q": "x", "reward_model.ground_truth": 5}),
+           json.dumps({"q": "y", "reward_model.ground_truth": 6,
+                       "reward_model": {"ground_truth": 7}}),
+           json.dumps({"q": "z", "reward_model": {"ground_truth": 8}})]
+  rows, stats = load_prompt_rows(write_jsonl(tmp_path / "d.jsonl", lines), prompt_key="q",
+                                 answer_key="reward_model.ground_truth", on_bad_row="error")
+  assert [r.answer for r in rows] == ["5", "6", "8"] and stats.bad_rows == 0
+
+
+def test_blank_prompts_are_bad_rows_but_a_chat_needs_only_one_nonblank_message(tmp_path):
+  chat = [{"role": "system", "content": ""}, {"role": "user", "content": "2+2?"}]
+  lines = [json.dumps({"q": "   ", "a": 1}),  # whitespace only: no prompt
+           json.dumps({"q": [{"role": "user", "content": " \n"}], "a": 2}),  # all blank
+           json.dumps({"q": chat, "a": 3}),
+           json.dumps({"q": [{"role": "user", "content": "hi", "name": "x"}], "a": 4})]
+  rows, stats = load_prompt_rows(write_jsonl(tmp_path / "d.jsonl", lines), prompt_key="q",
+                                 answer_key="a")
+  assert [r.answer for r in rows] == ["3", "4"] and stats.bad_rows == 2
+  assert "line 1: missing or empty 'q'" in stats.first_bad
+  assert rows[0].prompt == chat
+  # a chat message is kept as {"role", "content"}: other keys of the row's messages are dropped
+  assert rows[1].prompt == [{"role": "user", "content": "hi"}]
 
 
 def test_malformed_rows_skipped_and_counted(tmp_path, caplog):
@@ -149,12 +178,31 @@ def test_epochs_are_permutations_and_resume_is_exact(tmp_path):
   assert not np.array_equal(flat[:10], other)
 
 
+def test_each_epoch_is_the_seeded_permutation_from_its_first_prompt(tmp_path):
+  """The module docstring's order, computed independently: epoch e visits
+  default_rng([seed, e]).permutation(N), whole and from its first entry, however the draws
+  are cut (batches that end exactly at an epoch's end, straddle it, or span several)."""
+  s = _stream(tmp_path, n=10, max_len=5, seed=3)
+  n = len(s)
+  want = [s.prompts[i].row.index for e in range(5)
+          for i in np.random.default_rng([3, e]).permutation(n)]
+  for sizes in ([n] * 5, [3] * (5 * n // 3), [1, n - 1, n + 2, 2 * n - 2], [4 * n + 7]):
+    got, pos = _draw(s, Position(), sizes)
+    flat = [i for part in got for i in part]
+    assert flat == want[:len(flat)], sizes
+    assert pos == Position(*divmod(len(flat), n))
+
+
 def test_resume_with_different_data_is_one_clear_error(tmp_path):
   a = _stream(tmp_path, n=10, max_len=5)
   saved = a.saved(Position(1, 3))
   b = _stream(tmp_path, n=10, max_len=3)  # fewer usable prompts
   with pytest.raises(DataError, match="same data and max_prompt_len"):
     b.resume(saved)
+  c = _stream(tmp_path, n=10, max_len=3)
+  more = _stream(tmp_path, n=10, max_len=5)  # more usable prompts than the checkpoint's
+  with pytest.raises(DataError, match="same data and max_prompt_len"):
+    more.resume(c.saved(Position(1, 3)))
 
 
 # ------------------------------------------------------- chat prompts, stop tokens, sources

@@ -321,6 +321,36 @@ def test_minibatches_weigh_each_token_as_the_configured_aggregation(loss_agg):
         np.testing.assert_allclose(w[0], want, rtol=1e-6)
 
 
+def test_micro_layout_buckets_and_token_budget_rows_by_hand():
+  """A micro-batch's T is the smallest pad_multiple x 2^k holding its longest sample (one of
+  exactly 16 tokens fits 16, not 32); under a token budget its rows are max_tokens // T
+  rounded down to row_multiple (40 // 4 = 10 -> 8 rows of 4 tokens), at least row_multiple."""
+  [(bins, t, n)] = batching.micro_layout([16, 5], 2, 4, 64)
+  assert (t, n) == (16, 2) and bins == [[0], [1]]
+  [(bins, t, n)] = batching.micro_layout([17], 2, 4, 64)
+  assert (t, n) == (32, 2)
+  [(bins, t, n)] = batching.micro_layout([2] * 3, 0, 4, 64, max_tokens=40, row_multiple=4)
+  assert (t, n) == (4, 8) and bins[:2] == [[0, 1], [2]] and not any(bins[2:])
+  [(_, t, n)] = batching.micro_layout([30], 0, 4, 64, max_tokens=40, row_multiple=4)
+  assert (t, n) == (32, 4)  # 40 // 32 = 1 row: still row_multiple of them
+
+
+def test_minibatches_are_a_seeded_random_partition():
+  """Not cut from the samples' order (a step of only short, then only long responses): a
+  partition into near-equal parts that is a function of the seed."""
+  n = 12
+  for seed in range(4):
+    parts = batching.minibatch_parts(n, 3, seed)
+    assert sorted(np.concatenate(parts).tolist()) == list(range(n))
+    assert [len(p) for p in parts] == [4, 4, 4]
+    assert [p.tolist() for p in parts] == [p.tolist() for p in
+                                           batching.minibatch_parts(n, 3, seed)]
+  cuts = {tuple(map(tuple, map(sorted, batching.minibatch_parts(n, 3, seed))))
+          for seed in range(4)}
+  assert len(cuts) == 4 and ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)) not in cuts
+  assert len(batching.minibatch_parts(2, 5, 0)) == 2  # never an empty mini-batch
+
+
 def test_grpo_raises_a_toy_reward_on_a_sharded_learner():
   """Reward = share of response tokens equal to 3. A few GRPO steps (rollout -> rewards ->
   FSDP learner on 8 devices -> weight sync) must raise it well above its start."""

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tlt_jax.metrics import CompileClock, MetricsWriter, keep_steps_upto, read_records
+from tlt_jax.metrics import CompileClock, MetricsWriter, flatten, keep_steps_upto, read_records
 
 
 def _write(path, recs, tail=""):
@@ -47,6 +47,38 @@ def test_resume_drops_later_steps_and_the_cut_line_then_appends_cleanly(tmp_path
       {"step": 1}, {"step": 2}, {"step": 3, "reward": 1.0}]
   keep_steps_upto(str(tmp_path / "missing.jsonl"), 5)  # nothing to trim: no file made
   assert not (tmp_path / "missing.jsonl").exists()
+
+
+def _tb_events(workdir):
+  """Every event of the run's TensorBoard files (TFRecord: length, crc, data, crc)."""
+  import glob
+  import os
+  import struct
+
+  from tensorboardX.proto import event_pb2
+  out = []
+  for path in sorted(glob.glob(os.path.join(workdir, "tb", "*"))):
+    data, i = open(path, "rb").read(), 0
+    while i < len(data):
+      (n,) = struct.unpack("<Q", data[i:i + 8])
+      out.append(event_pb2.Event.FromString(data[i + 12:i + 12 + n]))
+      i += 12 + n + 4
+  return out
+
+
+def test_tensorboard_purges_the_steps_after_the_restored_one(tmp_path):
+  """TensorBoard drops the earlier run's events at and after a START's step: that is the
+  first step the resumed run writes again, the restored step's own scalars stay."""
+  MetricsWriter(str(tmp_path), resume_step=4).close()
+  starts = [e.step for e in _tb_events(tmp_path)
+            if e.HasField("session_log") and e.session_log.status == e.session_log.START]
+  assert starts == [5]
+
+
+def test_flatten_joins_every_level_of_nested_keys():
+  nested = {"loss": 0.5, "spot": {"steps": 3, "per_worker": {"0": {"steps": 1}}}}
+  assert flatten(nested) == {"loss": 0.5, "spot/steps": 3, "spot/per_worker/0/steps": 1}
+  assert flatten(nested, sep=".")["spot.per_worker.0.steps"] == 1
 
 
 def test_compile_clock_counts_its_own_compiles():

@@ -122,6 +122,9 @@ VERL_MODULE = textwrap.dedent("""
 
     def verl_gsm8k_style(solution_str, ground_truth, method="strict"):   # positional
         return float(solution_str.split("#### ")[-1] == ground_truth)
+
+    def takes_kwargs(data_source, solution_str, ground_truth, **kwargs):   # extra_info in them
+        return float(solution_str == ground_truth) + kwargs["extra_info"]["bonus"]
 """)
 
 
@@ -315,6 +318,29 @@ def test_pool_counts_start_failures_of_any_kind(user_module, monkeypatch):
       within(30, pool.gather, ["c"])
 
 
+def test_pool_stops_only_on_start_failures_in_a_row(user_module, monkeypatch):
+  """A successful start clears the count: failed starts with a good one between them never
+  add up to `max_start_failures`."""
+  real_popen, calls = reward_pool.subprocess.Popen, []
+
+  def every_other_fails(*args, **kwargs):  # replacement starts: fail, work, fail, work
+    calls.append(1)
+    if len(calls) % 2:
+      raise OSError(24, "Too many open files (simulated)")
+    return real_popen(*args, **kwargs)
+
+  with RewardPool(f"{user_module}:die", num_workers=1, timeout=5.0,
+                  max_start_failures=2) as pool:
+    monkeypatch.setattr(reward_pool.subprocess, "Popen", every_other_fails)
+    got = {}
+    for i, response in enumerate(["die", "ok", "ok", "die", "ok", "ok"]):
+      pool.submit(i, response, "")
+      got.update(within(30, pool.gather, [i]))
+    # each crash needs a replacement: its first start fails (0), the next one works (1)
+    assert got == {0: 0.0, 1: 0.0, 2: 1.0, 3: 0.0, 4: 0.0, 5: 1.0}
+    assert (pool.stats.crashes, pool.stats.respawn_failures) == (2, 2), pool.stats
+
+
 def test_pool_start_up_has_a_deadline(tmp_path, monkeypatch):
   (tmp_path / "slow_import.py").write_text(SLOW_IMPORT_MODULE)
   monkeypatch.chdir(tmp_path)
@@ -442,5 +468,7 @@ def test_which_functions_are_called_the_verl_way(verl_file):
   # answer) positionally, as verl's per-dataset scorers (gsm8k.compute_score) take them
   assert get_reward_fn("verl_reward.py:no_extra_info")("4", "4", "abc", {"x": 1}) == 4.0
   assert get_reward_fn("verl_reward.py:verl_gsm8k_style")("so #### 72", "72", "s", {}) == 1.0
+  # a function taking **kwargs takes extra_info too, by keyword
+  assert get_reward_fn("verl_reward.py:takes_kwargs")("4", "4", "s", {"bonus": 2.0}) == 3.0
   with pytest.raises(ValueError, match=r"cannot import \(no file 'nope\.py'\).*file\.py"):
     get_reward_fn("nope.py:compute_score")

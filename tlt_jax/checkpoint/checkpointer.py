@@ -41,8 +41,8 @@ import orbax.checkpoint as ocp
 from etils import epath  # orbax's own path library (local paths and gs:// alike)
 
 from tlt_jax.checkpoint.damage import Damaged, check_array_files, quiet_about
-from tlt_jax.checkpoint.leaves import (SCALAR_TYPES, CheckpointError, check_template, fmt_path,
-                                       match_template, norm_path, restore_arg)
+from tlt_jax.checkpoint.leaves import (CheckpointError, check_template, match_template, norm_path,
+                                       restore_arg, snapshot)
 
 PyTree = Any
 
@@ -163,8 +163,9 @@ class Checkpointer:
     it is on disk. Errors from a background write surface on the next save/wait/close.
 
     state: any pytree of jax.Array (any sharding, incl. typed PRNG keys), np.ndarray, python
-      bool/int/float/str and numpy scalars; dicts, lists, tuples, namedtuples (optax states),
-      registered dataclasses; None and empty containers are kept as structure.
+      bool/int/float/str and numpy numbers and bools (a numpy bool is stored as a bool); dicts,
+      lists, tuples, namedtuples (optax states), registered dataclasses; None and empty
+      containers are kept as structure.
     """
     step = int(step)
     if self._damaged:
@@ -181,7 +182,7 @@ class Checkpointer:
           f"cannot save step {step}: {self.directory!r} already has a newer checkpoint "
           f"(step {max(existing)}). Resume from it (restore it and continue its step count) "
           "or use a new directory for a new run.")
-    state = self._check_and_snapshot(state)
+    state = snapshot(state)
     if not self._prepared:
       self._prepare_for_first_save()
     started = self._mngr.save(
@@ -189,20 +190,6 @@ class Checkpointer:
     if started:
       self._inflight = step
     return bool(started)
-
-  def _check_and_snapshot(self, state: PyTree) -> PyTree:
-    """Reject leaf types Orbax cannot store (with the key path, before any write starts), and
-    copy numpy arrays: the caller may mutate them in place while the async write runs."""
-    def leaf(path, x):
-      if isinstance(x, np.ndarray):
-        return np.array(x, copy=True)
-      if isinstance(x, (jax.Array,) + SCALAR_TYPES):
-        return x
-      raise CheckpointError(
-          f"cannot checkpoint {fmt_path(norm_path(path))} of type {type(x).__name__}: leaves "
-          "must be jax/numpy arrays, python bool/int/float/str or numpy scalars. Convert it "
-          "(e.g. to a dict of arrays) or register its class as a pytree node.")
-    return jax.tree_util.tree_map_with_path(leaf, state)
 
   def _prepare_for_first_save(self) -> None:
     """Create the directory and delete tmp dirs of saves that died mid-write.

@@ -1,7 +1,8 @@
-"""How a train-state pytree's leaves meet Orbax's (checkpointer.py): key paths as
-Orbax stores them, each leaf's shape on disk (typed PRNG keys as their key data), the restore
-argument for a template leaf, the type a restored leaf is given back, and the template check
-whose one-line `CheckpointError`s name the key path at fault."""
+"""How a train-state pytree's leaves meet Orbax's (checkpointer.py): the leaves a save
+accepts (`snapshot`), key paths as Orbax stores them, each leaf's shape on disk (typed PRNG
+keys as their key data), the restore argument for a template leaf, the type a restored leaf
+is given back, and the template check whose one-line `CheckpointError`s name the key path at
+fault."""
 
 from __future__ import annotations
 
@@ -128,3 +129,24 @@ def key_impl(t: Any) -> Any:
   if isinstance(t, jax.Array):
     return jax.random.key_impl(t)
   return t.dtype._impl  # pylint: disable=protected-access
+
+
+def snapshot(state: Any) -> Any:
+  """What `Checkpointer.save` hands Orbax: leaf types Orbax cannot store rejected with their
+  key path before any write starts, numpy arrays copied (the caller may mutate them in place
+  while the async write runs), a numpy bool stored as a bool (Orbax has no handler for it; it
+  is restored as the template's type)."""
+  def leaf(path, x):
+    if isinstance(x, np.ndarray):
+      return np.array(x, copy=True)
+    if isinstance(x, np.bool_):
+      return bool(x)
+    # numpy numbers and strings Orbax stores; not datetime64, bytes_ and the like
+    numpy_ok = not isinstance(x, np.generic) or isinstance(x, (np.number, np.str_))
+    if isinstance(x, (jax.Array,) + SCALAR_TYPES) and numpy_ok:
+      return x
+    raise CheckpointError(
+        f"cannot checkpoint {fmt_path(norm_path(path))} of type {type(x).__name__}: leaves "
+        "must be jax/numpy arrays, python bool/int/float/str or numpy numbers/bools. "
+        "Convert it (e.g. to a dict of arrays) or register its class as a pytree node.")
+  return jax.tree_util.tree_map_with_path(leaf, state)
