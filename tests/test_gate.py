@@ -473,6 +473,147 @@ def test_pure_transitions_from_recorded_chunks_to_the_verdicts():
   assert s.begin_rollout(0, {}).status[2] == "probing"  # hardware_reprobe_every=2
 
 
+def test_a_probe_waits_for_min_chunks_of_plain_decoding_as_of_each_arm():
+  """The gate decides once the bucket has `min_chunks` counted plain chunks AND as many of
+  each probed arm (module docstring): three fast counted chunks of the lead against two of
+  plain decoding (min_chunks=3) decide nothing; the third plain chunk decides."""
+  cfg = GateConfig(min_chunks=3, margin=0.1, lead="4_1_5", follow_traffic=0)
+  s = GateState(cfg).begin_rollout(0, {1: ARMS, 2: ARMS})
+  s = _run(s, Chunk(1, None, 10.0, 16), Chunk(1, "4_1_5", 10.0, 16, 32, 16),  # warm-ups
+           *[Chunk(1, None, 0.16, 16)] * 2, *[Chunk(1, "4_1_5", 0.2, 16, 32, 16)] * 3)
+  assert s.status[1] == "probing" and s.decisions == ()
+  s = _run(s, Chunk(1, None, 0.16, 16))
+  assert s.status[1] == "pays" and s.decisions[-1]["plain_chunks"] == 3
+
+
+def test_a_ceiling_between_one_and_the_bar_is_a_hardware_verdict():
+  """The reason is "hardware" whenever the best case (every draft accepted) stays under
+  1 + margin, not only under 1: plain 100 tokens/s per row; the lead at 2 tokens per
+  verification over 0.64 s chunks of 16 steps is 50 (ratio 0.5), its ceiling 0.5 x 5 / 2 =
+  1.25 < 1.3. No other drafting arm is probed (no drafter could pay)."""
+  cfg = GateConfig(min_chunks=2, margin=0.3, lead="4_1_5", follow_traffic=0)
+  s = GateState(cfg).begin_rollout(0, {1: ARMS, 2: ARMS})
+  s = _run(s, Chunk(1, None, 10.0, 16), *[Chunk(1, None, 0.16, 16)] * 2,
+           Chunk(1, "4_1_5", 10.0, 16, 16, 16), *[Chunk(1, "4_1_5", 0.64, 16, 16, 16)] * 2)
+  d = s.decisions[-1]
+  assert (d["verdict"], d["reason"], d["best_arm"]) == ("declined", "hardware", "4_1_5")
+  assert d["ratio"] == pytest.approx(0.5) and d["ceiling"] == pytest.approx(1.25)
+  assert s.reason == {1: "hardware", 2: "hardware"} and not s.hardware_ok
+  assert "3_1_4" not in s.at[1].spec and not s.at[1].wide
+
+
+def test_cached_hardware_verdicts_decline_from_the_smallest_cached_bucket():
+  """Two cached hardware verdicts (buckets 2 and 4): the run starts with 2 and everything
+  above it declined for hardware, and probes bucket 1."""
+  s = GateState(GateConfig(lead="4_1_5")).begin_rollout(
+      0, {b: ARMS for b in (1, 2, 4, 8)},
+      cached={4: {"ceiling": 0.7}, 2: {"ceiling": 0.9}, 16: {"ceiling": 0.5}})
+  assert s.status == {1: "probing", 2: "declined", 4: "declined", 8: "declined"}
+  assert set(s.reason.values()) == {"hardware"}
+  assert s.decisions[0]["bucket"] == 2 and s.decisions[0]["cached"]
+
+
+def test_rates_weigh_chunks_by_their_steps_and_ceilings_by_depth_plus_one():
+  """probe.rate: tokens per row per step x steps per second over every chunk (chunks of
+  16 and 8 steps); probe.measured: an arm's (ratio, ratio x (depth + 1) / tokens per
+  verification), by hand."""
+  plain = (Chunk(1, None, 0.16, 16), Chunk(1, None, 0.08, 8))  # 24 steps in 0.24 s
+  assert probe.rate(plain) == pytest.approx(100.0)
+  lead = (Chunk(1, "4_1_5", 0.2, 16, 32, 16), Chunk(1, "4_1_5", 0.1, 8, 16, 8))
+  assert probe.accept_len(lead) == pytest.approx(3.0)  # (48 + 24) / 24
+  assert probe.rate(lead) == pytest.approx(3.0 * 24 / 0.3)  # 240
+  r = probe.Bucket(plain=plain, spec={Strategy("4_1_5"): lead})
+  ratio, ceiling = probe.measured(r)["4_1_5"]
+  assert ratio == pytest.approx(2.4) and ceiling == pytest.approx(2.4 * 5 / 3.0)
+  assert probe.measured(probe.Bucket(spec={Strategy("4_1_5"): lead})) == {}  # no plain rate
+
+
+def test_plain_step_times_are_the_median_of_the_latest_kept():
+  """probe.stepped keeps a bucket's latest STEPS_KEPT plain steps (its first chunk a
+  warm-up); step_seconds is their median (one slow step, a GC pause, does not move it)."""
+  steps_at = {}
+  chunks = ([Chunk(2, None, 50.0, 16)] + [Chunk(2, None, 1.6, 16)] * 10
+            + [Chunk(2, None, 0.16, 16)] * probe.STEPS_KEPT)  # 0.1 s a step, then 0.01 s
+  for c in chunks:
+    steps_at = probe.stepped(steps_at, c)
+  assert len(steps_at[2]) == probe.STEPS_KEPT
+  assert probe.step_seconds(steps_at, 2) == pytest.approx(0.01)
+  assert probe.stepped(steps_at, Chunk(2, "4_1_5", 9.0, 16, 16, 16)) == steps_at
+  outlier = {4: (Step(0.01), Step(0.01), Step(0.01), Step(1.0))}
+  assert probe.step_seconds(outlier, 4) == pytest.approx(0.01)
+
+
+def test_what_a_row_adds_to_a_step_is_never_negative():
+  """row_seconds fits with every coefficient >= 0: steps that get cheaper with more rows
+  (2 ms at 1 row, 1 ms at 2; an exact fit would need -1 ms a row) are best explained by a
+  fixed cost alone, so a row adds 0 and the bound on a 5-token arm is its depth + 1."""
+  steps = {1: (Step(2e-3),), 2: (Step(1e-3),)}
+  assert probe.row_seconds(steps) == 0.0
+  assert probe.plain_bound(steps, 2, Strategy("4_1_5")) == pytest.approx(5.0)
+
+
+def test_probation_stays_where_chunks_keep_coming_unless_elsewhere_earns_twice():
+  """placement.follow_time's staleness: a probe at bucket 1 that sees chunks every rollout
+  is not stale by age; before any speculative chunk of it is measured it moves only to a
+  bucket that could earn twice what it could (both best cases 5x here: the worth is the
+  time, 0.48 s a rollout at 8 against 0.32 s at 1, 1.5x: it stays), and once its lead is
+  measured, it stays however long it has been probing. Moved, it keeps nothing funded."""
+  g = _gate(buckets=(1, 8), min_chunks=50, follow_traffic=2)
+  for _ in range(5):
+    g.begin_rollout(0, {1: ARMS, 8: ARMS})
+    _feed(g, 1, None, 100.0, 2)
+    _feed(g, 8, None, 100.0, 3, live=8)
+    assert g.state.status == {1: "probing", 8: "closed"}
+  for _ in range(4):
+    g.begin_rollout(0, {1: ARMS, 8: ARMS})
+    _feed(g, 1, "4_1_5", 150.0, 1)
+    _feed(g, 8, None, 100.0, 6, live=8)
+    assert g.state.status == {1: "probing", 8: "closed"}
+  h = _gate(buckets=(1, 8), min_chunks=50, follow_traffic=0)
+  for _ in range(3):
+    h.begin_rollout(0, {1: ARMS, 8: ARMS})
+    _feed(h, 1, None, 100.0, 1)
+    _feed(h, 8, None, 100.0, 3, live=8)  # 3x the time at 1: moves
+  assert h.state.status == {1: "closed", 8: "probing"} and h.state.at[1].funded == frozenset()
+
+
+def test_a_bucket_earns_nothing_where_its_best_case_stays_under_the_bar():
+  """placement.earns: 0 where the ceiling (here measured: ratio 0.82 at 4 tokens per
+  verification, 0.82 x 5 / 4 = 1.025) would not clear 1 + margin (1.05); with margin 0 the
+  seconds a rollout spends there x (1 - 1 / 1.025)."""
+  a = Strategy("4_1_5")
+  for margin, want in ((0.05, 0.0), (0.0, 1.0 * (1 - 1 / 1.025))):
+    s = GateState(GateConfig(lead="4_1_5", margin=margin)).begin_rollout(0, {1: ARMS, 2: ARMS})
+    s = s.put(2, dataclasses.replace(s.at[2], plain=(Chunk(2, None, 0.16, 16),) * 2,
+                                     spec={a: (Chunk(2, a, 64 / 82, 16, 48, 16),) * 2}))
+    s = dataclasses.replace(s, ledger=s.ledger.decoded(2, 1.0))
+    assert placement.earns(s, 2) == pytest.approx(want, abs=1e-12)
+
+
+def test_the_prober_speculates_under_a_probe_once_its_plain_decoding_is_half_measured():
+  """Closed buckets under the one on probation run its arms on the prober (its batch
+  compacts through them) once plain decoding at the probed bucket is half measured
+  (min_chunks 4: 2 counted chunks), not before, and never on another worker."""
+  g = _gate(buckets=(1, 2, 4, 8), min_chunks=4)
+  s = g.state.put(1, dataclasses.replace(g.state.at[1], status="closed", funded=frozenset()))
+  g.state = s.start_probe(8)._fund()
+  _feed(g, 8, None, 100.0, 1, live=8)
+  assert g.arms(0, 4) == [] and not g.allows(0, 4)
+  _feed(g, 8, None, 100.0, 1, live=8)
+  assert g.arms(0, 4) == ["4_1_5"] and g.allows(0, 4) and g.allows(0, 1)
+  assert not g.allows(1, 4) and g.arms(1, 4) == []
+
+
+def test_one_probation_at_a_time_reprobes_wait_for_it():
+  """A cached hardware verdict at 4 is due for a re-probe after hardware_reprobe_every=2
+  prober rollouts, but bucket 1 is on probation: it waits (one probation at a time)."""
+  s = GateState(GateConfig(lead="4_1_5", hardware_reprobe_every=2, follow_traffic=0))
+  s = s.begin_rollout(0, {b: ARMS for b in (1, 2, 4)}, cached={4: {"ceiling": 0.8}})
+  for _ in range(4):
+    s = s.begin_rollout(0, {b: ARMS for b in (1, 2, 4)})
+    assert s.status == {1: "probing", 2: "closed", 4: "declined"}
+
+
 # ------------------------------------------------------------------------ through the engine
 CFG = TINY
 

@@ -223,6 +223,69 @@ def test_drop_leaves_no_trace():
     assert da.parents.tolist() == db.parents.tolist()
 
 
+def test_backward_sort_orders_positions_by_their_backward_windows():
+  """backward_sorted against sorting the windows arena[p], arena[p-1], ..., arena[p-w+1]
+  directly (positions before the arena read its front pad), for windows of 1-9 tokens over
+  a 3-token vocabulary (long runs of ties that only the window's last tokens break)."""
+  from tlt_jax.rollout.sources.suffix_arena import SENTINEL, backward_sorted
+  rng = np.random.default_rng(0)
+  for w in range(1, 10):
+    for _ in range(4):
+      arena = np.concatenate([np.full(w, SENTINEL), rng.integers(0, 3, 60), [SENTINEL],
+                              rng.integers(0, 3, 40), [SENTINEL]]).astype(np.uint64)
+      body = np.flatnonzero(arena != SENTINEL)
+      pos = np.sort(rng.choice(body, size=len(body) * 3 // 4, replace=False))
+      out = backward_sorted(arena, pos, w)
+      window = lambda p: tuple(int(arena[max(p - i, 0)]) for i in range(w))  # noqa: E731
+      assert sorted(out.tolist()) == pos.tolist()
+      keys = [window(p) for p in out.tolist()]
+      assert keys == sorted(keys), w
+
+
+def test_in_ranges_is_half_open():
+  from tlt_jax.rollout.sources.suffix_arena import in_ranges
+  got = in_ranges(np.arange(10), [(6, 7), (2, 4)])
+  assert got.tolist() == [x in (2, 3, 6) for x in range(10)]
+
+
+def test_dropped_rows_do_not_count_toward_the_next_sort():
+  """A row dropped before its positions were registered takes them out of the count that
+  triggers a re-sort: four 8-token rows begun and dropped leave 1 new position (the next
+  row's), under pending_min=10, so the next draft registers it instead of sorting."""
+  idx = HistoryIndex(background=False, pending_min=10, pending_frac=0.0)
+  for i in range(4):
+    idx.begin("p", i, [1, 2, 3, 4, 5, 6, 7, 8])
+    idx.end(i, keep=False)
+  idx.begin("p", "row", [1, 2])
+  idx.draft("row", 2)
+  assert idx.stats()["sorts"] == 0
+
+
+def test_new_positions_are_counted_exactly_toward_the_next_sort():
+  """A sort is due once the unsorted positions (those with a next token) exceed
+  pending_min: an 8-token prompt has 7, as has an empty prompt extended by 8 tokens; at
+  pending_min 7 neither sorts (they are registered as pending)."""
+  for prompt, more in (([1, 2, 3, 4, 5, 6, 7, 8], []), ([], [1, 2, 3, 4, 5, 6, 7, 8])):
+    idx = HistoryIndex(background=False, pending_min=7, pending_frac=0.0)
+    idx.begin("p", "row", prompt)
+    if more:
+      idx.extend("row", more)
+    idx.draft("row", 2)
+    assert idx.stats()["sorts"] == 0
+
+
+def test_a_one_token_match_finds_pending_positions():
+  """min_match 1: a context of one token matches wherever that token occurs with a next one,
+  whatever precedes it, in the unsorted (pending) positions too."""
+  idx, ref = _both(min_match=1, long_match=0)
+  for x in (idx, ref):
+    x.begin("p", "a", [5, 7])
+    x.end("a")
+    x.begin("p", "row", [9, 5])
+  d = _check(idx, ref, "row", 2)
+  assert d.tokens.tolist() == [7] and idx.stats()["sorts"] == 0
+
+
 def test_eviction_oldest_sequence_and_lru_prompt():
   idx = HistoryIndex(max_tokens_per_prompt=10, max_prompts=2, long_match=0)
   idx.begin("p", 0, [1, 2, 3, 4, 5])

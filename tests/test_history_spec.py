@@ -333,6 +333,20 @@ def test_external_tree_layout():
   assert (np.asarray(t.children[1]) == -1).all()
 
 
+def test_external_tree_drops_the_subtree_of_a_node_over_the_branching_cap():
+  """Closed under ancestors: a node whose parent was dropped for the branching cap (the
+  root's third child at topk 2) is dropped too, though its own depth (2) is within the cap."""
+  tokens = jnp.asarray([[5, 6, 7, 8]], jnp.int32)
+  parents = jnp.asarray([[-1, -1, -1, 2]], jnp.int32)
+  t = drafts.external_tree(jnp.asarray([3]), tokens, parents, jnp.asarray([True]), depth=2,
+                           topk=2)
+  np.testing.assert_array_equal(t.tokens[0], [3, 5, 6, 0, 0])
+  np.testing.assert_array_equal(t.depth[0], [0, 1, 1, 0, 0])
+  np.testing.assert_array_equal(t.children[0, 0], [1, 2])
+  assert (np.asarray(t.children[0, 1:]) == -1).all()
+  np.testing.assert_array_equal(np.asarray(t.visible[0, 4]), [0, 0, 0, 0, 1])
+
+
 def test_hybrid_draft_merges_the_two_chains():
   """Rows: the drafter departs from a full history chain at its second token; the history
   chain runs out after two tokens the drafter repeats; the history draft is not used."""

@@ -263,6 +263,62 @@ def test_eg_and_ucb1_find_best_arm(sel):
   assert best_share(chosen, 1, "3_1_4", 300) > 0.8
 
 
+def test_choosable_is_every_arm_some_size_in_the_range_selects_from():
+  """choosable(lo, hi) against its definition: the arms of the buckets of the sizes lo..hi,
+  for every range over a grid whose bounds are range ends (a bucket ends where the next
+  bound starts: size 2 is bucket 2's, not bucket 1's)."""
+  sel = make_selector("beg", {1: ["6_1_7", "off"], 2: ["4_1_5", "off"], 5: ["2_1_3", "off"],
+                              9: ["hist_4", "2_1_3"]})
+  for lo in range(1, 12):
+    for hi in range(lo, 12):
+      want = list(dict.fromkeys(a for n in range(lo, hi + 1) for a in sel.arms_for(n)))
+      assert sel.choosable(lo, hi) == want, (lo, hi)
+  assert sel.choosable(2, 4) == ["4_1_5", "off"] and sel.choosable(5, 8) == ["2_1_3", "off"]
+
+
+def test_ucb1_adds_the_exploration_bonus_to_scaled_means():
+  """UCB1 (bucb1) picks argmax mean / max|mean| + c sqrt(2 ln N / n_arm), by hand: 4_1_5
+  pulled 10 times at 100 tokens/s, "off" once at 90 (N = 11). 4_1_5: 1.0 + sqrt(2 ln 11 /
+  10) = 1.69; off: 0.9 + sqrt(2 ln 11) = 3.09: the less measured arm. With c = 0.1: 1.069
+  against 1.119, still "off"; with c = 0: the mean alone, 4_1_5."""
+  import math
+  def state(c):
+    sel = make_selector("bucb1", {1: ["4_1_5", "off"]}, c=c)
+    for _ in range(10):
+      sel.update("4_1_5", 1, 100.0)
+    sel.update("off", 1, 90.0)
+    return sel
+  n, total = {"4_1_5": 10, "off": 1}, 11
+  mean = {"4_1_5": 100.0, "off": 90.0}
+  for c in (1.0, 0.1, 0.0):
+    score = {a: mean[a] / 100.0 + c * math.sqrt(2 * math.log(total) / n[a]) for a in n}
+    assert state(c).select(1) == max(score, key=score.get)
+  assert state(1.0).select(1) == state(0.1).select(1) == "off"
+  assert state(0.0).select(1) == "4_1_5"
+
+
+def test_strategy_names_are_canonical_and_of_builds_the_chain():
+  """An arm has one name (a second spelling would be a second key for its rewards), and
+  Strategy.of(steps) is the chain of `steps` drafts verifying steps + 1 tokens."""
+  for bad, good in (("04_1_5", "4_1_5"), ("hist_04", "hist_4"), ("hyb_02", "hyb_2")):
+    with pytest.raises(ValueError, match=f"write '{good}'"):
+      Strategy(bad)
+  assert Strategy.of(4) == "4_1_5" and Strategy.of(4).verify_tokens == 5
+  assert Strategy.of(1) == "1_1_2" and Strategy.of(0) == "off"
+  assert Strategy.of(2, 2, 5) == "2_2_5"
+
+
+def test_a_saved_state_of_another_window_is_refused_and_ucb1_is_one_bandit():
+  """restore refuses a state saved by a bandit of another window (its rewards were kept
+  over another window); "ucb1" (like "eg") is one bandit over every arm of the buckets."""
+  b = {1: ["4_1_5", "off"], 5: ["2_1_3", "off"]}
+  saved = make_selector("beg", b, window=300).state.state_dict()
+  with pytest.raises(ValueError, match="same rule, window and buckets"):
+    BanditState.restore(make_selector("beg", b, window=5).cfg, saved)
+  assert make_selector("ucb1", b).buckets == {1: ["4_1_5", "off", "2_1_3"]}
+  assert make_selector("bucb1", b).buckets == b
+
+
 # ----------------------------------------------------------------------------------- engine
 CFG = TINY
 

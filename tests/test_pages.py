@@ -37,6 +37,14 @@ def test_allocator_hands_out_frees_and_tables_pages():
     PageAllocator(2, 4, 3)
 
 
+def test_a_rows_page_table_lists_its_pages_in_slot_order():
+  """Pages are handed out lowest id first; a row's table lists its pages in the order it got
+  them (slot order: page j holds slots [j x page_size, (j + 1) x page_size))."""
+  a = PageAllocator(num_pages=6, page_size=4, row_pages=3)
+  assert a.grow("x", 5) and a.grow("y", 1) and a.grow("x", 9)  # x: 0, 1; y: 2; x: 3
+  np.testing.assert_array_equal(a.table(["x", "y"]), [[0, 1, 3], [2, NO_PAGE, NO_PAGE]])
+
+
 def test_admission_leaves_live_rows_a_chunk_and_growth_preempts_the_youngest():
   req = lambda key, n: types.SimpleNamespace(key=key, prompt_ids=[1] * n)
   a = PageAllocator(num_pages=6, page_size=4, row_pages=3)
@@ -50,6 +58,18 @@ def test_admission_leaves_live_rows_a_chunk_and_growth_preempts_the_youngest():
   # x (oldest) gets z's page; then y finds none and is the youngest left: preempted itself
   assert grow_rows(b, {"x": 12, "y": 12, "z": 8}) == ["z", "y"]
   assert b.holders == ["x"] and b.held("x") == 3 and b.free == 2
+
+
+def test_admission_takes_the_last_free_page_when_it_exactly_covers_the_rule():
+  """A request is admitted while the free pages COVER its prompt + reach and every holder's
+  growth: 5 pages of 4 slots, reach 4 (one page a row); a takes 2 (8 slots), b needs 2 + 1
+  for a's growth = 3 = the 3 free pages: admitted, 1 page left."""
+  req = lambda key, n: types.SimpleNamespace(key=key, prompt_ids=[1] * n)
+  a = PageAllocator(num_pages=5, page_size=4, row_pages=3)
+  admit = admission(a, reach=4)
+  assert admit(req("a", 4)) and a.free == 3
+  assert admit(req("b", 4)) and a.free == 1 and a.holders == ["a", "b"]
+  assert not admit(req("c", 1))  # 1 page + 2 rows' growth > 1 free
 
 
 def test_scheduler_admits_in_order_while_allowed_and_requeues_preempted_rows():

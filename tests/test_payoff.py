@@ -10,6 +10,7 @@ from tlt_jax.rollout.policies.cells import SpecGate
 from tlt_jax.rollout.policies.gate import GateConfig, GateState
 from tlt_jax.rollout.policies.verdicts import VerdictCache
 from tlt_jax.rollout.policies.payoff import OPEN, PLAIN, SPEC, Ledger
+from tlt_jax.rollout.policies.probe import Chunk, Step
 from tlt_jax.rollout.policies.strategy import Strategy
 
 ARMS = ["4_1_5", "3_1_4", "off"]
@@ -277,3 +278,101 @@ def test_the_bandit_chooses_among_the_arms_the_gate_paid_for():
     a.update(x, 1, float(i % 7))
     b.update(y, 1, float(i % 7))
   assert sel.select(1, arms=["6_1_7"]) == "6_1_7"  # none of the bucket's: the first given
+
+
+def test_the_rule_at_its_boundaries():
+  """A best case exactly equal to the compile repays it (1 s a rollout x 10 left x 0.5 x
+  0.5 = 2.5 s); an arm's compile is priced by its own measured factor before the mean of
+  every arm's (4_1_5 took 4x the plain chunk at bucket 2, 3_1_4 2x: at bucket 1, whose plain
+  chunk took 0.5 s, 4_1_5 costs 2.0 s, an arm never measured the mean factor 3: 1.5 s)."""
+  rule = dict(horizon=20, rollouts=10, payback=0.5, gain=0.5)
+  assert payoff.repays(1.0, cost=2.5, **rule)
+  assert not payoff.repays(1.0, cost=2.5000001, **rule)
+  led = (Ledger().compiled(PLAIN, 2, None, 1.0).compiled(SPEC, 2, "4_1_5", 4.0)
+         .compiled(SPEC, 2, "3_1_4", 2.0).compiled(PLAIN, 1, None, 0.5))
+  assert led.arm_cost(1, "4_1_5", 3.0) == pytest.approx(2.0)
+  assert led.arm_cost(1, "3_1_4", 3.0) == pytest.approx(1.0)
+  assert led.arm_cost(1, "hist_4", 10.0) == pytest.approx(1.5)
+
+
+def _with(s, b, **kw):
+  return s.put(b, dataclasses.replace(s.at[b], **kw))
+
+
+def test_a_compile_is_priced_per_worker_and_the_buckets_one_off_compiles_once():
+  """funding.price: the prober's probe does not pay again for what it compiled in this run,
+  but every worker compiles a paying bucket's arms itself (3.0 s here, measured), plus the
+  bucket's one-off compiles (1.5 x the plain chunk's 1.0 s) until something is funded there."""
+  from tlt_jax.rollout.policies import funding
+  s = GateState(GateConfig(lead="4_1_5", horizon=100)).begin_rollout(0, {1: ARMS, 2: ARMS})
+  s = s.compiled(PLAIN, 1, None, 1.0).compiled(SPEC, 1, "4_1_5", 3.0)
+  a = Strategy("4_1_5")
+  assert funding.price(s, 1, a, False) == 0.0  # the prober made both in this run
+  assert funding.price(s, 1, a, True) == pytest.approx(3.0 + 1.5)
+  s = _with(s, 1, status="pays", funded=frozenset({Strategy("3_1_4")}))
+  assert funding.price(s, 1, a, True) == pytest.approx(3.0)  # the one-off compiles are paid
+
+
+def test_what_a_batch_carries_down_is_the_next_funded_buckets_ratio_slowed_by_its_step():
+  """funding.carried: rows at bucket 2 with nothing compiled there run at bucket 4's funded
+  arm (3x plain there: 300 against 100 tokens/s per row), whose step takes 20 ms against
+  10 ms at bucket 2: 3 x 10 / 20 = 1.5x plain decoding at 2. A bucket paying with funded
+  arms of its own does not carry itself; nothing above the largest: 1.0."""
+  from tlt_jax.rollout.policies import funding
+  s = GateState(GateConfig(lead="4_1_5", horizon=100)).begin_rollout(
+      0, {b: ARMS for b in (1, 2, 4)})
+  a = Strategy("4_1_5")
+  s = _with(s, 4, status="pays", funded=frozenset({a}),
+            plain=(Chunk(4, None, 0.16, 16),) * 2, spec={a: (Chunk(4, a, 0.16, 16, 32, 16),) * 2})
+  s = dataclasses.replace(s, steps_at={1: (Step(0.005),), 2: (Step(0.01),), 4: (Step(0.02),)})
+  assert funding.carried(s, 2) == pytest.approx(1.5)
+  assert funding.carried(s, 1) == 1.0  # 3 x 5 / 20 = 0.75: plain decoding is faster
+  s = _with(s, 2, status="pays", funded=frozenset({Strategy("3_1_4")}))  # not measured at 2
+  assert funding.carried(s, 2) == pytest.approx(1.5) and funding.carried(s, 4) == 1.0
+
+
+def test_a_paying_bucket_funds_the_fastest_measured_arm_first_and_only_what_beats_it():
+  """The lead (ratio 0.64, ceiling 0.64 x 5 / 2 = 1.6) falls short on acceptance, 3_1_4 is
+  probed and pays (ratio 2.0, 3 tokens per verification). Funding, fastest measured first:
+  3_1_4 (its best case over plain); then the lead would have to beat 2.0 with a ceiling of
+  1.6, and "off" with 1.0: neither is compiled, on any worker."""
+  g = SpecGate(GateConfig(lead="4_1_5", min_chunks=2, margin=0.1, horizon=1000))
+  g.begin_rollout(0, {1: ARMS})
+  g.compiled(PLAIN, 1, None, 0.1)
+  for _ in range(3):
+    g.record(1, None, 0.16, 16)  # 100 tokens/s per row
+  for _ in range(3):
+    g.record(1, "4_1_5", 0.5, 16, 16, 16)  # 2 x 32 steps/s = 64
+  assert g.state.status[1] == "probing" and g.state.probe_arms(1) == ["4_1_5", "3_1_4"]
+  for _ in range(3):
+    g.record(1, "3_1_4", 0.24, 16, 32, 16)  # 3 x 66.7 steps/s = 200
+  assert g.state.status[1] == "pays" and g.state.decisions[-1]["best_arm"] == "3_1_4"
+  assert g.arms(1, 1) == ["3_1_4"] and g.state.at[1].funded == {"3_1_4"}
+
+
+def test_an_open_ended_probe_funds_the_probed_arms_only():
+  """Horizon 0: every compile repays, but on probation only what the probe measures is
+  funded (the lead; every drafting arm once it widens), not "off" nor the other arms."""
+  s = GateState(GateConfig(lead="4_1_5")).begin_rollout(0, {1: ARMS, 2: ARMS})
+  assert s.at[1].funded == {"4_1_5"} and s.summary()["funded"] == {"1": ["4_1_5"]}
+
+
+def test_an_arm_runs_wide_only_where_its_tokens_exceed_the_extra_bytes():
+  """Tokens equal to the extra bytes do not exceed them: 4_1_5's best case, 5 tokens, at
+  exactly 5x the bytes decodes plainly."""
+  g = SpecGate(GateConfig(lead="4_1_5", horizon=1000))
+  g.begin_rollout(0, {8: ARMS})
+  assert not g.runs_wide(8, Strategy("4_1_5"), 5.0) and g.runs_wide(8, Strategy("4_1_5"), 4.99)
+
+
+def test_a_paying_bucket_without_funded_arms_may_still_close():
+  """SpecGate.closes: only a bucket that pays WITH funded arms is never closed (a funded arm
+  stays funded); one that pays but funds nothing (no arm repays its compile) may be."""
+  g = SpecGate(GateConfig(lead="4_1_5", horizon=100))
+  g.begin_rollout(0, {1: ARMS, 2: ARMS})
+  g.state = _with(g.state, 2, status="pays", funded=frozenset())
+  assert g.closes(2) and g.closes(1)
+  g.state = _with(g.state, 1, status="closed", funded=frozenset())
+  assert not g.may_speculate()  # a bucket that pays without a funded arm runs nothing
+  g.state = _with(g.state, 2, funded=frozenset({Strategy("4_1_5")}))
+  assert not g.closes(2) and g.may_speculate()

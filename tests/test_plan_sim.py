@@ -457,3 +457,106 @@ def test_a_buckets_first_arm_is_one_the_bandit_picks_at_its_size():
   # (plainly while it compiles, then speculating with it)
   ran = {str(m.mode) for m in s.chunk_log if m.bucket == 4 and m.live >= 3} - {"plain"}
   assert ran == {"3_1_4"}, ran
+
+
+def _compile_plan(background=True):
+  """A compile plan (engine buckets 1-8, speculation up to 4 live rows, the lead 2_1_3,
+  attention windows of 16, 32 and the whole cache, 56 slots) and a bandit listing 4_1_5 /
+  2_1_3 for 1-2 live rows, 3_1_4 for 3-4 and 4_1_5 from 5."""
+  from tlt_jax.rollout.compile_plan import CompilePlan
+  from tlt_jax.rollout.policies.mab import bandit_config
+  ecfg = EngineConfig(max_batch=8, buckets=(1, 2, 4, 8), chunk_size=4, max_prompt_len=16,
+                      max_new_tokens=40, prompt_bucket=16, paged_attention=False,
+                      spec=SpecConfig(strategy="2_1_3", bs_threshold=4, patience=1,
+                                      use_kernel=False, background_compile=background))
+  bandit = bandit_config("beg", {1: ["4_1_5", "2_1_3", "off"], 3: ["3_1_4", "off"],
+                                 5: ["4_1_5", "off"]})
+  return CompilePlan(TINY, ecfg, None, None), bandit
+
+
+def test_compile_order_is_each_buckets_lead_then_its_listed_arms_largest_bucket_first():
+  """compile_order by hand: round by round (each bucket's first arm, then second, ...),
+  largest bucket first; within a bucket the lead (2_1_3) first, then the arms the bandit lists
+  at the bucket's largest live size (speculation stops at 4 rows: bucket 8 holds at most 4,
+  where 3_1_4 is listed, not 4_1_5)."""
+  plan, bandit = _compile_plan()
+  pairs = {1: [Strategy("off"), Strategy("2_1_3")], 4: [Strategy("3_1_4"), Strategy("2_1_3")],
+           8: [Strategy("4_1_5"), Strategy("3_1_4")]}
+  assert plan.compile_order(pairs, bandit) == [(8, "3_1_4"), (4, "2_1_3"), (1, "2_1_3"),
+                                               (8, "4_1_5"), (4, "3_1_4"), (1, "off")]
+  # the speculative state's catch-up room holds the deepest arm the bandit may run (4_1_5),
+  # not only the lead's 2 drafts
+  import types
+  assert plan.max_steps(types.SimpleNamespace(bandit=bandit)) == 4
+
+
+def test_a_bucket_is_ready_to_speculate_once_an_arm_wanted_there_is_compiled():
+  """ready / compacts_to with background compilation: a bucket whose bandit arms are wanted
+  is not ready (nor may a speculating batch compact to it) until one is compiled; one where
+  none is wanted (8: above the 4 rows speculation runs at) is; without background
+  compilation every bucket the gate allows is, and none it does not (probation at 1, its
+  plain decoding not measured yet; 2 closed)."""
+  import types
+  from tlt_jax.rollout.policies.cells import SpecGate
+  from tlt_jax.rollout.policies.gate import GateConfig
+  plan, bandit = _compile_plan()
+  call = types.SimpleNamespace(worker_id=0, bandit=bandit, gate=None)
+  sp = SamplingParams(temperature=1.0)
+  assert not plan.ready(call, sp, 4) and not plan.compacts_to(call, sp, 4)
+  assert plan.ready(call, sp, 8)
+  plan._ready[sp] = {(4, Strategy("3_1_4"))}
+  assert plan.ready(call, sp, 4) and plan.compacts_to(call, sp, 4)
+  plan, _ = _compile_plan(background=False)
+  gate = SpecGate(GateConfig(lead="2_1_3"))
+  gate.begin_rollout(0, plan.choosable_pairs(call))
+  call = types.SimpleNamespace(worker_id=0, bandit=bandit, gate=gate)
+  assert gate.state.status == {1: "probing", 2: "closed", 4: "closed"}
+  assert not any(plan.compacts_to(call, sp, b) or plan.ready(call, sp, b) for b in (1, 2, 4))
+  assert plan.compacts_to(types.SimpleNamespace(worker_id=0, bandit=bandit, gate=None), sp, 2)
+
+
+def test_the_window_rule_prices_the_bytes_a_narrower_window_saves_per_rollout():
+  """A decode step reads the weights and, per row, its window's KV slots of the target's
+  layers and the drafter's one (K and V). _window_pays asks the gate with the chunks that
+  needed the window per generate call (6 over 3 calls) and the share of a step's bytes at the
+  wider window the narrower one does not read; a chunk at its rows' own window runs whatever
+  the arm's tokens per verification."""
+  import types
+  import jax.numpy as jnp
+  plan, bandit = _compile_plan()
+  arm = Strategy("3_1_4")
+  asked = []
+  gate = types.SimpleNamespace(
+      repays_window=lambda *a: asked.append(a) or True,
+      runs_wide=lambda b, a, extra: False)  # (an arm whose drafts are all rejected)
+  call = types.SimpleNamespace(worker_id=0, bandit=bandit, gate=gate, drafter_params=None,
+                               params={"w": np.zeros((10, 3), np.float32)})
+  slot = (TINY.num_layers + 1) * 2 * TINY.num_kv_heads * TINY.head_dim_ \
+      * jnp.dtype(TINY.compute_dtype).itemsize
+  assert plan.step_bytes(call, 4, 32) == 120 + 4 * 32 * slot
+  plan._needs[(4, arm, 32)] = 6
+  plan.rollouts = 3
+  assert plan._window_pays(call, 4, arm, 32, 64)
+  (b, a, per_rollout, share), = asked
+  assert (b, a, per_rollout) == (4, arm, 2.0)
+  assert share == pytest.approx(4 * 32 * slot / (120 + 4 * 64 * slot))
+  assert plan.runs_wide(call, 4, arm, 32, 32) and not plan.runs_wide(call, 4, arm, 64, 32)
+
+
+def test_a_narrower_window_is_run_only_where_the_gate_says_it_repays():
+  """window(): rows needing 20 slots want the 32-slot window; only the whole cache's is
+  compiled for the arm. With a gate whose payoff rule says the narrower window does not repay
+  its compile, the chunk runs at the whole cache; where it repays, at 32 (compiled as it
+  runs: no background compilation here)."""
+  import types
+  plan, bandit = _compile_plan()
+  top, arm = plan.ecfg.cache_len, Strategy("3_1_4")
+  assert plan.ecfg.window_for(20) == 32 < top
+  plan._abstract = lambda state: state
+  plan._compiled_window = lambda call, sp, arm, abstract, want: top
+  plan._bytes = (1000, 10)
+  state = types.SimpleNamespace(batch_size=4)
+  for repays, want in ((False, top), (True, 32)):
+    gate = types.SimpleNamespace(repays_window=lambda *a, r=repays: r)
+    call = types.SimpleNamespace(worker_id=0, bandit=bandit, gate=gate)
+    assert plan.window(call, SamplingParams(temperature=1.0), arm, state, 20) == want

@@ -758,6 +758,41 @@ def test_hidden_capture(models, greedy, layouts, prompts):
   assert greedy["llama"]["results"][(0, 0)].hidden is None  # capture off -> None
 
 
+def test_a_responses_output_keeps_its_last_hidden_states_and_first_speculative_token():
+  """records.Output, by hand: 11 tokens in chunks of 4, 3 and 4 with hidden_keep 5. It never
+  holds fewer than the last 5 hidden states (nor more chunks than those need: the last two,
+  7 states), the result holds exactly the last 5 (hidden_offset 6), and spec_start is the
+  response length at the FIRST speculating chunk (4), not a later one's."""
+  from tlt_jax.rollout.records import Output
+  hidden = np.random.default_rng(0).normal(size=(11, 3)).astype(np.float32)
+  out = Output(keep=5)
+  for lo, hi in ((0, 4), (4, 7), (7, 11)):
+    if lo:
+      out.speculating()
+    out.append(np.arange(lo, hi, dtype=np.int32), np.full(hi - lo, -0.5, np.float32),
+               hidden[lo:hi])
+    assert out.kept >= min(hi, 5) and out.kept - len(out.hidden[0]) < 5
+  r = out.result(Request([1, 2], 3, 1), stopped=True, worker_id=2, t=1.5)
+  assert out.kept == 7
+  np.testing.assert_array_equal(r.hidden, hidden[6:])
+  np.testing.assert_array_equal(r.response_ids, np.arange(11))
+  assert (r.hidden_offset, r.spec_start, r.num_tokens, r.finish_reason) == (6, 4, 11, "stop")
+  assert (r.request_id, r.sample_index, r.worker_id) == (3, 1, 2)
+
+
+def test_chunks_by_kind_by_hand():
+  """records.by_kind: per kind of arm, tokens per verification, share of the step's tokens
+  (here 200) and tokens/s while it ran; plain chunks are no kind."""
+  from tlt_jax.rollout.policies.strategy import Strategy
+  from tlt_jax.rollout.records import ChunkMetrics, by_kind
+  chunks = [ChunkMetrics(0, 4, 4, 40, 4, 0.5, Strategy("4_1_5"), accepted=24, verifications=16),
+            ChunkMetrics(0, 4, 4, 16, 4, 0.5, Strategy("hist_4"), accepted=0, verifications=16),
+            ChunkMetrics(0, 4, 4, 64, 16, 1.0)]
+  assert by_kind(chunks, 200) == {
+      "drafter": {"tokens_per_verify": 2.5, "share_of_tokens": 0.2, "tokens_per_s": 80.0},
+      "history": {"tokens_per_verify": 1.0, "share_of_tokens": 0.08, "tokens_per_s": 32.0}}
+
+
 # ------------------------------------------------------------------- 7. workers on two devices
 def test_two_workers_on_two_devices_under_the_coordinator(models, greedy, prompts):
   from tlt_jax.coordinator import Coordinator, ParamStore, Worker

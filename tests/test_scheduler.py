@@ -233,6 +233,32 @@ def test_hand_checked_compaction_pads_with_empty_rows():
   assert s.slots == [r[5], r[6], None, None]
 
 
+def test_no_compaction_while_requests_wait_for_admission():
+  """Compaction waits for the queue to empty: 5 requests at max_batch 4, the fifth not
+  admitted (the KV pages refuse it), 3 rows finished: the batch stays at 4 (the refused
+  request refills it once admitted), and compacts once it is in."""
+  r = [Req(i, 1) for i in range(5)]
+  s = Scheduler(r, max_batch=4, buckets=(1, 2, 4))
+  assert s.plan() == [Prefill(tuple(r[:4]), 4)]
+  for i in (0, 1, 2):
+    s.finish(i)
+  assert s.plan(admit=lambda req: False) == [] and s.batch == 4 and list(s.pending) == [r[4]]
+  # admitted into the lowest free slot; the queue is empty: 2 live rows compact to 2
+  assert s.plan() == [Refill((r[4],), (0,), 1), Resize((0, 3), (True, True))]
+  assert s.slots == [r[4], r[3]]
+
+
+def test_a_prefill_starts_only_the_first_batch():
+  """Once the call has a batch, requests admitted after every row has finished (or been
+  preempted) refill it: the state and its rows stay, only the first batch is a Prefill."""
+  r = [Req(i, 1) for i in range(3)]
+  s = Scheduler(r, max_batch=2, buckets=(1, 2), compaction=False)
+  assert s.plan() == [Prefill((r[0], r[1]), 2)]
+  s.finish(0)
+  s.finish(1)
+  assert s.plan() == [Refill((r[2],), (0,), 1)] and s.slots == [r[2], None]
+
+
 def test_compaction_goes_only_where_the_engine_allows():
   """A speculating batch compacts only to buckets whose executables are ready (the engine's
   `compacts_to`): the smallest allowed one that holds the live rows, else it stays."""
