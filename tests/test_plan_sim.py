@@ -271,11 +271,13 @@ def test_the_learner_is_priced_on_its_own_packing():
 
   from tlt_jax.plan.learner import Layout
   from tlt_jax.rl import batching
+  from tlt_jax.rl.grpo import GRPOConfig
   lens = [int(n) for n in np.random.default_rng(0).integers(5, 368, 256)]
   samples = [batching.Sample(np.ones(3, np.int32), np.ones(n - 3, np.int32), 0.0) for n in lens]
   for tokens, rows, mult in ((2048, 64, 1), (0, 16, 1), (4096, 8, 4)):
     spec = SimpleNamespace(micro_batch=rows, pad_multiple=32, max_len=368,
-                           micro_batch_tokens=tokens, row_multiple=mult)
+                           micro_batch_tokens=tokens, row_multiple=mult,
+                           gcfg=GRPOConfig())
     real = [[mb.tokens.shape for mb in group]
             for group in batching.minibatches(samples, spec, 2, seed=7)]
     assert Layout(rows, tokens, 32, 368, 2, row_multiple=mult).shapes(lens, 7) == real
