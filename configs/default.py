@@ -260,8 +260,9 @@ def get_config():
       "compile_factor": 3.0})
 
   c.eval = ml_collections.ConfigDict()
-  # speculate during held-out greedy evaluation (lossless either way; off here: on this CPU it
-  # would compile a second set of executables for greedy sampling and not be faster)
+  # speculate during the run's held-out greedy evaluation (lossless either way; off here: on
+  # this CPU it would compile a second set of executables for greedy sampling and not be
+  # faster); `python -m tlt_jax.eval` decodes plainly whatever this says
   c.eval.speculate = False
   c.eval.num_prompts = 0  # 0 = the whole test split
   c.eval.batch_size = 64
