@@ -141,9 +141,8 @@ def snapshot(state: Any) -> Any:
       return np.array(x, copy=True)
     if isinstance(x, np.bool_):
       return bool(x)
-    # numpy numbers and strings Orbax stores; not datetime64, bytes_ and the like
-    numpy_ok = not isinstance(x, np.generic) or isinstance(x, (np.number, np.str_))
-    if isinstance(x, (jax.Array,) + SCALAR_TYPES) and numpy_ok:
+    # what Orbax stores: numpy numbers and strings, not datetime64, bytes_ and the like
+    if isinstance(x, (jax.Array, bool, int, float, str, np.number, np.str_)):
       return x
     raise CheckpointError(
         f"cannot checkpoint {fmt_path(norm_path(path))} of type {type(x).__name__}: leaves "
