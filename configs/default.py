@@ -140,6 +140,13 @@ def get_config():
   # DAPO's overlong filtering: responses cut at rollout.max_new_tokens carry no loss (their
   # group's advantages still count them)
   c.grpo.drop_truncated = False
+  # DAPO's dynamic sampling: a group whose rewards (with the overlong penalty) are all equal
+  # has no advantage; filter_groups drops such groups and rolls out gen_prompts prompts at a
+  # time (0: num_prompts; DAPO's gen batch), the same policy, until num_prompts groups with
+  # signal are kept, at most max_rollouts rollouts a step (then it learns from those it has)
+  c.grpo.filter_groups = False
+  c.grpo.gen_prompts = 0
+  c.grpo.max_rollouts = 4
   c.grpo.adv_eps = 1e-6
   c.grpo.micro_batch = 64  # rows per learner forward/backward (gradient accumulation)
   c.grpo.micro_batch_tokens = 2048  # > 0: rows per micro-batch = this // its padded length

@@ -76,6 +76,9 @@ def test_history_arms_need_the_history_index():
     ("reward.overlong_buffer", 10_000, "config.reward.overlong_buffer=10000: must be in [0, "
      "rollout.max_new_tokens="),
     ("reward.overlong_penalty", -0.5, "config.reward.overlong_penalty=-0.5: must be >= 0"),
+    ("grpo.max_rollouts", 0, "config.grpo.max_rollouts=0: must be >= 1"),
+    ("grpo.gen_prompts", -1, "config.grpo.gen_prompts=-1: must be >= 0"),
+    ("grpo.gen_prompts", 64, "config.grpo.gen_prompts=64: applies with grpo.filter_groups=True"),
     ("tlt.drafter.lr", -1e-4, "config.tlt.drafter.lr=-0.0001: must be > 0"),
     ("tlt.drafter.mode", "async", "config.tlt.drafter.mode='async': use one of off, spot"),
     ("tlt.drafter.window", 0, "config.tlt.drafter.window=0: must be >= 1"),

@@ -444,6 +444,52 @@ def test_timeline_summary_against_hand_computed_intervals():
   assert s["critical_path_s"] == pytest.approx(0.5)
 
 
+def test_a_steps_rollouts_concatenate_on_the_first_clock():
+  """Two rollouts of a step (grpo.filter_groups), the second begun 12 s after the first on the
+  same clock: seconds summed per worker, intervals and the last barrier shifted by 12, the
+  critical paths summed; their drafter metrics summed and weighted by the tokens."""
+  from tlt_jax.coordinator.coordinator import merge_spot_metrics
+  from tlt_jax.coordinator.timeline import concat_rollouts
+  clock = [0.0]
+
+  def rollout(gen0, gen1, released):
+    tl = Timeline(2, clock=lambda: clock[0])
+    start = clock[0]
+    for w in (0, 1):
+      tl.enter(w, WorkerState.GENERATING)
+    for w, end in sorted(((0, gen0), (1, gen1)), key=lambda x: x[1]):
+      clock[0] = start + end
+      tl.enter(w, WorkerState.IDLE)
+    tl.mark_barrier()
+    clock[0] = start + released
+    tl.mark_released()
+    tl.close()
+    return tl
+
+  a = rollout(3.0, 10.0, 10.5)
+  clock[0] = 12.0
+  b = rollout(4.0, 1.0, 4.25)
+  s, js = concat_rollouts([a, b])
+  assert s["generating_s"] == pytest.approx(13 + 5)
+  assert s["idle_s"] == pytest.approx(7 + 3)
+  assert s["critical_path_s"] == pytest.approx(0.5 + 0.25)
+  assert s["barrier_s"] == pytest.approx(16.0) and js["barrier"] == pytest.approx(16.0)
+  assert js["rollouts"] == [0.0, 12.0] and js["released"] == pytest.approx(16.25)
+  assert [p["idle_s"] for p in s["per_worker"]] == pytest.approx([7.0, 3.0])
+  assert sorted(tuple(iv) for iv in js["intervals"] if iv[1] == "generating") == [
+      (0, "generating", 0.0, 3.0), (0, "generating", 12.0, 16.0),
+      (1, "generating", 0.0, 10.0), (1, "generating", 12.0, 13.0)]  # (exact: binary sums)
+  assert concat_rollouts([a]) == (a.summary(), a.to_json())
+  m = merge_spot_metrics([{"steps": 2, "tokens": 100, "dropped": 1, "workers_trained": 1,
+                           "loss": 2.0, "acc": 0.5},
+                          {"steps": 0, "tokens": 0, "dropped": 0, "workers_trained": 0},
+                          {"steps": 3, "tokens": 300, "dropped": 0, "workers_trained": 2,
+                           "loss": 1.0, "acc": 0.9}])
+  assert m == {"steps": 5, "tokens": 400, "dropped": 1, "workers_trained": 2,
+               "loss": pytest.approx(1.25), "acc": pytest.approx(0.8)}
+  assert merge_spot_metrics([None, None]) is None
+
+
 # ------------------------------------------------------------------- real rollout workers
 @pytest.fixture(scope="module")
 def default_model():
@@ -601,7 +647,7 @@ def test_step_metrics_reward_figures_are_per_group_and_per_source():
                               np.zeros(n, np.float32), None, why, finish_time=float(n))
   responses = [res(n, "length" if n in (4, 9) else "stop") for n in range(1, 13)]
   run = NS(coordinator=NS(engines=[], spot=NS(mode="off")))
-  m = step_metrics(run, prompts, responses, r, [], 2.0, {"loss": 0.5}, RewardStats(), {},
+  m = step_metrics(run, prompts, responses, r, [], [2.0], {"loss": 0.5}, RewardStats(), {},
                    None, epoch=1)
   assert m["reward"] == pytest.approx(r.sum() / 12)
   assert m["accuracy"] == pytest.approx(4 / 12)
@@ -618,7 +664,7 @@ def test_step_metrics_reward_figures_are_per_group_and_per_source():
                                                       accepted=acc, verifications=ver)
   chunks = [chunk("plain", 8, 0, 0), chunk(Strategy("off"), 20, 0, 20),
             chunk(Strategy("4_1_5"), 30, 15, 10)]
-  m = step_metrics(run, prompts, responses, r, chunks, 2.0, {}, RewardStats(), {}, None,
+  m = step_metrics(run, prompts, responses, r, chunks, [2.0], {}, RewardStats(), {}, None,
                    epoch=1)
   assert m["spec"]["chunks"] == 2
   assert m["spec"]["tokens_per_verify"] == pytest.approx((15 + 10) / 10)

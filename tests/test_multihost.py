@@ -19,6 +19,7 @@ import sys
 import numpy as np
 
 from tests.mp_launch import ROOT, describe, launch
+from tests.reward_files import counting_reward
 from tests.user_env import user_env
 
 ARGS = ["--config", "configs/default.py", "--config.train.steps=2", "--config.train.eval_every=0",
@@ -51,18 +52,25 @@ def _params(workdir):
 
 
 def test_two_processes_train_like_one(tmp_path):
+  """Also DAPO's dynamic sampling across processes: every process decides, on the job's
+  rewards, to roll out again at step 1."""
+  def extra(run):  # 0 for the first rollout's 16 responses (the job's), then by the text
+    return ["--config.grpo.filter_groups=True", "--config.grpo.max_rollouts=2",
+            "--config.reward.name=" + counting_reward(tmp_path, run, first=16, later="text")]
   one = str(tmp_path / "one")
-  ref = _single(one)
+  ref = _single(one, *extra("one"))
   assert ref.returncode == 0, ref.stderr[-3000:]
   two = str(tmp_path / "two")
-  results = launch("tlt_jax.train", 2, devices_per_process=4, args=[*ARGS, "--workdir", two],
-                   timeout=900)
+  results = launch("tlt_jax.train", 2, devices_per_process=4,
+                   args=[*ARGS, *extra("two"), "--workdir", two], timeout=900)
   assert all(r.returncode == 0 for r in results), describe(results)
   assert "process 1/2" in results[1].stderr
   # process 0 alone writes the metrics; both wrote the checkpoint
   a, b = _metrics(one), _metrics(two)
   assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2]
+  assert a[0]["filter_groups"]["rollouts"] == 2
   for ma, mb in zip(a, b):
+    assert ma["filter_groups"] == mb["filter_groups"]
     assert ma["tokens"] == mb["tokens"]
     assert ma["response_length"] == mb["response_length"]
     assert ma["reward"] == mb["reward"]
@@ -81,7 +89,7 @@ def test_two_processes_train_like_one(tmp_path):
   for k in pa:
     np.testing.assert_allclose(pb[k], pa[k], rtol=1e-5, atol=1e-6, err_msg=k)
   # the 2-process checkpoint resumes in 1 process (each array read onto the current mesh)
-  more = _single(two, "--config.train.steps=3")
+  more = _single(two, *extra("two"), "--config.train.steps=3")
   assert more.returncode == 0, more.stderr[-3000:]
   assert "resumed from" in more.stderr and "at step 2" in more.stderr
   assert [m["step"] for m in _metrics(two)] == [1, 2, 3]

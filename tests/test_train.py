@@ -511,7 +511,8 @@ def test_learner_samples_shape_the_rewards_and_drop_the_truncated_as_dapo():
   """Two groups of three: the advantages are those of the rewards plus the overlong penalty
   (computed here from its definition), and with drop_truncated the responses cut at the budget
   (finish "length") are not among the learner's samples, their group's statistics unchanged."""
-  from tlt_jax.train import Response, learner_samples
+  from tlt_jax.rl.samples import learner_samples
+  from tlt_jax.train import Response
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
   cfg.grpo.n, cfg.rollout.max_new_tokens = 3, 20
   cfg.reward.overlong_buffer, cfg.reward.overlong_penalty = 5, 0.8
@@ -520,7 +521,8 @@ def test_learner_samples_shape_the_rewards_and_drop_the_truncated_as_dapo():
           (1, 0, 0.0, 16, "stop"), (1, 1, 0.0, 3, "stop"), (1, 2, 1.0, 20, "length")]
   responses = [Response(p, i, np.array([1, 2]), np.arange(k), k, why, reward=rew)
                for p, i, rew, k, why in rows]
-  r, penalty, samples = learner_samples(responses, 2, cfg)
+  r, penalty, samples, groups = learner_samples(responses, 2, cfg)
+  assert list(groups) == [0, 1]
   shaped = np.array([[1.0, 1.0 - 0.8 * 3 / 5, -0.8], [-0.8 / 5, 0.0, 1.0 - 0.8]])
   np.testing.assert_allclose(r + penalty, shaped, rtol=1e-6)
   adv = (shaped - shaped.mean(1, keepdims=True)) / (shaped.std(1, ddof=1, keepdims=True) + 1e-6)
@@ -528,7 +530,7 @@ def test_learner_samples_shape_the_rewards_and_drop_the_truncated_as_dapo():
   assert [len(s.response_ids) for s in samples] == [10, 18, 16, 3]
   np.testing.assert_allclose([s.advantage for s in samples], [adv[k] for k in kept], rtol=1e-5)
   cfg.grpo.drop_truncated, cfg.reward.overlong_buffer = False, 0
-  r, penalty, samples = learner_samples(responses, 2, cfg)
+  r, penalty, samples, _ = learner_samples(responses, 2, cfg)
   assert len(samples) == 6 and not penalty.any()
 
 
@@ -553,3 +555,80 @@ def test_a_step_whose_responses_are_all_dropped_does_not_update(tmp_path):
 def jax_copy(tree):
   import jax
   return jax.tree.map(lambda x: np.array(x), tree)
+
+
+# ------------------------------------------------------------------ DAPO's dynamic sampling
+def test_filter_groups_rolls_out_again_until_groups_carry_signal(tmp_path):
+  """A reward that scores the first rollout's 16 responses 0 (no group has signal) and every
+  later response apart: the first step rolls out twice and learns from the second rollout's 4
+  groups (8 prompts drawn), the second step once; the workers' actor released and restored
+  around them (memory.release_rollout_weights) and the drafter trained through both."""
+  from tlt_jax.run import build
+  from tlt_jax.train import train
+  from tests.reward_files import counting_reward
+  reward = counting_reward(tmp_path, "counting", first=16, later="count")
+  cfg = _small_cfg(tmp_path / "run", 2, **{
+      "reward.name": reward, "grpo.filter_groups": True, "grpo.max_rollouts": 3,
+      "memory.release_rollout_weights": True, "rollout.max_new_tokens": 24})
+  run, state = build(cfg)
+  before = jax_copy(state.learner.params)
+  state, _ = train(run, state, progress=False)
+  recs = _records(tmp_path / "run")
+  assert [r["filter_groups"] for r in recs] == [
+      {"rollouts": 2, "groups": 8, "signal_groups": 4, "trained_groups": 4},
+      {"rollouts": 1, "groups": 4, "signal_groups": 4, "trained_groups": 4}]
+  assert state.data.index == 12 and state.step == 2
+  assert recs[0]["loss"] and not _same_tree(state.learner.params, before)
+  with open(tmp_path / "run" / "timeline.jsonl") as f:
+    timelines = [json.loads(line) for line in f]
+  assert len(timelines[0]["rollouts"]) == 2 and "rollouts" not in timelines[1]
+  assert recs[0]["spot"]["generating_s"] > 0
+  run.coordinator.close()
+
+
+def test_filter_groups_with_no_signal_rolls_out_max_rollouts_and_does_not_update(tmp_path):
+  """Every response cut at an 8-token budget (reward 0 for all): max_rollouts rollouts of
+  gen_prompts=5 prompts each, no group to learn from, so no update; the data position counts
+  every prompt drawn."""
+  from tlt_jax.run import build
+  from tlt_jax.train import train
+  cfg = _small_cfg(tmp_path, 1, **{"tlt.enabled": False, "rollout.max_new_tokens": 8,
+                                   "grpo.filter_groups": True, "grpo.max_rollouts": 3,
+                                   "grpo.gen_prompts": 5})
+  run, state = build(cfg)
+  before = jax_copy(state.learner)
+  state, _ = train(run, state, progress=False)
+  rec = _records(tmp_path)[-1]
+  assert rec["filter_groups"] == {"rollouts": 3, "groups": 15, "signal_groups": 0,
+                                  "trained_groups": 0}
+  assert rec["loss"] == {} and rec["truncated"] == 1.0 and state.data.index == 15
+  assert _same_tree(state.learner.params, before.params)
+  assert _same_tree(state.learner.opt_state, before.opt_state)
+  run.coordinator.close()
+
+
+def test_learner_samples_keep_the_first_groups_with_signal():
+  """filter_groups: a group whose rewards plus overlong penalty are all equal is left out, and
+  of the rest only the first grpo.num_prompts train; a penalty that differs within a group of
+  equal rewards is signal."""
+  from tlt_jax.rl.samples import learner_samples, signal_groups
+  from tlt_jax.train import Response
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+  cfg.grpo.n, cfg.rollout.max_new_tokens, cfg.grpo.filter_groups = 2, 20, True
+  rewards = [[1, 1], [0, 1], [0, 0], [1, 0], [1, 1]]
+  lengths = [[5, 5], [5, 5], [5, 5], [5, 5], [5, 18]]
+  responses = [Response(p, i, np.array([1]), np.arange(lengths[p][i]), lengths[p][i], "stop",
+                        reward=float(rewards[p][i])) for p in range(5) for i in range(2)]
+  cfg.grpo.num_prompts = 2
+  assert list(signal_groups(responses, 5, cfg)) == [False, True, False, True, False]
+  _, _, samples, groups = learner_samples(responses, 5, cfg)
+  assert list(groups) == [1, 3]
+  np.testing.assert_allclose([s.advantage for s in samples],
+                             [-0.7071, 0.7071, 0.7071, -0.7071], atol=1e-4)
+  cfg.grpo.num_prompts = 1
+  assert list(learner_samples(responses, 5, cfg)[3]) == [1]
+  cfg.reward.overlong_buffer, cfg.grpo.num_prompts = 4, 5  # group 4's 18 tokens: -0.5
+  assert list(signal_groups(responses, 5, cfg)) == [False, True, False, True, True]
+  assert list(learner_samples(responses, 5, cfg)[3]) == [1, 3, 4]
+  cfg.grpo.filter_groups = False
+  assert list(learner_samples(responses, 5, cfg)[3]) == [0, 1, 2, 3, 4]

@@ -332,6 +332,15 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   check(g.micro_batch >= 1, "grpo.micro_batch", g.micro_batch, "must be >= 1")
   check(g.micro_batch_tokens >= 0, "grpo.micro_batch_tokens", g.micro_batch_tokens,
         "must be >= 0 (0 = fixed micro_batch rows)")
+  check(isinstance(g.filter_groups, bool), "grpo.filter_groups", g.filter_groups,
+        "True or False")
+  check(g.max_rollouts >= 1, "grpo.max_rollouts", g.max_rollouts,
+        "must be >= 1 (rollouts a step at most with grpo.filter_groups; 1: one, filtered)")
+  check(g.gen_prompts >= 0, "grpo.gen_prompts", g.gen_prompts,
+        "must be >= 0 (prompts a rollout draws with grpo.filter_groups; 0: grpo.num_prompts)")
+  check(not g.gen_prompts or g.filter_groups, "grpo.gen_prompts", g.gen_prompts,
+        "applies with grpo.filter_groups=True only (without it a step trains on every group "
+        "it draws: grpo.num_prompts sets how many); set it to 0 or turn filter_groups on")
   rows = g.num_prompts * g.n
   most = -(-rows // g.micro_batch) if not g.micro_batch_tokens else rows
   check(1 <= g.minibatches <= most, "grpo.minibatches", g.minibatches,

@@ -301,6 +301,7 @@ LEARNING_KEYS = (
     "data.train_path", "data.prompt_key", "data.answer_key", "data.source_key",
     "data.max_prompt_len", "data.chat_template", "data.system_prompt", "reward.name",
     "reward.overlong_buffer", "reward.overlong_penalty", "grpo.drop_truncated",
+    "grpo.filter_groups", "grpo.gen_prompts", "grpo.max_rollouts",
     "rollout.max_new_tokens", "rollout.temperature", "rollout.top_p", "rollout.top_k",
     "grpo.num_prompts", "grpo.n", "grpo.eps_low", "grpo.eps_high", "grpo.kl_coef",
     "grpo.norm_adv_by_std", "grpo.loss_agg", "grpo.loss_norm_len", "grpo.minibatches",

@@ -17,11 +17,13 @@ from tlt_jax.rollout.records import by_kind, tokens_per_verification
 
 
 def step_metrics(run, prompts: Sequence[Any], responses: Sequence[Any], r: np.ndarray,
-                 chunks: Sequence[Any], wall: float, upd: dict[str, Any], reward_stats: Any,
+                 chunks: Sequence[Any], walls: Sequence[float], upd: dict[str, Any],
+                 reward_stats: Any,
                  spot: dict[str, Any], drafter: dict[str, Any] | None, *, epoch: int,
                  gate: Any = None) -> dict[str, Any]:
   """The step's metrics, without its times. run: tlt_jax.run.Run; r: [prompts, n] rewards;
-  wall: the rollout's seconds; spot: the timeline's summary; drafter: the merge's metrics;
+  walls: each rollout's seconds (several with grpo.filter_groups: the responses' `rollout`
+  says whose); spot: the timeline's summary; drafter: the merge's metrics;
   epoch: the data's after this step's prompts; gate: the speculation gate's state after the
   rollout (None: no gate)."""
   lengths = [res.num_tokens for res in responses]
@@ -35,8 +37,8 @@ def step_metrics(run, prompts: Sequence[Any], responses: Sequence[Any], r: np.nd
       "zero_adv_groups": float((r.std(axis=1) == 0).mean()),
       "response_length": length_stats(lengths),
       "truncated": float(np.mean([res.finish_reason == "length" for res in responses])),
-      "rollout_tokens_per_s": tokens / max(wall, 1e-9),
-      "rollout_tail": tail_share(responses),
+      "rollout_tokens_per_s": tokens / max(sum(walls), 1e-9),
+      "rollout_tail": _tail_of_rollouts(responses, walls),
       "tokens": tokens,
       "loss": upd,
       "reward_stats": dataclasses.asdict(reward_stats),
@@ -78,6 +80,16 @@ def step_metrics(run, prompts: Sequence[Any], responses: Sequence[Any], r: np.nd
     if drafter:
       m["drafter"] = drafter
   return m
+
+
+def _tail_of_rollouts(responses: Sequence[Any], walls: Sequence[float]) -> dict[str, float]:
+  """`tail_share` of each of a step's rollouts, weighted by its seconds."""
+  if len(walls) == 1:
+    return tail_share(responses)
+  parts = [tail_share([r for r in responses if r.rollout == k]) for k in range(len(walls))]
+  total = max(sum(walls), 1e-9)
+  return {key: sum(p[key] * w for p, w in zip(parts, walls)) / total
+          for key in ("time_share", "token_share")}
 
 
 def tail_share(responses: Sequence[Any], frac: float = 0.1) -> dict[str, float]:

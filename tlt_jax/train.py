@@ -17,7 +17,9 @@ One RL step (`rl_step`; README: architecture):
      states the rollout already computed, to the drafter buffer; a worker whose share is done
      trains its drafter copy from the buffer ("spot" training) until the last worker
      finishes; there the copies are merged and pushed to every worker
-  -> rewards (process pool, scored while the tail still decodes) -> group advantages
+  -> rewards (process pool, scored while the tail still decodes); with grpo.filter_groups
+     (DAPO's dynamic sampling) more prompts roll out while too few groups carry signal
+  -> group advantages (tlt_jax/rl/samples.py)
   -> learner: old/ref log-probs recomputed in micro-batches, clipped-ratio update with
      gradient accumulation (FSDP over the mesh, donated state)
   -> coordinator.sync_actor: the new params into every worker's layout, on device.
@@ -43,7 +45,6 @@ import time
 from typing import Any, NamedTuple
 
 import jax
-import ml_collections
 import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
@@ -53,11 +54,13 @@ from tlt_jax import config as config_lib
 from tlt_jax import distributed, runtime
 from tlt_jax import export as policy_export
 from tlt_jax.coordinator import Worker
-from tlt_jax.coordinator.timeline import merge_processes
+from tlt_jax.coordinator.coordinator import merge_spot_metrics
+from tlt_jax.coordinator.timeline import concat_rollouts, merge_processes
 from tlt_jax.eval import evaluate as evaluate_rows
 from tlt_jax.curves import plot_runs
 from tlt_jax.metrics import MetricsWriter, read_records
 from tlt_jax.rl import batching, grpo
+from tlt_jax.rl.samples import learner_samples, signal_groups
 from tlt_jax.rl.reward_pool import RewardPool
 from tlt_jax.rollout.policies.cells import Policies, PolicyCells
 from tlt_jax.rollout.policies.mab import BanditState
@@ -76,7 +79,7 @@ class Response(NamedTuple):
   """One scored response, as the advantages, the learner and the metrics read it (every
   process's, after the gather)."""
 
-  request_id: int
+  request_id: int  # its prompt's index among the step's (every rollout's, in order)
   sample_index: int
   prompt_ids: np.ndarray
   response_ids: np.ndarray
@@ -84,11 +87,82 @@ class Response(NamedTuple):
   finish_reason: str
   reward: float = 0.0  # (until scored)
   finish_time: float = 0.0  # seconds since its worker's generate began (the tail metric)
+  rollout: int = 0  # which of the step's rollouts (grpo.filter_groups) wrote it
 
   @classmethod
-  def of(cls, res: Result) -> "Response":
+  def of(cls, res: Result, rollout: int = 0) -> "Response":
     return cls(res.request_id, res.sample_index, res.prompt_ids, res.response_ids,
-               res.num_tokens, res.finish_reason, finish_time=res.finish_time)
+               res.num_tokens, res.finish_reason, finish_time=res.finish_time, rollout=rollout)
+
+
+class Rollouts(NamedTuple):
+  """A step's rollouts (one, or several with grpo.filter_groups) and what they left."""
+
+  prompts: list  # every rollout's prompts, in order (a Response's request_id indexes them)
+  responses: list[Response]  # every process's, scored, by (request_id, sample_index)
+  data: Any  # the data position after the last rollout's prompts
+  policies: Policies  # the bandit's and the gate's states after the last rollout
+  chunks: list
+  walls: list[float]  # each rollout's seconds until its barrier
+  timelines: list  # each rollout's Timeline
+  settles: list  # each rollout's settle(): its drafter's metrics once merged (module docstring)
+  reward_wait: float  # seconds waited for rewards after the rollouts' barriers
+
+
+def rollouts(run: Run, state: TrainState, pool: RewardPool, seed: int) -> Rollouts:
+  """The step's rollouts from the train state's policies, rewards scored as responses
+  finish (the coordinator keeps their drafter data; spot training when idle). With
+  grpo.filter_groups (DAPO's dynamic sampling) each rollout draws grpo.gen_prompts prompts
+  (0: grpo.num_prompts), and another rolls out, with the same policy, while fewer than
+  grpo.num_prompts groups have signal (`signal_groups`), at most grpo.max_rollouts in all;
+  each rollout's seed is a function of (seed, its index)."""
+  cfg, g = run.cfg, run.cfg.grpo
+  prompts: list = []
+  responses: list[Response] = []
+  data, policies = state.data, state.policies
+  chunks, walls, timelines, settles, waited = [], [], [], [], 0.0
+  rounds = g.max_rollouts if g.filter_groups else 1
+  draw = g.gen_prompts or g.num_prompts
+  release = cfg.memory.release_rollout_weights
+  for k in range(rounds):
+    batch, data = run.stream.batch(data, draw)
+    offset = len(prompts)
+    prompts += batch
+    requests = [Request(p.ids, request_id=offset + i, sample_index=s)
+                for i, p in enumerate(batch) for s in range(g.n)]
+
+    def on_response(worker: Worker, res: Result) -> None:
+      text = run.tokenizer.decode(res.response_ids, skip_special_tokens=True)
+      row = prompts[res.request_id].row
+      pool.submit((res.request_id, res.sample_index), text, row.answer, row.source,
+                  row.extra_info)
+
+    # (release: the workers free their actor copy for the learner's phases; a rollout that
+    # may have a successor keeps it, released below where it is the last)
+    out = run.coordinator.rollout(requests, run.sampling,
+                                  seed=seed if k == 0 else _seed_for(seed, k), step=state.step,
+                                  on_response=on_response, policies=policies,
+                                  release_actor=release and k == rounds - 1)
+    policies = out.policies
+    mine = [Response.of(res, k) for res in out.results]
+    chunks += out.chunks
+    walls.append(out.wall)
+    timelines.append(out.timeline)
+    settles.append(out.settle)
+    del out  # the Results' hidden states go now (the buffer copied the windows it keeps)
+    t = time.perf_counter()
+    rewards = pool.gather([(res.request_id, res.sample_index) for res in mine])
+    waited += time.perf_counter() - t
+    # every process's responses and rewards (each scored its own): the learner's batch is
+    # global, and so is the decision to roll out again
+    responses += _gather_responses(
+        [res._replace(reward=rewards[(res.request_id, res.sample_index)]) for res in mine])
+    if k < rounds - 1 and signal_groups(responses, len(prompts), cfg).sum() >= g.num_prompts:
+      if release:
+        run.coordinator.release_actors()
+      break
+  return Rollouts(prompts, responses, data, policies, chunks, walls, timelines, settles,
+                  waited)
 
 
 def rl_step(run: Run, state: TrainState, pool: RewardPool
@@ -98,17 +172,8 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   seed = _seed_for(cfg.seed, step)
   times: dict[str, float] = {}
   t_step = time.perf_counter()
-  prompts, data = run.stream.batch(state.data, cfg.grpo.num_prompts)
-  requests = [Request(p.ids, request_id=i, sample_index=s)
-              for i, p in enumerate(prompts) for s in range(cfg.grpo.n)]
 
-  # ---- rollout (from the train state's policies, to the next), rewards as responses finish
-  # (the coordinator keeps their drafter data); spot training when idle
-  def on_response(worker: Worker, res: Result) -> None:
-    text = run.tokenizer.decode(res.response_ids, skip_special_tokens=True)
-    row = prompts[res.request_id].row
-    pool.submit((res.request_id, res.sample_index), text, row.answer, row.source, row.extra_info)
-
+  # ---- rollout(s) (from the train state's policies, to the next), rewards as responses finish
   drafting = run.store.drafter()[1] if run.tlt else None  # the drafter of this rollout
   # its acceptance is measured while speculation's data is wanted (the gate's drafter_wanted:
   # where no draft can pay, the drafter is neither trained nor used, and the metric would be a
@@ -116,24 +181,13 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   measure = run.acceptance is not None and (state.gate is None or state.gate.drafter_wanted())
   if measure:
     run.acceptance.prepare(state.learner.params, drafting.params)
-  # (release: the workers free their actor copy for the learner's phases)
-  out = run.coordinator.rollout(requests, run.sampling, seed=seed, step=step,
-                                on_response=on_response, policies=state.policies,
-                                release_actor=cfg.memory.release_rollout_weights)
-  policies = out.policies
-  mine = [Response.of(res) for res in out.results]
-  chunks, timeline, wall, settle = out.chunks, out.timeline, out.wall, out.settle
-  del out  # the Results' hidden states go now (the buffer copied the windows it keeps)
-  times["rollout"] = wall
-  t = time.perf_counter()
-  rewards = pool.gather([(res.request_id, res.sample_index) for res in mine])
-  times["reward_wait"] = time.perf_counter() - t
-  # every process's responses and rewards (each scored its own): the learner's batch is global
-  responses = _gather_responses([res._replace(reward=rewards[(res.request_id, res.sample_index)])
-                                 for res in mine])
+  ro = rollouts(run, state, pool, seed)
+  prompts, responses = ro.prompts, ro.responses
+  times["rollout"] = sum(ro.walls)
+  times["reward_wait"] = ro.reward_wait
 
   # ---- advantages
-  r, penalty, samples = learner_samples(responses, len(prompts), cfg)
+  r, penalty, samples, groups = learner_samples(responses, len(prompts), cfg)
 
   # ---- learner: old log-probs, then the update (none when every response was dropped)
   t = time.perf_counter()
@@ -154,13 +208,13 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   if cfg.reward.overlong_buffer:
     upd["overlong_penalty"] = float(penalty.mean())
   if cfg.grpo.drop_truncated:
-    upd["dropped_truncated"] = len(responses) - len(samples)
+    upd["dropped_truncated"] = cfg.grpo.n * len(groups) - len(samples)
 
   # ---- the drafter settled (merged, on every worker: with one process it settles while the
   # learner runs), then the new weights to the workers; the serial drafter ablation
-  drafter = settle()
-  spot, timeline_json = timeline.summary(), timeline.to_json()
-  reward_stats = pool.stats
+  drafter = merge_spot_metrics([settle() for settle in ro.settles])
+  spot, timeline_json = concat_rollouts(ro.timelines)
+  chunks, reward_stats = ro.chunks, pool.stats
   if jax.process_count() > 1:  # the job's view: every process's workers, chunks and rewards
     chunks, spot, timeline_json, reward_stats = _gather_views(chunks, spot, timeline_json,
                                                               reward_stats)
@@ -173,38 +227,20 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
     times["drafter"] = time.perf_counter() - t
 
   # ---- metrics
-  m = step_metrics(run, prompts, responses, r, chunks, wall, upd, reward_stats, spot, drafter,
-                   epoch=data.epoch, gate=policies.gate)
+  m = step_metrics(run, prompts, responses, r, chunks, ro.walls, upd, reward_stats, spot,
+                   drafter, epoch=ro.data.epoch, gate=ro.policies.gate)
+  if cfg.grpo.filter_groups:
+    m["filter_groups"] = {"rollouts": len(ro.walls), "groups": len(prompts),
+                          "signal_groups": int(signal_groups(responses, len(prompts),
+                                                             cfg).sum()),
+                          "trained_groups": len(groups)}
   if acceptance is not None:
     m["drafter_acceptance"] = acceptance
   times["total"] = time.perf_counter() - t_step
   times["compile"] = run.compile_clock.lap()
   m["time"] = times
-  return (TrainState(step + 1, learner, data, policies.bandit, policies.gate), m,
+  return (TrainState(step + 1, learner, ro.data, ro.policies.bandit, ro.policies.gate), m,
           timeline_json)
-
-
-def learner_samples(responses: list[Response], num_prompts: int,
-                    cfg: ml_collections.ConfigDict
-                    ) -> tuple[np.ndarray, np.ndarray, list[batching.Sample]]:
-  """-> (rewards [prompts, n], DAPO's overlong penalty [prompts, n] (0 where
-  reward.overlong_buffer is), the learner's samples): the group advantages of the rewards plus
-  the penalty, without the responses cut at the budget where grpo.drop_truncated (DAPO's
-  overlong filtering: their group's advantages still count them)."""
-  r = np.zeros((num_prompts, cfg.grpo.n), np.float32)
-  length = np.zeros_like(r)
-  for res in responses:
-    r[res.request_id, res.sample_index] = res.reward
-    length[res.request_id, res.sample_index] = res.num_tokens
-  penalty = grpo.overlong_penalty(length, cfg.rollout.max_new_tokens,
-                                  cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
-  adv = grpo.group_advantages(r + penalty, eps=cfg.grpo.adv_eps,
-                              norm_by_std=cfg.grpo.norm_adv_by_std)
-  samples = [batching.Sample(res.prompt_ids, res.response_ids,
-                             float(adv[res.request_id, res.sample_index]))
-             for res in responses
-             if not (cfg.grpo.drop_truncated and res.finish_reason == "length")]
-  return r, penalty, samples
 
 
 def _gather_views(chunks, spot, timeline_json, reward_stats):

@@ -371,6 +371,17 @@ class Coordinator:
       jax.block_until_ready(w.engine.params)
     return time.perf_counter() - t0
 
+  def release_actors(self) -> None:
+    """Every worker frees its actor copy now, as a rollout with `release_actor` does at its
+    end, for a rollout that did not (one of a step's several: grpo.filter_groups). The last
+    rollout's drafter settles first (its lone worker's training stops; no actor in
+    flight)."""
+    if self._settling is not None:
+      self._settling()
+    for f in [w.submit(w.release_actor) for w in self.workers]:
+      f.result()
+    self.store.release_actor()  # (after the workers': a pull must not take it back)
+
   def _settled(self) -> None:
     self._settling = None
 
@@ -378,6 +389,24 @@ class Coordinator:
     self._lone_stop.set()  # (an unsettled rollout's workers stop; nothing is merged)
     for w in self.workers:
       w.close()
+
+
+def merge_spot_metrics(parts: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
+  """The drafter metrics of a step's rollouts (`_merge_and_push`'s, each; None: spot training
+  off) -> the step's: counts summed, the workers that trained the most of any rollout's, the
+  loss and accuracy weighted by the tokens."""
+  parts = [p for p in parts if p is not None]
+  if len(parts) <= 1:
+    return parts[0] if parts else None
+  out: dict[str, Any] = {k: sum(p[k] for p in parts)
+                         for k in ("steps", "tokens", "dropped")}
+  out["workers_trained"] = max(p["workers_trained"] for p in parts)
+  trained = [p for p in parts if p["steps"]]
+  if trained:
+    total = max(sum(p["tokens"] for p in trained), 1.0)
+    for k in ("loss", "acc"):
+      out[k] = sum(p[k] * p["tokens"] for p in trained) / total
+  return out
 
 
 def split(requests: Sequence[Any], num_workers: int) -> list[list[Any]]:

@@ -132,6 +132,32 @@ class Timeline:
                           for iv in self.intervals]}
 
 
+def concat_rollouts(timelines: list[Timeline]) -> tuple[dict[str, Any], dict[str, Any]]:
+  """The timelines of one step's rollouts (several with grpo.filter_groups), in order, each
+  settled -> the step's (`summary`, `to_json`) on the first one's clock: seconds summed per
+  worker, the barrier and the drafter's arrival the last rollout's, the critical path the
+  sum; the JSON's `rollouts` holds when each began (only with several)."""
+  if len(timelines) == 1:
+    return timelines[0].summary(), timelines[0].to_json()
+  parts = [(tl.t0 - timelines[0].t0, tl.summary(), tl.to_json()) for tl in timelines]
+  per = [{"worker": w, **{k: sum(s["per_worker"][w][k] for _, s, _ in parts)
+                          for k in ("generating_s", "idle_s", "training_s")}}
+         for w in range(timelines[0].num_workers)]
+  idle, train = sum(p["idle_s"] for p in per), sum(p["training_s"] for p in per)
+  last_offset, last, last_js = parts[-1]
+  summary = {"generating_s": sum(p["generating_s"] for p in per), "idle_s": idle,
+             "training_s": train, "idle_share_trained": train / idle if idle > 0 else None,
+             "critical_path_s": sum(s["critical_path_s"] for _, s, _ in parts),
+             "barrier_s": last["barrier_s"] + last_offset, "per_worker": per}
+  js = {k: None if last_js[k] is None else last_js[k] + last_offset
+        for k in ("barrier", "returned", "released")}
+  js["waited"] = sum(j["waited"] for _, _, j in parts)
+  js["intervals"] = [[w, state, a + off, b + off] for off, _, j in parts
+                     for w, state, a, b in j["intervals"]]
+  js["rollouts"] = [off for off, _, _ in parts]
+  return summary, js
+
+
 def merge_processes(parts: list[tuple[dict[str, Any], dict[str, Any]]]
                     ) -> tuple[dict[str, Any], dict[str, Any]]:
   """Every process's (`summary`, `to_json`) of one step, in process order -> the job's: the
@@ -154,6 +180,8 @@ def merge_processes(parts: list[tuple[dict[str, Any], dict[str, Any]]]
              "critical_path_s": last("critical_path_s", summaries),
              "barrier_s": last("barrier_s", summaries), "per_worker": per}
   js = {k: last(k, jsons) for k in ("barrier", "returned", "released", "waited")}
+  if "rollouts" in jsons[0]:  # (every process rolls out as often: the first one's starts)
+    js["rollouts"] = jsons[0]["rollouts"]
   return summary, {**js, "intervals": intervals}
 
 
@@ -181,6 +209,8 @@ def plot(timelines: dict[int, dict], metrics: dict[int, dict], steps: list[int],
     for w, state, start, end in tl["intervals"]:
       if state in PLOT_COLORS and end > start:
         ax.barh(w, end - start, left=start, height=0.6, color=PLOT_COLORS[state])
+    for start in tl.get("rollouts", [])[1:]:  # (grpo.filter_groups: the step's next rollouts)
+      ax.axvline(start, color="0.5", lw=1, ls="--")
     if tl.get("barrier") is not None:
       ax.axvline(tl["barrier"], color="k", lw=1)
     if tl.get("released") is not None:
@@ -196,8 +226,10 @@ def plot(timelines: dict[int, dict], metrics: dict[int, dict], steps: list[int],
     ax.set_yticks(workers)
     ax.set_yticklabels([f"worker {w}" for w in workers])
     ax.invert_yaxis()
+  dashed = ("; dashed: the step's next rollout"
+            if any(len(timelines[s].get("rollouts", ())) > 1 for s in steps) else "")
   axes[-1, 0].set_xlabel(f"{time_label} (solid line: barrier, the last worker done; "
-                         "dotted: merged drafter on every worker)")
+                         f"dotted: merged drafter on every worker{dashed})")
   fig.legend(handles=[Patch(color=c, label=s) for s, c in PLOT_COLORS.items()], loc="upper right",
              ncol=3, fontsize=8)
   fig.tight_layout(rect=(0, 0, 1, 0.96))

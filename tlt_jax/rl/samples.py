@@ -1,0 +1,59 @@
+"""The learner's samples of a step's scored responses: the rewards the group advantages are
+computed from (the reward function's plus DAPO's overlong penalty), the groups that carry
+signal, and which responses train (DAPO's dynamic sampling and overlong filtering).
+
+A response here is anything with `request_id` (its prompt's index among the step's),
+`sample_index`, `prompt_ids`, `response_ids`, `num_tokens`, `finish_reason` and `reward`
+(tlt_jax/train.py's `Response`)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import ml_collections
+import numpy as np
+
+from tlt_jax.rl import batching, grpo
+
+
+def shaped_rewards(responses: Sequence[Any], num_prompts: int,
+                   cfg: ml_collections.ConfigDict) -> tuple[np.ndarray, np.ndarray]:
+  """-> (rewards [prompts, n], DAPO's overlong penalty [prompts, n]: 0 where
+  reward.overlong_buffer is): what the group advantages are computed from, summed."""
+  r = np.zeros((num_prompts, cfg.grpo.n), np.float32)
+  length = np.zeros_like(r)
+  for res in responses:
+    r[res.request_id, res.sample_index] = res.reward
+    length[res.request_id, res.sample_index] = res.num_tokens
+  return r, grpo.overlong_penalty(length, cfg.rollout.max_new_tokens,
+                                  cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
+
+
+def signal_groups(responses: Sequence[Any], num_prompts: int, cfg: ml_collections.ConfigDict
+                  ) -> np.ndarray:
+  """[prompts] bool: the groups whose shaped rewards are not all equal (the others' advantages
+  are all 0: no policy gradient)."""
+  r, penalty = shaped_rewards(responses, num_prompts, cfg)
+  return np.ptp(r + penalty, axis=1) > 0
+
+
+def learner_samples(responses: Sequence[Any], num_prompts: int,
+                    cfg: ml_collections.ConfigDict
+                    ) -> tuple[np.ndarray, np.ndarray, list[batching.Sample], np.ndarray]:
+  """-> (rewards [prompts, n], DAPO's overlong penalty [prompts, n], the learner's samples,
+  the groups they come from): the group advantages of the rewards plus the penalty; with
+  grpo.filter_groups only the first grpo.num_prompts groups with signal (DAPO's dynamic
+  sampling), and without the responses cut at the budget where grpo.drop_truncated (DAPO's
+  overlong filtering: their group's advantages still count them)."""
+  r, penalty = shaped_rewards(responses, num_prompts, cfg)
+  adv = grpo.group_advantages(r + penalty, eps=cfg.grpo.adv_eps,
+                              norm_by_std=cfg.grpo.norm_adv_by_std)
+  groups = np.arange(num_prompts)
+  if cfg.grpo.filter_groups:
+    groups = np.flatnonzero(np.ptp(r + penalty, axis=1) > 0)[:cfg.grpo.num_prompts]
+  train = set(groups.tolist())
+  samples = [batching.Sample(res.prompt_ids, res.response_ids,
+                             float(adv[res.request_id, res.sample_index]))
+             for res in responses if res.request_id in train
+             and not (cfg.grpo.drop_truncated and res.finish_reason == "length")]
+  return r, penalty, samples, groups
