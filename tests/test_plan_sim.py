@@ -341,6 +341,7 @@ def test_plan_command_errors_are_one_line(tmp_path):
   for args, needle in ((["--hardware", "tpu9"], "--hardware='tpu9': use one of"),
                        (["--lengths", "lognormal:mu=1"], "--lengths"),
                        (["--steps", "0"], "--steps=0"),
+                       (["--signal", "1.5"], "--signal=1.5: must be in (0, 1]"),
                        (["--out", str(tmp_path / "a_file" / "p")],  # before the simulation
                         f"--out='{tmp_path / 'a_file' / 'p'}': cannot be made "
                         f"({tmp_path / 'a_file'} is a file)")):
@@ -562,3 +563,36 @@ def test_a_narrower_window_is_run_only_where_the_gate_says_it_repays():
     gate = types.SimpleNamespace(repays_window=lambda *a, r=repays: r)
     call = types.SimpleNamespace(worker_id=0, bandit=bandit, gate=gate)
     assert plan.window(call, SamplingParams(temperature=1.0), arm, state, 20) == want
+
+
+def test_dynamic_sampling_rolls_out_until_enough_groups_carry_signal(tmp_path):
+  """grpo.filter_groups in the simulator (train.py's rule), TLT off, every response 40 tokens:
+  with every group carrying signal one rollout and the step as without the filter; with 30%
+  of them (drawn per group) more rollouts, each as long as the first (the step's rollout phase
+  their sum), the learner priced as without the filter where num_prompts groups train, and at
+  most max_rollouts."""
+  from tlt_jax import config as config_lib
+  from tlt_jax.plan import report
+  f = tmp_path / "lens.jsonl"
+  f.write_text(json.dumps({"length": 40}) + "\n")
+  lengths, acc = workload.lengths(str(f)), workload.acceptance("")
+
+  def plan(steps, signal=1.0, **grpo):
+    cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+    cfg.grpo.num_prompts = 8
+    cfg.grpo.update(grpo)
+    return report.plan(cfg, hardware="h100", gpus=2, lengths=lengths, acceptance=acc,
+                       steps=steps, signal=signal).off
+
+  base = plan(1)[0]
+  every = plan(1, filter_groups=True)[0]
+  assert (every.rollouts, every.groups) == (1, 8) and every.phases == base.phases
+  few = plan(4, signal=0.3, filter_groups=True, max_rollouts=4)
+  assert max(s.rollouts for s in few) > 1 and all(1 <= s.rollouts <= 4 for s in few)
+  for s in few:
+    assert s.phases["rollout"] == pytest.approx(s.rollouts * base.phases["rollout"], rel=1e-9)
+    assert len(s.lengths) == s.rollouts * 8 * 8
+    assert s.groups <= 8 and (s.groups == 8 or s.rollouts == 4)
+    if s.groups == 8:
+      assert s.phases["update"] == pytest.approx(base.phases["update"], rel=1e-9)
+    assert len(s.timeline.get("rollouts", [0.0])) == s.rollouts  # (concatenated)

@@ -3,7 +3,7 @@
     python -m tlt_jax.plan --config configs/qwen2_5_7b_math.py --hardware h100|PROFILE.json \\
         [--gpus 8] [--lengths lognormal:median=2500,sigma=0.7,...|FILE] \\
         [--acceptance 4_1_5=3.1,rate=0.8,history=1.8,...|FILE|NUMBER] [--steps 3] \\
-        [--gate open|learn] [--compile_s 0] [--out DIR] [--config.key=value ...]
+        [--gate open|learn] [--compile_s 0] [--signal 0.67] [--out DIR] [--config.key=value ...]
 
 Runs `--steps` RL steps of the recipe twice on the simulator (tlt_jax/plan/sim.py: the
 project's own rollout loop, Scheduler, page policy, gate and bandit on a simulated clock,
@@ -44,6 +44,9 @@ def _define_flags() -> None:
   flags.DEFINE_string("gate", "open", "open: speculation at every bucket under the threshold "
                       "from the first step (a long run's steady state where drafts pay); learn: "
                       "the recipe's gate, probing from nothing over --steps")
+  flags.DEFINE_float("signal", 0.67, "with grpo.filter_groups (DAPO's dynamic sampling): the "
+                    "share of groups whose rewards differ, each group independently (0.67: the "
+                    "default task's, measured; docs/training.md)")
   flags.DEFINE_integer("seed", 0, "the workload's seed")
   flags.DEFINE_string("out", "", "where plan.json and the PNGs go ('': out/plan/<config name>)")
 
@@ -58,6 +61,9 @@ def main(argv):
   if FLAGS.compile_s < 0:
     raise ConfigError("must be >= 0 (0: a warm compilation cache)", "--compile_s",
                       FLAGS.compile_s)
+  if not 0 < FLAGS.signal <= 1:
+    raise ConfigError("must be in (0, 1]: the share of groups whose rewards differ", "--signal",
+                      FLAGS.signal)
   lengths = workload.lengths(FLAGS.lengths or workload.REASONING)
   acc = workload.acceptance(FLAGS.acceptance)
   name = os.path.splitext(os.path.basename(config_flags.get_config_filename(FLAGS["config"])))[0]
@@ -68,7 +74,7 @@ def main(argv):
     raise ConfigError(f"{why}; pass a directory this user can write", "--out", out)
   plan = report.plan(cfg, hardware=FLAGS.hardware, gpus=FLAGS.gpus, lengths=lengths,
                      acceptance=acc, steps=FLAGS.steps, compile_s=FLAGS.compile_s,
-                     gate=FLAGS.gate, seed=FLAGS.seed, progress=True)
+                     gate=FLAGS.gate, seed=FLAGS.seed, progress=True, signal=FLAGS.signal)
   print(report.text(plan))
   with open(os.path.join(out, "plan.json"), "w") as f:
     json.dump(report.to_json(plan), f, indent=1)

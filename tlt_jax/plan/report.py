@@ -36,6 +36,8 @@ class Plan:
   gate: dict[str, Any] | None
   executables: dict[str, Any]  # on, off: totals; per_worker: executables, compile seconds, by_kind
   gate_mode: str
+  signal: float = 1.0  # the share of groups with signal (grpo.filter_groups)
+  filtering: bool = False  # grpo.filter_groups
 
   @property
   def speedup(self) -> float:
@@ -76,8 +78,9 @@ def cluster(cfg, *, hardware: str, gpus: int, gate: str):
 
 def plan(cfg, *, hardware: str = "h100", gpus: int = 0, lengths: Lengths, acceptance: Acceptance,
          steps: int = 3, compile_s: float = 0.0, gate: str = "open", seed: int = 0,
-         progress: bool = False) -> Plan:
-  """The recipe `cfg` simulated for `steps` RL steps, TLT on and off (module docstring)."""
+         progress: bool = False, signal: float = 1.0) -> Plan:
+  """The recipe `cfg` simulated for `steps` RL steps, TLT on and off (module docstring);
+  signal: the share of groups whose rewards differ (grpo.filter_groups reads it)."""
   from tlt_jax import memory
   from tlt_jax.config import model_config, run_spec
   hw, device, n, workers, tp = cluster(cfg, hardware=hardware, gpus=gpus, gate=gate)
@@ -91,7 +94,7 @@ def plan(cfg, *, hardware: str = "h100", gpus: int = 0, lengths: Lengths, accept
         sized = memory.derive_max_batch(spec, model_cfg, device=device, num_devices=n)
       spec = spec.with_max_batch(*sized)
     sim = Simulation(spec, model_cfg, hw, workers=workers, tp=tp, gpus=n, lengths=lengths,
-                     acceptance=acceptance, compile_s=compile_s, seed=seed)
+                     acceptance=acceptance, compile_s=compile_s, seed=seed, signal=signal)
     bar = None
     if progress:
       from tqdm import tqdm
@@ -117,7 +120,7 @@ def plan(cfg, *, hardware: str = "h100", gpus: int = 0, lengths: Lengths, accept
               kv_pages=on.ecfg.pool_pages, lengths=lengths, acceptance=acceptance,
               compile_s=compile_s, on=on.steps, off=off.steps,
               gate=gate_after.summary() if gate_after is not None else None, executables=ex,
-              gate_mode=gate)
+              gate_mode=gate, signal=signal, filtering=bool(cfg.grpo.get("filter_groups")))
 
 
 def _per_worker(records, workers: int) -> dict[str, Any]:
@@ -175,6 +178,9 @@ def text(p: Plan) -> str:
       f"TLT on vs off: {p.speedup:.2f}x the step, "
       f"{off.phases['rollout'] / on.phases['rollout']:.2f}x the rollout",
       f"live batch, TLT off: {_live(off)}",
+      *([f"rollouts this step (grpo.filter_groups, {p.signal:.0%} of the groups with signal): "
+         f"TLT on {on.rollouts}, off {off.rollouts}; over the run "
+         f"{sum(s.rollouts for s in p.on)} rollouts in {len(p.on)} steps"] if p.filtering else []),
       f"rows preempted for pages: TLT on {on.preempted}, off {off.preempted}",
       f"idle worker time {spot['idle_s']:.0f} s (all workers), "
       + (f"{share:.0%} of it training the drafter" if share is not None else "none"),
@@ -197,7 +203,8 @@ def to_json(p: Plan) -> dict[str, Any]:
   def step(s: StepResult) -> dict[str, Any]:
     return {"step": s.step, "seconds": s.seconds, "phases": s.phases,
             "per_worker": s.per_worker, "preempted": s.preempted, "spot": s.spot,
-            "live": s.live, "timeline": s.timeline.to_json(),
+            "live": s.live, "timeline": s.timeline, "rollouts": s.rollouts,
+            "groups": s.groups,
             "lengths": {"mean": float(s.lengths.mean()), "max": int(s.lengths.max())}}
   return {"model": p.name, "hardware": dataclasses.asdict(p.hardware), "gpus": p.gpus,
           "workers": p.workers, "tp": p.tp, "max_batch": p.max_batch, "kv_pages": p.kv_pages,
@@ -207,6 +214,7 @@ def to_json(p: Plan) -> dict[str, Any]:
           p.acceptance.draft_rate(),
           "acceptance_history": p.acceptance.history, "compile_s": p.compile_s,
           "speedup": p.speedup, "gate": p.gate, "executables": p.executables,
+          "signal": p.signal if p.filtering else None,
           "on": [step(s) for s in p.on], "off": [step(s) for s in p.off]}
 
 
@@ -217,7 +225,7 @@ def plots(p: Plan, out: str) -> None:
   import matplotlib.pyplot as plt
   from tlt_jax.coordinator.timeline import plot
   on, off = p.on[-1], p.off[-1]
-  plot({1: on.timeline.to_json(), 2: off.timeline.to_json()},
+  plot({1: on.timeline, 2: off.timeline},
        {1: {"spot": on.spot}, 2: {"spot": off.spot}}, [1, 2],
        os.path.join(out, "timeline.png"),
        time_label="predicted seconds since the rollout began",

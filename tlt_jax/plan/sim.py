@@ -1,8 +1,10 @@
 """The cluster simulator's RL steps: the project's own rollout loop (sim_engine.py's
 `SimEngine`, the engine on a simulated device and clock) inside whole simulated steps.
 
-`Simulation.step` runs one whole RL step: the coordinator's split of requests over workers
-(coordinator.split), each worker's generate call on its own device clock (workers run side by
+`Simulation.step` runs one whole RL step: its rollouts (one; with grpo.filter_groups,
+DAPO's dynamic sampling, train.py's rule over groups that carry signal at a given rate), each
+the coordinator's split of requests over workers (coordinator.split), each worker's generate
+call on its own device clock (workers run side by
 side, each on its own replica: they are simulated one after the other and share the step's
 cells of the gate and the bandit, as the process's workers share a rollout's; the states go
 from step to step as the train state carries them), the barrier at the slowest worker, the
@@ -20,7 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from tlt_jax.coordinator.coordinator import split
-from tlt_jax.coordinator.timeline import Timeline, WorkerState
+from tlt_jax.coordinator.timeline import Timeline, WorkerState, concat_rollouts
 from tlt_jax.models import ModelConfig
 from tlt_jax.plan import cost
 from tlt_jax.plan.learner import Layout, Learner, learner_phases, remat_mode
@@ -50,11 +52,13 @@ class StepResult:
   phases: dict[str, float]  # seconds per phase (the step's wall time is their sum)
   per_worker: list[dict[str, Any]]
   live: list[tuple[float, int]]  # (seconds into the step, live rows over all workers)
-  timeline: Timeline
+  timeline: dict[str, Any]  # the step's Timeline.to_json (its rollouts', concat_rollouts)
   chunks: list[Any]
   preempted: int
-  lengths: np.ndarray
+  lengths: np.ndarray  # every response the step's rollouts drew
   spot: dict[str, Any]  # Timeline.summary() of the step (idle, trained, critical path)
+  rollouts: int = 1  # (several with grpo.filter_groups)
+  groups: int = 0  # the groups the learner trains on
 
   @property
   def seconds(self) -> float:
@@ -72,10 +76,12 @@ class Simulation:
 
   def __init__(self, spec, cfg: ModelConfig, hw: cost.Hardware, *, workers: int, tp: int,
                gpus: int, lengths: Lengths, acceptance: Acceptance, compile_s: float,
-               seed: int = 0, prompt_tokens: int | None = None):
+               seed: int = 0, prompt_tokens: int | None = None, signal: float = 1.0):
+    """signal: the share of groups whose rewards differ (grpo.filter_groups keeps them)."""
     self.spec, self.cfg, self.hw = spec, cfg, hw
     self.workers_n, self.tp, self.gpus = workers, tp, gpus
-    self.lengths, self.seed = lengths, seed
+    self.lengths, self.seed, self.signal = lengths, seed, signal
+    self._drawn = 0  # prompts drawn so far (each one distinct)
     self.ecfg = spec.engine_config((0,))
     self.tlt = spec.tlt
     # the bandit's and the gate's states between steps (a step's workers share them in cells)
@@ -111,16 +117,11 @@ class Simulation:
     c = cost.draft(self.cfg, int(d.rows), int(d.row_len), int(d.row_len) // 2, tp=self.tp)
     return 3 * self.hw.seconds(c)
 
-  def step(self) -> StepResult:
-    k = len(self.steps)
-    n = self.num_prompts * self.group
-    lens = self.lengths.draw(n, self.ecfg.max_new_tokens, self.rng, step=k)
-    reqs = [Request(self._prompt(k * self.num_prompts + i), request_id=i, sample_index=s)
-            for i in range(self.num_prompts) for s in range(self.group)]
+  def _rollout(self, k: int, reqs: list[Request], lens: np.ndarray, t0: float) -> dict[str, Any]:
+    """One rollout of step k (index k) from `t0`: every worker's generate on its own clock,
+    the barrier, spot training in the idle windows (the coordinator's rule), on a Timeline."""
     for e in self.engines:
       e.lengths = {r.key: int(lens[j]) for j, r in enumerate(reqs)}
-    sp = self.spec.sampling
-    t0 = self.t
     self._now = t0
     tl = Timeline(self.workers_n, clock=lambda: self._now)
     # spot training in each worker's idle window (the coordinator's rule), when wanted
@@ -129,12 +130,11 @@ class Simulation:
              and (self.policies.gate is None or self.policies.gate.drafter_wanted()))
     per, chunks, live = [], [], []
     cells = PolicyCells.of(self.policies)  # the workers decode one after another
-    busy0 = [dict(e.busy) for e in self.engines]
     for i, (e, share) in enumerate(zip(self.engines, split(reqs, self.workers_n))):
-      e.now = self._now = t0  # (each worker's replica decodes from the step's start)
+      e.now = self._now = t0  # (each worker's replica decodes from the rollout's start)
       tl.enter(i, WorkerState.GENERATING)
       before, pre = len(e.chunk_log), e.preemptions
-      e.generate(share, sp, seed=k, policies=cells)
+      e.generate(share, self.spec.sampling, seed=k, policies=cells)
       new = e.chunk_log[before:]
       chunks += new
       live += [(m.t - m.wall_time, i, m.live) for m in new]
@@ -160,23 +160,63 @@ class Simulation:
     tl.mark_returned()
     tl.mark_released()
     tl.close()
-    spot = tl.summary()
-    seq = [self.prompt_tokens + int(x) for x in lens]
-    learner = learner_phases(self.cfg, self.hw, self.learner, self.layout.shapes(seq, k),
-                             reference=float(self.spec.cfg.grpo.get("kl_coef", 0.0)) > 0)
+    starts = [min(len(sh), self.ecfg.max_batch) for sh in split(reqs, self.workers_n)]
+    return {"timeline": tl, "chunks": chunks, "live": live, "starts": starts, "per": per,
+            "wall": barrier - t0, "late": late, "end": barrier + late}
+
+  def step(self) -> StepResult:
+    """One RL step: its rollouts (one; with grpo.filter_groups, DAPO's dynamic sampling, more
+    while fewer than grpo.num_prompts groups carry signal, each group with probability
+    `signal` independently of its lengths: train.py's rule), then the learner on the groups
+    that train."""
+    k = len(self.steps)
+    g = self.spec.cfg.grpo
+    filtering = bool(g.get("filter_groups", False))
+    rounds = int(g.max_rollouts) if filtering else 1
+    draw = int(g.get("gen_prompts", 0) or self.num_prompts) if filtering else self.num_prompts
+    busy0 = [dict(e.busy) for e in self.engines]
+    t0 = start = self.t
+    rolls, trained, drawn = [], [], []
+    for _ in range(rounds):
+      lens = self.lengths.draw(draw * self.group, self.ecfg.max_new_tokens, self.rng, step=k)
+      first = self._drawn
+      self._drawn += draw
+      reqs = [Request(self._prompt(first + i), request_id=i, sample_index=s)
+              for i in range(draw) for s in range(self.group)]
+      r = self._rollout(k, reqs, lens, start)
+      drawn.append(lens)
+      rolls.append(r)
+      start = r["end"]
+      groups = lens.reshape(draw, self.group)  # (reqs: a prompt's samples side by side)
+      trained += list(groups[self.rng.random(draw) < self.signal] if filtering else groups)
+      if len(trained) >= self.num_prompts:
+        break
+    trained = trained[:self.num_prompts]
+    spot, timeline = concat_rollouts([r["timeline"] for r in rolls])
+    chunks = [c for r in rolls for c in r["chunks"]]
+    per = [{**p, **{key: sum(r["per"][i][key] for r in rolls)
+                    for key in ("generating_s", "chunks", "preempted", "idle_s",
+                                "drafter_steps")}}
+           for i, p in enumerate(rolls[0]["per"])]
+    seq = [self.prompt_tokens + int(x) for group in trained for x in group]
+    learner = (learner_phases(self.cfg, self.hw, self.learner, self.layout.shapes(seq, k),
+                              reference=float(g.get("kl_coef", 0.0)) > 0) if seq else
+               {"logprobs": 0.0, "update": 0.0, "weight_sync": 0.0})  # (no group: no update)
     parts = {k2: sum(e.busy[k2] - b[k2] for e, b in zip(self.engines, busy0)) / self.workers_n
              for k2 in ("prefill", "drafter_tracking", "compile", "host")}
     bulk, tail, verify = _decode_split(chunks)
     w = self.workers_n
-    phases = {"rollout": barrier - t0, "drafter": late, **learner,
+    late = sum(r["late"] for r in rolls)
+    phases = {"rollout": sum(r["wall"] for r in rolls), "drafter": late, **learner,
               "prefill": parts["prefill"], "bulk_decode": bulk / w, "tail_decode": tail / w,
               "verification": verify / w, "drafter_tracking": parts["drafter_tracking"],
               "compile": parts["compile"], "host": parts["host"], "idle": spot["idle_s"] / w,
               "drafter_training": spot["training_s"] / w}
-    self.t = barrier + late + learner["logprobs"] + learner["update"] + learner["weight_sync"]
-    starts = [min(len(sh), self.ecfg.max_batch) for sh in split(reqs, w)]
-    res = StepResult(k + 1, phases, per, live_batch(live, starts), tl, chunks,
-                     sum(p["preempted"] for p in per), lens, spot)
+    self.t = start + learner["logprobs"] + learner["update"] + learner["weight_sync"]
+    live = [(t + r["timeline"].t0 - t0, i, n) for r in rolls for t, i, n in r["live"]]
+    res = StepResult(k + 1, phases, per, live_batch(live, rolls[0]["starts"]), timeline,
+                     chunks, sum(p["preempted"] for p in per), np.concatenate(drawn), spot,
+                     len(rolls), len(trained))
     self.steps.append(res)
     return res
 
