@@ -267,10 +267,15 @@ def get_config():
       "compile_factor": 3.0})
 
   c.eval = ml_collections.ConfigDict()
-  # speculate during the run's held-out greedy evaluation (lossless either way; off here: on
-  # this CPU it would compile a second set of executables for greedy sampling and not be
-  # faster); `python -m tlt_jax.eval` decodes plainly whatever this says
+  # speculate during the run's held-out evaluation (lossless either way; off here: on this
+  # CPU it would compile a second set of executables and not be faster); `python -m
+  # tlt_jax.eval` decodes plainly whatever this says
   c.eval.speculate = False
   c.eval.num_prompts = 0  # 0 = the whole test split
   c.eval.batch_size = 64
+  # responses per prompt and their sampling: temperature 0 is greedy (n 1); n > 1 sampled
+  # reports accuracy as avg@n and the unbiased pass@k (reasoning papers: n 16-32 at 0.6-1.0)
+  c.eval.n = 1
+  c.eval.temperature = 0.0
+  c.eval.top_p = 1.0
   return c

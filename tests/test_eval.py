@@ -70,3 +70,90 @@ def test_eval_accuracy_matches_transformers_greedy(tmp_path):
   assert metrics["num_prompts"] == n
   assert metrics["accuracy"] == pytest.approx(float(np.mean(scores)))
   assert 0.0 < metrics["accuracy"] < 1.0
+
+
+def test_pass_at_k_is_the_share_of_k_subsets_with_a_correct_sample():
+  """The unbiased pass@k against its definition: over every k-subset of n samples with c
+  correct, the share that holds at least one correct sample."""
+  import itertools
+
+  from tlt_jax.eval import pass_at_k
+  for n in (1, 2, 5, 8):
+    for c in range(n + 1):
+      for k in range(1, n + 1):
+        subsets = list(itertools.combinations([i < c for i in range(n)], k))
+        want = sum(any(s) for s in subsets) / len(subsets)
+        assert pass_at_k(n, c, k) == pytest.approx(want, abs=1e-12), (n, c, k)
+
+
+class _Chars:
+  """A tokenizer of characters (the fake engine's responses are text)."""
+
+  def encode(self, text):
+    return [ord(ch) for ch in text]
+
+  def decode(self, ids, skip_special_tokens=True):
+    return "".join(chr(i) for i in ids)
+
+
+class _Scripted:
+  """An engine whose responses are given: answers[request_id][sample_index], returned in
+  reverse order (a real engine returns them as they finish)."""
+
+  def __init__(self, answers):
+    self.answers = answers
+
+  def generate(self, requests, sampling, *, seed, hooks, policies, speculate):
+    from tlt_jax.rollout.records import Result
+    out = []
+    for r in reversed(requests):
+      text = f"#### {self.answers[r.request_id][r.sample_index]}"
+      res = Result(r.request_id, r.sample_index, np.asarray(r.prompt_ids),
+                   np.array([ord(ch) for ch in text]), np.zeros(len(text), np.float32), None,
+                   "stop")
+      hooks.on_result(res)
+      out.append(res)
+    return out
+
+
+def test_sampled_evaluation_scores_every_sample_of_every_prompt():
+  """evaluate with n=4 samples a prompt (scripted responses, the arith verifier in the reward
+  pool): accuracy the mean over all 12 responses, pass@k per prompt from its own correct
+  count (counted here), whatever order the responses finish in; n > 1 greedy refused."""
+  from tlt_jax.data.prompts import PromptRow
+  from tlt_jax.eval import evaluate, pass_at_k
+  from tlt_jax.rl.reward_pool import RewardPool
+  from tlt_jax.rollout.sampling import SamplingParams
+  rows = [PromptRow(i, f"q{i}", str(a)) for i, a in enumerate((7, 11, 3))]
+  answers = [[7, 7, 1, 7], [0, 0, 0, 11], [5, 5, 5, 5]]  # 3, 1 and 0 of 4 right
+  with RewardPool("arith", num_workers=1) as pool:
+    m = evaluate(_Scripted(answers), _Chars(), rows, pool, progress=False, n=4,
+                 sampling=SamplingParams(temperature=1.0))
+    with pytest.raises(ValueError, match="greedy responses to a prompt are one"):
+      evaluate(_Scripted(answers), _Chars(), rows, pool, progress=False, n=4)
+  assert m["num_prompts"] == 3 and m["samples"] == 4
+  assert m["accuracy"] == pytest.approx(4 / 12)
+  correct = [sum(a == int(r.answer) for a in got) for r, got in zip(rows, answers)]
+  assert correct == [3, 1, 0]
+  assert m["pass_at"] == {str(k): pytest.approx(np.mean([pass_at_k(4, c, k) for c in correct]))
+                          for k in (1, 2, 4)}
+  assert m["pass_at"]["4"] == pytest.approx(2 / 3) and m["pass_at"]["1"] == m["accuracy"]
+
+
+def test_sampled_eval_command(tmp_path):
+  """python -m tlt_jax.eval with eval.n=4 at temperature 1 on the shipped model: 4 responses to
+  each of 16 prompts, avg@4 and pass@k (binary rewards: pass@1 is the accuracy; with the
+  accuracy strictly between 0 and 1 and samples that differ, pass@4 above it)."""
+  p = _run(["tlt_jax.eval", "--config", "configs/default.py", "--config.eval.num_prompts=16",
+            f"--config.workdir={tmp_path}", "--config.eval.n=4", "--config.eval.temperature=1.0"])
+  assert p.returncode == 0, p.stderr
+  m = json.load(open(tmp_path / "eval.json"))
+  assert m["num_prompts"] == 16 and m["samples"] == 4 and m["temperature"] == 1.0
+  assert set(m["pass_at"]) == {"1", "2", "4"}
+  assert m["pass_at"]["1"] == pytest.approx(m["accuracy"]) and 0 < m["accuracy"] < 1
+  assert m["pass_at"]["4"] > m["pass_at"]["2"] > m["pass_at"]["1"]
+  assert "avg@4, temperature 1" in p.stdout and "pass@4" in p.stdout
+  bad = _run(["tlt_jax.eval", "--config", "configs/default.py", "--config.eval.n=4",
+              f"--config.workdir={tmp_path}"])
+  assert bad.returncode == 2 and "config.eval.n=4: greedy responses" in bad.stderr
+  assert "Traceback" not in bad.stderr

@@ -370,6 +370,13 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   check(t.export_dtype in ("",) + export.DTYPES, "train.export_dtype", t.export_dtype,
         f"use one of {list(export.DTYPES)}, or '' for the starting model's dtype")
   check(cfg.eval.batch_size >= 1, "eval.batch_size", cfg.eval.batch_size, "must be >= 1")
+  e = cfg.eval
+  check(e.n >= 1, "eval.n", e.n, "must be >= 1 (responses per held-out prompt)")
+  check(e.temperature >= 0, "eval.temperature", e.temperature, "must be >= 0 (0: greedy)")
+  check(0 < e.top_p <= 1, "eval.top_p", e.top_p, "must be in (0, 1] (1: off)")
+  check(e.n == 1 or e.temperature > 0, "eval.n", e.n,
+        "greedy responses to a prompt are all one: set eval.temperature > 0 to sample them "
+        "(e.g. 1.0), or eval.n=1")
   check(cfg.reward.num_workers >= 1, "reward.num_workers", cfg.reward.num_workers,
         "must be >= 1")
   check(cfg.reward.timeout > 0, "reward.timeout", cfg.reward.timeout, "must be > 0 seconds")

@@ -1,8 +1,12 @@
-"""Held-out greedy evaluation: accuracy of a model on a prompt split under its reward.
+"""Held-out evaluation: accuracy of a model on a prompt split under its reward, greedy or
+sampled (avg@n and pass@k, as reasoning-RL papers report AIME's).
 
   python -m tlt_jax.eval --config configs/default.py [--config.eval.num_prompts=100]
+  python -m tlt_jax.eval --config configs/default.py --config.eval.n=16 \
+      --config.eval.temperature=1.0
 
-Prints accuracy (overall and by `num_terms` when rows carry it), response-length quantiles
+Prints accuracy (overall and by `num_terms` when rows carry it; with eval.n samples a
+prompt, the mean over every sample: avg@n, and the unbiased pass@k), response-length quantiles
 and decode throughput; writes them to <workdir>/eval.json. `evaluate` is reused by the RL
 loop for its periodic held-out evaluation.
 """
@@ -35,47 +39,69 @@ def length_stats(lengths: Sequence[int]) -> dict[str, float]:
           "max": float(a.max())}
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+  """The unbiased estimate of pass@k from n samples of which c are correct (Chen et al.,
+  2021): 1 - C(n - c, k) / C(n, k), as a product (no large binomials)."""
+  if n - c < k:
+    return 1.0
+  return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def sampling_of(cfg) -> tuple[int, SamplingParams]:
+  """config.eval's samples per prompt and their sampling (temperature 0: greedy)."""
+  e = cfg.eval
+  return int(e.get("n", 1)), SamplingParams(temperature=float(e.get("temperature", 0.0)),
+                                            top_p=float(e.get("top_p", 1.0)))
+
+
 def evaluate(engine: Engine, tokenizer, rows: Sequence[PromptRow], pool: RewardPool, *,
              seed: int = 0, progress: bool = True, chat_template: bool = False,
-             system_prompt: str = "", policies=None, speculate: bool = True
-             ) -> dict[str, Any]:
-  """Greedy-decodes every row (prompts encoded as training encodes them) and scores it;
-  returns a metrics dict. Each response goes to the reward `pool` as it finishes, scored in
-  its worker processes while the rest decode (as training's are). `policies`: the bandit and
-  gate cells for these chunks (policies/cells.py's PolicyCells; the RL loop passes
-  evaluation's own bandit and a gate it does not measure, so evaluation never moves the
-  training policies; None: a fresh bandit)."""
-  requests = [Request(encode_prompt(tokenizer, r.prompt, chat_template=chat_template,
-                                    system_prompt=system_prompt), request_id=i)
-              for i, r in enumerate(rows)]
+             system_prompt: str = "", policies=None, speculate: bool = True, n: int = 1,
+             sampling: SamplingParams = SamplingParams(temperature=0.0)) -> dict[str, Any]:
+  """Decodes `n` responses to every row (prompts encoded as training encodes them; greedy
+  where `sampling` is, and then n is 1) and scores them; returns a metrics dict: `accuracy`
+  the mean reward over every response (avg@n), with n > 1 `pass_at` the unbiased pass@k
+  (k = 1, 2, 4, ... and n; a response is correct where its reward is >= 1) averaged over the
+  prompts. Each response goes to the reward `pool` as it finishes, scored in its worker
+  processes while the rest decode (as training's are). `policies`: the bandit and gate cells
+  for these chunks (policies/cells.py's PolicyCells; the RL loop passes evaluation's own
+  bandit and a gate it does not measure, so evaluation never moves the training policies;
+  None: a fresh bandit)."""
+  if n > 1 and sampling.greedy:
+    raise ValueError(f"evaluate: {n} greedy responses to a prompt are one; sample (a "
+                     "temperature > 0) or take n=1")
+  requests = [Request(ids, request_id=i, sample_index=j)
+              for i, r in enumerate(rows)
+              for ids in [encode_prompt(tokenizer, r.prompt, chat_template=chat_template,
+                                        system_prompt=system_prompt)]
+              for j in range(n)]
   bar = None
   if progress:
     from tqdm import tqdm
-    bar = tqdm(total=len(requests), desc="eval", unit="prompt", file=sys.stderr)
+    bar = tqdm(total=len(requests), desc="eval", unit="response", file=sys.stderr)
   call = object()  # this call's keys in the pool, whoever else uses it
 
   def score(res) -> None:
     row = rows[res.request_id]
-    pool.submit((call, res.request_id), tokenizer.decode(res.response_ids,
-                                                         skip_special_tokens=True),
+    pool.submit((call, res.request_id, res.sample_index),
+                tokenizer.decode(res.response_ids, skip_special_tokens=True),
                 row.answer, row.source, row.extra_info)
     if bar:
       bar.update(1)
 
   t0 = time.perf_counter()
-  results = engine.generate(requests, SamplingParams(temperature=0.0), seed=seed,
-                            hooks=EngineHooks(on_result=score), policies=policies,
-                            speculate=speculate)
+  results = engine.generate(requests, sampling, seed=seed, hooks=EngineHooks(on_result=score),
+                            policies=policies, speculate=speculate)
   wall = time.perf_counter() - t0
   if bar:
     bar.close()
-  results.sort(key=lambda r: r.request_id)
-  rewards = pool.gather([(call, r.request_id) for r in results])
+  results.sort(key=lambda r: (r.request_id, r.sample_index))
+  rewards = pool.gather([(call, r.request_id, r.sample_index) for r in results])
   scores, lengths = [], []
   by_terms: dict[int, list[float]] = collections.defaultdict(list)
   for res in results:
     row = rows[res.request_id]
-    s = rewards[(call, res.request_id)]
+    s = rewards[(call, res.request_id, res.sample_index)]
     scores.append(s)
     lengths.append(res.num_tokens)
     if "num_terms" in row.extra:
@@ -83,13 +109,20 @@ def evaluate(engine: Engine, tokenizer, rows: Sequence[PromptRow], pool: RewardP
   tokens = int(sum(lengths))
   out = {
       "accuracy": float(np.mean(scores)),
-      "num_prompts": len(scores),
+      "num_prompts": len(rows),
+      "samples": n,
+      "temperature": sampling.temperature,
       "response_length": length_stats(lengths),
       "tokens": tokens,
       "wall_seconds": wall,
       "tokens_per_second": tokens / wall if wall > 0 else 0.0,
       "truncated": sum(r.finish_reason == "length" for r in results),
   }
+  if n > 1:
+    correct = (np.asarray(scores).reshape(len(rows), n) >= 1.0).sum(axis=1)
+    ks = sorted({2 ** i for i in range(n.bit_length()) if 2 ** i < n} | {n})
+    out["pass_at"] = {str(k): float(np.mean([pass_at_k(n, int(c), k) for c in correct]))
+                      for k in ks}
   if by_terms:
     groups = {"2-4 terms": (2, 4), "5-9 terms": (5, 9), "10+ terms": (10, 10**9)}
     out["accuracy_by_terms"] = {
@@ -112,9 +145,10 @@ def main(argv):
   if cfg.eval.num_prompts:
     rows = rows[:cfg.eval.num_prompts]
   with runtime.reward_pool(cfg) as pool:  # as in training: a hang costs one reward
+    n, sampling = sampling_of(cfg)
     metrics = evaluate(engine, tokenizer, rows, pool, seed=cfg.seed,
                        chat_template=cfg.data.chat_template,
-                       system_prompt=cfg.data.system_prompt)
+                       system_prompt=cfg.data.system_prompt, n=n, sampling=sampling)
   metrics["reward_failures"] = {"errors": pool.stats.errors, "timeouts": pool.stats.timeouts,
                                 "crashes": pool.stats.crashes}
   metrics["compile"] = engine.compile_stats()
@@ -122,8 +156,12 @@ def main(argv):
   with open(os.path.join(cfg.workdir, "eval.json"), "w") as f:
     json.dump(metrics, f, indent=2)
   lens = metrics["response_length"]
+  how = ("greedy" if n == 1 and sampling.greedy else
+         f"avg@{n}, temperature {sampling.temperature:g}, top_p {sampling.top_p:g}")
   print(f"accuracy {metrics['accuracy']:.3f} on {metrics['num_prompts']} prompts "
-        f"(greedy; truncated {metrics['truncated']})")
+        f"({how}; truncated {metrics['truncated']})")
+  if "pass_at" in metrics:
+    print("  " + ", ".join(f"pass@{k} {v:.3f}" for k, v in metrics["pass_at"].items()))
   for name, acc in metrics.get("accuracy_by_terms", {}).items():
     print(f"  {name:>10}: {acc:.3f}")
   print(f"response length mean {lens['mean']:.1f} p50 {lens['p50']:.0f} p90 {lens['p90']:.0f} "

@@ -57,6 +57,7 @@ from tlt_jax.coordinator import Worker
 from tlt_jax.coordinator.coordinator import merge_spot_metrics
 from tlt_jax.coordinator.timeline import concat_rollouts, merge_processes
 from tlt_jax.eval import evaluate as evaluate_rows
+from tlt_jax.eval import sampling_of
 from tlt_jax.curves import plot_runs
 from tlt_jax.metrics import MetricsWriter, read_records
 from tlt_jax.rl import batching, grpo
@@ -263,14 +264,17 @@ def _gather_responses(mine: list[Response]) -> list[Response]:
 
 def evaluate(run: Run, pool: RewardPool, state: TrainState, bandit: BanditState | None
              ) -> tuple[dict[str, Any], BanditState | None]:
-  """Held-out greedy accuracy, decoded by worker 0 with evaluation's own bandit (`bandit`,
-  returned updated) and the train state's gate, read but not moved."""
+  """Held-out accuracy (config.eval's responses per prompt and sampling), decoded by worker 0
+  with evaluation's own bandit (`bandit`, returned updated) and the train state's gate, read
+  but not moved."""
   d, w = run.cfg.data, run.coordinator.workers[0]
   cells = PolicyCells.of(Policies(bandit, state.gate), measure=False)
+  n, sampling = sampling_of(run.cfg)
   m = w.submit(evaluate_rows, w.engine, run.tokenizer, run.test_rows, pool, seed=run.cfg.seed,
                progress=False, chat_template=d.chat_template, system_prompt=d.system_prompt,
-               policies=cells, speculate=run.cfg.eval.speculate).result()
-  return ({k: v for k, v in m.items() if k in ("accuracy", "accuracy_by_terms",
+               policies=cells, speculate=run.cfg.eval.speculate, n=n,
+               sampling=sampling).result()
+  return ({k: v for k, v in m.items() if k in ("accuracy", "accuracy_by_terms", "pass_at",
                                                 "response_length", "tokens_per_second")},
           cells.states().bandit)
 
