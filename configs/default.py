@@ -132,6 +132,9 @@ def get_config():
   c.grpo.eps_high = 0.28
   c.grpo.kl_coef = 0.0  # > 0: low-variance KL to the initial model
   c.grpo.norm_adv_by_std = True
+  # "grpo" ((r - group mean) / group std), "rloo" (leave-one-out baseline),
+  # "reinforce_plus_plus_baseline" (r - group mean, whitened over the batch's tokens)
+  c.grpo.adv_estimator = "grpo"
   # how the loss aggregates its token terms over a mini-batch: "token-mean" (DAPO),
   # "seq-mean-token-mean" (GRPO), "seq-mean-token-sum", "seq-mean-token-sum-norm" (Dr. GRPO,
   # with norm_adv_by_std=False; each response's sum over loss_norm_len, 0: max_new_tokens)

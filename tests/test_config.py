@@ -77,6 +77,8 @@ def test_history_arms_need_the_history_index():
      "rollout.max_new_tokens="),
     ("reward.overlong_penalty", -0.5, "config.reward.overlong_penalty=-0.5: must be >= 0"),
     ("grpo.max_rollouts", 0, "config.grpo.max_rollouts=0: must be >= 1"),
+    ("grpo.adv_estimator", "gae", "config.grpo.adv_estimator='gae': use one of grpo, rloo, "
+     "reinforce_plus_plus_baseline"),
     ("eval.n", 0, "config.eval.n=0: must be >= 1"),
     ("eval.n", 8, "config.eval.n=8: greedy responses to a prompt are all one"),
     ("eval.top_p", 0.0, "config.eval.top_p=0.0: must be in (0, 1]"),
@@ -423,3 +425,15 @@ def test_dr_grpos_length_is_the_generation_budget_unless_set():
   assert config_lib.run_spec(cfg).grpo.loss_norm_len == cfg.rollout.max_new_tokens
   cfg.grpo.loss_norm_len = 300
   assert config_lib.run_spec(cfg).grpo.loss_norm_len == 300
+
+
+def test_dr_grpo_std_switch_is_grpos_alone():
+  """norm_adv_by_std=False (Dr. GRPO's advantages) with an estimator that never divides by the
+  std would do nothing: one error naming it; with grpo it stands."""
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+  cfg.grpo.norm_adv_by_std = False
+  config_lib.run_spec(cfg)
+  cfg.grpo.adv_estimator = "rloo"
+  with pytest.raises(ConfigError, match=r"config.grpo.norm_adv_by_std=False: False applies to "
+                                        r"grpo.adv_estimator='grpo' only"):
+    config_lib.run_spec(cfg)

@@ -572,3 +572,27 @@ def test_the_reference_forward_runs_only_with_a_kl_term(kl_coef):
     assert (b.ref_logp is None) == (kl_coef == 0)
   if kl_coef:
     np.testing.assert_array_equal(np.asarray(later[0].ref_logp), np.asarray(later[0].old_logp))
+
+
+def test_advantage_estimators_against_their_definitions():
+  """rloo: each response against the mean of the others in its group, written as that loop;
+  reinforce_plus_plus_baseline: r - the group's mean, repeated over each response's tokens,
+  whitened over all the batch's tokens (ddof 1, 1e-8 under the root), read back per response;
+  grpo: group_advantages."""
+  from tlt_jax.rl.grpo import advantages, group_advantages
+  rng = np.random.default_rng(3)
+  r = rng.integers(0, 2, (5, 4)).astype(np.float64) + rng.normal(0, 0.1, (5, 4))
+  lengths = rng.integers(1, 40, (5, 4)).astype(np.float64)
+  loo = np.array([[r[p, i] - np.mean([r[p, j] for j in range(4) if j != i]) for i in range(4)]
+                  for p in range(5)])
+  np.testing.assert_allclose(advantages(r, lengths, estimator="rloo"), loo, rtol=1e-5)
+  per_token = np.concatenate([np.full(int(lengths[p, i]), r[p, i] - r[p].mean())
+                              for p in range(5) for i in range(4)])
+  whitened = (per_token - per_token.mean()) / np.sqrt(per_token.var(ddof=1) + 1e-8)
+  starts = np.cumsum([0] + [int(x) for x in lengths.ravel()])[:-1]
+  np.testing.assert_allclose(
+      advantages(r, lengths, estimator="reinforce_plus_plus_baseline").ravel(),
+      whitened[starts], rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(advantages(r, lengths), group_advantages(r))
+  with pytest.raises(ValueError, match="unknown estimator 'ppo'"):
+    advantages(r, lengths, estimator="ppo")

@@ -632,3 +632,25 @@ def test_learner_samples_keep_the_first_groups_with_signal():
   assert list(learner_samples(responses, 5, cfg)[3]) == [1, 3, 4]
   cfg.grpo.filter_groups = False
   assert list(learner_samples(responses, 5, cfg)[3]) == [0, 1, 2, 3, 4]
+
+
+def test_batch_whitened_advantages_count_only_the_groups_that_train():
+  """reinforce_plus_plus_baseline with filter_groups: the whitening's statistics are the
+  trained groups' tokens only (a dropped group's would move them)."""
+  from tlt_jax.rl.grpo import advantages
+  from tlt_jax.rl.samples import learner_samples
+  from tlt_jax.train import Response
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+  cfg.grpo.n, cfg.grpo.num_prompts, cfg.grpo.filter_groups = 2, 2, True
+  cfg.grpo.adv_estimator = "reinforce_plus_plus_baseline"
+  rewards, lengths = [[1, 1], [0, 1], [1, 0]], [[9, 9], [3, 12], [7, 5]]
+  responses = [Response(p, i, np.array([1]), np.arange(lengths[p][i]), lengths[p][i], "stop",
+                        reward=float(rewards[p][i])) for p in range(3) for i in range(2)]
+  _, _, samples, groups = learner_samples(responses, 3, cfg)
+  assert list(groups) == [1, 2]
+  want = advantages(np.array(rewards[1:], float), np.array(lengths[1:], float),
+                    estimator="reinforce_plus_plus_baseline")
+  np.testing.assert_allclose([s.advantage for s in samples], want.ravel(), rtol=1e-6)
+  everything = advantages(np.array(rewards, float), np.array(lengths, float),
+                          estimator="reinforce_plus_plus_baseline")
+  assert not np.allclose(everything[1:].ravel(), want.ravel())

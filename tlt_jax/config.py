@@ -34,7 +34,7 @@ from tlt_jax.drafter.model import ENGINES
 from tlt_jax.errors import ConfigError, build, check, section_values
 from tlt_jax.memory import device_bytes
 from tlt_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES, ModelConfig
-from tlt_jax.rl.grpo import GRPOConfig
+from tlt_jax.rl.grpo import ADV_ESTIMATORS, GRPOConfig
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.policies.cells import Policies
 from tlt_jax.rollout.policies.gate import GateConfig, GateState
@@ -332,6 +332,11 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   check(g.micro_batch >= 1, "grpo.micro_batch", g.micro_batch, "must be >= 1")
   check(g.micro_batch_tokens >= 0, "grpo.micro_batch_tokens", g.micro_batch_tokens,
         "must be >= 0 (0 = fixed micro_batch rows)")
+  check(g.adv_estimator in ADV_ESTIMATORS, "grpo.adv_estimator", g.adv_estimator,
+        f"use one of {', '.join(ADV_ESTIMATORS)}")
+  check(g.adv_estimator == "grpo" or g.norm_adv_by_std, "grpo.norm_adv_by_std",
+        g.norm_adv_by_std, f"False applies to grpo.adv_estimator='grpo' only (Dr. GRPO); "
+        f"{g.adv_estimator!r} does not divide by the group's std")
   check(isinstance(g.filter_groups, bool), "grpo.filter_groups", g.filter_groups,
         "True or False")
   check(g.max_rollouts >= 1, "grpo.max_rollouts", g.max_rollouts,

@@ -104,6 +104,37 @@ def group_advantages(rewards: np.ndarray, *, eps: float = 1e-6, norm_by_std: boo
   return (centered / (std + eps)).astype(np.float32)
 
 
+# grpo.adv_estimator: VeRL's critic-free estimators over a prompt's group of responses
+ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+
+
+def advantages(rewards: np.ndarray, lengths: np.ndarray, *, estimator: str = "grpo",
+               eps: float = 1e-6, norm_by_std: bool = True) -> np.ndarray:
+  """rewards, lengths [P, n] (the batch's groups, the responses' tokens) -> advantages [P, n]
+  (every token of a response carries its response's), as VeRL computes them:
+    grpo  `group_advantages` (norm_by_std False: Dr. GRPO's r - mean)
+    rloo  the leave-one-out baseline: r_i - mean_{j != i} r_j = n / (n - 1) (r_i - mean)
+    reinforce_plus_plus_baseline  r - the group's mean, then whitened over the batch's
+          response tokens (mean and Bessel-corrected variance over tokens, 1e-8 under the
+          root), so a response weighs as its length in the batch's statistics"""
+  if estimator == "grpo":
+    return group_advantages(rewards, eps=eps, norm_by_std=norm_by_std)
+  r = np.asarray(rewards, np.float64)
+  n = r.shape[1]
+  centered = r - r.mean(axis=1, keepdims=True)
+  if estimator == "rloo":
+    return (centered * n / max(n - 1, 1)).astype(np.float32)
+  if estimator != "reinforce_plus_plus_baseline":
+    raise ValueError(f"advantages: unknown estimator {estimator!r}; use one of {ADV_ESTIMATORS}")
+  w = np.asarray(lengths, np.float64)
+  tokens = w.sum()
+  if tokens <= 1:
+    return np.zeros_like(r, np.float32)
+  mean = (w * centered).sum() / tokens
+  var = (w * (centered - mean) ** 2).sum() / tokens * tokens / (tokens - 1)
+  return ((centered - mean) / np.sqrt(var + 1e-8)).astype(np.float32)
+
+
 # ---------------------------------------------------------------------------- per-token math
 def overlong_penalty(lengths: np.ndarray, max_len: int, buffer: int, penalty: float = 1.0
                      ) -> np.ndarray:

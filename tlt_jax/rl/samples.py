@@ -16,15 +16,22 @@ import numpy as np
 from tlt_jax.rl import batching, grpo
 
 
-def shaped_rewards(responses: Sequence[Any], num_prompts: int,
-                   cfg: ml_collections.ConfigDict) -> tuple[np.ndarray, np.ndarray]:
-  """-> (rewards [prompts, n], DAPO's overlong penalty [prompts, n]: 0 where
-  reward.overlong_buffer is): what the group advantages are computed from, summed."""
-  r = np.zeros((num_prompts, cfg.grpo.n), np.float32)
+def _tables(responses: Sequence[Any], num_prompts: int, n: int
+            ) -> tuple[np.ndarray, np.ndarray]:
+  """-> (rewards, lengths), each [prompts, n]."""
+  r = np.zeros((num_prompts, n), np.float32)
   length = np.zeros_like(r)
   for res in responses:
     r[res.request_id, res.sample_index] = res.reward
     length[res.request_id, res.sample_index] = res.num_tokens
+  return r, length
+
+
+def shaped_rewards(responses: Sequence[Any], num_prompts: int,
+                   cfg: ml_collections.ConfigDict) -> tuple[np.ndarray, np.ndarray]:
+  """-> (rewards [prompts, n], DAPO's overlong penalty [prompts, n]: 0 where
+  reward.overlong_buffer is): what the group advantages are computed from, summed."""
+  r, length = _tables(responses, num_prompts, cfg.grpo.n)
   return r, grpo.overlong_penalty(length, cfg.rollout.max_new_tokens,
                                   cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
 
@@ -41,19 +48,25 @@ def learner_samples(responses: Sequence[Any], num_prompts: int,
                     cfg: ml_collections.ConfigDict
                     ) -> tuple[np.ndarray, np.ndarray, list[batching.Sample], np.ndarray]:
   """-> (rewards [prompts, n], DAPO's overlong penalty [prompts, n], the learner's samples,
-  the groups they come from): the group advantages of the rewards plus the penalty; with
-  grpo.filter_groups only the first grpo.num_prompts groups with signal (DAPO's dynamic
-  sampling), and without the responses cut at the budget where grpo.drop_truncated (DAPO's
-  overlong filtering: their group's advantages still count them)."""
-  r, penalty = shaped_rewards(responses, num_prompts, cfg)
-  adv = grpo.group_advantages(r + penalty, eps=cfg.grpo.adv_eps,
-                              norm_by_std=cfg.grpo.norm_adv_by_std)
+  the groups they come from): the advantages (grpo.adv_estimator, `grpo.advantages`) of the
+  rewards plus the penalty over the groups that train: every one, or with grpo.filter_groups
+  the first grpo.num_prompts groups with signal (DAPO's dynamic sampling); without the
+  responses cut at the budget where grpo.drop_truncated (DAPO's overlong filtering: their
+  group's advantages, and a batch's whitening, still count them)."""
+  g = cfg.grpo
+  r, length = _tables(responses, num_prompts, g.n)
+  penalty = grpo.overlong_penalty(length, cfg.rollout.max_new_tokens,
+                                  cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
   groups = np.arange(num_prompts)
-  if cfg.grpo.filter_groups:
-    groups = np.flatnonzero(np.ptp(r + penalty, axis=1) > 0)[:cfg.grpo.num_prompts]
+  if g.filter_groups:
+    groups = np.flatnonzero(np.ptp(r + penalty, axis=1) > 0)[:g.num_prompts]
+  adv = np.zeros_like(r)
+  adv[groups] = grpo.advantages((r + penalty)[groups], length[groups],
+                                estimator=g.get("adv_estimator", "grpo"), eps=g.adv_eps,
+                                norm_by_std=g.norm_adv_by_std)
   train = set(groups.tolist())
   samples = [batching.Sample(res.prompt_ids, res.response_ids,
                              float(adv[res.request_id, res.sample_index]))
              for res in responses if res.request_id in train
-             and not (cfg.grpo.drop_truncated and res.finish_reason == "length")]
+             and not (g.drop_truncated and res.finish_reason == "length")]
   return r, penalty, samples, groups
