@@ -131,6 +131,7 @@ def get_config():
   c.grpo.eps_low = 0.2
   c.grpo.eps_high = 0.28
   c.grpo.kl_coef = 0.0  # > 0: low-variance KL to the initial model
+  c.grpo.entropy_coef = 0.0  # > 0: an entropy bonus in the loss (VeRL's entropy_coeff)
   c.grpo.norm_adv_by_std = True
   # "grpo" ((r - group mean) / group std), "rloo" (leave-one-out baseline),
   # "reinforce_plus_plus_baseline" (r - group mean, whitened over the batch's tokens)

@@ -77,7 +77,7 @@ def _np_grpo_loss(new, old, ref, samples, gcfg):
       pg = max(-a * ratio, clipped)
       d = lr[t] - lp[t]
       kl = np.exp(d) - d - 1
-      terms.append(pg + gcfg.kl_coef * kl)
+      terms.append(pg + gcfg.kl_coef * kl - gcfg.entropy_coef * ent[t])
       sums += (ent[t], kl, pg, clipped > -a * ratio)
     n_tok += len(terms)
     if gcfg.loss_agg == "token-mean":  # summed here, divided by every token below
@@ -118,16 +118,18 @@ def setup():
   return old, new, ref, samples
 
 
-@pytest.mark.parametrize("kl_coef,temperature,loss_agg", [
-    (0.0, 1.0, "token-mean"), (0.05, 0.7, "seq-mean-token-mean"),
-    (0.0, 1.0, "seq-mean-token-sum"), (0.05, 0.7, "seq-mean-token-sum-norm")])
-def test_microbatched_loss_matches_float64_reference(setup, kl_coef, temperature, loss_agg):
+@pytest.mark.parametrize("kl_coef,temperature,loss_agg,entropy_coef", [
+    (0.0, 1.0, "token-mean", 0.0), (0.05, 0.7, "seq-mean-token-mean", 0.0),
+    (0.0, 1.0, "seq-mean-token-sum", 0.03), (0.05, 0.7, "seq-mean-token-sum-norm", 0.01)])
+def test_microbatched_loss_matches_float64_reference(setup, kl_coef, temperature, loss_agg,
+                                                     entropy_coef):
   """The loss as each aggregation defines it over the whole batch (its responses of 1-40
-  tokens, so the aggregations differ), the metrics token means whatever it is."""
+  tokens, so the aggregations differ), with the KL term and the entropy bonus, the metrics
+  token means whatever it is."""
   old, new, ref, samples = setup
   gcfg = grpo.GRPOConfig(eps_low=0.2, eps_high=0.28, kl_coef=kl_coef, temperature=temperature,
                          logit_chunk=8,  # chunked LM head with a ragged last chunk
-                         loss_agg=loss_agg, loss_norm_len=48)
+                         loss_agg=loss_agg, loss_norm_len=48, entropy_coef=entropy_coef)
   rng = np.random.RandomState(1)  # short samples too: they outlast the long rows' gaps
   samples = samples + [batching.Sample(rng.randint(1, 23, 3), rng.randint(1, 23, rng.randint(1, 9)),
                                    float(rng.randn())) for _ in range(12)]
@@ -156,6 +158,21 @@ def test_microbatched_loss_matches_float64_reference(setup, kl_coef, temperature
   # the clipped tokens, counted (a float32 ratio on a clip boundary may count either way)
   np.testing.assert_allclose(got["clip_frac"], want_clip, atol=1.5 / n)
   assert 0.1 < want_clip < 0.9  # both branches of the clip were exercised
+
+
+def _summed_alone(grad_of, samples):
+  """sum over samples of grad_of(seq [1, T], response mask [T], sample): each sample alone in
+  a row, padded at its end to one length (one compile; causal: what follows a token changes
+  nothing before it)."""
+  T = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+  total = None
+  for s in samples:
+    seq = np.concatenate([s.prompt_ids, s.response_ids])
+    pos = np.arange(T)
+    g = grad_of(jnp.asarray(np.pad(seq, (0, T - len(seq))))[None],
+                jnp.asarray((pos >= len(s.prompt_ids)) & (pos < len(seq))), s)
+    total = g if total is None else jax.tree.map(jnp.add, total, g)
+  return total
 
 
 def test_ratio_is_one_on_policy_and_gradient_is_policy_gradient(setup):
@@ -192,16 +209,7 @@ def test_ratio_is_one_on_policy_and_gradient_is_policy_gradient(setup):
     lp = grpo.token_logprobs(p, seq, cfg=CFG, temperature=1.0)[0][0]
     return -advantage * jnp.sum(jnp.where(response, lp, 0.0)) / n
 
-  # each sample alone in a row, padded at its end to one length (one compile; causal: what
-  # follows a token changes nothing before it)
-  T = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-  g_ref = None
-  for s in samples:
-    seq = np.concatenate([s.prompt_ids, s.response_ids])
-    pos = np.arange(T)
-    g = reinforce(old, jnp.asarray(np.pad(seq, (0, T - len(seq))))[None],
-                  jnp.asarray((pos >= len(s.prompt_ids)) & (pos < len(seq))), s.advantage)
-    g_ref = g if g_ref is None else jax.tree.map(jnp.add, g_ref, g)
+  g_ref = _summed_alone(lambda seq, resp, s: reinforce(old, seq, resp, s.advantage), samples)
   for a, b in zip(jax.tree.leaves(g_loss), jax.tree.leaves(g_ref)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
@@ -596,3 +604,39 @@ def test_advantage_estimators_against_their_definitions():
   np.testing.assert_array_equal(advantages(r, lengths), group_advantages(r))
   with pytest.raises(ValueError, match="unknown estimator 'ppo'"):
     advantages(r, lengths, estimator="ppo")
+
+
+def test_the_entropy_bonus_differentiates_as_the_entropy_of_each_sample_alone(setup):
+  """grpo.entropy_coef: the packed loss's gradient with the bonus less its gradient without is
+  -coef x the gradient of the response tokens' entropy summed over each sample run alone
+  (unpacked) over the batch's tokens (token-mean)."""
+  old, new, _, samples = setup
+  mbs = list(batching.micro_batches(samples, rows=2, pad_multiple=64, max_len=64))
+  n = jnp.float32(sum(float(mb.loss_mask.sum()) for mb in mbs))
+
+  def grad_with(coef):
+    gcfg = grpo.GRPOConfig(entropy_coef=coef)
+    fn = jax.jit(jax.grad(lambda p, dev: grpo.grpo_loss(p, dev, cfg=CFG, gcfg=gcfg,
+                                                        num_tokens=n)[0]))
+    total = None
+    for mb in mbs:
+      packed = (jnp.asarray(mb.tokens), jnp.asarray(mb.positions),
+                jnp.asarray(mb.segment_ids))
+      dev = grpo.Batch(*packed, jnp.asarray(mb.loss_mask), jnp.asarray(mb.loss_weight),
+                       jnp.asarray(mb.advantages),
+                       grpo.token_logprobs(old, *packed, cfg=CFG, temperature=1.0)[0])
+      g = fn(new, dev)
+      total = g if total is None else jax.tree.map(jnp.add, total, g)
+    return total
+
+  @jax.jit
+  @jax.grad
+  def entropy(p, seq, response):
+    ent = grpo.token_logprobs(p, seq, cfg=CFG, temperature=1.0)[1][0]
+    return jnp.sum(jnp.where(response, ent, 0.0)) / n
+
+  g_ent = _summed_alone(lambda seq, resp, s: entropy(new, seq, resp), samples)
+  diff = jax.tree.map(jnp.subtract, grad_with(0.1), grad_with(0.0))
+  for a, b in zip(jax.tree.leaves(diff), jax.tree.leaves(g_ent)):
+    np.testing.assert_allclose(np.asarray(a), -0.1 * np.asarray(b), rtol=2e-3, atol=1e-6)
+  assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(g_ent)) > 1e-3

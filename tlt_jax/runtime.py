@@ -304,6 +304,7 @@ LEARNING_KEYS = (
     "grpo.filter_groups", "grpo.gen_prompts", "grpo.max_rollouts",
     "rollout.max_new_tokens", "rollout.temperature", "rollout.top_p", "rollout.top_k",
     "grpo.num_prompts", "grpo.n", "grpo.eps_low", "grpo.eps_high", "grpo.kl_coef",
+    "grpo.entropy_coef",
     "grpo.norm_adv_by_std", "grpo.adv_estimator", "grpo.loss_agg", "grpo.loss_norm_len",
     "grpo.minibatches",
     "optim.lr", "optim.schedule", "optim.warmup_steps", "optim.weight_decay", "optim.b1",

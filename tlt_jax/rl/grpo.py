@@ -50,6 +50,7 @@ class GRPOConfig:
   eps_low: float = 0.2  # ratio clipped to [1 - eps_low, 1 + eps_high] ("clip-higher")
   eps_high: float = 0.28
   kl_coef: float = 0.0  # > 0: low-variance KL (k3) to the frozen reference policy
+  entropy_coef: float = 0.0  # > 0: an entropy bonus (each token's term less coef x entropy)
   temperature: float = 1.0  # the rollout temperature; logits / T before log-softmax
   adv_eps: float = 1e-6
   norm_adv_by_std: bool = True  # False: Dr. GRPO's advantages (r - mean)
@@ -67,6 +68,9 @@ class GRPOConfig:
       raise ConfigError("must be >= 0", "eps_high", self.eps_high)
     if self.kl_coef < 0:
       raise ConfigError("must be >= 0 (0 = no KL term)", "kl_coef", self.kl_coef)
+    if self.entropy_coef < 0:
+      raise ConfigError("must be >= 0 (0 = no entropy bonus; a negative one would push the "
+                        "policy to collapse)", "entropy_coef", self.entropy_coef)
     if self.temperature <= 0:
       raise ConfigError("GRPO samples its groups, the learner needs a temperature > 0 "
                         "(e.g. 1.0)", "temperature", self.temperature)
@@ -225,7 +229,8 @@ class Batch(NamedTuple):
 
 def grpo_loss(params: Params, mb: Batch, *, cfg: ModelConfig, gcfg: GRPOConfig,
               num_tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Clipped-ratio loss of one micro-batch: each response token's term x its `loss_weight`
+  """Clipped-ratio loss of one micro-batch (plus kl_coef x the k3 KL to the reference, less
+  entropy_coef x the entropy): each response token's term x its `loss_weight`
   (weights over the whole mini-batch, so summing micro-batch losses gives the mini-batch's
   aggregate). ref_logp is read only when kl_coef > 0. Metrics are sums over the micro-batch's
   response tokens divided by the mini-batch's count `num_tokens` (they add up to token
@@ -257,6 +262,8 @@ def grpo_loss(params: Params, mb: Batch, *, cfg: ModelConfig, gcfg: GRPOConfig,
     kl = jnp.exp(d) - d - 1.0  # k3: unbiased, >= 0, low variance (Schulman)
     per_token = per_token + gcfg.kl_coef * kl
     metrics["kl_ref"] = jnp.sum(kl * mask) / denom
+  if gcfg.entropy_coef > 0:  # (the entropy differentiates through the chunked LM head)
+    per_token = per_token - gcfg.entropy_coef * ent
   loss = jnp.sum(per_token * mb.loss_weight)
   metrics["loss"] = loss
   return loss, metrics
