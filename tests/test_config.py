@@ -388,10 +388,13 @@ def test_the_data_line_says_when_every_step_repeats_prompts():
   from tlt_jax.run import data_line
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
   cfg.grpo.num_prompts = 8
-  assert data_line(7, 0, cfg).endswith("; fewer than the 8 a step draws (grpo.num_prompts): "
+  assert data_line(7, 0, cfg).endswith("; fewer than the 8 a rollout draws (grpo.num_prompts): "
                                        "every step repeats prompts")
   assert data_line(8, 2, cfg).endswith("(2 dropped as longer than max_prompt_len=80 tokens)")
   assert data_line(8, 2, cfg, 1).endswith("max_prompt_len=80 tokens, 1 as encoding to no tokens)")
+  cfg.grpo.filter_groups, cfg.grpo.gen_prompts = True, 24  # (DAPO's gen batch: a rollout's)
+  assert data_line(20, 0, cfg).endswith("; fewer than the 24 a rollout draws "
+                                        "(grpo.gen_prompts): every step repeats prompts")
 
 
 def test_a_context_past_the_models_positions_is_said(tmp_path, capsys):
@@ -438,3 +441,13 @@ def test_dr_grpo_std_switch_is_grpos_alone():
   with pytest.raises(ConfigError, match=r"config.grpo.norm_adv_by_std=False: False applies to "
                                         r"grpo.adv_estimator='grpo' only"):
     config_lib.run_spec(cfg)
+
+
+def test_the_gate_horizon_counts_every_rollout_of_a_step():
+  """The gate's clock advances once per rollout (payoff.py: R = horizon - rollouts so far);
+  with grpo.filter_groups a step rolls out up to grpo.max_rollouts times, so a horizon of
+  train.steps would leave the gate no rollouts to repay a compile from mid-run on."""
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+  assert config_lib.run_spec(cfg).gate.horizon == cfg.train.steps
+  cfg.grpo.filter_groups, cfg.grpo.max_rollouts = True, 3
+  assert config_lib.run_spec(cfg).gate.horizon == 3 * cfg.train.steps

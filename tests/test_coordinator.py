@@ -264,6 +264,24 @@ def test_release_frees_the_actor_after_the_in_flight_step_and_the_drafter_push_k
   c.close()
 
 
+@pytest.mark.parametrize("overlap,release", [(False, False), (True, False), (True, True)])
+def test_a_rollouts_results_go_with_its_outcome_not_with_its_settle(overlap, release):
+  """train.py drops a rollout's outcome once it has its responses (the Results' hidden states
+  go), but keeps every rollout's settle() until the step's end (grpo.filter_groups: several):
+  a settle, run or not, must not hold the Results."""
+  import gc
+  import weakref
+  c, _, _ = make(2, overlap=overlap)
+  out = c.rollout(shares(0.01, 0.05), sp=None, seed=0, release_actor=release)
+  refs = [weakref.ref(r) for r in out.results]
+  settle = out.settle
+  del out
+  gc.collect()
+  assert [r() for r in refs] == [None, None]
+  assert settle()["steps"] >= 1  # (it still merges what the idle worker trained)
+  c.close()
+
+
 def test_copies_trained_on_several_workers_are_merged_by_tokens_and_reach_every_worker():
   trainers = [FakeTrainer(step_s=0.02, tokens=100, lr=1.0),
               FakeTrainer(step_s=0.02, tokens=300, lr=3.0), FakeTrainer()]
@@ -627,6 +645,22 @@ def test_rollout_tail_share_is_the_time_after_90_percent_of_the_responses():
   rs = [res(0.1 * i, 10) for i in range(1, 15)] + [res(4.0, 50)]
   assert tail_share(rs)["time_share"] == pytest.approx((4.0 - 1.4) / 4.0)
   assert tail_share(rs)["token_share"] == pytest.approx(50 / 190)
+
+
+def test_rollout_tail_of_several_rollouts_is_the_steps():
+  """A step's rollouts (grpo.filter_groups): the time share weighted by their seconds, the
+  token share the step's tail tokens over the step's tokens (each rollout's tail its own)."""
+  from types import SimpleNamespace as NS
+
+  from tlt_jax.step_metrics import _tail_of_rollouts
+  res = lambda k, t, n: NS(rollout=k, finish_time=t, num_tokens=n)
+  # rollout 0: 10 responses of 100 tokens (the last one's 100 its tail), 10 s; rollout 1: 10
+  # responses of 10 tokens, the last one 410 (its tail), 2 s
+  rs = ([res(0, float(i), 100) for i in range(1, 11)]
+        + [res(1, 0.1 * i, 10) for i in range(1, 10)] + [res(1, 2.0, 410)])
+  got = _tail_of_rollouts(rs, [10.0, 2.0])
+  assert got["token_share"] == pytest.approx((100 + 410) / (1000 + 500))
+  assert got["time_share"] == pytest.approx((10 * (1 / 10) + 2 * (1.1 / 2.0)) / 12)
 
 
 def test_step_metrics_reward_figures_are_per_group_and_per_source():

@@ -222,12 +222,16 @@ def _speculation(cfg: ml_collections.ConfigDict):
   g = s.get("gate")
   if g is not None and s.selector != "fixed":
     # the probe's first arm is the fixed selector's: its key is tlt.spec.strategy; what a
-    # compile must repay is counted in the run's rollouts, one per step and worker; disabled,
-    # the gate still prices compiles (narrower attention windows) but opens every bucket
+    # compile must repay is counted in the run's rollouts, one per step and worker (with
+    # grpo.filter_groups up to grpo.max_rollouts a step: the gate's clock counts each, so the
+    # horizon is the most the run can roll out, not train.steps); disabled, the gate still
+    # prices compiles (narrower attention windows) but opens every bucket
+    gr = cfg.grpo
+    per_step = max(int(gr.get("max_rollouts", 1)), 1) if gr.get("filter_groups") is True else 1
     gate = build(GateConfig, "tlt.spec.gate",
                  {k: v for k, v in section_values(GateConfig, g).items() if k != "gating"},
                  lead=("tlt.spec.strategy", s.strategy),
-                 horizon=("train.steps", cfg.train.steps),
+                 horizon=("train.steps", cfg.train.steps * per_step),
                  gating=("tlt.spec.gate.enabled", bool(g.get("enabled", True))))
   return spec, gate, bandit, buckets
 

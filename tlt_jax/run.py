@@ -116,8 +116,11 @@ def learner_spec(spec: config_lib.RunSpec, model_cfg, mesh) -> grpo.LearnerSpec:
 def data_line(n: int, dropped: int, cfg: ml_collections.ConfigDict, empty: int = 0) -> str:
   """The run's first line: how many training prompts it holds, and whether a step repeats
   them (a file smaller than one step's draw is most often the wrong file)."""
-  few = (f"; fewer than the {cfg.grpo.num_prompts} a step draws (grpo.num_prompts): every "
-         "step repeats prompts" if n < cfg.grpo.num_prompts else "")
+  g = cfg.grpo  # (a rollout's draw: grpo.gen_prompts with grpo.filter_groups)
+  key, draw = (("grpo.gen_prompts", g.gen_prompts) if g.get("filter_groups") and
+               g.get("gen_prompts") else ("grpo.num_prompts", g.num_prompts))
+  few = (f"; fewer than the {draw} a rollout draws ({key}): every step repeats prompts"
+         if n < draw else "")
   none = f", {empty} as encoding to no tokens" if empty else ""
   return (f"data: {n} training prompts from {cfg.data.train_path} ({dropped} dropped as longer "
           f"than max_prompt_len={cfg.data.max_prompt_len} tokens{none}){few}")

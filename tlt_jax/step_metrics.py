@@ -83,13 +83,17 @@ def step_metrics(run, prompts: Sequence[Any], responses: Sequence[Any], r: np.nd
 
 
 def _tail_of_rollouts(responses: Sequence[Any], walls: Sequence[float]) -> dict[str, float]:
-  """`tail_share` of each of a step's rollouts, weighted by its seconds."""
+  """`tail_share` of each of a step's rollouts: the time share weighted by its seconds, the
+  token share by its tokens (the step's tail tokens over the step's tokens)."""
   if len(walls) == 1:
     return tail_share(responses)
-  parts = [tail_share([r for r in responses if r.rollout == k]) for k in range(len(walls))]
-  total = max(sum(walls), 1e-9)
-  return {key: sum(p[key] * w for p, w in zip(parts, walls)) / total
-          for key in ("time_share", "token_share")}
+  mine = [[r for r in responses if r.rollout == k] for k in range(len(walls))]
+  parts = [tail_share(rs) for rs in mine]
+  tokens = [sum(r.num_tokens for r in rs) for rs in mine]
+  return {"time_share": sum(p["time_share"] * w for p, w in zip(parts, walls))
+          / max(sum(walls), 1e-9),
+          "token_share": sum(p["token_share"] * t for p, t in zip(parts, tokens))
+          / max(sum(tokens), 1)}
 
 
 def tail_share(responses: Sequence[Any], frac: float = 0.1) -> dict[str, float]:

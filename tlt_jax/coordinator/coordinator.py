@@ -271,41 +271,44 @@ class Coordinator:
       timeline.enter(i, WorkerState.DONE)
       if release_actor:  # on its own thread, nothing of the actor in flight any more
         w.release_actor()
-      return results, report
+      return report  # (its results are in `generated`: a settle yet to run holds none)
 
     futures = [w.submit(work, i) for i, w in enumerate(self.workers)]
 
     def finish() -> list:  # every worker's share and in-flight drafter step done
-      outs = [f.result() for f in futures]  # re-raises a worker's error on this thread
+      reports = [f.result() for f in futures]  # re-raises a worker's error on this thread
       if everywhere is not None:
         everywhere.close()
       if release_actor:  # (before any push: a pull must not take the actor back)
         self.store.release_actor()
-      return outs
+      return reports
 
-    def settle(outs: list) -> dict[str, Any] | None:  # merged, published, on every worker
-      drafter = self._merge_and_push([rep for _, rep in outs]) if spot else None
+    def settle(reports: list) -> dict[str, Any] | None:  # merged, published, on every worker
+      drafter = self._merge_and_push(reports) if spot else None
       timeline.mark_released()
       timeline.close()
       return drafter
 
+    # (the results reach the caller only through the outcome: what settles later holds the
+    # reports, so the Results' hidden states go when the caller drops the outcome)
     if not self.overlap_settle:
-      outs = finish()
-      drafter = settle(outs)
+      drafter = settle(finish())
+      shares_done = [g.result() for g in generated]
       timeline.mark_returned()
       waiter = lambda: drafter
     else:  # the workers' in-flight steps run on beside the learner; the caller settles
       if release_actor:  # the learner needs the actor's memory: the workers finish first
-        outs = finish()
-        job = functools.partial(settle, outs)
+        job = functools.partial(settle, finish())
+        shares_done = [g.result() for g in generated]
       else:  # results at the barrier
         cf.wait(generated)  # (a worker's error is raised once every share is done)
-        outs = [(g.result(), None) for g in generated]
+        shares_done = [g.result() for g in generated]
         job = lambda: settle(finish())
       timeline.mark_returned()
       waiter = self._settling = _deferred(job, timeline, before=learner_done.set,
                                           after=self._settled)
-    results = sorted((r for res, _ in outs for r in res),
+    generated.clear()  # (a lone worker's `work`, training on, holds the list: not the Results)
+    results = sorted((r for res in shares_done for r in res),
                      key=lambda r: (r.request_id, r.sample_index))
     return RolloutOutcome(results, chunks, timeline.barrier or 0.0, timeline, waiter,
                           cells.states())

@@ -12,8 +12,9 @@ only when its best case repays it:
 
 - T_b: seconds per rollout (per worker) the run has spent decoding at batch bucket b, from its
   own chunks (every worker's measured chunks at b over every worker's generate calls);
-- R: rollouts left in the run (the horizon, `train.steps`, minus the rollouts so far). Horizon
-  0 means open-ended (an engine outside a training run): every compile repays;
+- R: rollouts left in the run (the horizon, `train.steps`, or train.steps x grpo.max_rollouts
+  with grpo.filter_groups, minus the rollouts so far). Horizon 0 means open-ended (an engine
+  outside a training run): every compile repays;
 - payback: the share of R within which the best case must repay the compile (0.5: a compile
   only the run's second half could repay is not made; this also absorbs the estimates' noise);
 - gain: the share of T_b the best case saves (gate.py: 1 - 1/ceiling against plain decoding,
