@@ -27,7 +27,7 @@ from user_env import user_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER_CONFIGS = {"qwen2_5_7b_math.py": 8, "qwen3_8b_math.py": 8, "qwen2_5_32b_math.py": 32,
-                   "llama3_3_70b_math.py": 64}
+                   "llama3_3_70b_math.py": 64, "dapo_qwen2_5_32b.py": 32}
 
 
 def _model(**kw) -> ModelConfig:

@@ -492,7 +492,7 @@ def test_tlt_run_on_two_workers_trains_the_drafter_in_idle_windows(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["qwen2_5_7b_math.py", "qwen3_8b_math.py", "qwen2_5_32b_math.py",
-                                  "verl_math.py"])
+                                  "verl_math.py", "dapo_qwen2_5_32b.py"])
 def test_real_work_configs_need_paths_and_say_so(name):
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", name))
   spec = config_lib.run_spec(cfg)  # shapes and values are consistent as shipped
