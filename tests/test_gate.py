@@ -718,3 +718,25 @@ def test_a_call_whose_bandit_runs_arms_the_engine_does_not_compile_is_refused(ti
   assert w.chunk_log == [] and w.compile_log == []
   sel = make_selector("fixed", strategy="off")
   assert len(w.generate(reqs, sp, policies=PolicyCells(sel))) == 2
+
+
+def test_a_probe_restored_from_a_checkpoint_starts_its_probation_afresh():
+  """A resume restarts a probing bucket's probation at the restored rollout, funded again on
+  the first rollout after it (restore's docstring): follow_time finds it neither unfunded nor
+  stale by age there, so with no chunk at it for 2 rollouts (follow_traffic=3) a closed bucket
+  that earns more, not twice as much, does not take the probation; a third quiet rollout
+  makes it stale."""
+  g = _gate(buckets=(1, 8), min_chunks=50, follow_traffic=3)
+  for _ in range(6):
+    g.begin_rollout(0, {1: ARMS, 8: ARMS})
+    _feed(g, 1, None, 100.0, 2)
+    _feed(g, 8, None, 100.0, 3, live=8)
+  assert g.state.status == {1: "probing", 8: "closed"}
+  h = SpecGate(GateState.restore(g.state.cfg, g.state.state_dict()))
+  for _ in range(2):
+    h.begin_rollout(0, {1: ARMS, 8: ARMS})
+    _feed(h, 8, None, 100.0, 3, live=8)
+    assert h.state.status == {1: "probing", 8: "closed"}
+    assert h.state.probe_arms(1) == ["4_1_5"]
+  h.begin_rollout(0, {1: ARMS, 8: ARMS})
+  assert h.state.status == {1: "closed", 8: "probing"}

@@ -182,7 +182,9 @@ class GateState:
         s = s._apply_cached(cached or {})
         if s.at[buckets[0]].status == CLOSED:
           s = s.start_probe(buckets[0])
-        return s._fund()
+      # (after a resume too: a restored probation is funded again before anything can find
+      # it stale for want of the funding the restore dropped)
+      return s._fund()
     if not s.cfg.gating:
       return s
     if worker_id != s.prober or not s.buckets:
