@@ -552,6 +552,13 @@ def test_what_a_row_adds_to_a_step_is_never_negative():
   assert probe.plain_bound(steps, 2, Strategy("4_1_5")) == pytest.approx(5.0)
 
 
+def _plain_traffic(g):
+  """A rollout of plain chunks at buckets 1 (2 chunks) and 8 (3, 1.5x the time at 1)."""
+  g.begin_rollout(0, {1: ARMS, 8: ARMS})
+  _feed(g, 1, None, 100.0, 2)
+  _feed(g, 8, None, 100.0, 3, live=8)
+
+
 def test_probation_stays_where_chunks_keep_coming_unless_elsewhere_earns_twice():
   """placement.follow_time's staleness: a probe at bucket 1 that sees chunks every rollout
   is not stale by age; before any speculative chunk of it is measured it moves only to a
@@ -560,9 +567,7 @@ def test_probation_stays_where_chunks_keep_coming_unless_elsewhere_earns_twice()
   measured, it stays however long it has been probing. Moved, it keeps nothing funded."""
   g = _gate(buckets=(1, 8), min_chunks=50, follow_traffic=2)
   for _ in range(5):
-    g.begin_rollout(0, {1: ARMS, 8: ARMS})
-    _feed(g, 1, None, 100.0, 2)
-    _feed(g, 8, None, 100.0, 3, live=8)
+    _plain_traffic(g)
     assert g.state.status == {1: "probing", 8: "closed"}
   for _ in range(4):
     g.begin_rollout(0, {1: ARMS, 8: ARMS})
@@ -728,9 +733,7 @@ def test_a_probe_restored_from_a_checkpoint_starts_its_probation_afresh():
   makes it stale."""
   g = _gate(buckets=(1, 8), min_chunks=50, follow_traffic=3)
   for _ in range(6):
-    g.begin_rollout(0, {1: ARMS, 8: ARMS})
-    _feed(g, 1, None, 100.0, 2)
-    _feed(g, 8, None, 100.0, 3, live=8)
+    _plain_traffic(g)
   assert g.state.status == {1: "probing", 8: "closed"}
   h = SpecGate(GateState.restore(g.state.cfg, g.state.state_dict()))
   for _ in range(2):
