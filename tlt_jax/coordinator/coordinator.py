@@ -376,11 +376,11 @@ class Coordinator:
 
   def release_actors(self) -> None:
     """Every worker frees its actor copy now, as a rollout with `release_actor` does at its
-    end, for a rollout that did not (one of a step's several: grpo.filter_groups). The last
-    rollout's drafter settles first (its lone worker's training stops; no actor in
-    flight)."""
-    if self._settling is not None:
-      self._settling()
+    end, for a rollout that did not (one of a step's several: grpo.filter_groups): on its own
+    thread, after its share and its in-flight drafter step (a lone worker's training stops
+    here, as it would not have started with release_actor). The drafter still settles when
+    the caller asks (the merge's push takes no actor: the store's is released)."""
+    self._lone_stop.set()
     for f in [w.submit(w.release_actor) for w in self.workers]:
       f.result()
     self.store.release_actor()  # (after the workers': a pull must not take it back)
