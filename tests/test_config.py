@@ -83,6 +83,7 @@ def test_history_arms_need_the_history_index():
     ("eval.n", 0, "config.eval.n=0: must be >= 1"),
     ("eval.n", 8, "config.eval.n=8: greedy responses to a prompt are all one"),
     ("eval.top_p", 0.0, "config.eval.top_p=0.0: must be in (0, 1]"),
+    ("eval.top_p", 1.5, "config.eval.top_p=1.5: must be in (0, 1]"),
     ("eval.temperature", -0.5, "config.eval.temperature=-0.5: must be >= 0"),
     ("grpo.gen_prompts", -1, "config.grpo.gen_prompts=-1: must be >= 0"),
     ("grpo.gen_prompts", 64, "config.grpo.gen_prompts=64: applies with grpo.filter_groups=True"),

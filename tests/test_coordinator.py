@@ -264,6 +264,44 @@ def test_release_frees_the_actor_after_the_in_flight_step_and_the_drafter_push_k
   c.close()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_release_actors_frees_every_actor_after_a_rollout_that_kept_it(overlap):
+  """release_actors (train.py, after the last of several rollouts that kept the actor): every
+  worker's copy and the store's freed, the drafter's settle after it does not take the actor
+  back; the next weight sync does."""
+  c, store, _ = make(2, trainers=[FakeTrainer(step_s=0.1), FakeTrainer(step_s=0.1)],
+                     overlap=overlap)
+  out = c.rollout(shares(0.05, 0.2), sp=None, seed=0, release_actor=False)
+  assert all(w.engine.params is not None for w in c.workers)
+  assert store.actor()[1] is not None
+  c.release_actors()
+  assert [w.engine.params for w in c.workers] == [None, None]
+  assert store.actor()[1] is None
+  assert out.settle()["steps"] >= 1
+  assert [w.engine.params for w in c.workers] == [None, None] and store.actor()[1] is None
+  c.sync_actor("actor-v1")
+  assert [w.engine.params for w in c.workers] == ["actor-v1", "actor-v1"]
+  c.close()
+
+
+def test_release_actors_stops_a_lone_workers_training():
+  """One worker, overlapped settle, a rollout that kept the actor: the lone worker trains on
+  past the rollout; release_actors stops that training and frees the actor (it does not wait
+  for the settle, which comes after it)."""
+  import threading
+  c, store, _ = make(1, trainers=[FakeTrainer(step_s=0.02)], overlap=True)
+  out = c.rollout(shares(0.05), sp=None, seed=0, release_actor=False)
+  done = threading.Thread(target=c.release_actors, daemon=True)
+  done.start()
+  done.join(timeout=10.0)
+  alive = done.is_alive()
+  c._lone_stop.set()  # (the mutant's: unblock the worker so the test ends)
+  assert not alive, "release_actors waited on a lone worker that trains until the settle"
+  assert c.workers[0].engine.params is None and store.actor()[1] is None
+  assert out.settle()["steps"] >= 1
+  c.close()
+
+
 @pytest.mark.parametrize("overlap,release", [(False, False), (True, False), (True, True)])
 def test_a_rollouts_results_go_with_its_outcome_not_with_its_settle(overlap, release):
   """train.py drops a rollout's outcome once it has its responses (the Results' hidden states
@@ -485,12 +523,16 @@ def test_a_steps_rollouts_concatenate_on_the_first_clock():
     return tl
 
   a = rollout(3.0, 10.0, 10.5)
+  a.add_wait(0.5)
   clock[0] = 12.0
   b = rollout(4.0, 1.0, 4.25)
+  b.add_wait(0.25)
   s, js = concat_rollouts([a, b])
+  assert js["waited"] == pytest.approx(0.5 + 0.25)  # (each rollout's wait for its settle)
   assert s["generating_s"] == pytest.approx(13 + 5)
   assert s["idle_s"] == pytest.approx(7 + 3)
-  assert s["critical_path_s"] == pytest.approx(0.5 + 0.25)
+  assert s["training_s"] == 0.0 and s["idle_share_trained"] == 0.0  # (0 of 10 idle s trained)
+  assert s["critical_path_s"] == pytest.approx(0.5 + 0.25 + 0.5 + 0.25)  # (+ the waits)
   assert s["barrier_s"] == pytest.approx(16.0) and js["barrier"] == pytest.approx(16.0)
   assert js["rollouts"] == [0.0, 12.0] and js["released"] == pytest.approx(16.25)
   assert [p["idle_s"] for p in s["per_worker"]] == pytest.approx([7.0, 3.0])

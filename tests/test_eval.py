@@ -116,6 +116,18 @@ class _Scripted:
     return out
 
 
+def test_sampling_of_reads_the_eval_configs_n_temperature_and_top_p():
+  """sampling_of: config.eval's n, temperature and top_p, each as set (greedy by default)."""
+  import ml_collections
+
+  from tlt_jax.eval import sampling_of
+  cfg = ml_collections.ConfigDict({"eval": {"n": 4, "temperature": 0.7, "top_p": 0.9}})
+  n, sp = sampling_of(cfg)
+  assert (n, sp.temperature, sp.top_p) == (4, 0.7, 0.9)
+  n, sp = sampling_of(ml_collections.ConfigDict({"eval": {}}))
+  assert (n, sp.temperature, sp.top_p) == (1, 0.0, 1.0)
+
+
 def test_sampled_evaluation_scores_every_sample_of_every_prompt():
   """evaluate with n=4 samples a prompt (scripted responses, the arith verifier in the reward
   pool): accuracy the mean over all 12 responses, pass@k per prompt from its own correct
@@ -138,6 +150,24 @@ def test_sampled_evaluation_scores_every_sample_of_every_prompt():
   assert m["pass_at"] == {str(k): pytest.approx(np.mean([pass_at_k(4, c, k) for c in correct]))
                           for k in (1, 2, 4)}
   assert m["pass_at"]["4"] == pytest.approx(2 / 3) and m["pass_at"]["1"] == m["accuracy"]
+
+
+def test_pass_at_k_counts_only_full_rewards_as_correct(tmp_path):
+  """A reward with partial credit (0.5 for a wrong answer): avg@n counts it, pass@k does not
+  (a response is correct where its reward is >= 1). By hand: prompt 0 scores (1, 0.5), prompt
+  1 (0.5, 0.5): accuracy 0.625, pass@1 (0.5 + 0) / 2, pass@2 (1 + 0) / 2."""
+  from tlt_jax.data.prompts import PromptRow
+  from tlt_jax.eval import evaluate
+  from tlt_jax.rl.reward_pool import RewardPool
+  from tlt_jax.rollout.sampling import SamplingParams
+  f = tmp_path / "partial.py"
+  f.write_text("def fn(response, answer):\n  return 1.0 if answer in response else 0.5\n")
+  rows = [PromptRow(i, f"q{i}", str(a)) for i, a in enumerate((7, 11))]
+  with RewardPool(f"{f}:fn", num_workers=1) as pool:
+    m = evaluate(_Scripted([[7, 0], [0, 0]]), _Chars(), rows, pool, progress=False, n=2,
+                 sampling=SamplingParams(temperature=1.0))
+  assert m["accuracy"] == pytest.approx(0.625)
+  assert m["pass_at"] == pytest.approx({"1": 0.25, "2": 0.5})
 
 
 def test_sampled_eval_command(tmp_path):

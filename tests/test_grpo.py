@@ -604,6 +604,10 @@ def test_advantage_estimators_against_their_definitions():
   np.testing.assert_array_equal(advantages(r, lengths), group_advantages(r))
   with pytest.raises(ValueError, match="unknown estimator 'ppo'"):
     advantages(r, lengths, estimator="ppo")
+  # a batch of one response token has no token variance (ddof 1): no signal, not NaN
+  one = advantages(np.array([[1.0, 0.0]]), np.array([[1.0, 0.0]]),
+                   estimator="reinforce_plus_plus_baseline")
+  np.testing.assert_array_equal(one, np.zeros((1, 2), np.float32))
 
 
 def test_the_entropy_bonus_differentiates_as_the_entropy_of_each_sample_alone(setup):

@@ -596,3 +596,26 @@ def test_dynamic_sampling_rolls_out_until_enough_groups_carry_signal(tmp_path):
     if s.groups == 8:
       assert s.phases["update"] == pytest.approx(base.phases["update"], rel=1e-9)
     assert len(s.timeline.get("rollouts", [0.0])) == s.rollouts  # (concatenated)
+    # each rollout begins where the one before it ended (one after another on the step's clock)
+    assert s.timeline.get("rollouts", [0.0]) == pytest.approx(
+        [i * base.phases["rollout"] for i in range(s.rollouts)], rel=1e-9, abs=1e-9)
+  wide = plan(2, signal=0.3, filter_groups=True, max_rollouts=4, gen_prompts=16)
+  for s in wide:  # (a rollout draws grpo.gen_prompts prompts)
+    assert len(s.lengths) == s.rollouts * 16 * 8 and s.groups <= 8
+
+
+def test_dynamic_sampling_with_tlt_prices_every_rollouts_drafter_wait(tmp_path):
+  """grpo.filter_groups with TLT on: the step's drafter phase (its wait past each rollout's
+  barrier) is the sum over its rollouts, as the concatenated timeline's critical path is."""
+  from tlt_jax import config as config_lib
+  from tlt_jax.plan import report
+  f = tmp_path / "lens.jsonl"
+  f.write_text("".join(json.dumps({"length": n}) + "\n" for n in (40, 200, 900)))
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+  cfg.grpo.num_prompts = 8
+  cfg.grpo.update({"filter_groups": True, "max_rollouts": 4})
+  steps = report.plan(cfg, hardware="h100", gpus=2, lengths=workload.lengths(str(f)),
+                      acceptance=workload.acceptance(""), steps=4, signal=0.3).on
+  assert any(s.rollouts > 1 and s.spot["critical_path_s"] > 0 for s in steps)
+  for s in steps:
+    assert s.phases["drafter"] == pytest.approx(s.spot["critical_path_s"], rel=1e-6, abs=1e-12)

@@ -558,7 +558,7 @@ def jax_copy(tree):
 
 
 # ------------------------------------------------------------------ DAPO's dynamic sampling
-def test_filter_groups_rolls_out_again_until_groups_carry_signal(tmp_path):
+def test_filter_groups_rolls_out_again_until_groups_carry_signal(tmp_path, monkeypatch):
   """A reward that scores the first rollout's 16 responses 0 (no group has signal) and every
   later response apart: the first step rolls out twice and learns from the second rollout's 4
   groups (8 prompts drawn), the second step once; the workers' actor released and restored
@@ -572,7 +572,22 @@ def test_filter_groups_rolls_out_again_until_groups_carry_signal(tmp_path):
       "memory.release_rollout_weights": True, "rollout.max_new_tokens": 24})
   run, state = build(cfg)
   before = jax_copy(state.learner.params)
+  from tlt_jax.rl import grpo
+  update, held = grpo.update, []
+
+  def spy(*args, **kwargs):  # the rollouts' actor is freed before the learner updates
+    held.append(run.coordinator.store.actor()[1] is not None)
+    return update(*args, **kwargs)
+  monkeypatch.setattr(grpo, "update", spy)
+  rollout, seeds = run.coordinator.rollout, []
+
+  def seeded(*args, **kwargs):  # (each rollout of a step samples with its own seed)
+    seeds.append((kwargs["step"], kwargs["seed"]))
+    return rollout(*args, **kwargs)
+  monkeypatch.setattr(run.coordinator, "rollout", seeded)
   state, _ = train(run, state, progress=False)
+  assert held == [False, False]
+  assert [k for k, _ in seeds] == [0, 0, 1] and len({s for _, s in seeds}) == 3
   recs = _records(tmp_path / "run")
   assert [r["filter_groups"] for r in recs] == [
       {"rollouts": 2, "groups": 8, "signal_groups": 4, "trained_groups": 4},
@@ -605,6 +620,41 @@ def test_filter_groups_with_no_signal_rolls_out_max_rollouts_and_does_not_update
   assert _same_tree(state.learner.params, before.params)
   assert _same_tree(state.learner.opt_state, before.opt_state)
   run.coordinator.close()
+
+
+def test_filter_groups_counts_as_dropped_only_the_truncated_of_the_groups_that_train(tmp_path):
+  """grpo.drop_truncated with grpo.filter_groups: every response cut at the budget and no group
+  with signal, so no group trains and none of its responses is dropped (the 2 x 5 groups
+  drawn, all cut, are not the learner's)."""
+  from tlt_jax.run import build
+  from tlt_jax.train import train
+  cfg = _small_cfg(tmp_path, 1, **{"tlt.enabled": False, "rollout.max_new_tokens": 8,
+                                   "grpo.filter_groups": True, "grpo.max_rollouts": 2,
+                                   "grpo.gen_prompts": 5, "grpo.drop_truncated": True})
+  run, state = build(cfg)
+  train(run, state, progress=False)
+  rec = _records(tmp_path)[-1]
+  assert rec["filter_groups"]["trained_groups"] == 0 and rec["truncated"] == 1.0
+  assert rec["loss"]["dropped_truncated"] == 0
+  run.coordinator.close()
+
+
+def test_negative_rewards_carry_signal_as_they_are():
+  """A reward function's negative scores are the group's rewards as given: (-1, 0) has
+  signal, and its GRPO advantages are (r - mean) / std (ddof 1) = -/+ 0.7071 by hand."""
+  from tlt_jax.rl.samples import learner_samples, signal_groups
+  from tlt_jax.train import Response
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+  cfg.grpo.n, cfg.rollout.max_new_tokens, cfg.grpo.filter_groups = 2, 20, True
+  cfg.grpo.num_prompts, cfg.reward.overlong_buffer = 2, 0
+  rewards = [[-1.0, 0.0], [-1.0, -1.0]]
+  responses = [Response(p, i, np.array([1]), np.arange(5), 5, "stop", reward=rewards[p][i])
+               for p in range(2) for i in range(2)]
+  assert list(signal_groups(responses, 2, cfg)) == [True, False]
+  r, _, samples, groups = learner_samples(responses, 2, cfg)
+  np.testing.assert_array_equal(r, rewards)
+  assert list(groups) == [0]
+  np.testing.assert_allclose([s.advantage for s in samples], [-0.7071, 0.7071], atol=1e-4)
 
 
 def test_learner_samples_keep_the_first_groups_with_signal():
