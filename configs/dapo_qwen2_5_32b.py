@@ -34,8 +34,6 @@ def get_config():
   c.model.path = "/path/to/Qwen2.5-32B"  # --config.model.path=... (DAPO starts from the base)
   c.rollout.max_new_tokens = 20480  # 16384 expected + the 4096-token soft overlong buffer
   c.rollout.mean_live_tokens = 6144  # rows sized for longer responses than the 16k recipe's
-  c.rollout.temperature = 1.0
-  c.rollout.top_p = 1.0
   c.reward.overlong_buffer = 4096
   c.reward.overlong_penalty = 1.0
   c.grpo.num_prompts = 512
@@ -43,15 +41,12 @@ def get_config():
   c.grpo.filter_groups = True
   c.grpo.gen_prompts = 1536
   c.grpo.max_rollouts = 10
-  c.grpo.eps_low = 0.2
-  c.grpo.eps_high = 0.28
   c.grpo.kl_coef = 0.0
-  c.grpo.loss_agg = "token-mean"
+  # (inherited as DAPO has them: temperature 1.0, eps 0.2 / 0.28, token-mean, 10 warm-up
+  # steps, gradient clip 1.0)
   c.grpo.minibatches = 16  # mini-batches of 32 prompts x 16 responses
   c.optim.lr = 1e-6
-  c.optim.warmup_steps = 10
   c.optim.weight_decay = 0.1
-  c.optim.grad_clip = 1.0
   c.eval.n = 32  # AIME as avg@32
   c.eval.temperature = 1.0
   c.eval.top_p = 0.7

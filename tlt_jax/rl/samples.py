@@ -27,13 +27,20 @@ def _tables(responses: Sequence[Any], num_prompts: int, n: int
   return r, length
 
 
+def _shaped(responses: Sequence[Any], num_prompts: int, cfg: ml_collections.ConfigDict
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """-> (rewards, DAPO's overlong penalty, lengths), each [prompts, n]."""
+  r, length = _tables(responses, num_prompts, cfg.grpo.n)
+  return r, grpo.overlong_penalty(length, cfg.rollout.max_new_tokens,
+                                  cfg.reward.overlong_buffer,
+                                  cfg.reward.overlong_penalty), length
+
+
 def shaped_rewards(responses: Sequence[Any], num_prompts: int,
                    cfg: ml_collections.ConfigDict) -> tuple[np.ndarray, np.ndarray]:
   """-> (rewards [prompts, n], DAPO's overlong penalty [prompts, n]: 0 where
   reward.overlong_buffer is): what the group advantages are computed from, summed."""
-  r, length = _tables(responses, num_prompts, cfg.grpo.n)
-  return r, grpo.overlong_penalty(length, cfg.rollout.max_new_tokens,
-                                  cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
+  return _shaped(responses, num_prompts, cfg)[:2]
 
 
 def signal_groups(responses: Sequence[Any], num_prompts: int, cfg: ml_collections.ConfigDict
@@ -54,9 +61,7 @@ def learner_samples(responses: Sequence[Any], num_prompts: int,
   responses cut at the budget where grpo.drop_truncated (DAPO's overlong filtering: their
   group's advantages, and a batch's whitening, still count them)."""
   g = cfg.grpo
-  r, length = _tables(responses, num_prompts, g.n)
-  penalty = grpo.overlong_penalty(length, cfg.rollout.max_new_tokens,
-                                  cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
+  r, penalty, length = _shaped(responses, num_prompts, cfg)
   groups = np.arange(num_prompts)
   if g.filter_groups:
     groups = np.flatnonzero(np.ptp(r + penalty, axis=1) > 0)[:g.num_prompts]

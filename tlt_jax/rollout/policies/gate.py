@@ -182,9 +182,7 @@ class GateState:
         s = s._apply_cached(cached or {})
         if s.at[buckets[0]].status == CLOSED:
           s = s.start_probe(buckets[0])
-      # (after a resume too: a restored probation is funded again before anything can find
-      # it stale for want of the funding the restore dropped)
-      return s._fund()
+      return s._fund()  # (a resumed probation too, before follow_time finds it unfunded)
     if not s.cfg.gating:
       return s
     if worker_id != s.prober or not s.buckets:
