@@ -22,7 +22,8 @@
 #   bench_regime  SD vs plain on it, batch 1 and 8, greedy (outputs == plain, bf16) and sampled
 #                 (scripts/bench_regime.py)
 #   learner       a packed RL step's log-prob pass and update on it, the fused attention vs
-#                 XLA's: seconds, parity, the simulator's prediction (scripts/gpu_learner.py)
+#                 XLA's: seconds, parity, the simulator's prediction; the packed attention
+#                 alone, ours vs JAX's mha vs XLA's (scripts/gpu_learner.py)
 #   kernel_bench  the verification kernels (Mosaic GPU, Triton) vs the XLA reference
 #                 (scripts/bench_verify.py)
 #   cost_model    the cost model fitted on the bench target, its predictions of the plain and
@@ -77,7 +78,8 @@ if [ $SMOKE = 1 ]; then
   E2E_EXTRA="--config.eval.num_prompts=16 --config.grpo.num_prompts=4 --config.grpo.n=4
     --config.grpo.micro_batch=16 --config.rollout.max_new_tokens=96 --config.cpu_devices=1
     --config.reward.num_workers=1"
-  LEARNER_ARGS="--dtype float32 --max_len 64 --tokens 256 --samples 12 --steps 1"
+  LEARNER_ARGS="--dtype float32 --max_len 64 --tokens 256 --samples 12 --steps 1
+    --attention 1,128,4,2,16"
   # env decode bench_model rl_steps bench_regime kernel_bench cost_model kernels speculative
   # learner
   LIMIT=(30 240 120 300 300 120 240 240 240 240)

@@ -210,6 +210,20 @@ def _learner(out: str) -> list[tuple[str, str, str]]:
                 "learner"))
   if not lr:
     res.append(("learner step (packed update)", "not measured", "learner"))
+  att = _load(os.path.join(out, "learner", "attention.json"))
+  if att:
+    done = {r["impl"]: r for r in att["results"] if "ms" in r}
+    parts = [f"{i} {r['ms']:.2f} ms" for i, r in done.items()]
+    parts += [f"{r['impl']} fails" for r in att["results"] if "error" in r]
+    if "flash" in done:
+      parts += [f"flash {done[o]['ms'] / done['flash']['ms']:.2f}x of {o}'s speed"
+                for o in ("mha", "xla") if o in done]
+    res.append((f"packed attention fwd+bwd ({att['rows']} x {att['t']} tokens, "
+                f"{att['heads']}/{att['kv_heads']} heads of {att['head_dim']})",
+                f"{', '.join(parts)}; flash visits {att['visited_blocks']} of "
+                f"{att['causal_blocks']} causal blocks", "learner"))
+  else:
+    res.append(("packed attention fwd+bwd", "not measured", "learner"))
   return res
 
 

@@ -14,6 +14,13 @@ plan/learner.learner_phases on the same layout at the cluster profile's assumed 
 how far the simulator's learner is from this one. A variant not started within --budget_s
 is reported as skipped, one that raises as failing (the other still runs). Prints a markdown
 table, each row as its variant finishes, and writes DIR/learner.json after each.
+
+Between the two steps (once the fused one is done, within --budget_s): the packed attention
+alone, forward + backward of one layer at --attention's shape (rows, tokens, heads, kv heads,
+head_dim; default Qwen2.5-7B's heads in rows of 4096): our segment-skipping kernel, JAX's
+Pallas `mha` it replaced and XLA's reference (tlt_jax/bench/packed_attention.py), into
+DIR/attention.json. At 512-token rows the attention is a small part of the step; there it is
+the whole measurement.
 """
 
 from __future__ import annotations
@@ -32,11 +39,12 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from tlt_jax.bench import packed_attention  # noqa: E402
 from tlt_jax.bench.bench_model import load_target  # noqa: E402
 from tlt_jax.models import packed_impl  # noqa: E402
 from tlt_jax.optim import make_optimizer  # noqa: E402
 from tlt_jax.plan import cost  # noqa: E402
-from tlt_jax.plan.learner import Learner, learner_phases, remat_mode  # noqa: E402
+from tlt_jax.plan.learner import Learner, Micro, learner_phases, remat_mode  # noqa: E402
 from tlt_jax.rl import batching, grpo  # noqa: E402
 from tlt_jax.sharding import make_mesh  # noqa: E402
 
@@ -83,7 +91,7 @@ def run_variant(params, cfg, attention: str, args, batch) -> dict:
     jax.block_until_ready(state.params)
     if step:
       times.append((lp, time.perf_counter() - t))
-  shapes = [[mb.tokens.shape for mb in group] for group in batches]
+  shapes = [[Micro.of(mb.segment_ids) for mb in group] for group in batches]
   masks = [mb.loss_mask for mb in batches[1]]
   return {"attention": attention, "why": packed_impl(mcfg, args.max_len)[1],
           "logprobs_s": statistics.median(a for a, _ in times),
@@ -112,6 +120,20 @@ def write(out: str, rows: list[dict]) -> None:
               indent=2)
 
 
+def attention_bench(args, t0: float) -> None:
+  """The packed attention alone (module docstring): its table, and DIR/attention.json."""
+  if args.budget_s and time.perf_counter() - t0 > args.budget_s:
+    print("\npacked attention bench: skipped (out of --budget_s)\n", flush=True)
+    return
+  rows, t, heads, kv_heads, head_dim = (int(x) for x in args.attention.split(","))
+  res = packed_attention.bench(rows, t, heads, kv_heads, head_dim, args.dtype, iters=args.steps + 1)
+  print("\n" + packed_attention.table(res) + "\n", flush=True)
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "attention.json"), "w") as f:
+    json.dump(res, f, indent=2)
+  print(f"attention bench: done at {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--target", default=None, help="a bench target dir (default: the shipped)")
@@ -122,6 +144,8 @@ def main(argv=None) -> int:
   ap.add_argument("--steps", type=int, default=2, help="timed steps per variant")
   ap.add_argument("--budget_s", type=float, default=0.0, help="start no variant after this "
                   "many seconds (0: no limit)")
+  ap.add_argument("--attention", default="4,4096,28,4,128", help="the attention bench's "
+                  "rows,tokens,heads,kv_heads,head_dim ('' to skip it)")
   ap.add_argument("--out", default=os.path.join(ROOT, "out", "gpu_learner"))
   args = ap.parse_args(argv)
   t0 = time.perf_counter()
@@ -142,6 +166,8 @@ def main(argv=None) -> int:
         flush=True)
   rows = []
   for attention in ("fused", "xla"):
+    if attention == "xla" and args.attention:
+      attention_bench(args, t0)
     if args.budget_s and time.perf_counter() - t0 > args.budget_s:
       rows.append({"attention": attention, "skipped": "out of --budget_s"})
     else:
@@ -151,8 +177,7 @@ def main(argv=None) -> int:
         r = {"attention": attention, "error": f"{type(e).__name__}: {str(e)[:500]}"}
       if hw is not None and "error" not in r:
         learner = Learner(gpus=1, remat=r["remat"], fused_attention=attention == "fused")
-        shapes = [[(n, t) for n, t in group] for group in r["shapes"]]
-        pred = learner_phases(cfg, hw, learner, shapes, reference=False)
+        pred = learner_phases(cfg, hw, learner, r["shapes"], reference=False)
         r["predicted_logprobs_s"], r["predicted_update_s"] = pred["logprobs"], pred["update"]
       rows.append(r)
       print(f"{attention}: done at {time.perf_counter() - t0:.0f}s", file=sys.stderr,

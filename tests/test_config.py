@@ -244,6 +244,14 @@ def test_a_resumed_run_that_would_learn_otherwise_stops_and_its_configs_are_kept
   (tmp_path / "checkpoints" / "3").mkdir(parents=True)
   (tmp_path / "checkpoints" / "4.orbax-checkpoint-tmp-1").mkdir()  # a save cut short
   prepare(train__steps=80, rollout__chunk_size=8, train__eval_every=0)
+  # dynamic sampling off in both: its rollout cap changes nothing (on in one, it does)
+  prepare(grpo__max_rollouts=2, grpo__loss_norm_len=77)
+  with pytest.raises(ConfigError, match=r"other values: grpo.filter_groups False -> True; "
+                     r"grpo.max_rollouts 4 -> 2; pass"):
+    prepare(grpo__max_rollouts=2, grpo__filter_groups=True)
+  with pytest.raises(ConfigError, match=r"grpo.loss_agg 'token-mean' -> "
+                     r"'seq-mean-token-sum-norm'; grpo.loss_norm_len \d+ -> 77; pass"):
+    prepare(grpo__loss_norm_len=77, grpo__loss_agg="seq-mean-token-sum-norm")
   with pytest.raises(ConfigError, match=r"^config.workdir='.*': holds a run checkpointed at "
                      r"step 3 that learned with other values: rollout.temperature 1.0 -> "
                      r"0.7; optim.lr 5e-05 -> 0.0001; pass a new --workdir"):

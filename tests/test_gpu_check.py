@@ -76,6 +76,13 @@ def test_gpu_check_smoke_writes_a_complete_report(tmp_path):
   assert [r["attention"] for r in learner] == ["fused", "xla"], learner
   assert all(r["update_s"] > 0 and r["parity_max_abs"] < 1e-3 for r in learner), learner
   assert "learner step (packed update), attention fused" in report
+  # the packed attention alone: our kernel, JAX's mha and XLA's agree on the tokens that count
+  attention = json.load(open(tmp_path / "learner" / "attention.json"))
+  assert [r["impl"] for r in attention["results"]] == ["flash", "mha", "xla"], attention
+  assert all(r["ms"] > 0 and r["max_abs_vs_first"] < 1e-4 for r in attention["results"])
+  assert 0 < attention["visited_blocks"] <= attention["causal_blocks"], attention
+  assert re.search(r"\| packed attention fwd\+bwd \(1 x 128 tokens, 4/2 heads of 16\) \| "
+                   r"flash [\d.]+ ms, mha [\d.]+ ms, xla [\d.]+ ms; flash [\d.]+x of mha's", head)
   # the regime stage (scripts/bench_regime.py on the smoke target): every table printed, greedy
   # speculative outputs equal plain decoding's, the summary's time split adds up
   regime = (tmp_path / "bench_regime.log").read_text()

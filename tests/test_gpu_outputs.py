@@ -78,12 +78,18 @@ def test_headline_rows_from_cut_off_and_failed_stages(tmp_path):
   (tmp_path / "cost_model").mkdir()
   (tmp_path / "cost_model" / "cost_model.json").write_text(json.dumps(
       {"ratios": [{"batch": 1, "arm": "4_1_5"}]}))  # predicted / measured missing
+  (tmp_path / "learner" / "attention.json").write_text(json.dumps(
+      {"rows": 4, "t": 4096, "heads": 28, "kv_heads": 4, "head_dim": 128, "visited_blocks": 300,
+       "causal_blocks": 1000, "results": [{"impl": "flash", "error": "XlaRuntimeError: y"},
+                                          {"impl": "mha", "ms": 3.0}, {"impl": "xla", "ms": 9.0}]}))
   rows = {f: v for f, v, _ in headline.rows(str(tmp_path))}
   assert rows["plain decode, batch 1: % of copy bandwidth"] == "engine 47% (1.70 ms)", rows
   assert rows["learner step (packed update), attention fused"].startswith(
       "fails: XlaRuntimeError: Triton"), rows
   assert rows["learner step (packed update), attention xla"].startswith("update 2.000 s")
   assert rows["cost_model figures"].startswith("unreadable (KeyError"), rows
+  assert rows["packed attention fwd+bwd (4 x 4096 tokens, 28/4 heads of 128)"] == (
+      "mha 3.00 ms, xla 9.00 ms, flash fails; flash visits 300 of 1000 causal blocks"), rows
   assert rows["SD vs plain (batch 1, 8)"] == "not measured"
   assert headline.main([str(tmp_path)]) == 0
 
@@ -169,7 +175,8 @@ def test_learner_variant_that_fails_leaves_the_other(tmp_path, monkeypatch):
   monkeypatch.setattr(learner, "run_variant", variant)
   out = io.StringIO()
   monkeypatch.setattr(sys, "stdout", out)
-  assert learner.main(["--out", str(tmp_path), "--samples", "4", "--max_len", "128"]) == 0
+  assert learner.main(["--out", str(tmp_path), "--samples", "4", "--max_len", "128",
+                       "--attention", ""]) == 0
   assert seen == ["fused", "xla"]
   rows = json.load(open(tmp_path / "learner.json"))
   assert rows[0] == {"attention": "fused", "error": error} and rows[1]["update_s"] == 2.0

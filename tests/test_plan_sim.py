@@ -269,7 +269,7 @@ def test_the_learner_is_priced_on_its_own_packing():
   rows per bucket under a token budget or a row count, padding rows included."""
   from types import SimpleNamespace
 
-  from tlt_jax.plan.learner import Layout
+  from tlt_jax.plan.learner import Layout, Micro
   from tlt_jax.rl import batching
   from tlt_jax.rl.grpo import GRPOConfig
   lens = [int(n) for n in np.random.default_rng(0).integers(5, 368, 256)]
@@ -278,9 +278,17 @@ def test_the_learner_is_priced_on_its_own_packing():
     spec = SimpleNamespace(micro_batch=rows, pad_multiple=32, max_len=368,
                            micro_batch_tokens=tokens, row_multiple=mult,
                            gcfg=GRPOConfig())
-    real = [[mb.tokens.shape for mb in group]
-            for group in batching.minibatches(samples, spec, 2, seed=7)]
-    assert Layout(rows, tokens, 32, 368, 2, row_multiple=mult).shapes(lens, 7) == real
+    real = batching.minibatches(samples, spec, 2, seed=7)
+    got = Layout(rows, tokens, 32, 368, 2, row_multiple=mult).shapes(lens, 7)
+    assert [[(m.rows, m.t) for m in g] for g in got] == [[mb.tokens.shape for mb in g]
+                                                          for g in real]
+    assert [[Micro.of(mb.segment_ids) for mb in g] for g in real] == got
+    # the pairs the fused attention computes: per row, l (l + 1) / 2 over each run of equal
+    # segment ids in the real batch (its padding tail one run)
+    runs = lambda row: np.diff(np.flatnonzero(np.diff(np.r_[-1, row, -2]))).tolist()
+    assert [[m.pairs for m in g] for g in got] == [
+        [sum(n * (n + 1) // 2 for row in mb.segment_ids for n in runs(row)) for mb in g]
+        for g in real]
 
 
 def test_plan_command_on_the_7b_recipe(tmp_path):

@@ -14,9 +14,9 @@ Everything is counted per device from the same layout rules the run uses
 mesh), so an axis that does not divide a dimension is replicated here as it is there.
 Resident arrays are exact; activations are estimates of what XLA keeps live at the peak
 (validated against `compiled.memory_analysis()` on this CPU in tests/test_memory.py). On a GPU
-the attention of prefill and training is `jax.nn.dot_product_attention`, which picks cuDNN
-flash attention for bf16/fp16 (no [T, S] score matrix); elsewhere the scores are materialised
-in float32 and counted.
+in bf16/fp16 the attention of prefill (cuDNN's, through `jax.nn.dot_product_attention`) and
+of training (kernels/flash_attention.py over packed rows) is fused: no [T, S] score matrix;
+elsewhere the scores are materialised in float32 and counted.
 
 `plan(spec, model_cfg, device=...)` -> Plan (spec: a config.RunSpec); `Plan.check()` raises
 ConfigError naming the knob to turn when a phase does not fit. The KV cache is paged

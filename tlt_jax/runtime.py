@@ -309,6 +309,11 @@ LEARNING_KEYS = (
     "grpo.minibatches",
     "optim.lr", "optim.schedule", "optim.warmup_steps", "optim.weight_decay", "optim.b1",
     "optim.b2", "optim.grad_clip")
+# Learning keys inert while the setting named is off in both configs (resume continues).
+ACTIVE_WHEN = {
+    "grpo.max_rollouts": lambda c: c.get("grpo.filter_groups") is True,
+    "grpo.loss_norm_len": lambda c: c.get("grpo.loss_agg") == "seq-mean-token-sum-norm",
+}
 
 
 def saved_step(workdir: str) -> int | None:
@@ -341,7 +346,8 @@ def _absolute(key: str, value: Any, resolve=os.path.abspath) -> Any:
 def config_changes(cfg: ml_collections.ConfigDict, keys: tuple[str, ...] = LEARNING_KEYS
                    ) -> list[tuple[str, Any, Any]]:
   """(key, saved, now) for each of `keys` that the run checkpointed in cfg.workdir (its
-  config.json) set otherwise; [] for a workdir with no checkpoint. Paths compare resolved."""
+  config.json) set otherwise, where it acts in either config (ACTIVE_WHEN); [] for a workdir
+  with no checkpoint. Paths compare resolved."""
   from tlt_jax.metrics import flatten
   path = os.path.join(cfg.workdir, "config.json")
   if saved_step(cfg.workdir) is None or not os.path.isfile(path):
@@ -357,8 +363,11 @@ def config_changes(cfg: ml_collections.ConfigDict, keys: tuple[str, ...] = LEARN
 
   def norm(key, value):
     return _absolute(key, value, os.path.realpath)
+
+  def acts(key):
+    return key not in ACTIVE_WHEN or ACTIVE_WHEN[key](saved) or ACTIVE_WHEN[key](now)
   return [(k, saved[k], now.get(k)) for k in keys
-          if k in saved and norm(k, saved[k]) != norm(k, now.get(k))]
+          if k in saved and norm(k, saved[k]) != norm(k, now.get(k)) and acts(k)]
 
 
 def check_resume(cfg: ml_collections.ConfigDict) -> None:

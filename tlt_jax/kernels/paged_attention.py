@@ -29,8 +29,8 @@ Backend: Pallas Triton (`jax.experimental.pallas.triton`) on GPUs (Triton needs 
 blocks: head_dim a power of two >= 16, page_size a power of two; one device's kv heads, so a
 replica of tensor_parallel 1; the XLA form has none of these limits); in Pallas interpret
 mode elsewhere when asked (tests on a CPU). JAX >=
-0.11 deprecates the Triton backend; the learner's packed attention (models/attention.py) uses
-it too, and both move with JAX's own kernels.
+0.11 deprecates the Triton backend; the learner's packed attention (flash_attention.py) uses
+it too.
 """
 
 from __future__ import annotations

@@ -4,18 +4,20 @@ the learner's and the drafter's packed rows, several sequences laid end to end i
 
 Which implementation runs is `ModelConfig.attention` ("auto" unless a user pins it), decided
 at trace time by `packed_impl` / `causal_attention`:
-- on a GPU in bf16/fp16, packed segments go through JAX's Pallas (Triton) flash attention
-  (`jax.experimental.pallas.ops.gpu.attention.mha`): segment ids and the causal mask are
-  applied per block, key blocks above the diagonal are never visited (the causal half is
-  skipped) and the [T, T] scores never exist in memory; its backward is fused too.
-  `jax.nn.dot_product_attention` (cuDNN) has no segment ids, and cuDNN's packed layout is a
-  private API; tokamax would add a dependency tree (xprof, qwix, pydantic) for the same
-  kernel family. Unpacked causal chunks use cuDNN through `jax.nn.dot_product_attention`.
+- on a GPU in bf16/fp16, packed segments go through our Pallas (Triton) flash attention
+  (tlt_jax/kernels/flash_attention.py): each query block visits only the key blocks from its
+  segments' first tokens to the diagonal (and each key block, in the backward, only the
+  query blocks its segments reach), the mask applied per score; the [T, T] scores never
+  exist in memory, grouped-query heads share their key reads, and the backward is fused too.
+  A causal kernel over whole rows (cuDNN's `jax.nn.dot_product_attention`, which also has no
+  segment ids; JAX's Pallas `mha`, deprecated for tokamax) computes every block below the
+  diagonal: a row of eight 2k-token responses, 8x the scores its segments use. Unpacked
+  causal chunks use cuDNN through `jax.nn.dot_product_attention`.
 - everywhere else XLA's reference: the [T, T] scores formed and masked (float32 softmax).
 - attention="fused" forces the Pallas kernel on any backend: off a GPU it runs in Pallas
   interpret mode (slow; for parity tests on a CPU). "xla" forces the reference.
-- "auto" on a GPU compiles the kernel once per block size first (forward and backward on one
-  small row, `_fused_compiles`): a JAX or Triton release the kernel does not compile under
+- "auto" on a GPU compiles the kernel once per shape of heads first (forward and backward on
+  one small row, `_fused_compiles`): a JAX or Triton release the kernel does not compile under
   falls back to the reference with the error in the reason a run logs, instead of ending
   the run at its first update.
 
@@ -28,16 +30,15 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from tlt_jax.kernels import flash_attention
 from tlt_jax.models.config import ModelConfig
 
 _FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
-_BLOCKS = (128, 64, 32, 16)  # the kernel's query/key block, the largest that divides T
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -92,12 +93,12 @@ def packed_impl(cfg: ModelConfig, t: int) -> tuple[str, str]:
   """(implementation, reason) of `packed_attention` for rows of t tokens: "fused" (the Pallas
   flash attention, interpreted off a GPU) or "xla" (the reference); the reason is the one line
   a run logs (the learner at start-up)."""
-  block = next((b for b in _BLOCKS if t % b == 0), 0)
+  fits = t % 16 == 0  # rows of whole 16-token blocks, the kernel's smallest
   backend = jax.default_backend()
   if cfg.attention == "xla":
     return "xla", "XLA's reference attention (model.attention='xla')"
   if cfg.attention == "fused":
-    if not block:
+    if not fits:
       raise ValueError(f"model.attention='fused' needs rows of a multiple of 16 tokens, got "
                        f"{t}: set grpo.pad_multiple to a multiple of 16")
     mode = "" if backend == "gpu" else f" in interpret mode (on {backend}: slow, for tests)"
@@ -108,53 +109,33 @@ def packed_impl(cfg: ModelConfig, t: int) -> tuple[str, str]:
   if cfg.compute_dtype not in _FUSED_DTYPES:
     return "xla", (f"XLA's reference attention: the fused kernel runs in bf16/fp16, the model "
                    f"computes in {cfg.dtype}")
-  if not block:
+  if not fits:
     return "xla", (f"XLA's reference attention: rows of {t} tokens are no multiple of 16 "
                    "(grpo.pad_multiple)")
   failed = _fused_compiles(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim_,
-                           jnp.dtype(cfg.compute_dtype).name, block)
+                           jnp.dtype(cfg.compute_dtype).name)
   if failed:
     return "xla", f"XLA's reference attention: the fused kernel does not compile here ({failed})"
-  return "fused", ("Pallas (Triton) flash attention: causal within packed segments, the "
-                   "masked half skipped, no [T, T] scores")
+  return "fused", ("Pallas (Triton) flash attention: causal within packed segments, only "
+                   "the blocks each segment reaches, no [T, T] scores")
 
 
 @functools.cache
-def _fused_compiles(heads: int, kv_heads: int, head_dim: int, dtype: str, block: int
-                    ) -> str | None:
-  """None if the kernel's forward and backward compile for blocks of `block` on this backend,
-  else the error's first line. One row of two blocks: the code is the blocks', the grid
-  only repeats it."""
-  q = jax.ShapeDtypeStruct((1, 2 * block, heads, head_dim), dtype)
-  kv = jax.ShapeDtypeStruct((1, 2 * block, kv_heads, head_dim), dtype)
-  seg = jax.ShapeDtypeStruct((1, 2 * block), jnp.int32)
+def _fused_compiles(heads: int, kv_heads: int, head_dim: int, dtype: str) -> str | None:
+  """None if the kernel's forward and backward compile on this backend, else the error's first
+  line. One row of 256 tokens: the code is the blocks', the grid only repeats it."""
+  q = jax.ShapeDtypeStruct((1, 256, heads, head_dim), dtype)
+  kv = jax.ShapeDtypeStruct((1, 256, kv_heads, head_dim), dtype)
+  seg = jax.ShapeDtypeStruct((1, 256), jnp.int32)
 
   def loss(q, k, v, s):
-    return jnp.sum(_mha(q, k, v, s, interpret=False).astype(jnp.float32))
+    return jnp.sum(flash_attention.packed_flash_attention(q, k, v, s).astype(jnp.float32))
   try:
     jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, seg).compile()
   except Exception as e:  # noqa: BLE001 - any failure means: do not use it here
     text = str(e).strip()
     return (text.splitlines()[0][:200] if text else type(e).__name__)
   return None
-
-
-def _mha(q, k, v, segment_ids, *, interpret: bool):
-  """The Pallas kernel on one shard: q [b, T, N, H], k/v [b, T, K, H] (kv heads repeated to
-  N: the kernel has no groups; the repeat's gradient sums them back)."""
-  with warnings.catch_warnings():  # jax points at tokamax (the module docstring says why not)
-    warnings.simplefilter("ignore", DeprecationWarning)
-    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
-  t, n, h = q.shape[1], q.shape[2], q.shape[3]
-  group = n // k.shape[2]
-  if group > 1:
-    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-  block = next(b for b in _BLOCKS if t % b == 0)
-  sizes = pallas_attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=min(block, 64),
-                                      block_kv_dkv=min(block, 64), block_q_dq=min(block, 64),
-                                      block_kv_dq=min(block, 64))
-  return pallas_attention.mha(q, k, v, segment_ids, sm_scale=1.0 / math.sqrt(h), causal=True,
-                              block_sizes=sizes, interpret=interpret)
 
 
 def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
@@ -166,7 +147,7 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
   if impl == "xla":
     return attend(q, k, v, segment_causal_mask(segment_ids))
   interpret = jax.default_backend() != "gpu"
-  kernel = lambda q, k, v, s: _mha(q, k, v, s, interpret=interpret)
+  kernel = functools.partial(flash_attention.packed_flash_attention, interpret=interpret)
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return kernel(q, k, v, segment_ids)

@@ -323,7 +323,7 @@ def learner_profile(ls, state, model_cfg: ModelConfig, hw: cost.Hardware, *,
   from scipy.optimize import nnls
 
   from tlt_jax.models import packed_impl
-  from tlt_jax.plan.learner import Learner, micro_flops, remat_mode
+  from tlt_jax.plan.learner import Learner, Micro, micro_flops, remat_mode
   from tlt_jax.rl import batching
   short, long_ = ls.pad_multiple, 8 * ls.pad_multiple
   rows = {}
@@ -345,7 +345,7 @@ def learner_profile(ls, state, model_cfg: ModelConfig, hw: cost.Hardware, *,
   remat = remat_mode(model_cfg)
   passes = 4 if remat == "full" else 3  # (the probes' attention is a small share: as weights)
   skip = packed_impl(model_cfg, short)[0] == "fused"
-  f = {t: micro_flops(model_cfg, rows[t], t, causal_skip=skip) for t in (short, long_)}
+  f = {t: micro_flops(model_cfg, Micro.whole(rows[t], t), fused=skip) for t in (short, long_)}
   # log-probs: t = k * (flops x a + c) over k = m micro-batches' forwards (+ 2m with the
   # reference's); update, per mini-batch: t / 2 = m * (passes x flops x a + c) + o; every
   # coefficient >= 0, relative residuals (cost.fit's way: a least-squares fit clipped after

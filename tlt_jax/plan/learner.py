@@ -2,8 +2,9 @@
 
 The learner's own batch layout (`Layout`: grpo's random partition into mini-batches and its
 packed micro-batches, the padding left included), each micro-batch's forward FLOPs (`micro_flops`:
-the weights', and the attention's over each row's [T, T] scores, half of them where a fused
-kernel skips the masked half), and `learner_phases`: the log-prob pass, the update (one
+the weights', and the attention's: over each row's whole [T, T] scores in XLA's reference,
+over its segments' causal pairs where the fused kernel visits only the blocks a segment
+reaches), and `learner_phases`: the log-prob pass, the update (one
 optimizer step per mini-batch, FSDP's gathers) and the weight sync, at the efficiencies of a
 `Learner`: assumed for a GPU cluster (docs/scale.md), fitted on the machine it runs on by
 `calibrate.learner_profile`.
@@ -12,7 +13,7 @@ optimizer step per mini-batch, FSDP's gathers) and the weight sync, at the effic
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from tlt_jax.models import ModelConfig
 from tlt_jax.models.config import DTYPE_BYTES
@@ -33,13 +34,39 @@ class Learner:
   fwd_micro_s: float = 0.0  # s per micro-batch of the log-prob pass beyond its FLOPs
   train_micro_s: float = 0.0  # ... of the update (dispatch, the batch's transfer, the sync)
   optimizer_s: float | None = None  # s per optimizer step (None: AdamW's bytes at mem_bw)
-  # the attention of packed rows through a fused flash-attention kernel (models/attention.py:
-  # a GPU in bf16), which skips the causal mask's upper half, at attn_eff of the matmul rate
-  # (assumed: FlashAttention-2-class kernels reach ~35% of an H100's bf16 peak; gpu_check's
-  # learner stage measures ours). False: XLA's reference, the whole [T, T] at the update's or
-  # the log-prob pass's own efficiency (a CPU).
+  # the attention of packed rows through the fused flash-attention kernel (models/attention.py:
+  # a GPU in bf16), which computes each segment's causal pairs (`Micro.pairs`), at attn_eff of
+  # the matmul rate (assumed: FlashAttention-2-class kernels reach ~35% of an H100's bf16
+  # peak; gpu_check's learner stage measures ours). False: XLA's reference, the whole [T, T]
+  # at the update's or the log-prob pass's own efficiency (a CPU).
   fused_attention: bool = True
   attn_eff: float = 0.35
+
+
+class Micro(NamedTuple):
+  """A micro-batch's shape as the learner's attention sees it."""
+  rows: int
+  t: int  # the rows' padded length
+  # the (query, key) pairs attention within segments computes: over its rows, the sum over
+  # each row's segments (its padding tail one more, as the fused kernel treats it) of
+  # l (l + 1) / 2
+  pairs: int
+
+  @classmethod
+  def whole(cls, rows: int, t: int) -> "Micro":
+    """Rows of one t-token segment each."""
+    return cls(rows, t, rows * t * (t + 1) // 2)
+
+  @classmethod
+  def of(cls, segment_ids) -> "Micro":
+    """The shape of a packed micro-batch from its [rows, T] segment ids."""
+    import numpy as np
+    seg = np.asarray(segment_ids)
+    pairs = 0
+    for row in seg:
+      counts = np.unique(row, return_counts=True)[1].astype(np.int64)
+      pairs += int(np.sum(counts * (counts + 1) // 2))
+    return cls(seg.shape[0], seg.shape[1], pairs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,14 +86,21 @@ class Layout:
                int(cfg.data.max_prompt_len + cfg.rollout.max_new_tokens), int(g.minibatches),
                row_multiple)
 
-  def shapes(self, seq_lens: Sequence[int], seed: int = 0) -> list[list[tuple[int, int]]]:
-    """(rows, padded length) of every micro-batch, per mini-batch: the learner's own
-    partition and packing (batching.minibatch_parts, batching.micro_layout)."""
+  def shapes(self, seq_lens: Sequence[int], seed: int = 0) -> list[list[Micro]]:
+    """Every micro-batch's `Micro`, per mini-batch: the learner's own partition and packing
+    (batching.minibatch_parts, batching.micro_layout)."""
     from tlt_jax.rl import batching
-    return [[(n, t) for _, t, n in batching.micro_layout(
-        [seq_lens[i] for i in part], self.micro_batch, self.pad_multiple, self.max_len,
-        self.micro_batch_tokens, self.row_multiple)]
-        for part in batching.minibatch_parts(len(seq_lens), self.minibatches, seed)]
+
+    def micro(bins, t, n):  # bins: the global sample indices of each of the n rows
+      lens = [[seq_lens[i] for i in b] for b in bins]
+      return Micro(n, t, sum(x * (x + 1) // 2 for row in lens for x in [*row, t - sum(row)]))
+    out = []
+    for part in batching.minibatch_parts(len(seq_lens), self.minibatches, seed):
+      lens = [seq_lens[i] for i in part]
+      layout = batching.micro_layout(lens, self.micro_batch, self.pad_multiple, self.max_len,
+                                     self.micro_batch_tokens, self.row_multiple)
+      out.append([micro([[part[i] for i in b] for b in bins], t, n) for bins, t, n in layout])
+    return out
 
 
 def remat_mode(cfg: ModelConfig) -> str:
@@ -80,21 +114,22 @@ def weight_flops(cfg: ModelConfig, rows: int, t: int) -> float:
   return cost.forward(cfg, 1, 1, 0).flops * rows * t
 
 
-def attention_flops(cfg: ModelConfig, rows: int, t: int, *, causal_skip: bool) -> float:
-  """A forward's attention scores and values over each row's t x t matrix (within segments
-  or not: the mask is applied per element), or its lower half where a fused kernel skips the
-  blocks above the diagonal."""
-  full = 4.0 * rows * t * t * cfg.num_heads * cfg.head_dim_ * cfg.num_layers
-  return full / 2 if causal_skip else full
+def attention_flops(cfg: ModelConfig, micro: Micro, *, fused: bool) -> float:
+  """A forward's attention scores and values: over each row's whole t x t matrix in XLA's
+  reference (the mask applied per element), over its segments' causal pairs in the fused
+  kernel (kernels/flash_attention.py; block granularity ignored: the blocks hold 64-128
+  tokens, the learner's segments hundreds to thousands)."""
+  pairs = micro.pairs if fused else micro.rows * micro.t * micro.t
+  return 4.0 * pairs * cfg.num_heads * cfg.head_dim_ * cfg.num_layers
 
 
-def micro_flops(cfg: ModelConfig, rows: int, t: int, *, causal_skip: bool = False) -> float:
-  """One forward over a micro-batch of rows x t tokens: `weight_flops` + `attention_flops`."""
-  return weight_flops(cfg, rows, t) + attention_flops(cfg, rows, t, causal_skip=causal_skip)
+def micro_flops(cfg: ModelConfig, micro: Micro, *, fused: bool = False) -> float:
+  """One forward over a micro-batch: `weight_flops` + `attention_flops`."""
+  return weight_flops(cfg, micro.rows, micro.t) + attention_flops(cfg, micro, fused=fused)
 
 
 def learner_phases(cfg: ModelConfig, hw: cost.Hardware, learner: Learner,
-                   shapes: Sequence[Sequence[tuple[int, int]]], *, reference: bool
+                   shapes: Sequence[Sequence[Micro]], *, reference: bool
                    ) -> dict[str, float]:
   """Seconds of the log-probs (old policy, and the reference with a KL term), the update
   (forward + backward of every micro-batch, one optimizer step per mini-batch, FSDP's
@@ -108,8 +143,8 @@ def learner_phases(cfg: ModelConfig, hw: cost.Hardware, learner: Learner,
   rate = hw.flops * learner.gpus
 
   def forward_s(micros, eff, w_passes=1, a_passes=1):  # forwards over these micro-batches
-    w = sum(weight_flops(cfg, n, t) for n, t in micros)
-    a = sum(attention_flops(cfg, n, t, causal_skip=fused) for n, t in micros)
+    w = sum(weight_flops(cfg, m.rows, m.t) for m in micros)
+    a = sum(attention_flops(cfg, m, fused=fused) for m in micros)
     return (w_passes * w / (rate * eff)
             + a_passes * a / (rate * (learner.attn_eff if fused else eff)))
 
