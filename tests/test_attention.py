@@ -86,20 +86,31 @@ def test_which_implementation_and_why():
     dataclasses.replace(CFG, attention="flash")
 
 
-def test_auto_on_a_gpu_falls_back_to_xla_where_the_kernel_does_not_compile(monkeypatch):
-  """"auto" on a GPU in bf16 compiles the kernel first: where it does not compile (here the
-  real failure: the Triton lowering on this CPU, the backend only named a GPU), the reference
-  runs and the reason carries the error; where it does, the kernel runs."""
+def test_auto_on_a_gpu_uses_the_kernel_only_where_it_compiles_and_agrees(monkeypatch):
+  """"auto" on a GPU in bf16 compiles and runs the kernel first: where it does not compile
+  (here the real failure: the Triton lowering on this CPU, the backend only named a GPU) or
+  disagrees with XLA's reference (a kernel 10% off on one head: a miscompile), the reference
+  runs and the reason says why; where it compiles and agrees (the kernel interpreted here), the
+  kernel runs."""
+  from tlt_jax.kernels import flash_attention
   from tlt_jax.models import attention
   bf16 = dataclasses.replace(CFG, dtype="bfloat16")
-  probe = attention._fused_compiles
+  probe = attention._fused_check
+  real = flash_attention.packed_flash_attention
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   probe.cache_clear()
   try:
     impl, why = packed_impl(bf16, 512)
     assert impl == "xla" and "the fused kernel does not compile here (" in why, why
     assert "\n" not in why and probe.cache_info().currsize == 1
-    monkeypatch.setattr(attention, "_fused_compiles", lambda *a: None)
+    probe.cache_clear()
+    off = lambda q, k, v, s: real(q, k, v, s, interpret=True).at[:, :, 1].multiply(1.1)
+    monkeypatch.setattr(flash_attention, "packed_flash_attention", off)
+    impl, why = packed_impl(bf16, 512)
+    assert impl == "xla" and "disagrees with XLA's reference here (max relative" in why, why
+    probe.cache_clear()
+    monkeypatch.setattr(flash_attention, "packed_flash_attention",
+                        lambda q, k, v, s: real(q, k, v, s, interpret=True))
     assert packed_impl(bf16, 512)[0] == "fused"
   finally:
     probe.cache_clear()

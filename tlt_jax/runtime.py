@@ -363,11 +363,9 @@ def config_changes(cfg: ml_collections.ConfigDict, keys: tuple[str, ...] = LEARN
 
   def norm(key, value):
     return _absolute(key, value, os.path.realpath)
-
-  def acts(key):
-    return key not in ACTIVE_WHEN or ACTIVE_WHEN[key](saved) or ACTIVE_WHEN[key](now)
   return [(k, saved[k], now.get(k)) for k in keys
-          if k in saved and norm(k, saved[k]) != norm(k, now.get(k)) and acts(k)]
+          if k in saved and norm(k, saved[k]) != norm(k, now.get(k))
+          and (k not in ACTIVE_WHEN or ACTIVE_WHEN[k](saved) or ACTIVE_WHEN[k](now))]
 
 
 def check_resume(cfg: ml_collections.ConfigDict) -> None:

@@ -16,10 +16,11 @@ at trace time by `packed_impl` / `causal_attention`:
 - everywhere else XLA's reference: the [T, T] scores formed and masked (float32 softmax).
 - attention="fused" forces the Pallas kernel on any backend: off a GPU it runs in Pallas
   interpret mode (slow; for parity tests on a CPU). "xla" forces the reference.
-- "auto" on a GPU compiles the kernel once per shape of heads first (forward and backward on
-  one small row, `_fused_compiles`): a JAX or Triton release the kernel does not compile under
-  falls back to the reference with the error in the reason a run logs, instead of ending
-  the run at its first update.
+- "auto" on a GPU compiles and runs the kernel once per shape of heads first (forward and
+  backward on one small row against the reference, `_fused_check`): a JAX or Triton release
+  the kernel does not compile under, or miscompiles, falls back to the reference with the
+  error in the reason a run logs, instead of ending the run at its first update or training
+  on wrong gradients.
 
 Under a learner mesh of several devices the kernel runs per shard (`jax.shard_map` over the
 batch axes, heads over "tensor" where they are split): a custom call left to the SPMD
@@ -112,29 +113,48 @@ def packed_impl(cfg: ModelConfig, t: int) -> tuple[str, str]:
   if not fits:
     return "xla", (f"XLA's reference attention: rows of {t} tokens are no multiple of 16 "
                    "(grpo.pad_multiple)")
-  failed = _fused_compiles(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim_,
-                           jnp.dtype(cfg.compute_dtype).name)
+  failed = _fused_check(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim_,
+                        jnp.dtype(cfg.compute_dtype).name)
   if failed:
-    return "xla", f"XLA's reference attention: the fused kernel does not compile here ({failed})"
+    return "xla", f"XLA's reference attention: the fused kernel {failed}"
   return "fused", ("Pallas (Triton) flash attention: causal within packed segments, only "
                    "the blocks each segment reaches, no [T, T] scores")
 
 
 @functools.cache
-def _fused_compiles(heads: int, kv_heads: int, head_dim: int, dtype: str) -> str | None:
-  """None if the kernel's forward and backward compile on this backend, else the error's first
-  line. One row of 256 tokens: the code is the blocks', the grid only repeats it."""
-  q = jax.ShapeDtypeStruct((1, 256, heads, head_dim), dtype)
-  kv = jax.ShapeDtypeStruct((1, 256, kv_heads, head_dim), dtype)
-  seg = jax.ShapeDtypeStruct((1, 256), jnp.int32)
+def _fused_check(heads: int, kv_heads: int, head_dim: int, dtype: str) -> str | None:
+  """None if the kernel's forward and backward compile on this backend and agree with XLA's
+  reference, else why not (one line). One row of 256 tokens, two segments and padding: the
+  code is the blocks', the grid only repeats it. A JAX or Triton release that miscompiles the
+  kernel is caught here, not by a run whose updates are silently wrong. Compiled and run
+  outside any trace (a trace may be what asked)."""
+  import numpy as np
+  rng = np.random.default_rng(0)
+  t = 256
+  seg = np.array([[1] * 100 + [2] * 120 + [0] * 36], np.int32)
+  q = rng.normal(size=(1, t, heads, head_dim))
+  k, v = (rng.normal(size=(1, t, kv_heads, head_dim)) for _ in range(2))
+  w = (rng.normal(size=q.shape) * (seg > 0)[..., None, None]).astype(np.float32)
+  args = [jnp.asarray(x, dtype) for x in (q, k, v)] + [jnp.asarray(seg), jnp.asarray(w)]
 
-  def loss(q, k, v, s):
-    return jnp.sum(flash_attention.packed_flash_attention(q, k, v, s).astype(jnp.float32))
+  def fwd_bwd(attn):
+    def f(q, k, v, s, w):
+      out, pull = jax.vjp(lambda q, k, v: attn(q, k, v, s).astype(jnp.float32), q, k, v)
+      return (out,) + pull(w)
+    return jax.jit(f).lower(*args).compile()
+  f32 = lambda x: x.astype(jnp.float32)
   try:
-    jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, seg).compile()
+    got = fwd_bwd(flash_attention.packed_flash_attention)(*args)
   except Exception as e:  # noqa: BLE001 - any failure means: do not use it here
     text = str(e).strip()
-    return (text.splitlines()[0][:200] if text else type(e).__name__)
+    return f"does not compile here ({text.splitlines()[0][:200] if text else type(e).__name__})"
+  want = fwd_bwd(lambda q, k, v, s: attend(f32(q), f32(k), f32(v), segment_causal_mask(s)))(*args)
+  valid = (seg > 0)[..., None, None]
+  err = max(float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)) * m)
+                  / (np.max(np.abs(np.asarray(b, np.float32)) * m) + 1e-6))
+            for a, b, m in zip(got, want, (valid, 1, 1, 1)))
+  if not err < 0.02:  # bf16 rounding: ~0.5% (7B-70B heads, CPU); a miscompile is far off or NaN
+    return f"disagrees with XLA's reference here (max relative difference {err:.2g})"
   return None
 
 
