@@ -95,7 +95,8 @@ class Simulation:
     g = spec.cfg.grpo
     self.num_prompts, self.group = int(g.num_prompts), int(g.n)
     self.learner = Learner(gpus, remat=remat_mode(cfg))
-    self.layout = Layout.of(spec.cfg, row_multiple=gpus)  # FSDP over every device
+    self.layout = Layout.of(spec.cfg, row_multiple=gpus,  # FSDP over every device
+                            fused=self.learner.fused_attention)
     self.t = self._now = 0.0
     self.steps: list[StepResult] = []
 

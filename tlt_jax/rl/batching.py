@@ -36,7 +36,7 @@ class MicroBatch(NamedTuple):
 
 
 def micro_layout(lengths: Sequence[int], rows: int, pad_multiple: int, max_len: int,
-                 max_tokens: int = 0, row_multiple: int = 1
+                 max_tokens: int = 0, row_multiple: int = 1, one_length: bool = False
                  ) -> list[tuple[list[list[int]], int, int]]:
   """The layout of `micro_batches` from the samples' lengths alone: per micro-batch, shortest
   first, (the sample indices of each of its rows, its row length T, its row count). The
@@ -47,7 +47,13 @@ def micro_layout(lengths: Sequence[int], rows: int, pad_multiple: int, max_len: 
   smallest pad_multiple x 2^k that holds it, at most max_len rounded up to pad_multiple), its
   row count `rows`, or with max_tokens > 0 max(row_multiple, max_tokens // T rounded down to
   row_multiple); then every sample left, longest first, goes into the first of its rows with
-  room (first-fit decreasing), and what fits nowhere waits for the next micro-batch."""
+  room (first-fit decreasing), and what fits nowhere waits for the next micro-batch.
+
+  one_length: every micro-batch's T is max_len rounded up to pad_multiple (one shape, one
+  compile; padding only where the last micro-batch runs out of samples). For attention that
+  computes each segment's own blocks only (the fused kernel: kernels/flash_attention.py), a
+  long row of many samples costs what short rows of them do; XLA's masked reference computes
+  a row's whole T x T, for which the buckets are cheaper."""
   cap = -(-max_len // pad_multiple) * pad_multiple
   if lengths and max(lengths) > cap:
     raise ValueError(f"a sample of {max(lengths)} tokens is longer than max_len {max_len}")
@@ -57,7 +63,7 @@ def micro_layout(lengths: Sequence[int], rows: int, pad_multiple: int, max_len: 
     t = pad_multiple
     while t < min(lengths[left[0]], cap):
       t *= 2
-    t = min(t, cap)
+    t = cap if one_length else min(t, cap)
     n = rows
     if max_tokens > 0:
       n = max(row_multiple, (max_tokens // t) // row_multiple * row_multiple)
@@ -74,6 +80,9 @@ def micro_layout(lengths: Sequence[int], rows: int, pad_multiple: int, max_len: 
     out.append((bins, t, n))
     left = rest
   return out[::-1]
+
+
+ROW_LENS = ("auto", "one", "buckets")  # grpo.row_len: micro_layout's one_length, or auto
 
 
 LOSS_AGG = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -111,7 +120,7 @@ def token_weights(response_lens: Sequence[int], loss_agg: str = "token-mean",
 
 def micro_batches(samples: list[Sample], rows: int, pad_multiple: int, max_len: int,
                   max_tokens: int = 0, row_multiple: int = 1, loss_agg: str = "token-mean",
-                  norm_len: int = 0) -> Iterator[MicroBatch]:
+                  norm_len: int = 0, one_length: bool = False) -> Iterator[MicroBatch]:
   """Packed micro-batches (`micro_layout`), shortest first, of one mini-batch: `samples`
   (each response token's loss weight is `token_weights` over them).
 
@@ -123,7 +132,7 @@ def micro_batches(samples: list[Sample], rows: int, pad_multiple: int, max_len: 
   weights = token_weights([len(s.response_ids) for s in samples], loss_agg, norm_len)
   out = []
   for bins, t, n in micro_layout([s.length for s in samples], rows, pad_multiple, max_len,
-                                 max_tokens, row_multiple):
+                                 max_tokens, row_multiple, one_length):
     tokens = np.zeros((n, t), np.int32)
     positions = np.zeros((n, t), np.int32)
     segments = np.zeros((n, t), np.int32)
@@ -163,7 +172,7 @@ def minibatches(samples: list[Sample], spec, num_minibatches: int = 1,
   g = spec.gcfg
   return [list(micro_batches([samples[i] for i in part], spec.micro_batch, spec.pad_multiple,
                              spec.max_len, spec.micro_batch_tokens, spec.row_multiple,
-                             g.loss_agg, g.loss_norm_len))
+                             g.loss_agg, g.loss_norm_len, spec.one_length))
           for part in minibatch_parts(len(samples), num_minibatches, seed)]
 
 
