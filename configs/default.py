@@ -156,10 +156,11 @@ def get_config():
   c.grpo.micro_batch_tokens = 2048  # > 0: rows per micro-batch = this // its padded length
   c.grpo.minibatches = 2  # optimizer steps per RL step
   c.grpo.pad_multiple = 32  # micro-batches are padded to this x 2^k tokens
-  # rows of one length (the max length: one compile, padding only at the end) or of length
-  # buckets (pad_multiple x 2^k: a row's attention over its whole T x T costs less); auto: one
-  # length where the fused attention computes only each segment's blocks (a GPU), else buckets
-  c.grpo.row_len = "auto"  # auto | one | buckets
+  # rows of the max length while the samples left fill a micro-batch of them, then buckets
+  # (max_len: one shape for most micro-batches, less padding), or length buckets only
+  # (pad_multiple x 2^k: a row's attention over its whole T x T costs less); auto: max_len
+  # where the fused attention computes only each segment's blocks (a GPU), else buckets
+  c.grpo.row_layout = "auto"  # auto | max_len | buckets
   c.grpo.logit_chunk = 1024
 
   c.optim = ml_collections.ConfigDict()

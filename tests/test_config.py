@@ -77,7 +77,8 @@ def test_history_arms_need_the_history_index():
      "rollout.max_new_tokens="),
     ("reward.overlong_penalty", -0.5, "config.reward.overlong_penalty=-0.5: must be >= 0"),
     ("grpo.max_rollouts", 0, "config.grpo.max_rollouts=0: must be >= 1"),
-    ("grpo.row_len", "max", "config.grpo.row_len='max': use one of auto, one, buckets"),
+    ("grpo.row_layout", "one", "config.grpo.row_layout='one': use one of auto, max_len, "
+     "buckets"),
     ("grpo.entropy_coef", -0.1, "config.grpo.entropy_coef=-0.1: must be >= 0"),
     ("grpo.adv_estimator", "gae", "config.grpo.adv_estimator='gae': use one of grpo, rloo, "
      "reinforce_plus_plus_baseline"),

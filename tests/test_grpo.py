@@ -343,24 +343,28 @@ def test_micro_layout_buckets_and_token_budget_rows_by_hand():
   assert (t, n) == (32, 4)  # 40 // 32 = 1 row: still row_multiple of them
 
 
-def test_micro_layout_of_one_length_packs_every_sample_first_fit_into_max_len_rows():
-  """one_length: every micro-batch's rows are max_len rounded up to pad_multiple (62 -> 64),
-  max_tokens // 64 rounded to row_multiple of them; first-fit decreasing (checked by hand on
-  a small case), every sample placed once, no row over its length, and padding only where the
-  samples run out: every micro-batch but the last is more than 3/4 full (a first-fit bin
-  packing leaves at most one row at most half full)."""
-  [(bins, t, n)] = batching.micro_layout([40, 30, 20, 10, 5], 0, 4, 62, max_tokens=256,
-                                         row_multiple=2, one_length=True)
-  assert (t, n) == (64, 4) and bins == [[0, 2], [1, 3, 4], [], []]
-  lens = [int(x) for x in np.random.default_rng(3).integers(1, 62, 300)]
-  layout = batching.micro_layout(lens, 0, 4, 62, max_tokens=512, row_multiple=2,
-                                 one_length=True)
-  assert {(t, n) for _, t, n in layout} == {(64, 8)}
-  placed = sorted(i for bins, _, _ in layout for b in bins for i in b)
-  assert placed == list(range(300))
-  assert all(sum(lens[i] for i in b) <= 64 for bins, _, _ in layout for b in bins)
-  fill = [sum(lens[i] for b in bins for i in b) / (n * t) for bins, t, n in layout]
-  assert min(fill[1:]) > 0.75, fill  # (micro-batches come shortest first: the last made first)
+def test_micro_layout_with_max_rows_computes_the_fewest_tokens():
+  """max_rows: six samples of 20 under a 128-token budget (max_len 62 -> 64) fill two rows of
+  64 in one micro-batch (128 tokens), where the buckets put one in each row of 32 (two
+  micro-batches, 256); three of 10 with rows in fours (a budget of 64) keep the buckets' four
+  rows of 16 (64 tokens), not four rows of 64 (256). On random lengths it never computes more
+  tokens than the buckets, and places every sample once in rows it fits."""
+  [(bins, t, n)] = batching.micro_layout([20] * 6, 0, 4, 62, max_tokens=128, max_rows=True)
+  assert (t, n) == (64, 2) and bins == [[0, 1, 2], [3, 4, 5]]
+  assert [(t, n) for _, t, n in batching.micro_layout([20] * 6, 0, 4, 62, max_tokens=128)] == [
+      (32, 4), (32, 4)]
+  [(_, t, n)] = batching.micro_layout([10] * 3, 0, 4, 62, max_tokens=64, row_multiple=4,
+                                      max_rows=True)
+  assert (t, n) == (16, 4)
+  rng = np.random.default_rng(3)
+  for _ in range(20):
+    lens = [int(x) for x in rng.integers(1, 62, int(rng.integers(1, 300)))]
+    kw = dict(max_tokens=int(rng.choice([128, 512, 2048])), row_multiple=int(rng.choice([1, 4])))
+    got = batching.micro_layout(lens, 0, 4, 62, max_rows=True, **kw)
+    buckets = batching.micro_layout(lens, 0, 4, 62, **kw)
+    assert sum(t * n for _, t, n in got) <= sum(t * n for _, t, n in buckets)
+    assert sorted(i for bins, _, _ in got for b in bins for i in b) == list(range(len(lens)))
+    assert all(sum(lens[i] for i in b) <= t for bins, t, _ in got for b in bins)
 
 
 def test_minibatches_are_a_seeded_random_partition():
@@ -501,9 +505,9 @@ def test_learner_compiles_each_micro_batch_shape_once(fsdp):
   assert sorted(compiled) == sorted(["_accumulate", "logprobs"] * len(shapes)), compiled
 
 
-@pytest.mark.parametrize("fsdp,attention,one_length", [(1, "xla", False), (8, "xla", False),
+@pytest.mark.parametrize("fsdp,attention,max_rows", [(1, "xla", False), (8, "xla", False),
                                                        (8, "fused", False), (1, "xla", True)])
-def test_packed_learner_equals_each_sample_run_alone(setup, fsdp, attention, one_length):
+def test_packed_learner_equals_each_sample_run_alone(setup, fsdp, attention, max_rows):
   """The learner's packed micro-batches (several samples per row, on 1 or 8 devices; XLA's
   masked attention or the Pallas flash-attention kernel, interpreted here, per shard; rows of
   length buckets or all of the max length): every
@@ -521,12 +525,12 @@ def test_packed_learner_equals_each_sample_run_alone(setup, fsdp, attention, one
   tx = make_optimizer(1e-3, weight_decay=0.0, grad_clip=0.0)
   spec = grpo.LearnerSpec(cfg, grpo.GRPOConfig(eps_low=0.2, eps_high=0.28), tx, mesh,
                           micro_batch=8, pad_multiple=16, max_len=64,
-                          micro_batch_tokens=128 if one_length else 256, one_length=one_length)
+                          micro_batch_tokens=128 if max_rows else 256, max_rows=max_rows)
   state = grpo.init_learner(params, spec)
   group = list(batching.micro_batches(samples, spec.micro_batch, spec.pad_multiple, spec.max_len,
                                   spec.micro_batch_tokens, spec.row_multiple,
-                                  one_length=one_length))
-  if one_length:  # rows of 64 in every micro-batch (buckets: 8 rows of 16 in one of them)
+                                  max_rows=max_rows))
+  if max_rows:  # rows of 64 in every micro-batch (buckets: 8 rows of 16 in one of them)
     assert {mb.tokens.shape[1] for mb in group} == {64} and len(group) > 2
   assert max(mb.segment_ids.max() for mb in group) >= 3
   assert len(group) > 1 or fsdp > 1  # accumulated over micro-batches (8 x 64 holds them all)

@@ -277,10 +277,10 @@ def test_the_learner_is_priced_on_its_own_packing():
   for tokens, rows, mult, one in ((2048, 64, 1, False), (0, 16, 1, False), (4096, 8, 4, False),
                                   (4096, 8, 4, True)):
     spec = SimpleNamespace(micro_batch=rows, pad_multiple=32, max_len=368,
-                           micro_batch_tokens=tokens, row_multiple=mult, one_length=one,
+                           micro_batch_tokens=tokens, row_multiple=mult, max_rows=one,
                            gcfg=GRPOConfig())
     real = batching.minibatches(samples, spec, 2, seed=7)
-    got = Layout(rows, tokens, 32, 368, 2, row_multiple=mult, one_length=one).shapes(lens, 7)
+    got = Layout(rows, tokens, 32, 368, 2, row_multiple=mult, max_rows=one).shapes(lens, 7)
     assert [[(m.rows, m.t) for m in g] for g in got] == [[mb.tokens.shape for mb in g]
                                                           for g in real]
     assert [[Micro.of(mb.segment_ids) for mb in g] for g in real] == got

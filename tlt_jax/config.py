@@ -34,7 +34,7 @@ from tlt_jax.drafter.model import ENGINES
 from tlt_jax.errors import ConfigError, build, check, section_values
 from tlt_jax.memory import device_bytes
 from tlt_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES, ModelConfig
-from tlt_jax.rl.batching import ROW_LENS
+from tlt_jax.rl.batching import ROW_LAYOUTS
 from tlt_jax.rl.grpo import ADV_ESTIMATORS, GRPOConfig
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.policies.cells import Policies
@@ -356,7 +356,8 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   check(1 <= g.minibatches <= most, "grpo.minibatches", g.minibatches,
         f"must be between 1 and the number of micro-batches per step ({most})")
   check(g.pad_multiple >= 1, "grpo.pad_multiple", g.pad_multiple, "must be >= 1")
-  check(g.row_len in ROW_LENS, "grpo.row_len", g.row_len, f"use one of {', '.join(ROW_LENS)}")
+  check(g.row_layout in ROW_LAYOUTS, "grpo.row_layout", g.row_layout,
+        f"use one of {', '.join(ROW_LAYOUTS)}")
   check(cfg.model.get("attention", "auto") != "fused" or g.pad_multiple % 16 == 0,
         "grpo.pad_multiple", g.pad_multiple, "must be a multiple of 16 with "
         "model.attention='fused' (the kernel's blocks; rows are pad_multiple x 2^k long)")

@@ -101,18 +101,18 @@ class TrainState(NamedTuple):
 
 
 def learner_spec(spec: config_lib.RunSpec, model_cfg, mesh) -> grpo.LearnerSpec:
-  """The learner's layout and optimizer of a run (config.grpo, config.optim); grpo.row_len
-  "auto": rows of one length where the packed attention is the fused kernel."""
+  """The learner's layout and optimizer of a run (config.grpo, config.optim); grpo.row_layout
+  "auto": max-length rows where the packed attention is the fused kernel."""
   cfg = spec.cfg
   g, o = cfg.grpo, cfg.optim
-  one = g.row_len == "one" or (g.row_len == "auto"
-                               and packed_impl(model_cfg, g.pad_multiple)[0] == "fused")
+  max_rows = g.row_layout == "max_len" or (
+      g.row_layout == "auto" and packed_impl(model_cfg, g.pad_multiple)[0] == "fused")
   tx = make_optimizer(o.lr, warmup_steps=o.warmup_steps,
                       total_steps=cfg.train.steps * g.minibatches, schedule=o.schedule,
                       weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, grad_clip=o.grad_clip)
   return grpo.LearnerSpec(model_cfg, spec.grpo, tx, mesh,
                           micro_batch=g.micro_batch, pad_multiple=g.pad_multiple,
-                          micro_batch_tokens=g.micro_batch_tokens, one_length=one,
+                          micro_batch_tokens=g.micro_batch_tokens, max_rows=max_rows,
                           max_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
 
 
@@ -155,10 +155,12 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
   # -------------------------------------------------------------------------- learner
   lspec = learner_spec(spec, model_cfg, mesh)
   _, why = packed_impl(model_cfg, lspec.pad_multiple)
-  rows = (f"rows of {-(-lspec.max_len // lspec.pad_multiple) * lspec.pad_multiple} tokens"
-          if lspec.one_length else f"rows of {lspec.pad_multiple} x 2^k tokens")
+  rows = f"rows of {lspec.pad_multiple} x 2^k tokens"
+  if lspec.max_rows:
+    rows = (f"rows of {-(-lspec.max_len // lspec.pad_multiple) * lspec.pad_multiple} tokens, "
+            f"the shortest samples' {lspec.pad_multiple} x 2^k")
   print(f"learner: packed micro-batches (grpo.micro_batch_tokens="
-        f"{cfg.grpo.micro_batch_tokens}, {rows}: grpo.row_len={cfg.grpo.row_len}), "
+        f"{cfg.grpo.micro_batch_tokens}, {rows}: grpo.row_layout={cfg.grpo.row_layout}), "
         f"attention: {why}", file=sys.stderr)
   learner = grpo.init_learner(params, lspec)
   del params

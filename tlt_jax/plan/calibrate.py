@@ -379,7 +379,7 @@ def validate_learner(ls, state, model_cfg: ModelConfig, hw: cost.Hardware, learn
 
   from tlt_jax.plan.learner import Layout, learner_phases
   layout = Layout(ls.micro_batch, ls.micro_batch_tokens, ls.pad_multiple, ls.max_len,
-                  minibatches, ls.row_multiple, ls.one_length)
+                  minibatches, ls.row_multiple, ls.max_rows)
   warm, t = [], ls.pad_multiple
   while t < ls.max_len:
     warm.append(t)

@@ -78,17 +78,17 @@ class Layout:
   max_len: int
   minibatches: int
   row_multiple: int = 1
-  one_length: bool = False
+  max_rows: bool = False
 
   @classmethod
   def of(cls, cfg, row_multiple: int = 1, fused: bool = True) -> "Layout":
-    """A run's layout (config.grpo); its row_len "auto" as the run resolves it, given whether
-    the packed attention is the fused kernel (run.learner_spec)."""
+    """A run's layout (config.grpo); its row_layout "auto" as the run resolves it, given
+    whether the packed attention is the fused kernel (run.learner_spec)."""
     g = cfg.grpo
-    row_len = g.get("row_len", "auto")
+    layout = g.get("row_layout", "auto")
     return cls(int(g.micro_batch), int(g.micro_batch_tokens), int(g.pad_multiple),
                int(cfg.data.max_prompt_len + cfg.rollout.max_new_tokens), int(g.minibatches),
-               row_multiple, row_len == "one" or (row_len == "auto" and fused))
+               row_multiple, layout == "max_len" or (layout == "auto" and fused))
 
   def shapes(self, seq_lens: Sequence[int], seed: int = 0) -> list[list[Micro]]:
     """Every micro-batch's `Micro`, per mini-batch: the learner's own partition and packing
@@ -103,7 +103,7 @@ class Layout:
       lens = [seq_lens[i] for i in part]
       layout = batching.micro_layout(lens, self.micro_batch, self.pad_multiple, self.max_len,
                                      self.micro_batch_tokens, self.row_multiple,
-                                     self.one_length)
+                                     self.max_rows)
       out.append([micro([[part[i] for i in b] for b in bins], t, n) for bins, t, n in layout])
     return out
 

@@ -36,7 +36,7 @@ class MicroBatch(NamedTuple):
 
 
 def micro_layout(lengths: Sequence[int], rows: int, pad_multiple: int, max_len: int,
-                 max_tokens: int = 0, row_multiple: int = 1, one_length: bool = False
+                 max_tokens: int = 0, row_multiple: int = 1, max_rows: bool = False
                  ) -> list[tuple[list[list[int]], int, int]]:
   """The layout of `micro_batches` from the samples' lengths alone: per micro-batch, shortest
   first, (the sample indices of each of its rows, its row length T, its row count). The
@@ -49,24 +49,40 @@ def micro_layout(lengths: Sequence[int], rows: int, pad_multiple: int, max_len: 
   row_multiple); then every sample left, longest first, goes into the first of its rows with
   room (first-fit decreasing), and what fits nowhere waits for the next micro-batch.
 
-  one_length: every micro-batch's T is max_len rounded up to pad_multiple (one shape, one
-  compile; padding only where the last micro-batch runs out of samples). For attention that
-  computes each segment's own blocks only (the fused kernel: kernels/flash_attention.py), a
-  long row of many samples costs what short rows of them do; XLA's masked reference computes
-  a row's whole T x T, for which the buckets are cheaper."""
+  max_rows: of three layouts, the one that computes the fewest tokens (padding included;
+  ties to the fewest shapes): the buckets, every micro-batch of max-length rows (max_len
+  rounded up: one shape), and max-length rows while the samples left fill a micro-batch of
+  them, the buckets after that. Where rows come in multiples of many devices, a last
+  micro-batch of max-length rows can be mostly padding, and the buckets win. For attention
+  that computes each segment's own blocks only (the fused kernel: kernels/flash_attention.py)
+  a long row of many samples costs what short rows of them do; XLA's masked reference
+  computes a row's whole T x T, for which the buckets alone are cheaper."""
   cap = -(-max_len // pad_multiple) * pad_multiple
   if lengths and max(lengths) > cap:
     raise ValueError(f"a sample of {max(lengths)} tokens is longer than max_len {max_len}")
+  if not max_rows:
+    return _layout(lengths, rows, pad_multiple, cap, max_tokens, row_multiple, "buckets")
+  layouts = [_layout(lengths, rows, pad_multiple, cap, max_tokens, row_multiple, rule)
+             for rule in ("max", "fill", "buckets")]
+  return min(layouts, key=lambda lay: (sum(t * n for _, t, n in lay),
+                                       len({(t, n) for _, t, n in lay})))
+
+
+def _layout(lengths, rows, pad_multiple, cap, max_tokens, row_multiple, rule):
+  """`micro_layout` under one rule for T: "buckets", "max" (cap) or "fill" (cap while the
+  samples left hold a micro-batch of cap-long rows, then the buckets)."""
   left = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
+  count = lambda t: (rows if max_tokens <= 0  # noqa: E731 - rows of a micro-batch of T = t
+                     else max(row_multiple, (max_tokens // t) // row_multiple * row_multiple))
   out = []
   while left:
     t = pad_multiple
     while t < min(lengths[left[0]], cap):
       t *= 2
-    t = cap if one_length else min(t, cap)
-    n = rows
-    if max_tokens > 0:
-      n = max(row_multiple, (max_tokens // t) // row_multiple * row_multiple)
+    t = min(t, cap)
+    if rule == "max" or (rule == "fill" and sum(lengths[i] for i in left) >= count(cap) * cap):
+      t = cap
+    n = count(t)
     bins: list[list[int]] = [[] for _ in range(n)]
     free = [t] * n
     rest = []
@@ -82,7 +98,7 @@ def micro_layout(lengths: Sequence[int], rows: int, pad_multiple: int, max_len: 
   return out[::-1]
 
 
-ROW_LENS = ("auto", "one", "buckets")  # grpo.row_len: micro_layout's one_length, or auto
+ROW_LAYOUTS = ("auto", "max_len", "buckets")  # grpo.row_layout: micro_layout's max_rows or not
 
 
 LOSS_AGG = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -120,7 +136,7 @@ def token_weights(response_lens: Sequence[int], loss_agg: str = "token-mean",
 
 def micro_batches(samples: list[Sample], rows: int, pad_multiple: int, max_len: int,
                   max_tokens: int = 0, row_multiple: int = 1, loss_agg: str = "token-mean",
-                  norm_len: int = 0, one_length: bool = False) -> Iterator[MicroBatch]:
+                  norm_len: int = 0, max_rows: bool = False) -> Iterator[MicroBatch]:
   """Packed micro-batches (`micro_layout`), shortest first, of one mini-batch: `samples`
   (each response token's loss weight is `token_weights` over them).
 
@@ -132,7 +148,7 @@ def micro_batches(samples: list[Sample], rows: int, pad_multiple: int, max_len: 
   weights = token_weights([len(s.response_ids) for s in samples], loss_agg, norm_len)
   out = []
   for bins, t, n in micro_layout([s.length for s in samples], rows, pad_multiple, max_len,
-                                 max_tokens, row_multiple, one_length):
+                                 max_tokens, row_multiple, max_rows):
     tokens = np.zeros((n, t), np.int32)
     positions = np.zeros((n, t), np.int32)
     segments = np.zeros((n, t), np.int32)
@@ -172,7 +188,7 @@ def minibatches(samples: list[Sample], spec, num_minibatches: int = 1,
   g = spec.gcfg
   return [list(micro_batches([samples[i] for i in part], spec.micro_batch, spec.pad_multiple,
                              spec.max_len, spec.micro_batch_tokens, spec.row_multiple,
-                             g.loss_agg, g.loss_norm_len, spec.one_length))
+                             g.loss_agg, g.loss_norm_len, spec.max_rows))
           for part in minibatch_parts(len(samples), num_minibatches, seed)]
 
 

@@ -275,7 +275,7 @@ class LearnerSpec:
   """What the learner's jitted functions are specialised on: hashable, passed as a static
   argument (one run has one, so each function compiles once per micro-batch shape). tx: from
   tlt_jax/optim.py; mesh: the learner's (FSDP over data x fsdp); micro_batch, pad_multiple,
-  max_len, micro_batch_tokens, one_length: the batch layout of `micro_batches`."""
+  max_len, micro_batch_tokens, max_rows: the batch layout of `micro_batches`."""
 
   cfg: ModelConfig
   gcfg: GRPOConfig
@@ -285,7 +285,7 @@ class LearnerSpec:
   pad_multiple: int = 64
   max_len: int = 1 << 30
   micro_batch_tokens: int = 0
-  one_length: bool = False
+  max_rows: bool = False
 
   @property
   def row_multiple(self) -> int:
