@@ -15,12 +15,11 @@ how far the simulator's learner is from this one. A variant not started within -
 is reported as skipped, one that raises as failing (the other still runs). Prints a markdown
 table, each row as its variant finishes, and writes DIR/learner.json after each.
 
-Between the two steps (once the fused one is done, within --budget_s): the packed attention
-alone, forward + backward of one layer at --attention's shape (rows, tokens, heads, kv heads,
-head_dim; default Qwen2.5-7B's heads in rows of 4096): our segment-skipping kernel, JAX's
-Pallas `mha` it replaced and XLA's reference (tlt_jax/bench/packed_attention.py), into
-DIR/attention.json. At 512-token rows the attention is a small part of the step; there it is
-the whole measurement.
+Before the steps: the packed attention alone, forward + backward of one layer at
+--attention's shape (rows, tokens, heads, kv heads, head_dim; default Qwen2.5-7B's heads in
+rows of 4096): our segment-skipping kernel, JAX's Pallas `mha` it replaced and XLA's
+reference (tlt_jax/bench/packed_attention.py), into DIR/attention.json. At 512-token rows the
+attention is a small part of the step; there it is the whole measurement.
 """
 
 from __future__ import annotations
@@ -120,18 +119,17 @@ def write(out: str, rows: list[dict]) -> None:
               indent=2)
 
 
-def attention_bench(args, t0: float) -> None:
+def attention_bench(args) -> None:
   """The packed attention alone (module docstring): its table, and DIR/attention.json."""
-  if args.budget_s and time.perf_counter() - t0 > args.budget_s:
-    print("\npacked attention bench: skipped (out of --budget_s)\n", flush=True)
-    return
+  t0 = time.perf_counter()
   rows, t, heads, kv_heads, head_dim = (int(x) for x in args.attention.split(","))
   res = packed_attention.bench(rows, t, heads, kv_heads, head_dim, args.dtype, iters=args.steps + 1)
   print("\n" + packed_attention.table(res) + "\n", flush=True)
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "attention.json"), "w") as f:
     json.dump(res, f, indent=2)
-  print(f"attention bench: done at {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+  print(f"attention bench: done in {time.perf_counter() - t0:.0f}s", file=sys.stderr,
+        flush=True)
 
 
 def main(argv=None) -> int:
@@ -164,10 +162,10 @@ def main(argv=None) -> int:
       "| attention | log-probs s | update s | update tokens/s | predicted log-probs / "
       "update s | predicted / measured (update) |", "|---|---:|---:|---:|---:|---:|"]),
         flush=True)
+  if args.attention:
+    attention_bench(args)
   rows = []
   for attention in ("fused", "xla"):
-    if attention == "xla" and args.attention:
-      attention_bench(args, t0)
     if args.budget_s and time.perf_counter() - t0 > args.budget_s:
       rows.append({"attention": attention, "skipped": "out of --budget_s"})
     else:
