@@ -91,7 +91,7 @@ def test_auto_on_a_gpu_uses_the_kernel_only_where_it_compiles_and_agrees(monkeyp
   (here the real failure: the Triton lowering on this CPU, the backend only named a GPU) or
   disagrees with XLA's reference (a kernel 10% off on one head: a miscompile), the reference
   runs and the reason says why; where it compiles and agrees (the kernel interpreted here), the
-  kernel runs."""
+  kernel runs, also where a trace asks first."""
   from tlt_jax.kernels import flash_attention
   from tlt_jax.models import attention
   bf16 = dataclasses.replace(CFG, dtype="bfloat16")
@@ -112,5 +112,11 @@ def test_auto_on_a_gpu_uses_the_kernel_only_where_it_compiles_and_agrees(monkeyp
     monkeypatch.setattr(flash_attention, "packed_flash_attention",
                         lambda q, k, v, s: real(q, k, v, s, interpret=True))
     assert packed_impl(bf16, 512)[0] == "fused"
+    # asked first inside a trace (the drafter's step is jitted): the check still runs its
+    # executables on concrete arrays, and agrees
+    probe.cache_clear()
+    seen = []
+    jax.jit(lambda x: seen.append(packed_impl(bf16, 512)[0]) or x + 1)(1.0)
+    assert seen == ["fused"]
   finally:
     probe.cache_clear()

@@ -126,8 +126,9 @@ def _fused_check(heads: int, kv_heads: int, head_dim: int, dtype: str) -> str | 
   """None if the kernel's forward and backward compile on this backend and agree with XLA's
   reference, else why not (one line). One row of 256 tokens, two segments and padding: the
   code is the blocks', the grid only repeats it. A JAX or Triton release that miscompiles the
-  kernel is caught here, not by a run whose updates are silently wrong. Compiled and run
-  outside any trace (a trace may be what asked)."""
+  kernel is caught here, not by a run whose updates are silently wrong. Its inputs are numpy
+  arrays, the executables' own calls run them: a trace may be what asked (the drafter's
+  step), and a jnp op there would be staged into it."""
   import numpy as np
   rng = np.random.default_rng(0)
   t = 256
@@ -135,7 +136,7 @@ def _fused_check(heads: int, kv_heads: int, head_dim: int, dtype: str) -> str | 
   q = rng.normal(size=(1, t, heads, head_dim))
   k, v = (rng.normal(size=(1, t, kv_heads, head_dim)) for _ in range(2))
   w = (rng.normal(size=q.shape) * (seg > 0)[..., None, None]).astype(np.float32)
-  args = [jnp.asarray(x, dtype) for x in (q, k, v)] + [jnp.asarray(seg), jnp.asarray(w)]
+  args = [np.asarray(x, jnp.dtype(dtype)) for x in (q, k, v)] + [seg, w]
 
   def fwd_bwd(attn):
     def f(q, k, v, s, w):
