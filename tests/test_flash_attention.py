@@ -115,6 +115,13 @@ def test_visited_blocks_of_a_packed_row():
   seg = np.repeat(np.arange(1, 5), 128)[None]
   assert len(_counted_blocks(seg, 1, 128, 64)) == 8
   assert fa.visited_blocks(seg) == (8, 20)
+  # one segment: exactly a causal kernel's blocks, whatever the heads' grouping (R = 7 T rows:
+  # query blocks end mid-token); the count by brute force at the forward's blocks
+  one = np.ones((1, 448), np.int32)
+  for g in (1, 2, 7):
+    bq, bk = fa.geometry(448, g, fa.FWD_BLOCKS)
+    n = len(_counted_blocks(one, g, bq, bk))
+    assert fa.visited_blocks(one, g) == (n, n), g
 
 
 def test_blocks_outside_the_ranges_are_never_read(monkeypatch):

@@ -98,7 +98,7 @@ def visited_blocks(segment_ids: jax.Array, g: int = 1, blocks: tuple[int, int] =
   b, t = segment_ids.shape
   bq, bk = geometry(t, g, blocks)
   kv_lo, kv_hi, _, _ = block_ranges(jnp.asarray(segment_ids), g, bq, bk)
-  row_tok_last = (np.arange(t * g // bq) + 1) * bq // g - 1  # each query block's last token
+  row_tok_last = ((np.arange(t * g // bq) + 1) * bq - 1) // g  # each query block's last token
   causal = b * int(np.sum(row_tok_last // bk + 1))
   return int(jnp.sum(kv_hi - kv_lo)), causal
 
