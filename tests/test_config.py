@@ -221,6 +221,29 @@ def test_a_reward_module_that_cannot_load_is_one_config_error(tmp_path):
   assert not (tmp_path / "run").exists()
 
 
+def test_a_resumed_run_that_switches_a_setting_off_names_what_it_acted_on(tmp_path):
+  """The checkpointed run had dynamic sampling and the loss_norm_len normalisation on, the
+  resumed one has them off: their values acted in the saved run, so their changes are named
+  too (runtime.ACTIVE_WHEN: active in either config)."""
+  from tlt_jax import runtime
+
+  def cfg_of(**values):
+    cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+    cfg.workdir = str(tmp_path)
+    for key, value in values.items():
+      section, name = key.split("__")
+      cfg[section][name] = value
+    return cfg
+
+  runtime.write_config(cfg_of(grpo__filter_groups=True, grpo__loss_norm_len=64,
+                              grpo__loss_agg="seq-mean-token-sum-norm"))
+  (tmp_path / "checkpoints" / "3").mkdir(parents=True)
+  with pytest.raises(ConfigError, match=r"other values: grpo.filter_groups True -> False; "
+                     r"grpo.max_rollouts 4 -> 2; grpo.loss_agg 'seq-mean-token-sum-norm' -> "
+                     r"'token-mean'; grpo.loss_norm_len 64 -> 77; pass"):
+    runtime.prepare(config_lib.run_spec(cfg_of(grpo__max_rollouts=2, grpo__loss_norm_len=77)))
+
+
 def test_a_resumed_run_that_would_learn_otherwise_stops_and_its_configs_are_kept(tmp_path,
                                                                                  capsys):
   """A workdir with a checkpoint: resuming it with other values of what the run learns (model,
@@ -254,6 +277,10 @@ def test_a_resumed_run_that_would_learn_otherwise_stops_and_its_configs_are_kept
   with pytest.raises(ConfigError, match=r"grpo.loss_agg 'token-mean' -> "
                      r"'seq-mean-token-sum-norm'; grpo.loss_norm_len \d+ -> 77; pass"):
     prepare(grpo__loss_norm_len=77, grpo__loss_agg="seq-mean-token-sum-norm")
+  # another per-sequence sum that does not normalise by loss_norm_len: its length still inert
+  with pytest.raises(ConfigError, match=r"grpo.loss_agg 'token-mean' -> 'seq-mean-token-sum'; "
+                     r"pass"):
+    prepare(grpo__loss_norm_len=77, grpo__loss_agg="seq-mean-token-sum")
   with pytest.raises(ConfigError, match=r"^config.workdir='.*': holds a run checkpointed at "
                      r"step 3 that learned with other values: rollout.temperature 1.0 -> "
                      r"0.7; optim.lr 5e-05 -> 0.0001; pass a new --workdir"):

@@ -115,13 +115,6 @@ def test_visited_blocks_of_a_packed_row():
   seg = np.repeat(np.arange(1, 5), 128)[None]
   assert len(_counted_blocks(seg, 1, 128, 64)) == 8
   assert fa.visited_blocks(seg) == (8, 20)
-  # one segment: exactly a causal kernel's blocks, whatever the heads' grouping (R = 7 T rows:
-  # query blocks end mid-token); the count by brute force at the forward's blocks
-  one = np.ones((1, 448), np.int32)
-  for g in (1, 2, 7):
-    bq, bk = fa.geometry(448, g, fa.FWD_BLOCKS)
-    n = len(_counted_blocks(one, g, bq, bk))
-    assert fa.visited_blocks(one, g) == (n, n), g
 
 
 def test_blocks_outside_the_ranges_are_never_read(monkeypatch):
@@ -182,3 +175,72 @@ def test_rows_must_be_whole_blocks():
   q = jnp.zeros((1, 40, 2, 16))
   with pytest.raises(ValueError, match="multiple of 16"):
     fa.packed_flash_attention(q, q, q, jnp.ones((1, 40), jnp.int32), interpret=True)
+
+
+def _reference_lse(q, k, v, seg):
+  """float64, stable at any logit scale: `_reference` through a max-shifted softmax whose
+  masked entries are exactly 0 (no finite mask value that real logits could fall below)."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  t, h, g = q.shape[1], q.shape[3], q.shape[2] // k.shape[2]
+  k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+  s = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(h)
+  seg = np.asarray(seg)
+  seen = ((seg[:, :, None] == seg[:, None, :]) & np.tril(np.ones((t, t), bool)))[:, None]
+  m = np.where(seen, s, -np.inf).max(axis=-1, keepdims=True)
+  p = np.where(seen, np.exp(np.where(seen, s, m) - m), 0.0)
+  return np.einsum("bnts,bsnh->btnh", p / p.sum(axis=-1, keepdims=True), v)
+
+
+def test_logits_far_below_zero_and_negative_ids(monkeypatch):
+  """Every score of some rows near -1.4e4 in base 2 (queries opposite the keys' shared
+  direction): a masked score must never outweigh them (a finite mask of -1e4, or a running max
+  started at 0 whose exp2 underflows, would). Negative ids are segments too (clipped with
+  padding for the ranges only)."""
+  t, h = 64, 16
+  rng = np.random.default_rng(5)
+  k = (1.0 + 0.01 * rng.normal(size=(1, t, 1, h))).astype(np.float32)
+  v = rng.normal(size=(1, t, 1, h)).astype(np.float32)
+  sign = np.where(rng.random(t) < 0.5, -1.0, 1.0)[None, :, None, None]
+  q = (sign * 2.5e3 * (1.0 + 0.01 * rng.normal(size=(1, t, 2, h)))).astype(np.float32)
+  seg = np.array([[3] * 9 + [-2] * 20 + [0] * 5 + [-2] * 14 + [7] * 16], np.int32)
+  monkeypatch.setattr(fa, "FWD_BLOCKS", (16, 16))  # blocks that hold only negative ids
+  got = np.asarray(fa.packed_flash_attention(q, k, v, seg, interpret=True))
+  # float32 scores of this size are rounded by ~1e-3: the weights by ~0.1%
+  np.testing.assert_allclose(got, _reference_lse(q, k, v, seg), rtol=1e-2, atol=1e-2)
+
+
+def test_the_kernels_get_triton_tiles(monkeypatch):
+  """What a CPU's interpret mode does not check and Triton does: tl.dot's operands are powers
+  of two >= 16 along each dimension; the blocks are (geometry), the head_dim must be too, so
+  8 and 24 reach the kernels zero-padded to 16 and 32."""
+  calls = []
+  real = fa._call
+
+  def spy(kernel, grid, in_specs, out_specs, out_shape, name, interpret, warps):
+    run = real(kernel, grid, in_specs, out_specs, out_shape, name, interpret, warps)
+
+    def record(*args):
+      calls.append((name, [a.shape for a in args]))
+      return run(*args)
+    return record
+  monkeypatch.setattr(fa, "_call", spy)
+  for h in (8, 24):
+    q, k, v, seg = _packed(48, h, 3, 1, h, _ids(48, "packed"))
+    jax.grad(lambda q: jnp.sum(fa.packed_flash_attention(q, k, v, seg, interpret=True)))(q)
+  assert sorted({n for n, _ in calls}) == sorted(
+      f"packed_flash_attention_{n}" for n in ("fwd", "dkv", "dq"))
+  for name, shapes in calls:
+    for shape in shapes[5:]:  # q, k, v (dO): [B, K, rows, head_dim]; lse, delta [B, K, R]
+      if len(shape) == 4:
+        assert shape[-1] >= 16 and shape[-1] & (shape[-1] - 1) == 0, (name, shape)
+
+
+@pytest.mark.parametrize("t,g", [(48, 3), (64, 7), (16, 17), (48, 33)])
+def test_visited_blocks_count_a_causal_kernel(t, g):
+  """One segment a row: the blocks a causal kernel visits are exactly the blocks holding a
+  counted score (brute force), and so are the forward's; query blocks of 16 rows that end
+  inside a token (G > 16 heads a kv head, one key block of 16) included."""
+  seg = np.ones((2, t), np.int32)
+  bq, bk = fa.geometry(t, g, fa.FWD_BLOCKS)
+  n = len(_counted_blocks(seg, g, bq, bk))
+  assert fa.visited_blocks(seg, g) == (n, n)

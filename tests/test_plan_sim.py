@@ -292,6 +292,13 @@ def test_the_learner_is_priced_on_its_own_packing():
         for g in real]
 
 
+def test_a_whole_row_is_one_segment_of_causal_pairs():
+  """Micro.whole (calibrate's rows): every (query, key <= query) pair of each row, counted."""
+  from tlt_jax.plan.learner import Micro
+  for rows, t in ((1, 1), (3, 32), (2, 368)):
+    assert Micro.whole(rows, t) == (rows, t, rows * int(np.tril(np.ones((t, t))).sum()))
+
+
 def test_plan_command_on_the_7b_recipe(tmp_path):
   """The 7B recipe on 8 simulated H100s: its memory plan's max_batch, both modes' phases,
   the files; speculation runs (gate open) and spends the idle windows training."""
