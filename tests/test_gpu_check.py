@@ -82,7 +82,7 @@ def test_gpu_check_smoke_writes_a_complete_report(tmp_path):
   assert all(r["ms"] > 0 and r["max_abs_vs_first"] < 1e-4 for r in attention["results"])
   assert 0 < attention["visited_blocks"] <= attention["causal_blocks"], attention
   assert re.search(r"\| packed attention fwd\+bwd \(1 x 128 tokens, 4/2 heads of 16\) \| "
-                   r"flash [\d.]+ ms, mha [\d.]+ ms, xla [\d.]+ ms; flash [\d.]+x of mha's", head)
+                   r"flash [\d.]+ ms, mha [\d.]+ ms, xla [\d.]+ ms, flash [\d.]+x of mha's", head)
   # the regime stage (scripts/bench_regime.py on the smoke target): every table printed, greedy
   # speculative outputs equal plain decoding's, the summary's time split adds up
   regime = (tmp_path / "bench_regime.log").read_text()
