@@ -1,6 +1,7 @@
 """Configs load and validate; user mistakes are one clear line (tlt_jax/config.py, the CLIs'
 error path)."""
 
+import functools
 import json
 import os
 import subprocess
@@ -221,19 +222,22 @@ def test_a_reward_module_that_cannot_load_is_one_config_error(tmp_path):
   assert not (tmp_path / "run").exists()
 
 
+def _default_in(workdir, **values):
+  """configs/default.py with workdir set and `section__name=value` overrides."""
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+  cfg.workdir = str(workdir)
+  for key, value in values.items():
+    section, name = key.split("__")
+    cfg[section][name] = value
+  return cfg
+
+
 def test_a_resumed_run_that_switches_a_setting_off_names_what_it_acted_on(tmp_path):
   """The checkpointed run had dynamic sampling and the loss_norm_len normalisation on, the
   resumed one has them off: their values acted in the saved run, so their changes are named
   too (runtime.ACTIVE_WHEN: active in either config)."""
   from tlt_jax import runtime
-
-  def cfg_of(**values):
-    cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
-    cfg.workdir = str(tmp_path)
-    for key, value in values.items():
-      section, name = key.split("__")
-      cfg[section][name] = value
-    return cfg
+  cfg_of = functools.partial(_default_in, tmp_path)
 
   runtime.write_config(cfg_of(grpo__filter_groups=True, grpo__loss_norm_len=64,
                               grpo__loss_agg="seq-mean-token-sum-norm"))
@@ -251,14 +255,7 @@ def test_a_resumed_run_that_would_learn_otherwise_stops_and_its_configs_are_kept
   train.resume_with_changes; more steps, another engine setting or TLT switched (lossless)
   resume as before. Each config a run ran with is kept."""
   from tlt_jax import runtime
-
-  def cfg_of(**values):
-    cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
-    cfg.workdir = str(tmp_path)
-    for key, value in values.items():
-      section, name = key.split("__")
-      cfg[section][name] = value
-    return cfg
+  cfg_of = functools.partial(_default_in, tmp_path)
 
   def prepare(**values):
     return runtime.prepare(config_lib.run_spec(cfg_of(**values)))
