@@ -11,22 +11,25 @@ weights made on the device: a step's bytes and time do not depend on what the we
 
 Each XLA flag set runs in a subprocess of its own (XLA reads XLA_FLAGS once per process):
   default        XLA's defaults
+  cublas         Triton GEMM fusions off (narrow dots on cuBLAS): on 2026-12-04 the batch-1
+                 step's Triton GEMM fusions read their weights at ~48% of the copy bandwidth
+                 where the dot XLA turned into a reduction read its at ~79%
   cmdbuf         command buffers (CUDA graphs) around the decode loop's WHILE and CONDITIONAL
                  too, from one kernel up: the loop's condition never syncs the host
-  cmdbuf cublas  the same with Triton GEMM fusions off (narrow dots on cuBLAS)
   autotune 0     no autotuning of the matmuls: what it costs a step, what it saves a compile
                  (the engine compiles dozens of executables; ~6-8 s each here on an H200)
 and in each, code variants of the decode chunk (tlt_jax/rollout/decode.py, models.transformer):
-  engine         decode_chunk as the engine runs it: a while loop that exits once every row
-                 is done (the device sends its condition to the host every step)
+  engine         decode_chunk as the engine runs it on a GPU: one qkv and one gate/up matmul a
+                 layer (models.fuse_projections), paged attention (kernels/paged_attention.py:
+                 each row's live pages read in place, one executable for every window; the
+                 cell also reports the kernel's largest difference from XLA's attention over
+                 the same cache, bf16 inputs, float32 reference), a while loop that exits once
+                 every row is done (the device sends its condition to the host every step)
+  windows        attention windows instead (the window's pages gathered: an executable each)
+  unfused        separate q, k, v and gate, up matmuls
   fixed          a known trip count (finished rows masked), no per-step condition
   u4             4 decode steps per loop iteration
-  fused          one qkv and one gate/up matmul a layer (models.fuse_projections)
   spec A         one speculative step of arm A (verification forward + drafter steps)
-  paged          attention through the paged kernel (kernels/paged_attention.py,
-                 EngineConfig.paged_attention): each row's live pages read, one executable
-                 for every window; the cell also reports the kernel's largest difference from
-                 XLA's attention over the same cache (bf16 inputs, float32 reference)
   profile        also a profiler trace of the loop (tlt_jax/bench/device_profile.py): kernels
                  a step, the device's busy time against the wall, the top kernels by time
 Every cell: the step's time inside one compiled loop (best of 5 calls, divided by the steps;
@@ -56,41 +59,44 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CMDBUF = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,"
           "CONDITIONAL --xla_gpu_graph_min_graph_size=1")
-FLAG_SETS = {
+FLAG_SETS = {  # (the processes run in this order)
     "default": "",
+    "cublas": "--xla_gpu_enable_triton_gemm=false",
     "cmdbuf": CMDBUF,
-    "cmdbuf cublas": CMDBUF + " --xla_gpu_enable_triton_gemm=false",
     "autotune 0": "--xla_gpu_autotune_level=0",
 }
-# (flag set, code variant, batches): the most informative cells first in each process.
+# (flag set, code variant, batches): the most informative cells first in each process. The
+# 2026-12-04 H200 run measured what is not here: fused projections 1.03x at batch 1 and equal
+# at 8, 4 steps an iteration and a fixed trip count nothing, paged attention 0.97x / 0.98x /
+# 1.08x of the windows at batch 1 / 8 / 64 (docs/gpu.md)
 PLAN = (
     ("default", "engine profile", (1, 8)),
+    ("default", "engine spec 4_1_5", (1,)),
     ("default", "engine", (64,)),
-    ("default", "fused", (1, 8)),
-    ("default", "fused fixed u4", (1,)),
-    ("default", "spec 4_1_5", (1,)),
-    ("default", "paged", (1, 8, 64)),
-    ("default", "paged spec 4_1_5", (1,)),
-    ("cmdbuf", "engine", (1, 8)),
-    ("cmdbuf", "fused fixed u4 profile", (1,)),
-    ("cmdbuf cublas", "fused", (1, 8)),
-    ("autotune 0", "engine", (1, 8)),
+    ("default", "windows", (1, 64)),
+    ("cublas", "engine profile", (1,)),
+    ("cublas", "engine", (8,)),
+    ("cublas", "engine spec 4_1_5", (1,)),
+    ("cmdbuf", "engine", (1,)),
+    ("autotune 0", "engine", (1,)),
 )
 QUICK_PLAN = (  # --quick (the CPU smoke): every kind of cell once
     ("default", "engine profile", (1, 2)),
-    ("default", "fused fixed u4", (1,)),
-    ("default", "spec 3_1_4", (1,)),
-    ("cmdbuf", "fused", (1,)),
-    ("default", "paged", (1,)),
+    ("default", "engine fixed u4", (1,)),
+    ("default", "engine spec 3_1_4", (1,)),
+    ("default", "windows", (1,)),
+    ("cmdbuf", "engine unfused", (1,)),
 )
 
 
 def parse_code(code: str) -> dict:
+  """A cell's code (module docstring) -> its settings: the engine's GPU default unless a word
+  turns one off."""
   words = code.split()
   arm = words[words.index("spec") + 1] if "spec" in words else None
-  return {"fused": "fused" in words, "early_exit": "fixed" not in words,
+  return {"fused": "unfused" not in words, "early_exit": "fixed" not in words,
           "unroll": 4 if "u4" in words else 1, "arm": arm, "profile": "profile" in words,
-          "paged": "paged" in words}
+          "paged": "windows" not in words}
 
 
 def paged_parity(cfg, cache, rows: int, t: int) -> float:

@@ -4,13 +4,13 @@
     python scripts/gpu_headline.py OUT        # OUT: gpu_check.sh's --out directory
     python scripts/gpu_headline.py --rl OUT   # the rl_steps stage's per-phase table
 
-One markdown table, a row per figure the checklist exists for (../shared/GPU.md): decode's
-share of copy bandwidth at batch 1, 8 and 64 (the engine on XLA's defaults, and the fastest
-variant, scripts/gpu_decode.py), the speculative step's, paged attention's step against the
-engine's windows with its difference from XLA's attention, SD vs plain end to end (batch 1 and 8,
-scripts/bench_regime.py), RL steps on one GPU TLT on vs off (the main job, python -m
-tlt_jax.train, on the long-tail workload; each run's metrics.jsonl), the cost
-model's predicted / measured speculative step (scripts/bench_cost_model.py). A stage that wrote
+One markdown table, a row per figure the checklist exists for (../shared/GPU.md): decode's share
+of copy bandwidth at batch 1, 8 and 64 (the engine on XLA's defaults, and the fastest variant,
+scripts/gpu_decode.py), the speculative step's, the engine's paged attention's step against the
+attention windows' with its difference from XLA's attention, SD vs plain end to end (batch 1 and
+8, scripts/bench_regime.py), RL steps on one GPU TLT on vs off (the main job, python -m
+tlt_jax.train, on the long-tail workload; each run's metrics.jsonl), the cost model's predicted
+/ measured speculative step (scripts/bench_cost_model.py). A stage that wrote
 nothing gives "not measured" with where to look.
 """
 
@@ -126,13 +126,13 @@ def _decode(out: str) -> list[tuple[str, str, str]]:
       res.append((f"speculative step {c['code'].split()[-1]}, batch {c['batch']}: % of copy "
                   "bandwidth", f"{c['fraction']:.0%} ({c['step_s'] * 1e3:.2f} ms; {n}, "
                   f"{c['code']})", "decode"))
-    for c in sets.get("default", {}).get("cells", []):  # the paged attention's plain cells
-      if c.get("code") == "paged" and "error" not in c and c["batch"] in base:
-        ref = base[c["batch"]]
-        res.append((f"paged attention, batch {c['batch']}: step vs the engine's windows",
-                    f"{ref['step_s'] / c['step_s']:.2f}x ({c['step_s'] * 1e3:.2f} vs "
-                    f"{ref['step_s'] * 1e3:.2f} ms; > 1: paged faster), largest difference "
-                    f"from XLA's attention {c['paged_parity']:.1e}", "decode"))
+    for c in sets.get("default", {}).get("cells", []):  # the attention windows' plain cells
+      if c.get("code") == "windows" and "error" not in c and c["batch"] in base:
+        eng = base[c["batch"]]
+        res.append((f"paged attention (the engine's), batch {c['batch']}: step vs the windows",
+                    f"{c['step_s'] / eng['step_s']:.2f}x ({eng['step_s'] * 1e3:.2f} vs "
+                    f"{c['step_s'] * 1e3:.2f} ms; > 1: paged faster), largest difference "
+                    f"from XLA's attention {eng['paged_parity']:.1e}", "decode"))
   else:
     res.append(("decode % of copy bandwidth", "not measured", "decode"))
   return res
@@ -162,14 +162,15 @@ def _rl(out: str) -> list[tuple[str, str, str]]:
   res: list[tuple[str, str, str]] = []
   runs = rl_runs(out)
   if runs.get("on") and runs.get("off"):
-    on, off = (phase_sums(runs[m]) for m in ("on", "off"))
-    res.append((f"RL steps on one device ({min(len(runs['on']), len(runs['off']))} of "
-                "configs/longtail.py on the bench target), TLT on / off",
+    n = min(len(runs["on"]), len(runs["off"]))  # the steps both modes finished
+    on, off = (phase_sums(runs[m][:n]) for m in ("on", "off"))
+    res.append((f"RL steps on one device ({n} of configs/longtail.py on the bench target), "
+                "TLT on / off",
                 f"speedup {off['total'] / on['total']:.2f}x (on {on['total']:.1f} s, off "
                 f"{off['total']:.1f} s; of which compiling {on.get('compile', 0):.1f} / "
                 f"{off.get('compile', 0):.1f} s, rollout {on['rollout']:.1f} / "
                 f"{off['rollout']:.1f} s; the tail's share of the rollout, TLT off: "
-                f"{tail(runs['off']):.0%})",
+                f"{tail(runs['off'][:n]):.0%})",
                 "rl_steps"))
   else:
     res.append(("RL steps on one device, TLT on / off",

@@ -33,16 +33,18 @@ def test_gpu_check_smoke_writes_a_complete_report(tmp_path):
                    r"speedup [\d.]+x \(on .*tail's share of the rollout, TLT off: \d+%", head), head
   assert re.search(r"\| SD vs plain, batch 1 greedy, SD 3_1_4 \| .*outputs = plain: True", head)
   assert "cost model: spec / plain step, batch 1, 3_1_4 | predicted" in head, head
-  assert re.search(r"\| paged attention, batch 1: step vs the engine's windows \| [\d.]+x .*"
-                   r"largest difference from XLA's attention [\d.e+-]+ \|", head), head
+  assert re.search(r"\| paged attention \(the engine's\), batch 1: step vs the windows \| "
+                   r"[\d.]+x .*largest difference from XLA's attention [\d.e+-]+ \|", head), head
   # the decode variants: every kind of cell measured, with a fraction of copy bandwidth and
   # compiled memory at least the weights + KV from shapes
   dec = json.load(open(tmp_path / "decode" / "gpu_decode.json"))
   cells = [c for g in dec["flag_sets"].values() for c in g["cells"]]
-  assert {c["code"] for c in cells} == {"engine profile", "fused fixed u4", "spec 3_1_4",
-                                        "fused", "paged"}
-  # the paged kernel's cell: its output against XLA's attention (float32 here)
-  assert [c["paged_parity"] < 1e-5 for c in cells if c["code"] == "paged"] == [True]
+  assert {c["code"] for c in cells} == {"engine profile", "engine fixed u4", "engine spec 3_1_4",
+                                        "windows", "engine unfused"}
+  # the engine's cells read the pages (its attention against XLA's, float32 here), the
+  # windows' do not
+  assert [c["paged_parity"] is not None and c["paged_parity"] < 1e-5 for c in cells] == [
+      "windows" not in c["code"] for c in cells]
   prof = [c["profile"] for c in cells if c["code"] == "engine profile"]
   assert len(prof) == 2 and all(p["lines"] and p["wall_s"] > 0 for p in prof), prof
   for c in cells:

@@ -198,3 +198,16 @@ def test_decode_flag_sets_parse_on_this_jaxlib():
     got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=120)
     assert (got.returncode == 0) == (name != "misspelled"), (name, got.stderr[-500:])
+
+
+def test_rl_speedup_compares_the_steps_both_modes_finished(tmp_path):
+  """TLT on cut off after one step, off finished two: the headline compares step 1 with step
+  1 (6.0 s against 6.0 s), not one step with two."""
+  headline = _script("gpu_headline")
+  slow = dict(_STEP, step=2, time=dict(_STEP["time"], total=30.0, rollout=20.0))
+  _metrics(tmp_path, "on", json.dumps(_STEP) + "\n")
+  _metrics(tmp_path, "off", json.dumps(_STEP) + "\n" + json.dumps(slow) + "\n")
+  rows = {f: v for f, v, _ in headline.rows(str(tmp_path))}
+  key = next(f for f in rows if f.startswith("RL steps on one device ("))
+  assert key.startswith("RL steps on one device (1 of"), key
+  assert rows[key].startswith("speedup 1.00x (on 6.0 s, off 6.0 s;"), rows[key]

@@ -8,6 +8,7 @@ it is tests/test_rollout.py::test_paged_attention_engine_matches_transformers.""
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 
 import jax
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tlt_jax.kernels import paged_attention as pa
 from tlt_jax.kernels.paged_attention import geometry, paged_attention
 from tlt_jax.models.kv_cache import NO_PAGE, pages_for
 
@@ -199,3 +201,64 @@ def test_kernel_lowers_to_triton(dtype):
       jax.sharding.AbstractMesh((), (), abstract_device=device)):
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "xla.gpu.triton" in text and "paged_prefix_attention" in text
+
+
+@pytest.mark.parametrize("groups", [1, 2, 3, 7, 8, 16, 64])
+def test_query_blocks_are_every_block_a_chunk_can_meet(groups):
+  """The start-up check compiles one chunk per query block: `query_blocks` must hold every
+  block `geometry` gives a chunk of 1..100 tokens, each with a token count that gives it."""
+  blocks = pa.query_blocks(groups)
+  seen = {geometry(2, 2, t * groups, 8, 16)[0] for t in range(1, 101)}
+  assert set(blocks) == seen
+  assert all(geometry(2, 2, t * groups, 8, 16)[0] == bq for bq, t in blocks.items())
+
+
+def test_start_up_check_passes_the_kernel_and_catches_a_bad_one(monkeypatch):
+  """`kernel_check` (interpreted here, compiled on a GPU) passes the kernel at a 7B model's
+  grouping in bf16, and fails, with the reason, a kernel whose output is 10% off or that
+  does not compile: a run then takes the windows instead of decoding wrong tokens."""
+  assert pa.kernel_check(2, 7, 16, 16, "bfloat16", 6) is None
+  real = pa.prefix_attention
+  monkeypatch.setattr(pa, "prefix_attention",
+                      lambda *a, **k: (lambda o, m, l: (o * 1.1, m, l))(*real(*a, **k)))
+  assert re.fullmatch(r"disagrees with the XLA form at \d+ chunk tokens \(relative error "
+                      r"\S+\)", pa.kernel_check.__wrapped__(2, 3, 16, 16, "float32", 6))
+
+  def broken(*a, **k):
+    raise RuntimeError("Triton: no such intrinsic\nmore")
+  monkeypatch.setattr(pa, "prefix_attention", broken)
+  assert pa.kernel_check.__wrapped__(2, 3, 16, 16, "float32", 6) == (
+      "does not compile here at 5 chunk tokens (Triton: no such intrinsic)")
+
+
+def test_gpu_verdict_names_the_kernels_limits():
+  assert "splits them over 2" in pa.gpu_verdict(2, 2, 32, 16, "bfloat16", 8, tensor=2)
+  for h, page in ((8, 16), (48, 16), (32, 12)):
+    assert f"not {h} and {page}" in pa.gpu_verdict(2, 2, h, page, "bfloat16", 8)
+
+
+@pytest.mark.parametrize("paged,verdict,want", [
+    (None, None, r"paged attention: each row's live pages read in place by the Pallas "
+                 r"\(Triton\) kernel, one window \(rollout.attention=auto\)"),
+    (None, "does not compile here at 2 chunk tokens (x)",
+     r"attention windows, an executable per window \(rollout.attention=auto: the paged kernel "
+     r"does not compile here at 2 chunk tokens \(x\)\)"),
+    (False, None, r"attention windows, an executable per window \(rollout.attention=windows\)"),
+    (True, "unused", r"paged attention: .* \(rollout.attention=paged\)")])
+def test_a_gpu_replica_takes_paged_attention_where_the_kernel_serves_it(monkeypatch, paged,
+                                                                         verdict, want):
+  """On a GPU "auto" is the paged kernel where its verdict (limits, start-up check) passes
+  it, else the windows with the reason; a pinned setting is not checked. The verdict gets
+  the replica's geometry."""
+  from tlt_jax.models.config import ModelConfig
+  from tlt_jax.rollout.config import EngineConfig
+  asked = []
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(pa, "gpu_verdict", lambda *a: asked.append(a) or verdict)
+  cfg = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=64, intermediate_size=128,
+                    num_layers=1, num_heads=8, num_kv_heads=2, head_dim=32, dtype="bfloat16")
+  ecfg = EngineConfig(max_prompt_len=32, max_new_tokens=64, paged_attention=paged)
+  out, why = ecfg.resolve_attention(cfg, tensor=1)
+  assert re.fullmatch(want, why), why
+  assert out.paged_attention is (paged if paged is not None else verdict is None)
+  assert asked == ([(2, 4, 32, 16, "bfloat16", 6, 1)] if paged is None else [])

@@ -46,7 +46,8 @@ from tlt_jax.rollout.policies.strategy import Strategy
 from tlt_jax.sharding import AXES
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-# rollout.attention -> EngineConfig.paged_attention (None: by backend, EngineConfig.reads_pages)
+# rollout.attention -> EngineConfig.paged_attention (None: paged where the kernel serves the
+# replica, EngineConfig.resolve_attention)
 ROLLOUT_ATTENTION = {"auto": None, "paged": True, "windows": False}
 
 
@@ -318,7 +319,7 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   values = section_values(EngineConfig, r)
   attention = r.get("attention", "auto")
   check(attention in ROLLOUT_ATTENTION, "rollout.attention", attention,
-        "must be 'auto' (paged on CPUs; windows on GPUs until the kernel is measured there), "
+        "must be 'auto' (paged; on a GPU where the kernel passes its start-up check), "
         "'paged' (each row's live pages read in place) or 'windows' (the window's pages gathered)")
   values.update(paged_attention=ROLLOUT_ATTENTION[attention])
   values.update(max_batch=max_batch, spec=speculation, capture_hidden=trained,

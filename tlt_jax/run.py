@@ -187,6 +187,10 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
 
   # ------------------------------------------------------- rollout workers, coordinator
   ecfg = spec.engine_config(stop)
+  # paged attention or the windows for this backend and the replicas (on a GPU the kernel's
+  # start-up check), before the gate's verdicts, which are keyed by the engine's config
+  ecfg, attention = ecfg.resolve_attention(model_cfg, cfg.rollout.tensor_parallel)
+  print(f"rollout: {attention}", file=sys.stderr)
   # one gate for this process's workers (one of them probes whether speculation pays): the
   # hardware verdicts of earlier runs on this machine
   verdicts = None

@@ -239,3 +239,62 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: j
   den = (l * w).sum(axis=0) + l_c * w_c
   out = num / jnp.maximum(den, jnp.finfo(jnp.float32).tiny)[..., None]
   return out.reshape(b, kh, t, g, h).transpose(0, 2, 1, 3, 4).reshape(b, t, n, h).astype(q.dtype)
+
+
+def query_blocks(groups: int) -> dict[int, int]:
+  """Every query block the kernel can run with (`geometry`: its code differs by that alone
+  among a replica's chunks), each with the most chunk tokens T that give it: T tokens are
+  T * groups query rows a kv head, and past 64 rows the 64-row block repeats."""
+  out: dict[int, int] = {}
+  for t in range(1, -(-_MAX_QUERY_BLOCK // groups) + 1):
+    out[min(_MAX_QUERY_BLOCK, max(16, _pow2(t * groups)))] = t
+  return out
+
+
+@functools.cache
+def kernel_check(kv_heads: int, groups: int, head_dim: int, page: int, dtype: str,
+                 table_pages: int) -> str | None:
+  """None if the kernel compiles on this backend and agrees with the XLA form (within 2% of
+  the output's scale) at every query block (`query_blocks`), else why not (one line). Two
+  rows on scattered pages of a table as wide as the replica's (`table_pages`), one nearly
+  full. A JAX or Triton release that miscompiles the kernel is caught here, at start-up, not
+  by a rollout of wrong tokens. Numpy inputs, the executables' own calls: nothing is staged
+  into a trace that asked. Off a GPU the kernel is interpreted (tests)."""
+  rng = np.random.default_rng(0)
+  cap = table_pages * page
+  n_pages = 2 * table_pages + 2
+  table = rng.permutation(n_pages)[:2 * table_pages].reshape(2, table_pages).astype(np.int32)
+  lengths = np.array([min(37, cap), max(1, cap - 5)], np.int32)
+  dt = jnp.dtype(dtype)
+  pool = lambda: rng.normal(size=(n_pages, page, kv_heads, head_dim)).astype(dt)
+  k_pool, v_pool = pool(), pool()
+  for t in sorted(query_blocks(groups).values()):
+    q = rng.normal(size=(2, t, kv_heads * groups, head_dim)).astype(dt)
+    k_new, v_new = (rng.normal(size=(2, t, kv_heads, head_dim)).astype(dt) for _ in "kv")
+    args = (q, k_pool, v_pool, table, lengths, k_new, v_new)
+    run = lambda impl: np.asarray(jax.jit(functools.partial(paged_attention, impl=impl))
+                                  .lower(*args).compile()(*args), np.float32)
+    try:
+      got = run("pallas")
+    except Exception as e:  # noqa: BLE001 - any failure means: do not use it here
+      text = str(e).strip()
+      return (f"does not compile here at {t} chunk tokens "
+              f"({text.splitlines()[0][:200] if text else type(e).__name__})")
+    want = run("xla")
+    err = float(np.abs(got - want).max() / max(float(np.abs(want).max()), 1e-6))
+    if not err <= 0.02:  # (NaN fails too)
+      return f"disagrees with the XLA form at {t} chunk tokens (relative error {err:.1e})"
+  return None
+
+
+def gpu_verdict(kv_heads: int, groups: int, head_dim: int, page: int, dtype: str,
+                table_pages: int, tensor: int = 1) -> str | None:
+  """None if the kernel serves a replica of this geometry on this GPU, else why not: the
+  kernel's own limits (Triton's power-of-two blocks, one device's kv heads), then
+  `kernel_check`."""
+  if tensor > 1:
+    return f"the kernel runs on one device's kv heads; the replica splits them over {tensor}"
+  if head_dim < 16 or head_dim & (head_dim - 1) or page & (page - 1):
+    return (f"Triton blocks need a head_dim that is a power of two >= 16 and a power-of-two "
+            f"page_size, not {head_dim} and {page}")
+  return kernel_check(kv_heads, groups, head_dim, page, dtype, table_pages)

@@ -255,8 +255,9 @@ class SimEngine(Engine):
   def __init__(self, cfg: ModelConfig, ecfg, hw: cost.Hardware, *, worker_id: int = 0,
                bandit: Any = None, acceptance: Acceptance | None = None, tp: int = 1,
                compile_s: float = 0.0, seed: int = 0):
-    # paged attention as the simulated device (a GPU) resolves it (EngineConfig.reads_pages)
-    ecfg = dataclasses.replace(ecfg, paged_attention=ecfg.reads_pages("gpu"))
+    # paged attention as a GPU resolves it where the kernel's check passes (EngineConfig.
+    # resolve_attention)
+    ecfg = dataclasses.replace(ecfg, paged_attention=ecfg.reads_pages())
     self.cfg, self.ecfg, self.worker_id = cfg, ecfg, worker_id
     self.hw, self.tp, self.compile_s = hw, tp, compile_s
     self.acceptance = acceptance or Acceptance()

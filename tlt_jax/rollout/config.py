@@ -72,10 +72,12 @@ class EngineConfig:
   fused_projections: bool | None = None
   # attention over the cache reading each row's live pages (kernels/paged_attention.py: a
   # Pallas kernel on GPUs, the same loop in XLA elsewhere): one attention window, the whole
-  # cache, so no executable is compiled per window (rollout/windows.py). None: by backend
-  # (`reads_pages`): on CPUs, where the main job ran 1.09x faster with it (docs/engine.md);
-  # not on GPUs until the kernel is measured there (scripts/gpu_decode.py's "paged" cells).
-  # Replicas resolve it when they are built: their EngineConfig holds a bool.
+  # cache, so no executable is compiled per window (rollout/windows.py). None: paged on every
+  # backend, on a GPU where the kernel serves the replica (`resolve_attention`: its limits and
+  # a start-up check against the XLA form), else the windows. Measured: the main job 1.09x
+  # faster on a CPU; on one H200 the kernel's decode step 0.97x / 0.98x / 1.08x of the windows'
+  # at batch 1 / 8 / 64 (docs/gpu.md), where the windows' executables were 85% of an RL
+  # step's second rollout in compiles. Replicas resolve it when built: theirs holds a bool.
   paged_attention: bool | None = None
 
   @property
@@ -125,15 +127,36 @@ class EngineConfig:
     import jax
     return jax.default_backend() == "gpu"
 
-  def reads_pages(self, backend: str | None = None) -> bool:
-    """Whether attention reads the rows' live pages (`paged_attention`, resolved for
-    `backend`, by default JAX's: on CPUs only)."""
-    if self.paged_attention is not None:
-      return self.paged_attention
-    if backend is None:
-      import jax
-      backend = jax.default_backend()
-    return backend == "cpu"
+  def reads_pages(self) -> bool:
+    """Whether attention reads the rows' live pages (`paged_attention`; None: yes, on every
+    backend, unless a GPU's check of the kernel falls back, `resolve_attention`)."""
+    return self.paged_attention is not False
+
+  def resolve_attention(self, cfg, tensor: int = 1) -> tuple["EngineConfig", str]:
+    """This config with `paged_attention` a bool, for JAX's backend, the replica's model
+    `cfg` and its `tensor`-parallel width, and the attention in words (the run's start-up
+    line). Paged on a GPU (None) only where the kernel serves the replica
+    (`paged_attention.gpu_verdict`), else the windows, with the reason."""
+    import jax
+    import jax.numpy as jnp
+    from tlt_jax.kernels.paged_attention import default_impl, gpu_verdict
+    pinned = {None: "rollout.attention=auto", True: "rollout.attention=paged",
+              False: "rollout.attention=windows"}[self.paged_attention]
+    if self.paged_attention is None and jax.default_backend() == "gpu":
+      failed = gpu_verdict(cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim_,
+                           self.page_size, jnp.dtype(cfg.compute_dtype).name, self.row_pages,
+                           tensor)
+      if failed:
+        return (dataclasses.replace(self, paged_attention=False),
+                f"attention windows, an executable per window ({pinned}: the paged kernel "
+                f"{failed})")
+    paged = self.reads_pages()
+    if not paged:
+      return self, f"attention windows, an executable per window ({pinned})"
+    how = ("the Pallas (Triton) kernel" if default_impl() == "pallas" else "XLA's block loop")
+    return (dataclasses.replace(self, paged_attention=True),
+            f"paged attention: each row's live pages read in place by {how}, one window "
+            f"({pinned})")
 
   def window_for(self, need: int) -> int:
     """The attention window of a chunk whose rows reach `need` cache slots: the `kv_bucket`

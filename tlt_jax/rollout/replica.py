@@ -16,7 +16,6 @@ them. The calls take the engine's record of the `generate` call they serve (engi
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from typing import Any, Callable, Sequence
@@ -87,12 +86,14 @@ class Replica:
 
   def __init__(self, params: Params, cfg: ModelConfig, engine_cfg: EngineConfig, *,
                mesh: Mesh | None = None, drafter_params: Params | None = None):
-    # paged attention resolved for this backend (EngineConfig.reads_pages), once
-    engine_cfg = dataclasses.replace(engine_cfg, paged_attention=engine_cfg.reads_pages())
+    self.mesh = mesh if mesh is not None else make_mesh((1, 1, 1), jax.devices()[:1])
+    # paged attention resolved for this backend and replica, once (EngineConfig.
+    # resolve_attention: on a GPU the kernel's start-up check); `attention` says which
+    engine_cfg, self.attention = engine_cfg.resolve_attention(
+        cfg, self.mesh.shape.get("tensor", 1))
     if engine_cfg.paged_attention:  # the target's and the drafter's (its cfg is the target's)
       cfg = cfg.replace(cache_attention="paged")
     self.cfg, self.ecfg = cfg, engine_cfg
-    self.mesh = mesh if mesh is not None else make_mesh((1, 1, 1), jax.devices()[:1])
     if engine_cfg.paged_attention and self.mesh.shape.get("tensor", 1) > 1:
       from tlt_jax.kernels.paged_attention import default_impl
       if default_impl() == "pallas":  # (the XLA form is partitioned like any XLA code)
