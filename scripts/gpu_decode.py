@@ -11,9 +11,6 @@ weights made on the device: a step's bytes and time do not depend on what the we
 
 Each XLA flag set runs in a subprocess of its own (XLA reads XLA_FLAGS once per process):
   default        XLA's defaults
-  cublas         Triton GEMM fusions off (narrow dots on cuBLAS): on 2026-12-04 the batch-1
-                 step's Triton GEMM fusions read their weights at ~48% of the copy bandwidth
-                 where the dot XLA turned into a reduction read its at ~79%
   cmdbuf         command buffers (CUDA graphs) around the decode loop's WHILE and CONDITIONAL
                  too, from one kernel up: the loop's condition never syncs the host
   autotune 0     no autotuning of the matmuls: what it costs a step, what it saves a compile
@@ -26,6 +23,11 @@ and in each, code variants of the decode chunk (tlt_jax/rollout/decode.py, model
                  the same cache, bf16 inputs, float32 reference), a while loop that exits once
                  every row is done (the device sends its condition to the host every step)
   windows        attention windows instead (the window's pages gathered: an executable each)
+  cublas         the chunk's executable compiled with Triton's GEMM fusions off (narrow dots on
+                 cuBLAS), per executable (jit's compiler_options, as the engine would set it
+                 for its own executables only): on 2026-12-04 the batch-1 step's Triton GEMM
+                 fusions read their weights at ~48% of the copy bandwidth where the dot XLA
+                 turned into a reduction read its at ~79%
   unfused        separate q, k, v and gate, up matmuls
   fixed          a known trip count (finished rows masked), no per-step condition
   u4             4 decode steps per loop iteration
@@ -59,9 +61,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CMDBUF = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,"
           "CONDITIONAL --xla_gpu_graph_min_graph_size=1")
+CUBLAS = {"xla_gpu_enable_triton_gemm": False}  # the "cublas" cells' compiler options
 FLAG_SETS = {  # (the processes run in this order)
     "default": "",
-    "cublas": "--xla_gpu_enable_triton_gemm=false",
     "cmdbuf": CMDBUF,
     "autotune 0": "--xla_gpu_autotune_level=0",
 }
@@ -72,11 +74,11 @@ FLAG_SETS = {  # (the processes run in this order)
 PLAN = (
     ("default", "engine profile", (1, 8)),
     ("default", "engine spec 4_1_5", (1,)),
+    ("default", "engine cublas profile", (1,)),
+    ("default", "engine cublas", (8,)),
+    ("default", "engine cublas spec 4_1_5", (1,)),
     ("default", "engine", (64,)),
-    ("default", "windows", (1, 64)),
-    ("cublas", "engine profile", (1,)),
-    ("cublas", "engine", (8,)),
-    ("cublas", "engine spec 4_1_5", (1,)),
+    ("default", "windows", (64,)),
     ("cmdbuf", "engine", (1,)),
     ("autotune 0", "engine", (1,)),
 )
@@ -85,7 +87,7 @@ QUICK_PLAN = (  # --quick (the CPU smoke): every kind of cell once
     ("default", "engine fixed u4", (1,)),
     ("default", "engine spec 3_1_4", (1,)),
     ("default", "windows", (1,)),
-    ("cmdbuf", "engine unfused", (1,)),
+    ("cmdbuf", "engine unfused cublas", (1,)),
 )
 
 
@@ -96,7 +98,7 @@ def parse_code(code: str) -> dict:
   arm = words[words.index("spec") + 1] if "spec" in words else None
   return {"fused": "unfused" not in words, "early_exit": "fixed" not in words,
           "unroll": 4 if "u4" in words else 1, "arm": arm, "profile": "profile" in words,
-          "paged": "windows" not in words}
+          "paged": "windows" not in words, "cublas": "cublas" in words}
 
 
 def paged_parity(cfg, cache, rows: int, t: int) -> float:
@@ -221,7 +223,8 @@ def child(args) -> int:
         step_bytes = (wbytes + st.steps * (dbytes + head_bytes)
                       + b * read * kvt * (1 + 1 / cfg.num_layers))
         args_ = (params, dparams, sstate)
-      exe = jax.jit(fn, static_argnums=1).lower(args_, iters).compile()
+      exe = jax.jit(fn, static_argnums=1).lower(args_, iters).compile(
+          compiler_options=CUBLAS if c["cublas"] else None)
       compile_s = time.perf_counter() - t0
       jax.block_until_ready(exe(args_))
       step_s = float("inf")

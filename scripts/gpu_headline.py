@@ -219,6 +219,9 @@ def _learner(out: str) -> list[tuple[str, str, str]]:
     if "flash" in done:
       parts += [f"flash {done[o]['ms'] / done['flash']['ms']:.2f}x of {o}'s speed"
                 for o in ("mha", "xla") if o in done]
+      if att.get("predicted_ms"):  # the simulator's price of ours (its attn_eff)
+        parts.append(f"the simulator's price of flash {att['predicted_ms']:.2f} ms (predicted /"
+                     f" measured {att['predicted_ms'] / done['flash']['ms']:.2f})")
     res.append((f"packed attention fwd+bwd ({att['rows']} x {att['t']} tokens, "
                 f"{att['heads']}/{att['kv_heads']} heads of {att['head_dim']})",
                 f"{', '.join(parts)}; flash visits {att['visited_blocks']} of "

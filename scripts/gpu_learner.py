@@ -43,7 +43,8 @@ from tlt_jax.bench.bench_model import load_target  # noqa: E402
 from tlt_jax.models import packed_impl  # noqa: E402
 from tlt_jax.optim import make_optimizer  # noqa: E402
 from tlt_jax.plan import cost  # noqa: E402
-from tlt_jax.plan.learner import Learner, Micro, learner_phases, remat_mode  # noqa: E402
+from tlt_jax.plan.learner import (Learner, Micro, fused_attention_s, learner_phases,  # noqa: E402
+                                  remat_mode)
 from tlt_jax.rl import batching, grpo  # noqa: E402
 from tlt_jax.sharding import make_mesh  # noqa: E402
 
@@ -125,6 +126,15 @@ def attention_bench(args) -> None:
   rows, t, heads, kv_heads, head_dim = (int(x) for x in args.attention.split(","))
   res = packed_attention.bench(rows, t, heads, kv_heads, head_dim, args.dtype, iters=args.steps + 1)
   print("\n" + packed_attention.table(res) + "\n", flush=True)
+  hw = device_profile()
+  ours = next((r for r in res["results"] if r["impl"] == "flash" and "ms" in r), None)
+  if hw is not None and ours is not None:  # the simulator's price of it, and its attn_eff
+    learner = Learner(gpus=1)
+    res["predicted_ms"] = 1e3 * fused_attention_s(heads, head_dim, res["pairs"], hw, learner)
+    ratio = res["predicted_ms"] / ours["ms"]
+    print(f"the simulator's price of ours on the {hw.name} profile: {res['predicted_ms']:.2f} ms "
+          f"(predicted / measured {ratio:.2f}: its attn_eff {learner.attn_eff} would be "
+          f"{learner.attn_eff * ratio:.2f})\n", flush=True)
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "attention.json"), "w") as f:
     json.dump(res, f, indent=2)

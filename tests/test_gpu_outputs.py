@@ -211,3 +211,18 @@ def test_rl_speedup_compares_the_steps_both_modes_finished(tmp_path):
   key = next(f for f in rows if f.startswith("RL steps on one device ("))
   assert key.startswith("RL steps on one device (1 of"), key
   assert rows[key].startswith("speedup 1.00x (on 6.0 s, off 6.0 s;"), rows[key]
+
+
+def test_attention_row_sets_the_simulators_price_beside_ours(tmp_path):
+  """The learner stage's attention bench with its price from the simulator: the headline
+  names both and their ratio (what attn_eff should be scaled by)."""
+  headline = _script("gpu_headline")
+  (tmp_path / "learner").mkdir()
+  (tmp_path / "learner" / "attention.json").write_text(json.dumps(
+      {"rows": 4, "t": 4096, "heads": 28, "kv_heads": 4, "head_dim": 128, "visited_blocks": 3,
+       "causal_blocks": 12, "predicted_ms": 1.5,
+       "results": [{"impl": "flash", "ms": 2.4}, {"impl": "xla", "ms": 24.0}]}))
+  rows = {f: v for f, v, _ in headline.rows(str(tmp_path))}
+  assert rows["packed attention fwd+bwd (4 x 4096 tokens, 28/4 heads of 128)"] == (
+      "flash 2.40 ms, xla 24.00 ms, flash 10.00x of xla's speed, the simulator's price of "
+      "flash 1.50 ms (predicted / measured 0.62); flash visits 3 of 12 causal blocks"), rows

@@ -299,6 +299,22 @@ def test_a_whole_row_is_one_segment_of_causal_pairs():
     assert Micro.whole(rows, t) == (rows, t, rows * int(np.tril(np.ones((t, t))).sum()))
 
 
+def test_the_attention_benchs_price_is_the_learners():
+  """gpu_check sets `fused_attention_s` beside the kernel's measured time to calibrate
+  attn_eff: it must be what learner_phases charges an update for those pairs. Two one-layer
+  micro-batches that differ only in their causal pairs differ in the update by exactly it."""
+  from tlt_jax.models import ModelConfig
+  from tlt_jax.plan.learner import Learner, Micro, fused_attention_s, learner_phases
+  cfg = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=256, intermediate_size=512,
+                    num_layers=1, num_heads=8, num_kv_heads=2, head_dim=32, dtype="bfloat16")
+  hw, learner = PROFILES["h200"], Learner(gpus=1, remat="none")
+  update = lambda pairs: learner_phases(cfg, hw, learner, [[Micro(2, 512, pairs)]],
+                                        reference=False)["update"]
+  got = update(300_000) - update(100_000)
+  assert got == pytest.approx(fused_attention_s(8, 32, 200_000, hw, learner), rel=1e-9)
+  assert got == pytest.approx(3 * 4 * 200_000 * 8 * 32 / (hw.flops * learner.attn_eff))
+
+
 def test_plan_command_on_the_7b_recipe(tmp_path):
   """The 7B recipe on 8 simulated H100s: its memory plan's max_batch, both modes' phases,
   the files; speculation runs (gate open) and spends the idle windows training."""

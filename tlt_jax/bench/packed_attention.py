@@ -20,6 +20,7 @@ import numpy as np
 
 from tlt_jax.kernels import flash_attention
 from tlt_jax.models.attention import attend, segment_causal_mask
+from tlt_jax.plan.learner import Micro
 
 IMPLS = ("flash", "mha", "xla")
 
@@ -89,7 +90,8 @@ def bench(rows: int = 4, t: int = 4096, heads: int = 28, kv_heads: int = 4, head
   visited, causal = flash_attention.visited_blocks(seg, heads // kv_heads)
   out = {"rows": rows, "t": t, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
          "dtype": dtype, "segments": int(sum(len(set(r[r > 0])) for r in seg)),
-         "padding": float(1 - valid.mean()), "visited_blocks": visited,
+         "padding": float(1 - valid.mean()), "pairs": Micro.of(seg).pairs,
+         "visited_blocks": visited,
          "causal_blocks": causal, "results": []}
   first = None
   for impl in impls:

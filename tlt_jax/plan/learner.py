@@ -36,11 +36,13 @@ class Learner:
   optimizer_s: float | None = None  # s per optimizer step (None: AdamW's bytes at mem_bw)
   # the attention of packed rows through the fused flash-attention kernel (models/attention.py:
   # a GPU in bf16), which computes each segment's causal pairs (`Micro.pairs`), at attn_eff of
-  # the matmul rate (assumed: FlashAttention-2-class kernels reach ~35% of an H100's bf16
-  # peak; gpu_check's learner stage measures ours). False: XLA's reference, the whole [T, T]
+  # the profile's matmul rate: measured, our kernel's forward + backward at Qwen2.5-7B's heads
+  # over 4 rows of 4096 tokens of long-tailed responses on one H200 took 2.42 ms, 0.62x the
+  # speed the 0.35 assumed before would give (docs/gpu.md, 2026-12-04; gpu_check's learner
+  # stage prints the ratio, `fused_attention_s`). False: XLA's reference, the whole [T, T]
   # at the update's or the log-prob pass's own efficiency (a CPU).
   fused_attention: bool = True
-  attn_eff: float = 0.35
+  attn_eff: float = 0.22
 
 
 class Micro(NamedTuple):
@@ -126,6 +128,15 @@ def attention_flops(cfg: ModelConfig, micro: Micro, *, fused: bool) -> float:
   tokens, the learner's segments hundreds to thousands)."""
   pairs = micro.pairs if fused else micro.rows * micro.t * micro.t
   return 4.0 * pairs * cfg.num_heads * cfg.head_dim_ * cfg.num_layers
+
+
+def fused_attention_s(heads: int, head_dim: int, pairs: int, hw: cost.Hardware,
+                      learner: Learner, passes: int = 3) -> float:
+  """One layer's fused attention over `pairs` causal pairs on one device, as `learner_phases`
+  prices it: `passes` forwards' FLOPs (3: a forward and its backward) at attn_eff of the
+  profile's matmul rate. gpu_check's learner stage sets it beside the kernel's measured time
+  (scripts/gpu_learner.py): their ratio is what attn_eff should be."""
+  return passes * 4.0 * pairs * heads * head_dim / (hw.flops * learner.attn_eff)
 
 
 def micro_flops(cfg: ModelConfig, micro: Micro, *, fused: bool = False) -> float:
