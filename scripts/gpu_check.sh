@@ -10,11 +10,11 @@
 # Stages, in order of value (a stage that fails or runs out of time is reported as such; the
 # rest still run):
 #   env           the device, jax / flax / optax versions
-#   decode        plain and speculative decode against the copy bandwidth at batch 1, 2, 8, 64,
-#                 with the variants that decide the engine's GPU settings: XLA command buffers,
-#                 fused projections, a loop of known trip count, several steps per iteration,
-#                 the paged attention kernel (live pages read in place, one window),
-#                 cuBLAS for narrow dots; compiled memory (scripts/gpu_decode.py)
+#   decode        plain and speculative decode of the bench target's shape against the copy
+#                 bandwidth at batch 1, 8, 64, the engine as it runs on a GPU (fused
+#                 projections, paged attention) and its variants: cuBLAS for the narrow dots,
+#                 the attention windows, XLA command buffers, no autotuning; a profile of the
+#                 step's kernels; compiled memory (scripts/gpu_decode.py)
 #   rl_steps      RL steps of the default config on ONE GPU (the main job, python -m
 #                 tlt_jax.train), TLT on then off, each run's phases and compile seconds
 #   bench_model   the >= 1B widened bench target (scripts/make_bench_model.py: the shipped
@@ -94,10 +94,10 @@ else
       --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site:$PWD
   fi
-  DECODE_ARGS="--dtype bfloat16 --budget_s 88"
-  # ~1.2B params in 6 layers (hidden 4096, head_dim 32 kept, MLP 11008): weight-bandwidth-bound
-  # like the 24-layer 1.13B target, a quarter of its compile per executable (the RL steps
-  # compile dozens)
+  DECODE_ARGS="--dtype bfloat16 --budget_s 88"  # (its default shape: the bench target's)
+  # ~1.1B params in 6 layers (hidden 4096, head_dim 32 kept, MLP 11008): weight-bandwidth-bound
+  # like the 24-layer 1.13B shape, a quarter of its compile per executable (the RL steps
+  # compile dozens), and wide like a 7B's matrices
   MODEL_ARGS="--hidden 4096 --heads 128 --kv_heads 64 --intermediate 11008 --layers 6"
   DTYPE=bfloat16
   REGIME_ARGS="--dtype bfloat16 --prompts 4 --arms 6_1_7 --skip_roofline --skip_tail

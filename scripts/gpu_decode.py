@@ -3,11 +3,14 @@
 every variant in ONE stage, so a single short GPU run decides (issue #47, ../shared/GPU.md 2).
 
     python scripts/gpu_decode.py [--dtype bfloat16] [--iters 64] [--flag_sets default,cmdbuf]
-                                 [--shape 2048,64,32,5632,24,32] [--out DIR] [--quick]
+                                 [--shape 4096,128,64,11008,6,32] [--out DIR] [--quick]
 
-The target is the 1.13B bench target's shape (scripts/make_bench_model.py: hidden 2048, 64
-heads of 32, 32 kv heads, MLP 5632, 24 layers, the shipped 32-token vocabulary) with random
-weights made on the device: a step's bytes and time do not depend on what the weights say.
+The target is the bench target's shape (scripts/make_bench_model.py as gpu_check.sh makes it:
+hidden 4096, 128 heads of 32, 64 kv heads, MLP 11008, 6 layers, the shipped 32-token
+vocabulary: 1.11B parameters) with random weights made on the device: a step's bytes and time
+do not depend on what the weights say. (Until 2026-12-04 it was a narrow 24-layer 1.13B shape,
+hidden 2048 and MLP 5632, whose small matrices decoded at 46-59% of the copy bandwidth where the
+wide target's plain step, in the cost model stage, moved its weights at 83%.)
 
 Each XLA flag set runs in a subprocess of its own (XLA reads XLA_FLAGS once per process):
   default        XLA's defaults
@@ -68,7 +71,8 @@ FLAG_SETS = {  # (the processes run in this order)
     "autotune 0": "--xla_gpu_autotune_level=0",
 }
 # (flag set, code variant, batches): the most informative cells first in each process. The
-# 2026-12-04 H200 run measured what is not here: fused projections 1.03x at batch 1 and equal
+# 2026-12-04 H200 run measured what is not here (on the narrow shape): fused projections 1.03x
+# at batch 1 and equal
 # at 8, 4 steps an iteration and a fixed trip count nothing, paged attention 0.97x / 0.98x /
 # 1.08x of the windows at batch 1 / 8 / 64 (docs/gpu.md)
 PLAN = (
@@ -265,7 +269,7 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--iters", type=int, default=64)
-  ap.add_argument("--shape", default="2048,64,32,5632,24,32",
+  ap.add_argument("--shape", default="4096,128,64,11008,6,32",
                   help="hidden,heads,kv_heads,mlp,layers,vocab")
   ap.add_argument("--quick", action="store_true", help="one cell of each kind (CPU smoke)")
   ap.add_argument("--flag_sets", default="", help="comma-separated subset of the flag sets")
