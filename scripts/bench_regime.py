@@ -20,7 +20,9 @@ drifts between runs):
     target step, bench target vs shipped model.
  2. Batch 1, greedy, default-task prompts with EOS (one prompt at a time): plain decoding vs
     every arm (chains and an EAGLE-2 tree), end to end (prefill included); tokens per
-    verification; outputs checked identical to plain decoding. HF transformers `generate` and
+    verification; outputs checked identical to plain decoding (where not: per differing row
+    the first differing token and its float32 logit margin vs the dtype's rounding, near-tie
+    or bug signal: tlt_jax/bench/divergence.py). HF transformers `generate` and
     assisted generation (assistant: the target cut to its first layer, tlt_jax/bench/rollout.py) on
     the same checkpoint.
  3. Batch 8, greedy and sampled (temperature 1), the same prompts x 8, plain vs the first arm.

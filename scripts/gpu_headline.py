@@ -149,10 +149,15 @@ def _regime(out: str) -> list[tuple[str, str, str]]:
       if arm == "plain":
         continue
       found = True
+      why = r.get("divergence") or []  # greedy rows that differ (tlt_jax/bench/divergence.py)
+      ties = (f" (near-ties: {sum(bool(d.get('near_tie')) for d in why)} of {len(why)} "
+              "differing rows)" if why else "")
+      if any("error" in d for d in why):
+        ties = " (divergence check failed)"
       res.append((f"SD vs plain, {label}, {arm}",
                   f"{r['speedup']:.2f}x end to end, {r['decode_speedup']:.2f}x decode-only, "
-                  f"{r['accept'] or 0:.2f} tokens/verification, outputs = plain: {r['same']}",
-                  "bench_regime"))
+                  f"{r['accept'] or 0:.2f} tokens/verification, outputs = plain: "
+                  f"{r['same']}{ties}", "bench_regime"))
   if not found:
     res.append(("SD vs plain (batch 1, 8)", "not measured", "bench_regime"))
   return res

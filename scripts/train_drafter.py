@@ -60,7 +60,7 @@ from tlt_jax.drafter.buffer import Window, align  # noqa: E402
 from tlt_jax.drafter.packing import pack  # noqa: E402
 from tlt_jax.drafter.model import target_signature  # noqa: E402
 from tlt_jax.metrics import keep_steps_upto  # noqa: E402
-from tlt_jax.models import compute_logits, forward  # noqa: E402
+from tlt_jax.models import compute_logits, sequence_hidden  # noqa: E402
 from tlt_jax.optim import lr_schedule, make_optimizer  # noqa: E402
 from tlt_jax.rollout.scheduler import buckets_upto  # noqa: E402
 
@@ -148,21 +148,10 @@ def resolve_data(args):
 
 
 def make_prompt_hidden_fn(cfg):
-  fwd = jax.jit(lambda p, t, pos: forward(p, t, pos, cfg=cfg, return_logits=False).hidden)
-
   def prompt_hidden(params, prompts, batch=64, bucket=16):
     """[P_i, D] post-norm hidden states of each prompt (one causal forward per batch)."""
-    out = []
-    for i in range(0, len(prompts), batch):
-      group = prompts[i:i + batch]
-      plen = -(-max(len(p) for p in group) // bucket) * bucket
-      toks = np.zeros((batch, plen), np.int32)
-      for j, pr in enumerate(group):
-        toks[j, :len(pr)] = pr
-      pos = np.broadcast_to(np.arange(plen, dtype=np.int32), toks.shape)
-      h = np.asarray(fwd(params, jnp.asarray(toks), jnp.asarray(pos)), np.float32)
-      out += [h[j, :len(pr)] for j, pr in enumerate(group)]
-    return out
+    return [np.asarray(h, np.float32)
+            for h in sequence_hidden(params, prompts, cfg=cfg, batch=batch, multiple=bucket)]
 
   return prompt_hidden
 

@@ -226,3 +226,28 @@ def test_attention_row_sets_the_simulators_price_beside_ours(tmp_path):
   assert rows["packed attention fwd+bwd (4 x 4096 tokens, 28/4 heads of 128)"] == (
       "flash 2.40 ms, xla 24.00 ms, flash 10.00x of xla's speed, the simulator's price of "
       "flash 1.50 ms (predicted / measured 0.62); flash visits 3 of 12 causal blocks"), rows
+
+
+def test_regime_rows_count_the_near_ties_of_differing_outputs(tmp_path):
+  """bench_regime's greedy rows: an arm whose outputs differ carries its per-row divergences
+  (tlt_jax/bench/divergence.py); the headline says how many are float32 near-ties. An arm
+  with equal outputs, or a summary written before the field existed, reads as before."""
+  headline = _script("gpu_headline")
+  (tmp_path / "bench_regime").mkdir()
+  row = {"speedup": 1.5, "decode_speedup": 1.8, "accept": 2.5}
+  why = [{"row": 2, "position": 37, "near_tie": True}, {"row": 3, "position": 5,
+                                                        "near_tie": False}]
+  (tmp_path / "bench_regime" / "summary.json").write_text(json.dumps(
+      {"batch 1, greedy, default task (EOS)": {
+          "plain": dict(row, same=True), "SD 6_1_7": dict(row, same=False, divergence=why),
+          "SD 3_1_4": dict(row, same=True, divergence=None),
+          "SD 4_1_5": dict(row, same=False, divergence=[{"error": "XlaRuntimeError: OOM"}])},
+       "batch 8, greedy, default task (EOS)": {"SD 3_1_4": dict(row, same=True)}}))
+  rows = {f: v for f, v, _ in headline.rows(str(tmp_path))}
+  assert rows["SD vs plain, batch 1 greedy, SD 6_1_7"].endswith(
+      "outputs = plain: False (near-ties: 1 of 2 differing rows)"), rows
+  assert rows["SD vs plain, batch 1 greedy, SD 4_1_5"].endswith(
+      "outputs = plain: False (divergence check failed)"), rows
+  for key in ("SD vs plain, batch 1 greedy, SD 3_1_4", "SD vs plain, batch 8 greedy, SD 3_1_4"):
+    assert rows[key] == ("1.50x end to end, 1.80x decode-only, 2.50 tokens/verification, "
+                         "outputs = plain: True"), rows

@@ -12,6 +12,7 @@ import os
 import time
 
 from tlt_jax.bench.bench_model import load_target, regime_report
+from tlt_jax.bench.divergence import describe, explain
 from tlt_jax.bench.roofline import roofline_section
 from tlt_jax.bench.rollout import first_layer_assistant, hf_assisted, hf_generate, timed
 from tlt_jax.bench.spec_costs import bounds, measure_costs
@@ -230,13 +231,22 @@ def run(args: RegimeArgs) -> dict:
     rows_ = {}
     for label, (ntok, dt, out, acc, dec, delivered, _) in res.items():
       same = out == base[2] if sp.greedy else "(sampled)"
+      cell, why = same, None
+      if same is False:  # greedy and different: where, and is it a bf16 near-tie?
+        try:
+          why = explain(params, cfg, {(r.request_id, r.sample_index): r.prompt_ids
+                                      for b in batches for r in b}, base[2], out)
+          cell = describe(why, len(base[2]), cfg.dtype)
+        except Exception as e:  # noqa: BLE001 (a failed check must not end the run)
+          why = [{"error": f"{type(e).__name__}: {e}"}]
+          cell = f"False (divergence check failed: {why[0]['error'][:200]})"
       rows_[label] = {"tokens": ntok, "tokens_per_s": ntok / dt, "speedup": base[1] / dt,
                       "decode_speedup": (base[4] / base[0]) / (dec / ntok), "accept": acc,
-                      "delivered": delivered,
-                      "same": same, "compile_s": compile_s[label]}
+                      "delivered": delivered, "same": same, "divergence": why,
+                      "compile_s": compile_s[label]}
       print(f"| {label} | {ntok} | {ntok / dt:.1f} | {base[1] / dt:.2f}x | "
             f"{(base[4] / base[0]) / (dec / ntok):.2f}x | "
-            f"{acc if acc is None else round(acc, 2)} | {same} | {compile_s[label]:.0f} |",
+            f"{acc if acc is None else round(acc, 2)} | {cell} | {compile_s[label]:.0f} |",
             flush=True)
     summary[name] = rows_
     _write(args.out, summary)  # as it goes: a time-boxed run keeps what it measured

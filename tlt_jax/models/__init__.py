@@ -9,12 +9,12 @@ from tlt_jax.models.kv_cache import KVCache, init_cache, init_pools, pages_for
 from tlt_jax.models.layouts import fuse_projections, replica_layout, unstack_layers
 from tlt_jax.models.attention import causal_mask, packed_impl, segment_causal_mask
 from tlt_jax.models.transformer import (ModelOutput, Params, abstract_params, compute_logits,
-                                        forward, init_params, param_shapes)
+                                        forward, init_params, param_shapes, sequence_hidden)
 
 __all__ = [
     "ModelConfig", "RopeScaling", "num_params", "KVCache", "ModelOutput", "Params",
     "abstract_params", "causal_mask", "compute_logits", "forward", "fuse_projections",
     "init_cache", "init_pools", "init_params", "packed_impl", "pages_for", "param_shapes",
     "replica_layout",
-    "segment_causal_mask", "unstack_layers",
+    "segment_causal_mask", "sequence_hidden", "unstack_layers",
 ]

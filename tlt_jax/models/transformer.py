@@ -24,11 +24,13 @@ Param layout (L layers, D hidden, N query heads, K kv heads, H head dim, F mlp, 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tlt_jax.models.attention import attend, causal_attention, packed_attention
 from tlt_jax.models.config import ModelConfig
@@ -356,3 +358,29 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, *, cfg: Mod
   h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   logits = compute_logits(params, h, cfg) if return_logits else None
   return ModelOutput(logits=logits, hidden=h, cache=cache)
+
+
+@functools.lru_cache(maxsize=8)
+def _hidden_fn(cfg: ModelConfig):
+  return jax.jit(lambda p, t, pos: forward(p, t, pos, cfg=cfg, return_logits=False).hidden)
+
+
+def sequence_hidden(params: Params, seqs, *, cfg: ModelConfig, batch: int, multiple: int
+                    ) -> list[jax.Array]:
+  """Each token sequence's [len, D] post-norm hidden states (on the device, cfg's compute
+  dtype), by causal forwards without a cache of `batch` sequences at a time, padded at the end
+  to a multiple of `multiple` tokens (fewer compiles; causal, so padding changes nothing
+  before it). For tools over whole sequences (the drafter's offline data, a divergence's
+  logits), not for rollouts."""
+  out = []
+  fwd = _hidden_fn(cfg)
+  for i in range(0, len(seqs), batch):
+    group = seqs[i:i + batch]
+    t = -(-max(len(s) for s in group) // multiple) * multiple
+    toks = np.zeros((batch, t), np.int32)
+    for j, s in enumerate(group):
+      toks[j, :len(s)] = s
+    pos = np.broadcast_to(np.arange(t, dtype=np.int32), toks.shape)
+    h = fwd(params, jnp.asarray(toks), jnp.asarray(pos))
+    out += [h[j, :len(s)] for j, s in enumerate(group)]
+  return out
