@@ -130,6 +130,7 @@ def attention_bench(args) -> None:
   ours = next((r for r in res["results"] if r["impl"] == "flash" and "ms" in r), None)
   if hw is not None and ours is not None:  # the simulator's price of it, and its attn_eff
     learner = Learner(gpus=1)
+    res["pairs"] = Micro.of(packed_attention.bench_segments(rows, t)).pairs
     res["predicted_ms"] = 1e3 * fused_attention_s(heads, head_dim, res["pairs"], hw, learner)
     ratio = res["predicted_ms"] / ours["ms"]
     print(f"the simulator's price of ours on the {hw.name} profile: {res['predicted_ms']:.2f} ms "

@@ -20,7 +20,6 @@ import numpy as np
 
 from tlt_jax.kernels import flash_attention
 from tlt_jax.models.attention import attend, segment_causal_mask
-from tlt_jax.plan.learner import Micro
 
 IMPLS = ("flash", "mha", "xla")
 
@@ -39,6 +38,11 @@ def packed_segments(rows: int, t: int, median: float, seed: int = 0) -> np.ndarr
       seg[r, pos:pos + n] = sid
       pos, sid = pos + n, sid + 1
   return seg
+
+
+def bench_segments(rows: int, t: int, median: float | None = None) -> np.ndarray:
+  """`bench`'s segment ids: responses of median t / 8 unless given."""
+  return packed_segments(rows, t, median or t / 8)
 
 
 def _mha(q, k, v, seg, interpret):
@@ -79,7 +83,7 @@ def bench(rows: int = 4, t: int = 4096, heads: int = 28, kv_heads: int = 4, head
   responses of median t / 8."""
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
-  seg = packed_segments(rows, t, median or t / 8)
+  seg = bench_segments(rows, t, median)
   keys = jax.random.split(jax.random.key(0), 4)
   q = jax.random.normal(keys[0], (rows, t, heads, head_dim), dtype)
   k = jax.random.normal(keys[1], (rows, t, kv_heads, head_dim), dtype)
@@ -90,8 +94,7 @@ def bench(rows: int = 4, t: int = 4096, heads: int = 28, kv_heads: int = 4, head
   visited, causal = flash_attention.visited_blocks(seg, heads // kv_heads)
   out = {"rows": rows, "t": t, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
          "dtype": dtype, "segments": int(sum(len(set(r[r > 0])) for r in seg)),
-         "padding": float(1 - valid.mean()), "pairs": Micro.of(seg).pairs,
-         "visited_blocks": visited,
+         "padding": float(1 - valid.mean()), "visited_blocks": visited,
          "causal_blocks": causal, "results": []}
   first = None
   for impl in impls:
