@@ -138,3 +138,31 @@ def test_the_gpu_settings_parse(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert got.returncode == 0, (name, got.stdout[-2000:])
     assert re.search(r"^(\d+)/\d+ tests collected", got.stdout, re.M), (name, got.stdout[-500:])
+
+
+def test_a_second_call_runs_the_stages_named_with_longer_limits(tmp_path):
+  """A warm machine's second call (`--only ... --scale N`): only the stages named (and the
+  bench target they need, unless an earlier run in DIR made it), every limit and the budgets
+  inside the stages N times the GPU's; a stage name or scale that is wrong is one error
+  naming the fix."""
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  run = lambda *a: subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"),
+                                   "--plan", "--out", str(tmp_path), *a], cwd=ROOT, env=env,
+                                  capture_output=True, text=True, timeout=60)
+  full = {r.split("\t")[0]: r.split("\t") for r in run().stdout.splitlines()}
+  got = run("--only", "rl_steps,learner", "--scale", "2")
+  rows = {r.split("\t")[0]: r.split("\t") for r in got.stdout.splitlines()}
+  assert got.returncode == 0 and list(rows) == ["bench_model", "rl_steps:train", "rl_steps",
+                                                "learner"], got.stdout
+  assert all(int(rows[n][1]) == 2 * int(full[n][1]) for n in rows if ":" not in n), (rows, full)
+  assert abs(int(rows["rl_steps:train"][1]) - 2 * int(full["rl_steps:train"][1])) <= 1  # 4/7
+  budget = lambda row: int(re.search(r"--budget_s (\d+)", row[2]).group(1))
+  assert budget(rows["learner"]) == int(rows["learner"][1]) - 20 > budget(full["learner"])
+  (tmp_path / "bench_model" / "model").mkdir(parents=True)  # an earlier run's target
+  (tmp_path / "bench_model" / "model" / "config.json").write_text("{}")
+  again = run("--only", "learner")
+  assert [r.split("\t")[0] for r in again.stdout.splitlines()] == ["learner"], again.stdout
+  bad = run("--only", "rl_step")
+  assert bad.returncode == 2 and "--only rl_step: no stage 'rl_step'; the stages: env, " \
+      "decode, bench_model, rl_steps" in bad.stderr, bad.stderr
+  assert "--scale 1.5: a whole number >= 1" in run("--scale", "1.5").stderr
