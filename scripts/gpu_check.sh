@@ -63,6 +63,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
+ONLY=${ONLY// /}  # "rl_steps, learner" as "rl_steps,learner" (the stages match on commas)
 for s in ${ONLY//,/ }; do
   case " $STAGES " in
     *" $s "*) ;;
@@ -70,7 +71,7 @@ for s in ${ONLY//,/ }; do
   esac
 done
 case "$SCALE" in
-  ''|*[!0-9]*|0) echo "gpu_check.sh: --scale $SCALE: a whole number >= 1, e.g. --scale 2" >&2
+  ''|*[!0-9]*|0*) echo "gpu_check.sh: --scale $SCALE: a whole number >= 1, e.g. --scale 2" >&2
                  exit 2 ;;
 esac
 mkdir -p "$OUT"

@@ -118,3 +118,23 @@ def test_explain_and_describe(bf16, hf_rounded):
   assert "NOT a near-tie: bug signal" in text and text.endswith("; +1 more)"), text
   assert "row 2 from token 2: SD ended there" in dv.describe(rows[2:], 4)
   assert dv.explain(params, cfg, p, base, base) == []
+
+
+def test_explain_shares_one_case_per_context(monkeypatch):
+  """Rows that part at the same context with the same two tokens (two samples of a prompt)
+  cost one case; each row gets its own case's fields; a row whose response ended there has
+  no case and near_tie None."""
+  asked = []
+
+  def fake(params, cfg, cases):
+    asked.append(list(cases))
+    return [{"margin_f32": float(i), "near_tie": i == 0} for i in range(len(cases))]
+  monkeypatch.setattr(dv, "margins", fake)
+  prompts = {(0, 0): [5, 6], (0, 1): [5, 6], (1, 0): [7], (2, 0): [9]}
+  base = {(0, 0): [1, 2, 3], (0, 1): [1, 2, 3], (1, 0): [4, 4], (2, 0): [8]}
+  out = {(0, 0): [1, 2, 9], (0, 1): [1, 2, 9], (1, 0): [4, 5], (2, 0): [8, 1]}
+  rows = dv.explain(None, None, prompts, base, out)
+  assert asked == [[((5, 6, 1, 2), 3, 9), ((7, 4), 4, 5)]]
+  assert [(r["row"], r["sample"], r["position"], r["margin_f32"] if "margin_f32" in r else None,
+           r["near_tie"]) for r in rows] == [(0, 0, 2, 0.0, True), (0, 1, 2, 0.0, True),
+                                             (1, 0, 1, 1.0, False), (2, 0, 1, None, None)]

@@ -166,3 +166,37 @@ def test_a_second_call_runs_the_stages_named_with_longer_limits(tmp_path):
   assert bad.returncode == 2 and "--only rl_step: no stage 'rl_step'; the stages: env, " \
       "decode, bench_model, rl_steps" in bad.stderr, bad.stderr
   assert "--scale 1.5: a whole number >= 1" in run("--scale", "1.5").stderr
+
+
+def test_every_limit_and_budget_fits_the_nine_minutes(tmp_path):
+  """The GPU stages' limits sum to the 540 s the script promises (its header: 9 minutes);
+  the budgets inside a stage end before its limit (decode's cells, the learner's xla variant,
+  TLT off's run after TLT on's) and scale with it under --scale; any stage that needs the
+  bench target brings it when DIR has none; --scale takes no zero or leading zeros."""
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  run = lambda *a: subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"),
+                                   "--plan", "--out", str(tmp_path), *a], cwd=ROOT, env=env,
+                                  capture_output=True, text=True, timeout=60)
+  rows = lambda got: {r.split("\t")[0]: r.split("\t") for r in got.stdout.splitlines()}
+  budget = lambda row: int(re.search(r"--budget_s (\d+)", row[2]).group(1))
+  for scale in (1, 3):
+    got = rows(run("--scale", str(scale)))
+    limits = {n: int(r[1]) for n, r in got.items() if ":" not in n}
+    assert sum(limits.values()) == 540 * scale, limits
+    for name in ("decode", "learner"):
+      assert 0 < budget(got[name]) < limits[name], (name, got[name])
+    # decode's and the learner's spare seconds past the budget do not scale
+    assert limits["decode"] - budget(got["decode"]) == 7
+    assert limits["learner"] - budget(got["learner"]) == 20
+    # TLT on's run under the stage's limit; TLT off gets what is left of the stage's own
+    assert int(got["rl_steps:train"][1]) < limits["rl_steps"]
+    assert f"limit=$(( {limits['rl_steps']} - 12 " in got["rl_steps"][2], got["rl_steps"][2]
+  for stage in ("rl_steps", "bench_regime", "learner", "cost_model"):
+    assert list(rows(run("--only", stage))) in (["bench_model", stage],
+                                                ["bench_model", "rl_steps:train", stage]), stage
+  for stage in ("decode", "kernels", "env"):
+    assert list(rows(run("--only", stage))) == [stage]
+  assert list(rows(run("--only", "decode, kernels"))) == ["decode", "kernels"]
+  for bad in ("0", "00", "02", "-1", "x"):
+    got = run("--scale", bad)
+    assert got.returncode == 2 and "a whole number >= 1" in got.stderr, (bad, got.stderr)

@@ -251,3 +251,62 @@ def test_regime_rows_count_the_near_ties_of_differing_outputs(tmp_path):
   for key in ("SD vs plain, batch 1 greedy, SD 3_1_4", "SD vs plain, batch 8 greedy, SD 3_1_4"):
     assert rows[key] == ("1.50x end to end, 1.80x decode-only, 2.50 tokens/verification, "
                          "outputs = plain: True"), rows
+
+
+def test_rl_tail_share_is_of_the_steps_compared(tmp_path):
+  """The tail's share of TLT off's rollout is averaged over the steps both modes finished
+  (0.4 in step 1), not over a step TLT on never reached (0.9)."""
+  headline = _script("gpu_headline")
+  late = dict(_STEP, step=2, rollout_tail={"time_share": 0.9})
+  _metrics(tmp_path, "on", json.dumps(_STEP) + "\n")
+  _metrics(tmp_path, "off", json.dumps(_STEP) + "\n" + json.dumps(late) + "\n")
+  rows = {f: v for f, v, _ in headline.rows(str(tmp_path))}
+  value = next(v for f, v in rows.items() if f.startswith("RL steps on one device ("))
+  assert value.endswith("the tail's share of the rollout, TLT off: 40%)"), value
+
+
+def test_decode_row_sets_the_engines_paged_step_against_the_windows(tmp_path):
+  """The engine's cells (fused + paged) against the windows' at the same batch: 2.0 ms
+  against 3.0 ms is paged 1.50x faster (> 1: paged faster), with the engine's own parity
+  against XLA's attention (the windows' cell has none); a batch without an engine cell
+  has no row."""
+  headline = _script("gpu_headline")
+  (tmp_path / "decode").mkdir()
+  cell = lambda code, b, s, parity: {"code": code, "batch": b, "step_s": s, "fraction": 0.5,
+                                     "paged_parity": parity}
+  (tmp_path / "decode" / "gpu_decode.json").write_text(json.dumps({"flag_sets": {"default": {
+      "cells": [cell("engine profile", 1, 0.002, 3e-3), cell("windows", 1, 0.003, None),
+                cell("windows", 8, 0.004, None)]}}}))
+  rows = {f: v for f, v, _ in headline.rows(str(tmp_path))}
+  assert rows["paged attention (the engine's), batch 1: step vs the windows"] == (
+      "1.50x (2.00 vs 3.00 ms; > 1: paged faster), largest difference from XLA's attention "
+      "3.0e-03"), rows
+  assert not any("batch 8: step vs the windows" in f for f in rows), rows
+
+
+def test_attention_bench_prices_ours_at_the_query_heads(tmp_path, monkeypatch):
+  """gpu_learner's attention bench on an H200 (its profile faked here, the bench's timing too)
+  writes the simulator's price of the fused kernel: 3 forwards of 4 FLOPs a causal pair per
+  query head and head dim (not per kv head) at attn_eff of the profile's matmul rate."""
+  import types
+
+  import numpy as np
+  from tlt_jax.bench import packed_attention
+  from tlt_jax.plan import cost
+  from tlt_jax.plan.learner import Learner
+  learner = _script("gpu_learner")
+  hw = cost.profile("h200")
+  monkeypatch.setattr(learner, "device_profile", lambda: hw)
+  fake = {"rows": 2, "t": 256, "heads": 8, "kv_heads": 2, "head_dim": 32,
+          "results": [{"impl": "flash", "ms": 1.0}]}
+  monkeypatch.setattr(packed_attention, "bench", lambda *a, **k: dict(fake))
+  monkeypatch.setattr(packed_attention, "table", lambda res: "")
+  learner.attention_bench(types.SimpleNamespace(attention="2,256,8,2,32", dtype="float32",
+                                                steps=1, out=str(tmp_path)))
+  got = json.load(open(tmp_path / "attention.json"))
+  seg = packed_attention.bench_segments(2, 256)
+  pairs = sum(int(n) * (int(n) + 1) // 2 for row in seg
+              for n in np.unique(row, return_counts=True)[1])
+  assert got["pairs"] == pairs
+  want = 3 * 4 * pairs * 8 * 32 / (hw.flops * Learner(gpus=1).attn_eff)
+  assert got["predicted_ms"] == pytest.approx(1e3 * want, rel=1e-9)

@@ -262,3 +262,74 @@ def test_a_gpu_replica_takes_paged_attention_where_the_kernel_serves_it(monkeypa
   assert re.fullmatch(want, why), why
   assert out.paged_attention is (paged if paged is not None else verdict is None)
   assert asked == ([(2, 4, 32, 16, "bfloat16", 6, 1)] if paged is None else [])
+
+
+@pytest.mark.parametrize("fault", ["large_block", "long_rows", "nan", "five_percent"])
+def test_start_up_check_covers_every_block_and_the_whole_table(monkeypatch, fault):
+  """A kernel that is wrong only where a rollout would meet it still fails the check: only at
+  the 64-row query block (a chunk of many tokens), only past a row's first 3 pages (a long
+  response), NaN everywhere, or 5% off (2% is the check's bar)."""
+  real = pa.prefix_attention
+
+  def faulty(q, k_pool, v_pool, table, lengths, **k):
+    if fault == "long_rows":  # reads no page past the third
+      return real(q, k_pool, v_pool, table, jnp.minimum(lengths, 3 * k_pool.shape[1]), **k)
+    o, m, l = real(q, k_pool, v_pool, table, lengths, **k)
+    if fault == "large_block" and q.shape[2] > 32:
+      o = o * 1.1
+    elif fault == "nan":
+      o = o * jnp.nan
+    elif fault == "five_percent":
+      o = o * 1.05
+    return o, m, l
+  monkeypatch.setattr(pa, "prefix_attention", faulty)
+  groups, page, table_pages = 3, 16, 6
+  why = pa.kernel_check.__wrapped__(2, groups, 16, page, "float32", table_pages)
+  found = re.fullmatch(r"disagrees with the XLA form at (\d+) chunk tokens \(relative error "
+                       r"(\S+)\)", why or "")
+  assert found, why
+  t = int(found.group(1))
+  if fault == "large_block":  # the first chunk size that meets the 64-row block fails
+    assert geometry(2, 2, t * groups, table_pages, page)[0] == 64
+  if fault == "nan":
+    assert found.group(2) == "nan"
+
+
+def test_gpu_replica_with_tensor_parallel_takes_the_windows(monkeypatch):
+  """A replica whose kv heads are split over 2 devices is served by the windows on a GPU
+  (the kernel runs on one device's kv heads), the kernel's check passing or not, and builds:
+  the tensor width reaches the verdict from the replica's mesh."""
+  from tlt_jax.models.config import ModelConfig
+  from tlt_jax.rollout.config import EngineConfig
+  from tlt_jax.rollout.replica import Replica
+  from tlt_jax.models import init_params
+  from tlt_jax.sharding import make_mesh
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(pa, "kernel_check", lambda *a: None)
+  cfg = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=64, intermediate_size=128,
+                    num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, dtype="float32")
+  ecfg = EngineConfig(max_prompt_len=16, max_new_tokens=16)
+  out, why = ecfg.resolve_attention(cfg, tensor=2)
+  assert out.paged_attention is False and "splits them over 2" in why, why
+  params = init_params(cfg, jax.random.PRNGKey(0))
+  rep = Replica(params, cfg, ecfg, mesh=make_mesh((1, 1, 2), jax.devices()[:2]))
+  assert rep.ecfg.paged_attention is False and "splits them over 2" in rep.attention
+
+
+@pytest.mark.parametrize("paged", [None, True, False])
+@pytest.mark.parametrize("tp", [1, 4])
+def test_the_simulator_resolves_attention_as_a_gpu_replica(monkeypatch, paged, tp):
+  """plan/sim_engine prices the attention a GPU replica of the same tensor width would run
+  (its kernel check passing): "auto" at tp 4 is the windows, not the paged kernel."""
+  from tlt_jax.models.config import ModelConfig
+  from tlt_jax.plan import cost
+  from tlt_jax.plan.sim_engine import SimEngine
+  from tlt_jax.rollout.config import EngineConfig
+  cfg = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=64, intermediate_size=128,
+                    num_layers=1, num_heads=8, num_kv_heads=4, head_dim=16, dtype="bfloat16")
+  ecfg = EngineConfig(max_prompt_len=16, max_new_tokens=16, paged_attention=paged)
+  sim = SimEngine(cfg, ecfg, cost.profile("h200"), tp=tp)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(pa, "kernel_check", lambda *a: None)
+  want = ecfg.resolve_attention(cfg, tensor=tp)[0].paged_attention
+  assert sim.ecfg.paged_attention is want is (paged if paged is not None else tp == 1)

@@ -256,8 +256,10 @@ class SimEngine(Engine):
                bandit: Any = None, acceptance: Acceptance | None = None, tp: int = 1,
                compile_s: float = 0.0, seed: int = 0):
     # paged attention as a GPU resolves it where the kernel's check passes (EngineConfig.
-    # resolve_attention)
-    ecfg = dataclasses.replace(ecfg, paged_attention=ecfg.reads_pages())
+    # resolve_attention): "auto" is the windows for a replica split over tp > 1 devices (the
+    # kernel runs on one device's kv heads)
+    paged = ecfg.reads_pages() and (tp == 1 or ecfg.paged_attention is True)
+    ecfg = dataclasses.replace(ecfg, paged_attention=paged)
     self.cfg, self.ecfg, self.worker_id = cfg, ecfg, worker_id
     self.hw, self.tp, self.compile_s = hw, tp, compile_s
     self.acceptance = acceptance or Acceptance()
