@@ -45,6 +45,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from tlt_jax.kernels import error_line
+
 _MASK = -0.7 * float(np.finfo(np.float32).max)  # finite: no inf - inf in the running max
 _KEYS_PER_BLOCK = 128  # keys a loop iteration reads per program (whole pages)
 _PROGRAMS = 512  # splits are added until rows x kv heads x query blocks x splits reach this
@@ -132,7 +134,7 @@ def prefix_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: 
   q = jnp.pad(q, ((0, 0), (0, 0), (0, nq * bq - r), (0, 0)))
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
-  if not interpret and (h < 16 or h & (h - 1) or page & (page - 1)):
+  if not interpret and kernel_limits(h, page):
     raise ValueError(f"paged attention on a GPU needs a head_dim that is a power of two >= 16 "
                      f"and a page_size that is a power of two (Triton blocks), got head_dim "
                      f"{h}, page_size {page}: set rollout.attention='windows' for this model")
@@ -277,9 +279,7 @@ def kernel_check(kv_heads: int, groups: int, head_dim: int, page: int, dtype: st
     try:
       got = run("pallas")
     except Exception as e:  # noqa: BLE001 - any failure means: do not use it here
-      text = str(e).strip()
-      return (f"does not compile here at {t} chunk tokens "
-              f"({text.splitlines()[0][:200] if text else type(e).__name__})")
+      return f"does not compile here at {t} chunk tokens ({error_line(e)})"
     want = run("xla")
     err = float(np.abs(got - want).max() / max(float(np.abs(want).max()), 1e-6))
     if not err <= 0.02:  # (NaN fails too)
@@ -287,14 +287,21 @@ def kernel_check(kv_heads: int, groups: int, head_dim: int, page: int, dtype: st
   return None
 
 
-def gpu_verdict(kv_heads: int, groups: int, head_dim: int, page: int, dtype: str,
-                table_pages: int, tensor: int = 1) -> str | None:
-  """None if the kernel serves a replica of this geometry on this GPU, else why not: the
-  kernel's own limits (Triton's power-of-two blocks, one device's kv heads), then
-  `kernel_check`."""
+def kernel_limits(head_dim: int, page: int, tensor: int = 1) -> str | None:
+  """Why the kernel cannot serve a replica of this geometry on a GPU whatever it compiles to
+  (None: it can): one device's kv heads, Triton's power-of-two blocks. The simulator prices
+  a GPU replica's attention by these (plan/sim_engine.py)."""
   if tensor > 1:
     return f"the kernel runs on one device's kv heads; the replica splits them over {tensor}"
   if head_dim < 16 or head_dim & (head_dim - 1) or page & (page - 1):
     return (f"Triton blocks need a head_dim that is a power of two >= 16 and a power-of-two "
             f"page_size, not {head_dim} and {page}")
-  return kernel_check(kv_heads, groups, head_dim, page, dtype, table_pages)
+  return None
+
+
+def gpu_verdict(kv_heads: int, groups: int, head_dim: int, page: int, dtype: str,
+                table_pages: int, tensor: int = 1) -> str | None:
+  """None if the kernel serves a replica of this geometry on this GPU, else why not: its
+  limits (`kernel_limits`), then `kernel_check`."""
+  return (kernel_limits(head_dim, page, tensor)
+          or kernel_check(kv_heads, groups, head_dim, page, dtype, table_pages))

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from tlt_jax.kernels import flash_attention
+from tlt_jax.kernels import error_line, flash_attention
 from tlt_jax.models.config import ModelConfig
 
 _FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -147,8 +147,7 @@ def _fused_check(heads: int, kv_heads: int, head_dim: int, dtype: str) -> str | 
   try:
     got = fwd_bwd(flash_attention.packed_flash_attention)(*args)
   except Exception as e:  # noqa: BLE001 - any failure means: do not use it here
-    text = str(e).strip()
-    return f"does not compile here ({text.splitlines()[0][:200] if text else type(e).__name__})"
+    return f"does not compile here ({error_line(e)})"
   want = fwd_bwd(lambda q, k, v, s: attend(f32(q), f32(k), f32(v), segment_causal_mask(s)))(*args)
   valid = (seg > 0)[..., None, None]
   err = max(float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)) * m)

@@ -40,6 +40,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tlt_jax.kernels.paged_attention import kernel_limits
 from tlt_jax.models import ModelConfig
 from tlt_jax.models.config import DTYPE_BYTES
 from tlt_jax.plan import cost
@@ -255,10 +256,11 @@ class SimEngine(Engine):
   def __init__(self, cfg: ModelConfig, ecfg, hw: cost.Hardware, *, worker_id: int = 0,
                bandit: Any = None, acceptance: Acceptance | None = None, tp: int = 1,
                compile_s: float = 0.0, seed: int = 0):
-    # paged attention as a GPU resolves it where the kernel's check passes (EngineConfig.
-    # resolve_attention): "auto" is the windows for a replica split over tp > 1 devices (the
-    # kernel runs on one device's kv heads)
-    paged = ecfg.reads_pages() and (tp == 1 or ecfg.paged_attention is True)
+    # paged attention as a GPU replica resolves it where the kernel's check passes
+    # (EngineConfig.resolve_attention): "auto" within the kernel's limits (one device's kv
+    # heads, Triton's blocks), else the windows
+    paged = (ecfg.paged_attention if ecfg.paged_attention is not None
+             else kernel_limits(cfg.head_dim_, ecfg.page_size, tp) is None)
     ecfg = dataclasses.replace(ecfg, paged_attention=paged)
     self.cfg, self.ecfg, self.worker_id = cfg, ecfg, worker_id
     self.hw, self.tp, self.compile_s = hw, tp, compile_s
