@@ -102,6 +102,34 @@ def test_kernel_matches_a_float64_reference(T, G, tree, splits, dtype, impl):
   np.testing.assert_allclose(got, want, atol=tol, rtol=0)
 
 
+@pytest.mark.parametrize("K,tensor,tree", [(4, 4, True), (4, 2, False), (3, 2, True)])
+def test_split_heads_run_per_device_and_match_the_reference(K, tensor, tree, monkeypatch):
+  """models.attention.paged_cache_attention under a mesh whose "tensor" axis splits the kv
+  heads (pools and queries placed so, as a replica's cache and projections are): the kernel
+  (interpreted) runs on each device's heads and the result is the float64 reference's; kv
+  heads the axis does not divide stay whole on every device."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from tlt_jax.models.attention import paged_cache_attention
+  from tlt_jax.sharding import make_mesh
+  monkeypatch.setattr(pa, "default_impl", lambda: "pallas")
+  seen = []
+  real = pa.prefix_attention
+  monkeypatch.setattr(pa, "prefix_attention",
+                      lambda q, *a, **k: seen.append(q.shape[1]) or real(q, *a, **k))
+  c = _case(2, 3, 4, K, 2, 16, 8, 6, [0, 9, 37], "float32", tree)
+  mesh = make_mesh((1, 1, tensor), jax.devices()[:tensor])
+  split = NamedSharding(mesh, P(None, None, "tensor" if K % tensor == 0 else None, None))
+  whole = NamedSharding(mesh, P())
+  args = [jax.device_put(c[n], split if n in ("q", "k_pool", "v_pool", "k_new", "v_new")
+                         else whole)
+          for n in ("q", "k_pool", "v_pool", "table", "lengths", "k_new", "v_new")]
+  mask = None if c["mask"] is None else jax.device_put(c["mask"], whole)
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    got = jax.jit(paged_cache_attention)(*args, mask)
+  np.testing.assert_allclose(np.asarray(got), _reference(c), atol=2e-5, rtol=0)
+  assert set(seen) == {K // tensor if K % tensor == 0 else K}, seen
+
+
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
 def test_kernel_reads_only_live_pages(impl):
   """What lies past a row's committed length (its own stale slots, NaN in unowned pages)
@@ -231,10 +259,18 @@ def test_start_up_check_passes_the_kernel_and_catches_a_bad_one(monkeypatch):
       "does not compile here at 5 chunk tokens (Triton: no such intrinsic)")
 
 
-def test_gpu_verdict_names_the_kernels_limits():
-  assert "splits them over 2" in pa.gpu_verdict(2, 2, 32, 16, "bfloat16", 8, tensor=2)
+def test_gpu_verdict_names_the_kernels_limits_and_checks_one_devices_heads(monkeypatch):
+  """The limits are named; within them the start-up check runs on the kv heads one device
+  of the replica holds (all of them where the tensor width does not divide them, as the
+  cache's sharding keeps them whole)."""
   for h, page in ((8, 16), (48, 16), (32, 12)):
     assert f"not {h} and {page}" in pa.gpu_verdict(2, 2, h, page, "bfloat16", 8)
+  asked = []
+  monkeypatch.setattr(pa, "kernel_check", lambda *a: asked.append(a) or None)
+  for kv_heads, tensor in ((8, 4), (8, 1), (2, 2), (3, 2)):
+    assert pa.gpu_verdict(kv_heads, 7, 128, 16, "bfloat16", 8, tensor=tensor) is None
+  assert [a[0] for a in asked] == [2, 8, 1, 3]
+  assert all(a[1:] == (7, 128, 16, "bfloat16", 8) for a in asked)
 
 
 @pytest.mark.parametrize("paged,verdict,want", [
@@ -295,32 +331,32 @@ def test_start_up_check_covers_every_block_and_the_whole_table(monkeypatch, faul
     assert found.group(2) == "nan"
 
 
-def test_gpu_replica_with_tensor_parallel_takes_the_windows(monkeypatch):
-  """A replica whose kv heads are split over 2 devices is served by the windows on a GPU
-  (the kernel runs on one device's kv heads), the kernel's check passing or not, and builds:
-  the tensor width reaches the verdict from the replica's mesh."""
+def test_gpu_replica_with_tensor_parallel_takes_the_kernel(monkeypatch):
+  """A replica whose kv heads are split over 2 devices takes the paged kernel on a GPU where
+  the start-up check passes it, checked on one device's kv heads: the tensor width reaches the
+  verdict from the replica's mesh."""
   from tlt_jax.models.config import ModelConfig
   from tlt_jax.rollout.config import EngineConfig
   from tlt_jax.rollout.replica import Replica
   from tlt_jax.models import init_params
   from tlt_jax.sharding import make_mesh
+  asked = []
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(pa, "kernel_check", lambda *a: None)
+  monkeypatch.setattr(pa, "kernel_check", lambda *a: asked.append(a[0]) or None)
   cfg = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=64, intermediate_size=128,
                     num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, dtype="float32")
   ecfg = EngineConfig(max_prompt_len=16, max_new_tokens=16)
-  out, why = ecfg.resolve_attention(cfg, tensor=2)
-  assert out.paged_attention is False and "splits them over 2" in why, why
   params = init_params(cfg, jax.random.PRNGKey(0))
   rep = Replica(params, cfg, ecfg, mesh=make_mesh((1, 1, 2), jax.devices()[:2]))
-  assert rep.ecfg.paged_attention is False and "splits them over 2" in rep.attention
+  assert rep.ecfg.paged_attention is True and "Pallas (Triton) kernel" in rep.attention
+  assert asked == [1]
 
 
 @pytest.mark.parametrize("paged", [None, True, False])
 @pytest.mark.parametrize("tp", [1, 4])
 def test_the_simulator_resolves_attention_as_a_gpu_replica(monkeypatch, paged, tp):
   """plan/sim_engine prices the attention a GPU replica of the same tensor width would run
-  (its kernel check passing): "auto" at tp 4 is the windows, not the paged kernel."""
+  (its kernel check passing): "auto" is the paged kernel at tp 1 and 4 alike."""
   from tlt_jax.models.config import ModelConfig
   from tlt_jax.plan import cost
   from tlt_jax.plan.sim_engine import SimEngine
@@ -332,4 +368,4 @@ def test_the_simulator_resolves_attention_as_a_gpu_replica(monkeypatch, paged, t
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(pa, "kernel_check", lambda *a: None)
   want = ecfg.resolve_attention(cfg, tensor=tp)[0].paged_attention
-  assert sim.ecfg.paged_attention is want is (paged if paged is not None else tp == 1)
+  assert sim.ecfg.paged_attention is want is (paged if paged is not None else True)

@@ -288,23 +288,33 @@ def test_paged_attention_engine_matches_transformers(models, greedy, prompts, ar
     assert results[(i, 0)].response_ids.tolist() == ref, f"request {i}"
 
 
-def test_paged_attention_with_split_heads(models, greedy, prompts, monkeypatch):
-  """A replica whose kv heads are split over two devices (tensor_parallel 2): the XLA form
-  (this CPU's) is partitioned like any XLA code and decodes transformers' tokens; the Pallas
-  kernel runs on one device's heads, so with it the engine is refused at construction,
-  naming both ways out."""
+@pytest.mark.parametrize("impl,arm", [("xla", None), ("pallas", None), ("pallas", "2_2_5")])
+def test_paged_attention_with_split_heads(models, greedy, prompts, monkeypatch, impl, arm):
+  """A replica whose kv heads are split over two devices (tensor_parallel 2) with paged
+  attention, its XLA form or the Pallas kernel (interpreted here), plain and tree-speculative:
+  transformers' greedy tokens, and every call of the prefix's attention sees one device's kv
+  heads (1 of 2): it runs per device, not over heads gathered onto each."""
+  from tlt_jax.drafter import init_drafter
   from tlt_jax.kernels import paged_attention as kernel
+  from tlt_jax.rollout.config import SpecConfig
   from tlt_jax.sharding import make_mesh
   m, g = models["qwen2"], greedy["qwen2"]
+  monkeypatch.setattr(kernel, "default_impl", lambda: impl)
+  seen = []
+  name = {"xla": "prefix_attention_xla", "pallas": "prefix_attention"}[impl]
+  real = getattr(kernel, name)
+  monkeypatch.setattr(kernel, name, lambda q, *a, **k: seen.append(q.shape[1]) or real(q, *a, **k))
+  spec = (SpecConfig(strategy=arm, bs_threshold=4, patience=1, use_kernel=False)
+          if arm else None)
+  ecfg = engine_cfg(stop_tokens=(g["stop"],), paged_attention=True, page_size=4, spec=spec)
   mesh = make_mesh((1, 1, 2), jax.devices()[:2])
-  ecfg = engine_cfg(stop_tokens=(g["stop"],), paged_attention=True)
-  results, _ = run(Engine(m.params, m.cfg, ecfg, mesh=mesh), greedy_requests(prompts), GREEDY)
+  w = Engine(m.params, m.cfg, ecfg, mesh=mesh,
+             drafter_params=init_drafter(m.cfg, jax.random.key(0)) if spec else None)
+  results, chunks = run(w, greedy_requests(prompts), GREEDY)
+  assert not spec or any(c.mode == arm for c in chunks)
   for i, ref in enumerate(g["ref"]):
     assert results[(i, 0)].response_ids.tolist() == ref, f"request {i}"
-  monkeypatch.setattr(kernel, "default_impl", lambda: "pallas")
-  with pytest.raises(ValueError, match=r"splits them over 2 devices: use tensor_parallel=1 or "
-                                       r"attention windows \(rollout.attention='windows'"):
-    Engine(m.params, m.cfg, ecfg, mesh=mesh)
+  assert seen and set(seen) == {m.cfg.num_kv_heads // 2}, seen
 
 
 def test_greedy_logprobs_match_transformers(models, greedy, prompts):

@@ -26,9 +26,10 @@ dtype's rounding, not bit for bit (tests/test_paged_attention.py: against a floa
 reference and the windowed XLA path).
 
 Backend: Pallas Triton (`jax.experimental.pallas.triton`) on GPUs (Triton needs power-of-two
-blocks: head_dim a power of two >= 16, page_size a power of two; one device's kv heads, so a
-replica of tensor_parallel 1; the XLA form has none of these limits); in Pallas interpret
-mode elsewhere when asked (tests on a CPU). JAX >=
+blocks: head_dim a power of two >= 16, page_size a power of two; the XLA form has neither
+limit); in Pallas interpret mode elsewhere when asked (tests on a CPU). A call sees one
+device's kv heads: on a tensor-parallel replica the model runs it per device
+(`models.attention.paged_cache_attention`). JAX >=
 0.11 deprecates the Triton backend; the learner's packed attention (flash_attention.py) uses
 it too.
 """
@@ -287,12 +288,10 @@ def kernel_check(kv_heads: int, groups: int, head_dim: int, page: int, dtype: st
   return None
 
 
-def kernel_limits(head_dim: int, page: int, tensor: int = 1) -> str | None:
+def kernel_limits(head_dim: int, page: int) -> str | None:
   """Why the kernel cannot serve a replica of this geometry on a GPU whatever it compiles to
-  (None: it can): one device's kv heads, Triton's power-of-two blocks. The simulator prices
-  a GPU replica's attention by these (plan/sim_engine.py)."""
-  if tensor > 1:
-    return f"the kernel runs on one device's kv heads; the replica splits them over {tensor}"
+  (None: it can): Triton's power-of-two blocks. The simulator prices a GPU replica's
+  attention by these (plan/sim_engine.py)."""
   if head_dim < 16 or head_dim & (head_dim - 1) or page & (page - 1):
     return (f"Triton blocks need a head_dim that is a power of two >= 16 and a power-of-two "
             f"page_size, not {head_dim} and {page}")
@@ -302,6 +301,8 @@ def kernel_limits(head_dim: int, page: int, tensor: int = 1) -> str | None:
 def gpu_verdict(kv_heads: int, groups: int, head_dim: int, page: int, dtype: str,
                 table_pages: int, tensor: int = 1) -> str | None:
   """None if the kernel serves a replica of this geometry on this GPU, else why not: its
-  limits (`kernel_limits`), then `kernel_check`."""
-  return (kernel_limits(head_dim, page, tensor)
-          or kernel_check(kv_heads, groups, head_dim, page, dtype, table_pages))
+  limits (`kernel_limits`), then `kernel_check` on the kv heads one device runs (a replica
+  splits them over its `tensor` devices where they divide, as its cache's sharding does)."""
+  local = kv_heads // tensor if tensor > 1 and kv_heads % tensor == 0 else kv_heads
+  return (kernel_limits(head_dim, page)
+          or kernel_check(local, groups, head_dim, page, dtype, table_pages))

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from tlt_jax.kernels import error_line, flash_attention
+from tlt_jax.kernels.paged_attention import paged_attention
 from tlt_jax.models.config import ModelConfig
 
 _FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -172,9 +173,38 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
   if mesh.empty or mesh.size == 1:
     return kernel(q, k, v, segment_ids)
   batch = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names and mesh.shape[a] > 1)
-  heads = "tensor" if "tensor" in mesh.axis_names and mesh.shape["tensor"] > 1 else None
-  if heads and k.shape[2] % mesh.shape["tensor"]:
-    heads = None  # kv heads fewer than the tensor axis: each shard holds every head
-  qs = P(batch or None, None, heads, None)
+  qs = P(batch or None, None, _head_axis(mesh, k.shape[2]), None)
   return jax.shard_map(kernel, mesh=mesh, in_specs=(qs, qs, qs, P(batch or None, None)),
                        out_specs=qs, check_vma=False)(q, k, v, segment_ids)
+
+
+def _head_axis(mesh, kv_heads: int) -> str | None:
+  """The mesh axis a kernel's heads are split over per shard: "tensor" where it splits them,
+  None where each shard holds every head (no tensor axis, or fewer kv heads than it has
+  devices: the weights' and the cache's shardings drop it then too, sharding.fit_spec)."""
+  t = mesh.shape.get("tensor", 1) if "tensor" in mesh.axis_names else 1
+  return "tensor" if t > 1 and kv_heads % t == 0 else None
+
+
+def paged_cache_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: jax.Array,
+                          lengths: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                          chunk_mask: jax.Array | None) -> jax.Array:
+  """`kernels.paged_attention.paged_attention` (a rollout forward over a paged cache, the
+  rows' live pages read in place) under the mesh being traced for: on a replica whose kv
+  heads are split over "tensor" it runs per device on that device's heads (`jax.shard_map`;
+  the queries' heads of a kv head are consecutive, so a device's query heads are its kv
+  heads' groups): no collective, as tensor-parallel attention needs none. A custom call
+  (the Pallas kernel on a GPU) left to the SPMD partitioner would be gathered onto every
+  device. Rows, page tables and the chunk's mask are whole on every device."""
+  mesh = jax.sharding.get_abstract_mesh()
+  heads = None if mesh.empty else _head_axis(mesh, k_pool.shape[2])
+  if heads is None:
+    return paged_attention(q, k_pool, v_pool, table, lengths, k_new, v_new, chunk_mask)
+  hs = P(None, None, heads, None)
+  if chunk_mask is None:
+    fn = lambda q, kp, vp, tb, ln, kn, vn: paged_attention(q, kp, vp, tb, ln, kn, vn)
+    args, specs = (q, k_pool, v_pool, table, lengths, k_new, v_new), (hs, hs, hs, P(), P(), hs, hs)
+  else:
+    fn, specs = paged_attention, (hs, hs, hs, P(), P(), hs, hs, P())
+    args = (q, k_pool, v_pool, table, lengths, k_new, v_new, chunk_mask)
+  return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=hs, check_vma=False)(*args)

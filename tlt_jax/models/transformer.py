@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tlt_jax.models.attention import attend, causal_attention, packed_attention
+from tlt_jax.models.attention import (attend, causal_attention, packed_attention,
+                                     paged_cache_attention)
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.kv_cache import KVCache, cache_addr, gather_window, write_kv
 
@@ -215,10 +216,9 @@ def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv, within_chunk: bool = Fal
     if within_chunk:
       k_all, v_all = k, v
     elif isinstance(mask, PagedView):  # the live pages only (kernels/paged_attention.py)
-      from tlt_jax.kernels.paged_attention import paged_attention
       k_new, v_new = (a.astype(k_pool.dtype).astype(dt) for a in (k, v))  # as the pools hold
-      attn = paged_attention(q, k_pool, v_pool, mask.table, mask.lengths, k_new, v_new,
-                             mask.chunk_mask)
+      attn = paged_cache_attention(q, k_pool, v_pool, mask.table, mask.lengths, k_new, v_new,
+                                   mask.chunk_mask)
       mask = k_all = v_all = None
     else:
       w = mask.shape[-1]

@@ -257,10 +257,10 @@ class SimEngine(Engine):
                bandit: Any = None, acceptance: Acceptance | None = None, tp: int = 1,
                compile_s: float = 0.0, seed: int = 0):
     # paged attention as a GPU replica resolves it where the kernel's check passes
-    # (EngineConfig.resolve_attention): "auto" within the kernel's limits (one device's kv
-    # heads, Triton's blocks), else the windows
+    # (EngineConfig.resolve_attention): "auto" within the kernel's limits (Triton's blocks;
+    # a tensor-parallel replica runs it per device), else the windows
     paged = (ecfg.paged_attention if ecfg.paged_attention is not None
-             else kernel_limits(cfg.head_dim_, ecfg.page_size, tp) is None)
+             else kernel_limits(cfg.head_dim_, ecfg.page_size) is None)
     ecfg = dataclasses.replace(ecfg, paged_attention=paged)
     self.cfg, self.ecfg, self.worker_id = cfg, ecfg, worker_id
     self.hw, self.tp, self.compile_s = hw, tp, compile_s

@@ -149,8 +149,11 @@ def _compile(fn: Callable, args: tuple, donate: tuple[int, ...]):
   # catch_warnings (pytest's collection).
   warnings.filterwarnings("ignore", "Some donated buffers were not usable", UserWarning,
                           r"jax\._src\.interpreters\.mlir")
-  # Input shardings are committed (params on the worker's mesh), so no mesh context.
-  exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+  # Input shardings are committed (params on the replica's mesh); the mesh is also made the
+  # trace's abstract mesh, under which a kernel runs per device on a tensor-parallel replica
+  # (models.attention.paged_cache_attention).
+  with jax.sharding.use_abstract_mesh(_mesh_of(args)):
+    exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
   try:
     ma = exe.memory_analysis()
     mem = (None if ma is None else
@@ -158,6 +161,16 @@ def _compile(fn: Callable, args: tuple, donate: tuple[int, ...]):
   except Exception:  # noqa: BLE001 - backends without memory analysis
     mem = None
   return exe, mem
+
+
+def _mesh_of(args: tuple) -> jax.sharding.AbstractMesh:
+  """The abstract mesh of the first argument placed by a NamedSharding (an empty mesh if
+  none is)."""
+  for x in jax.tree.leaves(args):
+    sh = getattr(x, "sharding", None)
+    if isinstance(sh, jax.sharding.NamedSharding):
+      return sh.mesh.abstract_mesh
+  return jax.sharding.AbstractMesh((), ())
 
 
 # _shared_key -> (executable, memory bytes, compile seconds): the process's (module docstring)

@@ -94,13 +94,6 @@ class Replica:
     if engine_cfg.paged_attention:  # the target's and the drafter's (its cfg is the target's)
       cfg = cfg.replace(cache_attention="paged")
     self.cfg, self.ecfg = cfg, engine_cfg
-    if engine_cfg.paged_attention and self.mesh.shape.get("tensor", 1) > 1:
-      from tlt_jax.kernels.paged_attention import default_impl
-      if default_impl() == "pallas":  # (the XLA form is partitioned like any XLA code)
-        raise ValueError("EngineConfig.paged_attention's kernel runs on one device's kv heads;"
-                         f" this replica splits them over {self.mesh.shape['tensor']} devices: "
-                         "use tensor_parallel=1 or attention windows (rollout.attention="
-                         "'windows', EngineConfig.paged_attention=False)")
     self.fused = engine_cfg.fuses()  # the replica's projections fused (EngineConfig)
     self._param_shardings = replica_shardings(params, cfg, self.fused, self.mesh)
     self._replicated = NamedSharding(self.mesh, PartitionSpec())
