@@ -16,8 +16,8 @@ Each XLA flag set runs in a subprocess of its own (XLA reads XLA_FLAGS once per 
   default        XLA's defaults
   cmdbuf         command buffers (CUDA graphs) around the decode loop's WHILE and CONDITIONAL
                  too, from one kernel up: the loop's condition never syncs the host
-  autotune 0     no autotuning of the matmuls: what it costs a step, what it saves a compile
-                 (the engine compiles dozens of executables; ~6-8 s each here on an H200)
+  autotune 0     no autotuning of the matmuls, the whole process (the `noautotune` cells below
+                 measure the same per executable)
 and in each, code variants of the decode chunk (tlt_jax/rollout/decode.py, models.transformer):
   engine         decode_chunk as the engine runs it on a GPU: one qkv and one gate/up matmul a
                  layer (models.fuse_projections), paged attention (kernels/paged_attention.py:
@@ -31,6 +31,12 @@ and in each, code variants of the decode chunk (tlt_jax/rollout/decode.py, model
                  for its own executables only): on 2026-12-04 the batch-1 step's Triton GEMM
                  fusions read their weights at ~48% of the copy bandwidth where the dot XLA
                  turned into a reduction read its at ~79%
+  noautotune     the chunk's executable compiled without autotuning its matmuls (jit's
+                 compiler_options, xla_gpu_autotune_level 0): what it costs a step, what it saves
+                 a compile (an arm's executable compiled in 15.3 s on 2026-12-04, the main job's
+                 gate keeping speculation off for it; the process's autotuning cache holds the
+                 shapes earlier cells tuned, so the cells with autotuning to compare against are
+                 the first of their shapes: the engine at batch 8, the first spec cell)
   unfused        separate q, k, v and gate, up matmuls
   fixed          a known trip count (finished rows masked), no per-step condition
   u4             4 decode steps per loop iteration
@@ -65,6 +71,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CMDBUF = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,"
           "CONDITIONAL --xla_gpu_graph_min_graph_size=1")
 CUBLAS = {"xla_gpu_enable_triton_gemm": False}  # the "cublas" cells' compiler options
+NOAUTOTUNE = {"xla_gpu_autotune_level": 0}  # the "noautotune" cells'
 FLAG_SETS = {  # (the processes run in this order)
     "default": "",
     "cmdbuf": CMDBUF,
@@ -78,20 +85,21 @@ FLAG_SETS = {  # (the processes run in this order)
 PLAN = (
     ("default", "engine profile", (1, 8)),
     ("default", "engine spec 4_1_5", (1,)),
+    ("default", "engine noautotune", (1,)),
+    ("default", "engine noautotune spec 4_1_5", (1,)),
     ("default", "engine cublas profile", (1,)),
     ("default", "engine cublas", (8,)),
     ("default", "engine cublas spec 4_1_5", (1,)),
     ("default", "engine", (64,)),
     ("default", "windows", (64,)),
     ("cmdbuf", "engine", (1,)),
-    ("autotune 0", "engine", (1,)),
 )
 QUICK_PLAN = (  # --quick (the CPU smoke): every kind of cell once
     ("default", "engine profile", (1, 2)),
     ("default", "engine fixed u4", (1,)),
     ("default", "engine spec 3_1_4", (1,)),
     ("default", "windows", (1,)),
-    ("cmdbuf", "engine unfused cublas", (1,)),
+    ("cmdbuf", "engine unfused cublas noautotune", (1,)),
 )
 
 
@@ -102,7 +110,14 @@ def parse_code(code: str) -> dict:
   arm = words[words.index("spec") + 1] if "spec" in words else None
   return {"fused": "unfused" not in words, "early_exit": "fixed" not in words,
           "unroll": 4 if "u4" in words else 1, "arm": arm, "profile": "profile" in words,
-          "paged": "windows" not in words, "cublas": "cublas" in words}
+          "paged": "windows" not in words, "cublas": "cublas" in words,
+          "noautotune": "noautotune" in words}
+
+
+def compiler_options(c: dict) -> dict | None:
+  """A parsed cell's per-executable XLA options (None: XLA's defaults)."""
+  opts = {**(CUBLAS if c["cublas"] else {}), **(NOAUTOTUNE if c["noautotune"] else {})}
+  return opts or None
 
 
 def paged_parity(cfg, cache, rows: int, t: int) -> float:
@@ -228,7 +243,7 @@ def child(args) -> int:
                       + b * read * kvt * (1 + 1 / cfg.num_layers))
         args_ = (params, dparams, sstate)
       exe = jax.jit(fn, static_argnums=1).lower(args_, iters).compile(
-          compiler_options=CUBLAS if c["cublas"] else None)
+          compiler_options=compiler_options(c))
       compile_s = time.perf_counter() - t0
       jax.block_until_ready(exe(args_))
       step_s = float("inf")
@@ -387,7 +402,26 @@ def summarize(results: dict) -> dict:
     gain = f"{ref['step_s'] / c['step_s']:.2f}x" if ref else "-"
     print(f"| {b} | {n} | {c['code']} | {c['step_s'] * 1e3:.3f} | {c['fraction']:.0%} | "
           f"{gain} |")
+  autotuning(results)
   return best
+
+
+def autotuning(results: dict) -> None:
+  """Prints each `noautotune` cell beside the cell of the same code and batch with the
+  matmuls autotuned: step ms and compile s of both (module docstring: the first compile of a
+  shape is the one that autotunes)."""
+  cells = {(c["code"].replace(" profile", ""), c["batch"]): c
+           for g in results["flag_sets"].values() for c in g["cells"] if "error" not in c}
+  rows = [(code, b, cells[(code.replace(" noautotune", ""), b)], c)
+          for (code, b), c in cells.items()
+          if "noautotune" in code and (code.replace(" noautotune", ""), b) in cells]
+  if not rows:
+    return
+  print("\n### Autotuning the matmuls: a step and a compile\n\n| code | batch | step ms tuned / "
+        "not | compile s tuned / not |\n|---|---:|---:|---:|")
+  for code, b, tuned, plain in rows:
+    print(f"| {code.replace(' noautotune', '')} | {b} | {tuned['step_s'] * 1e3:.3f} / "
+          f"{plain['step_s'] * 1e3:.3f} | {tuned['compile_s']:.1f} / {plain['compile_s']:.1f} |")
 
 
 if __name__ == "__main__":

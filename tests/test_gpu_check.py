@@ -40,7 +40,7 @@ def test_gpu_check_smoke_writes_a_complete_report(tmp_path):
   dec = json.load(open(tmp_path / "decode" / "gpu_decode.json"))
   cells = [c for g in dec["flag_sets"].values() for c in g["cells"]]
   assert {c["code"] for c in cells} == {"engine profile", "engine fixed u4", "engine spec 3_1_4",
-                                        "windows", "engine unfused cublas"}
+                                        "windows", "engine unfused cublas noautotune"}
   # the engine's cells read the pages (its attention against XLA's, float32 here), the
   # windows' do not
   assert [c["paged_parity"] is not None and c["paged_parity"] < 1e-5 for c in cells] == [

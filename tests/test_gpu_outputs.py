@@ -310,3 +310,28 @@ def test_attention_bench_prices_ours_at_the_query_heads(tmp_path, monkeypatch):
   assert got["pairs"] == pairs
   want = 3 * 4 * pairs * 8 * 32 / (hw.flops * Learner(gpus=1).attn_eff)
   assert got["predicted_ms"] == pytest.approx(1e3 * want, rel=1e-9)
+
+
+def test_decode_compares_each_untuned_cell_with_its_tuned_twin(monkeypatch):
+  """A `noautotune` cell compiles with xla_gpu_autotune_level 0 (with cuBLAS's option where
+  asked) and is printed beside the cell of the same code and batch that autotuned, step and
+  compile both; a cell with no tuned twin is not."""
+  decode = _script("gpu_decode")
+  assert decode.compiler_options(decode.parse_code("engine")) is None
+  assert decode.compiler_options(decode.parse_code("engine noautotune spec 4_1_5")) == {
+      "xla_gpu_autotune_level": 0}
+  assert decode.compiler_options(decode.parse_code("engine cublas noautotune")) == {
+      "xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0}
+  cell = lambda code, b, step, comp: dict(code=code, batch=b, step_s=step, compile_s=comp)
+  results = {"flag_sets": {"default": {"cells": [
+      cell("engine profile", 1, 1.0e-3, 9.0), cell("engine spec 4_1_5", 1, 2.0e-3, 15.3),
+      cell("engine noautotune", 1, 1.1e-3, 3.0),
+      cell("engine noautotune spec 4_1_5", 1, 2.4e-3, 5.5),
+      cell("engine noautotune", 8, 1.0, 1.0),  # no tuned cell at batch 8
+      {"code": "engine cublas noautotune", "batch": 1, "error": "x"}]}}}
+  out = io.StringIO()
+  monkeypatch.setattr(sys, "stdout", out)
+  decode.autotuning(results)
+  rows = [ln for ln in out.getvalue().splitlines() if ln.startswith("| engine")]
+  assert rows == ["| engine | 1 | 1.000 / 1.100 | 9.0 / 3.0 |",
+                  "| engine spec 4_1_5 | 1 | 2.000 / 2.400 | 15.3 / 5.5 |"], out.getvalue()
