@@ -133,3 +133,41 @@ def test_replica_merge_on_devices_equals_the_weighted_average():
     np.testing.assert_allclose(np.asarray(b), r, rtol=1e-6, atol=1e-7)
   assert all(x.sharding == s for x, s in zip(jax.tree.leaves(got), jax.tree.leaves(store_sh)))
   assert average_replicas(states, [0.0, 0.0], [0, 1], rollout, store_sh) is None
+
+
+_TERM_ON_STEP_2 = '''
+import os
+import signal
+
+
+def fn(response, answer):
+  """Process 1's reward worker sends its training process SIGTERM on its first call of
+  step 2 (each process scores its own 8 responses a step), as a scheduler would."""
+  path = {calls!r} + os.environ["TLT_PROCESS_ID"]
+  with open(path, "a+") as f:
+    f.seek(0)
+    calls = len(f.read())
+    f.write("x")
+  if os.environ["TLT_PROCESS_ID"] == "1" and calls == 8:
+    os.kill(os.getppid(), signal.SIGTERM)
+  return 0.5
+'''
+
+
+def test_sigterm_to_one_process_stops_every_process_after_the_same_step(tmp_path):
+  """Only process 1 is asked to stop (SIGTERM during step 2); at the step's end both agree
+  (a collective), save step 2 together (not a checkpoint step) and exit 143 saying so;
+  process 0 wrote steps 1-2."""
+  reward = tmp_path / "term.py"
+  reward.write_text(_TERM_ON_STEP_2.format(calls=str(tmp_path / "calls")))
+  run = str(tmp_path / "run")
+  results = launch("tlt_jax.train", 2, devices_per_process=4, timeout=900, args=[
+      *ARGS, "--config.train.steps=3", "--config.train.checkpoint_every=3",
+      f"--config.reward.name={reward}:fn", "--workdir", run])
+  assert [r.returncode for r in results] == [143, 143], describe(results)
+  for r in results:
+    assert r.stderr.strip().splitlines()[-1] == (
+        "stopped by SIGTERM after step 2 of 3: its checkpoint is on disk and the same "
+        "command resumes from it"), describe(results)
+  assert [m["step"] for m in _metrics(run)] == [1, 2]
+  assert max(int(p) for p in os.listdir(os.path.join(run, "checkpoints")) if p.isdigit()) == 2

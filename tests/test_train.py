@@ -59,19 +59,41 @@ def _assert_stderr_as_the_readme_says(stderr):
   assert firsts == sorted(firsts), (prefixes, lines)
 
 
-def test_sigkill_during_training_resumes_exactly(tmp_path):
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """An uninterrupted 4-step run, TLT off (what the interrupted runs below must equal)."""
+  ref_dir = tmp_path_factory.mktemp("ref")
+  ref = subprocess.run(_cmd(ref_dir, 4, "--config.tlt.enabled=False"), cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=900)
+  assert ref.returncode == 0, ref.stderr[-3000:]
+  return ref_dir, ref.stderr
+
+
+def _resume_equals_reference(run_dir, ref_dir, done: int):
+  """Re-running the command resumes from step `done` and finishes; every step equals the
+  uninterrupted run's."""
+  again = subprocess.run(_cmd(run_dir, 4, "--config.tlt.enabled=False"), cwd=ROOT, env=_env(),
+                         capture_output=True, text=True, timeout=900)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert f"resumed from {run_dir / 'checkpoints'} at step {done}" in again.stderr
+  recs, want = _records(run_dir), _records(ref_dir)
+  assert [r["step"] for r in recs] == [0, 1, 2, 3, 4]  # no duplicated or missing step
+  for a, b in zip(recs[1:], want[1:]):
+    assert a["reward"] == b["reward"] and a["tokens"] == b["tokens"], (a["step"], a, b)
+    assert a["loss"]["loss"] == pytest.approx(b["loss"]["loss"], rel=1e-4, abs=1e-6)
+  assert recs[-1]["eval"]["accuracy"] == want[-1]["eval"]["accuracy"]
+
+
+def test_sigkill_during_training_resumes_exactly(tmp_path, reference):
   """Kill the run right after its step-2 checkpoint lands; re-running the same command
   resumes and finishes, and steps 3-4 equal those of a run that was never killed."""
-  ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
-  extra = ["--config.tlt.enabled=False"]
-  ref = subprocess.run(_cmd(ref_dir, 4, *extra), cwd=ROOT, env=_env(), capture_output=True,
-                       text=True, timeout=900)
-  assert ref.returncode == 0, ref.stderr[-3000:]
-  _assert_stderr_as_the_readme_says(ref.stderr)
-  assert "curves.png beside it" in ref.stderr and (ref_dir / "curves.png").stat().st_size > 0
+  ref_dir, ref_stderr = reference
+  run_dir = tmp_path / "run"
+  _assert_stderr_as_the_readme_says(ref_stderr)
+  assert "curves.png beside it" in ref_stderr and (ref_dir / "curves.png").stat().st_size > 0
 
-  proc = subprocess.Popen(_cmd(run_dir, 4, *extra), cwd=ROOT, env=_env(),
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  proc = subprocess.Popen(_cmd(run_dir, 4, "--config.tlt.enabled=False"), cwd=ROOT,
+                          env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   ckpt = run_dir / "checkpoints" / "2"
   deadline = time.time() + 600
   while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
@@ -81,17 +103,41 @@ def test_sigkill_during_training_resumes_exactly(tmp_path):
   proc.wait()
   done = sorted(int(p) for p in os.listdir(run_dir / "checkpoints") if p.isdigit())
   assert max(done) < 4, "killed too late to test anything"
+  _resume_equals_reference(run_dir, ref_dir, max(done))
 
-  again = subprocess.run(_cmd(run_dir, 4, *extra), cwd=ROOT, env=_env(), capture_output=True,
-                         text=True, timeout=900)
-  assert again.returncode == 0, again.stderr[-3000:]
-  assert f"resumed from {run_dir / 'checkpoints'} at step {max(done)}" in again.stderr
-  recs, want = _records(run_dir), _records(ref_dir)
-  assert [r["step"] for r in recs] == [0, 1, 2, 3, 4]  # no duplicated or missing step
-  for a, b in zip(recs[1:], want[1:]):
-    assert a["reward"] == b["reward"] and a["tokens"] == b["tokens"], (a["step"], a, b)
-    assert a["loss"]["loss"] == pytest.approx(b["loss"]["loss"], rel=1e-4, abs=1e-6)
-  assert recs[-1]["eval"]["accuracy"] == want[-1]["eval"]["accuracy"]
+
+def test_sigterm_to_the_whole_job_stops_at_the_step_boundary_with_its_checkpoint(
+    tmp_path, reference):
+  """A scheduler's SIGTERM reaches every process of the job (here its process group: the run
+  and its reward workers) during step 2 (checkpoints every 3 steps): the run
+  finishes that step, saves it although it is not a checkpoint step, says so in one line and
+  exits 143; its reward workers kept scoring (the step's rewards are the uninterrupted run's);
+  the same command resumes from it and every step equals the uninterrupted run's."""
+  ref_dir, _ = reference
+  run_dir = tmp_path / "run"
+  proc = subprocess.Popen(_cmd(run_dir, 4, "--config.tlt.enabled=False",
+                               "--config.train.checkpoint_every=3"), cwd=ROOT, env=_env(),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True)
+  metrics = run_dir / "metrics.jsonl"
+  deadline = time.time() + 600
+  while proc.poll() is None and time.time() < deadline and not (
+      metrics.exists() and '"step": 1' in metrics.read_text()):
+    time.sleep(0.05)
+  assert proc.poll() is None, "the run ended before step 1's record"
+  os.killpg(proc.pid, signal.SIGTERM)
+  _, err = proc.communicate(timeout=600)
+  assert proc.returncode == 143, err[-3000:]
+  # (Orbax saves a run's first step whatever the interval)
+  stopped = max(int(p) for p in os.listdir(run_dir / "checkpoints") if p.isdigit())
+  assert stopped in (2, 3), stopped  # the step under way when the signal came
+  assert err.strip().splitlines()[-1] == (
+      f"stopped by SIGTERM after step {stopped} of 4: its checkpoint is on disk and the "
+      "same command resumes from it"), err[-2000:]
+  recs = _records(run_dir)
+  assert [r["step"] for r in recs] == list(range(0, stopped + 1))
+  assert all(r["reward_stats"]["crashes"] == 0 for r in recs[1:]), recs  # workers lived on
+  _resume_equals_reference(run_dir, ref_dir, stopped)
 
 
 def test_ctrl_c_stops_after_the_saves_in_flight_and_says_where_the_run_resumes(

@@ -288,3 +288,48 @@ class GlobalBarrier:
       self._client.key_value_delete(f"{self._dir}{self._me}")
     except Exception:  # noqa: BLE001 - hygiene only
       pass
+
+
+class Stopped(Exception):
+  """The run stopped at a step boundary on a stop request (`StopRequest`): its checkpoint is
+  on disk and the same command resumes from it. The command exits 143 (128 + SIGTERM)."""
+  exit_code = 143
+
+
+class StopRequest:
+  """SIGTERM as a request to stop at the next step boundary, with the step's checkpoint saved,
+  instead of dying mid-step and losing the steps since the last periodic checkpoint. Slurm
+  sends SIGTERM to every task at its time limit or a preemption (then SIGKILL after the
+  cluster's KillWait, often 30 s: `sbatch --signal=TERM@SECONDS` sends it that long before the
+  limit, which should exceed a step plus a save). A context: the handler is installed on
+  entry (from the main thread only: Python delivers signals there) and the previous one
+  restored on exit. `agreed()` is a collective: every process calls it at each step boundary
+  and all stop where any was asked to, so a multi-process run saves one step everywhere."""
+
+  def __init__(self, signals: Sequence[int] | None = None):
+    import signal
+    self.signals = tuple(signals) if signals is not None else (signal.SIGTERM,)
+    self.received: int | None = None
+    self._previous: dict[int, Any] = {}
+
+  def _handle(self, signum, frame) -> None:
+    del frame
+    self.received = signum
+
+  def __enter__(self) -> StopRequest:
+    import signal
+    if threading.current_thread() is threading.main_thread():
+      for s in self.signals:
+        self._previous[s] = signal.signal(s, self._handle)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    import signal
+    for s, h in self._previous.items():
+      signal.signal(s, h)
+    self._previous.clear()
+
+  def agreed(self) -> int | None:
+    """The signal that asked this process or any other to stop (None: carry on)."""
+    asked = [s for s in all_gather_objects(self.received) if s is not None]
+    return asked[0] if asked else None

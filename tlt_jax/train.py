@@ -303,8 +303,9 @@ def train(run: Run, state: TrainState, *, progress: bool = True
                dynamic_ncols=True)
   last: dict[str, Any] = {}
   interrupted = 0
+  stopped = None  # (step, signal) where a stop request (SIGTERM) ended the run
   try:
-    with pool:
+    with pool, distributed.StopRequest() as stop:
       if start == 0 and evaluating:
         t = time.perf_counter()
         ev, eval_bandit = evaluate(run, pool, state, eval_bandit)
@@ -317,8 +318,9 @@ def train(run: Run, state: TrainState, *, progress: bool = True
           t = time.perf_counter()
           m["eval"], eval_bandit = evaluate(run, pool, state, eval_bandit)
           m["time"]["eval"] = time.perf_counter() - t
+        signum = stop.agreed()  # (every process stops at the same step)
         t = time.perf_counter()
-        save(run, state, force=state.step == cfg.train.steps)
+        save(run, state, force=state.step == cfg.train.steps or signum is not None)
         m["time"]["checkpoint"] = time.perf_counter() - t
         if writer is not None:
           writer.write(state.step, m, timeline)
@@ -326,11 +328,14 @@ def train(run: Run, state: TrainState, *, progress: bool = True
         if bar is not None:
           bar.set_postfix(_progress(state, m))
           bar.update(1)
+        if signum is not None and state.step < cfg.train.steps:
+          stopped = (state.step, signum)
+          break
     run.ckpt.wait_until_finished()
     # the last checkpoint's policy, once the checkpoint is on disk, unless it is there already
     # (export_policy="every", or the run this one resumed wrote it: process 0's view counts)
     final = policy_export.policy_path(cfg.workdir, state.step)
-    if (cfg.train.export_policy != "none"
+    if (stopped is None and cfg.train.export_policy != "none"
         and not distributed.all_gather_objects(os.path.isdir(final))[0]):
       export_policy(run, state)
   except KeyboardInterrupt:  # (Ctrl-C) said once the saves in flight are on disk, below
@@ -351,6 +356,11 @@ def train(run: Run, state: TrainState, *, progress: bool = True
     raise KeyboardInterrupt(f"during step {interrupted}; " + (
         f"the same command resumes from the newest checkpoint, step {saved}" if saved else
         "no checkpoint yet: the same command starts again"))
+  if stopped is not None:
+    import signal
+    raise distributed.Stopped(f"by {signal.Signals(stopped[1]).name} after step {stopped[0]} "
+                              "of {}: its checkpoint is on disk and the same command resumes "
+                              "from it".format(cfg.train.steps))
   return state, last
 
 

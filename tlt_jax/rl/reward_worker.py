@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
 from typing import BinaryIO
 
@@ -42,6 +43,10 @@ def _take_protocol_pipes() -> tuple[BinaryIO, BinaryIO]:
 
 
 def main() -> None:
+  # A scheduler's SIGTERM (Slurm's time limit, a preemption) reaches every process of the job:
+  # the run stops at its next step boundary (distributed.StopRequest), and this worker keeps
+  # scoring that step until then; it exits when the run closes its pipe (or kills it).
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
   tasks, results = _take_protocol_pipes()  # before anything imports user code
 
   def send(msg: dict) -> None:
