@@ -609,6 +609,25 @@ def test_the_prober_speculates_under_a_probe_once_its_plain_decoding_is_half_mea
   assert not g.allows(1, 4) and g.arms(1, 4) == []
 
 
+def test_the_prober_holds_its_batch_at_the_probed_bucket_until_the_probe_is_judged():
+  """The prober's batch at a bucket on probation stays there (`holds`: it does not compact
+  away as its rows finish) once the probe may run there, until it has min_chunks counted
+  chunks of its arm: not before plain decoding there is measured, not on another worker or
+  at another bucket, not once judged, never without gating."""
+  g = _gate(buckets=(1, 2, 4, 8), min_chunks=2)
+  s = g.state.put(1, dataclasses.replace(g.state.at[1], status="closed", funded=frozenset()))
+  g.state = s.start_probe(8)._fund()
+  assert not g.holds(0, 8)  # plain decoding there not measured yet: nothing to wait for
+  _feed(g, 8, None, 100.0, 2, live=8)
+  assert g.holds(0, 8) and not g.holds(1, 8) and not g.holds(0, 4)
+  _feed(g, 8, "4_1_5", 300.0, 1)  # the warm-up and one counted chunk
+  assert g.holds(0, 8) and g.state.status[8] == "probing"
+  _feed(g, 8, "4_1_5", 300.0, 1)
+  assert g.state.status[8] == "pays" and not g.holds(0, 8)
+  open_gate = GateState(GateConfig(gating=False)).begin_rollout(0, {8: ARMS})
+  assert not open_gate.holds(0, 8)
+
+
 def test_one_probation_at_a_time_reprobes_wait_for_it():
   """A cached hardware verdict at 4 is due for a re-probe after hardware_reprobe_every=2
   prober rollouts, but bucket 1 is on probation: it waits (one probation at a time)."""

@@ -176,6 +176,9 @@ class NotWantedGate:
   def arms(self, worker_id, bucket):
     return []
 
+  def holds(self, worker_id, bucket):
+    return False
+
   def probe_arm(self, bucket, default, among=None):
     return default
 

@@ -438,6 +438,40 @@ def test_with_a_gate_only_the_arms_chunks_ask_for_compile():
                                        for p in plain}
 
 
+def test_a_probe_is_judged_in_the_rollout_it_is_placed_though_its_rows_finish_first():
+  """The prober's batch at the bucket on probation does not compact below it before the
+  probe there is judged, even where most of its rows finish before the probe's executable
+  has compiled (the 7B recipe's 128-row bulk with paged attention compacted to 64 rows 3 s
+  before its probe's executable was ready, and was judged a rollout later): the probe runs
+  at 8 with the 3 rows left and pays within the call, and only then does the batch compact."""
+  import dataclasses
+  from tlt_jax.rollout.policies import probe
+  from tlt_jax.rollout.policies.mab import bandit_config
+  from tlt_jax.rollout.policies.cells import PolicyCells, Selector, SpecGate
+  from tlt_jax.rollout.policies.gate import GateConfig, GateState
+  arms, buckets = ["3_1_4"], (1, 2, 4, 8)
+  ecfg = EngineConfig(max_batch=8, buckets=buckets, chunk_size=4, max_prompt_len=16,
+                      max_new_tokens=400, prompt_bucket=16,
+                      spec=SpecConfig(strategy="3_1_4", bs_threshold=8, patience=1,
+                                      use_kernel=False, background_compile=True))
+  s = sim_engine.SimEngine(TINY, ecfg, PROFILES["h100"], bandit=bandit_config("eg", {1: arms}),
+                           compile_s=0.02, acceptance=workload.Acceptance(default=2.0))
+  reqs = _requests(8)
+  s.lengths = {_key(r): 20 if i < 5 else 300 for i, r in enumerate(reqs)}  # 3 rows go on
+  g = GateState(GateConfig(min_chunks=2)).begin_rollout(0, {b: arms for b in buckets})
+  g = g.put(1, dataclasses.replace(g.at[1], status="closed", funded=frozenset()))
+  g = g.start_probe(8)._fund()
+  for _ in range(3):  # plain decoding at 8 measured (the first chunk a warm-up)
+    g = g.record(probe.Chunk(8, None, 0.01, 4, live=8))
+  gate = SpecGate(g)
+  s.generate(reqs, SamplingParams(temperature=1.0),
+             policies=PolicyCells(Selector(bandit_config("eg", {1: arms})), gate))
+  assert [(d["bucket"], d["verdict"]) for d in gate.state.decisions] == [(8, "pays")]
+  first_below = next(i for i, m in enumerate(s.chunk_log) if m.bucket < 8)
+  at_8 = [m for m in s.chunk_log[:first_below] if m.mode != "plain"]
+  assert len(at_8) == 3 and all(m.live == 3 for m in at_8)  # a warm-up and min_chunks
+
+
 def test_arms_compile_ahead_only_at_buckets_the_call_can_reach():
   """No batch of a call needs a bucket above its request count's (at most max_batch): its
   compile-ahead stops at that bucket (the compile thread's first 30 s went to an arm at 216

@@ -284,6 +284,11 @@ class Engine(Replica):
     # compile nobody paid for: the gate allows it and one of the arms there is compiled
     sched.compacts_to = (functools.partial(self.compiles.compacts_to, c.plan, c.sp)
                          if started else None)
+    if (c.track and gate is not None and state is not None
+        and gate.holds(self.worker_id, state.batch_size)):
+      # the prober's batch stays at its bucket on probation until the probe there is judged
+      # (its executable may still be compiling): it does not compact away first (gate.holds)
+      sched.compacts_to = lambda b: False
     reach = self._reach(started or sched.speculating)
     for op in sched.plan(admission(c.pages, reach)):
       # a tracked call's prefills carry the drafter's

@@ -18,7 +18,8 @@ has the policy).
 
 Compaction: once the queue is empty, the live rows move into the smallest bucket that holds
 them, so 3 stragglers of a 128-batch decode at bucket 4; with `compacts_to` set (the engine
-while it speculates), the smallest such bucket it allows, else they stay where they are.
+while it speculates, or while the gate's probe at its bucket is not judged yet), the smallest
+such bucket it allows, else they stay where they are.
 
 Speculation switches on once the live batch has been <= bs_threshold for `patience`
 consecutive checks, and stays on for the rest of the call (the strategy selector can still
@@ -107,7 +108,8 @@ class Scheduler:
     self.speculating = False
     self._below = 0
     # bucket -> whether the batch may compact to it (None: any); the engine's, while it
-    # speculates: only buckets whose speculative executables are ready
+    # speculates: only buckets whose speculative executables are ready (none while the
+    # gate holds the batch for a probe: gate.holds)
     self.compacts_to: Callable[[int], bool] | None = None
 
   @property

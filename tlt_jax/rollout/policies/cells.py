@@ -79,6 +79,7 @@ class SpecGate:
     drafter_wanted()                  whether hidden states are captured / the drafter trained
     arms(worker, bucket)              the arms to compile there now
     allows(worker, bucket)            whether a chunk may speculate there now
+    holds(worker, bucket)             whether a batch there stays until its probe is judged
     probe_arm(bucket, default)        the arm a chunk runs (the probed one on probation)
     record(bucket, arm, ...)          one measured chunk (arm None: plain); may decide
     compiled(kind, bucket, arm, s)    an executable's compile seconds (payoff.py's kinds)
@@ -147,6 +148,9 @@ class SpecGate:
 
   def allows(self, worker_id: int, bucket: int) -> bool:
     return self.state.allows(worker_id, bucket)
+
+  def holds(self, worker_id: int, bucket: int) -> bool:
+    return self.state.holds(worker_id, bucket)
 
   def probe_arm(self, bucket: int, default: Strategy, among=None) -> Strategy:
     return self.state.probe_arm(bucket, default, among)
