@@ -186,6 +186,7 @@ class _Sizes:
   rmesh: Any
   mb: int  # rows one rollout worker decodes at once
   pages: int  # KV pages of a replica's pool
+  paged: bool  # attention reads the rows' pages in place (`reads_pages`)
 
   def split(self, x: int) -> int:
     """A dimension split over the rollout's tensor parallelism (when it divides)."""
@@ -221,10 +222,24 @@ def plan(spec, model_cfg, *, device: str | None = None, num_devices: int | None 
   z = _Sizes(spec=spec, cfg=cfg, m=m, gpu=cap is not None, pbytes=pbytes,
              cbytes=DTYPE_BYTES[m.dtype], shapes=shapes, axes=axes, lmesh=lmesh,
              learner=sharded_bytes(shapes, lmesh, pbytes), tp=tp, rmesh=_mesh(tensor=tp),
-             mb=mb, pages=pages)
+             mb=mb, pages=pages, paged=reads_pages(e, m, tp, cap is not None))
   items = (_learner_state(z) + _rollout(z) + (_drafter(z) if spec.tlt else [])
            + _learner_activations(z))
   return Plan(items, capacity, device or "cpu", num_devices, KNOBS, mb, pages)
+
+
+def reads_pages(ecfg, model_cfg, tp: int, gpu: bool) -> bool:
+  """Whether the replicas' attention will read each row's pages in place (no window gathered,
+  no [T, S] scores: paged attention) as they resolve it: a pinned setting; on this machine's
+  GPU the kernel's start-up check (EngineConfig.resolve_attention, cached for the replicas);
+  planned for a GPU from elsewhere, the kernel's limits; on a CPU, yes."""
+  if ecfg.paged_attention is not None or not gpu:
+    return ecfg.reads_pages()
+  import jax
+  from tlt_jax.kernels.paged_attention import kernel_limits
+  if jax.default_backend() == "gpu":
+    return bool(ecfg.resolve_attention(model_cfg, tp)[0].paged_attention)
+  return kernel_limits(model_cfg.head_dim_, ecfg.page_size) is None
 
 
 KNOBS = {  # what to turn when a phase does not fit
@@ -253,8 +268,9 @@ def _learner_state(z: _Sizes) -> list[Item]:
 def _rollout(z: _Sizes) -> list[Item]:
   """A rollout replica: its weights (tensor parallel, the compute dtype), the KV pages, and
   the larger of a prefill of max_batch rows (a group's n responses prefill their prompt once:
-  decode.prefill_shared) and a decode step (logits, attention scores and one layer's k/v
-  window gathered from the pages, at the longest row's window)."""
+  decode.prefill_shared) and a decode step (logits and the MLP's activations; with the
+  attention windows also the scores and one layer's k/v window gathered from the pages, at
+  the longest row's window: paged attention reads the pages in place)."""
   m, cfg, cbytes, mb, pages = z.m, z.cfg, z.cbytes, z.mb, z.pages
   L, D, N, K, H, F, V = (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim_,
                          m.intermediate_size, m.vocab_size)
@@ -275,8 +291,9 @@ def _rollout(z: _Sizes) -> list[Item]:
   prefill = u * P * (4 * D + 3 * f_dev) * cbytes
   if not (z.gpu and cbytes == 2):  # materialised scores and probabilities (float32)
     prefill += 2 * u * n_dev * P * P * 4
-  decode = (mb * w * z.split(V) * 4 * 2 + 2 * mb * n_dev * w * S * 4
-            + mb * w * (4 * D + 3 * f_dev) * 4 + 2 * mb * S * z.split(K) * H * cbytes)
+  decode = mb * w * z.split(V) * 4 * 2 + mb * w * (4 * D + 3 * f_dev) * 4
+  if not z.paged:  # the windows: scores over S slots and one layer's k/v window gathered
+    decode += 2 * mb * n_dev * w * S * 4 + 2 * mb * S * z.split(K) * H * cbytes
   items.append(Item("rollout activations", max(prefill, decode), ("rollout",),
                     f"prefill of {u} prompts x {P} / decode x {w} tokens"))
   return items
