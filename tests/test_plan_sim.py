@@ -472,6 +472,41 @@ def test_a_probe_is_judged_in_the_rollout_it_is_placed_though_its_rows_finish_fi
   assert len(at_8) == 3 and all(m.live == 3 for m in at_8)  # a warm-up and min_chunks
 
 
+def test_a_tracked_batch_waits_at_its_bucket_for_the_arm_queued_there():
+  """A tracked batch that wants to speculate where its bucket's arm is queued but not
+  compiled yet compacts only to buckets where it can speculate (`CompilePlan.coming`): the
+  smaller buckets' arms compile after its own (largest first), so compacting would chase the
+  compiles down (the 32B recipe's worker 2, rollout 2: each bucket's arm was ready 0.3-24 s
+  after its batch had compacted below it, 128 rows down to 2, and the whole call ran plain).
+  Here 5 of 8 rows finish before bucket 8's arm compiles: the batch stays at 8, switches on
+  there, and decodes no plain chunk below it."""
+  from tlt_jax.rollout.policies.mab import bandit_config
+  from tlt_jax.rollout.policies.cells import PolicyCells, Selector, SpecGate
+  from tlt_jax.rollout.policies.gate import GateConfig
+  arms, buckets = ["3_1_4"], (1, 2, 4, 8)
+  ecfg = EngineConfig(max_batch=8, buckets=buckets, chunk_size=4, max_prompt_len=16,
+                      max_new_tokens=400, prompt_bucket=16,
+                      spec=SpecConfig(strategy="3_1_4", bs_threshold=8, patience=1,
+                                      use_kernel=False, background_compile=True))
+  s = sim_engine.SimEngine(TINY, ecfg, PROFILES["h100"], bandit=bandit_config("eg", {1: arms}),
+                           compile_s=0.02, acceptance=workload.Acceptance(default=2.0))
+
+  def call(seed, **kw):
+    reqs = _requests(8, seed=seed)
+    s.lengths = {_key(r): 20 if i < 5 else 300 for i, r in enumerate(reqs)}  # 3 rows go on
+    n = len(s.chunk_log)
+    s.generate(reqs, SamplingParams(temperature=1.0), **kw)
+    return s.chunk_log[n:]
+
+  call(1, speculate=False)  # (plain decoding's executables compiled: a warm worker)
+  log = call(0, policies=PolicyCells(Selector(bandit_config("eg", {1: arms})),
+                                     SpecGate(GateConfig(gating=False))))
+  assert any(m.bucket == 8 and m.live == 3 and m.mode == "plain" for m in log)  # (it waited)
+  first_spec = next(m for m in log if m.mode != "plain")  # (none before the fix)
+  assert first_spec.bucket == 8 and first_spec.live == 3
+  assert all(m.mode != "plain" for m in log if m.bucket < 8)
+
+
 def test_arms_compile_ahead_only_at_buckets_the_call_can_reach():
   """No batch of a call needs a bucket above its request count's (at most max_batch): its
   compile-ahead stops at that bucket (the compile thread's first 30 s went to an arm at 216
@@ -573,6 +608,10 @@ def test_a_bucket_is_ready_to_speculate_once_an_arm_wanted_there_is_compiled():
   sp = SamplingParams(temperature=1.0)
   assert not plan.ready(call, sp, 4) and not plan.compacts_to(call, sp, 4)
   assert plan.ready(call, sp, 8)
+  # a batch at 4 waits there for an arm queued there (`coming`), not for one never queued
+  assert not plan.coming(call, sp, 4)
+  plan._submitted[sp] = {(4, Strategy("3_1_4"))}
+  assert plan.coming(call, sp, 4) and not plan.coming(call, sp, 8)
   plan._ready[sp] = {(4, Strategy("3_1_4"))}
   assert plan.ready(call, sp, 4) and plan.compacts_to(call, sp, 4)
   plan, _ = _compile_plan(background=False)

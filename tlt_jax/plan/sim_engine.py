@@ -204,6 +204,8 @@ class SimCompilePlan(CompilePlan):
       key = (sp, b, str(arm))
       if key in self._due:
         continue
+      with self._lock:  # (handed to the thread, as the engine's submit records it)
+        self._submitted.setdefault(sp, set()).add((b, arm))
       whole = SimState([None] * b)
       self._due[key] = self._queue(self._spec_key(call, sp, arm, whole, self.ecfg.cache_len))
 

@@ -145,6 +145,24 @@ class CompilePlan(Switching, Windows):
     return ((gate is None or gate.allows(call.worker_id, bucket))
             and not self._wanted_pairs(call).get(bucket))
 
+  def coming(self, call: PlanCall, sp: SamplingParams, bucket: int) -> bool:
+    """Whether speculation at `bucket` waits only for a compile already queued: the gate
+    allows it and an arm wanted there is handed to the compile thread (`submit`; compiled
+    or not). A tracked batch that wants to speculate there compacts meanwhile only to buckets
+    where it can speculate (the engine's `_chunk`): every smaller bucket's first arm is
+    queued after this one's (`compile_order`), so compacting to one would only chase the
+    compiles down (the 32B recipe's worker 2: each bucket's arm ready 0.3-24 s after its
+    batch had compacted below it, 128 down to 2, all plain). Background compilation only."""
+    if not self.ecfg.spec.background_compile:
+      return False
+    gate = call.gate
+    if gate is not None and not gate.allows(call.worker_id, bucket):
+      return False
+    wanted = self._wanted_pairs(call).get(bucket, ())
+    with self._lock:
+      queued = self._submitted.get(sp, set()) | self._ready.get(sp, set())
+    return any((bucket, a) in queued for a in wanted)
+
   def compile_order(self, pairs: Pairs, bandit) -> list[tuple[int, Strategy]]:
     """The order the compile thread takes `pairs` in: each bucket's first arm, largest bucket
     first (speculation switches on at the largest and shrinks), then each one's second, ...:

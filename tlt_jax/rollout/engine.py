@@ -281,9 +281,13 @@ class Engine(Replica):
       # switches on again where the gate allows (a losing arm never runs out the call)
       state, started = self._switch_off(state, c), False
     # a speculating batch compacts only to buckets where it can go on speculating without a
-    # compile nobody paid for: the gate allows it and one of the arms there is compiled
+    # compile nobody paid for: the gate allows it and one of the arms there is compiled; so
+    # does a tracked batch that wants to switch on where its bucket's arm is queued
+    # (`CompilePlan.coming`: the smaller buckets' compile after it)
+    waits = (not started and c.track and sched.speculating and state is not None
+             and self.compiles.coming(c.plan, c.sp, state.batch_size))
     sched.compacts_to = (functools.partial(self.compiles.compacts_to, c.plan, c.sp)
-                         if started else None)
+                         if started or waits else None)
     if (c.track and gate is not None and state is not None
         and gate.holds(self.worker_id, state.batch_size)):
       # the prober's batch stays at its bucket on probation until the probe there is judged
