@@ -438,6 +438,19 @@ def test_with_a_gate_only_the_arms_chunks_ask_for_compile():
                                        for p in plain}
 
 
+def _eight_rows_3_1_4():
+  """A simulated worker of 8 rows in buckets 1-8, one arm (3_1_4) compiled in the background
+  (0.02 s a compile), 2 tokens per verification."""
+  from tlt_jax.rollout.policies.mab import bandit_config
+  ecfg = EngineConfig(max_batch=8, buckets=(1, 2, 4, 8), chunk_size=4, max_prompt_len=16,
+                      max_new_tokens=400, prompt_bucket=16,
+                      spec=SpecConfig(strategy="3_1_4", bs_threshold=8, patience=1,
+                                      use_kernel=False, background_compile=True))
+  return sim_engine.SimEngine(TINY, ecfg, PROFILES["h100"],
+                              bandit=bandit_config("eg", {1: ["3_1_4"]}), compile_s=0.02,
+                              acceptance=workload.Acceptance(default=2.0))
+
+
 def test_a_probe_is_judged_in_the_rollout_it_is_placed_though_its_rows_finish_first():
   """The prober's batch at the bucket on probation does not compact below it before the
   probe there is judged, even where most of its rows finish before the probe's executable
@@ -450,12 +463,7 @@ def test_a_probe_is_judged_in_the_rollout_it_is_placed_though_its_rows_finish_fi
   from tlt_jax.rollout.policies.cells import PolicyCells, Selector, SpecGate
   from tlt_jax.rollout.policies.gate import GateConfig, GateState
   arms, buckets = ["3_1_4"], (1, 2, 4, 8)
-  ecfg = EngineConfig(max_batch=8, buckets=buckets, chunk_size=4, max_prompt_len=16,
-                      max_new_tokens=400, prompt_bucket=16,
-                      spec=SpecConfig(strategy="3_1_4", bs_threshold=8, patience=1,
-                                      use_kernel=False, background_compile=True))
-  s = sim_engine.SimEngine(TINY, ecfg, PROFILES["h100"], bandit=bandit_config("eg", {1: arms}),
-                           compile_s=0.02, acceptance=workload.Acceptance(default=2.0))
+  s = _eight_rows_3_1_4()
   reqs = _requests(8)
   s.lengths = {_key(r): 20 if i < 5 else 300 for i, r in enumerate(reqs)}  # 3 rows go on
   g = GateState(GateConfig(min_chunks=2)).begin_rollout(0, {b: arms for b in buckets})
@@ -483,13 +491,8 @@ def test_a_tracked_batch_waits_at_its_bucket_for_the_arm_queued_there():
   from tlt_jax.rollout.policies.mab import bandit_config
   from tlt_jax.rollout.policies.cells import PolicyCells, Selector, SpecGate
   from tlt_jax.rollout.policies.gate import GateConfig
-  arms, buckets = ["3_1_4"], (1, 2, 4, 8)
-  ecfg = EngineConfig(max_batch=8, buckets=buckets, chunk_size=4, max_prompt_len=16,
-                      max_new_tokens=400, prompt_bucket=16,
-                      spec=SpecConfig(strategy="3_1_4", bs_threshold=8, patience=1,
-                                      use_kernel=False, background_compile=True))
-  s = sim_engine.SimEngine(TINY, ecfg, PROFILES["h100"], bandit=bandit_config("eg", {1: arms}),
-                           compile_s=0.02, acceptance=workload.Acceptance(default=2.0))
+  arms = ["3_1_4"]
+  s = _eight_rows_3_1_4()
 
   def call(seed, **kw):
     reqs = _requests(8, seed=seed)
