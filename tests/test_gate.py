@@ -625,7 +625,7 @@ def test_the_prober_holds_its_batch_at_the_probed_bucket_until_the_probe_is_judg
   _feed(g, 8, "4_1_5", 300.0, 1)
   assert g.state.status[8] == "pays" and not g.holds(0, 8)
   open_gate = GateState(GateConfig(gating=False)).begin_rollout(0, {8: ARMS})
-  assert not open_gate.holds(0, 8)
+  assert not placement.holds(open_gate, 0, 8)
 
 
 def test_one_probation_at_a_time_reprobes_wait_for_it():

@@ -262,7 +262,7 @@ def test_paged_attention_plans_without_the_windows_temporaries():
     cfg = _cfg(**{"tlt.enabled": False, "rollout.max_batch": 8, "data.max_prompt_len": 16,
                   "rollout.max_new_tokens": 2032, "rollout.attention": attention})
     spec = config_lib.run_spec(cfg)
-    assert memory.reads_pages(spec.engine, m, 1, gpu=False) is (attention == "paged")
+    assert spec.engine.plans_paged(m, 1, gpu=False) is (attention == "paged")
     plan = memory.plan(spec, m, device="cpu", num_devices=1)
     return {i.name: i.bytes for i in plan.items}["rollout activations"]
 
@@ -284,5 +284,5 @@ def test_paged_attention_plans_without_the_windows_temporaries():
   assert 0.8 * saved <= extra <= 1.2 * saved, (saved, extra)
   # planned for a GPU from this CPU: the kernel's limits (a head_dim of 48 it cannot serve)
   spec = config_lib.run_spec(_cfg())
-  assert memory.reads_pages(spec.engine, m, 1, gpu=True)
-  assert not memory.reads_pages(spec.engine, m.replace(head_dim=48), 1, gpu=True)
+  assert spec.engine.plans_paged(m, 1, gpu=True)
+  assert not spec.engine.plans_paged(m.replace(head_dim=48), 1, gpu=True)

@@ -290,10 +290,11 @@ class GlobalBarrier:
       pass
 
 
-class Stopped(Exception):
+class Stopped(KeyboardInterrupt):
   """The run stopped at a step boundary on a stop request (`StopRequest`): its checkpoint is
-  on disk and the same command resumes from it. The command exits 143 (128 + SIGTERM)."""
-  exit_code = 143
+  on disk and the same command resumes from it. An interrupt, as Ctrl-C is (no `except
+  Exception` swallows it); the command says "stopped ..." and exits 143 (128 + SIGTERM)."""
+  verb, exit_code = "stopped", 143
 
 
 class StopRequest:

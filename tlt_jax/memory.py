@@ -186,7 +186,7 @@ class _Sizes:
   rmesh: Any
   mb: int  # rows one rollout worker decodes at once
   pages: int  # KV pages of a replica's pool
-  paged: bool  # attention reads the rows' pages in place (`reads_pages`)
+  paged: bool  # attention reads the rows' pages in place (EngineConfig.plans_paged)
 
   def split(self, x: int) -> int:
     """A dimension split over the rollout's tensor parallelism (when it divides)."""
@@ -222,24 +222,10 @@ def plan(spec, model_cfg, *, device: str | None = None, num_devices: int | None 
   z = _Sizes(spec=spec, cfg=cfg, m=m, gpu=cap is not None, pbytes=pbytes,
              cbytes=DTYPE_BYTES[m.dtype], shapes=shapes, axes=axes, lmesh=lmesh,
              learner=sharded_bytes(shapes, lmesh, pbytes), tp=tp, rmesh=_mesh(tensor=tp),
-             mb=mb, pages=pages, paged=reads_pages(e, m, tp, cap is not None))
+             mb=mb, pages=pages, paged=e.plans_paged(m, tp, gpu=cap is not None))
   items = (_learner_state(z) + _rollout(z) + (_drafter(z) if spec.tlt else [])
            + _learner_activations(z))
   return Plan(items, capacity, device or "cpu", num_devices, KNOBS, mb, pages)
-
-
-def reads_pages(ecfg, model_cfg, tp: int, gpu: bool) -> bool:
-  """Whether the replicas' attention will read each row's pages in place (no window gathered,
-  no [T, S] scores: paged attention) as they resolve it: a pinned setting; on this machine's
-  GPU the kernel's start-up check (EngineConfig.resolve_attention, cached for the replicas);
-  planned for a GPU from elsewhere, the kernel's limits; on a CPU, yes."""
-  if ecfg.paged_attention is not None or not gpu:
-    return ecfg.reads_pages()
-  import jax
-  from tlt_jax.kernels.paged_attention import kernel_limits
-  if jax.default_backend() == "gpu":
-    return bool(ecfg.resolve_attention(model_cfg, tp)[0].paged_attention)
-  return kernel_limits(model_cfg.head_dim_, ecfg.page_size) is None
 
 
 KNOBS = {  # what to turn when a phase does not fit

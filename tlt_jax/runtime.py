@@ -429,15 +429,13 @@ def exit_on_user_error(main, also: tuple[type[Exception], ...] = ()):
   CheckpointFormatError (or a reward function that can no longer be loaded, RewardError; or
   the command's own input errors, `also`) becomes one line on stderr and exit status 2 (a
   user's mistake is not a crash; checkpoints already written stay); Ctrl-C one line and 130,
-  a stop on SIGTERM (distributed.Stopped) one line and 143.
-  absl's INFO lines stay off stderr (JAX's probing of backends this machine lacks, Orbax's
-  every save)."""
+  a stop on SIGTERM (distributed.Stopped) one line and 143. absl's INFO lines stay off
+  stderr (JAX's probing of backends this machine lacks, Orbax's every save)."""
   @functools.wraps(main)
   def wrapped(argv):
     from absl import logging as absl_logging
 
     from tlt_jax.data.prompts import DataError
-    from tlt_jax.distributed import Stopped
     from tlt_jax.models.hf_io import CheckpointFormatError
     from tlt_jax.rl.reward_pool import RewardError
     absl_logging.set_verbosity(absl_logging.WARNING)
@@ -446,8 +444,7 @@ def exit_on_user_error(main, also: tuple[type[Exception], ...] = ()):
     except (ConfigError, DataError, CheckpointFormatError, RewardError, *also) as e:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(2)
-    except (KeyboardInterrupt, Stopped) as e:  # Ctrl-C, SIGTERM: where it stopped, no traceback
-      print(("stopped" if isinstance(e, Stopped) else "interrupted")
-            + (f" {e}" if e.args else ""), file=sys.stderr)
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM's stop (distributed.Stopped): no traceback
+      print(getattr(e, "verb", "interrupted") + (f" {e}" if e.args else ""), file=sys.stderr)
       sys.exit(getattr(e, "exit_code", 130))
   return wrapped

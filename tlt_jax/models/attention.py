@@ -201,10 +201,7 @@ def paged_cache_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, ta
   if heads is None:
     return paged_attention(q, k_pool, v_pool, table, lengths, k_new, v_new, chunk_mask)
   hs = P(None, None, heads, None)
-  if chunk_mask is None:
-    fn = lambda q, kp, vp, tb, ln, kn, vn: paged_attention(q, kp, vp, tb, ln, kn, vn)
-    args, specs = (q, k_pool, v_pool, table, lengths, k_new, v_new), (hs, hs, hs, P(), P(), hs, hs)
-  else:
-    fn, specs = paged_attention, (hs, hs, hs, P(), P(), hs, hs, P())
-    args = (q, k_pool, v_pool, table, lengths, k_new, v_new, chunk_mask)
-  return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=hs, check_vma=False)(*args)
+  mask = causal_mask(q.shape[1]) if chunk_mask is None else chunk_mask  # (None: causal)
+  return jax.shard_map(paged_attention, mesh=mesh, in_specs=(hs, hs, hs, P(), P(), hs, hs, P()),
+                       out_specs=hs, check_vma=False)(q, k_pool, v_pool, table, lengths, k_new,
+                                                      v_new, mask)

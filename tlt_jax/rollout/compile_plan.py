@@ -145,11 +145,25 @@ class CompilePlan(Switching, Windows):
     return ((gate is None or gate.allows(call.worker_id, bucket))
             and not self._wanted_pairs(call).get(bucket))
 
+  def compaction(self, call: PlanCall, sp: SamplingParams, bucket: int, *, started: bool,
+                 tracked: bool, wants: bool) -> Callable[[int], bool] | None:
+    """Which buckets a batch at `bucket` may compact to (the Scheduler's `compacts_to`; None:
+    any). A tracked call's batch (it may speculate) on the prober at the bucket on probation:
+    none until the probe is judged (the gate's `holds`). A speculating batch (`started`), and
+    a tracked one that `wants` to switch on where its bucket's arm is queued (`coming`): only
+    buckets where it can speculate without a compile nobody paid for (`compacts_to`)."""
+    gate = call.gate
+    if tracked and gate is not None and gate.holds(call.worker_id, bucket):
+      return lambda b: False
+    if started or (tracked and wants and self.coming(call, sp, bucket)):
+      return functools.partial(self.compacts_to, call, sp)
+    return None
+
   def coming(self, call: PlanCall, sp: SamplingParams, bucket: int) -> bool:
     """Whether speculation at `bucket` waits only for a compile already queued: the gate
     allows it and an arm wanted there is handed to the compile thread (`submit`; compiled
     or not). A tracked batch that wants to speculate there compacts meanwhile only to buckets
-    where it can speculate (the engine's `_chunk`): every smaller bucket's first arm is
+    where it can speculate (`compaction`): every smaller bucket's first arm is
     queued after this one's (`compile_order`), so compacting to one would only chase the
     compiles down (the 32B recipe's worker 2: each bucket's arm ready 0.3-24 s after its
     batch had compacted below it, 128 down to 2, all plain). Background compilation only."""

@@ -159,6 +159,19 @@ class EngineConfig:
             f"paged attention: each row's live pages read in place by {how}, one window "
             f"({pinned})")
 
+  def plans_paged(self, cfg, tensor: int = 1, *, gpu: bool) -> bool:
+    """Whether a replica's attention will read each row's pages in place (the memory plan:
+    no window gathered, no scores over it), as `resolve_attention` will decide, planned for a
+    GPU (`gpu`) or not: a pinned setting; on this machine's GPU the kernel's check (cached
+    for the replicas); for a GPU planned from elsewhere, the kernel's limits; else yes."""
+    if self.paged_attention is not None or not gpu:
+      return self.reads_pages()
+    import jax
+    from tlt_jax.kernels.paged_attention import kernel_limits
+    if jax.default_backend() == "gpu":
+      return bool(self.resolve_attention(cfg, tensor)[0].paged_attention)
+    return kernel_limits(cfg.head_dim_, self.page_size) is None
+
   def window_for(self, need: int) -> int:
     """The attention window of a chunk whose rows reach `need` cache slots: the `kv_bucket`
     holding them; with paged attention the whole cache (its one window: the kernel reads the

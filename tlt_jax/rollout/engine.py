@@ -56,7 +56,6 @@ concurrently, each inside a coordinator `Worker` (tlt_jax/coordinator/).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Sequence
 
 import jax
@@ -280,19 +279,9 @@ class Engine(Replica):
       # probation moved on): it decodes plainly again, compacting as its rows finish, and
       # switches on again where the gate allows (a losing arm never runs out the call)
       state, started = self._switch_off(state, c), False
-    # a speculating batch compacts only to buckets where it can go on speculating without a
-    # compile nobody paid for: the gate allows it and one of the arms there is compiled; so
-    # does a tracked batch that wants to switch on where its bucket's arm is queued
-    # (`CompilePlan.coming`: the smaller buckets' compile after it)
-    waits = (not started and c.track and sched.speculating and state is not None
-             and self.compiles.coming(c.plan, c.sp, state.batch_size))
-    sched.compacts_to = (functools.partial(self.compiles.compacts_to, c.plan, c.sp)
-                         if started or waits else None)
-    if (c.track and gate is not None and state is not None
-        and gate.holds(self.worker_id, state.batch_size)):
-      # the prober's batch stays at its bucket on probation until the probe there is judged
-      # (its executable may still be compiling): it does not compact away first (gate.holds)
-      sched.compacts_to = lambda b: False
+    sched.compacts_to = (None if state is None else self.compiles.compaction(
+        c.plan, c.sp, state.batch_size, started=started, tracked=c.track,
+        wants=sched.speculating))
     reach = self._reach(started or sched.speculating)
     for op in sched.plan(admission(c.pages, reach)):
       # a tracked call's prefills carry the drafter's

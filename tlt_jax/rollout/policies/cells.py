@@ -16,7 +16,7 @@ import dataclasses
 import threading
 from typing import Any, Mapping, NamedTuple, Sequence
 
-from tlt_jax.rollout.policies import funding
+from tlt_jax.rollout.policies import funding, placement
 from tlt_jax.rollout.policies.gate import GateConfig, GateState
 from tlt_jax.rollout.policies.mab import BanditConfig, BanditState, bandit_config
 from tlt_jax.rollout.policies.probe import PAYS, Chunk
@@ -80,6 +80,7 @@ class SpecGate:
     arms(worker, bucket)              the arms to compile there now
     allows(worker, bucket)            whether a chunk may speculate there now
     holds(worker, bucket)             whether a batch there stays until its probe is judged
+                                      (placement.py)
     probe_arm(bucket, default)        the arm a chunk runs (the probed one on probation)
     record(bucket, arm, ...)          one measured chunk (arm None: plain); may decide
     compiled(kind, bucket, arm, s)    an executable's compile seconds (payoff.py's kinds)
@@ -150,7 +151,7 @@ class SpecGate:
     return self.state.allows(worker_id, bucket)
 
   def holds(self, worker_id: int, bucket: int) -> bool:
-    return self.state.holds(worker_id, bucket)
+    return placement.holds(self.state, worker_id, bucket)
 
   def probe_arm(self, bucket: int, default: Strategy, among=None) -> Strategy:
     return self.state.probe_arm(bucket, default, among)

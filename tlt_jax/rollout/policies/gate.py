@@ -10,9 +10,7 @@ compiled ones; this gate decides which batch buckets are worth compiling arms fo
   and runs speculative chunks there (once half of the plain measurement is in) while every
   worker's plain chunks measure plain decoding. A probe runs the lead arm (the config's
   strategy), whatever the bandit would pick. The first chunk of each (bucket, arm) is a
-  warm-up, not counted (a fresh executable's first run was 10-50x slower on CPU). The
-  prober's batch stays at the probed bucket until the probe is judged (`holds`), rather than
-  compacting below it while the probe's executable compiles.
+  warm-up, not counted (a fresh executable's first run was 10-50x slower on CPU).
 - Once the bucket has `min_chunks` plain chunks and as many of each probed arm, it compares
   per-row throughput: tokens per row per step (1 for plain decoding, the measured tokens per
   verification for an arm) over the time per step (rows that finish inside a chunk do not
@@ -58,7 +56,7 @@ compiled ones; this gate decides which batch buckets are worth compiling arms fo
 The policy is pure transitions over one frozen record, like the Scheduler: `GateState` (a
 `Bucket` record per batch bucket, and the clock, the prober, the verdicts so far, the payoff
 ledger) goes to a new state on each event (`begin_rollout`, `record` of a measured `Chunk`,
-`compiled`), and every question (`arms`, `allows`, `holds`, `probe_arm`, `drafter_wanted`,
+`compiled`), and every question (`arms`, `allows`, `probe_arm`, `drafter_wanted`,
 `may_speculate`, funding.py's `repays_window`) is a function of a state: a test drives chunks
 and reads the verdicts. What is measured (chunks, rates, ratios, ceilings) is probe.py's; what
 is funded, funding.py's. A rollout's workers share the state in a `SpecGate` (cells.py: a
@@ -274,22 +272,6 @@ class GateState:
       return bool(placement.below_probe(self, worker_id, bucket))
     return (r.status == PROBING and worker_id == self.prober
             and len(r.plain) >= self.cfg.min_chunks and bool(self.probe_arms(bucket)))
-
-  def holds(self, worker_id: int, bucket: int) -> bool:
-    """Whether this worker's batch at `bucket` stays there rather than compacting to a
-    smaller bucket as its rows finish: on the prober, at a bucket on probation whose probe
-    may run (`allows`) until it is judged (`min_chunks` counted chunks of each probed arm).
-    A batch that compacted below it first (its probe's executable still compiling, or a
-    smaller bucket's under it compiled first) would leave the probe nothing to measure until
-    the next rollout, and the payoff's compiles to the one after (the 7B recipe's 128-row
-    bulk, paged attention: its rows reached 64 31 s into the rollout, the probe's executable
-    was ready at 34 s; judged a rollout later). Without gating: never."""
-    if not self.cfg.gating or worker_id != self.prober:
-      return False
-    r = self.at.get(bucket)
-    return (r is not None and r.status == PROBING and self.allows(worker_id, bucket)
-            and any(len(r.spec.get(a, ())) < self.cfg.min_chunks
-                    for a in self.probe_arms(bucket)))
 
   def probe_arm(self, bucket: int, default: Strategy, among=None) -> Strategy:
     """The arm a chunk at `bucket` runs: while the bucket is probed, the funded probed arm

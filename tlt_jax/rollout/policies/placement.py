@@ -1,6 +1,7 @@
 """Where the speculation gate probes (gate.py): each batch bucket's worth (what a probe there
 could earn per rollout at best), the move of probation to where the rollout's time is, and
-the closed buckets under a probe the prober's batch compacts through.
+the closed buckets under a probe the prober's batch compacts through, and the prober's batch
+held at the bucket on probation until its probe is judged.
 Functions of a `GateState`, like funding.py's."""
 
 from __future__ import annotations
@@ -80,3 +81,19 @@ def below_probe(s, worker_id: int, bucket: int) -> list:
   if above is None:
     return []
   return [a for a in s.probe_arms(above) if a in s.arms_at.get(bucket, ())]
+
+
+def holds(s, worker_id: int, bucket: int) -> bool:
+  """Whether this worker's batch at `bucket` stays there rather than compacting to a smaller
+  bucket as its rows finish: on the prober, at a bucket on probation whose probe may run
+  (`allows`) until it is judged (`min_chunks` counted chunks of each probed arm). A batch
+  that compacted below it first (its probe's executable still compiling, or a smaller
+  bucket's under it compiled first) would leave the probe nothing to measure until the next
+  rollout, and the payoff's compiles to the one after (the 7B recipe's 128-row bulk, paged
+  attention: its rows reached 64 31 s into the rollout, the probe's executable was ready at
+  34 s; judged a rollout later). Without gating: never."""
+  if not s.cfg.gating or worker_id != s.prober:
+    return False
+  r = s.at.get(bucket)
+  return (r is not None and r.status == PROBING and s.allows(worker_id, bucket)
+          and any(len(r.spec.get(a, ())) < s.cfg.min_chunks for a in s.probe_arms(bucket)))
