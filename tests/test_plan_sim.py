@@ -510,6 +510,30 @@ def test_a_tracked_batch_waits_at_its_bucket_for_the_arm_queued_there():
   assert all(m.mode != "plain" for m in log if m.bucket < 8)
 
 
+def test_a_chunk_waits_only_for_a_compile_that_has_started():
+  """A chunk needing an executable the compile thread has queued behind a long compile (a
+  tracked plain chunk's drafter tracking behind a 30 s arm: a 10 s stall in the 32B
+  recipe's trace) compiles it itself, as the engine's executable cache does, and what was
+  queued after it moves up; one whose compile has started waits for what is left of it."""
+  from tlt_jax.rollout.policies.strategy import Strategy
+  s = _eight_rows_3_1_4()
+  s.compile_s = 30.0
+  plan, d = s.compiles, 30.0 * s.drafter_compile  # (a drafter-only executable's seconds)
+  arm = lambda b: sim_engine.exe_key("spec", b, Strategy("3_1_4"), 400)  # noqa: E731
+  track = lambda b: sim_engine.exe_key("track", b)  # noqa: E731
+  assert plan._queue(arm(8)) == 30.0  # (running from 0 s)
+  assert plan._queue(track(8), s.drafter_compile, urgent=True) == pytest.approx(30 + d)
+  assert plan._queue(arm(4)) == pytest.approx(60 + d)
+  s._compile(track(8), s.drafter_compile)  # not started: compiled here
+  assert s.now == pytest.approx(d) and s.busy["compile"] == pytest.approx(d)
+  assert track(8) in s.exes and s.exes.due == {arm(8): 30.0, arm(4): pytest.approx(60.0)}
+  assert [r.key for r in s.exes.records].count(track(8)) == 1
+  assert plan._queue(track(4), s.drafter_compile, urgent=True) == pytest.approx(30 + d)
+  s.now = 30 + d / 4  # its compile started at 30 s: the chunk waits for the rest
+  s._compile(track(4), s.drafter_compile)
+  assert s.now == pytest.approx(30 + d) and s.busy["compile"] == pytest.approx(d + 3 * d / 4)
+
+
 def test_arms_compile_ahead_only_at_buckets_the_call_can_reach():
   """No batch of a call needs a bucket above its request count's (at most max_batch): its
   compile-ahead stops at that bucket (the compile thread's first 30 s went to an arm at 216
@@ -624,6 +648,29 @@ def test_a_bucket_is_ready_to_speculate_once_an_arm_wanted_there_is_compiled():
   assert gate.state.status == {1: "probing", 2: "closed", 4: "closed"}
   assert not any(plan.compacts_to(call, sp, b) or plan.ready(call, sp, b) for b in (1, 2, 4))
   assert plan.compacts_to(types.SimpleNamespace(worker_id=0, bandit=bandit, gate=None), sp, 2)
+
+
+def test_the_prober_holds_its_batch_only_for_a_probe_queued_there():
+  """The prober's tracked batch at the bucket on probation stays there until the probe is
+  judged (`compaction`: no bucket) only while the probe's executable there is queued or
+  compiled: a probe placed during the call is compiled from the next call's start, and held
+  for it the batch would decode the call out at that size for nothing."""
+  import types
+  plan, bandit = _compile_plan()
+  sp = SamplingParams(temperature=1.0)
+
+  class Prober:  # bucket 4 on probation (3_1_4), its probe not judged yet
+    holds = staticmethod(lambda worker_id, b: b == 4)
+    allows = staticmethod(lambda worker_id, b: True)
+    arms = staticmethod(lambda worker_id, b: [Strategy("3_1_4")] if b == 4 else [])
+
+  call = types.SimpleNamespace(worker_id=0, bandit=bandit, gate=Prober())
+  rule = lambda **kw: plan.compaction(call, sp, 4, started=False, **kw)  # noqa: E731
+  assert rule(tracked=True, wants=True) is None  # nothing queued at 4: compacts freely
+  plan._submitted[sp] = {(4, Strategy("3_1_4"))}
+  held = rule(tracked=True, wants=False)
+  assert held is not None and not any(map(held, (1, 2)))
+  assert rule(tracked=False, wants=False) is None  # (an untracked call cannot speculate)
 
 
 def test_the_window_rule_prices_the_bytes_a_narrower_window_saves_per_rollout():

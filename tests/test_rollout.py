@@ -976,6 +976,52 @@ def test_engines_of_one_process_share_their_executables(models, prompts):
     assert (wider.exes._compiled[k] is first.exes._compiled[k]) == (k.name != "decode"), k
 
 
+@pytest.mark.parametrize("first_fails", [False, True])
+def test_two_threads_asking_for_one_executable_compile_it_once(monkeypatch, first_fails):
+  """A thread asking for an executable another thread is compiling (the engine's plain
+  chunk needing the drafter's tracking the compile thread has started) waits for that
+  compile: one compile, the same executable, for a shared function and for a closure (kept
+  by its cache only). Where the first compile fails, the waiting thread compiles it itself."""
+  from functools import partial
+  from tlt_jax.rollout import executables
+  real, started, release, calls = executables._compile, threading.Event(), threading.Event(), []
+
+  def slow(fn, args, donate):
+    calls.append(threading.get_ident())
+    started.set()
+    release.wait(30)
+    if first_fails and len(calls) == 1:
+      raise RuntimeError("RESOURCE_EXHAUSTED while compiling")
+    return real(fn, args, donate)
+
+  monkeypatch.setattr(executables, "_compile", slow)
+  x = jnp.ones((4,), jnp.float32)
+  for fn in (partial(_double, k=2.0), lambda v: v * 2.0):
+    executables.clear_shared()
+    calls.clear(), started.clear(), release.clear()
+    cache, out = executables.ExecutableCache(), {}
+
+    def ask(who):
+      try:
+        out[who] = cache.get("f", None, fn, (x,))
+      except RuntimeError as e:
+        out[who] = e
+
+    first = threading.Thread(target=ask, args=("first",))
+    first.start()
+    assert started.wait(30)
+    second = threading.Thread(target=ask, args=("second",))
+    second.start()
+    second.join(0.5)  # (it asks while the first compiles)
+    release.set()
+    first.join(30), second.join(30)
+    np.testing.assert_array_equal(out["second"](x), 2 * x)
+    if first_fails:
+      assert isinstance(out["first"], RuntimeError) and len(calls) == 2
+    else:
+      assert out["first"] is out["second"] and len(calls) == 1
+
+
 def test_what_an_executable_depends_on_keeps_it_from_being_shared():
   """Shared: a module-level function, or a partial of one with equal arguments. Not shared: a
   closure (what it captured is not in the key), other keywords, another JAX precision."""

@@ -193,6 +193,22 @@ class SimCompilePlan(CompilePlan):
     self._compile_free = max(self._compile_free, due)
     return due
 
+  def claim(self, key: ExecKey) -> bool:
+    """A chunk needs queued `key` now, served as by executables._compile_once: True where
+    its compile has started (the chunk waits for the rest: `SimExes.take`); where not, the
+    chunk compiles it itself (False): it leaves the compile clock, what follows moves up."""
+    e = self.engine
+    due, took = e.exes.due[key], self._took[key]
+    if due - took <= e.now:
+      return True
+    del e.exes.due[key]
+    e.exes.records = [r for r in e.exes.records if r.key != key]
+    e.exes.due.update((k, t - took) for k, t in e.exes.due.items() if t > due)
+    self._due.update((k, e.now + took if t == due else t - took)
+                     for k, t in self._due.items() if t >= due)
+    self._compile_free -= took
+    return False
+
   def spec(self, call, sp, arm, state, kv_len=None):
     """(From the compile thread: a window a chunk needs, or an arm one wants.)"""
     self._queue(self._spec_key(call, sp, arm, state, kv_len or self.ecfg.cache_len),
@@ -300,10 +316,11 @@ class SimEngine(Engine):
 
   def _compile(self, key: ExecKey, scale: float = 1.0) -> None:
     """A chunk needs `key` now: compiled in the foreground (`compile_s` x `scale`), or waited
-    for where the compile thread has it queued."""
+    for where the compile thread is compiling it (`SimCompilePlan.claim`)."""
     if key in self.exes:
       return
-    due = self.exes.take(key)
+    due = (self.exes.take(key) if key in self.exes.due and self.compiles.claim(key)
+           else None)
     if due is None:
       self.exes.add(key, self.compile_s * scale, True)
     self._spend("compile", self.compile_s * scale if due is None else due - self.now)

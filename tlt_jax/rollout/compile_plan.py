@@ -149,13 +149,17 @@ class CompilePlan(Switching, Windows):
                  tracked: bool, wants: bool) -> Callable[[int], bool] | None:
     """Which buckets a batch at `bucket` may compact to (the Scheduler's `compacts_to`; None:
     any). A tracked call's batch (it may speculate) on the prober at the bucket on probation:
-    none until the probe is judged (the gate's `holds`). A speculating batch (`started`), and
+    none until the probe is judged (the gate's `holds`), while the probe's executable there
+    is queued or compiled (`coming`: a probe placed during the call compiles from the next
+    call's start, so held for it the batch would wait the call out for nothing). A
+    speculating batch (`started`), and
     a tracked one that `wants` to switch on where its bucket's arm is queued (`coming`): only
     buckets where it can speculate without a compile nobody paid for (`compacts_to`)."""
     gate = call.gate
-    if tracked and gate is not None and gate.holds(call.worker_id, bucket):
+    coming = tracked and self.coming(call, sp, bucket)
+    if coming and gate is not None and gate.holds(call.worker_id, bucket):
       return lambda b: False
-    if started or (tracked and wants and self.coming(call, sp, bucket)):
+    if started or (wants and coming):
       return functools.partial(self.compacts_to, call, sp)
     return None
 

@@ -11,7 +11,8 @@ function and static configuration, its arguments' shapes, dtypes and shardings, 
 donates and JAX's tracing context, so engines of one process with the same configuration on
 the same devices (a benchmark's plain and speculative engines, a test file's engines) trace,
 lower and compile each once. A function whose behaviour the key cannot see (a closure) is not
-shared; `clear_shared` drops them all.
+shared; `clear_shared` drops them all. An executable is compiled once even when two threads
+ask for it together (`_compile_once`): the second waits for the first's compile.
 """
 
 from __future__ import annotations
@@ -96,15 +97,9 @@ class ExecutableCache:
     batch = batch_of(args)
     t0 = time.perf_counter()
     shared = _shared_key(key, fn, args, donate)
-    with _SHARED_LOCK:
-      hit = _SHARED.get(shared) if shared is not None else None
-    if hit is None:
-      exe, mem = _compile(fn, args, donate)
-      hit = (exe, mem, time.perf_counter() - t0)
-      if shared is not None:
-        with _SHARED_LOCK:
-          hit = _SHARED.setdefault(shared, hit)
-    exe, mem, compile_s = hit
+    exe, mem, compile_s = _compile_once(
+        shared if shared is not None else (id(self), key), shared is not None,
+        lambda: _compile(fn, args, donate))
     seconds = time.perf_counter() - t0
     with self._lock:
       if key not in self._compiled:
@@ -176,6 +171,47 @@ def _mesh_of(args: tuple) -> jax.sharding.AbstractMesh:
 # _shared_key -> (executable, memory bytes, compile seconds): the process's (module docstring)
 _SHARED: dict = {}
 _SHARED_LOCK = threading.Lock()
+
+
+# the same keys -> a Future of the compile running now (on any thread of the process)
+_INFLIGHT: dict = {}
+
+
+def _compile_once(ident: Hashable, share: bool, compile_fn: Callable[[], tuple]):
+  """(executable, memory bytes, compile seconds) for `ident`: the process's if it has it
+  (`share`), else compiled here, once: a thread asking for what another thread is compiling
+  now waits for that compile instead of running its own beside it (the engine's plain chunk
+  that needs the drafter's tracking the compile thread has started: it waits what is left of
+  one compile; queued but not started, the chunk compiles it and the queued job finds it
+  compiled). A compile that failed in another thread is tried again here."""
+  with _SHARED_LOCK:
+    hit = _SHARED.get(ident) if share else None
+    running = None if hit is not None else _INFLIGHT.get(ident)
+    mine = hit is None and running is None
+    if mine:
+      running = _INFLIGHT[ident] = cf.Future()
+  if hit is not None:
+    return hit
+  if not mine:
+    try:
+      return running.result()
+    except Exception:  # noqa: BLE001 - the other thread's failure: ours decides
+      return _compile_once(ident, share, compile_fn)
+  t0 = time.perf_counter()
+  try:
+    exe, mem = compile_fn()
+  except BaseException as e:
+    with _SHARED_LOCK:
+      _INFLIGHT.pop(ident, None)
+    running.set_exception(e)
+    raise
+  hit = (exe, mem, time.perf_counter() - t0)
+  with _SHARED_LOCK:
+    if share:
+      hit = _SHARED.setdefault(ident, hit)
+    _INFLIGHT.pop(ident, None)
+  running.set_result(hit)
+  return hit
 
 
 def clear_shared() -> None:
