@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tlt_jax import config as config_lib
-from tlt_jax import runtime
+from tlt_jax import memory, runtime
 from tlt_jax.errors import ConfigError
 from user_env import user_env
 
@@ -167,6 +167,44 @@ def test_ctrl_c_stops_after_the_saves_in_flight_and_says_where_the_run_resumes(
   assert done.value.code == 130
   assert capsys.readouterr().err == ("interrupted during step 2; the same command resumes from "
                                      "the newest checkpoint, step 1\n")
+
+
+def test_a_phase_out_of_device_memory_ends_the_run_in_one_line_its_checkpoints_kept(
+    tmp_path, monkeypatch, capsys):
+  """XLA's RESOURCE_EXHAUSTED in step 2's update (the memory plan's estimates short of what
+  a GPU's allocator needs) ends the run with one line naming the phase, what the plan put it
+  at and the knobs that shrink it, once step 1's checkpoint is on disk; exit status 2."""
+  import jax
+  from tlt_jax import train as train_mod
+  spec = _small_cfg(tmp_path, 3, **{"tlt.enabled": False, "train.checkpoint_every": 1})
+  real, calls = train_mod.grpo.update, []
+
+  def update(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+      raise jax.errors.JaxRuntimeError(
+          "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2147483648 bytes.\n"
+          "BufferAssignment OOM Debugging.")
+    return real(*args, **kwargs)
+  monkeypatch.setattr(train_mod.grpo, "update", update)
+  with pytest.raises(ConfigError) as e:
+    _run(spec)
+  assert os.listdir(tmp_path / "checkpoints") == ["1"]
+  assert [r["step"] for r in _records(tmp_path)] == [1]
+  planned = spec.memory.total("update") / (1 << 30)
+  assert str(e.value) == (
+      "memory: the update phase of step 2 ran out of device memory (RESOURCE_EXHAUSTED: Out "
+      "of memory while trying to allocate 2147483648 bytes.); the memory plan put this phase "
+      f"at {planned:.2f} GiB per device: {memory.KNOBS['update']} (scripts/plan_memory.py "
+      "prints the plan); step 1's checkpoint is on disk: the same command, changed so, "
+      "resumes from it")
+
+  def main(argv):
+    raise e.value
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as done:
+    runtime.exit_on_user_error(main)([])
+  assert done.value.code == 2 and capsys.readouterr().err == f"error: {e.value}\n"
 
 
 def _small_cfg(workdir, steps, **overrides):

@@ -143,6 +143,7 @@ class RunSpec:
   max_batch: int
   _bandit: Callable[..., Any] | None = None
   history: bool = False  # each rollout worker keeps a history index (history arms can draft)
+  memory: Any = None  # the memory plan runtime.prepare resolved (memory.Plan; None: none yet)
 
   @property
   def tlt(self) -> bool:

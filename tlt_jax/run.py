@@ -80,6 +80,7 @@ class Run:
   # the drafter's acceptance on each step's responses (None: TLT off or
   # tlt.drafter.acceptance_sample=0)
   acceptance: DrafterAcceptance | None = None
+  memory: Any = None  # the memory plan it was started on (memory.Plan; device_memory.py)
 
 
 
@@ -266,7 +267,7 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
             ckpt=ckpt, compile_clock=compile_clock,
             export_engine=export_engine, target_hf_config=hf_config,
             acceptance=DrafterAcceptance(cfg, lspec, spec.sampling)
-            if tlt and cfg.tlt.drafter.acceptance_sample else None)
+            if tlt and cfg.tlt.drafter.acceptance_sample else None, memory=spec.memory)
   return run, TrainState(step=0, learner=learner, bandit=policies.bandit, gate=policies.gate)
 
 

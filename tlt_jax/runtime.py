@@ -88,7 +88,7 @@ def prepare(spec: RunSpec, *, training: bool = True) -> RunSpec:
     learner_mesh(cfg)
     worker_meshes(cfg)
     plan = resolve(spec, model_config(cfg))
-    spec = spec.with_max_batch(plan.max_batch, plan.kv_pages)
+    spec = dataclasses.replace(spec.with_max_batch(plan.max_batch, plan.kv_pages), memory=plan)
     check_resume(cfg)
   why = output_dir_problem(cfg.workdir)  # last, once the rest holds (made: evaluation's too)
   if why:

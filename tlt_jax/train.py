@@ -51,7 +51,7 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from tlt_jax import config as config_lib
-from tlt_jax import distributed, runtime
+from tlt_jax import device_memory, distributed, runtime
 from tlt_jax import export as policy_export
 from tlt_jax.coordinator import Worker
 from tlt_jax.coordinator.coordinator import merge_spot_metrics
@@ -182,7 +182,8 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   measure = run.acceptance is not None and (state.gate is None or state.gate.drafter_wanted())
   if measure:
     run.acceptance.prepare(state.learner.params, drafting.params)
-  ro = rollouts(run, state, pool, seed)
+  with device_memory.phase("rollout", run, step + 1):
+    ro = rollouts(run, state, pool, seed)
   prompts, responses = ro.prompts, ro.responses
   times["rollout"] = sum(ro.walls)
   times["reward_wait"] = ro.reward_wait
@@ -193,8 +194,9 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   # ---- learner: old log-probs, then the update (none when every response was dropped)
   t = time.perf_counter()
   batches = batching.minibatches(samples, run.learner, cfg.grpo.minibatches, seed=seed)
-  prepared = grpo.prepare(state.learner, batches, run.learner) if samples else []
-  jax.block_until_ready(prepared)
+  with device_memory.phase("logprobs", run, step + 1):
+    prepared = grpo.prepare(state.learner, batches, run.learner) if samples else []
+    jax.block_until_ready(prepared)
   times["logprobs"] = time.perf_counter() - t
   acceptance = None
   if measure:
@@ -204,7 +206,8 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
     acceptance = run.acceptance(state.learner.params, drafting.params, responses, seed=seed)
     times["acceptance"] = time.perf_counter() - t
   t = time.perf_counter()
-  learner, upd = grpo.update(state.learner, prepared, run.learner)
+  with device_memory.phase("update", run, step + 1):
+    learner, upd = grpo.update(state.learner, prepared, run.learner)
   times["update"] = time.perf_counter() - t
   if cfg.reward.overlong_buffer:
     upd["overlong_penalty"] = float(penalty.mean())
@@ -213,7 +216,8 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
 
   # ---- the drafter settled (merged, on every worker: with one process it settles while the
   # learner runs), then the new weights to the workers; the serial drafter ablation
-  drafter = merge_spot_metrics([settle() for settle in ro.settles])
+  with device_memory.phase("spot", run, step + 1):
+    drafter = merge_spot_metrics([settle() for settle in ro.settles])
   spot, timeline_json = concat_rollouts(ro.timelines)
   chunks, reward_stats = ro.chunks, pool.stats
   if jax.process_count() > 1:  # the job's view: every process's workers, chunks and rewards
@@ -270,10 +274,11 @@ def evaluate(run: Run, pool: RewardPool, state: TrainState, bandit: BanditState 
   d, w = run.cfg.data, run.coordinator.workers[0]
   cells = PolicyCells.of(Policies(bandit, state.gate), measure=False)
   n, sampling = sampling_of(run.cfg)
-  m = w.submit(evaluate_rows, w.engine, run.tokenizer, run.test_rows, pool, seed=run.cfg.seed,
-               progress=False, chat_template=d.chat_template, system_prompt=d.system_prompt,
-               policies=cells, speculate=run.cfg.eval.speculate, n=n,
-               sampling=sampling).result()
+  with device_memory.phase("rollout", run, state.step):  # (evaluation decodes)
+    m = w.submit(evaluate_rows, w.engine, run.tokenizer, run.test_rows, pool,
+                 seed=run.cfg.seed, progress=False, chat_template=d.chat_template,
+                 system_prompt=d.system_prompt, policies=cells,
+                 speculate=run.cfg.eval.speculate, n=n, sampling=sampling).result()
   return ({k: v for k, v in m.items() if k in ("accuracy", "accuracy_by_terms", "pass_at",
                                                 "response_length", "tokens_per_second")},
           cells.states().bandit)
@@ -303,6 +308,7 @@ def train(run: Run, state: TrainState, *, progress: bool = True
                dynamic_ncols=True)
   last: dict[str, Any] = {}
   interrupted = 0
+  oom = None  # a phase out of device memory, said once the saves in flight are on disk
   stopped = None  # (step, signal) where a stop request (SIGTERM) ended the run
   try:
     with pool, distributed.StopRequest() as stop:
@@ -340,6 +346,8 @@ def train(run: Run, state: TrainState, *, progress: bool = True
       export_policy(run, state)
   except KeyboardInterrupt:  # (Ctrl-C) said once the saves in flight are on disk, below
     interrupted = state.step + 1
+  except device_memory.DeviceOutOfMemory as e:
+    oom = e
   finally:
     if bar is not None:
       bar.close()
@@ -351,6 +359,11 @@ def train(run: Run, state: TrainState, *, progress: bool = True
     for e in run.coordinator.engines:  # the history indices' worker threads
       if e.history is not None:
         e.history.close()
+  if oom is not None:
+    saved = runtime.saved_step(cfg.workdir)
+    raise device_memory.DeviceOutOfMemory(f"{oom}; " + (
+        f"step {saved}'s checkpoint is on disk: the same command, changed so, resumes from it"
+        if saved else "no checkpoint yet")) from oom.__cause__
   if interrupted:
     saved = runtime.saved_step(cfg.workdir)
     raise KeyboardInterrupt(f"during step {interrupted}; " + (

@@ -1,0 +1,73 @@
+"""A device that runs out of memory mid-run, said as the memory plan's phase and its knobs.
+
+The memory plan (memory.py) refuses at start-up a run whose phases do not fit. Its
+activations are estimates, though, and XLA's allocator needs room the plan does not see
+(fragmentation, a compile's scratch), so a phase can still exhaust a device. XLA then raises
+a RESOURCE_EXHAUSTED error from deep inside a jitted call, often on a rollout worker's
+thread. Here that error becomes one line (`DeviceOutOfMemory`, a ConfigError: exit status 2)
+naming the phase of the step, what the plan put it at, and the knobs that shrink it. train.py
+adds which checkpoint is on disk once the saves in flight have finished.
+
+`phase(name, run, step)` wraps a phase's work. A rollout's error raised inside the drafter's
+code (tlt_jax/drafter/) is the spot phase: the idle workers training the drafter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+from typing import Any, Iterator
+
+from tlt_jax.errors import ConfigError
+from tlt_jax.memory import GiB, KNOBS
+
+_DRAFTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafter") + os.sep
+
+
+class DeviceOutOfMemory(ConfigError):
+  """A phase of the run ran out of device memory (the message names the phase and the fix)."""
+
+
+def is_oom(e: BaseException) -> bool:
+  """Whether `e` is XLA's failed allocation (jax.errors.JaxRuntimeError, RESOURCE_EXHAUSTED)."""
+  return isinstance(e, RuntimeError) and "RESOURCE_EXHAUSTED" in str(e)
+
+
+def _in_drafter(e: BaseException) -> bool:
+  return any(f.filename.startswith(_DRAFTER) for f in traceback.extract_tb(e.__traceback__))
+
+
+def out_of_memory(name: str, e: BaseException, plan: Any, step: int,
+                  max_batch: int | None = None) -> DeviceOutOfMemory:
+  """The one-line error for XLA's `e` in phase `name` of `step` (plan: the run's memory.Plan,
+  or None)."""
+  if name == "rollout" and _in_drafter(e):
+    name = "spot"
+  xla = str(e).strip().splitlines()[0]
+  xla = xla if len(xla) <= 160 else xla[:157] + "..."
+  at = ""
+  if plan is not None:
+    at = f"; the memory plan put this phase at {plan.total(name) / GiB:.2f} GiB per device"
+    if plan.capacity is not None:
+      at += f" of {plan.capacity / GiB:.1f} GiB usable on {plan.device}"
+  ran = f" (it ran with rollout.max_batch={max_batch})" if name == "rollout" and max_batch else ""
+  return DeviceOutOfMemory(
+      f"memory: the {name} phase of step {step} ran out of device memory ({xla}){at}: "
+      f"{KNOBS[name]}{ran} (scripts/plan_memory.py prints the plan)")
+
+
+@contextlib.contextmanager
+def phase(name: str, run: Any, step: int) -> Iterator[None]:
+  """Runs a phase of `run` (its `memory` plan, its engines' max_batch) at `step`; XLA's
+  RESOURCE_EXHAUSTED inside becomes `out_of_memory`'s error."""
+  try:
+    yield
+  except DeviceOutOfMemory:
+    raise
+  except Exception as e:
+    if not is_oom(e):
+      raise
+    plan = getattr(run, "memory", None)
+    raise out_of_memory(name, e, plan, step,
+                        plan.max_batch if plan is not None else None) from e
