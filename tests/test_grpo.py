@@ -420,6 +420,35 @@ def test_grpo_raises_a_toy_reward_on_a_sharded_learner():
   assert np.mean(means[-2:]) > 2.5 * means[0] and np.mean(means[-2:]) > 0.25, means
 
 
+def test_a_minibatch_whose_gradients_are_not_finite_takes_no_step():
+  """A mini-batch whose gradients hold a NaN (here a NaN advantage) takes no optimizer step:
+  params, Adam's moments and its count stay as they were, and the next mini-batch steps from
+  them as if it were the first (== an update over that mini-batch alone); the metrics average
+  the mini-batch that stepped and count the skip."""
+  mesh = make_mesh({"data": 1, "fsdp": 8, "tensor": 1})
+  tx = make_optimizer(1e-2, weight_decay=0.0, b1=0.9, b2=0.99, grad_clip=1.0)
+  spec = grpo.LearnerSpec(CFG, grpo.GRPOConfig(), tx, mesh, micro_batch=8, pad_multiple=8)
+  params = init_params(CFG, jax.random.key(3), std=0.05)
+  rng = np.random.RandomState(0)
+
+  def samples(advantages):
+    return [batching.Sample(rng.randint(1, 23, 4), rng.randint(1, 23, 6), float(a))
+            for a in advantages]
+  bad = batching.minibatches(samples([np.nan] + list(rng.randn(7))), spec)
+  good = batching.minibatches(samples(rng.randn(8)), spec)
+  state = grpo.init_learner(params, spec)
+  state, m = grpo.update(state, grpo.prepare(state, bad + good, spec), spec)
+  ref = grpo.init_learner(params, spec)
+  ref, want = grpo.update(ref, grpo.prepare(ref, good, spec), spec)
+  assert m["skipped"] == 1 and want["skipped"] == 0
+  assert int(state.opt_state[1][0].count) == int(ref.opt_state[1][0].count) == 1
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref)):
+    np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
+                               rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(m["loss"], want["loss"], rtol=1e-5, atol=1e-7)
+  assert np.isfinite(m["grad_norm"]) and m["grad_norm"] == pytest.approx(want["grad_norm"])
+
+
 @pytest.mark.parametrize("warmup", [0, 2])
 def test_learner_first_step_runs_at_the_scheduled_lr(warmup):
   """update(state, batches) -> (state, metrics) with the state donated. Adam's first step moves

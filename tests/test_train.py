@@ -207,6 +207,45 @@ def test_a_phase_out_of_device_memory_ends_the_run_in_one_line_its_checkpoints_k
   assert done.value.code == 2 and capsys.readouterr().err == f"error: {e.value}\n"
 
 
+def test_steps_whose_gradients_are_never_finite_end_the_run_its_policy_unchanged(
+    tmp_path, monkeypatch):
+  """From step 2 on every advantage is NaN, so every mini-batch's gradients are (the learner
+  skips them: its moments and count unchanged, tests/test_grpo.py): the metrics count the
+  skips, and after 3 such steps in a row the run ends in one line naming them and the fix,
+  their checkpoints on disk, the policy still step 1's."""
+  import dataclasses
+  import jax
+  from tlt_jax import train as train_mod
+  from tlt_jax.checkpoint import Checkpointer
+  spec = _small_cfg(tmp_path, 6, **{"tlt.enabled": False, "train.checkpoint_every": 1,
+                                    "train.keep_checkpoints": 4})
+  real, calls = train_mod.learner_samples, []
+
+  def poisoned(*args, **kwargs):
+    r, penalty, samples, groups = real(*args, **kwargs)
+    calls.append(1)
+    if len(calls) >= 2:
+      samples = [dataclasses.replace(x, advantage=float("nan")) for x in samples]
+    return r, penalty, samples, groups
+  monkeypatch.setattr(train_mod, "learner_samples", poisoned)
+  with pytest.raises(ConfigError) as e:
+    _run(spec)
+  assert str(e.value) == (
+      "the learner's gradients held a NaN or an inf in every mini-batch of steps 2-4, which "
+      f"took no optimizer step: lower optim.lr (now {spec.cfg.optim.lr}), check the rewards, "
+      f"or compute in float32 (model.dtype, now {spec.cfg.model.dtype}); step 4's checkpoint "
+      "is on disk: the same command, changed so, resumes from it")
+  recs = _records(tmp_path)
+  assert [r["step"] for r in recs] == [1, 2, 3, 4]
+  assert recs[0]["loss"]["skipped"] == 0 and all(
+      r["loss"]["skipped"] == spec.cfg.grpo.minibatches for r in recs[1:])
+  with Checkpointer(str(tmp_path / "checkpoints")) as ck:
+    params = {s: ck.read_subtree("actor", s) for s in (1, 4)}
+  assert jax.tree.leaves(params[1])
+  for a, b in zip(jax.tree.leaves(params[1]), jax.tree.leaves(params[4])):
+    np.testing.assert_array_equal(a, b)
+
+
 def _small_cfg(workdir, steps, **overrides):
   """The run spec of configs/default.py with SMALL applied, TLT on; overrides:
   {"section.field": value}."""

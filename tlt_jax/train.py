@@ -39,6 +39,7 @@ latest checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -74,6 +75,8 @@ def _seed_for(seed: int, step: int) -> int:
   """Rollout seed of a step: a pure function of (seed, step), so resume needs no RNG state."""
   return int(np.random.default_rng([seed, step, 17]).integers(0, 2**31 - 1))
 
+
+STUCK_STEPS = 3  # steps in a row whose every mini-batch took no step before the run stops
 
 # ================================================================================ RL step
 class Response(NamedTuple):
@@ -307,8 +310,8 @@ def train(run: Run, state: TrainState, *, progress: bool = True
     bar = tqdm(total=cfg.train.steps, initial=start, desc="train", unit="step", file=sys.stderr,
                dynamic_ncols=True)
   last: dict[str, Any] = {}
-  interrupted = 0
-  oom = None  # a phase out of device memory, said once the saves in flight are on disk
+  interrupted = stuck = 0  # stuck: steps in a row whose every mini-batch was skipped
+  halted = None  # out of device memory, or stuck: said once the saves in flight are on disk
   stopped = None  # (step, signal) where a stop request (SIGTERM) ended the run
   try:
     with pool, distributed.StopRequest() as stop:
@@ -334,6 +337,15 @@ def train(run: Run, state: TrainState, *, progress: bool = True
         if bar is not None:
           bar.set_postfix(_progress(state, m))
           bar.update(1)
+        # every mini-batch's gradients not finite (grpo.update skips them): STUCK_STEPS in a
+        # row end the run, its metrics and checkpoints written
+        stuck = stuck + 1 if not math.isfinite(m["loss"].get("grad_norm", 0.0)) else 0
+        if stuck == STUCK_STEPS:
+          raise grpo.NonFiniteUpdates(
+              f"the learner's gradients held a NaN or an inf in every mini-batch of steps "
+              f"{state.step - stuck + 1}-{state.step}, which took no optimizer step: lower "
+              f"optim.lr (now {cfg.optim.lr}), check the rewards, or compute in float32 "
+              f"(model.dtype, now {cfg.model.dtype})")
         if signum is not None and state.step < cfg.train.steps:
           stopped = (state.step, signum)
           break
@@ -346,8 +358,8 @@ def train(run: Run, state: TrainState, *, progress: bool = True
       export_policy(run, state)
   except KeyboardInterrupt:  # (Ctrl-C) said once the saves in flight are on disk, below
     interrupted = state.step + 1
-  except device_memory.DeviceOutOfMemory as e:
-    oom = e
+  except (device_memory.DeviceOutOfMemory, grpo.NonFiniteUpdates) as e:
+    halted = e
   finally:
     if bar is not None:
       bar.close()
@@ -359,11 +371,11 @@ def train(run: Run, state: TrainState, *, progress: bool = True
     for e in run.coordinator.engines:  # the history indices' worker threads
       if e.history is not None:
         e.history.close()
-  if oom is not None:
+  if halted is not None:
     saved = runtime.saved_step(cfg.workdir)
-    raise device_memory.DeviceOutOfMemory(f"{oom}; " + (
+    raise type(halted)(f"{halted}; " + (
         f"step {saved}'s checkpoint is on disk: the same command, changed so, resumes from it"
-        if saved else "no checkpoint yet")) from oom.__cause__
+        if saved else "no checkpoint yet")) from halted.__cause__
   if interrupted:
     saved = runtime.saved_step(cfg.workdir)
     raise KeyboardInterrupt(f"during step {interrupted}; " + (

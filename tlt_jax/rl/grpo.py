@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -398,25 +399,36 @@ def _accumulate(params: Params, acc, mb: Batch, num_tokens: jax.Array, *, spec: 
                                            replicated(spec.mesh)))
 
 
+class NonFiniteUpdates(ConfigError):
+  """Steps in a row whose every mini-batch's gradients were not finite (train.py stops)."""
+
+
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnums=(0,))
 def apply_gradients(state: LearnerState, grads: Params, *, spec: LearnerSpec
                     ) -> tuple[LearnerState, jax.Array]:
-  """One optimizer step; -> (state, global gradient norm). The state is donated."""
-  updates, opt_state = spec.tx.update(grads, state.opt_state, state.params)
-  new = state.replace(params=optax.apply_updates(state.params, updates), opt_state=opt_state)
-  return _state_constraint(new, spec.mesh), optax.tree.norm(grads)
+  """One optimizer step; -> (state, global gradient norm). The state is donated. Gradients
+  that are not all finite (a NaN or an inf: their norm is not finite) take no step: the state
+  comes back as it was, optimizer moments and count included (`update` counts the skip)."""
+  gnorm = optax.tree.norm(grads)
+
+  def step(state):
+    updates, opt_state = spec.tx.update(grads, state.opt_state, state.params)
+    return state.replace(params=optax.apply_updates(state.params, updates), opt_state=opt_state)
+  new = jax.lax.cond(jnp.isfinite(gnorm), step, lambda state: state, state)
+  return _state_constraint(new, spec.mesh), gnorm
 
 
 def update(state: LearnerState, prepared: list[list[Batch]], spec: LearnerSpec
            ) -> tuple[LearnerState, dict[str, float]]:
   """One optimizer step per mini-batch (from `prepare`); -> (state, metrics averaged over the
-  mini-batches). The input state is donated.
+  mini-batches that stepped, "skipped": how many did not, their gradients not finite:
+  `apply_gradients`). The input state is donated.
 
   The gradients of a mini-batch are accumulated micro-batch by micro-batch, each its own call
   of one jitted step: micro-batches come in several length buckets, and one jit over the
   whole mini-batch would compile once per combination of buckets (instead of once per
   bucket) and let XLA hold every micro-batch's activations at once."""
-  totals: dict[str, float] = {}
+  runs: list[dict[str, float]] = []
   for group in prepared:
     num_tokens = jnp.float32(sum(float(jnp.sum(mb.loss_mask)) for mb in group))
     metric_shapes = jax.eval_shape(functools.partial(grpo_loss, cfg=spec.cfg, gcfg=spec.gcfg),
@@ -433,6 +445,8 @@ def update(state: LearnerState, prepared: list[list[Batch]], spec: LearnerSpec
     state, gnorm = apply_gradients(state, grads, spec=spec)
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     metrics["grad_norm"] = float(gnorm)
-    for k, v in metrics.items():
-      totals[k] = totals.get(k, 0.0) + v / len(prepared)
+    runs.append(metrics)
+  stepped = [m for m in runs if math.isfinite(m["grad_norm"])] or runs
+  totals = {k: sum(m[k] for m in stepped) / len(stepped) for k in (runs[0] if runs else ())}
+  totals["skipped"] = sum(not math.isfinite(m["grad_norm"]) for m in runs)
   return state, totals
