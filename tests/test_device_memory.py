@@ -62,3 +62,9 @@ def test_anything_but_xlas_failed_allocation_passes_through(error):
     with device_memory.phase("update", types.SimpleNamespace(memory=_Plan()), 1):
       raise error
   assert e.value is error
+
+
+def test_the_device_check_allocates_nothing_on_a_cpu():
+  """gpu_check's env stage provokes a real failed allocation on a GPU only: on a CPU XLA's
+  allocation can succeed lazily or take the machine down."""
+  assert device_memory.check_device() == "device memory check: skipped on cpu"

@@ -71,3 +71,26 @@ def phase(name: str, run: Any, step: int) -> Iterator[None]:
     plan = getattr(run, "memory", None)
     raise out_of_memory(name, e, plan, step,
                         plan.max_batch if plan is not None else None) from e
+
+
+def check_device() -> str:
+  """On a GPU, one allocation past its allocator's limit: whether XLA's error is the one
+  `is_oom` recognises (gpu_check's env stage: `python -m tlt_jax.device_memory`); elsewhere
+  nothing is allocated (a CPU's allocation can succeed lazily, or take the machine down)."""
+  import jax
+  import jax.numpy as jnp
+  dev = jax.devices()[0]
+  limit = (dev.memory_stats() or {}).get("bytes_limit") if dev.platform == "gpu" else None
+  if not limit:
+    return f"device memory check: skipped on {dev.platform}"
+  try:
+    jax.block_until_ready(jnp.zeros((int(limit) // 4 + (1 << 28),), jnp.float32))
+  except Exception as e:  # noqa: BLE001 - what XLA raised is the finding
+    line = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+    return (f"device memory check: {'recognised' if is_oom(e) else 'NOT recognised'} "
+            f"({type(e).__name__}: {line})")
+  return "device memory check: an allocation past the allocator's limit succeeded"
+
+
+if __name__ == "__main__":
+  print(check_device())
