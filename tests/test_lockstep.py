@@ -33,6 +33,9 @@ CHILD = textwrap.dedent("""
       f.write(json.dumps({"step": k, "slices": slices, "nice": os.nice(0),
                           "leader": os.getpgid(0) == os.getpid()}) + "\\n")
       f.flush()
+  # (the exit a turn of its own: a loop starved on a loaded machine would see the last record
+  # and the exit in one poll, and count one turn fewer)
+  time.sleep(0.3)
 """)
 
 
