@@ -446,7 +446,9 @@ def update(state: LearnerState, prepared: list[list[Batch]], spec: LearnerSpec
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     metrics["grad_norm"] = float(gnorm)
     runs.append(metrics)
+  if not runs:  # (every response dropped: nothing trained, nothing to report)
+    return state, {}
   stepped = [m for m in runs if math.isfinite(m["grad_norm"])] or runs
-  totals = {k: sum(m[k] for m in stepped) / len(stepped) for k in (runs[0] if runs else ())}
-  totals["skipped"] = sum(not math.isfinite(m["grad_norm"]) for m in runs)
+  totals = {k: sum(m[k] for m in stepped) / len(stepped) for k in runs[0]}
+  totals["skipped"] = len(runs) - len([m for m in runs if math.isfinite(m["grad_norm"])])
   return state, totals
