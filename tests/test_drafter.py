@@ -416,6 +416,31 @@ def test_a_second_run_reuses_the_compiled_drafter_step():
   assert compiled == ["step", "step"], compiled
 
 
+def test_a_drafter_step_whose_gradients_are_not_finite_is_not_taken():
+  """A batch of NaN hidden states (its gradients NaN) leaves the drafter's params, Adam's
+  moments and the step count as they were; the next finite batch then steps as the first."""
+  from tlt_jax.drafter import train_step as dts
+  cfg = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
+                    num_layers=2, num_heads=4, num_kv_heads=2, qkv_bias=True)
+  tp = init_params(cfg, jax.random.key(0), std=0.1)
+  tok = jax.random.randint(jax.random.key(1), (4, 16), 0, cfg.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(16), (4, 16))
+  batch = {"tokens": tok, "hidden": forward(tp, tok, pos, cfg=cfg, return_logits=False).hidden,
+           "positions": pos, "loss_mask": jnp.ones((4, 16)).at[:, -1].set(0.0)}
+  bad = dict(batch, hidden=batch["hidden"].at[0, 3].set(jnp.nan))
+  step = dts.make_train_step(cfg, make_optimizer(1e-3), donate=False)
+  start = dts.init_state(init_drafter(cfg, jax.random.key(2)), make_optimizer(1e-3))
+  kept, m = step(start, tp, bad)
+  assert not np.isfinite(float(m["grad_norm"])) and int(kept.step) == 0
+  for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(start)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  after, _ = step(kept, tp, batch)
+  want, _ = step(start, tp, batch)
+  for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert int(after.step) == 1
+
+
 def test_chain_drafts_equal_sequential_drafting_with_a_cache():
   """chain_drafts' one-pass tree evaluation equals drafting each chain with a KV cache:
   prefill the real pairs <= t, then feed (draft, g) back one token at a time."""

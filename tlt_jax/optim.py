@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 
+import jax
+import jax.numpy as jnp
 import optax
 
 SCHEDULES = ("constant", "cosine")
@@ -53,3 +55,11 @@ def make_optimizer(lr: float, *, warmup_steps: int = 0, total_steps: int = 0,
   parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip > 0 else []
   parts.append(optax.adamw(sched, b1=b1, b2=b2, weight_decay=weight_decay))
   return optax.chain(*parts)
+
+
+def if_finite(ok: jax.Array, new, old):
+  """`new` where `ok` (a scalar: the gradients' global norm is finite), else `old`, leaf by
+  leaf: an optimizer step whose gradients hold a NaN or an inf is not taken (params, moments
+  and count kept). A select, not a `lax.cond`: no host sync on a GPU, and XLA fuses it into
+  the update's elementwise pass over the donated state."""
+  return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)

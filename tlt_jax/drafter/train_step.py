@@ -23,6 +23,7 @@ import optax
 
 from tlt_jax.drafter.loss import LossConfig, drafter_loss
 from tlt_jax.models import ModelConfig, Params
+from tlt_jax.optim import if_finite
 
 
 class DrafterState(NamedTuple):
@@ -78,8 +79,9 @@ def _make_train_step(cfg, tx, loss_cfg, donate, state_shardings):
     (_, m), grads = jax.value_and_grad(loss, has_aux=True)(state.params, target_params, batch)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = dict(m, grad_norm=optax.tree.norm(grads))
-    return DrafterState(params, opt_state, state.step + 1), metrics
+    gnorm = optax.tree.norm(grads)  # (not finite: no step taken, optim.if_finite)
+    new = if_finite(jnp.isfinite(gnorm), DrafterState(params, opt_state, state.step + 1), state)
+    return new, dict(m, grad_norm=gnorm)
 
   out = None
   if state_shardings is not None:

@@ -41,6 +41,7 @@ from flax import struct
 from jax.sharding import Mesh
 
 from tlt_jax.errors import ConfigError
+from tlt_jax.optim import if_finite
 from tlt_jax.models import ModelConfig, Params, compute_logits, forward
 from tlt_jax.rl.batching import LOSS_AGG, MicroBatch
 from tlt_jax.sharding import BATCH, batch_sharding, replicated, tree_shardings
@@ -410,12 +411,9 @@ def apply_gradients(state: LearnerState, grads: Params, *, spec: LearnerSpec
   that are not all finite (a NaN or an inf: their norm is not finite) take no step: the state
   comes back as it was, optimizer moments and count included (`update` counts the skip)."""
   gnorm = optax.tree.norm(grads)
-
-  def step(state):
-    updates, opt_state = spec.tx.update(grads, state.opt_state, state.params)
-    return state.replace(params=optax.apply_updates(state.params, updates), opt_state=opt_state)
-  new = jax.lax.cond(jnp.isfinite(gnorm), step, lambda state: state, state)
-  return _state_constraint(new, spec.mesh), gnorm
+  updates, opt_state = spec.tx.update(grads, state.opt_state, state.params)
+  new = state.replace(params=optax.apply_updates(state.params, updates), opt_state=opt_state)
+  return _state_constraint(if_finite(jnp.isfinite(gnorm), new, state), spec.mesh), gnorm
 
 
 def update(state: LearnerState, prepared: list[list[Batch]], spec: LearnerSpec
