@@ -380,6 +380,18 @@ def test_training_on_random_target_reduces_loss_and_beats_chance():
 
 
 # ------------------------------------------------------------------------ acceptance estimate
+def _tiny_step_inputs():
+  """(target config, target params, one packed batch) for a drafter step on a tiny target."""
+  cfg = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
+                    num_layers=2, num_heads=4, num_kv_heads=2, qkv_bias=True)
+  tp = init_params(cfg, jax.random.key(0), std=0.1)
+  tok = jax.random.randint(jax.random.key(1), (4, 16), 0, cfg.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(16), (4, 16))
+  return cfg, tp, {"tokens": tok, "positions": pos,
+                   "hidden": forward(tp, tok, pos, cfg=cfg, return_logits=False).hidden,
+                   "loss_mask": jnp.ones((4, 16)).at[:, -1].set(0.0)}
+
+
 def test_a_second_run_reuses_the_compiled_drafter_step():
   """make_train_step of equal arguments (a fresh optimizer of the same hyperparameters, as a
   process's next run builds it: a notebook's, a test file's) is one jitted step, compiled
@@ -387,13 +399,7 @@ def test_a_second_run_reuses_the_compiled_drafter_step():
   import logging
 
   from tlt_jax.drafter import train_step as dts
-  cfg = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
-                    num_layers=2, num_heads=4, num_kv_heads=2, qkv_bias=True)
-  tp = init_params(cfg, jax.random.key(0), std=0.1)
-  tok = jax.random.randint(jax.random.key(1), (4, 16), 0, cfg.vocab_size)
-  pos = jnp.broadcast_to(jnp.arange(16), (4, 16))
-  batch = {"tokens": tok, "hidden": forward(tp, tok, pos, cfg=cfg, return_logits=False).hidden,
-           "positions": pos, "loss_mask": jnp.ones((4, 16)).at[:, -1].set(0.0)}
+  cfg, tp, batch = _tiny_step_inputs()
   compiled = []
 
   class Log(logging.Handler):
@@ -420,13 +426,7 @@ def test_a_drafter_step_whose_gradients_are_not_finite_is_not_taken():
   """A batch of NaN hidden states (its gradients NaN) leaves the drafter's params, Adam's
   moments and the step count as they were; the next finite batch then steps as the first."""
   from tlt_jax.drafter import train_step as dts
-  cfg = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
-                    num_layers=2, num_heads=4, num_kv_heads=2, qkv_bias=True)
-  tp = init_params(cfg, jax.random.key(0), std=0.1)
-  tok = jax.random.randint(jax.random.key(1), (4, 16), 0, cfg.vocab_size)
-  pos = jnp.broadcast_to(jnp.arange(16), (4, 16))
-  batch = {"tokens": tok, "hidden": forward(tp, tok, pos, cfg=cfg, return_logits=False).hidden,
-           "positions": pos, "loss_mask": jnp.ones((4, 16)).at[:, -1].set(0.0)}
+  cfg, tp, batch = _tiny_step_inputs()
   bad = dict(batch, hidden=batch["hidden"].at[0, 3].set(jnp.nan))
   step = dts.make_train_step(cfg, make_optimizer(1e-3), donate=False)
   start = dts.init_state(init_drafter(cfg, jax.random.key(2)), make_optimizer(1e-3))
