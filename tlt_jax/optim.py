@@ -11,10 +11,13 @@ full lr: a warm-up of 0 steps is no warm-up, not one step at lr 0.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from tlt_jax.errors import ConfigError
 
 SCHEDULES = ("constant", "cosine")
 
@@ -63,3 +66,24 @@ def if_finite(ok: jax.Array, new, old):
   and count kept). A select, not a `lax.cond`: no host sync on a GPU, and XLA fuses it into
   the update's elementwise pass over the donated state."""
   return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
+STUCK_STEPS = 3  # steps in a row with no mini-batch stepped before a run stops
+
+
+class NonFiniteUpdates(ConfigError):
+  """Steps in a row whose every mini-batch's gradients were not finite (`stuck`)."""
+
+
+def stuck(steps: int, grad_norm: float, step: int, cfg) -> int:
+  """Steps in a row, to `step`, whose every mini-batch took no step (`grad_norm`, the update's
+  metric, not finite: `if_finite` kept the state), given `steps` before it;
+  NonFiniteUpdates once they are STUCK_STEPS (cfg: the run's config, for the fix)."""
+  steps = steps + 1 if not math.isfinite(grad_norm) else 0
+  if steps == STUCK_STEPS:
+    raise NonFiniteUpdates(
+        f"the learner's gradients held a NaN or an inf in every mini-batch of steps "
+        f"{step - steps + 1}-{step}, which took no optimizer step: lower optim.lr (now "
+        f"{cfg.optim.lr}), check the rewards, or compute in float32 (model.dtype, now "
+        f"{cfg.model.dtype})")
+  return steps

@@ -39,7 +39,6 @@ latest checkpoint.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import sys
 import time
@@ -52,7 +51,7 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from tlt_jax import config as config_lib
-from tlt_jax import device_memory, distributed, runtime
+from tlt_jax import device_memory, distributed, optim, runtime
 from tlt_jax import export as policy_export
 from tlt_jax.coordinator import Worker
 from tlt_jax.coordinator.coordinator import merge_spot_metrics
@@ -75,8 +74,6 @@ def _seed_for(seed: int, step: int) -> int:
   """Rollout seed of a step: a pure function of (seed, step), so resume needs no RNG state."""
   return int(np.random.default_rng([seed, step, 17]).integers(0, 2**31 - 1))
 
-
-STUCK_STEPS = 3  # steps in a row whose every mini-batch took no step before the run stops
 
 # ================================================================================ RL step
 class Response(NamedTuple):
@@ -337,15 +334,8 @@ def train(run: Run, state: TrainState, *, progress: bool = True
         if bar is not None:
           bar.set_postfix(_progress(state, m))
           bar.update(1)
-        # every mini-batch's gradients not finite (grpo.update skips them): STUCK_STEPS in a
-        # row end the run, its metrics and checkpoints written
-        stuck = stuck + 1 if not math.isfinite(m["loss"].get("grad_norm", 0.0)) else 0
-        if stuck == STUCK_STEPS:
-          raise grpo.NonFiniteUpdates(
-              f"the learner's gradients held a NaN or an inf in every mini-batch of steps "
-              f"{state.step - stuck + 1}-{state.step}, which took no optimizer step: lower "
-              f"optim.lr (now {cfg.optim.lr}), check the rewards, or compute in float32 "
-              f"(model.dtype, now {cfg.model.dtype})")
+        # (its metrics and checkpoint written: steps whose every mini-batch was skipped)
+        stuck = optim.stuck(stuck, m["loss"].get("grad_norm", 0.0), state.step, cfg)
         if signum is not None and state.step < cfg.train.steps:
           stopped = (state.step, signum)
           break
@@ -358,7 +348,7 @@ def train(run: Run, state: TrainState, *, progress: bool = True
       export_policy(run, state)
   except KeyboardInterrupt:  # (Ctrl-C) said once the saves in flight are on disk, below
     interrupted = state.step + 1
-  except (device_memory.DeviceOutOfMemory, grpo.NonFiniteUpdates) as e:
+  except (device_memory.DeviceOutOfMemory, optim.NonFiniteUpdates) as e:
     halted = e
   finally:
     if bar is not None:

@@ -149,11 +149,6 @@ class SimKV:
     pass
 
 
-class _SimCompiler:
-  """Stands for the compile thread: a job runs at once (SimCompilePlan._submit), and what it
-  compiles (SimCompilePlan.spec, trackings, switch-offs) is queued on the compile clock."""
-
-
 class SimCompilePlan(CompilePlan):
   """The compile plan's decisions (`choosable_pairs`, `ready`, `window`, `_window_pays`) as
   they are; what compiles is a key with a price on the engine's clock. Background compiles
@@ -193,21 +188,21 @@ class SimCompilePlan(CompilePlan):
     self._compile_free = max(self._compile_free, due)
     return due
 
-  def claim(self, key: ExecKey) -> bool:
-    """A chunk needs queued `key` now, served as by executables._compile_once: True where
-    its compile has started (the chunk waits for the rest: `SimExes.take`); where not, the
-    chunk compiles it itself (False): it leaves the compile clock, what follows moves up."""
+  def claim(self, key: ExecKey) -> float | None:
+    """A chunk needs queued `key` now (as executables._compile_once serves it): when its
+    started compile ends (the chunk waits); None where it has not started (the chunk compiles
+    it itself: it leaves the compile clock and what follows moves up)."""
     e = self.engine
     due, took = e.exes.due[key], self._took[key]
     if due - took <= e.now:
-      return True
+      return e.exes.take(key)
     del e.exes.due[key]
     e.exes.records = [r for r in e.exes.records if r.key != key]
     e.exes.due.update((k, t - took) for k, t in e.exes.due.items() if t > due)
     self._due.update((k, e.now + took if t == due else t - took)
                      for k, t in self._due.items() if t >= due)
     self._compile_free -= took
-    return False
+    return None
 
   def spec(self, call, sp, arm, state, kv_len=None):
     """(From the compile thread: a window a chunk needs, or an arm one wants.)"""
@@ -227,7 +222,7 @@ class SimCompilePlan(CompilePlan):
 
   def _thread(self, call) -> None:
     if self._compiler is None:
-      self._compiler = _SimCompiler()
+      self._compiler = True  # (no thread: a job runs at once, its compiles queue: _submit)
 
   def _submit(self, job, urgent: bool = False) -> None:
     """A job runs now; what it compiles is queued on the compile clock (`_queue`), an urgent
@@ -319,8 +314,7 @@ class SimEngine(Engine):
     for where the compile thread is compiling it (`SimCompilePlan.claim`)."""
     if key in self.exes:
       return
-    due = (self.exes.take(key) if key in self.exes.due and self.compiles.claim(key)
-           else None)
+    due = self.compiles.claim(key) if key in self.exes.due else None
     if due is None:
       self.exes.add(key, self.compile_s * scale, True)
     self._spend("compile", self.compile_s * scale if due is None else due - self.now)

@@ -400,10 +400,6 @@ def _accumulate(params: Params, acc, mb: Batch, num_tokens: jax.Array, *, spec: 
                                            replicated(spec.mesh)))
 
 
-class NonFiniteUpdates(ConfigError):
-  """Steps in a row whose every mini-batch's gradients were not finite (train.py stops)."""
-
-
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnums=(0,))
 def apply_gradients(state: LearnerState, grads: Params, *, spec: LearnerSpec
                     ) -> tuple[LearnerState, jax.Array]:
@@ -446,7 +442,6 @@ def update(state: LearnerState, prepared: list[list[Batch]], spec: LearnerSpec
     runs.append(metrics)
   if not runs:  # (every response dropped: nothing trained, nothing to report)
     return state, {}
-  stepped = [m for m in runs if math.isfinite(m["grad_norm"])] or runs
-  totals = {k: sum(m[k] for m in stepped) / len(stepped) for k in runs[0]}
-  totals["skipped"] = len(runs) - len([m for m in runs if math.isfinite(m["grad_norm"])])
-  return state, totals
+  stepped = [m for m in runs if math.isfinite(m["grad_norm"])]
+  totals = {k: sum(m[k] for m in stepped or runs) / len(stepped or runs) for k in runs[0]}
+  return state, dict(totals, skipped=len(runs) - len(stepped))
