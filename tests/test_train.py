@@ -159,14 +159,19 @@ def test_ctrl_c_stops_after_the_saves_in_flight_and_says_where_the_run_resumes(
   assert os.listdir(tmp_path / "checkpoints") == ["1"]
   assert [r["step"] for r in _records(tmp_path)] == [1]
 
+  assert _command_ends(e.value, capsys) == (130, "interrupted during step 2; the same command "
+                                             "resumes from the newest checkpoint, step 1\n")
+
+
+def _command_ends(error, capsys):
+  """(exit status, stderr) of a command whose main raised `error` (runtime.exit_on_user_error,
+  which every `python -m tlt_jax.*` command runs under)."""
   def main(argv):
-    raise e.value
+    raise error
   capsys.readouterr()
   with pytest.raises(SystemExit) as done:
     runtime.exit_on_user_error(main)([])
-  assert done.value.code == 130
-  assert capsys.readouterr().err == ("interrupted during step 2; the same command resumes from "
-                                     "the newest checkpoint, step 1\n")
+  return done.value.code, capsys.readouterr().err
 
 
 def test_a_phase_out_of_device_memory_ends_the_run_in_one_line_its_checkpoints_kept(
@@ -199,12 +204,49 @@ def test_a_phase_out_of_device_memory_ends_the_run_in_one_line_its_checkpoints_k
       "prints the plan); step 1's checkpoint is on disk: the same command, changed so, "
       "resumes from it")
 
-  def main(argv):
-    raise e.value
-  capsys.readouterr()
-  with pytest.raises(SystemExit) as done:
-    runtime.exit_on_user_error(main)([])
-  assert done.value.code == 2 and capsys.readouterr().err == f"error: {e.value}\n"
+  assert _command_ends(e.value, capsys) == (2, f"error: {e.value}\n")
+
+
+def test_a_full_disk_ends_the_run_in_one_line_and_the_same_command_resumes_once_there_is_room(
+    tmp_path, monkeypatch, capsys):
+  """The workdir's disk full (tlt_jax/checkpoint/writes.py): step 3's checkpoint, sized as
+  step 2's, finds no room and is refused before it writes anything, and the run ends in one
+  line, exit status 2, step 2's checkpoint and metrics kept; with room again the same run
+  resumes from step 2. A metrics line the disk cannot take ends it the same way."""
+  from tlt_jax import train as train_mod
+  from tlt_jax.checkpoint import SaveFailed, writes
+  spec = _small_cfg(tmp_path, 4, **{"tlt.enabled": False, "train.checkpoint_every": 1})
+  free, ckpts = writes.free_bytes, str(tmp_path / "checkpoints")
+  monkeypatch.setattr(writes, "free_bytes", lambda d: 0 if os.path.isdir(os.path.join(
+      ckpts, "2")) else free(d))
+  with pytest.raises(SaveFailed) as e:
+    _run(spec)
+  size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(os.path.join(ckpts, "2"))
+             for f in fs)
+  assert str(e.value) == (
+      f"checkpoint step 3 needs {size / 2**20:.1f} MiB in {ckpts} (step 2's size) and its disk "
+      "has 0.0 MiB free: free space there, or checkpoint to a disk with room; step 2's "
+      "checkpoint is on disk: the same command resumes from it once there is room")
+  assert sorted(os.listdir(ckpts)) == ["1", "2"]
+  assert [r["step"] for r in _records(tmp_path)] == [1, 2]
+
+  assert _command_ends(e.value, capsys) == (2, f"error: {e.value}\n")
+
+  monkeypatch.setattr(writes, "free_bytes", free)  # room again: the same run goes on
+  real = train_mod.MetricsWriter.write
+
+  def write(self, step, *args):
+    if step == 4:  # (as a full disk's write to metrics.jsonl raises it)
+      raise OSError(28, "No space left on device")
+    return real(self, step, *args)
+  monkeypatch.setattr(train_mod.MetricsWriter, "write", write)
+  with pytest.raises(SaveFailed) as e:
+    _run(spec)
+  assert str(e.value) == (
+      f"{tmp_path}: No space left on device: free space there, or write the run to a disk "
+      "with room (--workdir); step 4's checkpoint is on disk: the same command resumes from it "
+      "once there is room")
+  assert [r["step"] for r in _records(tmp_path)] == [1, 2, 3]
 
 
 def test_steps_whose_gradients_are_never_finite_end_the_run_its_policy_unchanged(

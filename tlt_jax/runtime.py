@@ -425,23 +425,23 @@ def write_config(cfg: ml_collections.ConfigDict) -> None:
 
 
 def exit_on_user_error(main, also: tuple[type[Exception], ...] = ()):
-  """Wraps an absl main (every `python -m tlt_jax.*` command): a ConfigError / DataError /
-  CheckpointFormatError (or a reward function that can no longer be loaded, RewardError; or
-  the command's own input errors, `also`) becomes one line on stderr and exit status 2 (a
-  user's mistake is not a crash; checkpoints already written stay); Ctrl-C one line and 130,
-  a stop on SIGTERM (distributed.Stopped) one line and 143. absl's INFO lines stay off
-  stderr (JAX's probing of backends this machine lacks, Orbax's every save)."""
+  """Wraps an absl main (every `python -m tlt_jax.*` command): a ConfigError, DataError,
+  CheckpointFormatError, SaveFailed (a full disk), RewardError or the command's own input
+  errors (`also`) become one line on stderr and exit status 2 (not a crash; checkpoints
+  already written stay); Ctrl-C one line and 130, a stop on SIGTERM (distributed.Stopped) one
+  line and 143. absl's INFO lines stay off stderr (JAX's probing, Orbax's every save)."""
   @functools.wraps(main)
   def wrapped(argv):
     from absl import logging as absl_logging
 
+    from tlt_jax.checkpoint import SaveFailed
     from tlt_jax.data.prompts import DataError
     from tlt_jax.models.hf_io import CheckpointFormatError
     from tlt_jax.rl.reward_pool import RewardError
     absl_logging.set_verbosity(absl_logging.WARNING)
     try:
       return main(argv)
-    except (ConfigError, DataError, CheckpointFormatError, RewardError, *also) as e:
+    except (ConfigError, DataError, CheckpointFormatError, RewardError, SaveFailed, *also) as e:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(2)
     except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM's stop (distributed.Stopped): no traceback

@@ -51,7 +51,7 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from tlt_jax import config as config_lib
-from tlt_jax import device_memory, distributed, optim, runtime
+from tlt_jax import checkpoint, device_memory, distributed, optim, runtime
 from tlt_jax import export as policy_export
 from tlt_jax.coordinator import Worker
 from tlt_jax.coordinator.coordinator import merge_spot_metrics
@@ -308,7 +308,7 @@ def train(run: Run, state: TrainState, *, progress: bool = True
                dynamic_ncols=True)
   last: dict[str, Any] = {}
   interrupted = stuck = 0  # stuck: steps in a row whose every mini-batch was skipped
-  halted = None  # out of device memory, or stuck: said once the saves in flight are on disk
+  halted = None  # out of device memory or disk, or stuck: said once the saves in flight end
   stopped = None  # (step, signal) where a stop request (SIGTERM) ended the run
   try:
     with pool, distributed.StopRequest() as stop:
@@ -348,14 +348,22 @@ def train(run: Run, state: TrainState, *, progress: bool = True
       export_policy(run, state)
   except KeyboardInterrupt:  # (Ctrl-C) said once the saves in flight are on disk, below
     interrupted = state.step + 1
-  except (device_memory.DeviceOutOfMemory, optim.NonFiniteUpdates) as e:
+  except (device_memory.DeviceOutOfMemory, optim.NonFiniteUpdates, checkpoint.SaveFailed) as e:
     halted = e
+  except OSError as e:  # the workdir's disk full under a metrics line or an export
+    if not checkpoint.writes.no_room(e):
+      raise
+    halted = checkpoint.SaveFailed(f"{e.filename or cfg.workdir}: {e.strerror}: free space "
+                                   "there, or write the run to a disk with room (--workdir)")
   finally:
     if bar is not None:
       bar.close()
     if writer is not None:
       writer.close()
-    run.ckpt.close()
+    try:
+      run.ckpt.close()
+    except checkpoint.SaveFailed as e:  # (the last save in flight: said as the run's end)
+      halted = halted or e
     run.coordinator.close()
     run.compile_clock.close()
     for e in run.coordinator.engines:  # the history indices' worker threads
@@ -363,9 +371,10 @@ def train(run: Run, state: TrainState, *, progress: bool = True
         e.history.close()
   if halted is not None:
     saved = runtime.saved_step(cfg.workdir)
+    resume = getattr(halted, "resume", "the same command, changed so, resumes from it")
     raise type(halted)(f"{halted}; " + (
-        f"step {saved}'s checkpoint is on disk: the same command, changed so, resumes from it"
-        if saved else "no checkpoint yet")) from halted.__cause__
+        f"step {saved}'s checkpoint is on disk: {resume}" if saved else "no checkpoint yet")
+    ) from halted.__cause__
   if interrupted:
     saved = runtime.saved_step(cfg.workdir)
     raise KeyboardInterrupt(f"during step {interrupted}; " + (

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Any
 
 import jax
@@ -40,9 +39,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath  # orbax's own path library (local paths and gs:// alike)
 
-from tlt_jax.checkpoint.damage import Damaged, check_array_files, quiet_about
+from tlt_jax.checkpoint.damage import Damaged, check_array_files, quiet_about, set_aside
 from tlt_jax.checkpoint.leaves import (CheckpointError, check_template, match_template, norm_path,
                                        restore_arg, snapshot)
+from tlt_jax.checkpoint.writes import (QuietFailedWrites, SaveFailed, check_room, failed,
+                                       remove_unfinished)
 
 PyTree = Any
 
@@ -120,8 +121,10 @@ class Checkpointer:
         **{_ITEM: ocp.PyTreeCheckpointHandler()})
     with quiet_about(self._path):  # it lists the steps, see all_steps
       self._mngr = ocp.CheckpointManager(directory, options=options, handler_registry=registry)
-    self._inflight: int | None = None  # step of a started, not yet finalized, async save
+    self._inflight: int | None = None  # step of a started async save, until it is settled
     self._prepared = False
+    self._quiet: QuietFailedWrites | None = None  # from the first save to close()
+    self._failed = False  # a failed save was reported (SaveFailed): close() does not again
     self._damaged: set[int] = set()  # steps restore() skipped; set aside at the first save
 
   # ------------------------------------------------------------------ queries
@@ -138,11 +141,8 @@ class Checkpointer:
       with quiet_about(self._path):  # a damaged step's _CHECKPOINT_METADATA: see restore
         self._mngr.reload()
     steps = sorted(int(s) for s in self._mngr.all_steps())
-    if self._inflight is not None:
-      if self._mngr.is_saving_in_progress():
-        steps = [s for s in steps if s != self._inflight]
-      else:
-        self._inflight = None
+    if self._inflight is not None and self._mngr.is_saving_in_progress():
+      steps = [s for s in steps if s != self._inflight]
     return steps
 
   def latest_step(self) -> int | None:
@@ -159,8 +159,9 @@ class Checkpointer:
     `force`, or this is the directory's first checkpoint) or when `step` already exists (so a
     final `save(step, force=True)` right after the interval save of that step is harmless).
     A step older than the latest checkpoint raises CheckpointError (restarted step counter).
-    Returns once `state` is copied to host memory; call `wait_until_finished()` to block until
-    it is on disk. Errors from a background write surface on the next save/wait/close.
+    Returns once `state` is copied to host memory; `wait_until_finished()` blocks until it is
+    on disk. SaveFailed: a step its disk cannot hold (sized as the latest), before a byte is
+    written; a background write that failed, at the next save call (it polls), wait or close.
 
     state: any pytree of jax.Array (any sharding, incl. typed PRNG keys), np.ndarray, python
       bool/int/float/str and numpy numbers and bools (a numpy bool is stored as a bool); dicts,
@@ -170,6 +171,8 @@ class Checkpointer:
     step = int(step)
     if self._damaged:
       self._set_aside_damaged()
+    if self._inflight is not None and not self._mngr.is_saving_in_progress():
+      self.wait_until_finished()  # (returns at once; raises SaveFailed for a failed save)
     existing = self._mngr.all_steps()  # includes an in-flight save
     if step in existing:
       _log.info("checkpoint step %d already exists in %s; not saving it again", step,
@@ -182,46 +185,37 @@ class Checkpointer:
           f"cannot save step {step}: {self.directory!r} already has a newer checkpoint "
           f"(step {max(existing)}). Resume from it (restore it and continue its step count) "
           "or use a new directory for a new run.")
+    if not (force or self._mngr.should_save(step)):
+      return False
     state = snapshot(state)
     if not self._prepared:
       self._prepare_for_first_save()
-    started = self._mngr.save(
-        step, args=ocp.args.Composite(**{_ITEM: ocp.args.PyTreeSave(state)}), force=force)
-    if started:
-      self._inflight = step
+    self.wait_until_finished()  # (as Orbax's save would: the free space is then the disk's)
+    if existing:
+      check_room(self.directory, step, max(existing))
+    self._inflight = step  # (a failure from here on is this step's)
+    try:
+      started = self._mngr.save(
+          step, args=ocp.args.Composite(**{_ITEM: ocp.args.PyTreeSave(state)}), force=force)
+    except Exception as e:  # pylint: disable=broad-except - said as this step's, in one line
+      self._settle_failed(e)
+    if not started:
+      self._inflight = None
     return bool(started)
 
   def _prepare_for_first_save(self) -> None:
-    """Create the directory and delete tmp dirs of saves that died mid-write.
-
-    Orbax already removes a leftover tmp dir of the *same* step before re-saving it; this also
-    removes those of other steps, which would otherwise accumulate (disk space) forever.
-    Only the (single) writer does this, see `__init__`.
-    """
+    """Create the directory and delete tmp dirs of saves that died mid-write (Orbax removes
+    only a re-saved step's: others would accumulate forever); only the (single) writer does."""
     self._path.mkdir(parents=True, exist_ok=True)
+    self._quiet = QuietFailedWrites(self.directory).__enter__()
     if jax.process_index() == 0:
-      for tmp in ocp.path.step.all_temporary_paths(self._path):
-        _log.warning("removing unfinished checkpoint %s (a save that was interrupted)",
-                     tmp.get())
-        tmp.get().rmtree()
+      for tmp in remove_unfinished(self._path, None):
+        _log.warning("removed unfinished checkpoint %s (a save that was interrupted)", tmp)
     self._prepared = True
 
   def _set_aside_damaged(self) -> None:
-    """Moves the steps `restore` skipped to `<dir>/damaged/<step>-<time>` (see `restore`).
-
-    Every process of a multi-process job calls this (each restored, and found the same
-    damage, from the same files); process 0 moves, the others wait for it and re-list.
-    """
-    if jax.process_index() == 0:
-      stamp = time.strftime("%Y%m%d-%H%M%S")
-      for step in sorted(self._damaged):
-        src, dst = self._path / str(step), self._path / _DAMAGED / f"{step}-{stamp}"
-        if src.exists():
-          dst.parent.mkdir(parents=True, exist_ok=True)
-          src.rename(dst)
-          _log.warning("moved damaged checkpoint step %d to %s", step, dst)
-    if jax.process_count() > 1:
-      ocp.multihost.sync_global_processes("tlt_jax_checkpoint_set_aside_damaged")
+    """Moves the steps `restore` skipped aside (damage.set_aside); every process calls it."""
+    set_aside(self._path, sorted(self._damaged), _DAMAGED)
     self._damaged.clear()
     self._mngr.reload()
 
@@ -416,16 +410,35 @@ class Checkpointer:
   # ------------------------------------------------------------------ lifecycle
 
   def wait_until_finished(self) -> None:
-    """Block until a pending async save is on disk; re-raises its error, if any."""
+    """Block until a pending async save is on disk; SaveFailed if it could not be written."""
     try:
       self._mngr.wait_until_finished()
-    finally:
-      self._inflight = None
+    except Exception as e:  # pylint: disable=broad-except - said as the step's, in one line
+      self._settle_failed(e)
+    self._inflight = None
+
+  def _settle_failed(self, error: Exception) -> None:
+    """Raises the failed save of step `_inflight` as SaveFailed, its unfinished files removed
+    (the partial step is never restorable; on a full disk its bytes are what is missing)."""
+    step, self._inflight, self._failed = self._inflight, None, True
+    if jax.process_index() == 0:
+      remove_unfinished(self._path, step)
+    raise failed(step, self.directory, error) from error
 
   def close(self) -> None:
-    """Wait for pending saves (and old-step deletion), then release Orbax's threads."""
-    self._inflight = None
-    self._mngr.close()
+    """Wait for pending saves (and old-step deletion), then release Orbax's threads. A save
+    failed and already reported (SaveFailed) is not raised again."""
+    reported = self._failed
+    try:
+      self.wait_until_finished()
+    except SaveFailed:
+      if not reported:
+        raise
+    finally:
+      self._mngr.close()  # (Orbax raises a failed save once: above)
+      if self._quiet is not None:
+        self._quiet.__exit__()
+        self._quiet = None
 
   def __enter__(self) -> "Checkpointer":
     return self

@@ -10,23 +10,30 @@ import gc
 import logging
 import os
 import sys
+import time
 from typing import Any, Iterator
 
+import jax
+import orbax.checkpoint as ocp
 from etils import epath
+
+_log = logging.getLogger("tlt_jax.checkpoint")
 
 
 class Damaged(Exception):
   """A step whose files fail to read (restore falls back past it); str() is one short line."""
 
   def __init__(self, doing: str, error: BaseException):
-    msg = str(error).splitlines()[0] if str(error) else ""
-    # TensorStore appends its whole spec (kilobytes) to every message: the path and the
-    # reason come before it.
-    for cut in (" [tensorstore_spec=", ". See full TensorStore details"):
-      msg = msg.split(cut)[0]
-    if len(msg) > 300:
-      msg = msg[:300] + "..."
-    super().__init__(f"{type(error).__name__} {doing}: {msg}")
+    super().__init__(f"{type(error).__name__} {doing}: {reason(error)}")
+
+
+def reason(error: BaseException) -> str:
+  """The first line of an Orbax / TensorStore error, short: TensorStore appends its whole spec
+  (kilobytes) to every message, and the path and the reason come before it."""
+  msg = str(error).splitlines()[0] if str(error) else ""
+  for cut in (" [tensorstore_spec=", ". See full TensorStore details"):
+    msg = msg.split(cut)[0]
+  return msg if len(msg) <= 300 else msg[:300] + "..."
 
 
 def check_array_files(item_dir: str) -> None:
@@ -85,3 +92,19 @@ def quiet_about(path: epath.Path) -> Iterator[None]:
     sys.unraisablehook = previous
     for logger in loggers:
       logger.removeFilter(f)
+
+
+def set_aside(path: epath.Path, steps: list[int], into: str) -> None:
+  """Moves checkpoint `steps` (restore skipped them: damaged) to `<path>/<into>/<step>-<time>`,
+  never deleting them. Every process of a multi-process job calls this (each restored, and
+  found the same damage, from the same files); process 0 moves, the others wait for it."""
+  if jax.process_index() == 0:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for step in steps:
+      src, dst = path / str(step), path / into / f"{step}-{stamp}"
+      if src.exists():
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        src.rename(dst)
+        _log.warning("moved damaged checkpoint step %d to %s", step, dst)
+  if jax.process_count() > 1:
+    ocp.multihost.sync_global_processes("tlt_jax_checkpoint_set_aside_damaged")
