@@ -179,7 +179,7 @@ def get_config():
   c.train.checkpoint_every = 5
   c.train.keep_checkpoints = 2
   # a run resumed from its workdir's checkpoint with other values of what it learns (model,
-  # data, reward, sampling, GRPO, optimizer, seed: runtime.LEARNING_KEYS) stops with an error
+  # data, reward, sampling, GRPO, optimizer, seed: workdir.LEARNING_KEYS) stops with an error
   # naming them; True continues it with the new values (the earlier config.json kept)
   c.train.resume_with_changes = False
   # with every checkpoint of a TLT run, the drafter's EAGLE export for this serving engine in

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tlt_jax import config as config_lib
+from tlt_jax import workdir
 from tlt_jax.errors import ConfigError
 from user_env import user_env
 
@@ -235,11 +236,11 @@ def _default_in(workdir, **values):
 def test_a_resumed_run_that_switches_a_setting_off_names_what_it_acted_on(tmp_path):
   """The checkpointed run had dynamic sampling and the loss_norm_len normalisation on, the
   resumed one has them off: their values acted in the saved run, so their changes are named
-  too (runtime.ACTIVE_WHEN: active in either config)."""
+  too (workdir.ACTIVE_WHEN: active in either config)."""
   from tlt_jax import runtime
   cfg_of = functools.partial(_default_in, tmp_path)
 
-  runtime.write_config(cfg_of(grpo__filter_groups=True, grpo__loss_norm_len=64,
+  workdir.write_config(cfg_of(grpo__filter_groups=True, grpo__loss_norm_len=64,
                               grpo__loss_agg="seq-mean-token-sum-norm"))
   (tmp_path / "checkpoints" / "3").mkdir(parents=True)
   with pytest.raises(ConfigError, match=r"other values: grpo.filter_groups True -> False; "
@@ -261,7 +262,7 @@ def test_a_resumed_run_that_would_learn_otherwise_stops_and_its_configs_are_kept
     return runtime.prepare(config_lib.run_spec(cfg_of(**values)))
 
   first = cfg_of()
-  runtime.write_config(first)
+  workdir.write_config(first)
   prepare(optim__lr=1e-4)  # no checkpoint yet: a fresh run, whatever config.json says
   (tmp_path / "checkpoints" / "3").mkdir(parents=True)
   (tmp_path / "checkpoints" / "4.orbax-checkpoint-tmp-1").mkdir()  # a save cut short
@@ -290,16 +291,16 @@ def test_a_resumed_run_that_would_learn_otherwise_stops_and_its_configs_are_kept
   prepare(tlt__enabled=False)  # lossless: the same run goes on, said (test_train: the drafter)
   assert "resuming with TLT switched off" in capsys.readouterr().err
   # config.json is the latest run's; the one it resumed from kept as config.<step>.json
-  runtime.write_config(first)
+  workdir.write_config(first)
   assert sorted(p.name for p in tmp_path.glob("config*.json")) == ["config.json"]
   changed = cfg_of(optim__lr=1e-4, train__resume_with_changes=True)
-  runtime.write_config(changed)
+  workdir.write_config(changed)
   assert json.loads((tmp_path / "config.3.json").read_text())["optim"]["lr"] == 5e-05
   assert json.loads((tmp_path / "config.json").read_text())["optim"]["lr"] == 1e-4
   (tmp_path / "config.json").write_text('{"seed": ')  # cut short: not compared, said
   prepare(optim__lr=2e-4)
   assert "config.json is unreadable" in capsys.readouterr().err
-  runtime.write_config(first)  # resumed at step 3 again: the earlier ones stay
+  workdir.write_config(first)  # resumed at step 3 again: the earlier ones stay
   assert (tmp_path / "config.3-1.json").read_text() == '{"seed": '
   assert json.loads((tmp_path / "config.3.json").read_text())["optim"]["lr"] == 5e-05
 
@@ -308,7 +309,6 @@ def test_config_json_names_its_inputs_wherever_the_run_is_resumed_from(tmp_path,
   """config.json holds the input paths absolute (export and a resume read it from any working
   directory), a reward function's file too; a resume given the same file by another relative
   path is no change, another file by the same relative path is one."""
-  from tlt_jax import runtime
   (tmp_path / "data").mkdir()
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
   cfg.workdir = str(tmp_path / "run")
@@ -317,7 +317,7 @@ def test_config_json_names_its_inputs_wherever_the_run_is_resumed_from(tmp_path,
   cfg.reward.name = "data/score.py:score"
   os.makedirs(cfg.workdir)
   monkeypatch.chdir(tmp_path)
-  runtime.write_config(cfg)
+  workdir.write_config(cfg)
   saved = json.loads((tmp_path / "run" / "config.json").read_text())
   assert saved["data"]["train_path"] == str(tmp_path / "data" / "train.jsonl")
   assert saved["reward"]["name"] == f"{tmp_path / 'data' / 'score.py'}:score"
@@ -326,9 +326,9 @@ def test_config_json_names_its_inputs_wherever_the_run_is_resumed_from(tmp_path,
   (tmp_path / "run" / "checkpoints" / "1").mkdir(parents=True)
   monkeypatch.chdir(tmp_path / "data")
   cfg.data.train_path, cfg.reward.name = "train.jsonl", "score.py:score"
-  assert runtime.config_changes(cfg) == []
+  assert workdir.config_changes(cfg) == []
   cfg.data.train_path, cfg.reward.name = "data/train.jsonl", "data/score.py:score"
-  assert runtime.config_changes(cfg) == [
+  assert workdir.config_changes(cfg) == [
       ("data.train_path", str(tmp_path / "data" / "train.jsonl"), "data/train.jsonl"),
       ("reward.name", f"{tmp_path / 'data' / 'score.py'}:score", "data/score.py:score")]
 

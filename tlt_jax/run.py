@@ -343,7 +343,7 @@ def restore(run: Run, state: TrainState) -> TrainState:
   workers' weights follow it."""
   if run.ckpt.latest_step() is None:
     return state
-  try:  # (the drafter: a run may switch TLT on or off between restarts, runtime.check_resume)
+  try:  # (the drafter: a run may switch TLT on or off between restarts, workdir.check_resume)
     saved = run.ckpt.restore(_checkpoint_tree(run, state), optional=("drafter",))
   except CheckpointError as e:
     raise ConfigError(f"--workdir {run.cfg.workdir}: {e}") from None  # e says the fix

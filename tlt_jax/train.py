@@ -51,7 +51,7 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from tlt_jax import config as config_lib
-from tlt_jax import checkpoint, device_memory, distributed, optim, runtime
+from tlt_jax import checkpoint, device_memory, distributed, optim, runtime, workdir
 from tlt_jax import export as policy_export
 from tlt_jax.coordinator import Worker
 from tlt_jax.coordinator.coordinator import merge_spot_metrics
@@ -294,7 +294,7 @@ def train(run: Run, state: TrainState, *, progress: bool = True
   start = state.step
   primary = distributed.is_primary()  # process 0 writes metrics and shows progress
   if primary:
-    runtime.write_config(cfg)  # (once the checkpoint restored: config.json is what ran)
+    workdir.write_config(cfg)  # (once the checkpoint restored: config.json is what ran)
   if start >= cfg.train.steps and primary:
     print(f"{cfg.workdir} already holds a finished run ({start} of {cfg.train.steps} steps); "
           "raise --config.train.steps to continue it or pass a new --workdir", file=sys.stderr)
@@ -370,13 +370,13 @@ def train(run: Run, state: TrainState, *, progress: bool = True
       if e.history is not None:
         e.history.close()
   if halted is not None:
-    saved = runtime.saved_step(cfg.workdir)
+    saved = workdir.saved_step(cfg.workdir)
     resume = getattr(halted, "resume", "the same command, changed so, resumes from it")
     raise type(halted)(f"{halted}; " + (
         f"step {saved}'s checkpoint is on disk: {resume}" if saved else "no checkpoint yet")
     ) from halted.__cause__
   if interrupted:
-    saved = runtime.saved_step(cfg.workdir)
+    saved = workdir.saved_step(cfg.workdir)
     raise KeyboardInterrupt(f"during step {interrupted}; " + (
         f"the same command resumes from the newest checkpoint, step {saved}" if saved else
         "no checkpoint yet: the same command starts again"))
