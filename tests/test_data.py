@@ -205,6 +205,31 @@ def test_resume_with_different_data_is_one_clear_error(tmp_path):
     more.resume(c.saved(Position(1, 3)))
 
 
+@pytest.mark.parametrize("edit", ["prompt", "answer", "order"])
+def test_resume_over_as_many_prompts_but_not_the_same_is_one_clear_error(tmp_path, edit):
+  """The data file edited or rebuilt with as many usable prompts: a position would name other
+  prompts, so the resume stops (the file unchanged, it resumes)."""
+  rows = [{"prompt": "x" * (1 + i % 5), "answer": i} for i in range(10)]
+  path = write_jsonl(tmp_path / "a.jsonl", [json.dumps(r) for r in rows])
+  stream = lambda p: PromptStream(load_prompt_rows(p)[0], CharTokenizer(),  # noqa: E731
+                                  max_prompt_len=5)
+  saved = stream(path).saved(Position(1, 3))
+  assert stream(path).resume(saved) == Position(1, 3)
+  if edit == "prompt":
+    rows[4]["prompt"] = "y" * 5
+  elif edit == "answer":
+    rows[4]["answer"] = 40
+  else:
+    rows[3], rows[4] = rows[4], rows[3]
+  other = write_jsonl(tmp_path / "b.jsonl", [json.dumps(r) for r in rows])
+  with pytest.raises(DataError) as e:
+    stream(other).resume(saved)
+  assert str(e.value) == (
+      "the checkpoint's data position is for other prompts than the configured data's (as "
+      "many, 10, but not the same prompts, answers or order: the data file changed since the "
+      "run checkpointed); resume with the data it trained on, or start a new workdir")
+
+
 # ------------------------------------------------------- chat prompts, stop tokens, sources
 QWEN25_TEMPLATE = (
     "{%- if messages[0]['role'] == 'system' %}"
