@@ -181,6 +181,16 @@ def _rl(out: str) -> list[tuple[str, str, str]]:
     res.append(("RL steps on one device, TLT on / off",
                 "not measured" + (f" (steps done: on {len(runs.get('on', []))}, off "
                                   f"{len(runs.get('off', []))})" if runs else ""), "rl_steps"))
+  for mode in ("on", "off"):
+    mem = next((r["memory"] for r in runs.get(mode, []) if r.get("memory")), None)
+    if mem is None:
+      continue
+    plan = mem.get("plan_gib", {})
+    res.append((f"device memory, the main job's first step, TLT {mode}: peak so far at each "
+                "phase's end (the memory plan's figure)",
+                ", ".join(f"{k} {v:.1f}" + (f" ({plan[k]:.1f})" if k in plan else "")
+                          for k, v in mem["peak_gib"].items())
+                + f" GiB of {mem['limit_gib']:.1f}", "rl_steps"))
   return res
 
 

@@ -68,3 +68,20 @@ def test_the_device_check_allocates_nothing_on_a_cpu():
   """gpu_check's env stage provokes a real failed allocation on a GPU only: on a CPU XLA's
   allocation can succeed lazily or take the machine down."""
   assert device_memory.check_device() == "device memory check: skipped on cpu"
+
+
+def test_the_fullest_devices_peak_is_read_and_set_beside_the_plan(monkeypatch):
+  """peak_bytes: the largest peak of this process's devices (one with no statistics, as a
+  CPU's, skipped); measured: per phase in GiB beside the plan's figure for it."""
+  stats = [None, {"peak_bytes_in_use": 3 << 30, "bytes_limit": 70 << 30},
+           {"peak_bytes_in_use": 5 << 30, "bytes_limit": 70 << 30, "bytes_in_use": 1}]
+  monkeypatch.setattr(jax, "local_devices", lambda: [types.SimpleNamespace(
+      memory_stats=lambda s=s: s) for s in stats])
+  assert device_memory.peak_bytes() == (5 << 30, 70 << 30)
+  peaks = {}
+  with device_memory.phase("rollout", types.SimpleNamespace(memory=_Plan()), 1, peaks):
+    pass
+  assert peaks == {"rollout": 5 << 30, "limit": 70 << 30}
+  assert device_memory.measured(peaks, _Plan()) == {
+      "peak_gib": {"rollout": 5.0}, "limit_gib": 70.0, "plan_gib": {"rollout": 60.0}}
+  assert device_memory.measured({}, _Plan()) is None

@@ -335,3 +335,17 @@ def test_decode_compares_each_untuned_cell_with_its_tuned_twin(monkeypatch):
   rows = [ln for ln in out.getvalue().splitlines() if ln.startswith("| engine")]
   assert rows == ["| engine | 1 | 1.000 / 1.100 | 9.0 / 3.0 |",
                   "| engine spec 4_1_5 | 1 | 2.000 / 2.400 | 15.3 / 5.5 |"], out.getvalue()
+
+
+def test_the_main_jobs_device_memory_beside_the_plan(tmp_path):
+  """The rl_steps stage's first step with memory statistics (a GPU's): a row per mode, each
+  phase's peak so far with the memory plan's figure in brackets; a mode with none, no row."""
+  headline = _script("gpu_headline")
+  step = dict(_STEP, memory={"peak_gib": {"rollout": 61.25, "update": 70.5}, "limit_gib": 79.1,
+                             "plan_gib": {"rollout": 58.0, "update": 66.0}})
+  _metrics(tmp_path, "on", json.dumps(step) + "\n")
+  _metrics(tmp_path, "off", json.dumps(_STEP) + "\n")
+  rows = {f: v for f, v, _ in headline.rows(str(tmp_path))}
+  mem = [f for f in rows if f.startswith("device memory")]
+  assert len(mem) == 1 and "TLT on" in mem[0], rows
+  assert rows[mem[0]] == "rollout 61.2 (58.0), update 70.5 (66.0) GiB of 79.1"

@@ -609,17 +609,27 @@ def test_qwen3_trains_with_chain_and_tree_speculation(tmp_path):
     assert [r.response_ids.tolist() for r in res] == ref, arm
 
 
-def test_tlt_run_on_two_workers_trains_the_drafter_in_idle_windows(tmp_path):
+def test_tlt_run_on_two_workers_trains_the_drafter_in_idle_windows(tmp_path, monkeypatch):
   """TLT on, spot mode, two rollout workers on devices 0 and 1 of the 8-device test mesh:
   metrics, the per-worker timeline, TensorBoard and checkpoints are written; idle worker
-  time is spent training the drafter, and every worker decodes with the merged drafter."""
+  time is spent training the drafter, and every worker decodes with the merged drafter.
+  Where devices keep memory statistics (a GPU's, faked here: the CPU keeps none), each step
+  records each phase's peak so far beside the memory plan's figure for it."""
+  from tlt_jax import device_memory
   # 3 prompts: worker 0 decodes two, worker 1 one (request_id % workers), so one of them idles
   cfg = _small_cfg(tmp_path, 2, **{"train.eval_every": 2, "grpo.num_prompts": 3})
   from tlt_jax.train import train
   run, state = _build_drafter_compiled(cfg)
+  assert device_memory.peak_bytes() is None  # (the CPU's devices)
+  peaks = iter(range(1, 100))
+  monkeypatch.setattr(device_memory, "peak_bytes", lambda: (next(peaks) << 30, 80 << 30))
   _, last = train(run, state, progress=False)
   recs = _records(tmp_path)
   assert [r["step"] for r in recs] == [0, 1, 2]
+  assert recs[1]["memory"] == {  # (evaluation's decode, step 0, is not a training phase)
+      "peak_gib": {"rollout": 1, "logprobs": 2, "update": 3, "spot": 4}, "limit_gib": 80,
+      "plan_gib": {k: cfg.memory.total(k) / (1 << 30)
+                   for k in ("rollout", "logprobs", "update", "spot")}}
   assert "eval" in recs[0] and "eval" in recs[2]
   for key in ("rollout", "reward_wait", "logprobs", "update", "weight_sync", "drafter", "idle"):
     assert key in last["time"], key

@@ -58,9 +58,11 @@ def out_of_memory(name: str, e: BaseException, plan: Any, step: int,
 
 
 @contextlib.contextmanager
-def phase(name: str, run: Any, step: int) -> Iterator[None]:
+def phase(name: str, run: Any, step: int, peaks: dict[str, int] | None = None
+          ) -> Iterator[None]:
   """Runs a phase of `run` (its `memory` plan, its engines' max_batch) at `step`; XLA's
-  RESOURCE_EXHAUSTED inside becomes `out_of_memory`'s error."""
+  RESOURCE_EXHAUSTED inside becomes `out_of_memory`'s error. With `peaks`, the devices' peak
+  bytes in use so far at the phase's end go in as peaks[name] (`peak_bytes`)."""
   try:
     yield
   except DeviceOutOfMemory:
@@ -71,6 +73,35 @@ def phase(name: str, run: Any, step: int) -> Iterator[None]:
     plan = getattr(run, "memory", None)
     raise out_of_memory(name, e, plan, step,
                         plan.max_batch if plan is not None else None) from e
+  if peaks is not None:
+    got = peak_bytes()
+    if got is not None:
+      peaks[name], peaks["limit"] = got
+
+
+def peak_bytes() -> tuple[int, int] | None:
+  """(peak bytes in use since the process started, the allocator's limit) of this process's
+  fullest device; None where the backend keeps no statistics (the CPU). XLA keeps no peak per
+  interval: a phase's figure is the peak so far at its end."""
+  import jax
+  got = [(int(s["peak_bytes_in_use"]), int(s.get("bytes_limit", 0)))
+         for s in (d.memory_stats() for d in jax.local_devices())
+         if s and "peak_bytes_in_use" in s]
+  return max(got) if got else None
+
+
+def measured(peaks: dict[str, int], plan: Any) -> dict[str, Any] | None:
+  """A step's `memory` metrics: each phase's peak so far at its end beside what the memory
+  plan put that phase at, and the allocator's limit, in GiB (process 0's devices); None
+  where nothing was measured."""
+  if not peaks:
+    return None
+  phases = [k for k in peaks if k != "limit"]
+  out: dict[str, Any] = {"peak_gib": {k: peaks[k] / GiB for k in phases},
+                         "limit_gib": peaks["limit"] / GiB}
+  if plan is not None:
+    out["plan_gib"] = {k: plan.total(k) / GiB for k in phases}
+  return out
 
 
 def check_device() -> str:

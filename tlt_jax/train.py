@@ -172,6 +172,7 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   cfg, step = run.cfg, state.step
   seed = _seed_for(cfg.seed, step)
   times: dict[str, float] = {}
+  peaks: dict[str, int] = {}  # each phase's device peak so far at its end (GPUs: memory_stats)
   t_step = time.perf_counter()
 
   # ---- rollout(s) (from the train state's policies, to the next), rewards as responses finish
@@ -182,7 +183,7 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   measure = run.acceptance is not None and (state.gate is None or state.gate.drafter_wanted())
   if measure:
     run.acceptance.prepare(state.learner.params, drafting.params)
-  with device_memory.phase("rollout", run, step + 1):
+  with device_memory.phase("rollout", run, step + 1, peaks):
     ro = rollouts(run, state, pool, seed)
   prompts, responses = ro.prompts, ro.responses
   times["rollout"] = sum(ro.walls)
@@ -194,7 +195,7 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   # ---- learner: old log-probs, then the update (none when every response was dropped)
   t = time.perf_counter()
   batches = batching.minibatches(samples, run.learner, cfg.grpo.minibatches, seed=seed)
-  with device_memory.phase("logprobs", run, step + 1):
+  with device_memory.phase("logprobs", run, step + 1, peaks):
     prepared = grpo.prepare(state.learner, batches, run.learner) if samples else []
     jax.block_until_ready(prepared)
   times["logprobs"] = time.perf_counter() - t
@@ -206,7 +207,7 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
     acceptance = run.acceptance(state.learner.params, drafting.params, responses, seed=seed)
     times["acceptance"] = time.perf_counter() - t
   t = time.perf_counter()
-  with device_memory.phase("update", run, step + 1):
+  with device_memory.phase("update", run, step + 1, peaks):
     learner, upd = grpo.update(state.learner, prepared, run.learner)
   times["update"] = time.perf_counter() - t
   if cfg.reward.overlong_buffer:
@@ -216,7 +217,7 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
 
   # ---- the drafter settled (merged, on every worker: with one process it settles while the
   # learner runs), then the new weights to the workers; the serial drafter ablation
-  with device_memory.phase("spot", run, step + 1):
+  with device_memory.phase("spot", run, step + 1, peaks):
     drafter = merge_spot_metrics([settle() for settle in ro.settles])
   spot, timeline_json = concat_rollouts(ro.timelines)
   chunks, reward_stats = ro.chunks, pool.stats
@@ -241,6 +242,8 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
                           "trained_groups": len(groups)}
   if acceptance is not None:
     m["drafter_acceptance"] = acceptance
+  if peaks:
+    m["memory"] = device_memory.measured(peaks, run.memory)
   times["total"] = time.perf_counter() - t_step
   times["compile"] = run.compile_clock.lap()
   m["time"] = times
