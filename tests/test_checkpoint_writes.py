@@ -115,3 +115,32 @@ def test_the_reason_is_the_operating_systems_where_orbax_names_one():
   assert str(writes.failed(None, "/x", other)) == (
       "a checkpoint could not be written to /x (RuntimeError: PERMISSION_DENIED: cannot open; "
       "its unfinished files are removed)")
+
+
+def test_only_the_reports_of_a_failed_write_are_dropped(tmp_path):
+  """While a Checkpointer writes: asyncio's / absl's records naming its unfinished steps and
+  the unraisable "Event loop is closed" (every other array's write after the first failure,
+  on a full disk: ~60 in the default run) are dropped; anything else still reaches the
+  handlers and the previous unraisable hook, which is back after."""
+  import logging
+  import types
+  d, seen = str(tmp_path / "ckpt"), []
+  previous, mine = sys.unraisablehook, lambda u: seen.append(u.exc_value)
+  sys.unraisablehook = mine
+  try:
+    quiet = writes.QuietFailedWrites(d).__enter__()
+    for e in (RuntimeError("Event loop is closed"), ValueError(f"{d}/5{TMP_SUFFIX}/x: full"),
+              RuntimeError("a user's own error"), ValueError(f"{d}/5/x: not a tmp dir")):
+      sys.unraisablehook(types.SimpleNamespace(exc_value=e))
+    record = lambda msg, exc=None: logging.LogRecord(  # noqa: E731
+        "asyncio", logging.ERROR, __file__, 1, msg, None, (type(exc), exc, None) if exc else None)
+    assert not quiet.filter(record(f"Error writing {d}/5{TMP_SUFFIX}/ocdbt"))
+    assert not quiet.filter(record("Task exception was never retrieved",
+                                   ValueError(f"at {d}/5{TMP_SUFFIX}/d/1: No space left")))
+    assert quiet.filter(record("Task exception was never retrieved", ValueError("elsewhere")))
+    assert quiet.filter(record(f"saved {d}/5"))
+    quiet.__exit__()
+    assert [str(e) for e in seen] == ["a user's own error", f"{d}/5/x: not a tmp dir"]
+    assert sys.unraisablehook is mine
+  finally:
+    sys.unraisablehook = previous

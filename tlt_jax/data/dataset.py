@@ -142,6 +142,6 @@ def _digest(prompts: Sequence[Prompt]) -> str:
   and answer, in file order (~0.03 s per million prompt tokens on this CPU)."""
   h = hashlib.blake2b(digest_size=8)
   for p in prompts:
-    h.update(np.asarray(p.ids, np.int64).tobytes())
+    h.update(np.asarray([len(p.ids), *p.ids], np.int64).tobytes())
     h.update(b"\0" + str(p.row.answer).encode() + b"\1")
   return h.hexdigest()
