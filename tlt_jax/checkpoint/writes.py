@@ -65,12 +65,15 @@ def check_room(directory: str, step: int, latest: int) -> None:
   if "://" in directory:
     return
   need = step_bytes(os.path.join(directory, str(latest)))
-  mine = np.array([free_bytes(directory)], np.int64)
+  free = free_bytes(directory)
   if jax.process_count() > 1:  # every process refuses together, or none does
     from jax.experimental import multihost_utils
-    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1)
+    # (as MiB and the bytes past them: JAX without x64 would cut an int64 to 32 bits)
+    parts = np.array([free >> 20, free & (_MiB - 1)], np.int32)
+    got = np.asarray(multihost_utils.process_allgather(parts)).reshape(-1, 2).astype(np.int64)
+    every = [int(hi) * _MiB + int(lo) for hi, lo in got]
   else:
-    every = mine
+    every = [free]
   for p, free in enumerate(every):
     if free < need:
       who = f" (as process {p} sees it)" if len(every) > 1 else ""
