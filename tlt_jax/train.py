@@ -354,10 +354,9 @@ def train(run: Run, state: TrainState, *, progress: bool = True
   except (device_memory.DeviceOutOfMemory, optim.NonFiniteUpdates, checkpoint.SaveFailed) as e:
     halted = e
   except OSError as e:  # the workdir's disk full under a metrics line or an export
-    if not checkpoint.writes.no_room(e):
+    halted = checkpoint.writes.out_of_room(e, cfg.workdir)
+    if halted is None:
       raise
-    halted = checkpoint.SaveFailed(f"{e.filename or cfg.workdir}: {e.strerror}: free space "
-                                   "there, or write the run to a disk with room (--workdir)")
   finally:
     if bar is not None:
       bar.close()

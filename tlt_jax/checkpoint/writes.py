@@ -110,9 +110,14 @@ def remove_unfinished(path: epath.Path, step: int | None) -> list[str]:
   return gone
 
 
-def no_room(error: BaseException) -> bool:
-  """Whether `error` is the operating system's "no space left on device" (or "quota exceeded")."""
-  return isinstance(error, OSError) and error.errno in _NO_ROOM
+def out_of_room(error: BaseException, workdir: str) -> SaveFailed | None:
+  """The one line of the operating system's "no space left on device" (or "quota exceeded")
+  from a run's own write into `workdir` (a metrics line, an export); None for any other
+  error."""
+  if not (isinstance(error, OSError) and error.errno in _NO_ROOM):
+    return None
+  return SaveFailed(f"{error.filename or workdir}: {error.strerror}: free space there, or "
+                    "write the run to a disk with room (--workdir)")
 
 
 class QuietFailedWrites(logging.Filter):
