@@ -74,6 +74,8 @@ def get_config():
 
   c.data = ml_collections.ConfigDict()
   c.data.train_path = asset_path("default", "data", "train.jsonl")
+  # held out: one file, or several comma-separated (each one's accuracy reported apart, e.g.
+  # --config.data.test_path=/data/aime24.jsonl,/data/math500.jsonl)
   c.data.test_path = asset_path("default", "data", "test.jsonl")
   # field names, or dotted paths into nested fields (verl's files: prompt_key="prompt",
   # answer_key="reward_model.ground_truth", source_key="data_source"; configs/verl_math.py)
@@ -281,7 +283,7 @@ def get_config():
   # CPU it would compile a second set of executables and not be faster); `python -m
   # tlt_jax.eval` decodes plainly whatever this says
   c.eval.speculate = False
-  c.eval.num_prompts = 0  # 0 = the whole test split
+  c.eval.num_prompts = 0  # each test file's first N prompts (0: all of them)
   c.eval.batch_size = 64
   # responses per prompt and their sampling: temperature 0 is greedy (n 1); n > 1 sampled
   # reports accuracy as avg@n and the unbiased pass@k (reasoning papers: n 16-32 at 0.6-1.0)

@@ -8,7 +8,7 @@ configs/llama3_3_70b_math.py` prints the per-GPU plan.
     python -m tlt_jax.train --config configs/llama3_3_70b_math.py --workdir /runs/l70b \\
       --config.model.path=/ckpt/Llama-3.3-70B-Instruct \\
       --config.data.train_path=/data/dapo_math_17k.parquet \\
-      --config.data.test_path=/data/aime24.jsonl
+      --config.data.test_path=/data/aime24.jsonl,/data/math500.jsonl
 """
 
 import os

@@ -7,7 +7,7 @@ AdamW: ~12 GB per GPU) and eight 4-way tensor-parallel rollout replicas, each in
     python -m tlt_jax.train --config configs/qwen2_5_32b_math.py --workdir /runs/q32b \\
       --config.model.path=/ckpt/Qwen2.5-32B-Instruct \\
       --config.data.train_path=/data/dapo_math_17k.parquet \\
-      --config.data.test_path=/data/aime24.jsonl
+      --config.data.test_path=/data/aime24.jsonl,/data/math500.jsonl
 
 (docs/scale.md "Multi-host"; scripts/slurm/ has an sbatch example.)
 """

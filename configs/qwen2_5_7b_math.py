@@ -7,7 +7,7 @@ Nothing is downloaded: give local paths on the command line, e.g. on one 8-GPU h
   python -m tlt_jax.train --config configs/qwen2_5_7b_math.py --workdir /runs/q7b \\
       --config.model.path=/ckpt/Qwen2.5-7B-Instruct \\
       --config.data.train_path=/data/dapo_math_17k.parquet \\
-      --config.data.test_path=/data/aime24.jsonl \\
+      --config.data.test_path=/data/aime24.jsonl,/data/math500.jsonl \\
       --config.data.prompt_key=prompt --config.data.answer_key=answer \\
       --config.tlt.drafter.init=/ckpt/q7b_drafter   # from scripts/train_drafter.py; or init:0
 

@@ -11,7 +11,7 @@ Nothing is downloaded: give local paths on the command line, e.g. on one 8-GPU h
   python -m tlt_jax.train --config configs/qwen3_8b_math.py --workdir /runs/q3_8b \\
       --config.model.path=/ckpt/Qwen3-8B \\
       --config.data.train_path=/data/dapo_math_17k.parquet \\
-      --config.data.test_path=/data/aime24.jsonl
+      --config.data.test_path=/data/aime24.jsonl,/data/math500.jsonl
 
 `scripts/plan_memory.py --config configs/qwen3_8b_math.py` prints the per-GPU memory plan
 (without the checkpoint: model.architecture names the shipped Qwen3-8B shape).

@@ -172,9 +172,12 @@ def test_paths_that_cannot_serve_the_run_are_config_errors(tmp_path):
   no workdir, one that passes them all gets its workdir made."""
   from tlt_jax import runtime
 
-  def prepare(workdir, training=False, mesh_data=None, train_path=None, drafter=None):
+  def prepare(workdir, training=False, mesh_data=None, train_path=None, drafter=None,
+              test_path=None):
     cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
     cfg.workdir = str(workdir)
+    if test_path:
+      cfg.data.test_path = test_path
     if mesh_data:
       cfg.mesh.data = mesh_data
     if train_path:
@@ -186,6 +189,11 @@ def test_paths_that_cannot_serve_the_run_are_config_errors(tmp_path):
   run = tmp_path / "run"
   with pytest.raises(ConfigError, match=r"^config.data.train_path='.*': is a directory; point"):
     prepare(run, train_path=tmp_path)
+  # several held-out files: the one that is missing named
+  test = config_lib.asset_path("default", "data", "test.jsonl")
+  with pytest.raises(ConfigError, match=r"^config.data.test_path='.*/aime24.jsonl': does not "
+                     r"exist; point it at a local JSONL or Parquet file \(several: comma"):
+    prepare(run, test_path=f"{test},{tmp_path}/aime24.jsonl")
   # the drafter's directory before the model is loaded; its form before anything is read
   with pytest.raises(ConfigError, match=r"^config.tlt.drafter.init='.*nowhere': is not a "
                      r"directory; point"):

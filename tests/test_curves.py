@@ -28,8 +28,11 @@ def _records(n=12, resumed_at=None, seed=0):
   for s in range(1, n + 1):
     r = {"step": s, "reward": float(rng.rand()), "response_length": {"mean": 30.0 + s},
          "time": {"total": 5.0 + s % 3, "rollout": 2.0}}
-    if s % 5 == 0:
-      r["eval"] = {"accuracy": 0.4 + 0.01 * s}
+    if s % 5 == 0:  # two held-out files; the second not yet listed at step 5
+      r["eval"] = {"accuracy": 0.4 + 0.01 * s,
+                   "accuracy_by_source": {"aime": 0.1 * s, "math": 0.05 * s}}
+      if s == 5:
+        del r["eval"]["accuracy_by_source"]["math"]
     recs.append(r)
   if resumed_at is not None:  # a resumed run: no time for the step it restarted at
     del recs[resumed_at]["time"]
@@ -50,6 +53,10 @@ def test_each_panel_holds_the_records_values():
   np.testing.assert_allclose(got["length"]["mean"][1][-1], np.mean(lengths[-3:]))
   assert got["accuracy"]["eval"][0].tolist() == [0, 5, 10]
   np.testing.assert_allclose(got["accuracy"]["eval"][1], [0.4, 0.45, 0.5])
+  assert list(got["accuracy"]) == ["eval", "source aime", "source math"]  # each file's curve
+  assert got["accuracy"]["source aime"][0].tolist() == [5, 10]
+  np.testing.assert_allclose(got["accuracy"]["source aime"][1], [0.5, 1.0])
+  assert got["accuracy"]["source math"][0].tolist() == [10]  # where the records have it
   assert 4 not in got["seconds"]["total"][0].tolist()  # the step without a time is left out
   assert len(got["seconds"]["total"][0]) == 11 and set(got["seconds"]["rollout"][1]) == {2.0}
   assert series([{"step": 0, "eval": {"accuracy": 0.5}}]).keys() == {"accuracy"}

@@ -10,7 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tlt_jax.data.dataset import Position, PromptStream
-from tlt_jax.data.prompts import DataError, load_prompt_rows
+from tlt_jax.data.prompts import (DataError, load_eval_rows, load_prompt_rows, source_names,
+                                  split_paths)
 
 
 class CharTokenizer:
@@ -109,6 +110,33 @@ def test_missing_file_and_empty_data(tmp_path):
   with pytest.raises(DataError, match=r"no usable rows .*first: line 1: missing or empty "
                      r"'prompt' \(set config\.data\.prompt_key"):
     load_prompt_rows(path)
+
+
+def test_held_out_files_one_or_several(tmp_path):
+  """config.data.test_path: a path, several comma-separated or a list; each file's rows named by
+  its file (with the folders that tell two apart) unless a row has its own source; each
+  file's first num_prompts rows; a file named twice refused."""
+  assert split_paths("a.jsonl") == ["a.jsonl"] and split_paths("") == []
+  assert split_paths(" a.jsonl, b.parquet ,") == ["a.jsonl", "b.parquet"]
+  assert split_paths(("a.jsonl", "b.jsonl")) == ["a.jsonl", "b.jsonl"]
+  assert source_names(["/d/aime24.jsonl", "/e/math500.parquet"]) == ["aime24", "math500"]
+  assert source_names(["/d/x/test.parquet", "/d/y/test.parquet", "/d/y/t.jsonl"]) == [
+      "x/test", "y/test", "y/t"]
+  assert source_names(["/d/a/x/test.jsonl", "/d/b/x/test.jsonl"]) == ["a/x/test", "b/x/test"]
+  with pytest.raises(DataError, match="names '/d/a.jsonl' twice"):
+    source_names(["/d/a.jsonl", "/d/b.jsonl", "/d/../d/a.jsonl"])
+  (tmp_path / "x").mkdir()
+  a = write_jsonl(tmp_path / "x" / "aime.jsonl", [json.dumps({"q": f"a{i}", "a": i})
+                                                  for i in range(5)])
+  b = write_jsonl(tmp_path / "math.jsonl", GOOD)  # GOOD rows carry sources s0 / s1
+  rows = load_eval_rows([a, b], num_prompts=3, prompt_key="q", answer_key="a")
+  assert [(r.prompt, r.source) for r in rows] == [
+      ("a0", "aime"), ("a1", "aime"), ("a2", "aime"), ("p0", "math"), ("p1", "math"),
+      ("p2", "math")]
+  rows = load_eval_rows([a, b], prompt_key="q", answer_key="a", source_key="src")
+  assert [r.source for r in rows] == ["aime"] * 5 + ["s0", "s1"] * 3  # a row's own wins
+  rows = load_eval_rows([b], prompt_key="q", answer_key="a")  # one file: no source
+  assert len(rows) == 6 and {r.source for r in rows} == {None}
 
 
 def _stream(tmp_path, n=10, max_len=3, seed=0):

@@ -60,7 +60,12 @@ def test_eval_accuracy_matches_transformers_greedy(tmp_path):
   # the reward hangs on a response no other prompt's equals, and one it would score 1
   hang = next(i for i, t in enumerate(texts) if texts.count(t) == 1 and scores[i] == 1.0)
   (tmp_path / "talky_reward.py").write_text(f"HANG = {texts[hang]!r}\n" + REWARD)
-  p = _run(["tlt_jax.eval", "--config", "configs/default.py", f"--config.eval.num_prompts={n}",
+  # the prompts as two test files, 10 and 14 rows (two benchmarks: each one's accuracy apart)
+  files = [tmp_path / "first.jsonl", tmp_path / "second.jsonl"]
+  for f, part in zip(files, (rows[:10], rows[10:])):
+    f.write_text("".join(json.dumps(r) + "\n" for r in part))
+  p = _run(["tlt_jax.eval", "--config", "configs/default.py",
+            f"--config.data.test_path={files[0]},{files[1]}",
             f"--config.workdir={tmp_path}", f"--config.reward.name={tmp_path}/talky_reward.py:fn",
             "--config.reward.timeout=2"])
   assert p.returncode == 0, p.stderr
@@ -70,6 +75,11 @@ def test_eval_accuracy_matches_transformers_greedy(tmp_path):
   assert metrics["num_prompts"] == n
   assert metrics["accuracy"] == pytest.approx(float(np.mean(scores)))
   assert 0.0 < metrics["accuracy"] < 1.0
+  assert metrics["prompts_by_source"] == {"first": 10, "second": 14}
+  assert list(metrics["accuracy_by_source"]) == ["first", "second"]
+  assert metrics["accuracy_by_source"] == pytest.approx(
+      {"first": float(np.mean(scores[:10])), "second": float(np.mean(scores[10:]))})
+  assert f"  second: accuracy {np.mean(scores[10:]):.3f} on 14 prompts" in p.stdout
 
 
 def test_pass_at_k_is_the_share_of_k_subsets_with_a_correct_sample():
@@ -150,6 +160,48 @@ def test_sampled_evaluation_scores_every_sample_of_every_prompt():
   assert m["pass_at"] == {str(k): pytest.approx(np.mean([pass_at_k(4, c, k) for c in correct]))
                           for k in (1, 2, 4)}
   assert m["pass_at"]["4"] == pytest.approx(2 / 3) and m["pass_at"]["1"] == m["accuracy"]
+
+
+def test_each_source_is_scored_apart():
+  """Rows of two sources and one without (scripted responses, the arith verifier): by_source
+  holds each one's avg@n, prompts and pass@k from its own prompts' correct counts (counted
+  here), in the rows' order, "unknown" for the row without; one source alone: no breakdown."""
+  from tlt_jax.data.prompts import PromptRow
+  from tlt_jax.eval import evaluate, pass_at_k
+  from tlt_jax.rl.reward_pool import RewardPool
+  from tlt_jax.rollout.sampling import SamplingParams
+  rows = [PromptRow(0, "q0", "7", source="aime"), PromptRow(1, "q1", "11", source="math"),
+          PromptRow(2, "q2", "3", source="aime"), PromptRow(3, "q3", "5")]
+  answers = [[7, 7, 1, 7], [0, 0, 0, 11], [3, 5, 5, 5], [5, 5, 5, 5]]  # 3, 1, 1, 4 of 4
+  with RewardPool("arith", num_workers=1) as pool:
+    m = evaluate(_Scripted(answers), _Chars(), rows, pool, progress=False, n=4,
+                 sampling=SamplingParams(temperature=1.0))
+    one = evaluate(_Scripted(answers[:3:2]), _Chars(), rows[:3:2], pool, progress=False, n=4,
+                   sampling=SamplingParams(temperature=1.0))
+  assert m["accuracy"] == pytest.approx(9 / 16)
+  want = {"aime": [3, 1], "math": [1], "unknown": [4]}
+  assert list(m["accuracy_by_source"]) == list(want)
+  assert m["prompts_by_source"] == {name: len(c) for name, c in want.items()}
+  assert m["accuracy_by_source"] == pytest.approx(
+      {name: sum(c) / (4 * len(c)) for name, c in want.items()})
+  for name, correct in want.items():
+    assert m["pass_at_by_source"][name] == pytest.approx(
+        {str(k): np.mean([pass_at_k(4, c, k) for c in correct]) for k in (1, 2, 4)})
+  assert one["accuracy"] == pytest.approx(4 / 8)
+  assert not {"accuracy_by_source", "prompts_by_source", "pass_at_by_source"} & set(one)
+
+
+def test_held_out_leaves_out_the_prompts_a_rollout_cannot_take():
+  """held_out keeps the rows of 1..max_prompt_len tokens in order and counts the rest (longer,
+  or encoding to no token, as training's stream); none left is one DataError naming the key."""
+  from tlt_jax.data.prompts import DataError, PromptRow
+  from tlt_jax.eval import held_out
+  rows = [PromptRow(i, p, "1") for i, p in enumerate(["abcd", "abcdef", "", "ab", "abcde"])]
+  kept, left_out = held_out(rows, _Chars(), max_prompt_len=5)
+  assert [r.prompt for r in kept] == ["abcd", "ab", "abcde"] and left_out == 2
+  with pytest.raises(DataError, match=r"none of its 2 prompts fits \(1 longer than "
+                                      r"config.data.max_prompt_len=3 tokens, 1 of no token\)"):
+    held_out(rows[1:3], _Chars(), max_prompt_len=3)
 
 
 def test_pass_at_k_counts_only_full_rewards_as_correct(tmp_path):

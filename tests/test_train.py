@@ -19,10 +19,14 @@ from user_env import user_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# A few-second step on the shipped default model: 4 prompts x 4 samples.
+# A few-second step on the shipped default model: 4 prompts x 4 samples; held out, the first 8
+# prompts of two test files (the default task's and the long-tail variant's: two sources; one
+# of the latter's longer than max_prompt_len, left out)
+TEST_FILES = [config_lib.asset_path(name, "data", "test.jsonl") for name in ("default", "longtail")]
 SMALL = ["--config.grpo.num_prompts=4", "--config.grpo.n=4", "--config.grpo.micro_batch=16",
          "--config.grpo.minibatches=1", "--config.rollout.max_batch=16",
-         "--config.rollout.max_new_tokens=96", "--config.eval.num_prompts=16",
+         "--config.rollout.max_new_tokens=96", "--config.eval.num_prompts=8",
+         f"--config.data.test_path={','.join(TEST_FILES)}",
          "--config.train.eval_every=2", "--config.train.checkpoint_every=1",
          "--config.reward.num_workers=1"]
 
@@ -91,6 +95,22 @@ def test_sigkill_during_training_resumes_exactly(tmp_path, reference):
   run_dir = tmp_path / "run"
   _assert_stderr_as_the_readme_says(ref_stderr)
   assert "curves.png beside it" in ref_stderr and (ref_dir / "curves.png").stat().st_size > 0
+  # two test files: each one's accuracy apart, in the records and the lines; the whole the
+  # mean over both files' prompts; a prompt too long left out (said), not a crash
+  assert ("; 15 held-out prompts (default/data/test 8, longtail/data/test 7, 1 left out, "
+          "longer than max_prompt_len or of no token)") in next(
+      line for line in ref_stderr.splitlines() if line.startswith("data:"))
+  evals = [r["eval"] for r in _records(ref_dir) if "eval" in r]
+  assert len(evals) == 3  # steps 0, 2, 4
+  for ev in evals:
+    assert ev["prompts_by_source"] == {"default/data/test": 8, "longtail/data/test": 7}
+    assert list(ev["accuracy_by_source"]) == ["default/data/test", "longtail/data/test"]
+    a, b = ev["accuracy_by_source"].values()
+    assert ev["accuracy"] == pytest.approx((8 * a + 7 * b) / 15)
+  a, b = evals[0]["accuracy_by_source"].values()
+  assert (f"step 0: held-out accuracy {evals[0]['accuracy']:.3f} "
+          f"(default/data/test {a:.3f}, longtail/data/test {b:.3f})") in ref_stderr
+  assert f"longtail/data/test {b:.3f} -> " in ref_stderr.split("done: 4 steps")[1]
 
   proc = subprocess.Popen(_cmd(run_dir, 4, "--config.tlt.enabled=False"), cwd=ROOT,
                           env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

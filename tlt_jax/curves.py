@@ -14,10 +14,12 @@ import numpy as np
 # panel -> (title, y label)
 PANELS = {
     "reward": ("training reward (thin: per step; bold: rolling mean)", "mean reward"),
-    "accuracy": ("held-out greedy accuracy", "accuracy"),
+    "accuracy": ("held-out accuracy (dashed: each source, where several)", "accuracy"),
     "length": ("response length (rolling mean)", "tokens"),
     "seconds": ("seconds per RL step (dashed: rollout)", "s"),
 }
+
+MARKERS = "s^vDxP*"  # a held-out source's curve, after the run's overall accuracy ("o")
 
 
 def rolling_mean(y: Sequence[float], size: int) -> np.ndarray:
@@ -53,6 +55,11 @@ def series(records: Sequence[dict[str, Any]], smooth: int = 5
   x, y = pick(lambda r: r["eval"]["accuracy"])
   if len(x):
     out["accuracy"] = {"eval": (x, y)}
+    names = dict.fromkeys(name for r in records
+                          for name in r.get("eval", {}).get("accuracy_by_source", {}))
+    for name in names:  # each held-out source's (several test files): "source <name>"
+      out["accuracy"][f"source {name}"] = pick(
+          lambda r, name=name: r["eval"]["accuracy_by_source"][name])
   x, y = pick(lambda r: r["response_length"]["mean"])
   if len(x):
     out["length"] = {"mean": (x, rolling_mean(y, smooth))}
@@ -83,6 +90,10 @@ def plot_runs(runs: dict[str, Sequence[dict[str, Any]]], path: str, smooth: int 
         ax.plot(*curves["mean"], color=color, lw=2, label=label)
       elif name == "accuracy":
         ax.plot(*curves["eval"], color=color, marker="o", label=label)
+        sources = [k for k in curves if k.startswith("source ")]
+        for j, key in enumerate(sources):  # thinner, a marker each: one color per run
+          ax.plot(*curves[key], color=color, lw=0.8, ls="--", marker=MARKERS[j % len(MARKERS)],
+                  ms=4, label=f"{label}: {key[len('source '):]}")
       elif name == "length":
         ax.plot(*curves["mean"], color=color, lw=2, label=label)
       else:

@@ -5,10 +5,12 @@ sampled (avg@n and pass@k, as reasoning-RL papers report AIME's).
   python -m tlt_jax.eval --config configs/default.py --config.eval.n=16 \
       --config.eval.temperature=1.0
 
-Prints accuracy (overall and by `num_terms` when rows carry it; with eval.n samples a
-prompt, the mean over every sample: avg@n, and the unbiased pass@k), response-length quantiles
-and decode throughput; writes them to <workdir>/eval.json. `evaluate` is reused by the RL
-loop for its periodic held-out evaluation.
+Prints accuracy (overall, per source where the rows have several: each file of a
+comma-separated data.test_path, or data.source_key's field; by `num_terms` when rows carry it;
+with eval.n samples a prompt, the mean over every sample: avg@n, and the unbiased pass@k),
+response-length quantiles and decode throughput; writes them to <workdir>/eval.json.
+`evaluate` is reused by the RL loop for its periodic held-out evaluation; `held_out` leaves
+out the prompts a rollout cannot take, as training's stream does.
 """
 
 from __future__ import annotations
@@ -22,12 +24,16 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from tlt_jax.data.dataset import encode_prompt
-from tlt_jax.data.prompts import PromptRow
+from tlt_jax.data.dataset import encode_prompt, encode_rows
+from tlt_jax.data.prompts import DataError, PromptRow
 from tlt_jax.rl.reward_pool import RewardPool
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.records import EngineHooks, Request
 from tlt_jax.rollout.sampling import SamplingParams
+
+
+# by_source's name for rows without one among rows with (verl's default data_source)
+UNKNOWN_SOURCE = "unknown"
 
 
 def length_stats(lengths: Sequence[int]) -> dict[str, float]:
@@ -47,6 +53,45 @@ def pass_at_k(n: int, c: int, k: int) -> float:
   return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
+def pass_at(scores: np.ndarray) -> dict[str, float]:
+  """pass@k for k = 1, 2, 4, ... and n, averaged over prompts, from their rewards [prompts, n]
+  (a response is correct where its reward is >= 1)."""
+  n = scores.shape[1]
+  correct = (scores >= 1.0).sum(axis=1)
+  ks = sorted({2 ** i for i in range(n.bit_length()) if 2 ** i < n} | {n})
+  return {str(k): float(np.mean([pass_at_k(n, int(c), k) for c in correct])) for k in ks}
+
+
+def held_out(rows: Sequence[PromptRow], tokenizer, *, max_prompt_len: int,
+             chat_template: bool = False, system_prompt: str = ""
+             ) -> tuple[list[PromptRow], int]:
+  """The held-out rows a rollout can take and how many were left out, as training's stream
+  leaves them (`encode_rows`: longer than max_prompt_len tokens, or encoding to no token);
+  none left is a DataError naming the fix."""
+  prompts, long, empty = encode_rows(rows, tokenizer, max_prompt_len=max_prompt_len,
+                                     chat_template=chat_template, system_prompt=system_prompt)
+  if not prompts:
+    raise DataError(f"config.data.test_path: none of its {len(rows)} prompts fits ({long} "
+                    f"longer than config.data.max_prompt_len={max_prompt_len} tokens, "
+                    f"{len(empty)} of no token); raise max_prompt_len or check "
+                    "data.prompt_key")
+  return [p.row for p in prompts], long + len(empty)
+
+
+def accuracy_text(first: dict[str, Any], last: dict[str, Any] | None = None) -> str:
+  """An eval record's accuracy for a line of text, each source's after it: "0.472" or
+  "0.472 (aime24 0.100, math500 0.620)"; with `last`, from `first` to it ("0.472 -> 0.568
+  (aime24 0.100 -> 0.133, ...)")."""
+  def pair(a, b):
+    return f"{a:.3f}" if b is None else f"{a:.3f} -> {b:.3f}"
+  text = pair(first["accuracy"], last and last["accuracy"])
+  sources = [(name, a, last and last.get("accuracy_by_source", {}).get(name))
+             for name, a in first.get("accuracy_by_source", {}).items()]
+  if sources:
+    text += " (" + ", ".join(f"{name} {pair(a, b)}" for name, a, b in sources) + ")"
+  return text
+
+
 def sampling_of(cfg) -> tuple[int, SamplingParams]:
   """config.eval's samples per prompt and their sampling (temperature 0: greedy)."""
   e = cfg.eval
@@ -62,10 +107,13 @@ def evaluate(engine: Engine, tokenizer, rows: Sequence[PromptRow], pool: RewardP
   where `sampling` is, and then n is 1) and scores them; returns a metrics dict: `accuracy`
   the mean reward over every response (avg@n), with n > 1 `pass_at` the unbiased pass@k
   (k = 1, 2, 4, ... and n; a response is correct where its reward is >= 1) averaged over the
-  prompts. Each response goes to the reward `pool` as it finishes, scored in its worker
-  processes while the rest decode (as training's are). `policies`: the bandit and gate cells
-  for these chunks (policies/cells.py's PolicyCells; the RL loop passes evaluation's own
-  bandit and a gate it does not measure, so evaluation never moves the training policies;
+  prompts; where the rows come from more than one source (several test files, or
+  data.source_key's field), each one's apart: `accuracy_by_source`, `prompts_by_source` and
+  with n > 1 `pass_at_by_source` (rows without a source as "unknown"). Each response goes
+  to the reward `pool` as it finishes, scored in its worker processes while the rest decode
+  (as training's are). `policies`: the bandit and gate cells for these chunks
+  (policies/cells.py's PolicyCells; the RL loop passes evaluation's own bandit and a gate it
+  does not measure, so evaluation never moves the training policies;
   None: a fresh bandit)."""
   if n > 1 and sampling.greedy:
     raise ValueError(f"evaluate: {n} greedy responses to a prompt are one; sample (a "
@@ -118,11 +166,16 @@ def evaluate(engine: Engine, tokenizer, rows: Sequence[PromptRow], pool: RewardP
       "tokens_per_second": tokens / wall if wall > 0 else 0.0,
       "truncated": sum(r.finish_reason == "length" for r in results),
   }
+  per_prompt = np.asarray(scores, np.float64).reshape(len(rows), n)  # (results sorted)
   if n > 1:
-    correct = (np.asarray(scores).reshape(len(rows), n) >= 1.0).sum(axis=1)
-    ks = sorted({2 ** i for i in range(n.bit_length()) if 2 ** i < n} | {n})
-    out["pass_at"] = {str(k): float(np.mean([pass_at_k(n, int(c), k) for c in correct]))
-                      for k in ks}
+    out["pass_at"] = pass_at(per_prompt)
+  sources = [UNKNOWN_SOURCE if r.source is None else r.source for r in rows]
+  if len(set(sources)) > 1:  # (in the rows' order: the test files' as listed)
+    parts = {name: per_prompt[[s == name for s in sources]] for name in dict.fromkeys(sources)}
+    out["accuracy_by_source"] = {name: float(a.mean()) for name, a in parts.items()}
+    out["prompts_by_source"] = {name: len(a) for name, a in parts.items()}
+    if n > 1:
+      out["pass_at_by_source"] = {name: pass_at(a) for name, a in parts.items()}
   if by_terms:
     groups = {"2-4 terms": (2, 4), "5-9 terms": (5, 9), "10+ terms": (10, 10**9)}
     out["accuracy_by_terms"] = {
@@ -138,17 +191,19 @@ def main(argv):
   from tlt_jax.config import run_spec
   cfg = _CONFIG.value
   spec = runtime.prepare(run_spec(cfg), training=False)
-  rows = runtime.load_rows(cfg, cfg.data.test_path)
+  rows = runtime.load_test_rows(cfg)
   model_cfg, params, tokenizer, stop = runtime.load_model(cfg, rows=rows)
   engine = Engine(params, model_cfg, spec.engine_config(
       stop, max_batch=cfg.eval.batch_size, speculative=False))
-  if cfg.eval.num_prompts:
-    rows = rows[:cfg.eval.num_prompts]
+  d = cfg.data
+  rows, left_out = held_out(rows, tokenizer, max_prompt_len=d.max_prompt_len,
+                            chat_template=d.chat_template, system_prompt=d.system_prompt)
   with runtime.reward_pool(cfg) as pool:  # as in training: a hang costs one reward
     n, sampling = sampling_of(cfg)
     metrics = evaluate(engine, tokenizer, rows, pool, seed=cfg.seed,
-                       chat_template=cfg.data.chat_template,
-                       system_prompt=cfg.data.system_prompt, n=n, sampling=sampling)
+                       chat_template=d.chat_template, system_prompt=d.system_prompt, n=n,
+                       sampling=sampling)
+  metrics["left_out"] = left_out
   metrics["reward_failures"] = {"errors": pool.stats.errors, "timeouts": pool.stats.timeouts,
                                 "crashes": pool.stats.crashes}
   metrics["compile"] = engine.compile_stats()
@@ -158,10 +213,17 @@ def main(argv):
   lens = metrics["response_length"]
   how = ("greedy" if n == 1 and sampling.greedy else
          f"avg@{n}, temperature {sampling.temperature:g}, top_p {sampling.top_p:g}")
+  out = (f"; {left_out} left out: longer than data.max_prompt_len={d.max_prompt_len} tokens "
+         "or of no token" if left_out else "")
   print(f"accuracy {metrics['accuracy']:.3f} on {metrics['num_prompts']} prompts "
-        f"({how}; truncated {metrics['truncated']})")
+        f"({how}; truncated {metrics['truncated']}{out})")
   if "pass_at" in metrics:
     print("  " + ", ".join(f"pass@{k} {v:.3f}" for k, v in metrics["pass_at"].items()))
+  for name, acc in metrics.get("accuracy_by_source", {}).items():
+    passes = "".join(f", pass@{k} {v:.3f}"
+                     for k, v in metrics.get("pass_at_by_source", {}).get(name, {}).items())
+    print(f"  {name}: accuracy {acc:.3f} on {metrics['prompts_by_source'][name]} "
+          f"prompts{passes}")
   for name, acc in metrics.get("accuracy_by_terms", {}).items():
     print(f"  {name:>10}: {acc:.3f}")
   print(f"response length mean {lens['mean']:.1f} p50 {lens['p50']:.0f} p90 {lens['p90']:.0f} "

@@ -7,6 +7,7 @@ and the drafter's exports). tlt_jax/train.py runs the loop over them."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -33,6 +34,7 @@ from tlt_jax.drafter.merge import make_merge
 from tlt_jax.drafter.trainer import DrafterTrainer
 from tlt_jax import distributed
 from tlt_jax.errors import ConfigError
+from tlt_jax.eval import held_out
 from tlt_jax.metrics import CompileClock
 from tlt_jax.models import ModelConfig, Params, packed_impl
 from tlt_jax.models.hf_io import read_hf_config
@@ -117,17 +119,27 @@ def learner_spec(spec: config_lib.RunSpec, model_cfg, mesh) -> grpo.LearnerSpec:
                           max_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
 
 
-def data_line(n: int, dropped: int, cfg: ml_collections.ConfigDict, empty: int = 0) -> str:
+def data_line(n: int, dropped: int, cfg: ml_collections.ConfigDict, empty: int = 0,
+              test_rows=None, left_out: int = 0) -> str:
   """The run's first line: how many training prompts it holds, and whether a step repeats
-  them (a file smaller than one step's draw is most often the wrong file)."""
+  them (a file smaller than one step's draw is most often the wrong file); then the held-out
+  prompts evaluation takes (`test_rows`), each source's count where there are several, and
+  how many it left out (`left_out`: too long, or of no token)."""
   g = cfg.grpo  # (a rollout's draw: grpo.gen_prompts with grpo.filter_groups)
   key, draw = (("grpo.gen_prompts", g.gen_prompts) if g.get("filter_groups") and
                g.get("gen_prompts") else ("grpo.num_prompts", g.num_prompts))
   few = (f"; fewer than the {draw} a rollout draws ({key}): every step repeats prompts"
          if n < draw else "")
   none = f", {empty} as encoding to no tokens" if empty else ""
-  return (f"data: {n} training prompts from {cfg.data.train_path} ({dropped} dropped as longer "
+  line = (f"data: {n} training prompts from {cfg.data.train_path} ({dropped} dropped as longer "
           f"than max_prompt_len={cfg.data.max_prompt_len} tokens{none}){few}")
+  if test_rows:
+    sources = collections.Counter(r.source for r in test_rows)
+    parts = ([f"{name} {k}" for name, k in sources.items()] if len(sources) > 1 else [])
+    if left_out:
+      parts.append(f"{left_out} left out, longer than max_prompt_len or of no token")
+    line += f"; {len(test_rows)} held-out prompts" + (f" ({', '.join(parts)})" if parts else "")
+  return line
 
 
 def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
@@ -141,17 +153,22 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
   train_rows = runtime.load_rows(cfg, cfg.data.train_path)
   test_rows = None
   if cfg.data.test_path and cfg.train.eval_every > 0:
-    rows = runtime.load_rows(cfg, cfg.data.test_path)
-    test_rows = rows[:cfg.eval.num_prompts] if cfg.eval.num_prompts else rows
+    test_rows = runtime.load_test_rows(cfg)
   model_cfg, params, tokenizer, stop = runtime.load_model(
       cfg, mesh=mesh, rows=train_rows + (test_rows or []))
+  left_out = 0
+  if test_rows:  # (as the training stream below leaves them out)
+    test_rows, left_out = held_out(test_rows, tokenizer, max_prompt_len=cfg.data.max_prompt_len,
+                                   chat_template=cfg.data.chat_template,
+                                   system_prompt=cfg.data.system_prompt)
 
   # ----------------------------------------------------------------------------- data
   stream = PromptStream(train_rows, tokenizer,
                         max_prompt_len=cfg.data.max_prompt_len, seed=cfg.seed,
                         chat_template=cfg.data.chat_template,
                         system_prompt=cfg.data.system_prompt, name="config.data.train_path")
-  print(data_line(len(stream), stream.dropped_long, cfg, stream.dropped_empty), file=sys.stderr)
+  print(data_line(len(stream), stream.dropped_long, cfg, stream.dropped_empty, test_rows,
+                  left_out), file=sys.stderr)
 
   # -------------------------------------------------------------------------- learner
   lspec = learner_spec(spec, model_cfg, mesh)

@@ -66,12 +66,15 @@ def prepare(spec: RunSpec, *, training: bool = True) -> RunSpec:
   if training and not cfg.data.get("train_path"):
     raise ConfigError("is empty; point it at a local JSONL or Parquet file", "data.train_path",
                       "", in_config=True)
-  for key in ("train_path", "test_path"):
-    path = cfg.data.get(key)
+  from tlt_jax.data.prompts import split_paths
+  files = [("train_path", cfg.data.get("train_path"), "")] + [
+      ("test_path", path, " (several: comma-separated)")
+      for path in split_paths(cfg.data.get("test_path"))]
+  for key, path, several in files:
     if path and not os.path.isfile(path):
       raise ConfigError(("is a directory" if os.path.isdir(path) else "does not exist")
-                        + "; point it at a local JSONL or Parquet file", f"data.{key}", path,
-                        in_config=True)
+                        + f"; point it at a local JSONL or Parquet file{several}",
+                        f"data.{key}", path, in_config=True)
   init = cfg.tlt.drafter.init  # (checked with TLT off too, as the rest of config.tlt is)
   if not init.startswith("init:") and not os.path.isdir(init):
     raise ConfigError("is not a directory; point it at a drafter saved by "
@@ -280,16 +283,34 @@ def reward_pool(cfg: ml_collections.ConfigDict):
     raise ConfigError(str(e)) from None
 
 
+def _data_keys(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
+  return dict(prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
+              source_key=cfg.data.get("source_key") or None, on_bad_row=cfg.data.on_bad_row)
+
+
 def load_rows(cfg: ml_collections.ConfigDict, path: str):
   from tlt_jax.data.prompts import DataError, load_prompt_rows
   try:
-    rows, _ = load_prompt_rows(path, prompt_key=cfg.data.prompt_key,
-                               answer_key=cfg.data.answer_key,
-                               source_key=cfg.data.get("source_key") or None,
-                               on_bad_row=cfg.data.on_bad_row)
+    rows, _ = load_prompt_rows(path, **_data_keys(cfg))
   except DataError as e:
     raise ConfigError(str(e)) from None
   return rows
+
+
+def load_test_rows(cfg: ml_collections.ConfigDict):
+  """The held-out rows of config.data.test_path (one file or several, comma-separated: each
+  file's rows a source of its own, `data.prompts.load_eval_rows`), each file's first
+  eval.num_prompts (0: all)."""
+  from tlt_jax.data.prompts import DataError, load_eval_rows, split_paths
+  if not split_paths(cfg.data.get("test_path")):
+    raise ConfigError("is empty; point it at a local JSONL or Parquet file (several: "
+                      "comma-separated)", "data.test_path", cfg.data.get("test_path", ""),
+                      in_config=True)
+  try:
+    return load_eval_rows(split_paths(cfg.data.test_path),
+                          num_prompts=cfg.eval.get("num_prompts", 0), **_data_keys(cfg))
+  except DataError as e:
+    raise ConfigError(str(e)) from None
 
 
 def exit_on_user_error(main, also: tuple[type[Exception], ...] = ()):

@@ -56,8 +56,8 @@ from tlt_jax import export as policy_export
 from tlt_jax.coordinator import Worker
 from tlt_jax.coordinator.coordinator import merge_spot_metrics
 from tlt_jax.coordinator.timeline import concat_rollouts, merge_processes
+from tlt_jax.eval import accuracy_text, sampling_of
 from tlt_jax.eval import evaluate as evaluate_rows
-from tlt_jax.eval import sampling_of
 from tlt_jax.curves import plot_runs
 from tlt_jax.metrics import MetricsWriter, read_records
 from tlt_jax.rl import batching, grpo
@@ -282,8 +282,9 @@ def evaluate(run: Run, pool: RewardPool, state: TrainState, bandit: BanditState 
                  seed=run.cfg.seed, progress=False, chat_template=d.chat_template,
                  system_prompt=d.system_prompt, policies=cells,
                  speculate=run.cfg.eval.speculate, n=n, sampling=sampling).result()
-  return ({k: v for k, v in m.items() if k in ("accuracy", "accuracy_by_terms", "pass_at",
-                                                "response_length", "tokens_per_second")},
+  return ({k: v for k, v in m.items() if k in (
+      "accuracy", "accuracy_by_terms", "pass_at", "accuracy_by_source", "prompts_by_source",
+      "pass_at_by_source", "response_length", "tokens_per_second")},
           cells.states().bandit)
 
 
@@ -319,7 +320,7 @@ def train(run: Run, state: TrainState, *, progress: bool = True
         t = time.perf_counter()
         ev, eval_bandit = evaluate(run, pool, state, eval_bandit)
         writer.write(0, {"eval": ev, "time": {"eval": time.perf_counter() - t}})
-        print(f"step 0: held-out accuracy {ev['accuracy']:.3f}", file=sys.stderr)
+        print(f"step 0: held-out accuracy {accuracy_text(ev)}", file=sys.stderr)
       while state.step < cfg.train.steps:
         state, m, timeline = rl_step(run, state, pool)
         if evaluating and (state.step % cfg.train.eval_every == 0
@@ -420,10 +421,10 @@ def main(argv):
     return
   path = os.path.join(cfg.workdir, "metrics.jsonl")
   records = read_records(path)
-  evals = [rec["eval"]["accuracy"] for rec in records if "eval" in rec]
+  evals = [rec["eval"] for rec in records if "eval" in rec]
   msg = f"done: {state.step} steps"
   if evals:
-    msg += f"; held-out accuracy {evals[0]:.3f} -> {evals[-1]:.3f}"
+    msg += f"; held-out accuracy {accuracy_text(evals[0], evals[-1])}"
   if last:
     msg += f"; last step reward {last['reward']:.3f}"
   msg += f"; metrics in {path}"

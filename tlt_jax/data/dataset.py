@@ -56,24 +56,34 @@ def encode_prompt(tokenizer, prompt, *, chat_template: bool, system_prompt: str 
   return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
+def encode_rows(rows: Sequence[PromptRow], tokenizer, *, max_prompt_len: int,
+                chat_template: bool = False, system_prompt: str = ""
+                ) -> tuple[list[Prompt], int, list[int]]:
+  """The rows a rollout can take, encoded: (prompts, how many rows were longer than
+  max_prompt_len tokens, the file indices of rows that encode to no token: whitespace, say,
+  nothing to condition on). Training's stream and held-out evaluation both keep only these."""
+  prompts, long, empty = [], 0, []
+  for r in rows:
+    ids = encode_prompt(tokenizer, r.prompt, chat_template=chat_template,
+                        system_prompt=system_prompt)
+    if not ids:
+      empty.append(r.index)
+    elif len(ids) > max_prompt_len:
+      long += 1
+    else:
+      prompts.append(Prompt(r, ids))
+  return prompts, long, empty
+
+
 class PromptStream:
   """Deterministically shuffled epochs over the usable prompts; see the module docstring."""
 
   def __init__(self, rows: Sequence[PromptRow], tokenizer, *, max_prompt_len: int,
                seed: int = 0, chat_template: bool = False, system_prompt: str = "",
                name: str = "train"):
-    self.prompts: list[Prompt] = []
-    self.dropped_long = 0
-    empty = []  # rows whose text encodes to no token (whitespace, say): nothing to condition on
-    for r in rows:
-      ids = encode_prompt(tokenizer, r.prompt, chat_template=chat_template,
-                          system_prompt=system_prompt)
-      if not ids:
-        empty.append(r.index)
-      elif len(ids) > max_prompt_len:
-        self.dropped_long += 1
-      else:
-        self.prompts.append(Prompt(r, ids))
+    self.prompts, self.dropped_long, empty = encode_rows(
+        rows, tokenizer, max_prompt_len=max_prompt_len, chat_template=chat_template,
+        system_prompt=system_prompt)
     self.dropped_empty = len(empty)
     if empty:
       _log.warning("%s: dropped %d of %d prompts that encode to no tokens (rows %s)", name,
