@@ -196,6 +196,11 @@ def get_config():
   c.train.export_policy = "final"
   c.train.export_dtype = ""
 
+  # a profiler trace of RL steps "N" or "N-M" ("": none) into <workdir>/tb (TensorBoard's
+  # Profile tab; perfetto_trace.json.gz for ui.perfetto.dev; summary.md): tlt_jax/profiling.py
+  c.profile = ml_collections.ConfigDict()
+  c.profile.steps = ""
+
   c.tlt = ml_collections.ConfigDict()
   c.tlt.enabled = True  # False: the baseline (plain rollout, no drafter, no drafter training)
   c.tlt.drafter = ml_collections.ConfigDict()

@@ -41,7 +41,7 @@ and in each, code variants of the decode chunk (tlt_jax/rollout/decode.py, model
   fixed          a known trip count (finished rows masked), no per-step condition
   u4             4 decode steps per loop iteration
   spec A         one speculative step of arm A (verification forward + drafter steps)
-  profile        also a profiler trace of the loop (tlt_jax/bench/device_profile.py): kernels
+  profile        also a profiler trace of the loop (tlt_jax/profiling.py): kernels
                  a step, the device's busy time against the wall, the top kernels by time
 Every cell: the step's time inside one compiled loop (best of 5 calls, divided by the steps;
 random weights and KV, rows at 64 tokens), the bytes it must move (weights read once + the KV
@@ -257,7 +257,7 @@ def child(args) -> int:
                                                 + mem.temp_size_in_bytes))
       prof = None
       if c["profile"]:  # a trace that fails (no CUPTI, say) costs the trace, not the cell
-        from tlt_jax.bench.device_profile import kernel_profile
+        from tlt_jax.profiling import kernel_profile
         try:
           prof = kernel_profile(lambda: jax.block_until_ready(exe(args_)), iters)
         except Exception as e:  # noqa: BLE001
@@ -354,8 +354,8 @@ def main(argv=None) -> int:
   for name, g in results["flag_sets"].items():
     for r in g["cells"]:
       if r.get("profile"):
-        from tlt_jax.bench.device_profile import profile_markdown
-        print("\n" + profile_markdown(f"{name}, {r['code']}, batch {r['batch']}", r["profile"]),
+        from tlt_jax.profiling import markdown
+        print("\n" + markdown(f"{name}, {r['code']}, batch {r['batch']}", r["profile"]),
               flush=True)
   print("\ncopy bandwidth per process (in-place x + 1 over 1 GiB, read + write): "
         + ", ".join(f"{n} {g['bandwidth'] / 1e9:.0f} GB/s"

@@ -634,10 +634,12 @@ def test_tlt_run_on_two_workers_trains_the_drafter_in_idle_windows(tmp_path, mon
   metrics, the per-worker timeline, TensorBoard and checkpoints are written; idle worker
   time is spent training the drafter, and every worker decodes with the merged drafter.
   Where devices keep memory statistics (a GPU's, faked here: the CPU keeps none), each step
-  records each phase's peak so far beside the memory plan's figure for it."""
+  records each phase's peak so far beside the memory plan's figure for it. Step 2 is traced
+  (config.profile): its phases and each worker's share named in the profiler's trace."""
   from tlt_jax import device_memory
   # 3 prompts: worker 0 decodes two, worker 1 one (request_id % workers), so one of them idles
-  cfg = _small_cfg(tmp_path, 2, **{"train.eval_every": 2, "grpo.num_prompts": 3})
+  cfg = _small_cfg(tmp_path, 2, **{"train.eval_every": 2, "grpo.num_prompts": 3,
+                                   "profile.steps": "2"})
   from tlt_jax.train import train
   run, state = _build_drafter_compiled(cfg)
   assert device_memory.peak_bytes() is None  # (the CPU's devices)
@@ -684,6 +686,14 @@ def test_tlt_run_on_two_workers_trains_the_drafter_in_idle_windows(tmp_path, mon
     assert _same_tree(e.drafter_params, merged)
   assert os.listdir(tmp_path / "tb")
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2"]
+  # the trace's host events (XLA's file, read whole: a compiling step's outgrows the 1M events
+  # Perfetto's JSON keeps), but the XLA CPU threads' (the "device" work here)
+  (trace,) = (tmp_path / "tb" / "plugins" / "profile").glob("*/*.xplane.pb")
+  import jax
+  names = {e.name for p in jax.profiler.ProfileData.from_file(str(trace)).planes
+           for line in p.lines if not line.name.startswith("tf_XLA") for e in line.events}
+  assert {"rl_step", "rollout", "logprobs", "update", "spot", "worker 0: generating",
+          "worker 1: generating"} <= names
 
 
 @pytest.mark.parametrize("name", ["qwen2_5_7b_math.py", "qwen3_8b_math.py", "qwen2_5_32b_math.py",

@@ -29,6 +29,7 @@ from absl import flags
 from tlt_jax import export
 from tlt_jax.coordinator.spot import SpotConfig
 from tlt_jax.launch import DistributedConfig
+from tlt_jax.profiling import ProfileConfig
 from tlt_jax.drafter.buffer import BufferConfig
 from tlt_jax.drafter.model import ENGINES
 from tlt_jax.errors import ConfigError, build, check, section_values
@@ -135,6 +136,7 @@ class RunSpec:
   engine: EngineConfig
   grpo: GRPOConfig
   distributed: DistributedConfig
+  profile: ProfileConfig
   speculation: SpecConfig | None
   gate: GateConfig | None  # None: disabled, or the fixed selector (pinned, deterministic)
   spot: SpotConfig | None
@@ -369,6 +371,7 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
         "use 'constant' (after warm-up) or 'cosine'")
   check(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
   distributed = distributed_config(cfg)
+  profile = build(ProfileConfig, "profile", section_values(ProfileConfig, cfg.get("profile") or {}))
   t = cfg.train
   check(t.steps >= 1, "train.steps", t.steps, "must be >= 1")
   check(t.eval_every >= 0, "train.eval_every", t.eval_every, "must be >= 0 (0 = never)")
@@ -400,7 +403,7 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   check(cfg.reward.overlong_penalty >= 0, "reward.overlong_penalty",
         cfg.reward.overlong_penalty, "must be >= 0 (the penalty at the budget)")
   return RunSpec(cfg=cfg, sampling=sampling, engine=engine, grpo=grpo, distributed=distributed,
-                 speculation=speculation, gate=gate, spot=spot, buffer=buffer,
+                 profile=profile, speculation=speculation, gate=gate, spot=spot, buffer=buffer,
                  mab_buckets=mab_buckets, max_batch=r.max_batch, _bandit=bandit,
                  history=speculation is not None and bool(cfg.tlt.spec.get("history", False)))
 

@@ -8,7 +8,8 @@ thread. Here that error becomes one line (`DeviceOutOfMemory`, a ConfigError: ex
 naming the phase of the step, what the plan put it at, and the knobs that shrink it. train.py
 adds which checkpoint is on disk once the saves in flight have finished.
 
-`phase(name, run, step)` wraps a phase's work. A rollout's error raised inside the drafter's
+`phase(name, run, step)` wraps a phase's work (and names it in a profiler trace: nearly free
+when none is under way, tlt_jax/profiling.py). A rollout's error raised inside the drafter's
 code (tlt_jax/drafter/) is the spot phase: the idle workers training the drafter.
 """
 
@@ -63,8 +64,10 @@ def phase(name: str, run: Any, step: int, peaks: dict[str, int] | None = None
   """Runs a phase of `run` (its `memory` plan, its engines' max_batch) at `step`; XLA's
   RESOURCE_EXHAUSTED inside becomes `out_of_memory`'s error. With `peaks`, the devices' peak
   bytes in use so far at the phase's end go in as peaks[name] (`peak_bytes`)."""
+  import jax
   try:
-    yield
+    with jax.profiler.TraceAnnotation(name):
+      yield
   except DeviceOutOfMemory:
     raise
   except Exception as e:

@@ -39,6 +39,7 @@ from tlt_jax.metrics import CompileClock
 from tlt_jax.models import ModelConfig, Params, packed_impl
 from tlt_jax.models.hf_io import read_hf_config
 from tlt_jax.optim import make_optimizer
+from tlt_jax.profiling import ProfileConfig
 from tlt_jax.rl import grpo
 from tlt_jax.rollout.policies.verdicts import for_run as gate_verdicts
 from tlt_jax.rollout.engine import Engine
@@ -83,6 +84,7 @@ class Run:
   # tlt.drafter.acceptance_sample=0)
   acceptance: DrafterAcceptance | None = None
   memory: Any = None  # the memory plan it was started on (memory.Plan; device_memory.py)
+  profile: ProfileConfig = ProfileConfig()  # the RL steps to trace (profiling.py)
 
 
 
@@ -284,7 +286,8 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
             ckpt=ckpt, compile_clock=compile_clock,
             export_engine=export_engine, target_hf_config=hf_config,
             acceptance=DrafterAcceptance(cfg, lspec, spec.sampling)
-            if tlt and cfg.tlt.drafter.acceptance_sample else None, memory=spec.memory)
+            if tlt and cfg.tlt.drafter.acceptance_sample else None, memory=spec.memory,
+            profile=spec.profile)
   return run, TrainState(step=0, learner=learner, bandit=policies.bandit, gate=policies.gate)
 
 

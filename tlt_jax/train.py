@@ -60,6 +60,7 @@ from tlt_jax.eval import accuracy_text, sampling_of
 from tlt_jax.eval import evaluate as evaluate_rows
 from tlt_jax.curves import plot_runs
 from tlt_jax.metrics import MetricsWriter, read_records
+from tlt_jax.profiling import StepProfiler
 from tlt_jax.rl import batching, grpo
 from tlt_jax.rl.samples import learner_samples, signal_groups
 from tlt_jax.rl.reward_pool import RewardPool
@@ -314,6 +315,8 @@ def train(run: Run, state: TrainState, *, progress: bool = True
   interrupted = stuck = 0  # stuck: steps in a row whose every mini-batch was skipped
   halted = None  # out of device memory or disk, or stuck: said once the saves in flight end
   stopped = None  # (step, signal) where a stop request (SIGTERM) ended the run
+  profiler = StepProfiler(run.profile, cfg.workdir, jax.process_index(),
+                          sys.stderr if primary else None)
   try:
     with pool, distributed.StopRequest() as stop:
       if start == 0 and evaluating:
@@ -322,7 +325,8 @@ def train(run: Run, state: TrainState, *, progress: bool = True
         writer.write(0, {"eval": ev, "time": {"eval": time.perf_counter() - t}})
         print(f"step 0: held-out accuracy {accuracy_text(ev)}", file=sys.stderr)
       while state.step < cfg.train.steps:
-        state, m, timeline = rl_step(run, state, pool)
+        with profiler.step(state.step + 1):  # (a trace only of the steps config.profile names)
+          state, m, timeline = rl_step(run, state, pool)
         if evaluating and (state.step % cfg.train.eval_every == 0
                            or state.step == cfg.train.steps):
           t = time.perf_counter()
@@ -361,6 +365,7 @@ def train(run: Run, state: TrainState, *, progress: bool = True
   finally:
     if bar is not None:
       bar.close()
+    profiler.close()  # (a run that ended inside the traced steps: the trace up to there)
     if writer is not None:
       writer.close()
     try:

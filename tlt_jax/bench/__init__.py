@@ -6,6 +6,5 @@ against copy bandwidth (roofline), the Hugging Face peers (rollout), the regime 
 (history), history drafts vs the drafter under one bandit (history_arms), the strategy
 selectors on the long tail (mab), the drafter against a moving policy (drift), attention
 windows against executables (windows), the verification kernels against XLA
-(verify_kernels), a compiled step's device time from a profiler trace (device_profile) and
-runs in lockstep (lockstep: scripts/bench_e2e.py's drift-free comparison). The scripts in
-scripts/ are their command lines."""
+(verify_kernels) and runs in lockstep (lockstep: scripts/bench_e2e.py's drift-free
+comparison). The scripts in scripts/ are their command lines."""

@@ -38,6 +38,8 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+import jax
+
 from tlt_jax.coordinator.param_store import ParamStore
 from tlt_jax.coordinator.spot import SpotConfig, SpotReport, train_until
 from tlt_jax.coordinator.timeline import Timeline, WorkerState
@@ -241,7 +243,8 @@ class Coordinator:
             on_chunk=lambda c: (chunks.append(c), on_chunk and on_chunk(c)),
             before_chunk=lambda: w.pull(self.store))
         w.pull(self.store)
-        results = w.engine.generate(shares[i], sp, seed=seed, hooks=hooks, policies=cells)
+        with jax.profiler.TraceAnnotation(f"worker {i}: generating"):  # (a trace's timeline)
+          results = w.engine.generate(shares[i], sp, seed=seed, hooks=hooks, policies=cells)
         if waiting[i]:
           states = w.engine.prompt_hidden([r.prompt_ids for r in waiting[i]])
           for res, h in zip(waiting[i], states):

@@ -20,6 +20,8 @@ import threading
 import time
 from typing import Any, Protocol
 
+import jax
+
 from tlt_jax.coordinator.timeline import Timeline, WorkerState
 from tlt_jax.errors import ConfigError
 
@@ -82,7 +84,8 @@ def train_until(trainer: Trainer, barrier: threading.Event, *, on_barrier: str =
     if not training and timeline is not None:
       timeline.enter(worker, WorkerState.TRAINING)
     training = True
-    inflight = trainer.dispatch(batch)
+    with jax.profiler.TraceAnnotation(f"worker {worker}: drafter step"):
+      inflight = trainer.dispatch(batch)
     batch = trainer.next_batch()  # host packing overlaps the device step
     dropped = False
     while not trainer.ready(inflight):
