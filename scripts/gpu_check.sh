@@ -20,7 +20,8 @@
 #                 the attention windows, XLA command buffers, no autotuning; a profile of the
 #                 step's kernels; compiled memory (scripts/gpu_decode.py)
 #   rl_steps      RL steps of the default config on ONE GPU (the main job, python -m
-#                 tlt_jax.train), TLT on then off, each run's phases and compile seconds
+#                 tlt_jax.train), TLT on then off, each run's phases and compile seconds,
+#                 TLT off's last step traced (config.profile: device busy / wall)
 #   bench_model   the >= 1B widened bench target (scripts/make_bench_model.py: the shipped
 #                 model's function, so the real acceptance)
 #   bench_regime  SD vs plain on it, batch 1 and 8, greedy (outputs == plain, bf16) and sampled
@@ -212,6 +213,11 @@ stage bench_model "${LIMIT[2]}" tail "$PY" scripts/make_bench_model.py --out "$B
 # own cache: ~21 programs over 0.3 s each on this CPU, 14 of them decode chunks); every step's
 # phases (and seconds compiling) from its metrics.jsonl
 HALF=$(( ${LIMIT[3]} * 4 / 7 ))  # TLT on first (the drafter's compiles too), off what is left
+# TLT off's last step traced (not a first: its compiles make a trace slow to write; not TLT
+# on's, whose time the trace would take from off's): where a plain step's device time goes
+# (summary.json, the headline's busy / wall row), written after the step's metrics
+E2E_PROFILE=""
+[ "$E2E_STEPS" -ge 2 ] && E2E_PROFILE="--config.profile.steps=$E2E_STEPS"
 E2E_EXTRA="--config.model.path=$BENCH/model --config.tlt.drafter.init=$BENCH/drafter
   --config.model.dtype=$DTYPE --config.model.param_dtype=$DTYPE --config.train.eval_every=0
   --config.train.export_policy=none --config.train.export_drafter=False
@@ -225,7 +231,7 @@ TRAIN=$(echo $TRAIN)
 # shellcheck disable=SC2086
 stage rl_steps "${LIMIT[3]}" all bash -c "t0=\$(date +%s); for mode in on off; do
     extra=''; limit=$HALF
-    [ \$mode = off ] && extra=--config.tlt.enabled=False \
+    [ \$mode = off ] && extra='--config.tlt.enabled=False $E2E_PROFILE' \
       && limit=\$(( ${LIMIT[3]} - 12 - \$(date +%s) + t0 )) && [ \$limit -lt 5 ] && limit=5
     rm -rf '$OUT/e2e/'\$mode; mkdir -p '$OUT/e2e'
     timeout --kill-after=5 \$limit $TRAIN --workdir '$OUT/e2e/'\$mode \

@@ -16,6 +16,7 @@ nothing gives "not measured" with where to look.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import sys
@@ -181,6 +182,20 @@ def _rl(out: str) -> list[tuple[str, str, str]]:
     res.append(("RL steps on one device, TLT on / off",
                 "not measured" + (f" (steps done: on {len(runs.get('on', []))}, off "
                                   f"{len(runs.get('off', []))})" if runs else ""), "rl_steps"))
+  for mode in ("on", "off"):  # the traced step (config.profile: tlt_jax/profiling.py)
+    prof = _load(next(iter(sorted(glob.glob(os.path.join(
+        out, "e2e", mode, "tb", "plugins", "profile", "*", "summary.json")))), ""))
+    lines = sorted((prof or {}).get("lines", []), key=lambda ln: -ln["busy_s_per_step"])
+    if lines:
+      busiest = lines[0]
+      res.append((f"the main job's step {prof['steps'][0]} traced, TLT {mode}: the busiest "
+                  f"{'device stream' if prof['device_plane'] else 'host XLA thread'}'s "
+                  "busy / wall",
+                  f"{busiest['busy_s_per_step'] / prof['wall_s']:.0%} "
+                  f"({busiest['busy_s_per_step']:.2f} of {prof['wall_s']:.2f} s; "
+                  f"{busiest['line']}: {busiest['events_per_step']:.0f} events; top: "
+                  + ", ".join(f"{n[:40]} {t:.2f} s" for n, t, _ in busiest["top"][:3]) + ")",
+                  "rl_steps"))
   for mode in ("on", "off"):
     mem = next((r["memory"] for r in runs.get(mode, []) if r.get("memory")), None)
     if mem is None:

@@ -349,3 +349,27 @@ def test_the_main_jobs_device_memory_beside_the_plan(tmp_path):
   mem = [f for f in rows if f.startswith("device memory")]
   assert len(mem) == 1 and "TLT on" in mem[0], rows
   assert rows[mem[0]] == "rollout 61.2 (58.0), update 70.5 (66.0) GiB of 79.1"
+
+
+def test_the_main_jobs_traced_step_says_how_busy_the_device_was(tmp_path):
+  """A mode whose last step was traced (config.profile: its summary.json, a GPU's device
+  plane here): a row with the busiest stream's busy share of the step's wall time and its top
+  kernels; a mode without a trace, no row."""
+  headline = _script("gpu_headline")
+  _metrics(tmp_path, "on", json.dumps(_STEP) + "\n")
+  _metrics(tmp_path, "off", json.dumps(_STEP) + "\n")
+  d = tmp_path / "e2e" / "off" / "tb" / "plugins" / "profile" / "2026_12_05_07_00_00"
+  d.mkdir(parents=True)
+  (d / "summary.json").write_text(json.dumps({
+      "wall_s": 0.5, "device_plane": True, "steps": [2, 2], "lines": [
+          {"plane": "/device:GPU:0", "line": "XLA Ops", "events_per_step": 900.0,
+           "busy_s_per_step": 0.28, "top": [["dot.1", 0.1, 10.0]]},
+          {"plane": "/device:GPU:0", "line": "Stream #13(compute)", "events_per_step": 1200.0,
+           "busy_s_per_step": 0.3, "top": [["gemm_fusion_1", 0.12, 20.0],
+                                           ["loop_fusion", 0.05, 40.0]]}]}))
+  rows = {f: v for f, v, _ in headline.rows(str(tmp_path))}
+  traced = [f for f in rows if f.startswith("the main job's step")]
+  assert traced == ["the main job's step 2 traced, TLT off: the busiest device stream's "
+                    "busy / wall"], rows
+  assert rows[traced[0]] == ("60% (0.30 of 0.50 s; Stream #13(compute): 1200 events; top: "
+                             "gemm_fusion_1 0.12 s, loop_fusion 0.05 s)")

@@ -39,6 +39,7 @@ def _run(profiler, steps, fail_at=None):
         x = f(x).block_until_ready()
       if n == fail_at:
         raise RuntimeError("a step that fails")
+    profiler.after(n)
 
 
 def test_steps_parse_and_a_mistake_is_one_error():
@@ -60,6 +61,8 @@ def test_only_the_named_steps_are_traced_with_their_summary(tmp_path):
   assert f"profile: steps 2-3 traced in {d} (tensorboard --logdir {tmp_path}/tb" in out.getvalue()
   summary = open(os.path.join(d, "summary.md")).read()
   assert summary.startswith("#### RL steps 2-3: device time per step")
+  got = json.load(open(os.path.join(d, "summary.json")))
+  assert got["steps"] == [2, 3] and got["lines"] and not got["device_plane"]  # (a CPU here)
   xplane = [f for f in os.listdir(d) if f.endswith(".xplane.pb")]
   prof = read_trace(os.path.join(d, xplane[0]), 2, 1.0)
   assert prof["wall_s"] == 0.5 and prof["lines"]  # (the CPU's XLA threads, here)
@@ -79,6 +82,7 @@ def test_a_run_that_ends_inside_the_range_keeps_what_it_traced(tmp_path):
   for n in (3, 4, 5):
     with resumed.step(n):
       pass
+    resumed.after(n)
   (d,) = _trace_dirs(tmp_path / "resumed")
   assert _steps_in(d) == [3, 4]
   _run(StepProfiler(ProfileConfig("9"), str(tmp_path / "late"), out=None), 3)

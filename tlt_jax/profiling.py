@@ -3,12 +3,12 @@
 A run: `--config.profile.steps=3` (or `3-4`) traces those steps with JAX's profiler into the
 run's TensorBoard folder, `<workdir>/tb/plugins/profile/<time>/` (`tensorboard --logdir
 <workdir>/tb`, its Profile tab, or xprof), with a `perfetto_trace.json.gz` beside it for
-ui.perfetto.dev and a `summary.md` of where the traced steps' device time went. Each step is
-one `rl_step` step annotation and its phases are named (rollout, logprobs, update, spot: see
-`device_memory.phase`), on the main thread; each rollout worker's share and drafter training
-on the worker's own thread. Every process of a multi-process run traces its own devices (the
-others into `tb/process_<i>/`). Tracing costs time: the traced steps' seconds are not the
-run's.
+ui.perfetto.dev and a `summary.md` (and `summary.json`: `read_trace`'s) of where the traced
+steps' device time went. Each step is one `rl_step` step annotation and its phases are named
+(rollout, logprobs, update, spot: see `device_memory.phase`), on the main thread; each
+rollout worker's share and drafter training on the worker's own thread. Every process of a
+multi-process run traces its own devices (the others into `tb/process_<i>/`). Tracing costs
+time: the traced steps' seconds are not the run's.
 
 Reading a trace (`read_trace`): `jax.profiler.ProfileData`, no TensorBoard. The device's
 events are summed per line and per name: on a GPU the device plane's lines are its streams
@@ -27,6 +27,7 @@ import collections
 import contextlib
 import dataclasses
 import glob
+import json
 import os
 import sys
 import tempfile
@@ -68,9 +69,9 @@ def _steps(value) -> tuple[int, int] | None:
 
 
 class StepProfiler:
-  """Traces the RL steps of `config.range` (`step`: each step inside the trace it belongs
-  to). A run that ends inside the range (stopped, failed, fewer steps) ends the trace there
-  (`close`). `out`: where the one line saying where the trace is goes (None: nowhere)."""
+  """Traces the RL steps of `config.range` (`step`: each step's work; `after`: once it is
+  written). A run that ends inside the range (stopped, failed, fewer steps) ends the trace
+  there (`close`). `out`: where the one line saying where the trace is goes (None: nowhere)."""
 
   def __init__(self, config: ProfileConfig, workdir: str, process: int = 0, out=sys.stderr):
     self.range = config.range
@@ -82,19 +83,21 @@ class StepProfiler:
 
   @contextlib.contextmanager
   def step(self, n: int) -> Iterator[None]:
-    """RL step `n`: begins the trace at the range's first step (or the first one a resumed
-    run reaches), ends it after the last."""
+    """RL step `n`'s work: begins the trace at the range's first step (or the first one a
+    resumed run reaches); `after(n)` ends it after the last."""
     if self.range and self._started is None and self.range[0] <= n <= self.range[1]:
       files = set(_traces(self.dir))
       jax.profiler.start_trace(self.dir, create_perfetto_trace=True)
       self._started, self._before = (n, time.perf_counter()), files
-    try:
-      with jax.profiler.StepTraceAnnotation("rl_step", step_num=n):
-        yield
-      self._last = n
-    finally:
-      if self._started is not None and n >= self.range[1]:
-        self.close()
+    with jax.profiler.StepTraceAnnotation("rl_step", step_num=n):
+      yield
+    self._last = n
+
+  def after(self, n: int) -> None:
+    """Step `n` is done and its metrics written: the trace ends if `n` was the range's last
+    (writing a trace takes a while; what the step measured is on disk first)."""
+    if self._started is not None and n >= self.range[1]:
+      self.close()
 
   def close(self) -> None:
     """Ends a trace under way: writes it, its summary, and says where (no-op otherwise)."""
@@ -111,9 +114,11 @@ class StepProfiler:
     where = os.path.dirname(new[0])
     done = f"step {first}" if steps == 1 else f"steps {first}-{first + steps - 1}"
     try:  # the summary is a convenience: the trace is what was asked for
-      summary = markdown(f"RL {done}", read_trace(new[0], steps, wall))
+      prof = dict(read_trace(new[0], steps, wall), steps=[first, first + steps - 1])
       with open(os.path.join(where, "summary.md"), "w") as f:
-        f.write(summary + "\n")
+        f.write(markdown(f"RL {done}", prof) + "\n")
+      with open(os.path.join(where, "summary.json"), "w") as f:  # (gpu_check's headline)
+        json.dump(prof, f)
     except Exception as e:  # noqa: BLE001
       self._say(f"profile: no summary of the trace ({type(e).__name__}: {e})")
     self._say(f"profile: {done} traced in {where} (tensorboard --logdir {self.tb}, its "

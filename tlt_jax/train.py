@@ -338,6 +338,7 @@ def train(run: Run, state: TrainState, *, progress: bool = True
         m["time"]["checkpoint"] = time.perf_counter() - t
         if writer is not None:
           writer.write(state.step, m, timeline)
+        profiler.after(state.step)  # (the step on disk: a trace that ends here is written)
         last = m
         if bar is not None:
           bar.set_postfix(_progress(state, m))
