@@ -32,7 +32,8 @@ from tlt_jax.rollout.records import EngineHooks, Request
 from tlt_jax.rollout.sampling import SamplingParams
 
 
-# by_source's name for rows without one among rows with (verl's default data_source)
+# accuracy_by_source's name for rows without a source among rows with one (verl's default
+# data_source)
 UNKNOWN_SOURCE = "unknown"
 
 

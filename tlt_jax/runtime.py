@@ -302,12 +302,13 @@ def load_test_rows(cfg: ml_collections.ConfigDict):
   file's rows a source of its own, `data.prompts.load_eval_rows`), each file's first
   eval.num_prompts (0: all)."""
   from tlt_jax.data.prompts import DataError, load_eval_rows, split_paths
-  if not split_paths(cfg.data.get("test_path")):
+  paths = split_paths(cfg.data.get("test_path"))
+  if not paths:
     raise ConfigError("is empty; point it at a local JSONL or Parquet file (several: "
                       "comma-separated)", "data.test_path", cfg.data.get("test_path", ""),
                       in_config=True)
   try:
-    return load_eval_rows(split_paths(cfg.data.test_path),
+    return load_eval_rows(paths,
                           num_prompts=cfg.eval.get("num_prompts", 0), **_data_keys(cfg))
   except DataError as e:
     raise ConfigError(str(e)) from None
