@@ -195,6 +195,11 @@ def get_config():
   # export_dtype ("": the starting model's config.json torch_dtype, else model.param_dtype)
   c.train.export_policy = "final"
   c.train.export_dtype = ""
+  # the policy of the best held-out evaluation so far as <workdir>/policy_hf/best/ (best.json:
+  # its step and score), rewritten when an evaluation beats every earlier one, the starting
+  # policy's included: "accuracy" (every held-out prompt's), "accuracy:<source>" (one test
+  # file's: its name without the extension), or "" (none)
+  c.train.export_best = ""
 
   # a profiler trace of RL steps "N" or "N-M" ("": none) into <workdir>/tb (TensorBoard's
   # Profile tab; perfetto_trace.json.gz for ui.perfetto.dev; summary.md): tlt_jax/profiling.py

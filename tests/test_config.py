@@ -115,6 +115,9 @@ def test_history_arms_need_the_history_index():
     ("rollout.kv_pages", 3, "config.rollout.kv_pages=3: a KV pool must hold one row"),
     ("rollout.mean_live_tokens", -1, "config.rollout.mean_live_tokens=-1"),
     ("rollout.attention", "flash", "config.rollout.attention='flash': must be 'auto'"),
+    ("train.export_best", "best", "config.train.export_best='best': use 'accuracy' (every "
+     "held-out prompt's), 'accuracy:<source>'"),
+    ("train.export_best", "accuracy:", "config.train.export_best='accuracy:': use 'accuracy'"),
 ])
 def test_invalid_values_name_the_key(key, value, needle):
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
@@ -214,6 +217,29 @@ def test_paths_that_cannot_serve_the_run_are_config_errors(tmp_path):
   assert not run.exists()
   prepare(run, training=True)
   assert run.is_dir()
+
+
+def test_the_best_policy_needs_evaluation_and_a_source_that_is_held_out(tmp_path):
+  """train.export_best without held-out evaluation, or naming a source no test file gives:
+  one error each naming the key and the fix (the sources there are), before the model loads."""
+  from tlt_jax import runtime
+  from tlt_jax.run import build
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+  cfg.train.export_best = "accuracy"
+  cfg.train.eval_every = 0
+  with pytest.raises(ConfigError, match=r"^config.train.export_best='accuracy': the best policy "
+                     r"is chosen by held-out evaluation: set data.test_path and "
+                     r"train.eval_every > 0"):
+    config_lib.run_spec(cfg)
+  cfg.train.eval_every = 10
+  cfg.train.export_best = "accuracy:aime24"
+  cfg.workdir = str(tmp_path / "run")
+  cfg.data.test_path = ",".join(config_lib.asset_path(name, "data", "test.jsonl")
+                                for name in ("default", "longtail"))
+  with pytest.raises(ConfigError, match=r"^config.train.export_best='accuracy:aime24': names no "
+                     r"held-out source: use accuracy:default/data/test, "
+                     r"accuracy:longtail/data/test or accuracy$"):
+    build(runtime.prepare(config_lib.run_spec(cfg)))
 
 
 def test_a_reward_module_that_cannot_load_is_one_config_error(tmp_path):

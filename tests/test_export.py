@@ -396,3 +396,75 @@ def test_two_processes_export_what_one_does(runs, tmp_path):
   assert "process 1/2" in results[1].stderr and "wrote" not in results[1].stdout
   for sub in ("policy", "drafter_eagle"):
     assert _files(os.path.join(one.policy, os.pardir, sub)) == _files(str(tmp_path / "two" / sub))
+
+
+def test_best_policy_rule_on_scripted_scores(tmp_path):
+  """BestPolicy's rule, counted by hand: a step is written where its score beats every earlier
+  one (ties keep the earlier step), the starting policy's (step 0) sets the bar unwritten, an
+  unevaluated step (None) changes nothing; `accuracy:<source>` reads that source's accuracy;
+  a resumed run's bar is the best of the records up to its step and best.json of its metric."""
+  from tlt_jax.export import BEST_FILE, BestPolicy, best_path
+  wrote = []
+  best = BestPolicy(str(tmp_path), "accuracy")
+  scores = {0: 0.5, 1: 0.25, 2: 0.75, 3: 0.75, 4: None, 5: 0.5, 6: 0.8}
+  for step, value in scores.items():
+    best.offer(step, value, lambda out, notes: wrote.append((out, notes)))
+  assert [n[BEST_FILE]["step"] for _, n in wrote] == [2, 6]
+  assert wrote[-1] == (best_path(str(tmp_path)),
+                       {BEST_FILE: {"step": 6, "metric": "accuracy", "value": 0.8}})
+  assert BestPolicy(str(tmp_path), "accuracy:b").value(
+      {"accuracy": 0.5, "accuracy_by_source": {"a": 0.25, "b": 0.75}}) == 0.75
+  assert BestPolicy(str(tmp_path), "accuracy:b").value({"accuracy": 0.5}) == 0.5  # one source
+
+  def ev(acc, b):
+    return {"accuracy": acc, "accuracy_by_source": {"a": 0.0, "b": b}}
+  with open(tmp_path / "metrics.jsonl", "w") as f:
+    for step, e in [(0, ev(0.4, 0.1)), (1, None), (2, ev(0.6, 0.3)), (4, ev(0.9, 0.9))]:
+      f.write(json.dumps({"step": step, **({"eval": e} if e else {})}) + "\n")
+  assert BestPolicy.resume(str(tmp_path), "accuracy", 3).bar == 0.6  # step 4 was lost
+  assert BestPolicy.resume(str(tmp_path), "accuracy:b", 3).bar == 0.3
+  assert BestPolicy.resume(str(tmp_path), "accuracy", 0).bar is None  # a fresh run
+  os.makedirs(best_path(str(tmp_path)))
+  with open(os.path.join(best_path(str(tmp_path)), BEST_FILE), "w") as f:
+    json.dump({"step": 3, "metric": "accuracy", "value": 0.7}, f)
+  assert BestPolicy.resume(str(tmp_path), "accuracy", 3).bar == 0.7
+  assert BestPolicy.resume(str(tmp_path), "accuracy:b", 3).bar == 0.3  # another metric's
+
+
+def test_training_keeps_the_best_evaluated_policy_across_a_resume(runs, tmp_path, monkeypatch):
+  """train.export_best with evaluation scripted by step: policy_hf/best/ holds the policy of
+  the step that scored best (step 2; step 3's tie keeps it), file for file the command's
+  export of that step's checkpoint, with best.json; only that step's record times an export.
+  Resumed to 6 steps, step 5's score equal to the saved best writes nothing (the bar came back
+  from best.json), step 6's higher one replaces it."""
+  from tlt_jax import train as train_mod
+  from tlt_jax.export import BEST_FILE, best_path
+  r = runs["llama"]
+  scores = {0: 0.5, 1: 0.25, 2: 0.75, 3: 0.75, 4: 0.5, 5: 0.75, 6: 0.875}
+
+  def scripted(run, pool, state, bandit):
+    return {"accuracy": scores[state.step]}, bandit
+  monkeypatch.setattr(train_mod, "evaluate", scripted)
+  workdir = tmp_path / "run"
+  test = config_lib.asset_path("default", "data", "test.jsonl")
+  kw = {"train.eval_every": 1, "train.export_best": "accuracy", "train.keep_checkpoints": 10,
+        "train.export_policy": "none", "data.test_path": test, "eval.num_prompts": 2}
+  _train(_spec(workdir, r["model_dir"], r["reward"], tlt=False, **{"train.steps": 4, **kw}))
+  best = best_path(str(workdir))
+  with open(os.path.join(best, BEST_FILE)) as f:
+    assert json.load(f) == {"step": 2, "metric": "accuracy", "value": 0.75}
+  recs = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  assert [x["step"] for x in recs if "export_best" in x.get("time", {})] == [2]
+
+  def same_as_checkpoint(step):
+    cli = export_run(str(workdir), step=step, out=str(tmp_path / f"cli{step}")).policy
+    files = _files(best)
+    del files[BEST_FILE]
+    assert files == _files(cli)
+  same_as_checkpoint(2)
+  _train(_spec(workdir, r["model_dir"], r["reward"], tlt=False, **{"train.steps": 6, **kw}))
+  with open(os.path.join(best, BEST_FILE)) as f:
+    assert json.load(f) == {"step": 6, "metric": "accuracy", "value": 0.875}
+  recs = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  assert [x["step"] for x in recs if "export_best" in x.get("time", {})] == [2, 6]
+  same_as_checkpoint(6)

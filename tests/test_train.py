@@ -65,9 +65,11 @@ def _assert_stderr_as_the_readme_says(stderr):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-  """An uninterrupted 4-step run, TLT off (what the interrupted runs below must equal)."""
+  """An uninterrupted 4-step run, TLT off (what the interrupted runs below must equal), its
+  best evaluated policy kept (train.export_best)."""
   ref_dir = tmp_path_factory.mktemp("ref")
-  ref = subprocess.run(_cmd(ref_dir, 4, "--config.tlt.enabled=False"), cwd=ROOT, env=_env(),
+  ref = subprocess.run(_cmd(ref_dir, 4, "--config.tlt.enabled=False",
+                            "--config.train.export_best=accuracy"), cwd=ROOT, env=_env(),
                        capture_output=True, text=True, timeout=900)
   assert ref.returncode == 0, ref.stderr[-3000:]
   return ref_dir, ref.stderr
@@ -111,6 +113,16 @@ def test_sigkill_during_training_resumes_exactly(tmp_path, reference):
   assert (f"step 0: held-out accuracy {evals[0]['accuracy']:.3f} "
           f"(default/data/test {a:.3f}, longtail/data/test {b:.3f})") in ref_stderr
   assert f"longtail/data/test {b:.3f} -> " in ref_stderr.split("done: 4 steps")[1]
+  # the best policy: the first evaluation that beat the starting policy's, where one did
+  accs = [ev["accuracy"] for ev in evals]
+  best = ref_dir / "policy_hf" / "best"
+  if max(accs[1:]) > accs[0]:
+    step = 2 * accs.index(max(accs))
+    assert json.loads((best / "best.json").read_text())["step"] == step
+    assert (f"; best policy (step {step}, accuracy {max(accs):.3f}) in {best}") in ref_stderr
+  else:
+    assert "; no step beat the starting policy's accuracy: no best policy" in ref_stderr
+    assert not best.exists()
 
   proc = subprocess.Popen(_cmd(run_dir, 4, "--config.tlt.enabled=False"), cwd=ROOT,
                           env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -717,7 +729,7 @@ def test_learner_samples_shape_the_rewards_and_drop_the_truncated_as_dapo():
   (computed here from its definition), and with drop_truncated the responses cut at the budget
   (finish "length") are not among the learner's samples, their group's statistics unchanged."""
   from tlt_jax.rl.samples import learner_samples
-  from tlt_jax.train import Response
+  from tlt_jax.step_rollouts import Response
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
   cfg.grpo.n, cfg.rollout.max_new_tokens = 3, 20
   cfg.reward.overlong_buffer, cfg.reward.overlong_penalty = 5, 0.8
@@ -848,7 +860,7 @@ def test_negative_rewards_carry_signal_as_they_are():
   """A reward function's negative scores are the group's rewards as given: (-1, 0) has
   signal, and its GRPO advantages are (r - mean) / std (ddof 1) = -/+ 0.7071 by hand."""
   from tlt_jax.rl.samples import learner_samples, signal_groups
-  from tlt_jax.train import Response
+  from tlt_jax.step_rollouts import Response
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
   cfg.grpo.n, cfg.rollout.max_new_tokens, cfg.grpo.filter_groups = 2, 20, True
   cfg.grpo.num_prompts, cfg.reward.overlong_buffer = 2, 0
@@ -867,7 +879,7 @@ def test_learner_samples_keep_the_first_groups_with_signal():
   of the rest only the first grpo.num_prompts train; a penalty that differs within a group of
   equal rewards is signal."""
   from tlt_jax.rl.samples import learner_samples, signal_groups
-  from tlt_jax.train import Response
+  from tlt_jax.step_rollouts import Response
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
   cfg.grpo.n, cfg.rollout.max_new_tokens, cfg.grpo.filter_groups = 2, 20, True
   rewards = [[1, 1], [0, 1], [0, 0], [1, 0], [1, 1]]
@@ -894,7 +906,7 @@ def test_batch_whitened_advantages_count_only_the_groups_that_train():
   trained groups' tokens only (a dropped group's would move them)."""
   from tlt_jax.rl.grpo import advantages
   from tlt_jax.rl.samples import learner_samples
-  from tlt_jax.train import Response
+  from tlt_jax.step_rollouts import Response
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
   cfg.grpo.n, cfg.grpo.num_prompts, cfg.grpo.filter_groups = 2, 2, True
   cfg.grpo.adv_estimator = "reinforce_plus_plus_baseline"

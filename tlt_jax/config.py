@@ -386,6 +386,13 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
         "checkpoint only, at every checkpoint, or never")
   check(t.export_dtype in ("",) + export.DTYPES, "train.export_dtype", t.export_dtype,
         f"use one of {list(export.DTYPES)}, or '' for the starting model's dtype")
+  best = t.export_best
+  check(best in ("", "accuracy") or (best.startswith("accuracy:") and len(best) > 9),
+        "train.export_best", best, "use 'accuracy' (every held-out prompt's), "
+        "'accuracy:<source>' (one test file's, e.g. accuracy:aime24) or '' (none)")
+  check(not best or (cfg.data.test_path and t.eval_every > 0), "train.export_best", best,
+        "the best policy is chosen by held-out evaluation: set data.test_path and "
+        "train.eval_every > 0, or train.export_best=''")
   check(cfg.eval.batch_size >= 1, "eval.batch_size", cfg.eval.batch_size, "must be >= 1")
   e = cfg.eval
   check(e.n >= 1, "eval.n", e.n, "must be >= 1 (responses per held-out prompt)")

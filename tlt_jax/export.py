@@ -20,7 +20,9 @@ OUT defaults to <workdir>/export/<N>/; --dtype to the starting model's (its conf
 torch_dtype or dtype), else the run's model.param_dtype; --engine to the run's
 train.export_engine. The starting model is model.path of the run's <workdir>/config.json.
 Training writes the same policy folder itself as <workdir>/policy_hf/<N>/ (`export_step`;
-config.train.export_policy "final", "every" or "none", dtype config.train.export_dtype).
+config.train.export_policy "final", "every" or "none", dtype config.train.export_dtype), and
+with config.train.export_best the policy of its best held-out evaluation so far as
+<workdir>/policy_hf/best/, its step and score in best.json (`BestPolicy`).
 
 Memory: the actor is read from the checkpoint onto a mesh of every device (FSDP, as the
 learner holds it), then gathered to the host one tensor at a time, a stacked layer leaf one
@@ -53,6 +55,8 @@ DTYPES = ("bfloat16", "float16", "float32")
 POLICIES = ("final", "every", "none")  # config.train.export_policy
 EXPORT_DIR = "export"  # the command's default OUT: <workdir>/export/<step>/
 POLICY_DIR = "policy_hf"  # training's: <workdir>/policy_hf/<step>/
+BEST_DIR = "best"  # config.train.export_best's: <workdir>/policy_hf/best/
+BEST_FILE = "best.json"  # inside it: the step, the metric and its value
 # keys of the starting model's config.json that do not describe the folder written: its
 # weights are dense (not quantised), and it is not that model's hub entry
 _DROPPED = ("quantization_config", "_name_or_path")
@@ -86,11 +90,13 @@ def _generation_config(model_dir: str) -> dict[str, Any] | None:
 
 
 def write_policy(out: str, params, cfg: ModelConfig, *, model_dir: str, dtype: str,
-                 max_shard_bytes: int = MAX_SHARD_BYTES) -> str:
+                 max_shard_bytes: int = MAX_SHARD_BYTES,
+                 notes: dict[str, Any] | None = None) -> str:
   """The Hugging Face folder of the actor `params` (any sharding) at `out`, replacing one
   there: weights in `dtype`, and the starting model `model_dir`'s config.json (its
-  architecture fields cfg's, its dtype `dtype`), generation config and tokenizer files.
-  Every process calls it (the gathers are collectives); process 0 writes."""
+  architecture fields cfg's, its dtype `dtype`), generation config and tokenizer files;
+  `notes`: more JSON files in it (name -> content), in place before the folder is. Every
+  process calls it (the gathers are collectives); process 0 writes."""
   primary = jax.process_index() == 0
   config = {k: v for k, v in read_hf_config(model_dir).items() if k not in _DROPPED}
   config.update(cfg.to_hf_dict(), torch_dtype=dtype, dtype=dtype)
@@ -101,6 +107,9 @@ def write_policy(out: str, params, cfg: ModelConfig, *, model_dir: str, dtype: s
                 generation_config=_generation_config(model_dir) if primary else None,
                 tokenizer_dir=model_dir, max_shard_bytes=max_shard_bytes)
   if primary:
+    for name, content in (notes or {}).items():
+      with open(os.path.join(tmp, name), "w") as f:
+        json.dump(content, f, indent=1)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
   return out
@@ -115,6 +124,72 @@ def export_step(workdir: str, step: int, params, cfg: ModelConfig, *, model_dir:
   if keep is not None and jax.process_index() == 0:
     drafter_export.keep_newest(os.path.join(workdir, POLICY_DIR), keep)
   return out
+
+
+def best_path(workdir: str) -> str:
+  return os.path.join(workdir, POLICY_DIR, BEST_DIR)
+
+
+def read_best(workdir: str) -> dict[str, Any] | None:
+  """best.json of <workdir>/policy_hf/best/ (None: no best policy written)."""
+  try:
+    with open(os.path.join(best_path(workdir), BEST_FILE)) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+def best_source(metric: str) -> str | None:
+  """config.train.export_best's source: "accuracy" -> None (every held-out prompt),
+  "accuracy:<source>" -> <source> (one test file's prompts, `eval.accuracy_by_source`)."""
+  return metric.partition(":")[2] or None
+
+
+class BestPolicy:
+  """config.train.export_best: the policy whose held-out evaluation scored best so far, as
+  <workdir>/policy_hf/best/ with best.json ({"step", "metric", "value"}). A step's policy is
+  written where its score beats every earlier evaluation's of this metric in the run, the
+  starting policy's (step 0) included, which is not written (it is model.path): ties keep the
+  earlier step. A resumed run's bar is the best of best.json (of the same metric) and the
+  evaluations its metrics.jsonl holds up to the restored step."""
+
+  def __init__(self, workdir: str, metric: str, bar: float | None = None):
+    self.workdir, self.metric, self.bar = workdir, metric, bar
+    self.source = best_source(metric)
+
+  @classmethod
+  def resume(cls, workdir: str, metric: str, start: int) -> "BestPolicy":
+    from tlt_jax.metrics import read_records
+    best = cls(workdir, metric)
+    path = os.path.join(workdir, "metrics.jsonl")
+    records = read_records(path) if start > 0 and os.path.isfile(path) else []
+    values = [best.value(r["eval"]) for r in records if "eval" in r and r["step"] <= start]
+    saved = read_best(workdir)
+    if saved is not None and saved.get("metric") == metric:
+      values.append(saved.get("value"))
+    values = [v for v in values if v is not None]
+    best.bar = max(values) if values else None
+    return best
+
+  def value(self, ev: dict[str, Any]) -> float | None:
+    """The metric of an evaluation's record (`train.evaluate`'s): its accuracy, or its
+    source's (a run with one source has no breakdown: its accuracy is the source's)."""
+    if self.source is not None and "accuracy_by_source" in ev:
+      return ev["accuracy_by_source"].get(self.source)
+    return ev.get("accuracy")
+
+  def offer(self, step: int, value: float | None, write) -> bool:
+    """Step `step` scored `value` (None: not evaluated): where it beats the bar, `write(out,
+    notes)` writes its policy to `out` with `notes` (write_policy's) and the bar rises;
+    step 0 (the starting policy) sets the bar only. Returns whether it wrote."""
+    if value is None or (self.bar is not None and value <= self.bar):
+      return False
+    self.bar = value
+    if step == 0:
+      return False
+    write(best_path(self.workdir),
+          {BEST_FILE: {"step": int(step), "metric": self.metric, "value": float(value)}})
+    return True
 
 
 class Exported(NamedTuple):
@@ -172,6 +247,10 @@ def export_run(workdir: str, *, step: int | None = None, out: str | None = None,
     if step not in steps:
       raise ExportError(f"--step {step}: {ckpt_dir} holds steps {steps}; pass one of them")
     out = out or os.path.join(workdir, EXPORT_DIR, str(step))
+    made = os.path.abspath(out)  # the topmost folder output_dir_problem makes (None: none)
+    while not os.path.exists(os.path.dirname(made)):
+      made = os.path.dirname(made)
+    made = None if os.path.exists(made) else made
     why = output_dir_problem(out)
     if why:
       raise ExportError(f"--out {out}: {why}; pass a directory (new, or an earlier export's)")
@@ -185,10 +264,11 @@ def export_run(workdir: str, *, step: int | None = None, out: str | None = None,
       template = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                               shapes, shardings)
       params = ckpt.read_subtree("actor", step, template=template)
-    except CheckpointError as e:
-      raise ExportError(f"--workdir {workdir}: {e}") from None
-    except ExportError as e:
-      raise ExportError(f"--engine {engine}: {e}") from None
+    except (CheckpointError, ExportError) as e:
+      if made is not None:  # (nothing written in it yet: an error leaves no folder behind)
+        shutil.rmtree(made, ignore_errors=True)
+      what = f"--workdir {workdir}" if isinstance(e, CheckpointError) else f"--engine {engine}"
+      raise ExportError(f"{what}: {e}") from None
   policy = write_policy(os.path.join(out, "policy"), params, cfg, model_dir=model_dir,
                         dtype=dtype, max_shard_bytes=max_shard_bytes)
   del params

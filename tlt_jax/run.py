@@ -156,6 +156,12 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
   test_rows = None
   if cfg.data.test_path and cfg.train.eval_every > 0:
     test_rows = runtime.load_test_rows(cfg)
+  best = policy_export.best_source(cfg.train.export_best)
+  sources = {r.source for r in test_rows or ()}
+  if best is not None and best not in sources:  # (config.py checked the rest)
+    raise ConfigError("names no held-out source: use " + ", ".join(
+        f"accuracy:{s}" for s in sorted(sources)) + " or accuracy", "train.export_best",
+        cfg.train.export_best, in_config=True)
   model_cfg, params, tokenizer, stop = runtime.load_model(
       cfg, mesh=mesh, rows=train_rows + (test_rows or []))
   left_out = 0
@@ -350,11 +356,40 @@ def export_policy(run: Run, state: TrainState) -> None:
   the newest train.keep_checkpoints of them kept. Every process calls it: the gather of each
   tensor is a collective."""
   cfg = run.cfg
-  dtype = policy_export.policy_dtype(cfg.train.export_dtype, cfg.model.path,
-                                     cfg.model.param_dtype)
   policy_export.export_step(cfg.workdir, state.step, state.learner.params, run.model_cfg,
-                            model_dir=cfg.model.path, dtype=dtype,
+                            model_dir=cfg.model.path, dtype=_export_dtype(cfg),
                             keep=cfg.train.keep_checkpoints)
+
+
+def best_policy(run: Run, start: int) -> policy_export.BestPolicy | None:
+  """config.train.export_best's choice of the best policy (None: not asked for), its bar
+  what the workdir holds up to step `start` (`BestPolicy.resume`: process 0's view, every
+  process's bar)."""
+  metric = run.cfg.train.export_best
+  if not metric or run.test_rows is None:
+    return None
+  primary = distributed.is_primary()
+  bar = policy_export.BestPolicy.resume(run.cfg.workdir, metric, start).bar if primary else None
+  return policy_export.BestPolicy(run.cfg.workdir, metric,
+                                  distributed.all_gather_objects(bar)[0])
+
+
+def export_best(run: Run, best: policy_export.BestPolicy, state: TrainState,
+                ev: dict[str, Any] | None) -> bool:
+  """config.train.export_best after step `state.step`'s held-out evaluation `ev` (process
+  0's; None elsewhere): its policy as <workdir>/policy_hf/best/ where it scored best so far
+  (`BestPolicy`). Every process calls it: process 0's score decides, and the gathers are
+  collectives."""
+  value = distributed.all_gather_objects(best.value(ev) if ev is not None else None)[0]
+  cfg = run.cfg
+  return best.offer(state.step, value, lambda out, notes: policy_export.write_policy(
+      out, state.learner.params, run.model_cfg, model_dir=cfg.model.path,
+      dtype=_export_dtype(cfg), notes=notes))
+
+
+def _export_dtype(cfg: ml_collections.ConfigDict) -> str:
+  return policy_export.policy_dtype(cfg.train.export_dtype, cfg.model.path,
+                                    cfg.model.param_dtype)
 
 
 def restore(run: Run, state: TrainState) -> TrainState:

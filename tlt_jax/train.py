@@ -7,7 +7,8 @@
 The script, top to bottom: `build` (tlt_jax/run.py: mesh, model, data, learner, drafter,
 rollout workers, checkpoints) -> `restore` the TrainState if the workdir holds a checkpoint
 (run.py) -> `rl_step(state) -> (state, metrics)` until config.train.steps -> `save(state)`
-after every step (run.py). The step's metrics record is tlt_jax/step_metrics.py's.
+after every step (run.py). The step's rollouts are tlt_jax/step_rollouts.py's, its metrics
+record tlt_jax/step_metrics.py's.
 
 One RL step (`rl_step`; README: architecture):
   prompts (PromptStream, resumable position)
@@ -42,10 +43,9 @@ import dataclasses
 import os
 import sys
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 from tqdm import tqdm
@@ -53,7 +53,6 @@ from tqdm import tqdm
 from tlt_jax import config as config_lib
 from tlt_jax import checkpoint, device_memory, distributed, optim, runtime, workdir
 from tlt_jax import export as policy_export
-from tlt_jax.coordinator import Worker
 from tlt_jax.coordinator.coordinator import merge_spot_metrics
 from tlt_jax.coordinator.timeline import concat_rollouts, merge_processes
 from tlt_jax.eval import accuracy_text, sampling_of
@@ -66,112 +65,18 @@ from tlt_jax.rl.samples import learner_samples, signal_groups
 from tlt_jax.rl.reward_pool import RewardPool
 from tlt_jax.rollout.policies.cells import Policies, PolicyCells
 from tlt_jax.rollout.policies.mab import BanditState
-from tlt_jax.rollout.records import Request, Result
-from tlt_jax.run import Run, TrainState, build, export_policy, restore, save
+from tlt_jax.run import (Run, TrainState, best_policy, build, export_best, export_policy,
+                         restore, save)
 from tlt_jax.step_metrics import step_metrics
-
-
-def _seed_for(seed: int, step: int) -> int:
-  """Rollout seed of a step: a pure function of (seed, step), so resume needs no RNG state."""
-  return int(np.random.default_rng([seed, step, 17]).integers(0, 2**31 - 1))
+from tlt_jax.step_rollouts import rollouts, seed_for
 
 
 # ================================================================================ RL step
-class Response(NamedTuple):
-  """One scored response, as the advantages, the learner and the metrics read it (every
-  process's, after the gather)."""
-
-  request_id: int  # its prompt's index among the step's (every rollout's, in order)
-  sample_index: int
-  prompt_ids: np.ndarray
-  response_ids: np.ndarray
-  num_tokens: int
-  finish_reason: str
-  reward: float = 0.0  # (until scored)
-  finish_time: float = 0.0  # seconds since its worker's generate began (the tail metric)
-  rollout: int = 0  # which of the step's rollouts (grpo.filter_groups) wrote it
-
-  @classmethod
-  def of(cls, res: Result, rollout: int = 0) -> "Response":
-    return cls(res.request_id, res.sample_index, res.prompt_ids, res.response_ids,
-               res.num_tokens, res.finish_reason, finish_time=res.finish_time, rollout=rollout)
-
-
-class Rollouts(NamedTuple):
-  """A step's rollouts (one, or several with grpo.filter_groups) and what they left."""
-
-  prompts: list  # every rollout's prompts, in order (a Response's request_id indexes them)
-  responses: list[Response]  # every process's, scored, by (request_id, sample_index)
-  data: Any  # the data position after the last rollout's prompts
-  policies: Policies  # the bandit's and the gate's states after the last rollout
-  chunks: list
-  walls: list[float]  # each rollout's seconds until its barrier
-  timelines: list  # each rollout's Timeline
-  settles: list  # each rollout's settle(): its drafter's metrics once merged (module docstring)
-  reward_wait: float  # seconds waited for rewards after the rollouts' barriers
-
-
-def rollouts(run: Run, state: TrainState, pool: RewardPool, seed: int) -> Rollouts:
-  """The step's rollouts from the train state's policies, rewards scored as responses
-  finish (the coordinator keeps their drafter data; spot training when idle). With
-  grpo.filter_groups (DAPO's dynamic sampling) each rollout draws grpo.gen_prompts prompts
-  (0: grpo.num_prompts), and another rolls out, with the same policy, while fewer than
-  grpo.num_prompts groups have signal (`signal_groups`), at most grpo.max_rollouts in all;
-  each rollout's seed is a function of (seed, its index)."""
-  cfg, g = run.cfg, run.cfg.grpo
-  prompts: list = []
-  responses: list[Response] = []
-  data, policies = state.data, state.policies
-  chunks, walls, timelines, settles, waited = [], [], [], [], 0.0
-  rounds = g.max_rollouts if g.filter_groups else 1
-  draw = g.gen_prompts or g.num_prompts
-  release = cfg.memory.release_rollout_weights
-  for k in range(rounds):
-    batch, data = run.stream.batch(data, draw)
-    offset = len(prompts)
-    prompts += batch
-    requests = [Request(p.ids, request_id=offset + i, sample_index=s)
-                for i, p in enumerate(batch) for s in range(g.n)]
-
-    def on_response(worker: Worker, res: Result) -> None:
-      text = run.tokenizer.decode(res.response_ids, skip_special_tokens=True)
-      row = prompts[res.request_id].row
-      pool.submit((res.request_id, res.sample_index), text, row.answer, row.source,
-                  row.extra_info)
-
-    # (release: the workers free their actor copy for the learner's phases; a rollout that
-    # may have a successor keeps it, released below where it is the last)
-    out = run.coordinator.rollout(requests, run.sampling,
-                                  seed=seed if k == 0 else _seed_for(seed, k), step=state.step,
-                                  on_response=on_response, policies=policies,
-                                  release_actor=release and k == rounds - 1)
-    policies = out.policies
-    mine = [Response.of(res, k) for res in out.results]
-    chunks += out.chunks
-    walls.append(out.wall)
-    timelines.append(out.timeline)
-    settles.append(out.settle)
-    del out  # the Results' hidden states go now (the buffer copied the windows it keeps)
-    t = time.perf_counter()
-    rewards = pool.gather([(res.request_id, res.sample_index) for res in mine])
-    waited += time.perf_counter() - t
-    # every process's responses and rewards (each scored its own): the learner's batch is
-    # global, and so is the decision to roll out again
-    responses += _gather_responses(
-        [res._replace(reward=rewards[(res.request_id, res.sample_index)]) for res in mine])
-    if k < rounds - 1 and signal_groups(responses, len(prompts), cfg).sum() >= g.num_prompts:
-      if release:
-        run.coordinator.release_actors()
-      break
-  return Rollouts(prompts, responses, data, policies, chunks, walls, timelines, settles,
-                  waited)
-
-
 def rl_step(run: Run, state: TrainState, pool: RewardPool
             ) -> tuple[TrainState, dict[str, Any], dict[str, Any]]:
   """One RL step (the module docstring) -> (state, metrics, timeline of the workers)."""
   cfg, step = run.cfg, state.step
-  seed = _seed_for(cfg.seed, step)
+  seed = seed_for(cfg.seed, step)
   times: dict[str, float] = {}
   peaks: dict[str, int] = {}  # each phase's device peak so far at its end (GPUs: memory_stats)
   t_step = time.perf_counter()
@@ -263,13 +168,6 @@ def _gather_views(chunks, spot, timeline_json, reward_stats):
   return [c for p in parts for c in p[0]], spot, timeline_json, total
 
 
-def _gather_responses(mine: list[Response]) -> list[Response]:
-  """This process's scored responses -> every process's, sorted by (request_id,
-  sample_index)."""
-  every = [rec for part in distributed.all_gather_objects(mine) for rec in part]
-  return sorted(every, key=lambda r: (r.request_id, r.sample_index))
-
-
 def evaluate(run: Run, pool: RewardPool, state: TrainState, bandit: BanditState | None
              ) -> tuple[dict[str, Any], BanditState | None]:
   """Held-out accuracy (config.eval's responses per prompt and sampling), decoded by worker 0
@@ -317,6 +215,7 @@ def train(run: Run, state: TrainState, *, progress: bool = True
   stopped = None  # (step, signal) where a stop request (SIGTERM) ended the run
   profiler = StepProfiler(run.profile, cfg.workdir, jax.process_index(),
                           sys.stderr if primary else None)
+  best = best_policy(run, start)  # None unless config.train.export_best
   try:
     with pool, distributed.StopRequest() as stop:
       if start == 0 and evaluating:
@@ -324,14 +223,21 @@ def train(run: Run, state: TrainState, *, progress: bool = True
         ev, eval_bandit = evaluate(run, pool, state, eval_bandit)
         writer.write(0, {"eval": ev, "time": {"eval": time.perf_counter() - t}})
         print(f"step 0: held-out accuracy {accuracy_text(ev)}", file=sys.stderr)
+      if start == 0 and best is not None:  # (the starting policy's score: the first bar)
+        export_best(run, best, state, ev if evaluating else None)
       while state.step < cfg.train.steps:
         with profiler.step(state.step + 1):  # (a trace only of the steps config.profile names)
           state, m, timeline = rl_step(run, state, pool)
-        if evaluating and (state.step % cfg.train.eval_every == 0
-                           or state.step == cfg.train.steps):
+        due = run.test_rows is not None and (state.step % cfg.train.eval_every == 0
+                                             or state.step == cfg.train.steps)
+        if evaluating and due:
           t = time.perf_counter()
           m["eval"], eval_bandit = evaluate(run, pool, state, eval_bandit)
           m["time"]["eval"] = time.perf_counter() - t
+        if best is not None and due:  # (before the save: a resume redoes a step cut here)
+          t = time.perf_counter()
+          if export_best(run, best, state, m.get("eval")):
+            m["time"]["export_best"] = time.perf_counter() - t
         signum = stop.agreed()  # (every process stops at the same step)
         t = time.perf_counter()
         save(run, state, force=state.step == cfg.train.steps or signum is not None)
@@ -433,6 +339,13 @@ def main(argv):
     msg += f"; held-out accuracy {accuracy_text(evals[0], evals[-1])}"
   if last:
     msg += f"; last step reward {last['reward']:.3f}"
+  if cfg.train.export_best:
+    best = policy_export.read_best(cfg.workdir)
+    if best is not None and best.get("metric") == cfg.train.export_best:
+      msg += (f"; best policy (step {best['step']}, {best['metric']} {best['value']:.3f}) in "
+              f"{policy_export.best_path(cfg.workdir)}")
+    else:
+      msg += f"; no step beat the starting policy's {cfg.train.export_best}: no best policy"
   msg += f"; metrics in {path}"
   try:  # a figure is a convenience: it never fails a finished run
     plot_runs({os.path.basename(os.path.normpath(cfg.workdir)): records},

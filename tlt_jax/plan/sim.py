@@ -2,9 +2,9 @@
 `SimEngine`, the engine on a simulated device and clock) inside whole simulated steps.
 
 `Simulation.step` runs one whole RL step: its rollouts (one; with grpo.filter_groups,
-DAPO's dynamic sampling, train.py's rule over groups that carry signal at a given rate), each
-the coordinator's split of requests over workers (coordinator.split), each worker's generate
-call on its own device clock (workers run side by
+DAPO's dynamic sampling, step_rollouts.py's rule over groups that carry signal at a given
+rate), each the coordinator's split of requests over workers (coordinator.split), each
+worker's generate call on its own device clock (workers run side by
 side, each on its own replica: they are simulated one after the other and share the step's
 cells of the gate and the bandit, as the process's workers share a rollout's; the states go
 from step to step as the train state carries them), the barrier at the slowest worker, the
@@ -168,8 +168,8 @@ class Simulation:
   def step(self) -> StepResult:
     """One RL step: its rollouts (one; with grpo.filter_groups, DAPO's dynamic sampling, more
     while fewer than grpo.num_prompts groups carry signal, each group with probability
-    `signal` independently of its lengths: train.py's rule), then the learner on the groups
-    that train."""
+    `signal` independently of its lengths: step_rollouts.py's rule), then the learner on the
+    groups that train."""
     k = len(self.steps)
     g = self.spec.cfg.grpo
     filtering = bool(g.get("filter_groups", False))

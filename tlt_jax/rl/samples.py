@@ -4,7 +4,7 @@ signal, and which responses train (DAPO's dynamic sampling and overlong filterin
 
 A response here is anything with `request_id` (its prompt's index among the step's),
 `sample_index`, `prompt_ids`, `response_ids`, `num_tokens`, `finish_reason` and `reward`
-(tlt_jax/train.py's `Response`)."""
+(tlt_jax/step_rollouts.py's `Response`)."""
 
 from __future__ import annotations
 

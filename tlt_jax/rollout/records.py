@@ -3,8 +3,8 @@ the hooks it calls, and the per-request output accumulator. Plain host data, no 
 the coordinator, train.py and the benchmarks read these without touching the engine.
 
 Results and chunk metrics are frozen: whoever wants a changed one (a reward attached, a
-window cut) builds its own record (train.py's `Response`), so a Result handed to one hook is
-the same Result the engine returns.
+window cut) builds its own record (step_rollouts.py's `Response`), so a Result handed to one
+hook is the same Result the engine returns.
 """
 
 from __future__ import annotations
