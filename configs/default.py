@@ -200,6 +200,9 @@ def get_config():
   # policy's included: "accuracy" (every held-out prompt's), "accuracy:<source>" (one test
   # file's: its name without the extension), or "" (none)
   c.train.export_best = ""
+  # the first N prompts' groups of each step's rollout, every response with its prompt, answer
+  # and reward, in <workdir>/rollouts.jsonl (0: none)
+  c.train.log_rollouts = 2
 
   # a profiler trace of RL steps "N" or "N-M" ("": none) into <workdir>/tb (TensorBoard's
   # Profile tab; perfetto_trace.json.gz for ui.perfetto.dev; summary.md): tlt_jax/profiling.py
@@ -298,6 +301,9 @@ def get_config():
   # responses per prompt and their sampling: temperature 0 is greedy (n 1); n > 1 sampled
   # reports accuracy as avg@n and the unbiased pass@k (reasoning papers: n 16-32 at 0.6-1.0)
   c.eval.n = 1
+  # each held-out source's first N prompts' responses at every evaluation, with their
+  # rewards, in <workdir>/eval_responses.jsonl (0: none)
+  c.eval.log_responses = 8
   c.eval.temperature = 0.0
   c.eval.top_p = 1.0
   return c

@@ -80,6 +80,15 @@ def test_eval_accuracy_matches_transformers_greedy(tmp_path):
   assert metrics["accuracy_by_source"] == pytest.approx(
       {"first": float(np.mean(scores[:10])), "second": float(np.mean(scores[10:]))})
   assert f"  second: accuracy {np.mean(scores[10:]):.3f} on 14 prompts" in p.stdout
+  # every response in eval_responses.jsonl: transformers' text, the verifier's score, its row
+  recs = [json.loads(line) for line in open(tmp_path / "eval_responses.jsonl")]
+  assert [(r["source"], r["prompt_index"]) for r in recs] == [
+      ("first", i) for i in range(10)] + [("second", i) for i in range(10, n)]
+  assert [r["response"] for r in recs] == texts
+  assert [r["reward"] for r in recs] == scores
+  assert [(r["prompt"], r["answer"]) for r in recs] == [(r["prompt"], r["answer"]) for r in rows]
+  assert {r["finish_reason"] for r in recs} == {"stop"}
+  assert f"every response in {tmp_path}/eval_responses.jsonl" in p.stdout
 
 
 def test_pass_at_k_is_the_share_of_k_subsets_with_a_correct_sample():
@@ -189,6 +198,29 @@ def test_each_source_is_scored_apart():
         {str(k): np.mean([pass_at_k(4, c, k) for c in correct]) for k in (1, 2, 4)})
   assert one["accuracy"] == pytest.approx(4 / 8)
   assert not {"accuracy_by_source", "prompts_by_source", "pass_at_by_source"} & set(one)
+
+
+def test_evaluation_keeps_each_sources_first_prompts_responses():
+  """keep=1: the responses of each source's first prompt (aime's q0, math's q1, the unknown
+  source's q3), every sample, with the scripted text and the verifier's score; keep=0: none."""
+  from tlt_jax.data.prompts import PromptRow
+  from tlt_jax.eval import evaluate
+  from tlt_jax.rl.reward_pool import RewardPool
+  from tlt_jax.rollout.sampling import SamplingParams
+  rows = [PromptRow(0, "q0", "7", source="aime"), PromptRow(1, "q1", "11", source="math"),
+          PromptRow(2, "q2", "3", source="aime"), PromptRow(3, "q3", "5")]
+  answers = [[7, 1], [11, 0], [3, 3], [5, 4]]
+  with RewardPool("arith", num_workers=1) as pool:
+    m = evaluate(_Scripted(answers), _Chars(), rows, pool, progress=False, n=2,
+                 sampling=SamplingParams(temperature=1.0), keep=1)
+    none = evaluate(_Scripted(answers), _Chars(), rows, pool, progress=False, n=2,
+                    sampling=SamplingParams(temperature=1.0))
+  got = [(r["prompt_index"], r["sample"], r["source"], r["prompt"], r["response"], r["reward"])
+         for r in m["responses"]]
+  assert got == [(0, 0, "aime", "q0", "#### 7", 1.0), (0, 1, "aime", "q0", "#### 1", 0.0),
+                 (1, 0, "math", "q1", "#### 11", 1.0), (1, 1, "math", "q1", "#### 0", 0.0),
+                 (3, 0, None, "q3", "#### 5", 1.0), (3, 1, None, "q3", "#### 4", 0.0)]
+  assert "responses" not in none
 
 
 def test_held_out_leaves_out_the_prompts_a_rollout_cannot_take():

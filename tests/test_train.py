@@ -113,6 +113,22 @@ def test_sigkill_during_training_resumes_exactly(tmp_path, reference):
   assert (f"step 0: held-out accuracy {evals[0]['accuracy']:.3f} "
           f"(default/data/test {a:.3f}, longtail/data/test {b:.3f})") in ref_stderr
   assert f"longtail/data/test {b:.3f} -> " in ref_stderr.split("done: 4 steps")[1]
+  # the responses logged: each step's first 2 groups (train.log_rollouts), every held-out
+  # response here (eval.log_responses=8 covers both files' 8 and 7): rewards the verifier's of
+  # their text, the held-out ones' means the records' accuracies per source
+  from tlt_jax.data import arith
+  rollouts = _jsonl(ref_dir / "rollouts.jsonl")
+  assert [(r["step"], r["prompt_index"], r["sample"]) for r in rollouts] == [
+      (step, i, j) for step in range(1, 5) for i in range(2) for j in range(4)]
+  held = _jsonl(ref_dir / "eval_responses.jsonl")
+  assert len(held) == 3 * 15
+  for r in rollouts + held:
+    assert r["reward"] == arith.score(r["response"], r["answer"]), r
+    assert r["tokens"] > 0 and r["finish_reason"] in ("stop", "length")
+  for step, ev in zip((0, 2, 4), evals):
+    for src, acc in ev["accuracy_by_source"].items():
+      mine = [r["reward"] for r in held if r["step"] == step and r["source"] == src]
+      assert len(mine) == ev["prompts_by_source"][src] and np.mean(mine) == pytest.approx(acc)
   # the best policy: the first evaluation that beat the starting policy's, where one did
   accs = [ev["accuracy"] for ev in evals]
   best = ref_dir / "policy_hf" / "best"
@@ -136,6 +152,12 @@ def test_sigkill_during_training_resumes_exactly(tmp_path, reference):
   done = sorted(int(p) for p in os.listdir(run_dir / "checkpoints") if p.isdigit())
   assert max(done) < 4, "killed too late to test anything"
   _resume_equals_reference(run_dir, ref_dir, max(done))
+  for name in ("rollouts.jsonl", "eval_responses.jsonl"):  # (no step twice, none missing)
+    assert _jsonl(run_dir / name) == _jsonl(ref_dir / name), name
+
+
+def _jsonl(path):
+  return [json.loads(line) for line in open(path)]
 
 
 def test_sigterm_to_the_whole_job_stops_at_the_step_boundary_with_its_checkpoint(

@@ -394,6 +394,10 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
         "the best policy is chosen by held-out evaluation: set data.test_path and "
         "train.eval_every > 0, or train.export_best=''")
   check(cfg.eval.batch_size >= 1, "eval.batch_size", cfg.eval.batch_size, "must be >= 1")
+  check(t.log_rollouts >= 0, "train.log_rollouts", t.log_rollouts,
+        "must be >= 0 (groups of each step's rollout logged; 0: none)")
+  check(cfg.eval.log_responses >= 0, "eval.log_responses", cfg.eval.log_responses,
+        "must be >= 0 (each source's prompts whose responses are logged; 0: none)")
   e = cfg.eval
   check(e.n >= 1, "eval.n", e.n, "must be >= 1 (responses per held-out prompt)")
   check(e.temperature >= 0, "eval.temperature", e.temperature, "must be >= 0 (0: greedy)")

@@ -8,7 +8,8 @@ sampled (avg@n and pass@k, as reasoning-RL papers report AIME's).
 Prints accuracy (overall, per source where the rows have several: each file of a
 comma-separated data.test_path, or data.source_key's field; by `num_terms` when rows carry it;
 with eval.n samples a prompt, the mean over every sample: avg@n, and the unbiased pass@k),
-response-length quantiles and decode throughput; writes them to <workdir>/eval.json.
+response-length quantiles and decode throughput; writes them to <workdir>/eval.json, and
+every response (its prompt, answer, reward) to <workdir>/eval_responses.jsonl.
 `evaluate` is reused by the RL loop for its periodic held-out evaluation; `held_out` leaves
 out the prompts a rollout cannot take, as training's stream does.
 """
@@ -26,6 +27,7 @@ import numpy as np
 
 from tlt_jax.data.dataset import encode_prompt, encode_rows
 from tlt_jax.data.prompts import DataError, PromptRow
+from tlt_jax.metrics import append_jsonl
 from tlt_jax.rl.reward_pool import RewardPool
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.records import EngineHooks, Request
@@ -100,10 +102,23 @@ def sampling_of(cfg) -> tuple[int, SamplingParams]:
                                             top_p=float(e.get("top_p", 1.0)))
 
 
+def response_record(index: int, row: PromptRow, res, text: str, reward: float
+                    ) -> dict[str, Any]:
+  """One response as rollouts.jsonl and eval_responses.jsonl write it: its prompt's index
+  (among the step's prompts, or the held-out rows), the row's source, prompt (as the data
+  gives it: text or chat messages) and answer, the response's text (special tokens left
+  out), reward, length and why it ended."""
+  return {"prompt_index": int(index), "sample": int(res.sample_index), "source": row.source,
+          "prompt": row.prompt, "answer": row.answer, "response": text,
+          "reward": float(reward), "tokens": int(res.num_tokens),
+          "finish_reason": res.finish_reason}
+
+
 def evaluate(engine: Engine, tokenizer, rows: Sequence[PromptRow], pool: RewardPool, *,
              seed: int = 0, progress: bool = True, chat_template: bool = False,
              system_prompt: str = "", policies=None, speculate: bool = True, n: int = 1,
-             sampling: SamplingParams = SamplingParams(temperature=0.0)) -> dict[str, Any]:
+             sampling: SamplingParams = SamplingParams(temperature=0.0),
+             keep: int | None = 0) -> dict[str, Any]:
   """Decodes `n` responses to every row (prompts encoded as training encodes them; greedy
   where `sampling` is, and then n is 1) and scores them; returns a metrics dict: `accuracy`
   the mean reward over every response (avg@n), with n > 1 `pass_at` the unbiased pass@k
@@ -115,7 +130,8 @@ def evaluate(engine: Engine, tokenizer, rows: Sequence[PromptRow], pool: RewardP
   (as training's are). `policies`: the bandit and gate cells for these chunks
   (policies/cells.py's PolicyCells; the RL loop passes evaluation's own bandit and a gate it
   does not measure, so evaluation never moves the training policies;
-  None: a fresh bandit)."""
+  None: a fresh bandit). `keep`: `responses`, the records (`response_record`) of each
+  source's first `keep` prompts' responses (None: every prompt's; 0: none)."""
   if n > 1 and sampling.greedy:
     raise ValueError(f"evaluate: {n} greedy responses to a prompt are one; sample (a "
                      "temperature > 0) or take n=1")
@@ -146,13 +162,17 @@ def evaluate(engine: Engine, tokenizer, rows: Sequence[PromptRow], pool: RewardP
     bar.close()
   results.sort(key=lambda r: (r.request_id, r.sample_index))
   rewards = pool.gather([(call, r.request_id, r.sample_index) for r in results])
-  scores, lengths = [], []
+  scores, lengths, kept = [], [], []
   by_terms: dict[int, list[float]] = collections.defaultdict(list)
+  rank = _rank_in_source(rows)
   for res in results:
     row = rows[res.request_id]
     s = rewards[(call, res.request_id, res.sample_index)]
     scores.append(s)
     lengths.append(res.num_tokens)
+    if keep is None or rank[res.request_id] < keep:
+      kept.append(response_record(res.request_id, row, res, tokenizer.decode(
+          res.response_ids, skip_special_tokens=True), s))
     if "num_terms" in row.extra:
       by_terms[int(row.extra["num_terms"])].append(s)
   tokens = int(sum(lengths))
@@ -167,6 +187,8 @@ def evaluate(engine: Engine, tokenizer, rows: Sequence[PromptRow], pool: RewardP
       "tokens_per_second": tokens / wall if wall > 0 else 0.0,
       "truncated": sum(r.finish_reason == "length" for r in results),
   }
+  if keep != 0:
+    out["responses"] = kept
   per_prompt = np.asarray(scores, np.float64).reshape(len(rows), n)  # (results sorted)
   if n > 1:
     out["pass_at"] = pass_at(per_prompt)
@@ -183,6 +205,16 @@ def evaluate(engine: Engine, tokenizer, rows: Sequence[PromptRow], pool: RewardP
         name: float(np.mean([s for k, v in by_terms.items() if lo <= k <= hi for s in v]))
         for name, (lo, hi) in groups.items()
         if any(lo <= k <= hi for k in by_terms)}
+  return out
+
+
+def _rank_in_source(rows: Sequence[PromptRow]) -> list[int]:
+  """Each row's index among its source's rows."""
+  seen: collections.Counter = collections.Counter()
+  out = []
+  for r in rows:
+    out.append(seen[r.source])
+    seen[r.source] += 1
   return out
 
 
@@ -203,7 +235,11 @@ def main(argv):
     n, sampling = sampling_of(cfg)
     metrics = evaluate(engine, tokenizer, rows, pool, seed=cfg.seed,
                        chat_template=d.chat_template, system_prompt=d.system_prompt, n=n,
-                       sampling=sampling)
+                       sampling=sampling, keep=None)
+  responses = os.path.join(cfg.workdir, "eval_responses.jsonl")
+  if os.path.exists(responses):
+    os.remove(responses)  # (an earlier evaluation's, as eval.json is replaced)
+  append_jsonl(responses, metrics.pop("responses"))
   metrics["left_out"] = left_out
   metrics["reward_failures"] = {"errors": pool.stats.errors, "timeouts": pool.stats.timeouts,
                                 "crashes": pool.stats.crashes}
@@ -231,7 +267,7 @@ def main(argv):
         f"max {lens['max']:.0f}; {metrics['tokens_per_second']:.0f} tokens/s "
         f"({metrics['compile']['executables']} executables, "
         f"{metrics['compile']['compile_seconds']:.1f}s compile)")
-  print(f"wrote {os.path.join(cfg.workdir, 'eval.json')}")
+  print(f"wrote {os.path.join(cfg.workdir, 'eval.json')}, every response in {responses}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""What a run writes about itself: metrics.jsonl, timeline.jsonl, TensorBoard, compile time.
+"""What a run writes about itself: metrics.jsonl, timeline.jsonl, TensorBoard, compile time,
+and samples of its responses (rollouts.jsonl, eval_responses.jsonl).
 
 Host-side I/O only (no jitted code). The trainer writes with `MetricsWriter`; scripts that
 plot or compare runs (tlt_jax/curves.py, scripts/plot_timeline.py) read with `read_records`,
@@ -12,7 +13,7 @@ import logging
 import os
 import sys
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 
@@ -50,6 +51,12 @@ def read_records(path: str, *, tolerate_partial: bool = True) -> list[dict[str, 
   return out
 
 
+def append_jsonl(path: str, records: Sequence[dict[str, Any]], **fields: Any) -> None:
+  """Appends `records` to the JSONL file `path`, each with `fields` first, in whole lines."""
+  with open(path, "a") as f:
+    f.writelines(json.dumps({**fields, **r}) + "\n" for r in records)
+
+
 def keep_steps_upto(path: str, step: int) -> None:
   """Rewrites a JSONL file without records of steps after `step` (recomputed after a resume)
   and without a last line cut by a kill, so curves have no duplicates and appends start on a
@@ -62,14 +69,19 @@ def keep_steps_upto(path: str, step: int) -> None:
   os.replace(path + ".tmp", path)
 
 
+RESPONSE_FILES = ("rollouts", "eval_responses")  # <workdir>/<name>.jsonl (`responses`)
+
+
 class MetricsWriter:
-  """metrics.jsonl + timeline.jsonl + TensorBoard; on resume, records of steps after the
-  restored checkpoint are dropped (TensorBoard: purged)."""
+  """metrics.jsonl + timeline.jsonl + TensorBoard, and the responses files; on resume,
+  records of steps after the restored checkpoint are dropped (TensorBoard: purged)."""
 
   def __init__(self, workdir: str, resume_step: int):
+    self.workdir = workdir
     self.path = os.path.join(workdir, "metrics.jsonl")
     self.timeline_path = os.path.join(workdir, "timeline.jsonl")
-    for p in (self.path, self.timeline_path):
+    for p in (self.path, self.timeline_path) + tuple(
+        os.path.join(workdir, f"{name}.jsonl") for name in RESPONSE_FILES):
       keep_steps_upto(p, resume_step)
     self._f = open(self.path, "a")
     self._timeline = open(self.timeline_path, "a")
@@ -91,6 +103,12 @@ class MetricsWriter:
         if isinstance(v, (int, float)) and not isinstance(v, bool):
           self._tb.add_scalar(k, v, step)
       self._tb.flush()
+
+  def responses(self, name: str, step: int, records: Sequence[dict[str, Any]]) -> None:
+    """Step `step`'s response records (eval.response_record's) appended to
+    <workdir>/<name>.jsonl, `name` one of RESPONSE_FILES."""
+    if records:
+      append_jsonl(os.path.join(self.workdir, f"{name}.jsonl"), records, step=step)
 
   def close(self) -> None:
     self._f.close()

@@ -14,6 +14,7 @@ import numpy as np
 
 from tlt_jax import distributed
 from tlt_jax.coordinator import Worker
+from tlt_jax.eval import response_record
 from tlt_jax.rl.reward_pool import RewardPool
 from tlt_jax.rl.samples import signal_groups
 from tlt_jax.rollout.policies.cells import Policies
@@ -114,6 +115,15 @@ def rollouts(run: Run, state: TrainState, pool: RewardPool, seed: int) -> Rollou
       break
   return Rollouts(prompts, responses, data, policies, chunks, walls, timelines, settles,
                   waited)
+
+
+def logged_responses(prompts: list, responses: list[Response], tokenizer, groups: int
+                     ) -> list[dict[str, Any]]:
+  """The step's first `groups` prompts' responses (config.train.log_rollouts), as
+  rollouts.jsonl's records (`eval.response_record`: prompt, answer, response text, reward)."""
+  return [response_record(res.request_id, prompts[res.request_id].row, res, tokenizer.decode(
+      res.response_ids, skip_special_tokens=True), res.reward)
+          for res in responses if res.request_id < groups]
 
 
 def gather_responses(mine: list[Response]) -> list[Response]:

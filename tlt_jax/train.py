@@ -68,13 +68,14 @@ from tlt_jax.rollout.policies.mab import BanditState
 from tlt_jax.run import (Run, TrainState, best_policy, build, export_best, export_policy,
                          restore, save)
 from tlt_jax.step_metrics import step_metrics
-from tlt_jax.step_rollouts import rollouts, seed_for
+from tlt_jax.step_rollouts import logged_responses, rollouts, seed_for
 
 
 # ================================================================================ RL step
 def rl_step(run: Run, state: TrainState, pool: RewardPool
-            ) -> tuple[TrainState, dict[str, Any], dict[str, Any]]:
-  """One RL step (the module docstring) -> (state, metrics, timeline of the workers)."""
+            ) -> tuple[TrainState, dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
+  """One RL step (the module docstring) -> (state, metrics, timeline of the workers, the
+  responses config.train.log_rollouts logs)."""
   cfg, step = run.cfg, state.step
   seed = seed_for(cfg.seed, step)
   times: dict[str, float] = {}
@@ -153,8 +154,9 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   times["total"] = time.perf_counter() - t_step
   times["compile"] = run.compile_clock.lap()
   m["time"] = times
+  logged = logged_responses(prompts, responses, run.tokenizer, cfg.train.log_rollouts)
   return (TrainState(step + 1, learner, ro.data, ro.policies.bandit, ro.policies.gate), m,
-          timeline_json)
+          timeline_json, logged)
 
 
 def _gather_views(chunks, spot, timeline_json, reward_stats):
@@ -172,7 +174,7 @@ def evaluate(run: Run, pool: RewardPool, state: TrainState, bandit: BanditState 
              ) -> tuple[dict[str, Any], BanditState | None]:
   """Held-out accuracy (config.eval's responses per prompt and sampling), decoded by worker 0
   with evaluation's own bandit (`bandit`, returned updated) and the train state's gate, read
-  but not moved."""
+  but not moved; with config.eval.log_responses, `responses` (eval_responses.jsonl's)."""
   d, w = run.cfg.data, run.coordinator.workers[0]
   cells = PolicyCells.of(Policies(bandit, state.gate), measure=False)
   n, sampling = sampling_of(run.cfg)
@@ -180,10 +182,11 @@ def evaluate(run: Run, pool: RewardPool, state: TrainState, bandit: BanditState 
     m = w.submit(evaluate_rows, w.engine, run.tokenizer, run.test_rows, pool,
                  seed=run.cfg.seed, progress=False, chat_template=d.chat_template,
                  system_prompt=d.system_prompt, policies=cells,
-                 speculate=run.cfg.eval.speculate, n=n, sampling=sampling).result()
+                 speculate=run.cfg.eval.speculate, n=n, sampling=sampling,
+                 keep=run.cfg.eval.log_responses).result()
   return ({k: v for k, v in m.items() if k in (
       "accuracy", "accuracy_by_terms", "pass_at", "accuracy_by_source", "prompts_by_source",
-      "pass_at_by_source", "response_length", "tokens_per_second")},
+      "pass_at_by_source", "response_length", "tokens_per_second", "responses")},
           cells.states().bandit)
 
 
@@ -221,13 +224,14 @@ def train(run: Run, state: TrainState, *, progress: bool = True
       if start == 0 and evaluating:
         t = time.perf_counter()
         ev, eval_bandit = evaluate(run, pool, state, eval_bandit)
+        writer.responses("eval_responses", 0, ev.pop("responses", ()))
         writer.write(0, {"eval": ev, "time": {"eval": time.perf_counter() - t}})
         print(f"step 0: held-out accuracy {accuracy_text(ev)}", file=sys.stderr)
       if start == 0 and best is not None:  # (the starting policy's score: the first bar)
         export_best(run, best, state, ev if evaluating else None)
       while state.step < cfg.train.steps:
         with profiler.step(state.step + 1):  # (a trace only of the steps config.profile names)
-          state, m, timeline = rl_step(run, state, pool)
+          state, m, timeline, logged = rl_step(run, state, pool)
         due = run.test_rows is not None and (state.step % cfg.train.eval_every == 0
                                              or state.step == cfg.train.steps)
         if evaluating and due:
@@ -242,7 +246,9 @@ def train(run: Run, state: TrainState, *, progress: bool = True
         t = time.perf_counter()
         save(run, state, force=state.step == cfg.train.steps or signum is not None)
         m["time"]["checkpoint"] = time.perf_counter() - t
-        if writer is not None:
+        if writer is not None:  # (the responses apart from the metrics: their own files)
+          writer.responses("eval_responses", state.step, m.get("eval", {}).pop("responses", ()))
+          writer.responses("rollouts", state.step, logged)
           writer.write(state.step, m, timeline)
         profiler.after(state.step)  # (the step on disk: a trace that ends here is written)
         last = m
