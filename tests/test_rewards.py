@@ -17,7 +17,7 @@ import pytest
 
 from tlt_jax.rl import reward_pool
 from tlt_jax.rl.reward_pool import RewardError, RewardPool
-from tlt_jax.rl.rewards import get_reward_fn
+from tlt_jax.rl.rewards import extra_means, get_reward_fn
 
 USER_MODULE = textwrap.dedent("""
     import ctypes, os, subprocess, sys, time
@@ -115,7 +115,7 @@ VERL_MODULE = textwrap.dedent("""
             time.sleep(600)
         right = solution_str.strip() == ground_truth
         return {"score": float(right) + (0.5 if data_source == "lighteval/MATH" else 0.0),
-                "acc": right}
+                "acc": right, "pred": solution_str.strip()}
 
     def no_extra_info(data_source, solution_str, ground_truth):
         return float(solution_str == ground_truth) + len(data_source)
@@ -449,9 +449,15 @@ def test_verl_signature_gets_source_truth_and_extra_info_in_the_pool(verl_file, 
   with RewardPool(name, num_workers=1, timeout=5.0) as pool:
     for key, response, answer, source, extra in tasks:
       pool.submit(key, response, answer, source, extra)
-    # the dict's "score" (verl's convention), which here depends on data_source
-    assert within(30, pool.gather, ["a", "b", "c"]) == {"a": 1.0, "b": 0.0, "c": 1.5}
+    # the dict's "score" (verl's convention), which here depends on data_source; the rest of
+    # the dict as each key's extras, the numbers among them averaged
+    extras = {}
+    assert within(30, pool.gather, ["a", "b", "c"], extras) == {"a": 1.0, "b": 0.0, "c": 1.5}
   assert _calls(verl_file) == [[src, resp, ans, extra] for _, resp, ans, src, extra in tasks]
+  assert extras == {"a": {"acc": True, "pred": "72"}, "b": {"acc": False, "pred": "7"},
+                    "c": {"acc": True, "pred": "\\frac{1}{2}"}}
+  assert extra_means(extras.values()) == {"acc": pytest.approx(2 / 3)}
+  assert extra_means([{"n": 1, "x": float("nan")}, None, {"n": 2.0}]) == {"n": 1.5}
 
 
 def test_verl_signature_crash_and_hang_cost_one_reward(verl_file):
@@ -467,6 +473,10 @@ def test_which_functions_are_called_the_verl_way(verl_file):
   # data_source and extra_info only where the function names them; otherwise (response,
   # answer) positionally, as verl's per-dataset scorers (gsm8k.compute_score) take them
   assert get_reward_fn("verl_reward.py:no_extra_info")("4", "4", "abc", {"x": 1}) == 4.0
+  assert get_reward_fn("verl_reward.py:no_extra_info", extras=True)("4", "4", "abc") == (4.0,
+                                                                                        None)
+  assert get_reward_fn("verl_reward.py:compute_score", extras=True)("7", "7", "s") == (
+      1.0, {"acc": True, "pred": "7"})
   assert get_reward_fn("verl_reward.py:verl_gsm8k_style")("so #### 72", "72", "s", {}) == 1.0
   # a function taking **kwargs takes extra_info too, by keyword
   assert get_reward_fn("verl_reward.py:takes_kwargs")("4", "4", "s", {"bonus": 2.0}) == 3.0

@@ -151,7 +151,8 @@ VERL_REWARD = textwrap.dedent("""
             f.write(json.dumps([data_source, ground_truth, extra_info]) + "\\n")
         if data_source != ("arith/odd" if extra_info["index"] % 2 else "arith/even"):
             return -1.0
-        return {"score": arith.score(solution_str, ground_truth)}
+        score = arith.score(solution_str, ground_truth)
+        return {"score": score, "acc": score >= 1.0, "pred": solution_str.split("####")[-1]}
 """)
 
 
@@ -174,13 +175,16 @@ def model_with_chat_template(path):
 def test_a_run_on_verl_parquet_equals_the_run_on_the_default_jsonl(tmp_path):
   """A step and held-out evaluation before and after it, on the same rows as JSONL with
   the `arith` reward and as verl Parquet with a verl reward file: the same prompt ids,
-  responses, rewards and updates; the verl function got each response's own row's values."""
+  responses, rewards and updates; the verl function got each response's own row's values. The
+  rest of its dict: "acc" averaged in the step's and the evaluation's records (the accuracy),
+  each logged response's own "acc" and "pred" (its text after ####)."""
   from test_train import _records, _run, _small_cfg
   data = {split: default_rows(n, split) for split, n in (("train", 16), ("test", 8))}
   verl = {split: [verl_row(r, i, split) for i, r in enumerate(rows)]
           for split, rows in data.items()}
   (tmp_path / "verl_reward.py").write_text(VERL_REWARD)
-  common = {"tlt.enabled": False, "train.eval_every": 1, "eval.num_prompts": 8}
+  common = {"tlt.enabled": False, "train.eval_every": 1, "eval.num_prompts": 8,
+            "train.log_rollouts": 4}
   run_a, _ = _run(_small_cfg(tmp_path / "jsonl", 1, **common, **{
       f"data.{split}_path": write_jsonl(tmp_path / f"{split}.jsonl", rows)
       for split, rows in data.items()}))
@@ -203,6 +207,15 @@ def test_a_run_on_verl_parquet_equals_the_run_on_the_default_jsonl(tmp_path):
       assert rb["loss"]["loss"] == ra["loss"]["loss"]
       assert rb["reward_stats"]["errors"] == 0
       assert set(rb["accuracy_by_source"]) <= {"arith/even", "arith/odd"}
+      assert rb["reward_extra"] == {"acc": pytest.approx(rb["accuracy"])}
+      assert "reward_extra" not in ra
+    if "eval" in rb:
+      assert rb["eval"]["reward_extra"] == {"acc": pytest.approx(rb["eval"]["accuracy"])}
+  logged = [json.loads(line) for line in open(tmp_path / "verl" / "rollouts.jsonl")]
+  assert len(logged) == 4 * 4
+  for rec in logged:
+    assert rec["reward_extra"] == {"acc": rec["reward"] >= 1.0,
+                                   "pred": rec["response"].split("####")[-1]}
   calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
   splits = [extra["split"] for _, _, extra in calls]
   assert splits.count("train") == 4 * 4 and splits.count("test") == 2 * 8  # (prompts x n)

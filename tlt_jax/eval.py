@@ -29,6 +29,7 @@ from tlt_jax.data.dataset import encode_prompt, encode_rows
 from tlt_jax.data.prompts import DataError, PromptRow
 from tlt_jax.metrics import append_jsonl
 from tlt_jax.rl.reward_pool import RewardPool
+from tlt_jax.rl.rewards import extra_means
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.records import EngineHooks, Request
 from tlt_jax.rollout.sampling import SamplingParams
@@ -102,16 +103,20 @@ def sampling_of(cfg) -> tuple[int, SamplingParams]:
                                             top_p=float(e.get("top_p", 1.0)))
 
 
-def response_record(index: int, row: PromptRow, res, text: str, reward: float
-                    ) -> dict[str, Any]:
+def response_record(index: int, row: PromptRow, res, text: str, reward: float,
+                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
   """One response as rollouts.jsonl and eval_responses.jsonl write it: its prompt's index
   (among the step's prompts, or the held-out rows), the row's source, prompt (as the data
   gives it: text or chat messages) and answer, the response's text (special tokens left
-  out), reward, length and why it ended."""
-  return {"prompt_index": int(index), "sample": int(res.sample_index), "source": row.source,
-          "prompt": row.prompt, "answer": row.answer, "response": text,
-          "reward": float(reward), "tokens": int(res.num_tokens),
-          "finish_reason": res.finish_reason}
+  out), reward, length and why it ended; `reward_extra`, a verl-style reward's other entries,
+  where it returned some."""
+  rec = {"prompt_index": int(index), "sample": int(res.sample_index), "source": row.source,
+         "prompt": row.prompt, "answer": row.answer, "response": text,
+         "reward": float(reward), "tokens": int(res.num_tokens),
+         "finish_reason": res.finish_reason}
+  if extra:
+    rec["reward_extra"] = extra
+  return rec
 
 
 def evaluate(engine: Engine, tokenizer, rows: Sequence[PromptRow], pool: RewardPool, *,
@@ -161,18 +166,20 @@ def evaluate(engine: Engine, tokenizer, rows: Sequence[PromptRow], pool: RewardP
   if bar:
     bar.close()
   results.sort(key=lambda r: (r.request_id, r.sample_index))
-  rewards = pool.gather([(call, r.request_id, r.sample_index) for r in results])
+  extras: dict = {}
+  rewards = pool.gather([(call, r.request_id, r.sample_index) for r in results], extras)
   scores, lengths, kept = [], [], []
   by_terms: dict[int, list[float]] = collections.defaultdict(list)
   rank = _rank_in_source(rows)
   for res in results:
     row = rows[res.request_id]
-    s = rewards[(call, res.request_id, res.sample_index)]
+    key = (call, res.request_id, res.sample_index)
+    s = rewards[key]
     scores.append(s)
     lengths.append(res.num_tokens)
     if keep is None or rank[res.request_id] < keep:
       kept.append(response_record(res.request_id, row, res, tokenizer.decode(
-          res.response_ids, skip_special_tokens=True), s))
+          res.response_ids, skip_special_tokens=True), s, extras.get(key)))
     if "num_terms" in row.extra:
       by_terms[int(row.extra["num_terms"])].append(s)
   tokens = int(sum(lengths))
@@ -187,6 +194,8 @@ def evaluate(engine: Engine, tokenizer, rows: Sequence[PromptRow], pool: RewardP
       "tokens_per_second": tokens / wall if wall > 0 else 0.0,
       "truncated": sum(r.finish_reason == "length" for r in results),
   }
+  if extras:  # (a verl-style reward's numbers, each averaged over the responses with it)
+    out["reward_extra"] = extra_means(extras.values())
   if keep != 0:
     out["responses"] = kept
   per_prompt = np.asarray(scores, np.float64).reshape(len(rows), n)  # (results sorted)

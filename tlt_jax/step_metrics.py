@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from tlt_jax.eval import length_stats
+from tlt_jax.rl.rewards import extra_means
 from tlt_jax.rollout.executables import summary as executables_summary
 from tlt_jax.rollout.records import by_kind, tokens_per_verification
 
@@ -44,6 +45,9 @@ def step_metrics(run, prompts: Sequence[Any], responses: Sequence[Any], r: np.nd
       "reward_stats": dataclasses.asdict(reward_stats),
       "epoch": epoch,
   }
+  extra = extra_means(res.reward_extra for res in responses)
+  if extra:  # a verl-style reward's numbers (its dict's entries besides "score")
+    m["reward_extra"] = extra
   sources = {p.row.source for p in prompts if p.row.source is not None}
   if sources:
     m["accuracy_by_source"] = {

@@ -40,6 +40,7 @@ class Response(NamedTuple):
   reward: float = 0.0  # (until scored)
   finish_time: float = 0.0  # seconds since its worker's generate began (the tail metric)
   rollout: int = 0  # which of the step's rollouts (grpo.filter_groups) wrote it
+  reward_extra: dict | None = None  # the rest of a verl-style reward's dict (rewards.py)
 
   @classmethod
   def of(cls, res: Result, rollout: int = 0) -> "Response":
@@ -103,12 +104,14 @@ def rollouts(run: Run, state: TrainState, pool: RewardPool, seed: int) -> Rollou
     settles.append(out.settle)
     del out  # the Results' hidden states go now (the buffer copied the windows it keeps)
     t = time.perf_counter()
-    rewards = pool.gather([(res.request_id, res.sample_index) for res in mine])
+    extras: dict = {}
+    rewards = pool.gather([(res.request_id, res.sample_index) for res in mine], extras)
     waited += time.perf_counter() - t
     # every process's responses and rewards (each scored its own): the learner's batch is
     # global, and so is the decision to roll out again
     responses += gather_responses(
-        [res._replace(reward=rewards[(res.request_id, res.sample_index)]) for res in mine])
+        [res._replace(reward=rewards[key], reward_extra=extras.get(key))
+         for res in mine for key in [(res.request_id, res.sample_index)]])
     if k < rounds - 1 and signal_groups(responses, len(prompts), cfg).sum() >= g.num_prompts:
       if release:
         run.coordinator.release_actors()
@@ -122,7 +125,7 @@ def logged_responses(prompts: list, responses: list[Response], tokenizer, groups
   """The step's first `groups` prompts' responses (config.train.log_rollouts), as
   rollouts.jsonl's records (`eval.response_record`: prompt, answer, response text, reward)."""
   return [response_record(res.request_id, prompts[res.request_id].row, res, tokenizer.decode(
-      res.response_ids, skip_special_tokens=True), res.reward)
+      res.response_ids, skip_special_tokens=True), res.reward, res.reward_extra)
           for res in responses if res.request_id < groups]
 
 

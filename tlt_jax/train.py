@@ -186,7 +186,8 @@ def evaluate(run: Run, pool: RewardPool, state: TrainState, bandit: BanditState 
                  keep=run.cfg.eval.log_responses).result()
   return ({k: v for k, v in m.items() if k in (
       "accuracy", "accuracy_by_terms", "pass_at", "accuracy_by_source", "prompts_by_source",
-      "pass_at_by_source", "response_length", "tokens_per_second", "responses")},
+      "pass_at_by_source", "response_length", "tokens_per_second", "reward_extra",
+      "responses")},
           cells.states().bandit)
 
 

@@ -115,7 +115,8 @@ class _Worker:
       raise RewardError(_named(name, fatal))
 
   def call(self, task: dict[str, Any], timeout: float) -> tuple[str, Any]:
-    """-> ("ok", reward) | ("error", msg) | ("timeout", None) | ("crash", None).
+    """-> ("ok", (reward, extra or None)) | ("error", msg) | ("timeout", None) |
+    ("crash", None).
 
     Raises on a reply it cannot read; the pool counts that as a crash too."""
     deadline = time.monotonic() + timeout
@@ -132,7 +133,9 @@ class _Worker:
     if not line:
       return "crash", None
     msg = json.loads(line)
-    return ("ok", float(msg["reward"])) if "reward" in msg else ("error", msg.get("error"))
+    if "reward" not in msg:
+      return "error", msg.get("error")
+    return "ok", (float(msg["reward"]), msg.get("extra"))
 
   def _write(self, data: bytes, deadline: float) -> bool:
     view = memoryview(data)
@@ -218,6 +221,7 @@ class RewardPool:
     self._env = _worker_env()
     self._tasks: queue.Queue = queue.Queue()
     self._results: dict[Hashable, float] = {}
+    self._extras: dict[Hashable, dict] = {}  # a verl-style reward's extra entries, by key
     self._done = threading.Condition()  # guards stats, _results and the fields below
     self._pending = 0  # submitted tasks not yet finished
     self._last_progress = time.monotonic()
@@ -278,7 +282,9 @@ class RewardPool:
         s.crashes += 1
       elif status == "start_failed":
         s.respawn_failures += 1
-      self._results[key] = value if status == "ok" else 0.0
+      self._results[key] = value[0] if status == "ok" else 0.0
+      if status == "ok" and value[1]:
+        self._extras[key] = value[1]
       first = status in ("error", "timeout", "crash") and status not in self._said
       self._said.add(status)
       self._pending -= 1
@@ -333,8 +339,10 @@ class RewardPool:
     self._tasks.put((key, {"response": response, "answer": answer, "source": source,
                            "extra_info": extra_info}))
 
-  def gather(self, keys: list[Hashable]) -> dict[Hashable, float]:
-    """Waits for (and removes) the rewards of `keys`.
+  def gather(self, keys: list[Hashable], extras: dict | None = None
+             ) -> dict[Hashable, float]:
+    """Waits for (and removes) the rewards of `keys`; `extras`, where given, gets each key's
+    extra entries of a verl-style reward that returned some (removed either way).
 
     Never waits forever: raises RewardError when the pool has stopped (its workers cannot be
     started) or is closed, or when no call has finished for `stall_limit` seconds (longer than
@@ -346,6 +354,10 @@ class RewardPool:
         if self._broken is not None:
           raise RewardError(f"{self._broken}; {missing} of {len(keys)} rewards missing")
         if not missing:
+          for k in keys:
+            extra = self._extras.pop(k, None)
+            if extras is not None and extra:
+              extras[k] = extra
           return {k: self._results.pop(k) for k in keys}
         if self._closed:
           raise RewardError(f"the reward pool is closed; {missing} of {len(keys)} rewards "

@@ -2,7 +2,8 @@
 
 Writes {"ready": true} (or {"fatal": str} and exits) once the reward function is loaded, then
 reads one JSON task per line ({"response", "answer", "source", "extra_info"}) and writes one
-JSON line per task ({"reward": float} or {"error": str}). Runs the function in its main
+JSON line per task ({"reward": float}, with "extra": the rest of a verl-style reward's dict
+where it has more, or {"error": str}). Runs the function in its main
 thread, so libraries that time themselves out with SIGALRM (math-verify does) work. The parent
 kills and replaces this process when a call exceeds its timeout; see reward_pool.py.
 
@@ -56,7 +57,7 @@ def main() -> None:
   name = sys.argv[1]
   try:
     from tlt_jax.rl.rewards import get_reward_fn
-    fn = get_reward_fn(name)
+    fn = get_reward_fn(name, extras=True)
   except ValueError as e:
     send({"fatal": str(e)[:1000]})
     return
@@ -67,9 +68,13 @@ def main() -> None:
   for line in tasks:
     task = json.loads(line)
     try:
-      r = float(fn(task["response"], task["answer"], task.get("source"),
-                   task.get("extra_info")))
+      r, extra = fn(task["response"], task["answer"], task.get("source"),
+                    task.get("extra_info"))
+      r = float(r)
       msg = {"reward": r} if math.isfinite(r) else {"error": f"non-finite reward {r}"}
+      if extra and "reward" in msg:  # (numpy scalars as numbers, anything else as text)
+        msg["extra"] = json.loads(json.dumps(extra, default=lambda v: (
+            v.item() if hasattr(v, "item") else str(v))))
     except Exception as e:  # noqa: BLE001 - any failure of user code is one zero reward
       msg = {"error": f"{type(e).__name__}: {e}"[:500]}
     send(msg)

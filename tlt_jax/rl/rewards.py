@@ -8,7 +8,10 @@ or verl's signature, recognised by its parameter names and called as verl calls 
   fn(data_source, solution_str, ground_truth, extra_info=None) -> float | {"score": float, ...}
 with data_source the row's config.data.source_key value (None without one) and extra_info its
 `extra_info` field (None without one; passed only if fn takes it). `get_reward_fn` returns
-either kind as one `(response, answer, source=None, extra_info=None) -> float`. They run in
+either kind as one `(response, answer, source=None, extra_info=None) -> float`; with
+extras=True as `-> (float, extra)`, extra the rest of a verl-style dict (verl's extra metrics,
+e.g. DAPO's {"score", "acc", "pred"}: the run averages the numbers among them per step,
+`extra_means`, and writes them with the responses it logs), else None. They run in
 the worker processes of `tlt_jax.rl.reward_pool.RewardPool` (a crash or hang costs one reward,
 not the run), so they may be slow, call sympy, or even segfault.
 
@@ -24,9 +27,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import math
 import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 RewardFn = Callable[[str, str], float]  # a registry function: (response, answer) -> reward
 # verl's reward manager passes these by keyword; a function taking all three is verl-style.
@@ -90,13 +94,38 @@ def _uniform(fn: Callable) -> Callable[..., Any]:
 
   def verl_style(response, answer, source=None, extra_info=None):
     kw = {"extra_info": extra_info} if takes_extra else {}
-    out = fn(data_source=source, solution_str=response, ground_truth=answer, **kw)
-    return out["score"] if isinstance(out, dict) else out  # verl's {"score": r, ...metrics}
+    return fn(data_source=source, solution_str=response, ground_truth=answer, **kw)
   return verl_style
 
 
-def get_reward_fn(name: str) -> Callable[..., Any]:
-  """The reward `name` as `(response, answer, source=None, extra_info=None) -> reward`."""
+def score_and_extra(out: Any) -> tuple[Any, dict[str, Any] | None]:
+  """A reward function's return -> (its reward, the rest of verl's {"score": r, ...metrics}
+  dict, or None)."""
+  if isinstance(out, dict):
+    return out["score"], {k: v for k, v in out.items() if k != "score"} or None
+  return out, None
+
+
+def extra_means(extras: Iterable[dict[str, Any] | None]) -> dict[str, float]:
+  """The mean of each numeric entry (numbers and booleans) over the extras that have it."""
+  values: dict[str, list[float]] = {}
+  for extra in extras:
+    for k, v in (extra or {}).items():
+      if isinstance(v, (bool, int, float)) and math.isfinite(v):
+        values.setdefault(k, []).append(float(v))
+  return {k: sum(v) / len(v) for k, v in values.items()}
+
+
+def get_reward_fn(name: str, extras: bool = False) -> Callable[..., Any]:
+  """The reward `name` as `(response, answer, source=None, extra_info=None) -> reward`; with
+  extras, `-> (reward, extra)` (`score_and_extra`)."""
+  fn = _reward_fn(name)
+  if extras:
+    return lambda *a, **kw: score_and_extra(fn(*a, **kw))
+  return lambda *a, **kw: score_and_extra(fn(*a, **kw))[0]
+
+
+def _reward_fn(name: str) -> Callable[..., Any]:
   if name in REGISTRY:
     if name == "math":
       _import_math_verify()
