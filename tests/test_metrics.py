@@ -75,6 +75,37 @@ def test_tensorboard_purges_the_steps_after_the_restored_one(tmp_path):
   assert starts == [5]
 
 
+def test_responses_go_to_their_file_and_tensorboards_text_and_a_resume_drops_later_steps(
+    tmp_path):
+  """MetricsWriter.responses: each record a JSON line with its step, and the step's records as
+  markdown in TensorBoard's Text tab (every response's text, reward and prompt); resumed at
+  step 1, step 2's lines go before step 2 is written again."""
+  from tlt_jax.metrics import responses_markdown
+  recs = [{"prompt_index": i, "sample": 0, "source": None, "prompt": f"Q: {i}+1",
+           "answer": str(i + 1), "response": f"{i}+1={i + 1} #### {i + 1}", "reward": 1.0,
+           "tokens": 9, "finish_reason": "stop"} for i in range(2)]
+  w = MetricsWriter(str(tmp_path), resume_step=0)
+  for step in (1, 2):
+    w.responses("rollouts", step, [dict(r, reward=float(step)) for r in recs])
+  w.responses("eval_responses", 1, [])  # nothing: no file
+  w.close()
+  lines = read_records(str(tmp_path / "rollouts.jsonl"))
+  assert [(x["step"], x["prompt_index"], x["reward"]) for x in lines] == [
+      (1, 0, 1.0), (1, 1, 1.0), (2, 0, 2.0), (2, 1, 2.0)]
+  assert not (tmp_path / "eval_responses.jsonl").exists()
+  texts = {e.step: e.summary.value[0].tensor.string_val[0].decode()
+           for e in _tb_events(tmp_path) if e.HasField("summary")
+           and e.summary.value[0].tag.startswith("rollouts")}
+  assert sorted(texts) == [1, 2]
+  for step, text in texts.items():
+    assert text == responses_markdown([dict(r, reward=float(step)) for r in recs])
+    for r in recs:
+      assert r["response"] in text and r["prompt"] in text
+    assert f"**prompt 1, sample 0**: reward {step:g}, 9 tokens (stop), answer `2`" in text
+  MetricsWriter(str(tmp_path), resume_step=1).close()
+  assert [x["step"] for x in read_records(str(tmp_path / "rollouts.jsonl"))] == [1, 1]
+
+
 def test_flatten_joins_every_level_of_nested_keys():
   nested = {"loss": 0.5, "spot": {"steps": 3, "per_worker": {"0": {"steps": 1}}}}
   assert flatten(nested) == {"loss": 0.5, "spot/steps": 3, "spot/per_worker/0/steps": 1}

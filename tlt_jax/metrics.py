@@ -106,15 +106,39 @@ class MetricsWriter:
 
   def responses(self, name: str, step: int, records: Sequence[dict[str, Any]]) -> None:
     """Step `step`'s response records (eval.response_record's) appended to
-    <workdir>/<name>.jsonl, `name` one of RESPONSE_FILES."""
-    if records:
-      append_jsonl(os.path.join(self.workdir, f"{name}.jsonl"), records, step=step)
+    <workdir>/<name>.jsonl, `name` one of RESPONSE_FILES, and shown in TensorBoard's Text tab
+    (`responses_markdown`)."""
+    if not records:
+      return
+    append_jsonl(os.path.join(self.workdir, f"{name}.jsonl"), records, step=step)
+    if self._tb is not None:
+      self._tb.add_text(name, responses_markdown(records), step)
+      self._tb.flush()
 
   def close(self) -> None:
     self._f.close()
     self._timeline.close()
     if self._tb is not None:
       self._tb.close()
+
+
+def responses_markdown(records: Sequence[dict[str, Any]], max_chars: int = 4000) -> str:
+  """Response records as TensorBoard's Text tab shows them (markdown): per response a line of
+  its prompt index, sample, source, reward, length and finish reason, then its prompt and its
+  text as code blocks (each cut at `max_chars`)."""
+
+  def block(text: Any) -> str:
+    text = text if isinstance(text, str) else json.dumps(text)  # (chat messages)
+    text = text if len(text) <= max_chars else text[:max_chars] + " [...]"
+    return "```\n" + text.replace("```", "` ` `") + "\n```"
+
+  parts = []
+  for r in records:
+    src = f", {r['source']}" if r.get("source") is not None else ""
+    parts.append(f"**prompt {r['prompt_index']}, sample {r['sample']}{src}**: reward "
+                 f"{r['reward']:g}, {r['tokens']} tokens ({r['finish_reason']}), answer "
+                 f"`{r['answer']}`\n\n{block(r['prompt'])}\n\n{block(r['response'])}")
+  return "\n\n".join(parts)
 
 
 def flatten(d: dict[str, Any], prefix: str = "", sep: str = "/") -> dict[str, Any]:
