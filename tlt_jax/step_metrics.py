@@ -45,7 +45,7 @@ def step_metrics(run, prompts: Sequence[Any], responses: Sequence[Any], r: np.nd
       "reward_stats": dataclasses.asdict(reward_stats),
       "epoch": epoch,
   }
-  extra = extra_means(res.reward_extra for res in responses)
+  extra = extra_means(getattr(res, "reward_extra", None) for res in responses)
   if extra:  # a verl-style reward's numbers (its dict's entries besides "score")
     m["reward_extra"] = extra
   sources = {p.row.source for p in prompts if p.row.source is not None}
