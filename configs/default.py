@@ -209,6 +209,13 @@ def get_config():
   c.profile = ml_collections.ConfigDict()
   c.profile.steps = ""
 
+  # Weights & Biases (tlt_jax/wandb_log.py; `pip install wandb`): every scalar of
+  # metrics.jsonl, the logged responses as tables, this config. project "": off. mode:
+  # "online", "offline" (upload later: wandb sync), "" (WANDB_MODE, else online); name "": the
+  # workdir's folder name; tags comma-separated. A resumed run continues its wandb run.
+  c.wandb = ml_collections.ConfigDict({"project": "", "entity": "", "name": "", "group": "",
+                                       "tags": "", "mode": ""})
+
   c.tlt = ml_collections.ConfigDict()
   c.tlt.enabled = True  # False: the baseline (plain rollout, no drafter, no drafter training)
   c.tlt.drafter = ml_collections.ConfigDict()

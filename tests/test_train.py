@@ -16,6 +16,7 @@ from tlt_jax import config as config_lib
 from tlt_jax import memory, runtime
 from tlt_jax.errors import ConfigError
 from user_env import user_env
+import wandb_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,6 +35,11 @@ SMALL = ["--config.grpo.num_prompts=4", "--config.grpo.n=4", "--config.grpo.micr
 def _cmd(workdir, steps, *extra):
   return [sys.executable, "-m", "tlt_jax.train", "--config", "configs/default.py",
           "--workdir", str(workdir), f"--config.train.steps={steps}", *SMALL, *extra]
+
+
+# Weights & Biases, offline: the run file wandb writes under <workdir>/wandb/ (tests/wandb_file.py
+# reads it)
+WANDB = ["--config.wandb.project=tlt-test", "--config.wandb.mode=offline"]
 
 
 def _env():
@@ -69,16 +75,17 @@ def reference(tmp_path_factory):
   best evaluated policy kept (train.export_best)."""
   ref_dir = tmp_path_factory.mktemp("ref")
   ref = subprocess.run(_cmd(ref_dir, 4, "--config.tlt.enabled=False",
-                            "--config.train.export_best=accuracy"), cwd=ROOT, env=_env(),
+                            "--config.train.export_best=accuracy", *WANDB), cwd=ROOT, env=_env(),
                        capture_output=True, text=True, timeout=900)
   assert ref.returncode == 0, ref.stderr[-3000:]
   return ref_dir, ref.stderr
 
 
-def _resume_equals_reference(run_dir, ref_dir, done: int):
+def _resume_equals_reference(run_dir, ref_dir, done: int, *extra):
   """Re-running the command resumes from step `done` and finishes; every step equals the
   uninterrupted run's."""
-  again = subprocess.run(_cmd(run_dir, 4, "--config.tlt.enabled=False"), cwd=ROOT, env=_env(),
+  again = subprocess.run(_cmd(run_dir, 4, "--config.tlt.enabled=False", *extra), cwd=ROOT,
+                         env=_env(),
                          capture_output=True, text=True, timeout=900)
   assert again.returncode == 0, again.stderr[-3000:]
   assert f"resumed from {run_dir / 'checkpoints'} at step {done}" in again.stderr
@@ -95,6 +102,11 @@ def test_sigkill_during_training_resumes_exactly(tmp_path, reference):
   resumes and finishes, and steps 3-4 equal those of a run that was never killed."""
   ref_dir, ref_stderr = reference
   run_dir = tmp_path / "run"
+  # (with config.wandb.project, first of all a line saying where the wandb run is)
+  (where,) = wandb_file.offline_runs(ref_dir)
+  first, ref_stderr = ref_stderr.split("\n", 1)
+  assert re.fullmatch(rf"wandb: offline run ref\d* \(\w{{8}}\) in {where} \(`wandb sync` it to "
+                      r"upload\)", first), first
   _assert_stderr_as_the_readme_says(ref_stderr)
   assert "curves.png beside it" in ref_stderr and (ref_dir / "curves.png").stat().st_size > 0
   # two test files: each one's accuracy apart, in the records and the lines; the whole the
@@ -140,7 +152,12 @@ def test_sigkill_during_training_resumes_exactly(tmp_path, reference):
     assert "; no step beat the starting policy's accuracy: no best policy" in ref_stderr
     assert not best.exists()
 
-  proc = subprocess.Popen(_cmd(run_dir, 4, "--config.tlt.enabled=False"), cwd=ROOT,
+  # wandb's run file: every step's scalars as metrics.jsonl has them, the responses as tables
+  wb = wandb_file.read_run(where)
+  assert wb["exit_code"] == 0 and wb["config"]["grpo"]["n"] == 4
+  _assert_wandb_rows_are_the_records(where, wb["history"], _records(ref_dir), rollouts)
+
+  proc = subprocess.Popen(_cmd(run_dir, 4, "--config.tlt.enabled=False", *WANDB), cwd=ROOT,
                           env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   ckpt = run_dir / "checkpoints" / "2"
   deadline = time.time() + 600
@@ -151,9 +168,38 @@ def test_sigkill_during_training_resumes_exactly(tmp_path, reference):
   proc.wait()
   done = sorted(int(p) for p in os.listdir(run_dir / "checkpoints") if p.isdigit())
   assert max(done) < 4, "killed too late to test anything"
-  _resume_equals_reference(run_dir, ref_dir, max(done))
+  _resume_equals_reference(run_dir, ref_dir, max(done), *WANDB)
   for name in ("rollouts.jsonl", "eval_responses.jsonl"):  # (no step twice, none missing)
     assert _jsonl(run_dir / name) == _jsonl(ref_dir / name), name
+  # the same wandb run continued (one id, kept in the workdir). The killed run's wandb wrote
+  # nothing it still buffered (offline: often nothing at all), so the resumed run sends the
+  # steps on disk again before its own: wandb keeps those it lacks (online, the server's; an
+  # offline run's every step), its file every step, each row the step's record
+  killed, resumed = wandb_file.offline_runs(run_dir)
+  run_id = json.loads((run_dir / "wandb.json").read_text())["id"]
+  assert killed.endswith(run_id) and resumed.endswith(run_id)
+  history = wandb_file.read_run(resumed)["history"]
+  assert [h["_step"] for h in history] == [0, 1, 2, 3, 4]
+  _assert_wandb_rows_are_the_records(resumed, history, _records(run_dir),
+                                     _jsonl(run_dir / "rollouts.jsonl"))
+
+
+def _assert_wandb_rows_are_the_records(run_dir, rows, records, rollouts):
+  """Each wandb history row holds its step's record's every number (flattened as TensorBoard's
+  tags) and nothing else but wandb's own (_step, _runtime, ...) and the responses' tables; its
+  rollouts table is the step's lines of rollouts.jsonl."""
+  from tlt_jax.metrics import flatten
+  by_step = {r["step"]: r for r in records}
+  for row in rows:
+    step = row["_step"]
+    want = {k: v for k, v in flatten(by_step[step]).items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    mine = {k: v for k, v in row.items()
+            if not k.startswith(("_", "rollouts/", "eval_responses/"))}
+    assert mine == want, step
+    if step > 0:
+      assert wandb_file.table_rows(run_dir, row, "rollouts") == [
+          r for r in rollouts if r["step"] == step]
 
 
 def _jsonl(path):

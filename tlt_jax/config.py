@@ -45,6 +45,7 @@ from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.scheduler import buckets_upto
 from tlt_jax.rollout.policies.strategy import Strategy
 from tlt_jax.sharding import AXES
+from tlt_jax.wandb_log import WandbConfig
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 # rollout.attention -> EngineConfig.paged_attention (None: paged where the kernel serves the
@@ -137,6 +138,7 @@ class RunSpec:
   grpo: GRPOConfig
   distributed: DistributedConfig
   profile: ProfileConfig
+  wandb: WandbConfig
   speculation: SpecConfig | None
   gate: GateConfig | None  # None: disabled, or the fixed selector (pinned, deterministic)
   spot: SpotConfig | None
@@ -346,8 +348,7 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   check(g.adv_estimator == "grpo" or g.norm_adv_by_std, "grpo.norm_adv_by_std",
         g.norm_adv_by_std, f"False applies to grpo.adv_estimator='grpo' only (Dr. GRPO); "
         f"{g.adv_estimator!r} does not divide by the group's std")
-  check(isinstance(g.filter_groups, bool), "grpo.filter_groups", g.filter_groups,
-        "True or False")
+  check(isinstance(g.filter_groups, bool), "grpo.filter_groups", g.filter_groups, "True or False")
   check(g.max_rollouts >= 1, "grpo.max_rollouts", g.max_rollouts,
         "must be >= 1 (rollouts a step at most with grpo.filter_groups; 1: one, filtered)")
   check(g.gen_prompts >= 0, "grpo.gen_prompts", g.gen_prompts,
@@ -372,6 +373,7 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   check(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
   distributed = distributed_config(cfg)
   profile = build(ProfileConfig, "profile", section_values(ProfileConfig, cfg.get("profile") or {}))
+  wandb = build(WandbConfig, "wandb", section_values(WandbConfig, cfg.get("wandb") or {}))
   t = cfg.train
   check(t.steps >= 1, "train.steps", t.steps, "must be >= 1")
   check(t.eval_every >= 0, "train.eval_every", t.eval_every, "must be >= 0 (0 = never)")
@@ -405,8 +407,7 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   check(e.n == 1 or e.temperature > 0, "eval.n", e.n,
         "greedy responses to a prompt are all one: set eval.temperature > 0 to sample them "
         "(e.g. 1.0), or eval.n=1")
-  check(cfg.reward.num_workers >= 1, "reward.num_workers", cfg.reward.num_workers,
-        "must be >= 1")
+  check(cfg.reward.num_workers >= 1, "reward.num_workers", cfg.reward.num_workers, "must be >= 1")
   check(cfg.reward.timeout > 0, "reward.timeout", cfg.reward.timeout, "must be > 0 seconds")
   check(0 <= cfg.reward.overlong_buffer < r.max_new_tokens, "reward.overlong_buffer",
         cfg.reward.overlong_buffer, f"must be in [0, rollout.max_new_tokens={r.max_new_tokens}):"
@@ -414,8 +415,8 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   check(cfg.reward.overlong_penalty >= 0, "reward.overlong_penalty",
         cfg.reward.overlong_penalty, "must be >= 0 (the penalty at the budget)")
   return RunSpec(cfg=cfg, sampling=sampling, engine=engine, grpo=grpo, distributed=distributed,
-                 profile=profile, speculation=speculation, gate=gate, spot=spot, buffer=buffer,
-                 mab_buckets=mab_buckets, max_batch=r.max_batch, _bandit=bandit,
+                 profile=profile, wandb=wandb, speculation=speculation, gate=gate, spot=spot,
+                 buffer=buffer, mab_buckets=mab_buckets, max_batch=r.max_batch, _bandit=bandit,
                  history=speculation is not None and bool(cfg.tlt.spec.get("history", False)))
 
 

@@ -1,5 +1,6 @@
-"""What a run writes about itself: metrics.jsonl, timeline.jsonl, TensorBoard, compile time,
-and samples of its responses (rollouts.jsonl, eval_responses.jsonl).
+"""What a run writes about itself: metrics.jsonl, timeline.jsonl, TensorBoard (and Weights &
+Biases where config.wandb asks: wandb_log.py), compile time, and samples of its responses
+(rollouts.jsonl, eval_responses.jsonl).
 
 Host-side I/O only (no jitted code). The trainer writes with `MetricsWriter`; scripts that
 plot or compare runs (tlt_jax/curves.py, scripts/plot_timeline.py) read with `read_records`,
@@ -74,10 +75,14 @@ RESPONSE_FILES = ("rollouts", "eval_responses")  # <workdir>/<name>.jsonl (`resp
 
 class MetricsWriter:
   """metrics.jsonl + timeline.jsonl + TensorBoard, and the responses files; on resume,
-  records of steps after the restored checkpoint are dropped (TensorBoard: purged)."""
+  records of steps after the restored checkpoint are dropped (TensorBoard: purged). With
+  `board` (a wandb_log.WandbRun, which its caller starts and closes) each step's scalars and
+  responses go there too, the responses as tables in the step's row; a resumed run first
+  sends the board what the files hold up to its checkpoint (`_backfill`)."""
 
-  def __init__(self, workdir: str, resume_step: int):
+  def __init__(self, workdir: str, resume_step: int, board=None):
     self.workdir = workdir
+    self._board, self._tables = board, []
     self.path = os.path.join(workdir, "metrics.jsonl")
     self.timeline_path = os.path.join(workdir, "timeline.jsonl")
     for p in (self.path, self.timeline_path) + tuple(
@@ -91,6 +96,26 @@ class MetricsWriter:
       self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=resume_step + 1)
     except ImportError:  # pragma: no cover - tensorboardX is in requirements
       _log.warning("tensorboardX is not installed: TensorBoard logging is off")
+    if board is not None and resume_step >= 0:
+      self._backfill()
+
+  def _backfill(self) -> None:
+    """The steps on disk (up to the restored checkpoint) sent to the board again: it keeps
+    only those its wandb run lacks (wandb_log.WandbRun.log), so what a killed run's wandb lost
+    (its service buffers what it writes; an offline run killed loses it all) comes back from
+    metrics.jsonl and the responses files."""
+    tables: dict[int, list] = {}
+    for name in RESPONSE_FILES:
+      path = os.path.join(self.workdir, f"{name}.jsonl")
+      by_step: dict[int, list] = {}
+      for rec in read_records(path) if os.path.exists(path) else ():
+        by_step.setdefault(rec["step"], []).append(rec)
+      for step, recs in by_step.items():
+        tables.setdefault(step, []).append((name, recs))
+    for rec in read_records(self.path):
+      step = rec["step"]
+      self._board.log(step, numbers({k: v for k, v in rec.items() if k != "step"}),
+                      tables.get(step, ()))
 
   def write(self, step: int, metrics: dict[str, Any], timeline: dict | None = None) -> None:
     self._f.write(json.dumps({"step": step, **metrics}) + "\n")
@@ -98,19 +123,24 @@ class MetricsWriter:
     if timeline is not None:
       self._timeline.write(json.dumps({"step": step, **timeline}) + "\n")
       self._timeline.flush()
+    scalars = numbers(metrics)
     if self._tb is not None:
-      for k, v in flatten(metrics).items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-          self._tb.add_scalar(k, v, step)
+      for k, v in scalars.items():
+        self._tb.add_scalar(k, v, step)
       self._tb.flush()
+    if self._board is not None:
+      self._board.log(step, scalars, self._tables)
+    self._tables = []
 
   def responses(self, name: str, step: int, records: Sequence[dict[str, Any]]) -> None:
     """Step `step`'s response records (eval.response_record's) appended to
     <workdir>/<name>.jsonl, `name` one of RESPONSE_FILES, and shown in TensorBoard's Text tab
-    (`responses_markdown`)."""
+    (`responses_markdown`); the board's table `name` goes with the step's `write`."""
     if not records:
       return
     append_jsonl(os.path.join(self.workdir, f"{name}.jsonl"), records, step=step)
+    if self._board is not None:
+      self._tables.append((name, [{"step": step, **r} for r in records]))
     if self._tb is not None:
       self._tb.add_text(name, responses_markdown(records), step)
       self._tb.flush()
@@ -139,6 +169,12 @@ def responses_markdown(records: Sequence[dict[str, Any]], max_chars: int = 4000)
                  f"{r['reward']:g}, {r['tokens']} tokens ({r['finish_reason']}), answer "
                  f"`{r['answer']}`\n\n{block(r['prompt'])}\n\n{block(r['response'])}")
   return "\n\n".join(parts)
+
+
+def numbers(metrics: dict[str, Any]) -> dict[str, float]:
+  """A step's record's numbers (booleans not), flattened: TensorBoard's scalars, wandb's."""
+  return {k: v for k, v in flatten(metrics).items()
+          if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def flatten(d: dict[str, Any], prefix: str = "", sep: str = "/") -> dict[str, Any]:

@@ -69,6 +69,7 @@ from tlt_jax.run import (Run, TrainState, best_policy, build, export_best, expor
                          restore, save)
 from tlt_jax.step_metrics import step_metrics
 from tlt_jax.step_rollouts import logged_responses, rollouts, seed_for
+from tlt_jax.wandb_log import WandbRun
 
 
 # ================================================================================ RL step
@@ -192,10 +193,11 @@ def evaluate(run: Run, pool: RewardPool, state: TrainState, bandit: BanditState 
 
 
 # =================================================================================== loop
-def train(run: Run, state: TrainState, *, progress: bool = True
+def train(run: Run, state: TrainState, *, progress: bool = True, board: WandbRun | None = None
           ) -> tuple[TrainState, dict[str, Any]]:
-  """Resumes if the workdir holds a checkpoint, then runs to config.train.steps. Returns the
-  last state and the last step's metrics."""
+  """Resumes if the workdir holds a checkpoint, then runs to config.train.steps (each step's
+  metrics also to `board`, process 0's wandb run, where given). Returns the last state and
+  the last step's metrics."""
   cfg = run.cfg
   state = restore(run, state)
   start = state.step
@@ -205,7 +207,7 @@ def train(run: Run, state: TrainState, *, progress: bool = True
   if start >= cfg.train.steps and primary:
     print(f"{cfg.workdir} already holds a finished run ({start} of {cfg.train.steps} steps); "
           "raise --config.train.steps to continue it or pass a new --workdir", file=sys.stderr)
-  writer = MetricsWriter(cfg.workdir, start if start > 0 else -1) if primary else None
+  writer = MetricsWriter(cfg.workdir, start if start > 0 else -1, board) if primary else None
   evaluating = run.test_rows is not None and primary  # worker 0 is process 0's
   eval_bandit = run.eval_bandit  # evaluation's (not checkpointed: a resume starts it afresh)
   pool = runtime.reward_pool(cfg)
@@ -333,9 +335,22 @@ def main(argv):
   runtime.setup_jax(cfg)  # before anything initialises JAX
   spec = config_lib.run_spec(cfg)
   distributed.initialize(spec.distributed)  # several processes: join them first
-  run, state = build(runtime.prepare(spec))
-  state, last = train(run, state)
-  distributed.barrier("tlt_jax.train.done")  # no process exits while another still saves
+  spec = runtime.prepare(spec)
+  # (the workdir held: before the model loads, so a wandb login problem costs nothing)
+  board = WandbRun.start(spec.wandb, cfg.workdir, cfg.to_dict()) if (
+      distributed.is_primary()) else None
+  code = 1  # the wandb run's exit code: a failure's, a stop's (130, 143), or 0
+  try:
+    run, state = build(spec)
+    state, last = train(run, state, board=board)
+    distributed.barrier("tlt_jax.train.done")  # no process exits while another still saves
+    code = 0
+  except KeyboardInterrupt as e:  # (Ctrl-C; SIGTERM's stop: distributed.Stopped)
+    code = getattr(e, "exit_code", 130)
+    raise
+  finally:
+    if board is not None:
+      board.close(code)
   if not distributed.is_primary():
     return
   path = os.path.join(cfg.workdir, "metrics.jsonl")
