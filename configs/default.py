@@ -73,6 +73,8 @@ def get_config():
   c.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1, "devices": 1})
 
   c.data = ml_collections.ConfigDict()
+  # one file, or several comma-separated (concatenated in order; each one's training accuracy
+  # apart: a row without a data.source_key source takes its file's name)
   c.data.train_path = asset_path("default", "data", "train.jsonl")
   # held out: one file, or several comma-separated (each one's accuracy reported apart, e.g.
   # --config.data.test_path=/data/aime24.jsonl,/data/math500.jsonl)

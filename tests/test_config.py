@@ -197,6 +197,10 @@ def test_paths_that_cannot_serve_the_run_are_config_errors(tmp_path):
   with pytest.raises(ConfigError, match=r"^config.data.test_path='.*/aime24.jsonl': does not "
                      r"exist; point it at a local JSONL or Parquet file \(several: comma"):
     prepare(run, test_path=f"{test},{tmp_path}/aime24.jsonl")
+  train = config_lib.asset_path("default", "data", "train.jsonl")  # several training files
+  with pytest.raises(ConfigError, match=r"^config.data.train_path='.*/math.jsonl': does not "
+                     r"exist; point it at a local JSONL or Parquet file \(several: comma"):
+    prepare(run, train_path=f"{train}, {tmp_path}/math.jsonl")
   # the drafter's directory before the model is loaded; its form before anything is read
   with pytest.raises(ConfigError, match=r"^config.tlt.drafter.init='.*nowhere': is not a "
                      r"directory; point"):
@@ -347,6 +351,7 @@ def test_config_json_names_its_inputs_wherever_the_run_is_resumed_from(tmp_path,
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
   cfg.workdir = str(tmp_path / "run")
   cfg.data.train_path = "data/train.jsonl"
+  cfg.data.test_path = "data/a.jsonl, data/b.jsonl"  # (several files: each one's path)
   cfg.tlt.drafter.init = "init:3"
   cfg.reward.name = "data/score.py:score"
   os.makedirs(cfg.workdir)
@@ -355,6 +360,8 @@ def test_config_json_names_its_inputs_wherever_the_run_is_resumed_from(tmp_path,
   saved = json.loads((tmp_path / "run" / "config.json").read_text())
   assert saved["data"]["train_path"] == str(tmp_path / "data" / "train.jsonl")
   assert saved["reward"]["name"] == f"{tmp_path / 'data' / 'score.py'}:score"
+  assert saved["data"]["test_path"] == ",".join(str(tmp_path / "data" / f) for f in ("a.jsonl",
+                                                                                   "b.jsonl"))
   assert saved["tlt"]["drafter"]["init"] == "init:3"
   assert saved["model"]["path"] == cfg.model.path and os.path.isabs(cfg.model.path)
   (tmp_path / "run" / "checkpoints" / "1").mkdir(parents=True)
@@ -365,6 +372,14 @@ def test_config_json_names_its_inputs_wherever_the_run_is_resumed_from(tmp_path,
   assert workdir.config_changes(cfg) == [
       ("data.train_path", str(tmp_path / "data" / "train.jsonl"), "data/train.jsonl"),
       ("reward.name", f"{tmp_path / 'data' / 'score.py'}:score", "data/score.py:score")]
+  # several training files: each one's path resolved
+  cfg.data.train_path, cfg.reward.name = "train.jsonl, more.jsonl", "score.py:score"
+  workdir.write_config(cfg)
+  monkeypatch.chdir(tmp_path)
+  cfg.data.train_path, cfg.reward.name = "data/train.jsonl,data/more.jsonl", "data/score.py:score"
+  assert workdir.config_changes(cfg) == []
+  cfg.data.train_path = "data/train.jsonl"
+  assert [c[0] for c in workdir.config_changes(cfg)] == ["data.train_path"]
 
 
 def test_cli_errors_are_one_line(tmp_path):

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tlt_jax.data.dataset import Position, PromptStream
-from tlt_jax.data.prompts import (DataError, load_eval_rows, load_prompt_rows, source_names,
+from tlt_jax.data.prompts import (DataError, load_files, load_prompt_rows, source_names,
                                   split_paths)
 
 
@@ -125,17 +125,20 @@ def test_held_out_files_one_or_several(tmp_path):
   assert source_names(["/d/a/x/test.jsonl", "/d/b/x/test.jsonl"]) == ["a/x/test", "b/x/test"]
   with pytest.raises(DataError, match="names '/d/a.jsonl' twice"):
     source_names(["/d/a.jsonl", "/d/b.jsonl", "/d/../d/a.jsonl"])
+  with pytest.raises(DataError, match=r"^config.data.train_path names '/d/a.jsonl' twice; list "
+                     "each file once"):
+    source_names(["/d/a.jsonl", "/d/a.jsonl"], "data.train_path")
   (tmp_path / "x").mkdir()
   a = write_jsonl(tmp_path / "x" / "aime.jsonl", [json.dumps({"q": f"a{i}", "a": i})
                                                   for i in range(5)])
   b = write_jsonl(tmp_path / "math.jsonl", GOOD)  # GOOD rows carry sources s0 / s1
-  rows = load_eval_rows([a, b], num_prompts=3, prompt_key="q", answer_key="a")
+  rows = load_files([a, b], num_prompts=3, prompt_key="q", answer_key="a")
   assert [(r.prompt, r.source) for r in rows] == [
       ("a0", "aime"), ("a1", "aime"), ("a2", "aime"), ("p0", "math"), ("p1", "math"),
       ("p2", "math")]
-  rows = load_eval_rows([a, b], prompt_key="q", answer_key="a", source_key="src")
+  rows = load_files([a, b], prompt_key="q", answer_key="a", source_key="src")
   assert [r.source for r in rows] == ["aime"] * 5 + ["s0", "s1"] * 3  # a row's own wins
-  rows = load_eval_rows([b], prompt_key="q", answer_key="a")  # one file: no source
+  rows = load_files([b], prompt_key="q", answer_key="a")  # one file: no source
   assert len(rows) == 6 and {r.source for r in rows} == {None}
 
 

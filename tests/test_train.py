@@ -20,11 +20,14 @@ import wandb_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# A few-second step on the shipped default model: 4 prompts x 4 samples; held out, the first 8
-# prompts of two test files (the default task's and the long-tail variant's: two sources; one
-# of the latter's longer than max_prompt_len, left out)
+# A few-second step on the shipped default model: 4 prompts x 4 samples, from two training
+# files (the default task's and the long-tail variant's, concatenated: two sources); held out,
+# the first 8 prompts of the two test files (one of the latter's longer than max_prompt_len,
+# left out)
 TEST_FILES = [config_lib.asset_path(name, "data", "test.jsonl") for name in ("default", "longtail")]
-SMALL = ["--config.grpo.num_prompts=4", "--config.grpo.n=4", "--config.grpo.micro_batch=16",
+TRAIN_FILES = [config_lib.asset_path(n, "data", "train.jsonl") for n in ("default", "longtail")]
+SMALL = [f"--config.data.train_path={','.join(TRAIN_FILES)}",
+         "--config.grpo.num_prompts=4", "--config.grpo.n=4", "--config.grpo.micro_batch=16",
          "--config.grpo.minibatches=1", "--config.rollout.max_batch=16",
          "--config.rollout.max_new_tokens=96", "--config.eval.num_prompts=8",
          f"--config.data.test_path={','.join(TEST_FILES)}",
@@ -111,9 +114,17 @@ def test_sigkill_during_training_resumes_exactly(tmp_path, reference):
   assert "curves.png beside it" in ref_stderr and (ref_dir / "curves.png").stat().st_size > 0
   # two test files: each one's accuracy apart, in the records and the lines; the whole the
   # mean over both files' prompts; a prompt too long left out (said), not a crash
+  data = next(line for line in ref_stderr.splitlines() if line.startswith("data:"))
   assert ("; 15 held-out prompts (default/data/test 8, longtail/data/test 7, 1 left out, "
-          "longer than max_prompt_len or of no token)") in next(
-      line for line in ref_stderr.splitlines() if line.startswith("data:"))
+          "longer than max_prompt_len or of no token)") in data
+  # two training files: concatenated, each one's usable prompts counted, each a source
+  n, a, b, long = map(int, re.match(
+      r"data: (\d+) training prompts from 2 files \(default/data/train (\d+), "
+      r"longtail/data/train (\d+); (\d+) dropped as longer than max_prompt_len=80 tokens\);",
+      data).groups())
+  assert n == a + b and a + b + long == 8000 and a == 4000, data
+  assert set().union(*(r["accuracy_by_source"] for r in _records(ref_dir)[1:])) == {
+      "default/data/train", "longtail/data/train"}
   evals = [r["eval"] for r in _records(ref_dir) if "eval" in r]
   assert len(evals) == 3  # steps 0, 2, 4
   for ev in evals:
@@ -389,10 +400,10 @@ def test_steps_whose_gradients_are_never_finite_end_the_run_its_policy_unchanged
 
 
 def _small_cfg(workdir, steps, **overrides):
-  """The run spec of configs/default.py with SMALL applied, TLT on; overrides:
-  {"section.field": value}."""
+  """The run spec of configs/default.py with SMALL applied (the default training file alone),
+  TLT on; overrides: {"section.field": value}."""
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
-  for arg in SMALL:
+  for arg in SMALL[1:]:  # (the default task's training file alone: the arms' tests' lengths)
     key, value = arg[len("--config."):].split("=")
     section, field = key.split(".")
     cfg[section][field] = type(cfg[section][field])(value)

@@ -124,17 +124,25 @@ def test_bad_verl_rows_name_row_and_key_or_are_skipped(tmp_path, fmt, breaks, ne
 
 
 def test_the_run_reads_dotted_keys_from_the_config(tmp_path):
-  """runtime.load_rows: the config's keys, and a bad row as one ConfigError line."""
+  """runtime.load_train_rows: the config's keys; several files concatenated in order, each
+  row's own source kept (verl's data_source); a bad row as one ConfigError line."""
   cfg = load_config_file(os.path.join(ROOT, "configs", "verl_math.py"))
   rows = [verl_row(r, i) for i, r in enumerate(default_rows(3))]
-  got = runtime.load_rows(cfg, write_parquet(tmp_path / "a.parquet", rows))
+  cfg.data.train_path = write_parquet(tmp_path / "a.parquet", rows)
+  got = runtime.load_train_rows(cfg)
   assert [r.answer for r in got] == [r["reward_model"]["ground_truth"] for r in rows]
+  more = [dict(verl_row(r, i), data_source="other") for i, r in enumerate(default_rows(2))]
+  cfg.data.train_path += "," + write_parquet(tmp_path / "more.parquet", more)
+  got = runtime.load_train_rows(cfg)
+  assert [(r.answer, r.source) for r in got] == [
+      (r["reward_model"]["ground_truth"], r["data_source"]) for r in rows + more]
   _drop_reward_model(rows[2])
   cfg.data.on_bad_row = "error"
+  cfg.data.train_path = write_parquet(tmp_path / "b.parquet", rows)
   with pytest.raises(ConfigError, match=r"b\.parquet: row 3: missing 'reward_model\."
                      r"ground_truth' \(the row has no 'reward_model'; set config\.data\."
                      r"answer_key\?\)"):
-    runtime.load_rows(cfg, write_parquet(tmp_path / "b.parquet", rows))
+    runtime.load_train_rows(cfg)
 
 
 # --------------------------------------------------------------------- a run on a verl file

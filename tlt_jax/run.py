@@ -25,7 +25,7 @@ from tlt_jax import runtime
 from tlt_jax.checkpoint import CheckpointError, Checkpointer
 from tlt_jax.coordinator import Coordinator, ParamStore, SpotConfig, Worker
 from tlt_jax.data.dataset import Position, PromptStream
-from tlt_jax.data.prompts import PromptRow
+from tlt_jax.data.prompts import PromptRow, split_paths
 from tlt_jax.drafter import export as drafter_export
 from tlt_jax.drafter import train_step as dts
 from tlt_jax.drafter.buffer import DrafterBuffer
@@ -122,18 +122,22 @@ def learner_spec(spec: config_lib.RunSpec, model_cfg, mesh) -> grpo.LearnerSpec:
 
 
 def data_line(n: int, dropped: int, cfg: ml_collections.ConfigDict, empty: int = 0,
-              test_rows=None, left_out: int = 0) -> str:
-  """The run's first line: how many training prompts it holds, and whether a step repeats
-  them (a file smaller than one step's draw is most often the wrong file); then the held-out
-  prompts evaluation takes (`test_rows`), each source's count where there are several, and
-  how many it left out (`left_out`: too long, or of no token)."""
+              test_rows=None, left_out: int = 0, train_sources=None) -> str:
+  """The run's first line: how many training prompts it holds (from several files, each
+  one's: `train_sources`, a Counter of the usable prompts' sources), and whether a step
+  repeats them (a file smaller than one step's draw is most often the wrong file); then the
+  held-out prompts evaluation takes (`test_rows`), each source's count where there are
+  several, and how many it left out (`left_out`: too long, or of no token)."""
   g = cfg.grpo  # (a rollout's draw: grpo.gen_prompts with grpo.filter_groups)
   key, draw = (("grpo.gen_prompts", g.gen_prompts) if g.get("filter_groups") and
                g.get("gen_prompts") else ("grpo.num_prompts", g.num_prompts))
   few = (f"; fewer than the {draw} a rollout draws ({key}): every step repeats prompts"
          if n < draw else "")
   none = f", {empty} as encoding to no tokens" if empty else ""
-  line = (f"data: {n} training prompts from {cfg.data.train_path} ({dropped} dropped as longer "
+  files = split_paths(cfg.data.train_path)
+  where = (f"{len(files)} files ({', '.join(f'{s} {k}' for s, k in train_sources.items())}; "
+           if len(files) > 1 and train_sources else f"{cfg.data.train_path} (")
+  line = (f"data: {n} training prompts from {where}{dropped} dropped as longer "
           f"than max_prompt_len={cfg.data.max_prompt_len} tokens{none}){few}")
   if test_rows:
     sources = collections.Counter(r.source for r in test_rows)
@@ -152,7 +156,7 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
   # ------------------------------------------------------------------- mesh and model
   mesh = runtime.learner_mesh(cfg)
   # (the prompts first: chat-message prompts add the template's end of turn to the stop ids)
-  train_rows = runtime.load_rows(cfg, cfg.data.train_path)
+  train_rows = runtime.load_train_rows(cfg)
   test_rows = None
   if cfg.data.test_path and cfg.train.eval_every > 0:
     test_rows = runtime.load_test_rows(cfg)
@@ -176,7 +180,8 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
                         chat_template=cfg.data.chat_template,
                         system_prompt=cfg.data.system_prompt, name="config.data.train_path")
   print(data_line(len(stream), stream.dropped_long, cfg, stream.dropped_empty, test_rows,
-                  left_out), file=sys.stderr)
+                  left_out, collections.Counter(p.row.source for p in stream.prompts)),
+        file=sys.stderr)
 
   # -------------------------------------------------------------------------- learner
   lspec = learner_spec(spec, model_cfg, mesh)

@@ -67,9 +67,8 @@ def prepare(spec: RunSpec, *, training: bool = True) -> RunSpec:
     raise ConfigError("is empty; point it at a local JSONL or Parquet file", "data.train_path",
                       "", in_config=True)
   from tlt_jax.data.prompts import split_paths
-  files = [("train_path", cfg.data.get("train_path"), "")] + [
-      ("test_path", path, " (several: comma-separated)")
-      for path in split_paths(cfg.data.get("test_path"))]
+  files = [(key, path, " (several: comma-separated)") for key in ("train_path", "test_path")
+           for path in split_paths(cfg.data.get(key))]
   for key, path, several in files:
     if path and not os.path.isfile(path):
       raise ConfigError(("is a directory" if os.path.isdir(path) else "does not exist")
@@ -288,28 +287,28 @@ def _data_keys(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
               source_key=cfg.data.get("source_key") or None, on_bad_row=cfg.data.on_bad_row)
 
 
-def load_rows(cfg: ml_collections.ConfigDict, path: str):
-  from tlt_jax.data.prompts import DataError, load_prompt_rows
-  try:
-    rows, _ = load_prompt_rows(path, **_data_keys(cfg))
-  except DataError as e:
-    raise ConfigError(str(e)) from None
-  return rows
+def load_train_rows(cfg: ml_collections.ConfigDict):
+  """The training rows of config.data.train_path: one file, or several comma-separated,
+  concatenated in order (each file's rows a source of its own, `data.prompts.load_files`:
+  the training accuracy per data set)."""
+  return _load_files(cfg, "train_path")
 
 
 def load_test_rows(cfg: ml_collections.ConfigDict):
   """The held-out rows of config.data.test_path (one file or several, comma-separated: each
-  file's rows a source of its own, `data.prompts.load_eval_rows`), each file's first
+  file's rows a source of its own, `data.prompts.load_files`), each file's first
   eval.num_prompts (0: all)."""
-  from tlt_jax.data.prompts import DataError, load_eval_rows, split_paths
-  paths = split_paths(cfg.data.get("test_path"))
+  return _load_files(cfg, "test_path", num_prompts=cfg.eval.get("num_prompts", 0))
+
+
+def _load_files(cfg: ml_collections.ConfigDict, key: str, num_prompts: int = 0):
+  from tlt_jax.data.prompts import DataError, load_files, split_paths
+  paths = split_paths(cfg.data.get(key))
   if not paths:
     raise ConfigError("is empty; point it at a local JSONL or Parquet file (several: "
-                      "comma-separated)", "data.test_path", cfg.data.get("test_path", ""),
-                      in_config=True)
+                      "comma-separated)", f"data.{key}", cfg.data.get(key, ""), in_config=True)
   try:
-    return load_eval_rows(paths,
-                          num_prompts=cfg.eval.get("num_prompts", 0), **_data_keys(cfg))
+    return load_files(paths, num_prompts=num_prompts, key=f"data.{key}", **_data_keys(cfg))
   except DataError as e:
     raise ConfigError(str(e)) from None
 

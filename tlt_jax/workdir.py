@@ -102,6 +102,9 @@ def saved_step(workdir: str) -> int | None:
   return max((int(n) for n in os.listdir(d) if n.isdigit()), default=None)
 
 
+FILE_LISTS = ("data.train_path", "data.test_path")  # one file, or several comma-separated
+
+
 def _local_path(key: str, value: Any) -> bool:
   """Whether the config's `key` ("data.train_path") holds a local file or directory it reads."""
   return (isinstance(value, str) and bool(value) and "://" not in value
@@ -110,8 +113,12 @@ def _local_path(key: str, value: Any) -> bool:
 
 
 def _absolute(key: str, value: Any, resolve=os.path.abspath) -> Any:
-  """`value` with the local file it names made absolute (`resolve`): a path key's, and
-  reward.name's file form 'path/to/file.py:function' (relative to the working directory)."""
+  """`value` with the local file it names made absolute (`resolve`): a path key's (each of
+  data.train_path's and test_path's comma-separated files), and reward.name's file form
+  'path/to/file.py:function' (relative to the working directory)."""
+  if _local_path(key, value) and key in FILE_LISTS:
+    return ",".join(resolve(os.path.expanduser(p.strip())) for p in value.split(",")
+                    if p.strip())
   if _local_path(key, value):
     return resolve(os.path.expanduser(value))
   if key == "reward.name" and isinstance(value, str) and ".py:" in value:

@@ -229,7 +229,7 @@ def context(workdir: str, *, num_prompts: int, num_train_prompts: int, samples: 
             eval_samples: int) -> dict[str, Any]:
   """What every checkpoint's measurement shares: the run's model config, its starting policy
   and drafter, held-out and training prompts (after those the run drew), the spot tokens."""
-  from tlt_jax.data.prompts import load_eval_rows, load_prompt_rows, split_paths
+  from tlt_jax.data.prompts import load_files, split_paths
   from tlt_jax.drafter.model import load_drafter
   from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
   with open(os.path.join(workdir, "config.json")) as f:
@@ -238,8 +238,8 @@ def context(workdir: str, *, num_prompts: int, num_train_prompts: int, samples: 
   cfg, params0 = load_hf_model(m["path"])
   dparams0 = load_drafter(run_cfg["tlt"]["drafter"]["init"], cfg)
   tok = load_tokenizer(m["path"])
-  test = load_eval_rows(split_paths(run_cfg["data"]["test_path"]))  # (one file or several)
-  train, _ = load_prompt_rows(run_cfg["data"]["train_path"])
+  test = load_files(split_paths(run_cfg["data"]["test_path"]))  # (one file or several)
+  train = load_files(split_paths(run_cfg["data"]["train_path"]), key="data.train_path")
   test, train = test[:num_prompts], train[-num_train_prompts:]
   return {"cfg": cfg, "params0": params0, "dparams0": dparams0, "tokenizer": tok,
           "stop": tuple(stop_token_ids(m["path"], tok)), "run_cfg": run_cfg,

@@ -89,9 +89,7 @@ class PromptStream:
       _log.warning("%s: dropped %d of %d prompts that encode to no tokens (rows %s)", name,
                    len(empty), len(rows), ", ".join(str(i + 1) for i in empty[:5])
                    + (", ..." if len(empty) > 5 else ""))
-    if self.dropped_long:
-      _log.warning("%s: dropped %d of %d prompts longer than max_prompt_len=%d tokens", name,
-                   self.dropped_long, len(rows), max_prompt_len)
+    # (how many were longer than max_prompt_len: the run's `data:` line says it)
     if not self.prompts:
       if not self.dropped_long:
         raise DataError(f"{name}: every prompt encodes to no tokens; check data.prompt_key and "

@@ -184,22 +184,23 @@ def load_prompt_rows(path: str, *, prompt_key: str = "prompt", answer_key: str =
 
 # ------------------------------------------------------------- held-out sets, several files
 def split_paths(value: str | list[str] | tuple[str, ...] | None) -> list[str]:
-  """A config's file list (config.data.test_path): one path, several separated by commas (the
-  command line's form), or a list / tuple of them (a config file's); blanks dropped."""
+  """A config's file list (config.data.train_path, test_path): one path, several separated by
+  commas (the command line's form), or a list / tuple of them (a config file's); blanks
+  dropped."""
   if not value:
     return []
   parts = value.split(",") if isinstance(value, str) else list(value)
   return [os.path.expanduser(str(p).strip()) for p in parts if str(p).strip()]
 
 
-def source_names(paths: list[str]) -> list[str]:
+def source_names(paths: list[str], key: str = "data.test_path") -> list[str]:
   """Each file's name in per-source metrics: its name without the extension (aime24.jsonl ->
   aime24), with as many of its folders as set it apart from the others' (a/test.parquet,
-  b/test.parquet -> a/test, b/test). A file named twice is a DataError."""
+  b/test.parquet -> a/test, b/test). A file named twice is a DataError (naming config `key`)."""
   norm = [os.path.normpath(os.path.abspath(p)) for p in paths]
   twice = [p for p, n in zip(paths, norm) if norm.count(n) > 1]
   if twice:
-    raise DataError(f"config.data.test_path names {twice[0]!r} twice; list each file once")
+    raise DataError(f"config.{key} names {twice[0]!r} twice; list each file once")
   parts = [os.path.splitext(p)[0].split(os.sep) for p in norm]
   for k in range(1, max(map(len, parts)) + 1):
     names = ["/".join(p[-k:]) for p in parts]
@@ -208,13 +209,15 @@ def source_names(paths: list[str]) -> list[str]:
   return norm  # (unreachable: distinct absolute paths differ in some suffix)
 
 
-def load_eval_rows(paths: list[str], *, num_prompts: int = 0, **keys: Any) -> list[PromptRow]:
-  """Held-out rows from one file or several (`split_paths`), each file's first `num_prompts`
-  usable rows (0: all). With several files, a row without a source of its own (the
-  `source_key` field: verl's data_source) takes its file's name (`source_names`), so
-  evaluation reports each benchmark apart. `keys`: load_prompt_rows's."""
+def load_files(paths: list[str], *, num_prompts: int = 0, key: str = "data.test_path",
+               **keys: Any) -> list[PromptRow]:
+  """The rows of one file or several (`split_paths`: config `key`'s), in the files' order,
+  each file's first `num_prompts` usable rows (0: all). With several files, a row without a
+  source of its own (the `source_key` field: verl's data_source) takes its file's name
+  (`source_names`), so evaluation reports each benchmark apart, and training its accuracy on
+  each data set. `keys`: load_prompt_rows's."""
   rows: list[PromptRow] = []
-  names = source_names(paths) if len(paths) > 1 else [None] * len(paths)
+  names = source_names(paths, key) if len(paths) > 1 else [None] * len(paths)
   for path, name in zip(paths, names):
     got, _ = load_prompt_rows(path, **keys)
     got = got[:num_prompts] if num_prompts else got

@@ -276,7 +276,7 @@ def learner_setup(cfg):
   mesh = runtime.learner_mesh(cfg)
   model_cfg, params, tokenizer, _ = runtime.load_model(cfg, mesh=mesh)
   ls = learner_spec(spec, model_cfg, mesh)
-  rows = runtime.load_rows(cfg, cfg.data.train_path)[:1024]
+  rows = runtime.load_train_rows(cfg)[:1024]
   prompts = [n for n in (len(tokenizer.encode(r.prompt)) for r in rows)
              if n <= cfg.data.max_prompt_len]
   return ls, grpo.init_learner(params, ls), model_cfg, prompts
