@@ -13,7 +13,8 @@ the same wandb run (`resume="allow"`; a changed project or entity starts a new o
 history only moves forward: a step at or after the one wandb holds is logged, an earlier one
 (a resumed run repeating the steps after its checkpoint, which it computes as the killed run
 did: docs/training.md) is not sent again. Offline, each start writes its own folder under
-`<workdir>/wandb/` with the same id; `wandb sync` of them in order gives one run.
+`<workdir>/wandb/` with the same id, and the newest holds every step (`MetricsWriter` sends
+a resumed run's steps on disk first): `wandb sync` that one.
 
 A failure inside wandb during the run (its service gone, a full disk) is one warning and the
 end of wandb logging, never of the run: metrics.jsonl and TensorBoard hold everything.
