@@ -196,3 +196,26 @@ def test_a_resumed_run_sends_the_steps_on_disk_its_wandb_run_lacks(tmp_path):
   writer.write(3, _metrics(3))
   assert run.logged == [2, 3]
   writer.close()
+
+
+def test_the_main_job_stops_on_a_wandb_login_problem_before_loading_anything(tmp_path):
+  """`python -m tlt_jax.train` with wandb online and no API key: exit 2 and one error line
+  naming the fixes, before the data and the model load (no `data:` line), the workdir's
+  checkpoints untouched (none made)."""
+  import subprocess
+  import sys
+  from user_env import user_env
+  env = user_env(JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  for var in ("WANDB_API_KEY", "WANDB_MODE"):
+    env.pop(var, None)
+  proc = subprocess.run(
+      [sys.executable, "-m", "tlt_jax.train", "--config", "configs/default.py", "--workdir",
+       str(tmp_path / "run"), "--config.wandb.project=tlt-test", "--config.wandb.mode=online"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  lines = proc.stderr.strip().splitlines()
+  assert lines[-1].startswith("error: config.wandb.project='tlt-test': wandb could not start "
+                              "the run ("), proc.stderr[-2000:]
+  assert "`wandb login`" in lines[-1] and "wandb.mode=offline" in lines[-1]
+  assert not any(line.startswith("data:") for line in lines)
+  assert not (tmp_path / "run" / "checkpoints").exists()
