@@ -15,6 +15,7 @@ from typing import Any
 
 import ml_collections
 
+from tlt_jax.data.prompts import split_paths
 from tlt_jax.errors import ConfigError
 
 _CLAIM = ".tlt_jax.lock"  # <workdir>/.tlt_jax.lock: who holds the workdir (pid, host, command)
@@ -116,10 +117,9 @@ def _absolute(key: str, value: Any, resolve=os.path.abspath) -> Any:
   """`value` with the local file it names made absolute (`resolve`): a path key's (each of
   data.train_path's and test_path's comma-separated files), and reward.name's file form
   'path/to/file.py:function' (relative to the working directory)."""
-  if _local_path(key, value) and key in FILE_LISTS:
-    return ",".join(resolve(os.path.expanduser(p.strip())) for p in value.split(",")
-                    if p.strip())
   if _local_path(key, value):
+    if key in FILE_LISTS:
+      return ",".join(resolve(p) for p in split_paths(value))
     return resolve(os.path.expanduser(value))
   if key == "reward.name" and isinstance(value, str) and ".py:" in value:
     file, fn = value.rsplit(":", 1)
