@@ -12,6 +12,7 @@ import pytest
 from tlt_jax import config as config_lib
 from tlt_jax import workdir
 from tlt_jax.errors import ConfigError
+from tlt_jax.rollout.sampling import SamplingParams
 from user_env import user_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -118,6 +119,15 @@ def test_history_arms_need_the_history_index():
     ("train.export_best", "best", "config.train.export_best='best': use 'accuracy' (every "
      "held-out prompt's), 'accuracy:<source>'"),
     ("train.export_best", "accuracy:", "config.train.export_best='accuracy:': use 'accuracy'"),
+    ("optim.b1", 1.5, "config.optim.b1=1.5: must be in [0, 1)"),
+    ("optim.b2", 1.0, "config.optim.b2=1.0: must be in [0, 1)"),
+    ("optim.b2", -0.1, "config.optim.b2=-0.1: must be in [0, 1)"),
+    ("optim.weight_decay", -0.1, "config.optim.weight_decay=-0.1: must be >= 0"),
+    ("optim.grad_clip", -1.0, "config.optim.grad_clip=-1.0: must be >= 0"),
+    ("optim.schedule", "linear", "config.optim.schedule='linear': use 'constant'"),
+    ("seed", -1, "config.seed=-1: use 0 to 2^31-1"),
+    ("seed", 2**40, "config.seed=1099511627776: use 0 to 2^31-1"),
+    ("eval.num_prompts", -1, "config.eval.num_prompts=-1: must be >= 0"),
 ])
 def test_invalid_values_name_the_key(key, value, needle):
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
@@ -130,6 +140,39 @@ def test_invalid_values_name_the_key(key, value, needle):
     config_lib.run_spec(cfg)
   assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
   assert e.value.key == key or key.startswith(e.value.key + "."), e.value.key  # an attribute
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_no_key_takes_a_number_that_is_not_finite(name):
+  """NaN passes every range check written as `if x < 0` (each comparison with it is False),
+  inf many more: every number a shipped config holds, set to either, is one error naming it."""
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", name))
+  keys = [k for k in config_lib.dotted_keys(cfg) if isinstance(_get(cfg, k), float)]
+  assert len(keys) >= 15, keys  # (the walk reaches the nested sections)
+  for key in keys:
+    for bad in (float("nan"), float("inf"), float("-inf")):
+      c = config_lib.load_config_file(os.path.join(ROOT, "configs", name))
+      *path, field = key.split(".")
+      _get(c, ".".join(path))[field] = bad
+      with pytest.raises(ConfigError) as e:
+        config_lib.run_spec(c)
+      assert e.value.key == key and "must be a finite number" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("key,value", [("temperature", float("nan")), ("temperature", float("inf")),
+                                       ("temperature", -0.5), ("top_p", float("nan")),
+                                       ("top_p", 0.0), ("top_k", -1)])
+def test_sampling_takes_finite_values_in_range_only(key, value):
+  # (the generate CLI and the engine's API build SamplingParams without run_spec's walk)
+  with pytest.raises(ConfigError) as e:
+    SamplingParams(**{key: value})
+  assert e.value.key == key and "\n" not in str(e.value)
+
+
+def _get(cfg, key):
+  for p in filter(None, key.split(".")):
+    cfg = cfg[p]
+  return cfg
 
 
 @pytest.mark.parametrize("mesh,micro_batch,needle", [
@@ -410,6 +453,8 @@ def test_cli_errors_are_one_line(tmp_path):
                  f"--workdir={tmp_path / 'w'}"], "config.mesh="),
       ("train", ["--config", "configs/default.py", "--config.tlt.drafter.mode=async",
                  f"--workdir={tmp_path / 'w'}"], "config.tlt.drafter.mode='async'"),
+      ("train", ["--config", "configs/default.py", "--config.optim.b2=nan",
+                 f"--workdir={tmp_path / 'w'}"], "config.optim.b2=nan: must be a finite number"),
   ]:
     p = _run([f"tlt_jax.{module}", *args])
     assert p.returncode == 2, p.stderr

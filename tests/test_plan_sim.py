@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+from tlt_jax.errors import ConfigError
 from tlt_jax.plan import sim, sim_engine, workload
 from tlt_jax.plan.cost import PROFILES
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
@@ -199,6 +200,13 @@ def test_acceptance_from_one_per_draft_rate():
   for bad in ("rate=0.7,default=3", "rate=1.5"):
     with pytest.raises(Exception, match="--acceptance"):
       workload.acceptance(bad)
+  # a verification keeps at least the target's own token: less (or NaN) is one error, not a
+  # value clamped to 1 without a word
+  for bad, name in (("0.5", "default"), ("nan", "default"), ("4_1_5=0.9", "4_1_5"),
+                    ("history=0", "history"), ("default=nan", "default")):
+    with pytest.raises(ConfigError, match=rf"^--acceptance='{bad}': {name}=.*: tokens per "
+                       r"verification are >= 1"):
+      workload.acceptance(bad)
 
 
 def test_acceptance_from_a_runs_metrics(tmp_path):
@@ -374,6 +382,8 @@ def test_plan_command_errors_are_one_line(tmp_path):
                        (["--lengths", "lognormal:mu=1"], "--lengths"),
                        (["--steps", "0"], "--steps=0"),
                        (["--signal", "1.5"], "--signal=1.5: must be in (0, 1]"),
+                       (["--compile_s", "nan"], "--compile_s=nan: must be a finite number"),
+                       (["--acceptance", "0.5"], "--acceptance='0.5': default=0.5: tokens per"),
                        (["--out", str(tmp_path / "a_file" / "p")],  # before the simulation
                         f"--out='{tmp_path / 'a_file' / 'p'}': cannot be made "
                         f"({tmp_path / 'a_file'} is a file)")):

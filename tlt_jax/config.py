@@ -26,13 +26,13 @@ from typing import Any, Callable, Iterable
 import ml_collections
 from absl import flags
 
-from tlt_jax import export
+from tlt_jax import export, optim
 from tlt_jax.coordinator.spot import SpotConfig
 from tlt_jax.launch import DistributedConfig
 from tlt_jax.profiling import ProfileConfig
 from tlt_jax.drafter.buffer import BufferConfig
 from tlt_jax.drafter.model import ENGINES
-from tlt_jax.errors import ConfigError, build, check, section_values
+from tlt_jax.errors import ConfigError, build, check, check_finite, section_values
 from tlt_jax.memory import device_bytes
 from tlt_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES, ModelConfig
 from tlt_jax.rl.batching import ROW_LAYOUTS
@@ -247,6 +247,8 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   """Every typed config of `cfg`, and the plain values checked, in one pass: the first
   mistake is a ConfigError naming its key. Needs no devices and reads no files (beyond the
   memory.device name); runtime.prepare checks those against this machine."""
+  check_finite(cfg)
+  check(isinstance(cfg.seed, int) and 0 <= cfg.seed < 2**31, "seed", cfg.seed, "use 0 to 2^31-1")
   m = cfg.model
   check(bool(m.path), "model.path", m.path, "set the local Hugging Face model directory")
   for k in ("dtype", "param_dtype"):
@@ -366,11 +368,7 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   check(cfg.model.get("attention", "auto") != "fused" or g.pad_multiple % 16 == 0,
         "grpo.pad_multiple", g.pad_multiple, "must be a multiple of 16 with "
         "model.attention='fused' (the kernel's blocks; rows are pad_multiple x 2^k long)")
-  o = cfg.optim
-  check(o.lr > 0, "optim.lr", o.lr, "must be > 0")
-  check(o.schedule in ("constant", "cosine"), "optim.schedule", o.schedule,
-        "use 'constant' (after warm-up) or 'cosine'")
-  check(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
+  optim.check_config(cfg.optim)
   distributed = distributed_config(cfg)
   profile = build(ProfileConfig, "profile", section_values(ProfileConfig, cfg.get("profile") or {}))
   wandb = build(WandbConfig, "wandb", section_values(WandbConfig, cfg.get("wandb") or {}))
@@ -401,6 +399,8 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   check(cfg.eval.log_responses >= 0, "eval.log_responses", cfg.eval.log_responses,
         "must be >= 0 (each source's prompts whose responses are logged; 0: none)")
   e = cfg.eval
+  check(e.get("num_prompts", 0) >= 0, "eval.num_prompts", e.get("num_prompts"),
+        "must be >= 0 (the first held-out prompts evaluated; 0: all)")
   check(e.n >= 1, "eval.n", e.n, "must be >= 1 (responses per held-out prompt)")
   check(e.temperature >= 0, "eval.temperature", e.temperature, "must be >= 0 (0: greedy)")
   check(0 < e.top_p <= 1, "eval.top_p", e.top_p, "must be in (0, 1] (1: off)")

@@ -13,6 +13,7 @@ the key travels as an attribute, never as text to parse.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Callable, Mapping
 
@@ -83,6 +84,19 @@ def check(cond: bool, key: str, value: Any, fix: str) -> None:
   """ConfigError for config key `key` (dotted, without "config.") unless `cond`."""
   if not cond:
     raise ConfigError(fix, key, value, in_config=True)
+
+
+def check_finite(section: Any, prefix: str = "") -> None:
+  """ConfigError for the first number under `section` (a config's nested mapping, anything
+  with `.items()`) that is NaN or infinite. No key of a run takes either, and a NaN slips past
+  a range check written as `if x < 0: raise` (every comparison with it is False): a NaN
+  temperature or Adam beta would train on garbage without a word."""
+  for key, value in section.items():
+    name = f"{prefix}{key}"
+    if hasattr(value, "items"):
+      check_finite(value, name + ".")
+    elif isinstance(value, float) and not math.isfinite(value):
+      raise ConfigError("must be a finite number", name, value, in_config=True)
 
 
 def section_values(cls: type, section: Mapping[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from tlt_jax.errors import ConfigError
+from tlt_jax.errors import ConfigError, check
 
 SCHEDULES = ("constant", "cosine")
 
@@ -41,6 +41,22 @@ def lr_schedule(lr: float, *, warmup_steps: int = 0, total_steps: int = 0,
     return optax.constant_schedule(lr)
   return optax.join_schedules([optax.linear_schedule(0.0, lr, w), optax.constant_schedule(lr)],
                               [w])
+
+
+def check_config(o) -> None:
+  """config.optim's values, each a ConfigError naming its key: AdamW's betas in [0, 1) (at 1 a
+  moment never moves; past it, or below 0, the update diverges), a weight decay and a clip
+  norm >= 0 (0: none)."""
+  check(o.lr > 0, "optim.lr", o.lr, "must be > 0")
+  check(o.schedule in SCHEDULES, "optim.schedule", o.schedule,
+        "use 'constant' (after warm-up) or 'cosine'")
+  check(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
+  for k in ("b1", "b2"):
+    check(0 <= o[k] < 1, f"optim.{k}", o[k], "must be in [0, 1) (AdamW's moment decay, "
+          "e.g. 0.9 for b1, 0.99 or 0.999 for b2)")
+  check(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0 (0: none)")
+  check(o.grad_clip >= 0, "optim.grad_clip", o.grad_clip,
+        "must be >= 0 (the gradients' global-norm bound; 0: no clipping)")
 
 
 @functools.lru_cache(maxsize=None)

@@ -19,6 +19,7 @@ assumptions and its validation.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from absl import app, flags
@@ -58,8 +59,8 @@ def main(argv):
   cfg = FLAGS.config
   if FLAGS.steps < 1:
     raise ConfigError("must be >= 1", "--steps", FLAGS.steps)
-  if FLAGS.compile_s < 0:
-    raise ConfigError("must be >= 0 (0: a warm compilation cache)", "--compile_s",
+  if not 0 <= FLAGS.compile_s < math.inf:
+    raise ConfigError("must be a finite number >= 0 (0: a warm compilation cache)", "--compile_s",
                       FLAGS.compile_s)
   if not 0 < FLAGS.signal <= 1:
     raise ConfigError("must be in (0, 1]: the share of groups whose rewards differ", "--signal",

@@ -182,6 +182,11 @@ class Acceptance:
                        "rate=, not both")
     if self.rate is not None and not 0.0 <= self.rate <= 1.0:
       raise ValueError(f"rate={self.rate}: a per-draft acceptance is in [0, 1]")
+    given = [*self.tpv, ("default", self.default), ("history", self.history)]
+    for name, v in given:
+      if v is not None and not v >= 1.0:  # (NaN too)
+        raise ValueError(f"{name}={v}: tokens per verification are >= 1 (a verification "
+                         "keeps the target's own token; a per-draft acceptance is rate=)")
 
   def draft_rate(self) -> float:
     """The per-draft acceptance of the drafter arms not named (when `default` is None)."""
@@ -256,9 +261,14 @@ def acceptance(spec: str) -> Acceptance:
   if not spec.strip():
     return Acceptance()
   try:
-    return Acceptance(default=float(spec))
+    number = float(spec)
   except ValueError:
-    pass
+    number = None
+  if number is not None:
+    try:
+      return Acceptance(default=number)
+    except ValueError as e:
+      raise ConfigError(str(e), "--acceptance", spec) from None
   if os.path.isfile(spec):
     items = _run_acceptance(spec) if spec.endswith(".jsonl") else None
     if items is None:

@@ -10,6 +10,7 @@ Ties at the top-k / top-p threshold are kept (a tied token is never arbitrarily 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +27,9 @@ class SamplingParams:
   top_p: float = 1.0  # 1 -> off
 
   def __post_init__(self):
-    if self.temperature < 0:
-      raise ConfigError("must be >= 0 (0 means greedy)", "temperature", self.temperature)
+    if not 0 <= self.temperature < math.inf:  # (NaN too)
+      raise ConfigError("must be a finite number >= 0 (0 means greedy)", "temperature",
+                        self.temperature)
     if self.top_k < 0:
       raise ConfigError("must be >= 0 (0 disables top-k)", "top_k", self.top_k)
     if not 0.0 < self.top_p <= 1.0:
