@@ -142,6 +142,20 @@ def test_held_out_files_one_or_several(tmp_path):
   assert len(rows) == 6 and {r.source for r in rows} == {None}
 
 
+def test_a_source_key_no_row_has_is_said(tmp_path, caplog):
+  a = write_jsonl(tmp_path / "aime.jsonl", [json.dumps({"q": f"a{i}", "a": i}) for i in range(3)])
+  b = write_jsonl(tmp_path / "math.jsonl", GOOD)  # GOOD rows carry sources s0 / s1
+  load_files([a, b], prompt_key="q", answer_key="a", source_key="src")
+  assert caplog.text.count("no row has") == 1  # aime's rows, not math's
+  assert f"{a}: no row has config.data.source_key='src', the field accuracy is reported by: " \
+         "its rows take the file's name, 'aime'" in caplog.text
+  caplog.clear()
+  rows = load_files([b], prompt_key="q", answer_key="a", source_key="scr")  # a typo
+  assert {r.source for r in rows} == {None}
+  assert f"{b}: no row has config.data.source_key='scr', the field accuracy is reported by: " \
+         "no accuracy per source" in caplog.text
+
+
 def _stream(tmp_path, n=10, max_len=3, seed=0):
   lines = [json.dumps({"prompt": "x" * (1 + i % 5), "answer": i}) for i in range(n)]
   rows, _ = load_prompt_rows(write_jsonl(tmp_path / "s.jsonl", lines))

@@ -221,6 +221,10 @@ def load_files(paths: list[str], *, num_prompts: int = 0, key: str = "data.test_
   for path, name in zip(paths, names):
     got, _ = load_prompt_rows(path, **keys)
     got = got[:num_prompts] if num_prompts else got
+    if keys.get("source_key") and all(r.source is None for r in got):  # (a typo?)
+      _log.warning("%s: no row has config.data.source_key=%r, the field accuracy is reported "
+                   "by: %s", path, keys["source_key"], f"its rows take the file's name, {name!r}"
+                   if name else "no accuracy per source")
     rows += [r if r.source is not None or name is None else dataclasses.replace(r, source=name)
              for r in got]
   return rows
