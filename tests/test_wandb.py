@@ -219,3 +219,39 @@ def test_the_main_job_stops_on_a_wandb_login_problem_before_loading_anything(tmp
   assert "`wandb login`" in lines[-1] and "wandb.mode=offline" in lines[-1]
   assert not any(line.startswith("data:") for line in lines)
   assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_the_eval_command_logs_its_numbers_and_responses_to_a_run_of_its_own(tmp_path):
+  """`python -m tlt_jax.eval` with wandb offline: a new wandb run (job type eval, grouped by
+  the workdir's name) whose one row holds every number of eval.json under training's names
+  (`eval/...`) and eval_responses.jsonl as its table; the training run's id in wandb.json is
+  left as it is."""
+  import json
+  import subprocess
+  import sys
+  from user_env import user_env
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / RUN_FILE).write_text('{"id": "trainid1", "project": "tlt-test", "entity": ""}')
+  proc = subprocess.run(
+      [sys.executable, "-m", "tlt_jax.eval", "--config", "configs/default.py",
+       f"--config.workdir={workdir}", "--config.eval.num_prompts=6",
+       "--config.wandb.project=tlt-test", "--config.wandb.mode=offline"],
+      cwd=ROOT, env=user_env(JAX_PLATFORMS="cpu", XLA_FLAGS=""), capture_output=True,
+      text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  (folder,) = wandb_file.offline_runs(str(workdir))
+  got = wandb_file.read_run(folder)
+  assert got["job_type"] == "eval" and got["group"] == "run" and got["exit_code"] == 0
+  assert got["id"] != "trainid1"
+  assert proc.stderr.count("wandb: offline run run-eval (") == 1
+  assert json.loads((workdir / RUN_FILE).read_text())["id"] == "trainid1"
+  (row,) = got["history"]
+  with open(workdir / "eval.json") as f:
+    want = {k: v for k, v in flatten({"eval": json.load(f)}).items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+  mine = {k: v for k, v in row.items() if not k.startswith(("_", "eval_responses/"))}
+  assert mine == want and want["eval/num_prompts"] == 6
+  with open(workdir / "eval_responses.jsonl") as f:
+    lines = [json.loads(line) for line in f]
+  assert len(lines) == 6 and wandb_file.table_rows(folder, row, "eval_responses") == lines

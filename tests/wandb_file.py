@@ -43,18 +43,20 @@ def raw_records(path: str):
 
 
 def read_run(run_dir: str) -> dict:
-  """An offline run's folder (`<dir>/wandb/offline-run-*-<id>`) as {"id", "config",
-  "history": [{key: value}...] in order, "exit_code"}: each history row's items by their key
+  """An offline run's folder (`<dir>/wandb/offline-run-*-<id>`) as {"id", "job_type", "group",
+  "config", "history": [{key: value}...] in order, "exit_code"}: each history row's items by key
   (a nested one slash-joined: a table is `<key>/path`, `<key>/_type`, ...: `table_rows`)."""
   from wandb.proto import wandb_internal_pb2 as pb
   (path,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))
-  out = {"id": None, "config": {}, "history": [], "exit_code": None}
+  out = {"id": None, "job_type": None, "group": None, "config": {}, "history": [],
+         "exit_code": None}
   for data in raw_records(path):
     rec = pb.Record()
     rec.ParseFromString(data)
     kind = rec.WhichOneof("record_type")
     if kind == "run":
-      out["id"] = rec.run.run_id
+      run = rec.run
+      out["id"], out["job_type"], out["group"] = run.run_id, run.job_type, run.run_group
     elif kind == "config":
       for item in rec.config.update:
         out["config"][item.key or "/".join(item.nested_key)] = json.loads(item.value_json)

@@ -27,12 +27,13 @@ import numpy as np
 
 from tlt_jax.data.dataset import encode_prompt, encode_rows
 from tlt_jax.data.prompts import DataError, PromptRow
-from tlt_jax.metrics import append_jsonl
+from tlt_jax.metrics import append_jsonl, numbers
 from tlt_jax.rl.reward_pool import RewardPool
 from tlt_jax.rl.rewards import extra_means
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.records import EngineHooks, Request
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.wandb_log import WandbRun
 
 
 # accuracy_by_source's name for rows without a source among rows with one (verl's default
@@ -233,6 +234,25 @@ def main(argv):
   from tlt_jax.config import run_spec
   cfg = _CONFIG.value
   spec = runtime.prepare(run_spec(cfg), training=False)
+  # (before the model loads: a wandb login problem costs nothing)
+  board = WandbRun.start(spec.wandb, cfg.workdir, cfg.to_dict(), job_type="eval")
+  code = 1
+  try:
+    _evaluate_and_report(cfg, spec, board)
+    code = 0
+  except KeyboardInterrupt:
+    code = 130
+    raise
+  finally:
+    if board is not None:
+      board.close(code)
+
+
+def _evaluate_and_report(cfg, spec, board) -> None:
+  """main's work: evaluate, write eval.json and eval_responses.jsonl (and to `board`, a
+  WandbRun or None, the numbers under training's names, `eval/...`, and the responses as its
+  table), print the summary."""
+  from tlt_jax import runtime
   rows = runtime.load_test_rows(cfg)
   model_cfg, params, tokenizer, stop = runtime.load_model(cfg, rows=rows)
   engine = Engine(params, model_cfg, spec.engine_config(
@@ -248,7 +268,8 @@ def main(argv):
   responses = os.path.join(cfg.workdir, "eval_responses.jsonl")
   if os.path.exists(responses):
     os.remove(responses)  # (an earlier evaluation's, as eval.json is replaced)
-  append_jsonl(responses, metrics.pop("responses"))
+  kept = metrics.pop("responses")
+  append_jsonl(responses, kept)
   metrics["left_out"] = left_out
   metrics["reward_failures"] = {"errors": pool.stats.errors, "timeouts": pool.stats.timeouts,
                                 "crashes": pool.stats.crashes}
@@ -256,6 +277,8 @@ def main(argv):
   metrics["model"] = cfg.model.path
   with open(os.path.join(cfg.workdir, "eval.json"), "w") as f:
     json.dump(metrics, f, indent=2)
+  if board is not None:
+    board.log(0, numbers({"eval": metrics}), [("eval_responses", kept)])
   lens = metrics["response_length"]
   how = ("greedy" if n == 1 and sampling.greedy else
          f"avg@{n}, temperature {sampling.temperature:g}, top_p {sampling.top_p:g}")

@@ -106,23 +106,31 @@ class WandbRun:
 
   @classmethod
   def start(cls, cfg: WandbConfig, workdir: str, config: dict[str, Any],
-            out=sys.stderr) -> WandbRun | None:
+            out=sys.stderr, job_type: str = "train") -> WandbRun | None:
     """The wandb run of `workdir` (the one wandb.json names, else a new one), `config` its
-    config; None where cfg.project is "". A run wandb cannot start is a ConfigError."""
+    config; None where cfg.project is "". A run wandb cannot start is a ConfigError.
+    job_type "eval" (`python -m tlt_jax.eval`): a new wandb run each time, its id not kept
+    (wandb.json stays the training run's), named `<name>-eval` and grouped with the
+    training run's name unless the config gives a group."""
     if not cfg.project:
       return None
     import wandb
     os.makedirs(workdir, exist_ok=True)
-    path = os.path.join(workdir, RUN_FILE)
-    run_id = _saved_id(path, cfg) or new_id()
-    with open(path + ".tmp", "w") as f:  # (before init: a run killed at once keeps its id)
-      json.dump({"id": run_id, "project": cfg.project, "entity": cfg.entity}, f)
-    os.replace(path + ".tmp", path)
     name = cfg.name or os.path.basename(os.path.normpath(os.path.abspath(workdir)))
+    group = cfg.group or None
+    if job_type == "train":
+      path = os.path.join(workdir, RUN_FILE)
+      run_id = _saved_id(path, cfg) or new_id()
+      with open(path + ".tmp", "w") as f:  # (before init: a run killed at once keeps its id)
+        json.dump({"id": run_id, "project": cfg.project, "entity": cfg.entity}, f)
+      os.replace(path + ".tmp", path)
+    else:
+      run_id, group, name = new_id(), group or name, f"{name}-{job_type}"
     try:
       run = wandb.init(project=cfg.project, entity=cfg.entity or None, name=name,
-                       group=cfg.group or None, tags=cfg.tag_list or None,
-                       mode=cfg.mode or None, dir=workdir, id=run_id, resume="allow",
+                       group=group, tags=cfg.tag_list or None, job_type=job_type,
+                       mode=cfg.mode or None, dir=workdir, id=run_id,
+                       resume="allow" if job_type == "train" else None,
                        settings=wandb.Settings(console="off", silent=True))
       # (a resumed run's config may differ where train.resume_with_changes allows it)
       run.config.update(config, allow_val_change=True)
