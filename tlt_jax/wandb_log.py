@@ -110,8 +110,8 @@ class WandbRun:
     """The wandb run of `workdir` (the one wandb.json names, else a new one), `config` its
     config; None where cfg.project is "". A run wandb cannot start is a ConfigError.
     job_type "eval" (`python -m tlt_jax.eval`): a new wandb run each time, its id not kept
-    (wandb.json stays the training run's), named `<name>-eval` and grouped with the
-    training run's name unless the config gives a group."""
+    (wandb.json stays the training run's), named `<name>-eval`, its group the training run's
+    name (the workdir's folder by default) unless the config gives one."""
     if not cfg.project:
       return None
     import wandb
