@@ -76,6 +76,10 @@ def get_config():
   # one file, or several comma-separated (concatenated in order; each one's training accuracy
   # apart: a row without a data.source_key source takes its file's name)
   c.data.train_path = asset_path("default", "data", "train.jsonl")
+  # several files mixed by weight: one per file, e.g. "0.7,0.3", each file's share of the
+  # prompts an epoch draws (a small file with a large weight repeats, a large one with a small
+  # weight is subsampled); "": the files concatenated, each prompt once an epoch
+  c.data.train_weights = ""
   # held out: one file, or several comma-separated (each one's accuracy reported apart, e.g.
   # --config.data.test_path=/data/aime24.jsonl,/data/math500.jsonl)
   c.data.test_path = asset_path("default", "data", "test.jsonl")

@@ -128,6 +128,14 @@ def test_history_arms_need_the_history_index():
     ("seed", -1, "config.seed=-1: use 0 to 2^31-1"),
     ("seed", 2**40, "config.seed=1099511627776: use 0 to 2^31-1"),
     ("eval.num_prompts", -1, "config.eval.num_prompts=-1: must be >= 0"),
+    ("data.train_weights", "0.7,0.3", "config.data.train_weights='0.7,0.3': 2 weights for the "
+     "1 file of data.train_path; give one per file"),
+    ("data.train_weights", "heavy", "config.data.train_weights='heavy': comma-separated "
+     "numbers, one per file"),
+    ("data.train_weights", "0", "config.data.train_weights='0': every weight must be a finite "
+     "number > 0"),
+    ("data.train_weights", "-1", "config.data.train_weights='-1': every weight must be"),
+    ("data.train_weights", "nan", "config.data.train_weights='nan': every weight must be"),
 ])
 def test_invalid_values_name_the_key(key, value, needle):
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
@@ -421,8 +429,23 @@ def test_config_json_names_its_inputs_wherever_the_run_is_resumed_from(tmp_path,
   monkeypatch.chdir(tmp_path)
   cfg.data.train_path, cfg.reward.name = "data/train.jsonl,data/more.jsonl", "data/score.py:score"
   assert workdir.config_changes(cfg) == []
-  cfg.data.train_path = "data/train.jsonl"
+  cfg.data.train_weights = "0.3,0.7"  # another mixture of the same files: another experiment
+  assert workdir.config_changes(cfg) == [("data.train_weights", "", "0.3,0.7")]
+  cfg.data.train_path, cfg.data.train_weights = "data/train.jsonl", ""
   assert [c[0] for c in workdir.config_changes(cfg)] == ["data.train_path"]
+
+
+def test_a_config_files_own_bug_keeps_its_traceback(tmp_path):
+  """Only a value of another type than the field's becomes one line (test below); any other
+  error raised by a config file's code is that code's bug, raised as it is."""
+  bug = tmp_path / "bug.py"
+  bug.write_text("def get_config():\n  return undefined_name\n")
+  with pytest.raises(NameError, match="undefined_name"):
+    config_lib.load_config_file(str(bug))
+  odd = tmp_path / "odd.py"
+  odd.write_text("def get_config():\n  return len(3)\n")
+  with pytest.raises(TypeError, match="has no len"):
+    config_lib.load_config_file(str(odd))
 
 
 def test_cli_errors_are_one_line(tmp_path):
@@ -433,7 +456,14 @@ def test_cli_errors_are_one_line(tmp_path):
   broken = tmp_path / "broken"  # a config.json cut short
   broken.mkdir()
   (broken / "config.json").write_text('{"model_type": "qwen2", "hidden_si')
+  mine = tmp_path / "mine.py"  # a config file giving a field a value of another type
+  mine.write_text(f"from tlt_jax.config import load_config_file\n\ndef get_config():\n"
+                  f"  c = load_config_file({os.path.join(ROOT, 'configs', 'default.py')!r})\n"
+                  "  c.rollout.max_batch = '8'\n  return c\n")
   for module, args, needle in [
+      ("train", ["--config", str(mine)], f"error: --config {mine}, line 5: "
+       "`c.rollout.max_batch = '8'`: field 'max_batch' takes int values, not str; write a "
+       "whole number, unquoted\n"),
       ("eval", ["--config", "configs/missing.py"], "no such file"),
       ("eval", ["--config", "configs/default.py", "--config.rollout.chunksize=4"],
        "did you mean"),
@@ -518,6 +548,10 @@ def test_the_data_line_says_when_every_step_repeats_prompts():
   assert data_line(7, 0, cfg).endswith("; fewer than the 8 a rollout draws (grpo.num_prompts): "
                                        "every step repeats prompts")
   assert data_line(8, 2, cfg).endswith("(2 dropped as longer than max_prompt_len=80 tokens)")
+  cfg.data.train_path = "/d/a.jsonl,/d/b.jsonl"  # weighted: each file's prompts and share
+  assert data_line(8, 2, cfg, mixture=[("a", 6, 0.25), ("b", 2, 0.75)]).startswith(
+      "data: 8 training prompts from 2 files weighted (a 6 at 0.25, b 2 at 0.75; 2 dropped ")
+  cfg.data.train_path = "/d/a.jsonl"
   assert data_line(8, 2, cfg, 1).endswith("max_prompt_len=80 tokens, 1 as encoding to no tokens)")
   cfg.grpo.filter_groups, cfg.grpo.gen_prompts = True, 24  # (DAPO's gen batch: a rollout's)
   assert data_line(20, 0, cfg).endswith("; fewer than the 24 a rollout draws "

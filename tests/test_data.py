@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tlt_jax.data.dataset import Position, PromptStream
-from tlt_jax.data.prompts import (DataError, load_files, load_prompt_rows, source_names,
-                                  split_paths)
+from tlt_jax.data.prompts import (DataError, PromptRow, load_files, load_prompt_rows,
+                                  source_names, split_paths)
 
 
 class CharTokenizer:
@@ -236,6 +236,72 @@ def test_each_epoch_is_the_seeded_permutation_from_its_first_prompt(tmp_path):
     flat = [i for part in got for i in part]
     assert flat == want[:len(flat)], sizes
     assert pos == Position(*divmod(len(flat), n))
+
+
+def _files_stream(sizes, weights, seed=5):
+  """A stream over len(sizes) files of sizes[i] prompts ("f<i>-<j>"), mixed by `weights`."""
+  rows = [PromptRow(index=j, prompt=f"f{i}-{j}", answer="0", file=i)
+          for i, n in enumerate(sizes) for j in range(n)]
+  return PromptStream(rows, CharTokenizer(), max_prompt_len=16, seed=seed, weights=weights)
+
+
+@pytest.mark.parametrize("sizes, weights, quotas", [
+    ((10, 3), (0.5, 0.5), (7, 6)),  # 6.5 / 6.5: the tie to the first file
+    ((10, 3), (0.7, 0.3), (9, 4)),  # 9.1 / 3.9: the larger remainder
+    ((12, 1), (0.999, 0.001), (12, 1)),  # 12.99 / 0.01: every file drawn at least once
+    ((4, 4, 4), (1, 1, 2), (3, 3, 6)),  # weights normalised
+])
+def test_weighted_files_draw_their_share_each_epoch(sizes, weights, quotas):
+  """data.train_weights: an epoch is N draws (all files' prompts), file i's share of them
+  w_i N by largest remainder (the quotas worked out by hand above); file i's draws pass over
+  its prompts in shuffled orders one after another, so over its first k passes every prompt
+  of it is drawn exactly k times (repeated where weighted above its size, spread over epochs
+  where below)."""
+  s = _files_stream(sizes, [w / sum(weights) for w in weights])
+  n = sum(sizes)
+  epochs = 12
+  got, pos = s.batch(Position(), n * epochs)
+  assert pos == Position(epochs, 0)
+  drawn = [p.row for p in got]
+  for e in range(epochs):
+    epoch = drawn[e * n:(e + 1) * n]
+    assert [sum(r.file == i for r in epoch) for i in range(len(sizes))] == list(quotas)
+  for i, size in enumerate(sizes):
+    mine = [r.index for r in drawn if r.file == i]
+    passes = len(mine) // size
+    for k in range(passes):  # pass k: a permutation of the file's prompts
+      assert sorted(mine[k * size:(k + 1) * size]) == list(range(size)), (i, k)
+    assert passes >= 2 and (size == 1 or mine[:size] != mine[size:2 * size])  # shuffled anew
+
+
+def test_a_weighted_stream_is_a_function_of_its_position():
+  """As the unweighted one: however the draws are cut, and from a saved position in another
+  stream over the same data, the same prompts; another seed, another order."""
+  def draw(stream, pos, sizes):
+    got = []
+    for n in sizes:
+      part, pos = stream.batch(pos, n)
+      got += [p.row.prompt for p in part]
+    return got
+
+  a = _files_stream((10, 3), (0.2, 0.8))
+  flat = draw(a, Position(), [13 * 5 + 4])
+  for sizes in ([13] * 5 + [4], [3] * 23, [1, 12, 15, 41]):
+    assert draw(_files_stream((10, 3), (0.2, 0.8)), Position(), sizes) == flat, sizes
+  _, pos = a.batch(Position(), 20)
+  saved = json.loads(json.dumps(a.saved(pos)))
+  b = _files_stream((10, 3), (0.2, 0.8))
+  assert draw(b, b.resume(saved), [len(flat) - 20]) == flat[20:]
+  assert draw(_files_stream((10, 3), (0.2, 0.8), seed=6), Position(), [len(flat)]) != flat
+
+
+def test_a_weighted_file_with_no_usable_prompt_is_one_clear_error():
+  rows = [PromptRow(index=0, prompt="ab", answer="0", file=0),
+          PromptRow(index=0, prompt="abcdefgh", answer="0", file=1)]
+  with pytest.raises(DataError, match="^train: /d/b.jsonl has no usable prompt .* weight in "
+                     "config.data.train_weights; raise max_prompt_len or leave the file out"):
+    PromptStream(rows, CharTokenizer(), max_prompt_len=4, weights=[0.5, 0.5],
+                 files=["/d/a.jsonl", "/d/b.jsonl"])
 
 
 def test_resume_with_different_data_is_one_clear_error(tmp_path):

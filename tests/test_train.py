@@ -125,6 +125,9 @@ def test_sigkill_during_training_resumes_exactly(tmp_path, reference):
   assert n == a + b and a + b + long == 8000 and a == 4000, data
   assert set().union(*(r["accuracy_by_source"] for r in _records(ref_dir)[1:])) == {
       "default/data/train", "longtail/data/train"}
+  for r in _records(ref_dir)[1:]:  # each step's 4 prompts, by the file they came from
+    assert sum(r["prompts_by_source"].values()) == 4
+    assert list(r["prompts_by_source"]) == list(r["accuracy_by_source"])
   evals = [r["eval"] for r in _records(ref_dir) if "eval" in r]
   assert len(evals) == 3  # steps 0, 2, 4
   for ev in evals:
@@ -846,6 +849,30 @@ def test_a_step_whose_responses_are_all_dropped_does_not_update(tmp_path):
   assert _same_tree(state.learner.params, before.params)
   assert _same_tree(state.learner.opt_state, before.opt_state)
   run.coordinator.close()
+
+
+def test_weighted_training_files_are_drawn_by_their_weights(tmp_path, capsys):
+  """data.train_weights through the run: the data line names each file's prompts and share,
+  and the stream the run draws from gives each file its share of an epoch (tests/test_data.py
+  tests the stream)."""
+  from tlt_jax.run import build
+  cfg = _small_cfg(tmp_path, 1, **{"tlt.enabled": False, "data.train_weights": "1,3",
+                                   "data.train_path": ",".join(TRAIN_FILES)})
+  run, state = build(cfg)
+  try:
+    names = [p.row.source for p in run.stream.prompts]
+    n = len(names)
+    data = [x for x in capsys.readouterr().err.splitlines() if x.startswith("data:")]
+    long = run.stream.dropped_long
+    assert data == [f"data: {n} training prompts from 2 files weighted (default/data/train "
+                    f"{names.count('default/data/train')} at 0.25, longtail/data/train "
+                    f"{names.count('longtail/data/train')} at 0.75; {long} dropped as longer "
+                    "than max_prompt_len=80 tokens)"], data
+    epoch, _ = run.stream.batch(state.data, n)
+    drawn = sum(p.row.source == "longtail/data/train" for p in epoch)
+    assert abs(drawn - 0.75 * n) <= 1
+  finally:
+    run.coordinator.close()
 
 
 def jax_copy(tree):

@@ -32,7 +32,9 @@ from tlt_jax.launch import DistributedConfig
 from tlt_jax.profiling import ProfileConfig
 from tlt_jax.drafter.buffer import BufferConfig
 from tlt_jax.drafter.model import ENGINES
-from tlt_jax.errors import ConfigError, build, check, check_finite, section_values
+from tlt_jax.errors import (ConfigError, build, check, check_finite, config_file_mistake,
+                            section_values)
+from tlt_jax.data.prompts import train_weights
 from tlt_jax.memory import device_bytes
 from tlt_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES, ModelConfig
 from tlt_jax.rl.batching import ROW_LAYOUTS
@@ -40,7 +42,8 @@ from tlt_jax.rl.grpo import ADV_ESTIMATORS, GRPOConfig
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.policies.cells import Policies
 from tlt_jax.rollout.policies.gate import GateConfig, GateState
-from tlt_jax.rollout.policies.mab import BanditState, bandit_config, default_mab_buckets
+from tlt_jax.rollout.policies.mab import (BanditState, bandit_config, default_mab_buckets,
+                                          parse_buckets)
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.scheduler import buckets_upto
 from tlt_jax.rollout.policies.strategy import Strategy
@@ -67,7 +70,13 @@ def load_config_file(path: str, arg: str | None = None) -> ml_collections.Config
   spec.loader.exec_module(module)
   if not hasattr(module, "get_config"):
     raise ConfigError(f"--config {path}: the file defines no get_config()")
-  return module.get_config(arg) if arg is not None else module.get_config()
+  try:
+    return module.get_config(arg) if arg is not None else module.get_config()
+  except TypeError as e:  # (a value of another type than the field's: one line)
+    mistake = config_file_mistake(e, path)
+    if mistake is None:
+      raise
+    raise mistake from None
 
 
 def dotted_keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> Iterable[str]:
@@ -185,23 +194,6 @@ class RunSpec:
     return dataclasses.replace(self, engine=engine, max_batch=max_batch)
 
 
-def parse_mab_buckets(text: str) -> dict[int, list[Strategy]] | None:
-  """'1:4_1_5,3_1_4,off 2:...' -> {1: [Strategy("4_1_5"), ...], 2: ...}; '' -> None."""
-  if not text.strip():
-    return None
-  out = {}
-  for part in text.split():
-    bound, sep, arms = part.partition(":")
-    if not sep or not bound.isdigit() or not arms:
-      raise ConfigError(f"{part!r} is not 'LOWER_BOUND:ARM,ARM,...' (e.g. '1:4_1_5,3_1_4,off "
-                        "5:3_1_4,off')", "tlt.spec.buckets", in_config=True)
-    try:
-      out[int(bound)] = [Strategy(a) for a in arms.split(",")]
-    except ValueError as e:
-      raise ConfigError(f"bucket {bound}: {e}", "tlt.spec.buckets", in_config=True) from None
-  return out
-
-
 def distributed_config(cfg: ml_collections.ConfigDict) -> DistributedConfig:
   """config.distributed (absent: the defaults, "from the environment")."""
   return build(DistributedConfig, "distributed",
@@ -213,7 +205,7 @@ def _speculation(cfg: ml_collections.ConfigDict):
   config.tlt.spec."""
   s = cfg.tlt.spec
   spec = build(SpecConfig, "tlt.spec", section_values(SpecConfig, s))
-  buckets = parse_mab_buckets(s.buckets)
+  buckets = parse_buckets(s.buckets)
   bandit = functools.partial(bandit_config, s.selector, buckets, strategy=s.strategy,
                              epsilon=s.epsilon, window=s.window, min_pulls=s.min_pulls)
   build(bandit, "tlt.spec", {"seed": cfg.seed})  # validates its arguments, once
@@ -281,6 +273,8 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
     check((k == "source_key" and key == "") or (isinstance(key, str) and all(key.split("."))),
           f"data.{k}", key, "a column name, or a dotted path into nested fields (e.g. "
           "reward_model.ground_truth)")
+  _, why = train_weights(d.get("train_weights", ""), d.train_path)
+  check(not why, "data.train_weights", d.get("train_weights"), why)
 
   r = cfg.rollout
   check(isinstance(r.max_batch, int) and r.max_batch >= 0, "rollout.max_batch", r.max_batch,

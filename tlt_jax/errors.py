@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
+import traceback
 from typing import Any, Callable, Mapping
 
 
@@ -120,3 +122,26 @@ def build(fn: Callable[..., Any], section: str, values: Mapping[str, Any],
     if e.key in elsewhere:
       raise e.at(elsewhere[e.key][0]) from None
     raise e.at(f"{section}.{e.key}" if e.key else section) from None
+
+
+# ml_collections' refusal of a value whose type is not the field's default's
+_OVERRIDE = re.compile(r"Could not override field '([^']*)' \(reference\)\. .* is of original "
+                       r"type <class '([\w.]+)'> and cannot be casted to type <class '([\w.]+)'>")
+
+
+def config_file_mistake(error: BaseException, path: str) -> ConfigError | None:
+  """A config file whose get_config gives a field a value of another type than its default
+  (`c.tlt.enabled = "False"` on a loaded config: ml_collections refuses it from deep inside
+  itself) as one ConfigError naming the file's line, the field and both types; None for any
+  other error (the file's own bug, for which its traceback is the answer)."""
+  m = _OVERRIDE.search(str(error)) if isinstance(error, TypeError) else None
+  if m is None:
+    return None
+  field, given, holds = m.groups()
+  lines = [f for f in traceback.extract_tb(error.__traceback__)
+           if os.path.abspath(f.filename) == os.path.abspath(path)]
+  where = f"{path}, line {lines[-1].lineno}: `{lines[-1].line}`" if lines else path
+  how = {"bool": "True or False, unquoted", "int": "a whole number, unquoted",
+         "float": "a number, unquoted"}.get(holds, f"a {holds}")
+  return ConfigError(f"--config {where}: field '{field}' takes {holds} values, not {given}; "
+                     f"write {how}")

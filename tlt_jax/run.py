@@ -25,7 +25,7 @@ from tlt_jax import runtime
 from tlt_jax.checkpoint import CheckpointError, Checkpointer
 from tlt_jax.coordinator import Coordinator, ParamStore, SpotConfig, Worker
 from tlt_jax.data.dataset import Position, PromptStream
-from tlt_jax.data.prompts import PromptRow, split_paths
+from tlt_jax.data.prompts import PromptRow, source_names, split_paths, train_weights
 from tlt_jax.drafter import export as drafter_export
 from tlt_jax.drafter import train_step as dts
 from tlt_jax.drafter.buffer import DrafterBuffer
@@ -122,12 +122,13 @@ def learner_spec(spec: config_lib.RunSpec, model_cfg, mesh) -> grpo.LearnerSpec:
 
 
 def data_line(n: int, dropped: int, cfg: ml_collections.ConfigDict, empty: int = 0,
-              test_rows=None, left_out: int = 0, train_sources=None) -> str:
+              test_rows=None, left_out: int = 0, train_sources=None, mixture=None) -> str:
   """The run's first line: how many training prompts it holds (from several files, each
-  one's: `train_sources`, a Counter of the usable prompts' sources), and whether a step
-  repeats them (a file smaller than one step's draw is most often the wrong file); then the
-  held-out prompts evaluation takes (`test_rows`), each source's count where there are
-  several, and how many it left out (`left_out`: too long, or of no token)."""
+  one's: `train_sources`, a Counter of the usable prompts' sources; with data.train_weights,
+  `mixture`: (file name, usable prompts, weight) per file), and whether a step repeats them
+  (a file smaller than one step's draw is most often the wrong file); then the held-out
+  prompts evaluation takes (`test_rows`), each source's count where there are several, and
+  how many it left out (`left_out`: too long, or of no token)."""
   g = cfg.grpo  # (a rollout's draw: grpo.gen_prompts with grpo.filter_groups)
   key, draw = (("grpo.gen_prompts", g.gen_prompts) if g.get("filter_groups") and
                g.get("gen_prompts") else ("grpo.num_prompts", g.num_prompts))
@@ -137,6 +138,9 @@ def data_line(n: int, dropped: int, cfg: ml_collections.ConfigDict, empty: int =
   files = split_paths(cfg.data.train_path)
   where = (f"{len(files)} files ({', '.join(f'{s} {k}' for s, k in train_sources.items())}; "
            if len(files) > 1 and train_sources else f"{cfg.data.train_path} (")
+  if mixture:  # (each file's share of an epoch's draws)
+    each = ", ".join(f"{s} {k} at {w:.3g}" for s, k, w in mixture)
+    where = f"{len(files)} file{'s' * (len(files) > 1)} weighted ({each}; "
   line = (f"data: {n} training prompts from {where}{dropped} dropped as longer "
           f"than max_prompt_len={cfg.data.max_prompt_len} tokens{none}){few}")
   if test_rows:
@@ -175,12 +179,18 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
                                    system_prompt=cfg.data.system_prompt)
 
   # ----------------------------------------------------------------------------- data
+  files = split_paths(cfg.data.train_path)
+  weights, _ = train_weights(cfg.data.get("train_weights", ""), files)  # (run_spec checked)
   stream = PromptStream(train_rows, tokenizer,
                         max_prompt_len=cfg.data.max_prompt_len, seed=cfg.seed,
                         chat_template=cfg.data.chat_template,
-                        system_prompt=cfg.data.system_prompt, name="config.data.train_path")
+                        system_prompt=cfg.data.system_prompt, name="config.data.train_path",
+                        weights=weights, files=files)
+  per_file = collections.Counter(p.row.file for p in stream.prompts)
+  names = source_names(files, "data.train_path") if len(files) > 1 else files
+  mixture = weights and [(s, per_file[i], w) for i, (s, w) in enumerate(zip(names, weights))]
   print(data_line(len(stream), stream.dropped_long, cfg, stream.dropped_empty, test_rows,
-                  left_out, collections.Counter(p.row.source for p in stream.prompts)),
+                  left_out, collections.Counter(p.row.source for p in stream.prompts), mixture),
         file=sys.stderr)
 
   # -------------------------------------------------------------------------- learner

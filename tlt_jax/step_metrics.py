@@ -53,6 +53,8 @@ def step_metrics(run, prompts: Sequence[Any], responses: Sequence[Any], r: np.nd
     m["accuracy_by_source"] = {
         src: float(np.mean([r[i] >= 1.0 for i, p in enumerate(prompts) if p.row.source == src]))
         for src in sorted(sources)}
+    m["prompts_by_source"] = {  # (a mixture's draws, data.train_weights, step by step)
+        src: sum(p.row.source == src for p in prompts) for src in sorted(sources)}
   if spec_chunks:
     arms: dict[str, int] = {}
     for c in spec_chunks:

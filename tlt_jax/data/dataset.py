@@ -6,6 +6,14 @@ index in that permutation), a value the caller holds (the train state): `batch(p
 returns the prompts and the next position. A batch may straddle an epoch boundary. Nothing
 depends on how many batches were drawn before, only on the position, which is what makes
 resume exact.
+
+Weighted files (config.data.train_weights, a mixture in OpenRLHF's `prompt_data_probs` sense):
+an epoch is still N draws, file i's share of them fixed at q_i = w_i N (rounded by largest
+remainder, at least 1), their slots shuffled per epoch (`default_rng([seed, e])`). File i's
+draws run through its own shuffled orders one after another (`default_rng([seed, 1 + i, k])`
+for its k-th pass), so a file weighted above its size repeats its prompts, each as often as
+the others (within one), and one weighted below is sampled without repetition across epochs.
+Draw j of file i in epoch e is its (e q_i + j)-th: again a function of the position alone.
 """
 
 from __future__ import annotations
@@ -80,7 +88,8 @@ class PromptStream:
 
   def __init__(self, rows: Sequence[PromptRow], tokenizer, *, max_prompt_len: int,
                seed: int = 0, chat_template: bool = False, system_prompt: str = "",
-               name: str = "train"):
+               name: str = "train", weights: Sequence[float] | None = None,
+               files: Sequence[str] = ()):
     self.prompts, self.dropped_long, empty = encode_rows(
         rows, tokenizer, max_prompt_len=max_prompt_len, chat_template=chat_template,
         system_prompt=system_prompt)
@@ -100,13 +109,37 @@ class PromptStream:
     self.digest = _digest(self.prompts)
     self._perm_epoch = -1  # (a memo of the last epoch's permutation)
     self._perm = None
+    self.quotas = None  # weighted: each file's draws an epoch
+    if weights is not None:
+      self._by_file = [np.flatnonzero([p.row.file == i for p in self.prompts])
+                       for i in range(len(weights))]
+      for i, idx in enumerate(self._by_file):
+        if not len(idx):  # (its rows all too long or of no token)
+          raise DataError(f"{name}: {files[i] if i < len(files) else f'file {i + 1}'} has no "
+                          "usable prompt (longer than max_prompt_len, or of no token) but a "
+                          "weight in config.data.train_weights; raise max_prompt_len or leave "
+                          "the file out")
+      self.quotas = _quotas(weights, len(self.prompts))
 
   def __len__(self) -> int:
     return len(self.prompts)
 
   def _order(self, epoch: int) -> np.ndarray:
+    """Epoch `epoch`'s N prompts, as indices into self.prompts (module docstring)."""
     if epoch != self._perm_epoch:
-      self._perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.prompts))
+      rng = np.random.default_rng([self.seed, epoch])
+      if self.quotas is None:
+        self._perm = rng.permutation(len(self.prompts))
+      else:
+        slots = rng.permutation(np.repeat(np.arange(len(self.quotas)), self.quotas))
+        self._perm = np.empty(len(slots), np.int64)
+        for i, (q, idx) in enumerate(zip(self.quotas, self._by_file)):
+          at = np.flatnonzero(slots == i)
+          draw = epoch * q + np.arange(q)  # file i's draws, counted from the run's start
+          for k in np.unique(draw // len(idx)):  # its passes: a shuffled order each
+            sel = draw // len(idx) == k
+            order = np.random.default_rng([self.seed, 1 + i, int(k)]).permutation(len(idx))
+            self._perm[at[sel]] = idx[order[draw[sel] % len(idx)]]
       self._perm_epoch = epoch
     return self._perm
 
@@ -143,6 +176,19 @@ class PromptStream:
                       "or order: the data file changed since the run checkpointed); resume with "
                       "the data it trained on, or start a new workdir")
     return Position(int(saved["epoch"]), int(saved["position"]))
+
+
+def _quotas(weights: Sequence[float], n: int) -> list[int]:
+  """Each file's draws in an epoch of n: w_i n rounded by largest remainder (ties to the
+  earlier file), then at least 1 each (taken from the largest), so every file is drawn."""
+  raw = [w / sum(weights) * n for w in weights]
+  q = [int(r) for r in raw]
+  for i in sorted(range(len(q)), key=lambda i: (q[i] - raw[i], i))[:n - sum(q)]:
+    q[i] += 1
+  while 0 in q:
+    q[q.index(max(q))] -= 1
+    q[q.index(0)] = 1
+  return q
 
 
 def _digest(prompts: Sequence[Prompt]) -> str:

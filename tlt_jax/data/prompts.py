@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from typing import Any
 
@@ -34,6 +35,7 @@ class PromptRow:
   answer: str
   source: str | None = None
   extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+  file: int = 0  # which of the config's files (0-based: data.train_path's order)
 
   @property
   def extra_info(self) -> Any:
@@ -215,16 +217,39 @@ def load_files(paths: list[str], *, num_prompts: int = 0, key: str = "data.test_
   each file's first `num_prompts` usable rows (0: all). With several files, a row without a
   source of its own (the `source_key` field: verl's data_source) takes its file's name
   (`source_names`), so evaluation reports each benchmark apart, and training its accuracy on
-  each data set. `keys`: load_prompt_rows's."""
+  each data set; each row's `file` is its file's place in `paths`. `keys`: load_prompt_rows's.
+  """
   rows: list[PromptRow] = []
   names = source_names(paths, key) if len(paths) > 1 else [None] * len(paths)
-  for path, name in zip(paths, names):
+  for f, (path, name) in enumerate(zip(paths, names)):
     got, _ = load_prompt_rows(path, **keys)
     got = got[:num_prompts] if num_prompts else got
     if keys.get("source_key") and all(r.source is None for r in got):  # (a typo?)
       _log.warning("%s: no row has config.data.source_key=%r, the field accuracy is reported "
                    "by: %s", path, keys["source_key"], f"its rows take the file's name, {name!r}"
                    if name else "no accuracy per source")
-    rows += [r if r.source is not None or name is None else dataclasses.replace(r, source=name)
+    rows += [dataclasses.replace(r, file=f, source=name if r.source is None else r.source)
              for r in got]
   return rows
+
+
+def train_weights(value: str, train_path: Any) -> tuple[list[float] | None, str]:
+  """config.data.train_weights: one weight per file of `train_path` ("0.7,0.3": each file's
+  share of the prompts an epoch draws, normalised), or None for "" (the files concatenated,
+  each prompt once an epoch); and what is wrong with `value` ("" if nothing: config.py says
+  it, naming the key)."""
+  if not value:
+    return None, ""
+  n = len(split_paths(train_path))
+  try:
+    weights = [float(w) for w in str(value).split(",")]
+  except ValueError:
+    return None, ("comma-separated numbers, one per file of data.train_path, e.g. 0.7,0.3 "
+                  "('': the files concatenated)")
+  if len(weights) != n:
+    return None, (f"{len(weights)} weights for the {n} file{'s' * (n > 1)} of "
+                  "data.train_path; give one per file, in its order")
+  if not all(math.isfinite(w) and w > 0 for w in weights):
+    return None, ("every weight must be a finite number > 0 (leave a file out of "
+                  "data.train_path to train without it)")
+  return [w / sum(weights) for w in weights], ""

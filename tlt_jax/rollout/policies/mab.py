@@ -72,6 +72,24 @@ def default_mab_buckets() -> dict[int, list[Strategy]]:
           for lo in (1, 2, 5, 9, 21, 33, 65, 129)}
 
 
+def parse_buckets(text: str) -> dict[int, list[Strategy]] | None:
+  """config.tlt.spec.buckets: '1:4_1_5,3_1_4,off 2:...' -> {1: [Strategy("4_1_5"), ...],
+  2: ...}; '' -> None."""
+  if not text.strip():
+    return None
+  out = {}
+  for part in text.split():
+    bound, sep, arms = part.partition(":")
+    if not sep or not bound.isdigit() or not arms:
+      raise ConfigError(f"{part!r} is not 'LOWER_BOUND:ARM,ARM,...' (e.g. '1:4_1_5,3_1_4,off "
+                        "5:3_1_4,off')", "tlt.spec.buckets", in_config=True)
+    try:
+      out[int(bound)] = [Strategy(a) for a in arms.split(",")]
+    except ValueError as e:
+      raise ConfigError(f"bucket {bound}: {e}", "tlt.spec.buckets", in_config=True) from None
+  return out
+
+
 def _check_size(batch_size: int) -> int:
   if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
     raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
