@@ -437,7 +437,7 @@ class Checkpointer:
     finally:
       self._mngr.close()  # (Orbax raises a failed save once: above)
       if self._quiet is not None:
-        self._quiet.__exit__()
+        self._quiet.release(lingering=self._failed)
         self._quiet = None
 
   def __enter__(self) -> "Checkpointer":
