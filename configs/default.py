@@ -139,7 +139,9 @@ def get_config():
   c.grpo.n = 8  # responses per prompt (the group)
   c.grpo.eps_low = 0.2
   c.grpo.eps_high = 0.28
-  c.grpo.kl_coef = 0.0  # > 0: low-variance KL to the initial model
+  c.grpo.kl_coef = 0.0  # > 0: a KL term to the initial model
+  # its estimator, VeRL's kl_loss_type: "low_var_kl" (k3), "kl" (k1), "mse" (k2), "abs"
+  c.grpo.kl_loss_type = "low_var_kl"
   c.grpo.entropy_coef = 0.0  # > 0: an entropy bonus in the loss (VeRL's entropy_coeff)
   c.grpo.norm_adv_by_std = True
   # "grpo" ((r - group mean) / group std), "rloo" (leave-one-out baseline),

@@ -76,6 +76,8 @@ def test_history_arms_need_the_history_index():
     ("grpo.loss_agg", "seq-mean", "config.grpo.loss_agg='seq-mean': must be one of token-mean, "
      "seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm"),
     ("grpo.loss_norm_len", -2, "config.grpo.loss_norm_len=-2: must be >= 0"),
+    ("grpo.kl_loss_type", "k3", "config.grpo.kl_loss_type='k3': use one of low_var_kl, kl, "
+     "mse, abs (low_var_kl: k3, kl: k1, mse: k2)"),
     ("reward.overlong_buffer", 10_000, "config.reward.overlong_buffer=10000: must be in [0, "
      "rollout.max_new_tokens="),
     ("reward.overlong_penalty", -0.5, "config.reward.overlong_penalty=-0.5: must be >= 0"),
@@ -358,6 +360,10 @@ def test_a_resumed_run_that_would_learn_otherwise_stops_and_its_configs_are_kept
   prepare(train__steps=80, rollout__chunk_size=8, train__eval_every=0)
   # dynamic sampling off in both: its rollout cap changes nothing (on in one, it does)
   prepare(grpo__max_rollouts=2, grpo__loss_norm_len=77)
+  prepare(grpo__kl_loss_type="mse")  # no KL term in either: its estimator changes nothing
+  with pytest.raises(ConfigError, match=r"other values: grpo.kl_coef 0.0 -> 0.001; "
+                     r"grpo.kl_loss_type 'low_var_kl' -> 'mse'; pass"):
+    prepare(grpo__kl_coef=0.001, grpo__kl_loss_type="mse")
   with pytest.raises(ConfigError, match=r"other values: grpo.filter_groups False -> True; "
                      r"grpo.max_rollouts 4 -> 2; pass"):
     prepare(grpo__max_rollouts=2, grpo__filter_groups=True)

@@ -76,7 +76,8 @@ def _np_grpo_loss(new, old, ref, samples, gcfg):
       clipped = -a * min(max(ratio, 1 - gcfg.eps_low), 1 + gcfg.eps_high)
       pg = max(-a * ratio, clipped)
       d = lr[t] - lp[t]
-      kl = np.exp(d) - d - 1
+      kl = {"low_var_kl": np.exp(d) - d - 1, "kl": -d, "mse": d * d / 2,
+            "abs": abs(d)}[gcfg.kl_loss_type]
       terms.append(pg + gcfg.kl_coef * kl - gcfg.entropy_coef * ent[t])
       sums += (ent[t], kl, pg, clipped > -a * ratio)
     n_tok += len(terms)
@@ -118,18 +119,23 @@ def setup():
   return old, new, ref, samples
 
 
-@pytest.mark.parametrize("kl_coef,temperature,loss_agg,entropy_coef", [
-    (0.0, 1.0, "token-mean", 0.0), (0.05, 0.7, "seq-mean-token-mean", 0.0),
-    (0.0, 1.0, "seq-mean-token-sum", 0.03), (0.05, 0.7, "seq-mean-token-sum-norm", 0.01)])
+@pytest.mark.parametrize("kl_coef,temperature,loss_agg,entropy_coef,kl_loss_type", [
+    (0.0, 1.0, "token-mean", 0.0, "low_var_kl"),
+    (0.05, 0.7, "seq-mean-token-mean", 0.0, "low_var_kl"),
+    (0.0, 1.0, "seq-mean-token-sum", 0.03, "low_var_kl"),
+    (0.05, 0.7, "seq-mean-token-sum-norm", 0.01, "low_var_kl"),
+    (0.05, 1.0, "token-mean", 0.0, "kl"), (0.05, 1.0, "token-mean", 0.0, "mse"),
+    (0.05, 1.0, "token-mean", 0.0, "abs")])
 def test_microbatched_loss_matches_float64_reference(setup, kl_coef, temperature, loss_agg,
-                                                     entropy_coef):
+                                                     entropy_coef, kl_loss_type):
   """The loss as each aggregation defines it over the whole batch (its responses of 1-40
-  tokens, so the aggregations differ), with the KL term and the entropy bonus, the metrics
-  token means whatever it is."""
+  tokens, so the aggregations differ), with the KL term (each estimator) and the entropy
+  bonus, the metrics token means whatever it is."""
   old, new, ref, samples = setup
   gcfg = grpo.GRPOConfig(eps_low=0.2, eps_high=0.28, kl_coef=kl_coef, temperature=temperature,
                          logit_chunk=8,  # chunked LM head with a ragged last chunk
-                         loss_agg=loss_agg, loss_norm_len=48, entropy_coef=entropy_coef)
+                         loss_agg=loss_agg, loss_norm_len=48, entropy_coef=entropy_coef,
+                         kl_loss_type=kl_loss_type)
   rng = np.random.RandomState(1)  # short samples too: they outlast the long rows' gaps
   samples = samples + [batching.Sample(rng.randint(1, 23, 3), rng.randint(1, 23, rng.randint(1, 9)),
                                    float(rng.randn())) for _ in range(12)]
@@ -158,6 +164,44 @@ def test_microbatched_loss_matches_float64_reference(setup, kl_coef, temperature
   # the clipped tokens, counted (a float32 ratio on a clip boundary may count either way)
   np.testing.assert_allclose(got["clip_frac"], want_clip, atol=1.5 / n)
   assert 0.1 < want_clip < 0.9  # both branches of the clip were exercised
+
+
+@pytest.mark.parametrize("kind", ["low_var_kl", "kl", "mse", "abs"])
+def test_kl_estimators_against_the_exact_kl_of_a_categorical(kind):
+  """Each estimator's expectation over tokens sampled from pi, and the expectation of its
+  gradient (the term as a loss on those samples), summed exactly over an 11-token vocabulary
+  in float64 against the KLs computed from the two distributions: k1 and k3 are unbiased
+  values of KL(pi || pi_ref); the gradient of k2 is KL(pi || pi_ref)'s, of k3 the reverse
+  KL(pi_ref || pi)'s, of k1 zero (rl/kl.py's docstring)."""
+  from tlt_jax.rl.kl import kl_penalty
+  jax.config.update("jax_enable_x64", True)
+  try:
+    rng = np.random.default_rng(3)
+    theta, ref = rng.normal(size=11), jax.nn.log_softmax(rng.normal(size=11))
+    pi = np.exp(jax.nn.log_softmax(theta))
+
+    def expected(th, estimator=lambda lp: kl_penalty(lp, ref, kind)):  # E_{x ~ pi (fixed)}
+      return jnp.sum(jax.lax.stop_gradient(jnp.exp(jax.nn.log_softmax(th)))
+                     * estimator(jax.nn.log_softmax(th)))
+
+    forward = lambda th: jnp.sum(jnp.exp(jax.nn.log_softmax(th)) * (  # noqa: E731
+        jax.nn.log_softmax(th) - ref))
+    reverse = lambda th: jnp.sum(jnp.exp(ref) * (ref - jax.nn.log_softmax(th)))  # noqa: E731
+    kl = float(np.sum(pi * (np.log(pi) - np.asarray(ref))))
+    value, grad = float(expected(theta)), np.asarray(jax.grad(expected)(jnp.asarray(theta)))
+    assert value >= 0 or kind == "kl"
+    if kind in ("low_var_kl", "kl"):
+      np.testing.assert_allclose(value, kl, rtol=1e-12)
+    want = {"low_var_kl": jax.grad(reverse)(jnp.asarray(theta)),
+            "mse": jax.grad(forward)(jnp.asarray(theta)), "kl": np.zeros(11)}.get(kind)
+    if want is not None:
+      np.testing.assert_allclose(grad, want, atol=1e-12)
+    else:  # abs: -sign(d) x the score
+      d = np.asarray(ref) - np.log(pi)
+      score = np.eye(11) - pi[None, :]  # d log pi(x) / d theta, row x
+      np.testing.assert_allclose(grad, (pi * -np.sign(d)) @ score, atol=1e-12)
+  finally:
+    jax.config.update("jax_enable_x64", False)
 
 
 def _summed_alone(grad_of, samples):

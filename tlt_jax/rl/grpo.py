@@ -44,6 +44,7 @@ from tlt_jax.errors import ConfigError
 from tlt_jax.optim import if_finite
 from tlt_jax.models import ModelConfig, Params, compute_logits, forward
 from tlt_jax.rl.batching import LOSS_AGG, MicroBatch
+from tlt_jax.rl.kl import KL_LOSS_TYPES, kl_penalty
 from tlt_jax.sharding import BATCH, batch_sharding, replicated, tree_shardings
 
 
@@ -51,7 +52,8 @@ from tlt_jax.sharding import BATCH, batch_sharding, replicated, tree_shardings
 class GRPOConfig:
   eps_low: float = 0.2  # ratio clipped to [1 - eps_low, 1 + eps_high] ("clip-higher")
   eps_high: float = 0.28
-  kl_coef: float = 0.0  # > 0: low-variance KL (k3) to the frozen reference policy
+  kl_coef: float = 0.0  # > 0: a KL term to the frozen reference policy
+  kl_loss_type: str = "low_var_kl"  # its estimator (rl/kl.py: k3, VeRL's names)
   entropy_coef: float = 0.0  # > 0: an entropy bonus (each token's term less coef x entropy)
   temperature: float = 1.0  # the rollout temperature; logits / T before log-softmax
   adv_eps: float = 1e-6
@@ -70,6 +72,9 @@ class GRPOConfig:
       raise ConfigError("must be >= 0", "eps_high", self.eps_high)
     if self.kl_coef < 0:
       raise ConfigError("must be >= 0 (0 = no KL term)", "kl_coef", self.kl_coef)
+    if self.kl_loss_type not in KL_LOSS_TYPES:
+      raise ConfigError(f"use one of {', '.join(KL_LOSS_TYPES)} (low_var_kl: k3, kl: k1, mse: "
+                        "k2)", "kl_loss_type", self.kl_loss_type)
     if self.entropy_coef < 0:
       raise ConfigError("must be >= 0 (0 = no entropy bonus; a negative one would push the "
                         "policy to collapse)", "entropy_coef", self.entropy_coef)
@@ -231,7 +236,7 @@ class Batch(NamedTuple):
 
 def grpo_loss(params: Params, mb: Batch, *, cfg: ModelConfig, gcfg: GRPOConfig,
               num_tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Clipped-ratio loss of one micro-batch (plus kl_coef x the k3 KL to the reference, less
+  """Clipped-ratio loss of one micro-batch (plus kl_coef x the KL term to the reference, less
   entropy_coef x the entropy): each response token's term x its `loss_weight`
   (weights over the whole mini-batch, so summing micro-batch losses gives the mini-batch's
   aggregate). ref_logp is read only when kl_coef > 0. Metrics are sums over the micro-batch's
@@ -260,8 +265,7 @@ def grpo_loss(params: Params, mb: Batch, *, cfg: ModelConfig, gcfg: GRPOConfig,
       "approx_kl_old": jnp.sum(-log_ratio * mask) / denom,
   }
   if gcfg.kl_coef > 0:
-    d = mb.ref_logp - logp
-    kl = jnp.exp(d) - d - 1.0  # k3: unbiased, >= 0, low variance (Schulman)
+    kl = kl_penalty(logp, mb.ref_logp, gcfg.kl_loss_type)
     per_token = per_token + gcfg.kl_coef * kl
     metrics["kl_ref"] = jnp.sum(kl * mask) / denom
   if gcfg.entropy_coef > 0:  # (the entropy differentiates through the chunked LM head)
