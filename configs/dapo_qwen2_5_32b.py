@@ -42,6 +42,7 @@ def get_config():
   c.grpo.gen_prompts = 1536
   c.grpo.max_rollouts = 10
   c.grpo.kl_coef = 0.0
+  c.grpo.clip_ratio_c = 10.0  # dual-clip as verl's DAPO recipe bounds it
   # (inherited as DAPO has them: temperature 1.0, eps 0.2 / 0.28, token-mean, 10 warm-up
   # steps, gradient clip 1.0)
   c.grpo.minibatches = 16  # mini-batches of 32 prompts x 16 responses

@@ -65,6 +65,7 @@ def get_config():
   c.grpo.num_prompts = 128
   c.grpo.n = 8
   c.grpo.kl_coef = 0.001
+  c.grpo.clip_ratio_c = 3.0  # dual-clip at VeRL's default bound
   c.grpo.micro_batch = 8
   c.grpo.micro_batch_tokens = 65536  # ~8k tokens per GPU per micro-batch
   c.grpo.minibatches = 4

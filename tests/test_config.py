@@ -76,6 +76,7 @@ def test_history_arms_need_the_history_index():
     ("grpo.loss_agg", "seq-mean", "config.grpo.loss_agg='seq-mean': must be one of token-mean, "
      "seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm"),
     ("grpo.loss_norm_len", -2, "config.grpo.loss_norm_len=-2: must be >= 0"),
+    ("grpo.clip_ratio_c", 1.0, "config.grpo.clip_ratio_c=1.0: must be > 1 (dual-clip's"),
     ("grpo.kl_loss_type", "k3", "config.grpo.kl_loss_type='k3': use one of low_var_kl, kl, "
      "mse, abs (low_var_kl: k3, kl: k1, mse: k2)"),
     ("reward.overlong_buffer", 10_000, "config.reward.overlong_buffer=10000: must be in [0, "

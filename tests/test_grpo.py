@@ -11,7 +11,7 @@ import pytest
 
 from tlt_jax.models import ModelConfig, forward, init_params
 from tlt_jax.optim import make_optimizer
-from tlt_jax.rl import batching, grpo
+from tlt_jax.rl import advantages, batching, grpo
 from tlt_jax.rollout.config import EngineConfig
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.records import Request
@@ -32,9 +32,9 @@ def test_group_advantages_match_numpy_float64():
     m = sum(r[i]) / 4
     sd = (sum((x - m) ** 2 for x in r[i]) / 3) ** 0.5  # Bessel, as torch.std
     want[i] = [(x - m) / (sd + 1e-6) for x in r[i]]
-  np.testing.assert_allclose(grpo.group_advantages(r), want, rtol=1e-5, atol=1e-6)
-  assert np.all(grpo.group_advantages(r)[2] == 0)
-  np.testing.assert_allclose(grpo.group_advantages(r, norm_by_std=False),
+  np.testing.assert_allclose(advantages.group_advantages(r), want, rtol=1e-5, atol=1e-6)
+  assert np.all(advantages.group_advantages(r)[2] == 0)
+  np.testing.assert_allclose(advantages.group_advantages(r, norm_by_std=False),
                              r - r.mean(1, keepdims=True), rtol=1e-6, atol=1e-7)
 
 
@@ -62,8 +62,9 @@ def _np_logprobs(params, seq, temperature):
 def _np_grpo_loss(new, old, ref, samples, gcfg):
   """The loss aggregated as gcfg.loss_agg says over every response token of the batch (one
   mini-batch), float64, no padding anywhere, and the token means of the metrics: (loss,
-  entropy, KL to ref, clipped policy-gradient term, share of tokens clipped)."""
-  n_tok, loss, sums = 0, 0.0, np.zeros(4)
+  entropy, KL to ref, clipped policy-gradient term, share of tokens clipped, share bounded by
+  the dual clip)."""
+  n_tok, loss, sums = 0, 0.0, np.zeros(5)
   for s in samples:
     seq = list(s.prompt_ids) + list(s.response_ids)
     lp, ent = _np_logprobs(new, seq, gcfg.temperature)
@@ -75,11 +76,14 @@ def _np_grpo_loss(new, old, ref, samples, gcfg):
       a = s.advantage
       clipped = -a * min(max(ratio, 1 - gcfg.eps_low), 1 + gcfg.eps_high)
       pg = max(-a * ratio, clipped)
+      lower = gcfg.clip_ratio_c > 0 and a < 0 and pg > -a * gcfg.clip_ratio_c
+      if lower:  # dual-clip PPO (VeRL's clip_ratio_c)
+        pg = -a * gcfg.clip_ratio_c
       d = lr[t] - lp[t]
       kl = {"low_var_kl": np.exp(d) - d - 1, "kl": -d, "mse": d * d / 2,
             "abs": abs(d)}[gcfg.kl_loss_type]
       terms.append(pg + gcfg.kl_coef * kl - gcfg.entropy_coef * ent[t])
-      sums += (ent[t], kl, pg, clipped > -a * ratio)
+      sums += (ent[t], kl, pg, clipped > -a * ratio, lower)
     n_tok += len(terms)
     if gcfg.loss_agg == "token-mean":  # summed here, divided by every token below
       loss += sum(terms)
@@ -96,10 +100,10 @@ def _np_grpo_loss(new, old, ref, samples, gcfg):
 
 def test_overlong_penalty_is_dapos_soft_punishment():
   """0 up to max_len - buffer tokens, then linear to -penalty at max_len (DAPO, eq. 13)."""
-  got = grpo.overlong_penalty(np.array([[0, 6], [7, 8], [9, 10]]), max_len=10, buffer=4,
+  got = advantages.overlong_penalty(np.array([[0, 6], [7, 8], [9, 10]]), max_len=10, buffer=4,
                               penalty=0.5)
   np.testing.assert_allclose(got, [[0, 0], [-0.125, -0.25], [-0.375, -0.5]], rtol=1e-6)
-  assert not grpo.overlong_penalty(np.array([10, 3]), max_len=10, buffer=0).any()
+  assert not advantages.overlong_penalty(np.array([10, 3]), max_len=10, buffer=0).any()
 
 
 @pytest.fixture(scope="module")
@@ -119,33 +123,36 @@ def setup():
   return old, new, ref, samples
 
 
-@pytest.mark.parametrize("kl_coef,temperature,loss_agg,entropy_coef,kl_loss_type", [
-    (0.0, 1.0, "token-mean", 0.0, "low_var_kl"),
-    (0.05, 0.7, "seq-mean-token-mean", 0.0, "low_var_kl"),
-    (0.0, 1.0, "seq-mean-token-sum", 0.03, "low_var_kl"),
-    (0.05, 0.7, "seq-mean-token-sum-norm", 0.01, "low_var_kl"),
-    (0.05, 1.0, "token-mean", 0.0, "kl"), (0.05, 1.0, "token-mean", 0.0, "mse"),
-    (0.05, 1.0, "token-mean", 0.0, "abs")])
+@pytest.mark.parametrize("kl_coef,temperature,loss_agg,entropy_coef,kl_loss_type,clip_c", [
+    (0.0, 1.0, "token-mean", 0.0, "low_var_kl", 0.0),
+    (0.05, 0.7, "seq-mean-token-mean", 0.0, "low_var_kl", 0.0),
+    (0.0, 1.0, "seq-mean-token-sum", 0.03, "low_var_kl", 0.0),
+    (0.05, 0.7, "seq-mean-token-sum-norm", 0.01, "low_var_kl", 0.0),
+    (0.05, 1.0, "token-mean", 0.0, "kl", 0.0), (0.05, 1.0, "token-mean", 0.0, "mse", 0.0),
+    (0.05, 1.0, "token-mean", 0.0, "abs", 1.2)])
 def test_microbatched_loss_matches_float64_reference(setup, kl_coef, temperature, loss_agg,
-                                                     entropy_coef, kl_loss_type):
+                                                     entropy_coef, kl_loss_type, clip_c):
   """The loss as each aggregation defines it over the whole batch (its responses of 1-40
-  tokens, so the aggregations differ), with the KL term (each estimator) and the entropy
-  bonus, the metrics token means whatever it is."""
+  tokens, so the aggregations differ), with the KL term (each estimator), the entropy bonus
+  and the dual clip (at 1.2, inside this setup's ratios: it binds), the metrics token means
+  whatever it is."""
   old, new, ref, samples = setup
   gcfg = grpo.GRPOConfig(eps_low=0.2, eps_high=0.28, kl_coef=kl_coef, temperature=temperature,
                          logit_chunk=8,  # chunked LM head with a ragged last chunk
                          loss_agg=loss_agg, loss_norm_len=48, entropy_coef=entropy_coef,
-                         kl_loss_type=kl_loss_type)
+                         kl_loss_type=kl_loss_type, clip_ratio_c=clip_c)
   rng = np.random.RandomState(1)  # short samples too: they outlast the long rows' gaps
   samples = samples + [batching.Sample(rng.randint(1, 23, 3), rng.randint(1, 23, rng.randint(1, 9)),
                                    float(rng.randn())) for _ in range(12)]
-  want, want_ent, want_kl, want_pg, want_clip = _np_grpo_loss(new, old, ref, samples, gcfg)
+  want, want_ent, want_kl, want_pg, want_clip, want_lower = _np_grpo_loss(new, old, ref,
+                                                                          samples, gcfg)
   mbs = list(batching.micro_batches(samples, rows=2, pad_multiple=16, max_len=64,
                                     loss_agg=loss_agg, norm_len=48))
   assert len({mb.tokens.shape[1] for mb in mbs}) > 1  # micro-batches of several lengths
   assert max(mb.segment_ids.max() for mb in mbs) >= 3  # rows packed with several samples
   n = sum(mb.loss_mask.sum() for mb in mbs)
-  got = dict.fromkeys(["loss", "entropy", "kl_ref", "pg_loss", "clip_frac"], 0.0)
+  got = dict.fromkeys(["loss", "entropy", "kl_ref", "pg_loss", "clip_frac", "clip_frac_lower"],
+                      0.0)
   lp_fn = jax.jit(functools.partial(grpo.token_logprobs, cfg=CFG, temperature=temperature,
                                     chunk=8))
   for mb in mbs:
@@ -164,6 +171,8 @@ def test_microbatched_loss_matches_float64_reference(setup, kl_coef, temperature
   # the clipped tokens, counted (a float32 ratio on a clip boundary may count either way)
   np.testing.assert_allclose(got["clip_frac"], want_clip, atol=1.5 / n)
   assert 0.1 < want_clip < 0.9  # both branches of the clip were exercised
+  np.testing.assert_allclose(got["clip_frac_lower"], want_lower, atol=1.5 / n)
+  assert (0.02 < want_lower < 0.5) == (clip_c > 0)  # the dual clip bound where it is on
 
 
 @pytest.mark.parametrize("kind", ["low_var_kl", "kl", "mse", "abs"])
@@ -452,7 +461,7 @@ def test_grpo_raises_a_toy_reward_on_a_sharded_learner():
     for x in res:
       r[x.request_id, x.sample_index] = np.mean(x.response_ids == 3)
     means.append(r.mean())
-    adv = grpo.group_advantages(r)
+    adv = advantages.group_advantages(r)
     samples = [batching.Sample(x.prompt_ids, x.response_ids, adv[x.request_id, x.sample_index])
                for x in res]
     minibatches = batching.minibatches(samples, spec, num_minibatches=2, seed=step)
@@ -690,7 +699,7 @@ def test_advantage_estimators_against_their_definitions():
   reinforce_plus_plus_baseline: r - the group's mean, repeated over each response's tokens,
   whitened over all the batch's tokens (ddof 1, 1e-8 under the root), read back per response;
   grpo: group_advantages."""
-  from tlt_jax.rl.grpo import advantages, group_advantages
+  from tlt_jax.rl.advantages import advantages, group_advantages
   rng = np.random.default_rng(3)
   r = rng.integers(0, 2, (5, 4)).astype(np.float64) + rng.normal(0, 0.1, (5, 4))
   lengths = rng.integers(1, 40, (5, 4)).astype(np.float64)

@@ -1010,7 +1010,7 @@ def test_learner_samples_keep_the_first_groups_with_signal():
 def test_batch_whitened_advantages_count_only_the_groups_that_train():
   """reinforce_plus_plus_baseline with filter_groups: the whitening's statistics are the
   trained groups' tokens only (a dropped group's would move them)."""
-  from tlt_jax.rl.grpo import advantages
+  from tlt_jax.rl.advantages import advantages
   from tlt_jax.rl.samples import learner_samples
   from tlt_jax.step_rollouts import Response
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))

@@ -38,7 +38,8 @@ from tlt_jax.data.prompts import train_weights
 from tlt_jax.memory import device_bytes
 from tlt_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES, ModelConfig
 from tlt_jax.rl.batching import ROW_LAYOUTS
-from tlt_jax.rl.grpo import ADV_ESTIMATORS, GRPOConfig
+from tlt_jax.rl.advantages import ADV_ESTIMATORS
+from tlt_jax.rl.grpo import GRPOConfig
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.policies.cells import Policies
 from tlt_jax.rollout.policies.gate import GateConfig, GateState

@@ -1,4 +1,4 @@
-"""GRPO: group-normalised advantages, a clipped importance-ratio loss, and the learner.
+"""GRPO: a clipped importance-ratio loss and the learner (the advantages it takes: advantages.py).
 
 The learner never trusts rollout log-probs: the rollout may have decoded speculatively, in a
 different precision, on another mesh, or with top-k/top-p applied. `logprobs`
@@ -52,6 +52,9 @@ from tlt_jax.sharding import BATCH, batch_sharding, replicated, tree_shardings
 class GRPOConfig:
   eps_low: float = 0.2  # ratio clipped to [1 - eps_low, 1 + eps_high] ("clip-higher")
   eps_high: float = 0.28
+  # > 1: dual-clip PPO (VeRL's clip_ratio_c; 3.0 there): a negative advantage's term is at
+  # most -A x clip_ratio_c, however far the ratio runs; 0: off
+  clip_ratio_c: float = 0.0
   kl_coef: float = 0.0  # > 0: a KL term to the frozen reference policy
   kl_loss_type: str = "low_var_kl"  # its estimator (rl/kl.py: k3, VeRL's names)
   entropy_coef: float = 0.0  # > 0: an entropy bonus (each token's term less coef x entropy)
@@ -70,6 +73,9 @@ class GRPOConfig:
       raise ConfigError("must be in [0, 1)", "eps_low", self.eps_low)
     if self.eps_high < 0:
       raise ConfigError("must be >= 0", "eps_high", self.eps_high)
+    if self.clip_ratio_c != 0 and self.clip_ratio_c <= 1:
+      raise ConfigError("must be > 1 (dual-clip's bound on the ratio of a negative advantage's "
+                        "term, e.g. 3.0) or 0 (off)", "clip_ratio_c", self.clip_ratio_c)
     if self.kl_coef < 0:
       raise ConfigError("must be >= 0 (0 = no KL term)", "kl_coef", self.kl_coef)
     if self.kl_loss_type not in KL_LOSS_TYPES:
@@ -97,68 +103,7 @@ class GRPOConfig:
                         self.logit_chunk)
 
 
-def group_advantages(rewards: np.ndarray, *, eps: float = 1e-6, norm_by_std: bool = True
-                     ) -> np.ndarray:
-  """rewards [P, n] (n responses per prompt) -> advantages [P, n].
-
-  A = (r - mean_group) / (std_group + eps), std with Bessel's correction (torch.std, as in
-  VeRL). A group whose rewards are all equal carries no signal and gets A = 0.
-  """
-  r = np.asarray(rewards, np.float64)
-  if r.ndim != 2:
-    raise ValueError(f"rewards must be [prompts, n], got shape {r.shape}")
-  centered = r - r.mean(axis=1, keepdims=True)
-  if not norm_by_std:
-    return centered.astype(np.float32)
-  n = r.shape[1]
-  std = r.std(axis=1, ddof=1, keepdims=True) if n > 1 else np.zeros_like(r[:, :1])
-  return (centered / (std + eps)).astype(np.float32)
-
-
-# grpo.adv_estimator: VeRL's critic-free estimators over a prompt's group of responses
-ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
-
-
-def advantages(rewards: np.ndarray, lengths: np.ndarray, *, estimator: str = "grpo",
-               eps: float = 1e-6, norm_by_std: bool = True) -> np.ndarray:
-  """rewards, lengths [P, n] (the batch's groups, the responses' tokens) -> advantages [P, n]
-  (every token of a response carries its response's), as VeRL computes them:
-    grpo  `group_advantages` (norm_by_std False: Dr. GRPO's r - mean)
-    rloo  the leave-one-out baseline: r_i - mean_{j != i} r_j = n / (n - 1) (r_i - mean)
-    reinforce_plus_plus_baseline  r - the group's mean, then whitened over the batch's
-          response tokens (mean and Bessel-corrected variance over tokens, 1e-8 under the
-          root), so a response weighs as its length in the batch's statistics"""
-  if estimator == "grpo":
-    return group_advantages(rewards, eps=eps, norm_by_std=norm_by_std)
-  r = np.asarray(rewards, np.float64)
-  n = r.shape[1]
-  centered = r - r.mean(axis=1, keepdims=True)
-  if estimator == "rloo":
-    return (centered * n / max(n - 1, 1)).astype(np.float32)
-  if estimator != "reinforce_plus_plus_baseline":
-    raise ValueError(f"advantages: unknown estimator {estimator!r}; use one of {ADV_ESTIMATORS}")
-  w = np.asarray(lengths, np.float64)
-  tokens = w.sum()
-  if tokens <= 1:
-    return np.zeros_like(r, np.float32)
-  mean = (w * centered).sum() / tokens
-  var = (w * (centered - mean) ** 2).sum() / tokens * tokens / (tokens - 1)
-  return ((centered - mean) / np.sqrt(var + 1e-8)).astype(np.float32)
-
-
 # ---------------------------------------------------------------------------- per-token math
-def overlong_penalty(lengths: np.ndarray, max_len: int, buffer: int, penalty: float = 1.0
-                     ) -> np.ndarray:
-  """DAPO's soft overlong punishment, added to the rewards: 0 for a response of at most
-  max_len - buffer tokens, then falling linearly to -penalty at max_len tokens (a response is
-  never longer: the rollout stops it there). buffer 0: none."""
-  lengths = np.asarray(lengths, np.float64)
-  if buffer <= 0:
-    return np.zeros_like(lengths, np.float32)
-  over = np.clip(lengths - (max_len - buffer), 0.0, buffer)
-  return (-penalty * over / buffer).astype(np.float32)
-
-
 def _lm_head_logprobs(params: Params, hidden: jax.Array, targets: jax.Array, *,
                       cfg: ModelConfig, temperature: float, chunk: int
                       ) -> tuple[jax.Array, jax.Array]:
@@ -255,6 +200,10 @@ def grpo_loss(params: Params, mb: Batch, *, cfg: ModelConfig, gcfg: GRPOConfig,
   pg_unclipped = -adv * ratio
   pg_clipped = -adv * jnp.clip(ratio, 1.0 - gcfg.eps_low, 1.0 + gcfg.eps_high)
   pg = jnp.maximum(pg_unclipped, pg_clipped)
+  lower = None
+  if gcfg.clip_ratio_c > 0:  # dual-clip: a negative advantage's term at most -A x c
+    lower = (adv < 0) & (pg > -adv * gcfg.clip_ratio_c)
+    pg = jnp.where(lower, -adv * gcfg.clip_ratio_c, pg)
   per_token = pg
   denom = jnp.maximum(num_tokens.astype(jnp.float32), 1.0)
   metrics = {
@@ -264,6 +213,8 @@ def grpo_loss(params: Params, mb: Batch, *, cfg: ModelConfig, gcfg: GRPOConfig,
       # k1 estimate of KL(old || new) on the sampled tokens: how far this update has moved
       "approx_kl_old": jnp.sum(-log_ratio * mask) / denom,
   }
+  if lower is not None:  # (VeRL's pg_clipfrac_lower)
+    metrics["clip_frac_lower"] = jnp.sum(lower * mask) / denom
   if gcfg.kl_coef > 0:
     kl = kl_penalty(logp, mb.ref_logp, gcfg.kl_loss_type)
     per_token = per_token + gcfg.kl_coef * kl

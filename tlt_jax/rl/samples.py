@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import ml_collections
 import numpy as np
 
-from tlt_jax.rl import batching, grpo
+from tlt_jax.rl import advantages, batching
 
 
 def _tables(responses: Sequence[Any], num_prompts: int, n: int
@@ -31,7 +31,7 @@ def _shaped(responses: Sequence[Any], num_prompts: int, cfg: ml_collections.Conf
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """-> (rewards, DAPO's overlong penalty, lengths), each [prompts, n]."""
   r, length = _tables(responses, num_prompts, cfg.grpo.n)
-  return r, grpo.overlong_penalty(length, cfg.rollout.max_new_tokens,
+  return r, advantages.overlong_penalty(length, cfg.rollout.max_new_tokens,
                                   cfg.reward.overlong_buffer,
                                   cfg.reward.overlong_penalty), length
 
@@ -55,7 +55,7 @@ def learner_samples(responses: Sequence[Any], num_prompts: int,
                     cfg: ml_collections.ConfigDict
                     ) -> tuple[np.ndarray, np.ndarray, list[batching.Sample], np.ndarray]:
   """-> (rewards [prompts, n], DAPO's overlong penalty [prompts, n], the learner's samples,
-  the groups they come from): the advantages (grpo.adv_estimator, `grpo.advantages`) of the
+  the groups they come from): the advantages (grpo.adv_estimator, `advantages.advantages`) of the
   rewards plus the penalty over the groups that train: every one, or with grpo.filter_groups
   the first grpo.num_prompts groups with signal (DAPO's dynamic sampling); without the
   responses cut at the budget where grpo.drop_truncated (DAPO's overlong filtering: their
@@ -66,7 +66,7 @@ def learner_samples(responses: Sequence[Any], num_prompts: int,
   if g.filter_groups:
     groups = np.flatnonzero(np.ptp(r + penalty, axis=1) > 0)[:g.num_prompts]
   adv = np.zeros_like(r)
-  adv[groups] = grpo.advantages((r + penalty)[groups], length[groups],
+  adv[groups] = advantages.advantages((r + penalty)[groups], length[groups],
                                 estimator=g.get("adv_estimator", "grpo"), eps=g.adv_eps,
                                 norm_by_std=g.norm_adv_by_std)
   train = set(groups.tolist())
