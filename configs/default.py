@@ -80,6 +80,7 @@ def get_config():
   # prompts an epoch draws (a small file with a large weight repeats, a large one with a small
   # weight is subsampled); "": the files concatenated, each prompt once an epoch
   c.data.train_weights = ""
+  c.data.shuffle = True  # False: each epoch in the files' order (a curriculum they hold)
   # held out: one file, or several comma-separated (each one's accuracy reported apart, e.g.
   # --config.data.test_path=/data/aime24.jsonl,/data/math500.jsonl)
   c.data.test_path = asset_path("default", "data", "test.jsonl")

@@ -238,11 +238,28 @@ def test_each_epoch_is_the_seeded_permutation_from_its_first_prompt(tmp_path):
     assert pos == Position(*divmod(len(flat), n))
 
 
-def _files_stream(sizes, weights, seed=5):
+def _files_stream(sizes, weights, seed=5, shuffle=True):
   """A stream over len(sizes) files of sizes[i] prompts ("f<i>-<j>"), mixed by `weights`."""
   rows = [PromptRow(index=j, prompt=f"f{i}-{j}", answer="0", file=i)
           for i, n in enumerate(sizes) for j in range(n)]
-  return PromptStream(rows, CharTokenizer(), max_prompt_len=16, seed=seed, weights=weights)
+  return PromptStream(rows, CharTokenizer(), max_prompt_len=16, seed=seed, weights=weights,
+                      shuffle=shuffle)
+
+
+def test_unshuffled_streams_keep_the_files_order():
+  """data.shuffle=False (a curriculum the file's order holds): every epoch in file order; with
+  weights, each file's rows in its order, its slots spread evenly over the epoch (worked out
+  by hand: quotas 7 / 6, file 0's j-th slot at (j + 1/2) / 7, file 1's at (j + 1/2) / 6)."""
+  rows = [PromptRow(index=j, prompt=f"p{j}", answer="0") for j in range(5)]
+  s = PromptStream(rows, CharTokenizer(), max_prompt_len=4, seed=3, shuffle=False)
+  got, pos = s.batch(Position(), 12)
+  assert [p.row.index for p in got] == [0, 1, 2, 3, 4] * 2 + [0, 1] and pos == Position(2, 2)
+  got, _ = _files_stream((10, 3), (0.5, 0.5), shuffle=False).batch(Position(), 26)
+  assert [p.row.prompt for p in got] == [
+      "f0-0", "f1-0", "f0-1", "f1-1", "f0-2", "f1-2", "f0-3", "f1-0", "f0-4", "f1-1", "f0-5",
+      "f1-2", "f0-6",  # epoch 1; epoch 2 goes on with file 0's 8th row, file 1 from its first
+      "f0-7", "f1-0", "f0-8", "f1-1", "f0-9", "f1-2", "f0-0", "f1-0", "f0-1", "f1-1", "f0-2",
+      "f1-2", "f0-3"]
 
 
 @pytest.mark.parametrize("sizes, weights, quotas", [

@@ -185,7 +185,7 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
                         max_prompt_len=cfg.data.max_prompt_len, seed=cfg.seed,
                         chat_template=cfg.data.chat_template,
                         system_prompt=cfg.data.system_prompt, name="config.data.train_path",
-                        weights=weights, files=files)
+                        weights=weights, files=files, shuffle=cfg.data.get("shuffle", True))
   per_file = collections.Counter(p.row.file for p in stream.prompts)
   names = source_names(files, "data.train_path") if len(files) > 1 else files
   mixture = weights and [(s, per_file[i], w) for i, (s, w) in enumerate(zip(names, weights))]

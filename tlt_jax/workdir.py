@@ -76,7 +76,7 @@ def _hold(workdir: str) -> str | None:
 # same run (said, check_resume; the drafter is restored where the checkpoint holds one).
 LEARNING_KEYS = (
     "seed", "model.path", "model.architecture", "model.dtype", "model.param_dtype",
-    "data.train_path", "data.train_weights", "data.prompt_key", "data.answer_key",
+    "data.train_path", "data.train_weights", "data.shuffle", "data.prompt_key", "data.answer_key",
     "data.source_key", "data.max_prompt_len", "data.chat_template", "data.system_prompt",
     "reward.name", "reward.overlong_buffer", "reward.overlong_penalty", "grpo.drop_truncated",
     "grpo.filter_groups", "grpo.gen_prompts", "grpo.max_rollouts",

@@ -14,6 +14,10 @@ draws run through its own shuffled orders one after another (`default_rng([seed,
 for its k-th pass), so a file weighted above its size repeats its prompts, each as often as
 the others (within one), and one weighted below is sampled without repetition across epochs.
 Draw j of file i in epoch e is its (e q_i + j)-th: again a function of the position alone.
+
+`shuffle=False` (config.data.shuffle, verl's `data.shuffle`; a curriculum the file's order
+holds): every order above is the identity, the files' rows in file order epoch after epoch,
+and weighted files' slots spread evenly (file i's j-th at (j + 1/2) / q_i of the epoch).
 """
 
 from __future__ import annotations
@@ -89,7 +93,7 @@ class PromptStream:
   def __init__(self, rows: Sequence[PromptRow], tokenizer, *, max_prompt_len: int,
                seed: int = 0, chat_template: bool = False, system_prompt: str = "",
                name: str = "train", weights: Sequence[float] | None = None,
-               files: Sequence[str] = ()):
+               files: Sequence[str] = (), shuffle: bool = True):
     self.prompts, self.dropped_long, empty = encode_rows(
         rows, tokenizer, max_prompt_len=max_prompt_len, chat_template=chat_template,
         system_prompt=system_prompt)
@@ -105,7 +109,7 @@ class PromptStream:
                         "the tokenizer")
       raise DataError(f"{name}: every prompt is longer than config.data.max_prompt_len="
                       f"{max_prompt_len} tokens; raise it")
-    self.seed = seed
+    self.seed, self.shuffle = seed, shuffle
     self.digest = _digest(self.prompts)
     self._perm_epoch = -1  # (a memo of the last epoch's permutation)
     self._perm = None
@@ -127,21 +131,32 @@ class PromptStream:
   def _order(self, epoch: int) -> np.ndarray:
     """Epoch `epoch`'s N prompts, as indices into self.prompts (module docstring)."""
     if epoch != self._perm_epoch:
-      rng = np.random.default_rng([self.seed, epoch])
+      shuffled = self._shuffled([self.seed, epoch])
       if self.quotas is None:
-        self._perm = rng.permutation(len(self.prompts))
+        self._perm = shuffled(np.arange(len(self.prompts)))
       else:
-        slots = rng.permutation(np.repeat(np.arange(len(self.quotas)), self.quotas))
+        slots = np.repeat(np.arange(len(self.quotas)), self.quotas)
+        if self.shuffle:
+          slots = shuffled(slots)
+        else:  # spread evenly: file i's j-th slot at (j + 1/2) / q_i of the epoch
+          slots = slots[np.argsort(np.concatenate([(np.arange(q) + 0.5) / q for q in
+                                                   self.quotas]), kind="stable")]
         self._perm = np.empty(len(slots), np.int64)
         for i, (q, idx) in enumerate(zip(self.quotas, self._by_file)):
           at = np.flatnonzero(slots == i)
           draw = epoch * q + np.arange(q)  # file i's draws, counted from the run's start
           for k in np.unique(draw // len(idx)):  # its passes: a shuffled order each
             sel = draw // len(idx) == k
-            order = np.random.default_rng([self.seed, 1 + i, int(k)]).permutation(len(idx))
+            order = self._shuffled([self.seed, 1 + i, int(k)])(np.arange(len(idx)))
             self._perm[at[sel]] = idx[order[draw[sel] % len(idx)]]
       self._perm_epoch = epoch
     return self._perm
+
+  def _shuffled(self, entropy: list[int]):
+    """x -> x in the order default_rng(entropy) permutes it (shuffle=False: as it is)."""
+    if not self.shuffle:
+      return lambda x: x
+    return np.random.default_rng(entropy).permutation
 
   def batch(self, position: Position, n: int) -> tuple[list[Prompt], Position]:
     """The n prompts from `position` on, and the position after them."""
