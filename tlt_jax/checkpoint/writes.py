@@ -160,7 +160,7 @@ class QuietFailedWrites(logging.Filter):
   def release(self, lingering: bool) -> None:
     """Removes the filters. lingering (a write failed): the unraisable hook stays for the rest
     of the process, as the abandoned writes' callbacks can find their loop closed after the
-    Checkpointer's close, at any time up to the interpreter's exit (seen once in ~40 runs of
+    Checkpointer's close, at any time up to the interpreter's exit (seen once, in a CI run of
     tests/test_checkpoint_writes.py)."""
     gc.collect()  # a failed save's abandoned tasks report when collected: now, filtered
     for name in ("asyncio", "absl"):

@@ -115,8 +115,8 @@ class PromptStream:
     self._perm = None
     self.quotas = None  # weighted: each file's draws an epoch
     if weights is not None:
-      self._by_file = [np.flatnonzero([p.row.file == i for p in self.prompts])
-                       for i in range(len(weights))]
+      file = np.array([p.row.file for p in self.prompts])
+      self._by_file = [np.flatnonzero(file == i) for i in range(len(weights))]
       for i, idx in enumerate(self._by_file):
         if not len(idx):  # (its rows all too long or of no token)
           raise DataError(f"{name}: {files[i] if i < len(files) else f'file {i + 1}'} has no "
