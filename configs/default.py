@@ -145,6 +145,11 @@ def get_config():
   # its estimator, VeRL's kl_loss_type: "low_var_kl" (k3), "kl" (k1), "mse" (k2), "abs"
   c.grpo.kl_loss_type = "low_var_kl"
   c.grpo.entropy_coef = 0.0  # > 0: an entropy bonus in the loss (VeRL's entropy_coeff)
+  # the rollout's sampling distribution corrected for (tlt_jax/rl/mismatch.py): "" off,
+  # "token" / "sequence" truncated importance weights at most rollout_is_cap (VeRL's rollout
+  # correction; its threshold 2.0); the distance is measured every step either way
+  c.grpo.rollout_is = ""
+  c.grpo.rollout_is_cap = 2.0
   c.grpo.norm_adv_by_std = True
   # "grpo" ((r - group mean) / group std), "rloo" (leave-one-out baseline),
   # "reinforce_plus_plus_baseline" (r - group mean, whitened over the batch's tokens)

@@ -66,6 +66,17 @@ def tail(records: list[dict]) -> float:
   return sum(shares) / len(shares) if shares else float("nan")
 
 
+def mismatch(records: list[dict]) -> tuple[float, float]:
+  """The rollout's distance from the learner's distribution on its sampled tokens (metrics'
+  loss.rollout_k3, a KL a token, and loss.rollout_prob_diff, the mean |p_old - p_rollout|:
+  tlt_jax/rl/mismatch.py), averaged over the steps that updated; nan where none did."""
+  got = [(r["loss"]["rollout_k3"], r["loss"]["rollout_prob_diff"]) for r in records
+         if "rollout_k3" in (r.get("loss") or {})]
+  if not got:
+    return float("nan"), float("nan")
+  return (sum(k for k, _ in got) / len(got), sum(p for _, p in got) / len(got))
+
+
 def rl_table(out: str) -> str:
   """The rl_steps stage's table: per phase, seconds summed over the steps, TLT on and off. A
   mode cut off before its first step (its metrics.jsonl is opened at start-up, so it exists
@@ -88,6 +99,10 @@ def rl_table(out: str) -> str:
   lines.append("| response length p50 / max (last step) | " + " | ".join(
       f"{r.get('p50', float('nan')):.0f} / {r.get('max', float('nan')):.0f}" for r in last)
       + " |")
+  gaps = [mismatch(done[m]) for m in sums]
+  lines.append("| the rollout's distribution vs the learner's: KL (k3) a token / mean abs. "
+               "difference of the sampled token's probability | " + " | ".join(
+                   f"{k:.1e} / {p:.1e}" for k, p in gaps) + " |")
   lines += [f"TLT {m}: no step finished" for m in runs if m not in done]
   return "\n".join(lines)
 
@@ -178,6 +193,10 @@ def _rl(out: str) -> list[tuple[str, str, str]]:
                 f"{off['rollout']:.1f} s; the tail's share of the rollout, TLT off: "
                 f"{tail(runs['off'][:n]):.0%})",
                 "rl_steps"))
+    (k_on, p_on), (k_off, p_off) = mismatch(runs["on"][:n]), mismatch(runs["off"][:n])
+    res.append(("the rollout's distribution vs the learner's, TLT on / off (KL a token, k3; "
+                "mean abs. difference of the sampled token's probability)",
+                f"{k_on:.1e} / {k_off:.1e}; {p_on:.1e} / {p_off:.1e}", "rl_steps"))
   else:
     res.append(("RL steps on one device, TLT on / off",
                 "not measured" + (f" (steps done: on {len(runs.get('on', []))}, off "

@@ -79,6 +79,10 @@ def test_history_arms_need_the_history_index():
     ("grpo.clip_ratio_c", 1.0, "config.grpo.clip_ratio_c=1.0: must be > 1 (dual-clip's"),
     ("grpo.kl_loss_type", "k3", "config.grpo.kl_loss_type='k3': use one of low_var_kl, kl, "
      "mse, abs (low_var_kl: k3, kl: k1, mse: k2)"),
+    ("grpo.rollout_is", "seq", "config.grpo.rollout_is='seq': use '' (off), 'token' or "
+     "'sequence'"),
+    ("grpo.rollout_is_cap", 0.5, "config.grpo.rollout_is_cap=0.5: must be a finite number >= 1"),
+    ("grpo.rollout_is_cap", float("inf"), "config.grpo.rollout_is_cap=inf: must be a finite"),
     ("reward.overlong_buffer", 10_000, "config.reward.overlong_buffer=10000: must be in [0, "
      "rollout.max_new_tokens="),
     ("reward.overlong_penalty", -0.5, "config.reward.overlong_penalty=-0.5: must be >= 0"),
@@ -362,6 +366,10 @@ def test_a_resumed_run_that_would_learn_otherwise_stops_and_its_configs_are_kept
   # dynamic sampling off in both: its rollout cap changes nothing (on in one, it does)
   prepare(grpo__max_rollouts=2, grpo__loss_norm_len=77)
   prepare(grpo__kl_loss_type="mse")  # no KL term in either: its estimator changes nothing
+  prepare(grpo__rollout_is_cap=5.0)  # no correction in either: its cap changes nothing
+  with pytest.raises(ConfigError, match=r"other values: grpo.rollout_is '' -> 'token'; "
+                     r"grpo.rollout_is_cap 2.0 -> 5.0; pass"):
+    prepare(grpo__rollout_is="token", grpo__rollout_is_cap=5.0)
   with pytest.raises(ConfigError, match=r"other values: grpo.kl_coef 0.0 -> 0.001; "
                      r"grpo.kl_loss_type 'low_var_kl' -> 'mse'; pass"):
     prepare(grpo__kl_coef=0.001, grpo__kl_loss_type="mse")

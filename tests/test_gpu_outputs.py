@@ -265,6 +265,28 @@ def test_rl_tail_share_is_of_the_steps_compared(tmp_path):
   assert value.endswith("the tail's share of the rollout, TLT off: 40%)"), value
 
 
+def test_rl_mismatch_row_averages_the_steps_both_modes_updated(tmp_path):
+  """The rollout's distance from the learner, per mode, over the steps both finished (TLT off's
+  third step left out), a step that did not update (no loss metrics) not counted; in the
+  per-phase table too, with a mode whose runs never updated as nan."""
+  headline = _script("gpu_headline")
+  loss = lambda k3, dp: {"loss": {"rollout_k3": k3, "rollout_prob_diff": dp}}  # noqa: E731
+  on = [dict(_STEP, **loss(2e-4, 1e-3)), dict(_STEP, step=2, loss={}),
+        dict(_STEP, step=3, **loss(4e-4, 3e-3))]
+  off = [dict(_STEP, **loss(1e-5, 2e-4)), dict(_STEP, step=2, **loss(3e-5, 4e-4)),
+         dict(_STEP, step=3, **loss(5e-5, 6e-4)), dict(_STEP, step=4, **loss(9.0, 9.0))]
+  _metrics(tmp_path, "on", "".join(json.dumps(r) + "\n" for r in on))
+  _metrics(tmp_path, "off", "".join(json.dumps(r) + "\n" for r in off))
+  rows = {f: v for f, v, _ in headline.rows(str(tmp_path))}
+  value = next(v for f, v in rows.items() if f.startswith("the rollout's distribution"))
+  assert value == "3.0e-04 / 3.0e-05; 2.0e-03 / 4.0e-04", value
+  table = headline.rl_table(str(tmp_path))
+  assert "| 3.0e-04 / 2.0e-03 | 2.3e+00 / 2.3e+00 |" in table, table  # (each its own steps)
+  _metrics(tmp_path / "old", "on", json.dumps(_STEP) + "\n")
+  _metrics(tmp_path / "old", "off", json.dumps(_STEP) + "\n")
+  assert "| nan / nan | nan / nan |" in headline.rl_table(str(tmp_path / "old"))
+
+
 def test_decode_row_sets_the_engines_paged_step_against_the_windows(tmp_path):
   """The engine's cells (fused + paged) against the windows' at the same batch: 2.0 ms
   against 3.0 ms is paged 1.50x faster (> 1: paged faster), with the engine's own parity

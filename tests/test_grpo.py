@@ -1,5 +1,6 @@
 """GRPO math against a float64 numpy reference, and learning on a toy reward."""
 
+import dataclasses
 import functools
 import logging
 
@@ -62,14 +63,20 @@ def _np_logprobs(params, seq, temperature):
 def _np_grpo_loss(new, old, ref, samples, gcfg):
   """The loss aggregated as gcfg.loss_agg says over every response token of the batch (one
   mini-batch), float64, no padding anywhere, and the token means of the metrics: (loss,
-  entropy, KL to ref, clipped policy-gradient term, share of tokens clipped, share bounded by
-  the dual clip)."""
-  n_tok, loss, sums = 0, 0.0, np.zeros(5)
+  entropy, KL to ref, clipped policy-gradient term (importance-weighted where gcfg.rollout_is
+  says), share of tokens clipped, share bounded by the dual clip, and from the samples'
+  rollout log-probs: log pi_rollout - log pi_old, r - 1 - log r of r = pi_old / pi_rollout,
+  |pi_old - pi_rollout|, the importance weight, the share of weights capped)."""
+  n_tok, loss, sums = 0, 0.0, np.zeros(10)
   for s in samples:
     seq = list(s.prompt_ids) + list(s.response_ids)
     lp, ent = _np_logprobs(new, seq, gcfg.temperature)
     lo, _ = _np_logprobs(old, seq, gcfg.temperature)
     lr, _ = _np_logprobs(ref, seq, gcfg.temperature)
+    lro = np.zeros(len(seq))
+    lro[len(s.prompt_ids):] = s.rollout_logp
+    log_r = lo - lro  # [t]: log pi_old / pi_rollout of each token
+    seq_log_r = log_r[len(s.prompt_ids):].sum()
     terms = []
     for t in range(len(s.prompt_ids), len(seq)):
       ratio = np.exp(lp[t] - lo[t])
@@ -79,11 +86,16 @@ def _np_grpo_loss(new, old, ref, samples, gcfg):
       lower = gcfg.clip_ratio_c > 0 and a < 0 and pg > -a * gcfg.clip_ratio_c
       if lower:  # dual-clip PPO (VeRL's clip_ratio_c)
         pg = -a * gcfg.clip_ratio_c
+      w = {"": 1.0, "token": np.exp(log_r[t]), "sequence": np.exp(seq_log_r)}[gcfg.rollout_is]
+      capped = w > gcfg.rollout_is_cap
+      pg *= min(w, gcfg.rollout_is_cap)  # truncated importance sampling
       d = lr[t] - lp[t]
       kl = {"low_var_kl": np.exp(d) - d - 1, "kl": -d, "mse": d * d / 2,
             "abs": abs(d)}[gcfg.kl_loss_type]
       terms.append(pg + gcfg.kl_coef * kl - gcfg.entropy_coef * ent[t])
-      sums += (ent[t], kl, pg, clipped > -a * ratio, lower)
+      sums += (ent[t], kl, pg, clipped > -a * ratio, lower, -log_r[t],
+               np.exp(log_r[t]) - 1 - log_r[t], abs(np.exp(lo[t]) - np.exp(lro[t])),
+               min(w, gcfg.rollout_is_cap), capped)
     n_tok += len(terms)
     if gcfg.loss_agg == "token-mean":  # summed here, divided by every token below
       loss += sum(terms)
@@ -123,43 +135,57 @@ def setup():
   return old, new, ref, samples
 
 
-@pytest.mark.parametrize("kl_coef,temperature,loss_agg,entropy_coef,kl_loss_type,clip_c", [
-    (0.0, 1.0, "token-mean", 0.0, "low_var_kl", 0.0),
-    (0.05, 0.7, "seq-mean-token-mean", 0.0, "low_var_kl", 0.0),
-    (0.0, 1.0, "seq-mean-token-sum", 0.03, "low_var_kl", 0.0),
-    (0.05, 0.7, "seq-mean-token-sum-norm", 0.01, "low_var_kl", 0.0),
-    (0.05, 1.0, "token-mean", 0.0, "kl", 0.0), (0.05, 1.0, "token-mean", 0.0, "mse", 0.0),
-    (0.05, 1.0, "token-mean", 0.0, "abs", 1.2)])
+@pytest.mark.parametrize(
+    "kl_coef,temperature,loss_agg,entropy_coef,kl_loss_type,clip_c,rollout_is", [
+        (0.0, 1.0, "token-mean", 0.0, "low_var_kl", 0.0, ""),
+        (0.05, 0.7, "seq-mean-token-mean", 0.0, "low_var_kl", 0.0, ""),
+        (0.0, 1.0, "seq-mean-token-sum", 0.03, "low_var_kl", 0.0, ""),
+        (0.05, 0.7, "seq-mean-token-sum-norm", 0.01, "low_var_kl", 0.0, ""),
+        (0.05, 1.0, "token-mean", 0.0, "kl", 0.0, ""),
+        (0.05, 1.0, "token-mean", 0.0, "mse", 0.0, ""),
+        (0.05, 1.0, "token-mean", 0.0, "abs", 1.2, ""),
+        (0.0, 0.7, "token-mean", 0.0, "low_var_kl", 0.0, "token"),
+        (0.0, 1.0, "seq-mean-token-mean", 0.0, "low_var_kl", 1.2, "sequence")])
 def test_microbatched_loss_matches_float64_reference(setup, kl_coef, temperature, loss_agg,
-                                                     entropy_coef, kl_loss_type, clip_c):
+                                                     entropy_coef, kl_loss_type, clip_c,
+                                                     rollout_is):
   """The loss as each aggregation defines it over the whole batch (its responses of 1-40
-  tokens, so the aggregations differ), with the KL term (each estimator), the entropy bonus
-  and the dual clip (at 1.2, inside this setup's ratios: it binds), the metrics token means
-  whatever it is."""
+  tokens, so the aggregations differ), with the KL term (each estimator), the entropy bonus,
+  the dual clip (at 1.2, inside this setup's ratios: it binds) and the rollout's truncated
+  importance weights per token and per response (the rollout's log-probs the old policy's
+  off by a noise of 0.25 nats a token: weights on both sides of the cap 1.5), the metrics
+  token means whatever it is, the distance to the rollout's distribution among them."""
   old, new, ref, samples = setup
   gcfg = grpo.GRPOConfig(eps_low=0.2, eps_high=0.28, kl_coef=kl_coef, temperature=temperature,
                          logit_chunk=8,  # chunked LM head with a ragged last chunk
                          loss_agg=loss_agg, loss_norm_len=48, entropy_coef=entropy_coef,
-                         kl_loss_type=kl_loss_type, clip_ratio_c=clip_c)
+                         kl_loss_type=kl_loss_type, clip_ratio_c=clip_c,
+                         rollout_is=rollout_is, rollout_is_cap=1.5)
   rng = np.random.RandomState(1)  # short samples too: they outlast the long rows' gaps
   samples = samples + [batching.Sample(rng.randint(1, 23, 3), rng.randint(1, 23, rng.randint(1, 9)),
                                    float(rng.randn())) for _ in range(12)]
-  want, want_ent, want_kl, want_pg, want_clip, want_lower = _np_grpo_loss(new, old, ref,
-                                                                          samples, gcfg)
+  samples = [dataclasses.replace(s, rollout_logp=(_np_logprobs(
+      old, list(s.prompt_ids) + list(s.response_ids), temperature)[0][len(s.prompt_ids):]
+      + rng.normal(0, 0.25, len(s.response_ids))).astype(np.float32)) for s in samples]
+  want, want_ent, want_kl, want_pg, want_clip, want_lower, *want_rollout = _np_grpo_loss(
+      new, old, ref, samples, gcfg)
   mbs = list(batching.micro_batches(samples, rows=2, pad_multiple=16, max_len=64,
                                     loss_agg=loss_agg, norm_len=48))
   assert len({mb.tokens.shape[1] for mb in mbs}) > 1  # micro-batches of several lengths
   assert max(mb.segment_ids.max() for mb in mbs) >= 3  # rows packed with several samples
   n = sum(mb.loss_mask.sum() for mb in mbs)
-  got = dict.fromkeys(["loss", "entropy", "kl_ref", "pg_loss", "clip_frac", "clip_frac_lower"],
-                      0.0)
+  rollout_keys = ["rollout_kl", "rollout_k3", "rollout_prob_diff", "rollout_is_weight",
+                  "rollout_is_clip_frac"]
+  got = dict.fromkeys(["loss", "entropy", "kl_ref", "pg_loss", "clip_frac", "clip_frac_lower"]
+                      + rollout_keys, 0.0)
   lp_fn = jax.jit(functools.partial(grpo.token_logprobs, cfg=CFG, temperature=temperature,
                                     chunk=8))
   for mb in mbs:
     packed = (jnp.asarray(mb.tokens), jnp.asarray(mb.positions), jnp.asarray(mb.segment_ids))
     dev = grpo.Batch(*packed, jnp.asarray(mb.loss_mask), jnp.asarray(mb.loss_weight),
                      jnp.asarray(mb.advantages),
-                     lp_fn(old, *packed)[0], lp_fn(ref, *packed)[0])
+                     lp_fn(old, *packed)[0], lp_fn(ref, *packed)[0],
+                     rollout_logp=jnp.asarray(mb.rollout_logp))
     loss, m = grpo.grpo_loss(new, dev, cfg=CFG, gcfg=gcfg, num_tokens=jnp.float32(n))
     for k in got:
       got[k] += float(loss if k == "loss" else m.get(k, 0.0))
@@ -173,6 +199,14 @@ def test_microbatched_loss_matches_float64_reference(setup, kl_coef, temperature
   assert 0.1 < want_clip < 0.9  # both branches of the clip were exercised
   np.testing.assert_allclose(got["clip_frac_lower"], want_lower, atol=1.5 / n)
   assert (0.02 < want_lower < 0.5) == (clip_c > 0)  # the dual clip bound where it is on
+  for k, w in zip(rollout_keys[:3], want_rollout):  # measured whether corrected or not
+    np.testing.assert_allclose(got[k], w, rtol=1e-4, atol=1e-6, err_msg=k)
+  if rollout_is:
+    np.testing.assert_allclose(got["rollout_is_weight"], want_rollout[3], rtol=1e-4)
+    np.testing.assert_allclose(got["rollout_is_clip_frac"], want_rollout[4], atol=1.5 / n)
+    assert 0.05 < want_rollout[4] < 0.95  # weights on both sides of the cap
+  else:
+    assert got["rollout_is_weight"] == got["rollout_is_clip_frac"] == 0.0  # (not reported)
 
 
 @pytest.mark.parametrize("kind", ["low_var_kl", "kl", "mse", "abs"])

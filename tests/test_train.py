@@ -84,6 +84,16 @@ def reference(tmp_path_factory):
   return ref_dir, ref.stderr
 
 
+def _assert_rollout_is_the_learners(rec):
+  """The rollout's recorded log-probs (the engine's decode over its paged cache) against the
+  learner's recomputation over the packed rows, token by token: in float32 the two
+  distributions agree to rounding (one token out of alignment would be ~0.1 apart)."""
+  loss = rec["loss"]
+  assert loss["rollout_prob_diff"] < 1e-5 and loss["rollout_k3"] < 1e-9, loss
+  assert abs(loss["rollout_kl"]) < 1e-5, loss
+  assert "rollout_is_weight" not in loss  # (no correction asked for)
+
+
 def _resume_equals_reference(run_dir, ref_dir, done: int, *extra):
   """Re-running the command resumes from step `done` and finishes; every step equals the
   uninterrupted run's."""
@@ -127,6 +137,7 @@ def test_sigkill_during_training_resumes_exactly(tmp_path, reference):
       "default/data/train", "longtail/data/train"}
   for r in _records(ref_dir)[1:]:  # each step's 4 prompts, by the file they came from
     assert sum(r["prompts_by_source"].values()) == 4
+    _assert_rollout_is_the_learners(r)
     assert list(r["prompts_by_source"]) == list(r["accuracy_by_source"])
   evals = [r["eval"] for r in _records(ref_dir) if "eval" in r]
   assert len(evals) == 3  # steps 0, 2, 4
@@ -697,6 +708,8 @@ def test_qwen3_trains_with_chain_and_tree_speculation(tmp_path):
   arms = {c.mode for e in run.coordinator.engines for c in e.chunk_log}
   assert {"4_1_5", "2_2_5"} <= arms, arms
   assert recs[-1]["drafter"]["steps"] >= 1  # the Qwen3 drafter layer trained
+  # the log-probs the speculative verifications recorded are the learner's, token by token
+  _assert_rollout_is_the_learners(recs[-1])
   params = jax.device_get(state.learner.params)
   drafter = jax.device_get(run.store.drafter()[1].params)
   out = str(tmp_path / "trained")

@@ -41,11 +41,13 @@ class Response(NamedTuple):
   finish_time: float = 0.0  # seconds since its worker's generate began (the tail metric)
   rollout: int = 0  # which of the step's rollouts (grpo.filter_groups) wrote it
   reward_extra: dict | None = None  # the rest of a verl-style reward's dict (rewards.py)
+  logprobs: np.ndarray | None = None  # [R] the rollout's, per token (rl/mismatch.py)
 
   @classmethod
   def of(cls, res: Result, rollout: int = 0) -> "Response":
     return cls(res.request_id, res.sample_index, res.prompt_ids, res.response_ids,
-               res.num_tokens, res.finish_reason, finish_time=res.finish_time, rollout=rollout)
+               res.num_tokens, res.finish_reason, finish_time=res.finish_time, rollout=rollout,
+               logprobs=res.logprobs)
 
 
 class Rollouts(NamedTuple):

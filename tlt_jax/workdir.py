@@ -82,7 +82,8 @@ LEARNING_KEYS = (
     "grpo.filter_groups", "grpo.gen_prompts", "grpo.max_rollouts",
     "rollout.max_new_tokens", "rollout.temperature", "rollout.top_p", "rollout.top_k",
     "grpo.num_prompts", "grpo.n", "grpo.eps_low", "grpo.eps_high", "grpo.clip_ratio_c",
-    "grpo.kl_coef", "grpo.kl_loss_type", "grpo.entropy_coef", "grpo.norm_adv_by_std",
+    "grpo.kl_coef", "grpo.kl_loss_type", "grpo.entropy_coef", "grpo.rollout_is",
+    "grpo.rollout_is_cap", "grpo.norm_adv_by_std",
     "grpo.adv_estimator", "grpo.loss_agg", "grpo.loss_norm_len", "grpo.minibatches",
     "optim.lr", "optim.schedule", "optim.warmup_steps", "optim.weight_decay", "optim.b1",
     "optim.b2", "optim.grad_clip")
@@ -91,6 +92,7 @@ ACTIVE_WHEN = {
     "grpo.max_rollouts": lambda c: c.get("grpo.filter_groups") is True,
     "grpo.loss_norm_len": lambda c: c.get("grpo.loss_agg") == "seq-mean-token-sum-norm",
     "grpo.kl_loss_type": lambda c: (c.get("grpo.kl_coef") or 0) > 0,
+    "grpo.rollout_is_cap": lambda c: bool(c.get("grpo.rollout_is")),
 }
 
 

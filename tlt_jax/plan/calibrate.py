@@ -298,9 +298,10 @@ def _learner_pass(ls, state, seq_lens: Sequence[int], prompt_lens: Sequence[int]
   samples = []
   for i, n in enumerate(seq_lens):
     p = min(int(prompt_lens[i % len(prompt_lens)]), int(n) - 1)
-    samples.append(batching.Sample(rng.integers(1, vocab, p).astype(np.int32),
-                               rng.integers(1, vocab, int(n) - p).astype(np.int32),
-                               float(rng.normal())))
+    samples.append(batching.Sample(  # (rollout log-probs as a run records them)
+        rng.integers(1, vocab, p).astype(np.int32),
+        rng.integers(1, vocab, int(n) - p).astype(np.int32), float(rng.normal()),
+        -rng.exponential(size=int(n) - p).astype(np.float32)))
   t = time.perf_counter()
   prepared = grpo.prepare(state, batching.minibatches(samples, ls, minibatches, seed=seed), ls)
   jax.block_until_ready(prepared)

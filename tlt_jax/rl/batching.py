@@ -17,6 +17,9 @@ class Sample:
   prompt_ids: np.ndarray
   response_ids: np.ndarray
   advantage: float
+  # [R] the rollout's log-prob of each response token (the engine's Result.logprobs; None: not
+  # recorded, e.g. the simulator's and the benches' samples)
+  rollout_logp: np.ndarray | None = None
 
   @property
   def length(self) -> int:
@@ -33,6 +36,9 @@ class MicroBatch(NamedTuple):
   loss_weight: np.ndarray  # [b, T] float32 each response token's weight in the loss
   advantages: np.ndarray  # [b, T] float32
   index: np.ndarray  # [b, T] int64 each token's sample index, -1 on padding
+  # [b, T] float32 the rollout's log-probs on response tokens, 0 elsewhere; None unless every
+  # sample of the mini-batch carries them
+  rollout_logp: np.ndarray | None = None
 
 
 def micro_layout(lengths: Sequence[int], rows: int, pad_multiple: int, max_len: int,
@@ -146,6 +152,7 @@ def micro_batches(samples: list[Sample], rows: int, pad_multiple: int, max_len: 
   update; on the CPU each costs ~3 s, more than the padding they save).
   """
   weights = token_weights([len(s.response_ids) for s in samples], loss_agg, norm_len)
+  recorded = bool(samples) and all(s.rollout_logp is not None for s in samples)
   out = []
   for bins, t, n in micro_layout([s.length for s in samples], rows, pad_multiple, max_len,
                                  max_tokens, row_multiple, max_rows):
@@ -156,6 +163,7 @@ def micro_batches(samples: list[Sample], rows: int, pad_multiple: int, max_len: 
     weight = np.zeros((n, t), np.float32)
     adv = np.zeros((n, t), np.float32)
     index = np.full((n, t), -1, np.int64)
+    rollout_logp = np.zeros((n, t), np.float32) if recorded else None
     for r, idx in enumerate(bins):
       at = 0
       for seg, i in enumerate(idx, 1):
@@ -170,8 +178,10 @@ def micro_batches(samples: list[Sample], rows: int, pad_multiple: int, max_len: 
         weight[r, at + p:at + p + k] = weights[i]
         adv[r, span] = smp.advantage
         index[r, span] = i
+        if recorded:
+          rollout_logp[r, at + p:at + p + k] = smp.rollout_logp
         at += p + k
-    out.append(MicroBatch(tokens, positions, segments, mask, weight, adv, index))
+    out.append(MicroBatch(tokens, positions, segments, mask, weight, adv, index, rollout_logp))
   return iter(out)
 
 

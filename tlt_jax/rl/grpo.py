@@ -45,6 +45,7 @@ from tlt_jax.optim import if_finite
 from tlt_jax.models import ModelConfig, Params, compute_logits, forward
 from tlt_jax.rl.batching import LOSS_AGG, MicroBatch
 from tlt_jax.rl.kl import KL_LOSS_TYPES, kl_penalty
+from tlt_jax.rl.mismatch import ROLLOUT_IS, correction
 from tlt_jax.sharding import BATCH, batch_sharding, replicated, tree_shardings
 
 
@@ -58,6 +59,10 @@ class GRPOConfig:
   kl_coef: float = 0.0  # > 0: a KL term to the frozen reference policy
   kl_loss_type: str = "low_var_kl"  # its estimator (rl/kl.py: k3, VeRL's names)
   entropy_coef: float = 0.0  # > 0: an entropy bonus (each token's term less coef x entropy)
+  # the rollout's sampling distribution corrected for (rl/mismatch.py): "" off, "token" or
+  # "sequence" truncated importance weights, at most rollout_is_cap (VeRL's threshold 2.0)
+  rollout_is: str = ""
+  rollout_is_cap: float = 2.0
   temperature: float = 1.0  # the rollout temperature; logits / T before log-softmax
   adv_eps: float = 1e-6
   norm_adv_by_std: bool = True  # False: Dr. GRPO's advantages (r - mean)
@@ -81,6 +86,13 @@ class GRPOConfig:
     if self.kl_loss_type not in KL_LOSS_TYPES:
       raise ConfigError(f"use one of {', '.join(KL_LOSS_TYPES)} (low_var_kl: k3, kl: k1, mse: "
                         "k2)", "kl_loss_type", self.kl_loss_type)
+    if self.rollout_is not in ROLLOUT_IS:
+      raise ConfigError("use '' (off), 'token' or 'sequence' (truncated importance weights of "
+                        "the learner's over the rollout's distribution)", "rollout_is",
+                        self.rollout_is)
+    if not 1 <= self.rollout_is_cap < math.inf:
+      raise ConfigError("must be a finite number >= 1 (the importance weights' cap, e.g. 2.0)",
+                        "rollout_is_cap", self.rollout_is_cap)
     if self.entropy_coef < 0:
       raise ConfigError("must be >= 0 (0 = no entropy bonus; a negative one would push the "
                         "policy to collapse)", "entropy_coef", self.entropy_coef)
@@ -177,6 +189,9 @@ class Batch(NamedTuple):
   # () bool: the step's first mini-batch, whose params are still the old ones: the old
   # log-probs are the loss's own (stop-gradient), old_logp unread and not computed
   on_policy: jax.Array | None = None
+  # [b, T] the rollout's log-probs of the response tokens, 0 elsewhere (None: not recorded;
+  # the mismatch metrics and grpo.rollout_is need them: rl/mismatch.py)
+  rollout_logp: jax.Array | None = None
 
 
 def grpo_loss(params: Params, mb: Batch, *, cfg: ModelConfig, gcfg: GRPOConfig,
@@ -184,9 +199,11 @@ def grpo_loss(params: Params, mb: Batch, *, cfg: ModelConfig, gcfg: GRPOConfig,
   """Clipped-ratio loss of one micro-batch (plus kl_coef x the KL term to the reference, less
   entropy_coef x the entropy): each response token's term x its `loss_weight`
   (weights over the whole mini-batch, so summing micro-batch losses gives the mini-batch's
-  aggregate). ref_logp is read only when kl_coef > 0. Metrics are sums over the micro-batch's
-  response tokens divided by the mini-batch's count `num_tokens` (they add up to token
-  means).
+  aggregate). ref_logp is read only when kl_coef > 0. With the rollout's log-probs, the
+  distance of the rollout's distribution from the old policy's is measured and, with
+  rollout_is, the policy-gradient term weighted by it (rl/mismatch.py). Metrics are sums over
+  the micro-batch's response tokens divided by the mini-batch's count `num_tokens` (they add
+  up to token means).
   """
   logp, ent = token_logprobs(params, mb.tokens, mb.positions, mb.segment_ids, cfg=cfg,
                              temperature=gcfg.temperature, chunk=gcfg.logit_chunk)
@@ -204,10 +221,8 @@ def grpo_loss(params: Params, mb: Batch, *, cfg: ModelConfig, gcfg: GRPOConfig,
   if gcfg.clip_ratio_c > 0:  # dual-clip: a negative advantage's term at most -A x c
     lower = (adv < 0) & (pg > -adv * gcfg.clip_ratio_c)
     pg = jnp.where(lower, -adv * gcfg.clip_ratio_c, pg)
-  per_token = pg
   denom = jnp.maximum(num_tokens.astype(jnp.float32), 1.0)
   metrics = {
-      "pg_loss": jnp.sum(pg * mask) / denom,
       "entropy": jnp.sum(ent * mask) / denom,
       "clip_frac": jnp.sum((pg_clipped > pg_unclipped) * mask) / denom,
       # k1 estimate of KL(old || new) on the sampled tokens: how far this update has moved
@@ -215,6 +230,16 @@ def grpo_loss(params: Params, mb: Batch, *, cfg: ModelConfig, gcfg: GRPOConfig,
   }
   if lower is not None:  # (VeRL's pg_clipfrac_lower)
     metrics["clip_frac_lower"] = jnp.sum(lower * mask) / denom
+  if mb.rollout_logp is not None:
+    weights, sums = correction(old, mb.rollout_logp, mask, mb.segment_ids,
+                               level=gcfg.rollout_is, cap=gcfg.rollout_is_cap)
+    metrics.update({k: v / denom for k, v in sums.items()})
+    if weights is not None:
+      pg = pg * weights
+  elif gcfg.rollout_is:
+    raise ValueError("grpo.rollout_is needs the rollout's log-probs (Batch.rollout_logp)")
+  metrics["pg_loss"] = jnp.sum(pg * mask) / denom
+  per_token = pg
   if gcfg.kl_coef > 0:
     kl = kl_penalty(logp, mb.ref_logp, gcfg.kl_loss_type)
     per_token = per_token + gcfg.kl_coef * kl
@@ -329,7 +354,9 @@ def prepare(state: LearnerState, batches: list[list[MicroBatch]], spec: LearnerS
         old = logprobs(state.params, tokens, positions, segments, spec=spec)
       prepared.append(Batch(tokens, positions, segments, mask,
                             put_batch(mb.loss_weight, spec.mesh),
-                            put_batch(mb.advantages, spec.mesh), old, ref, flag))
+                            put_batch(mb.advantages, spec.mesh), old, ref, flag,
+                            None if mb.rollout_logp is None
+                            else put_batch(mb.rollout_logp, spec.mesh)))
     out.append(prepared)
   return out
 

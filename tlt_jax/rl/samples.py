@@ -3,8 +3,8 @@ computed from (the reward function's plus DAPO's overlong penalty), the groups t
 signal, and which responses train (DAPO's dynamic sampling and overlong filtering).
 
 A response here is anything with `request_id` (its prompt's index among the step's),
-`sample_index`, `prompt_ids`, `response_ids`, `num_tokens`, `finish_reason` and `reward`
-(tlt_jax/step_rollouts.py's `Response`)."""
+`sample_index`, `prompt_ids`, `response_ids`, `num_tokens`, `finish_reason` and `reward`,
+and optionally `logprobs`, the rollout's per token (tlt_jax/step_rollouts.py's `Response`)."""
 
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ def learner_samples(responses: Sequence[Any], num_prompts: int,
                                 norm_by_std=g.norm_adv_by_std)
   train = set(groups.tolist())
   samples = [batching.Sample(res.prompt_ids, res.response_ids,
-                             float(adv[res.request_id, res.sample_index]))
+                             float(adv[res.request_id, res.sample_index]),
+                             getattr(res, "logprobs", None))
              for res in responses if res.request_id in train
              and not (g.drop_truncated and res.finish_reason == "length")]
   return r, penalty, samples, groups
