@@ -621,26 +621,47 @@ def test_learner_compiles_each_micro_batch_shape_once(fsdp):
   assert sorted(compiled) == sorted(["_accumulate", "logprobs"] * len(shapes)), compiled
 
 
-@pytest.mark.parametrize("fsdp,attention,max_rows", [(1, "xla", False), (8, "xla", False),
-                                                       (8, "fused", False), (1, "xla", True)])
-def test_packed_learner_equals_each_sample_run_alone(setup, fsdp, attention, max_rows):
+@pytest.mark.parametrize("fsdp,attention,max_rows,rollout_is", [
+    (1, "xla", False, ""), (8, "xla", False, ""), (8, "fused", False, ""), (1, "xla", True, ""),
+    (8, "xla", False, "sequence")])
+def test_packed_learner_equals_each_sample_run_alone(setup, fsdp, attention, max_rows,
+                                                     rollout_is):
   """The learner's packed micro-batches (several samples per row, on 1 or 8 devices; XLA's
   masked attention or the Pallas flash-attention kernel, interpreted here, per shard; rows of
-  length buckets or all of the max length): every
+  length buckets or all of the max length; with the rollout's log-probs and their
+  per-response importance weights, rows split over 8 devices): every
   response token's old log-prob, and the loss and gradient of the mini-batch, equal those of
   each sample run alone in a row of its own (no packing, plain causal attention:
   grpo.token_logprobs without segments), summed; off policy (a later mini-batch) and on
   policy (the first: old log-probs not computed)."""
-  import dataclasses
   params, new, _, samples = setup
   rng = np.random.RandomState(2)
   samples = samples + [batching.Sample(rng.randint(1, 23, 3), rng.randint(1, 23, rng.randint(1, 9)),
                                    float(rng.randn())) for _ in range(9)]
+  # each sample alone in a row of its own, right-padded (harmless under the causal mask)
+  rows = np.zeros((len(samples), 64), np.int32)
+  resp = np.zeros((len(samples), 64), np.float32)
+  for i, s in enumerate(samples):
+    k, n_s = len(s.prompt_ids), s.length
+    rows[i, :n_s] = np.concatenate([s.prompt_ids, s.response_ids])
+    resp[i, k:n_s] = 1.0
+  alone = jax.jit(lambda p: grpo.token_logprobs(p, jnp.asarray(rows), cfg=CFG,
+                                                temperature=1.0)[0])
+  old = np.asarray(alone(params))
+  weight = np.ones((len(samples), 1), np.float32)  # each response's importance weight
+  if rollout_is:  # the rollout's log-probs off the old policy's by 0.1 nats a token
+    samples = [dataclasses.replace(s, rollout_logp=(
+        old[i, len(s.prompt_ids):s.length] + rng.normal(0, 0.1, len(s.response_ids))
+    ).astype(np.float32)) for i, s in enumerate(samples)]
+    weight[:, 0] = [min(np.exp(np.sum(old[i, len(s.prompt_ids):s.length].astype(np.float64)
+                                      - s.rollout_logp)), 1.2) for i, s in enumerate(samples)]
+    assert 0 < np.mean(weight < 1.2) < 1  # weights capped, and not
   cfg = dataclasses.replace(CFG, attention=attention)
   mesh = make_mesh({"data": 1, "fsdp": fsdp, "tensor": 1}, devices=jax.devices()[:fsdp])
   tx = make_optimizer(1e-3, weight_decay=0.0, grad_clip=0.0)
-  spec = grpo.LearnerSpec(cfg, grpo.GRPOConfig(eps_low=0.2, eps_high=0.28), tx, mesh,
-                          micro_batch=8, pad_multiple=16, max_len=64,
+  spec = grpo.LearnerSpec(cfg, grpo.GRPOConfig(eps_low=0.2, eps_high=0.28,
+                                               rollout_is=rollout_is, rollout_is_cap=1.2),
+                          tx, mesh, micro_batch=8, pad_multiple=16, max_len=64,
                           micro_batch_tokens=128 if max_rows else 256, max_rows=max_rows)
   state = grpo.init_learner(params, spec)
   group = list(batching.micro_batches(samples, spec.micro_batch, spec.pad_multiple, spec.max_len,
@@ -655,17 +676,6 @@ def test_packed_learner_equals_each_sample_run_alone(setup, fsdp, attention, max
   first, prepared = grpo.prepare(state, [group, group], spec)
   assert all(bool(b.on_policy) for b in first) and not any(bool(b.on_policy) for b in prepared)
   n = sum(float(mb.loss_mask.sum()) for mb in group)
-
-  # each sample alone in a row of its own, right-padded (harmless under the causal mask)
-  rows = np.zeros((len(samples), 64), np.int32)
-  resp = np.zeros((len(samples), 64), np.float32)
-  for i, s in enumerate(samples):
-    k, n_s = len(s.prompt_ids), s.length
-    rows[i, :n_s] = np.concatenate([s.prompt_ids, s.response_ids])
-    resp[i, k:n_s] = 1.0
-  alone = jax.jit(lambda p: grpo.token_logprobs(p, jnp.asarray(rows), cfg=CFG,
-                                                temperature=1.0)[0])
-  old = np.asarray(alone(params))
   for mb, dev in zip(group, prepared):
     got = np.asarray(dev.old_logp)
     for r, t in zip(*np.nonzero(mb.loss_mask)):
@@ -678,14 +688,16 @@ def test_packed_learner_equals_each_sample_run_alone(setup, fsdp, attention, max
   def reference_loss(p):  # the clipped objective of every response token, sample by sample
     ratio = jnp.exp(alone(p) - old)
     pg = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - gcfg.eps_low, 1 + gcfg.eps_high))
-    return jnp.sum(pg * resp) / n
+    return jnp.sum(pg * weight * resp) / n
 
   # the learner's gradient at `new` (ratios away from 1, clipping on both sides)
   state = state.replace(params=jax.device_put(new, jax.tree.map(lambda x: x.sharding,
                                                                 state.params)))
   zeros = functools.partial(grpo._zero_grads, spec=spec)
   step = functools.partial(grpo._accumulate, spec=spec)
-  metrics = ("pg_loss", "entropy", "clip_frac", "approx_kl_old", "loss")
+  metrics = ("pg_loss", "entropy", "clip_frac", "approx_kl_old", "loss") + (
+      ("rollout_kl", "rollout_k3", "rollout_prob_diff", "rollout_is_weight",
+       "rollout_is_clip_frac") if rollout_is else ())
   acc = (zeros(state.params), {k: jax.device_put(jnp.zeros(()), grpo.replicated(mesh))
                                for k in metrics})
   for dev in prepared:

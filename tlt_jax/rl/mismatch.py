@@ -31,10 +31,11 @@ ROLLOUT_IS = ("", "token", "sequence")
 def _segment_sums(x: jax.Array, segment_ids: jax.Array) -> jax.Array:
   """[b, T] values, packed segments numbered per row (0: padding) -> each token's segment's
   sum over the row, [b, T] (0 on padding)."""
-  b, t = x.shape
-  key = (jnp.arange(b)[:, None] * (t + 1) + segment_ids).reshape(-1)
-  sums = jax.ops.segment_sum(x.reshape(-1), key, num_segments=b * (t + 1))
-  return jnp.where(segment_ids > 0, sums[key].reshape(b, t), 0.0)
+  t = x.shape[1]
+
+  def row(v, seg):  # (row by row: the rows stay split over the learner's batch devices)
+    return jax.ops.segment_sum(v, seg, num_segments=t + 1)[seg]
+  return jnp.where(segment_ids > 0, jax.vmap(row)(x, segment_ids), 0.0)
 
 
 def correction(old_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array,
