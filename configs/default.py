@@ -172,7 +172,8 @@ def get_config():
   c.grpo.adv_eps = 1e-6
   c.grpo.micro_batch = 64  # rows per learner forward/backward (gradient accumulation)
   c.grpo.micro_batch_tokens = 2048  # > 0: rows per micro-batch = this // its padded length
-  c.grpo.minibatches = 2  # optimizer steps per RL step
+  c.grpo.minibatches = 2  # optimizer steps per RL step (per pass: ppo_epochs)
+  c.grpo.ppo_epochs = 1  # passes over the step's mini-batches (VeRL's ppo_epochs)
   c.grpo.pad_multiple = 32  # micro-batches are padded to this x 2^k tokens
   # rows of the max length while the samples left fill a micro-batch of them, then buckets
   # (max_len: one shape for most micro-batches, less padding), or length buckets only

@@ -721,6 +721,49 @@ def test_packed_learner_equals_each_sample_run_alone(setup, fsdp, attention, max
                                atol=1e-4 * float(jnp.max(jnp.abs(b))))
 
 
+def test_ppo_epochs_pass_over_the_minibatches_against_the_rollout_policys_log_probs(setup):
+  """grpo.ppo_epochs=2 over two mini-batches: four optimizer steps (SGD, so each is exactly
+  its gradient x 0.1), in order A, B, A, B, each the gradient of the clipped objective of its
+  samples run alone at the params so far, every ratio against the log-probs of the params the
+  step started from (the first mini-batch's computed too: its second pass is off policy)."""
+  params, _, _, samples = setup
+  rng = np.random.RandomState(4)
+  samples = samples + [batching.Sample(rng.randint(1, 23, 3), rng.randint(1, 23, rng.randint(1, 9)),
+                                   float(rng.randn())) for _ in range(5)]
+  mesh = make_mesh({"data": 1, "fsdp": 2, "tensor": 1}, devices=jax.devices()[:2])
+  gcfg = grpo.GRPOConfig(eps_low=0.2, eps_high=0.28, ppo_epochs=2)
+  spec = grpo.LearnerSpec(CFG, gcfg, optax.sgd(0.1), mesh, micro_batch=4, pad_multiple=16,
+                          max_len=64)
+  state = grpo.init_learner(params, spec)
+  batches = batching.minibatches(samples, spec, 2, seed=3)
+  prepared = grpo.prepare(state, batches, spec)
+  assert not any(bool(b.on_policy) for group in prepared for b in group)
+  parts = batching.minibatch_parts(len(samples), 2, 3)
+  state, m = grpo.update(state, prepared, spec)
+  assert m["skipped"] == 0 and m["approx_kl_old"] != 0  # (later steps moved off the old)
+
+  def alone(p, s):  # the sample's response tokens' log-probs, run in a row of its own
+    seq = jnp.asarray(np.concatenate([s.prompt_ids, s.response_ids]))[None]
+    return grpo.token_logprobs(p, seq, cfg=CFG, temperature=1.0)[0][0, len(s.prompt_ids):]
+
+  def objective(p, part):  # the mini-batch's token mean of the clipped terms
+    terms = []
+    for i in part:
+      s = samples[i]
+      ratio = jnp.exp(alone(p, s) - alone(params, s))
+      terms.append(jnp.maximum(-s.advantage * ratio, -s.advantage * jnp.clip(ratio, 0.8, 1.28)))
+    return jnp.sum(jnp.concatenate(terms)) / sum(len(t) for t in terms)
+
+  want = params
+  for part in [*parts, *parts]:
+    g = jax.grad(objective)(want, part)
+    want = jax.tree.map(lambda w, d: w - 0.1 * d, want, g)
+  moved = jax.tree.map(lambda w, p: float(jnp.max(jnp.abs(w - p))), want, params)
+  assert max(jax.tree.leaves(moved)) > 0.05  # (the steps are not negligible)
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-4)
+
+
 @pytest.mark.parametrize("kl_coef", [0.0, 0.05])
 def test_the_reference_forward_runs_only_with_a_kl_term(kl_coef):
   """kl_coef == 0 (the DAPO / Dr. GRPO setting): no reference params kept and no reference

@@ -323,6 +323,31 @@ def test_the_attention_benchs_price_is_the_learners():
   assert got == pytest.approx(3 * 4 * 200_000 * 8 * 32 / (hw.flops * learner.attn_eff))
 
 
+def test_ppo_epochs_are_priced_as_passes_and_the_first_minibatchs_old_log_probs():
+  """grpo.ppo_epochs = E: the update is E passes (each micro-batch's forward and backward, each
+  mini-batch's optimizer step and gathers: E x one pass); the old log-prob pass covers the
+  first mini-batch too (on policy only when it steps once), by exactly its micro-batches'
+  forward; the weight sync unchanged. The layout reads it from the config."""
+  from tlt_jax import config as config_lib
+  from tlt_jax.models import ModelConfig
+  from tlt_jax.plan.learner import Layout, Learner, Micro, learner_phases
+  cfg = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=256, intermediate_size=512,
+                    num_layers=2, num_heads=8, num_kv_heads=2, head_dim=32, dtype="bfloat16")
+  hw, learner = PROFILES["h100"], Learner(gpus=8, remat="dots")
+  shapes = [[Micro(2, 512, 60_000), Micro(4, 256, 50_000)], [Micro(3, 512, 70_000)]]
+  phases = lambda e, s=shapes: learner_phases(cfg, hw, learner, s, reference=False,  # noqa
+                                              epochs=e)
+  one, three = phases(1), phases(3)
+  assert three["update"] == pytest.approx(3 * one["update"], rel=1e-12)
+  assert three["weight_sync"] == one["weight_sync"]
+  first = phases(1, [[], *shapes])["logprobs"]  # an empty first: every real one's pass
+  assert three["logprobs"] == pytest.approx(first, rel=1e-12) and first > one["logprobs"]
+  c = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+  assert Layout.of(c).epochs == 1
+  c.grpo.ppo_epochs = 3
+  assert Layout.of(c).epochs == 3
+
+
 def test_plan_command_on_the_7b_recipe(tmp_path):
   """The 7B recipe on 8 simulated H100s: its memory plan's max_batch, both modes' phases,
   the files; speculation runs (gate open) and spends the idle windows training."""

@@ -112,9 +112,10 @@ def learner_spec(spec: config_lib.RunSpec, model_cfg, mesh) -> grpo.LearnerSpec:
   g, o = cfg.grpo, cfg.optim
   max_rows = g.row_layout == "max_len" or (
       g.row_layout == "auto" and packed_impl(model_cfg, g.pad_multiple)[0] == "fused")
-  tx = make_optimizer(o.lr, warmup_steps=o.warmup_steps,
-                      total_steps=cfg.train.steps * g.minibatches, schedule=o.schedule,
-                      weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, grad_clip=o.grad_clip)
+  tx = make_optimizer(o.lr, warmup_steps=o.warmup_steps,  # (every optimizer step counted)
+                      total_steps=cfg.train.steps * g.minibatches * g.ppo_epochs,
+                      schedule=o.schedule, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2,
+                      grad_clip=o.grad_clip)
   return grpo.LearnerSpec(model_cfg, spec.grpo, tx, mesh,
                           micro_batch=g.micro_batch, pad_multiple=g.pad_multiple,
                           micro_batch_tokens=g.micro_batch_tokens, max_rows=max_rows,

@@ -380,7 +380,7 @@ def validate_learner(ls, state, model_cfg: ModelConfig, hw: cost.Hardware, learn
 
   from tlt_jax.plan.learner import Layout, learner_phases
   layout = Layout(ls.micro_batch, ls.micro_batch_tokens, ls.pad_multiple, ls.max_len,
-                  minibatches, ls.row_multiple, ls.max_rows)
+                  minibatches, ls.row_multiple, ls.max_rows, ls.gcfg.ppo_epochs)
   warm, t = [], ls.pad_multiple
   while t < ls.max_len:
     warm.append(t)
@@ -394,7 +394,7 @@ def validate_learner(ls, state, model_cfg: ModelConfig, hw: cost.Hardware, learn
     resp = lengths.draw(responses, max_new_tokens, rng, step=k)
     seq = [int(prompt_lens[i % len(prompt_lens)]) + int(n) for i, n in enumerate(resp)]
     pred = learner_phases(model_cfg, hw, learner, layout.shapes(seq, seed + k),
-                          reference=ls.gcfg.kl_coef > 0)
+                          reference=ls.gcfg.kl_coef > 0, epochs=layout.epochs)
     state, lp, up = _learner_pass(ls, state, seq, prompt_lens, seed + k, minibatches)
     rows += [{"step": k + 1, "phase": "logprobs", "predicted": pred["logprobs"],
               "measured": lp},

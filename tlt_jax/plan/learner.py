@@ -81,6 +81,7 @@ class Layout:
   minibatches: int
   row_multiple: int = 1
   max_rows: bool = False
+  epochs: int = 1  # passes over the mini-batches (grpo.ppo_epochs)
 
   @classmethod
   def of(cls, cfg, row_multiple: int = 1, fused: bool = True) -> "Layout":
@@ -90,7 +91,8 @@ class Layout:
     layout = g.get("row_layout", "auto")
     return cls(int(g.micro_batch), int(g.micro_batch_tokens), int(g.pad_multiple),
                int(cfg.data.max_prompt_len + cfg.rollout.max_new_tokens), int(g.minibatches),
-               row_multiple, layout == "max_len" or (layout == "auto" and fused))
+               row_multiple, layout == "max_len" or (layout == "auto" and fused),
+               int(g.get("ppo_epochs", 1)))
 
   def shapes(self, seq_lens: Sequence[int], seed: int = 0) -> list[list[Micro]]:
     """Every micro-batch's `Micro`, per mini-batch: the learner's own partition and packing
@@ -145,16 +147,17 @@ def micro_flops(cfg: ModelConfig, micro: Micro, *, fused: bool = False) -> float
 
 
 def learner_phases(cfg: ModelConfig, hw: cost.Hardware, learner: Learner,
-                   shapes: Sequence[Sequence[Micro]], *, reference: bool
+                   shapes: Sequence[Sequence[Micro]], *, reference: bool, epochs: int = 1
                    ) -> dict[str, float]:
   """Seconds of the log-probs (old policy, and the reference with a KL term), the update
-  (forward + backward of every micro-batch, one optimizer step per mini-batch, FSDP's
-  gathers) and the weight sync (the new weights to every rollout replica) of one RL step,
-  from the micro-batches' shapes (`Layout.shapes`). The old log-probs skip the first
-  mini-batch (grpo.prepare: on policy, its loss reads its own)."""
+  (forward + backward of every micro-batch, one optimizer step per mini-batch, `epochs`
+  passes over them: grpo.ppo_epochs; FSDP's gathers) and the weight sync (the new weights to
+  every rollout replica) of one RL step, from the micro-batches' shapes (`Layout.shapes`).
+  The old log-probs skip the first mini-batch where each steps once (grpo.prepare: on
+  policy, its loss reads its own)."""
   n_params = cost.forward(cfg, 1, 1, 0).flops / 2
   micro = [s for mb in shapes for s in mb]
-  later = [s for mb in shapes[1:] for s in mb]
+  later = [s for mb in shapes[1 if epochs == 1 else 0:] for s in mb]
   fused = learner.fused_attention
   rate = hw.flops * learner.gpus
 
@@ -174,7 +177,8 @@ def learner_phases(cfg: ModelConfig, hw: cost.Hardware, learner: Learner,
   opt = learner.optimizer_s
   if opt is None:
     opt = 16 * 2 * n_params / learner.gpus / hw.mem_bw  # f32 master, m, v, grads read + written
-  update = (forward_s(micro, learner.train_eff, w_passes, a_passes)
-            + len(micro) * learner.train_micro_s + len(shapes) * (3 * gather / hw.link_bw + opt))
+  update = epochs * (forward_s(micro, learner.train_eff, w_passes, a_passes)
+                     + len(micro) * learner.train_micro_s
+                     + len(shapes) * (3 * gather / hw.link_bw + opt))
   sync = n_params * nb * (learner.gpus - 1) / max(learner.gpus, 1) / hw.link_bw
   return {"logprobs": logprobs, "update": update, "weight_sync": sync}

@@ -201,7 +201,8 @@ class Simulation:
            for i, p in enumerate(rolls[0]["per"])]
     seq = [self.prompt_tokens + int(x) for group in trained for x in group]
     learner = (learner_phases(self.cfg, self.hw, self.learner, self.layout.shapes(seq, k),
-                              reference=float(g.get("kl_coef", 0.0)) > 0) if seq else
+                              reference=float(g.get("kl_coef", 0.0)) > 0,
+                              epochs=self.layout.epochs) if seq else
                {"logprobs": 0.0, "update": 0.0, "weight_sync": 0.0})  # (no group: no update)
     parts = {k2: sum(e.busy[k2] - b[k2] for e, b in zip(self.engines, busy0)) / self.workers_n
              for k2 in ("prefill", "drafter_tracking", "compile", "host")}

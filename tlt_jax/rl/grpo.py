@@ -63,6 +63,9 @@ class GRPOConfig:
   # "sequence" truncated importance weights, at most rollout_is_cap (VeRL's threshold 2.0)
   rollout_is: str = ""
   rollout_is_cap: float = 2.0
+  # passes over the step's mini-batches (VeRL's ppo_epochs, TRL's num_iterations): each pass
+  # one optimizer step per mini-batch, the old log-probs the rollout policy's throughout
+  ppo_epochs: int = 1
   temperature: float = 1.0  # the rollout temperature; logits / T before log-softmax
   adv_eps: float = 1e-6
   norm_adv_by_std: bool = True  # False: Dr. GRPO's advantages (r - mean)
@@ -93,6 +96,9 @@ class GRPOConfig:
     if not 1 <= self.rollout_is_cap < math.inf:
       raise ConfigError("must be a finite number >= 1 (the importance weights' cap, e.g. 2.0)",
                         "rollout_is_cap", self.rollout_is_cap)
+    if self.ppo_epochs < 1:
+      raise ConfigError("must be >= 1 (passes over the step's mini-batches; 1: each once)",
+                        "ppo_epochs", self.ppo_epochs)
     if self.entropy_coef < 0:
       raise ConfigError("must be >= 0 (0 = no entropy bonus; a negative one would push the "
                         "policy to collapse)", "entropy_coef", self.entropy_coef)
@@ -334,13 +340,16 @@ def prepare(state: LearnerState, batches: list[list[MicroBatch]], spec: LearnerS
             ) -> list[list[Batch]]:
   """The old-log-prob pass: every micro-batch on device with old (and reference) log-probs
   under the state's params, ready for `update` (same nesting). The first mini-batch's old
-  log-probs are not computed: `update` steps it before any optimizer step, under the params
-  that are the old policy, so its loss takes them from its own forward (`Batch.on_policy`:
-  the ratio 1 and the same gradient; verl's on-policy shortcut, one mini-batch's pass saved)."""
+  log-probs are not computed where each mini-batch steps once (ppo_epochs 1): `update` steps
+  it before any optimizer step, under the params that are the old policy, so its loss takes
+  them from its own forward (`Batch.on_policy`: the ratio 1 and the same gradient; verl's
+  on-policy shortcut, one mini-batch's pass saved). A later pass steps it under moved params:
+  with ppo_epochs > 1 its old log-probs are computed too."""
   out = []
+  shortcut = spec.gcfg.ppo_epochs == 1
   for k, group in enumerate(batches):
     prepared = []
-    flag = np.bool_(k == 0)
+    flag = np.bool_(k == 0 and shortcut)
     for mb in group:
       tokens, positions, segments = (put_batch(x, spec.mesh)
                                      for x in (mb.tokens, mb.positions, mb.segment_ids))
@@ -348,7 +357,7 @@ def prepare(state: LearnerState, batches: list[list[MicroBatch]], spec: LearnerS
       if state.ref_params is not None:
         ref = logprobs(state.ref_params, tokens, positions, segments, spec=spec)
       mask = put_batch(mb.loss_mask, spec.mesh)
-      if k == 0:  # a placeholder of the right shape and layout, never read
+      if flag:  # a placeholder of the right shape and layout, never read
         old = mask
       else:
         old = logprobs(state.params, tokens, positions, segments, spec=spec)
@@ -396,16 +405,17 @@ def apply_gradients(state: LearnerState, grads: Params, *, spec: LearnerSpec
 
 def update(state: LearnerState, prepared: list[list[Batch]], spec: LearnerSpec
            ) -> tuple[LearnerState, dict[str, float]]:
-  """One optimizer step per mini-batch (from `prepare`); -> (state, metrics averaged over the
-  mini-batches that stepped, "skipped": how many did not, their gradients not finite:
-  `apply_gradients`). The input state is donated.
+  """One optimizer step per mini-batch (from `prepare`), grpo.ppo_epochs passes over them in
+  their order; -> (state, metrics averaged over the optimizer steps that stepped, "skipped":
+  how many did not, their gradients not finite: `apply_gradients`). The input state is
+  donated.
 
   The gradients of a mini-batch are accumulated micro-batch by micro-batch, each its own call
   of one jitted step: micro-batches come in several length buckets, and one jit over the
   whole mini-batch would compile once per combination of buckets (instead of once per
   bucket) and let XLA hold every micro-batch's activations at once."""
   runs: list[dict[str, float]] = []
-  for group in prepared:
+  for group in prepared * spec.gcfg.ppo_epochs:
     num_tokens = jnp.float32(sum(float(jnp.sum(mb.loss_mask)) for mb in group))
     metric_shapes = jax.eval_shape(functools.partial(grpo_loss, cfg=spec.cfg, gcfg=spec.gcfg),
                                    state.params, group[0], num_tokens=num_tokens)[1]
