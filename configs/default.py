@@ -146,8 +146,9 @@ def get_config():
   c.grpo.kl_loss_type = "low_var_kl"
   c.grpo.entropy_coef = 0.0  # > 0: an entropy bonus in the loss (VeRL's entropy_coeff)
   # the rollout's sampling distribution corrected for (tlt_jax/rl/mismatch.py): "" off,
-  # "token" / "sequence" truncated importance weights at most rollout_is_cap (VeRL's rollout
-  # correction; its threshold 2.0); the distance is measured every step either way
+  # "token" / "sequence" / "geometric" truncated importance weights at most rollout_is_cap
+  # (VeRL's rollout correction; its threshold 2.0); the distance is measured every step
+  # either way
   c.grpo.rollout_is = ""
   c.grpo.rollout_is_cap = 2.0
   c.grpo.norm_adv_by_std = True

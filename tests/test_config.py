@@ -79,8 +79,8 @@ def test_history_arms_need_the_history_index():
     ("grpo.clip_ratio_c", 1.0, "config.grpo.clip_ratio_c=1.0: must be > 1 (dual-clip's"),
     ("grpo.kl_loss_type", "k3", "config.grpo.kl_loss_type='k3': use one of low_var_kl, kl, "
      "mse, abs (low_var_kl: k3, kl: k1, mse: k2)"),
-    ("grpo.rollout_is", "seq", "config.grpo.rollout_is='seq': use '' (off), 'token' or "
-     "'sequence'"),
+    ("grpo.rollout_is", "seq", "config.grpo.rollout_is='seq': use '' (off), 'token', "
+     "'sequence' or 'geometric'"),
     ("grpo.rollout_is_cap", 0.5, "config.grpo.rollout_is_cap=0.5: must be a finite number >= 1"),
     ("grpo.rollout_is_cap", float("inf"), "config.grpo.rollout_is_cap=inf: must be a finite"),
     ("grpo.ppo_epochs", 0, "config.grpo.ppo_epochs=0: must be >= 1 (passes over the step's"),

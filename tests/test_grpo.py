@@ -86,7 +86,8 @@ def _np_grpo_loss(new, old, ref, samples, gcfg):
       lower = gcfg.clip_ratio_c > 0 and a < 0 and pg > -a * gcfg.clip_ratio_c
       if lower:  # dual-clip PPO (VeRL's clip_ratio_c)
         pg = -a * gcfg.clip_ratio_c
-      w = {"": 1.0, "token": np.exp(log_r[t]), "sequence": np.exp(seq_log_r)}[gcfg.rollout_is]
+      w = {"": 1.0, "token": np.exp(log_r[t]), "sequence": np.exp(seq_log_r),
+           "geometric": np.exp(seq_log_r / len(s.response_ids))}[gcfg.rollout_is]
       capped = w > gcfg.rollout_is_cap
       pg *= min(w, gcfg.rollout_is_cap)  # truncated importance sampling
       d = lr[t] - lp[t]
@@ -145,22 +146,25 @@ def setup():
         (0.05, 1.0, "token-mean", 0.0, "mse", 0.0, ""),
         (0.05, 1.0, "token-mean", 0.0, "abs", 1.2, ""),
         (0.0, 0.7, "token-mean", 0.0, "low_var_kl", 0.0, "token"),
-        (0.0, 1.0, "seq-mean-token-mean", 0.0, "low_var_kl", 1.2, "sequence")])
+        (0.0, 1.0, "seq-mean-token-mean", 0.0, "low_var_kl", 1.2, "sequence"),
+        (0.05, 1.0, "token-mean", 0.0, "low_var_kl", 0.0, "geometric")])
 def test_microbatched_loss_matches_float64_reference(setup, kl_coef, temperature, loss_agg,
                                                      entropy_coef, kl_loss_type, clip_c,
                                                      rollout_is):
   """The loss as each aggregation defines it over the whole batch (its responses of 1-40
   tokens, so the aggregations differ), with the KL term (each estimator), the entropy bonus,
   the dual clip (at 1.2, inside this setup's ratios: it binds) and the rollout's truncated
-  importance weights per token and per response (the rollout's log-probs the old policy's
-  off by a noise of 0.25 nats a token: weights on both sides of the cap 1.5), the metrics
-  token means whatever it is, the distance to the rollout's distribution among them."""
+  importance weights per token, per response and per response's geometric mean (the
+  rollout's log-probs the old policy's off by a noise of 0.25 nats a token: weights on both
+  sides of the cap, 1.5, or 1.03 for the geometric mean), the metrics token means whatever it
+  is, the distance to the rollout's distribution among them."""
   old, new, ref, samples = setup
   gcfg = grpo.GRPOConfig(eps_low=0.2, eps_high=0.28, kl_coef=kl_coef, temperature=temperature,
                          logit_chunk=8,  # chunked LM head with a ragged last chunk
                          loss_agg=loss_agg, loss_norm_len=48, entropy_coef=entropy_coef,
                          kl_loss_type=kl_loss_type, clip_ratio_c=clip_c,
-                         rollout_is=rollout_is, rollout_is_cap=1.5)
+                         rollout_is=rollout_is,
+                         rollout_is_cap=1.03 if rollout_is == "geometric" else 1.5)
   rng = np.random.RandomState(1)  # short samples too: they outlast the long rows' gaps
   samples = samples + [batching.Sample(rng.randint(1, 23, 3), rng.randint(1, 23, rng.randint(1, 9)),
                                    float(rng.randn())) for _ in range(12)]

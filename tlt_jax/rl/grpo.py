@@ -59,8 +59,9 @@ class GRPOConfig:
   kl_coef: float = 0.0  # > 0: a KL term to the frozen reference policy
   kl_loss_type: str = "low_var_kl"  # its estimator (rl/kl.py: k3, VeRL's names)
   entropy_coef: float = 0.0  # > 0: an entropy bonus (each token's term less coef x entropy)
-  # the rollout's sampling distribution corrected for (rl/mismatch.py): "" off, "token" or
-  # "sequence" truncated importance weights, at most rollout_is_cap (VeRL's threshold 2.0)
+  # the rollout's sampling distribution corrected for (rl/mismatch.py): "" off, "token",
+  # "sequence" or "geometric" truncated importance weights, at most rollout_is_cap (VeRL's
+  # threshold 2.0)
   rollout_is: str = ""
   rollout_is_cap: float = 2.0
   # passes over the step's mini-batches (VeRL's ppo_epochs, TRL's num_iterations): each pass
@@ -90,9 +91,9 @@ class GRPOConfig:
       raise ConfigError(f"use one of {', '.join(KL_LOSS_TYPES)} (low_var_kl: k3, kl: k1, mse: "
                         "k2)", "kl_loss_type", self.kl_loss_type)
     if self.rollout_is not in ROLLOUT_IS:
-      raise ConfigError("use '' (off), 'token' or 'sequence' (truncated importance weights of "
-                        "the learner's over the rollout's distribution)", "rollout_is",
-                        self.rollout_is)
+      raise ConfigError("use '' (off), 'token', 'sequence' or 'geometric' (truncated importance "
+                        "weights of the learner's over the rollout's distribution)",
+                        "rollout_is", self.rollout_is)
     if not 1 <= self.rollout_is_cap < math.inf:
       raise ConfigError("must be a finite number >= 1 (the importance weights' cap, e.g. 2.0)",
                         "rollout_is_cap", self.rollout_is_cap)

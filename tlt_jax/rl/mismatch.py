@@ -10,10 +10,14 @@ secretly brings you off-policy RL training"). The engine records each emitted to
 log-prob under the distribution it sampled from (the target's, speculative or not:
 rollout/sampling.py's `processed_logprobs`), so the gap is measured every step, and with
 `grpo.rollout_is` corrected by truncated importance sampling (VeRL's rollout correction:
-`rollout_is_level` token / sequence, `rollout_is_mode` truncate, `rollout_is_threshold`):
+`rollout_is_level` token / sequence / geometric, `rollout_is_mode` truncate,
+`rollout_is_threshold`):
 
   token:     each token's term x min(pi_old(y_t) / pi_rollout(y_t), cap)
   sequence:  each response's terms x min(prod_t pi_old(y_t) / pi_rollout(y_t), cap)
+  geometric: each response's terms x min((prod_t pi_old(y_t) / pi_rollout(y_t))^(1/|y|), cap)
+             (the per-token mean ratio: a long response's weight does not run off as the
+             sequence's product does)
 
 the weights constant (no gradient), applied to the clipped policy-gradient term only (VeRL's
 place: the KL and entropy terms are the learner's own). On this CPU in float32 the two
@@ -25,7 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-ROLLOUT_IS = ("", "token", "sequence")
+ROLLOUT_IS = ("", "token", "sequence", "geometric")
 
 
 def _segment_sums(x: jax.Array, segment_ids: jax.Array) -> jax.Array:
@@ -59,6 +63,8 @@ def correction(old_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array,
   if not level:
     return None, metrics
   log_w = d if level == "token" else _segment_sums(d, segment_ids)
+  if level == "geometric":
+    log_w = log_w / jnp.maximum(_segment_sums(mask, segment_ids), 1.0)
   log_cap = jnp.log(jnp.float32(cap))
   weights = jnp.exp(jnp.minimum(log_w, log_cap))  # (in log space: a long response's sum
   metrics["rollout_is_weight"] = jnp.sum(weights * mask)  # overflows no exp)
