@@ -140,6 +140,9 @@ def get_config():
   c.grpo.n = 8  # responses per prompt (the group)
   c.grpo.eps_low = 0.2
   c.grpo.eps_high = 0.28
+  # the importance ratio (VeRL's policy_loss.loss_mode): "vanilla" (PPO's, per token) or
+  # "gspo" (GSPO's, per response: its paper clips it at eps_low 3e-4, eps_high 4e-4)
+  c.grpo.loss_mode = "vanilla"
   c.grpo.clip_ratio_c = 0.0  # > 1: dual-clip PPO (VeRL's clip_ratio_c, 3.0 there); 0: off
   c.grpo.kl_coef = 0.0  # > 0: a KL term to the initial model
   # its estimator, VeRL's kl_loss_type: "low_var_kl" (k3), "kl" (k1), "mse" (k2), "abs"

@@ -83,6 +83,7 @@ def test_history_arms_need_the_history_index():
      "'sequence' or 'geometric'"),
     ("grpo.rollout_is_cap", 0.5, "config.grpo.rollout_is_cap=0.5: must be a finite number >= 1"),
     ("grpo.rollout_is_cap", float("inf"), "config.grpo.rollout_is_cap=inf: must be a finite"),
+    ("grpo.loss_mode", "gpg", "config.grpo.loss_mode='gpg': use one of vanilla, gspo (PPO's"),
     ("grpo.ppo_epochs", 0, "config.grpo.ppo_epochs=0: must be >= 1 (passes over the step's"),
     ("reward.overlong_buffer", 10_000, "config.reward.overlong_buffer=10000: must be in [0, "
      "rollout.max_new_tokens="),

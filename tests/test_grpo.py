@@ -77,9 +77,10 @@ def _np_grpo_loss(new, old, ref, samples, gcfg):
     lro[len(s.prompt_ids):] = s.rollout_logp
     log_r = lo - lro  # [t]: log pi_old / pi_rollout of each token
     seq_log_r = log_r[len(s.prompt_ids):].sum()
+    gspo = np.exp(min(np.mean(lp[len(s.prompt_ids):] - lo[len(s.prompt_ids):]), 10.0))
     terms = []
     for t in range(len(s.prompt_ids), len(seq)):
-      ratio = np.exp(lp[t] - lo[t])
+      ratio = gspo if gcfg.loss_mode == "gspo" else np.exp(lp[t] - lo[t])
       a = s.advantage
       clipped = -a * min(max(ratio, 1 - gcfg.eps_low), 1 + gcfg.eps_high)
       pg = max(-a * ratio, clipped)
@@ -137,29 +138,35 @@ def setup():
 
 
 @pytest.mark.parametrize(
-    "kl_coef,temperature,loss_agg,entropy_coef,kl_loss_type,clip_c,rollout_is", [
-        (0.0, 1.0, "token-mean", 0.0, "low_var_kl", 0.0, ""),
-        (0.05, 0.7, "seq-mean-token-mean", 0.0, "low_var_kl", 0.0, ""),
-        (0.0, 1.0, "seq-mean-token-sum", 0.03, "low_var_kl", 0.0, ""),
-        (0.05, 0.7, "seq-mean-token-sum-norm", 0.01, "low_var_kl", 0.0, ""),
-        (0.05, 1.0, "token-mean", 0.0, "kl", 0.0, ""),
-        (0.05, 1.0, "token-mean", 0.0, "mse", 0.0, ""),
-        (0.05, 1.0, "token-mean", 0.0, "abs", 1.2, ""),
-        (0.0, 0.7, "token-mean", 0.0, "low_var_kl", 0.0, "token"),
-        (0.0, 1.0, "seq-mean-token-mean", 0.0, "low_var_kl", 1.2, "sequence"),
-        (0.05, 1.0, "token-mean", 0.0, "low_var_kl", 0.0, "geometric")])
+    "kl_coef,temperature,loss_agg,entropy_coef,kl_loss_type,clip_c,rollout_is,loss_mode", [
+        (0.0, 1.0, "token-mean", 0.0, "low_var_kl", 0.0, "", "vanilla"),
+        (0.05, 0.7, "seq-mean-token-mean", 0.0, "low_var_kl", 0.0, "", "vanilla"),
+        (0.0, 1.0, "seq-mean-token-sum", 0.03, "low_var_kl", 0.0, "", "vanilla"),
+        (0.05, 0.7, "seq-mean-token-sum-norm", 0.01, "low_var_kl", 0.0, "", "vanilla"),
+        (0.05, 1.0, "token-mean", 0.0, "kl", 0.0, "", "vanilla"),
+        (0.05, 1.0, "token-mean", 0.0, "mse", 0.0, "", "vanilla"),
+        (0.05, 1.0, "token-mean", 0.0, "abs", 1.2, "", "vanilla"),
+        (0.0, 0.7, "token-mean", 0.0, "low_var_kl", 0.0, "token", "vanilla"),
+        (0.0, 1.0, "seq-mean-token-mean", 0.0, "low_var_kl", 1.2, "sequence", "vanilla"),
+        (0.05, 1.0, "token-mean", 0.0, "low_var_kl", 0.0, "geometric", "vanilla"),
+        (0.0, 1.0, "seq-mean-token-mean", 0.0, "low_var_kl", 1.02, "", "gspo"),
+        (0.05, 0.7, "token-mean", 0.01, "low_var_kl", 0.0, "token", "gspo")])
 def test_microbatched_loss_matches_float64_reference(setup, kl_coef, temperature, loss_agg,
                                                      entropy_coef, kl_loss_type, clip_c,
-                                                     rollout_is):
+                                                     rollout_is, loss_mode):
   """The loss as each aggregation defines it over the whole batch (its responses of 1-40
   tokens, so the aggregations differ), with the KL term (each estimator), the entropy bonus,
   the dual clip (at 1.2, inside this setup's ratios: it binds) and the rollout's truncated
   importance weights per token, per response and per response's geometric mean (the
   rollout's log-probs the old policy's off by a noise of 0.25 nats a token: weights on both
   sides of the cap, 1.5, or 1.03 for the geometric mean), the metrics token means whatever it
-  is, the distance to the rollout's distribution among them."""
+  is, the distance to the rollout's distribution among them; PPO's token ratio and GSPO's
+  per response (clipped at 0.03 / 0.04 as its paper does, where this setup's response ratios
+  fall on both sides)."""
   old, new, ref, samples = setup
-  gcfg = grpo.GRPOConfig(eps_low=0.2, eps_high=0.28, kl_coef=kl_coef, temperature=temperature,
+  eps = (0.03, 0.04) if loss_mode == "gspo" else (0.2, 0.28)
+  gcfg = grpo.GRPOConfig(eps_low=eps[0], eps_high=eps[1], kl_coef=kl_coef, temperature=temperature,
+                         loss_mode=loss_mode,
                          logit_chunk=8,  # chunked LM head with a ragged last chunk
                          loss_agg=loss_agg, loss_norm_len=48, entropy_coef=entropy_coef,
                          kl_loss_type=kl_loss_type, clip_ratio_c=clip_c,
@@ -625,15 +632,17 @@ def test_learner_compiles_each_micro_batch_shape_once(fsdp):
   assert sorted(compiled) == sorted(["_accumulate", "logprobs"] * len(shapes)), compiled
 
 
-@pytest.mark.parametrize("fsdp,attention,max_rows,rollout_is", [
-    (1, "xla", False, ""), (8, "xla", False, ""), (8, "fused", False, ""), (1, "xla", True, ""),
-    (8, "xla", False, "sequence")])
+@pytest.mark.parametrize("fsdp,attention,max_rows,rollout_is,loss_mode", [
+    (1, "xla", False, "", "vanilla"), (8, "xla", False, "", "vanilla"),
+    (8, "fused", False, "", "vanilla"), (1, "xla", True, "", "vanilla"),
+    (8, "xla", False, "sequence", "vanilla"), (8, "xla", False, "", "gspo")])
 def test_packed_learner_equals_each_sample_run_alone(setup, fsdp, attention, max_rows,
-                                                     rollout_is):
+                                                     rollout_is, loss_mode):
   """The learner's packed micro-batches (several samples per row, on 1 or 8 devices; XLA's
   masked attention or the Pallas flash-attention kernel, interpreted here, per shard; rows of
   length buckets or all of the max length; with the rollout's log-probs and their
-  per-response importance weights, rows split over 8 devices): every
+  per-response importance weights, rows split over 8 devices; GSPO's per-response ratio in
+  its token form against the sequence objective it stands for): every
   response token's old log-prob, and the loss and gradient of the mini-batch, equal those of
   each sample run alone in a row of its own (no packing, plain causal attention:
   grpo.token_logprobs without segments), summed; off policy (a later mini-batch) and on
@@ -663,8 +672,10 @@ def test_packed_learner_equals_each_sample_run_alone(setup, fsdp, attention, max
   cfg = dataclasses.replace(CFG, attention=attention)
   mesh = make_mesh({"data": 1, "fsdp": fsdp, "tensor": 1}, devices=jax.devices()[:fsdp])
   tx = make_optimizer(1e-3, weight_decay=0.0, grad_clip=0.0)
-  spec = grpo.LearnerSpec(cfg, grpo.GRPOConfig(eps_low=0.2, eps_high=0.28,
-                                               rollout_is=rollout_is, rollout_is_cap=1.2),
+  eps = (0.03, 0.04) if loss_mode == "gspo" else (0.2, 0.28)
+  spec = grpo.LearnerSpec(cfg, grpo.GRPOConfig(eps_low=eps[0], eps_high=eps[1],
+                                               rollout_is=rollout_is, rollout_is_cap=1.2,
+                                               loss_mode=loss_mode),
                           tx, mesh, micro_batch=8, pad_multiple=16, max_len=64,
                           micro_batch_tokens=128 if max_rows else 256, max_rows=max_rows)
   state = grpo.init_learner(params, spec)
@@ -691,6 +702,9 @@ def test_packed_learner_equals_each_sample_run_alone(setup, fsdp, attention, max
 
   def reference_loss(p):  # the clipped objective of every response token, sample by sample
     ratio = jnp.exp(alone(p) - old)
+    if loss_mode == "gspo":  # each response's geometric mean ratio, a function of p itself
+      ratio = jnp.broadcast_to(jnp.exp(jnp.sum((alone(p) - old) * resp, 1, keepdims=True)
+                                       / resp.sum(1, keepdims=True)), ratio.shape)
     pg = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - gcfg.eps_low, 1 + gcfg.eps_high))
     return jnp.sum(pg * weight * resp) / n
 
@@ -708,6 +722,7 @@ def test_packed_learner_equals_each_sample_run_alone(setup, fsdp, attention, max
     acc = step(state.params, acc, dev, jnp.float32(n))
   want_loss, want = jax.value_and_grad(reference_loss)(new)
   np.testing.assert_allclose(float(acc[1]["loss"]), float(want_loss), rtol=1e-5, atol=1e-6)
+  assert 0.05 < float(acc[1]["clip_frac"]) < 0.95  # ratios clipped, and not
   for a, b in zip(jax.tree.leaves(acc[0]), jax.tree.leaves(want)):  # float32 sums' rounding
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3,
                                atol=1e-4 * float(jnp.max(jnp.abs(b))))

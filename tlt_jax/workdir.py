@@ -81,10 +81,10 @@ LEARNING_KEYS = (
     "reward.name", "reward.overlong_buffer", "reward.overlong_penalty", "grpo.drop_truncated",
     "grpo.filter_groups", "grpo.gen_prompts", "grpo.max_rollouts",
     "rollout.max_new_tokens", "rollout.temperature", "rollout.top_p", "rollout.top_k",
-    "grpo.num_prompts", "grpo.n", "grpo.eps_low", "grpo.eps_high", "grpo.clip_ratio_c",
-    "grpo.kl_coef", "grpo.kl_loss_type", "grpo.entropy_coef", "grpo.rollout_is",
-    "grpo.rollout_is_cap", "grpo.norm_adv_by_std", "grpo.adv_estimator", "grpo.loss_agg",
-    "grpo.loss_norm_len", "grpo.minibatches", "grpo.ppo_epochs",
+    "grpo.num_prompts", "grpo.n", "grpo.eps_low", "grpo.eps_high", "grpo.loss_mode",
+    "grpo.clip_ratio_c", "grpo.kl_coef", "grpo.kl_loss_type", "grpo.entropy_coef",
+    "grpo.rollout_is", "grpo.rollout_is_cap", "grpo.norm_adv_by_std", "grpo.adv_estimator",
+    "grpo.loss_agg", "grpo.loss_norm_len", "grpo.minibatches", "grpo.ppo_epochs",
     "optim.lr", "optim.schedule", "optim.warmup_steps", "optim.weight_decay", "optim.b1",
     "optim.b2", "optim.grad_clip")
 # Learning keys inert while the setting named is off in both configs (resume continues).

@@ -46,6 +46,7 @@ from tlt_jax.models import ModelConfig, Params, compute_logits, forward
 from tlt_jax.rl.batching import LOSS_AGG, MicroBatch
 from tlt_jax.rl.kl import KL_LOSS_TYPES, kl_penalty
 from tlt_jax.rl.mismatch import ROLLOUT_IS, correction
+from tlt_jax.rl.policy_loss import LOSS_MODES, policy_gradient
 from tlt_jax.sharding import BATCH, batch_sharding, replicated, tree_shardings
 
 
@@ -53,6 +54,8 @@ from tlt_jax.sharding import BATCH, batch_sharding, replicated, tree_shardings
 class GRPOConfig:
   eps_low: float = 0.2  # ratio clipped to [1 - eps_low, 1 + eps_high] ("clip-higher")
   eps_high: float = 0.28
+  # the ratio: "vanilla" (PPO's, per token) or "gspo" (per response: rl/policy_loss.py)
+  loss_mode: str = "vanilla"
   # > 1: dual-clip PPO (VeRL's clip_ratio_c; 3.0 there): a negative advantage's term is at
   # most -A x clip_ratio_c, however far the ratio runs; 0: off
   clip_ratio_c: float = 0.0
@@ -82,6 +85,9 @@ class GRPOConfig:
       raise ConfigError("must be in [0, 1)", "eps_low", self.eps_low)
     if self.eps_high < 0:
       raise ConfigError("must be >= 0", "eps_high", self.eps_high)
+    if self.loss_mode not in LOSS_MODES:
+      raise ConfigError(f"use one of {', '.join(LOSS_MODES)} (PPO's token ratio, or GSPO's "
+                        "per response)", "loss_mode", self.loss_mode)
     if self.clip_ratio_c != 0 and self.clip_ratio_c <= 1:
       raise ConfigError("must be > 1 (dual-clip's bound on the ratio of a negative advantage's "
                         "term, e.g. 3.0) or 0 (off)", "clip_ratio_c", self.clip_ratio_c)
@@ -203,8 +209,9 @@ class Batch(NamedTuple):
 
 def grpo_loss(params: Params, mb: Batch, *, cfg: ModelConfig, gcfg: GRPOConfig,
               num_tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Clipped-ratio loss of one micro-batch (plus kl_coef x the KL term to the reference, less
-  entropy_coef x the entropy): each response token's term x its `loss_weight`
+  """Clipped-ratio loss of one micro-batch (the ratio PPO's or GSPO's, grpo.loss_mode:
+  rl/policy_loss.py; plus kl_coef x the KL term to the reference, less entropy_coef x the
+  entropy): each response token's term x its `loss_weight`
   (weights over the whole mini-batch, so summing micro-batch losses gives the mini-batch's
   aggregate). ref_logp is read only when kl_coef > 0. With the rollout's log-probs, the
   distance of the rollout's distribution from the old policy's is measured and, with
@@ -219,24 +226,14 @@ def grpo_loss(params: Params, mb: Batch, *, cfg: ModelConfig, gcfg: GRPOConfig,
   old = mb.old_logp
   if mb.on_policy is not None:  # a flag, not a second program: one executable per shape
     old = jnp.where(mb.on_policy, jax.lax.stop_gradient(logp), old)
-  log_ratio = logp - old
-  ratio = jnp.exp(log_ratio)
-  pg_unclipped = -adv * ratio
-  pg_clipped = -adv * jnp.clip(ratio, 1.0 - gcfg.eps_low, 1.0 + gcfg.eps_high)
-  pg = jnp.maximum(pg_unclipped, pg_clipped)
-  lower = None
-  if gcfg.clip_ratio_c > 0:  # dual-clip: a negative advantage's term at most -A x c
-    lower = (adv < 0) & (pg > -adv * gcfg.clip_ratio_c)
-    pg = jnp.where(lower, -adv * gcfg.clip_ratio_c, pg)
+  pg, sums = policy_gradient(logp, old, adv, mask, mb.segment_ids, mode=gcfg.loss_mode,
+                             eps_low=gcfg.eps_low, eps_high=gcfg.eps_high,
+                             clip_c=gcfg.clip_ratio_c)
   denom = jnp.maximum(num_tokens.astype(jnp.float32), 1.0)
-  metrics = {
-      "entropy": jnp.sum(ent * mask) / denom,
-      "clip_frac": jnp.sum((pg_clipped > pg_unclipped) * mask) / denom,
-      # k1 estimate of KL(old || new) on the sampled tokens: how far this update has moved
-      "approx_kl_old": jnp.sum(-log_ratio * mask) / denom,
-  }
-  if lower is not None:  # (VeRL's pg_clipfrac_lower)
-    metrics["clip_frac_lower"] = jnp.sum(lower * mask) / denom
+  metrics = {k: v / denom for k, v in sums.items()}
+  metrics["entropy"] = jnp.sum(ent * mask) / denom
+  # k1 estimate of KL(old || new) on the sampled tokens: how far this update has moved
+  metrics["approx_kl_old"] = jnp.sum((old - logp) * mask) / denom
   if mb.rollout_logp is not None:
     weights, sums = correction(old, mb.rollout_logp, mask, mb.segment_ids,
                                level=gcfg.rollout_is, cap=gcfg.rollout_is_cap)

@@ -29,17 +29,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from tlt_jax.rl.policy_loss import segment_means, segment_sums
+
 ROLLOUT_IS = ("", "token", "sequence", "geometric")
-
-
-def _segment_sums(x: jax.Array, segment_ids: jax.Array) -> jax.Array:
-  """[b, T] values, packed segments numbered per row (0: padding) -> each token's segment's
-  sum over the row, [b, T] (0 on padding)."""
-  t = x.shape[1]
-
-  def row(v, seg):  # (row by row: the rows stay split over the learner's batch devices)
-    return jax.ops.segment_sum(v, seg, num_segments=t + 1)[seg]
-  return jnp.where(segment_ids > 0, jax.vmap(row)(x, segment_ids), 0.0)
 
 
 def correction(old_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array,
@@ -62,9 +54,8 @@ def correction(old_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array,
              "rollout_prob_diff": jnp.sum(jnp.abs(jnp.exp(old) - jnp.exp(rollout_logp)) * mask)}
   if not level:
     return None, metrics
-  log_w = d if level == "token" else _segment_sums(d, segment_ids)
-  if level == "geometric":
-    log_w = log_w / jnp.maximum(_segment_sums(mask, segment_ids), 1.0)
+  log_w = {"token": lambda: d, "sequence": lambda: segment_sums(d, segment_ids),
+           "geometric": lambda: segment_means(d, mask, segment_ids)}[level]()
   log_cap = jnp.log(jnp.float32(cap))
   weights = jnp.exp(jnp.minimum(log_w, log_cap))  # (in log space: a long response's sum
   metrics["rollout_is_weight"] = jnp.sum(weights * mask)  # overflows no exp)
