@@ -54,8 +54,12 @@ def correction(old_logp: jax.Array, rollout_logp: jax.Array, mask: jax.Array,
              "rollout_prob_diff": jnp.sum(jnp.abs(jnp.exp(old) - jnp.exp(rollout_logp)) * mask)}
   if not level:
     return None, metrics
-  log_w = {"token": lambda: d, "sequence": lambda: segment_sums(d, segment_ids),
-           "geometric": lambda: segment_means(d, mask, segment_ids)}[level]()
+  if level == "sequence":
+    log_w = segment_sums(d, segment_ids)
+  elif level == "geometric":
+    log_w = segment_means(d, mask, segment_ids)
+  else:
+    log_w = d
   log_cap = jnp.log(jnp.float32(cap))
   weights = jnp.exp(jnp.minimum(log_w, log_cap))  # (in log space: a long response's sum
   metrics["rollout_is_weight"] = jnp.sum(weights * mask)  # overflows no exp)
