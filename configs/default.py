@@ -57,6 +57,12 @@ def get_config():
   # a shipped architecture (tlt_jax/assets/architectures/) for scripts/plan_memory.py when
   # model.path is not on this machine: "qwen2.5-7b", "qwen3-8b", "qwen2.5-32b", "llama-3.3-70b"
   c.model.architecture = ""
+  # LoRA (tlt_jax/models/lora.py): rank > 0 trains low-rank adapters of the targets
+  # ("all-linear", or some of q,k,v,o,gate,up,down / q_proj..down_proj) over the frozen
+  # model, scaled by alpha / rank: the learner holds the base once in model.dtype and Adam
+  # moments for the adapters alone, the base is the KL reference, the rollout decodes the
+  # merged weights; 0: the whole model is trained
+  c.model.lora = ml_collections.ConfigDict({"rank": 0, "alpha": 32.0, "targets": "all-linear"})
 
   # The per-device memory plan (tlt_jax/memory.py, scripts/plan_memory.py): the run refuses to
   # start when a phase does not fit. device: "" = this machine's (a GPU's allocator limit; no

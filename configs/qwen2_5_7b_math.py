@@ -15,6 +15,14 @@ Mesh: the learner is FSDP over every device; each GPU is one rollout replica
 (rollout.num_workers x rollout.tensor_parallel = devices). On several hosts see
 scripts/slurm/train_2x8.sbatch; `scripts/plan_memory.py --config configs/qwen2_5_7b_math.py`
 prints the per-GPU memory plan (rollout.max_batch=0: sized from it).
+
+On one GPU the whole model's learner does not fit (float32 weights and Adam moments: 85 GiB);
+LoRA adapters over the frozen bf16 model do (docs/training.md, LoRA; LoRA usually wants a
+learning rate ~10x the whole model's):
+
+  python -m tlt_jax.train --config configs/qwen2_5_7b_math.py ... \
+      --config.rollout.num_workers=1 --config.model.lora.rank=64 \
+      --config.grpo.micro_batch_tokens=9216 --config.optim.lr=1e-5
 """
 
 import os

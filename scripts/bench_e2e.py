@@ -26,6 +26,9 @@ same --out left: what every later run of the same config costs. Runs, per stack:
   on_windows ... --config.rollout.attention=windows  (attention over gathered windows, an
                                                      executable per window, instead of the
                                                      CPU default's paged attention)
+  off_lora   ... --config.tlt.enabled=False --config.model.lora.rank=8 --config.optim.lr=5e-4
+                                                    (rank-8 LoRA adapters over the frozen model,
+                                                     at 10x the whole model's learning rate)
   trl        .venv-trl/bin/python scripts/bench_trl_grpo.py     (same model, task, settings;
                                                                  once per stack)
 
@@ -73,7 +76,9 @@ STACKS = (".venv", ".venv-py311")  # scripts/setup.sh's default and second envir
 RUNS = {"on": [], "off": ["--config.tlt.enabled=False"],
         "off_seed1": ["--config.tlt.enabled=False", "--config.seed=1"],
         "on_seed1": ["--config.seed=1"], "on_nogate": ["--config.tlt.spec.gate.enabled=False"],
-        "on_windows": ["--config.rollout.attention=windows"], "trl": None}
+        "on_windows": ["--config.rollout.attention=windows"],
+        "off_lora": ["--config.tlt.enabled=False", "--config.model.lora.rank=8",
+                     "--config.optim.lr=5e-4"], "trl": None}
 
 
 def tlt_cmd(venv: str, workdir: str, steps: int, extra: list[str], cache: str,

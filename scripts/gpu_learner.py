@@ -4,8 +4,8 @@ the fused attention against XLA's, measured and predicted (gpu_check's learner s
     python scripts/gpu_learner.py [--target DIR] [--dtype bfloat16] [--budget_s 60] [--out DIR]
 
 One RL step's learner phases as a run does them (grpo.minibatches: packed micro-batches of
-one length bucket; grpo.prepare: the old log-probs, none for the first mini-batch;
-grpo.update), on random tokens of long-tailed lengths, once with model.attention="fused" (the
+one length bucket; learner.prepare: the old log-probs, none for the first mini-batch;
+learner.update), on random tokens of long-tailed lengths, once with model.attention="fused" (the
 Pallas flash-attention kernel; interpreted off a GPU) and once with "xla" (the masked
 reference): each variant compiled by one untimed step, then the median of --steps timed ones.
 Parity: the old log-probs of every response token, fused vs xla. Prediction:
@@ -46,6 +46,7 @@ from tlt_jax.plan import cost  # noqa: E402
 from tlt_jax.plan.learner import (Learner, Micro, fused_attention_s, learner_phases,  # noqa: E402
                                   remat_mode)
 from tlt_jax.rl import batching, grpo  # noqa: E402
+from tlt_jax.rl import learner as rl_learner  # noqa: E402
 from tlt_jax.sharding import make_mesh  # noqa: E402
 
 
@@ -73,21 +74,21 @@ def run_variant(params, cfg, attention: str, args, batch) -> dict:
   first mini-batch-but-one's old log-probs."""
   mcfg = dataclasses.replace(cfg, attention=attention)
   mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
-  spec = grpo.LearnerSpec(mcfg, grpo.GRPOConfig(), make_optimizer(1e-6), mesh,
+  spec = rl_learner.LearnerSpec(mcfg, grpo.GRPOConfig(), make_optimizer(1e-6), mesh,
                           micro_batch=1, pad_multiple=args.max_len, max_len=args.max_len,
                           micro_batch_tokens=args.tokens)
-  state = grpo.init_learner(params, spec)
+  state = rl_learner.init_learner(params, spec)
   times, logp = [], None
   for step in range(args.steps + 1):
     batches = batching.minibatches(batch, spec, 2, seed=0)
     t = time.perf_counter()
-    prepared = grpo.prepare(state, batches, spec)
+    prepared = rl_learner.prepare(state, batches, spec)
     jax.block_until_ready(prepared)
     lp = time.perf_counter() - t
     if logp is None:
       logp = [np.asarray(b.old_logp, np.float32) for b in prepared[1]]
     t = time.perf_counter()
-    state, _ = grpo.update(state, prepared, spec)
+    state, _ = rl_learner.update(state, prepared, spec)
     jax.block_until_ready(state.params)
     if step:
       times.append((lp, time.perf_counter() - t))

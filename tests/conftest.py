@@ -77,7 +77,7 @@ _FILE_SECONDS = {
     "test_eagle_serving.py": 34, "test_eval.py": 33, "test_config.py": 27, "test_packing.py": 21,
     "test_gate.py": 21, "test_verl_data.py": 18, "test_sharding.py": 18, "test_tree.py": 17,
     "test_gpu_outputs.py": 17, "test_rewards.py": 16, "test_attention.py": 14,
-    "test_plan_cost.py": 13, "test_history.py": 12, "test_imports.py": 10}
+    "test_plan_cost.py": 13, "test_history.py": 12, "test_imports.py": 10, "test_lora.py": 40}
 
 
 def pytest_collection_modifyitems(items):

@@ -13,6 +13,7 @@ import pytest
 from tlt_jax.models import ModelConfig, forward, init_params
 from tlt_jax.optim import make_optimizer
 from tlt_jax.rl import advantages, batching, grpo
+from tlt_jax.rl import learner as rl_learner
 from tlt_jax.rollout.config import EngineConfig
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.records import Request
@@ -320,7 +321,7 @@ def test_update_steps_by_the_gradient_of_each_minibatchs_token_mean():
   params before both (`prepare`); the metrics are the mean over the two mini-batches."""
   lr, gcfg = 0.1, grpo.GRPOConfig()
   mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
-  spec = grpo.LearnerSpec(CFG, gcfg, optax.sgd(lr), mesh, micro_batch=0, pad_multiple=8,
+  spec = rl_learner.LearnerSpec(CFG, gcfg, optax.sgd(lr), mesh, micro_batch=0, pad_multiple=8,
                           micro_batch_tokens=48)
   p0 = init_params(CFG, jax.random.key(5), std=0.3)
   rng = np.random.RandomState(2)
@@ -330,8 +331,8 @@ def test_update_steps_by_the_gradient_of_each_minibatchs_token_mean():
   batches = batching.minibatches(samples, spec, num_minibatches=2, seed=0)
   assert all(len(group) >= 2 for group in batches)  # several micro-batches per step...
   assert len({mb.tokens.shape for group in batches for mb in group}) >= 2  # ...of two lengths
-  state = grpo.init_learner(jax.tree.map(jnp.copy, p0), spec)
-  state, m = grpo.update(state, grpo.prepare(state, batches, spec), spec)
+  state = rl_learner.init_learner(jax.tree.map(jnp.copy, p0), spec)
+  state, m = rl_learner.update(state, rl_learner.prepare(state, batches, spec), spec)
 
   T = 32
   def padded(s):
@@ -410,7 +411,7 @@ def test_minibatches_weigh_each_token_as_the_configured_aggregation(loss_agg):
                              rng.randint(1, 9, rng.choice([1, 2, 7, 13])), 1.0)
              for _ in range(14)]
   mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
-  spec = grpo.LearnerSpec(CFG, grpo.GRPOConfig(loss_agg=loss_agg, loss_norm_len=20), None,
+  spec = rl_learner.LearnerSpec(CFG, grpo.GRPOConfig(loss_agg=loss_agg, loss_norm_len=20), None,
                           mesh, micro_batch=3, pad_multiple=4)
   groups = batching.minibatches(samples, spec, num_minibatches=3, seed=1)
   for group, part in zip(groups, batching.minibatch_parts(len(samples), 3, 1)):
@@ -489,8 +490,8 @@ def test_grpo_raises_a_toy_reward_on_a_sharded_learner():
   gcfg = grpo.GRPOConfig()
   tx = make_optimizer(3e-2, warmup_steps=1, total_steps=10, weight_decay=0.0, b1=0.9, b2=0.99,
                       grad_clip=1.0)
-  spec = grpo.LearnerSpec(CFG, gcfg, tx, mesh, micro_batch=16, pad_multiple=8)
-  state = grpo.init_learner(params, spec)
+  spec = rl_learner.LearnerSpec(CFG, gcfg, tx, mesh, micro_batch=16, pad_multiple=8)
+  state = rl_learner.init_learner(params, spec)
   leaf = state.params["layers"]["up"]
   assert leaf.sharding.spec[1] == "fsdp" and len(leaf.addressable_shards) == 8
   worker = Engine(params, CFG, EngineConfig(max_batch=32, buckets=(8, 32),
@@ -511,7 +512,7 @@ def test_grpo_raises_a_toy_reward_on_a_sharded_learner():
                for x in res]
     minibatches = batching.minibatches(samples, spec, num_minibatches=2, seed=step)
     assert len(minibatches) == 2
-    state, m = grpo.update(state, grpo.prepare(state, minibatches, spec), spec)
+    state, m = rl_learner.update(state, rl_learner.prepare(state, minibatches, spec), spec)
     assert np.isfinite(m["loss"]) and m["grad_norm"] > 0
     worker.set_params(state.params)
   assert means[0] < 0.15, means
@@ -525,7 +526,7 @@ def test_a_minibatch_whose_gradients_are_not_finite_takes_no_step():
   the mini-batch that stepped and count the skip."""
   mesh = make_mesh({"data": 1, "fsdp": 8, "tensor": 1})
   tx = make_optimizer(1e-2, weight_decay=0.0, b1=0.9, b2=0.99, grad_clip=1.0)
-  spec = grpo.LearnerSpec(CFG, grpo.GRPOConfig(), tx, mesh, micro_batch=8, pad_multiple=8)
+  spec = rl_learner.LearnerSpec(CFG, grpo.GRPOConfig(), tx, mesh, micro_batch=8, pad_multiple=8)
   params = init_params(CFG, jax.random.key(3), std=0.05)
   rng = np.random.RandomState(0)
 
@@ -534,10 +535,10 @@ def test_a_minibatch_whose_gradients_are_not_finite_takes_no_step():
             for a in advantages]
   bad = batching.minibatches(samples([np.nan] + list(rng.randn(7))), spec)
   good = batching.minibatches(samples(rng.randn(8)), spec)
-  state = grpo.init_learner(params, spec)
-  state, m = grpo.update(state, grpo.prepare(state, bad + good, spec), spec)
-  ref = grpo.init_learner(params, spec)
-  ref, want = grpo.update(ref, grpo.prepare(ref, good, spec), spec)
+  state = rl_learner.init_learner(params, spec)
+  state, m = rl_learner.update(state, rl_learner.prepare(state, bad + good, spec), spec)
+  ref = rl_learner.init_learner(params, spec)
+  ref, want = rl_learner.update(ref, rl_learner.prepare(ref, good, spec), spec)
   assert m["skipped"] == 1 and want["skipped"] == 0
   assert int(state.opt_state[1][0].count) == int(ref.opt_state[1][0].count) == 1
   for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref)):
@@ -556,8 +557,8 @@ def test_learner_first_step_runs_at_the_scheduled_lr(warmup):
   mesh = make_mesh({"data": 1, "fsdp": 8, "tensor": 1})
   tx = make_optimizer(lr, warmup_steps=warmup, weight_decay=0.0, b1=0.9, b2=0.99,
                       grad_clip=0.0)
-  spec = grpo.LearnerSpec(CFG, grpo.GRPOConfig(), tx, mesh, micro_batch=8, pad_multiple=8)
-  state = grpo.init_learner(init_params(CFG, jax.random.key(3), std=0.05), spec)
+  spec = rl_learner.LearnerSpec(CFG, grpo.GRPOConfig(), tx, mesh, micro_batch=8, pad_multiple=8)
+  state = rl_learner.init_learner(init_params(CFG, jax.random.key(3), std=0.05), spec)
   # copies made on the device: reading the array itself into numpy keeps a view of its CPU
   # buffer (JAX caches it on the array; jax 0.11), and a viewed buffer is not donated
   before = [np.asarray(jnp.copy(x)) for x in jax.tree.leaves(state.params)]
@@ -566,7 +567,7 @@ def test_learner_first_step_runs_at_the_scheduled_lr(warmup):
              for a in rng.randn(12)]
   old = state
   batches = batching.minibatches(samples, spec)
-  state, m = grpo.update(state, grpo.prepare(state, batches, spec), spec)
+  state, m = rl_learner.update(state, rl_learner.prepare(state, batches, spec), spec)
   assert all(x.is_deleted() for x in jax.tree.leaves(old))  # donated
   assert m["grad_norm"] > 0 and int(state.opt_state[0][0].count) == 1
   moved = np.concatenate([np.abs(np.asarray(a, np.float64) - b).ravel()
@@ -591,9 +592,9 @@ def test_learner_compiles_each_micro_batch_shape_once(fsdp):
   executable twice where two layouts are the same)."""
   mesh = make_mesh({"data": 1, "fsdp": fsdp, "tensor": 1}, devices=jax.devices()[:fsdp])
   tx = make_optimizer(1e-3, weight_decay=0.0, grad_clip=1.0)
-  spec = grpo.LearnerSpec(CFG, grpo.GRPOConfig(), tx, mesh, micro_batch=8, pad_multiple=8,
+  spec = rl_learner.LearnerSpec(CFG, grpo.GRPOConfig(), tx, mesh, micro_batch=8, pad_multiple=8,
                           micro_batch_tokens=64)
-  state = grpo.init_learner(init_params(CFG, jax.random.key(3), std=0.05), spec)
+  state = rl_learner.init_learner(init_params(CFG, jax.random.key(3), std=0.05), spec)
   rng = np.random.RandomState(0)
   shapes = set()
   compiled = []
@@ -618,13 +619,13 @@ def test_learner_compiles_each_micro_batch_shape_once(fsdp):
                                float(rng.randn())) for n in rng.choice([3, 26], 24)]
         batches = batching.minibatches(samples, spec, num_minibatches=2, seed=step)
         shapes |= {mb.tokens.shape for group in batches for mb in group}
-        state, _ = grpo.update(state, grpo.prepare(state, batches, spec), spec)
+        state, _ = rl_learner.update(state, rl_learner.prepare(state, batches, spec), spec)
       mesh = make_mesh({"data": 1, "fsdp": fsdp, "tensor": 1}, devices=jax.devices()[:fsdp])
-      spec = grpo.LearnerSpec(CFG, grpo.GRPOConfig(),
+      spec = rl_learner.LearnerSpec(CFG, grpo.GRPOConfig(),
                               make_optimizer(1e-3, weight_decay=0.0, grad_clip=1.0), mesh,
                               micro_batch=8, pad_multiple=8, micro_batch_tokens=64)
-      state = grpo.init_learner(init_params(CFG, jax.random.key(4), std=0.05), spec)
-      state, _ = grpo.update(state, grpo.prepare(state, batches, spec), spec)
+      state = rl_learner.init_learner(init_params(CFG, jax.random.key(4), std=0.05), spec)
+      state, _ = rl_learner.update(state, rl_learner.prepare(state, batches, spec), spec)
   finally:
     logger.removeHandler(handler)
     logger.setLevel(level)
@@ -673,12 +674,12 @@ def test_packed_learner_equals_each_sample_run_alone(setup, fsdp, attention, max
   mesh = make_mesh({"data": 1, "fsdp": fsdp, "tensor": 1}, devices=jax.devices()[:fsdp])
   tx = make_optimizer(1e-3, weight_decay=0.0, grad_clip=0.0)
   eps = (0.03, 0.04) if loss_mode == "gspo" else (0.2, 0.28)
-  spec = grpo.LearnerSpec(cfg, grpo.GRPOConfig(eps_low=eps[0], eps_high=eps[1],
+  spec = rl_learner.LearnerSpec(cfg, grpo.GRPOConfig(eps_low=eps[0], eps_high=eps[1],
                                                rollout_is=rollout_is, rollout_is_cap=1.2,
                                                loss_mode=loss_mode),
                           tx, mesh, micro_batch=8, pad_multiple=16, max_len=64,
                           micro_batch_tokens=128 if max_rows else 256, max_rows=max_rows)
-  state = grpo.init_learner(params, spec)
+  state = rl_learner.init_learner(params, spec)
   group = list(batching.micro_batches(samples, spec.micro_batch, spec.pad_multiple, spec.max_len,
                                   spec.micro_batch_tokens, spec.row_multiple,
                                   max_rows=max_rows))
@@ -688,7 +689,7 @@ def test_packed_learner_equals_each_sample_run_alone(setup, fsdp, attention, max
   assert len(group) > 1 or fsdp > 1  # accumulated over micro-batches (8 x 64 holds them all)
   # the same micro-batches as a step's first mini-batch (on policy: no old log-probs
   # computed) and as a later one (computed)
-  first, prepared = grpo.prepare(state, [group, group], spec)
+  first, prepared = rl_learner.prepare(state, [group, group], spec)
   assert all(bool(b.on_policy) for b in first) and not any(bool(b.on_policy) for b in prepared)
   n = sum(float(mb.loss_mask.sum()) for mb in group)
   for mb, dev in zip(group, prepared):
@@ -711,15 +712,15 @@ def test_packed_learner_equals_each_sample_run_alone(setup, fsdp, attention, max
   # the learner's gradient at `new` (ratios away from 1, clipping on both sides)
   state = state.replace(params=jax.device_put(new, jax.tree.map(lambda x: x.sharding,
                                                                 state.params)))
-  zeros = functools.partial(grpo._zero_grads, spec=spec)
-  step = functools.partial(grpo._accumulate, spec=spec)
+  zeros = functools.partial(rl_learner._zero_grads, spec=spec)
+  step = functools.partial(rl_learner._accumulate, spec=spec)
   metrics = ("pg_loss", "entropy", "clip_frac", "approx_kl_old", "loss") + (
       ("rollout_kl", "rollout_k3", "rollout_prob_diff", "rollout_is_weight",
        "rollout_is_clip_frac") if rollout_is else ())
-  acc = (zeros(state.params), {k: jax.device_put(jnp.zeros(()), grpo.replicated(mesh))
+  acc = (zeros(state.params), {k: jax.device_put(jnp.zeros(()), rl_learner.replicated(mesh))
                                for k in metrics})
   for dev in prepared:
-    acc = step(state.params, acc, dev, jnp.float32(n))
+    acc = step(state.params, None, acc, dev, jnp.float32(n))
   want_loss, want = jax.value_and_grad(reference_loss)(new)
   np.testing.assert_allclose(float(acc[1]["loss"]), float(want_loss), rtol=1e-5, atol=1e-6)
   assert 0.05 < float(acc[1]["clip_frac"]) < 0.95  # ratios clipped, and not
@@ -729,10 +730,10 @@ def test_packed_learner_equals_each_sample_run_alone(setup, fsdp, attention, max
   # on policy (the first mini-batch, at the old params): the loss's own log-probs as the old
   # ones give the reference's loss and gradient there too
   at_old = jax.device_put(params, jax.tree.map(lambda x: x.sharding, state.params))
-  acc = (zeros(at_old), {k: jax.device_put(jnp.zeros(()), grpo.replicated(mesh))
+  acc = (zeros(at_old), {k: jax.device_put(jnp.zeros(()), rl_learner.replicated(mesh))
                          for k in metrics})
   for dev in first:
-    acc = step(at_old, acc, dev, jnp.float32(n))
+    acc = step(at_old, None, acc, dev, jnp.float32(n))
   want_loss, want = jax.value_and_grad(reference_loss)(params)
   np.testing.assert_allclose(float(acc[1]["loss"]), float(want_loss), rtol=1e-5, atol=1e-6)
   for a, b in zip(jax.tree.leaves(acc[0]), jax.tree.leaves(want)):
@@ -751,14 +752,14 @@ def test_ppo_epochs_pass_over_the_minibatches_against_the_rollout_policys_log_pr
                                    float(rng.randn())) for _ in range(5)]
   mesh = make_mesh({"data": 1, "fsdp": 2, "tensor": 1}, devices=jax.devices()[:2])
   gcfg = grpo.GRPOConfig(eps_low=0.2, eps_high=0.28, ppo_epochs=2)
-  spec = grpo.LearnerSpec(CFG, gcfg, optax.sgd(0.1), mesh, micro_batch=4, pad_multiple=16,
+  spec = rl_learner.LearnerSpec(CFG, gcfg, optax.sgd(0.1), mesh, micro_batch=4, pad_multiple=16,
                           max_len=64)
-  state = grpo.init_learner(params, spec)
+  state = rl_learner.init_learner(params, spec)
   batches = batching.minibatches(samples, spec, 2, seed=3)
-  prepared = grpo.prepare(state, batches, spec)
+  prepared = rl_learner.prepare(state, batches, spec)
   assert not any(bool(b.on_policy) for group in prepared for b in group)
   parts = batching.minibatch_parts(len(samples), 2, 3)
-  state, m = grpo.update(state, prepared, spec)
+  state, m = rl_learner.update(state, prepared, spec)
   assert m["skipped"] == 0 and m["approx_kl_old"] != 0  # (later steps moved off the old)
 
   def alone(p, s):  # the sample's response tokens' log-probs, run in a row of its own
@@ -788,13 +789,13 @@ def test_the_reference_forward_runs_only_with_a_kl_term(kl_coef):
   """kl_coef == 0 (the DAPO / Dr. GRPO setting): no reference params kept and no reference
   log-probs computed; > 0: both, equal to the initial policy's log-probs."""
   mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
-  spec = grpo.LearnerSpec(CFG, grpo.GRPOConfig(kl_coef=kl_coef), make_optimizer(1e-3), mesh,
+  spec = rl_learner.LearnerSpec(CFG, grpo.GRPOConfig(kl_coef=kl_coef), make_optimizer(1e-3), mesh,
                           micro_batch=4, pad_multiple=32)
-  state = grpo.init_learner(init_params(CFG, jax.random.key(3), std=0.05), spec)
+  state = rl_learner.init_learner(init_params(CFG, jax.random.key(3), std=0.05), spec)
   rng = np.random.RandomState(0)
   samples = [batching.Sample(rng.randint(1, 23, 3), rng.randint(1, 23, 9), float(a))
              for a in rng.randn(8)]
-  first, later = grpo.prepare(state, batching.minibatches(samples, spec, 2), spec)
+  first, later = rl_learner.prepare(state, batching.minibatches(samples, spec, 2), spec)
   assert (state.ref_params is None) == (kl_coef == 0)
   for b in first + later:
     assert (b.ref_logp is None) == (kl_coef == 0)

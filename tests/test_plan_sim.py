@@ -348,6 +348,41 @@ def test_ppo_epochs_are_priced_as_passes_and_the_first_minibatchs_old_log_probs(
   assert Layout.of(c).epochs == 3
 
 
+def test_lora_is_priced_without_the_weights_gradient():
+  """LoRA (adapters > 0): the update's weight matmuls one pass fewer of the forward's (no
+  weight gradient), two FSDP gathers a mini-batch instead of three (no gradient
+  reduce-scatter), the optimizer over the adapters; the log-prob pass as before; the sync
+  merges first. Worked out by hand from the same terms; the simulator reads model.lora."""
+  from tlt_jax import config as config_lib
+  from tlt_jax.models import ModelConfig
+  from tlt_jax.plan import cost
+  from tlt_jax.plan.learner import Learner, Micro, learner_phases, weight_flops
+  cfg = ModelConfig(arch="qwen2", vocab_size=64, hidden_size=256, intermediate_size=512,
+                    num_layers=2, num_heads=8, num_kv_heads=2, head_dim=32, dtype="bfloat16")
+  hw, learner = PROFILES["h100"], Learner(gpus=8, remat="full")
+  shapes = [[Micro(2, 512, 60_000), Micro(4, 256, 50_000)], [Micro(3, 512, 70_000)]]
+  full = learner_phases(cfg, hw, learner, shapes, reference=True)
+  lo = learner_phases(cfg, hw, learner, shapes, reference=True, adapters=1000)
+  n = cost.forward(cfg, 1, 1, 0).flops / 2
+  w = sum(weight_flops(cfg, m.rows, m.t) for mb in shapes for m in mb)
+  gather = n * 2 * 7 / 8 / hw.link_bw
+  saved = (w / (hw.flops * 8 * learner.train_eff) + 2 * gather
+           + 2 * 16 * 2 * (n - 1000) / 8 / hw.mem_bw)
+  assert full["update"] - lo["update"] == pytest.approx(saved, rel=1e-9)
+  assert lo["logprobs"] == full["logprobs"]
+  assert lo["weight_sync"] == pytest.approx(full["weight_sync"] + 2 * n * 2 / 8 / hw.mem_bw)
+  from tlt_jax.models.lora import num_adapter_params
+  from tlt_jax.plan.sim import Simulation
+  from tlt_jax.plan.workload import Acceptance, Lengths
+  c = config_lib.load_config_file(os.path.join(ROOT, "configs", "qwen2_5_7b_math.py"))
+  c.model.lora.rank = 8
+  spec, m = config_lib.run_spec(c), config_lib.model_config(c)
+  sim = Simulation(spec.with_max_batch(16), m, hw, workers=1, tp=1, gpus=8,
+                   lengths=Lengths("lognormal", 100.0, 0.5), acceptance=Acceptance(),
+                   compile_s=0.0)
+  assert sim.adapters == num_adapter_params(m, spec.lora) > 0
+
+
 def test_plan_command_on_the_7b_recipe(tmp_path):
   """The 7B recipe on 8 simulated H100s: its memory plan's max_batch, both modes' phases,
   the files; speculation runs (gate open) and spends the idle windows training."""

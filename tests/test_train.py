@@ -307,7 +307,7 @@ def test_a_phase_out_of_device_memory_ends_the_run_in_one_line_its_checkpoints_k
   import jax
   from tlt_jax import train as train_mod
   spec = _small_cfg(tmp_path, 3, **{"tlt.enabled": False, "train.checkpoint_every": 1})
-  real, calls = train_mod.grpo.update, []
+  real, calls = train_mod.rl_learner.update, []
 
   def update(*args, **kwargs):
     calls.append(1)
@@ -316,7 +316,7 @@ def test_a_phase_out_of_device_memory_ends_the_run_in_one_line_its_checkpoints_k
           "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2147483648 bytes.\n"
           "BufferAssignment OOM Debugging.")
     return real(*args, **kwargs)
-  monkeypatch.setattr(train_mod.grpo, "update", update)
+  monkeypatch.setattr(train_mod.rl_learner, "update", update)
   with pytest.raises(ConfigError) as e:
     _run(spec)
   assert os.listdir(tmp_path / "checkpoints") == ["1"]
@@ -908,13 +908,13 @@ def test_filter_groups_rolls_out_again_until_groups_carry_signal(tmp_path, monke
       "memory.release_rollout_weights": True, "rollout.max_new_tokens": 24})
   run, state = build(cfg)
   before = jax_copy(state.learner.params)
-  from tlt_jax.rl import grpo
-  update, held = grpo.update, []
+  from tlt_jax.rl import learner as rl_learner
+  update, held = rl_learner.update, []
 
   def spy(*args, **kwargs):  # the rollouts' actor is freed before the learner updates
     held.append(run.coordinator.store.actor()[1] is not None)
     return update(*args, **kwargs)
-  monkeypatch.setattr(grpo, "update", spy)
+  monkeypatch.setattr(rl_learner, "update", spy)
   rollout, seeds = run.coordinator.rollout, []
 
   def seeded(*args, **kwargs):  # (each rollout of a step samples with its own seed)

@@ -37,6 +37,7 @@ from tlt_jax.errors import (ConfigError, build, check, check_finite, config_file
 from tlt_jax.data.prompts import train_weights
 from tlt_jax.memory import device_bytes
 from tlt_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES, ModelConfig
+from tlt_jax.models.lora import LoraConfig, parse_targets
 from tlt_jax.rl.batching import ROW_LAYOUTS
 from tlt_jax.rl.advantages import ADV_ESTIMATORS
 from tlt_jax.rl.grpo import GRPOConfig
@@ -157,6 +158,7 @@ class RunSpec:
   max_batch: int
   _bandit: Callable[..., Any] | None = None
   history: bool = False  # each rollout worker keeps a history index (history arms can draft)
+  lora: LoraConfig | None = None  # config.model.lora (None: rank 0, the whole model trained)
   memory: Any = None  # the memory plan runtime.prepare resolved (memory.Plan; None: none yet)
 
   @property
@@ -412,7 +414,24 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
   return RunSpec(cfg=cfg, sampling=sampling, engine=engine, grpo=grpo, distributed=distributed,
                  profile=profile, wandb=wandb, speculation=speculation, gate=gate, spot=spot,
                  buffer=buffer, mab_buckets=mab_buckets, max_batch=r.max_batch, _bandit=bandit,
-                 history=speculation is not None and bool(cfg.tlt.spec.get("history", False)))
+                 history=speculation is not None and bool(cfg.tlt.spec.get("history", False)),
+                 lora=lora_config(cfg))
+
+
+def lora_config(cfg: ml_collections.ConfigDict) -> LoraConfig | None:
+  """config.model.lora (absent or rank 0: None, the whole model trained)."""
+  lo = cfg.model.get("lora") or {}
+  rank, alpha = lo.get("rank", 0), lo.get("alpha", 32.0)
+  check(isinstance(rank, int) and rank >= 0, "model.lora.rank", rank,
+        "LoRA's rank: a positive integer (8-64 is usual), or 0 to train the whole model")
+  if not rank:
+    return None
+  check(isinstance(alpha, (int, float)) and alpha > 0, "model.lora.alpha", alpha,
+        "must be > 0 (the update is scaled by alpha / rank)")
+  try:
+    return LoraConfig(rank, float(alpha), parse_targets(str(lo.get("targets", "all-linear"))))
+  except ValueError as e:
+    raise ConfigError(str(e), "model.lora.targets", lo.get("targets"), in_config=True) from None
 
 
 def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:

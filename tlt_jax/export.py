@@ -15,6 +15,8 @@ For checkpoint N of a tlt_jax.train run (default: the newest) it writes
                       serving engines load it as it is
   OUT/drafter_eagle/  the drafter's EAGLE export for --engine (tlt_jax/drafter/export.py),
                       for a run with a drafter (TLT on; without one, the policy alone)
+  OUT/adapter/        a LoRA run's adapters (config.model.lora) in PEFT's format:
+                      adapter_model.safetensors + adapter_config.json
 
 OUT defaults to <workdir>/export/<N>/; --dtype to the starting model's (its config.json's
 torch_dtype or dtype), else the run's model.param_dtype; --engine to the run's
@@ -30,6 +32,8 @@ layer at a time, each converted and written as it comes (hf_io.save_hf_model): n
 the model twice. Launched as several processes (srun, mpirun or the TLT_* variables:
 tlt_jax/distributed.py), every process reads its shards and takes part in each gather, and
 process 0 writes. A folder is written under a `.tmp` name and renamed into place when whole.
+A LoRA run's checkpoint holds its adapters (config.model.lora): the policy written is the
+starting model with them merged in, in the run's model.dtype, as its rollout decoded it.
 """
 
 from __future__ import annotations
@@ -47,9 +51,10 @@ from tlt_jax.drafter import export as drafter_export
 from tlt_jax.drafter.export import ExportError
 from tlt_jax.drafter.model import ENGINES, export_eagle
 from tlt_jax.errors import output_dir_problem
+from tlt_jax.models import lora
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.hf_io import (MAX_SHARD_BYTES, CheckpointFormatError, load_hf_config,
-                                  load_tokenizer, read_hf_config, save_hf_model)
+                                  load_hf_model, load_tokenizer, read_hf_config, save_hf_model)
 
 DTYPES = ("bfloat16", "float16", "float32")
 POLICIES = ("final", "every", "none")  # config.train.export_policy
@@ -200,6 +205,16 @@ class Exported(NamedTuple):
   dtype: str
   drafter: str | None  # the EAGLE export (None: the run has no drafter)
   engine: str
+  adapter: str | None = None  # a LoRA run's adapters in PEFT's format (None: no LoRA)
+
+
+def _lora(model: dict[str, Any]) -> lora.LoraConfig | None:
+  """The run's config.model.lora (its config.json's, checked when it ran); None: rank 0."""
+  lo = model.get("lora") or {}
+  if not lo.get("rank"):
+    return None
+  return lora.LoraConfig(int(lo["rank"]), float(lo.get("alpha", 32.0)),
+                         lora.parse_targets(str(lo.get("targets", "all-linear"))))
 
 
 def export_run(workdir: str, *, step: int | None = None, out: str | None = None,
@@ -259,11 +274,27 @@ def export_run(workdir: str, *, step: int | None = None, out: str | None = None,
       if dparams:
         drafter_export.check_engine(cfg, engine)
       # the actor over every device of every process, as the learner holds it
+      mesh = make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
+      lo = _lora(m)
       shapes = abstract_params(cfg)
-      shardings = tree_shardings(shapes, make_mesh({"data": 1, "fsdp": -1, "tensor": 1}))
+      if lo is not None:  # the checkpoint's actor: the adapters (models/lora.py)
+        shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jax.numpy.float32),
+                              lora.adapter_shapes(cfg, lo), is_leaf=lambda x: isinstance(x, tuple))
+      shardings = tree_shardings(shapes, mesh)
       template = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                               shapes, shardings)
       params = ckpt.read_subtree("actor", step, template=template)
+      adapters = None
+      if lo is not None:  # merged into the base as the run's learner held it (model.dtype)
+        adapters = params
+        if jax.process_count() > 1:  # (slices on other processes: every process takes part)
+          from jax.experimental import multihost_utils
+          adapters = multihost_utils.process_allgather(adapters, tiled=True)
+        adapters = jax.device_get(adapters)
+        held = m.get("dtype", "float32")
+        base = load_hf_model(model_dir, dtype=held, param_dtype=held, mesh=mesh)[1]
+        params = jax.jit(lambda b, a: lora.merge(b, a, lo.scale))(base, params)
+        del base
     except (CheckpointError, ExportError) as e:
       if made is not None:  # (nothing written in it yet: an error leaves no folder behind)
         shutil.rmtree(made, ignore_errors=True)
@@ -278,7 +309,12 @@ def export_run(workdir: str, *, step: int | None = None, out: str | None = None,
     if jax.process_index() == 0:
       export_eagle(drafter, dparams, cfg, target_hf_config=read_hf_config(model_dir),
                    engine=engine)
-  return Exported(step, policy, dtype, drafter, engine)
+  adapter = None
+  if adapters is not None:
+    adapter = os.path.join(out, "adapter")
+    if jax.process_index() == 0:
+      lora.save_peft_adapter(adapter, adapters, lo, base_model=model_dir)
+  return Exported(step, policy, dtype, drafter, engine, adapter)
 
 
 def main(argv=None) -> int:
@@ -303,6 +339,9 @@ def main(argv=None) -> int:
   if distributed.is_primary():
     print(f"wrote {done.policy}: the policy at step {done.step} ({done.dtype}), a Hugging Face "
           "model folder")
+    if done.adapter is not None:
+      print(f"wrote {done.adapter}: the LoRA adapters in PEFT's format (peft.PeftModel."
+            "from_pretrained on the starting model, or a serving engine's LoRA adapter)")
     if done.drafter is None:
       print(f"no drafter: checkpoint {done.step} holds none (a run with tlt.enabled=False "
             "trains none); wrote the policy alone")

@@ -219,6 +219,9 @@ def plan(spec, model_cfg, *, device: str | None = None, num_devices: int | None 
   mb = int(max_batch if max_batch is not None else spec.max_batch)
   e = spec.engine  # the cache geometry's owner (rollout/config.py)
   pages = int(kv_pages if kv_pages is not None else e.kv_pages or mb * e.row_pages)
+  lora = getattr(spec, "lora", None)
+  if lora is not None:  # the frozen base in the compute dtype (models/lora.py)
+    pbytes = DTYPE_BYTES[m.dtype]
   z = _Sizes(spec=spec, cfg=cfg, m=m, gpu=cap is not None, pbytes=pbytes,
              cbytes=DTYPE_BYTES[m.dtype], shapes=shapes, axes=axes, lmesh=lmesh,
              learner=sharded_bytes(shapes, lmesh, pbytes), tp=tp, rmesh=_mesh(tensor=tp),
@@ -238,10 +241,29 @@ KNOBS = {  # what to turn when a phase does not fit
               "or shard the learner over more devices (mesh.fsdp)"}
 
 
+def _adapter_bytes(z: _Sizes) -> int:
+  """LoRA's adapters per device (float32, sharded by their rules); 0 without LoRA."""
+  from tlt_jax.models.lora import adapter_shapes
+  lora = getattr(z.spec, "lora", None)
+  return 0 if lora is None else sharded_bytes(adapter_shapes(z.m, lora), z.lmesh, 4)
+
+
 def _learner_state(z: _Sizes) -> list[Item]:
   """The learner's params (FSDP (+ data, tensor) over the learner mesh), its optimizer, a
-  reference copy (KL), the gradient accumulator."""
+  reference copy (KL), the gradient accumulator; with LoRA the frozen base (also the
+  reference) and the adapters with their optimizer and gradients."""
   m, axes, learner = z.m, z.axes, z.learner
+  lora = getattr(z.spec, "lora", None)
+  if lora is not None:
+    from tlt_jax.models.lora import adapter_shapes
+    ad = _adapter_bytes(z)
+    return [Item("learner params", learner, PHASES, f"{_count(z.shapes) / 1e9:.2f}B x "
+                 f"{m.dtype}, frozen (LoRA's base; the KL reference), FSDP {axes['fsdp']} x "
+                 f"tensor {axes['tensor']}"),
+            Item("LoRA adapters", ad, PHASES, f"rank {lora.rank}, "
+                 f"{_count(adapter_shapes(m, lora)) / 1e6:.1f}M x float32"),
+            Item("optimizer state", 2 * ad, PHASES, "AdamW mu + nu of the adapters"),
+            Item("gradient accumulator", ad, ("update",), "the adapters' grads summed")]
   items = [Item("learner params", learner, PHASES, f"{_count(z.shapes) / 1e9:.2f}B x "
                 f"{m.param_dtype}, FSDP {axes['fsdp']} x tensor {axes['tensor']}"),
            Item("optimizer state", 2 * learner, PHASES, "AdamW mu + nu, sharded like params")]
@@ -341,6 +363,9 @@ def _learner_activations(z: _Sizes) -> list[Item]:
               if fsdp > 1 else 0)
   layers_dev = sharded_bytes({"layers": z.shapes["layers"]}, z.lmesh, z.pbytes)  # sharded
   embed_dev = z.learner - layers_dev
+  # the stacked per-layer gradients the backward keeps: with LoRA the adapters' (the base's
+  # weights take none)
+  grads_dev = _adapter_bytes(z) if getattr(z.spec, "lora", None) is not None else layers_dev
   act = lambda n: n * cbytes  # activation elements (compute dtype)
   scores = 0 if (z.gpu and cbytes == 2) else b * n_l * T * T * 4  # f32 [T, T] per head
   head = b * chunk * v_l * 4  # one LM-head chunk of f32 logits
@@ -358,15 +383,17 @@ def _learner_activations(z: _Sizes) -> list[Item]:
   if m.remat and m.remat_policy == "dots":  # + every projection's output, per layer
     k_l = m.num_kv_heads // tp_l if m.num_kv_heads % tp_l == 0 else m.num_kv_heads
     saved = n_l * m.head_dim_ + 2 * k_l * m.head_dim_ + 3 * D + 2 * f_l
-    stored = L * (1.05 * act(t * D) + DOTS_SAVED * act(t * saved)) + 1.25 * layers_dev
+    # (with LoRA each target's (x a) b is a saved dot output too: twice the projections')
+    saved *= 2 if getattr(z.spec, "lora", None) is not None else 1
+    stored = L * (1.05 * act(t * D) + DOTS_SAVED * act(t * saved)) + 1.25 * grads_dev
     peak = max(6.0 * act(t * f_l) + 3.8 * scores + 12.0 * act(t * D),
                2.1 * head + 1.0 * embed_dev)
   elif m.remat:
-    stored = 1.05 * L * act(t * D) + 1.25 * layers_dev
+    stored = 1.05 * L * act(t * D) + 1.25 * grads_dev
     peak = max(6.0 * act(t * f_l) + 3.8 * scores + 12.0 * act(t * D),
                2.1 * head + 1.0 * embed_dev)
   else:
-    stored = L * (0.3 * act(t * D) + 8.1 * act(t * f_l) + 2.9 * scores) + 1.5 * layers_dev
+    stored = L * (0.3 * act(t * D) + 8.1 * act(t * f_l) + 2.9 * scores) + 1.5 * grads_dev
     peak = max(20.0 * act(t * D), 2.8 * head)
   items.append(Item("update activations", int(stored + peak + 2 * gathered), ("update",),
                     f"{b} x {T} tokens per device, remat="

@@ -67,7 +67,7 @@ def make_optimizer(lr: float, *, warmup_steps: int = 0, total_steps: int = 0,
   reference implementation's drafter recipe; the learner passes config.optim's values.
 
   One object per hyperparameter set in a process (a transformation is pure functions, no
-  state): the jitted steps that take it as a static argument (grpo.LearnerSpec, the drafter's
+  state): the jitted steps that take it as a static argument (learner.LearnerSpec, the drafter's
   `make_train_step`) then key equal across runs, and a notebook's or a test file's second run
   traces and compiles none of them again."""
   sched = lr_schedule(lr, warmup_steps=warmup_steps, total_steps=total_steps, schedule=schedule)

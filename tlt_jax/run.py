@@ -36,11 +36,11 @@ from tlt_jax import distributed
 from tlt_jax.errors import ConfigError
 from tlt_jax.eval import held_out
 from tlt_jax.metrics import CompileClock
-from tlt_jax.models import ModelConfig, Params, packed_impl
+from tlt_jax.models import ModelConfig, Params, lora, num_params, packed_impl
 from tlt_jax.models.hf_io import read_hf_config
 from tlt_jax.optim import make_optimizer
 from tlt_jax.profiling import ProfileConfig
-from tlt_jax.rl import grpo
+from tlt_jax.rl import learner as rl_learner
 from tlt_jax.rollout.policies.verdicts import for_run as gate_verdicts
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.replica import (replica_shardings, to_replica_layout,
@@ -62,7 +62,7 @@ class Run:
   of drafter data (its contents are not checkpointed: a resumed run refills it)."""
 
   cfg: ml_collections.ConfigDict
-  learner: grpo.LearnerSpec  # what the learner's jitted functions are specialised on
+  learner: rl_learner.LearnerSpec  # what the learner's jitted functions are specialised on
   model_cfg: ModelConfig
   tokenizer: Any  # transformers tokenizer of config.model.path
   stream: PromptStream  # the training prompts
@@ -95,7 +95,7 @@ class TrainState(NamedTuple):
   state is the store's: spot training merges into it during the rollout.)"""
 
   step: int
-  learner: grpo.LearnerState
+  learner: rl_learner.LearnerState
   data: Position = Position()
   bandit: BanditState | None = None  # the training bandit's (None: TLT off)
   gate: GateState | None = None  # the speculation gate's (None: no gate)
@@ -105,7 +105,7 @@ class TrainState(NamedTuple):
     return Policies(self.bandit, self.gate)
 
 
-def learner_spec(spec: config_lib.RunSpec, model_cfg, mesh) -> grpo.LearnerSpec:
+def learner_spec(spec: config_lib.RunSpec, model_cfg, mesh) -> rl_learner.LearnerSpec:
   """The learner's layout and optimizer of a run (config.grpo, config.optim); grpo.row_layout
   "auto": max-length rows where the packed attention is the fused kernel."""
   cfg = spec.cfg
@@ -116,10 +116,11 @@ def learner_spec(spec: config_lib.RunSpec, model_cfg, mesh) -> grpo.LearnerSpec:
                       total_steps=cfg.train.steps * g.minibatches * g.ppo_epochs,
                       schedule=o.schedule, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2,
                       grad_clip=o.grad_clip)
-  return grpo.LearnerSpec(model_cfg, spec.grpo, tx, mesh,
+  return rl_learner.LearnerSpec(model_cfg, spec.grpo, tx, mesh,
                           micro_batch=g.micro_batch, pad_multiple=g.pad_multiple,
                           micro_batch_tokens=g.micro_batch_tokens, max_rows=max_rows,
-                          max_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+                          max_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens,
+                          lora=spec.lora)
 
 
 def data_line(n: int, dropped: int, cfg: ml_collections.ConfigDict, empty: int = 0,
@@ -204,8 +205,13 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
   print(f"learner: packed micro-batches (grpo.micro_batch_tokens="
         f"{cfg.grpo.micro_batch_tokens}, {rows}: grpo.row_layout={cfg.grpo.row_layout}), "
         f"attention: {why}", file=sys.stderr)
-  learner = grpo.init_learner(params, lspec)
+  learner = rl_learner.init_learner(params, lspec, seed=cfg.seed)
   del params
+  if lspec.lora is not None:
+    lo = lspec.lora
+    print(f"learner: LoRA rank {lo.rank} (alpha {lo.alpha:g}) on {', '.join(lo.targets)}: "
+          f"{lora.num_adapter_params(model_cfg, lo) / 1e6:.2f}M trained parameters, the "
+          f"{num_params(model_cfg) / 1e6:.1f}M of the base frozen", file=sys.stderr)
 
   # ---------------------------------------------- TLT: drafter, its data, the bandit
   rollout_mesh, local = runtime.worker_meshes(cfg)  # replicas: all, and this process's
@@ -239,8 +245,10 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
   if spec.gate is not None:
     verdicts = gate_verdicts(cfg.get("compilation_cache", ""), model_cfg, ecfg, spec.sampling,
                              dparams, local[0][1].devices.flat)
-  to_rollout = _to_rollout(lspec, rollout_mesh, learner.params, ecfg.fuses())
-  first = to_rollout(learner.params)
+  policy = rl_learner.policy_params(learner, lspec)
+  to_rollout = _to_rollout(lspec, rollout_mesh, policy, ecfg.fuses())
+  first = to_rollout(policy)
+  del policy
   workers = []
   for i, wmesh in local:  # this process's replicas (i: the global index)
     # the history index lives with its worker across steps (not checkpointed: a resumed
@@ -313,7 +321,7 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
   return run, TrainState(step=0, learner=learner, bandit=policies.bandit, gate=policies.gate)
 
 
-def _to_rollout(spec: grpo.LearnerSpec, rollout_mesh, params: Params, fused: bool
+def _to_rollout(spec: rl_learner.LearnerSpec, rollout_mesh, params: Params, fused: bool
                 ) -> Callable[[Params], Params]:
   """learner params -> the store's rollout layout (the engine's replica layout on the whole
   rollout mesh: every replica's devices hold its tensor-parallel slices)."""
@@ -372,7 +380,7 @@ def export_policy(run: Run, state: TrainState) -> None:
   the newest train.keep_checkpoints of them kept. Every process calls it: the gather of each
   tensor is a collective."""
   cfg = run.cfg
-  policy_export.export_step(cfg.workdir, state.step, state.learner.params, run.model_cfg,
+  policy_export.export_step(cfg.workdir, state.step, policy(run, state), run.model_cfg,
                             model_dir=cfg.model.path, dtype=_export_dtype(cfg),
                             keep=cfg.train.keep_checkpoints)
 
@@ -399,8 +407,13 @@ def export_best(run: Run, best: policy_export.BestPolicy, state: TrainState,
   value = distributed.all_gather_objects(best.value(ev) if ev is not None else None)[0]
   cfg = run.cfg
   return best.offer(state.step, value, lambda out, notes: policy_export.write_policy(
-      out, state.learner.params, run.model_cfg, model_dir=cfg.model.path,
+      out, policy(run, state), run.model_cfg, model_dir=cfg.model.path,
       dtype=_export_dtype(cfg), notes=notes))
+
+
+def policy(run: Run, state: TrainState) -> Params:
+  """The policy as one model (with LoRA the base with the adapters merged in)."""
+  return rl_learner.policy_params(state.learner, run.learner)
 
 
 def _export_dtype(cfg: ml_collections.ConfigDict) -> str:
@@ -432,7 +445,7 @@ def restore(run: Run, state: TrainState) -> TrainState:
                      learner=state.learner.replace(params=saved["actor"],
                                                    opt_state=saved["opt"]),
                      data=run.stream.resume(meta["data"]), bandit=bandit, gate=gate)
-  run.store.publish_actor(run.coordinator.to_rollout(state.learner.params))
+  run.store.publish_actor(run.coordinator.to_rollout(policy(run, state)))
   if "drafter" in saved:  # (else TLT was off: the drafter starts as a fresh run's does)
     run.store.publish_drafter(dts.DrafterState(**saved["drafter"]))
   run.coordinator.push()

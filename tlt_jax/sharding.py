@@ -33,6 +33,10 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
     (r"layers/gate_up$", P(None, "fsdp", None, "tensor")),  # fused [L, D, 2, F]
     (r"layers/down$", P(None, "tensor", "fsdp")),
     (r"fc$", P("fsdp", "tensor")),  # drafter input projection [2D, D]
+    # LoRA adapters (models/lora.py): a [L, *in, r], b [L, r, *out], over their first in /
+    # out dim (small: what matters is that their Adam moments are not replicated)
+    (r"layers/\w+/a$", P(None, "fsdp")),
+    (r"layers/\w+/b$", P(None, None, "fsdp")),
     (r".*", P()),  # norms, o_bias, scalars: replicated
 )
 

@@ -127,7 +127,7 @@ class DrafterAcceptance:
 
   Its one executable is compiled on a low-priority background thread from the first
   `prepare` (called as a rollout starts), so the first step's metric does not put a compile
-  on the critical path. cfg: the run's config; learner: its grpo.LearnerSpec (the policy's
+  on the critical path. cfg: the run's config; learner: its learner.LearnerSpec (the policy's
   model config and mesh); sampling: the rollout's."""
 
   def __init__(self, cfg, learner, sampling):

@@ -60,7 +60,8 @@ from tlt_jax.eval import evaluate as evaluate_rows
 from tlt_jax.curves import plot_runs
 from tlt_jax.metrics import MetricsWriter, read_records
 from tlt_jax.profiling import StepProfiler
-from tlt_jax.rl import batching, grpo
+from tlt_jax.rl import batching
+from tlt_jax.rl import learner as rl_learner
 from tlt_jax.rl.samples import learner_samples, signal_groups
 from tlt_jax.rl.reward_pool import RewardPool
 from tlt_jax.rollout.policies.cells import Policies, PolicyCells
@@ -89,8 +90,10 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   # where no draft can pay, the drafter is neither trained nor used, and the metric would be a
   # cost of TLT on every step); the executable compiles while the rollout runs
   measure = run.acceptance is not None and (state.gate is None or state.gate.drafter_wanted())
+  # the policy as the forward takes it (with LoRA: the adapters beside the base, unmerged)
+  actor = rl_learner.policy_tree(state.learner.params, state.learner.base, run.learner)
   if measure:
-    run.acceptance.prepare(state.learner.params, drafting.params)
+    run.acceptance.prepare(actor, drafting.params)
   with device_memory.phase("rollout", run, step + 1, peaks):
     ro = rollouts(run, state, pool, seed)
   prompts, responses = ro.prompts, ro.responses
@@ -104,7 +107,7 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   t = time.perf_counter()
   batches = batching.minibatches(samples, run.learner, cfg.grpo.minibatches, seed=seed)
   with device_memory.phase("logprobs", run, step + 1, peaks):
-    prepared = grpo.prepare(state.learner, batches, run.learner) if samples else []
+    prepared = rl_learner.prepare(state.learner, batches, run.learner) if samples else []
     jax.block_until_ready(prepared)
   times["logprobs"] = time.perf_counter() - t
   acceptance = None
@@ -112,11 +115,11 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
     # the drafter this rollout drafted with against the policy that wrote it (before the
     # update), on a sample of its responses: staleness as it happens, speculating or not
     t = time.perf_counter()
-    acceptance = run.acceptance(state.learner.params, drafting.params, responses, seed=seed)
+    acceptance = run.acceptance(actor, drafting.params, responses, seed=seed)
     times["acceptance"] = time.perf_counter() - t
   t = time.perf_counter()
   with device_memory.phase("update", run, step + 1, peaks):
-    learner, upd = grpo.update(state.learner, prepared, run.learner)
+    learner, upd = rl_learner.update(state.learner, prepared, run.learner)
   times["update"] = time.perf_counter() - t
   if cfg.reward.overlong_buffer:
     upd["overlong_penalty"] = float(penalty.mean())
@@ -134,7 +137,7 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
                                                               reward_stats)
   times["idle"] = spot["idle_s"] / max(len(run.coordinator.workers), 1)
   times["drafter"] = spot["critical_path_s"]
-  times["weight_sync"] = run.coordinator.sync_actor(learner.params)
+  times["weight_sync"] = run.coordinator.sync_actor(rl_learner.policy_params(learner, run.learner))
   if run.coordinator.spot.mode == "serial":
     t = time.perf_counter()
     drafter = run.coordinator.train_serial(run.coordinator.spot.serial_steps, seed=seed)

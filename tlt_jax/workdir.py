@@ -76,6 +76,7 @@ def _hold(workdir: str) -> str | None:
 # same run (said, check_resume; the drafter is restored where the checkpoint holds one).
 LEARNING_KEYS = (
     "seed", "model.path", "model.architecture", "model.dtype", "model.param_dtype",
+    "model.lora.rank", "model.lora.alpha", "model.lora.targets",
     "data.train_path", "data.train_weights", "data.shuffle", "data.prompt_key", "data.answer_key",
     "data.source_key", "data.max_prompt_len", "data.chat_template", "data.system_prompt",
     "reward.name", "reward.overlong_buffer", "reward.overlong_penalty", "grpo.drop_truncated",
@@ -93,6 +94,8 @@ ACTIVE_WHEN = {
     "grpo.loss_norm_len": lambda c: c.get("grpo.loss_agg") == "seq-mean-token-sum-norm",
     "grpo.kl_loss_type": lambda c: (c.get("grpo.kl_coef") or 0) > 0,
     "grpo.rollout_is_cap": lambda c: bool(c.get("grpo.rollout_is")),
+    "model.lora.alpha": lambda c: (c.get("model.lora.rank") or 0) > 0,
+    "model.lora.targets": lambda c: (c.get("model.lora.rank") or 0) > 0,
 }
 
 

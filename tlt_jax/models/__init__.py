@@ -1,8 +1,8 @@
 """Pure-functional Qwen2/Qwen3/Llama models: config, params, forward (transformer.py), its
 attention implementations (attention.py: XLA's reference, cuDNN, Pallas flash attention), the
-paged KV cache (kv_cache.py), the rollout replicas' weight layouts (layouts.py), HF checkpoint
-I/O (hf_io.py). The bottom layer: it imports only the kernels and the sharding rules
-(tests/test_tree.py)."""
+paged KV cache (kv_cache.py), the rollout replicas' weight layouts (layouts.py), LoRA adapters
+(lora.py), HF checkpoint I/O (hf_io.py). The bottom layer: it imports only the kernels and the
+sharding rules (tests/test_tree.py)."""
 
 from tlt_jax.models.config import ModelConfig, RopeScaling, num_params
 from tlt_jax.models.kv_cache import KVCache, init_cache, init_pools, pages_for

@@ -174,6 +174,21 @@ def _dense(x, w, eq, dtype):
   return y.reshape(b, t, *y.shape[1:])
 
 
+def _proj(x, lp, name: str, eq: str, dtype):
+  """A projection `_dense(x, lp[name], eq)`, plus its LoRA update where the layer carries one
+  (lp[name + "_lora"]: a [*in, r], b [r, *out] already scaled; models/lora.py): (x a) b, two
+  narrow matmuls, never the merged weight (the backward then computes no full-weight
+  gradient)."""
+  y = _dense(x, lp[name], eq, dtype)
+  ad = lp.get(name + "_lora")
+  if ad is None:
+    return y
+  lhs, rest = eq.split(",", 1)
+  ins, outs = lhs[2:], rest.split("->")[1][2:]
+  low = _dense(x, ad["a"], f"BT{ins},{ins}r->BTr", dtype)
+  return y + _dense(low, ad["b"], f"BTr,r{outs}->BT{outs}", dtype)
+
+
 def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv, within_chunk: bool = False,
            segment_ids=None):
   """One decoder layer. kv: None (training: attend within the chunk; segment_ids [B, T]:
@@ -197,9 +212,9 @@ def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv, within_chunk: bool = Fal
     q = qkv[:, :, :, :g2 - 2].reshape(b_, t_, kh * (g2 - 2), hd)
     k, v = qkv[:, :, :, g2 - 2], qkv[:, :, :, g2 - 1]
   else:
-    q = _dense(h, lp["q"], "BTD,DNH->BTNH", dt)
-    k = _dense(h, lp["k"], "BTD,DKH->BTKH", dt)
-    v = _dense(h, lp["v"], "BTD,DKH->BTKH", dt)
+    q = _proj(h, lp, "q", "BTD,DNH->BTNH", dt)
+    k = _proj(h, lp, "k", "BTD,DKH->BTKH", dt)
+    v = _proj(h, lp, "v", "BTD,DKH->BTKH", dt)
     if cfg.qkv_bias:
       q, k, v = (q + lp["q_bias"].astype(dt), k + lp["k_bias"].astype(dt),
                  v + lp["v_bias"].astype(dt))
@@ -233,7 +248,7 @@ def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv, within_chunk: bool = Fal
     attn = causal_attention(q, k_all, v_all, cfg)
   else:
     attn = attend(q, k_all, v_all, mask)
-  out = _dense(attn, lp["o"], "BTNH,NHD->BTD", dt)
+  out = _proj(attn, lp, "o", "BTNH,NHD->BTD", dt)
   if cfg.o_bias:
     out = out + lp["o_bias"].astype(dt)
   x = x + out
@@ -242,9 +257,9 @@ def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv, within_chunk: bool = Fal
     gu = _dense(h, lp["gate_up"], "BTD,DCF->BTCF", dt)
     gate, up = gu[:, :, 0], gu[:, :, 1]
   else:
-    gate = _dense(h, lp["gate"], "BTD,DF->BTF", dt)
-    up = _dense(h, lp["up"], "BTD,DF->BTF", dt)
-  x = x + _dense(jax.nn.silu(gate) * up, lp["down"], "BTF,FD->BTD", dt)
+    gate = _proj(h, lp, "gate", "BTD,DF->BTF", dt)
+    up = _proj(h, lp, "up", "BTD,DF->BTF", dt)
+  x = x + _proj(jax.nn.silu(gate) * up, lp, "down", "BTF,FD->BTD", dt)
   return x, new_kv
 
 

@@ -21,6 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.lora import num_adapter_params
 from tlt_jax.plan import cost
 from tlt_jax.rollout.policies.strategy import Strategy
 
@@ -270,7 +271,7 @@ def learner_setup(cfg):
   lengths)."""
   from tlt_jax import config as config_lib
   from tlt_jax import runtime
-  from tlt_jax.rl import grpo
+  from tlt_jax.rl import learner as rl_learner
   from tlt_jax.run import learner_spec
   spec = config_lib.run_spec(cfg)
   mesh = runtime.learner_mesh(cfg)
@@ -279,7 +280,7 @@ def learner_setup(cfg):
   rows = runtime.load_train_rows(cfg)[:1024]
   prompts = [n for n in (len(tokenizer.encode(r.prompt)) for r in rows)
              if n <= cfg.data.max_prompt_len]
-  return ls, grpo.init_learner(params, ls), model_cfg, prompts
+  return ls, rl_learner.init_learner(params, ls), model_cfg, prompts
 
 
 def _learner_pass(ls, state, seq_lens: Sequence[int], prompt_lens: Sequence[int], seed: int,
@@ -292,7 +293,8 @@ def _learner_pass(ls, state, seq_lens: Sequence[int], prompt_lens: Sequence[int]
   import jax
   import numpy as np
 
-  from tlt_jax.rl import batching, grpo
+  from tlt_jax.rl import batching
+  from tlt_jax.rl import learner as rl_learner
   rng = np.random.default_rng(seed)
   vocab = ls.cfg.vocab_size
   samples = []
@@ -303,11 +305,12 @@ def _learner_pass(ls, state, seq_lens: Sequence[int], prompt_lens: Sequence[int]
         rng.integers(1, vocab, int(n) - p).astype(np.int32), float(rng.normal()),
         -rng.exponential(size=int(n) - p).astype(np.float32)))
   t = time.perf_counter()
-  prepared = grpo.prepare(state, batching.minibatches(samples, ls, minibatches, seed=seed), ls)
+  batches = batching.minibatches(samples, ls, minibatches, seed=seed)
+  prepared = rl_learner.prepare(state, batches, ls)
   jax.block_until_ready(prepared)
   lp = time.perf_counter() - t
   t = time.perf_counter()
-  state, _ = grpo.update(state, prepared, ls)
+  state, _ = rl_learner.update(state, prepared, ls)
   jax.block_until_ready(state.params)
   return state, lp, time.perf_counter() - t
 
@@ -335,7 +338,7 @@ def learner_profile(ls, state, model_cfg: ModelConfig, hw: cost.Hardware, *,
   lp, up = {}, {}
   for t, m in cases:
     # two mini-batches of m micro-batches each: the first one's old log-probs are not
-    # computed (grpo.prepare), so the second's are the pass timed
+    # computed (learner.prepare), so the second's are the pass timed
     lens = [t] * (2 * rows[t] * m)
     best = (float("inf"), float("inf"))
     for r in range(repeats + 1):
@@ -394,7 +397,8 @@ def validate_learner(ls, state, model_cfg: ModelConfig, hw: cost.Hardware, learn
     resp = lengths.draw(responses, max_new_tokens, rng, step=k)
     seq = [int(prompt_lens[i % len(prompt_lens)]) + int(n) for i, n in enumerate(resp)]
     pred = learner_phases(model_cfg, hw, learner, layout.shapes(seq, seed + k),
-                          reference=ls.gcfg.kl_coef > 0, epochs=layout.epochs)
+                          reference=ls.gcfg.kl_coef > 0, epochs=layout.epochs,
+                          adapters=0 if ls.lora is None else num_adapter_params(model_cfg, ls.lora))
     state, lp, up = _learner_pass(ls, state, seq, prompt_lens, seed + k, minibatches)
     rows += [{"step": k + 1, "phase": "logprobs", "predicted": pred["logprobs"],
               "measured": lp},

@@ -147,14 +147,17 @@ def micro_flops(cfg: ModelConfig, micro: Micro, *, fused: bool = False) -> float
 
 
 def learner_phases(cfg: ModelConfig, hw: cost.Hardware, learner: Learner,
-                   shapes: Sequence[Sequence[Micro]], *, reference: bool, epochs: int = 1
-                   ) -> dict[str, float]:
+                   shapes: Sequence[Sequence[Micro]], *, reference: bool, epochs: int = 1,
+                   adapters: int = 0) -> dict[str, float]:
   """Seconds of the log-probs (old policy, and the reference with a KL term), the update
   (forward + backward of every micro-batch, one optimizer step per mini-batch, `epochs`
   passes over them: grpo.ppo_epochs; FSDP's gathers) and the weight sync (the new weights to
   every rollout replica) of one RL step, from the micro-batches' shapes (`Layout.shapes`).
-  The old log-probs skip the first mini-batch where each steps once (grpo.prepare: on
-  policy, its loss reads its own)."""
+  The old log-probs skip the first mini-batch where each steps once (rl/learner.prepare: on
+  policy, its loss reads its own). adapters: LoRA's trained parameters (0: the whole model):
+  the backward then computes no weight gradient (one weight pass fewer), reduce-scatters no
+  gradient of the base, the optimizer steps the adapters alone, and the sync merges them
+  into the base first (a read and a write of it)."""
   n_params = cost.forward(cfg, 1, 1, 0).flops / 2
   micro = [s for mb in shapes for s in mb]
   later = [s for mb in shapes[1 if epochs == 1 else 0:] for s in mb]
@@ -172,13 +175,16 @@ def learner_phases(cfg: ModelConfig, hw: cost.Hardware, learner: Learner,
   pass_s = lambda micros: (forward_s(micros, learner.fwd_eff)
                            + len(micros) * learner.fwd_micro_s + gather / hw.link_bw)
   logprobs = (pass_s(later) if later else 0.0) + (pass_s(micro) if reference else 0.0)
-  w_passes = 4 if learner.remat == "full" else 3
+  w_passes = (4 if learner.remat == "full" else 3) - (1 if adapters else 0)
   a_passes = 3 if learner.remat == "none" else 4
   opt = learner.optimizer_s
-  if opt is None:
-    opt = 16 * 2 * n_params / learner.gpus / hw.mem_bw  # f32 master, m, v, grads read + written
+  if opt is None:  # f32 master, m, v, grads read + written
+    opt = 16 * 2 * (adapters or n_params) / learner.gpus / hw.mem_bw
+  gathers = 2 if adapters else 3  # forward, backward (and the gradients' reduce-scatter)
   update = epochs * (forward_s(micro, learner.train_eff, w_passes, a_passes)
                      + len(micro) * learner.train_micro_s
-                     + len(shapes) * (3 * gather / hw.link_bw + opt))
+                     + len(shapes) * (gathers * gather / hw.link_bw + opt))
   sync = n_params * nb * (learner.gpus - 1) / max(learner.gpus, 1) / hw.link_bw
+  if adapters:
+    sync += 2 * n_params * nb / learner.gpus / hw.mem_bw
   return {"logprobs": logprobs, "update": update, "weight_sync": sync}

@@ -24,6 +24,7 @@ import numpy as np
 from tlt_jax.coordinator.coordinator import split
 from tlt_jax.coordinator.timeline import Timeline, WorkerState, concat_rollouts
 from tlt_jax.models import ModelConfig
+from tlt_jax.models.lora import num_adapter_params
 from tlt_jax.plan import cost
 from tlt_jax.plan.learner import Layout, Learner, learner_phases, remat_mode
 from tlt_jax.plan.sim_engine import SimEngine
@@ -95,6 +96,7 @@ class Simulation:
     g = spec.cfg.grpo
     self.num_prompts, self.group = int(g.num_prompts), int(g.n)
     self.learner = Learner(gpus, remat=remat_mode(cfg))
+    self.adapters = 0 if spec.lora is None else num_adapter_params(cfg, spec.lora)  # LoRA's
     self.layout = Layout.of(spec.cfg, row_multiple=gpus,  # FSDP over every device
                             fused=self.learner.fused_attention)
     self.t = self._now = 0.0
@@ -202,7 +204,7 @@ class Simulation:
     seq = [self.prompt_tokens + int(x) for group in trained for x in group]
     learner = (learner_phases(self.cfg, self.hw, self.learner, self.layout.shapes(seq, k),
                               reference=float(g.get("kl_coef", 0.0)) > 0,
-                              epochs=self.layout.epochs) if seq else
+                              epochs=self.layout.epochs, adapters=self.adapters) if seq else
                {"logprobs": 0.0, "update": 0.0, "weight_sync": 0.0})  # (no group: no update)
     parts = {k2: sum(e.busy[k2] - b[k2] for e, b in zip(self.engines, busy0)) / self.workers_n
              for k2 in ("prefill", "drafter_tracking", "compile", "host")}

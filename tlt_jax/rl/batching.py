@@ -188,7 +188,7 @@ def micro_batches(samples: list[Sample], rows: int, pad_multiple: int, max_len: 
 def minibatches(samples: list[Sample], spec, num_minibatches: int = 1,
                 seed: int = 0) -> list[list[MicroBatch]]:
   """Samples -> mini-batches (one optimizer step each) of micro-batches, laid out as
-  `spec` (a grpo.LearnerSpec) says.
+  `spec` (a learner.LearnerSpec) says.
 
   Mini-batches are a random partition of the samples, as in VeRL/PPO: were they cut from
   the length-sorted order instead, one step would see only short (mostly right) responses

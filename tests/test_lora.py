@@ -1,0 +1,305 @@
+"""LoRA (tlt_jax/models/lora.py) against Hugging Face PEFT on transformers, and through a run.
+
+The adapters' forward against PEFT's LoRA on the same tiny Hugging Face model (the adapters
+written in PEFT's format by `save_peft_adapter` and loaded by `PeftModel.from_pretrained`: the
+layout and the scale both checked), the merged weights against both; the learner's gradient in
+the adapters against the chain rule through the whole model's gradient; a LoRA run on 8
+devices: only the adapters train, the rollout decodes the policy the learner scores, the
+checkpoint holds the adapters, a resume continues, the export writes the merged policy and a
+PEFT adapter that transformers loads to the same logits.
+"""
+
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+import transformers
+
+from tlt_jax import config as config_lib
+from tlt_jax import runtime
+from tlt_jax.checkpoint import Checkpointer
+from tlt_jax.config import asset_path
+from tlt_jax.errors import ConfigError
+from tlt_jax.models import forward, lora
+from tlt_jax.models.hf_io import load_hf_model
+from tlt_jax.rl import grpo
+from tlt_jax.rl import learner as rl_learner
+from tlt_jax.sharding import make_mesh
+from user_env import user_env
+
+peft = pytest.importorskip("peft")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKENIZER = asset_path("default", "model")
+F32_TOL = 1e-4  # max|ours - reference| / max(1, max|reference|), as tests/test_models.py
+ARCHS = {
+    "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
+    "llama": (transformers.LlamaConfig, dict(attention_bias=True, rope_theta=500.0)),
+    "qwen3": (transformers.Qwen3Config, dict(tie_word_embeddings=True, head_dim=32)),
+}
+
+
+def _hf_model(path: str, arch: str, seed: int = 0):
+  """A tiny random `arch` checkpoint (every tensor randomised) with the default task's
+  tokenizer, saved to `path`; returns the torch model."""
+  cls, kw = ARCHS[arch]
+  config = cls(vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               eos_token_id=1, pad_token_id=0, **kw)
+  torch.manual_seed(seed)
+  model = transformers.AutoModelForCausalLM.from_config(config)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.2)
+  model.save_pretrained(path)
+  for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    shutil.copy(os.path.join(TOKENIZER, name), path)
+  return model.eval()
+
+
+def _random_adapters(cfg, lo, seed):
+  """Adapters with B away from zero (a fresh B is 0: the base, which hides a wrong layout)."""
+  ad = lora.init_adapters(cfg, lo, jax.random.key(seed))
+  keys = iter(jax.random.split(jax.random.key(seed + 1), 64))
+  return jax.tree.map(lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape), ad)
+
+
+def _rel(got, want) -> float:
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.max(np.abs(got - want)) / max(1.0, np.max(np.abs(want))))
+
+
+TOKENS = np.array([[3, 7, 1, 30, 12, 5, 9, 22, 2, 17, 4, 11]], np.int32)
+
+
+@pytest.mark.parametrize("arch,targets", [("qwen2", "all-linear"), ("llama", "all-linear"),
+                                          ("qwen3", "q_proj,v_proj,down_proj")])
+def test_adapters_are_pefts_lora_on_transformers(tmp_path, arch, targets):
+  """Our forward with the adapters attached, and with them merged into the weights, against
+  PEFT's LoRA loaded from our adapter files onto the same transformers model (Qwen2's q/k/v
+  biases, Llama's attention biases, Qwen3's q/k norms and head_dim 32 != 64 / 4); fresh
+  adapters are the base exactly."""
+  hf = _hf_model(str(tmp_path / "model"), arch)
+  cfg, base = load_hf_model(str(tmp_path / "model"))
+  lo = lora.LoraConfig(rank=4, alpha=8.0, targets=lora.parse_targets(targets))
+  ad = _random_adapters(cfg, lo, seed=3)
+  lora.save_peft_adapter(str(tmp_path / "adapter"), jax.device_get(ad), lo,
+                         base_model=str(tmp_path / "model"))
+  with open(tmp_path / "adapter" / "adapter_config.json") as f:
+    assert json.load(f)["target_modules"] == sorted(n for n, t in lora.HF_NAMES.items()
+                                                    if t in lo.targets)
+  with torch.no_grad():
+    plain = hf(torch.tensor(TOKENS, dtype=torch.long)).logits.numpy()
+    peft_model = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
+    want = peft_model(torch.tensor(TOKENS, dtype=torch.long)).logits.numpy()
+  assert _rel(want, plain) > 1e-2  # the adapters change the model: the test can fail
+  pos = jnp.arange(TOKENS.shape[1])[None]
+  attached = forward(lora.attach(base, ad, lo.scale), jnp.asarray(TOKENS), pos, cfg=cfg).logits
+  merged = forward(lora.merge(base, ad, lo.scale), jnp.asarray(TOKENS), pos, cfg=cfg).logits
+  assert _rel(attached, want) <= F32_TOL
+  assert _rel(merged, want) <= F32_TOL
+  fresh = lora.init_adapters(cfg, lo, jax.random.key(0))
+  start = forward(lora.attach(base, fresh, lo.scale), jnp.asarray(TOKENS), pos, cfg=cfg).logits
+  np.testing.assert_array_equal(np.asarray(start),
+                                np.asarray(forward(base, jnp.asarray(TOKENS), pos,
+                                                   cfg=cfg).logits))
+
+
+def test_adapter_gradient_is_the_chain_rule_of_the_weights_gradient(tmp_path):
+  """dL/dA = s G B^T and dL/dB = s A^T G, G = dL/dW' the whole model's gradient at the merged
+  weights W' = W + s A B (computed by the full-parameter loss, not through the adapters),
+  for GRPO's loss on a packed micro-batch with clipping on both sides."""
+  _hf_model(str(tmp_path / "model"), "qwen2")
+  cfg, base = load_hf_model(str(tmp_path / "model"))
+  lo = lora.LoraConfig(rank=4, alpha=8.0)
+  ad = _random_adapters(cfg, lo, seed=5)
+  rng = np.random.default_rng(0)
+  b, t = 2, 16
+  tokens = jnp.asarray(rng.integers(0, 32, (b, t)), jnp.int32)
+  segments = jnp.asarray([[1] * 9 + [2] * 7, [1] * 12 + [0] * 4], jnp.int32)
+  positions = jnp.asarray([list(range(9)) + list(range(7)), list(range(12)) + [0] * 4],
+                          jnp.int32)
+  mask = jnp.asarray((np.asarray(segments) > 0) & (rng.random((b, t)) < 0.7), jnp.float32)
+  old = jnp.asarray(rng.normal(-3.0, 1.0, (b, t)), jnp.float32)
+  mb = grpo.Batch(tokens, positions, segments, mask, mask / jnp.sum(mask),
+                  jnp.asarray(rng.normal(0, 1, (b, t)), jnp.float32), old)
+  loss = functools.partial(grpo.grpo_loss, mb=mb, cfg=cfg, gcfg=grpo.GRPOConfig(),
+                           num_tokens=jnp.sum(mask))
+  g_ad = jax.grad(lambda a: loss(lora.attach(base, a, lo.scale))[0])(ad)
+  g_w = jax.grad(lambda p: loss(p)[0])(lora.merge(base, ad, lo.scale))
+  assert float(loss(lora.merge(base, ad, lo.scale))[1]["clip_frac"]) > 0.05
+  for tname, pair in ad["layers"].items():
+    a, bm = (np.asarray(pair[k], np.float64) for k in ("a", "b"))
+    L, r = a.shape[0], a.shape[-1]
+    g = np.asarray(g_w["layers"][tname], np.float64).reshape(L, a[0].size // r, -1)
+    a2, b2 = a.reshape(L, -1, r), bm.reshape(L, r, -1)
+    want_a = lo.scale * np.einsum("lio,lro->lir", g, b2).reshape(a.shape)
+    want_b = lo.scale * np.einsum("lir,lio->lro", a2, g).reshape(bm.shape)
+    for got, want in ((g_ad["layers"][tname]["a"], want_a), (g_ad["layers"][tname]["b"],
+                                                               want_b)):
+      np.testing.assert_allclose(np.asarray(got), want, rtol=2e-3,
+                                 atol=2e-4 * np.max(np.abs(want)))
+
+
+def test_learner_trains_the_adapters_alone_and_the_base_is_the_reference(tmp_path):
+  """On 8 devices (the learner FSDP): an update moves the adapters, not the base (bit for
+  bit), its Adam state is the adapters'; with a KL term the reference log-probs are the
+  base's, so at the fresh state (B = 0) the KL is 0 and the policy's log-probs the base's."""
+  _hf_model(str(tmp_path / "model"), "llama")
+  mesh = make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
+  cfg, params = load_hf_model(str(tmp_path / "model"), mesh=mesh)
+  lo = lora.LoraConfig(rank=4, alpha=8.0, targets=("q", "o", "down"))
+  spec = rl_learner.LearnerSpec(cfg, grpo.GRPOConfig(kl_coef=0.1), optax.adam(1e-2), mesh,
+                                micro_batch=8, pad_multiple=16, lora=lo)
+  state = rl_learner.init_learner(params, spec, seed=1)
+  assert state.ref_params is None
+  assert jax.tree.structure(state.params) == jax.tree.structure(
+      lora.init_adapters(cfg, lo, jax.random.key(0)))
+  base_before = jax.device_get(state.base)
+  from tlt_jax.rl.batching import MicroBatch
+  rng = np.random.default_rng(1)
+  tokens = rng.integers(2, 32, (8, 16)).astype(np.int32)
+  segs = np.ones((8, 16), np.int32)
+  pos = np.broadcast_to(np.arange(16, dtype=np.int32), (8, 16)).copy()
+  mask = np.zeros((8, 16), np.float32)
+  mask[:, 6:] = 1
+  mb = MicroBatch(tokens, pos, segs, mask, mask / mask.sum(),
+                  rng.normal(0, 1, (8, 16)).astype(np.float32),
+                  np.repeat(np.arange(8)[:, None], 16, axis=1))
+  prepared = rl_learner.prepare(state, [[mb], [mb]], spec)
+  ref = np.asarray(prepared[1][0].ref_logp)
+  want = np.asarray(rl_learner.logprobs(params, *(jnp.asarray(x) for x in (tokens, pos, segs)),
+                                        spec=spec))
+  np.testing.assert_allclose(ref, want, rtol=1e-5, atol=1e-5)  # the base in its dtype
+  np.testing.assert_allclose(np.asarray(prepared[1][0].old_logp), ref, rtol=1e-5, atol=1e-6)
+  state, metrics = rl_learner.update(state, prepared, spec)
+  assert metrics["skipped"] == 0
+  for x, y in zip(jax.tree.leaves(base_before), jax.tree.leaves(jax.device_get(state.base))):
+    np.testing.assert_array_equal(x, y)
+  moved = [float(np.max(np.abs(np.asarray(b)))) for b in jax.tree.leaves(
+      {t: p["b"] for t, p in state.params["layers"].items()})]
+  assert min(moved) > 0  # every target's B left zero
+  merged = rl_learner.policy_params(state, spec)
+  assert jax.tree.structure(merged) == jax.tree.structure(params)
+
+
+# ------------------------------------------------------------------------------ through a run
+# a reward of the text alone, which differs between a random model's samples (the task's
+# own reward is 0 for all of them: no advantage, nothing learned)
+REWARD = "def digits(response, answer):\n  return sum(c.isdigit() for c in response) / " \
+         "(1.0 + len(response))\n"
+
+
+def _spec(workdir, model_dir, **overrides):
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+  cfg.workdir = str(workdir)
+  cfg.compilation_cache = ""
+  cfg.model.path = model_dir
+  cfg.tlt.enabled = False
+  reward = os.path.join(os.path.dirname(model_dir), "reward.py")
+  with open(reward, "w") as f:
+    f.write(REWARD)
+  cfg.reward.name = f"{reward}:digits"
+  cfg.update_from_flattened_dict({
+      "train.steps": 2, "train.eval_every": 0, "train.checkpoint_every": 1,
+      "grpo.num_prompts": 2, "grpo.n": 4, "grpo.micro_batch": 8, "grpo.minibatches": 2,
+      "rollout.max_batch": 8, "rollout.max_new_tokens": 16, "rollout.num_workers": 1,
+      "reward.num_workers": 1, "mesh.devices": 0, "optim.lr": 1e-2, "optim.warmup_steps": 0,
+      "model.lora.rank": 4, "model.lora.alpha": 8.0, **overrides})
+  return runtime.prepare(config_lib.run_spec(cfg))
+
+
+def _train(spec):
+  from tlt_jax.run import build
+  from tlt_jax.train import train
+  run, state = build(spec)
+  return train(run, state, progress=False)
+
+
+def test_a_lora_run_trains_resumes_and_exports_what_peft_loads(tmp_path):
+  """Two steps of the default task on a tiny Qwen2 with rank-4 adapters, the learner over 8
+  devices: the rollout's recorded log-probs are the learner's (the merged weights it decodes
+  are the attached adapters' policy, step 2 after an update too); the checkpoint's actor is
+  the adapters; a third step resumes from it; the export writes the merged policy, which
+  transformers loads to our logits, and a PEFT adapter, which on the starting model gives
+  the same."""
+  model_dir = str(tmp_path / "model")
+  _hf_model(model_dir, "qwen2", seed=2)
+  workdir = tmp_path / "run"
+  state, _ = _train(_spec(workdir, model_dir))
+  with open(workdir / "metrics.jsonl") as f:
+    records = [json.loads(line) for line in f]
+  assert [r["step"] for r in records] == [1, 2]
+  for r in records:
+    assert r["loss"]["rollout_prob_diff"] < 1e-5 and r["loss"]["rollout_k3"] < 1e-9, r["loss"]
+  assert records[1]["loss"]["approx_kl_old"] != 0  # the policy moved between mini-batches
+  with Checkpointer(str(workdir / "checkpoints")) as ck:
+    actor = ck.read_subtree("actor", 2)
+  assert set(actor["layers"]) == set(lora.TARGETS)
+  assert set(actor["layers"]["q"]) == {"a", "b"}
+  # a third step from the checkpoint; a change of rank is refused in one line
+  with pytest.raises(ConfigError, match="model.lora.rank 4 -> 8"):
+    _spec(workdir, model_dir, **{"train.steps": 3, "model.lora.rank": 8})
+  state, _ = _train(_spec(workdir, model_dir, **{"train.steps": 3}))
+  assert state.step == 3
+  p = subprocess.run([sys.executable, "-m", "tlt_jax.export", "--workdir", str(workdir),
+                      "--step", "3"], cwd=ROOT, env=user_env(PYTHONPATH=ROOT),
+                     capture_output=True, text=True, timeout=600)
+  assert p.returncode == 0, p.stderr[-3000:]
+  out = workdir / "export" / "3"
+  assert f"wrote {out}/adapter" in p.stdout, p.stdout
+  with Checkpointer(str(workdir / "checkpoints")) as ck:
+    adapters = ck.read_subtree("actor", 3)
+  cfg, base = load_hf_model(model_dir)
+  ours = forward(lora.attach(base, adapters, 8.0 / 4), jnp.asarray(TOKENS),
+                 jnp.arange(TOKENS.shape[1])[None], cfg=cfg).logits
+  with torch.no_grad():
+    ids = torch.tensor(TOKENS, dtype=torch.long)
+    policy = transformers.AutoModelForCausalLM.from_pretrained(str(out / "policy")).eval()
+    start = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    before = start(ids).logits.numpy()
+    with_adapter = peft.PeftModel.from_pretrained(start, str(out / "adapter")).eval()
+    assert _rel(policy(ids).logits.numpy(), ours) <= F32_TOL
+    assert _rel(with_adapter(ids).logits.numpy(), ours) <= F32_TOL
+  assert _rel(ours, before) > 1e-4  # trained
+
+
+@pytest.mark.parametrize("key,value,words", [
+    ("model.lora.rank", -1, "a positive integer"),
+    ("model.lora.alpha", 0.0, "must be > 0"),
+    ("model.lora.targets", "q,qq", "is not a projection"),
+])
+def test_invalid_lora_values_are_one_line(key, value, words):
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+  cfg.model.lora.rank = 8
+  section = cfg.model.lora
+  section[key.rsplit(".", 1)[1]] = value
+  with pytest.raises(ConfigError, match=words) as e:
+    config_lib.run_spec(cfg)
+  assert str(e.value).startswith(f"config.{key}=")
+
+
+def test_a_resume_names_a_lora_change_and_ignores_its_settings_while_off(tmp_path):
+  """workdir.LEARNING_KEYS: rank, alpha and targets are what a LoRA run learns with; with
+  rank 0 in both configs alpha and targets change nothing (ACTIVE_WHEN)."""
+  from tlt_jax import workdir
+
+  def cfg_of(**lo):
+    cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "default.py"))
+    cfg.workdir = str(tmp_path)
+    cfg.model.lora.update(lo)
+    return cfg
+  workdir.write_config(cfg_of())
+  (tmp_path / "checkpoints" / "3").mkdir(parents=True)
+  assert workdir.config_changes(cfg_of(alpha=16.0, targets="q,v")) == []
+  assert workdir.config_changes(cfg_of(rank=8, alpha=16.0)) == [
+      ("model.lora.rank", 0, 8), ("model.lora.alpha", 32.0, 16.0)]

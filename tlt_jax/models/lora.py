@@ -1,0 +1,170 @@
+"""LoRA adapters: low-rank updates of a frozen base model's projections (Hu et al. 2021).
+
+A target projection y = x W becomes y = x W + scale x (x A) B, with A [in, r], B [r, out]
+and scale = alpha / r: only A and B are trained, so the learner holds the base once, frozen
+(in the compute dtype: every forward casts weights to it anyway), and gradients, Adam moments
+and checkpoints are the adapters' alone. B starts at zero, so the first policy is the base
+model exactly, and the base IS the reference policy of a KL term (no copy). The rollout
+decodes the merged weights W + scale A B (`merge`): its engine, kernels and drafter never
+see an adapter.
+
+Adapters of the stacked layout (transformer.py's docstring), one pair per target:
+  layers/<t>/a  [L, *in, r]    layers/<t>/b  [L, r, *out]
+where in / out are the weight's input and output dims (q: D | N, H; o: N, H | D; gate, up:
+D | F; down: F | D). `attach` puts each pair beside its weight as layers/<t>_lora, which the
+forward reads (transformer._proj).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.safetensors_io import write_safetensors
+
+Params = dict[str, Any]
+
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# Hugging Face's module names (PEFT's target_modules) for ours
+HF_NAMES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate",
+            "up_proj": "up", "down_proj": "down"}
+_IN_DIMS = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
+_HF_MODULE = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+              "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
+              "down": "mlp.down_proj"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  rank: int  # r > 0
+  alpha: float = 32.0  # scale = alpha / rank
+  targets: tuple[str, ...] = TARGETS
+
+  def __post_init__(self):
+    if not (isinstance(self.rank, int) and self.rank > 0):
+      raise ValueError(f"LoRA rank {self.rank!r}: a positive integer")
+    if not self.alpha > 0:
+      raise ValueError(f"LoRA alpha {self.alpha!r}: a positive number")
+    bad = [t for t in self.targets if t not in TARGETS]
+    if bad or not self.targets:
+      raise ValueError(f"LoRA targets {bad or self.targets}: choose from {TARGETS}")
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
+
+
+def parse_targets(text: str) -> tuple[str, ...]:
+  """"all-linear" (PEFT's name: every projection of a layer), or a comma-separated list of
+  ours (q, k, v, o, gate, up, down) or Hugging Face's (q_proj, ..., down_proj) -> ours, in
+  the layer's order. ValueError names what is not a projection."""
+  text = text.strip()
+  if text in ("all-linear", "all"):
+    return TARGETS
+  names = [s.strip() for s in text.split(",") if s.strip()]
+  bad = [s for s in names if s not in TARGETS and s not in HF_NAMES]
+  if bad or not names:
+    raise ValueError(f"{bad or text!r} is not a projection: use all-linear, or a list of "
+                     f"{', '.join(TARGETS)} (or their Hugging Face names, q_proj ... down_proj)")
+  chosen = {HF_NAMES.get(s, s) for s in names}
+  return tuple(t for t in TARGETS if t in chosen)
+
+
+def adapter_shapes(cfg: ModelConfig, lora: LoraConfig) -> Params:
+  """{"layers": {target: {"a": [L, *in, r], "b": [L, r, *out]}}} as shape tuples, from the
+  base's layout (transformer.param_shapes)."""
+  from tlt_jax.models.transformer import param_shapes
+  layers = param_shapes(cfg)["layers"]
+  out = {}
+  for t in lora.targets:
+    shape = layers[t]
+    k = 1 + _IN_DIMS[t]
+    out[t] = {"a": (*shape[:k], lora.rank), "b": (shape[0], lora.rank, *shape[k:])}
+  return {"layers": out}
+
+
+def init_adapters(cfg: ModelConfig, lora: LoraConfig, rng: jax.Array) -> Params:
+  """A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (PEFT's default Kaiming-uniform bound), B = 0,
+  in float32 (the adapters' master weights, whatever the base's dtype)."""
+  shapes = adapter_shapes(cfg, lora)["layers"]
+  keys = jax.random.split(rng, len(shapes))
+  layers = {}
+  for key, (t, s) in zip(keys, shapes.items()):
+    fan_in = math.prod(s["a"][1:-1])
+    bound = 1.0 / math.sqrt(fan_in)
+    layers[t] = {"a": jax.random.uniform(key, s["a"], jnp.float32, -bound, bound),
+                 "b": jnp.zeros(s["b"], jnp.float32)}
+  return {"layers": layers}
+
+
+def attach(base: Params, adapters: Params, scale: float) -> Params:
+  """The base's tree with each adapter pair beside its weight (layers/<t>_lora: a, and b
+  times the scale), for `forward` (differentiable in the adapters)."""
+  layers = dict(base["layers"])
+  for t, ab in adapters["layers"].items():
+    layers[t + "_lora"] = {"a": ab["a"], "b": ab["b"] * scale}
+  return {**base, "layers": layers}
+
+
+def delta(a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
+  """scale x A B in float32: [L, *in, r] x [L, r, *out] -> [L, *in, *out]."""
+  L, r = a.shape[0], a.shape[-1]
+  a2 = a.astype(jnp.float32).reshape(L, -1, r)
+  b2 = b.astype(jnp.float32).reshape(L, r, -1)
+  d = jnp.einsum("lir,lro->lio", a2, b2, precision=jax.lax.Precision.HIGHEST)
+  return (scale * d).reshape(*a.shape[:-1], *b.shape[2:])
+
+
+def merge(base: Params, adapters: Params, scale: float) -> Params:
+  """The base's tree with every target weight W + scale A B (summed in float32, stored in
+  W's dtype): the policy the adapters make, as the rollout, the export and the evaluation
+  take it."""
+  layers = dict(base["layers"])
+  for t, ab in adapters["layers"].items():
+    w = layers[t]
+    layers[t] = (w.astype(jnp.float32) + delta(ab["a"], ab["b"], scale)).astype(w.dtype)
+  return {**base, "layers": layers}
+
+
+def num_adapter_params(cfg: ModelConfig, lora: LoraConfig) -> int:
+  return sum(math.prod(s) for t in adapter_shapes(cfg, lora)["layers"].values()
+             for s in t.values())
+
+
+def peft_tensors(adapters: Params) -> dict[str, np.ndarray]:
+  """The adapters (host arrays) under PEFT's names for a Qwen2 / Qwen3 / Llama causal LM:
+  base_model.model.model.layers.<i>.<module>.lora_A.weight [r, in] and lora_B.weight
+  [out, r], in and out flattened in the order the Hugging Face weight's are (hf_io's map)."""
+  out = {}
+  for t, ab in adapters["layers"].items():
+    a, b = np.asarray(ab["a"], np.float32), np.asarray(ab["b"], np.float32)
+    r = a.shape[-1]
+    for i in range(a.shape[0]):
+      name = f"base_model.model.model.layers.{i}.{_HF_MODULE[t]}"
+      out[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, r).T)
+      out[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(r, -1).T)
+  return out
+
+
+def save_peft_adapter(path: str, adapters: Params, lora: LoraConfig, *, base_model: str) -> None:
+  """`path`/adapter_model.safetensors + adapter_config.json: the adapters as PEFT saves a
+  LoRA of a causal LM (`peft.PeftModel.from_pretrained(base, path)` loads them; vLLM and
+  SGLang serve them as LoRA adapters of `base_model`)."""
+  os.makedirs(path, exist_ok=True)
+  write_safetensors(os.path.join(path, "adapter_model.safetensors"), peft_tensors(adapters),
+                    metadata={"format": "pt"})
+  config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0, "bias": "none",
+            "target_modules": sorted(_HF_MODULE[t].split(".")[1] for t in lora.targets),
+            "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True,
+            "modules_to_save": None, "inference_mode": True}
+  with open(os.path.join(path, "adapter_config.json"), "w") as fh:
+    json.dump(config, fh, indent=2)
