@@ -579,21 +579,25 @@ def test_learner_first_step_runs_at_the_scheduled_lr(warmup):
     assert np.mean(np.abs(moved - lr) < 1e-2 * lr) > 0.5, np.percentile(moved, [10, 50, 90])
 
 
-@pytest.mark.parametrize("fsdp", [1, 8])
-def test_learner_compiles_each_micro_batch_shape_once(fsdp):
+@pytest.mark.parametrize("fsdp,lora_rank", [(1, 0), (8, 0), (8, 4)])
+def test_learner_compiles_each_micro_batch_shape_once(fsdp, lora_rank):
   """Over several RL steps of two mini-batches each, every micro-batch shape's old-log-prob
   pass and gradient step compile once: not again for the first micro-batch of a mini-batch
   (its metric sums came in uncommitted) nor after the first optimizer step (the params came
   out of it in another layout than init_learner put them in), nor for the first mini-batch's
   on-policy micro-batches (no old log-probs computed); nor in a second run of the process
   (a new learner of the same config: its own optimizer and mesh objects, as a notebook's next
-  run builds them). Counted by JAX's own log of what it compiles ("Compiling jit(...)": once
+  run builds them); with LoRA and a KL term, the reference (the base, zero adapters) in no
+  program of its own. Counted by JAX's own log of what it compiles ("Compiling jit(...)": once
   per XLA compile, whatever the persistent cache holds; its per-call dispatch cache may key one
   executable twice where two layouts are the same)."""
+  from tlt_jax.models.lora import LoraConfig
+  lora = LoraConfig(lora_rank) if lora_rank else None
+  gcfg = grpo.GRPOConfig(kl_coef=0.01 if lora else 0.0)
   mesh = make_mesh({"data": 1, "fsdp": fsdp, "tensor": 1}, devices=jax.devices()[:fsdp])
   tx = make_optimizer(1e-3, weight_decay=0.0, grad_clip=1.0)
-  spec = rl_learner.LearnerSpec(CFG, grpo.GRPOConfig(), tx, mesh, micro_batch=8, pad_multiple=8,
-                          micro_batch_tokens=64)
+  spec = rl_learner.LearnerSpec(CFG, gcfg, tx, mesh, micro_batch=8, pad_multiple=8,
+                                micro_batch_tokens=64, lora=lora)
   state = rl_learner.init_learner(init_params(CFG, jax.random.key(3), std=0.05), spec)
   rng = np.random.RandomState(0)
   shapes = set()
@@ -621,9 +625,10 @@ def test_learner_compiles_each_micro_batch_shape_once(fsdp):
         shapes |= {mb.tokens.shape for group in batches for mb in group}
         state, _ = rl_learner.update(state, rl_learner.prepare(state, batches, spec), spec)
       mesh = make_mesh({"data": 1, "fsdp": fsdp, "tensor": 1}, devices=jax.devices()[:fsdp])
-      spec = rl_learner.LearnerSpec(CFG, grpo.GRPOConfig(),
-                              make_optimizer(1e-3, weight_decay=0.0, grad_clip=1.0), mesh,
-                              micro_batch=8, pad_multiple=8, micro_batch_tokens=64)
+      spec = rl_learner.LearnerSpec(CFG, gcfg,
+                                    make_optimizer(1e-3, weight_decay=0.0, grad_clip=1.0), mesh,
+                                    micro_batch=8, pad_multiple=8, micro_batch_tokens=64,
+                                    lora=lora)
       state = rl_learner.init_learner(init_params(CFG, jax.random.key(4), std=0.05), spec)
       state, _ = rl_learner.update(state, rl_learner.prepare(state, batches, spec), spec)
   finally:

@@ -161,12 +161,17 @@ def load_model(cfg: ml_collections.ConfigDict, mesh=None, rows: Sequence[Any] = 
   """-> (ModelConfig, params, tokenizer, stop token ids); rows: the prompts it will answer
   (`stop_tokens`)."""
   from tlt_jax.models.hf_io import CheckpointFormatError, load_hf_model, load_tokenizer
+  # with LoRA the model is frozen and held in the compute dtype (models/lora.py): read it so,
+  # never as float32 master weights first
+  lora = bool((cfg.model.get("lora") or {}).get("rank", 0))
   try:
-    model_cfg, params = load_hf_model(cfg.model.path, dtype=cfg.model.dtype,
-                                      param_dtype=cfg.model.param_dtype, mesh=mesh)
+    model_cfg, params = load_hf_model(
+        cfg.model.path, dtype=cfg.model.dtype,
+        param_dtype=cfg.model.dtype if lora else cfg.model.param_dtype, mesh=mesh)
   except CheckpointFormatError as e:
     raise ConfigError(str(e), "model.path", in_config=True) from None
-  model_cfg = dataclasses.replace(model_cfg, remat=bool(cfg.model.get("remat", False)),
+  model_cfg = dataclasses.replace(model_cfg, param_dtype=cfg.model.param_dtype,
+                                  remat=bool(cfg.model.get("remat", False)),
                                   remat_policy=str(cfg.model.get("remat_policy", "full")),
                                   attention=str(cfg.model.get("attention", "auto")))
   if "data" in cfg and "rollout" in cfg:

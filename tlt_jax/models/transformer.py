@@ -20,6 +20,8 @@ Param layout (L layers, D hidden, N query heads, K kv heads, H head dim, F mlp, 
               mlp_norm [L, D]    gate, up [L, D, F]   down [L, F, D]
   final_norm  [D]
   lm_head     [D, V]   (absent when tie_word_embeddings: the head is embed.T)
+LoRA adapters attached for the learner's forward (lora.attach) sit beside their weights as
+  layers/<t>_lora = {a [L, *in, r], b [L, r, *out]} (`_proj`).
 """
 
 from __future__ import annotations

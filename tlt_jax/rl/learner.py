@@ -150,6 +150,11 @@ def prepare(state: LearnerState, batches: list[list[MicroBatch]], spec: LearnerS
   with ppo_epochs > 1 its old log-probs are computed too."""
   out = []
   shortcut = spec.gcfg.ppo_epochs == 1
+  reference = state.ref_params
+  if state.base is not None and spec.gcfg.kl_coef > 0:
+    # LoRA: the base is the reference, run with zero adapters (exactly the base: x W + 0):
+    # the same program as the policy's log-probs, not a second one per micro-batch shape
+    reference = policy_tree(jax.tree.map(jnp.zeros_like, state.params), state.base, spec)
   for k, group in enumerate(batches):
     prepared = []
     flag = np.bool_(k == 0 and shortcut)
@@ -157,10 +162,8 @@ def prepare(state: LearnerState, batches: list[list[MicroBatch]], spec: LearnerS
       tokens, positions, segments = (put_batch(x, spec.mesh)
                                      for x in (mb.tokens, mb.positions, mb.segment_ids))
       ref = None
-      if state.ref_params is not None:
-        ref = logprobs(state.ref_params, tokens, positions, segments, spec=spec)
-      elif state.base is not None and spec.gcfg.kl_coef > 0:  # (LoRA: the base is the reference)
-        ref = logprobs(state.base, tokens, positions, segments, spec=spec)
+      if reference is not None:
+        ref = logprobs(reference, tokens, positions, segments, spec=spec)
       mask = put_batch(mb.loss_mask, spec.mesh)
       if flag:  # a placeholder of the right shape and layout, never read
         old = mask
