@@ -219,8 +219,7 @@ def plan(spec, model_cfg, *, device: str | None = None, num_devices: int | None 
   mb = int(max_batch if max_batch is not None else spec.max_batch)
   e = spec.engine  # the cache geometry's owner (rollout/config.py)
   pages = int(kv_pages if kv_pages is not None else e.kv_pages or mb * e.row_pages)
-  lora = getattr(spec, "lora", None)
-  if lora is not None:  # the frozen base in the compute dtype (models/lora.py)
+  if spec.lora is not None:  # the frozen base in the compute dtype (models/lora.py)
     pbytes = DTYPE_BYTES[m.dtype]
   z = _Sizes(spec=spec, cfg=cfg, m=m, gpu=cap is not None, pbytes=pbytes,
              cbytes=DTYPE_BYTES[m.dtype], shapes=shapes, axes=axes, lmesh=lmesh,
@@ -244,8 +243,8 @@ KNOBS = {  # what to turn when a phase does not fit
 def _adapter_bytes(z: _Sizes) -> int:
   """LoRA's adapters per device (float32, sharded by their rules); 0 without LoRA."""
   from tlt_jax.models.lora import adapter_shapes
-  lora = getattr(z.spec, "lora", None)
-  return 0 if lora is None else sharded_bytes(adapter_shapes(z.m, lora), z.lmesh, 4)
+  return 0 if z.spec.lora is None else sharded_bytes(adapter_shapes(z.m, z.spec.lora), z.lmesh,
+                                                    4)
 
 
 def _learner_state(z: _Sizes) -> list[Item]:
@@ -253,7 +252,7 @@ def _learner_state(z: _Sizes) -> list[Item]:
   reference copy (KL), the gradient accumulator; with LoRA the frozen base (also the
   reference) and the adapters with their optimizer and gradients."""
   m, axes, learner = z.m, z.axes, z.learner
-  lora = getattr(z.spec, "lora", None)
+  lora = z.spec.lora
   if lora is not None:
     from tlt_jax.models.lora import adapter_shapes
     ad = _adapter_bytes(z)
@@ -365,7 +364,7 @@ def _learner_activations(z: _Sizes) -> list[Item]:
   embed_dev = z.learner - layers_dev
   # the stacked per-layer gradients the backward keeps: with LoRA the adapters' (the base's
   # weights take none)
-  grads_dev = _adapter_bytes(z) if getattr(z.spec, "lora", None) is not None else layers_dev
+  grads_dev = _adapter_bytes(z) if z.spec.lora is not None else layers_dev
   act = lambda n: n * cbytes  # activation elements (compute dtype)
   scores = 0 if (z.gpu and cbytes == 2) else b * n_l * T * T * 4  # f32 [T, T] per head
   head = b * chunk * v_l * 4  # one LM-head chunk of f32 logits
@@ -383,8 +382,8 @@ def _learner_activations(z: _Sizes) -> list[Item]:
   if m.remat and m.remat_policy == "dots":  # + every projection's output, per layer
     k_l = m.num_kv_heads // tp_l if m.num_kv_heads % tp_l == 0 else m.num_kv_heads
     saved = n_l * m.head_dim_ + 2 * k_l * m.head_dim_ + 3 * D + 2 * f_l
-    # (with LoRA each target's (x a) b is a saved dot output too: twice the projections')
-    saved *= 2 if getattr(z.spec, "lora", None) is not None else 1
+    if z.spec.lora is not None:  # each target's (x a) b is a saved dot output too
+      saved *= 2
     stored = L * (1.05 * act(t * D) + DOTS_SAVED * act(t * saved)) + 1.25 * grads_dev
     peak = max(6.0 * act(t * f_l) + 3.8 * scores + 12.0 * act(t * D),
                2.1 * head + 1.0 * embed_dev)

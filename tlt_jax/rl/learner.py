@@ -130,7 +130,7 @@ def put_batch(x: np.ndarray, mesh: Mesh) -> jax.Array:
 def logprobs(params: Params, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array,
              *, spec: LearnerSpec) -> jax.Array:
   """A packed micro-batch [b, T] -> log-probs [b, T] under `params`: the old (and reference)
-  log-probs, with the function the loss differentiates (the module docstring)."""
+  log-probs, with the function the loss differentiates (grpo.py's docstring)."""
   with jax.sharding.use_abstract_mesh(spec.mesh.abstract_mesh):  # a fused kernel per shard
     lp = token_logprobs(params, tokens, positions, segment_ids, cfg=spec.cfg,
                         temperature=spec.gcfg.temperature, chunk=spec.gcfg.logit_chunk)[0]
