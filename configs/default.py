@@ -61,8 +61,11 @@ def get_config():
   # ("all-linear", or some of q,k,v,o,gate,up,down / q_proj..down_proj) over the frozen
   # model, scaled by alpha / rank: the learner holds the base once in model.dtype and Adam
   # moments for the adapters alone, the base is the KL reference, the rollout decodes the
-  # merged weights; 0: the whole model is trained
-  c.model.lora = ml_collections.ConfigDict({"rank": 0, "alpha": 32.0, "targets": "all-linear"})
+  # merged weights; 0: the whole model is trained. init: a PEFT adapter directory (e.g. an SFT
+  # LoRA's, or `python -m tlt_jax.export`'s OUT/adapter) to start from instead of B = 0; its
+  # r, lora_alpha and target_modules must be rank, alpha and targets
+  c.model.lora = ml_collections.ConfigDict({"rank": 0, "alpha": 32.0, "targets": "all-linear",
+                                            "init": ""})
 
   # The per-device memory plan (tlt_jax/memory.py, scripts/plan_memory.py): the run refuses to
   # start when a phase does not fit. device: "" = this machine's (a GPU's allocator limit; no

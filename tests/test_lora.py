@@ -192,6 +192,54 @@ def test_learner_trains_the_adapters_alone_and_the_base_is_the_reference(tmp_pat
   assert jax.tree.structure(merged) == jax.tree.structure(params)
 
 
+def _peft_saved(model_dir: str, out: str, r: int, alpha: float, modules: list[str], seed: int):
+  """A LoRA adapter made and saved by PEFT itself (its B randomised: PEFT starts it at 0) on
+  the model in `model_dir`; returns the PEFT model (eval mode)."""
+  base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+  model = peft.get_peft_model(base, peft.LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0,
+                                                    target_modules=modules))
+  torch.manual_seed(seed)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "lora_B" in name:
+        p.normal_(0.0, 0.3)
+  model.save_pretrained(out)
+  return model.eval()
+
+
+def test_a_peft_adapter_is_read_as_peft_wrote_it(tmp_path):
+  """`load_peft_adapter` on adapters PEFT saved (Llama, attention biases, three of the seven
+  projections): our forward with them is PEFT's; one of ours saved and read back is itself;
+  an adapter of another rank, alpha or target set, or of options we lack, is one line."""
+  model_dir = str(tmp_path / "model")
+  _hf_model(model_dir, "llama", seed=4)
+  want_model = _peft_saved(model_dir, str(tmp_path / "adapter"), 4, 8.0,
+                           ["q_proj", "o_proj", "up_proj"], seed=1)
+  cfg, base = load_hf_model(model_dir)
+  lo = lora.LoraConfig(4, 8.0, ("q", "o", "up"))
+  ad = lora.load_peft_adapter(str(tmp_path / "adapter"), cfg, lo)
+  with torch.no_grad():
+    want = want_model(torch.tensor(TOKENS, dtype=torch.long)).logits.numpy()
+  got = forward(lora.attach(base, ad, lo.scale), jnp.asarray(TOKENS),
+                jnp.arange(TOKENS.shape[1])[None], cfg=cfg).logits
+  assert _rel(got, want) <= F32_TOL
+  lora.save_peft_adapter(str(tmp_path / "ours"), ad, lo, base_model=model_dir)
+  again = lora.load_peft_adapter(str(tmp_path / "ours"), cfg, lo)
+  for x, y in zip(jax.tree.leaves(ad), jax.tree.leaves(again)):
+    np.testing.assert_array_equal(x, y)
+  for other, words in ((lora.LoraConfig(8, 8.0, ("q", "o", "up")), "r=4, lora_alpha=8"),
+                       (lora.LoraConfig(4, 16.0, ("q", "o", "up")), "model.lora.alpha=8"),
+                       (lora.LoraConfig(4, 8.0), "model.lora.targets=q,o,up")):
+    with pytest.raises(ValueError, match=words):
+      lora.load_peft_adapter(str(tmp_path / "adapter"), cfg, other)
+  conf = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
+  (tmp_path / "ours" / "adapter_config.json").write_text(json.dumps({**conf, "use_dora": True}))
+  with pytest.raises(ValueError, match="uses use_dora, which tlt_jax's LoRA does not"):
+    lora.load_peft_adapter(str(tmp_path / "ours"), cfg, lo)
+  with pytest.raises(ValueError, match="is not a PEFT adapter directory"):
+    lora.load_peft_adapter(model_dir, cfg, lo)
+
+
 # ------------------------------------------------------------------------------ through a run
 # a reward of the text alone, which differs between a random model's samples (the task's
 # own reward is 0 for all of them: no advantage, nothing learned)
@@ -303,3 +351,32 @@ def test_a_resume_names_a_lora_change_and_ignores_its_settings_while_off(tmp_pat
   assert workdir.config_changes(cfg_of(alpha=16.0, targets="q,v")) == []
   assert workdir.config_changes(cfg_of(rank=8, alpha=16.0)) == [
       ("model.lora.rank", 0, 8), ("model.lora.alpha", 32.0, 16.0)]
+
+
+def test_a_run_starts_from_a_peft_adapter(tmp_path):
+  """model.lora.init: the run's first policy is the base with the adapter (the rollout's
+  merged weights: PEFT's logits), and one that does not fit is one line naming the key."""
+  from tlt_jax.run import build
+  model_dir = str(tmp_path / "model")
+  _hf_model(model_dir, "qwen2", seed=6)
+  want_model = _peft_saved(model_dir, str(tmp_path / "sft"), 4, 8.0, ["q_proj", "k_proj",
+                                                                     "v_proj", "o_proj",
+                                                                     "gate_proj", "up_proj",
+                                                                     "down_proj"], seed=2)
+  run, state = build(_spec(tmp_path / "run", model_dir,
+                           **{"model.lora.init": str(tmp_path / "sft")}))
+  try:
+    cfg, _ = load_hf_model(model_dir)
+    first = forward(rl_learner.policy_params(state.learner, run.learner), jnp.asarray(TOKENS),
+                    jnp.arange(TOKENS.shape[1])[None], cfg=cfg).logits
+    with torch.no_grad():
+      want = want_model(torch.tensor(TOKENS, dtype=torch.long)).logits.numpy()
+    assert _rel(first, want) <= F32_TOL
+  finally:
+    run.coordinator.close()
+  with pytest.raises(ConfigError, match=r"^config.model.lora.init=.* set model.lora.rank=4, "):
+    build(_spec(tmp_path / "run2", model_dir, **{"model.lora.init": str(tmp_path / "sft"),
+                                                 "model.lora.rank": 8}))
+  with pytest.raises(ConfigError, match="an adapter to start from needs LoRA"):
+    _spec(tmp_path / "run3", model_dir, **{"model.lora.init": str(tmp_path / "sft"),
+                                           "model.lora.rank": 0})

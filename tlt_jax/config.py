@@ -425,6 +425,8 @@ def lora_config(cfg: ml_collections.ConfigDict) -> LoraConfig | None:
   check(isinstance(rank, int) and rank >= 0, "model.lora.rank", rank,
         "LoRA's rank: a positive integer (8-64 is usual), or 0 to train the whole model")
   if not rank:
+    check(not lo.get("init"), "model.lora.init", lo.get("init"),
+          "an adapter to start from needs LoRA: set model.lora.rank (the adapter's r)")
     return None
   check(isinstance(alpha, (int, float)) and alpha > 0, "model.lora.alpha", alpha,
         "must be > 0 (the update is scaled by alpha / rank)")

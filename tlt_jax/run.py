@@ -205,13 +205,21 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
   print(f"learner: packed micro-batches (grpo.micro_batch_tokens="
         f"{cfg.grpo.micro_batch_tokens}, {rows}: grpo.row_layout={cfg.grpo.row_layout}), "
         f"attention: {why}", file=sys.stderr)
-  learner = rl_learner.init_learner(params, lspec, seed=cfg.seed)
-  del params
+  adapters = start = None
+  if lspec.lora is not None and cfg.model.lora.get("init", ""):  # a PEFT adapter to go on from
+    start = os.path.expanduser(cfg.model.lora.init)
+    try:
+      adapters = lora.load_peft_adapter(start, model_cfg, lspec.lora)
+    except ValueError as e:
+      raise ConfigError(str(e), "model.lora.init", start, in_config=True) from None
+  learner = rl_learner.init_learner(params, lspec, seed=cfg.seed, adapters=adapters)
+  del params, adapters
   if lspec.lora is not None:
     lo = lspec.lora
     print(f"learner: LoRA rank {lo.rank} (alpha {lo.alpha:g}) on {', '.join(lo.targets)}: "
           f"{lora.num_adapter_params(model_cfg, lo) / 1e6:.2f}M trained parameters, the "
-          f"{num_params(model_cfg) / 1e6:.1f}M of the base frozen", file=sys.stderr)
+          f"{num_params(model_cfg) / 1e6:.1f}M of the base frozen"
+          + (f"; the adapters from {start}" if start else ""), file=sys.stderr)
 
   # ---------------------------------------------- TLT: drafter, its data, the bandit
   rollout_mesh, local = runtime.worker_meshes(cfg)  # replicas: all, and this process's

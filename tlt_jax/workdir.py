@@ -76,7 +76,7 @@ def _hold(workdir: str) -> str | None:
 # same run (said, check_resume; the drafter is restored where the checkpoint holds one).
 LEARNING_KEYS = (
     "seed", "model.path", "model.architecture", "model.dtype", "model.param_dtype",
-    "model.lora.rank", "model.lora.alpha", "model.lora.targets",
+    "model.lora.rank", "model.lora.alpha", "model.lora.targets", "model.lora.init",
     "data.train_path", "data.train_weights", "data.shuffle", "data.prompt_key", "data.answer_key",
     "data.source_key", "data.max_prompt_len", "data.chat_template", "data.system_prompt",
     "reward.name", "reward.overlong_buffer", "reward.overlong_penalty", "grpo.drop_truncated",
@@ -96,6 +96,7 @@ ACTIVE_WHEN = {
     "grpo.rollout_is_cap": lambda c: bool(c.get("grpo.rollout_is")),
     "model.lora.alpha": lambda c: (c.get("model.lora.rank") or 0) > 0,
     "model.lora.targets": lambda c: (c.get("model.lora.rank") or 0) > 0,
+    "model.lora.init": lambda c: (c.get("model.lora.rank") or 0) > 0,
 }
 
 
@@ -115,7 +116,7 @@ def _local_path(key: str, value: Any) -> bool:
   """Whether the config's `key` ("data.train_path") holds a local file or directory it reads."""
   return (isinstance(value, str) and bool(value) and "://" not in value
           and not value.startswith("init:")  # (tlt.drafter.init's other form)
-          and (key.endswith("path") or key == "tlt.drafter.init"))
+          and (key.endswith("path") or key in ("tlt.drafter.init", "model.lora.init")))
 
 
 def _absolute(key: str, value: Any, resolve=os.path.abspath) -> Any:

@@ -168,3 +168,56 @@ def save_peft_adapter(path: str, adapters: Params, lora: LoraConfig, *, base_mod
             "modules_to_save": None, "inference_mode": True}
   with open(os.path.join(path, "adapter_config.json"), "w") as fh:
     json.dump(config, fh, indent=2)
+
+
+def load_peft_adapter(path: str, cfg: ModelConfig, lora: LoraConfig) -> Params:
+  """A PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors: what
+  `PeftModel.save_pretrained` and `save_peft_adapter` write) as our adapters (float32 host
+  arrays). ValueError, one line naming the fix, where it is not one we can continue: another
+  rank, alpha or set of targets than `lora`, or options we do not implement (rsLoRA, DoRA,
+  trained biases, per-layer ranks, layers left out)."""
+  from tlt_jax.models.safetensors_io import mmap_safetensors
+  conf_path = os.path.join(path, "adapter_config.json")
+  weights = os.path.join(path, "adapter_model.safetensors")
+  if not (os.path.isfile(conf_path) and os.path.isfile(weights)):
+    raise ValueError("is not a PEFT adapter directory (adapter_config.json and "
+                     "adapter_model.safetensors)")
+  with open(conf_path) as fh:
+    conf = json.load(fh)
+  if conf.get("peft_type", "LORA") != "LORA":
+    raise ValueError(f"holds a {conf.get('peft_type')} adapter, not LoRA")
+  unsupported = [k for k in ("use_rslora", "use_dora") if conf.get(k)]
+  unsupported += [k for k in ("rank_pattern", "alpha_pattern", "layers_to_transform",
+                              "modules_to_save") if conf.get(k)]
+  if conf.get("bias", "none") != "none":
+    unsupported.append(f"bias={conf['bias']!r}")
+  if unsupported:
+    raise ValueError(f"uses {', '.join(unsupported)}, which tlt_jax's LoRA does not implement")
+  modules = conf.get("target_modules") or []
+  targets = parse_targets(",".join(modules) if isinstance(modules, list) else str(modules))
+  theirs = (int(conf.get("r", 0)), float(conf.get("lora_alpha", 0)), targets)
+  if theirs != (lora.rank, lora.alpha, lora.targets):
+    raise ValueError(f"was trained with r={theirs[0]}, lora_alpha={theirs[1]:g}, targets "
+                     f"{','.join(targets)}: set model.lora.rank={theirs[0]}, "
+                     f"model.lora.alpha={theirs[1]:g}, model.lora.targets={','.join(targets)}")
+  tensors = mmap_safetensors(weights)
+  shapes = adapter_shapes(cfg, lora)["layers"]
+  layers = {}
+  for t, s in shapes.items():
+    a = np.zeros(s["a"], np.float32)
+    b = np.zeros(s["b"], np.float32)
+    r = lora.rank
+    for i in range(s["a"][0]):
+      name = f"base_model.model.model.layers.{i}.{_HF_MODULE[t]}"
+      try:
+        ta, tb = tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"]
+      except KeyError as e:
+        raise ValueError(f"has no tensor {e.args[0]}: not an adapter of this model "
+                         "(model.path)") from None
+      if ta.shape != (r, a[i].size // r) or tb.shape != (b[i].size // r, r):
+        raise ValueError(f"{name}: lora_A {tuple(ta.shape)}, lora_B {tuple(tb.shape)} do not "
+                         "fit this model (model.path)")
+      a[i] = np.asarray(ta, np.float32).T.reshape(s["a"][1:])
+      b[i] = np.asarray(tb, np.float32).T.reshape(s["b"][1:])
+    layers[t] = {"a": a, "b": b}
+  return {"layers": layers}

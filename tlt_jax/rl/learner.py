@@ -91,17 +91,20 @@ def _state_constraint(tree, mesh: Mesh):
   return jax.lax.with_sharding_constraint(tree, tree_shardings(tree, mesh))
 
 
-def init_learner(params: Params, spec: LearnerSpec, seed: int = 0) -> LearnerState:
+def init_learner(params: Params, spec: LearnerSpec, seed: int = 0,
+                 adapters: Params | None = None) -> LearnerState:
   """Params (anywhere) -> a fresh state on the learner mesh. With LoRA the params become the
   frozen base (cast to the compute dtype, which every forward casts them to anyway) and the
-  trained params fresh adapters (`seed`: their A's draw; B = 0, so the policy is the base)."""
+  trained params `adapters` (e.g. lora.load_peft_adapter's), or fresh ones (`seed`: their A's
+  draw; B = 0, so the policy is the base)."""
   base = None
   if spec.lora is not None:
     dt = spec.cfg.compute_dtype
     base = jax.device_put(params, tree_shardings(params, spec.mesh))
     base = jax.jit(lambda p: _state_constraint(jax.tree.map(lambda a: a.astype(dt), p),
                                                spec.mesh))(base)
-    params = lora.init_adapters(spec.cfg, spec.lora, jax.random.key(seed))
+    params = (lora.init_adapters(spec.cfg, spec.lora, jax.random.key(seed)) if adapters is None
+              else adapters)
   params = jax.device_put(params, tree_shardings(params, spec.mesh))
   # ...in the layout every update returns (`_state_constraint`'s output: a jit writes P() where
   # device_put kept P(None,)): the learner's jitted steps key their executables on it, and
