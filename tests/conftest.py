@@ -69,7 +69,7 @@ from tlt_jax.rollout import executables  # noqa: E402
 _FILE_SECONDS = {
     "test_speculative.py": 346, "test_train.py": 279, "test_history_spec.py": 248,
     "test_gpu_check.py": 242, "test_rollout.py": 215, "test_drafter.py": 167,
-    "test_multihost.py": 164, "test_acceptance.py": 155, "test_bench_model.py": 141,
+    "test_multihost.py": 225, "test_acceptance.py": 155, "test_bench_model.py": 141,
     "test_mab.py": 131, "test_grpo.py": 103, "test_models.py": 99, "test_export.py": 94,
     "test_generate_cli.py": 91, "test_verify_kernel.py": 81, "test_plan_sim.py": 81,
     "test_notebook.py": 56, "test_distributed.py": 52, "test_checkpoint.py": 51,

@@ -171,3 +171,35 @@ def test_sigterm_to_one_process_stops_every_process_after_the_same_step(tmp_path
         "command resumes from it"), describe(results)
   assert [m["step"] for m in _metrics(run)] == [1, 2]
   assert max(int(p) for p in os.listdir(os.path.join(run, "checkpoints")) if p.isdigit()) == 2
+
+
+def test_two_processes_train_lora_like_one(tmp_path):
+  """LoRA across processes (models/lora.py): the adapters initialised, stepped and
+  checkpointed on the 8-device learner mesh from two processes, the merged weights synced to
+  the two 4-way tensor-parallel replicas, one per process: the same losses, rewards and
+  checkpointed adapters as one process."""
+  lora = ["--config.model.lora.rank=4", "--config.model.lora.alpha=8.0",
+          "--config.optim.lr=1e-3"]
+
+  def reward(run):  # by the text from the first call: the groups have signal, the policy moves
+    return "--config.reward.name=" + counting_reward(tmp_path, run, first=0, later="text")
+  one = str(tmp_path / "one")
+  ref = _single(one, *lora, reward("one"))
+  assert ref.returncode == 0, ref.stderr[-3000:]
+  two = str(tmp_path / "two")
+  results = launch("tlt_jax.train", 2, devices_per_process=4,
+                   args=[*ARGS, *lora, reward("two"), "--workdir", two], timeout=900)
+  assert all(r.returncode == 0 for r in results), describe(results)
+  a, b = _metrics(one), _metrics(two)
+  assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2]
+  for ma, mb in zip(a, b):
+    assert ma["tokens"] == mb["tokens"] and ma["reward"] == mb["reward"]
+    for k in ("loss", "pg_loss", "grad_norm", "rollout_prob_diff"):
+      np.testing.assert_allclose(mb["loss"][k], ma["loss"][k], rtol=1e-5, atol=1e-7,
+                                 err_msg=f"step {ma['step']} {k}")
+  assert a[1]["loss"]["rollout_prob_diff"] < 1e-5  # the rollout decoded the learner's policy
+  pa, pb = _params(one), _params(two)
+  assert pa.keys() == pb.keys() and any(k.endswith("/b") for k in pa)
+  for k in pa:
+    np.testing.assert_allclose(pb[k], pa[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  assert max(float(np.max(np.abs(v))) for k, v in pa.items() if k.endswith("/b")) > 0
