@@ -8,6 +8,7 @@ import glob
 import json
 import os
 import struct
+import time
 import zlib
 
 _BLOCK = 32768
@@ -42,10 +43,27 @@ def raw_records(path: str):
       raise AssertionError(f"{path}: record type {kind} at byte {pos}")
 
 
-def read_run(run_dir: str) -> dict:
-  """An offline run's folder (`<dir>/wandb/offline-run-*-<id>`) as {"id", "job_type", "group",
-  "config", "history": [{key: value}...] in order, "exit_code"}: each history row's items by key
-  (a nested one slash-joined: a table is `<key>/path`, `<key>/_type`, ...: `table_rows`)."""
+def read_run(run_dir: str, timeout: float = 60.0) -> dict:
+  """A finished offline run's folder (`<dir>/wandb/offline-run-*-<id>`) as {"id", "job_type",
+  "group", "config", "history": [{key: value}...] in order, "exit_code"}: each history row's
+  items by key (a nested one slash-joined: a table is `<key>/path`, `<key>/_type`, ...:
+  `table_rows`). wandb's service writes the log from its own process, and `finish()` has
+  returned before the file held its records (once in CI, on a loaded machine: not even the
+  run's first record was there): the file is read again until its exit record is in it, up
+  to `timeout` seconds (then as it is)."""
+  deadline = time.monotonic() + timeout
+  while True:
+    try:
+      out = _parse_run(run_dir)
+      if out["exit_code"] is not None or time.monotonic() > deadline:
+        return out
+    except (AssertionError, ValueError):  # (the file, or a record of it, still being written)
+      if time.monotonic() > deadline:
+        raise
+    time.sleep(0.2)
+
+
+def _parse_run(run_dir: str) -> dict:
   from wandb.proto import wandb_internal_pb2 as pb
   (path,) = glob.glob(os.path.join(run_dir, "run-*.wandb"))
   out = {"id": None, "job_type": None, "group": None, "config": {}, "history": [],
