@@ -37,15 +37,23 @@ def reason(error: BaseException) -> str:
 
 
 def check_array_files(item_dir: str) -> None:
-  """Raises Damaged if a file of the item's array store (OCDBT: its manifests and the data
-  files under `d/` directories) is empty: what a crash leaves of a write whose directory entry
-  landed before its data (e.g. ext4's delayed allocation, a power cut). No OCDBT file is empty
-  when whole. Checked before Orbax reads (its metadata read opens the arrays too), which on
-  such a file fails mid-read and leaves its other TensorStore reads running past its closed
-  event loop. Local paths only (a listing of a bucket is slow; there Orbax's own read reports
-  the damage)."""
-  if "://" in item_dir:
+  """Raises Damaged if the item's array store (OCDBT) holds data but not its root manifest
+  (a file lost), or if one of its files (the manifests, the data files under `d/` directories)
+  is empty: what a crash leaves of a write whose directory entry landed before its data (e.g.
+  ext4's delayed allocation, a power cut). No OCDBT file is empty when whole, and a finalized
+  store with data has `manifest.ocdbt` at its root (the per-process stores are merged into
+  it). Checked before Orbax reads (its metadata read opens the arrays too), which on such a
+  store fails mid-read and leaves its other TensorStore reads running past its closed event
+  loop, reporting from TensorStore's threads. Local paths only (a listing of a bucket is
+  slow; there Orbax's own read reports the damage)."""
+  if "://" in item_dir or not os.path.isdir(item_dir):
     return
+  names = os.listdir(item_dir)
+  if "manifest.ocdbt" not in names and any(n == "d" or n.startswith("ocdbt.process_")
+                                           for n in names):
+    raise Damaged("reading its arrays", FileNotFoundError(
+        f"{os.path.join(item_dir, 'manifest.ocdbt')} is missing (its array store has data: "
+        "a file lost)"))
   for root, _, files in os.walk(item_dir):
     for f in sorted(files):
       if (f == "manifest.ocdbt" or os.path.basename(root) == "d") and \
