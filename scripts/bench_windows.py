@@ -37,7 +37,8 @@ def main(argv=None) -> int:
   ints = lambda s: [int(x) for x in s.split(",") if x]
 
   from tlt_jax.bench.windows import SCHEMES, attention_step, count
-  from tlt_jax.config import load_config_file, model_config, run_spec
+  from tlt_jax.config import load_config_file, run_spec
+  from tlt_jax.runtime import model_config
 
   print("| config | speculative (bucket, arm) pairs | cache slots | " + " | ".join(
       f"{s}: windows / executables" for s in SCHEMES) + " |")

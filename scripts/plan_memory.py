@@ -25,8 +25,9 @@ import sys
 
 def main(argv):
   del argv
-  from tlt_jax import memory, runtime
-  from tlt_jax.config import model_config, run_spec
+  from tlt_jax import memory, memory_phases, runtime
+  from tlt_jax.config import run_spec
+  from tlt_jax.runtime import model_config
   from tlt_jax.errors import ConfigError
   cfg = _CONFIG.value
   runtime.setup_jax(cfg)  # the CPU device count a CPU config asks for
@@ -41,7 +42,7 @@ def main(argv):
     sized = " (sized from memory)"
   p = memory.plan(spec, model_cfg, device=device, num_devices=n)
   print(f"{cfg.model.get('architecture') or cfg.model.path}: {p.num_devices} x {p.device}, "
-        f"learner mesh {memory.learner_axes(cfg, n)}, "
+        f"learner mesh {memory_phases.learner_axes(cfg, n)}, "
         f"{cfg.rollout.num_workers} rollout replicas x {cfg.rollout.tensor_parallel} device(s), "
         f"rollout.max_batch={p.max_batch}, rollout.kv_pages={p.kv_pages}{sized}")
   print(p.table())

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import pytest
 
 from tlt_jax import config as config_lib
-from tlt_jax import memory, runtime
+from tlt_jax import memory, memory_phases, runtime
 from tlt_jax.errors import ConfigError
 from tlt_jax import models as tf
 from tlt_jax.models.config import ModelConfig
@@ -63,8 +63,8 @@ def test_sharded_param_bytes_equal_placed_arrays(fsdp, tensor):
   mesh = make_mesh((1, fsdp, tensor), jax.devices()[:8])
   params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tf.abstract_params(m))
   placed = jax.device_put(params, tree_shardings(params, mesh))
-  fake = memory._mesh(fsdp=fsdp, tensor=tensor)
-  assert memory.sharded_bytes(tf.param_shapes(m), fake, 4) == _per_device_bytes(placed)
+  fake = memory_phases.stand_in_mesh(fsdp=fsdp, tensor=tensor)
+  assert memory_phases.sharded_bytes(tf.param_shapes(m), fake, 4) == _per_device_bytes(placed)
 
 
 def test_kv_cache_and_replica_weights_match_the_compiled_decode_step():
@@ -156,7 +156,7 @@ def test_learner_activation_estimates_against_memory_analysis(shape):
 def test_cluster_configs_fit_their_gpus(name):
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", name))
   assert cfg.memory.num_devices == CLUSTER_CONFIGS[name]
-  m = config_lib.model_config(cfg)  # the shipped architecture: the model path is not here
+  m = runtime.model_config(cfg)  # the shipped architecture: the model path is not here
   spec = config_lib.run_spec(cfg)
   mb, pages = memory.derive_max_batch(spec, m)
   assert mb >= 16  # a useful rollout batch per replica, sized from memory
@@ -171,7 +171,7 @@ def test_cluster_configs_fit_their_gpus(name):
 def test_max_batch_zero_is_sized_to_fill_the_rollout_phase():
   cfg = _cfg(**{"memory.device": "0.6gb", "rollout.max_batch": 0,
                 "rollout.buckets": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)})
-  m = config_lib.model_config(cfg)
+  m = runtime.model_config(cfg)
   spec = config_lib.run_spec(cfg)
   mb, pages = memory.derive_max_batch(spec, m)
   assert 8 < mb < 1024 and mb % 8 == 0
@@ -192,7 +192,7 @@ def test_impossible_config_is_refused_in_one_line():
   cfg = _cfg(**{"memory.device": "0.05gb"})
   with pytest.raises(ConfigError, match=r"^memory: the rollout phase needs .* GiB per device, "
                      r".* usable on 0.05gb .*: lower rollout.max_batch"):
-    runtime.resolve(config_lib.run_spec(cfg), config_lib.model_config(cfg))
+    runtime.resolve(config_lib.run_spec(cfg), runtime.model_config(cfg))
 
 
 def test_train_refuses_to_start_when_a_phase_does_not_fit(tmp_path):
@@ -234,7 +234,7 @@ def test_paged_kv_sizes_the_7b_plan_by_live_tokens():
   4x as many, their pages counted in the plan; at rows of max length the pool holds every row
   at its longest."""
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "qwen2_5_7b_math.py"))
-  m = config_lib.model_config(cfg)
+  m = runtime.model_config(cfg)
   assert cfg.rollout.mean_live_tokens == 2048
   mb, pages = memory.derive_max_batch(config_lib.run_spec(cfg), m)
   assert mb >= 4 * 48, mb
@@ -342,7 +342,7 @@ def test_lora_puts_the_7b_recipe_on_one_h100():
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "qwen2_5_7b_math.py"))
   cfg.memory.num_devices = 1
   cfg.rollout.num_workers = 1
-  m = config_lib.model_config(cfg)
+  m = runtime.model_config(cfg)
   with pytest.raises(ConfigError, match="not one sequence fits the rollout phase"):
     memory.derive_max_batch(config_lib.run_spec(cfg), m)
   cfg.model.lora.rank = 64

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tlt_jax import memory
+from tlt_jax import memory_phases
 from tlt_jax.models import forward as model_forward
 from tlt_jax.models import init_cache
 from tlt_jax.models.config import ModelConfig
@@ -34,9 +34,9 @@ def test_weights_read_are_the_layouts_per_device_params(name, tp):
   final norm, per device of a tp-way replica as the sharding rules split them."""
   cfg = CFGS[name]
   shapes = param_shapes(cfg)
-  mesh = memory._mesh(tensor=tp)
-  want = memory.sharded_bytes({"layers": shapes["layers"]}, mesh, 1)
-  want += memory.sharded_bytes({"lm_head": (cfg.hidden_size, cfg.vocab_size)}, mesh, 1)
+  mesh = memory_phases.stand_in_mesh(tensor=tp)
+  want = memory_phases.sharded_bytes({"layers": shapes["layers"]}, mesh, 1)
+  want += memory_phases.sharded_bytes({"lm_head": (cfg.hidden_size, cfg.vocab_size)}, mesh, 1)
   got = cfg.num_layers * cost.layer_weights(cfg, tp) + cost.head_weights(cfg, tp)
   assert got == want
 

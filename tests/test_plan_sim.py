@@ -374,9 +374,10 @@ def test_lora_is_priced_without_the_weights_gradient():
   from tlt_jax.models.lora import num_adapter_params
   from tlt_jax.plan.sim import Simulation
   from tlt_jax.plan.workload import Acceptance, Lengths
+  from tlt_jax.runtime import model_config
   c = config_lib.load_config_file(os.path.join(ROOT, "configs", "qwen2_5_7b_math.py"))
   c.model.lora.rank = 8
-  spec, m = config_lib.run_spec(c), config_lib.model_config(c)
+  spec, m = config_lib.run_spec(c), model_config(c)
   sim = Simulation(spec.with_max_batch(16), m, hw, workers=1, tp=1, gpus=8,
                    lengths=Lengths("lognormal", 100.0, 0.5), acceptance=Acceptance(),
                    compile_s=0.0)
@@ -393,8 +394,9 @@ def test_plan_command_on_the_7b_recipe(tmp_path):
   # the recipe's memory plan as a run derives it (its correctness: test_memory.py)
   from tlt_jax import config as config_lib
   from tlt_jax import memory
+  from tlt_jax.runtime import model_config
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "qwen2_5_7b_math.py"))
-  mb, pages = memory.derive_max_batch(config_lib.run_spec(cfg), config_lib.model_config(cfg))
+  mb, pages = memory.derive_max_batch(config_lib.run_spec(cfg), model_config(cfg))
   assert f"8 x h100, 8 rollout workers x tp 1, max_batch {mb}, {pages} KV pages" in r.stdout
   assert "| **step** |" in r.stdout and "TLT on vs off:" in r.stdout
   p = json.loads((out / "plan.json").read_text())

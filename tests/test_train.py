@@ -562,7 +562,7 @@ def test_resume_with_spot_training_and_the_bandit_restores_every_state(tmp_path)
   same distribution; what must hold is that every state comes back: the bandit's windows and
   RNG, the drafter and its optimizer, the actor, the data position."""
   from tlt_jax.run import build
-  from tlt_jax.run import restore
+  from tlt_jax.run_checkpoint import restore
   from tlt_jax.train import train
   first, state = _build_drafter_compiled(_small_cfg(tmp_path, 3))  # chunks that compile reward
   state, _ = train(first, state, progress=False)  # no arm: 3 steps
@@ -583,7 +583,7 @@ def test_speculation_gate_reports_and_resumes(tmp_path):
   persistent cache makes it: the rule itself is test_payoff.py's); a resumed run continues
   from the saved verdicts and ledger."""
   from tlt_jax.run import build
-  from tlt_jax.run import restore
+  from tlt_jax.run_checkpoint import restore
   gate = {"tlt.spec.gate.enabled": True, "tlt.spec.gate.min_chunks": 1,
           "tlt.spec.gate.payback": 1e-9}
   first, last = _run(_small_cfg(tmp_path, 2, **gate))
@@ -608,7 +608,8 @@ def test_tlt_switched_on_then_off_between_restarts_continues_the_run(tmp_path, c
   with TLT on (the learner, optimizer and data position restored, the drafter a new run's,
   the bandit fresh; the step speculates), and that checkpoint, drafter and all, resumes with
   TLT off (its drafter not read)."""
-  from tlt_jax.run import build, restore
+  from tlt_jax.run import build
+  from tlt_jax.run_checkpoint import restore
   from tlt_jax.train import train
   off = {"tlt.enabled": False}
   first, one = _run(_small_cfg(tmp_path, 1, **off))

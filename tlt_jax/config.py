@@ -18,7 +18,6 @@ import dataclasses
 import difflib
 import functools
 import importlib.util
-import json
 import os
 import sys
 from typing import Any, Callable, Iterable
@@ -36,8 +35,9 @@ from tlt_jax.errors import (ConfigError, build, check, check_finite, config_file
                             section_values)
 from tlt_jax.data.prompts import train_weights
 from tlt_jax.memory import device_bytes
-from tlt_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES, ModelConfig
-from tlt_jax.models.lora import LoraConfig, parse_targets
+from tlt_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
+from tlt_jax.models.lora import LoraConfig
+from tlt_jax.models.lora import from_settings as lora_settings
 from tlt_jax.rl.batching import ROW_LAYOUTS
 from tlt_jax.rl.advantages import ADV_ESTIMATORS
 from tlt_jax.rl.grpo import GRPOConfig
@@ -431,36 +431,6 @@ def lora_config(cfg: ml_collections.ConfigDict) -> LoraConfig | None:
   check(isinstance(alpha, (int, float)) and alpha > 0, "model.lora.alpha", alpha,
         "must be > 0 (the update is scaled by alpha / rank)")
   try:
-    return LoraConfig(rank, float(alpha), parse_targets(str(lo.get("targets", "all-linear"))))
+    return lora_settings(lo)
   except ValueError as e:
     raise ConfigError(str(e), "model.lora.targets", lo.get("targets"), in_config=True) from None
-
-
-def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:
-  """The ModelConfig of config.model.path's config.json (no weights are read); where that
-  directory is not on this machine (planning a cluster run from a laptop), the architecture
-  shipped under assets/architectures/ that config.model.architecture names."""
-  path = os.path.join(cfg.model.path, "config.json")
-  arch = cfg.model.get("architecture", "")
-  if not os.path.isfile(path) and arch:
-    path = asset_path("architectures", f"{arch}.json")
-    if not os.path.isfile(path):
-      known = sorted(f[:-5] for f in os.listdir(asset_path("architectures")))
-      raise ConfigError(f"is not shipped; use one of {known} or point config.model.path at a "
-                        "model directory", "model.architecture", arch, in_config=True)
-  if not os.path.isfile(path):
-    raise ConfigError("has no config.json; point it at a local Hugging Face model directory "
-                      "(or set config.model.architecture)", "model.path", cfg.model.path,
-                      in_config=True)
-  kw = dict(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
-            remat=bool(cfg.model.get("remat", False)),
-            remat_policy=str(cfg.model.get("remat_policy", "full")),
-            attention=str(cfg.model.get("attention", "auto")))
-  if os.path.basename(path) != "config.json":  # a shipped architecture
-    with open(path) as f:
-      return ModelConfig.from_hf_dict(json.load(f), source=path, **kw)
-  from tlt_jax.models.hf_io import CheckpointFormatError, load_hf_config
-  try:  # (an unsupported or broken config.json: one line, as the weights' loader says it)
-    return load_hf_config(os.path.dirname(path), **kw)
-  except CheckpointFormatError as e:
-    raise ConfigError(str(e), "model.path", in_config=True) from None

@@ -208,15 +208,6 @@ class Exported(NamedTuple):
   adapter: str | None = None  # a LoRA run's adapters in PEFT's format (None: no LoRA)
 
 
-def _lora(model: dict[str, Any]) -> lora.LoraConfig | None:
-  """The run's config.model.lora (its config.json's, checked when it ran); None: rank 0."""
-  lo = model.get("lora") or {}
-  if not lo.get("rank"):
-    return None
-  return lora.LoraConfig(int(lo["rank"]), float(lo.get("alpha", 32.0)),
-                         lora.parse_targets(str(lo.get("targets", "all-linear"))))
-
-
 def export_run(workdir: str, *, step: int | None = None, out: str | None = None,
                dtype: str | None = None, engine: str | None = None,
                max_shard_bytes: int = MAX_SHARD_BYTES) -> Exported:
@@ -275,7 +266,7 @@ def export_run(workdir: str, *, step: int | None = None, out: str | None = None,
         drafter_export.check_engine(cfg, engine)
       # the actor over every device of every process, as the learner holds it
       mesh = make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
-      lo = _lora(m)
+      lo = lora.from_settings(m.get("lora") or {})
       shapes = abstract_params(cfg)
       if lo is not None:  # the checkpoint's actor: the adapters (models/lora.py)
         shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jax.numpy.float32),

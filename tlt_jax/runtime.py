@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import sys
 from typing import Any, Sequence
@@ -15,8 +16,9 @@ from typing import Any, Sequence
 import ml_collections
 
 from tlt_jax import memory, workdir
-from tlt_jax.config import RunSpec, model_config
+from tlt_jax.config import RunSpec, asset_path
 from tlt_jax.errors import ConfigError, output_dir_problem
+from tlt_jax.models.config import ModelConfig
 from tlt_jax.sharding import make_mesh
 
 
@@ -155,6 +157,36 @@ def learner_mesh(cfg: ml_collections.ConfigDict):
                       "split over those devices", "grpo.micro_batch", cfg.grpo.micro_batch,
                       in_config=True)
   return mesh
+
+
+def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:
+  """The ModelConfig of config.model.path's config.json (no weights are read); where that
+  directory is not on this machine (planning a cluster run from a laptop), the architecture
+  shipped under assets/architectures/ that config.model.architecture names."""
+  path = os.path.join(cfg.model.path, "config.json")
+  arch = cfg.model.get("architecture", "")
+  if not os.path.isfile(path) and arch:
+    path = asset_path("architectures", f"{arch}.json")
+    if not os.path.isfile(path):
+      known = sorted(f[:-5] for f in os.listdir(asset_path("architectures")))
+      raise ConfigError(f"is not shipped; use one of {known} or point config.model.path at a "
+                        "model directory", "model.architecture", arch, in_config=True)
+  if not os.path.isfile(path):
+    raise ConfigError("has no config.json; point it at a local Hugging Face model directory "
+                      "(or set config.model.architecture)", "model.path", cfg.model.path,
+                      in_config=True)
+  kw = dict(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
+            remat=bool(cfg.model.get("remat", False)),
+            remat_policy=str(cfg.model.get("remat_policy", "full")),
+            attention=str(cfg.model.get("attention", "auto")))
+  if os.path.basename(path) != "config.json":  # a shipped architecture
+    with open(path) as f:
+      return ModelConfig.from_hf_dict(json.load(f), source=path, **kw)
+  from tlt_jax.models.hf_io import CheckpointFormatError, load_hf_config
+  try:  # (an unsupported or broken config.json: one line, as the weights' loader says it)
+    return load_hf_config(os.path.dirname(path), **kw)
+  except CheckpointFormatError as e:
+    raise ConfigError(str(e), "model.path", in_config=True) from None
 
 
 def load_model(cfg: ml_collections.ConfigDict, mesh=None, rows: Sequence[Any] = ()):

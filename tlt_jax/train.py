@@ -66,8 +66,8 @@ from tlt_jax.rl.samples import learner_samples, signal_groups
 from tlt_jax.rl.reward_pool import RewardPool
 from tlt_jax.rollout.policies.cells import Policies, PolicyCells
 from tlt_jax.rollout.policies.mab import BanditState
-from tlt_jax.run import (Run, TrainState, best_policy, build, export_best, export_policy,
-                         restore, save)
+from tlt_jax.run import Run, TrainState, build
+from tlt_jax.run_checkpoint import best_policy, export_best, export_policy, restore, save
 from tlt_jax.step_metrics import step_metrics
 from tlt_jax.step_rollouts import logged_responses, rollouts, seed_for
 from tlt_jax.wandb_log import WandbRun

@@ -62,6 +62,16 @@ class LoraConfig:
     return self.alpha / self.rank
 
 
+def from_settings(lo: dict[str, Any]) -> LoraConfig | None:
+  """config.model.lora's values (the live config's section, or a run's saved config.json's)
+  -> LoraConfig; None at rank 0 (the whole model trained). ValueError names a target that is
+  not a projection (config.lora_config checks the rest first, under their config keys)."""
+  if not lo.get("rank", 0):
+    return None
+  return LoraConfig(int(lo["rank"]), float(lo.get("alpha", LoraConfig.alpha)),
+                    parse_targets(str(lo.get("targets", "all-linear"))))
+
+
 def parse_targets(text: str) -> tuple[str, ...]:
   """"all-linear" (PEFT's name: every projection of a layer), or a comma-separated list of
   ours (q, k, v, o, gate, up, down) or Hugging Face's (q_proj, ..., down_proj) -> ours, in

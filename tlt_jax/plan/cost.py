@@ -8,7 +8,7 @@ Bytes and FLOPs of one forward over `batch` rows of `tokens` new tokens each, at
 a window of `kv_len` cache slots, on one device of a replica split `tp` ways (the rules of
 `tlt_jax.memory`: what does not divide is replicated):
   weights   every parameter the forward reads, once whatever the batch (the rollout's
-            replica layout, `memory.sharded_bytes`); an untied embedding table is gathered
+            replica layout, `memory_phases.sharded_bytes`); an untied embedding table is gathered
             (B x T rows), not read whole (`bench/roofline.py`'s rule)
   KV        batch x kv_len slots of every layer's keys and values read (masked slots cost
             as much as live ones: the window is read whole), batch x tokens written

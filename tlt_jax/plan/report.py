@@ -82,7 +82,8 @@ def plan(cfg, *, hardware: str = "h100", gpus: int = 0, lengths: Lengths, accept
   """The recipe `cfg` simulated for `steps` RL steps, TLT on and off (module docstring);
   signal: the share of groups whose rewards differ (grpo.filter_groups reads it)."""
   from tlt_jax import memory
-  from tlt_jax.config import model_config, run_spec
+  from tlt_jax.config import run_spec
+  from tlt_jax.runtime import model_config
   hw, device, n, workers, tp = cluster(cfg, hardware=hardware, gpus=gpus, gate=gate)
   model_cfg = model_config(cfg)
   runs = {}
