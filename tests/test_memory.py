@@ -152,6 +152,40 @@ def test_learner_activation_estimates_against_memory_analysis(shape):
   assert abs(ours / theirs - 1) < 0.15, (ours, theirs, items["log-prob activations"], logp_temp)
 
 
+@pytest.mark.parametrize("layers,devices,tp,lora_rank,fused", [
+    (4, 1, 1, 0, True), (4, 1, 1, 8, True), (16, 1, 1, 8, True), (4, 1, 1, 8, False),
+    (4, 8, 1, 0, False), (16, 8, 1, 0, False), (4, 8, 1, 8, True), (4, 8, 2, 8, True)])
+def test_sync_phase_against_the_compiled_conversion(layers, devices, tp, lora_rank, fused):
+  """The sync phase's new rollout copy and working memory against XLA's memory analysis of
+  the program the run syncs with (run._to_rollout on the learner's and the rollouts' devices:
+  models.replica_layout in one program): its outputs per device are the plan's rollout
+  weights, its temp at most the plan's conversion item, a layer's weights in float32 at 4
+  and at 16 layers (mutation: without the layers' barriers the temp grows with the depth,
+  half the 16-layer model in float32 with LoRA, past the bound)."""
+  from tlt_jax.models import lora
+  from tlt_jax.rollout.replica import replica_shardings, to_replica_program
+  m = _model(dtype="float32", intermediate_size=1024, num_layers=layers)
+  cfg = _cfg(**{"tlt.enabled": False, "rollout.tensor_parallel": tp, "rollout.max_batch": 8,
+                "rollout.num_workers": devices // tp, "model.lora.rank": lora_rank})
+  plan = memory.plan(config_lib.run_spec(cfg), m, device="cpu", num_devices=devices)
+  items = {i.name: i.bytes for i in plan.items if "sync" in i.phases}
+  learner = make_mesh((1, devices, 1), jax.devices()[:devices])
+  rollout = make_mesh({"data": devices // tp, "tensor": tp}, jax.devices()[:devices])
+  dtype = jnp.bfloat16 if lora_rank else jnp.float32  # LoRA's base: model.dtype (bf16 here)
+  params = jax.tree.map(lambda s: jnp.zeros(s.shape, dtype), tf.abstract_params(m))
+  if lora_rank:
+    lo = lora.LoraConfig(lora_rank, 16.0)
+    params = lora.attach(params, lora.init_adapters(m, lo, jax.random.key(0)), lo.scale)
+  params = jax.device_put(params, tree_shardings(params, learner))
+  convert = to_replica_program(m, fused, replica_shardings(params, m, fused, rollout))
+  ma = convert.lower(params).compile().memory_analysis()
+  out = jax.tree_util.tree_flatten_with_path(convert(params))[0]
+  assert not any("lora" in jax.tree_util.keystr(p) for p, _ in out)  # merged in
+  # the outputs: the weights and the output tuple's pointers (8 bytes a leaf)
+  assert ma.output_size_in_bytes == items["rollout weights"] + 8 * len(out)
+  assert ma.temp_size_in_bytes <= items["sync conversion"]
+
+
 @pytest.mark.parametrize("name", sorted(CLUSTER_CONFIGS))
 def test_cluster_configs_fit_their_gpus(name):
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", name))

@@ -757,9 +757,9 @@ def test_tlt_run_on_two_workers_trains_the_drafter_in_idle_windows(tmp_path, mon
   recs = _records(tmp_path)
   assert [r["step"] for r in recs] == [0, 1, 2]
   assert recs[1]["memory"] == {  # (evaluation's decode, step 0, is not a training phase)
-      "peak_gib": {"rollout": 1, "logprobs": 2, "update": 3, "spot": 4}, "limit_gib": 80,
-      "plan_gib": {k: cfg.memory.total(k) / (1 << 30)
-                   for k in ("rollout", "logprobs", "update", "spot")}}
+      "peak_gib": {"rollout": 1, "logprobs": 2, "update": 3, "spot": 4, "sync": 5},
+      "limit_gib": 80, "plan_gib": {k: cfg.memory.total(k) / (1 << 30)
+                                    for k in ("rollout", "logprobs", "update", "spot", "sync")}}
   assert "eval" in recs[0] and "eval" in recs[2]
   for key in ("rollout", "reward_wait", "logprobs", "update", "weight_sync", "drafter", "idle"):
     assert key in last["time"], key

@@ -1,6 +1,6 @@
 """Per-device memory plan of a training run: what is resident in each phase, from the config.
 
-A run has four phases on every device (README: architecture), and their peaks decide whether a
+A run has five phases on every device (README: architecture), and their peaks decide whether a
 config fits its GPUs:
   rollout   learner state + rollout weights + KV cache + decode/prefill activations
   spot      the same device once its share is decoded (the KV cache is freed): the drafter
@@ -8,6 +8,9 @@ config fits its GPUs:
   logprobs  learner state + rollout weights + the forward of the largest micro-batch
   update    learner state + gradient accumulator + rollout weights + the backward of the
             largest micro-batch
+  sync      learner state + the rollout weights made anew from the learner's (beside the old
+            copy unless memory.release_rollout_weights freed it) + the conversion's working
+            memory, a layer at a time (with LoRA the merge's float32 products)
 
 Everything is counted per device (memory_phases.py: what each phase holds) from the same
 layout rules the run uses (`sharding.PARAM_RULES` over the learner's FSDP mesh and each
@@ -156,7 +159,9 @@ KNOBS = {  # what to turn when a phase does not fit
     "logprobs": "lower grpo.micro_batch_tokens (or grpo.micro_batch) or grpo.logit_chunk",
     "update": "lower grpo.micro_batch_tokens (or grpo.micro_batch), set model.remat=True "
               "(with model.remat_policy='full': the least memory), "
-              "or shard the learner over more devices (mesh.fsdp)"}
+              "or shard the learner over more devices (mesh.fsdp)",
+    "sync": "set memory.release_rollout_weights=True (the old rollout copy freed before the "
+            "new is made), raise rollout.tensor_parallel, or use more devices"}
 
 
 def derive_max_batch(spec, model_cfg, *, device: str | None = None,

@@ -5,7 +5,7 @@ run's TensorBoard folder, `<workdir>/tb/plugins/profile/<time>/` (`tensorboard -
 <workdir>/tb`, its Profile tab, or xprof), with a `perfetto_trace.json.gz` beside it for
 ui.perfetto.dev and a `summary.md` (and `summary.json`: `read_trace`'s) of where the traced
 steps' device time went. Each step is one `rl_step` step annotation and its phases are named
-(rollout, logprobs, update, spot: see `device_memory.phase`), on the main thread; each
+(rollout, logprobs, update, spot, sync: see `device_memory.phase`), on the main thread; each
 rollout worker's share and drafter training on the worker's own thread. Every process of a
 multi-process run traces its own devices (the others into `tb/process_<i>/`). Tracing costs
 time: the traced steps' seconds are not the run's.

@@ -252,7 +252,7 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
   if spec.gate is not None:
     verdicts = gate_verdicts(cfg.get("compilation_cache", ""), model_cfg, ecfg, spec.sampling,
                              dparams, local[0][1].devices.flat)
-  policy = rl_learner.policy_params(learner, lspec)
+  policy = rl_learner.rollout_policy(learner, lspec)
   to_rollout = _to_rollout(lspec, rollout_mesh, policy, ecfg.fuses())
   first = to_rollout(policy)
   del policy
@@ -330,14 +330,18 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
 
 def _to_rollout(spec: rl_learner.LearnerSpec, rollout_mesh, params: Params, fused: bool
                 ) -> Callable[[Params], Params]:
-  """learner params -> the store's rollout layout (the engine's replica layout on the whole
-  rollout mesh: every replica's devices hold its tensor-parallel slices)."""
-  if (jax.process_count() > 1
-      and set(spec.mesh.devices.flat) != set(rollout_mesh.devices.flat)):
+  """The learner's rollout policy (rl_learner.rollout_policy) -> the store's rollout layout
+  (the engine's replica layout on the whole rollout mesh: every replica's devices hold its
+  tensor-parallel slices). Where the learner and the rollouts span the same devices (always
+  with several processes; one GPU) one program makes the new copy straight from the learner's
+  arrays, a layer at a time (no copy in the learner's layout first: the memory plan's sync
+  phase)."""
+  same = set(spec.mesh.devices.flat) == set(rollout_mesh.devices.flat)
+  if jax.process_count() > 1 and not same:
     # the resharding would need a transfer between processes outside a collective
     raise ConfigError("config.mesh.devices: with several processes the learner must span every "
                       "device (mesh.devices=0), as the rollout replicas do")
   shardings = replica_shardings(params, spec.cfg, fused, rollout_mesh)
-  if jax.process_count() > 1:  # (the same devices: one program, not a device_put per leaf)
+  if same:  # (one program, not a device_put per leaf: across processes a must, see replica.py)
     return to_replica_program(spec.cfg, fused, shardings)
   return lambda p: to_replica_layout(p, spec.cfg, fused, shardings)

@@ -100,7 +100,7 @@ def export_best(run: Run, best: policy_export.BestPolicy, state: TrainState,
 
 
 def policy(run: Run, state: TrainState) -> Params:
-  """The policy as one model (with LoRA the base with the adapters merged in)."""
+  """The policy as one model for the exports (with LoRA the base with the adapters merged)."""
   return rl_learner.policy_params(state.learner, run.learner)
 
 
@@ -133,7 +133,8 @@ def restore(run: Run, state: TrainState) -> TrainState:
                      learner=state.learner.replace(params=saved["actor"],
                                                    opt_state=saved["opt"]),
                      data=run.stream.resume(meta["data"]), bandit=bandit, gate=gate)
-  run.store.publish_actor(run.coordinator.to_rollout(policy(run, state)))
+  run.store.publish_actor(run.coordinator.to_rollout(
+      rl_learner.rollout_policy(state.learner, run.learner)))
   if "drafter" in saved:  # (else TLT was off: the drafter starts as a fresh run's does)
     run.store.publish_drafter(dts.DrafterState(**saved["drafter"]))
   run.coordinator.push()

@@ -137,7 +137,9 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
                                                               reward_stats)
   times["idle"] = spot["idle_s"] / max(len(run.coordinator.workers), 1)
   times["drafter"] = spot["critical_path_s"]
-  times["weight_sync"] = run.coordinator.sync_actor(rl_learner.policy_params(learner, run.learner))
+  with device_memory.phase("sync", run, step + 1, peaks):
+    times["weight_sync"] = run.coordinator.sync_actor(rl_learner.rollout_policy(learner,
+                                                                                run.learner))
   if run.coordinator.spot.mode == "serial":
     t = time.perf_counter()
     drafter = run.coordinator.train_serial(run.coordinator.spot.serial_steps, seed=seed)

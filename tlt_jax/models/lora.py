@@ -126,22 +126,46 @@ def attach(base: Params, adapters: Params, scale: float) -> Params:
 
 def merge(base: Params, adapters: Params, scale: float) -> Params:
   """The base's tree with every target weight W + scale A B (summed in float32, stored in
-  W's dtype): the policy the adapters make, as the rollout, the export and the evaluation
-  take it. One layer at a time (a scan over the stacked layers): its float32 product is one
-  layer's, not a whole target's (at 7B an MLP target's would be 7.6 GB beside the merged copy
-  the weight sync makes)."""
+  W's dtype): the policy the adapters make, as the export and the evaluation take it
+  (`merge_attached` of the attached tree)."""
+  return merge_attached(attach(base, adapters, scale))
 
-  def one(x):
-    w, a, b = x
-    r = a.shape[-1]
-    d = jnp.dot(a.astype(jnp.float32).reshape(-1, r), b.astype(jnp.float32).reshape(r, -1),
-                precision=jax.lax.Precision.HIGHEST)
-    return (w.astype(jnp.float32) + scale * d.reshape(w.shape)).astype(w.dtype)
 
-  layers = dict(base["layers"])
-  for t, ab in adapters["layers"].items():
-    layers[t] = jax.lax.map(one, (layers[t], ab["a"], ab["b"]))
-  return {**base, "layers": layers}
+def merge_attached(params: Params) -> Params:
+  """A tree with adapters attached (`attach`: layers/<t>_lora beside each target), its layers
+  stacked or unstacked (models/layouts.py) -> the merged tree, no adapter left: W + a b (b
+  carries the scale) summed in float32 and stored in W's dtype; a tree without adapters is
+  returned as it is. One layer's target at a time: stacked layers by a scan over them,
+  unstacked ones each on its own (the rollout's layout conversion merges there, so the
+  merged model exists only in the rollout's layout), so the float32 product is one layer's
+  target, never a whole target's (at 7B an MLP target's would be 7.6 GB)."""
+  layers = params["layers"]
+  if isinstance(layers, (tuple, list)):
+    return {**params, "layers": tuple(merge_layer(lp) for lp in layers)}
+  return {**params, "layers": merge_layer(layers, stacked=True)}
+
+
+def merge_layer(lp: Params, stacked: bool = False) -> Params:
+  """One layer's dict (or, `stacked`, every layer's [L, ...]) with its attached adapters
+  merged (`merge_attached`)."""
+  targets = [k[:-len("_lora")] for k in lp if k.endswith("_lora")]
+  if not targets:
+    return lp
+  lp = dict(lp)
+  for t in targets:
+    ab = lp.pop(t + "_lora")
+    x = (lp[t], ab["a"], ab["b"])
+    lp[t] = jax.lax.map(_merged, x) if stacked else _merged(x)
+  return lp
+
+
+def _merged(x: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+  """One layer's W [*in, *out] + a [*in, r] b [r, *out], in float32, stored in W's dtype."""
+  w, a, b = x
+  r = a.shape[-1]
+  d = jnp.dot(a.astype(jnp.float32).reshape(-1, r), b.astype(jnp.float32).reshape(r, -1),
+              precision=jax.lax.Precision.HIGHEST)
+  return (w.astype(jnp.float32) + d.reshape(w.shape)).astype(w.dtype)
 
 
 def num_adapter_params(cfg: ModelConfig, lora: LoraConfig) -> int:

@@ -5,8 +5,9 @@ docstring), `update` one optimizer step per mini-batch, its gradients accumulate
 by micro-batch (each its own jitted call: one executable per length bucket). The state is one
 pytree (`LearnerState`): what `update` takes and returns (donated) and what a checkpoint
 holds. With LoRA (models/lora.py) the state's params are the adapters and `base` the frozen
-model they update: the loss differentiates the adapters only (`policy_tree`), the rollout,
-the export and the evaluation take the merged weights (`policy_params`).
+model they update: the loss differentiates the adapters only (`policy_tree`); the rollout
+decodes the merged weights, merged layer by layer into its own layout (`rollout_policy`), and
+the exports take them in the learner's (`policy_params`).
 """
 
 from __future__ import annotations
@@ -79,9 +80,17 @@ def _merged(params: Params, base: Params, *, spec: LearnerSpec) -> Params:
   return _state_constraint(lora.merge(base, params, spec.lora.scale), spec.mesh)
 
 
+def rollout_policy(state: LearnerState, spec: LearnerSpec) -> Params:
+  """What the rollout's weights are made from (the coordinator's `to_rollout`,
+  models.replica_layout): the params, or with LoRA the base with the adapters attached, which
+  the layout conversion merges layer by layer into the rollout's layout, so the merged model
+  is never held in the learner's as well."""
+  return policy_tree(state.params, state.base, spec)
+
+
 def policy_params(state: LearnerState, spec: LearnerSpec) -> Params:
-  """The policy's weights as one model (the rollout's, the export's, the evaluation's): the
-  params, or with LoRA the base with the adapters merged in (the base's dtype and layout)."""
+  """The policy's weights as one model in the learner's layout (the exports'): the params, or
+  with LoRA the base with the adapters merged in (the base's dtype)."""
   return state.params if state.base is None else _merged(state.params, state.base, spec=spec)
 
 

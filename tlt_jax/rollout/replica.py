@@ -40,9 +40,10 @@ from tlt_jax.rollout.scheduler import Prefill, Refill, Resize
 from tlt_jax.sharding import make_mesh, tree_shardings
 
 def _replica_of(params: Params, dtype, cfg: ModelConfig, fused: bool) -> Params:
-  """The replica layout of `params`: the compute dtype, layers unstacked and, with `fused`,
-  projections fused (models.replica_layout)."""
-  return replica_layout(jax.tree.map(lambda x: x.astype(dtype), params), cfg, fused)
+  """The replica layout of `params`: layers unstacked, LoRA adapters merged in (a learner's
+  `rollout_policy`), the compute dtype and, with `fused`, projections fused
+  (models.replica_layout)."""
+  return replica_layout(params, cfg, fused, dtype)
 
 
 _to_replica = jax.jit(_replica_of, static_argnums=(1, 2, 3))  # where the params live
@@ -69,7 +70,8 @@ def to_replica_program(cfg: ModelConfig, fused: bool, shardings: Any
   the learner's params to the store's rollout layout across processes (run.py): a device_put
   of the tree reshards leaf by leaf, a cross-process program each, and two CPU processes
   (gloo) hung in one of those in 6 of 7 runs with jax 0.11.2 (none in 7 with the one
-  program)."""
+  program). run.py syncs with it wherever the learner and the rollouts span the same devices:
+  no intermediate copy in the learner's layout (the memory plan's sync phase)."""
   return jax.jit(functools.partial(_replica_of, dtype=cfg.compute_dtype, cfg=cfg, fused=fused),
                  out_shardings=shardings)
 
