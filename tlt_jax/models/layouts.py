@@ -19,8 +19,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from tlt_jax.models import lora
 from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.lora import merge_layer
 
 Params = dict[str, Any]
 
@@ -87,7 +87,7 @@ def replica_layout(params: Params, cfg: ModelConfig, fused: bool, dtype: Any = N
     if layers:  # (the layer's slices are taken after the barrier: else all are taken first)
       source, _ = jax.lax.optimization_barrier((stacked, layers[-1]))
     lp = source[i] if unstacked else jax.tree.map(lambda a, i=i: a[i], source)
-    lp = cast(lora.merge_layer(lp))
+    lp = cast(merge_layer(lp))
     layers.append(_fuse_layer(lp, cfg) if fused else lp)
   rest = cast({k: v for k, v in params.items() if k != "layers"})
   return {**rest, "layers": tuple(layers)}
