@@ -40,7 +40,7 @@ import re
 from tlt_jax.errors import ConfigError
 from tlt_jax.memory_phases import (PHASES, Item, Sizes, drafter, learner_activations,
                                    learner_axes, learner_state, rollout, sharded_bytes,
-                                   stand_in_mesh)
+                                   stand_in_mesh, sync)
 
 GiB = 1 << 30
 # Memory of one device, GB as vendors state them (1e9 bytes); "cpu" has no fixed limit.
@@ -122,7 +122,7 @@ def plan(spec, model_cfg, *, device: str | None = None, num_devices: int | None 
   device / num_devices / fraction: default config.memory.*; max_batch, kv_pages: default the
   spec's (rollout.kv_pages 0: max_batch rows of max length; `derive_max_batch` passes
   candidates). One function per phase's items (memory_phases.py): the learner's state, the
-  rollout's, the drafter's, the learner's activations."""
+  rollout's, the sync's, the drafter's, the learner's activations."""
   from tlt_jax.models.config import DTYPE_BYTES
   from tlt_jax.models.transformer import param_shapes
   cfg = spec.cfg
@@ -147,7 +147,7 @@ def plan(spec, model_cfg, *, device: str | None = None, num_devices: int | None 
              cbytes=DTYPE_BYTES[m.dtype], shapes=shapes, axes=axes, lmesh=lmesh,
              learner=sharded_bytes(shapes, lmesh, pbytes), tp=tp, rmesh=stand_in_mesh(tensor=tp),
              mb=mb, pages=pages, paged=e.plans_paged(m, tp, gpu=cap is not None))
-  items = (learner_state(z) + rollout(z) + (drafter(z) if spec.tlt else [])
+  items = (learner_state(z) + rollout(z) + sync(z) + (drafter(z) if spec.tlt else [])
            + learner_activations(z))
   return Plan(items, capacity, device or "cpu", num_devices, KNOBS, mb, pages)
 

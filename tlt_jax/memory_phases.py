@@ -138,24 +138,10 @@ def rollout(z: Sizes) -> list[Item]:
   L, D, N, K, H, F, V = (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim_,
                          m.intermediate_size, m.vocab_size)
   release = bool(cfg.memory.get("release_rollout_weights", False))
-  weights = sharded_bytes(z.shapes, z.rmesh, cbytes)
-  items = [Item("rollout weights", weights, ("rollout", "spot", "sync") if release else PHASES,
+  items = [Item("rollout weights", sharded_bytes(z.shapes, z.rmesh, cbytes),
+                ("rollout", "spot", "sync") if release else PHASES,
                 f"one replica per {z.tp} device(s), {m.dtype}"
                 + (", freed after the rollout, made again in the sync" if release else ""))]
-  if not release:
-    items.append(Item("rollout weights (next)", weights, ("sync",),
-                      "the sync's new copy beside the old (memory.release_rollout_weights "
-                      "frees the old first)"))
-  # the sync's conversion program (models.replica_layout: one program on the learner's and
-  # the rollouts' devices, its layers made one after another): XLA's temp holds the merge's
-  # float32 products (LoRA) or the gathers of the learner's shards, 0.4-1.1 of a layer's
-  # weights in float32 at any depth on this CPU, with tensor parallelism too (not split by it:
-  # 2-way measured 1.0; tests/test_memory.py)
-  layer = count(layer_shapes(z.shapes))
-  items.append(Item("sync conversion", int(1.25 * layer * 4), ("sync",),
-                    "a layer in float32: " + ("the LoRA merge's products"
-                                              if z.spec.lora is not None
-                                              else "the learner's shards gathered")))
   S, page = z.spec.engine.cache_len, z.spec.engine.page_size
   kv_token = L * 2 * z.split(K) * H * cbytes
   items.append(Item("KV cache", pages * page * kv_token, ("rollout",),
@@ -173,6 +159,27 @@ def rollout(z: Sizes) -> list[Item]:
     decode += 2 * mb * n_dev * w * S * 4 + 2 * mb * S * z.split(K) * H * cbytes
   items.append(Item("rollout activations", max(prefill, decode), ("rollout",),
                     f"prefill of {u} prompts x {P} / decode x {w} tokens"))
+  return items
+
+
+def sync(z: Sizes) -> list[Item]:
+  """The weight sync beside what every phase holds (the new rollout copy is `rollout`'s
+  item): the old copy where it was not released, and the conversion program's working memory
+  (models.replica_layout: one program on the learner's and the rollouts' devices, its layers
+  made one after another). XLA's temp holds the merge's float32 products (LoRA) or the
+  gathers of the learner's shards: 0.4-1.1 of a layer's weights in float32 at any depth on
+  this CPU, with tensor parallelism too (not split by it: 2-way measured 1.0;
+  tests/test_memory.py)."""
+  items = []
+  if not z.cfg.memory.get("release_rollout_weights", False):
+    items.append(Item("rollout weights (next)", sharded_bytes(z.shapes, z.rmesh, z.cbytes),
+                      ("sync",), "the sync's new copy beside the old "
+                      "(memory.release_rollout_weights frees the old first)"))
+  layer = count(layer_shapes(z.shapes))
+  items.append(Item("sync conversion", int(1.25 * layer * 4), ("sync",),
+                    "a layer in float32: " + ("the LoRA merge's products"
+                                              if z.spec.lora is not None
+                                              else "the learner's shards gathered")))
   return items
 
 

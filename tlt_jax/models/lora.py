@@ -125,29 +125,18 @@ def attach(base: Params, adapters: Params, scale: float) -> Params:
 
 
 def merge(base: Params, adapters: Params, scale: float) -> Params:
-  """The base's tree with every target weight W + scale A B (summed in float32, stored in
-  W's dtype): the policy the adapters make, as the export and the evaluation take it
-  (`merge_attached` of the attached tree)."""
-  return merge_attached(attach(base, adapters, scale))
-
-
-def merge_attached(params: Params) -> Params:
-  """A tree with adapters attached (`attach`: layers/<t>_lora beside each target), its layers
-  stacked or unstacked (models/layouts.py) -> the merged tree, no adapter left: W + a b (b
-  carries the scale) summed in float32 and stored in W's dtype; a tree without adapters is
-  returned as it is. One layer's target at a time: stacked layers by a scan over them,
-  unstacked ones each on its own (the rollout's layout conversion merges there, so the
-  merged model exists only in the rollout's layout), so the float32 product is one layer's
-  target, never a whole target's (at 7B an MLP target's would be 7.6 GB)."""
-  layers = params["layers"]
-  if isinstance(layers, (tuple, list)):
-    return {**params, "layers": tuple(merge_layer(lp) for lp in layers)}
-  return {**params, "layers": merge_layer(layers, stacked=True)}
+  """The base's tree (stacked layers) with every target weight W + scale A B (summed in
+  float32, stored in W's dtype): the policy the adapters make, as the exports take it. The
+  rollout's copy is merged by its layout conversion instead (models.replica_layout)."""
+  return {**base, "layers": merge_layer(attach(base, adapters, scale)["layers"], stacked=True)}
 
 
 def merge_layer(lp: Params, stacked: bool = False) -> Params:
-  """One layer's dict (or, `stacked`, every layer's [L, ...]) with its attached adapters
-  merged (`merge_attached`)."""
+  """One layer's dict (or, `stacked`, every layer's [L, ...], merged by a scan over them)
+  with its attached adapters (`attach`: <t>_lora beside each target) merged, none left:
+  W + a b (b carries the scale) summed in float32 and stored in W's dtype; a layer without
+  adapters is returned as it is. One layer's target at a time, so the float32 product is
+  one layer's, never a whole target's (at 7B an MLP target's would be 7.6 GB)."""
   targets = [k[:-len("_lora")] for k in lp if k.endswith("_lora")]
   if not targets:
     return lp

@@ -39,14 +39,9 @@ from tlt_jax.rollout.sampling import plain_variant
 from tlt_jax.rollout.scheduler import Prefill, Refill, Resize
 from tlt_jax.sharding import make_mesh, tree_shardings
 
-def _replica_of(params: Params, dtype, cfg: ModelConfig, fused: bool) -> Params:
-  """The replica layout of `params`: layers unstacked, LoRA adapters merged in (a learner's
-  `rollout_policy`), the compute dtype and, with `fused`, projections fused
-  (models.replica_layout)."""
-  return replica_layout(params, cfg, fused, dtype)
-
-
-_to_replica = jax.jit(_replica_of, static_argnums=(1, 2, 3))  # where the params live
+# the replica layout of params in any layout (a learner's `rollout_policy`: LoRA adapters
+# merged in), in the compute dtype, computed where the params live
+_to_replica = jax.jit(replica_layout, static_argnames=("cfg", "fused", "dtype"))
 
 
 def replica_shardings(params: Params, cfg: ModelConfig, fused: bool, mesh: Mesh) -> Any:
@@ -59,8 +54,8 @@ def to_replica_layout(params: Params, cfg: ModelConfig, fused: bool, shardings: 
   """Params in any layout (the learner's) -> the replica layout on `shardings`: cast and
   unstacked (fused) where they live (a bf16 replica of f32 master weights moves half the
   bytes), then resharded. Always a copy: the learner donates its params to its next update."""
-  return jax.device_put(_to_replica(params, cfg.compute_dtype, cfg, fused), shardings,
-                        may_alias=False)
+  return jax.device_put(_to_replica(params, cfg=cfg, fused=fused, dtype=cfg.compute_dtype),
+                        shardings, may_alias=False)
 
 
 def to_replica_program(cfg: ModelConfig, fused: bool, shardings: Any
@@ -72,7 +67,7 @@ def to_replica_program(cfg: ModelConfig, fused: bool, shardings: Any
   (gloo) hung in one of those in 6 of 7 runs with jax 0.11.2 (none in 7 with the one
   program). run.py syncs with it wherever the learner and the rollouts span the same devices:
   no intermediate copy in the learner's layout (the memory plan's sync phase)."""
-  return jax.jit(functools.partial(_replica_of, dtype=cfg.compute_dtype, cfg=cfg, fused=fused),
+  return jax.jit(functools.partial(replica_layout, cfg=cfg, fused=fused, dtype=cfg.compute_dtype),
                  out_shardings=shardings)
 
 
