@@ -26,9 +26,10 @@
 #                 model's function, so the real acceptance)
 #   bench_regime  SD vs plain on it, batch 1 and 8, greedy (outputs == plain, bf16) and sampled
 #                 (scripts/bench_regime.py)
-#   learner       a packed RL step's log-prob pass and update on it, the fused attention vs
-#                 XLA's: seconds, parity, the simulator's prediction; the packed attention
-#                 alone, ours vs JAX's mha vs XLA's (scripts/gpu_learner.py)
+#   learner       a packed RL step's log-prob pass and update on it, the fused attention, the
+#                 same with LoRA adapters (rank 64, and its weight sync's time and memory) and
+#                 XLA's attention: seconds, parity, the simulator's prediction; the packed
+#                 attention alone, ours vs JAX's mha vs XLA's (scripts/gpu_learner.py)
 #   kernel_bench  the verification kernels (Mosaic GPU, Triton) vs the XLA reference
 #                 (scripts/bench_verify.py)
 #   cost_model    the cost model fitted on the bench target, its predictions of the plain and
@@ -132,8 +133,9 @@ else
     --config.eval.num_prompts=32 --config.rollout.max_batch=32
     --config.rollout.buckets=1,2,4,8,16,32"
   # the packed attention alone first (7B heads, 4 rows of 4096: ~10 s with its compiles); one
-  # length bucket of 512 (the bench target's positions), 16 rows a micro-batch; the xla
-  # variant only if the fused one is done within 40 s of the start
+  # length bucket of 512 (the bench target's positions), 16 rows a micro-batch; the LoRA
+  # and xla variants each only if started within 40 s of the start (a second call's
+  # --scale 2 leaves them 100 s)
   LEARNER_ARGS="--dtype bfloat16 --max_len 512 --tokens 8192 --samples 96 --steps 2"
   # env decode bench_model rl_steps bench_regime kernel_bench cost_model kernels speculative
   # learner
@@ -150,7 +152,7 @@ else
 fi
 for i in "${!LIMIT[@]}"; do LIMIT[i]=$(( LIMIT[i] * SCALE )); done
 DECODE_ARGS="$DECODE_ARGS --budget_s $(( LIMIT[1] - DECODE_SPARE ))"
-# the learner's xla variant only if the fused one is done 20 s before the stage's limit
+# the learner's LoRA and xla variants only if started 20 s before the stage's limit
 [ $SMOKE = 1 ] || LEARNER_ARGS="$LEARNER_ARGS --budget_s $(( LIMIT[9] - 20 ))"
 if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi

@@ -246,18 +246,24 @@ def _learner(out: str) -> list[tuple[str, str, str]]:
   lr = [r for r in _load(os.path.join(out, "learner", "learner.json")) or []
         if "skipped" not in r]
   for r in lr:
+    name = f"learner step (packed update), attention {r['attention']}" + (
+        f", LoRA rank {r['lora_rank']}" if r.get("lora_rank") else "")
     if "error" in r:  # the variant failed (a kernel that does not compile here, say)
-      res.append((f"learner step (packed update), attention {r['attention']}",
-                  f"fails: {r['error'][:200]}", "learner"))
+      res.append((name, f"fails: {r['error'][:200]}", "learner"))
       continue
     pred = (f"; predicted {r['predicted_update_s']:.3f} s (predicted / measured "
             f"{r['predicted_update_s'] / r['update_s']:.2f})" if "predicted_update_s" in r
             else "")
     parity = (f"; old log-probs vs the other attention: max |diff| {r['parity_max_abs']:.1e}"
+              if "parity_max_abs" in r and not r.get("lora_rank") else
+              f"; old log-probs (B = 0) vs the full model's: max |diff| {r['parity_max_abs']:.1e}"
               if "parity_max_abs" in r else "")
-    res.append((f"learner step (packed update), attention {r['attention']}",
-                f"update {r['update_s']:.3f} s, log-probs {r['logprobs_s']:.3f} s{pred}{parity}",
-                "learner"))
+    res.append((name, f"update {r['update_s']:.3f} s, log-probs {r['logprobs_s']:.3f} s"
+                f"{pred}{parity}", "learner"))
+    if "sync_s" in r:
+      res.append((f"LoRA weight sync (rank {r['lora_rank']}): merge + rollout layout",
+                  f"{r['sync_s']:.3f} s; working memory {r['sync_temp_layers']:.2f} layers in "
+                  f"float32 (plan {r['sync_plan_layers']})", "learner"))
   if not lr:
     res.append(("learner step (packed update)", "not measured", "learner"))
   att = _load(os.path.join(out, "learner", "attention.json"))

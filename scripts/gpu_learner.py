@@ -1,18 +1,24 @@
 """The learner on the GPU: a packed RL step's log-prob pass and update on the bench target,
-the fused attention against XLA's, measured and predicted (gpu_check's learner stage).
+the fused attention against XLA's and with LoRA, measured and predicted (gpu_check's learner
+stage).
 
     python scripts/gpu_learner.py [--target DIR] [--dtype bfloat16] [--budget_s 60] [--out DIR]
 
 One RL step's learner phases as a run does them (grpo.minibatches: packed micro-batches of
 one length bucket; learner.prepare: the old log-probs, none for the first mini-batch;
-learner.update), on random tokens of long-tailed lengths, once with model.attention="fused" (the
-Pallas flash-attention kernel; interpreted off a GPU) and once with "xla" (the masked
-reference): each variant compiled by one untimed step, then the median of --steps timed ones.
-Parity: the old log-probs of every response token, fused vs xla. Prediction:
+learner.update), on random tokens of long-tailed lengths, in three variants: model.attention
+"fused" (the Pallas flash-attention kernel; interpreted off a GPU); the same training LoRA
+adapters of --lora_rank on every linear layer over the frozen base in the compute dtype (how
+one GPU trains a 7B); "xla" (the masked reference). Each is compiled by one untimed step,
+then the median of --steps timed ones. Parity: the old log-probs of every response token,
+fused vs xla, and LoRA's (B = 0: the base's policy) vs fused. The LoRA variant also times its
+weight sync (the base with the adapters attached -> the rollout's layout, merged a layer at a
+time in one program: run.py's `_to_rollout` on one GPU), and sets XLA's working memory for it
+against the memory plan's item (memory_phases.SYNC_LAYERS: layers in float32). Prediction:
 plan/learner.learner_phases on the same layout at the cluster profile's assumed efficiencies
 (docs/scale.md) for this device (H100 / H200; none on a CPU), so predicted / measured says
 how far the simulator's learner is from this one. A variant not started within --budget_s
-is reported as skipped, one that raises as failing (the other still runs). Prints a markdown
+is reported as skipped, one that raises as failing (the others still run). Prints a markdown
 table, each row as its variant finishes, and writes DIR/learner.json after each.
 
 Before the steps: the packed attention alone, forward + backward of one layer at
@@ -40,13 +46,15 @@ import numpy as np  # noqa: E402
 
 from tlt_jax.bench import packed_attention  # noqa: E402
 from tlt_jax.bench.bench_model import load_target  # noqa: E402
-from tlt_jax.models import packed_impl  # noqa: E402
+from tlt_jax.memory_phases import SYNC_LAYERS  # noqa: E402
+from tlt_jax.models import lora, packed_impl  # noqa: E402
 from tlt_jax.optim import make_optimizer  # noqa: E402
 from tlt_jax.plan import cost  # noqa: E402
 from tlt_jax.plan.learner import (Learner, Micro, fused_attention_s, learner_phases,  # noqa: E402
                                   remat_mode)
 from tlt_jax.rl import batching, grpo  # noqa: E402
 from tlt_jax.rl import learner as rl_learner  # noqa: E402
+from tlt_jax.rollout.replica import replica_shardings, to_replica_program  # noqa: E402
 from tlt_jax.sharding import make_mesh  # noqa: E402
 
 
@@ -69,14 +77,21 @@ def device_profile() -> cost.Hardware | None:
   return None
 
 
-def run_variant(params, cfg, attention: str, args, batch) -> dict:
+def label(r: dict) -> str:
+  """A variant's name in the tables: its attention, and LoRA's rank where it has adapters."""
+  return r["attention"] + (f", LoRA rank {r['lora_rank']}" if r.get("lora_rank") else "")
+
+
+def run_variant(params, cfg, attention: str, args, batch, lora_rank: int = 0) -> dict:
   """One variant's measured phases (median of args.steps after one compile step) and its
-  first mini-batch-but-one's old log-probs."""
+  first mini-batch-but-one's old log-probs; with lora_rank, also its weight sync
+  (`sync_conversion`)."""
   mcfg = dataclasses.replace(cfg, attention=attention)
   mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+  lcfg = lora.LoraConfig(lora_rank) if lora_rank else None
   spec = rl_learner.LearnerSpec(mcfg, grpo.GRPOConfig(), make_optimizer(1e-6), mesh,
                           micro_batch=1, pad_multiple=args.max_len, max_len=args.max_len,
-                          micro_batch_tokens=args.tokens)
+                          micro_batch_tokens=args.tokens, lora=lcfg)
   state = rl_learner.init_learner(params, spec)
   times, logp = [], None
   for step in range(args.steps + 1):
@@ -94,22 +109,56 @@ def run_variant(params, cfg, attention: str, args, batch) -> dict:
       times.append((lp, time.perf_counter() - t))
   shapes = [[Micro.of(mb.segment_ids) for mb in group] for group in batches]
   masks = [mb.loss_mask for mb in batches[1]]
-  return {"attention": attention, "why": packed_impl(mcfg, args.max_len)[1],
-          "logprobs_s": statistics.median(a for a, _ in times),
-          "update_s": statistics.median(b for _, b in times), "shapes": shapes,
-          "_logp": logp, "_masks": masks, "remat": remat_mode(mcfg)}
+  out = {"attention": attention, "why": packed_impl(mcfg, args.max_len)[1],
+         "logprobs_s": statistics.median(a for a, _ in times),
+         "update_s": statistics.median(b for _, b in times), "shapes": shapes,
+         "_logp": logp, "_masks": masks, "remat": remat_mode(mcfg)}
+  if lcfg is not None:
+    out.update(lora_rank=lora_rank, adapters=lora.num_adapter_params(cfg, lcfg),
+               **sync_conversion(state, spec, args.steps))
+  return out
+
+
+def sync_conversion(state, spec, steps: int) -> dict:
+  """The LoRA run's weight sync on one device (run.py's `_to_rollout`: the base with the
+  adapters attached -> the rollout's layout in one program, merged a layer at a time): its
+  compile and median time over `steps` (at least 1), and XLA's working memory for it in
+  layers of the model in float32, against the plan's 1.25."""
+  cfg = spec.cfg
+  tree = rl_learner.rollout_policy(state, spec)
+  fused = jax.default_backend() == "gpu"  # the rollout's layout there (EngineConfig.fuses)
+  rmesh = make_mesh({"data": 1, "tensor": 1}, devices=jax.devices()[:1])
+  t = time.perf_counter()
+  convert = to_replica_program(cfg, fused, replica_shardings(tree, cfg, fused, rmesh))
+  compiled = convert.lower(tree).compile()
+  compile_s = time.perf_counter() - t
+  layer = 4 * sum(x.size for x in jax.tree.leaves(state.base["layers"])) / cfg.num_layers
+  times = []
+  for _ in range(max(steps, 1)):
+    t = time.perf_counter()
+    jax.block_until_ready(compiled(tree))
+    times.append(time.perf_counter() - t)
+  return {"sync_s": statistics.median(times), "sync_compile_s": compile_s,
+          "sync_temp_layers": compiled.memory_analysis().temp_size_in_bytes / layer,
+          "sync_plan_layers": SYNC_LAYERS}
+
+
+def max_diff(a: dict, b: dict) -> float:
+  """The largest |difference| of two variants' old log-probs over the response tokens."""
+  return max(float(np.max(np.abs(x - y) * m))
+             for x, y, m in zip(a["_logp"], b["_logp"], a["_masks"]))
 
 
 def table_row(r: dict, tokens: int) -> str:
   """One variant's row of the table `main` prints."""
   if "skipped" in r or "error" in r:
     why = f"skipped: {r['skipped']}" if "skipped" in r else f"fails: {r['error'][:200]}"
-    return f"| {r['attention']} | {why} ||||"
+    return f"| {label(r)} | {why} ||||"
   pred = ("no GPU profile", "-")
   if "predicted_update_s" in r:
     pred = (f"{r['predicted_logprobs_s']:.3f} / {r['predicted_update_s']:.3f}",
             f"{r['predicted_update_s'] / r['update_s']:.2f}")
-  return (f"| {r['attention']} | {r['logprobs_s']:.3f} | {r['update_s']:.3f} | "
+  return (f"| {label(r)} | {r['logprobs_s']:.3f} | {r['update_s']:.3f} | "
           f"{tokens / r['update_s']:.0f} | {pred[0]} | {pred[1]} |")
 
 
@@ -154,6 +203,8 @@ def main(argv=None) -> int:
   ap.add_argument("--steps", type=int, default=2, help="timed steps per variant")
   ap.add_argument("--budget_s", type=float, default=0.0, help="start no variant after this "
                   "many seconds (0: no limit)")
+  ap.add_argument("--lora_rank", type=int, default=64, help="the LoRA variant's rank on every "
+                  "linear layer (0: no LoRA variant)")
   ap.add_argument("--attention", default="4,4096,28,4,128", help="the attention bench's "
                   "rows,tokens,heads,kv_heads,head_dim ('' to skip it)")
   ap.add_argument("--out", default=os.path.join(ROOT, "out", "gpu_learner"))
@@ -177,34 +228,49 @@ def main(argv=None) -> int:
   if args.attention:
     attention_bench(args)
   rows = []
-  for attention in ("fused", "xla"):
+  variants = [("fused", 0)] + ([("fused", args.lora_rank)] if args.lora_rank else []) + \
+      [("xla", 0)]
+  for attention, rank in variants:
     if args.budget_s and time.perf_counter() - t0 > args.budget_s:
-      rows.append({"attention": attention, "skipped": "out of --budget_s"})
+      r = {"attention": attention, "skipped": "out of --budget_s"}
     else:
       try:  # a variant that fails (a kernel that does not compile here) is a finding, and
-        r = run_variant(params, cfg, attention, args, batch)  # the other one still runs
+        r = run_variant(params, cfg, attention, args, batch, rank)  # the others still run
       except Exception as e:  # noqa: BLE001
         r = {"attention": attention, "error": f"{type(e).__name__}: {str(e)[:500]}"}
       if hw is not None and "error" not in r:
         learner = Learner(gpus=1, remat=r["remat"], fused_attention=attention == "fused")
-        pred = learner_phases(cfg, hw, learner, r["shapes"], reference=False)
+        pred = learner_phases(cfg, hw, learner, r["shapes"], reference=False,
+                              adapters=r.get("adapters", 0))
         r["predicted_logprobs_s"], r["predicted_update_s"] = pred["logprobs"], pred["update"]
-      rows.append(r)
-      print(f"{attention}: done at {time.perf_counter() - t0:.0f}s", file=sys.stderr,
-            flush=True)
+    if rank:
+      r["lora_rank"] = rank
+    rows.append(r)
+    print(f"{label(r)}: done at {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
     print(table_row(rows[-1], tokens), flush=True)
     write(args.out, rows)
-  lines = []
-  done = [r for r in rows if "skipped" not in r and "error" not in r]
-  if len(done) == 2:
-    diff = max(float(np.max(np.abs(a - b) * m))
-               for a, b, m in zip(done[0]["_logp"], done[1]["_logp"], done[0]["_masks"]))
-    lines += ["", f"old log-probs, fused vs xla: max |difference| over response tokens "
+  lines = [""]
+  done = {label(r): r for r in rows if "skipped" not in r and "error" not in r}
+  full, adapted = done.get("fused"), next((r for r in done.values() if r.get("lora_rank")),
+                                          None)
+  if full is not None and "xla" in done:
+    diff = max_diff(full, done["xla"])
+    lines += [f"old log-probs, fused vs xla: max |difference| over response tokens "
               f"{diff:.2e} ({args.dtype}); the update with fused attention at "
-              f"{done[1]['update_s'] / done[0]['update_s']:.2f}x the speed of xla's"]
-    for r in done:
+              f"{done['xla']['update_s'] / full['update_s']:.2f}x the speed of xla's"]
+    for r in (full, done["xla"]):
       r["parity_max_abs"] = diff
-  lines += [f"attention ({r['attention']}): {r['why']}" for r in done]
+  if adapted is not None:
+    if full is not None:  # B = 0: the adapters' policy is the base's
+      adapted["parity_max_abs"] = max_diff(full, adapted)
+      lines += [f"old log-probs, LoRA (B = 0) vs fused: max |difference| "
+                f"{adapted['parity_max_abs']:.2e}; the LoRA update at "
+                f"{full['update_s'] / adapted['update_s']:.2f}x the speed of the full one's"]
+    lines += [f"LoRA weight sync (merge + the rollout's layout, one program): "
+              f"{adapted['sync_s']:.3f} s (compile {adapted['sync_compile_s']:.1f} s); XLA's "
+              f"working memory {adapted['sync_temp_layers']:.2f} layers in float32 (the memory "
+              f"plan's item: {SYNC_LAYERS})"]
+  lines += [f"attention ({label(r)}): {r['why']}" for r in done.values()]
   print("\n".join(lines))
   write(args.out, rows)
   return 0

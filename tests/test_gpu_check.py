@@ -72,12 +72,17 @@ def test_gpu_check_smoke_writes_a_complete_report(tmp_path):
   rl = report.split("## rl_steps")[1].split("## bench_regime")[0]
   assert "TLT on: exit 0" in rl and "TLT off: exit 0" in rl, rl
   assert re.search(r"^\| rollout \| [\d.]+ \| [\d.]+ \|$", rl, re.M), rl
-  # the learner stage: a packed step with the fused kernel (interpreted here) and with XLA's
-  # attention, equal old log-probs, both in the headline
+  # the learner stage: a packed step with the fused kernel (interpreted here), with LoRA
+  # adapters over the frozen model (B = 0: the same old log-probs) and with XLA's attention,
+  # equal old log-probs, all in the headline; LoRA's weight sync within the plan's memory
   learner = json.load(open(tmp_path / "learner" / "learner.json"))
-  assert [r["attention"] for r in learner] == ["fused", "xla"], learner
+  assert [(r["attention"], r.get("lora_rank")) for r in learner] == [
+      ("fused", None), ("fused", 64), ("xla", None)], learner
   assert all(r["update_s"] > 0 and r["parity_max_abs"] < 1e-3 for r in learner), learner
-  assert "learner step (packed update), attention fused" in report
+  assert 0 < learner[1]["sync_temp_layers"] <= learner[1]["sync_plan_layers"], learner[1]
+  assert "learner step (packed update), attention fused |" in report
+  assert "learner step (packed update), attention fused, LoRA rank 64 |" in report
+  assert "LoRA weight sync (rank 64): merge + rollout layout" in report
   # the packed attention alone: our kernel, JAX's mha and XLA's agree on the tokens that count
   attention = json.load(open(tmp_path / "learner" / "attention.json"))
   assert [r["impl"] for r in attention["results"]] == ["flash", "mha", "xla"], attention

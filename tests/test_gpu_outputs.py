@@ -154,34 +154,48 @@ def test_decode_starts_no_process_whose_first_cell_cannot_end_in_time(tmp_path, 
   assert "| cmdbuf | (skipped: out of --budget_s)" in out.getvalue()
 
 
-def test_learner_variant_that_fails_leaves_the_other(tmp_path, monkeypatch):
+def test_learner_variant_that_fails_leaves_the_other(tmp_path_factory, monkeypatch):
   """The fused attention's Triton kernel has never been compiled on a GPU by this project: if
-  it fails there, XLA's variant still runs, and each row is printed and written as it
-  finishes (the shipped model, the variants' measurement stubbed)."""
+  it fails there, the LoRA and XLA variants still run, and each row is printed and written as
+  it finishes (the shipped model, the variants' measurement stubbed); the headline reads the
+  LoRA row and its weight sync."""
+  tmp_path = tmp_path_factory.mktemp("out") / "learner"  # the stage's folder (the headline's)
   learner = _script("gpu_learner")
   seen = []
   error = "RuntimeError: Triton compilation failed"
 
-  def variant(params, cfg, attention, args, batch):
-    seen.append(attention)
-    if attention == "fused":
+  def variant(params, cfg, attention, args, batch, rank=0):
+    seen.append((attention, rank))
+    if attention == "fused" and not rank:
       raise RuntimeError("Triton compilation failed")
     # the failed variant's row is on disk before the next one starts
-    assert json.load(open(tmp_path / "learner.json")) == [{"attention": "fused",
-                                                           "error": error}]
-    return {"attention": attention, "why": "XLA's reference attention", "logprobs_s": 0.5,
-            "update_s": 2.0, "shapes": [], "_logp": [], "_masks": [], "remat": "none"}
+    assert json.load(open(tmp_path / "learner.json"))[0] == {"attention": "fused",
+                                                              "error": error}
+    out = {"attention": attention, "why": "XLA's reference attention", "logprobs_s": 0.5,
+           "update_s": 2.0, "shapes": [], "_logp": [], "_masks": [], "remat": "none"}
+    if rank:
+      out.update(update_s=1.5, adapters=1000, sync_s=0.25, sync_compile_s=3.0,
+                 sync_temp_layers=0.6, sync_plan_layers=1.25)
+    return out
 
   monkeypatch.setattr(learner, "run_variant", variant)
   out = io.StringIO()
   monkeypatch.setattr(sys, "stdout", out)
   assert learner.main(["--out", str(tmp_path), "--samples", "4", "--max_len", "128",
-                       "--attention", ""]) == 0
-  assert seen == ["fused", "xla"]
+                       "--attention", "", "--lora_rank", "8"]) == 0
+  assert seen == [("fused", 0), ("fused", 8), ("xla", 0)]
   rows = json.load(open(tmp_path / "learner.json"))
-  assert rows[0] == {"attention": "fused", "error": error} and rows[1]["update_s"] == 2.0
+  assert rows[0] == {"attention": "fused", "error": error} and rows[2]["update_s"] == 2.0
+  assert rows[1]["lora_rank"] == 8 and rows[1]["sync_s"] == 0.25
   assert f"| fused | fails: {error} ||||" in out.getvalue()
+  assert "| fused, LoRA rank 8 | 0.500 | 1.500 |" in out.getvalue()
   assert "| xla | 0.500 | 2.000 |" in out.getvalue()
+  assert "LoRA weight sync (merge + the rollout's layout, one program): 0.250 s" in out.getvalue()
+  got = {f: v for f, v, _ in _script("gpu_headline").rows(str(tmp_path.parent))}
+  assert got["learner step (packed update), attention fused, LoRA rank 8"] == (
+      "update 1.500 s, log-probs 0.500 s"), got
+  assert got["LoRA weight sync (rank 8): merge + rollout layout"] == (
+      "0.250 s; working memory 0.60 layers in float32 (plan 1.25)"), got
 
 
 def test_decode_flag_sets_parse_on_this_jaxlib():

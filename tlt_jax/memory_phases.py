@@ -162,6 +162,10 @@ def rollout(z: Sizes) -> list[Item]:
   return items
 
 
+# the sync conversion's working memory, in layers of the model in float32 (`sync`)
+SYNC_LAYERS = 1.25
+
+
 def sync(z: Sizes) -> list[Item]:
   """The weight sync beside what every phase holds (the new rollout copy is `rollout`'s
   item): the old copy where it was not released, and the conversion program's working memory
@@ -176,7 +180,7 @@ def sync(z: Sizes) -> list[Item]:
                       ("sync",), "the sync's new copy beside the old "
                       "(memory.release_rollout_weights frees the old first)"))
   layer = count(layer_shapes(z.shapes))
-  items.append(Item("sync conversion", int(1.25 * layer * 4), ("sync",),
+  items.append(Item("sync conversion", int(SYNC_LAYERS * layer * 4), ("sync",),
                     "a layer in float32: " + ("the LoRA merge's products"
                                               if z.spec.lora is not None
                                               else "the learner's shards gathered")))
