@@ -11,7 +11,7 @@ import pytest
 
 from tlt_jax.models.kv_cache import NO_PAGE
 from tlt_jax.models import pages_for
-from tlt_jax.rollout.pages import PageAllocator, admission, grow_rows
+from tlt_jax.rollout.pages import PageAllocator, admission, grow_rows, share_prompts
 from tlt_jax.rollout.scheduler import Prefill, Refill, Resize, Scheduler
 
 
@@ -70,6 +70,41 @@ def test_admission_takes_the_last_free_page_when_it_exactly_covers_the_rule():
   assert admit(req("a", 4)) and a.free == 3
   assert admit(req("b", 4)) and a.free == 1 and a.holders == ["a", "b"]
   assert not admit(req("c", 1))  # 1 page + 2 rows' growth > 1 free
+
+
+def test_a_groups_rows_hold_their_prompts_whole_pages_once():
+  """share_prompts: a group's later rows give back their copies of the pages wholly before the
+  prompt's last slot and hold the first row's; a page returns to the free list only when its
+  last holder lets it go; growth past the prompt takes a row's own pages."""
+  req = lambda key, ids: types.SimpleNamespace(key=key, prompt_ids=ids)  # noqa: E731
+  a = PageAllocator(num_pages=14, page_size=4, row_pages=4)
+  p9, p5 = [7] * 9, [3] * 5  # 9 tokens: slots 0-7 (2 pages) before its last; 5: 1 page
+  reqs = [req("a", p9), req("b", p9), req("c", p5), req("d", p9), req("e", p5)]
+  for r in reqs:
+    assert a.grow(r.key, len(r.prompt_ids) + 1)  # a, b, d: 3 pages; c, e: 2
+  assert a.free == 1
+  assert share_prompts(a, reqs) == 2 + 2 + 1 and a.free == 6
+  t = a.table(["a", "b", "d", "c", "e"])
+  np.testing.assert_array_equal(t[0, :2], t[1, :2])
+  np.testing.assert_array_equal(t[0, :2], t[2, :2])
+  assert t[3, 0] == t[4, 0] and t[3, 1] != t[4, 1]
+  assert len({*t[0, :3], t[1, 2], t[2, 2], *t[3, :2], t[4, 1]}) == 8  # the rest: their own
+  assert share_prompts(a, [req("x", [1] * 4)]) == 0  # alone: nothing shared
+  with pytest.raises(ValueError, match="cannot share 3 pages"):
+    a.share("c", "a", 3)
+  assert a.grow("b", 16) and a.held("b") == 4 and a.free == 5  # its own fourth page
+  a.release("a")  # its 2 shared pages stay with b and d
+  assert a.free == 6 and a.table(["b"])[0, 0] == t[0, 0]
+  a.release("b")
+  assert a.free == 8
+  a.release("d")  # the last holder of the prompt's pages
+  assert a.free == 11
+  # preempting a row that shares frees its own pages only
+  assert grow_rows(a, {"c": 16, "e": 16}) == [] and a.free == 7
+  a.release("e")  # its own 3 pages; the shared one stays with c
+  assert a.free == 10 and a.held("c") == 4
+  a.release("c")
+  assert a.free == 14 and sorted(a._free) == list(range(14))  # every page back, once
 
 
 def test_scheduler_admits_in_order_while_allowed_and_requeues_preempted_rows():

@@ -509,6 +509,49 @@ def test_kv_pages_admit_exhaust_and_preempt_without_changing_a_response(models, 
     dataclasses.replace(roomy, kv_pages=6)
 
 
+@pytest.mark.parametrize("arm,kv_pages", [(None, 14), ("3_1_4", 20)])  # (speculation's
+def test_a_groups_rows_share_their_prompts_pages(models, greedy, prompts, monkeypatch, arm,
+                                                 kv_pages):  # chunks reach further)
+  """GRPO groups (3 samples of each of 4 prompts of 9-16 tokens) through a tight pool of
+  4-slot pages: the rows of a shared prefill hold their prompt's whole pages once
+  (pages.share_prompts), so the pool holds more live rows (the same responses in fewer
+  chunks, no more preemptions) than when each row copies its prompt's pages, and nothing
+  changes: greedy, every sample is transformers'
+  response (plain, and speculative with a tracked drafter, whose cache shares the page ids);
+  sampled, every response and log-prob equals the copying engine's (same keys)."""
+  from tlt_jax.drafter import init_drafter
+  from tlt_jax.rollout import replica
+  from tlt_jax.rollout.config import SpecConfig
+  m, g = models["qwen2"], greedy["qwen2"]
+  spec = (SpecConfig(strategy=arm, bs_threshold=4, patience=1, use_kernel=False)
+          if arm else None)
+  ecfg = engine_cfg(stop_tokens=(g["stop"],), page_size=4, kv_pages=kv_pages,
+                    spec=spec)
+  ids = (2, 4, 5, 6)  # prompts of 16, 9, 11 and 13 tokens: 3, 2, 2 and 3 shareable pages
+  group = lambda: [Request(prompts[i], request_id=i, sample_index=s,  # noqa: E731
+                           max_new_tokens=CAPS[i % len(CAPS)]) for i in ids for s in range(3)]
+  drafter = init_drafter(m.cfg, jax.random.key(0)) if spec else None
+  shared = Engine(m.params, m.cfg, ecfg, drafter_params=drafter)
+  res_g, log_g = run(shared, group(), GREEDY)
+  for i in ids:
+    for s in range(3):
+      assert res_g[(i, s)].response_ids.tolist() == g["ref"][i], (i, s)
+  res_s, log_s = run(shared, group(), T1, seed=3)
+  with monkeypatch.context() as mp:  # the same engine, each row copying its prompt's pages
+    mp.setattr(replica, "share_prompts", lambda pages, reqs: 0)
+    copying = Engine(m.params, m.cfg, ecfg, drafter_params=drafter)
+    copy_g, clog_g = run(copying, group(), GREEDY)
+    copy_s, clog_s = run(copying, group(), T1, seed=3)
+  assert_same_results(res_g, copy_g, "greedy, shared vs copied prompt pages")
+  assert_same_results(res_s, copy_s, "sampled, shared vs copied prompt pages")
+  assert not spec or any(c.mode == arm for c in log_g + log_s)
+  live = lambda log: sum(c.live for c in log) / len(log)  # noqa: E731
+  assert shared.preemptions <= copying.preemptions
+  # more rows decode together: the same responses in fewer chunks
+  assert live(log_g + log_s) > live(clog_g + clog_s)
+  assert len(log_g + log_s) < len(clog_g + clog_s)
+
+
 # ------------------------------------------------------------------------------- 3. seeds
 def test_seed_determinism(greedy, layouts, prompts):
   worker = greedy["qwen2"]["worker"]

@@ -255,6 +255,68 @@ def test_speculation_after_plain_decoding_gives_the_drafter_its_context(shipped)
   assert min(rate.values()) >= 0.8 * offline["accept_len"], (rate, offline["accept_len"])
 
 
+def test_a_groups_shared_prompt_pages_hold_what_copies_would(tiny):
+  """A group's rows holding their prompt's whole pages once (pages.share_prompts) through a
+  shared prefill, the tracked drafter's pass over the prompts and two sampled speculative
+  chunks: every row's target and drafter entries over its committed slots, tokens and
+  log-probs equal those of rows that each copy the prompt's pages. (The slot before a prompt's
+  end is in no shared page: its drafter entry pairs it with the row's own first token; shared,
+  the group's rows overwrite each other's entry there and this fails.)"""
+  import types
+  from tlt_jax.rollout.pages import PageAllocator, share_prompts
+  params, dparams = tiny
+  prompts = ([1, 4, 2, 3, 5, 1, 2, 6], [2, 2, 4, 1, 3, 5])  # pages of 2: 3 and 2 shared
+  b, u, page, row = 6, 2, 2, 32
+  reqs = [types.SimpleNamespace(key=i, prompt_ids=prompts[i // 3]) for i in range(b)]
+  alloc = PageAllocator(b * row // page, page, row // page)
+  for r in reqs:
+    assert alloc.grow(r.key, row)
+  assert share_prompts(alloc, reqs) == 2 * 3 + 2 * 2
+  shared_table = jnp.asarray(alloc.table(range(b)))
+  toks = np.zeros((u, 8), np.int32)
+  for j, x in enumerate(prompts):
+    toks[j, :len(x)] = x
+  lens = jnp.asarray([len(x) for x in prompts], jnp.int32)
+  src = jnp.asarray([0, 0, 0, 1, 1, 1], jnp.int32)
+  keys = jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(b))
+  strategy = speculative.Strategy("2_1_3")
+  chunk = functools.partial(speculative.spec_chunk, cfg=TINY, sp=SamplingParams(temperature=1.0),
+                            stop_tokens=(), chunk=4, strategy=strategy, capture_hidden=False,
+                            use_kernel=False)
+
+  @jax.jit
+  def run(table):
+    cache = init_cache(TINY, b, row, page_size=page).replace(table=table)
+    dpool = drafter_cache(TINY, b, row, page_size=page)
+    base, hidden = decode.prefill_shared_with_hidden(
+        params, cache, jnp.asarray(toks), lens, src, keys, jnp.full((b,), 16, jnp.int32),
+        cfg=TINY)
+    state = spec_state.track_prompt(params, dparams, base, dpool, jnp.asarray(toks), hidden,
+                                    lens, src, cfg=TINY, max_steps=strategy.steps)
+    outs = []
+    for _ in range(2):
+      state, out, _ = chunk(params, dparams, state)
+      outs.append(out)
+    return state, outs
+
+  def rows(c, i):  # row i's entries over its committed slots, every layer, k and v
+    idx = jnp.arange(int(c.lengths[i]))
+    return [np.asarray(p[c.table[i, idx // page], idx % page]) for p in c.k + c.v]
+
+  got, got_out = run(shared_table)
+  want, want_out = run(jnp.arange(b * row // page, dtype=jnp.int32).reshape(b, -1))
+  for o, w in zip(got_out, want_out):
+    np.testing.assert_array_equal(o.tokens, w.tokens)
+    np.testing.assert_array_equal(o.valid, w.valid)
+    np.testing.assert_array_equal(o.logprobs, w.logprobs)
+  for g, w in ((got.base.cache, want.base.cache), (got.dcache, want.dcache)):
+    np.testing.assert_array_equal(g.lengths, w.lengths)
+    assert min(np.asarray(g.lengths)) > 8  # past every prompt
+    for i in range(b):
+      for a, e in zip(rows(g, i), rows(w, i)):
+        np.testing.assert_array_equal(a, e, err_msg=f"row {i}")
+
+
 # ------------------------------------------------------------------------ distribution tests
 @pytest.fixture(scope="module")
 def peaked():

@@ -50,8 +50,8 @@ from tlt_jax.rollout.compile_plan import CompilePlan
 from tlt_jax.rollout.plan_call import PlanCall
 from tlt_jax.rollout.engine import Engine, engine_arms
 from tlt_jax.rollout.executables import CompileRecord, ExecKey
-from tlt_jax.rollout.pages import PageAllocator
-from tlt_jax.rollout.prefill import prompt_len
+from tlt_jax.rollout.pages import PageAllocator, share_prompts
+from tlt_jax.rollout.prefill import prefill_rows, prompt_len
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.scheduler import Prefill, Refill, Resize
 from tlt_jax.rollout.policies.strategy import Strategy
@@ -341,6 +341,8 @@ class SimEngine(Engine):
       rows = [state.rows[i] if v else None for i, v in zip(op.idx, op.valid)]
       return SimState(rows, state.spec)
     reqs = op.requests
+    if prefill_rows(reqs, op.bucket, self.ecfg) < op.bucket:  # a group's rows hold its pages
+      share_prompts(c.pages, reqs)
     self._prefill(reqs, op.bucket, warm)
     # a speculative prefill leaves no pending token: a first speculative step samples one
     new = [Row(r.key, self.lengths[r.key], pending=int(warm), prompt=len(r.prompt_ids))
@@ -357,9 +359,7 @@ class SimEngine(Engine):
   def _prefill(self, reqs: Sequence[Request], bucket: int, warm: bool) -> None:
     """A prefill's price: each distinct prompt once, padded as prefill.py pads them."""
     p = prompt_len(reqs, self.ecfg)
-    distinct = len({tuple(r.prompt_ids) for r in reqs})
-    u = self.ecfg.bucket_for(distinct)
-    rows = u if u < bucket else bucket
+    rows = prefill_rows(reqs, bucket, self.ecfg)
     self._compile(exe_key("prefill", bucket, p))
     c = cost.prefill(self.cfg, rows, p, tp=self.tp)
     if warm:  # a tracked call's: the drafter's over the prompts (a drafter-only executable)

@@ -93,8 +93,10 @@ def shared_tables(table: jax.Array, src: jax.Array, u: int) -> tuple[jax.Array, 
 
 
 def copy_pages(cache: KVCache, dst: jax.Array, src: jax.Array, n: int) -> KVCache:
-  """Pages src[:, :n] copied onto dst[:, :n] (both [B, R] page ids; NO_PAGE dst: skipped)."""
-  d, s_ = dst[:, :n].reshape(-1), jnp.minimum(src[:, :n].reshape(-1), cache.num_pages - 1)
+  """Pages src[:, :n] copied onto dst[:, :n] (both [B, R] page ids; NO_PAGE dst, or a page
+  that is its own source (a group's shared prompt pages, pages.share_prompts): skipped)."""
+  d, s_ = dst[:, :n].reshape(-1), src[:, :n].reshape(-1)
+  d, s_ = jnp.where(d == s_, NO_PAGE, d), jnp.minimum(s_, cache.num_pages - 1)
   cp = lambda p: p.at[d].set(p[s_], mode="drop")
   return cache.replace(k=tuple(map(cp, cache.k)), v=tuple(map(cp, cache.v)))
 
@@ -104,7 +106,8 @@ def prefill_shared(params: Params, cache: KVCache, tokens: jax.Array, prompt_len
                    cfg: ModelConfig) -> DecodeState:
   """`prefill` of U distinct prompts (tokens [U, P], prompt_lens [U]) expanded to B rows
   (`expand_rows`; cache: the B rows' tables): a GRPO group's n responses share one prompt,
-  whose forward runs once into its first row's pages; the others copy those pages."""
+  whose forward runs once into its first row's pages; the others hold its whole pages (the
+  allocator's `share_prompts`) and copy the rest."""
   return prefill_shared_with_hidden(params, cache, tokens, prompt_lens, src, keys, max_new,
                                     cfg=cfg)[0]
 
@@ -124,7 +127,8 @@ def prefill_shared_with_hidden(params: Params, cache: KVCache, tokens: jax.Array
 
 def expand_cache(cache: KVCache, src: jax.Array, table: jax.Array, prompt_slots: int) -> KVCache:
   """A cache of U freshly prefilled prompts -> B rows (row i: prompt src[i], < 0 empty) with
-  page tables `table` [B, R]: each prompt's pages (its first `prompt_slots` slots) copied from
+  page tables `table` [B, R]: each prompt's pages (its first `prompt_slots` slots; a page a
+  row shares with the first, pages.share_prompts, is already there) copied from
   its first row to the others, lengths taken from the prompt."""
   src_tables, copy_to = shared_tables(table, src, cache.table.shape[0])
   n = pages_for(prompt_slots, cache.page_size)

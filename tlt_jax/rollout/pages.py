@@ -5,8 +5,14 @@ kv_cache.py's KVCache: the target's layers and the drafter's layer share the pag
 A request holds the pages its row has reached (prompt + response so far + what the next
 chunk can add, `chunk_reach`); its row's page table lists them in slot order. Pages come back
 when the request finishes, is preempted, or the generate call ends, so a replica admits rows
-by the tokens they hold, not max_batch x max_len (vLLM's block manager, without prefix
-sharing: a GRPO group's rows each copy their prompt's pages).
+by the tokens they hold, not max_batch x max_len (vLLM's block manager).
+
+A GRPO group's rows share their prompt's pages (`share_prompts`): a prefill that runs each
+distinct prompt once (prefill.py's shared prefill: decode.prefill_shared) writes it into the
+first row's pages, and the group's other rows hold those same pages instead of copies of
+them, as far as the pages lie wholly before the prompt's last slot (that slot's drafter entry
+pairs it with the row's own first token; nothing else ever writes a slot below a row's
+length). A page goes back to the free list when its last holder lets it go (a count per page).
 
 Policy when pages run out (`Engine.generate`): a new request is admitted only while the free
 pages cover its prompt and one chunk's reach and leave every live row one chunk's growth
@@ -36,7 +42,8 @@ from tlt_jax.sharding import cache_sharding
 
 
 class PageAllocator:
-  """Pages of one pool: a free list, and each holder's pages in slot order."""
+  """Pages of one pool: a free list, each holder's pages in slot order, and how many holders
+  each page has (a group's shared prompt pages: more than one)."""
 
   def __init__(self, num_pages: int, page_size: int, row_pages: int):
     if num_pages < row_pages:
@@ -45,6 +52,7 @@ class PageAllocator:
     self.num_pages, self.page_size, self.row_pages = num_pages, page_size, row_pages
     self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
     self._held: dict[Hashable, list[int]] = {}  # in admission order (dicts keep it)
+    self._holders = np.zeros((num_pages,), np.int32)  # holders of each page
 
   @property
   def free(self) -> int:
@@ -68,13 +76,32 @@ class PageAllocator:
     n = self.need(key, slots)
     if n > len(self._free):
       return False
-    pages = self._held.setdefault(key, [])
-    pages.extend(self._free.pop() for _ in range(n))
+    new = [self._free.pop() for _ in range(n)]
+    self._holders[new] = 1
+    self._held.setdefault(key, []).extend(new)
     return True
 
+  def share(self, key: Hashable, leader: Hashable, n: int) -> int:
+    """`key`'s first n pages become `leader`'s first n (both hold at least n; the pages key
+    held there are let go). Returns the pages that went back to the free list."""
+    own, lead = self._held[key], self._held[leader]
+    if n > min(len(own), len(lead)):
+      raise ValueError(f"cannot share {n} pages: {key!r} holds {len(own)}, {leader!r} "
+                       f"{len(lead)}")
+    freed = self._let_go(own[:n])
+    own[:n] = lead[:n]
+    self._holders[lead[:n]] += 1
+    return freed
+
   def release(self, key: Hashable) -> None:
-    """All of `key`'s pages back to the free list."""
-    self._free.extend(reversed(self._held.pop(key, [])))
+    """All of `key`'s pages let go (each back to the free list once no one holds it)."""
+    self._let_go(self._held.pop(key, []))
+
+  def _let_go(self, pages: list[int]) -> int:
+    self._holders[pages] -= 1
+    back = [p for p in reversed(pages) if self._holders[p] == 0]
+    self._free.extend(back)
+    return len(back)
 
   def table(self, keys: Iterable[Hashable | None]) -> np.ndarray:
     """[len(keys), row_pages] int32 page tables, a row per key (None or a key without pages:
@@ -85,6 +112,21 @@ class PageAllocator:
       pages = self._held.get(key, ()) if key is not None else ()
       out[i, :len(pages)] = pages
     return out
+
+
+def share_prompts(pages: PageAllocator, reqs: Sequence[Any]) -> int:
+  """After admitting `reqs` (each holding its pages) for a shared prefill (prefill.py's
+  `shares`: each distinct prompt prefilled once into its first row's pages): every later
+  request of a prompt holds the first one's pages wholly before the prompt's last slot
+  instead of its own (module docstring). Returns the pages freed."""
+  first: dict[tuple[int, ...], Hashable] = {}
+  freed = 0
+  for r in reqs:
+    ids = tuple(int(t) for t in r.prompt_ids)
+    leader = first.setdefault(ids, r.key)
+    if leader != r.key:
+      freed += pages.share(r.key, leader, (len(ids) - 1) // pages.page_size)
+  return freed
 
 
 def admission(pages: PageAllocator, reach: int) -> Callable[[Any], bool]:

@@ -24,6 +24,15 @@ def prompt_len(reqs: Sequence[Request], ecfg: EngineConfig) -> int:
   return min(-(-longest // ecfg.prompt_bucket) * ecfg.prompt_bucket, ecfg.max_prompt_len)
 
 
+def prefill_rows(reqs: Sequence[Request], batch: int, ecfg: EngineConfig) -> int:
+  """The rows a prefill of `reqs` at `batch` rows computes: each distinct prompt once (a GRPO
+  group's responses share their prompt) when that makes a smaller batch (the bucket of U
+  distinct prompts < batch: a "shared" prefill, whose rows also share the prompt's pages,
+  pages.share_prompts), else every row."""
+  u = ecfg.bucket_for(len({tuple(int(t) for t in r.prompt_ids) for r in reqs}))
+  return u if u < batch else batch
+
+
 def prefill_arrays(reqs: Sequence[Request], batch: int, base_key, ecfg: EngineConfig):
   """A prefill's inputs for `reqs` at `batch` rows: tokens [U, P] right-padded to a multiple
   of prompt_bucket, lens [U], src [batch] (row -> its prompt, `decode.expand_rows`; None when
@@ -40,9 +49,8 @@ def prefill_arrays(reqs: Sequence[Request], batch: int, base_key, ecfg: EngineCo
     k = jax.random.fold_in(jax.random.fold_in(base_key, r.request_id), r.sample_index)
     keys[i] = np.asarray(jax.random.key_data(k))
     max_new[i] = min(r.max_new_tokens or ecfg.max_new_tokens, ecfg.max_new_tokens)
-  u = ecfg.bucket_for(len(distinct))
-  shared = u < batch
-  rows = u if shared else batch
+  rows = prefill_rows(reqs, batch, ecfg)
+  shared = rows < batch
   tokens = np.zeros((rows, p), np.int32)
   lens = np.zeros((rows,), np.int32)
   for ids, j in distinct.items() if shared else ((r.prompt_ids, i) for i, r in

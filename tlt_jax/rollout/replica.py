@@ -31,7 +31,7 @@ from tlt_jax.rollout.compile_plan import CompilePlan
 from tlt_jax.rollout.config import EngineConfig
 from tlt_jax.rollout.executables import CompileRecord, ExecutableCache
 from tlt_jax.rollout.history_chunk import history_chunk
-from tlt_jax.rollout.pages import KVPages
+from tlt_jax.rollout.pages import KVPages, share_prompts
 from tlt_jax.rollout.policies.strategy import Strategy
 from tlt_jax.rollout.prefill import prefill_arrays, run_prefill
 from tlt_jax.rollout.records import Request
@@ -181,6 +181,8 @@ class Replica:
     whose drafter then consumes the prompts: a SpecState); both pools are donated and come
     back in the state."""
     tokens, lens, src, keys, max_new = prefill_arrays(reqs, batch, c.base_key, self.ecfg)
+    if src is not None:  # each prompt prefilled once: its group's rows hold its pages
+      share_prompts(c.pages, reqs)
     table = self.kv.table(c.pages, [r.key for r in reqs] + [None] * (batch - len(reqs)))
     cache = kv.replace(table=table, lengths=jnp.zeros((batch,), jnp.int32))
     run = lambda name, variant, fn, args, donate: self._call(  # noqa: E731
