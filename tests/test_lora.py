@@ -30,7 +30,8 @@ from tlt_jax.checkpoint import Checkpointer
 from tlt_jax.config import asset_path
 from tlt_jax.errors import ConfigError
 from tlt_jax.models import forward, lora, replica_layout
-from tlt_jax.models.hf_io import load_hf_model
+from tlt_jax.models import hf_io
+from tlt_jax.models.hf_io import hf_state_dict, load_hf_model
 from tlt_jax.rl import grpo
 from tlt_jax.rl import learner as rl_learner
 from tlt_jax.sharding import make_mesh, tree_shardings
@@ -107,6 +108,12 @@ def test_adapters_are_pefts_lora_on_transformers(tmp_path, arch, targets):
   merged = forward(lora.merge(base, ad, lo.scale), jnp.asarray(TOKENS), pos, cfg=cfg).logits
   assert _rel(attached, want) <= F32_TOL
   assert _rel(merged, want) <= F32_TOL
+  # the exports' writer merges the attached tree a layer at a time: the merged tree's tensors
+  got = dict(hf_state_dict(lora.attach(base, ad, lo.scale), cfg))
+  expected = dict(hf_state_dict(lora.merge(base, ad, lo.scale), cfg))
+  assert got.keys() == expected.keys()
+  for name, x in expected.items():
+    np.testing.assert_array_equal(got[name], x, err_msg=name)
   fresh = lora.init_adapters(cfg, lo, jax.random.key(0))
   start = forward(lora.attach(base, fresh, lo.scale), jnp.asarray(TOKENS), pos, cfg=cfg).logits
   np.testing.assert_array_equal(np.asarray(start),
@@ -188,7 +195,7 @@ def test_learner_trains_the_adapters_alone_and_the_base_is_the_reference(tmp_pat
   moved = [float(np.max(np.abs(np.asarray(b)))) for b in jax.tree.leaves(
       {t: p["b"] for t, p in state.params["layers"].items()})]
   assert min(moved) > 0  # every target's B left zero
-  merged = rl_learner.policy_params(state, spec)
+  merged = lora.merge(state.base, state.params, spec.lora.scale)
   assert jax.tree.structure(merged) == jax.tree.structure(params)
 
 
@@ -225,6 +232,11 @@ def test_the_merge_holds_one_layers_product_at_a_time():
   scaled_b = sum(ab["b"].nbytes for ab in ad["layers"].values())  # attach's s B (r rows)
   one = jax.jit(lambda b, a: lora.merge(b, a, s)).lower(base, ad).compile()
   assert one.memory_analysis().temp_size_in_bytes <= 1.25 * layer_f32 + scaled_b
+  # the exports' merge (hf_io.hf_state_dict of the attached tree): one layer's target a call
+  ab = lora.attach(base, ad, s)["layers"]["gate_lora"]
+  export = hf_io._merged_layer.lower(base["layers"]["gate"], ab["a"], ab["b"],
+                                     np.int32(0)).compile().memory_analysis()
+  assert export.temp_size_in_bytes <= 1.25 * layer_f32
 
   mesh = make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
   sh = tree_shardings(lora.attach(base, ad, s), mesh)
@@ -410,7 +422,7 @@ def test_a_run_starts_from_a_peft_adapter(tmp_path):
                            **{"model.lora.init": str(tmp_path / "sft")}))
   try:
     cfg, _ = load_hf_model(model_dir)
-    first = forward(rl_learner.policy_params(state.learner, run.learner), jnp.asarray(TOKENS),
+    first = forward(rl_learner.rollout_policy(state.learner, run.learner), jnp.asarray(TOKENS),
                     jnp.arange(TOKENS.shape[1])[None], cfg=cfg).logits
     with torch.no_grad():
       want = want_model(torch.tensor(TOKENS, dtype=torch.long)).logits.numpy()

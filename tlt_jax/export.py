@@ -276,7 +276,8 @@ def export_run(workdir: str, *, step: int | None = None, out: str | None = None,
                               shapes, shardings)
       params = ckpt.read_subtree("actor", step, template=template)
       adapters = None
-      if lo is not None:  # merged into the base as the run's learner held it (model.dtype)
+      if lo is not None:  # attached to the base as the run's learner held it (model.dtype),
+        # merged a layer at a time as the policy is written (hf_io.hf_state_dict)
         adapters = params
         if jax.process_count() > 1:  # (slices on other processes: every process takes part)
           from jax.experimental import multihost_utils
@@ -284,7 +285,7 @@ def export_run(workdir: str, *, step: int | None = None, out: str | None = None,
         adapters = jax.device_get(adapters)
         held = m.get("dtype", "float32")
         base = load_hf_model(model_dir, dtype=held, param_dtype=held, mesh=mesh)[1]
-        params = jax.jit(lambda b, a: lora.merge(b, a, lo.scale))(base, params)
+        params = lora.attach(base, params, lo.scale)
         del base
     except (CheckpointError, ExportError) as e:
       if made is not None:  # (nothing written in it yet: an error leaves no folder behind)

@@ -100,8 +100,9 @@ def export_best(run: Run, best: policy_export.BestPolicy, state: TrainState,
 
 
 def policy(run: Run, state: TrainState) -> Params:
-  """The policy as one model for the exports (with LoRA the base with the adapters merged)."""
-  return rl_learner.policy_params(state.learner, run.learner)
+  """The policy for the exports: the params, or with LoRA the base with the adapters attached,
+  which the writer merges a layer at a time (hf_io.hf_state_dict)."""
+  return rl_learner.rollout_policy(state.learner, run.learner)
 
 
 def _export_dtype(cfg: ml_collections.ConfigDict) -> str:

@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.lora import merge_layer
 from tlt_jax.models.safetensors_io import (CheckpointFormatError, mmap_safetensors,
                                            write_safetensors_stream)
 from tlt_jax.models.transformer import Params, param_shapes
@@ -229,6 +230,13 @@ def _layer(x: jax.Array, i: jax.Array) -> jax.Array:
   return jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
 
 
+@jax.jit
+def _merged_layer(w: jax.Array, a: jax.Array, b: jax.Array, i: jax.Array) -> jax.Array:
+  """Layer i of an attached target merged (lora.merge's rule), on the leaves' devices."""
+  one = {"w": _layer(w, i), "w_lora": {"a": _layer(a, i), "b": _layer(b, i)}}
+  return merge_layer(one)["w"]
+
+
 def _np_dtype(dtype: str) -> np.dtype:
   return np.dtype(jax.numpy.dtype(dtype))
 
@@ -254,8 +262,11 @@ def hf_state_dict(params: Params, cfg: ModelConfig, dtype: str | None = None
                   ) -> Iterable[tuple[str, np.ndarray]]:
   """(HF name, numpy array) pairs in HF layout and `hf_tensor_specs` order, one tensor at a
   time: a stacked [L, ...] leaf comes to the host one layer's slice at a time, so the host
-  holds one tensor of the model at once, whatever the model's size. With several processes
-  each tensor is a collective: every process iterates this to the end, in step."""
+  holds one tensor of the model at once, whatever the model's size. `params` may carry LoRA
+  adapters attached (lora.attach: layers/<t>_lora beside a target): each layer's target is
+  then merged on the devices as it is taken (lora.merge's W + a b), so the merged model never
+  exists beside the base. With several processes each tensor is a collective: every process
+  iterates this to the end, in step."""
   np_dtype = _np_dtype(dtype or cfg.param_dtype)
 
   def convert(x, to_hf):
@@ -266,8 +277,12 @@ def hf_state_dict(params: Params, cfg: ModelConfig, dtype: str | None = None
     if not ours.startswith("layers/"):
       yield hf_name, convert(leaf, to_hf)
       continue
+    ab = params["layers"].get(ours[len("layers/"):] + "_lora")
     for i in range(cfg.num_layers):
-      layer = _layer(leaf, np.int32(i)) if isinstance(leaf, jax.Array) else leaf[i]
+      if ab is not None:  # LoRA attached (lora.attach): W + a b, this layer's alone
+        layer = _merged_layer(leaf, ab["a"], ab["b"], np.int32(i))
+      else:
+        layer = _layer(leaf, np.int32(i)) if isinstance(leaf, jax.Array) else leaf[i]
       yield hf_name.format(i), convert(layer, to_hf)
 
 

@@ -7,7 +7,7 @@ pytree (`LearnerState`): what `update` takes and returns (donated) and what a ch
 holds. With LoRA (models/lora.py) the state's params are the adapters and `base` the frozen
 model they update: the loss differentiates the adapters only (`policy_tree`); the rollout
 decodes the merged weights, merged layer by layer into its own layout (`rollout_policy`), and
-the exports take them in the learner's (`policy_params`).
+the exports merge them a layer at a time as they write them.
 """
 
 from __future__ import annotations
@@ -75,23 +75,12 @@ def policy_tree(params: Params, base: Params | None, spec: LearnerSpec) -> Param
   return params if base is None else lora.attach(base, params, spec.lora.scale)
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
-def _merged(params: Params, base: Params, *, spec: LearnerSpec) -> Params:
-  return _state_constraint(lora.merge(base, params, spec.lora.scale), spec.mesh)
-
-
 def rollout_policy(state: LearnerState, spec: LearnerSpec) -> Params:
-  """What the rollout's weights are made from (the coordinator's `to_rollout`,
-  models.replica_layout): the params, or with LoRA the base with the adapters attached, which
-  the layout conversion merges layer by layer into the rollout's layout, so the merged model
-  is never held in the learner's as well."""
+  """What the rollout's weights and the exports are made from (the coordinator's
+  `to_rollout`, models.replica_layout; hf_io.hf_state_dict): the params, or with LoRA the base
+  with the adapters attached, which those merge a layer at a time, so the merged model is
+  never held in the learner's layout as well."""
   return policy_tree(state.params, state.base, spec)
-
-
-def policy_params(state: LearnerState, spec: LearnerSpec) -> Params:
-  """The policy's weights as one model in the learner's layout (the exports'): the params, or
-  with LoRA the base with the adapters merged in (the base's dtype)."""
-  return state.params if state.base is None else _merged(state.params, state.base, spec=spec)
 
 
 def _state_constraint(tree, mesh: Mesh):
