@@ -116,9 +116,9 @@ class PageAllocator:
 
 def share_prompts(pages: PageAllocator, reqs: Sequence[Any]) -> int:
   """After admitting `reqs` (each holding its pages) for a shared prefill (prefill.py's
-  `shares`: each distinct prompt prefilled once into its first row's pages): every later
-  request of a prompt holds the first one's pages wholly before the prompt's last slot
-  instead of its own (module docstring). Returns the pages freed."""
+  `prefill_rows` < the batch: each distinct prompt prefilled once into its first row's
+  pages): every later request of a prompt holds the first one's pages wholly before the
+  prompt's last slot instead of its own (module docstring). Returns the pages freed."""
   first: dict[tuple[int, ...], Hashable] = {}
   freed = 0
   for r in reqs:
