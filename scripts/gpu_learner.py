@@ -54,6 +54,7 @@ from tlt_jax.plan.learner import (Learner, Micro, fused_attention_s, learner_pha
                                   remat_mode)
 from tlt_jax.rl import batching, grpo  # noqa: E402
 from tlt_jax.rl import learner as rl_learner  # noqa: E402
+from tlt_jax.rollout.config import EngineConfig  # noqa: E402
 from tlt_jax.rollout.replica import replica_shardings, to_replica_program  # noqa: E402
 from tlt_jax.sharding import make_mesh  # noqa: E402
 
@@ -114,7 +115,7 @@ def run_variant(params, cfg, attention: str, args, batch, lora_rank: int = 0) ->
          "update_s": statistics.median(b for _, b in times), "shapes": shapes,
          "_logp": logp, "_masks": masks, "remat": remat_mode(mcfg)}
   if lcfg is not None:
-    out.update(lora_rank=lora_rank, adapters=lora.num_adapter_params(cfg, lcfg),
+    out.update(adapters=lora.num_adapter_params(cfg, lcfg),
                **sync_conversion(state, spec, args.steps))
   return out
 
@@ -126,7 +127,7 @@ def sync_conversion(state, spec, steps: int) -> dict:
   layers of the model in float32, against the plan's 1.25."""
   cfg = spec.cfg
   tree = rl_learner.rollout_policy(state, spec)
-  fused = jax.default_backend() == "gpu"  # the rollout's layout there (EngineConfig.fuses)
+  fused = EngineConfig().fuses()  # the rollout's layout on this backend
   rmesh = make_mesh({"data": 1, "tensor": 1}, devices=jax.devices()[:1])
   t = time.perf_counter()
   convert = to_replica_program(cfg, fused, replica_shardings(tree, cfg, fused, rmesh))
