@@ -484,11 +484,13 @@ def test_kv_pages_admit_exhaust_and_preempt_without_changing_a_response(models, 
                                                                          layouts, prompts):
   """A KV pool far smaller than max_batch rows of max length (9 pages of 4 slots; a row
   reaches up to 7): requests wait for pages to be admitted, live rows run out of pages
-  mid-rollout and the youngest are preempted and recomputed (pages.py). Every response is
-  still transformers' greedy one, and sampled responses equal those of an engine whose pool
-  never runs out (per-row keys: a recomputed row draws the same tokens): the module's main
-  Qwen worker (its default pool holds max_batch rows of max length, in pages of 16 slots; its
-  sampled results are the `layouts` fixture's)."""
+  mid-rollout and the youngest are preempted, then resumed (pages.py: their prompt
+  prefilled, their tokens so far fed back). Every response is still transformers' greedy
+  one, sampled responses equal those of an engine whose pool never runs out (per-row keys: a
+  resumed row draws its next token with the key it would have), and no token is decoded
+  twice: the chunks emit exactly the responses' tokens, though preempted rows had decoded
+  some (the module's main Qwen worker: its default pool holds max_batch rows of max length,
+  in pages of 16 slots; its sampled results are the `layouts` fixture's)."""
   m, g = models["qwen2"], greedy["qwen2"]
   roomy = engine_cfg(stop_tokens=(g["stop"],), page_size=4)
   tight = dataclasses.replace(roomy, kv_pages=9)
@@ -499,6 +501,9 @@ def test_kv_pages_admit_exhaust_and_preempt_without_changing_a_response(models, 
   greedy_preempted = w.preemptions
   res_s, log_s = run(w, sampled_requests(prompts), T1, seed=0)
   assert greedy_preempted > 0 and w.preemptions > greedy_preempted  # pages ran out in both
+  assert w.preempted_tokens > 0
+  for res, log in ((res_g, log_g), (res_s, log_s)):
+    assert sum(c.tokens for c in log) == sum(r.num_tokens for r in res.values())
   # admission by pages: never the 4 rows max_batch allows while requests waited
   assert max(c.live for c in log_g + log_s) < 4
   main = layouts["workers"]["main"]

@@ -17,6 +17,7 @@ from tlt_jax.models import init_cache
 from tlt_jax.rollout import decode, spec_state, speculative
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.engine import Engine
+from tlt_jax.rollout.prefill import resume_chunks
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.drafts import draft_chain, draft_tree
 from tlt_jax.rollout.sampling import SamplingParams, processed_logprobs
@@ -502,25 +503,39 @@ def test_plain_sampling_matches_target_distribution(peaked):
   assert chi_square_p(seqs, exact_joint(params, sp)) > 1e-3
 
 
-def _phases_joint(params, dparams, sp, phases, switch_off=None):
+def _phases_joint(params, dparams, sp, phases, switch_off=None, extend=None):
   """N samples of the first NEW tokens of a speculative prefill followed by `phases`, each
   ("track", steps): a tracked plain chunk (decode_chunk, then `spec_state.track`),
-  ("spec", steps): a 2-draft chain's chunk, or "off": `switch_off` (default
-  spec_state.switch_off). Returns the samples and, per phase, how many rows took a token in
-  it."""
+  ("spec", steps): a 2-draft chain's chunk, "off": `switch_off` (default
+  spec_state.switch_off), or "resume": every row preempted and resumed as the engine does
+  (Replica._resume: a fresh prefill of the prompt, then its tokens so far fed back by
+  `extend`, default decode.extend, two at a time, the drafter tracking each). Returns the
+  samples and, per phase, how many rows took a token in it."""
   b = N
   toks = jnp.tile(jnp.asarray(PROMPT, jnp.int32), (b, 1))
   keys = jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(b) + 7 * b)
   run = functools.partial(spec_state.prefill, cfg=PEAKED, max_steps=2)
-  state = jax.jit(run)(params, dparams, init_cache(PEAKED, b, 16, page_size=2),
-                       drafter_cache(PEAKED, b, 16, page_size=2), toks,
-                       jnp.full((b,), len(PROMPT), jnp.int32), keys,
-                       jnp.full((b,), NEW + 2, jnp.int32))
+  prefill = lambda: jax.jit(run)(params, dparams, init_cache(PEAKED, b, 16, page_size=2),  # noqa: E731
+                                 drafter_cache(PEAKED, b, 16, page_size=2), toks,
+                                 jnp.full((b,), len(PROMPT), jnp.int32), keys,
+                                 jnp.full((b,), NEW + 2, jnp.int32))
+  state = prefill()
   off = switch_off or functools.partial(spec_state.switch_off, cfg=PEAKED)
+  feed = jax.jit(functools.partial(extend or decode.extend, cfg=PEAKED))
+  track = jax.jit(functools.partial(spec_state.track, cfg=PEAKED))
+  width2 = EngineConfig(max_batch=1, buckets=(1,), max_prompt_len=2, prompt_bucket=1,
+                        max_new_tokens=14)  # resumes fed back 2 tokens a forward
   got, took = [[] for _ in range(b)], []
   for phase in phases:
     if phase == "off":
       state = jax.jit(off)(params, dparams, state)
+      continue
+    if phase == "resume":
+      state = prefill()
+      for tokens, counts in resume_chunks([np.asarray(g, np.int32) for g in got], b, width2):
+        base, hidden, valid = feed(params, state.base, tokens, counts)
+        state = state.replace(base=base, dcache=track(params, dparams, state.dcache, tokens,
+                                                      hidden, valid))
       continue
     kind, steps = phase
     if kind == "spec":
@@ -574,6 +589,31 @@ def test_sampled_tracked_then_speculative_matches_target_distribution(peaked):
   seqs, took = _phases_joint(params, dparams, sp, [("spec", 1), "off", ("spec", NEW)])
   assert took[1] > 0.5 * N
   assert chi_square_p(seqs, joint) > 1e-3
+
+
+def test_sampled_resume_after_preemption_matches_target_distribution(peaked):
+  """Rows preempted after their first speculative step (1-3 tokens, a pending one among
+  them) or a plain one, then resumed as the engine resumes them (their prompt prefilled, their
+  tokens so far fed back through the target and the drafter's tracking: nothing decoded
+  again), go on to sample the target's distribution, speculatively or plainly. A resume that
+  feeds the tokens but keeps the prompt's last hidden state samples the next token from the
+  wrong conditional, and the test sees it."""
+  params, dparams = peaked
+  for sp, phases in ((SAMPLING[0], [("spec", 1), "resume", ("spec", NEW)]),
+                     (SAMPLING[1], [("track", 1), "resume", ("track", NEW)])):
+    joint = exact_joint(params, sp)
+    seqs, took = _phases_joint(params, dparams, sp, phases)
+    assert took[0] == N and took[1] > 0.5 * N
+    assert chi_square_p(seqs, joint) > 1e-3, phases
+
+  def stale(params, state, tokens, counts, *, cfg):  # the broken resume
+    new, hidden, valid = decode.extend(params, state, tokens, counts, cfg=cfg)
+    return new.replace(hidden=state.hidden), hidden, valid
+
+  sp = SAMPLING[0]
+  seqs, _ = _phases_joint(params, dparams, sp, [("spec", 1), "resume", ("spec", NEW)],
+                          extend=stale)
+  assert broken_p(seqs, exact_joint(params, sp)) < 1e-6
 
 
 def test_broken_acceptance_rule_is_detected(peaked):

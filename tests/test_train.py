@@ -512,6 +512,33 @@ def test_resume_with_tlt_and_fixed_selector_is_bit_exact_and_exports_the_drafter
   _check_drafter_export(tmp_path / "ref", ref[0], spec)
 
 
+def test_a_pool_short_of_pages_preempts_and_resumes_without_changing_the_run(tmp_path):
+  """TLT off (plain sampled decoding: per-row keys) with each worker's KV pool holding one
+  row at its longest (a few of the task's short rows): rows are preempted for pages and
+  resumed from the tokens they had (pages.py), metrics.jsonl counts them (`preempted`), and
+  every step's rewards, tokens, response lengths and losses equal those of the same run with
+  a pool that never runs out."""
+  off = {"tlt.enabled": False}
+  roomy = _small_cfg(tmp_path / "roomy", 2, **off)
+  tight = _small_cfg(tmp_path / "tight", 2, **off,
+                     **{"rollout.kv_pages": roomy.engine.row_pages})
+  assert tight.engine.pool_pages < tight.engine.max_batch * tight.engine.row_pages
+  _run(roomy)
+  _run(tight)
+  got, want = _records(tmp_path / "tight"), _records(tmp_path / "roomy")
+  assert got[-1]["preempted"]["rows"] > 0 and got[-1]["preempted"]["tokens"] > 0
+  assert want[-1]["preempted"] == {"rows": 0, "tokens": 0}
+  for a, b in zip(got, want):
+    for key in ("reward", "tokens", "response_length"):
+      assert a[key] == b[key], (a["step"], key, a[key], b[key])
+    # every loss term too, but the rollout's log-probs against the learner's (rollout_kl,
+    # rollout_k3, ...): a resumed row's later log-probs attend to k/v its resume computed in
+    # one forward, where the roomy run decoded them a token at a time (float32 rounding)
+    gap = {k: (a["loss"].pop(k), b["loss"].pop(k)) for k in list(a["loss"])
+           if k.startswith("rollout_")}
+    assert a["loss"] == b["loss"] and max(max(v) for v in gap.values()) < 1e-5, gap
+
+
 def _check_drafter_export(workdir, run, spec):
   """A 3-step TLT run (`run` of `spec`, in `workdir`) wrote the drafter's EAGLE export
   with each checkpoint (the newest keep_checkpoints of them), holding the drafter the

@@ -78,6 +78,10 @@ def step_metrics(run, prompts: Sequence[Any], responses: Sequence[Any], r: np.nd
     m["spec_gate"] = gate.summary()
   m["executables"] = executables_summary([r for e in run.coordinator.engines
                                            for r in e.compile_log])
+  # rows preempted for KV pages so far (resumed from the tokens they had: pages.py): a pool
+  # that keeps preempting is smaller than the rows it admits need (rollout.kv_pages)
+  m["preempted"] = {"rows": sum(e.preemptions for e in run.coordinator.engines),
+                    "tokens": sum(e.preempted_tokens for e in run.coordinator.engines)}
   if run.coordinator.spot.mode != "off":
     m["spot"] = {k: v for k, v in spot.items() if k != "per_worker"}
     m["spot"]["per_worker"] = {str(p["worker"]): {k: v for k, v in p.items() if k != "worker"}

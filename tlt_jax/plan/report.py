@@ -182,7 +182,8 @@ def text(p: Plan) -> str:
       *([f"rollouts this step (grpo.filter_groups, {p.signal:.0%} of the groups with signal): "
          f"TLT on {on.rollouts}, off {off.rollouts}; over the run "
          f"{sum(s.rollouts for s in p.on)} rollouts in {len(p.on)} steps"] if p.filtering else []),
-      f"rows preempted for pages: TLT on {on.preempted}, off {off.preempted}",
+      f"rows preempted for pages: TLT on {on.preempted}, off {off.preempted} (the tokens they "
+      f"had, resumed from: {on.preempted_tokens}, {off.preempted_tokens})",
       f"idle worker time {spot['idle_s']:.0f} s (all workers), "
       + (f"{share:.0%} of it training the drafter" if share is not None else "none"),
       f"speculative chunks per arm (TLT on): {arms or 'none'}",

@@ -60,6 +60,7 @@ class StepResult:
   spot: dict[str, Any]  # Timeline.summary() of the step (idle, trained, critical path)
   rollouts: int = 1  # (several with grpo.filter_groups)
   groups: int = 0  # the groups the learner trains on
+  preempted_tokens: int = 0  # the tokens the preempted rows had (resumed from, not redone)
 
   @property
   def seconds(self) -> float:
@@ -136,14 +137,15 @@ class Simulation:
     for i, (e, share) in enumerate(zip(self.engines, split(reqs, self.workers_n))):
       e.now = self._now = t0  # (each worker's replica decodes from the rollout's start)
       tl.enter(i, WorkerState.GENERATING)
-      before, pre = len(e.chunk_log), e.preemptions
+      before, pre, pre_t = len(e.chunk_log), e.preemptions, e.preempted_tokens
       e.generate(share, self.spec.sampling, seed=k, policies=cells)
       new = e.chunk_log[before:]
       chunks += new
       live += [(m.t - m.wall_time, i, m.live) for m in new]
       live.append((e.now - t0, i, 0))
       per.append({"worker": i, "generating_s": e.now - t0, "chunks": len(new),
-                  "preempted": e.preemptions - pre})
+                  "preempted": e.preemptions - pre,
+                  "preempted_tokens": e.preempted_tokens - pre_t})
       self._now = e.now
       tl.enter(i, WorkerState.TRAINING if train else WorkerState.IDLE)
     self.policies = cells.states()
@@ -198,7 +200,8 @@ class Simulation:
     spot, timeline = concat_rollouts([r["timeline"] for r in rolls])
     chunks = [c for r in rolls for c in r["chunks"]]
     per = [{**p, **{key: sum(r["per"][i][key] for r in rolls)
-                    for key in ("generating_s", "chunks", "preempted", "idle_s",
+                    for key in ("generating_s", "chunks", "preempted", "preempted_tokens",
+                                "idle_s",
                                 "drafter_steps")}}
            for i, p in enumerate(rolls[0]["per"])]
     seq = [self.prompt_tokens + int(x) for group in trained for x in group]
@@ -220,7 +223,7 @@ class Simulation:
     live = [(t + r["timeline"].t0 - t0, i, n) for r in rolls for t, i, n in r["live"]]
     res = StepResult(k + 1, phases, per, live_batch(live, rolls[0]["starts"]), timeline,
                      chunks, sum(p["preempted"] for p in per), np.concatenate(drawn), spot,
-                     len(rolls), len(trained))
+                     len(rolls), len(trained), sum(p["preempted_tokens"] for p in per))
     self.steps.append(res)
     return res
 

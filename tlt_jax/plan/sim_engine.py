@@ -12,7 +12,9 @@ exactly as they do on devices. Nothing of them is copied here; a test runs the r
 the simulator on the same response lengths and compares every chunk.
 
 What the device would do is priced by the cost model (cost.py) on a hardware profile:
-  prefill      the distinct prompts of the rows (padded as prefill.py pads them)
+  prefill      the distinct prompts of the rows (padded as prefill.py pads them); a
+               preempted row's resume: a target forward per max_prompt_len of its tokens so
+               far (and the drafter's over them in a tracked call)
   plain chunk  chunk_size decode steps at the bucket, attending over the chunk's window (with
                rollout.attention='paged': each row's live slots, mid-chunk); in a
                tracked call (one that may speculate) one drafter forward over the chunk's
@@ -51,7 +53,7 @@ from tlt_jax.rollout.plan_call import PlanCall
 from tlt_jax.rollout.engine import Engine, engine_arms
 from tlt_jax.rollout.executables import CompileRecord, ExecKey
 from tlt_jax.rollout.pages import PageAllocator, share_prompts
-from tlt_jax.rollout.prefill import prefill_rows, prompt_len
+from tlt_jax.rollout.prefill import prefill_rows, prompt_len, resume_chunks
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.scheduler import Prefill, Refill, Resize
 from tlt_jax.rollout.policies.strategy import Strategy
@@ -290,6 +292,7 @@ class SimEngine(Engine):
     self._compiles_reported = 0
     self.chunk_log = []
     self.preemptions = 0
+    self.preempted_tokens = 0
     self.now = 0.0  # this device's clock
     self.busy = {"prefill": 0.0, "decode": 0.0, "verify": 0.0, "drafter_tracking": 0.0,
                  "compile": 0.0, "host": 0.0}
@@ -344,9 +347,11 @@ class SimEngine(Engine):
     if prefill_rows(reqs, op.bucket, self.ecfg) < op.bucket:  # a group's rows hold its pages
       share_prompts(c.pages, reqs)
     self._prefill(reqs, op.bucket, warm)
+    done = [c.done(r) for r in reqs]
+    self._resume(reqs, done, op.bucket, warm)
     # a speculative prefill leaves no pending token: a first speculative step samples one
-    new = [Row(r.key, self.lengths[r.key], pending=int(warm), prompt=len(r.prompt_ids))
-           for r in reqs]
+    new = [Row(r.key, self.lengths[r.key], produced=n, pending=int(warm),
+               prompt=len(r.prompt_ids)) for r, n in zip(reqs, done)]
     if isinstance(op, Prefill):
       return SimState(new + [None] * (op.bucket - len(reqs)), warm)
     if isinstance(op, Refill):
@@ -366,6 +371,23 @@ class SimEngine(Engine):
       self._compile(exe_key("track_prompt", bucket, p), self.drafter_compile)
       c = c + cost.draft(self.cfg, rows, p, max(p // 2, 1), tp=self.tp)
     self._spend("prefill", self._seconds(c))
+
+  def _resume(self, reqs: Sequence[Request], done: list[int], bucket: int, warm: bool) -> None:
+    """A resume's price (Replica._resume): per forward of `resume_chunks` (a prefill's width
+    of the preempted row's tokens so far, the last one narrower), the target over it at the
+    bucket (and in a tracked call the drafter's over its pairs), attending to the row's
+    text."""
+    text = sum(len(r.prompt_ids) for r in reqs) // max(len(reqs), 1)
+    for tokens, _ in resume_chunks([np.zeros((n,), np.int32) for n in done], bucket,
+                                   self.ecfg):
+      width = tokens.shape[1]
+      self._compile(exe_key("extend", bucket, width))
+      c = cost.forward(self.cfg, bucket, width, text + width // 2, tp=self.tp)
+      if warm:
+        self._compile(exe_key("resume_track", bucket, width), self.drafter_compile)
+        c = c + cost.draft(self.cfg, bucket, width, self.ecfg.cache_len, tp=self.tp)
+      self._spend("prefill", self._seconds(c))
+      text += width
 
   def _switch_off(self, state, c):
     # the drafter's catch-up and one target step over the whole cache; the rows are tracked

@@ -2,14 +2,15 @@
 how, and the sources that draft from what was already written.
 
 This package is the engine's mechanics: `engine.py` (one replica's `generate`, sequencing the
-rest once per chunk), `replica.py` (the replica's weights, pools and device calls: the seam
-the simulator replaces), `scheduler.py` (which rows to prefill, refill, compact), `pages.py`
-(the paged KV cache's allocator), `prefill.py`, `decode.py` (plain decode chunks),
-`spec_state.py` (the speculative state: entering it, leaving it), `speculative.py` and
-`drafts.py` (speculative chunks: the drafter's chains and trees, verification),
-`history_chunk.py` (a history arm's host loop), `compile_plan.py` (with its parts `windows.py`
-and `switching.py`), `plan_call.py` and `executables.py` (what is compiled, when, and at what
-price), `records.py` (requests, results, chunk metrics), `sampling.py`, `config.py`.
+rest once per chunk; `call.py` its record of one call), `replica.py` (the replica's weights,
+pools and device calls: the seam the simulator replaces), `scheduler.py` (which rows to
+prefill, refill, compact), `pages.py` (the paged KV cache's allocator), `prefill.py` (a
+prefill, and a preempted row's resume), `decode.py` (plain decode chunks), `spec_state.py`
+(the speculative state: entering it, leaving it), `speculative.py` and `drafts.py`
+(speculative chunks: the drafter's chains and trees, verification), `history_chunk.py` (a
+history arm's host loop), `compile_plan.py` (with its parts `windows.py` and `switching.py`),
+`plan_call.py` and `executables.py` (what is compiled, when, and at what price), `records.py`
+(requests, results, chunk metrics), `sampling.py`, `config.py`.
 Its two subpackages:
   policies/  the decisions (the bandit, the speculation gate and its pricing, the arm):
              pure host values and transitions; they import no engine module. The engine

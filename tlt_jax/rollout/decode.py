@@ -226,6 +226,31 @@ def decode_chunk(params: Params, state: DecodeState, temperature: jax.Array | No
   return state, bufs
 
 
+def extend(params: Params, state: DecodeState, tokens: jax.Array, counts: jax.Array, *,
+           cfg: ModelConfig) -> tuple[DecodeState, jax.Array, jax.Array]:
+  """The target consumes response tokens it emitted before (a preempted row resumed: its
+  prompt prefilled, then its tokens so far fed back, `Replica._resume`): tokens [B, T], the
+  first counts[b] of row b valid (0: the row is left as it is), one forward over the chunk at
+  the rows' next slots, attending to their committed text. Returns (state, hidden [B, T, D],
+  valid [B, T]): the state as decoding those tokens would have left it (lengths and
+  num_generated advanced by counts, `hidden` the last token's), and the hidden state that
+  produced each token ([0] the state's own), the pairs the drafter's `track` consumes."""
+  t = tokens.shape[1]
+  lengths = state.cache.lengths
+  positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  out = forward(params, tokens, positions, cfg=cfg, cache=state.cache, return_logits=False)
+  valid = jnp.arange(t)[None, :] < counts[:, None]
+  last = jnp.clip(counts - 1, 0, t - 1)
+  at_last = jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)[:, 0]
+  produced_by = jnp.concatenate([state.hidden[:, None].astype(out.hidden.dtype),
+                                 out.hidden[:, :-1]], axis=1)
+  state = state.replace(
+      cache=out.cache.replace(lengths=lengths + counts),
+      hidden=jnp.where((counts > 0)[:, None], at_last, state.hidden),
+      num_generated=state.num_generated + counts)
+  return state, produced_by, valid
+
+
 def chunk_reach(chunk: int) -> int:
   """Cache slots past a row's committed length that a `decode_chunk` of `chunk` steps can
   attend to: step i writes and reads slot n + i."""

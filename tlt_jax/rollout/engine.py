@@ -31,7 +31,8 @@ Reads and memory follow the rows' live lengths, not the cache's capacity
 of `page_size` slots, allocated at the first generate and kept until `release_params`: the
 engine's `KVPages`, pages.py): a request holds the pages its row has reached plus one chunk's
 reach, is admitted only while pages are free, and when a live row's next chunk finds none the
-youngest rows are preempted and recomputed later (pages.py's policy). Each chunk attends over
+youngest rows are preempted and resumed later: their prompt prefilled, their tokens so far fed
+back (pages.py's policy, `Replica._resume`). Each chunk attends over
 a window of the rows' slots (`kv_len`, models/kv_cache.py) picked from the longest live
 row the host knows of plus what the chunk can add (`chunk_reach`), on the `length_grid`
 (prompt_bucket x 2^k). Executables are keyed by window, compiled lazily like batch buckets.
@@ -40,12 +41,13 @@ History arms (strategy.py: "hist_<K>", "histtree_<K>_<topk>_<N>") draft from a h
 earlier text (`history=`: duck-typed, begin/extend/end/draft, rollout/sources/history.py)
 instead of the drafter. A call keeps the index current on every chunk, whatever the arm: a row's
 prompt when it starts (`begin`), its tokens as they are emitted (`extend`), and `end` when it
-finishes (kept: a sibling or a later epoch drafts from it) or is preempted (dropped: it will
-be decoded again); with a gate, only a call that starts while speculation's data is wanted
-(`drafter_wanted`: where drafts cannot pay, feeding it is host work on every chunk for
-nothing), and a call that did not feed it begins its live rows (prompt and tokens so far) the
-first time a history arm runs. A history arm needs a lookup per verification, so its chunk is
-a host loop of single jitted steps (history_chunk.py): draft every live row, verify, extend.
+finishes (kept: a sibling or a later epoch drafts from it) or is preempted (dropped, and
+begun again with its text so far when it is resumed); with a gate, only a call that starts
+while speculation's data is wanted (`drafter_wanted`: where drafts cannot pay, feeding it is
+host work on every chunk for nothing), and a call that did not feed it begins its live rows
+(prompt and tokens so far) the first time a history arm runs. A history arm needs a lookup per
+verification, so its chunk is a host loop of single jitted steps (history_chunk.py): draft
+every live row, verify, extend.
 
 Hooks (`EngineHooks`, called on the engine's thread): each chunk's metrics, each finished
 response (rewards start at once; the drafter buffer takes its hidden states), and a call
@@ -55,7 +57,6 @@ concurrently, each inside a coordinator `Worker` (tlt_jax/coordinator/).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Sequence
 
 import jax
@@ -63,9 +64,10 @@ from jax.sharding import Mesh
 
 from tlt_jax.models import ModelConfig, Params
 from tlt_jax.rollout import decode, speculative
+from tlt_jax.rollout.call import Call, longest_row, resumes_apart
 from tlt_jax.rollout.plan_call import PlanCall
 from tlt_jax.rollout.config import EngineConfig
-from tlt_jax.rollout.pages import PageAllocator, admission, grow_rows
+from tlt_jax.rollout.pages import admission, grow_rows
 from tlt_jax.rollout.policies import payoff
 from tlt_jax.rollout.policies.cells import PolicyCells, Selector
 from tlt_jax.rollout.policies.mab import bandit_config
@@ -75,13 +77,6 @@ from tlt_jax.rollout.records import ChunkMetrics, EngineHooks, Output, Request, 
 from tlt_jax.rollout.replica import Replica
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.scheduler import Scheduler
-
-
-def longest_row(sched: Scheduler, outputs: dict[Any, Output]) -> int:
-  """The longest row in the batch: prompt + response so far, host-side (>= its committed
-  cache length: a speculative row's pending token is emitted but not yet committed)."""
-  return max((len(req.prompt_ids) + outputs[req.key].length
-              for req in sched.slots if req is not None), default=1)
 
 
 def engine_arms(spec, bandit: Any = None) -> tuple[Any, frozenset[Strategy]]:
@@ -109,28 +104,6 @@ def chunk_reach(arm: Strategy | None, chunk: int) -> int:
           else speculative.chunk_reach(arm, chunk))
 
 
-@dataclasses.dataclass
-class Call:
-  """One `generate` call: what it was given (sampling, its key, the selector and the gate it
-  reports to, whether it captures hidden states, the hooks, the compile plan's view) and where
-  it is besides the device state (the scheduler, the rows' outputs, the finished results, the
-  pages its rows hold)."""
-  sp: SamplingParams
-  base_key: Any
-  selector: Any
-  gate: Any  # the gate this call measures (None: evaluation, or no gate)
-  track: bool  # the drafter's cache kept current: the call may speculate (module docstring)
-  capture: bool
-  hooks: EngineHooks
-  t_start: float
-  plan: PlanCall
-  sched: Scheduler
-  pages: PageAllocator
-  history: Any  # the history index this call feeds (None: not fed, `_feed_history`)
-  outputs: dict[Any, Output] = dataclasses.field(default_factory=dict)
-  results: list[Result] = dataclasses.field(default_factory=list)
-
-
 class Engine(Replica):
   """One model replica decoding its share of requests; see the module docstring."""
 
@@ -148,6 +121,7 @@ class Engine(Replica):
     self._compiles_reported = 0  # exes.records told to the gate (`_report_compiles`)
     self.chunk_log: list[ChunkMetrics] = []
     self.preemptions = 0  # rows preempted for pages, over the engine's life
+    self.preempted_tokens = 0  # the tokens they had decoded (kept: resumed, not redone)
 
   def _plan(self, gate: Any = None) -> PlanCall:
     """The compile plan's view of this engine now (its bandit: the arms compiled; `gate`:
@@ -184,8 +158,9 @@ class Engine(Replica):
              for key, s in live.items()}
     for victim in grow_rows(c.pages, slots):
       state = self._apply(sched.preempt(live[victim]), state, c, False)
-      c.outputs.pop(victim)
-      if c.history is not None:  # decoded again from its prompt later
+      # its Output stays: resumed later from its prompt and these tokens (Replica._resume)
+      self.preempted_tokens += c.outputs[victim].length
+      if c.history is not None:  # begun again with its text when it is resumed
         c.history.end(victim, keep=False)
       self.preemptions += 1
     table = self.kv.table(c.pages, [r.key if r is not None else None for r in sched.slots])
@@ -283,14 +258,18 @@ class Engine(Replica):
         c.plan, c.sp, state.batch_size, started=started, tracked=c.track,
         wants=sched.speculating))
     reach = self._reach(started or sched.speculating)
-    for op in sched.plan(admission(c.pages, reach)):
-      # a tracked call's prefills carry the drafter's
+    for op in resumes_apart(sched.plan(admission(c.pages, reach, c.text_len)), c.done,
+                            ecfg.bucket_for):
+      # a tracked call's prefills carry the drafter's; a preempted request's its tokens so far
       state = self._apply(op, state, c, c.track)
       for r in getattr(op, "requests", ()):
-        c.outputs[r.key] = Output(ecfg.hidden_keep)
+        if not c.done(r):  # (a resumed one keeps its Output)
+          c.outputs[r.key] = Output(ecfg.hidden_keep)
         if c.history is not None:
           # siblings and later epochs of a prompt share its history: keyed by the prompt's text
           c.history.begin(tuple(int(t) for t in r.prompt_ids), r.key, r.prompt_ids)
+          for tokens in c.outputs[r.key].tokens:
+            c.history.extend(r.key, tokens)
     speculating = sched.check_speculation()
     state = self._page(state, c, self._reach(started or speculating))
     live = sched.live

@@ -18,12 +18,17 @@ Policy when pages run out (`Engine.generate`): a new request is admitted only wh
 pages cover its prompt and one chunk's reach and leave every live row one chunk's growth
 (`admission`); a live row that cannot get the pages its next chunk needs takes them from the
 youngest rows (the last admitted: the least work lost), which are preempted (`grow_rows`):
-their pages freed, their requests put back at the head of the queue, recomputed from their
-prompts later. A row's randomness is keyed by (request, sample, token index), so a recomputed
-row repeats its tokens exactly in plain decoding (greedy or sampled), and greedily under
-speculation; sampled under speculation it is a fresh exact sample. Nothing is lost or
-changed but time. The allocator and the policy are pure host code (numpy), tested with fake
-requests; `KVPages` holds the pools themselves on the replica's devices.
+their pages freed, their requests put back at the head of the queue with the tokens they had
+decoded. A preempted request is resumed, not decoded again: admitted again once the pages
+cover its prompt and those tokens (`admission`'s `text_len`), its prompt is prefilled and its
+tokens fed back through the target (and a tracked call's drafter) in a few wide forwards
+(`Replica._resume`), and it goes on from its next token, whose randomness is keyed by
+(request, sample, token index) as before. So a preempted row's response is the one it was
+decoding, under speculation too: decoding it again from the prompt would draw a fresh sample
+there, and a response that is long is the likelier to be preempted before it ends, so the
+responses kept would lean short. Nothing is lost or changed but time. The allocator and the
+policy are pure host code (numpy), tested with fake requests; `KVPages` holds the pools
+themselves on the replica's devices.
 """
 
 from __future__ import annotations
@@ -129,15 +134,18 @@ def share_prompts(pages: PageAllocator, reqs: Sequence[Any]) -> int:
   return freed
 
 
-def admission(pages: PageAllocator, reach: int) -> Callable[[Any], bool]:
+def admission(pages: PageAllocator, reach: int,
+              text_len: Callable[[Any], int] = lambda req: len(req.prompt_ids)
+              ) -> Callable[[Any], bool]:
   """The admission rule (module docstring) for the scheduler's `plan`: a request starts if the
-  free pages cover its prompt and one chunk's reach and leave every row already holding pages
-  one chunk's growth; its pages are taken at once."""
+  free pages cover its text (`text_len`: its prompt, and a preempted request's tokens so far)
+  and one chunk's reach and leave every row already holding pages one chunk's growth; its
+  pages are taken at once."""
   def admit(req) -> bool:
-    need = pages.need(req.key, len(req.prompt_ids) + reach)
+    need = pages.need(req.key, text_len(req) + reach)
     if need + len(pages.holders) * pages_for(reach, pages.page_size) > pages.free:
       return False
-    return pages.grow(req.key, len(req.prompt_ids) + reach)
+    return pages.grow(req.key, text_len(req) + reach)
   return admit
 
 

@@ -1,7 +1,9 @@
 """A prefill's host side: its prompts' padded arrays (`prefill_arrays`: a GRPO group's
-responses share their prompt's prefill), the rule a prompt must meet (`prompt_problem`), and the
+responses share their prompt's prefill), the rule a prompt must meet (`prompt_problem`), the
 call of its executable (`prefill_call`: plain, or warm with the drafter's prefill) that the
-engine runs and the compile plan compiles ahead from."""
+engine runs and the compile plan compiles ahead from, and a preempted row's resume: the
+tokens it had decoded (`resumed`), fed back after its prompt's prefill a prefill's width at a
+time (`resume_chunks`, `decode.extend`), so no token is decoded twice."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from tlt_jax.models import ModelConfig
 from tlt_jax.rollout import decode
 from tlt_jax.rollout.config import EngineConfig
 from tlt_jax.rollout.records import Request
+from tlt_jax.rollout.scheduler import kv_bucket
 
 
 def prompt_len(reqs: Sequence[Request], ecfg: EngineConfig) -> int:
@@ -59,6 +62,35 @@ def prefill_arrays(reqs: Sequence[Request], batch: int, base_key, ecfg: EngineCo
     lens[j] = len(ids)
   return (jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(src) if shared else None,
           jnp.asarray(keys), jnp.asarray(max_new))
+
+
+def resumed(reqs: Sequence[Request], outputs) -> list[np.ndarray]:
+  """The response tokens each request decoded before it was preempted (`outputs`: the call's
+  request key -> Output, kept through a preemption), empty for a request starting afresh."""
+  out = []
+  for r in reqs:
+    o = outputs.get(r.key)
+    out.append(np.concatenate(o.tokens).astype(np.int32) if o is not None and o.length
+               else np.zeros((0,), np.int32))
+  return out
+
+
+def resume_chunks(done: Sequence[np.ndarray], batch: int, ecfg: EngineConfig):
+  """(tokens [batch, width], counts [batch]) of each forward of a resume of these rows
+  (`done`: each row's tokens so far; rows past them: none), in order: a prefill's width
+  (max_prompt_len) at a time, so a resume's activations are a prefill's; the last forward
+  only as wide as the `length_grid` length (prompt_bucket x 2^k) that holds what is left
+  (the preempted rows are the youngest: most have a few hundred tokens)."""
+  longest = max((len(d) for d in done), default=0)
+  for start in range(0, longest, ecfg.max_prompt_len):
+    width = kv_bucket(longest - start, ecfg.prompt_bucket, ecfg.max_prompt_len)
+    tokens = np.zeros((batch, width), np.int32)
+    counts = np.zeros((batch,), np.int32)
+    for i, d in enumerate(done):
+      part = d[start:start + width]
+      tokens[i, :len(part)] = part
+      counts[i] = len(part)
+    yield tokens, counts
 
 
 def prompt_problem(ids: Sequence[int], *, vocab_size: int, max_prompt_len: int) -> str | None:

@@ -33,7 +33,7 @@ from tlt_jax.rollout.executables import CompileRecord, ExecutableCache
 from tlt_jax.rollout.history_chunk import history_chunk
 from tlt_jax.rollout.pages import KVPages, share_prompts
 from tlt_jax.rollout.policies.strategy import Strategy
-from tlt_jax.rollout.prefill import prefill_arrays, run_prefill
+from tlt_jax.rollout.prefill import prefill_arrays, resume_chunks, resumed, run_prefill
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import plain_variant
 from tlt_jax.rollout.scheduler import Prefill, Refill, Resize
@@ -197,20 +197,45 @@ class Replica:
     warm: the state carries the drafter's (a SpecState). Every op donates the state: its
     page pools pass through in place."""
     if isinstance(op, Prefill):
-      return self._prefill(op.requests, op.bucket, c, warm, self.kv.take(False),
+      rows = self._prefill(op.requests, op.bucket, c, warm, self.kv.take(False),
                            self.kv.take(True) if warm else None)
+      return self._resume(rows, resumed(op.requests, c.outputs), c)
     if isinstance(op, Resize):
       idx, valid = jnp.asarray(op.idx, jnp.int32), jnp.asarray(op.valid)
       return self._call("take_rows", None, decode.take_rows, (state, idx, valid), donate=(0,))
     if isinstance(op, Refill):
       kv, dkv = decode.pools(state)
       rows = self._prefill(op.requests, op.bucket, c, warm, kv, dkv)
+      rows = self._resume(rows, resumed(op.requests, c.outputs), c)
       # Padding rows of the prefill go to an out-of-range slot and are dropped.
       slots = np.full((op.bucket,), state.batch_size, np.int32)
       slots[:len(op.slots)] = op.slots
       return self._call("put_rows", None, decode.put_rows,
                         (decode.without_pools(state), rows, jnp.asarray(slots)), donate=(0, 1))
     raise TypeError(f"unknown layout operation {op!r}")
+
+  def _resume(self, rows, done: Sequence[np.ndarray], c):
+    """Freshly prefilled rows whose requests were preempted mid-response take back the tokens
+    they had decoded (`done`, prefill.py's `resumed`): the target consumes them a prefill's
+    width at a time (`resume_chunks`, `decode.extend`), and in a tracked call (a SpecState)
+    the drafter their pairs after it (`spec_state.track`), so each row is where decoding had
+    left it and goes on from its next token (its randomness keyed by the token's index)."""
+    from tlt_jax.rollout import spec_state
+    for tokens, counts in resume_chunks(done, rows.batch_size, self.ecfg):
+      tracked = not isinstance(rows, decode.DecodeState)
+      base = rows.base if tracked else rows
+      base, hidden, valid = self._call("extend", None, functools.partial(decode.extend,
+                                                                        cfg=self.cfg),
+                                       (self.params, base, tokens, counts), donate=(1,))
+      if tracked:
+        args = (self.params, self.drafter_params, rows.dcache, tokens, hidden, valid)
+        dc = self._call("resume_track", None, functools.partial(spec_state.track,
+                                                                cfg=self.cfg), args,
+                        donate=(2,))
+        rows = rows.replace(base=base, dcache=dc)
+      else:
+        rows = base
+    return rows
 
   def _switch_off(self, state, c):
     """Speculation stops (the gate closed this batch's bucket mid-call): back to the tracked

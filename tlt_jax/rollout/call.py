@@ -1,0 +1,75 @@
+"""One `generate` call's record (`Call`: what the call was given and where it is besides the
+device state) and the host rules the engine's chunk loop reads off it: the longest row
+(`longest_row`), a preempted request's tokens so far (`Call.done`, `Call.text_len`: it is
+resumed from them, pages.py) and the refills that resume them apart (`resumes_apart`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tlt_jax.rollout.pages import PageAllocator
+from tlt_jax.rollout.plan_call import PlanCall
+from tlt_jax.rollout.records import EngineHooks, Output, Request, Result
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.scheduler import Refill, Scheduler
+
+
+def longest_row(sched: Scheduler, outputs: dict[Any, Output]) -> int:
+  """The longest row in the batch: prompt + response so far, host-side (>= its committed
+  cache length: a speculative row's pending token is emitted but not yet committed)."""
+  return max((len(req.prompt_ids) + outputs[req.key].length
+              for req in sched.slots if req is not None), default=1)
+
+
+@dataclasses.dataclass
+class Call:
+  """One `generate` call: what it was given (sampling, its key, the selector and the gate it
+  reports to, whether it captures hidden states, the hooks, the compile plan's view) and where
+  it is besides the device state (the scheduler, the rows' outputs, the finished results, the
+  pages its rows hold)."""
+  sp: SamplingParams
+  base_key: Any
+  selector: Any
+  gate: Any  # the gate this call measures (None: evaluation, or no gate)
+  track: bool  # the drafter's cache kept current: the call may speculate (module docstring)
+  capture: bool
+  hooks: EngineHooks
+  t_start: float
+  plan: PlanCall
+  sched: Scheduler
+  pages: PageAllocator
+  history: Any  # the history index this call feeds (None: not fed, `_feed_history`)
+  # request key -> its response so far: a live row's, or a preempted one's (resumed from it)
+  outputs: dict[Any, Output] = dataclasses.field(default_factory=dict)
+  results: list[Result] = dataclasses.field(default_factory=list)
+
+  def done(self, req: Request) -> int:
+    """Response tokens `req` has so far (a preempted request's: resumed from them)."""
+    out = self.outputs.get(req.key)
+    return 0 if out is None else out.length
+
+  def text_len(self, req: Request) -> int:
+    """The slots `req`'s row holds once (re)admitted: its prompt and its tokens so far."""
+    return len(req.prompt_ids) + self.done(req)
+
+
+def resumes_apart(ops, done, bucket_for) -> list:
+  """The scheduler's layout ops with each preempted request a refill admits (`done(request)`:
+  its tokens so far, resumed from them: `Replica._resume`) taken out into a refill of its own
+  at the smallest bucket, before the fresh ones (at theirs, `bucket_for`): a resume's
+  forwards run at one row (an executable per width of `resume_chunks`, however many rows
+  come back together, none padded), and no fresh prompt is carried through them."""
+  out = []
+  for op in ops:
+    requests = getattr(op, "requests", ())
+    back = [i for i, r in enumerate(requests) if done(r)]
+    if not isinstance(op, Refill) or not back:
+      out.append(op)
+      continue
+    out += [Refill((requests[i],), (op.slots[i],), bucket_for(1)) for i in back]
+    fresh = [i for i in range(len(requests)) if i not in back]
+    if fresh:
+      out.append(Refill(tuple(requests[i] for i in fresh), tuple(op.slots[i] for i in fresh),
+                        bucket_for(len(fresh))))
+  return out
