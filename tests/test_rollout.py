@@ -519,13 +519,14 @@ def test_a_groups_rows_share_their_prompts_pages(models, greedy, prompts, monkey
                                                  kv_pages):  # chunks reach further)
   """GRPO groups (3 samples of each of 4 prompts of 9-16 tokens) through a tight pool of
   4-slot pages: the rows of a shared prefill hold their prompt's whole pages once
-  (pages.share_prompts), so the pool holds more live rows (the same responses in fewer
-  chunks, no more preemptions) than when each row copies its prompt's pages, and nothing
-  changes: greedy, every sample is transformers'
-  response (plain, and speculative with a tracked drafter, whose cache shares the page ids);
-  sampled, every response and log-prob equals the copying engine's (same keys)."""
+  (pages.share_prompts), and a row admitted apart from its group holds a live sibling's
+  (Replica._adopt: only the rest of its prompt fed), so the pool holds more live rows (the
+  same responses in fewer chunks, no more preemptions) than when each row copies its
+  prompt's pages, and nothing changes: greedy, every sample is transformers' response
+  (plain, and speculative with a tracked drafter, whose cache shares the page ids); sampled,
+  every response and log-prob equals the copying engine's (same keys)."""
   from tlt_jax.drafter import init_drafter
-  from tlt_jax.rollout import replica
+  from tlt_jax.rollout import call, replica
   from tlt_jax.rollout.config import SpecConfig
   m, g = models["qwen2"], greedy["qwen2"]
   spec = (SpecConfig(strategy=arm, bs_threshold=4, patience=1, use_kernel=False)
@@ -542,8 +543,11 @@ def test_a_groups_rows_share_their_prompts_pages(models, greedy, prompts, monkey
     for s in range(3):
       assert res_g[(i, s)].response_ids.tolist() == g["ref"][i], (i, s)
   res_s, log_s = run(shared, group(), T1, seed=3)
+  # rows admitted apart from their group took a live sibling's pages (Replica._adopt)
+  assert "adopt" in {r.name for r in shared.compile_log}
   with monkeypatch.context() as mp:  # the same engine, each row copying its prompt's pages
     mp.setattr(replica, "share_prompts", lambda pages, reqs: 0)
+    mp.setattr(call.Call, "leader", lambda self, req: None)
     copying = Engine(m.params, m.cfg, ecfg, drafter_params=drafter)
     copy_g, clog_g = run(copying, group(), GREEDY)
     copy_s, clog_s = run(copying, group(), T1, seed=3)

@@ -17,7 +17,8 @@ from tlt_jax.models import init_cache
 from tlt_jax.rollout import decode, spec_state, speculative
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.engine import Engine
-from tlt_jax.rollout.prefill import resume_chunks
+from tlt_jax.rollout.prefill import resume_chunks, to_feed
+from tlt_jax.rollout.scheduler import Prefill
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.drafts import draft_chain, draft_tree
 from tlt_jax.rollout.sampling import SamplingParams, processed_logprobs
@@ -318,6 +319,53 @@ def test_a_groups_shared_prompt_pages_hold_what_copies_would(tiny):
         np.testing.assert_array_equal(a, e, err_msg=f"row {i}")
 
 
+def test_a_row_adopting_a_siblings_prompt_pages_holds_what_its_prefill_would(tiny):
+  """A row admitted apart from its group (Replica._adopt: it shares a live sibling's pages
+  wholly before the prompt's last slot, and only the rest of its prompt is fed, through the
+  target and a tracked call's drafter, Replica._resume) holds what the sibling's own prefill
+  gave it: the same target and drafter entries over the shared slots (the same pages), the
+  same to float rounding past them, the same last hidden state (the one its first token is
+  drawn from), and the tracked invariant (the drafter one pair behind the target). A drafter
+  fed its first pair with the adopted state's empty hidden state writes a wrong entry at the
+  first unshared slot, and this fails."""
+  import types
+  params, dparams = tiny
+  prompt = [1, 4, 2, 3, 5, 1, 2, 6, 3, 3, 7]  # 11 tokens, pages of 4: 2 shared (slots 0-7)
+  ecfg = EngineConfig(**{**SMALL, "page_size": 4}, spec=SpecConfig(
+      strategy="2_1_3", bs_threshold=4, patience=1, use_kernel=False))
+  eng = Engine(params, CFG, ecfg, drafter_params=dparams)
+  lead, new = Request(prompt, 0, 0), Request(prompt, 0, 1)
+  c = types.SimpleNamespace(pages=eng.kv.allocator(), adopting={}, outputs={},
+                            base_key=jax.random.key(0), plan=eng._plan())
+  for r in (lead, new):
+    assert c.pages.grow(r.key, len(prompt) + 4)
+  first = eng._apply(Prefill((lead,), 1), None, c, True)  # its own prefill
+  c.adopting[new.key] = (lead.key, 2)
+  kv, dkv = decode.pools(first)
+  rows, starts = eng._adopt([new], 1, c, True, kv, dkv)
+  assert starts == [8] and c.pages.table([lead.key])[0, :2].tolist() == \
+      c.pages.table([new.key])[0, :2].tolist()
+  rows = eng._resume(rows, *to_feed([new], {}, starts), c, adopted=True)
+  pools = rows.base.cache, rows.dcache
+
+  def entries(cache, table, n):  # the row's entries over slots [0, n), every layer, k and v
+    idx = jnp.arange(n)
+    return [np.asarray(p[table[0, idx // 4], idx % 4]) for p in pools[cache].k + pools[cache].v]
+
+  p = len(prompt)
+  np.testing.assert_array_equal(np.asarray(rows.base.cache.lengths), [p])
+  np.testing.assert_array_equal(np.asarray(rows.dcache.lengths), [p - 1])
+  for cache, n in ((0, p), (1, p - 1)):
+    want = entries(cache, first.base.cache.table, n)
+    got = entries(cache, rows.base.cache.table, n)
+    for a, b in zip(got, want):
+      np.testing.assert_array_equal(a[:8], b[:8])  # the shared pages
+      np.testing.assert_allclose(a[8:], b[8:], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(rows.base.hidden), np.asarray(first.base.hidden),
+                             rtol=1e-5, atol=1e-5)
+  assert int(rows.base.num_generated[0]) == 0 and not bool(rows.base.done[0])
+
+
 # ------------------------------------------------------------------------ distribution tests
 @pytest.fixture(scope="module")
 def peaked():
@@ -532,8 +580,9 @@ def _phases_joint(params, dparams, sp, phases, switch_off=None, extend=None):
       continue
     if phase == "resume":
       state = prefill()
-      for tokens, counts in resume_chunks([np.asarray(g, np.int32) for g in got], b, width2):
-        base, hidden, valid = feed(params, state.base, tokens, counts)
+      for tokens, counts, generated in resume_chunks([np.asarray(g, np.int32) for g in got],
+                                                     [0] * b, b, width2):
+        base, hidden, valid = feed(params, state.base, tokens, counts, generated)
         state = state.replace(base=base, dcache=track(params, dparams, state.dcache, tokens,
                                                       hidden, valid))
       continue
@@ -606,8 +655,8 @@ def test_sampled_resume_after_preemption_matches_target_distribution(peaked):
     assert took[0] == N and took[1] > 0.5 * N
     assert chi_square_p(seqs, joint) > 1e-3, phases
 
-  def stale(params, state, tokens, counts, *, cfg):  # the broken resume
-    new, hidden, valid = decode.extend(params, state, tokens, counts, cfg=cfg)
+  def stale(params, state, tokens, counts, generated, *, cfg):  # the broken resume
+    new, hidden, valid = decode.extend(params, state, tokens, counts, generated, cfg=cfg)
     return new.replace(hidden=state.hidden), hidden, valid
 
   sp = SAMPLING[0]

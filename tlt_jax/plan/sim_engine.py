@@ -53,7 +53,7 @@ from tlt_jax.rollout.plan_call import PlanCall
 from tlt_jax.rollout.engine import Engine, engine_arms
 from tlt_jax.rollout.executables import CompileRecord, ExecKey
 from tlt_jax.rollout.pages import PageAllocator, share_prompts
-from tlt_jax.rollout.prefill import prefill_rows, prompt_len, resume_chunks
+from tlt_jax.rollout.prefill import prefill_rows, prompt_len, resume_chunks, to_feed
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.scheduler import Prefill, Refill, Resize
 from tlt_jax.rollout.policies.strategy import Strategy
@@ -344,11 +344,22 @@ class SimEngine(Engine):
       rows = [state.rows[i] if v else None for i, v in zip(op.idx, op.valid)]
       return SimState(rows, state.spec)
     reqs = op.requests
-    if prefill_rows(reqs, op.bucket, self.ecfg) < op.bucket:  # a group's rows hold its pages
-      share_prompts(c.pages, reqs)
-    self._prefill(reqs, op.bucket, warm)
+    starts = None
+    if any(r.key in c.adopting for r in reqs):  # (Replica._adopt: no prefill)
+      starts = []
+      for r in reqs:
+        leader, n = c.adopting[r.key]
+        c.pages.share(r.key, leader, n)
+        starts.append(n * c.pages.page_size)
+      self._compile(exe_key("adopt", op.bucket), 0.0)  # (no model in them)
+      if warm:
+        self._compile(exe_key("adopt_track", op.bucket), 0.0)
+    else:
+      if prefill_rows(reqs, op.bucket, self.ecfg) < op.bucket:  # a group's rows hold its pages
+        share_prompts(c.pages, reqs)
+      self._prefill(reqs, op.bucket, warm)
     done = [c.done(r) for r in reqs]
-    self._resume(reqs, done, op.bucket, warm)
+    self._resume(reqs, *to_feed(reqs, c.outputs, starts), op.bucket, warm)
     # a speculative prefill leaves no pending token: a first speculative step samples one
     new = [Row(r.key, self.lengths[r.key], produced=n, pending=int(warm),
                prompt=len(r.prompt_ids)) for r, n in zip(reqs, done)]
@@ -372,14 +383,14 @@ class SimEngine(Engine):
       c = c + cost.draft(self.cfg, rows, p, max(p // 2, 1), tp=self.tp)
     self._spend("prefill", self._seconds(c))
 
-  def _resume(self, reqs: Sequence[Request], done: list[int], bucket: int, warm: bool) -> None:
-    """A resume's price (Replica._resume): per forward of `resume_chunks` (a prefill's width
-    of the preempted row's tokens so far, the last one narrower), the target over it at the
-    bucket (and in a tracked call the drafter's over its pairs), attending to the row's
-    text."""
-    text = sum(len(r.prompt_ids) for r in reqs) // max(len(reqs), 1)
-    for tokens, _ in resume_chunks([np.zeros((n,), np.int32) for n in done], bucket,
-                                   self.ecfg):
+  def _resume(self, reqs: Sequence[Request], texts, prompt, bucket: int, warm: bool) -> None:
+    """The price of feeding new rows what their prefill did not give them (Replica._resume):
+    per forward of `resume_chunks` (a prefill's width of their texts, the last one narrower),
+    the target over it at the bucket (and in a tracked call the drafter's over its pairs),
+    attending to the rows' text so far."""
+    # what the rows hold before: their prompts less what is fed of them
+    text = sum(len(r.prompt_ids) - p for r, p in zip(reqs, prompt)) // max(len(reqs), 1)
+    for tokens, _, _ in resume_chunks(texts, prompt, bucket, self.ecfg):
       width = tokens.shape[1]
       self._compile(exe_key("extend", bucket, width))
       c = cost.forward(self.cfg, bucket, width, text + width // 2, tp=self.tp)

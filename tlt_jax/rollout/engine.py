@@ -64,7 +64,7 @@ from jax.sharding import Mesh
 
 from tlt_jax.models import ModelConfig, Params
 from tlt_jax.rollout import decode, speculative
-from tlt_jax.rollout.call import Call, longest_row, resumes_apart
+from tlt_jax.rollout.call import Call, longest_row, rows_apart
 from tlt_jax.rollout.plan_call import PlanCall
 from tlt_jax.rollout.config import EngineConfig
 from tlt_jax.rollout.pages import admission, grow_rows
@@ -258,11 +258,12 @@ class Engine(Replica):
         c.plan, c.sp, state.batch_size, started=started, tracked=c.track,
         wants=sched.speculating))
     reach = self._reach(started or sched.speculating)
-    for op in resumes_apart(sched.plan(admission(c.pages, reach, c.text_len)), c.done,
-                            ecfg.bucket_for):
+    for op in rows_apart(sched.plan(admission(c.pages, reach, c.text_len)), c,
+                         ecfg.bucket_for):
       # a tracked call's prefills carry the drafter's; a preempted request's its tokens so far
       state = self._apply(op, state, c, c.track)
       for r in getattr(op, "requests", ()):
+        c.prefilled(r)
         if not c.done(r):  # (a resumed one keeps its Output)
           c.outputs[r.key] = Output(ecfg.hidden_keep)
         if c.history is not None:

@@ -12,7 +12,9 @@ distinct prompt once (prefill.py's shared prefill: decode.prefill_shared) writes
 first row's pages, and the group's other rows hold those same pages instead of copies of
 them, as far as the pages lie wholly before the prompt's last slot (that slot's drafter entry
 pairs it with the row's own first token; nothing else ever writes a slot below a row's
-length). A page goes back to the free list when its last holder lets it go (a count per page).
+length). A row admitted apart from its group holds a live sibling's pages the same way
+(call.py's `Call.leader`, `Replica._adopt`). A page goes back to the free list when its last
+holder lets it go (a count per page).
 
 Policy when pages run out (`Engine.generate`): a new request is admitted only while the free
 pages cover its prompt and one chunk's reach and leave every live row one chunk's growth

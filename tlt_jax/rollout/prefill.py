@@ -1,9 +1,10 @@
 """A prefill's host side: its prompts' padded arrays (`prefill_arrays`: a GRPO group's
 responses share their prompt's prefill), the rule a prompt must meet (`prompt_problem`), the
 call of its executable (`prefill_call`: plain, or warm with the drafter's prefill) that the
-engine runs and the compile plan compiles ahead from, and a preempted row's resume: the
-tokens it had decoded (`resumed`), fed back after its prompt's prefill a prefill's width at a
-time (`resume_chunks`, `decode.extend`), so no token is decoded twice."""
+engine runs and the compile plan compiles ahead from, and what a new row's prefill leaves to
+feed (`to_feed`): a preempted row's tokens so far (it is resumed from them, not decoded again)
+and an adopted row's prompt past the pages it shares with a sibling, fed a prefill's width at
+a time (`resume_chunks`, `decode.extend`)."""
 
 from __future__ import annotations
 
@@ -64,33 +65,42 @@ def prefill_arrays(reqs: Sequence[Request], batch: int, base_key, ecfg: EngineCo
           jnp.asarray(keys), jnp.asarray(max_new))
 
 
-def resumed(reqs: Sequence[Request], outputs) -> list[np.ndarray]:
-  """The response tokens each request decoded before it was preempted (`outputs`: the call's
-  request key -> Output, kept through a preemption), empty for a request starting afresh."""
-  out = []
-  for r in reqs:
+def to_feed(reqs: Sequence[Request], outputs, starts: Sequence[int] | None = None
+            ) -> tuple[list[np.ndarray], list[int]]:
+  """What each new row's cache lacks of its text after its prefill, fed by `resume_chunks`:
+  the prompt past `starts[i]` (an adopted row's shared slots; None: every prompt prefilled)
+  and the response tokens a preempted request had decoded (`outputs`: the call's request key
+  -> Output, kept through a preemption). Returns (tokens, how many of them are prompt)."""
+  texts, prompt = [], []
+  for i, r in enumerate(reqs):
+    tail = [] if starts is None else list(r.prompt_ids[starts[i]:])
     o = outputs.get(r.key)
-    out.append(np.concatenate(o.tokens).astype(np.int32) if o is not None and o.length
-               else np.zeros((0,), np.int32))
-  return out
+    done = [np.concatenate(o.tokens)] if o is not None and o.length else []
+    texts.append(np.concatenate([np.asarray(tail, np.int32)] + done).astype(np.int32))
+    prompt.append(len(tail))
+  return texts, prompt
 
 
-def resume_chunks(done: Sequence[np.ndarray], batch: int, ecfg: EngineConfig):
-  """(tokens [batch, width], counts [batch]) of each forward of a resume of these rows
-  (`done`: each row's tokens so far; rows past them: none), in order: a prefill's width
-  (max_prompt_len) at a time, so a resume's activations are a prefill's; the last forward
-  only as wide as the `length_grid` length (prompt_bucket x 2^k) that holds what is left
-  (the preempted rows are the youngest: most have a few hundred tokens)."""
-  longest = max((len(d) for d in done), default=0)
+def resume_chunks(texts: Sequence[np.ndarray], prompt: Sequence[int], batch: int,
+                  ecfg: EngineConfig):
+  """(tokens [batch, width], counts [batch], generated [batch]) of each forward that feeds
+  these rows their text (`to_feed`: tokens, the first prompt[i] of row i prompt, the rest
+  response; rows past them: none), in order: a prefill's width (max_prompt_len) at a time, so
+  its activations are a prefill's; the last forward only as wide as the `length_grid` length
+  (prompt_bucket x 2^k) that holds what is left (the preempted rows are the youngest: most
+  have a few hundred tokens)."""
+  longest = max((len(t) for t in texts), default=0)
   for start in range(0, longest, ecfg.max_prompt_len):
     width = kv_bucket(longest - start, ecfg.prompt_bucket, ecfg.max_prompt_len)
     tokens = np.zeros((batch, width), np.int32)
     counts = np.zeros((batch,), np.int32)
-    for i, d in enumerate(done):
-      part = d[start:start + width]
+    generated = np.zeros((batch,), np.int32)
+    for i, t in enumerate(texts):
+      part = t[start:start + width]
       tokens[i, :len(part)] = part
       counts[i] = len(part)
-    yield tokens, counts
+      generated[i] = max(0, start + len(part) - max(start, prompt[i]))
+    yield tokens, counts, generated
 
 
 def prompt_problem(ids: Sequence[int], *, vocab_size: int, max_prompt_len: int) -> str | None:

@@ -33,7 +33,7 @@ from tlt_jax.rollout.executables import CompileRecord, ExecutableCache
 from tlt_jax.rollout.history_chunk import history_chunk
 from tlt_jax.rollout.pages import KVPages, share_prompts
 from tlt_jax.rollout.policies.strategy import Strategy
-from tlt_jax.rollout.prefill import prefill_arrays, resume_chunks, resumed, run_prefill
+from tlt_jax.rollout.prefill import prefill_arrays, resume_chunks, run_prefill, to_feed
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import plain_variant
 from tlt_jax.rollout.scheduler import Prefill, Refill, Resize
@@ -199,14 +199,18 @@ class Replica:
     if isinstance(op, Prefill):
       rows = self._prefill(op.requests, op.bucket, c, warm, self.kv.take(False),
                            self.kv.take(True) if warm else None)
-      return self._resume(rows, resumed(op.requests, c.outputs), c)
+      return self._resume(rows, *to_feed(op.requests, c.outputs), c)
     if isinstance(op, Resize):
       idx, valid = jnp.asarray(op.idx, jnp.int32), jnp.asarray(op.valid)
       return self._call("take_rows", None, decode.take_rows, (state, idx, valid), donate=(0,))
     if isinstance(op, Refill):
       kv, dkv = decode.pools(state)
-      rows = self._prefill(op.requests, op.bucket, c, warm, kv, dkv)
-      rows = self._resume(rows, resumed(op.requests, c.outputs), c)
+      if any(r.key in c.adopting for r in op.requests):  # (rows_apart: all of them)
+        rows, starts = self._adopt(op.requests, op.bucket, c, warm, kv, dkv)
+        rows = self._resume(rows, *to_feed(op.requests, c.outputs, starts), c, adopted=True)
+      else:
+        rows = self._prefill(op.requests, op.bucket, c, warm, kv, dkv)
+        rows = self._resume(rows, *to_feed(op.requests, c.outputs), c)
       # Padding rows of the prefill go to an out-of-range slot and are dropped.
       slots = np.full((op.bucket,), state.batch_size, np.int32)
       slots[:len(op.slots)] = op.slots
@@ -214,20 +218,55 @@ class Replica:
                         (decode.without_pools(state), rows, jnp.asarray(slots)), donate=(0, 1))
     raise TypeError(f"unknown layout operation {op!r}")
 
-  def _resume(self, rows, done: Sequence[np.ndarray], c):
-    """Freshly prefilled rows whose requests were preempted mid-response take back the tokens
-    they had decoded (`done`, prefill.py's `resumed`): the target consumes them a prefill's
-    width at a time (`resume_chunks`, `decode.extend`), and in a tracked call (a SpecState)
-    the drafter their pairs after it (`spec_state.track`), so each row is where decoding had
-    left it and goes on from its next token (its randomness keyed by the token's index)."""
+  def _adopt(self, reqs: Sequence[Request], batch: int, c, warm: bool, kv: KVCache,
+             dkv: KVCache | None):
+    """New rows for `reqs`, each of which a live row of its prompt leads (`c.adopting`, the
+    call's `rows_apart`): each shares that row's pages wholly before its prompt's last slot
+    (pages.PageAllocator.share) and starts with them committed (`decode.adopt`; warm: a
+    tracked call's SpecState, `spec_state.adopt`), with nothing prefilled: `_resume` feeds
+    the rest of the prompt. Returns (rows, each row's shared slots)."""
     from tlt_jax.rollout import spec_state
-    for tokens, counts in resume_chunks(done, rows.batch_size, self.ecfg):
+    starts = []
+    for r in reqs:
+      leader, n = c.adopting[r.key]
+      c.pages.share(r.key, leader, n)
+      starts.append(n * c.pages.page_size)
+    _, _, _, keys, max_new = prefill_arrays(reqs, batch, c.base_key, self.ecfg)
+    table = self.kv.table(c.pages, [r.key for r in reqs] + [None] * (batch - len(reqs)))
+    start = np.zeros((batch,), np.int32)
+    start[:len(starts)] = starts
+    cache = kv.replace(table=table, lengths=jnp.zeros((batch,), jnp.int32))
+    fn = functools.partial(decode.adopt, d=self.cfg.hidden_size,
+                           dtype=jnp.dtype(self.cfg.compute_dtype))
+    rows = self._call("adopt", None, fn, (cache, start, keys, max_new), donate=(0,))
+    if warm:
+      fn = functools.partial(spec_state.adopt, max_steps=self.compiles.max_steps(c.plan))
+      rows = self._call("adopt_track", None, fn, (rows, dkv), donate=(0, 1))
+    return rows, starts
+
+  def _resume(self, rows, texts: Sequence[np.ndarray], prompt: Sequence[int], c,
+              adopted: bool = False):
+    """New rows take the text their prefill did not give them (`texts`, prefill.py's
+    `to_feed`: the first prompt[i] of row i the rest of an adopted row's prompt, then a
+    preempted row's tokens so far): the target consumes them a prefill's width at a time
+    (`resume_chunks`, `decode.extend`), and in a tracked call (a SpecState) the drafter their
+    pairs after it (`spec_state.track`; an adopted row's first pair is in its shared pages
+    already), so each row is where decoding had left it (a resumed one goes on from its next
+    token, its randomness keyed by the token's index) or where a prefill would have."""
+    from tlt_jax.rollout import spec_state
+    for j, (tokens, counts, generated) in enumerate(
+        resume_chunks(texts, prompt, rows.batch_size, self.ecfg)):
       tracked = not isinstance(rows, decode.DecodeState)
       base = rows.base if tracked else rows
-      base, hidden, valid = self._call("extend", None, functools.partial(decode.extend,
-                                                                        cfg=self.cfg),
-                                       (self.params, base, tokens, counts), donate=(1,))
+      fn = functools.partial(decode.extend, cfg=self.cfg)
+      base, hidden, valid = self._call("extend", None, fn,
+                                       (self.params, base, tokens, counts, generated),
+                                       donate=(1,))
       if tracked:
+        if adopted and j == 0:  # (the pairs one to the left: spec_state.adopt)
+          shift = lambda x: jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)  # noqa: E731
+          tokens = np.concatenate([tokens[:, 1:], np.zeros_like(tokens[:, :1])], axis=1)
+          hidden, valid = shift(hidden), shift(valid)
         args = (self.params, self.drafter_params, rows.dcache, tokens, hidden, valid)
         dc = self._call("resume_track", None, functools.partial(spec_state.track,
                                                                 cfg=self.cfg), args,

@@ -73,6 +73,23 @@ def track_prompt(params: Params, dparams: Params, base: DecodeState, dpool: KVCa
                    catch_count=jnp.zeros((b,), jnp.int32))
 
 
+def adopt(base: DecodeState, dpool: KVCache, *, max_steps: int) -> SpecState:
+  """`decode.adopt`'s rows in a tracked call: the drafter's entries over their first
+  base.cache.lengths slots are in the shared pages too (the pair at slot t joins prompt token
+  t + 1 with the hidden state at t: the same for every row of the prompt up to its last
+  slot), so its cache starts there, one pair ahead of the target's; the first pair `extend`
+  makes (the first token fed, with the adopted state's empty hidden) is not the drafter's
+  to take (`Replica._resume` drops it)."""
+  b, d = base.hidden.shape
+  m = max_steps + 1
+  return SpecState(base=base, dcache=dpool.replace(table=base.cache.table,
+                                                   lengths=base.cache.lengths),
+                   pending=jnp.zeros((b,), jnp.int32), has_pending=jnp.zeros((b,), jnp.bool_),
+                   catch_tokens=jnp.zeros((b, m), jnp.int32),
+                   catch_hidden=jnp.zeros((b, m, d), base.hidden.dtype),
+                   catch_count=jnp.zeros((b,), jnp.int32))
+
+
 def prefill(params: Params, dparams: Params, cache: KVCache, dpool: KVCache, tokens: jax.Array,
             prompt_lens: jax.Array, keys: jax.Array, max_new: jax.Array, *, cfg: ModelConfig,
             max_steps: int) -> SpecState:
