@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tlt_jax.errors import ConfigError
-from tlt_jax.plan import sim, sim_engine, workload
+from tlt_jax.plan import sim, sim_device, sim_engine, workload
 from tlt_jax.plan.cost import PROFILES
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.engine import Engine
@@ -31,7 +31,7 @@ def test_the_simulator_runs_the_engines_loop():
   from tlt_jax.rollout.compile_plan import CompilePlan
   for name in ("window", "_window_pays", "fits", "runs_wide", "choosable_pairs",
                "_wanted_pairs"):
-    assert getattr(sim_engine.SimCompilePlan, name) is getattr(CompilePlan, name), name
+    assert getattr(sim_device.SimCompilePlan, name) is getattr(CompilePlan, name), name
 
 
 def _requests(n, seed=0):
@@ -591,8 +591,8 @@ def test_a_chunk_waits_only_for_a_compile_that_has_started():
   s = _eight_rows_3_1_4()
   s.compile_s = 30.0
   plan, d = s.compiles, 30.0 * s.drafter_compile  # (a drafter-only executable's seconds)
-  arm = lambda b: sim_engine.exe_key("spec", b, Strategy("3_1_4"), 400)  # noqa: E731
-  track = lambda b: sim_engine.exe_key("track", b)  # noqa: E731
+  arm = lambda b: sim_device.exe_key("spec", b, Strategy("3_1_4"), 400)  # noqa: E731
+  track = lambda b: sim_device.exe_key("track", b)  # noqa: E731
   assert plan._queue(arm(8)) == 30.0  # (running from 0 s)
   assert plan._queue(track(8), s.drafter_compile, urgent=True) == pytest.approx(30 + d)
   assert plan._queue(arm(4)) == pytest.approx(60 + d)

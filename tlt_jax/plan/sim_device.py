@@ -1,0 +1,225 @@
+"""The simulated device of sim_engine.py's `SimEngine`: its decode state (`SimState` of `Row`s:
+what each row has produced, not its tokens), executables keyed by name, batch and variant with
+the clock time each costs (`SimExes`, `exe_key`), the page allocator a call gets (`SimKV`),
+and the engine's own `CompilePlan` on that clock
+(`SimCompilePlan`: the background compile thread as a queue the simulated clock drains, one
+job at a time beside decoding). Only the seam is replaced: the plan's policies are
+CompilePlan's (tests/test_plan_sim.py checks)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from tlt_jax.rollout.compile_plan import CompilePlan
+from tlt_jax.rollout.executables import CompileRecord, ExecKey
+from tlt_jax.rollout.pages import PageAllocator
+from tlt_jax.rollout.plan_call import PlanCall
+from tlt_jax.rollout.policies.strategy import Strategy
+
+if TYPE_CHECKING:
+  from tlt_jax.plan.sim_engine import SimEngine
+
+
+@dataclasses.dataclass
+class Row:
+  key: Any
+  target: int  # tokens this response will have (its drawn length, capped)
+  produced: int = 0
+  stopped: bool = False  # ended by a stop token (else by max_new_tokens)
+  # tokens its next speculative step emits besides its own (a tracked row has no pending
+  # token: the step samples one first)
+  pending: int = 0
+  prompt: int = 0  # its prompt's cache slots
+
+
+class SimState:
+  """A simulated decode state: its rows (None: an empty slot) and whether the drafter's
+  state rides along (speculation switched on)."""
+
+  def __init__(self, rows: list[Row | None], spec: bool = False):
+    self.rows, self.spec = rows, spec
+
+  @property
+  def batch_size(self) -> int:
+    return len(self.rows)
+
+
+def exe_key(name: str, batch: int, *variant) -> ExecKey:
+  """A simulated executable's key: its name, its variant (a spec chunk's arm first, as the
+  engine's), its batch in place of the argument shapes."""
+  return ExecKey(name, tuple(variant), (batch,))
+
+
+class SimExes:
+  """The executables a simulated engine has compiled (keys), and the compile records. A key
+  queued on the compile thread (`queue`) counts as compiled once the clock passes its end."""
+
+  def __init__(self, clock):
+    self.keys: set = set()
+    self.due: dict = {}  # key -> simulated time its background compile ends
+    self.records: list[CompileRecord] = []
+    self._here = 0
+    self._clock = clock
+
+  def __contains__(self, key) -> bool:
+    return key in self.keys or self.due.get(key, float("inf")) <= self._clock()
+
+  def add(self, key: ExecKey, seconds: float, here: bool) -> None:
+    self.keys.add(key)
+    self.records.append(CompileRecord(key, key.shapes[0], seconds, None, seconds))
+    self._here += here
+
+  def queue(self, key: ExecKey, seconds: float, start: float) -> float:
+    """A background compile of `key` from `start`: when it ends (now, if compiled)."""
+    if key in self.keys:
+      return start
+    if key not in self.due:
+      self.due[key] = start + seconds
+      self.records.append(CompileRecord(key, key.shapes[0], seconds, None, seconds))
+    return self.due[key]
+
+  def take(self, key: ExecKey) -> float | None:
+    """A queued `key` a chunk needs now (it waits for it: a compile in its time): when its
+    compile ends; None if it is not queued."""
+    due = self.due.pop(key, None)
+    if due is not None:
+      self.keys.add(key)
+      self._here += 1
+    return due
+
+  def compiled_here(self) -> int:
+    return self._here
+
+  def stats(self) -> dict[str, Any]:
+    return {"executables": len(self.records),
+            "compile_seconds": sum(r.seconds for r in self.records)}
+
+
+class SimKV:
+  """The page pool's host side only: the allocator is the engine's (pages.py)."""
+
+  def __init__(self, ecfg):
+    self.ecfg = ecfg
+
+  def allocator(self) -> PageAllocator:
+    e = self.ecfg
+    return PageAllocator(e.pool_pages, e.page_size, e.row_pages)
+
+  def table(self, pages, keys):
+    return None
+
+  def keep(self, state) -> None:
+    pass
+
+
+class SimCompilePlan(CompilePlan):
+  """The compile plan's decisions (`choosable_pairs`, `ready`, `window`, `_window_pays`) as
+  they are; what compiles is a key with a price on the engine's clock. Background compiles
+  (each bucket's arms over the whole cache, and the windows and switch-offs the plan queues)
+  finish one after another on a compile clock beside decoding."""
+
+  def __init__(self, engine: "SimEngine", weight_bytes: int, slot_bytes: int):
+    super().__init__(engine.cfg, engine.ecfg, engine.exes, None)
+    self.engine = engine
+    self.use_kernel = True  # (the verification kernel's path: a label only here)
+    self._bytes = (weight_bytes, slot_bytes)
+    self._due: dict = {}  # (sp, bucket, arm) -> simulated time its background compile ends
+    self._compile_free = 0.0  # when the compile thread is next free
+    self._took: dict = {}  # key -> its compile's seconds (queued keys)
+    self._urgent_job = False  # the job running now was submitted urgent
+
+  _abstract = staticmethod(lambda state: state)
+
+  def _spec_key(self, call, sp, arm, state, kv_len):
+    return exe_key("spec", state.batch_size, Strategy(arm), kv_len)
+
+  def _queue(self, key: ExecKey, scale: float = 1.0, urgent: bool = False) -> float:
+    """A compile on the thread's clock: after what is queued, or (urgent: CompilePlan._submit)
+    once the compile running now ends, what had not started yet moving back by its time."""
+    e, seconds = self.engine, self.engine.compile_s * scale
+    if key in e.exes or key in e.exes.due:
+      return e.exes.due.get(key, e.now)
+    start = max(self._compile_free, e.now)
+    if urgent:
+      start = max([e.now] + [t for k, t in e.exes.due.items() if t - self._took[k] <= e.now < t])
+      e.exes.due.update((k, t + seconds) for k, t in e.exes.due.items()
+                        if t - self._took[k] >= start)
+      self._due.update((k, t + seconds) for k, t in self._due.items() if t > start)
+      self._compile_free = max(self._compile_free, start) + seconds
+    self._took[key] = seconds
+    due = e.exes.queue(key, seconds, start)
+    self._compile_free = max(self._compile_free, due)
+    return due
+
+  def claim(self, key: ExecKey) -> float | None:
+    """A chunk needs queued `key` now (as executables._compile_once serves it): when its
+    started compile ends (the chunk waits); None where it has not started (the chunk compiles
+    it itself: it leaves the compile clock and what follows moves up)."""
+    e = self.engine
+    due, took = e.exes.due[key], self._took[key]
+    if due - took <= e.now:
+      return e.exes.take(key)
+    del e.exes.due[key]
+    e.exes.records = [r for r in e.exes.records if r.key != key]
+    e.exes.due.update((k, t - took) for k, t in e.exes.due.items() if t > due)
+    self._due.update((k, e.now + took if t == due else t - took)
+                     for k, t in self._due.items() if t >= due)
+    self._compile_free -= took
+    return None
+
+  def spec(self, call, sp, arm, state, kv_len=None):
+    """(From the compile thread: a window a chunk needs, or an arm one wants.)"""
+    self._queue(self._spec_key(call, sp, arm, state, kv_len or self.ecfg.cache_len),
+                urgent=self._urgent_job)
+
+  def submit(self, call: PlanCall, sp, top: int | None = None):
+    self._thread(call)
+    for b, arm in self.compile_order(self._ahead(call, top), call.bandit):
+      key = (sp, b, str(arm))
+      if key in self._due:
+        continue
+      with self._lock:  # (handed to the thread, as the engine's submit records it)
+        self._submitted.setdefault(sp, set()).add((b, arm))
+      whole = SimState([None] * b)
+      self._due[key] = self._queue(self._spec_key(call, sp, arm, whole, self.ecfg.cache_len))
+
+  def _thread(self, call) -> None:
+    if self._compiler is None:
+      self._compiler = True  # (no thread: a job runs at once, its compiles queue: _submit)
+
+  def _submit(self, job, urgent: bool = False) -> None:
+    """A job runs now; what it compiles is queued on the compile clock (`_queue`), an urgent
+    one (CompilePlan._submit) ahead of what has not started."""
+    self._urgent_job = urgent
+    try:
+      job()
+    finally:
+      self._urgent_job = False
+
+  def _track_at(self, call, bucket: int) -> None:
+    self._queue(exe_key("track", bucket), self.engine.drafter_compile, urgent=self._urgent_job)
+
+  def _switch_off_key(self, call: PlanCall, state) -> ExecKey:
+    return exe_key("switch_off", state.batch_size)
+
+  def switch_off_ahead(self, call: PlanCall, state) -> None:
+    if self.ecfg.spec.background_compile and self._compiler is not None:
+      self._queue(self._switch_off_key(call, state))
+
+  def _settle(self, sp) -> None:
+    """The arms whose background compile has ended by now join the compiled ones."""
+    if self.ecfg.spec.background_compile:
+      now = self.engine.now
+      with self._lock:
+        done = self._ready.setdefault(sp, set())
+        done.update((b, Strategy(a)) for (s, b, a), t in self._due.items()
+                    if s == sp and t <= now)
+
+  def ready(self, call: PlanCall, sp, bucket: int) -> bool:
+    self._settle(sp)
+    return super().ready(call, sp, bucket)
+
+  def compiled_arms(self, sp, bucket: int, arms) -> list[Strategy]:
+    self._settle(sp)
+    return super().compiled_arms(sp, bucket, arms)
