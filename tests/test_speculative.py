@@ -16,6 +16,7 @@ from tlt_jax.drafter.model import drafter_cache, drafter_forward
 from tlt_jax.models import init_cache
 from tlt_jax.rollout import decode, spec_state, speculative
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
+from tlt_jax.rollout.call import Call
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.prefill import resume_chunks, to_feed
 from tlt_jax.rollout.scheduler import Prefill
@@ -337,6 +338,7 @@ def test_a_row_adopting_a_siblings_prompt_pages_holds_what_its_prefill_would(tin
   lead, new = Request(prompt, 0, 0), Request(prompt, 0, 1)
   c = types.SimpleNamespace(pages=eng.kv.allocator(), adopting={}, outputs={},
                             base_key=jax.random.key(0), plan=eng._plan())
+  c.adopt = lambda reqs: Call.adopt(c, reqs)  # (the call's rule, on this record)
   for r in (lead, new):
     assert c.pages.grow(r.key, len(prompt) + 4)
   first = eng._apply(Prefill((lead,), 1), None, c, True)  # its own prefill

@@ -142,11 +142,7 @@ class SimEngine(Engine):
     reqs = op.requests
     starts = None
     if any(r.key in c.adopting for r in reqs):  # (Replica._adopt: no prefill)
-      starts = []
-      for r in reqs:
-        leader, n = c.adopting[r.key]
-        c.pages.share(r.key, leader, n)
-        starts.append(n * c.pages.page_size)
+      starts = c.adopt(reqs)
       self._compile(exe_key("adopt", op.bucket), 0.0)  # (no model in them)
       if warm:
         self._compile(exe_key("adopt_track", op.bucket), 0.0)

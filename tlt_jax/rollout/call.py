@@ -74,6 +74,17 @@ class Call:
         return key, n
     return None
 
+  def adopt(self, reqs) -> list[int]:
+    """Each of `reqs` (admitted apart from its group, its leader in `adopting`: `rows_apart`)
+    holds its leader's pages wholly before its prompt's last slot in place of its own
+    (pages.PageAllocator.share). Returns the slots each row starts with (Replica._adopt)."""
+    starts = []
+    for r in reqs:
+      leader, n = self.adopting[r.key]
+      self.pages.share(r.key, leader, n)
+      starts.append(n * self.pages.page_size)
+    return starts
+
 
 def rows_apart(ops, c: Call, bucket_for) -> list:
   """The scheduler's layout ops with each request a refill admits that is fed more than a

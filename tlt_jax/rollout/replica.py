@@ -226,11 +226,7 @@ class Replica:
     tracked call's SpecState, `spec_state.adopt`), with nothing prefilled: `_resume` feeds
     the rest of the prompt. Returns (rows, each row's shared slots)."""
     from tlt_jax.rollout import spec_state
-    starts = []
-    for r in reqs:
-      leader, n = c.adopting[r.key]
-      c.pages.share(r.key, leader, n)
-      starts.append(n * c.pages.page_size)
+    starts = c.adopt(reqs)
     _, _, _, keys, max_new = prefill_arrays(reqs, batch, c.base_key, self.ecfg)
     table = self.kv.table(c.pages, [r.key for r in reqs] + [None] * (batch - len(reqs)))
     start = np.zeros((batch,), np.int32)
