@@ -9,16 +9,13 @@ CompilePlan's (tests/test_plan_sim.py checks)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tlt_jax.rollout.compile_plan import CompilePlan
 from tlt_jax.rollout.executables import CompileRecord, ExecKey
 from tlt_jax.rollout.pages import PageAllocator
 from tlt_jax.rollout.plan_call import PlanCall
 from tlt_jax.rollout.policies.strategy import Strategy
-
-if TYPE_CHECKING:
-  from tlt_jax.plan.sim_engine import SimEngine
 
 
 @dataclasses.dataclass
@@ -119,7 +116,7 @@ class SimCompilePlan(CompilePlan):
   (each bucket's arms over the whole cache, and the windows and switch-offs the plan queues)
   finish one after another on a compile clock beside decoding."""
 
-  def __init__(self, engine: "SimEngine", weight_bytes: int, slot_bytes: int):
+  def __init__(self, engine: Any, weight_bytes: int, slot_bytes: int):
     super().__init__(engine.cfg, engine.ecfg, engine.exes, None)
     self.engine = engine
     self.use_kernel = True  # (the verification kernel's path: a label only here)
