@@ -561,6 +561,45 @@ def test_a_groups_rows_share_their_prompts_pages(models, greedy, prompts, monkey
   assert len(log_g + log_s) < len(clog_g + clog_s)
 
 
+@pytest.mark.parametrize("arm", [None, "3_1_4"])
+def test_a_tensor_parallel_replica_resumes_and_adopts_through_a_tight_pool(models, greedy,
+                                                                          prompts, arm):
+  """The 32B/70B recipes' replicas split kv heads over devices (tensor_parallel 4 / 8): the
+  rows' page tables, the extend that feeds a resumed row's text back and the adoption of a
+  sibling's prompt pages run on a cache sharded by heads. GRPO groups through a replica of 2
+  devices whose pool of 4-slot pages admits siblings apart (10 pages: and preempts rows): greedy,
+  every sample is transformers' response (plain, and speculative with a tracked drafter);
+  sampled, every response and log-prob equals a roomy single-device engine's (per-row keys)."""
+  from tlt_jax.drafter import init_drafter
+  from tlt_jax.rollout.config import SpecConfig
+  from tlt_jax.sharding import make_mesh
+  m, g = models["qwen2"], greedy["qwen2"]
+  spec = (SpecConfig(strategy=arm, bs_threshold=4, patience=1, use_kernel=False)
+          if arm else None)
+  ids = (2, 4, 5, 6)
+  group = lambda: [Request(prompts[i], request_id=i, sample_index=s,  # noqa: E731
+                           max_new_tokens=CAPS[i % len(CAPS)]) for i in ids for s in range(3)]
+  drafter = init_drafter(m.cfg, jax.random.key(0)) if spec else None
+  roomy = engine_cfg(stop_tokens=(g["stop"],), page_size=4, paged_attention=True, spec=spec)
+  tight = dataclasses.replace(roomy, kv_pages=20 if arm else 10)  # (speculation reaches further)
+  w = Engine(m.params, m.cfg, tight, mesh=make_mesh((1, 1, 2), jax.devices()[:2]),
+             drafter_params=drafter)
+  res_g, log_g = run(w, group(), GREEDY)
+  for i in ids:
+    for s in range(3):
+      assert res_g[(i, s)].response_ids.tolist() == g["ref"][i], (i, s)
+  res_s, log_s = run(w, group(), T1, seed=3)
+  names = {r.name for r in w.compile_log}
+  assert {"extend", "adopt"} <= names, names  # siblings adopted (their prompts' tails fed)
+  assert w.preemptions > 0 or arm  # (a speculating batch keeps its chunks' reach: none here)
+  assert not spec or any(c.mode == arm for c in log_g + log_s)
+  for res, log in ((res_g, log_g), (res_s, log_s)):  # no token decoded twice
+    assert sum(c.tokens for c in log) == sum(r.num_tokens for r in res.values())
+  one = Engine(m.params, m.cfg, roomy, drafter_params=drafter)
+  assert_same_results(res_s, run(one, group(), T1, seed=3)[0], "sampled, tp 2 tight vs roomy")
+  assert one.preemptions == 0
+
+
 # ------------------------------------------------------------------------------- 3. seeds
 def test_seed_determinism(greedy, layouts, prompts):
   worker = greedy["qwen2"]["worker"]
