@@ -232,6 +232,12 @@ def get_config():
   # the first N prompts' groups of each step's rollout, every response with its prompt, answer
   # and reward, in <workdir>/rollouts.jsonl (0: none)
   c.train.log_rollouts = 2
+  # a process alive but making no progress for this many seconds (no chunk decoded, no
+  # micro-batch stepped, no tensor exported, no phase begun: a collective whose peer never
+  # comes, a stuck filesystem) prints every thread's stack, writes it to
+  # <workdir>/hang.<process>.txt and exits 75, so the job ends and the same command resumes
+  # from the newest checkpoint (tlt_jax/watchdog.py); 0: never. Above the longest compile.
+  c.train.hang_timeout_s = 1800.0
 
   # a profiler trace of RL steps "N" or "N-M" ("": none) into <workdir>/tb (TensorBoard's
   # Profile tab; perfetto_trace.json.gz for ui.perfetto.dev; summary.md): tlt_jax/profiling.py

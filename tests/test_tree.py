@@ -96,11 +96,19 @@ def test_data_imports_only_the_tokenizer_loader():
 
 
 @pytest.mark.parametrize("sub,allowed", [
-    ("models", ("tlt_jax.kernels", "tlt_jax.sharding")), ("kernels", ()), ("checkpoint", ())])
+    ("models", ("tlt_jax.kernels", "tlt_jax.sharding", "tlt_jax.watchdog")), ("kernels", ()),
+    ("checkpoint", ())])
 def test_the_bottom_layers_import_only_below_them(sub, allowed):
   for path, mods in _package_imports(sub).items():
     bad = {m for m in mods if m != "tlt_jax" and not m.startswith(allowed)}
     assert not bad, f"{path} imports {sorted(bad)}"
+
+
+def test_the_watchdog_is_the_bottom():
+  """Every loop that makes progress marks it (the engines', the learner's, the export's), so
+  the watchdog imports no tlt_jax module."""
+  bad = {m for m in imports(os.path.join(PKG, "watchdog.py")) if m.startswith("tlt_jax")}
+  assert not bad, sorted(bad)
 
 
 def test_the_simulator_is_a_leaf():

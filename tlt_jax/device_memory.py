@@ -20,6 +20,7 @@ import os
 import traceback
 from typing import Any, Iterator
 
+from tlt_jax import watchdog
 from tlt_jax.errors import ConfigError
 from tlt_jax.memory import GiB, KNOBS
 
@@ -63,8 +64,10 @@ def phase(name: str, run: Any, step: int, peaks: dict[str, int] | None = None
           ) -> Iterator[None]:
   """Runs a phase of `run` (its `memory` plan, its engines' max_batch) at `step`; XLA's
   RESOURCE_EXHAUSTED inside becomes `out_of_memory`'s error. With `peaks`, the devices' peak
-  bytes in use so far at the phase's end go in as peaks[name] (`peak_bytes`)."""
+  bytes in use so far at the phase's end go in as peaks[name] (`peak_bytes`). Its start and
+  end are progress for the watchdog (watchdog.py), which names the phase if the run hangs."""
   import jax
+  watchdog.beat(name)
   try:
     with jax.profiler.TraceAnnotation(name):
       yield
@@ -76,6 +79,7 @@ def phase(name: str, run: Any, step: int, peaks: dict[str, int] | None = None
     plan = getattr(run, "memory", None)
     raise out_of_memory(name, e, plan, step,
                         plan.max_batch if plan is not None else None) from e
+  watchdog.beat()
   if peaks is not None:
     got = peak_bytes()
     if got is not None:

@@ -19,7 +19,8 @@ collective sees the peer's connection close and raises). A process that dies of 
 Python exception would instead wait in JAX's shutdown barrier (up to `shutdown_timeout`)
 while its peers block on it; `initialize` installs an excepthook that prints the traceback
 and exits at once, so that case is bounded the same way. A process that hangs but stays
-alive keeps heartbeating and is not detected.
+alive keeps heartbeating and is not detected here: the run's watchdog (watchdog.py) ends it
+after train.hang_timeout_s without progress, and its death then ends the rest.
 
 Start-up. A process other than 0 first waits (initialization_timeout) for the coordinator's
 port to accept connections and otherwise fails with an error naming the address; if not all

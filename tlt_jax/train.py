@@ -51,7 +51,7 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from tlt_jax import config as config_lib
-from tlt_jax import checkpoint, device_memory, distributed, optim, runtime, workdir
+from tlt_jax import checkpoint, device_memory, distributed, optim, runtime, watchdog, workdir
 from tlt_jax import export as policy_export
 from tlt_jax.coordinator.coordinator import merge_spot_metrics
 from tlt_jax.coordinator.timeline import concat_rollouts, merge_processes
@@ -227,6 +227,10 @@ def train(run: Run, state: TrainState, *, progress: bool = True, board: WandbRun
   profiler = StepProfiler(run.profile, cfg.workdir, jax.process_index(),
                           sys.stderr if primary else None)
   best = best_policy(run, start)  # None unless config.train.export_best
+  # a run alive but making no progress (a collective whose peer never comes) ends with every
+  # thread's stack instead of holding its devices forever (tlt_jax/watchdog.py)
+  hang = watchdog.Watchdog(cfg.train.hang_timeout_s, cfg.workdir, jax.process_index(),
+                           step=lambda: state.step).start()
   try:
     with pool, distributed.StopRequest() as stop:
       if start == 0 and evaluating:
@@ -250,6 +254,7 @@ def train(run: Run, state: TrainState, *, progress: bool = True, board: WandbRun
           t = time.perf_counter()
           if export_best(run, best, state, m.get("eval")):
             m["time"]["export_best"] = time.perf_counter() - t
+        watchdog.beat("the step's end (stop agreement, checkpoint)")
         signum = stop.agreed()  # (every process stops at the same step)
         t = time.perf_counter()
         save(run, state, force=state.step == cfg.train.steps or signum is not None)
@@ -268,7 +273,9 @@ def train(run: Run, state: TrainState, *, progress: bool = True, board: WandbRun
         if signum is not None and state.step < cfg.train.steps:
           stopped = (state.step, signum)
           break
+    watchdog.beat("the last checkpoint's save")
     run.ckpt.wait_until_finished()
+    watchdog.beat("the policy's export")
     # the last checkpoint's policy, once the checkpoint is on disk, unless it is there already
     # (export_policy="every", or the run this one resumed wrote it: process 0's view counts)
     final = policy_export.policy_path(cfg.workdir, state.step)
@@ -298,6 +305,7 @@ def train(run: Run, state: TrainState, *, progress: bool = True, board: WandbRun
     for e in run.coordinator.engines:  # the history indices' worker threads
       if e.history is not None:
         e.history.close()
+    hang.stop()
   if halted is not None:
     saved = workdir.saved_step(cfg.workdir)
     resume = getattr(halted, "resume", "the same command, changed so, resumes from it")

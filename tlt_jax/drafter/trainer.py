@@ -13,6 +13,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from tlt_jax import watchdog
 from tlt_jax.drafter.packing import fill_batch
 from tlt_jax.sharding import local_view, replicated
 
@@ -99,6 +100,7 @@ class DrafterTrainer:
     return all(x.is_ready() for x in jax.tree.leaves(inflight[1]))
 
   def commit(self, inflight) -> None:
+    watchdog.beat()
     self.state, metrics = inflight
     self._pending_metrics.append(metrics)
 

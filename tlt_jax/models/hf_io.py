@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from tlt_jax import watchdog
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.lora import merge_layer
 from tlt_jax.models.safetensors_io import (CheckpointFormatError, mmap_safetensors,
@@ -270,6 +271,7 @@ def hf_state_dict(params: Params, cfg: ModelConfig, dtype: str | None = None
   np_dtype = _np_dtype(dtype or cfg.param_dtype)
 
   def convert(x, to_hf):
+    watchdog.beat()
     return np.array(to_hf(_to_host(x)), dtype=np_dtype, order="C")
 
   for ours, hf_name, _, to_hf in _mapping(cfg):

@@ -23,6 +23,7 @@ import optax
 from flax import struct
 from jax.sharding import Mesh
 
+from tlt_jax import watchdog
 from tlt_jax.models import ModelConfig, Params, lora
 from tlt_jax.optim import if_finite
 from tlt_jax.rl.batching import MicroBatch
@@ -160,6 +161,7 @@ def prepare(state: LearnerState, batches: list[list[MicroBatch]], spec: LearnerS
     prepared = []
     flag = np.bool_(k == 0 and shortcut)
     for mb in group:
+      watchdog.beat()
       tokens, positions, segments = (put_batch(x, spec.mesh)
                                      for x in (mb.tokens, mb.positions, mb.segment_ids))
       ref = None
@@ -240,6 +242,7 @@ def update(state: LearnerState, prepared: list[list[Batch]], spec: LearnerSpec
            jax.tree.map(lambda s: jax.device_put(jnp.zeros(s.shape, s.dtype),
                                                  replicated(spec.mesh)), metric_shapes))
     for mb in group:
+      watchdog.beat()
       acc = _accumulate(state.params, state.base, acc, mb, num_tokens, spec=spec)
     grads, metrics = acc
     state, gnorm = apply_gradients(state, grads, spec=spec)

@@ -33,6 +33,8 @@ import threading
 import time
 from typing import Any, Hashable
 
+from tlt_jax import watchdog
+
 _log = logging.getLogger(__name__)
 
 # Worker starts that may fail in a row (no successful start in between) before the pool stops.
@@ -289,6 +291,7 @@ class RewardPool:
       self._said.add(status)
       self._pending -= 1
       self._last_progress = time.monotonic()
+      watchdog.beat()
       self._done.notify_all()
     if first:  # once per kind: a function that raises (or hangs) on every call would
       # otherwise score 0 silently, the run training on nothing; the rest are counted

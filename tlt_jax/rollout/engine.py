@@ -62,6 +62,7 @@ from typing import Any, Sequence
 import jax
 from jax.sharding import Mesh
 
+from tlt_jax import watchdog
 from tlt_jax.models import ModelConfig, Params
 from tlt_jax.rollout import decode, speculative
 from tlt_jax.rollout.call import Call, longest_row, rows_apart
@@ -417,5 +418,6 @@ class Engine(Replica):
       # verification) is measured the same way. (Not a probe's arm outside the bandit's.)
       c.selector.update(m.arm, m.live, m.row_speed)
     self.chunk_log.append(m)
+    watchdog.beat()  # progress (a run that stops making any ends: watchdog.py)
     if hooks.on_chunk:
       hooks.on_chunk(m)
