@@ -40,6 +40,11 @@ def test_beats_hold_it_off_and_their_absence_reports_the_phase_and_every_stack(t
     assert hangs == []
     stop_beating.set()
     worker.join()
+    with watchdog.paused():  # waiting on another process's work: no clock
+      time.sleep(1.0)
+    with watchdog.paused(False):
+      time.sleep(0.1)
+    assert hangs == []
     t = time.monotonic()
     waiting_for_a_peer()
     waited = time.monotonic() - t

@@ -255,7 +255,10 @@ def train(run: Run, state: TrainState, *, progress: bool = True, board: WandbRun
           if export_best(run, best, state, m.get("eval")):
             m["time"]["export_best"] = time.perf_counter() - t
         watchdog.beat("the step's end (stop agreement, checkpoint)")
-        signum = stop.agreed()  # (every process stops at the same step)
+        # (every process stops at the same step; the others wait here while process 0
+        # evaluates, their clocks paused: its own watchdog runs)
+        with watchdog.paused(not primary):
+          signum = stop.agreed()
         t = time.perf_counter()
         save(run, state, force=state.step == cfg.train.steps or signum is not None)
         m["time"]["checkpoint"] = time.perf_counter() - t

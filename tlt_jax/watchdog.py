@@ -13,6 +13,10 @@ try again) at once: the coordination service then ends the job's other processes
 its heartbeat_timeout), and the same command resumes from the newest checkpoint, which a
 hang does not touch (a save in flight is not committed and is set aside on restore).
 
+A process that waits on another one's work, not its own (the others while process 0 evaluates
+the held-out set), pauses its clock (`paused`): the process doing the work keeps its own, and
+if that one hangs its exit ends the waiting ones too.
+
 `beat()` is a module-level stamp, not state threaded through the calls: like logging, the
 loops that call it are many and deep (the engines' worker threads among them), it costs an
 assignment, and with no watchdog running it means nothing.
@@ -20,17 +24,19 @@ assignment, and with no watchdog running it means nothing.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): a temporary failure, the same command may succeed
 
 _last = time.monotonic()  # the latest beat (time.monotonic)
 _where = "start"  # what the latest `beat` named
+_paused = 0  # `paused` contexts open: no clock while > 0
 
 
 def beat(where: str | None = None) -> None:
@@ -40,6 +46,22 @@ def beat(where: str | None = None) -> None:
   _last = time.monotonic()
   if where is not None:
     _where = where
+
+
+@contextlib.contextmanager
+def paused(on: bool = True) -> Iterator[None]:
+  """No clock inside (where `on`): this process waits on another's work, whose own watchdog
+  runs. Leaving is progress."""
+  global _paused
+  if not on:
+    yield
+    return
+  _paused += 1
+  try:
+    yield
+  finally:
+    _paused -= 1
+    beat()
 
 
 class Watchdog:
@@ -80,7 +102,7 @@ class Watchdog:
     period = min(max(self.timeout_s / 10, 0.05), 10.0)
     while not self._stop.wait(period):
       quiet = time.monotonic() - _last
-      if quiet >= self.timeout_s:
+      if quiet >= self.timeout_s and not _paused:
         self._hang(quiet)
         return
 
