@@ -305,6 +305,17 @@ def test_two_processes_collectives():
                      r"devices, coordinator 127\.0\.0\.1:\d+", r.stderr), r.stderr
 
 
+def test_the_progress_board_holds_the_jobs_latest():
+  """The watchdog's shared clock (distributed.ProgressBoard): each process's latest progress
+  under its key, `latest()` the newest of all, a process's later publication replacing its
+  own."""
+  results = launch("tests/mp_workers/progress.py", 2, devices_per_process=1, timeout=90)
+  assert all(r.returncode == 0 for r in results), describe(results)
+  for r in results:
+    got = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    assert got == {"process": r.process_id, "seen": 1001.0, "after": 5.0}, got
+
+
 HEARTBEAT_S = 10
 # From the victim's exit to the survivor's: about heartbeat_timeout, plus slack for a loaded
 # 2-core machine (measured 9-10 s on JAX 0.10.2 and 0.12 where the heartbeat decides; under

@@ -40,21 +40,48 @@ def test_beats_hold_it_off_and_their_absence_reports_the_phase_and_every_stack(t
     assert hangs == []
     stop_beating.set()
     worker.join()
-    with watchdog.paused():  # waiting on another process's work: no clock
-      time.sleep(1.0)
-    with watchdog.paused(False):
-      time.sleep(0.1)
-    assert hangs == []
     t = time.monotonic()
     waiting_for_a_peer()
     waited = time.monotonic() - t
   assert len(hangs) == 1 and 0.3 < waited < 1.5, (hangs, waited)
   assert "process 3 made no progress for" in hangs[0], hangs
-  assert "after step 7, last in rollout" in hangs[0], hangs
+  assert "after step 7; process 3 last in rollout" in hangs[0], hangs
   report = (tmp_path / "hang.3.txt").read_text()
   assert report.startswith(hangs[0])
   # faulthandler's stacks: the main thread's innermost frames are the stuck call
   assert "in waiting_for_a_peer" in report and "Current thread" in report, report
+
+
+class _Peers:
+  """Another process's progress as distributed.ProgressBoard shares it: what this one
+  publishes, and the peer's own latest (moving while `moving`)."""
+
+  def __init__(self):
+    self.moving, self.peer, self.published = True, time.time(), []
+
+  def publish(self, t):
+    self.published.append(t)
+
+  def latest(self):
+    if self.moving:
+      self.peer = time.time()
+    return max([self.peer] + self.published)
+
+
+def test_a_process_waiting_on_a_progressing_peer_is_not_hung_and_all_stuck_is(tmp_path):
+  hangs, peers = [], _Peers()
+  with watchdog.Watchdog(0.4, str(tmp_path), process=1, step=lambda: 0, peers=peers,
+                         on_hang=hangs.append):
+    time.sleep(1.2)  # no beat here: the peer's progress holds it off
+    assert hangs == [] and len(peers.published) >= 5
+    assert max(peers.published) <= time.time() - 1.0  # (this process's own, unchanged)
+    peers.moving = False
+    t = time.monotonic()
+    while not hangs and time.monotonic() - t < 5:
+      time.sleep(0.01)
+  assert len(hangs) == 1 and time.monotonic() - t < 1.5, hangs
+  assert hangs[0].startswith("hang: no process of the job made progress for ")
+  assert "before the first step; process 1 last in start" in hangs[0], hangs
 
 
 def test_no_timeout_no_thread(tmp_path):
@@ -101,7 +128,8 @@ def test_a_main_job_stuck_in_its_export_exits_75_and_the_same_command_finishes_i
   assert time.monotonic() - t < 400
   err = p.stderr
   assert "hang: process 0 made no progress for 2" in err, err[-3000:]
-  assert "(train.hang_timeout_s=20) after step 1, last in the policy's export" in err, err[-3000:]
+  assert ("(train.hang_timeout_s=20) after step 1; process 0 last in the policy's export"
+          in err), err[-3000:]
   assert "in gather_that_never_returns" in err, err[-3000:]  # the stuck call, in the stack
   assert "in gather_that_never_returns" in (run / "hang.0.txt").read_text()
   with Checkpointer(str(run / "checkpoints")) as ck:  # the step's checkpoint was not touched

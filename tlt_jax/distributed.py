@@ -19,8 +19,8 @@ collective sees the peer's connection close and raises). A process that dies of 
 Python exception would instead wait in JAX's shutdown barrier (up to `shutdown_timeout`)
 while its peers block on it; `initialize` installs an excepthook that prints the traceback
 and exits at once, so that case is bounded the same way. A process that hangs but stays
-alive keeps heartbeating and is not detected here: the run's watchdog (watchdog.py) ends it
-after train.hang_timeout_s without progress, and its death then ends the rest.
+alive keeps heartbeating and is not detected here: the run's watchdog (watchdog.py) ends
+the job when none of its processes progressed for train.hang_timeout_s (`ProgressBoard`).
 
 Start-up. A process other than 0 first waits (initialization_timeout) for the coordinator's
 port to accept connections and otherwise fails with an error naming the address; if not all
@@ -289,6 +289,29 @@ class GlobalBarrier:
       self._client.key_value_delete(f"{self._dir}{self._me}")
     except Exception:  # noqa: BLE001 - hygiene only
       pass
+
+
+class ProgressBoard:
+  """The job's progress for the run's watchdog (watchdog.py): each process's latest progress
+  (wall-clock seconds) under its key in the coordination service's key-value store,
+  `latest()` the newest any process published. A process that waits on others' work (a
+  straggler's rollout, process 0's evaluation) is then not hung while they progress; when
+  no process progresses, every one is."""
+
+  def __init__(self):
+    import jax
+    from jax._src import distributed as _dist  # the coordination service's client
+    self._client = _dist.global_state.client
+    if self._client is None:
+      raise RuntimeError("ProgressBoard needs jax.distributed to be initialised")
+    self._dir = "tlt_jax/progress/"
+    self._key = f"{self._dir}{jax.process_index()}"
+
+  def publish(self, t: float) -> None:
+    self._client.key_value_set(self._key, repr(float(t)), allow_overwrite=True)
+
+  def latest(self) -> float:
+    return max(float(v) for _, v in self._client.key_value_dir_get(self._dir))
 
 
 class Stopped(KeyboardInterrupt):

@@ -229,8 +229,11 @@ def train(run: Run, state: TrainState, *, progress: bool = True, board: WandbRun
   best = best_policy(run, start)  # None unless config.train.export_best
   # a run alive but making no progress (a collective whose peer never comes) ends with every
   # thread's stack instead of holding its devices forever (tlt_jax/watchdog.py)
+  # (with several processes, on the job's progress: a process waiting on another's is not stuck)
   hang = watchdog.Watchdog(cfg.train.hang_timeout_s, cfg.workdir, jax.process_index(),
-                           step=lambda: state.step).start()
+                           step=lambda: state.step,
+                           peers=distributed.ProgressBoard() if jax.process_count() > 1 else None
+                           ).start()
   try:
     with pool, distributed.StopRequest() as stop:
       if start == 0 and evaluating:
@@ -255,10 +258,7 @@ def train(run: Run, state: TrainState, *, progress: bool = True, board: WandbRun
           if export_best(run, best, state, m.get("eval")):
             m["time"]["export_best"] = time.perf_counter() - t
         watchdog.beat("the step's end (stop agreement, checkpoint)")
-        # (every process stops at the same step; the others wait here while process 0
-        # evaluates, their clocks paused: its own watchdog runs)
-        with watchdog.paused(not primary):
-          signum = stop.agreed()
+        signum = stop.agreed()  # (every process stops at the same step)
         t = time.perf_counter()
         save(run, state, force=state.step == cfg.train.steps or signum is not None)
         m["time"]["checkpoint"] = time.perf_counter() - t

@@ -13,9 +13,10 @@ try again) at once: the coordination service then ends the job's other processes
 its heartbeat_timeout), and the same command resumes from the newest checkpoint, which a
 hang does not touch (a save in flight is not committed and is set aside on restore).
 
-A process that waits on another one's work, not its own (the others while process 0 evaluates
-the held-out set), pauses its clock (`paused`): the process doing the work keeps its own, and
-if that one hangs its exit ends the waiting ones too.
+With several processes the clock is the job's (`peers`: distributed.ProgressBoard, each
+process's latest progress in the coordination service's store): a process waiting on others'
+work (a straggler's rollout, process 0's evaluation) is not hung while they progress; when
+none does, every process reports its stacks and exits.
 
 `beat()` is a module-level stamp, not state threaded through the calls: like logging, the
 loops that call it are many and deep (the engines' worker threads among them), it costs an
@@ -24,19 +25,17 @@ assignment, and with no watchdog running it means nothing.
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import os
 import sys
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Any, Callable
 
 EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): a temporary failure, the same command may succeed
 
 _last = time.monotonic()  # the latest beat (time.monotonic)
 _where = "start"  # what the latest `beat` named
-_paused = 0  # `paused` contexts open: no clock while > 0
 
 
 def beat(where: str | None = None) -> None:
@@ -48,31 +47,17 @@ def beat(where: str | None = None) -> None:
     _where = where
 
 
-@contextlib.contextmanager
-def paused(on: bool = True) -> Iterator[None]:
-  """No clock inside (where `on`): this process waits on another's work, whose own watchdog
-  runs. Leaving is progress."""
-  global _paused
-  if not on:
-    yield
-    return
-  _paused += 1
-  try:
-    yield
-  finally:
-    _paused -= 1
-    beat()
-
-
 class Watchdog:
   """Ends this process when no `beat()` came for `timeout_s` seconds (0: never), between
   `start()` and `stop()` (or inside it as a context). `step` (a callable) says how many RL
-  steps are done, for the report; `on_hang` replaces the exit (tests)."""
+  steps are done, for the report; `peers` (`publish(t)`, `latest()`: wall-clock seconds) shares
+  progress between the job's processes; `on_hang` replaces the exit (tests)."""
 
   def __init__(self, timeout_s: float, report_dir: str, process: int = 0,
-               step: Callable[[], int] | None = None,
+               step: Callable[[], int] | None = None, peers: Any = None,
                on_hang: Callable[[str], None] | None = None):
     self.timeout_s = float(timeout_s)
+    self.peers = peers
     self.report_dir = report_dir
     self.process = process
     self.step = step or (lambda: 0)
@@ -101,19 +86,28 @@ class Watchdog:
   def _watch(self) -> None:
     period = min(max(self.timeout_s / 10, 0.05), 10.0)
     while not self._stop.wait(period):
-      quiet = time.monotonic() - _last
-      if quiet >= self.timeout_s and not _paused:
+      now = time.time()
+      last = now - (time.monotonic() - _last)  # this process's latest progress, wall clock
+      if self.peers is not None:
+        try:
+          self.peers.publish(last)
+          last = max(last, self.peers.latest())
+        except Exception:  # noqa: BLE001 - the service gone: a peer died, which ends this
+          pass  # process anyway; meanwhile its own progress decides
+      quiet = now - last
+      if quiet >= self.timeout_s:
         self._hang(quiet)
         return
 
   def _hang(self, quiet: float) -> None:
     done = self.step()
-    msg = (f"hang: process {self.process} made no progress for {quiet:.0f} s "
-           f"(train.hang_timeout_s={self.timeout_s:g}) "
-           f"{f'after step {done}' if done else 'before the first step'}, last in "
-           f"{_where}; every thread's stack follows (the main thread's innermost call is where "
-           f"it waits). Exiting with {EXIT_CODE} so the other processes stop too; the same "
-           "command resumes from the newest checkpoint")
+    who = ("no process of the job made progress" if self.peers is not None
+           else f"process {self.process} made no progress")
+    msg = (f"hang: {who} for {quiet:.0f} s (train.hang_timeout_s={self.timeout_s:g}) "
+           f"{f'after step {done}' if done else 'before the first step'}; process "
+           f"{self.process} last in {_where}; every thread's stack follows (the main thread's "
+           f"innermost call is where it waits). Exiting with {EXIT_CODE} so the other "
+           "processes stop too; the same command resumes from the newest checkpoint")
     print(msg, file=sys.stderr, flush=True)
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     try:
