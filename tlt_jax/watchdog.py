@@ -84,7 +84,9 @@ class Watchdog:
     self.stop()
 
   def _watch(self) -> None:
-    period = min(max(self.timeout_s / 10, 0.05), 10.0)
+    # a 30th of the timeout (a minute at the default 1800 s): each look is a key written and
+    # the job's keys read at the coordination service, every process
+    period = min(max(self.timeout_s / 30, 0.05), 60.0)
     while not self._stop.wait(period):
       now = time.time()
       last = now - (time.monotonic() - _last)  # this process's latest progress, wall clock
