@@ -203,3 +203,50 @@ def test_two_processes_train_lora_like_one(tmp_path):
   for k in pa:
     np.testing.assert_allclose(pb[k], pa[k], rtol=1e-5, atol=1e-6, err_msg=k)
   assert max(float(np.max(np.abs(v))) for k, v in pa.items() if k.endswith("/b")) > 0
+
+
+# the main job whose process 1 never returns from its policy export: process 0 then waits in
+# the export's first gather for a peer that never comes (a job alive but stuck)
+_STUCK_PEER = '''
+import os, time
+from absl import app, flags
+from ml_collections import config_flags
+from tlt_jax import config as config_lib, runtime
+import tlt_jax.train as train
+
+real = train.export_policy
+
+def export_never_returning_on_process_1(run, state):
+  if os.environ["TLT_PROCESS_ID"] == "1":
+    time.sleep(3600)
+  real(run, state)
+
+train.export_policy = export_never_returning_on_process_1
+train._CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
+train._WORKDIR = flags.DEFINE_string("workdir", None, "")
+app.run(runtime.exit_on_user_error(train.main), flags_parser=config_lib.flags_parser)
+'''
+
+
+def test_a_job_stuck_in_a_collective_ends_with_every_processs_stack(tmp_path):
+  """tlt_jax/watchdog.py across processes: neither process makes progress (process 1 never
+  leaves its export, process 0 waits in the export's gather for it), so after
+  train.hang_timeout_s of the job's clock (distributed.ProgressBoard) the job ends: a process
+  exits 75 with its report (process 1's naming the call it is stuck in), the other with it
+  or ended by the coordination service; the steps' checkpoints stay on disk."""
+  script = tmp_path / "stuck_peer.py"
+  script.write_text(_STUCK_PEER)
+  run = tmp_path / "run"
+  results = launch(str(script), 2, devices_per_process=4, timeout=600, args=[
+      *ARGS, "--config.train.hang_timeout_s=20", "--workdir", str(run)])
+  codes = [r.returncode for r in results]
+  assert 75 in codes and not any(r.timed_out for r in results), describe(results)
+  reports = {int(f.split(".")[1]) for f in os.listdir(run) if f.startswith("hang.")}
+  assert reports and all(codes[p] == 75 for p in reports), (reports, describe(results))
+  for p in reports:
+    text = (run / f"hang.{p}.txt").read_text()
+    assert text.startswith("hang: no process of the job made progress for 2"), text[:300]
+    assert "after step 2; process" in text and "the policy's export" in text, text[:300]
+    if p == 1:
+      assert "in export_never_returning_on_process_1" in text
+  assert max(int(s) for s in os.listdir(run / "checkpoints") if s.isdigit()) == 2
