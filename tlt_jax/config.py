@@ -391,7 +391,7 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
         "the best policy is chosen by held-out evaluation: set data.test_path and "
         "train.eval_every > 0, or train.export_best=''")
   check(cfg.eval.batch_size >= 1, "eval.batch_size", cfg.eval.batch_size, "must be >= 1")
-  check(t.get("hang_timeout_s", 0) >= 0, "train.hang_timeout_s", t.get("hang_timeout_s"),
+  check(t.hang_timeout_s >= 0, "train.hang_timeout_s", t.hang_timeout_s,
         "must be >= 0 (seconds without progress before a hung process exits; 0: never)")
   check(t.log_rollouts >= 0, "train.log_rollouts", t.log_rollouts,
         "must be >= 0 (groups of each step's rollout logged; 0: none)")

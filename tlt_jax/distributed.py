@@ -241,6 +241,15 @@ def all_gather_objects(obj: Any) -> list:
   return [pickle.loads(every[i, :int(n)].tobytes()) for i, n in enumerate(sizes)]
 
 
+def _coordination_client(who: str):
+  """The coordination service's client (its key-value store), once jax.distributed joined."""
+  from jax._src import distributed as _dist
+  client = _dist.global_state.client
+  if client is None:
+    raise RuntimeError(f"{who} needs jax.distributed to be initialised")
+  return client
+
+
 class GlobalBarrier:
   """A barrier every process arrives at without blocking: `arrive()` records this process,
   `event` (a threading.Event) is set once all have, as seen by a poller thread reading the
@@ -252,10 +261,7 @@ class GlobalBarrier:
   def __init__(self, name: str, *, poll_s: float = 0.02,
                on_all: Callable[[], None] | None = None):
     import jax
-    from jax._src import distributed as _dist  # the coordination service's client
-    self._client = _dist.global_state.client
-    if self._client is None:
-      raise RuntimeError("GlobalBarrier needs jax.distributed to be initialised")
+    self._client = _coordination_client("GlobalBarrier")
     self._dir = f"tlt_jax/barrier/{name}/"
     self._n = jax.process_count()
     self._me = jax.process_index()
@@ -300,10 +306,7 @@ class ProgressBoard:
 
   def __init__(self):
     import jax
-    from jax._src import distributed as _dist  # the coordination service's client
-    self._client = _dist.global_state.client
-    if self._client is None:
-      raise RuntimeError("ProgressBoard needs jax.distributed to be initialised")
+    self._client = _coordination_client("ProgressBoard")
     self._dir = "tlt_jax/progress/"
     self._key = f"{self._dir}{jax.process_index()}"
 

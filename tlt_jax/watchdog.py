@@ -74,7 +74,7 @@ class Watchdog:
 
   def stop(self) -> None:
     self._stop.set()
-    if self._thread is not None and self._thread is not threading.current_thread():
+    if self._thread is not None:
       self._thread.join()
 
   def __enter__(self) -> Watchdog:
