@@ -372,7 +372,7 @@ def test_lora_update_estimate_against_memory_analysis(remat):
 def test_lora_puts_the_7b_recipe_on_one_h100():
   """The 7B recipe on one H100: the whole model's learner (float32 master weights and Adam
   moments, 122 GB) leaves no room for a sequence; rank-64 adapters over the frozen bf16 base
-  fit every phase with a rollout batch sized from memory (what README's LoRA line says)."""
+  fit every phase with a rollout batch sized from memory (what docs/models.md's LoRA line says)."""
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "qwen2_5_7b_math.py"))
   cfg.memory.num_devices = 1
   cfg.rollout.num_workers = 1
