@@ -4,6 +4,7 @@
         [--gpus 8] [--lengths lognormal:median=2500,sigma=0.7,...|FILE] \\
         [--acceptance 4_1_5=3.1,rate=0.8,history=1.8,...|FILE|NUMBER] [--steps 3] \\
         [--gate open|learn] [--compile_s 0] [--signal 0.67] [--out DIR] [--config.key=value ...]
+    python -m tlt_jax.plan --config ... --rates 0.5,0.6,0.7,0.8,0.9 [same flags]
 
 Runs `--steps` RL steps of the recipe twice on the simulator (tlt_jax/plan/sim.py: the
 project's own rollout loop, Scheduler, page policy, gate and bandit on a simulated clock,
@@ -12,7 +13,9 @@ lengths, and prints per phase the predicted seconds of the last step (the bandit
 gate have learnt over the earlier ones), the live batch over the rollout, rows preempted for
 pages, the idle share spent training the drafter, and TLT on vs off. Writes OUT/plan.json,
 OUT/timeline.png (the simulated workers' timeline, as scripts/plot_timeline.py draws a run's)
-and OUT/live_batch.png. Everything printed is a prediction: docs/scale.md has the model's
+and OUT/live_batch.png. With `--rates`, a sweep instead (sweep.py): TLT off once and TLT on at
+each per-draft acceptance, the speedups a rate and where the run breaks even, OUT/sweep.json
+and OUT/sweep.png. Everything printed is a prediction: docs/scale.md has the model's
 assumptions and its validation.
 """
 
@@ -48,8 +51,29 @@ def _define_flags() -> None:
   flags.DEFINE_float("signal", 0.67, "with grpo.filter_groups (DAPO's dynamic sampling): the "
                     "share of groups whose rewards differ, each group independently (0.67: the "
                     "default task's, measured; docs/training.md)")
+  flags.DEFINE_string("rates", "", "a sweep over the drafter's per-draft acceptance, e.g. "
+                      "0.5,0.6,0.7,0.8,0.9 (the drafter arms not named in --acceptance): TLT off "
+                      "once, TLT on at each ('': one plan at --acceptance)")
   flags.DEFINE_integer("seed", 0, "the workload's seed")
   flags.DEFINE_string("out", "", "where plan.json and the PNGs go ('': out/plan/<config name>)")
+
+
+def _rates(spec: str) -> list[float]:
+  """--rates: per-draft acceptance rates in [0, 1], comma-separated ('': none)."""
+  from tlt_jax.errors import ConfigError
+  out = []
+  for p in (p.strip() for p in spec.split(",")):
+    if not p:
+      continue
+    try:
+      r = float(p)
+    except ValueError:
+      r = math.nan
+    if not 0.0 <= r <= 1.0:
+      raise ConfigError(f"{p!r} is not a per-draft acceptance in [0, 1]; e.g. "
+                        "--rates 0.5,0.6,0.7,0.8,0.9", "--rates", spec)
+    out.append(r)
+  return sorted(set(out))
 
 
 def main(argv):
@@ -67,12 +91,28 @@ def main(argv):
                       FLAGS.signal)
   lengths = workload.lengths(FLAGS.lengths or workload.REASONING)
   acc = workload.acceptance(FLAGS.acceptance)
+  rates = _rates(FLAGS.rates)
+  if rates and (acc.default is not None or acc.rate is not None):
+    raise ConfigError("--rates sweeps the per-draft rate of the drafter arms not named: drop "
+                      "default= and rate= from --acceptance (named arms and history= stay)",
+                      "--acceptance", FLAGS.acceptance)
   name = os.path.splitext(os.path.basename(config_flags.get_config_filename(FLAGS["config"])))[0]
   out = FLAGS.out or os.path.join("out", "plan", name)
   report.cluster(cfg, hardware=FLAGS.hardware, gpus=FLAGS.gpus, gate=FLAGS.gate)
   why = output_dir_problem(out)  # (made once the inputs hold, before the simulation)
   if why:
     raise ConfigError(f"{why}; pass a directory this user can write", "--out", out)
+  if rates:
+    from tlt_jax.plan import sweep
+    s = sweep.sweep(cfg, rates, hardware=FLAGS.hardware, gpus=FLAGS.gpus, lengths=lengths,
+                    acceptance=acc, steps=FLAGS.steps, compile_s=FLAGS.compile_s,
+                    gate=FLAGS.gate, seed=FLAGS.seed, progress=True, signal=FLAGS.signal)
+    print(sweep.text(s))
+    with open(os.path.join(out, "sweep.json"), "w") as f:
+      json.dump(s, f, indent=1)
+    sweep.plot([s], os.path.join(out, "sweep.png"))
+    print(f"wrote {out}/sweep.json, {out}/sweep.png")
+    return
   plan = report.plan(cfg, hardware=FLAGS.hardware, gpus=FLAGS.gpus, lengths=lengths,
                      acceptance=acc, steps=FLAGS.steps, compile_s=FLAGS.compile_s,
                      gate=FLAGS.gate, seed=FLAGS.seed, progress=True, signal=FLAGS.signal)

@@ -76,37 +76,53 @@ def cluster(cfg, *, hardware: str, gpus: int, gate: str):
   return hw, device, n, workers, tp
 
 
+def simulate(cfg, tlt: bool, *, gate: str, hw: cost.Hardware, device: str, gpus: int,
+             workers: int, tp: int, model_cfg, sized: tuple[int, int] | None, lengths: Lengths,
+             acceptance: Acceptance, steps: int, compile_s: float, seed: int, signal: float,
+             progress: bool = False) -> tuple[Simulation, tuple[int, int] | None]:
+  """`steps` RL steps of the recipe with TLT on or off (`_mode`) on the simulator; with
+  rollout.max_batch = 0 the memory plan sizes it, once (`sized`: TLT on's plan, its
+  drafter's memory too, sizes both modes; returned for the next call)."""
+  from tlt_jax import memory
+  from tlt_jax.config import run_spec
+  spec = run_spec(_mode(cfg, tlt, gate))
+  if spec.max_batch == 0:
+    if sized is None:
+      sized = memory.derive_max_batch(run_spec(_mode(cfg, True, gate)), model_cfg,
+                                      device=device, num_devices=gpus)
+    spec = spec.with_max_batch(*sized)
+  sim = Simulation(spec, model_cfg, hw, workers=workers, tp=tp, gpus=gpus, lengths=lengths,
+                   acceptance=acceptance, compile_s=compile_s, seed=seed, signal=signal)
+  bar = None
+  if progress:
+    from tqdm import tqdm
+    bar = tqdm(total=steps, desc=f"simulating TLT {'on' if tlt else 'off'}", unit="step",
+               leave=False)
+  for _ in range(steps):
+    sim.step()
+    if bar is not None:
+      bar.update(1)
+  if bar is not None:
+    bar.close()
+  return sim, sized
+
+
 def plan(cfg, *, hardware: str = "h100", gpus: int = 0, lengths: Lengths, acceptance: Acceptance,
          steps: int = 3, compile_s: float = 0.0, gate: str = "open", seed: int = 0,
          progress: bool = False, signal: float = 1.0) -> Plan:
   """The recipe `cfg` simulated for `steps` RL steps, TLT on and off (module docstring);
   signal: the share of groups whose rewards differ (grpo.filter_groups reads it)."""
-  from tlt_jax import memory
-  from tlt_jax.config import run_spec
   from tlt_jax.runtime import model_config
   hw, device, n, workers, tp = cluster(cfg, hardware=hardware, gpus=gpus, gate=gate)
   model_cfg = model_config(cfg)
-  runs = {}
   sized = None
-  for mode, c in (("on", _mode(cfg, True, gate)), ("off", _mode(cfg, False, gate))):
-    spec = run_spec(c)
-    if spec.max_batch == 0:
-      if sized is None:  # TLT on's plan (its drafter's memory too) sizes both
-        sized = memory.derive_max_batch(spec, model_cfg, device=device, num_devices=n)
-      spec = spec.with_max_batch(*sized)
-    sim = Simulation(spec, model_cfg, hw, workers=workers, tp=tp, gpus=n, lengths=lengths,
-                     acceptance=acceptance, compile_s=compile_s, seed=seed, signal=signal)
-    bar = None
-    if progress:
-      from tqdm import tqdm
-      bar = tqdm(total=steps, desc=f"simulating TLT {mode}", unit="step", leave=False)
-    for _ in range(steps):
-      sim.step()
-      if bar is not None:
-        bar.update(1)
-    if bar is not None:
-      bar.close()
-    runs[mode] = sim
+  runs = {}
+  for mode in ("on", "off"):
+    runs[mode], sized = simulate(cfg, mode == "on", gate=gate, hw=hw, device=device, gpus=n,
+                                 workers=workers, tp=tp, model_cfg=model_cfg, sized=sized,
+                                 lengths=lengths, acceptance=acceptance, steps=steps,
+                                 compile_s=compile_s, seed=seed, signal=signal,
+                                 progress=progress)
   on, off = runs["on"], runs["off"]
   gate_after = on.policies.gate  # (None: no gate)
   ex = {"on": sum(len(e.exes.records) for e in on.engines),
