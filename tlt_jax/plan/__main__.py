@@ -14,7 +14,7 @@ gate have learnt over the earlier ones), the live batch over the rollout, rows p
 pages, the idle share spent training the drafter, and TLT on vs off. Writes OUT/plan.json,
 OUT/timeline.png (the simulated workers' timeline, as scripts/plot_timeline.py draws a run's)
 and OUT/live_batch.png. With `--rates`, a sweep instead (sweep.py): TLT off once and TLT on at
-each per-draft acceptance, the speedups a rate and where the run breaks even, OUT/sweep.json
+each per-draft acceptance, the speedups at each rate and where the run breaks even, OUT/sweep.json
 and OUT/sweep.png. Everything printed is a prediction: docs/scale.md has the model's
 assumptions and its validation.
 """

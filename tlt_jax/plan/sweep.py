@@ -27,12 +27,10 @@ def sweep(cfg, rates: Sequence[float], *, hardware: str = "h100", gpus: int = 0,
           gate: str = "open", seed: int = 0, signal: float = 1.0,
           progress: bool = False) -> dict[str, Any]:
   """The recipe `cfg` with TLT off once and TLT on at each per-draft acceptance of `rates`
-  (module docstring), as a JSON-ready dict: the settings, TLT off's seconds, and a row per
-  rate."""
+  (module docstring; each replaces `acceptance.rate`, and an `acceptance` with a flat
+  default= is refused by Acceptance itself), as a JSON-ready dict: the settings, TLT off's
+  seconds, and a row per rate."""
   from tlt_jax.runtime import model_config
-  if acceptance.default is not None or acceptance.rate is not None:
-    raise ValueError("a sweep sets the per-draft rate itself: drop default= and rate= from "
-                     "the acceptance")
   hw, device, n, workers, tp = cluster(cfg, hardware=hardware, gpus=gpus, gate=gate)
   model_cfg = model_config(cfg)
   common = dict(gate=gate, hw=hw, device=device, gpus=n, workers=workers, tp=tp,
