@@ -762,3 +762,36 @@ def test_a_probe_restored_from_a_checkpoint_starts_its_probation_afresh():
     assert h.state.probe_arms(1) == ["4_1_5"]
   h.begin_rollout(0, {1: ARMS, 8: ARMS})
   assert h.state.status == {1: "closed", 8: "probing"}
+
+
+def test_a_probed_arm_measured_losing_gives_way_while_the_widened_probe_waits():
+  """The lead loses at the bucket on probation (0.6x of plain decoding) with a ceiling that
+  says the drafts, not the hardware, fall short: the probe widens to 3_1_4, and the lead,
+  measured (min_chunks counted chunks), gives way to plain decoding there (`gives_way`):
+  not before it is measured, not the arm still to measure, not an arm at least as fast as
+  plain decoding, not at a bucket not on probation. The prober's batch is held at the
+  bucket only for a probed arm still to measure that is compiled (`holds`' `ready`), and the
+  buckets under the probe no longer offer the lead (`below_probe`)."""
+  g = _gate(min_chunks=4, follow_traffic=0)
+  s = g.state.put(1, dataclasses.replace(g.state.at[1], status="closed", funded=frozenset()))
+  g.state = s.start_probe(8)._fund()
+  _feed(g, 8, None, 100.0, 4, live=8)
+  assert g.holds(0, 8) and g.holds(0, 8, ready=[]) and g.arms(0, 4) == ["4_1_5"]
+  _feed(g, 8, "4_1_5", 60.0, 3, accept_len=2.0)
+  assert not g.gives_way(8, "4_1_5")  # 3 counted chunks of 4: not measured yet
+  _feed(g, 8, "4_1_5", 60.0, 1, accept_len=2.0)
+  assert g.state.status[8] == "probing" and g.state.at[8].wide
+  assert g.gives_way(8, "4_1_5") and not g.gives_way(8, "3_1_4") and not g.gives_way(8, None)
+  assert not g.gives_way(4, "4_1_5")
+  assert g.holds(0, 8) and g.holds(0, 8, ready=["4_1_5", "3_1_4"])
+  assert not g.holds(0, 8, ready=["4_1_5"])  # what is left to measure is not compiled
+  assert g.arms(0, 4) == ["3_1_4"]  # (under the probe: the lead no longer)
+  _feed(g, 8, "3_1_4", 101.0, 4, accept_len=2.0)  # as fast as plain: under the margin
+  assert g.state.status[8] == "declined" and not g.gives_way(8, "4_1_5")
+  # an arm measured at plain decoding's rate or faster does not give way
+  g2 = _gate(min_chunks=2, follow_traffic=0)
+  s = g2.state.put(1, dataclasses.replace(g2.state.at[1], status="closed", funded=frozenset()))
+  g2.state = s.start_probe(8)._fund()
+  _feed(g2, 8, None, 100.0, 2, live=8)
+  _feed(g2, 8, "4_1_5", 102.0, 2, accept_len=2.0)  # under the 5% margin: widened
+  assert g2.state.at[8].wide and not g2.gives_way(8, "4_1_5")

@@ -176,11 +176,14 @@ class NotWantedGate:
   def arms(self, worker_id, bucket):
     return []
 
-  def holds(self, worker_id, bucket):
+  def holds(self, worker_id, bucket, ready=None):
     return False
 
   def probe_arm(self, bucket, default, among=None):
     return default
+
+  def gives_way(self, bucket, arm):
+    return False
 
   def repays_window(self, bucket, arm, chunks_per_rollout, share):
     return True
@@ -251,15 +254,12 @@ class ClosingGate(NotWantedGate):
     return list(self.engine.arms) if self.allows(worker_id, bucket) else []
 
 
-@pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
-def test_a_batch_whose_bucket_closes_stops_speculating_and_outputs_stay_plain(tiny, plain_greedy,
-                                                                              background):
-  """The gate closes the speculating batch's bucket mid-call: the batch switches off
-  (spec_state.switch_off), decodes plainly there, compacts and switches on again where the
-  gate allows it; greedy outputs are plain decoding's throughout. Compiling in the
-  background, switch-off's executable was queued once the batch speculated."""
+def _four_rows_2_1_3(tiny, plain_greedy, background):
+  """An engine speculating with 2_1_3 from 4 live rows (compiling in the background or not)
+  and 4 greedy requests with budgets of 24, 24, 10, 6 tokens (the batch compacts from 4 rows
+  to 2 at some point), their plain decoding's results, the selector and a function listing
+  the buckets switch-off was compiled at."""
   params, dparams = tiny
-  # budgets of 24, 24, 10, 6 tokens: the batch compacts from 4 rows to 2 at some point
   reqs = [dataclasses.replace(r, max_new_tokens=n)
           for r, n in zip(_requests(4), (24, 24, 10, 6))]
   sp = SamplingParams(temperature=0.0)
@@ -269,6 +269,17 @@ def test_a_batch_whose_bucket_closes_stops_speculating_and_outputs_stay_plain(ti
   selector = CycleSelector(["2_1_3"])
   w = Engine(params, CFG, ecfg, drafter_params=dparams, bandit=selector)
   switch_offs = lambda: [r.batch for r in w.exes.records if r.name == "switch_off"]  # noqa: E731
+  return w, reqs, sp, plain, selector, switch_offs
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
+def test_a_batch_whose_bucket_closes_stops_speculating_and_outputs_stay_plain(tiny, plain_greedy,
+                                                                              background):
+  """The gate closes the speculating batch's bucket mid-call: the batch switches off
+  (spec_state.switch_off), decodes plainly there, compacts and switches on again where the
+  gate allows it; greedy outputs are plain decoding's throughout. Compiling in the
+  background, switch-off's executable was queued once the batch speculated."""
+  w, reqs, sp, plain, selector, switch_offs = _four_rows_2_1_3(tiny, plain_greedy, background)
   # what the call runs compiled before it, as a run's earlier rollouts would: the first
   # rollouts decode plainly while the arms compile; once a batch speculated at 4 rows, the
   # compile thread compiled switch-off there, unused
@@ -290,6 +301,49 @@ def test_a_batch_whose_bucket_closes_stops_speculating_and_outputs_stay_plain(ti
   if not background:  # ...and on again below it (in the background, its arm at 2 rows
     # compiles meanwhile: the rest of the call decodes plainly)
     assert any(b < 4 and mode == "2_1_3" for b, mode in log[off:]), log
+
+
+class GivingWayGate(NotWantedGate):
+  """Allows speculation everywhere; once `after` speculative chunks ran at `bucket` (the
+  engine's log), their arm gives way there (as a probed arm measured losing, the probe
+  waiting on others: gate.gives_way)."""
+
+  def __init__(self, engine, bucket, after):
+    self.engine, self.bucket, self.after = engine, bucket, after
+
+  def drafter_wanted(self):
+    return True
+
+  def arms(self, worker_id, bucket):
+    return list(self.engine.arms)
+
+  def gives_way(self, bucket, arm):
+    ran = sum(m.bucket == bucket and m.mode == arm for m in self.engine.chunk_log)
+    return arm is not None and bucket == self.bucket and ran >= self.after
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
+def test_an_arm_that_gives_way_leaves_its_bucket_to_plain_decoding(tiny, plain_greedy,
+                                                                   background):
+  """The only arm compiled at the batch's bucket gives way there mid-call: the batch
+  switches off once (no switch-on and off again on each chunk), decodes plainly at that
+  bucket and speculates again below it; greedy outputs are plain decoding's throughout."""
+  w, reqs, sp, plain, selector, switch_offs = _four_rows_2_1_3(tiny, plain_greedy, background)
+  for _ in range(4 if background else 0):  # (the arms and switch-off compiled: a warm worker)
+    w.generate(reqs, sp, policies=PolicyCells(selector, GivingWayGate(w, 4, 10**9)))
+    w.compiles.wait()
+    if 4 in switch_offs() and all(w.compiles.compiled_arms(sp, b, ["2_1_3"]) for b in (2, 4)):
+      break
+  w.chunk_log.clear()
+  spec = _by_key(w.generate(reqs, sp, policies=PolicyCells(selector, GivingWayGate(w, 4, 2))))
+  for key, r in plain.items():
+    np.testing.assert_array_equal(spec[key].response_ids, r.response_ids)
+  log = [(m.bucket, m.mode) for m in w.chunk_log]
+  off = log.index((4, "plain"))
+  assert log[:off] == [(4, "2_1_3")] * 2, log  # the two chunks it took to give way
+  assert (4, "2_1_3") not in log[off:], log
+  assert switch_offs().count(4) == 1
+  assert any(b < 4 and mode == "2_1_3" for b, mode in log[off:]), log
 
 
 def test_history_arms_need_an_index(tiny):

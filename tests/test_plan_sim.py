@@ -528,7 +528,8 @@ def test_a_probe_is_judged_in_the_rollout_it_is_placed_though_its_rows_finish_fi
   probe there is judged, even where most of its rows finish before the probe's executable
   has compiled (the 7B recipe's 128-row bulk with paged attention compacted to 64 rows 3 s
   before its probe's executable was ready, and was judged a rollout later): the probe runs
-  at 8 with the 3 rows left and pays within the call, and only then does the batch compact."""
+  at 8 with the 3 rows left and pays within the call, and only then does the batch compact
+  (once the arms under it are compiled: they follow the probe's switch-off)."""
   import dataclasses
   from tlt_jax.rollout.policies import probe
   from tlt_jax.rollout.policies.mab import bandit_config
@@ -549,7 +550,58 @@ def test_a_probe_is_judged_in_the_rollout_it_is_placed_though_its_rows_finish_fi
   assert [(d["bucket"], d["verdict"]) for d in gate.state.decisions] == [(8, "pays")]
   first_below = next(i for i, m in enumerate(s.chunk_log) if m.bucket < 8)
   at_8 = [m for m in s.chunk_log[:first_below] if m.mode != "plain"]
-  assert len(at_8) == 3 and all(m.live == 3 for m in at_8)  # a warm-up and min_chunks
+  assert len(at_8) >= 3 and all(m.live == 3 for m in at_8)  # a warm-up and min_chunks, ...
+
+
+def test_a_probe_whose_lead_loses_decodes_plainly_while_the_widened_arm_compiles():
+  """A probe at 8 rows on a 7B model where no draft is accepted: its lead (3_1_4) loses to
+  plain decoding, its ceiling says the drafts fall short, so the probe widens to 2_1_3, which
+  compiles only now. Switch-off was compiled right after the lead (before the lead at the
+  buckets under the probe: `CompilePlan.leaves_at`), so once the lead is measured (a warm-up
+  and min_chunks chunks) it gives way (gate.gives_way) and the batch decodes plainly until
+  2_1_3 is compiled, then measures it, and the probe declines. (Before: the lead ran on until
+  2_1_3 compiled, the 7B recipe's prober for 100 s at 0.65x of plain decoding.)"""
+  import dataclasses
+  from tlt_jax.config import load_config_file
+  from tlt_jax.rollout.policies import probe
+  from tlt_jax.rollout.policies.mab import bandit_config
+  from tlt_jax.rollout.policies.cells import PolicyCells, Selector, SpecGate
+  from tlt_jax.rollout.policies.gate import GateConfig, GateState
+  from tlt_jax.runtime import model_config
+  here = os.path.dirname(os.path.abspath(__file__))
+  m7 = model_config(load_config_file(os.path.join(here, "..", "configs",
+                                                  "qwen2_5_7b_math.py")))
+  arms, buckets = ["3_1_4", "2_1_3"], (1, 2, 4, 8)
+  ecfg = EngineConfig(max_batch=8, buckets=buckets, chunk_size=4, max_prompt_len=16,
+                      max_new_tokens=400, prompt_bucket=16,
+                      spec=SpecConfig(strategy="3_1_4", bs_threshold=8, patience=1,
+                                      use_kernel=False, background_compile=True))
+  s = sim_engine.SimEngine(m7, ecfg, PROFILES["h100"], bandit=bandit_config("eg", {1: arms}),
+                           compile_s=0.4, acceptance=workload.Acceptance(default=1.0))
+  reqs = _requests(8)
+  s.lengths = {_key(r): 300 for r in reqs}
+  g = GateState(GateConfig(min_chunks=2, lead="3_1_4")).begin_rollout(
+      0, {b: arms for b in buckets})
+  g = g.put(1, dataclasses.replace(g.at[1], status="closed", funded=frozenset()))
+  g = g.start_probe(8)._fund()
+  for _ in range(3):  # plain decoding at 8 measured: the simulator's 4-step chunk there
+    g = g.record(probe.Chunk(8, None, 0.0245, 4, live=8))
+  gate = SpecGate(g)
+  s.generate(reqs, SamplingParams(temperature=1.0),
+             policies=PolicyCells(Selector(bandit_config("eg", {1: arms})), gate))
+  spec = [(r.key.name, r.key.shapes[0], r.key.variant[:1]) for r in s.exes.records
+          if r.key.name in ("spec", "switch_off")]
+  assert spec[:3] == [("spec", 8, ("3_1_4",)), ("switch_off", 8, ()), ("spec", 4, ("3_1_4",))]
+  runs = []  # (mode, chunks) in the order they ran
+  for m in s.chunk_log:
+    if runs and runs[-1][0] == str(m.mode):
+      runs[-1][1] += 1
+    else:
+      runs.append([str(m.mode), 1])
+  assert [r[0] for r in runs] == ["plain", "3_1_4", "plain", "2_1_3", "plain"], runs
+  assert runs[1][1] == runs[3][1] == 3  # a warm-up and min_chunks each
+  (d,) = gate.state.decisions
+  assert (d["verdict"], d["reason"], d["best_arm"]) == ("declined", "acceptance", "2_1_3")
 
 
 def test_a_tracked_batch_waits_at_its_bucket_for_the_arm_queued_there():
@@ -732,7 +784,8 @@ def test_the_prober_holds_its_batch_only_for_a_probe_queued_there():
   sp = SamplingParams(temperature=1.0)
 
   class Prober:  # bucket 4 on probation (3_1_4), its probe not judged yet
-    holds = staticmethod(lambda worker_id, b: b == 4)
+    holds = staticmethod(lambda worker_id, b, ready=None: b == 4)
+    gives_way = staticmethod(lambda b, arm: False)
     allows = staticmethod(lambda worker_id, b: True)
     arms = staticmethod(lambda worker_id, b: [Strategy("3_1_4")] if b == 4 else [])
 

@@ -125,6 +125,7 @@ class SimCompilePlan(CompilePlan):
     self._compile_free = 0.0  # when the compile thread is next free
     self._took: dict = {}  # key -> its compile's seconds (queued keys)
     self._urgent_job = False  # the job running now was submitted urgent
+    self._urgent: set = set()  # the keys queued urgent
 
   _abstract = staticmethod(lambda state: state)
 
@@ -133,13 +134,16 @@ class SimCompilePlan(CompilePlan):
 
   def _queue(self, key: ExecKey, scale: float = 1.0, urgent: bool = False) -> float:
     """A compile on the thread's clock: after what is queued, or (urgent: CompilePlan._submit)
-    once the compile running now ends, what had not started yet moving back by its time."""
+    once the compile running now and the urgent ones queued before it end (in the order they
+    came), what had not started yet moving back by its time."""
     e, seconds = self.engine, self.engine.compile_s * scale
     if key in e.exes or key in e.exes.due:
       return e.exes.due.get(key, e.now)
     start = max(self._compile_free, e.now)
     if urgent:
-      start = max([e.now] + [t for k, t in e.exes.due.items() if t - self._took[k] <= e.now < t])
+      start = max([e.now] + [t for k, t in e.exes.due.items() if t - self._took[k] <= e.now < t]
+                  + [e.exes.due[k] for k in self._urgent if e.exes.due.get(k, 0.0) > e.now])
+      self._urgent.add(key)
       e.exes.due.update((k, t + seconds) for k, t in e.exes.due.items()
                         if t - self._took[k] >= start)
       self._due.update((k, t + seconds) for k, t in self._due.items() if t > start)
@@ -172,14 +176,19 @@ class SimCompilePlan(CompilePlan):
 
   def submit(self, call: PlanCall, sp, top: int | None = None):
     self._thread(call)
-    for b, arm in self.compile_order(self._ahead(call, top), call.bandit):
-      key = (sp, b, str(arm))
-      if key in self._due:
-        continue
+    pairs = {b: [a for a in arms if (sp, b, str(a)) not in self._due]
+             for b, arms in self._ahead(call, top).items()}
+    pairs = {b: arms for b, arms in pairs.items() if arms}
+    leaves_at = self.leaves_at(call, pairs)
+    for b, arm in self.compile_order(pairs, call.bandit):
       with self._lock:  # (handed to the thread, as the engine's submit records it)
         self._submitted.setdefault(sp, set()).add((b, arm))
       whole = SimState([None] * b)
-      self._due[key] = self._queue(self._spec_key(call, sp, arm, whole, self.ecfg.cache_len))
+      self._due[(sp, b, str(arm))] = self._queue(self._spec_key(call, sp, arm, whole,
+                                                                self.ecfg.cache_len))
+      if b == leaves_at:
+        leaves_at = None
+        self._queue(self._switch_off_key(call, whole))
 
   def _thread(self, call) -> None:
     if self._compiler is None:
@@ -202,7 +211,7 @@ class SimCompilePlan(CompilePlan):
 
   def switch_off_ahead(self, call: PlanCall, state) -> None:
     if self.ecfg.spec.background_compile and self._compiler is not None:
-      self._queue(self._switch_off_key(call, state))
+      self._queue(self._switch_off_key(call, state), urgent=True)
 
   def _settle(self, sp) -> None:
     """The arms whose background compile has ended by now join the compiled ones."""

@@ -157,8 +157,12 @@ class CompilePlan(Switching, Windows):
     buckets where it can speculate without a compile nobody paid for (`compacts_to`)."""
     gate = call.gate
     coming = tracked and self.coming(call, sp, bucket)
-    if coming and gate is not None and gate.holds(call.worker_id, bucket):
-      return lambda b: False
+    if coming and gate is not None:
+      ready = self.compiled_arms(sp, bucket, self._wanted_pairs(call).get(bucket, ()))
+      if gate.holds(call.worker_id, bucket, ready):
+        return lambda b: False
+      if not started and ready and all(gate.gives_way(bucket, a) for a in ready):
+        return None
     if started or (wants and coming):
       return functools.partial(self.compacts_to, call, sp)
     return None
@@ -225,7 +229,8 @@ class CompilePlan(Switching, Windows):
     largest and shrinks), up to bucket `top` (that of the call's request count: no batch of
     the call needs more; a later call with more rows compiles the larger buckets then).
     Called at every generate: what a gate opens later compiles then. With a gate, each
-    bucket's first arm only (`want` queues the others when a chunk asks)."""
+    bucket's first arm only (`want` queues the others when a chunk asks), and switch-off
+    after the first arm where the gate may close a bucket (`leaves_at`)."""
     pairs = self._ahead(call, top)
     with self._lock:
       self._ready.setdefault(sp, set())
@@ -244,7 +249,8 @@ class CompilePlan(Switching, Windows):
 
     def job():
       try:
-        self._compile_pairs(call, sp, pairs, on_compiled=mark)
+        self._compile_pairs(call, sp, pairs, on_compiled=mark,
+                            leaves_at=self.leaves_at(call, pairs))
       except Exception:  # noqa: BLE001 - the foreground compiles what it needs instead
         _log.exception("worker %d: background compilation failed; speculation compiles its "
                        "executables on first use", call.worker_id)
@@ -309,8 +315,9 @@ class CompilePlan(Switching, Windows):
     return sum(r.name == "spec" for r in self.exes.records) - before
 
   def _compile_pairs(self, call: PlanCall, sp: SamplingParams, pairs: Pairs,
-                     on_compiled: Callable | None = None) -> None:
-    """The spec executables of `pairs`.
+                     on_compiled: Callable | None = None, leaves_at: int | None = None) -> None:
+    """The spec executables of `pairs`, and switch-off at bucket `leaves_at` right after its
+    first arm (None: none).
 
     States are abstract: shapes and shardings come from the executable of a speculative
     prefill of dummy rows at the largest bucket (the state generate() will run), resized on
@@ -324,6 +331,9 @@ class CompilePlan(Switching, Windows):
       self.spec(call, sp, arm, _resized(state, b))
       if on_compiled is not None:
         on_compiled((b, arm))
+      if b == leaves_at:
+        leaves_at = None
+        self.switch_off(call, _resized(state, b))
 
   # ----------------------------------------------------------------- the executables
   def track(self, call: PlanCall, dcache, tokens, hidden, valid):
@@ -383,10 +393,10 @@ class CompilePlan(Switching, Windows):
                        call.kv.abstract(True) if warm else None, tokens, lens, None, keys,
                        max_new)
 
-  def _have(self, key: ExecKey, job: Callable[[], Any]) -> bool:
+  def _have(self, key: ExecKey, job: Callable[[], Any], urgent: bool = False) -> bool:
     """Whether executable `key` is compiled. Compiling in the background, one that is not
-    is queued once (`job`) and the caller goes on without it; without background
-    compilation: True (it compiles as it runs)."""
+    is queued once (`job`; urgent: before every job not started, `_submit`) and the caller
+    goes on without it; without background compilation: True (it compiles as it runs)."""
     spec = self.ecfg.spec
     if spec is None or not spec.background_compile or self._compiler is None or key in self.exes:
       return True
@@ -394,7 +404,7 @@ class CompilePlan(Switching, Windows):
       queue = key not in self._queued
       self._queued.add(key)
     if queue:
-      self._submit(job)
+      self._submit(job, urgent)
     return False
 
   _abstract = staticmethod(abstract)  # (the simulator's states are their own abstraction)

@@ -284,7 +284,7 @@ class Engine(Replica):
     # the attention window the rows reach this chunk (their pages hold it: `_page`)
     longest = longest_row(sched, c.outputs)
     reach_of = lambda a: longest + chunk_reach(a, ecfg.chunk_size)  # noqa: E731
-    arm = None
+    arm, spent = None, []
     if speculating:
       # with a gate, among the arms it paid to compile here; a bucket on probation runs the
       # probed arms
@@ -294,26 +294,34 @@ class Engine(Replica):
       else:  # (none named: a gate that allows the bucket without funding arms there) the
         # arm the policies want (the bandit's, a probe's) if it runs without a compile:
         # compiled over the whole cache, or at a window that fits the rows; else it compiles
-        # at the rows' window (in the background) and one that runs is chosen meanwhile
+        # at the rows' window (in the background) and one that runs is chosen meanwhile.
+        # A probed arm measured losing gives way (gate.gives_way): with nothing else to run,
+        # the chunk decodes plainly while the probe's other arms compile
         paid = paid or sorted(self.arms)
         arm = gate.probe_arm(state.batch_size, c.selector.select(len(live), arms=paid))
         have = self.compiles.compiled_arms(c.sp, state.batch_size, paid)
         have += [a for a in paid if a not in have and self.compiles.fits(
             c.plan, c.sp, a, state, reach_of(a))]
+        spent = [a for a in have if gate.gives_way(state.batch_size, a)]
+        have = [a for a in have if a not in spent]
         if arm not in have:
-          self.compiles.want(c.plan, c.sp, arm, state, reach_of(arm))
+          if arm not in spent:
+            self.compiles.want(c.plan, c.sp, arm, state, reach_of(arm), urgent=not have)
           if have:
             arm = gate.probe_arm(state.batch_size, c.selector.select(len(live), arms=have),
                                  among=have)
-        paid = have or paid
+          elif spent:
+            arm = None
+        paid = [a for a in (have or paid) if a not in spent]
     kv_len = self.compiles.window(c.plan, c.sp, arm, state, reach_of(arm))
-    if gate is not None and arm is not None and not self.compiles.fits(
-        c.plan, c.sp, arm, state, reach_of(arm)):
+    if gate is not None and (arm is None and speculating or arm is not None and not (
+        self.compiles.fits(c.plan, c.sp, arm, state, reach_of(arm)))):
       # the arm's compiled window is so much wider than its rows' that it would read more
-      # than its drafts save (the gate's rule; `window` queued the rows' own): another arm
-      # that fits, else the chunk decodes plainly (a speculating batch switches off first)
-      fit = [a for a in (paid or sorted(self.arms))
-             if self.compiles.fits(c.plan, c.sp, a, state, reach_of(a))]
+      # than its drafts save (the gate's rule; `window` queued the rows' own), or every arm
+      # that runs here gave way: another arm that fits, else the chunk decodes plainly (a
+      # speculating batch switches off first)
+      fit = [a for a in (paid or sorted(self.arms)) if a not in spent
+             and self.compiles.fits(c.plan, c.sp, a, state, reach_of(a))]
       if fit or not started or self.compiles.switch_off_ready(c.plan, state):
         if fit:
           arm = gate.probe_arm(state.batch_size, c.selector.select(len(live), arms=fit),
@@ -323,8 +331,11 @@ class Engine(Replica):
             state = self._switch_off(state, c)
           arm, speculating, started = None, False, False
         kv_len = self.compiles.window(c.plan, c.sp, arm, state, reach_of(arm))
-      else:  # (it keeps the wide arm this chunk; the next may switch off)
-        self.compiles.switch_off_ahead(c.plan, state)
+      else:  # (it keeps its arm this chunk, a losing one if that is all; the next may
+        self.compiles.switch_off_ahead(c.plan, state)  # switch off)
+        if arm is None:
+          arm = spent[0]
+          kv_len = self.compiles.window(c.plan, c.sp, arm, state, reach_of(arm))
     need = reach_of(arm)
     started = started or speculating
     if c.track and arm is None:  # the drafter's tracking here and at the next bucket down

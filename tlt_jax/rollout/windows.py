@@ -63,17 +63,19 @@ class Windows:
       self._submit(lambda: self.spec(*args), urgent=urgent)
     return wider if wider is not None else ecfg.cache_len
 
-  def want(self, call: PlanCall, sp: SamplingParams, arm: Strategy, state, need: int) -> None:
+  def want(self, call: PlanCall, sp: SamplingParams, arm: Strategy, state, need: int,
+           urgent: bool = False) -> None:
     """A chunk's policies want `arm` (the bandit exploring it, a probe measuring it) where it
     cannot run the rows without a compile (`fits`): its rows' window is queued on the compile
     thread behind what is queued (the chunk runs an arm that fits meanwhile), as `window`
     would for a chunk of it; one at a time per bucket (rows that outgrow it meanwhile want
-    the next)."""
+    the next). urgent: before every compile not started (`_submit`: a probe whose measured
+    arms all gave way to plain decoding waits on this one)."""
     abstract = self._abstract(state)
     if any(self._spec_key(call, sp, arm, abstract, n) not in self.exes
            for n in self._queued_windows(state.batch_size, arm)):
       return
-    self.window(call, sp, arm, state, need, urgent=False)
+    self.window(call, sp, arm, state, need, urgent=urgent)
 
   def fits(self, call: PlanCall, sp: SamplingParams, arm: Strategy, state, need: int) -> bool:
     """Whether a chunk of `arm` whose rows reach `need` slots has a compiled window to run at

@@ -79,9 +79,11 @@ class SpecGate:
     drafter_wanted()                  whether hidden states are captured / the drafter trained
     arms(worker, bucket)              the arms to compile there now
     allows(worker, bucket)            whether a chunk may speculate there now
-    holds(worker, bucket)             whether a batch there stays until its probe is judged
+    holds(worker, bucket, ready)      whether a batch there stays until its probe is judged
                                       (placement.py)
     probe_arm(bucket, default)        the arm a chunk runs (the probed one on probation)
+    gives_way(bucket, arm)            whether a chunk decodes plainly instead (a probed arm
+                                      measured losing while the others compile)
     record(bucket, arm, ...)          one measured chunk (arm None: plain); may decide
     compiled(kind, bucket, arm, s)    an executable's compile seconds (payoff.py's kinds)
     repays_window(bucket, arm, n, f)  whether a narrower attention window is worth compiling
@@ -150,11 +152,14 @@ class SpecGate:
   def allows(self, worker_id: int, bucket: int) -> bool:
     return self.state.allows(worker_id, bucket)
 
-  def holds(self, worker_id: int, bucket: int) -> bool:
-    return placement.holds(self.state, worker_id, bucket)
+  def holds(self, worker_id: int, bucket: int, ready=None) -> bool:
+    return placement.holds(self.state, worker_id, bucket, ready)
 
   def probe_arm(self, bucket: int, default: Strategy, among=None) -> Strategy:
     return self.state.probe_arm(bucket, default, among)
+
+  def gives_way(self, bucket: int, arm: Strategy | None) -> bool:
+    return placement.gives_way(self.state, bucket, arm)
 
   def repays_window(self, bucket: int, arm: Strategy, chunks_per_rollout: float,
                     share: float) -> bool:

@@ -24,7 +24,8 @@ compiled ones; this gate decides which batch buckets are worth compiling arms fo
   ceiling under 1 + margin means no drafter can make speculation pay on this hardware at this
   bucket: the bucket is declined for "hardware", without compiling the other arms. Otherwise
   the drafts' acceptance is what falls short: the other drafting arms are probed too (a shorter
-  chain may pay where the lead does not); if none pays the bucket is declined for
+  chain may pay where the lead does not), the measured lead giving way to plain decoding
+  while they compile (placement.gives_way); if none pays the bucket is declined for
   "acceptance". Either way every larger bucket is declined with it (a larger batch is more
   compute-bound; drafts pay less there).
 - A bucket declined for acceptance is re-probed every `reprobe_every` rollouts (the drafter

@@ -1,15 +1,17 @@
 """Where the speculation gate probes (gate.py): each batch bucket's worth (what a probe there
 could earn per rollout at best), the move of probation to where the rollout's time is, and
-the closed buckets under a probe the prober's batch compacts through, and the prober's batch
-held at the bucket on probation until its probe is judged.
+the closed buckets under a probe the prober's batch compacts through, the prober's batch
+held at the bucket on probation until its probe is judged, and a probed arm measured losing
+giving way there to plain decoding while the probe waits on the others.
 Functions of a `GateState`, like funding.py's."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 from tlt_jax.rollout.policies import funding
-from tlt_jax.rollout.policies.probe import CLOSED, PAYS, PROBING
+from tlt_jax.rollout.policies.probe import CLOSED, PAYS, PROBING, measured
 
 
 def earns(s, b: int) -> float:
@@ -80,10 +82,27 @@ def below_probe(s, worker_id: int, bucket: int) -> list:
                 and len(s.at[q].plain) >= half), None)
   if above is None:
     return []
-  return [a for a in s.probe_arms(above) if a in s.arms_at.get(bucket, ())]
+  return [a for a in s.probe_arms(above) if a in s.arms_at.get(bucket, ())
+          and not gives_way(s, above, a)]
 
 
-def holds(s, worker_id: int, bucket: int) -> bool:
+def gives_way(s, bucket: int, arm) -> bool:
+  """Whether a chunk at `bucket` decodes plainly rather than run `arm`: on probation, an
+  arm measured there (`min_chunks` counted chunks) slower than plain decoding, while the
+  probe waits on others (the arms it widened to, compiling): more of its chunks measure
+  nothing and lose time (the 7B recipe with drafts rarely accepted: the prober's batch,
+  held at the 128-row bulk, ran 167 chunks of a lead measured at 0.65x while they
+  compiled, its rollout 136 s against the other workers' 83-94 s)."""
+  r = s.at.get(bucket)
+  if arm is None or r is None or r.status != PROBING:
+    return False
+  if len(r.spec.get(arm, ())) < s.cfg.min_chunks:
+    return False
+  got = measured(r).get(arm)
+  return got is not None and got[0] < 1.0
+
+
+def holds(s, worker_id: int, bucket: int, ready: Sequence | None = None) -> bool:
   """Whether this worker's batch at `bucket` stays there rather than compacting to a smaller
   bucket as its rows finish: on the prober, at a bucket on probation whose probe may run
   (`allows`) until it is judged (`min_chunks` counted chunks of each probed arm). A batch
@@ -91,9 +110,20 @@ def holds(s, worker_id: int, bucket: int) -> bool:
   bucket's under it compiled first) would leave the probe nothing to measure until the next
   rollout, and the payoff's compiles to the one after (the 7B recipe's 128-row bulk, paged
   attention: its rows reached 64 31 s into the rollout, the probe's executable was ready at
-  34 s; judged a rollout later). Without gating: never."""
+  34 s; judged a rollout later). `ready`: the arms compiled there (None: not known). Once
+  one probed arm is measured, the batch waits only for one that is compiled: a probe that
+  widened after its lead lost waits on compiles queued behind others, and a batch held for
+  them decodes its whole tail at the probed size (the 7B recipe with drafts rarely
+  accepted: the prober's rollout 121 s against the other workers' 83-98 s); it compacts
+  meanwhile, and a widened arm compiled while it is still there holds it again. Without
+  gating: never."""
   if not s.cfg.gating or worker_id != s.prober:
     return False
   r = s.at.get(bucket)
-  return (r is not None and r.status == PROBING and s.allows(worker_id, bucket)
-          and any(len(r.spec.get(a, ())) < s.cfg.min_chunks for a in s.probe_arms(bucket)))
+  if r is None or r.status != PROBING or not s.allows(worker_id, bucket):
+    return False
+  n, probed = s.cfg.min_chunks, s.probe_arms(bucket)
+  left = [a for a in probed if len(r.spec.get(a, ())) < n]
+  if ready is None or len(left) == len(probed):
+    return bool(left)
+  return any(a in ready for a in left)
