@@ -10,7 +10,8 @@ opens to this engine now. They compile either on first use (a chunk then pays th
 reports nothing to the bandit), all at once (`precompile`), or in a background thread
 (SpecConfig.background_compile: `submit` at each generate, in `compile_order`, up to the
 bucket of the call's request count; a bucket speculates once it is `ready`, one of its arms
-compiled, so no chunk waits for a compile).
+compiled, so no chunk waits for a compile; where a batch may switch on and compact given what
+is compiled: readiness.py).
 With a gate, only each bucket's first arm in that order compiles ahead; another when a chunk's
 policies ask for it (`want`: the bandit exploring it, a probe measuring it), at the window its
 rows need: an executable nobody runs is not compiled (the 7B recipe, gate open, 3 simulated
@@ -46,6 +47,7 @@ from tlt_jax.rollout.plan_call import Pairs, PlanCall, abstract, choosable_pairs
 from tlt_jax.rollout.prefill import prefill_arrays, run_prefill
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.readiness import Readiness
 from tlt_jax.rollout.switching import Switching
 from tlt_jax.rollout.windows import Windows
 from tlt_jax.rollout.policies.strategy import Strategy
@@ -60,7 +62,7 @@ def _resized(tree, b: int):
       lambda x: jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype, sharding=x.sharding), tree)
 
 
-class CompilePlan(Switching, Windows):
+class CompilePlan(Readiness, Switching, Windows):
   """See the module docstring. Thread-safe where the compile thread meets the engine's."""
 
   def __init__(self, cfg: ModelConfig, ecfg, exes: ExecutableCache,
@@ -121,69 +123,6 @@ class CompilePlan(Switching, Windows):
     with self._lock:
       done = self._ready.get(sp, set())
       return [a for a in arms if (bucket, a) in done]
-
-  def compacts_to(self, call: PlanCall, sp: SamplingParams, bucket: int) -> bool:
-    """Whether a speculating batch may compact to `bucket`: the gate allows speculation there
-    and one of the arms wanted there is compiled (without background compilation: always).
-    Its chunks there choose among the compiled ones (the engine's `compiled_arms`); the
-    rest compile in the background meanwhile."""
-    gate = call.gate
-    if gate is not None and not gate.allows(call.worker_id, bucket):
-      return False
-    if not self.ecfg.spec.background_compile:
-      return True
-    return bool(self.compiled_arms(sp, bucket, self._wanted_pairs(call).get(bucket, ())))
-
-  def ready(self, call: PlanCall, sp: SamplingParams, bucket: int) -> bool:
-    """Whether speculation may run at `bucket` now: the gate allows it and one arm wanted
-    there is compiled, or none is wanted there (its chunks choose among the compiled ones,
-    `compiled_arms`; always, without background compilation: a chunk compiles what it
-    needs)."""
-    if self.compacts_to(call, sp, bucket):
-      return True
-    gate = call.gate
-    return ((gate is None or gate.allows(call.worker_id, bucket))
-            and not self._wanted_pairs(call).get(bucket))
-
-  def compaction(self, call: PlanCall, sp: SamplingParams, bucket: int, *, started: bool,
-                 tracked: bool, wants: bool) -> Callable[[int], bool] | None:
-    """Which buckets a batch at `bucket` may compact to (the Scheduler's `compacts_to`; None:
-    any). A tracked call's batch (it may speculate) on the prober at the bucket on probation:
-    none until the probe is judged (the gate's `holds`), while the probe's executable there
-    is queued or compiled (`coming`: a probe placed during the call compiles from the next
-    call's start, so held for it the batch would wait the call out for nothing). A
-    speculating batch (`started`), and
-    a tracked one that `wants` to switch on where its bucket's arm is queued (`coming`): only
-    buckets where it can speculate without a compile nobody paid for (`compacts_to`)."""
-    gate = call.gate
-    coming = tracked and self.coming(call, sp, bucket)
-    if coming and gate is not None:
-      ready = self.compiled_arms(sp, bucket, self._wanted_pairs(call).get(bucket, ()))
-      if gate.holds(call.worker_id, bucket, ready):
-        return lambda b: False
-      if not started and ready and all(gate.gives_way(bucket, a) for a in ready):
-        return None
-    if started or (wants and coming):
-      return functools.partial(self.compacts_to, call, sp)
-    return None
-
-  def coming(self, call: PlanCall, sp: SamplingParams, bucket: int) -> bool:
-    """Whether speculation at `bucket` waits only for a compile already queued: the gate
-    allows it and an arm wanted there is handed to the compile thread (`submit`; compiled
-    or not). A tracked batch that wants to speculate there compacts meanwhile only to buckets
-    where it can speculate (`compaction`): every smaller bucket's first arm is
-    queued after this one's (`compile_order`), so compacting to one would only chase the
-    compiles down (the 32B recipe's worker 2: each bucket's arm ready 0.3-24 s after its
-    batch had compacted below it, 128 down to 2, all plain). Background compilation only."""
-    if not self.ecfg.spec.background_compile:
-      return False
-    gate = call.gate
-    if gate is not None and not gate.allows(call.worker_id, bucket):
-      return False
-    wanted = self._wanted_pairs(call).get(bucket, ())
-    with self._lock:
-      queued = self._submitted.get(sp, set()) | self._ready.get(sp, set())
-    return any((bucket, a) in queued for a in wanted)
 
   def compile_order(self, pairs: Pairs, bandit) -> list[tuple[int, Strategy]]:
     """The order the compile thread takes `pairs` in: each bucket's first arm, largest bucket
