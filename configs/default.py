@@ -123,6 +123,10 @@ def get_config():
   # prompts are short; every extra shape is an executable to compile)
   c.rollout.prompt_bucket = 80
   c.rollout.compaction = True
+  # the plain executables of the buckets a batch compacts into compiled on each worker's
+  # compile thread while it decodes, largest first, not in the tail's time when it gets there
+  # (rollout/plain_ahead.py; with paged attention)
+  c.rollout.compile_ahead = True
   # The paged KV cache (tlt_jax/rollout/pages.py): slots per page, pages in a replica's pool
   # (0: max_batch rows of max length, never waiting for pages), and the mean row length
   # (prompt + response so far) the memory plan sizes max_batch = 0 by (0: the max length).

@@ -26,6 +26,9 @@ same --out left: what every later run of the same config costs. Runs, per stack:
   on_windows ... --config.rollout.attention=windows  (attention over gathered windows, an
                                                      executable per window, instead of the
                                                      CPU default's paged attention)
+  on_noahead, off_noahead ... --config.rollout.compile_ahead=False  (each bucket's plain
+                                             executable compiled when a chunk needs it, not
+                                             ahead on the compile thread)
   off_lora   ... --config.tlt.enabled=False --config.model.lora.rank=8 --config.optim.lr=5e-4
                                                     (rank-8 LoRA adapters over the frozen model,
                                                      at 10x the whole model's learning rate)
@@ -77,6 +80,8 @@ RUNS = {"on": [], "off": ["--config.tlt.enabled=False"],
         "off_seed1": ["--config.tlt.enabled=False", "--config.seed=1"],
         "on_seed1": ["--config.seed=1"], "on_nogate": ["--config.tlt.spec.gate.enabled=False"],
         "on_windows": ["--config.rollout.attention=windows"],
+        "on_noahead": ["--config.rollout.compile_ahead=False"],
+        "off_noahead": ["--config.tlt.enabled=False", "--config.rollout.compile_ahead=False"],
         "off_lora": ["--config.tlt.enabled=False", "--config.model.lora.rank=8",
                      "--config.optim.lr=5e-4"], "trl": None}
 

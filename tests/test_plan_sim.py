@@ -30,7 +30,7 @@ def test_the_simulator_runs_the_engines_loop():
   sim_engine._check_seam()
   from tlt_jax.rollout.compile_plan import CompilePlan
   for name in ("window", "_window_pays", "fits", "runs_wide", "choosable_pairs",
-               "_wanted_pairs"):
+               "_wanted_pairs", "plain_ahead"):
     assert getattr(sim_device.SimCompilePlan, name) is getattr(CompilePlan, name), name
 
 
@@ -656,6 +656,37 @@ def test_a_chunk_waits_only_for_a_compile_that_has_started():
   s.now = 30 + d / 4  # its compile started at 30 s: the chunk waits for the rest
   s._compile(track(4), s.drafter_compile)
   assert s.now == pytest.approx(30 + d) and s.busy["compile"] == pytest.approx(d + 3 * d / 4)
+
+
+def test_plain_executables_compiled_ahead_on_the_compile_clock():
+  """rollout.compile_ahead (rollout/plain_ahead.py, the engine's own `plain_ahead`): the
+  first plain chunk queues the buckets below it on the compile clock, largest first, and a
+  tail that outlasts their compiles finds them compiled: the same chunks, each bucket's
+  executable compiled once, the chunks' own compiles down from 5 (the prefill and a decode
+  per bucket reached) to 2 (the prefill, the first bucket's decode). 8 rows of a 7B model,
+  compiles 0.5 s: 4 rows end at 300 tokens (~1.7 s of decoding at 8 rows), 3 more by 400."""
+  from tlt_jax.config import load_config_file
+  from tlt_jax.runtime import model_config
+  m7 = model_config(load_config_file(os.path.join(ROOT, "configs", "qwen2_5_7b_math.py")))
+
+  def run(ahead):
+    ecfg = EngineConfig(max_batch=8, buckets=(1, 2, 4, 8), chunk_size=4, max_prompt_len=16,
+                        max_new_tokens=400, prompt_bucket=16, compile_ahead=ahead)
+    s = sim_engine.SimEngine(m7, ecfg, PROFILES["h100"], compile_s=0.5)
+    reqs = _requests(8)
+    s.lengths = {_key(r): n for r, n in zip(reqs, [300] * 4 + [340] * 2 + [380, 400])}
+    s.generate(reqs, SamplingParams(temperature=1.0))
+    return s
+
+  ahead, each = run(True), run(False)
+  assert _trace(ahead.chunk_log) == _trace(each.chunk_log)
+  assert {m.bucket for m in each.chunk_log} == {1, 2, 4, 8}
+  decodes = lambda s: sorted(r.key.shapes[0] for r in s.exes.records  # noqa: E731
+                             if r.key.name == "decode")
+  assert decodes(ahead) == decodes(each) == [1, 2, 4, 8]
+  assert each.busy["compile"] == pytest.approx(5 * 0.5)
+  assert ahead.busy["compile"] == pytest.approx(2 * 0.5)
+  assert each.now - ahead.now == pytest.approx(3 * 0.5)
 
 
 def test_arms_compile_ahead_only_at_buckets_the_call_can_reach():

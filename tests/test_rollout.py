@@ -36,7 +36,7 @@ from tlt_jax.models import compute_logits, forward
 from tlt_jax.models.hf_io import load_hf_model
 from tlt_jax.rollout.config import EngineConfig
 from tlt_jax.rollout.engine import Engine
-from tlt_jax.rollout.records import Request
+from tlt_jax.rollout.records import EngineHooks, Request
 from tlt_jax.rollout.sampling import (SamplingParams, plain_variant, processed_logprobs,
                                       sample_tokens)
 
@@ -446,6 +446,35 @@ def test_compaction_shrinks_buckets(greedy, layouts):
   assert len(decode) == len(set(decode))
   ran = greedy["qwen2"]["chunks"] + layouts["main"]["sampled"][1]
   assert sorted({b for b, _ in decode}) == sorted({c.bucket for c in ran})
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_plain_executables_compiled_ahead(models, greedy, prompts, ahead):
+  """compile_ahead (rollout/plain_ahead.py): the batch's first plain chunk queues the buckets
+  below it on the compile thread, from its own state resized, and the tail runs them: each
+  chunk below the first bucket finds its bucket's plain executable compiled before it runs
+  (the compile thread drained after each chunk), one executable per bucket (the foreground
+  looks up the very key compiled ahead), outputs as without. Without it, a bucket's
+  executable appears only when a chunk there needs it."""
+  m, g = models["qwen2"], greedy["qwen2"]
+  # (chunk_size 5: executables no other engine of this file shares)
+  w = Engine(m.params, m.cfg, engine_cfg(stop_tokens=(g["stop"],), capture_hidden=True,
+                                         chunk_size=5, compile_ahead=ahead))
+  decode = lambda: {r.batch for r in w.compile_log if r.name == "decode"}  # noqa: E731
+  seen, found = [], []
+  hooks = EngineHooks(before_chunk=lambda: seen.append(decode()),
+                      on_chunk=lambda c: (found.append((c.bucket, c.bucket in seen[-1])),
+                                          w.compiles.wait()))
+  results, _ = run(w, greedy_requests(prompts), GREEDY, hooks=hooks)
+  assert_same_results(g["results"], results, "greedy, plain executables compiled ahead")
+  first = {}  # bucket -> whether its first chunk found its executable compiled
+  for b, hit in found:
+    first.setdefault(b, hit)
+  assert first[4] is False and len(first) > 1, found
+  assert all(hit == ahead for b, hit in first.items() if b < 4), found
+  # ahead: every bucket below the first (2 too, which this batch skipped: 4 rows -> 1)
+  decodes = [r.batch for r in w.compile_log if r.name == "decode"]
+  assert sorted(decodes) == ([1, 2, 4] if ahead else sorted(first)), decodes
 
 
 def test_attention_windows_do_not_change_outputs(models, greedy, prompts, monkeypatch):

@@ -111,10 +111,11 @@ class SimKV:
 
 
 class SimCompilePlan(CompilePlan):
-  """The compile plan's decisions (`choosable_pairs`, `ready`, `window`, `_window_pays`) as
-  they are; what compiles is a key with a price on the engine's clock. Background compiles
-  (each bucket's arms over the whole cache, and the windows and switch-offs the plan queues)
-  finish one after another on a compile clock beside decoding."""
+  """The compile plan's decisions (`choosable_pairs`, `ready`, `window`, `_window_pays`,
+  `plain_ahead`) as they are; what compiles is a key with a price on the engine's clock.
+  Background compiles (each bucket's arms over the whole cache, the windows and switch-offs
+  the plan queues, the plain executables compiled ahead) finish one after another on a
+  compile clock beside decoding."""
 
   def __init__(self, engine: Any, weight_bytes: int, slot_bytes: int):
     super().__init__(engine.cfg, engine.ecfg, engine.exes, None)
@@ -202,6 +203,12 @@ class SimCompilePlan(CompilePlan):
       job()
     finally:
       self._urgent_job = False
+
+  def _run_urgent(self) -> None:
+    """(Urgent compiles are ordered on the compile clock as they are queued: `_queue`.)"""
+
+  def _plain_at(self, call, static, hidden: bool, kv_len: int, top, bucket: int) -> None:
+    self._queue(exe_key("decode", bucket, kv_len, hidden))
 
   def _track_at(self, call, bucket: int) -> None:
     self._queue(exe_key("track", bucket), self.engine.drafter_compile, urgent=self._urgent_job)

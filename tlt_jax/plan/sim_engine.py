@@ -30,8 +30,9 @@ What the device would do is priced by the cost model (cost.py) on a hardware pro
                cache; a drafter-only one, the tracking's, by its layers: 2 / (layers + 1));
                background compiles (SpecConfig.background_compile: each bucket's
                arms, and the attention windows and switch-offs the compile plan
-               queues) finish `compile_s` after they are queued, one at a time, beside
-               decoding; a chunk that needs one still queued waits for it
+               queues; rollout.compile_ahead: the plain executables of the buckets
+               below a batch's) finish `compile_s` after they are queued, one at a time,
+               beside decoding; a chunk that needs one still queued waits for it
 Rows end at their drawn length (a stop token) or at max_new_tokens (truncated).
 """
 
@@ -55,6 +56,7 @@ from tlt_jax.rollout.executables import ExecKey
 from tlt_jax.rollout.pages import share_prompts
 from tlt_jax.rollout.prefill import prefill_rows, prompt_len, resume_chunks, to_feed
 from tlt_jax.rollout.records import Request
+from tlt_jax.rollout.sampling import plain_variant
 from tlt_jax.rollout.scheduler import Prefill, Refill, Resize
 from tlt_jax.rollout.policies.strategy import Strategy
 
@@ -213,7 +215,9 @@ class SimEngine(Engine):
       read = max(1, -(-sum(r.prompt + r.produced + n // 2 for r in state.rows
                            if r is not None) // b))
     if arm is None:
-      self._compile(exe_key("decode", b, kv_len, c.capture or ecfg.spec is not None))
+      hidden = c.capture or ecfg.spec is not None
+      self._compile(exe_key("decode", b, kv_len, hidden))
+      self.compiles.plain_ahead(c.plan, plain_variant(c.sp), hidden, kv_len, state)
       step = cost.forward(self.cfg, b, 1, read, tp=self.tp)
       per = np.ones((b, n), np.int64)
       what = "decode"

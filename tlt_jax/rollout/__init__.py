@@ -8,7 +8,8 @@ prefill, refill, compact), `pages.py` (the paged KV cache's allocator), `prefill
 prefill, and a preempted row's resume), `decode.py` (plain decode chunks), `spec_state.py`
 (the speculative state: entering it, leaving it), `speculative.py` and `drafts.py`
 (speculative chunks: the drafter's chains and trees, verification), `history_chunk.py` (a
-history arm's host loop), `compile_plan.py` (with its parts `windows.py` and `switching.py`),
+history arm's host loop), `compile_plan.py` (with its parts `windows.py`, `switching.py`,
+`readiness.py` and `plain_ahead.py`),
 `plan_call.py` and `executables.py` (what is compiled, when, and at what price), `records.py`
 (requests, results, chunk metrics), `sampling.py`, `config.py`.
 Its two subpackages:

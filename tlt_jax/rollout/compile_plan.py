@@ -1,4 +1,5 @@
-"""Which speculative executables one engine has, and when they get compiled.
+"""Which speculative executables one engine has, and when they get compiled (and, a part of
+it, plain decoding's: plain_ahead.py).
 
 Speculation needs one executable per (engine bucket, arm) pair, and a switch-off per bucket
 where a gate may close a speculating batch's bucket (switching.py); a tracked call adds the
@@ -41,9 +42,9 @@ import jax
 import jax.numpy as jnp
 
 from tlt_jax.models import ModelConfig
-from tlt_jax.rollout import decode
 from tlt_jax.rollout.executables import ExecKey, ExecutableCache, background_compiler
-from tlt_jax.rollout.plan_call import Pairs, PlanCall, abstract, choosable_pairs
+from tlt_jax.rollout.plain_ahead import PlainAhead
+from tlt_jax.rollout.plan_call import Pairs, PlanCall, abstract, choosable_pairs, resized
 from tlt_jax.rollout.prefill import prefill_arrays, run_prefill
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
@@ -55,14 +56,7 @@ from tlt_jax.rollout.policies.strategy import Strategy
 _log = logging.getLogger(__name__)
 
 
-def _resized(tree, b: int):
-  """An abstract state (or cache) with `b` rows: its batch-major leaves resized (the page
-  pools are not)."""
-  return decode.map_rows(
-      lambda x: jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype, sharding=x.sharding), tree)
-
-
-class CompilePlan(Readiness, Switching, Windows):
+class CompilePlan(Readiness, Switching, Windows, PlainAhead):
   """See the module docstring. Thread-safe where the compile thread meets the engine's."""
 
   def __init__(self, cfg: ModelConfig, ecfg, exes: ExecutableCache,
@@ -83,6 +77,7 @@ class CompilePlan(Readiness, Switching, Windows):
     self._off_ahead: set[int] = set()  # batch sizes whose switch-off is compiled or queued
     self._tracked: set[int] = set()  # buckets whose drafter's tracking is queued
     self._queued: set[ExecKey] = set()  # switch-offs queued (`_have`)
+    self._plain_queued: set = set()  # (bucket, plain variant) queued (`plain_ahead`)
     self._needs: dict[tuple[int, str, int], int] = {}  # (bucket, arm, kv_len) -> chunks needing it
     self.rollouts = 0  # generate calls of the engine (`_window_pays`'s time base)
     self._bytes: tuple[int, int] | None = None  # (weight bytes, KV bytes per slot)
@@ -267,12 +262,12 @@ class CompilePlan(Readiness, Switching, Windows):
     for b, arm in self.compile_order(pairs, call.bandit):
       if on_compiled is not None:  # (on the compile thread: the windows chunks need first)
         self._run_urgent()
-      self.spec(call, sp, arm, _resized(state, b))
+      self.spec(call, sp, arm, resized(state, b))
       if on_compiled is not None:
         on_compiled((b, arm))
       if b == leaves_at:
         leaves_at = None
-        self.switch_off(call, _resized(state, b))
+        self.switch_off(call, resized(state, b))
 
   # ----------------------------------------------------------------- the executables
   def track(self, call: PlanCall, dcache, tokens, hidden, valid):
@@ -307,7 +302,7 @@ class CompilePlan(Readiness, Switching, Windows):
     rows = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(  # noqa: E731
         shape, dtype, sharding=self._replicated)
     top = self.prefill_dummy(call, max(self.ecfg.buckets), warm=True).dcache
-    self.track(call, _resized(top, bucket), rows(bucket, c),
+    self.track(call, resized(top, bucket), rows(bucket, c),
                rows(bucket, c, d, dtype=self.cfg.compute_dtype), rows(bucket, c, dtype=jnp.bool_))
 
   def prefill_dummy(self, call: PlanCall, batch: int, warm: bool = False):

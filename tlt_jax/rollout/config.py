@@ -54,6 +54,9 @@ class EngineConfig:
   buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # batch sizes compiled for
   chunk_size: int = 16  # decode steps between host checks (compaction / refill / metrics)
   compaction: bool = True  # shrink to the smallest bucket that holds the live rows
+  # compile the plain executables of the buckets below a batch's on the engine's compile
+  # thread while it decodes (rollout/plain_ahead.py): its tail does not stop to compile each
+  compile_ahead: bool = False
   max_prompt_len: int = 128  # cache capacity is max_prompt_len + max_new_tokens
   max_new_tokens: int = 256
   prompt_bucket: int = 16  # prompts are padded to a multiple of this (fewer prefill compiles)
@@ -100,6 +103,8 @@ class EngineConfig:
     for name in ("chunk_size", "max_prompt_len", "max_new_tokens", "prompt_bucket", "page_size"):
       if getattr(self, name) <= 0:
         raise ConfigError("must be > 0", name, getattr(self, name))
+    if not isinstance(self.compile_ahead, bool):
+      raise ConfigError("True or False", "compile_ahead", self.compile_ahead)
     if self.hidden_keep < 0:
       raise ConfigError("must be >= 0 (0 = all)", "hidden_keep", self.hidden_keep)
     if self.kv_pages and self.kv_pages < self.row_pages:

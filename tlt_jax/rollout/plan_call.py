@@ -11,6 +11,7 @@ from typing import Any
 import jax
 
 from tlt_jax.models import Params
+from tlt_jax.rollout import decode
 from tlt_jax.rollout.pages import KVPages
 from tlt_jax.rollout.policies.strategy import Strategy
 
@@ -21,6 +22,13 @@ def abstract(tree):
   """ShapeDtypeStructs of a pytree of arrays (compiling for it later, on another thread)."""
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                       tree)
+
+
+def resized(tree, b: int):
+  """An abstract state (or cache) with `b` rows: its batch-major leaves resized (the page
+  pools are not)."""
+  return decode.map_rows(
+      lambda x: jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype, sharding=x.sharding), tree)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -298,19 +298,16 @@ class Replica:
         return state, host, first
       state, out, counts = exe(self.params, self.drafter_params, state)
     else:
-      ecfg = self.ecfg
       # one executable for every temperature (greedy evaluation included): an argument
       static = plain_variant(sp)
       # a speculating engine's chunks keep the hidden states on the device (the drafter's
       # pairs, `track`): one executable for tracked calls and the others
-      hidden = c.capture or ecfg.spec is not None
-      fn = functools.partial(decode.decode_chunk, cfg=self.cfg, sp=static,
-                             stop_tokens=ecfg.stop_tokens, chunk=ecfg.chunk_size,
-                             capture_hidden=hidden, kv_len=kv_len)
+      hidden = c.capture or self.ecfg.spec is not None
       tracked = not isinstance(state, decode.DecodeState)
       base = state.base if tracked else state
-      base, out = self._call("decode", (static, hidden, kv_len), fn,
-                             (self.params, base, np.float32(sp.temperature)), donate=(1,))
+      exe = self.compiles.plain(c.plan, static, hidden, kv_len, base)
+      self.compiles.plain_ahead(c.plan, static, hidden, kv_len, base)  # (the tail's buckets)
+      base, out = exe(self.params, base, np.float32(sp.temperature))
       if tracked:  # the drafter consumes the chunk's pairs
         dc = self.compiles.track(c.plan, state.dcache, out.tokens, out.hidden, out.valid)(
             self.params, self.drafter_params, state.dcache, out.tokens, out.hidden, out.valid)
