@@ -795,3 +795,32 @@ def test_a_probed_arm_measured_losing_gives_way_while_the_widened_probe_waits():
   _feed(g2, 8, None, 100.0, 2, live=8)
   _feed(g2, 8, "4_1_5", 102.0, 2, accept_len=2.0)  # under the 5% margin: widened
   assert g2.state.at[8].wide and not g2.gives_way(8, "4_1_5")
+
+
+def test_an_arm_is_compared_with_plain_decoding_at_the_bytes_its_steps_read():
+  """probe.speedup: an arm's chunks against plain decoding's step time where they read
+  (`plain_step`: t = a + b x bytes fitted to the bucket's plain chunks), not the plain
+  chunks' mean rate. Plain decoding measured mostly late in a rollout (windows long: up to 30
+  GB a step at 2 ms + 0.35 ms/GB) and an arm whose drafts are never accepted measured just
+  after a prefill (15-16 GB), each of its steps 1.1x plain's there: it loses (1 / 1.1), where
+  the rates said it won by 1.24x (the 7B recipe's prober, `2_1_3` at 1.14x with nothing
+  accepted). No extrapolation: beyond the plain reads, their edge's time. Reads not known, or
+  all alike: the rates' ratio, as before."""
+  t = lambda gb: 2e-3 + 0.35e-3 * gb  # noqa: E731 (seconds per plain step at `gb` read)
+  plain = [Chunk(8, None, 16 * t(gb), 16, read=gb * 1e9)
+           for gb in (14, 20, 22.5, 25, 27.5, 30)]
+  arm = Strategy("2_1_3")
+  spec = [Chunk(8, arm, 16 * 1.1 * t(gb), 16, accepted=0, verifications=128, read=gb * 1e9)
+          for gb in (15, 15.5, 16)]
+  step = probe.plain_step(plain)
+  assert step(15e9) == pytest.approx(t(15))
+  assert step(10e9) == pytest.approx(t(14)) and step(40e9) == pytest.approx(t(30))
+  assert probe.speedup(plain, spec) == pytest.approx(1 / 1.1)
+  assert probe.rate(spec) / probe.rate(plain) == pytest.approx(1.24, abs=0.01)
+  # two drafts accepted per verification: 3 tokens a step
+  won = [c._replace(accepted=256) for c in spec]
+  assert probe.speedup(plain, won) == pytest.approx(3 / 1.1)
+  blind = [c._replace(read=0.0) for c in plain]
+  assert probe.speedup(blind, spec) == pytest.approx(probe.rate(spec) / probe.rate(blind))
+  r = probe.Bucket(status=probe.PROBING, plain=tuple(plain), spec={arm: tuple(spec)})
+  assert probe.measured(r)[arm][0] == pytest.approx(1 / 1.1)

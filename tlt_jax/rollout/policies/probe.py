@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import statistics
-from typing import Mapping, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -128,6 +128,56 @@ def rate(chunks: Sequence[Chunk]) -> float:
   return accept_len(chunks) * sum(c.steps for c in chunks) / wall if wall > 0 else 0.0
 
 
+def plain_step(plain: Sequence[Chunk]) -> Callable[[float], float]:
+  """Plain decoding's seconds per step as a function of the bytes a step reads, from a bucket's
+  plain chunks: t = a + b x bytes (a, b >= 0; least squares weighted by steps) where their
+  reads spread over 5% or more, else their mean (a chunk whose read is not known: the mean
+  too); no extrapolation: a read outside theirs takes their edge's time (a fit over the
+  bulk's plain chunks, carried to a speculating tail's few rows, had a chain whose
+  verifications accepted 0.11 drafts each win by 1.18x at the 32B recipe's 128 rows). Where
+  decoding is bound by bytes, a step late in a rollout (every row's window long) takes
+  twice one just after the prefill (the 7B recipe at 128 rows: 15 GB of weights, up to 25
+  GB of windows more), so plain chunks measured at one point and an arm's at another
+  compare the windows, not the arm."""
+  steps = sum(c.steps for c in plain)
+  mean = sum(c.wall for c in plain) / steps if steps else 0.0
+  pts = [(c.read, c.wall / c.steps, c.steps) for c in plain if c.read > 0 and c.steps]
+  reads = [x for x, _, _ in pts]
+  if len(pts) < 2 or max(reads) < 1.05 * min(reads):
+    return lambda read: mean
+  x, t, w = (np.array(v, float) for v in zip(*pts))
+  sw = np.sqrt(w)
+  fits = []
+  for cols in ((np.ones_like(x), x), (x,)):  # a + b x bytes; b x bytes alone
+    a = np.stack(cols, axis=1)
+    scale = np.abs(a).max(axis=0)
+    coef, *_ = np.linalg.lstsq(a / scale * sw[:, None], t * sw, rcond=None)
+    coef = coef / scale
+    if (coef >= 0).all():
+      fits.append((float((w * (a @ coef - t) ** 2).sum()), coef))
+  if not fits:
+    return lambda read: mean
+  coef = min(fits, key=lambda f: f[0])[1]
+  a0, b = (float(coef[0]), float(coef[1])) if len(coef) == 2 else (0.0, float(coef[0]))
+  lo, hi = min(reads), max(reads)  # (no extrapolation: a read outside theirs, their edge's)
+  return lambda read: a0 + b * min(max(read, lo), hi) if read > 0 else mean
+
+
+def speedup(plain: Sequence[Chunk], spec: Sequence[Chunk]) -> float:
+  """An arm's speed-up over plain decoding from its chunks `spec` and the bucket's plain
+  chunks: the seconds plain decoding would have taken for the tokens per row they delivered,
+  each chunk's steps at plain's step time where that chunk read (`plain_step`), over theirs.
+  (Their per-row rates divided, as before 2026-12-06, compared where in a rollout each was
+  measured: the 7B recipe's prober at 128 rows measured `2_1_3`, whose drafts were never
+  accepted, at 1.14x of plain decoding, its chunks just after a prefill and plain's later in
+  the rollouts before; at the bytes its steps read, 0.97x.)"""
+  wall = sum(c.wall for c in spec)
+  if wall <= 0 or not plain:
+    return 0.0
+  step = plain_step(plain)
+  return accept_len(spec) * sum(c.steps * step(c.read) for c in spec) / wall
+
+
 @dataclasses.dataclass(frozen=True)
 class Bucket:
   """What the gate knows about one batch bucket. Rates keep the last `window` counted chunks;
@@ -152,12 +202,11 @@ def measured(r: Bucket) -> dict[str, tuple[float, float]]:
   chunks in its window and a plain rate to compare with). With every draft accepted an arm
   delivers depth + 1 tokens per verification: its ceiling is ratio x (depth + 1) / the
   measured tokens per verification."""
-  plain = rate(r.plain) if r.plain else 0.0
-  if plain <= 0:
+  if not r.plain or rate(r.plain) <= 0:
     return {}
   out = {}
   for a, chunks in r.spec.items():
     if chunks:
-      ratio = rate(chunks) / plain
+      ratio = speedup(r.plain, chunks)
       out[a] = (ratio, ratio * (a.steps + 1) / accept_len(chunks))
   return out
