@@ -615,10 +615,13 @@ def test_speculation_gate_reports_and_resumes(tmp_path):
           "tlt.spec.gate.payback": 1e-9}
   first, last = _run(_small_cfg(tmp_path, 2, **gate))
   recs = _records(tmp_path)
+  assert recs[0]["spec_gate"]["status"]["1"] == "unfunded"  # the first probe: the smallest
   status = recs[-1]["spec_gate"]["status"]
-  assert set(status) == {str(b) for b in last.gate.buckets} and status["1"] != "closed"
+  # one bucket on probation (it may have moved where the rollout's time is: placement.py)
+  probing = [b for b, v in status.items() if v != "closed"]
+  assert set(status) == {str(b) for b in last.gate.buckets} and len(probing) == 1, status
   assert recs[-1]["spec_gate"]["plain_rate"]  # plain chunks measured at some bucket
-  p = recs[-1]["spec_gate"]["payoff"]["1"]
+  p = recs[-1]["spec_gate"]["payoff"][probing[0]]
   assert p["arm"] == "4_1_5" and p["s_per_rollout"] >= 0 and p["compile"] > 0
   for r in recs[1:]:
     assert all(v in ("unfunded", "closed") for v in r["spec_gate"]["status"].values()), r
