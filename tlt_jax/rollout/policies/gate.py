@@ -73,7 +73,7 @@ from tlt_jax.errors import ConfigError
 from tlt_jax.rollout.policies import funding, payoff, placement
 from tlt_jax.rollout.policies.probe import (ACCEPTANCE, CLOSED, DECLINED, HARDWARE, PAYS,
                                             PROBING, Bucket, Chunk, Step, accept_len, home,
-                                            rate, speedup, stepped)
+                                            plain_step, rate, speedup, stepped)
 from tlt_jax.rollout.policies.strategy import Strategy
 
 
@@ -351,14 +351,14 @@ class GateState:
       return self
     if rate(r.plain) <= 0:
       return self
-    bar = 1.0 + self.cfg.margin
-    ratio = {a: speedup(r.plain, c) for a, c in spec.items()}
+    bar, step = 1.0 + self.cfg.margin, plain_step(r.plain)
+    ratio = {a: speedup(r.plain, c, step) for a, c in spec.items()}
     if max(ratio.values()) < bar:  # a chunk at a wider window than its rows need reads
       # more than plain decoding: it may show an arm pays, not that none does (`Chunk.wide`)
       spec = {a: tuple(x for x in c if not x.wide) for a, c in spec.items()}
       if any(len(c) < n for c in spec.values()):
         return self
-      ratio = {a: speedup(r.plain, c) for a, c in spec.items()}
+      ratio = {a: speedup(r.plain, c, step) for a, c in spec.items()}
     # with every draft accepted an arm delivers depth + 1 tokens per verification
     ceiling = max(ratio[a] * (a.steps + 1) / accept_len(spec[a]) for a in probed)
     best = max(ratio, key=ratio.get)

@@ -89,15 +89,23 @@ def row_seconds(steps_at: Mapping[int, Sequence[Step]]) -> float | None:
     x = np.stack([cols[k] for k in terms], axis=1)
     if len(pts) < len(terms) or not x.any(axis=0).all():
       continue
-    scale = np.abs(x).max(axis=0)  # (bytes run to 1e10: each column to [0, 1] first)
-    coef, *_ = np.linalg.lstsq(x / scale, t, rcond=None)
-    coef = coef / scale
-    if (coef < 0).any():
-      continue
-    err = float(((x @ coef - t) ** 2).sum())
-    if best is None or err < best[0] * (1 - 1e-6) - 1e-24:
-      best = (err, dict(zip(terms, coef)))
+    fit = _nonnegative_fit(x, t)
+    if fit is not None and (best is None or fit[0] < best[0] * (1 - 1e-6) - 1e-24):
+      best = (fit[0], dict(zip(terms, fit[1])))
   return None if best is None else float(best[1].get("rows", 0.0))
+
+
+def _nonnegative_fit(x: np.ndarray, t: np.ndarray, w: np.ndarray | None = None):
+  """Least squares t ~ x @ coef (weights w; none: 1), as (squared error, coef) where every
+  coefficient is >= 0, else None. Each column scaled to [0, 1] first (bytes run to 1e10)."""
+  w = np.ones_like(t) if w is None else w
+  sw = np.sqrt(w)
+  scale = np.abs(x).max(axis=0)
+  coef, *_ = np.linalg.lstsq(x / scale * sw[:, None], t * sw, rcond=None)
+  coef = coef / scale
+  if (coef < 0).any():
+    return None
+  return float((w * (x @ coef - t) ** 2).sum()), coef
 
 
 def plain_bound(steps_at: Mapping[int, Sequence[Step]], bucket: int, arm: Strategy) -> float | None:
@@ -146,16 +154,9 @@ def plain_step(plain: Sequence[Chunk]) -> Callable[[float], float]:
   if len(pts) < 2 or max(reads) < 1.05 * min(reads):
     return lambda read: mean
   x, t, w = (np.array(v, float) for v in zip(*pts))
-  sw = np.sqrt(w)
-  fits = []
-  for cols in ((np.ones_like(x), x), (x,)):  # a + b x bytes; b x bytes alone
-    a = np.stack(cols, axis=1)
-    scale = np.abs(a).max(axis=0)
-    coef, *_ = np.linalg.lstsq(a / scale * sw[:, None], t * sw, rcond=None)
-    coef = coef / scale
-    if (coef >= 0).all():
-      fits.append((float((w * (a @ coef - t) ** 2).sum()), coef))
-  if not fits:
+  fits = [f for f in (_nonnegative_fit(np.stack([np.ones_like(x), x], axis=1), t, w),
+                      _nonnegative_fit(x[:, None], t, w)) if f is not None]
+  if not fits:  # (a + b x bytes; b x bytes alone)
     return lambda read: mean
   coef = min(fits, key=lambda f: f[0])[1]
   a0, b = (float(coef[0]), float(coef[1])) if len(coef) == 2 else (0.0, float(coef[0]))
@@ -163,18 +164,20 @@ def plain_step(plain: Sequence[Chunk]) -> Callable[[float], float]:
   return lambda read: a0 + b * min(max(read, lo), hi) if read > 0 else mean
 
 
-def speedup(plain: Sequence[Chunk], spec: Sequence[Chunk]) -> float:
+def speedup(plain: Sequence[Chunk], spec: Sequence[Chunk],
+            step: Callable[[float], float] | None = None) -> float:
   """An arm's speed-up over plain decoding from its chunks `spec` and the bucket's plain
   chunks: the seconds plain decoding would have taken for the tokens per row they delivered,
   each chunk's steps at plain's step time where that chunk read (`plain_step`), over theirs.
   (Their per-row rates divided, as before 2026-12-06, compared where in a rollout each was
   measured: the 7B recipe's prober at 128 rows measured `2_1_3`, whose drafts were never
   accepted, at 1.14x of plain decoding, its chunks just after a prefill and plain's later in
-  the rollouts before; at the bytes its steps read, 0.97x.)"""
+  the rollouts before; at the bytes its steps read, 0.97x.) `step`: `plain_step(plain)`,
+  fitted once for several arms."""
   wall = sum(c.wall for c in spec)
   if wall <= 0 or not plain:
     return 0.0
-  step = plain_step(plain)
+  step = step or plain_step(plain)
   return accept_len(spec) * sum(c.steps * step(c.read) for c in spec) / wall
 
 
@@ -204,9 +207,9 @@ def measured(r: Bucket) -> dict[str, tuple[float, float]]:
   measured tokens per verification."""
   if not r.plain or rate(r.plain) <= 0:
     return {}
-  out = {}
+  out, step = {}, plain_step(r.plain)
   for a, chunks in r.spec.items():
     if chunks:
-      ratio = speedup(r.plain, chunks)
+      ratio = speedup(r.plain, chunks, step)
       out[a] = (ratio, ratio * (a.steps + 1) / accept_len(chunks))
   return out
