@@ -105,7 +105,7 @@ def stack_label(venv: str) -> str:
 def summarize_tlt(workdir: str, wall: float, steps: int) -> dict:
   from tlt_jax.metrics import read_records
   recs = read_records(os.path.join(workdir, "metrics.jsonl"))
-  phases = {k: 0.0 for k in PHASES + ("eval", "compile", "total")}
+  phases = {k: 0.0 for k in PHASES + ("eval", "compile", "compile_background", "total")}
   for r in recs:
     for k, v in r.get("time", {}).items():
       if k in phases:
@@ -139,7 +139,8 @@ def summarize_trl(out_dir: str, wall: float, steps: int) -> dict:
   phases = {"rollout": t.get("generate", 0.0), "reward_wait": t.get("reward", 0.0),
             "logprobs": t.get("logprobs", 0.0), "update": t.get("update", 0.0),
             "weight_sync": 0.0, "drafter": 0.0, "checkpoint": 0.0,
-            "eval": summary.get("eval_seconds", 0.0), "compile": 0.0}
+            "eval": summary.get("eval_seconds", 0.0), "compile": 0.0,
+            "compile_background": 0.0}
   # (TRL's own per-step wall time runs on from its record to its next step's start, so in
   # lockstep it would count the other runs' turns: its steps' time is its own turns instead)
   phases["total"] = wall - phases["eval"]
@@ -281,7 +282,7 @@ def report(a, label: str, runs: list[str], res: dict[str, dict], out: str) -> di
   cols = [n for n in runs if n in res]
   print("| phase | " + " | ".join(cols) + " |")
   print("|---|" + "---:|" * len(cols))
-  for k in PHASES + ("eval", "compile"):
+  for k in PHASES + ("eval", "compile", "compile_background"):
     print(f"| {k} | " + " | ".join(f"{res[n]['phases'][k]:.1f}" for n in cols) + " |")
   print("| its own turns, start to exit | " + " | ".join(f"{res[n]['wall']:.0f}" for n in cols)
         + " |")

@@ -791,7 +791,8 @@ def test_tlt_run_on_two_workers_trains_the_drafter_in_idle_windows(tmp_path, mon
       "limit_gib": 80, "plan_gib": {k: cfg.memory.total(k) / (1 << 30)
                                     for k in ("rollout", "logprobs", "update", "spot", "sync")}}
   assert "eval" in recs[0] and "eval" in recs[2]
-  for key in ("rollout", "reward_wait", "logprobs", "update", "weight_sync", "drafter", "idle"):
+  for key in ("rollout", "reward_wait", "logprobs", "update", "weight_sync", "drafter", "idle",
+              "compile", "compile_background"):
     assert key in last["time"], key
   assert last["spec"]["chunks"] > 0 and last["spec"]["verify_path"] == ["jnp"]
   # read off the step's responses at the rollout's sampling settings (test_acceptance.py: the

@@ -188,33 +188,50 @@ def flatten(d: dict[str, Any], prefix: str = "", sep: str = "/") -> dict[str, An
   return out
 
 
+_BACKGROUND = threading.local()  # set on the threads that compile ahead of need
+
+
+def mark_background_compiler() -> None:
+  """Marks the calling thread as one that compiles ahead of need (rollout/executables.py's
+  `background_compiler` threads): a `CompileClock` counts its compiles apart, since no step
+  waited on them."""
+  _BACKGROUND.on = True
+
+
 class CompileClock:
   """Seconds XLA spent compiling (every thread, every executable: learner, engine, drafter)
-  since this clock was made, read per step with `lap`: `time.compile` in the metrics (already
-  inside the phase it happened in; the first step's includes start-up). JAX reports a
-  persistent-cache hit under the same event: there it is the time to load the executable (a
-  warm run's first step: ~10 s here).
+  since this clock was made, read per step with `lap`: `time.compile`, the seconds compiled on
+  the threads that do the run's work (a rollout worker, the learner: each stalled while it
+  compiled; already inside the phase it happened in; the first step's includes start-up), and
+  `time.compile_background`, those of the threads that compile ahead of need at the lowest CPU
+  priority (`mark_background_compiler`: the tail's plain executables, speculation's, the
+  drafter's), which nothing waited on unless a chunk later found its executable still
+  compiling. JAX reports a persistent-cache hit under the same event: there it is the time to
+  load the executable (a warm run's first step: ~10 s here).
 
-  One per run (train.build makes it, Run owns it): its own listener and total, so two runs in
+  One per run (train.build makes it, Run owns it): its own listener and totals, so two runs in
   one process (tests) each count their own compiles; `close` unregisters the listener."""
 
   EVENT = "/jax/core/compile/backend_compile_duration"
 
   def __init__(self):
     self._lock = threading.Lock()  # compiles finish on background threads too
-    self._total = 0.0
-    self._last = 0.0
+    self._total = {"compile": 0.0, "compile_background": 0.0}
+    self._last = dict(self._total)
     jax.monitoring.register_event_duration_secs_listener(self._listen)
 
   def _listen(self, event: str, seconds: float, **kwargs) -> None:
-    if event == self.EVENT:
+    if event == self.EVENT:  # reported on the thread that compiled
+      kind = "compile_background" if getattr(_BACKGROUND, "on", False) else "compile"
       with self._lock:
-        self._total += seconds
+        self._total[kind] += seconds
 
-  def lap(self) -> float:
-    """Compile seconds since the last lap (or since the clock was made)."""
+  def lap(self) -> dict[str, float]:
+    """{"compile": s, "compile_background": s}: the seconds compiled since the last lap (or
+    since the clock was made) on the run's own threads and on its background compilers."""
     with self._lock:
-      out, self._last = self._total - self._last, self._total
+      out = {k: v - self._last[k] for k, v in self._total.items()}
+      self._last = dict(self._total)
     return out
 
   def close(self) -> None:

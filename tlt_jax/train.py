@@ -158,7 +158,7 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   if peaks:
     m["memory"] = device_memory.measured(peaks, run.memory)
   times["total"] = time.perf_counter() - t_step
-  times["compile"] = run.compile_clock.lap()
+  times.update(run.compile_clock.lap())
   m["time"] = times
   logged = logged_responses(prompts, responses, run.tokenizer, cfg.train.log_rollouts)
   return (TrainState(step + 1, learner, ro.data, ro.policies.bandit, ro.policies.gate), m,

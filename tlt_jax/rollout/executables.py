@@ -29,6 +29,7 @@ from typing import Any, Callable, Hashable
 
 import jax
 
+from tlt_jax.metrics import mark_background_compiler
 from tlt_jax.models import KVCache
 
 
@@ -293,9 +294,11 @@ def background_compiler(name: str) -> cf.ThreadPoolExecutor:
   """One thread for compiling ahead of need, at the lowest CPU priority (Linux: per-thread
   nice 19, inherited by threads XLA starts from it): compiles fill idle cores (a decode tail
   at batch 1, host work) instead of slowing the rollout and the learner. On an accelerator
-  host they overlap device work anyway."""
+  host they overlap device work anyway. A run's `CompileClock` counts its compiles as
+  `time.compile_background`."""
 
   def lower_priority():
+    mark_background_compiler()  # its compiles counted apart (time.compile_background)
     try:
       os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):  # not Linux, or not permitted: normal priority
