@@ -331,6 +331,27 @@ def test_the_first_probe_goes_where_time_x_saving_is_largest():
   assert not any(r.funded for r in h.state.at.values())
 
 
+def test_a_probe_is_worth_what_every_smaller_bucket_would_earn_with_it():
+  """A bucket that pays makes every smaller one pay, so a probe's worth is its own best case
+  and every smaller bucket's not paying (`placement.worth`): the bulk (64) goes first though
+  the tail's 4 rows hold more of the rollout's time alone (the 32B recipe's tail and bulk
+  within 4%, which noise in the measured chunks could swap); nothing where the bucket's own
+  best case stays under the bar."""
+  times = {1: 0.5, 2: 0.5, 4: 12.0, 8: 1.0, 16: 1.0, 32: 1.0, 64: 11.0}
+  g = _gate(buckets=BUCKETS, horizon=100)
+  _timed(g, times, lambda b: 100.0, compile_s=10.0)  # every step 10 ms, whatever the rows
+  g.begin_rollout(0, {b: ARMS for b in BUCKETS})
+  earns = {b: placement.earns(g.state, b) for b in BUCKETS}
+  assert max(earns, key=earns.get) == 4  # by its own time alone, the tail
+  for b in BUCKETS:
+    assert placement.worth(g.state, b) == pytest.approx(sum(earns[q] for q in BUCKETS
+                                                            if q <= b))
+  assert g.state.status == {**{b: "closed" for b in BUCKETS}, 64: "probing"}
+  h = _gate(buckets=BUCKETS, horizon=100)  # compute-bound: no bucket's best case clears it
+  _timed(h, times, lambda b: 100.0 / b, compile_s=10.0)
+  assert all(placement.worth(h.state, b) == 0.0 for b in BUCKETS)
+
+
 def test_state_survives_a_resume():
   g = _gate(buckets=(1, 2), min_chunks=1, margin=0.0)
   _feed(g, 1, None, 100.0, 1)
@@ -553,17 +574,19 @@ def test_what_a_row_adds_to_a_step_is_never_negative():
 
 
 def _plain_traffic(g):
-  """A rollout of plain chunks at buckets 1 (2 chunks) and 8 (3, 1.5x the time at 1)."""
+  """A rollout of plain chunks at buckets 1 (2 chunks) and 8 (1, half the time at 1: a probe
+  at 8, which would open 1 too, worth 1.5x one at 1)."""
   g.begin_rollout(0, {1: ARMS, 8: ARMS})
   _feed(g, 1, None, 100.0, 2)
-  _feed(g, 8, None, 100.0, 3, live=8)
+  _feed(g, 8, None, 100.0, 1, live=8)
 
 
 def test_probation_stays_where_chunks_keep_coming_unless_elsewhere_earns_twice():
   """placement.follow_time's staleness: a probe at bucket 1 that sees chunks every rollout
   is not stale by age; before any speculative chunk of it is measured it moves only to a
   bucket that could earn twice what it could (both best cases 5x here: the worth is the
-  time, 0.48 s a rollout at 8 against 0.32 s at 1, 1.5x: it stays), and once its lead is
+  time, 0.16 s a rollout at 8 and the 0.32 s at 1 a probe at 8 would open too, against
+  0.32 s at 1, 1.5x: it stays), and once its lead is
   measured, it stays however long it has been probing. Moved, it keeps nothing funded."""
   g = _gate(buckets=(1, 8), min_chunks=50, follow_traffic=2)
   for _ in range(5):
@@ -578,7 +601,7 @@ def test_probation_stays_where_chunks_keep_coming_unless_elsewhere_earns_twice()
   for _ in range(3):
     h.begin_rollout(0, {1: ARMS, 8: ARMS})
     _feed(h, 1, None, 100.0, 1)
-    _feed(h, 8, None, 100.0, 3, live=8)  # 3x the time at 1: moves
+    _feed(h, 8, None, 100.0, 3, live=8)  # 3x the time at 1 (worth 4x): moves
   assert h.state.status == {1: "closed", 8: "probing"} and h.state.at[1].funded == frozenset()
 
 

@@ -145,6 +145,31 @@ def test_paged_attention_compiles_one_window_and_reads_the_live_slots():
   assert 0 < paged_s < grid_s
 
 
+def test_jitter_varies_each_chunks_time_around_its_price_and_not_what_it_decodes():
+  """`jitter` (python -m tlt_jax.plan --jitter): each chunk's device time x a log-normal
+  factor of mean 1 and that sigma, drawn apart from the acceptance's draws; the same requests
+  decode in the same chunks, their decode time near the noiseless one."""
+  reqs = _requests(9)
+  lengths = {_key(r): 3 + 7 * (i % 4) for i, r in enumerate(reqs)}
+  ecfg = EngineConfig(**dict(SMALL, prompt_bucket=4, paged_attention=True))
+  runs = {}
+  for sigma in (0.0, 0.3):
+    s = sim_engine.SimEngine(TINY, ecfg, PROFILES["h100"], acceptance=workload.Acceptance(),
+                             jitter=sigma)
+    s.lengths = dict(lengths)
+    s.generate(reqs, SamplingParams(temperature=0.0))
+    runs[sigma] = s
+  quiet, noisy = runs[0.0], runs[0.3]
+  assert len(quiet.chunk_log) == len(noisy.chunk_log) > 3
+  assert noisy.busy["decode"] != quiet.busy["decode"]
+  assert noisy.busy["decode"] == pytest.approx(quiet.busy["decode"], rel=0.5)
+  assert noisy.rng.random() == quiet.rng.random()  # (the acceptance's generator untouched)
+  f = np.array([noisy._noise() for _ in range(40000)])
+  assert f.mean() == pytest.approx(1.0, abs=0.01)
+  assert np.log(f).std() == pytest.approx(0.3, abs=0.01)
+  assert all(quiet._noise() == 1.0 for _ in range(3))
+
+
 def test_acceptance_rate_and_draws():
   acc = workload.Acceptance(tpv=(("4_1_5", 3.1),), default=2.0, history=1.5)
   for arm, want in (("4_1_5", 3.1), ("2_1_3", 2.0), ("hist_4", 1.5), ("hyb_4", 2.0)):

@@ -3,7 +3,8 @@
     python -m tlt_jax.plan --config configs/qwen2_5_7b_math.py --hardware h100|PROFILE.json \\
         [--gpus 8] [--lengths lognormal:median=2500,sigma=0.7,...|FILE] \\
         [--acceptance 4_1_5=3.1,rate=0.8,history=1.8,...|FILE|NUMBER] [--steps 3] \\
-        [--gate open|learn] [--compile_s 0] [--signal 0.67] [--out DIR] [--config.key=value ...]
+        [--gate open|learn] [--compile_s 0] [--signal 0.67] [--jitter 0.15] [--out DIR] \\
+        [--config.key=value ...]
     python -m tlt_jax.plan --config ... --rates 0.5,0.6,0.7,0.8,0.9 [same flags]
 
 Runs `--steps` RL steps of the recipe twice on the simulator (tlt_jax/plan/sim.py: the
@@ -55,6 +56,9 @@ def _define_flags() -> None:
                       "0.5,0.6,0.7,0.8,0.9 (the drafter arms not named in --acceptance): TLT off "
                       "once, TLT on at each ('': one plan at --acceptance)")
   flags.DEFINE_integer("seed", 0, "the workload's seed")
+  flags.DEFINE_float("jitter", 0.0, "each chunk's device time x a log-normal factor of mean 1 "
+                     "and this sigma, as a real device's measured chunks vary (e.g. 0.15: the "
+                     "gate's decisions under noise; 0: none)")
   flags.DEFINE_string("out", "", "where plan.json and the PNGs go ('': out/plan/<config name>)")
 
 
@@ -86,6 +90,8 @@ def main(argv):
   if not 0 <= FLAGS.compile_s < math.inf:
     raise ConfigError("must be a finite number >= 0 (0: a warm compilation cache)", "--compile_s",
                       FLAGS.compile_s)
+  if not 0 <= FLAGS.jitter < math.inf:
+    raise ConfigError("must be a finite number >= 0 (0: no noise)", "--jitter", FLAGS.jitter)
   if not 0 < FLAGS.signal <= 1:
     raise ConfigError("must be in (0, 1]: the share of groups whose rewards differ", "--signal",
                       FLAGS.signal)
@@ -106,7 +112,8 @@ def main(argv):
     from tlt_jax.plan import sweep
     s = sweep.sweep(cfg, rates, hardware=FLAGS.hardware, gpus=FLAGS.gpus, lengths=lengths,
                     acceptance=acc, steps=FLAGS.steps, compile_s=FLAGS.compile_s,
-                    gate=FLAGS.gate, seed=FLAGS.seed, progress=True, signal=FLAGS.signal)
+                    gate=FLAGS.gate, seed=FLAGS.seed, progress=True, signal=FLAGS.signal,
+                    jitter=FLAGS.jitter)
     print(sweep.text(s))
     with open(os.path.join(out, "sweep.json"), "w") as f:
       json.dump(s, f, indent=1)
@@ -115,7 +122,8 @@ def main(argv):
     return
   plan = report.plan(cfg, hardware=FLAGS.hardware, gpus=FLAGS.gpus, lengths=lengths,
                      acceptance=acc, steps=FLAGS.steps, compile_s=FLAGS.compile_s,
-                     gate=FLAGS.gate, seed=FLAGS.seed, progress=True, signal=FLAGS.signal)
+                     gate=FLAGS.gate, seed=FLAGS.seed, progress=True, signal=FLAGS.signal,
+                     jitter=FLAGS.jitter)
   print(report.text(plan))
   with open(os.path.join(out, "plan.json"), "w") as f:
     json.dump(report.to_json(plan), f, indent=1)

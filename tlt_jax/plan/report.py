@@ -37,6 +37,7 @@ class Plan:
   executables: dict[str, Any]  # on, off: totals; per_worker: executables, compile seconds, by_kind
   gate_mode: str
   signal: float = 1.0  # the share of groups with signal (grpo.filter_groups)
+  jitter: float = 0.0  # the sigma of each chunk's log-normal time factor (SimEngine)
   filtering: bool = False  # grpo.filter_groups
 
   @property
@@ -79,7 +80,8 @@ def cluster(cfg, *, hardware: str, gpus: int, gate: str):
 def simulate(cfg, tlt: bool, *, gate: str, hw: cost.Hardware, device: str, gpus: int,
              workers: int, tp: int, model_cfg, sized: tuple[int, int] | None, lengths: Lengths,
              acceptance: Acceptance, steps: int, compile_s: float, seed: int, signal: float,
-             progress: bool = False) -> tuple[Simulation, tuple[int, int] | None]:
+             jitter: float = 0.0, progress: bool = False
+             ) -> tuple[Simulation, tuple[int, int] | None]:
   """`steps` RL steps of the recipe with TLT on or off (`_mode`) on the simulator; with
   rollout.max_batch = 0 the memory plan sizes it, once (`sized`: TLT on's plan, its
   drafter's memory too, sizes both modes; returned for the next call)."""
@@ -92,7 +94,8 @@ def simulate(cfg, tlt: bool, *, gate: str, hw: cost.Hardware, device: str, gpus:
                                       device=device, num_devices=gpus)
     spec = spec.with_max_batch(*sized)
   sim = Simulation(spec, model_cfg, hw, workers=workers, tp=tp, gpus=gpus, lengths=lengths,
-                   acceptance=acceptance, compile_s=compile_s, seed=seed, signal=signal)
+                   acceptance=acceptance, compile_s=compile_s, seed=seed, signal=signal,
+                   jitter=jitter)
   bar = None
   if progress:
     from tqdm import tqdm
@@ -109,9 +112,10 @@ def simulate(cfg, tlt: bool, *, gate: str, hw: cost.Hardware, device: str, gpus:
 
 def plan(cfg, *, hardware: str = "h100", gpus: int = 0, lengths: Lengths, acceptance: Acceptance,
          steps: int = 3, compile_s: float = 0.0, gate: str = "open", seed: int = 0,
-         progress: bool = False, signal: float = 1.0) -> Plan:
+         progress: bool = False, signal: float = 1.0, jitter: float = 0.0) -> Plan:
   """The recipe `cfg` simulated for `steps` RL steps, TLT on and off (module docstring);
-  signal: the share of groups whose rewards differ (grpo.filter_groups reads it)."""
+  signal: the share of groups whose rewards differ (grpo.filter_groups reads it); jitter: the
+  sigma of each chunk's log-normal time factor (0: none)."""
   from tlt_jax.runtime import model_config
   hw, device, n, workers, tp = cluster(cfg, hardware=hardware, gpus=gpus, gate=gate)
   model_cfg = model_config(cfg)
@@ -122,7 +126,7 @@ def plan(cfg, *, hardware: str = "h100", gpus: int = 0, lengths: Lengths, accept
                                  workers=workers, tp=tp, model_cfg=model_cfg, sized=sized,
                                  lengths=lengths, acceptance=acceptance, steps=steps,
                                  compile_s=compile_s, seed=seed, signal=signal,
-                                 progress=progress)
+                                 jitter=jitter, progress=progress)
   on, off = runs["on"], runs["off"]
   gate_after = on.policies.gate  # (None: no gate)
   ex = {"on": sum(len(e.exes.records) for e in on.engines),
@@ -137,7 +141,8 @@ def plan(cfg, *, hardware: str = "h100", gpus: int = 0, lengths: Lengths, accept
               kv_pages=on.ecfg.pool_pages, lengths=lengths, acceptance=acceptance,
               compile_s=compile_s, on=on.steps, off=off.steps,
               gate=gate_after.summary() if gate_after is not None else None, executables=ex,
-              gate_mode=gate, signal=signal, filtering=bool(cfg.grpo.get("filter_groups")))
+              gate_mode=gate, signal=signal, filtering=bool(cfg.grpo.get("filter_groups")),
+              jitter=jitter)
 
 
 def _per_worker(records, workers: int) -> dict[str, Any]:
@@ -174,7 +179,8 @@ def text(p: Plan) -> str:
       f"p90 {int(sorted(on.lengths)[int(0.9 * (len(on.lengths) - 1))])}, "
       f"max {on.lengths.max()} tokens",
       f"acceptance: {p.acceptance.describe()}; compiles {p.compile_s:g} s each "
-      f"({'cold' if p.compile_s else 'a warm cache'})",
+      f"({'cold' if p.compile_s else 'a warm cache'})"
+      + (f"; each chunk's time x log-normal noise, sigma {p.jitter:g}" if p.jitter else ""),
       f"profile: {p.hardware.note or p.hardware.name}",
       "",
       f"step {on.step} of {len(p.on)} (the bandit and the gate learn over the earlier ones)",
@@ -231,6 +237,7 @@ def to_json(p: Plan) -> dict[str, Any]:
           "acceptance_rate": None if p.acceptance.default is not None else
           p.acceptance.draft_rate(),
           "acceptance_history": p.acceptance.history, "compile_s": p.compile_s,
+          "jitter": p.jitter,
           "speedup": p.speedup, "gate": p.gate, "executables": p.executables,
           "signal": p.signal if p.filtering else None,
           "on": [step(s) for s in p.on], "off": [step(s) for s in p.off]}

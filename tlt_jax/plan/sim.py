@@ -78,8 +78,10 @@ class Simulation:
 
   def __init__(self, spec, cfg: ModelConfig, hw: cost.Hardware, *, workers: int, tp: int,
                gpus: int, lengths: Lengths, acceptance: Acceptance, compile_s: float,
-               seed: int = 0, prompt_tokens: int | None = None, signal: float = 1.0):
-    """signal: the share of groups whose rewards differ (grpo.filter_groups keeps them)."""
+               seed: int = 0, prompt_tokens: int | None = None, signal: float = 1.0,
+               jitter: float = 0.0):
+    """signal: the share of groups whose rewards differ (grpo.filter_groups keeps them);
+    jitter: the sigma of each chunk's log-normal time factor (SimEngine)."""
     self.spec, self.cfg, self.hw = spec, cfg, hw
     self.workers_n, self.tp, self.gpus = workers, tp, gpus
     self.lengths, self.seed, self.signal = lengths, seed, signal
@@ -90,7 +92,8 @@ class Simulation:
     self.policies = spec.policies()
     bandit = self.policies.bandit.cfg if self.tlt else None
     self.engines = [SimEngine(cfg, self.ecfg, hw, worker_id=i, bandit=bandit,
-                              acceptance=acceptance, tp=tp, compile_s=compile_s, seed=seed)
+                              acceptance=acceptance, tp=tp, compile_s=compile_s, seed=seed,
+                              jitter=jitter)
                     for i in range(workers)]
     self.prompt_tokens = prompt_tokens or max(self.ecfg.max_prompt_len // 2, 1)
     self.rng = np.random.default_rng(seed)

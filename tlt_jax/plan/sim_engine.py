@@ -64,11 +64,14 @@ from tlt_jax.rollout.policies.strategy import Strategy
 class SimEngine(Engine):
   """One rollout worker on a simulated device (module docstring). `lengths`: request key ->
   its response length; `hw`: the profile; `tp`: the replica's tensor-parallel degree;
-  `compile_s`: seconds per executable compiled (0: a warm cache)."""
+  `compile_s`: seconds per executable compiled (0: a warm cache); `jitter`: each chunk's
+  device time x a log-normal factor of mean 1 and this sigma (a real device's measured
+  chunks vary; 0: none), drawn apart from the acceptance's draws so the two modes and the
+  same seed see the same drafts."""
 
   def __init__(self, cfg: ModelConfig, ecfg, hw: cost.Hardware, *, worker_id: int = 0,
                bandit: Any = None, acceptance: Acceptance | None = None, tp: int = 1,
-               compile_s: float = 0.0, seed: int = 0):
+               compile_s: float = 0.0, seed: int = 0, jitter: float = 0.0):
     # paged attention as a GPU replica resolves it where the kernel's check passes
     # (EngineConfig.resolve_attention): "auto" within the kernel's limits (Triton's blocks;
     # a tensor-parallel replica runs it per device), else the windows
@@ -80,6 +83,8 @@ class SimEngine(Engine):
     self.acceptance = acceptance or Acceptance()
     self.lengths: dict[Any, int] = {}
     self.rng = np.random.default_rng(seed * 1009 + worker_id)
+    self.jitter = jitter
+    self._jitter_rng = np.random.default_rng([seed, worker_id, 7])
     spec = ecfg.spec
     self.bandit, self.arms = engine_arms(spec, bandit)
     self.history = None
@@ -122,6 +127,13 @@ class SimEngine(Engine):
 
   def _seconds(self, c: cost.Cost) -> float:
     return self.hw.seconds(c)
+
+  def _noise(self) -> float:
+    """A chunk's factor on its device time: log-normal, mean 1, sigma `jitter`."""
+    if not self.jitter:
+      return 1.0
+    s = self.jitter
+    return float(np.exp(self._jitter_rng.normal(0.0, s) - s * s / 2))
 
   # the device seam (engine.py)
   def _plan(self, gate: Any = None) -> PlanCall:
@@ -257,7 +269,7 @@ class SimEngine(Engine):
         row.stopped = row.target < ecfg.max_new_tokens
         stopped[i] = row.stopped
     # the chunk's loop exits once every row is done (decode.py, speculative.py)
-    self._spend(what, ran * self._seconds(step))
+    self._spend(what, ran * self._seconds(step) * self._noise())
     if arm is None and state.spec:  # the drafter consumes the chunk's pairs (a drafter-only
       # executable per bucket, over the whole cache)
       self._compile(exe_key("track", b), self.drafter_compile)

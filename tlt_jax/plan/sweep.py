@@ -24,7 +24,7 @@ ARMS = ("2_1_3", "4_1_5", "6_1_7")  # chains whose tokens per verification the t
 
 def sweep(cfg, rates: Sequence[float], *, hardware: str = "h100", gpus: int = 0,
           lengths: Lengths, acceptance: Acceptance, steps: int = 3, compile_s: float = 0.0,
-          gate: str = "open", seed: int = 0, signal: float = 1.0,
+          gate: str = "open", seed: int = 0, signal: float = 1.0, jitter: float = 0.0,
           progress: bool = False) -> dict[str, Any]:
   """The recipe `cfg` with TLT off once and TLT on at each per-draft acceptance of `rates`
   (module docstring; each replaces `acceptance.rate`, and an `acceptance` with a flat
@@ -35,7 +35,7 @@ def sweep(cfg, rates: Sequence[float], *, hardware: str = "h100", gpus: int = 0,
   model_cfg = model_config(cfg)
   common = dict(gate=gate, hw=hw, device=device, gpus=n, workers=workers, tp=tp,
                 model_cfg=model_cfg, lengths=lengths, steps=steps, compile_s=compile_s,
-                seed=seed, signal=signal, progress=progress)
+                seed=seed, signal=signal, jitter=jitter, progress=progress)
   off, sized = simulate(cfg, False, sized=None, acceptance=acceptance, **common)
   rows = []
   for r in rates:
@@ -44,7 +44,7 @@ def sweep(cfg, rates: Sequence[float], *, hardware: str = "h100", gpus: int = 0,
     rows.append(_row(float(r), acc, on, off))
   return {"model": cfg.model.get("architecture") or cfg.model.path, "hardware": hw.name,
           "gpus": n, "workers": workers, "tp": tp, "max_batch": off.ecfg.max_batch,
-          "gate": gate, "steps": steps, "compile_s": compile_s,
+          "gate": gate, "steps": steps, "compile_s": compile_s, "jitter": jitter,
           "lengths": lengths.describe(), "history": acceptance.history,
           "named": dict(acceptance.tpv),
           "off": {"step_s": off.steps[-1].seconds, "rollout_s": off.steps[-1].phases["rollout"],

@@ -32,9 +32,10 @@ compiled ones; this gate decides which batch buckets are worth compiling arms fo
   trains meanwhile), one declined for hardware every `hardware_reprobe_every`. The drafter
   trains once a probe's ceiling shows drafts can pay here, and pauses while every bucket is
   declined for hardware (`drafter_wanted`): a machine where they cannot never trains it.
-- Probation goes where the time is (placement.py): to the closed bucket whose seconds per
-  rollout x best-case saving (1 - 1/ceiling) is largest, the ceiling measured where a probe
-  ran, else bounded by plain decoding's measured step times (probe.plain_bound: ~1 where a
+- Probation goes where the time is (placement.py): to the closed bucket whose probe could
+  earn the most, its seconds per rollout x best-case saving (1 - 1/ceiling) plus the same of
+  every smaller bucket not paying (a bucket that pays opens them), the ceiling measured where
+  a probe ran, else bounded by plain decoding's measured step times (probe.plain_bound: ~1 where a
   forward's cost grows with its tokens, as on a CPU, so nothing is probed there). The first
   probe is at the smallest bucket (nothing is measured yet); a stale probation moves. A
   bucket that pays makes every smaller one pay (a smaller batch is the more memory-bound)

@@ -1,5 +1,6 @@
 """Where the speculation gate probes (gate.py): each batch bucket's worth (what a probe there
-could earn per rollout at best), the move of probation to where the rollout's time is, and
+could earn per rollout at best: its own time's saving and, since a bucket that pays opens
+every smaller one, theirs), the move of probation to where the rollout's time is, and
 the closed buckets under a probe the prober's batch compacts through, the prober's batch
 held at the bucket on probation until its probe is judged, and a probed arm measured losing
 giving way there to plain decoding while the probe waits on the others.
@@ -27,22 +28,32 @@ def earns(s, b: int) -> float:
   return s.ledger.per_rollout(b) * (1.0 - 1.0 / best)
 
 
+def worth(s, b: int) -> float:
+  """What a probe at `b` could earn per rollout at best: a bucket that pays makes every
+  smaller one pay (gate.py), so its own `earns` and every smaller bucket's not paying yet; 0
+  where its own best case would not clear the bar (the probe would decline it)."""
+  own = earns(s, b)
+  if own <= 0.0:
+    return 0.0
+  return own + sum(earns(s, q) for q in s.buckets if q < b and s.at[q].status != PAYS)
+
+
 def next_probe(s, b: int) -> int | None:
   """Where probation goes once bucket `b` pays (and every smaller one with it): to the larger
-  bucket not paying whose probe could earn the most (`earns`: where the rollout's time is,
+  bucket not paying whose probe could earn the most (`worth`: where the rollout's time is,
   e.g. the bulk of a 70B rollout rather than the next bucket up), the next one up where none
   could earn anything; closed, or declined before (a re-probe that pays). None while a
   larger one is on probation already, or none is left."""
   above = [q for q in s.buckets if q > b and s.at[q].status != PAYS]
   if not above or any(s.at[q].status == PROBING for q in above):
     return None
-  worth = {q: earns(s, q) for q in above}
-  return max(above, key=lambda q: (worth[q], -q)) if max(worth.values()) > 0 else above[0]
+  w = {q: worth(s, q) for q in above}
+  return max(above, key=lambda q: (w[q], -q)) if max(w.values()) > 0 else above[0]
 
 
 def follow_time(s):
   """Probation goes where the time is: to the closed bucket whose probe could earn the most
-  (`earns`), once the buckets on probation are stale (their probe unfunded, no chunk there
+  (`worth`), once the buckets on probation are stale (their probe unfunded, no chunk there
   for `follow_traffic` rollouts, or none of their speculative chunks measured yet while it
   could earn twice what they could) and it could earn more than they. A stale bucket goes
   back to closed (its compiles, if any, are kept)."""
@@ -50,22 +61,22 @@ def follow_time(s):
   closed = [b for b in s.buckets if s.at[b].status == CLOSED]
   if not closed:
     return s
-  worth = {b: earns(s, b) for b in probing + closed}
-  best = max(closed, key=lambda b: (worth[b], -b))
-  if worth[best] <= max([0.0] + [worth[b] for b in probing]):
+  w = {b: worth(s, b) for b in probing + closed}
+  best = max(closed, key=lambda b: (w[b], -b))
+  if w[best] <= max([0.0] + [w[b] for b in probing]):
     return s
 
   def stale(b: int) -> bool:
     r, quiet = s.at[b], s.cfg.follow_traffic
     return (not s.probe_arms(b)
             or bool(quiet and s.rollouts - max(r.since, r.seen + 1) >= quiet)
-            or (not any(r.spec.values()) and worth[best] >= 2 * worth[b]))
+            or (not any(r.spec.values()) and w[best] >= 2 * w[b]))
   if not all(stale(b) for b in probing):
     return s
   for b in probing:
     s = s.put(b, dataclasses.replace(s.at[b], status=CLOSED, funded=frozenset()))
   return s.start_probe(best).logged({"bucket": best, "verdict": "moved", "from": probing,
-                                    "worth": round(worth[best], 4),
+                                    "worth": round(w[best], 4),
                                     "rollout": s.rollouts})
 
 
