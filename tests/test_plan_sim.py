@@ -470,6 +470,7 @@ def test_plan_command_errors_are_one_line(tmp_path):
                        (["--steps", "0"], "--steps=0"),
                        (["--signal", "1.5"], "--signal=1.5: must be in (0, 1]"),
                        (["--compile_s", "nan"], "--compile_s=nan: must be a finite number"),
+                       (["--jitter", "-0.1"], "--jitter=-0.1: must be a finite number >= 0"),
                        (["--acceptance", "0.5"], "--acceptance='0.5': default=0.5: tokens per"),
                        (["--out", str(tmp_path / "a_file" / "p")],  # before the simulation
                         f"--out='{tmp_path / 'a_file' / 'p'}': cannot be made "

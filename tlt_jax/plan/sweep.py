@@ -87,7 +87,10 @@ def text(s: dict[str, Any]) -> str:
   lines = [
       f"# {s['model']}: {s['gpus']} x {s['hardware']}, {s['workers']} rollout workers x tp "
       f"{s['tp']}, max_batch {s['max_batch']}; gate {s['gate']}, {s['steps']} steps, compiles "
-      f"{s['compile_s']:g} s each (predictions)",
+      f"{s['compile_s']:g} s each"
+      + (f", each chunk's time x log-normal noise, sigma {s['jitter']:g}" if s.get("jitter")
+         else "")
+      + " (predictions)",
       f"lengths: {s['lengths']}; history arms {s['history']:g} tokens per verification"
       + (f"; named arms {s['named']}" if s["named"] else ""),
       f"TLT off: {s['off']['step_s']:.1f} s the last step, {s['off']['rollout_s']:.1f} s of it "
