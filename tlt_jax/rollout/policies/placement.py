@@ -16,7 +16,8 @@ from tlt_jax.rollout.policies.probe import CLOSED, PAYS, PROBING, measured
 
 
 def earns(s, b: int) -> float:
-  """What probing `b` could earn per rollout at best: the seconds a rollout spends there x
+  """What speculating at `b` could save per rollout at best, its own time's (a probe's `worth`
+  adds the smaller buckets its verdict would open): the seconds a rollout spends there x
   the share its lead arm could save (1 - 1/ceiling, funding.ceiling: measured, or bounded
   by plain decoding's measured costs); 0 where that ceiling would not clear the bar."""
   lead = s.candidates(b)
