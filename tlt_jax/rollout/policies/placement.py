@@ -33,10 +33,18 @@ def worth(s, b: int) -> float:
   """What a probe at `b` could earn per rollout at best: a bucket that pays makes every
   smaller one pay (gate.py), so its own `earns` and every smaller bucket's not paying yet; 0
   where its own best case would not clear the bar (the probe would decline it)."""
-  own = earns(s, b)
-  if own <= 0.0:
-    return 0.0
-  return own + sum(earns(s, q) for q in s.buckets if q < b and s.at[q].status != PAYS)
+  return worths(s, [b])[b]
+
+
+def worths(s, buckets: Sequence[int]) -> dict[int, float]:
+  """`worth` of each of `buckets`, each bucket's `earns` computed once."""
+  top = max(buckets, default=0)
+  own = {q: earns(s, q) for q in s.buckets if q <= top and s.at[q].status != PAYS}
+  out = {}
+  for b in buckets:
+    mine = own.get(b, earns(s, b))  # (a paying bucket is not in `own`)
+    out[b] = 0.0 if mine <= 0.0 else mine + sum(v for q, v in own.items() if q < b)
+  return out
 
 
 def next_probe(s, b: int) -> int | None:
@@ -48,7 +56,7 @@ def next_probe(s, b: int) -> int | None:
   above = [q for q in s.buckets if q > b and s.at[q].status != PAYS]
   if not above or any(s.at[q].status == PROBING for q in above):
     return None
-  w = {q: worth(s, q) for q in above}
+  w = worths(s, above)
   return max(above, key=lambda q: (w[q], -q)) if max(w.values()) > 0 else above[0]
 
 
@@ -62,7 +70,7 @@ def follow_time(s):
   closed = [b for b in s.buckets if s.at[b].status == CLOSED]
   if not closed:
     return s
-  w = {b: worth(s, b) for b in probing + closed}
+  w = worths(s, probing + closed)
   best = max(closed, key=lambda b: (w[b], -b))
   if w[best] <= max([0.0] + [w[b] for b in probing]):
     return s
