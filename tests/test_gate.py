@@ -235,8 +235,9 @@ def test_probes_the_lead_whatever_the_bandit_picks_then_every_drafting_arm_in_tu
 def test_probation_goes_where_the_time_is():
   """Short responses end before the batch shrinks to bucket 1: the time is at bucket 8, and
   probation moves there alone (a speculating batch compacts only to buckets whose arms are
-  compiled: nothing is probed on the way down)."""
-  g = _gate(min_chunks=2, margin=0.05, follow_traffic=3)
+  compiled: nothing is probed on the way down). Declined there, it moves to where the time
+  went; a bucket that pays there does not re-probe 8 before 8's re-probe is due."""
+  g = _gate(min_chunks=2, margin=0.05, follow_traffic=3, hardware_reprobe_every=4)
   for r in range(5):
     g.begin_rollout(0, {b: ARMS for b in (1, 2, 4, 8)})
     # the first rollout probes the smallest (nothing measured); once 8's time is in, and
@@ -252,6 +253,12 @@ def test_probation_goes_where_the_time_is():
   g.begin_rollout(0, {b: ARMS for b in (1, 2, 4, 8)})
   assert g.state.status == {1: "closed", 2: "closed", 4: "probing", 8: "declined"}
   _feed(g, 4, "4_1_5", 150.0, 2, live=4, accept_len=3.0)  # 4 pays: so do 1 and 2
+  # 8, declined a rollout before, is probed again when its re-probe is due, not at once
+  assert g.state.status == {1: "pays", 2: "pays", 4: "pays", 8: "declined"}
+  for _ in range(2):  # (declined at the rollout before 4's probe: due 4 rollouts after)
+    g.begin_rollout(0, {b: ARMS for b in (1, 2, 4, 8)})
+  assert g.state.status[8] == "declined" and not g.state.reprobe_due(8)
+  g.begin_rollout(0, {b: ARMS for b in (1, 2, 4, 8)})
   assert g.state.status == {1: "pays", 2: "pays", 4: "pays", 8: "probing"}  # 8 re-opened
   # a chunk's time is its live rows' bucket's: a speculating batch of 3 rows left at 8
   h = _gate(min_chunks=2)
@@ -818,6 +825,42 @@ def test_a_probed_arm_measured_losing_gives_way_while_the_widened_probe_waits():
   _feed(g2, 8, None, 100.0, 2, live=8)
   _feed(g2, 8, "4_1_5", 102.0, 2, accept_len=2.0)  # under the 5% margin: widened
   assert g2.state.at[8].wide and not g2.gives_way(8, "4_1_5")
+
+
+def _paying_at_8(**kw):
+  """A gate whose probe at 8 paid with 4_1_5 at 1.2x of plain decoding (rates 120 vs 100 a
+  row: with `_feed`'s chunks an arm's speed-up is its rate over plain's), opening 1-8."""
+  g = _gate(min_chunks=4, follow_traffic=0, **kw)
+  s = g.state.put(1, dataclasses.replace(g.state.at[1], status="closed", funded=frozenset()))
+  g.state = s.start_probe(8)._fund()
+  _feed(g, 8, None, 100.0, 4, live=8)
+  _feed(g, 8, "4_1_5", 120.0, 4, live=8)
+  assert g.state.status == {1: "pays", 2: "pays", 4: "pays", 8: "pays"}
+  return g
+
+
+def test_a_batch_speculating_at_a_paying_bucket_leaves_where_plain_decoding_beats_it():
+  """`leaves(bucket, to)`: a batch speculating at 8 (paying: 4_1_5 at 1.2x with 8 rows), its
+  rows fitting `to`, leaves where every arm measured at 8 with at most `to` rows (min_chunks
+  chunks) delivers fewer tokens a row per second than plain decoding at `to` by the margin:
+  4_1_5 at 130 with 2 rows against 150 at bucket 2 (130 x 1.05 < 150), not against 110 at
+  4; not while another arm so measured would stay (3_1_4 at 145: 152 > 150); not before any
+  arm is measured with so few rows, not where plain decoding at `to` is not measured (1),
+  not to a bucket as large, not without gating."""
+  g = _paying_at_8(window=8)  # (the gate keeps 8 chunks per arm and bucket)
+  _feed(g, 4, None, 110.0, 4, live=4)
+  _feed(g, 2, None, 150.0, 4, live=2)
+  assert not g.leaves(8, 2)  # (no chunk at 8 with 2 rows or fewer yet)
+  _feed(g, 8, "4_1_5", 130.0, 4, live=2)
+  assert g.leaves(8, 2) and not g.leaves(8, 4)  # (4 rows: 130 against 110)
+  assert not g.leaves(8, 1) and not g.leaves(8, 8) and not g.leaves(4, 2)
+  _feed(g, 8, "3_1_4", 145.0, 4, live=2)
+  assert not g.leaves(8, 2)
+  _feed(g, 8, "3_1_4", 120.0, 4, live=2)  # (its 8 chunks: 131 a row)
+  assert g.leaves(8, 2)
+  forced = SpecGate(dataclasses.replace(g.state, cfg=dataclasses.replace(g.state.cfg,
+                                                                         gating=False)))
+  assert not forced.leaves(8, 2)
 
 
 def test_an_arm_is_compared_with_plain_decoding_at_the_bytes_its_steps_read():

@@ -185,6 +185,9 @@ class NotWantedGate:
   def gives_way(self, bucket, arm):
     return False
 
+  def leaves(self, bucket, to):
+    return False
+
   def repays_window(self, bucket, arm, chunks_per_rollout, share):
     return True
 
@@ -539,3 +542,56 @@ def test_background_compile_of_history_arms(tiny, plain_greedy):
   for k in plain:
     np.testing.assert_array_equal(first[k].response_ids, plain[k].response_ids)
     np.testing.assert_array_equal(second[k].response_ids, plain[k].response_ids)
+
+
+class LeavingGate(NotWantedGate):
+  """Allows speculation at `bucket` alone, with every arm there; from `live_at` rows down,
+  `leaves` says a batch speculating there decodes faster plainly at its rows' bucket (as the
+  gate's measure would: its arm barely paying at `bucket`, a step there dearer)."""
+
+  def __init__(self, engine, bucket, live_at):
+    self.engine, self.bucket, self.live_at = engine, bucket, live_at
+    self.asked = []
+
+  def drafter_wanted(self):
+    return True
+
+  def allows(self, worker_id, bucket):
+    return bucket == self.bucket
+
+  def arms(self, worker_id, bucket):
+    return list(self.engine.arms) if bucket == self.bucket else []
+
+  def leaves(self, bucket, to):
+    self.asked.append((bucket, to))
+    return bucket == self.bucket and to <= self.live_at
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
+def test_a_speculating_batch_the_gate_says_to_leave_switches_off_and_compacts(tiny, plain_greedy,
+                                                                              background):
+  """A batch speculating at 4 rows, nothing of it compiled below (the gate allows only 4):
+  once 2 rows are left and the gate says plain decoding at 2 beats speculating on at 4
+  (`leaves`), it switches off once and compacts, decoding plainly below 4; told to stay
+  (`live_at` 0), it speculates at 4 to the end. Greedy outputs are plain decoding's."""
+  w, reqs, sp, plain, selector, switch_offs = _four_rows_2_1_3(tiny, plain_greedy, background)
+  for _ in range(4 if background else 0):  # (the arm and switch-off compiled: a warm worker)
+    w.generate(reqs, sp, policies=PolicyCells(selector, LeavingGate(w, 4, 0)))
+    w.compiles.wait()
+    if 4 in switch_offs() and w.compiles.compiled_arms(sp, 4, ["2_1_3"]):
+      break
+  for live_at in (0, 2):
+    w.chunk_log.clear()
+    gate = LeavingGate(w, 4, live_at)
+    spec = _by_key(w.generate(reqs, sp, policies=PolicyCells(selector, gate)))
+    for key, r in plain.items():
+      np.testing.assert_array_equal(spec[key].response_ids, r.response_ids)
+    log = [(m.bucket, m.mode, m.live) for m in w.chunk_log]
+    assert (4, 2) in gate.asked, log  # (asked once 2 rows were left: nothing compiled at 2)
+    if not live_at:
+      assert all((b, mode) == (4, "2_1_3") for b, mode, _ in log), log
+      continue
+    off = next(i for i, (b, mode, _) in enumerate(log) if mode == "plain")
+    assert all((b, mode) == (4, "2_1_3") for b, mode, _ in log[:off]), log
+    assert all(b < 4 and mode == "plain" and n <= 2 for b, mode, n in log[off:]), log
+  assert switch_offs().count(4) == 1

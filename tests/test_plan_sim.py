@@ -855,6 +855,46 @@ def test_the_prober_holds_its_batch_only_for_a_probe_queued_there():
   assert rule(tracked=False, wants=False) is None  # (an untracked call cannot speculate)
 
 
+def test_a_speculating_batch_leaves_only_where_it_cannot_compact_speculating():
+  """Readiness.leaves: a batch speculating at 4 whose rows fit bucket 1 switches off to
+  compact when the gate says plain decoding there beats it (`gate.leaves`) and nothing lets
+  it compact speculating (an arm compiled at 1 or 2, `compacts_to`, or queued there,
+  `coming`), not while a probe holds it, not where its rows need its own bucket, not without
+  a gate; once switched off, its tracked batch waiting on an arm queued at 4 compacts freely
+  (`compaction`: any)."""
+  import types
+  plan, bandit = _compile_plan()
+  sp = SamplingParams(temperature=1.0)
+  asked = []
+
+  class Gate:  # every bucket open, with the bandit's arms there
+    holding = False
+    holds = lambda self, worker_id, b, ready=None: self.holding  # noqa: E731
+    gives_way = staticmethod(lambda b, arm: False)
+    allows = staticmethod(lambda worker_id, b: True)
+    arms = staticmethod(lambda worker_id, b: [Strategy("3_1_4"), Strategy("2_1_3")])
+    leaves = lambda self, b, to: asked.append((b, to)) or True  # noqa: E731
+
+  gate = Gate()
+  call = types.SimpleNamespace(worker_id=0, bandit=bandit, gate=gate)
+  assert plan.leaves(call, sp, 4, 1) and asked == [(4, 1)]
+  assert not plan.leaves(call, sp, 4, 3) and not plan.leaves(call, sp, 2, 2)  # (their own)
+  gate.holding = True
+  assert not plan.leaves(call, sp, 4, 1)
+  gate.holding = False
+  plan._submitted[sp] = {(4, Strategy("3_1_4"))}
+  assert plan.leaves(call, sp, 4, 1)
+  rule = plan.compaction(call, sp, 4, started=False, tracked=True, wants=True, live=1)
+  assert rule is None  # (switched off: any bucket)
+  kept = plan.compaction(call, sp, 4, started=False, tracked=True, wants=True, live=3)
+  assert kept is not None and not kept(1)  # (rows at their own bucket: waits on 4's arm)
+  plan._submitted[sp].add((2, Strategy("2_1_3")))
+  assert not plan.leaves(call, sp, 4, 1)  # an arm queued at 2: it waits for that one
+  plan._ready[sp] = {(2, Strategy("2_1_3"))}
+  assert not plan.leaves(call, sp, 4, 1)  # it compacts to 2 speculating instead
+  assert not plan.leaves(types.SimpleNamespace(worker_id=0, bandit=bandit, gate=None), sp, 4, 1)
+
+
 def test_the_window_rule_prices_the_bytes_a_narrower_window_saves_per_rollout():
   """A decode step reads the weights and, per row, its window's KV slots of the target's
   layers and the drafter's one (K and V). _window_pays asks the gate with the chunks that

@@ -84,6 +84,8 @@ class SpecGate:
     probe_arm(bucket, default)        the arm a chunk runs (the probed one on probation)
     gives_way(bucket, arm)            whether a chunk decodes plainly instead (a probed arm
                                       measured losing while the others compile)
+    leaves(bucket, to)                whether a speculating batch whose rows fit `to` (where
+                                      nothing of it is compiled) switches off to compact
     record(bucket, arm, ...)          one measured chunk (arm None: plain); may decide
     compiled(kind, bucket, arm, s)    an executable's compile seconds (payoff.py's kinds)
     repays_window(bucket, arm, n, f)  whether a narrower attention window is worth compiling
@@ -106,7 +108,8 @@ class SpecGate:
     that declines, probation that moves on). Not an open gate, and not a bucket that pays
     with funded arms: a verdict of paying is final and a funded arm stays funded
     (funding.py), so the gate never closes it (a batch there whose arms read too wide a
-    window still switches off, once switch-off is compiled: engine.py)."""
+    window, or whose rows are better off decoding plainly at a smaller bucket, `leaves`,
+    still switches off, once switch-off is compiled: engine.py)."""
     s = self.state
     if not s.cfg.gating:
       return False
@@ -160,6 +163,9 @@ class SpecGate:
 
   def gives_way(self, bucket: int, arm: Strategy | None) -> bool:
     return placement.gives_way(self.state, bucket, arm)
+
+  def leaves(self, bucket: int, to: int) -> bool:
+    return placement.leaves(self.state, bucket, to)
 
   def repays_window(self, bucket: int, arm: Strategy, chunks_per_rollout: float,
                     share: float) -> bool:

@@ -39,9 +39,10 @@ compiled ones; this gate decides which batch buckets are worth compiling arms fo
   forward's cost grows with its tokens, as on a CPU, so nothing is probed there). The first
   probe is at the smallest bucket (nothing is measured yet); a stale probation moves. A
   bucket that pays makes every smaller one pay (a smaller batch is the more memory-bound)
-  and the larger one worth the most is probed (`next_probe`); one declined declines every
-  larger one. A speculating
-  batch compacts only to buckets whose arms are funded and compiled (compile_plan.py).
+  and the larger one worth the most is probed (`next_probe`; a declined one only once its
+  re-probe is due); one declined declines every larger one. A speculating batch compacts
+  only to buckets whose arms are funded and compiled (compile_plan.py), or switches off to
+  compact where plain decoding at its rows' bucket beats it (`placement.leaves`).
 
 - Hardware verdicts outlive the run (`VerdictCache`, on disk beside the persistent
   compilation cache, keyed by the machine and the shapes they depend on): a later run starts
@@ -337,12 +338,16 @@ class GateState:
     declined = [b for b in self.buckets if self.at[b].status == DECLINED]
     if not declined:
       return self
-    r = self.at[declined[0]]  # the smallest: larger ones follow if it pays
+    # the smallest: larger ones follow if it pays
+    return self.start_probe(declined[0]) if self.reprobe_due(declined[0]) else self
+
+  def reprobe_due(self, b: int) -> bool:
+    """Whether declined bucket `b` is due a re-probe (`reprobe_every` rollouts after its
+    decline for acceptance, `hardware_reprobe_every` for hardware; 0: never)."""
+    r = self.at[b]
     every = (self.cfg.hardware_reprobe_every if r.reason == HARDWARE
              else self.cfg.reprobe_every)
-    if every and self.rollouts - (r.declined_at or 0) >= every:
-      return self.start_probe(declined[0])
-    return self
+    return bool(every) and self.rollouts - (r.declined_at or 0) >= every
 
   def _decide(self, b: int) -> GateState:
     n, r = self.cfg.min_chunks, self.at[b]

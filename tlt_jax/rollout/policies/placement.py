@@ -2,8 +2,9 @@
 could earn per rollout at best: its own time's saving and, since a bucket that pays opens
 every smaller one, theirs), the move of probation to where the rollout's time is, and
 the closed buckets under a probe the prober's batch compacts through, the prober's batch
-held at the bucket on probation until its probe is judged, and a probed arm measured losing
-giving way there to plain decoding while the probe waits on the others.
+held at the bucket on probation until its probe is judged, a probed arm measured losing
+giving way there to plain decoding while the probe waits on the others, and a speculating
+batch leaving for plain decoding where that beats it at its rows' bucket.
 Functions of a `GateState`, like funding.py's."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import dataclasses
 from typing import Sequence
 
 from tlt_jax.rollout.policies import funding
-from tlt_jax.rollout.policies.probe import CLOSED, PAYS, PROBING, measured
+from tlt_jax.rollout.policies.probe import CLOSED, DECLINED, PAYS, PROBING, measured, rate
 
 
 def earns(s, b: int) -> float:
@@ -51,9 +52,12 @@ def next_probe(s, b: int) -> int | None:
   """Where probation goes once bucket `b` pays (and every smaller one with it): to the larger
   bucket not paying whose probe could earn the most (`worth`: where the rollout's time is,
   e.g. the bulk of a 70B rollout rather than the next bucket up), the next one up where none
-  could earn anything; closed, or declined before (a re-probe that pays). None while a
-  larger one is on probation already, or none is left."""
-  above = [q for q in s.buckets if q > b and s.at[q].status != PAYS]
+  could earn anything; closed, or declined and due a re-probe (`reprobe_due`: a smaller
+  bucket paying since does not make a decline two rollouts old worth probing again; the 32B
+  recipe at a per-draft 0.1 declined 128 and 64, paid at 32, and probed 128 again at once).
+  None while a larger one is on probation already, or none is left."""
+  above = [q for q in s.buckets if q > b and (s.at[q].status in (CLOSED, PROBING) or (
+      s.at[q].status == DECLINED and s.reprobe_due(q)))]
   if not above or any(s.at[q].status == PROBING for q in above):
     return None
   w = worths(s, above)
@@ -120,6 +124,29 @@ def gives_way(s, bucket: int, arm) -> bool:
     return False
   got = measured(r).get(arm)
   return got is not None and got[0] < 1.0
+
+
+def leaves(s, bucket: int, to: int) -> bool:
+  """Whether a batch speculating at `bucket` whose rows now fit the smaller bucket `to`, where
+  it cannot speculate without a compile (nothing of it compiled there yet), decodes faster
+  switching speculation off and compacting to `to`: every arm measured at `bucket` with as
+  few rows (`min_chunks` chunks of at most `to` live rows, at their rows' window; those not
+  giving way there) delivers fewer tokens per row per second (`probe.rate`) than plain
+  decoding's chunks at `to`, by `margin`. A speculative step at `bucket` costs more than
+  its live rows' share (it verifies every row's drafts, empty or not), so an arm that pays
+  at `bucket` full may lose to plain decoding at `to` with a few rows left: the 32B recipe
+  at a per-draft 0.1, the prober's batch held at 32 rows by `2_1_3` (1.07x there) while its
+  probe waited on another arm's compile, decoded 3-17 rows at 32 for 137 s, its rollout
+  217 s against TLT off's 186 s. Compared at the live rows, not by the buckets' plain step
+  times (under paged attention an empty row reads nothing). Not measured so: False (it
+  stays). Without gating: never."""
+  r, q = s.at.get(bucket), s.at.get(to)
+  if not s.cfg.gating or r is None or q is None or to >= bucket or not q.plain:
+    return False
+  few = [c for a, chunks in r.spec.items() if not gives_way(s, bucket, a)
+         if len(c := tuple(x for x in chunks if not x.wide and 0 < x.live <= to))
+         >= s.cfg.min_chunks]
+  return bool(few) and max(map(rate, few)) * (1.0 + s.cfg.margin) < rate(q.plain)
 
 
 def holds(s, worker_id: int, bucket: int, ready: Sequence | None = None) -> bool:
