@@ -143,10 +143,10 @@ def leaves(s, bucket: int, to: int) -> bool:
   r, q = s.at.get(bucket), s.at.get(to)
   if not s.cfg.gating or r is None or q is None or to >= bucket or not q.plain:
     return False
-  few = [c for a, chunks in r.spec.items() if not gives_way(s, bucket, a)
-         if len(c := tuple(x for x in chunks if not x.wide and 0 < x.live <= to))
-         >= s.cfg.min_chunks]
-  return bool(few) and max(map(rate, few)) * (1.0 + s.cfg.margin) < rate(q.plain)
+  few = {a: tuple(c for c in chunks if not c.wide and 0 < c.live <= to)
+         for a, chunks in r.spec.items() if not gives_way(s, bucket, a)}
+  rates = [rate(c) for c in few.values() if len(c) >= s.cfg.min_chunks]
+  return bool(rates) and max(rates) * (1.0 + s.cfg.margin) < rate(q.plain)
 
 
 def holds(s, worker_id: int, bucket: int, ready: Sequence | None = None) -> bool:
