@@ -54,8 +54,13 @@ def get_config():
   # the learner's attention over packed rows: "auto" (a fused flash-attention kernel on a GPU
   # in bf16/fp16, XLA's reference elsewhere; the run logs which and why), "fused", "xla"
   c.model.attention = "auto"
+  # a mixture of experts' grouped experts (prefill, the learner; models/moe.py): "auto" (a
+  # Pallas grouped-matmul kernel on a GPU, after its start-up check; XLA's ragged_dot
+  # elsewhere), "kernel", "xla"
+  c.model.experts = "auto"
   # a shipped architecture (tlt_jax/assets/architectures/) for scripts/plan_memory.py when
-  # model.path is not on this machine: "qwen2.5-7b", "qwen3-8b", "qwen2.5-32b", "llama-3.3-70b"
+  # model.path is not on this machine: "qwen2.5-7b", "qwen3-8b", "qwen2.5-32b", "llama-3.3-70b",
+  # "qwen3-30b-a3b"
   c.model.architecture = ""
   # LoRA (tlt_jax/models/lora.py): rank > 0 trains low-rank adapters of the targets
   # ("all-linear", or some of q,k,v,o,gate,up,down / q_proj..down_proj) over the frozen

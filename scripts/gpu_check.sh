@@ -30,6 +30,10 @@
 #                 same with LoRA adapters (rank 64, and its weight sync's time and memory) and
 #                 XLA's attention: seconds, parity, the simulator's prediction; the packed
 #                 attention alone, ours vs JAX's mha vs XLA's (scripts/gpu_learner.py)
+#   experts       a mixture of experts' MLP (one layer of Qwen3-30B-A3B's): the grouped-matmul
+#                 kernel's start-up check, a learner micro-batch's forward + backward through it
+#                 and through ragged_dot, a rollout step's experts against the copy bandwidth
+#                 (scripts/gpu_experts.py)
 #   kernel_bench  the verification kernels (Mosaic GPU, Triton) vs the XLA reference
 #                 (scripts/bench_verify.py)
 #   cost_model    the cost model fitted on the bench target, its predictions of the plain and
@@ -51,7 +55,7 @@ PLAN=0  # --plan: each stage's command, one line each (name, limit, command), an
 OUT=out/gpu_check
 ONLY=""  # --only: a comma-separated subset of the stages
 SCALE=1  # --scale: every limit (and the time budgets inside the stages) times this
-STAGES="env decode bench_model rl_steps bench_regime learner kernel_bench cost_model kernels speculative"
+STAGES="env decode bench_model rl_steps bench_regime learner experts kernel_bench cost_model kernels speculative"
 while [ $# -gt 0 ]; do
   case "$1" in
     --smoke) SMOKE=1 ;;
@@ -103,9 +107,10 @@ if [ $SMOKE = 1 ]; then
     --config.reward.num_workers=1"
   LEARNER_ARGS="--dtype float32 --max_len 64 --tokens 256 --samples 12 --steps 1
     --attention 1,128,4,2,16"
+  EXPERTS_ARGS="--dims 64,32,8,2 --dtype float32 --tokens 64 --decode 1,16 --iters 2"
   # env decode bench_model rl_steps bench_regime kernel_bench cost_model kernels speculative
-  # learner
-  LIMIT=(30 240 120 300 300 120 240 240 240 240)
+  # learner experts
+  LIMIT=(30 240 120 300 300 120 240 240 240 240 120)
   # the lowerings only: the suite runs the whole of tests/test_verify_kernel.py itself
   KERNEL_TESTS="-k lower_to"
   KBENCH_ARGS="--batches 1 --ks 4 --vocab 256 --iters 2"
@@ -137,14 +142,19 @@ else
   # and xla variants each only if started within 40 s of the start (a second call's
   # --scale 2 leaves them 100 s)
   LEARNER_ARGS="--dtype bfloat16 --max_len 512 --tokens 8192 --samples 96 --steps 2"
+  # Qwen3-30B-A3B's experts: a micro-batch of 2048 tokens (16k pairs; ragged_dot's padded
+  # operand [128, 16k, 2048] in bf16: 8.6 GB), decode steps of 1, 8 and 64 tokens
+  EXPERTS_ARGS="--dtype bfloat16 --tokens 2048 --decode 1,8,64 --iters 5"
   # env decode bench_model rl_steps bench_regime kernel_bench cost_model kernels speculative
-  # learner
+  # learner experts
   # set from a fresh H200's cold run (2026-12-04: env 4 s, decode's cells ~10 s each after a
   # process's ~15 s, bench_model 39 s, the main job 95 s for 2 steps TLT on, bench_regime 64 s,
   # learner 56 s for the attention and the fused step, kernel_bench ~5 s a case, cost_model
   # ~45 s a batch size, kernels ~3 s a test, speculative > 20 s)
   # (env: +3 s for one failed allocation, device_memory.check_device)
-  LIMIT=(8 87 50 150 75 20 45 20 25 60)  # 540 s: 9 minutes
+  # (experts, not yet run on a GPU: its check's 4 compiles, the kernel's and ragged_dot's
+  # steps, 3 decode cells: ~25 s; from decode's least valuable cells and kernel_bench's third)
+  LIMIT=(8 67 50 150 75 15 45 20 25 60 25)  # 540 s: 9 minutes
   # (~3 s a test on a fresh H200: the lowerings and one chain parity per backend)
   KERNEL_TESTS="-k lower_to or (matches_reference and 1-7-None)"
   KBENCH_ARGS="--batches 64 --ks 4 --iters 20"  # (1 and 8: the reference wins, twice measured)
@@ -152,8 +162,10 @@ else
 fi
 for i in "${!LIMIT[@]}"; do LIMIT[i]=$(( LIMIT[i] * SCALE )); done
 DECODE_ARGS="$DECODE_ARGS --budget_s $(( LIMIT[1] - DECODE_SPARE ))"
-# the learner's LoRA and xla variants only if started 20 s before the stage's limit
+# the learner's LoRA and xla variants only if started 20 s before the stage's limit; the
+# experts' cells 8 s before theirs
 [ $SMOKE = 1 ] || LEARNER_ARGS="$LEARNER_ARGS --budget_s $(( LIMIT[9] - 20 ))"
+[ $SMOKE = 1 ] || EXPERTS_ARGS="$EXPERTS_ARGS --budget_s $(( LIMIT[10] - 8 ))"
 if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
@@ -249,6 +261,8 @@ stage bench_regime "${LIMIT[4]}" md "$PY" scripts/bench_regime.py --bench "$BENC
 # shellcheck disable=SC2086
 stage learner "${LIMIT[9]}" md "$PY" scripts/gpu_learner.py --target "$BENCH" \
   --out "$OUT/learner" $LEARNER_ARGS
+# shellcheck disable=SC2086
+stage experts "${LIMIT[10]}" md "$PY" scripts/gpu_experts.py --out "$OUT/experts" $EXPERTS_ARGS
 # shellcheck disable=SC2086
 stage kernel_bench "${LIMIT[5]}" md "$PY" scripts/bench_verify.py $KBENCH_ARGS
 # shellcheck disable=SC2086

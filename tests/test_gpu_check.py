@@ -24,7 +24,7 @@ def test_gpu_check_smoke_writes_a_complete_report(tmp_path):
   report = (tmp_path / "report.md").read_text()
   stages = re.findall(r"^## (\w+)$", report, re.M)
   assert stages == ["env", "decode", "bench_model", "rl_steps", "bench_regime", "learner",
-                    "kernel_bench", "cost_model", "kernels", "speculative"], report
+                    "experts", "kernel_bench", "cost_model", "kernels", "speculative"], report
   assert re.findall(r"^exit (\d+) after", report, re.M) == ["0"] * len(stages), report
   # the headline table opens the report, every figure filled in but the learner's
   head = report.split("## env")[0]
@@ -90,6 +90,13 @@ def test_gpu_check_smoke_writes_a_complete_report(tmp_path):
   assert 0 < attention["visited_blocks"] <= attention["causal_blocks"], attention
   assert re.search(r"\| packed attention fwd\+bwd \(1 x 128 tokens, 4/2 heads of 16\) \| "
                    r"flash [\d.]+ ms, mha [\d.]+ ms, xla [\d.]+ ms, flash [\d.]+x of mha's", head)
+  # the experts stage: the kernel's check, a micro-batch through it and ragged_dot (their
+  # weight gradients' sums agree: the same function), decode steps by the engine's ways
+  experts = json.load(open(tmp_path / "experts" / "experts.json"))["cells"]
+  assert [c["cell"] for c in experts] == ["check", "learner kernel", "learner xla", "decode 1",
+                                          "decode 16"], experts
+  assert all(c["ms"] > 0 for c in experts[1:]), experts
+  assert [c["way"] for c in experts[3:]] == ["gathered", "dense"], experts
   # the regime stage (scripts/bench_regime.py on the smoke target): every table printed, greedy
   # speculative outputs equal plain decoding's, the summary's time split adds up
   regime = (tmp_path / "bench_regime.log").read_text()
@@ -120,8 +127,8 @@ def test_the_gpu_settings_parse(tmp_path):
                         capture_output=True, text=True, timeout=60).stdout
   rows = [line.split("\t") for line in plan.splitlines()]
   assert [r[0] for r in rows] == ["env", "decode", "bench_model", "rl_steps:train", "rl_steps",
-                                  "bench_regime", "learner", "kernel_bench", "cost_model",
-                                  "kernels", "speculative"], plan
+                                  "bench_regime", "learner", "experts", "kernel_bench",
+                                  "cost_model", "kernels", "speculative"], plan
   limits = {name: int(limit) for name, limit, _ in rows if name != "rl_steps:train"}
   assert sum(limits.values()) <= 540, limits  # 9 minutes in all
   assert not list(tmp_path.glob("*.log")) and not (tmp_path / "report.md").exists()  # none ran

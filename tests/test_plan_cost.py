@@ -24,6 +24,12 @@ CFGS = {
     "llama_bias": ModelConfig(arch="llama", vocab_size=384, hidden_size=96,
                               intermediate_size=256, num_layers=2, num_heads=6, num_kv_heads=3,
                               qkv_bias=True, o_bias=True),
+    # a mixture of experts (models/moe.py): 16 experts, 2 a token; its decode steps gather the
+    # experts a token uses, its wider forwards group the tokens per expert (ragged_dot)
+    "qwen3_moe": ModelConfig(arch="qwen3_moe", vocab_size=512, hidden_size=128,
+                             intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
+                             qk_norm=True, num_experts=16, experts_per_token=2,
+                             moe_intermediate_size=64),
 }
 
 
@@ -42,7 +48,8 @@ def test_weights_read_are_the_layouts_per_device_params(name, tp):
 
 
 @pytest.mark.parametrize("name", list(CFGS))
-@pytest.mark.parametrize("batch,tokens,kv_len", [(1, 1, 256), (4, 5, 128), (8, 1, 512)])
+@pytest.mark.parametrize("batch,tokens,kv_len",
+                         [(1, 1, 256), (4, 5, 128), (8, 1, 512), (16, 9, 64)])
 def test_flops_are_xlas(name, batch, tokens, kv_len):
   """The FLOPs of a decode/verification forward with a cache against XLA's cost analysis of
   the project's forward (which also counts elementwise work, norms, softmax, RoPE: within
@@ -58,6 +65,15 @@ def test_flops_are_xlas(name, batch, tokens, kv_len):
   analysis = analysis[0] if isinstance(analysis, list) else analysis
   xla = float(analysis["flops"])
   ours = cost.forward(cfg, batch, tokens, kv_len).flops
+  if cfg.moe:
+    from tlt_jax.models import moe
+    r, e, k = batch * tokens, cfg.num_experts, cfg.experts_per_token
+    pair = 2.0 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * cfg.num_layers
+    way = moe.path(r, cfg)
+    # (the cost model counts every expert on every token where a step of up to DENSE_TOKENS
+    # does so); ragged_dot, which XLA:CPU lowers densely (each pair masked into every
+    # expert's product: E x the pairs' FLOPs), it counts as the grouped matmul it stands for
+    ours += {moe._gathered: 0, moe._dense: 0, moe._grouped: r * k * (e - 1) * pair}[way]
   assert ours == pytest.approx(xla, rel=0.15), (ours, xla)
 
 

@@ -687,19 +687,25 @@ def test_evaluation_keeps_its_own_bandit_and_leaves_the_training_policies(tmp_pa
   # the second from where the first left its bandit
 
 
-def _tiny_qwen3(path) -> None:
+def _tiny_qwen3(path, arch="qwen3") -> None:
   """A random Qwen3 checkpoint made with transformers (q/k norms, head_dim 32 != 64 / 4, tied
-  head) with the default task's tokenizer and generation config: the default run's
-  vocabulary, so configs/default.py trains it as is."""
+  head; "qwen3_moe": 4 experts of width 48, 2 a token, in every layer) with the default
+  task's tokenizer and generation config: the default run's vocabulary, so configs/default.py
+  trains it as is."""
   import shutil
 
   import torch
   import transformers
   src = config_lib.asset_path("default", "model")
-  config = transformers.Qwen3Config(
+  kw = dict(
       vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
       num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1e6,
       tie_word_embeddings=True, max_position_embeddings=512, eos_token_id=1, pad_token_id=0)
+  if arch == "qwen3_moe":
+    config = transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=48, norm_topk_prob=True, **kw)
+  else:
+    config = transformers.Qwen3Config(**kw)
   torch.manual_seed(0)
   model = transformers.AutoModelForCausalLM.from_config(config)
   with torch.no_grad():  # every tensor away from its init, norms included
@@ -710,11 +716,13 @@ def _tiny_qwen3(path) -> None:
     shutil.copy(os.path.join(src, f), os.path.join(path, f))
 
 
-def test_qwen3_trains_with_chain_and_tree_speculation(tmp_path):
-  """A tiny Qwen3 made with transformers trains under configs/default.py with TLT on, its
-  rollout speculating with a chain and a tree arm (a fresh drafter, trained after the
-  update); the run's policy with its drafter then decodes greedily, speculating with each
-  arm, exactly what transformers' greedy generate gives for the same weights."""
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_qwen3_trains_with_chain_and_tree_speculation(tmp_path, arch):
+  """A tiny Qwen3 (dense, and a mixture of experts) made with transformers trains under
+  configs/default.py with TLT on, its rollout speculating with a chain and a tree arm (a
+  fresh drafter, trained after the update: a dense layer over the experts' model too); the
+  run's policy with its drafter then decodes greedily, speculating with each arm, exactly
+  what transformers' greedy generate gives for the same weights."""
   import jax
   import torch
   import transformers
@@ -725,7 +733,7 @@ def test_qwen3_trains_with_chain_and_tree_speculation(tmp_path):
   from tlt_jax.rollout.records import Request
   from tlt_jax.rollout.sampling import SamplingParams
   model_dir = str(tmp_path / "qwen3")
-  _tiny_qwen3(model_dir)
+  _tiny_qwen3(model_dir, arch)
   cfg = _small_cfg(tmp_path / "run", 1, **{
       "model.path": model_dir, "tlt.drafter.init": "init:0", "grpo.num_prompts": 2,
       "rollout.max_new_tokens": 64, "tlt.spec.patience": 1,
@@ -735,7 +743,8 @@ def test_qwen3_trains_with_chain_and_tree_speculation(tmp_path):
       "tlt.spec.buckets": "1:4_1_5 2:2_2_5"})
   run, state = _run(cfg)
   recs = _records(tmp_path / "run")
-  assert run.model_cfg.arch == "qwen3" and run.model_cfg.qk_norm
+  assert run.model_cfg.arch == arch and run.model_cfg.qk_norm
+  assert run.model_cfg.moe == (arch == "qwen3_moe")
   arms = {c.mode for e in run.coordinator.engines for c in e.chunk_log}
   assert {"4_1_5", "2_2_5"} <= arms, arms
   assert recs[-1]["drafter"]["steps"] >= 1  # the Qwen3 drafter layer trained
@@ -836,7 +845,7 @@ def test_tlt_run_on_two_workers_trains_the_drafter_in_idle_windows(tmp_path, mon
 
 
 @pytest.mark.parametrize("name", ["qwen2_5_7b_math.py", "qwen3_8b_math.py", "qwen2_5_32b_math.py",
-                                  "verl_math.py", "dapo_qwen2_5_32b.py"])
+                                  "qwen3_30b_a3b_math.py", "verl_math.py", "dapo_qwen2_5_32b.py"])
 def test_real_work_configs_need_paths_and_say_so(name):
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", name))
   spec = config_lib.run_spec(cfg)  # shapes and values are consistent as shipped

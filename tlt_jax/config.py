@@ -35,7 +35,7 @@ from tlt_jax.errors import (ConfigError, build, check, check_finite, config_file
                             section_values)
 from tlt_jax.data.prompts import train_weights
 from tlt_jax.memory import device_bytes
-from tlt_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
+from tlt_jax.models.config import ATTENTION_IMPLS, EXPERTS_IMPLS, REMAT_POLICIES
 from tlt_jax.models.lora import LoraConfig
 from tlt_jax.models.lora import from_settings as lora_settings
 from tlt_jax.rl.batching import ROW_LAYOUTS
@@ -254,6 +254,9 @@ def run_spec(cfg: ml_collections.ConfigDict) -> RunSpec:
         "outputs, recompute the rest)")
   check(m.get("attention", "auto") in ATTENTION_IMPLS, "model.attention", m.get("attention"),
         f"use one of {ATTENTION_IMPLS} (auto: a fused kernel where the backend has one)")
+  check(m.get("experts", "auto") in EXPERTS_IMPLS, "model.experts", m.get("experts"),
+        f"use one of {EXPERTS_IMPLS} (auto: the grouped-matmul kernel on a GPU, after its "
+        "start-up check)")
   check(isinstance(cfg.cpu_devices, int) and cfg.cpu_devices >= 0, "cpu_devices",
         cfg.cpu_devices, "a number of CPU devices to expose, or 0 for JAX's default")
   sizes = [cfg.mesh[a] for a in AXES]

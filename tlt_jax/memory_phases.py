@@ -61,6 +61,16 @@ def learner_axes(cfg, num_devices: int) -> dict[str, int]:
   return mesh_sizes({a: int(cfg.mesh[a]) for a in AXES}, n)
 
 
+def mlp_width(m) -> int:
+  """A token's MLP activations in elements of the hidden width's kind (what the estimates
+  below take as F): a dense MLP's F; a mixture of experts' k copies of the token and its k
+  experts' (models/moe.py: the (token, expert) pairs). Qwen3-30B-A3B: 8 x (768 + 2048),
+  where its dense intermediate_size is 6144 = 8 x 768."""
+  if not m.moe:
+    return m.intermediate_size
+  return m.experts_per_token * (m.moe_intermediate_size + m.hidden_size)
+
+
 def verify_width(spec) -> int:
   """Tokens per verification forward: the widest arm the bandit can choose."""
   from tlt_jax.rollout.policies.mab import default_mab_buckets
@@ -136,7 +146,7 @@ def rollout(z: Sizes) -> list[Item]:
   the longest row's window: paged attention reads the pages in place)."""
   m, cfg, cbytes, mb, pages = z.m, z.cfg, z.cbytes, z.mb, z.pages
   L, D, N, K, H, F, V = (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim_,
-                         m.intermediate_size, m.vocab_size)
+                         mlp_width(m), m.vocab_size)
   release = bool(cfg.memory.get("release_rollout_weights", False))
   items = [Item("rollout weights", sharded_bytes(z.shapes, z.rmesh, cbytes),
                 ("rollout", "spot", "sync") if release else PHASES,
@@ -155,6 +165,13 @@ def rollout(z: Sizes) -> list[Item]:
   if not (z.gpu and cbytes == 2):  # materialised scores and probabilities (float32)
     prefill += 2 * u * n_dev * P * P * 4
   decode = mb * w * z.split(V) * 4 * 2 + mb * w * (4 * D + 3 * f_dev) * 4
+  if m.moe:  # models/moe.py's way for a step of mb x w tokens
+    from tlt_jax.models import moe
+    way, r, fe = moe.path(mb * w, m), mb * w, z.split(m.moe_intermediate_size)
+    if way is moe._gathered:  # each (token, expert) pair's expert weights gathered
+      decode += r * m.experts_per_token * 3 * D * fe * cbytes
+    elif way is moe._dense:  # every expert's gate, up and product for every token
+      decode += 3 * r * m.num_experts * fe * cbytes
   if not z.paged:  # the windows: scores over S slots and one layer's k/v window gathered
     decode += 2 * mb * n_dev * w * S * 4 + 2 * mb * S * z.split(K) * H * cbytes
   items.append(Item("rollout activations", max(prefill, decode), ("rollout",),
@@ -224,7 +241,7 @@ def learner_activations(z: Sizes) -> list[Item]:
   """The log-prob pass's and the update's activations: the largest micro-batch (padded to
   max_len), per device."""
   m, cfg, g, axes, cbytes = z.m, z.cfg, z.cfg.grpo, z.axes, z.cbytes
-  L, D, N, F, V = m.num_layers, m.hidden_size, m.num_heads, m.intermediate_size, m.vocab_size
+  L, D, N, F, V = m.num_layers, m.hidden_size, m.num_heads, mlp_width(m), m.vocab_size
   n_batch = axes["data"] * axes["fsdp"]
   max_len = int(cfg.data.max_prompt_len) + int(cfg.rollout.max_new_tokens)
   T = -(-max_len // g.pad_multiple) * g.pad_multiple

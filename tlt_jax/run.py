@@ -204,6 +204,10 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
   print(f"learner: packed micro-batches (grpo.micro_batch_tokens="
         f"{cfg.grpo.micro_batch_tokens}, {rows}: grpo.row_layout={cfg.grpo.row_layout}), "
         f"attention: {why}", file=sys.stderr)
+  if model_cfg.moe:  # (its prefill and its micro-batches group their tokens by expert)
+    from tlt_jax.models.moe import grouped_impl
+    print(f"learner: {model_cfg.num_experts} experts, {model_cfg.experts_per_token} a token: "
+          f"{grouped_impl(model_cfg)[1]}", file=sys.stderr)
   adapters = start = None
   if lspec.lora is not None and cfg.model.lora.get("init", ""):  # a PEFT adapter to go on from
     start = os.path.expanduser(cfg.model.lora.init)
@@ -215,7 +219,8 @@ def build(spec: config_lib.RunSpec) -> tuple[Run, TrainState]:
   del params, adapters
   if lspec.lora is not None:
     lo = lspec.lora
-    print(f"learner: LoRA rank {lo.rank} (alpha {lo.alpha:g}) on {', '.join(lo.targets)}: "
+    adapted = [t for t in lo.targets if t in lora.adapter_shapes(model_cfg, lo)["layers"]]
+    print(f"learner: LoRA rank {lo.rank} (alpha {lo.alpha:g}) on {', '.join(adapted)}: "
           f"{lora.num_adapter_params(model_cfg, lo) / 1e6:.2f}M trained parameters, the "
           f"{num_params(model_cfg) / 1e6:.1f}M of the base frozen"
           + (f"; the adapters from {start}" if start else ""), file=sys.stderr)

@@ -178,7 +178,8 @@ def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:
   kw = dict(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
             remat=bool(cfg.model.get("remat", False)),
             remat_policy=str(cfg.model.get("remat_policy", "full")),
-            attention=str(cfg.model.get("attention", "auto")))
+            attention=str(cfg.model.get("attention", "auto")),
+            experts=str(cfg.model.get("experts", "auto")))
   if os.path.basename(path) != "config.json":  # a shipped architecture
     with open(path) as f:
       return ModelConfig.from_hf_dict(json.load(f), source=path, **kw)
@@ -205,7 +206,8 @@ def load_model(cfg: ml_collections.ConfigDict, mesh=None, rows: Sequence[Any] = 
   model_cfg = dataclasses.replace(model_cfg, param_dtype=cfg.model.param_dtype,
                                   remat=bool(cfg.model.get("remat", False)),
                                   remat_policy=str(cfg.model.get("remat_policy", "full")),
-                                  attention=str(cfg.model.get("attention", "auto")))
+                                  attention=str(cfg.model.get("attention", "auto")),
+                                  experts=str(cfg.model.get("experts", "auto")))
   if "data" in cfg and "rollout" in cfg:
     longest = int(cfg.data.max_prompt_len) + int(cfg.rollout.max_new_tokens)
     if longest > model_cfg.max_position_embeddings:

@@ -32,6 +32,11 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
     (r"layers/qkv_bias$", P(None, "tensor", None, None)),
     (r"layers/gate_up$", P(None, "fsdp", None, "tensor")),  # fused [L, D, 2, F]
     (r"layers/down$", P(None, "tensor", "fsdp")),
+    # experts (models/moe.py): [L, E, D, F] / [L, E, F, D], the experts over fsdp (each
+    # device stores E / n of them whole), their width over tensor as a dense MLP's
+    (r"layers/expert_(gate|up)$", P(None, "fsdp", None, "tensor")),
+    (r"layers/expert_down$", P(None, "fsdp", "tensor", None)),
+    (r"layers/router$", P(None, "fsdp", None)),  # [L, D, E]
     (r"fc$", P("fsdp", "tensor")),  # drafter input projection [2D, D]
     # LoRA adapters (models/lora.py): a [L, *in, r], b [L, r, *out], over their first in /
     # out dim (small: what matters is that their Adam moments are not replicated)

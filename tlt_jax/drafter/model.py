@@ -120,8 +120,9 @@ class DrafterLoadError(ValueError):
 
 # ------------------------------------------------------------------------------ params
 def drafter_param_shapes(cfg: ModelConfig) -> dict[str, Any]:
-  """The drafter pytree as shapes: fc + a stacked L=1 target layer without `attn_norm`."""
-  layers = dict(param_shapes(cfg.replace(num_layers=1))["layers"])
+  """The drafter pytree as shapes: fc + a stacked L=1 target layer without `attn_norm` (a
+  dense one over a mixture-of-experts target: `ModelConfig.dense`)."""
+  layers = dict(param_shapes(cfg.dense().replace(num_layers=1))["layers"])
   del layers["attn_norm"]
   d = cfg.hidden_size
   return {"fc": (2 * d, d), "layers": layers}
@@ -348,11 +349,16 @@ def load_drafter(directory: str, cfg: ModelConfig) -> Params:
 
 
 # ------------------------------------------------------------------------------ export
+_MOE_KEYS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+             "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "output_router_logits",
+             "router_aux_loss_coef")
+
+
 def eagle_fc_name(cfg: ModelConfig) -> str:
   """The input projection's tensor name: SGLang's Qwen3ForCausalLMEagle calls it `eagle_fc`
   (a Qwen3ForCausalLM with the projection added to its model), the EAGLE-1 classes of Llama
   and Qwen2 `fc`."""
-  return "eagle_fc" if cfg.arch == "qwen3" else "fc"
+  return "eagle_fc" if cfg.arch in ("qwen3", "qwen3_moe") else "fc"
 
 
 def eagle_state_dict(dparams: Params, cfg: ModelConfig, dtype: str | None = None,
@@ -367,7 +373,7 @@ def eagle_state_dict(dparams: Params, cfg: ModelConfig, dtype: str | None = None
   out = {f"{fc_name}.weight": np.ascontiguousarray(fc.T.astype(np_dtype))}
   if fc_bias:
     out[f"{fc_name}.bias"] = np.zeros((cfg.hidden_size,), np_dtype)
-  one = cfg.replace(num_layers=1)
+  one = cfg.dense().replace(num_layers=1)
   for ours, hf_name, _, to_hf in _mapping(one):
     if not ours.startswith("layers/") or ours == "layers/attn_norm":
       continue
@@ -379,7 +385,7 @@ def eagle_state_dict(dparams: Params, cfg: ModelConfig, dtype: str | None = None
 
 
 def eagle_architecture(cfg: ModelConfig, engine: str) -> str:
-  base = cfg.to_hf_dict()["architectures"][0]
+  base = cfg.dense().to_hf_dict()["architectures"][0]  # (an MoE target's drafter is dense)
   if engine == "sglang":
     return base + "Eagle"
   if engine == "vllm":
@@ -415,6 +421,10 @@ def export_eagle(directory: str, dparams: Params, cfg: ModelConfig, *,
                          "dtype")}
   config.update(num_hidden_layers=1, architectures=[arch],
                 torch_dtype=str(next(iter(tensors.values())).dtype))
+  if cfg.moe:  # the drafter of an MoE target is a dense Qwen3 layer of intermediate_size
+    for k in _MOE_KEYS:
+      config.pop(k, None)
+    config["model_type"] = cfg.dense().arch
   from tlt_jax.models.safetensors_io import write_safetensors
   os.makedirs(directory, exist_ok=True)
   # both files renamed into place (write_safetensors does too): a run killed mid-export leaves

@@ -1,5 +1,5 @@
-"""Model configuration: one frozen, hashable dataclass for Qwen2/Qwen2.5, Qwen3 (dense) and
-Llama(-3.x).
+"""Model configuration: one frozen, hashable dataclass for Qwen2/Qwen2.5, Qwen3 (dense and
+mixture-of-experts) and Llama(-3.x).
 
 The config is hashable so it can be a static argument of `jax.jit`; every field that changes
 the computation graph lives here, every array lives in the params pytree.
@@ -12,10 +12,11 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
-SUPPORTED_ARCHS = ("qwen2", "qwen3", "llama")
+SUPPORTED_ARCHS = ("qwen2", "qwen3", "qwen3_moe", "llama")
 _HF_CLASSES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "llama": "LlamaForCausalLM"}
+               "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM"}
 ATTENTION_IMPLS = ("auto", "fused", "xla")
+EXPERTS_IMPLS = ("auto", "kernel", "xla")
 REMAT_POLICIES = ("full", "dots")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 DTYPE_BYTES = {k: jnp.dtype(v).itemsize for k, v in _DTYPES.items()}  # config name -> bytes
@@ -33,7 +34,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  arch: str  # "qwen2" | "qwen3" | "llama"
+  arch: str  # "qwen2" | "qwen3" | "qwen3_moe" | "llama"
   vocab_size: int
   hidden_size: int
   intermediate_size: int
@@ -64,6 +65,19 @@ class ModelConfig:
   # that reads each row's live pages only, kernels/paged_attention.py; set by the engine,
   # rollout EngineConfig.paged_attention)
   cache_attention: str = "window"
+  # mixture of experts (Qwen3-MoE; models/moe.py): every layer's MLP is `num_experts` SiLU
+  # MLPs of width `moe_intermediate_size`, each token routed to `experts_per_token` of them by
+  # a softmax router (the top weights renormalised to sum to 1 with `norm_topk_prob`).
+  # 0 experts: the dense MLP of width intermediate_size (which an MoE config keeps: it is the
+  # width of the dense layer an EAGLE drafter of the model has, `dense()`)
+  num_experts: int = 0
+  experts_per_token: int = 0
+  moe_intermediate_size: int = 0
+  norm_topk_prob: bool = False
+  # the grouped experts' implementation (models/moe.py: prefill, the learner): "auto" (the
+  # Pallas grouped matmul on a GPU once its start-up check passes, else XLA's ragged_dot),
+  # "kernel" (forced; interpreted off a GPU: tests) or "xla"
+  experts: str = "auto"
 
   def __post_init__(self):
     def bad(field, value, fix):
@@ -86,11 +100,33 @@ class ModelConfig:
       bad("remat_policy", self.remat_policy, f"use one of {REMAT_POLICIES}")
     if self.attention not in ATTENTION_IMPLS:
       bad("attention", self.attention, f"use one of {ATTENTION_IMPLS}")
+    if self.experts not in EXPERTS_IMPLS:
+      bad("experts", self.experts, f"use one of {EXPERTS_IMPLS}")
     if self.cache_attention not in ("window", "paged"):
       bad("cache_attention", self.cache_attention, "use 'window' or 'paged'")
     for f in ("dtype", "param_dtype"):
       if getattr(self, f) not in _DTYPES:
         bad(f, getattr(self, f), f"use one of {sorted(_DTYPES)}")
+    if self.num_experts:
+      if not 0 < self.experts_per_token <= self.num_experts:
+        bad("experts_per_token", self.experts_per_token,
+            f"route each token to 1..num_experts ({self.num_experts}) experts")
+      if self.moe_intermediate_size <= 0:
+        bad("moe_intermediate_size", self.moe_intermediate_size, "must be a positive integer")
+
+  @property
+  def moe(self) -> bool:
+    """Whether the layers' MLPs are mixtures of experts (models/moe.py)."""
+    return self.num_experts > 0
+
+  def dense(self) -> "ModelConfig":
+    """This config with a dense MLP of width intermediate_size in place of the experts, as
+    dense Qwen3 (an MoE target's EAGLE drafter layer: the serving engines' drafters of
+    Qwen3-MoE are dense layers)."""
+    if not self.moe:
+      return self
+    return dataclasses.replace(self, arch="qwen3", num_experts=0, experts_per_token=0,
+                               moe_intermediate_size=0, norm_topk_prob=False, experts="auto")
 
   @property
   def head_dim_(self) -> int:
@@ -118,7 +154,7 @@ class ModelConfig:
       raise ValueError(
           f"{source}: model_type={model_type!r} (architectures={archs}) is not supported; "
           f"tlt_jax implements {SUPPORTED_ARCHS} (Qwen2/Qwen2.5, dense Qwen3 and "
-          "Llama/Llama-3.x; Qwen3-MoE is not supported: docs/scale.md)")
+          "Llama/Llama-3.x, Qwen3-MoE)")
     if d.get("mlp_bias"):
       raise ValueError(f"{source}: mlp_bias=true is not supported (no released Qwen2, Qwen3 or "
                        "Llama uses it)")
@@ -164,10 +200,12 @@ class ModelConfig:
         # Qwen2: q/k/v biases, never o; Qwen3 and Llama: `attention_bias` covers all four
         qkv_bias=True if model_type == "qwen2" else attn_bias,
         o_bias=False if model_type == "qwen2" else attn_bias,
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
     )
+    if model_type == "qwen3_moe":
+      kw.update(_moe_fields(d, source))
     kw.update(overrides)
     return cls(**kw)
 
@@ -175,10 +213,10 @@ class ModelConfig:
     """The `config.json` transformers needs to load params saved by `save_hf_model`."""
     if self.arch == "qwen2" and self.o_bias:
       raise ValueError("Qwen2 has no o_proj bias; a qwen2 config with o_bias cannot be exported")
-    if self.arch in ("llama", "qwen3") and self.qkv_bias != self.o_bias:
+    if self.arch in ("llama", "qwen3", "qwen3_moe") and self.qkv_bias != self.o_bias:
       raise ValueError(f"{self.arch}'s attention_bias covers q/k/v/o together; qkv_bias != "
                        f"o_bias cannot be exported as a {_HF_CLASSES[self.arch]} checkpoint")
-    if self.qk_norm != (self.arch == "qwen3"):
+    if self.qk_norm != (self.arch in ("qwen3", "qwen3_moe")):
       raise ValueError(f"qk_norm={self.qk_norm} cannot be exported as a {self.arch} checkpoint "
                        "(Qwen3 always has q/k norms, Qwen2 and Llama never)")
     d = {
@@ -199,15 +237,41 @@ class ModelConfig:
         "torch_dtype": self.param_dtype,
         "attention_dropout": 0.0,
     }
-    if self.arch in ("llama", "qwen3"):
+    if self.arch in ("llama", "qwen3", "qwen3_moe"):
       d["attention_bias"] = self.qkv_bias
     if self.arch == "llama":
       d["mlp_bias"] = False
     else:
       d["use_sliding_window"] = False
+    if self.moe != (self.arch == "qwen3_moe"):
+      raise ValueError(f"num_experts={self.num_experts} cannot be exported as a {self.arch} "
+                       "checkpoint (only qwen3_moe has experts, and it always has)")
+    if self.moe:
+      d.update(num_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
+               moe_intermediate_size=self.moe_intermediate_size,
+               norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
+               output_router_logits=False)
     if self.rope_scaling is not None:
       d["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
     return d
+
+
+def _moe_fields(d: Mapping[str, Any], source: str) -> dict[str, Any]:
+  """A Qwen3-MoE config.json's expert fields (transformers 5 writes `num_local_experts`, the
+  released checkpoints `num_experts`); a layout other than experts in every layer is an
+  error."""
+  mlp_only = list(d.get("mlp_only_layers") or [])
+  step = int(d.get("decoder_sparse_step", 1))
+  if mlp_only or step != 1:
+    raise ValueError(f"{source}: mlp_only_layers={mlp_only}, decoder_sparse_step={step}: "
+                     "tlt_jax runs Qwen3-MoE models whose every layer has experts (all released "
+                     "ones: [] and 1)")
+  n = d.get("num_experts", d.get("num_local_experts"))
+  if n is None:
+    raise KeyError("num_experts")
+  return dict(num_experts=int(n), experts_per_token=int(d["num_experts_per_tok"]),
+              moe_intermediate_size=int(d["moe_intermediate_size"]),
+              norm_topk_prob=bool(d.get("norm_topk_prob", False)))
 
 
 def num_params(cfg: ModelConfig) -> int:
@@ -219,6 +283,8 @@ def num_params(cfg: ModelConfig) -> int:
     attn += d
   if cfg.qk_norm:
     attn += 2 * h
-  per_layer = attn + 3 * d * f + 2 * d
+  mlp = (cfg.num_experts * 3 * d * cfg.moe_intermediate_size + d * cfg.num_experts
+         if cfg.moe else 3 * d * f)
+  per_layer = attn + mlp + 2 * d
   emb = cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2)
   return cfg.num_layers * per_layer + emb + d

@@ -37,7 +37,24 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 # ------------------------------------------------------------------------------- key mapping
 # (our path, HF name template, hf->ours view, ours->hf). Views only reshape/transpose, so a
-# device's shard can be sliced out of the memory map before any copy.
+# device's shard can be sliced out of the memory map before any copy. A stacked leaf's template
+# takes the layer; an expert leaf's ([L, E, ...], `_per_expert`) the layer and the expert: the
+# released Qwen3-MoE checkpoints, and transformers' save_pretrained, keep a tensor per expert.
+def _per_expert(ours: str) -> bool:
+  return ours.startswith("layers/expert_")
+
+
+def _hf_names(cfg: ModelConfig, ours: str, hf_name: str) -> list:
+  """The HF tensors of one of our leaves: a name (unstacked), a name per layer, or a list of
+  names per expert per layer."""
+  if not ours.startswith("layers/"):
+    return [hf_name]
+  if _per_expert(ours):
+    return [[hf_name.format(i, e) for e in range(cfg.num_experts)]
+            for i in range(cfg.num_layers)]
+  return [hf_name.format(i) for i in range(cfg.num_layers)]
+
+
 def _mapping(cfg: ModelConfig):
   d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim_
   ident = lambda w: w
@@ -55,10 +72,16 @@ def _mapping(cfg: ModelConfig):
        lambda w: w.reshape(k, h, d).transpose(2, 0, 1), lambda w: w.reshape(d, k * h).T),
       ("layers/o", "model.layers.{}.self_attn.o_proj.weight",
        lambda w: w.T.reshape(n, h, d), lambda w: w.reshape(n * h, d).T),
-      ("layers/gate", "model.layers.{}.mlp.gate_proj.weight", t, t),
-      ("layers/up", "model.layers.{}.mlp.up_proj.weight", t, t),
-      ("layers/down", "model.layers.{}.mlp.down_proj.weight", t, t),
   ]
+  if cfg.moe:
+    rows += [("layers/router", "model.layers.{}.mlp.gate.weight", t, t),
+             ("layers/expert_gate", "model.layers.{}.mlp.experts.{}.gate_proj.weight", t, t),
+             ("layers/expert_up", "model.layers.{}.mlp.experts.{}.up_proj.weight", t, t),
+             ("layers/expert_down", "model.layers.{}.mlp.experts.{}.down_proj.weight", t, t)]
+  else:
+    rows += [("layers/gate", "model.layers.{}.mlp.gate_proj.weight", t, t),
+             ("layers/up", "model.layers.{}.mlp.up_proj.weight", t, t),
+             ("layers/down", "model.layers.{}.mlp.down_proj.weight", t, t)]
   if cfg.qkv_bias:
     rows += [
         ("layers/q_bias", "model.layers.{}.self_attn.q_proj.bias",
@@ -181,30 +204,38 @@ def load_hf_model(model_dir: str, *, dtype: str | None = None, param_dtype: str 
   for ours, hf_name, to_ours, _ in _mapping(cfg):
     shape = _get(shapes, ours)
     stacked = ours.startswith("layers/")
-    names = [hf_name.format(i) for i in range(cfg.num_layers)] if stacked else [hf_name]
-    views = []
-    for name in names:
+    experts = _per_expert(ours)
+    want = shape[1 + experts:] if stacked else shape
+
+    def view_of(name, ours=ours, to_ours=to_ours, want=want):
       if name not in tensors:
         raise CheckpointFormatError(
             f"{model_dir}: tensor {name!r} is missing (needed for {ours}); the checkpoint does "
-            f"not match its config.json ({cfg.arch}, {cfg.num_layers} layers)")
+            f"not match its config.json ({cfg.arch}, {cfg.num_layers} layers"
+            + (f", {cfg.num_experts} experts)" if cfg.moe else ")"))
       try:
         view = to_ours(tensors[name])
       except ValueError:  # the q/k/v/o reshape itself fails when the element count is off
         view = None
-      want = shape[1:] if stacked else shape
       if view is None or tuple(view.shape) != tuple(want):
         raise CheckpointFormatError(
             f"{model_dir}: tensor {name!r} has shape {tuple(tensors[name].shape)}, which does "
             f"not fit {ours} {tuple(want)} implied by config.json")
-      views.append(view)
+      return view
+
+    views = [[view_of(n) for n in names] if experts else view_of(names)
+             for names in _hf_names(cfg, ours, hf_name)]
     np_dtype = np.dtype(cfg.weight_dtype)
 
-    def callback(index, views=views, stacked=stacked, np_dtype=np_dtype):
-      if stacked:
-        layer_ids = range(len(views))[index[0]]
-        return np.stack([np.asarray(views[i][index[1:]], dtype=np_dtype) for i in layer_ids])
-      return np.asarray(views[0][index], dtype=np_dtype)
+    def callback(index, views=views, stacked=stacked, experts=experts, np_dtype=np_dtype):
+      if not stacked:
+        return np.asarray(views[0][index], dtype=np_dtype)
+      if experts:  # [L, E, ...]: each layer's experts' views, sliced
+        return np.stack([np.stack([np.asarray(views[i][e][index[2:]], dtype=np_dtype)
+                                   for e in range(len(views[i]))[index[1]]])
+                         for i in range(len(views))[index[0]]])
+      return np.stack([np.asarray(views[i][index[1:]], dtype=np_dtype)
+                       for i in range(len(views))[index[0]]])
 
     arr = jax.make_array_from_callback(tuple(shape), _get(shardings, ours), callback)
     _set(params, ours, arr)
@@ -232,6 +263,12 @@ def _layer(x: jax.Array, i: jax.Array) -> jax.Array:
 
 
 @jax.jit
+def _expert(x: jax.Array, i: jax.Array, e: jax.Array) -> jax.Array:
+  """Layer i's expert e of a stacked [L, E, ...] leaf, on the leaf's devices."""
+  return _layer(_layer(x, i), e)
+
+
+@jax.jit
 def _merged_layer(w: jax.Array, a: jax.Array, b: jax.Array, i: jax.Array) -> jax.Array:
   """Layer i of an attached target merged (lora.merge's rule), on the leaves' devices."""
   one = {"w": _layer(w, i), "w_lora": {"a": _layer(a, i), "b": _layer(b, i)}}
@@ -251,11 +288,11 @@ def hf_tensor_specs(cfg: ModelConfig, dtype: str | None = None
   out = []
   for ours, hf_name, _, to_hf in _mapping(cfg):
     shape = _get(shapes, ours)
-    stacked = ours.startswith("layers/")
-    hf_shape = tuple(jax.eval_shape(to_hf, jax.ShapeDtypeStruct(
-        shape[1:] if stacked else shape, np.float32)).shape)
-    names = [hf_name.format(i) for i in range(cfg.num_layers)] if stacked else [hf_name]
-    out += [(name, hf_shape, np_dtype) for name in names]
+    lead = (1 + _per_expert(ours)) if ours.startswith("layers/") else 0
+    hf_shape = tuple(jax.eval_shape(to_hf, jax.ShapeDtypeStruct(shape[lead:], np.float32)).shape)
+    names = _hf_names(cfg, ours, hf_name)
+    out += [(name, hf_shape, np_dtype)
+            for name in (sum(names, []) if _per_expert(ours) else names)]
   return out
 
 
@@ -278,6 +315,13 @@ def hf_state_dict(params: Params, cfg: ModelConfig, dtype: str | None = None
     leaf = _get(params, ours)
     if not ours.startswith("layers/"):
       yield hf_name, convert(leaf, to_hf)
+      continue
+    if _per_expert(ours):  # an expert at a time (LoRA never targets experts)
+      for i, names in enumerate(_hf_names(cfg, ours, hf_name)):
+        for e, name in enumerate(names):
+          one = (_expert(leaf, np.int32(i), np.int32(e)) if isinstance(leaf, jax.Array)
+                 else leaf[i][e])
+          yield name, convert(one, to_hf)
       continue
     ab = params["layers"].get(ours[len("layers/"):] + "_lora")
     for i in range(cfg.num_layers):

@@ -62,7 +62,8 @@ def _fuse_layer(lp: Params, cfg: ModelConfig) -> Params:
     qb, kb, vb = lp.pop("q_bias"), lp.pop("k_bias"), lp.pop("v_bias")
     qb = qb.reshape(qb.shape[:-2] + (kh, n // kh, hd))
     lp["qkv_bias"] = jnp.concatenate([qb, kb[..., None, :], vb[..., None, :]], axis=-2)
-  lp["gate_up"] = jnp.stack([lp.pop("gate"), lp.pop("up")], axis=-2)
+  if "gate" in lp:  # (experts keep their own layout: models/moe.py)
+    lp["gate_up"] = jnp.stack([lp.pop("gate"), lp.pop("up")], axis=-2)
   return lp
 
 

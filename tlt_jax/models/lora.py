@@ -93,8 +93,13 @@ def adapter_shapes(cfg: ModelConfig, lora: LoraConfig) -> Params:
   base's layout (transformer.param_shapes)."""
   from tlt_jax.models.transformer import param_shapes
   layers = param_shapes(cfg)["layers"]
+  absent = [t for t in lora.targets if t not in layers]
+  if absent and tuple(lora.targets) != TARGETS:
+    raise ValueError(f"LoRA targets {absent}: a {cfg.arch} layer has no such projection (a "
+                     "mixture of experts takes no adapters; all-linear adapts its attention, as "
+                     "PEFT's all-linear does)")
   out = {}
-  for t in lora.targets:
+  for t in (t for t in lora.targets if t in layers):
     shape = layers[t]
     k = 1 + _IN_DIMS[t]
     out[t] = {"a": (*shape[:k], lora.rank), "b": (shape[0], lora.rank, *shape[k:])}

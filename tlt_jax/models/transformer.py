@@ -1,4 +1,4 @@
-"""Pure-functional Qwen2 / Qwen3 (dense) / Llama decoder.
+"""Pure-functional Qwen2 / Qwen3 (dense and mixture-of-experts) / Llama decoder.
 
 Params are a plain nested dict (layout below); `forward` is a pure function of
 (params, tokens, positions, cache) and is meant to be called under `jax.jit` with `cfg`
@@ -18,6 +18,8 @@ Param layout (L layers, D hidden, N query heads, K kv heads, H head dim, F mlp, 
               q_bias [L, N, H]   k_bias, v_bias [L, K, H]  (qkv_bias)   o_bias [L, D]  (o_bias)
               q_norm, k_norm [L, H]  (qk_norm: Qwen3's per-head RMSNorm before RoPE)
               mlp_norm [L, D]    gate, up [L, D, F]   down [L, F, D]
+              or, with experts (cfg.moe; E experts of width F'): router [L, D, E]
+              expert_gate, expert_up [L, E, D, F']   expert_down [L, E, F', D]  (models/moe.py)
   final_norm  [D]
   lm_head     [D, V]   (absent when tie_word_embeddings: the head is embed.T)
 LoRA adapters attached for the learner's forward (lora.attach) sit beside their weights as
@@ -38,6 +40,7 @@ from tlt_jax.models.attention import (attend, causal_attention, packed_attention
                                      paged_cache_attention)
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.kv_cache import KVCache, cache_addr, gather_window, write_kv
+from tlt_jax.models.moe import moe_mlp
 
 Params = dict[str, Any]
 
@@ -62,9 +65,14 @@ def param_shapes(cfg: ModelConfig) -> Params:
                          cfg.head_dim_, cfg.intermediate_size, cfg.vocab_size)
   layers = {
       "attn_norm": (L, D), "q": (L, D, N, H), "k": (L, D, K, H), "v": (L, D, K, H),
-      "o": (L, N, H, D), "mlp_norm": (L, D), "gate": (L, D, F), "up": (L, D, F),
-      "down": (L, F, D),
+      "o": (L, N, H, D), "mlp_norm": (L, D),
   }
+  if cfg.moe:
+    E, Fe = cfg.num_experts, cfg.moe_intermediate_size
+    layers.update(router=(L, D, E), expert_gate=(L, E, D, Fe), expert_up=(L, E, D, Fe),
+                  expert_down=(L, E, Fe, D))
+  else:
+    layers.update(gate=(L, D, F), up=(L, D, F), down=(L, F, D))
   if cfg.qkv_bias:
     layers.update(q_bias=(L, N, H), k_bias=(L, K, H), v_bias=(L, K, H))
   if cfg.o_bias:
@@ -255,6 +263,8 @@ def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv, within_chunk: bool = Fal
     out = out + lp["o_bias"].astype(dt)
   x = x + out
   h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+  if "router" in lp:  # experts (models/moe.py); a drafter's layer over an MoE target is dense
+    return x + moe_mlp(h, lp, cfg, dt), new_kv
   if "gate_up" in lp:  # fused: [D, 2, F]
     gu = _dense(h, lp["gate_up"], "BTD,DCF->BTCF", dt)
     gate, up = gu[:, :, 0], gu[:, :, 1]

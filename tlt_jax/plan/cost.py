@@ -14,6 +14,9 @@ a window of `kv_len` cache slots, on one device of a replica split `tp` ways (th
             as much as live ones: the window is read whole), batch x tokens written
   FLOPs     2 per weight per token through the matmuls (the LM head included), plus the
             attention's 4 x heads x head_dim per (query, slot) pair
+  experts   (a mixture of experts) the weights read are the experts the forward's tokens
+            route to (models/moe.py's `experts_read`), the FLOPs each token's k experts
+            (every expert in a step of up to moe.py's DENSE_TOKENS, which computes them all)
   collective  with tp > 1, two all-reduces of the residual stream per layer (attention out,
             MLP out) of batch x tokens x hidden activations, ring cost 2 (tp - 1) / tp
 
@@ -182,17 +185,46 @@ def _split(x: int, tp: int) -> int:
 
 
 def layer_weights(cfg: ModelConfig, tp: int = 1) -> int:
-  """Parameters of one decoder layer on one device of a tp-way replica."""
-  d, f, h = cfg.hidden_size, _split(cfg.intermediate_size, tp), cfg.head_dim_
+  """Parameters of one decoder layer on one device of a tp-way replica (every expert's, in a
+  mixture of experts: what it holds, not what a token reads, `_layer_read`)."""
+  base, expert = _layer_parts(cfg, tp)
+  return base + cfg.num_experts * expert if cfg.moe else base
+
+
+def _layer_parts(cfg: ModelConfig, tp: int) -> tuple[int, int]:
+  """(one layer's parameters on a device but its experts', one expert's): a dense layer's
+  MLP is in the first; an MoE layer's router is, its experts (each split over tp as a dense
+  MLP) are not."""
+  d, h = cfg.hidden_size, cfg.head_dim_
   n, k = _split(cfg.num_heads, tp), _split(cfg.num_kv_heads, tp)
-  w = d * h * (2 * n + 2 * k) + 3 * d * f + 2 * d
+  w = d * h * (2 * n + 2 * k) + 2 * d
   if cfg.qkv_bias:
     w += h * (n + 2 * k)
   if cfg.o_bias:
     w += d
   if cfg.qk_norm:
     w += 2 * h
-  return w
+  if not cfg.moe:
+    return w + 3 * d * _split(cfg.intermediate_size, tp), 0
+  return w + d * cfg.num_experts, 3 * d * _split(cfg.moe_intermediate_size, tp)
+
+
+def _layer_read(cfg: ModelConfig, tp: int, tokens: int) -> tuple[float, int]:
+  """(the parameters a forward over `tokens` tokens reads in a layer, those each token
+  multiplies through: what its FLOPs count)."""
+  base, expert = _layer_parts(cfg, tp)
+  if not cfg.moe:
+    return base, base
+  from tlt_jax.models import moe
+  # (a step of up to DENSE_TOKENS tokens runs every expert on every token: models/moe.py)
+  per_token = cfg.num_experts if moe.path(tokens, cfg) is moe._dense else cfg.experts_per_token
+  return base + expert * moe.experts_read(cfg, tokens), base + expert * per_token
+
+
+def model_weights(cfg: ModelConfig) -> int:
+  """The matmuls' parameters of the whole model (every layer's, every expert's, the head's):
+  what the learner's FSDP gathers and its optimizer steps."""
+  return cfg.num_layers * layer_weights(cfg) + head_weights(cfg)
 
 
 def head_weights(cfg: ModelConfig, tp: int = 1) -> int:
@@ -211,12 +243,12 @@ def forward(cfg: ModelConfig, batch: int, tokens: int, kv_len: int, *, tp: int =
   bt = batch * tokens
   d, h = cfg.hidden_size, cfg.head_dim_
   n, k = _split(cfg.num_heads, tp), _split(cfg.num_kv_heads, tp)
-  w_layer = layer_weights(cfg, tp)
-  weights = n_layers * w_layer + (head_weights(cfg, tp) if head else 0)
+  w_read, w_token = _layer_read(cfg, tp, bt)  # (equal in a dense model)
+  weights = n_layers * w_read + (head_weights(cfg, tp) if head else 0)
   gathered = 0 if cfg.tie_word_embeddings and head else bt * d  # embedding rows gathered
   kv = n_layers * 2 * k * h * nb * (batch * kv_len + bt)
   acts = 2 * bt * d * nb + (bt * _split(cfg.vocab_size, tp) * 4 if head else 0)
-  flops = 2.0 * bt * (n_layers * w_layer + (head_weights(cfg, tp) if head else 0))
+  flops = 2.0 * bt * (n_layers * w_token + (head_weights(cfg, tp) if head else 0))
   flops += 4.0 * bt * kv_len * n * h * n_layers
   coll = 0.0
   if tp > 1:
@@ -228,7 +260,9 @@ def forward(cfg: ModelConfig, batch: int, tokens: int, kv_len: int, *, tp: int =
 def draft(cfg: ModelConfig, batch: int, tokens: int, kv_len: int, *, tp: int = 1,
           dtype: str | None = None) -> Cost:
   """One drafter forward (tlt_jax/drafter/model.py): fc over [embedding, hidden] (2D x D),
-  one target layer, the target's LM head over every new token."""
+  one target layer (a dense one over an MoE target: `ModelConfig.dense`), the target's LM
+  head over every new token."""
+  cfg = cfg.dense()
   nb = DTYPE_BYTES[dtype or cfg.dtype]
   d, bt = cfg.hidden_size, batch * tokens
   fc = Cost(2 * d * d * nb + bt * 3 * d * nb, 2.0 * bt * 2 * d * d)

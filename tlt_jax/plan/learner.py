@@ -119,7 +119,7 @@ def remat_mode(cfg: ModelConfig) -> str:
 
 def weight_flops(cfg: ModelConfig, rows: int, t: int) -> float:
   """A forward's matmuls over rows x t tokens (padding included: the device computes it): 2
-  FLOPs per weight per token."""
+  FLOPs per weight per token (a mixture of experts: each token's k experts')."""
   return cost.forward(cfg, 1, 1, 0).flops * rows * t
 
 
@@ -158,7 +158,7 @@ def learner_phases(cfg: ModelConfig, hw: cost.Hardware, learner: Learner,
   the backward then computes no weight gradient (one weight pass fewer), reduce-scatters no
   gradient of the base, the optimizer steps the adapters alone, and the sync merges them
   into the base first (a read and a write of it)."""
-  n_params = cost.forward(cfg, 1, 1, 0).flops / 2
+  n_params = cost.model_weights(cfg)  # (every expert's: gathered, stepped)
   micro = [s for mb in shapes for s in mb]
   later = [s for mb in shapes[1 if epochs == 1 else 0:] for s in mb]
   fused = learner.fused_attention
