@@ -93,10 +93,12 @@ def test_gpu_check_smoke_writes_a_complete_report(tmp_path):
   # the experts stage: the kernel's check, a micro-batch through it and ragged_dot (their
   # weight gradients' sums agree: the same function), decode steps by the engine's ways
   experts = json.load(open(tmp_path / "experts" / "experts.json"))["cells"]
-  assert [c["cell"] for c in experts] == ["check", "learner kernel", "learner xla", "decode 1",
-                                          "decode 16"], experts
+  assert [c["cell"] for c in experts] == [
+      "check", "learner kernel", "learner xla", "decode 1 kernel", "decode 1 xla",
+      "decode 16 kernel", "decode 16 xla"], experts
   assert all(c["ms"] > 0 for c in experts[1:]), experts
-  assert [c["way"] for c in experts[3:]] == ["gathered", "dense"], experts
+  assert [c["way"] for c in experts[3:]] == ["grouped_kernel", "gathered", "grouped_kernel",
+                                             "dense"], experts
   # the regime stage (scripts/bench_regime.py on the smoke target): every table printed, greedy
   # speculative outputs equal plain decoding's, the summary's time split adds up
   regime = (tmp_path / "bench_regime.log").read_text()

@@ -252,13 +252,16 @@ def _hf_greedy(model, prompt, n):
   return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("arm,tp", [(None, 1), ("3_1_4", 1), ("3_1_4", 2)])
-def test_engine_greedy_matches_transformers(ck, arm, tp):
+@pytest.mark.parametrize("arm,tp,experts", [(None, 1, "auto"), ("3_1_4", 1, "auto"),
+                                             ("3_1_4", 2, "auto"), ("3_1_4", 1, "kernel")])
+def test_engine_greedy_matches_transformers(ck, arm, tp, experts):
   """The rollout engine on an MoE target, plainly and speculating with a dense drafter (the
-  drafter's layer has no experts), and a replica of 2 devices with paged attention (the
-  experts' width and the kv heads split over them): greedy tokens == transformers'
-  generate."""
+  drafter's layer has no experts), on a replica of 2 devices with paged attention (the
+  experts' width and the kv heads split over them), and through the grouped-matmul kernel at
+  every step (16-row tiles, as a GPU runs it; interpreted here): greedy tokens ==
+  transformers' generate."""
   model, cfg, params, _ = ck
+  cfg = cfg.replace(experts=experts)
   if not model.config.norm_topk_prob:
     pytest.skip("one routing suffices for the engine")
   rng = np.random.default_rng(7)

@@ -70,10 +70,11 @@ def test_flops_are_xlas(name, batch, tokens, kv_len):
     r, e, k = batch * tokens, cfg.num_experts, cfg.experts_per_token
     pair = 2.0 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * cfg.num_layers
     way = moe.path(r, cfg)
-    # (the cost model counts every expert on every token where a step of up to DENSE_TOKENS
-    # does so); ragged_dot, which XLA:CPU lowers densely (each pair masked into every
-    # expert's product: E x the pairs' FLOPs), it counts as the grouped matmul it stands for
-    ours += {moe._gathered: 0, moe._dense: 0, moe._grouped: r * k * (e - 1) * pair}[way]
+    # the cost model counts k experts a token (a GPU's grouped-matmul kernel); XLA:CPU's ways
+    # run every expert on every token (a step of up to DENSE_TOKENS), or ragged_dot, lowered
+    # densely (each pair masked into every expert's product: E x the pairs' FLOPs)
+    ours += {moe._gathered: 0, moe._dense: r * (e - k) * pair,
+             moe._grouped: r * k * (e - 1) * pair}[way]
   assert ours == pytest.approx(xla, rel=0.15), (ours, xla)
 
 

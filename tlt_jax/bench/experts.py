@@ -9,10 +9,10 @@ Cells, in order, each only if started within the budget:
   (--tokens), through the kernel and through ragged_dot: ms, and TFLOP/s over the k experts'
   FLOPs a token (what the simulator prices; ragged_dot's zero-padded lowering does E / k
   times them and may run out of memory: reported so);
-- `decode`: a rollout step's experts at each of --decode tokens, the way the engine takes
-  there (gathered / every expert / grouped): ms, and the bytes of the distinct experts its
-  tokens route to (`moe.experts_read`) over that time against a same-process copy's
-  bandwidth.
+- `decode`: a rollout step's experts at each of --decode tokens, through the kernel and
+  XLA's way there (gathered / every expert / ragged_dot): ms, and the bytes of the distinct
+  experts its tokens route to (`moe.experts_read`) over that time against a same-process
+  copy's bandwidth: the figures that say whether the kernel should serve every step size.
 """
 
 from __future__ import annotations
@@ -67,12 +67,19 @@ def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 5) -> float:
   return 2 * nbytes / s
 
 
-def _experts_fwd_bwd(cfg: ModelConfig, impl: str):
-  """loss(x, lp) = sum of the grouped experts' outputs x a fixed cotangent; its gradient in
-  x and the experts (the learner's backward)."""
+def _way(impl: str, n: int, cfg: ModelConfig):
+  """The experts' function a forward over n tokens runs: the kernel, or XLA's way there."""
+  return moe._grouped_kernel if impl == "kernel" else moe.path(n, cfg)
+
+
+def _experts_fwd_bwd(cfg: ModelConfig, impl: str, n: int):
+  """loss(x, lp) = sum of the experts' outputs x a fixed cotangent; its gradient in x and
+  the experts (the learner's backward)."""
+  way = _way(impl, n, cfg)
+
   def loss(x, lp, dy):
     w, e = moe.route(x, lp["router"], cfg, cfg.compute_dtype)
-    y = moe._grouped(x, w, e, lp, cfg.compute_dtype, impl)
+    y = way(x, w, e, lp, cfg.compute_dtype)
     return jnp.sum((y * dy).astype(jnp.float32))
   return jax.jit(jax.grad(loss, argnums=(0, 1)))
 
@@ -96,7 +103,7 @@ def cells(d: int, f: int, e: int, k: int, dtype: str, tokens: int, decode: list[
       yield {"cell": f"learner {name}", "skipped": "out of the budget"}
       continue
     try:
-      s = _time(_experts_fwd_bwd(cfg.replace(experts=name), name), x, lp, dy, iters=iters)
+      s = _time(_experts_fwd_bwd(cfg, name, tokens), x, lp, dy, iters=iters)
       yield {"cell": f"learner {name}", "tokens": tokens, "ms": round(1e3 * s, 3),
              "tflops": round(flops / s / 1e12, 1)}
     except Exception as err:  # noqa: BLE001 - reported, the next cell runs
@@ -107,17 +114,25 @@ def cells(d: int, f: int, e: int, k: int, dtype: str, tokens: int, decode: list[
   bw = copy_bandwidth(min(1 << 30, 64 * e * d * f))
   nb = jnp.dtype(cfg.compute_dtype).itemsize
   for n in decode:
-    if over():
-      yield {"cell": f"decode {n}", "skipped": "out of the budget"}
-      continue
-    way = moe.path(n, cfg)
-    xs = x[:n] if n <= tokens else jnp.resize(x, (n, d))
-    step = jax.jit(lambda x, lp: moe.moe_mlp(x[None], lp, cfg, cfg.compute_dtype))
-    s = _time(step, xs, lp, iters=iters)
-    read = moe.experts_read(cfg, n) * 3 * d * f * nb
-    yield {"cell": f"decode {n}", "way": way.__name__.strip("_"), "ms": round(1e3 * s, 4),
-           "experts_read": round(moe.experts_read(cfg, n), 1),
-           "pct_copy_bw": round(100 * read / s / bw, 1)}
+    for name in ("kernel", "xla"):
+      if over():
+        yield {"cell": f"decode {n} {name}", "skipped": "out of the budget"}
+        continue
+      way = _way(name, n, cfg)
+      xs = x[:n] if n <= tokens else jnp.resize(x, (n, d))
+
+      def step(x, lp, way=way):
+        w, e = moe.route(x, lp["router"], cfg, cfg.compute_dtype)
+        return way(x, w, e, lp, cfg.compute_dtype)
+      try:
+        s = _time(jax.jit(step), xs, lp, iters=iters)
+      except Exception as err:  # noqa: BLE001 - reported, the next cell runs
+        yield {"cell": f"decode {n} {name}", "failed": str(err).splitlines()[0][:200]}
+        continue
+      read = moe.experts_read(cfg, n) * 3 * d * f * nb
+      yield {"cell": f"decode {n} {name}", "way": way.__name__.strip("_"),
+             "ms": round(1e3 * s, 4), "experts_read": round(moe.experts_read(cfg, n), 1),
+             "pct_copy_bw": round(100 * read / s / bw, 1)}
 
 
 def table(records: list[dict]) -> list[str]:

@@ -6,10 +6,13 @@ times the FLOPs, and an [E, rows, K] operand: tens of GB a layer at a learner's 
 
 The rows are laid out first (`layout`, plain XLA): the (token, expert) pairs sorted by expert
 and each expert's group padded to whole tiles of `bm` rows, so every tile belongs to one
-expert (`Layout.tile_group`) and the padding is at most `bm - 1` rows an expert. Then:
+expert (`Layout.tile_group`) and the padding is at most `bm - 1` rows an expert (`tile_rows`:
+16-row tiles for a rollout step's few pairs, 64 for a learner's many). Then:
 - `gmm(x [T bm, K], w [G, K, N])`: a program per (tile, column block) multiplies its tile by
   its expert's weights, the contraction in `bk` blocks, float32 accumulation: each program
-  reads its expert's [K, bn] block, every row computes only its own expert's product;
+  reads its expert's [K, bn] block in place, every row computes only its own expert's
+  product, and a tile past the used ones reads nothing (its trip count is 0): a decode step
+  of one token reads its k experts, a step's tokens the experts they route to;
 - its backward: the rows' gradient is `gmm` of the output's gradient by the transposed
   weights; each expert's weight gradient `tgmm` (a program per (expert, row block, column
   block) sums its tiles' x^T dy over a loop whose trip count is the expert's tile count, read
@@ -39,10 +42,17 @@ BM = 64  # rows a tile: an expert's group is padded to whole tiles
 class Layout(NamedTuple):
   """Where the (token, expert) pairs go in the tiled rows (`layout`)."""
   dest: jax.Array  # [M] int32: each pair's row in the tiled layout
-  tile_group: jax.Array  # [T] int32: each tile's expert (tiles past the used ones: the last)
+  tile_group: jax.Array  # [T] int32: each tile's expert (tiles past the used ones: -1)
   first_tile: jax.Array  # [G] int32: each expert's first tile
   tiles: jax.Array  # [G] int32: each expert's tile count
   rows: int  # T x bm, static
+
+
+def tile_rows(pairs: int, groups: int) -> int:
+  """The tile for `pairs` rows over `groups` experts: 64 rows where an expert gets that many
+  on average (a learner's micro-batch), else 16 (Triton's smallest dot: a rollout step's
+  pairs, mostly one or a few an expert)."""
+  return BM if pairs >= BM * groups else 16
 
 
 def num_tiles(pairs: int, groups: int, bm: int = BM) -> int:
@@ -64,7 +74,8 @@ def layout(experts: jax.Array, groups: int, bm: int = BM) -> Layout:
   ranked = jnp.zeros((m,), jnp.int32).at[order].set(jnp.arange(m, dtype=jnp.int32))
   dest = first_tile[experts] * bm + ranked - group_start[experts]
   tile_group = jnp.searchsorted(ends, jnp.arange(t, dtype=jnp.int32), side="right")
-  return Layout(dest.astype(jnp.int32), jnp.minimum(tile_group, groups - 1).astype(jnp.int32),
+  tile_group = jnp.where(tile_group < groups, tile_group, -1)
+  return Layout(dest.astype(jnp.int32), tile_group.astype(jnp.int32),
                 first_tile.astype(jnp.int32), tiles.astype(jnp.int32), t * bm)
 
 
@@ -85,16 +96,18 @@ def kernel_limits(k: int, n: int) -> str | None:
 
 
 def _gmm_kernel(tg_ref, x_ref, w_ref, o_ref, *, bk: int, steps: int, precision):
-  """One (tile, column block): x_ref [bm, K], w_ref [G, K, bn], o_ref [bm, bn]."""
+  """One (tile, column block): x_ref [bm, K], w_ref [G, K, bn], o_ref [bm, bn]; a tile past
+  the used ones (expert -1) runs no step and writes zeros."""
   g = tg_ref[0]
   bm, bn = o_ref.shape
+  e = jnp.maximum(g, 0)
 
   def body(i, acc):
     xs = x_ref[:, pl.ds(i * bk, bk)]
-    ws = w_ref[g, pl.ds(i * bk, bk), :]
+    ws = w_ref[e, pl.ds(i * bk, bk), :]
     return acc + jnp.dot(xs, ws, preferred_element_type=jnp.float32, precision=precision)
 
-  acc = lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
+  acc = lax.fori_loop(0, jnp.where(g >= 0, steps, 0), body, jnp.zeros((bm, bn), jnp.float32))
   o_ref[...] = acc.astype(o_ref.dtype)
 
 
@@ -203,12 +216,12 @@ def kernel_check(k: int, n: int, groups: int, dtype: str) -> str | None:
   w = (rng.normal(size=(groups, k, n)) / np.sqrt(k)).astype(dt)
   dy = rng.normal(size=(m, n)).astype(dt)
 
-  def via_kernel(x, w, e, dy):
-    lay = layout(e, groups)
+  def via_kernel(x, w, e, dy, bm):
+    lay = layout(e, groups, bm)
 
     def f(x, w):
       xs = jnp.zeros((lay.rows, k), x.dtype).at[lay.dest].set(x)
-      return gmm(xs, w, lay.tile_group, lay.first_tile, lay.tiles)[lay.dest]
+      return gmm(xs, w, lay.tile_group, lay.first_tile, lay.tiles, bm)[lay.dest]
     y, pull = jax.vjp(f, x, w)
     return (y,) + pull(dy)
 
@@ -222,14 +235,17 @@ def kernel_check(k: int, n: int, groups: int, dtype: str) -> str | None:
     y, pull = jax.vjp(f, x, w)
     return (y,) + pull(dy.astype(jnp.float32))
   args = (x, w, experts, dy)
-  try:
-    got = jax.jit(via_kernel).lower(*args).compile()(*args)
-  except Exception as e:  # noqa: BLE001 - any failure means: do not use it here
-    return f"does not compile here ({error_line(e)})"
   want = jax.jit(via_xla).lower(*args).compile()(*args)
-  err = max(float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)))
-                  / (np.max(np.abs(np.asarray(b, np.float32))) + 1e-6))
-            for a, b in zip(got, want))
-  if not err < 0.02:  # (NaN fails too)
-    return f"disagrees with ragged_dot here (max relative difference {err:.2g})"
+  for bm in (16, BM):  # both tiles a run uses (`tile_rows`)
+    try:
+      run = jax.jit(functools.partial(via_kernel, bm=bm)).lower(*args).compile()
+      got = run(*args)
+    except Exception as e:  # noqa: BLE001 - any failure means: do not use it here
+      return f"does not compile here ({error_line(e)})"
+    err = max(float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)))
+                    / (np.max(np.abs(np.asarray(b, np.float32))) + 1e-6))
+              for a, b in zip(got, want))
+    if not err < 0.02:  # (NaN fails too)
+      return (f"disagrees with ragged_dot here at {bm}-row tiles (max relative difference "
+              f"{err:.2g})")
   return None

@@ -6,27 +6,27 @@ router's probabilities (renormalised over the k with `norm_topk_prob`), as trans
 A layer's params (models/transformer.py's layout, L layers, D hidden, F moe_intermediate_size):
   router [L, D, E]   expert_gate, expert_up [L, E, D, F]   expert_down [L, E, F, D]
 
-Three ways to compute the same sums, chosen by shape (static), each where it moves the fewest
-bytes for what it computes:
-- few pairs (R tokens x k <= E: a decode step of few rows): each (token, slot) pair's expert
-  weights gathered and applied, so a step reads the k experts a token uses, not all E
-  (decoding is bound by the bytes it reads);
-- up to `DENSE_TOKENS` tokens (a decode or verification step of a larger batch, where the
-  pairs reach most experts anyway): every expert applied to every token and the outputs
-  weighted by the router's (zero off a token's k): the experts' weights read once, in two
-  plain matmuls; E / k times the pairs' FLOPs, which at these sizes is less time than reading
-  the weights on a GPU (an H100 reads a bf16 weight in the time it does ~220 FLOPs with it,
-  so up to ~220 tokens the step stays bound by its bytes);
-- more tokens (prefill, the learner's micro-batches): the (token, slot) pairs grouped by
-  expert and each expert's MLP applied to its own group: a grouped matmul. On a GPU our
-  Pallas kernel (kernels/grouped_matmul.py: every tile of rows one expert's, forward and
-  backward), after a start-up check against XLA's form (`grouped_impl`, `cfg.experts`);
-  elsewhere `jax.lax.ragged_dot`, which XLA:CPU lowers densely (each pair masked into every
-  expert's product: E x its FLOPs, measured by tests/test_plan_cost.py) and XLA:GPU, as of
-  JAX 0.12, expands to zero-padded operands unless its cuDNN fusion applies (the fallback
-  where the kernel does not serve). Under a mesh of several devices the kernel runs per
-  shard (`jax.shard_map`: the batch's tokens over the data axes, the experts' width over
-  "tensor", their down projection's partial sums added over it).
+On a GPU every forward's experts run as a grouped matmul, our Pallas kernel
+(kernels/grouped_matmul.py): the (token, expert) pairs grouped by expert in whole tiles of
+rows (16 for a rollout step's few pairs, 64 for a learner's many), each tile times its
+expert's weights read in place, forward and backward; so a decode step of one token reads
+its k experts, a step's tokens the distinct experts they route to (`experts_read`, what the
+cost model prices), and the learner computes k experts a token. A run checks it at start-up
+against XLA's form at the model's shapes (`grouped_impl`, `cfg.experts`); under a mesh of
+several devices it runs per shard (`jax.shard_map`: the tokens over the data axes, the
+experts' width over "tensor", the down projection's partial sums added over it).
+
+Elsewhere (a CPU), or where the check fails, XLA computes the same sums one of three ways by
+the step's size:
+- few pairs (R tokens x k <= E): each pair's expert weights gathered ([R, k, D, F]: a copy
+  of the k experts a token uses) and applied;
+- up to `DENSE_TOKENS` tokens: every expert applied to every token and the outputs weighted
+  by the router's (zero off a token's k): every expert read once, in two plain matmuls, E / k
+  times the pairs' FLOPs;
+- more: the pairs sorted by expert and `jax.lax.ragged_dot`, which XLA:CPU lowers densely
+  (each pair masked into every expert's product: E x its FLOPs, measured by
+  tests/test_plan_cost.py) and XLA:GPU, as of JAX 0.12, to zero-padded operands unless its
+  cuDNN fusion applies (38 GB a matmul at a 9k-token micro-batch of Qwen3-30B-A3B).
 """
 
 from __future__ import annotations
@@ -76,11 +76,9 @@ def _dense(x, weights, experts, lp, dtype):
   return jnp.einsum("REF,EFD->RD", h, lp["expert_down"].astype(dtype))
 
 
-def _grouped(x, weights, experts, lp, dtype, impl: str = "xla"):
-  """Many tokens: the pairs grouped by expert, each expert's group through its MLP, weighted,
-  and summed back per token: the grouped-matmul kernel (`impl` "kernel") or `ragged_dot`."""
-  if impl == "kernel":
-    return _grouped_kernel(x, weights, experts, lp, dtype)
+def _grouped(x, weights, experts, lp, dtype):
+  """Many tokens in XLA: the pairs sorted by expert, each expert's group through its MLP
+  (`ragged_dot`), weighted, and summed back per token."""
   r, k = experts.shape
   e = lp["expert_gate"].shape[0]
   flat = experts.reshape(r * k)
@@ -96,15 +94,16 @@ def _grouped(x, weights, experts, lp, dtype, impl: str = "xla"):
 
 
 def _kernel_local(x, weights, experts, wg, wu, wd, *, tensor: str | None):
-  """The grouped matmul on one shard: its tokens' pairs tiled by expert (`gm.layout`), the
-  gate and up products, SiLU, the down product, each pair's output weighted and its token's k
-  summed (the pairs are in token order); with the width split over `tensor`, the down
-  product's partial sums added over it."""
+  """The grouped matmul on one shard: its tokens' pairs tiled by expert (`gm.layout`, tiles
+  of `gm.tile_rows`), the gate and up products, SiLU, the down product, each pair's output
+  weighted and its token's k summed (the pairs are in token order); with the width split
+  over `tensor`, the down product's partial sums added over it."""
   r, k = experts.shape
-  lay = gm.layout(experts.reshape(r * k), wg.shape[0])
+  bm = gm.tile_rows(r * k, wg.shape[0])
+  lay = gm.layout(experts.reshape(r * k), wg.shape[0], bm)
   xs = jnp.zeros((lay.rows, x.shape[-1]), x.dtype).at[lay.dest].set(jnp.repeat(x, k, axis=0))
   mm = functools.partial(gm.gmm, tile_group=lay.tile_group, first_tile=lay.first_tile,
-                         tiles=lay.tiles)
+                         tiles=lay.tiles, bm=bm)
   h = jax.nn.silu(mm(xs, wg)) * mm(xs, wu)  # (the padding rows: zeros throughout)
   y = mm(h, wd)[lay.dest] * weights.reshape(r * k, 1)
   y = y.reshape(r, k, -1).sum(axis=1)
@@ -132,23 +131,25 @@ def _grouped_kernel(x, weights, experts, lp, dtype):
 
 
 def grouped_impl(cfg: ModelConfig) -> tuple[str, str]:
-  """(implementation, reason) of the grouped experts: "kernel" (kernels/grouped_matmul.py;
-  interpreted off a GPU) or "xla" (ragged_dot); the reason is the line a run logs."""
+  """(implementation, reason) of the experts: "kernel" (kernels/grouped_matmul.py, every
+  step; interpreted off a GPU) or "xla" (`path`'s ways); the reason is the line a run logs."""
   if cfg.experts == "xla":
-    return "xla", "XLA's ragged_dot (model.experts='xla')"
+    return "xla", "XLA's gathers, dense products and ragged_dot (model.experts='xla')"
   if cfg.experts == "kernel":
     mode = "" if jax.default_backend() == "gpu" else " in interpret mode (slow, for tests)"
     return "kernel", f"the Pallas grouped matmul (model.experts='kernel'){mode}"
   if jax.default_backend() != "gpu":
-    return "xla", (f"XLA's ragged_dot: no grouped-matmul kernel on {jax.default_backend()} "
-                   "(lowered densely there)")
+    return "xla", (f"XLA's gathers, dense products and ragged_dot: no grouped-matmul kernel "
+                   f"on {jax.default_backend()}")
   d, f = cfg.hidden_size, cfg.moe_intermediate_size
   dtype = jnp.dtype(cfg.compute_dtype).name
   failed = (gm.kernel_limits(d, f) or gm.kernel_check(d, f, cfg.num_experts, dtype)
             or gm.kernel_check(f, d, cfg.num_experts, dtype))
   if failed:
-    return "xla", f"XLA's ragged_dot: the grouped-matmul kernel {failed}"
-  return "kernel", "the Pallas (Triton) grouped matmul: each tile of rows one expert's"
+    return "xla", (f"XLA's gathers, dense products and ragged_dot: the grouped-matmul kernel "
+                   f"{failed}")
+  return "kernel", ("the Pallas (Triton) grouped matmul: each tile of rows one expert's, its "
+                    "weights read in place")
 
 
 def experts_read(cfg: ModelConfig, tokens: int) -> float:
@@ -165,7 +166,7 @@ DENSE_TOKENS = 128  # up to this many tokens a step, every expert on every token
 
 
 def path(tokens: int, cfg: ModelConfig):
-  """Which of the three ways (module docstring) a forward over `tokens` tokens takes."""
+  """Which of XLA's three ways (module docstring) a forward over `tokens` tokens takes."""
   if tokens * cfg.experts_per_token <= cfg.num_experts:
     return _gathered
   return _dense if tokens <= DENSE_TOKENS else _grouped
@@ -176,9 +177,8 @@ def moe_mlp(h: jax.Array, lp, cfg: ModelConfig, dtype) -> jax.Array:
   b, t, d = h.shape
   x = h.reshape(b * t, d)
   weights, experts = route(x, lp["router"], cfg, dtype)
-  way = path(b * t, cfg)
-  if way is _grouped:
-    y = _grouped(x, weights, experts, lp, dtype, grouped_impl(cfg)[0])
+  if grouped_impl(cfg)[0] == "kernel":
+    y = _grouped_kernel(x, weights, experts, lp, dtype)
   else:
-    y = way(x, weights, experts, lp, dtype)
+    y = path(b * t, cfg)(x, weights, experts, lp, dtype)
   return y.reshape(b, t, d).astype(h.dtype)

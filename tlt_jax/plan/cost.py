@@ -15,8 +15,8 @@ a window of `kv_len` cache slots, on one device of a replica split `tp` ways (th
   FLOPs     2 per weight per token through the matmuls (the LM head included), plus the
             attention's 4 x heads x head_dim per (query, slot) pair
   experts   (a mixture of experts) the weights read are the experts the forward's tokens
-            route to (models/moe.py's `experts_read`), the FLOPs each token's k experts
-            (every expert in a step of up to moe.py's DENSE_TOKENS, which computes them all)
+            route to (models/moe.py's `experts_read`), the FLOPs each token's k experts: the
+            grouped-matmul kernel's, which a GPU runs (its tiles' padding not counted)
   collective  with tp > 1, two all-reduces of the residual stream per layer (attention out,
             MLP out) of batch x tokens x hidden activations, ring cost 2 (tp - 1) / tp
 
@@ -216,9 +216,7 @@ def _layer_read(cfg: ModelConfig, tp: int, tokens: int) -> tuple[float, int]:
   if not cfg.moe:
     return base, base
   from tlt_jax.models import moe
-  # (a step of up to DENSE_TOKENS tokens runs every expert on every token: models/moe.py)
-  per_token = cfg.num_experts if moe.path(tokens, cfg) is moe._dense else cfg.experts_per_token
-  return base + expert * moe.experts_read(cfg, tokens), base + expert * per_token
+  return base + expert * moe.experts_read(cfg, tokens), base + expert * cfg.experts_per_token
 
 
 def model_weights(cfg: ModelConfig) -> int:
