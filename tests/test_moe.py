@@ -252,6 +252,7 @@ def _hf_greedy(model, prompt, n):
   return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.parametrize("ck", [True], ids=["norm_topk"], indirect=True)  # (one routing)
 @pytest.mark.parametrize("arm,tp,experts", [(None, 1, "auto"), ("3_1_4", 1, "auto"),
                                              ("3_1_4", 2, "auto"), ("3_1_4", 1, "kernel")])
 def test_engine_greedy_matches_transformers(ck, arm, tp, experts):
@@ -262,8 +263,6 @@ def test_engine_greedy_matches_transformers(ck, arm, tp, experts):
   transformers' generate."""
   model, cfg, params, _ = ck
   cfg = cfg.replace(experts=experts)
-  if not model.config.norm_topk_prob:
-    pytest.skip("one routing suffices for the engine")
   rng = np.random.default_rng(7)
   prompts = [rng.integers(1, VOCAB, rng.integers(3, 9)).tolist() for _ in range(3)]
   n = 12
