@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tlt_jax.bench.rollout import timed
+from tlt_jax.bench.roofline import copy_bandwidth
 from tlt_jax.models import moe
 from tlt_jax.models.config import ModelConfig
 
@@ -50,21 +52,9 @@ def layer(cfg: ModelConfig, seed: int = 0) -> dict:
 
 
 def _time(fn: Callable, *args, iters: int) -> float:
-  """Best seconds of `iters` calls after one (the compile's)."""
+  """Best seconds of `iters` calls after one (the compile's): bench/rollout.py's `timed`."""
   jax.block_until_ready(fn(*args))
-  best = float("inf")
-  for _ in range(iters):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    best = min(best, time.perf_counter() - t)
-  return best
-
-
-def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 5) -> float:
-  """Bytes/s of a device copy (read + write) of `nbytes`."""
-  x = jnp.zeros((nbytes // 4,), jnp.float32)
-  s = _time(jax.jit(lambda a: a + 1), x, iters=iters)
-  return 2 * nbytes / s
+  return timed(lambda: jax.block_until_ready(fn(*args)), iters)[1]
 
 
 def _way(impl: str, n: int, cfg: ModelConfig):
