@@ -19,6 +19,7 @@ def main():
   board.publish(1000.0 + pid)
   dist.barrier("published")
   seen = board.latest()
+  dist.barrier("read")  # (a peer's republication must not land before this process reads)
   board.publish(5.0)  # a later, older time replaces this process's (allow_overwrite)
   dist.barrier("republished")
   print("RESULT " + json.dumps({"process": pid, "seen": seen, "after": board.latest()}),
