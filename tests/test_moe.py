@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 from tlt_jax.drafter.model import drafter_param_shapes, export_eagle, init_drafter
 from tlt_jax.models import forward, init_cache, lora, moe, param_shapes
+from tlt_jax.models.config import DTYPE_BYTES
 from tlt_jax.models.hf_io import CheckpointFormatError, load_hf_model, save_hf_model
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.engine import Engine
@@ -327,3 +328,73 @@ def test_the_grouped_matmul_tiles_each_experts_rows_and_falls_back_where_it_cann
   assert impl == "xla" and "multiples of 16" in why
   assert moe.grouped_impl(cfg.replace(experts="kernel"))[0] == "kernel"
   assert moe.grouped_impl(cfg.replace(experts="xla"))[0] == "xla"
+
+
+@pytest.mark.parametrize("experts,shape", [("xla", (1, 4)), ("xla", (3, 13)), ("xla", (3, 50)),
+                                           ("kernel", (3, 13))],
+                         ids=["gathered", "dense", "ragged_dot", "kernel"])
+def test_tokens_not_live_route_to_no_expert(ck, experts, shape):
+  """models/moe.py's live mask (an empty or finished row's tokens, padding): the live tokens'
+  outputs are the float64 reference's, the others' zero, through each way; with the kernel,
+  the weights' gradients equal those of the live tokens alone (the padding contributes
+  nothing); and the kernel's tiles hold the live pairs only, so an expert only dead tokens
+  chose is not read."""
+  from tlt_jax.kernels import grouped_matmul as gm
+  _, cfg, params, _ = ck
+  cfg = cfg.replace(experts=experts)
+  lp = jax.tree.map(lambda a: a[0], params["layers"])
+  b, t = shape
+  h = jax.random.normal(jax.random.key(5), (b, t, cfg.hidden_size), jnp.float32)
+  live = np.array(jax.random.bernoulli(jax.random.key(6), 0.4, shape))
+  live[0, 0] = True
+  y = np.asarray(moe.moe_mlp(h, lp, cfg, jnp.float32, jnp.asarray(live)))
+  ref = _reference_mlp(np.asarray(h)[live], lp, cfg.experts_per_token, cfg.norm_topk_prob)
+  np.testing.assert_allclose(y[live], ref, rtol=1e-4, atol=1e-5)
+  assert not np.any(y[~live])
+  if experts != "kernel":
+    return
+  ct = jax.random.normal(jax.random.key(7), h.shape, jnp.float32)
+  names = ("expert_gate", "expert_up", "expert_down")
+
+  w = {n: lp[n] for n in names}
+  masked = jax.grad(lambda w: jnp.sum(
+      moe.moe_mlp(h, {**lp, **w}, cfg, jnp.float32, jnp.asarray(live)) * ct))(w)
+  alone = jax.grad(lambda w: jnp.sum(
+      moe.moe_mlp(h[live][None], {**lp, **w}, cfg.replace(experts="xla"), jnp.float32)
+      * ct[live][None]))(w)
+  for n in names:
+    np.testing.assert_allclose(masked[n], alone[n], rtol=1e-4, atol=1e-5)
+  x = h.reshape(b * t, -1)
+  _, chosen = moe.route(x, lp["router"], cfg, jnp.float32)
+  k, flat = cfg.experts_per_token, live.reshape(-1)
+  lay = gm.layout(chosen.reshape(-1), cfg.num_experts, 16, jnp.asarray(np.repeat(flat, k)))
+  used = set(np.asarray(lay.tile_group)[np.asarray(lay.tile_group) >= 0].tolist())
+  assert used == set(np.asarray(chosen)[flat].reshape(-1).tolist())
+  assert (np.asarray(lay.dest)[~np.repeat(flat, k)] == lay.rows).all()
+
+
+def test_the_experts_a_step_reads_are_its_live_tokens(ck):
+  """The cost model's price of an MoE step (plan/cost.py: `experts_read` of its live tokens)
+  against what the kernel's layout reads: the distinct experts with a tile, averaged over
+  random routings of 3 live rows in a batch of 64 (the simulator's waiting batches)."""
+  from tlt_jax.kernels import grouped_matmul as gm
+  from tlt_jax.plan import cost
+  _, cfg, _, _ = ck
+  e, k = cfg.num_experts, cfg.experts_per_token
+  rng = np.random.default_rng(0)
+  live = np.zeros(64, bool)
+  live[:3] = True
+  reads = []
+  for _ in range(200):
+    chosen = np.stack([rng.choice(e, k, replace=False) for _ in range(64)]).astype(np.int32)
+    lay = gm.layout(jnp.asarray(chosen.reshape(-1)), e, 16, jnp.asarray(np.repeat(live, k)))
+    reads.append(int(np.sum(np.asarray(lay.tiles) > 0)))
+  # each token draws k distinct experts: an expert is missed by one with probability 1 - k/E
+  assert np.mean(reads) == pytest.approx(moe.experts_read(cfg, 3), rel=0.03)
+  assert moe.experts_read(cfg, 3) < 0.6 * moe.experts_read(cfg, 64)
+  _, expert = cost._layer_parts(cfg, 1)
+  saved = cost.forward(cfg, 64, 1, 32).bytes - cost.forward(cfg, 64, 1, 32, live=3).bytes
+  assert saved / (cfg.num_layers * expert * DTYPE_BYTES[cfg.dtype]) == pytest.approx(
+      moe.experts_read(cfg, 64) - moe.experts_read(cfg, 3))
+  flops = cost.forward(cfg, 64, 1, 32).flops - cost.forward(cfg, 64, 1, 32, live=3).flops
+  assert flops == pytest.approx(2.0 * 61 * k * expert * cfg.num_layers)

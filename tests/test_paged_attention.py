@@ -181,6 +181,40 @@ def test_forward_with_paged_attention_matches_the_window(impl, monkeypatch):
     np.testing.assert_allclose(a, w, atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_a_row_that_is_not_live_reads_none_of_its_pages(impl, monkeypatch):
+  """A finished row kept in a batch holds its length while its pages are already another
+  row's (the engine releases them): given as not live (models/transformer.py's `forward`),
+  it reads none of them (its pages full of NaN reach no output), and the live rows' logits
+  are those of a forward without it."""
+  from tlt_jax.kernels import paged_attention as module
+  from tlt_jax.models import forward, init_cache, init_params
+  monkeypatch.setattr(module, "default_impl", lambda: impl)
+  from tlt_jax.models.config import ModelConfig
+  cfg = ModelConfig(arch="qwen3", vocab_size=48, hidden_size=64, intermediate_size=128,
+                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True,
+                    cache_attention="paged")
+  params = init_params(cfg, jax.random.key(0), std=0.2)
+  b, p = 3, 40
+  toks = jax.random.randint(jax.random.key(1), (b, p), 0, cfg.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(p), (b, p))
+  cache = forward(params, toks, pos, cfg=cfg, cache=init_cache(cfg, b, 96), prefill=True).cache
+  cache = cache.replace(lengths=jnp.array([40, 33, 23], jnp.int32))
+  new = jax.random.randint(jax.random.key(2), (b, 1), 0, cfg.vocab_size)
+  npos = cache.lengths[:, None]
+  want = forward(params, new, npos, cfg=cfg, cache=cache).logits
+  pages = np.asarray(cache.table[1])
+  pages = pages[pages != NO_PAGE]
+  poison = lambda pools: tuple(a.at[pages].set(jnp.nan) for a in pools)
+  dead = cache.replace(k=poison(cache.k), v=poison(cache.v))
+  live = jnp.array([[True], [False], [True]])
+  got = forward(params, new, npos, cfg=cfg, cache=dead, live=live).logits
+  assert np.isfinite(np.asarray(got)).all()
+  np.testing.assert_array_equal(got[::2], want[::2])
+  assert not np.isfinite(np.asarray(forward(params, new, npos, cfg=cfg, cache=dead).logits[1])
+                         ).all()  # (the same row, live, reads them)
+
+
 def test_shapes_triton_cannot_block_are_one_error_before_lowering():
   """Compiled for a GPU (interpret=False), a head_dim or page size Triton cannot block is one
   error naming both and the setting to turn off, raised before anything is lowered."""

@@ -191,7 +191,8 @@ def drafter_forward(dparams: Params, target_params: Params, tokens: jax.Array,
                     hidden: jax.Array, positions: jax.Array, *, cfg: ModelConfig,
                     cache: KVCache | None = None, attn_mask: jax.Array | None = None,
                     return_logits: bool = True, kv_len: int | None = None,
-                    window_mask: jax.Array | None = None, segment_ids: jax.Array | None = None
+                    window_mask: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                    live: jax.Array | None = None
                     ) -> tuple[jax.Array, jax.Array | None, KVCache | None]:
   """tokens [B, T] (x_{t+1}), hidden [B, T, D] (f_t, post-norm), positions [B, T] ->
   (g [B, T, D] drafter output, logits [B, T, V] float32 | None, cache): logits = the
@@ -204,7 +205,8 @@ def drafter_forward(dparams: Params, target_params: Params, tokens: jax.Array,
   (`tlt_jax.models.transformer`'s docstring); window_mask [B|1, T, W]: which of its slots each
   query sees, in place of the committed-prefix rule (`decoder_stack`). segment_ids [B, T]
   (no cache): packed training rows, causal within each segment (`packed_attention`: a fused
-  kernel where the backend has one).
+  kernel where the backend has one). live [B, T] or [B, 1] bool: the tokens whose outputs
+  the caller uses (the target's `forward`: a row with none reads none of its pages).
   """
   if tokens.ndim != 2 or hidden.ndim != 3 or hidden.shape[:2] != tokens.shape:
     raise ValueError(f"drafter_forward: tokens {tuple(tokens.shape)} must be [B, T] and hidden "
@@ -215,7 +217,7 @@ def drafter_forward(dparams: Params, target_params: Params, tokens: jax.Array,
   x = _drafter_input(dparams, target_params, tokens, hidden, cfg)
   g, cache = decoder_stack(dparams["layers"], x, positions, cfg=cfg, cache=cache,
                            attn_mask=attn_mask, num_layers=1, kv_len=kv_len,
-                           window_mask=window_mask, segment_ids=segment_ids)
+                           window_mask=window_mask, segment_ids=segment_ids, live=live)
   logits = compute_logits(target_params, g, cfg) if return_logits else None
   return g, logits, cache
 

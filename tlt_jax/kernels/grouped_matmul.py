@@ -41,7 +41,7 @@ BM = 64  # rows a tile: an expert's group is padded to whole tiles
 
 class Layout(NamedTuple):
   """Where the (token, expert) pairs go in the tiled rows (`layout`)."""
-  dest: jax.Array  # [M] int32: each pair's row in the tiled layout
+  dest: jax.Array  # [M] int32: each pair's row in the tiled layout (a pair not live: rows)
   tile_group: jax.Array  # [T] int32: each tile's expert (tiles past the used ones: -1)
   first_tile: jax.Array  # [G] int32: each expert's first tile
   tiles: jax.Array  # [G] int32: each expert's tile count
@@ -60,19 +60,25 @@ def num_tiles(pairs: int, groups: int, bm: int = BM) -> int:
   return -(-pairs // bm) + groups
 
 
-def layout(experts: jax.Array, groups: int, bm: int = BM) -> Layout:
+def layout(experts: jax.Array, groups: int, bm: int = BM, live: jax.Array | None = None
+           ) -> Layout:
   """experts [M] int32 (each pair's expert, in pair order) -> the tiled layout: the pairs in
-  expert order (stable), each expert's group from a tile boundary."""
+  expert order (stable), each expert's group from a tile boundary. live [M] bool (None: all):
+  a pair not live (an empty batch row's, a padding token's) is in no tile (its `dest` is
+  `rows`, past the layout: writes there drop, reads fill), so an expert only such pairs chose
+  gets no tile and is not read."""
   m = experts.shape[0]
   t = num_tiles(m, groups, bm)
-  sizes = jnp.bincount(experts, length=groups).astype(jnp.int32)
+  key = experts if live is None else jnp.where(live, experts, groups)  # (dead pairs: last)
+  sizes = jnp.bincount(key, length=groups + 1)[:groups].astype(jnp.int32)
   tiles = -(-sizes // bm)
   ends = jnp.cumsum(tiles)
   first_tile = ends - tiles
   group_start = jnp.cumsum(sizes) - sizes  # each expert's first pair in sorted order
-  order = jnp.argsort(experts, stable=True)
+  order = jnp.argsort(key, stable=True)
   ranked = jnp.zeros((m,), jnp.int32).at[order].set(jnp.arange(m, dtype=jnp.int32))
-  dest = first_tile[experts] * bm + ranked - group_start[experts]
+  e = jnp.minimum(key, groups - 1)
+  dest = jnp.where(key < groups, first_tile[e] * bm + ranked - group_start[e], t * bm)
   tile_group = jnp.searchsorted(ends, jnp.arange(t, dtype=jnp.int32), side="right")
   tile_group = jnp.where(tile_group < groups, tile_group, -1)
   return Layout(dest.astype(jnp.int32), tile_group.astype(jnp.int32),

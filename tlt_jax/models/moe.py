@@ -11,7 +11,10 @@ On a GPU every forward's experts run as a grouped matmul, our Pallas kernel
 rows (16 for a rollout step's few pairs, 64 for a learner's many), each tile times its
 expert's weights read in place, forward and backward; so a decode step of one token reads
 its k experts, a step's tokens the distinct experts they route to (`experts_read`, what the
-cost model prices), and the learner computes k experts a token. A run checks it at start-up
+cost model prices), and the learner computes k experts a token. Tokens whose outputs are
+not used (`moe_mlp`'s live mask: a batch's empty and finished rows, a prompt's or a packed
+row's padding) route to no expert, so a batch kept at 256 rows for a tail of 10 reads what
+the 10 route to. A run checks it at start-up
 against XLA's form at the model's shapes (`grouped_impl`, `cfg.experts`); under a mesh of
 several devices it runs per shard (`jax.shard_map`: the tokens over the data axes, the
 experts' width over "tensor", the down projection's partial sums added over it).
@@ -55,19 +58,21 @@ def route(x: jax.Array, router: jax.Array, cfg: ModelConfig, dtype
   return weights.astype(dtype), experts.astype(jnp.int32)
 
 
-def _gathered(x, weights, experts, lp, dtype):
+def _gathered(x, weights, experts, lp, dtype, live=None):
   """Few tokens: each pair's expert weights gathered ([R, k, D, F]: the bytes of the experts
-  used, once per pair)."""
+  used, once per pair; a token not live still gathers, its weights zero: `moe_mlp`)."""
+  del live
   g = jnp.einsum("RD,RKDF->RKF", x, lp["expert_gate"][experts].astype(dtype))
   u = jnp.einsum("RD,RKDF->RKF", x, lp["expert_up"][experts].astype(dtype))
   y = jnp.einsum("RKF,RKFD->RKD", jax.nn.silu(g) * u, lp["expert_down"][experts].astype(dtype))
   return jnp.einsum("RKD,RK->RD", y, weights)
 
 
-def _dense(x, weights, experts, lp, dtype):
+def _dense(x, weights, experts, lp, dtype, live=None):
   """Up to DENSE_TOKENS tokens: every expert on every token ([R, E, F]), the outputs weighted
-  by the router's weights scattered over the E experts (zero off a token's k) and summed by
-  one matmul over (E, F)."""
+  by the router's weights scattered over the E experts (zero off a token's k, and for a
+  token not live: `moe_mlp`) and summed by one matmul over (E, F)."""
+  del live
   e = lp["expert_gate"].shape[0]
   g = jnp.einsum("RD,EDF->REF", x, lp["expert_gate"].astype(dtype))
   u = jnp.einsum("RD,EDF->REF", x, lp["expert_up"].astype(dtype))
@@ -76,15 +81,18 @@ def _dense(x, weights, experts, lp, dtype):
   return jnp.einsum("REF,EFD->RD", h, lp["expert_down"].astype(dtype))
 
 
-def _grouped(x, weights, experts, lp, dtype):
+def _grouped(x, weights, experts, lp, dtype, live=None):
   """Many tokens in XLA: the pairs sorted by expert, each expert's group through its MLP
-  (`ragged_dot`), weighted, and summed back per token."""
+  (`ragged_dot`), weighted, and summed back per token; pairs not live sorted past every
+  group (ragged_dot leaves rows past its groups zero)."""
   r, k = experts.shape
   e = lp["expert_gate"].shape[0]
   flat = experts.reshape(r * k)
+  if live is not None:
+    flat = jnp.where(jnp.repeat(live, k), flat, e)
   order = jnp.argsort(flat, stable=True)  # [R k] pairs grouped by expert
   token = order // k
-  sizes = jnp.bincount(flat, length=e).astype(jnp.int32)  # [E]
+  sizes = jnp.bincount(flat, length=e + 1)[:e].astype(jnp.int32)  # [E]
   xs = x[token]  # [R k, D]
   g = jax.lax.ragged_dot(xs, lp["expert_gate"].astype(dtype), sizes)
   u = jax.lax.ragged_dot(xs, lp["expert_up"].astype(dtype), sizes)
@@ -93,31 +101,34 @@ def _grouped(x, weights, experts, lp, dtype):
   return jnp.zeros((r, x.shape[-1]), y.dtype).at[token].add(y)
 
 
-def _kernel_local(x, weights, experts, wg, wu, wd, *, tensor: str | None):
-  """The grouped matmul on one shard: its tokens' pairs tiled by expert (`gm.layout`, tiles
-  of `gm.tile_rows`), the gate and up products, SiLU, the down product, each pair's output
-  weighted and its token's k summed (the pairs are in token order); with the width split
-  over `tensor`, the down product's partial sums added over it."""
+def _kernel_local(x, weights, experts, live, wg, wu, wd, *, tensor: str | None):
+  """The grouped matmul on one shard: its live tokens' pairs tiled by expert (`gm.layout`,
+  tiles of `gm.tile_rows`), the gate and up products, SiLU, the down product, each pair's
+  output weighted and its token's k summed (the pairs are in token order; a pair not live
+  gets zeros); with the width split over `tensor`, the down product's partial sums added
+  over it."""
   r, k = experts.shape
   bm = gm.tile_rows(r * k, wg.shape[0])
-  lay = gm.layout(experts.reshape(r * k), wg.shape[0], bm)
-  xs = jnp.zeros((lay.rows, x.shape[-1]), x.dtype).at[lay.dest].set(jnp.repeat(x, k, axis=0))
+  lay = gm.layout(experts.reshape(r * k), wg.shape[0], bm, jnp.repeat(live, k))
+  xs = jnp.zeros((lay.rows, x.shape[-1]), x.dtype).at[lay.dest].set(
+      jnp.repeat(x, k, axis=0), mode="drop")
   mm = functools.partial(gm.gmm, tile_group=lay.tile_group, first_tile=lay.first_tile,
                          tiles=lay.tiles, bm=bm)
   h = jax.nn.silu(mm(xs, wg)) * mm(xs, wu)  # (the padding rows: zeros throughout)
-  y = mm(h, wd)[lay.dest] * weights.reshape(r * k, 1)
+  y = mm(h, wd).at[lay.dest].get(mode="fill", fill_value=0) * weights.reshape(r * k, 1)
   y = y.reshape(r, k, -1).sum(axis=1)
   return jax.lax.psum(y, tensor) if tensor else y
 
 
-def _grouped_kernel(x, weights, experts, lp, dtype):
+def _grouped_kernel(x, weights, experts, lp, dtype, live=None):
   """`_kernel_local` on the whole batch, or per shard under a mesh of several devices (the
   module docstring): a custom call left to the SPMD partitioner would be gathered onto every
   device."""
   wg, wu, wd = (lp[n].astype(dtype) for n in ("expert_gate", "expert_up", "expert_down"))
+  live = jnp.ones(x.shape[:1], jnp.bool_) if live is None else live
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
-    return _kernel_local(x, weights, experts, wg, wu, wd, tensor=None)
+    return _kernel_local(x, weights, experts, live, wg, wu, wd, tensor=None)
   batch = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names and mesh.shape[a] > 1)
   if batch and x.shape[0] % math.prod(mesh.shape[a] for a in batch):
     batch = ()  # (tokens that do not split evenly: every shard computes them all)
@@ -125,9 +136,9 @@ def _grouped_kernel(x, weights, experts, lp, dtype):
   tensor = "tensor" if t > 1 and wg.shape[-1] % t == 0 else None
   rows = P(batch or None, None)
   return jax.shard_map(functools.partial(_kernel_local, tensor=tensor), mesh=mesh,
-                       in_specs=(rows, rows, rows, P(None, None, tensor),
+                       in_specs=(rows, rows, rows, P(batch or None), P(None, None, tensor),
                                  P(None, None, tensor), P(None, tensor, None)),
-                       out_specs=rows, check_vma=False)(x, weights, experts, wg, wu, wd)
+                       out_specs=rows, check_vma=False)(x, weights, experts, live, wg, wu, wd)
 
 
 def grouped_impl(cfg: ModelConfig) -> tuple[str, str]:
@@ -172,13 +183,22 @@ def path(tokens: int, cfg: ModelConfig):
   return _dense if tokens <= DENSE_TOKENS else _grouped
 
 
-def moe_mlp(h: jax.Array, lp, cfg: ModelConfig, dtype) -> jax.Array:
-  """h [B, T, D] (the layer's post-attention normed stream) -> the experts' output [B, T, D]."""
+def moe_mlp(h: jax.Array, lp, cfg: ModelConfig, dtype, live: jax.Array | None = None
+            ) -> jax.Array:
+  """h [B, T, D] (the layer's post-attention normed stream) -> the experts' output [B, T, D].
+  live [B, T] bool (None: every token): tokens whose outputs are used (not an empty batch
+  row's, a finished row's, a padding token's); the others route to no expert and get zeros,
+  so the kernel reads only the experts live tokens chose (a tail of 10 rows in a batch of
+  256 reads experts_read(10), not every expert) and ragged_dot skips them. Each token's
+  experts are its own: a live token's output is the same whichever others are live."""
   b, t, d = h.shape
   x = h.reshape(b * t, d)
   weights, experts = route(x, lp["router"], cfg, dtype)
+  flat = None if live is None else live.reshape(b * t)
+  if flat is not None:
+    weights = jnp.where(flat[:, None], weights, 0)
   if grouped_impl(cfg)[0] == "kernel":
-    y = _grouped_kernel(x, weights, experts, lp, dtype)
+    y = _grouped_kernel(x, weights, experts, lp, dtype, flat)
   else:
-    y = path(b * t, cfg)(x, weights, experts, lp, dtype)
+    y = path(b * t, cfg)(x, weights, experts, lp, dtype, flat)
   return y.reshape(b, t, d).astype(h.dtype)

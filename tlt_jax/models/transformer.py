@@ -200,7 +200,7 @@ def _proj(x, lp, name: str, eq: str, dtype):
 
 
 def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv, within_chunk: bool = False,
-           segment_ids=None):
+           segment_ids=None, live=None):
   """One decoder layer. kv: None (training: attend within the chunk; segment_ids [B, T]:
   causal within each packed segment, `packed_attention`) or
   (k_pool [P, page, K, H], v_pool, addr: CacheAddr) of this layer -> writes this chunk's k/v
@@ -210,7 +210,9 @@ def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv, within_chunk: bool = Fal
   (cfg.cache_attention="paged"): each row's live pages only, whatever the window
   (kernels/paged_attention.py).
   within_chunk: attend to the chunk's own k/v even with a cache (a prefill of an empty cache:
-  nothing else is visible, so the [T, S] scores over the whole cache are never formed)."""
+  nothing else is visible, so the [T, S] scores over the whole cache are never formed).
+  live [B, T] bool (None: all): the tokens whose outputs are used; an MoE layer routes the
+  others to no expert (models/moe.py), a dense layer ignores it."""
   dt = cfg.compute_dtype
   # An EAGLE drafter's layer has no input norm (its input is already a projection): no key.
   h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps) if "attn_norm" in lp else x
@@ -264,7 +266,7 @@ def _layer(cfg: ModelConfig, x, lp, cos, sin, mask, kv, within_chunk: bool = Fal
   x = x + out
   h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
   if "router" in lp:  # experts (models/moe.py); a drafter's layer over an MoE target is dense
-    return x + moe_mlp(h, lp, cfg, dt), new_kv
+    return x + moe_mlp(h, lp, cfg, dt, live), new_kv
   if "gate_up" in lp:  # fused: [D, 2, F]
     gu = _dense(h, lp["gate_up"], "BTD,DCF->BTCF", dt)
     gate, up = gu[:, :, 0], gu[:, :, 1]
@@ -294,7 +296,7 @@ def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, 
                   cache: KVCache | None = None, attn_mask: jax.Array | None = None,
                   num_layers: int | None = None, prefill: bool = False,
                   kv_len: int | None = None, window_mask: jax.Array | None = None,
-                  segment_ids: jax.Array | None = None):
+                  segment_ids: jax.Array | None = None, live: jax.Array | None = None):
   """Runs the decoder layers over residual stream x [B, T, D]: stacked ([L, ...] leaves) or
   unstacked (a tuple of per-layer dicts, `unstack_layers`). Shared with the drafter, which is
   one layer of the same architecture. prefill: the cache is empty (lengths 0), so the chunk
@@ -304,8 +306,11 @@ def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, 
   [B|1, T, W] (with a cache; W the window): which window slot each query sees, in place of
   "the committed prefix and the chunk's mask" (the drafter's teacher-forced chains: each
   sees only part of the prefix). segment_ids [B, T] (no cache, no attn_mask): packed rows,
-  each token attending to the earlier tokens of its own segment (0 = padding)."""
+  each token attending to the earlier tokens of its own segment (0 = padding). live [B, T]
+  bool: the tokens whose outputs the caller uses (`forward`)."""
   b, t, _ = x.shape
+  if live is not None:  # ([B, 1]: a row's every token)
+    live = jnp.broadcast_to(live, (b, t))
   cos, sin = rope_tables(cfg, positions)
   unstacked = isinstance(params_layers, (tuple, list))
   n_layers = num_layers or (len(params_layers) if unstacked
@@ -315,7 +320,8 @@ def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, 
     if segment_ids is not None and attn_mask is not None:
       raise ValueError("give segment_ids or attn_mask, not both")
     mask = attn_mask  # None: causal (causal_attention), or packed segments
-    layer_fn = lambda x, lp: _layer(cfg, x, lp, cos, sin, mask, None, segment_ids=segment_ids)
+    layer_fn = lambda x, lp: _layer(cfg, x, lp, cos, sin, mask, None, segment_ids=segment_ids,
+                                    live=live)
     if cfg.remat:  # "dots": projections' outputs saved, attention scores (batched dots) not
       policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable
                 if cfg.remat_policy == "dots" else None)
@@ -341,8 +347,9 @@ def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, 
   else:
     if window_mask is not None:
       mask = window_mask
-    elif cfg.cache_attention == "paged":
-      mask = PagedView(cache.lengths, cache.table, attn_mask)
+    elif cfg.cache_attention == "paged":  # a row none of whose tokens is live reads no page
+      lengths = cache.lengths if live is None else jnp.where(live.any(axis=1), cache.lengths, 0)
+      mask = PagedView(lengths, cache.table, attn_mask)
     else:
       mask = _cache_mask(cache.lengths, t, w, attn_mask)
     slots = cache.lengths[:, None] + jnp.arange(t)[None, :]
@@ -351,7 +358,7 @@ def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, 
   for i in range(n_layers):  # unrolled: see the module docstring
     lp = params_layers[i] if unstacked else jax.tree.map(lambda a, i=i: a[i], params_layers)
     x, (k_i, v_i) = _layer(cfg, x, lp, cos, sin, mask, (cache.k[i], cache.v[i], addr),
-                           within_chunk=prefill)
+                           within_chunk=prefill, live=live)
     ks.append(k_i)
     vs.append(v_i)
   return x, cache.replace(k=tuple(ks), v=tuple(vs))
@@ -360,7 +367,8 @@ def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, 
 def forward(params: Params, tokens: jax.Array, positions: jax.Array, *, cfg: ModelConfig,
             cache: KVCache | None = None, attn_mask: jax.Array | None = None,
             return_logits: bool = True, prefill: bool = False,
-            kv_len: int | None = None, segment_ids: jax.Array | None = None) -> ModelOutput:
+            kv_len: int | None = None, segment_ids: jax.Array | None = None,
+            live: jax.Array | None = None) -> ModelOutput:
   """tokens, positions [B, T] int32 -> ModelOutput.
 
   attn_mask [B|1, T, T] bool restricts which tokens of THIS chunk a query sees (causal when
@@ -373,15 +381,26 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, *, cfg: Mod
   (`attention.packed_attention`: a fused kernel where the backend has one) and positions are
   the caller's (each segment's own, from 0).
 
+  live [B, T] bool (None: every token; with segment_ids, the non-padding ones): the tokens
+  whose outputs the caller uses; an empty batch row's, a finished row's or a padding token's
+  may be False, and then costs what it can not to: a mixture of experts routes it to no
+  expert (models/moe.py: the experts a step reads are its live tokens'), and under paged
+  attention a row with no live token reads none of its pages (a finished row kept in a batch
+  still holds its length; its pages are already another row's). The caller guarantees that
+  no live token attends to a token that is not live (their hidden states are not the
+  model's).
+
   `hidden` is the last hidden state AFTER the final norm, as vLLM's and HF's model forwards
   return it: the state the serving engines' EAGLE drafters read (tlt_jax/drafter/model.py),
   which the LM head alone (`compute_logits`) turns into logits. The norm runs here rather
   than in `compute_logits`: the same ops in the same order, so logits are unchanged.
   """
+  if live is None and segment_ids is not None:
+    live = segment_ids != 0
   x = embed_tokens(params, tokens, cfg)
   x, cache = decoder_stack(params["layers"], x, positions, cfg=cfg, cache=cache,
                            attn_mask=attn_mask, prefill=prefill, kv_len=kv_len,
-                           segment_ids=segment_ids)
+                           segment_ids=segment_ids, live=live)
   h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   logits = compute_logits(params, h, cfg) if return_logits else None
   return ModelOutput(logits=logits, hidden=h, cache=cache)

@@ -14,9 +14,10 @@ a window of `kv_len` cache slots, on one device of a replica split `tp` ways (th
             as much as live ones: the window is read whole), batch x tokens written
   FLOPs     2 per weight per token through the matmuls (the LM head included), plus the
             attention's 4 x heads x head_dim per (query, slot) pair
-  experts   (a mixture of experts) the weights read are the experts the forward's tokens
-            route to (models/moe.py's `experts_read`), the FLOPs each token's k experts: the
-            grouped-matmul kernel's, which a GPU runs (its tiles' padding not counted)
+  experts   (a mixture of experts) the weights read are the experts the forward's live
+            tokens route to (models/moe.py's `experts_read`; `live` of the batch's rows: an
+            empty or finished row routes to none), the FLOPs each live token's k experts:
+            the grouped-matmul kernel's, which a GPU runs (its tiles' padding not counted)
   collective  with tp > 1, two all-reduces of the residual stream per layer (attention out,
             MLP out) of batch x tokens x hidden activations, ring cost 2 (tp - 1) / tp
 
@@ -209,14 +210,15 @@ def _layer_parts(cfg: ModelConfig, tp: int) -> tuple[int, int]:
   return w + d * cfg.num_experts, 3 * d * _split(cfg.moe_intermediate_size, tp)
 
 
-def _layer_read(cfg: ModelConfig, tp: int, tokens: int) -> tuple[float, int]:
-  """(the parameters a forward over `tokens` tokens reads in a layer, those each token
-  multiplies through: what its FLOPs count)."""
+def _layer_read(cfg: ModelConfig, tp: int, tokens: int, live: int) -> tuple[float, float]:
+  """(the parameters a forward over `tokens` tokens, `live` of them routed to experts,
+  reads in a layer; the parameter-token products its matmuls do: what its FLOPs count)."""
   base, expert = _layer_parts(cfg, tp)
   if not cfg.moe:
-    return base, base
+    return base, float(base) * tokens
   from tlt_jax.models import moe
-  return base + expert * moe.experts_read(cfg, tokens), base + expert * cfg.experts_per_token
+  return (base + expert * moe.experts_read(cfg, live),
+          float(base) * tokens + float(expert) * cfg.experts_per_token * live)
 
 
 def model_weights(cfg: ModelConfig) -> int:
@@ -231,22 +233,26 @@ def head_weights(cfg: ModelConfig, tp: int = 1) -> int:
 
 
 def forward(cfg: ModelConfig, batch: int, tokens: int, kv_len: int, *, tp: int = 1,
-            layers: int | None = None, head: bool = True, dtype: str | None = None) -> Cost:
+            layers: int | None = None, head: bool = True, dtype: str | None = None,
+            live: int | None = None) -> Cost:
   """A forward of the target (or, with layers=1 and the drafter's extras added by `draft`,
   the drafter) over batch x tokens new tokens attending over kv_len slots (module
   docstring). head: the LM head runs on every new token (verification, decode); prefill
-  runs it on the last token only (head=False, then one token's head added by the caller)."""
+  runs it on the last token only (head=False, then one token's head added by the caller).
+  live: the rows whose tokens a mixture of experts routes (None: all `batch`; the engine
+  passes the others as not live, models/transformer.py's `forward`)."""
   nb = DTYPE_BYTES[dtype or cfg.dtype]
   n_layers = cfg.num_layers if layers is None else layers
   bt = batch * tokens
   d, h = cfg.hidden_size, cfg.head_dim_
   n, k = _split(cfg.num_heads, tp), _split(cfg.num_kv_heads, tp)
-  w_read, w_token = _layer_read(cfg, tp, bt)  # (equal in a dense model)
+  live_t = bt if live is None else min(live, batch) * tokens
+  w_read, w_products = _layer_read(cfg, tp, bt, live_t)
   weights = n_layers * w_read + (head_weights(cfg, tp) if head else 0)
   gathered = 0 if cfg.tie_word_embeddings and head else bt * d  # embedding rows gathered
   kv = n_layers * 2 * k * h * nb * (batch * kv_len + bt)
   acts = 2 * bt * d * nb + (bt * _split(cfg.vocab_size, tp) * 4 if head else 0)
-  flops = 2.0 * bt * (n_layers * w_token + (head_weights(cfg, tp) if head else 0))
+  flops = 2.0 * (n_layers * w_products + bt * (head_weights(cfg, tp) if head else 0))
   flops += 4.0 * bt * kv_len * n * h * n_layers
   coll = 0.0
   if tp > 1:
@@ -280,16 +286,16 @@ def prefill(cfg: ModelConfig, prompts: int, prompt_len: int, *, tp: int = 1,
 
 
 def spec_step(cfg: ModelConfig, arm, batch: int, kv_len: int, *, tp: int = 1,
-              dtype: str | None = None) -> Cost:
+              dtype: str | None = None, live: int | None = None) -> Cost:
   """One speculative step of `arm` (a rollout.policies.strategy.Strategy): the target's verification
   over its verify tokens, the drafter's catch-up over steps + 1 tokens and steps - 1 more
   drafter steps of topk (a history arm drafts on the host: its verification only; "off" one
   target token and the drafter's catch-up over it). Host work (a history lookup) is not in
-  it."""
+  it. live: the rows still decoding (`forward`'s)."""
   if arm == "off" or not arm.steps:
-    return forward(cfg, batch, 1, kv_len, tp=tp, dtype=dtype) + draft(
+    return forward(cfg, batch, 1, kv_len, tp=tp, dtype=dtype, live=live) + draft(
         cfg, batch, 1, kv_len, tp=tp, dtype=dtype)
-  c = forward(cfg, batch, arm.verify_tokens, kv_len, tp=tp, dtype=dtype)
+  c = forward(cfg, batch, arm.verify_tokens, kv_len, tp=tp, dtype=dtype, live=live)
   if arm.history and not arm.hybrid:  # (a hybrid's drafter chain runs beside the history's)
     return c
   c = c + draft(cfg, batch, arm.steps + 1, kv_len, tp=tp, dtype=dtype)

@@ -199,7 +199,7 @@ class SimEngine(Engine):
     for tokens, _, _ in resume_chunks(texts, prompt, bucket, self.ecfg):
       width = tokens.shape[1]
       self._compile(exe_key("extend", bucket, width))
-      c = cost.forward(self.cfg, bucket, width, text + width // 2, tp=self.tp)
+      c = cost.forward(self.cfg, bucket, width, text + width // 2, tp=self.tp, live=len(reqs))
       if warm:
         self._compile(exe_key("resume_track", bucket, width), self.drafter_compile)
         c = c + cost.draft(self.cfg, bucket, width, self.ecfg.cache_len, tp=self.tp)
@@ -211,7 +211,8 @@ class SimEngine(Engine):
     # again (no pending token: a next speculative step samples one first)
     b, m = state.batch_size, self.compiles.max_steps(c.plan) + 1
     self._compile(exe_key("switch_off", b))
-    fwd = (cost.forward(self.cfg, b, 1, self.ecfg.cache_len, tp=self.tp)
+    live = sum(r is not None for r in state.rows)
+    fwd = (cost.forward(self.cfg, b, 1, self.ecfg.cache_len, tp=self.tp, live=live)
            + cost.draft(self.cfg, b, m, self.ecfg.cache_len, tp=self.tp))
     self._spend("drafter_tracking", self._seconds(fwd))
     for row in state.rows:
@@ -223,14 +224,17 @@ class SimEngine(Engine):
     ecfg, b, n = self.ecfg, state.batch_size, self.ecfg.chunk_size
     first = False
     read = kv_len  # the KV slots a step reads per row: the window's
-    if ecfg.paged_attention:  # each row's own live slots (an empty one: none), mid-chunk
-      read = max(1, -(-sum(r.prompt + r.produced + n // 2 for r in state.rows
-                           if r is not None) // b))
+    # the rows still decoding: the others (empty, finished) route to no expert and read no
+    # page (models/transformer.py's `forward`, given them as not live)
+    going = [r for r in state.rows if r is not None and r.produced < r.target]
+    live = len(going)
+    if ecfg.paged_attention:  # each live row's own slots, mid-chunk
+      read = max(1, -(-sum(r.prompt + r.produced + n // 2 for r in going) // b))
     if arm is None:
       hidden = c.capture or ecfg.spec is not None
       self._compile(exe_key("decode", b, kv_len, hidden))
       self.compiles.plain_ahead(c.plan, plain_variant(c.sp), hidden, kv_len, state)
-      step = cost.forward(self.cfg, b, 1, read, tp=self.tp)
+      step = cost.forward(self.cfg, b, 1, read, tp=self.tp, live=live)
       per = np.ones((b, n), np.int64)
       what = "decode"
     else:
@@ -238,7 +242,7 @@ class SimEngine(Engine):
       self._compile(key)
       first = key not in self._ran
       self._ran.add(key)
-      step = cost.spec_step(self.cfg, arm, b, read, tp=self.tp)
+      step = cost.spec_step(self.cfg, arm, b, read, tp=self.tp, live=live)
       per = self.acceptance.draw(arm, self.rng, (b, n)) + 1
       what = "verify"
     valid = np.zeros((b, n * int(per.max(initial=1)) + 1), bool)  # (+ a pending token)

@@ -67,7 +67,7 @@ def prefill_with_hidden(params: Params, cache: KVCache, tokens: jax.Array,
   b, p = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
   out = forward(params, tokens, positions, cfg=cfg, cache=cache, return_logits=False,
-                prefill=True)
+                prefill=True, live=positions < prompt_lens[:, None])
   last = jnp.clip(prompt_lens - 1, 0, p - 1)
   hidden = jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)[:, 0]
   empty = prompt_lens <= 0
@@ -206,7 +206,7 @@ def decode_chunk(params: Params, state: DecodeState, temperature: jax.Array | No
     done = state.done | is_stop | (num_generated >= state.max_new)
     lengths = state.cache.lengths
     out = forward(params, tok[:, None], lengths[:, None], cfg=cfg, cache=state.cache,
-                  return_logits=False, kv_len=kv_len)
+                  return_logits=False, kv_len=kv_len, live=active[:, None])
     state = state.replace(
         cache=out.cache.replace(lengths=lengths + active),
         hidden=jnp.where(active[:, None], out.hidden[:, 0], state.hidden),
@@ -240,8 +240,9 @@ def extend(params: Params, state: DecodeState, tokens: jax.Array, counts: jax.Ar
   t = tokens.shape[1]
   lengths = state.cache.lengths
   positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-  out = forward(params, tokens, positions, cfg=cfg, cache=state.cache, return_logits=False)
   valid = jnp.arange(t)[None, :] < counts[:, None]
+  out = forward(params, tokens, positions, cfg=cfg, cache=state.cache, return_logits=False,
+                live=valid)
   last = jnp.clip(counts - 1, 0, t - 1)
   at_last = jnp.take_along_axis(out.hidden, last[:, None, None], axis=1)[:, 0]
   produced_by = jnp.concatenate([state.hidden[:, None].astype(out.hidden.dtype),

@@ -17,11 +17,13 @@ from tlt_jax.rollout.sampling import processed_logprobs
 from tlt_jax.rollout.policies.strategy import Strategy
 
 
-def draft_chain(dparams, params, dc: KVCache, g, dlogits, keys, *, cfg, sp, steps, kv_len):
+def draft_chain(dparams, params, dc: KVCache, g, dlogits, keys, *, cfg, sp, steps, kv_len,
+                live=None):
   """`steps` drafts, one drafter forward each after the first (the catch-up produced it).
   Greedy drafts are the argmax (no keys, no softmax); sampled drafts are drawn from the
   processed drafter distribution q with keys [B, steps], and q is returned for the
-  acceptance test. Returns (drafts [B, steps], q [B, steps, V] | None, drafter cache)."""
+  acceptance test. live [B] bool: the rows still decoding (None: all; the others read no
+  page). Returns (drafts [B, steps], q [B, steps, V] | None, drafter cache)."""
   drafts, qs = [], []
   base_len = dc.lengths
   for i in range(steps):
@@ -35,7 +37,8 @@ def draft_chain(dparams, params, dc: KVCache, g, dlogits, keys, *, cfg, sp, step
     if i + 1 < steps:
       pos = (base_len + i)[:, None]
       g3, dl3, dc = drafter_forward(dparams, params, d_i[:, None], g[:, None], pos, cfg=cfg,
-                                    cache=dc.replace(lengths=base_len + i), kv_len=kv_len)
+                                    cache=dc.replace(lengths=base_len + i), kv_len=kv_len,
+                                    live=None if live is None else live[:, None])
       g, dlogits = g3[:, 0], dl3[:, 0]
   q_all = jnp.stack(qs, axis=1) if qs else None
   return jnp.stack(drafts, axis=1), q_all, dc.replace(lengths=base_len)

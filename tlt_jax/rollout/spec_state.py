@@ -103,14 +103,16 @@ def prefill(params: Params, dparams: Params, cache: KVCache, dpool: KVCache, tok
 
 
 def catch_up(dparams: Params, params: Params, state: SpecState, *, cfg: ModelConfig,
-             kv_len: int | None = None, logits: bool = True):
+             kv_len: int | None = None, logits: bool = True, live: jax.Array | None = None):
   """The drafter consumes its catch-up pairs (one forward over [B, M], committed); returns
-  (state, g_last [B, D], logits_last [B, V] | None): its output at each row's last pair."""
+  (state, g_last [B, D], logits_last [B, V] | None): its output at each row's last pair.
+  live [B] bool: the rows whose outputs are used (None: all; the others read no page)."""
   dc = state.dcache
   m = state.catch_tokens.shape[1]
   pos = dc.lengths[:, None] + jnp.arange(m, dtype=jnp.int32)[None, :]
   g, lg, dc = drafter_forward(dparams, params, state.catch_tokens, state.catch_hidden, pos,
-                              cfg=cfg, cache=dc, kv_len=kv_len, return_logits=logits)
+                              cfg=cfg, cache=dc, kv_len=kv_len, return_logits=logits,
+                              live=None if live is None else live[:, None])
   last = jnp.clip(state.catch_count - 1, 0, m - 1)
   at_last = lambda x: jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
   dc = dc.replace(lengths=dc.lengths + state.catch_count)
@@ -128,7 +130,7 @@ def track(params: Params, dparams: Params, dcache: KVCache, tokens: jax.Array,
   target forward over the rows' text."""
   pos = dcache.lengths[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
   _, _, dc = drafter_forward(dparams, params, tokens, hidden, pos, cfg=cfg, cache=dcache,
-                             return_logits=False)
+                             return_logits=False, live=valid)
   return dc.replace(lengths=dc.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32))
 
 
@@ -141,12 +143,13 @@ def switch_off(params: Params, dparams: Params, state: SpecState, *, cfg: ModelC
   decoding's (every row at its next slot, only those fed committed), so the row's cache
   holds its whole text and `hidden` is the one its next token is sampled from. Rows without
   one (prefilled, not stepped yet) keep theirs."""
-  state, _, _ = catch_up(dparams, params, state, cfg=cfg, logits=False)
+  state, _, _ = catch_up(dparams, params, state, cfg=cfg, logits=False,
+                         live=state.has_pending & ~state.base.done)
   base = state.base
   feed = state.has_pending & ~base.done
   lengths = base.cache.lengths
   out = forward(params, state.pending[:, None], lengths[:, None], cfg=cfg, cache=base.cache,
-                return_logits=False)
+                return_logits=False, live=feed[:, None])
   base = base.replace(cache=out.cache.replace(lengths=lengths + feed),
                       hidden=jnp.where(feed[:, None], out.hidden[:, 0], base.hidden))
   return state.replace(base=base, has_pending=jnp.zeros_like(state.has_pending))

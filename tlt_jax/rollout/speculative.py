@@ -64,9 +64,11 @@ from tlt_jax.rollout.sampling import SamplingParams, processed_logprobs, sample_
 from tlt_jax.rollout.spec_state import SpecState, catch_up
 from tlt_jax.rollout.policies.strategy import Strategy
 
-def _catch_up(dparams, params, state: SpecState, cfg: ModelConfig, kv_len: int | None):
+
+def _catch_up(dparams, params, state: SpecState, cfg: ModelConfig, kv_len: int | None,
+              live=None):
   """Drafter consumes its catch-up pairs; returns (state, g_last [B, D], logits_last [B, V])."""
-  return catch_up(dparams, params, state, cfg=cfg, kv_len=kv_len)
+  return catch_up(dparams, params, state, cfg=cfg, kv_len=kv_len, live=live)
 
 
 def _emit(bufs: ChunkOutput, count: jax.Array, tokens, logprobs, hidden, n_emit):
@@ -156,7 +158,7 @@ def _verify_commit(params, state: SpecState, bufs: ChunkOutput, count, st: _Star
   path = None  # [B, k+1]: node ids of the verified sequence (0 = pending; None: a chain)
   out = forward(params, vtoks, vpos, cfg=cfg, cache=base.cache,
                 attn_mask=None if tree is None else tree.visible, return_logits=False,
-                kv_len=kv_len)
+                kv_len=kv_len, live=live[:, None])
   f = out.hidden  # [B, N, D]
   tlp = processed_logprobs(compute_logits(params, f, cfg), sp)  # [B, N, V]
   if use_kernel is None:  # the engine's GPU default: the kernel where it measured faster
@@ -238,13 +240,13 @@ def spec_step(params, dparams, state: SpecState, bufs: ChunkOutput, count, *, cf
   n = state.base.cache.lengths
   # 2.-3. drafter catch-up and drafts. The catch-up runs for "off" (k = 0) too: it keeps the
   # drafter warm for the other arms.
-  state, g, dlogits = _catch_up(dparams, params, state, cfg, kv_len)
+  state, g, dlogits = _catch_up(dparams, params, state, cfg, kv_len, st.live)
   tree, q = None, None
   if k == 0:
     vtoks, vpos = state.pending[:, None], n[:, None]
   elif strategy.topk == 1:
     drafts, q, dc = draft_chain(dparams, params, state.dcache, g, dlogits, sub, cfg=cfg,
-                                 sp=sp, steps=k, kv_len=kv_len)
+                                 sp=sp, steps=k, kv_len=kv_len, live=st.live)
     vtoks = jnp.concatenate([state.pending[:, None], drafts], axis=1)
     vpos = n[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
   else:
@@ -289,11 +291,11 @@ def history_step(params, dparams, state: SpecState, tokens, parents, *, cfg: Mod
       valid=jnp.zeros((b, width), jnp.bool_), steps=jnp.int32(1))
   count = jnp.zeros((b,), jnp.int32)
   state, bufs, count, st = _start(params, state, bufs, count, cfg=cfg, sp=sp, stop=stop)
-  state, g, dlogits = _catch_up(dparams, params, state, cfg, kv_len)
+  state, g, dlogits = _catch_up(dparams, params, state, cfg, kv_len, st.live)
   use = st.live & ~st.need
   if strategy.hybrid:
     drafts, _, dc = draft_chain(dparams, params, state.dcache, g, dlogits, None, cfg=cfg,
-                                 sp=_GREEDY, steps=k, kv_len=kv_len)
+                                 sp=_GREEDY, steps=k, kv_len=kv_len, live=st.live)
     state = state.replace(dcache=dc)
     tokens, parents = hybrid_draft(tokens[:, :k], parents[:, :k], drafts, use)
     use = st.live  # a row whose history draft is stale still has the drafter's
