@@ -370,15 +370,18 @@ class Engine(Replica):
         steps=int(host[0].steps), wall_time=dt, mode=arm or "plain", accepted=int(host[3][0]),
         verifications=int(host[3][1]), t=self.clock() - c.t_start,
         compiled=self.exes.compiled_here() != compiles, first_run=first,
-        read=self._read(c, len(live), min(kv_len, need)) if ecfg.paged_attention else
-        self._read(c, state.batch_size, kv_len),
+        read=self._read(c, state.batch_size, min(kv_len, need) if ecfg.paged_attention
+                        else kv_len),
         wide=kv_len > ecfg.window_for(need)), c)
     return state, started
 
   def _read(self, c: Call, batch: int, kv_len: int) -> float:
     """Bytes one step of a chunk reads (weights, every row's window; paged attention: the
-    live rows' reach, a finished row reading no page): the gate's measure of how much of a
-    step's time the bytes explain (probe.row_seconds). Only with a gate."""
+    rows' reach): the gate's measure of how much of a step's time the bytes explain
+    (probe.row_seconds). Only with a gate. Every row of the bucket counts, a finished one too
+    (it reads no page since 2026-12-07, but its matmuls' rows still cost): counting only the
+    live rows' slots declined the 7B's payoff at a per-draft 0.3 (1.05 -> 0.98x of the step
+    over 6 steps, docs/scale.md's sweep)."""
     if c.gate is None:
       return 0.0
     return self.compiles.step_bytes(c.plan, batch, kv_len)
