@@ -205,7 +205,7 @@ def drafter_forward(dparams: Params, target_params: Params, tokens: jax.Array,
   (`tlt_jax.models.transformer`'s docstring); window_mask [B|1, T, W]: which of its slots each
   query sees, in place of the committed-prefix rule (`decoder_stack`). segment_ids [B, T]
   (no cache): packed training rows, causal within each segment (`packed_attention`: a fused
-  kernel where the backend has one). live [B, T] or [B, 1] bool: the tokens whose outputs
+  kernel where the backend has one). live [B, T] or [B] bool: the tokens whose outputs
   the caller uses (the target's `forward`: a row with none reads none of its pages).
   """
   if tokens.ndim != 2 or hidden.ndim != 3 or hidden.shape[:2] != tokens.shape:

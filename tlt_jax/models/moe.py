@@ -194,8 +194,9 @@ def moe_mlp(h: jax.Array, lp, cfg: ModelConfig, dtype, live: jax.Array | None = 
   b, t, d = h.shape
   x = h.reshape(b * t, d)
   weights, experts = route(x, lp["router"], cfg, dtype)
-  flat = None if live is None else live.reshape(b * t)
-  if flat is not None:
+  flat = None
+  if live is not None:
+    flat = live.reshape(b * t)
     weights = jnp.where(flat[:, None], weights, 0)
   if grouped_impl(cfg)[0] == "kernel":
     y = _grouped_kernel(x, weights, experts, lp, dtype, flat)

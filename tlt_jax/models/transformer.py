@@ -307,10 +307,10 @@ def decoder_stack(params_layers: Params, x: jax.Array, positions: jax.Array, *, 
   "the committed prefix and the chunk's mask" (the drafter's teacher-forced chains: each
   sees only part of the prefix). segment_ids [B, T] (no cache, no attn_mask): packed rows,
   each token attending to the earlier tokens of its own segment (0 = padding). live [B, T]
-  bool: the tokens whose outputs the caller uses (`forward`)."""
+  or [B] (a row's every token) bool: the tokens whose outputs the caller uses (`forward`)."""
   b, t, _ = x.shape
-  if live is not None:  # ([B, 1]: a row's every token)
-    live = jnp.broadcast_to(live, (b, t))
+  if live is not None:  # ([B]: a row's every token)
+    live = jnp.broadcast_to(live[:, None] if live.ndim == 1 else live, (b, t))
   cos, sin = rope_tables(cfg, positions)
   unstacked = isinstance(params_layers, (tuple, list))
   n_layers = num_layers or (len(params_layers) if unstacked
@@ -381,7 +381,7 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, *, cfg: Mod
   (`attention.packed_attention`: a fused kernel where the backend has one) and positions are
   the caller's (each segment's own, from 0).
 
-  live [B, T] bool (None: every token; with segment_ids, the non-padding ones): the tokens
+  live [B, T] or [B] bool (None: every token; with segment_ids, the non-padding ones): the tokens
   whose outputs the caller uses; an empty batch row's, a finished row's or a padding token's
   may be False, and then costs what it can not to: a mixture of experts routes it to no
   expert (models/moe.py: the experts a step reads are its live tokens'), and under paged

@@ -206,7 +206,7 @@ def decode_chunk(params: Params, state: DecodeState, temperature: jax.Array | No
     done = state.done | is_stop | (num_generated >= state.max_new)
     lengths = state.cache.lengths
     out = forward(params, tok[:, None], lengths[:, None], cfg=cfg, cache=state.cache,
-                  return_logits=False, kv_len=kv_len, live=active[:, None])
+                  return_logits=False, kv_len=kv_len, live=active)
     state = state.replace(
         cache=out.cache.replace(lengths=lengths + active),
         hidden=jnp.where(active[:, None], out.hidden[:, 0], state.hidden),

@@ -38,7 +38,7 @@ def draft_chain(dparams, params, dc: KVCache, g, dlogits, keys, *, cfg, sp, step
       pos = (base_len + i)[:, None]
       g3, dl3, dc = drafter_forward(dparams, params, d_i[:, None], g[:, None], pos, cfg=cfg,
                                     cache=dc.replace(lengths=base_len + i), kv_len=kv_len,
-                                    live=None if live is None else live[:, None])
+                                    live=live)
       g, dlogits = g3[:, 0], dl3[:, 0]
   q_all = jnp.stack(qs, axis=1) if qs else None
   return jnp.stack(drafts, axis=1), q_all, dc.replace(lengths=base_len)

@@ -112,7 +112,7 @@ def catch_up(dparams: Params, params: Params, state: SpecState, *, cfg: ModelCon
   pos = dc.lengths[:, None] + jnp.arange(m, dtype=jnp.int32)[None, :]
   g, lg, dc = drafter_forward(dparams, params, state.catch_tokens, state.catch_hidden, pos,
                               cfg=cfg, cache=dc, kv_len=kv_len, return_logits=logits,
-                              live=None if live is None else live[:, None])
+                              live=live)
   last = jnp.clip(state.catch_count - 1, 0, m - 1)
   at_last = lambda x: jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
   dc = dc.replace(lengths=dc.lengths + state.catch_count)
@@ -149,7 +149,7 @@ def switch_off(params: Params, dparams: Params, state: SpecState, *, cfg: ModelC
   feed = state.has_pending & ~base.done
   lengths = base.cache.lengths
   out = forward(params, state.pending[:, None], lengths[:, None], cfg=cfg, cache=base.cache,
-                return_logits=False, live=feed[:, None])
+                return_logits=False, live=feed)
   base = base.replace(cache=out.cache.replace(lengths=lengths + feed),
                       hidden=jnp.where(feed[:, None], out.hidden[:, 0], base.hidden))
   return state.replace(base=base, has_pending=jnp.zeros_like(state.has_pending))

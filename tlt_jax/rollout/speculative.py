@@ -158,7 +158,7 @@ def _verify_commit(params, state: SpecState, bufs: ChunkOutput, count, st: _Star
   path = None  # [B, k+1]: node ids of the verified sequence (0 = pending; None: a chain)
   out = forward(params, vtoks, vpos, cfg=cfg, cache=base.cache,
                 attn_mask=None if tree is None else tree.visible, return_logits=False,
-                kv_len=kv_len, live=live[:, None])
+                kv_len=kv_len, live=live)
   f = out.hidden  # [B, N, D]
   tlp = processed_logprobs(compute_logits(params, f, cfg), sp)  # [B, N, V]
   if use_kernel is None:  # the engine's GPU default: the kernel where it measured faster
