@@ -36,7 +36,8 @@ def child(args) -> dict:
   from tlt_jax.config import asset_path
   from tlt_jax.data.prompts import load_prompt_rows
   from tlt_jax.drafter.model import load_drafter
-  from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
+  from tlt_jax.models.hf_io import load_hf_model
+  from tlt_jax.models.tokenizer import load_tokenizer, stop_token_ids
   from tlt_jax.rollout.config import EngineConfig, SpecConfig
   from tlt_jax.rollout.sampling import SamplingParams
   import tlt_jax

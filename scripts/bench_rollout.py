@@ -82,7 +82,8 @@ def main():
 
   from tlt_jax.config import asset_path
   from tlt_jax.data.prompts import load_prompt_rows
-  from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
+  from tlt_jax.models.hf_io import load_hf_model
+  from tlt_jax.models.tokenizer import load_tokenizer, stop_token_ids
   from tlt_jax.rollout.config import EngineConfig
   from tlt_jax.rollout.engine import Engine
   from tlt_jax.rollout.records import Request, tokens_per_verification

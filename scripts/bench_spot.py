@@ -50,7 +50,8 @@ def main(argv=None):
   from tlt_jax.drafter.merge import make_merge
   from tlt_jax.drafter.model import load_drafter
   from tlt_jax.drafter.trainer import DrafterTrainer
-  from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
+  from tlt_jax.models.hf_io import load_hf_model
+  from tlt_jax.models.tokenizer import load_tokenizer, stop_token_ids
   from tlt_jax.optim import make_optimizer
   from tlt_jax.rollout.config import EngineConfig, SpecConfig
   from tlt_jax.rollout.engine import Engine

@@ -294,8 +294,8 @@ def evaluate(dparams, target_params, seqs, eval_fn, depth, batch=8, bucket=64):
 def main(argv=None):
   args = parse_args(argv)
   from tlt_jax.checkpoint import Checkpointer
-  from tlt_jax.models.hf_io import (load_hf_model, load_tokenizer, read_hf_config,
-                                    stop_token_ids)
+  from tlt_jax.models.hf_io import load_hf_model, read_hf_config
+  from tlt_jax.models.tokenizer import load_tokenizer, stop_token_ids
   from tlt_jax.rollout.config import EngineConfig
   from tlt_jax.rollout.engine import Engine
   from tlt_jax.rollout.sampling import SamplingParams

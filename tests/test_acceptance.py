@@ -116,7 +116,7 @@ def test_spot_training_with_context_keeps_a_good_drafter_good(default_target, mo
   from tlt_jax.bench import drift
   from tlt_jax.config import asset_path
   from tlt_jax.data.prompts import load_prompt_rows
-  from tlt_jax.models.hf_io import load_tokenizer
+  from tlt_jax.models.tokenizer import load_tokenizer
   cfg, params, dparams, stop, _ = default_target
   tok = load_tokenizer(asset_path("default", "model"))
   train, _ = load_prompt_rows(asset_path("default", "data", "train.jsonl"))

@@ -22,7 +22,8 @@ from tlt_jax.bench import bench_model
 from tlt_jax.bench import regime, roofline
 from tlt_jax.drafter.model import drafter_forward, load_drafter
 from tlt_jax.models import forward
-from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
+from tlt_jax.models.hf_io import load_hf_model
+from tlt_jax.models.tokenizer import load_tokenizer, stop_token_ids
 from tlt_jax.rollout.config import EngineConfig, SpecConfig
 from tlt_jax.rollout.engine import Engine
 from tlt_jax.rollout.records import Request

@@ -555,7 +555,8 @@ def test_a_steps_rollouts_concatenate_on_the_first_clock():
 def default_model():
   from tlt_jax.config import asset_path
   from tlt_jax.drafter.model import load_drafter
-  from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
+  from tlt_jax.models.hf_io import load_hf_model
+  from tlt_jax.models.tokenizer import load_tokenizer, stop_token_ids
   mdir = asset_path("default", "model")
   cfg, params = load_hf_model(mdir)
   tok = load_tokenizer(mdir)

@@ -415,7 +415,7 @@ def make_chat_model_dir(path, style):
 def test_chat_template_end_of_turn_joins_the_stop_tokens(tmp_path, style, end_of_turn):
   from transformers import AutoTokenizer
 
-  from tlt_jax.models.hf_io import stop_token_ids
+  from tlt_jax.models.tokenizer import stop_token_ids
   make_chat_model_dir(str(tmp_path), style)
   tok = AutoTokenizer.from_pretrained(str(tmp_path))  # as the run loads it
   eos = tok.eos_token_id
@@ -433,7 +433,7 @@ def test_chat_message_prompts_stop_at_the_end_of_turn(tmp_path):
   from transformers import AutoTokenizer
 
   from tlt_jax import runtime
-  from tlt_jax.models.hf_io import stop_token_ids
+  from tlt_jax.models.tokenizer import stop_token_ids
   make_chat_model_dir(str(tmp_path), "qwen2.5")
   tok = AutoTokenizer.from_pretrained(str(tmp_path))
   eos, eot = tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")

@@ -106,7 +106,7 @@ def test_a_user_install_loads_the_tokenizer_without_torch_and_quietly():
   code = ("import importlib.util\n"
           "assert importlib.util.find_spec('torch') is None\n"
           "from tlt_jax.config import asset_path\n"
-          "from tlt_jax.models.hf_io import load_tokenizer\n"
+          "from tlt_jax.models.tokenizer import load_tokenizer\n"
           "print(load_tokenizer(asset_path('default', 'model')).encode('12+3='))\n"
           "import transformers\n"
           "assert not transformers.utils.is_torch_available()\n")

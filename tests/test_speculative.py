@@ -89,7 +89,8 @@ def shipped():
   (cfg, params, drafter params, tokenizer, test prompt rows, stop tokens)."""
   from tlt_jax.data.prompts import load_prompt_rows
   from tlt_jax.drafter.model import load_drafter
-  from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
+  from tlt_jax.models.hf_io import load_hf_model
+  from tlt_jax.models.tokenizer import load_tokenizer, stop_token_ids
   mdir = os.path.join(DEFAULT_MODEL, "model")
   cfg, params = load_hf_model(mdir)
   dparams = load_drafter(os.path.join(DEFAULT_MODEL, "drafter"), cfg)

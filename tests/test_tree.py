@@ -91,7 +91,7 @@ def test_the_learner_imports_nothing_of_how_responses_were_decoded():
 
 def test_data_imports_only_the_tokenizer_loader():
   for path, mods in _package_imports("data").items():
-    bad = {m for m in mods if not m.startswith("tlt_jax.models.hf_io")}
+    bad = {m for m in mods if not m.startswith("tlt_jax.models.tokenizer")}
     assert not bad, f"{path} imports {sorted(bad)}"
 
 

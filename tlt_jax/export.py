@@ -54,7 +54,8 @@ from tlt_jax.errors import output_dir_problem
 from tlt_jax.models import lora
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.hf_io import (MAX_SHARD_BYTES, CheckpointFormatError, load_hf_config,
-                                  load_hf_model, load_tokenizer, read_hf_config, save_hf_model)
+                                  load_hf_model, read_hf_config, save_hf_model)
+from tlt_jax.models.tokenizer import load_tokenizer
 
 DTYPES = ("bfloat16", "float16", "float32")
 POLICIES = ("final", "every", "none")  # config.train.export_policy

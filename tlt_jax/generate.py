@@ -141,7 +141,8 @@ def main(argv):
   for name in ("model", "prompts", "output"):
     if not getattr(FLAGS, name):
       raise InputError(f"--{name} is required")
-  from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
+  from tlt_jax.models.hf_io import load_hf_model
+  from tlt_jax.models.tokenizer import load_tokenizer, stop_token_ids
   from tlt_jax.rollout.config import EngineConfig
   from tlt_jax.rollout.engine import Engine, prompt_problem
   from tlt_jax.rollout.records import EngineHooks, Request, tokens_per_verification

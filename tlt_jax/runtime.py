@@ -193,7 +193,8 @@ def model_config(cfg: ml_collections.ConfigDict) -> ModelConfig:
 def load_model(cfg: ml_collections.ConfigDict, mesh=None, rows: Sequence[Any] = ()):
   """-> (ModelConfig, params, tokenizer, stop token ids); rows: the prompts it will answer
   (`stop_tokens`)."""
-  from tlt_jax.models.hf_io import CheckpointFormatError, load_hf_model, load_tokenizer
+  from tlt_jax.models.hf_io import CheckpointFormatError, load_hf_model
+  from tlt_jax.models.tokenizer import load_tokenizer
   # with LoRA the model is frozen and held in the compute dtype (models/lora.py): read it so,
   # never as float32 master weights first
   lora = bool((cfg.model.get("lora") or {}).get("rank", 0))
@@ -228,7 +229,8 @@ def stop_tokens(cfg: ml_collections.ConfigDict, tokenizer, rows: Sequence[Any] =
   where prompts are wrapped in the template (data.chat_template, or rows whose prompts are chat
   messages, which always are): a base model's EOS is <|endoftext|>, its turns end with
   <|im_end|>, and a chat response would otherwise run past its turn."""
-  from tlt_jax.models.hf_io import CheckpointFormatError, stop_token_ids
+  from tlt_jax.models.hf_io import CheckpointFormatError
+  from tlt_jax.models.tokenizer import stop_token_ids
   chat = bool(cfg.data.get("chat_template", False)) if "data" in cfg else False
   try:
     stop = stop_token_ids(cfg.model.path, tokenizer, chat_template=chat or any(

@@ -45,7 +45,8 @@ import numpy as np
 from tlt_jax.config import asset_path
 from tlt_jax.drafter.model import drafter_cache, drafter_forward, load_drafter, save_drafter
 from tlt_jax.models import ModelConfig, forward, init_cache, num_params, unstack_layers
-from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, read_hf_config, save_hf_model
+from tlt_jax.models.hf_io import load_hf_model, read_hf_config, save_hf_model
+from tlt_jax.models.tokenizer import load_tokenizer
 
 SHIPPED = asset_path("default")
 NEW_LAYER_STD = 0.02
@@ -304,7 +305,7 @@ def load_target(target_dir: str | None = None, dtype: str | None = None):
   token ids). dtype: the compute and param dtype (None: the checkpoint's)."""
   from tlt_jax.config import asset_path
   from tlt_jax.data.prompts import load_prompt_rows
-  from tlt_jax.models.hf_io import stop_token_ids
+  from tlt_jax.models.tokenizer import stop_token_ids
   root = target_dir or asset_path("default")
   model_dir, drafter_dir = (os.path.join(root, x) for x in ("model", "drafter"))
   kw = {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}

@@ -231,7 +231,8 @@ def context(workdir: str, *, num_prompts: int, num_train_prompts: int, samples: 
   and drafter, held-out and training prompts (after those the run drew), the spot tokens."""
   from tlt_jax.data.prompts import load_files, split_paths
   from tlt_jax.drafter.model import load_drafter
-  from tlt_jax.models.hf_io import load_hf_model, load_tokenizer, stop_token_ids
+  from tlt_jax.models.hf_io import load_hf_model
+  from tlt_jax.models.tokenizer import load_tokenizer, stop_token_ids
   with open(os.path.join(workdir, "config.json")) as f:
     run_cfg = json.load(f)
   m = run_cfg["model"]

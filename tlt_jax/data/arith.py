@@ -217,7 +217,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 32):
 
 def wrap_tokenizer(tok, model_max_length: int = 512):
   """`transformers.PreTrainedTokenizerFast` around a trained tokenizer (EOS/PAD set)."""
-  from tlt_jax.models.hf_io import transformers_module
+  from tlt_jax.models.tokenizer import transformers_module
 
   fast = transformers_module().PreTrainedTokenizerFast
   return fast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,

@@ -1,7 +1,8 @@
 """Pure-functional Qwen2/Qwen3/Llama models: config, params, forward (transformer.py), its
 attention implementations (attention.py: XLA's reference, cuDNN, Pallas flash attention), the
 paged KV cache (kv_cache.py), the rollout replicas' weight layouts (layouts.py), LoRA adapters
-(lora.py), HF checkpoint I/O (hf_io.py). The bottom layer: it imports only the kernels and the
+(lora.py), HF checkpoint I/O (hf_io.py), a model directory's tokenizer and stop ids
+(tokenizer.py). The bottom layer: it imports only the kernels and the
 sharding rules (tests/test_tree.py)."""
 
 from tlt_jax.models.config import ModelConfig, RopeScaling, num_params
