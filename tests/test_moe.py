@@ -330,6 +330,36 @@ def test_the_grouped_matmul_tiles_each_experts_rows_and_falls_back_where_it_cann
   assert moe.grouped_impl(cfg.replace(experts="xla"))[0] == "xla"
 
 
+@pytest.mark.parametrize("k,n,bm,pairs", [(2048, 768, 16, 64), (768, 2048, 64, 4096)],
+                         ids=["gate_up_decode", "down_learner"])
+def test_the_grouped_matmul_lowers_to_triton_for_a_gpu(k, n, bm, pairs):
+  """The kernel has not yet run on a GPU: its forward and backward (the weight gradient's
+  device-read trip counts included) lower to Triton IR for an H100 at Qwen3-30B-A3B's shapes
+  (128 experts), in bf16, with both tiles a run uses. Pallas' own lowering rejects what Triton
+  cannot express (block shapes, dynamic loops, dtypes); only the PTX step needs a GPU."""
+  import warnings
+  from tlt_jax.kernels import grouped_matmul as gm
+  try:
+    from jax._src.lib import triton  # noqa: F401  (the TTIR dialect bindings)
+  except ImportError as e:
+    pytest.skip(f"jaxlib without Triton bindings: {e}")
+  S, g = jax.ShapeDtypeStruct, 128
+  rows = gm.num_tiles(pairs, g, bm) * bm
+  args = (S((rows, k), jnp.bfloat16), S((g, k, n), jnp.bfloat16), S((rows // bm,), jnp.int32),
+          S((g,), jnp.int32), S((g,), jnp.int32), S((rows, n), jnp.bfloat16))
+
+  def step(x, w, tile_group, first, tiles, dy):
+    y, pull = jax.vjp(lambda x, w: gm.gmm(x, w, tile_group, first, tiles, bm, False), x, w)
+    return (y,) + pull(dy)
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
+                                       platform="gpu")
+  with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(
+      jax.sharding.AbstractMesh((), (), abstract_device=device)):
+    text = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("xla.gpu.triton") == 3  # y, dx (gmm by the transposed weights), dw
+  assert 'name = "grouped_matmul"' in text and 'name = "grouped_matmul_wgrad"' in text
+
+
 @pytest.mark.parametrize("experts,shape", [("xla", (1, 4)), ("xla", (3, 13)), ("xla", (3, 50)),
                                            ("kernel", (3, 13))],
                          ids=["gathered", "dense", "ragged_dot", "kernel"])
