@@ -60,7 +60,6 @@ class FakeEngine:
 
   def release_params(self):
     self.params = None
-    return True
 
   def set_drafter_params(self, params):
     self.drafter_params = params

@@ -677,6 +677,18 @@ def _requests(n):
   return [Request(list(rng.randint(1, 61, rng.randint(2, 12))), i) for i in range(n)]
 
 
+def _plain_greedy(params, n):
+  """`_requests(n)`, greedy sampling, and their plain decoding's responses by request id."""
+  reqs, sp = _requests(n), SamplingParams(temperature=0.0)
+  return reqs, sp, {r.request_id: r.response_ids
+                    for r in Engine(params, CFG, EngineConfig(**SMALL)).generate(reqs, sp)}
+
+
+# a speculating engine compiling in the background, its arm 3_1_4
+BACKGROUND = SpecConfig(strategy="3_1_4", bs_threshold=4, patience=1, use_kernel=False,
+                        background_compile=True)
+
+
 def test_workers_compile_and_speculate_only_where_the_gate_opens(tiny):
   """Two workers share a gate. While a bucket is probed only the prober compiles speculative
   executables, that bucket's only (its speculating batch does not compact into buckets not
@@ -684,11 +696,8 @@ def test_workers_compile_and_speculate_only_where_the_gate_opens(tiny):
   by the other worker at its next rollout and speculated at. Greedy outputs stay plain
   decoding's throughout."""
   params, dparams = tiny
-  reqs, sp = _requests(9), SamplingParams(temperature=0.0)
-  plain = {r.request_id: r.response_ids
-           for r in Engine(params, CFG, EngineConfig(**SMALL)).generate(reqs, sp)}
-  spec = SpecConfig(strategy="3_1_4", bs_threshold=4, patience=1, use_kernel=False,
-                    background_compile=True)
+  reqs, sp, plain = _plain_greedy(params, 9)
+  spec = BACKGROUND
   gate = SpecGate(GateConfig(min_chunks=1, margin=1e6, reprobe_every=0))  # never pays
   a, b = (Engine(params, CFG, EngineConfig(**SMALL, spec=spec), drafter_params=dparams,
                  worker_id=i) for i in (0, 1))
@@ -730,6 +739,64 @@ def test_workers_compile_and_speculate_only_where_the_gate_opens(tiny):
   run(b)
   assert any(c.mode == "3_1_4" and c.bucket == 1 for c in b.chunk_log[n_b:])
   assert all(c.mode == "plain" for c in b.chunk_log[n_b:] if c.bucket > 1)
+
+
+def _every_bucket(state, status, arms=()):
+  """`state` with every bucket's status set (as if measured), `arms` funded there."""
+  return dataclasses.replace(state, at={
+      b: dataclasses.replace(r, status=status, funded=frozenset(map(Strategy, arms)))
+      for b, r in state.at.items()})
+
+
+def test_what_the_next_call_compiles_as_it_starts_compiles_between_calls(tiny):
+  """As a call ends, what the next one would compile as it starts, given the gate as the
+  next rollout will begin (`SpecGate.next_rollout`), is queued on the compile thread: the
+  arms of the buckets it opens and, this call untracked and the next tracked, the drafter's
+  prefill after each of this call's prefills' shapes (`track_prompt`) and its tracking at
+  the buckets it decoded plainly at. The next call then compiles none of it again
+  (executables compiled from abstract shapes run on its arrays), no chunk of it compiles,
+  it speculates, and its greedy outputs are plain decoding's. Where the next rollout opens
+  nothing, nothing is queued."""
+  params, dparams = tiny
+  reqs, sp, plain = _plain_greedy(params, 4)
+  spec = BACKGROUND
+
+  class Untracked(SpecGate):  # (this call may not speculate; the next rollout's gate: `then`)
+    then = "declined"
+
+    def may_speculate(self):
+      return False
+
+    def next_rollout(self):
+      return SpecGate(_every_bucket(self.state, self.then,
+                                    ["3_1_4"] if self.then == "pays" else []))
+
+  def ahead(w):
+    return {r.key for r in w.compile_log if r.name in ("track", "track_prompt", "spec")}
+  for then in ("declined", "pays"):
+    gate = Untracked(GateConfig(min_chunks=10_000, window=10_000, reprobe_every=0))
+    gate.then = then
+    w = Engine(params, CFG, EngineConfig(**SMALL, spec=spec), drafter_params=dparams)
+    w.generate(reqs, sp, policies=PolicyCells(gate=gate))
+    w.compiles.wait(timeout=600)
+    assert all(c.mode == "plain" for c in w.chunk_log)
+    before = ahead(w)
+    if then == "declined":
+      assert before == set()
+      continue
+    assert {k.name for k in before} == {"track", "track_prompt", "spec"}
+    assert {c.bucket for c in w.chunk_log} <= {r.batch for r in w.compile_log
+                                                if r.name == "track"}
+    assert {r.batch for r in w.compile_log if r.name == "spec"} == set(SMALL["buckets"])
+    n = len(w.chunk_log)
+    out = {r.request_id: r.response_ids for r in w.generate(
+        reqs, sp, policies=PolicyCells(gate=SpecGate(_every_bucket(gate.state, "pays",
+                                                                    ["3_1_4"]))))}
+    chunks = w.chunk_log[n:]
+    assert ahead(w) == before  # nothing of it compiled again, in the foreground or not
+    assert any(c.mode == "3_1_4" for c in chunks) and not any(c.compiled for c in chunks)
+    for k, v in plain.items():
+      np.testing.assert_array_equal(out[k], v)
 
 
 def test_drafter_data_is_captured_only_while_the_gate_wants_the_drafter(tiny):

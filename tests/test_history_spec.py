@@ -170,6 +170,9 @@ class NotWantedGate:
   def may_speculate(self):
     return True
 
+  def next_rollout(self):
+    return self
+
   def allows(self, worker_id, bucket):
     return True
 

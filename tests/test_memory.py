@@ -98,6 +98,33 @@ def test_kv_cache_and_replica_weights_match_the_compiled_decode_step():
   assert resident <= ma.argument_size_in_bytes <= resident * 1.01 + 16384
 
 
+@pytest.mark.parametrize("release", [True, False])
+def test_the_kv_pools_are_planned_where_the_engine_holds_them(tiny, release):
+  """An engine keeps its page pools (target and drafter) between rollouts until
+  `release_params` (memory.release_rollout_weights, after the rollout): released, the plan
+  counts them in the rollout phase only; kept, in every phase (they stay through the
+  learner's). The engine's own pools after a generate, released or not, say which."""
+  from spec_helpers import SMALL, TINY
+  from tlt_jax.rollout.config import EngineConfig, SpecConfig
+  from tlt_jax.rollout.engine import Engine
+  from tlt_jax.rollout.records import Request
+  from tlt_jax.rollout.sampling import SamplingParams
+  cfg = _cfg(**{"memory.release_rollout_weights": release})
+  plan = memory.plan(config_lib.run_spec(cfg), _model(), device="cpu", num_devices=2)
+  phases = {i.name: set(i.phases) for i in plan.items}
+  params, dparams = tiny
+  e = Engine(params, TINY, EngineConfig(**SMALL, spec=SpecConfig(strategy="3_1_4",
+                                                                 use_kernel=False)),
+             drafter_params=dparams)
+  e.generate([Request([3, 4, 5], 0)], SamplingParams(temperature=0.0))
+  if release:
+    e.release_params()
+  kept = sum(x.nbytes for x in jax.tree.leaves(list(e.kv._kept.values())))
+  for name in ("KV cache", "drafter KV cache"):
+    assert (phases[name] == {"rollout"}) == (kept == 0), (name, phases[name], kept)
+    assert {"logprobs", "update"} <= phases[name] or release
+
+
 def _learner_temps(m: ModelConfig, rows: int, T: int, chunk: int):
   from tlt_jax.rl import grpo
   ap = tf.abstract_params(m)

@@ -536,6 +536,65 @@ def test_with_a_gate_only_the_arms_chunks_ask_for_compile():
                                        for p in plain}
 
 
+def test_what_the_next_call_compiles_as_it_starts_compiles_on_the_compile_clock():
+  """The simulator as the engine (CompilePlan.next_call): a call ending untracked whose next
+  rollout's gate opens every bucket queues that call's arms, the drafter's prefill at its
+  prefills' shapes and its tracking where it decoded plainly on the compile clock, so the
+  next call, after the learner's phases, waits for none of them (each compile 2 s here, the
+  drafter's 0.1 s) and speculates; where the next rollout opens nothing, that call compiles
+  its `track_prompt` in its own time and decodes plainly while its arms compile (2 s: longer
+  than the call)."""
+  import dataclasses
+  from tlt_jax.rollout.policies.cells import PolicyCells, SpecGate
+  from tlt_jax.rollout.policies.gate import GateConfig
+
+  def every(state, status, arms=()):
+    return dataclasses.replace(state, at={
+        b: dataclasses.replace(r, status=status, funded=frozenset(map(Strategy, arms)))
+        for b, r in state.at.items()})
+  paying = lambda state: every(state, "pays", ["3_1_4"])  # noqa: E731
+
+  class Untracked(SpecGate):  # (this call may not speculate; the next rollout's gate set here)
+    opens = False
+
+    def may_speculate(self):
+      return False
+
+    def next_rollout(self):
+      return SpecGate(paying(self.state) if self.opens else every(self.state, "declined"))
+
+  def second_call_waits(opens):
+    ecfg = EngineConfig(max_batch=8, buckets=(1, 2, 4, 8), chunk_size=4, max_prompt_len=16,
+                        max_new_tokens=400, prompt_bucket=16,
+                        spec=SpecConfig(strategy="3_1_4", bs_threshold=8, patience=1,
+                                        use_kernel=False, background_compile=True))
+    s = sim_engine.SimEngine(TINY, ecfg, PROFILES["h100"], compile_s=2.0,
+                             acceptance=workload.Acceptance(default=2.0))
+    s.drafter_compile = 0.05
+    reqs = _requests(8)
+    s.lengths = {_key(r): 40 + 30 * i for i, r in enumerate(reqs)}
+    gate = Untracked(GateConfig(min_chunks=10_000, window=10_000, reprobe_every=0))
+    gate.opens = opens
+    s.generate(reqs, SamplingParams(temperature=1.0), policies=PolicyCells(gate=gate))
+    s.now += 600.0  # the learner's phases: the compile clock runs on
+    waited, real = [], s._compile
+
+    def compile_(key, scale=1.0):
+      t = s.busy["compile"]
+      real(key, scale)
+      if s.busy["compile"] > t:
+        waited.append(key.name)
+    s._compile = compile_
+    n = len(s.chunk_log)
+    s.generate(reqs, SamplingParams(temperature=1.0),
+               policies=PolicyCells(gate=SpecGate(paying(gate.state))))
+    return waited, {str(c.mode) for c in s.chunk_log[n:]}
+  waited, modes = second_call_waits(False)
+  assert "track_prompt" in waited and modes == {"plain"}  # (its arms compiling all along)
+  waited, modes = second_call_waits(True)
+  assert not {"track", "track_prompt", "spec"} & set(waited) and "3_1_4" in modes
+
+
 def _eight_rows_3_1_4():
   """A simulated worker of 8 rows in buckets 1-8, one arm (3_1_4) compiled in the background
   (0.02 s a compile), 2 tokens per verification."""

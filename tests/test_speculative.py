@@ -780,14 +780,26 @@ def test_a_window_a_chunk_needs_compiles_before_queued_arms(tiny):
 def test_background_compile_then_speculation_without_foreground_compiles(tiny, plain_greedy):
   """With background compilation the worker decodes plainly until a bucket's arms are ready;
   once compiled, a generate call speculates and compiles nothing in the foreground, and
-  outputs stay exactly plain greedy decoding's."""
+  outputs stay exactly plain greedy decoding's. The compiles never read the weights: the
+  engine's copy is released (as after every rollout, for the learner's phases) while all of
+  them are still queued, and they complete."""
+  import threading
+  from tlt_jax.rollout.executables import background_compiler
   params, dparams = tiny
   reqs, sp, plain = _greedy_plain(plain_greedy, 9)
   w = Engine(params, CFG, EngineConfig(
       **SMALL, spec=SpecConfig(strategy="3_1_4", bs_threshold=4, patience=1, use_kernel=False,
                               background_compile=True)), drafter_params=dparams)
+  w.compiles._compiler = background_compiler("test-compile")
+  hold = threading.Event()
+  w.compiles._submit(lambda: hold.wait(600))  # (every compile of the call queues behind it)
   first = _by_id(w.generate(reqs, sp))
+  assert not any(r.name == "spec" for r in w.compile_log)
+  w.release_params()
+  assert w.params is None
+  hold.set()
   w.compiles.wait(timeout=600)
+  w.set_params(params)
   compiled = {(r.batch, r.key.variant[0]) for r in w.compile_log if r.name == "spec"}
   assert compiled == {(b, a) for b, arms in w.choosable_pairs().items()
                       for a in arms}

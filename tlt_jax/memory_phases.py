@@ -154,9 +154,11 @@ def rollout(z: Sizes) -> list[Item]:
                 + (", freed after the rollout, made again in the sync" if release else ""))]
   S, page = z.spec.engine.cache_len, z.spec.engine.page_size
   kv_token = L * 2 * z.split(K) * H * cbytes
-  items.append(Item("KV cache", pages * page * kv_token, ("rollout",),
+  # (the pools go with the weights, Replica.release_params; kept, they stay for every phase)
+  items.append(Item("KV cache", pages * page * kv_token, ("rollout",) if release else PHASES,
                     f"{pages} pages x {page} slots x {kv_token / 1024:.0f} KiB/token "
-                    f"(= {pages * page / max(mb, 1):.0f} slots per row of max_batch {mb})"))
+                    f"(= {pages * page / max(mb, 1):.0f} slots per row of max_batch {mb})"
+                    + ("" if release else ", kept between rollouts")))
   P = int(cfg.data.max_prompt_len)
   f_dev, n_dev = z.split(F), z.split(N)
   w = verify_width(z.spec) if z.spec.tlt else 1
@@ -220,9 +222,10 @@ def drafter(z: Sizes) -> list[Item]:
   items.append(Item("drafter (worker)", worker, PHASES, "params" + (" + AdamW" if trained
                                                                      else "")))
   page = z.spec.engine.page_size
+  release = bool(z.cfg.memory.get("release_rollout_weights", False))  # (as the target's pools)
   items.append(Item("drafter KV cache",
                     z.pages * page * 2 * z.split(m.num_kv_heads) * m.head_dim_ * cbytes,
-                    ("rollout",), "one layer, the same pages"))
+                    ("rollout",) if release else PHASES, "one layer, the same pages"))
   if trained:
     t = int(d.rows) * int(d.row_len)
     chunk = min(LossConfig().logit_chunk, t)

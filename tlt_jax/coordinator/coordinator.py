@@ -82,10 +82,9 @@ class Worker:
     return changed
 
   def release_actor(self) -> None:
-    """Frees this worker's actor copy (unless its background compilation still uses it);
-    the next `pull` takes the store's again."""
-    if self.engine.release_params():
-      self.actor_version = -1
+    """Frees this worker's actor copy; the next `pull` takes the store's again."""
+    self.engine.release_params()
+    self.actor_version = -1
 
   def close(self) -> None:
     self._thread.shutdown(wait=True)

@@ -175,10 +175,11 @@ class SimCompilePlan(CompilePlan):
     self._queue(self._spec_key(call, sp, arm, state, kv_len or self.ecfg.cache_len),
                 urgent=self._urgent_job)
 
-  def submit(self, call: PlanCall, sp, top: int | None = None):
+  def submit(self, call: PlanCall, sp, top: int | None = None, urgent: bool = False,
+             paying: bool = False):
     self._thread(call)
     pairs = {b: [a for a in arms if (sp, b, str(a)) not in self._due]
-             for b, arms in self._ahead(call, top).items()}
+             for b, arms in self._ahead(call, top, paying).items()}
     pairs = {b: arms for b, arms in pairs.items() if arms}
     leaves_at = self.leaves_at(call, pairs)
     for b, arm in self.compile_order(pairs, call.bandit):
@@ -186,10 +187,10 @@ class SimCompilePlan(CompilePlan):
         self._submitted.setdefault(sp, set()).add((b, arm))
       whole = SimState([None] * b)
       self._due[(sp, b, str(arm))] = self._queue(self._spec_key(call, sp, arm, whole,
-                                                                self.ecfg.cache_len))
+                                                                self.ecfg.cache_len), urgent=urgent)
       if b == leaves_at:
         leaves_at = None
-        self._queue(self._switch_off_key(call, whole))
+        self._queue(self._switch_off_key(call, whole), urgent=urgent)
 
   def _thread(self, call) -> None:
     if self._compiler is None:
@@ -212,6 +213,10 @@ class SimCompilePlan(CompilePlan):
 
   def _track_at(self, call, bucket: int) -> None:
     self._queue(exe_key("track", bucket), self.engine.drafter_compile, urgent=self._urgent_job)
+
+  def _track_prompt_at(self, call, bucket: int, p: int) -> None:
+    self._queue(exe_key("track_prompt", bucket, p), self.engine.drafter_compile,
+                urgent=self._urgent_job)
 
   def _switch_off_key(self, call: PlanCall, state) -> ExecKey:
     return exe_key("switch_off", state.batch_size)

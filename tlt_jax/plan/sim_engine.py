@@ -164,6 +164,9 @@ class SimEngine(Engine):
       if prefill_rows(reqs, op.bucket, self.ecfg) < op.bucket:  # a group's rows hold its pages
         share_prompts(c.pages, reqs)
       self._prefill(reqs, op.bucket, warm)
+      if self.ecfg.spec is not None and not warm:  # (Replica._prefill's record)
+        key = (op.bucket, prompt_len(reqs, self.ecfg))
+        c.untracked_prefills.setdefault(key, key)
     done = [c.done(r) for r in reqs]
     self._resume(reqs, *to_feed(reqs, c.outputs, starts), op.bucket, warm)
     # a speculative prefill leaves no pending token: a first speculative step samples one

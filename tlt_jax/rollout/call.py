@@ -50,6 +50,11 @@ class Call:
   prompts: dict[tuple[int, ...], list[Any]] = dataclasses.field(default_factory=dict)
   # request key -> (the row whose prompt pages it shares, how many): its refill's decision
   adopting: dict[Any, tuple[Any, int]] = dataclasses.field(default_factory=dict)
+  # an untracked call's: what a tracked call would add to its prefills (each one's shapes:
+  # the drafter's `track_prompt`) and the buckets it decoded plainly at (its tracking there),
+  # compiled before the next call where that one is tracked (`CompilePlan.next_call`)
+  untracked_prefills: dict[Any, tuple] = dataclasses.field(default_factory=dict)
+  plain_at: set[int] = dataclasses.field(default_factory=set)
 
   def done(self, req: Request) -> int:
     """Response tokens `req` has so far (a preempted request's: resumed from them)."""

@@ -83,7 +83,6 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
     self._bytes: tuple[int, int] | None = None  # (weight bytes, KV bytes per slot)
     self._compiler = None  # one compile thread per engine, started on first use
     self._urgent: collections.deque = collections.deque()  # windows running chunks need
-    self._compiling = 0  # background jobs pending or running (they run real prefills)
 
   @property
   def verify_path(self) -> str:
@@ -129,11 +128,13 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
     return [(b, ranked[b][i]) for i in range(depth) for b in sorted(ranked, reverse=True)
             if i < len(ranked[b])]
 
-  def _ahead(self, call: PlanCall, top: int | None = None) -> Pairs:
+  def _ahead(self, call: PlanCall, top: int | None = None, paying: bool = False) -> Pairs:
     """The wanted pairs compiled ahead of need (`submit`) at buckets up to `top` (the bucket
-    of the call's request count: no batch of the call needs more; None: every bucket): with a
-    gate, each bucket's first arm (`want` the others); else all."""
-    pairs = {b: arms for b, arms in self._wanted_pairs(call).items() if top is None or b <= top}
+    of the call's request count: no batch of the call needs more; None: every bucket), and
+    with `paying` only where the gate will not close the bucket: with a gate, each bucket's
+    first arm (`want` the others); else all."""
+    pairs = {b: arms for b, arms in self._wanted_pairs(call).items()
+             if (top is None or b <= top) and not (paying and call.gate.closes(b))}
     if call.gate is None:
       return pairs
     return {b: arms[:1] for b, arms in self._ranked(pairs, call.bandit).items()}
@@ -157,15 +158,17 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
     return {b: ranked(b, arms) for b, arms in pairs.items()}
 
   # ----------------------------------------------------------------------- when
-  def submit(self, call: PlanCall, sp: SamplingParams, top: int | None = None) -> None:
+  def submit(self, call: PlanCall, sp: SamplingParams, top: int | None = None,
+             urgent: bool = False, paying: bool = False) -> None:
     """Starts compiling the wanted (bucket, arm) pairs for `sp` that are not compiled or
     queued yet on the compile thread, largest bucket first (speculation switches on at the
     largest and shrinks), up to bucket `top` (that of the call's request count: no batch of
     the call needs more; a later call with more rows compiles the larger buckets then).
     Called at every generate: what a gate opens later compiles then. With a gate, each
     bucket's first arm only (`want` queues the others when a chunk asks), and switch-off
-    after the first arm where the gate may close a bucket (`leaves_at`)."""
-    pairs = self._ahead(call, top)
+    after the first arm where the gate may close a bucket (`leaves_at`). Urgent: before every
+    job not started; paying: only at buckets that pay, with funded arms (`next_call`)."""
+    pairs = self._ahead(call, top, paying)
     with self._lock:
       self._ready.setdefault(sp, set())
       submitted = self._submitted.setdefault(sp, set())
@@ -175,7 +178,6 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
         return
       submitted.update((b, a) for b, arms in pairs.items() for a in arms)
       self._thread(call)
-      self._compiling += 1
 
     def mark(pair):
       with self._lock:
@@ -190,11 +192,8 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
                        "executables on first use", call.worker_id)
         with self._lock:
           self._ready[sp].update((b, a) for b, arms in pairs.items() for a in arms)
-      finally:
-        with self._lock:
-          self._compiling -= 1
 
-    self._submit(job)
+    self._submit(job, urgent=urgent)
 
   def _thread(self, call: PlanCall) -> None:
     """Starts this engine's compile thread if it has none (under the lock)."""
@@ -222,14 +221,6 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
     """Blocks until background compilation started so far is done (tests, benchmarks)."""
     if self._compiler is not None:
       self._compiler.submit(lambda: None).result(timeout)
-
-  def when_idle(self, fn: Callable[[], None]) -> bool:
-    """Runs `fn` (dropping the weights) unless background compiles still use them: False then."""
-    with self._lock:
-      if self._compiling:
-        return False
-      fn()
-      return True
 
   def precompile(self, call: PlanCall, sp: SamplingParams, *, all_pairs: bool = False) -> int:
     """AOT-compiles the speculative executable of every choosable (bucket, arm) pair now, instead
@@ -304,6 +295,41 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
     top = self.prefill_dummy(call, max(self.ecfg.buckets), warm=True).dcache
     self.track(call, resized(top, bucket), rows(bucket, c),
                rows(bucket, c, d, dtype=self.cfg.compute_dtype), rows(bucket, c, dtype=jnp.bool_))
+
+  def next_call(self, call: PlanCall, sp: SamplingParams, top: int, ended) -> None:
+    """As a call (`ended`: its `Call`) ends, what the next one will compile as it starts,
+    queued on the compile thread to compile while the learner's phases run (`call.gate`: the
+    gate as the next rollout will begin, `SpecGate.next_rollout`): the arms of the buckets
+    that pay (a verdict this rollout; not a probe's, whose arm then compiles as the call
+    starts, as before: measured from the first chunks after a prefill, the 7B's bulk at a
+    per-draft 0.3 lost (0.92x) where it pays over a rollout (1.17x measured later in it)),
+    and where this call ran untracked and the next is tracked, the drafter's prefill after
+    each of this call's prefills' shapes (`track_prompt`: the next one's prefills have them,
+    the same requests a worker) and its tracking at the buckets this one decoded plainly
+    at. All of it before the plain executables queued ahead for the tails of calls to come
+    (urgent): the next call needs it first. From abstract shapes, as every compile here: the
+    weights may be released meanwhile. The simulator's 30B-A3B recipe had stalled its rollout
+    2 for 2.4-3.7 s a worker on the drafter's (0.94 -> 0.97x of TLT off's rollout)."""
+    if call.gate.may_speculate() and not ended.track:
+      for b in sorted(ended.plain_at, reverse=True):
+        self.track_ahead(call, b)
+      for args in ended.untracked_prefills.values():  # (one per shape)
+        with self._lock:
+          self._thread(call)
+        self._submit(functools.partial(self._track_prompt_at, call, *args), urgent=True)
+    self.submit(call, sp, top, urgent=True, paying=True)
+
+  def _track_prompt_at(self, call: PlanCall, batch: int, tokens, lens, src, keys,
+                       max_new) -> None:
+    """Compiles the drafter's prefill (`track_prompt`) after a target prefill of these shapes
+    (the target's executable is compiled: only its outputs' shapes are read)."""
+    rows = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._replicated)
+    cache = call.kv.abstract(False).replace(table=rows(batch, self.ecfg.row_pages),
+                                            lengths=rows(batch))
+    run = lambda name, variant, fn, args, donate: self.exes.abstract_out(  # noqa: E731
+        name, variant, fn, args, donate=donate)
+    run_prefill(run, self.cfg, True, self.max_steps(call), call.params, call.drafter_params,
+                cache, call.kv.abstract(True), tokens, lens, src, keys, max_new)
 
   def prefill_dummy(self, call: PlanCall, batch: int, warm: bool = False):
     """What a prefill of `batch` distinct rows outputs (warm: a speculative one, the

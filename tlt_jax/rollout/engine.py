@@ -24,7 +24,8 @@ on at any chunk at no cost and off where the gate closes a bucket. The target's 
 are the same in every call of a speculating engine (its plain chunks and prefills keep their
 hidden states on the device); a call that cannot speculate runs only those. Which
 speculative (bucket, arm) executables exist, and when they compile (first use, `precompile`,
-or a background thread), is the engine's `CompilePlan` (compile_plan.py).
+a background thread; as a call ends, what the next will compile as it starts: `next_call`),
+is the engine's `CompilePlan` (compile_plan.py).
 
 Reads and memory follow the rows' live lengths, not the cache's capacity
 (max_prompt_len + max_new_tokens). KV memory is one paged pool per replica (`kv_pages` pages
@@ -49,10 +50,10 @@ host work on every chunk for nothing), and a call that did not feed it begins it
 verification, so its chunk is a host loop of single jitted steps (history_chunk.py): draft
 every live row, verify, extend.
 
-Hooks (`EngineHooks`, called on the engine's thread): each chunk's metrics, each finished
-response (rewards start at once; the drafter buffer takes its hidden states), and a call
-before every chunk (the coordinator pulls newer weights there). Several engines run
-concurrently, each inside a coordinator `Worker` (tlt_jax/coordinator/).
+Hooks (`EngineHooks`, on the engine's thread): each chunk's metrics, each finished response
+(rewards start at once; the drafter buffer takes its hidden states), a call before every
+chunk (the coordinator pulls newer weights there). Engines run concurrently, each inside a
+coordinator `Worker` (tlt_jax/coordinator/).
 """
 
 from __future__ import annotations
@@ -239,6 +240,8 @@ class Engine(Replica):
     try:
       while not c.sched.done:
         state, started = self._chunk(state, started, c)
+      if gate is not None and spec.background_compile:  # (while the learner's phases run)
+        self.compiles.next_call(self._plan(gate.next_rollout()), sp, top, c)
     finally:  # the pools go back to the engine (lost if a device call failed midway)
       self.kv.keep(state)
     return c.results
@@ -350,6 +353,8 @@ class Engine(Replica):
     started = started or speculating
     if c.track and arm is None:  # the drafter's tracking here and at the next bucket down
       self.compiles.track_ahead(c.plan, state.batch_size)
+    elif arm is None:
+      c.plain_at.add(state.batch_size)
     for s in live if speculating else ():
       c.outputs[sched.slots[s].key].speculating()
     if arm is not None or gate is not None:
@@ -379,9 +384,8 @@ class Engine(Replica):
     """Bytes one step of a chunk reads (weights, every row's window; paged attention: the
     rows' reach): the gate's measure of how much of a step's time the bytes explain
     (probe.row_seconds). Only with a gate. Every row of the bucket counts, a finished one too
-    (it reads no page since 2026-12-07, but its matmuls' rows still cost): counting only the
-    live rows' slots declined the 7B's payoff at a per-draft 0.3 (1.05 -> 0.98x of the step
-    over 6 steps, docs/scale.md's sweep)."""
+    (it reads no page, but its matmuls' rows still cost: the live rows' slots alone declined
+    the 7B's payoff at a per-draft 0.3, docs/scale.md's sweep)."""
     if c.gate is None:
       return 0.0
     return self.compiles.step_bytes(c.plan, batch, kv_len)

@@ -15,7 +15,7 @@ reach then. TLT on and off run the same rule (the baseline's engine is the same 
 
 `PlainAhead` is a part of `CompilePlan` (compile_plan.py), which owns what it reads: the model
 and engine configs (`cfg`, `ecfg`), the executable cache (`exes`), the compile thread
-(`_thread`, `_submit`, `_run_urgent`), the lock and `_compiling`, `_abstract`.
+(`_thread`, `_submit`, `_run_urgent`), the lock, `_abstract`.
 """
 
 from __future__ import annotations
@@ -68,7 +68,6 @@ class PlainAhead:
         return
       self._plain_queued.update((b, variant) for b in below)
       self._thread(call)
-      self._compiling += 1
     top = self._abstract(base)
 
     def job():
@@ -79,9 +78,6 @@ class PlainAhead:
       except Exception:  # noqa: BLE001 - the chunk compiles what it needs instead
         _log.exception("worker %d: compiling plain decoding ahead failed; each bucket "
                        "compiles on first use", call.worker_id)
-      finally:
-        with self._lock:
-          self._compiling -= 1
 
     self._submit(job)
 

@@ -125,14 +125,13 @@ class Replica:
         return
     self.params = to_replica_layout(params, self.cfg, self.fused, self._param_shardings)
 
-  def release_params(self) -> bool:
-    """Drops this engine's copy of the actor (after its rollout: the learner's phases get the
-    memory back; the next `set_params` brings the updated weights). Not while background
-    compilation still runs real prefills with them (the first steps): False then."""
-    def drop():
-      self.params = None
-      self.kv.drop()
-    return self.compiles.when_idle(drop)
+  def release_params(self) -> None:
+    """Drops this engine's copy of the actor and its page pools (after its rollout: the
+    learner's phases get the memory back; the next `set_params` brings the updated weights).
+    Background compiles go on meanwhile: they compile from the weights' shapes (`PlanCall`),
+    never read them."""
+    self.params = None
+    self.kv.drop()
 
   def set_drafter_params(self, dparams: Params) -> None:
     """New drafter weights (after spot training) on this engine's mesh: a view of the
@@ -181,6 +180,9 @@ class Replica:
     whose drafter then consumes the prompts: a SpecState); both pools are donated and come
     back in the state."""
     tokens, lens, src, keys, max_new = prefill_arrays(reqs, batch, c.base_key, self.ecfg)
+    if self.ecfg.spec is not None and not warm:  # (its shapes: `CompilePlan.next_call`)
+      c.untracked_prefills.setdefault((batch, tokens.shape, src is None),
+                                      (batch, tokens, lens, src, keys, max_new))
     if src is not None:  # each prompt prefilled once: its group's rows hold its pages
       share_prompts(c.pages, reqs)
     table = self.kv.table(c.pages, [r.key for r in reqs] + [None] * (batch - len(reqs)))

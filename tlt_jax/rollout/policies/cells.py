@@ -77,6 +77,8 @@ class SpecGate:
   engine uses (engine.py sequences it; compile_plan.py asks the questions about compiling):
     begin_rollout(worker, choosable)  once per generate call (the prober's calls are the clock)
     drafter_wanted()                  whether hidden states are captured / the drafter trained
+    next_rollout()                    the gate as the next rollout will begin (a call ending
+                                      asks what that one compiles as it starts)
     arms(worker, bucket)              the arms to compile there now
     allows(worker, bucket)            whether a chunk may speculate there now
     holds(worker, bucket, ready)      whether a batch there stays until its probe is judged
@@ -148,6 +150,16 @@ class SpecGate:
 
   def may_speculate(self) -> bool:
     return self.state.may_speculate()
+
+  def next_rollout(self) -> SpecGate:
+    """The gate as the next rollout's calls will find it, asked as a call ends: once the
+    prober has begun that rollout (where probation moves and probes are funded:
+    GateState.begin_rollout). A view to ask questions of (what that rollout compiles as it
+    starts, compiled before it: engine.py); this gate is not changed."""
+    s = self.state
+    if s.cfg.gating and s.prober is not None:
+      s = s.begin_rollout(s.prober, {})
+    return SpecGate(s)
 
   def arms(self, worker_id: int, bucket: int) -> list[Strategy]:
     return self.state.arms(worker_id, bucket)
