@@ -799,6 +799,32 @@ def test_what_the_next_call_compiles_as_it_starts_compiles_between_calls(tiny):
       np.testing.assert_array_equal(out[k], v)
 
 
+def test_a_chunks_bytes_are_the_weights_and_its_live_rows_kv(tiny):
+  """The gate fits plain decoding's step time to the bytes a chunk reads (`Engine._read`):
+  under paged attention the weights and the KV slots of its live rows, not its bucket's
+  rows' windows (a finished row kept in the batch reads no page). From one plain chunk to
+  the next at a bucket, the same rows live and none finishing, the bytes grow by the rows'
+  new tokens: live x steps slots; a batch holding finished rows included."""
+  params, dparams = tiny
+  # 4 rows ending 5, 33, 41 and 48 tokens in: 3 rows live at bucket 4 for 7 chunks
+  reqs = [dataclasses.replace(r, max_new_tokens=n) for r, n in zip(_requests(4), (5, 33, 41, 48))]
+  gate = SpecGate(GateConfig(min_chunks=10_000, window=10_000, reprobe_every=0))
+  w = Engine(params, CFG, EngineConfig(**{**SMALL, "max_new_tokens": 48}, spec=SpecConfig(
+      strategy="3_1_4", use_kernel=False)), drafter_params=dparams)
+  w.generate(reqs, SamplingParams(temperature=0.0), policies=PolicyCells(gate=gate))
+  plan = w._plan(gate)
+  weights = w.compiles.step_bytes(plan, 0, 0)
+  slot = w.compiles.step_bytes(plan, 1, 1) - weights
+  log = w.chunk_log
+  pairs = [(a, b) for a, b in zip(log, log[1:])
+           if a.mode == b.mode == "plain" and a.bucket == b.bucket and a.live == b.live
+           and a.tokens == a.live * a.steps]
+  assert pairs and any(a.live < a.bucket for a, _ in pairs)
+  for a, b in pairs:
+    assert b.read - a.read == pytest.approx(a.live * a.steps * slot), (a, b)
+  assert all(weights < m.read < weights + m.bucket * 64 * slot for m in log)
+
+
 def test_drafter_data_is_captured_only_while_the_gate_wants_the_drafter(tiny):
   """Hidden states (the drafter's training data) leave the device only once a probe has shown
   drafts can pay here; then they are exactly what a worker without a gate captures."""

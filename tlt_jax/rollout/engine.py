@@ -52,8 +52,8 @@ every live row, verify, extend.
 
 Hooks (`EngineHooks`, on the engine's thread): each chunk's metrics, each finished response
 (rewards start at once; the drafter buffer takes its hidden states), a call before every
-chunk (the coordinator pulls newer weights there). Engines run concurrently, each inside a
-coordinator `Worker` (tlt_jax/coordinator/).
+chunk (the coordinator pulls newer weights there). Engines run concurrently, each in a
+coordinator `Worker`.
 """
 
 from __future__ import annotations
@@ -296,6 +296,7 @@ class Engine(Replica):
       self.compiles.switch_off_ahead(c.plan, state)  # (its bucket may close meanwhile)
     # the attention window the rows reach this chunk (their pages hold it: `_page`)
     longest = longest_row(sched, c.outputs)
+    held = sum(len(r.prompt_ids) + c.outputs[r.key].length for r in sched.slots if r is not None)
     reach_of = lambda a: longest + chunk_reach(a, ecfg.chunk_size)  # noqa: E731
     arm, spent = None, []
     if speculating:
@@ -375,19 +376,20 @@ class Engine(Replica):
         steps=int(host[0].steps), wall_time=dt, mode=arm or "plain", accepted=int(host[3][0]),
         verifications=int(host[3][1]), t=self.clock() - c.t_start,
         compiled=self.exes.compiled_here() != compiles, first_run=first,
-        read=self._read(c, state.batch_size, min(kv_len, need) if ecfg.paged_attention
-                        else kv_len),
+        read=self._read(c, state.batch_size, kv_len if not ecfg.paged_attention else None,
+                        held),
         wide=kv_len > ecfg.window_for(need)), c)
     return state, started
 
-  def _read(self, c: Call, batch: int, kv_len: int) -> float:
-    """Bytes one step of a chunk reads (weights, every row's window; paged attention: the
-    rows' reach): the gate's measure of how much of a step's time the bytes explain
-    (probe.row_seconds). Only with a gate. Every row of the bucket counts, a finished one too
-    (it reads no page, but its matmuls' rows still cost: the live rows' slots alone declined
-    the 7B's payoff at a per-draft 0.3, docs/scale.md's sweep)."""
+  def _read(self, c: Call, batch: int, kv_len: int | None, held: int) -> float:
+    """Bytes a step of a chunk reads, what the gate fits its time to (probe.plain_step): the
+    weights and the KV attended over (paged, kv_len None: the live rows' `held` slots; the
+    windows: every row's window). Only with a gate. (docs/scale.md: counting the bucket's
+    rows' windows made the fit noise in a batch holding finished rows.)"""
     if c.gate is None:
       return 0.0
+    if kv_len is None:
+      return self.compiles.step_bytes(c.plan, 1, held)
     return self.compiles.step_bytes(c.plan, batch, kv_len)
 
   def _report_compiles(self, gate) -> None:
