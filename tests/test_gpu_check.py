@@ -109,7 +109,9 @@ def test_gpu_check_smoke_writes_a_complete_report(tmp_path):
   split = summary["long tail split"]  # chunk walls fit inside the run's
   plain = split["parts"]["plain"]
   assert plain["small"] + plain["big"] > 0 and plain["other"] >= -1e-6
-  assert 0 < split["prefill_s"] < plain["total"] and split["amdahl_bound"] >= 1.0
+  # (not prefill_s < plain's total: two timings of a smoke model's 0.1-s runs, which a loaded
+  # CI machine flipped, 0.17 against 0.11 s)
+  assert split["prefill_s"] > 0 and split["amdahl_bound"] >= 1.0
   assert len(summary["gate"]["times"]["gated BEG"]) == 2
   assert summary["batch 1, greedy, default task (EOS)"]["SD 3_1_4"]["same"] is True
   assert summary["batch 8, greedy, default task (EOS)"]["SD 3_1_4"]["same"] is True
