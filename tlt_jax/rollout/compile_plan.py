@@ -313,9 +313,9 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
     if call.gate.may_speculate() and not ended.track:
       for b in sorted(ended.plain_at, reverse=True):
         self.track_ahead(call, b)
+      with self._lock:
+        self._thread(call)
       for args in ended.untracked_prefills.values():  # (one per shape)
-        with self._lock:
-          self._thread(call)
         self._submit(functools.partial(self._track_prompt_at, call, *args), urgent=True)
     self.submit(call, sp, top, urgent=True, paying=True)
 
@@ -323,13 +323,7 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
                        max_new) -> None:
     """Compiles the drafter's prefill (`track_prompt`) after a target prefill of these shapes
     (the target's executable is compiled: only its outputs' shapes are read)."""
-    rows = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._replicated)
-    cache = call.kv.abstract(False).replace(table=rows(batch, self.ecfg.row_pages),
-                                            lengths=rows(batch))
-    run = lambda name, variant, fn, args, donate: self.exes.abstract_out(  # noqa: E731
-        name, variant, fn, args, donate=donate)
-    run_prefill(run, self.cfg, True, self.max_steps(call), call.params, call.drafter_params,
-                cache, call.kv.abstract(True), tokens, lens, src, keys, max_new)
+    self._prefill_abstract(call, batch, True, tokens, lens, src, keys, max_new)
 
   def prefill_dummy(self, call: PlanCall, batch: int, warm: bool = False):
     """What a prefill of `batch` distinct rows outputs (warm: a speculative one, the
@@ -342,6 +336,12 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
       width += 1
     dummy = [Request([i // v ** k % v for k in range(width)], i) for i in range(batch)]
     tokens, lens, _, keys, max_new = prefill_arrays(dummy, batch, jax.random.key(0), self.ecfg)
+    return self._prefill_abstract(call, batch, warm, tokens, lens, None, keys, max_new)
+
+  def _prefill_abstract(self, call: PlanCall, batch: int, warm: bool, tokens, lens, src, keys,
+                        max_new):
+    """A prefill of these arrays' shapes into `batch` rows (warm: the drafter's too), run
+    abstractly (`exes.abstract_out`: compiled, not run; no pool touched)."""
     rows = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._replicated)
     cache = call.kv.abstract(False).replace(table=rows(batch, self.ecfg.row_pages),
                                             lengths=rows(batch))
@@ -350,7 +350,7 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
     return run_prefill(run, self.cfg, self.ecfg.spec is not None,
                        self.max_steps(call) if warm else 0,
                        call.params, call.drafter_params, cache,
-                       call.kv.abstract(True) if warm else None, tokens, lens, None, keys,
+                       call.kv.abstract(True) if warm else None, tokens, lens, src, keys,
                        max_new)
 
   def _have(self, key: ExecKey, job: Callable[[], Any], urgent: bool = False) -> bool:
