@@ -14,7 +14,7 @@ from tlt_jax.rollout.policies.gate import GateConfig, GateState
 from tlt_jax.rollout.policies import probe
 from tlt_jax.rollout.policies.probe import Chunk, Step
 from tlt_jax.rollout.policies.strategy import Strategy
-from tlt_jax.rollout.records import Request
+from tlt_jax.rollout.records import EngineHooks, Request
 from tlt_jax.rollout.sampling import SamplingParams
 from spec_helpers import SMALL, TINY
 
@@ -717,7 +717,8 @@ def test_workers_compile_and_speculate_only_where_the_gate_opens(tiny):
     probed |= {q for q, st in gate.state.status.items() if st == "probing"}
     run(a)
     probed |= {d["bucket"] for d in gate.state.decisions}  # (moved to, or decided there)
-    run(b)
+    probed |= {q for q, st in gate.state.status.items() if st == "probing"}  # (the next
+    run(b)  # rollout's probe: its arm compiled as this call ended, CompilePlan.next_call)
     assert gate.state.prober == 0 and spec_buckets(b) == set()
     assert spec_buckets(a) <= probed
     assert {c.bucket for c in a.chunk_log if c.mode != "plain"} <= probed
@@ -797,6 +798,46 @@ def test_what_the_next_call_compiles_as_it_starts_compiles_between_calls(tiny):
     assert any(c.mode == "3_1_4" for c in chunks) and not any(c.compiled for c in chunks)
     for k, v in plain.items():
       np.testing.assert_array_equal(out[k], v)
+
+
+def test_a_bucket_the_gate_opens_mid_call_compiles_and_speculates_in_that_call(tiny):
+  """A worker's call starts tracked with nothing open to it (another worker probes), and
+  mid-call the gate opens every bucket (that worker's probe paid): the arms compile on this
+  worker's thread during the call (`CompilePlan.submit` before each chunk), and its batch
+  speculates before the call ends, not from its next call; greedy outputs stay plain
+  decoding's. A call on a gate that never opens compiles and speculates nothing."""
+  params, dparams = tiny
+  reqs, sp, plain = _plain_greedy(params, 9)
+
+  class Tracked(SpecGate):  # (a probe funded elsewhere: the call keeps the drafter's cache)
+    def may_speculate(self):
+      return True
+
+  for opens in (False, True):
+    gate = Tracked(GateConfig(min_chunks=10_000, window=10_000, reprobe_every=0))
+    gate.begin_rollout(1, {b: ["3_1_4", "off"] for b in SMALL["buckets"]})  # (the prober)
+    w = Engine(params, CFG, EngineConfig(**SMALL, spec=BACKGROUND), drafter_params=dparams)
+    seen = []
+
+    def before_chunk():
+      seen.append(len(w.chunk_log))
+      if opens and len(seen) == 2:  # (the other worker's verdict)
+        gate.state = _every_bucket(gate.state, "pays", ["3_1_4"])
+      if opens and len(seen) == 3:  # (its arms compiled by now: the thread is waited for)
+        w.compiles.wait(timeout=600)
+
+    out = {r.request_id: r.response_ids for r in w.generate(
+        reqs, sp, policies=PolicyCells(gate=gate), hooks=EngineHooks(before_chunk=before_chunk))}
+    w.compiles.wait(timeout=600)
+    for k, v in plain.items():
+      np.testing.assert_array_equal(out[k], v)
+    spec = {r.batch for r in w.compile_log if r.name == "spec"}
+    modes = {c.mode for c in w.chunk_log[2:]}
+    if not opens:
+      assert spec == set() and modes == {"plain"}
+      continue
+    assert spec and spec <= set(SMALL["buckets"])
+    assert "3_1_4" in modes, [(c.bucket, c.live, c.mode) for c in w.chunk_log]
 
 
 def test_a_chunks_bytes_are_the_weights_and_its_live_rows_kv(tiny):

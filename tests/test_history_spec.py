@@ -161,6 +161,9 @@ class NotWantedGate:
   def closes(self, bucket):
     return True
 
+  def probes(self, bucket):
+    return False
+
   def begin_rollout(self, worker_id, choosable):
     pass
 

@@ -595,6 +595,78 @@ def test_what_the_next_call_compiles_as_it_starts_compiles_on_the_compile_clock(
   assert not {"track", "track_prompt", "spec"} & set(waited) and "3_1_4" in modes
 
 
+def _tail_never_reached(compile_s):
+  """A simulated worker (buckets 1-8, 3_1_4 compiled in the background, plain executables
+  compiled ahead: `compile_ahead`) after a call whose 8 rows all ended at once: the plain
+  executables it queued for its tail (buckets 4, 2, 1) still queued. -> (the engine, its
+  sampling, its gate, each of those buckets' due time)."""
+  from tlt_jax.rollout.policies.cells import PolicyCells, SpecGate
+  from tlt_jax.rollout.policies.gate import GateConfig
+  ecfg = EngineConfig(max_batch=8, buckets=(1, 2, 4, 8), chunk_size=4, max_prompt_len=16,
+                      max_new_tokens=2000, prompt_bucket=16, compile_ahead=True,
+                      paged_attention=True,
+                      spec=SpecConfig(strategy="3_1_4", bs_threshold=8, patience=1,
+                                      use_kernel=False, background_compile=True))
+  s = sim_engine.SimEngine(TINY, ecfg, PROFILES["h100"], compile_s=compile_s,
+                           acceptance=workload.Acceptance(default=2.0))
+  s.drafter_compile = compile_s / 10
+  reqs = _requests(8)
+  s.lengths = {_key(r): 8 for r in reqs}
+  gate = SpecGate(GateConfig(min_chunks=10_000, window=10_000, reprobe_every=0))
+  sp = SamplingParams(temperature=1.0)
+  s.generate(reqs, sp, policies=PolicyCells(gate=gate))
+  plain = {k.shapes[0]: t for k, t in s.exes.due.items() if k.name == "decode" and t > s.now}
+  assert set(plain) == {1, 2, 4}, plain  # (queued for the tail; the call never compacted)
+  return s, sp, gate, plain
+
+
+def test_the_arms_a_call_starts_with_compile_before_the_plain_executables_queued_before():
+  """The simulator as the engine (`CompilePlan.submit`): the plain executables a call queued
+  ahead for its tail's buckets and never reached are still queued as the next call starts; a
+  bucket that pays by then (another worker's probe) has its arm compiled right after the
+  compile running, before them, and the batch speculates there. (Queued behind them, the
+  simulator's 30B-A3B held its batch at 256 rows the whole rollout.)"""
+  import dataclasses
+  from tlt_jax.rollout.policies.cells import PolicyCells, SpecGate
+  compile_s = 0.01  # (a chunk here: ~0.5 ms)
+  s, sp, gate, plain = _tail_never_reached(compile_s)
+  paying = dataclasses.replace(gate.state, at={
+      b: dataclasses.replace(r, status="pays", funded=frozenset({Strategy("3_1_4")}))
+      for b, r in gate.state.at.items()})
+  s.lengths = {k: 2000 for k in s.lengths}
+  n = len(s.chunk_log)
+  s.generate(_requests(8), sp, policies=PolicyCells(gate=SpecGate(paying)))
+  assert s.compiles._due[(sp, 8, "3_1_4")] == pytest.approx(min(plain.values()) + compile_s)
+  assert "3_1_4" in {str(c.mode) for c in s.chunk_log[n:]}
+
+
+def test_a_probes_arm_compiles_before_the_plain_executables_queued_and_those_under_it_after():
+  """`CompilePlan.submit` with a bucket on probation on this worker: its arm (and switch-off
+  there) right after the compile running, before the plain executables queued for a tail;
+  the probe's arm at the closed buckets under it after them (queued before them, the 7B's
+  prober at a per-draft 0.2 reached its tail's 2 rows with their plain executable not
+  compiled: 30 s in the foreground)."""
+  from tlt_jax.rollout.policies.cells import SpecGate
+
+  class Probing(SpecGate):  # 8 on probation here, its arm at the closed buckets under it
+    def arms(self, worker_id, bucket):
+      return [Strategy("3_1_4")]
+
+    def closes(self, bucket):
+      return True
+
+    def probes(self, bucket):
+      return bucket == 8
+
+  compile_s = 0.01
+  s, sp, gate, plain = _tail_never_reached(compile_s)
+  s.compiles.submit(s._plan(Probing(gate.state)), sp, 8)
+  due = {b: s.compiles._due[(sp, b, "3_1_4")] for b in (1, 2, 4, 8)}
+  assert due[8] == pytest.approx(min(plain.values()) + compile_s)
+  later = {k.shapes[0]: t for k, t in s.exes.due.items() if k.name == "decode"}
+  assert min(due[b] for b in (1, 2, 4)) > max(later[b] for b in plain)
+
+
 def _eight_rows_3_1_4():
   """A simulated worker of 8 rows in buckets 1-8, one arm (3_1_4) compiled in the background
   (0.02 s a compile), 2 tokens per verification."""

@@ -175,11 +175,10 @@ class SimCompilePlan(CompilePlan):
     self._queue(self._spec_key(call, sp, arm, state, kv_len or self.ecfg.cache_len),
                 urgent=self._urgent_job)
 
-  def submit(self, call: PlanCall, sp, top: int | None = None, urgent: bool = False,
-             paying: bool = False):
+  def _queue_pairs(self, call: PlanCall, sp, pairs, urgent: bool):
     self._thread(call)
     pairs = {b: [a for a in arms if (sp, b, str(a)) not in self._due]
-             for b, arms in self._ahead(call, top, paying).items()}
+             for b, arms in pairs.items()}
     pairs = {b: arms for b, arms in pairs.items() if arms}
     leaves_at = self.leaves_at(call, pairs)
     for b, arm in self.compile_order(pairs, call.bandit):

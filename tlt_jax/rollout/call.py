@@ -55,6 +55,9 @@ class Call:
   # compiled before the next call where that one is tracked (`CompilePlan.next_call`)
   untracked_prefills: dict[Any, tuple] = dataclasses.field(default_factory=dict)
   plain_at: set[int] = dataclasses.field(default_factory=set)
+  # a speculating engine compiling in the background: the largest bucket a batch of the call
+  # can need (what is compiled ahead for it stops there; None: no background compiles)
+  top: int | None = None
 
   def done(self, req: Request) -> int:
     """Response tokens `req` has so far (a preempted request's: resumed from them)."""

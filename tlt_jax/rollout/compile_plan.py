@@ -9,10 +9,11 @@ the bandit can choose are wanted (`choosable_pairs`: the engine's batch grid int
 the bandit's live-size grid, under the speculation threshold), and with a gate only those it
 opens to this engine now. They compile either on first use (a chunk then pays the compile and
 reports nothing to the bandit), all at once (`precompile`), or in a background thread
-(SpecConfig.background_compile: `submit` at each generate, in `compile_order`, up to the
-bucket of the call's request count; a bucket speculates once it is `ready`, one of its arms
-compiled, so no chunk waits for a compile; where a batch may switch on and compact given what
-is compiled: readiness.py).
+(SpecConfig.background_compile: `submit` as a generate call starts and before each of its
+chunks, what the gate opened since on any worker, ahead of the plain executables queued for
+tails to come; in `compile_order`, up to the bucket of the call's request count; a bucket
+speculates once it is `ready`, one of its arms compiled, so no chunk waits for a compile;
+where a batch may switch on and compact given what is compiled: readiness.py).
 With a gate, only each bucket's first arm in that order compiles ahead; another when a chunk's
 policies ask for it (`want`: the bandit exploring it, a probe measuring it), at the window its
 rows need: an executable nobody runs is not compiled (the 7B recipe, gate open, 3 simulated
@@ -128,13 +129,12 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
     return [(b, ranked[b][i]) for i in range(depth) for b in sorted(ranked, reverse=True)
             if i < len(ranked[b])]
 
-  def _ahead(self, call: PlanCall, top: int | None = None, paying: bool = False) -> Pairs:
+  def _ahead(self, call: PlanCall, top: int | None = None) -> Pairs:
     """The wanted pairs compiled ahead of need (`submit`) at buckets up to `top` (the bucket
-    of the call's request count: no batch of the call needs more; None: every bucket), and
-    with `paying` only where the gate will not close the bucket: with a gate, each bucket's
-    first arm (`want` the others); else all."""
+    of the call's request count: no batch of the call needs more; None: every bucket): with a
+    gate, each bucket's first arm (`want` the others); else all."""
     pairs = {b: arms for b, arms in self._wanted_pairs(call).items()
-             if (top is None or b <= top) and not (paying and call.gate.closes(b))}
+             if top is None or b <= top}
     if call.gate is None:
       return pairs
     return {b: arms[:1] for b, arms in self._ranked(pairs, call.bandit).items()}
@@ -159,16 +159,35 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
 
   # ----------------------------------------------------------------------- when
   def submit(self, call: PlanCall, sp: SamplingParams, top: int | None = None,
-             urgent: bool = False, paying: bool = False) -> None:
+             paying: bool = False) -> None:
     """Starts compiling the wanted (bucket, arm) pairs for `sp` that are not compiled or
     queued yet on the compile thread, largest bucket first (speculation switches on at the
     largest and shrinks), up to bucket `top` (that of the call's request count: no batch of
     the call needs more; a later call with more rows compiles the larger buckets then).
-    Called at every generate: what a gate opens later compiles then. With a gate, each
-    bucket's first arm only (`want` queues the others when a chunk asks), and switch-off
-    after the first arm where the gate may close a bucket (`leaves_at`). Urgent: before every
-    job not started; paying: only at buckets that pay, with funded arms (`next_call`)."""
-    pairs = self._ahead(call, top, paying)
+    Called as a generate call starts, before each of its chunks (`paying`: what a verdict
+    opened since, on any worker; a no-op when nothing is new) and as it ends (`next_call`).
+    With a gate, each bucket's first arm only (`want` queues the others when a chunk asks),
+    and switch-off after the first arm where the gate may close a bucket (`leaves_at`), in
+    two jobs: the buckets that pay (funded: the gate will not close them) and the one on
+    probation, urgent (before every job not started: behind the plain executables a call
+    queued for a tail it never reached, the simulator's Qwen3-30B-A3B held each non-probing
+    worker's batch at 256 rows for its arm there 111 s, the whole rollout); then, unless
+    `paying`, the probe's arm at the closed buckets under it (`placement.below_probe`) after
+    what is queued (before it, the 7B's prober at a per-draft 0.2 reached its tail's bucket
+    2 with its plain executable not compiled, 30 s in the foreground, its rollout 0.71x of
+    TLT off's). Without a gate: one job, after what is queued."""
+    pairs, gate = self._ahead(call, top), call.gate
+    if gate is None:
+      self._queue_pairs(call, sp, pairs, urgent=False)
+      return
+    first = {b for b in pairs if not gate.closes(b) or (gate.probes(b) and not paying)}
+    self._queue_pairs(call, sp, {b: pairs[b] for b in first}, urgent=True)
+    if not paying:
+      self._queue_pairs(call, sp, {b: a for b, a in pairs.items() if b not in first},
+                        urgent=False)
+
+  def _queue_pairs(self, call: PlanCall, sp: SamplingParams, pairs: Pairs, urgent: bool):
+    """`pairs` not compiled or queued yet, one job on the compile thread (`submit`)."""
     with self._lock:
       self._ready.setdefault(sp, set())
       submitted = self._submitted.setdefault(sp, set())
@@ -296,20 +315,37 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
     self.track(call, resized(top, bucket), rows(bucket, c),
                rows(bucket, c, d, dtype=self.cfg.compute_dtype), rows(bucket, c, dtype=jnp.bool_))
 
+  def call_starts(self, call: PlanCall, sp: SamplingParams, requests: int,
+                  tracked: bool) -> int | None:
+    """A speculating engine's generate call starts with `requests` requests: with background
+    compilation, the drafter's tracking where its batch starts (a tracked call's, first) and
+    the wanted arms are queued (`submit`). Returns the call's top bucket (its requests', at
+    most max_batch: no batch of the call needs more, nothing above it is compiled for it;
+    None without background compilation)."""
+    self.rollouts += 1
+    if not self.ecfg.spec.background_compile:
+      return None
+    top = self.ecfg.bucket_for(min(max(requests, 1), self.ecfg.max_batch))
+    if tracked:
+      self.track_ahead(call, top)
+    self.submit(call, sp, top)
+    return top
+
   def next_call(self, call: PlanCall, sp: SamplingParams, top: int, ended) -> None:
     """As a call (`ended`: its `Call`) ends, what the next one will compile as it starts,
     queued on the compile thread to compile while the learner's phases run (`call.gate`: the
     gate as the next rollout will begin, `SpecGate.next_rollout`): the arms of the buckets
-    that pay (a verdict this rollout; not a probe's, whose arm then compiles as the call
-    starts, as before: measured from the first chunks after a prefill, the 7B's bulk at a
-    per-draft 0.3 lost (0.92x) where it pays over a rollout (1.17x measured later in it)),
-    and where this call ran untracked and the next is tracked, the drafter's prefill after
-    each of this call's prefills' shapes (`track_prompt`: the next one's prefills have them,
-    the same requests a worker) and its tracking at the buckets this one decoded plainly
-    at. All of it before the plain executables queued ahead for the tails of calls to come
-    (urgent): the next call needs it first. From abstract shapes, as every compile here: the
-    weights may be released meanwhile. The simulator's 30B-A3B recipe had stalled its rollout
-    2 for 2.4-3.7 s a worker on the drafter's (0.94 -> 0.97x of TLT off's rollout)."""
+    that pay and the probe's, and where this call ran untracked and the next is tracked, the
+    drafter's prefill after each of this call's prefills' shapes (`track_prompt`: the next
+    one's prefills have them, the same requests a worker) and its tracking at the buckets
+    this one decoded plainly at. All of it before the plain executables queued ahead for the
+    tails of calls to come (urgent): the next call needs it first. From abstract shapes, as
+    every compile here: the weights may be released meanwhile. The simulator's 30B-A3B
+    recipe had stalled its rollout 2 for 2.4-3.7 s a worker on the drafter's (0.94 -> 0.97x
+    of TLT off's rollout). (A probe's arm was left to compile as the call starts until its
+    chunks were fitted to the bytes of their live rows, `Engine._read`: measured from the
+    first chunks after a prefill, the 7B's 128-row bulk at a per-draft 0.3 had lost there
+    by the old measure. Compiled ahead, the 30B-A3B's probe judges a rollout sooner.)"""
     if call.gate.may_speculate() and not ended.track:
       for b in sorted(ended.plain_at, reverse=True):
         self.track_ahead(call, b)
@@ -317,7 +353,7 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
         self._thread(call)
       for args in ended.untracked_prefills.values():  # (one per shape)
         self._submit(functools.partial(self._track_prompt_at, call, *args), urgent=True)
-    self.submit(call, sp, top, urgent=True, paying=True)
+    self.submit(call, sp, top)
 
   def _track_prompt_at(self, call: PlanCall, batch: int, tokens, lens, src, keys,
                        max_new) -> None:

@@ -24,8 +24,9 @@ on at any chunk at no cost and off where the gate closes a bucket. The target's 
 are the same in every call of a speculating engine (its plain chunks and prefills keep their
 hidden states on the device); a call that cannot speculate runs only those. Which
 speculative (bucket, arm) executables exist, and when they compile (first use, `precompile`,
-a background thread; as a call ends, what the next will compile as it starts: `next_call`),
-is the engine's `CompilePlan` (compile_plan.py).
+a background thread: as a call starts, before each chunk what the gate opened since, and as
+a call ends what the next will compile as it starts, `next_call`), is the engine's
+`CompilePlan` (compile_plan.py).
 
 Reads and memory follow the rows' live lengths, not the cache's capacity
 (max_prompt_len + max_new_tokens). KV memory is one paged pool per replica (`kv_pages` pages
@@ -94,8 +95,9 @@ def engine_arms(spec, bandit: Any = None) -> tuple[Any, frozenset[Strategy]]:
 def tracks(spec, gate: Any) -> bool:
   """Whether a call may speculate, so keeps the drafter's cache current from its prefills
   (module docstring): a speculating engine without a gate, or with one that opens a bucket or
-  funds a probe as the call starts (`GateState.may_speculate`). A gate that opens later in
-  the call (another worker's probe paying) opens it from the worker's next call."""
+  funds a probe as the call starts (`GateState.may_speculate`). A tracked call compiles what
+  the gate opens during it (another worker's probe paying) and speculates there in the same
+  call; an untracked one, from the worker's next call."""
   return spec is not None and (gate is None or gate.may_speculate())
 
 
@@ -213,22 +215,14 @@ class Engine(Replica):
     if gate is not None:
       gate.begin_rollout(self.worker_id, self.compiles.choosable_pairs(plan))
     track = tracks(spec, policies.gate)
-    if spec is not None:
-      self.compiles.rollouts += 1
-      if spec.background_compile:
-        # no batch of this call needs a bucket above `top` (its requests, at most max_batch):
-        # nothing above it is compiled for it
-        top = ecfg.bucket_for(min(max(len(requests), 1), ecfg.max_batch))
-        if track:  # first: the drafter's tracking where the batch starts
-          self.compiles.track_ahead(plan, top)
-        self.compiles.submit(plan, sp, top)
+    top = self.compiles.call_starts(plan, sp, len(requests), track) if spec else None
     # drafter data and history only while speculation can pay: with a gate, once a probe has
     # shown that drafts can pay on this hardware (where they cannot, the hidden states'
     # transfer and the history's host bookkeeping are pure overhead on every chunk)
     wanted = policies.gate is None or policies.gate.drafter_wanted()
     c = Call(
         sp=sp, base_key=jax.random.key(seed), selector=selector, gate=gate,
-        track=track,
+        track=track, top=top,
         capture=ecfg.capture_hidden and wanted,
         hooks=hooks or EngineHooks(), t_start=self.clock(), plan=plan,
         sched=Scheduler(requests, max_batch=ecfg.max_batch, buckets=ecfg.buckets,
@@ -240,7 +234,7 @@ class Engine(Replica):
     try:
       while not c.sched.done:
         state, started = self._chunk(state, started, c)
-      if gate is not None and spec.background_compile:  # (while the learner's phases run)
+      if gate is not None and top is not None:  # (while the learner's phases run)
         self.compiles.next_call(self._plan(gate.next_rollout()), sp, top, c)
     finally:  # the pools go back to the engine (lost if a device call failed midway)
       self.kv.keep(state)
@@ -252,6 +246,10 @@ class Engine(Replica):
     ecfg, sched, gate = self.ecfg, c.sched, c.gate
     if c.hooks.before_chunk:
       c.hooks.before_chunk()
+    if gate is not None and c.top is not None:
+      # the buckets a verdict opened since (a probe that paid on another worker): their
+      # arms compile in this call, not from the worker's next (a no-op when nothing is new)
+      self.compiles.submit(c.plan, c.sp, c.top, paying=True)
     live = 0 if sched.pending else len(sched.live)  # (rows waiting: no compaction)
     # (a leave where switch-off is not compiled yet would queue it before every arm's compile
     # not started: the 32B recipe at a per-draft 0.3, every worker's 128-, 64- and 32-row

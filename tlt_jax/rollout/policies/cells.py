@@ -19,7 +19,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 from tlt_jax.rollout.policies import funding, placement
 from tlt_jax.rollout.policies.gate import GateConfig, GateState
 from tlt_jax.rollout.policies.mab import BanditConfig, BanditState, bandit_config
-from tlt_jax.rollout.policies.probe import PAYS, Chunk
+from tlt_jax.rollout.policies.probe import PAYS, PROBING, Chunk
 from tlt_jax.rollout.policies.strategy import Strategy
 from tlt_jax.rollout.policies.verdicts import VerdictCache
 
@@ -93,6 +93,8 @@ class SpecGate:
     repays_window(bucket, arm, n, f)  whether a narrower attention window is worth compiling
     runs_wide(bucket, arm, extra)     whether an arm may run at a wider window than its rows'
     closes(bucket)                    whether it may close a bucket (switch-off compiled ahead)
+    probes(bucket)                    whether the bucket is on probation (its probe's arm
+                                      compiles before the arms under it)
   Questions read one state (a reference read: no lock; a state never changes). The holder
   owns the I/O the pure state cannot do: loading cached hardware verdicts and compile costs on
   the first rollout with buckets, and writing them after every verdict and new cost."""
@@ -117,6 +119,10 @@ class SpecGate:
       return False
     r = s.at.get(bucket)
     return r is None or r.status != PAYS or not r.funded
+
+  def probes(self, bucket: int) -> bool:
+    r = self.state.at.get(bucket)
+    return r is not None and r.status == PROBING
 
   def begin_rollout(self, worker_id: int, choosable: Mapping[int, Sequence[str]]) -> None:
     with self._lock:
