@@ -536,6 +536,17 @@ def test_with_a_gate_only_the_arms_chunks_ask_for_compile():
                                        for p in plain}
 
 
+def _background_sim(compile_s, max_new_tokens=400, **ecfg):
+  """A simulated worker of 8 rows in buckets 1-8, 3_1_4 compiled in the background at
+  `compile_s` a compile (`ecfg`: more EngineConfig fields)."""
+  ecfg = EngineConfig(max_batch=8, buckets=(1, 2, 4, 8), chunk_size=4, max_prompt_len=16,
+                      max_new_tokens=max_new_tokens, prompt_bucket=16, **ecfg,
+                      spec=SpecConfig(strategy="3_1_4", bs_threshold=8, patience=1,
+                                      use_kernel=False, background_compile=True))
+  return sim_engine.SimEngine(TINY, ecfg, PROFILES["h100"], compile_s=compile_s,
+                              acceptance=workload.Acceptance(default=2.0))
+
+
 def test_what_the_next_call_compiles_as_it_starts_compiles_on_the_compile_clock():
   """The simulator as the engine (CompilePlan.next_call): a call ending untracked whose next
   rollout's gate opens every bucket queues that call's arms, the drafter's prefill at its
@@ -564,12 +575,7 @@ def test_what_the_next_call_compiles_as_it_starts_compiles_on_the_compile_clock(
       return SpecGate(paying(self.state) if self.opens else every(self.state, "declined"))
 
   def second_call_waits(opens):
-    ecfg = EngineConfig(max_batch=8, buckets=(1, 2, 4, 8), chunk_size=4, max_prompt_len=16,
-                        max_new_tokens=400, prompt_bucket=16,
-                        spec=SpecConfig(strategy="3_1_4", bs_threshold=8, patience=1,
-                                        use_kernel=False, background_compile=True))
-    s = sim_engine.SimEngine(TINY, ecfg, PROFILES["h100"], compile_s=2.0,
-                             acceptance=workload.Acceptance(default=2.0))
+    s = _background_sim(2.0)
     s.drafter_compile = 0.05
     reqs = _requests(8)
     s.lengths = {_key(r): 40 + 30 * i for i, r in enumerate(reqs)}
@@ -602,13 +608,7 @@ def _tail_never_reached(compile_s):
   sampling, its gate, each of those buckets' due time)."""
   from tlt_jax.rollout.policies.cells import PolicyCells, SpecGate
   from tlt_jax.rollout.policies.gate import GateConfig
-  ecfg = EngineConfig(max_batch=8, buckets=(1, 2, 4, 8), chunk_size=4, max_prompt_len=16,
-                      max_new_tokens=2000, prompt_bucket=16, compile_ahead=True,
-                      paged_attention=True,
-                      spec=SpecConfig(strategy="3_1_4", bs_threshold=8, patience=1,
-                                      use_kernel=False, background_compile=True))
-  s = sim_engine.SimEngine(TINY, ecfg, PROFILES["h100"], compile_s=compile_s,
-                           acceptance=workload.Acceptance(default=2.0))
+  s = _background_sim(compile_s, 2000, compile_ahead=True, paged_attention=True)
   s.drafter_compile = compile_s / 10
   reqs = _requests(8)
   s.lengths = {_key(r): 8 for r in reqs}
@@ -665,6 +665,47 @@ def test_a_probes_arm_compiles_before_the_plain_executables_queued_and_those_und
   assert due[8] == pytest.approx(min(plain.values()) + compile_s)
   later = {k.shapes[0]: t for k, t in s.exes.due.items() if k.name == "decode"}
   assert min(due[b] for b in (1, 2, 4)) > max(later[b] for b in plain)
+
+
+def test_a_bucket_opened_mid_call_compiles_from_the_batchs_bucket_down():
+  """A tracked call whose gate opens every bucket mid-call (another worker's probe paid)
+  once its batch has compacted to 2 rows' bucket, every request admitted: its compile thread
+  takes the arms from that bucket down (`CompilePlan.submit(paying=True)` up to the batch's
+  bucket: a batch only shrinks from there), not from the call's top (8: 30 s a compile the
+  batch could not use in this call, the simulator's price), and the batch speculates."""
+  import dataclasses
+  from tlt_jax.rollout.policies.cells import PolicyCells, SpecGate
+  from tlt_jax.rollout.policies.gate import GateConfig
+  from tlt_jax.rollout.records import EngineHooks
+
+  class Tracked(SpecGate):  # (a probe funded elsewhere: the call keeps the drafter's cache)
+    def may_speculate(self):
+      return True
+
+  s = _background_sim(0.002, 2000, paged_attention=True)
+  s.drafter_compile = 0.0002
+  reqs = _requests(8)
+  s.lengths = {_key(r): (2000 if i < 2 else 40) for i, r in enumerate(reqs)}
+  gate = Tracked(GateConfig(min_chunks=10_000, window=10_000, reprobe_every=0))
+  gate.begin_rollout(1, {b: ["3_1_4"] for b in s.ecfg.buckets})  # (worker 1 probes)
+  opened = []
+
+  def before_chunk():
+    if not opened and s.chunk_log and s.chunk_log[-1].bucket == 2:
+      opened.append(len(s.chunk_log))
+      gate.state = dataclasses.replace(gate.state, at={
+          b: dataclasses.replace(r, status="pays", funded=frozenset({Strategy("3_1_4")}))
+          for b, r in gate.state.at.items()})
+  during, next_call = [], s.compiles.next_call
+
+  def ends(*args):  # (what the call queued; then what the next call starts with: next_call)
+    during.extend(b for (_, b, _) in s.compiles._due)
+    next_call(*args)
+  s.compiles.next_call = ends
+  s.generate(reqs, SamplingParams(temperature=1.0), policies=PolicyCells(gate=gate),
+             hooks=EngineHooks(before_chunk=before_chunk))
+  assert opened and set(during) == {1, 2}
+  assert "3_1_4" in {str(c.mode) for c in s.chunk_log[opened[0]:]}
 
 
 def _eight_rows_3_1_4():
@@ -1139,3 +1180,39 @@ def test_the_fused_attention_price_matches_the_h200_measurement():
   pairs = Micro.of(bench_segments(4, 4096)).pairs
   got = fused_attention_s(28, 128, pairs, PROFILES["h200"], Learner(gpus=1))
   assert got == pytest.approx(2.42e-3, rel=0.05)
+
+
+def test_simulated_workers_take_their_chunks_in_the_order_of_their_clocks():
+  """`turns.run`: workers whose chunks take different simulated times run them in one global
+  time order (the earliest clock first, the lower worker on a tie), as a run's workers
+  decode side by side, each call starting in worker order; a worker that raises ends the
+  run with its error once the others are done, and nobody waits forever."""
+  import threading
+  from tlt_jax.plan import turns
+  steps = {0: [3.0, 3.0, 3.0], 1: [1.0, 5.0, 0.5, 0.5], 2: [2.0, 2.0, 2.0, 2.0, 2.0]}
+  now = {i: 10.0 for i in steps}
+  log, starts = [], []
+
+  def call(i):
+    def body(before_chunk):
+      starts.append(i)
+      for dt in steps[i]:
+        before_chunk()
+        log.append((now[i], i, threading.current_thread().name))
+        now[i] += dt
+    return body
+  turns.run([call(i) for i in steps], [lambda i=i: now[i] for i in steps], 10.0)
+  assert starts == [0, 1, 2]
+  expected = sorted((t, i) for i, dts in steps.items()
+                    for t in 10.0 + np.concatenate([[0.0], np.cumsum(dts)[:-1]]))
+  assert [(t, i) for t, i, _ in log] == expected
+  assert {n for _, _, n in log} == {f"simulated-worker-{i}" for i in steps}
+
+  def fails(before_chunk):
+    before_chunk()
+    raise ValueError("worker 1 fails")
+  done = []
+  with pytest.raises(ValueError, match="worker 1 fails"):
+    turns.run([lambda b: (b(), done.append(0)), fails, lambda b: (b(), b(), done.append(2))],
+              [lambda: 0.0] * 3, 0.0)
+  assert sorted(done) == [0, 2]

@@ -5,9 +5,10 @@
 DAPO's dynamic sampling, step_rollouts.py's rule over groups that carry signal at a given
 rate), each the coordinator's split of requests over workers (coordinator.split), each
 worker's generate call on its own device clock (workers run side by
-side, each on its own replica: they are simulated one after the other and share the step's
-cells of the gate and the bandit, as the process's workers share a rollout's; the states go
-from step to step as the train state carries them), the barrier at the slowest worker, the
+side, each on its own replica: simulated a chunk at a time in the order of their clocks,
+turns.py, sharing the step's cells of the gate and the bandit as the process's workers share
+a rollout's, so a verdict reaches the others at its moment; the states go from step to step
+as the train state carries them), the barrier at the slowest worker, the
 drafter trained in each worker's idle window (`spot_window`: the coordinator's rule, steps of
 the drafter's cost until the barrier, the step in flight finished or dropped), the learner's
 phases (log-probs, the update, the weight sync: learner.py's `learner_phases`), on a
@@ -25,11 +26,11 @@ from tlt_jax.coordinator.coordinator import split
 from tlt_jax.coordinator.timeline import Timeline, WorkerState, concat_rollouts
 from tlt_jax.models import ModelConfig
 from tlt_jax.models.lora import num_adapter_params
-from tlt_jax.plan import cost
+from tlt_jax.plan import cost, turns
 from tlt_jax.plan.learner import Layout, Learner, learner_phases, remat_mode
 from tlt_jax.plan.sim_engine import SimEngine
 from tlt_jax.plan.workload import Acceptance, Lengths
-from tlt_jax.rollout.records import Request
+from tlt_jax.rollout.records import EngineHooks, Request
 from tlt_jax.rollout.policies.cells import PolicyCells
 
 
@@ -136,13 +137,21 @@ class Simulation:
     train = (dstep > 0 and self.spec.spot is not None and self.spec.spot.mode == "spot"
              and (self.policies.gate is None or self.policies.gate.drafter_wanted()))
     per, chunks, live = [], [], []
-    cells = PolicyCells.of(self.policies)  # the workers decode one after another
-    for i, (e, share) in enumerate(zip(self.engines, split(reqs, self.workers_n))):
-      e.now = self._now = t0  # (each worker's replica decodes from the rollout's start)
+    cells = PolicyCells.of(self.policies)  # (the workers' calls share them, as in a run)
+    before = [(len(e.chunk_log), e.preemptions, e.preempted_tokens) for e in self.engines]
+    for e in self.engines:
+      e.now = t0  # (each worker's replica decodes from the rollout's start)
+
+    def call(e, share):  # one worker's generate, its chunks in turn by the clocks (turns.py)
+      return lambda before_chunk: e.generate(share, self.spec.sampling, seed=k, policies=cells,
+                                             hooks=EngineHooks(before_chunk=before_chunk))
+    turns.run([call(e, share) for e, share in zip(self.engines, split(reqs, self.workers_n))],
+              [lambda e=e: e.now for e in self.engines], t0)
+    for i, e in enumerate(self.engines):
+      self._now = t0
       tl.enter(i, WorkerState.GENERATING)
-      before, pre, pre_t = len(e.chunk_log), e.preemptions, e.preempted_tokens
-      e.generate(share, self.spec.sampling, seed=k, policies=cells)
-      new = e.chunk_log[before:]
+      (n, pre, pre_t) = before[i]
+      new = e.chunk_log[n:]
       chunks += new
       live += [(m.t - m.wall_time, i, m.live) for m in new]
       live.append((e.now - t0, i, 0))

@@ -165,7 +165,8 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
     largest and shrinks), up to bucket `top` (that of the call's request count: no batch of
     the call needs more; a later call with more rows compiles the larger buckets then).
     Called as a generate call starts, before each of its chunks (`paying`: what a verdict
-    opened since, on any worker; a no-op when nothing is new) and as it ends (`next_call`).
+    opened since, on any worker; a no-op when nothing is new) and as it ends (`next_call`,
+    `paying`: what the next call starts with).
     With a gate, each bucket's first arm only (`want` queues the others when a chunk asks),
     and switch-off after the first arm where the gate may close a bucket (`leaves_at`), in
     two jobs: the buckets that pay (funded: the gate will not close them) and the one on
@@ -335,17 +336,17 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
     """As a call (`ended`: its `Call`) ends, what the next one will compile as it starts,
     queued on the compile thread to compile while the learner's phases run (`call.gate`: the
     gate as the next rollout will begin, `SpecGate.next_rollout`): the arms of the buckets
-    that pay and the probe's, and where this call ran untracked and the next is tracked, the
-    drafter's prefill after each of this call's prefills' shapes (`track_prompt`: the next
-    one's prefills have them, the same requests a worker) and its tracking at the buckets
-    this one decoded plainly at. All of it before the plain executables queued ahead for the
-    tails of calls to come (urgent): the next call needs it first. From abstract shapes, as
-    every compile here: the weights may be released meanwhile. The simulator's 30B-A3B
-    recipe had stalled its rollout 2 for 2.4-3.7 s a worker on the drafter's (0.94 -> 0.97x
-    of TLT off's rollout). (A probe's arm was left to compile as the call starts until its
-    chunks were fitted to the bytes of their live rows, `Engine._read`: measured from the
-    first chunks after a prefill, the 7B's 128-row bulk at a per-draft 0.3 had lost there
-    by the old measure. Compiled ahead, the 30B-A3B's probe judges a rollout sooner.)"""
+    that pay (`paying`: not a probe's, whose arm compiles as the call starts: measured from
+    the first chunks after a prefill, 128 live rows, the 7B's bulk at a per-draft 0.5 was
+    judged to pay four rollouts late, the step over 6 steps 1.094 -> 0.999x, for 1.155 ->
+    1.167x at the default acceptance and 1.213 -> 1.254x for the 30B-A3B), and where this
+    call ran untracked and the next is tracked, the drafter's prefill after each of this
+    call's prefills' shapes (`track_prompt`: the next one's prefills have them, the same
+    requests a worker) and its tracking at the buckets this one decoded plainly at. All of
+    it before the plain executables queued ahead for the tails of calls to come (urgent):
+    the next call needs it first. From abstract shapes, as every compile here: the weights
+    may be released meanwhile. The simulator's 30B-A3B recipe had stalled its rollout 2 for
+    2.4-3.7 s a worker on the drafter's (0.94 -> 0.97x of TLT off's rollout)."""
     if call.gate.may_speculate() and not ended.track:
       for b in sorted(ended.plain_at, reverse=True):
         self.track_ahead(call, b)
@@ -353,7 +354,7 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
         self._thread(call)
       for args in ended.untracked_prefills.values():  # (one per shape)
         self._submit(functools.partial(self._track_prompt_at, call, *args), urgent=True)
-    self.submit(call, sp, top)
+    self.submit(call, sp, top, paying=True)
 
   def _track_prompt_at(self, call: PlanCall, batch: int, tokens, lens, src, keys,
                        max_new) -> None:

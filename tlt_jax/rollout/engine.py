@@ -247,9 +247,11 @@ class Engine(Replica):
     if c.hooks.before_chunk:
       c.hooks.before_chunk()
     if gate is not None and c.top is not None:
-      # the buckets a verdict opened since (a probe that paid on another worker): their
-      # arms compile in this call, not from the worker's next (a no-op when nothing is new)
-      self.compiles.submit(c.plan, c.sp, c.top, paying=True)
+      # the buckets a verdict opened since (a probe that paid on another worker): their arms
+      # compile in this call, not from the worker's next (a no-op when nothing is new), up to
+      # the batch's bucket once every request is admitted (it only shrinks from there)
+      top = c.top if state is None or sched.pending else min(state.batch_size, c.top)
+      self.compiles.submit(c.plan, c.sp, top, paying=True)
     live = 0 if sched.pending else len(sched.live)  # (rows waiting: no compaction)
     # (a leave where switch-off is not compiled yet would queue it before every arm's compile
     # not started: the 32B recipe at a per-draft 0.3, every worker's 128-, 64- and 32-row
