@@ -38,6 +38,11 @@ class Turns:
     if nxt is not None and nxt != i:
       self.go[nxt].set()
 
+  def begin(self) -> None:
+    """The first call's turn (worker 0's)."""
+    with self.lock:
+      self._hand_on(None)
+
   def start(self, i: int) -> None:
     """Worker i's call begins (its turn came: `run`)."""
     with self.lock:
@@ -82,8 +87,7 @@ def run(calls: Sequence[Callable[[Callable[[], None]], None]],
                               name=f"simulated-worker-{i}") for i in range(len(calls))]
   for t in threads:
     t.start()
-  with turns.lock:
-    turns._hand_on(None)
+  turns.begin()
   for t in threads:
     t.join()
   if errors:

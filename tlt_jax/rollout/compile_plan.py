@@ -170,13 +170,11 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
     With a gate, each bucket's first arm only (`want` queues the others when a chunk asks),
     and switch-off after the first arm where the gate may close a bucket (`leaves_at`), in
     two jobs: the buckets that pay (funded: the gate will not close them) and the one on
-    probation, urgent (before every job not started: behind the plain executables a call
-    queued for a tail it never reached, the simulator's Qwen3-30B-A3B held each non-probing
-    worker's batch at 256 rows for its arm there 111 s, the whole rollout); then, unless
-    `paying`, the probe's arm at the closed buckets under it (`placement.below_probe`) after
-    what is queued (before it, the 7B's prober at a per-draft 0.2 reached its tail's bucket
-    2 with its plain executable not compiled, 30 s in the foreground, its rollout 0.71x of
-    TLT off's). Without a gate: one job, after what is queued."""
+    probation, urgent (before every job not started: the plain executables queued for a
+    tail never reached had held a batch for its arm a whole rollout); then, unless `paying`,
+    the probe's arm at the closed buckets under it (`placement.below_probe`) after what is
+    queued (before it, they had kept a prober's tail from its plain executable). Without a
+    gate: one job, after what is queued. (docs/engine.md, "Mid-call, and what goes first".)"""
     pairs, gate = self._ahead(call, top), call.gate
     if gate is None:
       self._queue_pairs(call, sp, pairs, urgent=False)
@@ -318,11 +316,10 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
 
   def call_starts(self, call: PlanCall, sp: SamplingParams, requests: int,
                   tracked: bool) -> int | None:
-    """A speculating engine's generate call starts with `requests` requests: with background
-    compilation, the drafter's tracking where its batch starts (a tracked call's, first) and
-    the wanted arms are queued (`submit`). Returns the call's top bucket (its requests', at
-    most max_batch: no batch of the call needs more, nothing above it is compiled for it;
-    None without background compilation)."""
+    """A speculating engine's call of `requests` requests starts: with background compiles,
+    the drafter's tracking where its batch starts (tracked: first) and the arms are queued
+    (`submit`). -> the call's top bucket (its requests', at most max_batch: nothing above it
+    is compiled for it; None without background compilation)."""
     self.rollouts += 1
     if not self.ecfg.spec.background_compile:
       return None
@@ -337,9 +334,8 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
     queued on the compile thread to compile while the learner's phases run (`call.gate`: the
     gate as the next rollout will begin, `SpecGate.next_rollout`): the arms of the buckets
     that pay (`paying`: not a probe's, whose arm compiles as the call starts: measured from
-    the first chunks after a prefill, 128 live rows, the 7B's bulk at a per-draft 0.5 was
-    judged to pay four rollouts late, the step over 6 steps 1.094 -> 0.999x, for 1.155 ->
-    1.167x at the default acceptance and 1.213 -> 1.254x for the 30B-A3B), and where this
+    the first chunks after a prefill, the 7B's bulk at a per-draft 0.5 was judged to pay
+    four rollouts late; docs/engine.md, "Between rollouts"), and where this
     call ran untracked and the next is tracked, the drafter's prefill after each of this
     call's prefills' shapes (`track_prompt`: the next one's prefills have them, the same
     requests a worker) and its tracking at the buckets this one decoded plainly at. All of
