@@ -64,6 +64,17 @@ def test_beg_converges_to_best_arm_per_bucket():
     assert best_share(chosen, lo, best, 300) > 0.85, (lo, best)
 
 
+def test_values_are_the_medians_of_an_arms_rewards_and_none_below_every_bound():
+  """`values` (what the compile plan ranks a bucket's arms by): per arm of the size's bucket
+  the median of its rewards, None untried; a size below every bound has no bucket: none."""
+  sel = make_selector("beg", {2: ["4_1_5", "2_1_3", "off"], 5: ["3_1_4", "off"]})
+  for r in (3.0, 9.0, 4.0):
+    sel.update("4_1_5", 3, r)
+  assert sel.values(4) == {"4_1_5": 4.0, "2_1_3": None, "off": None}
+  assert sel.values(1) == {}
+  assert sel.values(7) == {"3_1_4": None, "off": None}
+
+
 def test_beg_follows_a_changed_best_arm_within_a_window():
   """A stale drafter: the deep arm stops being accepted, plain decoding becomes best."""
   window = 60

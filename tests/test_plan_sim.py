@@ -499,6 +499,9 @@ class Prefers:
   def update(self, arm, batch_size, reward):
     pass
 
+  def values(self, batch_size):  # (nothing measured: the compile plan keeps the listed order)
+    return {}
+
 
 def test_with_a_gate_only_the_arms_chunks_ask_for_compile():
   """A worker with a gate (open: every bucket pays, every arm funded) and background
@@ -751,14 +754,11 @@ def test_a_probe_is_judged_in_the_rollout_it_is_placed_though_its_rows_finish_fi
   assert len(at_8) >= 3 and all(m.live == 3 for m in at_8)  # a warm-up and min_chunks, ...
 
 
-def test_a_probe_whose_lead_loses_decodes_plainly_while_the_widened_arm_compiles():
-  """A probe at 8 rows on a 7B model where no draft is accepted: its lead (3_1_4) loses to
-  plain decoding, its ceiling says the drafts fall short, so the probe widens to 2_1_3, which
-  compiles only now. Switch-off was compiled right after the lead (before the lead at the
-  buckets under the probe: `CompilePlan.leaves_at`), so once the lead is measured (a warm-up
-  and min_chunks chunks) it gives way (gate.gives_way) and the batch decodes plainly until
-  2_1_3 is compiled, then measures it, and the probe declines. (Before: the lead ran on until
-  2_1_3 compiled, the 7B recipe's prober for 100 s at 0.65x of plain decoding.)"""
+def _probe_at_8_nothing_accepted(arms, compile_s=0.4, queued=None):
+  """A simulated 7B worker of 8 rows (300 tokens each; buckets 1-8, compiles of `compile_s`
+  in the background, no draft ever accepted) whose call runs a probe at 8 with `arms` (the
+  lead 3_1_4 first; plain decoding there measured, 1 closed). queued: a list that gets
+  (bucket, arm, time queued, due) of each speculative compile queued. -> (engine, gate)."""
   import dataclasses
   from tlt_jax.config import load_config_file
   from tlt_jax.rollout.policies import probe
@@ -769,13 +769,23 @@ def test_a_probe_whose_lead_loses_decodes_plainly_while_the_widened_arm_compiles
   here = os.path.dirname(os.path.abspath(__file__))
   m7 = model_config(load_config_file(os.path.join(here, "..", "configs",
                                                   "qwen2_5_7b_math.py")))
-  arms, buckets = ["3_1_4", "2_1_3"], (1, 2, 4, 8)
+  buckets = (1, 2, 4, 8)
   ecfg = EngineConfig(max_batch=8, buckets=buckets, chunk_size=4, max_prompt_len=16,
                       max_new_tokens=400, prompt_bucket=16,
                       spec=SpecConfig(strategy="3_1_4", bs_threshold=8, patience=1,
                                       use_kernel=False, background_compile=True))
   s = sim_engine.SimEngine(m7, ecfg, PROFILES["h100"], bandit=bandit_config("eg", {1: arms}),
-                           compile_s=0.4, acceptance=workload.Acceptance(default=1.0))
+                           compile_s=compile_s, acceptance=workload.Acceptance(default=1.0))
+  if queued is not None:
+    queue = s.compiles._queue
+
+    def record(key, scale=1.0, urgent=False):
+      new = key not in s.exes and key not in s.exes.due
+      due = queue(key, scale, urgent)
+      if new and key.name == "spec":
+        queued.append((key.shapes[0], str(key.variant[0]), s.now, due))
+      return due
+    s.compiles._queue = record
   reqs = _requests(8)
   s.lengths = {_key(r): 300 for r in reqs}
   g = GateState(GateConfig(min_chunks=2, lead="3_1_4")).begin_rollout(
@@ -787,6 +797,18 @@ def test_a_probe_whose_lead_loses_decodes_plainly_while_the_widened_arm_compiles
   gate = SpecGate(g)
   s.generate(reqs, SamplingParams(temperature=1.0),
              policies=PolicyCells(Selector(bandit_config("eg", {1: arms})), gate))
+  return s, gate
+
+
+def test_a_probe_whose_lead_loses_decodes_plainly_while_the_widened_arm_compiles():
+  """A probe at 8 rows on a 7B model where no draft is accepted: its lead (3_1_4) loses to
+  plain decoding, its ceiling says the drafts fall short, so the probe widens to 2_1_3, which
+  compiles only now. Switch-off was compiled right after the lead (before the lead at the
+  buckets under the probe: `CompilePlan.leaves_at`), so once the lead is measured (a warm-up
+  and min_chunks chunks) it gives way (gate.gives_way) and the batch decodes plainly until
+  2_1_3 is compiled, then measures it, and the probe declines. (Before: the lead ran on until
+  2_1_3 compiled, the 7B recipe's prober for 100 s at 0.65x of plain decoding.)"""
+  s, gate = _probe_at_8_nothing_accepted(["3_1_4", "2_1_3"])
   spec = [(r.key.name, r.key.shapes[0], r.key.variant[:1]) for r in s.exes.records
           if r.key.name in ("spec", "switch_off")]
   assert spec[:3] == [("spec", 8, ("3_1_4",)), ("switch_off", 8, ()), ("spec", 4, ("3_1_4",))]
@@ -800,6 +822,26 @@ def test_a_probe_whose_lead_loses_decodes_plainly_while_the_widened_arm_compiles
   assert runs[1][1] == runs[3][1] == 3  # a warm-up and min_chunks each
   (d,) = gate.state.decisions
   assert (d["verdict"], d["reason"], d["best_arm"]) == ("declined", "acceptance", "2_1_3")
+
+
+def test_a_probes_next_arm_compiles_before_the_arms_queued_under_the_probe():
+  """A probe at 8 rows (a 7B, no draft accepted) widened to three arms: while the second
+  (2_1_3) runs its chunks, the third (4_1_5) is wanted; what its verdict waits on is queued
+  right after the compile running, before the lead's arms queued under the probe (4, 2, 1:
+  `placement.below_probe`, not started), so the probe is judged within the call. (Queued
+  behind them, the 7B recipe's probe at a per-draft 0.3 waited three rollouts for its third
+  arm: the engine's `want(urgent=...)` on a bucket on probation.)"""
+  arms, compile_s, queued = ["3_1_4", "2_1_3", "4_1_5"], 0.4, []
+  s, gate = _probe_at_8_nothing_accepted(arms, compile_s, queued)
+  when = {(b, a): (t, due) for b, a, t, due in queued}
+  wanted, due = when[(8, "4_1_5")]
+  under = [when[(b, "3_1_4")][1] for b in (1, 2, 4)]
+  assert max(under) > wanted + compile_s  # (some of them not started when it was wanted)
+  running = min(d for d in [*under, when[(8, "2_1_3")][1]] if d - compile_s <= wanted < d)
+  assert due == pytest.approx(running + compile_s)
+  (d,) = gate.state.decisions
+  assert (d["verdict"], d["reason"]) == ("declined", "acceptance")
+  assert {str(m.mode) for m in s.chunk_log if m.bucket == 8} >= set(arms)
 
 
 def test_a_tracked_batch_waits_at_its_bucket_for_the_arm_queued_there():
@@ -972,6 +1014,67 @@ def test_compile_order_is_each_buckets_lead_then_its_listed_arms_largest_bucket_
   # not only the lead's 2 drafts
   import types
   assert plan.max_steps(types.SimpleNamespace(bandit=bandit)) == 4
+
+
+def test_a_buckets_arms_compile_fastest_measured_first():
+  """What the call's bandit measured ranks a bucket's arms (`_ranked`): at the bucket's
+  largest live size, measured arms fastest first (tokens/s per row: the median of each
+  one's rewards), then the unmeasured ones as before (the lead first), "off" last; a bucket
+  whose size nothing measured keeps the lead first. (Lead first whatever was measured, the
+  7B recipe at a per-draft 0.3 compiled at 128 rows the one arm measured losing to plain
+  decoding there, and ran it alone: the rollout 0.97x of TLT off's.)"""
+  from tlt_jax.rollout.policies.cells import Selector
+  plan, bandit = _compile_plan()
+  sel = Selector(bandit)
+  for reward in (50.0, 52.0, 48.0):  # at 1-2 live rows: 4_1_5 measured, slower than 2_1_3
+    sel.update(Strategy("4_1_5"), 2, reward)
+    sel.update(Strategy("2_1_3"), 2, reward + 30.0)
+  sel.update(Strategy("3_1_4"), 4, 60.0)  # at 3-4 rows: 3_1_4 (the lead 2_1_3 not listed)
+  pairs = {1: [Strategy(a) for a in ("off", "4_1_5", "2_1_3")],
+           2: [Strategy(a) for a in ("4_1_5", "2_1_3")],
+           4: [Strategy(a) for a in ("2_1_3", "3_1_4")]}
+  assert plan.compile_order(pairs, bandit) == [(4, "2_1_3"), (2, "2_1_3"), (1, "2_1_3"),
+                                               (4, "3_1_4"), (2, "4_1_5"), (1, "4_1_5"),
+                                               (1, "off")]
+  assert plan.compile_order(pairs, bandit, sel)[:3] == [(4, "3_1_4"), (2, "2_1_3"),
+                                                         (1, "2_1_3")]
+  for reward in (90.0, 95.0, 99.0, 100.0):  # 4_1_5 now the faster: its median 50 -> 90
+    sel.update(Strategy("4_1_5"), 1, reward)  # (2_1_3's 80)
+  order = plan.compile_order(pairs, bandit, sel)
+  assert order == [(4, "3_1_4"), (2, "4_1_5"), (1, "4_1_5"), (4, "2_1_3"), (2, "2_1_3"),
+                   (1, "2_1_3"), (1, "off")]
+
+
+def test_a_buckets_first_arm_reranked_by_measurement_waits_behind_the_others_first():
+  """`CompilePlan.submit`: the buckets that pay compile their first arm urgent (right after
+  the compile running) as a call starts; once the bandit has measured another arm faster at
+  a bucket whose first arm is queued, that one is queued too, but after what is queued (the
+  7B recipe at a per-draft 0.5: a re-ranked arm at 16 rows went before the bulk's arm at 128
+  and held that batch a compile longer)."""
+  import dataclasses
+  from tlt_jax.rollout.policies.cells import Selector, SpecGate
+  from tlt_jax.rollout.policies.mab import bandit_config
+  compile_s = 0.01
+  s, sp, gate, plain = _tail_never_reached(compile_s)
+  arms = frozenset({Strategy("3_1_4"), Strategy("2_1_3")})
+  paying = SpecGate(dataclasses.replace(gate.state, at={
+      b: dataclasses.replace(r, status="pays", funded=arms) for b, r in gate.state.at.items()},
+      arms_at={b: [Strategy("3_1_4"), Strategy("2_1_3")] for b in gate.state.at}))
+  s.bandit = bandit_config("eg", {1: ["3_1_4", "2_1_3"]})
+  sel = Selector(s.bandit)
+  s.compiles.submit(s._plan(paying, sel), sp, 8, paying=True)
+  first = {b: s.compiles._due[(sp, b, "3_1_4")] for b in (1, 2, 4, 8)}
+  # urgent: right after the compile running (a plain one), before the plain ones queued
+  assert first[8] == pytest.approx(min(plain.values()) + compile_s)
+  queued = [t for k, t in s.exes.due.items() if k.name == "decode" and t > first[8]]
+  assert len(queued) == 2 and min(queued) > max(first.values())
+  for _ in range(3):
+    sel.update(Strategy("3_1_4"), 8, 50.0)
+    sel.update(Strategy("2_1_3"), 8, 70.0)
+  s.compiles.submit(s._plan(paying, sel), sp, 8, paying=True)
+  later = {k.shapes[0]: t for k, t in s.exes.due.items() if k.name == "decode"}
+  assert s.compiles._due[(sp, 8, "2_1_3")] > max(later.values())
+  assert {b: s.compiles._due[(sp, b, "3_1_4")] for b in (1, 2, 4, 8)} == first
 
 
 def test_a_bucket_is_ready_to_speculate_once_an_arm_wanted_there_is_compiled():

@@ -181,7 +181,7 @@ class SimCompilePlan(CompilePlan):
              for b, arms in pairs.items()}
     pairs = {b: arms for b, arms in pairs.items() if arms}
     leaves_at = self.leaves_at(call, pairs)
-    for b, arm in self.compile_order(pairs, call.bandit):
+    for b, arm in self.compile_order(pairs, call.bandit, call.selector):
       with self._lock:  # (handed to the thread, as the engine's submit records it)
         self._submitted.setdefault(sp, set()).add((b, arm))
       whole = SimState([None] * b)

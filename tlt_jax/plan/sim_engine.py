@@ -136,8 +136,8 @@ class SimEngine(Engine):
     return float(np.exp(self._jitter_rng.normal(0.0, s) - s * s / 2))
 
   # the device seam (engine.py)
-  def _plan(self, gate: Any = None) -> PlanCall:
-    return PlanCall(self.worker_id, None, None, self.bandit, gate, None)
+  def _plan(self, gate: Any = None, selector: Any = None) -> PlanCall:
+    return PlanCall(self.worker_id, None, None, self.bandit, gate, None, selector)
 
   def _sync(self, state):
     return state

@@ -119,12 +119,12 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
       done = self._ready.get(sp, set())
       return [a for a in arms if (bucket, a) in done]
 
-  def compile_order(self, pairs: Pairs, bandit) -> list[tuple[int, Strategy]]:
+  def compile_order(self, pairs: Pairs, bandit, measured=None) -> list[tuple[int, Strategy]]:
     """The order the compile thread takes `pairs` in: each bucket's first arm, largest bucket
     first (speculation switches on at the largest and shrinks), then each one's second, ...:
     every bucket speculates after one compile, not after all of its arms'. A bucket's arms in
     `_ranked` order."""
-    ranked = self._ranked(pairs, bandit)
+    ranked = self._ranked(pairs, bandit, measured)
     depth = max(map(len, ranked.values()), default=0)
     return [(b, ranked[b][i]) for i in range(depth) for b in sorted(ranked, reverse=True)
             if i < len(ranked[b])]
@@ -137,23 +137,23 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
              if top is None or b <= top}
     if call.gate is None:
       return pairs
-    return {b: arms[:1] for b, arms in self._ranked(pairs, call.bandit).items()}
+    return {b: arms[:1] for b, arms in self._ranked(pairs, call.bandit, call.selector).items()}
 
-  def _ranked(self, pairs: Pairs, bandit) -> Pairs:
-    """Each bucket's arms: the config's strategy (the gate's lead) first; then those `bandit`
-    (the engine's: its `choosable`) may return at the bucket's largest live size, where most
-    of a batch's chunks there run; "off" last. (A bucket spans the bandit's size bounds: 32
-    rows hold live sizes 17-32, two bounds of the default grid. Its first arm, the one
-    compiled ahead, picked from the lower bound's list left the bandit nothing to choose from
-    the upper's but "off" once that was compiled: the simulator's 7B plan, paged attention,
-    ran 363 chunks of plain decoding in the speculative state, 1 token a verification against
-    2.9 for 3_1_4, while 3_1_4 waited for its compile.)"""
+  def _ranked(self, pairs: Pairs, bandit, measured=None) -> Pairs:
+    """Each bucket's arms, "off" last: those `measured` (the call's bandit, a Selector) has
+    values for at the bucket's largest live size, where most of a batch's chunks there run,
+    fastest first; then the config's strategy (the gate's lead); then those `bandit` (the
+    engine's: its `choosable`) may return at that size: a bucket spans the bandit's size
+    bounds (32 rows hold 17-32 live), and an arm listed only at the lower one would leave the
+    upper one nothing compiled but "off". (docs/engine.md, "Which arm first".)"""
     lead, top = self.ecfg.spec.strategy, self.ecfg.spec_top
 
     def ranked(b, arms):
       n = min(b, top)  # the bucket's largest live size
       listed = bandit.choosable(n, n)
-      return sorted(arms, key=lambda a: (a != lead, a not in listed, a == "off"))
+      values = measured.values(n) if measured is not None else {}
+      return sorted(arms, key=lambda a: (a == "off", values.get(a) is None,
+                                         -(values.get(a) or 0.0), a != lead, a not in listed))
 
     return {b: ranked(b, arms) for b, arms in pairs.items()}
 
@@ -169,21 +169,23 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
     `paying`: what the next call starts with).
     With a gate, each bucket's first arm only (`want` queues the others when a chunk asks),
     and switch-off after the first arm where the gate may close a bucket (`leaves_at`), in
-    two jobs: the buckets that pay (funded: the gate will not close them) and the one on
-    probation, urgent (before every job not started: the plain executables queued for a
-    tail never reached had held a batch for its arm a whole rollout); then, unless `paying`,
-    the probe's arm at the closed buckets under it (`placement.below_probe`) after what is
-    queued (before it, they had kept a prober's tail from its plain executable). Without a
-    gate: one job, after what is queued. (docs/engine.md, "Mid-call, and what goes first".)"""
+    two jobs: the buckets that pay and the one on probation, urgent (before every job not
+    started), where none of their arms was queued before; then a first arm the bandit's
+    measurements moved ahead where another was (`_ranked`) and, unless `paying`, the probe's
+    arm at the closed buckets under it (`placement.below_probe`), after what is queued.
+    Without a gate: one job, after what is queued. (docs/engine.md, "Mid-call, and what
+    goes first", "Which arm first".)"""
     pairs, gate = self._ahead(call, top), call.gate
     if gate is None:
       self._queue_pairs(call, sp, pairs, urgent=False)
       return
-    first = {b for b in pairs if not gate.closes(b) or (gate.probes(b) and not paying)}
-    self._queue_pairs(call, sp, {b: pairs[b] for b in first}, urgent=True)
-    if not paying:
-      self._queue_pairs(call, sp, {b: a for b, a in pairs.items() if b not in first},
-                        urgent=False)
+    with self._lock:
+      had = {b for b, _ in self._submitted.get(sp, ())}
+    opens = {b for b in pairs if not gate.closes(b) or (gate.probes(b) and not paying)}
+    self._queue_pairs(call, sp, {b: pairs[b] for b in opens - had}, urgent=True)
+    self._queue_pairs(call, sp, {b: a for b, a in pairs.items()
+                                 if b in had and b in opens or b not in opens and not paying},
+                      urgent=False)
 
   def _queue_pairs(self, call: PlanCall, sp: SamplingParams, pairs: Pairs, urgent: bool):
     """`pairs` not compiled or queued yet, one job on the compile thread (`submit`)."""
@@ -268,7 +270,7 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
     if not pairs:
       return
     state = self.prefill_dummy(call, max(pairs), warm=True)
-    for b, arm in self.compile_order(pairs, call.bandit):
+    for b, arm in self.compile_order(pairs, call.bandit, call.selector):
       if on_compiled is not None:  # (on the compile thread: the windows chunks need first)
         self._run_urgent()
       self.spec(call, sp, arm, resized(state, b))

@@ -127,11 +127,11 @@ class Engine(Replica):
     self.preemptions = 0  # rows preempted for pages, over the engine's life
     self.preempted_tokens = 0  # the tokens they had decoded (kept: resumed, not redone)
 
-  def _plan(self, gate: Any = None) -> PlanCall:
+  def _plan(self, gate: Any = None, selector: Any = None) -> PlanCall:
     """The compile plan's view of this engine now (its bandit: the arms compiled; `gate`:
-    the call's, None: every bucket open)."""
+    the call's, None: every bucket open; `selector`: the call's bandit, what it measured)."""
     return PlanCall.view(self.worker_id, self.params, self.drafter_params, self.bandit, gate,
-                         self.kv)
+                         self.kv, selector)
 
   def choosable_pairs(self) -> dict[int, list[Strategy]]:
     """Engine bucket -> the arms the selector can choose there (compile_plan.py)."""
@@ -210,7 +210,7 @@ class Engine(Replica):
     elif spec is not None and not set(selector.arms) <= self.arms:
       raise ValueError(f"the call's bandit runs {sorted(set(selector.arms) - self.arms)}, "
                        f"which this engine does not (its arms: {sorted(self.arms)})")
-    plan = self._plan(policies.gate)
+    plan = self._plan(policies.gate, selector)
     gate = policies.gate if spec is not None and policies.measure else None
     if gate is not None:
       gate.begin_rollout(self.worker_id, self.compiles.choosable_pairs(plan))
@@ -235,7 +235,7 @@ class Engine(Replica):
       while not c.sched.done:
         state, started = self._chunk(state, started, c)
       if gate is not None and top is not None:  # (while the learner's phases run)
-        self.compiles.next_call(self._plan(gate.next_rollout()), sp, top, c)
+        self.compiles.next_call(self._plan(gate.next_rollout(), selector), sp, top, c)
     finally:  # the pools go back to the engine (lost if a device call failed midway)
       self.kv.keep(state)
     return c.results
@@ -320,7 +320,8 @@ class Engine(Replica):
         have = [a for a in have if a not in spent]
         if arm not in have:
           if arm not in spent:
-            self.compiles.want(c.plan, c.sp, arm, state, reach_of(arm), urgent=not have)
+            self.compiles.want(c.plan, c.sp, arm, state, reach_of(arm),
+                               urgent=not have or gate.probes(state.batch_size))
           if have:
             arm = gate.probe_arm(state.batch_size, c.selector.select(len(live), arms=have),
                                  among=have)

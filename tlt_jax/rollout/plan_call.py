@@ -35,19 +35,22 @@ def resized(tree, b: int):
 class PlanCall:
   """What the plan reads of its engine, given with each call: the worker, its weights (only
   their shapes and shardings are read: `view` makes them abstract), the engine's bandit config
-  (its arms and their bucket grid), the call's gate (None: every bucket open), and its page
-  pools (`KVPages`: their abstract shapes)."""
+  (its arms and their bucket grid), the call's gate (None: every bucket open), its page
+  pools (`KVPages`: their abstract shapes), and the call's bandit (cells.Selector: what it has
+  measured ranks each bucket's arms, compile_plan.py; None: their listed order)."""
   worker_id: int
   params: Params
   drafter_params: Params | None
   bandit: Any
   gate: Any
   kv: KVPages
+  selector: Any = None
 
   @classmethod
   def view(cls, worker_id: int, params: Params, drafter_params: Params | None, bandit: Any,
-           gate: Any, kv: KVPages) -> PlanCall:
-    return cls(worker_id, abstract(params), abstract(drafter_params), bandit, gate, kv)
+           gate: Any, kv: KVPages, selector: Any = None) -> PlanCall:
+    return cls(worker_id, abstract(params), abstract(drafter_params), bandit, gate, kv,
+               selector)
 
 
 def choosable_pairs(ecfg, bandit) -> Pairs:

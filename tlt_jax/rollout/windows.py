@@ -69,8 +69,10 @@ class Windows:
     cannot run the rows without a compile (`fits`): its rows' window is queued on the compile
     thread behind what is queued (the chunk runs an arm that fits meanwhile), as `window`
     would for a chunk of it; one at a time per bucket (rows that outgrow it meanwhile want
-    the next). urgent: before every compile not started (`_submit`: a probe whose measured
-    arms all gave way to plain decoding waits on this one)."""
+    the next). urgent: before every compile not started (`_submit`: a probe's verdict, or a
+    batch whose measured arms all gave way to plain decoding, waits on this one; the 7B
+    recipe at a per-draft 0.3, its probe's third arm queued behind the arms under the
+    probe, was judged three rollouts late)."""
     abstract = self._abstract(state)
     if any(self._spec_key(call, sp, arm, abstract, n) not in self.exes
            for n in self._queued_windows(state.batch_size, arm)):

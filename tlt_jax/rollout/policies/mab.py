@@ -279,7 +279,10 @@ class BanditState:
         pulls={**self.pulls, lo: {**self.pulls[lo], arm: self.pulls[lo][arm] + 1}})
 
   def values(self, batch_size: int) -> dict[str, float | None]:
-    """The arm values the rule compares (None: untried), for logs and plots."""
+    """The arm values the rule compares (None: untried), for logs, plots and the compile
+    plan's order; none for a size below every bucket bound."""
+    if _check_size(batch_size) < self.cfg.bounds[0]:
+      return {}
     lo = self.cfg.bucket_of(batch_size)
     return {a: self._value(lo, a) if r else None for a, r in self.rewards[lo].items()}
 
