@@ -691,8 +691,9 @@ BACKGROUND = SpecConfig(strategy="3_1_4", bs_threshold=4, patience=1, use_kernel
 
 def test_workers_compile_and_speculate_only_where_the_gate_opens(tiny):
   """Two workers share a gate. While a bucket is probed only the prober compiles speculative
-  executables, that bucket's only (its speculating batch does not compact into buckets not
-  compiled for); a bucket declined stops speculation on both; a bucket that pays is compiled
+  executables, that bucket's only (and, as its call ends, the next rollout's probe's; its
+  speculating batch does not compact into buckets not compiled for); a bucket declined stops
+  speculation on both; a bucket that pays is compiled
   by the other worker at its next rollout and speculated at. Greedy outputs stay plain
   decoding's throughout."""
   params, dparams = tiny
@@ -717,6 +718,8 @@ def test_workers_compile_and_speculate_only_where_the_gate_opens(tiny):
     probed |= {q for q, st in gate.state.status.items() if st == "probing"}
     run(a)
     probed |= {d["bucket"] for d in gate.state.decisions}  # (moved to, or decided there)
+    # (and the next rollout's: the prober compiles its probe's arm as its call ends)
+    probed |= {q for q, st in gate.next_rollout().state.status.items() if st == "probing"}
     run(b)
     assert gate.state.prober == 0 and spec_buckets(b) == set()
     assert spec_buckets(a) <= probed

@@ -167,6 +167,9 @@ class NotWantedGate:
   def probes(self, bucket):
     return False
 
+  def defers(self, bucket, live):
+    return False
+
   def begin_rollout(self, worker_id, choosable):
     pass
 

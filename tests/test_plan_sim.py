@@ -604,6 +604,55 @@ def test_what_the_next_call_compiles_as_it_starts_compiles_on_the_compile_clock(
   assert not {"track", "track_prompt", "spec"} & set(waited) and "3_1_4" in modes
 
 
+def test_a_probes_arm_compiles_between_rollouts_and_runs_once_its_first_rows_finish():
+  """As a call ends, its worker, the next rollout's prober, queues the probe's arm (at 8
+  rows) on the compile clock (`CompilePlan.next_call`), so the next call, after the
+  learner's phases, waits for no compile; its batch at 8 decodes plainly while every row is
+  live and probes once the first has finished (`placement.defers`: right after a prefill a
+  verification over every row is nearer compute-bound than where the bucket's time is
+  spent; measured from there, the 7B's bulk at a per-draft 0.5 was judged four rollouts
+  late). Compiled only as the next call starts, the probe's arm (2 s here) would come after
+  that call's end."""
+  import dataclasses
+  from tlt_jax.rollout.policies import probe
+  from tlt_jax.rollout.policies.cells import PolicyCells, SpecGate
+  from tlt_jax.rollout.policies.gate import GateConfig, GateState
+  s = _background_sim(2.0)
+  s.drafter_compile = 0.05
+  reqs = _requests(8)
+  s.lengths = {_key(r): 60 + 40 * i for i, r in enumerate(reqs)}
+  g = GateState(GateConfig(min_chunks=2, lead="3_1_4", reprobe_every=0)).begin_rollout(
+      0, {b: ["3_1_4"] for b in s.ecfg.buckets})
+  g = g.put(1, dataclasses.replace(g.at[1], status="closed", funded=frozenset()))
+  g = g.start_probe(8)._fund()
+  for _ in range(3):  # plain decoding at 8 measured
+    g = g.record(probe.Chunk(8, None, 0.01, 4, live=8))
+
+  class Untracked(SpecGate):  # (this call compiles nothing speculative; the next probes 8)
+    def begin_rollout(self, worker_id, choosable):
+      pass
+
+    def may_speculate(self):
+      return False
+
+    def arms(self, worker_id, bucket):
+      return []
+
+    def next_rollout(self):
+      return SpecGate(g)
+
+  sp = SamplingParams(temperature=1.0)
+  s.generate(reqs, sp, policies=PolicyCells(gate=Untracked(g)))
+  assert (sp, 8, "3_1_4") in s.compiles._due  # (queued as the call ended: nothing before)
+  s.now += 600.0  # the learner's phases: the compile clock runs on
+  n, compiling = len(s.chunk_log), s.busy["compile"]
+  s.generate(reqs, sp, policies=PolicyCells(gate=SpecGate(g)))
+  assert s.busy["compile"] == compiling
+  at_8 = [m for m in s.chunk_log[n:] if m.bucket == 8]
+  assert {str(m.mode) for m in at_8 if m.live == 8} == {"plain"}
+  assert any(str(m.mode) == "3_1_4" for m in at_8)
+
+
 def _tail_never_reached(compile_s):
   """A simulated worker (buckets 1-8, 3_1_4 compiled in the background, plain executables
   compiled ahead: `compile_ahead`) after a call whose 8 rows all ended at once: the plain
@@ -755,9 +804,10 @@ def test_a_probe_is_judged_in_the_rollout_it_is_placed_though_its_rows_finish_fi
 
 
 def _probe_at_8_nothing_accepted(arms, compile_s=0.4, queued=None):
-  """A simulated 7B worker of 8 rows (300 tokens each; buckets 1-8, compiles of `compile_s`
-  in the background, no draft ever accepted) whose call runs a probe at 8 with `arms` (the
-  lead 3_1_4 first; plain decoding there measured, 1 closed). queued: a list that gets
+  """A simulated 7B worker of 8 rows (300 tokens each but one of 20, which a probe waits for:
+  `placement.defers`; buckets 1-8, compiles of `compile_s` in the background, no draft ever
+  accepted) whose call runs a probe at 8 with `arms` (the lead 3_1_4 first; plain decoding
+  there measured, 1 closed). queued: a list that gets
   (bucket, arm, time queued, due) of each speculative compile queued. -> (engine, gate)."""
   import dataclasses
   from tlt_jax.config import load_config_file
@@ -787,7 +837,7 @@ def _probe_at_8_nothing_accepted(arms, compile_s=0.4, queued=None):
       return due
     s.compiles._queue = record
   reqs = _requests(8)
-  s.lengths = {_key(r): 300 for r in reqs}
+  s.lengths = {_key(r): 20 if i == 0 else 300 for i, r in enumerate(reqs)}
   g = GateState(GateConfig(min_chunks=2, lead="3_1_4")).begin_rollout(
       0, {b: arms for b in buckets})
   g = g.put(1, dataclasses.replace(g.at[1], status="closed", funded=frozenset()))
@@ -1128,6 +1178,26 @@ def test_the_prober_holds_its_batch_only_for_a_probe_queued_there():
   held = rule(tracked=True, wants=False)
   assert held is not None and not any(map(held, (1, 2)))
   assert rule(tracked=False, wants=False) is None  # (an untracked call cannot speculate)
+
+
+def test_a_probe_defers_while_an_eighth_of_its_buckets_rows_are_still_to_finish():
+  """`placement.defers`: at a bucket on probation the batch decodes plainly while more than
+  7/8 of the bucket's rows are live (8 rows: all; 128: over 112), never below 8 rows (a
+  bucket of 1-4 rows probes at once), nor where the bucket pays or without gating."""
+  import dataclasses
+  from tlt_jax.rollout.policies import placement
+  from tlt_jax.rollout.policies.gate import GateConfig, GateState
+  buckets = (1, 2, 4, 8, 128)
+  g = GateState(GateConfig()).begin_rollout(0, {b: ["3_1_4"] for b in buckets})
+  for b in buckets:
+    g = g.start_probe(b)
+  assert [placement.defers(g, 1, 1), placement.defers(g, 4, 4)] == [False, False]
+  assert [placement.defers(g, 8, 8), placement.defers(g, 8, 7)] == [True, False]
+  assert [placement.defers(g, 128, 113), placement.defers(g, 128, 112)] == [True, False]
+  paid = g.put(128, dataclasses.replace(g.at[128], status="pays"))
+  assert not placement.defers(paid, 128, 128)
+  off = GateState(GateConfig(gating=False)).begin_rollout(0, {128: ["3_1_4"]})
+  assert not placement.defers(off, 128, 128)
 
 
 def test_a_speculating_batch_leaves_only_where_it_cannot_compact_speculating():

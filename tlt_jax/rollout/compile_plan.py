@@ -334,17 +334,15 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
   def next_call(self, call: PlanCall, sp: SamplingParams, top: int, ended) -> None:
     """As a call (`ended`: its `Call`) ends, what the next one will compile as it starts,
     queued on the compile thread to compile while the learner's phases run (`call.gate`: the
-    gate as the next rollout will begin, `SpecGate.next_rollout`): the arms of the buckets
-    that pay (`paying`: not a probe's, whose arm compiles as the call starts: measured from
-    the first chunks after a prefill, the 7B's bulk at a per-draft 0.5 was judged to pay
-    four rollouts late; docs/engine.md, "Between rollouts"), and where this
-    call ran untracked and the next is tracked, the drafter's prefill after each of this
-    call's prefills' shapes (`track_prompt`: the next one's prefills have them, the same
-    requests a worker) and its tracking at the buckets this one decoded plainly at. All of
-    it before the plain executables queued ahead for the tails of calls to come (urgent):
-    the next call needs it first. From abstract shapes, as every compile here: the weights
-    may be released meanwhile. The simulator's 30B-A3B recipe had stalled its rollout 2 for
-    2.4-3.7 s a worker on the drafter's (0.94 -> 0.97x of TLT off's rollout)."""
+    gate as the next rollout will begin, `SpecGate.next_rollout`): what `submit` queues as a
+    call starts (the arms of the buckets that pay, the probe's: its chunks wait for the
+    bucket's first rows to finish, `SpecGate.defers`; docs/engine.md, "Between rollouts"),
+    and where this call ran untracked and the next is tracked, the drafter's prefill after
+    each of this call's prefills' shapes (`track_prompt`: the next one's prefills have them,
+    the same requests a worker) and its tracking at the buckets this one decoded plainly at.
+    All of it before the plain executables queued ahead for the tails of calls to come
+    (urgent): the next call needs it first. From abstract shapes, as every compile here: the
+    weights may be released meanwhile."""
     if call.gate.may_speculate() and not ended.track:
       for b in sorted(ended.plain_at, reverse=True):
         self.track_ahead(call, b)
@@ -352,7 +350,7 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
         self._thread(call)
       for args in ended.untracked_prefills.values():  # (one per shape)
         self._submit(functools.partial(self._track_prompt_at, call, *args), urgent=True)
-    self.submit(call, sp, top, paying=True)
+    self.submit(call, sp, top)
 
   def _track_prompt_at(self, call: PlanCall, batch: int, tokens, lens, src, keys,
                        max_new) -> None:

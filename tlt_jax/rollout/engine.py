@@ -253,10 +253,8 @@ class Engine(Replica):
       top = c.top if state is None or sched.pending else min(state.batch_size, c.top)
       self.compiles.submit(c.plan, c.sp, top, paying=True)
     live = 0 if sched.pending else len(sched.live)  # (rows waiting: no compaction)
-    # (a leave where switch-off is not compiled yet would queue it before every arm's compile
-    # not started: the 32B recipe at a per-draft 0.3, every worker's 128-, 64- and 32-row
-    # switch-offs delayed the tail's arms by a compile each, the rollout 1.07 -> 1.05x at
-    # step 2 and 1.33 -> 1.23x at step 3)
+    # (only once switch-off is compiled: a leave queueing it went before every arm's compile
+    # not started, the 32B recipe's tail arms a compile later at a per-draft 0.3)
     leaving = (started and gate is not None and state is not None
                and self.compiles.switch_off_ready(c.plan, state)
                and self.compiles.leaves(c.plan, c.sp, state.batch_size, live))
@@ -290,8 +288,10 @@ class Engine(Replica):
     live = sched.live
     if speculating and not started:
       # a tracked call's batch (its drafter's cache is current: nothing to compute) once its
-      # bucket's executables are compiled (until then the chunk decodes plainly)
-      speculating = c.track and self.compiles.ready(c.plan, c.sp, state.batch_size)
+      # bucket's executables are compiled (until then the chunk decodes plainly) and, on
+      # probation, its first rows have finished (`defers`)
+      speculating = c.track and self.compiles.ready(c.plan, c.sp, state.batch_size) and not (
+          gate is not None and gate.defers(state.batch_size, len(live)))
     if (started or speculating) and gate is not None and gate.closes(state.batch_size):
       self.compiles.switch_off_ahead(c.plan, state)  # (its bucket may close meanwhile)
     # the attention window the rows reach this chunk (their pages hold it: `_page`)

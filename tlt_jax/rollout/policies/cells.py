@@ -83,6 +83,8 @@ class SpecGate:
     allows(worker, bucket)            whether a chunk may speculate there now
     holds(worker, bucket, ready)      whether a batch there stays until its probe is judged
                                       (placement.py)
+    defers(bucket, live)              whether a batch there waits for rows to finish before
+                                      its probe runs
     probe_arm(bucket, default)        the arm a chunk runs (the probed one on probation)
     gives_way(bucket, arm)            whether a chunk decodes plainly instead (a probed arm
                                       measured losing while the others compile)
@@ -175,6 +177,9 @@ class SpecGate:
 
   def holds(self, worker_id: int, bucket: int, ready=None) -> bool:
     return placement.holds(self.state, worker_id, bucket, ready)
+
+  def defers(self, bucket: int, live: int) -> bool:
+    return placement.defers(self.state, bucket, live)
 
   def probe_arm(self, bucket: int, default: Strategy, among=None) -> Strategy:
     return self.state.probe_arm(bucket, default, among)

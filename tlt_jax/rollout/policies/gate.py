@@ -7,10 +7,11 @@ arm) executable it needs is a compile the run pays. The bandit (mab.py) picks th
 compiled ones; this gate decides which batch buckets are worth compiling arms for at all:
 
 - It probes one bucket at a time (where: below) on one worker, the prober, which compiles
-  and runs speculative chunks there (once half of the plain measurement is in) while every
-  worker's plain chunks measure plain decoding. A probe runs the lead arm (the config's
-  strategy), whatever the bandit would pick. The first chunk of each (bucket, arm) is a
-  warm-up, not counted (a fresh executable's first run was 10-50x slower on CPU).
+  (once half of the plain measurement is in) and runs speculative chunks there (once an
+  eighth of the bucket's rows have finished: placement.defers) while every worker's plain
+  chunks measure plain decoding. A probe runs the lead arm (the config's strategy),
+  whatever the bandit would pick. The first chunk of each (bucket, arm) is a warm-up, not
+  counted (a fresh executable's first run was 10-50x slower on CPU).
 - Once the bucket has `min_chunks` plain chunks and as many of each probed arm, it compares
   per-row throughput: tokens per row per step (1 for plain decoding, the measured tokens per
   verification for an arm) over the time per step (rows that finish inside a chunk do not
@@ -62,9 +63,8 @@ ledger) goes to a new state on each event (`begin_rollout`, `record` of a measur
 `compiled`), and every question (`arms`, `allows`, `probe_arm`, `drafter_wanted`,
 `may_speculate`, funding.py's `repays_window`) is a function of a state: a test drives chunks
 and reads the verdicts. What is measured (chunks, rates, ratios, ceilings) is probe.py's; what
-is funded, funding.py's. A rollout's workers share the state in a `SpecGate` (cells.py: a
-lock, the verdict cache's I/O). Chunks that compiled are not measured.
-"""
+is funded, funding.py's; where and when a probe runs, placement.py's. A rollout's workers
+share the state in a `SpecGate` (cells.py). Chunks that compiled are not measured."""
 
 from __future__ import annotations
 

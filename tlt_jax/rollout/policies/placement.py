@@ -2,9 +2,10 @@
 could earn per rollout at best: its own time's saving and, since a bucket that pays opens
 every smaller one, theirs), the move of probation to where the rollout's time is, and
 the closed buckets under a probe the prober's batch compacts through, the prober's batch
-held at the bucket on probation until its probe is judged, a probed arm measured losing
-giving way there to plain decoding while the probe waits on the others, and a speculating
-batch leaving for plain decoding where that beats it at its rows' bucket.
+held at the bucket on probation until its probe is judged, its first chunks there waiting
+for the bucket's first rows to finish, a probed arm measured losing giving way there to plain
+decoding while the probe waits on the others, and a speculating batch leaving for plain
+decoding where that beats it at its rows' bucket.
 Functions of a `GateState`, like funding.py's."""
 
 from __future__ import annotations
@@ -124,6 +125,18 @@ def gives_way(s, bucket: int, arm) -> bool:
     return False
   got = measured(r).get(arm)
   return got is not None and got[0] < 1.0
+
+
+def defers(s, bucket: int, live: int) -> bool:
+  """Whether a batch at `bucket` on probation, `live` of its rows decoding, decodes plainly
+  before its probe runs: while an eighth of the bucket's rows or more are still to finish
+  (none below 8 rows). Right after a prefill every row is live and a verification over them
+  nearer compute-bound than where the bucket's time is spent (its rows from full to half):
+  the 7B recipe at a per-draft 0.5, its probe's arm compiled before the rollout and measured
+  from the prefill's 128 rows on, had its bulk judged to pay four rollouts late."""
+  r = s.at.get(bucket)
+  return (s.cfg.gating and r is not None and r.status == PROBING
+          and live > bucket - bucket // 8)
 
 
 def leaves(s, bucket: int, to: int) -> bool:
