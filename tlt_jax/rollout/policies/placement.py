@@ -129,8 +129,8 @@ def gives_way(s, bucket: int, arm) -> bool:
 
 def defers(s, bucket: int, live: int) -> bool:
   """Whether a batch at `bucket` on probation, `live` of its rows decoding, decodes plainly
-  before its probe runs: while an eighth of the bucket's rows or more are still to finish
-  (none below 8 rows). Right after a prefill every row is live and a verification over them
+  before its probe runs: until an eighth of the bucket's rows have finished (none below 8
+  rows). Right after a prefill every row is live and a verification over them
   nearer compute-bound than where the bucket's time is spent (its rows from full to half):
   the 7B recipe at a per-draft 0.5, its probe's arm compiled before the rollout and measured
   from the prefill's 128 rows on, had its bulk judged to pay four rollouts late."""
