@@ -149,6 +149,8 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
     lead, top = self.ecfg.spec.strategy, self.ecfg.spec_top
 
     def ranked(b, arms):
+      if len(arms) < 2:  # (nothing to order: no medians on every chunk's `submit`)
+        return list(arms)
       n = min(b, top)  # the bucket's largest live size
       listed = bandit.choosable(n, n)
       values = measured.values(n) if measured is not None else {}
@@ -165,8 +167,8 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
     largest and shrinks), up to bucket `top` (that of the call's request count: no batch of
     the call needs more; a later call with more rows compiles the larger buckets then).
     Called as a generate call starts, before each of its chunks (`paying`: what a verdict
-    opened since, on any worker; a no-op when nothing is new) and as it ends (`next_call`,
-    `paying`: what the next call starts with).
+    opened since, on any worker; a no-op when nothing is new) and as it ends (`next_call`:
+    what the next call starts with).
     With a gate, each bucket's first arm only (`want` queues the others when a chunk asks),
     and switch-off after the first arm where the gate may close a bucket (`leaves_at`), in
     two jobs: the buckets that pay and the one on probation, urgent (before every job not

@@ -262,9 +262,7 @@ class Engine(Replica):
         leaving or not gate.allows(self.worker_id, state.batch_size)):
       # the gate closed this bucket since the batch switched on (a probe here declined, or
       # probation moved on), or its rows are better off decoding plainly at a smaller bucket
-      # where nothing of it is compiled yet (`leaves`): it decodes plainly again, compacting
-      # as its rows finish, and switches on again where the gate allows and an arm is
-      # compiled (a losing arm never runs out the call)
+      # (`leaves`): it decodes plainly, compacting, and switches on again where it may
       state, started = self._switch_off(state, c), False
     sched.compacts_to = (None if state is None else self.compiles.compaction(
         c.plan, c.sp, state.batch_size, started=started, tracked=c.track,
@@ -287,9 +285,8 @@ class Engine(Replica):
     state = self._page(state, c, self._reach(started or speculating))
     live = sched.live
     if speculating and not started:
-      # a tracked call's batch (its drafter's cache is current: nothing to compute) once its
-      # bucket's executables are compiled (until then the chunk decodes plainly) and, on
-      # probation, its first rows have finished (`defers`)
+      # a tracked call's batch (its drafter's cache current) once its bucket's executables
+      # are compiled and, on probation, its first rows have finished (`defers`)
       speculating = c.track and self.compiles.ready(c.plan, c.sp, state.batch_size) and not (
           gate is not None and gate.defers(state.batch_size, len(live)))
     if (started or speculating) and gate is not None and gate.closes(state.batch_size):

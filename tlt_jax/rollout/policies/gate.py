@@ -44,18 +44,16 @@ compiled ones; this gate decides which batch buckets are worth compiling arms fo
   re-probe is due); one declined declines every larger one. A speculating batch compacts
   only to buckets whose arms are funded and compiled (compile_plan.py), or switches off to
   compact where plain decoding at its rows' bucket beats it (`placement.leaves`).
-
 - Hardware verdicts outlive the run (`VerdictCache`, on disk beside the persistent
   compilation cache, keyed by the machine and the shapes they depend on): a later run starts
   with those buckets declined, re-probes them every `hardware_reprobe_every` rollouts, and a
   re-probe that pays removes the verdict.
-
 - Nothing is compiled that cannot repay its compile (payoff.py): probes, the arms a paying
   bucket compiles and each narrower attention window are "funded" only when their best case
   (the time at the bucket per rollout x the rollouts left x `payback` x the share an arm
   could save at best) repays their compiles as measured; asked again every prober rollout.
-  A probation whose probe is not funded is "unfunded" (this CPU's default run: bucket 1 for
-  the whole run, so nothing speculative compiles, no call is tracked, no drafter trains).
+  A probation whose probe is not funded is "unfunded" (this CPU's default run, the whole
+  run: nothing speculative compiles, no call is tracked, no drafter trains).
 
 The policy is pure transitions over one frozen record, like the Scheduler: `GateState` (a
 `Bucket` record per batch bucket, and the clock, the prober, the verdicts so far, the payoff
