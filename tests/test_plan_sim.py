@@ -688,7 +688,7 @@ def test_the_arms_a_call_starts_with_compile_before_the_plain_executables_queued
   s.lengths = {k: 2000 for k in s.lengths}
   n = len(s.chunk_log)
   s.generate(_requests(8), sp, policies=PolicyCells(gate=SpecGate(paying)))
-  assert s.compiles._due[(sp, 8, "3_1_4")] == pytest.approx(min(plain.values()) + compile_s)
+  assert s.compiles.arm_due(sp, 8, "3_1_4") == pytest.approx(min(plain.values()) + compile_s)
   assert "3_1_4" in {str(c.mode) for c in s.chunk_log[n:]}
 
 
@@ -713,7 +713,7 @@ def test_a_probes_arm_compiles_before_the_plain_executables_queued_and_those_und
   compile_s = 0.01
   s, sp, gate, plain = _tail_never_reached(compile_s)
   s.compiles.submit(s._plan(Probing(gate.state)), sp, 8)
-  due = {b: s.compiles._due[(sp, b, "3_1_4")] for b in (1, 2, 4, 8)}
+  due = {b: s.compiles.arm_due(sp, b, "3_1_4") for b in (1, 2, 4, 8)}
   assert due[8] == pytest.approx(min(plain.values()) + compile_s)
   later = {k.shapes[0]: t for k, t in s.exes.due.items() if k.name == "decode"}
   assert min(due[b] for b in (1, 2, 4)) > max(later[b] for b in plain)
@@ -948,6 +948,40 @@ def test_a_chunk_waits_only_for_a_compile_that_has_started():
   assert s.now == pytest.approx(30 + d) and s.busy["compile"] == pytest.approx(d + 3 * d / 4)
 
 
+def test_a_hosts_workers_compile_a_program_once_and_load_it_from_each_other():
+  """Workers of one process (sim.SimHost, executables.port): a program another worker has
+  started compiling is loaded once that compile ends (load_s later) and takes nothing of this
+  worker's compile clock, so what it queues next starts at once; a worker that starts a
+  program before the worker that queued it earlier reaches it takes it over (that worker's
+  queue moves up by a compile and it loads); a chunk needing a program another worker is
+  compiling waits for that compile and the load, not for a compile of its own. Times by hand
+  on the simulated clock (30-s compiles, 1-s loads); a worker of another host compiles."""
+  arm = lambda b: sim_device.exe_key("spec", b, Strategy("3_1_4"), 400)  # noqa: E731
+  a, b, c = (_eight_rows_3_1_4() for _ in range(3))
+  host = sim_device.SimHost(load_s=1.0)
+  for w in (a, b):
+    w.compile_s = 30.0
+    w.compiles.host = host
+    host.plans.append(w.compiles)
+  c.compile_s = 30.0
+  assert a.compiles._queue(arm(8)) == 30.0
+  b.now = 5.0
+  assert b.compiles._queue(arm(8)) == 31.0  # (a's compile, then the load)
+  assert b.compiles._queue(arm(4)) == 35.0  # (b's thread was free)
+  assert [r.ported for r in b.exes.records] == [True, False]
+  assert c.compiles._queue(arm(8)) == 30.0  # (another host: its own compile)
+  assert b.compiles._queue(arm(2)) == 65.0  # (queued behind arm 4: starts at 35)
+  assert b.compiles._queue(arm(1)) == 95.0
+  a.now = 10.0
+  assert a.compiles._queue(arm(2)) == 60.0  # (a starts it at 30, before b would at 35)
+  assert b.exes.due[arm(2)] == 61.0 and b.exes.due[arm(1)] == 65.0  # (b's queue moved up)
+  b.now = 40.0
+  b._compile(arm(2))  # a's compile started at 30: the chunk waits for it and the load
+  assert b.now == 61.0 and b.busy["compile"] == 21.0
+  b._compile(arm(16))  # nobody has it: compiled here
+  assert b.now == 91.0
+
+
 def test_plain_executables_compiled_ahead_on_the_compile_clock():
   """rollout.compile_ahead (rollout/plain_ahead.py, the engine's own `plain_ahead`): the
   first plain chunk queues the buckets below it on the compile clock, largest first, and a
@@ -1113,7 +1147,7 @@ def test_a_buckets_first_arm_reranked_by_measurement_waits_behind_the_others_fir
   s.bandit = bandit_config("eg", {1: ["3_1_4", "2_1_3"]})
   sel = Selector(s.bandit)
   s.compiles.submit(s._plan(paying, sel), sp, 8, paying=True)
-  first = {b: s.compiles._due[(sp, b, "3_1_4")] for b in (1, 2, 4, 8)}
+  first = {b: s.compiles.arm_due(sp, b, "3_1_4") for b in (1, 2, 4, 8)}
   # urgent: right after the compile running (a plain one), before the plain ones queued
   assert first[8] == pytest.approx(min(plain.values()) + compile_s)
   queued = [t for k, t in s.exes.due.items() if k.name == "decode" and t > first[8]]
@@ -1123,8 +1157,8 @@ def test_a_buckets_first_arm_reranked_by_measurement_waits_behind_the_others_fir
     sel.update(Strategy("2_1_3"), 8, 70.0)
   s.compiles.submit(s._plan(paying, sel), sp, 8, paying=True)
   later = {k.shapes[0]: t for k, t in s.exes.due.items() if k.name == "decode"}
-  assert s.compiles._due[(sp, 8, "2_1_3")] > max(later.values())
-  assert {b: s.compiles._due[(sp, b, "3_1_4")] for b in (1, 2, 4, 8)} == first
+  assert s.compiles.arm_due(sp, 8, "2_1_3") > max(later.values())
+  assert {b: s.compiles.arm_due(sp, b, "3_1_4") for b in (1, 2, 4, 8)} == first
 
 
 def test_a_bucket_is_ready_to_speculate_once_an_arm_wanted_there_is_compiled():

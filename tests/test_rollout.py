@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from scipy import stats
 from transformers.generation import (TemperatureLogitsWarper, TopKLogitsWarper,
                                      TopPLogitsWarper)
@@ -1063,14 +1063,34 @@ def test_unusable_donations_do_not_warn_from_compiling_threads():
   assert [w for w in seen if "donated buffers" in str(w.message)]
 
 
-def test_engines_of_one_process_share_their_executables(models, prompts):
+@pytest.fixture
+def fresh_jax_cache(tmp_path):
+  """JAX's persistent compilation cache in an empty directory for this test: what it compiles
+  is compiled, not loaded from the suite's cache (an executable loaded from it is not ported
+  to other devices: executables._SOURCES)."""
+  from jax._src import compilation_cache
+  before = jax.config.jax_compilation_cache_dir
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax_cache"))
+  compilation_cache.reset_cache()
+  yield
+  jax.config.update("jax_compilation_cache_dir", before)
+  compilation_cache.reset_cache()
+
+
+def test_engines_of_one_process_share_their_executables(models, prompts, monkeypatch,
+                                                        fresh_jax_cache):
   """A second engine with the same configuration on the same device takes every executable
   the first compiled (the same objects, its records priced at their compile's seconds) and
-  returns the same results; one on another device shares none, one with another chunk size
-  only what does not depend on it (the prefill, the layout ops), not its decode chunks."""
+  returns the same results; one on another device (another rollout worker) compiles none of
+  them: each is the first's loaded onto its device (port.py), and its results are the same;
+  one with another chunk size shares only what does not depend on it (the prefill, the
+  layout ops), not its decode chunks."""
   from tlt_jax.rollout import executables
   m = models["qwen2"]
   executables.clear_shared()
+  compiled, real = [], executables._compile
+  monkeypatch.setattr(executables, "_compile",
+                      lambda *a: compiled.append(a) or real(*a))
   cfg = engine_cfg()
   first, again = Engine(m.params, m.cfg, cfg), Engine(m.params, m.cfg, cfg)
   reqs = sampled_requests(prompts)
@@ -1085,8 +1105,16 @@ def test_engines_of_one_process_share_their_executables(models, prompts):
                  mesh=Mesh(np.array([jax.devices()[1]]).reshape(1, 1, 1),
                            ("data", "fsdp", "tensor")))
   wider = Engine(m.params, m.cfg, engine_cfg(chunk_size=2))
-  for e in (other, wider):
-    assert_same_results(ref, run(e, reqs, T1, seed=1)[0], "unshared engine")
+  before = len(compiled)
+  got = run(other, reqs, T1, seed=1)[0]
+  assert len(compiled) == before, "an engine on another device compiled its own"
+  assert_same_results(ref, got, "engine on another device")
+  assert {r.key for r in other.compile_log} == set(own)
+  for r in other.compile_log:
+    assert r.ported and r.compile_s == own[r.key].compile_s, r
+    placed = jax.tree.leaves(other.exes._compiled[r.key].input_shardings)
+    assert placed and {d for sh in placed for d in sh.device_set} == {jax.devices()[1]}, r.key
+  assert_same_results(ref, run(wider, reqs, T1, seed=1)[0], "unshared engine")
   ids = lambda e: set(map(id, e.exes._compiled.values()))  # noqa: E731
   assert not ids(other) & ids(first)
   # the same cache key (a decode chunk's names no chunk size), another function: not shared
@@ -1140,6 +1168,127 @@ def test_two_threads_asking_for_one_executable_compile_it_once(monkeypatch, firs
       assert isinstance(out["first"], RuntimeError) and len(calls) == 2
     else:
       assert out["first"] is out["second"] and len(calls) == 1
+
+
+def _placed(device_ids, shape=(4,)):
+  """x's abstract shape on a one-axis mesh of these devices."""
+  mesh = Mesh(np.array([jax.devices()[i] for i in device_ids]), ("t",))
+  return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, P()))
+
+
+def test_a_program_another_worker_is_compiling_is_put_off_then_loaded_from_its_compile(
+    monkeypatch, fresh_jax_cache):
+  """Two workers' compile threads queue the same programs on their own devices: while the
+  first compiles program a, the second (`compile_each`, deferring) compiles b first and takes
+  a last, loaded from the first's compile (ported: one compile of a in the process); outside
+  `deferring` it waits for that compile. Each executable computes on its own devices what
+  numpy does. A port that fails compiles instead."""
+  from functools import partial
+  from tlt_jax.rollout import executables, port
+  real, started, release, calls = executables._compile, threading.Event(), threading.Event(), []
+
+  def slow(fn, args, donate):
+    calls.append(fn.keywords["k"])
+    if fn.keywords["k"] == 2.0 and len(calls) == 1:
+      started.set()
+      release.wait(30)
+    return real(fn, args, donate)
+
+  monkeypatch.setattr(executables, "_compile", slow)
+  executables.clear_shared()
+  a, b = partial(_double, k=2.0), partial(_double, k=5.0)
+  first, second, out = executables.ExecutableCache(), executables.ExecutableCache(), {}
+  t = threading.Thread(target=lambda: out.setdefault("first", first.get("f", 2.0, a,
+                                                                        (_placed([0]),))))
+  t.start()
+  assert started.wait(30)
+  with pytest.raises(executables.Elsewhere), executables.deferring():
+    second.get("f", 2.0, a, (_placed([1]),))
+  order = []
+  worker = threading.Thread(target=lambda: order.extend(executables.compile_each(
+      [a, b], lambda fn: second.get("f", fn.keywords["k"], fn, (_placed([1]),)), True)))
+  worker.start()
+  worker.join(0.5)
+  assert order == [b] and calls == [2.0, 5.0], (order, calls)  # (b compiled while a is)
+  release.set()
+  t.join(30), worker.join(30)
+  assert order == [b, a] and calls == [2.0, 5.0], (order, calls)
+  x = np.arange(4, dtype=np.float32)
+  for cache, dev in ((first, 0), (second, 1)):
+    exe = cache.get("f", 2.0, a, (_placed([dev]),))
+    y = exe(jax.device_put(x, _placed([dev]).sharding))
+    np.testing.assert_array_equal(np.asarray(y), 2 * x)
+    assert y.devices() == {jax.devices()[dev]}
+    assert [r.ported for r in cache.records if r.key.variant == 2.0] == [dev == 1]
+  monkeypatch.setattr(port, "port", lambda *a: (_ for _ in ()).throw(RuntimeError("no")))
+  third = executables.ExecutableCache()
+  np.testing.assert_array_equal(np.asarray(third.get("f", 2.0, a, (_placed([2]),))(
+      jax.device_put(x, _placed([2]).sharding))), 2 * x)
+  assert not third.records[0].ported and calls == [2.0, 5.0, 2.0]
+
+
+def test_a_tensor_parallel_replicas_executable_is_loaded_onto_another_group_of_devices(
+    fresh_jax_cache):
+  """A program over a 2-device mesh (a tensor-parallel replica: a matmul split over its
+  devices) compiled for devices 0-1 runs on 2-3 and 6-7 loaded from that compile, each
+  group's result numpy's matmul, its output on its own devices; a 4-device mesh's program
+  (other positions) is not taken from it."""
+  from functools import partial
+  from tlt_jax.rollout import executables
+  executables.clear_shared()
+  rng = np.random.default_rng(0)
+  w, x = rng.normal(size=(8, 8)).astype(np.float32), rng.normal(size=(3, 8)).astype(np.float32)
+
+  def placed(ids):
+    mesh = Mesh(np.array([jax.devices()[i] for i in ids]), ("t",))
+    return (jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(mesh, P(None, "t"))),
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())))
+
+  fn = partial(_matmul, k=1.0)
+  for ids, ported in (((0, 1), False), ((2, 3), True), ((7, 6), True), ((0, 1, 2, 3), False)):
+    cache = executables.ExecutableCache()
+    args = placed(ids)
+    exe = cache.get("mm", None, fn, args)
+    y = exe(jax.device_put(w, args[0].sharding), jax.device_put(x, args[1].sharding))
+    np.testing.assert_allclose(np.asarray(y), x @ w, rtol=1e-5, atol=1e-5)
+    assert y.sharding.device_set == {jax.devices()[i] for i in ids}
+    assert cache.records[0].ported == ported, ids
+
+
+def test_an_executable_loaded_from_the_persistent_cache_is_not_loaded_onto_other_devices(
+    fresh_jax_cache):
+  """XLA:CPU's executables loaded from JAX's persistent cache, serialized again, lost kernels
+  ("NOT_FOUND: Function ... not found" as they ran, jaxlib 0.12.0.1): a program the process
+  took from the cache is no source for other devices. A second worker compiles (or, where the
+  cache serves it, loads) its own, not ported, and computes what numpy does on its device; the
+  program the process compiled itself is ported."""
+  from functools import partial
+  from tlt_jax.rollout import executables
+  before = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # (every one written)
+  try:
+    fn, x = partial(_double, k=7.0), np.arange(4, dtype=np.float32)
+    executables.clear_shared()
+    executables.ExecutableCache().get("f", 7.0, fn, (_placed([0]),))  # (written to the cache)
+    executables.clear_shared()
+    jax.clear_caches()
+    first = executables.ExecutableCache()
+    first.get("f", 7.0, fn, (_placed([0]),))  # (a cache hit)
+    second = executables.ExecutableCache()
+    exe = second.get("f", 7.0, fn, (_placed([1]),))
+    assert not second.records[0].ported
+    y = exe(jax.device_put(x, _placed([1]).sharding))
+    np.testing.assert_array_equal(np.asarray(y), 7 * x)
+    assert y.devices() == {jax.devices()[1]}
+    third = executables.ExecutableCache()  # (device 1's was compiled: a source)
+    third.get("f", 7.0, fn, (_placed([2]),))
+    assert third.records[0].ported
+  finally:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+
+
+def _matmul(w, x, *, k):
+  return jnp.einsum("bi,io->bo", x, w) * k
 
 
 def test_what_an_executable_depends_on_keeps_it_from_being_shared():

@@ -151,6 +151,8 @@ def _per_worker(records, workers: int) -> dict[str, Any]:
   for x in records:
     kinds.setdefault(x.name, []).append(x.seconds)
   return {"executables": round(len(records) / workers, 1),
+          # loaded from another worker of the process's compile (executables.port)
+          "loaded": round(sum(x.ported for x in records) / workers, 1),
           "compile_s": round(sum(x.seconds for x in records) / workers, 1),
           "by_kind": {k: {"executables": round(len(v) / workers, 1),
                           "compile_s": round(sum(v) / workers, 1)}
@@ -213,9 +215,11 @@ def text(p: Plan) -> str:
       f"executables compiled over the run: TLT on {p.executables['on']}, "
       f"off {p.executables['off']}; per worker: TLT on "
       f"{p.executables['per_worker']['on']['executables']} "
-      f"({p.executables['per_worker']['on']['compile_s']:.0f} s compiling), off "
+      f"({p.executables['per_worker']['on']['loaded']:g} loaded from another worker's compile; "
+      f"{p.executables['per_worker']['on']['compile_s']:.0f} s compiling or loading), off "
       f"{p.executables['per_worker']['off']['executables']} "
-      f"({p.executables['per_worker']['off']['compile_s']:.0f} s)"]
+      f"({p.executables['per_worker']['off']['loaded']:g} loaded; "
+      f"{p.executables['per_worker']['off']['compile_s']:.0f} s)"]
   for m in ("on", "off"):
     kinds = p.executables["per_worker"][m]["by_kind"]
     lines.append(f"  per worker by kind, TLT {m}: " + ", ".join(

@@ -122,51 +122,96 @@ class SimCompilePlan(CompilePlan):
     self.engine = engine
     self.use_kernel = True  # (the verification kernel's path: a label only here)
     self._bytes = (weight_bytes, slot_bytes)
-    self._due: dict = {}  # (sp, bucket, arm) -> simulated time its background compile ends
+    self._due: dict = {}  # (sp, bucket, arm) -> the key of its background compile
     self._compile_free = 0.0  # when the compile thread is next free
     self._took: dict = {}  # key -> its compile's seconds (queued keys)
     self._urgent_job = False  # the job running now was submitted urgent
     self._urgent: set = set()  # the keys queued urgent
+    self.host: SimHost | None = None  # the workers of its process (sim.py)
+    self._loads: set = set()  # keys loaded from another worker's compile (`SimHost`)
 
   _abstract = staticmethod(lambda state: state)
 
   def _spec_key(self, call, sp, arm, state, kv_len):
     return exe_key("spec", state.batch_size, Strategy(arm), kv_len)
 
+  def arm_due(self, sp, bucket: int, arm: str) -> float:
+    """When the background compile of `arm` at `bucket` ends (queued: `_queue_pairs`)."""
+    return self.engine.exes.due[self._due[(sp, bucket, arm)]]
+
+  def _mine(self) -> list:
+    """(key, due) of what this compile clock compiles (not a load from another worker's)."""
+    return [(k, t) for k, t in self.engine.exes.due.items() if k not in self._loads]
+
   def _queue(self, key: ExecKey, scale: float = 1.0, urgent: bool = False) -> float:
     """A compile on the thread's clock: after what is queued, or (urgent: CompilePlan._submit)
     once the compile running now and the urgent ones queued before it end (in the order they
-    came), what had not started yet moving back by its time."""
+    came), what had not started yet moving back by its time. Where another worker of the
+    process compiles it first, a load of that compile (`SimHost`) instead."""
     e, seconds = self.engine, self.engine.compile_s * scale
     if key in e.exes or key in e.exes.due:
       return e.exes.due.get(key, e.now)
     start = max(self._compile_free, e.now)
     if urgent:
-      start = max([e.now] + [t for k, t in e.exes.due.items() if t - self._took[k] <= e.now < t]
+      start = max([e.now] + [t for k, t in self._mine() if t - self._took[k] <= e.now < t]
                   + [e.exes.due[k] for k in self._urgent if e.exes.due.get(k, 0.0) > e.now])
+    end = self.host.ends(key, self, start) if self.host is not None else None
+    if end is not None:
+      return self._load(key, end)
+    if urgent:
       self._urgent.add(key)
-      e.exes.due.update((k, t + seconds) for k, t in e.exes.due.items()
-                        if t - self._took[k] >= start)
-      self._due.update((k, t + seconds) for k, t in self._due.items() if t > start)
+      e.exes.due.update([(k, t + seconds) for k, t in self._mine()
+                         if t - self._took[k] >= start])
       self._compile_free = max(self._compile_free, start) + seconds
     self._took[key] = seconds
     due = e.exes.queue(key, seconds, start)
     self._compile_free = max(self._compile_free, due)
+    if self.host is not None:
+      self.host.started(key, self, start, due)
     return due
+
+  def _load(self, key: ExecKey, end: float) -> float:
+    """`key` loaded once another worker's compile of it ends (`end`), `SimHost.load_s` later
+    (executables.port: a worker loads, it does not compile)."""
+    e, load = self.engine, self.host.load_s
+    self._loads.add(key)
+    self._took[key] = load
+    due = e.exes.due[key] = max(end, e.now) + load
+    e.exes.records.append(CompileRecord(key, key.shapes[0], load, None, e.compile_s, True))
+    return due
+
+  def handover(self, key: ExecKey, end: float) -> None:
+    """Another worker started queued `key` first (`SimHost.started`): it leaves this compile
+    clock (what was queued after it moves up) and is loaded from that compile."""
+    e = self.engine
+    due, took = e.exes.due[key], self._took[key]
+    e.exes.due.update([(k, t - took) for k, t in self._mine() if t > due])
+    self._compile_free -= took
+    del e.exes.due[key]
+    e.exes.records = [r for r in e.exes.records if r.key != key]
+    self._load(key, end)
+
+  def borrow(self, key: ExecKey) -> float | None:
+    """A chunk needs `key`, not queued here: when another worker's compile of it, started by
+    now, ends and it is loaded (the chunk waits: executables._compile_once); None: none is."""
+    end = self.host.ends(key, self, self.engine.now) if self.host is not None else None
+    if end is None:
+      return None
+    self._load(key, end)
+    return self.engine.exes.take(key)
 
   def claim(self, key: ExecKey) -> float | None:
     """A chunk needs queued `key` now (as executables._compile_once serves it): when its
-    started compile ends (the chunk waits); None where it has not started (the chunk compiles
-    it itself: it leaves the compile clock and what follows moves up)."""
+    started compile (or the load of another worker's) ends (the chunk waits); None where it
+    has not started (the chunk compiles it itself: it leaves the compile clock and what
+    follows moves up)."""
     e = self.engine
     due, took = e.exes.due[key], self._took[key]
-    if due - took <= e.now:
+    if due - took <= e.now or key in self._loads:
       return e.exes.take(key)
     del e.exes.due[key]
     e.exes.records = [r for r in e.exes.records if r.key != key]
-    e.exes.due.update((k, t - took) for k, t in e.exes.due.items() if t > due)
-    self._due.update((k, e.now + took if t == due else t - took)
-                     for k, t in self._due.items() if t >= due)
+    e.exes.due.update([(k, t - took) for k, t in self._mine() if t > due])
     self._compile_free -= took
     return None
 
@@ -185,8 +230,9 @@ class SimCompilePlan(CompilePlan):
       with self._lock:  # (handed to the thread, as the engine's submit records it)
         self._submitted.setdefault(sp, set()).add((b, arm))
       whole = SimState([None] * b)
-      self._due[(sp, b, str(arm))] = self._queue(self._spec_key(call, sp, arm, whole,
-                                                                self.ecfg.cache_len), urgent=urgent)
+      key = self._due[(sp, b, str(arm))] = self._spec_key(call, sp, arm, whole,
+                                                          self.ecfg.cache_len)
+      self._queue(key, urgent=urgent)
       if b == leaves_at:
         leaves_at = None
         self._queue(self._switch_off_key(call, whole), urgent=urgent)
@@ -227,11 +273,10 @@ class SimCompilePlan(CompilePlan):
   def _settle(self, sp) -> None:
     """The arms whose background compile has ended by now join the compiled ones."""
     if self.ecfg.spec.background_compile:
-      now = self.engine.now
       with self._lock:
         done = self._ready.setdefault(sp, set())
-        done.update((b, Strategy(a)) for (s, b, a), t in self._due.items()
-                    if s == sp and t <= now)
+        done.update((b, Strategy(a)) for (s, b, a), key in self._due.items()
+                    if s == sp and key in self.engine.exes)
 
   def ready(self, call: PlanCall, sp, bucket: int) -> bool:
     self._settle(sp)
@@ -240,3 +285,37 @@ class SimCompilePlan(CompilePlan):
   def compiled_arms(self, sp, bucket: int, arms) -> list[Strategy]:
     self._settle(sp)
     return super().compiled_arms(sp, bucket, arms)
+
+
+class SimHost:
+  """The rollout workers of one process (a host's GPUs): a program one of them compiles, the
+  others load instead of compiling it again (executables.port), as the engine's
+  `_compile_once` has it: a worker whose compile of a key would start after another's
+  started (or is queued to) loads from it once it ends; one that starts first takes it over
+  from a worker that has it queued and has not reached it yet. A load costs `load_s`."""
+
+  def __init__(self, load_s: float):
+    self.load_s = load_s
+    self.plans: list[SimCompilePlan] = []
+
+  def ends(self, key: ExecKey, me: SimCompilePlan, start: float) -> float | None:
+    """When the earliest compile of `key` by another worker, starting at or before `start`,
+    ends (one already compiled: -inf); None: no other worker starts it by then."""
+    ends = []
+    for p in self.plans:
+      if p is me or key in p._loads:
+        continue
+      if key in p.engine.exes.keys:
+        ends.append(float("-inf"))
+      elif key in p.engine.exes.due and p.engine.exes.due[key] - p._took[key] <= start:
+        ends.append(p.engine.exes.due[key])
+    return min(ends, default=None)
+
+  def started(self, key: ExecKey, me: SimCompilePlan, start: float, end: float) -> None:
+    """`me` compiles `key` from `start`: workers that queued it to start later, and have not
+    reached that moment on their own clocks, load it from this compile instead."""
+    for p in self.plans:
+      e = p.engine
+      if (p is not me and key in e.exes.due and key not in p._loads
+          and e.exes.due[key] - p._took[key] > max(start, e.now)):
+        p.handover(key, end)

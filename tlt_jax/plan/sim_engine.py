@@ -120,7 +120,7 @@ class SimEngine(Engine):
     for where the compile thread is compiling it (`SimCompilePlan.claim`)."""
     if key in self.exes:
       return
-    due = self.compiles.claim(key) if key in self.exes.due else None
+    due = self.compiles.claim(key) if key in self.exes.due else self.compiles.borrow(key)
     if due is None:
       self.exes.add(key, self.compile_s * scale, True)
     self._spend("compile", self.compile_s * scale if due is None else due - self.now)

@@ -3,27 +3,23 @@ it, plain decoding's: plain_ahead.py).
 
 Speculation needs one executable per (engine bucket, arm) pair, and a switch-off per bucket
 where a gate may close a speculating batch's bucket (switching.py); a tracked call adds the
-drafter's tracking after its plain prefills and chunks (engine.py: one drafter-only executable
-per bucket it decodes plainly at, `track_ahead`, and one per prefill shape). Only the pairs
-the bandit can choose are wanted (`choosable_pairs`: the engine's batch grid intersected with
-the bandit's live-size grid, under the speculation threshold), and with a gate only those it
-opens to this engine now. They compile either on first use (a chunk then pays the compile and
-reports nothing to the bandit), all at once (`precompile`), or in a background thread
-(SpecConfig.background_compile: `submit` as a generate call starts and before each of its
-chunks, what the gate opened since on any worker, ahead of the plain executables queued for
-tails to come; in `compile_order`, up to the bucket of the call's request count; a bucket
-speculates once it is `ready`, one of its arms compiled, so no chunk waits for a compile;
-where a batch may switch on and compact given what is compiled: readiness.py).
-With a gate, only each bucket's first arm in that order compiles ahead; another when a chunk's
-policies ask for it (`want`: the bandit exploring it, a probe measuring it), at the window its
-rows need: an executable nobody runs is not compiled (the 7B recipe, gate open, 3 simulated
-steps: 395 speculative executables compiled ahead, 96 of them ever ran).
+drafter's tracking after its plain prefills and chunks (one drafter-only executable per
+bucket it decodes plainly at, `track_ahead`, and one per prefill shape). Only the pairs the
+bandit can choose are wanted (`choosable_pairs`), and with a gate only those it opens to this
+engine now. They compile on first use (a chunk then pays the compile and reports nothing to
+the bandit), all at once (`precompile`), or on a background thread
+(SpecConfig.background_compile: `submit` as a call starts and before each chunk, in
+`compile_order`, up to the bucket of the call's request count; a bucket speculates once one
+of its arms is compiled, `ready`, so no chunk waits for a compile: readiness.py). With a gate,
+only each bucket's first arm compiles ahead; another when a chunk's policies ask for it
+(`want`: the bandit exploring it, a probe measuring it), at the window its rows need: an
+executable nobody runs is not compiled (the 7B recipe, gate open, 3 simulated steps: 395
+speculative executables compiled ahead, 96 of them ever ran). A program another worker of the
+process compiles now is put off and then loaded from that compile (executables.compile_each).
 
 Attention windows (`kv_len`) are a third grid, a speculative executable per (bucket, arm,
-window): windows.py.
-
-A Pallas verification kernel that fails to compile falls back to its jnp reference (same
-decisions) once, with a warning; `verify_path` says which ran.
+window): windows.py. A Pallas verification kernel that fails to compile falls back to its jnp
+reference (same decisions) once, with a warning; `verify_path` says which ran.
 
 The plan holds no reference to its engine: every call is given a `PlanCall`, the engine's
 view at that moment (its worker id, its weights' shapes and shardings, its bandit's arms, the
@@ -43,7 +39,8 @@ import jax
 import jax.numpy as jnp
 
 from tlt_jax.models import ModelConfig
-from tlt_jax.rollout.executables import ExecKey, ExecutableCache, background_compiler
+from tlt_jax.rollout.executables import (Elsewhere, ExecKey, ExecutableCache,
+                                         background_compiler, compile_each, deferring)
 from tlt_jax.rollout.plain_ahead import PlainAhead
 from tlt_jax.rollout.plan_call import Pairs, PlanCall, abstract, choosable_pairs, resized
 from tlt_jax.rollout.prefill import prefill_arrays, run_prefill
@@ -233,11 +230,12 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
       self._compiler.submit(lambda: (self._run_urgent(), job()))
 
   def _run_urgent(self) -> None:
-    while self._urgent:
-      try:  # (a failed window: its chunks run the wider one they have)
-        self._urgent.popleft()()
-      except Exception:  # noqa: BLE001
-        _log.exception("background compilation of an attention window failed")
+    with deferring(False):  # (a running chunk needs these: waited for, never put off)
+      while self._urgent:
+        try:  # (a failed window: its chunks run the wider one they have)
+          self._urgent.popleft()()
+        except Exception:  # noqa: BLE001
+          _log.exception("background compilation of an attention window failed")
 
   def wait(self, timeout: float | None = None) -> None:
     """Blocks until background compilation started so far is done (tests, benchmarks)."""
@@ -272,12 +270,17 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
     if not pairs:
       return
     state = self.prefill_dummy(call, max(pairs), warm=True)
-    for b, arm in self.compile_order(pairs, call.bandit, call.selector):
+
+    def one(pair):
+      b, arm = pair
       if on_compiled is not None:  # (on the compile thread: the windows chunks need first)
         self._run_urgent()
       self.spec(call, sp, arm, resized(state, b))
       if on_compiled is not None:
         on_compiled((b, arm))
+
+    for b, arm in compile_each(self.compile_order(pairs, call.bandit, call.selector), one,
+                               on_compiled is not None):
       if b == leaves_at:
         leaves_at = None
         self.switch_off(call, resized(state, b))
@@ -335,16 +338,12 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
 
   def next_call(self, call: PlanCall, sp: SamplingParams, top: int, ended) -> None:
     """As a call (`ended`: its `Call`) ends, what the next one will compile as it starts,
-    queued on the compile thread to compile while the learner's phases run (`call.gate`: the
-    gate as the next rollout will begin, `SpecGate.next_rollout`): what `submit` queues as a
-    call starts (the arms of the buckets that pay, the probe's: its chunks wait for the
-    bucket's first rows to finish, `SpecGate.defers`; docs/engine.md, "Between rollouts"),
-    and where this call ran untracked and the next is tracked, the drafter's prefill after
-    each of this call's prefills' shapes (`track_prompt`: the next one's prefills have them,
-    the same requests a worker) and its tracking at the buckets this one decoded plainly at.
-    All of it before the plain executables queued ahead for the tails of calls to come
-    (urgent): the next call needs it first. From abstract shapes, as every compile here: the
-    weights may be released meanwhile."""
+    queued to compile while the learner's phases run (`call.gate`: the gate as the next
+    rollout will begin): what `submit` queues as a call starts, and where this call ran
+    untracked and the next is tracked, the drafter's prefill after each of this call's
+    prefills' shapes (`track_prompt`) and its tracking at the buckets this one decoded
+    plainly at, ahead of the plain executables queued for tails to come (docs/engine.md,
+    "Between rollouts"). From abstract shapes: the weights may be released meanwhile."""
     if call.gate.may_speculate() and not ended.track:
       for b in sorted(ended.plain_at, reverse=True):
         self.track_ahead(call, b)
@@ -441,6 +440,8 @@ class CompilePlan(Readiness, Switching, Windows, PlainAhead):
       return compiled(False)
     try:
       return compiled(self.use_kernel)
+    except Elsewhere:  # (another thread compiles it: compile_each)
+      raise
     except Exception as e:  # noqa: BLE001 - any lowering/compile failure of the kernel
       # The kernel is an optimisation with a bit-identical reference: a GPU/Triton version
       # it does not compile on must cost speed, not the run.

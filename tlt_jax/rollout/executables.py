@@ -10,16 +10,22 @@ Executables are shared by every cache of a process (`_shared_key`): one is a fun
 function and static configuration, its arguments' shapes, dtypes and shardings, what it
 donates and JAX's tracing context, so engines of one process with the same configuration on
 the same devices (a benchmark's plain and speculative engines, a test file's engines) trace,
-lower and compile each once. A function whose behaviour the key cannot see (a closure) is not
-shared; `clear_shared` drops them all. An executable is compiled once even when two threads
-ask for it together (`_compile_once`): the second waits for the first's compile.
+lower and compile each once. On other devices of the same kind (a run's rollout workers, one
+per GPU or tensor-parallel group) the program is the same, compiled once and loaded onto each
+worker's devices (port.py: milliseconds, not a compile). A function whose behaviour the key
+cannot see (a closure) is not shared; `clear_shared` drops them all. A program is compiled
+once even when two threads ask for it together (`_compile_once`): the second waits for the
+first's compile (its compile thread, inside `deferring()`, compiles what it has queued next
+first).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import threading
 import time
@@ -31,6 +37,9 @@ import jax
 
 from tlt_jax.metrics import mark_background_compiler
 from tlt_jax.models import KVCache
+from tlt_jax.rollout import port
+
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +63,9 @@ class CompileRecord:
   # what its compile took (`seconds`, or the one of the process's caches that compiled it and
   # shared it: what compiling it costs on this machine, the gate's price)
   compile_s: float
+  # loaded from another worker's executable of the same program on other devices (port.py):
+  # `seconds` is the load's
+  ported: bool = False
 
   @property
   def name(self) -> str:
@@ -98,14 +110,14 @@ class ExecutableCache:
     batch = batch_of(args)
     t0 = time.perf_counter()
     shared = _shared_key(key, fn, args, donate)
-    exe, mem, compile_s = _compile_once(
-        shared if shared is not None else (id(self), key), shared is not None,
-        lambda: _compile(fn, args, donate))
+    program, devices = shared if shared is not None else ((id(self), key), ())
+    exe, mem, compile_s, ported = _compile_once(program, devices, shared is not None,
+                                                lambda: _compile(fn, args, donate))
     seconds = time.perf_counter() - t0
     with self._lock:
       if key not in self._compiled:
         self._compiled[key] = exe
-        self.records.append(CompileRecord(key, batch, seconds, mem, compile_s))
+        self.records.append(CompileRecord(key, batch, seconds, mem, compile_s, ported))
         me = threading.get_ident()
         self._by_thread[me] = self._by_thread.get(me, 0) + 1
       return self._compiled[key]
@@ -134,7 +146,8 @@ class ExecutableCache:
 
 
 def _compile(fn: Callable, args: tuple, donate: tuple[int, ...]):
-  """(executable, its argument + output + temp bytes from memory_analysis() or None)."""
+  """(executable, its argument + output + temp bytes from memory_analysis() or None, whether
+  it was loaded from JAX's persistent compilation cache)."""
   # A donated state's page pools pass through in place; its per-row leaves often cannot be
   # reused (another batch size, fewer outputs) and are just freed: not worth a warning. The
   # filter (JAX's lowering module, this message) is put first in the filters in force at each
@@ -149,14 +162,24 @@ def _compile(fn: Callable, args: tuple, donate: tuple[int, ...]):
   # trace's abstract mesh, under which a kernel runs per device on a tensor-parallel replica
   # (models.attention.paged_cache_attention).
   with jax.sharding.use_abstract_mesh(_mesh_of(args)):
-    exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+    lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
+    _CACHE_HIT.hit = False  # (after the lowering: eager ops it ran compile too)
+    exe = lowered.compile()
   try:
     ma = exe.memory_analysis()
     mem = (None if ma is None else
            int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes))
   except Exception:  # noqa: BLE001 - backends without memory analysis
     mem = None
-  return exe, mem
+  return exe, mem, _CACHE_HIT.hit
+
+
+# whether the calling thread's last compile was loaded from JAX's persistent cache (JAX
+# reports a hit on the thread that compiles)
+_CACHE_HIT = threading.local()
+jax.monitoring.register_event_listener(
+    lambda event, **_: setattr(_CACHE_HIT, "hit", True)
+    if event == "/jax/compilation_cache/cache_hits" else None)
 
 
 def _mesh_of(args: tuple) -> jax.sharding.AbstractMesh:
@@ -169,56 +192,167 @@ def _mesh_of(args: tuple) -> jax.sharding.AbstractMesh:
   return jax.sharding.AbstractMesh((), ())
 
 
-# _shared_key -> (executable, memory bytes, compile seconds): the process's (module docstring)
+# a program (`_shared_key`'s, without devices) -> {its devices: (executable, memory bytes,
+# compile seconds)}: the process's (module docstring)
 _SHARED: dict = {}
 _SHARED_LOCK = threading.Lock()
 
 
-# the same keys -> a Future of the compile running now (on any thread of the process)
+# a program -> (the devices it is compiled for, a Future of that compile running now, the
+# thread running it): on any thread of the process
 _INFLIGHT: dict = {}
 
+# a program -> the devices its executable was compiled for here (not loaded from JAX's
+# persistent cache, nor ported: XLA:CPU's executables loaded from the cache, serialized again,
+# lost their kernels: "NOT_FOUND: Function ... not found" as they ran, jaxlib 0.12.0.1), and
+# that executable serialized (`port.serialize`, once): what the other devices load
+_SOURCES: dict = {}
+_SERIALIZED: dict = {}
 
-def _compile_once(ident: Hashable, share: bool, compile_fn: Callable[[], tuple]):
-  """(executable, memory bytes, compile seconds) for `ident`: the process's if it has it
-  (`share`), else compiled here, once: a thread asking for what another thread is compiling
-  now waits for that compile instead of running its own beside it (the engine's plain chunk
-  that needs the drafter's tracking the compile thread has started: it waits what is left of
-  one compile; queued but not started, the chunk compiles it and the queued job finds it
-  compiled). A compile that failed in another thread is tried again here."""
-  with _SHARED_LOCK:
-    hit = _SHARED.get(ident) if share else None
-    running = None if hit is not None else _INFLIGHT.get(ident)
-    mine = hit is None and running is None
-    if mine:
-      running = _INFLIGHT[ident] = cf.Future()
-  if hit is not None:
-    return hit
-  if not mine:
+_LOCAL = threading.local()  # .defer: raise `Elsewhere` rather than wait (`deferring`)
+
+
+class Elsewhere(Exception):
+  """The executable asked for is being compiled by another thread of the process (for other
+  devices, or these): raised only inside `deferring()`, for a queue of compiles that can
+  take the next one first and come back to this one (`compile_each`)."""
+
+
+@contextlib.contextmanager
+def deferring(on: bool = True):
+  """Within it, an executable another thread is compiling now raises `Elsewhere` instead of
+  waiting for that compile (on=False: waits, as outside it)."""
+  before = getattr(_LOCAL, "defer", False)
+  _LOCAL.defer = on
+  try:
+    yield
+  finally:
+    _LOCAL.defer = before
+
+
+def compile_each(items, compile_one: Callable, defer: bool):
+  """Yields each of `items` once `compile_one(item)` has compiled it, in order, except
+  (defer: a compile thread's queue) those another thread of the process is compiling now
+  (another worker's compile thread, for its devices: `deferring`): they go last,
+  and are then loaded from that compile (port.py) instead of compiled beside it. So the
+  workers' threads, queueing the same arms at once, compile different ones first."""
+  later = []
+  for item in items:
+    if not defer:
+      compile_one(item)
+      yield item
+      continue
     try:
-      return running.result()
+      with deferring():
+        compile_one(item)
+    except Elsewhere:
+      later.append(item)
+      continue
+    yield item
+  for item in later:
+    compile_one(item)
+    yield item
+
+
+def _compile_once(program: Hashable, devices: tuple, share: bool,
+                  compile_fn: Callable[[], tuple]):
+  """(executable, memory bytes, compile seconds, ported) for `program` on `devices`: the
+  process's if it has it (`share`), else loaded from its executable on other devices of the
+  process where there is one (port.py: ported), else compiled here, once. A thread asking
+  for a program another thread is compiling now (for any devices) waits for that compile
+  instead of running its own beside it (the engine's plain chunk that needs the drafter's
+  tracking the compile thread has started; every worker's compile thread asking for the
+  arm one of them compiles) and ports it where the devices differ; inside `deferring()` it
+  raises `Elsewhere` instead. A compile that failed in another thread is tried again here;
+  a port that fails compiles here."""
+  with _SHARED_LOCK:
+    have = _SHARED.get(program, {}) if share else {}
+    hit = have.get(devices)
+    src = _SOURCES.get(program) if hit is None and devices else None
+    source = (src, have[src]) if src is not None and len(src) == len(devices) else None
+    # (another worker took it from JAX's persistent cache: each takes its own, side by side)
+    cached = hit is None and source is None and bool(have)
+    running = None if hit is not None or source is not None or cached else _INFLIGHT.get(
+        program)
+    mine = hit is None and source is None and running is None and not cached
+    if mine:
+      running = _INFLIGHT[program] = (devices, cf.Future(), threading.get_ident())
+  if hit is not None:
+    return hit + (False,)
+  if source is not None:
+    ported = _port(program, source, devices)
+    if ported is not None:
+      return ported
+  if source is not None or cached:
+    return _compile_here(program, devices, share, compile_fn, running=None)
+  if not mine:
+    if getattr(_LOCAL, "defer", False) and running[2] != threading.get_ident():
+      raise Elsewhere(program)
+    try:
+      running[1].result()
     except Exception:  # noqa: BLE001 - the other thread's failure: ours decides
-      return _compile_once(ident, share, compile_fn)
+      pass
+    return _compile_once(program, devices, share, compile_fn)
+  return _compile_here(program, devices, share, compile_fn, running)
+
+
+def _compile_here(program, devices, share, compile_fn, running):
+  """Compiles `program` on this thread (`running`: its entry in _INFLIGHT, None: none)."""
   t0 = time.perf_counter()
   try:
-    exe, mem = compile_fn()
+    exe, mem, loaded = compile_fn()
   except BaseException as e:
-    with _SHARED_LOCK:
-      _INFLIGHT.pop(ident, None)
-    running.set_exception(e)
+    if running is not None:
+      with _SHARED_LOCK:
+        _INFLIGHT.pop(program, None)
+      running[1].set_exception(e)
     raise
   hit = (exe, mem, time.perf_counter() - t0)
   with _SHARED_LOCK:
     if share:
-      hit = _SHARED.setdefault(ident, hit)
-    _INFLIGHT.pop(ident, None)
-  running.set_result(hit)
-  return hit
+      hit = _SHARED.setdefault(program, {}).setdefault(devices, hit)
+      if devices and not loaded and hit[0] is exe:
+        _SOURCES.setdefault(program, devices)
+    if running is not None:
+      _INFLIGHT.pop(program, None)
+  if running is not None:
+    running[1].set_result(hit)
+  return hit + (False,)
+
+
+def _port(program, source: tuple, devices: tuple):
+  """`program`'s executable on `source` = (devices, hit) loaded for `devices` (port.py), kept
+  for them; None where it cannot be (logged once: the caller compiles)."""
+  (src, (exe, mem, compile_s)) = source
+  try:
+    with _SHARED_LOCK:
+      serial = _SERIALIZED.get(program)
+    if serial is None:
+      serial = port.serialize(exe)
+      with _SHARED_LOCK:
+        _SERIALIZED[program] = serial
+    loaded = port.port(serial, exe, src, devices)
+  except Exception as e:  # noqa: BLE001 - a backend that cannot serialize or load this one
+    global _PORT_FAILED
+    if not _PORT_FAILED:
+      _PORT_FAILED = True
+      _log.info("an executable could not be loaded onto other devices (%s: %s); each "
+                "worker compiles its own", type(e).__name__, str(e)[:200])
+    return None
+  with _SHARED_LOCK:
+    hit = _SHARED.setdefault(program, {}).setdefault(devices, (loaded, mem, compile_s))
+  return hit + (hit[0] is loaded,)
+
+
+_PORT_FAILED = False
 
 
 def clear_shared() -> None:
   """Drops the executables shared across the process's caches (each cache keeps its own)."""
   with _SHARED_LOCK:
     _SHARED.clear()
+    _SOURCES.clear()
+    _SERIALIZED.clear()
 
 
 def _fn_key(fn: Callable):
@@ -231,9 +365,10 @@ def _fn_key(fn: Callable):
 
 
 def _shared_key(key: ExecKey, fn: Callable, args: tuple, donate: tuple[int, ...]):
-  """What the executable of `fn` on `args` is a function of (None: not shared): the cache
-  key, the function, the arguments' tree, shardings and weak types, the donation, and JAX's
-  tracing context (its configuration: precision, x64, ...)."""
+  """(What the executable of `fn` on `args` is a function of, the devices it runs on), None
+  where it is not shared: the cache key, the function, the arguments' tree, shardings (their
+  devices by position: port.placement) and weak types, the donation, and JAX's tracing
+  context (its configuration: precision, x64, ...)."""
   f = _fn_key(fn)
   if f is None:
     return None
@@ -243,14 +378,17 @@ def _shared_key(key: ExecKey, fn: Callable, args: tuple, donate: tuple[int, ...]
   except (ImportError, AttributeError):
     return None
   leaves, tree = jax.tree.flatten(args)
-  placed = tuple((getattr(x, "sharding", None), bool(getattr(x, "weak_type", False)))
-                 for x in leaves)
-  k = (f, key, tree, placed, tuple(donate), context)
+  placed = port.placement(leaves)
+  if placed is None:  # (shardings port.py does not describe: the program keeps its devices)
+    placed = (tuple((getattr(x, "sharding", None), bool(getattr(x, "weak_type", False)))
+                    for x in leaves), ()), ()
+  (where, devices) = placed
+  k = (f, key, tree, where, tuple(donate), context)
   try:
     hash(k)
   except TypeError:  # (an unhashable static value: compiled per cache)
     return None
-  return k
+  return k, devices
 
 
 # executables only speculation compiles: an arm's chunk (or a history arm's step), the
@@ -260,9 +398,11 @@ SPECULATIVE = ("spec", "track", "track_prompt", "switch_off")
 
 def summary(records: list[CompileRecord]) -> dict[str, Any]:
   """Compile records (one or several engines') as a run's metrics show them: how many, how
-  many speculative, the seconds compiling them took (persistent-cache hits: loading)."""
+  many speculative, how many loaded from another worker's compile (port.py), the seconds
+  getting them took (persistent-cache hits and ports: loading)."""
   spec = [r for r in records if r.name in SPECULATIVE]
   return {"count": len(records), "speculative": len(spec),
+          "ported": sum(r.ported for r in records),
           "compile_s": round(sum(r.seconds for r in records), 2),
           "speculative_compile_s": round(sum(r.seconds for r in spec), 2)}
 

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from tlt_jax.rollout import decode
+from tlt_jax.rollout.executables import compile_each
 from tlt_jax.rollout.plan_call import PlanCall, resized
 from tlt_jax.rollout.sampling import SamplingParams
 
@@ -71,10 +72,13 @@ class PlainAhead:
     top = self._abstract(base)
 
     def job():
-      try:
-        for b in sorted(below, reverse=True):
-          self._run_urgent()  # (a window or a tracking a running chunk needs goes first)
-          self._plain_at(call, static, hidden, kv_len, top, b)
+      def one(b):
+        self._run_urgent()  # (a window or a tracking a running chunk needs goes first)
+        self._plain_at(call, static, hidden, kv_len, top, b)
+
+      try:  # (what another worker compiles now: after the rest, loaded from it)
+        for _ in compile_each(sorted(below, reverse=True), one, True):
+          pass
       except Exception:  # noqa: BLE001 - the chunk compiles what it needs instead
         _log.exception("worker %d: compiling plain decoding ahead failed; each bucket "
                        "compiles on first use", call.worker_id)
