@@ -50,8 +50,8 @@ def test_first_divergence_hand_cases():
 def test_margins_match_transformers(bf16, hf_rounded):
   """Nine contexts (more than one forward of ROWS rows; lengths across the PAD_TO padding):
   float32 margin, top-2 gap and argmax equal transformers' on the same weights; the
-  engine-dtype deviation equals the project's bf16 forward of the lone unpadded sequence
-  against transformers; rounding and near_tie follow from them as documented."""
+  engine-dtype deviation is the size of the project's bf16 forward of the lone unpadded
+  sequence against transformers; rounding and near_tie follow from them as documented."""
   cfg, params = bf16
   rng = np.random.default_rng(0)
   lens = [1, 5, 63, 64, 65, 100, 7, 30, 130]
@@ -70,7 +70,10 @@ def test_margins_match_transformers(bf16, hf_rounded):
                      .logits[0, -1], np.float64)
     direct_dev = float(np.max(np.abs(low - ref)))
     assert direct_dev > 1e-3  # bf16 is visibly off float32 here: the deviation is not zero
-    assert g["dev"] == pytest.approx(direct_dev, rel=0.3, abs=2e-3), (len(c), g, direct_dev)
+    # (bf16 arithmetic depends on the shapes: on an Intel CPU with AVX-512 BF16, 2026-12-07,
+    # the 100-token context deviated 0.051 in the tool's batch of 8 and 0.082 alone; on the
+    # AMD EPYC (AVX2) the two agreed within 30%)
+    assert g["dev"] == pytest.approx(direct_dev, rel=0.5, abs=2e-3), (len(c), g, direct_dev)
     assert g["ulp"] == pytest.approx(np.max(np.abs(ref)) * 2.0 ** -8, rel=1e-3)
     assert g["rounding"] == pytest.approx(2 * max(g["dev"], g["ulp"]))
     assert g["near_tie"] == (abs(g["margin_f32"]) <= g["rounding"])
