@@ -269,7 +269,7 @@ def _compile_once(program: Hashable, devices: tuple, share: bool,
     have = _SHARED.get(program, {}) if share else {}
     hit = have.get(devices)
     src = _SOURCES.get(program) if hit is None and devices else None
-    source = (src, have[src]) if src is not None and len(src) == len(devices) else None
+    source = (src, have[src]) if src is not None else None
     # (another worker took it from JAX's persistent cache: each takes its own, side by side)
     cached = hit is None and source is None and bool(have)
     running = None if hit is not None or source is not None or cached else _INFLIGHT.get(
@@ -379,10 +379,10 @@ def _shared_key(key: ExecKey, fn: Callable, args: tuple, donate: tuple[int, ...]
     return None
   leaves, tree = jax.tree.flatten(args)
   placed = port.placement(leaves)
-  if placed is None:  # (shardings port.py does not describe: the program keeps its devices)
-    placed = (tuple((getattr(x, "sharding", None), bool(getattr(x, "weak_type", False)))
-                    for x in leaves), ()), ()
-  (where, devices) = placed
+  # (shardings port.py does not describe: the program keeps its devices, none to port to)
+  where, devices = placed if placed is not None else (
+      tuple((getattr(x, "sharding", None), bool(getattr(x, "weak_type", False)))
+            for x in leaves), ())
   k = (f, key, tree, where, tuple(donate), context)
   try:
     hash(k)
