@@ -58,7 +58,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 import pytest  # noqa: E402
 
-from tlt_jax.rollout import executables  # noqa: E402
+from tlt_jax.rollout import executables, sharing  # noqa: E402
 
 
 # Seconds each test file took in the whole suite (cold cache, `bash scripts/test.sh
@@ -114,7 +114,7 @@ def _drop_compiled_programs(request):
   yield
   executables.drain_compilers()
   jax.clear_caches()
-  executables.clear_shared()
+  sharing.clear_shared()
   gc.collect()
   log = os.environ.get("TLT_TEST_MEMORY_LOG")
   if log:  # scripts/test.sh prints its tail when a run fails (a worker killed leaves no trace)
@@ -127,13 +127,13 @@ def _drop_compiled_programs(request):
 def _unshared_while_patched(request):
   """A test that patches module attributes (`monkeypatch`) can change what a function computes
   without changing its key: it neither takes nor leaves executables shared across the
-  process's engines (rollout/executables.py; shared within a file otherwise)."""
+  process's engines (rollout/sharing.py; shared within a file otherwise)."""
   patched = "monkeypatch" in request.fixturenames
   if patched:
-    executables.clear_shared()
+    sharing.clear_shared()
   yield
   if patched:
-    executables.clear_shared()
+    sharing.clear_shared()
 
 
 def _fault_file(worker: str) -> str | None:

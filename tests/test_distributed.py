@@ -305,6 +305,37 @@ def test_two_processes_collectives():
                      r"devices, coordinator 127\.0\.0\.1:\d+", r.stderr), r.stderr
 
 
+def test_processes_compile_a_program_once_and_load_it_from_each_other():
+  """Executables across processes (rollout/exchange.py), 3 processes x 2 devices, each asking
+  for programs on a mesh of its own devices (tests/mp_workers/exchange.py): a program
+  process 0 is compiling is put off by process 1's compile thread, which compiles the next
+  one first and then loads process 0's; process 0 loads that next one from process 1, and
+  process 2 both; a program asked by all at once is compiled once in the job; a program whose
+  module differs between the processes is compiled by each; one the claimer took from JAX's
+  persistent cache is claimed again by the others, compiled by one and loaded by the other.
+  Every executable computes numpy's answer on its own process's devices, and the store keeps
+  no executable every other process has taken."""
+  results = launch("tests/mp_workers/exchange.py", 3, devices_per_process=2, timeout=120)
+  assert all(r.returncode == 0 for r in results), describe(results)
+  got = [json.loads(next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))[7:])
+         for r in results]
+  a, b, c, d = "2.0", "5.0", "7.0", "9.0"
+  assert got[1]["order"] == [5.0, 2.0], got[1]  # (b compiled while process 0 compiled a)
+  everyone = [k for p in got for k in p["compiled"]]
+  assert sorted(everyone) == [2.0, 5.0, 7.0, 9.0, 9.0, 10.0, 11.0, 12.0], got
+  assert 2.0 in got[0]["compiled"] and 5.0 in got[1]["compiled"], got
+  assert 9.0 in got[0]["compiled"], got
+  assert (9.0 in got[1]["compiled"]) != (9.0 in got[2]["compiled"]), got
+  ported = [p["ported"] for p in got]
+  assert [p[a] for p in ported] == [False, True, True], ported
+  assert [p[b] for p in ported] == [True, False, True], ported
+  assert [p[str(10.0 + i)] for i, p in enumerate(ported)] == [False] * 3, ported
+  assert sum(not p[c] for p in ported) == 1, ported
+  assert not ported[0][d] and ported[1][d] != ported[2][d], ported
+  assert all(all(p["checks"].values()) and len(p["checks"]) == 5 for p in got), got
+  assert {p["data_keys"] for p in got} == {3}, got  # (10.0's, 11.0's, 12.0's: nobody took them)
+
+
 def test_the_progress_board_holds_the_jobs_latest():
   """The watchdog's shared clock (distributed.ProgressBoard): each process's latest progress
   under its key, `latest()` the newest of all, a process's later publication replacing its

@@ -30,10 +30,16 @@ ARGS = ["--config", "configs/default.py", "--config.train.steps=2", "--config.tr
         "--config.reward.num_workers=1", "--config.compilation_cache="]
 
 
-def _single(workdir, *extra):
+# JAX's persistent cache off (the suite's, conftest.py): what a run compiles and what it loads
+# from another worker's compile do not depend on what earlier runs left there
+UNCACHED = {"JAX_ENABLE_COMPILATION_CACHE": "false"}
+
+
+def _single(workdir, *extra, env_extra=None):
   env = user_env({k: v for k, v in os.environ.items()
                   if not k.startswith(("SLURM_", "OMPI_", "TLT_", "JAX_COORDINATOR"))})
   env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env.update(env_extra or {})
   return subprocess.run([sys.executable, "-m", "tlt_jax.train", *ARGS, "--workdir", workdir,
                          *extra],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -58,11 +64,11 @@ def test_two_processes_train_like_one(tmp_path):
     return ["--config.grpo.filter_groups=True", "--config.grpo.max_rollouts=2",
             "--config.reward.name=" + counting_reward(tmp_path, run, first=16, later="text")]
   one = str(tmp_path / "one")
-  ref = _single(one, *extra("one"))
+  ref = _single(one, *extra("one"), env_extra=UNCACHED)
   assert ref.returncode == 0, ref.stderr[-3000:]
   two = str(tmp_path / "two")
   results = launch("tlt_jax.train", 2, devices_per_process=4,
-                   args=[*ARGS, *extra("two"), "--workdir", two], timeout=900)
+                   args=[*ARGS, *extra("two"), "--workdir", two], timeout=900, env=UNCACHED)
   assert all(r.returncode == 0 for r in results), describe(results)
   assert "process 1/2" in results[1].stderr
   # process 0 alone writes the metrics; both wrote the checkpoint
@@ -76,6 +82,10 @@ def test_two_processes_train_like_one(tmp_path):
     assert ma["reward"] == mb["reward"]
     # what process 0 writes is the job's: every process's reward calls and workers
     assert ma["reward_stats"]["calls"] == mb["reward_stats"]["calls"] > 0
+  # the job's compiles: each program compiled once, the other worker loading it, in one
+  # process (sharing.py) as across two (exchange.py)
+  assert a[-1]["executables"]["count"] == b[-1]["executables"]["count"]
+  assert a[-1]["executables"]["ported"] == b[-1]["executables"]["ported"] > 0, (a[-1], b[-1])
   for run in (one, two):  # both workers' intervals, one per process in the 2-process run
     with open(os.path.join(run, "timeline.jsonl")) as f:
       steps = [json.loads(line) for line in f]

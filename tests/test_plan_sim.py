@@ -948,20 +948,21 @@ def test_a_chunk_waits_only_for_a_compile_that_has_started():
   assert s.now == pytest.approx(30 + d) and s.busy["compile"] == pytest.approx(d + 3 * d / 4)
 
 
-def test_a_hosts_workers_compile_a_program_once_and_load_it_from_each_other():
-  """Workers of one process (sim.SimHost, executables.port): a program another worker has
+def test_a_jobs_workers_compile_a_program_once_and_load_it_from_each_other():
+  """Workers of one job (sim_device.SimShare; sharing.compile_once within a process,
+  exchange.py across processes): a program another worker has
   started compiling is loaded once that compile ends (load_s later) and takes nothing of this
   worker's compile clock, so what it queues next starts at once; a worker that starts a
   program before the worker that queued it earlier reaches it takes it over (that worker's
   queue moves up by a compile and it loads); a chunk needing a program another worker is
   compiling waits for that compile and the load, not for a compile of its own. Times by hand
-  on the simulated clock (30-s compiles, 1-s loads); a worker of another host compiles."""
+  on the simulated clock (30-s compiles, 1-s loads); a worker outside the job compiles."""
   arm = lambda b: sim_device.exe_key("spec", b, Strategy("3_1_4"), 400)  # noqa: E731
   a, b, c = (_eight_rows_3_1_4() for _ in range(3))
-  host = sim_device.SimHost(load_s=1.0)
+  host = sim_device.SimShare(load_s=1.0)
   for w in (a, b):
     w.compile_s = 30.0
-    w.compiles.host = host
+    w.compiles.share = host
     host.plans.append(w.compiles)
   c.compile_s = 30.0
   assert a.compiles._queue(arm(8)) == 30.0
@@ -969,7 +970,7 @@ def test_a_hosts_workers_compile_a_program_once_and_load_it_from_each_other():
   assert b.compiles._queue(arm(8)) == 31.0  # (a's compile, then the load)
   assert b.compiles._queue(arm(4)) == 35.0  # (b's thread was free)
   assert [r.ported for r in b.exes.records] == [True, False]
-  assert c.compiles._queue(arm(8)) == 30.0  # (another host: its own compile)
+  assert c.compiles._queue(arm(8)) == 30.0  # (another job: its own compile)
   assert b.compiles._queue(arm(2)) == 65.0  # (queued behind arm 4: starts at 35)
   assert b.compiles._queue(arm(1)) == 95.0
   a.now = 10.0
@@ -980,6 +981,26 @@ def test_a_hosts_workers_compile_a_program_once_and_load_it_from_each_other():
   assert b.now == 61.0 and b.busy["compile"] == 21.0
   b._compile(arm(16))  # nobody has it: compiled here
   assert b.now == 91.0
+
+
+def test_workers_on_different_hosts_load_each_others_compiles():
+  """The 70B recipe's layout, one worker of tp 8 a host: the simulation puts every worker of
+  the job in one share (exchange.py loads across processes), so the second host's worker
+  loads the program the first compiles (its compile, then the load: 1/30 of a compile)."""
+  from tlt_jax import config as config_lib
+  from tlt_jax.plan.sim import LOAD_SHARE, Simulation
+  from tlt_jax.plan.workload import Acceptance, Lengths
+  from tlt_jax.runtime import model_config
+  c = config_lib.load_config_file(os.path.join(ROOT, "configs", "llama3_3_70b_math.py"))
+  spec, m = config_lib.run_spec(c), model_config(c)
+  sim = Simulation(spec.with_max_batch(16), m, PROFILES["h100"], workers=2, tp=8, gpus=16,
+                   lengths=Lengths("lognormal", 100.0, 0.5), acceptance=Acceptance(),
+                   compile_s=30.0)
+  key = sim_device.exe_key("spec", 8, Strategy("3_1_4"), 400)
+  first, second = (e.compiles for e in sim.engines)
+  assert first._queue(key) == 30.0
+  assert second._queue(key) == pytest.approx(30.0 * (1 + LOAD_SHARE))
+  assert [r.ported for r in sim.engines[1].exes.records] == [True]
 
 
 def test_plain_executables_compiled_ahead_on_the_compile_clock():

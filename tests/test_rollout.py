@@ -1067,7 +1067,7 @@ def test_unusable_donations_do_not_warn_from_compiling_threads():
 def fresh_jax_cache(tmp_path):
   """JAX's persistent compilation cache in an empty directory for this test: what it compiles
   is compiled, not loaded from the suite's cache (an executable loaded from it is not ported
-  to other devices: executables._SOURCES)."""
+  to other devices: sharing._SOURCES)."""
   from jax._src import compilation_cache
   before = jax.config.jax_compilation_cache_dir
   jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax_cache"))
@@ -1085,9 +1085,9 @@ def test_engines_of_one_process_share_their_executables(models, prompts, monkeyp
   them: each is the first's loaded onto its device (port.py), and its results are the same;
   one with another chunk size shares only what does not depend on it (the prefill, the
   layout ops), not its decode chunks."""
-  from tlt_jax.rollout import executables
+  from tlt_jax.rollout import executables, sharing
   m = models["qwen2"]
-  executables.clear_shared()
+  sharing.clear_shared()
   compiled, real = [], executables._compile
   monkeypatch.setattr(executables, "_compile",
                       lambda *a: compiled.append(a) or real(*a))
@@ -1131,21 +1131,21 @@ def test_two_threads_asking_for_one_executable_compile_it_once(monkeypatch, firs
   compile: one compile, the same executable, for a shared function and for a closure (kept
   by its cache only). Where the first compile fails, the waiting thread compiles it itself."""
   from functools import partial
-  from tlt_jax.rollout import executables
+  from tlt_jax.rollout import executables, sharing
   real, started, release, calls = executables._compile, threading.Event(), threading.Event(), []
 
-  def slow(fn, args, donate):
+  def slow(fn, args, donate, *devices):
     calls.append(threading.get_ident())
     started.set()
     release.wait(30)
     if first_fails and len(calls) == 1:
       raise RuntimeError("RESOURCE_EXHAUSTED while compiling")
-    return real(fn, args, donate)
+    return real(fn, args, donate, *devices)
 
   monkeypatch.setattr(executables, "_compile", slow)
   x = jnp.ones((4,), jnp.float32)
   for fn in (partial(_double, k=2.0), lambda v: v * 2.0):
-    executables.clear_shared()
+    sharing.clear_shared()
     calls.clear(), started.clear(), release.clear()
     cache, out = executables.ExecutableCache(), {}
 
@@ -1184,28 +1184,28 @@ def test_a_program_another_worker_is_compiling_is_put_off_then_loaded_from_its_c
   `deferring` it waits for that compile. Each executable computes on its own devices what
   numpy does. A port that fails compiles instead."""
   from functools import partial
-  from tlt_jax.rollout import executables, port
+  from tlt_jax.rollout import executables, port, sharing
   real, started, release, calls = executables._compile, threading.Event(), threading.Event(), []
 
-  def slow(fn, args, donate):
+  def slow(fn, args, donate, *devices):
     calls.append(fn.keywords["k"])
     if fn.keywords["k"] == 2.0 and len(calls) == 1:
       started.set()
       release.wait(30)
-    return real(fn, args, donate)
+    return real(fn, args, donate, *devices)
 
   monkeypatch.setattr(executables, "_compile", slow)
-  executables.clear_shared()
+  sharing.clear_shared()
   a, b = partial(_double, k=2.0), partial(_double, k=5.0)
   first, second, out = executables.ExecutableCache(), executables.ExecutableCache(), {}
   t = threading.Thread(target=lambda: out.setdefault("first", first.get("f", 2.0, a,
                                                                         (_placed([0]),))))
   t.start()
   assert started.wait(30)
-  with pytest.raises(executables.Elsewhere), executables.deferring():
+  with pytest.raises(sharing.Elsewhere), sharing.deferring():
     second.get("f", 2.0, a, (_placed([1]),))
   order = []
-  worker = threading.Thread(target=lambda: order.extend(executables.compile_each(
+  worker = threading.Thread(target=lambda: order.extend(sharing.compile_each(
       [a, b], lambda fn: second.get("f", fn.keywords["k"], fn, (_placed([1]),)), True)))
   worker.start()
   worker.join(0.5)
@@ -1234,8 +1234,8 @@ def test_a_tensor_parallel_replicas_executable_is_loaded_onto_another_group_of_d
   group's result numpy's matmul, its output on its own devices; a 4-device mesh's program
   (other positions) is not taken from it."""
   from functools import partial
-  from tlt_jax.rollout import executables
-  executables.clear_shared()
+  from tlt_jax.rollout import executables, sharing
+  sharing.clear_shared()
   rng = np.random.default_rng(0)
   w, x = rng.normal(size=(8, 8)).astype(np.float32), rng.normal(size=(3, 8)).astype(np.float32)
 
@@ -1263,14 +1263,14 @@ def test_an_executable_loaded_from_the_persistent_cache_is_not_loaded_onto_other
   cache serves it, loads) its own, not ported, and computes what numpy does on its device; the
   program the process compiled itself is ported."""
   from functools import partial
-  from tlt_jax.rollout import executables
+  from tlt_jax.rollout import executables, sharing
   before = jax.config.jax_persistent_cache_min_compile_time_secs
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # (every one written)
   try:
     fn, x = partial(_double, k=7.0), np.arange(4, dtype=np.float32)
-    executables.clear_shared()
+    sharing.clear_shared()
     executables.ExecutableCache().get("f", 7.0, fn, (_placed([0]),))  # (written to the cache)
-    executables.clear_shared()
+    sharing.clear_shared()
     jax.clear_caches()
     first = executables.ExecutableCache()
     first.get("f", 7.0, fn, (_placed([0]),))  # (a cache hit)
@@ -1295,7 +1295,8 @@ def test_what_an_executable_depends_on_keeps_it_from_being_shared():
   """Shared: a module-level function, or a partial of one with equal arguments. Not shared: a
   closure (what it captured is not in the key), other keywords, another JAX precision."""
   from functools import partial
-  from tlt_jax.rollout.executables import ExecutableCache, clear_shared
+  from tlt_jax.rollout.executables import ExecutableCache
+  from tlt_jax.rollout.sharing import clear_shared
   clear_shared()
   x = jnp.ones((4,), jnp.float32)
   a, b = ExecutableCache(), ExecutableCache()

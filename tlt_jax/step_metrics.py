@@ -21,12 +21,13 @@ def step_metrics(run, prompts: Sequence[Any], responses: Sequence[Any], r: np.nd
                  chunks: Sequence[Any], walls: Sequence[float], upd: dict[str, Any],
                  reward_stats: Any,
                  spot: dict[str, Any], drafter: dict[str, Any] | None, *, epoch: int,
-                 gate: Any = None) -> dict[str, Any]:
+                 gate: Any = None, compiles: dict[str, Any] | None = None) -> dict[str, Any]:
   """The step's metrics, without its times. run: tlt_jax.run.Run; r: [prompts, n] rewards;
   walls: each rollout's seconds (several with grpo.filter_groups: the responses' `rollout`
   says whose); spot: the timeline's summary; drafter: the merge's metrics;
   epoch: the data's after this step's prompts; gate: the speculation gate's state after the
-  rollout (None: no gate)."""
+  rollout (None: no gate); compiles: the job's `executables.summary` (None: this process's
+  engines')."""
   lengths = [res.num_tokens for res in responses]
   tokens = int(sum(lengths))
   spec_chunks = [c for c in chunks if c.mode != "plain"]
@@ -76,8 +77,7 @@ def step_metrics(run, prompts: Sequence[Any], responses: Sequence[Any], r: np.nd
                     for k in ("memory_bytes", "sequences", "tokens", "lookups", "hits")}
   if gate is not None:
     m["spec_gate"] = gate.summary()
-  m["executables"] = executables_summary([r for e in run.coordinator.engines
-                                           for r in e.compile_log])
+  m["executables"] = compiles if compiles is not None else local_compiles(run)
   # rows preempted for KV pages so far (resumed from the tokens they had: pages.py): a pool
   # that keeps preempting is smaller than the rows it admits need (rollout.kv_pages)
   m["preempted"] = {"rows": sum(e.preemptions for e in run.coordinator.engines),
@@ -90,6 +90,11 @@ def step_metrics(run, prompts: Sequence[Any], responses: Sequence[Any], r: np.nd
     if drafter:
       m["drafter"] = drafter
   return m
+
+
+def local_compiles(run) -> dict[str, Any]:
+  """`executables.summary` of this process's engines' compiles."""
+  return executables_summary([r for e in run.coordinator.engines for r in e.compile_log])
 
 
 def _tail_of_rollouts(responses: Sequence[Any], walls: Sequence[float]) -> dict[str, float]:

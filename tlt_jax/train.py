@@ -68,7 +68,7 @@ from tlt_jax.rollout.policies.cells import Policies, PolicyCells
 from tlt_jax.rollout.policies.mab import BanditState
 from tlt_jax.run import Run, TrainState, build
 from tlt_jax.run_checkpoint import best_policy, export_best, export_policy, restore, save
-from tlt_jax.step_metrics import step_metrics
+from tlt_jax.step_metrics import local_compiles, step_metrics
 from tlt_jax.step_rollouts import logged_responses, rollouts, seed_for
 from tlt_jax.wandb_log import WandbRun
 
@@ -131,10 +131,10 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   with device_memory.phase("spot", run, step + 1, peaks):
     drafter = merge_spot_metrics([settle() for settle in ro.settles])
   spot, timeline_json = concat_rollouts(ro.timelines)
-  chunks, reward_stats = ro.chunks, pool.stats
-  if jax.process_count() > 1:  # the job's view: every process's workers, chunks and rewards
-    chunks, spot, timeline_json, reward_stats = _gather_views(chunks, spot, timeline_json,
-                                                              reward_stats)
+  chunks, reward_stats, compiles = ro.chunks, pool.stats, local_compiles(run)
+  if jax.process_count() > 1:  # the job's view: every process's workers, chunks, rewards, compiles
+    chunks, spot, timeline_json, reward_stats, compiles = _gather_views(
+        chunks, spot, timeline_json, reward_stats, compiles)
   times["idle"] = spot["idle_s"] / max(len(run.coordinator.workers), 1)
   times["drafter"] = spot["critical_path_s"]
   with device_memory.phase("sync", run, step + 1, peaks):
@@ -147,7 +147,7 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
 
   # ---- metrics
   m = step_metrics(run, prompts, responses, r, chunks, ro.walls, upd, reward_stats, spot,
-                   drafter, epoch=ro.data.epoch, gate=ro.policies.gate)
+                   drafter, epoch=ro.data.epoch, gate=ro.policies.gate, compiles=compiles)
   if cfg.grpo.filter_groups:
     m["filter_groups"] = {"rollouts": len(ro.walls), "groups": len(prompts),
                           "signal_groups": int(signal_groups(responses, len(prompts),
@@ -165,15 +165,18 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
           timeline_json, logged)
 
 
-def _gather_views(chunks, spot, timeline_json, reward_stats):
-  """This process's chunk records, timeline (summary, JSON) and reward-pool counts -> every
-  process's: the chunks and counts together, the timelines merged (`merge_processes`)."""
-  parts = distributed.all_gather_objects((list(chunks), spot, timeline_json, reward_stats))
-  spot, timeline_json = merge_processes([(s, t) for _, s, t, _ in parts])
+def _gather_views(chunks, spot, timeline_json, reward_stats, compiles):
+  """This process's chunk records, timeline (summary, JSON), reward-pool counts and compiles'
+  summary -> every process's: the chunks, counts and compiles together, the timelines merged
+  (`merge_processes`)."""
+  parts = distributed.all_gather_objects((list(chunks), spot, timeline_json, reward_stats,
+                                          compiles))
+  spot, timeline_json = merge_processes([(s, t) for _, s, t, _, _ in parts])
   stats = [p[3] for p in parts]
   total = dataclasses.replace(stats[0], **{
       f.name: sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(stats[0])})
-  return [c for p in parts for c in p[0]], spot, timeline_json, total
+  every = {k: round(sum(p[4][k] for p in parts), 2) for k in compiles}
+  return [c for p in parts for c in p[0]], spot, timeline_json, total, every
 
 
 def evaluate(run: Run, pool: RewardPool, state: TrainState, bandit: BanditState | None

@@ -151,7 +151,7 @@ def _per_worker(records, workers: int) -> dict[str, Any]:
   for x in records:
     kinds.setdefault(x.name, []).append(x.seconds)
   return {"executables": round(len(records) / workers, 1),
-          # loaded from another worker of the process's compile (executables.port)
+          # loaded from another worker's compile (sharing.py, exchange.py)
           "loaded": round(sum(x.ported for x in records) / workers, 1),
           "compile_s": round(sum(x.seconds for x in records) / workers, 1),
           "by_kind": {k: {"executables": round(len(v) / workers, 1),

@@ -28,7 +28,7 @@ from tlt_jax.models import ModelConfig
 from tlt_jax.models.lora import num_adapter_params
 from tlt_jax.plan import cost, turns
 from tlt_jax.plan.learner import Layout, Learner, learner_phases, remat_mode
-from tlt_jax.plan.sim_device import SimHost
+from tlt_jax.plan.sim_device import SimShare
 from tlt_jax.plan.sim_engine import SimEngine
 from tlt_jax.plan.workload import Acceptance, Lengths
 from tlt_jax.rollout.records import EngineHooks, Request
@@ -74,10 +74,9 @@ ROLLOUT_PARTS = ("prefill", "bulk_decode", "tail_decode", "verification",
                  "drafter_tracking", "compile", "host", "idle", "drafter_training")
 
 
-# GPUs of one host, its rollout workers one process (a cluster's 8-GPU nodes); a worker's load
-# of an executable another compiled (executables.port: a deserialization), in compiles' time:
-# an assumption until a GPU measures it
-GPUS_PER_HOST = 8
+# a worker's load of an executable another compiled (port.py: a deserialization; from another
+# process, exchange.py: a fetch from the coordinator before it), in compiles' time: an
+# assumption until a GPU measures it
 LOAD_SHARE = 1 / 30
 
 
@@ -104,13 +103,11 @@ class Simulation:
                               acceptance=acceptance, tp=tp, compile_s=compile_s, seed=seed,
                               jitter=jitter)
                     for i in range(workers)]
-    # a process per host of GPUS_PER_HOST GPUs: its workers load what one of them compiled
-    per_host = max(GPUS_PER_HOST // tp, 1)
-    for h in range(0, workers, per_host):
-      host = SimHost(load_s=compile_s * LOAD_SHARE)
-      for e in self.engines[h:h + per_host]:
-        e.compiles.host = host
-        host.plans.append(e.compiles)
+    # the job's workers load what one of them compiled (of their process, or another's)
+    share = SimShare(load_s=compile_s * LOAD_SHARE)
+    for e in self.engines:
+      e.compiles.share = share
+      share.plans.append(e.compiles)
     self.prompt_tokens = prompt_tokens or max(self.ecfg.max_prompt_len // 2, 1)
     self.rng = np.random.default_rng(seed)
     g = spec.cfg.grpo

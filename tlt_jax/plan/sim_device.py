@@ -127,8 +127,8 @@ class SimCompilePlan(CompilePlan):
     self._took: dict = {}  # key -> its compile's seconds (queued keys)
     self._urgent_job = False  # the job running now was submitted urgent
     self._urgent: set = set()  # the keys queued urgent
-    self.host: SimHost | None = None  # the workers of its process (sim.py)
-    self._loads: set = set()  # keys loaded from another worker's compile (`SimHost`)
+    self.share: SimShare | None = None  # the job's workers (sim.py)
+    self._loads: set = set()  # keys loaded from another worker's compile (`SimShare`)
 
   _abstract = staticmethod(lambda state: state)
 
@@ -147,7 +147,7 @@ class SimCompilePlan(CompilePlan):
     """A compile on the thread's clock: after what is queued, or (urgent: CompilePlan._submit)
     once the compile running now and the urgent ones queued before it end (in the order they
     came), what had not started yet moving back by its time. Where another worker of the
-    process compiles it first, a load of that compile (`SimHost`) instead."""
+    job compiles it first, a load of that compile (`SimShare`) instead."""
     e, seconds = self.engine, self.engine.compile_s * scale
     if key in e.exes or key in e.exes.due:
       return e.exes.due.get(key, e.now)
@@ -155,7 +155,7 @@ class SimCompilePlan(CompilePlan):
     if urgent:
       start = max([e.now] + [t for k, t in self._mine() if t - self._took[k] <= e.now < t]
                   + [e.exes.due[k] for k in self._urgent if e.exes.due.get(k, 0.0) > e.now])
-    end = self.host.ends(key, self, start) if self.host is not None else None
+    end = self.share.ends(key, self, start) if self.share is not None else None
     if end is not None:
       return self._load(key, end)
     if urgent:
@@ -166,14 +166,14 @@ class SimCompilePlan(CompilePlan):
     self._took[key] = seconds
     due = e.exes.queue(key, seconds, start)
     self._compile_free = max(self._compile_free, due)
-    if self.host is not None:
-      self.host.started(key, self, start, due)
+    if self.share is not None:
+      self.share.started(key, self, start, due)
     return due
 
   def _load(self, key: ExecKey, end: float) -> float:
-    """`key` loaded once another worker's compile of it ends (`end`), `SimHost.load_s` later
+    """`key` loaded once another worker's compile of it ends (`end`), `SimShare.load_s` later
     (executables.port: a worker loads, it does not compile)."""
-    e, load = self.engine, self.host.load_s
+    e, load = self.engine, self.share.load_s
     self._loads.add(key)
     self._took[key] = load
     due = e.exes.due[key] = max(end, e.now) + load
@@ -181,7 +181,7 @@ class SimCompilePlan(CompilePlan):
     return due
 
   def handover(self, key: ExecKey, end: float) -> None:
-    """Another worker started queued `key` first (`SimHost.started`): it leaves this compile
+    """Another worker started queued `key` first (`SimShare.started`): it leaves this compile
     clock (what was queued after it moves up) and is loaded from that compile."""
     e = self.engine
     due, took = e.exes.due[key], self._took[key]
@@ -193,15 +193,15 @@ class SimCompilePlan(CompilePlan):
 
   def borrow(self, key: ExecKey) -> float | None:
     """A chunk needs `key`, not queued here: when another worker's compile of it, started by
-    now, ends and it is loaded (the chunk waits: executables._compile_once); None: none is."""
-    end = self.host.ends(key, self, self.engine.now) if self.host is not None else None
+    now, ends and it is loaded (the chunk waits: sharing.compile_once); None: none is."""
+    end = self.share.ends(key, self, self.engine.now) if self.share is not None else None
     if end is None:
       return None
     self._load(key, end)
     return self.engine.exes.take(key)
 
   def claim(self, key: ExecKey) -> float | None:
-    """A chunk needs queued `key` now (as executables._compile_once serves it): when its
+    """A chunk needs queued `key` now (as sharing.compile_once serves it): when its
     started compile (or the load of another worker's) ends (the chunk waits); None where it
     has not started (the chunk compiles it itself: it leaves the compile clock and what
     follows moves up)."""
@@ -287,12 +287,13 @@ class SimCompilePlan(CompilePlan):
     return super().compiled_arms(sp, bucket, arms)
 
 
-class SimHost:
-  """The rollout workers of one process (a host's GPUs): a program one of them compiles, the
-  others load instead of compiling it again (executables.port), as the engine's
-  `_compile_once` has it: a worker whose compile of a key would start after another's
-  started (or is queued to) loads from it once it ends; one that starts first takes it over
-  from a worker that has it queued and has not reached it yet. A load costs `load_s`."""
+class SimShare:
+  """The rollout workers of a job: a program one of them compiles, the others load instead of
+  compiling it again, as the engine's `sharing.compile_once` has it (the workers of a process;
+  exchange.py: the processes of a multi-host run): a worker whose compile of a key would
+  start after another's started (or is queued to) loads from it once it ends; one that starts
+  first takes it over from a worker that has it queued and has not reached it yet. A load
+  costs `load_s`."""
 
   def __init__(self, load_s: float):
     self.load_s = load_s

@@ -10,8 +10,9 @@ prefill, and a preempted row's resume), `decode.py` (plain decode chunks), `spec
 (speculative chunks: the drafter's chains and trees, verification), `history_chunk.py` (a
 history arm's host loop), `compile_plan.py` (with its parts `windows.py`, `switching.py`,
 `readiness.py` and `plain_ahead.py`),
-`plan_call.py` and `executables.py` (what is compiled, when, and at what price; `port.py`: one
-worker's executable loaded onto another's devices), `records.py`
+`plan_call.py` and `executables.py` (what is compiled, when, and at what price; `sharing.py`:
+each program compiled once for the process, or the job: `port.py` loads one worker's
+executable onto another's devices, `exchange.py` another process's), `records.py`
 (requests, results, chunk metrics), `sampling.py`, `config.py`.
 Its two subpackages:
   policies/  the decisions (the bandit, the speculation gate and its pricing, the arm):

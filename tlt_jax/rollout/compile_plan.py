@@ -15,7 +15,7 @@ only each bucket's first arm compiles ahead; another when a chunk's policies ask
 (`want`: the bandit exploring it, a probe measuring it), at the window its rows need: an
 executable nobody runs is not compiled (the 7B recipe, gate open, 3 simulated steps: 395
 speculative executables compiled ahead, 96 of them ever ran). A program another worker of the
-process compiles now is put off and then loaded from that compile (executables.compile_each).
+process compiles now is put off and then loaded from that compile (sharing.compile_each).
 
 Attention windows (`kv_len`) are a third grid, a speculative executable per (bucket, arm,
 window): windows.py. A Pallas verification kernel that fails to compile falls back to its jnp
@@ -39,14 +39,14 @@ import jax
 import jax.numpy as jnp
 
 from tlt_jax.models import ModelConfig
-from tlt_jax.rollout.executables import (Elsewhere, ExecKey, ExecutableCache,
-                                         background_compiler, compile_each, deferring)
+from tlt_jax.rollout.executables import ExecKey, ExecutableCache, background_compiler
 from tlt_jax.rollout.plain_ahead import PlainAhead
 from tlt_jax.rollout.plan_call import Pairs, PlanCall, abstract, choosable_pairs, resized
 from tlt_jax.rollout.prefill import prefill_arrays, run_prefill
 from tlt_jax.rollout.records import Request
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.readiness import Readiness
+from tlt_jax.rollout.sharing import Elsewhere, compile_each, deferring
 from tlt_jax.rollout.switching import Switching
 from tlt_jax.rollout.windows import Windows
 from tlt_jax.rollout.policies.strategy import Strategy

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from tlt_jax.rollout import decode
-from tlt_jax.rollout.executables import compile_each
+from tlt_jax.rollout.sharing import compile_each
 from tlt_jax.rollout.plan_call import PlanCall, resized
 from tlt_jax.rollout.sampling import SamplingParams
 

@@ -1,13 +1,14 @@
 """An executable compiled for some devices, loaded onto others of the same kind.
 
-Every rollout worker of a process runs the same programs on its own devices: the same model,
+Every rollout worker of a run runs the same programs on its own devices: the same model,
 buckets and arms, shardings that differ only in which devices their meshes hold. XLA compiles
 a program for a device assignment, but what it compiles does not depend on which devices of
 one kind those are (JAX's persistent compilation cache keys GPU programs without their
-assignment for that reason). So one worker's executable is serialized once and loaded with
-the other worker's devices substituted position for position (`port`): milliseconds where a
-compile of a 7B target's chunk takes tens of seconds, and the process compiles each program
-once instead of once per worker (executables.py's `_compile_once`).
+assignment for that reason). So one worker's executable is serialized once (`portable`) and
+loaded with another worker's devices substituted position for position (`port`):
+milliseconds where a compile of a 7B target's chunk takes tens of seconds. The workers of a
+process load from each other (executables.py's `_compile_once`), the processes of a
+multi-host run from each other's (exchange.py).
 
 `placement(leaves)` is the device-free description of arguments' shardings that says which
 programs are one: each sharding with its mesh's devices replaced by their positions among
@@ -17,6 +18,7 @@ NamedSharding and SingleDeviceSharding are not described (None): such a program 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from typing import Any, Sequence
 
@@ -50,9 +52,27 @@ def placement(leaves: Sequence[Any]) -> tuple[tuple, tuple] | None:
   return (tuple(out), kinds), tuple(order)
 
 
-def serialize(exe: jax.stages.Compiled) -> tuple:
-  """What `port` loads from (once per source executable: every worker ports from it)."""
-  return _serial.serialize(exe)
+@dataclasses.dataclass(frozen=True)
+class Portable:
+  """A compiled executable without its devices: what `port` loads onto other ones. `data`
+  names devices by id (`ids`, the program's devices in `placement`'s order, position by
+  position); `assignment`, the executable's device assignment as positions in `ids`. The
+  trees are the caller's (a process that lowered the same program has its own)."""
+  data: bytes
+  in_tree: Any
+  out_tree: Any
+  ids: tuple[int, ...]
+  assignment: tuple[int, ...]
+
+
+def portable(exe: jax.stages.Compiled, devices: Sequence) -> Portable:
+  """`exe`, compiled for arguments on `devices` (`placement`'s order), made portable: once per
+  source executable (every worker ports from it). Raises where the backend cannot serialize
+  it."""
+  data, in_tree, out_tree = _serial.serialize(exe)
+  pos = {d.id: i for i, d in enumerate(devices)}
+  assignment = tuple(pos[d.id] for d in exe._executable._unloaded_executable.device_list)
+  return Portable(data, in_tree, out_tree, tuple(d.id for d in devices), assignment)
 
 
 class _Remapped(_serial._JaxPjrtUnpickler):
@@ -77,16 +97,13 @@ class _Remapped(_serial._JaxPjrtUnpickler):
     return super().persistent_load(pid)
 
 
-def port(serialized: tuple, exe: jax.stages.Compiled, source: Sequence, target: Sequence
-         ) -> jax.stages.Compiled:
-  """`exe` (compiled with arguments on devices `source`, `serialized` its `serialize`) as an
-  executable for the same arguments on `target`, device i of one for device i of the other.
-  Raises where the backend cannot serialize or load (the caller compiles instead)."""
-  data, in_tree, out_tree = serialized
-  by_id = {s.id: t for s, t in zip(source, target)}
-  assignment = [by_id[d.id] for d in exe._executable._unloaded_executable.device_list]
+def port(p: Portable, target: Sequence) -> jax.stages.Compiled:
+  """`p` as an executable for the same arguments on `target`, device i of `p.ids` for device
+  i of `target`. Raises where the backend cannot load it (the caller compiles instead)."""
+  by_id = dict(zip(p.ids, target))
+  assignment = [target[i] for i in p.assignment]
   backend = target[0].client
-  unloaded, args_info, no_kwargs = _Remapped(io.BytesIO(data), backend, by_id,
+  unloaded, args_info, no_kwargs = _Remapped(io.BytesIO(p.data), backend, by_id,
                                              assignment).load()
-  return jax.stages.Compiled(unloaded.load(), [], in_tree.unflatten(args_info), out_tree,
+  return jax.stages.Compiled(unloaded.load(), [], p.in_tree.unflatten(args_info), p.out_tree,
                              no_kwargs=no_kwargs)
