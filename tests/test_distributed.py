@@ -336,6 +336,82 @@ def test_processes_compile_a_program_once_and_load_it_from_each_other():
   assert {p["data_keys"] for p in got} == {3}, got  # (10.0's, 11.0's, 12.0's: nobody took them)
 
 
+class _Store:
+  """The coordination service's key-value store as exchange.py uses it, in one process (its
+  errors by their status names), with `down` making every call fail as an unreachable
+  coordinator does."""
+
+  def __init__(self):
+    self.kv, self.calls, self.down = {}, 0, False
+
+  def _call(self):
+    self.calls += 1
+    if self.down:
+      raise RuntimeError("UNAVAILABLE: failed to connect to the coordination service")
+
+  def key_value_set(self, k, v, allow_overwrite=False):
+    self._call()
+    if k in self.kv and not allow_overwrite:
+      raise RuntimeError(f"ALREADY_EXISTS: key {k} already exists.")
+    self.kv[k] = v
+
+  key_value_set_bytes = key_value_set
+
+  def key_value_try_get(self, k):
+    self._call()
+    if k not in self.kv:
+      raise RuntimeError(f"NOT_FOUND: Config key {k} not found.")
+    return self.kv[k]
+
+  key_value_try_get_bytes = key_value_try_get
+
+  def key_value_increment(self, k, n):
+    self._call()
+    self.kv[k] = self.kv.get(k, 0) + n
+    return self.kv[k]
+
+  def key_value_delete(self, k):
+    self._call()
+    for key in [key for key in self.kv if key == k or key.startswith(k + "/")]:
+      del self.kv[key]
+
+
+def test_the_exchange_caps_what_it_publishes_and_compiles_where_the_store_fails(monkeypatch,
+                                                                                caplog):
+  """rollout/exchange.py against a store in one process: a process past its publishing cap
+  publishes nothing to load (the other compiles its own, not waiting); a store that stops
+  answering is logged once and every later program compiled here, the store not asked
+  again; a program another process is compiling is BUSY to a thread that may put it off."""
+  import jax
+  import jax.numpy as jnp
+
+  from tlt_jax.rollout import exchange, port
+  lowered = jax.jit(lambda v: v * 3.0).lower(jnp.ones((4,), jnp.float32))
+  exe, dev = lowered.compile(), jax.devices()[:1]
+  portable = port.portable(exe, dev)
+  store = _Store()
+  one, two = exchange.Exchange(store, 0, 2), exchange.Exchange(store, 1, 2)
+  assert one.take("p", lowered) is None and one.claimed("p")  # (claimed: compile, publish)
+  assert two.take("p", lowered, wait=False) is exchange.BUSY
+  one.publish("p", portable, 1.5, 64)
+  got, compile_s, memory = two.take("p", lowered)
+  assert (compile_s, memory) == (1.5, 64)
+  np.testing.assert_array_equal(np.asarray(port.port(got, dev)(jnp.arange(4.0))),
+                                3 * np.arange(4.0))
+  assert not [k for k in store.kv if "/data/" in k]  # (every other process took it)
+  monkeypatch.setattr(exchange, "PUBLISH_CAP", len(portable.data) + 1)
+  assert one.take("q", lowered) is None
+  one.publish("q", portable, 1.0, None)  # (past the cap: the first's bytes counted)
+  assert two.take("q", lowered) is None and not two.claimed("q")
+  assert "cap" in store.kv[f"{exchange.PREFIX}q/0/meta"]
+  store.down = True
+  with caplog.at_level("WARNING", logger="tlt_jax.rollout.exchange"):
+    assert two.take("r", lowered) is None and two.take("s", lowered) is None
+  calls = store.calls
+  assert two.take("t", lowered) is None and store.calls == calls
+  assert len([r for r in caplog.records if "no longer shared" in r.message]) == 1
+
+
 def test_the_progress_board_holds_the_jobs_latest():
   """The watchdog's shared clock (distributed.ProgressBoard): each process's latest progress
   under its key, `latest()` the newest of all, a process's later publication replacing its
