@@ -123,6 +123,20 @@ def _drop_compiled_programs(request):
               f"{_memory()}\n")
 
 
+@pytest.fixture
+def fresh_jax_cache(tmp_path):
+  """JAX's persistent compilation cache in an empty directory for this test: what it compiles
+  is compiled, not loaded from the suite's cache (an executable loaded from it is not ported
+  to other devices: rollout/sharing.py's _SOURCES)."""
+  from jax._src import compilation_cache
+  before = jax.config.jax_compilation_cache_dir
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax_cache"))
+  compilation_cache.reset_cache()
+  yield
+  jax.config.update("jax_compilation_cache_dir", before)
+  compilation_cache.reset_cache()
+
+
 @pytest.fixture(autouse=True)
 def _unshared_while_patched(request):
   """A test that patches module attributes (`monkeypatch`) can change what a function computes

@@ -7,6 +7,7 @@ import dataclasses
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -666,6 +667,54 @@ def test_the_drafter_step_compiles_when_spot_training_is_first_wanted():
   assert trainer.next_batch() is None  # (an empty buffer: nothing to train on yet)
   trainer.prepare()
   assert calls == ["submit", ("compile", 128)]  # once
+
+
+def test_the_workers_drafter_steps_compile_once_and_load_onto_each_workers_devices(
+    default_model, monkeypatch, fresh_jax_cache):
+  """Each worker's spot trainer compiles the drafter's train step for its own devices
+  (run.py: one low-priority thread compiles them one after another): the step is one
+  program, compiled for the first worker and loaded onto the second's devices (one XLA
+  compile; rollout/executables.compile_shared), and the loaded step computes on its device
+  what JAX's own jitted step computes from the same state and batch."""
+  from jax.sharding import Mesh
+
+  from tlt_jax.drafter import train_step as dts
+  from tlt_jax.drafter.buffer import BufferConfig, DrafterBuffer
+  from tlt_jax.drafter.trainer import DrafterTrainer
+  from tlt_jax.optim import make_optimizer
+  cfg, params, dparams, _, _ = default_model
+  tx = make_optimizer(3e-4)
+  compiled, real = [], jax.stages.Lowered.compile
+  monkeypatch.setattr(jax.stages.Lowered, "compile",
+                      lambda self, *a, **k: compiled.append(1) or real(self, *a, **k))
+  rng = np.random.default_rng(0)
+  rows, row_len = 2, 64
+  batch = {"tokens": rng.integers(0, cfg.vocab_size, (rows, row_len)).astype(np.int32),
+           "positions": np.tile(np.arange(row_len, dtype=np.int32), (rows, 1)),
+           "segment_ids": np.ones((rows, row_len), np.int32),
+           "loss_mask": np.ones((rows, row_len), np.float32),
+           "hidden": rng.normal(size=(rows, row_len, cfg.hidden_size)).astype(np.float32)}
+  trainers, want = [], []
+  for i in (0, 1):
+    mesh = Mesh(np.asarray(jax.devices()[i:i + 1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+    sh = dts.state_shardings(dparams, tx, mesh)
+    step_fn = dts.make_train_step(cfg, tx, state_shardings=sh, donate=False)
+    target = jax.device_put(params, jax.devices()[i])
+    t = DrafterTrainer(step_fn=step_fn, shardings=sh, rows=rows, row_len=row_len,
+                       buffer=DrafterBuffer(BufferConfig(buffer_tokens=4096, window=32,
+                                                         windows_per_response=2)),
+                       target_params=lambda target=target: target)
+    t.load(dts.init_state(dparams, tx, sh))
+    before = len(compiled)
+    t.compile(cfg.hidden_size)
+    assert len(compiled) - before == (1 if i == 0 else 0) and t.ported == (i == 1)
+    trainers.append(t)
+    want.append(step_fn(t.state, target, jax.device_put(batch, jax.devices()[i])))
+  for i, t in enumerate(trainers):
+    state, metrics = t.dispatch(batch)
+    assert {d.id for x in jax.tree.leaves(state) for d in x.devices()} == {jax.devices()[i].id}
+    for a, b in zip(jax.tree.leaves((state, metrics)), jax.tree.leaves(want[i])):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 
 def test_rollout_tail_share_is_the_time_after_90_percent_of_the_responses():

@@ -1063,20 +1063,6 @@ def test_unusable_donations_do_not_warn_from_compiling_threads():
   assert [w for w in seen if "donated buffers" in str(w.message)]
 
 
-@pytest.fixture
-def fresh_jax_cache(tmp_path):
-  """JAX's persistent compilation cache in an empty directory for this test: what it compiles
-  is compiled, not loaded from the suite's cache (an executable loaded from it is not ported
-  to other devices: sharing._SOURCES)."""
-  from jax._src import compilation_cache
-  before = jax.config.jax_compilation_cache_dir
-  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax_cache"))
-  compilation_cache.reset_cache()
-  yield
-  jax.config.update("jax_compilation_cache_dir", before)
-  compilation_cache.reset_cache()
-
-
 def test_engines_of_one_process_share_their_executables(models, prompts, monkeypatch,
                                                         fresh_jax_cache):
   """A second engine with the same configuration on the same device takes every executable
@@ -1261,7 +1247,8 @@ def test_an_executable_loaded_from_the_persistent_cache_is_not_loaded_onto_other
   ("NOT_FOUND: Function ... not found" as they ran, jaxlib 0.12.0.1): a program the process
   took from the cache is no source for other devices. A second worker compiles (or, where the
   cache serves it, loads) its own, not ported, and computes what numpy does on its device; the
-  program the process compiled itself is ported."""
+  program the process compiled itself is ported. The cache's executable handed back by JAX's
+  in-memory cache to a later compile (no hit reported) is no source either."""
   from functools import partial
   from tlt_jax.rollout import executables, sharing
   before = jax.config.jax_persistent_cache_min_compile_time_secs
@@ -1283,6 +1270,15 @@ def test_an_executable_loaded_from_the_persistent_cache_is_not_loaded_onto_other
     third = executables.ExecutableCache()  # (device 1's was compiled: a source)
     third.get("f", 7.0, fn, (_placed([2]),))
     assert third.records[0].ported
+    # JAX's in-memory cache hands device 0's cache-loaded executable back to a new compile of
+    # the same lowering, reporting no cache hit: still no source
+    sharing.clear_shared()
+    executables.ExecutableCache().get("f", 7.0, fn, (_placed([0]),))
+    fifth = executables.ExecutableCache()
+    exe = fifth.get("f", 7.0, fn, (_placed([3]),))
+    assert not fifth.records[0].ported
+    np.testing.assert_array_equal(np.asarray(exe(jax.device_put(x, _placed([3]).sharding))),
+                                  7 * x)
   finally:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
 

@@ -68,7 +68,23 @@ def make_train_step(cfg: ModelConfig, tx: optax.GradientTransformation,
          tuple(jax.tree.leaves(state_shardings)))
   if key not in _STEPS:
     _STEPS[key] = _make_train_step(cfg, tx, loss_cfg, donate, state_shardings)
+    _PROGRAMS[_STEPS[key]] = ("drafter_step", cfg, tx, loss_cfg, donate)
   return _STEPS[key]
+
+
+# make_train_step's jitted steps -> what each is a function of besides its arguments (their
+# shardings' devices not included: the same program on every worker's devices)
+_PROGRAMS: dict = {}
+
+
+def program_of(step_fn) -> tuple | None:
+  """The device-free identity of a `make_train_step` step (None for another function): the
+  workers' steps are one program, compiled once and loaded onto each worker's devices
+  (rollout/executables.compile_shared)."""
+  try:
+    return _PROGRAMS.get(step_fn)
+  except TypeError:  # (unhashable)
+    return None
 
 
 def _make_train_step(cfg, tx, loss_cfg, donate, state_shardings):

@@ -15,6 +15,8 @@ import numpy as np
 
 from tlt_jax import watchdog
 from tlt_jax.drafter.packing import fill_batch
+from tlt_jax.drafter.train_step import program_of
+from tlt_jax.rollout.executables import compile_shared
 from tlt_jax.sharding import local_view, replicated
 
 
@@ -31,6 +33,7 @@ class DrafterTrainer:
     self.reseed(0)
     self._hidden_dtype = np.dtype(hidden_dtype or np.float32)
     self._exe = None  # the AOT-compiled step (`compile`), else the jitted function
+    self.ported = False  # `compile` loaded it from another worker's compile
     self._compiling = None  # Future of a background `compile`
     self._deferred = None  # (hidden_size, executor): compile at the first next_batch
     self.state = None
@@ -84,7 +87,10 @@ class DrafterTrainer:
               "loss_mask": ((self.rows, self.row_len), np.float32),
               "hidden": ((self.rows, self.row_len, hidden_size), self._hidden_dtype)}
     batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=rep) for k, (shape, dt) in shapes.items()}
-    self._exe = self._step_fn.lower(self.state, self._target(), batch).compile()
+    args = (self.state, self._target(), batch)
+    # (the workers' steps are one program: compiled once, loaded onto each worker's devices)
+    self._exe, self.ported = compile_shared(program_of(self._step_fn),
+                                            lambda: self._step_fn.lower(*args), args)
     return time.perf_counter() - t0
 
   def dispatch(self, batch):

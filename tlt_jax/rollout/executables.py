@@ -14,6 +14,7 @@ instead of compiled again (sharing.py, port.py, exchange.py).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import logging
 import os
@@ -144,11 +145,35 @@ class _Made(NamedTuple):
   compile_s: float | None  # where loaded from another process (exchange.py): its compile's
 
 
+def compile_shared(program: Hashable | None, lower: Callable[[], jax.stages.Lowered],
+                   args: tuple) -> tuple[jax.stages.Compiled, bool]:
+  """(`lower()`'s executable, whether it was loaded from another worker's compile), shared as
+  the engine's are (sharing.py): compiled once for the process's workers, or the job's, and
+  loaded onto the others' devices. `program`: what it is a function of besides its arguments'
+  (`args`, concrete or abstract) tree, shapes, shardings by position and JAX's context; None:
+  not shared (compiled here). For programs outside an engine's cache (the spot drafter's
+  train step)."""
+  shared = sharing.shared_key(program, None, args, ()) if program is not None else None
+  key, devices = shared if shared is not None else ((object(), program), ())
+  exe, _, _, ported = sharing.compile_once(key, devices, shared is not None,
+                                           lambda: _compile_lowered(lower, devices))
+  return exe, ported
+
+
 def _compile(fn: Callable, args: tuple, donate: tuple[int, ...], devices: tuple = ()) -> _Made:
-  """`fn` on `args` compiled, or in a multi-process run (`devices`: the program's, all this
-  process's) loaded from another process's compile of it (exchange.py): one claims it,
-  compiles and publishes it, the others wait for it and load it (inside `deferring()`, raise
-  `Elsewhere` rather than wait)."""
+  """`fn` on `args` compiled (`_compile_lowered`). Input shardings are committed (params on
+  the replica's mesh); the mesh is also made the trace's abstract mesh, under which a kernel
+  runs per device on a tensor-parallel replica (models.attention.paged_cache_attention)."""
+  return _compile_lowered(lambda: jax.jit(fn, donate_argnums=donate).lower(*args), devices,
+                          _mesh_of(args))
+
+
+def _compile_lowered(lower: Callable[[], jax.stages.Lowered], devices: tuple = (),
+                     mesh: jax.sharding.AbstractMesh | None = None) -> _Made:
+  """`lower()` (traced under abstract `mesh` if given) compiled, or in a multi-process run
+  (`devices`: the program's, all this process's) loaded from another process's compile of
+  it (exchange.py): one claims it, compiles and publishes it, the others wait for it and
+  load it (inside `deferring()`, raise `Elsewhere` rather than wait)."""
   t0 = time.perf_counter()
   # A donated state's page pools pass through in place; its per-row leaves often cannot be
   # reused (another batch size, fewer outputs) and are just freed: not worth a warning. The
@@ -160,11 +185,9 @@ def _compile(fn: Callable, args: tuple, donate: tuple[int, ...], devices: tuple 
   # catch_warnings (pytest's collection).
   warnings.filterwarnings("ignore", "Some donated buffers were not usable", UserWarning,
                           r"jax\._src\.interpreters\.mlir")
-  # Input shardings are committed (params on the replica's mesh); the mesh is also made the
-  # trace's abstract mesh, under which a kernel runs per device on a tensor-parallel replica
-  # (models.attention.paged_cache_attention).
-  with jax.sharding.use_abstract_mesh(_mesh_of(args)):
-    lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
+  with (jax.sharding.use_abstract_mesh(mesh) if mesh is not None
+        else contextlib.nullcontext()):
+    lowered = lower()
     xp = exchange.active() if exchange.local(devices) else None
     name = exchange.name_of(lowered, devices) if xp is not None else ""
     if xp is not None:
@@ -190,7 +213,7 @@ def _compile(fn: Callable, args: tuple, donate: tuple[int, ...], devices: tuple 
            int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes))
   except Exception:  # noqa: BLE001 - backends without memory analysis
     mem = None
-  cached, portable = _CACHE_HIT.hit, None
+  cached, portable = _taken_from_cache(exe), None
   if xp is not None and xp.claimed(name):
     why = ""
     if not cached:  # (one taken from the persistent cache is not serialized again: _SOURCES)
@@ -208,6 +231,24 @@ _CACHE_HIT = threading.local()
 jax.monitoring.register_event_listener(
     lambda event, **_: setattr(_CACHE_HIT, "hit", True)
     if event == "/jax/compilation_cache/cache_hits" else None)
+
+
+# XLA executables this process took from JAX's persistent cache (by id, held so the id stays
+# theirs): JAX's in-memory cache hands the same one back to a later compile of the same
+# lowering (a compile of milliseconds that reports no cache hit), and it is no port source
+# either (see sharing.py's _SOURCES)
+_FROM_CACHE: dict = {}
+
+
+def _taken_from_cache(exe) -> bool:
+  """Whether `exe`'s XLA executable came from JAX's persistent cache: this compile's hit
+  (`_CACHE_HIT`), or an earlier one's that JAX's in-memory cache returned again."""
+  xla = getattr(getattr(exe, "_executable", None), "xla_executable", None)
+  if xla is None:
+    return _CACHE_HIT.hit
+  if _CACHE_HIT.hit:
+    _FROM_CACHE[id(xla)] = xla
+  return id(xla) in _FROM_CACHE
 
 
 def _mesh_of(args: tuple) -> jax.sharding.AbstractMesh:

@@ -217,12 +217,12 @@ def _fn_key(fn: Callable):
   return None if getattr(fn, "__closure__", None) else fn
 
 
-def shared_key(key: Hashable, fn: Callable, args: tuple, donate: tuple[int, ...]):
+def shared_key(key: Hashable, fn: Callable | None, args: tuple, donate: tuple[int, ...]):
   """(What the executable of `fn` on `args` is a function of, the devices it runs on), None
-  where it is not shared: the cache key, the function, the arguments' tree, shardings (their
-  devices by position: port.placement) and weak types, the donation, and JAX's tracing
-  context (its configuration: precision, x64, ...)."""
-  f = _fn_key(fn)
+  where it is not shared: the cache key, the function (None: the key says which), the
+  arguments' tree, shardings (their devices by position: port.placement) and weak types, the
+  donation, and JAX's tracing context (its configuration: precision, x64, ...)."""
+  f = () if fn is None else _fn_key(fn)
   if f is None:
     return None
   try:
