@@ -233,12 +233,17 @@ jax.monitoring.register_event_listener(
     if event == "/jax/compilation_cache/cache_hits" else None)
 
 
-# the ids of the XLA executables this process took from JAX's persistent cache: JAX's
-# in-memory cache hands the same one back to a later compile of the same lowering (a compile
-# of milliseconds that reports no cache hit), and it is no port source either (see
-# sharing.py's _SOURCES). Not held: while JAX's cache holds one its id stays its; an id taken
-# over by another executable once it is freed only makes that one compile its own (no port)
-_FROM_CACHE: set = set()
+# XLA executables this process took from JAX's persistent cache, by id (held, so that no
+# other executable takes the id over): JAX's in-memory cache hands the same one back to a
+# later compile of the same lowering (a compile of milliseconds that reports no cache hit),
+# and it is no port source either (see sharing.py's _SOURCES)
+_FROM_CACHE: dict = {}
+
+
+def forget_cache_loaded() -> None:
+  """After `jax.clear_caches()` (JAX hands none of them back any more): lets the executables
+  taken from the persistent cache go (the tests' teardown of each file)."""
+  _FROM_CACHE.clear()
 
 
 def _taken_from_cache(exe) -> bool:
@@ -248,7 +253,7 @@ def _taken_from_cache(exe) -> bool:
   if xla is None:
     return _CACHE_HIT.hit
   if _CACHE_HIT.hit:
-    _FROM_CACHE.add(id(xla))
+    _FROM_CACHE[id(xla)] = xla
   return id(xla) in _FROM_CACHE
 
 
