@@ -114,7 +114,6 @@ def _drop_compiled_programs(request):
   yield
   executables.drain_compilers()
   jax.clear_caches()
-  executables.forget_cache_loaded()
   sharing.clear_shared()
   gc.collect()
   log = os.environ.get("TLT_TEST_MEMORY_LOG")

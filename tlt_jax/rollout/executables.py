@@ -233,17 +233,13 @@ jax.monitoring.register_event_listener(
     if event == "/jax/compilation_cache/cache_hits" else None)
 
 
-# XLA executables this process took from JAX's persistent cache, by id (held, so that no
-# other executable takes the id over): JAX's in-memory cache hands the same one back to a
-# later compile of the same lowering (a compile of milliseconds that reports no cache hit),
-# and it is no port source either (see sharing.py's _SOURCES)
-_FROM_CACHE: dict = {}
-
-
-def forget_cache_loaded() -> None:
-  """After `jax.clear_caches()` (JAX hands none of them back any more): lets the executables
-  taken from the persistent cache go (the tests' teardown of each file)."""
-  _FROM_CACHE.clear()
+# (id, fingerprint) of the XLA executables this process took from JAX's persistent cache:
+# JAX's in-memory cache hands the same one back to a later compile of the same lowering (a
+# compile of milliseconds that reports no cache hit), and it is no port source either (see
+# sharing.py's _SOURCES). Not held: holding them, two CI runs of the suite crashed (SIGSEGV
+# in XLA:CPU's deserialization of a persistent-cache entry), none without; an id freed and
+# taken over by a fresh compile of the same program only costs that one its ports
+_FROM_CACHE: set = set()
 
 
 def _taken_from_cache(exe) -> bool:
@@ -252,9 +248,10 @@ def _taken_from_cache(exe) -> bool:
   xla = getattr(getattr(exe, "_executable", None), "xla_executable", None)
   if xla is None:
     return _CACHE_HIT.hit
+  mark = (id(xla), getattr(xla, "fingerprint", None))
   if _CACHE_HIT.hit:
-    _FROM_CACHE[id(xla)] = xla
-  return id(xla) in _FROM_CACHE
+    _FROM_CACHE.add(mark)
+  return mark in _FROM_CACHE
 
 
 def _mesh_of(args: tuple) -> jax.sharding.AbstractMesh:
