@@ -428,7 +428,7 @@ def test_a_run_starts_from_a_peft_adapter(tmp_path):
       want = want_model(torch.tensor(TOKENS, dtype=torch.long)).logits.numpy()
     assert _rel(first, want) <= F32_TOL
   finally:
-    run.coordinator.close()
+    run.close()
   with pytest.raises(ConfigError, match=r"^config.model.lora.init=.* set model.lora.rank=4, "):
     build(_spec(tmp_path / "run2", model_dir, **{"model.lora.init": str(tmp_path / "sft"),
                                                  "model.lora.rank": 8}))

@@ -630,7 +630,7 @@ def test_speculation_gate_reports_and_resumes(tmp_path):
   second, fresh = build(_small_cfg(tmp_path, 3, **gate))
   resumed = restore(second, fresh)
   assert resumed.step == 2 and resumed.gate.state_dict() == last.gate.state_dict()
-  second.coordinator.close()
+  second.close()
 
 
 def test_tlt_switched_on_then_off_between_restarts_continues_the_run(tmp_path, capsys):
@@ -661,7 +661,7 @@ def test_tlt_switched_on_then_off_between_restarts_continues_the_run(tmp_path, c
   back = restore(third, fresh)
   assert back.step == 2 and back.bandit is None and back.data == two.data
   assert _same_tree(back.learner.params, two.learner.params)
-  third.coordinator.close()
+  third.close()
 
 
 def _pulls(bandit):
@@ -680,7 +680,7 @@ def test_evaluation_keeps_its_own_bandit_and_leaves_the_training_policies(tmp_pa
     first, bandit = evaluate(run, pool, state, run.eval_bandit)  # compiles (compiling chunks
     # reward no arm)
     again, bandit2 = evaluate(run, pool, state, bandit)
-  run.coordinator.close()
+  run.close()
   assert again["accuracy"] == first["accuracy"]  # greedy: lossless whatever the arms
   assert state.policies == policies and run.eval_bandit == state.bandit  # (both fresh)
   assert _pulls(bandit2) > _pulls(bandit) and _pulls(bandit2) > 0  # evaluation speculated,
@@ -902,7 +902,6 @@ def test_a_step_whose_responses_are_all_dropped_does_not_update(tmp_path):
   assert rec["loss"] == {"overlong_penalty": -1.0, "dropped_truncated": 16}
   assert _same_tree(state.learner.params, before.params)
   assert _same_tree(state.learner.opt_state, before.opt_state)
-  run.coordinator.close()
 
 
 def test_weighted_training_files_are_drawn_by_their_weights(tmp_path, capsys):
@@ -926,7 +925,7 @@ def test_weighted_training_files_are_drawn_by_their_weights(tmp_path, capsys):
     drawn = sum(p.row.source == "longtail/data/train" for p in epoch)
     assert abs(drawn - 0.75 * n) <= 1
   finally:
-    run.coordinator.close()
+    run.close()
 
 
 def jax_copy(tree):
@@ -975,7 +974,6 @@ def test_filter_groups_rolls_out_again_until_groups_carry_signal(tmp_path, monke
     timelines = [json.loads(line) for line in f]
   assert len(timelines[0]["rollouts"]) == 2 and "rollouts" not in timelines[1]
   assert recs[0]["spot"]["generating_s"] > 0
-  run.coordinator.close()
 
 
 def test_filter_groups_with_no_signal_rolls_out_max_rollouts_and_does_not_update(tmp_path):
@@ -996,7 +994,6 @@ def test_filter_groups_with_no_signal_rolls_out_max_rollouts_and_does_not_update
   assert rec["loss"] == {} and rec["truncated"] == 1.0 and state.data.index == 15
   assert _same_tree(state.learner.params, before.params)
   assert _same_tree(state.learner.opt_state, before.opt_state)
-  run.coordinator.close()
 
 
 def test_filter_groups_counts_as_dropped_only_the_truncated_of_the_groups_that_train(tmp_path):
@@ -1013,7 +1010,6 @@ def test_filter_groups_counts_as_dropped_only_the_truncated_of_the_groups_that_t
   rec = _records(tmp_path)[-1]
   assert rec["filter_groups"]["trained_groups"] == 0 and rec["truncated"] == 1.0
   assert rec["loss"]["dropped_truncated"] == 0
-  run.coordinator.close()
 
 
 def test_negative_rewards_carry_signal_as_they_are():

@@ -85,6 +85,14 @@ class Run:
   memory: Any = None  # the memory plan it was started on (memory.Plan; device_memory.py)
   profile: ProfileConfig = ProfileConfig()  # the RL steps to trace (profiling.py)
 
+  def close(self) -> None:
+    """Stops the run's threads: the rollout workers', the compile clock's, the history
+    indices' (the checkpointer is closed apart: its last save may fail)."""
+    self.coordinator.close()
+    self.compile_clock.close()
+    for e in self.coordinator.engines:
+      if e.history is not None:
+        e.history.close()
 
 
 class TrainState(NamedTuple):

@@ -11,6 +11,8 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from tlt_jax import distributed
+from tlt_jax.coordinator.timeline import merge_processes
 from tlt_jax.eval import length_stats
 from tlt_jax.rl.rewards import extra_means
 from tlt_jax.rollout.executables import summary as executables_summary
@@ -95,6 +97,35 @@ def step_metrics(run, prompts: Sequence[Any], responses: Sequence[Any], r: np.nd
 def local_compiles(run) -> dict[str, Any]:
   """`executables.summary` of this process's engines' compiles."""
   return executables_summary([r for e in run.coordinator.engines for r in e.compile_log])
+
+
+def job_views(chunks, spot, timeline_json, reward_stats, compiles):
+  """This process's chunk records, timeline (summary, JSON), reward-pool counts and compiles'
+  summary -> the job's, from every process: the chunks, counts and compiles together, the
+  timelines merged (`merge_processes`). A collective: every process calls it."""
+  parts = distributed.all_gather_objects((list(chunks), spot, timeline_json, reward_stats,
+                                          compiles))
+  spot, timeline_json = merge_processes([(s, t) for _, s, t, _, _ in parts])
+  stats = [p[3] for p in parts]
+  total = dataclasses.replace(stats[0], **{
+      f.name: sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(stats[0])})
+  every = {k: round(sum(p[4][k] for p in parts), 2) for k in compiles}
+  return [c for p in parts for c in p[0]], spot, timeline_json, total, every
+
+
+def progress_fields(m: dict[str, Any], gate: Any = None) -> dict[str, str]:
+  """A step's metrics as the progress bar shows them (gate: the train state's after it)."""
+  post = {"reward": f"{m['reward']:.3f}", "len": f"{m['response_length']['mean']:.0f}",
+          "s/step": f"{m['time']['total']:.1f}"}
+  if gate is not None and not gate.drafter_wanted():
+    post["drafter"] = "paused"  # (the gate found no draft pays here, or not yet)
+  elif "spot" in m and m["spot"]["idle_share_trained"] is not None:
+    post["idle_trained"] = f"{m['spot']['idle_share_trained']:.0%}"
+  if m.get("drafter_acceptance", {}).get("tokens_per_verify") is not None:
+    post["draft_tpv"] = f"{m['drafter_acceptance']['tokens_per_verify']:.2f}"
+  if "eval" in m:
+    post["eval_acc"] = f"{m['eval']['accuracy']:.3f}"
+  return post
 
 
 def _tail_of_rollouts(responses: Sequence[Any], walls: Sequence[float]) -> dict[str, float]:

@@ -39,7 +39,6 @@ latest checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import time
@@ -54,7 +53,7 @@ from tlt_jax import config as config_lib
 from tlt_jax import checkpoint, device_memory, distributed, optim, runtime, watchdog, workdir
 from tlt_jax import export as policy_export
 from tlt_jax.coordinator.coordinator import merge_spot_metrics
-from tlt_jax.coordinator.timeline import concat_rollouts, merge_processes
+from tlt_jax.coordinator.timeline import concat_rollouts
 from tlt_jax.eval import accuracy_text, sampling_of
 from tlt_jax.eval import evaluate as evaluate_rows
 from tlt_jax.curves import plot_runs
@@ -68,7 +67,7 @@ from tlt_jax.rollout.policies.cells import Policies, PolicyCells
 from tlt_jax.rollout.policies.mab import BanditState
 from tlt_jax.run import Run, TrainState, build
 from tlt_jax.run_checkpoint import best_policy, export_best, export_policy, restore, save
-from tlt_jax.step_metrics import local_compiles, step_metrics
+from tlt_jax.step_metrics import job_views, local_compiles, progress_fields, step_metrics
 from tlt_jax.step_rollouts import logged_responses, rollouts, seed_for
 from tlt_jax.wandb_log import WandbRun
 
@@ -133,7 +132,7 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   spot, timeline_json = concat_rollouts(ro.timelines)
   chunks, reward_stats, compiles = ro.chunks, pool.stats, local_compiles(run)
   if jax.process_count() > 1:  # the job's view: every process's workers, chunks, rewards, compiles
-    chunks, spot, timeline_json, reward_stats, compiles = _gather_views(
+    chunks, spot, timeline_json, reward_stats, compiles = job_views(
         chunks, spot, timeline_json, reward_stats, compiles)
   times["idle"] = spot["idle_s"] / max(len(run.coordinator.workers), 1)
   times["drafter"] = spot["critical_path_s"]
@@ -163,20 +162,6 @@ def rl_step(run: Run, state: TrainState, pool: RewardPool
   logged = logged_responses(prompts, responses, run.tokenizer, cfg.train.log_rollouts)
   return (TrainState(step + 1, learner, ro.data, ro.policies.bandit, ro.policies.gate), m,
           timeline_json, logged)
-
-
-def _gather_views(chunks, spot, timeline_json, reward_stats, compiles):
-  """This process's chunk records, timeline (summary, JSON), reward-pool counts and compiles'
-  summary -> every process's: the chunks, counts and compiles together, the timelines merged
-  (`merge_processes`)."""
-  parts = distributed.all_gather_objects((list(chunks), spot, timeline_json, reward_stats,
-                                          compiles))
-  spot, timeline_json = merge_processes([(s, t) for _, s, t, _, _ in parts])
-  stats = [p[3] for p in parts]
-  total = dataclasses.replace(stats[0], **{
-      f.name: sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(stats[0])})
-  every = {k: round(sum(p[4][k] for p in parts), 2) for k in compiles}
-  return [c for p in parts for c in p[0]], spot, timeline_json, total, every
 
 
 def evaluate(run: Run, pool: RewardPool, state: TrainState, bandit: BanditState | None
@@ -272,7 +257,7 @@ def train(run: Run, state: TrainState, *, progress: bool = True, board: WandbRun
         profiler.after(state.step)  # (the step on disk: a trace that ends here is written)
         last = m
         if bar is not None:
-          bar.set_postfix(_progress(state, m))
+          bar.set_postfix(progress_fields(m, state.gate))
           bar.update(1)
         # (its metrics and checkpoint written: steps whose every mini-batch was skipped)
         stuck = optim.stuck(stuck, m["loss"].get("grad_norm", 0.0), state.step, cfg)
@@ -306,11 +291,7 @@ def train(run: Run, state: TrainState, *, progress: bool = True, board: WandbRun
       run.ckpt.close()
     except checkpoint.SaveFailed as e:  # (the last save in flight: said as the run's end)
       halted = halted or e
-    run.coordinator.close()
-    run.compile_clock.close()
-    for e in run.coordinator.engines:  # the history indices' worker threads
-      if e.history is not None:
-        e.history.close()
+    run.close()
     hang.stop()
   if halted is not None:
     saved = workdir.saved_step(cfg.workdir)
@@ -329,20 +310,6 @@ def train(run: Run, state: TrainState, *, progress: bool = True, board: WandbRun
                               "of {}: its checkpoint is on disk and the same command resumes "
                               "from it".format(cfg.train.steps))
   return state, last
-
-
-def _progress(state: TrainState, m: dict[str, Any]) -> dict[str, str]:
-  post = {"reward": f"{m['reward']:.3f}", "len": f"{m['response_length']['mean']:.0f}",
-          "s/step": f"{m['time']['total']:.1f}"}
-  if state.gate is not None and not state.gate.drafter_wanted():
-    post["drafter"] = "paused"  # (the gate found no draft pays here, or not yet)
-  elif "spot" in m and m["spot"]["idle_share_trained"] is not None:
-    post["idle_trained"] = f"{m['spot']['idle_share_trained']:.0%}"
-  if m.get("drafter_acceptance", {}).get("tokens_per_verify") is not None:
-    post["draft_tpv"] = f"{m['drafter_acceptance']['tokens_per_verify']:.2f}"
-  if "eval" in m:
-    post["eval_acc"] = f"{m['eval']['accuracy']:.3f}"
-  return post
 
 
 def main(argv):
