@@ -412,6 +412,33 @@ def test_the_exchange_caps_what_it_publishes_and_compiles_where_the_store_fails(
   assert len([r for r in caplog.records if "no longer shared" in r.message]) == 1
 
 
+def test_a_program_handed_to_a_next_round_is_kept_for_each_of_its_takers():
+  """rollout/exchange.py, three processes against a store in one: the first claims a program
+  and took it from JAX's persistent cache (nothing to load: the next round's), the second
+  claims that round and publishes it; the first asking for it again (another key of the same
+  module) loads it without counting as one of the round's takers, so the third still finds it,
+  and its taking, the last, deletes the data."""
+  import jax
+  import jax.numpy as jnp
+
+  from tlt_jax.rollout import exchange, port
+  lowered = jax.jit(lambda v: v - 1.0).lower(jnp.ones((4,), jnp.float32))
+  dev = jax.devices()[:1]
+  portable = port.portable(lowered.compile(), dev)
+  store = _Store()
+  one, two, three = (exchange.Exchange(store, i, 3) for i in range(3))
+  assert one.take("c", lowered) is None and one.claimed("c")
+  one.publish("c", None, 0.2, None, cached=True)
+  assert two.take("c", lowered) is None and two.claimed("c")  # (round 1's claim)
+  two.publish("c", portable, 2.0, 32)
+  for ex in (one, three):
+    got, compile_s, _ = ex.take("c", lowered)
+    assert compile_s == 2.0
+    np.testing.assert_array_equal(np.asarray(port.port(got, dev)(jnp.arange(4.0))),
+                                  np.arange(4.0) - 1.0)
+  assert not [k for k in store.kv if "/data/" in k]
+
+
 def test_the_progress_board_holds_the_jobs_latest():
   """The watchdog's shared clock (distributed.ProgressBoard): each process's latest progress
   under its key, `latest()` the newest of all, a process's later publication replacing its

@@ -68,6 +68,7 @@ class Exchange:
     self._lock = threading.Lock()
     self._broken = False
     self._claims: dict[str, str] = {}  # name -> the key prefix this process claimed there
+    self._passed: set[str] = set()  # names this process handed to a next round (`cached`)
     # name -> (Portable, compile seconds, memory) this process published or loaded: a program
     # of the process with another key but the same module (a name asked again) loads from it
     self._had: dict[str, tuple] = {}
@@ -124,6 +125,7 @@ class Exchange:
     try:
       if cached:
         meta["cached"] = True
+        self._passed.add(name)
       elif portable is None:
         meta["none"] = why
       else:
@@ -167,9 +169,9 @@ class Exchange:
         raise
       return None
     portable = self._portable(data, lowered, meta["ids"], meta["assignment"])
-    # (a thread of the publishing process, asking for another key of the same module, is no
-    # taker: the others may still need it)
-    if (meta["by"] != self.me
+    # (the publishing process asking for another key of the same module is no taker, nor is
+    # one that handed it to this round: the others may still need it)
+    if (meta["by"] != self.me and name not in self._passed
         and self._client.key_value_increment(f"{at}/taken", 1) >= takers):
       self._client.key_value_delete(f"{at}/data")
     got = self._had[name] = (portable, float(meta["compile_s"]), meta.get("memory"))
