@@ -114,6 +114,7 @@ def _drop_compiled_programs(request):
   yield
   executables.drain_compilers()
   jax.clear_caches()
+  executables.forget_cache_loaded()
   sharing.clear_shared()
   gc.collect()
   log = os.environ.get("TLT_TEST_MEMORY_LOG")
@@ -125,10 +126,16 @@ def _drop_compiled_programs(request):
 
 @pytest.fixture
 def fresh_jax_cache(tmp_path):
-  """JAX's persistent compilation cache in an empty directory for this test: what it compiles
-  is compiled, not loaded from the suite's cache (an executable loaded from it is not ported
-  to other devices: rollout/sharing.py's _SOURCES)."""
+  """JAX's persistent compilation cache in an empty directory for this test, and JAX's
+  in-memory caches emptied: what it compiles is compiled, not loaded from the suite's cache
+  (an executable loaded from it is not ported to other devices: rollout/sharing.py's
+  _SOURCES)."""
   from jax._src import compilation_cache
+  # JAX's in-memory cache would hand back what an earlier test of the worker loaded from the
+  # suite's cache (no port source either: rollout/executables.py's _FROM_CACHE)
+  executables.drain_compilers()
+  jax.clear_caches()
+  executables.forget_cache_loaded()
   before = jax.config.jax_compilation_cache_dir
   jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax_cache"))
   compilation_cache.reset_cache()

@@ -242,6 +242,12 @@ jax.monitoring.register_event_listener(
 _FROM_CACHE: set = set()
 
 
+def forget_cache_loaded() -> None:
+  """Forgets which executables came from JAX's persistent cache: after `jax.clear_caches()`,
+  which frees them (a fresh compile of the same program may then take one's id over)."""
+  _FROM_CACHE.clear()
+
+
 def _taken_from_cache(exe) -> bool:
   """Whether `exe`'s XLA executable came from JAX's persistent cache: this compile's hit
   (`_CACHE_HIT`), or an earlier one's that JAX's in-memory cache returned again."""
