@@ -727,7 +727,11 @@ def test_packed_learner_equals_each_sample_run_alone(setup, fsdp, attention, max
   for dev in prepared:
     acc = step(state.params, None, acc, dev, jnp.float32(n))
   want_loss, want = jax.value_and_grad(reference_loss)(new)
-  np.testing.assert_allclose(float(acc[1]["loss"]), float(want_loss), rtol=1e-5, atol=1e-6)
+  # a per-response importance weight is exp of a sum of its tokens' log-probs, each the
+  # reference's within the 1e-5 checked above: ~1e-5 x a response's tokens (1.7e-5 seen on
+  # jax 0.11.2's CPU fusion order)
+  loss_rtol = 1e-4 if rollout_is else 1e-5
+  np.testing.assert_allclose(float(acc[1]["loss"]), float(want_loss), rtol=loss_rtol, atol=1e-6)
   assert 0.05 < float(acc[1]["clip_frac"]) < 0.95  # ratios clipped, and not
   for a, b in zip(jax.tree.leaves(acc[0]), jax.tree.leaves(want)):  # float32 sums' rounding
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3,
@@ -740,7 +744,7 @@ def test_packed_learner_equals_each_sample_run_alone(setup, fsdp, attention, max
   for dev in first:
     acc = step(at_old, None, acc, dev, jnp.float32(n))
   want_loss, want = jax.value_and_grad(reference_loss)(params)
-  np.testing.assert_allclose(float(acc[1]["loss"]), float(want_loss), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(float(acc[1]["loss"]), float(want_loss), rtol=loss_rtol, atol=1e-6)
   for a, b in zip(jax.tree.leaves(acc[0]), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3,
                                atol=1e-4 * float(jnp.max(jnp.abs(b))))

@@ -19,6 +19,7 @@ from scipy import stats
 
 from tlt_jax.kernels.verify import kernel_backend, verify_chain, verify_tree
 from tlt_jax.kernels.verify import reference as vref
+from tlt_jax.kernels.verify import mosaic
 from tlt_jax.kernels.verify.mosaic import verify_chain_mosaic, verify_tree_mosaic
 from tlt_jax.kernels.verify.reference import (
     draw_tree_randomness,
@@ -28,6 +29,9 @@ from tlt_jax.kernels.verify.reference import (
 )
 from tlt_jax.kernels.verify.triton import verify_chain_triton, verify_tree_triton
 from tlt_jax.rollout.sampling import SamplingParams, processed_logprobs
+
+# the Mosaic GPU kernels need jax >= 0.11 (mosaic.AVAILABLE); on jax 0.10 Triton runs instead
+needs_mosaic = pytest.mark.skipif(not mosaic.AVAILABLE, reason=mosaic.UNAVAILABLE)
 
 NEG_INF = -np.inf
 
@@ -295,6 +299,7 @@ def test_chain_kernel_matches_reference(K, V, block_v):
   _check_chain_kernel(verify_chain_triton, ("greedy", "q", "onehot"), K, V, block_v)
 
 
+@needs_mosaic
 @pytest.mark.parametrize("K,V,block_v", MOSAIC_CHAIN_CONFIGS)
 def test_mosaic_chain_kernel_matches_reference(K, V, block_v):
   """Mosaic GPU kernel == reference, exactly (greedy and one-hot sampling; with draft q the
@@ -302,6 +307,7 @@ def test_mosaic_chain_kernel_matches_reference(K, V, block_v):
   _check_chain_kernel(verify_chain_mosaic, ("greedy", "onehot"), K, V, block_v)
 
 
+@needs_mosaic
 def test_mosaic_chain_with_draft_q_uses_the_reference():
   tlp, d, qlp, u, g = make_chain_inputs(7, 3, 2, 40)
   with pytest.raises(NotImplementedError, match="log1p"):
@@ -324,9 +330,13 @@ class _FakeDevice:
     ("gpu", "12.1", "mosaic_gpu"), ("gpu", None, "triton")])
 def test_kernel_backend_by_device(monkeypatch, platform, cc, want):
   """Mosaic GPU on Hopper or newer (cc 10.0 > 9.0 numerically, not as strings), Triton before
-  (and on GPUs without a CUDA compute capability), Mosaic GPU's interpreter off-GPU."""
+  (and on GPUs without a CUDA compute capability), Mosaic GPU's interpreter off-GPU; Triton
+  everywhere on a JAX without the Mosaic GPU API the kernels use (jax 0.10)."""
   monkeypatch.setattr(jax, "devices", lambda *a: [_FakeDevice(platform, cc)])
+  monkeypatch.setattr(mosaic, "AVAILABLE", True)
   assert kernel_backend() == want
+  monkeypatch.setattr(mosaic, "AVAILABLE", False)
+  assert kernel_backend() == "triton"
 
 
 TREE_CONFIGS = [  # (kind, T, C, D, V, block_v)
@@ -377,6 +387,7 @@ def test_tree_kernel_matches_reference(kind, T, C, D, V, block_v):
   _check_tree_kernel(verify_tree_triton, kind, T, C, D, V, block_v)
 
 
+@needs_mosaic
 @pytest.mark.parametrize("kind,T,C,D,V,block_v", MOSAIC_TREE_CONFIGS)
 def test_mosaic_tree_kernel_matches_reference(kind, T, C, D, V, block_v):
   _check_tree_kernel(verify_tree_mosaic, kind, T, C, D, V, block_v)
@@ -384,12 +395,13 @@ def test_mosaic_tree_kernel_matches_reference(kind, T, C, D, V, block_v):
 
 def _impls(rule):
   """(name, fn) for the reference and both kernels of a rule, same keyword contract."""
-  ref, triton, mosaic = ((verify_chain_reference, verify_chain_triton, verify_chain_mosaic)
-                         if rule == "chain" else
-                         (verify_tree_reference, verify_tree_triton, verify_tree_mosaic))
+  ref, triton, mosaic_fn = ((verify_chain_reference, verify_chain_triton, verify_chain_mosaic)
+                            if rule == "chain" else
+                            (verify_tree_reference, verify_tree_triton, verify_tree_mosaic))
+  mosaic_fn = mosaic_fn if mosaic.AVAILABLE else None
   return [("reference", ref)] + [
       (name, functools.partial(fn, interpret=INTERPRET))
-      for name, fn in (("triton", triton), ("mosaic_gpu", mosaic))]
+      for name, fn in (("triton", triton), ("mosaic_gpu", mosaic_fn)) if fn is not None]
 
 
 def test_chain_edge_cases_exact():
@@ -519,6 +531,7 @@ def test_kernels_lower_to_triton():
       assert "xla.gpu.triton" in _lower_for_h100(fn, args, greedy=greedy, **kw)
 
 
+@needs_mosaic
 @pytest.mark.parametrize("V", [_LV, 151936])  # Qwen2.5's vocabulary: full tiles + remainder
 def test_kernels_lower_to_mosaic_gpu(V):
   """The Mosaic GPU kernels lower for an abstract H100 without a GPU (jax 0.12 lowers Pallas

@@ -18,7 +18,9 @@ Backends (`kernel_backend`, the one place that picks)
 * Mosaic GPU (`jax.experimental.pallas.mosaic_gpu`) on NVIDIA GPUs of compute capability >= 9.0
   (Hopper, Blackwell), and off-GPU in Mosaic GPU's CPU interpret mode (`InterpretGPUParams`:
   it simulates GMEM and the warpgroup), which is what CPU tests and `use_kernel=True` on a CPU
-  run. Exception: sampling chain verification WITH draft log-probs uses the jnp reference on
+  run, when JAX has the plgpu API they are written against (jax >= 0.11, `mosaic.AVAILABLE`;
+  on jax 0.10 the Triton kernels run in their place everywhere). Exception: sampling chain
+  verification WITH draft log-probs uses the jnp reference on
   Mosaic GPU (`mosaic._MOSAIC_NO_Q`): its residual needs log1p / expm1, which jax 0.12's Mosaic
   GPU lowering does not have, and a rewrite in exp / log would change the reference's (= the
   default CPU run's) sampled tokens.
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import jax
 
+from tlt_jax.kernels.verify import mosaic
 from tlt_jax.kernels.verify.mosaic import verify_chain_mosaic, verify_tree_mosaic
 from tlt_jax.kernels.verify.reference import verify_chain_reference, verify_tree_reference
 from tlt_jax.kernels.verify.triton import verify_chain_triton, verify_tree_triton
@@ -52,8 +55,11 @@ def kernel_backend() -> str:
   "mosaic_gpu": NVIDIA GPUs of compute capability >= 9.0 (Hopper, Blackwell), and every
   non-GPU device (the Mosaic GPU kernels in Mosaic GPU's CPU interpret mode).
   "triton": older GPUs (and GPUs without a CUDA compute capability): the Pallas Triton backend,
-  deprecated since JAX 0.11, kept only as their fallback while JAX ships it.
+  deprecated since JAX 0.11, kept only as their fallback while JAX ships it; and every device
+  on a JAX without the Mosaic GPU API the kernels use (jax 0.10: `mosaic.AVAILABLE`).
   """
+  if not mosaic.AVAILABLE:
+    return "triton"
   dev = jax.devices()[0]
   if dev.platform != "gpu":
     return "mosaic_gpu"

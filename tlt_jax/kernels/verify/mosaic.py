@@ -30,6 +30,14 @@ from tlt_jax.kernels.verify.reference import NEG_INF, _check_chain, _check_tree,
 
 _LANES = 128  # CUDA lanes of one Mosaic GPU (Pallas) thread = one warpgroup
 
+# The plgpu API these kernels are written against (jax >= 0.11): `plgpu.load(ref, layout=...)`
+# and the CPU interpret mode (`InterpretGPUParams`). jax 0.10's `plgpu.load` takes an index
+# and has no interpreter, so there `kernel_backend` picks the Triton kernels (Python 3.11's
+# stack: JAX >= 0.11 needs Python >= 3.12).
+AVAILABLE = hasattr(plgpu, "InterpretGPUParams")
+UNAVAILABLE = (f"the Mosaic GPU verification kernels need jax >= 0.11's plgpu API "
+               f"(jax {jax.__version__} here): the Triton kernels verify instead")
+
 # Why the chain rule with draft log-probs stays on the reference on Mosaic GPU: its residual
 # needs log1mexp (`reference._residual_logp`: log1p / expm1) bit-for-bit like the reference, and jax
 # 0.12's Mosaic GPU lowering has no rule for lax.log1p_p / lax.expm1_p (a rewrite in exp / log
@@ -148,6 +156,8 @@ def _mosaic_call(body, args, out_type, *, interpret: bool, name: str):
   """One Mosaic GPU program (one warpgroup) per batch row; every operand stays in GMEM (a
   [K+1, V] row block is MBs: far beyond shared memory) and the body sees the row's views
   (`ref.at[b]`; [B] outputs as [1] views), like the Triton kernels' squeezed blocks."""
+  if not AVAILABLE:
+    raise NotImplementedError(UNAVAILABLE)
   B = args[0].shape[0]
 
   def kernel(*refs):
